@@ -1,0 +1,42 @@
+/* kvbank — the model server: one model's engine behind a ZeroMQ ROUTER endpoint.
+ *
+ * Clients (DEALER sockets) send GenerateRequest / CancelRequest / Ping envelopes and receive a stream
+ * of TokenEvents ending with a finish reason, or an ErrorReply. A malformed, oversized or
+ * wrong-version message gets an ErrorReply and changes nothing else; a client that goes away has its
+ * requests cancelled (ROUTER_MANDATORY turns the next send to it into EHOSTUNREACH). The kvbank-master
+ * and kvbank-worker processes build on this. */
+#ifndef KVB_IPC_SERVER_H
+#define KVB_IPC_SERVER_H
+
+#include <signal.h>
+
+#include "common/sched/engine.h"
+
+typedef struct kvb_server kvb_server;
+
+typedef struct kvb_server_opts {
+    const char *endpoint;   /* e.g. "ipc:///run/kvbank/model.sock" or "tcp://127.0.0.1:5555" */
+    const char *model_name; /* reported in Pong and logs */
+    int max_live;           /* requests accepted at once before rejecting (default 1024) */
+} kvb_server_opts;
+
+/* Creates a server that feeds `engine` (borrowed; the server installs its event callbacks, so the
+ * engine must have been created with events from kvb_server_engine_events). Caller owns the result. */
+kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out);
+/* The events to create the engine with; they forward to `s`. */
+kvb_engine_events kvb_server_engine_events(kvb_server *s);
+void kvb_server_attach(kvb_server *s, kvb_engine *engine);
+/* Serves until *stop becomes nonzero (set it from a signal handler). */
+kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop);
+void kvb_server_destroy(kvb_server *s);
+
+typedef struct kvb_server_stats {
+    uint64_t accepted;
+    uint64_t rejected;     /* ErrorReplies sent */
+    uint64_t malformed;    /* frames that failed validation */
+    uint64_t disconnects;  /* requests cancelled because their client went away */
+    uint64_t completed;
+} kvb_server_stats;
+void kvb_server_get_stats(const kvb_server *s, kvb_server_stats *out);
+
+#endif

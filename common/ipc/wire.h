@@ -1,0 +1,26 @@
+/* kvbank — encoding and validating wire messages (proto/kvbank.proto) on ZeroMQ sockets. */
+#ifndef KVB_IPC_WIRE_H
+#define KVB_IPC_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/util/util.h"
+#include "proto/kvbank.pb-c.h"
+
+#define KVB_PROTO_VERSION 1u
+/* Largest frame a kvbank endpoint accepts (larger ones get an ErrorReply and are discarded). */
+#define KVB_WIRE_MAX_FRAME (4u << 20)
+
+/* Packs `env` (version is set here) into a new buffer; caller frees *buf. */
+kvb_status kvb_wire_pack(Kvbank__Envelope *env, uint8_t **buf, size_t *len);
+/* Unpacks and validates a frame: size limit, protobuf well-formed, version, a known body. On success
+ * the caller frees *out with kvbank__envelope__free_unpacked(*out, NULL). On failure logs why and
+ * writes a one-line reason into `why` (may be NULL). */
+kvb_status kvb_wire_unpack(const uint8_t *buf, size_t len, Kvbank__Envelope **out, char *why, size_t why_len);
+
+/* Sends a packed envelope on `sock`, preceded by an identity frame when `ident` is not NULL (ROUTER).
+ * KVB_ERR_IO with errno EHOSTUNREACH when the ROUTER peer is gone. Non-blocking when `dontwait`. */
+kvb_status kvb_wire_send(void *sock, const void *ident, size_t ident_len, Kvbank__Envelope *env, int dontwait);
+
+#endif

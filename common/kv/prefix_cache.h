@@ -1,0 +1,55 @@
+/* kvbank — prefix cache over a block pool (vLLM-style automatic prefix caching).
+ *
+ * A full block is identified by a hash chained over the token ids of the whole prefix up to and
+ * including the block: h_i = XXH64(tokens of block i, seed = h_{i-1}), h_{-1} = KVB_PREFIX_ROOT.
+ * Published blocks stay in the cache after their last reference is dropped and are evicted in LRU
+ * order when the pool runs out of free blocks. The tokens of every cached block are kept and compared
+ * on a hit, so a hash collision can never hand out the wrong KV (lossless). */
+#ifndef KVB_KV_PREFIX_CACHE_H
+#define KVB_KV_PREFIX_CACHE_H
+
+#include <stdint.h>
+
+#include "common/kv/block_pool.h"
+
+#define KVB_PREFIX_ROOT 0x6b76626b7631ull /* "kvbkv1": seed of the first block's hash */
+
+typedef struct kvb_prefix_cache kvb_prefix_cache;
+
+/* Creates a prefix cache over `pool` (borrowed; installs the pool's release hook). Caller owns it. */
+kvb_status kvb_prefix_cache_create(kvb_block_pool *pool, kvb_prefix_cache **out);
+void kvb_prefix_cache_destroy(kvb_prefix_cache *c);
+
+/* Hash of one block given its parent's hash. */
+uint64_t kvb_prefix_hash(uint64_t parent, const int32_t *tokens, int block_size);
+
+/* Finds the longest cached run of full blocks that starts the sequence `tokens[0..n)`, at most
+ * `max_blocks`. Takes one reference on each matched block and writes their ids to blocks_out and the
+ * chained hash of the last one to *last_hash (KVB_PREFIX_ROOT when none matched). */
+int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, int max_blocks, int32_t *blocks_out,
+                           uint64_t *last_hash);
+
+/* Publishes a full block `idx` (held by the caller) whose tokens are `tokens[0..block_size)` under
+ * parent hash `parent`. Returns its hash in *hash_out. If an identical block is already cached, the
+ * cache keeps the existing one and `idx` is freed as usual when its last reference goes. */
+kvb_status kvb_prefix_cache_publish(kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int32_t idx,
+                                    uint64_t *hash_out);
+
+/* Allocates a block for writing: a free one if any, else the least recently used unreferenced cached
+ * block (evicted from the cache). KVB_ERR_EXHAUSTED when every block is referenced. */
+kvb_status kvb_prefix_cache_alloc(kvb_prefix_cache *c, int32_t *out);
+
+/* Blocks that kvb_prefix_cache_alloc could hand out now (free + evictable). */
+int kvb_prefix_cache_n_available(const kvb_prefix_cache *c);
+int kvb_prefix_cache_n_cached(const kvb_prefix_cache *c);
+/* Drops every unreferenced cached block back to the free list. */
+void kvb_prefix_cache_clear(kvb_prefix_cache *c);
+
+typedef struct kvb_prefix_stats {
+    uint64_t queries;      /* blocks looked up */
+    uint64_t hits;         /* blocks found */
+    uint64_t evictions;
+} kvb_prefix_stats;
+void kvb_prefix_cache_stats(const kvb_prefix_cache *c, kvb_prefix_stats *out);
+
+#endif

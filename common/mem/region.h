@@ -1,0 +1,39 @@
+/* kvbank — memory regions that another process can map: the unit a worker lends from.
+ *
+ * Host backend: a region is a POSIX shared-memory object (mode 0600) mapped MAP_SHARED; its handle is
+ * the object's name ("/kvb-<tag>-<pid>-<seq>"), which another process of the same user opens with
+ * kvb_region_import. The creator owns the name and unlinks it on destroy; an importer only unmaps.
+ * The CUDA backend (later) keeps the same interface with a cudaIpcMemHandle_t as the handle. */
+#ifndef KVB_MEM_REGION_H
+#define KVB_MEM_REGION_H
+
+#include <stddef.h>
+
+#include "common/util/util.h"
+
+typedef struct kvb_region kvb_region;
+
+/* Longest handle string, terminator included. */
+#define KVB_REGION_HANDLE_MAX 64
+
+/* Creates a zero-filled shared region of `bytes` bytes. `tag` (letters, digits, '-', '_'; at most
+ * 24 chars) goes into the name so that a node supervisor can find its own stale segments.
+ * Caller owns the result. */
+kvb_status kvb_region_create(const char *tag, size_t bytes, kvb_region **out);
+/* Maps the region named `handle` created by another process (or this one). Caller owns the result;
+ * destroying it unmaps but never unlinks. KVB_ERR_NOT_FOUND if no such object exists. */
+kvb_status kvb_region_import(const char *handle, kvb_region **out);
+/* Unmaps; unlinks the name if this process created the region. NULL-safe. */
+void kvb_region_destroy(kvb_region *r);
+
+void *kvb_region_base(const kvb_region *r);
+size_t kvb_region_size(const kvb_region *r);
+/* The handle another process passes to kvb_region_import (owned by the region). */
+const char *kvb_region_handle(const kvb_region *r);
+int kvb_region_is_owner(const kvb_region *r);
+
+/* Removes every shared-memory object whose name starts with "/kvb-<tag>-" (a supervisor cleaning up
+ * after crashed children). Returns the number removed in *n_removed (may be NULL). */
+kvb_status kvb_region_unlink_tag(const char *tag, int *n_removed);
+
+#endif

@@ -1,0 +1,62 @@
+/* kvbank — a causal LM on a backend and its layer-stepped forward pass.
+ *
+ * The forward pass runs one step of a flattened token batch (prefill chunks and decode tokens of
+ * many sequences together, no padding) one layer at a time:
+ *
+ *     kvb_forward_begin(fw, &batch);            embed the batch's tokens
+ *     for (l = 0; l < n_layers; l++) {
+ *         ... caller fills batch.attn.layer_blocks for layer l (where each block lives) ...
+ *         kvb_forward_layer(fw, l);             norm, QKV, RoPE, KV write, attention, FFN
+ *         ... caller may store / stream / drop KV of layer l here ...
+ *     }
+ *     kvb_forward_end(fw, logits);              final norm + LM head for the rows that want logits
+ *
+ * so that policies can prefetch, stream or recompute KV between layers (SwiftCache §3.3 layer-wise
+ * load/store; OrbitFlow per-layer placement; eLLM layer-level overlap). */
+#ifndef KVB_MODEL_MODEL_H
+#define KVB_MODEL_MODEL_H
+
+#include <stdint.h>
+
+#include "common/model/config.h"
+#include "kernels/backend.h"
+
+typedef struct kvb_model kvb_model;
+
+/* Loads the model directory `dir` (config.json + safetensors) onto `be` (borrowed for the model's
+ * lifetime). Weights are checked by name and shape; errors name the tensor. Caller owns the result. */
+kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out);
+void kvb_model_destroy(kvb_model *m);
+
+const kvb_model_config *kvb_model_cfg(const kvb_model *m);
+kvb_backend *kvb_model_backend(const kvb_model *m);
+/* The KV geometry of this model on its backend for a given block size. */
+kvb_kv_geom kvb_model_kv_geom(const kvb_model *m, int block_size);
+/* Parameter count and bytes of weights read per decode step (everything but the embedding table;
+ * the LM head counts even when tied). */
+int64_t kvb_model_n_params(const kvb_model *m);
+int64_t kvb_model_weight_bytes_per_token(const kvb_model *m);
+
+/* One step's batch. Host arrays, borrowed for the duration of the step. */
+typedef struct kvb_batch {
+    int n_tokens;
+    const int32_t *tokens; /* [n_tokens] token ids (< vocab) */
+    const int32_t *pos;    /* [n_tokens] positions within their sequence */
+    kvb_attn_batch attn;   /* sequences; layer_blocks is filled per layer by the caller */
+    int n_logits;
+    const int32_t *logit_rows; /* [n_logits] rows whose logits kvb_forward_end returns, in this order */
+} kvb_batch;
+
+typedef struct kvb_forward kvb_forward;
+
+/* Creates a forward context with scratch buffers for up to `max_tokens` rows per step. */
+kvb_status kvb_forward_create(kvb_model *m, int max_tokens, kvb_forward **out);
+void kvb_forward_destroy(kvb_forward *fw);
+
+/* `b` is borrowed until kvb_forward_end; its attn.layer_blocks may change between layers. */
+kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b);
+kvb_status kvb_forward_layer(kvb_forward *fw, int layer);
+/* Writes logits [n_logits][vocab] (f32, host) for the batch's logit_rows. */
+kvb_status kvb_forward_end(kvb_forward *fw, float *logits);
+
+#endif

@@ -1,0 +1,34 @@
+/* kvbank — internals of kvb_model shared by the loader (model.c) and the forward pass (forward.c). */
+#ifndef KVB_MODEL_MODEL_IMPL_H
+#define KVB_MODEL_MODEL_IMPL_H
+
+#include "common/model/model.h"
+
+/* One decoder layer's weights (HF names under model.layers.N.). Matrices are [out][in]. */
+typedef struct kvb_layer_weights {
+    kvb_tensor attn_norm; /* input_layernorm.weight            [hidden] */
+    kvb_tensor wq;        /* self_attn.q_proj.weight           [n_heads*head_dim][hidden] */
+    kvb_tensor wk;        /* self_attn.k_proj.weight           [n_kv_heads*head_dim][hidden] */
+    kvb_tensor wv;        /* self_attn.v_proj.weight           [n_kv_heads*head_dim][hidden] */
+    kvb_tensor wo;        /* self_attn.o_proj.weight           [hidden][n_heads*head_dim] */
+    kvb_tensor q_norm;    /* self_attn.q_norm.weight (Qwen3)   [head_dim]; data NULL for Llama */
+    kvb_tensor k_norm;    /* self_attn.k_norm.weight (Qwen3)   [head_dim]; data NULL for Llama */
+    kvb_tensor ffn_norm;  /* post_attention_layernorm.weight   [hidden] */
+    kvb_tensor w_gate;    /* mlp.gate_proj.weight              [intermediate][hidden] */
+    kvb_tensor w_up;      /* mlp.up_proj.weight                [intermediate][hidden] */
+    kvb_tensor w_down;    /* mlp.down_proj.weight              [hidden][intermediate] */
+} kvb_layer_weights;
+
+struct kvb_model {
+    kvb_model_config cfg;
+    kvb_backend *be;          /* borrowed */
+    kvb_tensor embed;         /* model.embed_tokens.weight [vocab][hidden] */
+    kvb_tensor final_norm;    /* model.norm.weight [hidden] */
+    kvb_tensor lm_head;       /* lm_head.weight [vocab][hidden]; when tied, data == embed.data */
+    int lm_head_tied;         /* lm_head aliases embed: free once */
+    kvb_layer_weights *layers;/* [n_layers] */
+    float *inv_freq;          /* [head_dim/2] RoPE inverse frequencies (host) */
+    kvb_rope rope;
+};
+
+#endif

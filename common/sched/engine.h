@@ -1,0 +1,121 @@
+/* kvbank — one model's engine: requests, continuous batching, sampling, and the step executor.
+ *
+ * Iteration-level scheduling (Orca), FCFS: every step admits waiting requests in arrival order while
+ * the per-step token budget and the KV pool allow, runs decode tokens of every running sequence plus
+ * prefill chunks (chunked prefill), and samples one token for each sequence whose prompt is done.
+ * When the pool runs out, the planner (common/policy) picks a victim to preempt; the built-in
+ * behaviour is vLLM's preemption by recompute: the victim's blocks are freed and it re-enters the
+ * queue with its prompt plus the tokens it already generated, which it later prefills again.
+ *
+ * Lossless: greedy sampling gives the same tokens whatever the batch composition, block size,
+ * preemption or prefix-cache hits (KV is exact, and recompute reproduces it). */
+#ifndef KVB_SCHED_ENGINE_H
+#define KVB_SCHED_ENGINE_H
+
+#include <stdint.h>
+
+#include "common/model/model.h"
+#include "common/sched/sampling.h"
+
+typedef struct kvb_engine kvb_engine;
+
+typedef enum kvb_finish {
+    KVB_FINISH_NONE = 0,      /* still running */
+    KVB_FINISH_LENGTH = 1,    /* max_tokens generated */
+    KVB_FINISH_STOP = 2,      /* a stop token was generated (it is emitted) */
+    KVB_FINISH_CANCELLED = 3, /* kvb_engine_cancel */
+    KVB_FINISH_ERROR = 4,     /* could not be served (see the status) */
+} kvb_finish;
+
+const char *kvb_finish_str(kvb_finish f);
+
+/* What a sequence looks like to a planner choosing a preemption victim. */
+typedef struct kvb_seq_info {
+    uint64_t id;
+    uint64_t arrival; /* admission order, smaller is older */
+    int n_tokens;     /* prompt + generated */
+    int n_blocks;
+} kvb_seq_info;
+
+/* The policy hook of the scheduler (implemented in common/policy; sched only defines it). */
+typedef struct kvb_planner_i {
+    const char *name;
+    /* Index in running[0..n) of the sequence to preempt when a step cannot get a block. */
+    int (*pick_victim)(void *ctx, const kvb_seq_info *running, int n);
+    void (*destroy)(void *ctx); /* may be NULL */
+} kvb_planner_i;
+
+typedef struct kvb_planner {
+    const kvb_planner_i *iface;
+    void *ctx;
+} kvb_planner;
+
+typedef struct kvb_engine_opts {
+    int block_size;          /* tokens per KV block (default 16) */
+    int n_blocks;            /* KV blocks in the pool */
+    int max_batch_tokens;    /* token budget of one step (default 512) */
+    int max_seqs;            /* most running sequences (default 64) */
+    int max_model_len;       /* longest sequence (default: the model's max_pos) */
+    int enable_prefix_cache; /* reuse full blocks across requests */
+    void *kv_mem;            /* backend memory for the pool (e.g. a kvb_region's base); NULL: allocate */
+    size_t kv_mem_bytes;
+} kvb_engine_opts;
+
+void kvb_engine_opts_default(kvb_engine_opts *o);
+
+/* Callbacks for what a step produced. Called from kvb_engine_step, in order of generation. */
+typedef struct kvb_engine_events {
+    void *ud;
+    /* Token `index` (0-based) of request `id`, sampled at wall-clock time t_ns. */
+    void (*on_token)(void *ud, uint64_t id, int index, int32_t token, uint64_t t_ns);
+    /* The request ended; no further events for `id`. err is KVB_OK unless reason is ERROR. */
+    void (*on_finish)(void *ud, uint64_t id, kvb_finish reason, kvb_status err);
+    /* Optional: the logits [vocab] from which token `index` was sampled (valid during the call). */
+    void (*on_logits)(void *ud, uint64_t id, int index, const float *logits, int vocab);
+} kvb_engine_events;
+
+typedef struct kvb_request {
+    uint64_t id;            /* unique among the engine's live requests */
+    const int32_t *prompt;  /* [n_prompt], copied */
+    int n_prompt;
+    int max_tokens;         /* >= 1 */
+    const int32_t *stop_ids;/* [n_stop], copied */
+    int n_stop;
+    kvb_sampling sampling;
+} kvb_request;
+
+/* Creates an engine over `m` (borrowed). `planner` may be NULL (preempt the newest sequence). */
+kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
+                             const kvb_engine_events *ev, kvb_engine **out);
+/* Destroys the engine; live requests are dropped without events. NULL-safe. */
+void kvb_engine_destroy(kvb_engine *e);
+
+/* Queues a request. KVB_ERR_INVALID (logged, nothing queued) for an empty prompt, a token id out of
+ * range, a duplicate id, max_tokens < 1, or a sequence that could never fit (max_model_len or pool). */
+kvb_status kvb_engine_add(kvb_engine *e, const kvb_request *r);
+/* Cancels a queued or running request: on_finish(CANCELLED) is called at once. KVB_ERR_NOT_FOUND if
+ * the id is unknown. */
+kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id);
+/* Runs one iteration. Returns an error only for a backend failure (then every live request is
+ * finished with ERROR). A step with nothing to do returns KVB_OK at once. */
+kvb_status kvb_engine_step(kvb_engine *e);
+/* Requests queued or running. */
+int kvb_engine_n_live(const kvb_engine *e);
+
+typedef struct kvb_engine_stats {
+    uint64_t steps;
+    uint64_t prompt_tokens;     /* tokens prefilled (recomputed ones included) */
+    uint64_t generated_tokens;
+    uint64_t preemptions;
+    uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache */
+    int blocks_total;
+    int blocks_free;            /* free + evictable cached */
+    int n_running;
+    int n_waiting;
+} kvb_engine_stats;
+void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
+
+/* The engine's block pool (for lending and for tests). */
+struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
+
+#endif

@@ -1,0 +1,206 @@
+#include "common/util/util.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+size_t kvb_dtype_size(kvb_dtype dt) { return dt == KVB_DTYPE_F32 ? 4 : 2; }
+
+const char *kvb_dtype_name(kvb_dtype dt) {
+    switch (dt) {
+    case KVB_DTYPE_F32: return "f32";
+    case KVB_DTYPE_F16: return "f16";
+    case KVB_DTYPE_BF16: return "bf16";
+    }
+    return "?";
+}
+
+kvb_status kvb_dtype_parse(const char *name, kvb_dtype *out) {
+    if (!name) return KVB_ERR_INVALID;
+    if (!strcasecmp(name, "f32") || !strcmp(name, "F32") || !strcmp(name, "float32")) *out = KVB_DTYPE_F32;
+    else if (!strcasecmp(name, "f16") || !strcmp(name, "float16")) *out = KVB_DTYPE_F16;
+    else if (!strcasecmp(name, "bf16") || !strcmp(name, "bfloat16")) *out = KVB_DTYPE_BF16;
+    else return KVB_ERR_INVALID;
+    return KVB_OK;
+}
+
+kvb_status kvb_malloc(size_t bytes, void **out) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        KVB_LOG_E("allocation of %zu bytes failed", bytes);
+        return KVB_ERR_NOMEM;
+    }
+    *out = p;
+    return KVB_OK;
+}
+
+kvb_status kvb_calloc(size_t n, size_t size, void **out) {
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) {
+        KVB_LOG_E("allocation of %zu x %zu bytes failed", n, size);
+        return KVB_ERR_NOMEM;
+    }
+    *out = p;
+    return KVB_OK;
+}
+
+kvb_status kvb_realloc_array(void **p, size_t n, size_t size) {
+    if (size && n > SIZE_MAX / size) return KVB_ERR_NOMEM;
+    void *q = realloc(*p, n * size ? n * size : 1);
+    if (!q) {
+        KVB_LOG_E("reallocation to %zu x %zu bytes failed", n, size);
+        return KVB_ERR_NOMEM;
+    }
+    *p = q;
+    return KVB_OK;
+}
+
+kvb_status kvb_aligned_alloc(size_t bytes, void **out) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) {
+        KVB_LOG_E("aligned allocation of %zu bytes failed", bytes);
+        return KVB_ERR_NOMEM;
+    }
+    *out = p;
+    return KVB_OK;
+}
+
+kvb_status kvb_strdup(const char *s, char **out) {
+    char *p = strdup(s ? s : "");
+    if (!p) return KVB_ERR_NOMEM;
+    *out = p;
+    return KVB_OK;
+}
+
+uint64_t kvb_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+double kvb_now_s(void) { return (double)kvb_now_ns() * 1e-9; }
+
+uint64_t kvb_wall_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+kvb_status kvb_parse_i64(const char *s, int64_t min, int64_t max, int64_t *out) {
+    if (!s || !*s) return KVB_ERR_INVALID;
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || *end || v < min || v > max) return KVB_ERR_INVALID;
+    *out = v;
+    return KVB_OK;
+}
+
+kvb_status kvb_parse_f64(const char *s, double *out) {
+    if (!s || !*s) return KVB_ERR_INVALID;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || *end || !isfinite(v)) return KVB_ERR_INVALID;
+    *out = v;
+    return KVB_OK;
+}
+
+kvb_status kvb_parse_id_list(const char *s, int32_t **out, int *n_out) {
+    if (!s || !*s) return KVB_ERR_INVALID;
+    int cap = 1;
+    for (const char *c = s; *c; c++) cap += *c == ',';
+    int32_t *ids = NULL;
+    KVB_TRY(kvb_calloc((size_t)cap, sizeof *ids, (void **)&ids));
+    int n = 0;
+    const char *p = s;
+    for (;;) {
+        char buf[32];
+        const char *comma = strchr(p, ',');
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        int64_t v;
+        if (len == 0 || len >= sizeof buf) goto bad;
+        memcpy(buf, p, len);
+        buf[len] = 0;
+        if (kvb_parse_i64(buf, 0, INT32_MAX, &v) != KVB_OK) goto bad;
+        ids[n++] = (int32_t)v;
+        if (!comma) break;
+        p = comma + 1;
+    }
+    *out = ids;
+    *n_out = n;
+    return KVB_OK;
+bad:
+    free(ids);
+    return KVB_ERR_INVALID;
+}
+
+float kvb_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            man &= 0x3ff;
+            bits = sign | (exp << 23) | (man << 13);
+        }
+    } else if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp - 15 + 127) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+uint16_t kvb_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint32_t sign = (x >> 16) & 0x8000;
+    int32_t exp = (int32_t)((x >> 23) & 0xff) - 127 + 15;
+    uint32_t man = x & 0x7fffff;
+    if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
+    if (exp >= 0x1f) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        uint32_t shift = (uint32_t)(14 - exp);
+        uint32_t half = man >> shift;
+        uint32_t rem = man & ((1u << shift) - 1);
+        uint32_t mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t h = sign | ((uint32_t)exp << 10) | (man >> 13);
+    uint32_t rem = man & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return (uint16_t)h;
+}
+
+float kvb_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+uint16_t kvb_f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
+    x += 0x7fff + ((x >> 16) & 1);
+    return (uint16_t)(x >> 16);
+}

@@ -1,0 +1,51 @@
+/* kvbank — small helpers every layer uses: checked allocation, monotonic time, integer parsing. */
+#ifndef KVB_UTIL_UTIL_H
+#define KVB_UTIL_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/util/log.h"
+#include "common/util/status.h"
+
+/* Element types of weights and KV (safetensors names: F32, F16, BF16). */
+typedef enum kvb_dtype {
+    KVB_DTYPE_F32 = 0,
+    KVB_DTYPE_F16 = 1,
+    KVB_DTYPE_BF16 = 2,
+} kvb_dtype;
+
+/* Bytes per element; "f32"/"f16"/"bf16" names and their inverse (KVB_ERR_INVALID if unknown). */
+size_t kvb_dtype_size(kvb_dtype dt);
+const char *kvb_dtype_name(kvb_dtype dt);
+kvb_status kvb_dtype_parse(const char *name, kvb_dtype *out);
+
+/* Allocation wrappers: return KVB_ERR_NOMEM (and log the size) instead of aborting. The result is
+ * owned by the caller and released with free(). kvb_calloc zeroes; sizes are checked for overflow. */
+kvb_status kvb_malloc(size_t bytes, void **out);
+kvb_status kvb_calloc(size_t n, size_t size, void **out);
+kvb_status kvb_realloc_array(void **p, size_t n, size_t size);
+/* Page-aligned (64-byte at least) allocation for SIMD/BLAS buffers; free with free(). */
+kvb_status kvb_aligned_alloc(size_t bytes, void **out);
+/* strdup that reports failure; caller owns the copy. */
+kvb_status kvb_strdup(const char *s, char **out);
+
+/* Monotonic clock in nanoseconds / seconds (CLOCK_MONOTONIC). */
+uint64_t kvb_now_ns(void);
+double kvb_now_s(void);
+/* Wall clock in nanoseconds since the epoch (for timestamps that leave the process). */
+uint64_t kvb_wall_ns(void);
+
+/* Strict decimal parsing: the whole string must be a number in [min, max]. */
+kvb_status kvb_parse_i64(const char *s, int64_t min, int64_t max, int64_t *out);
+kvb_status kvb_parse_f64(const char *s, double *out);
+/* Parses a comma-separated list of non-negative int32 ("1,2,3"). *out is owned by the caller. */
+kvb_status kvb_parse_id_list(const char *s, int32_t **out, int *n_out);
+
+/* Half-precision conversions (IEEE binary16 and bfloat16) to/from float32. */
+float kvb_f16_to_f32(uint16_t h);
+uint16_t kvb_f32_to_f16(float f);
+float kvb_bf16_to_f32(uint16_t h);
+uint16_t kvb_f32_to_bf16(float f); /* round to nearest even */
+
+#endif

@@ -1,0 +1,133 @@
+/* kvbank — the compute backend interface (ggml-style vtable).
+ *
+ * A backend owns device memory for weights and activations and runs the transformer's operators on
+ * it. Model, scheduler and policy code see only this header; which backends exist is decided in
+ * kernels/registry.c alone. Every operator is asynchronous with respect to the host on a device
+ * backend (ordered on the backend's stream) and synchronous on the CPU one; `sync` waits for all.
+ *
+ * Activations live in backend buffers of `act_dtype` elements (f32 on the CPU backend). Row-major
+ * everywhere: a matrix [rows][cols] has cols contiguous. Weights are kvb_tensor objects created by
+ * `weight_load`, in whatever layout and dtype the backend prefers. */
+#ifndef KVB_KERNELS_BACKEND_H
+#define KVB_KERNELS_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/util/util.h"
+
+/* A weight matrix or vector on a backend. ne[0] = rows (output features), ne[1] = columns (input
+ * features; 1 for a vector). `data` is backend memory owned by the backend (free with weight_free). */
+typedef struct kvb_tensor {
+    void *data;
+    kvb_dtype dtype;
+    int64_t ne[2];
+} kvb_tensor;
+
+/* RoPE parameters precomputed from the model config (HF `rotary_emb`, incl. rope_scaling llama3).
+ * The rotation is the "rotate_half" (NeoX) form used by Llama and Qwen3 in transformers. */
+typedef struct kvb_rope {
+    int head_dim;
+    const float *inv_freq; /* [head_dim/2] host array, owned by the model */
+} kvb_rope;
+
+/* KV geometry of one model's cache, shared by every layer that reads blocks.
+ * One block holds `block_size` tokens of every layer: [n_layers][2 (K,V)][block_size][n_kv_heads][head_dim]
+ * (SwiftCache §3.4 block-major). A block's slice for one layer is [2][block_size][n_kv_heads][head_dim]. */
+typedef struct kvb_kv_geom {
+    int n_layers;
+    int n_kv_heads;
+    int head_dim;
+    int block_size; /* tokens per block */
+    int elem_size;  /* bytes per K/V element (4 on the CPU backend) */
+} kvb_kv_geom;
+
+/* One sequence of a flattened attention batch. Its new tokens are rows [q_start, q_start+q_len) of
+ * the batch and sit at positions [ctx_len-q_len, ctx_len) of the sequence; attention is causal over
+ * the sequence's first ctx_len tokens, which live in its blocks in order. */
+typedef struct kvb_attn_seq {
+    int q_start;
+    int q_len;
+    int ctx_len;
+    int n_blocks;  /* = ceil(ctx_len / block_size) */
+    int blk_first; /* index of this sequence's first entry in kvb_attn_batch.layer_blocks */
+} kvb_attn_seq;
+
+/* The attention view of one step for one layer. `layer_blocks[blk_first + j]` is the address of the
+ * j-th block's slice for the current layer ([2][block_size][n_kv_heads][head_dim]); the executor fills
+ * it per layer, so a block may live in the local pool, another process's region, a layer stream
+ * buffer or a prefetch buffer, and attention does not care. */
+typedef struct kvb_attn_batch {
+    const kvb_kv_geom *geom;
+    int n_heads;     /* query heads; n_heads % geom->n_kv_heads == 0 */
+    int n_tokens;    /* rows of q */
+    int n_seqs;
+    const kvb_attn_seq *seqs;   /* [n_seqs] host array */
+    void *const *layer_blocks;  /* [sum of n_blocks] backend addresses */
+    float scale;                /* 1/sqrt(head_dim) */
+} kvb_attn_batch;
+
+typedef struct kvb_backend_i {
+    const char *name;
+    kvb_dtype act_dtype; /* element type of activation buffers */
+
+    /* Memory. alloc returns backend memory of `bytes` (uninitialised); free is NULL-safe. */
+    kvb_status (*alloc)(void *ctx, size_t bytes, void **out);
+    void (*free)(void *ctx, void *p);
+    /* Host <-> backend copies of raw bytes; `to_host` waits for the data. */
+    kvb_status (*to_device)(void *ctx, void *dst, const void *src, size_t bytes);
+    kvb_status (*to_host)(void *ctx, void *dst, const void *src, size_t bytes);
+    /* Copy activations to host as f32 (n elements), converting from act_dtype. */
+    kvb_status (*to_host_f32)(void *ctx, float *dst, const void *src, size_t n);
+    /* Wait until every operator issued so far has finished. */
+    kvb_status (*sync)(void *ctx);
+
+    /* Weights. Creates `dst` from host data in `src_dtype` of shape [rows][cols]; converts as needed. */
+    kvb_status (*weight_load)(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
+                              kvb_tensor *dst);
+    void (*weight_free)(void *ctx, kvb_tensor *t);
+
+    /* out[i][:] = table[ids[i]][:] for i < n; ids is a host array already validated (< rows). */
+    kvb_status (*embed)(void *ctx, const kvb_tensor *table, const int32_t *ids, int n, void *out);
+    /* y[n][rows(w)] = x[n][cols(w)] . w^T + beta * y   (beta 0 or 1: 1 fuses the residual add). */
+    kvb_status (*matmul)(void *ctx, const void *x, int n, const kvb_tensor *w, float beta, void *y);
+    /* RMSNorm over `rows` rows of `dim`: y = x / sqrt(mean(x^2) + eps) * w  (w has `dim` entries).
+     * x and y may alias. Used for layer norms and Qwen3's per-head q/k norm (rows = tokens*heads). */
+    kvb_status (*rmsnorm)(void *ctx, const void *x, int rows, int dim, const kvb_tensor *w, float eps, void *y);
+    /* Rotates q [n][n_heads][hd] and k [n][n_kv_heads][hd] in place at positions pos[n] (host array). */
+    kvb_status (*rope)(void *ctx, void *q, int n_heads, void *k, int n_kv_heads, int n, const int32_t *pos,
+                       const kvb_rope *rope);
+    /* out[i] = silu(gate[i]) * up[i] for i < n. out may alias gate. */
+    kvb_status (*silu_mul)(void *ctx, const void *gate, const void *up, size_t n, void *out);
+    /* Writes the batch's new K and V rows ([n_tokens][n_kv_heads][hd] each) into their slots of the
+     * current layer's blocks (token at position p goes to block p / bs, row p % bs). */
+    kvb_status (*kv_write)(void *ctx, const kvb_attn_batch *b, const void *k, const void *v);
+    /* Causal paged attention, GQA: out[n_tokens][n_heads][hd] from q [n_tokens][n_heads][hd] and the
+     * K/V in the current layer's blocks (which already hold this step's rows). */
+    kvb_status (*attention)(void *ctx, const kvb_attn_batch *b, const void *q, void *out);
+    /* out[i][:] = x[rows[i]][:] for i < n (rows: host array). */
+    kvb_status (*gather_rows)(void *ctx, const void *x, const int32_t *rows, int n, int dim, void *out);
+
+    /* Sets the number of CPU threads the backend may use (CPU backend: OpenBLAS and OpenMP). */
+    void (*set_threads)(void *ctx, int n_threads);
+    /* Releases the backend context. */
+    void (*destroy)(void *ctx);
+} kvb_backend_i;
+
+/* A backend object: its table and its context. */
+typedef struct kvb_backend {
+    const kvb_backend_i *iface;
+    void *ctx;
+} kvb_backend;
+
+/* Creates the backend named `name` ("cpu"; "cuda" when built with CUDA). Caller owns the result and
+ * releases it with kvb_backend_destroy (NULL-safe). KVB_ERR_UNSUPPORTED for a backend not built in. */
+kvb_status kvb_backend_create(const char *name, int n_threads, kvb_backend **out);
+void kvb_backend_destroy(kvb_backend *be);
+/* Comma-separated names of the backends compiled into this binary (static string). */
+const char *kvb_backend_list(void);
+
+/* The CPU backend (kernels/cpu). */
+kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out);
+
+#endif

@@ -1,0 +1,68 @@
+/* kvbank — one test runner per suite, on top of the `check` framework.
+ *
+ *   KVB_TEST(example) { ... ck_assert_int_eq(a, b); ... } KVB_TEST_END
+ *   KVB_TEST_MAIN("suite", KVB_T(example, 10), ...)     (name, timeout in seconds)
+ *
+ * Every test runs in its own forked process (check's CK_FORK) with its own timeout in seconds.
+ * `--list` prints the names, `--test NAME` runs one, no argument runs all; the exit code is 0 only if
+ * every selected test passed. check's assertions print both values on failure. */
+#ifndef KVB_TESTS_HARNESS_H
+#define KVB_TESTS_HARNESS_H
+
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct kvb_test {
+    const char *name;
+    const TTest *fn;
+    double timeout_s;
+} kvb_test;
+
+#define KVB_TEST(name) START_TEST(t_##name)
+#define KVB_TEST_END END_TEST
+#define KVB_T(name, timeout) {#name, t_##name, (timeout)}
+
+static inline int kvb_test_main(int argc, char **argv, const char *suite_name, const kvb_test *tests, int n) {
+    const char *only = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--list")) {
+            for (int k = 0; k < n; k++) printf("%s\n", tests[k].name);
+            return 0;
+        } else if (!strcmp(argv[i], "--test") && i + 1 < argc) {
+            only = argv[++i];
+        } else {
+            fprintf(stderr, "usage: %s [--list | --test NAME]\n", argv[0]);
+            return 2;
+        }
+    }
+    Suite *s = suite_create(suite_name);
+    int selected = 0;
+    for (int k = 0; k < n; k++) {
+        if (only && strcmp(only, tests[k].name)) continue;
+        TCase *tc = tcase_create(tests[k].name);
+        tcase_set_timeout(tc, tests[k].timeout_s);
+        tcase_add_test(tc, tests[k].fn);
+        suite_add_tcase(s, tc);
+        selected++;
+    }
+    if (!selected) {
+        fprintf(stderr, "no test named '%s' (see --list)\n", only ? only : "");
+        return 2;
+    }
+    SRunner *sr = srunner_create(s);
+    srunner_set_fork_status(sr, CK_FORK);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? 1 : 0;
+}
+
+#define KVB_TEST_MAIN(suite_name, ...)                                                                 \
+    int main(int argc, char **argv) {                                                                  \
+        const kvb_test table[] = {__VA_ARGS__};                                                        \
+        return kvb_test_main(argc, argv, suite_name, table, (int)(sizeof table / sizeof table[0]));    \
+    }
+
+#endif
