@@ -50,7 +50,8 @@ kvb_status kvb_calloc(size_t n, size_t size, void **out) {
 
 kvb_status kvb_realloc_array(void **p, size_t n, size_t size) {
     if (size && n > SIZE_MAX / size) return KVB_ERR_NOMEM;
-    void *q = realloc(*p, n * size ? n * size : 1);
+    size_t bytes = n * size;
+    void *q = realloc(*p, bytes ? bytes : 1);
     if (!q) {
         KVB_LOG_E("reallocation to %zu x %zu bytes failed", n, size);
         return KVB_ERR_NOMEM;

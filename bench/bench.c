@@ -1,0 +1,24 @@
+/* kvbank-bench — entry point: `kvbank-bench SUBCOMMAND [options]`. */
+#include <stdio.h>
+#include <string.h>
+
+#include "bench/bench.h"
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvbank-bench SUBCOMMAND [options]   (SUBCOMMAND --help for its options)\n"
+               "\n"
+               "subcommands:\n"
+               "  engine   prefill and decode throughput of one model at batch 1, 8, 32, against this machine's\n"
+               "           memory-copy bandwidth and OpenBLAS sgemm rate measured in the same run\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "engine")) return kvb_bench_engine(argc - 1, argv + 1);
+    fprintf(stderr, "kvbank-bench: unknown subcommand '%s'\n", argv[1]);
+    usage(stderr);
+    return 2;
+}

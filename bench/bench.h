@@ -1,0 +1,8 @@
+/* kvbank-bench — benchmark subcommands. Each prints a table of ratios measured side by side in one
+ * run; none asserts a time. */
+#ifndef KVB_BENCH_BENCH_H
+#define KVB_BENCH_BENCH_H
+
+int kvb_bench_engine(int argc, char **argv);
+
+#endif

@@ -1,0 +1,146 @@
+/* kvbank — the layer-stepped forward pass of Llama / Qwen3 over a flattened token batch.
+ * Follows transformers' LlamaDecoderLayer / Qwen3DecoderLayer:
+ *   h = x + o_proj(attn(rope(q_norm(q_proj(norm1(x)))), rope(k_norm(k_proj(..))), v_proj(..)))
+ *   x' = h + down(silu(gate(norm2(h))) * up(norm2(h)))
+ * (q_norm/k_norm only for Qwen3). Every buffer below is backend memory of act_dtype elements. */
+#include <math.h>
+#include <string.h>
+
+#include "common/model/model_impl.h"
+
+struct kvb_forward {
+    kvb_model *m;
+    kvb_backend *be;
+    int max_tokens;
+    void *x;    /* [max_tokens][hidden] residual stream */
+    void *h;    /* [max_tokens][hidden] normalised input of a sublayer */
+    void *q;    /* [max_tokens][n_heads][head_dim] */
+    void *k;    /* [max_tokens][n_kv_heads][head_dim] */
+    void *v;    /* [max_tokens][n_kv_heads][head_dim] */
+    void *att;  /* [max_tokens][n_heads][head_dim] attention output */
+    void *gate; /* [max_tokens][intermediate] */
+    void *up;   /* [max_tokens][intermediate] */
+    void *rows;     /* [logit_cap][hidden] rows that want logits */
+    void *logits;   /* [logit_cap][vocab] */
+    int logit_cap;
+    const kvb_batch *b; /* the step in flight (borrowed) */
+    kvb_attn_batch attn;/* b->attn with the model's head count and scale */
+    int next_layer;
+};
+
+static kvb_status fw_alloc(kvb_forward *fw, size_t elems, void **out) {
+    size_t es = kvb_dtype_size(fw->be->iface->act_dtype);
+    return fw->be->iface->alloc(fw->be->ctx, elems * es, out);
+}
+
+kvb_status kvb_forward_create(kvb_model *m, int max_tokens, kvb_forward **out) {
+    if (max_tokens < 1) return KVB_ERR_INVALID;
+    kvb_forward *fw = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *fw, (void **)&fw));
+    fw->m = m;
+    fw->be = m->be;
+    fw->max_tokens = max_tokens;
+    const kvb_model_config *c = &m->cfg;
+    size_t n = (size_t)max_tokens;
+    kvb_status st;
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->hidden, &fw->x), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->hidden, &fw->h), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->q), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->k), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->v), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->att), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->intermediate, &fw->gate), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->intermediate, &fw->up), fail);
+    *out = fw;
+    return KVB_OK;
+fail:
+    kvb_forward_destroy(fw);
+    return st;
+}
+
+void kvb_forward_destroy(kvb_forward *fw) {
+    if (!fw) return;
+    void *bufs[] = {fw->x, fw->h, fw->q, fw->k, fw->v, fw->att, fw->gate, fw->up, fw->rows, fw->logits};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++) fw->be->iface->free(fw->be->ctx, bufs[i]);
+    free(fw);
+}
+
+kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b) {
+    const kvb_model_config *c = &fw->m->cfg;
+    if (b->n_tokens < 1 || b->n_tokens > fw->max_tokens || b->n_logits < 0 || b->n_logits > b->n_tokens) {
+        KVB_LOG_E("forward: batch of %d tokens / %d logit rows does not fit (max %d tokens)", b->n_tokens,
+                  b->n_logits, fw->max_tokens);
+        return KVB_ERR_INVALID;
+    }
+    for (int i = 0; i < b->n_tokens; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= c->vocab || b->pos[i] < 0) {
+            KVB_LOG_E("forward: token %d (id %d, position %d) out of range", i, b->tokens[i], b->pos[i]);
+            return KVB_ERR_INVALID;
+        }
+    }
+    fw->b = b;
+    fw->attn = b->attn;
+    fw->attn.n_heads = c->n_heads;
+    fw->attn.n_tokens = b->n_tokens;
+    fw->attn.scale = (float)(1.0 / sqrt((double)c->head_dim));
+    fw->next_layer = 0;
+    const kvb_backend_i *be = fw->be->iface;
+    return be->embed(fw->be->ctx, &fw->m->embed, b->tokens, b->n_tokens, fw->x);
+}
+
+kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
+    if (!fw->b || layer != fw->next_layer || layer >= fw->m->cfg.n_layers) return KVB_ERR_STATE;
+    const kvb_model_config *c = &fw->m->cfg;
+    const kvb_layer_weights *w = &fw->m->layers[layer];
+    const kvb_backend_i *be = fw->be->iface;
+    void *ctx = fw->be->ctx;
+    int n = fw->b->n_tokens;
+    float eps = c->rms_eps;
+
+    /* layer_blocks may have been refilled for this layer since begin */
+    fw->attn.layer_blocks = fw->b->attn.layer_blocks;
+
+    KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->attn_norm, eps, fw->h));
+    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wq, 0.0f, fw->q));
+    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wk, 0.0f, fw->k));
+    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wv, 0.0f, fw->v));
+    if (w->q_norm.data) { /* Qwen3: RMSNorm over each head before RoPE */
+        KVB_TRY(be->rmsnorm(ctx, fw->q, n * c->n_heads, c->head_dim, &w->q_norm, eps, fw->q));
+        KVB_TRY(be->rmsnorm(ctx, fw->k, n * c->n_kv_heads, c->head_dim, &w->k_norm, eps, fw->k));
+    }
+    KVB_TRY(be->rope(ctx, fw->q, c->n_heads, fw->k, c->n_kv_heads, n, fw->b->pos, &fw->m->rope));
+    KVB_TRY(be->kv_write(ctx, &fw->attn, fw->k, fw->v));
+    KVB_TRY(be->attention(ctx, &fw->attn, fw->q, fw->att));
+    KVB_TRY(be->matmul(ctx, fw->att, n, &w->wo, 1.0f, fw->x)); /* x += o_proj(att) */
+
+    KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->ffn_norm, eps, fw->h));
+    KVB_TRY(be->matmul(ctx, fw->h, n, &w->w_gate, 0.0f, fw->gate));
+    KVB_TRY(be->matmul(ctx, fw->h, n, &w->w_up, 0.0f, fw->up));
+    KVB_TRY(be->silu_mul(ctx, fw->gate, fw->up, (size_t)n * c->intermediate, fw->gate));
+    KVB_TRY(be->matmul(ctx, fw->gate, n, &w->w_down, 1.0f, fw->x)); /* x += down(...) */
+    fw->next_layer = layer + 1;
+    return KVB_OK;
+}
+
+kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
+    const kvb_model_config *c = &fw->m->cfg;
+    if (!fw->b || fw->next_layer != c->n_layers) return KVB_ERR_STATE;
+    const kvb_batch *b = fw->b;
+    const kvb_backend_i *be = fw->be->iface;
+    void *ctx = fw->be->ctx;
+    fw->b = NULL;
+    if (b->n_logits == 0) return be->sync(ctx);
+    if (b->n_logits > fw->logit_cap) {
+        be->free(ctx, fw->rows);
+        be->free(ctx, fw->logits);
+        fw->rows = fw->logits = NULL;
+        fw->logit_cap = 0;
+        KVB_TRY(fw_alloc(fw, (size_t)b->n_logits * c->hidden, &fw->rows));
+        KVB_TRY(fw_alloc(fw, (size_t)b->n_logits * c->vocab, &fw->logits));
+        fw->logit_cap = b->n_logits;
+    }
+    KVB_TRY(be->gather_rows(ctx, fw->x, b->logit_rows, b->n_logits, c->hidden, fw->rows));
+    KVB_TRY(be->rmsnorm(ctx, fw->rows, b->n_logits, c->hidden, &fw->m->final_norm, c->rms_eps, fw->rows));
+    KVB_TRY(be->matmul(ctx, fw->rows, b->n_logits, &fw->m->lm_head, 0.0f, fw->logits));
+    return be->to_host_f32(ctx, logits, fw->logits, (size_t)b->n_logits * c->vocab);
+}

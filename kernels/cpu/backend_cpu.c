@@ -1,0 +1,154 @@
+/* kvbank — the CPU backend: host memory, f32 activations, OpenBLAS + OpenMP kernels. */
+#include <cblas.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/ops.h"
+
+/* OpenBLAS' own thread count (declared in its cblas.h on Debian, but not by every provider). */
+void openblas_set_num_threads(int n);
+
+static kvb_status cpu_alloc(void *ctx, size_t bytes, void **out) { return kvb_aligned_alloc(bytes, out); }
+static void cpu_free(void *ctx, void *p) { free(p); }
+
+static kvb_status cpu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+    memcpy(dst, src, bytes);
+    return KVB_OK;
+}
+
+static kvb_status cpu_to_host_f32(void *ctx, float *dst, const void *src, size_t n) {
+    memcpy(dst, src, n * sizeof(float));
+    return KVB_OK;
+}
+
+static kvb_status cpu_sync(void *ctx) { return KVB_OK; }
+
+static kvb_status cpu_weight_load(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
+                                  kvb_tensor *dst) {
+    if (rows <= 0 || cols <= 0) return KVB_ERR_INVALID;
+    size_t n = (size_t)rows * (size_t)cols;
+    float *w = NULL;
+    KVB_TRY(kvb_aligned_alloc(n * sizeof(float), (void **)&w));
+    /* safetensors data is little-endian and may be unaligned inside the mmapped file */
+    switch (src_dtype) {
+    case KVB_DTYPE_F32: memcpy(w, src, n * sizeof(float)); break;
+    case KVB_DTYPE_F16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, (const char *)src + 2 * i, 2);
+            w[i] = kvb_f16_to_f32(h);
+        }
+        break;
+    case KVB_DTYPE_BF16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, (const char *)src + 2 * i, 2);
+            w[i] = kvb_bf16_to_f32(h);
+        }
+        break;
+    }
+    dst->data = w;
+    dst->dtype = KVB_DTYPE_F32;
+    dst->ne[0] = rows;
+    dst->ne[1] = cols;
+    return KVB_OK;
+}
+
+static void cpu_weight_free(void *ctx, kvb_tensor *t) {
+    if (!t) return;
+    free(t->data);
+    t->data = NULL;
+}
+
+static kvb_status cpu_embed(void *ctx, const kvb_tensor *table, const int32_t *ids, int n, void *out) {
+    kvb__cpu_embed(table->data, table->ne[1], ids, n, out);
+    return KVB_OK;
+}
+
+static kvb_status cpu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w, float beta, void *y) {
+    kvb__cpu_matmul(x, n, w->data, w->ne[0], w->ne[1], beta, y);
+    return KVB_OK;
+}
+
+static kvb_status cpu_rmsnorm(void *ctx, const void *x, int rows, int dim, const kvb_tensor *w, float eps, void *y) {
+    kvb__cpu_rmsnorm(x, rows, dim, w->data, eps, y);
+    return KVB_OK;
+}
+
+static kvb_status cpu_rope(void *ctx, void *q, int n_heads, void *k, int n_kv_heads, int n, const int32_t *pos,
+                           const kvb_rope *rope) {
+    return kvb__cpu_rope(ctx, q, n_heads, k, n_kv_heads, n, pos, rope);
+}
+
+static kvb_status cpu_silu_mul(void *ctx, const void *gate, const void *up, size_t n, void *out) {
+    kvb__cpu_silu_mul(gate, up, n, out);
+    return KVB_OK;
+}
+
+static kvb_status cpu_kv_write(void *ctx, const kvb_attn_batch *b, const void *k, const void *v) {
+    kvb__cpu_kv_write(b, k, v);
+    return KVB_OK;
+}
+
+static kvb_status cpu_attention(void *ctx, const kvb_attn_batch *b, const void *q, void *out) {
+    return kvb__cpu_attention(ctx, b, q, out);
+}
+
+static kvb_status cpu_gather_rows(void *ctx, const void *x, const int32_t *rows, int n, int dim, void *out) {
+    for (int i = 0; i < n; i++)
+        memcpy((float *)out + (size_t)i * dim, (const float *)x + (size_t)rows[i] * dim, (size_t)dim * sizeof(float));
+    return KVB_OK;
+}
+
+static void cpu_set_threads(void *ctx, int n_threads) {
+    kvb_cpu_ctx *c = ctx;
+    if (n_threads < 1) n_threads = 1;
+    /* scratch is per thread: drop it so the next reserve sizes it for the new count */
+    free(c->scratch);
+    c->scratch = NULL;
+    c->scratch_floats = 0;
+    c->n_threads = n_threads;
+    openblas_set_num_threads(n_threads);
+    omp_set_num_threads(n_threads);
+}
+
+static void cpu_destroy(void *ctx) {
+    kvb_cpu_ctx *c = ctx;
+    if (!c) return;
+    free(c->scratch);
+    free(c->rope_cs);
+    free(c);
+}
+
+static const kvb_backend_i cpu_iface = {
+    .name = "cpu",
+    .act_dtype = KVB_DTYPE_F32,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .to_device = cpu_copy,
+    .to_host = cpu_copy,
+    .to_host_f32 = cpu_to_host_f32,
+    .sync = cpu_sync,
+    .weight_load = cpu_weight_load,
+    .weight_free = cpu_weight_free,
+    .embed = cpu_embed,
+    .matmul = cpu_matmul,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .silu_mul = cpu_silu_mul,
+    .kv_write = cpu_kv_write,
+    .attention = cpu_attention,
+    .gather_rows = cpu_gather_rows,
+    .set_threads = cpu_set_threads,
+    .destroy = cpu_destroy,
+};
+
+kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out) {
+    kvb_cpu_ctx *c = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *c, (void **)&c));
+    out->iface = &cpu_iface;
+    out->ctx = c;
+    cpu_set_threads(c, n_threads);
+    return KVB_OK;
+}

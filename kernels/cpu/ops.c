@@ -1,0 +1,113 @@
+/* kvbank — CPU elementwise kernels and matrix products (OpenBLAS). */
+#include "kernels/cpu/ops.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <string.h>
+
+/* Below this many elements an elementwise kernel runs on the calling thread: waking the team would
+ * cost more than the work. */
+#define PAR_MIN_ELEMS 65536
+
+kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats) {
+    if (floats <= c->scratch_floats) return KVB_OK;
+    floats = floats + floats / 2;
+    float *p = NULL;
+    KVB_TRY(kvb_aligned_alloc(floats * sizeof(float) * (size_t)c->n_threads, (void **)&p));
+    free(c->scratch);
+    c->scratch = p;
+    c->scratch_floats = floats;
+    return KVB_OK;
+}
+
+void kvb__cpu_embed(const float *table, int64_t dim, const int32_t *ids, int n, float *out) {
+    for (int i = 0; i < n; i++) memcpy(out + (size_t)i * dim, table + (size_t)ids[i] * dim, (size_t)dim * sizeof(float));
+}
+
+void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_t cols, float beta, float *y) {
+    /* w is [rows][cols] (HF Linear layout), so y = x . w^T. A single row is a matrix-vector product,
+     * which OpenBLAS 0.3.21 does not pick by itself for M = 1 and which streams w once. */
+    if (n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)rows, (blasint)cols, 1.0f, w, (blasint)cols, x, 1, beta, y, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (blasint)rows, (blasint)cols, 1.0f, x, (blasint)cols, w,
+                    (blasint)cols, beta, y, (blasint)rows);
+}
+
+void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float eps, float *y) {
+#pragma omp parallel for schedule(static) if ((size_t)rows * dim >= PAR_MIN_ELEMS)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * dim;
+        float *yr = y + (size_t)r * dim;
+        double ss = 0;
+        for (int i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];
+        float inv = (float)(1.0 / sqrt(ss / dim + (double)eps));
+        for (int i = 0; i < dim; i++) yr[i] = xr[i] * inv * w[i];
+    }
+}
+
+static void rope_rows(float *x, int n_heads, int n, const float *cs, int hd) {
+    int half = hd / 2;
+#pragma omp parallel for schedule(static) if ((size_t)n * n_heads * hd >= PAR_MIN_ELEMS)
+    for (int t = 0; t < n; t++) {
+        const float *cos_t = cs + (size_t)t * hd, *sin_t = cos_t + half;
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + ((size_t)t * n_heads + h) * hd;
+            for (int i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * cos_t[i] - b * sin_t[i];
+                v[i + half] = b * cos_t[i] + a * sin_t[i];
+            }
+        }
+    }
+}
+
+kvb_status kvb__cpu_rope(kvb_cpu_ctx *c, float *q, int n_heads, float *k, int n_kv_heads, int n, const int32_t *pos,
+                         const kvb_rope *rope) {
+    int hd = rope->head_dim, half = hd / 2;
+    size_t need = (size_t)n * hd;
+    if (need > c->rope_cs_floats) {
+        float *p = NULL;
+        KVB_TRY(kvb_aligned_alloc(need * sizeof(float), (void **)&p));
+        free(c->rope_cs);
+        c->rope_cs = p;
+        c->rope_cs_floats = need;
+    }
+    /* One cos/sin table per token, shared by all heads; angles in double so that long positions keep
+     * f32 accuracy (transformers computes them in f32; the f64 reference is the stricter target). */
+    for (int t = 0; t < n; t++) {
+        float *cs = c->rope_cs + (size_t)t * hd;
+        for (int i = 0; i < half; i++) {
+            double a = (double)pos[t] * (double)rope->inv_freq[i];
+            cs[i] = (float)cos(a);
+            cs[half + i] = (float)sin(a);
+        }
+    }
+    rope_rows(q, n_heads, n, c->rope_cs, hd);
+    rope_rows(k, n_kv_heads, n, c->rope_cs, hd);
+    return KVB_OK;
+}
+
+void kvb__cpu_silu_mul(const float *gate, const float *up, size_t n, float *out) {
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN_ELEMS)
+    for (size_t i = 0; i < n; i++) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+void kvb__cpu_kv_write(const kvb_attn_batch *b, const float *k, const float *v) {
+    const kvb_kv_geom *g = b->geom;
+    size_t row = (size_t)g->n_kv_heads * g->head_dim; /* floats per token per K or V */
+    size_t half = (size_t)g->block_size * row;        /* floats of K (or V) in a layer slice */
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kvb_attn_seq *sq = &b->seqs[s];
+        for (int t = 0; t < sq->q_len; t++) {
+            int p = sq->ctx_len - sq->q_len + t;
+            float *blk = b->layer_blocks[sq->blk_first + p / g->block_size];
+            size_t off = (size_t)(p % g->block_size) * row;
+            memcpy(blk + off, k + (size_t)(sq->q_start + t) * row, row * sizeof(float));
+            memcpy(blk + half + off, v + (size_t)(sq->q_start + t) * row, row * sizeof(float));
+        }
+    }
+}

@@ -1,0 +1,32 @@
+/* kvbank — CPU kernels (f32 activations). Internal to kernels/cpu; everything else goes through the
+ * backend vtable in kernels/backend.h. Each function is the CPU twin of a CUDA kernel. */
+#ifndef KVB_KERNELS_CPU_OPS_H
+#define KVB_KERNELS_CPU_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+/* Per-backend scratch for attention: one slab per thread, grown on demand from the calling thread. */
+typedef struct kvb_cpu_ctx {
+    int n_threads;
+    float *scratch;       /* [n_threads][scratch_floats] */
+    size_t scratch_floats;
+    float *rope_cs;       /* [n][head_dim] cos (first half) and sin (second half) per token */
+    size_t rope_cs_floats;
+} kvb_cpu_ctx;
+
+/* Makes sure every thread has `floats` floats of scratch. */
+kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats);
+
+void kvb__cpu_embed(const float *table, int64_t dim, const int32_t *ids, int n, float *out);
+void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_t cols, float beta, float *y);
+void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float eps, float *y);
+kvb_status kvb__cpu_rope(kvb_cpu_ctx *c, float *q, int n_heads, float *k, int n_kv_heads, int n, const int32_t *pos,
+                         const kvb_rope *rope);
+void kvb__cpu_silu_mul(const float *gate, const float *up, size_t n, float *out);
+void kvb__cpu_kv_write(const kvb_attn_batch *b, const float *k, const float *v);
+kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const float *q, float *out);
+
+#endif

@@ -1,0 +1,237 @@
+/* kvbank-generate — offline generation in one process, on the embedded engine. */
+#include <getopt.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/model/model.h"
+#include "common/policy/policy.h"
+#include "common/sched/engine.h"
+#include "common/util/npy.h"
+
+#define MAX_REQ 256
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: kvbank-generate --model DIR --prompt-ids IDS [--prompt-ids IDS ...] --max-tokens N [options]\n"
+            "\n"
+            "Generates tokens for each prompt (comma-separated token ids) and prints the generated ids of each\n"
+            "request on its own line, comma-separated, in the order the prompts were given. All prompts run as\n"
+            "one continuous batch sharing the KV pool, unless --sequential.\n"
+            "\n"
+            "options:\n"
+            "  --model DIR            Hugging Face model directory (config.json + *.safetensors)\n"
+            "  --prompt-ids IDS       a prompt, e.g. 1,2,3; repeat for more requests\n"
+            "  --max-tokens N         tokens to generate per request\n"
+            "  --backend NAME         compute backend (built in: %s; default cpu)\n"
+            "  --threads N            CPU threads (default 1)\n"
+            "  --block-size N         tokens per KV block (default 16)\n"
+            "  --kv-blocks N          KV blocks in the pool (default: enough for every request at once);\n"
+            "                         a smaller pool forces preemption by recompute\n"
+            "  --max-batch-tokens N   token budget per step; longer prompts are prefilled in chunks (default 512)\n"
+            "  --no-prefix-cache      do not reuse KV blocks across requests\n"
+            "  --sequential           run the requests one after another (later ones can hit the prefix cache)\n"
+            "  --temperature T        0 (default) is greedy; otherwise sample\n"
+            "  --top-k K, --top-p P   sampling filters (default off)\n"
+            "  --seed S               sampling seed (request i uses S + i)\n"
+            "  --stop-ids IDS         stop a request after it generates one of these ids\n"
+            "  --dump-logits FILE     write the first request's logits as .npy float32 [max_tokens, vocab]\n"
+            "  --stats                print engine statistics to stderr\n"
+            "  -h, --help             this text\n",
+            kvb_backend_list());
+}
+
+typedef struct gen_state {
+    int n_req;
+    int32_t *out[MAX_REQ]; /* [max_tokens] generated ids per request */
+    int n_out[MAX_REQ];
+    kvb_finish fin[MAX_REQ];
+    kvb_status err[MAX_REQ];
+    float *dump;           /* [max_tokens][vocab] logits of request 0, or NULL */
+    int vocab;
+    int max_tokens;
+} gen_state;
+
+static void on_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t t_ns) {
+    gen_state *g = ud;
+    g->out[id][index] = tok;
+    g->n_out[id] = index + 1;
+}
+
+static void on_finish(void *ud, uint64_t id, kvb_finish why, kvb_status err) {
+    gen_state *g = ud;
+    g->fin[id] = why;
+    g->err[id] = err;
+}
+
+static void on_logits(void *ud, uint64_t id, int index, const float *logits, int vocab) {
+    gen_state *g = ud;
+    if (id == 0 && g->dump) memcpy(g->dump + (size_t)index * vocab, logits, (size_t)vocab * sizeof(float));
+}
+
+static int parse_int(const char *flag, const char *v, int min, int *out) {
+    int64_t x;
+    if (kvb_parse_i64(v, min, 1 << 30, &x) != KVB_OK) {
+        fprintf(stderr, "kvbank-generate: %s needs an integer >= %d, got '%s'\n", flag, min, v);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL;
+    int32_t *prompts[MAX_REQ];
+    int n_prompt[MAX_REQ], n_req = 0;
+    int32_t *stop = NULL;
+    int n_stop = 0, max_tokens = 0, threads = 1, show_stats = 0, sequential = 0;
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.n_blocks = 0;
+    kvb_sampling samp = {0};
+    double d;
+    int64_t seed = 0;
+
+    enum { O_MODEL = 256, O_PROMPT, O_MAXTOK, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_NOPC, O_SEQ, O_TEMP,
+           O_TOPK, O_TOPP, O_SEED, O_STOP, O_DUMP, O_STATS };
+    static const struct option opts[] = {
+        {"model", 1, 0, O_MODEL},         {"prompt-ids", 1, 0, O_PROMPT},   {"max-tokens", 1, 0, O_MAXTOK},
+        {"backend", 1, 0, O_BACKEND},     {"threads", 1, 0, O_THREADS},     {"block-size", 1, 0, O_BS},
+        {"kv-blocks", 1, 0, O_BLOCKS},    {"max-batch-tokens", 1, 0, O_MBT}, {"no-prefix-cache", 0, 0, O_NOPC},
+        {"sequential", 0, 0, O_SEQ},      {"temperature", 1, 0, O_TEMP},    {"top-k", 1, 0, O_TOPK},
+        {"top-p", 1, 0, O_TOPP},          {"seed", 1, 0, O_SEED},           {"stop-ids", 1, 0, O_STOP},
+        {"dump-logits", 1, 0, O_DUMP},    {"stats", 0, 0, O_STATS},         {"help", 0, 0, 'h'},
+        {0, 0, 0, 0}};
+    int c;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case O_MODEL: model_dir = optarg; break;
+        case O_PROMPT:
+            if (n_req == MAX_REQ) {
+                fprintf(stderr, "kvbank-generate: at most %d prompts\n", MAX_REQ);
+                return 2;
+            }
+            if (kvb_parse_id_list(optarg, &prompts[n_req], &n_prompt[n_req]) != KVB_OK) {
+                fprintf(stderr, "kvbank-generate: --prompt-ids needs comma-separated token ids, got '%s'\n", optarg);
+                return 2;
+            }
+            n_req++;
+            break;
+        case O_MAXTOK: if (parse_int("--max-tokens", optarg, 1, &max_tokens)) return 2; break;
+        case O_BACKEND: backend = optarg; break;
+        case O_THREADS: if (parse_int("--threads", optarg, 1, &threads)) return 2; break;
+        case O_BS: if (parse_int("--block-size", optarg, 1, &o.block_size)) return 2; break;
+        case O_BLOCKS: if (parse_int("--kv-blocks", optarg, 1, &o.n_blocks)) return 2; break;
+        case O_MBT: if (parse_int("--max-batch-tokens", optarg, 1, &o.max_batch_tokens)) return 2; break;
+        case O_NOPC: o.enable_prefix_cache = 0; break;
+        case O_SEQ: sequential = 1; break;
+        case O_TEMP:
+        case O_TOPP:
+            if (kvb_parse_f64(optarg, &d) != KVB_OK) {
+                fprintf(stderr, "kvbank-generate: %s needs a number, got '%s'\n", c == O_TEMP ? "--temperature" : "--top-p",
+                        optarg);
+                return 2;
+            }
+            if (c == O_TEMP) samp.temperature = (float)d;
+            else samp.top_p = (float)d;
+            break;
+        case O_TOPK: if (parse_int("--top-k", optarg, 0, &samp.top_k)) return 2; break;
+        case O_SEED:
+            if (kvb_parse_i64(optarg, 0, INT64_MAX, &seed) != KVB_OK) {
+                fprintf(stderr, "kvbank-generate: --seed needs a non-negative integer\n");
+                return 2;
+            }
+            break;
+        case O_STOP:
+            free(stop);
+            if (kvb_parse_id_list(optarg, &stop, &n_stop) != KVB_OK) {
+                fprintf(stderr, "kvbank-generate: --stop-ids needs comma-separated token ids\n");
+                return 2;
+            }
+            break;
+        case O_DUMP: dump_path = optarg; break;
+        case O_STATS: show_stats = 1; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (optind != argc || !model_dir || !n_req || !max_tokens) {
+        if (optind != argc) fprintf(stderr, "kvbank-generate: unexpected argument '%s'\n", argv[optind]);
+        else fprintf(stderr, "kvbank-generate: --model, --prompt-ids and --max-tokens are required\n");
+        usage(stderr);
+        return 2;
+    }
+    if (kvb_sampling_check(&samp) != KVB_OK) {
+        fprintf(stderr, "kvbank-generate: invalid sampling parameters (temperature >= 0, top-p in [0, 1])\n");
+        return 2;
+    }
+
+    int rc = 1;
+    kvb_backend *be = NULL;
+    kvb_model *m = NULL;
+    kvb_engine *e = NULL;
+    gen_state g = {.n_req = n_req, .max_tokens = max_tokens};
+    if (kvb_backend_create(backend, threads, &be) != KVB_OK) goto out;
+    if (kvb_model_load(model_dir, be, &m) != KVB_OK) {
+        fprintf(stderr, "kvbank-generate: cannot load model from %s\n", model_dir);
+        goto out;
+    }
+    const kvb_model_config *cfg = kvb_model_cfg(m);
+    g.vocab = cfg->vocab;
+    if (o.n_blocks == 0) {
+        for (int i = 0; i < n_req; i++) o.n_blocks += KVB_DIV_CEIL(n_prompt[i] + max_tokens, o.block_size);
+    }
+    o.max_seqs = KVB_MAX(o.max_seqs, n_req);
+    for (int i = 0; i < n_req; i++) {
+        if (kvb_malloc((size_t)max_tokens * sizeof(int32_t), (void **)&g.out[i]) != KVB_OK) goto out;
+    }
+    if (dump_path && kvb_calloc((size_t)max_tokens * cfg->vocab, sizeof(float), (void **)&g.dump) != KVB_OK) goto out;
+    kvb_engine_events ev = {.ud = &g, .on_token = on_token, .on_finish = on_finish, .on_logits = on_logits};
+    kvb_planner planner = kvb_policy_recompute();
+    if (kvb_engine_create(m, &o, &planner, &ev, &e) != KVB_OK) goto out;
+
+    for (int i = 0; i < n_req; i++) {
+        kvb_request r = {.id = (uint64_t)i, .prompt = prompts[i], .n_prompt = n_prompt[i], .max_tokens = max_tokens,
+                         .stop_ids = stop, .n_stop = n_stop, .sampling = samp};
+        r.sampling.seed = (uint64_t)seed + (uint64_t)i;
+        if (kvb_engine_add(e, &r) != KVB_OK) {
+            fprintf(stderr, "kvbank-generate: request %d was rejected (see the log above)\n", i);
+            goto out;
+        }
+        while (sequential && kvb_engine_n_live(e) > 0)
+            if (kvb_engine_step(e) != KVB_OK) goto out;
+    }
+    while (kvb_engine_n_live(e) > 0)
+        if (kvb_engine_step(e) != KVB_OK) goto out;
+
+    for (int i = 0; i < n_req; i++) {
+        if (g.fin[i] == KVB_FINISH_ERROR) {
+            fprintf(stderr, "kvbank-generate: request %d failed: %s\n", i, kvb_status_str(g.err[i]));
+            goto out;
+        }
+        for (int k = 0; k < g.n_out[i]; k++) printf(k ? ",%d" : "%d", g.out[i][k]);
+        printf("\n");
+    }
+    if (dump_path && kvb_npy_write_f32(dump_path, g.dump, g.n_out[0], cfg->vocab) != KVB_OK) goto out;
+    if (show_stats) {
+        kvb_engine_stats s;
+        kvb_engine_get_stats(e, &s);
+        fprintf(stderr,
+                "stats: steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
+                "blocks_total=%d\n",
+                (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
+                (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
+                (unsigned long long)s.prefix_hit_tokens, s.blocks_total);
+    }
+    rc = 0;
+out:
+    kvb_engine_destroy(e);
+    kvb_model_destroy(m);
+    kvb_backend_destroy(be);
+    for (int i = 0; i < n_req; i++) {
+        free(prompts[i]);
+        free(g.out[i]);
+    }
+    free(g.dump);
+    free(stop);
+    return rc;
+}
