@@ -69,12 +69,18 @@ static double measure_sgemm(int n) {
     return 2.0 * n * (double)n * n / best;
 }
 
+#define BENCH_MAX_BATCH 1024
+
 typedef struct bench_counter {
     int64_t tokens;
+    int n_started;                    /* requests that produced their first token */
+    int per_req[BENCH_MAX_BATCH];     /* tokens per request */
 } bench_counter;
 
 static void count_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t t_ns) {
-    ((bench_counter *)ud)->tokens++;
+    bench_counter *c = ud;
+    c->tokens++;
+    if (id < BENCH_MAX_BATCH && c->per_req[id]++ == 0) c->n_started++;
 }
 
 static void usage(FILE *f) {
@@ -119,12 +125,14 @@ static double time_decode(kvb_model *m, int batch, int ctx, int steps, int block
         }
     }
     free(prompt);
-    while (cnt.tokens < batch) /* prefill everyone: each emits its first token */
+    while (cnt.n_started < batch) /* prefill everyone: each emits its first token */
         if (kvb_engine_step(e) != KVB_OK) break;
+    /* every step from here decodes one token of each request */
+    int64_t before = cnt.tokens;
     double t0 = kvb_now_s();
     for (int s = 0; s < steps; s++) kvb_engine_step(e);
     double dt = (kvb_now_s() - t0) / steps;
-    int ok = cnt.tokens == (int64_t)batch * (steps + 1);
+    int ok = cnt.tokens - before == (int64_t)batch * steps;
     kvb_engine_destroy(e);
     return ok ? dt : -1;
 }
@@ -212,12 +220,13 @@ int kvb_bench_engine(int argc, char **argv) {
     kvb_backend *be = NULL;
     kvb_model *m = NULL;
     int rc = 1;
+    /* ceilings first, with OpenBLAS's own threads (the backend then runs it inside its OpenMP team) */
+    openblas_set_num_threads(threads);
+    double bw = measure_copy_bw((size_t)512 << 20, threads);
+    double flops_peak = measure_sgemm(2048);
     if (kvb_backend_create("cpu", threads, &be) != KVB_OK) goto out;
     if (kvb_model_load(model_dir, be, &m) != KVB_OK) goto out;
     const kvb_model_config *c = kvb_model_cfg(m);
-
-    double bw = measure_copy_bw((size_t)512 << 20, threads);
-    double flops_peak = measure_sgemm(2048);
     printf("kvbank-bench engine: %s, %d layers, hidden %d, %d heads / %d KV heads, vocab %d, %.1fM params, "
            "%d threads\n",
            model_dir, c->n_layers, c->hidden, c->n_heads, c->n_kv_heads, c->vocab, kvb_model_n_params(m) / 1e6,
@@ -244,6 +253,10 @@ int kvb_bench_engine(int argc, char **argv) {
     double kv_per_tok = 2.0 * g.n_layers * g.n_kv_heads * g.head_dim * g.elem_size;
     for (int i = 0; i < n_batches; i++) {
         int b = batches[i];
+        if (b < 1 || b > BENCH_MAX_BATCH) {
+            fprintf(stderr, "kvbank-bench engine: batch sizes must be in [1, %d]\n", BENCH_MAX_BATCH);
+            continue;
+        }
         double dt = time_decode(m, b, ctx, steps, block_size);
         char label[64];
         snprintf(label, sizeof label, "decode batch %d ctx %d", b, ctx);

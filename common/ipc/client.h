@@ -15,7 +15,8 @@ void kvb_client_destroy(kvb_client *c);
 /* Called for every token as it arrives; return nonzero to cancel the request. */
 typedef int (*kvb_client_token_fn)(void *ud, int index, int32_t token, uint64_t t_ns);
 
-/* Sends `r` and blocks until it finishes, calling on_token for each token. `timeout_ms` bounds the
+/* Sends `r` (r->id is not used: the wire request_id comes from a counter of this client) and blocks
+ * until it finishes, calling on_token for each token. `timeout_ms` bounds the
  * wait for each message (KVB_ERR_TIMEOUT). *finish gets the reason; an ErrorReply from the server
  * returns its code and copies its message into `err` (may be NULL). */
 kvb_status kvb_client_generate(kvb_client *c, const kvb_request *r, kvb_client_token_fn on_token, void *ud,

@@ -18,6 +18,8 @@ typedef struct kvb_server_opts {
     const char *endpoint;   /* e.g. "ipc:///run/kvbank/model.sock" or "tcp://127.0.0.1:5555" */
     const char *model_name; /* reported in Pong and logs */
     int max_live;           /* requests accepted at once before rejecting (default 1024) */
+    int vocab;              /* > 0: prompt and stop ids must be < vocab (checked here so that the
+                             * ErrorReply names the bad token; 0 leaves the check to the engine) */
 } kvb_server_opts;
 
 /* Creates a server that feeds `engine` (borrowed; the server installs its event callbacks, so the
@@ -29,6 +31,8 @@ void kvb_server_attach(kvb_server *s, kvb_engine *engine);
 /* Serves until *stop becomes nonzero (set it from a signal handler). */
 kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop);
 void kvb_server_destroy(kvb_server *s);
+/* The endpoint as bound (wildcards resolved, e.g. "tcp://127.0.0.1:41234"); owned by the server. */
+const char *kvb_server_endpoint(const kvb_server *s);
 
 typedef struct kvb_server_stats {
     uint64_t accepted;

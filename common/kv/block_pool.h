@@ -23,7 +23,10 @@ size_t kvb_kv_layer_bytes(const kvb_kv_geom *g);
 /* Validates a geometry (all fields positive, no overflow). */
 kvb_status kvb_kv_geom_check(const kvb_kv_geom *g);
 
-/* Creates a pool of `n_blocks` blocks over `mem` (`mem_bytes` bytes; borrowed for the pool's lifetime;
+/* A pool is not thread-safe: one thread (the executor of its model) calls it. Ids and layers passed
+ * to the functions below must be in range (the engine's bug otherwise: assert).
+ *
+ * Creates a pool of `n_blocks` blocks over `mem` (`mem_bytes` bytes; borrowed for the pool's lifetime;
  * backend memory, which on the CPU backend is host memory such as a kvb_region). The capacity, the
  * most blocks the memory can hold, is mem_bytes / block_bytes; n_blocks <= capacity. All blocks start
  * free. Caller owns the result. */
@@ -47,6 +50,9 @@ kvb_status kvb_block_pool_alloc(kvb_block_pool *p, int32_t *out);
 void kvb_block_pool_ref(kvb_block_pool *p, int32_t idx);
 void kvb_block_pool_unref(kvb_block_pool *p, int32_t idx);
 int kvb_block_pool_refcount(const kvb_block_pool *p, int32_t idx);
+/* 1 if block `idx` is on the free list (refcount 0 and not kept by the release hook), 0 otherwise
+ * (also for ids past n_blocks, which are no longer in the pool). */
+int kvb_block_pool_is_free(const kvb_block_pool *p, int32_t idx);
 
 /* Hook called when a block's refcount drops to 0; returns nonzero to keep the block out of the free
  * list (the hook's owner later calls kvb_block_pool_free_block). */

@@ -16,8 +16,11 @@
 
 typedef struct kvb_prefix_cache kvb_prefix_cache;
 
-/* Creates a prefix cache over `pool` (borrowed; installs the pool's release hook). Caller owns it. */
+/* Creates a prefix cache over `pool` (borrowed; installs the pool's release hook; the pool must outlive
+ * the cache). Caller owns it. Like the pool, not thread-safe. */
 kvb_status kvb_prefix_cache_create(kvb_block_pool *pool, kvb_prefix_cache **out);
+/* Removes the release hook and returns every unreferenced cached block to the pool's free list
+ * (referenced ones go there when their last reference is dropped). NULL-safe. */
 void kvb_prefix_cache_destroy(kvb_prefix_cache *c);
 
 /* Hash of one block given its parent's hash. */
@@ -31,7 +34,8 @@ int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, in
 
 /* Publishes a full block `idx` (held by the caller) whose tokens are `tokens[0..block_size)` under
  * parent hash `parent`. Returns its hash in *hash_out. If an identical block is already cached, the
- * cache keeps the existing one and `idx` is freed as usual when its last reference goes. */
+ * cache keeps the existing one and `idx` is freed as usual when its last reference goes.
+ * KVB_ERR_STATE if `idx` is already cached under another key (a block is at most one entry). */
 kvb_status kvb_prefix_cache_publish(kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int32_t idx,
                                     uint64_t *hash_out);
 
@@ -44,6 +48,9 @@ int kvb_prefix_cache_n_available(const kvb_prefix_cache *c);
 int kvb_prefix_cache_n_cached(const kvb_prefix_cache *c);
 /* Drops every unreferenced cached block back to the free list. */
 void kvb_prefix_cache_clear(kvb_prefix_cache *c);
+/* Drops the unreferenced cached blocks with id >= `first` back to the free list (before shrinking the
+ * pool to `first` blocks); returns how many it dropped. Referenced ones stay. */
+int kvb_prefix_cache_drop_tail(kvb_prefix_cache *c, int first);
 
 typedef struct kvb_prefix_stats {
     uint64_t queries;      /* blocks looked up */

@@ -16,12 +16,15 @@ typedef struct kvb_region kvb_region;
 /* Longest handle string, terminator included. */
 #define KVB_REGION_HANDLE_MAX 64
 
-/* Creates a zero-filled shared region of `bytes` bytes. `tag` (letters, digits, '-', '_'; at most
- * 24 chars) goes into the name so that a node supervisor can find its own stale segments.
+/* Creates a zero-filled shared region of `bytes` (> 0) bytes. `tag` (letters, digits, '-', '_'; at
+ * most 24 chars) goes into the name so that a node supervisor can find its own stale segments.
+ * KVB_ERR_INVALID for a bad tag or size; the pages are reserved up front (posix_fallocate) so that a
+ * full /dev/shm fails here with KVB_ERR_NOMEM rather than with SIGBUS on first touch.
  * Caller owns the result. */
 kvb_status kvb_region_create(const char *tag, size_t bytes, kvb_region **out);
 /* Maps the region named `handle` created by another process (or this one). Caller owns the result;
- * destroying it unmaps but never unlinks. KVB_ERR_NOT_FOUND if no such object exists. */
+ * destroying it unmaps but never unlinks. KVB_ERR_NOT_FOUND if no such object exists, KVB_ERR_INVALID
+ * for a malformed handle, KVB_ERR_STATE if the object is still empty (its creator has not sized it). */
 kvb_status kvb_region_import(const char *handle, kvb_region **out);
 /* Unmaps; unlinks the name if this process created the region. NULL-safe. */
 void kvb_region_destroy(kvb_region *r);
@@ -33,7 +36,9 @@ const char *kvb_region_handle(const kvb_region *r);
 int kvb_region_is_owner(const kvb_region *r);
 
 /* Removes every shared-memory object whose name starts with "/kvb-<tag>-" (a supervisor cleaning up
- * after crashed children). Returns the number removed in *n_removed (may be NULL). */
+ * after crashed children). Only names of exactly the form "/kvb-<tag>-<pid>-<seq>" match, so the
+ * objects of a longer tag that starts with this one ("<tag>-x") are left alone. KVB_ERR_INVALID for a
+ * bad tag. Returns the number removed in *n_removed (may be NULL). */
 kvb_status kvb_region_unlink_tag(const char *tag, int *n_removed);
 
 #endif

@@ -1,6 +1,5 @@
 /* kvbank — the CPU backend: host memory, f32 activations, OpenBLAS + OpenMP kernels. */
 #include <cblas.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -109,8 +108,9 @@ static void cpu_set_threads(void *ctx, int n_threads) {
     c->scratch = NULL;
     c->scratch_floats = 0;
     c->n_threads = n_threads;
-    openblas_set_num_threads(n_threads);
-    omp_set_num_threads(n_threads);
+    /* one pool: OpenMP splits the work, OpenBLAS runs inside it single-threaded */
+    openblas_set_num_threads(1);
+    kvb__cpu_threads = n_threads;
 }
 
 static void cpu_destroy(void *ctx) {
@@ -118,6 +118,7 @@ static void cpu_destroy(void *ctx) {
     if (!c) return;
     free(c->scratch);
     free(c->rope_cs);
+    free(c->items);
     free(c);
 }
 

@@ -3,11 +3,14 @@
 
 #include <cblas.h>
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
 /* Below this many elements an elementwise kernel runs on the calling thread: waking the team would
  * cost more than the work. */
 #define PAR_MIN_ELEMS 65536
+
+int kvb__cpu_threads = 1;
 
 kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats) {
     if (floats <= c->scratch_floats) return KVB_OK;
@@ -25,17 +28,31 @@ void kvb__cpu_embed(const float *table, int64_t dim, const int32_t *ids, int n, 
 }
 
 void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_t cols, float beta, float *y) {
-    /* w is [rows][cols] (HF Linear layout), so y = x . w^T. A single row is a matrix-vector product,
-     * which OpenBLAS 0.3.21 does not pick by itself for M = 1 and which streams w once. */
-    if (n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)rows, (blasint)cols, 1.0f, w, (blasint)cols, x, 1, beta, y, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (blasint)rows, (blasint)cols, 1.0f, x, (blasint)cols, w,
-                    (blasint)cols, beta, y, (blasint)rows);
+    /* w is [rows][cols] (HF Linear layout), so y = x . w^T. OpenBLAS runs single-threaded inside one
+     * OpenMP team (one thread pool for the whole backend); each thread takes a slice of w's rows, so
+     * w is streamed once in total. A single row is a matrix-vector product, which OpenBLAS 0.3.21 does
+     * not pick by itself for M = 1. */
+    int par = (double)rows * cols * n >= 1 << 18 && rows >= 64;
+#pragma omp parallel if (par) num_threads(kvb__cpu_threads)
+    {
+        int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;
+        r0 &= ~(int64_t)15; /* 64-byte aligned slices of y */
+        if (t + 1 < nt) r1 &= ~(int64_t)15;
+        if (r1 > r0) {
+            const float *ws = w + r0 * cols;
+            if (n == 1)
+                cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, ws, (blasint)cols, x, 1,
+                            beta, y + r0, 1);
+            else
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (blasint)(r1 - r0), (blasint)cols, 1.0f, x,
+                            (blasint)cols, ws, (blasint)cols, beta, y + r0, (blasint)rows);
+        }
+    }
 }
 
 void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float eps, float *y) {
-#pragma omp parallel for schedule(static) if ((size_t)rows * dim >= PAR_MIN_ELEMS)
+#pragma omp parallel for schedule(static) if ((size_t)rows * dim >= PAR_MIN_ELEMS) num_threads(kvb__cpu_threads)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * dim;
         float *yr = y + (size_t)r * dim;
@@ -48,7 +65,7 @@ void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float e
 
 static void rope_rows(float *x, int n_heads, int n, const float *cs, int hd) {
     int half = hd / 2;
-#pragma omp parallel for schedule(static) if ((size_t)n * n_heads * hd >= PAR_MIN_ELEMS)
+#pragma omp parallel for schedule(static) if ((size_t)n * n_heads * hd >= PAR_MIN_ELEMS) num_threads(kvb__cpu_threads)
     for (int t = 0; t < n; t++) {
         const float *cos_t = cs + (size_t)t * hd, *sin_t = cos_t + half;
         for (int h = 0; h < n_heads; h++) {
@@ -89,7 +106,7 @@ kvb_status kvb__cpu_rope(kvb_cpu_ctx *c, float *q, int n_heads, float *k, int n_
 }
 
 void kvb__cpu_silu_mul(const float *gate, const float *up, size_t n, float *out) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN_ELEMS)
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN_ELEMS) num_threads(kvb__cpu_threads)
     for (size_t i = 0; i < n; i++) {
         float g = gate[i];
         out[i] = g / (1.0f + expf(-g)) * up[i];

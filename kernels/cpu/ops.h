@@ -15,7 +15,13 @@ typedef struct kvb_cpu_ctx {
     size_t scratch_floats;
     float *rope_cs;       /* [n][head_dim] cos (first half) and sin (second half) per token */
     size_t rope_cs_floats;
+    void *items;          /* [items_cap] attention work items */
+    size_t items_cap;
 } kvb_cpu_ctx;
+
+/* Threads of the backend's OpenMP team. Process-wide, like OpenBLAS's own setting: every parallel
+ * region names it explicitly, so the team size does not depend on which thread calls a kernel. */
+extern int kvb__cpu_threads;
 
 /* Makes sure every thread has `floats` floats of scratch. */
 kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats);

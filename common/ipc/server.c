@@ -1,0 +1,664 @@
+/* kvbank — the model server: a ROUTER socket in front of one engine, single-threaded.
+ *
+ * Every live request has a slot. The engine knows a request by a server-assigned id that encodes its
+ * slot, eid = (seq << SLOT_BITS) | slot, so engine events find their slot in O(1) and ids stay unique
+ * (seq only grows). Clients know a request by (their ROUTER identity, their request_id); a small
+ * chained hash table maps that pair to the slot.
+ *
+ * Engine events only buffer: tokens go into the slot, a finish is recorded, and the slot is put on the
+ * dirty list. flush() runs outside kvb_engine_step (after each step and after each batch of input) and
+ * turns every dirty slot into one TokenEvent. A send that fails because the client is gone (or stuck)
+ * mutes all of that client's slots and queues their cancellation, which flush() performs after its
+ * pass: the engine is never re-entered from inside its own callbacks. */
+#include "common/ipc/server.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/ipc/wire.h"
+
+#define IDENT_MAX 255                        /* ZeroMQ routing ids are 1..255 bytes */
+#define SLOT_BITS 24                         /* low bits of an engine id: the slot */
+#define SLOT_MASK ((UINT64_C(1) << SLOT_BITS) - 1)
+#define POLL_IDLE_MS 100                     /* poll timeout while no request is live */
+#define SEND_HWM 100000                      /* messages queued to one client before it counts as stuck */
+#define RECV_HARD_MAX ((int64_t)64 << 20)    /* bytes: libzmq drops a peer that sends more in one message */
+#define TOK_CAP0 4                           /* initial per-slot token buffer (tokens) */
+
+typedef struct slot {
+    int in_use;
+    uint64_t eid;                 /* engine request id */
+    uint64_t rid;                 /* the client's request_id */
+    uint8_t ident[IDENT_MAX];     /* [ident_len] the client's routing id */
+    size_t ident_len;
+    uint64_t hash;                /* of (ident, rid) */
+    int next;                     /* next slot in the same hash bucket, -1 ends the chain */
+    int32_t *tok;                 /* [cap_tok] tokens produced since the last flush ([n_tok] valid) */
+    uint64_t *t_ns;               /* [cap_tok] their wall-clock times, ns since the epoch */
+    int n_tok, cap_tok;
+    uint32_t first_index;         /* index of tok[0] in the request's output */
+    uint32_t next_index;          /* index the next token should have */
+    kvb_finish finish;            /* NONE while the engine runs the request */
+    kvb_status err;               /* with finish == ERROR */
+    int dirty;                    /* listed in kvb_server.dirty (at most once) */
+    int mute;                     /* send nothing more: the client is gone or got its final event */
+    int broken;                   /* a token could not be buffered: end the request with ERROR */
+    int cancel_queued;            /* listed in kvb_server.cancels */
+} slot;
+
+struct kvb_server {
+    void *zctx;
+    void *sock;                   /* ROUTER */
+    char *endpoint;               /* as bound */
+    char *ipc_path;               /* the socket file of an ipc:// endpoint, or NULL */
+    dev_t ipc_dev;                /* and its identity, to remove only our own file */
+    ino_t ipc_ino;
+    char *model_name;
+    int max_live;
+    int vocab;
+    kvb_engine *engine;           /* borrowed */
+    slot *slots;                  /* [max_live] */
+    int *free_idx;                /* [max_live] stack of free slot indices, n_free valid */
+    int n_free;
+    int *buckets;                 /* [n_buckets] first slot of each hash chain, -1 when empty */
+    int n_buckets;                /* power of two */
+    int *dirty;                   /* [max_live] slots with events to send, n_dirty valid */
+    int n_dirty;
+    int *cancels;                 /* [max_live] slots to cancel in the engine, n_cancels valid */
+    int n_cancels;
+    int n_live;                   /* slots in use */
+    uint64_t seq;                 /* last sequence number given to an engine id */
+    kvb_server_stats stats;
+};
+
+/* ------------------------------------------------------------------------------------------ helpers */
+
+static uint64_t key_hash(const uint8_t *ident, size_t len, uint64_t rid) {
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a over the identity, then mixed with the id */
+    for (size_t i = 0; i < len; i++) h = (h ^ ident[i]) * 0x100000001b3ull;
+    h ^= rid + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 29;
+    return h;
+}
+
+/* Printable form of a routing id for logs: hex of its first bytes. */
+static const char *ident_str(const uint8_t *ident, size_t len, char buf[36]) {
+    size_t n = KVB_MIN(len, (size_t)16);
+    for (size_t i = 0; i < n; i++) snprintf(buf + 2 * i, 3, "%02x", ident[i]);
+    if (len > n) snprintf(buf + 2 * n, 4, "..");
+    if (!len) snprintf(buf, 3, "-");
+    return buf;
+}
+
+static Kvbank__FinishReason finish_to_wire(kvb_finish f) {
+    switch (f) {
+    case KVB_FINISH_NONE: return KVBANK__FINISH_REASON__FINISH_NONE;
+    case KVB_FINISH_LENGTH: return KVBANK__FINISH_REASON__FINISH_LENGTH;
+    case KVB_FINISH_STOP: return KVBANK__FINISH_REASON__FINISH_STOP;
+    case KVB_FINISH_CANCELLED: return KVBANK__FINISH_REASON__FINISH_CANCELLED;
+    case KVB_FINISH_ERROR: return KVBANK__FINISH_REASON__FINISH_ERROR;
+    }
+    return KVBANK__FINISH_REASON__FINISH_ERROR;
+}
+
+static slot *slot_by_eid(kvb_server *s, uint64_t eid) {
+    uint64_t i = eid & SLOT_MASK;
+    if (i >= (uint64_t)s->max_live) return NULL;
+    slot *sl = &s->slots[i];
+    return sl->in_use && sl->eid == eid ? sl : NULL;
+}
+
+/* The slot of a running request of (ident, rid), or -1. Finished and muted slots do not count. */
+static int slot_find(kvb_server *s, const uint8_t *ident, size_t len, uint64_t rid) {
+    uint64_t h = key_hash(ident, len, rid);
+    for (int i = s->buckets[h & (uint64_t)(s->n_buckets - 1)]; i >= 0; i = s->slots[i].next) {
+        slot *sl = &s->slots[i];
+        if (sl->hash == h && sl->rid == rid && sl->ident_len == len && !memcmp(sl->ident, ident, len) &&
+            sl->finish == KVB_FINISH_NONE && !sl->mute)
+            return i;
+    }
+    return -1;
+}
+
+/* Takes a free slot for (ident, rid) and gives it a fresh engine id. The caller checked n_free > 0. */
+static int slot_alloc(kvb_server *s, const uint8_t *ident, size_t len, uint64_t rid) {
+    int i = s->free_idx[--s->n_free];
+    slot *sl = &s->slots[i];
+    sl->in_use = 1;
+    sl->eid = (++s->seq << SLOT_BITS) | (uint64_t)i;
+    sl->rid = rid;
+    memcpy(sl->ident, ident, len);
+    sl->ident_len = len;
+    sl->hash = key_hash(ident, len, rid);
+    int *head = &s->buckets[sl->hash & (uint64_t)(s->n_buckets - 1)];
+    sl->next = *head;
+    *head = i;
+    sl->n_tok = 0;
+    sl->first_index = sl->next_index = 0;
+    sl->finish = KVB_FINISH_NONE;
+    sl->err = KVB_OK;
+    sl->mute = sl->broken = sl->cancel_queued = 0;
+    /* `dirty` is left alone: a stale entry of a previous user may still be listed; flush copes. */
+    s->n_live++;
+    return i;
+}
+
+static void slot_free(kvb_server *s, int i) {
+    slot *sl = &s->slots[i];
+    if (!sl->in_use) return;
+    int *p = &s->buckets[sl->hash & (uint64_t)(s->n_buckets - 1)];
+    while (*p >= 0 && *p != i) p = &s->slots[*p].next;
+    if (*p == i) *p = sl->next;
+    sl->in_use = 0;
+    sl->eid = 0;
+    sl->n_tok = 0;
+    s->free_idx[s->n_free++] = i;
+    s->n_live--;
+}
+
+static void mark_dirty(kvb_server *s, int i) {
+    if (s->slots[i].dirty) return;
+    s->slots[i].dirty = 1;
+    s->dirty[s->n_dirty++] = i;
+}
+
+static void queue_cancel(kvb_server *s, int i) {
+    slot *sl = &s->slots[i];
+    if (sl->cancel_queued || sl->finish != KVB_FINISH_NONE) return;
+    sl->cancel_queued = 1;
+    s->cancels[s->n_cancels++] = i;
+}
+
+/* Mutes every request of a client that cannot be reached any more and queues their cancellation. */
+static void client_gone(kvb_server *s, const uint8_t *ident, size_t len, const char *why) {
+    int n = 0;
+    for (int i = 0; i < s->max_live; i++) {
+        slot *sl = &s->slots[i];
+        if (!sl->in_use || sl->mute || sl->ident_len != len || memcmp(sl->ident, ident, len)) continue;
+        sl->mute = 1;
+        n++;
+        s->stats.disconnects++;
+        if (sl->finish == KVB_FINISH_NONE) queue_cancel(s, i);
+        else mark_dirty(s, i); /* finished but undelivered: flush frees it */
+    }
+    char b[36];
+    if (n) KVB_LOG_I("client %s %s: cancelling %d request(s)", ident_str(ident, len, b), why, n);
+    else KVB_LOG_D("client %s %s", ident_str(ident, len, b), why);
+}
+
+/* Sends `env` to a client. A client that is gone or does not read (its queue is full) is dropped. */
+static kvb_status send_to(kvb_server *s, const uint8_t *ident, size_t len, Kvbank__Envelope *env) {
+    kvb_status st = kvb_wire_send(s->sock, ident, len, env, 1);
+    if (st == KVB_ERR_IO) {
+        int e = errno;
+        client_gone(s, ident, len,
+                    e == EHOSTUNREACH ? "is gone" : e == EAGAIN ? "does not read its replies" : "cannot be sent to");
+    }
+    return st;
+}
+
+static void reply_error(kvb_server *s, const uint8_t *ident, size_t len, uint64_t rid, kvb_status code,
+                        const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static void reply_error(kvb_server *s, const uint8_t *ident, size_t len, uint64_t rid, kvb_status code,
+                        const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    char b[36];
+    KVB_LOG_W("rejecting request %" PRIu64 " of client %s: %s", rid, ident_str(ident, len, b), msg);
+    Kvbank__ErrorReply er = KVBANK__ERROR_REPLY__INIT;
+    er.request_id = rid;
+    er.code = (int32_t)code;
+    er.message = msg;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_ERROR;
+    env.error = &er;
+    s->stats.rejected++;
+    send_to(s, ident, len, &env);
+}
+
+/* ------------------------------------------------------------------------------------ engine events */
+
+static void ev_token(void *ud, uint64_t id, int index, int32_t token, uint64_t t_ns) {
+    kvb_server *s = ud;
+    slot *sl = slot_by_eid(s, id);
+    if (!sl) {
+        KVB_LOG_W("engine event for unknown request %" PRIu64 " ignored", id);
+        return;
+    }
+    if (sl->mute || sl->broken) return;
+    if (sl->finish != KVB_FINISH_NONE) {
+        KVB_LOG_W("token after the finish of request %" PRIu64 " ignored", id);
+        return;
+    }
+    uint32_t idx = index >= 0 ? (uint32_t)index : sl->next_index;
+    if (idx != sl->next_index) KVB_LOG_W("request %" PRIu64 ": token index %d, expected %u", id, index, sl->next_index);
+    if (sl->n_tok == sl->cap_tok) {
+        int cap = sl->cap_tok ? 2 * sl->cap_tok : TOK_CAP0;
+        if (kvb_realloc_array((void **)&sl->tok, (size_t)cap, sizeof *sl->tok) != KVB_OK ||
+            kvb_realloc_array((void **)&sl->t_ns, (size_t)cap, sizeof *sl->t_ns) != KVB_OK) {
+            sl->broken = 1; /* flush() ends it with ERROR */
+            mark_dirty(s, (int)(sl - s->slots));
+            return;
+        }
+        sl->cap_tok = cap;
+    }
+    if (sl->n_tok == 0) sl->first_index = idx;
+    sl->tok[sl->n_tok] = token;
+    sl->t_ns[sl->n_tok] = t_ns;
+    sl->n_tok++;
+    sl->next_index = idx + 1;
+    mark_dirty(s, (int)(sl - s->slots));
+}
+
+static void ev_finish(void *ud, uint64_t id, kvb_finish reason, kvb_status err) {
+    kvb_server *s = ud;
+    slot *sl = slot_by_eid(s, id);
+    if (!sl) {
+        KVB_LOG_W("finish of unknown request %" PRIu64 " ignored", id);
+        return;
+    }
+    sl->finish = reason == KVB_FINISH_NONE ? KVB_FINISH_ERROR : reason;
+    sl->err = err;
+    if (reason == KVB_FINISH_ERROR)
+        KVB_LOG_W("request %" PRIu64 " (client id %" PRIu64 ") failed: %s", id, sl->rid, kvb_status_str(err));
+    mark_dirty(s, (int)(sl - s->slots));
+}
+
+kvb_engine_events kvb_server_engine_events(kvb_server *s) {
+    kvb_engine_events ev = {.ud = s, .on_token = ev_token, .on_finish = ev_finish, .on_logits = NULL};
+    return ev;
+}
+
+void kvb_server_attach(kvb_server *s, kvb_engine *engine) {
+    if (s) s->engine = engine;
+}
+
+/* ------------------------------------------------------------------------------------------- output */
+
+/* Sends one TokenEvent for every dirty slot, frees finished ones, then cancels what client_gone (or a
+ * broken buffer) queued; the cancellations' finish events make more slots dirty, hence the loop. */
+static void flush(kvb_server *s) {
+    while (s->n_dirty || s->n_cancels) {
+        for (int k = 0; k < s->n_dirty; k++) {
+            int i = s->dirty[k];
+            slot *sl = &s->slots[i];
+            sl->dirty = 0;
+            if (!sl->in_use) continue;
+            int final = sl->finish != KVB_FINISH_NONE;
+            if (!sl->mute && (sl->n_tok > 0 || final || sl->broken)) {
+                kvb_finish f = sl->finish;
+                if (sl->broken && !final) f = KVB_FINISH_ERROR;
+                Kvbank__TokenEvent te = KVBANK__TOKEN_EVENT__INIT;
+                te.request_id = sl->rid;
+                te.first_index = sl->n_tok ? sl->first_index : sl->next_index;
+                te.n_tokens = (size_t)sl->n_tok;
+                te.tokens = sl->tok;
+                te.n_t_ns = (size_t)sl->n_tok;
+                te.t_ns = sl->t_ns;
+                te.finish = finish_to_wire(f);
+                Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+                env.body_case = KVBANK__ENVELOPE__BODY_TOKENS;
+                env.tokens = &te;
+                if (send_to(s, sl->ident, sl->ident_len, &env) == KVB_OK && f != KVB_FINISH_NONE) {
+                    s->stats.completed++;
+                    sl->mute = 1; /* its final event is out */
+                }
+            }
+            sl->n_tok = 0;
+            if (final) slot_free(s, i);
+            else if (sl->mute || sl->broken) queue_cancel(s, i);
+        }
+        s->n_dirty = 0;
+        int n = s->n_cancels;
+        s->n_cancels = 0;
+        for (int k = 0; k < n; k++) {
+            int i = s->cancels[k];
+            slot *sl = &s->slots[i];
+            sl->cancel_queued = 0;
+            if (!sl->in_use || sl->finish != KVB_FINISH_NONE) continue;
+            kvb_status st = s->engine ? kvb_engine_cancel(s->engine, sl->eid) : KVB_ERR_STATE;
+            if (st != KVB_OK || sl->finish == KVB_FINISH_NONE) {
+                /* The engine does not know it (or did not say it finished): end it here. */
+                KVB_LOG_W("engine could not cancel request %" PRIu64 ": %s", sl->eid, kvb_status_str(st));
+                sl->finish = KVB_FINISH_CANCELLED;
+                mark_dirty(s, i);
+            }
+        }
+    }
+}
+
+/* -------------------------------------------------------------------------------------------- input */
+
+static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, const Kvbank__GenerateRequest *g) {
+    uint64_t rid = g->request_id;
+    if (rid == 0) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "request_id 0 is reserved");
+        return;
+    }
+    if (g->n_prompt_ids == 0) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "empty prompt");
+        return;
+    }
+    if (g->n_prompt_ids > INT_MAX || g->n_stop_ids > INT_MAX) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "too many token ids");
+        return;
+    }
+    for (size_t k = 0; k < g->n_prompt_ids; k++) {
+        int32_t t = g->prompt_ids[k];
+        if (t < 0 || (s->vocab > 0 && t >= s->vocab)) {
+            reply_error(s, ident, len, rid, KVB_ERR_INVALID, "prompt token %zu is %" PRId32 ", outside [0, %d)", k,
+                        t, s->vocab);
+            return;
+        }
+    }
+    for (size_t k = 0; k < g->n_stop_ids; k++) {
+        int32_t t = g->stop_ids[k];
+        if (t < 0 || (s->vocab > 0 && t >= s->vocab)) {
+            reply_error(s, ident, len, rid, KVB_ERR_INVALID, "stop id %zu is %" PRId32 ", outside [0, %d)", k, t,
+                        s->vocab);
+            return;
+        }
+    }
+    if (g->max_tokens < 1 || g->max_tokens > INT_MAX) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "max_tokens is %" PRIu32 ", must be >= 1", g->max_tokens);
+        return;
+    }
+    if (g->top_k > INT_MAX) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "top_k %" PRIu32 " is out of range", g->top_k);
+        return;
+    }
+    kvb_sampling sp = {.temperature = g->temperature, .top_k = (int)g->top_k, .top_p = g->top_p, .seed = g->seed};
+    if (kvb_sampling_check(&sp) != KVB_OK) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "bad sampling (temperature %g, top_k %" PRIu32 ", top_p %g)",
+                    (double)g->temperature, g->top_k, (double)g->top_p);
+        return;
+    }
+    if (slot_find(s, ident, len, rid) >= 0) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "request_id %" PRIu64 " is already live", rid);
+        return;
+    }
+    if (s->n_free == 0) {
+        reply_error(s, ident, len, rid, KVB_ERR_EXHAUSTED, "the server has %d live requests, its limit", s->max_live);
+        return;
+    }
+    int i = slot_alloc(s, ident, len, rid);
+    slot *sl = &s->slots[i];
+    if (sl->cap_tok == 0) {
+        if (kvb_realloc_array((void **)&sl->tok, TOK_CAP0, sizeof *sl->tok) != KVB_OK ||
+            kvb_realloc_array((void **)&sl->t_ns, TOK_CAP0, sizeof *sl->t_ns) != KVB_OK) {
+            slot_free(s, i);
+            reply_error(s, ident, len, rid, KVB_ERR_NOMEM, "out of memory");
+            return;
+        }
+        sl->cap_tok = TOK_CAP0;
+    }
+    kvb_request r = {
+        .id = sl->eid,
+        .prompt = g->prompt_ids,
+        .n_prompt = (int)g->n_prompt_ids,
+        .max_tokens = (int)g->max_tokens,
+        .stop_ids = g->stop_ids,
+        .n_stop = (int)g->n_stop_ids,
+        .sampling = sp,
+    };
+    kvb_status st = kvb_engine_add(s->engine, &r);
+    if (st != KVB_OK) {
+        slot_free(s, i);
+        reply_error(s, ident, len, rid, st, "the engine rejected the request: %s", kvb_status_str(st));
+        return;
+    }
+    s->stats.accepted++;
+    char b[36];
+    KVB_LOG_D("request %" PRIu64 " of client %s: %zu prompt tokens, max %" PRIu32 " -> engine id %" PRIu64, rid,
+              ident_str(ident, len, b), g->n_prompt_ids, g->max_tokens, sl->eid);
+}
+
+static void handle_cancel(kvb_server *s, const uint8_t *ident, size_t len, const Kvbank__CancelRequest *c) {
+    int i = slot_find(s, ident, len, c->request_id);
+    if (i < 0) {
+        reply_error(s, ident, len, c->request_id, KVB_ERR_NOT_FOUND, "no live request %" PRIu64, c->request_id);
+        return;
+    }
+    /* on_finish(CANCELLED) comes at once; the final TokenEvent goes out with the next flush. */
+    queue_cancel(s, i);
+}
+
+static void handle_ping(kvb_server *s, const uint8_t *ident, size_t len, const Kvbank__Ping *p) {
+    Kvbank__Pong pong = KVBANK__PONG__INIT;
+    pong.nonce = p->nonce;
+    pong.model = s->model_name;
+    pong.live_requests = (uint32_t)s->n_live;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_PONG;
+    env.pong = &pong;
+    send_to(s, ident, len, &env);
+}
+
+/* Receives and handles one message. Returns 1 if one was handled, 0 if none was pending, -1 on a
+ * socket error. */
+static int handle_one(kvb_server *s) {
+    zmq_msg_t id_msg, body_msg;
+    zmq_msg_init(&id_msg);
+    if (zmq_msg_recv(&id_msg, s->sock, ZMQ_DONTWAIT) < 0) {
+        int e = errno;
+        zmq_msg_close(&id_msg);
+        if (e == EAGAIN || e == EINTR) return 0;
+        KVB_LOG_E("zmq_msg_recv: %s", zmq_strerror(e));
+        return -1;
+    }
+    int n_frames = 1;
+    int more = zmq_msg_more(&id_msg);
+    zmq_msg_init(&body_msg);
+    if (more) {
+        /* The parts of a message arrive together, so none of these waits. */
+        if (zmq_msg_recv(&body_msg, s->sock, ZMQ_DONTWAIT) >= 0) n_frames++;
+        more = zmq_msg_more(&body_msg);
+        while (more) {
+            zmq_msg_t extra;
+            zmq_msg_init(&extra);
+            if (zmq_msg_recv(&extra, s->sock, ZMQ_DONTWAIT) < 0) more = 0;
+            else n_frames++, more = zmq_msg_more(&extra);
+            zmq_msg_close(&extra);
+        }
+    }
+    const uint8_t *ident = zmq_msg_data(&id_msg);
+    size_t ident_len = KVB_MIN(zmq_msg_size(&id_msg), (size_t)IDENT_MAX);
+    if (n_frames != 2) {
+        s->stats.malformed++;
+        reply_error(s, ident, ident_len, 0, KVB_ERR_PROTOCOL,
+                    "a message is one envelope frame; got %d frames (dropped)", n_frames - 1);
+        goto done;
+    }
+    char why[256];
+    Kvbank__Envelope *env = NULL;
+    if (kvb_wire_unpack(zmq_msg_data(&body_msg), zmq_msg_size(&body_msg), &env, why, sizeof why) != KVB_OK) {
+        s->stats.malformed++;
+        reply_error(s, ident, ident_len, 0, KVB_ERR_PROTOCOL, "%s", why);
+        goto done;
+    }
+    switch (env->body_case) {
+    case KVBANK__ENVELOPE__BODY_GENERATE: handle_generate(s, ident, ident_len, env->generate); break;
+    case KVBANK__ENVELOPE__BODY_CANCEL: handle_cancel(s, ident, ident_len, env->cancel); break;
+    case KVBANK__ENVELOPE__BODY_PING: handle_ping(s, ident, ident_len, env->ping); break;
+    default:
+        s->stats.malformed++;
+        reply_error(s, ident, ident_len, 0, KVB_ERR_PROTOCOL, "a server does not accept message type %d",
+                    (int)env->body_case);
+        break;
+    }
+    kvbank__envelope__free_unpacked(env, NULL);
+done:
+    zmq_msg_close(&body_msg);
+    zmq_msg_close(&id_msg);
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------------------- lifecycle */
+
+kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out) {
+    if (!opts || !opts->endpoint || !out) return KVB_ERR_INVALID;
+    int max_live = opts->max_live > 0 ? opts->max_live : 1024;
+    if ((uint64_t)max_live > SLOT_MASK || max_live > INT_MAX / 4) {
+        KVB_LOG_E("max_live %d is too large", max_live);
+        return KVB_ERR_INVALID;
+    }
+    kvb_status st = KVB_OK;
+    kvb_server *s = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
+    s->max_live = max_live;
+    s->vocab = opts->vocab > 0 ? opts->vocab : 0;
+    s->n_buckets = 1;
+    while (s->n_buckets < 2 * max_live) s->n_buckets *= 2;
+    KVB_TRY_GOTO(kvb_strdup(opts->model_name ? opts->model_name : "", &s->model_name), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->slots, (void **)&s->slots), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->free_idx, (void **)&s->free_idx), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->dirty, (void **)&s->dirty), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->cancels, (void **)&s->cancels), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)s->n_buckets, sizeof *s->buckets, (void **)&s->buckets), fail);
+    for (int b = 0; b < s->n_buckets; b++) s->buckets[b] = -1;
+    for (int i = 0; i < max_live; i++) s->free_idx[i] = max_live - 1 - i; /* slot 0 first */
+    s->n_free = max_live;
+
+    s->zctx = zmq_ctx_new();
+    if (!s->zctx) {
+        KVB_LOG_E("zmq_ctx_new: %s", zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    s->sock = zmq_socket(s->zctx, ZMQ_ROUTER);
+    if (!s->sock) {
+        KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    int one = 1, zero = 0, hwm = SEND_HWM;
+    int64_t maxmsg = RECV_HARD_MAX;
+    if (zmq_setsockopt(s->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one) ||
+        zmq_setsockopt(s->sock, ZMQ_LINGER, &zero, sizeof zero) ||
+        zmq_setsockopt(s->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) ||
+        zmq_setsockopt(s->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg)) {
+        KVB_LOG_E("zmq_setsockopt: %s", zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    if (zmq_bind(s->sock, opts->endpoint) != 0) {
+        KVB_LOG_E("cannot bind %s: %s", opts->endpoint, zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    char last[1024];
+    size_t last_len = sizeof last;
+    if (zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, last, &last_len) != 0) snprintf(last, sizeof last, "%s", opts->endpoint);
+    last[sizeof last - 1] = '\0';
+    KVB_TRY_GOTO(kvb_strdup(last, &s->endpoint), fail);
+    if (!strncmp(last, "ipc://", 6) && last[6] != '@' && last[6] != '\0') {
+        /* Only this user may connect (abstract sockets, "ipc://@name", have no file). */
+        struct stat sb;
+        if (chmod(last + 6, 0600) != 0 || stat(last + 6, &sb) != 0) {
+            KVB_LOG_E("chmod 0600 %s: %s", last + 6, strerror(errno));
+            st = KVB_ERR_IO;
+            goto fail;
+        }
+        KVB_TRY_GOTO(kvb_strdup(last + 6, &s->ipc_path), fail);
+        s->ipc_dev = sb.st_dev;
+        s->ipc_ino = sb.st_ino;
+    }
+    KVB_LOG_D("server bound to %s (max %d live requests)", s->endpoint, max_live);
+    *out = s;
+    return KVB_OK;
+fail:
+    kvb_server_destroy(s);
+    return st;
+}
+
+kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
+    if (!s || !stop) return KVB_ERR_INVALID;
+    if (!s->engine) {
+        KVB_LOG_E("kvb_server_run: no engine attached");
+        return KVB_ERR_STATE;
+    }
+    kvb_status result = KVB_OK;
+    while (!*stop) {
+        int busy = kvb_engine_n_live(s->engine) > 0;
+        zmq_pollitem_t it = {.socket = s->sock, .fd = 0, .events = ZMQ_POLLIN, .revents = 0};
+        int rc = zmq_poll(&it, 1, busy ? 0 : POLL_IDLE_MS);
+        if (rc < 0) {
+            if (errno == EINTR) continue;
+            KVB_LOG_E("zmq_poll: %s", zmq_strerror(errno));
+            result = KVB_ERR_IO;
+            break;
+        }
+        if (it.revents & ZMQ_POLLIN) {
+            int h;
+            while ((h = handle_one(s)) > 0) {
+            }
+            if (h < 0) {
+                result = KVB_ERR_IO;
+                break;
+            }
+        }
+        flush(s); /* cancellations produce finish events outside of steps */
+        if (kvb_engine_n_live(s->engine) > 0) {
+            kvb_status st = kvb_engine_step(s->engine);
+            flush(s); /* after a failed step too: every live request finished with ERROR */
+            if (st != KVB_OK) {
+                KVB_LOG_E("engine step failed: %s", kvb_status_str(st));
+                result = KVB_ERR_BACKEND;
+                break;
+            }
+        }
+    }
+    /* Leaving: end whatever is still live so that clients hear a finish rather than silence. */
+    for (int i = 0; i < s->max_live; i++)
+        if (s->slots[i].in_use && s->slots[i].finish == KVB_FINISH_NONE) queue_cancel(s, i);
+    flush(s);
+    return result;
+}
+
+void kvb_server_destroy(kvb_server *s) {
+    if (!s) return;
+    if (s->sock) zmq_close(s->sock);
+    if (s->zctx) zmq_ctx_term(s->zctx);
+    /* libzmq (4.3) leaves an ipc:// socket file behind; remove it unless another process has bound
+     * the same path since (then it is a different inode). */
+    struct stat sb;
+    if (s->ipc_path && stat(s->ipc_path, &sb) == 0 && S_ISSOCK(sb.st_mode) && sb.st_dev == s->ipc_dev &&
+        sb.st_ino == s->ipc_ino)
+        unlink(s->ipc_path);
+    free(s->ipc_path);
+    if (s->slots) {
+        for (int i = 0; i < s->max_live; i++) {
+            free(s->slots[i].tok);
+            free(s->slots[i].t_ns);
+        }
+    }
+    free(s->slots);
+    free(s->free_idx);
+    free(s->dirty);
+    free(s->cancels);
+    free(s->buckets);
+    free(s->model_name);
+    free(s->endpoint);
+    free(s);
+}
+
+const char *kvb_server_endpoint(const kvb_server *s) { return s ? s->endpoint : NULL; }
+
+void kvb_server_get_stats(const kvb_server *s, kvb_server_stats *out) {
+    if (!out) return;
+    memset(out, 0, sizeof *out);
+    if (s) *out = s->stats;
+}

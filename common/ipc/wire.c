@@ -1,0 +1,104 @@
+/* kvbank — encoding and validating wire messages. */
+#include "common/ipc/wire.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+/* Logs why a frame was rejected and copies the reason into why[why_len] (when given). */
+static void set_why(char *why, size_t why_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_why(char *why, size_t why_len, const char *fmt, ...) {
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    KVB_LOG_W("dropping message: %s", msg);
+    if (why && why_len) snprintf(why, why_len, "%s", msg);
+}
+
+kvb_status kvb_wire_pack(Kvbank__Envelope *env, uint8_t **buf, size_t *len) {
+    if (!env || !buf || !len) return KVB_ERR_INVALID;
+    env->version = KVB_PROTO_VERSION;
+    size_t n = kvbank__envelope__get_packed_size(env);
+    if (n > KVB_WIRE_MAX_FRAME) {
+        /* The peer would reject it; say so here, where the caller can still act on it. */
+        KVB_LOG_E("message of %zu bytes exceeds the %u-byte frame limit", n, KVB_WIRE_MAX_FRAME);
+        return KVB_ERR_INVALID;
+    }
+    uint8_t *b = NULL;
+    KVB_TRY(kvb_malloc(n, (void **)&b));
+    size_t w = kvbank__envelope__pack(env, b);
+    if (w != n) {
+        KVB_LOG_E("protobuf-c packed %zu bytes, expected %zu", w, n);
+        free(b);
+        return KVB_ERR_STATE;
+    }
+    *buf = b;
+    *len = n;
+    return KVB_OK;
+}
+
+kvb_status kvb_wire_unpack(const uint8_t *buf, size_t len, Kvbank__Envelope **out, char *why, size_t why_len) {
+    if (!out) return KVB_ERR_INVALID;
+    *out = NULL;
+    if (why && why_len) why[0] = '\0';
+    if (len > KVB_WIRE_MAX_FRAME) {
+        set_why(why, why_len, "frame of %zu bytes exceeds the %u-byte limit", len, KVB_WIRE_MAX_FRAME);
+        return KVB_ERR_PROTOCOL;
+    }
+    if (!buf && len) return KVB_ERR_INVALID;
+    static const uint8_t empty[1] = {0};
+    Kvbank__Envelope *env = kvbank__envelope__unpack(NULL, len, buf ? buf : empty);
+    if (!env) {
+        set_why(why, why_len, "frame of %zu bytes is not a valid kvbank.Envelope", len);
+        return KVB_ERR_PROTOCOL;
+    }
+    if (env->version != KVB_PROTO_VERSION) {
+        set_why(why, why_len, "unsupported protocol version %u (expected %u)", env->version, KVB_PROTO_VERSION);
+        kvbank__envelope__free_unpacked(env, NULL);
+        return KVB_ERR_PROTOCOL;
+    }
+    int known = 0;
+    switch (env->body_case) {
+    case KVBANK__ENVELOPE__BODY_GENERATE: known = env->generate != NULL; break;
+    case KVBANK__ENVELOPE__BODY_CANCEL: known = env->cancel != NULL; break;
+    case KVBANK__ENVELOPE__BODY_TOKENS: known = env->tokens != NULL; break;
+    case KVBANK__ENVELOPE__BODY_ERROR: known = env->error != NULL; break;
+    case KVBANK__ENVELOPE__BODY_PING: known = env->ping != NULL; break;
+    case KVBANK__ENVELOPE__BODY_PONG: known = env->pong != NULL; break;
+    default: known = 0; break;
+    }
+    if (!known) {
+        set_why(why, why_len, "envelope has no known body");
+        kvbank__envelope__free_unpacked(env, NULL);
+        return KVB_ERR_PROTOCOL;
+    }
+    *out = env;
+    return KVB_OK;
+}
+
+kvb_status kvb_wire_send(void *sock, const void *ident, size_t ident_len, Kvbank__Envelope *env, int dontwait) {
+    if (!sock || !env) return KVB_ERR_INVALID;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    KVB_TRY(kvb_wire_pack(env, &buf, &len));
+    int flags = dontwait ? ZMQ_DONTWAIT : 0;
+    int rc = 0;
+    if (ident) rc = zmq_send(sock, ident, ident_len, flags | ZMQ_SNDMORE);
+    /* With an identity frame accepted, the envelope frame completes the message (ROUTER routes, and
+     * decides reachability, on the first frame). */
+    if (rc >= 0) rc = zmq_send(sock, buf, len, flags);
+    int err = rc < 0 ? errno : 0;
+    free(buf);
+    if (rc < 0) {
+        /* EHOSTUNREACH (peer gone) and EAGAIN (would block / timed out) are for the caller to judge. */
+        if (err != EHOSTUNREACH && err != EAGAIN) KVB_LOG_E("zmq_send: %s", zmq_strerror(err));
+        errno = err;
+        return KVB_ERR_IO;
+    }
+    return KVB_OK;
+}

@@ -1,0 +1,211 @@
+/* kvbank — loading a Hugging Face model directory onto a backend (the forward pass is forward.c). */
+#include "common/model/model_impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/model/safetensors.h"
+
+/* Frees one weight if it was loaded. */
+static void weight_free(kvb_backend *be, kvb_tensor *t) {
+    if (t->data) be->iface->weight_free(be->ctx, t);
+    memset(t, 0, sizeof *t);
+}
+
+static void format_shape(char *buf, size_t cap, int n_dims, const int64_t *shape) {
+    int o = snprintf(buf, cap, "[");
+    for (int i = 0; i < n_dims && o > 0 && (size_t)o < cap; i++)
+        o += snprintf(buf + o, cap - (size_t)o, "%s%lld", i ? ", " : "", (long long)shape[i]);
+    if (o > 0 && (size_t)o < cap) snprintf(buf + o, cap - (size_t)o, "]");
+}
+
+/* Finds `name`, checks it is exactly [rows] (cols == 0: a vector) or [rows][cols], and loads it onto the
+ * backend as a [rows][cols or 1] weight. Errors name the tensor and both shapes. */
+static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
+                              kvb_tensor *dst) {
+    const kvb_st_tensor *t = kvb_st_find(set, name);
+    if (!t) {
+        KVB_LOG_E("model: tensor \"%s\" is missing", name);
+        return KVB_ERR_NOT_FOUND;
+    }
+    const int want_dims = cols ? 2 : 1;
+    const int64_t want[2] = {rows, cols};
+    int ok = t->n_dims == want_dims && t->shape[0] == rows && (!cols || t->shape[1] == cols);
+    if (!ok) {
+        char e[64], a[128];
+        format_shape(e, sizeof e, want_dims, want);
+        format_shape(a, sizeof a, t->n_dims, t->shape);
+        KVB_LOG_E("model: tensor \"%s\" has shape %s, expected %s", name, a, e);
+        return KVB_ERR_INVALID;
+    }
+    /* the backend copies (and converts) the data; it may be unaligned inside the mapping */
+    kvb_status st = be->iface->weight_load(be->ctx, t->data, t->dtype, rows, cols ? cols : 1, dst);
+    if (st != KVB_OK) {
+        KVB_LOG_E("model: backend %s could not load tensor \"%s\" (%s)", be->iface->name, name, kvb_status_str(st));
+        memset(dst, 0, sizeof *dst);
+        return st;
+    }
+    return KVB_OK;
+}
+
+static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l) {
+    const kvb_model_config *c = &m->cfg;
+    kvb_layer_weights *w = &m->layers[l];
+    const int64_t h = c->hidden, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
+    const int64_t ff = c->intermediate;
+    struct {
+        const char *suffix;
+        kvb_tensor *dst;
+        int64_t rows, cols;
+    } spec[] = {
+        {"input_layernorm.weight", &w->attn_norm, h, 0},
+        {"self_attn.q_proj.weight", &w->wq, q, h},
+        {"self_attn.k_proj.weight", &w->wk, kv, h},
+        {"self_attn.v_proj.weight", &w->wv, kv, h},
+        {"self_attn.o_proj.weight", &w->wo, h, q},
+        {"self_attn.q_norm.weight", &w->q_norm, c->head_dim, 0},
+        {"self_attn.k_norm.weight", &w->k_norm, c->head_dim, 0},
+        {"post_attention_layernorm.weight", &w->ffn_norm, h, 0},
+        {"mlp.gate_proj.weight", &w->w_gate, ff, h},
+        {"mlp.up_proj.weight", &w->w_up, ff, h},
+        {"mlp.down_proj.weight", &w->w_down, h, ff},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(spec); i++) {
+        if (spec[i].dst == &w->q_norm || spec[i].dst == &w->k_norm) {
+            if (c->arch != KVB_ARCH_QWEN3) continue;
+        }
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
+        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst));
+    }
+    return KVB_OK;
+}
+
+/* The tensors a checkpoint of this architecture holds (for the "unused tensor" warning). */
+static int64_t expected_tensor_count(const kvb_model_config *c) {
+    int per_layer = c->arch == KVB_ARCH_QWEN3 ? 11 : 9;
+    return (int64_t)c->n_layers * per_layer + 2 + (c->tie_embeddings ? 0 : 1);
+}
+
+static void free_weights(kvb_model *m) {
+    kvb_backend *be = m->be;
+    if (m->layers) {
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            kvb_layer_weights *w = &m->layers[l];
+            kvb_tensor *all[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->wo, &w->q_norm,
+                                 &w->k_norm, &w->ffn_norm, &w->w_gate, &w->w_up, &w->w_down};
+            for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) weight_free(be, all[i]);
+        }
+    }
+    if (!m->lm_head_tied) weight_free(be, &m->lm_head);
+    memset(&m->lm_head, 0, sizeof m->lm_head);
+    weight_free(be, &m->final_norm);
+    weight_free(be, &m->embed);
+}
+
+kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
+    kvb_status st;
+    if (!dir || !be || !out) return KVB_ERR_INVALID;
+    kvb_model *m = NULL;
+    kvb_st_set *set = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *m, (void **)&m));
+    m->be = be;
+    KVB_TRY_GOTO(kvb_model_config_load(dir, &m->cfg), fail_model);
+    const kvb_model_config *c = &m->cfg;
+    KVB_TRY_GOTO(kvb_st_open_dir(dir, &set), fail_model);
+    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *m->layers, (void **)&m->layers), fail_set);
+    KVB_TRY_GOTO(kvb_calloc((size_t)(c->head_dim / 2), sizeof *m->inv_freq, (void **)&m->inv_freq), fail_layers);
+
+    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed), fail_weights);
+    for (int l = 0; l < c->n_layers; l++) KVB_TRY_GOTO(load_layer(m, set, l), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm), fail_weights);
+    if (c->tie_embeddings) {
+        if (kvb_st_find(set, "lm_head.weight"))
+            KVB_LOG_W("%s: tie_word_embeddings is true; lm_head.weight is ignored (the embedding is used)", dir);
+        m->lm_head = m->embed;
+        m->lm_head_tied = 1;
+    } else {
+        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head), fail_weights);
+    }
+    int64_t expected = expected_tensor_count(c) + (c->tie_embeddings && kvb_st_find(set, "lm_head.weight"));
+    if (kvb_st_count(set) > expected)
+        KVB_LOG_W("%s: %lld tensors in the checkpoint are not used", dir, (long long)(kvb_st_count(set) - expected));
+
+    kvb_model_config_rope_inv_freq(c, m->inv_freq);
+    m->rope.head_dim = c->head_dim;
+    m->rope.inv_freq = m->inv_freq;
+    kvb_st_close(set); /* the backend holds its own copies of the weights */
+    KVB_LOG_I("%s: loaded %s, %d layers, hidden %d, %d/%d heads of %d, vocab %d, %lld parameters on %s", dir,
+              c->arch == KVB_ARCH_QWEN3 ? "Qwen3" : "Llama", c->n_layers, c->hidden, c->n_heads, c->n_kv_heads,
+              c->head_dim, c->vocab, (long long)kvb_model_n_params(m), be->iface->name);
+    *out = m;
+    return KVB_OK;
+
+fail_weights:
+    free_weights(m);
+    free(m->inv_freq);
+fail_layers:
+    free(m->layers);
+fail_set:
+    kvb_st_close(set);
+fail_model:
+    KVB_LOG_E("%s: model not loaded (%s)", dir, kvb_status_str(st));
+    free(m);
+    return st;
+}
+
+void kvb_model_destroy(kvb_model *m) {
+    if (!m) return;
+    free_weights(m);
+    free(m->layers);
+    free(m->inv_freq);
+    free(m);
+}
+
+const kvb_model_config *kvb_model_cfg(const kvb_model *m) { return &m->cfg; }
+
+kvb_backend *kvb_model_backend(const kvb_model *m) { return m->be; }
+
+kvb_kv_geom kvb_model_kv_geom(const kvb_model *m, int block_size) {
+    kvb_kv_geom g = {
+        .n_layers = m->cfg.n_layers,
+        .n_kv_heads = m->cfg.n_kv_heads,
+        .head_dim = m->cfg.head_dim,
+        .block_size = block_size,
+        .elem_size = (int)kvb_dtype_size(m->be->iface->act_dtype),
+    };
+    return g;
+}
+
+static int64_t layer_params(const kvb_model_config *c) {
+    const int64_t h = c->hidden, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
+    int64_t n = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * (int64_t)c->intermediate;
+    if (c->arch == KVB_ARCH_QWEN3) n += 2 * (int64_t)c->head_dim;
+    return n;
+}
+
+/* Counts a tied embedding once, as transformers' num_parameters() does. */
+int64_t kvb_model_n_params(const kvb_model *m) {
+    const kvb_model_config *c = &m->cfg;
+    int64_t n = (int64_t)c->vocab * c->hidden + c->n_layers * layer_params(c) + c->hidden;
+    if (!m->lm_head_tied) n += (int64_t)c->vocab * c->hidden;
+    return n;
+}
+
+static int64_t tensor_bytes(const kvb_tensor *t) {
+    return t->data ? t->ne[0] * t->ne[1] * (int64_t)kvb_dtype_size(t->dtype) : 0;
+}
+
+/* Everything one decode step reads: every layer's matrices and norms, the final norm and the LM head
+ * (the whole embedding table when tied), in the dtype the backend stores them. */
+int64_t kvb_model_weight_bytes_per_token(const kvb_model *m) {
+    int64_t b = tensor_bytes(&m->final_norm) + tensor_bytes(&m->lm_head);
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const kvb_layer_weights *w = &m->layers[l];
+        const kvb_tensor *all[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->wo, &w->q_norm,
+                                   &w->k_norm, &w->ffn_norm, &w->w_gate, &w->w_up, &w->w_down};
+        for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) b += tensor_bytes(all[i]);
+    }
+    return b;
+}

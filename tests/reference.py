@@ -1,0 +1,262 @@
+#!/usr/bin/python3
+"""kvbank's float64 NumPy reference of the Llama and Qwen3 forward passes.
+
+Written from the Hugging Face modeling equations (transformers' modeling_llama.py / modeling_qwen3.py):
+embedding, RMSNorm, q/k/v projections, Qwen3's per-head q_norm/k_norm before RoPE, rotate_half RoPE
+(default and llama3 inverse frequencies), causal GQA attention, o_proj + residual, post-attention
+RMSNorm, SwiGLU MLP + residual, final RMSNorm, lm_head (or the tied embedding). Everything is float64.
+Reads config.json and safetensors (single file or shards through model.safetensors.index.json) itself;
+needs only numpy.
+
+  reference.py --model DIR --prompt-ids 1,2,3 --tokens 7,8,9 --logits FILE.npy [--rtol 1e-4]
+      Teacher-forces prompt+tokens and compares the logits that predicted tokens[i] (position
+      len(prompt)-1+i) with row i of FILE.npy ([n_tokens, vocab] float32). Exit 1 on any failure.
+  reference.py --model DIR --prompt-ids 1,2,3 --greedy N
+      Prints N greedily generated ids, comma-separated.
+"""
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+
+import numpy as np
+
+TIE_GAP = 1e-3  # a top-2 gap below this is a near-tie: argmax disagreement is reported, not failed
+
+
+class Config:
+    def __init__(self, path):
+        with open(path) as f:
+            c = json.load(f)
+        archs = c.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
+            c.get("model_type"), c.get("model_type"))
+        if arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+            raise SystemExit("reference.py: unsupported architecture %r" % arch)
+        self.qwen3 = arch == "Qwen3ForCausalLM"
+        self.n_layers = c["num_hidden_layers"]
+        self.hidden = c["hidden_size"]
+        self.n_heads = c["num_attention_heads"]
+        self.n_kv_heads = c.get("num_key_value_heads") or self.n_heads
+        default_hd = 128 if self.qwen3 else self.hidden // self.n_heads
+        self.head_dim = c.get("head_dim") or default_hd
+        self.intermediate = c["intermediate_size"]
+        self.vocab = c["vocab_size"]
+        self.eps = float(c.get("rms_norm_eps", 1e-6))
+        self.tie = bool(c.get("tie_word_embeddings", False))
+        rs = c.get("rope_scaling")
+        self.rope_theta = float(c.get("rope_theta", 10000.0))
+        rp = c.get("rope_parameters")
+        if rs is None and isinstance(rp, dict):
+            rs = rp
+            self.rope_theta = float(rp.get("rope_theta", self.rope_theta))
+        self.rope_scaling = None
+        if rs is not None:
+            kind = rs.get("rope_type", rs.get("type"))
+            if kind == "llama3":
+                self.rope_scaling = rs
+            elif kind != "default":
+                raise SystemExit("reference.py: unsupported rope type %r" % kind)
+
+    def inv_freq(self):
+        """transformers' _compute_default_rope_parameters and _compute_llama3_parameters, in float64."""
+        d = self.head_dim
+        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        rs = self.rope_scaling
+        if rs is None:
+            return inv
+        factor = float(rs["factor"])
+        low = float(rs["low_freq_factor"])
+        high = float(rs["high_freq_factor"])
+        old_ctx = float(rs["original_max_position_embeddings"])
+        low_wavelen = old_ctx / low
+        high_wavelen = old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled)
+
+
+ST_DTYPES = {"F32": (np.dtype("<f4"), 4), "F16": (np.dtype("<f2"), 2), "BF16": (np.dtype("<u2"), 2)}
+
+
+def read_safetensors(path, out):
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n].decode("utf-8"))
+    base = 8 + n
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        dt, size = ST_DTYPES[e["dtype"]]
+        b, end = e["data_offsets"]
+        count = int(np.prod(e["shape"], dtype=np.int64)) if e["shape"] else 1
+        assert end - b == count * size, "%s: %s: size mismatch" % (path, name)
+        a = np.frombuffer(raw, dtype=dt, count=count, offset=base + b)
+        if e["dtype"] == "BF16":
+            a = (a.astype(np.uint32) << 16).view(np.float32)
+        if name in out:
+            raise SystemExit("reference.py: tensor %s defined twice" % name)
+        out[name] = a.astype(np.float64).reshape(e["shape"])
+
+
+def read_weights(model_dir):
+    w = {}
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        shards = sorted(p for p in os.listdir(model_dir) if p.endswith(".safetensors"))
+    for s in shards:
+        read_safetensors(os.path.join(model_dir, s), w)
+    return w
+
+
+def rmsnorm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+class Model:
+    def __init__(self, model_dir):
+        self.c = Config(os.path.join(model_dir, "config.json"))
+        self.w = read_weights(model_dir)
+        self.inv_freq = self.c.inv_freq()
+
+    def forward(self, ids):
+        """Logits [len(ids), vocab] of a causal forward pass over `ids` at positions 0..len-1."""
+        c, w = self.c, self.w
+        n, hd, nh, nkv = len(ids), c.head_dim, c.n_heads, c.n_kv_heads
+        rep = nh // nkv
+        x = w["model.embed_tokens.weight"][np.asarray(ids)]
+        pos = np.arange(n, dtype=np.float64)
+        freqs = np.outer(pos, self.inv_freq)
+        emb = np.concatenate([freqs, freqs], axis=-1)  # [n, hd]
+        cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+        mask = np.triu(np.full((n, n), -np.inf), k=1)
+        for l in range(c.n_layers):
+            p = "model.layers.%d." % l
+            h = rmsnorm(x, w[p + "input_layernorm.weight"], c.eps)
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(n, nh, hd)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(n, nkv, hd)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(n, nkv, hd)
+            if c.qwen3:
+                q = rmsnorm(q, w[p + "self_attn.q_norm.weight"], c.eps)
+                k = rmsnorm(k, w[p + "self_attn.k_norm.weight"], c.eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            out = np.empty((n, nh, hd))
+            for hh in range(nh):
+                kvh = hh // rep  # repeat_kv: query head hh reads kv head hh // n_rep
+                s = (q[:, hh, :] @ k[:, kvh, :].T) / math.sqrt(hd) + mask
+                s = s - s.max(axis=-1, keepdims=True)
+                pr = np.exp(s)
+                pr /= pr.sum(axis=-1, keepdims=True)
+                out[:, hh, :] = pr @ v[:, kvh, :]
+            x = x + out.reshape(n, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+            h = rmsnorm(x, w[p + "post_attention_layernorm.weight"], c.eps)
+            g = h @ w[p + "mlp.gate_proj.weight"].T
+            u = h @ w[p + "mlp.up_proj.weight"].T
+            x = x + (silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
+        x = rmsnorm(x, w["model.norm.weight"], c.eps)
+        head = w["model.embed_tokens.weight"] if c.tie else w["lm_head.weight"]
+        return x @ head.T
+
+
+def parse_ids(s, what):
+    try:
+        ids = [int(t) for t in s.split(",")]
+    except ValueError:
+        raise SystemExit("reference.py: %s must be comma-separated integers, got %r" % (what, s))
+    return ids
+
+
+def top2_gap(row):
+    top = np.partition(row, -2)[-2:]
+    return float(top[1] - top[0])
+
+
+def compare(model, prompt, tokens, logits_path, rtol):
+    got = np.load(logits_path)
+    n, vocab = len(tokens), model.c.vocab
+    failures = []
+    if got.ndim != 2 or got.shape != (n, vocab):
+        print("FAIL %s: shape %s, expected (%d, %d)" % (logits_path, got.shape, n, vocab))
+        return 1
+    if got.dtype != np.float32:
+        failures.append("dtype %s, expected float32" % got.dtype)
+    if not np.all(np.isfinite(got)):
+        failures.append("non-finite values in %s" % logits_path)
+    ref = model.forward(prompt + tokens[:-1])[len(prompt) - 1:]
+    max_rel, worst, ties = 0.0, -1, 0
+    for i in range(n):
+        a, b = got[i].astype(np.float64), ref[i]
+        rel = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+        if rel > max_rel:
+            max_rel, worst = rel, i
+        if rel > rtol:
+            failures.append("row %d: relative error %.3g > %.3g" % (i, rel, rtol))
+        if tokens[i] != int(np.argmax(got[i])):
+            failures.append("row %d: engine token %d is not the argmax %d of its own logits"
+                            % (i, tokens[i], int(np.argmax(got[i]))))
+        ref_top = int(np.argmax(b))
+        if tokens[i] != ref_top:
+            gap = top2_gap(b)
+            if gap < TIE_GAP:
+                ties += 1
+                print("note: row %d: engine token %d, reference argmax %d, reference top-2 gap %.3g (near-tie)"
+                      % (i, tokens[i], ref_top, gap))
+            else:
+                failures.append("row %d: engine token %d, reference argmax %d (top-2 gap %.3g)"
+                                % (i, tokens[i], ref_top, gap))
+    for f in failures[:20]:
+        print("FAIL " + f)
+    status = "FAIL" if failures else "ok"
+    print("%s: %d rows, max rel err %.3g (row %d), rtol %.3g, near-ties %d, failures %d"
+          % (status, n, max_rel, worst, rtol, ties, len(failures)))
+    return 1 if failures else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description="float64 NumPy reference forward pass for kvbank")
+    ap.add_argument("--model", required=True, help="Hugging Face model directory")
+    ap.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids")
+    ap.add_argument("--tokens", help="comma-separated generated token ids to check")
+    ap.add_argument("--logits", help=".npy of the engine's logits, [n_tokens, vocab] float32")
+    ap.add_argument("--rtol", type=float, default=1e-4, help="max |a-b|/max|b| per row (default 1e-4)")
+    ap.add_argument("--greedy", type=int, metavar="N", help="print N greedily generated ids instead")
+    a = ap.parse_args()
+    model = Model(a.model)
+    prompt = parse_ids(a.prompt_ids, "--prompt-ids")
+    if not prompt or any(t < 0 or t >= model.c.vocab for t in prompt):
+        raise SystemExit("reference.py: --prompt-ids must be non-empty ids below vocab %d" % model.c.vocab)
+    if a.greedy is not None:
+        ids = list(prompt)
+        for _ in range(a.greedy):
+            ids.append(int(np.argmax(model.forward(ids)[-1])))
+        print(",".join(str(t) for t in ids[len(prompt):]))
+        return 0
+    if a.tokens is None or a.logits is None:
+        ap.error("--tokens and --logits are required unless --greedy is given")
+    tokens = parse_ids(a.tokens, "--tokens")
+    if not tokens or any(t < 0 or t >= model.c.vocab for t in tokens):
+        raise SystemExit("reference.py: --tokens must be non-empty ids below vocab %d" % model.c.vocab)
+    return compare(model, prompt, tokens, a.logits, a.rtol)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

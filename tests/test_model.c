@@ -1,0 +1,929 @@
+/* Unit tests of common/model: config.json parsing, RoPE frequencies, safetensors reading and writing
+ * (every malformed case), and loading model directories onto the CPU backend. Every test makes its
+ * files under its own mkdtemp directory, removed at exit. */
+#include <fcntl.h>
+#include <ftw.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/model/config.h"
+#include "common/model/model.h"
+#include "common/model/model_impl.h"
+#include "common/model/safetensors.h"
+#include "common/util/util.h"
+#include "kernels/backend.h"
+#include "tests/harness.h"
+
+/* ------------------------------------------------------------------------------------ helpers */
+
+/* All files live under one mkdtemp directory made by the runner process before it forks the tests and
+ * removed when the runner exits, so a failed assertion (check's forked child _exits) leaves nothing. */
+static char g_root[64];
+static pid_t g_root_pid;
+static char g_tmp[128];
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+__attribute__((constructor)) static void root_create(void) {
+    snprintf(g_root, sizeof g_root, "/tmp/kvb-test-model-XXXXXX");
+    if (mkdtemp(g_root)) g_root_pid = getpid();
+    else g_root[0] = 0;
+}
+
+__attribute__((destructor)) static void root_remove(void) {
+    if (g_root[0] && getpid() == g_root_pid) nftw(g_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* This test's own directory under the root (one per test process). */
+static const char *tmpdir(void) {
+    if (!g_tmp[0]) {
+        ck_assert_msg(g_root[0] != 0, "could not create a temp directory under /tmp");
+        snprintf(g_tmp, sizeof g_tmp, "%s/t-XXXXXX", g_root);
+        ck_assert_ptr_nonnull(mkdtemp(g_tmp));
+    }
+    return g_tmp;
+}
+
+/* tmp_path("x") -> "<tmpdir>/x" in a static rotating buffer. */
+static const char *tmp_path(const char *name) {
+    static char bufs[8][256];
+    static int k;
+    char *b = bufs[k++ % 8];
+    snprintf(b, 256, "%s/%s", tmpdir(), name);
+    return b;
+}
+
+static void mkdir_tmp(const char *name) { ck_assert_int_eq(mkdir(tmp_path(name), 0755), 0); }
+
+static void write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_int_eq(fputs(text, f) >= 0, 1);
+    ck_assert_int_eq(fclose(f), 0);
+}
+
+/* Captures what the code under test logs to stderr between capture_begin and capture_end. */
+static int g_saved_fd = -1;
+static char g_log[16384];
+
+static void capture_begin(void) {
+    fflush(stderr);
+    int fd = open(tmp_path("stderr.log"), O_CREAT | O_TRUNC | O_RDWR, 0600);
+    ck_assert_int_ge(fd, 0);
+    g_saved_fd = dup(2);
+    dup2(fd, 2);
+    close(fd);
+}
+
+static const char *capture_end(void) {
+    fflush(stderr);
+    dup2(g_saved_fd, 2);
+    close(g_saved_fd);
+    FILE *f = fopen(tmp_path("stderr.log"), "r");
+    ck_assert_ptr_nonnull(f);
+    size_t n = fread(g_log, 1, sizeof g_log - 1, f);
+    g_log[n] = 0;
+    fclose(f);
+    fputs(g_log, stderr); /* keep it visible in the test output */
+    return g_log;
+}
+
+#define ck_assert_log_has(needle)                                                                      \
+    ck_assert_msg(strstr(g_log, (needle)) != NULL, "log does not mention \"%s\": %s", (needle), g_log)
+
+static kvb_status parse_cfg(const char *text, kvb_model_config *c) {
+    return kvb_model_config_parse(text, strlen(text), c);
+}
+
+/* ---------------------------------------------------------------------------------------- config */
+
+KVB_TEST(config_llama_defaults) {
+    const char *txt = "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"intermediate_size\": 128,"
+                      " \"num_attention_heads\": 4, \"num_hidden_layers\": 2, \"vocab_size\": 256}";
+    kvb_model_config c;
+    ck_assert_int_eq(parse_cfg(txt, &c), KVB_OK);
+    ck_assert_int_eq(c.arch, KVB_ARCH_LLAMA);
+    ck_assert_int_eq(c.n_layers, 2);
+    ck_assert_int_eq(c.hidden, 64);
+    ck_assert_int_eq(c.n_heads, 4);
+    ck_assert_int_eq(c.n_kv_heads, 4);
+    ck_assert_int_eq(c.head_dim, 16);
+    ck_assert_int_eq(c.intermediate, 128);
+    ck_assert_int_eq(c.vocab, 256);
+    ck_assert_int_eq(c.max_pos, 2048);
+    ck_assert_float_eq(c.rms_eps, 1e-6f);
+    ck_assert_double_eq(c.rope_theta, 10000.0);
+    ck_assert_int_eq(c.tie_embeddings, 0);
+    ck_assert_int_eq(c.rope_llama3, 0);
+    ck_assert_int_eq(c.bos_id, -1);
+    ck_assert_int_eq(c.n_eos, 0);
+    ck_assert_int_eq(c.torch_dtype, KVB_DTYPE_F32);
+}
+KVB_TEST_END
+
+KVB_TEST(config_qwen3) {
+    /* the fields of a real Qwen3 config.json (Qwen3-0.6B's shape: head_dim != hidden/heads) */
+    const char *txt =
+        "{\"architectures\": [\"Qwen3ForCausalLM\"], \"attention_bias\": false, \"attention_dropout\": 0.0,"
+        " \"bos_token_id\": 151643, \"eos_token_id\": 151645, \"head_dim\": 128, \"hidden_act\": \"silu\","
+        " \"hidden_size\": 1024, \"initializer_range\": 0.02, \"intermediate_size\": 3072,"
+        " \"max_position_embeddings\": 40960, \"max_window_layers\": 28, \"model_type\": \"qwen3\","
+        " \"num_attention_heads\": 16, \"num_hidden_layers\": 28, \"num_key_value_heads\": 8,"
+        " \"rms_norm_eps\": 1e-06, \"rope_scaling\": null, \"rope_theta\": 1000000, \"sliding_window\": null,"
+        " \"tie_word_embeddings\": true, \"torch_dtype\": \"bfloat16\", \"use_cache\": true,"
+        " \"use_sliding_window\": false, \"vocab_size\": 151936}";
+    kvb_model_config c;
+    ck_assert_int_eq(parse_cfg(txt, &c), KVB_OK);
+    ck_assert_int_eq(c.arch, KVB_ARCH_QWEN3);
+    ck_assert_int_eq(c.head_dim, 128);
+    ck_assert_int_eq(c.n_kv_heads, 8);
+    ck_assert_int_eq(c.max_pos, 40960);
+    ck_assert_double_eq(c.rope_theta, 1000000.0);
+    ck_assert_int_eq(c.tie_embeddings, 1);
+    ck_assert_int_eq(c.bos_id, 151643);
+    ck_assert_int_eq(c.n_eos, 1);
+    ck_assert_int_eq(c.eos_ids[0], 151645);
+    ck_assert_int_eq(c.torch_dtype, KVB_DTYPE_BF16);
+
+    /* no "architectures": model_type decides; Qwen3Config's own head_dim default is 128 */
+    const char *mt = "{\"model_type\": \"qwen3\", \"hidden_size\": 64, \"intermediate_size\": 128,"
+                     " \"num_attention_heads\": 4, \"num_key_value_heads\": 2, \"num_hidden_layers\": 2,"
+                     " \"vocab_size\": 256}";
+    ck_assert_int_eq(parse_cfg(mt, &c), KVB_OK);
+    ck_assert_int_eq(c.arch, KVB_ARCH_QWEN3);
+    ck_assert_int_eq(c.head_dim, 128);
+    ck_assert_int_eq(c.max_pos, 32768);
+    const char *ml = "{\"model_type\": \"llama\", \"hidden_size\": 64, \"intermediate_size\": 128,"
+                     " \"num_attention_heads\": 4, \"num_hidden_layers\": 2, \"vocab_size\": 256}";
+    ck_assert_int_eq(parse_cfg(ml, &c), KVB_OK);
+    ck_assert_int_eq(c.arch, KVB_ARCH_LLAMA);
+}
+KVB_TEST_END
+
+KVB_TEST(config_llama3_rope_and_eos_list) {
+    /* Llama 3.1 8B's config.json */
+    const char *txt =
+        "{\"architectures\": [\"LlamaForCausalLM\"], \"attention_bias\": false, \"bos_token_id\": 128000,"
+        " \"eos_token_id\": [128001, 128008, 128009], \"head_dim\": 128, \"hidden_act\": \"silu\","
+        " \"hidden_size\": 4096, \"intermediate_size\": 14336, \"max_position_embeddings\": 131072,"
+        " \"mlp_bias\": false, \"model_type\": \"llama\", \"num_attention_heads\": 32,"
+        " \"num_hidden_layers\": 32, \"num_key_value_heads\": 8, \"pretraining_tp\": 1,"
+        " \"rms_norm_eps\": 1e-05, \"rope_scaling\": {\"factor\": 8.0, \"low_freq_factor\": 1.0,"
+        " \"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192, \"rope_type\": \"llama3\"},"
+        " \"rope_theta\": 500000.0, \"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\","
+        " \"vocab_size\": 128256}";
+    kvb_model_config c;
+    ck_assert_int_eq(parse_cfg(txt, &c), KVB_OK);
+    ck_assert_int_eq(c.rope_llama3, 1);
+    ck_assert_double_eq(c.rope_factor, 8.0);
+    ck_assert_double_eq(c.rope_low_freq_factor, 1.0);
+    ck_assert_double_eq(c.rope_high_freq_factor, 4.0);
+    ck_assert_int_eq(c.rope_orig_max_pos, 8192);
+    ck_assert_double_eq(c.rope_theta, 500000.0);
+    ck_assert_float_eq(c.rms_eps, 1e-5f);
+    ck_assert_int_eq(c.n_eos, 3);
+    ck_assert_int_eq(c.eos_ids[0], 128001);
+    ck_assert_int_eq(c.eos_ids[2], 128009);
+    ck_assert_int_eq(c.bos_id, 128000);
+    ck_assert_int_eq(c.n_kv_heads, 8);
+
+    /* the older "type" spelling, "default", and transformers 4.56+'s rope_parameters */
+    const char *base = "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"intermediate_size\": 8,"
+                       " \"num_attention_heads\": 4, \"num_hidden_layers\": 1, \"vocab_size\": 16, %s}";
+    char buf[1024];
+    snprintf(buf, sizeof buf, base,
+             "\"rope_scaling\": {\"type\": \"llama3\", \"factor\": 2, \"low_freq_factor\": 1,"
+             " \"high_freq_factor\": 2, \"original_max_position_embeddings\": 64}");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.rope_llama3, 1);
+    ck_assert_double_eq(c.rope_factor, 2.0);
+    snprintf(buf, sizeof buf, base, "\"rope_scaling\": {\"rope_type\": \"default\"}");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.rope_llama3, 0);
+    snprintf(buf, sizeof buf, base, "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 123456.0}");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_double_eq(c.rope_theta, 123456.0);
+    ck_assert_int_eq(c.rope_llama3, 0);
+}
+KVB_TEST_END
+
+KVB_TEST(config_errors) {
+    const char *base = "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"intermediate_size\": 128,"
+                       " \"num_attention_heads\": 4, \"num_hidden_layers\": 2, \"vocab_size\": 256%s}";
+    static const struct {
+        const char *text; /* full text, or NULL to use `extra` spliced into `base` */
+        const char *extra;
+        kvb_status want;
+        const char *logged; /* must appear in the error log */
+    } cases[] = {
+        {"{\"hidden_size\": 64,", NULL, KVB_ERR_FORMAT, "invalid JSON"},
+        {"[1, 2]", NULL, KVB_ERR_FORMAT, "JSON object"},
+        {"{\"architectures\": [\"MistralForCausalLM\"], \"hidden_size\": 64}", NULL, KVB_ERR_UNSUPPORTED,
+         "MistralForCausalLM"},
+        {"{\"model_type\": \"gpt2\", \"hidden_size\": 64}", NULL, KVB_ERR_UNSUPPORTED, "gpt2"},
+        {"{\"hidden_size\": 64}", NULL, KVB_ERR_INVALID, "model_type"},
+        {"{\"architectures\": [\"LlamaForCausalLM\"], \"intermediate_size\": 128, \"num_attention_heads\": 4,"
+         " \"num_hidden_layers\": 2, \"vocab_size\": 256}",
+         NULL, KVB_ERR_INVALID, "hidden_size"},
+        {NULL, ", \"num_key_value_heads\": 3", KVB_ERR_INVALID, "num_key_value_heads"},
+        {NULL, ", \"head_dim\": 7", KVB_ERR_INVALID, "head_dim"},
+        {"{\"model_type\": \"llama\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": 4,"
+         " \"num_hidden_layers\": 2, \"vocab_size\": -1}",
+         NULL, KVB_ERR_INVALID, "vocab_size"},
+        {"{\"model_type\": \"llama\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": 4,"
+         " \"num_hidden_layers\": 0, \"vocab_size\": 256}",
+         NULL, KVB_ERR_INVALID, "num_hidden_layers"},
+        {"{\"model_type\": \"llama\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": \"4\","
+         " \"num_hidden_layers\": 2, \"vocab_size\": 256}",
+         NULL, KVB_ERR_INVALID, "num_attention_heads"},
+        {"{\"model_type\": \"llama\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": 64,"
+         " \"num_hidden_layers\": 2, \"vocab_size\": 256}",
+         NULL, KVB_ERR_INVALID, "head_dim"},
+        {NULL, ", \"rms_norm_eps\": 0", KVB_ERR_INVALID, "rms_norm_eps"},
+        {NULL, ", \"rope_theta\": -5", KVB_ERR_INVALID, "rope_theta"},
+        {NULL, ", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}", KVB_ERR_UNSUPPORTED, "yarn"},
+        {NULL, ", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 4.0}", KVB_ERR_UNSUPPORTED, "linear"},
+        {NULL, ", \"rope_scaling\": {\"factor\": 4.0}", KVB_ERR_INVALID, "rope_type"},
+        {NULL, ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"low_freq_factor\": 1, \"high_freq_factor\": 4,"
+               " \"original_max_position_embeddings\": 8192}",
+         KVB_ERR_INVALID, "factor"},
+        {NULL, ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8, \"low_freq_factor\": 4,"
+               " \"high_freq_factor\": 4, \"original_max_position_embeddings\": 8192}",
+         KVB_ERR_INVALID, "high_freq_factor"},
+        {NULL, ", \"rope_scaling\": 3", KVB_ERR_INVALID, "rope_scaling"},
+        {NULL, ", \"eos_token_id\": [1, 2, 3, 4, 5, 6, 7, 8, 9]", KVB_ERR_INVALID, "eos_token_id"},
+        {NULL, ", \"eos_token_id\": [1, \"x\"]", KVB_ERR_INVALID, "eos_token_id"},
+        {NULL, ", \"eos_token_id\": 256", KVB_ERR_INVALID, "eos_token_id"},
+        {NULL, ", \"bos_token_id\": -1", KVB_ERR_INVALID, "bos_token_id"},
+        {NULL, ", \"hidden_act\": \"gelu\"", KVB_ERR_UNSUPPORTED, "gelu"},
+        {NULL, ", \"attention_bias\": true", KVB_ERR_UNSUPPORTED, "attention_bias"},
+        {NULL, ", \"tie_word_embeddings\": 1", KVB_ERR_INVALID, "tie_word_embeddings"},
+        {NULL, ", \"architectures\": \"LlamaForCausalLM\"", KVB_ERR_FORMAT, "duplicate"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        char buf[1024];
+        if (cases[i].text) snprintf(buf, sizeof buf, "%s", cases[i].text);
+        else snprintf(buf, sizeof buf, base, cases[i].extra);
+        kvb_model_config c;
+        capture_begin();
+        kvb_status st = parse_cfg(buf, &c);
+        capture_end();
+        ck_assert_msg(st == cases[i].want, "case %zu (%s): status %d (%s), want %d", i, buf, st, kvb_status_str(st),
+                      cases[i].want);
+        ck_assert_log_has(cases[i].logged);
+    }
+    /* a missing config.json is a NOT_FOUND naming the file */
+    mkdir_tmp("empty");
+    kvb_model_config c;
+    capture_begin();
+    kvb_status st = kvb_model_config_load(tmp_path("empty"), &c);
+    capture_end();
+    ck_assert_int_eq(st, KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("config.json");
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------------------------------- RoPE */
+
+KVB_TEST(rope_inv_freq_default) {
+    kvb_model_config c = {.head_dim = 8, .rope_theta = 10000.0};
+    float f[4];
+    kvb_model_config_rope_inv_freq(&c, f);
+    /* theta^(-2i/d): 1, 10000^-1/4, 10000^-1/2, 10000^-3/4 */
+    ck_assert_float_eq(f[0], 1.0f);
+    ck_assert_float_eq(f[1], 0.1f);
+    ck_assert_float_eq(f[2], 0.01f);
+    ck_assert_float_eq(f[3], 0.001f);
+    kvb_model_config q = {.head_dim = 128, .rope_theta = 1000000.0};
+    float g[64];
+    kvb_model_config_rope_inv_freq(&q, g);
+    ck_assert_float_eq(g[32], 0.001f); /* 1e6^(-64/128) */
+    ck_assert_float_eq_tol(g[63], (float)pow(1e6, -126.0 / 128.0), 1e-12f);
+}
+KVB_TEST_END
+
+KVB_TEST(rope_inv_freq_llama3) {
+    /* head_dim 8, theta 1e4: base frequencies 1, 0.1, 0.01, 0.001, wavelengths 2*pi/f = 6.28, 62.8, 628.3,
+     * 6283.2. With original_max_position_embeddings 1024, low_freq_factor 1, high_freq_factor 4:
+     * low_freq_wavelen = 1024, high_freq_wavelen = 256. So
+     *   f0, f1: wavelen < 256            -> unchanged
+     *   f2:     256 <= 628.3 <= 1024     -> smooth = (1024/628.3185307179587 - 1) / (4 - 1) = 0.20991553908700275
+     *                                       (1 - smooth) * 0.01 / 8 + smooth * 0.01 = 0.003086760967011274
+     *   f3:     6283.2 > 1024            -> 0.001 / 8 = 0.000125 */
+    kvb_model_config c = {.head_dim = 8, .rope_theta = 10000.0, .rope_llama3 = 1, .rope_factor = 8.0,
+                          .rope_low_freq_factor = 1.0, .rope_high_freq_factor = 4.0, .rope_orig_max_pos = 1024};
+    float f[4];
+    kvb_model_config_rope_inv_freq(&c, f);
+    ck_assert_float_eq(f[0], 1.0f);
+    ck_assert_float_eq(f[1], 0.1f);
+    ck_assert_float_eq(f[2], (float)0.003086760967011274);
+    ck_assert_float_eq(f[3], (float)0.000125);
+    /* a wavelength exactly at high_freq_wavelen is "medium" (smooth = 1: unchanged); exactly at
+     * low_freq_wavelen too (smooth = 0: divided by factor) */
+    kvb_model_config e = c;
+    e.rope_orig_max_pos = 1024;
+    e.rope_low_freq_factor = 1024.0 / (2.0 * M_PI / 0.1); /* low wavelen == 62.83 == f1's */
+    e.rope_high_freq_factor = 100.0;
+    kvb_model_config_rope_inv_freq(&e, f);
+    ck_assert_float_eq_tol(f[1], 0.1f / 8.0f, 1e-8f);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------------------------- safetensors */
+
+/* Writes a raw safetensors file: u64 header length, `header` padded with spaces to `hlen` (0: its own
+ * length), then `data_len` bytes of pattern. */
+static void write_raw(const char *path, uint64_t hlen_field, const char *header, size_t data_len) {
+    FILE *f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    uint64_t hl = hlen_field ? hlen_field : strlen(header);
+    unsigned char le[8];
+    for (int i = 0; i < 8; i++) le[i] = (unsigned char)(hl >> (8 * i));
+    ck_assert_uint_eq(fwrite(le, 1, 8, f), 8);
+    ck_assert_uint_eq(fwrite(header, 1, strlen(header), f), strlen(header));
+    for (size_t i = 0; i < data_len; i++) fputc((int)(i & 0xff), f);
+    ck_assert_int_eq(fclose(f), 0);
+}
+
+static kvb_status open_file_logged(const char *path) {
+    kvb_st_set *s = NULL;
+    capture_begin();
+    kvb_status st = kvb_st_open_file(path, &s);
+    capture_end();
+    if (st == KVB_OK) kvb_st_close(s);
+    else ck_assert_ptr_null(s);
+    return st;
+}
+
+KVB_TEST(st_roundtrip) {
+    float a[6] = {1, -2, 3.5f, 4, 5, 6};
+    uint16_t b[4] = {0x3f80, 0xc000, 0x0000, 0x7f80};
+    uint16_t h[8] = {0x3c00, 1, 2, 3, 4, 5, 6, 0xfbff};
+    float s = 42.0f;
+    kvb_st_write_tensor w[] = {
+        {.name = "z.last", .dtype = KVB_DTYPE_F32, .n_dims = 2, .shape = {2, 3}, .data = a},
+        {.name = "a.bf16", .dtype = KVB_DTYPE_BF16, .n_dims = 1, .shape = {4}, .data = b},
+        {.name = "m.f16", .dtype = KVB_DTYPE_F16, .n_dims = 3, .shape = {2, 2, 2}, .data = h},
+        {.name = "scalar", .dtype = KVB_DTYPE_F32, .n_dims = 0, .data = &s},
+        {.name = "empty", .dtype = KVB_DTYPE_F32, .n_dims = 2, .shape = {0, 5}, .data = NULL},
+    };
+    const char *p = tmp_path("rt.safetensors");
+    ck_assert_int_eq(kvb_st_write(p, w, 5, "{\"format\": \"pt\"}"), KVB_OK);
+
+    /* the header: padded to a multiple of 8, keys sorted, offsets in key order */
+    FILE *f = fopen(p, "rb");
+    unsigned char le[8];
+    ck_assert_uint_eq(fread(le, 1, 8, f), 8);
+    uint64_t hl = 0;
+    for (int i = 0; i < 8; i++) hl |= (uint64_t)le[i] << (8 * i);
+    ck_assert_uint_eq(hl % 8, 0);
+    char hdr[1024] = {0};
+    ck_assert_uint_lt(hl, sizeof hdr);
+    ck_assert_uint_eq(fread(hdr, 1, hl, f), hl);
+    fclose(f);
+    const char *order[] = {"__metadata__", "a.bf16", "empty", "m.f16", "scalar", "z.last"};
+    for (int i = 1; i < 6; i++) {
+        char *x = strstr(hdr, order[i - 1]), *y = strstr(hdr, order[i]);
+        ck_assert_ptr_nonnull(x);
+        ck_assert_ptr_nonnull(y);
+        ck_assert_msg(x < y, "%s should precede %s in %s", order[i - 1], order[i], hdr);
+    }
+    ck_assert_ptr_nonnull(strstr(hdr, "\"a.bf16\":{\"data_offsets\":[0,8],\"dtype\":\"BF16\",\"shape\":[4]}"));
+    ck_assert_ptr_nonnull(strstr(hdr, "\"scalar\":{\"data_offsets\":[24,28],\"dtype\":\"F32\",\"shape\":[]}"));
+
+    kvb_st_set *set = NULL;
+    ck_assert_int_eq(kvb_st_open_file(p, &set), KVB_OK);
+    ck_assert_int_eq(kvb_st_count(set), 5);
+    ck_assert_str_eq(kvb_st_at(set, 0)->name, "a.bf16");
+    ck_assert_str_eq(kvb_st_at(set, 4)->name, "z.last");
+    ck_assert_ptr_null(kvb_st_at(set, 5));
+    ck_assert_ptr_null(kvb_st_find(set, "__metadata__"));
+    ck_assert_ptr_null(kvb_st_find(set, "nope"));
+    for (size_t i = 0; i < KVB_ARRAY_LEN(w); i++) {
+        const kvb_st_tensor *t = kvb_st_find(set, w[i].name);
+        ck_assert_ptr_nonnull(t);
+        ck_assert_int_eq(t->dtype, w[i].dtype);
+        ck_assert_int_eq(t->n_dims, w[i].n_dims);
+        size_t n = kvb_dtype_size(t->dtype);
+        for (int d = 0; d < t->n_dims; d++) {
+            ck_assert_int_eq(t->shape[d], w[i].shape[d]);
+            n *= (size_t)w[i].shape[d];
+        }
+        ck_assert_uint_eq(t->nbytes, n);
+        if (n) ck_assert_int_eq(memcmp(t->data, w[i].data, n), 0);
+    }
+    /* data starts 8-aligned in the file; the F32 tensor is readable in place */
+    const kvb_st_tensor *zl = kvb_st_find(set, "z.last");
+    float back[6];
+    memcpy(back, zl->data, sizeof back);
+    ck_assert_float_eq(back[2], 3.5f);
+    kvb_st_close(set);
+    kvb_st_close(NULL);
+
+    /* the writer refuses what it could not write faithfully */
+    kvb_st_write_tensor dup[] = {w[0], w[0]};
+    capture_begin();
+    ck_assert_int_eq(kvb_st_write(tmp_path("dup.safetensors"), dup, 2, NULL), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_st_write(tmp_path("meta.safetensors"), w, 1, "{\"format\": 1}"), KVB_ERR_INVALID);
+    capture_end();
+}
+KVB_TEST_END
+
+KVB_TEST(st_malformed) {
+    static const char *const ok_entry = "\"t\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]}";
+    char hdr[512];
+    struct {
+        const char *name;
+        uint64_t hlen;        /* 0: the header's own length */
+        const char *header;   /* printf format with one %s for ok_entry, or literal */
+        size_t data;
+        kvb_status want;
+        const char *logged;
+    } cases[] = {
+        {"bad_json", 0, "{\"t\":{\"dtype\":\"F32\",", 24, KVB_ERR_FORMAT, "invalid JSON"},
+        {"empty_header", 0, "{}", 0, KVB_OK, NULL},
+        {"array", 0, "[1,2]   ", 0, KVB_ERR_FORMAT, "'{'"},
+        {"hdr_too_long", 4096, "{%s}", 24, KVB_ERR_FORMAT, "header length 4096"},
+        {"hdr_insane", 1ull << 62, "{%s}", 24, KVB_ERR_FORMAT, "not sane"},
+        {"truncated_data", 0, "{%s}", 20, KVB_ERR_FORMAT, "truncated"},
+        {"unknown_dtype", 0, "{\"t\":{\"dtype\":\"I64\",\"shape\":[3],\"data_offsets\":[0,24]}}", 24,
+         KVB_ERR_UNSUPPORTED, "\"I64\""},
+        {"garbage_dtype", 0, "{\"t\":{\"dtype\":\"Q4_K\",\"shape\":[3],\"data_offsets\":[0,24]}}", 24,
+         KVB_ERR_UNSUPPORTED, "Q4_K"},
+        {"shape_mismatch", 0, "{\"t\":{\"dtype\":\"F32\",\"shape\":[2,2],\"data_offsets\":[0,24]}}", 24,
+         KVB_ERR_FORMAT, "expected 16 bytes"},
+        {"offsets_past_end", 0, "{\"t\":{\"dtype\":\"F32\",\"shape\":[6],\"data_offsets\":[8,32]}}", 24,
+         KVB_ERR_FORMAT, "past the end"},
+        {"offsets_reversed", 0, "{\"t\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[8,0]}}", 24,
+         KVB_ERR_FORMAT, "not an interval"},
+        {"offsets_negative", 0, "{\"t\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[-8,0]}}", 24,
+         KVB_ERR_FORMAT, "not an interval"},
+        {"offsets_not_pair", 0, "{\"t\":{\"dtype\":\"F32\",\"shape\":[6],\"data_offsets\":[0]}}", 24,
+         KVB_ERR_FORMAT, "data_offsets"},
+        {"five_dims", 0, "{\"t\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,6],\"data_offsets\":[0,24]}}", 24,
+         KVB_ERR_UNSUPPORTED, "dimensions"},
+        {"negative_dim", 0, "{\"t\":{\"dtype\":\"F32\",\"shape\":[-6],\"data_offsets\":[0,24]}}", 24,
+         KVB_ERR_FORMAT, "shape[0]"},
+        {"huge_dims", 0,
+         "{\"t\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,4],\"data_offsets\":[0,24]}}", 24,
+         KVB_ERR_FORMAT, "\"t\""},
+        {"entry_not_object", 0, "{\"t\":[1]}", 0, KVB_ERR_FORMAT, "not an object"},
+        {"no_shape", 0, "{\"t\":{\"dtype\":\"F32\",\"data_offsets\":[0,24]}}", 24, KVB_ERR_FORMAT, "shape"},
+        {"dup_key", 0, "{%s,%s}", 24, KVB_ERR_FORMAT, "duplicate"},
+        {"metadata_ok", 0, "{\"__metadata__\":{\"format\":\"pt\"},%s}", 24, KVB_OK, NULL},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        snprintf(hdr, sizeof hdr, cases[i].header, ok_entry, ok_entry);
+        char name[64];
+        snprintf(name, sizeof name, "%s.safetensors", cases[i].name);
+        const char *p = tmp_path(name);
+        write_raw(p, cases[i].hlen, hdr, cases[i].data);
+        kvb_status st = open_file_logged(p);
+        ck_assert_msg(st == cases[i].want, "%s: status %d (%s), want %d", cases[i].name, st, kvb_status_str(st),
+                      cases[i].want);
+        if (cases[i].logged) {
+            ck_assert_log_has(cases[i].logged);
+            ck_assert_log_has(name); /* every error names the file */
+        }
+    }
+    /* files too short to hold the length field */
+    const char *p = tmp_path("short.safetensors");
+    write_text(p, "");
+    ck_assert_int_eq(open_file_logged(p), KVB_ERR_FORMAT);
+    ck_assert_log_has("too short");
+    write_text(p, "\x10\x00\x00");
+    ck_assert_int_eq(open_file_logged(p), KVB_ERR_FORMAT);
+    ck_assert_log_has("short.safetensors");
+    ck_assert_int_eq(open_file_logged(tmp_path("missing.safetensors")), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("missing.safetensors");
+}
+KVB_TEST_END
+
+/* Every truncation and many single-byte corruptions of a valid file: never a crash, never a tensor
+ * outside the file; a truncated file is always an error. */
+KVB_TEST(st_truncation_and_corruption) {
+    float a[16];
+    for (int i = 0; i < 16; i++) a[i] = (float)i;
+    kvb_st_write_tensor w[] = {
+        {.name = "x", .dtype = KVB_DTYPE_F32, .n_dims = 2, .shape = {2, 4}, .data = a},
+        {.name = "y", .dtype = KVB_DTYPE_BF16, .n_dims = 1, .shape = {16}, .data = a},
+    };
+    const char *src = tmp_path("good.safetensors");
+    ck_assert_int_eq(kvb_st_write(src, w, 2, NULL), KVB_OK);
+    FILE *f = fopen(src, "rb");
+    unsigned char buf[1024];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    ck_assert_uint_gt(n, 64);
+    const char *p = tmp_path("cut.safetensors");
+    int saved = dup(2), devnull = open("/dev/null", O_WRONLY);
+    dup2(devnull, 2); /* thousands of expected error lines */
+    for (size_t len = 0; len < n; len++) {
+        FILE *g = fopen(p, "wb");
+        fwrite(buf, 1, len, g);
+        fclose(g);
+        kvb_st_set *s = NULL;
+        kvb_status st = kvb_st_open_file(p, &s);
+        if (st == KVB_OK) kvb_st_close(s);
+        ck_assert_msg(st != KVB_OK, "truncated to %zu of %zu bytes but opened", len, n);
+    }
+    uint64_t rng = 12345;
+    for (int iter = 0; iter < 3000; iter++) {
+        unsigned char c[1024];
+        memcpy(c, buf, n);
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        size_t pos = (size_t)(rng >> 33) % n;
+        c[pos] = (unsigned char)(rng >> 17);
+        FILE *g = fopen(p, "wb");
+        fwrite(c, 1, n, g);
+        fclose(g);
+        kvb_st_set *s = NULL;
+        if (kvb_st_open_file(p, &s) == KVB_OK) {
+            for (int i = 0; i < kvb_st_count(s); i++) {
+                const kvb_st_tensor *t = kvb_st_at(s, i);
+                volatile unsigned char sink = 0;
+                for (size_t k = 0; k < t->nbytes; k++) sink ^= ((const unsigned char *)t->data)[k];
+                (void)sink;
+            }
+            kvb_st_close(s);
+        }
+    }
+    dup2(saved, 2);
+    close(saved);
+    close(devnull);
+}
+KVB_TEST_END
+
+static void write_st(const char *path, const char *const *names, int n) {
+    static const float v[4] = {1, 2, 3, 4};
+    kvb_st_write_tensor w[8];
+    for (int i = 0; i < n; i++)
+        w[i] = (kvb_st_write_tensor){.name = names[i], .dtype = KVB_DTYPE_F32, .n_dims = 1, .shape = {4}, .data = v};
+    ck_assert_int_eq(kvb_st_write(path, w, n, NULL), KVB_OK);
+}
+
+static kvb_status open_dir_logged(const char *dir, int *count) {
+    kvb_st_set *s = NULL;
+    capture_begin();
+    kvb_status st = kvb_st_open_dir(dir, &s);
+    capture_end();
+    if (st == KVB_OK) {
+        *count = kvb_st_count(s);
+        kvb_st_close(s);
+    } else {
+        ck_assert_ptr_null(s);
+    }
+    return st;
+}
+
+KVB_TEST(st_dir_and_shards) {
+    int count = -1;
+    /* no weights at all */
+    mkdir_tmp("none");
+    write_text(tmp_path("none/config.json"), "{}");
+    ck_assert_int_eq(open_dir_logged(tmp_path("none"), &count), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("none");
+    ck_assert_int_eq(open_dir_logged(tmp_path("does-not-exist"), &count), KVB_ERR_NOT_FOUND);
+
+    /* every *.safetensors without an index */
+    mkdir_tmp("two");
+    const char *a[] = {"a.1", "a.2"}, *b[] = {"b.1"};
+    write_st(tmp_path("two/x.safetensors"), a, 2);
+    write_st(tmp_path("two/y.safetensors"), b, 1);
+    write_text(tmp_path("two/notes.txt"), "not weights");
+    ck_assert_int_eq(open_dir_logged(tmp_path("two"), &count), KVB_OK);
+    ck_assert_int_eq(count, 3);
+
+    /* the same name in two files */
+    mkdir_tmp("dup");
+    const char *d1[] = {"w", "u"}, *d2[] = {"v", "w"};
+    write_st(tmp_path("dup/model-00001-of-00002.safetensors"), d1, 2);
+    write_st(tmp_path("dup/model-00002-of-00002.safetensors"), d2, 2);
+    ck_assert_int_eq(open_dir_logged(tmp_path("dup"), &count), KVB_ERR_FORMAT);
+    ck_assert_log_has("\"w\"");
+    ck_assert_log_has("model-00001-of-00002.safetensors");
+    ck_assert_log_has("model-00002-of-00002.safetensors");
+
+    /* with an index: each shard opened once, every listed tensor found where the index says */
+    mkdir_tmp("idx");
+    const char *s1[] = {"t.a", "t.b"}, *s2[] = {"t.c"};
+    write_st(tmp_path("idx/model-00001-of-00002.safetensors"), s1, 2);
+    write_st(tmp_path("idx/model-00002-of-00002.safetensors"), s2, 1);
+    write_st(tmp_path("idx/stale.safetensors"), s2, 1); /* not in the index: ignored, no duplicate */
+    const char *good = "{\"metadata\": {\"total_size\": 48}, \"weight_map\": {"
+                       "\"t.a\": \"model-00001-of-00002.safetensors\", \"t.b\": \"model-00001-of-00002.safetensors\","
+                       " \"t.c\": \"model-00002-of-00002.safetensors\"}}";
+    write_text(tmp_path("idx/model.safetensors.index.json"), good);
+    ck_assert_int_eq(open_dir_logged(tmp_path("idx"), &count), KVB_OK);
+    ck_assert_int_eq(count, 3);
+
+    /* an index naming a tensor no shard has */
+    write_text(tmp_path("idx/model.safetensors.index.json"),
+               "{\"weight_map\": {\"t.a\": \"model-00001-of-00002.safetensors\","
+               " \"t.zzz\": \"model-00002-of-00002.safetensors\"}}");
+    ck_assert_int_eq(open_dir_logged(tmp_path("idx"), &count), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("t.zzz");
+    /* ... a tensor in another (listed) shard than it says */
+    write_text(tmp_path("idx/model.safetensors.index.json"),
+               "{\"weight_map\": {\"t.a\": \"model-00002-of-00002.safetensors\","
+               " \"t.b\": \"model-00001-of-00002.safetensors\", \"t.c\": \"model-00002-of-00002.safetensors\"}}");
+    ck_assert_int_eq(open_dir_logged(tmp_path("idx"), &count), KVB_ERR_FORMAT);
+    ck_assert_log_has("t.a");
+    /* ... a shard file that does not exist */
+    write_text(tmp_path("idx/model.safetensors.index.json"),
+               "{\"weight_map\": {\"t.a\": \"model-00001-of-00003.safetensors\"}}");
+    ck_assert_int_eq(open_dir_logged(tmp_path("idx"), &count), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("model-00001-of-00003.safetensors");
+    /* ... a path outside the directory, a non-string, no weight_map, bad JSON */
+    write_text(tmp_path("idx/model.safetensors.index.json"), "{\"weight_map\": {\"t.a\": \"../x.safetensors\"}}");
+    ck_assert_int_eq(open_dir_logged(tmp_path("idx"), &count), KVB_ERR_FORMAT);
+    write_text(tmp_path("idx/model.safetensors.index.json"), "{\"weight_map\": {\"t.a\": 3}}");
+    ck_assert_int_eq(open_dir_logged(tmp_path("idx"), &count), KVB_ERR_FORMAT);
+    write_text(tmp_path("idx/model.safetensors.index.json"), "{\"metadata\": {}}");
+    ck_assert_int_eq(open_dir_logged(tmp_path("idx"), &count), KVB_ERR_FORMAT);
+    ck_assert_log_has("weight_map");
+    write_text(tmp_path("idx/model.safetensors.index.json"), "{\"weight_map\": ");
+    ck_assert_int_eq(open_dir_logged(tmp_path("idx"), &count), KVB_ERR_FORMAT);
+    ck_assert_log_has("model.safetensors.index.json");
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------------------------- model loading */
+
+/* A tiny model: 2 layers, hidden 8, 2 heads of 4 (GQA: 1 kv head), intermediate 12, vocab 10. */
+enum { T_LAYERS = 2, T_HIDDEN = 8, T_HEADS = 2, T_KV = 1, T_HD = 4, T_FF = 12, T_VOCAB = 10 };
+
+typedef struct mk_spec {
+    int qwen3, tie, shards;
+    kvb_dtype dtype;
+    const char *omit;      /* tensor to leave out */
+    const char *bad_shape; /* tensor written with one extra row */
+    const char *extra_cfg; /* spliced into config.json */
+} mk_spec;
+
+/* Value of element k of tensor number `ti`: deterministic, exact in bf16 and f16. */
+static float tval(int ti, int64_t k) { return (float)((ti * 7 + k * 3) % 17 - 8) / 8.0f; }
+
+static void make_model(const char *dirname, const mk_spec *sp) {
+    mkdir_tmp(dirname);
+    char path[256], cfg[1024];
+    snprintf(path, sizeof path, "%s/config.json", tmp_path(dirname));
+    snprintf(cfg, sizeof cfg,
+             "{\"architectures\": [\"%s\"], \"hidden_size\": %d, \"intermediate_size\": %d,"
+             " \"num_attention_heads\": %d, \"num_key_value_heads\": %d, \"head_dim\": %d,"
+             " \"num_hidden_layers\": %d, \"vocab_size\": %d, \"tie_word_embeddings\": %s,"
+             " \"rms_norm_eps\": 1e-05, \"rope_theta\": 10000.0%s}",
+             sp->qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM", T_HIDDEN, T_FF, T_HEADS, T_KV, T_HD, T_LAYERS,
+             T_VOCAB, sp->tie ? "true" : "false", sp->extra_cfg ? sp->extra_cfg : "");
+    write_text(path, cfg);
+
+    static char names[64][96];
+    static uint16_t buf16[64][T_VOCAB * T_HIDDEN * 2];
+    static float buf32[64][T_VOCAB * T_HIDDEN * 2];
+    kvb_st_write_tensor w[64];
+    int n = 0;
+#define T(nm, r, c)                                                                                    \
+    do {                                                                                               \
+        snprintf(names[n], sizeof names[n], "%s", nm);                                                 \
+        w[n] = (kvb_st_write_tensor){.name = names[n], .dtype = sp->dtype, .n_dims = (c) ? 2 : 1,      \
+                                     .shape = {(r), (c)}};                                             \
+        n++;                                                                                           \
+    } while (0)
+    T("model.embed_tokens.weight", T_VOCAB, T_HIDDEN);
+    for (int l = 0; l < T_LAYERS; l++) {
+        char nm[96];
+#define L(suffix, r, c)                                                                                \
+    do {                                                                                               \
+        snprintf(nm, sizeof nm, "model.layers.%d.%s", l, suffix);                                      \
+        T(nm, r, c);                                                                                   \
+    } while (0)
+        L("input_layernorm.weight", T_HIDDEN, 0);
+        L("self_attn.q_proj.weight", T_HEADS * T_HD, T_HIDDEN);
+        L("self_attn.k_proj.weight", T_KV * T_HD, T_HIDDEN);
+        L("self_attn.v_proj.weight", T_KV * T_HD, T_HIDDEN);
+        L("self_attn.o_proj.weight", T_HIDDEN, T_HEADS * T_HD);
+        if (sp->qwen3) {
+            L("self_attn.q_norm.weight", T_HD, 0);
+            L("self_attn.k_norm.weight", T_HD, 0);
+        }
+        L("post_attention_layernorm.weight", T_HIDDEN, 0);
+        L("mlp.gate_proj.weight", T_FF, T_HIDDEN);
+        L("mlp.up_proj.weight", T_FF, T_HIDDEN);
+        L("mlp.down_proj.weight", T_HIDDEN, T_FF);
+#undef L
+    }
+    T("model.norm.weight", T_HIDDEN, 0);
+    if (!sp->tie) T("lm_head.weight", T_VOCAB, T_HIDDEN);
+#undef T
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        if (sp->omit && !strcmp(w[i].name, sp->omit)) continue;
+        if (sp->bad_shape && !strcmp(w[i].name, sp->bad_shape)) w[i].shape[0]++;
+        int64_t cnt = w[i].shape[0] * (w[i].n_dims == 2 ? w[i].shape[1] : 1);
+        ck_assert_int_le(cnt, T_VOCAB * T_HIDDEN * 2);
+        for (int64_t k = 0; k < cnt; k++) {
+            float v = tval(i, k);
+            buf32[i][k] = v;
+            buf16[i][k] = sp->dtype == KVB_DTYPE_BF16 ? kvb_f32_to_bf16(v) : kvb_f32_to_f16(v);
+        }
+        w[i].data = sp->dtype == KVB_DTYPE_F32 ? (const void *)buf32[i] : (const void *)buf16[i];
+        w[m++] = w[i];
+    }
+    if (sp->shards <= 1) {
+        snprintf(path, sizeof path, "%s/model.safetensors", tmp_path(dirname));
+        ck_assert_int_eq(kvb_st_write(path, w, m, "{\"format\": \"pt\"}"), KVB_OK);
+        return;
+    }
+    /* two shards and an index */
+    int half = m / 2;
+    snprintf(path, sizeof path, "%s/model-00001-of-00002.safetensors", tmp_path(dirname));
+    ck_assert_int_eq(kvb_st_write(path, w, half, NULL), KVB_OK);
+    snprintf(path, sizeof path, "%s/model-00002-of-00002.safetensors", tmp_path(dirname));
+    ck_assert_int_eq(kvb_st_write(path, w + half, m - half, NULL), KVB_OK);
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", tmp_path(dirname));
+    FILE *f = fopen(path, "w");
+    fprintf(f, "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {");
+    for (int i = 0; i < m; i++)
+        fprintf(f, "%s\"%s\": \"model-0000%d-of-00002.safetensors\"", i ? ", " : "", w[i].name, i < half ? 1 : 2);
+    fprintf(f, "}}");
+    ck_assert_int_eq(fclose(f), 0);
+}
+
+static int64_t expect_layer_params(int qwen3) {
+    int64_t q = T_HEADS * T_HD, kv = T_KV * T_HD;
+    return 2 * T_HIDDEN + T_HIDDEN * q + 2 * T_HIDDEN * kv + q * T_HIDDEN + 3 * T_HIDDEN * T_FF + (qwen3 ? 2 * T_HD : 0);
+}
+
+/* The backend copy of weight `t` equals what the test wrote for tensor number `ti`. */
+static void check_weight(kvb_backend *be, const kvb_tensor *t, int ti, int64_t rows, int64_t cols) {
+    ck_assert_ptr_nonnull(t->data);
+    ck_assert_int_eq(t->ne[0], rows);
+    ck_assert_int_eq(t->ne[1], cols);
+    ck_assert_int_eq(t->dtype, KVB_DTYPE_F32); /* the CPU backend keeps f32 weights */
+    float host[256];
+    ck_assert_int_le(rows * cols, 256);
+    ck_assert_int_eq(be->iface->to_host(be->ctx, host, t->data, (size_t)(rows * cols) * sizeof(float)), KVB_OK);
+    for (int64_t k = 0; k < rows * cols; k++) ck_assert_float_eq(host[k], tval(ti, k));
+}
+
+static kvb_status load_logged(const char *dirname, kvb_backend *be, kvb_model **m) {
+    capture_begin();
+    kvb_status st = kvb_model_load(tmp_path(dirname), be, m);
+    capture_end();
+    return st;
+}
+
+KVB_TEST(model_load_llama) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
+    mk_spec sp = {.dtype = KVB_DTYPE_F32};
+    make_model("llama", &sp);
+    kvb_model *m = NULL;
+    ck_assert_int_eq(load_logged("llama", be, &m), KVB_OK);
+    const kvb_model_config *c = kvb_model_cfg(m);
+    ck_assert_int_eq(c->arch, KVB_ARCH_LLAMA);
+    ck_assert_int_eq(c->n_kv_heads, T_KV);
+    ck_assert_ptr_eq(kvb_model_backend(m), be);
+    kvb_kv_geom g = kvb_model_kv_geom(m, 16);
+    ck_assert_int_eq(g.n_layers, T_LAYERS);
+    ck_assert_int_eq(g.n_kv_heads, T_KV);
+    ck_assert_int_eq(g.head_dim, T_HD);
+    ck_assert_int_eq(g.block_size, 16);
+    ck_assert_int_eq(g.elem_size, 4);
+    int64_t layer = expect_layer_params(0);
+    ck_assert_int_eq(kvb_model_n_params(m), 2 * T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
+    /* per decode step: all layers, final norm, lm_head; not the embedding table */
+    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
+    /* weights reached the backend unchanged, in the right slots (tensor numbers as written) */
+    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN);
+    check_weight(be, &m->layers[0].attn_norm, 1, T_HIDDEN, 1);
+    check_weight(be, &m->layers[0].wk, 3, T_KV * T_HD, T_HIDDEN);
+    check_weight(be, &m->layers[1].w_down, 9 + 9, T_HIDDEN, T_FF);
+    check_weight(be, &m->final_norm, 19, T_HIDDEN, 1);
+    check_weight(be, &m->lm_head, 20, T_VOCAB, T_HIDDEN);
+    ck_assert_int_eq(m->lm_head_tied, 0);
+    ck_assert_ptr_null(m->layers[0].q_norm.data);
+    ck_assert_int_eq(m->rope.head_dim, T_HD);
+    ck_assert_float_eq(m->rope.inv_freq[1], 0.01f); /* 10000^(-2/4) */
+    kvb_model_destroy(m);
+    kvb_model_destroy(NULL);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+KVB_TEST(model_load_tied_llama3_f16) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
+    mk_spec sp = {.tie = 1, .dtype = KVB_DTYPE_F16,
+                  .extra_cfg = ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0,"
+                               " \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0,"
+                               " \"original_max_position_embeddings\": 1}"};
+    make_model("tied", &sp);
+    kvb_model *m = NULL;
+    ck_assert_int_eq(load_logged("tied", be, &m), KVB_OK);
+    ck_assert_int_eq(m->lm_head_tied, 1);
+    ck_assert_ptr_eq(m->lm_head.data, m->embed.data);
+    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN); /* f16 values converted exactly */
+    int64_t layer = expect_layer_params(0);
+    ck_assert_int_eq(kvb_model_n_params(m), T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
+    /* tied: the LM head reads the whole embedding table every step (in the backend's f32) */
+    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
+    /* llama3 with original context 1: every wavelength > low_freq_wavelen, so all divided by 8 */
+    ck_assert_float_eq(m->inv_freq[0], 1.0f / 8.0f);
+    ck_assert_float_eq(m->inv_freq[1], 0.01f / 8.0f);
+    kvb_model_destroy(m); /* frees the shared table once (ASan / glibc would catch a double free) */
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+KVB_TEST(model_load_qwen3_bf16_sharded) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
+    mk_spec sp = {.qwen3 = 1, .shards = 2, .dtype = KVB_DTYPE_BF16};
+    make_model("qwen3", &sp);
+    kvb_model *m = NULL;
+    ck_assert_int_eq(load_logged("qwen3", be, &m), KVB_OK);
+    ck_assert_int_eq(kvb_model_cfg(m)->arch, KVB_ARCH_QWEN3);
+    /* tensor numbers: embed 0; layer 0: norm 1, q 2, k 3, v 4, o 5, q_norm 6, k_norm 7, ... (11 per layer) */
+    check_weight(be, &m->layers[0].q_norm, 6, T_HD, 1);
+    check_weight(be, &m->layers[1].k_norm, 7 + 11, T_HD, 1);
+    check_weight(be, &m->lm_head, 1 + 2 * 11 + 1, T_VOCAB, T_HIDDEN);
+    int64_t layer = expect_layer_params(1);
+    ck_assert_int_eq(kvb_model_n_params(m), 2 * T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
+    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
+    kvb_model_destroy(m);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+KVB_TEST(model_load_errors) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
+    kvb_model *m = NULL;
+    struct {
+        const char *dir;
+        mk_spec sp;
+        kvb_status want;
+        const char *logged[2];
+    } cases[] = {
+        {"missing", {.dtype = KVB_DTYPE_F32, .omit = "model.layers.1.mlp.up_proj.weight"}, KVB_ERR_NOT_FOUND,
+         {"model.layers.1.mlp.up_proj.weight", "missing"}},
+        {"shape", {.dtype = KVB_DTYPE_F32, .bad_shape = "model.layers.0.self_attn.k_proj.weight"}, KVB_ERR_INVALID,
+         {"model.layers.0.self_attn.k_proj.weight", "shape [5, 8], expected [4, 8]"}},
+        {"normshape", {.dtype = KVB_DTYPE_BF16, .bad_shape = "model.norm.weight"}, KVB_ERR_INVALID,
+         {"model.norm.weight", "expected [8]"}},
+        {"no_lm_head", {.dtype = KVB_DTYPE_F32, .omit = "lm_head.weight"}, KVB_ERR_NOT_FOUND,
+         {"lm_head.weight", "missing"}},
+        {"no_embed", {.dtype = KVB_DTYPE_F32, .omit = "model.embed_tokens.weight"}, KVB_ERR_NOT_FOUND,
+         {"model.embed_tokens.weight", "missing"}},
+        {"qwen3_no_qnorm", {.qwen3 = 1, .dtype = KVB_DTYPE_F32, .omit = "model.layers.1.self_attn.q_norm.weight"},
+         KVB_ERR_NOT_FOUND, {"model.layers.1.self_attn.q_norm.weight", "missing"}},
+        {"bad_arch", {.dtype = KVB_DTYPE_F32, .extra_cfg = ", \"architectures\": [\"Gemma2ForCausalLM\"]"},
+         KVB_ERR_FORMAT, {"duplicate", "config.json"}},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        make_model(cases[i].dir, &cases[i].sp);
+        kvb_status st = load_logged(cases[i].dir, be, &m);
+        ck_assert_msg(st == cases[i].want, "%s: status %d (%s), want %d", cases[i].dir, st, kvb_status_str(st),
+                      cases[i].want);
+        for (int k = 0; k < 2; k++) ck_assert_log_has(cases[i].logged[k]);
+    }
+    /* a Qwen3 config over Llama weights: the first q_norm is missing */
+    make_model("llama_w", &(mk_spec){.dtype = KVB_DTYPE_F32});
+    write_text(tmp_path("llama_w/config.json"),
+               "{\"architectures\": [\"Qwen3ForCausalLM\"], \"hidden_size\": 8, \"intermediate_size\": 12,"
+               " \"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"head_dim\": 4, \"num_hidden_layers\": 2,"
+               " \"vocab_size\": 10}");
+    ck_assert_int_eq(load_logged("llama_w", be, &m), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("model.layers.0.self_attn.q_norm.weight");
+    /* an unknown architecture in config.json */
+    write_text(tmp_path("llama_w/config.json"),
+               "{\"architectures\": [\"Gemma2ForCausalLM\"], \"hidden_size\": 8, \"intermediate_size\": 12,"
+               " \"num_attention_heads\": 2, \"num_hidden_layers\": 2, \"vocab_size\": 10}");
+    ck_assert_int_eq(load_logged("llama_w", be, &m), KVB_ERR_UNSUPPORTED);
+    ck_assert_log_has("Gemma2ForCausalLM");
+    /* no config.json; no weights */
+    mkdir_tmp("bare");
+    ck_assert_int_eq(load_logged("bare", be, &m), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("config.json");
+    write_text(tmp_path("bare/config.json"),
+               "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 8, \"intermediate_size\": 12,"
+               " \"num_attention_heads\": 2, \"num_hidden_layers\": 2, \"vocab_size\": 10}");
+    ck_assert_int_eq(load_logged("bare", be, &m), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("safetensors");
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("model", KVB_T(config_llama_defaults, 10), KVB_T(config_qwen3, 10),
+              KVB_T(config_llama3_rope_and_eos_list, 10), KVB_T(config_errors, 10), KVB_T(rope_inv_freq_default, 10),
+              KVB_T(rope_inv_freq_llama3, 10), KVB_T(st_roundtrip, 10), KVB_T(st_malformed, 10),
+              KVB_T(st_truncation_and_corruption, 60), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
+              KVB_T(model_load_tied_llama3_f16, 10), KVB_T(model_load_qwen3_bf16_sharded, 10),
+              KVB_T(model_load_errors, 20))

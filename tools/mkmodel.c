@@ -1,0 +1,500 @@
+/* kvbank-mkmodel — writes a random-weight Llama or Qwen3 model in the Hugging Face layout
+ * (config.json as transformers writes it, model.safetensors or shards + model.safetensors.index.json).
+ * Weights are deterministic from --seed: splitmix64 uniforms, Box-Muller normals. */
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "common/model/safetensors.h"
+#include "common/util/util.h"
+
+typedef struct opts {
+    int qwen3;
+    int layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_pos;
+    kvb_dtype dtype;
+    uint64_t seed;
+    int tie;
+    int llama3;
+    double rope_theta; /* 0: the architecture's default */
+    int shards;
+    const char *outdir;
+} opts;
+
+static void usage(FILE *f, const char *prog) {
+    fprintf(f,
+            "usage: %s --arch llama|qwen3 [options] OUTDIR\n"
+            "\n"
+            "Writes a random-weight model in the Hugging Face layout into OUTDIR (created if missing):\n"
+            "config.json and model.safetensors, or with --shards N > 1 the files\n"
+            "model-0000i-of-0000N.safetensors and model.safetensors.index.json.\n"
+            "\n"
+            "  --arch A            llama (LlamaForCausalLM) or qwen3 (Qwen3ForCausalLM; adds q/k norms)\n"
+            "  --layers N          decoder layers (default 2)\n"
+            "  --hidden N          hidden size (default 64)\n"
+            "  --heads N           attention heads (default 4)\n"
+            "  --kv-heads N        key/value heads, must divide --heads (default 2)\n"
+            "  --head-dim N        per-head dimension, even (default hidden/heads = 16)\n"
+            "  --intermediate N    MLP intermediate size (default 128)\n"
+            "  --vocab N           vocabulary size, at least 3 (default 256; bos id 1, eos id 2)\n"
+            "  --max-pos N         max_position_embeddings (default 2048)\n"
+            "  --dtype D           f32, f16 or bf16 weights (default f32)\n"
+            "  --seed N            RNG seed (default 0); same flags and seed give identical files\n"
+            "  --tie               tie_word_embeddings: no lm_head.weight, the LM head is the embedding\n"
+            "  --rope-scaling T    T = llama3: factor 8, low_freq_factor 1, high_freq_factor 4,\n"
+            "                      original_max_position_embeddings = max-pos / 8\n"
+            "  --rope-theta X      RoPE base (default 10000 for llama, 1000000 for qwen3)\n"
+            "  --shards N          split the tensors, in checkpoint order, over N files of about equal\n"
+            "                      tensor count (default 1: a single model.safetensors)\n"
+            "  --help              this text\n"
+            "\n"
+            "Weights: linear layers N(0, 1/sqrt(in_features)), embeddings N(0, 1), norm weights\n"
+            "1 + N(0, 0.1). rms_norm_eps is 1e-5 (llama) or 1e-6 (qwen3). Exit status 2 on a usage error.\n",
+            prog);
+}
+
+/* ------------------------------------------------------------------------------------- randomness */
+
+typedef struct rng {
+    uint64_t s;
+    int have_spare;
+    double spare;
+} rng;
+
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in (0, 1]: 53 random bits. */
+static double uniform01(rng *r) { return ((double)(splitmix64(&r->s) >> 11) + 1.0) * 0x1.0p-53; }
+
+static double normal(rng *r) {
+    if (r->have_spare) {
+        r->have_spare = 0;
+        return r->spare;
+    }
+    double u1 = uniform01(r), u2 = uniform01(r);
+    double rad = sqrt(-2.0 * log(u1)), th = 2.0 * M_PI * u2;
+    r->spare = rad * sin(th);
+    r->have_spare = 1;
+    return rad * cos(th);
+}
+
+/* ---------------------------------------------------------------------------------- the tensors */
+
+typedef struct wtensor {
+    char name[96];
+    int n_dims;
+    int64_t shape[2];
+    double mean, std; /* N(mean, std) */
+    void *data;       /* [elems] of the output dtype; owned */
+} wtensor;
+
+typedef struct tensor_list {
+    wtensor *t;
+    int n, cap;
+} tensor_list;
+
+static kvb_status add(tensor_list *l, const char *name, int n_dims, int64_t rows, int64_t cols, double mean,
+                      double std) {
+    if (l->n == l->cap) {
+        int cap = l->cap ? 2 * l->cap : 32;
+        KVB_TRY(kvb_realloc_array((void **)&l->t, (size_t)cap, sizeof *l->t));
+        l->cap = cap;
+    }
+    wtensor *t = &l->t[l->n++];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->n_dims = n_dims;
+    t->shape[0] = rows;
+    t->shape[1] = cols;
+    t->mean = mean;
+    t->std = std;
+    return KVB_OK;
+}
+
+static void list_free(tensor_list *l) {
+    for (int i = 0; i < l->n; i++) free(l->t[i].data);
+    free(l->t);
+}
+
+static int64_t elems(const wtensor *t) { return t->n_dims == 1 ? t->shape[0] : t->shape[0] * t->shape[1]; }
+
+/* The checkpoint's tensors in the order transformers lists them. */
+static kvb_status build_list(const opts *o, tensor_list *l) {
+    const int64_t h = o->hidden, q = (int64_t)o->heads * o->head_dim, kv = (int64_t)o->kv_heads * o->head_dim;
+    const int64_t ff = o->intermediate;
+    char n[96];
+    KVB_TRY(add(l, "model.embed_tokens.weight", 2, o->vocab, h, 0.0, 1.0));
+    for (int i = 0; i < o->layers; i++) {
+#define LAYER(suffix, nd, r, c, mean, std)                                                             \
+    do {                                                                                               \
+        snprintf(n, sizeof n, "model.layers.%d.%s", i, suffix);                                        \
+        KVB_TRY(add(l, n, nd, r, c, mean, std));                                                       \
+    } while (0)
+        LAYER("input_layernorm.weight", 1, h, 0, 1.0, 0.1);
+        LAYER("self_attn.q_proj.weight", 2, q, h, 0.0, 1.0 / sqrt((double)h));
+        LAYER("self_attn.k_proj.weight", 2, kv, h, 0.0, 1.0 / sqrt((double)h));
+        LAYER("self_attn.v_proj.weight", 2, kv, h, 0.0, 1.0 / sqrt((double)h));
+        LAYER("self_attn.o_proj.weight", 2, h, q, 0.0, 1.0 / sqrt((double)q));
+        if (o->qwen3) {
+            LAYER("self_attn.q_norm.weight", 1, o->head_dim, 0, 1.0, 0.1);
+            LAYER("self_attn.k_norm.weight", 1, o->head_dim, 0, 1.0, 0.1);
+        }
+        LAYER("post_attention_layernorm.weight", 1, h, 0, 1.0, 0.1);
+        LAYER("mlp.gate_proj.weight", 2, ff, h, 0.0, 1.0 / sqrt((double)h));
+        LAYER("mlp.up_proj.weight", 2, ff, h, 0.0, 1.0 / sqrt((double)h));
+        LAYER("mlp.down_proj.weight", 2, h, ff, 0.0, 1.0 / sqrt((double)ff));
+#undef LAYER
+    }
+    KVB_TRY(add(l, "model.norm.weight", 1, h, 0, 1.0, 0.1));
+    if (!o->tie) KVB_TRY(add(l, "lm_head.weight", 2, o->vocab, h, 0.0, 1.0 / sqrt((double)h)));
+    return KVB_OK;
+}
+
+/* Draws every tensor's values from one stream, in list order, and stores them in the output dtype. */
+static kvb_status fill(const opts *o, tensor_list *l) {
+    rng r = {.s = o->seed};
+    for (int i = 0; i < l->n; i++) {
+        wtensor *t = &l->t[i];
+        int64_t n = elems(t);
+        KVB_TRY(kvb_malloc((size_t)n * kvb_dtype_size(o->dtype), &t->data));
+        for (int64_t k = 0; k < n; k++) {
+            float v = (float)(t->mean + t->std * normal(&r));
+            switch (o->dtype) {
+            case KVB_DTYPE_F32: ((float *)t->data)[k] = v; break;
+            case KVB_DTYPE_F16: ((uint16_t *)t->data)[k] = kvb_f32_to_f16(v); break;
+            case KVB_DTYPE_BF16: ((uint16_t *)t->data)[k] = kvb_f32_to_bf16(v); break;
+            }
+        }
+    }
+    return KVB_OK;
+}
+
+/* ------------------------------------------------------------------------------------- writing */
+
+static kvb_status write_file(const opts *o, const char *fname, wtensor *ts, int n) {
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/%s", o->outdir, fname) >= (int)sizeof path) return KVB_ERR_INVALID;
+    kvb_st_write_tensor *w = NULL;
+    KVB_TRY(kvb_calloc((size_t)n, sizeof *w, (void **)&w));
+    for (int i = 0; i < n; i++) {
+        w[i].name = ts[i].name;
+        w[i].dtype = o->dtype;
+        w[i].n_dims = ts[i].n_dims;
+        w[i].shape[0] = ts[i].shape[0];
+        w[i].shape[1] = ts[i].shape[1];
+        w[i].data = ts[i].data;
+    }
+    kvb_status st = kvb_st_write(path, w, n, "{\"format\": \"pt\"}");
+    free(w);
+    return st;
+}
+
+typedef struct name_shard {
+    const char *name;
+    int shard; /* 1-based */
+} name_shard;
+
+static int cmp_name_shard(const void *a, const void *b) {
+    return strcmp(((const name_shard *)a)->name, ((const name_shard *)b)->name);
+}
+
+/* model.safetensors.index.json as transformers writes it: json.dumps(indent=2, sort_keys=True) + "\n". */
+static kvb_status write_index(const opts *o, name_shard *map, int n, int64_t total_size) {
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/model.safetensors.index.json", o->outdir) >= (int)sizeof path)
+        return KVB_ERR_INVALID;
+    qsort(map, (size_t)n, sizeof *map, cmp_name_shard);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        KVB_LOG_E("%s: cannot create: %s", path, strerror(errno));
+        return KVB_ERR_IO;
+    }
+    fprintf(f, "{\n  \"metadata\": {\n    \"total_size\": %lld\n  },\n  \"weight_map\": {\n", (long long)total_size);
+    for (int i = 0; i < n; i++)
+        fprintf(f, "    \"%s\": \"model-%05d-of-%05d.safetensors\"%s\n", map[i].name, map[i].shard, o->shards,
+                i + 1 < n ? "," : "");
+    fprintf(f, "  }\n}\n");
+    if (ferror(f) | (fclose(f) != 0)) {
+        KVB_LOG_E("%s: write failed", path);
+        return KVB_ERR_IO;
+    }
+    return KVB_OK;
+}
+
+/* One model.safetensors, or --shards files of consecutive tensors (about equal counts) plus the index. */
+static kvb_status write_weights(const opts *o, tensor_list *l) {
+    if (o->shards == 1) return write_file(o, "model.safetensors", l->t, l->n);
+    kvb_status st;
+    name_shard *map = NULL;
+    KVB_TRY(kvb_calloc((size_t)l->n, sizeof *map, (void **)&map));
+    int64_t total = 0;
+    int first = 0;
+    for (int s = 0; s < o->shards; s++) {
+        int last = (int)((int64_t)l->n * (s + 1) / o->shards); /* this shard holds tensors [first, last) */
+        char fname[64];
+        snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", s + 1, o->shards);
+        for (int i = first; i < last; i++) {
+            map[i] = (name_shard){l->t[i].name, s + 1};
+            total += elems(&l->t[i]) * (int64_t)kvb_dtype_size(o->dtype);
+        }
+        KVB_TRY_GOTO(write_file(o, fname, l->t + first, last - first), fail_map);
+        first = last;
+    }
+    KVB_TRY_GOTO(write_index(o, map, l->n, total), fail_map);
+    free(map);
+    return KVB_OK;
+fail_map:
+    free(map);
+    return st;
+}
+
+/* Python's repr() of a float (what json.dumps writes): the shortest digits that round-trip, positional
+ * for decimal exponents in [-4, 16) with at least one decimal ("10000.0"), else "1e-06" style. */
+static void py_float(double x, char *buf, size_t cap) {
+    char tmp[64];
+    int p;
+    for (p = 1; p < 17; p++) {
+        snprintf(tmp, sizeof tmp, "%.*e", p - 1, x);
+        if (strtod(tmp, NULL) == x) break;
+    }
+    snprintf(tmp, sizeof tmp, "%.*e", p - 1, x);
+    int e = atoi(strchr(tmp, 'e') + 1);
+    if (e >= -4 && e < 16) snprintf(buf, cap, "%.*f", KVB_MAX(p - 1 - e, 1), x);
+    else snprintf(buf, cap, "%s", tmp);
+}
+
+typedef struct kv_line {
+    const char *key;
+    char value[256]; /* JSON text, already indented for a nested value */
+} kv_line;
+
+static int cmp_kv_line(const void *a, const void *b) {
+    return strcmp(((const kv_line *)a)->key, ((const kv_line *)b)->key);
+}
+
+/* config.json as transformers' PretrainedConfig.to_json_file writes it: the fields a real Llama / Qwen3
+ * checkpoint carries, json.dumps(indent=2, sort_keys=True) + "\n" (transformers_version is left out:
+ * transformers did not write this file). */
+static kvb_status write_config(const opts *o) {
+    kv_line L[32];
+    int n = 0;
+    char f1[64], f2[64];
+#define SET(k, ...) (L[n].key = (k), snprintf(L[n].value, sizeof L[n].value, __VA_ARGS__), n++)
+    SET("architectures", "[\n    \"%s\"\n  ]", o->qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM");
+    SET("attention_bias", "false");
+    SET("attention_dropout", "0.0");
+    SET("bos_token_id", "1");
+    SET("eos_token_id", "2");
+    SET("head_dim", "%d", o->head_dim);
+    SET("hidden_act", "\"silu\"");
+    SET("hidden_size", "%d", o->hidden);
+    SET("initializer_range", "0.02");
+    SET("intermediate_size", "%d", o->intermediate);
+    SET("max_position_embeddings", "%d", o->max_pos);
+    SET("model_type", "\"%s\"", o->qwen3 ? "qwen3" : "llama");
+    SET("num_attention_heads", "%d", o->heads);
+    SET("num_hidden_layers", "%d", o->layers);
+    SET("num_key_value_heads", "%d", o->kv_heads);
+    py_float(o->qwen3 ? 1e-6 : 1e-5, f1, sizeof f1);
+    SET("rms_norm_eps", "%s", f1);
+    if (o->llama3)
+        SET("rope_scaling",
+            "{\n    \"factor\": 8.0,\n    \"high_freq_factor\": 4.0,\n    \"low_freq_factor\": 1.0,\n"
+            "    \"original_max_position_embeddings\": %d,\n    \"rope_type\": \"llama3\"\n  }",
+            KVB_MAX(o->max_pos / 8, 1));
+    else SET("rope_scaling", "null");
+    py_float(o->rope_theta, f2, sizeof f2);
+    SET("rope_theta", "%s", f2);
+    SET("tie_word_embeddings", "%s", o->tie ? "true" : "false");
+    SET("torch_dtype", "\"%s\"", o->dtype == KVB_DTYPE_F32 ? "float32" : o->dtype == KVB_DTYPE_F16 ? "float16" : "bfloat16");
+    SET("use_cache", "true");
+    SET("vocab_size", "%d", o->vocab);
+    if (o->qwen3) {
+        SET("max_window_layers", "%d", o->layers);
+        SET("sliding_window", "null");
+        SET("use_sliding_window", "false");
+    } else {
+        SET("mlp_bias", "false");
+        SET("pretraining_tp", "1");
+    }
+#undef SET
+    qsort(L, (size_t)n, sizeof *L, cmp_kv_line);
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/config.json", o->outdir) >= (int)sizeof path) return KVB_ERR_INVALID;
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        KVB_LOG_E("%s: cannot create: %s", path, strerror(errno));
+        return KVB_ERR_IO;
+    }
+    fprintf(f, "{\n");
+    for (int i = 0; i < n; i++) fprintf(f, "  \"%s\": %s%s\n", L[i].key, L[i].value, i + 1 < n ? "," : "");
+    fprintf(f, "}\n");
+    if (ferror(f) | (fclose(f) != 0)) {
+        KVB_LOG_E("%s: write failed", path);
+        return KVB_ERR_IO;
+    }
+    return KVB_OK;
+}
+
+/* ------------------------------------------------------------------------------------- main */
+
+static int parse_int_opt(const char *prog, const char *flag, const char *arg, int64_t min, int64_t max, int *out) {
+    int64_t v;
+    if (kvb_parse_i64(arg, min, max, &v) != KVB_OK) {
+        fprintf(stderr, "%s: --%s wants an integer in [%lld, %lld], got \"%s\"\n", prog, flag, (long long)min,
+                (long long)max, arg);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* Parses argv into `o`; returns 0, 1 for --help, or -1 for a usage error (message printed). */
+static int parse_args(int argc, char **argv, opts *o) {
+    enum { O_ARCH = 256, O_LAYERS, O_HIDDEN, O_HEADS, O_KV, O_HD, O_FF, O_VOCAB, O_MAXPOS, O_DTYPE, O_SEED,
+           O_TIE, O_SCALING, O_THETA, O_SHARDS, O_HELP };
+    static const struct option lo[] = {
+        {"arch", required_argument, 0, O_ARCH}, {"layers", required_argument, 0, O_LAYERS},
+        {"hidden", required_argument, 0, O_HIDDEN}, {"heads", required_argument, 0, O_HEADS},
+        {"kv-heads", required_argument, 0, O_KV}, {"head-dim", required_argument, 0, O_HD},
+        {"intermediate", required_argument, 0, O_FF}, {"vocab", required_argument, 0, O_VOCAB},
+        {"max-pos", required_argument, 0, O_MAXPOS}, {"dtype", required_argument, 0, O_DTYPE},
+        {"seed", required_argument, 0, O_SEED}, {"tie", no_argument, 0, O_TIE},
+        {"rope-scaling", required_argument, 0, O_SCALING}, {"rope-theta", required_argument, 0, O_THETA},
+        {"shards", required_argument, 0, O_SHARDS}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+    const char *prog = argv[0];
+    int have_arch = 0;
+    *o = (opts){.layers = 2, .hidden = 64, .heads = 4, .kv_heads = 2, .head_dim = 0, .intermediate = 128,
+                .vocab = 256, .max_pos = 2048, .dtype = KVB_DTYPE_F32, .seed = 0, .shards = 1};
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+        int r = 0;
+        switch (c) {
+        case O_ARCH:
+            if (!strcmp(optarg, "llama")) o->qwen3 = 0;
+            else if (!strcmp(optarg, "qwen3")) o->qwen3 = 1;
+            else {
+                fprintf(stderr, "%s: --arch must be llama or qwen3, got \"%s\"\n", prog, optarg);
+                return -1;
+            }
+            have_arch = 1;
+            break;
+        case O_LAYERS: r = parse_int_opt(prog, "layers", optarg, 1, 1024, &o->layers); break;
+        case O_HIDDEN: r = parse_int_opt(prog, "hidden", optarg, 1, 1 << 16, &o->hidden); break;
+        case O_HEADS: r = parse_int_opt(prog, "heads", optarg, 1, 1024, &o->heads); break;
+        case O_KV: r = parse_int_opt(prog, "kv-heads", optarg, 1, 1024, &o->kv_heads); break;
+        case O_HD: r = parse_int_opt(prog, "head-dim", optarg, 2, 1024, &o->head_dim); break;
+        case O_FF: r = parse_int_opt(prog, "intermediate", optarg, 1, 1 << 18, &o->intermediate); break;
+        case O_VOCAB: r = parse_int_opt(prog, "vocab", optarg, 3, 1 << 20, &o->vocab); break;
+        case O_MAXPOS: r = parse_int_opt(prog, "max-pos", optarg, 1, 1 << 24, &o->max_pos); break;
+        case O_SHARDS: r = parse_int_opt(prog, "shards", optarg, 1, 99999, &o->shards); break;
+        case O_DTYPE:
+            if (strcmp(optarg, "f32") && strcmp(optarg, "f16") && strcmp(optarg, "bf16")) {
+                fprintf(stderr, "%s: --dtype must be f32, f16 or bf16, got \"%s\"\n", prog, optarg);
+                return -1;
+            }
+            kvb_dtype_parse(optarg, &o->dtype);
+            break;
+        case O_SEED: {
+            int64_t v;
+            if (kvb_parse_i64(optarg, 0, INT64_MAX, &v) != KVB_OK) {
+                fprintf(stderr, "%s: --seed wants a non-negative integer, got \"%s\"\n", prog, optarg);
+                return -1;
+            }
+            o->seed = (uint64_t)v;
+            break;
+        }
+        case O_TIE: o->tie = 1; break;
+        case O_SCALING:
+            if (strcmp(optarg, "llama3") != 0) {
+                fprintf(stderr, "%s: --rope-scaling supports only llama3, got \"%s\"\n", prog, optarg);
+                return -1;
+            }
+            o->llama3 = 1;
+            break;
+        case O_THETA:
+            if (kvb_parse_f64(optarg, &o->rope_theta) != KVB_OK || !(o->rope_theta > 1.0)) {
+                fprintf(stderr, "%s: --rope-theta wants a number > 1, got \"%s\"\n", prog, optarg);
+                return -1;
+            }
+            break;
+        case O_HELP: return 1;
+        default:
+            if (optopt) fprintf(stderr, "%s: option %s is unknown or lacks its value\n", prog, argv[optind - 1]);
+            else fprintf(stderr, "%s: unknown option %s\n", prog, argv[optind - 1]);
+            return -1;
+        }
+        if (r) return -1;
+    }
+    if (!have_arch) {
+        fprintf(stderr, "%s: --arch is required\n", prog);
+        return -1;
+    }
+    if (optind != argc - 1) {
+        fprintf(stderr, "%s: expected exactly one OUTDIR\n", prog);
+        return -1;
+    }
+    o->outdir = argv[optind];
+    if (!o->head_dim) {
+        if (o->hidden % o->heads != 0 || (o->hidden / o->heads) % 2 != 0 || o->hidden / o->heads < 2) {
+            fprintf(stderr, "%s: hidden/heads = %d/%d is not an even integer; give --head-dim\n", prog, o->hidden,
+                    o->heads);
+            return -1;
+        }
+        o->head_dim = o->hidden / o->heads;
+    }
+    if (o->head_dim % 2 != 0) {
+        fprintf(stderr, "%s: --head-dim must be even\n", prog);
+        return -1;
+    }
+    if (o->heads % o->kv_heads != 0) {
+        fprintf(stderr, "%s: --kv-heads %d does not divide --heads %d\n", prog, o->kv_heads, o->heads);
+        return -1;
+    }
+    if (!o->rope_theta) o->rope_theta = o->qwen3 ? 1000000.0 : 10000.0;
+    int n_tensors = 1 + o->layers * (o->qwen3 ? 11 : 9) + 1 + !o->tie;
+    if (o->shards > n_tensors) {
+        fprintf(stderr, "%s: --shards %d exceeds the %d tensors of this model\n", prog, o->shards, n_tensors);
+        return -1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    opts o;
+    int r = parse_args(argc, argv, &o);
+    if (r == 1) {
+        usage(stdout, argv[0]);
+        return 0;
+    }
+    if (r < 0) {
+        usage(stderr, argv[0]);
+        return 2;
+    }
+    if (mkdir(o.outdir, 0755) != 0 && errno != EEXIST) {
+        fprintf(stderr, "%s: cannot create %s: %s\n", argv[0], o.outdir, strerror(errno));
+        return 1;
+    }
+    tensor_list l = {0};
+    kvb_status st;
+    KVB_TRY_GOTO(build_list(&o, &l), fail_list);
+    KVB_TRY_GOTO(fill(&o, &l), fail_list);
+    KVB_TRY_GOTO(write_weights(&o, &l), fail_list);
+    KVB_TRY_GOTO(write_config(&o), fail_list);
+    list_free(&l);
+    return 0;
+fail_list:
+    list_free(&l);
+    fprintf(stderr, "%s: failed to write the model to %s: %s\n", argv[0], o.outdir, kvb_status_str(st));
+    return 1;
+}

@@ -1,0 +1,239 @@
+/* kvbank-serve — serves one model's engine on a ZeroMQ endpoint (common/ipc/server.h). */
+#include <getopt.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/ipc/server.h"
+#include "common/kv/block_pool.h"
+#include "common/mem/region.h"
+#include "common/model/model.h"
+#include "common/policy/policy.h"
+#include "common/sched/engine.h"
+
+#define TAG_MAX 24 /* kvb_region_create: longest tag */
+
+static volatile sig_atomic_t g_stop;
+
+static void on_signal(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: kvbank-serve --model DIR --endpoint EP [options]\n"
+            "\n"
+            "Loads a model and serves it on a ZeroMQ ROUTER endpoint: clients (DEALER sockets) send\n"
+            "GenerateRequest, CancelRequest and Ping envelopes (proto/kvbank.proto) and receive streams of\n"
+            "TokenEvents, ErrorReplies and Pongs. The KV cache lives in a POSIX shared-memory region named\n"
+            "/kvb-NAME-PID-N (mode 0600), removed on exit. An ipc:// socket file is made mode 0600.\n"
+            "SIGINT or SIGTERM stops the server (live requests end with FINISH_CANCELLED); exit status 0.\n"
+            "\n"
+            "options:\n"
+            "  --model DIR            Hugging Face model directory (config.json + *.safetensors)\n"
+            "  --endpoint EP          where to listen, e.g. ipc:///run/kvbank/m.sock or tcp://127.0.0.1:5555\n"
+            "  --name NAME            model name in Pong replies, logs and the shared-memory name: letters,\n"
+            "                         digits, '-' and '_', at most %d characters (default: the model\n"
+            "                         directory's base name, other characters replaced by '_')\n"
+            "  --backend NAME         compute backend (built in: %s; default cpu)\n"
+            "  --threads N            CPU threads (default 1)\n"
+            "  --block-size N         tokens per KV block (default 16)\n"
+            "  --kv-blocks N          KV blocks in the pool (default: enough for 4 x max_position_embeddings\n"
+            "                         tokens)\n"
+            "  --max-batch-tokens N   token budget per engine step (default 512)\n"
+            "  --max-live N           requests live at once before new ones are rejected (default 1024)\n"
+            "  --policy NAME          preemption planner (default recompute)\n"
+            "  --no-prefix-cache      do not reuse KV blocks across requests\n"
+            "  -h, --help             this text\n"
+            "\n"
+            "Log level: KVB_LOG_LEVEL=error|warn|info|debug. Exit status 1 on an error, 2 on a usage error.\n",
+            TAG_MAX, kvb_backend_list());
+}
+
+static int parse_int(const char *flag, const char *v, int min, int *out) {
+    int64_t x;
+    if (kvb_parse_i64(v, min, 1 << 30, &x) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: %s needs an integer >= %d, got '%s'\n", flag, min, v);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+static int valid_tag(const char *s) {
+    size_t n = strlen(s);
+    if (n == 0 || n > TAG_MAX) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_'))
+            return 0;
+    }
+    return 1;
+}
+
+/* The default name: the model directory's base name, made a valid region tag. */
+static void default_name(const char *dir, char out[TAG_MAX + 1]) {
+    size_t end = strlen(dir);
+    while (end > 1 && dir[end - 1] == '/') end--;
+    size_t start = end;
+    while (start > 0 && dir[start - 1] != '/') start--;
+    size_t n = 0;
+    for (size_t i = start; i < end && n < TAG_MAX; i++) {
+        char c = dir[i];
+        int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
+        out[n++] = ok ? c : '_';
+    }
+    if (n == 0) out[n++] = 'm';
+    out[n] = '\0';
+}
+
+int main(int argc, char **argv) {
+    const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
+    int threads = 1, block_size = 16, kv_blocks = 0, max_batch_tokens = 0, max_live = 1024, prefix_cache = 1;
+
+    enum { O_MODEL = 256, O_EP, O_NAME, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_LIVE, O_POLICY, O_NOPC };
+    static const struct option opts[] = {
+        {"model", 1, 0, O_MODEL},       {"endpoint", 1, 0, O_EP},        {"name", 1, 0, O_NAME},
+        {"backend", 1, 0, O_BACKEND},   {"threads", 1, 0, O_THREADS},    {"block-size", 1, 0, O_BS},
+        {"kv-blocks", 1, 0, O_BLOCKS},  {"max-batch-tokens", 1, 0, O_MBT}, {"max-live", 1, 0, O_LIVE},
+        {"policy", 1, 0, O_POLICY},     {"no-prefix-cache", 0, 0, O_NOPC}, {"help", 0, 0, 'h'},
+        {0, 0, 0, 0}};
+    int c;
+    opterr = 1;
+    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        switch (c) {
+        case O_MODEL: model_dir = optarg; break;
+        case O_EP: endpoint = optarg; break;
+        case O_NAME: name_arg = optarg; break;
+        case O_BACKEND: backend = optarg; break;
+        case O_THREADS: if (parse_int("--threads", optarg, 1, &threads)) return 2; break;
+        case O_BS: if (parse_int("--block-size", optarg, 1, &block_size)) return 2; break;
+        case O_BLOCKS: if (parse_int("--kv-blocks", optarg, 1, &kv_blocks)) return 2; break;
+        case O_MBT: if (parse_int("--max-batch-tokens", optarg, 1, &max_batch_tokens)) return 2; break;
+        case O_LIVE: if (parse_int("--max-live", optarg, 1, &max_live)) return 2; break;
+        case O_POLICY: policy = optarg; break;
+        case O_NOPC: prefix_cache = 0; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (optind != argc || !model_dir || !endpoint) {
+        if (optind != argc) fprintf(stderr, "kvbank-serve: unexpected argument '%s'\n", argv[optind]);
+        else fprintf(stderr, "kvbank-serve: --model and --endpoint are required\n");
+        usage(stderr);
+        return 2;
+    }
+    char name[TAG_MAX + 1];
+    if (name_arg) {
+        if (!valid_tag(name_arg)) {
+            fprintf(stderr, "kvbank-serve: --name must be 1..%d letters, digits, '-' or '_', got '%s'\n", TAG_MAX,
+                    name_arg);
+            return 2;
+        }
+        snprintf(name, sizeof name, "%s", name_arg);
+    } else {
+        default_name(model_dir, name);
+    }
+    kvb_planner planner;
+    if (kvb_policy_by_name(policy, &planner) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: unknown --policy '%s'\n", policy);
+        return 2;
+    }
+    kvb_log_set_tag(name);
+
+    /* Handlers first, so that a signal during loading still leads through the cleanup below. Without
+     * SA_RESTART, so that a blocking poll returns EINTR at once. */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    int rc = 1;
+    kvb_backend *be = NULL;
+    kvb_model *m = NULL;
+    kvb_region *region = NULL;
+    kvb_server *srv = NULL;
+    kvb_engine *eng = NULL;
+    int planner_owned = 1; /* until the engine takes it */
+    kvb_status st;
+
+    if ((st = kvb_backend_create(backend, threads, &be)) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: cannot create backend '%s': %s\n", backend, kvb_status_str(st));
+        goto out;
+    }
+    if ((st = kvb_model_load(model_dir, be, &m)) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: cannot load model from %s: %s\n", model_dir, kvb_status_str(st));
+        goto out;
+    }
+    const kvb_model_config *cfg = kvb_model_cfg(m);
+    kvb_kv_geom geom = kvb_model_kv_geom(m, block_size);
+    if (kvb_kv_geom_check(&geom) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: invalid KV geometry for block size %d\n", block_size);
+        goto out;
+    }
+    if (kv_blocks == 0) {
+        int64_t blocks = KVB_DIV_CEIL((int64_t)4 * cfg->max_pos, (int64_t)block_size);
+        kv_blocks = (int)KVB_MIN(blocks, (int64_t)1 << 30);
+    }
+    size_t block_bytes = kvb_kv_block_bytes(&geom);
+    if (block_bytes == 0 || (size_t)kv_blocks > SIZE_MAX / block_bytes) {
+        fprintf(stderr, "kvbank-serve: %d KV blocks of %zu bytes do not fit in memory\n", kv_blocks, block_bytes);
+        goto out;
+    }
+    size_t kv_bytes = (size_t)kv_blocks * block_bytes;
+    if ((st = kvb_region_create(name, kv_bytes, &region)) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: cannot create a %zu-byte shared KV region: %s\n", kv_bytes, kvb_status_str(st));
+        goto out;
+    }
+    if (g_stop) goto stopped;
+
+    kvb_server_opts so = {.endpoint = endpoint, .model_name = name, .max_live = max_live, .vocab = cfg->vocab};
+    if ((st = kvb_server_create(&so, &srv)) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: cannot serve on %s: %s\n", endpoint, kvb_status_str(st));
+        goto out;
+    }
+    kvb_engine_opts eo;
+    kvb_engine_opts_default(&eo);
+    eo.block_size = block_size;
+    eo.n_blocks = kv_blocks;
+    if (max_batch_tokens) eo.max_batch_tokens = max_batch_tokens;
+    eo.enable_prefix_cache = prefix_cache;
+    eo.kv_mem = kvb_region_base(region);
+    eo.kv_mem_bytes = kvb_region_size(region);
+    kvb_engine_events ev = kvb_server_engine_events(srv);
+    planner_owned = 0; /* kvb_engine_create takes the planner, also when it fails */
+    if ((st = kvb_engine_create(m, &eo, &planner, &ev, &eng)) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: cannot create the engine: %s\n", kvb_status_str(st));
+        goto out;
+    }
+    kvb_server_attach(srv, eng);
+
+    KVB_LOG_I("serving %s on %s (%d KV blocks of %d tokens in %s, %zu bytes)", name, kvb_server_endpoint(srv),
+              kv_blocks, block_size, kvb_region_handle(region), kv_bytes);
+    st = kvb_server_run(srv, &g_stop);
+    kvb_server_stats ss;
+    kvb_server_get_stats(srv, &ss);
+    KVB_LOG_I("stopped: accepted=%llu completed=%llu rejected=%llu malformed=%llu disconnects=%llu",
+              (unsigned long long)ss.accepted, (unsigned long long)ss.completed, (unsigned long long)ss.rejected,
+              (unsigned long long)ss.malformed, (unsigned long long)ss.disconnects);
+    if (st != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: the server stopped on an error: %s\n", kvb_status_str(st));
+        goto out;
+    }
+stopped:
+    rc = 0;
+out:
+    kvb_engine_destroy(eng);
+    kvb_server_destroy(srv);
+    if (planner_owned && planner.iface && planner.iface->destroy) planner.iface->destroy(planner.ctx);
+    kvb_region_destroy(region);
+    kvb_model_destroy(m);
+    kvb_backend_destroy(be);
+    return rc;
+}
