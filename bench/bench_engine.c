@@ -103,7 +103,10 @@ static double time_decode(kvb_model *m, int batch, int ctx, int steps, int block
     o.block_size = block_size;
     o.max_seqs = batch;
     o.max_batch_tokens = KVB_MAX(512, batch);
-    o.n_blocks = batch * KVB_DIV_CEIL(ctx + steps + 2, block_size);
+    /* prompts are prefilled over several steps, so the first requests start decoding earlier: give
+     * every request enough tokens to still be decoding at the end of the timed window */
+    int max_tokens = steps + KVB_DIV_CEIL(batch * ctx, o.max_batch_tokens) + 2;
+    o.n_blocks = batch * KVB_DIV_CEIL(ctx + max_tokens, block_size);
     o.enable_prefix_cache = 0;
     bench_counter cnt = {0};
     kvb_engine_events ev = {.ud = &cnt, .on_token = count_token};
@@ -117,7 +120,7 @@ static double time_decode(kvb_model *m, int batch, int ctx, int steps, int block
     }
     for (int r = 0; r < batch; r++) {
         for (int i = 0; i < ctx; i++) prompt[i] = (int32_t)((i * 31 + r * 17 + 1) % c->vocab);
-        kvb_request req = {.id = (uint64_t)r, .prompt = prompt, .n_prompt = ctx, .max_tokens = steps + 2};
+        kvb_request req = {.id = (uint64_t)r, .prompt = prompt, .n_prompt = ctx, .max_tokens = max_tokens};
         if (kvb_engine_add(e, &req) != KVB_OK) {
             free(prompt);
             kvb_engine_destroy(e);

@@ -52,8 +52,9 @@ static void usage(FILE *f, const char *prog) {
             "                      tensor count (default 1: a single model.safetensors)\n"
             "  --help              this text\n"
             "\n"
-            "Weights: linear layers N(0, 1/sqrt(in_features)), embeddings N(0, 1), norm weights\n"
-            "1 + N(0, 0.1). rms_norm_eps is 1e-5 (llama) or 1e-6 (qwen3). Exit status 2 on a usage error.\n",
+            "Weights: linear layers N(0, 1/sqrt(in_features)), embeddings N(0, 1) (with --tie\n"
+            "N(0, 1/sqrt(hidden)), the LM head's scale), norm weights 1 + N(0, 0.1). rms_norm_eps is\n"
+            "1e-5 (llama) or 1e-6 (qwen3). Exit status 2 on a usage error.\n",
             prog);
 }
 
@@ -132,7 +133,9 @@ static kvb_status build_list(const opts *o, tensor_list *l) {
     const int64_t h = o->hidden, q = (int64_t)o->heads * o->head_dim, kv = (int64_t)o->kv_heads * o->head_dim;
     const int64_t ff = o->intermediate;
     char n[96];
-    KVB_TRY(add(l, "model.embed_tokens.weight", 2, o->vocab, h, 0.0, 1.0));
+    /* Tied, the table is also the LM head: draw it at the LM head's scale, or the residual stream would
+     * be dominated by the input token's own row and every step would predict its input again. */
+    KVB_TRY(add(l, "model.embed_tokens.weight", 2, o->vocab, h, 0.0, o->tie ? 1.0 / sqrt((double)h) : 1.0));
     for (int i = 0; i < o->layers; i++) {
 #define LAYER(suffix, nd, r, c, mean, std)                                                             \
     do {                                                                                               \

@@ -1,0 +1,1053 @@
+/* Integration tests of the model server: kvbank-serve runs as a real process on a real ipc:// socket
+ * with a tiny random model from kvbank-mkmodel; the tests talk to it through kvb_client and through
+ * raw DEALER sockets (to send what a well-behaved client never would), and compare token streams with
+ * kvbank-generate's output for the same model and prompts.
+ *
+ * The programs are found in $KVB_BUILDDIR, or else in the directory above this test binary. Every
+ * test starts its own server and stops it at its end. A failed assertion ends the test process at
+ * once (check calls _exit), so the server also runs in its own process group with
+ * PR_SET_PDEATHSIG(SIGTERM): it exits cleanly (socket file and shared memory removed) when its test
+ * dies however it dies. The test's files live in /tmp/kvb-test-<pid>.d; every test first removes
+ * such directories of test processes that no longer exist. */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/ipc/client.h"
+#include "common/ipc/wire.h"
+#include "common/mem/region.h"
+#include "common/model/config.h"
+#include "tests/harness.h"
+
+#define MAX_TOK 4096
+
+static char g_builddir[PATH_MAX];
+static char g_dir[64];       /* this test's scratch directory */
+static char g_model[96];     /* model directory made by kvbank-mkmodel, inside g_dir */
+static char g_name[32];      /* --name of the server: also its shared-memory tag */
+static char g_sockpath[128]; /* the ipc socket file */
+static char g_endpoint[160];
+static char g_log[96];       /* the server's stderr, inside g_dir */
+static int g_quiet;          /* run_tool: send the tool's stderr to /dev/null */
+static pid_t g_server = -1;
+static int g_vocab;
+
+/* ------------------------------------------------------------------------------------- processes */
+
+static const char *builddir(void) {
+    if (g_builddir[0]) return g_builddir;
+    const char *env = getenv("KVB_BUILDDIR");
+    if (env && *env) {
+        snprintf(g_builddir, sizeof g_builddir, "%s", env);
+    } else {
+        char exe[PATH_MAX];
+        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+        ck_assert_int_gt(n, 0);
+        exe[n] = '\0';
+        for (int up = 0; up < 2; up++) { /* .../build/tests/test_server -> .../build */
+            char *slash = strrchr(exe, '/');
+            ck_assert_ptr_nonnull(slash);
+            *slash = '\0';
+        }
+        memcpy(g_builddir, exe, strlen(exe) + 1);
+    }
+    return g_builddir;
+}
+
+static void tool_path(const char *name, char *out, size_t len) { snprintf(out, len, "%s/%s", builddir(), name); }
+
+/* Runs argv[0] from the build directory with stdout into out[out_len] (NUL-terminated; may be NULL)
+ * and stderr into the test's stderr. Returns the exit status, or -1 if it did not exit normally. */
+static int run_tool(const char *const *argv, char *out, size_t out_len) {
+    char path[PATH_MAX];
+    tool_path(argv[0], path, sizeof path);
+    int fds[2];
+    ck_assert_int_eq(pipe(fds), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        dup2(fds[1], 1);
+        close(fds[0]);
+        close(fds[1]);
+        if (g_quiet) {
+            int devnull = open("/dev/null", O_WRONLY);
+            if (devnull >= 0) dup2(devnull, 2);
+        }
+        setenv("KVB_LOG_LEVEL", "warn", 1);
+        execv(path, (char *const *)argv);
+        fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
+        _exit(127);
+    }
+    close(fds[1]);
+    size_t n = 0;
+    char sink[4096];
+    for (;;) {
+        char *dst = out && n + 1 < out_len ? out + n : sink;
+        size_t room = out && n + 1 < out_len ? out_len - 1 - n : sizeof sink;
+        ssize_t r = read(fds[0], dst, room);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        if (dst != sink) n += (size_t)r;
+    }
+    close(fds[0]);
+    if (out && out_len) out[n] = '\0';
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int type, struct FTW *ftw) {
+    (void)sb, (void)type, (void)ftw;
+    remove(path);
+    return 0;
+}
+
+static void remove_tree(const char *dir) { nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS); }
+
+/* Removes /tmp/kvb-test-<pid>.d directories and /tmp/kvb-test-<pid>-* files of dead test processes. */
+static void remove_stale(void) {
+    DIR *d = opendir("/tmp");
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int pid = 0, n = 0;
+        if (sscanf(e->d_name, "kvb-test-%d%n", &pid, &n) != 1 || pid <= 0 || pid == getpid()) continue;
+        if (e->d_name[n] != '.' && e->d_name[n] != '-') continue;
+        if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+        char p[PATH_MAX];
+        snprintf(p, sizeof p, "/tmp/%s", e->d_name);
+        remove_tree(p);
+    }
+    closedir(d);
+}
+
+/* Number of /dev/shm objects of our server's tag ("kvb-<name>-..."); the newest's mode into *mode. */
+static int count_shm(mode_t *mode) {
+    char prefix[64];
+    snprintf(prefix, sizeof prefix, "kvb-%s-", g_name);
+    int n = 0;
+    DIR *d = opendir("/dev/shm");
+    if (!d) return 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (strncmp(e->d_name, prefix, strlen(prefix))) continue;
+        n++;
+        char p[PATH_MAX];
+        struct stat sb;
+        snprintf(p, sizeof p, "/dev/shm/%s", e->d_name);
+        if (mode && stat(p, &sb) == 0) *mode = sb.st_mode;
+    }
+    closedir(d);
+    return n;
+}
+
+/* Sends `sig` to the server and waits up to timeout_s for it; returns its wait status, or -1 if it
+ * had to be killed. */
+static int stop_server(int sig, double timeout_s) {
+    if (g_server <= 0) return 0;
+    kill(g_server, sig);
+    int status = 0;
+    for (int i = 0; i < (int)(timeout_s * 100); i++) {
+        pid_t r = waitpid(g_server, &status, WNOHANG);
+        if (r == g_server) {
+            g_server = -1;
+            return status;
+        }
+        usleep(10000);
+    }
+    kill(g_server, SIGKILL);
+    waitpid(g_server, &status, 0);
+    g_server = -1;
+    kvb_region_unlink_tag(g_name, NULL); /* it could not clean up after itself */
+    return -1;
+}
+
+static void teardown(void) {
+    stop_server(SIGTERM, 10);
+    if (g_sockpath[0]) unlink(g_sockpath);
+    if (g_dir[0]) remove_tree(g_dir);
+}
+
+static void print_server_log(void) {
+    FILE *f = fopen(g_log, "r");
+    if (!f) return;
+    char line[1024];
+    fprintf(stderr, "---- server log ----\n");
+    while (fgets(line, sizeof line, f)) fputs(line, stderr);
+    fclose(f);
+}
+
+static int log_contains(const char *needle) {
+    FILE *f = fopen(g_log, "r");
+    if (!f) return 0;
+    char line[2048];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f)) found = strstr(line, needle) != NULL;
+    fclose(f);
+    return found;
+}
+
+/* Makes this test's directory and a tiny model in it. */
+static void make_model(void) {
+    remove_stale();
+    snprintf(g_dir, sizeof g_dir, "/tmp/kvb-test-%d.d", (int)getpid());
+    ck_assert_msg(mkdir(g_dir, 0700) == 0, "mkdir %s: %s", g_dir, strerror(errno));
+    snprintf(g_model, sizeof g_model, "%s/model", g_dir);
+    snprintf(g_log, sizeof g_log, "%s/serve.log", g_dir);
+    const char *argv[] = {"kvbank-mkmodel", "--arch", "llama", "--seed", "3", g_model, NULL};
+    ck_assert_int_eq(run_tool(argv, NULL, 0), 0);
+    kvb_model_config cfg;
+    ck_assert_int_eq(kvb_model_config_load(g_model, &cfg), KVB_OK);
+    g_vocab = cfg.vocab;
+}
+
+/* Forks and execs kvbank-serve; `extra` are more flags (NULL-terminated, may be NULL). Does not wait. */
+static pid_t spawn_server(const char *const *extra) {
+    snprintf(g_name, sizeof g_name, "t%d", (int)getpid());
+    snprintf(g_sockpath, sizeof g_sockpath, "/tmp/kvb-test-%d-srv.sock", (int)getpid());
+    snprintf(g_endpoint, sizeof g_endpoint, "ipc://%s", g_sockpath);
+    char path[PATH_MAX];
+    tool_path("kvbank-serve", path, sizeof path);
+    const char *argv[32] = {"kvbank-serve", "--model", g_model, "--endpoint", g_endpoint, "--name", g_name,
+                            "--threads", "1"};
+    int argc = 9;
+    for (int i = 0; extra && extra[i] && argc < 31; i++) argv[argc++] = extra[i];
+    argv[argc] = NULL;
+    pid_t parent = getpid();
+    fflush(NULL);
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        /* Own process group: check's timeout kill of the test's group must not SIGKILL the server
+         * (it would leave its shared memory behind); the parent's death sends SIGTERM instead. */
+        setpgid(0, 0);
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent) _exit(1);
+        int fd = open(g_log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+            close(fd);
+        }
+        setenv("KVB_LOG_LEVEL", "info", 1);
+        execv(path, (char *const *)argv);
+        _exit(127);
+    }
+    g_server = pid;
+    return pid;
+}
+
+/* Starts the server and waits until it answers a ping. */
+static void start_server(const char *const *extra) {
+    spawn_server(extra);
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    double t0 = kvb_now_s();
+    kvb_status st = KVB_ERR_TIMEOUT;
+    while (kvb_now_s() - t0 < 30) {
+        st = kvb_client_ping(c, 200, NULL);
+        if (st == KVB_OK) break;
+        int status;
+        if (waitpid(g_server, &status, WNOHANG) == g_server) {
+            g_server = -1;
+            print_server_log();
+            ck_abort_msg("kvbank-serve exited early (status 0x%x)", status);
+        }
+    }
+    kvb_client_destroy(c);
+    if (st != KVB_OK) print_server_log();
+    ck_assert_int_eq(st, KVB_OK);
+}
+
+/* The ids kvbank-generate prints for each of `n` prompts (comma-separated strings). */
+static void reference(const char *const *prompts, int n, int max_tokens, const char *const *extra, int32_t **out,
+                      int *n_out) {
+    char mt[16];
+    snprintf(mt, sizeof mt, "%d", max_tokens);
+    const char *argv[40] = {"kvbank-generate", "--model", g_model, "--max-tokens", mt};
+    int argc = 5;
+    for (int i = 0; i < n; i++) {
+        argv[argc++] = "--prompt-ids";
+        argv[argc++] = prompts[i];
+    }
+    for (int i = 0; extra && extra[i]; i++) argv[argc++] = extra[i];
+    argv[argc] = NULL;
+    size_t cap = (size_t)n * (size_t)max_tokens * 12 + 64;
+    char *text = malloc(cap);
+    ck_assert_ptr_nonnull(text);
+    ck_assert_int_eq(run_tool(argv, text, cap), 0);
+    char *save = NULL, *line = strtok_r(text, "\n", &save);
+    for (int i = 0; i < n; i++) {
+        ck_assert_msg(line != NULL, "kvbank-generate printed %d lines, expected %d", i, n);
+        ck_assert_int_eq(kvb_parse_id_list(line, &out[i], &n_out[i]), KVB_OK);
+        line = strtok_r(NULL, "\n", &save);
+    }
+    free(text);
+}
+
+/* ------------------------------------------------------------------------------------- raw sockets */
+
+static void *raw_dealer(void *zctx) {
+    void *s = zmq_socket(zctx, ZMQ_DEALER);
+    ck_assert_ptr_nonnull(s);
+    int zero = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
+    ck_assert_int_eq(zmq_connect(s, g_endpoint), 0);
+    return s;
+}
+
+/* The next envelope on `sock` within timeout_ms, or NULL. Asserts that it is one valid frame. */
+static Kvbank__Envelope *raw_recv(void *sock, int timeout_ms) {
+    zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
+    if (zmq_poll(&it, 1, timeout_ms) <= 0) return NULL;
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    ck_assert_int_ge(zmq_msg_recv(&m, sock, 0), 0);
+    ck_assert_int_eq(zmq_msg_more(&m), 0);
+    Kvbank__Envelope *env = NULL;
+    kvb_status st = kvb_wire_unpack(zmq_msg_data(&m), zmq_msg_size(&m), &env, NULL, 0);
+    zmq_msg_close(&m);
+    ck_assert_int_eq(st, KVB_OK);
+    return env;
+}
+
+static void raw_send_bytes(void *sock, const void *buf, size_t len) {
+    ck_assert_int_eq(zmq_send(sock, buf, len, 0), (int)len);
+}
+
+static void raw_send_env(void *sock, Kvbank__Envelope *env) { ck_assert_int_eq(kvb_wire_send(sock, NULL, 0, env, 0), KVB_OK); }
+
+static void raw_generate(void *sock, uint64_t rid, const int32_t *prompt, size_t n, uint32_t max_tokens) {
+    Kvbank__GenerateRequest g = KVBANK__GENERATE_REQUEST__INIT;
+    g.request_id = rid;
+    g.prompt_ids = (int32_t *)prompt;
+    g.n_prompt_ids = n;
+    g.max_tokens = max_tokens;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
+    raw_send_env(sock, &env);
+}
+
+static void raw_cancel(void *sock, uint64_t rid) {
+    Kvbank__CancelRequest c = KVBANK__CANCEL_REQUEST__INIT;
+    c.request_id = rid;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_CANCEL;
+    env.cancel = &c;
+    raw_send_env(sock, &env);
+}
+
+static void raw_ping(void *sock, uint64_t nonce) {
+    Kvbank__Ping p = KVBANK__PING__INIT;
+    p.nonce = nonce;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_PING;
+    env.ping = &p;
+    raw_send_env(sock, &env);
+}
+
+/* Receives the next message and checks it is an ErrorReply for `rid` with `code` and a message. */
+static void expect_error(void *sock, uint64_t rid, kvb_status code, const char *what) {
+    Kvbank__Envelope *e = raw_recv(sock, 10000);
+    ck_assert_msg(e != NULL, "%s: no reply", what);
+    ck_assert_msg(e->body_case == KVBANK__ENVELOPE__BODY_ERROR, "%s: got message type %d, expected an ErrorReply",
+                  what, (int)e->body_case);
+    ck_assert_msg(e->error->request_id == rid, "%s: ErrorReply for request %llu, expected %llu", what,
+                  (unsigned long long)e->error->request_id, (unsigned long long)rid);
+    ck_assert_msg(e->error->code == (int32_t)code, "%s: code %d (%s), expected %d (%s)", what, e->error->code,
+                  kvb_status_str((kvb_status)e->error->code), (int)code, kvb_status_str(code));
+    ck_assert_msg(e->error->message && e->error->message[0], "%s: ErrorReply without a message", what);
+    kvbank__envelope__free_unpacked(e, NULL);
+}
+
+/* One request's stream as received on a raw socket. */
+typedef struct stream {
+    uint64_t rid;
+    int32_t tok[MAX_TOK];
+    uint64_t t_ns[MAX_TOK];
+    int n;
+    int finish; /* Kvbank__FinishReason, NONE until the last event */
+    int n_errors;
+    int32_t last_error;
+} stream;
+
+/* Receives one message on `sock` and files it into the stream of its request. Returns 0 on timeout. */
+static int pump(void *sock, stream *ss, int n_ss, int timeout_ms) {
+    Kvbank__Envelope *e = raw_recv(sock, timeout_ms);
+    if (!e) return 0;
+    uint64_t rid = e->body_case == KVBANK__ENVELOPE__BODY_TOKENS  ? e->tokens->request_id
+                   : e->body_case == KVBANK__ENVELOPE__BODY_ERROR ? e->error->request_id
+                                                                  : UINT64_MAX;
+    stream *s = NULL;
+    for (int i = 0; i < n_ss; i++)
+        if (ss[i].rid == rid) s = &ss[i];
+    ck_assert_msg(s != NULL, "unexpected message type %d for request %llu", (int)e->body_case, (unsigned long long)rid);
+    if (e->body_case == KVBANK__ENVELOPE__BODY_ERROR) {
+        s->n_errors++;
+        s->last_error = e->error->code;
+    } else {
+        const Kvbank__TokenEvent *te = e->tokens;
+        ck_assert_int_eq(s->finish, KVBANK__FINISH_REASON__FINISH_NONE);
+        ck_assert_uint_eq(te->first_index, (unsigned)s->n);
+        ck_assert_uint_eq(te->n_t_ns, te->n_tokens);
+        for (size_t k = 0; k < te->n_tokens; k++) {
+            ck_assert_int_lt(s->n, MAX_TOK);
+            s->tok[s->n] = te->tokens[k];
+            s->t_ns[s->n] = te->t_ns[k];
+            s->n++;
+        }
+        s->finish = te->finish;
+    }
+    kvbank__envelope__free_unpacked(e, NULL);
+    return 1;
+}
+
+static void assert_ids_eq(const int32_t *got, int n_got, const int32_t *want, int n_want, const char *what) {
+    ck_assert_msg(n_got == n_want, "%s: %d tokens, expected %d", what, n_got, n_want);
+    for (int i = 0; i < n_want; i++)
+        ck_assert_msg(got[i] == want[i], "%s: token %d is %d, expected %d", what, i, got[i], want[i]);
+}
+
+/* ------------------------------------------------------------------------------------ client helpers */
+
+typedef struct collect {
+    int32_t tok[MAX_TOK];
+    uint64_t t_ns[MAX_TOK];
+    int n;
+    int index_ok;  /* every callback had index == n */
+    int cancel_at; /* > 0: ask to cancel after this many tokens */
+} collect;
+
+static int on_tok(void *ud, int index, int32_t token, uint64_t t_ns) {
+    collect *c = ud;
+    if (index != c->n || c->n >= MAX_TOK) c->index_ok = 0;
+    if (c->n < MAX_TOK) {
+        c->tok[c->n] = token;
+        c->t_ns[c->n] = t_ns;
+    }
+    c->n++;
+    return c->cancel_at > 0 && c->n >= c->cancel_at;
+}
+
+static collect *collect_new(void) {
+    collect *c = calloc(1, sizeof *c);
+    ck_assert_ptr_nonnull(c);
+    c->index_ok = 1;
+    return c;
+}
+
+/* A greedy generate through kvb_client that must match kvbank-generate. */
+static void check_generate(kvb_client *c, const char *prompt_str, int max_tokens) {
+    int32_t *prompt = NULL, *ref = NULL;
+    int n_prompt = 0, n_ref = 0;
+    ck_assert_int_eq(kvb_parse_id_list(prompt_str, &prompt, &n_prompt), KVB_OK);
+    const char *ps[] = {prompt_str};
+    reference(ps, 1, max_tokens, NULL, &ref, &n_ref);
+    collect *col = collect_new();
+    kvb_request r = {.prompt = prompt, .n_prompt = n_prompt, .max_tokens = max_tokens};
+    kvb_finish fin = KVB_FINISH_NONE;
+    char err[256];
+    kvb_status st = kvb_client_generate(c, &r, on_tok, col, 20000, &fin, err, sizeof err);
+    ck_assert_msg(st == KVB_OK, "generate: %s (%s)", kvb_status_str(st), err);
+    ck_assert_int_eq(fin, KVB_FINISH_LENGTH);
+    ck_assert(col->index_ok);
+    assert_ids_eq(col->tok, col->n, ref, n_ref, "generate");
+    free(col);
+    free(prompt);
+    free(ref);
+}
+
+static void check_idle(kvb_client *c) {
+    uint32_t live = 99;
+    ck_assert_int_eq(kvb_client_ping(c, 10000, &live), KVB_OK);
+    ck_assert_uint_eq(live, 0);
+}
+
+/* ------------------------------------------------------------------------------------------- tests */
+
+KVB_TEST(generate_matches_reference) {
+    make_model();
+    start_server(NULL);
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+
+    /* Greedy: the stream equals kvbank-generate's ids, with indices in order and wall-clock times. */
+    const char *ps[] = {"1,2,3,4,5"};
+    int32_t *ref = NULL;
+    int n_ref = 0;
+    reference(ps, 1, 24, NULL, &ref, &n_ref);
+    ck_assert_int_eq(n_ref, 24);
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+    collect *col = collect_new();
+    kvb_request r = {.prompt = prompt, .n_prompt = 5, .max_tokens = 24};
+    kvb_finish fin = KVB_FINISH_NONE;
+    char err[256];
+    uint64_t t0 = kvb_wall_ns();
+    ck_assert_int_eq(kvb_client_generate(c, &r, on_tok, col, 20000, &fin, err, sizeof err), KVB_OK);
+    uint64_t t1 = kvb_wall_ns();
+    ck_assert_int_eq(fin, KVB_FINISH_LENGTH);
+    ck_assert(col->index_ok);
+    assert_ids_eq(col->tok, col->n, ref, n_ref, "greedy");
+    for (int i = 0; i < col->n; i++) {
+        ck_assert_uint_ge(col->t_ns[i], t0);
+        ck_assert_uint_le(col->t_ns[i], t1);
+        if (i) ck_assert_uint_ge(col->t_ns[i], col->t_ns[i - 1]);
+    }
+
+    /* A stop id ends the request at its first occurrence, which is emitted. */
+    int32_t stop = ref[5];
+    int first = 0;
+    while (ref[first] != stop) first++;
+    memset(col, 0, sizeof *col);
+    col->index_ok = 1;
+    r.stop_ids = &stop;
+    r.n_stop = 1;
+    ck_assert_int_eq(kvb_client_generate(c, &r, on_tok, col, 20000, &fin, err, sizeof err), KVB_OK);
+    ck_assert_int_eq(fin, KVB_FINISH_STOP);
+    assert_ids_eq(col->tok, col->n, ref, first + 1, "stop id");
+
+    /* Sampling parameters travel: the same seed gives kvbank-generate's sampled ids. */
+    int32_t *sref = NULL;
+    int n_sref = 0;
+    const char *sx[] = {"--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "7", NULL};
+    reference(ps, 1, 24, sx, &sref, &n_sref);
+    memset(col, 0, sizeof *col);
+    col->index_ok = 1;
+    kvb_request rs = {.prompt = prompt,
+                      .n_prompt = 5,
+                      .max_tokens = 24,
+                      .sampling = {.temperature = 0.8f, .top_k = 20, .top_p = 0.9f, .seed = 7}};
+    ck_assert_int_eq(kvb_client_generate(c, &rs, on_tok, col, 20000, &fin, err, sizeof err), KVB_OK);
+    ck_assert_int_eq(fin, KVB_FINISH_LENGTH);
+    assert_ids_eq(col->tok, col->n, sref, n_sref, "sampled");
+
+    check_idle(c);
+    free(sref);
+    free(col);
+    free(ref);
+    kvb_client_destroy(c);
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST(concurrent_clients) {
+    make_model();
+    start_server(NULL);
+    const char *ps[] = {"3,1,4,1,5,9", "2,7,1,8,2,8,1,8"};
+    int32_t *ref[2] = {NULL, NULL};
+    int n_ref[2] = {0, 0};
+    reference(ps, 2, 300, NULL, ref, n_ref);
+    int32_t p0[] = {3, 1, 4, 1, 5, 9}, p1[] = {2, 7, 1, 8, 2, 8, 1, 8};
+
+    /* Client A runs two requests (ids 7 and 8), client B one with A's id 7: ids are per client. */
+    void *zctx = zmq_ctx_new();
+    void *a = raw_dealer(zctx), *b = raw_dealer(zctx);
+    stream *sa = calloc(2, sizeof *sa), *sb = calloc(1, sizeof *sb);
+    ck_assert(sa && sb);
+    sa[0].rid = 7;
+    sa[1].rid = 8;
+    sb[0].rid = 7;
+    /* A round trip on each socket first, so that both are connected when the requests go out. */
+    void *socks[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        raw_ping(socks[i], 1);
+        Kvbank__Envelope *e = raw_recv(socks[i], 10000);
+        ck_assert_ptr_nonnull(e);
+        ck_assert_int_eq(e->body_case, KVBANK__ENVELOPE__BODY_PONG);
+        kvbank__envelope__free_unpacked(e, NULL);
+    }
+    raw_generate(a, 7, p0, 6, 300);
+    raw_generate(b, 7, p1, 8, 300);
+    raw_generate(a, 8, p1, 8, 300);
+    while (!(sa[0].finish && sa[1].finish && sb[0].finish)) {
+        zmq_pollitem_t its[2] = {{.socket = a, .events = ZMQ_POLLIN}, {.socket = b, .events = ZMQ_POLLIN}};
+        ck_assert_int_gt(zmq_poll(its, 2, 20000), 0);
+        if (its[0].revents) pump(a, sa, 2, 0);
+        if (its[1].revents) pump(b, sb, 1, 0);
+    }
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(sa[i].finish, KVBANK__FINISH_REASON__FINISH_LENGTH);
+        ck_assert_int_eq(sa[i].n_errors, 0);
+    }
+    ck_assert_int_eq(sb[0].finish, KVBANK__FINISH_REASON__FINISH_LENGTH);
+    assert_ids_eq(sa[0].tok, sa[0].n, ref[0], n_ref[0], "client A request 7");
+    assert_ids_eq(sa[1].tok, sa[1].n, ref[1], n_ref[1], "client A request 8");
+    assert_ids_eq(sb[0].tok, sb[0].n, ref[1], n_ref[1], "client B request 7");
+    /* They ran in one continuous batch: each stream began before the other ended. */
+    ck_assert_uint_lt(sa[0].t_ns[0], sb[0].t_ns[sb[0].n - 1]);
+    ck_assert_uint_lt(sb[0].t_ns[0], sa[0].t_ns[sa[0].n - 1]);
+
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    check_idle(c);
+    kvb_client_destroy(c);
+    zmq_close(a);
+    zmq_close(b);
+    zmq_ctx_term(zctx);
+    free(sa);
+    free(sb);
+    free(ref[0]);
+    free(ref[1]);
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST(malformed_frames) {
+    make_model();
+    start_server(NULL);
+    void *zctx = zmq_ctx_new();
+    void *s = raw_dealer(zctx);
+
+    /* Random bytes (fixed seed). */
+    uint8_t junk[200];
+    uint64_t x = 0x12345678;
+    for (size_t i = 0; i < sizeof junk; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        junk[i] = (uint8_t)x;
+    }
+    raw_send_bytes(s, junk, sizeof junk);
+    expect_error(s, 0, KVB_ERR_PROTOCOL, "random bytes");
+
+    /* A valid GenerateRequest envelope cut short. */
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+    Kvbank__GenerateRequest g = KVBANK__GENERATE_REQUEST__INIT;
+    g.request_id = 1;
+    g.prompt_ids = prompt;
+    g.n_prompt_ids = 5;
+    g.max_tokens = 4;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    ck_assert_int_eq(kvb_wire_pack(&env, &buf, &len), KVB_OK);
+    raw_send_bytes(s, buf, len - 3);
+    expect_error(s, 0, KVB_ERR_PROTOCOL, "truncated envelope");
+    free(buf);
+
+    /* A well-formed envelope over the 4 MiB frame limit (the pack helper refuses to make one). */
+    size_t n_big = KVB_WIRE_MAX_FRAME + 1000; /* ids < 128 are one byte each, packed */
+    int32_t *big = calloc(n_big, sizeof *big);
+    ck_assert_ptr_nonnull(big);
+    Kvbank__GenerateRequest gb = KVBANK__GENERATE_REQUEST__INIT;
+    gb.request_id = 2;
+    gb.prompt_ids = big;
+    gb.n_prompt_ids = n_big;
+    gb.max_tokens = 1;
+    Kvbank__Envelope eb = KVBANK__ENVELOPE__INIT;
+    eb.version = KVB_PROTO_VERSION;
+    eb.body_case = KVBANK__ENVELOPE__BODY_GENERATE;
+    eb.generate = &gb;
+    ck_assert_int_eq(kvb_wire_pack(&eb, &buf, &len), KVB_ERR_INVALID);
+    len = kvbank__envelope__get_packed_size(&eb);
+    ck_assert_uint_gt(len, KVB_WIRE_MAX_FRAME);
+    buf = malloc(len);
+    ck_assert_ptr_nonnull(buf);
+    ck_assert_uint_eq(kvbank__envelope__pack(&eb, buf), len);
+    raw_send_bytes(s, buf, len);
+    expect_error(s, 0, KVB_ERR_PROTOCOL, "oversized frame");
+    free(buf);
+    free(big);
+
+    /* Version 2. */
+    Kvbank__Ping p = KVBANK__PING__INIT;
+    p.nonce = 5;
+    Kvbank__Envelope ev2 = KVBANK__ENVELOPE__INIT;
+    ev2.version = 2;
+    ev2.body_case = KVBANK__ENVELOPE__BODY_PING;
+    ev2.ping = &p;
+    len = kvbank__envelope__get_packed_size(&ev2);
+    buf = malloc(len);
+    ck_assert_uint_eq(kvbank__envelope__pack(&ev2, buf), len);
+    raw_send_bytes(s, buf, len);
+    expect_error(s, 0, KVB_ERR_PROTOCOL, "version 2");
+    free(buf);
+
+    /* Version 1 without a body, and an empty frame. */
+    Kvbank__Envelope empty = KVBANK__ENVELOPE__INIT;
+    ck_assert_int_eq(kvb_wire_pack(&empty, &buf, &len), KVB_OK);
+    raw_send_bytes(s, buf, len);
+    expect_error(s, 0, KVB_ERR_PROTOCOL, "empty body");
+    free(buf);
+    raw_send_bytes(s, "", 0);
+    expect_error(s, 0, KVB_ERR_PROTOCOL, "empty frame");
+
+    /* A message the server never accepts (a server-to-client TokenEvent). */
+    Kvbank__TokenEvent te = KVBANK__TOKEN_EVENT__INIT;
+    Kvbank__Envelope et = KVBANK__ENVELOPE__INIT;
+    et.body_case = KVBANK__ENVELOPE__BODY_TOKENS;
+    et.tokens = &te;
+    raw_send_env(s, &et);
+    expect_error(s, 0, KVB_ERR_PROTOCOL, "TokenEvent sent to the server");
+
+    /* A 3-frame message (identity + two parts) whose second part is a valid Ping: it is drained and
+     * answered with an ErrorReply, and the ping inside is not answered. */
+    Kvbank__Envelope ep = KVBANK__ENVELOPE__INIT;
+    p.nonce = 99;
+    ep.body_case = KVBANK__ENVELOPE__BODY_PING;
+    ep.ping = &p;
+    ck_assert_int_eq(kvb_wire_pack(&ep, &buf, &len), KVB_OK);
+    ck_assert_int_eq(zmq_send(s, "x", 1, ZMQ_SNDMORE), 1);
+    raw_send_bytes(s, buf, len);
+    free(buf);
+    expect_error(s, 0, KVB_ERR_PROTOCOL, "3-frame message");
+    raw_ping(s, 100);
+    Kvbank__Envelope *e = raw_recv(s, 10000);
+    ck_assert_ptr_nonnull(e);
+    ck_assert_int_eq(e->body_case, KVBANK__ENVELOPE__BODY_PONG);
+    ck_assert_uint_eq(e->pong->nonce, 100);
+    kvbank__envelope__free_unpacked(e, NULL);
+
+    /* Still serving, correctly. */
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    check_generate(c, "1,2,3,4,5", 16);
+    check_idle(c);
+    kvb_client_destroy(c);
+    zmq_close(s);
+    zmq_ctx_term(zctx);
+    ck_assert_int_eq(stop_server(SIGTERM, 10), 0);
+    ck_assert(log_contains("malformed=8"));
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST(invalid_requests) {
+    make_model();
+    start_server(NULL);
+    void *zctx = zmq_ctx_new();
+    void *s = raw_dealer(zctx);
+    int32_t ok[] = {1, 2, 3, 4, 5};
+
+    Kvbank__GenerateRequest g = KVBANK__GENERATE_REQUEST__INIT;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
+#define RESET(rid)                                                                                     \
+    do {                                                                                               \
+        kvbank__generate_request__init(&g);                                                            \
+        g.request_id = (rid);                                                                          \
+        g.prompt_ids = ok;                                                                             \
+        g.n_prompt_ids = 5;                                                                            \
+        g.max_tokens = 4;                                                                              \
+    } while (0)
+
+    RESET(11);
+    g.n_prompt_ids = 0;
+    raw_send_env(s, &env);
+    expect_error(s, 11, KVB_ERR_INVALID, "empty prompt");
+
+    int32_t bad_hi[] = {1, 2, g_vocab};
+    RESET(12);
+    g.prompt_ids = bad_hi;
+    g.n_prompt_ids = 3;
+    raw_send_env(s, &env);
+    expect_error(s, 12, KVB_ERR_INVALID, "token id == vocab");
+
+    int32_t bad_neg[] = {1, -1};
+    RESET(13);
+    g.prompt_ids = bad_neg;
+    g.n_prompt_ids = 2;
+    raw_send_env(s, &env);
+    expect_error(s, 13, KVB_ERR_INVALID, "negative token id");
+
+    RESET(14);
+    g.max_tokens = 0;
+    raw_send_env(s, &env);
+    expect_error(s, 14, KVB_ERR_INVALID, "max_tokens 0");
+
+    RESET(15);
+    g.top_p = 1.5f;
+    raw_send_env(s, &env);
+    expect_error(s, 15, KVB_ERR_INVALID, "top_p 1.5");
+
+    RESET(16);
+    g.temperature = NAN;
+    raw_send_env(s, &env);
+    expect_error(s, 16, KVB_ERR_INVALID, "temperature NaN");
+
+    int32_t bad_stop[] = {-3};
+    RESET(17);
+    g.stop_ids = bad_stop;
+    g.n_stop_ids = 1;
+    raw_send_env(s, &env);
+    expect_error(s, 17, KVB_ERR_INVALID, "negative stop id");
+
+    RESET(0);
+    raw_send_env(s, &env);
+    expect_error(s, 0, KVB_ERR_INVALID, "request_id 0");
+
+    /* Longer than the model's context: the engine refuses it, the client hears why. */
+    kvb_model_config cfg;
+    ck_assert_int_eq(kvb_model_config_load(g_model, &cfg), KVB_OK);
+    int32_t *longp = calloc((size_t)cfg.max_pos + 1, sizeof *longp);
+    ck_assert_ptr_nonnull(longp);
+    RESET(18);
+    g.prompt_ids = longp;
+    g.n_prompt_ids = (size_t)cfg.max_pos + 1;
+    raw_send_env(s, &env);
+    expect_error(s, 18, KVB_ERR_INVALID, "prompt longer than the context");
+    free(longp);
+
+    /* A duplicate of a live request id is refused; the original stream is unaffected. */
+    const char *ps[] = {"1,2,3,4,5"};
+    int32_t *ref = NULL;
+    int n_ref = 0;
+    reference(ps, 1, 1000, NULL, &ref, &n_ref);
+    stream *st = calloc(1, sizeof *st);
+    ck_assert_ptr_nonnull(st);
+    st->rid = 20;
+    raw_generate(s, 20, ok, 5, 1000);
+    raw_generate(s, 20, ok, 5, 4);
+    while (!st->finish) ck_assert_int_eq(pump(s, st, 1, 20000), 1);
+    ck_assert_int_eq(st->finish, KVBANK__FINISH_REASON__FINISH_LENGTH);
+    ck_assert_int_eq(st->n_errors, 1);
+    ck_assert_int_eq(st->last_error, KVB_ERR_INVALID);
+    assert_ids_eq(st->tok, st->n, ref, n_ref, "original of a duplicate");
+    /* Once finished, the id may be used again. */
+    memset(st, 0, sizeof *st);
+    st->rid = 20;
+    raw_generate(s, 20, ok, 5, 4);
+    while (!st->finish) ck_assert_int_eq(pump(s, st, 1, 20000), 1);
+    ck_assert_int_eq(st->n_errors, 0);
+    assert_ids_eq(st->tok, st->n, ref, 4, "reused id");
+    free(st);
+    free(ref);
+#undef RESET
+
+    /* Through kvb_client: the ErrorReply's code and message come back. */
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    kvb_request r = {.prompt = ok, .n_prompt = 0, .max_tokens = 4};
+    kvb_finish fin = KVB_FINISH_LENGTH;
+    char err[256] = "";
+    ck_assert_int_eq(kvb_client_generate(c, &r, on_tok, NULL, 10000, &fin, err, sizeof err), KVB_ERR_INVALID);
+    ck_assert_int_eq(fin, KVB_FINISH_NONE);
+    ck_assert_msg(strstr(err, "empty prompt") != NULL, "error message '%s'", err);
+    r.n_prompt = 5;
+    r.sampling.top_p = 2.0f;
+    ck_assert_int_eq(kvb_client_generate(c, &r, on_tok, NULL, 10000, &fin, err, sizeof err), KVB_ERR_INVALID);
+
+    check_generate(c, "1,2,3,4,5", 16);
+    check_idle(c);
+    kvb_client_destroy(c);
+    zmq_close(s);
+    zmq_ctx_term(zctx);
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST(client_disconnect) {
+    make_model();
+    start_server(NULL);
+    void *zctx = zmq_ctx_new();
+    void *s = raw_dealer(zctx);
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+    raw_generate(s, 1, prompt, 5, 2000);
+    Kvbank__Envelope *e = raw_recv(s, 20000);
+    ck_assert_ptr_nonnull(e);
+    ck_assert_int_eq(e->body_case, KVBANK__ENVELOPE__BODY_TOKENS);
+    ck_assert_int_eq(e->tokens->finish, KVBANK__FINISH_REASON__FINISH_NONE);
+    kvbank__envelope__free_unpacked(e, NULL);
+    zmq_close(s); /* linger 0: gone at once, mid-stream */
+
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    uint32_t live = 1;
+    double t0 = kvb_now_s();
+    while (live && kvb_now_s() - t0 < 20) {
+        ck_assert_int_eq(kvb_client_ping(c, 10000, &live), KVB_OK);
+        if (live) usleep(5000);
+    }
+    ck_assert_uint_eq(live, 0);
+    check_generate(c, "1,2,3,4,5", 16);
+    kvb_client_destroy(c);
+    zmq_ctx_term(zctx);
+
+    /* The request ended because its client was gone, not because it ran to its end. */
+    ck_assert_int_eq(stop_server(SIGTERM, 10), 0);
+    if (!log_contains("disconnects=1")) print_server_log();
+    ck_assert(log_contains("disconnects=1"));
+    ck_assert(log_contains("accepted=2 completed=1"));
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST(cancel) {
+    make_model();
+    start_server(NULL);
+    const char *ps[] = {"1,2,3,4,5"};
+    int32_t *ref = NULL;
+    int n_ref = 0;
+    reference(ps, 1, 8, NULL, &ref, &n_ref);
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+
+    /* kvb_client: the callback asks to stop after 3 tokens; no token is delivered after that. */
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    collect *col = collect_new();
+    col->cancel_at = 3;
+    kvb_request r = {.prompt = prompt, .n_prompt = 5, .max_tokens = 2000};
+    kvb_finish fin = KVB_FINISH_NONE;
+    char err[256];
+    ck_assert_int_eq(kvb_client_generate(c, &r, on_tok, col, 20000, &fin, err, sizeof err), KVB_OK);
+    ck_assert_int_eq(fin, KVB_FINISH_CANCELLED);
+    assert_ids_eq(col->tok, col->n, ref, 3, "cancelled by the callback");
+    free(col);
+    check_idle(c);
+
+    /* Raw CancelRequest: the stream ends with FINISH_CANCELLED, long before max_tokens. */
+    void *zctx = zmq_ctx_new();
+    void *s = raw_dealer(zctx);
+    stream *st = calloc(1, sizeof *st);
+    ck_assert_ptr_nonnull(st);
+    st->rid = 5;
+    raw_generate(s, 5, prompt, 5, 2000);
+    ck_assert_int_eq(pump(s, st, 1, 20000), 1);
+    ck_assert_int_gt(st->n, 0);
+    raw_cancel(s, 5);
+    while (!st->finish) ck_assert_int_eq(pump(s, st, 1, 20000), 1);
+    ck_assert_int_eq(st->finish, KVBANK__FINISH_REASON__FINISH_CANCELLED);
+    ck_assert_int_eq(st->n_errors, 0);
+    ck_assert_int_lt(st->n, 2000);
+    int n_cmp = KVB_MIN(st->n, n_ref);
+    assert_ids_eq(st->tok, n_cmp, ref, n_cmp, "cancelled stream prefix");
+    free(st);
+    /* Cancelling what is not live is an error for that id. */
+    raw_cancel(s, 5);
+    expect_error(s, 5, KVB_ERR_NOT_FOUND, "cancel of a finished request");
+    raw_cancel(s, 77);
+    expect_error(s, 77, KVB_ERR_NOT_FOUND, "cancel of an unknown request");
+
+    check_idle(c);
+    check_generate(c, "1,2,3,4,5", 8);
+    kvb_client_destroy(c);
+    zmq_close(s);
+    zmq_ctx_term(zctx);
+    free(ref);
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST(socket_and_pong) {
+    make_model();
+    start_server(NULL);
+    struct stat sb;
+    ck_assert_int_eq(stat(g_sockpath, &sb), 0);
+    ck_assert(S_ISSOCK(sb.st_mode));
+    ck_assert_uint_eq(sb.st_mode & 07777, 0600);
+    mode_t shm_mode = 0;
+    ck_assert_int_eq(count_shm(&shm_mode), 1);
+    ck_assert_uint_eq(shm_mode & 07777, 0600);
+
+    void *zctx = zmq_ctx_new();
+    void *s = raw_dealer(zctx);
+    raw_ping(s, 4242);
+    Kvbank__Envelope *e = raw_recv(s, 10000);
+    ck_assert_ptr_nonnull(e);
+    ck_assert_int_eq(e->body_case, KVBANK__ENVELOPE__BODY_PONG);
+    ck_assert_uint_eq(e->pong->nonce, 4242);
+    ck_assert_str_eq(e->pong->model, g_name);
+    ck_assert_uint_eq(e->pong->live_requests, 0);
+    kvbank__envelope__free_unpacked(e, NULL);
+
+    /* While a request runs, the pong counts it. */
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+    raw_generate(s, 1, prompt, 5, 2000);
+    raw_ping(s, 4243);
+    int seen_pong = 0;
+    while (!seen_pong) {
+        e = raw_recv(s, 20000);
+        ck_assert_ptr_nonnull(e);
+        if (e->body_case == KVBANK__ENVELOPE__BODY_PONG) {
+            ck_assert_uint_eq(e->pong->nonce, 4243);
+            ck_assert_uint_eq(e->pong->live_requests, 1);
+            seen_pong = 1;
+        } else {
+            ck_assert_int_eq(e->body_case, KVBANK__ENVELOPE__BODY_TOKENS);
+        }
+        kvbank__envelope__free_unpacked(e, NULL);
+    }
+    zmq_close(s);
+    zmq_ctx_term(zctx);
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST(sigterm_cleanup) {
+    make_model();
+    start_server(NULL);
+    ck_assert_int_eq(count_shm(NULL), 1);
+    /* Stop it in the middle of a request. */
+    void *zctx = zmq_ctx_new();
+    void *s = raw_dealer(zctx);
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+    raw_generate(s, 1, prompt, 5, 2000);
+    Kvbank__Envelope *e = raw_recv(s, 20000);
+    ck_assert_ptr_nonnull(e);
+    kvbank__envelope__free_unpacked(e, NULL);
+    int status = stop_server(SIGTERM, 20);
+    ck_assert_msg(status != -1, "kvbank-serve did not exit on SIGTERM");
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "kvbank-serve ended with status 0x%x", status);
+    ck_assert_int_eq(count_shm(NULL), 0);
+    struct stat sb;
+    ck_assert_int_ne(stat(g_sockpath, &sb), 0);
+    ck_assert(log_contains("serving "));
+    zmq_close(s);
+    zmq_ctx_term(zctx);
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST(command_line) {
+    make_model();
+    g_quiet = 1; /* usage texts and the expected errors */
+    char out[8192];
+    const char *help[] = {"kvbank-serve", "--help", NULL};
+    ck_assert_int_eq(run_tool(help, out, sizeof out), 0);
+    const char *flags[] = {"--model", "--endpoint", "--name", "--backend", "--threads", "--block-size",
+                           "--kv-blocks", "--max-batch-tokens", "--no-prefix-cache"};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(flags); i++) ck_assert_msg(strstr(out, flags[i]), "--help lacks %s", flags[i]);
+
+    const char *bad_flag[] = {"kvbank-serve", "--model", g_model, "--endpoint", "ipc:///tmp/x", "--bogus", NULL};
+    ck_assert_int_eq(run_tool(bad_flag, NULL, 0), 2);
+    const char *no_ep[] = {"kvbank-serve", "--model", g_model, NULL};
+    ck_assert_int_eq(run_tool(no_ep, NULL, 0), 2);
+    const char *bad_threads[] = {"kvbank-serve", "--model", g_model, "--endpoint", "ipc:///tmp/x", "--threads", "0", NULL};
+    ck_assert_int_eq(run_tool(bad_threads, NULL, 0), 2);
+    const char *bad_name[] = {"kvbank-serve", "--model", g_model, "--endpoint", "ipc:///tmp/x", "--name", "a/b", NULL};
+    ck_assert_int_eq(run_tool(bad_name, NULL, 0), 2);
+    const char *no_model[] = {"kvbank-serve", "--model", "/nonexistent/kvb-model", "--endpoint", "ipc:///tmp/x", NULL};
+    ck_assert_int_eq(run_tool(no_model, NULL, 0), 1);
+
+    /* A failure after the KV region exists (cannot bind) leaves no shared memory behind. */
+    snprintf(g_name, sizeof g_name, "t%d", (int)getpid());
+    const char *no_bind[] = {"kvbank-serve", "--model", g_model, "--endpoint", "ipc:///nonexistent-dir/x.sock",
+                             "--name", g_name, NULL};
+    ck_assert_int_eq(run_tool(no_bind, NULL, 0), 1);
+    ck_assert_int_eq(count_shm(NULL), 0);
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("server", KVB_T(generate_matches_reference, 120), KVB_T(concurrent_clients, 120),
+              KVB_T(malformed_frames, 120), KVB_T(invalid_requests, 120), KVB_T(client_disconnect, 120),
+              KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120),
+              KVB_T(command_line, 120))

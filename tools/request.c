@@ -1,0 +1,118 @@
+/* kvbank-request — send one generate request to a running model server and stream the tokens. */
+#include <getopt.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/ipc/client.h"
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvbank-request --endpoint EP --prompt-ids IDS --max-tokens N [options]\n"
+               "\n"
+               "Sends one request to a kvbank model server (kvbank-serve) and prints each token as it arrives:\n"
+               "`INDEX TOKEN MS` (MS: milliseconds since the request was sent), then a summary line with the ids.\n"
+               "\n"
+               "  --endpoint EP          the server's ZeroMQ endpoint (ipc://... or tcp://...)\n"
+               "  --prompt-ids IDS       comma-separated token ids\n"
+               "  --max-tokens N         tokens to generate\n"
+               "  --stop-ids IDS         stop after one of these ids\n"
+               "  --temperature T, --top-k K, --top-p P, --seed S   sampling (default greedy)\n"
+               "  --timeout-ms N         give up when the server is silent this long (default 30000)\n"
+               "  --wait S               wait up to S seconds for the server to answer a ping first (default 0)\n"
+               "  --quiet                print only the generated ids\n");
+}
+
+typedef struct req_state {
+    uint64_t t0;
+    int quiet;
+    int32_t *ids;
+    int n;
+    int cap;
+} req_state;
+
+static int on_token(void *ud, int index, int32_t token, uint64_t t_ns) {
+    req_state *s = ud;
+    if (!s->quiet) printf("%d %d %.3f\n", index, token, (double)(int64_t)(t_ns - s->t0) / 1e6);
+    fflush(stdout);
+    if (s->n < s->cap) s->ids[s->n++] = token;
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    const char *ep = NULL;
+    int32_t *prompt = NULL, *stop = NULL;
+    int n_prompt = 0, n_stop = 0, max_tokens = 0, timeout_ms = 30000, wait_s = 0, quiet = 0;
+    kvb_sampling samp = {0};
+    static const struct option opts[] = {
+        {"endpoint", 1, 0, 'e'}, {"prompt-ids", 1, 0, 'p'}, {"max-tokens", 1, 0, 'n'}, {"stop-ids", 1, 0, 's'},
+        {"temperature", 1, 0, 'T'}, {"top-k", 1, 0, 'k'}, {"top-p", 1, 0, 'P'}, {"seed", 1, 0, 'S'},
+        {"timeout-ms", 1, 0, 't'}, {"wait", 1, 0, 'w'}, {"quiet", 0, 0, 'q'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+    int c;
+    int64_t v;
+    double d;
+    int li = -1;
+    while ((c = getopt_long(argc, argv, "hq", opts, &li)) != -1) {
+        kvb_status st = KVB_OK;
+        switch (c) {
+        case 'e': ep = optarg; break;
+        case 'p': st = kvb_parse_id_list(optarg, &prompt, &n_prompt); break;
+        case 's': st = kvb_parse_id_list(optarg, &stop, &n_stop); break;
+        case 'n': st = kvb_parse_i64(optarg, 1, 1 << 30, &v); max_tokens = (int)v; break;
+        case 'k': st = kvb_parse_i64(optarg, 0, 1 << 30, &v); samp.top_k = (int)v; break;
+        case 't': st = kvb_parse_i64(optarg, 1, 1 << 30, &v); timeout_ms = (int)v; break;
+        case 'w': st = kvb_parse_i64(optarg, 0, 3600, &v); wait_s = (int)v; break;
+        case 'S': st = kvb_parse_i64(optarg, 0, INT64_MAX, &v); samp.seed = (uint64_t)v; break;
+        case 'T': st = kvb_parse_f64(optarg, &d); samp.temperature = (float)d; break;
+        case 'P': st = kvb_parse_f64(optarg, &d); samp.top_p = (float)d; break;
+        case 'q': quiet = 1; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+        if (st != KVB_OK || (c == 'T' && samp.temperature < 0)) {
+            fprintf(stderr, "kvbank-request: bad value '%s' for --%s\n", optarg, li >= 0 ? opts[li].name : "?");
+            return 2;
+        }
+    }
+    if (!ep || !prompt || !max_tokens || optind != argc) {
+        fprintf(stderr, "kvbank-request: --endpoint, --prompt-ids and --max-tokens are required\n");
+        usage(stderr);
+        return 2;
+    }
+    int rc = 1;
+    kvb_client *cl = NULL;
+    req_state s = {.quiet = quiet, .cap = max_tokens};
+    if (kvb_malloc((size_t)max_tokens * sizeof(int32_t), (void **)&s.ids) != KVB_OK) goto out;
+    if (kvb_client_connect(ep, &cl) != KVB_OK) {
+        fprintf(stderr, "kvbank-request: cannot connect to %s\n", ep);
+        goto out;
+    }
+    if (wait_s > 0) {
+        uint64_t deadline = kvb_now_ns() + (uint64_t)wait_s * 1000000000ull;
+        while (kvb_client_ping(cl, 200, NULL) != KVB_OK) {
+            if (kvb_now_ns() > deadline) {
+                fprintf(stderr, "kvbank-request: no answer from %s within %d s\n", ep, wait_s);
+                goto out;
+            }
+        }
+    }
+    kvb_request r = {.prompt = prompt, .n_prompt = n_prompt, .max_tokens = max_tokens, .stop_ids = stop,
+                     .n_stop = n_stop, .sampling = samp};
+    kvb_finish fin = KVB_FINISH_NONE;
+    char err[256] = "";
+    s.t0 = kvb_wall_ns();
+    kvb_status st = kvb_client_generate(cl, &r, on_token, &s, timeout_ms, &fin, err, sizeof err);
+    if (st != KVB_OK) {
+        fprintf(stderr, "kvbank-request: %s%s%s\n", kvb_status_str(st), err[0] ? ": " : "", err);
+        goto out;
+    }
+    if (!quiet) printf("finish: %s, %d tokens: ", kvb_finish_str(fin), s.n);
+    for (int i = 0; i < s.n; i++) printf(i ? ",%d" : "%d", s.ids[i]);
+    printf("\n");
+    rc = fin == KVB_FINISH_ERROR ? 1 : 0;
+out:
+    kvb_client_destroy(cl);
+    free(prompt);
+    free(stop);
+    free(s.ids);
+    return rc;
+}
