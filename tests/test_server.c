@@ -1005,6 +1005,14 @@ KVB_TEST(sigterm_cleanup) {
     kvbank__envelope__free_unpacked(e, NULL);
     int status = stop_server(SIGTERM, 20);
     ck_assert_msg(status != -1, "kvbank-serve did not exit on SIGTERM");
+    /* The live request was cancelled, and its client heard it. */
+    int fin = KVBANK__FINISH_REASON__FINISH_NONE;
+    while ((e = raw_recv(s, 1000)) != NULL) {
+        ck_assert_int_eq(e->body_case, KVBANK__ENVELOPE__BODY_TOKENS);
+        fin = e->tokens->finish;
+        kvbank__envelope__free_unpacked(e, NULL);
+    }
+    ck_assert_int_eq(fin, KVBANK__FINISH_REASON__FINISH_CANCELLED);
     ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "kvbank-serve ended with status 0x%x", status);
     ck_assert_int_eq(count_shm(NULL), 0);
     struct stat sb;

@@ -433,7 +433,8 @@ static int parse_args(int argc, char **argv, opts *o) {
             break;
         case O_HELP: return 1;
         default:
-            if (optopt) fprintf(stderr, "%s: option %s is unknown or lacks its value\n", prog, argv[optind - 1]);
+            if (optopt >= O_ARCH) fprintf(stderr, "%s: option %s needs a value\n", prog, argv[optind - 1]);
+            else if (optopt) fprintf(stderr, "%s: unknown option -%c\n", prog, optopt);
             else fprintf(stderr, "%s: unknown option %s\n", prog, argv[optind - 1]);
             return -1;
         }

@@ -32,6 +32,7 @@
 #define SEND_HWM 100000                      /* messages queued to one client before it counts as stuck */
 #define RECV_HARD_MAX ((int64_t)64 << 20)    /* bytes: libzmq drops a peer that sends more in one message */
 #define TOK_CAP0 4                           /* initial per-slot token buffer (tokens) */
+#define CLOSE_LINGER_MS 250                  /* how long destroy waits for queued replies */
 
 typedef struct slot {
     int in_use;
@@ -630,7 +631,13 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
 
 void kvb_server_destroy(kvb_server *s) {
     if (!s) return;
-    if (s->sock) zmq_close(s->sock);
+    if (s->sock) {
+        /* LINGER is 0 while serving; on the way out, give the last events (the FINISH_CANCELLED of
+         * requests that were live at the stop) a moment to reach clients that are still there. */
+        int linger = CLOSE_LINGER_MS;
+        zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger);
+        zmq_close(s->sock);
+    }
     if (s->zctx) zmq_ctx_term(s->zctx);
     /* libzmq (4.3) leaves an ipc:// socket file behind; remove it unless another process has bound
      * the same path since (then it is a different inode). */

@@ -28,8 +28,12 @@ kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out);
 /* The events to create the engine with; they forward to `s`. */
 kvb_engine_events kvb_server_engine_events(kvb_server *s);
 void kvb_server_attach(kvb_server *s, kvb_engine *engine);
-/* Serves until *stop becomes nonzero (set it from a signal handler). */
+/* Serves until *stop becomes nonzero (set it from a signal handler); then cancels the requests still
+ * live, so that their clients get FINISH_CANCELLED. KVB_ERR_BACKEND if an engine step failed (its
+ * requests end with FINISH_ERROR first), KVB_ERR_STATE without an attached engine. */
 kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop);
+/* Closes the socket (waiting at most 250 ms for queued replies) and removes an ipc:// socket file.
+ * NULL-safe. Destroy the engine first or after, the server never calls it here. */
 void kvb_server_destroy(kvb_server *s);
 /* The endpoint as bound (wildcards resolved, e.g. "tcp://127.0.0.1:41234"); owned by the server. */
 const char *kvb_server_endpoint(const kvb_server *s);

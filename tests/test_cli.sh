@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The programs' command lines: --help tells the truth and exits 0, bad flags exit 2, and broken model
+# directories (truncated safetensors, bad JSON, unknown architecture, missing or mis-shaped tensors)
+# give a clear error naming the file, field or tensor, exit 1, and never crash (no signal, no ASan report).
+set -uo pipefail
+B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
+PY=${KVB_PYTHON:-/usr/bin/python3}
+T=$(mktemp -d /tmp/kvb-cli-XXXXXX)
+trap 'rm -rf "$T"' EXIT
+fails=0
+ok() { echo "ok   - $*"; }
+bad() { echo "FAIL - $*"; fails=$((fails + 1)); }
+
+# expect CODE PATTERN -- CMD...: exit code CODE and PATTERN (grep -E) in stderr+stdout
+expect() {
+    local code=$1 pat=$2
+    shift 3
+    local out rc
+    out=$("$@" 2>&1)
+    rc=$?
+    if [ "$rc" -ne "$code" ]; then
+        bad "$* -> exit $rc, want $code; output: $(echo "$out" | tail -3)"
+    elif ! echo "$out" | grep -Eq "$pat"; then
+        bad "$* -> output lacks /$pat/: $(echo "$out" | tail -3)"
+    elif echo "$out" | grep -q "AddressSanitizer\|runtime error"; then
+        bad "$* -> sanitizer report"
+    else
+        ok "$* -> $code /$pat/"
+    fi
+}
+
+for p in kvbank-mkmodel kvbank-generate kvbank-serve kvbank-request kvbank-bench; do
+    expect 0 "usage" -- "$B/$p" --help
+    expect 2 "usage|unrecognized|unknown" -- "$B/$p" --no-such-flag
+done
+expect 2 "required" -- "$B/kvbank-generate" --model "$T/none"
+expect 2 "prompt-ids" -- "$B/kvbank-generate" --model "$T/none" --prompt-ids 1,x --max-tokens 2
+expect 2 "max-tokens" -- "$B/kvbank-generate" --model "$T/none" --prompt-ids 1 --max-tokens 0
+expect 2 "arch" -- "$B/kvbank-mkmodel" --arch gpt2 "$T/x"
+
+M=$T/good
+"$B/kvbank-mkmodel" --arch llama --vocab 100 "$M" >/dev/null || bad "mkmodel failed"
+expect 0 "^[0-9]+(,[0-9]+){3}$" -- "$B/kvbank-generate" --model "$M" --prompt-ids 1,2 --max-tokens 4
+expect 1 "vocabulary" -- "$B/kvbank-generate" --model "$M" --prompt-ids 1,100 --max-tokens 4
+expect 1 "exceeds the model length" -- "$B/kvbank-generate" --model "$M" --prompt-ids 1 --max-tokens 5000
+expect 1 "cpu" -- "$B/kvbank-generate" --model "$M" --prompt-ids 1 --max-tokens 2 --backend tpu
+expect 1 "config.json" -- "$B/kvbank-generate" --model "$T/none" --prompt-ids 1 --max-tokens 2
+
+# broken copies of the good model
+mk() { rm -rf "$T/$1"; cp -r "$M" "$T/$1"; echo "$T/$1"; }
+D=$(mk trunc); sz=$(stat -c %s "$D/model.safetensors"); truncate -s $((sz - 100)) "$D/model.safetensors"
+expect 1 "model.safetensors" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+D=$(mk trunchdr); truncate -s 20 "$D/model.safetensors"
+expect 1 "model.safetensors" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+D=$(mk empty); : > "$D/model.safetensors"
+expect 1 "model.safetensors" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+D=$(mk badjson); echo '{"architectures": ["LlamaForCausalLM"], "hidden_size": ' > "$D/config.json"
+expect 1 "config.json" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+D=$(mk arch); sed -i 's/LlamaForCausalLM/MambaForCausalLM/; s/"llama"/"mamba"/' "$D/config.json"
+expect 1 "MambaForCausalLM" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+D=$(mk nofield); sed -i '/"num_hidden_layers"/d' "$D/config.json"
+expect 1 "num_hidden_layers" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+D=$(mk heads); sed -i 's/"num_key_value_heads": 2/"num_key_value_heads": 3/' "$D/config.json"
+expect 1 "num_key_value_heads" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+D=$(mk shape); sed -i 's/"intermediate_size": 128/"intermediate_size": 64/' "$D/config.json"
+expect 1 "mlp.(gate|up|down)_proj" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+D=$(mk missing)
+"$PY" - "$D/model.safetensors" <<'PYEOF'
+import json, struct, sys
+# rewrite the file without one tensor: a real, valid safetensors file that lacks model.norm.weight
+p = sys.argv[1]
+raw = open(p, 'rb').read()
+n = struct.unpack('<Q', raw[:8])[0]
+hdr = json.loads(raw[8:8 + n]); data = raw[8 + n:]
+hdr.pop('model.norm.weight')
+out, off, new = b'', 0, {}
+for k in sorted(k for k in hdr if k != '__metadata__'):
+    b, e = hdr[k]['data_offsets']
+    new[k] = dict(hdr[k], data_offsets=[off, off + e - b]); out += data[b:e]; off += e - b
+h = json.dumps(new).encode(); h += b' ' * (-len(h) % 8)
+open(p, 'wb').write(struct.pack('<Q', len(h)) + h + out)
+PYEOF
+expect 1 "model.norm.weight" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
+
+echo "test_cli: $fails failure(s)"
+[ "$fails" -eq 0 ]

@@ -1,0 +1,267 @@
+/* Tests of the CPU backend's kernels against naive double-precision loops, on fresh random inputs.
+ * Attention is checked on ragged batches mixing decode-like and prefill-like sequences (both code
+ * paths), with GQA and MHA, block sizes 1, 7, 16, and blocks scattered out of order in the pool. */
+#include <math.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+#include "tests/harness.h"
+
+static uint64_t rng_state;
+static float frand(void) { /* uniform in [-1, 1) */
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((rng_state >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f;
+}
+static void fill(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = frand();
+}
+/* max |a-b| / max |b| */
+static double rel_err(const float *a, const double *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num = fmax(num, fabs((double)a[i] - b[i]));
+        den = fmax(den, fabs(b[i]));
+    }
+    return num / (den > 0 ? den : 1);
+}
+
+static kvb_backend *make_backend(int threads) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cpu", threads, &be), KVB_OK);
+    return be;
+}
+
+KVB_TEST(unknown_backend) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("tpu", 1, &be), KVB_ERR_UNSUPPORTED);
+    ck_assert_ptr_null(be);
+}
+KVB_TEST_END
+
+static void check_matmul(int n, int rows, int cols, int threads) {
+    kvb_backend *be = make_backend(threads);
+    float *w = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * n * cols);
+    float *y = malloc(sizeof(float) * n * rows);
+    double *ref = malloc(sizeof(double) * n * rows);
+    fill(w, (size_t)rows * cols);
+    fill(x, (size_t)n * cols);
+    fill(y, (size_t)n * rows);
+    kvb_tensor t;
+    ck_assert_int_eq(be->iface->weight_load(be->ctx, w, KVB_DTYPE_F32, rows, cols, &t), KVB_OK);
+    for (int i = 0; i < n; i++)
+        for (int r = 0; r < rows; r++) {
+            double s = y[(size_t)i * rows + r]; /* beta = 1: accumulate into y */
+            for (int c = 0; c < cols; c++) s += (double)x[(size_t)i * cols + c] * w[(size_t)r * cols + c];
+            ref[(size_t)i * rows + r] = s;
+        }
+    ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &t, 1.0f, y), KVB_OK);
+    double e = rel_err(y, ref, (size_t)n * rows);
+    ck_assert_msg(e < 1e-5, "matmul n=%d %dx%d threads=%d rel err %g", n, rows, cols, threads, e);
+    be->iface->weight_free(be->ctx, &t);
+    kvb_backend_destroy(be);
+    free(w);
+    free(x);
+    free(y);
+    free(ref);
+}
+
+KVB_TEST(matmul_split_rows) {
+    rng_state = 1;
+    int shapes[][3] = {{1, 300, 200}, {1, 1024, 96}, {5, 257, 64}, {33, 512, 128}, {2, 17, 9}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
+        for (int th = 1; th <= 3; th++) check_matmul(shapes[i][0], shapes[i][1], shapes[i][2], th);
+}
+KVB_TEST_END
+
+KVB_TEST(weight_load_half) {
+    kvb_backend *be = make_backend(1);
+    uint16_t h[4] = {0x3c00, 0xc000, 0x3800, 0x0000}; /* f16: 1, -2, 0.5, 0 */
+    uint16_t bf[4] = {0x3f80, 0xc000, 0x3f00, 0x8000};/* bf16: 1, -2, 0.5, -0 */
+    kvb_tensor t1, t2;
+    ck_assert_int_eq(be->iface->weight_load(be->ctx, h, KVB_DTYPE_F16, 2, 2, &t1), KVB_OK);
+    ck_assert_int_eq(be->iface->weight_load(be->ctx, bf, KVB_DTYPE_BF16, 4, 1, &t2), KVB_OK);
+    const float want[4] = {1, -2, 0.5f, 0};
+    for (int i = 0; i < 4; i++) {
+        ck_assert_float_eq(((float *)t1.data)[i], want[i]);
+        ck_assert_float_eq(((float *)t2.data)[i], want[i]);
+    }
+    ck_assert_int_eq(t1.ne[0], 2);
+    ck_assert_int_eq(t2.ne[1], 1);
+    be->iface->weight_free(be->ctx, &t1);
+    be->iface->weight_free(be->ctx, &t2);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+KVB_TEST(rmsnorm_rope_silu) {
+    rng_state = 2;
+    kvb_backend *be = make_backend(2);
+    enum { R = 300, D = 64, H = 3, N = 5 };
+    static float x[R * D], y[R * D], w[D];
+    static double ref[R * D];
+    fill(x, R * D);
+    fill(w, D);
+    kvb_tensor tw;
+    ck_assert_int_eq(be->iface->weight_load(be->ctx, w, KVB_DTYPE_F32, D, 1, &tw), KVB_OK);
+    for (int r = 0; r < R; r++) {
+        double ss = 0;
+        for (int i = 0; i < D; i++) ss += (double)x[r * D + i] * x[r * D + i];
+        for (int i = 0; i < D; i++) ref[r * D + i] = x[r * D + i] / sqrt(ss / D + 1e-6) * w[i];
+    }
+    ck_assert_int_eq(be->iface->rmsnorm(be->ctx, x, R, D, &tw, 1e-6f, y), KVB_OK);
+    ck_assert_double_lt(rel_err(y, ref, R * D), 1e-6);
+    /* in place gives the same */
+    ck_assert_int_eq(be->iface->rmsnorm(be->ctx, x, R, D, &tw, 1e-6f, x), KVB_OK);
+    ck_assert_int_eq(memcmp(x, y, sizeof x), 0);
+
+    /* RoPE, rotate-half form, q [N][H][D] and k [N][1][D] at arbitrary positions */
+    static float q[N * H * D], k[N * D], q0[N * H * D], k0[N * D];
+    float inv_freq[D / 2];
+    for (int i = 0; i < D / 2; i++) inv_freq[i] = (float)pow(10000.0, -2.0 * i / D);
+    kvb_rope rope = {.head_dim = D, .inv_freq = inv_freq};
+    int32_t pos[N] = {0, 1, 17, 1000, 4095};
+    fill(q, N * H * D);
+    fill(k, N * D);
+    memcpy(q0, q, sizeof q);
+    memcpy(k0, k, sizeof k);
+    ck_assert_int_eq(be->iface->rope(be->ctx, q, H, k, 1, N, pos, &rope), KVB_OK);
+    for (int t = 0; t < N; t++)
+        for (int h = 0; h <= H; h++) {
+            const float *src = h < H ? q0 + (t * H + h) * D : k0 + t * D;
+            const float *got = h < H ? q + (t * H + h) * D : k + t * D;
+            for (int i = 0; i < D / 2; i++) {
+                double a = (double)pos[t] * inv_freq[i], c = cos(a), s = sin(a);
+                double r1 = src[i] * c - src[i + D / 2] * s, r2 = src[i + D / 2] * c + src[i] * s;
+                ck_assert_double_lt(fabs(got[i] - r1), 1e-5);
+                ck_assert_double_lt(fabs(got[i + D / 2] - r2), 1e-5);
+            }
+        }
+    /* SiLU * up */
+    static float g[R * D], u[R * D], o[R * D];
+    fill(g, R * D);
+    fill(u, R * D);
+    for (int i = 0; i < R * D; i++) ref[i] = g[i] / (1 + exp(-(double)g[i])) * u[i];
+    ck_assert_int_eq(be->iface->silu_mul(be->ctx, g, u, R * D, o), KVB_OK);
+    ck_assert_double_lt(rel_err(o, ref, R * D), 1e-6);
+    be->iface->weight_free(be->ctx, &tw);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+/* Paged attention against a dense double-precision reference. */
+typedef struct seq_spec {
+    int q_len, ctx_len;
+} seq_spec;
+
+static void check_attention(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads) {
+    kvb_backend *be = make_backend(threads);
+    kvb_kv_geom g = {.n_layers = 1, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
+    int n_tok = 0, n_blk = 0;
+    kvb_attn_seq seqs[8];
+    for (int s = 0; s < n_seqs; s++) {
+        seqs[s] = (kvb_attn_seq){.q_start = n_tok, .q_len = specs[s].q_len, .ctx_len = specs[s].ctx_len,
+                                 .n_blocks = KVB_DIV_CEIL(specs[s].ctx_len, bs), .blk_first = n_blk};
+        n_tok += specs[s].q_len;
+        n_blk += seqs[s].n_blocks;
+    }
+    size_t row = (size_t)n_kv * hd, blk_floats = 2 * (size_t)bs * row;
+    /* pool with blocks handed out in a scrambled order */
+    float *pool = calloc((size_t)n_blk * blk_floats, sizeof(float));
+    void **ptrs = malloc(sizeof(void *) * n_blk);
+    int mul = 7; /* j -> (mul*j + 3) mod n_blk is a permutation when mul is prime to n_blk */
+    while (n_blk % mul == 0) mul += 2;
+    for (int j = 0; j < n_blk; j++) ptrs[j] = pool + (size_t)((j * mul + 3) % n_blk) * blk_floats;
+    /* dense K/V per sequence [ctx][n_kv][hd]; past tokens written straight into the blocks, new ones
+     * through kv_write */
+    float *q = malloc(sizeof(float) * n_tok * n_heads * hd), *out = malloc(sizeof(float) * n_tok * n_heads * hd);
+    float *knew = malloc(sizeof(float) * n_tok * row), *vnew = malloc(sizeof(float) * n_tok * row);
+    double *ref = malloc(sizeof(double) * n_tok * n_heads * hd);
+    fill(q, (size_t)n_tok * n_heads * hd);
+    fill(knew, (size_t)n_tok * row);
+    fill(vnew, (size_t)n_tok * row);
+    float **kd = malloc(sizeof(float *) * n_seqs), **vd = malloc(sizeof(float *) * n_seqs);
+    for (int s = 0; s < n_seqs; s++) {
+        const kvb_attn_seq *sq = &seqs[s];
+        kd[s] = malloc(sizeof(float) * sq->ctx_len * row);
+        vd[s] = malloc(sizeof(float) * sq->ctx_len * row);
+        int past = sq->ctx_len - sq->q_len;
+        fill(kd[s], (size_t)past * row);
+        fill(vd[s], (size_t)past * row);
+        memcpy(kd[s] + (size_t)past * row, knew + (size_t)sq->q_start * row, sizeof(float) * sq->q_len * row);
+        memcpy(vd[s] + (size_t)past * row, vnew + (size_t)sq->q_start * row, sizeof(float) * sq->q_len * row);
+        for (int p = 0; p < past; p++) {
+            float *blk = ptrs[sq->blk_first + p / bs];
+            memcpy(blk + (size_t)(p % bs) * row, kd[s] + (size_t)p * row, sizeof(float) * row);
+            memcpy(blk + (size_t)bs * row + (size_t)(p % bs) * row, vd[s] + (size_t)p * row, sizeof(float) * row);
+        }
+    }
+    kvb_attn_batch b = {.geom = &g, .n_heads = n_heads, .n_tokens = n_tok, .n_seqs = n_seqs, .seqs = seqs,
+                        .layer_blocks = ptrs, .scale = (float)(1 / sqrt(hd))};
+    ck_assert_int_eq(be->iface->kv_write(be->ctx, &b, knew, vnew), KVB_OK);
+    ck_assert_int_eq(be->iface->attention(be->ctx, &b, q, out), KVB_OK);
+    int gq = n_heads / n_kv;
+    double *sc = malloc(sizeof(double) * 4096);
+    for (int s = 0; s < n_seqs; s++) {
+        const kvb_attn_seq *sq = &seqs[s];
+        for (int t = 0; t < sq->q_len; t++)
+            for (int h = 0; h < n_heads; h++) {
+                int vis = sq->ctx_len - sq->q_len + t + 1, kvh = h / gq;
+                const float *qh = q + ((size_t)(sq->q_start + t) * n_heads + h) * hd;
+                double mx = -1e300, sum = 0;
+                for (int k = 0; k < vis; k++) {
+                    double d = 0;
+                    for (int i = 0; i < hd; i++) d += (double)qh[i] * kd[s][(size_t)k * row + kvh * hd + i];
+                    sc[k] = d / sqrt(hd);
+                    mx = fmax(mx, sc[k]);
+                }
+                for (int k = 0; k < vis; k++) sum += (sc[k] = exp(sc[k] - mx));
+                double *o = ref + ((size_t)(sq->q_start + t) * n_heads + h) * hd;
+                for (int i = 0; i < hd; i++) {
+                    double acc = 0;
+                    for (int k = 0; k < vis; k++) acc += sc[k] / sum * vd[s][(size_t)k * row + kvh * hd + i];
+                    o[i] = acc;
+                }
+            }
+    }
+    double e = rel_err(out, ref, (size_t)n_tok * n_heads * hd);
+    ck_assert_msg(e < 1e-5, "attention heads %d/%d hd %d bs %d threads %d: rel err %g", n_heads, n_kv, hd, bs, threads,
+                  e);
+    for (int s = 0; s < n_seqs; s++) {
+        free(kd[s]);
+        free(vd[s]);
+    }
+    free(kd);
+    free(vd);
+    free(sc);
+    free(pool);
+    free(ptrs);
+    free(q);
+    free(out);
+    free(knew);
+    free(vnew);
+    free(ref);
+    kvb_backend_destroy(be);
+}
+
+KVB_TEST(attention_paths_gqa) {
+    rng_state = 3;
+    /* decode (1 new token), short chunk, long prefill (sgemm path, several tiles), chunk after a past */
+    seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1}};
+    int bss[] = {1, 7, 16};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bss); i++) {
+        check_attention(specs, 5, 8, 2, 32, bss[i], 1);
+        check_attention(specs, 5, 8, 2, 32, bss[i], 3);
+    }
+}
+KVB_TEST_END
+
+KVB_TEST(attention_paths_mha_mqa) {
+    rng_state = 4;
+    seq_spec specs[] = {{1, 65}, {64, 64}, {33, 90}};
+    check_attention(specs, 3, 4, 4, 16, 16, 2); /* MHA */
+    check_attention(specs, 3, 6, 1, 64, 32, 2); /* MQA */
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(weight_load_half, 10),
+              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_paths_mha_mqa, 60))
