@@ -178,8 +178,14 @@ static int stop_server(int sig, double timeout_s) {
     return -1;
 }
 
+static void print_server_log(void);
+
+/* Ends a test: stops the server, which must exit with status 0 (in a sanitizer build that also means
+ * no error or leak report), and removes the test's files. */
 static void teardown(void) {
-    stop_server(SIGTERM, 10);
+    int status = stop_server(SIGTERM, 10);
+    if (status != 0) print_server_log();
+    ck_assert_msg(status == 0, "kvbank-serve ended with wait status 0x%x (-1: killed after a timeout)", status);
     if (g_sockpath[0]) unlink(g_sockpath);
     if (g_dir[0]) remove_tree(g_dir);
 }
@@ -1055,7 +1061,139 @@ KVB_TEST(command_line) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("server", KVB_T(generate_matches_reference, 120), KVB_T(concurrent_clients, 120),
+/* In process: every body type survives pack/unpack, and mutated frames never crash the parser nor
+ * pass without a version-1 envelope with a body. Then the same kind of mutated frames go to a real
+ * server, which keeps serving. */
+KVB_TEST(wire_roundtrip_and_fuzz) {
+    int32_t ids[] = {5, 0, 255, 17};
+    uint64_t ts[] = {1, 2, 3, 4};
+    Kvbank__GenerateRequest g = KVBANK__GENERATE_REQUEST__INIT;
+    g.request_id = 9;
+    g.prompt_ids = ids;
+    g.n_prompt_ids = 4;
+    g.max_tokens = 3;
+    g.top_p = 0.5f;
+    Kvbank__TokenEvent te = KVBANK__TOKEN_EVENT__INIT;
+    te.request_id = 9;
+    te.first_index = 2;
+    te.tokens = ids;
+    te.n_tokens = 4;
+    te.t_ns = ts;
+    te.n_t_ns = 4;
+    te.finish = KVBANK__FINISH_REASON__FINISH_STOP;
+    Kvbank__Pong pong = KVBANK__PONG__INIT;
+    pong.nonce = 3;
+    pong.model = "m";
+    pong.live_requests = 2;
+    Kvbank__Envelope envs[3] = {KVBANK__ENVELOPE__INIT, KVBANK__ENVELOPE__INIT, KVBANK__ENVELOPE__INIT};
+    envs[0].body_case = KVBANK__ENVELOPE__BODY_GENERATE;
+    envs[0].generate = &g;
+    envs[1].body_case = KVBANK__ENVELOPE__BODY_TOKENS;
+    envs[1].tokens = &te;
+    envs[2].body_case = KVBANK__ENVELOPE__BODY_PONG;
+    envs[2].pong = &pong;
+    uint8_t *bufs[3];
+    size_t lens[3];
+    for (int i = 0; i < 3; i++) {
+        ck_assert_int_eq(kvb_wire_pack(&envs[i], &bufs[i], &lens[i]), KVB_OK);
+        ck_assert_uint_eq(envs[i].version, KVB_PROTO_VERSION);
+        Kvbank__Envelope *back = NULL;
+        char why[128] = "x";
+        ck_assert_int_eq(kvb_wire_unpack(bufs[i], lens[i], &back, why, sizeof why), KVB_OK);
+        ck_assert_str_eq(why, "");
+        ck_assert_int_eq(back->body_case, envs[i].body_case);
+        kvbank__envelope__free_unpacked(back, NULL);
+    }
+    Kvbank__Envelope *back = NULL;
+    ck_assert_int_eq(kvb_wire_unpack(bufs[1], lens[1], &back, NULL, 0), KVB_OK);
+    ck_assert_uint_eq(back->tokens->first_index, 2);
+    ck_assert_uint_eq(back->tokens->n_tokens, 4);
+    ck_assert_int_eq(back->tokens->tokens[2], 255);
+    ck_assert_uint_eq(back->tokens->t_ns[3], 4);
+    ck_assert_int_eq(back->tokens->finish, KVBANK__FINISH_REASON__FINISH_STOP);
+    kvbank__envelope__free_unpacked(back, NULL);
+
+    kvb_log_set_level(KVB_LOG_ERROR); /* thousands of "dropping message" warnings otherwise */
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    uint8_t m[256];
+    int n_ok = 0, n_bad = 0;
+    for (int it = 0; it < 20000; it++) {
+        int which = it % 3;
+        size_t len = lens[which];
+        memcpy(m, bufs[which], len);
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        int flips = 1 + (int)(x % 4);
+        for (int f = 0; f < flips; f++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            m[x % len] ^= (uint8_t)(1u << ((x >> 8) % 8));
+        }
+        if (x & 0x10000) len = (x >> 20) % (len + 1); /* and sometimes a truncation */
+        Kvbank__Envelope *e = NULL;
+        char why[128];
+        if (kvb_wire_unpack(m, len, &e, why, sizeof why) == KVB_OK) {
+            ck_assert_uint_eq(e->version, KVB_PROTO_VERSION);
+            ck_assert_int_ne(e->body_case, KVBANK__ENVELOPE__BODY__NOT_SET);
+            kvbank__envelope__free_unpacked(e, NULL);
+            n_ok++;
+        } else {
+            ck_assert_ptr_null(e);
+            ck_assert_int_gt((int)strlen(why), 0);
+            n_bad++;
+        }
+    }
+    ck_assert_int_gt(n_bad, 1000);
+    ck_assert_int_gt(n_ok, 1000); /* most flips land in values, which stay valid */
+
+    /* Mutated Ping and Cancel frames at a live server (neither can start a generation). */
+    make_model();
+    start_server(NULL);
+    void *zctx = zmq_ctx_new();
+    void *sock = raw_dealer(zctx);
+    Kvbank__Ping p = KVBANK__PING__INIT;
+    p.nonce = 0x0123456789abcdefull;
+    Kvbank__CancelRequest cr = KVBANK__CANCEL_REQUEST__INIT;
+    cr.request_id = 0xfedcba9876543210ull;
+    Kvbank__Envelope ep = KVBANK__ENVELOPE__INIT, ec = KVBANK__ENVELOPE__INIT;
+    ep.body_case = KVBANK__ENVELOPE__BODY_PING;
+    ep.ping = &p;
+    ec.body_case = KVBANK__ENVELOPE__BODY_CANCEL;
+    ec.cancel = &cr;
+    uint8_t *pb, *cb;
+    size_t pl, cl;
+    ck_assert_int_eq(kvb_wire_pack(&ep, &pb, &pl), KVB_OK);
+    ck_assert_int_eq(kvb_wire_pack(&ec, &cb, &cl), KVB_OK);
+    for (int it = 0; it < 300; it++) {
+        const uint8_t *src = it % 2 ? pb : cb;
+        size_t len = it % 2 ? pl : cl;
+        memcpy(m, src, len);
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        m[x % len] ^= (uint8_t)(1u << ((x >> 8) % 8));
+        if (x & 0x10000) len = (x >> 20) % (len + 1);
+        raw_send_bytes(sock, m, len);
+    }
+    int replies = 0;
+    Kvbank__Envelope *e;
+    while ((e = raw_recv(sock, 1000)) != NULL) {
+        ck_assert(e->body_case == KVBANK__ENVELOPE__BODY_ERROR || e->body_case == KVBANK__ENVELOPE__BODY_PONG);
+        kvbank__envelope__free_unpacked(e, NULL);
+        replies++;
+    }
+    ck_assert_int_eq(replies, 300); /* every frame is answered: a Pong, or an ErrorReply */
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    check_generate(c, "1,2,3,4,5", 16);
+    check_idle(c);
+    kvb_client_destroy(c);
+    zmq_close(sock);
+    zmq_ctx_term(zctx);
+    for (int i = 0; i < 3; i++) free(bufs[i]);
+    free(pb);
+    free(cb);
+    teardown();
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("server", KVB_T(wire_roundtrip_and_fuzz, 120), KVB_T(generate_matches_reference, 120), KVB_T(concurrent_clients, 120),
               KVB_T(malformed_frames, 120), KVB_T(invalid_requests, 120), KVB_T(client_disconnect, 120),
               KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120),
               KVB_T(command_line, 120))

@@ -418,7 +418,7 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
     kvb_status st = kvb_engine_add(s->engine, &r);
     if (st != KVB_OK) {
         slot_free(s, i);
-        reply_error(s, ident, len, rid, st, "the engine rejected the request: %s", kvb_status_str(st));
+        reply_error(s, ident, len, rid, st, "%s", st == KVB_ERR_INVALID ? kvb_engine_last_error(s->engine) : kvb_status_str(st));
         return;
     }
     s->stats.accepted++;

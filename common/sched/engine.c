@@ -2,6 +2,8 @@
  * recompute, and the step executor that feeds the layer-stepped forward pass. */
 #include "common/sched/engine.h"
 
+#include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/kv/block_pool.h"
@@ -61,6 +63,7 @@ struct kvb_engine {
     kvb_seq_info *infos;     /* [max_seqs] */
     float *logits;           /* [max_seqs][vocab] */
     float *sample_scratch;   /* [2*vocab] */
+    char last_error[256];    /* why the last kvb_engine_add failed */
 };
 
 const char *kvb_finish_str(kvb_finish f) {
@@ -186,6 +189,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     *out = e;
     return KVB_OK;
 fail:
+    e->planner = (kvb_planner){0}; /* the caller keeps the planner when creation fails */
     kvb_engine_destroy(e);
     return st;
 }
@@ -223,42 +227,38 @@ void kvb_engine_destroy(kvb_engine *e) {
 
 /* ---------------------------------------------------------------- requests */
 
+/* Records and logs why a request is rejected; returns KVB_ERR_INVALID. */
+__attribute__((format(printf, 3, 4))) static kvb_status reject(kvb_engine *e, uint64_t id, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->last_error, sizeof e->last_error, fmt, ap);
+    va_end(ap);
+    KVB_LOG_W("request %llu rejected: %s", (unsigned long long)id, e->last_error);
+    return KVB_ERR_INVALID;
+}
+
+const char *kvb_engine_last_error(const kvb_engine *e) { return e->last_error; }
+
+kvb_model *kvb_engine_model(const kvb_engine *e) { return e->m; }
+
 kvb_status kvb_engine_add(kvb_engine *e, const kvb_request *r) {
     const kvb_model_config *c = kvb_model_cfg(e->m);
-    if (!r->prompt || r->n_prompt < 1) {
-        KVB_LOG_W("request %llu: empty prompt", (unsigned long long)r->id);
-        return KVB_ERR_INVALID;
-    }
-    if (r->max_tokens < 1) {
-        KVB_LOG_W("request %llu: max_tokens must be at least 1", (unsigned long long)r->id);
-        return KVB_ERR_INVALID;
-    }
+    if (!r->prompt || r->n_prompt < 1) return reject(e, r->id, "empty prompt");
+    if (r->max_tokens < 1) return reject(e, r->id, "max_tokens must be at least 1");
     for (int i = 0; i < r->n_prompt; i++) {
-        if (r->prompt[i] < 0 || r->prompt[i] >= c->vocab) {
-            KVB_LOG_W("request %llu: prompt token %d = %d is outside the vocabulary [0, %d)",
-                      (unsigned long long)r->id, i, r->prompt[i], c->vocab);
-            return KVB_ERR_INVALID;
-        }
+        if (r->prompt[i] < 0 || r->prompt[i] >= c->vocab)
+            return reject(e, r->id, "prompt token %d = %d is outside the vocabulary [0, %d)", i, r->prompt[i], c->vocab);
     }
-    if (kvb_sampling_check(&r->sampling) != KVB_OK) {
-        KVB_LOG_W("request %llu: invalid sampling parameters", (unsigned long long)r->id);
-        return KVB_ERR_INVALID;
-    }
+    if (kvb_sampling_check(&r->sampling) != KVB_OK)
+        return reject(e, r->id, "invalid sampling parameters (temperature >= 0, top_k >= 0, top_p in [0, 1])");
     int64_t total = (int64_t)r->n_prompt + r->max_tokens;
-    if (total > e->o.max_model_len) {
-        KVB_LOG_W("request %llu: prompt (%d) + max_tokens (%d) exceeds the model length %d", (unsigned long long)r->id,
-                  r->n_prompt, r->max_tokens, e->o.max_model_len);
-        return KVB_ERR_INVALID;
-    }
-    if (KVB_DIV_CEIL(total, e->o.block_size) > kvb_block_pool_n_blocks(e->pool)) {
-        KVB_LOG_W("request %llu: %lld tokens can never fit in %d KV blocks of %d", (unsigned long long)r->id,
-                  (long long)total, kvb_block_pool_n_blocks(e->pool), e->o.block_size);
-        return KVB_ERR_INVALID;
-    }
-    if (find_seq(&e->waiting, r->id) || find_seq(&e->running, r->id)) {
-        KVB_LOG_W("request %llu: duplicate id", (unsigned long long)r->id);
-        return KVB_ERR_INVALID;
-    }
+    if (total > e->o.max_model_len)
+        return reject(e, r->id, "prompt (%d) + max_tokens (%d) exceeds the model length %d", r->n_prompt, r->max_tokens,
+                      e->o.max_model_len);
+    if (KVB_DIV_CEIL(total, e->o.block_size) > kvb_block_pool_n_blocks(e->pool))
+        return reject(e, r->id, "%lld tokens can never fit in %d KV blocks of %d", (long long)total,
+                      kvb_block_pool_n_blocks(e->pool), e->o.block_size);
+    if (find_seq(&e->waiting, r->id) || find_seq(&e->running, r->id)) return reject(e, r->id, "duplicate id");
     seq *s = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
     s->cap = (int)total;

@@ -84,17 +84,24 @@ typedef struct kvb_request {
     kvb_sampling sampling;
 } kvb_request;
 
-/* Creates an engine over `m` (borrowed). `planner` may be NULL (preempt the newest sequence). */
+/* Creates an engine over `m` (borrowed). `planner` may be NULL (preempt the newest sequence); on
+ * success the engine owns it (destroying the engine destroys it), on failure the caller still does. */
 kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
                              const kvb_engine_events *ev, kvb_engine **out);
 /* Destroys the engine; live requests are dropped without events. NULL-safe. */
 void kvb_engine_destroy(kvb_engine *e);
 
 /* Queues a request. KVB_ERR_INVALID (logged, nothing queued) for an empty prompt, a token id out of
- * range, a duplicate id, max_tokens < 1, or a sequence that could never fit (max_model_len or pool). */
+ * range, a duplicate id, max_tokens < 1, or a sequence that could never fit (max_model_len or pool);
+ * kvb_engine_last_error then says which. */
 kvb_status kvb_engine_add(kvb_engine *e, const kvb_request *r);
+/* Why the last kvb_engine_add failed (a sentence naming the field); owned by the engine. */
+const char *kvb_engine_last_error(const kvb_engine *e);
+/* The model the engine serves (borrowed). */
+kvb_model *kvb_engine_model(const kvb_engine *e);
 /* Cancels a queued or running request: on_finish(CANCELLED) is called at once. KVB_ERR_NOT_FOUND if
- * the id is unknown. */
+ * the id is unknown. Not to be called from inside an event callback (the engine is mid-step there):
+ * defer it until kvb_engine_step returns. */
 kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id);
 /* Runs one iteration. Returns an error only for a backend failure (then every live request is
  * finished with ERROR). A step with nothing to do returns KVB_OK at once. */
