@@ -1,7 +1,10 @@
 /* kvbank-bench engine — the engine against this machine's ceilings, measured in the same run.
  *
- *   copy bandwidth  B  = 2 * bytes / time of a large memcpy (read + write, STREAM's convention), best of 5
- *   sgemm rate      F  = 2*n^3 / time of an n x n x n cblas_sgemm, best of 3
+ *   copy bandwidth  B  = 2 * bytes / time of a large memcpy (bytes read + bytes written), best of 3
+ *   sgemm rate      F  = 2*n^3 / time of an n x n x n cblas_sgemm, best of 2
+ * This machine shares memory bandwidth with its neighbours, so the ceilings are sampled again before
+ * every measurement and each ratio uses the median of all samples of the run (printed with their
+ * range); each measurement itself is the median of several repetitions.
  *   decode ratio       = (weight bytes + KV bytes read per step) / step time / B
  *   prefill ratio      = model FLOPs of the prefill / time / F
  * with model FLOPs = 2 * tokens * (layer weights) + 2 * (LM head, one row) + causal attention
@@ -29,7 +32,7 @@ static double measure_copy_bw(size_t bytes, int threads) {
     memset(a, 1, bytes);
     memset(b, 2, bytes);
     double best = 1e30;
-    for (int rep = 0; rep < 5; rep++) {
+    for (int rep = 0; rep < 3; rep++) {
         double t0 = kvb_now_s();
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int i = 0; i < threads; i++) {
@@ -57,7 +60,7 @@ static double measure_sgemm(int n) {
         b[i] = (float)(i % 5) * 0.1f;
     }
     double best = 1e30;
-    for (int rep = 0; rep < 3; rep++) {
+    for (int rep = 0; rep < 2; rep++) {
         double t0 = kvb_now_s();
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
         double t = kvb_now_s() - t0;
@@ -70,6 +73,33 @@ static double measure_sgemm(int n) {
 }
 
 #define BENCH_MAX_BATCH 1024
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median of v[0..n) (sorts v). */
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Ceiling samples of one run. */
+typedef struct ceilings {
+    double bw[16], fl[16];
+    int n;
+    int threads;
+} ceilings;
+
+static void sample_ceilings(ceilings *c) {
+    if (c->n == 16) return;
+    openblas_set_num_threads(c->threads); /* the library's own threads for the reference sgemm */
+    c->bw[c->n] = measure_copy_bw((size_t)512 << 20, c->threads);
+    c->fl[c->n] = measure_sgemm(2048);
+    c->n++;
+    openblas_set_num_threads(1); /* back to the backend's setting: one pool, OpenMP */
+}
 
 typedef struct bench_counter {
     int64_t tokens;
@@ -105,7 +135,7 @@ static double time_decode(kvb_model *m, int batch, int ctx, int steps, int block
     o.max_batch_tokens = KVB_MAX(512, batch);
     /* prompts are prefilled over several steps, so the first requests start decoding earlier: give
      * every request enough tokens to still be decoding at the end of the timed window */
-    int max_tokens = steps + KVB_DIV_CEIL(batch * ctx, o.max_batch_tokens) + 2;
+    int max_tokens = 3 * steps + KVB_DIV_CEIL(batch * ctx, o.max_batch_tokens) + 2;
     o.n_blocks = batch * KVB_DIV_CEIL(ctx + max_tokens, block_size);
     o.enable_prefix_cache = 0;
     bench_counter cnt = {0};
@@ -132,10 +162,14 @@ static double time_decode(kvb_model *m, int batch, int ctx, int steps, int block
         if (kvb_engine_step(e) != KVB_OK) break;
     /* every step from here decodes one token of each request */
     int64_t before = cnt.tokens;
-    double t0 = kvb_now_s();
-    for (int s = 0; s < steps; s++) kvb_engine_step(e);
-    double dt = (kvb_now_s() - t0) / steps;
-    int ok = cnt.tokens - before == (int64_t)batch * steps;
+    double win[3];
+    for (int w = 0; w < 3; w++) {
+        double t0 = kvb_now_s();
+        for (int s = 0; s < steps; s++) kvb_engine_step(e);
+        win[w] = (kvb_now_s() - t0) / steps;
+    }
+    double dt = median(win, 3);
+    int ok = cnt.tokens - before == (int64_t)batch * steps * 3;
     kvb_engine_destroy(e);
     return ok ? dt : -1;
 }
@@ -157,23 +191,21 @@ static double time_prefill(kvb_model *m, int tokens, int block_size) {
         kvb_engine_destroy(e);
         return -1;
     }
-    double best = 1e30;
-    for (int rep = 0; rep < 3; rep++) {
+    double times[5];
+    int n_t = 0;
+    for (int rep = 0; rep < 5; rep++) {
         for (int i = 0; i < tokens; i++) prompt[i] = (int32_t)((i * 7 + rep * 13 + 3) % c->vocab);
         kvb_request req = {.id = (uint64_t)rep, .prompt = prompt, .n_prompt = tokens, .max_tokens = 1};
         if (kvb_engine_add(e, &req) != KVB_OK) break;
         double t0 = kvb_now_s();
         kvb_status st = kvb_engine_step(e);
         double t = kvb_now_s() - t0;
-        if (st != KVB_OK || cnt.tokens != rep + 1) {
-            best = -1;
-            break;
-        }
-        best = t < best ? t : best;
+        if (st != KVB_OK || cnt.tokens != rep + 1) break;
+        times[n_t++] = t;
     }
     free(prompt);
     kvb_engine_destroy(e);
-    return best;
+    return n_t == 5 ? median(times, n_t) : -1;
 }
 
 int kvb_bench_engine(int argc, char **argv) {
@@ -223,53 +255,60 @@ int kvb_bench_engine(int argc, char **argv) {
     kvb_backend *be = NULL;
     kvb_model *m = NULL;
     int rc = 1;
-    /* ceilings first, with OpenBLAS's own threads (the backend then runs it inside its OpenMP team) */
-    openblas_set_num_threads(threads);
-    double bw = measure_copy_bw((size_t)512 << 20, threads);
-    double flops_peak = measure_sgemm(2048);
+    ceilings ce = {.threads = threads};
+    sample_ceilings(&ce);
     if (kvb_backend_create("cpu", threads, &be) != KVB_OK) goto out;
     if (kvb_model_load(model_dir, be, &m) != KVB_OK) goto out;
     const kvb_model_config *c = kvb_model_cfg(m);
     printf("kvbank-bench engine: %s, %d layers, hidden %d, %d heads / %d KV heads, vocab %d, %.1fM params, "
-           "%d threads\n",
+           "%d threads\n\n",
            model_dir, c->n_layers, c->hidden, c->n_heads, c->n_kv_heads, c->vocab, kvb_model_n_params(m) / 1e6,
            threads);
-    printf("ceilings (this run): copy bandwidth %.2f GB/s, sgemm %.1f GFLOP/s\n\n", bw / 1e9, flops_peak / 1e9);
 
     /* prefill */
     int64_t w_bytes = kvb_model_weight_bytes_per_token(m);
     int64_t lm_params = (int64_t)c->vocab * c->hidden;
     int64_t layer_params = w_bytes / 4 - lm_params - c->hidden; /* f32 weights on the CPU backend */
+    sample_ceilings(&ce);
     double t_pre = time_prefill(m, prefill_tokens, block_size);
     double T = prefill_tokens;
     double attn_flops = 4.0 * c->n_layers * c->n_heads * (double)c->head_dim * T * (T + 1) / 2;
     double model_flops = 2.0 * T * (double)layer_params + 2.0 * (double)lm_params + attn_flops;
+
+    /* decode */
+    kvb_kv_geom g = kvb_model_kv_geom(m, block_size);
+    double kv_per_tok = 2.0 * g.n_layers * g.n_kv_heads * g.head_dim * g.elem_size;
+    double dts[64], bytes[64];
+    for (int i = 0; i < n_batches && i < 64; i++) {
+        sample_ceilings(&ce);
+        int b = batches[i];
+        dts[i] = b < 1 || b > BENCH_MAX_BATCH ? -1 : time_decode(m, b, ctx, steps, block_size);
+        bytes[i] = (double)w_bytes + b * kv_per_tok * (ctx + 1.5 * steps);
+    }
+    sample_ceilings(&ce);
+
+    double bw_s[16], fl_s[16];
+    memcpy(bw_s, ce.bw, sizeof bw_s);
+    memcpy(fl_s, ce.fl, sizeof fl_s);
+    double bw = median(bw_s, ce.n), flops_peak = median(fl_s, ce.n);
+    printf("ceilings (median of %d samples in this run): copy bandwidth %.2f GB/s (read + write; range %.1f-%.1f), "
+           "sgemm %.1f GFLOP/s (range %.1f-%.1f)\n\n",
+           ce.n, bw / 1e9, bw_s[0] / 1e9, bw_s[ce.n - 1] / 1e9, flops_peak / 1e9, fl_s[0] / 1e9, fl_s[ce.n - 1] / 1e9);
     printf("%-28s %12s %14s %10s\n", "measurement", "time", "rate", "ratio");
     if (t_pre > 0)
         printf("%-28s %10.2fms %9.1f GF/s %9.2f   (of sgemm)\n", "prefill", t_pre * 1e3, model_flops / t_pre / 1e9,
                model_flops / t_pre / flops_peak);
     else
         printf("%-28s failed\n", "prefill");
-
-    /* decode */
-    kvb_kv_geom g = kvb_model_kv_geom(m, block_size);
-    double kv_per_tok = 2.0 * g.n_layers * g.n_kv_heads * g.head_dim * g.elem_size;
-    for (int i = 0; i < n_batches; i++) {
-        int b = batches[i];
-        if (b < 1 || b > BENCH_MAX_BATCH) {
-            fprintf(stderr, "kvbank-bench engine: batch sizes must be in [1, %d]\n", BENCH_MAX_BATCH);
-            continue;
-        }
-        double dt = time_decode(m, b, ctx, steps, block_size);
+    for (int i = 0; i < n_batches && i < 64; i++) {
         char label[64];
-        snprintf(label, sizeof label, "decode batch %d ctx %d", b, ctx);
-        if (dt <= 0) {
+        snprintf(label, sizeof label, "decode batch %d ctx %d", batches[i], ctx);
+        if (dts[i] <= 0) {
             printf("%-28s failed\n", label);
             continue;
         }
-        double bytes = (double)w_bytes + b * kv_per_tok * (ctx + steps / 2.0);
-        printf("%-28s %10.2fms %9.1f tok/s %8.2f   (of copy bandwidth; %.2f GB/s)\n", label, dt * 1e3, b / dt,
-               bytes / dt / bw, bytes / dt / 1e9);
+        printf("%-28s %10.2fms %9.1f tok/s %8.2f   (of copy bandwidth; %.2f GB/s)\n", label, dts[i] * 1e3,
+               batches[i] / dts[i], bytes[i] / dts[i] / bw, bytes[i] / dts[i] / 1e9);
     }
     rc = 0;
 out:
