@@ -90,6 +90,11 @@ int main(int argc, char **argv) {
     kvb_sampling samp = {0};
     double d;
     int64_t seed = 0;
+    int rc = 1;
+    kvb_backend *be = NULL;
+    kvb_model *m = NULL;
+    kvb_engine *e = NULL;
+    gen_state g = {0};
 
     enum { O_MODEL = 256, O_PROMPT, O_MAXTOK, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_NOPC, O_SEQ, O_TEMP,
            O_TOPK, O_TOPP, O_SEED, O_STOP, O_DUMP, O_STATS };
@@ -108,20 +113,20 @@ int main(int argc, char **argv) {
         case O_PROMPT:
             if (n_req == MAX_REQ) {
                 fprintf(stderr, "kvbank-generate: at most %d prompts\n", MAX_REQ);
-                return 2;
+                goto bad_args;
             }
             if (kvb_parse_id_list(optarg, &prompts[n_req], &n_prompt[n_req]) != KVB_OK) {
                 fprintf(stderr, "kvbank-generate: --prompt-ids needs comma-separated token ids, got '%s'\n", optarg);
-                return 2;
+                goto bad_args;
             }
             n_req++;
             break;
-        case O_MAXTOK: if (parse_int("--max-tokens", optarg, 1, &max_tokens)) return 2; break;
+        case O_MAXTOK: if (parse_int("--max-tokens", optarg, 1, &max_tokens)) goto bad_args; break;
         case O_BACKEND: backend = optarg; break;
-        case O_THREADS: if (parse_int("--threads", optarg, 1, &threads)) return 2; break;
-        case O_BS: if (parse_int("--block-size", optarg, 1, &o.block_size)) return 2; break;
-        case O_BLOCKS: if (parse_int("--kv-blocks", optarg, 1, &o.n_blocks)) return 2; break;
-        case O_MBT: if (parse_int("--max-batch-tokens", optarg, 1, &o.max_batch_tokens)) return 2; break;
+        case O_THREADS: if (parse_int("--threads", optarg, 1, &threads)) goto bad_args; break;
+        case O_BS: if (parse_int("--block-size", optarg, 1, &o.block_size)) goto bad_args; break;
+        case O_BLOCKS: if (parse_int("--kv-blocks", optarg, 1, &o.n_blocks)) goto bad_args; break;
+        case O_MBT: if (parse_int("--max-batch-tokens", optarg, 1, &o.max_batch_tokens)) goto bad_args; break;
         case O_NOPC: o.enable_prefix_cache = 0; break;
         case O_SEQ: sequential = 1; break;
         case O_TEMP:
@@ -129,47 +134,44 @@ int main(int argc, char **argv) {
             if (kvb_parse_f64(optarg, &d) != KVB_OK) {
                 fprintf(stderr, "kvbank-generate: %s needs a number, got '%s'\n", c == O_TEMP ? "--temperature" : "--top-p",
                         optarg);
-                return 2;
+                goto bad_args;
             }
             if (c == O_TEMP) samp.temperature = (float)d;
             else samp.top_p = (float)d;
             break;
-        case O_TOPK: if (parse_int("--top-k", optarg, 0, &samp.top_k)) return 2; break;
+        case O_TOPK: if (parse_int("--top-k", optarg, 0, &samp.top_k)) goto bad_args; break;
         case O_SEED:
             if (kvb_parse_i64(optarg, 0, INT64_MAX, &seed) != KVB_OK) {
                 fprintf(stderr, "kvbank-generate: --seed needs a non-negative integer\n");
-                return 2;
+                goto bad_args;
             }
             break;
         case O_STOP:
             free(stop);
             if (kvb_parse_id_list(optarg, &stop, &n_stop) != KVB_OK) {
                 fprintf(stderr, "kvbank-generate: --stop-ids needs comma-separated token ids\n");
-                return 2;
+                goto bad_args;
             }
             break;
         case O_DUMP: dump_path = optarg; break;
         case O_STATS: show_stats = 1; break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        case 'h': usage(stdout); rc = 0; goto out;
+        default: usage(stderr); goto bad_args;
         }
     }
     if (optind != argc || !model_dir || !n_req || !max_tokens) {
         if (optind != argc) fprintf(stderr, "kvbank-generate: unexpected argument '%s'\n", argv[optind]);
         else fprintf(stderr, "kvbank-generate: --model, --prompt-ids and --max-tokens are required\n");
         usage(stderr);
-        return 2;
+        goto bad_args;
     }
     if (kvb_sampling_check(&samp) != KVB_OK) {
         fprintf(stderr, "kvbank-generate: invalid sampling parameters (temperature >= 0, top-p in [0, 1])\n");
-        return 2;
+        goto bad_args;
     }
 
-    int rc = 1;
-    kvb_backend *be = NULL;
-    kvb_model *m = NULL;
-    kvb_engine *e = NULL;
-    gen_state g = {.n_req = n_req, .max_tokens = max_tokens};
+    g.n_req = n_req;
+    g.max_tokens = max_tokens;
     if (kvb_backend_create(backend, threads, &be) != KVB_OK) goto out;
     if (kvb_model_load(model_dir, be, &m) != KVB_OK) {
         fprintf(stderr, "kvbank-generate: cannot load model from %s\n", model_dir);
@@ -223,6 +225,9 @@ int main(int argc, char **argv) {
                 (unsigned long long)s.prefix_hit_tokens, s.blocks_total);
     }
     rc = 0;
+    goto out;
+bad_args:
+    rc = 2;
 out:
     kvb_engine_destroy(e);
     kvb_model_destroy(m);
