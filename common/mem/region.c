@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define TAG_MAX 24
+#define TAG_MAX 40
 /* Where glibc keeps POSIX shared-memory objects on Linux; names there lack the leading '/'. */
 #define SHM_DIR "/dev/shm"
 /* How many names kvb_region_create tries when a stale object of a dead process with the same pid

@@ -14,10 +14,10 @@
 typedef struct kvb_region kvb_region;
 
 /* Longest handle string, terminator included. */
-#define KVB_REGION_HANDLE_MAX 64
+#define KVB_REGION_HANDLE_MAX 96
 
 /* Creates a zero-filled shared region of `bytes` (> 0) bytes. `tag` (letters, digits, '-', '_'; at
- * most 24 chars) goes into the name so that a node supervisor can find its own stale segments.
+ * most 40 chars) goes into the name so that a node supervisor can find its own stale segments.
  * KVB_ERR_INVALID for a bad tag or size; the pages are reserved up front (posix_fallocate) so that a
  * full /dev/shm fails here with KVB_ERR_NOMEM rather than with SIGBUS on first touch.
  * Caller owns the result. */

@@ -125,4 +125,48 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
 /* The engine's block pool (for lending and for tests). */
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
 
+/* ---------------------------------------------------------------- lending (SwiftCache §3.4-3.5)
+ * The engine's own blocks are ids [0, n_own) of its KV memory (capacity blocks in all). A worker
+ * lends the tail of that range: it shrinks n_own and the blocks [n_own, old n_own) become a loan; a
+ * master attaches borrowed memory as extra blocks that it allocates from like its own (lowest id
+ * first, so its own blocks fill first) and attends to in place. Every call is O(blocks touched) and
+ * never copies a block except where the comment says so. None of these may be called from inside an
+ * event callback. */
+
+/* Worker: blocks currently owned, and the most the memory holds. */
+int kvb_engine_n_own(const kvb_engine *e);
+int kvb_engine_capacity(const kvb_engine *e);
+/* Worker: how many blocks at the top of [0, n_own) could be given away now (free, or cached and
+ * unreferenced). */
+int kvb_engine_free_tail(const kvb_engine *e);
+/* Worker: gives up own blocks [n_own_new, n_own): drops cached entries there and shrinks the pool.
+ * KVB_ERR_STATE (nothing changed) if one of them is referenced. */
+kvb_status kvb_engine_shrink(kvb_engine *e, int n_own_new);
+/* Worker: takes blocks back up to n_own_new (<= capacity); they start free. */
+kvb_status kvb_engine_grow(kvb_engine *e, int n_own_new);
+/* Worker: tokens the live requests need at most (prompt + max_tokens of the longest one, waiting or
+ * running): the request_len of Alg. 1 SCALEUP. */
+int64_t kvb_engine_max_request_tokens(const kvb_engine *e);
+/* Requests wait because the pool is short (a worker should reclaim). */
+int kvb_engine_starved(const kvb_engine *e);
+
+/* Master: adds `n_blocks` blocks at `mem` (memory of `bytes` >= n_blocks * block_bytes, borrowed:
+ * the caller keeps it mapped until the detach returns) under the caller's `tag` (a loan id). */
+kvb_status kvb_engine_attach(kvb_engine *e, uint64_t tag, void *mem, size_t bytes, int n_blocks);
+
+typedef struct kvb_detach_stats {
+    int moved;     /* live blocks copied to other blocks (KV moved, sequences keep running) */
+    int dropped;   /* unreferenced prefix-cache blocks dropped */
+    int preempted; /* sequences preempted by recompute (no free block to move to, or lender_dead) */
+} kvb_detach_stats;
+
+/* Master: stops using the blocks attached under `tag` and forgets them: live blocks are copied to
+ * free blocks elsewhere (their sequences keep running), or their sequences are preempted by recompute
+ * when no block is free; cached blocks there are dropped. `lender_dead`: the memory is gone, read
+ * nothing from it (every sequence that used it is preempted). After this returns no step touches the
+ * memory. KVB_ERR_NOT_FOUND for an unknown tag. */
+kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_detach_stats *out);
+/* Master: blocks attached now (all tags) and the tags. */
+int kvb_engine_n_borrowed(const kvb_engine *e);
+
 #endif

@@ -1,0 +1,85 @@
+/* kvbank — the node config (JSON): the coordinator endpoint and every model of one node.
+ *
+ * {
+ *   "node": "cpu-demo",                       node name: letters, digits, '_' (used in shm tags)
+ *   "run_dir": "/tmp/kvbank-cpu-demo",        sockets, pid files (created 0700); default /run/kvbank/<node>
+ *   "bin_dir": "/usr/local/bin",              where the kvbank programs are (default: kvbankd's own dir)
+ *   "coordinator": {
+ *     "endpoint": "ipc:///tmp/kvbank-cpu-demo/coordinator.sock",   default ipc://<run_dir>/coordinator.sock
+ *     "heartbeat_ms": 500,                    models heartbeat this often
+ *     "heartbeat_misses": 4,                  a model silent for misses * heartbeat_ms is dead
+ *     "lend_interval_s": 2.0,                 SwiftCache Alg. 1 SCALEDOWN check interval
+ *     "window_s": 60.0                        Alg. 1 window t
+ *   },
+ *   "models": [
+ *     { "name": "chat", "role": "master" | "worker",
+ *       "model_dir": "models/chat",           relative paths are relative to the config file
+ *       "mkmodel": "--arch llama --layers 4", optional: kvbankd creates model_dir with kvbank-mkmodel
+ *       "backend": "cpu", "device": 0, "threads": 1,
+ *       "kv_mb": 16,                          KV memory budget in MiB (the region's size)
+ *       "block_size": 16,
+ *       "endpoint": "ipc://...",              default ipc://<run_dir>/<name>.sock
+ *       "policy": "recompute",
+ *       "max_batch_tokens": 512, "max_seqs": 64,
+ *       "lsc": "inplace" | "stream"           master only: how lent blocks reach attention
+ *     }, ...
+ *   ]
+ * }
+ * Exactly one master; names unique. Errors name the field and the model. */
+#ifndef KVB_UTIL_NODE_CONFIG_H
+#define KVB_UTIL_NODE_CONFIG_H
+
+#include <stdint.h>
+
+#include "common/util/util.h"
+
+typedef enum kvb_role {
+    KVB_ROLE_NONE = 0,
+    KVB_ROLE_MASTER = 1,
+    KVB_ROLE_WORKER = 2,
+} kvb_role;
+
+const char *kvb_role_str(kvb_role r);
+
+typedef struct kvb_node_model {
+    char *name;
+    kvb_role role;
+    char *model_dir;        /* absolute */
+    char *mkmodel;          /* NULL when absent */
+    char *backend;          /* "cpu" default */
+    int device;
+    int threads;            /* default 1 */
+    int64_t kv_bytes;       /* kv_mb * 2^20 */
+    int block_size;         /* default 16 */
+    char *endpoint;
+    char *policy;           /* default "recompute" */
+    int max_batch_tokens;   /* default 512 */
+    int max_seqs;           /* default 64 */
+    int lsc_stream;         /* master: 1 for "stream", 0 for "inplace" (default) */
+} kvb_node_model;
+
+typedef struct kvb_node_config {
+    char *path;             /* the file it was read from (absolute) */
+    char *node;
+    char *run_dir;
+    char *bin_dir;          /* NULL: the caller decides */
+    char *coordinator;      /* coordinator endpoint */
+    int heartbeat_ms;       /* default 500 */
+    int heartbeat_misses;   /* default 4 */
+    double lend_interval_s; /* default 2 */
+    double window_s;        /* default 60 */
+    kvb_node_model *models;
+    int n_models;
+} kvb_node_config;
+
+/* Reads and validates `path`. Caller owns the result (kvb_node_config_free). */
+kvb_status kvb_node_config_load(const char *path, kvb_node_config **out);
+void kvb_node_config_free(kvb_node_config *c);
+/* The model called `name`, or NULL. */
+const kvb_node_model *kvb_node_config_model(const kvb_node_config *c, const char *name);
+/* The master, or NULL. */
+const kvb_node_model *kvb_node_config_master(const kvb_node_config *c);
+/* The shm tag of a model's region: "<node>_<model>". Writes at most len bytes. */
+void kvb_node_region_tag(const kvb_node_config *c, const char *model, char *tag, size_t len);
+
+#endif
