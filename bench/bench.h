@@ -4,5 +4,6 @@
 #define KVB_BENCH_BENCH_H
 
 int kvb_bench_engine(int argc, char **argv);
+int kvb_bench_replay(int argc, char **argv);
 
 #endif

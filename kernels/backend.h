@@ -79,6 +79,13 @@ typedef struct kvb_backend_i {
     kvb_status (*to_host)(void *ctx, void *dst, const void *src, size_t bytes);
     /* Copy activations to host as f32 (n elements), converting from act_dtype. */
     kvb_status (*to_host_f32)(void *ctx, float *dst, const void *src, size_t n);
+    /* Backend -> backend copy of raw bytes: both addresses are backend memory, possibly in a region
+     * imported from another process (moving a lent block, streaming the LSC). Returns when the
+     * bytes are in place, so the copy is ordered after nothing and before everything the caller
+     * does next. Safe to call from a second host thread while operators run (the LSC copy thread
+     * does), on ranges those operators do not touch. May be NULL: lending then preempts instead of
+     * moving and refuses LSC streaming. */
+    kvb_status (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
     /* Wait until every operator issued so far has finished. */
     kvb_status (*sync)(void *ctx);
 

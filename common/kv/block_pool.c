@@ -3,7 +3,12 @@
  * The free set is a bitmap with a 64-ary summary tree on top: bit i of level 0 is set when block i
  * is free; bit j of level k+1 is set when word j of level k is nonzero. Finding the lowest free block
  * descends from the single top word with count-trailing-zeros, so alloc, free and the per-block work
- * of a resize are O(log64 capacity) — at most 6 levels for 2^31 blocks. */
+ * of a resize are O(log64 capacity) — at most 6 levels for 2^31 blocks.
+ *
+ * Ids [0, capacity) are the own memory's blocks; attached segments live above (see the id layout in
+ * block_pool.h). The per-id tables (refcount, the bitmap, the attached addresses) are sized for
+ * `id_cap` ids and grow by doubling when an attach needs ids past it; the segment table lists the
+ * attached and retired ranges of [capacity, id_limit) in id order. */
 #include "common/kv/block_pool.h"
 
 #include <assert.h>
@@ -13,16 +18,30 @@
 
 #define MAX_LEVELS 8 /* ceil(log64(2^31)) = 6, with room to spare */
 
+/* One range of the attached id space. */
+typedef struct pool_seg {
+    int32_t first;        /* first id (>= capacity) */
+    int32_t n;            /* ids in the range */
+    unsigned char *mem;   /* [n][block_bytes] borrowed memory while attached; NULL once retired */
+} pool_seg;
+
 struct kvb_block_pool {
     kvb_kv_geom geom;
     size_t block_bytes;   /* bytes of one block (all layers) */
     size_t layer_bytes;   /* bytes of one layer's slice of a block */
-    unsigned char *mem;   /* [capacity][block_bytes], borrowed */
+    unsigned char *mem;   /* [capacity][block_bytes] own memory, borrowed */
     size_t mem_bytes;
-    int capacity;         /* most blocks mem can hold (<= INT32_MAX) */
-    int n_blocks;         /* blocks currently in the pool: ids [0, n_blocks) */
+    int capacity;         /* most own blocks mem can hold (<= INT32_MAX) */
+    int n_own;            /* own blocks currently in the pool: ids [0, n_own) */
+    int n_attached;       /* blocks of attached segments */
+    int id_limit;         /* ids [0, id_limit) exist: own ids, then the segments' ranges */
+    int id_cap;           /* ids the per-id tables below hold (>= id_limit, >= capacity) */
     int n_free;           /* set bits of the level-0 bitmap */
-    int32_t *refcount;    /* [capacity] references per block; 0 for free, held and removed blocks */
+    int32_t *refcount;    /* [id_cap] references per block; 0 for free, held and removed blocks */
+    unsigned char **att_addr; /* [id_cap - capacity] address of block capacity+j; NULL unless attached */
+    pool_seg *segs;       /* [n_segs] attached and retired ranges covering [capacity, id_limit), by id */
+    int n_segs;
+    int segs_cap;
     int n_levels;         /* levels of the free bitmap; the last has exactly one word */
     uint64_t *level[MAX_LEVELS]; /* level[k]: [n_words[k]] bits, see the top of the file */
     size_t n_words[MAX_LEVELS];
@@ -106,6 +125,56 @@ static void mark_free(kvb_block_pool *p, int32_t idx) {
     p->n_free++;
 }
 
+/* Builds a free bitmap for `bits` ids into p->level / n_words / n_levels, copying the level-0 words
+ * of `old` (old_words of them, may be 0) and deriving the summary levels from them. On failure the
+ * pool's bitmap is unchanged. */
+static kvb_status bitmap_build(kvb_block_pool *p, size_t bits, uint64_t *const *old, const size_t *old_words,
+                               int old_levels) {
+    uint64_t *level[MAX_LEVELS] = {0};
+    size_t n_words[MAX_LEVELS] = {0};
+    int n_levels = 0;
+    kvb_status st = KVB_OK;
+    for (;;) {
+        size_t words = (bits + 63) / 64;
+        assert(n_levels < MAX_LEVELS);
+        n_words[n_levels] = words;
+        KVB_TRY_GOTO(kvb_calloc(words, sizeof(uint64_t), (void **)&level[n_levels]), fail_levels);
+        n_levels++;
+        if (words == 1) break;
+        bits = words;
+    }
+    if (old_levels > 0) memcpy(level[0], old[0], old_words[0] * sizeof(uint64_t));
+    for (int k = 0; k + 1 < n_levels; k++)
+        for (size_t w = 0; w < n_words[k]; w++)
+            if (level[k][w]) level[k + 1][w >> 6] |= (uint64_t)1 << (w & 63);
+    for (int k = 0; k < p->n_levels; k++) free(p->level[k]);
+    memcpy(p->level, level, sizeof level);
+    memcpy(p->n_words, n_words, sizeof n_words);
+    p->n_levels = n_levels;
+    return KVB_OK;
+fail_levels:
+    for (int k = 0; k < n_levels; k++) free(level[k]);
+    return st;
+}
+
+/* Makes the per-id tables hold at least `need` ids (doubling). */
+static kvb_status tables_reserve(kvb_block_pool *p, int need) {
+    if (need <= p->id_cap) return KVB_OK;
+    int cap = p->id_cap > INT32_MAX / 2 ? INT32_MAX : KVB_MAX(p->id_cap * 2, need);
+    void *rc = p->refcount;
+    KVB_TRY(kvb_realloc_array(&rc, (size_t)cap, sizeof *p->refcount));
+    p->refcount = rc;
+    memset(p->refcount + p->id_cap, 0, (size_t)(cap - p->id_cap) * sizeof *p->refcount);
+    size_t old_att = (size_t)(p->id_cap - p->capacity), new_att = (size_t)(cap - p->capacity);
+    void *att = p->att_addr;
+    KVB_TRY(kvb_realloc_array(&att, new_att, sizeof *p->att_addr));
+    p->att_addr = att;
+    for (size_t j = old_att; j < new_att; j++) p->att_addr[j] = NULL;
+    KVB_TRY(bitmap_build(p, (size_t)cap, p->level, p->n_words, p->n_levels));
+    p->id_cap = cap;
+    return KVB_OK;
+}
+
 /* ---------------------------------------------------------------- pool */
 
 kvb_status kvb_block_pool_create(const kvb_kv_geom *g, void *mem, size_t mem_bytes, int n_blocks,
@@ -138,19 +207,12 @@ kvb_status kvb_block_pool_create(const kvb_kv_geom *g, void *mem, size_t mem_byt
     p->mem = mem;
     p->mem_bytes = mem_bytes;
     p->capacity = (int)cap;
+    p->id_limit = (int)cap;
+    p->id_cap = (int)cap;
     KVB_TRY_GOTO(kvb_calloc(cap, sizeof *p->refcount, (void **)&p->refcount), fail_pool);
-    size_t bits = cap;
-    for (;;) {
-        size_t words = (bits + 63) / 64;
-        assert(p->n_levels < MAX_LEVELS);
-        p->n_words[p->n_levels] = words;
-        KVB_TRY_GOTO(kvb_calloc(words, sizeof(uint64_t), (void **)&p->level[p->n_levels]), fail_pool);
-        p->n_levels++;
-        if (words == 1) break;
-        bits = words;
-    }
+    KVB_TRY_GOTO(bitmap_build(p, cap, NULL, NULL, 0), fail_pool);
     for (int32_t i = 0; i < n_blocks; i++) mark_free(p, i);
-    p->n_blocks = n_blocks;
+    p->n_own = n_blocks;
     *out = p;
     return KVB_OK;
 
@@ -163,29 +225,43 @@ void kvb_block_pool_destroy(kvb_block_pool *p) {
     if (!p) return;
     for (int k = 0; k < p->n_levels; k++) free(p->level[k]);
     free(p->refcount);
+    free(p->att_addr);
+    free(p->segs);
     free(p);
 }
 
 const kvb_kv_geom *kvb_block_pool_geom(const kvb_block_pool *p) { return &p->geom; }
-int kvb_block_pool_n_blocks(const kvb_block_pool *p) { return p->n_blocks; }
+int kvb_block_pool_n_blocks(const kvb_block_pool *p) { return p->n_own + p->n_attached; }
+int kvb_block_pool_n_own(const kvb_block_pool *p) { return p->n_own; }
+int kvb_block_pool_n_attached(const kvb_block_pool *p) { return p->n_attached; }
 int kvb_block_pool_capacity(const kvb_block_pool *p) { return p->capacity; }
+int kvb_block_pool_id_limit(const kvb_block_pool *p) { return p->id_limit; }
 int kvb_block_pool_n_free(const kvb_block_pool *p) { return p->n_free; }
 
+int kvb_block_pool_has(const kvb_block_pool *p, int32_t idx) {
+    if (idx < 0 || idx >= p->id_limit) return 0;
+    if (idx < p->capacity) return idx < p->n_own;
+    return p->att_addr[idx - p->capacity] != NULL;
+}
+
+int kvb_block_pool_is_attached(const kvb_block_pool *p, int32_t idx) { return idx >= p->capacity; }
+
 void *kvb_block_pool_block(const kvb_block_pool *p, int32_t idx) {
-    assert(idx >= 0 && idx < p->capacity);
-    return p->mem + (size_t)idx * p->block_bytes;
+    assert(idx >= 0 && idx < p->id_limit);
+    if (idx < p->capacity) return p->mem + (size_t)idx * p->block_bytes;
+    assert(p->att_addr[idx - p->capacity]);
+    return p->att_addr[idx - p->capacity];
 }
 
 void *kvb_block_pool_block_layer(const kvb_block_pool *p, int32_t idx, int layer) {
-    assert(idx >= 0 && idx < p->capacity);
     assert(layer >= 0 && layer < p->geom.n_layers);
-    return p->mem + (size_t)idx * p->block_bytes + (size_t)layer * p->layer_bytes;
+    return (unsigned char *)kvb_block_pool_block(p, idx) + (size_t)layer * p->layer_bytes;
 }
 
 kvb_status kvb_block_pool_alloc(kvb_block_pool *p, int32_t *out) {
     int32_t idx = bit_first(p);
     if (idx < 0) return KVB_ERR_EXHAUSTED;
-    assert(idx < p->n_blocks && p->refcount[idx] == 0);
+    assert(kvb_block_pool_has(p, idx) && p->refcount[idx] == 0);
     bit_clear(p, idx);
     p->n_free--;
     p->refcount[idx] = 1;
@@ -193,8 +269,16 @@ kvb_status kvb_block_pool_alloc(kvb_block_pool *p, int32_t *out) {
     return KVB_OK;
 }
 
+kvb_status kvb_block_pool_take(kvb_block_pool *p, int32_t idx) {
+    if (!kvb_block_pool_is_free(p, idx)) return KVB_ERR_STATE;
+    bit_clear(p, idx);
+    p->n_free--;
+    p->refcount[idx] = 1;
+    return KVB_OK;
+}
+
 void kvb_block_pool_ref(kvb_block_pool *p, int32_t idx) {
-    assert(idx >= 0 && idx < p->n_blocks);
+    assert(kvb_block_pool_has(p, idx));
     /* A block is referenced, or held by the release hook (refcount 0, not free); never free. */
     assert(p->refcount[idx] > 0 || !bit_test(p, idx));
     assert(p->refcount[idx] < INT32_MAX);
@@ -202,7 +286,7 @@ void kvb_block_pool_ref(kvb_block_pool *p, int32_t idx) {
 }
 
 void kvb_block_pool_unref(kvb_block_pool *p, int32_t idx) {
-    assert(idx >= 0 && idx < p->n_blocks);
+    assert(kvb_block_pool_has(p, idx));
     assert(p->refcount[idx] > 0);
     if (--p->refcount[idx] > 0) return;
     if (p->release && p->release(p->release_ud, idx)) return; /* held by the hook's owner */
@@ -210,7 +294,7 @@ void kvb_block_pool_unref(kvb_block_pool *p, int32_t idx) {
 }
 
 int kvb_block_pool_refcount(const kvb_block_pool *p, int32_t idx) {
-    assert(idx >= 0 && idx < p->capacity);
+    assert(idx >= 0 && idx < p->id_limit);
     return p->refcount[idx];
 }
 
@@ -220,35 +304,150 @@ void kvb_block_pool_set_release_hook(kvb_block_pool *p, kvb_block_release_fn fn,
 }
 
 void kvb_block_pool_free_block(kvb_block_pool *p, int32_t idx) {
-    assert(idx >= 0 && idx < p->n_blocks);
+    assert(kvb_block_pool_has(p, idx));
     assert(p->refcount[idx] == 0 && !bit_test(p, idx)); /* held, not referenced and not free */
     mark_free(p, idx);
 }
 
 int kvb_block_pool_is_free(const kvb_block_pool *p, int32_t idx) {
-    assert(idx >= 0 && idx < p->capacity);
-    return idx < p->n_blocks && bit_test(p, idx);
+    if (idx < 0) return 0;
+    /* only blocks of the pool have their bit set: removed own ids and retired ranges never do */
+    return idx < p->id_limit && bit_test(p, idx);
 }
 
 kvb_status kvb_block_pool_resize(kvb_block_pool *p, int n_blocks) {
     if (n_blocks < 0 || n_blocks > p->capacity) {
-        KVB_LOG_E("block pool: resize to %d blocks, capacity is %d", n_blocks, p->capacity);
+        KVB_LOG_E("block pool: resize to %d own blocks, capacity is %d", n_blocks, p->capacity);
         return KVB_ERR_INVALID;
     }
-    if (n_blocks >= p->n_blocks) {
-        for (int32_t i = p->n_blocks; i < n_blocks; i++) mark_free(p, i);
-        p->n_blocks = n_blocks;
+    if (n_blocks >= p->n_own) {
+        for (int32_t i = p->n_own; i < n_blocks; i++) mark_free(p, i);
+        p->n_own = n_blocks;
         return KVB_OK;
     }
-    for (int32_t i = n_blocks; i < p->n_blocks; i++) {
+    for (int32_t i = n_blocks; i < p->n_own; i++) {
         if (!bit_test(p, i)) {
             KVB_LOG_D("block pool: cannot shrink to %d blocks: block %d is %s", n_blocks, (int)i,
                       p->refcount[i] > 0 ? "referenced" : "held by the release hook");
             return KVB_ERR_STATE;
         }
     }
-    for (int32_t i = n_blocks; i < p->n_blocks; i++) bit_clear(p, i);
-    p->n_free -= p->n_blocks - n_blocks;
-    p->n_blocks = n_blocks;
+    for (int32_t i = n_blocks; i < p->n_own; i++) bit_clear(p, i);
+    p->n_free -= p->n_own - n_blocks;
+    p->n_own = n_blocks;
+    return KVB_OK;
+}
+
+/* ---------------------------------------------------------------- segments */
+
+/* Makes room for one more entry in the segment table. */
+static kvb_status segs_reserve(kvb_block_pool *p) {
+    if (p->n_segs < p->segs_cap) return KVB_OK;
+    int cap = p->segs_cap ? 2 * p->segs_cap : 8;
+    void *segs = p->segs;
+    KVB_TRY(kvb_realloc_array(&segs, (size_t)cap, sizeof *p->segs));
+    p->segs = segs;
+    p->segs_cap = cap;
+    return KVB_OK;
+}
+
+static void segs_insert(kvb_block_pool *p, int at, pool_seg s) {
+    assert(p->n_segs < p->segs_cap);
+    memmove(&p->segs[at + 1], &p->segs[at], (size_t)(p->n_segs - at) * sizeof *p->segs);
+    p->segs[at] = s;
+    p->n_segs++;
+}
+
+static void segs_remove(kvb_block_pool *p, int at) {
+    memmove(&p->segs[at], &p->segs[at + 1], (size_t)(p->n_segs - at - 1) * sizeof *p->segs);
+    p->n_segs--;
+}
+
+kvb_status kvb_block_pool_attach(kvb_block_pool *p, void *mem, int n, int32_t *first_id) {
+    if (!p || !mem || n < 1 || !first_id) {
+        KVB_LOG_E("block pool: attach needs memory and at least one block (%d)", n);
+        return KVB_ERR_INVALID;
+    }
+    KVB_TRY(segs_reserve(p)); /* a split or an append adds at most one entry */
+    /* first fit over the retired ranges */
+    int at = -1;
+    for (int i = 0; i < p->n_segs; i++) {
+        if (!p->segs[i].mem && p->segs[i].n >= n) {
+            at = i;
+            break;
+        }
+    }
+    pool_seg seg = {.n = n, .mem = mem};
+    if (at >= 0) {
+        seg.first = p->segs[at].first;
+        if (p->segs[at].n > n) {
+            pool_seg rest = {.first = seg.first + n, .n = p->segs[at].n - n, .mem = NULL};
+            p->segs[at] = seg;
+            segs_insert(p, at + 1, rest);
+        } else {
+            p->segs[at] = seg;
+        }
+    } else {
+        if (n > INT32_MAX - p->id_limit) {
+            KVB_LOG_E("block pool: attaching %d blocks would pass the id space (%d ids in use)", n, p->id_limit);
+            return KVB_ERR_INVALID;
+        }
+        KVB_TRY(tables_reserve(p, p->id_limit + n));
+        seg.first = p->id_limit;
+        segs_insert(p, p->n_segs, seg);
+        p->id_limit += n;
+    }
+    for (int32_t j = 0; j < n; j++) {
+        int32_t idx = seg.first + j;
+        p->att_addr[idx - p->capacity] = (unsigned char *)mem + (size_t)j * p->block_bytes;
+        assert(p->refcount[idx] == 0 && !bit_test(p, idx));
+        mark_free(p, idx);
+    }
+    p->n_attached += n;
+    *first_id = seg.first;
+    return KVB_OK;
+}
+
+kvb_status kvb_block_pool_detach(kvb_block_pool *p, int32_t first_id, int n) {
+    if (!p) return KVB_ERR_INVALID;
+    int at = -1;
+    for (int i = 0; i < p->n_segs; i++) {
+        if (p->segs[i].first == first_id) {
+            at = i;
+            break;
+        }
+    }
+    if (at < 0 || !p->segs[at].mem || p->segs[at].n != n) {
+        KVB_LOG_E("block pool: [%d, +%d) is not an attached segment", (int)first_id, n);
+        return KVB_ERR_INVALID;
+    }
+    for (int32_t idx = first_id; idx < first_id + n; idx++) {
+        if (!bit_test(p, idx)) {
+            KVB_LOG_D("block pool: cannot detach [%d, +%d): block %d is %s", (int)first_id, n, (int)idx,
+                      p->refcount[idx] > 0 ? "referenced" : "held by the release hook");
+            return KVB_ERR_STATE;
+        }
+    }
+    for (int32_t idx = first_id; idx < first_id + n; idx++) {
+        bit_clear(p, idx);
+        p->att_addr[idx - p->capacity] = NULL;
+    }
+    p->n_free -= n;
+    p->n_attached -= n;
+    p->segs[at].mem = NULL;
+    /* merge with retired neighbours, then trim a retired range at the top of the id space */
+    if (at + 1 < p->n_segs && !p->segs[at + 1].mem) {
+        p->segs[at].n += p->segs[at + 1].n;
+        segs_remove(p, at + 1);
+    }
+    if (at > 0 && !p->segs[at - 1].mem) {
+        p->segs[at - 1].n += p->segs[at].n;
+        segs_remove(p, at);
+        at--;
+    }
+    if (at == p->n_segs - 1) {
+        p->id_limit = p->segs[at].first;
+        segs_remove(p, at);
+    }
     return KVB_OK;
 }

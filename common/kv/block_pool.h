@@ -5,7 +5,17 @@
  * contiguous and the pool grows or shrinks at its tail without moving any other block (O(1) resize).
  *
  * Blocks are reference counted: a sequence holds a reference to each block in its table, and the
- * prefix cache lets sequences share full blocks. The pool itself knows nothing of hashes. */
+ * prefix cache lets sequences share full blocks. The pool itself knows nothing of hashes.
+ *
+ * Id layout (lending, SwiftCache §3.4-3.5). The pool's own memory holds `capacity` blocks, ids
+ * [0, capacity); the own blocks in use are the prefix [0, n_own), and resize moves n_own (a worker
+ * lends the tail of that range). A master adds borrowed memory as attached *segments*: contiguous id
+ * ranges that all start at or above `capacity`, so own resizes and segments never share an id. A
+ * detached segment's range is retired and reused first-fit by later attaches (the rest of a longer
+ * retired range stays retired; adjacent retired ranges merge; a retired range at the top of the id
+ * space is trimmed), so lend/reclaim cycles do not grow the id space. Every id is allocated lowest
+ * first, so own blocks fill before borrowed ones. Addresses stay O(1): own block i is at
+ * mem + i * block_bytes, attached block i at a per-id base pointer set by its segment. */
 #ifndef KVB_KV_BLOCK_POOL_H
 #define KVB_KV_BLOCK_POOL_H
 
@@ -35,23 +45,37 @@ kvb_status kvb_block_pool_create(const kvb_kv_geom *g, void *mem, size_t mem_byt
 void kvb_block_pool_destroy(kvb_block_pool *p);
 
 const kvb_kv_geom *kvb_block_pool_geom(const kvb_block_pool *p);
-int kvb_block_pool_n_blocks(const kvb_block_pool *p);   /* blocks currently in the pool */
-int kvb_block_pool_capacity(const kvb_block_pool *p);   /* most blocks the memory can hold */
+int kvb_block_pool_n_blocks(const kvb_block_pool *p);   /* blocks currently in the pool: n_own + n_attached */
+int kvb_block_pool_n_own(const kvb_block_pool *p);      /* own blocks in the pool: ids [0, n_own) */
+int kvb_block_pool_n_attached(const kvb_block_pool *p); /* blocks of attached segments */
+int kvb_block_pool_capacity(const kvb_block_pool *p);   /* most own blocks the pool's memory can hold */
+/* One past the highest id that may exist now (capacity + the attached and retired id ranges): the
+ * size of a table indexed by block id. Grows on attach, may shrink on detach. */
+int kvb_block_pool_id_limit(const kvb_block_pool *p);
 int kvb_block_pool_n_free(const kvb_block_pool *p);     /* blocks with refcount 0 and not held */
-/* Address of block `idx` (all layers) and of its slice for `layer`. */
+/* 1 if `idx` is a block of the pool now (own and below n_own, or in an attached segment); 0 for any
+ * other int32 value (never asserts). */
+int kvb_block_pool_has(const kvb_block_pool *p, int32_t idx);
+/* 1 if `idx` lies in the attached id space (idx >= capacity): a borrowed block. */
+int kvb_block_pool_is_attached(const kvb_block_pool *p, int32_t idx);
+/* Address of block `idx` (all layers) and of its slice for `layer`. `idx` is an own id below capacity
+ * or a block of an attached segment. */
 void *kvb_block_pool_block(const kvb_block_pool *p, int32_t idx);
 void *kvb_block_pool_block_layer(const kvb_block_pool *p, int32_t idx, int layer);
 
 /* Takes a free block (lowest index first, so that the tail stays free for shrinking), refcount 1.
  * KVB_ERR_EXHAUSTED if none is free. */
 kvb_status kvb_block_pool_alloc(kvb_block_pool *p, int32_t *out);
+/* Takes the specific free block `idx` (refcount 1), as alloc would. KVB_ERR_STATE if it is not on
+ * the free list (referenced, held, or not in the pool). */
+kvb_status kvb_block_pool_take(kvb_block_pool *p, int32_t idx);
 /* Adds / drops a reference. Dropping the last one returns the block to the free list unless the
  * pool's release hook keeps it (the prefix cache does, for reusable full blocks). */
 void kvb_block_pool_ref(kvb_block_pool *p, int32_t idx);
 void kvb_block_pool_unref(kvb_block_pool *p, int32_t idx);
 int kvb_block_pool_refcount(const kvb_block_pool *p, int32_t idx);
 /* 1 if block `idx` is on the free list (refcount 0 and not kept by the release hook), 0 otherwise
- * (also for ids past n_blocks, which are no longer in the pool). */
+ * (also for any id that is not a block of the pool now: removed own ids, retired ranges, negatives). */
 int kvb_block_pool_is_free(const kvb_block_pool *p, int32_t idx);
 
 /* Hook called when a block's refcount drops to 0; returns nonzero to keep the block out of the free
@@ -61,8 +85,20 @@ void kvb_block_pool_set_release_hook(kvb_block_pool *p, kvb_block_release_fn fn,
 /* Returns a block with refcount 0 that a release hook kept to the free list. */
 void kvb_block_pool_free_block(kvb_block_pool *p, int32_t idx);
 
-/* O(1) resize at the tail (SwiftCache §3.4): growing appends free blocks (up to capacity); shrinking
- * removes the last blocks and fails with KVB_ERR_STATE unless every removed block is free. */
+/* O(1) resize of the own range at its tail (SwiftCache §3.4): sets n_own to `n_blocks` (0..capacity).
+ * Growing appends free blocks; shrinking removes the last own blocks and fails with KVB_ERR_STATE
+ * unless every removed block is free. Attached segments are not affected. */
 kvb_status kvb_block_pool_resize(kvb_block_pool *p, int n_blocks);
+
+/* Attaches `n` (>= 1) blocks of borrowed memory `mem` ([n][block_bytes], block-major like the pool's
+ * own memory; borrowed: the caller keeps it mapped until the segment is detached) as a segment of
+ * free blocks with ids [*first_id, *first_id + n), all >= capacity (see the id layout above).
+ * KVB_ERR_INVALID for a bad argument or when the id space would pass INT32_MAX, KVB_ERR_NOMEM. */
+kvb_status kvb_block_pool_attach(kvb_block_pool *p, void *mem, int n, int32_t *first_id);
+/* Detaches the segment [first_id, first_id + n) (exactly one attached segment, else KVB_ERR_INVALID).
+ * Every block must be on the free list, neither referenced nor held by the release hook, else
+ * KVB_ERR_STATE and nothing changes. Afterwards no id of the range is handed out until a later attach
+ * reuses it, and the pool never touches `mem` again. */
+kvb_status kvb_block_pool_detach(kvb_block_pool *p, int32_t first_id, int n);
 
 #endif

@@ -136,7 +136,7 @@ static kvb_status map_grow(kvb_prefix_cache *c) {
 /* Makes slots [0, need) exist. */
 static kvb_status slots_reserve(kvb_prefix_cache *c, int need) {
     if (need <= c->n_slots) return KVB_OK;
-    int cap = kvb_block_pool_capacity(c->pool);
+    int cap = kvb_block_pool_id_limit(c->pool); /* own ids and attached segments */
     int n = c->n_slots > cap / 2 ? cap : KVB_MAX(c->n_slots * 2, MIN_SLOTS);
     n = KVB_MIN(KVB_MAX(n, need), cap);
     void *slots = c->slots;
@@ -163,7 +163,7 @@ static void entry_drop(kvb_prefix_cache *c, int32_t i) {
 
 static kvb_status entry_insert(kvb_prefix_cache *c, uint64_t hash, uint64_t parent, const int32_t *tokens,
                                int32_t idx) {
-    assert(idx >= 0 && idx < kvb_block_pool_n_blocks(c->pool));
+    assert(kvb_block_pool_has(c->pool, idx));
     assert(kvb_block_pool_refcount(c->pool, idx) > 0); /* the publisher holds the block */
     if (idx < c->n_slots && c->slots[idx].cached) {
         KVB_LOG_W("prefix cache: block %d is already cached under another key; not published", (int)idx);
@@ -256,7 +256,7 @@ int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, in
 kvb_status kvb_prefix_cache_publish(kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int32_t idx,
                                     uint64_t *hash_out) {
     if (!c || !tokens) return KVB_ERR_INVALID;
-    assert(idx >= 0 && idx < kvb_block_pool_n_blocks(c->pool) && kvb_block_pool_refcount(c->pool, idx) > 0);
+    assert(kvb_block_pool_has(c->pool, idx) && kvb_block_pool_refcount(c->pool, idx) > 0);
     uint64_t h = kvb_prefix_hash(parent, tokens, c->block_size);
     if (hash_out) *hash_out = h;
     if (map_find(c, h, parent, tokens) != NIL) return KVB_OK; /* identical block cached: keep it */
@@ -293,16 +293,41 @@ void kvb_prefix_cache_clear(kvb_prefix_cache *c) {
     }
 }
 
-int kvb_prefix_cache_drop_tail(kvb_prefix_cache *c, int first) {
-    if (!c) return 0;
+int kvb_prefix_cache_drop_range(kvb_prefix_cache *c, int32_t first, int n) {
+    if (!c || n <= 0) return 0;
     int dropped = 0;
-    for (int32_t i = KVB_MAX(first, 0); i < c->n_slots; i++) {
+    int64_t end = KVB_MIN((int64_t)first + n, (int64_t)c->n_slots);
+    for (int32_t i = KVB_MAX(first, 0); i < end; i++) {
         if (!c->slots[i].in_lru) continue;
         entry_drop(c, i);
         kvb_block_pool_free_block(c->pool, i);
         dropped++;
     }
     return dropped;
+}
+
+int kvb_prefix_cache_drop_tail(kvb_prefix_cache *c, int first) {
+    if (!c) return 0;
+    first = KVB_MAX(first, 0);
+    return kvb_prefix_cache_drop_range(c, first, kvb_block_pool_capacity(c->pool) - first);
+}
+
+int kvb_prefix_cache_is_cached(const kvb_prefix_cache *c, int32_t idx) {
+    return c && idx >= 0 && idx < c->n_slots && c->slots[idx].cached;
+}
+
+kvb_status kvb_prefix_cache_move(kvb_prefix_cache *c, int32_t from, int32_t to) {
+    if (!c) return KVB_ERR_INVALID;
+    if (!kvb_prefix_cache_is_cached(c, from) || kvb_prefix_cache_is_cached(c, to)) return KVB_ERR_STATE;
+    assert(!c->slots[from].in_lru); /* referenced: the caller holds it */
+    KVB_TRY(slots_reserve(c, to + 1)); /* may move c->slots and c->tokens */
+    uint64_t hash = c->slots[from].hash, parent = c->slots[from].parent;
+    entry_drop(c, from); /* leaves the slot's tokens in place */
+    /* entry_insert cannot fail now: the slot exists, `to` is not cached, and the map has room for
+     * the entry just dropped */
+    kvb_status st = entry_insert(c, hash, parent, &c->tokens[(size_t)from * (size_t)c->block_size], to);
+    assert(st == KVB_OK);
+    return st;
 }
 
 void kvb_prefix_cache_stats(const kvb_prefix_cache *c, kvb_prefix_stats *out) {
@@ -326,7 +351,7 @@ void kvb_prefix_cache_stats(const kvb_prefix_cache *c, kvb_prefix_stats *out) {
 
 int kvb__prefix_cache_check(const kvb_prefix_cache *c) {
     int bad = 0;
-    int n_blocks = kvb_block_pool_n_blocks(c->pool);
+    int id_limit = kvb_block_pool_id_limit(c->pool);
     /* Every chain entry is a cached slot in the right bucket, and each cached slot appears once. */
     int in_map = 0;
     for (size_t b = 0; b < c->n_buckets; b++) {
@@ -363,8 +388,8 @@ int kvb__prefix_cache_check(const kvb_prefix_cache *c) {
             continue;
         }
         cached++;
-        CHECK(i < n_blocks, "cached block %d past the pool's %d blocks", (int)i, n_blocks);
-        if (i >= n_blocks) continue;
+        CHECK(kvb_block_pool_has(c->pool, i), "cached block %d is not in the pool", (int)i);
+        if (!kvb_block_pool_has(c->pool, i)) continue;
         int rc = kvb_block_pool_refcount(c->pool, i);
         CHECK(!kvb_block_pool_is_free(c->pool, i), "cached block %d is on the free list", (int)i);
         CHECK(s->in_lru == (rc == 0), "cached block %d: refcount %d, in LRU %d", (int)i, rc, s->in_lru);
@@ -373,8 +398,8 @@ int kvb__prefix_cache_check(const kvb_prefix_cache *c) {
     CHECK(cached == c->n_cached, "%d cached slots, n_cached %d", cached, c->n_cached);
     CHECK(held == c->n_lru, "%d held slots, n_lru %d", held, c->n_lru);
     /* No other block is held: every refcount-0 block of the pool is free or in the LRU. */
-    for (int32_t i = 0; i < n_blocks; i++) {
-        if (kvb_block_pool_refcount(c->pool, i) != 0) continue;
+    for (int32_t i = 0; i < id_limit; i++) {
+        if (!kvb_block_pool_has(c->pool, i) || kvb_block_pool_refcount(c->pool, i) != 0) continue;
         int ok = kvb_block_pool_is_free(c->pool, i) || (i < c->n_slots && c->slots[i].in_lru);
         CHECK(ok, "block %d has refcount 0 but is neither free nor cached", (int)i);
     }

@@ -48,9 +48,19 @@ int kvb_prefix_cache_n_available(const kvb_prefix_cache *c);
 int kvb_prefix_cache_n_cached(const kvb_prefix_cache *c);
 /* Drops every unreferenced cached block back to the free list. */
 void kvb_prefix_cache_clear(kvb_prefix_cache *c);
-/* Drops the unreferenced cached blocks with id >= `first` back to the free list (before shrinking the
- * pool to `first` blocks); returns how many it dropped. Referenced ones stay. */
+/* Drops the unreferenced cached own blocks with id in [first, capacity) back to the free list (before
+ * shrinking the pool to `first` own blocks); returns how many it dropped. Referenced ones stay, and
+ * attached segments (ids >= capacity) are not touched. */
 int kvb_prefix_cache_drop_tail(kvb_prefix_cache *c, int first);
+/* Drops the unreferenced cached blocks with id in [first, first + n) back to the free list (before
+ * detaching a segment); returns how many it dropped. Referenced ones stay. */
+int kvb_prefix_cache_drop_range(kvb_prefix_cache *c, int32_t first, int n);
+/* 1 if block `idx` is an entry of the cache. */
+int kvb_prefix_cache_is_cached(const kvb_prefix_cache *c, int32_t idx);
+/* Moves the entry of block `from` (cached and referenced) to block `to` (referenced, not cached) after
+ * the caller copied the KV: later matches hand out `to`, and `from` becomes an ordinary block that
+ * goes to the free list with its last reference. KVB_ERR_STATE if `from` is not cached or `to` is. */
+kvb_status kvb_prefix_cache_move(kvb_prefix_cache *c, int32_t from, int32_t to);
 
 typedef struct kvb_prefix_stats {
     uint64_t queries;      /* blocks looked up */

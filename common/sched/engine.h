@@ -58,7 +58,17 @@ typedef struct kvb_engine_opts {
     int max_model_len;       /* longest sequence (default: the model's max_pos) */
     int enable_prefix_cache; /* reuse full blocks across requests */
     void *kv_mem;            /* backend memory for the pool (e.g. a kvb_region's base); NULL: allocate */
-    size_t kv_mem_bytes;
+    size_t kv_mem_bytes;     /* its size; kv_mem_bytes / block bytes is the capacity (>= n_blocks) */
+    int lsc_stream;          /* master: attention never reads attached (borrowed) blocks in place; each
+                              * step streams their layer slices through a layer stream cache (LSC,
+                              * SwiftCache §3.2-3.3): before layer l a copy thread loads layer l's
+                              * slice of every borrowed block of the batch into an LSC slot, after it
+                              * stores the rows the step wrote back; double-buffered, so layer l+1
+                              * loads while layer l computes. The LSC has two single-layer slots per
+                              * attached block, so a step (which touches a block once) never needs
+                              * more slots than exist: it is Eq. 4's N_LSC with the K_master cap
+                              * applied by the caller, who attaches at most K_master blocks. Needs the
+                              * backend's `copy` (else kvb_engine_create fails, KVB_ERR_UNSUPPORTED). */
 } kvb_engine_opts;
 
 void kvb_engine_opts_default(kvb_engine_opts *o);
@@ -119,6 +129,10 @@ typedef struct kvb_engine_stats {
     int blocks_free;            /* free + evictable cached */
     int n_running;
     int n_waiting;
+    int blocks_own;             /* own blocks in the pool (n_own) */
+    int blocks_borrowed;        /* attached blocks (all tags) */
+    uint64_t lsc_loads;         /* LSC streaming: block-layer slices loaded from borrowed blocks */
+    uint64_t lsc_stores;        /* LSC streaming: block-layer slices whose new rows were stored back */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
 
@@ -129,9 +143,16 @@ struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
  * The engine's own blocks are ids [0, n_own) of its KV memory (capacity blocks in all). A worker
  * lends the tail of that range: it shrinks n_own and the blocks [n_own, old n_own) become a loan; a
  * master attaches borrowed memory as extra blocks that it allocates from like its own (lowest id
- * first, so its own blocks fill first) and attends to in place. Every call is O(blocks touched) and
- * never copies a block except where the comment says so. None of these may be called from inside an
- * event callback. */
+ * first, so its own blocks fill first) and attends to in place (or streams through the LSC with
+ * opts.lsc_stream). Attached blocks have ids >= capacity (common/kv/block_pool.h, id layout), so a
+ * process may both lend its tail and attach loans. Every call is O(blocks touched) and never copies
+ * a block except where the comment says so. None of these may be called from inside an event
+ * callback or while a step runs (they are the fence: no step is in flight between steps).
+ *
+ * Admission: kvb_engine_add rejects a request only when it could never fit capacity + borrowed
+ * blocks. A waiting request that needs more blocks than the pool holds now (n_own + borrowed, e.g.
+ * after lending or a detach) stays queued at the head (FCFS) and kvb_engine_starved reports it; it
+ * is admitted once grow/attach gives the blocks back. */
 
 /* Worker: blocks currently owned, and the most the memory holds. */
 int kvb_engine_n_own(const kvb_engine *e);
@@ -142,16 +163,22 @@ int kvb_engine_free_tail(const kvb_engine *e);
 /* Worker: gives up own blocks [n_own_new, n_own): drops cached entries there and shrinks the pool.
  * KVB_ERR_STATE (nothing changed) if one of them is referenced. */
 kvb_status kvb_engine_shrink(kvb_engine *e, int n_own_new);
-/* Worker: takes blocks back up to n_own_new (<= capacity); they start free. */
+/* Worker: takes blocks back up to n_own_new (n_own <= n_own_new <= capacity, else KVB_ERR_INVALID);
+ * they start free. */
 kvb_status kvb_engine_grow(kvb_engine *e, int n_own_new);
 /* Worker: tokens the live requests need at most (prompt + max_tokens of the longest one, waiting or
  * running): the request_len of Alg. 1 SCALEUP. */
 int64_t kvb_engine_max_request_tokens(const kvb_engine *e);
-/* Requests wait because the pool is short (a worker should reclaim). */
+/* Requests wait because the pool is short (a worker should reclaim): the head of the queue needs
+ * more blocks than the pool holds now, or the last step could not give it blocks. Cleared by grow and
+ * attach (the next step decides again). */
 int kvb_engine_starved(const kvb_engine *e);
 
 /* Master: adds `n_blocks` blocks at `mem` (memory of `bytes` >= n_blocks * block_bytes, borrowed:
- * the caller keeps it mapped until the detach returns) under the caller's `tag` (a loan id). */
+ * the caller keeps it mapped until the detach returns) under the caller's `tag` (a loan id).
+ * KVB_ERR_INVALID for a bad argument or a tag already attached; KVB_ERR_NOMEM (nothing attached) if
+ * the LSC cannot grow. With lsc_stream the LSC holds 2 single-layer slots (double buffer) per
+ * attached block: Eq. 4's N_LSC = sum K_i when the caller attaches at most K_master blocks. */
 kvb_status kvb_engine_attach(kvb_engine *e, uint64_t tag, void *mem, size_t bytes, int n_blocks);
 
 typedef struct kvb_detach_stats {
@@ -164,9 +191,18 @@ typedef struct kvb_detach_stats {
  * free blocks elsewhere (their sequences keep running), or their sequences are preempted by recompute
  * when no block is free; cached blocks there are dropped. `lender_dead`: the memory is gone, read
  * nothing from it (every sequence that used it is preempted). After this returns no step touches the
- * memory. KVB_ERR_NOT_FOUND for an unknown tag. */
+ * memory. KVB_ERR_NOT_FOUND for an unknown tag, KVB_ERR_NOMEM (nothing changed) for scratch memory.
+ *
+ * Details: a block shared by several sequences (prefix cache) is copied once (all layers, with the
+ * backend's `copy`) and every block table that references it is updated; its prefix-cache entry moves
+ * with it to the new id, so later turns still hit. Sequences are handled oldest first; when no block
+ * outside the range is free or evictable, the newest sequence still on the range is preempted (its
+ * own blocks free up room for the older ones). `out` may be NULL. */
 kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_detach_stats *out);
-/* Master: blocks attached now (all tags) and the tags. */
+/* Master: blocks attached now (all tags). */
 int kvb_engine_n_borrowed(const kvb_engine *e);
+/* Master: the loans attached now: writes up to `max` tags and their block counts (either array may be
+ * NULL) in attach order and returns how many loans there are. */
+int kvb_engine_loans(const kvb_engine *e, uint64_t *tags, int *n_blocks, int max);
 
 #endif

@@ -130,6 +130,7 @@ static const kvb_backend_i cpu_iface = {
     .to_device = cpu_copy,
     .to_host = cpu_copy,
     .to_host_f32 = cpu_to_host_f32,
+    .copy = cpu_copy,
     .sync = cpu_sync,
     .weight_load = cpu_weight_load,
     .weight_free = cpu_weight_free,
