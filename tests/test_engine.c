@@ -286,5 +286,53 @@ KVB_TEST(stop_ids_and_sampling) {
 }
 KVB_TEST_END
 
+KVB_TEST(host_tier_lossless) {
+    /* turn 1 fills the cache, an unrelated request evicts it from a small pool, turn 2 (turn 1's prompt +
+     * answer + new ids) finds its prefix in the host tier, copies it back, and gives the plain tokens */
+    setup_model("llama");
+    make_prompts();
+    static rec r, plain;
+    memset(&r, 0, sizeof r);
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.block_size = 8;
+    o.n_blocks = 10;
+    o.host_tier_blocks = 32;
+    kvb_engine_events ev = {.ud = &r, .on_token = on_token, .on_finish = on_finish};
+    kvb_engine *e = NULL;
+    ck_assert_int_eq(kvb_engine_create(model, &o, NULL, &ev, &e), KVB_OK);
+    add(e, 0, P[0], PL[0], 20); /* 57 tokens: 7 full blocks published */
+    run(e);
+    int32_t other[64];
+    for (int i = 0; i < 64; i++) other[i] = (i * 31 + 5) % 200;
+    add(e, 1, other, 60, 10); /* needs 9 of the 10 blocks: evicts turn 1's cached blocks */
+    run(e);
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    ck_assert_uint_gt(s.host_tier_stores, 0);
+    int32_t turn2[128];
+    int n2 = PL[0];
+    memcpy(turn2, P[0], sizeof(int32_t) * PL[0]);
+    memcpy(turn2 + n2, r.toks[0], sizeof(int32_t) * 20);
+    n2 += 20;
+    turn2[n2++] = 9;
+    add(e, 2, turn2, n2, 12);
+    run(e);
+    kvb_engine_get_stats(e, &s);
+    ck_assert_uint_gt(s.host_tier_loads, 0);
+    ck_assert_uint_ge(s.prefix_hit_tokens, s.host_tier_loads * 8);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+
+    memset(&plain, 0, sizeof plain);
+    e = make_engine(&plain, 8, 64, 512, 0);
+    add(e, 2, turn2, n2, 12);
+    run(e);
+    kvb_engine_destroy(e);
+    for (int i = 0; i < 12; i++) ck_assert_int_eq(r.toks[2][i], plain.toks[2][i]);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("engine", KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
-              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60))
+              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60))

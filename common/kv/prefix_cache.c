@@ -47,6 +47,8 @@ struct kvb_prefix_cache {
     int32_t lru_tail;      /* most recently released */
     int n_lru;
     kvb_prefix_stats stats;
+    kvb_prefix_evict_fn evict_fn; /* called before an LRU block is handed out again (host tier) */
+    void *evict_ud;
 };
 
 uint64_t kvb_prefix_hash(uint64_t parent, const int32_t *tokens, int block_size) {
@@ -230,9 +232,8 @@ void kvb_prefix_cache_destroy(kvb_prefix_cache *c) {
     free(c);
 }
 
-int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, int max_blocks, int32_t *blocks_out,
-                           uint64_t *last_hash) {
-    uint64_t parent = KVB_PREFIX_ROOT;
+int kvb_prefix_cache_match_from(kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int n, int max_blocks,
+                                int32_t *blocks_out, uint64_t *last_hash) {
     int matched = 0;
     if (c && tokens && blocks_out && n > 0 && max_blocks > 0) {
         int n_full = KVB_MIN(n / c->block_size, max_blocks);
@@ -251,6 +252,16 @@ int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, in
     }
     if (last_hash) *last_hash = parent;
     return matched;
+}
+
+int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, int max_blocks, int32_t *blocks_out,
+                           uint64_t *last_hash) {
+    return kvb_prefix_cache_match_from(c, KVB_PREFIX_ROOT, tokens, n, max_blocks, blocks_out, last_hash);
+}
+
+void kvb_prefix_cache_set_evict_hook(kvb_prefix_cache *c, kvb_prefix_evict_fn fn, void *ud) {
+    c->evict_fn = fn;
+    c->evict_ud = ud;
 }
 
 kvb_status kvb_prefix_cache_publish(kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int32_t idx,
@@ -274,6 +285,8 @@ kvb_status kvb_prefix_cache_alloc(kvb_prefix_cache *c, int32_t *out) {
     if (kvb_block_pool_n_free(c->pool) > 0) return kvb_block_pool_alloc(c->pool, out);
     int32_t i = c->lru_head;
     if (i == NIL) return KVB_ERR_EXHAUSTED;
+    if (c->evict_fn)
+        c->evict_fn(c->evict_ud, c->slots[i].parent, c->tokens + (size_t)i * (size_t)c->block_size, i);
     entry_drop(c, i);
     c->stats.evictions++;
     kvb_block_pool_ref(c->pool, i); /* held with refcount 0 -> handed out with refcount 1 */

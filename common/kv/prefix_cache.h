@@ -32,6 +32,17 @@ uint64_t kvb_prefix_hash(uint64_t parent, const int32_t *tokens, int block_size)
 int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, int max_blocks, int32_t *blocks_out,
                            uint64_t *last_hash);
 
+/* The same, continuing a chain whose last matched block has hash `parent` (tokens start at that
+ * block's successor). */
+int kvb_prefix_cache_match_from(kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int n, int max_blocks,
+                                int32_t *blocks_out, uint64_t *last_hash);
+
+/* Called with a cached, unreferenced block (its parent hash, tokens and id) just before
+ * kvb_prefix_cache_alloc evicts it to hand it out again: the last moment its KV can be read (a host
+ * tier copies it out here). The hook must not call back into the cache. */
+typedef void (*kvb_prefix_evict_fn)(void *ud, uint64_t parent, const int32_t *tokens, int32_t idx);
+void kvb_prefix_cache_set_evict_hook(kvb_prefix_cache *c, kvb_prefix_evict_fn fn, void *ud);
+
 /* Publishes a full block `idx` (held by the caller) whose tokens are `tokens[0..block_size)` under
  * parent hash `parent`. Returns its hash in *hash_out. If an identical block is already cached, the
  * cache keeps the existing one and `idx` is freed as usual when its last reference goes.

@@ -120,6 +120,9 @@ struct kvb_engine {
     int n_borrowed;          /* blocks of all loans */
     int starved;             /* the last schedule left the queue's head waiting for blocks */
     lsc lsc;                 /* used with o.lsc_stream */
+    void *ht_mem;            /* host tier: [host_tier_blocks][block_bytes] host memory, or NULL */
+    kvb_block_pool *ht_pool; /* its blocks */
+    kvb_prefix_cache *ht_pc; /* its prefix cache: blocks keyed like the pool's */
 };
 
 const char *kvb_finish_str(kvb_finish f) {
@@ -344,6 +347,63 @@ static kvb_status lsc_resize(kvb_engine *e, int n_slots) {
 
 /* ---------------------------------------------------------------- create / destroy */
 
+/* ---------------------------------------------------------------- host tier (baseline) */
+
+/* Evict hook of the pool's prefix cache: copy the block out before it is reused. */
+static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, int32_t idx) {
+    kvb_engine *e = ud;
+    int32_t h;
+    uint64_t last;
+    if (kvb_prefix_cache_match_from(e->ht_pc, parent, tokens, e->o.block_size, 1, &h, &last) == 1) {
+        kvb_block_pool_unref(e->ht_pool, h); /* already there */
+        return;
+    }
+    if (kvb_prefix_cache_alloc(e->ht_pc, &h) != KVB_OK) return; /* every host block in use: drop it */
+    kvb_backend *be = kvb_model_backend(e->m);
+    if (be->iface->to_host(be->ctx, kvb_block_pool_block(e->ht_pool, h), kvb_block_pool_block(e->pool, idx),
+                           kvb_kv_block_bytes(&e->geom)) == KVB_OK &&
+        kvb_prefix_cache_publish(e->ht_pc, parent, tokens, h, NULL) == KVB_OK)
+        e->stats.host_tier_stores++;
+    kvb_block_pool_unref(e->ht_pool, h);
+}
+
+static kvb_status host_tier_init(kvb_engine *e) {
+    size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)e->o.host_tier_blocks;
+    KVB_TRY(kvb_aligned_alloc(bytes, &e->ht_mem));
+    KVB_TRY(kvb_block_pool_create(&e->geom, e->ht_mem, bytes, e->o.host_tier_blocks, &e->ht_pool));
+    KVB_TRY(kvb_prefix_cache_create(e->ht_pool, &e->ht_pc));
+    kvb_prefix_cache_set_evict_hook(e->pc, host_tier_store, e);
+    return KVB_OK;
+}
+
+/* Continues a prefix match of `s` in the host tier: each hit is copied into a new pool block, which is
+ * published and appended to the sequence. Returns the blocks loaded. */
+static int host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
+    int bs = e->o.block_size, loaded = 0;
+    kvb_backend *be = kvb_model_backend(e->m);
+    while (s->n_published < max_blocks) {
+        const int32_t *tk = s->tokens + (size_t)s->n_published * bs;
+        int32_t h, d;
+        uint64_t next;
+        if (kvb_prefix_cache_match_from(e->ht_pc, s->last_hash, tk, bs, 1, &h, &next) != 1) break;
+        kvb_status st = kvb_prefix_cache_alloc(e->pc, &d);
+        if (st == KVB_OK) {
+            st = be->iface->to_device(be->ctx, kvb_block_pool_block(e->pool, d), kvb_block_pool_block(e->ht_pool, h),
+                                      kvb_kv_block_bytes(&e->geom));
+            if (st == KVB_OK) st = kvb_prefix_cache_publish(e->pc, s->last_hash, tk, d, NULL);
+            if (st == KVB_OK) st = kvb_block_table_push(&s->bt, d);
+            if (st != KVB_OK) kvb_block_pool_unref(e->pool, d);
+        }
+        kvb_block_pool_unref(e->ht_pool, h);
+        if (st != KVB_OK) break;
+        s->last_hash = next;
+        s->n_published++;
+        loaded++;
+        e->stats.host_tier_loads++;
+    }
+    return loaded;
+}
+
 kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
                              const kvb_engine_events *ev, kvb_engine **out) {
     const kvb_model_config *c = kvb_model_cfg(m);
@@ -390,6 +450,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs * c->vocab, sizeof(float), (void **)&e->logits), fail);
     KVB_TRY_GOTO(kvb_calloc(2 * (size_t)c->vocab, sizeof(float), (void **)&e->sample_scratch), fail);
     if (o.lsc_stream) KVB_TRY_GOTO(lsc_init(e), fail);
+    if (o.host_tier_blocks > 0 && o.enable_prefix_cache) KVB_TRY_GOTO(host_tier_init(e), fail);
     *out = e;
     return KVB_OK;
 fail:
@@ -426,6 +487,9 @@ void kvb_engine_destroy(kvb_engine *e) {
     free(e->blk_id);
     free(e->loans);
     lsc_release(e);
+    kvb_prefix_cache_destroy(e->ht_pc);
+    kvb_block_pool_destroy(e->ht_pool);
+    free(e->ht_mem);
     free(e->infos);
     free(e->logits);
     free(e->sample_scratch);
@@ -623,7 +687,8 @@ static int schedule(kvb_engine *e) {
                 }
                 free(ids);
                 s->n_published = pushed;
-                s->n_computed = hit = pushed * e->o.block_size;
+                if (e->ht_pc && pushed == got) host_tier_load(e, s, max_blocks);
+                s->n_computed = hit = s->n_published * e->o.block_size;
             }
         }
         int q = KVB_MIN(s->n_tokens - s->n_computed, budget);

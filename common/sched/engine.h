@@ -69,6 +69,10 @@ typedef struct kvb_engine_opts {
                               * more slots than exist: it is Eq. 4's N_LSC with the K_master cap
                               * applied by the caller, who attaches at most K_master blocks. Needs the
                               * backend's `copy` (else kvb_engine_create fails, KVB_ERR_UNSUPPORTED). */
+    int host_tier_blocks;    /* > 0: a host tier of this many blocks behind the prefix cache (the
+                              * baseline SwiftCache compares against: a cached block evicted from the
+                              * pool is copied to host memory, and a later prefix hit there is copied
+                              * back into a pool block before use). Needs enable_prefix_cache. */
 } kvb_engine_opts;
 
 void kvb_engine_opts_default(kvb_engine_opts *o);
@@ -124,7 +128,9 @@ typedef struct kvb_engine_stats {
     uint64_t prompt_tokens;     /* tokens prefilled (recomputed ones included) */
     uint64_t generated_tokens;
     uint64_t preemptions;
-    uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache */
+    uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache (host tier included) */
+    uint64_t host_tier_stores;  /* blocks copied pool -> host tier */
+    uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */
     int blocks_total;
     int blocks_free;            /* free + evictable cached */
     int n_running;
