@@ -11,7 +11,9 @@ static void usage(FILE *f) {
                "  engine   prefill and decode throughput of one model at batch 1, 8, 32, against this machine's\n"
                "           memory-copy bandwidth and OpenBLAS sgemm rate measured in the same run\n"
                "  replay   drive a running node with real traces; TTFT / TPOT / TBT percentiles, SLO attainment\n"
-               "  lend     lend and reclaim latency against the worker's pool size (block-major vs layer-major)\n");
+               "  lend     lend and reclaim latency against the worker's pool size (block-major vs layer-major)\n"
+               "  maxctx   the master's longest context with idle lenders against its own memory alone\n"
+               "  multiturn  P99 TTFT of multi-turn replay on the master: lending against a host-tier prefix cache\n");
 }
 
 int main(int argc, char **argv) {
@@ -22,6 +24,8 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "engine")) return kvb_bench_engine(argc - 1, argv + 1);
     if (!strcmp(argv[1], "replay")) return kvb_bench_replay(argc - 1, argv + 1);
     if (!strcmp(argv[1], "lend")) return kvb_bench_lend(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "maxctx")) return kvb_bench_maxctx(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "multiturn")) return kvb_bench_multiturn(argc - 1, argv + 1);
     fprintf(stderr, "kvbank-bench: unknown subcommand '%s'\n", argv[1]);
     usage(stderr);
     return 2;
