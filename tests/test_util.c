@@ -1,10 +1,13 @@
-/* Unit tests of common/util: status strings, parsing, half-precision conversion, npy, JSON fields. */
+/* Unit tests of common/util: status strings, parsing, half-precision conversion, npy, JSON fields,
+ * the node config. */
+#include <fcntl.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <unistd.h>
 
 #include "common/util/json.h"
+#include "common/util/node_config.h"
 #include "common/util/npy.h"
 #include "common/util/util.h"
 #include "tests/harness.h"
@@ -94,5 +97,279 @@ KVB_TEST(json_fields) {
 }
 KVB_TEST_END
 
+/* ------------------------------------------------------------------------------------ node config */
+
+/* A temporary directory holding config.json; `log` receives what the loader wrote to stderr. */
+typedef struct node_fixture {
+    char dir[64];
+    char path[96];
+    char log[8192];
+} node_fixture;
+
+static void fixture_init(node_fixture *f) {
+    snprintf(f->dir, sizeof f->dir, "/tmp/kvb-nodecfg-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(f->dir));
+    snprintf(f->path, sizeof f->path, "%s/config.json", f->dir);
+    f->log[0] = '\0';
+}
+
+static void fixture_fini(node_fixture *f) {
+    unlink(f->path);
+    rmdir(f->dir);
+}
+
+/* Writes `text` as the fixture's config.json and loads it with stderr captured into f->log. */
+static kvb_status load_text(node_fixture *f, const char *text, kvb_node_config **out) {
+    FILE *cf = fopen(f->path, "w");
+    ck_assert_ptr_nonnull(cf);
+    ck_assert_int_eq(fputs(text, cf) >= 0, 1);
+    fclose(cf);
+    char logpath[128];
+    snprintf(logpath, sizeof logpath, "%s/stderr.txt", f->dir);
+    fflush(stderr);
+    int saved = dup(2);
+    int fd = open(logpath, O_CREAT | O_TRUNC | O_WRONLY, 0600);
+    ck_assert_int_ge(fd, 0);
+    dup2(fd, 2);
+    close(fd);
+    *out = NULL;
+    kvb_status st = kvb_node_config_load(f->path, out);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    FILE *lf = fopen(logpath, "r");
+    size_t n = fread(f->log, 1, sizeof f->log - 1, lf);
+    f->log[n] = '\0';
+    fclose(lf);
+    unlink(logpath);
+    return st;
+}
+
+KVB_TEST(node_config_defaults) {
+    node_fixture f;
+    fixture_init(&f);
+    const char *txt = "{\"node\": \"n1\", \"_comment\": \"ignored silently\", \"colour\": \"blue\",\n"
+                      " \"models\": [\n"
+                      "  {\"name\": \"chat\", \"role\": \"master\", \"model_dir\": \"models/chat\", \"kv_mb\": 2},\n"
+                      "  {\"name\": \"code-1\", \"role\": \"worker\", \"model_dir\": \"./m/../code/\", \"kv_mb\": 8,\n"
+                      "   \"mkmodel\": \"--arch qwen3 --layers 3\", \"lsc\": \"stream\", \"block_size\": 8,\n"
+                      "   \"endpoint\": \"tcp://127.0.0.1:5601\", \"threads\": 2, \"device\": 1,\n"
+                      "   \"policy\": \"swiftcache\", \"max_seqs\": 4, \"max_batch_tokens\": 64, \"flavour\": 1}]}";
+    kvb_node_config *c = NULL;
+    ck_assert_int_eq(load_text(&f, txt, &c), KVB_OK);
+    ck_assert_str_eq(c->path, f.path);
+    ck_assert_str_eq(c->node, "n1");
+    ck_assert_str_eq(c->run_dir, "/run/kvbank/n1");
+    ck_assert_ptr_null(c->bin_dir);
+    ck_assert_str_eq(c->coordinator, "ipc:///run/kvbank/n1/coordinator.sock");
+    ck_assert_int_eq(c->heartbeat_ms, 500);
+    ck_assert_int_eq(c->heartbeat_misses, 4);
+    ck_assert_double_eq(c->lend_interval_s, 2.0);
+    ck_assert_double_eq(c->window_s, 60.0);
+    ck_assert_int_eq(c->n_models, 2);
+
+    const kvb_node_model *m = kvb_node_config_master(c);
+    ck_assert_ptr_eq(m, &c->models[0]);
+    ck_assert_ptr_eq(kvb_node_config_model(c, "chat"), m);
+    ck_assert_str_eq(kvb_role_str(m->role), "master");
+    char want[160];
+    snprintf(want, sizeof want, "%s/models/chat", f.dir);
+    ck_assert_str_eq(m->model_dir, want);
+    ck_assert_ptr_null(m->mkmodel);
+    ck_assert_str_eq(m->backend, "cpu");
+    ck_assert_int_eq(m->device, 0);
+    ck_assert_int_eq(m->threads, 1);
+    ck_assert_int_eq(m->kv_bytes, 2 << 20);
+    ck_assert_int_eq(m->block_size, 16);
+    ck_assert_str_eq(m->endpoint, "ipc:///run/kvbank/n1/chat.sock");
+    ck_assert_str_eq(m->policy, "recompute");
+    ck_assert_int_eq(m->max_batch_tokens, 512);
+    ck_assert_int_eq(m->max_seqs, 64);
+    ck_assert_int_eq(m->lsc_stream, 0);
+
+    const kvb_node_model *w = kvb_node_config_model(c, "code-1");
+    ck_assert_ptr_eq(w, &c->models[1]);
+    ck_assert_str_eq(kvb_role_str(w->role), "worker");
+    snprintf(want, sizeof want, "%s/m/../code", f.dir);
+    ck_assert_str_eq(w->model_dir, want);
+    ck_assert_str_eq(w->mkmodel, "--arch qwen3 --layers 3");
+    ck_assert_int_eq(w->kv_bytes, 8 << 20);
+    ck_assert_int_eq(w->block_size, 8);
+    ck_assert_str_eq(w->endpoint, "tcp://127.0.0.1:5601");
+    ck_assert_int_eq(w->threads, 2);
+    ck_assert_int_eq(w->device, 1);
+    ck_assert_str_eq(w->policy, "swiftcache");
+    ck_assert_int_eq(w->max_seqs, 4);
+    ck_assert_int_eq(w->max_batch_tokens, 64);
+    ck_assert_int_eq(w->lsc_stream, 0); /* master only: ignored with a warning */
+    ck_assert_ptr_null(kvb_node_config_model(c, "nobody"));
+
+    char tag[64];
+    kvb_node_region_tag(c, "code-1", tag, sizeof tag);
+    ck_assert_str_eq(tag, "n1_code-1");
+    kvb_node_region_tag(c, "code-1", tag, 4);
+    ck_assert_str_eq(tag, "n1_");
+
+    /* Unknown keys are warnings naming the key (and the model); "_..." keys are comments. */
+    ck_assert_ptr_nonnull(strstr(f.log, "unknown field \"colour\""));
+    ck_assert_ptr_nonnull(strstr(f.log, "model \"code-1\": unknown field \"flavour\""));
+    ck_assert_ptr_nonnull(strstr(f.log, "model \"code-1\": field \"lsc\""));
+    ck_assert_ptr_null(strstr(f.log, "_comment"));
+    ck_assert_ptr_null(strstr(f.log, "error"));
+    kvb_node_config_free(c);
+    kvb_node_config_free(NULL);
+    ck_assert_str_eq(kvb_role_str(KVB_ROLE_NONE), "none");
+    fixture_fini(&f);
+}
+KVB_TEST_END
+
+KVB_TEST(node_config_explicit) {
+    node_fixture f;
+    fixture_init(&f);
+    /* Relative run_dir and bin_dir resolve against the config's directory like model_dir; the longest
+     * names (node 16, model 23) make a 40-char region tag. */
+    const char *txt = "{\"node\": \"N_23456789012345\", \"run_dir\": \"run/\", \"bin_dir\": \"/opt/kvbank/bin\",\n"
+                      " \"coordinator\": {\"endpoint\": \"tcp://127.0.0.1:5600\", \"heartbeat_ms\": 100,\n"
+                      "   \"heartbeat_misses\": 3, \"lend_interval_s\": 0.5, \"window_s\": 5},\n"
+                      " \"models\": [\n"
+                      "  {\"name\": \"w\", \"role\": \"worker\", \"model_dir\": \"/abs/w\", \"kv_mb\": 1},\n"
+                      "  {\"name\": \"M_23456789-123456789012\", \"role\": \"master\", \"model_dir\": \".\",\n"
+                      "   \"kv_mb\": 3, \"lsc\": \"stream\", \"backend\": \"cuda\"}]}";
+    kvb_node_config *c = NULL;
+    ck_assert_int_eq(load_text(&f, txt, &c), KVB_OK);
+    char want[160];
+    snprintf(want, sizeof want, "%s/run", f.dir);
+    ck_assert_str_eq(c->run_dir, want);
+    ck_assert_str_eq(c->bin_dir, "/opt/kvbank/bin");
+    ck_assert_str_eq(c->coordinator, "tcp://127.0.0.1:5600");
+    ck_assert_int_eq(c->heartbeat_ms, 100);
+    ck_assert_int_eq(c->heartbeat_misses, 3);
+    ck_assert_double_eq(c->lend_interval_s, 0.5);
+    ck_assert_double_eq(c->window_s, 5.0);
+    ck_assert_str_eq(c->models[0].model_dir, "/abs/w");
+    snprintf(want, sizeof want, "ipc://%s/run/w.sock", f.dir);
+    ck_assert_str_eq(c->models[0].endpoint, want);
+    const kvb_node_model *m = kvb_node_config_master(c);
+    ck_assert_ptr_eq(m, &c->models[1]);
+    ck_assert_str_eq(m->model_dir, f.dir);
+    ck_assert_int_eq(m->lsc_stream, 1);
+    ck_assert_str_eq(m->backend, "cuda");
+    char tag[41];
+    kvb_node_region_tag(c, m->name, tag, sizeof tag);
+    ck_assert_str_eq(tag, "N_23456789012345_M_23456789-123456789012");
+    ck_assert_int_eq(strlen(tag), 40);
+    ck_assert_ptr_null(strstr(f.log, "warn"));
+    kvb_node_config_free(c);
+    fixture_fini(&f);
+}
+KVB_TEST_END
+
+/* Each bad config is refused with KVB_ERR_INVALID and an error that names the model (when there is
+ * one) and the field. */
+KVB_TEST(node_config_invalid) {
+#define M_OK "{\"name\": \"chat\", \"role\": \"master\", \"model_dir\": \"m\", \"kv_mb\": 2}"
+#define W(extra) "{\"name\": \"code\", \"role\": \"worker\", \"model_dir\": \"c\", \"kv_mb\": 8" extra "}"
+#define NODE(models) "{\"node\": \"n\", \"run_dir\": \"/tmp/r\", \"models\": [" models "]}"
+    static const struct {
+        const char *text;
+        const char *log1, *log2; /* substrings the error must contain */
+    } bad[] = {
+        {"{\"models\": [" M_OK "]}", "missing field \"node\"", NULL},
+        {"{\"node\": \"cpu-demo\", \"models\": [" M_OK "]}", "field \"node\" = \"cpu-demo\"", "[A-Za-z0-9_]"},
+        {"{\"node\": \"n2345678901234567\", \"models\": [" M_OK "]}", "field \"node\"", "1..16"},
+        {"{\"node\": 7, \"models\": [" M_OK "]}", "field \"node\" must be a string", NULL},
+        {"{\"node\": \"n\"}", "field \"models\" must be a non-empty array", NULL},
+        {"{\"node\": \"n\", \"models\": []}", "field \"models\" must be a non-empty array", NULL},
+        {"[1, 2]", "must be a JSON object", NULL},
+        {"{\"node\": \"n\", \"models\": [" M_OK "] ", "invalid JSON", NULL},
+        {NODE(M_OK ", 5"), "models[1] must be an object", NULL},
+        {NODE(M_OK ", {\"role\": \"worker\", \"model_dir\": \"c\", \"kv_mb\": 8}"), "models[1]: missing field \"name\"",
+         NULL},
+        {NODE(M_OK ", {\"name\": \"a.b\", \"role\": \"worker\", \"model_dir\": \"c\", \"kv_mb\": 8}"),
+         "models[1]: field \"name\" = \"a.b\"", NULL},
+        {NODE(M_OK ", {\"name\": \"w23456789012345678901234\", \"role\": \"worker\", \"model_dir\": \"c\", "
+                   "\"kv_mb\": 8}"),
+         "field \"name\" = \"w23456789012345678901234\"", "1..23"},
+        {NODE(M_OK ", {\"name\": \"code\", \"role\": \"boss\", \"model_dir\": \"c\", \"kv_mb\": 8}"),
+         "model \"code\": field \"role\" = \"boss\"", NULL},
+        {NODE(M_OK ", {\"name\": \"code\", \"role\": \"worker\", \"kv_mb\": 8}"),
+         "model \"code\": missing field \"model_dir\"", NULL},
+        {NODE(M_OK ", {\"name\": \"code\", \"role\": \"worker\", \"model_dir\": \"c\"}"),
+         "model \"code\": missing field \"kv_mb\"", NULL},
+        {NODE(M_OK ", " W(", \"kv_mb\": 0")), NULL, NULL}, /* duplicate key: invalid JSON (checked below) */
+        {NODE(M_OK ", {\"name\": \"code\", \"role\": \"worker\", \"model_dir\": \"c\", \"kv_mb\": 0}"),
+         "model \"code\": field \"kv_mb\" = 0 is out of range", NULL},
+        {NODE(M_OK ", {\"name\": \"code\", \"role\": \"worker\", \"model_dir\": \"c\", \"kv_mb\": -4}"),
+         "model \"code\": field \"kv_mb\" = -4", NULL},
+        {NODE(M_OK ", {\"name\": \"code\", \"role\": \"worker\", \"model_dir\": \"c\", \"kv_mb\": 1.5}"),
+         "model \"code\": field \"kv_mb\" must be an integer", NULL},
+        {NODE(M_OK ", " W(", \"block_size\": 0")), "model \"code\": field \"block_size\" = 0", NULL},
+        {NODE(M_OK ", " W(", \"threads\": 0")), "model \"code\": field \"threads\" = 0", NULL},
+        {NODE(M_OK ", " W(", \"max_seqs\": -1")), "model \"code\": field \"max_seqs\"", NULL},
+        {NODE(M_OK ", " W(", \"max_batch_tokens\": 0")), "model \"code\": field \"max_batch_tokens\"", NULL},
+        {NODE(M_OK ", " W(", \"model_dir\": \"\"")), NULL, NULL}, /* duplicate key again */
+        {NODE(M_OK ", " W(", \"policy\": \"\"")), "model \"code\": field \"policy\" must not be empty", NULL},
+        {NODE(M_OK ", " W(", \"mkmodel\": \"--arch 'llama'\"")), "model \"code\": field \"mkmodel\"", NULL},
+        {NODE(M_OK ", " W(", \"mkmodel\": 3")), "model \"code\": field \"mkmodel\" must be a string", NULL},
+        {NODE(M_OK ", " W(", \"lsc\": \"fast\"")), "model \"code\": field \"lsc\" = \"fast\"", NULL},
+        {NODE(M_OK ", " W(", \"endpoint\": \"ipc://rel.sock\"")), "model \"code\": field \"endpoint\"",
+         "absolute path"},
+        {NODE(M_OK ", " W(", \"endpoint\": \"inproc://x\"")), "model \"code\": field \"endpoint\" = \"inproc://x\"",
+         NULL},
+        {NODE(M_OK ", " W(", \"endpoint\": \"ipc:///tmp/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+                         "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa.sock\"")),
+         "model \"code\": field \"endpoint\"", "Unix socket"},
+        {NODE(M_OK ", " W(", \"endpoint\": \"ipc:///tmp/r/chat.sock\"")),
+         "model \"code\": field \"endpoint\" = \"ipc:///tmp/r/chat.sock\" is already the endpoint of model \"chat\"",
+         NULL},
+        {NODE(M_OK ", " W(", \"endpoint\": \"ipc:///tmp/r/coordinator.sock\"")),
+         "model \"code\": field \"endpoint\"", "is the coordinator's endpoint"},
+        {NODE(M_OK ", " W("") ", " W("")), "models[2]: field \"name\" = \"code\" is already the name of models[1]",
+         NULL},
+        {NODE(W("")), "no model has \"role\": \"master\"", NULL},
+        {NODE(M_OK ", {\"name\": \"chat2\", \"role\": \"master\", \"model_dir\": \"m2\", \"kv_mb\": 2}"),
+         "model \"chat2\": field \"role\": a second master", "\"chat\""},
+        {"{\"node\": \"n\", \"coordinator\": {\"heartbeat_ms\": 0}, \"models\": [" M_OK "]}",
+         "coordinator: field \"heartbeat_ms\" = 0", NULL},
+        {"{\"node\": \"n\", \"coordinator\": {\"lend_interval_s\": 0}, \"models\": [" M_OK "]}",
+         "coordinator: field \"lend_interval_s\"", NULL},
+        {"{\"node\": \"n\", \"coordinator\": {\"window_s\": -1}, \"models\": [" M_OK "]}",
+         "coordinator: field \"window_s\"", NULL},
+        {"{\"node\": \"n\", \"coordinator\": {\"heartbeat_misses\": 0}, \"models\": [" M_OK "]}",
+         "coordinator: field \"heartbeat_misses\"", NULL},
+        {"{\"node\": \"n\", \"coordinator\": {\"endpoint\": \"udp://x\"}, \"models\": [" M_OK "]}",
+         "coordinator: field \"endpoint\" = \"udp://x\"", NULL},
+        {"{\"node\": \"n\", \"coordinator\": [], \"models\": [" M_OK "]}", "field \"coordinator\" must be an object",
+         NULL},
+        {"{\"node\": \"n\", \"run_dir\": \"\", \"models\": [" M_OK "]}", "field \"run_dir\" must not be empty", NULL},
+    };
+    node_fixture f;
+    fixture_init(&f);
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bad); i++) {
+        kvb_node_config *c = (kvb_node_config *)1;
+        kvb_status st = load_text(&f, bad[i].text, &c);
+        if (!bad[i].log1) {
+            ck_assert_msg(st == KVB_ERR_FORMAT, "case %zu: status %d, log: %s", i, st, f.log);
+            ck_assert_ptr_nonnull(strstr(f.log, "duplicate object key"));
+        } else {
+            ck_assert_msg(st == KVB_ERR_INVALID || (st == KVB_ERR_FORMAT && strstr(bad[i].log1, "JSON")),
+                          "case %zu: status %d, log: %s", i, st, f.log);
+            ck_assert_msg(strstr(f.log, bad[i].log1) != NULL, "case %zu: want \"%s\" in: %s", i, bad[i].log1, f.log);
+            ck_assert_msg(!bad[i].log2 || strstr(f.log, bad[i].log2), "case %zu: want \"%s\" in: %s", i, bad[i].log2,
+                          f.log);
+        }
+        ck_assert_ptr_null(c);
+    }
+    fixture_fini(&f);
+    kvb_node_config *c = NULL;
+    ck_assert_int_eq(kvb_node_config_load("/nonexistent/kvbank/node.json", &c), KVB_ERR_NOT_FOUND);
+    ck_assert_ptr_null(c);
+#undef M_OK
+#undef W
+#undef NODE
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("util", KVB_T(status_strings, 10), KVB_T(parse_id_list, 10), KVB_T(half_roundtrip, 30),
-              KVB_T(npy_header, 10), KVB_T(json_fields, 10))
+              KVB_T(npy_header, 10), KVB_T(json_fields, 10), KVB_T(node_config_defaults, 10),
+              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20))

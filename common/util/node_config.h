@@ -1,7 +1,7 @@
 /* kvbank — the node config (JSON): the coordinator endpoint and every model of one node.
  *
  * {
- *   "node": "cpu-demo",                       node name: letters, digits, '_' (used in shm tags)
+ *   "node": "cpu_demo",                       node name: [A-Za-z0-9_]{1,16} (used in shm tags)
  *   "run_dir": "/tmp/kvbank-cpu-demo",        sockets, pid files (created 0700); default /run/kvbank/<node>
  *   "bin_dir": "/usr/local/bin",              where the kvbank programs are (default: kvbankd's own dir)
  *   "coordinator": {
@@ -25,7 +25,8 @@
  *     }, ...
  *   ]
  * }
- * Exactly one master; names unique. Errors name the field and the model. */
+ * Exactly one master; names unique. Keys starting with '_' ("_comment") are ignored; other unknown
+ * keys are warned about. Errors name the field and the model. */
 #ifndef KVB_UTIL_NODE_CONFIG_H
 #define KVB_UTIL_NODE_CONFIG_H
 
@@ -65,7 +66,7 @@ typedef struct kvb_node_config {
     char *bin_dir;          /* NULL: the caller decides */
     char *coordinator;      /* coordinator endpoint */
     int heartbeat_ms;       /* default 500 */
-    int heartbeat_misses;   /* default 4 */
+    int heartbeat_misses;   /* default 4 (a silent master holding loans is fenced, see coordinator/ledger.h) */
     double lend_interval_s; /* default 2 */
     double window_s;        /* default 60 */
     kvb_node_model *models;

@@ -1,0 +1,414 @@
+/* kvbank — the node config: reading, defaults and validation (format in node_config.h).
+ *
+ * Errors are logged once, where they are found, as "<file>: model \"<name>\": field \"<key>\" ..." so an
+ * operator sees which model and which field to fix. Unknown keys are logged as warnings and ignored;
+ * keys that start with '_' ("_comment") are comments and ignored silently. */
+#include "common/util/node_config.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/util/json.h"
+
+#define NODE_NAME_MAX 16  /* node + '_' + model = 40 chars, the longest region tag (common/mem/region.h) */
+#define MODEL_NAME_MAX 23
+#define IPC_PATH_MAX 107  /* sizeof(struct sockaddr_un.sun_path) - 1 on Linux */
+
+const char *kvb_role_str(kvb_role r) {
+    switch (r) {
+    case KVB_ROLE_MASTER: return "master";
+    case KVB_ROLE_WORKER: return "worker";
+    default: return "none";
+    }
+}
+
+/* ----------------------------------------------------------------------------------------- helpers */
+
+/* 1 if s is 1..max chars, each a letter, a digit, '_' or (when dash) '-'. */
+static int name_valid(const char *s, size_t max, int dash) {
+    size_t n = strlen(s);
+    if (n == 0 || n > max) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char ch = s[i];
+        int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' ||
+                 (dash && ch == '-');
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
+/* Caller owns *out: printf into a new string. */
+static kvb_status fmt_dup(char **out, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static kvb_status fmt_dup(char **out, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) return KVB_ERR_INVALID;
+    char *s = NULL;
+    KVB_TRY(kvb_malloc((size_t)n + 1, (void **)&s));
+    va_start(ap, fmt);
+    vsnprintf(s, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    *out = s;
+    return KVB_OK;
+}
+
+/* `p` made absolute against directory `dir` (p itself when absolute), without trailing slashes and
+ * leading "./" components. Caller owns *out. */
+static kvb_status resolve_path(const char *dir, const char *p, char **out) {
+    while (p[0] == '.' && p[1] == '/') {
+        p += 2;
+        while (*p == '/') p++;
+    }
+    char *s = NULL;
+    if (p[0] == '/') KVB_TRY(kvb_strdup(p, &s));
+    else if (p[0] == '\0' || !strcmp(p, ".")) KVB_TRY(kvb_strdup(dir, &s));
+    else KVB_TRY(fmt_dup(&s, "%s%s%s", dir, !strcmp(dir, "/") ? "" : "/", p));
+    size_t n = strlen(s);
+    while (n > 1 && s[n - 1] == '/') s[--n] = '\0';
+    *out = s;
+    return KVB_OK;
+}
+
+/* A copy of string field `key`, or of `dflt` when absent (NULL stays NULL). An empty string is an
+ * error: every string field of the node config means something when present. */
+static kvb_status dup_str(const json_t *obj, const char *key, int required, const char *what, const char *dflt,
+                          char **out) {
+    const char *s = NULL;
+    KVB_TRY(kvb_json_get_str(obj, key, required, what, &s));
+    if (s && !s[0]) {
+        KVB_LOG_E("%s: field \"%s\" must not be empty", what, key);
+        return KVB_ERR_INVALID;
+    }
+    if (!s) s = dflt;
+    *out = NULL;
+    if (s) KVB_TRY(kvb_strdup(s, out));
+    return KVB_OK;
+}
+
+/* Warns about every key of `obj` that is not in `known` (NULL-terminated); "_..." keys are comments. */
+static void warn_unknown(const json_t *obj, const char *const *known, const char *what) {
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)obj, key, v) {
+        (void)v;
+        if (key[0] == '_') continue;
+        int found = 0;
+        for (const char *const *k = known; *k; k++) found |= !strcmp(*k, key);
+        if (!found) KVB_LOG_W("%s: unknown field \"%s\" ignored", what, key);
+    }
+}
+
+/* Endpoints are "tcp://..." or "ipc://<absolute path>" whose path fits a Unix socket address. Every
+ * process of the node binds or connects the same string, so a relative path (resolved against each
+ * process's working directory) is refused. */
+static kvb_status check_endpoint(const char *ep, const char *what, const char *key) {
+    if (!strncmp(ep, "tcp://", 6) && ep[6]) return KVB_OK;
+    if (!strncmp(ep, "ipc://", 6)) {
+        const char *path = ep + 6;
+        if (path[0] != '/') {
+            KVB_LOG_E("%s: field \"%s\" = \"%s\": an ipc:// endpoint needs an absolute path", what, key, ep);
+            return KVB_ERR_INVALID;
+        }
+        if (strlen(path) > IPC_PATH_MAX) {
+            KVB_LOG_E("%s: field \"%s\" = \"%s\": the socket path is %zu bytes, longer than the %d a Unix socket "
+                      "allows (use a shorter run_dir or endpoint)",
+                      what, key, ep, strlen(path), IPC_PATH_MAX);
+            return KVB_ERR_INVALID;
+        }
+        return KVB_OK;
+    }
+    KVB_LOG_E("%s: field \"%s\" = \"%s\" must be tcp://HOST:PORT or ipc:///ABSOLUTE/PATH", what, key, ep);
+    return KVB_ERR_INVALID;
+}
+
+/* --------------------------------------------------------------------------------------- sections */
+
+static kvb_status load_coordinator(kvb_node_config *c, const json_t *root) {
+    char what[PATH_MAX + 32];
+    snprintf(what, sizeof what, "%s: coordinator", c->path);
+    const json_t *co = json_object_get(root, "coordinator");
+    if (co && !json_is_null(co) && !json_is_object(co)) {
+        KVB_LOG_E("%s: field \"coordinator\" must be an object", c->path);
+        return KVB_ERR_INVALID;
+    }
+    if (co && json_is_null(co)) co = NULL;
+    char *dflt = NULL;
+    KVB_TRY(fmt_dup(&dflt, "ipc://%s/coordinator.sock", c->run_dir));
+    kvb_status st = dup_str(co, "endpoint", 0, what, dflt, &c->coordinator);
+    free(dflt);
+    KVB_TRY(st);
+    KVB_TRY(check_endpoint(c->coordinator, what, "endpoint"));
+    int64_t v = c->heartbeat_ms;
+    KVB_TRY(kvb_json_get_int(co, "heartbeat_ms", 0, 10, 3600000, what, &v));
+    c->heartbeat_ms = (int)v;
+    v = c->heartbeat_misses;
+    KVB_TRY(kvb_json_get_int(co, "heartbeat_misses", 0, 1, 1000, what, &v));
+    c->heartbeat_misses = (int)v;
+    KVB_TRY(kvb_json_get_real(co, "lend_interval_s", 0, 0.001, 86400.0, what, &c->lend_interval_s));
+    KVB_TRY(kvb_json_get_real(co, "window_s", 0, 0.001, 7 * 86400.0, what, &c->window_s));
+    static const char *const known[] = {"endpoint", "heartbeat_ms", "heartbeat_misses", "lend_interval_s",
+                                        "window_s", NULL};
+    if (co) warn_unknown(co, known, what);
+    return KVB_OK;
+}
+
+static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *jm, int idx, kvb_node_model *m) {
+    char what[PATH_MAX + 64];
+    snprintf(what, sizeof what, "%s: models[%d]", c->path, idx);
+    if (!json_is_object(jm)) {
+        KVB_LOG_E("%s must be an object", what);
+        return KVB_ERR_INVALID;
+    }
+    KVB_TRY(dup_str(jm, "name", 1, what, NULL, &m->name));
+    if (!name_valid(m->name, MODEL_NAME_MAX, 1)) {
+        KVB_LOG_E("%s: field \"name\" = \"%s\" must be 1..%d of [A-Za-z0-9_-]", what, m->name, MODEL_NAME_MAX);
+        return KVB_ERR_INVALID;
+    }
+    snprintf(what, sizeof what, "%s: model \"%s\"", c->path, m->name);
+
+    const char *role = NULL;
+    KVB_TRY(kvb_json_get_str(jm, "role", 1, what, &role));
+    if (!strcmp(role, "master")) m->role = KVB_ROLE_MASTER;
+    else if (!strcmp(role, "worker")) m->role = KVB_ROLE_WORKER;
+    else {
+        KVB_LOG_E("%s: field \"role\" = \"%s\" must be \"master\" or \"worker\"", what, role);
+        return KVB_ERR_INVALID;
+    }
+
+    char *rel = NULL;
+    KVB_TRY(dup_str(jm, "model_dir", 1, what, NULL, &rel));
+    kvb_status st = resolve_path(dir, rel, &m->model_dir);
+    free(rel);
+    KVB_TRY(st);
+
+    KVB_TRY(dup_str(jm, "mkmodel", 0, what, NULL, &m->mkmodel));
+    if (m->mkmodel && strpbrk(m->mkmodel, "\"'\\`$")) {
+        /* kvbankd splits the arguments on whitespace and runs no shell: quoting would be taken literally. */
+        KVB_LOG_E("%s: field \"mkmodel\" = \"%s\": arguments are split on whitespace; quotes, '\\', '`' and '$' "
+                  "are not allowed",
+                  what, m->mkmodel);
+        return KVB_ERR_INVALID;
+    }
+    KVB_TRY(dup_str(jm, "backend", 0, what, "cpu", &m->backend));
+
+    int64_t v = 0;
+    KVB_TRY(kvb_json_get_int(jm, "device", 0, 0, 1023, what, &v));
+    m->device = (int)v;
+    v = 1;
+    KVB_TRY(kvb_json_get_int(jm, "threads", 0, 1, 1024, what, &v));
+    m->threads = (int)v;
+    v = 0;
+    KVB_TRY(kvb_json_get_int(jm, "kv_mb", 1, 1, (int64_t)1 << 20, what, &v));
+    m->kv_bytes = v << 20;
+    v = 16;
+    KVB_TRY(kvb_json_get_int(jm, "block_size", 0, 1, 4096, what, &v));
+    m->block_size = (int)v;
+
+    char *dflt = NULL;
+    KVB_TRY(fmt_dup(&dflt, "ipc://%s/%s.sock", c->run_dir, m->name));
+    st = dup_str(jm, "endpoint", 0, what, dflt, &m->endpoint);
+    free(dflt);
+    KVB_TRY(st);
+    KVB_TRY(check_endpoint(m->endpoint, what, "endpoint"));
+
+    KVB_TRY(dup_str(jm, "policy", 0, what, "recompute", &m->policy));
+    v = 512;
+    KVB_TRY(kvb_json_get_int(jm, "max_batch_tokens", 0, 1, 1 << 24, what, &v));
+    m->max_batch_tokens = (int)v;
+    v = 64;
+    KVB_TRY(kvb_json_get_int(jm, "max_seqs", 0, 1, 1 << 20, what, &v));
+    m->max_seqs = (int)v;
+
+    const char *lsc = NULL;
+    KVB_TRY(kvb_json_get_str(jm, "lsc", 0, what, &lsc));
+    m->lsc_stream = 0;
+    if (lsc) {
+        if (!strcmp(lsc, "stream")) m->lsc_stream = 1;
+        else if (strcmp(lsc, "inplace")) {
+            KVB_LOG_E("%s: field \"lsc\" = \"%s\" must be \"inplace\" or \"stream\"", what, lsc);
+            return KVB_ERR_INVALID;
+        }
+        if (m->role != KVB_ROLE_MASTER) {
+            KVB_LOG_W("%s: field \"lsc\" applies to the master only; ignored for a worker", what);
+            m->lsc_stream = 0;
+        }
+    }
+    static const char *const known[] = {"name",  "role",     "model_dir", "mkmodel",          "backend",
+                                        "device", "threads", "kv_mb",     "block_size",       "endpoint",
+                                        "policy", "lsc",     "max_seqs",  "max_batch_tokens", NULL};
+    warn_unknown(jm, known, what);
+    return KVB_OK;
+}
+
+/* Node-wide rules: exactly one master, unique names, unique endpoints (the coordinator's included). */
+static kvb_status check_node(const kvb_node_config *c) {
+    int masters = 0;
+    for (int i = 0; i < c->n_models; i++) {
+        const kvb_node_model *m = &c->models[i];
+        if (m->role == KVB_ROLE_MASTER && ++masters > 1) {
+            KVB_LOG_E("%s: model \"%s\": field \"role\": a second master (the first is \"%s\"); a node has exactly "
+                      "one",
+                      c->path, m->name, kvb_node_config_master(c)->name);
+            return KVB_ERR_INVALID;
+        }
+        if (!strcmp(m->endpoint, c->coordinator)) {
+            KVB_LOG_E("%s: model \"%s\": field \"endpoint\" = \"%s\" is the coordinator's endpoint", c->path, m->name,
+                      m->endpoint);
+            return KVB_ERR_INVALID;
+        }
+        for (int k = 0; k < i; k++) {
+            if (!strcmp(c->models[k].name, m->name)) {
+                KVB_LOG_E("%s: models[%d]: field \"name\" = \"%s\" is already the name of models[%d]", c->path, i,
+                          m->name, k);
+                return KVB_ERR_INVALID;
+            }
+            if (!strcmp(c->models[k].endpoint, m->endpoint)) {
+                KVB_LOG_E("%s: model \"%s\": field \"endpoint\" = \"%s\" is already the endpoint of model \"%s\"",
+                          c->path, m->name, m->endpoint, c->models[k].name);
+                return KVB_ERR_INVALID;
+            }
+        }
+    }
+    if (masters == 0) {
+        KVB_LOG_E("%s: field \"models\": no model has \"role\": \"master\"; a node has exactly one", c->path);
+        return KVB_ERR_INVALID;
+    }
+    return KVB_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ public */
+
+kvb_status kvb_node_config_load(const char *path, kvb_node_config **out) {
+    if (!path || !out) return KVB_ERR_INVALID;
+    *out = NULL;
+    json_t *root = NULL;
+    KVB_TRY(kvb_json_load_file(path, &root));
+    kvb_status st = KVB_OK;
+    kvb_node_config *c = NULL;
+    char *dir = NULL;
+    KVB_TRY_GOTO(kvb_calloc(1, sizeof *c, (void **)&c), fail);
+    c->heartbeat_ms = 500;
+    c->heartbeat_misses = 4;
+    c->lend_interval_s = 2.0;
+    c->window_s = 60.0;
+
+    char abs[PATH_MAX];
+    if (!realpath(path, abs)) {
+        KVB_LOG_E("%s: cannot resolve the path: %s", path, strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    KVB_TRY_GOTO(kvb_strdup(abs, &c->path), fail);
+    char *slash = strrchr(abs, '/');
+    if (slash == abs) slash[1] = '\0';
+    else *slash = '\0';
+    KVB_TRY_GOTO(kvb_strdup(abs, &dir), fail);
+
+    if (!json_is_object(root)) {
+        KVB_LOG_E("%s: the node config must be a JSON object", c->path);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
+    KVB_TRY_GOTO(dup_str(root, "node", 1, c->path, NULL, &c->node), fail);
+    if (!name_valid(c->node, NODE_NAME_MAX, 0)) {
+        KVB_LOG_E("%s: field \"node\" = \"%s\" must be 1..%d of [A-Za-z0-9_]", c->path, c->node, NODE_NAME_MAX);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
+
+    char *rel = NULL;
+    char *dflt = NULL;
+    KVB_TRY_GOTO(fmt_dup(&dflt, "/run/kvbank/%s", c->node), fail);
+    st = dup_str(root, "run_dir", 0, c->path, dflt, &rel);
+    free(dflt);
+    if (st != KVB_OK) goto fail;
+    st = resolve_path(dir, rel, &c->run_dir);
+    free(rel);
+    if (st != KVB_OK) goto fail;
+
+    rel = NULL;
+    KVB_TRY_GOTO(dup_str(root, "bin_dir", 0, c->path, NULL, &rel), fail);
+    if (rel) {
+        st = resolve_path(dir, rel, &c->bin_dir);
+        free(rel);
+        if (st != KVB_OK) goto fail;
+    }
+
+    KVB_TRY_GOTO(load_coordinator(c, root), fail);
+
+    const json_t *models = json_object_get(root, "models");
+    if (!json_is_array(models) || json_array_size(models) == 0) {
+        KVB_LOG_E("%s: field \"models\" must be a non-empty array", c->path);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
+    size_t n = json_array_size(models);
+    if (n > 256) {
+        KVB_LOG_E("%s: field \"models\" has %zu entries; at most 256", c->path, n);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
+    KVB_TRY_GOTO(kvb_calloc(n, sizeof *c->models, (void **)&c->models), fail);
+    for (size_t i = 0; i < n; i++) {
+        c->n_models = (int)i + 1; /* counted before loading so that free releases a half-loaded model */
+        KVB_TRY_GOTO(load_model(c, dir, json_array_get(models, i), (int)i, &c->models[i]), fail);
+    }
+    KVB_TRY_GOTO(check_node(c), fail);
+
+    static const char *const known[] = {"node", "run_dir", "bin_dir", "coordinator", "models", NULL};
+    warn_unknown(root, known, c->path);
+    free(dir);
+    json_decref(root);
+    *out = c;
+    return KVB_OK;
+
+fail:
+    free(dir);
+    kvb_node_config_free(c);
+    json_decref(root);
+    return st;
+}
+
+void kvb_node_config_free(kvb_node_config *c) {
+    if (!c) return;
+    for (int i = 0; i < c->n_models; i++) {
+        kvb_node_model *m = &c->models[i];
+        free(m->name);
+        free(m->model_dir);
+        free(m->mkmodel);
+        free(m->backend);
+        free(m->endpoint);
+        free(m->policy);
+    }
+    free(c->models);
+    free(c->path);
+    free(c->node);
+    free(c->run_dir);
+    free(c->bin_dir);
+    free(c->coordinator);
+    free(c);
+}
+
+const kvb_node_model *kvb_node_config_model(const kvb_node_config *c, const char *name) {
+    if (!c || !name) return NULL;
+    for (int i = 0; i < c->n_models; i++)
+        if (!strcmp(c->models[i].name, name)) return &c->models[i];
+    return NULL;
+}
+
+const kvb_node_model *kvb_node_config_master(const kvb_node_config *c) {
+    if (!c) return NULL;
+    for (int i = 0; i < c->n_models; i++)
+        if (c->models[i].role == KVB_ROLE_MASTER) return &c->models[i];
+    return NULL;
+}
+
+void kvb_node_region_tag(const kvb_node_config *c, const char *model, char *tag, size_t len) {
+    if (!tag || !len) return;
+    snprintf(tag, len, "%s_%s", c && c->node ? c->node : "", model ? model : "");
+}

@@ -1,0 +1,919 @@
+/* kvbank — kvbank-coordinator's loop: a ROUTER socket in front of the ledger (coordinator/ledger.h).
+ *
+ * Each received message is decoded, checked against its sender and applied to the ledger; the reply
+ * (if the message has one) goes out first, then every action the ledger queued, in order. Sends
+ * never block: a peer that is not connected (EHOSTUNREACH under ROUTER_MANDATORY) or does not read
+ * (EAGAIN at the high-water mark) misses that message, and the protocol's timers recover: a Grant
+ * that cannot be delivered cancels its loan, a Revoke is re-sent until acknowledged, and a Reclaimed
+ * is kept and re-sent when its worker next heartbeats. */
+#include "coordinator/coordinator.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/ipc/wire.h"
+#include "coordinator/ledger.h"
+
+#define IDENT_MAX 255                     /* ZeroMQ routing ids are 1..255 bytes */
+#define SEND_HWM 10000                    /* messages queued to one peer before it counts as not reading */
+#define RECV_HARD_MAX ((int64_t)64 << 20) /* libzmq drops a peer that sends more in one message */
+#define BATCH_MAX 256                     /* messages handled between two timer checks */
+#define PENDING_MAX 1024                  /* Reclaimed messages kept for re-sending */
+
+typedef struct pending_reclaimed {
+    char to[KVB_LEDGER_NAME_MAX + 1];
+    uint32_t pid;                         /* the worker process it is for */
+    Kvbank__Reclaimed msg;
+} pending_reclaimed;
+
+struct kvb_coord {
+    void *zctx;
+    void *sock;                           /* ROUTER */
+    char *endpoint;                       /* as bound */
+    char *ipc_path;                       /* socket file of an ipc:// endpoint, or NULL */
+    dev_t ipc_dev;                        /* and its identity, to remove only our own file */
+    ino_t ipc_ino;
+    char id[40];                          /* instance id */
+    uint32_t heartbeat_ms, heartbeat_misses;
+    kvb_ledger *ledger;
+    uint64_t t0_ms;                       /* start (monotonic) */
+    uint64_t next_tick_ms;
+    uint32_t tick_ms;
+    pending_reclaimed *pending;           /* [n_pending] undelivered Reclaimed, oldest first */
+    int n_pending;
+    kvb_coord_stats stats;
+};
+
+/* ------------------------------------------------------------------------------------------ helpers */
+
+static uint64_t now_ms(void) { return kvb_now_ns() / 1000000u; }
+
+const char *kvb_drop_reason_str(kvb_drop_reason r) {
+    static const char *const names[KVB_DROP_N] = {"frames", "oversized", "malformed", "version",
+                                                  "body",   "unregistered", "role", "sender"};
+    return (unsigned)r < KVB_DROP_N ? names[r] : "?";
+}
+
+/* Printable form of a routing id for logs. */
+static const char *ident_str(const uint8_t *ident, size_t len, char buf[72]) {
+    size_t n = 0;
+    int printable = len > 0 && len <= 64;
+    for (size_t i = 0; printable && i < len; i++) printable = ident[i] >= 0x21 && ident[i] < 0x7f;
+    if (printable) {
+        memcpy(buf, ident, len);
+        buf[len] = '\0';
+        return buf;
+    }
+    buf[n++] = '#';
+    for (size_t i = 0; i < len && i < 16; i++) n += (size_t)snprintf(buf + n, 3, "%02x", ident[i]);
+    buf[n] = '\0';
+    return buf;
+}
+
+/* The sender's routing id as a model name ("" when it cannot be one). */
+static void sender_name(const uint8_t *ident, size_t len, char out[KVB_LEDGER_NAME_MAX + 1]) {
+    out[0] = '\0';
+    if (len == 0 || len > KVB_LEDGER_NAME_MAX || memchr(ident, 0, len)) return;
+    memcpy(out, ident, len);
+    out[len] = '\0';
+}
+
+static const char *str_or_empty(const char *s) { return s ? s : ""; }
+
+static void count_drop(kvb_coord *c, kvb_drop_reason r, const char *from, const char *why) {
+    c->stats.dropped[r]++;
+    c->stats.dropped_total++;
+    uint64_t n = c->stats.dropped[r];
+    if (n <= 8 || (n & (n - 1)) == 0) /* the first few of each reason, then at powers of two */
+        KVB_LOG_W("dropped a message from %s: %s: %s (dropped so far: %" PRIu64 " frames, %" PRIu64 " oversized, "
+                  "%" PRIu64 " malformed, %" PRIu64 " version, %" PRIu64 " body, %" PRIu64 " unregistered, %" PRIu64
+                  " role, %" PRIu64 " sender)", from, kvb_drop_reason_str(r), why, c->stats.dropped[0],
+                  c->stats.dropped[1], c->stats.dropped[2], c->stats.dropped[3], c->stats.dropped[4],
+                  c->stats.dropped[5], c->stats.dropped[6], c->stats.dropped[7]);
+}
+
+kvb_status kvb_coord_decode(const uint8_t *buf, size_t len, Kvbank__Envelope **out, kvb_drop_reason *reason) {
+    if (!out) return KVB_ERR_INVALID;
+    *out = NULL;
+    kvb_drop_reason r = KVB_DROP_MALFORMED;
+    if (len > KVB_WIRE_MAX_FRAME) {
+        r = KVB_DROP_OVERSIZED;
+        goto fail;
+    }
+    static const uint8_t empty[1] = {0};
+    Kvbank__Envelope *env = kvbank__envelope__unpack(NULL, len, buf && len ? buf : empty);
+    if (!env) goto fail;
+    if (env->version != KVB_PROTO_VERSION) {
+        kvbank__envelope__free_unpacked(env, NULL);
+        r = KVB_DROP_VERSION;
+        goto fail;
+    }
+    /* protobuf-c sets the pointer of the body it parsed; an unknown field number leaves NOT_SET */
+    if (env->body_case == KVBANK__ENVELOPE__BODY__NOT_SET || !env->register_) {
+        kvbank__envelope__free_unpacked(env, NULL);
+        r = KVB_DROP_BODY;
+        goto fail;
+    }
+    *out = env;
+    return KVB_OK;
+fail:
+    if (reason) *reason = r;
+    return KVB_ERR_PROTOCOL;
+}
+
+/* Sends `env` to the peer `to` (a routing id). Returns KVB_ERR_IO with errno set when the peer is not
+ * connected or does not read. */
+static kvb_status send_to(kvb_coord *c, const void *to, size_t to_len, Kvbank__Envelope *env) {
+    kvb_status st = kvb_wire_send(c->sock, to, to_len, env, 1);
+    if (st == KVB_OK) {
+        c->stats.sent++;
+        return KVB_OK;
+    }
+    int e = errno;
+    c->stats.send_failed++;
+    char b[72];
+    KVB_LOG_W("cannot send message type %d to %s: %s", (int)env->body_case, ident_str(to, to_len, b),
+              e == EHOSTUNREACH ? "not connected" : e == EAGAIN ? "not reading" : zmq_strerror(e));
+    errno = e;
+    return st;
+}
+
+static kvb_status send_name(kvb_coord *c, const char *name, Kvbank__Envelope *env) {
+    return send_to(c, name, strlen(name), env);
+}
+
+static Kvbank__Role role_to_wire(kvb_role r) {
+    return r == KVB_ROLE_MASTER ? KVBANK__ROLE__ROLE_MASTER : r == KVB_ROLE_WORKER ? KVBANK__ROLE__ROLE_WORKER
+                                                                                   : KVBANK__ROLE__ROLE_NONE;
+}
+
+static void loan_to_wire(const kvb_loan *ln, Kvbank__Loan *w) {
+    kvbank__loan__init(w);
+    w->loan_id = ln->id;
+    w->lender = (char *)ln->lender;
+    w->first_block = ln->first_block;
+    w->n_blocks = ln->n_blocks;
+    w->n_master_blocks = ln->n_master_blocks;
+    w->offset = ln->offset;
+    w->bytes = ln->bytes;
+    w->epoch = ln->epoch;
+    w->revoking = ln->state == KVB_LOAN_REVOKING;
+}
+
+static void geom_to_wire(const kvb_kv_geom *g, Kvbank__KvGeometry *w) {
+    kvbank__kv_geometry__init(w);
+    w->n_layers = (uint32_t)g->n_layers;
+    w->n_kv_heads = (uint32_t)g->n_kv_heads;
+    w->head_dim = (uint32_t)g->head_dim;
+    w->block_size = (uint32_t)g->block_size;
+    w->elem_size = (uint32_t)g->elem_size;
+}
+
+static int wire_int(uint32_t v) { return v > INT_MAX ? -1 : (int)v; }
+
+/* The MEUs a worker's replies carry (0 when unknown or for the master). */
+static void meus_of(const kvb_coord *c, const char *name, uint32_t *w, uint32_t *m) {
+    const kvb_ledger_model *md = kvb_ledger_find(c->ledger, name);
+    *w = *m = 0;
+    if (md && md->alive && md->role == KVB_ROLE_WORKER && md->has_meu) {
+        *w = md->meu.meu_worker;
+        *m = md->meu.meu_master;
+    }
+}
+
+/* ---------------------------------------------------------------------------------- pending Reclaimed */
+
+static void pending_add(kvb_coord *c, const char *to, uint32_t pid, const Kvbank__Reclaimed *msg) {
+    if (c->n_pending == PENDING_MAX) { /* forget the oldest; the worker re-registers to resync */
+        KVB_LOG_E("too many undelivered Reclaimed messages; forgetting the one of loan %" PRIu64 " to %s",
+                  c->pending[0].msg.loan_id, c->pending[0].to);
+        memmove(&c->pending[0], &c->pending[1], (size_t)(PENDING_MAX - 1) * sizeof *c->pending);
+        c->n_pending--;
+    }
+    if (!c->pending && kvb_calloc(PENDING_MAX, sizeof *c->pending, (void **)&c->pending) != KVB_OK) {
+        KVB_LOG_E("out of memory: the Reclaimed of loan %" PRIu64 " to %s is lost", msg->loan_id, to);
+        return;
+    }
+    pending_reclaimed *p = &c->pending[c->n_pending++];
+    snprintf(p->to, sizeof p->to, "%s", to);
+    p->pid = pid;
+    p->msg = *msg;
+}
+
+/* Re-sends the Reclaimed messages kept for `name`, or forgets them when that process is gone. */
+static void pending_flush(kvb_coord *c, const char *name, int forget) {
+    const kvb_ledger_model *m = kvb_ledger_find(c->ledger, name);
+    int k = 0;
+    for (int i = 0; i < c->n_pending; i++) {
+        pending_reclaimed *p = &c->pending[i];
+        int keep = 1;
+        if (!strcmp(p->to, name)) {
+            if (forget || !m || !m->alive || m->pid != p->pid) {
+                keep = 0;
+            } else {
+                Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+                env.body_case = KVBANK__ENVELOPE__BODY_RECLAIMED;
+                env.reclaimed = &p->msg;
+                keep = send_name(c, p->to, &env) != KVB_OK;
+                if (!keep) KVB_LOG_I("Reclaimed of loan %" PRIu64 " delivered to %s late", p->msg.loan_id, p->to);
+            }
+        }
+        if (keep) c->pending[k++] = *p;
+    }
+    c->n_pending = k;
+}
+
+/* ------------------------------------------------------------------------------------------ actions */
+
+static void send_action(kvb_coord *c, const kvb_ledger_action *a) {
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    Kvbank__Loan wl;
+    loan_to_wire(&a->loan, &wl);
+    switch (a->kind) {
+    case KVB_ACT_GRANT: {
+        const kvb_loan *ln = kvb_ledger_loan(c->ledger, a->loan.id);
+        const kvb_ledger_model *w = kvb_ledger_find(c->ledger, a->loan.lender);
+        if (!ln || ln->state != KVB_LOAN_GRANTING || !w) return; /* cancelled before it went out */
+        Kvbank__KvGeometry g;
+        geom_to_wire(&w->geom, &g);
+        Kvbank__Grant m = KVBANK__GRANT__INIT;
+        m.loan = &wl;
+        m.region = w->region;
+        m.region_bytes = w->region_bytes;
+        m.lender_geom = &g;
+        env.body_case = KVBANK__ENVELOPE__BODY_GRANT;
+        env.grant = &m;
+        if (send_name(c, a->to, &env) != KVB_OK)
+            kvb_ledger_grant_undeliverable(c->ledger, a->loan.id, now_ms()); /* queues the Reclaimed */
+        return;
+    }
+    case KVB_ACT_REVOKE: {
+        Kvbank__Revoke m = KVBANK__REVOKE__INIT;
+        m.loan_id = a->loan.id;
+        m.epoch = a->epoch;
+        m.lender_dead = a->lender_dead != 0;
+        env.body_case = KVBANK__ENVELOPE__BODY_REVOKE;
+        env.revoke = &m;
+        KVB_LOG_D("Revoke loan %" PRIu64 " (epoch %" PRIu64 "%s) -> %s", m.loan_id, m.epoch,
+                  m.lender_dead ? ", lender dead" : "", a->to);
+        send_name(c, a->to, &env); /* not delivered: re-sent by the ledger's ack timer */
+        return;
+    }
+    case KVB_ACT_RECLAIMED: {
+        Kvbank__Reclaimed m = KVBANK__RECLAIMED__INIT;
+        m.loan_id = a->loan.id;
+        m.first_block = a->loan.first_block;
+        m.n_blocks = a->loan.n_blocks;
+        m.epoch = a->epoch;
+        env.body_case = KVBANK__ENVELOPE__BODY_RECLAIMED;
+        env.reclaimed = &m;
+        KVB_LOG_I("Reclaimed loan %" PRIu64 " [%" PRIu32 ", %" PRIu64 ") -> %s", m.loan_id, m.first_block,
+                  (uint64_t)m.first_block + m.n_blocks, a->to);
+        if (send_name(c, a->to, &env) != KVB_OK) {
+            const kvb_ledger_model *w = kvb_ledger_find(c->ledger, a->to);
+            if (w && w->alive) pending_add(c, a->to, w->pid, &m);
+        }
+        return;
+    }
+    case KVB_ACT_LEND_REQUEST: {
+        Kvbank__LendRequest m = KVBANK__LEND_REQUEST__INIT;
+        m.n_blocks = a->n_blocks;
+        m.drain = a->drain != 0;
+        env.body_case = KVBANK__ENVELOPE__BODY_LEND_REQUEST;
+        env.lend_request = &m;
+        send_name(c, a->to, &env);
+        return;
+    }
+    }
+}
+
+static void flush_actions(kvb_coord *c) {
+    kvb_ledger_action a;
+    while (kvb_ledger_pop_action(c->ledger, &a)) send_action(c, &a);
+}
+
+/* ------------------------------------------------------------------------------------------ handlers */
+
+typedef struct msg_ctx {
+    const uint8_t *ident;
+    size_t ident_len;
+    char name[KVB_LEDGER_NAME_MAX + 1]; /* the routing id as a name, "" if it cannot be one */
+    char printable[72];
+} msg_ctx;
+
+static void reply(kvb_coord *c, const msg_ctx *m, Kvbank__Envelope *env) { send_to(c, m->ident, m->ident_len, env); }
+
+static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Register *r) {
+    char why[256] = "";
+    kvb_status st = KVB_OK;
+    kvb_loan *loans = NULL;
+    const char *name = str_or_empty(r->name);
+    if (strcmp(name, mc->name) != 0 || !mc->name[0]) {
+        snprintf(why, sizeof why, "the routing id must be the model's name (\"%s\")", name);
+        st = KVB_ERR_INVALID;
+    } else if (!r->geom) {
+        snprintf(why, sizeof why, "no geometry");
+        st = KVB_ERR_INVALID;
+    } else if (r->role != KVBANK__ROLE__ROLE_MASTER && r->role != KVBANK__ROLE__ROLE_WORKER) {
+        snprintf(why, sizeof why, "role must be master or worker");
+        st = KVB_ERR_INVALID;
+    } else if (r->n_loans > KVB_LEDGER_MAX_LOANS) {
+        snprintf(why, sizeof why, "%zu loans reported, at most %d", r->n_loans, KVB_LEDGER_MAX_LOANS);
+        st = KVB_ERR_INVALID;
+    } else if (r->n_loans && kvb_calloc(r->n_loans, sizeof *loans, (void **)&loans) != KVB_OK) {
+        snprintf(why, sizeof why, "out of memory");
+        st = KVB_ERR_NOMEM;
+    }
+    if (st == KVB_OK) {
+        for (size_t i = 0; i < r->n_loans && st == KVB_OK; i++) {
+            const Kvbank__Loan *w = r->loans[i];
+            if (!w || strlen(str_or_empty(w->lender)) > KVB_LEDGER_NAME_MAX) {
+                snprintf(why, sizeof why, "loan %zu is malformed", i);
+                st = KVB_ERR_INVALID;
+                break;
+            }
+            loans[i].id = w->loan_id;
+            snprintf(loans[i].lender, sizeof loans[i].lender, "%s", str_or_empty(w->lender));
+            loans[i].first_block = w->first_block;
+            loans[i].n_blocks = w->n_blocks;
+            loans[i].n_master_blocks = w->n_master_blocks;
+            loans[i].offset = w->offset;
+            loans[i].bytes = w->bytes;
+            loans[i].epoch = w->epoch;
+            loans[i].state = w->revoking ? KVB_LOAN_REVOKING : KVB_LOAN_ACTIVE;
+        }
+    }
+    if (st == KVB_OK) {
+        kvb_ledger_reg reg = {
+            .name = name,
+            .role = r->role == KVBANK__ROLE__ROLE_MASTER ? KVB_ROLE_MASTER : KVB_ROLE_WORKER,
+            .pid = r->pid,
+            .geom = {.n_layers = wire_int(r->geom->n_layers), .n_kv_heads = wire_int(r->geom->n_kv_heads),
+                     .head_dim = wire_int(r->geom->head_dim), .block_size = wire_int(r->geom->block_size),
+                     .elem_size = wire_int(r->geom->elem_size)},
+            .region = str_or_empty(r->region),
+            .region_bytes = r->region_bytes,
+            .capacity = r->capacity,
+            .n_own = r->n_own,
+            .endpoint = str_or_empty(r->endpoint),
+            .model = str_or_empty(r->model),
+            .loans = loans,
+            .n_loans = (int)r->n_loans,
+        };
+        pending_flush(c, name, 1); /* a registration reconciles everything: older Reclaimed are moot */
+        st = kvb_ledger_register(c->ledger, &reg, now_ms(), why, sizeof why);
+    }
+    free(loans);
+    if (st != KVB_OK) KVB_LOG_W("refused the registration of %s: %s", mc->printable, why);
+    Kvbank__RegisterReply rr = KVBANK__REGISTER_REPLY__INIT;
+    rr.ok = st == KVB_OK;
+    rr.error = st == KVB_OK ? "" : why;
+    rr.epoch = kvb_ledger_epoch(c->ledger);
+    rr.heartbeat_ms = c->heartbeat_ms;
+    rr.coordinator_id = c->id;
+    if (st == KVB_OK) meus_of(c, name, &rr.meu_worker, &rr.meu_master);
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_REGISTER_REPLY;
+    env.register_reply = &rr;
+    reply(c, mc, &env);
+}
+
+static void handle_heartbeat(kvb_coord *c, const msg_ctx *mc, const Kvbank__Heartbeat *h) {
+    if (strcmp(str_or_empty(h->name), mc->name) != 0) {
+        count_drop(c, KVB_DROP_SENDER, mc->printable, "Heartbeat names another model");
+        return;
+    }
+    kvb_ledger_hb hb = {.n_own = h->n_own, .n_used = h->n_used, .live_requests = h->live_requests,
+                        .waiting_requests = h->waiting_requests, .max_need = h->max_need,
+                        .tokens_generated = h->tokens_generated};
+    int known = kvb_ledger_heartbeat(c->ledger, mc->name, &hb, now_ms());
+    Kvbank__HeartbeatReply hr = KVBANK__HEARTBEAT_REPLY__INIT;
+    hr.known = known != 0;
+    hr.epoch = kvb_ledger_epoch(c->ledger);
+    hr.coordinator_id = c->id;
+    if (known) meus_of(c, mc->name, &hr.meu_worker, &hr.meu_master);
+    else KVB_LOG_D("heartbeat of unknown model %s: asking it to register", mc->printable);
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_HEARTBEAT_REPLY;
+    env.heartbeat_reply = &hr;
+    reply(c, mc, &env);
+    if (known && c->n_pending) pending_flush(c, mc->name, 0);
+}
+
+/* Maps a ledger status of a message that needs a registered sender: 1 when it was dropped. */
+static int dropped_for_sender(kvb_coord *c, const msg_ctx *mc, kvb_status st, const char *what, const char *why) {
+    char msg[320];
+    snprintf(msg, sizeof msg, "%s: %s", what, why);
+    if (st == KVB_ERR_NOT_FOUND) count_drop(c, KVB_DROP_UNREGISTERED, mc->printable, msg);
+    else if (st == KVB_ERR_PROTOCOL) count_drop(c, KVB_DROP_ROLE, mc->printable, msg);
+    else return 0;
+    return 1;
+}
+
+/* The sender of a message that names its sender must be a live model of `role`: 1 if it is not (the
+ * message was dropped and counted). */
+static int check_sender(kvb_coord *c, const msg_ctx *mc, kvb_role role, const char *named, const char *what) {
+    const kvb_ledger_model *m = mc->name[0] ? kvb_ledger_find(c->ledger, mc->name) : NULL;
+    if (!m || !m->alive) {
+        count_drop(c, KVB_DROP_UNREGISTERED, mc->printable, what);
+        return 1;
+    }
+    if (m->role != role) {
+        count_drop(c, KVB_DROP_ROLE, mc->printable, what);
+        return 1;
+    }
+    if (named && strcmp(named, mc->name) != 0) {
+        count_drop(c, KVB_DROP_SENDER, mc->printable, what);
+        return 1;
+    }
+    return 0;
+}
+
+static void handle_lend_offer(kvb_coord *c, const msg_ctx *mc, const Kvbank__LendOffer *o) {
+    if (check_sender(c, mc, KVB_ROLE_WORKER, str_or_empty(o->worker), "LendOffer")) return;
+    char why[256] = "";
+    kvb_loan loan;
+    kvb_status st = kvb_ledger_offer(c->ledger, mc->name, o->first_block, o->n_blocks, now_ms(), &loan, why,
+                                     sizeof why);
+    if (dropped_for_sender(c, mc, st, "LendOffer", why)) return;
+    Kvbank__LendResult lr = KVBANK__LEND_RESULT__INIT;
+    Kvbank__Loan wl;
+    lr.accepted = st == KVB_OK;
+    if (st == KVB_OK) {
+        loan_to_wire(&loan, &wl);
+        lr.loan = &wl;
+        lr.error = "";
+    } else {
+        KVB_LOG_W("refused the offer of %s (blocks [%" PRIu32 ", %" PRIu64 ")): %s", mc->name, o->first_block,
+                  (uint64_t)o->first_block + o->n_blocks, why);
+        lr.error = why;
+    }
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_LEND_RESULT;
+    env.lend_result = &lr;
+    if (send_to(c, mc->ident, mc->ident_len, &env) != KVB_OK && st == KVB_OK) {
+        /* The worker will not learn that its offer was taken: cancel the loan before its Grant goes out
+         * (the queued GRANT finds it gone). The Reclaimed this queues reaches the worker when it is
+         * back, and names the range it offered. */
+        kvb_ledger_grant_undeliverable(c->ledger, loan.id, now_ms());
+    }
+}
+
+static void handle_grant_ack(kvb_coord *c, const msg_ctx *mc, const Kvbank__GrantAck *g) {
+    if (check_sender(c, mc, KVB_ROLE_MASTER, NULL, "GrantAck")) return;
+    char why[256] = "";
+    kvb_status st = kvb_ledger_grant_ack(c->ledger, mc->name, g->loan_id, g->ok, now_ms(), why, sizeof why);
+    if (dropped_for_sender(c, mc, st, "GrantAck", why)) return;
+    if (!g->ok) KVB_LOG_W("master %s could not map loan %" PRIu64 ": %s", mc->name, g->loan_id, str_or_empty(g->error));
+    if (st != KVB_OK) KVB_LOG_I("GrantAck of loan %" PRIu64 " ignored: %s", g->loan_id, why);
+}
+
+static void handle_reclaim(kvb_coord *c, const msg_ctx *mc, const Kvbank__ReclaimRequest *r) {
+    if (check_sender(c, mc, KVB_ROLE_WORKER, str_or_empty(r->worker), "ReclaimRequest")) return;
+    char why[256] = "";
+    uint32_t n = 0;
+    kvb_status st = kvb_ledger_reclaim(c->ledger, mc->name, r->n_blocks, now_ms(), &n, why, sizeof why);
+    if (dropped_for_sender(c, mc, st, "ReclaimRequest", why)) return;
+    if (st != KVB_OK) KVB_LOG_I("ReclaimRequest of %s for %" PRIu32 " blocks: %s", mc->name, r->n_blocks, why);
+    else KVB_LOG_I("worker %s asks for %" PRIu32 " blocks back: %" PRIu32 " being reclaimed", mc->name, r->n_blocks, n);
+}
+
+static void handle_revoke_ack(kvb_coord *c, const msg_ctx *mc, const Kvbank__RevokeAck *a) {
+    if (check_sender(c, mc, KVB_ROLE_MASTER, NULL, "RevokeAck")) return;
+    char why[256] = "";
+    kvb_status st = kvb_ledger_revoke_ack(c->ledger, mc->name, a->loan_id, a->epoch, now_ms(), why, sizeof why);
+    if (dropped_for_sender(c, mc, st, "RevokeAck", why)) return;
+    if (st != KVB_OK) KVB_LOG_I("RevokeAck of loan %" PRIu64 " ignored: %s", a->loan_id, why);
+    else KVB_LOG_D("RevokeAck loan %" PRIu64 ": %" PRIu32 " moved, %" PRIu32 " dropped, %" PRIu32 " preempted",
+                   a->loan_id, a->moved_blocks, a->dropped_blocks, a->preempted);
+}
+
+static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusRequest *s) {
+    int nm = kvb_ledger_n_models(c->ledger), nl = s->ledger ? kvb_ledger_n_loans(c->ledger) : 0;
+    Kvbank__ModelStatus *ms = NULL, **msp = NULL;
+    Kvbank__KvGeometry *gs = NULL;
+    Kvbank__Loan *ls = NULL, **lsp = NULL;
+    Kvbank__StatusReply sr = KVBANK__STATUS_REPLY__INIT;
+    if ((nm && (kvb_calloc((size_t)nm, sizeof *ms, (void **)&ms) != KVB_OK ||
+                kvb_calloc((size_t)nm, sizeof *msp, (void **)&msp) != KVB_OK ||
+                kvb_calloc((size_t)nm, sizeof *gs, (void **)&gs) != KVB_OK)) ||
+        (nl && (kvb_calloc((size_t)nl, sizeof *ls, (void **)&ls) != KVB_OK ||
+                kvb_calloc((size_t)nl, sizeof *lsp, (void **)&lsp) != KVB_OK))) {
+        nm = nl = 0; /* out of memory: answer with the counters only */
+    }
+    uint64_t now = now_ms();
+    for (int i = 0; i < nm; i++) {
+        const kvb_ledger_model *m = kvb_ledger_model_at(c->ledger, i);
+        Kvbank__ModelStatus *o = &ms[i];
+        kvbank__model_status__init(o);
+        geom_to_wire(&m->geom, &gs[i]);
+        o->name = (char *)m->name;
+        o->role = role_to_wire(m->role);
+        o->pid = m->pid;
+        o->alive = m->alive != 0;
+        o->capacity = m->capacity;
+        o->n_own = m->n_own;
+        o->n_lent = m->role == KVB_ROLE_WORKER ? kvb_ledger_n_lent(c->ledger, m->name) : 0;
+        o->n_borrowed = m->role == KVB_ROLE_MASTER && m->alive ? kvb_ledger_n_borrowed(c->ledger) : 0;
+        o->live_requests = m->live_requests;
+        o->waiting_requests = m->waiting_requests;
+        o->last_heartbeat_ms = now > m->last_heartbeat_ms ? now - m->last_heartbeat_ms : 0;
+        o->endpoint = m->endpoint;
+        o->geom = &gs[i];
+        if (m->role == KVB_ROLE_WORKER && m->has_meu) {
+            o->meu = m->meu.meu_worker;
+            o->meu_master = m->meu.meu_master;
+        }
+        o->draining = m->draining != 0;
+        o->tokens_generated = m->tokens_generated;
+        o->model = m->model;
+        msp[i] = o;
+    }
+    for (int i = 0; i < nl; i++) {
+        loan_to_wire(kvb_ledger_loan_at(c->ledger, i), &ls[i]);
+        lsp[i] = &ls[i];
+    }
+    sr.coordinator_id = c->id;
+    sr.epoch = kvb_ledger_epoch(c->ledger);
+    sr.n_models = (size_t)nm;
+    sr.models = msp;
+    sr.n_loans = (size_t)nl;
+    sr.loans = lsp;
+    sr.dropped_messages = c->stats.dropped_total;
+    sr.uptime_ms = now - c->t0_ms;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_STATUS_REPLY;
+    env.status_reply = &sr;
+    reply(c, mc, &env);
+    free(ms);
+    free(msp);
+    free(gs);
+    free(ls);
+    free(lsp);
+}
+
+static void handle_control(kvb_coord *c, const msg_ctx *mc, const Kvbank__Control *ct) {
+    char why[256] = "";
+    kvb_status st = KVB_OK;
+    const char *model = str_or_empty(ct->model);
+    uint32_t n = 0;
+    int n_loans = 0;
+    uint64_t now = now_ms();
+    switch (ct->op) {
+    case KVBANK__CONTROL__OP__OP_LEND:
+        st = kvb_ledger_lend_request(c->ledger, model, ct->n_blocks, why, sizeof why);
+        if (st == KVB_OK) KVB_LOG_I("control from %s: asking %s to lend %" PRIu32 " blocks", mc->printable, model,
+                                    ct->n_blocks);
+        break;
+    case KVBANK__CONTROL__OP__OP_RECLAIM: {
+        const kvb_ledger_model *m = kvb_ledger_find(c->ledger, model);
+        if (!m || !m->alive) {
+            snprintf(why, sizeof why, "no live model %s", model);
+            st = KVB_ERR_NOT_FOUND;
+        } else if (m->role != KVB_ROLE_WORKER) {
+            snprintf(why, sizeof why, "%s is not a worker", model);
+            st = KVB_ERR_INVALID;
+        } else if (ct->n_blocks == 0) {
+            snprintf(why, sizeof why, "nothing to reclaim (0 blocks)");
+            st = KVB_ERR_INVALID;
+        } else {
+            st = kvb_ledger_reclaim(c->ledger, model, ct->n_blocks, now, &n, why, sizeof why);
+            if (st == KVB_OK) KVB_LOG_I("control from %s: reclaiming %" PRIu32 " blocks of %s (%" PRIu32 " in "
+                                        "progress)", mc->printable, ct->n_blocks, model, n);
+        }
+        break;
+    }
+    case KVBANK__CONTROL__OP__OP_DRAIN:
+        st = kvb_ledger_drain(c->ledger, model, now, &n_loans, why, sizeof why);
+        if (st == KVB_OK) KVB_LOG_I("control from %s: draining %s (%d loan(s))", mc->printable, model, n_loans);
+        break;
+    default:
+        snprintf(why, sizeof why, "unknown control operation %d", (int)ct->op);
+        st = KVB_ERR_INVALID;
+        break;
+    }
+    if (st != KVB_OK) KVB_LOG_W("control from %s refused: %s", mc->printable, why);
+    Kvbank__ControlReply cr = KVBANK__CONTROL_REPLY__INIT;
+    cr.ok = st == KVB_OK;
+    cr.error = st == KVB_OK ? "" : why;
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_CONTROL_REPLY;
+    env.control_reply = &cr;
+    reply(c, mc, &env);
+}
+
+static void dispatch(kvb_coord *c, const msg_ctx *mc, const Kvbank__Envelope *env) {
+    switch (env->body_case) {
+    case KVBANK__ENVELOPE__BODY_REGISTER: handle_register(c, mc, env->register_); break;
+    case KVBANK__ENVELOPE__BODY_HEARTBEAT: handle_heartbeat(c, mc, env->heartbeat); break;
+    case KVBANK__ENVELOPE__BODY_LEND_OFFER: handle_lend_offer(c, mc, env->lend_offer); break;
+    case KVBANK__ENVELOPE__BODY_GRANT_ACK: handle_grant_ack(c, mc, env->grant_ack); break;
+    case KVBANK__ENVELOPE__BODY_RECLAIM_REQUEST: handle_reclaim(c, mc, env->reclaim_request); break;
+    case KVBANK__ENVELOPE__BODY_REVOKE_ACK: handle_revoke_ack(c, mc, env->revoke_ack); break;
+    case KVBANK__ENVELOPE__BODY_STATUS_REQUEST: handle_status(c, mc, env->status_request); break;
+    case KVBANK__ENVELOPE__BODY_CONTROL: handle_control(c, mc, env->control); break;
+    default: {
+        char why[64];
+        snprintf(why, sizeof why, "message type %d is not for the coordinator", (int)env->body_case);
+        count_drop(c, KVB_DROP_BODY, mc->printable, why);
+        return;
+    }
+    }
+    flush_actions(c);
+}
+
+/* Receives and handles one message. Returns 1 if one was handled, 0 if none was pending, -1 on a
+ * socket error. */
+static int handle_one(kvb_coord *c) {
+    zmq_msg_t id_msg, body_msg;
+    zmq_msg_init(&id_msg);
+    if (zmq_msg_recv(&id_msg, c->sock, ZMQ_DONTWAIT) < 0) {
+        int e = errno;
+        zmq_msg_close(&id_msg);
+        if (e == EAGAIN || e == EINTR) return 0;
+        KVB_LOG_E("zmq_msg_recv: %s", zmq_strerror(e));
+        return -1;
+    }
+    c->stats.received++;
+    int n_frames = 1, more = zmq_msg_more(&id_msg);
+    zmq_msg_init(&body_msg);
+    if (more) {
+        /* the parts of a message arrive together: none of these waits */
+        if (zmq_msg_recv(&body_msg, c->sock, ZMQ_DONTWAIT) >= 0) n_frames++;
+        more = zmq_msg_more(&body_msg);
+        while (more) {
+            zmq_msg_t extra;
+            zmq_msg_init(&extra);
+            if (zmq_msg_recv(&extra, c->sock, ZMQ_DONTWAIT) < 0) more = 0;
+            else n_frames++, more = zmq_msg_more(&extra);
+            zmq_msg_close(&extra);
+        }
+    }
+    msg_ctx mc = {.ident = zmq_msg_data(&id_msg), .ident_len = KVB_MIN(zmq_msg_size(&id_msg), (size_t)IDENT_MAX)};
+    sender_name(mc.ident, mc.ident_len, mc.name);
+    ident_str(mc.ident, mc.ident_len, mc.printable);
+    if (n_frames != 2) {
+        char why[64];
+        snprintf(why, sizeof why, "%d frames, a message is one envelope", n_frames - 1);
+        count_drop(c, KVB_DROP_FRAMES, mc.printable, why);
+    } else {
+        Kvbank__Envelope *env = NULL;
+        kvb_drop_reason r;
+        size_t len = zmq_msg_size(&body_msg);
+        if (kvb_coord_decode(zmq_msg_data(&body_msg), len, &env, &r) != KVB_OK) {
+            char why[96];
+            snprintf(why, sizeof why, "frame of %zu bytes", len);
+            count_drop(c, r, mc.printable, why);
+        } else {
+            dispatch(c, &mc, env);
+            kvbank__envelope__free_unpacked(env, NULL);
+        }
+    }
+    zmq_msg_close(&body_msg);
+    zmq_msg_close(&id_msg);
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------------------- lifecycle */
+
+/* Fences a silent master before its loans go back to the lenders (see kvb_ledger_opts.fence): a
+ * process that stopped heartbeating but still runs could be reading or writing lent blocks. */
+static void fence_kill(void *ud, const char *name, uint32_t pid) {
+    (void)ud;
+    if (pid == 0 || pid > INT_MAX) return;
+    KVB_LOG_W("fencing master %s (pid %" PRIu32 "): silent while holding loans; SIGKILL before its loans are "
+              "returned", name, pid);
+    kill((pid_t)pid, SIGKILL);
+}
+
+/* kill(pid, 0) finds the process and it is not a zombie (a killed child its parent has not reaped
+ * yet holds its pid but runs no more). */
+static int pid_alive(void *ud, uint32_t pid) {
+    (void)ud;
+    if (pid == 0 || pid > INT_MAX) return 1;
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return 0;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%" PRIu32 "/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 1; /* no /proc: trust kill() */
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 1;
+    buf[n] = '\0';
+    const char *rp = strrchr(buf, ')'); /* "pid (comm) S ..." and comm may hold ')' */
+    if (!rp || rp[1] != ' ') return 1;
+    return rp[2] != 'Z' && rp[2] != 'X';
+}
+
+static void make_id(char out[40]) {
+    uint8_t r[8];
+    if (getrandom(r, sizeof r, GRND_NONBLOCK) != (ssize_t)sizeof r) {
+        uint64_t x = kvb_wall_ns() ^ ((uint64_t)getpid() << 32);
+        memcpy(r, &x, sizeof r);
+    }
+    int n = snprintf(out, 40, "%d-", (int)getpid());
+    for (size_t i = 0; i < sizeof r && n < 38; i++) n += snprintf(out + n, (size_t)(40 - n), "%02x", r[i]);
+}
+
+/* Creates the missing directories of `path`'s parent, mode 0700. */
+static kvb_status make_parent_dirs(const char *path) {
+    char dir[PATH_MAX];
+    size_t n = strlen(path);
+    if (n >= sizeof dir) return KVB_ERR_INVALID;
+    memcpy(dir, path, n + 1);
+    char *slash = strrchr(dir, '/');
+    if (!slash || slash == dir) return KVB_OK;
+    *slash = '\0';
+    struct stat sb;
+    if (stat(dir, &sb) == 0) return S_ISDIR(sb.st_mode) ? KVB_OK : KVB_ERR_INVALID;
+    for (char *p = dir + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = '\0';
+        if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+            KVB_LOG_E("mkdir %s: %s", dir, strerror(errno));
+            return KVB_ERR_IO;
+        }
+        *p = '/';
+    }
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        KVB_LOG_E("mkdir %s: %s", dir, strerror(errno));
+        return KVB_ERR_IO;
+    }
+    KVB_LOG_I("created %s (mode 0700)", dir);
+    return KVB_OK;
+}
+
+/* 1 if a process accepts connections on the unix socket file `path`. */
+static int unix_socket_live(const char *path) {
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof sa.sun_path) return 0;
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    int live = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    close(fd);
+    return live;
+}
+
+kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out) {
+    if (!opts || !opts->endpoint || !opts->endpoint[0] || !out) return KVB_ERR_INVALID;
+    kvb_status st = KVB_OK;
+    kvb_coord *c = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *c, (void **)&c));
+    c->heartbeat_ms = opts->heartbeat_ms ? opts->heartbeat_ms : 500;
+    c->heartbeat_misses = opts->heartbeat_misses ? opts->heartbeat_misses : 4;
+    c->tick_ms = KVB_MAX(10u, KVB_MIN(100u, c->heartbeat_ms / 4));
+    make_id(c->id);
+    kvb_ledger_opts lo = {.heartbeat_ms = c->heartbeat_ms, .heartbeat_misses = c->heartbeat_misses,
+                          .pid_alive = opts->check_pids ? pid_alive : NULL,
+                          .fence = opts->check_pids ? fence_kill : NULL};
+    KVB_TRY_GOTO(kvb_ledger_create(&lo, &c->ledger), fail);
+
+    const char *ep = opts->endpoint;
+    int is_ipc_file = !strncmp(ep, "ipc://", 6) && ep[6] != '@' && ep[6] != '\0' && strcmp(ep + 6, "*");
+    if (is_ipc_file) {
+        KVB_TRY_GOTO(make_parent_dirs(ep + 6), fail);
+        if (access(ep + 6, F_OK) == 0 && unix_socket_live(ep + 6)) {
+            KVB_LOG_E("%s: another process is listening there (a coordinator already runs?)", ep);
+            st = KVB_ERR_STATE;
+            goto fail;
+        }
+    }
+    c->zctx = zmq_ctx_new();
+    if (!c->zctx) {
+        KVB_LOG_E("zmq_ctx_new: %s", zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    c->sock = zmq_socket(c->zctx, ZMQ_ROUTER);
+    if (!c->sock) {
+        KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    int one = 1, zero = 0, hwm = SEND_HWM;
+    int64_t maxmsg = RECV_HARD_MAX;
+    if (zmq_setsockopt(c->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one) ||
+        zmq_setsockopt(c->sock, ZMQ_ROUTER_HANDOVER, &one, sizeof one) ||
+        zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero) ||
+        zmq_setsockopt(c->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) ||
+        zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg)) {
+        KVB_LOG_E("zmq_setsockopt: %s", zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    /* The socket file is created by zmq_bind in this thread: no moment with looser permissions. */
+    mode_t old_mask = umask(0077);
+    int rc = zmq_bind(c->sock, ep);
+    int bind_err = errno;
+    umask(old_mask);
+    if (rc != 0) {
+        KVB_LOG_E("cannot bind %s: %s", ep, zmq_strerror(bind_err));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    char last[1024];
+    size_t last_len = sizeof last;
+    if (zmq_getsockopt(c->sock, ZMQ_LAST_ENDPOINT, last, &last_len) != 0) snprintf(last, sizeof last, "%s", ep);
+    last[sizeof last - 1] = '\0';
+    KVB_TRY_GOTO(kvb_strdup(last, &c->endpoint), fail);
+    if (!strncmp(last, "ipc://", 6) && last[6] != '@' && last[6] != '\0') {
+        struct stat sb;
+        if (chmod(last + 6, 0600) != 0 || stat(last + 6, &sb) != 0) {
+            KVB_LOG_E("chmod 0600 %s: %s", last + 6, strerror(errno));
+            st = KVB_ERR_IO;
+            goto fail;
+        }
+        KVB_TRY_GOTO(kvb_strdup(last + 6, &c->ipc_path), fail);
+        c->ipc_dev = sb.st_dev;
+        c->ipc_ino = sb.st_ino;
+    }
+    c->t0_ms = now_ms();
+    c->next_tick_ms = c->t0_ms + c->tick_ms;
+    KVB_LOG_I("coordinator %s listening on %s (heartbeat %" PRIu32 " ms, dead after %" PRIu32 " misses%s)", c->id,
+              c->endpoint, c->heartbeat_ms, c->heartbeat_misses, opts->check_pids ? " or when its pid is gone" : "");
+    *out = c;
+    return KVB_OK;
+fail:
+    kvb_coord_destroy(c);
+    return st;
+}
+
+kvb_status kvb_coord_run(kvb_coord *c, volatile sig_atomic_t *stop) {
+    if (!c || !stop) return KVB_ERR_INVALID;
+    while (!*stop) {
+        uint64_t now = now_ms();
+        int timeout = now >= c->next_tick_ms ? 0 : (int)(c->next_tick_ms - now);
+        zmq_pollitem_t it = {.socket = c->sock, .fd = 0, .events = ZMQ_POLLIN, .revents = 0};
+        int rc = zmq_poll(&it, 1, timeout);
+        if (rc < 0) {
+            if (errno == EINTR) continue;
+            KVB_LOG_E("zmq_poll: %s", zmq_strerror(errno));
+            return KVB_ERR_IO;
+        }
+        if (rc > 0 && (it.revents & ZMQ_POLLIN)) {
+            for (int i = 0; i < BATCH_MAX && !*stop; i++) {
+                int r = handle_one(c);
+                if (r < 0) return KVB_ERR_IO;
+                if (r == 0) break;
+            }
+        }
+        now = now_ms();
+        if (now >= c->next_tick_ms) {
+            kvb_ledger_tick(c->ledger, now);
+            flush_actions(c);
+            /* forget Reclaimed kept for processes that are gone */
+            for (int i = 0; i < c->n_pending; i++) {
+                const kvb_ledger_model *m = kvb_ledger_find(c->ledger, c->pending[i].to);
+                if (!m || !m->alive || m->pid != c->pending[i].pid) {
+                    pending_flush(c, c->pending[i].to, 1);
+                    i = -1; /* the array changed: look again from the start */
+                }
+            }
+            c->next_tick_ms = now + c->tick_ms;
+        }
+    }
+    return KVB_OK;
+}
+
+void kvb_coord_destroy(kvb_coord *c) {
+    if (!c) return;
+    if (c->sock) zmq_close(c->sock);
+    if (c->zctx) zmq_ctx_term(c->zctx);
+    if (c->ipc_path) {
+        struct stat sb;
+        if (stat(c->ipc_path, &sb) == 0 && sb.st_dev == c->ipc_dev && sb.st_ino == c->ipc_ino) unlink(c->ipc_path);
+    }
+    if (c->t0_ms) { /* it ran */
+        kvb_coord_stats *s = &c->stats;
+        KVB_LOG_I("coordinator stopping: %" PRIu64 " messages in, %" PRIu64 " out (%" PRIu64 " not delivered), "
+                  "%" PRIu64 " dropped (%" PRIu64 " frames, %" PRIu64 " oversized, %" PRIu64 " malformed, %" PRIu64
+                  " version, %" PRIu64 " body, %" PRIu64 " unregistered, %" PRIu64 " role, %" PRIu64 " sender), "
+                  "%d loan(s) in the ledger", s->received, s->sent, s->send_failed, s->dropped_total, s->dropped[0],
+                  s->dropped[1], s->dropped[2], s->dropped[3], s->dropped[4], s->dropped[5], s->dropped[6],
+                  s->dropped[7], kvb_ledger_n_loans(c->ledger));
+    }
+    kvb_ledger_destroy(c->ledger);
+    free(c->pending);
+    free(c->endpoint);
+    free(c->ipc_path);
+    free(c);
+}
+
+const char *kvb_coord_endpoint(const kvb_coord *c) { return c ? c->endpoint : NULL; }
+const char *kvb_coord_id(const kvb_coord *c) { return c ? c->id : NULL; }
+
+void kvb_coord_get_stats(const kvb_coord *c, kvb_coord_stats *out) {
+    if (c && out) *out = c->stats;
+}
