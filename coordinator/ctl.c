@@ -38,9 +38,9 @@ static void usage(FILE *f) {
             "                         already being reclaimed count)\n"
             "  drain MODEL            a worker stops lending and takes all its blocks back; the master gives\n"
             "                         back everything it borrowed and borrows no more\n"
-            "  generate --model NAME --prompt-ids IDS --max-tokens N [--stop-ids IDS]\n"
+            "  generate --model NAME --prompt-ids IDS --max-tokens N [--stop-ids IDS] [--quiet]\n"
             "                         send one request to the model's endpoint (from the status) and print\n"
-            "                         each token as `INDEX TOKEN MS`, then a summary line\n"
+            "                         each token as `INDEX TOKEN MS`, then a summary line (--quiet: only the ids)\n"
             "  plan [--config NODE.json] [--json]\n"
             "                         offline, no coordinator: for each worker its MEU with the master, the\n"
             "                         master's layer stream cache and regular cache sizes (SwiftCache Eq.\n"
@@ -296,20 +296,23 @@ static int cmd_control(ctl *c, Kvbank__Control__Op op, const char *model, uint32
 
 typedef struct gen_state {
     uint64_t t0;
+    int quiet; /* print only the ids at the end */
     int32_t *ids;
     int n, cap;
 } gen_state;
 
 static int on_token(void *ud, int index, int32_t token, uint64_t t_ns) {
     gen_state *s = ud;
-    printf("%d %d %.3f\n", index, token, (double)(int64_t)(t_ns - s->t0) / 1e6);
-    fflush(stdout);
+    if (!s->quiet) {
+        printf("%d %d %.3f\n", index, token, (double)(int64_t)(t_ns - s->t0) / 1e6);
+        fflush(stdout);
+    }
     if (s->n < s->cap) s->ids[s->n++] = token;
     return 0;
 }
 
 static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_prompt, const int32_t *stop,
-                        int n_stop, int max_tokens) {
+                        int n_stop, int max_tokens, int quiet) {
     Kvbank__Envelope *r = get_status(c, 0);
     if (!r) return 1;
     char *ep = NULL;
@@ -330,7 +333,7 @@ static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_
     if (!alive) fprintf(stderr, PROG ": warning: the coordinator counts %s as dead; trying %s anyway\n", model, ep);
     int rc = 1;
     kvb_client *cl = NULL;
-    gen_state s = {.cap = max_tokens};
+    gen_state s = {.cap = max_tokens, .quiet = quiet};
     if (kvb_malloc((size_t)max_tokens * sizeof(int32_t), (void **)&s.ids) != KVB_OK) goto out;
     if (kvb_client_connect(ep, &cl) != KVB_OK) {
         fprintf(stderr, PROG ": cannot connect to %s\n", ep);
@@ -346,7 +349,7 @@ static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_
         fprintf(stderr, PROG ": %s: %s%s%s\n", ep, kvb_status_str(st), err[0] ? ": " : "", err);
         goto out;
     }
-    printf("finish: %s, %d tokens: ", kvb_finish_str(fin), s.n);
+    if (!quiet) printf("finish: %s, %d tokens: ", kvb_finish_str(fin), s.n);
     for (int i = 0; i < s.n; i++) printf(i ? ",%d" : "%d", s.ids[i]);
     printf("\n");
     rc = fin == KVB_FINISH_ERROR ? 1 : 0;
@@ -571,6 +574,7 @@ int main(int argc, char **argv) {
     /* Every other command talks to the coordinator; check its arguments before connecting. */
     int json = 0, rc = 2;
     int64_t n = 0, max_tokens = 0;
+    int quiet = 0;
     const char *model = NULL;
     int32_t *prompt = NULL, *stop = NULL;
     int n_prompt = 0, n_stop = 0;
@@ -596,6 +600,10 @@ int main(int argc, char **argv) {
         for (; i < argc; i++) {
             const char *a = argv[i];
             const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+            if (!strcmp(a, "--quiet")) {
+                quiet = 1;
+                continue;
+            }
             if (!v) {
                 fprintf(stderr, PROG " generate: unexpected argument '%s'\n", a);
                 goto usage_error;
@@ -650,7 +658,7 @@ int main(int argc, char **argv) {
     ctl c = {.endpoint = endpoint, .timeout_ms = (int)timeout};
     if (!strcmp(cmd, "status")) rc = cmd_status(&c, json);
     else if (!strcmp(cmd, "ledger")) rc = cmd_ledger(&c, json);
-    else if (!strcmp(cmd, "generate")) rc = cmd_generate(&c, model, prompt, n_prompt, stop, n_stop, (int)max_tokens);
+    else if (!strcmp(cmd, "generate")) rc = cmd_generate(&c, model, prompt, n_prompt, stop, n_stop, (int)max_tokens, quiet);
     else rc = cmd_control(&c, op, model, (uint32_t)n);
     ctl_close(&c);
 done:
