@@ -10,6 +10,7 @@ static void usage(FILE *f) {
                "subcommands:\n"
                "  engine   prefill and decode throughput of one model at batch 1, 8, 32, against this machine's\n"
                "           memory-copy bandwidth and OpenBLAS sgemm rate measured in the same run\n"
+               "  cuda     the CUDA backend on a Llama-3-8B-shaped model against the GPU's copy and GEMM ceilings\n"
                "  replay   drive a running node with real traces; TTFT / TPOT / TBT percentiles, SLO attainment\n"
                "  lend     lend and reclaim latency against the worker's pool size (block-major vs layer-major)\n"
                "  maxctx   the master's longest context with idle lenders against its own memory alone\n"
@@ -22,6 +23,7 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "engine")) return kvb_bench_engine(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "cuda")) return kvb_bench_cuda(argc - 1, argv + 1);
     if (!strcmp(argv[1], "replay")) return kvb_bench_replay(argc - 1, argv + 1);
     if (!strcmp(argv[1], "lend")) return kvb_bench_lend(argc - 1, argv + 1);
     if (!strcmp(argv[1], "maxctx")) return kvb_bench_maxctx(argc - 1, argv + 1);

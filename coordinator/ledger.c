@@ -61,6 +61,10 @@ static int name_ok(const char *s) {
 
 static uint64_t silence_ms(const kvb_ledger *l) { return (uint64_t)l->opts.heartbeat_ms * l->opts.heartbeat_misses; }
 static uint64_t grace_ms(const kvb_ledger *l) { return 2 * (uint64_t)l->opts.heartbeat_ms; }
+/* A loan only its worker reported may still be attached in a master that has not reconnected yet:
+ * returning it early would let two processes use the blocks, so it waits for the master to register
+ * (which settles it at once) far longer than a live master needs to reconnect. */
+static uint64_t master_grace_ms(const kvb_ledger *l) { return KVB_MAX(30000, 15 * silence_ms(l)); }
 
 static kvb_ledger_model *find_model(const kvb_ledger *l, const char *name) {
     if (!name) return NULL;
@@ -398,11 +402,11 @@ static void reconcile_worker(kvb_ledger *l, kvb_ledger_model *w, const kvb_ledge
         kvb_loan *nl = add_reported(l, rep, w->pid, bb);
         nl->state = KVB_LOAN_UNCONFIRMED;
         nl->by_worker = 1;
-        nl->deadline_ms = now_ms + grace_ms(l);
+        nl->deadline_ms = now_ms + master_grace_ms(l);
         matched[n_matched++] = nl->id;
         bump(l);
         KVB_LOG_I("loan %" PRIu64 " reported by worker %s: waiting up to %" PRIu64 " ms for the master", rep->id,
-                  w->name, grace_ms(l));
+                  w->name, master_grace_ms(l));
     }
     /* Loans of this worker's process (or of no process yet) that it did not report: it uses those
      * blocks as its own, so the master must drop them without reading. */
@@ -988,7 +992,7 @@ void kvb_ledger_tick(kvb_ledger *l, uint64_t now_ms) {
             if (now_ms < ln->deadline_ms) break;
             if (!ln->by_master) {
                 KVB_LOG_W("loan %" PRIu64 " of %s: no master registered within %" PRIu64 " ms; returned to the lender",
-                          ln->id, ln->lender, grace_ms(l));
+                          ln->id, ln->lender, master_grace_ms(l));
                 finish_loan(l, ln->id);
             } else {
                 KVB_LOG_W("loan %" PRIu64 ": its lender %s did not register within %" PRIu64 " ms; revoking it "

@@ -515,7 +515,8 @@ KVB_TEST(ledger_restart_both_sides) {
 KVB_TEST_END
 
 /* Reported by the worker alone: returned when the master registers without it, or when no master
- * registers within the grace period (2 heartbeat periods). */
+ * registers within the master grace period (30 s at least: a live master may still have it attached,
+ * so it is never returned as early as 2 heartbeat periods). */
 KVB_TEST(ledger_restart_worker_alone) {
     kvb_ledger *l = new_ledger();
     char why[256] = "";
@@ -539,7 +540,14 @@ KVB_TEST(ledger_restart_worker_alone) {
     kvb_ledger_heartbeat(l, "a", NULL, 1150);
     kvb_ledger_tick(l, 1150);
     expect_no_act(l);
-    kvb_ledger_tick(l, 1200);
+    kvb_ledger_heartbeat(l, "a", NULL, 1200);
+    kvb_ledger_tick(l, 1200); /* 2 heartbeat periods: still waiting */
+    expect_no_act(l);
+    kvb_ledger_heartbeat(l, "a", NULL, 30999);
+    kvb_ledger_tick(l, 30999);
+    expect_no_act(l);
+    kvb_ledger_heartbeat(l, "a", NULL, 31001);
+    kvb_ledger_tick(l, 31001);
     expect_act(l, KVB_ACT_RECLAIMED, "a", 7);
     expect_act(l, KVB_ACT_RECLAIMED, "a", 9);
     ck_assert_int_eq(kvb_ledger_n_loans(l), 0);

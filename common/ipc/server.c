@@ -9,7 +9,11 @@
  * dirty list. flush() runs outside kvb_engine_step (after each step and after each batch of input) and
  * turns every dirty slot into one TokenEvent. A send that fails because the client is gone (or stuck)
  * mutes all of that client's slots and queues their cancellation, which flush() performs after its
- * pass: the engine is never re-entered from inside its own callbacks. */
+ * pass: the engine is never re-entered from inside its own callbacks.
+ *
+ * A role (master, worker) adds its own sockets to the same zmq_poll and runs its hooks between steps
+ * (kvb_server_set_hooks), so the process stays single-threaded and nothing the hooks do to the engine
+ * (attach, detach, shrink, grow) can overlap a step. */
 #include "common/ipc/server.h"
 
 #include <errno.h>
@@ -33,6 +37,7 @@
 #define RECV_HARD_MAX ((int64_t)64 << 20)    /* bytes: libzmq drops a peer that sends more in one message */
 #define TOK_CAP0 4                           /* initial per-slot token buffer (tokens) */
 #define CLOSE_LINGER_MS 250                  /* how long destroy waits for queued replies */
+#define HOOK_ITEMS_MAX 15                    /* extra poll items a role may add */
 
 typedef struct slot {
     int in_use;
@@ -78,6 +83,7 @@ struct kvb_server {
     int n_live;                   /* slots in use */
     uint64_t seq;                 /* last sequence number given to an engine id */
     kvb_server_stats stats;
+    kvb_server_hooks hooks;       /* the role's sockets and callbacks (all zero: none) */
 };
 
 /* ------------------------------------------------------------------------------------------ helpers */
@@ -422,6 +428,7 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         return;
     }
     s->stats.accepted++;
+    if (s->hooks.on_request) s->hooks.on_request(s->hooks.ud, &r);
     char b[36];
     KVB_LOG_D("request %" PRIu64 " of client %s: %zu prompt tokens, max %" PRIu32 " -> engine id %" PRIu64, rid,
               ident_str(ident, len, b), g->n_prompt_ids, g->max_tokens, sl->eid);
@@ -592,16 +599,33 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
         return KVB_ERR_STATE;
     }
     kvb_status result = KVB_OK;
+    zmq_pollitem_t items[1 + HOOK_ITEMS_MAX]; /* [0]: the server's socket, then the role's */
+    int wish_ms = -1;                         /* what on_tick asked for last time */
     while (!*stop) {
         int busy = kvb_engine_n_live(s->engine) > 0;
-        zmq_pollitem_t it = {.socket = s->sock, .fd = 0, .events = ZMQ_POLLIN, .revents = 0};
-        int rc = zmq_poll(&it, 1, busy ? 0 : POLL_IDLE_MS);
+        int n_items = 1 + s->hooks.n_items;
+        items[0] = (zmq_pollitem_t){.socket = s->sock, .fd = 0, .events = ZMQ_POLLIN, .revents = 0};
+        for (int k = 0; k < s->hooks.n_items; k++) {
+            items[1 + k] = s->hooks.items[k];
+            items[1 + k].revents = 0;
+        }
+        long timeout = busy ? 0 : POLL_IDLE_MS;
+        if (!busy && wish_ms >= 0 && wish_ms < timeout) timeout = wish_ms;
+        int rc = zmq_poll(items, n_items, timeout);
         if (rc < 0) {
             if (errno == EINTR) continue;
             KVB_LOG_E("zmq_poll: %s", zmq_strerror(errno));
             result = KVB_ERR_IO;
             break;
         }
+        zmq_pollitem_t it = items[0];
+        int hook_ready = 0;
+        for (int k = 0; k < s->hooks.n_items; k++) {
+            s->hooks.items[k].revents = items[1 + k].revents;
+            if (items[1 + k].revents) hook_ready = 1;
+        }
+        /* The role's input first: a Revoke or a Grant takes effect before the next step. */
+        if (hook_ready && s->hooks.on_ready) s->hooks.on_ready(s->hooks.ud);
         if (it.revents & ZMQ_POLLIN) {
             int h;
             while ((h = handle_one(s)) > 0) {
@@ -611,9 +635,12 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
                 break;
             }
         }
+        if (s->hooks.on_tick) wish_ms = s->hooks.on_tick(s->hooks.ud);
         flush(s); /* cancellations produce finish events outside of steps */
         if (kvb_engine_n_live(s->engine) > 0) {
+            if (s->hooks.on_step_begin) s->hooks.on_step_begin(s->hooks.ud);
             kvb_status st = kvb_engine_step(s->engine);
+            if (s->hooks.on_step_end) s->hooks.on_step_end(s->hooks.ud);
             flush(s); /* after a failed step too: every live request finished with ERROR */
             if (st != KVB_OK) {
                 KVB_LOG_E("engine step failed: %s", kvb_status_str(st));
@@ -663,6 +690,20 @@ void kvb_server_destroy(kvb_server *s) {
 }
 
 const char *kvb_server_endpoint(const kvb_server *s) { return s ? s->endpoint : NULL; }
+
+kvb_status kvb_server_set_hooks(kvb_server *s, const kvb_server_hooks *h) {
+    if (!s) return KVB_ERR_INVALID;
+    if (!h) {
+        memset(&s->hooks, 0, sizeof s->hooks);
+        return KVB_OK;
+    }
+    if (h->n_items < 0 || h->n_items > HOOK_ITEMS_MAX || (h->n_items && !h->items)) {
+        KVB_LOG_E("kvb_server_set_hooks: %d extra poll items (at most %d)", h->n_items, HOOK_ITEMS_MAX);
+        return KVB_ERR_INVALID;
+    }
+    s->hooks = *h;
+    return KVB_OK;
+}
 
 void kvb_server_get_stats(const kvb_server *s, kvb_server_stats *out) {
     if (!out) return;

@@ -9,6 +9,7 @@
 #define KVB_IPC_SERVER_H
 
 #include <signal.h>
+#include <zmq.h>
 
 #include "common/sched/engine.h"
 
@@ -37,6 +38,32 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop);
 void kvb_server_destroy(kvb_server *s);
 /* The endpoint as bound (wildcards resolved, e.g. "tcp://127.0.0.1:41234"); owned by the server. */
 const char *kvb_server_endpoint(const kvb_server *s);
+
+/* Hooks let a role (kvbank-master, kvbank-worker) run its own code in the server's single thread:
+ * its sockets are polled together with the server's, and every hook runs between engine steps, never
+ * inside one. That is the fence of the reclaim protocol on the CPU backend: when a hook detaches
+ * borrowed memory or shrinks the pool, no step is reading it. Every member may be NULL / 0. */
+typedef struct kvb_server_hooks {
+    void *ud;                /* passed to every hook */
+    zmq_pollitem_t *items;   /* [n_items] extra sockets or fds, borrowed until the hooks are replaced;
+                              * their revents are filled by each poll */
+    int n_items;
+    /* After a poll in which one of `items` has revents (read them in items[i].revents). */
+    void (*on_ready)(void *ud);
+    /* Once per loop iteration (at least every 100 ms while idle), after input was handled and before
+     * the engine step. Returns how many ms may pass before it must run again (< 0: no wish); the
+     * server's idle poll waits no longer than that. */
+    int (*on_tick)(void *ud);
+    /* A request was accepted and queued in the engine (r is valid during the call only). */
+    void (*on_request)(void *ud, const kvb_request *r);
+    /* Just before and just after each engine step (e.g. to keep a heartbeat going through a long
+     * step); they must not call the engine. */
+    void (*on_step_begin)(void *ud);
+    void (*on_step_end)(void *ud);
+} kvb_server_hooks;
+
+/* Installs `h` (copied; NULL removes the hooks). At most 15 extra items. KVB_ERR_INVALID otherwise. */
+kvb_status kvb_server_set_hooks(kvb_server *s, const kvb_server_hooks *h);
 
 typedef struct kvb_server_stats {
     uint64_t accepted;

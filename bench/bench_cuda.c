@@ -1,0 +1,661 @@
+/* kvbank-bench cuda — the CUDA backend against the GPU's own ceilings, measured in the same run.
+ *
+ *   copy bandwidth  B = 2 * bytes / time of a device-to-device copy of 2 GiB (read + written), CUDA events
+ *   GEMM rate       F = 2 * n^3 / time of an n x n x n bf16 product through the backend's cuBLAS (n = 8192,
+ *                       random data)
+ * Model: a Llama-3-8B-shaped network (32 layers, hidden 4096, 32 heads over 8 KV heads of 128,
+ * intermediate 14336, vocabulary 128256), bf16 weights filled on the device by a random kernel (no
+ * files), KV blocks of 16 tokens in the block-major layout, also filled at random. Each step issues the
+ * operator sequence of common/model/forward.c through the backend's vtable.
+ *   decode ratio     = (weight bytes + KV bytes read) / B / step time        (1.0 = at the HBM roofline)
+ *   prefill ratio    = model FLOPs / F / prefill time, with model FLOPs = 2 * tokens * matrix params +
+ *                      causal attention (4 * heads * head_dim * tokens(tokens+1)/2 per layer) + LM head
+ *   attention ratio  = KV bytes read / B / time of the attention operator alone (decode)
+ *   IPC ratio        = time of attention over blocks lent by another process through a CUDA IPC
+ *                      handle / time over local blocks (1.0 = no cost for reading in place)
+ * Step and operator times are medians of several repetitions timed with CUDA events on the backend's
+ * stream; the decode step time also has a wall-clock column that includes copying the logits to the
+ * host, which the engine pays. Without a GPU: "no CUDA device", exit status 77. */
+#include "config.h"
+
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench/bench.h"
+#include "kernels/backend.h"
+
+#ifdef KVB_WITH_CUDA
+#include "kernels/cuda/backend_cuda.h"
+#include "kernels/cuda/convert.h"
+
+#define MAX_LIST 16
+#define REPS 7
+
+typedef struct shape {
+    int n_layers, hidden, n_heads, n_kv, head_dim, inter, vocab, block_size;
+} shape;
+
+typedef struct layer_w {
+    kvb_tensor attn_norm, wq, wk, wv, wo, ffn_norm, gate, up, down;
+} layer_w;
+
+typedef struct model {
+    shape s;
+    kvb_tensor embed, lm_head, final_norm;
+    layer_w *layers;
+    float *inv_freq; /* [head_dim/2] */
+    kvb_rope rope;
+    int64_t matrix_params;   /* per token: every layer's matrices + the LM head (one row's worth) */
+    int64_t weight_bytes;    /* read by one decode step: every matrix and norm, the LM head */
+} model;
+
+/* Activation buffers for up to `cap` tokens (forward.c's set). */
+typedef struct acts {
+    int cap, logit_cap;
+    void *x, *h, *q, *k, *v, *att, *gate, *up, *rows, *logits;
+    float *host_logits;
+} acts;
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Times `fn(ud)` on the backend's stream with CUDA events: median of `reps` after one warm-up, in s. */
+typedef kvb_status (*timed_fn)(void *ud);
+static double time_events(kvb_backend *be, timed_fn fn, void *ud, int reps) {
+    kvb_cuda_stream_t s = kvb_cuda_backend_stream(be);
+    kvb_cuda_event *e0 = NULL, *e1 = NULL;
+    double t[REPS * 2];
+    double res = -1;
+    if (reps > REPS * 2) reps = REPS * 2;
+    if (kvb_cuda_event_create(1, &e0) != KVB_OK || kvb_cuda_event_create(1, &e1) != KVB_OK) goto out;
+    if (fn(ud) != KVB_OK || be->iface->sync(be->ctx) != KVB_OK) goto out;
+    for (int r = 0; r < reps; r++) {
+        float ms = 0;
+        if (kvb_cuda_event_record(e0, s) != KVB_OK || fn(ud) != KVB_OK || kvb_cuda_event_record(e1, s) != KVB_OK ||
+            kvb_cuda_event_sync(e1) != KVB_OK || kvb_cuda_event_elapsed_ms(e0, e1, &ms) != KVB_OK)
+            goto out;
+        t[r] = ms * 1e-3;
+    }
+    res = median(t, reps);
+out:
+    kvb_cuda_event_destroy(e0);
+    kvb_cuda_event_destroy(e1);
+    return res;
+}
+
+/* ---------------------------------------------------------------- ceilings */
+
+typedef struct copy_ud {
+    void *a, *b;
+    size_t bytes;
+    kvb_cuda_stream_t s;
+} copy_ud;
+static kvb_status do_copy(void *ud) {
+    copy_ud *c = ud;
+    return kvb_cuda_copy_async(c->b, c->a, c->bytes, c->s);
+}
+
+static double measure_copy_bw(kvb_backend *be, size_t bytes) {
+    copy_ud c = {.bytes = bytes, .s = kvb_cuda_backend_stream(be)};
+    double bw = 0;
+    if (be->iface->alloc(be->ctx, bytes, &c.a) != KVB_OK) return 0;
+    if (be->iface->alloc(be->ctx, bytes, &c.b) == KVB_OK &&
+        kvb_cuda_fill_uniform(c.a, KVB_DTYPE_BF16, bytes / 2, 1, -1, 1, c.s) == 0) {
+        double t = time_events(be, do_copy, &c, REPS);
+        if (t > 0) bw = 2.0 * (double)bytes / t;
+    }
+    be->iface->free(be->ctx, c.a);
+    be->iface->free(be->ctx, c.b);
+    return bw;
+}
+
+typedef struct gemm_ud {
+    kvb_backend *be;
+    void *x, *y;
+    kvb_tensor w;
+    int n;
+} gemm_ud;
+static kvb_status do_gemm(void *ud) {
+    gemm_ud *g = ud;
+    return g->be->iface->matmul(g->be->ctx, g->x, g->n, &g->w, 0.0f, g->y);
+}
+
+static double measure_gemm(kvb_backend *be, int n) {
+    gemm_ud g = {.be = be, .n = n};
+    size_t bytes = (size_t)n * n * 2;
+    kvb_cuda_stream_t s = kvb_cuda_backend_stream(be);
+    double rate = 0;
+    if (be->iface->alloc(be->ctx, bytes, &g.x) != KVB_OK) return 0;
+    if (be->iface->alloc(be->ctx, bytes, &g.y) == KVB_OK && be->iface->alloc(be->ctx, bytes, &g.w.data) == KVB_OK) {
+        g.w.dtype = KVB_DTYPE_BF16;
+        g.w.ne[0] = g.w.ne[1] = n;
+        if (kvb_cuda_fill_uniform(g.x, KVB_DTYPE_BF16, (size_t)n * n, 2, -1, 1, s) == 0 &&
+            kvb_cuda_fill_uniform(g.w.data, KVB_DTYPE_BF16, (size_t)n * n, 3, -1, 1, s) == 0) {
+            double t = time_events(be, do_gemm, &g, REPS);
+            if (t > 0) rate = 2.0 * n * (double)n * n / t;
+        }
+    }
+    be->iface->free(be->ctx, g.x);
+    be->iface->free(be->ctx, g.y);
+    be->iface->free(be->ctx, g.w.data);
+    return rate;
+}
+
+/* ---------------------------------------------------------------- the model */
+
+static kvb_status rand_tensor(kvb_backend *be, int64_t rows, int64_t cols, uint64_t seed, kvb_tensor *t) {
+    kvb_dtype dt = cols == 1 ? KVB_DTYPE_F32 : KVB_DTYPE_BF16;
+    size_t n = (size_t)rows * (size_t)cols;
+    KVB_TRY(be->iface->alloc(be->ctx, n * kvb_dtype_size(dt), &t->data));
+    t->dtype = dt;
+    t->ne[0] = rows;
+    t->ne[1] = cols;
+    /* matrices: uniform with the variance of N(0, 1/in); norm weights: 1 */
+    float a = cols == 1 ? 1.0f : (float)sqrt(3.0 / (double)cols);
+    return KVB_CUDA_CHECK(kvb_cuda_fill_uniform(t->data, dt, n, seed, cols == 1 ? 1.0f : -a, a,
+                                                kvb_cuda_backend_stream(be)));
+}
+
+static int64_t tbytes(const kvb_tensor *t) { return t->ne[0] * t->ne[1] * (int64_t)kvb_dtype_size(t->dtype); }
+
+static void model_free(kvb_backend *be, model *m) {
+    if (m->layers) {
+        for (int l = 0; l < m->s.n_layers; l++) {
+            kvb_tensor *all[] = {&m->layers[l].attn_norm, &m->layers[l].wq,       &m->layers[l].wk,
+                                 &m->layers[l].wv,        &m->layers[l].wo,       &m->layers[l].ffn_norm,
+                                 &m->layers[l].gate,      &m->layers[l].up,       &m->layers[l].down};
+            for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) be->iface->free(be->ctx, all[i]->data);
+        }
+    }
+    be->iface->free(be->ctx, m->embed.data);
+    be->iface->free(be->ctx, m->lm_head.data);
+    be->iface->free(be->ctx, m->final_norm.data);
+    free(m->layers);
+    free(m->inv_freq);
+}
+
+static kvb_status model_build(kvb_backend *be, const shape *s, model *m) {
+    memset(m, 0, sizeof *m);
+    m->s = *s;
+    int q = s->n_heads * s->head_dim, kv = s->n_kv * s->head_dim;
+    KVB_TRY(kvb_calloc((size_t)s->n_layers, sizeof *m->layers, (void **)&m->layers));
+    KVB_TRY(kvb_calloc((size_t)s->head_dim / 2, sizeof(float), (void **)&m->inv_freq));
+    for (int i = 0; i < s->head_dim / 2; i++) m->inv_freq[i] = (float)pow(500000.0, -2.0 * i / s->head_dim);
+    m->rope = (kvb_rope){.head_dim = s->head_dim, .inv_freq = m->inv_freq};
+    uint64_t seed = 100;
+    KVB_TRY(rand_tensor(be, s->vocab, s->hidden, seed++, &m->embed));
+    KVB_TRY(rand_tensor(be, s->vocab, s->hidden, seed++, &m->lm_head));
+    KVB_TRY(rand_tensor(be, s->hidden, 1, seed++, &m->final_norm));
+    m->weight_bytes = tbytes(&m->lm_head) + tbytes(&m->final_norm);
+    m->matrix_params = 0;
+    for (int l = 0; l < s->n_layers; l++) {
+        layer_w *w = &m->layers[l];
+        KVB_TRY(rand_tensor(be, s->hidden, 1, seed++, &w->attn_norm));
+        KVB_TRY(rand_tensor(be, q, s->hidden, seed++, &w->wq));
+        KVB_TRY(rand_tensor(be, kv, s->hidden, seed++, &w->wk));
+        KVB_TRY(rand_tensor(be, kv, s->hidden, seed++, &w->wv));
+        KVB_TRY(rand_tensor(be, s->hidden, q, seed++, &w->wo));
+        KVB_TRY(rand_tensor(be, s->hidden, 1, seed++, &w->ffn_norm));
+        KVB_TRY(rand_tensor(be, s->inter, s->hidden, seed++, &w->gate));
+        KVB_TRY(rand_tensor(be, s->inter, s->hidden, seed++, &w->up));
+        KVB_TRY(rand_tensor(be, s->hidden, s->inter, seed++, &w->down));
+        kvb_tensor *all[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->wo, &w->ffn_norm, &w->gate, &w->up, &w->down};
+        for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) {
+            m->weight_bytes += tbytes(all[i]);
+            if (all[i]->ne[1] > 1) m->matrix_params += all[i]->ne[0] * all[i]->ne[1];
+        }
+    }
+    return be->iface->sync(be->ctx);
+}
+
+static void acts_free(kvb_backend *be, acts *a) {
+    void *bufs[] = {a->x, a->h, a->q, a->k, a->v, a->att, a->gate, a->up, a->rows, a->logits};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++) be->iface->free(be->ctx, bufs[i]);
+    free(a->host_logits);
+    memset(a, 0, sizeof *a);
+}
+
+static kvb_status acts_alloc(kvb_backend *be, const shape *s, int cap, int logit_cap, acts *a) {
+    memset(a, 0, sizeof *a);
+    a->cap = cap;
+    a->logit_cap = logit_cap;
+    size_t n = (size_t)cap, e = 2; /* bf16 */
+    KVB_TRY(be->iface->alloc(be->ctx, n * s->hidden * e, &a->x));
+    KVB_TRY(be->iface->alloc(be->ctx, n * s->hidden * e, &a->h));
+    KVB_TRY(be->iface->alloc(be->ctx, n * s->n_heads * s->head_dim * e, &a->q));
+    KVB_TRY(be->iface->alloc(be->ctx, n * s->n_kv * s->head_dim * e, &a->k));
+    KVB_TRY(be->iface->alloc(be->ctx, n * s->n_kv * s->head_dim * e, &a->v));
+    KVB_TRY(be->iface->alloc(be->ctx, n * s->n_heads * s->head_dim * e, &a->att));
+    KVB_TRY(be->iface->alloc(be->ctx, n * s->inter * e, &a->gate));
+    KVB_TRY(be->iface->alloc(be->ctx, n * s->inter * e, &a->up));
+    KVB_TRY(be->iface->alloc(be->ctx, (size_t)logit_cap * s->hidden * e, &a->rows));
+    KVB_TRY(be->iface->alloc(be->ctx, (size_t)logit_cap * s->vocab * e, &a->logits));
+    KVB_TRY(kvb_malloc((size_t)logit_cap * s->vocab * sizeof(float), (void **)&a->host_logits));
+    return KVB_OK;
+}
+
+/* One step of a batch whose KV lives in `pool` (block-major): tokens, positions and the attention
+ * view (seqs and per-layer block addresses) are prepared by the caller. */
+typedef struct step {
+    kvb_backend *be;
+    model *m;
+    acts *a;
+    int n;                 /* tokens */
+    int32_t *tokens, *pos; /* [n] */
+    kvb_attn_batch attn;   /* layer_blocks filled per layer from `blocks` */
+    void ***blocks;        /* [n_layers][entries] */
+    int32_t *logit_rows;   /* [n_logits] */
+    int n_logits;
+    int logits_to_host;    /* copy the logits out (the engine does) */
+    int only_attention;    /* time the attention operator alone, every layer */
+} step;
+
+static kvb_status run_step(void *ud) {
+    step *st = ud;
+    kvb_backend *be = st->be;
+    const kvb_backend_i *f = be->iface;
+    void *c = be->ctx;
+    model *m = st->m;
+    acts *a = st->a;
+    const shape *s = &m->s;
+    int n = st->n;
+    float eps = 1e-5f;
+    if (st->only_attention) {
+        for (int l = 0; l < s->n_layers; l++) {
+            st->attn.layer_blocks = st->blocks[l];
+            KVB_TRY(f->attention(c, &st->attn, a->q, a->att));
+        }
+        return KVB_OK;
+    }
+    KVB_TRY(f->embed(c, &m->embed, st->tokens, n, a->x));
+    for (int l = 0; l < s->n_layers; l++) {
+        const layer_w *w = &m->layers[l];
+        st->attn.layer_blocks = st->blocks[l];
+        KVB_TRY(f->rmsnorm(c, a->x, n, s->hidden, &w->attn_norm, eps, a->h));
+        KVB_TRY(f->matmul(c, a->h, n, &w->wq, 0.0f, a->q));
+        KVB_TRY(f->matmul(c, a->h, n, &w->wk, 0.0f, a->k));
+        KVB_TRY(f->matmul(c, a->h, n, &w->wv, 0.0f, a->v));
+        KVB_TRY(f->rope(c, a->q, s->n_heads, a->k, s->n_kv, n, st->pos, &m->rope));
+        KVB_TRY(f->kv_write(c, &st->attn, a->k, a->v));
+        KVB_TRY(f->attention(c, &st->attn, a->q, a->att));
+        KVB_TRY(f->matmul(c, a->att, n, &w->wo, 1.0f, a->x));
+        KVB_TRY(f->rmsnorm(c, a->x, n, s->hidden, &w->ffn_norm, eps, a->h));
+        KVB_TRY(f->matmul(c, a->h, n, &w->gate, 0.0f, a->gate));
+        KVB_TRY(f->matmul(c, a->h, n, &w->up, 0.0f, a->up));
+        KVB_TRY(f->silu_mul(c, a->gate, a->up, (size_t)n * s->inter, a->gate));
+        KVB_TRY(f->matmul(c, a->gate, n, &w->down, 1.0f, a->x));
+    }
+    KVB_TRY(f->gather_rows(c, a->x, st->logit_rows, st->n_logits, s->hidden, a->rows));
+    KVB_TRY(f->rmsnorm(c, a->rows, st->n_logits, s->hidden, &m->final_norm, eps, a->rows));
+    KVB_TRY(f->matmul(c, a->rows, st->n_logits, &m->lm_head, 0.0f, a->logits));
+    if (st->logits_to_host)
+        KVB_TRY(f->to_host_f32(c, a->host_logits, a->logits, (size_t)st->n_logits * s->vocab));
+    return KVB_OK;
+}
+
+/* A batch of `batch` sequences, each with `ctx` tokens of context of which the last `q_len` are new,
+ * over blocks [seq * blocks_per_seq, ...) of `pool` (or of `pool2` for odd entries when given). */
+typedef struct batch_view {
+    kvb_attn_seq *seqs;
+    void ***blocks;
+    int32_t *tokens, *pos, *logit_rows;
+    int n_tok, n_entries;
+} batch_view;
+
+static void view_free(batch_view *v, int n_layers) {
+    if (v->blocks)
+        for (int l = 0; l < n_layers; l++) free(v->blocks[l]);
+    free(v->blocks);
+    free(v->seqs);
+    free(v->tokens);
+    free(v->pos);
+    free(v->logit_rows);
+    memset(v, 0, sizeof *v);
+}
+
+static kvb_status view_make(const model *m, const kvb_kv_geom *g, char *pool, int blocks_per_seq, int batch, int ctx,
+                            int q_len, batch_view *v) {
+    const shape *s = &m->s;
+    memset(v, 0, sizeof *v);
+    int nb = KVB_DIV_CEIL(ctx, g->block_size);
+    size_t block_bytes = (size_t)s->n_layers * 2 * g->block_size * s->n_kv * s->head_dim * 2;
+    size_t layer_bytes = block_bytes / (size_t)s->n_layers;
+    v->n_tok = batch * q_len;
+    v->n_entries = batch * nb;
+    KVB_TRY(kvb_calloc((size_t)batch, sizeof *v->seqs, (void **)&v->seqs));
+    KVB_TRY(kvb_calloc((size_t)v->n_tok, sizeof(int32_t), (void **)&v->tokens));
+    KVB_TRY(kvb_calloc((size_t)v->n_tok, sizeof(int32_t), (void **)&v->pos));
+    KVB_TRY(kvb_calloc((size_t)batch, sizeof(int32_t), (void **)&v->logit_rows));
+    KVB_TRY(kvb_calloc((size_t)s->n_layers, sizeof *v->blocks, (void **)&v->blocks));
+    for (int l = 0; l < s->n_layers; l++)
+        KVB_TRY(kvb_calloc((size_t)v->n_entries, sizeof(void *), (void **)&v->blocks[l]));
+    for (int b = 0; b < batch; b++) {
+        v->seqs[b] = (kvb_attn_seq){.q_start = b * q_len, .q_len = q_len, .ctx_len = ctx, .n_blocks = nb,
+                                    .blk_first = b * nb};
+        for (int t = 0; t < q_len; t++) {
+            v->tokens[b * q_len + t] = (int32_t)((b * 7919 + t * 31 + 1) % s->vocab);
+            v->pos[b * q_len + t] = ctx - q_len + t;
+        }
+        v->logit_rows[b] = b * q_len + q_len - 1;
+        for (int j = 0; j < nb; j++)
+            for (int l = 0; l < s->n_layers; l++)
+                v->blocks[l][b * nb + j] = pool + ((size_t)b * blocks_per_seq + j) * block_bytes + l * layer_bytes;
+    }
+    return KVB_OK;
+}
+
+static void step_init(step *st, kvb_backend *be, model *m, acts *a, const kvb_kv_geom *g, batch_view *v, int batch) {
+    memset(st, 0, sizeof *st);
+    st->be = be;
+    st->m = m;
+    st->a = a;
+    st->n = v->n_tok;
+    st->tokens = v->tokens;
+    st->pos = v->pos;
+    st->blocks = v->blocks;
+    st->logit_rows = v->logit_rows;
+    st->n_logits = batch;
+    st->attn = (kvb_attn_batch){.geom = g, .n_heads = m->s.n_heads, .n_tokens = v->n_tok, .n_seqs = batch,
+                                .seqs = v->seqs, .layer_blocks = v->blocks[0],
+                                .scale = (float)(1.0 / sqrt((double)m->s.head_dim))};
+}
+
+/* ---------------------------------------------------------------- IPC: a lending process */
+
+/* kvbank-bench cuda --ipc-worker IN_FD OUT_FD BYTES: exports a random region, waits for "DONE". */
+static int ipc_worker(int argc, char **argv) {
+    if (argc != 5) return 2;
+    int in = atoi(argv[2]), out = atoi(argv[3]);
+    size_t bytes = (size_t)strtoull(argv[4], NULL, 10);
+    kvb_cuda_region *r = NULL;
+    kvb_cuda_stream_t s = NULL;
+    if (kvb_cuda_stream_create(&s) != KVB_OK || kvb_cuda_region_create(bytes, &r) != KVB_OK) return 3;
+    if (kvb_cuda_fill_uniform(kvb_cuda_region_base(r), KVB_DTYPE_BF16, bytes / 2, 7, -1, 1, s) != 0 ||
+        kvb_cuda_stream_sync(s) != KVB_OK)
+        return 3;
+    char line[256];
+    int n = snprintf(line, sizeof line, "%s\n", kvb_cuda_region_handle(r));
+    if (write(out, line, (size_t)n) != n) return 4;
+    char ch;
+    size_t got = 0;
+    while (read(in, &ch, 1) == 1 && ch != '\n' && got < sizeof line - 1) line[got++] = ch;
+    line[got] = 0;
+    kvb_cuda_region_destroy(r);
+    kvb_cuda_stream_destroy(s);
+    return strcmp(line, "DONE") ? 5 : 0;
+}
+
+/* ---------------------------------------------------------------- main */
+
+static int parse_list(const char *s, int32_t *out, int *n) {
+    int32_t *ids = NULL;
+    int k = 0;
+    if (kvb_parse_id_list(s, &ids, &k) != KVB_OK || k < 1 || k > MAX_LIST) {
+        free(ids);
+        return -1;
+    }
+    for (int i = 0; i < k; i++) {
+        if (ids[i] < 1) {
+            free(ids);
+            return -1;
+        }
+        out[i] = ids[i];
+    }
+    *n = k;
+    free(ids);
+    return 0;
+}
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvbank-bench cuda [--batches 1,16,64] [--contexts 1024,8192] [--prefill-tokens N]\n"
+               "                         [--layers N] [--attn-batch N] [--ipc-batch N] [--no-prefill] [--no-ipc]\n"
+               "\n"
+               "Decode steps, an 8K prefill, paged attention and reading lent blocks through CUDA IPC, on a\n"
+               "Llama-3-8B-shaped bf16 model built on the device, against the copy bandwidth and cuBLAS GEMM rate\n"
+               "measured in the same run. Exit status 77 when there is no CUDA device.\n"
+               "  --batches LIST       decode batch sizes (default 1,16,64)\n"
+               "  --contexts LIST      decode context lengths (default 1024,8192)\n"
+               "  --prefill-tokens N   prompt of the prefill measurement (default 8192)\n"
+               "  --layers N           decoder layers (default 32; fewer for a quick run)\n"
+               "  --attn-batch N       batch of the attention-alone measurement at the longest context (default 64)\n"
+               "  --ipc-batch N        sequences of 4096 tokens read through the IPC region (default 16)\n");
+}
+
+int kvb_bench_cuda(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--ipc-worker")) return ipc_worker(argc, argv);
+    shape s = {.n_layers = 32, .hidden = 4096, .n_heads = 32, .n_kv = 8, .head_dim = 128, .inter = 14336,
+               .vocab = 128256, .block_size = 16};
+    int32_t batches[MAX_LIST] = {1, 16, 64}, ctxs[MAX_LIST] = {1024, 8192};
+    int n_batches = 3, n_ctxs = 2, prefill = 8192, attn_batch = 64, ipc_batch = 16, do_prefill = 1, do_ipc = 1;
+    static const struct option opts[] = {
+        {"batches", 1, 0, 'b'},    {"contexts", 1, 0, 'c'},  {"prefill-tokens", 1, 0, 'p'}, {"layers", 1, 0, 'l'},
+        {"attn-batch", 1, 0, 'a'}, {"ipc-batch", 1, 0, 'i'}, {"no-prefill", 0, 0, 'P'},     {"no-ipc", 0, 0, 'I'},
+        {"help", 0, 0, 'h'},       {0, 0, 0, 0}};
+    optind = 1;
+    int o;
+    while ((o = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        int64_t x = 0;
+        switch (o) {
+        case 'b':
+            if (parse_list(optarg, batches, &n_batches)) goto bad;
+            break;
+        case 'c':
+            if (parse_list(optarg, ctxs, &n_ctxs)) goto bad;
+            break;
+        case 'p':
+        case 'l':
+        case 'a':
+        case 'i':
+            if (kvb_parse_i64(optarg, 1, 1 << 20, &x) != KVB_OK) goto bad;
+            if (o == 'p') prefill = (int)x;
+            else if (o == 'l') s.n_layers = (int)x;
+            else if (o == 'a') attn_batch = (int)x;
+            else ipc_batch = (int)x;
+            break;
+        case 'P': do_prefill = 0; break;
+        case 'I': do_ipc = 0; break;
+        case 'h': usage(stdout); return 0;
+        default: goto bad;
+        }
+    }
+    if (optind != argc) goto bad;
+
+    int n_dev = 0;
+    char why[200];
+    kvb_cuda_device_count(&n_dev, why, sizeof why);
+    if (n_dev == 0) {
+        printf("kvbank-bench cuda: no CUDA device (%s)\n", why);
+        return 77;
+    }
+    kvb_backend *be = NULL;
+    if (kvb_backend_create("cuda", 1, &be) != KVB_OK) return 1;
+    kvb_cuda_device_info info;
+    if (kvb_cuda_backend_info(be, &info) != KVB_OK) return 1;
+    printf("kvbank-bench cuda: %s (sm_%d%d, %d SMs, %.1f GiB, %.0f MiB L2), bf16, %d layers\n", info.name,
+           info.cc_major, info.cc_minor, info.n_sm, info.mem_total / 1073741824.0, info.l2_bytes / 1048576.0,
+           s.n_layers);
+    fflush(stdout);
+
+    int rc = 1;
+    model m = {0};
+    acts a = {0};
+    void *pool = NULL;
+    double B = measure_copy_bw(be, (size_t)2 << 30);
+    double F = measure_gemm(be, 8192);
+    printf("ceilings: copy %.2f TB/s (read + written), cuBLAS bf16 GEMM %.1f TFLOP/s\n", B / 1e12, F / 1e12);
+    fflush(stdout);
+    if (B <= 0 || F <= 0) goto out;
+
+    if (model_build(be, &s, &m) != KVB_OK) goto out;
+    int max_batch = 1, max_ctx = 1;
+    for (int i = 0; i < n_batches; i++) max_batch = KVB_MAX(max_batch, batches[i]);
+    for (int i = 0; i < n_ctxs; i++) max_ctx = KVB_MAX(max_ctx, ctxs[i]);
+    max_batch = KVB_MAX(max_batch, KVB_MAX(attn_batch, ipc_batch));
+    kvb_kv_geom g = {.n_layers = s.n_layers, .n_kv_heads = s.n_kv, .head_dim = s.head_dim, .block_size = s.block_size,
+                     .elem_size = 2};
+    int blocks_per_seq = KVB_DIV_CEIL(KVB_MAX(max_ctx, KVB_MAX(prefill, 4096)), s.block_size);
+    size_t block_bytes = (size_t)s.n_layers * 2 * s.block_size * s.n_kv * s.head_dim * 2;
+    int pool_seqs = KVB_MAX(max_batch, 1);
+    size_t pool_bytes = block_bytes * (size_t)blocks_per_seq * (size_t)pool_seqs;
+    int act_cap = KVB_MAX(max_batch, do_prefill ? prefill : 1);
+    if (acts_alloc(be, &s, act_cap, max_batch, &a) != KVB_OK) goto out;
+    if (be->iface->alloc(be->ctx, pool_bytes, &pool) != KVB_OK) {
+        fprintf(stderr, "kvbank-bench cuda: cannot allocate %.1f GiB of KV blocks (fewer --layers or smaller lists)\n",
+                pool_bytes / 1073741824.0);
+        goto out;
+    }
+    if (kvb_cuda_fill_uniform(pool, KVB_DTYPE_BF16, pool_bytes / 2, 9, -1, 1, kvb_cuda_backend_stream(be)) != 0 ||
+        kvb_cuda_fill_uniform(a.q, KVB_DTYPE_BF16, (size_t)act_cap * s.n_heads * s.head_dim, 10, -1, 1,
+                              kvb_cuda_backend_stream(be)) != 0)
+        goto out;
+    printf("model: %.2f G matrix parameters, %.2f GB of weights read per decode step; KV pool %.1f GiB\n\n",
+           m.matrix_params / 1e9, m.weight_bytes / 1e9, pool_bytes / 1073741824.0);
+
+    /* decode steps */
+    printf("decode step                 step ms  +logits  bytes GB  roofline ms   ratio\n");
+    for (int ci = 0; ci < n_ctxs; ci++)
+        for (int bi = 0; bi < n_batches; bi++) {
+            int batch = batches[bi], ctx = ctxs[ci];
+            batch_view v;
+            step st;
+            if (view_make(&m, &g, pool, blocks_per_seq, batch, ctx, 1, &v) != KVB_OK) goto out;
+            step_init(&st, be, &m, &a, &g, &v, batch);
+            double t_dev = time_events(be, run_step, &st, REPS);
+            st.logits_to_host = 1;
+            double walls[REPS];
+            for (int r = 0; r < REPS; r++) {
+                double t0 = kvb_now_s();
+                if (run_step(&st) != KVB_OK) t0 = -1e30;
+                walls[r] = kvb_now_s() - t0;
+            }
+            double t_wall = median(walls, REPS);
+            double kv_bytes = (double)batch * ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
+            double bytes = (double)m.weight_bytes + kv_bytes, ideal = bytes / B;
+            printf("  batch %3d ctx %5d     %9.3f %8.3f %9.2f %12.3f %7.2f\n", batch, ctx, t_dev * 1e3, t_wall * 1e3,
+                   bytes / 1e9, ideal * 1e3, t_dev > 0 ? ideal / t_dev : 0);
+            fflush(stdout);
+            view_free(&v, s.n_layers);
+        }
+
+    /* attention alone at the longest context */
+    printf("\npaged attention (decode)    time ms  KV GB    GB/s   ratio to copy\n");
+    int attn_batches[2] = {1, attn_batch};
+    for (int i = 0; i < 2; i++) {
+        batch_view v;
+        step st;
+        if (view_make(&m, &g, pool, blocks_per_seq, attn_batches[i], max_ctx, 1, &v) != KVB_OK) goto out;
+        step_init(&st, be, &m, &a, &g, &v, attn_batches[i]);
+        st.only_attention = 1;
+        double t = time_events(be, run_step, &st, REPS);
+        double kv = (double)attn_batches[i] * max_ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
+        printf("  batch %3d ctx %5d     %8.3f %6.2f %8.0f %10.2f\n", attn_batches[i], max_ctx, t * 1e3, kv / 1e9,
+               t > 0 ? kv / t / 1e9 : 0, t > 0 ? kv / t / B : 0);
+        view_free(&v, s.n_layers);
+    }
+
+    if (do_prefill) {
+        batch_view v;
+        step st;
+        if (view_make(&m, &g, pool, blocks_per_seq, 1, prefill, prefill, &v) != KVB_OK) goto out;
+        step_init(&st, be, &m, &a, &g, &v, 1);
+        double t = time_events(be, run_step, &st, 3);
+        st.only_attention = 1;
+        double ta = time_events(be, run_step, &st, 3);
+        double attn_flops = 4.0 * s.n_heads * s.head_dim * ((double)prefill * (prefill + 1) / 2) * s.n_layers;
+        double gemm_flops = 2.0 * prefill * (double)m.matrix_params + 2.0 * s.vocab * (double)s.hidden;
+        double flops = gemm_flops + attn_flops;
+        printf("\nprefill %d tokens          time ms  TFLOP  TFLOP/s  ratio to GEMM\n", prefill);
+        printf("  whole step                %8.1f %6.1f %8.1f %10.2f\n", t * 1e3, flops / 1e12,
+               t > 0 ? flops / t / 1e12 : 0, t > 0 ? flops / t / F : 0);
+        printf("  attention alone           %8.1f %6.1f %8.1f %10.2f\n", ta * 1e3, attn_flops / 1e12,
+               ta > 0 ? attn_flops / ta / 1e12 : 0, ta > 0 ? attn_flops / ta / F : 0);
+        printf("  the rest (GEMMs, norms)   %8.1f %6.1f %8.1f %10.2f\n", (t - ta) * 1e3, gemm_flops / 1e12,
+               t > ta ? gemm_flops / (t - ta) / 1e12 : 0, t > ta ? gemm_flops / (t - ta) / F : 0);
+        view_free(&v, s.n_layers);
+    }
+
+    if (do_ipc) {
+        /* a second process lends ipc_batch sequences of 4096 tokens; attention reads them in place */
+        int ctx = 4096, nb = KVB_DIV_CEIL(ctx, s.block_size);
+        size_t bytes = block_bytes * (size_t)nb * (size_t)ipc_batch;
+        int to[2], from[2];
+        if (pipe(to) || pipe(from)) goto out;
+        pid_t pid = fork();
+        if (pid == 0) {
+            char a1[16], a2[16], a3[32];
+            close(to[1]);
+            close(from[0]);
+            snprintf(a1, sizeof a1, "%d", to[0]);
+            snprintf(a2, sizeof a2, "%d", from[1]);
+            snprintf(a3, sizeof a3, "%zu", bytes);
+            execl("/proc/self/exe", "kvbank-bench", "cuda", "--ipc-worker", a1, a2, a3, (char *)NULL);
+            _exit(127);
+        }
+        close(to[0]);
+        close(from[1]);
+        char handle[KVB_CUDA_HANDLE_MAX + 2];
+        size_t got = 0;
+        char ch;
+        while (got < sizeof handle - 1 && read(from[0], &ch, 1) == 1 && ch != '\n') handle[got++] = ch;
+        handle[got] = 0;
+        kvb_cuda_region *lent = NULL;
+        double t_local = -1, t_lent = -1;
+        if (pid > 0 && kvb_cuda_region_import(handle, bytes, &lent) == KVB_OK) {
+            batch_view vl, vr;
+            step st;
+            if (view_make(&m, &g, pool, nb, ipc_batch, ctx, 1, &vl) == KVB_OK &&
+                view_make(&m, &g, kvb_cuda_region_base(lent), nb, ipc_batch, ctx, 1, &vr) == KVB_OK) {
+                step_init(&st, be, &m, &a, &g, &vl, ipc_batch);
+                st.only_attention = 1;
+                t_local = time_events(be, run_step, &st, REPS);
+                step_init(&st, be, &m, &a, &g, &vr, ipc_batch);
+                st.only_attention = 1;
+                t_lent = time_events(be, run_step, &st, REPS);
+            }
+            view_free(&vl, s.n_layers);
+            view_free(&vr, s.n_layers);
+            kvb_cuda_region_destroy(lent);
+        }
+        if (write(to[1], "DONE\n", 5) != 5) t_lent = -1;
+        close(to[1]);
+        close(from[0]);
+        int wst = 0;
+        if (pid > 0) waitpid(pid, &wst, 0);
+        double kv = (double)ipc_batch * ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
+        printf("\nattention over lent blocks  time ms  GB/s   (batch %d, ctx %d, %.1f GB of KV)\n", ipc_batch, ctx,
+               kv / 1e9);
+        printf("  local blocks              %8.3f %6.0f\n", t_local * 1e3, t_local > 0 ? kv / t_local / 1e9 : 0);
+        printf("  lent (CUDA IPC import)    %8.3f %6.0f\n", t_lent * 1e3, t_lent > 0 ? kv / t_lent / 1e9 : 0);
+        printf("  ratio lent / local        %8.3f%s\n", t_local > 0 && t_lent > 0 ? t_lent / t_local : 0,
+               WIFEXITED(wst) && WEXITSTATUS(wst) == 0 ? "" : "   (the lending process failed)");
+    }
+    rc = 0;
+out:
+    if (pool) be->iface->free(be->ctx, pool);
+    acts_free(be, &a);
+    model_free(be, &m);
+    kvb_backend_destroy(be);
+    return rc;
+bad:
+    usage(stderr);
+    return 2;
+}
+
+#else /* !KVB_WITH_CUDA */
+
+int kvb_bench_cuda(int argc, char **argv) {
+    printf("kvbank-bench cuda: no CUDA device: this binary was built without the CUDA backend\n");
+    return 77;
+}
+
+#endif

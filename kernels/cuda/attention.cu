@@ -1,0 +1,521 @@
+/* kvbank — CUDA paged attention: prefill tiles, decode splits and the split reduce (see attention.h).
+ *
+ * Keys and values are read through the block-address array: key `k` of a sequence lives in entry
+ * blk_first + k / block_size, row k % block_size; its K row for KV head g starts at
+ * row * (n_kv_heads * head_dim) + g * head_dim of the slice and its V row block_size rows further.
+ * Scores are prescaled by scale * log2(e) so that every exponential is an exp2f.
+ *
+ * Templates: T the storage type, HDP the head dimension rounded up to 32/64/128/256 (shared-memory
+ * rows are HDP wide, zero-padded), VP whether rows move as 16-byte vectors (head_dim * sizeof(T) a
+ * multiple of 16; block addresses 16-byte aligned by contract) or element by element. */
+#include <math.h>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/common.cuh"
+
+namespace {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int DR = KVB_CUDA_ATTN_DECODE_ROWS;
+constexpr int TK = KVB_CUDA_ATTN_KEY_TILE;
+constexpr int DEC_THREADS = 128;
+constexpr int DEC_WARPS = DEC_THREADS / 32;
+constexpr int PM = KVB_CUDA_ATTN_PREFILL_ROWS;
+constexpr int PBK = 32; /* keys per prefill tile */
+constexpr int PRE_THREADS = 256;
+constexpr int U = 4; /* loads in flight per thread before their first use */
+
+static_assert(PM == 64 && PRE_THREADS == 256, "the prefill thread layout assumes 64 rows x 32 keys on 256 threads");
+
+/* The K row of key `key` of a sequence for KV head `kvh` (its V row is `v_off` elements further). */
+template <typename T>
+__device__ __forceinline__ const T *key_row(const kvb_cuda_attn_args &a, int blk_first, int key, int kvh,
+                                            size_t row_elems) {
+    const T *blk = (const T *)a.blocks[blk_first + key / a.block_size];
+    return blk + (size_t)(key % a.block_size) * row_elems + (size_t)kvh * a.head_dim;
+}
+
+/* One slot of a row: W = VEC<T> elements (VP) or one element. */
+template <typename T, bool VP> __device__ __forceinline__ void load_slot(const T *p, float *f) {
+    if constexpr (VP) kvb::load_vec(p, f);
+    else f[0] = kvb::to_f(*p);
+}
+
+/* ---------------------------------------------------------------- decode */
+
+template <typename T, int HDP, bool VP>
+__global__ void __launch_bounds__(DEC_THREADS)
+    decode_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_decode_item *__restrict__ items) {
+    constexpr int W = VP ? kvb::VEC<T> : 1;            /* elements per slot */
+    constexpr int SL1 = (HDP / W + 31) / 32;            /* slots per lane in the score phase */
+    constexpr int SPT = (HDP / W + DEC_THREADS - 1) / DEC_THREADS; /* slots per thread in the P.V phase */
+    __shared__ __align__(16) float Qs[DR][HDP];         /* query rows, prescaled, zero-padded */
+    __shared__ float S[DR][TK];                         /* scores, then probabilities, of one key tile */
+    __shared__ float Ored[DR][HDP];                     /* output rows after the cross-group reduction */
+    __shared__ float m_s[DR], l_s[DR], alpha_s[DR];     /* running max, running sum, last rescale factor */
+    __shared__ int nvis_s[DR];                          /* keys visible to each row (0: row unused) */
+
+    const kvb_cuda_attn_decode_item it = items[blockIdx.x];
+    const kvb_attn_seq sq = a.seqs[it.seq];
+    const int hd = a.head_dim, gq = a.n_heads / a.n_kv_heads;
+    const int rows = sq.q_len * gq; /* <= DR: the host sends larger groups to the prefill kernel */
+    const int past = sq.ctx_len - sq.q_len;
+    const size_t row_elems = (size_t)a.n_kv_heads * hd, v_off = (size_t)a.block_size * row_elems;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float qscale = a.scale * LOG2E;
+
+    const T *q = (const T *)a.q;
+    for (int i = tid; i < DR * HDP; i += DEC_THREADS) {
+        int r = i / HDP, d = i % HDP;
+        float v = 0.0f;
+        if (r < rows && d < hd) {
+            int t = r / gq, h = it.kvh * gq + r % gq;
+            v = kvb::to_f(q[((size_t)(sq.q_start + t) * a.n_heads + h) * hd + d]) * qscale;
+        }
+        Qs[r][d] = v;
+    }
+    if (tid < DR) {
+        m_s[tid] = -INFINITY;
+        l_s[tid] = 0.0f;
+        alpha_s[tid] = 1.0f;
+        nvis_s[tid] = tid < rows ? past + tid / gq + 1 : 0;
+    }
+    __syncthreads();
+
+    const int NS = (hd + W - 1) / W; /* slots per row */
+    /* score phase: G lanes (a power of two) share one key, KPW keys per warp and step */
+    int G = 1;
+    while (G < NS && G < 32) G <<= 1;
+    const int KPW = 32 / G, sub = lane / G, gl = lane % G;
+    /* P.V phase: NSL threads cover a row's slots, KG groups of them take keys round-robin */
+    const int NSL = NS < DEC_THREADS ? NS : DEC_THREADS;
+    const int KG = DEC_THREADS / NSL, kg = tid / NSL, sl = tid % NSL;
+
+    float o[DR][SPT][W];
+#pragma unroll
+    for (int r = 0; r < DR; r++)
+#pragma unroll
+        for (int sp = 0; sp < SPT; sp++)
+#pragma unroll
+            for (int j = 0; j < W; j++) o[r][sp][j] = 0.0f;
+
+    for (int tile = it.k_begin; tile < it.k_end; tile += TK) {
+        const int tlen = min(TK, it.k_end - tile);
+
+        /* scores: warp w takes keys w*KPW + sub, then every DEC_WARPS*KPW; U keys per step */
+        for (int kb = warp * KPW; kb < TK; kb += U * DEC_WARPS * KPW) {
+            float kf[U][SL1][W];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int kk = kb + u * DEC_WARPS * KPW + sub;
+#pragma unroll
+                for (int s1 = 0; s1 < SL1; s1++) {
+                    int s = gl + s1 * G;
+                    if (kk < tlen && s < NS && (s1 == 0 || G == 32)) {
+                        const T *kr = key_row<T>(a, sq.blk_first, tile + kk, it.kvh, row_elems);
+                        load_slot<T, VP>(kr + (size_t)s * W, kf[u][s1]);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < W; j++) kf[u][s1][j] = 0.0f;
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                int kk = kb + u * DEC_WARPS * KPW + sub;
+                float acc[DR];
+#pragma unroll
+                for (int r = 0; r < DR; r++) {
+                    acc[r] = 0.0f;
+                    if (r < rows) {
+#pragma unroll
+                        for (int s1 = 0; s1 < SL1; s1++) {
+                            int s = gl + s1 * G;
+                            if (s < NS && (s1 == 0 || G == 32)) {
+#pragma unroll
+                                for (int j = 0; j < W; j++) acc[r] += Qs[r][s * W + j] * kf[u][s1][j];
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < DR; r++) {
+                    if (r < rows) { /* uniform: every lane of the warp agrees */
+                        for (int off = G / 2; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+                    }
+                }
+                if (gl == 0 && kk < tlen) {
+                    int key = tile + kk;
+#pragma unroll
+                    for (int r = 0; r < DR; r++) S[r][kk] = key < nvis_s[r] ? acc[r] : -INFINITY;
+                }
+            }
+        }
+        __syncthreads();
+
+        /* online softmax over the tile, one warp per row */
+        for (int r = warp; r < rows; r += DEC_WARPS) {
+            float m_old = m_s[r], l_old = l_s[r];
+            float mx = -INFINITY;
+            for (int kk = lane; kk < tlen; kk += 32) mx = fmaxf(mx, S[r][kk]);
+            mx = kvb::warp_max(mx);
+            float m_new = fmaxf(m_old, mx), alpha = 1.0f, sum = 0.0f;
+            if (m_new == -INFINITY) {
+                for (int kk = lane; kk < tlen; kk += 32) S[r][kk] = 0.0f;
+            } else {
+                alpha = exp2f(m_old - m_new);
+                for (int kk = lane; kk < tlen; kk += 32) {
+                    float p = exp2f(S[r][kk] - m_new);
+                    S[r][kk] = p;
+                    sum += p;
+                }
+            }
+            sum = kvb::warp_sum(sum);
+            if (lane == 0) {
+                m_s[r] = m_new;
+                l_s[r] = l_old * alpha + sum;
+                alpha_s[r] = alpha;
+            }
+        }
+        __syncthreads();
+
+        /* o = o * alpha + P . V */
+        if (kg < KG) {
+#pragma unroll
+            for (int r = 0; r < DR; r++) {
+                float al = alpha_s[r];
+#pragma unroll
+                for (int sp = 0; sp < SPT; sp++)
+#pragma unroll
+                    for (int j = 0; j < W; j++) o[r][sp][j] *= al;
+            }
+            for (int kb = kg; kb < tlen; kb += U * KG) {
+                float vf[U][SPT][W];
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    int kk = kb + u * KG;
+#pragma unroll
+                    for (int sp = 0; sp < SPT; sp++) {
+                        int s = sl + sp * NSL;
+                        if (kk < tlen && s < NS) {
+                            const T *vr = key_row<T>(a, sq.blk_first, tile + kk, it.kvh, row_elems) + v_off;
+                            load_slot<T, VP>(vr + (size_t)s * W, vf[u][sp]);
+                        } else {
+#pragma unroll
+                            for (int j = 0; j < W; j++) vf[u][sp][j] = 0.0f;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    int kk = kb + u * KG;
+                    if (kk >= tlen) break;
+#pragma unroll
+                    for (int r = 0; r < DR; r++) {
+                        if (r < rows) {
+                            float p = S[r][kk];
+#pragma unroll
+                            for (int sp = 0; sp < SPT; sp++)
+#pragma unroll
+                                for (int j = 0; j < W; j++) o[r][sp][j] += p * vf[u][sp][j];
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    /* deterministic reduction over the key groups, in group order */
+    for (int g2 = 0; g2 < KG; g2++) {
+        if (kg == g2) {
+#pragma unroll
+            for (int r = 0; r < DR; r++)
+#pragma unroll
+                for (int sp = 0; sp < SPT; sp++) {
+                    int s = sl + sp * NSL;
+                    if (s < NS)
+#pragma unroll
+                        for (int j = 0; j < W; j++) {
+                            int d = s * W + j;
+                            if (d < HDP) Ored[r][d] = (g2 == 0 ? 0.0f : Ored[r][d]) + o[r][sp][j];
+                        }
+                }
+        }
+        __syncthreads();
+    }
+
+    for (int i = tid; i < rows * hd; i += DEC_THREADS) {
+        int r = i / hd, d = i % hd;
+        float l = l_s[r], v = l > 0.0f ? Ored[r][d] / l : 0.0f;
+        if (it.part < 0) {
+            int t = r / gq, h = it.kvh * gq + r % gq;
+            ((T *)a.out)[((size_t)(sq.q_start + t) * a.n_heads + h) * hd + d] = kvb::from_f<T>(v);
+        } else {
+            a.part_o[((size_t)it.part * DR + r) * hd + d] = v;
+        }
+    }
+    if (it.part >= 0 && tid < rows)
+        a.part_lse[(size_t)it.part * DR + tid] = l_s[tid] > 0.0f ? m_s[tid] + log2f(l_s[tid]) : -INFINITY;
+}
+
+template <typename T>
+__global__ void reduce_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_reduce_item *__restrict__ items) {
+    const kvb_cuda_attn_reduce_item it = items[blockIdx.x];
+    const kvb_attn_seq sq = a.seqs[it.seq];
+    const int hd = a.head_dim, gq = a.n_heads / a.n_kv_heads, rows = sq.q_len * gq;
+    for (int i = threadIdx.x; i < rows * hd; i += blockDim.x) {
+        int r = i / hd, d = i % hd;
+        float M = -INFINITY;
+        for (int p = 0; p < it.n_parts; p++) M = fmaxf(M, a.part_lse[(size_t)(it.part_first + p) * DR + r]);
+        float num = 0.0f, den = 0.0f;
+        if (M != -INFINITY) {
+            for (int p = 0; p < it.n_parts; p++) {
+                float lse = a.part_lse[(size_t)(it.part_first + p) * DR + r];
+                if (lse == -INFINITY) continue;
+                float w = exp2f(lse - M);
+                num += w * a.part_o[((size_t)(it.part_first + p) * DR + r) * hd + d];
+                den += w;
+            }
+        }
+        int t = r / gq, h = it.kvh * gq + r % gq;
+        ((T *)a.out)[((size_t)(sq.q_start + t) * a.n_heads + h) * hd + d] = kvb::from_f<T>(den > 0.0f ? num / den : 0.0f);
+    }
+}
+
+/* ---------------------------------------------------------------- prefill */
+
+template <int HDP> constexpr size_t prefill_smem_bytes() {
+    return sizeof(float) * ((size_t)PM * (HDP + 4) + (size_t)PBK * (HDP + 4) + (size_t)PBK * HDP + (size_t)PM * (PBK + 1));
+}
+
+/* Thread (ty, tx) = (tid / 8, tid % 8) owns query rows ty and ty + 32 of the tile, score columns
+ * tx + 8j (j < 4) of each key tile, and output columns 4 (tx + 8c) .. +3 (c < HDP/32). */
+template <typename T, int HDP, bool VP>
+__global__ void __launch_bounds__(PRE_THREADS)
+    prefill_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_prefill_item *__restrict__ items) {
+    constexpr int W = VP ? kvb::VEC<T> : 1;
+    constexpr int QLD = HDP + 4; /* padded row stride of Qs and Ks: conflict-free float4 reads */
+    constexpr int NC = HDP / 32;
+    constexpr int PLD = PBK + 1;
+    extern __shared__ float4 smem4[];
+    float *Qs = reinterpret_cast<float *>(smem4); /* [PM][QLD] prescaled queries */
+    float *Ks = Qs + PM * QLD;                    /* [PBK][QLD] keys of the tile */
+    float *Vs = Ks + PBK * QLD;                   /* [PBK][HDP] values of the tile */
+    float *Ps = Vs + PBK * HDP;                   /* [PM][PLD] probabilities of the tile */
+
+    const kvb_cuda_attn_prefill_item it = items[blockIdx.x];
+    const kvb_attn_seq sq = a.seqs[it.seq];
+    const int hd = a.head_dim, gq = a.n_heads / a.n_kv_heads;
+    const int nh = min(gq, PM), TT = PM / nh;
+    const int past = sq.ctx_len - sq.q_len;
+    const size_t row_elems = (size_t)a.n_kv_heads * hd, v_off = (size_t)a.block_size * row_elems;
+    const int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
+    const float qscale = a.scale * LOG2E;
+
+    const T *q = (const T *)a.q;
+    for (int i = tid; i < PM * QLD; i += PRE_THREADS) {
+        int r = i / QLD, d = i % QLD, t = it.t0 + r / nh, hh = it.h0 + r % nh;
+        float v = 0.0f;
+        if (d < hd && r < TT * nh && t < sq.q_len && hh < gq)
+            v = kvb::to_f(q[((size_t)(sq.q_start + t) * a.n_heads + (size_t)it.kvh * gq + hh) * hd + d]) * qscale;
+        Qs[i] = v;
+    }
+    for (int i = tid; i < PBK * QLD; i += PRE_THREADS) Ks[i] = 0.0f; /* the padding stays zero */
+    for (int i = tid; i < PBK * HDP; i += PRE_THREADS) Vs[i] = 0.0f;
+
+    int nvis[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int r = ty + 32 * i, t = it.t0 + r / nh, hh = it.h0 + r % nh;
+        nvis[i] = (r < TT * nh && t < sq.q_len && hh < gq) ? past + t + 1 : 0;
+    }
+    const int kmax = past + min(it.t0 + TT, sq.q_len); /* keys the tile's last row sees */
+    const int dlim = (hd + 3) & ~3;
+    const int NS = (hd + W - 1) / W;
+
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float4 o[2][NC];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int c = 0; c < NC; c++) o[i][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    __syncthreads();
+
+    for (int k0 = 0; k0 < kmax; k0 += PBK) {
+        /* K and V of keys [k0, k0 + PBK) into shared memory as f32 */
+        for (int i = tid; i < PBK * NS; i += PRE_THREADS) {
+            int kk = i / NS, s = i % NS, key = k0 + kk;
+            float kf[W], vf[W];
+            if (key < kmax) {
+                const T *kr = key_row<T>(a, sq.blk_first, key, it.kvh, row_elems) + (size_t)s * W;
+                load_slot<T, VP>(kr, kf);
+                load_slot<T, VP>(kr + v_off, vf);
+            } else {
+#pragma unroll
+                for (int j = 0; j < W; j++) kf[j] = vf[j] = 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < W; j++) {
+                Ks[kk * QLD + s * W + j] = kf[j];
+                Vs[kk * HDP + s * W + j] = vf[j];
+            }
+        }
+        __syncthreads();
+
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll 4
+        for (int d = 0; d < dlim; d += 4) {
+            float4 q0 = *reinterpret_cast<const float4 *>(&Qs[ty * QLD + d]);
+            float4 q1 = *reinterpret_cast<const float4 *>(&Qs[(ty + 32) * QLD + d]);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float4 kv = *reinterpret_cast<const float4 *>(&Ks[(tx + 8 * j) * QLD + d]);
+                sc[0][j] += q0.x * kv.x + q0.y * kv.y + q0.z * kv.z + q0.w * kv.w;
+                sc[1][j] += q1.x * kv.x + q1.y * kv.y + q1.z * kv.z + q1.w * kv.w;
+            }
+        }
+
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if (k0 + tx + 8 * j >= nvis[i]) sc[i][j] = -INFINITY;
+                mx = fmaxf(mx, sc[i][j]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            float mn = fmaxf(m[i], mx), alpha = 1.0f, rs = 0.0f, p[4];
+            if (mn == -INFINITY) {
+#pragma unroll
+                for (int j = 0; j < 4; j++) p[j] = 0.0f;
+            } else {
+                alpha = exp2f(m[i] - mn);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    p[j] = exp2f(sc[i][j] - mn);
+                    rs += p[j];
+                }
+            }
+            rs += __shfl_xor_sync(0xffffffffu, rs, 1);
+            rs += __shfl_xor_sync(0xffffffffu, rs, 2);
+            rs += __shfl_xor_sync(0xffffffffu, rs, 4);
+            l[i] = l[i] * alpha + rs;
+            m[i] = mn;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                o[i][c].x *= alpha;
+                o[i][c].y *= alpha;
+                o[i][c].z *= alpha;
+                o[i][c].w *= alpha;
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) Ps[(ty + 32 * i) * PLD + tx + 8 * j] = p[j];
+        }
+        __syncthreads();
+
+#pragma unroll 4
+        for (int kk = 0; kk < PBK; kk++) {
+            float p0 = Ps[ty * PLD + kk], p1 = Ps[(ty + 32) * PLD + kk];
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                float4 v = *reinterpret_cast<const float4 *>(&Vs[kk * HDP + 4 * (tx + 8 * c)]);
+                o[0][c].x += p0 * v.x;
+                o[0][c].y += p0 * v.y;
+                o[0][c].z += p0 * v.z;
+                o[0][c].w += p0 * v.w;
+                o[1][c].x += p1 * v.x;
+                o[1][c].y += p1 * v.y;
+                o[1][c].z += p1 * v.z;
+                o[1][c].w += p1 * v.w;
+            }
+        }
+        __syncthreads();
+    }
+
+    T *out = (T *)a.out;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (nvis[i] == 0) continue;
+        int r = ty + 32 * i, t = it.t0 + r / nh, hh = it.h0 + r % nh;
+        float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        T *orow = out + ((size_t)(sq.q_start + t) * a.n_heads + (size_t)it.kvh * gq + hh) * hd;
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            int d = 4 * (tx + 8 * c);
+            float v[4] = {o[i][c].x * inv, o[i][c].y * inv, o[i][c].z * inv, o[i][c].w * inv};
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                if (d + e < hd) orow[d + e] = kvb::from_f<T>(v[e]);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- dispatch */
+
+template <typename T, int HDP, bool VP>
+int launch_prefill(const kvb_cuda_attn_args &a, const kvb_cuda_attn_prefill_item *items, int n, cudaStream_t s) {
+    constexpr size_t smem = prefill_smem_bytes<HDP>();
+    if (smem > 48 * 1024) {
+        /* above 48 KiB a kernel must opt in; cheap, and idempotent across threads */
+        cudaError_t e = cudaFuncSetAttribute(prefill_kernel<T, HDP, VP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)smem);
+        if (e != cudaSuccess) return (int)e;
+    }
+    prefill_kernel<T, HDP, VP><<<n, PRE_THREADS, smem, s>>>(a, items);
+    return (int)cudaGetLastError();
+}
+
+template <typename T, int HDP, bool VP>
+int launch_decode(const kvb_cuda_attn_args &a, const kvb_cuda_attn_decode_item *items, int n, cudaStream_t s) {
+    decode_kernel<T, HDP, VP><<<n, DEC_THREADS, 0, s>>>(a, items);
+    return (int)cudaGetLastError();
+}
+
+/* Calls F<T, HDP, VP>::run(args...) for the batch's dtype and head size. */
+#define KVB_ATTN_DISPATCH(a, LAUNCH, ...)                                                              \
+    KVB_CUDA_DISPATCH((a).dtype, T, {                                                                  \
+        bool vp = ((size_t)(a).head_dim * sizeof(T)) % 16 == 0;                                        \
+        int hd = (a).head_dim;                                                                         \
+        if (hd <= 32) return vp ? LAUNCH<T, 32, true>(__VA_ARGS__) : LAUNCH<T, 32, false>(__VA_ARGS__); \
+        if (hd <= 64) return vp ? LAUNCH<T, 64, true>(__VA_ARGS__) : LAUNCH<T, 64, false>(__VA_ARGS__); \
+        if (hd <= 128)                                                                                 \
+            return vp ? LAUNCH<T, 128, true>(__VA_ARGS__) : LAUNCH<T, 128, false>(__VA_ARGS__);        \
+        return vp ? LAUNCH<T, 256, true>(__VA_ARGS__) : LAUNCH<T, 256, false>(__VA_ARGS__);            \
+    })
+
+int check_args(const kvb_cuda_attn_args *a, cudaStream_t s) {
+    if (!s || !a) return (int)cudaErrorInvalidValue;
+    if (a->head_dim <= 0 || a->head_dim > KVB_CUDA_ATTN_MAX_HEAD_DIM || a->n_kv_heads <= 0 ||
+        a->n_heads % a->n_kv_heads || a->block_size <= 0)
+        return (int)cudaErrorInvalidValue;
+    return (int)cudaSuccess;
+}
+
+} // namespace
+
+extern "C" int kvb_cuda_attention_prefill(const kvb_cuda_attn_args *a, const kvb_cuda_attn_prefill_item *items,
+                                          int n_items, kvb_cuda_stream_t s) {
+    int e = check_args(a, s);
+    if (e || n_items <= 0) return e;
+    KVB_ATTN_DISPATCH(*a, launch_prefill, *a, items, n_items, s);
+    return (int)cudaErrorInvalidValue;
+}
+
+extern "C" int kvb_cuda_attention_decode(const kvb_cuda_attn_args *a, const kvb_cuda_attn_decode_item *items,
+                                         int n_items, kvb_cuda_stream_t s) {
+    int e = check_args(a, s);
+    if (e || n_items <= 0) return e;
+    KVB_ATTN_DISPATCH(*a, launch_decode, *a, items, n_items, s);
+    return (int)cudaErrorInvalidValue;
+}
+
+extern "C" int kvb_cuda_attention_reduce(const kvb_cuda_attn_args *a, const kvb_cuda_attn_reduce_item *items,
+                                         int n_items, kvb_cuda_stream_t s) {
+    int e = check_args(a, s);
+    if (e || n_items <= 0) return e;
+    KVB_CUDA_DISPATCH(a->dtype, T, reduce_kernel<T><<<n_items, 128, 0, s>>>(*a, items));
+    return (int)cudaGetLastError();
+}

@@ -1,0 +1,80 @@
+/* kvbank — CUDA paged attention (causal, GQA), reading K/V through per-layer block addresses.
+ *
+ * Two kernels share one batch: a sequence whose query rows per KV head (q_len * n_heads/n_kv_heads) fit
+ * in KVB_CUDA_ATTN_DECODE_ROWS takes the decode kernel, every other one the prefill kernel.
+ *  - prefill: one CUDA block per tile of KVB_CUDA_ATTN_PREFILL_ROWS query rows (tokens x heads of one
+ *    KV group), walking the visible keys in shared-memory tiles with an online softmax;
+ *  - decode: one CUDA block per (sequence, KV head, split of the context). A long context is cut into
+ *    splits of a length the caller picks (a multiple of KVB_CUDA_ATTN_KEY_TILE) so that enough blocks
+ *    run; each split writes a normalised partial output and its log-sum-exp, and the reduce kernel
+ *    merges the splits of each (sequence, KV head). A single split writes the output directly.
+ * Both accumulate in f32 with exp2 of log2e-prescaled scores and never use atomics: results are
+ * deterministic for a given plan. The CPU twin is kvb__cpu_attention. */
+#ifndef KVB_KERNELS_CUDA_ATTENTION_H
+#define KVB_KERNELS_CUDA_ATTENTION_H
+
+#include "kernels/cuda/launch.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+#include "kernels/backend.h" /* kvb_attn_seq */
+#ifdef __cplusplus
+}
+#endif
+
+KVB_CUDA_EXTERN_C_BEGIN
+
+#define KVB_CUDA_ATTN_MAX_HEAD_DIM 256
+/* Query rows (q_len x heads of one KV group) one decode block handles. */
+#define KVB_CUDA_ATTN_DECODE_ROWS 8
+/* Query rows per prefill tile. */
+#define KVB_CUDA_ATTN_PREFILL_ROWS 64
+/* Keys per inner tile of the decode kernel; split lengths are multiples of it. */
+#define KVB_CUDA_ATTN_KEY_TILE 128
+
+/* What every attention launch of one batch shares. All pointers are device memory. */
+typedef struct kvb_cuda_attn_args {
+    kvb_dtype dtype;          /* of q, out and the KV blocks */
+    int n_heads;              /* query heads; a multiple of n_kv_heads */
+    int n_kv_heads;
+    int head_dim;             /* even, at most KVB_CUDA_ATTN_MAX_HEAD_DIM */
+    int block_size;           /* tokens per KV block */
+    float scale;              /* softmax scale, 1/sqrt(head_dim) */
+    const kvb_attn_seq *seqs; /* [n_seqs] the batch's sequences (kernels/backend.h) */
+    const void *const *blocks;/* [sum of n_blocks] layer-slice address of each block entry,
+                                 [2][block_size][n_kv_heads][head_dim], 16-byte aligned */
+    const void *q;            /* [n_tokens][n_heads][head_dim] */
+    void *out;                /* [n_tokens][n_heads][head_dim] */
+    float *part_o;            /* [n_parts][KVB_CUDA_ATTN_DECODE_ROWS][head_dim] normalised split outputs */
+    float *part_lse;          /* [n_parts][KVB_CUDA_ATTN_DECODE_ROWS] log2(sum exp2) of each split row */
+} kvb_cuda_attn_args;
+
+/* A prefill tile: heads [h0, h0 + nh) of KV group kvh, nh = min(group size, PREFILL_ROWS), and the
+ * sequence's query tokens [t0, t0 + PREFILL_ROWS / nh). */
+typedef struct kvb_cuda_attn_prefill_item {
+    int32_t seq, kvh, t0, h0;
+} kvb_cuda_attn_prefill_item;
+
+/* A decode split: keys [k_begin, k_end) of sequence seq, KV group kvh, for all of its q_len x group
+ * rows. part < 0: the only split, writes `out`; else writes partial `part` for the reduce. */
+typedef struct kvb_cuda_attn_decode_item {
+    int32_t seq, kvh, k_begin, k_end, part;
+} kvb_cuda_attn_decode_item;
+
+/* Merges partials [part_first, part_first + n_parts) of (seq, kvh) into `out`. */
+typedef struct kvb_cuda_attn_reduce_item {
+    int32_t seq, kvh, part_first, n_parts;
+} kvb_cuda_attn_reduce_item;
+
+/* Each launcher runs its items (device arrays of n_items) on stream s. */
+int kvb_cuda_attention_prefill(const kvb_cuda_attn_args *a, const kvb_cuda_attn_prefill_item *items, int n_items,
+                               kvb_cuda_stream_t s);
+int kvb_cuda_attention_decode(const kvb_cuda_attn_args *a, const kvb_cuda_attn_decode_item *items, int n_items,
+                              kvb_cuda_stream_t s);
+int kvb_cuda_attention_reduce(const kvb_cuda_attn_args *a, const kvb_cuda_attn_reduce_item *items, int n_items,
+                              kvb_cuda_stream_t s);
+
+KVB_CUDA_EXTERN_C_END
+
+#endif

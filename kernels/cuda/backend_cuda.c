@@ -1,0 +1,591 @@
+/* kvbank — the CUDA backend: kvb_backend_i over cudaMalloc'd memory, one non-blocking stream, cuBLAS
+ * for the matrix products and the launchers of kernels/cuda for everything else (backend_cuda.h).
+ *
+ * Operators are asynchronous: each enqueues its work on the backend's stream and returns. The host
+ * arrays an operator receives (token ids, positions, the batch's sequences, block addresses) are
+ * packed into a pinned staging slot, copied to a device metadata buffer on the same stream and read
+ * from there by the kernels. Stream order makes one device metadata buffer enough: the copy for an
+ * operator runs after the kernels of the previous one. Staging slots rotate through a ring; a slot is
+ * refilled only after the event recorded behind its last copy has completed, so the host runs up to
+ * STAGE_SLOTS operators ahead of the device without waiting. */
+#include "kernels/cuda/backend_cuda.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <string.h>
+#ifdef KVB_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/convert.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/embed.h"
+#include "kernels/cuda/kv_write.h"
+#include "kernels/cuda/rmsnorm.h"
+#include "kernels/cuda/rope.h"
+
+#define STAGE_SLOTS 8
+/* cuBLAS workspace owned by the backend (NVIDIA recommends 32 MiB on Hopper). */
+#define BLAS_WORKSPACE_BYTES ((size_t)32 << 20)
+/* Elements converted per step when a weight's dtype changes on upload. */
+#define UPLOAD_CHUNK_ELEMS ((size_t)16 << 20)
+/* Decode splits: aim for this many CUDA blocks per multiprocessor, never split below this many keys. */
+#define DECODE_BLOCKS_PER_SM 4
+#define DECODE_MIN_SPLIT (2 * KVB_CUDA_ATTN_KEY_TILE)
+
+/* ---------------------------------------------------------------- errors */
+
+kvb_status kvb__cublas_status(int st, const char *expr, const char *file, int line) {
+    if (st == (int)CUBLAS_STATUS_SUCCESS) return KVB_OK;
+    cublasStatus_t s = (cublasStatus_t)st;
+    KVB_LOG_E("cublas: %s: %s (%s) at %s:%d", expr, cublasGetStatusString(s), cublasGetStatusName(s), file, line);
+    switch (s) {
+    case CUBLAS_STATUS_ALLOC_FAILED: return KVB_ERR_NOMEM;
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+    case CUBLAS_STATUS_ARCH_MISMATCH: return KVB_ERR_UNSUPPORTED;
+    case CUBLAS_STATUS_INVALID_VALUE: return KVB_ERR_INVALID;
+    default: return KVB_ERR_BACKEND;
+    }
+}
+
+#ifdef KVB_HAVE_NCCL
+kvb_status kvb__nccl_status(int res, const char *expr, const char *file, int line) {
+    if (res == (int)ncclSuccess) return KVB_OK;
+    ncclResult_t r = (ncclResult_t)res;
+    const char *last = ncclGetLastError(NULL);
+    KVB_LOG_E("nccl: %s: %s%s%s at %s:%d", expr, ncclGetErrorString(r), last && *last ? ": " : "", last ? last : "",
+              file, line);
+    switch (r) {
+    case ncclInvalidArgument:
+    case ncclInvalidUsage: return KVB_ERR_INVALID;
+    case ncclRemoteError:
+    case ncclSystemError: return KVB_ERR_IO;
+    default: return KVB_ERR_BACKEND;
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- context */
+
+typedef struct stage_slot {
+    void *host;        /* [cap] bytes of pinned memory */
+    size_t cap;
+    cudaEvent_t done;  /* recorded after the copy out of `host` */
+    int pending;       /* 1 while that copy may still read `host` */
+} stage_slot;
+
+typedef struct cuda_ctx {
+    kvb_dtype dt;             /* activations, KV cache, weight matrices */
+    int device;
+    int n_sm;
+    cudaStream_t stream;      /* non-blocking; every operator runs here */
+    cublasHandle_t blas;      /* bound to `stream` and `blas_ws` */
+    cublasComputeType_t compute;
+    void *blas_ws;            /* [BLAS_WORKSPACE_BYTES] */
+    stage_slot stage[STAGE_SLOTS];
+    int next_stage;
+    void *meta;               /* [meta_cap] bytes: the current operator's host arrays */
+    size_t meta_cap;
+    float *part;              /* [part_cap] floats: attention split partials (outputs, then lse) */
+    size_t part_cap;
+    float *f32buf;            /* [f32_cap] floats: to_host_f32 conversion */
+    size_t f32_cap;
+    void *wtmp;               /* [wtmp_cap] bytes: weight upload before conversion */
+    size_t wtmp_cap;
+    /* host scratch for operator plans, grown on demand */
+    int64_t *slots;           /* [slots_cap] kv_write slot per batch row */
+    size_t slots_cap;
+    const void **blk;         /* [blk_cap] compact block addresses for kv_write */
+    size_t blk_cap;
+    kvb_cuda_attn_prefill_item *pitems;
+    size_t pitems_cap;
+    kvb_cuda_attn_decode_item *ditems;
+    size_t ditems_cap;
+    kvb_cuda_attn_reduce_item *ritems;
+    size_t ritems_cap;
+} cuda_ctx;
+
+/* Makes *arr hold at least n elements of `size` bytes (contents kept). */
+static kvb_status host_reserve(void **arr, size_t *cap, size_t n, size_t size) {
+    if (n <= *cap) return KVB_OK;
+    size_t want = n + n / 2 + 16;
+    KVB_TRY(kvb_realloc_array(arr, want, size));
+    *cap = want;
+    return KVB_OK;
+}
+
+/* Makes the device buffer *p hold at least `bytes`; waits for the stream before freeing the old one
+ * (a kernel may still read it). Contents are not kept. */
+static kvb_status dev_reserve(cuda_ctx *c, void **p, size_t *cap, size_t bytes) {
+    if (bytes <= *cap) return KVB_OK;
+    size_t want = bytes + bytes / 2;
+    if (*p) {
+        KVB_TRY(KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream)));
+        KVB_TRY(KVB_CUDA_CHECK(cudaFree(*p)));
+        *p = NULL;
+        *cap = 0;
+    }
+    KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(p, want)));
+    *cap = want;
+    return KVB_OK;
+}
+
+/* One host array an operator sends to the device; `dev` receives its device address. */
+typedef struct meta_part {
+    const void *src;
+    size_t bytes;
+    const void **dev;
+} meta_part;
+
+#define ALIGN16(x) (((x) + 15) & ~(size_t)15)
+
+/* Copies the parts to the device metadata buffer on the stream (see the top of this file). */
+static kvb_status upload(cuda_ctx *c, meta_part *parts, int n) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += ALIGN16(parts[i].bytes);
+    if (total == 0) return KVB_OK;
+    stage_slot *s = &c->stage[c->next_stage];
+    c->next_stage = (c->next_stage + 1) % STAGE_SLOTS;
+    if (s->pending) {
+        KVB_TRY(KVB_CUDA_CHECK(cudaEventSynchronize(s->done)));
+        s->pending = 0;
+    }
+    if (s->cap < total) {
+        if (s->host) KVB_TRY(KVB_CUDA_CHECK(cudaFreeHost(s->host)));
+        s->host = NULL;
+        s->cap = 0;
+        size_t want = KVB_MAX(total + total / 2, (size_t)64 << 10);
+        KVB_TRY(KVB_CUDA_CHECK(cudaHostAlloc(&s->host, want, cudaHostAllocDefault)));
+        s->cap = want;
+    }
+    KVB_TRY(dev_reserve(c, &c->meta, &c->meta_cap, total));
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        if (parts[i].bytes) memcpy((char *)s->host + off, parts[i].src, parts[i].bytes);
+        *parts[i].dev = (char *)c->meta + off;
+        off += ALIGN16(parts[i].bytes);
+    }
+    KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(c->meta, s->host, total, cudaMemcpyHostToDevice, c->stream)));
+    KVB_TRY(KVB_CUDA_CHECK(cudaEventRecord(s->done, c->stream)));
+    s->pending = 1;
+    return KVB_OK;
+}
+
+static cudaDataType_t cuda_type(kvb_dtype dt) {
+    switch (dt) {
+    case KVB_DTYPE_F16: return CUDA_R_16F;
+    case KVB_DTYPE_BF16: return CUDA_R_16BF;
+    default: return CUDA_R_32F;
+    }
+}
+
+/* ---------------------------------------------------------------- memory */
+
+static kvb_status cu_alloc(void *ctx, size_t bytes, void **out) {
+    if (bytes == 0) bytes = 1;
+    void *p = NULL;
+    KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(&p, bytes)));
+    *out = p;
+    return KVB_OK;
+}
+
+static void cu_free(void *ctx, void *p) {
+    if (!p) return;
+    cuda_ctx *c = ctx;
+    /* the memory may be in use by work still queued */
+    (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    (void)KVB_CUDA_CHECK(cudaFree(p));
+}
+
+static kvb_status cu_to_device(void *ctx, void *dst, const void *src, size_t bytes) {
+    cuda_ctx *c = ctx;
+    if (bytes == 0) return KVB_OK;
+    KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream)));
+    /* the caller may reuse `src` as soon as we return */
+    return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+static kvb_status cu_to_host(void *ctx, void *dst, const void *src, size_t bytes) {
+    cuda_ctx *c = ctx;
+    if (bytes == 0) return KVB_OK;
+    KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream)));
+    return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+static kvb_status cu_to_host_f32(void *ctx, float *dst, const void *src, size_t n) {
+    cuda_ctx *c = ctx;
+    if (n == 0) return KVB_OK;
+    const void *from = src;
+    if (c->dt != KVB_DTYPE_F32) {
+        KVB_TRY(dev_reserve(c, (void **)&c->f32buf, &c->f32_cap, n * sizeof(float)));
+        KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_convert(src, c->dt, c->f32buf, KVB_DTYPE_F32, n, c->stream)));
+        from = c->f32buf;
+    }
+    KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(dst, from, n * sizeof(float), cudaMemcpyDeviceToHost, c->stream)));
+    return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+static kvb_status cu_sync(void *ctx) {
+    cuda_ctx *c = ctx;
+    return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+/* ---------------------------------------------------------------- weights */
+
+static kvb_status cu_weight_load(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
+                                 kvb_tensor *dst) {
+    cuda_ctx *c = ctx;
+    if (rows <= 0 || cols <= 0 || kvb_dtype_size(src_dtype) == 0) return KVB_ERR_INVALID;
+    size_t n = (size_t)rows * (size_t)cols;
+    kvb_dtype dd = cols == 1 ? KVB_DTYPE_F32 : c->dt; /* norm weights stay f32 */
+    size_t ss = kvb_dtype_size(src_dtype), ds = kvb_dtype_size(dd);
+    void *w = NULL;
+    KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(&w, n * ds)));
+    kvb_status st;
+    if (src_dtype == dd) {
+        KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaMemcpyAsync(w, src, n * ds, cudaMemcpyHostToDevice, c->stream)), fail);
+    } else {
+        size_t chunk = KVB_MIN(n, UPLOAD_CHUNK_ELEMS);
+        KVB_TRY_GOTO(dev_reserve(c, &c->wtmp, &c->wtmp_cap, chunk * ss), fail);
+        for (size_t off = 0; off < n; off += chunk) {
+            size_t len = KVB_MIN(chunk, n - off);
+            /* stream order: this copy into wtmp runs after the previous chunk's conversion */
+            KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaMemcpyAsync(c->wtmp, (const char *)src + off * ss, len * ss,
+                                                        cudaMemcpyHostToDevice, c->stream)),
+                         fail);
+            KVB_TRY_GOTO(KVB_CUDA_CHECK(kvb_cuda_convert(c->wtmp, src_dtype, (char *)w + off * ds, dd, len, c->stream)),
+                         fail);
+        }
+    }
+    /* the caller unmaps `src` after we return */
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream)), fail);
+    dst->data = w;
+    dst->dtype = dd;
+    dst->ne[0] = rows;
+    dst->ne[1] = cols;
+    return KVB_OK;
+fail:
+    cudaStreamSynchronize(c->stream);
+    cudaFree(w);
+    return st;
+}
+
+static void cu_weight_free(void *ctx, kvb_tensor *t) {
+    if (!t) return;
+    cu_free(ctx, t->data);
+    t->data = NULL;
+}
+
+/* ---------------------------------------------------------------- operators */
+
+static kvb_status cu_embed(void *ctx, const kvb_tensor *table, const int32_t *ids, int n, void *out) {
+    cuda_ctx *c = ctx;
+    if (n <= 0) return KVB_OK;
+    const void *d_ids = NULL;
+    meta_part parts[] = {{ids, (size_t)n * sizeof(int32_t), &d_ids}};
+    KVB_TRY(upload(c, parts, 1));
+    return KVB_CUDA_CHECK(
+        kvb_cuda_gather_rows(table->data, table->dtype, d_ids, n, (int)table->ne[1], out, c->dt, c->stream));
+}
+
+static kvb_status cu_gather_rows(void *ctx, const void *x, const int32_t *rows, int n, int dim, void *out) {
+    cuda_ctx *c = ctx;
+    if (n <= 0) return KVB_OK;
+    const void *d_rows = NULL;
+    meta_part parts[] = {{rows, (size_t)n * sizeof(int32_t), &d_rows}};
+    KVB_TRY(upload(c, parts, 1));
+    return KVB_CUDA_CHECK(kvb_cuda_gather_rows(x, c->dt, d_rows, n, dim, out, c->dt, c->stream));
+}
+
+static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w, float beta, void *y) {
+    cuda_ctx *c = ctx;
+    if (n <= 0) return KVB_OK;
+    if (w->dtype != c->dt || w->ne[0] > INT32_MAX || w->ne[1] > INT32_MAX) {
+        KVB_LOG_E("cuda matmul: weight of dtype %s [%lld][%lld] on a %s backend", kvb_dtype_name(w->dtype),
+                  (long long)w->ne[0], (long long)w->ne[1], kvb_dtype_name(c->dt));
+        return KVB_ERR_INVALID;
+    }
+    int rows = (int)w->ne[0], cols = (int)w->ne[1];
+    float alpha = 1.0f;
+    cudaDataType_t t = cuda_type(c->dt);
+    /* column-major view: Y^T[rows][n] = W[rows][cols] (stored as cols x rows, so op T) . X^T[cols][n] */
+    return KVB_CUBLAS_CHECK(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w->data, t, cols, x, t,
+                                         cols, &beta, y, t, rows, c->compute, CUBLAS_GEMM_DEFAULT));
+}
+
+static kvb_status cu_rmsnorm(void *ctx, const void *x, int rows, int dim, const kvb_tensor *w, float eps, void *y) {
+    cuda_ctx *c = ctx;
+    if (w->dtype != KVB_DTYPE_F32 || w->ne[0] * w->ne[1] != dim) {
+        KVB_LOG_E("cuda rmsnorm: weight must be %d f32 values", dim);
+        return KVB_ERR_INVALID;
+    }
+    return KVB_CUDA_CHECK(kvb_cuda_rmsnorm(x, y, c->dt, rows, dim, w->data, eps, c->stream));
+}
+
+static kvb_status cu_rope(void *ctx, void *q, int n_heads, void *k, int n_kv_heads, int n, const int32_t *pos,
+                          const kvb_rope *rope) {
+    cuda_ctx *c = ctx;
+    if (n <= 0) return KVB_OK;
+    const void *d_pos = NULL, *d_freq = NULL;
+    meta_part parts[] = {{pos, (size_t)n * sizeof(int32_t), &d_pos},
+                         {rope->inv_freq, (size_t)(rope->head_dim / 2) * sizeof(float), &d_freq}};
+    KVB_TRY(upload(c, parts, 2));
+    return KVB_CUDA_CHECK(
+        kvb_cuda_rope(q, n_heads, k, n_kv_heads, c->dt, n, rope->head_dim, d_pos, d_freq, c->stream));
+}
+
+static kvb_status cu_silu_mul(void *ctx, const void *gate, const void *up, size_t n, void *out) {
+    cuda_ctx *c = ctx;
+    return KVB_CUDA_CHECK(kvb_cuda_silu_mul(gate, up, out, c->dt, n, c->stream));
+}
+
+static kvb_status check_batch(cuda_ctx *c, const kvb_attn_batch *b) {
+    const kvb_kv_geom *g = b->geom;
+    if (g->elem_size != (int)kvb_dtype_size(c->dt)) {
+        KVB_LOG_E("cuda attention: KV elements of %d bytes on a %s backend", g->elem_size, kvb_dtype_name(c->dt));
+        return KVB_ERR_INVALID;
+    }
+    if (g->n_kv_heads <= 0 || b->n_heads % g->n_kv_heads || g->block_size <= 0) return KVB_ERR_INVALID;
+    if (g->head_dim > KVB_CUDA_ATTN_MAX_HEAD_DIM || g->head_dim <= 0) {
+        KVB_LOG_E("cuda attention: head_dim %d is above the supported %d", g->head_dim, KVB_CUDA_ATTN_MAX_HEAD_DIM);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    return KVB_OK;
+}
+
+static kvb_status cu_kv_write(void *ctx, const kvb_attn_batch *b, const void *k, const void *v) {
+    cuda_ctx *c = ctx;
+    KVB_TRY(check_batch(c, b));
+    const kvb_kv_geom *g = b->geom;
+    int bs = g->block_size;
+    if (b->n_tokens <= 0) return KVB_OK;
+    /* only the blocks that receive rows travel: per sequence a contiguous run of its entries */
+    size_t n_blk = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kvb_attn_seq *sq = &b->seqs[s];
+        if (sq->q_len > 0) n_blk += (size_t)((sq->ctx_len - 1) / bs - (sq->ctx_len - sq->q_len) / bs + 1);
+    }
+    KVB_TRY(host_reserve((void **)&c->slots, &c->slots_cap, (size_t)b->n_tokens, sizeof *c->slots));
+    KVB_TRY(host_reserve((void **)&c->blk, &c->blk_cap, KVB_MAX(n_blk, 1), sizeof *c->blk));
+    for (int t = 0; t < b->n_tokens; t++) c->slots[t] = -1;
+    size_t nb = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kvb_attn_seq *sq = &b->seqs[s];
+        if (sq->q_len <= 0) continue;
+        int p0 = sq->ctx_len - sq->q_len, j0 = p0 / bs, j1 = (sq->ctx_len - 1) / bs;
+        for (int j = j0; j <= j1; j++) c->blk[nb + (size_t)(j - j0)] = b->layer_blocks[sq->blk_first + j];
+        for (int t = 0; t < sq->q_len; t++) {
+            int p = p0 + t;
+            c->slots[sq->q_start + t] = (int64_t)(nb + (size_t)(p / bs - j0)) * bs + p % bs;
+        }
+        nb += (size_t)(j1 - j0 + 1);
+    }
+    const void *d_slots = NULL, *d_blk = NULL;
+    meta_part parts[] = {{c->slots, (size_t)b->n_tokens * sizeof(int64_t), &d_slots},
+                         {c->blk, nb * sizeof(void *), &d_blk}};
+    KVB_TRY(upload(c, parts, 2));
+    return KVB_CUDA_CHECK(kvb_cuda_kv_write(c->dt, (void *const *)d_blk, d_slots, b->n_tokens, bs,
+                                            g->n_kv_heads * g->head_dim, k, v, c->stream));
+}
+
+static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q, void *out) {
+    cuda_ctx *c = ctx;
+    KVB_TRY(check_batch(c, b));
+    const kvb_kv_geom *g = b->geom;
+    int nkv = g->n_kv_heads, gq = b->n_heads / nkv, hd = g->head_dim;
+    int nh = KVB_MIN(gq, KVB_CUDA_ATTN_PREFILL_ROWS), tt = KVB_CUDA_ATTN_PREFILL_ROWS / nh;
+
+    /* count the work: prefill tiles, and decode (sequence, KV head) pairs */
+    size_t n_pre = 0, n_dec_pairs = 0, n_blocks = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kvb_attn_seq *sq = &b->seqs[s];
+        n_blocks = KVB_MAX(n_blocks, (size_t)sq->blk_first + (size_t)sq->n_blocks);
+        if (sq->q_len <= 0) continue;
+        if (sq->q_len * gq <= KVB_CUDA_ATTN_DECODE_ROWS) n_dec_pairs += (size_t)nkv;
+        else n_pre += (size_t)nkv * (size_t)KVB_DIV_CEIL(gq, nh) * (size_t)KVB_DIV_CEIL(sq->q_len, tt);
+    }
+    /* split decode contexts until about DECODE_BLOCKS_PER_SM blocks per multiprocessor run */
+    size_t want_blocks = (size_t)DECODE_BLOCKS_PER_SM * (size_t)c->n_sm;
+    int splits_wanted = n_dec_pairs ? (int)KVB_MAX((size_t)1, KVB_DIV_CEIL(want_blocks, n_dec_pairs)) : 1;
+    size_t n_dec = 0, n_red = 0, n_parts = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kvb_attn_seq *sq = &b->seqs[s];
+        if (sq->q_len <= 0 || sq->q_len * gq > KVB_CUDA_ATTN_DECODE_ROWS) continue;
+        int len = KVB_MAX(DECODE_MIN_SPLIT, KVB_DIV_CEIL(sq->ctx_len, splits_wanted));
+        len = KVB_DIV_CEIL(len, KVB_CUDA_ATTN_KEY_TILE) * KVB_CUDA_ATTN_KEY_TILE;
+        int ns = KVB_DIV_CEIL(sq->ctx_len, len);
+        n_dec += (size_t)nkv * (size_t)ns;
+        if (ns > 1) {
+            n_red += (size_t)nkv;
+            n_parts += (size_t)nkv * (size_t)ns;
+        }
+    }
+    KVB_TRY(host_reserve((void **)&c->pitems, &c->pitems_cap, KVB_MAX(n_pre, 1), sizeof *c->pitems));
+    KVB_TRY(host_reserve((void **)&c->ditems, &c->ditems_cap, KVB_MAX(n_dec, 1), sizeof *c->ditems));
+    KVB_TRY(host_reserve((void **)&c->ritems, &c->ritems_cap, KVB_MAX(n_red, 1), sizeof *c->ritems));
+    size_t ip = 0, id = 0, ir = 0;
+    int part = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const kvb_attn_seq *sq = &b->seqs[s];
+        if (sq->q_len <= 0) continue;
+        if (sq->q_len * gq > KVB_CUDA_ATTN_DECODE_ROWS) {
+            /* longest tiles (latest tokens, most keys) first: they finish last otherwise */
+            int n_t = KVB_DIV_CEIL(sq->q_len, tt);
+            for (int ti = n_t - 1; ti >= 0; ti--)
+                for (int kvh = 0; kvh < nkv; kvh++)
+                    for (int h0 = 0; h0 < gq; h0 += nh)
+                        c->pitems[ip++] = (kvb_cuda_attn_prefill_item){.seq = s, .kvh = kvh, .t0 = ti * tt, .h0 = h0};
+            continue;
+        }
+        int len = KVB_MAX(DECODE_MIN_SPLIT, KVB_DIV_CEIL(sq->ctx_len, splits_wanted));
+        len = KVB_DIV_CEIL(len, KVB_CUDA_ATTN_KEY_TILE) * KVB_CUDA_ATTN_KEY_TILE;
+        int ns = KVB_DIV_CEIL(sq->ctx_len, len);
+        for (int kvh = 0; kvh < nkv; kvh++) {
+            if (ns == 1) {
+                c->ditems[id++] = (kvb_cuda_attn_decode_item){s, kvh, 0, sq->ctx_len, -1};
+                continue;
+            }
+            c->ritems[ir++] = (kvb_cuda_attn_reduce_item){s, kvh, part, ns};
+            for (int i = 0; i < ns; i++)
+                c->ditems[id++] =
+                    (kvb_cuda_attn_decode_item){s, kvh, i * len, KVB_MIN(sq->ctx_len, (i + 1) * len), part++};
+        }
+    }
+
+    kvb_cuda_attn_args a = {
+        .dtype = c->dt,
+        .n_heads = b->n_heads,
+        .n_kv_heads = nkv,
+        .head_dim = hd,
+        .block_size = g->block_size,
+        .scale = b->scale,
+        .q = q,
+        .out = out,
+    };
+    if (n_parts) {
+        size_t floats = n_parts * KVB_CUDA_ATTN_DECODE_ROWS * ((size_t)hd + 1);
+        KVB_TRY(dev_reserve(c, (void **)&c->part, &c->part_cap, floats * sizeof(float)));
+        a.part_o = c->part;
+        a.part_lse = c->part + n_parts * KVB_CUDA_ATTN_DECODE_ROWS * (size_t)hd;
+    }
+    const void *d_seqs = NULL, *d_blocks = NULL, *d_pre = NULL, *d_dec = NULL, *d_red = NULL;
+    meta_part parts[] = {{b->seqs, (size_t)b->n_seqs * sizeof(kvb_attn_seq), &d_seqs},
+                         {b->layer_blocks, n_blocks * sizeof(void *), &d_blocks},
+                         {c->pitems, ip * sizeof *c->pitems, &d_pre},
+                         {c->ditems, id * sizeof *c->ditems, &d_dec},
+                         {c->ritems, ir * sizeof *c->ritems, &d_red}};
+    KVB_TRY(upload(c, parts, (int)KVB_ARRAY_LEN(parts)));
+    a.seqs = d_seqs;
+    a.blocks = d_blocks;
+    if (ip) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_prefill(&a, d_pre, (int)ip, c->stream)));
+    if (id) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_decode(&a, d_dec, (int)id, c->stream)));
+    if (ir) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_reduce(&a, d_red, (int)ir, c->stream)));
+    return KVB_OK;
+}
+
+static void cu_set_threads(void *ctx, int n_threads) { /* the host side of this backend is one thread */ }
+
+static void cu_destroy(void *ctx) {
+    cuda_ctx *c = ctx;
+    if (!c) return;
+    if (c->stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    if (c->blas) (void)KVB_CUBLAS_CHECK(cublasDestroy(c->blas));
+    for (int i = 0; i < STAGE_SLOTS; i++) {
+        if (c->stage[i].host) cudaFreeHost(c->stage[i].host);
+        if (c->stage[i].done) cudaEventDestroy(c->stage[i].done);
+    }
+    void *dev[] = {c->blas_ws, c->meta, c->part, c->f32buf, c->wtmp};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(dev); i++)
+        if (dev[i]) cudaFree(dev[i]);
+    if (c->stream) cudaStreamDestroy(c->stream);
+    free(c->slots);
+    free(c->blk);
+    free(c->pitems);
+    free(c->ditems);
+    free(c->ritems);
+    free(c);
+}
+
+#define CUDA_IFACE(NAME, DT)                                                                           \
+    {                                                                                                  \
+        .name = NAME, .act_dtype = DT, .alloc = cu_alloc, .free = cu_free, .to_device = cu_to_device,  \
+        .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .sync = cu_sync,                         \
+        .weight_load = cu_weight_load, .weight_free = cu_weight_free, .embed = cu_embed,               \
+        .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .silu_mul = cu_silu_mul,          \
+        .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows,             \
+        .set_threads = cu_set_threads, .destroy = cu_destroy,                                          \
+    }
+
+static const kvb_backend_i cuda_bf16_iface = CUDA_IFACE("cuda", KVB_DTYPE_BF16);
+static const kvb_backend_i cuda_f16_iface = CUDA_IFACE("cuda:f16", KVB_DTYPE_F16);
+static const kvb_backend_i cuda_f32_iface = CUDA_IFACE("cuda:f32", KVB_DTYPE_F32);
+
+int kvb_cuda_backend_is(const kvb_backend *be) {
+    return be && (be->iface == &cuda_bf16_iface || be->iface == &cuda_f16_iface || be->iface == &cuda_f32_iface);
+}
+
+kvb_cuda_stream_t kvb_cuda_backend_stream(const kvb_backend *be) {
+    return kvb_cuda_backend_is(be) ? ((cuda_ctx *)be->ctx)->stream : NULL;
+}
+
+kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *out) {
+    if (!kvb_cuda_backend_is(be)) return KVB_ERR_INVALID;
+    const cuda_ctx *c = be->ctx;
+    struct cudaDeviceProp p;
+    KVB_TRY(KVB_CUDA_CHECK(cudaGetDeviceProperties(&p, c->device)));
+    memset(out, 0, sizeof *out);
+    snprintf(out->name, sizeof out->name, "%s", p.name);
+    out->ordinal = c->device;
+    out->cc_major = p.major;
+    out->cc_minor = p.minor;
+    out->n_sm = p.multiProcessorCount;
+    out->l2_bytes = (size_t)p.l2CacheSize;
+    KVB_TRY(KVB_CUDA_CHECK(cudaMemGetInfo(&out->mem_free, &out->mem_total)));
+    return KVB_OK;
+}
+
+kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_backend *out) {
+    const kvb_backend_i *iface;
+    if (!variant || !*variant || !strcmp(variant, "bf16")) iface = &cuda_bf16_iface;
+    else if (!strcmp(variant, "f16")) iface = &cuda_f16_iface;
+    else if (!strcmp(variant, "f32")) iface = &cuda_f32_iface;
+    else {
+        KVB_LOG_E("backend cuda: unknown variant \"%.32s\" (cuda, cuda:bf16, cuda:f16, cuda:f32)", variant);
+        return KVB_ERR_INVALID;
+    }
+    int n_dev = 0;
+    char why[200];
+    KVB_TRY(kvb_cuda_device_count(&n_dev, why, sizeof why));
+    if (n_dev == 0) {
+        KVB_LOG_E("no CUDA device: %s", why);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    cuda_ctx *c = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *c, (void **)&c));
+    kvb_status st;
+    c->dt = iface->act_dtype;
+    c->compute = c->dt == KVB_DTYPE_F32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaGetDevice(&c->device)), fail);
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaFree(NULL)), fail); /* creates the device's primary context now */
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, c->device)), fail);
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)), fail);
+    for (int i = 0; i < STAGE_SLOTS; i++)
+        KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming)), fail);
+    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasCreate(&c->blas)), fail);
+    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasSetStream(c->blas, c->stream)), fail);
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaMalloc(&c->blas_ws, BLAS_WORKSPACE_BYTES)), fail);
+    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WORKSPACE_BYTES)), fail);
+    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasSetPointerMode(c->blas, CUBLAS_POINTER_MODE_HOST)), fail);
+    out->iface = iface;
+    out->ctx = c;
+    struct cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, c->device) == cudaSuccess)
+        KVB_LOG_I("backend %s on device %d: %s (sm_%d%d, %d SMs)", iface->name, c->device, p.name, p.major, p.minor,
+                  p.multiProcessorCount);
+    return KVB_OK;
+fail:
+    cu_destroy(c);
+    return st;
+}

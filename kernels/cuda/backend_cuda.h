@@ -1,0 +1,54 @@
+/* kvbank — the CUDA backend (kernels/cuda/backend_cuda.c): device memory, one non-blocking stream, a
+ * cuBLAS handle with its workspace, and the launchers of kernels/cuda behind kvb_backend_i.
+ *
+ * Variants (the name given to kvb_backend_create):
+ *   "cuda" or "cuda:bf16"  bf16 activations, KV cache and weight matrices (serving)
+ *   "cuda:f16"             the same in f16
+ *   "cuda:f32"             f32 everywhere, cuBLAS in pedantic f32 (checks against the CPU backend)
+ * Norm weights (tensors with one column) stay f32 in every variant. Arithmetic is f32 throughout.
+ *
+ * Only registry.c, tests and benchmarks include this header; it needs no CUDA header. */
+#ifndef KVB_KERNELS_CUDA_BACKEND_CUDA_H
+#define KVB_KERNELS_CUDA_BACKEND_CUDA_H
+
+#include "config.h"
+#include "common/mem/region_cuda.h"
+#include "kernels/backend.h"
+
+/* Creates a CUDA backend on the current device. `variant`: NULL, "bf16", "f16" or "f32".
+ * KVB_ERR_UNSUPPORTED with the log line "no CUDA device: <reason>" when the process sees no GPU;
+ * KVB_ERR_INVALID for an unknown variant. n_threads is ignored (the host side is single-threaded). */
+kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_backend *out);
+
+/* 1 if `be` is a CUDA backend. */
+int kvb_cuda_backend_is(const kvb_backend *be);
+/* The stream every operator of `be` runs on (NULL if `be` is not a CUDA backend). Tests and benchmarks
+ * enqueue extra launchers on it to keep them ordered with the backend's operators. Owned by `be`. */
+kvb_cuda_stream_t kvb_cuda_backend_stream(const kvb_backend *be);
+
+/* What benchmarks print about the device of a CUDA backend. */
+typedef struct kvb_cuda_device_info {
+    char name[256];
+    int ordinal;
+    int cc_major, cc_minor;
+    int n_sm;
+    size_t l2_bytes;
+    size_t mem_total, mem_free; /* bytes, at the time of the call */
+} kvb_cuda_device_info;
+
+kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *out);
+
+/* ---------------------------------------------------------------- cuBLAS and NCCL errors */
+
+/* cublasStatus_t (as int) -> kvb_status, logging cuBLAS's name and message for the expression. */
+kvb_status kvb__cublas_status(int st, const char *expr, const char *file, int line);
+#define KVB_CUBLAS_CHECK(call) kvb__cublas_status((int)(call), #call, __FILE__, __LINE__)
+
+#ifdef KVB_HAVE_NCCL
+/* ncclResult_t (as int) -> kvb_status, logging ncclGetErrorString and ncclGetLastError. Defined only
+ * when configure found nccl.h (multi-GPU streaming into the LSC, a later issue). */
+kvb_status kvb__nccl_status(int res, const char *expr, const char *file, int line);
+#define KVB_NCCL_CHECK(call) kvb__nccl_status((int)(call), #call, __FILE__, __LINE__)
+#endif
+
+#endif

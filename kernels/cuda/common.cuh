@@ -1,0 +1,108 @@
+/* kvbank — device-side helpers shared by the .cu files of kernels/cuda (C++ only, never included by C).
+ * Storage types are float, __half and __nv_bfloat16; arithmetic is always f32. A "vector" is 16 bytes:
+ * VEC<T> elements, loaded and stored as one uint4 when the address is 16-byte aligned. */
+#ifndef KVB_KERNELS_CUDA_COMMON_CUH
+#define KVB_KERNELS_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/cuda/launch.h"
+
+namespace kvb {
+
+template <typename T> struct vec_of {
+    static constexpr int n = 16 / (int)sizeof(T);
+};
+template <typename T> constexpr int VEC = vec_of<T>::n;
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+/* 16 bytes at p (16-byte aligned) as VEC<T> floats. */
+template <typename T> __device__ __forceinline__ void load_vec(const T *p, float *f) {
+    uint4 u = *reinterpret_cast<const uint4 *>(p);
+    const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+    for (int i = 0; i < VEC<T>; i++) f[i] = to_f(e[i]);
+}
+
+template <typename T> __device__ __forceinline__ void store_vec(T *p, const float *f) {
+    uint4 u;
+    T *e = reinterpret_cast<T *>(&u);
+#pragma unroll
+    for (int i = 0; i < VEC<T>; i++) e[i] = from_f<T>(f[i]);
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+
+__device__ __forceinline__ bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+ * `red` is 32 floats of shared memory; the call contains two __syncthreads. */
+__device__ __forceinline__ float block_sum(float v, float *red) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads(); /* red may still be read by a previous call */
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    v = lane < nw ? red[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+} // namespace kvb
+
+/* Runs the statement with T bound to the storage type of `dt`; an unknown dtype returns
+ * cudaErrorInvalidValue from the enclosing launcher. */
+#define KVB_CUDA_DISPATCH(dt, T, ...)                                                                  \
+    switch (dt) {                                                                                      \
+    case KVB_DTYPE_F32: {                                                                              \
+        typedef float T;                                                                               \
+        __VA_ARGS__;                                                                                   \
+    } break;                                                                                           \
+    case KVB_DTYPE_F16: {                                                                              \
+        typedef __half T;                                                                              \
+        __VA_ARGS__;                                                                                   \
+    } break;                                                                                           \
+    case KVB_DTYPE_BF16: {                                                                             \
+        typedef __nv_bfloat16 T;                                                                       \
+        __VA_ARGS__;                                                                                   \
+    } break;                                                                                           \
+    default: return (int)cudaErrorInvalidValue;                                                        \
+    }
+
+/* Launchers refuse the legacy default stream. */
+#define KVB_CUDA_REQUIRE_STREAM(s)                                                                     \
+    do {                                                                                               \
+        if (!(s)) return (int)cudaErrorInvalidValue;                                                   \
+    } while (0)
+
+/* Grid size for a grid-stride loop over `n` items with `threads` per block (at most 8 blocks/SM worth
+ * is plenty; capped so that the count fits in an int). */
+static inline int kvb_cuda_grid(size_t n, int threads) {
+    size_t b = (n + (size_t)threads - 1) / (size_t)threads;
+    if (b < 1) b = 1;
+    if (b > 65536) b = 65536;
+    return (int)b;
+}
+
+#endif

@@ -1,0 +1,19 @@
+/* kvbank — CUDA elementwise ops of the MLP and the residual stream. */
+#ifndef KVB_KERNELS_CUDA_ELEMENTWISE_H
+#define KVB_KERNELS_CUDA_ELEMENTWISE_H
+
+#include "kernels/cuda/launch.h"
+
+KVB_CUDA_EXTERN_C_BEGIN
+
+/* out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i] for i < n, all of `dt`.
+ * out may alias gate or up. CPU twin: kvb__cpu_silu_mul. */
+int kvb_cuda_silu_mul(const void *gate, const void *up, void *out, kvb_dtype dt, size_t n, kvb_cuda_stream_t s);
+
+/* out[i] = a[i] + b[i] for i < n, all of `dt` (the residual add, when it is not fused into a GEMM's
+ * beta). out may alias a or b. */
+int kvb_cuda_add(const void *a, const void *b, void *out, kvb_dtype dt, size_t n, kvb_cuda_stream_t s);
+
+KVB_CUDA_EXTERN_C_END
+
+#endif

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# kvbank — builds the CUDA backend against the host emulation in emu.h / emu.cc (a development tool:
+# see emu.h for what it can and cannot tell), and links the backend consistency test and
+# kvbank-generate against it:
+#
+#   kernels/cuda/emu/build.sh BUILD_DIR OUT_DIR
+#     BUILD_DIR  a configured build tree of this checkout (with or without CUDA) in which
+#                libkvb_util.a libkvb_kv.a libkvb_model.a libkvb_sched.a libkvb_policy.a are built
+#     OUT_DIR    where the emulated programs go: OUT_DIR/test_backend_consistency, OUT_DIR/kvbank-generate
+#
+# Then, for example:
+#   OUT_DIR/test_backend_consistency --test attention_decode
+#   OUT_DIR/kvbank-generate --model M --prompt-ids 1,2,3 --max-tokens 8 --backend cuda:f32
+# Needs g++, python3, the CUDA toolkit's headers (CUDA_DIR, default /usr/local/cuda) and the Debian
+# packages the project builds with; no GPU and no CUDA library.
+set -euo pipefail
+[ $# -eq 2 ] || { sed -n '2,16p' "$0"; exit 2; }
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
+BUILD=$(cd "$1" && pwd)
+OUT=$2
+CUDA_DIR=${CUDA_DIR:-/usr/local/cuda}
+mkdir -p "$OUT/src" "$OUT/obj" "$OUT/cfg"
+OUT=$(cd "$OUT" && pwd)
+
+# config.h of the build tree, with the CUDA backend on and NCCL off
+grep -v -E 'KVB_WITH_CUDA|KVB_HAVE_NCCL' "$BUILD/config.h" >"$OUT/cfg/config.h"
+printf '#define KVB_WITH_CUDA 1\n' >>"$OUT/cfg/config.h"
+
+# the .cu files, with launches and dynamic shared memory rewritten for the emulator
+python3 - "$ROOT" "$OUT/src" <<'PY'
+import os, re, sys
+root, out = sys.argv[1], sys.argv[2]
+cu_dir = os.path.join(root, "kernels", "cuda")
+
+def balanced(s, i, open_ch, close_ch):
+    """index just past the bracket group that starts at s[i] == open_ch"""
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] == open_ch: depth += 1
+        elif s[j] == close_ch:
+            depth -= 1
+            if depth == 0: return j + 1
+    raise SystemExit("unbalanced " + open_ch)
+
+def rewrite(s):
+    out, pos = [], 0
+    while True:
+        i = s.find("<<<", pos)
+        if i < 0:
+            out.append(s[pos:]); break
+        # the kernel expression before <<<: identifier with an optional template argument list
+        k = i
+        if s[k - 1] == ">":
+            depth = 0
+            while True:
+                k -= 1
+                if s[k] == ">": depth += 1
+                elif s[k] == "<":
+                    depth -= 1
+                    if depth == 0: break
+        while k > 0 and (s[k - 1].isalnum() or s[k - 1] in "_:"): k -= 1
+        kernel = s[k:i]
+        j = s.find(">>>", i)
+        cfg, depth, cur = [], 0, ""
+        for ch in s[i + 3:j]:
+            if ch in "([": depth += 1
+            elif ch in ")]": depth -= 1
+            if ch == "," and depth == 0:
+                cfg.append(cur.strip()); cur = ""
+            else:
+                cur += ch
+        cfg.append(cur.strip())
+        while len(cfg) < 3: cfg.append("0")
+        a0 = s.find("(", j)
+        a1 = balanced(s, a0, "(", ")")
+        args = s[a0:a1]
+        out.append(s[pos:k])
+        out.append("emu_launch((unsigned)(%s), (unsigned)(%s), (size_t)(%s), [&] { %s%s; })" % (cfg[0], cfg[1], cfg[2], kernel, args))
+        pos = a1
+    s = "".join(out)
+    s = re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\[\];", r"\1 *\2 = (\1 *)emu_dyn_smem();", s)
+    return s
+
+for name in sorted(os.listdir(cu_dir)):
+    if name.endswith(".cu"):
+        with open(os.path.join(cu_dir, name)) as f: src = f.read()
+        with open(os.path.join(out, name[:-3] + ".cc"), "w") as f:
+            f.write('#line 1 "kernels/cuda/%s"\n' % name)
+            f.write(rewrite(src))
+PY
+
+CXXFLAGS="-std=c++17 -O2 -g -fno-strict-aliasing -w -I$ROOT -I$OUT/cfg -I$CUDA_DIR/include"
+CFLAGS="-std=gnu11 -O2 -g -fopenmp -D_GNU_SOURCE -I$ROOT -I$OUT/cfg -I$CUDA_DIR/include $(pkg-config --cflags openblas jansson)"
+OBJS=()
+for f in "$OUT"/src/*.cc; do
+    o="$OUT/obj/$(basename "${f%.cc}").o"
+    g++ $CXXFLAGS -include "$ROOT/kernels/cuda/emu/emu.h" -c "$f" -o "$o"
+    OBJS+=("$o")
+done
+g++ $CXXFLAGS -c "$ROOT/kernels/cuda/emu/emu.cc" -o "$OUT/obj/emu.o"
+OBJS+=("$OUT/obj/emu.o")
+for c in kernels/registry.c kernels/cuda/backend_cuda.c kernels/cpu/backend_cpu.c kernels/cpu/ops.c \
+    kernels/cpu/attention.c common/mem/region.c common/mem/region_cuda.c; do
+    o="$OUT/obj/$(echo "$c" | tr / _ | sed 's/\.c$/.o/')"
+    gcc $CFLAGS -c "$ROOT/$c" -o "$o"
+    OBJS+=("$o")
+done
+LIBS="$(pkg-config --libs check openblas jansson libxxhash libzmq libprotobuf-c libuv) -fopenmp -lstdc++ -lrt -lm -lpthread"
+gcc $CFLAGS $(pkg-config --cflags check) "$ROOT/tests/test_backend_consistency.c" "${OBJS[@]}" \
+    "$BUILD/libkvb_sched.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/test_backend_consistency"
+gcc $CFLAGS "$ROOT/tools/generate.c" "${OBJS[@]}" "$BUILD/libkvb_policy.a" "$BUILD/libkvb_sched.a" \
+    "$BUILD/libkvb_model.a" "$BUILD/libkvb_kv.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/kvbank-generate"
+echo "emulated: $OUT/test_backend_consistency $OUT/kvbank-generate"

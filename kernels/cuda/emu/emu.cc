@@ -1,0 +1,442 @@
+/* kvbank — the CUDA emulation's scheduler, and the subset of the CUDA runtime and cuBLAS that
+ * kernels/cuda/backend_cuda.c and common/mem/region_cuda.c call, on host memory (see emu.h).
+ * "Device" memory is malloc'd host memory, streams and events are bookkeeping (everything runs at
+ * the call), cublasGemmEx is a plain triple loop with double accumulation, CUDA IPC and the driver
+ * API (VMM) report "not supported". */
+#include "kernels/cuda/emu/emu.h"
+
+#include <cublas_v2.h>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+emu_dim emu_threadIdx, emu_blockIdx, emu_blockDim, emu_gridDim;
+
+/* ---------------------------------------------------------------- fibers */
+
+extern "C" void emu_ctx_switch(void **save_sp, void *load_sp);
+asm(R"(
+.text
+.globl emu_ctx_switch
+.type emu_ctx_switch,@function
+emu_ctx_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+.size emu_ctx_switch, .-emu_ctx_switch
+.section .note.GNU-stack,"",@progbits
+.text
+)");
+
+namespace {
+
+enum state { RUNNABLE, AT_BLOCK, AT_WARP, DONE };
+
+struct fiber {
+    void *sp = nullptr;
+    char *stack = nullptr; /* [STACK_BYTES], kept across launches */
+    state st = RUNNABLE;
+};
+
+constexpr size_t STACK_BYTES = 256 << 10;
+
+struct block_run {
+    std::vector<fiber> f;
+    void *sched_sp = nullptr;
+    int cur = -1;
+    int n = 0; /* threads of the running block */
+    const std::function<void()> *body = nullptr;
+    std::vector<uint64_t> slots; /* [threads] warp exchange slots */
+    std::vector<char> dyn;       /* dynamic shared memory */
+};
+
+block_run g_run;
+cudaError_t g_last = cudaSuccess;
+
+void yield_to_scheduler() { emu_ctx_switch(&g_run.f[g_run.cur].sp, g_run.sched_sp); }
+
+extern "C" void emu_fiber_entry() {
+    (*g_run.body)();
+    g_run.f[g_run.cur].st = DONE;
+    yield_to_scheduler();
+    std::abort(); /* a finished fiber is never resumed */
+}
+
+void fiber_init(fiber &fb) {
+    if (!fb.stack && !(fb.stack = (char *)std::malloc(STACK_BYTES))) std::abort();
+    uintptr_t top = ((uintptr_t)fb.stack + STACK_BYTES) & ~(uintptr_t)15;
+    void **sp = (void **)top;
+    *--sp = nullptr;                          /* alignment slot: entry sees rsp = 8 mod 16 */
+    *--sp = (void *)&emu_fiber_entry;         /* where `ret` goes */
+    for (int i = 0; i < 6; i++) *--sp = nullptr; /* rbp rbx r12 r13 r14 r15 */
+    fb.sp = sp;
+    fb.st = RUNNABLE;
+}
+
+void set_thread(int t) {
+    g_run.cur = t;
+    emu_threadIdx = {(unsigned)t, 0, 0};
+}
+
+} // namespace
+
+int emu_lane() { return g_run.cur & 31; }
+
+void emu_syncthreads() {
+    g_run.f[g_run.cur].st = AT_BLOCK;
+    yield_to_scheduler();
+}
+
+uint64_t emu_warp_exchange(uint64_t v, int src) {
+    int me = g_run.cur, base = me & ~31;
+    g_run.slots[me] = v;
+    g_run.f[me].st = AT_WARP;
+    yield_to_scheduler();
+    int from = base + (src & 31);
+    if (from >= g_run.n || g_run.f[from].st == DONE) {
+        std::fprintf(stderr, "emu: lane %d reads lane %d, which is not running\n", me, from);
+        std::abort();
+    }
+    uint64_t r = g_run.slots[from];
+    g_run.f[me].st = AT_WARP; /* nobody rewrites a slot before every lane has read */
+    yield_to_scheduler();
+    return r;
+}
+
+unsigned emu_ballot(int pred) {
+    int me = g_run.cur, base = me & ~31;
+    g_run.slots[me] = (uint64_t)pred;
+    g_run.f[me].st = AT_WARP;
+    yield_to_scheduler();
+    unsigned m = 0;
+    for (int l = 0; l < 32 && base + l < g_run.n; l++)
+        if (g_run.f[base + l].st != DONE && g_run.slots[base + l]) m |= 1u << l;
+    g_run.f[me].st = AT_WARP;
+    yield_to_scheduler();
+    return m;
+}
+
+void *emu_dyn_smem() { return g_run.dyn.data(); }
+
+cudaError_t emu_last_error() {
+    cudaError_t e = g_last;
+    g_last = cudaSuccess;
+    return e;
+}
+
+void emu_launch(unsigned grid, unsigned block, size_t smem, const std::function<void()> &body) {
+    if (block == 0 || block > 1024 || grid == 0) {
+        g_last = cudaErrorInvalidConfiguration;
+        return;
+    }
+    int n = (int)block;
+    if ((int)g_run.f.size() < n) g_run.f.resize(n);
+    g_run.n = n;
+    g_run.slots.assign(n, 0);
+    g_run.dyn.assign(smem + 16, 0);
+    g_run.body = &body;
+    emu_blockDim = {block, 1, 1};
+    emu_gridDim = {grid, 1, 1};
+    for (unsigned b = 0; b < grid; b++) {
+        emu_blockIdx = {b, 0, 0};
+        /* shared memory starts with garbage on a GPU: make reads of unwritten bytes visible */
+        std::memset(g_run.dyn.data(), 0xA5, g_run.dyn.size());
+        for (int t = 0; t < n; t++) fiber_init(g_run.f[t]);
+        for (;;) {
+            bool ran = false;
+            for (int t = 0; t < n; t++) {
+                if (g_run.f[t].st != RUNNABLE) continue;
+                set_thread(t);
+                emu_ctx_switch(&g_run.sched_sp, g_run.f[t].sp);
+                ran = true;
+            }
+            if (ran) continue;
+            /* everyone waits or is done: release complete barriers */
+            int live = 0, at_block = 0;
+            bool released = false;
+            for (int t = 0; t < n; t++) {
+                if (g_run.f[t].st != DONE) live++;
+                if (g_run.f[t].st == AT_BLOCK) at_block++;
+            }
+            if (live == 0) break;
+            for (int w = 0; w < n; w += 32) {
+                int wl = 0, wa = 0;
+                for (int t = w; t < std::min(n, w + 32); t++) {
+                    if (g_run.f[t].st != DONE) wl++;
+                    if (g_run.f[t].st == AT_WARP) wa++;
+                }
+                if (wa > 0 && wa == wl) {
+                    for (int t = w; t < std::min(n, w + 32); t++)
+                        if (g_run.f[t].st == AT_WARP) g_run.f[t].st = RUNNABLE;
+                    released = true;
+                }
+            }
+            if (!released && at_block == live) {
+                for (int t = 0; t < n; t++)
+                    if (g_run.f[t].st == AT_BLOCK) g_run.f[t].st = RUNNABLE;
+                released = true;
+            }
+            if (!released) {
+                std::fprintf(stderr, "emu: deadlock in block %u: %d live threads, %d at __syncthreads, the rest at a "
+                                     "warp operation their warp does not complete\n",
+                             b, live, at_block);
+                std::abort();
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- CUDA runtime subset */
+
+extern "C" {
+
+const char *cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulated error"; }
+const char *cudaGetErrorName(cudaError_t e) { return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated"; }
+cudaError_t cudaGetDeviceCount(int *n) {
+    *n = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int *d) {
+    *d = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaMalloc(void **p, size_t bytes) {
+    *p = std::aligned_alloc(256, (bytes + 255) & ~(size_t)255);
+    if (!*p) return cudaErrorMemoryAllocation;
+    std::memset(*p, 0x5A, bytes); /* cudaMalloc does not zero */
+    return cudaSuccess;
+}
+cudaError_t cudaFree(void *p) {
+    std::free(p);
+    return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int) { return cudaMalloc(p, bytes); }
+cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
+cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) {
+    std::memset(p, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind, cudaStream_t st) {
+    if (!st) return cudaErrorInvalidValue; /* kvbank never uses the legacy default stream */
+    std::memmove(d, s, n);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) {
+    *s = (cudaStream_t)std::malloc(16);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    std::free(s);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int) {
+    *e = (cudaEvent_t)std::malloc(16);
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t, cudaEvent_t) {
+    *ms = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    std::free(e);
+    return cudaSuccess;
+}
+/* multiprocessors the emulated device reports (the backend plans decode splits from it): an H200's
+ * 132 unless KVB_EMU_SMS says otherwise */
+static int emu_sms() {
+    const char *e = std::getenv("KVB_EMU_SMS");
+    int n = e ? std::atoi(e) : 132;
+    return n > 0 ? n : 132;
+}
+cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int) {
+    *v = a == cudaDevAttrMultiProcessorCount ? emu_sms() : 0;
+    return cudaSuccess;
+}
+#undef cudaGetLastError
+cudaError_t cudaGetLastError(void) { return emu_last_error(); }
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d);
+cudaError_t cudaGetDeviceProperties_v2(struct cudaDeviceProp *p, int d) { return cudaGetDeviceProperties(p, d); }
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int) {
+    std::memset(p, 0, sizeof *p);
+    std::snprintf(p->name, sizeof p->name, "kvbank CUDA emulation");
+    p->major = 9;
+    p->multiProcessorCount = emu_sms();
+    p->l2CacheSize = 1 << 20;
+    return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t *f, size_t *t) {
+    *f = *t = (size_t)1 << 30;
+    return cudaSuccess;
+}
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p) {
+    std::memset(h, 0, sizeof *h);
+    std::memcpy(h, &p, sizeof p);
+    return cudaSuccess;
+}
+cudaError_t cudaIpcOpenMemHandle(void **, cudaIpcMemHandle_t, unsigned int) { return cudaErrorNotSupported; }
+cudaError_t cudaIpcCloseMemHandle(void *) { return cudaErrorNotSupported; }
+
+/* ---------------------------------------------------------------- driver API subset (VMM)
+ * A reservation is an mmap(PROT_NONE) range; a physical allocation is a memfd; mapping puts the memfd
+ * at a fixed address of the range, unmapping puts PROT_NONE back: bytes live with the allocation,
+ * as on the device. */
+}
+#include <cuda.h>
+#include <sys/mman.h>
+#include <unistd.h>
+extern "C" {
+static CUresult d_GetErrorString(CUresult, const char **s) {
+    *s = "emulated driver error";
+    return CUDA_SUCCESS;
+}
+static CUresult d_DeviceGet(CUdevice *d, int o) {
+    *d = o;
+    return CUDA_SUCCESS;
+}
+static CUresult d_DeviceGetAttribute(int *v, CUdevice_attribute a, CUdevice) {
+    *v = a == CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED ? 1 : 0;
+    return CUDA_SUCCESS;
+}
+static CUresult d_MemGetAddressRange(CUdeviceptr *b, size_t *s, CUdeviceptr) {
+    *b = 0;
+    *s = 0;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+static const size_t EMU_GRAN = (size_t)2 << 20;
+static CUresult d_MemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *, CUmemAllocationGranularity_flags) {
+    *g = EMU_GRAN;
+    return CUDA_SUCCESS;
+}
+static CUresult d_MemAddressReserve(CUdeviceptr *p, size_t size, size_t, CUdeviceptr, unsigned long long) {
+    if (size % EMU_GRAN) return CUDA_ERROR_INVALID_VALUE;
+    void *m = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return CUDA_SUCCESS;
+}
+static CUresult d_MemAddressFree(CUdeviceptr p, size_t size) {
+    return munmap((void *)(uintptr_t)p, size) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+static CUresult d_MemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *, unsigned long long) {
+    if (size % EMU_GRAN) return CUDA_ERROR_INVALID_VALUE;
+    int fd = memfd_create("kvb-emu-phys", 0);
+    if (fd < 0 || ftruncate(fd, (off_t)size)) return CUDA_ERROR_OUT_OF_MEMORY;
+    *h = (CUmemGenericAllocationHandle)fd + 1; /* never 0 */
+    return CUDA_SUCCESS;
+}
+static CUresult d_MemRelease(CUmemGenericAllocationHandle h) {
+    return close((int)(h - 1)) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+static CUresult d_MemMap(CUdeviceptr p, size_t size, size_t off, CUmemGenericAllocationHandle h, unsigned long long) {
+    /* mapped without access until cuMemSetAccess, as on the device */
+    void *m = mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, (int)(h - 1), (off_t)off);
+    return m == MAP_FAILED ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+static CUresult d_MemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *d, size_t n) {
+    if (n != 1 || d->flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) return CUDA_ERROR_INVALID_VALUE;
+    return mprotect((void *)(uintptr_t)p, size, PROT_READ | PROT_WRITE) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+static CUresult d_MemUnmap(CUdeviceptr p, size_t size) {
+    void *m = mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    return m == MAP_FAILED ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char *sym, void **fn, unsigned int, unsigned long long,
+                                             enum cudaDriverEntryPointQueryResult *q) {
+    static const struct {
+        const char *name;
+        void *fn;
+    } table[] = {{"cuGetErrorString", (void *)d_GetErrorString},
+                 {"cuDeviceGet", (void *)d_DeviceGet},
+                 {"cuDeviceGetAttribute", (void *)d_DeviceGetAttribute},
+                 {"cuMemGetAddressRange", (void *)d_MemGetAddressRange},
+                 {"cuMemGetAllocationGranularity", (void *)d_MemGetAllocationGranularity},
+                 {"cuMemAddressReserve", (void *)d_MemAddressReserve},
+                 {"cuMemAddressFree", (void *)d_MemAddressFree},
+                 {"cuMemCreate", (void *)d_MemCreate},
+                 {"cuMemRelease", (void *)d_MemRelease},
+                 {"cuMemMap", (void *)d_MemMap},
+                 {"cuMemUnmap", (void *)d_MemUnmap},
+                 {"cuMemSetAccess", (void *)d_MemSetAccess}};
+    for (const auto &t : table)
+        if (!std::strcmp(t.name, sym)) {
+            *fn = t.fn;
+            if (q) *q = cudaDriverEntryPointSuccess;
+            return cudaSuccess;
+        }
+    *fn = nullptr;
+    if (q) *q = cudaDriverEntryPointSymbolNotFound;
+    return cudaErrorNotSupported;
+}
+
+/* ---------------------------------------------------------------- cuBLAS subset */
+
+cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
+    *h = (cublasHandle_t)std::malloc(16);
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
+    std::free(h);
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetStream_v2(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t, void *, size_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetPointerMode_v2(cublasHandle_t, cublasPointerMode_t) { return CUBLAS_STATUS_SUCCESS; }
+const char *cublasGetStatusString(cublasStatus_t) { return "emulated cublas error"; }
+const char *cublasGetStatusName(cublasStatus_t) { return "CUBLAS_STATUS_EMULATED"; }
+
+static double load(const void *p, cudaDataType t, size_t i) {
+    switch (t) {
+    case CUDA_R_16F: return __half2float(((const __half *)p)[i]);
+    case CUDA_R_16BF: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+static void store(void *p, cudaDataType t, size_t i, float v) {
+    switch (t) {
+    case CUDA_R_16F: ((__half *)p)[i] = __float2half_rn(v); break;
+    case CUDA_R_16BF: ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v); break;
+    default: ((float *)p)[i] = v;
+    }
+}
+
+/* column-major C[m][n] = alpha op(A) op(B) + beta C, as cuBLAS defines it */
+cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                            const void *alpha, const void *A, cudaDataType at, int lda, const void *B, cudaDataType bt,
+                            int ldb, const void *beta, void *C, cudaDataType ct, int ldc, cublasComputeType_t,
+                            cublasGemmAlgo_t) {
+    float al = *(const float *)alpha, be = *(const float *)beta;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            double s = 0;
+            for (int l = 0; l < k; l++) {
+                size_t ia = ta == CUBLAS_OP_N ? (size_t)l * lda + i : (size_t)i * lda + l;
+                size_t ib = tb == CUBLAS_OP_N ? (size_t)j * ldb + l : (size_t)l * ldb + j;
+                s += load(A, at, ia) * load(B, bt, ib);
+            }
+            size_t ic = (size_t)j * ldc + i;
+            double prev = be != 0.0f ? load(C, ct, ic) : 0.0;
+            store(C, ct, ic, (float)(al * s + be * prev));
+        }
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+} // extern "C"

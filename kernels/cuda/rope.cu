@@ -1,0 +1,53 @@
+/* kvbank — CUDA RoPE. One block per token: the token's cos/sin table (head_dim/2 pairs, computed in
+ * double precision once) goes to shared memory, then the block rotates every q and k head of the token. */
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/rope.h"
+
+namespace {
+
+constexpr int THREADS = 128;
+
+template <typename T>
+__global__ void rope_kernel(T *q, int n_heads, T *k, int n_kv_heads, int hd, const int32_t *__restrict__ pos,
+                            const float *__restrict__ inv_freq) {
+    extern __shared__ float cs[]; /* [half] cos, then [half] sin */
+    int t = blockIdx.x, half = hd / 2;
+    double p = (double)pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double sn, c;
+        sincos(p * (double)inv_freq[i], &sn, &c);
+        cs[i] = (float)c;
+        cs[half + i] = (float)sn;
+    }
+    __syncthreads();
+    int pairs_q = n_heads * half, pairs = (n_heads + n_kv_heads) * half;
+    for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+        T *v;
+        int i;
+        if (j < pairs_q) {
+            v = q + ((size_t)t * n_heads + j / half) * hd;
+            i = j % half;
+        } else {
+            int jk = j - pairs_q;
+            v = k + ((size_t)t * n_kv_heads + jk / half) * hd;
+            i = jk % half;
+        }
+        float a = kvb::to_f(v[i]), b = kvb::to_f(v[i + half]), c = cs[i], sn = cs[half + i];
+        v[i] = kvb::from_f<T>(a * c - b * sn);
+        v[i + half] = kvb::from_f<T>(b * c + a * sn);
+    }
+}
+
+} // namespace
+
+extern "C" int kvb_cuda_rope(void *q, int n_heads, void *k, int n_kv_heads, kvb_dtype dt, int n, int head_dim,
+                             const int32_t *pos, const float *inv_freq, kvb_cuda_stream_t s) {
+    KVB_CUDA_REQUIRE_STREAM(s);
+    if (head_dim <= 0 || head_dim % 2) return (int)cudaErrorInvalidValue;
+    if (!k) n_kv_heads = 0;
+    if (n <= 0 || n_heads + n_kv_heads <= 0) return (int)cudaSuccess;
+    size_t smem = (size_t)head_dim * sizeof(float);
+    KVB_CUDA_DISPATCH(dt, T, rope_kernel<T><<<n, THREADS, smem, s>>>((T *)q, n_heads, (T *)k, n_kv_heads, head_dim, pos,
+                                                                   inv_freq));
+    return (int)cudaGetLastError();
+}

@@ -1,0 +1,831 @@
+/* Backend consistency: every kernel of every compiled backend other than cpu against its CPU twin, on
+ * fresh random inputs, with a normalized error ||got - cpu||_2 / ||cpu||_2 per dtype (f32 1e-5,
+ * f16 5e-3, bf16 2e-2). Inputs are rounded to the backend's dtype first, so both sides compute on the
+ * same values and the tolerance covers only arithmetic and output rounding.
+ *
+ * The CUDA backend is checked in its three variants (cuda:f32, cuda:f16, cuda = bf16): embedding and
+ * row gather, matmul (beta 0 and 1, weights uploaded from f32/f16/bf16), RMSNorm (rows and per-head),
+ * RoPE, SiLU.mul, residual add, KV write (exact), paged attention (decode with and without context
+ * splits, prefill tiles, chunked prefill after a past, GQA/MHA/MQA, head sizes 6..256, block sizes
+ * 1..32, contexts up to 9000), block copy/gather/scatter (exact), greedy/top-k/top-p sampling against
+ * kvb_sample, and the memory pieces (device region handle, pinned buffers, events, VMM chunks).
+ *
+ * Without a GPU (or without CUDA in the build) the program prints "SKIP: ..." and exits 77, which
+ * automake counts as skipped: this test never passes on a machine that cannot run it. The device
+ * probe runs in a child process, so the runner itself never initialises CUDA before it forks the
+ * tests (CUDA does not survive fork). */
+#include "config.h"
+
+#include <math.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/sched/sampling.h"
+#include "kernels/backend.h"
+#include "tests/harness.h"
+
+#ifdef KVB_WITH_CUDA
+#include "kernels/cuda/backend_cuda.h"
+#include "kernels/cuda/blocks.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/sampling.h"
+
+/* ---------------------------------------------------------------- helpers */
+
+typedef struct variant {
+    const char *name;
+    kvb_dtype dt;
+    double tol;
+} variant;
+
+static const variant VARIANTS[] = {
+    {"cuda:f32", KVB_DTYPE_F32, 1e-5},
+    {"cuda:f16", KVB_DTYPE_F16, 5e-3},
+    {"cuda", KVB_DTYPE_BF16, 2e-2},
+};
+#define N_VARIANTS ((int)KVB_ARRAY_LEN(VARIANTS))
+
+static uint64_t rng_state;
+static float frand(void) { /* uniform in [-1, 1) */
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((rng_state >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f;
+}
+
+static float round_dt(float x, kvb_dtype dt) {
+    switch (dt) {
+    case KVB_DTYPE_F16: return kvb_f16_to_f32(kvb_f32_to_f16(x));
+    case KVB_DTYPE_BF16: return kvb_bf16_to_f32(kvb_f32_to_bf16(x));
+    default: return x;
+    }
+}
+
+/* n random values in [-scale, scale), already representable in dt. Caller frees. */
+static float *rand_vec(size_t n, float scale, kvb_dtype dt) {
+    float *x = malloc(n * sizeof(float) + 1);
+    ck_assert_ptr_nonnull(x);
+    for (size_t i = 0; i < n; i++) x[i] = round_dt(frand() * scale, dt);
+    return x;
+}
+
+/* x as dt elements (host bytes). Caller frees. */
+static void *encode(const float *x, size_t n, kvb_dtype dt) {
+    size_t es = kvb_dtype_size(dt);
+    char *b = malloc(n * es + 1);
+    ck_assert_ptr_nonnull(b);
+    for (size_t i = 0; i < n; i++) {
+        if (dt == KVB_DTYPE_F32) memcpy(b + 4 * i, &x[i], 4);
+        else {
+            uint16_t h = dt == KVB_DTYPE_F16 ? kvb_f32_to_f16(x[i]) : kvb_f32_to_bf16(x[i]);
+            memcpy(b + 2 * i, &h, 2);
+        }
+    }
+    return b;
+}
+
+static void decode_dt(const void *b, size_t n, kvb_dtype dt, float *out) {
+    for (size_t i = 0; i < n; i++) {
+        if (dt == KVB_DTYPE_F32) memcpy(&out[i], (const char *)b + 4 * i, 4);
+        else {
+            uint16_t h;
+            memcpy(&h, (const char *)b + 2 * i, 2);
+            out[i] = dt == KVB_DTYPE_F16 ? kvb_f16_to_f32(h) : kvb_bf16_to_f32(h);
+        }
+    }
+}
+
+/* A backend buffer holding x (n values) in the backend's activation dtype. */
+static void *upload(kvb_backend *be, const float *x, size_t n) {
+    kvb_dtype dt = be->iface->act_dtype;
+    void *d = NULL;
+    ck_assert_int_eq(be->iface->alloc(be->ctx, n * kvb_dtype_size(dt), &d), KVB_OK);
+    void *h = encode(x, n, dt);
+    ck_assert_int_eq(be->iface->to_device(be->ctx, d, h, n * kvb_dtype_size(dt)), KVB_OK);
+    free(h);
+    return d;
+}
+
+static float *download(kvb_backend *be, const void *d, size_t n) {
+    float *x = malloc(n * sizeof(float) + 1);
+    ck_assert_ptr_nonnull(x);
+    ck_assert_int_eq(be->iface->to_host_f32(be->ctx, x, d, n), KVB_OK);
+    return x;
+}
+
+/* ||a - ref||_2 / ||ref||_2 (a NaN anywhere gives +inf). */
+static double nerr(const float *a, const float *ref, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(a[i])) return INFINITY;
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+#define CHECK_CLOSE(got, ref, n, v, what, ...)                                                          \
+    do {                                                                                               \
+        double e_ = nerr((got), (ref), (n));                                                           \
+        ck_assert_msg(e_ <= (v)->tol, "%s: " what ": normalized error %.3g > %.3g", (v)->name, __VA_ARGS__, e_, \
+                      (v)->tol);                                                                       \
+    } while (0)
+
+static kvb_backend *make(const char *name) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create(name, 2, &be), KVB_OK);
+    return be;
+}
+
+/* A weight on both backends from the same values (rounded to dt), uploaded from src_dt bytes. */
+static void load_both(kvb_backend *cpu, kvb_backend *gpu, const float *w, int64_t rows, int64_t cols, kvb_dtype src_dt,
+                      kvb_tensor *tc, kvb_tensor *tg) {
+    void *src = encode(w, (size_t)rows * cols, src_dt);
+    ck_assert_int_eq(cpu->iface->weight_load(cpu->ctx, src, src_dt, rows, cols, tc), KVB_OK);
+    ck_assert_int_eq(gpu->iface->weight_load(gpu->ctx, src, src_dt, rows, cols, tg), KVB_OK);
+    free(src);
+}
+
+/* ---------------------------------------------------------------- tests */
+
+KVB_TEST(variants_and_errors) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cuda:f8", 1, &be), KVB_ERR_INVALID);
+    ck_assert_ptr_null(be);
+    ck_assert_int_eq(kvb_backend_create("cudax", 1, &be), KVB_ERR_UNSUPPORTED);
+    for (int v = 0; v < N_VARIANTS; v++) {
+        be = make(VARIANTS[v].name);
+        ck_assert_int_eq(be->iface->act_dtype, VARIANTS[v].dt);
+        ck_assert(kvb_cuda_backend_is(be));
+        ck_assert_ptr_nonnull(kvb_cuda_backend_stream(be));
+        kvb_cuda_device_info info;
+        ck_assert_int_eq(kvb_cuda_backend_info(be, &info), KVB_OK);
+        ck_assert_int_gt(info.n_sm, 0);
+        /* a launcher refuses the legacy default stream */
+        ck_assert_int_ne(kvb_cuda_add(NULL, NULL, NULL, VARIANTS[v].dt, 16, NULL), 0);
+        kvb_backend_destroy(be);
+    }
+    kvb_backend *cpu = make("cpu");
+    ck_assert(!kvb_cuda_backend_is(cpu));
+    ck_assert_ptr_null(kvb_cuda_backend_stream(cpu));
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+KVB_TEST(embed_gather_rows) {
+    rng_state = 11;
+    kvb_backend *cpu = make("cpu");
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        int dims[] = {200, 4096, 37};
+        for (size_t di = 0; di < KVB_ARRAY_LEN(dims); di++) {
+            int vocab = 1000, dim = dims[di], n = 77;
+            float *table = rand_vec((size_t)vocab * dim, 1.0f, V->dt);
+            kvb_tensor tc, tg;
+            load_both(cpu, gpu, table, vocab, dim, KVB_DTYPE_F32, &tc, &tg);
+            int32_t ids[77];
+            for (int i = 0; i < n; i++) ids[i] = (int32_t)((frand() + 1) * 0.5f * (vocab - 1));
+            ids[0] = 0;
+            ids[1] = vocab - 1;
+            float *oc = malloc(sizeof(float) * n * dim);
+            void *og = NULL;
+            ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)n * dim * kvb_dtype_size(V->dt), &og), KVB_OK);
+            ck_assert_int_eq(cpu->iface->embed(cpu->ctx, &tc, ids, n, oc), KVB_OK);
+            ck_assert_int_eq(gpu->iface->embed(gpu->ctx, &tg, ids, n, og), KVB_OK);
+            float *got = download(gpu, og, (size_t)n * dim);
+            ck_assert_int_eq(memcmp(got, oc, sizeof(float) * n * dim), 0); /* a copy: exact */
+            /* gather_rows out of an activation buffer */
+            int32_t rows[5] = {76, 0, 3, 3, 40};
+            float *gc = malloc(sizeof(float) * 5 * dim);
+            void *gg = NULL;
+            ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)5 * dim * kvb_dtype_size(V->dt), &gg), KVB_OK);
+            ck_assert_int_eq(cpu->iface->gather_rows(cpu->ctx, oc, rows, 5, dim, gc), KVB_OK);
+            ck_assert_int_eq(gpu->iface->gather_rows(gpu->ctx, og, rows, 5, dim, gg), KVB_OK);
+            float *got2 = download(gpu, gg, (size_t)5 * dim);
+            ck_assert_int_eq(memcmp(got2, gc, sizeof(float) * 5 * dim), 0);
+            gpu->iface->free(gpu->ctx, og);
+            gpu->iface->free(gpu->ctx, gg);
+            cpu->iface->weight_free(cpu->ctx, &tc);
+            gpu->iface->weight_free(gpu->ctx, &tg);
+            free(table);
+            free(oc);
+            free(got);
+            free(gc);
+            free(got2);
+        }
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+KVB_TEST(matmul) {
+    rng_state = 12;
+    kvb_backend *cpu = make("cpu");
+    int shapes[][3] = {{1, 300, 200}, {5, 257, 64}, {33, 512, 128}, {2, 17, 9}, {64, 1024, 4096}, {1, 4096, 1024}};
+    kvb_dtype srcs[] = {KVB_DTYPE_F32, KVB_DTYPE_F16, KVB_DTYPE_BF16};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
+            int n = shapes[si][0], rows = shapes[si][1], cols = shapes[si][2];
+            kvb_dtype src_dt = srcs[si % 3];
+            /* values representable in both the source dtype and the backend's */
+            float *w = rand_vec((size_t)rows * cols, 0.1f, V->dt);
+            for (size_t i = 0; i < (size_t)rows * cols; i++) w[i] = round_dt(round_dt(w[i], src_dt), V->dt);
+            float *x = rand_vec((size_t)n * cols, 1.0f, V->dt), *y0 = rand_vec((size_t)n * rows, 1.0f, V->dt);
+            kvb_tensor tc, tg;
+            load_both(cpu, gpu, w, rows, cols, src_dt, &tc, &tg);
+            void *xg = upload(gpu, x, (size_t)n * cols);
+            for (int beta = 0; beta <= 1; beta++) {
+                float *yc = malloc(sizeof(float) * n * rows);
+                memcpy(yc, y0, sizeof(float) * n * rows);
+                void *yg = upload(gpu, y0, (size_t)n * rows);
+                ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, x, n, &tc, (float)beta, yc), KVB_OK);
+                ck_assert_int_eq(gpu->iface->matmul(gpu->ctx, xg, n, &tg, (float)beta, yg), KVB_OK);
+                float *got = download(gpu, yg, (size_t)n * rows);
+                CHECK_CLOSE(got, yc, (size_t)n * rows, V, "matmul n=%d %dx%d beta=%d from %s", n, rows, cols, beta,
+                            kvb_dtype_name(src_dt));
+                gpu->iface->free(gpu->ctx, yg);
+                free(yc);
+                free(got);
+            }
+            gpu->iface->free(gpu->ctx, xg);
+            cpu->iface->weight_free(cpu->ctx, &tc);
+            gpu->iface->weight_free(gpu->ctx, &tg);
+            free(w);
+            free(x);
+            free(y0);
+        }
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+KVB_TEST(rmsnorm) {
+    rng_state = 13;
+    kvb_backend *cpu = make("cpu");
+    int shapes[][2] = {{1, 4096}, {7, 64}, {33 * 8, 128}, {5, 1000}, {3, 3}, {2, 5120}, {300, 16}};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
+            int rows = shapes[si][0], dim = shapes[si][1];
+            float *x = rand_vec((size_t)rows * dim, 2.0f, V->dt), *w = rand_vec((size_t)dim, 1.0f, KVB_DTYPE_F32);
+            kvb_tensor tc, tg;
+            load_both(cpu, gpu, w, dim, 1, KVB_DTYPE_F32, &tc, &tg);
+            ck_assert_int_eq(tg.dtype, KVB_DTYPE_F32); /* norm weights stay f32 */
+            float *yc = malloc(sizeof(float) * rows * dim);
+            void *xg = upload(gpu, x, (size_t)rows * dim), *yg = NULL;
+            ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)rows * dim * kvb_dtype_size(V->dt), &yg), KVB_OK);
+            ck_assert_int_eq(cpu->iface->rmsnorm(cpu->ctx, x, rows, dim, &tc, 1e-5f, yc), KVB_OK);
+            ck_assert_int_eq(gpu->iface->rmsnorm(gpu->ctx, xg, rows, dim, &tg, 1e-5f, yg), KVB_OK);
+            float *got = download(gpu, yg, (size_t)rows * dim);
+            CHECK_CLOSE(got, yc, (size_t)rows * dim, V, "rmsnorm %dx%d", rows, dim);
+            /* in place */
+            ck_assert_int_eq(gpu->iface->rmsnorm(gpu->ctx, xg, rows, dim, &tg, 1e-5f, xg), KVB_OK);
+            float *got2 = download(gpu, xg, (size_t)rows * dim);
+            ck_assert_int_eq(memcmp(got, got2, sizeof(float) * rows * dim), 0);
+            gpu->iface->free(gpu->ctx, xg);
+            gpu->iface->free(gpu->ctx, yg);
+            cpu->iface->weight_free(cpu->ctx, &tc);
+            gpu->iface->weight_free(gpu->ctx, &tg);
+            free(x);
+            free(w);
+            free(yc);
+            free(got);
+            free(got2);
+        }
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+KVB_TEST(rope) {
+    rng_state = 14;
+    kvb_backend *cpu = make("cpu");
+    int geo[][3] = {{8, 2, 64}, {32, 8, 128}, {4, 2, 16}, {3, 1, 6}}; /* heads, kv heads, head_dim */
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        for (size_t gi = 0; gi < KVB_ARRAY_LEN(geo); gi++) {
+            int H = geo[gi][0], KH = geo[gi][1], D = geo[gi][2], n = 37;
+            float *inv = malloc(sizeof(float) * D / 2);
+            for (int i = 0; i < D / 2; i++) inv[i] = (float)pow(500000.0, -2.0 * i / D);
+            kvb_rope rope = {.head_dim = D, .inv_freq = inv};
+            int32_t pos[37];
+            for (int t = 0; t < n; t++) pos[t] = (int32_t)((frand() + 1) * 16384);
+            pos[0] = 0;
+            pos[1] = 131071;
+            float *q = rand_vec((size_t)n * H * D, 1.0f, V->dt), *k = rand_vec((size_t)n * KH * D, 1.0f, V->dt);
+            void *qg = upload(gpu, q, (size_t)n * H * D), *kg = upload(gpu, k, (size_t)n * KH * D);
+            ck_assert_int_eq(cpu->iface->rope(cpu->ctx, q, H, k, KH, n, pos, &rope), KVB_OK);
+            ck_assert_int_eq(gpu->iface->rope(gpu->ctx, qg, H, kg, KH, n, pos, &rope), KVB_OK);
+            float *gq = download(gpu, qg, (size_t)n * H * D), *gk = download(gpu, kg, (size_t)n * KH * D);
+            CHECK_CLOSE(gq, q, (size_t)n * H * D, V, "rope q %d/%d hd %d", H, KH, D);
+            CHECK_CLOSE(gk, k, (size_t)n * KH * D, V, "rope k %d/%d hd %d", H, KH, D);
+            gpu->iface->free(gpu->ctx, qg);
+            gpu->iface->free(gpu->ctx, kg);
+            free(inv);
+            free(q);
+            free(k);
+            free(gq);
+            free(gk);
+        }
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+KVB_TEST(silu_mul_add) {
+    rng_state = 15;
+    kvb_backend *cpu = make("cpu");
+    size_t sizes[] = {1, 7, 4096, 14336 * 3 + 5, 1 << 20};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        kvb_cuda_stream_t s = kvb_cuda_backend_stream(gpu);
+        for (size_t si = 0; si < KVB_ARRAY_LEN(sizes); si++) {
+            size_t n = sizes[si];
+            float *g = rand_vec(n, 4.0f, V->dt), *u = rand_vec(n, 1.0f, V->dt), *oc = malloc(sizeof(float) * n);
+            void *gg = upload(gpu, g, n), *ug = upload(gpu, u, n);
+            ck_assert_int_eq(cpu->iface->silu_mul(cpu->ctx, g, u, n, oc), KVB_OK);
+            ck_assert_int_eq(gpu->iface->silu_mul(gpu->ctx, gg, ug, n, gg), KVB_OK); /* out aliases gate */
+            float *got = download(gpu, gg, n);
+            CHECK_CLOSE(got, oc, n, V, "silu_mul n=%zu", n);
+            /* residual add, in place into b: b = a + b */
+            float *a = rand_vec(n, 1.0f, V->dt), *ref = malloc(sizeof(float) * n);
+            void *ag = upload(gpu, a, n);
+            for (size_t i = 0; i < n; i++) ref[i] = a[i] + got[i];
+            ck_assert_int_eq(KVB_CUDA_CHECK(kvb_cuda_add(ag, gg, gg, V->dt, n, s)), KVB_OK);
+            float *got2 = download(gpu, gg, n);
+            CHECK_CLOSE(got2, ref, n, V, "add n=%zu", n);
+            /* an unaligned view takes the element-by-element path */
+            if (n > 8) {
+                size_t es = kvb_dtype_size(V->dt);
+                ck_assert_int_eq(KVB_CUDA_CHECK(kvb_cuda_add((char *)ag + es, (char *)ag + es, (char *)ag + es, V->dt,
+                                                             n - 1, s)),
+                                 KVB_OK);
+                float *got3 = download(gpu, ag, n);
+                for (size_t i = 1; i < n; i++) ref[i] = round_dt(2 * a[i], V->dt);
+                ref[0] = a[0];
+                CHECK_CLOSE(got3, ref, n, V, "add unaligned n=%zu", n);
+                free(got3);
+            }
+            gpu->iface->free(gpu->ctx, gg);
+            gpu->iface->free(gpu->ctx, ug);
+            gpu->iface->free(gpu->ctx, ag);
+            free(g);
+            free(u);
+            free(oc);
+            free(got);
+            free(a);
+            free(ref);
+            free(got2);
+        }
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------- KV write + attention */
+
+typedef struct seq_spec {
+    int q_len, ctx_len;
+} seq_spec;
+
+/* Fills every sequence's whole context with kv_write (one prefill-like batch), checks the blocks are
+ * identical, then runs one attention step with the given q_len per sequence on both backends. The
+ * blocks live in layer 1 of a 2-layer block-major pool, handed out in a scrambled order. */
+static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V, const seq_spec *specs, int n_seqs,
+                            int n_heads, int n_kv, int hd, int bs) {
+    kvb_dtype dt = V->dt;
+    size_t es = kvb_dtype_size(dt);
+    kvb_kv_geom gc = {.n_layers = 2, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
+    kvb_kv_geom gg = gc;
+    gg.elem_size = (int)es;
+    kvb_attn_seq *fill_seqs = calloc((size_t)n_seqs, sizeof *fill_seqs), *step = calloc((size_t)n_seqs, sizeof *step);
+    int n_fill = 0, n_tok = 0, n_blk = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int nb = KVB_DIV_CEIL(specs[s].ctx_len, bs);
+        fill_seqs[s] = (kvb_attn_seq){.q_start = n_fill, .q_len = specs[s].ctx_len, .ctx_len = specs[s].ctx_len,
+                                      .n_blocks = nb, .blk_first = n_blk};
+        step[s] = (kvb_attn_seq){.q_start = n_tok, .q_len = specs[s].q_len, .ctx_len = specs[s].ctx_len,
+                                 .n_blocks = nb, .blk_first = n_blk};
+        n_fill += specs[s].ctx_len;
+        n_tok += specs[s].q_len;
+        n_blk += nb;
+    }
+    size_t row = (size_t)n_kv * hd, layer_elems = 2 * (size_t)bs * row, blk_elems = 2 * layer_elems;
+    float *pool_c = calloc((size_t)n_blk * blk_elems, sizeof(float));
+    void *pool_g = NULL;
+    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)n_blk * blk_elems * es, &pool_g), KVB_OK);
+    void **pc = malloc(sizeof(void *) * n_blk), **pg = malloc(sizeof(void *) * n_blk);
+    int mul = 7;
+    while (n_blk % mul == 0) mul += 2;
+    for (int j = 0; j < n_blk; j++) {
+        size_t at = (size_t)((j * (size_t)mul + 3) % (size_t)n_blk) * blk_elems + layer_elems; /* layer 1 */
+        pc[j] = pool_c + at;
+        pg[j] = (char *)pool_g + at * es;
+    }
+    /* the whole context of every sequence through kv_write */
+    float *kf = rand_vec((size_t)n_fill * row, 1.0f, dt), *vf = rand_vec((size_t)n_fill * row, 1.0f, dt);
+    void *kfg = upload(gpu, kf, (size_t)n_fill * row), *vfg = upload(gpu, vf, (size_t)n_fill * row);
+    float scale = (float)(1 / sqrt(hd));
+    kvb_attn_batch bc = {.geom = &gc, .n_heads = n_heads, .n_tokens = n_fill, .n_seqs = n_seqs, .seqs = fill_seqs,
+                         .layer_blocks = pc, .scale = scale};
+    kvb_attn_batch bg = bc;
+    bg.geom = &gg;
+    bg.layer_blocks = pg;
+    ck_assert_int_eq(cpu->iface->kv_write(cpu->ctx, &bc, kf, vf), KVB_OK);
+    ck_assert_int_eq(gpu->iface->kv_write(gpu->ctx, &bg, kfg, vfg), KVB_OK);
+    /* kv_write moves bytes: every written slot is identical */
+    char *raw = malloc((size_t)n_blk * blk_elems * es);
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, raw, pool_g, (size_t)n_blk * blk_elems * es), KVB_OK);
+    float *slot = malloc(sizeof(float) * row);
+    for (int s = 0; s < n_seqs; s++)
+        for (int p = 0; p < specs[s].ctx_len; p++)
+            for (int kv = 0; kv < 2; kv++) {
+                size_t off = (size_t)kv * bs * row + (size_t)(p % bs) * row;
+                const float *want = (const float *)pc[fill_seqs[s].blk_first + p / bs] + off;
+                decode_dt(raw + ((char *)pg[fill_seqs[s].blk_first + p / bs] - (char *)pool_g) + off * es, row, dt,
+                          slot);
+                ck_assert_msg(!memcmp(slot, want, sizeof(float) * row), "%s: kv_write seq %d pos %d %s differs",
+                              V->name, s, p, kv ? "V" : "K");
+            }
+    /* one step */
+    float *q = rand_vec((size_t)n_tok * n_heads * hd, 1.0f, dt), *oc = malloc(sizeof(float) * n_tok * n_heads * hd);
+    void *qg = upload(gpu, q, (size_t)n_tok * n_heads * hd), *og = NULL;
+    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)n_tok * n_heads * hd * es, &og), KVB_OK);
+    bc.n_tokens = bg.n_tokens = n_tok;
+    bc.seqs = bg.seqs = step;
+    ck_assert_int_eq(cpu->iface->attention(cpu->ctx, &bc, q, oc), KVB_OK);
+    ck_assert_int_eq(gpu->iface->attention(gpu->ctx, &bg, qg, og), KVB_OK);
+    float *got = download(gpu, og, (size_t)n_tok * n_heads * hd);
+    CHECK_CLOSE(got, oc, (size_t)n_tok * n_heads * hd, V, "attention heads %d/%d hd %d bs %d seqs %d (first %d/%d)",
+                n_heads, n_kv, hd, bs, n_seqs, specs[0].q_len, specs[0].ctx_len);
+    /* the same plan again gives the same bits (no atomics) */
+    ck_assert_int_eq(gpu->iface->attention(gpu->ctx, &bg, qg, og), KVB_OK);
+    float *again = download(gpu, og, (size_t)n_tok * n_heads * hd);
+    ck_assert_int_eq(memcmp(got, again, sizeof(float) * n_tok * n_heads * hd), 0);
+
+    gpu->iface->free(gpu->ctx, pool_g);
+    gpu->iface->free(gpu->ctx, kfg);
+    gpu->iface->free(gpu->ctx, vfg);
+    gpu->iface->free(gpu->ctx, qg);
+    gpu->iface->free(gpu->ctx, og);
+    free(fill_seqs);
+    free(step);
+    free(pool_c);
+    free(pc);
+    free(pg);
+    free(kf);
+    free(vf);
+    free(raw);
+    free(slot);
+    free(q);
+    free(oc);
+    free(got);
+    free(again);
+}
+
+KVB_TEST(attention_decode) {
+    rng_state = 16;
+    kvb_backend *cpu = make("cpu");
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        /* one new token each; contexts below, at and above a key tile and a split */
+        seq_spec dec[] = {{1, 1}, {1, 17}, {1, 128}, {1, 129}, {1, 300}, {1, 1000}, {1, 5000}};
+        int bss[] = {1, 8, 16, 32};
+        for (size_t i = 0; i < KVB_ARRAY_LEN(bss); i++) check_attention(cpu, gpu, &VARIANTS[v], dec, 7, 8, 2, 64, bss[i]);
+        /* two new tokens per sequence (rows = 2 x group 4 = 8: the decode kernel's limit) */
+        seq_spec two[] = {{2, 2}, {2, 700}, {2, 2049}};
+        check_attention(cpu, gpu, &VARIANTS[v], two, 3, 8, 2, 128, 16);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+KVB_TEST(attention_long_context_split) {
+    rng_state = 17;
+    kvb_backend *cpu = make("cpu");
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        /* Llama-3-8B attention shape: 32 heads over 8 KV heads of 128; batch 1 at 9000 tokens splits
+         * into many parts; a batch of 4 at 4K splits fewer */
+        seq_spec one[] = {{1, 9000}};
+        check_attention(cpu, gpu, &VARIANTS[v], one, 1, 32, 8, 128, 16);
+        seq_spec four[] = {{1, 4096}, {1, 4000}, {1, 3333}, {1, 10}};
+        check_attention(cpu, gpu, &VARIANTS[v], four, 4, 32, 8, 128, 32);
+        /* group of 8 (rows 8), and of 16 (decode through the prefill kernel) */
+        check_attention(cpu, gpu, &VARIANTS[v], one, 1, 64, 8, 128, 16);
+        check_attention(cpu, gpu, &VARIANTS[v], four, 4, 32, 2, 64, 16);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+KVB_TEST(attention_prefill) {
+    rng_state = 18;
+    kvb_backend *cpu = make("cpu");
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        /* full prompts, a chunk after a past, decode rows mixed in */
+        seq_spec mix[] = {{300, 300}, {70, 133}, {1, 40}, {3, 3}, {129, 1000}, {1, 1}};
+        int bss[] = {1, 7, 16, 32};
+        for (size_t i = 0; i < KVB_ARRAY_LEN(bss); i++) check_attention(cpu, gpu, &VARIANTS[v], mix, 6, 8, 2, 64, bss[i]);
+        check_attention(cpu, gpu, &VARIANTS[v], mix, 6, 32, 8, 128, 16);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+KVB_TEST(attention_head_shapes) {
+    rng_state = 19;
+    kvb_backend *cpu = make("cpu");
+    seq_spec mix[] = {{1, 65}, {64, 64}, {33, 90}, {1, 700}};
+    /* heads, kv heads, head_dim: MHA, MQA, the tiny test models' 16, odd 80 and 6, the largest 256 */
+    int geo[][3] = {{4, 4, 16}, {6, 1, 64}, {8, 2, 80}, {4, 2, 6}, {8, 4, 256}, {2, 2, 32}, {12, 4, 96}};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        for (size_t gi = 0; gi < KVB_ARRAY_LEN(geo); gi++)
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 4, geo[gi][0], geo[gi][1], geo[gi][2], 16);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------- blocks */
+
+KVB_TEST(blocks_copy_gather_scatter) {
+    rng_state = 20;
+    kvb_backend *gpu = make("cuda");
+    kvb_cuda_stream_t s = kvb_cuda_backend_stream(gpu);
+    size_t sizes[] = {65536, 16 * 2 * 8 * 128 * 2, 48, 1000}; /* 1000: not a multiple of 16 */
+    for (size_t si = 0; si < KVB_ARRAY_LEN(sizes); si++) {
+        size_t bytes = sizes[si];
+        int n = 23, pool_n = 40;
+        unsigned char *host = malloc(bytes * pool_n);
+        for (size_t i = 0; i < bytes * pool_n; i++) host[i] = (unsigned char)(frand() * 127 + 128);
+        void *pool = NULL, *packed = NULL, *dev_ptrs = NULL;
+        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, bytes * pool_n, &pool), KVB_OK);
+        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, bytes * n, &packed), KVB_OK);
+        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, sizeof(void *) * 2 * n, &dev_ptrs), KVB_OK);
+        ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, pool, host, bytes * pool_n), KVB_OK);
+        /* sources: blocks 0..22 in a shuffled order; destinations: blocks 23..39 (never a source) */
+        void *ptrs[46];
+        int src_idx[23], dst_idx[23];
+        for (int i = 0; i < n; i++) {
+            src_idx[i] = (i * 5 + 2) % n;
+            dst_idx[i] = n + i;
+        }
+        int nd = pool_n - n; /* 17 scattered destinations */
+        for (int i = 0; i < n; i++) ptrs[i] = (char *)pool + (size_t)src_idx[i] * bytes;
+        for (int i = 0; i < nd; i++) ptrs[n + i] = (char *)pool + (size_t)dst_idx[i] * bytes;
+        ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, dev_ptrs, ptrs, sizeof(void *) * (n + nd)), KVB_OK);
+        void **d_src = dev_ptrs, **d_dst = (void **)dev_ptrs + n;
+        /* gather all 23 into the packed buffer */
+        ck_assert_int_eq(KVB_CUDA_CHECK(kvb_cuda_blocks_gather((const void *const *)d_src, packed, n, bytes, s)), KVB_OK);
+        unsigned char *got = malloc(bytes * n);
+        ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, got, packed, bytes * n), KVB_OK);
+        for (int i = 0; i < n; i++) ck_assert(!memcmp(got + (size_t)i * bytes, host + (size_t)src_idx[i] * bytes, bytes));
+        /* scatter the first 17 packed chunks to blocks 23..39 */
+        ck_assert_int_eq(KVB_CUDA_CHECK(kvb_cuda_blocks_scatter(packed, d_dst, nd, bytes, s)), KVB_OK);
+        unsigned char *pool_back = malloc(bytes * pool_n);
+        ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, pool_back, pool, bytes * pool_n), KVB_OK);
+        for (int i = 0; i < nd; i++)
+            ck_assert(!memcmp(pool_back + (size_t)dst_idx[i] * bytes, host + (size_t)src_idx[i] * bytes, bytes));
+        /* copy blocks 23..39 back over blocks src_idx[0..17) (they hold the same bytes: restores host) */
+        ck_assert_int_eq(KVB_CUDA_CHECK(kvb_cuda_blocks_copy((const void *const *)d_dst, (void *const *)d_src, nd, bytes, s)),
+                         KVB_OK);
+        ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, pool_back, pool, bytes * pool_n), KVB_OK);
+        for (int i = 0; i < n; i++)
+            ck_assert(!memcmp(pool_back + (size_t)i * bytes, host + (size_t)i * bytes, bytes));
+        gpu->iface->free(gpu->ctx, pool);
+        gpu->iface->free(gpu->ctx, packed);
+        gpu->iface->free(gpu->ctx, dev_ptrs);
+        free(host);
+        free(got);
+        free(pool_back);
+    }
+    kvb_backend_destroy(gpu);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------- sampling */
+
+static void check_sampling(kvb_backend *gpu, kvb_dtype dt, int rows, int vocab, float logit_scale) {
+    kvb_cuda_stream_t s = kvb_cuda_backend_stream(gpu);
+    float *logits = malloc(sizeof(float) * rows * vocab);
+    for (size_t i = 0; i < (size_t)rows * vocab; i++) logits[i] = round_dt(frand() * logit_scale, dt);
+    /* some exact ties, to check the lowest-id rule */
+    logits[3] = logits[5] = 100.0f;
+    kvb_cuda_sample_params *P = calloc((size_t)rows, sizeof *P);
+    kvb_sampling *cs = calloc((size_t)rows, sizeof *cs);
+    kvb_rng *rng = calloc((size_t)rows, sizeof *rng);
+    for (int r = 0; r < rows; r++) {
+        int kind = r % 6;
+        kvb_sampling sp = {.temperature = kind == 0 ? 0.0f : 0.5f + (float)(r % 5) * 0.3f,
+                           .top_k = kind == 2 || kind == 4 ? 1 + r % 50 : (kind == 5 ? vocab + 3 : 0),
+                           .top_p = kind == 3 || kind == 4 ? 0.5f + 0.09f * (float)(r % 5) : 1.0f,
+                           .seed = 1000 + (uint64_t)r};
+        cs[r] = sp;
+        kvb_rng_seed(&rng[r], sp.seed);
+        kvb_rng peek = rng[r];
+        P[r] = (kvb_cuda_sample_params){sp.temperature, sp.top_k, sp.top_p, kvb_rng_uniform(&peek)};
+    }
+    void *dl = NULL, *dp = NULL, *dout = NULL, *dgreedy = NULL;
+    size_t es = kvb_dtype_size(dt);
+    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)rows * vocab * es, &dl), KVB_OK);
+    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, sizeof *P * rows, &dp), KVB_OK);
+    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, sizeof(int32_t) * rows, &dout), KVB_OK);
+    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, sizeof(int32_t) * rows, &dgreedy), KVB_OK);
+    void *enc = encode(logits, (size_t)rows * vocab, dt);
+    ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, dl, enc, (size_t)rows * vocab * es), KVB_OK);
+    ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, dp, P, sizeof *P * rows), KVB_OK);
+    ck_assert_int_eq(KVB_CUDA_CHECK(kvb_cuda_sample(dl, dt, rows, vocab, dp, dout, s)), KVB_OK);
+    ck_assert_int_eq(KVB_CUDA_CHECK(kvb_cuda_argmax(dl, dt, rows, vocab, dgreedy, s)), KVB_OK);
+    int32_t *got = malloc(sizeof(int32_t) * rows), *greedy = malloc(sizeof(int32_t) * rows);
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, got, dout, sizeof(int32_t) * rows), KVB_OK);
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, greedy, dgreedy, sizeof(int32_t) * rows), KVB_OK);
+    float *scratch = malloc(sizeof(float) * 2 * vocab);
+    int agree = 0, n_sampled = 0;
+    for (int r = 0; r < rows; r++) {
+        kvb_sampling g0 = {.temperature = 0};
+        int32_t am = kvb_sample(&g0, &rng[r], logits + (size_t)r * vocab, vocab, scratch);
+        ck_assert_int_eq(greedy[r], am);
+        /* kvb_sample draws the same u from the same rng state */
+        int32_t want = kvb_sample(&cs[r], &rng[r], logits + (size_t)r * vocab, vocab, scratch);
+        ck_assert_int_ge(got[r], 0);
+        ck_assert_int_lt(got[r], vocab);
+        if (cs[r].temperature <= 0) {
+            ck_assert_int_eq(got[r], want);
+            continue;
+        }
+        n_sampled++;
+        agree += got[r] == want;
+    }
+    /* differences can come only from expf ulps and fixed-point masses when u sits on a boundary */
+    ck_assert_msg(agree >= n_sampled - KVB_MAX(1, n_sampled / 50), "sampling %s vocab %d: %d of %d agree",
+                  kvb_dtype_name(dt), vocab, agree, n_sampled);
+    gpu->iface->free(gpu->ctx, dl);
+    gpu->iface->free(gpu->ctx, dp);
+    gpu->iface->free(gpu->ctx, dout);
+    gpu->iface->free(gpu->ctx, dgreedy);
+    free(enc);
+    free(logits);
+    free(P);
+    free(cs);
+    free(rng);
+    free(got);
+    free(greedy);
+    free(scratch);
+}
+
+KVB_TEST(sampling) {
+    rng_state = 21;
+    kvb_backend *gpu = make("cuda:f32");
+    check_sampling(gpu, KVB_DTYPE_F32, 120, 5000, 8.0f);
+    check_sampling(gpu, KVB_DTYPE_F32, 60, 128256, 12.0f);
+    check_sampling(gpu, KVB_DTYPE_BF16, 60, 32000, 8.0f);
+    check_sampling(gpu, KVB_DTYPE_F16, 30, 3, 1.0f);
+    kvb_backend_destroy(gpu);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------- memory pieces */
+
+KVB_TEST(cuda_memory) {
+    kvb_backend *gpu = make("cuda"); /* makes the device current and its context live */
+    kvb_cuda_stream_t s = kvb_cuda_backend_stream(gpu);
+    /* a device region and its handle */
+    kvb_cuda_region *r = NULL;
+    ck_assert_int_eq(kvb_cuda_region_create((size_t)3 << 20, &r), KVB_OK);
+    ck_assert(kvb_cuda_handle_valid(kvb_cuda_region_handle(r)));
+    ck_assert_int_eq(strlen(kvb_cuda_region_handle(r)), KVB_CUDA_HANDLE_CHARS);
+    ck_assert(kvb_cuda_region_is_owner(r));
+    ck_assert_int_eq(kvb_cuda_region_size(r), (size_t)3 << 20);
+    /* zero-filled */
+    unsigned char probe[4096];
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, probe, kvb_cuda_region_base(r), sizeof probe), KVB_OK);
+    for (size_t i = 0; i < sizeof probe; i++) ck_assert_int_eq(probe[i], 0);
+    /* opening our own handle is refused (CUDA IPC is between processes) */
+    kvb_cuda_region *self = NULL;
+    ck_assert_int_ne(kvb_cuda_region_import(kvb_cuda_region_handle(r), 4096, &self), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_region_import("xyz", 4096, &self), KVB_ERR_INVALID);
+    /* pinned buffers and events: pinned -> device -> pinned, ordered by an event on a second stream */
+    kvb_cuda_pinned *p = NULL;
+    ck_assert_int_eq(kvb_cuda_pinned_create((size_t)1 << 20, &p), KVB_OK);
+    unsigned char *ph = kvb_cuda_pinned_base(p);
+    for (size_t i = 0; i < ((size_t)1 << 20); i++) ph[i] = (unsigned char)(i * 7);
+    kvb_cuda_stream_t s2 = NULL;
+    ck_assert_int_eq(kvb_cuda_stream_create(&s2), KVB_OK);
+    kvb_cuda_event *e0 = NULL, *e1 = NULL;
+    ck_assert_int_eq(kvb_cuda_event_create(1, &e0), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_event_create(1, &e1), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_event_record(e0, s), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_copy_async(kvb_cuda_region_base(r), ph, (size_t)1 << 20, s), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_event_record(e1, s), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_stream_wait(s2, e1), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_copy_async(ph + ((size_t)1 << 19), kvb_cuda_region_base(r), (size_t)1 << 19, s2), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_stream_sync(s2), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_event_done(e1), 1);
+    float ms = -1;
+    ck_assert_int_eq(kvb_cuda_event_elapsed_ms(e0, e1, &ms), KVB_OK);
+    ck_assert(ms >= 0);
+    for (size_t i = 0; i < ((size_t)1 << 19); i++) ck_assert_int_eq(ph[((size_t)1 << 19) + i], (unsigned char)(i * 7));
+    /* virtual memory: 4 chunks reserved, 2 mapped, written through a kernel, one unmapped and mapped again */
+    kvb_cuda_vmm *v = NULL;
+    ck_assert_int_eq(kvb_cuda_vmm_reserve(1, 4, &v), KVB_OK);
+    size_t cb = kvb_cuda_vmm_chunk_bytes(v);
+    ck_assert_int_ge(cb, 4096);
+    ck_assert_int_eq(kvb_cuda_vmm_n_mapped(v), 0);
+    ck_assert_int_eq(kvb_cuda_vmm_map(v, 1), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_vmm_map(v, 1), KVB_ERR_STATE);
+    ck_assert_int_eq(kvb_cuda_vmm_map(v, 2), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_vmm_n_mapped(v), 2);
+    char *vb = kvb_cuda_vmm_base(v);
+    size_t piece = (size_t)1 << 19;
+    /* the region's first half (our pattern) into the end of chunk 1 and the start of chunk 2 */
+    ck_assert_int_eq(kvb_cuda_copy_async(vb + 2 * cb - piece / 2, kvb_cuda_region_base(r), piece, s), KVB_OK);
+    unsigned char *back = malloc(piece);
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, back, vb + 2 * cb - piece / 2, piece), KVB_OK);
+    ck_assert(!memcmp(back, ph, piece));
+    ck_assert_int_eq(kvb_cuda_stream_sync(s), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_vmm_unmap(v, 2), KVB_OK);
+    ck_assert_int_eq(kvb_cuda_vmm_unmap(v, 2), KVB_ERR_STATE);
+    ck_assert(!kvb_cuda_vmm_is_mapped(v, 2));
+    ck_assert_int_eq(kvb_cuda_vmm_map(v, 2), KVB_OK);
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, back, vb + 2 * cb - piece / 2, piece / 2), KVB_OK);
+    ck_assert(!memcmp(back, ph, piece / 2)); /* chunk 1 kept its bytes */
+    kvb_cuda_vmm_destroy(v);
+    free(back);
+    kvb_cuda_event_destroy(e0);
+    kvb_cuda_event_destroy(e1);
+    kvb_cuda_stream_destroy(s2);
+    kvb_cuda_pinned_destroy(p);
+    kvb_cuda_region_destroy(r);
+    kvb_backend_destroy(gpu);
+}
+KVB_TEST_END
+
+/* 1 (and the reason) if this machine has no usable CUDA device. Probed in a child so that this
+ * process, which forks every test, never initialises CUDA itself. */
+static int no_device(char *why, size_t len) {
+    int fds[2];
+    if (pipe(fds)) return snprintf(why, len, "pipe failed"), 1;
+    pid_t pid = fork();
+    if (pid < 0) return snprintf(why, len, "fork failed"), 1;
+    if (pid == 0) {
+        close(fds[0]);
+        int n = 0;
+        char msg[200] = "";
+        kvb_cuda_device_count(&n, msg, sizeof msg);
+        if (write(fds[1], msg, strlen(msg)) < 0) _exit(3);
+        _exit(n > 0 ? 0 : 1);
+    }
+    close(fds[1]);
+    ssize_t got = read(fds[0], why, len - 1);
+    why[got > 0 ? got : 0] = 0;
+    close(fds[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+int main(int argc, char **argv) {
+    const kvb_test table[] = {
+        KVB_T(variants_and_errors, 60),  KVB_T(embed_gather_rows, 60),
+        KVB_T(matmul, 120),              KVB_T(rmsnorm, 60),
+        KVB_T(rope, 60),                 KVB_T(silu_mul_add, 60),
+        KVB_T(attention_decode, 300),    KVB_T(attention_long_context_split, 300),
+        KVB_T(attention_prefill, 300),   KVB_T(attention_head_shapes, 300),
+        KVB_T(blocks_copy_gather_scatter, 60), KVB_T(sampling, 120),
+        KVB_T(cuda_memory, 60),
+    };
+    int listing = argc > 1 && !strcmp(argv[1], "--list");
+    char why[200];
+    if (!listing && no_device(why, sizeof why)) {
+        printf("SKIP: no CUDA device (%s)\n", why[0] ? why : "none found");
+        return 77;
+    }
+    return kvb_test_main(argc, argv, "backend", table, (int)KVB_ARRAY_LEN(table));
+}
+
+#else /* !KVB_WITH_CUDA */
+
+int main(void) {
+    printf("SKIP: no backend other than cpu is compiled into this build (%s)\n", kvb_backend_list());
+    return 77;
+}
+
+#endif

@@ -1,0 +1,332 @@
+#!/usr/bin/env bash
+# A real kvbank node on ipc:// endpoints in a temporary directory: kvbank-coordinator, a master (llama)
+# and two workers (qwen3, unlike geometries and block sizes, so that neither MEU is 1), tiny models made
+# by kvbank-mkmodel, heartbeat 200 ms, lend interval 0.5 s, a 16-block master KV budget.
+#
+#  1. idle workers lend (Alg. 1 SCALEDOWN); the ledger, the master and the MEUs agree (kvbankctl)
+#  2. a multi-turn session on the master, longer than its own KV holds: every turn's tokens equal
+#     kvbank-generate's for the same prompt
+#  3. a worker gets a long request while the master decodes on borrowed blocks: the worker reclaims
+#     (Alg. 1 SCALEUP), the master moves or recomputes what lived there; both requests are exact
+#  4. kill -9 of a lender while the master decodes on its blocks: the master request still completes
+#     exactly (or fails with an explicit error, never hangs); the lender restarts and lends again
+#  5. kill -9 of the coordinator and a restart: the models register again with their loans
+#  6. SIGTERM: every process exits 0, the node's shared memory (always mode 0600) is gone
+#
+# Everything waits by polling with a deadline (never a fixed sleep for correctness), so that a loaded
+# 2-core machine only makes it slower. KVB_NODE_DEADLINE=S changes the deadline of one wait (default
+# 30 s); KVB_NODE_KEEP=1 keeps the temporary directory with every process's log; KVB_NODE_LSC=stream
+# runs the master with "lsc": "stream" (lent blocks streamed through the layer stream cache).
+set -euo pipefail
+B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
+PY=${KVB_PYTHON:-/usr/bin/python3}
+for p in kvbank-coordinator kvbankctl kvbank-master kvbank-worker kvbank-mkmodel kvbank-generate kvbank-request; do
+    if [ ! -x "$B/$p" ]; then
+        echo "FAIL - $B/$p is missing (build it first)"
+        exit 1
+    fi
+done
+T=$(mktemp -d /tmp/kvb-node-XXXXXX)
+NODE=tn$$                       # shm tags are ${NODE}_<model>
+EP=ipc://$T/coord.sock
+DEADLINE=${KVB_NODE_DEADLINE:-30} # seconds any single wait may take
+LSC=${KVB_NODE_LSC:-inplace}    # how the master's attention reaches lent blocks: inplace or stream
+declare -A PID=()               # model name -> pid
+BG=()                           # every process started here
+
+cleanup() {
+    local rc=$?
+    trap - EXIT
+    for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -f /dev/shm/kvb-"${NODE}"_* 2>/dev/null || true
+    if [ "${KVB_NODE_KEEP:-0}" = 1 ]; then echo "logs kept in $T"; else rm -rf "$T"; fi
+    exit $rc
+}
+trap cleanup EXIT
+
+ok() { echo "ok   - $*"; }
+fail() {
+    echo "FAIL - $*"
+    for f in "$T"/*.log; do
+        [ -f "$f" ] || continue
+        echo "---- tail of $(basename "$f")"
+        tail -25 "$f"
+    done
+    exit 1
+}
+
+# wait_until WHAT SECONDS CMD...: polls CMD every 0.1 s until it succeeds.
+wait_until() {
+    local what=$1 secs=$2
+    shift 2
+    local end=$((SECONDS + secs))
+    until "$@"; do
+        [ "$SECONDS" -ge "$end" ] && fail "no $what within ${secs} s"
+        sleep 0.1
+    done
+}
+
+ctl() { "$B/kvbankctl" --coordinator "$EP" --timeout-ms 2000 "$@"; }
+
+# st EXPR: evaluates the python expression EXPR with s = `kvbankctl status --json` and l = the ledger's
+# loans; exits 0 when it is true (prints it when it is not a bool).
+st() {
+    local s l
+    s=$(ctl status --json 2>/dev/null) || return 1
+    l=$(ctl ledger --json 2>/dev/null) || return 1
+    "$PY" - "$s" "$l" "$1" <<'PYEOF'
+import json, sys
+s = json.loads(sys.argv[1]); lj = json.loads(sys.argv[2])
+l = lj.get('loans', []) if isinstance(lj, dict) else lj
+m = {x['name']: x for x in s['models'] if x.get('alive')}
+v = eval(sys.argv[3])
+if isinstance(v, bool):
+    sys.exit(0 if v else 1)
+print(v)
+PYEOF
+}
+
+ids() { "$PY" -c "import sys; n, a, b = map(int, sys.argv[1:]); print(','.join(str((a * i + b) % 120 + 3) for i in range(n)))" "$@"; }
+
+start_model() { # start_model master|worker NAME
+    "$B/kvbank-$1" --config "$T/node.json" --name "$2" 2>>"$T/$2.log" &
+    PID[$2]=$!
+    BG+=($!)
+}
+
+start_coordinator() {
+    "$B/kvbank-coordinator" --config "$T/node.json" 2>>"$T/coordinator.log" &
+    PID[coordinator]=$!
+    BG+=($!)
+}
+
+# request ENDPOINT_NAME PROMPT MAX OUTFILE: kvbank-request in the background; its pid in $REQ. OUTFILE
+# gets a line `INDEX TOKEN MS` per token as it arrives, then `finish: REASON, N tokens: IDS`.
+request() {
+    "$B/kvbank-request" --endpoint "ipc://$T/$1.sock" --prompt-ids "$2" --max-tokens "$3" \
+        --timeout-ms $((DEADLINE * 1000)) >"$4" 2>"$4.err" &
+    REQ=$!
+    BG+=($!)
+}
+
+# check_tokens WHAT MODEL_DIR BLOCK_SIZE PROMPT MAX OUTFILE: the ids in OUTFILE are kvbank-generate's
+check_tokens() {
+    local want got
+    want=$("$B/kvbank-generate" --model "$2" --block-size "$3" --prompt-ids "$4" --max-tokens "$5" 2>/dev/null) ||
+        fail "$1: kvbank-generate failed"
+    got=$(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$6")
+    [ "$got" = "$want" ] || fail "$1: tokens differ from kvbank-generate: got '$got', want '$want' ($(cat "$6.err"))"
+}
+
+# wait_exit PID SECONDS: waits for a process started here to end; its exit status in $RC
+wait_exit() {
+    local end=$((SECONDS + $2))
+    while kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; do
+        [ "$SECONDS" -ge "$end" ] && fail "process $1 still running after $2 s"
+        sleep 0.1
+    done
+    RC=0
+    wait "$1" || RC=$?
+}
+
+shm_modes_ok() {
+    local f n=0
+    for f in /dev/shm/kvb-"${NODE}"_*; do
+        [ -e "$f" ] || continue
+        n=$((n + 1))
+        [ "$(stat -c %a "$f")" = 600 ] || fail "$f has mode $(stat -c %a "$f"), want 600"
+    done
+    echo "$n"
+}
+
+# ------------------------------------------------------------------------------------ the node
+MM=$T/m_master MA=$T/m_a MB=$T/m_b
+"$B/kvbank-mkmodel" --arch llama --layers 4 --hidden 512 --heads 16 --kv-heads 4 --head-dim 32 \
+    --intermediate 1024 --vocab 128 --max-pos 4096 --seed 11 "$MM" >/dev/null
+"$B/kvbank-mkmodel" --arch qwen3 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --vocab 128 \
+    --seed 12 "$MA" >/dev/null
+"$B/kvbank-mkmodel" --arch qwen3 --layers 3 --hidden 32 --heads 2 --kv-heads 1 --head-dim 16 --vocab 128 \
+    --seed 13 "$MB" >/dev/null
+# block bytes: master 4*2*16*4*32*4 = 65536 (1 MiB = 16 blocks = 256 tokens); wa 2*2*8*2*16*4 = 4096
+# (MEU 16 worker : 1 master); wb 3*2*16*1*16*4 = 6144 (MEU 32 : 3)
+cat >"$T/node.json" <<EOF
+{ "node": "$NODE", "run_dir": "$T",
+  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 4,
+                   "lend_interval_s": 0.5, "window_s": 2.0 },
+  "models": [
+    { "name": "chat", "role": "master", "model_dir": "$MM", "kv_mb": 1, "block_size": 16,
+      "endpoint": "ipc://$T/chat.sock", "lsc": "$LSC" },
+    { "name": "wa", "role": "worker", "model_dir": "$MA", "kv_mb": 1, "block_size": 8,
+      "endpoint": "ipc://$T/wa.sock" },
+    { "name": "wb", "role": "worker", "model_dir": "$MB", "kv_mb": 1, "block_size": 16,
+      "endpoint": "ipc://$T/wb.sock" } ] }
+EOF
+OWN_TOKENS=256
+
+# ------------------------------------------------------------------------ 0. command lines
+# expect_rc CODE PATTERN CMD...: exit status CODE and PATTERN (grep -E) in the output
+expect_rc() {
+    local code=$1 pat=$2 out rc=0
+    shift 2
+    out=$("$@" 2>&1) || rc=$?
+    [ "$rc" = "$code" ] || fail "$* -> exit $rc, want $code: $(echo "$out" | tail -2)"
+    echo "$out" | grep -Eq -- "$pat" || fail "$* -> output lacks /$pat/: $(echo "$out" | tail -2)"
+}
+for p in kvbank-master kvbank-worker; do
+    expect_rc 0 "^usage: $p --config" "$B/$p" --help
+    expect_rc 2 "usage|unrecognized" "$B/$p" --no-such-flag
+    expect_rc 2 "required" "$B/$p" --model "$MA"
+    expect_rc 2 "--kv-mb" "$B/$p" --model "$MA" --endpoint "ipc://$T/x.sock" --coordinator "$EP" --kv-mb 0
+    expect_rc 1 "cannot read the node config" "$B/$p" --config "$T/none.json" --name wa
+    expect_rc 2 "no model named" "$B/$p" --config "$T/node.json" --name nobody
+    expect_rc 1 "cannot load model" "$B/$p" --model "$T/none" --endpoint "ipc://$T/x.sock" --coordinator "$EP"
+done
+expect_rc 0 "--lend-interval" "$B/kvbank-worker" --help
+expect_rc 0 "--lsc" "$B/kvbank-master" --help
+expect_rc 2 "is a worker" "$B/kvbank-master" --config "$T/node.json" --name wa
+expect_rc 2 "is a master" "$B/kvbank-worker" --config "$T/node.json" --name chat
+expect_rc 2 "unrecognized" "$B/kvbank-master" --model "$MM" --window 3
+expect_rc 2 "--lsc" "$B/kvbank-master" --model "$MM" --endpoint "ipc://$T/x.sock" --coordinator "$EP" --lsc sideways
+[ ! -e "$T/x.sock" ] || fail "a failed start left $T/x.sock behind"
+ls /dev/shm/kvb-"${NODE}"_* >/dev/null 2>&1 && fail "a failed start left shared memory behind"
+ok "command lines: --help, usage errors (2), unreadable config or model (1)"
+
+start_coordinator
+wait_until "answer from the coordinator" "$DEADLINE" st "True"
+start_model master chat
+start_model worker wa
+start_model worker wb
+
+# ------------------------------------------------------------------- 1. idle workers lend
+wait_until "loans from both idle workers" "$DEADLINE" \
+    st "set(m) == {'chat', 'wa', 'wb'} and m['wa']['n_lent'] > 0 and m['wb']['n_lent'] > 0 and m['chat']['n_borrowed'] == sum(x['n_master_blocks'] for x in l) and not any(x['revoking'] for x in l)"
+st "m['wa']['meu'] == 16 and m['wa']['meu_master'] == 1 and m['wb']['meu'] == 32 and m['wb']['meu_master'] == 3" ||
+    fail "MEUs: $(st "[(n, m[n]['meu'], m[n]['meu_master']) for n in ('wa', 'wb')]")"
+st "all(x['n_blocks'] % m[x['lender']]['meu'] == 0 and x['n_blocks'] // m[x['lender']]['meu'] * m[x['lender']]['meu_master'] == x['n_master_blocks'] for x in l)" ||
+    fail "loans are not whole MEUs: $(st l)"
+# n_own comes with the next heartbeat, n_lent from the ledger at once
+wait_until "own + lent == capacity on both workers" "$DEADLINE" \
+    st "all(m[n]['n_own'] + m[n]['n_lent'] == m[n]['capacity'] for n in ('wa', 'wb'))"
+n=$(shm_modes_ok)
+[ "$n" = 3 ] || fail "expected 3 shared-memory regions of node $NODE, found $n"
+ok "idle workers lent: $(st "[(x['lender'], x['n_blocks'], x['n_master_blocks']) for x in l]") master blocks borrowed: $(st "m['chat']['n_borrowed']"); regions mode 0600"
+
+# -------------------------------------------------- 2. a multi-turn session longer than the master's KV
+prompt=$(ids 24 7 1)
+for turn in 1 2 3 4 5 6 7 8; do
+    request chat "$prompt" 32 "$T/turn.out"
+    wait_exit "$REQ" $((DEADLINE * 2))
+    [ "$RC" = 0 ] || fail "turn $turn: kvbank-request exit $RC: $(cat "$T/turn.out.err")"
+    check_tokens "turn $turn" "$MM" 16 "$prompt" 32 "$T/turn.out"
+    prompt="$prompt,$(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$T/turn.out"),$(ids 24 $((turn + 3)) $((turn * 5)))"
+done
+len=$(echo "$prompt" | tr ',' '\n' | wc -l)
+[ "$len" -gt $((OWN_TOKENS + 100)) ] || fail "the session has $len tokens, not more than the master's own $OWN_TOKENS"
+ok "8-turn session up to $len tokens (master's own KV holds $OWN_TOKENS) equals kvbank-generate turn by turn"
+
+# -------------------------------- 3. a worker reclaims while the master decodes on borrowed blocks
+# A 530-token prompt is 34 master blocks: more than the master's own 16 plus either worker's loans
+# (16 and 15 blocks), so whatever order the master allocates borrowed blocks in, it holds live blocks
+# on both lenders once its first token arrives (the prompt is in), and keeps them while it decodes.
+full="m['chat']['n_borrowed'] == 31 and m['wa']['n_lent'] == 256 and m['wb']['n_lent'] == 160 and not any(x['revoking'] for x in l)"
+wait_until "both workers lending all they can" "$DEADLINE" st "$full"
+# block moves + preemptions reported by the master's RevokeAcks after line $1 of its log
+revoke_hits() {
+    tail -n +$(($1 + 1)) "$T/chat.log" | grep "gave back loan" |
+        sed -n 's/.*: \([0-9]*\) block(s) moved, [0-9]* dropped, \([0-9]*\) sequence.*/\1 \2/p' |
+        awk '{ s += $1 + $2 } END { print s + 0 }'
+}
+line0=$(wc -l <"$T/chat.log")
+P1=$(ids 530 13 5)
+request chat "$P1" 200 "$T/r1.out"
+R1=$REQ
+wait_until "the master's first token" "$DEADLINE" grep -q "^0 " "$T/r1.out"
+# wa owns no block now (it lent all 256): a 180-token request makes it reclaim (Alg. 1 SCALEUP)
+PW=$(ids 60 5 9)
+request wa "$PW" 120 "$T/rw.out"
+RW=$REQ
+wait_exit "$RW" $((DEADLINE * 2))
+[ "$RC" = 0 ] || fail "request to wa: exit $RC: $(cat "$T/rw.out.err")"
+check_tokens "worker wa during the reclaim" "$MA" 8 "$PW" 120 "$T/rw.out"
+grep -q "reclaiming .*SCALEUP" "$T/wa.log" || fail "wa did not reclaim (Alg. 1 SCALEUP)"
+# the master's request needs 46 blocks: it waits for wa to lend again (window 2 s), then completes
+wait_exit "$R1" $((DEADLINE * 2))
+[ "$RC" = 0 ] || fail "master request during the reclaim: exit $RC: $(cat "$T/r1.out.err")"
+check_tokens "master request during the reclaim" "$MM" 16 "$P1" 200 "$T/r1.out"
+hit=$(revoke_hits "$line0")
+[ "$hit" -gt 0 ] || fail "the reclaim of wa's loan found no live master block to move or recompute"
+ok "wa reclaimed while the master decoded on its blocks ($hit block moves + preemptions); both requests exact"
+
+# ------------------------------------------------ 4. kill -9 of a lender while the master decodes on it
+wait_until "both workers lending all they can again" "$DEADLINE" st "$full"
+line0=$(wc -l <"$T/chat.log")
+P2=$(ids 530 17 2)
+request chat "$P2" 200 "$T/r2.out"
+R2=$REQ
+wait_until "the master's first token" "$DEADLINE" grep -q "^0 " "$T/r2.out"
+old=${PID[wb]}
+kill -9 "$old"
+wait_exit "$old" "$DEADLINE"
+wait_until "the coordinator to see wb die" "$DEADLINE" st "'wb' not in m and all(x['lender'] != 'wb' for x in l)"
+tail -n +$((line0 + 1)) "$T/chat.log" | grep -q "(lender dead)" || fail "the master never dropped the dead lender's loan"
+hit=$(revoke_hits "$line0")
+[ "$hit" -gt 0 ] || fail "the dead lender's loan held no live master block"
+# the restarted lender removes the dead one's region and lends again; the master request completes
+start_model worker wb
+wait_exit "$R2" $((DEADLINE * 3))
+if [ "$RC" = 0 ]; then
+    check_tokens "master request across the lender's death" "$MM" 16 "$P2" 200 "$T/r2.out"
+    outcome="completed exactly"
+else
+    grep -qi "error\|fail" "$T/r2.out.err" || fail "master request across the lender's death: exit $RC without an error"
+    outcome="ended with an explicit error ($(head -1 "$T/r2.out.err"))"
+fi
+wait_until "the restarted wb to lend" "$DEADLINE" st "'wb' in m and m['wb']['n_lent'] > 0 and m['wb']['pid'] != $old"
+! ls /dev/shm/kvb-"${NODE}"_wb-"${old}"-* >/dev/null 2>&1 || fail "the dead wb's region is still in /dev/shm"
+ok "kill -9 wb mid-stream ($hit sequence(s) on its blocks preempted): the master request $outcome; wb restarted, cleaned up, lends again"
+
+# ---------------------------------------------------------- 5. kill -9 of the coordinator and a restart
+wait_until "both workers lending all they can again" "$DEADLINE" st "$full"
+before=$(st "sorted((x['loan_id'], x['lender'], x['first_block'], x['n_blocks']) for x in l)")
+borrowed=$(st "m['chat']['n_borrowed']")
+cid=$(st "s['coordinator_id']")
+old=${PID[coordinator]}
+kill -9 "$old"
+wait_exit "$old" "$DEADLINE"
+# the models keep serving without a coordinator
+PS=$(ids 20 3 3)
+request chat "$PS" 8 "$T/solo.out"
+wait_exit "$REQ" "$DEADLINE"
+[ "$RC" = 0 ] || fail "the master stopped serving without a coordinator: $(cat "$T/solo.out.err")"
+check_tokens "master request without a coordinator" "$MM" 16 "$PS" 8 "$T/solo.out"
+start_coordinator
+wait_until "the models to register again with their loans" "$DEADLINE" \
+    st "s['coordinator_id'] != '$cid' and set(m) == {'chat', 'wa', 'wb'} and m['chat']['n_borrowed'] > 0 and m['chat']['n_borrowed'] == sum(x['n_master_blocks'] for x in l) and not any(x['revoking'] for x in l)"
+# every loan is reported by both sides: the ledger is rebuilt as it was
+wait_until "the rebuilt ledger" "$DEADLINE" st "sorted((x['loan_id'], x['lender'], x['first_block'], x['n_blocks']) for x in l) == $before"
+ok "coordinator restarted: the models registered again with their loans $before (master $borrowed blocks)"
+P3=$(ids 350 19 4)
+request chat "$P3" 40 "$T/r3.out"
+wait_exit "$REQ" $((DEADLINE * 2))
+[ "$RC" = 0 ] || fail "master request after the coordinator restart: $(cat "$T/r3.out.err")"
+check_tokens "master request after the coordinator restart" "$MM" 16 "$P3" 40 "$T/r3.out"
+ok "a 390-token master request on borrowed blocks after the restart is exact"
+
+# ------------------------------------------------------------------------------ 6. SIGTERM everything
+n=$(shm_modes_ok)
+[ "$n" = 3 ] || fail "expected 3 shared-memory regions of node $NODE, found $n"
+for name in chat wa wb coordinator; do
+    kill -TERM "${PID[$name]}"
+    wait_exit "${PID[$name]}" "$DEADLINE"
+    [ "$RC" = 0 ] || fail "$name exited with status $RC after SIGTERM"
+done
+left=$(ls /dev/shm/kvb-"${NODE}"_* 2>/dev/null || true)
+[ -z "$left" ] || fail "shared memory left behind: $left"
+for s in chat wa wb coord; do [ ! -e "$T/$s.sock" ] || fail "socket file $s.sock left behind"; done
+grep -q "borrowed .* loan(s), gave back" "$T/chat.log" || fail "the master did not report its loans at exit"
+ok "SIGTERM: every process exited 0; no shared memory or socket left"
+if grep -l "AddressSanitizer\|LeakSanitizer\|runtime error:" "$T"/*.log "$T"/*.err 2>/dev/null; then
+    fail "sanitizer report in the logs above"
+fi
+echo "all node tests passed"
