@@ -232,7 +232,7 @@ KVB_TEST(node_config_explicit) {
                       " \"coordinator\": {\"endpoint\": \"tcp://127.0.0.1:5600\", \"heartbeat_ms\": 100,\n"
                       "   \"heartbeat_misses\": 3, \"lend_interval_s\": 0.5, \"window_s\": 5},\n"
                       " \"models\": [\n"
-                      "  {\"name\": \"w\", \"role\": \"worker\", \"model_dir\": \"/abs/w\", \"kv_mb\": 1},\n"
+                      "  {\"name\": \"w\", \"role\": \"worker\", \"model_dir\": \"/abs/w\", \"kv_mb\": 1, \"lend\": false},\n"
                       "  {\"name\": \"M_23456789-123456789012\", \"role\": \"master\", \"model_dir\": \".\",\n"
                       "   \"kv_mb\": 3, \"lsc\": \"stream\", \"backend\": \"cuda\"}]}";
     kvb_node_config *c = NULL;
@@ -253,6 +253,8 @@ KVB_TEST(node_config_explicit) {
     ck_assert_ptr_eq(m, &c->models[1]);
     ck_assert_str_eq(m->model_dir, f.dir);
     ck_assert_int_eq(m->lsc_stream, 1);
+    ck_assert_int_eq(c->models[0].lend, 0); /* a worker that never lends */
+    ck_assert_int_eq(m->lend, 1);           /* the default */
     ck_assert_str_eq(m->backend, "cuda");
     char tag[41];
     kvb_node_region_tag(c, m->name, tag, sizeof tag);

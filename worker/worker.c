@@ -404,7 +404,7 @@ static int on_tick(void *ud) {
     if (kvb_engine_starved(w->eng)) scale_up(w, kvb_engine_max_request_tokens(w->eng), 1);
     if (!w->stopping && now >= w->next_lend_ns) {
         w->next_lend_ns = now + ms_ns(w->a->lend_interval_s * 1000.0);
-        scale_down(w, kvb_now_s());
+        if (w->a->lend) scale_down(w, kvb_now_s());
     }
     /* The ledger answers what the MEU is (a coordinator that does not put it in its replies) and
      * whether an unanswered offer became a loan. */

@@ -86,6 +86,7 @@ static void usage(FILE *f, kvb_role role) {
             "  --max-seqs N           most running sequences (default 64)\n"
             "  --max-live N           requests live at once before new ones are rejected (default 1024)\n"
             "  --no-prefix-cache      do not reuse KV blocks across requests\n"
+            "  --no-lend              worker: never lend blocks (as \"lend\": false in the node config)\n"
             "  --heartbeat-ms N       heartbeat period until the coordinator sets one (default %d)\n",
             w ? "give back lent blocks" : "give back borrowed blocks", KVB_NODE_NAME_MAX, DEFAULT_KV_MB,
             kvb_backend_list(), DEFAULT_HEARTBEAT_MS);
@@ -144,11 +145,11 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     const char *config = NULL, *name = NULL, *lsc = NULL;
     /* flags; unset: 0 / NULL / negative */
     const char *f_model = NULL, *f_ep = NULL, *f_coord = NULL, *f_backend = NULL, *f_policy = NULL;
-    int f_threads = 0, f_bs = 0, f_mbt = 0, f_seqs = 0, f_live = 0, f_hb = 0, no_pc = 0;
+    int f_threads = 0, f_bs = 0, f_mbt = 0, f_seqs = 0, f_live = 0, f_hb = 0, no_pc = 0, no_lend = 0;
     double f_kv_mb = -1, f_lend = -1, f_window = -1;
 
     enum { O_CONFIG = 256, O_NAME, O_MODEL, O_EP, O_COORD, O_KVMB, O_BS, O_THREADS, O_BACKEND, O_POLICY, O_MBT,
-           O_SEQS, O_LIVE, O_NOPC, O_HB, O_LEND, O_WINDOW, O_LSC };
+           O_SEQS, O_LIVE, O_NOPC, O_HB, O_LEND, O_WINDOW, O_LSC, O_NOLEND };
     struct option opts[32] = {
         {"config", 1, 0, O_CONFIG},   {"name", 1, 0, O_NAME},         {"model", 1, 0, O_MODEL},
         {"endpoint", 1, 0, O_EP},     {"coordinator", 1, 0, O_COORD}, {"kv-mb", 1, 0, O_KVMB},
@@ -156,8 +157,10 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         {"policy", 1, 0, O_POLICY},   {"max-batch-tokens", 1, 0, O_MBT}, {"max-seqs", 1, 0, O_SEQS},
         {"max-live", 1, 0, O_LIVE},   {"no-prefix-cache", 0, 0, O_NOPC}, {"heartbeat-ms", 1, 0, O_HB},
         {"help", 0, 0, 'h'}};
-    int n_opts = 16;
+    int n_opts = 0;
+    while (opts[n_opts].name) n_opts++;
     if (role == KVB_ROLE_WORKER) {
+        opts[n_opts++] = (struct option){"no-lend", 0, 0, O_NOLEND};
         opts[n_opts++] = (struct option){"lend-interval", 1, 0, O_LEND};
         opts[n_opts++] = (struct option){"window", 1, 0, O_WINDOW};
     } else {
@@ -181,6 +184,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         case O_POLICY: f_policy = optarg; break;
         case O_LSC: lsc = optarg; break;
         case O_NOPC: no_pc = 1; break;
+        case O_NOLEND: no_lend = 1; break;
         case O_THREADS: st = kvb_parse_i64(optarg, 1, 1024, &v); f_threads = (int)v; break;
         case O_BS: st = kvb_parse_i64(optarg, 1, 1 << 16, &v); f_bs = (int)v; break;
         case O_MBT: st = kvb_parse_i64(optarg, 1, 1 << 30, &v); f_mbt = (int)v; break;
@@ -237,6 +241,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     a->prefix_cache = 1;
     a->heartbeat_ms = DEFAULT_HEARTBEAT_MS;
     a->lend_interval_s = DEFAULT_LEND_INTERVAL_S;
+    a->lend = 1;
     a->window_s = DEFAULT_WINDOW_S;
     if (config) {
         if (!name) {
@@ -278,6 +283,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         if (m->max_batch_tokens > 0) a->max_batch_tokens = m->max_batch_tokens;
         if (m->max_seqs > 0) a->max_seqs = m->max_seqs;
         a->lsc_stream = m->lsc_stream;
+        a->lend = m->lend;
         if (a->cfg->heartbeat_ms > 0) a->heartbeat_ms = a->cfg->heartbeat_ms;
         if (a->cfg->lend_interval_s > 0) a->lend_interval_s = a->cfg->lend_interval_s;
         if (a->cfg->window_s > 0) a->window_s = a->cfg->window_s;
@@ -294,6 +300,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     if (f_live) a->max_live = f_live;
     if (f_hb) a->heartbeat_ms = f_hb;
     if (no_pc) a->prefix_cache = 0;
+    if (no_lend) a->lend = 0;
     if (f_kv_mb > 0) a->kv_bytes = (int64_t)(f_kv_mb * 1048576.0);
     if (f_lend > 0) a->lend_interval_s = f_lend;
     if (f_window > 0) a->window_s = f_window;

@@ -42,6 +42,7 @@ typedef struct kvb_node_proc_args {
     double lend_interval_s;      /* worker: Alg. 1 SCALEDOWN period */
     double window_s;             /* worker: Alg. 1 window t */
     int lsc_stream;              /* master: stream lent blocks through the LSC */
+    int lend;                    /* worker: offer idle blocks (1, default) or never (0: --no-lend) */
     kvb_node_config *cfg;        /* the node config when --config was given (owned; else NULL) */
 } kvb_node_proc_args;
 

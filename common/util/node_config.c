@@ -238,9 +238,15 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
             m->lsc_stream = 0;
         }
     }
+    m->lend = 1;
+    KVB_TRY(kvb_json_get_bool(jm, "lend", 0, what, &m->lend));
+    if (!m->lend && m->role != KVB_ROLE_WORKER) {
+        KVB_LOG_W("%s: field \"lend\" applies to workers only; ignored", what);
+        m->lend = 1;
+    }
     static const char *const known[] = {"name",  "role",     "model_dir", "mkmodel",          "backend",
                                         "device", "threads", "kv_mb",     "block_size",       "endpoint",
-                                        "policy", "lsc",     "max_seqs",  "max_batch_tokens", NULL};
+                                        "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend", NULL};
     warn_unknown(jm, known, what);
     return KVB_OK;
 }

@@ -22,6 +22,7 @@
  *       "policy": "recompute",
  *       "max_batch_tokens": 512, "max_seqs": 64,
  *       "lsc": "inplace" | "stream"           master only: how lent blocks reach attention
+ *       "lend": true                          worker only: false keeps all its blocks (a baseline)
  *     }, ...
  *   ]
  * }
@@ -57,6 +58,7 @@ typedef struct kvb_node_model {
     int max_batch_tokens;   /* default 512 */
     int max_seqs;           /* default 64 */
     int lsc_stream;         /* master: 1 for "stream", 0 for "inplace" (default) */
+    int lend;               /* worker: 1 (default) lends idle blocks; 0 ("lend": false) never does */
 } kvb_node_model;
 
 typedef struct kvb_node_config {
