@@ -12,6 +12,7 @@ static void usage(FILE *f) {
                "           memory-copy bandwidth and OpenBLAS sgemm rate measured in the same run\n"
                "  cuda     the CUDA backend on a Llama-3-8B-shaped model against the GPU's copy and GEMM ceilings\n"
                "  replay   drive a running node with real traces; TTFT / TPOT / TBT percentiles, SLO attainment\n"
+               "  interference  each model's TTFT/TPOT with lending on against off (starts the node twice)\n"
                "  lend     lend and reclaim latency against the worker's pool size (block-major vs layer-major)\n"
                "  maxctx   the master's longest context with idle lenders against its own memory alone\n"
                "  multiturn  P99 TTFT of multi-turn replay on the master: lending against a host-tier prefix cache\n");
@@ -25,6 +26,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "engine")) return kvb_bench_engine(argc - 1, argv + 1);
     if (!strcmp(argv[1], "cuda")) return kvb_bench_cuda(argc - 1, argv + 1);
     if (!strcmp(argv[1], "replay")) return kvb_bench_replay(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "interference")) return kvb_bench_interference(argc - 1, argv + 1);
     if (!strcmp(argv[1], "lend")) return kvb_bench_lend(argc - 1, argv + 1);
     if (!strcmp(argv[1], "maxctx")) return kvb_bench_maxctx(argc - 1, argv + 1);
     if (!strcmp(argv[1], "multiturn")) return kvb_bench_multiturn(argc - 1, argv + 1);

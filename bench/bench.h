@@ -6,6 +6,7 @@
 int kvb_bench_engine(int argc, char **argv);
 int kvb_bench_cuda(int argc, char **argv);
 int kvb_bench_replay(int argc, char **argv);
+int kvb_bench_interference(int argc, char **argv);
 int kvb_bench_lend(int argc, char **argv);
 int kvb_bench_maxctx(int argc, char **argv);
 int kvb_bench_multiturn(int argc, char **argv);

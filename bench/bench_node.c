@@ -13,6 +13,10 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "bench/bench.h"
 #include "bench/trace.h"
@@ -137,132 +141,101 @@ static int by_job_time(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: kvbank-bench replay --config NODE.json --target MODEL=TRACE [--target ...] [options]\n"
-            "\n"
-            "Replays real traces against a running node (start it with kvbankd first) and reports TTFT, TPOT\n"
-            "and TBT percentiles, throughput and SLO attainment per model, as a table and optionally as JSON.\n"
-            "TRACE is a Mooncake .jsonl (multi-turn sessions rebuilt from hash_ids) or an Azure .csv.\n"
-            "\n"
-            "  --rate X          arrival rate multiplier (default 1)\n"
-            "  --len-scale S     tokens per trace token, to fit small models (default 1/64)\n"
-            "  --max-len N       cap on prompt + output tokens (default: the model's max_position_embeddings)\n"
-            "  --max-output N    cap on output tokens (default 64)\n"
-            "  --duration S      replay only requests arriving in the first S seconds (after --rate)\n"
-            "  --max-requests N  at most N requests per target\n"
-            "  --concurrency N   client threads (default 64)\n"
-            "  --timeout-ms N    give up on a silent request (default 60000)\n"
-            "  --slo-ttft-ms N   TTFT SLO (default 2000);  --slo-tpot-ms N  TPOT SLO (default 200)\n"
-            "  --json FILE       also write the results as JSON\n");
+/* Everything one replay needs besides the node config and the targets. */
+typedef struct replay_params {
+    kvb_trace_opts to;
+    int concurrency;
+    int max_len;      /* 0: the model's max_position_embeddings */
+    int timeout_ms;
+    double slo_ttft, slo_tpot;
+} replay_params;
+
+/* One target's results. */
+typedef struct replay_stats {
+    int n, fails, sessions;
+    double ttft[3], tpot[3], tbt[3]; /* p50, p95, p99 in ms */
+    double tok_s, slo, reuse;
+} replay_stats;
+
+static void replay_free(replay *rp) {
+    for (int i = 0; i < rp->n_targets; i++) {
+        target *tg = &rp->tg[i];
+        if (tg->gaps_ms && tg->trace)
+            for (int k = 0; k < tg->trace->n; k++) free(tg->gaps_ms[k]);
+        kvb_trace_free(tg->trace);
+        free(tg->ttft_ms);
+        free(tg->tpot_ms);
+        free(tg->n_tokens);
+        free(tg->failed);
+        free(tg->gaps_ms);
+        tg->trace = NULL;
+        tg->ttft_ms = tg->tpot_ms = NULL;
+        tg->n_tokens = tg->failed = NULL;
+        tg->gaps_ms = NULL;
+    }
+    free(rp->jobs);
+    rp->jobs = NULL;
 }
 
-int kvb_bench_replay(int argc, char **argv) {
-    const char *cfg_path = NULL, *json_path = NULL;
-    replay rp = {.timeout_ms = 60000};
-    kvb_trace_opts to = {.rate_scale = 1, .len_scale = 1.0 / 64, .min_output = 1, .max_output = 64};
-    int concurrency = 64, max_len = 0;
-    double slo_ttft = 2000, slo_tpot = 200;
-    static const struct option opts[] = {
-        {"config", 1, 0, 'c'},       {"target", 1, 0, 't'},      {"rate", 1, 0, 'r'},
-        {"len-scale", 1, 0, 's'},    {"max-len", 1, 0, 'L'},     {"max-output", 1, 0, 'O'},
-        {"duration", 1, 0, 'd'},     {"max-requests", 1, 0, 'n'}, {"concurrency", 1, 0, 'C'},
-        {"timeout-ms", 1, 0, 'T'},   {"slo-ttft-ms", 1, 0, 'f'}, {"slo-tpot-ms", 1, 0, 'p'},
-        {"json", 1, 0, 'j'},         {"help", 0, 0, 'h'},        {0, 0, 0, 0}};
-    int ch;
-    double d;
-    int64_t v;
-    while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
-        kvb_status st = KVB_OK;
-        switch (ch) {
-        case 'c': cfg_path = optarg; break;
-        case 'j': json_path = optarg; break;
-        case 't': {
-            char *eq = strchr(optarg, '=');
-            if (!eq || eq == optarg || !eq[1] || rp.n_targets == MAX_TARGETS) {
-                fprintf(stderr, "kvbank-bench replay: --target needs MODEL=TRACE (at most %d)\n", MAX_TARGETS);
-                return 2;
-            }
-            *eq = 0;
-            rp.tg[rp.n_targets].model = optarg;
-            rp.tg[rp.n_targets++].trace_path = eq + 1;
-            break;
-        }
-        case 'r': st = kvb_parse_f64(optarg, &to.rate_scale); break;
-        case 's': st = kvb_parse_f64(optarg, &to.len_scale); break;
-        case 'd': st = kvb_parse_f64(optarg, &to.max_time_s); break;
-        case 'f': st = kvb_parse_f64(optarg, &slo_ttft); break;
-        case 'p': st = kvb_parse_f64(optarg, &slo_tpot); break;
-        case 'L': st = kvb_parse_i64(optarg, 2, 1 << 24, &v); max_len = (int)v; break;
-        case 'O': st = kvb_parse_i64(optarg, 1, 1 << 24, &v); to.max_output = (int)v; break;
-        case 'n': st = kvb_parse_i64(optarg, 1, 1 << 30, &v); to.max_requests = (int)v; break;
-        case 'C': st = kvb_parse_i64(optarg, 1, 4096, &v); concurrency = (int)v; break;
-        case 'T': st = kvb_parse_i64(optarg, 1, 1 << 30, &v); rp.timeout_ms = (int)v; break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
-        }
-        if (st != KVB_OK || (ch == 'r' && to.rate_scale <= 0) || (ch == 's' && to.len_scale <= 0)) {
-            fprintf(stderr, "kvbank-bench replay: bad value '%s'\n", optarg);
-            return 2;
-        }
-        (void)d;
-    }
-    if (!cfg_path || rp.n_targets == 0) {
-        usage(stderr);
-        return 2;
-    }
+/* Replays rp's targets (model + trace set by the caller) against the node of `cfg_path`; fills
+ * out[i] per target. Returns 0 on success. */
+static int replay_run(const char *cfg_path, replay *rp, const replay_params *p, replay_stats *out) {
     int rc = 1;
     kvb_node_config *cfg = NULL;
+    rp->timeout_ms = p->timeout_ms;
+    rp->n_jobs = 0;
+    atomic_store(&rp->next, 0);
     if (kvb_node_config_load(cfg_path, &cfg) != KVB_OK) return 1;
-    for (int i = 0; i < rp.n_targets; i++) {
-        target *tg = &rp.tg[i];
+    for (int i = 0; i < rp->n_targets; i++) {
+        target *tg = &rp->tg[i];
         const kvb_node_model *nm = kvb_node_config_model(cfg, tg->model);
         if (!nm) {
-            fprintf(stderr, "kvbank-bench replay: no model '%s' in %s\n", tg->model, cfg_path);
+            fprintf(stderr, "kvbank-bench: no model '%s' in %s\n", tg->model, cfg_path);
             goto out;
         }
         kvb_model_config mc;
         if (kvb_model_config_load(nm->model_dir, &mc) != KVB_OK) goto out;
         tg->endpoint = nm->endpoint;
-        kvb_trace_opts o = to;
+        kvb_trace_opts o = p->to;
         o.vocab = mc.vocab;
-        o.max_len = max_len ? max_len : mc.max_pos;
+        o.max_len = p->max_len ? p->max_len : mc.max_pos;
         if (kvb_trace_load(tg->trace_path, &o, &tg->trace) != KVB_OK) goto out;
         int n = tg->trace->n;
-        if (kvb_calloc((size_t)n, sizeof(double), (void **)&tg->ttft_ms) || kvb_calloc((size_t)n, sizeof(double), (void **)&tg->tpot_ms) ||
-            kvb_calloc((size_t)n, sizeof(int), (void **)&tg->n_tokens) || kvb_calloc((size_t)n, sizeof(int), (void **)&tg->failed) ||
+        if (kvb_calloc((size_t)n, sizeof(double), (void **)&tg->ttft_ms) ||
+            kvb_calloc((size_t)n, sizeof(double), (void **)&tg->tpot_ms) ||
+            kvb_calloc((size_t)n, sizeof(int), (void **)&tg->n_tokens) ||
+            kvb_calloc((size_t)n, sizeof(int), (void **)&tg->failed) ||
             kvb_calloc((size_t)n, sizeof(double *), (void **)&tg->gaps_ms))
             goto out;
         for (int k = 0; k < n; k++) tg->tpot_ms[k] = NAN;
-        rp.n_jobs += n;
+        rp->n_jobs += n;
     }
-    if (kvb_calloc((size_t)rp.n_jobs, sizeof *rp.jobs, (void **)&rp.jobs) != KVB_OK) goto out;
+    if (kvb_calloc((size_t)rp->n_jobs, sizeof *rp->jobs, (void **)&rp->jobs) != KVB_OK) goto out;
     int nj = 0;
-    for (int i = 0; i < rp.n_targets; i++)
-        for (int k = 0; k < rp.tg[i].trace->n; k++) rp.jobs[nj++] = (job){.target = i, .req = k, .t_s = rp.tg[i].trace->reqs[k].t_s};
-    qsort(rp.jobs, (size_t)rp.n_jobs, sizeof *rp.jobs, by_job_time);
-    double span = rp.jobs[rp.n_jobs - 1].t_s;
-    printf("kvbank-bench replay: %d requests over %.1f s to %d model(s), %d client threads\n", rp.n_jobs, span,
-           rp.n_targets, concurrency);
+    for (int i = 0; i < rp->n_targets; i++)
+        for (int k = 0; k < rp->tg[i].trace->n; k++)
+            rp->jobs[nj++] = (job){.target = i, .req = k, .t_s = rp->tg[i].trace->reqs[k].t_s};
+    qsort(rp->jobs, (size_t)rp->n_jobs, sizeof *rp->jobs, by_job_time);
+    printf("replay: %d requests over %.1f s to %d model(s), %d client threads\n", rp->n_jobs,
+           rp->jobs[rp->n_jobs - 1].t_s, rp->n_targets, p->concurrency);
     fflush(stdout);
 
     pthread_t *th = NULL;
-    if (kvb_calloc((size_t)concurrency, sizeof *th, (void **)&th) != KVB_OK) goto out;
-    rp.start_ns = kvb_wall_ns() + 200000000ull; /* 200 ms to start the threads */
+    if (kvb_calloc((size_t)p->concurrency, sizeof *th, (void **)&th) != KVB_OK) goto out;
+    rp->start_ns = kvb_wall_ns() + 200000000ull; /* 200 ms to start the threads */
     int started = 0;
-    for (int i = 0; i < concurrency; i++)
-        if (pthread_create(&th[i], NULL, client_thread, &rp) == 0) started++;
+    for (int i = 0; i < p->concurrency; i++)
+        if (pthread_create(&th[i], NULL, client_thread, rp) == 0) started++;
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
     free(th);
-    double makespan = (double)(kvb_wall_ns() - rp.start_ns) / 1e9;
+    double makespan = (double)(kvb_wall_ns() - rp->start_ns) / 1e9;
 
-    json_t *jroot = json_object(), *jt = json_array();
-    printf("\n%-10s %6s %5s | %8s %8s %8s | %7s %7s %7s | %7s %7s | %8s %6s\n", "model", "reqs", "fail", "TTFTp50",
-           "TTFTp95", "TTFTp99", "TPOTp50", "TPOTp95", "TPOTp99", "TBTp95", "TBTp99", "tok/s", "SLO");
-    for (int i = 0; i < rp.n_targets; i++) {
-        target *tg = &rp.tg[i];
-        int n = tg->trace->n, ok = 0, fails = 0, n_tpot = 0, n_gap = 0, slo_ok = 0;
+    for (int i = 0; i < rp->n_targets; i++) {
+        target *tg = &rp->tg[i];
+        replay_stats *st = &out[i];
+        int n = tg->trace->n, ok = 0, n_tpot = 0, n_gap = 0, slo_ok = 0;
         int64_t toks = 0, reused = 0, prompt = 0;
+        memset(st, 0, sizeof *st);
         for (int k = 0; k < n; k++) n_gap += tg->n_tokens[k] > 1 ? tg->n_tokens[k] - 1 : 0;
         double *a = malloc(sizeof(double) * (size_t)(n + 1)), *b = malloc(sizeof(double) * (size_t)(n + 1));
         double *g = malloc(sizeof(double) * (size_t)(n_gap + 1));
@@ -277,57 +250,306 @@ int kvb_bench_replay(int argc, char **argv) {
             prompt += tg->trace->reqs[k].n_prompt;
             reused += tg->trace->reqs[k].reused_tokens;
             if (tg->failed[k]) {
-                fails++;
+                st->fails++;
                 continue;
             }
             a[ok++] = tg->ttft_ms[k];
             toks += tg->n_tokens[k];
-            int meets = tg->ttft_ms[k] <= slo_ttft;
+            int meets = tg->ttft_ms[k] <= p->slo_ttft;
             if (!isnan(tg->tpot_ms[k])) {
                 b[n_tpot++] = tg->tpot_ms[k];
-                meets = meets && tg->tpot_ms[k] <= slo_tpot;
+                meets = meets && tg->tpot_ms[k] <= p->slo_tpot;
             }
             slo_ok += meets;
             for (int x = 0; x + 1 < tg->n_tokens[k]; x++) g[n_gap++] = tg->gaps_ms[k][x];
         }
-        double r[11] = {pct(a, ok, 50), pct(a, ok, 95), pct(a, ok, 99), pct(b, n_tpot, 50), pct(b, n_tpot, 95),
-                        pct(b, n_tpot, 99), pct(g, n_gap, 50), pct(g, n_gap, 95), pct(g, n_gap, 99),
-                        (double)toks / makespan, n ? (double)slo_ok / n : 0};
-        printf("%-10s %6d %5d | %8.1f %8.1f %8.1f | %7.1f %7.1f %7.1f | %7.1f %7.1f | %8.1f %5.1f%%\n", tg->model, n,
-               fails, r[0], r[1], r[2], r[3], r[4], r[5], r[7], r[8], r[9], 100 * r[10]);
-        json_t *o = json_pack("{s:s, s:s, s:i, s:i, s:i, s:f, s:{s:f,s:f,s:f}, s:{s:f,s:f,s:f}, s:{s:f,s:f,s:f}, s:f, "
-                              "s:f, s:f, s:f}",
-                              "model", tg->model, "trace", tg->trace_path, "requests", n, "failed", fails, "sessions",
-                              tg->trace->n_sessions, "prefix_reuse", prompt ? (double)reused / prompt : 0.0, "ttft_ms",
-                              "p50", r[0], "p95", r[1], "p99", r[2], "tpot_ms", "p50", r[3], "p95", r[4], "p99", r[5],
-                              "tbt_ms", "p50", r[6], "p95", r[7], "p99", r[8], "tokens_per_s", r[9], "slo_attainment",
-                              r[10], "slo_ttft_ms", slo_ttft, "slo_tpot_ms", slo_tpot);
-        if (o) json_array_append_new(jt, o);
+        const double ps[3] = {50, 95, 99};
+        for (int q = 0; q < 3; q++) {
+            st->ttft[q] = pct(a, ok, ps[q]);
+            st->tpot[q] = pct(b, n_tpot, ps[q]);
+            st->tbt[q] = pct(g, n_gap, ps[q]);
+        }
+        st->n = n;
+        st->sessions = tg->trace->n_sessions;
+        st->tok_s = (double)toks / makespan;
+        st->slo = n ? (double)slo_ok / n : 0;
+        st->reuse = prompt ? (double)reused / prompt : 0;
         free(a);
         free(b);
         free(g);
     }
+    rc = 0;
+out:
+    kvb_node_config_free(cfg);
+    return rc;
+}
+
+static void print_header(void) {
+    printf("\n%-10s %6s %5s | %8s %8s %8s | %7s %7s %7s | %7s %7s | %8s %6s\n", "model", "reqs", "fail", "TTFTp50",
+           "TTFTp95", "TTFTp99", "TPOTp50", "TPOTp95", "TPOTp99", "TBTp95", "TBTp99", "tok/s", "SLO");
+}
+
+static void print_stats(const char *label, const replay_stats *s) {
+    printf("%-10s %6d %5d | %8.1f %8.1f %8.1f | %7.1f %7.1f %7.1f | %7.1f %7.1f | %8.1f %5.1f%%\n", label, s->n,
+           s->fails, s->ttft[0], s->ttft[1], s->ttft[2], s->tpot[0], s->tpot[1], s->tpot[2], s->tbt[1], s->tbt[2],
+           s->tok_s, 100 * s->slo);
+}
+
+static json_t *stats_json(const char *model, const char *trace, const replay_stats *s, const replay_params *p) {
+    return json_pack("{s:s, s:s, s:i, s:i, s:i, s:f, s:{s:f,s:f,s:f}, s:{s:f,s:f,s:f}, s:{s:f,s:f,s:f}, s:f, s:f, "
+                     "s:f, s:f}",
+                     "model", model, "trace", trace, "requests", s->n, "failed", s->fails, "sessions", s->sessions,
+                     "prefix_reuse", s->reuse, "ttft_ms", "p50", s->ttft[0], "p95", s->ttft[1], "p99", s->ttft[2],
+                     "tpot_ms", "p50", s->tpot[0], "p95", s->tpot[1], "p99", s->tpot[2], "tbt_ms", "p50", s->tbt[0],
+                     "p95", s->tbt[1], "p99", s->tbt[2], "tokens_per_s", s->tok_s, "slo_attainment", s->slo,
+                     "slo_ttft_ms", p->slo_ttft, "slo_tpot_ms", p->slo_tpot);
+}
+
+static const char *const REPLAY_OPTIONS =
+    "  --target MODEL=TRACE  replay TRACE (a Mooncake .jsonl: multi-turn sessions rebuilt from hash_ids, or an\n"
+    "                    Azure .csv) to MODEL; repeat for several models, all replayed at once\n"
+    "  --rate X          arrival rate multiplier (default 1)\n"
+    "  --len-scale S     prompt tokens per trace token, to fit small models (default 1/64)\n"
+    "  --out-scale S     output tokens per trace token (default 1)\n"
+    "  --max-len N       cap on prompt + output tokens (default: the model's max_position_embeddings)\n"
+    "  --max-output N    cap on output tokens (default 64)\n"
+    "  --duration S      replay only requests arriving in the first S seconds (after --rate)\n"
+    "  --max-requests N  at most N requests per target\n"
+    "  --concurrency N   client threads (default 64)\n"
+    "  --timeout-ms N    give up on a silent request (default 60000)\n"
+    "  --slo-ttft-ms N   TTFT SLO (default 2000);  --slo-tpot-ms N  TPOT SLO (default 200)\n"
+    "  --json FILE       also write the results as JSON\n";
+
+/* Parses the options shared by replay and interference. Returns -1 to go on, else an exit status. */
+static int parse_replay_args(int argc, char **argv, const char *prog, const char *usage, const char **cfg_path,
+                             const char **json_path, replay *rp, replay_params *p) {
+    *p = (replay_params){.to = {.rate_scale = 1, .len_scale = 1.0 / 64, .min_output = 1, .max_output = 64},
+                         .concurrency = 64, .timeout_ms = 60000, .slo_ttft = 2000, .slo_tpot = 200};
+    static const struct option opts[] = {
+        {"config", 1, 0, 'c'},       {"target", 1, 0, 't'},      {"rate", 1, 0, 'r'},
+        {"len-scale", 1, 0, 's'},    {"max-len", 1, 0, 'L'},     {"max-output", 1, 0, 'O'},
+        {"duration", 1, 0, 'd'},     {"max-requests", 1, 0, 'n'}, {"concurrency", 1, 0, 'C'},
+        {"timeout-ms", 1, 0, 'T'},   {"slo-ttft-ms", 1, 0, 'f'}, {"slo-tpot-ms", 1, 0, 'p'},
+        {"json", 1, 0, 'j'},         {"out-scale", 1, 0, 'o'},   {"help", 0, 0, 'h'},
+        {0, 0, 0, 0}};
+    int ch;
+    int64_t v;
+    while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        kvb_status st = KVB_OK;
+        switch (ch) {
+        case 'o': st = kvb_parse_f64(optarg, &p->to.out_scale); break;
+        case 'c': *cfg_path = optarg; break;
+        case 'j': *json_path = optarg; break;
+        case 't': {
+            char *eq = strchr(optarg, '=');
+            if (!eq || eq == optarg || !eq[1] || rp->n_targets == MAX_TARGETS) {
+                fprintf(stderr, "%s: --target needs MODEL=TRACE (at most %d)\n", prog, MAX_TARGETS);
+                return 2;
+            }
+            *eq = 0;
+            rp->tg[rp->n_targets].model = optarg;
+            rp->tg[rp->n_targets++].trace_path = eq + 1;
+            break;
+        }
+        case 'r': st = kvb_parse_f64(optarg, &p->to.rate_scale); break;
+        case 's': st = kvb_parse_f64(optarg, &p->to.len_scale); break;
+        case 'd': st = kvb_parse_f64(optarg, &p->to.max_time_s); break;
+        case 'f': st = kvb_parse_f64(optarg, &p->slo_ttft); break;
+        case 'p': st = kvb_parse_f64(optarg, &p->slo_tpot); break;
+        case 'L': st = kvb_parse_i64(optarg, 2, 1 << 24, &v); p->max_len = (int)v; break;
+        case 'O': st = kvb_parse_i64(optarg, 1, 1 << 24, &v); p->to.max_output = (int)v; break;
+        case 'n': st = kvb_parse_i64(optarg, 1, 1 << 30, &v); p->to.max_requests = (int)v; break;
+        case 'C': st = kvb_parse_i64(optarg, 1, 4096, &v); p->concurrency = (int)v; break;
+        case 'T': st = kvb_parse_i64(optarg, 1, 1 << 30, &v); p->timeout_ms = (int)v; break;
+        case 'h': printf("%s%s", usage, REPLAY_OPTIONS); return 0;
+        default: fprintf(stderr, "%s%s", usage, REPLAY_OPTIONS); return 2;
+        }
+        if (st != KVB_OK || p->to.rate_scale <= 0 || p->to.len_scale <= 0) {
+            fprintf(stderr, "%s: bad value '%s'\n", prog, optarg);
+            return 2;
+        }
+    }
+    if (!*cfg_path || rp->n_targets == 0) {
+        fprintf(stderr, "%s%s", usage, REPLAY_OPTIONS);
+        return 2;
+    }
+    return -1;
+}
+
+int kvb_bench_replay(int argc, char **argv) {
+    const char *cfg_path = NULL, *json_path = NULL;
+    replay rp = {0};
+    replay_params p;
+    int r = parse_replay_args(argc, argv, "kvbank-bench replay",
+                              "usage: kvbank-bench replay --config NODE.json --target MODEL=TRACE [--target ...] "
+                              "[options]\n\n"
+                              "Replays real traces against a running node (start it with kvbankd first) and reports\n"
+                              "TTFT, TPOT and TBT percentiles, throughput and SLO attainment per model.\n\n",
+                              &cfg_path, &json_path, &rp, &p);
+    if (r >= 0) return r;
+    replay_stats st[MAX_TARGETS];
+    int rc = replay_run(cfg_path, &rp, &p, st);
+    if (rc == 0) {
+        json_t *jroot = json_object(), *jt = json_array();
+        print_header();
+        for (int i = 0; i < rp.n_targets; i++) {
+            print_stats(rp.tg[i].model, &st[i]);
+            json_array_append_new(jt, stats_json(rp.tg[i].model, rp.tg[i].trace_path, &st[i], &p));
+        }
+        json_object_set_new(jroot, "targets", jt);
+        if (json_path && json_dump_file(jroot, json_path, JSON_INDENT(2)) != 0)
+            fprintf(stderr, "kvbank-bench replay: cannot write %s\n", json_path);
+        json_decref(jroot);
+    }
+    replay_free(&rp);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- interference */
+
+/* Writes a copy of the node config at `src` to `dst` with its run_dir moved to `run_dir`, model and
+ * binary paths made absolute, and every worker's "lend" set to `lend`. */
+static int write_variant(const char *src, const char *dst, const char *run_dir, int lend) {
+    kvb_node_config *c = NULL;
+    if (kvb_node_config_load(src, &c) != KVB_OK) return -1;
+    json_error_t err;
+    json_t *j = json_load_file(src, 0, &err);
+    json_t *models = j ? json_object_get(j, "models") : NULL;
+    if (!json_is_array(models)) {
+        json_decref(j);
+        kvb_node_config_free(c);
+        return -1;
+    }
+    json_object_set_new(j, "run_dir", json_string(run_dir));
+    json_t *co = json_object_get(j, "coordinator");
+    if (json_is_object(co)) json_object_del(co, "endpoint");
+    size_t i;
+    json_t *m;
+    json_array_foreach(models, i, m) {
+        const char *name = json_string_value(json_object_get(m, "name"));
+        const kvb_node_model *nm = name ? kvb_node_config_model(c, name) : NULL;
+        if (nm) json_object_set_new(m, "model_dir", json_string(nm->model_dir));
+        json_object_del(m, "endpoint");
+        if (nm && nm->role == KVB_ROLE_WORKER) json_object_set_new(m, "lend", json_boolean(lend));
+    }
+    int rc = json_dump_file(j, dst, JSON_INDENT(2));
+    json_decref(j);
+    kvb_node_config_free(c);
+    return rc;
+}
+
+/* Runs `kvbankctl --config CFG status --json` and returns the sum of the workers' lent blocks and how
+ * many models are alive (both -1 when the coordinator does not answer). */
+static void node_status(const char *bin_dir, const char *cfg, int *lent, int *alive) {
+    char cmd[8400];
+    snprintf(cmd, sizeof cmd, "'%s/kvbankctl' --config '%s' status --json 2>/dev/null", bin_dir, cfg);
+    *lent = *alive = -1;
+    FILE *f = popen(cmd, "r");
+    if (!f) return;
+    json_error_t err;
+    json_t *j = json_loadf(f, 0, &err);
+    pclose(f);
+    json_t *models = j ? json_object_get(j, "models") : NULL;
+    if (json_is_array(models)) {
+        *lent = *alive = 0;
+        size_t i;
+        json_t *m;
+        json_array_foreach(models, i, m) {
+            *lent += (int)json_integer_value(json_object_get(m, "n_lent"));
+            *alive += json_is_true(json_object_get(m, "alive"));
+        }
+    }
+    json_decref(j);
+}
+
+int kvb_bench_interference(int argc, char **argv) {
+    const char *cfg_path = NULL, *json_path = NULL;
+    replay rp = {0};
+    replay_params p;
+    int r = parse_replay_args(argc, argv, "kvbank-bench interference",
+                              "usage: kvbank-bench interference --config NODE.json --target MODEL=TRACE [--target ...] "
+                              "[options]\n\n"
+                              "Starts the node of NODE.json twice with kvbankd (the programs next to this one): once with\n"
+                              "lending off (\"lend\": false on every worker) and once with it on, replays the same traces\n"
+                              "to it each time, and prints every model's TTFT and TPOT with lending on against off\n"
+                              "(SwiftCache reports workers at most 9.7% worse).\n\n",
+                              &cfg_path, &json_path, &rp, &p);
+    if (r >= 0) return r;
+    char bin_dir[4096];
+    ssize_t n = readlink("/proc/self/exe", bin_dir, sizeof bin_dir - 1);
+    if (n <= 0) return 1;
+    bin_dir[n] = 0;
+    *strrchr(bin_dir, '/') = 0;
+    char tmpl[] = "/tmp/kvb-interference-XXXXXX";
+    if (!mkdtemp(tmpl)) return 1;
+    replay_stats st[2][MAX_TARGETS];
+    int rc = 1;
+    for (int lend = 0; lend < 2; lend++) {
+        char cfg[4200], run[4200], log[4200];
+        snprintf(cfg, sizeof cfg, "%s/node-%s.json", tmpl, lend ? "lend" : "nolend");
+        snprintf(run, sizeof run, "%s/run-%s", tmpl, lend ? "lend" : "nolend");
+        snprintf(log, sizeof log, "%s/kvbankd-%s.log", tmpl, lend ? "lend" : "nolend");
+        if (write_variant(cfg_path, cfg, run, lend) != 0) {
+            fprintf(stderr, "kvbank-bench interference: cannot write %s\n", cfg);
+            goto out;
+        }
+        printf("\n== lending %s: kvbankd --config %s (log %s)\n", lend ? "on" : "off", cfg, log);
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) {
+            int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+            if (fd >= 0) {
+                dup2(fd, 1);
+                dup2(fd, 2);
+            }
+            char exe[4200];
+            snprintf(exe, sizeof exe, "%s/kvbankd", bin_dir);
+            execl(exe, "kvbankd", "--config", cfg, "--foreground", (char *)NULL);
+            _exit(127);
+        }
+        if (pid < 0) goto out;
+        int lent = -1, alive = -1, want = 0;
+        kvb_node_config *c = NULL;
+        if (kvb_node_config_load(cfg, &c) == KVB_OK) want = c->n_models;
+        kvb_node_config_free(c);
+        for (int k = 0; k < 600; k++) { /* up to 60 s: models generated, loaded, registered (and lending) */
+            node_status(bin_dir, cfg, &lent, &alive);
+            if (alive == want && (!lend || lent > 0)) break;
+            struct timespec ts = {0, 100000000};
+            nanosleep(&ts, NULL);
+        }
+        printf("   %d models alive, %d worker blocks lent\n", alive, lent);
+        int ok = alive == want && (!lend || lent > 0);
+        if (ok) ok = replay_run(cfg, &rp, &p, st[lend]) == 0;
+        replay_free(&rp);
+        kill(pid, SIGTERM);
+        int status;
+        waitpid(pid, &status, 0);
+        if (!ok) {
+            fprintf(stderr, "kvbank-bench interference: the node did not come up or the replay failed (see %s)\n", log);
+            goto out;
+        }
+        print_header();
+        for (int i = 0; i < rp.n_targets; i++) print_stats(rp.tg[i].model, &st[lend][i]);
+    }
+    printf("\n%-10s %14s %14s %14s %14s\n", "model", "TTFT p50 on/off", "TTFT p99 on/off", "TPOT p50 on/off",
+           "TPOT p99 on/off");
+    json_t *jroot = json_object(), *jt = json_array();
+    for (int i = 0; i < rp.n_targets; i++) {
+        const replay_stats *a = &st[0][i], *b = &st[1][i];
+        printf("%-10s %14.3f %14.3f %14.3f %14.3f\n", rp.tg[i].model, b->ttft[0] / a->ttft[0], b->ttft[2] / a->ttft[2],
+               b->tpot[0] / a->tpot[0], b->tpot[2] / a->tpot[2]);
+        json_t *o = json_object();
+        json_object_set_new(o, "off", stats_json(rp.tg[i].model, rp.tg[i].trace_path, a, &p));
+        json_object_set_new(o, "on", stats_json(rp.tg[i].model, rp.tg[i].trace_path, b, &p));
+        json_array_append_new(jt, o);
+    }
     json_object_set_new(jroot, "targets", jt);
-    json_object_set_new(jroot, "makespan_s", json_real(makespan));
-    json_object_set_new(jroot, "rate_scale", json_real(to.rate_scale));
-    json_object_set_new(jroot, "len_scale", json_real(to.len_scale));
     if (json_path && json_dump_file(jroot, json_path, JSON_INDENT(2)) != 0)
-        fprintf(stderr, "kvbank-bench replay: cannot write %s\n", json_path);
+        fprintf(stderr, "kvbank-bench interference: cannot write %s\n", json_path);
     json_decref(jroot);
     rc = 0;
 out:
-    for (int i = 0; i < rp.n_targets; i++) {
-        target *tg = &rp.tg[i];
-        if (tg->gaps_ms && tg->trace)
-            for (int k = 0; k < tg->trace->n; k++) free(tg->gaps_ms[k]);
-        kvb_trace_free(tg->trace);
-        free(tg->ttft_ms);
-        free(tg->tpot_ms);
-        free(tg->n_tokens);
-        free(tg->failed);
-        free(tg->gaps_ms);
-    }
-    free(rp.jobs);
-    kvb_node_config_free(cfg);
+    replay_free(&rp);
     return rc;
 }

@@ -30,7 +30,7 @@ static kvb_status push(kvb_trace *t, int *cap, const kvb_trace_req *r) {
 
 /* Scaled lengths: prompt p, output g, with p + g <= max_len. */
 static void scale_lengths(const kvb_trace_opts *o, double in, double outl, int *p, int *g) {
-    int gg = (int)lround(outl * o->len_scale);
+    int gg = (int)lround(outl * (o->out_scale > 0 ? o->out_scale : 1.0));
     gg = KVB_MAX(gg, KVB_MAX(o->min_output, 1));
     if (o->max_output > 0) gg = KVB_MIN(gg, o->max_output);
     int pp = KVB_MAX(1, (int)lround(in * o->len_scale));

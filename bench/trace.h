@@ -6,8 +6,8 @@
  * becomes real KV reuse; requests are grouped into sessions by their first hash id (a conversation's
  * turns share it). Azure LLM inference 2023 (`AzureLLMInferenceTrace_{conv,code}.csv`): arrival times
  * and lengths; prompts are unique (no reuse in that trace).
- * Lengths are multiplied by `len_scale` (to fit a small model's context), arrival gaps divided by
- * `rate_scale`. */
+ * Prompt lengths are multiplied by `len_scale` (to fit a small model's context), output lengths by
+ * `out_scale` (capped by max_output), arrival gaps divided by `rate_scale`. */
 #ifndef KVB_BENCH_TRACE_H
 #define KVB_BENCH_TRACE_H
 
@@ -27,7 +27,8 @@ typedef struct kvb_trace_req {
 
 typedef struct kvb_trace_opts {
     double rate_scale;  /* > 0; 2 = twice the trace's arrival rate */
-    double len_scale;   /* tokens per trace token, e.g. 1/32 */
+    double len_scale;   /* prompt tokens per trace token, e.g. 1/32 */
+    double out_scale;   /* output tokens per trace token (0 means 1: outputs keep their length, up to max_output) */
     int vocab;          /* token ids are drawn from [3, vocab) */
     int max_len;        /* cap on prompt + max_tokens (the model's context) */
     int max_requests;   /* 0: all */
