@@ -796,49 +796,13 @@ kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out) {
         st = KVB_ERR_IO;
         goto fail;
     }
-    c->sock = zmq_socket(c->zctx, ZMQ_ROUTER);
-    if (!c->sock) {
-        KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));
-        st = KVB_ERR_IO;
-        goto fail;
-    }
-    int one = 1, zero = 0, hwm = SEND_HWM;
-    int64_t maxmsg = RECV_HARD_MAX;
-    if (zmq_setsockopt(c->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one) ||
-        zmq_setsockopt(c->sock, ZMQ_ROUTER_HANDOVER, &one, sizeof one) ||
-        zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero) ||
-        zmq_setsockopt(c->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) ||
-        zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg)) {
-        KVB_LOG_E("zmq_setsockopt: %s", zmq_strerror(errno));
-        st = KVB_ERR_IO;
-        goto fail;
-    }
-    /* The socket file is created by zmq_bind in this thread: no moment with looser permissions. */
-    mode_t old_mask = umask(0077);
-    int rc = zmq_bind(c->sock, ep);
-    int bind_err = errno;
-    umask(old_mask);
-    if (rc != 0) {
-        KVB_LOG_E("cannot bind %s: %s", ep, zmq_strerror(bind_err));
-        st = KVB_ERR_IO;
-        goto fail;
-    }
-    char last[1024];
-    size_t last_len = sizeof last;
-    if (zmq_getsockopt(c->sock, ZMQ_LAST_ENDPOINT, last, &last_len) != 0) snprintf(last, sizeof last, "%s", ep);
-    last[sizeof last - 1] = '\0';
-    KVB_TRY_GOTO(kvb_strdup(last, &c->endpoint), fail);
-    if (!strncmp(last, "ipc://", 6) && last[6] != '@' && last[6] != '\0') {
-        struct stat sb;
-        if (chmod(last + 6, 0600) != 0 || stat(last + 6, &sb) != 0) {
-            KVB_LOG_E("chmod 0600 %s: %s", last + 6, strerror(errno));
-            st = KVB_ERR_IO;
-            goto fail;
-        }
-        KVB_TRY_GOTO(kvb_strdup(last + 6, &c->ipc_path), fail);
-        c->ipc_dev = sb.st_dev;
-        c->ipc_ino = sb.st_ino;
-    }
+    kvb_wire_router rt;
+    KVB_TRY_GOTO(kvb_wire_router_bind(c->zctx, ep, 1, SEND_HWM, RECV_HARD_MAX, &rt), fail);
+    c->sock = rt.sock;
+    c->endpoint = rt.endpoint;
+    c->ipc_path = rt.ipc_path;
+    c->ipc_dev = rt.ipc_dev;
+    c->ipc_ino = rt.ipc_ino;
     c->t0_ms = now_ms();
     c->next_tick_ms = c->t0_ms + c->tick_ms;
     KVB_LOG_I("coordinator %s listening on %s (heartbeat %" PRIu32 " ms, dead after %" PRIu32 " misses%s)", c->id,

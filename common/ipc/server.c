@@ -546,44 +546,13 @@ kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out) {
         st = KVB_ERR_IO;
         goto fail;
     }
-    s->sock = zmq_socket(s->zctx, ZMQ_ROUTER);
-    if (!s->sock) {
-        KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));
-        st = KVB_ERR_IO;
-        goto fail;
-    }
-    int one = 1, zero = 0, hwm = SEND_HWM;
-    int64_t maxmsg = RECV_HARD_MAX;
-    if (zmq_setsockopt(s->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one) ||
-        zmq_setsockopt(s->sock, ZMQ_LINGER, &zero, sizeof zero) ||
-        zmq_setsockopt(s->sock, ZMQ_SNDHWM, &hwm, sizeof hwm) ||
-        zmq_setsockopt(s->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg)) {
-        KVB_LOG_E("zmq_setsockopt: %s", zmq_strerror(errno));
-        st = KVB_ERR_IO;
-        goto fail;
-    }
-    if (zmq_bind(s->sock, opts->endpoint) != 0) {
-        KVB_LOG_E("cannot bind %s: %s", opts->endpoint, zmq_strerror(errno));
-        st = KVB_ERR_IO;
-        goto fail;
-    }
-    char last[1024];
-    size_t last_len = sizeof last;
-    if (zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, last, &last_len) != 0) snprintf(last, sizeof last, "%s", opts->endpoint);
-    last[sizeof last - 1] = '\0';
-    KVB_TRY_GOTO(kvb_strdup(last, &s->endpoint), fail);
-    if (!strncmp(last, "ipc://", 6) && last[6] != '@' && last[6] != '\0') {
-        /* Only this user may connect (abstract sockets, "ipc://@name", have no file). */
-        struct stat sb;
-        if (chmod(last + 6, 0600) != 0 || stat(last + 6, &sb) != 0) {
-            KVB_LOG_E("chmod 0600 %s: %s", last + 6, strerror(errno));
-            st = KVB_ERR_IO;
-            goto fail;
-        }
-        KVB_TRY_GOTO(kvb_strdup(last + 6, &s->ipc_path), fail);
-        s->ipc_dev = sb.st_dev;
-        s->ipc_ino = sb.st_ino;
-    }
+    kvb_wire_router rt;
+    KVB_TRY_GOTO(kvb_wire_router_bind(s->zctx, opts->endpoint, 0, SEND_HWM, RECV_HARD_MAX, &rt), fail);
+    s->sock = rt.sock;
+    s->endpoint = rt.endpoint;
+    s->ipc_path = rt.ipc_path;
+    s->ipc_dev = rt.ipc_dev;
+    s->ipc_ino = rt.ipc_ino;
     KVB_LOG_D("server bound to %s (max %d live requests)", s->endpoint, max_live);
     *out = s;
     return KVB_OK;

@@ -1,11 +1,14 @@
 /* kvbank — encoding and validating wire messages. */
 #include "common/ipc/wire.h"
 
+#include <sys/stat.h>
+
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <zmq.h>
 
 /* Logs why a frame was rejected and copies the reason into why[why_len] (when given). */
@@ -100,5 +103,60 @@ kvb_status kvb_wire_send(void *sock, const void *ident, size_t ident_len, Kvbank
         errno = err;
         return KVB_ERR_IO;
     }
+    return KVB_OK;
+}
+
+kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, int sndhwm, int64_t maxmsg,
+                                kvb_wire_router *out) {
+    memset(out, 0, sizeof *out);
+    void *sock = zmq_socket(zctx, ZMQ_ROUTER);
+    if (!sock) {
+        KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));
+        return KVB_ERR_IO;
+    }
+    int one = 1, zero = 0;
+    if (zmq_setsockopt(sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one) ||
+        (handover && zmq_setsockopt(sock, ZMQ_ROUTER_HANDOVER, &one, sizeof one)) ||
+        zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof zero) ||
+        zmq_setsockopt(sock, ZMQ_SNDHWM, &sndhwm, sizeof sndhwm) ||
+        zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg)) {
+        KVB_LOG_E("zmq_setsockopt: %s", zmq_strerror(errno));
+        zmq_close(sock);
+        return KVB_ERR_IO;
+    }
+    /* zmq_bind creates the socket file in this thread: no moment with looser permissions */
+    mode_t old_mask = umask(0077);
+    int rc = zmq_bind(sock, endpoint);
+    int bind_err = errno;
+    umask(old_mask);
+    if (rc != 0) {
+        KVB_LOG_E("cannot bind %s: %s", endpoint, zmq_strerror(bind_err));
+        zmq_close(sock);
+        return KVB_ERR_IO;
+    }
+    char last[1024];
+    size_t last_len = sizeof last;
+    if (zmq_getsockopt(sock, ZMQ_LAST_ENDPOINT, last, &last_len) != 0) snprintf(last, sizeof last, "%s", endpoint);
+    last[sizeof last - 1] = '\0';
+    kvb_status st = kvb_strdup(last, &out->endpoint);
+    if (st == KVB_OK && !strncmp(last, "ipc://", 6) && last[6] != '@' && last[6] != '\0') {
+        /* abstract sockets ("ipc://@name") have no file */
+        struct stat sb;
+        if (chmod(last + 6, 0600) != 0 || stat(last + 6, &sb) != 0) {
+            KVB_LOG_E("chmod 0600 %s: %s", last + 6, strerror(errno));
+            st = KVB_ERR_IO;
+        } else if ((st = kvb_strdup(last + 6, &out->ipc_path)) == KVB_OK) {
+            out->ipc_dev = sb.st_dev;
+            out->ipc_ino = sb.st_ino;
+        }
+    }
+    if (st != KVB_OK) {
+        zmq_close(sock);
+        free(out->endpoint);
+        free(out->ipc_path);
+        memset(out, 0, sizeof *out);
+        return st;
+    }
+    out->sock = sock;
     return KVB_OK;
 }

@@ -4,6 +4,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "common/util/util.h"
 #include "proto/kvbank.pb-c.h"
@@ -22,5 +23,22 @@ kvb_status kvb_wire_unpack(const uint8_t *buf, size_t len, Kvbank__Envelope **ou
 /* Sends a packed envelope on `sock`, preceded by an identity frame when `ident` is not NULL (ROUTER).
  * KVB_ERR_IO with errno EHOSTUNREACH when the ROUTER peer is gone. Non-blocking when `dontwait`. */
 kvb_status kvb_wire_send(void *sock, const void *ident, size_t ident_len, Kvbank__Envelope *env, int dontwait);
+
+/* A bound ROUTER socket of a kvbank daemon (model server, coordinator). */
+typedef struct kvb_wire_router {
+    void *sock;       /* the ROUTER socket (the caller closes it) */
+    char *endpoint;   /* the endpoint as bound, wildcards resolved (caller frees) */
+    char *ipc_path;   /* the socket file of an ipc:// endpoint, else NULL (caller frees) */
+    dev_t ipc_dev;    /* identity of that file, so that only our own is ever removed */
+    ino_t ipc_ino;
+} kvb_wire_router;
+
+/* Creates a ROUTER on `zctx` with ROUTER_MANDATORY (a send to a departed peer fails with
+ * EHOSTUNREACH), ROUTER_HANDOVER when `handover` (a reconnecting peer takes its routing id back),
+ * LINGER 0, send high-water mark `sndhwm` and receive cap `maxmsg`, and binds it to `endpoint`; the
+ * socket file of an ipc:// endpoint is created under umask 0077 and made 0600 (only this user may
+ * connect). Logs and returns KVB_ERR_IO on failure, leaving nothing open. */
+kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, int sndhwm, int64_t maxmsg,
+                                kvb_wire_router *out);
 
 #endif
