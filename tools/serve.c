@@ -74,21 +74,6 @@ static int valid_tag(const char *s) {
     return 1;
 }
 
-/* The default name: the model directory's base name, made a valid region tag. */
-static void default_name(const char *dir, char out[TAG_MAX + 1]) {
-    size_t end = strlen(dir);
-    while (end > 1 && dir[end - 1] == '/') end--;
-    size_t start = end;
-    while (start > 0 && dir[start - 1] != '/') start--;
-    size_t n = 0;
-    for (size_t i = start; i < end && n < TAG_MAX; i++) {
-        char c = dir[i];
-        int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
-        out[n++] = ok ? c : '_';
-    }
-    if (n == 0) out[n++] = 'm';
-    out[n] = '\0';
-}
 
 int main(int argc, char **argv) {
     const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
@@ -135,7 +120,7 @@ int main(int argc, char **argv) {
         }
         snprintf(name, sizeof name, "%s", name_arg);
     } else {
-        default_name(model_dir, name);
+        kvb_name_from_path(model_dir, name, TAG_MAX);
     }
     kvb_planner planner;
     if (kvb_policy_by_name(policy, &planner) != KVB_OK) {

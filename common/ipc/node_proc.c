@@ -116,21 +116,6 @@ static int valid_name(const char *s, size_t max) {
     return 1;
 }
 
-/* The model directory's base name, made a valid name. */
-static void default_name(const char *dir, char *out, size_t max) {
-    size_t end = strlen(dir);
-    while (end > 1 && dir[end - 1] == '/') end--;
-    size_t start = end;
-    while (start > 0 && dir[start - 1] != '/') start--;
-    size_t n = 0;
-    for (size_t i = start; i < end && n < max; i++) {
-        char c = dir[i];
-        int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
-        out[n++] = ok ? c : '_';
-    }
-    if (n == 0) out[n++] = 'm';
-    out[n] = '\0';
-}
 
 void kvb_node_proc_args_free(kvb_node_proc_args *a) {
     if (!a) return;
@@ -314,7 +299,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         return 2;
     }
     if (name) snprintf(a->name, sizeof a->name, "%s", name);
-    else default_name(a->model_dir, a->name, KVB_NODE_NAME_MAX);
+    else kvb_name_from_path(a->model_dir, a->name, KVB_NODE_NAME_MAX);
     if (!a->cfg) snprintf(a->tag, sizeof a->tag, "%s", a->name);
     return -1;
 }

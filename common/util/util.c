@@ -140,6 +140,21 @@ bad:
     return KVB_ERR_INVALID;
 }
 
+void kvb_name_from_path(const char *path, char *out, size_t max) {
+    size_t end = strlen(path);
+    while (end > 1 && path[end - 1] == '/') end--;
+    size_t start = end;
+    while (start > 0 && path[start - 1] != '/') start--;
+    size_t n = 0;
+    for (size_t i = start; i < end && n < max; i++) {
+        char c = path[i];
+        int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
+        out[n++] = ok ? c : '_';
+    }
+    if (n == 0) out[n++] = 'm';
+    out[n] = '\0';
+}
+
 float kvb_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f;

@@ -43,6 +43,10 @@ kvb_status kvb_parse_f64(const char *s, double *out);
 /* Parses a comma-separated list of non-negative int32 ("1,2,3"). *out is owned by the caller. */
 kvb_status kvb_parse_id_list(const char *s, int32_t **out, int *n_out);
 
+/* A name from the last component of `path` (a model directory): characters outside [A-Za-z0-9_-]
+ * become '_', at most `max` characters, "m" when empty. `out` holds max + 1 bytes. */
+void kvb_name_from_path(const char *path, char *out, size_t max);
+
 /* Half-precision conversions (IEEE binary16 and bfloat16) to/from float32. */
 float kvb_f16_to_f32(uint16_t h);
 uint16_t kvb_f32_to_f16(float f);
