@@ -419,6 +419,7 @@ static int parse_list(const char *s, int32_t *out, int *n) {
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench cuda [--batches 1,16,64] [--contexts 1024,8192] [--prefill-tokens N]\n"
                "                         [--layers N] [--attn-batch N] [--ipc-batch N] [--no-prefill] [--no-ipc]\n"
+               "                         [--shape llama3-8b|tiny]\n"
                "\n"
                "Decode steps, an 8K prefill, paged attention and reading lent blocks through CUDA IPC, on a\n"
                "Llama-3-8B-shaped bf16 model built on the device, against the copy bandwidth and cuBLAS GEMM rate\n"
@@ -428,7 +429,9 @@ static void usage(FILE *f) {
                "  --prefill-tokens N   prompt of the prefill measurement (default 8192)\n"
                "  --layers N           decoder layers (default 32; fewer for a quick run)\n"
                "  --attn-batch N       batch of the attention-alone measurement at the longest context (default 64)\n"
-               "  --ipc-batch N        sequences of 4096 tokens read through the IPC region (default 16)\n");
+               "  --ipc-batch N        sequences of 4096 tokens read through the IPC region (default 16)\n"
+               "  --shape S            llama3-8b (default) or tiny (hidden 256, 8 heads over 2 KV heads of 32,\n"
+               "                       vocabulary 1000, small ceilings: a smoke run of the code paths, not a measurement)\n");
 }
 
 int kvb_bench_cuda(int argc, char **argv) {
@@ -440,7 +443,8 @@ int kvb_bench_cuda(int argc, char **argv) {
     static const struct option opts[] = {
         {"batches", 1, 0, 'b'},    {"contexts", 1, 0, 'c'},  {"prefill-tokens", 1, 0, 'p'}, {"layers", 1, 0, 'l'},
         {"attn-batch", 1, 0, 'a'}, {"ipc-batch", 1, 0, 'i'}, {"no-prefill", 0, 0, 'P'},     {"no-ipc", 0, 0, 'I'},
-        {"help", 0, 0, 'h'},       {0, 0, 0, 0}};
+        {"shape", 1, 0, 's'},      {"help", 0, 0, 'h'},      {0, 0, 0, 0}};
+    int tiny = 0;
     optind = 1;
     int o;
     while ((o = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -462,6 +466,10 @@ int kvb_bench_cuda(int argc, char **argv) {
             else if (o == 'a') attn_batch = (int)x;
             else ipc_batch = (int)x;
             break;
+        case 's':
+            if (!strcmp(optarg, "tiny")) tiny = 1;
+            else if (strcmp(optarg, "llama3-8b")) goto bad;
+            break;
         case 'P': do_prefill = 0; break;
         case 'I': do_ipc = 0; break;
         case 'h': usage(stdout); return 0;
@@ -469,6 +477,13 @@ int kvb_bench_cuda(int argc, char **argv) {
         }
     }
     if (optind != argc) goto bad;
+    if (tiny) {
+        int layers = s.n_layers == 32 ? 2 : s.n_layers;
+        s = (shape){.n_layers = layers, .hidden = 256, .n_heads = 8, .n_kv = 2, .head_dim = 32, .inter = 512,
+                    .vocab = 1000, .block_size = 16};
+    }
+    size_t copy_bytes = tiny ? (size_t)16 << 20 : (size_t)2 << 30;
+    int gemm_n = tiny ? 256 : 8192, ipc_ctx = tiny ? 256 : 4096;
 
     int n_dev = 0;
     char why[200];
@@ -481,17 +496,17 @@ int kvb_bench_cuda(int argc, char **argv) {
     if (kvb_backend_create("cuda", 1, &be) != KVB_OK) return 1;
     kvb_cuda_device_info info;
     if (kvb_cuda_backend_info(be, &info) != KVB_OK) return 1;
-    printf("kvbank-bench cuda: %s (sm_%d%d, %d SMs, %.1f GiB, %.0f MiB L2), bf16, %d layers\n", info.name,
-           info.cc_major, info.cc_minor, info.n_sm, info.mem_total / 1073741824.0, info.l2_bytes / 1048576.0,
-           s.n_layers);
+    printf("kvbank-bench cuda: %s (sm_%d%d, %d SMs, %.1f GiB, %.0f MiB L2), bf16, %s shape, %d layers\n",
+           info.name, info.cc_major, info.cc_minor, info.n_sm, info.mem_total / 1073741824.0,
+           info.l2_bytes / 1048576.0, tiny ? "tiny" : "Llama-3-8B", s.n_layers);
     fflush(stdout);
 
-    int rc = 1;
+    int rc = 1, rc_ipc = 0;
     model m = {0};
     acts a = {0};
     void *pool = NULL;
-    double B = measure_copy_bw(be, (size_t)2 << 30);
-    double F = measure_gemm(be, 8192);
+    double B = measure_copy_bw(be, copy_bytes);
+    double F = measure_gemm(be, gemm_n);
     printf("ceilings: copy %.2f TB/s (read + written), cuBLAS bf16 GEMM %.1f TFLOP/s\n", B / 1e12, F / 1e12);
     fflush(stdout);
     if (B <= 0 || F <= 0) goto out;
@@ -503,7 +518,7 @@ int kvb_bench_cuda(int argc, char **argv) {
     max_batch = KVB_MAX(max_batch, KVB_MAX(attn_batch, ipc_batch));
     kvb_kv_geom g = {.n_layers = s.n_layers, .n_kv_heads = s.n_kv, .head_dim = s.head_dim, .block_size = s.block_size,
                      .elem_size = 2};
-    int blocks_per_seq = KVB_DIV_CEIL(KVB_MAX(max_ctx, KVB_MAX(prefill, 4096)), s.block_size);
+    int blocks_per_seq = KVB_DIV_CEIL(KVB_MAX(max_ctx, KVB_MAX(prefill, ipc_ctx)), s.block_size);
     size_t block_bytes = (size_t)s.n_layers * 2 * s.block_size * s.n_kv * s.head_dim * 2;
     int pool_seqs = KVB_MAX(max_batch, 1);
     size_t pool_bytes = block_bytes * (size_t)blocks_per_seq * (size_t)pool_seqs;
@@ -586,7 +601,7 @@ int kvb_bench_cuda(int argc, char **argv) {
 
     if (do_ipc) {
         /* a second process lends ipc_batch sequences of 4096 tokens; attention reads them in place */
-        int ctx = 4096, nb = KVB_DIV_CEIL(ctx, s.block_size);
+        int ctx = ipc_ctx, nb = KVB_DIV_CEIL(ctx, s.block_size);
         size_t bytes = block_bytes * (size_t)nb * (size_t)ipc_batch;
         int to[2], from[2];
         if (pipe(to) || pipe(from)) goto out;
@@ -634,12 +649,17 @@ int kvb_bench_cuda(int argc, char **argv) {
         double kv = (double)ipc_batch * ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
         printf("\nattention over lent blocks  time ms  GB/s   (batch %d, ctx %d, %.1f GB of KV)\n", ipc_batch, ctx,
                kv / 1e9);
-        printf("  local blocks              %8.3f %6.0f\n", t_local * 1e3, t_local > 0 ? kv / t_local / 1e9 : 0);
-        printf("  lent (CUDA IPC import)    %8.3f %6.0f\n", t_lent * 1e3, t_lent > 0 ? kv / t_lent / 1e9 : 0);
-        printf("  ratio lent / local        %8.3f%s\n", t_local > 0 && t_lent > 0 ? t_lent / t_local : 0,
-               WIFEXITED(wst) && WEXITSTATUS(wst) == 0 ? "" : "   (the lending process failed)");
+        int worker_ok = WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
+        if (t_local > 0 && t_lent > 0 && worker_ok) {
+            printf("  local blocks              %8.3f %6.0f\n", t_local * 1e3, kv / t_local / 1e9);
+            printf("  lent (CUDA IPC import)    %8.3f %6.0f\n", t_lent * 1e3, kv / t_lent / 1e9);
+            printf("  ratio lent / local        %8.3f\n", t_lent / t_local);
+        } else {
+            printf("  not measured: %s\n", !worker_ok ? "the lending process failed" : "the import failed (see the log)");
+            rc_ipc = 1;
+        }
     }
-    rc = 0;
+    rc = rc_ipc;
 out:
     if (pool) be->iface->free(be->ctx, pool);
     acts_free(be, &a);

@@ -7,7 +7,8 @@
  * row gather, matmul (beta 0 and 1, weights uploaded from f32/f16/bf16), RMSNorm (rows and per-head),
  * RoPE, SiLU.mul, residual add, KV write (exact), paged attention (decode with and without context
  * splits, prefill tiles, chunked prefill after a past, GQA/MHA/MQA, head sizes 6..256, block sizes
- * 1..32, contexts up to 9000), block copy/gather/scatter (exact), greedy/top-k/top-p sampling against
+ * 1..32, contexts up to 9000), block copy/gather/scatter (exact), the backend's device-to-device copy
+ * from a second thread while operators run (the LSC copy thread), greedy/top-k/top-p sampling against
  * kvb_sample, and the memory pieces (device region handle, pinned buffers, events, VMM chunks).
  *
  * Without a GPU (or without CUDA in the build) the program prints "SKIP: ..." and exits 77, which
@@ -17,6 +18,7 @@
 #include "config.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -621,6 +623,62 @@ KVB_TEST(blocks_copy_gather_scatter) {
 }
 KVB_TEST_END
 
+/* ---------------------------------------------------------------- copy (the LSC copy thread) */
+
+typedef struct copier {
+    kvb_backend *be;
+    char *dst, *src; /* device buffers of `bytes` */
+    size_t bytes;
+    int reps;
+    kvb_status st;
+} copier;
+
+static void *copier_main(void *arg) {
+    copier *c = arg;
+    for (int r = 0; r < c->reps && c->st == KVB_OK; r++) {
+        /* in pieces, like a layer slice per block */
+        for (size_t off = 0; off < c->bytes && c->st == KVB_OK; off += c->bytes / 8)
+            c->st = c->be->iface->copy(c->be->ctx, c->dst + off, c->src + off, c->bytes / 8);
+    }
+    return NULL;
+}
+
+KVB_TEST(copy_concurrent) {
+    rng_state = 22;
+    kvb_backend *cpu = make("cpu");
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        size_t bytes = (size_t)8 << 20;
+        unsigned char *host = malloc(bytes), *back = malloc(bytes);
+        for (size_t i = 0; i < bytes; i++) host[i] = (unsigned char)(frand() * 127 + 128);
+        void *a = NULL, *b = NULL;
+        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, bytes, &a), KVB_OK);
+        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, bytes, &b), KVB_OK);
+        ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, a, host, bytes), KVB_OK);
+        /* a plain copy, then one from a second thread while this one runs operators elsewhere */
+        ck_assert_int_eq(gpu->iface->copy(gpu->ctx, b, a, bytes), KVB_OK);
+        ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, back, b, bytes), KVB_OK);
+        ck_assert(!memcmp(back, host, bytes));
+        ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, b, host + 1, bytes - 1), KVB_OK); /* b differs now */
+        copier c = {.be = gpu, .dst = b, .src = a, .bytes = bytes, .reps = 20, .st = KVB_OK};
+        pthread_t th;
+        ck_assert_int_eq(pthread_create(&th, NULL, copier_main, &c), 0);
+        seq_spec mix[] = {{1, 700}, {40, 90}};
+        check_attention(cpu, gpu, &VARIANTS[v], mix, 2, 8, 2, 64, 16);
+        ck_assert_int_eq(pthread_join(th, NULL), 0);
+        ck_assert_int_eq(c.st, KVB_OK);
+        ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, back, b, bytes), KVB_OK);
+        ck_assert(!memcmp(back, host, bytes));
+        gpu->iface->free(gpu->ctx, a);
+        gpu->iface->free(gpu->ctx, b);
+        free(host);
+        free(back);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------- sampling */
 
 static void check_sampling(kvb_backend *gpu, kvb_dtype dt, int rows, int vocab, float logit_scale) {
@@ -809,7 +867,8 @@ int main(int argc, char **argv) {
         KVB_T(rope, 60),                 KVB_T(silu_mul_add, 60),
         KVB_T(attention_decode, 300),    KVB_T(attention_long_context_split, 300),
         KVB_T(attention_prefill, 300),   KVB_T(attention_head_shapes, 300),
-        KVB_T(blocks_copy_gather_scatter, 60), KVB_T(sampling, 120),
+        KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120),
+        KVB_T(sampling, 120),
         KVB_T(cuda_memory, 60),
     };
     int listing = argc > 1 && !strcmp(argv[1], "--list");

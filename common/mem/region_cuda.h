@@ -65,7 +65,8 @@ typedef struct kvb_cuda_region kvb_cuda_region;
 kvb_status kvb_cuda_region_create(size_t bytes, kvb_cuda_region **out);
 /* Opens a region exported by ANOTHER process (CUDA IPC cannot open a handle in the process that made
  * it: that is KVB_ERR_INVALID here). `bytes` is the size the exporter announced; the mapping must be at
- * least that large (checked with cuMemGetAddressRange). KVB_ERR_INVALID for a malformed handle.
+ * least that large (checked with cuMemGetAddressRange where the driver answers it). KVB_ERR_INVALID
+ * for a malformed handle.
  * Destroying the result closes the mapping; the exporter's memory stays valid until the exporter frees
  * it, and it must not free it while this process may still read it (the reclaim fence). */
 kvb_status kvb_cuda_region_import(const char *handle, size_t bytes, kvb_cuda_region **out);

@@ -44,7 +44,7 @@ template <typename T, bool VP> __device__ __forceinline__ void load_slot(const T
 /* ---------------------------------------------------------------- decode */
 
 template <typename T, int HDP, bool VP>
-__global__ void __launch_bounds__(DEC_THREADS)
+__global__ void __launch_bounds__(DEC_THREADS, 4)
     decode_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_decode_item *__restrict__ items) {
     constexpr int W = VP ? kvb::VEC<T> : 1;            /* elements per slot */
     constexpr int SL1 = (HDP / W + 31) / 32;            /* slots per lane in the score phase */

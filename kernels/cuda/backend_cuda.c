@@ -81,6 +81,7 @@ typedef struct cuda_ctx {
     int device;
     int n_sm;
     cudaStream_t stream;      /* non-blocking; every operator runs here */
+    cudaStream_t copy_stream; /* non-blocking; `copy` only (any host thread, ordered after nothing) */
     cublasHandle_t blas;      /* bound to `stream` and `blas_ws` */
     cublasComputeType_t compute;
     void *blas_ws;            /* [BLAS_WORKSPACE_BYTES] */
@@ -225,6 +226,16 @@ static kvb_status cu_to_host_f32(void *ctx, float *dst, const void *src, size_t 
     }
     KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(dst, from, n * sizeof(float), cudaMemcpyDeviceToHost, c->stream)));
     return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+/* Device -> device bytes (local, or in a region imported from another process) on the copy stream,
+ * which does not wait for the operators: the caller guarantees they do not touch these ranges. The
+ * runtime is thread-safe, so the LSC copy thread calls this while the engine's thread runs operators. */
+static kvb_status cu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
+    cuda_ctx *c = ctx;
+    if (bytes == 0) return KVB_OK;
+    KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->copy_stream)));
+    return KVB_CUDA_CHECK(cudaStreamSynchronize(c->copy_stream));
 }
 
 static kvb_status cu_sync(void *ctx) {
@@ -491,6 +502,7 @@ static void cu_destroy(void *ctx) {
     cuda_ctx *c = ctx;
     if (!c) return;
     if (c->stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    if (c->copy_stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->copy_stream));
     if (c->blas) (void)KVB_CUBLAS_CHECK(cublasDestroy(c->blas));
     for (int i = 0; i < STAGE_SLOTS; i++) {
         if (c->stage[i].host) cudaFreeHost(c->stage[i].host);
@@ -500,6 +512,7 @@ static void cu_destroy(void *ctx) {
     for (size_t i = 0; i < KVB_ARRAY_LEN(dev); i++)
         if (dev[i]) cudaFree(dev[i]);
     if (c->stream) cudaStreamDestroy(c->stream);
+    if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
     free(c->slots);
     free(c->blk);
     free(c->pitems);
@@ -511,7 +524,7 @@ static void cu_destroy(void *ctx) {
 #define CUDA_IFACE(NAME, DT)                                                                           \
     {                                                                                                  \
         .name = NAME, .act_dtype = DT, .alloc = cu_alloc, .free = cu_free, .to_device = cu_to_device,  \
-        .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .sync = cu_sync,                         \
+        .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .copy = cu_copy, .sync = cu_sync,        \
         .weight_load = cu_weight_load, .weight_free = cu_weight_free, .embed = cu_embed,               \
         .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .silu_mul = cu_silu_mul,          \
         .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows,             \
@@ -571,6 +584,7 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaFree(NULL)), fail); /* creates the device's primary context now */
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, c->device)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)), fail);
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)), fail);
     for (int i = 0; i < STAGE_SLOTS; i++)
         KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming)), fail);
     KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasCreate(&c->blas)), fail);

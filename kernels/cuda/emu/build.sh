@@ -6,15 +6,18 @@
 #   kernels/cuda/emu/build.sh BUILD_DIR OUT_DIR
 #     BUILD_DIR  a configured build tree of this checkout (with or without CUDA) in which
 #                libkvb_util.a libkvb_kv.a libkvb_model.a libkvb_sched.a libkvb_policy.a are built
-#     OUT_DIR    where the emulated programs go: OUT_DIR/test_backend_consistency, OUT_DIR/kvbank-generate
+#     OUT_DIR    where the emulated programs go: OUT_DIR/test_backend_consistency, OUT_DIR/kvbank-generate,
+#                OUT_DIR/kvbank-bench (its `cuda` subcommand only)
 #
 # Then, for example:
 #   OUT_DIR/test_backend_consistency --test attention_decode
 #   OUT_DIR/kvbank-generate --model M --prompt-ids 1,2,3 --max-tokens 8 --backend cuda:f32
+#   OUT_DIR/kvbank-bench cuda --shape tiny --batches 1,4 --contexts 64,300 --prefill-tokens 128 \
+#       --attn-batch 4 --ipc-batch 2   (exercises the code paths; emulated times mean nothing)
 # Needs g++, python3, the CUDA toolkit's headers (CUDA_DIR, default /usr/local/cuda) and the Debian
 # packages the project builds with; no GPU and no CUDA library.
 set -euo pipefail
-[ $# -eq 2 ] || { sed -n '2,16p' "$0"; exit 2; }
+[ $# -eq 2 ] || { sed -n '2,20p' "$0"; exit 2; }
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 BUILD=$(cd "$1" && pwd)
 OUT=$2
@@ -110,4 +113,11 @@ gcc $CFLAGS $(pkg-config --cflags check) "$ROOT/tests/test_backend_consistency.c
     "$BUILD/libkvb_sched.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/test_backend_consistency"
 gcc $CFLAGS "$ROOT/tools/generate.c" "${OBJS[@]}" "$BUILD/libkvb_policy.a" "$BUILD/libkvb_sched.a" \
     "$BUILD/libkvb_model.a" "$BUILD/libkvb_kv.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/kvbank-generate"
-echo "emulated: $OUT/test_backend_consistency $OUT/kvbank-generate"
+# kvbank-bench's cuda subcommand alone (run it with --shape tiny: emulated time is not time)
+printf '%s\n' '#include <string.h>' '#include "bench/bench.h"' \
+    'int main(int argc, char **argv) {' \
+    '    if (argc > 1 && !strcmp(argv[1], "cuda")) return kvb_bench_cuda(argc - 1, argv + 1);' \
+    '    return 2;' '}' >"$OUT/src/bench_main.c"
+gcc $CFLAGS "$OUT/src/bench_main.c" "$ROOT/bench/bench_cuda.c" "${OBJS[@]}" "$BUILD/libkvb_util.a" $LIBS \
+    -o "$OUT/kvbank-bench"
+echo "emulated: $OUT/test_backend_consistency $OUT/kvbank-generate $OUT/kvbank-bench (cuda only)"

@@ -7,6 +7,7 @@
 
 #include <cublas_v2.h>
 #include <cstdio>
+#include <ctime>
 #include <cstdlib>
 #include <vector>
 
@@ -130,6 +131,27 @@ unsigned emu_ballot(int pred) {
 
 void *emu_dyn_smem() { return g_run.dyn.data(); }
 
+/* The order in which runnable threads get to run up to their next barrier: KVB_EMU_ORDER=forward
+ * (default), reverse, or shuffle (a fresh pseudo-random permutation every round). A kernel that
+ * reads shared memory another thread writes without a barrier between gives different results in
+ * different orders, so running the suite in all three exposes a missing __syncthreads. */
+static std::vector<int> g_order;
+static int g_order_mode = -1;
+static uint64_t g_order_rng = 0x9e3779b97f4a7c15ull;
+static void order_next(int n) {
+    if (g_order_mode < 0) {
+        const char *e = std::getenv("KVB_EMU_ORDER");
+        g_order_mode = !e || !std::strcmp(e, "forward") ? 0 : !std::strcmp(e, "reverse") ? 1 : 2;
+    }
+    g_order.resize(n);
+    for (int i = 0; i < n; i++) g_order[i] = g_order_mode == 1 ? n - 1 - i : i;
+    if (g_order_mode == 2)
+        for (int i = n - 1; i > 0; i--) {
+            g_order_rng = g_order_rng * 6364136223846793005ull + 1442695040888963407ull;
+            std::swap(g_order[i], g_order[(int)((g_order_rng >> 33) % (uint64_t)(i + 1))]);
+        }
+}
+
 cudaError_t emu_last_error() {
     cudaError_t e = g_last;
     g_last = cudaSuccess;
@@ -156,7 +178,9 @@ void emu_launch(unsigned grid, unsigned block, size_t smem, const std::function<
         for (int t = 0; t < n; t++) fiber_init(g_run.f[t]);
         for (;;) {
             bool ran = false;
-            for (int t = 0; t < n; t++) {
+            order_next(n);
+            for (int k = 0; k < n; k++) {
+                int t = g_order[k];
                 if (g_run.f[t].st != RUNNABLE) continue;
                 set_thread(t);
                 emu_ctx_switch(&g_run.sched_sp, g_run.f[t].sp);
@@ -244,15 +268,21 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+/* an event holds the host time of its last record (work runs at the call, so that is when the
+ * stream reached it) */
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int) {
-    *e = (cudaEvent_t)std::malloc(16);
+    *e = (cudaEvent_t)std::calloc(1, sizeof(struct timespec));
+    return *e ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+    clock_gettime(CLOCK_MONOTONIC, (struct timespec *)e);
     return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t, cudaEvent_t) {
-    *ms = 0;
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
+    const struct timespec *x = (const struct timespec *)a, *y = (const struct timespec *)b;
+    *ms = (float)((y->tv_sec - x->tv_sec) * 1e3 + (y->tv_nsec - x->tv_nsec) * 1e-6);
     return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {

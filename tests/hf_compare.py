@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""kvbank against Hugging Face transformers, on the GPU machine (it has torch and transformers).
+
+Builds a random-weight LlamaForCausalLM or Qwen3ForCausalLM from a config (no download), saves it with
+save_pretrained (safetensors), runs kvbank-generate on it with --dump-logits, and compares kvbank's
+logits with transformers' for the same tokens (teacher forcing: prompt + kvbank's tokens): the prefill
+row and every decode row. Relative error of a row = max|a - b| / max|b|.
+
+  hf_compare.py --kvbank-generate PATH --arch llama|qwen3 --dtype f32|bf16 --backend cuda:f32|cuda|cpu
+                --out DIR [--rtol X]
+Prints one line `PASS|FAIL arch dtype backend: max rel err E over N rows (tol T)`; exit 0 on PASS.
+"""
+import argparse
+import subprocess
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+
+def build(arch, dtype, out):
+    common = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(rope_theta=10000.0, **common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.Qwen3Config(rope_theta=1000000.0, **common)
+        cls = transformers.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():  # a wider spread than the default 0.02 init, so logits are not near-uniform
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5 if "embed" not in name else 1.0)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvbank-generate", required=True)
+    ap.add_argument("--arch", choices=["llama", "qwen3"], required=True)
+    ap.add_argument("--dtype", choices=["f32", "bf16"], required=True)
+    ap.add_argument("--backend", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rtol", type=float, default=None)
+    a = ap.parse_args()
+    tol = a.rtol if a.rtol is not None else (1e-4 if a.dtype == "f32" else 1e-2)
+    model = build(a.arch, a.dtype, a.out)
+    prompt = [int(x) for x in np.random.default_rng(1).integers(3, 1024, size=300)]
+    n_new = 32
+    npy = a.out + "/kvbank-logits.npy"
+    r = subprocess.run([a.kvbank_generate, "--model", a.out, "--backend", a.backend, "--prompt-ids",
+                        ",".join(map(str, prompt)), "--max-tokens", str(n_new), "--dump-logits", npy],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"FAIL {a.arch} {a.dtype} {a.backend}: kvbank-generate exited {r.returncode}: {r.stderr[-300:]}")
+        return 1
+    toks = [int(x) for x in r.stdout.strip().split(",")]
+    got = np.load(npy).astype(np.float64)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    # the reference computes in float32 (over bf16-rounded weights for the bf16 model): transformers' own
+    # numbers without a second rounding in its activations
+    ref_model = model.to(dev).float().eval()
+    ids = torch.tensor([prompt + toks[:-1]], device=dev)
+    with torch.no_grad():
+        ref = ref_model(ids).logits[0, len(prompt) - 1:].double().cpu().numpy()
+    if ref.shape != got.shape:
+        print(f"FAIL {a.arch} {a.dtype} {a.backend}: shapes {got.shape} vs {ref.shape}")
+        return 1
+    err = (np.abs(got - ref).max(axis=1) / np.abs(ref).max(axis=1)).max()
+    ok = bool(err <= tol)
+    print(f"{'PASS' if ok else 'FAIL'} {a.arch} {a.dtype} {a.backend}: max rel err {err:.3g} over {len(ref)} rows "
+          f"(prefill + {len(ref) - 1} decode; tol {tol:g})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
