@@ -32,6 +32,7 @@
 #include "coordinator/coordinator.h"
 #include "coordinator/ledger.h"
 #include "tests/harness.h"
+#include "tests/testfiles.h"
 
 /* Geometries: the master's block is 16384 bytes; worker A's 4096 (MEU 4 worker : 1 master); worker
  * B's 3072 (lcm 49152: MEU 16 : 3). */
@@ -734,24 +735,9 @@ static int run_tool(const char *const *argv, char *out, size_t out_len, char *er
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-static void print_log(void) {
-    FILE *f = fopen(g_log, "r");
-    if (!f) return;
-    char line[2048];
-    fprintf(stderr, "---- coordinator log ----\n");
-    while (fgets(line, sizeof line, f)) fputs(line, stderr);
-    fclose(f);
-}
+static void print_log(void) { kvb_t_print_file(g_log, "coordinator log"); }
 
-static int log_contains(const char *needle) {
-    FILE *f = fopen(g_log, "r");
-    if (!f) return 0;
-    char line[4096];
-    int found = 0;
-    while (!found && fgets(line, sizeof line, f)) found = strstr(line, needle) != NULL;
-    fclose(f);
-    return found;
-}
+static int log_contains(const char *needle) { return kvb_t_file_contains(g_log, needle); }
 
 static void make_dir(void) {
     remove_stale();

@@ -32,6 +32,7 @@
 #include "common/mem/region.h"
 #include "common/model/config.h"
 #include "tests/harness.h"
+#include "tests/testfiles.h"
 
 #define MAX_TOK 4096
 
@@ -190,24 +191,9 @@ static void teardown(void) {
     if (g_dir[0]) remove_tree(g_dir);
 }
 
-static void print_server_log(void) {
-    FILE *f = fopen(g_log, "r");
-    if (!f) return;
-    char line[1024];
-    fprintf(stderr, "---- server log ----\n");
-    while (fgets(line, sizeof line, f)) fputs(line, stderr);
-    fclose(f);
-}
+static void print_server_log(void) { kvb_t_print_file(g_log, "server log"); }
 
-static int log_contains(const char *needle) {
-    FILE *f = fopen(g_log, "r");
-    if (!f) return 0;
-    char line[2048];
-    int found = 0;
-    while (!found && fgets(line, sizeof line, f)) found = strstr(line, needle) != NULL;
-    fclose(f);
-    return found;
-}
+static int log_contains(const char *needle) { return kvb_t_file_contains(g_log, needle); }
 
 /* Makes this test's directory and a tiny model in it. */
 static void make_model(void) {
