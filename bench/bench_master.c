@@ -288,7 +288,7 @@ int kvb_bench_multiturn(int argc, char **argv) {
     kvb_trace *tr = NULL;
     int rc = 1;
     double *res[2] = {0}, *tmp = NULL;
-    uint64_t hits[2] = {0}, loads[2] = {0};
+    uint64_t computed[2] = {0}, loads[2] = {0}, preempted[2] = {0};
     printf("kvbank-bench multiturn: %s on the master of %s\n", trace, cfg);
     if (setup(cfg, threads, &s) != KVB_OK) goto out;
     to.vocab = kvb_model_cfg(s.m)->vocab;
@@ -340,8 +340,9 @@ int kvb_bench_multiturn(int argc, char **argv) {
         }
         kvb_engine_stats st;
         kvb_engine_get_stats(e, &st);
-        hits[mode] = st.prefix_hit_tokens;
+        computed[mode] = st.prompt_tokens;
         loads[mode] = st.host_tier_loads;
+        preempted[mode] = st.preemptions;
         kvb_engine_destroy(e);
         free(ms.arrival);
         if (rejected) printf("  (%s: %d requests rejected)\n", mode ? "host tier" : "lending", rejected);
@@ -357,11 +358,16 @@ int kvb_bench_multiturn(int argc, char **argv) {
             if (!isnan(res[0][i])) a[m0++] = res[0][i] * 1e3;
             if (!isnan(res[1][i])) b[m1++] = res[1][i] * 1e3;
         }
-        printf("%-34s %9s %9s %9s %12s %10s\n", "TTFT (ms)", "p50", "p95", "p99", "prefix hits", "host loads");
-        printf("%-34s %9.1f %9.1f %9.1f %12llu %10llu\n", "lending (in place)", pctl(a, m0, 50, tmp), pctl(a, m0, 95, tmp),
-               pctl(a, m0, 99, tmp), (unsigned long long)hits[0], (unsigned long long)loads[0]);
-        printf("%-34s %9.1f %9.1f %9.1f %12llu %10llu\n", "host-tier prefix cache (copies)", pctl(b, m1, 50, tmp),
-               pctl(b, m1, 95, tmp), pctl(b, m1, 99, tmp), (unsigned long long)hits[1], (unsigned long long)loads[1]);
+        printf("%-34s %9s %9s %9s %14s %10s %9s\n", "TTFT (ms)", "p50", "p95", "p99", "prefilled tok", "host loads",
+               "preempts");
+        printf("%-34s %9.1f %9.1f %9.1f %14llu %10llu %9llu\n", "lending (in place)", pctl(a, m0, 50, tmp),
+               pctl(a, m0, 95, tmp), pctl(a, m0, 99, tmp), (unsigned long long)computed[0], (unsigned long long)loads[0],
+               (unsigned long long)preempted[0]);
+        printf("%-34s %9.1f %9.1f %9.1f %14llu %10llu %9llu\n", "host-tier prefix cache (copies)", pctl(b, m1, 50, tmp),
+               pctl(b, m1, 95, tmp), pctl(b, m1, 99, tmp), (unsigned long long)computed[1], (unsigned long long)loads[1],
+               (unsigned long long)preempted[1]);
+        printf("(prefilled tok: prompt tokens computed, recomputation after preemption included; fewer means more "
+               "reuse)\n");
         printf("\nP99 TTFT ratio host tier / lending: %.2f\n", pctl(b, m1, 99, tmp) / pctl(a, m0, 99, tmp));
         free(a);
         free(b);

@@ -334,5 +334,36 @@ KVB_TEST(host_tier_lossless) {
 }
 KVB_TEST_END
 
+KVB_TEST(inflight_prefix_deferred) {
+    /* Two requests with the same 200-token prompt arrive together and both fit the step's budget. The
+     * second waits one step for the first instead of computing the same blocks in parallel, then
+     * reuses all 12 full blocks (192 tokens), and its tokens are those of a run alone. */
+    setup_model("llama");
+    static rec ref, got;
+    int32_t p[200];
+    for (int i = 0; i < 200; i++) p[i] = (i * 17 + 5) % 200;
+    memset(&ref, 0, sizeof ref);
+    kvb_engine *e = make_engine(&ref, 16, 64, 512, 0);
+    add(e, 1, p, 200, 10);
+    run(e);
+    kvb_engine_destroy(e);
+
+    memset(&got, 0, sizeof got);
+    e = make_engine(&got, 16, 64, 512, 1);
+    add(e, 0, p, 200, 10);
+    add(e, 1, p, 200, 10);
+    run(e);
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    ck_assert_uint_gt(s.deferred, 0);
+    ck_assert_uint_eq(s.prefix_hit_tokens, 192);
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 10; i++) ck_assert_int_eq(got.toks[r][i], ref.toks[1][i]);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("engine", KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
-              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60))
+              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(inflight_prefix_deferred, 60))

@@ -635,6 +635,22 @@ static seq *preempt_one(kvb_engine *e, seq *s) {
     return victim;
 }
 
+/* The next block `s` would compute (its first unmatched full prompt block) is being computed now by a
+ * running sequence at the same place of the same chain: same parent hash, same tokens, not yet
+ * published, and that sequence holds all of the block's tokens, so it is in its prefill and publishes
+ * the block within a step or two. Admitting `s` now would compute the same KV a second time. */
+static int prefix_in_flight(const kvb_engine *e, const seq *s) {
+    int bs = e->o.block_size, b = s->n_published;
+    if ((int64_t)(b + 1) * bs > s->n_tokens - 1) return 0; /* no full block left to match */
+    const int32_t *tk = s->tokens + (size_t)b * bs;
+    for (const seq *r = e->running.head; r; r = r->next) {
+        if (r->n_published != b || r->last_hash != s->last_hash) continue;
+        if (r->n_tokens < (b + 1) * bs || r->n_computed >= (b + 1) * bs) continue;
+        if (!memcmp(r->tokens + (size_t)b * bs, tk, (size_t)bs * sizeof *tk)) return 1;
+    }
+    return 0;
+}
+
 /* Picks this step's sequences and their token counts; returns how many. */
 static int schedule(kvb_engine *e) {
     int budget = e->o.max_batch_tokens, n = 0;
@@ -665,8 +681,9 @@ static int schedule(kvb_engine *e) {
      *    holds now (lent out or detached) waits until grow/attach: admitted, it could only preempt
      *    itself over and over. */
     e->starved = 0;
-    while (e->waiting.head && budget > 0 && e->running.n < e->o.max_seqs) {
-        s = e->waiting.head;
+    seq *next_waiting;
+    for (s = e->waiting.head; s && budget > 0 && e->running.n < e->o.max_seqs; s = next_waiting) {
+        next_waiting = s->next;
         if (seq_need_blocks(e, s) > kvb_block_pool_n_blocks(e->pool)) {
             e->starved = 1;
             break;
@@ -689,6 +706,11 @@ static int schedule(kvb_engine *e) {
                 s->n_published = pushed;
                 if (e->ht_pc && pushed == got) host_tier_load(e, s, max_blocks);
                 s->n_computed = hit = s->n_published * e->o.block_size;
+            }
+            if (prefix_in_flight(e, s)) { /* wait a step or two and hit the cache instead */
+                seq_drop_kv(e, s);
+                e->stats.deferred++;
+                continue;
             }
         }
         int q = KVB_MIN(s->n_tokens - s->n_computed, budget);

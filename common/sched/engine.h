@@ -131,6 +131,8 @@ typedef struct kvb_engine_stats {
     uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache (host tier included) */
     uint64_t host_tier_stores;  /* blocks copied pool -> host tier */
     uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */
+    uint64_t deferred;          /* admissions put off because a running sequence was computing the
+                                 * same prefix block (it is reused a step later instead) */
     int blocks_total;
     int blocks_free;            /* free + evictable cached */
     int n_running;
