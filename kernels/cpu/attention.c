@@ -40,17 +40,46 @@ static inline void axpy(float a, const float *x, float *y, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* Softmax of s[0..n) in place. */
+/* e^x for the softmax's arguments (x <= 0 once the maximum is subtracted), in a form the compiler
+ * vectorizes (glibc's vector expf is only declared under -ffast-math): x = k ln2 + r with |r| <= ln2/2
+ * (k rounded to nearest by the 1.5 * 2^23 trick, ln2 split in two for an exact product), e^r by the
+ * classic degree-6 minimax polynomial of single-precision exp (relative error about 1e-7, at most a
+ * couple of ulps), 2^k built in the exponent bits. Arguments below -87 are clamped: e^-87 is 1.6e-38, so
+ * a weight that small cannot change a sum that includes e^0 = 1. */
+static inline float exp_softmax(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float e = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return e * scale;
+}
+
+/* Softmax of s[0..n) in place. Eight partial maxima and sums keep the loops vectorizable. */
 static void softmax(float *s, int n) {
-    float mx = s[0];
-    for (int i = 1; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-    float sum = 0;
-    for (int i = 0; i < n; i++) {
-        s[i] = expf(s[i] - mx);
-        sum += s[i];
-    }
+    float m8[8], a8[8] = {0};
+    for (int j = 0; j < 8; j++) m8[j] = s[0];
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) m8[j] = s[i + j] > m8[j] ? s[i + j] : m8[j];
+    float mx = m8[0];
+    for (int j = 1; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
+    for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    for (i = 0; i < n; i++) s[i] = exp_softmax(s[i] - mx);
+    for (i = 0; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) a8[j] += s[i + j];
+    float sum = ((a8[0] + a8[4]) + (a8[1] + a8[5])) + ((a8[2] + a8[6]) + (a8[3] + a8[7]));
+    for (; i < n; i++) sum += s[i];
     float inv = 1.0f / sum;
-    for (int i = 0; i < n; i++) s[i] *= inv;
+    for (i = 0; i < n; i++) s[i] *= inv;
 }
 
 /* Every query row of the sequence for every query head of KV group g. scores: ctx_len floats. */
