@@ -658,29 +658,6 @@ static const char *builddir(void) {
     return g_builddir;
 }
 
-static int rm_entry(const char *path, const struct stat *sb, int type, struct FTW *ftw) {
-    (void)sb, (void)type, (void)ftw;
-    remove(path);
-    return 0;
-}
-
-static void remove_tree(const char *dir) { nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS); }
-
-static void remove_stale(void) {
-    DIR *d = opendir("/tmp");
-    if (!d) return;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        int pid = 0, n = 0;
-        if (sscanf(e->d_name, "kvb-test-%d%n", &pid, &n) != 1 || pid <= 0 || pid == getpid()) continue;
-        if (e->d_name[n] != '.' && e->d_name[n] != '-') continue;
-        if (kill(pid, 0) == 0 || errno != ESRCH) continue;
-        char p[PATH_MAX];
-        snprintf(p, sizeof p, "/tmp/%s", e->d_name);
-        remove_tree(p);
-    }
-    closedir(d);
-}
 
 /* Runs a program of the build directory with stdout into out[out_len] (may be NULL) and stderr into
  * err[err_len] (may be NULL: the test's stderr). Returns its exit status, -1 if it did not exit. */
@@ -740,7 +717,7 @@ static void print_log(void) { kvb_t_print_file(g_log, "coordinator log"); }
 static int log_contains(const char *needle) { return kvb_t_file_contains(g_log, needle); }
 
 static void make_dir(void) {
-    remove_stale();
+    kvb_t_remove_stale();
     snprintf(g_dir, sizeof g_dir, "/tmp/kvb-test-%d.d", (int)getpid());
     ck_assert_msg(mkdir(g_dir, 0700) == 0, "mkdir %s: %s", g_dir, strerror(errno));
     snprintf(g_endpoint, sizeof g_endpoint, "ipc://%s/run/coordinator.sock", g_dir);
@@ -924,7 +901,7 @@ static void teardown(void) {
     int status = stop_coordinator(SIGTERM, 20);
     if (status != 0) print_log();
     ck_assert_msg(status == 0, "kvbank-coordinator ended with wait status 0x%x (-1: killed after a timeout)", status);
-    if (g_dir[0]) remove_tree(g_dir);
+    if (g_dir[0]) kvb_t_remove_tree(g_dir);
 }
 
 static Kvbank__RegisterReply *peer_register_loans(peer *p, kvb_role role, uint32_t pid, const kvb_kv_geom *g,
@@ -1601,7 +1578,7 @@ KVB_TEST(ctl_control) {
     ck_assert_int_eq(run_tool(none, NULL, 0, err, sizeof err), 1);
     ck_assert_msg(strstr(err, "no answer from the coordinator") != NULL, "stderr: %s", err);
     ck_assert_uint_lt(kvb_now_ns() - t0, 5000000000ull);
-    remove_tree(g_dir);
+    kvb_t_remove_tree(g_dir);
 }
 KVB_TEST_END
 
@@ -1778,7 +1755,7 @@ KVB_TEST(ctl_plan) {
     /* a config without a readable model: exit 1 */
     const char *missing[] = {"kvbankctl", "plan", "--config", "/nonexistent/node.json", NULL};
     ck_assert_int_eq(run_tool(missing, NULL, 0, err, sizeof err), 1);
-    remove_tree(g_dir);
+    kvb_t_remove_tree(g_dir);
 }
 KVB_TEST_END
 

@@ -113,30 +113,6 @@ static int run_tool(const char *const *argv, char *out, size_t out_len) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-static int rm_entry(const char *path, const struct stat *sb, int type, struct FTW *ftw) {
-    (void)sb, (void)type, (void)ftw;
-    remove(path);
-    return 0;
-}
-
-static void remove_tree(const char *dir) { nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS); }
-
-/* Removes /tmp/kvb-test-<pid>.d directories and /tmp/kvb-test-<pid>-* files of dead test processes. */
-static void remove_stale(void) {
-    DIR *d = opendir("/tmp");
-    if (!d) return;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        int pid = 0, n = 0;
-        if (sscanf(e->d_name, "kvb-test-%d%n", &pid, &n) != 1 || pid <= 0 || pid == getpid()) continue;
-        if (e->d_name[n] != '.' && e->d_name[n] != '-') continue;
-        if (kill(pid, 0) == 0 || errno != ESRCH) continue;
-        char p[PATH_MAX];
-        snprintf(p, sizeof p, "/tmp/%s", e->d_name);
-        remove_tree(p);
-    }
-    closedir(d);
-}
 
 /* Number of /dev/shm objects of our server's tag ("kvb-<name>-..."); the newest's mode into *mode. */
 static int count_shm(mode_t *mode) {
@@ -188,7 +164,7 @@ static void teardown(void) {
     if (status != 0) print_server_log();
     ck_assert_msg(status == 0, "kvbank-serve ended with wait status 0x%x (-1: killed after a timeout)", status);
     if (g_sockpath[0]) unlink(g_sockpath);
-    if (g_dir[0]) remove_tree(g_dir);
+    if (g_dir[0]) kvb_t_remove_tree(g_dir);
 }
 
 static void print_server_log(void) { kvb_t_print_file(g_log, "server log"); }
@@ -197,7 +173,7 @@ static int log_contains(const char *needle) { return kvb_t_file_contains(g_log, 
 
 /* Makes this test's directory and a tiny model in it. */
 static void make_model(void) {
-    remove_stale();
+    kvb_t_remove_stale();
     snprintf(g_dir, sizeof g_dir, "/tmp/kvb-test-%d.d", (int)getpid());
     ck_assert_msg(mkdir(g_dir, 0700) == 0, "mkdir %s: %s", g_dir, strerror(errno));
     snprintf(g_model, sizeof g_model, "%s/model", g_dir);
