@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/ipc/node_proc.h"
+#include "node/node_proc.h"
 #include "common/kv/block_pool.h"
 #include "common/policy/swiftcache.h"
 

@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/ipc/node_proc.h"
+#include "node/node_proc.h"
 #include "common/policy/swiftcache.h"
 
 #define WINDOW_CAP0 64             /* initial samples of Alg. 1's window */

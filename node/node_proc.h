@@ -5,8 +5,8 @@
  * the coordinator client, signals, and the loop that runs them all in one thread: the role's code runs
  * as server hooks, between engine steps. The roles (master/master.c, worker/worker.c) add only what
  * differs: borrowing and lending. */
-#ifndef KVB_IPC_NODE_PROC_H
-#define KVB_IPC_NODE_PROC_H
+#ifndef KVB_NODE_NODE_PROC_H
+#define KVB_NODE_NODE_PROC_H
 
 #include <signal.h>
 #include <stdint.h>

@@ -1,5 +1,5 @@
 /* kvbank — a model process of the node (kvbank-master, kvbank-worker): setup, loop, teardown. */
-#include "common/ipc/node_proc.h"
+#include "node/node_proc.h"
 
 #include <errno.h>
 #include <getopt.h>
