@@ -448,7 +448,7 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
         if (v->reqs[i].state != KVB_REQ_RUNNING) forget(m, v->reqs[i].id);
     for (int k = 0; k < out->n_ops; k++)
         if (out->ops[k].kind == KVB_OP_PREEMPT) forget(m, out->ops[k].id);
-    int L = v->geom->n_layers, bs = v->geom->block_size, n_ops = out->n_ops;
+    int L = v->geom->n_layers, n_ops = out->n_ops;
     for (int k = 0; k < n_ops; k++) {
         kvb_plan_op *op = &out->ops[k];
         if (op->kind != KVB_OP_RUN) continue;
@@ -472,7 +472,7 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
                     m->st_blk[m->n_st++] = r->blocks[j];
                 }
             }
-            (void)bs;
+
         }
     }
     return KVB_OK;

@@ -593,7 +593,7 @@ static kvb_status absent_readers(acct *a, const kvb_plan *p, int32_t id, int r, 
 static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t len) {
     kvb_engine *e = a->e;
     const kvb_view *v = a->v;
-    int L = v->geom->n_layers, bs = v->geom->block_size;
+    int L = v->geom->n_layers;
     if (p->lent_default != KVB_RES_LENT && p->lent_default != KVB_RES_STREAM)
         return refuse(err, len, "lent_default %s: borrowed blocks are read LENT (in place) or STREAM",
                       kvb_residency_str(p->lent_default));
