@@ -253,3 +253,20 @@ int kvb_pid_alive(long pid) {
     if (s != KVB_OK) return 1; /* no /proc: trust kill() */
     return st != 'Z' && st != 'X';
 }
+
+void kvb_fmt_py_float(double x, char *buf, size_t cap) {
+    if (isnan(x) || isinf(x)) {
+        snprintf(buf, cap, "%s", isnan(x) ? "nan" : x > 0 ? "inf" : "-inf");
+        return;
+    }
+    char tmp[64];
+    int p;
+    for (p = 1; p < 17; p++) {
+        snprintf(tmp, sizeof tmp, "%.*e", p - 1, x);
+        if (strtod(tmp, NULL) == x) break;
+    }
+    snprintf(tmp, sizeof tmp, "%.*e", p - 1, x);
+    int e = atoi(strchr(tmp, 'e') + 1);
+    if (e >= -4 && e < 16) snprintf(buf, cap, "%.*f", KVB_MAX(p - 1 - e, 1), x);
+    else snprintf(buf, cap, "%s", tmp);
+}
