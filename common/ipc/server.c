@@ -383,6 +383,11 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         reply_error(s, ident, len, rid, KVB_ERR_INVALID, "max_tokens is %" PRIu32 ", must be >= 1", g->max_tokens);
         return;
     }
+    if (g->resume_index >= g->n_prompt_ids) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "resume_index %" PRIu32 " is not inside the prompt (%zu ids)",
+                    g->resume_index, g->n_prompt_ids);
+        return;
+    }
     if (g->top_k > INT_MAX) {
         reply_error(s, ident, len, rid, KVB_ERR_INVALID, "top_k %" PRIu32 " is out of range", g->top_k);
         return;
@@ -420,6 +425,7 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         .stop_ids = g->stop_ids,
         .n_stop = (int)g->n_stop_ids,
         .sampling = sp,
+        .resume_index = (int)g->resume_index,
     };
     kvb_status st = kvb_engine_add(s->engine, &r);
     if (st != KVB_OK) {
@@ -449,6 +455,24 @@ static void handle_ping(kvb_server *s, const uint8_t *ident, size_t len, const K
     pong.nonce = p->nonce;
     pong.model = s->model_name;
     pong.live_requests = (uint32_t)s->n_live;
+    if (s->engine) {
+        kvb_engine_stats es;
+        kvb_engine_get_stats(s->engine, &es);
+        pong.running = (uint32_t)es.n_running;
+        pong.waiting = (uint32_t)es.n_waiting;
+        pong.prompt_tokens = es.prompt_tokens;
+        pong.generated_tokens = es.generated_tokens;
+        pong.preemptions = es.preemptions;
+        pong.prefix_hit_tokens = es.prefix_hit_tokens;
+        pong.blocks_total = (uint32_t)es.blocks_total;
+        pong.blocks_free = (uint32_t)es.blocks_free;
+        pong.blocks_own = (uint32_t)es.blocks_own;
+        pong.blocks_borrowed = (uint32_t)es.blocks_borrowed;
+    }
+    pong.accepted = s->stats.accepted;
+    pong.rejected = s->stats.rejected;
+    pong.completed = s->stats.completed;
+    pong.disconnects = s->stats.disconnects;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_PONG;
     env.pong = &pong;
