@@ -293,6 +293,8 @@ int kvb_block_pool_n_own(const kvb_block_pool *p) { return p->n_own; }
 int kvb_block_pool_n_attached(const kvb_block_pool *p) { return p->n_attached; }
 int kvb_block_pool_capacity(const kvb_block_pool *p) { return p->capacity; }
 int kvb_block_pool_id_limit(const kvb_block_pool *p) { return p->id_limit; }
+int kvb_block_pool_n_free_ids(const kvb_block_pool *p) { return p->n_free; }
+
 int kvb_block_pool_n_free(const kvb_block_pool *p) {
     return p->sliced ? KVB_MIN(p->n_free, p->n_free_slices / p->geom.n_layers) : p->n_free;
 }
@@ -383,6 +385,14 @@ kvb_status kvb_block_pool_take(kvb_block_pool *p, int32_t idx) {
 int kvb_block_pool_slice_resident(const kvb_block_pool *p, int32_t idx, int layer) {
     assert(p->sliced && idx >= 0 && idx < p->id_limit && layer >= 0 && layer < p->geom.n_layers);
     return p->slice_of[(size_t)idx * (size_t)p->geom.n_layers + (size_t)layer] >= 0;
+}
+
+int64_t kvb_block_pool_referenced_slices(const kvb_block_pool *p) {
+    if (!p->sliced) return 0;
+    int64_t n = 0;
+    for (int32_t i = 0; i < p->id_limit; i++)
+        if (p->refcount[i] > 0) n += kvb_block_pool_n_resident(p, i);
+    return n;
 }
 
 int kvb_block_pool_n_resident(const kvb_block_pool *p, int32_t idx) {

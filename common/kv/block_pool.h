@@ -130,10 +130,13 @@ kvb_status kvb_block_pool_create_sliced(const kvb_kv_geom *g, void *mem, size_t 
 int kvb_block_pool_is_sliced(const kvb_block_pool *p);
 int kvb_block_pool_n_slices(const kvb_block_pool *p);      /* physical slices: n_own * n_layers (0 unless sliced) */
 int kvb_block_pool_n_free_slices(const kvb_block_pool *p); /* of those, free */
+int kvb_block_pool_n_free_ids(const kvb_block_pool *p);    /* ids on the free list (= n_free unless sliced) */
 /* An id with no resident layer, refcount 1. KVB_ERR_EXHAUSTED (no free id), KVB_ERR_UNSUPPORTED (not sliced). */
 kvb_status kvb_block_pool_alloc_bare(kvb_block_pool *p, int32_t *out);
 /* 1 if `layer` of block idx has a physical slice. Sliced pools only. */
 int kvb_block_pool_slice_resident(const kvb_block_pool *p, int32_t idx, int layer);
+/* Slices of referenced blocks (not of held or free ones, not scratch): O(ids * layers). 0 unless sliced. */
+int64_t kvb_block_pool_referenced_slices(const kvb_block_pool *p);
 /* Resident layers of block idx (n_layers in a block-major pool). */
 int kvb_block_pool_n_resident(const kvb_block_pool *p, int32_t idx);
 /* Gives `layer` of block idx (referenced or held) a slice: KVB_OK if it has one already,
