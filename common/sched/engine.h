@@ -80,6 +80,8 @@ typedef struct kvb_request {
     int resume_index;       /* >= 0: the request continues one that already produced this many tokens
                              * (the last resume_index prompt ids are those tokens, e.g. after its
                              * server died): seeded sampling starts after their draws */
+    double tbt_slo_ms;      /* >= 0: its time-between-tokens SLO (OrbitFlow's planner and Token-Deposit);
+                             * 0: the planner's default for the model */
 } kvb_request;
 
 /* Creates an engine over `m` (borrowed). `planner` may be NULL (vLLM scheduling, kvb_sched_fcfs).

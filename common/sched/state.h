@@ -29,6 +29,7 @@ typedef struct seq {
     int cap;
     int n_prompt;
     int max_tokens;
+    uint64_t slo_ns;   /* time-between-tokens SLO, 0: the planner's default */
     int n_generated;
     int32_t *stop;     /* [n_stop] */
     int n_stop;
