@@ -81,8 +81,8 @@ struct kvb_client {
 
 void kvb_client_opts_default(kvb_client_opts *o) {
     if (!o) return;
-    o->heartbeat_ms = 200;
-    o->dead_ms = 800;
+    o->heartbeat_ms = 250;
+    o->dead_ms = 1000;
     o->resume_ms = 30000;
 }
 
