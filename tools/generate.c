@@ -391,6 +391,7 @@ out:
     }
     free(g.dump);
     free(stop);
+    kvb_tokenizer_destroy(tok);
     kvb_policy_params_free(&pparams);
     return rc;
 }
