@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/mem/mem.h"
 #include "common/util/util.h"
 
 /* A weight matrix or vector on a backend. ne[0] = rows (output features), ne[1] = columns (input
@@ -121,14 +122,20 @@ typedef struct kvb_backend_i {
     void (*destroy)(void *ctx);
 } kvb_backend_i;
 
-/* A backend object: its table and its context. */
+/* A backend object: its table, its context, and the memory its operators work on. */
 typedef struct kvb_backend {
     const kvb_backend_i *iface;
     void *ctx;
+    kvb_mem *mem; /* the memory backend of the same kind and device (common/mem/mem.h), owned: every
+                   * buffer, pool and region this backend computes on comes from it */
 } kvb_backend;
 
-/* Creates the backend named `name` ("cpu"; "cuda" when built with CUDA). Caller owns the result and
- * releases it with kvb_backend_destroy (NULL-safe). KVB_ERR_UNSUPPORTED for a backend not built in. */
+/* Creates the backend named `name` ("cpu"; "cuda[:variant]" when built with CUDA) on device `device`
+ * (-1: the current one; device backends make it current on the calling thread), with its memory
+ * backend (kvb_mem_create). Caller owns the result and releases it with kvb_backend_destroy
+ * (NULL-safe). KVB_ERR_UNSUPPORTED for a backend not built in, or, logged as "no CUDA device: ...",
+ * when the device is missing. kvb_backend_create is kvb_backend_create_on(name, -1, ...). */
+kvb_status kvb_backend_create_on(const char *name, int device, int n_threads, kvb_backend **out);
 kvb_status kvb_backend_create(const char *name, int n_threads, kvb_backend **out);
 void kvb_backend_destroy(kvb_backend *be);
 /* Comma-separated names of the backends compiled into this binary (static string). */
