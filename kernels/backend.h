@@ -1,7 +1,7 @@
 /* kvbank — the compute backend interface (ggml-style vtable).
  *
- * A backend owns device memory for weights and activations and runs the transformer's operators on
- * it. Model, scheduler and policy code see only this header; which backends exist is decided in
+ * A backend owns its weights and runs the transformer's operators on memory of its kind, which comes
+ * from the backend object's memory backend (`kvb_backend.mem`, common/mem/mem.h). Model, scheduler and policy code see only this header; which backends exist is decided in
  * kernels/registry.c alone. Every operator is asynchronous with respect to the host on a device
  * backend (ordered on the backend's stream) and synchronous on the CPU one; `sync` waits for all.
  *
@@ -72,9 +72,8 @@ typedef struct kvb_backend_i {
     const char *name;
     kvb_dtype act_dtype; /* element type of activation buffers */
 
-    /* Memory. alloc returns backend memory of `bytes` (uninitialised); free is NULL-safe. */
-    kvb_status (*alloc)(void *ctx, size_t bytes, void **out);
-    void (*free)(void *ctx, void *p);
+    /* Memory is not the compute backend's business: buffers, pools and regions come from the
+     * backend object's `mem` (common/mem/mem.h). */
     /* Host <-> backend copies of raw bytes; `to_host` waits for the data. */
     kvb_status (*to_device)(void *ctx, void *dst, const void *src, size_t bytes);
     kvb_status (*to_host)(void *ctx, void *dst, const void *src, size_t bytes);
