@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "common/kv/block_pool.h"
+#include "common/mem/region.h" /* stale-segment cleanup of the host backend's names */
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 
@@ -411,7 +412,7 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     size_t kv_bytes = (size_t)n_blocks * block_bytes; /* whole blocks: the region is block-aligned */
 
     int n_stale = 0;
-    kvb_node_unlink_stale_regions(a->tag, &n_stale);
+    kvb_region_unlink_stale(a->tag, &n_stale);
     if ((st = kvb_mem_region_create(p->be->mem, a->tag, kv_bytes, &p->region)) != KVB_OK) {
         fprintf(stderr, "%s: cannot create a %zu-byte exportable KV region in %s memory: %s\n", prog, kv_bytes,
                 kvb_mem_kind(p->be->mem), kvb_status_str(st));

@@ -9,6 +9,7 @@
 #include "common/ipc/server.h"
 #include "common/kv/block_pool.h"
 #include "common/mem/mem.h"
+#include "common/mem/region.h" /* stale-segment cleanup */
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
@@ -209,6 +210,9 @@ int main(int argc, char **argv) {
         goto out;
     }
     size_t kv_bytes = (size_t)kv_blocks * block_bytes;
+    int n_stale = 0;
+    kvb_region_unlink_stale(name, &n_stale); /* regions of crashed servers of this name */
+    if (n_stale) KVB_LOG_I("removed %d shared-memory region(s) of crashed servers named %s", n_stale, name);
     if ((st = kvb_mem_region_create(be->mem, name, kv_bytes, &region)) != KVB_OK) {
         fprintf(stderr, "kvbank-serve: cannot create a %zu-byte KV region in %s memory: %s\n", kv_bytes,
                 kvb_mem_kind(be->mem), kvb_status_str(st));
