@@ -39,11 +39,15 @@ typedef struct kvb_engine_opts {
     int max_seqs;            /* most running sequences (default 64) */
     int max_model_len;       /* longest sequence (default: the model's max_pos) */
     int enable_prefix_cache; /* reuse full blocks across requests */
-    void *kv_mem;            /* backend memory for the pool (e.g. a kvb_region's base); NULL: allocate */
+    void *kv_mem;            /* memory of the backend's kvb_mem for the pool (e.g. an exportable region's
+                              * base); NULL: the engine allocates it (kvb_mem_alloc) */
     size_t kv_mem_bytes;     /* its size; kv_mem_bytes / block bytes is the capacity (>= n_blocks) */
     kvb_link_model links;    /* the stager's link model (common/sched/stager.h); all zero: off, copies at
                               * memory speed. What the planner asks for through plan_pool (host tier,
                               * stage buffers, forward rows) is not an option: planners own it. */
+    const kvb_mem_allocator *act_alloc; /* where the forward pass takes each step's buffers, sized by
+                              * that step's tokens (borrowed for the engine's lifetime); NULL: a step
+                              * arena of the backend's memory (kvb_mem_arena) */
 } kvb_engine_opts;
 
 void kvb_engine_opts_default(kvb_engine_opts *o);
@@ -111,6 +115,7 @@ typedef struct kvb_engine_stats {
     uint64_t prompt_tokens;     /* tokens prefilled (recomputed ones included) */
     uint64_t generated_tokens;
     uint64_t preemptions;
+    uint64_t pauses;            /* PAUSE operations carried out (OrbitFlow's Pause-Resume) */
     uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache (host tier included) */
     uint64_t host_tier_stores;  /* blocks copied pool -> host tier (prefix demotion) */
     uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */

@@ -201,7 +201,10 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             break;
         }
         case KVB_OP_PREEMPT: kvb__preempt_seq(e, s); break;
-        case KVB_OP_PAUSE: s->paused = 1; break;
+        case KVB_OP_PAUSE:
+            s->paused = 1;
+            e->stats.pauses++;
+            break;
         case KVB_OP_RESUME: s->paused = 0; break;
         case KVB_OP_SWAP_OUT:
         case KVB_OP_SWAP_IN: {
@@ -236,8 +239,8 @@ static kvb_status scratch_reserve(kvb_engine *e, int n) {
     if (n <= e->n_scratch) return KVB_OK;
     kvb_backend *be = kvb_model_backend(e->m);
     void *mem = NULL;
-    KVB_TRY(be->iface->alloc(be->ctx, (size_t)n * layer_bytes(e), &mem));
-    be->iface->free(be->ctx, e->scratch);
+    KVB_TRY(kvb_mem_alloc(be->mem, (size_t)n * layer_bytes(e), &mem));
+    kvb_mem_free(be->mem, e->scratch);
     e->scratch = mem;
     e->n_scratch = n;
     return KVB_OK;
@@ -720,7 +723,7 @@ void kvb__exec_free(kvb_engine *e) {
     free(e->xl.x);
     if (e->scratch) {
         kvb_backend *be = kvb_model_backend(e->m);
-        be->iface->free(be->ctx, e->scratch);
+        kvb_mem_free(be->mem, e->scratch);
     }
     free(e->shadow);
     free(e->shadow_ok);
