@@ -926,6 +926,14 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
                      m->name);
         goto reject;
     }
+    if (m->have_cfg)
+        for (int i = 0; i < p.n_prompt_ids; i++)
+            if (p.prompt_ids[i] >= m->cfg.vocab) {
+                gw_error_set(&err, 400, "invalid_request_error", "prompt",
+                             "prompt token %d is %d, outside the vocabulary of model '%s' [0, %d)", i, p.prompt_ids[i],
+                             m->name, m->cfg.vocab);
+                goto reject;
+            }
     int max_pos = m->have_cfg ? m->cfg.max_pos : 0;
     if (max_pos && p.n_prompt_ids >= max_pos) {
         gw_error_set(&err, 400, "invalid_request_error", "prompt",
@@ -988,17 +996,7 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
                      .top_p = (float)p.top_p,
                      .seed = p.has_seed ? p.seed : (kvb_wall_ns() ^ (g->next_id * 0x9e3779b97f4a7c15ull))},
     };
-    char msg[256];
-    kvb_status st = kvb_client_submit(m->client, &r, on_upstream, s, SUBMIT_TIMEOUT_MS, &s->rid, msg, sizeof msg);
-    kvb_client_dispatch(m->client);
-    if (st != KVB_OK) {
-        gw_error_set(&err, st == KVB_ERR_INVALID ? 400 : 503, st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error",
-                     "prompt", "%s", msg);
-        uv_close((uv_handle_t *)&s->timer, on_stream_timer_closed);
-        s = NULL;
-        goto reject;
-    }
-    s->upstream_live = 1;
+    /* Everything in place before the submit: the model's answer may come within the dispatch below. */
     s->link = h2o_mem_alloc_shared(&req->pool, sizeof *s->link, on_req_dispose);
     s->link->s = s;
     s->next = g->streams;
@@ -1006,9 +1004,23 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     g->streams = s;
     g->n_streams++;
     m->n_streams++;
+    char msg[256];
+    kvb_status st = kvb_client_submit(m->client, &r, on_upstream, s, SUBMIT_TIMEOUT_MS, &s->rid, msg, sizeof msg);
+    if (st != KVB_OK) {
+        gw_error_set(&err, st == KVB_ERR_INVALID ? 400 : 503, st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error",
+                     "prompt", "%s", msg);
+        s->link->s = NULL;
+        s->link = NULL;
+        stream_unlink(s);
+        uv_close((uv_handle_t *)&s->timer, on_stream_timer_closed);
+        s = NULL;
+        goto reject;
+    }
+    s->upstream_live = 1;
     gw_params_free(&p);
     json_decref(doc);
     if (s->stream) stream_pump(s); /* the response head goes out at once */
+    kvb_client_dispatch(m->client); /* the send may have consumed the fd's edge */
     return;
 reject:
     gw_params_free(&p);

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/util/log.h"
 #include "common/util/node_config.h"
@@ -30,7 +31,8 @@ static void usage(FILE *f) {
             "  --max-streams N       requests in flight at once, more get 429 (default 256)\n"
             "  --tbt-slo-ms X        Token-Deposit target between tokens of a stream (default 0: off)\n"
             "  --status-ms N         how often the coordinator and the models are asked (default 1000)\n"
-            "  --port-file FILE      write the bound port there once listening\n");
+            "  --port-file FILE      write the bound port there once listening (default with --config:\n"
+            "                        RUN_DIR/gateway.port; removed at exit)\n");
 }
 
 /* HOST:PORT or [V6]:PORT into host (copied into buf) and port. */
@@ -93,6 +95,12 @@ int main(int argc, char **argv) {
         if (gw_opts_from_node(nc, &o, models, 256) != KVB_OK) return 1;
         if (coord) o.coordinator = coord;
     }
+    char port_path[4096];
+    if (nc && !o.port_file) {
+        /* kvbankd's children and tests find the bound port here (the config may say port 0) */
+        snprintf(port_path, sizeof port_path, "%s/gateway.port", nc->run_dir);
+        o.port_file = port_path;
+    }
     char hostbuf[256];
     if (listen && parse_listen(listen, hostbuf, sizeof hostbuf, &o.host, &o.port) != 0) {
         fprintf(stderr, "kvbank-gateway: --listen must be HOST:PORT, got '%s'\n", listen);
@@ -109,6 +117,7 @@ int main(int argc, char **argv) {
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
     kvb_status st = gw_run(&o, &g_stop);
+    if (o.port_file) unlink(o.port_file);
     kvb_node_config_free(nc);
     return st == KVB_OK ? 0 : 1;
 bad:
