@@ -516,6 +516,8 @@ kvb_status kvb_engine_add(kvb_engine *e, const kvb_request *r) {
     const kvb_model_config *c = kvb_model_cfg(e->m);
     if (!r->prompt || r->n_prompt < 1) return reject(e, r->id, "empty prompt");
     if (r->max_tokens < 1) return reject(e, r->id, "max_tokens must be at least 1");
+    if (r->resume_index < 0 || r->resume_index >= r->n_prompt)
+        return reject(e, r->id, "resume_index %d must be in [0, %d) (the prompt length)", r->resume_index, r->n_prompt);
     for (int i = 0; i < r->n_prompt; i++) {
         if (r->prompt[i] < 0 || r->prompt[i] >= c->vocab)
             return reject(e, r->id, "prompt token %d = %d is outside the vocabulary [0, %d)", i, r->prompt[i], c->vocab);
@@ -549,6 +551,9 @@ kvb_status kvb_engine_add(kvb_engine *e, const kvb_request *r) {
     s->max_tokens = r->max_tokens;
     s->samp = r->sampling;
     kvb_rng_seed(&s->rng, r->sampling.seed);
+    /* A resumed request's earlier tokens each took one draw (kvb_sample draws once per token when it
+     * samples at all): continue the same random stream after them. */
+    for (int k = 0; r->sampling.temperature > 0 && k < r->resume_index; k++) kvb_rng_uniform(&s->rng);
     s->last_hash = KVB_PREFIX_ROOT;
     list_insert_ordered(&e->waiting, s);
     return KVB_OK;

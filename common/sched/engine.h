@@ -96,6 +96,9 @@ typedef struct kvb_request {
     const int32_t *stop_ids;/* [n_stop], copied */
     int n_stop;
     kvb_sampling sampling;
+    int resume_index;       /* >= 0: the request continues one that already produced this many tokens
+                             * (the last resume_index prompt ids are those tokens, e.g. after its
+                             * server died): seeded sampling starts after their draws */
 } kvb_request;
 
 /* Creates an engine over `m` (borrowed). `planner` may be NULL (preempt the newest sequence); on
