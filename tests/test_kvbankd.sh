@@ -49,6 +49,8 @@ c = json.load(open(src))
 c["node"] = node
 c["run_dir"] = run
 c["coordinator"].update(heartbeat_ms=200, heartbeat_misses=5, lend_interval_s=0.5, window_s=2.0)
+if "gateway" in c:
+    c["gateway"]["listen"] = "127.0.0.1:0"  # any free port: tests may run side by side
 for m in c["models"]:
     assert "mkmodel" in m, m["name"]
     m["model_dir"] = models + "/" + m["name"]
