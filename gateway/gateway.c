@@ -50,6 +50,7 @@
 #define STALE_FACTOR 3            /* a coordinator / model silent for 3 status periods does not "answer" */
 #define DEFAULT_MAX_TOKENS 16     /* completions without max_tokens (OpenAI's default) */
 #define SUBMIT_TIMEOUT_MS 1000    /* how long a send to a model may wait for queue room */
+#define SHUTDOWN_MS 2000          /* how long a stopping gateway waits for its connections to close */
 
 typedef struct gw gw;
 typedef struct gw_stream gw_stream;
@@ -87,6 +88,8 @@ struct gw {
     const gw_opts *o;
     uv_loop_t *loop;
     volatile sig_atomic_t *stop;  /* polled by the housekeeping timer */
+    int stopping;                 /* begin_shutdown ran */
+    uint64_t stop_deadline_ns;
     uv_timer_t housekeep, status_timer;
     /* HTTP */
     h2o_globalconf_t h2o_conf;
@@ -787,10 +790,34 @@ static int peer_closed(gw_stream *s) {
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
+/* Stop: no new connections, every request in flight ends (its model request cancelled), then the loop
+ * runs until h2o has closed its connections (at most SHUTDOWN_MS) so that everything is freed. */
+static void begin_shutdown(gw *g) {
+    g->stopping = 1;
+    g->stop_deadline_ns = kvb_now_ns() + (uint64_t)SHUTDOWN_MS * 1000000u;
+    KVB_LOG_I("gateway: stopping (%d requests in flight are cancelled)", g->n_streams);
+    uv_close((uv_handle_t *)&g->listener, NULL);
+    uv_timer_stop(&g->status_timer);
+    /* (not h2o_context_request_shutdown: in h2o 2.2 its HTTP/2 graceful-shutdown timer outlives the
+     * connections and h2o_context_dispose then asserts; the requests are ended here instead) */
+    for (gw_stream *s = g->streams, *nx; s; s = nx) {
+        nx = s->next;
+        stream_abandon_upstream(s);
+        if (!s->finished) stream_fail(s, 503, "server_error", "%s", "the gateway is stopping");
+        s->n_released = s->n_tok;
+        if (s->h2o_done) stream_maybe_free(s);
+        else if (!s->sending) stream_pump(s);
+    }
+}
+
 static void on_housekeep(uv_timer_t *t) {
     gw *g = t->data;
-    if (*g->stop) {
-        uv_stop(g->loop);
+    if (*g->stop && !g->stopping) begin_shutdown(g);
+    if (g->stopping) {
+        if ((h2o_linklist_is_empty(&g->h2o_ctx.http1._conns) && h2o_linklist_is_empty(&g->h2o_ctx.http2._conns) &&
+             !g->streams) ||
+            kvb_now_ns() > g->stop_deadline_ns)
+            uv_stop(g->loop);
         return;
     }
     for (gw_stream *s = g->streams, *nx; s; s = nx) {
@@ -1340,18 +1367,22 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
         }
     }
     uv_run(g->loop, UV_RUN_DEFAULT);
-    KVB_LOG_I("gateway: stopping (%d requests in flight are cancelled)", g->n_streams);
 done:
     for (gw_stream *s = g->streams; s; s = s->next)
         if (s->upstream_live && s->m->client) kvb_client_abandon(s->m->client, s->rid), s->upstream_live = 0;
+    /* h2o's closing connections leave deferred work on its zero timeout: let it run, then dispose */
+    for (int k = 0; k < 10; k++) uv_run(g->loop, UV_RUN_NOWAIT);
+    h2o_context_dispose(&g->h2o_ctx);
     uv_walk(g->loop, close_walk, NULL);
     uv_run(g->loop, UV_RUN_DEFAULT);
+    h2o_config_dispose(&g->h2o_conf);
     for (int i = 0; i < g->n_models; i++) {
         kvb_client_destroy(g->models[i]->client);
         free(g->models[i]);
     }
     if (g->coord) zmq_close(g->coord);
     if (g->zctx) zmq_ctx_term(g->zctx);
+    uv_loop_close(g->loop);
     free(g);
     return st;
 }

@@ -66,4 +66,8 @@ wait "$KPID" && rc=0 || rc=$?
 KPID=
 [ "$rc" -eq 0 ] || { echo "FAIL - kvbankd exited $rc"; tail -30 "$T/kvbankd.log"; exit 1; }
 [ ! -e "$T/run/gateway.port" ] || { echo "FAIL - the gateway left its port file"; exit 1; }
-echo "ok   - SIGTERM stopped the node and its gateway"
+grep -q "gateway (pid [0-9]*) stopped: exit status 0" "$T/kvbankd.log" || { echo "FAIL - the gateway did not exit 0"; exit 1; }
+if grep -E "AddressSanitizer|LeakSanitizer|runtime error" "$T/kvbankd.log" >/dev/null; then
+    echo "FAIL - sanitizer report in the node's log"; grep -A30 -E "AddressSanitizer|LeakSanitizer|runtime error" "$T/kvbankd.log" | head -60; exit 1
+fi
+echo "ok   - SIGTERM stopped the node and its gateway (exit status 0, all freed)"

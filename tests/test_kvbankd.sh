@@ -166,7 +166,9 @@ ok "restarted $WORKER generates kvbank-generate's tokens ($got)"
 
 # ------------------------------------------------------------------------------------------- drain
 mapfile -t KIDS < <(ps -o pid= --ppid "$KPID" | tr -d ' ')
-[ "${#KIDS[@]}" -eq 4 ] || fail "kvbankd has ${#KIDS[@]} children, want 4 (coordinator + 3 models)"
+WANT_KIDS=4
+grep -q '"gateway"' "$CFG" && WANT_KIDS=5 # kvbank-gateway too
+[ "${#KIDS[@]}" -eq $WANT_KIDS ] || fail "kvbankd has ${#KIDS[@]} children, want $WANT_KIDS (coordinator + 3 models, gateway)"
 t0=$SECONDS
 kill -TERM "$KPID"
 deadline=$((SECONDS + 15))
@@ -185,7 +187,7 @@ left=$(ps -e -o pgid=,pid=,args= | awk -v g="$KPID" '$1 == g')
 [ -z "$left" ] || fail "processes left in kvbankd's group: $left"
 KPID=
 ls /dev/shm/kvb-"${NODE}"_* >/dev/null 2>&1 && fail "segments left: $(ls /dev/shm/kvb-"${NODE}"_*)"
-for s in "${SOCKS[@]}" "$RUN/kvbankd.pid"; do
+for s in "${SOCKS[@]}" "$RUN/kvbankd.pid" "$RUN/gateway.port"; do
     [ -e "$s" ] && fail "$s was not removed"
 done
 ok "no child process, shm segment, socket or pid file left"
