@@ -38,6 +38,8 @@
 #include "common/ipc/client.h"
 #include "common/ipc/wire.h"
 #include "common/model/config.h"
+#include "common/text/chat.h"
+#include "common/text/tokenizer.h"
 #include "common/util/token_deposit.h"
 #include "coordinator/coordinator.h"
 #include "gateway/api.h"
@@ -72,6 +74,8 @@ typedef struct gw_model {
     int poll_open;
     int have_cfg;                 /* config.json was read */
     kvb_model_config cfg;         /* vocab, max_pos, eos ids */
+    kvb_tokenizer *tok;           /* tokenizer.json, or NULL (the model then takes token ids only) */
+    kvb_chat_template *tmpl;      /* its chat template, or NULL */
     /* the model's numbers: last Pong and last coordinator status */
     kvb_client_pong pong;
     uint64_t pong_ns;             /* when the last Pong arrived (kvb_now_ns), 0: never */
@@ -158,6 +162,7 @@ struct gw_stream {
     int n_tok, cap_tok;
     int n_released;               /* tokens whose delivery time has come */
     gw_stop *stopper;
+    kvb_detok *detok;             /* incremental detokenizer (models with a tokenizer) */
     char *text;                   /* released text (after stop strings) [text_len] */
     size_t text_len, text_cap;
     size_t sent_text;             /* bytes of text sent */
@@ -224,6 +229,7 @@ static void send_error(gw *g, h2o_req_t *req, int ep, const gw_error *e) {
 static void on_stream_timer_closed(uv_handle_t *h) {
     gw_stream *s = h->data;
     gw_stop_destroy(s->stopper);
+    kvb_detok_destroy(s->detok);
     free(s->tok);
     free(s->t_gen);
     free(s->t_recv);
@@ -572,8 +578,11 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
         s->t_recv[i] = now;
         s->t_deliv[i] = kvb_deposit_next(i == 0, i ? s->t_deliv[i - 1] : 0, now, s->slo_ns);
         /* text: detokenize, then stop strings (a model without a tokenizer streams token ids only) */
-        if (s->stopper) {
-            int r = gw_stop_push(s->stopper, "", 0, &s->text, &s->text_len, &s->text_cap, NULL);
+        if (s->detok) {
+            const char *piece = "";
+            size_t plen = 0;
+            if (kvb_detok_push(s->detok, tokens[k], &piece, &plen) != KVB_OK) plen = 0;
+            int r = gw_stop_push(s->stopper, piece, plen, &s->text, &s->text_len, &s->text_cap, NULL);
             if (r > 0) stop_hit = 1;
         }
         s->text_end[i] = s->text_len;
@@ -591,7 +600,15 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
                         err && *err ? err : kvb_status_str(st));
         } else {
             s->finished = 1;
-            if (s->stopper) gw_stop_flush(s->stopper, &s->text, &s->text_len, &s->text_cap);
+            int tail_stop = 0;
+            if (s->detok) {
+                const char *piece = "";
+                size_t plen = 0;
+                if (kvb_detok_flush(s->detok, &piece, &plen) == KVB_OK && plen)
+                    tail_stop = gw_stop_push(s->stopper, piece, plen, &s->text, &s->text_len, &s->text_cap, NULL) > 0;
+            }
+            if (s->stopper && !tail_stop) gw_stop_flush(s->stopper, &s->text, &s->text_len, &s->text_cap);
+            if (tail_stop) finish = KVB_FINISH_STOP;
             if (s->n_tok) s->text_end[s->n_tok - 1] = s->text_len;
             s->finish_reason = finish == KVB_FINISH_LENGTH ? "length" : finish == KVB_FINISH_STOP ? "stop" : NULL;
             if (finish == KVB_FINISH_CANCELLED) stream_fail(s, 503, "server_error", "%s", "the model cancelled the request");
@@ -698,6 +715,17 @@ static void model_load_dir(gw_model *m) {
     if (m->have_cfg || !m->model_dir[0]) return;
     if (kvb_model_config_load(m->model_dir, &m->cfg) == KVB_OK) {
         m->have_cfg = 1;
+        kvb_status ts = kvb_tokenizer_load(m->model_dir, &m->tok);
+        if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
+            KVB_LOG_W("gateway: model %s: its tokenizer cannot be used (%s); it takes token ids only", m->name,
+                      kvb_status_str(ts));
+        if (m->tok) {
+            ts = kvb_chat_template_load(m->model_dir, &m->tmpl);
+            if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
+                KVB_LOG_W("gateway: model %s: its chat template cannot be used (%s)", m->name, kvb_status_str(ts));
+        }
+        KVB_LOG_I("gateway: model %s: %s, %s", m->name, m->tok ? "tokenizer" : "no tokenizer (token ids only)",
+                  m->tmpl ? "chat template" : "no chat template");
         KVB_LOG_I("gateway: model %s: %s (vocab %d, context %d, %d EOS ids)", m->name, m->model_dir, m->cfg.vocab,
                   m->cfg.max_pos, m->cfg.n_eos);
     } else {
@@ -942,16 +970,37 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         gw_error_set(&err, 429, "rate_limit_error", NULL, "the gateway has %d requests in flight, its limit", g->n_streams);
         goto reject;
     }
-    /* The prompt as token ids. Text needs the model's tokenizer. */
-    if (ep == EP_CHAT || p.prompt_text) {
-        gw_error_set(&err, 400, "invalid_request_error", ep == EP_CHAT ? "messages" : "prompt",
-                     "model '%s' has no tokenizer loaded by this gateway: send the prompt as token ids", m->name);
-        goto reject;
-    }
-    if (p.n_stop) {
-        gw_error_set(&err, 400, "invalid_request_error", "stop", "stop strings need the model's tokenizer ('%s' has none)",
+    /* The prompt as token ids: given, or the text (a chat rendered with the model's template) encoded. */
+    if ((ep == EP_CHAT || p.prompt_text || p.n_stop) && !m->tok) {
+        gw_error_set(&err, 400, "invalid_request_error", ep == EP_CHAT ? "messages" : p.n_stop ? "stop" : "prompt",
+                     "model '%s' has no tokenizer (tokenizer.json): send the prompt as token ids, without stop strings",
                      m->name);
         goto reject;
+    }
+    if (ep == EP_CHAT || p.prompt_text) {
+        char *rendered = NULL, terr[256] = "";
+        const char *text = p.prompt_text;
+        size_t tlen = p.prompt_len;
+        if (ep == EP_CHAT) {
+            if (!m->tmpl) {
+                gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+                goto reject;
+            }
+            if (kvb_chat_render(m->tmpl, p.messages, p.add_generation_prompt, p.template_kwargs, &rendered, terr,
+                                sizeof terr) != KVB_OK) {
+                gw_error_set(&err, 400, "invalid_request_error", "messages", "the chat template failed: %s", terr);
+                goto reject;
+            }
+            text = rendered;
+            tlen = strlen(rendered);
+        }
+        kvb_status es = kvb_tokenizer_encode(m->tok, text, tlen, p.add_special_tokens, &p.prompt_ids, &p.n_prompt_ids);
+        free(rendered);
+        if (es != KVB_OK || p.n_prompt_ids == 0) {
+            gw_error_set(&err, 400, "invalid_request_error", ep == EP_CHAT ? "messages" : "prompt",
+                         es != KVB_OK ? "the prompt is not valid UTF-8 text" : "the prompt is empty");
+            goto reject;
+        }
     }
     if (m->have_cfg)
         for (int i = 0; i < p.n_prompt_ids; i++)
@@ -982,9 +1031,14 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     int32_t stop_ids[GW_MAX_STOP_IDS + 8];
     int n_stop_ids = 0;
     for (int i = 0; i < p.n_stop_ids; i++) stop_ids[n_stop_ids++] = p.stop_ids[i];
-    if (!p.ignore_eos && m->have_cfg)
-        for (int i = 0; i < m->cfg.n_eos && n_stop_ids < (int)KVB_ARRAY_LEN(stop_ids); i++)
-            stop_ids[n_stop_ids++] = m->cfg.eos_ids[i];
+    if (!p.ignore_eos) {
+        const int32_t *eos = NULL;
+        int n_eos = m->tok ? kvb_tokenizer_eos_ids(m->tok, &eos) : 0;
+        for (int i = 0; i < n_eos && n_stop_ids < (int)KVB_ARRAY_LEN(stop_ids); i++) stop_ids[n_stop_ids++] = eos[i];
+        if (!n_eos && m->have_cfg)
+            for (int i = 0; i < m->cfg.n_eos && n_stop_ids < (int)KVB_ARRAY_LEN(stop_ids); i++)
+                stop_ids[n_stop_ids++] = m->cfg.eos_ids[i];
+    }
 
     if (kvb_calloc(1, sizeof *s, (void **)&s) != KVB_OK) {
         gw_error_set(&err, 500, "server_error", NULL, "out of memory");
@@ -1009,6 +1063,16 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     if (p.return_token_ids) {
         s->prompt_ids = p.prompt_ids;
         p.prompt_ids = NULL;
+    }
+    if (m->tok && (kvb_detok_create(m->tok, p.skip_special_tokens, &s->detok) != KVB_OK ||
+                   gw_stop_create(p.stop, p.stop_len, p.n_stop, &s->stopper) != KVB_OK)) {
+        kvb_detok_destroy(s->detok);
+        gw_stop_destroy(s->stopper);
+        free(s->prompt_ids);
+        free(s);
+        s = NULL;
+        gw_error_set(&err, 500, "server_error", NULL, "out of memory");
+        goto reject;
     }
     uv_timer_init(g->loop, &s->timer);
     s->timer.data = s;
@@ -1055,6 +1119,64 @@ reject:
     send_error(g, req, ep, &err);
 }
 
+/* vLLM's POST /tokenize (prompt or messages -> ids) and POST /detokenize (ids -> text). */
+static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
+    gw_error err;
+    gw_tok_params p;
+    json_t *doc = NULL;
+    const char *body = req->entity.base ? req->entity.base : "";
+    if (gw_tok_params_parse(ep == EP_DETOKENIZE, body, req->entity.len, &p, &doc, &err) != KVB_OK) {
+        send_error(g, req, ep, &err);
+        return;
+    }
+    gw_model *m = model_find(g, p.model);
+    json_t *out = NULL;
+    if (!m) {
+        gw_error_set(&err, 404, "not_found_error", "model", "The model '%s' does not exist on this node", p.model);
+    } else if (!m->tok) {
+        gw_error_set(&err, 400, "invalid_request_error", "model", "model '%s' has no tokenizer", m->name);
+    } else if (ep == EP_DETOKENIZE) {
+        char *text = NULL;
+        size_t len = 0;
+        if (kvb_tokenizer_decode(m->tok, p.ids, p.n_ids, 0, &text, &len) != KVB_OK)
+            gw_error_set(&err, 400, "invalid_request_error", "tokens", "a token id is outside the vocabulary of '%s'",
+                         m->name);
+        else out = json_pack("{s:s%}", "prompt", text, len);
+        free(text);
+    } else {
+        char *rendered = NULL, terr[256] = "";
+        const char *text = p.prompt;
+        size_t len = p.prompt_len;
+        int ok = 1;
+        if (p.messages) {
+            if (!m->tmpl) {
+                gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+                ok = 0;
+            } else if (kvb_chat_render(m->tmpl, p.messages, p.add_generation_prompt, NULL, &rendered, terr, sizeof terr) !=
+                       KVB_OK) {
+                gw_error_set(&err, 400, "invalid_request_error", "messages", "the chat template failed: %s", terr);
+                ok = 0;
+            } else {
+                text = rendered;
+                len = strlen(rendered);
+            }
+        }
+        int32_t *ids = NULL;
+        int n = 0;
+        if (ok && kvb_tokenizer_encode(m->tok, text, len, p.add_special_tokens, &ids, &n) != KVB_OK)
+            gw_error_set(&err, 400, "invalid_request_error", "prompt", "the prompt is not valid UTF-8 text"), ok = 0;
+        if (ok)
+            out = json_pack("{s:i, s:i, s:o}", "count", n, "max_model_len", m->have_cfg ? m->cfg.max_pos : 0, "tokens",
+                            ids_json(ids, n));
+        free(ids);
+        free(rendered);
+    }
+    gw_tok_params_free(&p);
+    json_decref(doc);
+    if (out) send_json(g, req, ep, 200, out);
+    else send_error(g, req, ep, &err);
+}
+
 /* /metrics: the whole node in Prometheus' text format. */
 static void handle_metrics(gw *g, h2o_req_t *req);
 
@@ -1087,10 +1209,7 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
     case EP_MODELS: handle_models(g, req); break;
     case EP_HEALTH: handle_health(g, req); break;
     case EP_METRICS: handle_metrics(g, req); break;
-    default:
-        gw_error_set(&err, 400, "invalid_request_error", NULL, "%s needs the model's tokenizer", EP_NAMES[ep]);
-        send_error(g, req, ep, &err);
-        break;
+    default: handle_tokens(g, req, ep); break;
     }
     return 0;
 }
@@ -1378,6 +1497,8 @@ done:
     h2o_config_dispose(&g->h2o_conf);
     for (int i = 0; i < g->n_models; i++) {
         kvb_client_destroy(g->models[i]->client);
+        kvb_tokenizer_destroy(g->models[i]->tok);
+        kvb_chat_template_destroy(g->models[i]->tmpl);
         free(g->models[i]);
     }
     if (g->coord) zmq_close(g->coord);

@@ -251,7 +251,9 @@ def test_errors():
         ({"model": "chat", "prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"model": "chat", "prompt": [1, 2], "max_tokens": 5000}, 400, "max_tokens"),
         ({"model": "chat", "prompt": [1, 9999], "max_tokens": 2}, 400, "prompt"),
-        ({"model": "chat", "prompt": "text needs a tokenizer"}, 400, "prompt"),
+        ({"model": "code", "prompt": "the worker has no tokenizer"}, 400, "prompt"),
+        ({"model": "code", "prompt": [1, 2], "stop": ["x"]}, 400, "stop"),
+        ({"model": "chat", "prompt": "x", "stop": [""]}, 400, "stop"),
     ]
     for body, status, param in cases:
         st, j, raw = post("/v1/completions", body)
@@ -278,6 +280,83 @@ def test_errors():
     check(r.stdout.decode() == "413", "oversized body -> 413 (curl got %s)" % r.stdout)
     ok("errors: wrong types, ranges, unknown and unsupported fields, unknown model, bad JSON, 405, 404, 413 "
        "(%d cases, each naming its field)" % (len(cases) + 4))
+
+
+SPECIAL = {300, 302}  # <|s|> and <|e|> of the test tokenizer (test_gateway.sh); <x> (301) is not special
+
+
+def detok(ids):
+    st, j, raw = post("/detokenize", {"model": "chat", "tokens": [t for t in ids if t not in SPECIAL]})
+    check(st == 200, "/detokenize: %s" % raw[:200])
+    return j["prompt"]
+
+
+def stream_text(evs, chat=False):
+    out = ""
+    for e in evs:
+        if not e["choices"]:
+            continue
+        c = e["choices"][0]
+        out += (c["delta"].get("content") or "") if chat else c["text"]
+    return out
+
+
+def test_text():
+    # /tokenize and /detokenize (vLLM): BOS from the post-processor, merges, special tokens in text
+    st, j, raw = post("/tokenize", {"model": "chat", "prompt": "hello world<|e|>"})
+    check(st == 200 and j["tokens"] == [300, 259, 262, 108, 100, 302] and j["count"] == 6, "/tokenize: %s" % raw)
+    st, j, _ = post("/tokenize", {"model": "chat", "prompt": "hello", "add_special_tokens": False})
+    check(j["tokens"] == [259], "/tokenize without special tokens: %s" % j)
+    st, j, _ = post("/detokenize", {"model": "chat", "tokens": [300, 259, 262, 108, 100]})
+    check(st == 200 and j["prompt"] == "<|s|>hello world", "/detokenize: %s" % j)
+    st, j, _ = post("/tokenize", {"model": "code", "prompt": "x"})
+    check(st == 400 and j["error"]["param"] == "model", "/tokenize on a model without tokenizer")
+    # a text prompt is the tokenizer's ids; the text is the decode of the tokens (specials skipped)
+    body = {"model": "chat", "prompt": "hello world", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    st, j, raw = post("/v1/completions", body)
+    check(st == 200 and j["prompt_token_ids"] == [300, 259, 262, 108, 100], "text prompt encoded: %s" % raw[:300])
+    full, ids = j["choices"][0]["text"], j["choices"][0]["token_ids"]
+    check(full == detok(ids), "text %r == decode of its tokens %r" % (full, detok(ids)))
+    check(ids == generate_ref(A.dir + "/chat", [[300, 259, 262, 108, 100]], 40)[0], "text prompt: kvbank-generate's tokens")
+    # streamed: the same text, never half a UTF-8 character in one event (json.loads would fail on one)
+    st, evs, done = sse(dict(body, stream=True))
+    check(done and stream_text(evs) == full, "streamed text == non-streamed text")
+    # a stop string across a token boundary: the end of one event's text and the start of the next's
+    pieces = [(e["choices"][0]["text"], e["choices"][0].get("token_ids", [])) for e in evs if e["choices"]]
+    stop = None
+    for a, b in zip(pieces, pieces[1:]):
+        if len(a[1]) == 1 and len(b[1]) == 1 and len(a[0]) >= 1 and len(b[0]) >= 1 and "\ufffd" not in a[0] + b[0]:
+            cand = a[0][-1:] + b[0][:1]
+            if full.find(cand) == full.find(a[0][-1:]) and full.find(cand) >= 0:
+                stop = cand
+                break
+    check(stop is not None, "a stop string spanning two tokens exists in %r" % full)
+    k = full.find(stop)
+    st, j, _ = post("/v1/completions", dict(body, stop=[stop, "never-there"]))
+    check(j["choices"][0]["text"] == full[:k] and j["choices"][0]["finish_reason"] == "stop",
+          "stop %r: %r (want %r)" % (stop, j["choices"][0]["text"], full[:k]))
+    st, evs, done = sse(dict(body, stop=[stop], stream=True))
+    check(done and stream_text(evs) == full[:k], "streamed stop %r: %r" % (stop, stream_text(evs)))
+    check([e for e in evs if e["choices"]][-1]["choices"][0]["finish_reason"] == "stop", "streamed stop reason")
+    # chat: the template renders the messages; the deltas add up to the message
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    cb = {"model": "chat", "messages": msgs, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+          "return_token_ids": True}
+    st, j, raw = post("/v1/chat/completions", cb)
+    check(st == 200 and j["object"] == "chat.completion", "chat: %s" % raw[:300])
+    msg = j["choices"][0]["message"]
+    check(msg["role"] == "assistant" and msg["content"] == detok(j["choices"][0]["token_ids"]), "chat message")
+    st, t, _ = post("/tokenize", {"model": "chat", "messages": msgs})
+    want = "<|s|>[system] be brief<|e|>[user] hello world<|e|>[assistant] "
+    st2, d, _ = post("/detokenize", {"model": "chat", "tokens": t["tokens"]})
+    check(d["prompt"] == want and j["prompt_token_ids"] == t["tokens"], "chat template rendered: %r" % d["prompt"])
+    st, evs, done = sse(dict(cb, stream=True), path="/v1/chat/completions")
+    check(done and evs[0]["object"] == "chat.completion.chunk" and evs[0]["choices"][0]["delta"]["role"] == "assistant",
+          "chat stream starts with the role")
+    check(stream_text(evs, chat=True) == msg["content"], "chat deltas == the message")
+    ok("text: /tokenize and /detokenize, text prompts, streamed text == decode of the tokens, a stop string across "
+       "tokens (%r), chat template and chat streaming" % stop)
 
 
 def running(model):
@@ -382,7 +461,7 @@ def test_slow_client():
 def test_concurrent_streams():
     prompts = [[1 + i, 2 + i, 3 + (i % 7), 4] for i in range(20)]
     refs = generate_ref(A.dir + "/chat", prompts, 8)
-    results, errors = [None] * 200, []
+    results, texts, errors = [None] * 200, [None] * 200, []
 
     def one(k):
         try:
@@ -392,6 +471,7 @@ def test_concurrent_streams():
                 errors.append("stream %d: status %d done %s %s" % (k, st, done, evs[:1]))
                 return
             results[k] = [t for e in evs if e["choices"] for t in e["choices"][0].get("token_ids", [])]
+            texts[k] = stream_text(evs)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append("stream %d: %r" % (k, e))
 
@@ -404,7 +484,10 @@ def test_concurrent_streams():
     check(not errors, "200 streams: %s" % errors[:3])
     bad = [k for k in range(200) if results[k] != refs[k % 20]]
     check(not bad, "every stream equals kvbank-generate for its prompt (wrong: %s)" % bad[:5])
-    ok("200 concurrent streams, each equal to kvbank-generate's tokens (%.1f s)" % (time.time() - t0))
+    bad = [k for k in range(200) if texts[k] != detok(results[k])]
+    check(not bad, "every stream's text equals the decode of its tokens (wrong: %s)" % bad[:5])
+    ok("200 concurrent streams, each equal to kvbank-generate's tokens, each text equal to their decode (%.1f s)"
+       % (time.time() - t0))
 
 
 def test_metrics_move():
@@ -497,6 +580,7 @@ def main():
     test_discovery()
     test_completions(A.eos)
     test_errors()
+    test_text()
     test_vanishing_clients()
     test_slow_client()
     test_concurrent_streams()

@@ -29,8 +29,40 @@ cleanup() {
 }
 trap cleanup EXIT
 
-"$B/kvbank-mkmodel" --arch llama --layers 4 --hidden 256 --heads 8 --kv-heads 4 --head-dim 32 --vocab 128 \
+"$B/kvbank-mkmodel" --arch llama --layers 4 --hidden 256 --heads 8 --kv-heads 4 --head-dim 32 --vocab 320 \
     --intermediate 512 --max-pos 4096 --seed 21 "$T/chat" >/dev/null
+# The master gets a real tokenizer: byte-level BPE (ids 0..255 the bytes, a few merges, a Llama-3 split
+# regex), "<|s|>" (300, special, BOS added by the post-processor), "<x>" (301, not special), "<|e|>"
+# (302, special) and a chat template. The worker keeps none: it takes token ids only.
+"$PY" - "$T/chat" <<'EOF'
+import json, sys
+d = sys.argv[1]
+def byte_char(b):  # GPT-2's byte-to-unicode map
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    return chr(b) if b in keep else chr(256 + sorted(set(range(256)) - set(keep)).index(b))
+vocab = {byte_char(b): b for b in range(256)}
+merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("\u0120", "w"), ("o", "r"), ("\u0120w", "or")]
+for i, (a, b) in enumerate(merges):
+    vocab[a + b] = 256 + i
+tok = {"version": "1.0",
+       "added_tokens": [{"id": 300, "content": "<|s|>", "special": True, "lstrip": False, "rstrip": False},
+                        {"id": 301, "content": "<x>", "special": False, "lstrip": True, "rstrip": False},
+                        {"id": 302, "content": "<|e|>", "special": True, "lstrip": False, "rstrip": False}],
+       "normalizer": None,
+       "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+           {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+            "behavior": "Isolated", "invert": False},
+           {"type": "ByteLevel", "use_regex": False}]},
+       "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|s|>"}}, {"Sequence": {"id": "A"}}],
+                          "special_tokens": {"<|s|>": {"ids": [300]}}},
+       "decoder": {"type": "ByteLevel"},
+       "model": {"type": "BPE", "vocab": vocab, "merges": [list(m) for m in merges], "ignore_merges": False}}
+json.dump(tok, open(d + "/tokenizer.json", "w"))
+json.dump({"bos_token": "<|s|>", "eos_token": "<|e|>",
+           "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}{{ eos_token }}"
+                            "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"},
+          open(d + "/tokenizer_config.json", "w"))
+EOF
 "$B/kvbank-mkmodel" --arch qwen3 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --vocab 128 \
     --seed 22 "$T/code" >/dev/null
 # EOS of the master: the 6th greedy token after the prompt 1,2,3 (its first occurrence is where it stops)
