@@ -1077,6 +1077,7 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     uv_timer_init(g->loop, &s->timer);
     s->timer.data = s;
     kvb_request r = {
+        .tbt_slo_ms = slo, /* the model's planner sees the target too (OrbitFlow) */
         .prompt = s->prompt_ids ? s->prompt_ids : p.prompt_ids,
         .n_prompt = s->n_prompt,
         .max_tokens = max_tokens,
