@@ -430,10 +430,10 @@ static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Regis
                  mc->auth_pid);
         st = KVB_ERR_INVALID;
         count_drop(c, KVB_DROP_AUTH, mc->printable, why);
-    } else if (r->region && r->region[0] == '/' &&
-               kvb_region_check(r->region, mc->auth_pid, r->region_bytes, why, sizeof why) != KVB_OK) {
-        /* a host region: it must be the registering process's own (a device handle is the memory
-         * backend's to check) */
+    } else if ((!r->memory || !r->memory[0] || !strcmp(r->memory, "host")) &&
+               kvb_region_check(str_or_empty(r->region), mc->auth_pid, r->region_bytes, why, sizeof why) != KVB_OK) {
+        /* host memory: the region must be the registering process's own (a device handle is the memory
+         * backend's to check: the coordinator has no device context) */
         st = KVB_ERR_INVALID;
         count_drop(c, KVB_DROP_AUTH, mc->printable, why);
     } else if (r->n_loans > KVB_LEDGER_MAX_LOANS) {
@@ -476,6 +476,9 @@ static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Regis
             .n_own = r->n_own,
             .endpoint = str_or_empty(r->endpoint),
             .model = str_or_empty(r->model),
+            .memory = str_or_empty(r->memory),
+            .device = r->device,
+            .stream = r->stream,
             .loans = loans,
             .n_loans = (int)r->n_loans,
         };
@@ -647,6 +650,9 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
         o->draining = m->draining != 0;
         o->tokens_generated = m->tokens_generated;
         o->model = m->model;
+        o->memory = (char *)m->memory;
+        o->device = m->device;
+        o->lend_blocked = (char *)m->lend_blocked;
         o->lends = m->n_lends;
         o->reclaims = m->n_reclaims;
         o->lend_ms_total = m->lend_ms_total;

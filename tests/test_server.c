@@ -916,6 +916,11 @@ KVB_TEST(invalid_requests) {
     raw_send_env(s, &env);
     expect_error(s, 17, KVB_ERR_INVALID, "negative stop id");
 
+    RESET(19);
+    g.tbt_slo_ms = -5.0f;
+    raw_send_env(s, &env);
+    expect_error(s, 19, KVB_ERR_INVALID, "tbt_slo_ms -5");
+
     RESET(0);
     raw_send_env(s, &env);
     expect_error(s, 0, KVB_ERR_INVALID, "request_id 0");

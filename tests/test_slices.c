@@ -319,4 +319,41 @@ KVB_TEST(placements_refused) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("slices", KVB_T(placements_lossless, 300), KVB_T(placements_refused, 60))
+/* ---------------------------------------------------------------- the per-request SLO */
+
+static kvb_status slo_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    uint64_t *seen = ctx;
+    for (int i = 0; i < v->n_reqs; i++) seen[v->reqs[i].id] = v->reqs[i].tbt_slo_ns;
+    return kvb_sched_fcfs(v, NULL, out);
+}
+
+static const kvb_planner_i slo_iface = {.name = "slo", .plan_step = slo_plan};
+
+KVB_TEST(request_slo) {
+    kvb_t_model_make(&tm, "--arch llama --layers 2 --hidden 32 --heads 2 --kv-heads 1 --vocab 200 --seed 3");
+    make_prompts();
+    static tokens got;
+    uint64_t seen[NR] = {0};
+    kvb_planner pl = {&slo_iface, seen};
+    kvb_engine *e = engine(&got, &pl, 4, 64, 64, 4);
+    kvb_request q = {.id = 1, .prompt = prompt[1], .n_prompt = plen[1], .max_tokens = 2, .tbt_slo_ms = 12.5};
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    q.id = 2;
+    q.tbt_slo_ms = 0;
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    q.id = 3;
+    q.tbt_slo_ms = -1;
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_ERR_INVALID);
+    ck_assert_msg(strstr(kvb_engine_last_error(e), "tbt_slo_ms"), "%s", kvb_engine_last_error(e));
+    q.tbt_slo_ms = 1.0 / 0.0;
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+    ck_assert_uint_eq(seen[1], 12500000);
+    ck_assert_uint_eq(seen[2], 0);
+    drain(e);
+    kvb_engine_destroy(e);
+    kvb_t_model_free(&tm);
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("slices", KVB_T(placements_lossless, 300), KVB_T(placements_refused, 60), KVB_T(request_slo, 30))

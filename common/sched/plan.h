@@ -49,6 +49,7 @@ typedef struct kvb_req_view {
     int n_tokens;          /* prompt + generated so far */
     int n_generated;
     int max_tokens;        /* most tokens it may generate in all */
+    uint64_t tbt_slo_ns;   /* its time-between-tokens SLO as submitted (kvb_request.tbt_slo_ms); 0: none given */
     int n_computed;        /* tokens whose KV is in its blocks (0 while waiting) */
     int n_blocks;          /* blocks in its table (pool ids; SWAPPED: host-tier ids) */
     int n_exclusive;       /* of those, referenced by this request alone (preempting it frees them) */

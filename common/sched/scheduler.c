@@ -97,6 +97,8 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
         if (r->prompt[i] < 0 || r->prompt[i] >= c->vocab)
             return reject(e, r->id, "prompt token %d = %d is outside the vocabulary [0, %d)", i, r->prompt[i], c->vocab);
     }
+    if (!(r->tbt_slo_ms >= 0 && r->tbt_slo_ms <= 3.6e6))
+        return reject(e, r->id, "tbt_slo_ms %g must be in [0, 3600000] (0: the model's default)", r->tbt_slo_ms);
     if (kvb_sampling_check(&r->sampling) != KVB_OK)
         return reject(e, r->id, "invalid sampling parameters (temperature >= 0, top_k >= 0, top_p in [0, 1])");
     int64_t total = (int64_t)r->n_prompt + r->max_tokens;
@@ -134,6 +136,7 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     s->t_add_ns = kvb_wall_ns();
     s->n_tokens = s->n_prompt = r->n_prompt;
     s->max_tokens = r->max_tokens;
+    s->slo_ns = (uint64_t)(r->tbt_slo_ms * 1e6 + 0.5);
     s->samp = r->sampling;
     kvb_rng_seed(&s->rng, r->sampling.seed);
     /* A resumed request's earlier tokens each took one draw (kvb_sample draws once per token when it
@@ -180,7 +183,8 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
         for (int j = 0; j < s->bt.n; j++) exclusive += kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1;
     e->vreqs[i] = (kvb_req_view){.id = s->id, .arrival = s->arrival, .t_arrival_ns = s->t_add_ns, .state = state,
                                  .n_prompt = s->n_prompt, .n_tokens = s->n_tokens, .n_generated = s->n_generated,
-                                 .max_tokens = s->max_tokens, .n_computed = s->n_computed, .n_blocks = s->bt.n,
+                                 .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
+                                 .n_blocks = s->bt.n,
                                  .n_exclusive = exclusive, .blocks = s->bt.ids};
     e->vseq[i] = s;
     e->memo[i].done = 0;
