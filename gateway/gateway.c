@@ -35,6 +35,7 @@
 #include <uv.h>
 #include <zmq.h>
 
+#include "common/ipc/auth.h"
 #include "common/ipc/client.h"
 #include "common/ipc/wire.h"
 #include "common/model/config.h"
@@ -1455,12 +1456,16 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     g->accept_ctx.hosts = g->h2o_conf.hosts;
     KVB_TRY_GOTO(listen_on(g), done);
 
+    /* The gateway is a control client of the coordinator: it logs in on EP.ctl (common/ipc/auth.h) and
+     * only asks for the status. */
+    char ctl_ep[4096];
     g->zctx = zmq_ctx_new();
     g->coord = g->zctx ? zmq_socket(g->zctx, ZMQ_DEALER) : NULL;
     int zero = 0, fd = -1;
     size_t fdsz = sizeof fd;
-    if (!g->coord || zmq_setsockopt(g->coord, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
-        zmq_connect(g->coord, o->coordinator) != 0 || zmq_getsockopt(g->coord, ZMQ_FD, &fd, &fdsz) != 0) {
+    if (!g->coord || kvb_auth_ctl_endpoint(o->coordinator, ctl_ep, sizeof ctl_ep) != KVB_OK ||
+        zmq_setsockopt(g->coord, ZMQ_LINGER, &zero, sizeof zero) != 0 || kvb_auth_set_ctl(g->coord) != KVB_OK ||
+        zmq_connect(g->coord, ctl_ep) != 0 || zmq_getsockopt(g->coord, ZMQ_FD, &fd, &fdsz) != 0) {
         KVB_LOG_E("gateway: cannot connect to the coordinator at %s: %s", o->coordinator, zmq_strerror(errno));
         st = KVB_ERR_IO;
         goto done;
