@@ -538,6 +538,10 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
         o->draining = m->draining != 0;
         o->tokens_generated = m->tokens_generated;
         o->model = m->model;
+        o->lends = m->n_lends;
+        o->reclaims = m->n_reclaims;
+        o->lend_ms_total = m->lend_ms_total;
+        o->reclaim_ms_total = m->reclaim_ms_total;
         msp[i] = o;
     }
     for (int i = 0; i < nl; i++) {

@@ -190,6 +190,7 @@ static void give_back(kvb_ledger *l, kvb_loan *ln, int lender_dead, uint64_t now
         return;
     }
     ln->state = KVB_LOAN_REVOKING;
+    ln->t_revoke_ms = now_ms;
     ln->lender_dead = lender_dead;
     ln->revoke_epoch = bump(l);
     push_revoke(l, ln, now_ms);
@@ -716,7 +717,7 @@ kvb_status kvb_ledger_offer(kvb_ledger *l, const char *worker, uint32_t first_bl
     ln->bytes = (uint64_t)n_blocks * bb;
     ln->epoch = bump(l);
     ln->state = KVB_LOAN_GRANTING;
-    ln->t_sent_ms = now_ms;
+    ln->t_sent_ms = ln->t_offer_ms = now_ms;
     push_grant(l, master, ln);
     KVB_LOG_I("loan %" PRIu64 ": worker %s lends blocks [%" PRIu32 ", %" PRIu64 ") = %" PRIu32 " master blocks "
               "(epoch %" PRIu64 ")", ln->id, w->name, first_block, (uint64_t)first_block + n_blocks,
@@ -728,7 +729,6 @@ kvb_status kvb_ledger_offer(kvb_ledger *l, const char *worker, uint32_t first_bl
 kvb_status kvb_ledger_grant_ack(kvb_ledger *l, const char *master, uint64_t loan_id, int ok, uint64_t now_ms,
                                 char *why, size_t why_len) {
     if (!l) return KVB_ERR_INVALID;
-    (void)now_ms;
     kvb_ledger_model *m = NULL;
     KVB_TRY(sender(l, master, KVB_ROLE_MASTER, &m, why, why_len));
     kvb_loan *ln = find_loan(l, loan_id);
@@ -740,6 +740,11 @@ kvb_status kvb_ledger_grant_ack(kvb_ledger *l, const char *master, uint64_t loan
         if (ln->state == KVB_LOAN_GRANTING) {
             ln->state = KVB_LOAN_ACTIVE;
             bump(l);
+            kvb_ledger_model *w = find_model(l, ln->lender);
+            if (w) {
+                w->n_lends++;
+                w->lend_ms_total += now_ms > ln->t_offer_ms ? now_ms - ln->t_offer_ms : 0;
+            }
         }
         return KVB_OK;
     }
@@ -839,6 +844,11 @@ kvb_status kvb_ledger_revoke_ack(kvb_ledger *l, const char *master, uint64_t loa
     KVB_TRY(reserve(l, 1, 0));
     KVB_LOG_I("loan %" PRIu64 " of %s given back by the master%s", loan_id, ln->lender,
               ln->lender_dead ? " (lender dead)" : "");
+    kvb_ledger_model *w = find_model(l, ln->lender);
+    if (w) {
+        w->n_reclaims++;
+        w->reclaim_ms_total += now_ms > ln->t_revoke_ms ? now_ms - ln->t_revoke_ms : 0;
+    }
     finish_loan(l, loan_id);
     return KVB_OK;
 }

@@ -67,6 +67,8 @@ typedef struct kvb_loan {
     int lender_dead;          /* REVOKING: the master must read nothing from it */
     uint64_t revoke_epoch;    /* REVOKING: epoch of the Revoke */
     uint64_t t_sent_ms;       /* when the last Grant / Revoke for it went out (ack timeouts) */
+    uint64_t t_offer_ms;      /* when the offer was accepted (lend latency: until the GrantAck) */
+    uint64_t t_revoke_ms;     /* REVOKING: when the revocation began (reclaim latency: until the RevokeAck) */
     int by_master, by_worker; /* UNCONFIRMED: which side reported it */
     uint64_t deadline_ms;     /* UNCONFIRMED: end of the grace period */
 } kvb_loan;
@@ -89,6 +91,9 @@ typedef struct kvb_ledger_model {
     uint64_t last_heartbeat_ms;
     uint32_t n_used, live_requests, waiting_requests, max_need; /* from the last Heartbeat */
     uint64_t tokens_generated;
+    /* worker: loans that became active (offer accepted -> master's GrantAck) and loans given back
+     * after a revocation (Revoke -> RevokeAck), with the sums of those latencies in ms */
+    uint64_t n_lends, n_reclaims, lend_ms_total, reclaim_ms_total;
     int has_meu;              /* worker: an MEU with the live master exists */
     kvb_meu meu;              /* worker: the pair's MEU with the live master */
     char death[128];          /* why it was declared dead ("" while alive) */

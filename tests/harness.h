@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 typedef struct kvb_test {
     const char *name;
@@ -57,6 +59,35 @@ static inline int kvb_test_main(int argc, char **argv, const char *suite_name, c
     int failed = srunner_ntests_failed(sr);
     srunner_free(sr);
     return failed ? 1 : 0;
+}
+
+/* For suites that need a device: runs `probe` (1 when the device is there, else 0 with the reason in
+ * why[len]) in a child process, so that the runner, which forks every test, never initialises the
+ * device itself, and returns 77 after printing "SKIP: <reason>" when it is missing; -1 when it is
+ * there or when the runner only lists its tests. */
+static inline int kvb_test_need_device(int argc, char **argv, int (*probe)(char *why, size_t len)) {
+    if (argc > 1 && !strcmp(argv[1], "--list")) return -1;
+    char why[256] = "";
+    int fds[2];
+    if (pipe(fds)) return printf("SKIP: pipe failed\n"), 77;
+    pid_t pid = fork();
+    if (pid < 0) return printf("SKIP: fork failed\n"), 77;
+    if (pid == 0) {
+        close(fds[0]);
+        char msg[256] = "";
+        int ok = probe(msg, sizeof msg);
+        if (write(fds[1], msg, strlen(msg)) < 0) _exit(3);
+        _exit(ok ? 0 : 1);
+    }
+    close(fds[1]);
+    ssize_t got = read(fds[0], why, sizeof why - 1);
+    why[got > 0 ? got : 0] = 0;
+    close(fds[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return -1;
+    printf("SKIP: %s\n", why[0] ? why : "no device");
+    return 77;
 }
 
 #define KVB_TEST_MAIN(suite_name, ...)                                                                 \

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "common/sched/sampling.h"
+#include "common/mem/mem.h"
 #include "kernels/backend.h"
 #include "tests/harness.h"
 
@@ -801,32 +802,7 @@ KVB_TEST(cuda_memory) {
     ck_assert_int_eq(kvb_cuda_event_elapsed_ms(e0, e1, &ms), KVB_OK);
     ck_assert(ms >= 0);
     for (size_t i = 0; i < ((size_t)1 << 19); i++) ck_assert_int_eq(ph[((size_t)1 << 19) + i], (unsigned char)(i * 7));
-    /* virtual memory: 4 chunks reserved, 2 mapped, written through a kernel, one unmapped and mapped again */
-    kvb_cuda_vmm *v = NULL;
-    ck_assert_int_eq(kvb_cuda_vmm_reserve(1, 4, &v), KVB_OK);
-    size_t cb = kvb_cuda_vmm_chunk_bytes(v);
-    ck_assert_int_ge(cb, 4096);
-    ck_assert_int_eq(kvb_cuda_vmm_n_mapped(v), 0);
-    ck_assert_int_eq(kvb_cuda_vmm_map(v, 1), KVB_OK);
-    ck_assert_int_eq(kvb_cuda_vmm_map(v, 1), KVB_ERR_STATE);
-    ck_assert_int_eq(kvb_cuda_vmm_map(v, 2), KVB_OK);
-    ck_assert_int_eq(kvb_cuda_vmm_n_mapped(v), 2);
-    char *vb = kvb_cuda_vmm_base(v);
-    size_t piece = (size_t)1 << 19;
-    /* the region's first half (our pattern) into the end of chunk 1 and the start of chunk 2 */
-    ck_assert_int_eq(kvb_cuda_copy_async(vb + 2 * cb - piece / 2, kvb_cuda_region_base(r), piece, s), KVB_OK);
-    unsigned char *back = malloc(piece);
-    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, back, vb + 2 * cb - piece / 2, piece), KVB_OK);
-    ck_assert(!memcmp(back, ph, piece));
-    ck_assert_int_eq(kvb_cuda_stream_sync(s), KVB_OK);
-    ck_assert_int_eq(kvb_cuda_vmm_unmap(v, 2), KVB_OK);
-    ck_assert_int_eq(kvb_cuda_vmm_unmap(v, 2), KVB_ERR_STATE);
-    ck_assert(!kvb_cuda_vmm_is_mapped(v, 2));
-    ck_assert_int_eq(kvb_cuda_vmm_map(v, 2), KVB_OK);
-    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, back, vb + 2 * cb - piece / 2, piece / 2), KVB_OK);
-    ck_assert(!memcmp(back, ph, piece / 2)); /* chunk 1 kept its bytes */
-    kvb_cuda_vmm_destroy(v);
-    free(back);
+    /* virtual memory: tests/test_mem_cuda (the memory interface on this device) */
     kvb_cuda_event_destroy(e0);
     kvb_cuda_event_destroy(e1);
     kvb_cuda_stream_destroy(s2);
@@ -836,29 +812,9 @@ KVB_TEST(cuda_memory) {
 }
 KVB_TEST_END
 
-/* 1 (and the reason) if this machine has no usable CUDA device. Probed in a child so that this
- * process, which forks every test, never initialises CUDA itself. */
-static int no_device(char *why, size_t len) {
-    int fds[2];
-    if (pipe(fds)) return snprintf(why, len, "pipe failed"), 1;
-    pid_t pid = fork();
-    if (pid < 0) return snprintf(why, len, "fork failed"), 1;
-    if (pid == 0) {
-        close(fds[0]);
-        int n = 0;
-        char msg[200] = "";
-        kvb_cuda_device_count(&n, msg, sizeof msg);
-        if (write(fds[1], msg, strlen(msg)) < 0) _exit(3);
-        _exit(n > 0 ? 0 : 1);
-    }
-    close(fds[1]);
-    ssize_t got = read(fds[0], why, len - 1);
-    why[got > 0 ? got : 0] = 0;
-    close(fds[0]);
-    int st = 0;
-    waitpid(pid, &st, 0);
-    return !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-}
+/* Whether this machine has a CUDA device (kvb_test_need_device runs it in a child, so that this
+ * process, which forks every test, never initialises CUDA itself). */
+static int probe(char *why, size_t len) { return kvb_mem_probe("cuda", 0, why, len); }
 
 int main(int argc, char **argv) {
     const kvb_test table[] = {
@@ -871,12 +827,8 @@ int main(int argc, char **argv) {
         KVB_T(sampling, 120),
         KVB_T(cuda_memory, 60),
     };
-    int listing = argc > 1 && !strcmp(argv[1], "--list");
-    char why[200];
-    if (!listing && no_device(why, sizeof why)) {
-        printf("SKIP: no CUDA device (%s)\n", why[0] ? why : "none found");
-        return 77;
-    }
+    int skip = kvb_test_need_device(argc, argv, probe);
+    if (skip >= 0) return skip;
     return kvb_test_main(argc, argv, "backend", table, (int)KVB_ARRAY_LEN(table));
 }
 

@@ -239,6 +239,38 @@ KVB_TEST(ledger_reclaim_lowest_first) {
 }
 KVB_TEST_END
 
+KVB_TEST(ledger_lend_reclaim_counters) {
+    /* The numbers behind the gateway's kvbank_lend / kvbank_reclaim metrics: loans that became active
+     * and loans given back, with their latencies (offer -> GrantAck, Revoke -> RevokeAck). */
+    kvb_ledger *l = new_ledger();
+    char why[256] = "";
+    reg(l, "m", KVB_ROLE_MASTER, 10, &G_M, 64);
+    reg(l, "a", KVB_ROLE_WORKER, 11, &G_A, 64);
+    kvb_loan ln;
+    ck_assert_int_eq(kvb_ledger_offer(l, "a", 48, 16, 100, &ln, why, sizeof why), KVB_OK);
+    expect_act(l, KVB_ACT_GRANT, "m", ln.id);
+    ck_assert_int_eq(kvb_ledger_grant_ack(l, "m", ln.id, 1, 130, why, sizeof why), KVB_OK);
+    kvb_loan bad;
+    ck_assert_int_eq(kvb_ledger_offer(l, "a", 32, 16, 140, &bad, why, sizeof why), KVB_OK);
+    expect_act(l, KVB_ACT_GRANT, "m", bad.id);
+    ck_assert_int_eq(kvb_ledger_grant_ack(l, "m", bad.id, 0, 150, why, sizeof why), KVB_OK); /* failed: no lend */
+    expect_act(l, KVB_ACT_RECLAIMED, "a", bad.id);
+    const kvb_ledger_model *a = kvb_ledger_find(l, "a");
+    ck_assert_uint_eq(a->n_lends, 1);
+    ck_assert_uint_eq(a->lend_ms_total, 30);
+    ck_assert_uint_eq(a->n_reclaims, 0);
+    uint32_t n = 0;
+    ck_assert_int_eq(kvb_ledger_reclaim(l, "a", 16, 200, &n, why, sizeof why), KVB_OK);
+    kvb_ledger_action r = expect_act(l, KVB_ACT_REVOKE, "m", ln.id);
+    ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", ln.id, r.epoch, 260, why, sizeof why), KVB_OK);
+    a = kvb_ledger_find(l, "a");
+    ck_assert_uint_eq(a->n_reclaims, 1);
+    ck_assert_uint_eq(a->reclaim_ms_total, 60);
+    ck_assert_uint_eq(kvb_ledger_find(l, "m")->n_lends, 0);
+    kvb_ledger_destroy(l);
+}
+KVB_TEST_END
+
 KVB_TEST(ledger_grant_failures) {
     kvb_ledger *l = new_ledger();
     char why[256] = "";
@@ -1902,6 +1934,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("coordinator", KVB_T(ledger_meu_per_pair, 10), KVB_T(ledger_offer_validation, 10),
               KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_grant_failures, 10),
+              KVB_T(ledger_lend_reclaim_counters, 10),
               KVB_T(ledger_master_death_returns_loans, 10), KVB_T(ledger_silent_master_fenced_first, 10), KVB_T(ledger_worker_death_revokes_lender_dead, 10),
               KVB_T(ledger_register_rules, 10), KVB_T(ledger_drain, 10), KVB_T(ledger_restart_both_sides, 10),
               KVB_T(ledger_restart_worker_alone, 10), KVB_T(ledger_restart_master_alone, 10),

@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/mem/mem.h"
 #include "kernels/backend.h"
 #include "tests/harness.h"
 
@@ -306,38 +307,14 @@ KVB_TEST(bad_handles) {
 }
 KVB_TEST_END
 
-static int no_device(char *why, size_t len) {
-    int fds[2];
-    if (pipe(fds)) return snprintf(why, len, "pipe failed"), 1;
-    pid_t pid = fork();
-    if (pid < 0) return snprintf(why, len, "fork failed"), 1;
-    if (pid == 0) {
-        close(fds[0]);
-        int n = 0;
-        char msg[200] = "";
-        kvb_cuda_device_count(&n, msg, sizeof msg);
-        if (write(fds[1], msg, strlen(msg)) < 0) _exit(3);
-        _exit(n > 0 ? 0 : 1);
-    }
-    close(fds[1]);
-    ssize_t got = read(fds[0], why, len - 1);
-    why[got > 0 ? got : 0] = 0;
-    close(fds[0]);
-    int st = 0;
-    waitpid(pid, &st, 0);
-    return !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-}
+static int probe(char *why, size_t len) { return kvb_mem_probe("cuda", 0, why, len); }
 
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--worker")) return worker_main(argc, argv);
     const kvb_test table[] = {KVB_T(lent_equals_local, 120), KVB_T(no_touch_after_ack, 120),
                                      KVB_T(bad_handles, 60)};
-    int listing = argc > 1 && !strcmp(argv[1], "--list");
-    char why[200];
-    if (!listing && no_device(why, sizeof why)) {
-        printf("SKIP: no CUDA device (%s)\n", why[0] ? why : "none found");
-        return 77;
-    }
+    int skip = kvb_test_need_device(argc, argv, probe);
+    if (skip >= 0) return skip;
     return kvb_test_main(argc, argv, "cuda_ipc", table, (int)KVB_ARRAY_LEN(table));
 }
 

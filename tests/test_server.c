@@ -15,6 +15,7 @@
 #include <ftw.h>
 #include <limits.h>
 #include <math.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -571,6 +572,163 @@ KVB_TEST(concurrent_clients) {
     zmq_ctx_term(zctx);
     free(sa);
     free(sb);
+    free(ref[0]);
+    free(ref[1]);
+    teardown();
+}
+KVB_TEST_END
+
+/* ------------------------------------------------------------------- the asynchronous client */
+
+typedef struct astream {
+    collect col;
+    kvb_finish finish;
+    kvb_status st;
+    char err[256];
+    int n_final;   /* final callbacks seen (must end at 1) */
+    int abandon_at; /* > 0: abandon after this many tokens */
+    int cancel_at;  /* > 0: kvb_client_cancel after this many tokens (the final event still comes) */
+    kvb_client *c;
+} astream;
+
+static void on_event(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
+                     kvb_finish finish, kvb_status st, const char *err) {
+    astream *a = ud;
+    for (int k = 0; k < n; k++) on_tok(&a->col, first_index + k, tokens[k], t_ns[k]);
+    if (finish != KVB_FINISH_NONE) {
+        a->n_final++;
+        a->finish = finish;
+        a->st = st;
+        snprintf(a->err, sizeof a->err, "%s", err);
+        return;
+    }
+    if (a->abandon_at && a->col.n >= a->abandon_at) {
+        ck_assert_int_eq(kvb_client_abandon(a->c, rid), KVB_OK);
+        a->abandon_at = 0;
+        a->finish = KVB_FINISH_CANCELLED; /* as far as this test is concerned */
+    } else if (a->cancel_at && a->col.n >= a->cancel_at) {
+        ck_assert_int_eq(kvb_client_cancel(a->c, rid), KVB_OK);
+        a->cancel_at = 0;
+    }
+}
+
+typedef struct pong_seen {
+    int n;
+    kvb_client_pong last;
+} pong_seen;
+
+static void on_pong(void *ud, const kvb_client_pong *p) {
+    pong_seen *ps = ud;
+    ps->n++;
+    ps->last = *p;
+}
+
+/* Drives `c` through its fd until done(ud) or 30 s. */
+static void drive(kvb_client *c, int (*done)(void *), void *ud) {
+    int fd = kvb_client_fd(c);
+    ck_assert_int_ge(fd, 0);
+    double t0 = kvb_now_s();
+    for (;;) {
+        ck_assert_int_eq(kvb_client_dispatch(c), KVB_OK);
+        if (done(ud)) return;
+        ck_assert_msg(kvb_now_s() - t0 < 30, "async requests did not finish in 30 s");
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        poll(&pfd, 1, 100);
+    }
+}
+
+static int all_final(void *ud) {
+    astream *a = ud;
+    for (int i = 0; i < 5; i++)
+        if (!a[i].finish) return 0;
+    return 1;
+}
+
+static int pong_arrived(void *ud) { return ((pong_seen *)ud)->n > 0; }
+
+KVB_TEST(async_multiplex) {
+    make_model();
+    start_server(NULL);
+    const char *ps[] = {"3,1,4,1,5,9", "2,7,1,8,2,8,1,8"};
+    int32_t *ref[2] = {NULL, NULL};
+    int n_ref[2] = {0, 0};
+    reference(ps, 2, 40, NULL, ref, n_ref);
+    int32_t p0[] = {3, 1, 4, 1, 5, 9}, p1[] = {2, 7, 1, 8, 2, 8, 1, 8}, bad[] = {1, (int32_t)g_vocab};
+
+    /* Five requests on one socket at once: two complete, one is abandoned, one cancelled, one refused. */
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    astream *a = calloc(5, sizeof *a);
+    ck_assert_ptr_nonnull(a);
+    kvb_request rq[5] = {
+        {.prompt = p0, .n_prompt = 6, .max_tokens = 40},
+        {.prompt = p1, .n_prompt = 8, .max_tokens = 40},
+        {.prompt = p0, .n_prompt = 6, .max_tokens = 200},
+        {.prompt = p1, .n_prompt = 8, .max_tokens = 200},
+        {.prompt = bad, .n_prompt = 2, .max_tokens = 4},
+    };
+    a[2].abandon_at = 3;
+    a[3].cancel_at = 2;
+    uint64_t rid[5];
+    char err[256];
+    for (int i = 0; i < 5; i++) {
+        a[i].c = c;
+        a[i].col.index_ok = 1;
+        ck_assert_int_eq(kvb_client_submit(c, &rq[i], on_event, &a[i], 1000, &rid[i], err, sizeof err), KVB_OK);
+        if (i) ck_assert_uint_gt(rid[i], rid[i - 1]);
+    }
+    ck_assert_int_eq(kvb_client_n_live(c), 5);
+    drive(c, all_final, a);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(a[i].finish, KVB_FINISH_LENGTH);
+        ck_assert_int_eq(a[i].st, KVB_OK);
+        ck_assert_int_eq(a[i].n_final, 1);
+        ck_assert(a[i].col.index_ok);
+        assert_ids_eq(a[i].col.tok, a[i].col.n, ref[i], n_ref[i], i ? "async request 1" : "async request 0");
+    }
+    ck_assert_int_eq(a[2].n_final, 0); /* abandoned: never called again */
+    ck_assert_int_eq(a[3].finish, KVB_FINISH_CANCELLED);
+    ck_assert_int_eq(a[3].n_final, 1);
+    ck_assert_int_lt(a[3].col.n, 200);
+    ck_assert_int_eq(a[4].finish, KVB_FINISH_ERROR);
+    ck_assert_int_eq(a[4].st, KVB_ERR_INVALID);
+    ck_assert_ptr_nonnull(strstr(a[4].err, "outside"));
+    ck_assert_int_eq(kvb_client_n_live(c), 0);
+    ck_assert_int_eq(kvb_client_cancel(c, rid[0]), KVB_ERR_NOT_FOUND);
+    ck_assert_int_eq(kvb_client_abandon(c, rid[2]), KVB_ERR_NOT_FOUND);
+
+    /* A request too large for one frame is refused before it is sent. */
+    size_t n_big = KVB_WIRE_MAX_FRAME;
+    int32_t *big = calloc(n_big, sizeof *big);
+    ck_assert_ptr_nonnull(big);
+    kvb_request rb = {.prompt = big, .n_prompt = (int)n_big, .max_tokens = 1};
+    ck_assert_int_eq(kvb_client_submit(c, &rb, on_event, &a[0], 1000, NULL, err, sizeof err), KVB_ERR_INVALID);
+    ck_assert_ptr_nonnull(strstr(err, "limit"));
+    free(big);
+
+    /* The Pong carries the server's numbers: the abandoned request was cancelled in the engine. */
+    pong_seen pg = {0};
+    kvb_client_set_pong_fn(c, on_pong, &pg);
+    uint64_t nonce = 0;
+    double t0 = kvb_now_s();
+    do {
+        pg.n = 0;
+        ck_assert_int_eq(kvb_client_ping_send(c, &nonce), KVB_OK);
+        drive(c, pong_arrived, &pg);
+        ck_assert_uint_eq(pg.last.nonce, nonce);
+    } while (pg.last.live_requests && kvb_now_s() - t0 < 20);
+    ck_assert_uint_eq(pg.last.live_requests, 0);
+    ck_assert_uint_eq(pg.last.accepted, 4);
+    ck_assert_uint_eq(pg.last.rejected, 1);
+    ck_assert_uint_ge(pg.last.generated_tokens, 80 + 3 + 2);
+    ck_assert_uint_lt(pg.last.generated_tokens, 80 + 400);
+    ck_assert_uint_ge(pg.last.prompt_tokens, 28);
+    ck_assert_uint_gt(pg.last.blocks_total, 0);
+    ck_assert_uint_eq(pg.last.blocks_free, pg.last.blocks_total);
+    ck_assert_str_eq(pg.last.model, g_name);
+    check_idle(c);
+    kvb_client_destroy(c);
+    free(a);
     free(ref[0]);
     free(ref[1]);
     teardown();
@@ -1156,6 +1314,7 @@ KVB_TEST(wire_roundtrip_and_fuzz) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("server", KVB_T(wire_roundtrip_and_fuzz, 120), KVB_T(generate_matches_reference, 120), KVB_T(concurrent_clients, 120),
+              KVB_T(async_multiplex, 120),
               KVB_T(malformed_frames, 120), KVB_T(invalid_requests, 120), KVB_T(client_disconnect, 120),
               KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120),
               KVB_T(command_line, 120))

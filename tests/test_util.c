@@ -9,6 +9,7 @@
 #include "common/util/json.h"
 #include "common/util/node_config.h"
 #include "common/util/npy.h"
+#include "common/util/token_deposit.h"
 #include "common/util/util.h"
 #include "tests/harness.h"
 
@@ -372,6 +373,34 @@ KVB_TEST(node_config_invalid) {
 }
 KVB_TEST_END
 
+KVB_TEST(token_deposit) {
+    /* OrbitFlow §3.2: tokens generated faster than the SLO are held and released one per interval. */
+    const uint64_t slo = 10;
+    uint64_t d[5];
+    const uint64_t burst[5] = {0, 1, 2, 3, 100};
+    ck_assert_int_eq(kvb_deposit_schedule(burst, 5, slo, 0, d), 0);
+    const uint64_t want[5] = {0, 10, 20, 30, 100};
+    for (int i = 0; i < 5; i++) ck_assert_uint_eq(d[i], want[i]);
+    ck_assert_int_eq(kvb_deposit_level(burst, d, 5, 5), 3);  /* 1, 2, 3 generated, not delivered */
+    ck_assert_int_eq(kvb_deposit_level(burst, d, 5, 30), 0); /* token 3 leaves at 30 */
+    ck_assert_int_eq(kvb_deposit_level(burst, d, 5, 29), 1);
+    /* slower than the SLO: nothing is held, each token leaves when generated */
+    const uint64_t slow[4] = {0, 15, 40, 41};
+    kvb_deposit_schedule(slow, 4, slo, 0, d);
+    ck_assert_uint_eq(d[1], 15);
+    ck_assert_uint_eq(d[2], 40);
+    ck_assert_uint_eq(d[3], 50); /* 41 came 1 after 40: held until 40 + 10 */
+    /* finish at 15: what is still held leaves at once */
+    ck_assert_int_eq(kvb_deposit_schedule(burst, 4, slo, 15, d), 2);
+    ck_assert_uint_eq(d[1], 10);
+    ck_assert_uint_eq(d[2], 15);
+    ck_assert_uint_eq(d[3], 15);
+    /* the first token is never held; slo 0 never holds */
+    ck_assert_uint_eq(kvb_deposit_next(1, 999, 5, slo), 5);
+    ck_assert_uint_eq(kvb_deposit_next(0, 5, 7, 0), 7);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("util", KVB_T(status_strings, 10), KVB_T(parse_id_list, 10), KVB_T(half_roundtrip, 30),
               KVB_T(npy_header, 10), KVB_T(json_fields, 10), KVB_T(node_config_defaults, 10),
-              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20))
+              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(token_deposit, 10))

@@ -449,6 +449,24 @@ static void handle_ping(kvb_server *s, const uint8_t *ident, size_t len, const K
     pong.nonce = p->nonce;
     pong.model = s->model_name;
     pong.live_requests = (uint32_t)s->n_live;
+    if (s->engine) {
+        kvb_engine_stats es;
+        kvb_engine_get_stats(s->engine, &es);
+        pong.running = (uint32_t)es.n_running;
+        pong.waiting = (uint32_t)es.n_waiting;
+        pong.prompt_tokens = es.prompt_tokens;
+        pong.generated_tokens = es.generated_tokens;
+        pong.preemptions = es.preemptions;
+        pong.prefix_hit_tokens = es.prefix_hit_tokens;
+        pong.blocks_total = (uint32_t)es.blocks_total;
+        pong.blocks_free = (uint32_t)es.blocks_free;
+        pong.blocks_own = (uint32_t)es.blocks_own;
+        pong.blocks_borrowed = (uint32_t)es.blocks_borrowed;
+    }
+    pong.accepted = s->stats.accepted;
+    pong.rejected = s->stats.rejected;
+    pong.completed = s->stats.completed;
+    pong.disconnects = s->stats.disconnects;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_PONG;
     env.pong = &pong;

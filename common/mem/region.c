@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define TAG_MAX 40
+#define TAG_MAX KVB_REGION_TAG_MAX
 /* Where glibc keeps POSIX shared-memory objects on Linux; names there lack the leading '/'. */
 #define SHM_DIR "/dev/shm"
 /* How many names kvb_region_create tries when a stale object of a dead process with the same pid
@@ -39,7 +39,7 @@ static const char *printable(const char *s, char buf[44]) {
     return buf;
 }
 
-static int tag_valid(const char *tag) {
+int kvb_region_tag_valid(const char *tag) {
     if (!tag) return 0;
     size_t n = strlen(tag);
     if (n == 0 || n > TAG_MAX) return 0;
@@ -86,7 +86,7 @@ static kvb_status map_fd(int fd, const char *name, size_t bytes, int owner, kvb_
 kvb_status kvb_region_create(const char *tag, size_t bytes, kvb_region **out) {
     if (!out) return KVB_ERR_INVALID;
     *out = NULL;
-    if (!tag_valid(tag)) {
+    if (!kvb_region_tag_valid(tag)) {
         char buf[44];
         KVB_LOG_E("region: invalid tag '%s' (1..%d of [A-Za-z0-9_-])", printable(tag, buf), TAG_MAX);
         return KVB_ERR_INVALID;
@@ -231,7 +231,7 @@ static int is_pid_seq(const char *s) {
 
 kvb_status kvb_region_unlink_tag(const char *tag, int *n_removed) {
     if (n_removed) *n_removed = 0;
-    if (!tag_valid(tag)) {
+    if (!kvb_region_tag_valid(tag)) {
         char buf[44];
         KVB_LOG_E("region: invalid tag '%s' (1..%d of [A-Za-z0-9_-])", printable(tag, buf), TAG_MAX);
         return KVB_ERR_INVALID;

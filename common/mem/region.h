@@ -3,7 +3,8 @@
  * Host backend: a region is a POSIX shared-memory object (mode 0600) mapped MAP_SHARED; its handle is
  * the object's name ("/kvb-<tag>-<pid>-<seq>"), which another process of the same user opens with
  * kvb_region_import. The creator owns the name and unlinks it on destroy; an importer only unmaps.
- * The CUDA backend (later) keeps the same interface with a cudaIpcMemHandle_t as the handle. */
+ * This is the host backend's region under the memory interface (common/mem/mem.h, mem_host.c); code
+ * above the mem layer uses kvb_mem_region_*, except a supervisor's stale-segment cleanup. */
 #ifndef KVB_MEM_REGION_H
 #define KVB_MEM_REGION_H
 
@@ -13,8 +14,12 @@
 
 typedef struct kvb_region kvb_region;
 
-/* Longest handle string, terminator included. */
+/* Longest handle string, terminator included; longest tag. */
 #define KVB_REGION_HANDLE_MAX 96
+#define KVB_REGION_TAG_MAX 40
+
+/* 1 if `tag` is 1..KVB_REGION_TAG_MAX of [A-Za-z0-9_-]. */
+int kvb_region_tag_valid(const char *tag);
 
 /* Creates a zero-filled shared region of `bytes` (> 0) bytes. `tag` (letters, digits, '-', '_'; at
  * most 40 chars) goes into the name so that a node supervisor can find its own stale segments.

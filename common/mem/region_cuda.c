@@ -356,105 +356,113 @@ kvb_status kvb_cuda_event_elapsed_ms(kvb_cuda_event *start, kvb_cuda_event *end,
     return KVB_CUDA_CHECK(cudaEventElapsedTime(ms, start->ev, end->ev));
 }
 
-/* ---------------------------------------------------------------- virtual-memory regions */
+/* ---------------------------------------------------------------- devices and plain memory */
 
-struct kvb_cuda_vmm {
-    CUdeviceptr base;                    /* reserved [n_chunks * chunk_bytes] */
-    size_t chunk_bytes;                  /* a multiple of the allocation granularity */
-    int n_chunks;
-    int n_mapped;
-    CUmemGenericAllocationHandle *phys;  /* [n_chunks] physical allocation of each chunk, 0 if unmapped */
-    CUmemAllocationProp prop;            /* pinned device memory on `dev` */
-    CUdevice dev;
-};
+kvb_status kvb_cuda_set_device(int device) { return KVB_CUDA_CHECK(cudaSetDevice(device)); }
+kvb_status kvb_cuda_get_device(int *device) { return KVB_CUDA_CHECK(cudaGetDevice(device)); }
 
-kvb_status kvb_cuda_vmm_reserve(size_t chunk_bytes, int n_chunks, kvb_cuda_vmm **out) {
-    if (chunk_bytes == 0 || n_chunks < 1) return KVB_ERR_INVALID;
+kvb_status kvb_cuda_malloc(size_t bytes, void **out) { return KVB_CUDA_CHECK(cudaMalloc(out, bytes)); }
+
+void kvb_cuda_free(void *p) {
+    if (p) (void)KVB_CUDA_CHECK(cudaFree(p));
+}
+
+kvb_status kvb_cuda_host_alloc(size_t bytes, void **out) {
+    return KVB_CUDA_CHECK(cudaHostAlloc(out, bytes, cudaHostAllocPortable));
+}
+
+void kvb_cuda_host_free(void *p) {
+    if (p) (void)KVB_CUDA_CHECK(cudaFreeHost(p));
+}
+
+/* ---------------------------------------------------------------- virtual memory (driver VMM) */
+
+#define VM_DEVICES 64
+/* Per device ordinal: 1 once checked for virtual-memory support (its CUdevice in g_vm_dev). */
+static int g_vm_known[VM_DEVICES];
+static CUdevice g_vm_dev[VM_DEVICES];
+static pthread_mutex_t g_vm_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* Pinned device memory on the current device (checked for virtual-memory support once per device). */
+static kvb_status vm_prop(CUmemAllocationProp *prop) {
     KVB_TRY(drv_get());
     int ordinal = 0;
     KVB_TRY(KVB_CUDA_CHECK(cudaGetDevice(&ordinal)));
-    kvb_cuda_vmm *v = NULL;
-    KVB_TRY(kvb_calloc(1, sizeof *v, (void **)&v));
-    kvb_status st;
-    KVB_TRY_GOTO(KVB_CUDA_DRV_CHECK(g_drv.DeviceGet(&v->dev, ordinal)), fail_struct);
-    int vmm_ok = 0;
-    KVB_TRY_GOTO(KVB_CUDA_DRV_CHECK(g_drv.DeviceGetAttribute(
-                     &vmm_ok, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, v->dev)),
-                 fail_struct);
-    if (!vmm_ok) {
-        KVB_LOG_E("cuda vmm: device %d does not support virtual memory management", ordinal);
-        st = KVB_ERR_UNSUPPORTED;
-        goto fail_struct;
+    if (ordinal < 0 || ordinal >= VM_DEVICES) return KVB_ERR_UNSUPPORTED;
+    pthread_mutex_lock(&g_vm_mu);
+    kvb_status st = KVB_OK;
+    if (!g_vm_known[ordinal]) {
+        CUdevice dev = 0;
+        int vmm_ok = 0;
+        st = KVB_CUDA_DRV_CHECK(g_drv.DeviceGet(&dev, ordinal));
+        if (st == KVB_OK)
+            st = KVB_CUDA_DRV_CHECK(
+                g_drv.DeviceGetAttribute(&vmm_ok, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev));
+        if (st == KVB_OK && !vmm_ok) {
+            KVB_LOG_E("cuda vmm: device %d does not support virtual memory management", ordinal);
+            st = KVB_ERR_UNSUPPORTED;
+        }
+        if (st == KVB_OK) {
+            g_vm_dev[ordinal] = dev;
+            g_vm_known[ordinal] = 1;
+        }
     }
-    v->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    v->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    v->prop.location.id = v->dev;
-    size_t gran = 0;
-    KVB_TRY_GOTO(KVB_CUDA_DRV_CHECK(g_drv.MemGetAllocationGranularity(&gran, &v->prop,
-                                                                      CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)),
-                 fail_struct);
-    if (gran == 0) gran = (size_t)2 << 20;
-    v->chunk_bytes = KVB_DIV_CEIL(chunk_bytes, gran) * gran;
-    v->n_chunks = n_chunks;
-    if (v->chunk_bytes > SIZE_MAX / (size_t)n_chunks) {
-        st = KVB_ERR_INVALID;
-        goto fail_struct;
-    }
-    KVB_TRY_GOTO(kvb_calloc((size_t)n_chunks, sizeof *v->phys, (void **)&v->phys), fail_struct);
-    KVB_TRY_GOTO(KVB_CUDA_DRV_CHECK(g_drv.MemAddressReserve(&v->base, v->chunk_bytes * (size_t)n_chunks, gran, 0, 0)),
-                 fail_phys);
-    *out = v;
+    CUdevice dev = g_vm_dev[ordinal];
+    pthread_mutex_unlock(&g_vm_mu);
+    KVB_TRY(st);
+    memset(prop, 0, sizeof *prop);
+    prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop->location.id = dev;
     return KVB_OK;
-fail_phys:
-    free(v->phys);
-fail_struct:
-    free(v);
-    return st;
 }
 
-kvb_status kvb_cuda_vmm_map(kvb_cuda_vmm *v, int i) {
-    if (i < 0 || i >= v->n_chunks) return KVB_ERR_INVALID;
-    if (v->phys[i]) return KVB_ERR_STATE;
+kvb_status kvb_cuda_vm_granularity(size_t *out) {
+    CUmemAllocationProp prop;
+    KVB_TRY(vm_prop(&prop));
+    size_t g = 0;
+    KVB_TRY(KVB_CUDA_DRV_CHECK(g_drv.MemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)));
+    *out = g ? g : (size_t)2 << 20;
+    return KVB_OK;
+}
+
+kvb_status kvb_cuda_phys_create(size_t bytes, uint64_t *out) {
+    CUmemAllocationProp prop;
+    KVB_TRY(vm_prop(&prop));
     CUmemGenericAllocationHandle h = 0;
-    KVB_TRY(KVB_CUDA_DRV_CHECK(g_drv.MemCreate(&h, v->chunk_bytes, &v->prop, 0)));
-    CUdeviceptr at = v->base + (CUdeviceptr)((size_t)i * v->chunk_bytes);
-    kvb_status st;
-    KVB_TRY_GOTO(KVB_CUDA_DRV_CHECK(g_drv.MemMap(at, v->chunk_bytes, 0, h, 0)), fail_release);
-    CUmemAccessDesc acc = {.location = v->prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    KVB_TRY_GOTO(KVB_CUDA_DRV_CHECK(g_drv.MemSetAccess(at, v->chunk_bytes, &acc, 1)), fail_unmap);
-    v->phys[i] = h;
-    v->n_mapped++;
+    KVB_TRY(KVB_CUDA_DRV_CHECK(g_drv.MemCreate(&h, bytes, &prop, 0)));
+    *out = (uint64_t)h;
     return KVB_OK;
-fail_unmap:
-    g_drv.MemUnmap(at, v->chunk_bytes);
-fail_release:
-    g_drv.MemRelease(h);
+}
+
+void kvb_cuda_phys_release(uint64_t h) {
+    if (g_drv.ok) (void)KVB_CUDA_DRV_CHECK(g_drv.MemRelease((CUmemGenericAllocationHandle)h));
+}
+
+kvb_status kvb_cuda_va_reserve(size_t bytes, size_t align, void **out) {
+    KVB_TRY(drv_get());
+    CUdeviceptr p = 0;
+    KVB_TRY(KVB_CUDA_DRV_CHECK(g_drv.MemAddressReserve(&p, bytes, align, 0, 0)));
+    *out = (void *)(uintptr_t)p;
+    return KVB_OK;
+}
+
+void kvb_cuda_va_free(void *base, size_t bytes) {
+    if (g_drv.ok) (void)KVB_CUDA_DRV_CHECK(g_drv.MemAddressFree((CUdeviceptr)(uintptr_t)base, bytes));
+}
+
+kvb_status kvb_cuda_va_map(void *at, size_t bytes, uint64_t h) {
+    CUmemAllocationProp prop;
+    KVB_TRY(vm_prop(&prop));
+    CUdeviceptr p = (CUdeviceptr)(uintptr_t)at;
+    KVB_TRY(KVB_CUDA_DRV_CHECK(g_drv.MemMap(p, bytes, 0, (CUmemGenericAllocationHandle)h, 0)));
+    CUmemAccessDesc acc = {.location = prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    kvb_status st = KVB_CUDA_DRV_CHECK(g_drv.MemSetAccess(p, bytes, &acc, 1));
+    if (st != KVB_OK) (void)KVB_CUDA_DRV_CHECK(g_drv.MemUnmap(p, bytes));
     return st;
 }
 
-kvb_status kvb_cuda_vmm_unmap(kvb_cuda_vmm *v, int i) {
-    if (i < 0 || i >= v->n_chunks) return KVB_ERR_INVALID;
-    if (!v->phys[i]) return KVB_ERR_STATE;
-    CUdeviceptr at = v->base + (CUdeviceptr)((size_t)i * v->chunk_bytes);
-    KVB_TRY(KVB_CUDA_DRV_CHECK(g_drv.MemUnmap(at, v->chunk_bytes)));
-    kvb_status st = KVB_CUDA_DRV_CHECK(g_drv.MemRelease(v->phys[i]));
-    v->phys[i] = 0;
-    v->n_mapped--;
-    return st;
+kvb_status kvb_cuda_va_unmap(void *at, size_t bytes) {
+    KVB_TRY(drv_get());
+    return KVB_CUDA_DRV_CHECK(g_drv.MemUnmap((CUdeviceptr)(uintptr_t)at, bytes));
 }
-
-void kvb_cuda_vmm_destroy(kvb_cuda_vmm *v) {
-    if (!v) return;
-    (void)KVB_CUDA_CHECK(cudaDeviceSynchronize());
-    for (int i = 0; i < v->n_chunks; i++)
-        if (v->phys[i]) (void)kvb_cuda_vmm_unmap(v, i);
-    (void)KVB_CUDA_DRV_CHECK(g_drv.MemAddressFree(v->base, v->chunk_bytes * (size_t)v->n_chunks));
-    free(v->phys);
-    free(v);
-}
-
-void *kvb_cuda_vmm_base(const kvb_cuda_vmm *v) { return (void *)(uintptr_t)v->base; }
-size_t kvb_cuda_vmm_chunk_bytes(const kvb_cuda_vmm *v) { return v->chunk_bytes; }
-int kvb_cuda_vmm_n_chunks(const kvb_cuda_vmm *v) { return v->n_chunks; }
-int kvb_cuda_vmm_is_mapped(const kvb_cuda_vmm *v, int i) { return i >= 0 && i < v->n_chunks && v->phys[i] != 0; }
-int kvb_cuda_vmm_n_mapped(const kvb_cuda_vmm *v) { return v->n_mapped; }

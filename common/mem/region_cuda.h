@@ -4,8 +4,9 @@
  *    (cudaIpcMemHandle_t, 64 bytes, written as 128 lower-case hex characters): what a worker lends;
  *  - pinned host buffers (cudaHostAlloc): the host tier and staging for overlapped copies;
  *  - streams and events: ordering and overlapping copies with compute;
- *  - virtual-memory regions (cuMemAddressReserve + cuMemCreate/cuMemMap): one reserved address range
- *    whose fixed-size chunks are backed by physical memory on demand (eLLM's eTensor, later issue).
+ *  - the driver's virtual memory (cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess,
+ *    cuMemUnmap) as primitives; common/mem/mem_cuda.c builds the memory interface's chunks and
+ *    reservations (mem.h) on them.
  *
  * Every object here belongs to the device that was current on the calling thread when it was created
  * (cudaSetDevice; CUDA_VISIBLE_DEVICES picks the GPU of a process). Nothing in this header needs a CUDA
@@ -120,30 +121,38 @@ int kvb_cuda_event_done(kvb_cuda_event *e);
 /* Milliseconds between two completed timing events. */
 kvb_status kvb_cuda_event_elapsed_ms(kvb_cuda_event *start, kvb_cuda_event *end, float *ms);
 
-/* ---------------------------------------------------------------- virtual-memory regions */
+/* ---------------------------------------------------------------- devices and plain memory */
 
-typedef struct kvb_cuda_vmm kvb_cuda_vmm;
+/* Makes `device` current for the calling thread (every call below works on the current device). */
+kvb_status kvb_cuda_set_device(int device);
+kvb_status kvb_cuda_get_device(int *device);
+/* cudaMalloc / cudaFree (NULL-safe; cudaFree waits for the device). */
+kvb_status kvb_cuda_malloc(size_t bytes, void **out);
+void kvb_cuda_free(void *p);
+/* cudaHostAlloc (portable) / cudaFreeHost (NULL-safe): page-locked host memory. */
+kvb_status kvb_cuda_host_alloc(size_t bytes, void **out);
+void kvb_cuda_host_free(void *p);
 
-/* Reserves `n_chunks` * `chunk_bytes` of device virtual address space on the current device with no
- * physical memory behind it. `chunk_bytes` is rounded up to the allocation granularity (2 MiB on
- * current GPUs; see kvb_cuda_vmm_chunk_bytes). Caller owns the result. KVB_ERR_UNSUPPORTED when the
- * device has no virtual-memory management. */
-kvb_status kvb_cuda_vmm_reserve(size_t chunk_bytes, int n_chunks, kvb_cuda_vmm **out);
-/* Backs chunk `i` with a fresh physical allocation (cuMemCreate), maps it at base + i * chunk_bytes
- * and grants the current device read/write access. KVB_ERR_STATE if it is already mapped,
- * KVB_ERR_NOMEM when the device is full. The new memory is uninitialised. */
-kvb_status kvb_cuda_vmm_map(kvb_cuda_vmm *v, int i);
-/* Unmaps chunk `i` and releases its physical memory. The caller must have synchronised every stream
- * that may still touch the chunk. KVB_ERR_STATE if it is not mapped. */
-kvb_status kvb_cuda_vmm_unmap(kvb_cuda_vmm *v, int i);
-/* Unmaps every mapped chunk and frees the reservation. NULL-safe. */
-void kvb_cuda_vmm_destroy(kvb_cuda_vmm *v);
+/* ---------------------------------------------------------------- virtual memory (driver VMM) */
 
-void *kvb_cuda_vmm_base(const kvb_cuda_vmm *v); /* device address of chunk 0 */
-size_t kvb_cuda_vmm_chunk_bytes(const kvb_cuda_vmm *v);
-int kvb_cuda_vmm_n_chunks(const kvb_cuda_vmm *v);
-int kvb_cuda_vmm_is_mapped(const kvb_cuda_vmm *v, int i);
-int kvb_cuda_vmm_n_mapped(const kvb_cuda_vmm *v);
+/* The minimum allocation granularity of pinned device memory on the current device
+ * (cuMemGetAllocationGranularity): physical chunks and reservations are multiples of it.
+ * KVB_ERR_UNSUPPORTED when the device has no virtual-memory management. */
+kvb_status kvb_cuda_vm_granularity(size_t *out);
+/* One physical allocation of `bytes` (a multiple of the granularity) on the current device
+ * (cuMemCreate); *out is its handle (CUmemGenericAllocationHandle). Uninitialised. */
+kvb_status kvb_cuda_phys_create(size_t bytes, uint64_t *out);
+/* cuMemRelease: the memory goes once no mapping uses it any more. */
+void kvb_cuda_phys_release(uint64_t h);
+/* Reserves `bytes` of device address space aligned to `align` (cuMemAddressReserve). */
+kvb_status kvb_cuda_va_reserve(size_t bytes, size_t align, void **out);
+void kvb_cuda_va_free(void *base, size_t bytes);
+/* Maps physical allocation `h` (exactly `bytes` long) at `at` (cuMemMap) and grants the current
+ * device read/write access to it (cuMemSetAccess: a mapping is inaccessible until then). */
+kvb_status kvb_cuda_va_map(void *at, size_t bytes, uint64_t h);
+/* cuMemUnmap of [at, at + bytes): the range stays reserved. The caller synchronised every stream that
+ * may still touch it. */
+kvb_status kvb_cuda_va_unmap(void *at, size_t bytes);
 
 #ifdef __cplusplus
 }
