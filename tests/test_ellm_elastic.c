@@ -11,6 +11,7 @@
 #include "common/mem/act_pool.h"
 #include "common/mem/elastic_pool.h"
 #include "common/policy/ellm_elastic_alg.h"
+#include "common/policy/ellm_elastic_core.h"
 #include "tests/harness.h"
 #include "tests/vm_mock.h"
 
@@ -248,7 +249,7 @@ KVB_TEST(slot_pool_best_fit_reuse) {
     int sizes[3] = {5, 2, 3};
     for (int i = 0; i < 3; i++) {
         ck_assert_int_eq(kvb_slot_pool_acquire(sp, sizes[i], &s[i]), KVB_OK);
-        ck_assert_int_eq(kvb_slot_pool_map(sp, s[i], sizes[i], 0), KVB_OK);
+        ck_assert_int_eq(kvb_slot_pool_map(sp, s[i], sizes[i], KVB_SLOT_RECLAIM_NONE), KVB_OK);
     }
     ck_assert_int_eq(kvb_slot_pool_n_needed(sp), 10);
     ck_assert_int_eq(kvb_slot_pool_check(sp), KVB_OK);
@@ -259,13 +260,13 @@ KVB_TEST(slot_pool_best_fit_reuse) {
     long calls = m->calls;
     ck_assert_int_eq(kvb_slot_pool_acquire(sp, 3, &t), KVB_OK);
     ck_assert_int_eq(t, s[2]);
-    ck_assert_int_eq(kvb_slot_pool_map(sp, t, 3, 0), KVB_OK);
+    ck_assert_int_eq(kvb_slot_pool_map(sp, t, 3, KVB_SLOT_RECLAIM_NONE), KVB_OK);
     ck_assert_int_eq(m->calls, calls); /* a cached slot: no map call */
     /* need 7: none covers; the cached slot with the most mapped (5) is extended by 2 */
     int u;
     ck_assert_int_eq(kvb_slot_pool_acquire(sp, 7, &u), KVB_OK);
     ck_assert_int_eq(u, s[0]);
-    ck_assert_int_eq(kvb_slot_pool_map(sp, u, 7, 0), KVB_OK);
+    ck_assert_int_eq(kvb_slot_pool_map(sp, u, 7, KVB_SLOT_RECLAIM_NONE), KVB_OK);
     ck_assert_int_eq(m->calls, calls + 2);
     /* need 1: the remaining cached slot (2) covers it; 1 chunk of excess is reclaimable */
     int v;
@@ -291,9 +292,9 @@ KVB_TEST(slot_pool_reclaim_lru_and_excess) {
     ck_assert_int_eq(kvb_slot_pool_create(p, 3, 8, &sp), KVB_OK);
     int a, b, c;
     ck_assert_int_eq(kvb_slot_pool_acquire(sp, 3, &a), KVB_OK);
-    ck_assert_int_eq(kvb_slot_pool_map(sp, a, 3, 0), KVB_OK);
+    ck_assert_int_eq(kvb_slot_pool_map(sp, a, 3, KVB_SLOT_RECLAIM_NONE), KVB_OK);
     ck_assert_int_eq(kvb_slot_pool_acquire(sp, 3, &b), KVB_OK);
-    ck_assert_int_eq(kvb_slot_pool_map(sp, b, 4, 0), KVB_OK); /* one pre-mapped (excess) chunk */
+    ck_assert_int_eq(kvb_slot_pool_map(sp, b, 4, KVB_SLOT_RECLAIM_NONE), KVB_OK); /* one pre-mapped (excess) chunk */
     kvb_slot_pool_release(sp, a);                            /* a is cached first (LRU) */
     ck_assert_int_eq(kvb_slot_pool_acquire(sp, 2, &c), KVB_OK);
     ck_assert_int_eq(c, a); /* covers */
@@ -311,12 +312,12 @@ KVB_TEST(slot_pool_reclaim_lru_and_excess) {
     int e;
     ck_assert_int_eq(kvb_slot_pool_acquire(sp, 8, &e), KVB_OK);
     ck_assert_int_eq(e, d); /* the most-mapped cached slot */
-    ck_assert_int_eq(kvb_slot_pool_map(sp, e, 8, 0), KVB_ERR_EXHAUSTED); /* 3 + 1 free: 4 of 8 */
+    ck_assert_int_eq(kvb_slot_pool_map(sp, e, 8, KVB_SLOT_RECLAIM_NONE), KVB_ERR_EXHAUSTED); /* 3 + 1 free: 4 of 8 */
     ck_assert_int_eq(kvb_slot_pool_n_mapped(sp, e), 4);
     kvb_slot_pool_set_need(sp, e, 4);
-    ck_assert_int_eq(kvb_slot_pool_map(sp, e, 5, 1), KVB_OK); /* b's excess chunk moves */
+    ck_assert_int_eq(kvb_slot_pool_map(sp, e, 5, KVB_SLOT_RECLAIM_ALL), KVB_OK); /* b's excess chunk moves */
     ck_assert_int_eq(kvb_slot_pool_n_mapped(sp, b), 3);
-    ck_assert_int_eq(kvb_slot_pool_map(sp, e, 6, 1), KVB_ERR_EXHAUSTED); /* nothing reclaimable left */
+    ck_assert_int_eq(kvb_slot_pool_map(sp, e, 6, KVB_SLOT_RECLAIM_ALL), KVB_ERR_EXHAUSTED); /* nothing reclaimable left */
     ck_assert_uint_eq(*vm_mock_deref(m, kvb_slot_pool_base(sp, b) + 2 * CH + 7), 42);
     ck_assert_int_eq(kvb_slot_pool_check(sp), KVB_OK);
     ck_assert_int_eq(kvb_epool_check(p), KVB_OK);
@@ -583,8 +584,298 @@ KVB_TEST(alg2_window_3_in_5) {
 }
 KVB_TEST_END
 
+
+/* ================================================================ the core under random workloads */
+
+/* The simulated model: a token's KV is 16 bytes (its request id and position, so that every read can
+ * tell whose KV it is), 16 tokens per chunk; a step's activations are five buffers. */
+#define SIM_KV_BYTES 16
+#define SIM_CHUNK_TOKENS 16
+#define SIM_CHUNK (SIM_KV_BYTES * SIM_CHUNK_TOKENS)
+#define SIM_STAGE_PER_TOKEN 32
+
+static void sim_act_sizes(int64_t n_tokens, int n_seqs, int64_t stage, size_t sizes[5]) {
+    sizes[0] = (size_t)n_tokens * 8;
+    sizes[1] = (size_t)n_tokens * 8;
+    sizes[2] = (size_t)n_tokens * 16;
+    sizes[3] = (size_t)n_seqs * 100;
+    sizes[4] = (size_t)stage;
+}
+
+static int64_t sim_act(void *ud, int64_t n_tokens, int n_seqs, int64_t stage) {
+    (void)ud;
+    if (n_tokens == 0) return 0;
+    size_t sizes[5];
+    sim_act_sizes(n_tokens, n_seqs, stage, sizes);
+    return kvb_act_span_chunks(sizes, stage ? 5 : 4, 64, SIM_CHUNK);
+}
+
+typedef struct sim_req {
+    kvb_ee_req r;
+    int max_tokens;
+} sim_req;
+
+typedef struct sim {
+    fixture f;           /* only the mock is used; the core owns its pool */
+    kvb_ee_core *core;
+    sim_req reqs[512];
+    int n;
+    uint64_t next_id;
+    unsigned char *host; /* [buf_max][SIM_CHUNK] the CPU buffer */
+    uint64_t finished;
+} sim;
+
+static void kv_stamp(unsigned char *p, uint64_t id, int t) {
+    memcpy(p, &id, 8);
+    int64_t tt = t;
+    memcpy(p + 8, &tt, 8);
+}
+
+static int kv_is(const unsigned char *p, uint64_t id, int t) {
+    uint64_t a;
+    int64_t b;
+    memcpy(&a, p, 8);
+    memcpy(&b, p + 8, 8);
+    return a == id && b == t;
+}
+
+static unsigned char *slot_kv(sim *S, int slot, int t) {
+    uintptr_t a = kvb_slot_pool_base(kvb_ee_core_slots(S->core), slot) + (uintptr_t)t * SIM_KV_BYTES;
+    return vm_mock_deref(&S->f.m, a);
+}
+
+/* Every request's KV reads back as its own, wherever it is (slot or CPU buffer). (Plain tests with
+ * ck_abort_msg in the loops: check's assertions write to a file each time they pass.) */
+static void sim_verify(sim *S) {
+    for (int i = 0; i < S->n; i++) {
+        const kvb_ee_req *r = &S->reqs[i].r;
+        if (r->waiting) continue;
+        int slot = kvb_ee_core_slot_of(S->core, r->id);
+        const int32_t *host;
+        int nh = kvb_ee_core_host_chunks(S->core, r->id, &host);
+        for (int t = 0; t < r->n_computed; t++) {
+            const unsigned char *p = NULL;
+            if (slot >= 0) p = slot_kv(S, slot, t);
+            else if (nh > t / SIM_CHUNK_TOKENS)
+                p = S->host + (size_t)host[t / SIM_CHUNK_TOKENS] * SIM_CHUNK + (size_t)(t % SIM_CHUNK_TOKENS) * SIM_KV_BYTES;
+            if (!p || !kv_is(p, r->id, t))
+                ck_abort_msg("request %llu token %d: KV %s", (unsigned long long)r->id, t, p ? "overwritten" : "missing");
+        }
+    }
+}
+
+static sim_req *sim_find(sim *S, uint64_t id) {
+    for (int i = 0; i < S->n; i++)
+        if (S->reqs[i].r.id == id) return &S->reqs[i];
+    return NULL;
+}
+
+/* One iteration of the engine the core plans for. Returns the tokens computed. */
+static int sim_step(sim *S, uint64_t now, kvb_ee_step *st) {
+    kvb_ee_req view[512];
+    for (int i = 0; i < S->n; i++) view[i] = S->reqs[i].r;
+    if (kvb_ee_core_sync(S->core, view, S->n, now) != KVB_OK || kvb_ee_core_plan(S->core, st) != KVB_OK ||
+        kvb_ee_core_apply(S->core, st) != KVB_OK || kvb_ee_core_check(S->core) != KVB_OK)
+        ck_abort_msg("sync, plan, apply or the books failed");
+    /* the step's activations, from the pool */
+    int seqs = 0;
+    int64_t stage = 0;
+    for (int i = 0; i < st->n_items; i++) {
+        seqs += st->items[i].action != KVB_EE_DO_PREEMPT;
+        if (st->items[i].action == KVB_EE_DO_OFFLOAD) stage += (int64_t)st->items[i].q_len * SIM_STAGE_PER_TOKEN;
+    }
+    size_t sizes[5];
+    uintptr_t bufs[5];
+    int nb = 0;
+    if (st->n_tokens > 0) {
+        sim_act_sizes(st->n_tokens, seqs, stage, sizes);
+        nb = stage ? 5 : 4;
+        for (int b = 0; b < nb; b++) {
+            if (kvb_ee_core_act_alloc(S->core, sizes[b], &bufs[b]) != KVB_OK) ck_abort_msg("activation %d", b);
+            unsigned char *p = vm_mock_deref(&S->f.m, bufs[b] + sizes[b] - 1), *p0 = vm_mock_deref(&S->f.m, bufs[b]);
+            if (!p || !p0) ck_abort_msg("activation buffer %d not mapped", b);
+            *p0 = *p = 0x5a;
+        }
+    }
+    /* what the executor does: preemptions, fetches, KV writes (the slot, or the CPU buffer) */
+    for (int i = 0; i < st->n_items; i++) {
+        const kvb_ee_item *it = &st->items[i];
+        sim_req *q = sim_find(S, it->id);
+        if (!q || (it->action != KVB_EE_DO_PREEMPT && it->kv_before != q->r.n_computed))
+            ck_abort_msg("item for request %llu does not match the engine", (unsigned long long)it->id);
+        if (it->action == KVB_EE_DO_PREEMPT) {
+            q->r.waiting = 1;
+            q->r.n_computed = 0;
+            continue;
+        }
+        if (it->action == KVB_EE_DO_FETCH) {
+            const int32_t *host;
+            int nh = kvb_ee_core_host_chunks(S->core, it->id, &host);
+            if (nh != KVB_DIV_CEIL(q->r.n_computed, SIM_CHUNK_TOKENS)) ck_abort_msg("fetch without its buffer chunks");
+            for (int t = 0; t < q->r.n_computed; t++)
+                memcpy(slot_kv(S, it->slot, t),
+                       S->host + (size_t)host[t / SIM_CHUNK_TOKENS] * SIM_CHUNK + (size_t)(t % SIM_CHUNK_TOKENS) * SIM_KV_BYTES,
+                       SIM_KV_BYTES);
+        }
+        for (int t = it->kv_before; t < it->kv_before + it->q_len; t++) {
+            unsigned char *p;
+            if (it->action == KVB_EE_DO_OFFLOAD) {
+                const int32_t *host;
+                kvb_ee_core_host_chunks(S->core, it->id, &host);
+                p = S->host + (size_t)host[t / SIM_CHUNK_TOKENS] * SIM_CHUNK + (size_t)(t % SIM_CHUNK_TOKENS) * SIM_KV_BYTES;
+            } else {
+                p = slot_kv(S, it->slot, t);
+            }
+            if (!p) ck_abort_msg("request %llu token %d: no memory behind its KV", (unsigned long long)it->id, t);
+            kv_stamp(p, it->id, t);
+        }
+    }
+    for (int b = 0; b < nb; b++) kvb_ee_core_act_free(S->core, bufs[b]);
+    if (kvb_ee_core_done(S->core, st) != KVB_OK) ck_abort_msg("done failed");
+    /* progress and sampling */
+    for (int i = 0; i < st->n_items; i++) {
+        const kvb_ee_item *it = &st->items[i];
+        if (it->action == KVB_EE_DO_PREEMPT) continue;
+        sim_req *q = sim_find(S, it->id);
+        q->r.waiting = 0;
+        q->r.n_computed += it->q_len;
+        if (q->r.n_computed == q->r.n_tokens) {
+            q->r.n_tokens++;
+            q->r.n_generated++;
+        }
+    }
+    for (int i = 0; i < S->n;) {
+        if (S->reqs[i].r.n_generated >= S->reqs[i].max_tokens) {
+            S->reqs[i] = S->reqs[--S->n];
+            S->finished++;
+        } else {
+            i++;
+        }
+    }
+    if (kvb_ee_core_check(S->core) != KVB_OK) ck_abort_msg("the books after the step");
+    sim_verify(S);
+    return st->n_tokens;
+}
+
+/* Runs `n_req` random requests through the core with the given switches; every iteration checks the
+ * books, the KV of every request, and that something progresses until all have finished. */
+static void run_sim(kvb_ee_mode mode, int intra, int inter, int premap, double slo, unsigned seed) {
+    srand(seed);
+    sim *S = calloc(1, sizeof *S);
+    ck_assert_ptr_nonnull(S);
+    const int n_chunks = 96, slot_chunks = 12; /* 192 tokens per request at most */
+    kvb_ee_config c = {
+        .mode = mode,
+        .chunk_bytes = SIM_CHUNK,
+        .chunk_tokens = SIM_CHUNK_TOKENS,
+        .n_chunks = n_chunks,
+        .n_slots = 10,
+        .slot_chunks = slot_chunks,
+        .act_seg_chunks = 64,
+        .act_align = 64,
+        .act = sim_act,
+        .stage_bytes_per_token = SIM_STAGE_PER_TOKEN,
+        .max_tokens = mode == KVB_EE_MODE_CHUNKED ? 64 : slot_chunks * SIM_CHUNK_TOKENS,
+        .max_seqs = 16,
+        .theta = 2,
+        .intra = intra,
+        .inter = inter,
+        .buf_max = inter ? 40 : 0,
+        .buf_start = 1,
+        .alpha = 2,
+        .win_iters = 5,
+        .win_misses = 3,
+        .slo_ttft_s = slo,
+        .slo_tpot_s = slo,
+        .premap = premap,
+        .premap_max = 4,
+    };
+    c.act_chunks_start = (int)sim_act(NULL, c.max_tokens, KVB_MIN(c.max_seqs, c.max_tokens), 0);
+    vm_mock_init(&S->f.m, n_chunks, SIM_CHUNK, &S->f.ops);
+    ck_assert_int_eq(kvb_ee_core_create(&c, &S->f.ops, &S->core), KVB_OK);
+    S->host = calloc(40, SIM_CHUNK);
+    const int n_req = 120;
+    int added = 0, idle = 0;
+    uint64_t now = 1000000000ull;
+    kvb_ee_step st = {0};
+    for (int it = 0; it < 20000 && (added < n_req || S->n > 0); it++) {
+        /* arrivals in bursts */
+        if (added < n_req && rand() % 3 == 0) {
+            int k = 1 + rand() % 6;
+            for (int j = 0; j < k && added < n_req && S->n < 512; j++, added++) {
+                sim_req *q = &S->reqs[S->n++];
+                int len = 1 + rand() % (slot_chunks * SIM_CHUNK_TOKENS - 8);
+                int out = 1 + rand() % KVB_MIN(40, slot_chunks * SIM_CHUNK_TOKENS - len);
+                *q = (sim_req){.r = {.id = ++S->next_id, .t_arrival_ns = now, .n_tokens = len, .waiting = 1},
+                               .max_tokens = out};
+            }
+        }
+        now += 1000000 + (uint64_t)(rand() % 3000000);
+        int tok = sim_step(S, now, &st);
+        idle = (tok == 0 && S->n > 0) ? idle + 1 : 0;
+        if (idle >= 3) ck_abort_msg("no progress with %d live requests (deadlock)", S->n);
+    }
+    ck_assert_int_eq(S->n, 0);
+    ck_assert_uint_eq(S->finished, (uint64_t)n_req);
+    ck_assert_int_eq(kvb_ee_core_sync(S->core, NULL, 0, now), KVB_OK); /* the last ones finished */
+    kvb_ee_stats s;
+    kvb_ee_core_get_stats(S->core, &s);
+    fprintf(stderr,
+            "sim mode %d intra %d inter %d premap %d slo %g seed %u: %llu iterations (%llu prefill), %llu preempted, "
+            "%llu offloaded / %llu fetched, %llu inflated / %llu deflated, %llu premapped, %llu decode maps, largest "
+            "batch %d, TTFT/TPOT events %llu/%llu\n",
+            (int)mode, intra, inter, premap, slo, seed, (unsigned long long)s.iterations,
+            (unsigned long long)s.prefill_iters, (unsigned long long)s.preemptions, (unsigned long long)s.offloads,
+            (unsigned long long)s.fetches, (unsigned long long)s.inflated, (unsigned long long)s.deflated,
+            (unsigned long long)s.premapped, (unsigned long long)s.decode_maps, s.max_batch,
+            (unsigned long long)s.events_ttft, (unsigned long long)s.events_tpot);
+    ck_assert_uint_eq(s.act_rescues, 0); /* Alg. 1's activation need was exact */
+    if (intra && mode == KVB_EE_MODE_ELASTIC) ck_assert_uint_gt(s.inflated + s.deflated, 0);
+    if (!intra) ck_assert_uint_eq(s.inflated + s.deflated, 0);
+    if (inter && slo == 0) ck_assert_uint_gt(s.offloads, 0);
+    ck_assert_uint_ge(s.offloads, s.fetches); /* a request of one token never decodes */
+    if (!inter) ck_assert_uint_eq(s.offloads, 0);
+    if (premap) ck_assert_uint_gt(s.premapped, 0);
+    ck_assert_int_eq(s.buf_used, 0);
+    /* with nothing live, every chunk is free, cached or idle: KV + act + free = P_T */
+    kvb_epool *p = kvb_ee_core_epool(S->core);
+    ck_assert_int_eq(kvb_epool_n_mapped(p, KVB_EPOOL_KV) + kvb_epool_n_mapped(p, KVB_EPOOL_ACT) +
+                         kvb_epool_n_free(p, KVB_EPOOL_KV) + kvb_epool_n_free(p, KVB_EPOOL_ACT),
+                     n_chunks);
+    ck_assert_int_eq(kvb_slot_pool_n_needed(kvb_ee_core_slots(S->core)), 0);
+    kvb_ee_step_free(&st);
+    kvb_ee_core_destroy(S->core);
+    ck_assert_int_eq(S->f.m.errors, 0);
+    ck_assert_int_eq(vm_mock_n_mapped(&S->f.m), 0);
+    ck_assert_int_le(S->f.m.max_places, 2);
+    vm_mock_free(&S->f.m);
+    free(S->host);
+    free(S);
+}
+
+KVB_TEST(core_random_elastic) {
+    for (unsigned seed = 1; seed <= 4; seed++) run_sim(KVB_EE_MODE_ELASTIC, 1, 1, 1, 0, seed);
+}
+KVB_TEST_END
+
+KVB_TEST(core_random_ablations) {
+    for (unsigned seed = 1; seed <= 2; seed++) {
+        run_sim(KVB_EE_MODE_ELASTIC, 1, 0, 1, 0, seed);  /* intra only */
+        run_sim(KVB_EE_MODE_ELASTIC, 0, 1, 0, 0, seed);  /* inter only */
+        run_sim(KVB_EE_MODE_ELASTIC, 0, 0, 0, 0, seed);  /* static split */
+        run_sim(KVB_EE_MODE_ELASTIC, 1, 1, 0, 0.004, seed); /* Alg. 2 with tight SLOs */
+    }
+}
+KVB_TEST_END
+
+KVB_TEST(core_random_chunked) {
+    for (unsigned seed = 1; seed <= 3; seed++) run_sim(KVB_EE_MODE_CHUNKED, 0, 0, 1, 0, seed);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("ellm_elastic", KVB_T(epool_books, 10), KVB_T(epool_failed_call_changes_nothing, 10),
               KVB_T(act_pool_best_fit_coalesce, 10), KVB_T(act_pool_gc_only_idle_chunks, 10),
               KVB_T(slot_pool_best_fit_reuse, 10), KVB_T(slot_pool_reclaim_lru_and_excess, 10),
               KVB_T(alg1_fcfs_break, 10), KVB_T(alg1_offload_branch, 10), KVB_T(alg1_balloon_sign_and_bounds, 10),
-              KVB_T(alg1_random_against_pseudocode, 30), KVB_T(alg2_scaling, 10), KVB_T(alg2_window_3_in_5, 10))
+              KVB_T(alg1_random_against_pseudocode, 30), KVB_T(alg2_scaling, 10), KVB_T(alg2_window_3_in_5, 10),
+              KVB_T(core_random_elastic, 60), KVB_T(core_random_ablations, 60), KVB_T(core_random_chunked, 60))

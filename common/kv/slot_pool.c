@@ -101,15 +101,15 @@ void kvb_slot_pool_set_need(kvb_slot_pool *sp, int i, int need) {
 }
 
 /* The slot to take a reclaimable chunk from (not `except`): the least recently released cached slot
- * with a chunk mapped, else the live slot with the most excess. -1 if none. */
-static int reclaim_victim(const kvb_slot_pool *sp, int except) {
+ * with a chunk mapped, else (with `live`) the live slot with the most excess. -1 if none. */
+static int reclaim_victim(const kvb_slot_pool *sp, int except, int live) {
     int v = -1;
     for (int i = 0; i < sp->n; i++) {
         const slot *s = &sp->s[i];
         if (i == except || s->state != SLOT_CACHED || s->n_mapped == 0) continue;
         if (v < 0 || s->released < sp->s[v].released) v = i;
     }
-    if (v >= 0) return v;
+    if (v >= 0 || !live) return v;
     for (int i = 0; i < sp->n; i++) {
         const slot *s = &sp->s[i];
         if (i == except || s->state != SLOT_LIVE || s->n_mapped <= s->need) continue;
@@ -118,13 +118,13 @@ static int reclaim_victim(const kvb_slot_pool *sp, int except) {
     return v;
 }
 
-kvb_status kvb_slot_pool_map(kvb_slot_pool *sp, int i, int n, int may_reclaim) {
+kvb_status kvb_slot_pool_map(kvb_slot_pool *sp, int i, int n, kvb_slot_reclaim from) {
     slot *s = &sp->s[i];
     if (s->state != SLOT_LIVE || n > sp->slot_chunks) return KVB_ERR_INVALID;
     while (s->n_mapped < n) {
         kvb_status st = kvb_epool_map_free(sp->ep, KVB_EPOOL_KV, s->res, s->n_mapped, NULL);
-        if (st == KVB_ERR_EXHAUSTED && may_reclaim) {
-            int v = reclaim_victim(sp, i);
+        if (st == KVB_ERR_EXHAUSTED && from != KVB_SLOT_RECLAIM_NONE) {
+            int v = reclaim_victim(sp, i, from == KVB_SLOT_RECLAIM_ALL);
             if (v < 0) return KVB_ERR_EXHAUSTED;
             slot *vs = &sp->s[v];
             st = kvb_epool_move(sp->ep, vs->res, vs->n_mapped - 1, s->res, s->n_mapped, KVB_EPOOL_KV);
@@ -143,7 +143,7 @@ kvb_status kvb_slot_pool_map(kvb_slot_pool *sp, int i, int n, int may_reclaim) {
 int kvb_slot_pool_reclaim(kvb_slot_pool *sp, int n) {
     int done = 0;
     while (done < n) {
-        int v = reclaim_victim(sp, -1);
+        int v = reclaim_victim(sp, -1, 1);
         if (v < 0) break;
         slot *s = &sp->s[v];
         if (kvb_epool_unmap(sp->ep, s->res, s->n_mapped - 1) != KVB_OK) break;
@@ -165,6 +165,13 @@ int kvb_slot_pool_n_reclaimable(const kvb_slot_pool *sp) {
 }
 
 int kvb_slot_pool_n_needed(const kvb_slot_pool *sp) { return sp->needed; }
+
+int kvb_slot_pool_n_excess(const kvb_slot_pool *sp) {
+    int n = 0;
+    for (int i = 0; i < sp->n; i++)
+        if (sp->s[i].state == SLOT_LIVE) n += KVB_MAX(0, sp->s[i].n_mapped - sp->s[i].need);
+    return n;
+}
 int kvb_slot_pool_n_mapped_total(const kvb_slot_pool *sp) { return sp->mapped; }
 int kvb_slot_pool_n_free_slots(const kvb_slot_pool *sp) { return sp->n - sp->n_live; }
 

@@ -45,11 +45,18 @@ void kvb_slot_pool_release(kvb_slot_pool *sp, int slot);
  * become reclaimable. */
 void kvb_slot_pool_set_need(kvb_slot_pool *sp, int slot, int need);
 
-/* Maps chunks [n_mapped, n) of a live slot. Each comes from the KV side's free chunks, else, when
- * `may_reclaim`, by moving a reclaimable chunk here (mapped here first, unmapped there after: §5.1):
+/* Where kvb_slot_pool_map may take chunks when the KV side has no free one. */
+typedef enum kvb_slot_reclaim {
+    KVB_SLOT_RECLAIM_NONE = 0,   /* free chunks only */
+    KVB_SLOT_RECLAIM_CACHED = 1, /* and cached slots (speculative pre-mapping) */
+    KVB_SLOT_RECLAIM_ALL = 2,    /* and the excess of other live slots */
+} kvb_slot_reclaim;
+
+/* Maps chunks [n_mapped, n) of a live slot. Each comes from the KV side's free chunks, else, as
+ * `from` allows, by moving a reclaimable chunk here (mapped here first, unmapped there after: §5.1):
  * the least recently released cached slot's last chunk first, then the last excess chunk of another
  * live slot. KVB_ERR_EXHAUSTED when the KV side has none left (what was mapped stays mapped). */
-kvb_status kvb_slot_pool_map(kvb_slot_pool *sp, int slot, int n, int may_reclaim);
+kvb_status kvb_slot_pool_map(kvb_slot_pool *sp, int slot, int n, kvb_slot_reclaim from);
 
 /* Unmaps up to `n` reclaimable chunks (cached slots, least recently released first, each from its
  * end; then live slots' excess); they go back to the KV free list. Returns the chunks unmapped. */
@@ -57,6 +64,7 @@ int kvb_slot_pool_reclaim(kvb_slot_pool *sp, int n);
 
 int kvb_slot_pool_n_reclaimable(const kvb_slot_pool *sp); /* mapped chunks holding no live KV */
 int kvb_slot_pool_n_needed(const kvb_slot_pool *sp);      /* sum of live slots' needs */
+int kvb_slot_pool_n_excess(const kvb_slot_pool *sp);      /* mapped chunks of live slots above their need */
 int kvb_slot_pool_n_mapped_total(const kvb_slot_pool *sp);
 int kvb_slot_pool_n_free_slots(const kvb_slot_pool *sp);  /* slots that are not live */
 
