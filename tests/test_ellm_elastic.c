@@ -2,14 +2,19 @@
  * the activation pool (BFC), the KV slot pool, Algorithm 1, the ballooning amount, Algorithm 2 and its
  * violation window, and the accounting under random workloads. The virtual-memory calls go to a
  * recording stand-in (tests/vm_mock.h); real mappings are tested over common/mem/mem.h. */
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "common/kv/slot_pool.h"
 #include "common/mem/act_pool.h"
 #include "common/mem/elastic_pool.h"
+#include "common/mem/elastic_vm.h"
+#include "common/mem/mem.h"
 #include "common/policy/ellm_elastic_alg.h"
 #include "common/policy/ellm_elastic_core.h"
 #include "tests/harness.h"
@@ -585,6 +590,76 @@ KVB_TEST(alg2_window_3_in_5) {
 KVB_TEST_END
 
 
+
+/* ================================================================ real mappings (host backend) */
+
+/* Reserve, map, unmap (the range stays reserved), remap, one chunk at two addresses: through the
+ * unified pool over mem.h's host backend, with the mapper thread. */
+KVB_TEST(host_mapping_semantics) {
+    kvb_mem *m = NULL;
+    ck_assert_int_eq(kvb_mem_create("host", -1, &m), KVB_OK);
+    size_t C;
+    ck_assert_int_eq(kvb_mem_granularity(m, &C), KVB_OK);
+    kvb_elastic_vm *vm = NULL;
+    ck_assert_int_eq(kvb_elastic_vm_create(m, C, 4, 1, &vm), KVB_OK);
+    kvb_vm_ops ops = kvb_elastic_vm_ops(vm);
+    kvb_epool *p = NULL;
+    ck_assert_int_eq(kvb_epool_create(4, 1, &ops, &p), KVB_OK);
+    int32_t a, b;
+    ck_assert_int_eq(kvb_epool_reserve(p, 3, &a), KVB_OK);
+    ck_assert_int_eq(kvb_epool_reserve(p, 3, &b), KVB_OK);
+    unsigned char *pa = (unsigned char *)kvb_epool_base(p, a), *pb = (unsigned char *)kvb_epool_base(p, b);
+    ck_assert_ptr_eq(kvb_elastic_vm_addr(vm, a, C), pa + C);
+    /* map and write */
+    ck_assert_int_eq(kvb_epool_map_free(p, KVB_EPOOL_KV, a, 1, NULL), KVB_OK);
+    memset(pa + C, 0x11, C);
+    /* the same chunk at a second address (mapped there first, the old place unmapped after: a move)
+     * reads the bytes written through the first */
+    ck_assert_int_eq(kvb_epool_move(p, a, 1, b, 2, KVB_EPOOL_ACT), KVB_OK);
+    ck_assert_int_eq(kvb_elastic_vm_drain(vm), KVB_OK);
+    for (size_t i = 0; i < C; i += 97) ck_assert_uint_eq(pb[2 * C + i], 0x11);
+    /* the old place is unmapped but still reserved: touching it faults, and nothing else lives there */
+    pid_t pid = fork();
+    if (pid == 0) {
+        volatile unsigned char x = pa[C];
+        (void)x;
+        _exit(0);
+    }
+    int status = 0;
+    ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+    ck_assert_msg(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV, "unmapped place readable: %d", status);
+    /* remap: a fresh chunk at the old place is a different chunk (its own bytes) */
+    ck_assert_int_eq(kvb_epool_map_free(p, KVB_EPOOL_KV, a, 1, NULL), KVB_OK);
+    memset(pa + C, 0x22, 16);
+    ck_assert_uint_eq(pb[2 * C], 0x11);
+    ck_assert_int_eq(kvb_epool_check(p), KVB_OK);
+    /* both mappings of one chunk while a move is in flight: map it at a second place of b by hand
+     * through the ops (the pool never does this outside a move) */
+    int32_t c2 = kvb_epool_chunk_at(p, b, 2);
+    ck_assert_int_ge(c2, 0);
+    ck_assert_int_eq(ops.map(ops.ctx, b, 0, c2), KVB_OK);
+    pb[0] = 0x33;
+    ck_assert_uint_eq(pb[2 * C], 0x33);
+    ck_assert_int_eq(ops.unmap(ops.ctx, b, 0), KVB_OK);
+    ck_assert_int_eq(kvb_elastic_vm_drain(vm), KVB_OK);
+    ck_assert_uint_eq(pb[2 * C], 0x33); /* still mapped at its place */
+    kvb_epool_stats es;
+    kvb_epool_get_stats(p, &es);
+    kvb_epool_destroy(p);
+    kvb_elastic_vm_stats vs;
+    kvb_elastic_vm_get_stats(vm, &vs);
+    ck_assert_uint_eq(vs.sync_maps + vs.async_maps, es.maps + 1);
+    ck_assert_uint_eq(vs.async_unmaps, es.unmaps + 1 + 2); /* every unmap went to the mapper (2 at destroy) */
+    kvb_elastic_vm_destroy(vm);
+    kvb_mem_vm_stats ms;
+    kvb_mem_vm_stats_get(m, &ms);
+    ck_assert_uint_eq(ms.calls[KVB_MEM_OP_MAP], es.maps + 1);
+    ck_assert_uint_eq(ms.calls[KVB_MEM_OP_MAP], ms.calls[KVB_MEM_OP_UNMAP]);
+    ck_assert_uint_eq(ms.calls[KVB_MEM_OP_RESERVE], 2);
+    kvb_mem_destroy(m);
+}
+KVB_TEST_END
+
 /* ================================================================ the core under random workloads */
 
 /* The simulated model: a token's KV is 16 bytes (its request id and position, so that every read can
@@ -617,6 +692,9 @@ typedef struct sim_req {
 
 typedef struct sim {
     fixture f;           /* only the mock is used; the core owns its pool */
+    kvb_mem *mem;        /* real mappings: the host memory backend and the VM layer over it */
+    size_t stride;       /* bytes between two tokens' KV in a slot: chunk bytes / tokens per chunk */
+    kvb_elastic_vm *vm;
     kvb_ee_core *core;
     sim_req reqs[512];
     int n;
@@ -639,9 +717,11 @@ static int kv_is(const unsigned char *p, uint64_t id, int t) {
     return a == id && b == t;
 }
 
+/* The bytes at pool address `a`: a real pointer over mem.h, or through the mock's mapping. */
+static unsigned char *sim_deref(sim *S, uintptr_t a) { return S->vm ? (unsigned char *)a : vm_mock_deref(&S->f.m, a); }
+
 static unsigned char *slot_kv(sim *S, int slot, int t) {
-    uintptr_t a = kvb_slot_pool_base(kvb_ee_core_slots(S->core), slot) + (uintptr_t)t * SIM_KV_BYTES;
-    return vm_mock_deref(&S->f.m, a);
+    return sim_deref(S, kvb_slot_pool_base(kvb_ee_core_slots(S->core), slot) + (uintptr_t)t * S->stride);
 }
 
 /* Every request's KV reads back as its own, wherever it is (slot or CPU buffer). (Plain tests with
@@ -677,6 +757,10 @@ static int sim_step(sim *S, uint64_t now, kvb_ee_step *st) {
     if (kvb_ee_core_sync(S->core, view, S->n, now) != KVB_OK || kvb_ee_core_plan(S->core, st) != KVB_OK ||
         kvb_ee_core_apply(S->core, st) != KVB_OK || kvb_ee_core_check(S->core) != KVB_OK)
         ck_abort_msg("sync, plan, apply or the books failed");
+    /* speculative pre-mapping for the next decode, on the mapper thread while the step runs */
+    if (S->vm) kvb_elastic_vm_async(S->vm, 1);
+    kvb_ee_core_premap(S->core, st);
+    if (S->vm) kvb_elastic_vm_async(S->vm, 0);
     /* the step's activations, from the pool */
     int seqs = 0;
     int64_t stage = 0;
@@ -692,7 +776,7 @@ static int sim_step(sim *S, uint64_t now, kvb_ee_step *st) {
         nb = stage ? 5 : 4;
         for (int b = 0; b < nb; b++) {
             if (kvb_ee_core_act_alloc(S->core, sizes[b], &bufs[b]) != KVB_OK) ck_abort_msg("activation %d", b);
-            unsigned char *p = vm_mock_deref(&S->f.m, bufs[b] + sizes[b] - 1), *p0 = vm_mock_deref(&S->f.m, bufs[b]);
+            unsigned char *p = sim_deref(S, bufs[b] + sizes[b] - 1), *p0 = sim_deref(S, bufs[b]);
             if (!p || !p0) ck_abort_msg("activation buffer %d not mapped", b);
             *p0 = *p = 0x5a;
         }
@@ -732,6 +816,11 @@ static int sim_step(sim *S, uint64_t now, kvb_ee_step *st) {
     }
     for (int b = 0; b < nb; b++) kvb_ee_core_act_free(S->core, bufs[b]);
     if (kvb_ee_core_done(S->core, st) != KVB_OK) ck_abort_msg("done failed");
+    if (S->vm) {
+        /* the step is over: unmaps may go; pre-maps run on the mapper meanwhile */
+        kvb_elastic_vm_set_ticket(S->vm, 0);
+        if (kvb_elastic_vm_drain(S->vm) != KVB_OK) ck_abort_msg("a queued map or unmap failed");
+    }
     /* progress and sampling */
     for (int i = 0; i < st->n_items; i++) {
         const kvb_ee_item *it = &st->items[i];
@@ -759,7 +848,7 @@ static int sim_step(sim *S, uint64_t now, kvb_ee_step *st) {
 
 /* Runs `n_req` random requests through the core with the given switches; every iteration checks the
  * books, the KV of every request, and that something progresses until all have finished. */
-static void run_sim(kvb_ee_mode mode, int intra, int inter, int premap, double slo, unsigned seed) {
+static void run_sim_on(int real, kvb_ee_mode mode, int intra, int inter, int premap, double slo, unsigned seed) {
     srand(seed);
     sim *S = calloc(1, sizeof *S);
     ck_assert_ptr_nonnull(S);
@@ -792,6 +881,16 @@ static void run_sim(kvb_ee_mode mode, int intra, int inter, int premap, double s
     };
     c.act_chunks_start = (int)sim_act(NULL, c.max_tokens, KVB_MIN(c.max_seqs, c.max_tokens), 0);
     vm_mock_init(&S->f.m, n_chunks, SIM_CHUNK, &S->f.ops);
+    S->stride = SIM_KV_BYTES;
+    if (real) { /* the host backend: memfd chunks of one page, mapped by the mapper thread */
+        size_t gran;
+        ck_assert_int_eq(kvb_mem_create("host", -1, &S->mem), KVB_OK);
+        ck_assert_int_eq(kvb_mem_granularity(S->mem, &gran), KVB_OK);
+        c.chunk_bytes = gran; /* 16 tokens per chunk still: a token's KV every gran / 16 bytes */
+        S->stride = gran / SIM_CHUNK_TOKENS;
+        ck_assert_int_eq(kvb_elastic_vm_create(S->mem, gran, n_chunks, 1, &S->vm), KVB_OK);
+        S->f.ops = kvb_elastic_vm_ops(S->vm);
+    }
     ck_assert_int_eq(kvb_ee_core_create(&c, &S->f.ops, &S->core), KVB_OK);
     S->host = calloc(40, SIM_CHUNK);
     const int n_req = 120;
@@ -845,6 +944,18 @@ static void run_sim(kvb_ee_mode mode, int intra, int inter, int premap, double s
     ck_assert_int_eq(kvb_slot_pool_n_needed(kvb_ee_core_slots(S->core)), 0);
     kvb_ee_step_free(&st);
     kvb_ee_core_destroy(S->core);
+    if (S->vm) {
+        kvb_elastic_vm_stats vs;
+        kvb_elastic_vm_get_stats(S->vm, &vs);
+        if (premap) ck_assert_uint_gt(vs.async_maps, 0);
+        ck_assert_uint_gt(vs.async_unmaps, 0);
+        kvb_elastic_vm_destroy(S->vm);
+        kvb_mem_vm_stats ms;
+        kvb_mem_vm_stats_get(S->mem, &ms);
+        ck_assert_uint_eq(ms.calls[KVB_MEM_OP_MAP], ms.calls[KVB_MEM_OP_UNMAP]); /* everything unmapped */
+        ck_assert_uint_eq(ms.calls[KVB_MEM_OP_MAP], vs.sync_maps + vs.async_maps);
+        kvb_mem_destroy(S->mem);
+    }
     ck_assert_int_eq(S->f.m.errors, 0);
     ck_assert_int_eq(vm_mock_n_mapped(&S->f.m), 0);
     ck_assert_int_le(S->f.m.max_places, 2);
@@ -852,6 +963,18 @@ static void run_sim(kvb_ee_mode mode, int intra, int inter, int premap, double s
     free(S->host);
     free(S);
 }
+
+static void run_sim(kvb_ee_mode mode, int intra, int inter, int premap, double slo, unsigned seed) {
+    run_sim_on(0, mode, intra, inter, premap, slo, seed);
+}
+
+/* The same workload over real mappings (memfd chunks, reservations, the mapper thread): KV written
+ * through one mapping survives every remap. */
+KVB_TEST(core_random_real_mappings) {
+    run_sim_on(1, KVB_EE_MODE_ELASTIC, 1, 1, 1, 0, 11);
+    run_sim_on(1, KVB_EE_MODE_CHUNKED, 0, 0, 1, 0, 12);
+}
+KVB_TEST_END
 
 KVB_TEST(core_random_elastic) {
     for (unsigned seed = 1; seed <= 4; seed++) run_sim(KVB_EE_MODE_ELASTIC, 1, 1, 1, 0, seed);
@@ -878,4 +1001,5 @@ KVB_TEST_MAIN("ellm_elastic", KVB_T(epool_books, 10), KVB_T(epool_failed_call_ch
               KVB_T(slot_pool_best_fit_reuse, 10), KVB_T(slot_pool_reclaim_lru_and_excess, 10),
               KVB_T(alg1_fcfs_break, 10), KVB_T(alg1_offload_branch, 10), KVB_T(alg1_balloon_sign_and_bounds, 10),
               KVB_T(alg1_random_against_pseudocode, 30), KVB_T(alg2_scaling, 10), KVB_T(alg2_window_3_in_5, 10),
-              KVB_T(core_random_elastic, 60), KVB_T(core_random_ablations, 60), KVB_T(core_random_chunked, 60))
+              KVB_T(core_random_elastic, 60), KVB_T(core_random_ablations, 60), KVB_T(core_random_chunked, 60),
+              KVB_T(core_random_real_mappings, 60), KVB_T(host_mapping_semantics, 20))

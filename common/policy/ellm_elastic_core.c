@@ -638,32 +638,31 @@ kvb_status kvb_ee_core_done(kvb_ee_core *core, const kvb_ee_step *st) {
         if (r->state == R_RESIDENT) kvb_slot_pool_set_need(core->sp, r->slot, kvb_ee_core_kv_chunks(core, r->kv));
         if (it->action == KVB_EE_DO_FETCH) host_release(core, r); /* the copy back is done */
     }
-    /* speculative pre-mapping (§5.1): every request that just computed on the device decodes next, so
-     * the chunk its next token falls into is mapped now, off the next step's critical path: from a free
-     * chunk, else a cached slot's (never another request's pre-mapped chunk, nor an idle activation
-     * chunk, which the activation pool keeps for its next step), at most premap_max ahead */
-    if (core->c.premap) {
-        int ahead = kvb_slot_pool_n_excess(core->sp);
-        for (int i = 0; i < st->n_items; i++) {
-            const kvb_ee_item *it = &st->items[i];
-            if (it->slot < 0 || it->action == KVB_EE_DO_PREEMPT) continue;
-            ee_req *r = req_find(core, it->id);
-            if (r->state != R_RESIDENT) continue;
-            int next = kvb_ee_core_kv_chunks(core, r->kv + 1);
-            if (next <= kvb_slot_pool_n_mapped(core->sp, r->slot) || next > core->c.slot_chunks) continue;
-            if (ahead >= core->c.premap_max) break;
-            if (kvb_epool_n_free(core->ep, KVB_EPOOL_KV) == 0 && core->c.intra &&
-                kvb_epool_n_free(core->ep, KVB_EPOOL_ACT) > 0 &&
-                kvb_epool_transfer(core->ep, KVB_EPOOL_ACT, KVB_EPOOL_KV, 1) == KVB_OK)
-                core->st.inflated++;
-            /* need stays at the KV the request holds: the pre-mapped chunk is reclaimable excess */
-            if (kvb_slot_pool_map(core->sp, r->slot, next, KVB_SLOT_RECLAIM_CACHED) != KVB_OK) break;
-            core->st.premapped++;
-            ahead++;
-        }
-    }
     core->st.plan_ns += kvb_now_ns() - t0;
     return KVB_OK;
+}
+
+int kvb_ee_core_premap(kvb_ee_core *core, const kvb_ee_step *st) {
+    if (!core->c.premap) return 0;
+    uint64_t t0 = kvb_now_ns();
+    int ahead = kvb_slot_pool_n_excess(core->sp), done = 0;
+    for (int i = 0; i < st->n_items && ahead < core->c.premap_max; i++) {
+        const kvb_ee_item *it = &st->items[i];
+        if (it->slot < 0 || it->action == KVB_EE_DO_PREEMPT || it->action == KVB_EE_DO_OFFLOAD) continue;
+        int next = kvb_ee_core_kv_chunks(core, it->kv_before + it->q_len + 1);
+        if (next <= kvb_slot_pool_n_mapped(core->sp, it->slot) || next > core->c.slot_chunks) continue;
+        if (kvb_epool_n_free(core->ep, KVB_EPOOL_KV) == 0 && core->c.intra &&
+            kvb_epool_n_free(core->ep, KVB_EPOOL_ACT) > 0 &&
+            kvb_epool_transfer(core->ep, KVB_EPOOL_ACT, KVB_EPOOL_KV, 1) == KVB_OK)
+            core->st.inflated++;
+        /* the slot's need stays at its KV: the pre-mapped chunk is reclaimable excess until used */
+        if (kvb_slot_pool_map(core->sp, it->slot, next, KVB_SLOT_RECLAIM_CACHED) != KVB_OK) break;
+        core->st.premapped++;
+        ahead++;
+        done++;
+    }
+    core->st.plan_ns += kvb_now_ns() - t0;
+    return done;
 }
 
 /* ---------------------------------------------------------------- activations */

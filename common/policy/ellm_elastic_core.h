@@ -9,8 +9,9 @@
  *     kvb_ee_core_sync(core, reqs, n, now)   what the engine says is live; measures TTFT/TPOT misses
  *     kvb_ee_core_plan(core, &step)          Alg. 1: prefill-only or decode-only batch, preemptions
  *     kvb_ee_core_apply(core, &step)         balloon, slots, maps: all of the iteration's KV memory
+ *     kvb_ee_core_premap(core, &step)        next decode chunks, mapped while the step runs (§5.1)
  *     ... the step runs; its activations come from kvb_ee_core_act_alloc/free ...
- *     kvb_ee_core_done(core, &step)          progress; speculative pre-mapping of next decode chunks
+ *     kvb_ee_core_done(core, &step)          KV progress
  *
  * Modes (kvb_ee_config.mode): ELASTIC is eLLM (intra/inter switch its two elasticities: both off is
  * vLLM's static split, §6.5's ablations in between); CHUNKED is vLLM with chunked prefill (Sarathi):
@@ -139,7 +140,13 @@ kvb_status kvb_ee_core_plan(kvb_ee_core *core, kvb_ee_step *st);
  * activations, deflation -I from the KV side), slots for admitted and fetched requests, chunks for
  * every KV the step writes. Sets each item's slot. */
 kvb_status kvb_ee_core_apply(kvb_ee_core *core, kvb_ee_step *st);
-/* The step ran: KV progress, CPU buffer bookkeeping, speculative pre-mapping for the next decode. */
+/* Speculative pre-mapping (§5.1), after apply: every request the step computes on the device decodes
+ * next, so the chunk its next token falls into is mapped now (the caller queues these maps to run
+ * while the step computes: kvb_elastic_vm_async). From a free chunk, else a cached slot's; never
+ * another request's pre-mapped chunk nor an idle activation chunk; at most premap_max chunks ahead.
+ * Best effort: returns the chunks mapped. */
+int kvb_ee_core_premap(kvb_ee_core *core, const kvb_ee_step *st);
+/* The step ran: KV progress, CPU buffer bookkeeping. */
 kvb_status kvb_ee_core_done(kvb_ee_core *core, const kvb_ee_step *st);
 void kvb_ee_step_free(kvb_ee_step *st);
 
