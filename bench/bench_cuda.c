@@ -64,6 +64,15 @@ static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
+/* Whether batch sequences of ctx tokens fit the pool; says so when they do not (the row is skipped). */
+static int config_fits(int64_t pool_blocks, int block_size, int batch, int ctx) {
+    int64_t need = (int64_t)batch * KVB_DIV_CEIL(ctx, block_size);
+    if (need <= pool_blocks) return 1;
+    printf("  batch %3d ctx %5d     skipped: needs %lld KV blocks, the device memory holds %lld\n", batch, ctx,
+           (long long)need, (long long)pool_blocks);
+    return 0;
+}
+
 static double median(double *v, int n) {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
@@ -505,6 +514,7 @@ int kvb_bench_cuda(int argc, char **argv) {
     model m = {0};
     acts a = {0};
     void *pool = NULL;
+    int64_t pool_blocks = 0;
     double B = measure_copy_bw(be, copy_bytes);
     double F = measure_gemm(be, gemm_n);
     printf("ceilings: copy %.2f TB/s (read + written), cuBLAS bf16 GEMM %.1f TFLOP/s\n", B / 1e12, F / 1e12);
@@ -518,12 +528,31 @@ int kvb_bench_cuda(int argc, char **argv) {
     max_batch = KVB_MAX(max_batch, KVB_MAX(attn_batch, ipc_batch));
     kvb_kv_geom g = {.n_layers = s.n_layers, .n_kv_heads = s.n_kv, .head_dim = s.head_dim, .block_size = s.block_size,
                      .elem_size = 2};
-    int blocks_per_seq = KVB_DIV_CEIL(KVB_MAX(max_ctx, KVB_MAX(prefill, ipc_ctx)), s.block_size);
     size_t block_bytes = (size_t)s.n_layers * 2 * s.block_size * s.n_kv * s.head_dim * 2;
-    int pool_seqs = KVB_MAX(max_batch, 1);
-    size_t pool_bytes = block_bytes * (size_t)blocks_per_seq * (size_t)pool_seqs;
     int act_cap = KVB_MAX(max_batch, do_prefill ? prefill : 1);
     if (acts_alloc(be, &s, act_cap, max_batch, &a) != KVB_OK) goto out;
+    /* The pool holds the largest configuration that fits the device's free memory (after the weights
+     * and activations, less a reserve for cuBLAS and the IPC import); each configuration takes
+     * batch * ceil(ctx / block) blocks of it, and one that does not fit is skipped and said so. On an
+     * H100 (80 GB) with Llama-3-8B that skips batch 64 at 8K (64 GiB of KV beside 15 GiB of weights). */
+    int64_t want_blocks = 0;
+    for (int ci = 0; ci < n_ctxs; ci++)
+        for (int bi = 0; bi < n_batches; bi++)
+            want_blocks = KVB_MAX(want_blocks, (int64_t)batches[bi] * KVB_DIV_CEIL(ctxs[ci], s.block_size));
+    want_blocks = KVB_MAX(want_blocks, (int64_t)attn_batch * KVB_DIV_CEIL(max_ctx, s.block_size));
+    if (do_prefill) want_blocks = KVB_MAX(want_blocks, (int64_t)KVB_DIV_CEIL(prefill, s.block_size));
+    if (do_ipc) want_blocks = KVB_MAX(want_blocks, (int64_t)ipc_batch * KVB_DIV_CEIL(ipc_ctx, s.block_size));
+    if (kvb_cuda_backend_info(be, &info) != KVB_OK) goto out;
+    size_t reserve = (size_t)2 << 30; /* cuBLAS workspaces, the IPC import's own copy, fragmentation */
+    if (do_ipc) reserve += block_bytes * (size_t)ipc_batch * (size_t)KVB_DIV_CEIL(ipc_ctx, s.block_size);
+    int64_t fit_blocks = info.mem_free > reserve ? (int64_t)((info.mem_free - reserve) / block_bytes) : 0;
+    pool_blocks = KVB_MIN(want_blocks, fit_blocks);
+    if (pool_blocks < 1) {
+        fprintf(stderr, "kvbank-bench cuda: no room for KV blocks: %.1f GiB free after the weights\n",
+                info.mem_free / 1073741824.0);
+        goto out;
+    }
+    size_t pool_bytes = block_bytes * (size_t)pool_blocks;
     if (be->iface->alloc(be->ctx, pool_bytes, &pool) != KVB_OK) {
         fprintf(stderr, "kvbank-bench cuda: cannot allocate %.1f GiB of KV blocks (fewer --layers or smaller lists)\n",
                 pool_bytes / 1073741824.0);
@@ -533,8 +562,10 @@ int kvb_bench_cuda(int argc, char **argv) {
         kvb_cuda_fill_uniform(a.q, KVB_DTYPE_BF16, (size_t)act_cap * s.n_heads * s.head_dim, 10, -1, 1,
                               kvb_cuda_backend_stream(be)) != 0)
         goto out;
-    printf("model: %.2f G matrix parameters, %.2f GB of weights read per decode step; KV pool %.1f GiB\n\n",
-           m.matrix_params / 1e9, m.weight_bytes / 1e9, pool_bytes / 1073741824.0);
+    printf("model: %.2f G matrix parameters, %.2f GB of weights read per decode step; KV pool %.1f GiB "
+           "(%lld blocks of %d tokens%s)\n\n",
+           m.matrix_params / 1e9, m.weight_bytes / 1e9, pool_bytes / 1073741824.0, (long long)pool_blocks, s.block_size,
+           pool_blocks < want_blocks ? ", sized to the free device memory" : "");
 
     /* decode steps */
     printf("decode step                 step ms  +logits  bytes GB  roofline ms   ratio\n");
@@ -543,7 +574,8 @@ int kvb_bench_cuda(int argc, char **argv) {
             int batch = batches[bi], ctx = ctxs[ci];
             batch_view v;
             step st;
-            if (view_make(&m, &g, pool, blocks_per_seq, batch, ctx, 1, &v) != KVB_OK) goto out;
+            if (!config_fits(pool_blocks, s.block_size, batch, ctx)) continue;
+            if (view_make(&m, &g, pool, KVB_DIV_CEIL(ctx, s.block_size), batch, ctx, 1, &v) != KVB_OK) goto out;
             step_init(&st, be, &m, &a, &g, &v, batch);
             double t_dev = time_events(be, run_step, &st, REPS);
             st.logits_to_host = 1;
@@ -568,7 +600,9 @@ int kvb_bench_cuda(int argc, char **argv) {
     for (int i = 0; i < 2; i++) {
         batch_view v;
         step st;
-        if (view_make(&m, &g, pool, blocks_per_seq, attn_batches[i], max_ctx, 1, &v) != KVB_OK) goto out;
+        if (!config_fits(pool_blocks, s.block_size, attn_batches[i], max_ctx)) continue;
+        if (view_make(&m, &g, pool, KVB_DIV_CEIL(max_ctx, s.block_size), attn_batches[i], max_ctx, 1, &v) != KVB_OK)
+            goto out;
         step_init(&st, be, &m, &a, &g, &v, attn_batches[i]);
         st.only_attention = 1;
         double t = time_events(be, run_step, &st, REPS);
@@ -578,10 +612,10 @@ int kvb_bench_cuda(int argc, char **argv) {
         view_free(&v, s.n_layers);
     }
 
-    if (do_prefill) {
+    if (do_prefill && config_fits(pool_blocks, s.block_size, 1, prefill)) {
         batch_view v;
         step st;
-        if (view_make(&m, &g, pool, blocks_per_seq, 1, prefill, prefill, &v) != KVB_OK) goto out;
+        if (view_make(&m, &g, pool, KVB_DIV_CEIL(prefill, s.block_size), 1, prefill, prefill, &v) != KVB_OK) goto out;
         step_init(&st, be, &m, &a, &g, &v, 1);
         double t = time_events(be, run_step, &st, 3);
         st.only_attention = 1;
@@ -599,7 +633,7 @@ int kvb_bench_cuda(int argc, char **argv) {
         view_free(&v, s.n_layers);
     }
 
-    if (do_ipc) {
+    if (do_ipc && config_fits(pool_blocks, s.block_size, ipc_batch, ipc_ctx)) {
         /* a second process lends ipc_batch sequences of 4096 tokens; attention reads them in place */
         int ctx = ipc_ctx, nb = KVB_DIV_CEIL(ctx, s.block_size);
         size_t bytes = block_bytes * (size_t)nb * (size_t)ipc_batch;

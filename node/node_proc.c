@@ -456,7 +456,7 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     *out = p;
     return KVB_OK;
 fail:
-    if (planner_owned && planner.iface && planner.iface->destroy) planner.iface->destroy(planner.ctx);
+    if (planner_owned) kvb_planner_destroy(&planner);
     kvb_node_proc_destroy(p);
     return st == KVB_OK ? KVB_ERR_STATE : st;
 }

@@ -12,6 +12,7 @@
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "tests/harness.h"
+#include "tests/testmodel.h"
 
 #define MAXR 8
 #define MAXT 256
@@ -36,30 +37,17 @@ static void on_finish(void *ud, uint64_t id, kvb_finish why, kvb_status err) {
     r->finished++;
 }
 
-static char model_dir[256];
-static kvb_backend *be;
+static kvb_t_model tm;
 static kvb_model *model;
 
 static void setup_model(const char *arch) {
-    char tmpl[] = "/tmp/kvb-engine-XXXXXX";
-    ck_assert_ptr_nonnull(mkdtemp(tmpl));
-    snprintf(model_dir, sizeof model_dir, "%s/m", tmpl);
-    const char *bd = getenv("KVB_BUILDDIR");
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd, "%s/kvbank-mkmodel --arch %s --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 200 "
-             "--seed 7 %s >/dev/null", bd ? bd : ".", arch, model_dir);
-    ck_assert_int_eq(system(cmd), 0);
-    ck_assert_int_eq(kvb_backend_create("cpu", 2, &be), KVB_OK);
-    ck_assert_int_eq(kvb_model_load(model_dir, be, &model), KVB_OK);
+    char args[256];
+    snprintf(args, sizeof args, "--arch %s --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 200 --seed 7", arch);
+    kvb_t_model_make(&tm, args);
+    model = tm.m;
 }
 
-static void teardown_model(void) {
-    kvb_model_destroy(model);
-    kvb_backend_destroy(be);
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf %.*s", (int)(strrchr(model_dir, '/') - model_dir), model_dir);
-    ck_assert_int_eq(system(cmd), 0);
-}
+static void teardown_model(void) { kvb_t_model_free(&tm); }
 
 static kvb_engine *make_engine(rec *r, int block_size, int n_blocks, int budget, int prefix) {
     kvb_engine_opts o;

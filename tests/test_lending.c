@@ -21,6 +21,7 @@
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "tests/harness.h"
+#include "tests/testmodel.h"
 
 #define MAXR 64
 #define MAXT 160
@@ -237,32 +238,20 @@ static void on_finish(void *ud, uint64_t id, kvb_finish why, kvb_status err) {
     r->fin[id] = why;
 }
 
-static char model_dir[256];
-static kvb_backend *be;
+static kvb_t_model tm;
 static kvb_model *model;
 static int n_layers;
 
 static void setup_model(const char *arch, int layers) {
-    char tmpl[] = "/tmp/kvb-lending-XXXXXX";
-    ck_assert_ptr_nonnull(mkdtemp(tmpl));
-    snprintf(model_dir, sizeof model_dir, "%s/m", tmpl);
-    const char *bd = getenv("KVB_BUILDDIR");
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd, "%s/kvbank-mkmodel --arch %s --layers %d --hidden 64 --heads 4 --kv-heads 2 "
-             "--vocab 200 --max-pos 512 --seed 11 %s >/dev/null", bd ? bd : ".", arch, layers, model_dir);
-    ck_assert_int_eq(system(cmd), 0);
-    ck_assert_int_eq(kvb_backend_create("cpu", 2, &be), KVB_OK);
-    ck_assert_int_eq(kvb_model_load(model_dir, be, &model), KVB_OK);
+    char args[256];
+    snprintf(args, sizeof args, "--arch %s --layers %d --hidden 64 --heads 4 --kv-heads 2 --vocab 200 --max-pos 512 "
+             "--seed 11", arch, layers);
+    kvb_t_model_make(&tm, args);
+    model = tm.m;
     n_layers = layers;
 }
 
-static void teardown_model(void) {
-    kvb_model_destroy(model);
-    kvb_backend_destroy(be);
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf %.*s", (int)(strrchr(model_dir, '/') - model_dir), model_dir);
-    ck_assert_int_eq(system(cmd), 0);
-}
+static void teardown_model(void) { kvb_t_model_free(&tm); }
 
 static size_t block_bytes(int bs) {
     kvb_kv_geom g = kvb_model_kv_geom(model, bs);

@@ -1150,6 +1150,151 @@ KVB_TEST(sigterm_cleanup) {
 }
 KVB_TEST_END
 
+/* The supervisor's part in the resume tests: after `kill_at` tokens the callback SIGKILLs the server
+ * and, when `restart`, starts a new one on the same endpoint at once (as kvbankd restarts a model). */
+typedef struct killer {
+    collect col; /* first: on_tok's state */
+    int kill_at;
+    int restart;
+    int killed;
+} killer;
+
+static int on_tok_kill(void *ud, int index, int32_t token, uint64_t t_ns) {
+    killer *k = ud;
+    int stop = on_tok(&k->col, index, token, t_ns);
+    if (!k->killed && k->col.n == k->kill_at) {
+        k->killed = 1;
+        pid_t old = g_server;
+        ck_assert_int_eq(kill(old, SIGKILL), 0);
+        int status;
+        ck_assert_int_eq(waitpid(old, &status, 0), old);
+        g_server = -1;
+        if (k->restart) spawn_server(NULL);
+    }
+    return stop;
+}
+
+/* A request whose server is killed mid-stream: the client notices the lost connection, waits for the
+ * server to come back on its endpoint, resubmits prompt + delivered tokens, and the stream goes on
+ * with no gap and no repeat: the ids equal an uninterrupted run's (greedy, and seeded sampling). With
+ * resume_ms = 0 the loss is an explicit KVB_ERR_UNAVAILABLE at once, not a timeout. */
+KVB_TEST(resume_after_kill) {
+    make_model();
+    start_server(NULL);
+    enum { MAXT = 1500, KILL_AT = 12 };
+    const char *ps[] = {"1,2,3,4,5"};
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+    int32_t *ref = NULL, *sref = NULL;
+    int n_ref = 0, n_sref = 0;
+    reference(ps, 1, MAXT, NULL, &ref, &n_ref);
+    const char *sx[] = {"--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "7", NULL};
+    reference(ps, 1, MAXT, sx, &sref, &n_sref);
+    ck_assert_int_eq(n_ref, MAXT);
+
+    for (int sampled = 0; sampled < 2; sampled++) {
+        kvb_client *c = NULL;
+        ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+        killer *k = calloc(1, sizeof *k);
+        ck_assert_ptr_nonnull(k);
+        k->col.index_ok = 1;
+        k->kill_at = KILL_AT;
+        k->restart = 1;
+        kvb_request r = {.prompt = prompt, .n_prompt = 5, .max_tokens = MAXT};
+        if (sampled) r.sampling = (kvb_sampling){.temperature = 0.8f, .top_k = 20, .top_p = 0.9f, .seed = 7};
+        kvb_finish fin = KVB_FINISH_NONE;
+        char err[256] = "";
+        kvb_status st = kvb_client_generate(c, &r, on_tok_kill, k, 20000, &fin, err, sizeof err);
+        if (st != KVB_OK) print_server_log();
+        ck_assert_msg(st == KVB_OK, "generate across a server kill: %s (%s)", kvb_status_str(st), err);
+        ck_assert_int_eq(k->killed, 1);
+        ck_assert_int_eq(fin, KVB_FINISH_LENGTH);
+        ck_assert(k->col.index_ok);
+        assert_ids_eq(k->col.tok, k->col.n, sampled ? sref : ref, sampled ? n_sref : n_ref,
+                      sampled ? "seeded sampling resumed on a new server" : "greedy resumed on a new server");
+        kvb_client_stats cs;
+        kvb_client_get_stats(c, &cs);
+        ck_assert_uint_eq(cs.disconnects, 1);
+        ck_assert_uint_eq(cs.resumes, 1);
+        free(k);
+        kvb_client_destroy(c);
+    }
+
+    /* The asynchronous client (the gateway's way): two requests on one socket, the server killed and
+     * restarted under them; the event loop waits on kvb_client_fd alone (no polling timeout but the
+     * client's own kvb_client_timeout_ms), so the lost connection and the new handshake must wake it. */
+    {
+        kvb_client *c = NULL;
+        ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+        astream *a = calloc(2, sizeof *a);
+        ck_assert_ptr_nonnull(a);
+        kvb_request rq = {.prompt = prompt, .n_prompt = 5, .max_tokens = MAXT};
+        char err[256];
+        for (int i = 0; i < 2; i++) {
+            a[i].c = c;
+            a[i].col.index_ok = 1;
+            ck_assert_int_eq(kvb_client_submit(c, &rq, on_event, &a[i], 1000, NULL, err, sizeof err), KVB_OK);
+        }
+        int killed = 0;
+        while (!(a[0].finish && a[1].finish)) {
+            ck_assert_int_eq(kvb_client_dispatch(c), KVB_OK);
+            if (!killed && a[0].col.n >= KILL_AT) {
+                killed = 1;
+                pid_t old = g_server;
+                ck_assert_int_eq(kill(old, SIGKILL), 0);
+                ck_assert_int_eq(waitpid(old, NULL, 0), old);
+                g_server = -1;
+                spawn_server(NULL);
+            }
+            if (a[0].finish && a[1].finish) break;
+            struct pollfd pfd = {.fd = kvb_client_fd(c), .events = POLLIN};
+            int t = kvb_client_timeout_ms(c);
+            int rc = poll(&pfd, 1, t >= 0 ? t : 20000);
+            ck_assert_msg(rc > 0 || t >= 0, "the client's fd stayed quiet for 20 s with requests live");
+        }
+        for (int i = 0; i < 2; i++) {
+            ck_assert_msg(a[i].st == KVB_OK, "async request %d: %s (%s)", i, kvb_status_str(a[i].st), a[i].err);
+            ck_assert_int_eq(a[i].finish, KVB_FINISH_LENGTH);
+            ck_assert_int_eq(a[i].n_final, 1);
+            ck_assert(a[i].col.index_ok);
+            assert_ids_eq(a[i].col.tok, a[i].col.n, ref, n_ref, "async request resumed on a new server");
+        }
+        kvb_client_stats cs;
+        kvb_client_get_stats(c, &cs);
+        ck_assert_uint_eq(cs.disconnects, 1);
+        ck_assert_uint_le(cs.resumes, 2); /* one of the two may have finished before the kill */
+        ck_assert_uint_ge(cs.resumes, 1);
+        free(a);
+        kvb_client_destroy(c);
+    }
+
+    /* No resume: the loss is reported at once and says how far the request got. */
+    kvb_client_opts o;
+    kvb_client_opts_default(&o);
+    o.resume_ms = 0;
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect_opts(g_endpoint, &o, &c), KVB_OK);
+    killer *k = calloc(1, sizeof *k);
+    ck_assert_ptr_nonnull(k);
+    k->col.index_ok = 1;
+    k->kill_at = KILL_AT;
+    kvb_request r = {.prompt = prompt, .n_prompt = 5, .max_tokens = MAXT};
+    kvb_finish fin = KVB_FINISH_NONE;
+    char err[256] = "";
+    kvb_status st = kvb_client_generate(c, &r, on_tok_kill, k, 60000, &fin, err, sizeof err);
+    ck_assert_msg(st == KVB_ERR_UNAVAILABLE, "generate on a killed server: %s (%s)", kvb_status_str(st), err);
+    ck_assert_msg(strstr(err, "the model server went away after") != NULL, "error: %s", err);
+    ck_assert_int_ge(k->col.n, KILL_AT);
+    ck_assert_int_lt(k->col.n, MAXT);
+    assert_ids_eq(k->col.tok, k->col.n, ref, k->col.n, "tokens before the loss");
+    free(k);
+    kvb_client_destroy(c);
+    kvb_region_unlink_tag(g_name, NULL); /* the killed server could not remove its region */
+    free(ref);
+    free(sref);
+    teardown();
+}
+KVB_TEST_END
+
 KVB_TEST(command_line) {
     make_model();
     g_quiet = 1; /* usage texts and the expected errors */
@@ -1316,5 +1461,5 @@ KVB_TEST_END
 KVB_TEST_MAIN("server", KVB_T(wire_roundtrip_and_fuzz, 120), KVB_T(generate_matches_reference, 120), KVB_T(concurrent_clients, 120),
               KVB_T(async_multiplex, 120),
               KVB_T(malformed_frames, 120), KVB_T(invalid_requests, 120), KVB_T(client_disconnect, 120),
-              KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120),
+              KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120), KVB_T(resume_after_kill, 180),
               KVB_T(command_line, 120))

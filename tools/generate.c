@@ -29,6 +29,8 @@ static void usage(FILE *f) {
             "                         a smaller pool forces preemption by recompute\n"
             "  --max-batch-tokens N   token budget per step; longer prompts are prefilled in chunks (default 512)\n"
             "  --no-prefix-cache      do not reuse KV blocks across requests\n"
+            "  --policy NAME          planner (default recompute); --policy list prints them\n"
+            "  --policy-param K=V     a parameter of the planner (repeat for more)\n"
             "  --sequential           run the requests one after another (later ones can hit the prefix cache)\n"
             "  --temperature T        0 (default) is greedy; otherwise sample\n"
             "  --top-k K, --top-p P   sampling filters (default off)\n"
@@ -79,7 +81,8 @@ static int parse_int(const char *flag, const char *v, int min, int *out) {
 }
 
 int main(int argc, char **argv) {
-    const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL;
+    const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL, *policy = "recompute";
+    kvb_policy_params pparams = {0};
     int32_t *prompts[MAX_REQ];
     int n_prompt[MAX_REQ], n_req = 0;
     int32_t *stop = NULL;
@@ -97,14 +100,15 @@ int main(int argc, char **argv) {
     gen_state g = {0};
 
     enum { O_MODEL = 256, O_PROMPT, O_MAXTOK, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_NOPC, O_SEQ, O_TEMP,
-           O_TOPK, O_TOPP, O_SEED, O_STOP, O_DUMP, O_STATS };
+           O_TOPK, O_TOPP, O_SEED, O_STOP, O_DUMP, O_STATS, O_POLICY, O_PPARAM };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL},         {"prompt-ids", 1, 0, O_PROMPT},   {"max-tokens", 1, 0, O_MAXTOK},
         {"backend", 1, 0, O_BACKEND},     {"threads", 1, 0, O_THREADS},     {"block-size", 1, 0, O_BS},
         {"kv-blocks", 1, 0, O_BLOCKS},    {"max-batch-tokens", 1, 0, O_MBT}, {"no-prefix-cache", 0, 0, O_NOPC},
         {"sequential", 0, 0, O_SEQ},      {"temperature", 1, 0, O_TEMP},    {"top-k", 1, 0, O_TOPK},
         {"top-p", 1, 0, O_TOPP},          {"seed", 1, 0, O_SEED},           {"stop-ids", 1, 0, O_STOP},
-        {"dump-logits", 1, 0, O_DUMP},    {"stats", 0, 0, O_STATS},         {"help", 0, 0, 'h'},
+        {"dump-logits", 1, 0, O_DUMP},    {"stats", 0, 0, O_STATS},         {"policy", 1, 0, O_POLICY},
+        {"policy-param", 1, 0, O_PPARAM}, {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -155,9 +159,21 @@ int main(int argc, char **argv) {
             break;
         case O_DUMP: dump_path = optarg; break;
         case O_STATS: show_stats = 1; break;
+        case O_POLICY: policy = optarg; break;
+        case O_PPARAM:
+            if (kvb_policy_params_add(&pparams, optarg) != KVB_OK) {
+                fprintf(stderr, "kvbank-generate: --policy-param needs KEY=VALUE, got '%s'\n", optarg);
+                goto bad_args;
+            }
+            break;
         case 'h': usage(stdout); rc = 0; goto out;
         default: usage(stderr); goto bad_args;
         }
+    }
+    if (!strcmp(policy, "list")) {
+        kvb_policy_print_list(stdout);
+        rc = 0;
+        goto out;
     }
     if (optind != argc || !model_dir || !n_req || !max_tokens) {
         if (optind != argc) fprintf(stderr, "kvbank-generate: unexpected argument '%s'\n", argv[optind]);
@@ -188,8 +204,13 @@ int main(int argc, char **argv) {
     }
     if (dump_path && kvb_calloc((size_t)max_tokens * cfg->vocab, sizeof(float), (void **)&g.dump) != KVB_OK) goto out;
     kvb_engine_events ev = {.ud = &g, .on_token = on_token, .on_finish = on_finish, .on_logits = on_logits};
-    kvb_planner planner = kvb_policy_recompute();
-    if (kvb_engine_create(m, &o, &planner, &ev, &e) != KVB_OK) goto out;
+    kvb_planner planner;
+    if (kvb_policy_create(policy, &pparams, &planner) != KVB_OK) {
+        fprintf(stderr, "kvbank-generate: cannot create policy '%s' (see the log above; --policy list names them)\n",
+                policy);
+        goto bad_args;
+    }
+    if (kvb_engine_create(m, &o, &planner, &ev, &e) != KVB_OK) goto out; /* the engine took the planner */
 
     for (int i = 0; i < n_req; i++) {
         kvb_request r = {.id = (uint64_t)i, .prompt = prompts[i], .n_prompt = n_prompt[i], .max_tokens = max_tokens,
@@ -238,5 +259,6 @@ out:
     }
     free(g.dump);
     free(stop);
+    kvb_policy_params_free(&pparams);
     return rc;
 }

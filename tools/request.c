@@ -18,6 +18,9 @@ static void usage(FILE *f) {
                "  --stop-ids IDS         stop after one of these ids\n"
                "  --temperature T, --top-k K, --top-p P, --seed S   sampling (default greedy)\n"
                "  --timeout-ms N         give up when the server is silent this long (default 30000)\n"
+               "  --resume-s S           when the server dies mid-stream, wait up to S seconds for it to come\n"
+               "                         back (kvbankd restarts it) and continue the request there, no token\n"
+               "                         lost or repeated (default 30; 0: fail at once)\n"
                "  --wait S               wait up to S seconds for the server to answer a ping first (default 0)\n"
                "  --quiet                print only the generated ids\n");
 }
@@ -42,11 +45,13 @@ int main(int argc, char **argv) {
     const char *ep = NULL;
     int32_t *prompt = NULL, *stop = NULL;
     int n_prompt = 0, n_stop = 0, max_tokens = 0, timeout_ms = 30000, wait_s = 0, quiet = 0;
+    kvb_client_opts copts;
+    kvb_client_opts_default(&copts);
     kvb_sampling samp = {0};
     static const struct option opts[] = {
         {"endpoint", 1, 0, 'e'}, {"prompt-ids", 1, 0, 'p'}, {"max-tokens", 1, 0, 'n'}, {"stop-ids", 1, 0, 's'},
         {"temperature", 1, 0, 'T'}, {"top-k", 1, 0, 'k'}, {"top-p", 1, 0, 'P'}, {"seed", 1, 0, 'S'},
-        {"timeout-ms", 1, 0, 't'}, {"wait", 1, 0, 'w'}, {"quiet", 0, 0, 'q'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+        {"timeout-ms", 1, 0, 't'}, {"resume-s", 1, 0, 'r'}, {"wait", 1, 0, 'w'}, {"quiet", 0, 0, 'q'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     int c;
     int64_t v;
     double d;
@@ -61,6 +66,7 @@ int main(int argc, char **argv) {
         case 'k': st = kvb_parse_i64(optarg, 0, 1 << 30, &v); samp.top_k = (int)v; break;
         case 't': st = kvb_parse_i64(optarg, 1, 1 << 30, &v); timeout_ms = (int)v; break;
         case 'w': st = kvb_parse_i64(optarg, 0, 3600, &v); wait_s = (int)v; break;
+        case 'r': st = kvb_parse_i64(optarg, 0, 3600, &v); copts.resume_ms = (int)v * 1000; break;
         case 'S': st = kvb_parse_i64(optarg, 0, INT64_MAX, &v); samp.seed = (uint64_t)v; break;
         case 'T': st = kvb_parse_f64(optarg, &d); samp.temperature = (float)d; break;
         case 'P': st = kvb_parse_f64(optarg, &d); samp.top_p = (float)d; break;
@@ -82,7 +88,7 @@ int main(int argc, char **argv) {
     kvb_client *cl = NULL;
     req_state s = {.quiet = quiet, .cap = max_tokens};
     if (kvb_malloc((size_t)max_tokens * sizeof(int32_t), (void **)&s.ids) != KVB_OK) goto out;
-    if (kvb_client_connect(ep, &cl) != KVB_OK) {
+    if (kvb_client_connect_opts(ep, &copts, &cl) != KVB_OK) {
         fprintf(stderr, "kvbank-request: cannot connect to %s\n", ep);
         goto out;
     }

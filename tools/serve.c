@@ -45,7 +45,8 @@ static void usage(FILE *f) {
             "                         tokens)\n"
             "  --max-batch-tokens N   token budget per engine step (default 512)\n"
             "  --max-live N           requests live at once before new ones are rejected (default 1024)\n"
-            "  --policy NAME          preemption planner (default recompute)\n"
+            "  --policy NAME          planner (default recompute); --policy list prints them\n"
+            "  --policy-param K=V     a parameter of the planner (repeat for more)\n"
             "  --no-prefix-cache      do not reuse KV blocks across requests\n"
             "  -h, --help             this text\n"
             "\n"
@@ -78,34 +79,52 @@ static int valid_tag(const char *s) {
 int main(int argc, char **argv) {
     const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
     int threads = 1, block_size = 16, kv_blocks = 0, max_batch_tokens = 0, max_live = 1024, prefix_cache = 1;
+    kvb_policy_params pparams = {0};
 
-    enum { O_MODEL = 256, O_EP, O_NAME, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_LIVE, O_POLICY, O_NOPC };
+    enum { O_MODEL = 256, O_EP, O_NAME, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_LIVE, O_POLICY, O_NOPC, O_PPARAM };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL},       {"endpoint", 1, 0, O_EP},        {"name", 1, 0, O_NAME},
         {"backend", 1, 0, O_BACKEND},   {"threads", 1, 0, O_THREADS},    {"block-size", 1, 0, O_BS},
         {"kv-blocks", 1, 0, O_BLOCKS},  {"max-batch-tokens", 1, 0, O_MBT}, {"max-live", 1, 0, O_LIVE},
-        {"policy", 1, 0, O_POLICY},     {"no-prefix-cache", 0, 0, O_NOPC}, {"help", 0, 0, 'h'},
+        {"policy", 1, 0, O_POLICY},     {"no-prefix-cache", 0, 0, O_NOPC}, {"policy-param", 1, 0, O_PPARAM},
+        {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
-    int c;
+    int c, bad = 0;
     opterr = 1;
-    while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+    while (!bad && (c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
         case O_MODEL: model_dir = optarg; break;
         case O_EP: endpoint = optarg; break;
         case O_NAME: name_arg = optarg; break;
         case O_BACKEND: backend = optarg; break;
-        case O_THREADS: if (parse_int("--threads", optarg, 1, &threads)) return 2; break;
-        case O_BS: if (parse_int("--block-size", optarg, 1, &block_size)) return 2; break;
-        case O_BLOCKS: if (parse_int("--kv-blocks", optarg, 1, &kv_blocks)) return 2; break;
-        case O_MBT: if (parse_int("--max-batch-tokens", optarg, 1, &max_batch_tokens)) return 2; break;
-        case O_LIVE: if (parse_int("--max-live", optarg, 1, &max_live)) return 2; break;
+        case O_THREADS: bad = parse_int("--threads", optarg, 1, &threads) != 0; break;
+        case O_BS: bad = parse_int("--block-size", optarg, 1, &block_size) != 0; break;
+        case O_BLOCKS: bad = parse_int("--kv-blocks", optarg, 1, &kv_blocks) != 0; break;
+        case O_MBT: bad = parse_int("--max-batch-tokens", optarg, 1, &max_batch_tokens) != 0; break;
+        case O_LIVE: bad = parse_int("--max-live", optarg, 1, &max_live) != 0; break;
         case O_POLICY: policy = optarg; break;
+        case O_PPARAM:
+            if (kvb_policy_params_add(&pparams, optarg) != KVB_OK) {
+                fprintf(stderr, "kvbank-serve: --policy-param needs KEY=VALUE, got '%s'\n", optarg);
+                bad = 1;
+            }
+            break;
         case O_NOPC: prefix_cache = 0; break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        case 'h': usage(stdout); kvb_policy_params_free(&pparams); return 0;
+        default: usage(stderr); bad = 1; break;
         }
     }
+    if (bad) {
+        kvb_policy_params_free(&pparams);
+        return 2;
+    }
+    if (!strcmp(policy, "list")) {
+        kvb_policy_print_list(stdout);
+        kvb_policy_params_free(&pparams);
+        return 0;
+    }
     if (optind != argc || !model_dir || !endpoint) {
+        kvb_policy_params_free(&pparams);
         if (optind != argc) fprintf(stderr, "kvbank-serve: unexpected argument '%s'\n", argv[optind]);
         else fprintf(stderr, "kvbank-serve: --model and --endpoint are required\n");
         usage(stderr);
@@ -114,6 +133,7 @@ int main(int argc, char **argv) {
     char name[TAG_MAX + 1];
     if (name_arg) {
         if (!valid_tag(name_arg)) {
+            kvb_policy_params_free(&pparams);
             fprintf(stderr, "kvbank-serve: --name must be 1..%d letters, digits, '-' or '_', got '%s'\n", TAG_MAX,
                     name_arg);
             return 2;
@@ -123,8 +143,11 @@ int main(int argc, char **argv) {
         kvb_name_from_path(model_dir, name, TAG_MAX);
     }
     kvb_planner planner;
-    if (kvb_policy_by_name(policy, &planner) != KVB_OK) {
-        fprintf(stderr, "kvbank-serve: unknown --policy '%s'\n", policy);
+    kvb_status pst = kvb_policy_create(policy, &pparams, &planner);
+    kvb_policy_params_free(&pparams);
+    if (pst != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: cannot create policy '%s' (see the log above; --policy list names them)\n",
+                policy);
         return 2;
     }
     kvb_log_set_tag(name);
@@ -145,7 +168,7 @@ int main(int argc, char **argv) {
     kvb_region *region = NULL;
     kvb_server *srv = NULL;
     kvb_engine *eng = NULL;
-    int planner_owned = 1; /* until the engine takes it */
+    int planner_owned = 1; /* until kvb_engine_create, which takes it in every case */
     kvb_status st;
 
     if ((st = kvb_backend_create(backend, threads, &be)) != KVB_OK) {
@@ -216,7 +239,7 @@ stopped:
 out:
     kvb_engine_destroy(eng);
     kvb_server_destroy(srv);
-    if (planner_owned && planner.iface && planner.iface->destroy) planner.iface->destroy(planner.ctx);
+    if (planner_owned) kvb_planner_destroy(&planner);
     kvb_region_destroy(region);
     kvb_model_destroy(m);
     kvb_backend_destroy(be);

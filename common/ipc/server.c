@@ -383,6 +383,11 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         reply_error(s, ident, len, rid, KVB_ERR_INVALID, "max_tokens is %" PRIu32 ", must be >= 1", g->max_tokens);
         return;
     }
+    if (g->resume_index >= g->n_prompt_ids) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "resume_index %" PRIu32 " is not inside the prompt (%zu ids)",
+                    g->resume_index, g->n_prompt_ids);
+        return;
+    }
     if (g->top_k > INT_MAX) {
         reply_error(s, ident, len, rid, KVB_ERR_INVALID, "top_k %" PRIu32 " is out of range", g->top_k);
         return;
@@ -420,6 +425,7 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         .stop_ids = g->stop_ids,
         .n_stop = (int)g->n_stop_ids,
         .sampling = sp,
+        .resume_index = (int)g->resume_index,
     };
     kvb_status st = kvb_engine_add(s->engine, &r);
     if (st != KVB_OK) {

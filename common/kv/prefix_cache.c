@@ -254,6 +254,25 @@ int kvb_prefix_cache_match_from(kvb_prefix_cache *c, uint64_t parent, const int3
     return matched;
 }
 
+int kvb_prefix_cache_peek_from(const kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int n, int max_blocks,
+                               int32_t *blocks_out, uint64_t *last_hash) {
+    int matched = 0;
+    if (c && tokens && n > 0 && max_blocks > 0) {
+        int n_full = KVB_MIN(n / c->block_size, max_blocks);
+        for (int b = 0; b < n_full; b++) {
+            const int32_t *tk = tokens + (size_t)b * (size_t)c->block_size;
+            uint64_t h = kvb_prefix_hash(parent, tk, c->block_size);
+            int32_t i = map_find(c, h, parent, tk);
+            if (i == NIL) break;
+            if (blocks_out) blocks_out[matched] = i;
+            matched++;
+            parent = h;
+        }
+    }
+    if (last_hash) *last_hash = parent;
+    return matched;
+}
+
 int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, int max_blocks, int32_t *blocks_out,
                            uint64_t *last_hash) {
     return kvb_prefix_cache_match_from(c, KVB_PREFIX_ROOT, tokens, n, max_blocks, blocks_out, last_hash);

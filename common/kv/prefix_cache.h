@@ -37,6 +37,11 @@ int kvb_prefix_cache_match(kvb_prefix_cache *c, const int32_t *tokens, int n, in
 int kvb_prefix_cache_match_from(kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int n, int max_blocks,
                                 int32_t *blocks_out, uint64_t *last_hash);
 
+/* The same match without taking anything: no reference, no LRU or statistics change. `blocks_out` may
+ * be NULL. For planning (what admitting a request would reuse). */
+int kvb_prefix_cache_peek_from(const kvb_prefix_cache *c, uint64_t parent, const int32_t *tokens, int n, int max_blocks,
+                               int32_t *blocks_out, uint64_t *last_hash);
+
 /* Called with a cached, unreferenced block (its parent hash, tokens and id) just before
  * kvb_prefix_cache_alloc evicts it to hand it out again: the last moment its KV can be read (a host
  * tier copies it out here). The hook must not call back into the cache. */

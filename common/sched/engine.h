@@ -1,11 +1,12 @@
 /* kvbank — one model's engine: requests, continuous batching, sampling, and the step executor.
  *
- * Iteration-level scheduling (Orca), FCFS: every step admits waiting requests in arrival order while
- * the per-step token budget and the KV pool allow, runs decode tokens of every running sequence plus
- * prefill chunks (chunked prefill), and samples one token for each sequence whose prompt is done.
- * When the pool runs out, the planner (common/policy) picks a victim to preempt; the built-in
- * behaviour is vLLM's preemption by recompute: the victim's blocks are freed and it re-enters the
- * queue with its prompt plus the tokens it already generated, which it later prefills again.
+ * Every step the planner (common/sched/plan.h; the policies live in common/policy) plans from a view
+ * of the engine: which requests run with how many tokens, which are admitted, preempted, paused or
+ * swapped, where each block's KV is read from. The executor checks the plan, carries it out and runs
+ * the layer-stepped forward pass; one token is sampled for each sequence whose prompt is done. Without
+ * a planner the engine schedules as vLLM does (kvb_sched_fcfs, common/sched/scheduler.h): FCFS,
+ * chunked prefill, prefix caching, preemption of the newest request by recompute (its blocks are freed
+ * and it re-enters the queue with its prompt plus the tokens it already generated).
  *
  * Lossless: greedy sampling gives the same tokens whatever the batch composition, block size,
  * preemption or prefix-cache hits (KV is exact, and recompute reproduces it). */
@@ -15,6 +16,7 @@
 #include <stdint.h>
 
 #include "common/model/model.h"
+#include "common/sched/plan.h"
 #include "common/sched/sampling.h"
 
 typedef struct kvb_engine kvb_engine;
@@ -28,27 +30,6 @@ typedef enum kvb_finish {
 } kvb_finish;
 
 const char *kvb_finish_str(kvb_finish f);
-
-/* What a sequence looks like to a planner choosing a preemption victim. */
-typedef struct kvb_seq_info {
-    uint64_t id;
-    uint64_t arrival; /* admission order, smaller is older */
-    int n_tokens;     /* prompt + generated */
-    int n_blocks;
-} kvb_seq_info;
-
-/* The policy hook of the scheduler (implemented in common/policy; sched only defines it). */
-typedef struct kvb_planner_i {
-    const char *name;
-    /* Index in running[0..n) of the sequence to preempt when a step cannot get a block. */
-    int (*pick_victim)(void *ctx, const kvb_seq_info *running, int n);
-    void (*destroy)(void *ctx); /* may be NULL */
-} kvb_planner_i;
-
-typedef struct kvb_planner {
-    const kvb_planner_i *iface;
-    void *ctx;
-} kvb_planner;
 
 typedef struct kvb_engine_opts {
     int block_size;          /* tokens per KV block (default 16) */
@@ -96,10 +77,15 @@ typedef struct kvb_request {
     const int32_t *stop_ids;/* [n_stop], copied */
     int n_stop;
     kvb_sampling sampling;
+    int resume_index;       /* >= 0: the request continues one that already produced this many tokens
+                             * (the last resume_index prompt ids are those tokens, e.g. after its
+                             * server died): seeded sampling starts after their draws */
 } kvb_request;
 
-/* Creates an engine over `m` (borrowed). `planner` may be NULL (preempt the newest sequence); on
- * success the engine owns it (destroying the engine destroys it), on failure the caller still does. */
+/* Creates an engine over `m` (borrowed). `planner` may be NULL (vLLM scheduling, kvb_sched_fcfs).
+ * The engine takes the planner in every case: on success destroying the engine destroys it, on
+ * failure it is destroyed before kvb_engine_create returns. The caller never destroys it after the
+ * call. */
 kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
                              const kvb_engine_events *ev, kvb_engine **out);
 /* Destroys the engine; live requests are dropped without events. NULL-safe. */
@@ -109,16 +95,21 @@ void kvb_engine_destroy(kvb_engine *e);
  * range, a duplicate id, max_tokens < 1, or a sequence that could never fit (max_model_len or pool);
  * kvb_engine_last_error then says which. */
 kvb_status kvb_engine_add(kvb_engine *e, const kvb_request *r);
-/* Why the last kvb_engine_add failed (a sentence naming the field); owned by the engine. */
+/* Why the last kvb_engine_add failed (a sentence naming the field), or why the last plan was refused;
+ * owned by the engine. */
 const char *kvb_engine_last_error(const kvb_engine *e);
+/* The name of the engine's planner ("fcfs" without one). */
+const char *kvb_engine_planner_name(const kvb_engine *e);
 /* The model the engine serves (borrowed). */
 kvb_model *kvb_engine_model(const kvb_engine *e);
 /* Cancels a queued or running request: on_finish(CANCELLED) is called at once. KVB_ERR_NOT_FOUND if
  * the id is unknown. Not to be called from inside an event callback (the engine is mid-step there):
  * defer it until kvb_engine_step returns. */
 kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id);
-/* Runs one iteration. Returns an error only for a backend failure (then every live request is
- * finished with ERROR). A step with nothing to do returns KVB_OK at once. */
+/* Runs one iteration. KVB_ERR_INVALID when the planner's plan was refused (kvb_engine_last_error says
+ * why; nothing changed, the requests stay live), the planner's own error when plan_step failed (nothing
+ * changed), KVB_ERR_NOMEM for the view (nothing changed); any other error is a backend failure, after
+ * which every live request is finished with ERROR. A step with nothing to do returns KVB_OK at once. */
 kvb_status kvb_engine_step(kvb_engine *e);
 /* Requests queued or running. */
 int kvb_engine_n_live(const kvb_engine *e);

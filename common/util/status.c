@@ -15,6 +15,7 @@ const char *kvb_status_str(kvb_status st) {
     case KVB_ERR_CANCELLED: return "cancelled";
     case KVB_ERR_BACKEND: return "backend error";
     case KVB_ERR_STATE: return "invalid state";
+    case KVB_ERR_UNAVAILABLE: return "peer unavailable";
     }
     return "unknown status";
 }

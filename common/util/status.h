@@ -18,6 +18,7 @@ typedef enum kvb_status {
     KVB_ERR_CANCELLED = -10,  /* the request was cancelled (client gone, drain) */
     KVB_ERR_BACKEND = -11,    /* the compute or memory backend reported an error */
     KVB_ERR_STATE = -12,      /* the call is not valid in the object's current state */
+    KVB_ERR_UNAVAILABLE = -13,/* a peer went away (its connection was lost) and did not come back in time */
 } kvb_status;
 
 /* A static string naming the status ("ok", "out of memory", ...). Never NULL. */

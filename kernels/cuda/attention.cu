@@ -171,6 +171,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 4)
                 }
             }
             sum = kvb::warp_sum(sum);
+            __syncwarp(); /* every lane has read m_s[r] / l_s[r] before lane 0 overwrites them (racecheck) */
             if (lane == 0) {
                 m_s[r] = m_new;
                 l_s[r] = l_old * alpha + sum;

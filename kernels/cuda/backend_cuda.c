@@ -12,6 +12,7 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #ifdef KVB_HAVE_NCCL
@@ -142,6 +143,19 @@ typedef struct meta_part {
 
 #define ALIGN16(x) (((x) + 15) & ~(size_t)15)
 
+/* The kernels read K/V with 16-byte loads: every block address must be 16-byte aligned. One OR over
+ * the addresses checks them all; a misaligned one is a caller's bug (a pool or a lent region at an odd
+ * offset), refused before any kernel could fault on it. */
+static kvb_status check_blocks_aligned(const void *const *blocks, size_t n, const char *op) {
+    uintptr_t bits = 0;
+    for (size_t i = 0; i < n; i++) bits |= (uintptr_t)blocks[i];
+    if (bits & 15u) {
+        KVB_LOG_E("cuda %s: a KV block address is not 16-byte aligned", op);
+        return KVB_ERR_INVALID;
+    }
+    return KVB_OK;
+}
+
 /* Copies the parts to the device metadata buffer on the stream (see the top of this file). */
 static kvb_status upload(cuda_ctx *c, meta_part *parts, int n) {
     size_t total = 0;
@@ -234,6 +248,8 @@ static kvb_status cu_to_host_f32(void *ctx, float *dst, const void *src, size_t 
 static kvb_status cu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     cuda_ctx *c = ctx;
     if (bytes == 0) return KVB_OK;
+    /* the calling thread (the stager's copy thread) has its own current device, 0 by default */
+    KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
     KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->copy_stream)));
     return KVB_CUDA_CHECK(cudaStreamSynchronize(c->copy_stream));
 }
@@ -393,6 +409,7 @@ static kvb_status cu_kv_write(void *ctx, const kvb_attn_batch *b, const void *k,
         }
         nb += (size_t)(j1 - j0 + 1);
     }
+    KVB_TRY(check_blocks_aligned(c->blk, nb, "kv_write"));
     const void *d_slots = NULL, *d_blk = NULL;
     meta_part parts[] = {{c->slots, (size_t)b->n_tokens * sizeof(int64_t), &d_slots},
                          {c->blk, nb * sizeof(void *), &d_blk}};
@@ -481,6 +498,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
         a.part_o = c->part;
         a.part_lse = c->part + n_parts * KVB_CUDA_ATTN_DECODE_ROWS * (size_t)hd;
     }
+    KVB_TRY(check_blocks_aligned((const void *const *)b->layer_blocks, n_blocks, "attention"));
     const void *d_seqs = NULL, *d_blocks = NULL, *d_pre = NULL, *d_dec = NULL, *d_red = NULL;
     meta_part parts[] = {{b->seqs, (size_t)b->n_seqs * sizeof(kvb_attn_seq), &d_seqs},
                          {b->layer_blocks, n_blocks * sizeof(void *), &d_blocks},

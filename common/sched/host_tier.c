@@ -1,0 +1,76 @@
+/* kvbank — the host tier behind the prefix cache (the baseline SwiftCache compares against): a second
+ * block pool in host memory with its own prefix cache, keyed like the pool's. A cached block the pool
+ * evicts is copied out (the prefix cache's evict hook, the last moment its KV can be read), and a
+ * prefix match that ends in the pool continues here, each hit copied back into a new pool block. */
+#include "common/sched/state.h"
+
+/* Evict hook of the pool's prefix cache: copy the block out before it is reused. */
+static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, int32_t idx) {
+    kvb_engine *e = ud;
+    int32_t h;
+    uint64_t last;
+    if (kvb_prefix_cache_match_from(e->ht_pc, parent, tokens, e->o.block_size, 1, &h, &last) == 1) {
+        kvb_block_pool_unref(e->ht_pool, h); /* already there */
+        return;
+    }
+    if (kvb_prefix_cache_alloc(e->ht_pc, &h) != KVB_OK) return; /* every host block in use: drop it */
+    kvb_backend *be = kvb_model_backend(e->m);
+    if (be->iface->to_host(be->ctx, kvb_block_pool_block(e->ht_pool, h), kvb_block_pool_block(e->pool, idx),
+                           kvb_kv_block_bytes(&e->geom)) == KVB_OK &&
+        kvb_prefix_cache_publish(e->ht_pc, parent, tokens, h, NULL) == KVB_OK)
+        e->stats.host_tier_stores++;
+    kvb_block_pool_unref(e->ht_pool, h);
+}
+
+kvb_status kvb__host_tier_init(kvb_engine *e) {
+    size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)e->o.host_tier_blocks;
+    KVB_TRY(kvb_aligned_alloc(bytes, &e->ht_mem));
+    KVB_TRY(kvb_block_pool_create(&e->geom, e->ht_mem, bytes, e->o.host_tier_blocks, &e->ht_pool));
+    KVB_TRY(kvb_prefix_cache_create(e->ht_pool, &e->ht_pc));
+    kvb_prefix_cache_set_evict_hook(e->pc, host_tier_store, e);
+    return KVB_OK;
+}
+
+/* Continues a prefix match of `s` in the host tier: each hit is copied into a new pool block, which is
+ * published and appended to the sequence. Returns the blocks loaded. */
+int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
+    int bs = e->o.block_size, loaded = 0;
+    kvb_backend *be = kvb_model_backend(e->m);
+    while (s->n_published < max_blocks) {
+        const int32_t *tk = s->tokens + (size_t)s->n_published * bs;
+        int32_t h, d;
+        uint64_t next;
+        if (kvb_prefix_cache_match_from(e->ht_pc, s->last_hash, tk, bs, 1, &h, &next) != 1) break;
+        kvb_status st = kvb_prefix_cache_alloc(e->pc, &d);
+        if (st == KVB_OK) {
+            st = be->iface->to_device(be->ctx, kvb_block_pool_block(e->pool, d), kvb_block_pool_block(e->ht_pool, h),
+                                      kvb_kv_block_bytes(&e->geom));
+            if (st == KVB_OK) st = kvb_prefix_cache_publish(e->pc, s->last_hash, tk, d, NULL);
+            if (st == KVB_OK) st = kvb_block_table_push(&s->bt, d);
+            if (st != KVB_OK) kvb_block_pool_unref(e->pool, d);
+        }
+        kvb_block_pool_unref(e->ht_pool, h);
+        if (st != KVB_OK) break;
+        s->last_hash = next;
+        s->n_published++;
+        loaded++;
+        e->stats.host_tier_loads++;
+    }
+    return loaded;
+}
+
+
+int kvb__host_tier_peek(const kvb_engine *e, uint64_t parent, const int32_t *tokens, int max_blocks,
+                        uint64_t *last_hash) {
+    return kvb_prefix_cache_peek_from(e->ht_pc, parent, tokens, max_blocks * e->o.block_size, max_blocks, NULL,
+                                      last_hash);
+}
+
+void kvb__host_tier_free(kvb_engine *e) {
+    kvb_prefix_cache_destroy(e->ht_pc);
+    kvb_block_pool_destroy(e->ht_pool);
+    free(e->ht_mem);
+    e->ht_pc = NULL;
+    e->ht_pool = NULL;
+    e->ht_mem = NULL;
+}

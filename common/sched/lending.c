@@ -1,0 +1,259 @@
+/* kvbank — lending (SwiftCache §3.4-3.5): a worker shrinks its own blocks to lend their tail and grows
+ * back; a master attaches borrowed memory as extra blocks and detaches it on reclaim, moving live
+ * blocks elsewhere or preempting their sequences first (the fence: no step runs meanwhile). */
+#include <assert.h>
+#include <limits.h>
+#include <string.h>
+
+#include "common/sched/state.h"
+
+int kvb_engine_n_own(const kvb_engine *e) { return kvb_block_pool_n_own(e->pool); }
+int kvb_engine_capacity(const kvb_engine *e) { return kvb_block_pool_capacity(e->pool); }
+
+int kvb_engine_free_tail(const kvb_engine *e) {
+    int n = 0;
+    /* refcount 0 is free or an unreferenced prefix-cache entry (the only holder of such blocks) */
+    for (int32_t i = kvb_block_pool_n_own(e->pool) - 1; i >= 0 && kvb_block_pool_refcount(e->pool, i) == 0; i--) n++;
+    return n;
+}
+
+kvb_status kvb_engine_shrink(kvb_engine *e, int n_own_new) {
+    int n_own = kvb_block_pool_n_own(e->pool);
+    if (n_own_new < 0 || n_own_new > n_own) {
+        KVB_LOG_E("engine: shrink to %d own blocks, %d owned now", n_own_new, n_own);
+        return KVB_ERR_INVALID;
+    }
+    for (int32_t i = n_own_new; i < n_own; i++) {
+        if (kvb_block_pool_refcount(e->pool, i) > 0) {
+            KVB_LOG_D("engine: cannot shrink to %d own blocks: block %d is in use", n_own_new, (int)i);
+            return KVB_ERR_STATE;
+        }
+    }
+    kvb_prefix_cache_drop_tail(e->pc, n_own_new);
+    kvb_status st = kvb_block_pool_resize(e->pool, n_own_new);
+    assert(st == KVB_OK); /* every block of the tail is free now */
+    return st;
+}
+
+kvb_status kvb_engine_grow(kvb_engine *e, int n_own_new) {
+    int n_own = kvb_block_pool_n_own(e->pool), cap = kvb_block_pool_capacity(e->pool);
+    if (n_own_new < n_own || n_own_new > cap) {
+        KVB_LOG_E("engine: grow to %d own blocks, %d owned now, capacity %d", n_own_new, n_own, cap);
+        return KVB_ERR_INVALID;
+    }
+    KVB_TRY(kvb_block_pool_resize(e->pool, n_own_new));
+    e->starved = 0;
+    return KVB_OK;
+}
+
+int64_t kvb_engine_max_request_tokens(const kvb_engine *e) {
+    int64_t most = 0;
+    const seq_list *lists[] = {&e->waiting, &e->running};
+    for (int i = 0; i < 2; i++)
+        for (const seq *s = lists[i]->head; s; s = s->next) most = KVB_MAX(most, (int64_t)s->cap);
+    return most;
+}
+
+int kvb_engine_starved(const kvb_engine *e) {
+    if (e->starved) return 1;
+    return e->waiting.head && kvb__seq_need_blocks(e, e->waiting.head) > kvb_block_pool_n_blocks(e->pool);
+}
+
+static int find_loan(const kvb_engine *e, uint64_t tag) {
+    for (int i = 0; i < e->n_loans; i++)
+        if (e->loans[i].tag == tag) return i;
+    return -1;
+}
+
+kvb_status kvb_engine_attach(kvb_engine *e, uint64_t tag, void *mem, size_t bytes, int n_blocks) {
+    size_t bb = kvb_kv_block_bytes(&e->geom);
+    if (!mem || n_blocks < 1 || bytes / bb < (size_t)n_blocks) {
+        KVB_LOG_E("engine: attach of loan %llu: %d blocks of %zu bytes need memory of at least that size (%zu)",
+                  (unsigned long long)tag, n_blocks, bb, bytes);
+        return KVB_ERR_INVALID;
+    }
+    if (find_loan(e, tag) >= 0) {
+        KVB_LOG_E("engine: loan %llu is already attached", (unsigned long long)tag);
+        return KVB_ERR_INVALID;
+    }
+    if (n_blocks > INT_MAX - e->n_borrowed) return KVB_ERR_INVALID;
+    if (e->n_loans == e->loans_cap) {
+        int cap = e->loans_cap ? 2 * e->loans_cap : 4;
+        KVB_TRY(kvb_realloc_array((void **)&e->loans, (size_t)cap, sizeof *e->loans));
+        e->loans_cap = cap;
+    }
+    int32_t first;
+    KVB_TRY(kvb_block_pool_attach(e->pool, mem, n_blocks, &first));
+    if (e->o.lsc_stream) {
+        kvb_status st = kvb__lsc_resize(e, e->n_borrowed + n_blocks);
+        if (st != KVB_OK) {
+            KVB_LOG_E("engine: no memory for the LSC of %d borrowed blocks", e->n_borrowed + n_blocks);
+            kvb_status st2 = kvb_block_pool_detach(e->pool, first, n_blocks);
+            assert(st2 == KVB_OK); /* its blocks are all free: nothing ran on them */
+            (void)st2;
+            return st;
+        }
+    }
+    e->loans[e->n_loans++] = (loan){.tag = tag, .first = first, .n = n_blocks};
+    e->n_borrowed += n_blocks;
+    e->starved = 0;
+    KVB_LOG_D("engine: loan %llu attached as blocks [%d, %d)", (unsigned long long)tag, (int)first,
+              (int)first + n_blocks);
+    return KVB_OK;
+}
+
+int kvb_engine_n_borrowed(const kvb_engine *e) { return e->n_borrowed; }
+
+int kvb_engine_loans(const kvb_engine *e, uint64_t *tags, int *n_blocks, int max) {
+    for (int i = 0; i < e->n_loans && i < max; i++) {
+        if (tags) tags[i] = e->loans[i].tag;
+        if (n_blocks) n_blocks[i] = e->loans[i].n;
+    }
+    return e->n_loans;
+}
+
+/* State of one detach: the range [first, first + n) leaving the pool. */
+typedef struct detach_ctx {
+    int32_t first;
+    int n;
+    uint8_t *taken;      /* [n] 1 once the detach holds the block (its only reference) */
+    int32_t *moved_to;   /* [n] new id of a moved block (the detach holds one reference), -1 */
+    int32_t *scratch;    /* [n] range ids of a sequence being preempted */
+    kvb_detach_stats st;
+} detach_ctx;
+
+static int in_range(const detach_ctx *d, int32_t id) { return id >= d->first && id - d->first < d->n; }
+
+/* Takes block `id` of the range out of circulation once nothing references it: a prefix-cache
+ * entry there is dropped, then the detach holds the block so that no allocation can hand it out. */
+static void fence_block(kvb_engine *e, detach_ctx *d, int32_t id) {
+    int off = id - d->first;
+    if (d->taken[off] || kvb_block_pool_refcount(e->pool, id) > 0) return;
+    if (!kvb_block_pool_is_free(e->pool, id)) d->st.dropped += kvb_prefix_cache_drop_range(e->pc, id, 1);
+    kvb_status st = kvb_block_pool_take(e->pool, id);
+    assert(st == KVB_OK); /* refcount 0 and no cache entry: on the free list */
+    (void)st;
+    d->taken[off] = 1;
+}
+
+static int seq_uses_range(const seq *s, const detach_ctx *d) {
+    for (int j = 0; j < s->bt.n; j++)
+        if (in_range(d, s->bt.ids[j])) return 1;
+    return 0;
+}
+
+/* Preempts `s` by recompute and fences the range blocks it released. */
+static void preempt_in_range(kvb_engine *e, detach_ctx *d, seq *s) {
+    int m = 0;
+    for (int j = 0; j < s->bt.n; j++)
+        if (in_range(d, s->bt.ids[j])) d->scratch[m++] = s->bt.ids[j]; /* a table holds a block once */
+    kvb__preempt_seq(e, s);
+    for (int i = 0; i < m; i++) fence_block(e, d, d->scratch[i]);
+    d->st.preempted++;
+}
+
+/* The newest running sequence that still references the range (NULL if none). */
+static seq *newest_on_range(kvb_engine *e, const detach_ctx *d) {
+    for (seq *s = e->running.tail; s; s = s->prev)
+        if (seq_uses_range(s, d)) return s;
+    return NULL;
+}
+
+/* Moves every range block of `s` to a block outside the range (or preempts `s`, or newer sequences
+ * to make room). Returns the running sequence to visit next. */
+static seq *move_seq(kvb_engine *e, detach_ctx *d, seq *s) {
+    kvb_backend *be = kvb_model_backend(e->m);
+    size_t bb = kvb_kv_block_bytes(&e->geom);
+    for (int j = 0; j < s->bt.n; j++) {
+        int32_t id = s->bt.ids[j];
+        if (!in_range(d, id)) continue;
+        int off = id - d->first;
+        if (d->moved_to[off] < 0) {
+            int32_t nid;
+            /* the range's idle blocks are fenced, so whatever comes back lies outside it */
+            while (kvb_prefix_cache_alloc(e->pc, &nid) != KVB_OK) {
+                seq *victim = newest_on_range(e, d);
+                assert(victim); /* s itself is still on the range */
+                if (victim == s) {
+                    seq *next = s->next;
+                    preempt_in_range(e, d, s);
+                    return next;
+                }
+                preempt_in_range(e, d, victim);
+            }
+            assert(!in_range(d, nid));
+            kvb_status st = be->iface->copy(be->ctx, kvb_block_pool_block(e->pool, nid),
+                                            kvb_block_pool_block(e->pool, id), bb);
+            if (st != KVB_OK) {
+                KVB_LOG_W("engine: copying block %d failed (%s); preempting request %llu instead", (int)id,
+                          kvb_status_str(st), (unsigned long long)s->id);
+                kvb_block_pool_unref(e->pool, nid);
+                seq *next = s->next;
+                preempt_in_range(e, d, s);
+                return next;
+            }
+            /* keep the prefix-cache entry on the copy; if that fails (no memory for the cache's slot
+             * table) the entry stays on the old block and is dropped with it */
+            if (kvb_prefix_cache_is_cached(e->pc, id)) (void)kvb_prefix_cache_move(e->pc, id, nid);
+            d->moved_to[off] = nid; /* the allocation's reference is the detach's until the end */
+            d->st.moved++;
+        }
+        kvb_block_pool_ref(e->pool, d->moved_to[off]);
+        s->bt.ids[j] = d->moved_to[off];
+        kvb_block_pool_unref(e->pool, id);
+        fence_block(e, d, id);
+    }
+    return s->next;
+}
+
+kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_detach_stats *out) {
+    if (out) *out = (kvb_detach_stats){0};
+    int li = find_loan(e, tag);
+    if (li < 0) return KVB_ERR_NOT_FOUND;
+    detach_ctx d = {.first = e->loans[li].first, .n = e->loans[li].n};
+    kvb_status st;
+    KVB_TRY_GOTO(kvb_calloc((size_t)d.n, sizeof *d.taken, (void **)&d.taken), fail_scratch);
+    KVB_TRY_GOTO(kvb_malloc((size_t)d.n * sizeof *d.moved_to, (void **)&d.moved_to), fail_scratch);
+    KVB_TRY_GOTO(kvb_malloc((size_t)d.n * sizeof *d.scratch, (void **)&d.scratch), fail_scratch);
+    for (int i = 0; i < d.n; i++) d.moved_to[i] = -1;
+    int can_move = !lender_dead && kvb_model_backend(e->m)->iface->copy;
+
+    /* 1. idle blocks (free, or cached and unreferenced) leave circulation */
+    for (int i = 0; i < d.n; i++) fence_block(e, &d, d.first + i);
+    /* 2. live blocks: only running sequences hold blocks (a waiting one holds none) */
+    for (seq *s = e->running.head; s;) {
+        if (!seq_uses_range(s, &d)) {
+            s = s->next;
+        } else if (!can_move) {
+            seq *next = s->next;
+            preempt_in_range(e, &d, s); /* nothing is read from the range */
+            s = next;
+        } else {
+            s = move_seq(e, &d, s);
+        }
+    }
+    /* 3. the copies keep only their sequences' references; the range is held by the detach alone */
+    for (int i = 0; i < d.n; i++)
+        if (d.moved_to[i] >= 0) kvb_block_pool_unref(e->pool, d.moved_to[i]);
+    for (int i = 0; i < d.n; i++) {
+        fence_block(e, &d, d.first + i);
+        assert(d.taken[i] && kvb_block_pool_refcount(e->pool, d.first + i) == 1);
+        kvb_block_pool_unref(e->pool, d.first + i); /* no cache entry: back to the free list */
+    }
+    st = kvb_block_pool_detach(e->pool, d.first, d.n);
+    assert(st == KVB_OK);
+    memmove(&e->loans[li], &e->loans[li + 1], (size_t)(e->n_loans - li - 1) * sizeof *e->loans);
+    e->n_loans--;
+    e->n_borrowed -= d.n;
+    if (e->o.lsc_stream && kvb__lsc_resize(e, e->n_borrowed) != KVB_OK)
+        KVB_LOG_W("engine: could not shrink the LSC; it keeps %d slots", e->lsc.n_slots);
+    KVB_LOG_D("engine: loan %llu detached%s: %d blocks moved, %d cached dropped, %d requests preempted",
+              (unsigned long long)tag, lender_dead ? " (lender dead)" : "", d.st.moved, d.st.dropped,
+              d.st.preempted);
+    if (out) *out = d.st;
+fail_scratch:
+    free(d.taken);
+    free(d.moved_to);
+    free(d.scratch);
+    return st;
+}

@@ -1,0 +1,294 @@
+/* kvbank — the planner seam: what a planner sees (the view), what it decides (the plan), and the
+ * interface it implements (kvb_planner_i).
+ *
+ *     planner.plan_step(view) ──> plan ──> executor (validate, apply) ──> stager (copies) + forward pass
+ *                                   ^                                                  │
+ *     planner.observe(report) <─────┴──────────── step / layer times, link bandwidths ─┘
+ *
+ * Policies only plan (ARCHITECTURE.md "the one abstraction"); one executor carries plans out. A plan
+ * is plain data: request-level decisions (admit, run, preempt, swap, pause, resume, each with its
+ * query length), residency given as exceptions to the default, and copy orders between tiers. A
+ * planner never touches a block pointer: blocks are named by id.
+ *
+ * The view is rebuilt before every step and is valid only during the call that receives it (a solver
+ * running on its own thread copies what it needs). The plan is owned by the engine; a planner fills it
+ * through kvb_plan_* below and may keep its own plans (kvb_plan_copy) to hand over its latest one.
+ *
+ * Validation: the executor checks a whole plan before it changes anything. A plan naming an unknown
+ * request, an operation the request's state does not allow, more blocks than the pool can give, a
+ * query length over the budget, residency of a block nobody in the step reads, or a copy from a tier
+ * the block is not in is refused with KVB_ERR_INVALID and a sentence (kvb_engine_last_error); the
+ * step then changes nothing and the requests stay as they were. */
+#ifndef KVB_SCHED_PLAN_H
+#define KVB_SCHED_PLAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/util/util.h"
+#include "kernels/backend.h"
+
+/* ------------------------------------------------------------------------------------------ view */
+
+typedef enum kvb_req_state {
+    KVB_REQ_WAITING = 0, /* queued; holds no KV (a preempted request is back here with n_computed 0) */
+    KVB_REQ_RUNNING = 1, /* admitted; its KV is in its blocks */
+    KVB_REQ_PAUSED = 2,  /* admitted, not scheduled, keeps its KV (OrbitFlow §3.4 Pause-Resume) */
+    KVB_REQ_SWAPPED = 3, /* its KV is in the host tier, it holds no pool block (vLLM swap) */
+} kvb_req_state;
+
+const char *kvb_req_state_str(kvb_req_state s);
+
+/* One live request as a planner sees it. */
+typedef struct kvb_req_view {
+    uint64_t id;
+    uint64_t arrival;      /* admission order, smaller is older (a preempted request keeps its own) */
+    uint64_t t_arrival_ns; /* wall-clock time kvb_engine_add accepted it */
+    kvb_req_state state;
+    int n_prompt;          /* prompt tokens as submitted */
+    int n_tokens;          /* prompt + generated so far */
+    int n_generated;
+    int max_tokens;        /* most tokens it may generate in all */
+    int n_computed;        /* tokens whose KV is in its blocks (0 while waiting) */
+    int n_blocks;          /* blocks in its table (pool ids; SWAPPED: host-tier ids) */
+    int n_exclusive;       /* of those, referenced by this request alone (preempting it frees them) */
+    const int32_t *blocks; /* [n_blocks] its block ids in token order (borrowed, valid during the call) */
+} kvb_req_view;
+
+/* Block counts of the KV pool and of the host tier. */
+typedef struct kvb_pool_view {
+    int capacity;      /* own blocks the process's KV memory holds (ids [0, capacity)) */
+    int n_own;         /* own blocks in the pool now (a worker lends the rest) */
+    int n_borrowed;    /* attached (borrowed) blocks, ids >= capacity */
+    int n_blocks;      /* n_own + n_borrowed */
+    int n_free;        /* blocks on the free list */
+    int n_evictable;   /* cached prefix blocks nobody references (allocation evicts them, LRU first) */
+    int stage_slots;   /* single-layer stage buffers (STREAM / HOST residency) */
+    int host_capacity; /* host-tier blocks (0: no host tier) */
+    int host_free;
+    int host_evictable;
+} kvb_pool_view;
+
+struct kvb_engine;
+
+typedef struct kvb_view {
+    const kvb_kv_geom *geom;  /* block geometry */
+    int max_batch_tokens;     /* the step budget: sum of q_len over the plan */
+    int max_rows;             /* rows the forward pass can hold: sum of q_len + n_absent */
+    int max_seqs;             /* most requests RUNNING or PAUSED at once */
+    int max_model_len;
+    int prefix_cache;         /* 1 if full blocks are shared through the prefix cache */
+    uint64_t step;            /* steps run so far */
+    uint64_t now_ns;          /* wall clock at the view's making */
+    kvb_pool_view pool;
+    /* Live requests: RUNNING and PAUSED ones in arrival order, then SWAPPED, then WAITING in arrival
+     * order (the queue). n_running counts RUNNING + PAUSED, which come first. */
+    int n_reqs;
+    const kvb_req_view *reqs; /* [n_reqs] */
+    int n_running;
+    int n_waiting;
+    /* The engine, for the scheduler's routines (common/sched/scheduler.h) that probe the prefix cache;
+     * planners pass the view to them and never use this themselves. */
+    const struct kvb_engine *engine;
+} kvb_view;
+
+/* ------------------------------------------------------------------------------------------ plan */
+
+typedef enum kvb_op_kind {
+    KVB_OP_RUN = 1,      /* RUNNING: compute the next q_len tokens (decode token or prefill chunk) */
+    KVB_OP_ADMIT = 2,    /* WAITING -> RUNNING: take its prefix-cache hits, then compute q_len tokens */
+    KVB_OP_PREEMPT = 3,  /* RUNNING/PAUSED -> WAITING: drop its KV (published blocks stay cached), keep its
+                          * tokens; it is prefilled again when admitted (vLLM recompute) */
+    KVB_OP_SWAP_OUT = 4, /* RUNNING/PAUSED -> SWAPPED: its KV is copied to the host tier, its pool blocks
+                          * are released (needs a host tier) */
+    KVB_OP_SWAP_IN = 5,  /* SWAPPED -> RUNNING: its KV is copied back into pool blocks before layer 0;
+                          * a RUN later in the plan may schedule it in the same step */
+    KVB_OP_PAUSE = 6,    /* RUNNING -> PAUSED: not scheduled, keeps its KV */
+    KVB_OP_RESUME = 7,   /* PAUSED -> RUNNING; a RUN later in the plan may schedule it */
+} kvb_op_kind;
+
+const char *kvb_op_kind_str(kvb_op_kind k);
+
+/* One request-level decision. The executor applies them in plan order, so a PREEMPT placed before a
+ * RUN frees blocks that RUN can use. RUN and ADMIT entries make the step's batch, in that order. */
+typedef struct kvb_plan_op {
+    kvb_op_kind kind;
+    uint64_t id;   /* the request */
+    int q_len;     /* RUN, ADMIT: new tokens computed this step (>= 1). ADMIT: at most this many after
+                    * the prefix-cache hits (fewer if the prompt ends first) */
+    int n_absent;  /* RUN: the KV of the request's oldest n_absent tokens is absent and recomputed in
+                    * this step (eLLM token-wise): they are added as extra rows at positions
+                    * 0..n_absent-1 whose KV goes to scratch blocks of the step, so every layer's
+                    * attention sees them; they produce no logits. 0 <= n_absent <= n_computed */
+} kvb_plan_op;
+
+/* Where one block's KV is for a range of layers and how it reaches attention. The default needs no
+ * entry: own blocks are LOCAL, attached (borrowed) blocks are plan.lent_default (LENT unless the
+ * planner says STREAM). */
+typedef enum kvb_residency {
+    KVB_RES_LOCAL = 0,  /* read in place from the process's own pool */
+    KVB_RES_LENT = 1,   /* borrowed block read in place through the imported region (zero copy) */
+    KVB_RES_STREAM = 2, /* borrowed block read through a stage buffer: its layer slice is loaded before
+                         * the layer and the rows the step wrote are stored back after it (SwiftCache
+                         * §3.2-3.3 layer stream cache) */
+    KVB_RES_HOST = 3,   /* lives in the host tier (host_block): loaded into a stage buffer before the
+                         * layer, written rows stored back after it (OrbitFlow offload) */
+    KVB_RES_ABSENT = 4, /* not read at all: every scheduled request using the block recomputes its
+                         * tokens (n_absent covers the block) */
+} kvb_residency;
+
+const char *kvb_residency_str(kvb_residency r);
+
+/* An exception to the default residency: a physical block (a shared prefix block is one entry) over
+ * layers [layer0, layer1). */
+typedef struct kvb_plan_res {
+    int32_t block;      /* pool block id */
+    int layer0, layer1; /* 0 <= layer0 < layer1 <= n_layers */
+    kvb_residency where;
+    int32_t host_block; /* HOST: the host-tier block holding these layers; else -1 */
+} kvb_plan_res;
+
+typedef enum kvb_copy_dir {
+    KVB_COPY_LOAD = 1,  /* host tier -> pool block */
+    KVB_COPY_STORE = 2, /* pool block -> host tier */
+} kvb_copy_dir;
+
+/* A copy of layers [layer0, layer1) of one block between the pool and the host tier, run by the
+ * stager while the step computes. A LOAD must be complete before layer `layer` runs (0: before the
+ * step's first layer); a STORE may start once layer `layer` has run (-1: at once, before layer 0),
+ * and every copy is complete when the step ends. */
+typedef struct kvb_plan_copy {
+    kvb_copy_dir dir;
+    int32_t block;      /* pool block id */
+    int32_t host_block; /* host-tier block id */
+    int layer0, layer1;
+    int layer;
+} kvb_plan_copy;
+
+typedef struct kvb_plan {
+    kvb_plan_op *ops;        /* [n_ops] in the order the executor applies them */
+    int n_ops, cap_ops;
+    kvb_plan_res *res;       /* [n_res] residency exceptions */
+    int n_res, cap_res;
+    kvb_plan_copy *copies;   /* [n_copies] copy orders */
+    int n_copies, cap_copies;
+    int batch_limit;            /* most RUN + ADMIT entries this step (0: max_seqs) */
+    kvb_residency lent_default; /* LENT (0 means LENT) or STREAM: borrowed blocks without an exception */
+    /* Outcome the planner reports along with the plan (statistics and the worker's Alg. 1 signal). */
+    int starved;                /* the queue's head waits for blocks the pool does not have now */
+    int n_deferred;             /* admissions put off to reuse a prefix a running request computes */
+} kvb_plan;
+
+/* Empties the plan for a new step (keeps its arrays; lent_default back to LENT). */
+void kvb_plan_reset(kvb_plan *p);
+/* Appends an entry, growing the array. KVB_ERR_NOMEM. */
+kvb_status kvb_plan_push_op(kvb_plan *p, kvb_plan_op op);
+kvb_status kvb_plan_push_res(kvb_plan *p, kvb_plan_res r);
+kvb_status kvb_plan_push_copy(kvb_plan *p, kvb_plan_copy c);
+/* dst becomes a copy of src (dst's arrays grow as needed). KVB_ERR_NOMEM leaves dst reset. */
+kvb_status kvb_plan_copy_from(kvb_plan *dst, const kvb_plan *src);
+/* Frees the arrays (the struct itself is the caller's). NULL-safe. */
+void kvb_plan_free(kvb_plan *p);
+
+/* --------------------------------------------------------------------------------- pool planning */
+
+typedef enum kvb_pool_event_kind {
+    KVB_POOL_SETUP = 0,   /* once, in kvb_engine_create: size the resources the planner needs */
+    KVB_POOL_TICK = 1,    /* between steps, periodically (worker: Alg. 1 SCALEDOWN) */
+    KVB_POOL_REQUEST = 2, /* a request arrived: `tokens` = prompt + max_tokens (worker: SCALEUP) */
+    KVB_POOL_ATTACH = 3,  /* `n_blocks` borrowed blocks were attached (master: LSC sizing) */
+    KVB_POOL_DETACH = 4,  /* `n_blocks` borrowed blocks were detached */
+    KVB_POOL_RETURNED = 5,/* `n_blocks` lent blocks came back unasked (worker: keep them a window) */
+} kvb_pool_event_kind;
+
+typedef struct kvb_pool_event {
+    kvb_pool_event_kind kind;
+    double now_s;          /* monotonic seconds */
+    int64_t tokens;        /* REQUEST */
+    int n_blocks;          /* ATTACH, DETACH, RETURNED */
+    /* Lending context the role knows (worker; 0 when unknown): */
+    uint32_t meu_worker;   /* worker blocks per minimum elastic unit (SwiftCache Eq. 9) */
+    uint32_t meu_master;   /* master blocks per unit */
+    int64_t own_soon;      /* own blocks once returned ranges are grown back */
+    int64_t lent;          /* blocks lent now */
+    int64_t free_tail;     /* blocks at the top of the own range that could be given away now */
+    int64_t live_max_tokens;/* prompt + max_tokens of the longest live request */
+    int starved;           /* kvb_engine_starved */
+} kvb_pool_event;
+
+/* What plan_pool decides. Fields a given event does not concern are left as the engine set them. */
+typedef struct kvb_pool_plan {
+    /* SETUP (read once): */
+    int host_tier_blocks;  /* blocks of host memory behind the pool (0: none) */
+    int extra_rows;        /* forward-pass rows beyond max_batch_tokens (recomputed tokens) */
+    /* SETUP, ATTACH, DETACH: */
+    int stage_slots;       /* single-layer stage buffers for STREAM / HOST residency */
+    /* TICK, REQUEST (worker; the role rounds and caps them and runs the protocol): */
+    int64_t lend;          /* own blocks to offer to the master */
+    int64_t reclaim;       /* lent blocks to ask back */
+    char why[96];          /* a reason for the log */
+} kvb_pool_plan;
+
+/* ------------------------------------------------------------------------------------- observing */
+
+typedef enum kvb_link_kind {
+    KVB_LINK_HOST = 0,  /* device <-> host tier (PCIe) */
+    KVB_LINK_PEER = 1,  /* device <-> another device's memory (NVLink / PCIe peer) */
+    KVB_LINK_LOCAL = 2, /* device <-> device memory (same GPU: moves, stage buffers of lent-in-place) */
+    KVB_LINK_COUNT = 3,
+} kvb_link_kind;
+
+const char *kvb_link_kind_str(kvb_link_kind k);
+
+/* What one link carried during a step. */
+typedef struct kvb_link_report {
+    uint64_t bytes;
+    uint64_t copies;
+    uint64_t busy_ns;  /* time the link's copy thread spent copying (link model delays included) */
+    double gbps;       /* achieved: bytes / busy_ns (0 when idle) */
+} kvb_link_report;
+
+/* One step as measured, for planners that calibrate (OrbitFlow's EWMA, eLLM's cost model). */
+typedef struct kvb_step_report {
+    uint64_t step;
+    uint64_t t_step_ns;        /* plan + execution + sampling */
+    uint64_t t_plan_ns;        /* in plan_step */
+    int n_layers;
+    const uint64_t *t_layer_ns;/* [n_layers] wall time of each layer, waits for its loads included */
+    const uint64_t *t_wait_ns; /* [n_layers] of which waiting for the stager before the layer */
+    int n_seqs;                /* RUN + ADMIT entries */
+    int n_tokens;              /* sum of q_len */
+    int n_absent_rows;         /* sum of n_absent */
+    int n_prefill_seqs;        /* scheduled requests that computed more than one token */
+    int admits_dropped;        /* ADMITs that no longer fit when applied (a probed prefix hit was evicted
+                                * by this step's earlier allocations); they stay waiting */
+    kvb_link_report links[KVB_LINK_COUNT];
+} kvb_step_report;
+
+/* ---------------------------------------------------------------------------------- the planner */
+
+/* A policy (common/policy). Every member but plan_step may be NULL. */
+typedef struct kvb_planner_i {
+    const char *name;
+    /* Required. Fills `out` (already reset) for the next step from the view. Never blocks: a planner
+     * with a solver runs it on its own thread and hands over its latest plan. An error fails the step
+     * (nothing changes; kvb_engine_step returns it). */
+    kvb_status (*plan_step)(void *ctx, const kvb_view *v, kvb_plan *out);
+    /* Optional. Pool decisions for `ev` (see kvb_pool_event_kind); `out` comes filled with the current
+     * values. Runs between steps on the engine's thread. */
+    kvb_status (*plan_pool)(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out);
+    /* Optional. What the last step measured (valid during the call). */
+    void (*observe)(void *ctx, const kvb_step_report *r);
+    /* Optional. Frees ctx. */
+    void (*destroy)(void *ctx);
+} kvb_planner_i;
+
+typedef struct kvb_planner {
+    const kvb_planner_i *iface;
+    void *ctx;
+} kvb_planner;
+
+/* Destroys a planner the caller still owns (NULL-safe; iface->destroy may be NULL). */
+void kvb_planner_destroy(kvb_planner *p);
+
+#endif

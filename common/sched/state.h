@@ -1,0 +1,209 @@
+/* kvbank — the engine's state, shared by the files of common/sched (not a public interface):
+ *   engine.c     the public API: create, destroy, requests, step, statistics
+ *   scheduler.c  the queue (requests and their lists), the planner's view, plan accounting, FCFS
+ *   executor.c   plan validation and application, per-layer block pointers, the forward pass, results
+ *   stager.c     the copy thread (layer stream cache) between tiers
+ *   host_tier.c  the host tier behind the prefix cache
+ *   lending.c    shrink / grow (worker), attach / detach (master) */
+#ifndef KVB_SCHED_STATE_H
+#define KVB_SCHED_STATE_H
+
+#include <pthread.h>
+
+#include "common/kv/block_pool.h"
+#include "common/kv/block_table.h"
+#include "common/kv/prefix_cache.h"
+#include "common/sched/engine.h"
+#include "common/sched/scheduler.h"
+
+typedef struct seq {
+    uint64_t id;
+    uint64_t arrival;  /* admission order */
+    uint64_t t_add_ns; /* wall clock at kvb_engine_add */
+    int32_t *tokens;   /* [cap] prompt followed by generated tokens */
+    int n_tokens;
+    int cap;
+    int n_prompt;
+    int max_tokens;
+    int n_generated;
+    int32_t *stop;     /* [n_stop] */
+    int n_stop;
+    kvb_sampling samp;
+    kvb_rng rng;
+    kvb_block_table bt;
+    int n_computed;    /* tokens whose KV is in the sequence's blocks */
+    int n_published;   /* full blocks offered to the prefix cache */
+    uint64_t last_hash;/* chained hash of block n_published-1 */
+    int q_len;         /* tokens scheduled in the current step */
+    int paused;        /* running but not scheduled (KVB_OP_PAUSE) */
+    int hits_taken;    /* during a step: its admission took its prefix hits (2: all that matched) */
+    int vidx;          /* index in the current view, -1 when not in it */
+    struct seq *prev, *next;
+} seq;
+
+typedef struct seq_list {
+    seq *head, *tail;
+    int n;
+} seq_list;
+
+/* One attached loan: a segment of the pool. */
+typedef struct loan {
+    uint64_t tag;      /* the caller's loan id */
+    int32_t first;     /* first block id of the segment */
+    int n;             /* blocks */
+} loan;
+
+/* Copy-thread tasks of the layer stream cache. */
+enum { LSC_LOAD = 1, LSC_STORE = 2 };
+#define LSC_QUEUE 8 /* at most 3 tasks are ever outstanding: load l+1, store l, load l+2 */
+
+/* The layer stream cache (SwiftCache §3.2-3.3). Each borrowed block used by a step gets a slot k of
+ * two single-layer buffers (parity 0 and 1: layer l uses parity l & 1). A copy thread loads layer
+ * l's slice of every slot's block into parity l & 1 before layer l runs and stores the rows the step
+ * wrote back after it; tasks run in the order they are posted (FIFO), which gives §3.3's ordering:
+ * load(l+2) reuses the buffer of layer l and is posted after store(l). */
+typedef struct lsc {
+    void *mem;              /* backend memory [n_slots][2][layer_bytes] */
+    int n_slots;            /* borrowed blocks the LSC can hold (= attached blocks) */
+    int32_t *slot_of;       /* [slot_of_n] slot of attached id capacity+j in this step, -1 if none */
+    int slot_of_n;
+    int32_t *entry_slot;    /* [blk_cap] slot of each layer_blocks entry of the step, -1 for local */
+    /* per step; the copy thread reads them (written before the first post, under the mutex) */
+    unsigned char **src;    /* [n_slots] borrowed block base (all layers) of slot k */
+    int *dirty_lo;          /* [n_slots] rows [lo, hi) of the block written by this step; lo >= hi: none */
+    int *dirty_hi;
+    int n_used;             /* slots used by this step */
+    size_t layer_bytes;     /* one layer slice of a block: [2][block_size][n_kv_heads][head_dim] */
+    size_t row_bytes;       /* one token row of K (or V): [n_kv_heads][head_dim] */
+    size_t half_bytes;      /* offset of V in a slice: block_size * row_bytes */
+    uint64_t *ticket;       /* [n_layers] ticket of each layer's load in this step */
+    /* copy thread */
+    kvb_backend *be;
+    pthread_t thread;
+    int started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int q_kind[LSC_QUEUE];
+    int q_layer[LSC_QUEUE];
+    uint64_t posted;        /* tasks posted; task t (1-based) sits at q[(t - 1) % LSC_QUEUE] */
+    uint64_t done;          /* tasks finished */
+    kvb_status err;         /* first copy error of the step */
+    int quit;
+} lsc;
+
+/* What the scheduler's probe found for one request of the view (valid while the view is). */
+typedef struct probe_memo {
+    int done;            /* probed in this view */
+    int n_hit;           /* pool blocks */
+    int hit_off;         /* their ids: e->memo_ids[hit_off .. hit_off + n_hit) */
+    int n_host_hit;      /* host-tier blocks after them */
+    uint64_t last_hash;  /* chained hash after all the hits (pool and host) */
+} probe_memo;
+
+struct kvb_engine {
+    kvb_model *m;
+    kvb_engine_opts o;
+    kvb_planner planner;
+    kvb_engine_events ev;
+    kvb_kv_geom geom;
+    void *kv_mem;            /* pool memory */
+    int kv_mem_owned;        /* allocated by the engine through the backend */
+    kvb_block_pool *pool;
+    kvb_prefix_cache *pc;
+    kvb_forward *fw;
+    int max_rows;            /* rows the forward pass holds: max_batch_tokens + extra rows */
+    seq_list waiting;        /* by arrival; preempted sequences go back in arrival order */
+    seq_list running;        /* by arrival (paused ones included) */
+    uint64_t next_arrival;
+    kvb_engine_stats stats;
+    /* per-step scratch */
+    seq **sched;             /* [max_seqs] sequences of this step */
+    int32_t *b_tokens;       /* [max_rows] */
+    int32_t *b_pos;          /* [max_rows] */
+    kvb_attn_seq *b_seqs;    /* [max_seqs] */
+    int32_t *b_logit_rows;   /* [max_seqs] */
+    void **blk_base;         /* [blk_cap] block base addresses of the step (all layers) */
+    void **blk_layer;        /* [blk_cap] the same blocks' slices for the current layer */
+    int blk_cap;
+    int32_t *blk_id;         /* [blk_cap] the same blocks' ids */
+    float *logits;           /* [max_seqs][vocab] */
+    float *sample_scratch;   /* [2*vocab] */
+    char last_error[256];    /* why the last kvb_engine_add failed, or the last plan was refused */
+    /* the planner's view and plan (scheduler.c, executor.c) */
+    kvb_view view;
+    kvb_req_view *vreqs;     /* [vcap] */
+    seq **vseq;              /* [vcap] the sequence behind each view entry */
+    int vcap;
+    int32_t *vhash;          /* [vhash_cap] open-addressing map id -> view index, -1 empty */
+    int vhash_cap;           /* power of two >= 2 * n_reqs */
+    probe_memo *memo;        /* [vcap] */
+    int32_t *memo_ids;       /* hit ids of all probes of this view */
+    int memo_n, memo_cap;
+    int32_t *adj;            /* [adj_cap] per block id: refcount change the plan makes (accounting) */
+    int adj_cap;
+    int32_t *adj_touched;    /* ids with adj != 0, to reset */
+    int adj_n, adj_touched_cap;
+    kvb_req_state *astate;   /* [vcap] state of each request after the plan's operations so far */
+    uint8_t *asched;         /* [vcap] 1 once the request has a RUN or ADMIT in the plan */
+    kvb_plan plan;
+    uint64_t *t_layer;       /* [n_layers] this step's layer times */
+    uint64_t *t_wait;        /* [n_layers] */
+    /* lending */
+    loan *loans;             /* [n_loans] attached segments, in attach order */
+    int n_loans;
+    int loans_cap;
+    int n_borrowed;          /* blocks of all loans */
+    int starved;             /* the last schedule left the queue's head waiting for blocks */
+    lsc lsc;                 /* used with o.lsc_stream */
+    void *ht_mem;            /* host tier: [host_tier_blocks][block_bytes] host memory, or NULL */
+    kvb_block_pool *ht_pool; /* its blocks */
+    kvb_prefix_cache *ht_pc; /* its prefix cache: blocks keyed like the pool's */
+};
+
+/* ---------------------------------------------------------------- scheduler.c */
+void kvb__list_remove(seq_list *l, seq *s);
+void kvb__list_insert_ordered(seq_list *l, seq *s);
+seq *kvb__find_seq(const seq_list *l, uint64_t id);
+void kvb__seq_free(kvb_engine *e, seq *s);
+void kvb__seq_drop_kv(kvb_engine *e, seq *s);
+/* Removes `s` from `l`, frees it and reports on_finish. */
+void kvb__finish(kvb_engine *e, seq_list *l, seq *s, kvb_finish why, kvb_status err);
+/* Preemption by recompute: releases the running sequence's blocks (published ones stay cached) and
+ * puts it back in the queue in arrival order with its prompt plus the tokens it generated. */
+void kvb__preempt_seq(kvb_engine *e, seq *victim);
+/* Blocks `s` needs at most over its life (prompt + max_tokens). */
+int64_t kvb__seq_need_blocks(const kvb_engine *e, const seq *s);
+/* The body of kvb_engine_add. */
+kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r);
+/* Rebuilds e->view from the engine's state. KVB_ERR_NOMEM. */
+kvb_status kvb__view_build(kvb_engine *e);
+/* Checks e->plan against e->view; the sentence goes to e->last_error. */
+kvb_status kvb__plan_check(kvb_engine *e, kvb_plan_cost *cost);
+/* The probe results of request vidx (computed on first use). */
+kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const probe_memo **out);
+void kvb__sched_free(kvb_engine *e);
+
+/* ---------------------------------------------------------------- executor.c */
+kvb_status kvb__exec_step(kvb_engine *e);
+void kvb__exec_free(kvb_engine *e);
+
+/* ---------------------------------------------------------------- stager.c (layer stream cache) */
+kvb_status kvb__lsc_init(kvb_engine *e);
+void kvb__lsc_release(kvb_engine *e);
+kvb_status kvb__lsc_resize(kvb_engine *e, int n_slots);
+unsigned char *kvb__lsc_buf(const lsc *c, int k, int parity);
+void kvb__lsc_begin(lsc *c);
+uint64_t kvb__lsc_post(lsc *c, int kind, int layer);
+kvb_status kvb__lsc_wait(lsc *c, uint64_t ticket);
+
+/* ---------------------------------------------------------------- host_tier.c */
+kvb_status kvb__host_tier_init(kvb_engine *e);
+void kvb__host_tier_free(kvb_engine *e);
+/* Continues the prefix match of `s` in the host tier, loading each hit into a new pool block. Returns
+ * the blocks loaded. */
+int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks);
+/* How many blocks after `parent` the host tier holds for tokens[0..max_blocks*bs), without loading. */
+int kvb__host_tier_peek(const kvb_engine *e, uint64_t parent, const int32_t *tokens, int max_blocks,
+                        uint64_t *last_hash);
+
+#endif
