@@ -30,7 +30,7 @@ typedef struct fixture {
 static void fx_open(fixture *f, int n, int n_act, size_t chunk_bytes) {
     vm_mock_init(&f->m, n, chunk_bytes, &f->ops);
     f->p = NULL;
-    ck_assert_int_eq(kvb_epool_create(n, n_act, &f->ops, &f->p), KVB_OK);
+    ck_assert_int_eq(kvb_epool_create(n, chunk_bytes, n_act, &f->ops, &f->p), KVB_OK);
 }
 
 /* Destroys the pool, then checks that the VM layer saw nothing wrong and nothing is left mapped. */
@@ -124,8 +124,8 @@ KVB_TEST(epool_failed_call_changes_nothing) {
     m->fail_at = 0;
     /* bad arguments */
     kvb_epool *q = NULL;
-    ck_assert_int_eq(kvb_epool_create(0, 0, &f.ops, &q), KVB_ERR_INVALID);
-    ck_assert_int_eq(kvb_epool_create(4, 5, &f.ops, &q), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_epool_create(0, 64, 0, &f.ops, &q), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_epool_create(4, 64, 5, &f.ops, &q), KVB_ERR_INVALID);
     ck_assert_int_eq(kvb_epool_map_free(p, KVB_EPOOL_KV, r, 4, NULL), KVB_ERR_STATE);
     ck_assert_int_eq(kvb_epool_map_free(p, KVB_EPOOL_KV, r + 7, 0, NULL), KVB_ERR_STATE);
     fx_close(&f);
@@ -142,7 +142,7 @@ KVB_TEST(act_pool_best_fit_coalesce) {
     vm_mock *m = &f.m;
     kvb_epool *p = f.p;
     kvb_act_pool *a = NULL;
-    ck_assert_int_eq(kvb_act_pool_create(p, CH, 8, 64, &a), KVB_OK);
+    ck_assert_int_eq(kvb_act_pool_create(p, 8, 64, &a), KVB_OK);
     ck_assert_int_eq(kvb_act_pool_n_mapped(a), 0); /* address space only */
     uintptr_t x, y, z, w;
     ck_assert_int_eq(kvb_act_pool_alloc(a, 100, &x), KVB_OK); /* 128 bytes at 0 */
@@ -195,7 +195,7 @@ KVB_TEST(act_pool_gc_only_idle_chunks) {
     vm_mock *m = &f.m;
     kvb_epool *p = f.p;
     kvb_act_pool *a = NULL;
-    ck_assert_int_eq(kvb_act_pool_create(p, CH, 8, 64, &a), KVB_OK);
+    ck_assert_int_eq(kvb_act_pool_create(p, 8, 64, &a), KVB_OK);
     uintptr_t x, y;
     ck_assert_int_eq(kvb_act_pool_alloc(a, 3 * CH, &x), KVB_OK); /* chunks 0-2 */
     ck_assert_int_eq(kvb_act_pool_alloc(a, 64, &y), KVB_OK);     /* chunk 3 */
@@ -215,7 +215,7 @@ KVB_TEST(act_pool_gc_only_idle_chunks) {
     /* an idle chunk elsewhere moves to where a block needs it when no free chunk is left */
     kvb_act_pool_destroy(a);
     a = NULL;
-    ck_assert_int_eq(kvb_act_pool_create(p, CH, 8, 64, &a), KVB_OK);
+    ck_assert_int_eq(kvb_act_pool_create(p, 8, 64, &a), KVB_OK);
     uintptr_t b1, b2, b3;
     ck_assert_int_eq(kvb_act_pool_alloc(a, 2 * CH, &b1), KVB_OK); /* chunks 0-1 */
     ck_assert_int_eq(kvb_act_pool_alloc(a, 2 * CH, &b2), KVB_OK); /* chunks 2-3: all four mapped */
@@ -604,7 +604,7 @@ KVB_TEST(host_mapping_semantics) {
     ck_assert_int_eq(kvb_elastic_vm_create(m, C, 4, 1, &vm), KVB_OK);
     kvb_vm_ops ops = kvb_elastic_vm_ops(vm);
     kvb_epool *p = NULL;
-    ck_assert_int_eq(kvb_epool_create(4, 1, &ops, &p), KVB_OK);
+    ck_assert_int_eq(kvb_epool_create(4, C, 1, &ops, &p), KVB_OK);
     int32_t a, b;
     ck_assert_int_eq(kvb_epool_reserve(p, 3, &a), KVB_OK);
     ck_assert_int_eq(kvb_epool_reserve(p, 3, &b), KVB_OK);

@@ -6,7 +6,7 @@
 enum { SLOT_EMPTY = 0, SLOT_LIVE = 1, SLOT_CACHED = 2 };
 
 typedef struct slot {
-    int32_t res;
+    int first;          /* index of its chunk 0 in the reservation */
     int state;
     int n_mapped;       /* chunks [0, n_mapped) are mapped */
     int need;           /* live: chunks [0, need) hold KV */
@@ -15,6 +15,7 @@ typedef struct slot {
 
 struct kvb_slot_pool {
     kvb_epool *ep;      /* borrowed */
+    int32_t res;        /* the reservation of all slots (-1 before it exists) */
     slot *s;            /* [n] */
     int n;
     int slot_chunks;
@@ -33,12 +34,17 @@ kvb_status kvb_slot_pool_create(kvb_epool *ep, int n_slots, int slot_chunks, kvb
     KVB_TRY(kvb_calloc(1, sizeof *sp, (void **)&sp));
     sp->ep = ep;
     sp->slot_chunks = slot_chunks;
+    sp->res = -1;
     kvb_status st;
-    KVB_TRY_GOTO(kvb_calloc((size_t)n_slots, sizeof *sp->s, (void **)&sp->s), fail);
-    for (int i = 0; i < n_slots; i++) {
-        KVB_TRY_GOTO(kvb_epool_reserve(ep, slot_chunks, &sp->s[i].res), fail);
-        sp->n++;
+    if ((int64_t)n_slots * slot_chunks > INT32_MAX) {
+        KVB_LOG_E("slot pool: %d slots of %d chunks pass the chunk index range", n_slots, slot_chunks);
+        st = KVB_ERR_INVALID;
+        goto fail;
     }
+    KVB_TRY_GOTO(kvb_calloc((size_t)n_slots, sizeof *sp->s, (void **)&sp->s), fail);
+    KVB_TRY_GOTO(kvb_epool_reserve(ep, n_slots * slot_chunks, &sp->res), fail);
+    for (int i = 0; i < n_slots; i++) sp->s[i].first = i * slot_chunks;
+    sp->n = n_slots;
     *out = sp;
     return KVB_OK;
 fail:
@@ -48,14 +54,17 @@ fail:
 
 void kvb_slot_pool_destroy(kvb_slot_pool *sp) {
     if (!sp) return;
-    for (int i = 0; i < sp->n; i++) kvb_epool_release(sp->ep, sp->s[i].res);
+    if (sp->res >= 0) kvb_epool_release(sp->ep, sp->res);
     free(sp->s);
     free(sp);
 }
 
 int kvb_slot_pool_n_slots(const kvb_slot_pool *sp) { return sp->n; }
 int kvb_slot_pool_slot_chunks(const kvb_slot_pool *sp) { return sp->slot_chunks; }
-uintptr_t kvb_slot_pool_base(const kvb_slot_pool *sp, int i) { return kvb_epool_base(sp->ep, sp->s[i].res); }
+uintptr_t kvb_slot_pool_base(const kvb_slot_pool *sp, int i) {
+    return kvb_epool_base(sp->ep, sp->res) + (uintptr_t)sp->s[i].first * kvb_epool_chunk_bytes(sp->ep);
+}
+int32_t kvb_slot_pool_reservation(const kvb_slot_pool *sp) { return sp->res; }
 int kvb_slot_pool_is_live(const kvb_slot_pool *sp, int i) { return sp->s[i].state == SLOT_LIVE; }
 int kvb_slot_pool_n_mapped(const kvb_slot_pool *sp, int i) { return sp->s[i].n_mapped; }
 int kvb_slot_pool_need(const kvb_slot_pool *sp, int i) { return sp->s[i].state == SLOT_LIVE ? sp->s[i].need : 0; }
@@ -122,12 +131,12 @@ kvb_status kvb_slot_pool_map(kvb_slot_pool *sp, int i, int n, kvb_slot_reclaim f
     slot *s = &sp->s[i];
     if (s->state != SLOT_LIVE || n > sp->slot_chunks) return KVB_ERR_INVALID;
     while (s->n_mapped < n) {
-        kvb_status st = kvb_epool_map_free(sp->ep, KVB_EPOOL_KV, s->res, s->n_mapped, NULL);
+        kvb_status st = kvb_epool_map_free(sp->ep, KVB_EPOOL_KV, sp->res, s->first + s->n_mapped, NULL);
         if (st == KVB_ERR_EXHAUSTED && from != KVB_SLOT_RECLAIM_NONE) {
             int v = reclaim_victim(sp, i, from == KVB_SLOT_RECLAIM_ALL);
             if (v < 0) return KVB_ERR_EXHAUSTED;
             slot *vs = &sp->s[v];
-            st = kvb_epool_move(sp->ep, vs->res, vs->n_mapped - 1, s->res, s->n_mapped, KVB_EPOOL_KV);
+            st = kvb_epool_move(sp->ep, sp->res, vs->first + vs->n_mapped - 1, sp->res, s->first + s->n_mapped, KVB_EPOOL_KV);
             if (st == KVB_OK) {
                 vs->n_mapped--;
                 sp->mapped--;
@@ -146,7 +155,7 @@ int kvb_slot_pool_reclaim(kvb_slot_pool *sp, int n) {
         int v = reclaim_victim(sp, -1, 1);
         if (v < 0) break;
         slot *s = &sp->s[v];
-        if (kvb_epool_unmap(sp->ep, s->res, s->n_mapped - 1) != KVB_OK) break;
+        if (kvb_epool_unmap(sp->ep, sp->res, s->first + s->n_mapped - 1) != KVB_OK) break;
         s->n_mapped--;
         sp->mapped--;
         done++;
@@ -180,7 +189,7 @@ kvb_status kvb_slot_pool_check(const kvb_slot_pool *sp) {
     for (int i = 0; i < sp->n; i++) {
         const slot *s = &sp->s[i];
         for (int c = 0; c < sp->slot_chunks; c++) {
-            int m = kvb_epool_chunk_at(sp->ep, s->res, c) >= 0;
+            int m = kvb_epool_chunk_at(sp->ep, sp->res, s->first + c) >= 0;
             if (m != (c < s->n_mapped)) {
                 KVB_LOG_E("slot pool: slot %d chunk %d is %smapped, the slot maps [0, %d)", i, c, m ? "" : "not ",
                           s->n_mapped);

@@ -1,9 +1,11 @@
 /* kvbank — KV eTensor slots of eLLM (ellm-elastic-memory.txt §4.2.1-4.2.2).
  *
- * One reservation per concurrency slot, `slot_chunks` chunks long (the model's context length rounded
+ * One virtual range per concurrency slot, `slot_chunks` chunks long (the model's context length rounded
  * up to whole chunks), reserved once and reused across requests: a request's KV is one contiguous
  * virtual range, and physical chunks of the unified pool (common/mem/elastic_pool.h) are mapped under
- * it on demand, always as a prefix [0, n_mapped) of the slot. A slot is
+ * it on demand, always as a prefix [0, n_mapped) of the slot. The slots are consecutive ranges of one
+ * reservation (slot i at chunk i * slot_chunks), so that the whole KV space is one address range a
+ * block pool can index (block-major: block id -> base + id * block bytes). A slot is
  *   - empty:  nothing mapped, no request;
  *   - live:   a request's KV; its first `need` chunks hold that KV, mapped chunks above `need` (a
  *             larger cached slot it reused, a speculatively pre-mapped next chunk) are reclaimable;
@@ -24,7 +26,7 @@
 typedef struct kvb_slot_pool kvb_slot_pool;
 
 /* Reserves `n_slots` (>= 1) slots of `slot_chunks` (>= 1) chunks in `ep` (borrowed for the pool's
- * lifetime). Caller owns the result. */
+ * lifetime), as one reservation. Caller owns the result. */
 kvb_status kvb_slot_pool_create(kvb_epool *ep, int n_slots, int slot_chunks, kvb_slot_pool **out);
 /* Unmaps and releases every slot (mapped chunks go back to the KV free list). NULL-safe. */
 void kvb_slot_pool_destroy(kvb_slot_pool *sp);
@@ -32,6 +34,8 @@ void kvb_slot_pool_destroy(kvb_slot_pool *sp);
 int kvb_slot_pool_n_slots(const kvb_slot_pool *sp);
 int kvb_slot_pool_slot_chunks(const kvb_slot_pool *sp);
 uintptr_t kvb_slot_pool_base(const kvb_slot_pool *sp, int slot);
+/* The reservation holding every slot (base of slot 0) and its size in chunks (n_slots * slot_chunks). */
+int32_t kvb_slot_pool_reservation(const kvb_slot_pool *sp);
 int kvb_slot_pool_is_live(const kvb_slot_pool *sp, int slot);
 int kvb_slot_pool_n_mapped(const kvb_slot_pool *sp, int slot);
 int kvb_slot_pool_need(const kvb_slot_pool *sp, int slot);

@@ -67,8 +67,9 @@ static void seg_close(kvb_act_pool *a, int k) {
     a->n_segs--;
 }
 
-kvb_status kvb_act_pool_create(kvb_epool *ep, size_t chunk_bytes, int seg_chunks, size_t align, kvb_act_pool **out) {
-    if (!ep || chunk_bytes == 0 || seg_chunks < 1 || align == 0 || (align & (align - 1)) || chunk_bytes % align) {
+kvb_status kvb_act_pool_create(kvb_epool *ep, int seg_chunks, size_t align, kvb_act_pool **out) {
+    size_t chunk_bytes = ep ? kvb_epool_chunk_bytes(ep) : 0;
+    if (!ep || seg_chunks < 1 || align == 0 || (align & (align - 1)) || chunk_bytes % align) {
         KVB_LOG_E("activation pool: chunk of %zu bytes, first segment of %d chunks, alignment %zu (a power of two "
                   "dividing the chunk) needed",
                   chunk_bytes, seg_chunks, align);

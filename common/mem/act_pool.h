@@ -23,10 +23,10 @@
 
 typedef struct kvb_act_pool kvb_act_pool;
 
-/* Creates the pool over `ep` (borrowed for the pool's lifetime; chunks of `chunk_bytes`). The first
- * segment reserves `seg_chunks` (>= 1) chunks of address space. Blocks are `align`-aligned (a power
- * of two that divides chunk_bytes). Caller owns the result. */
-kvb_status kvb_act_pool_create(kvb_epool *ep, size_t chunk_bytes, int seg_chunks, size_t align, kvb_act_pool **out);
+/* Creates the pool over `ep` (borrowed for the pool's lifetime). The first segment reserves
+ * `seg_chunks` (>= 1) chunks of address space. Blocks are `align`-aligned (a power of two that divides
+ * the chunk size). Caller owns the result. */
+kvb_status kvb_act_pool_create(kvb_epool *ep, int seg_chunks, size_t align, kvb_act_pool **out);
 /* Releases every segment (their chunks go back to the activations' free list). NULL-safe. */
 void kvb_act_pool_destroy(kvb_act_pool *a);
 

@@ -12,6 +12,7 @@ typedef struct resv {
 
 struct kvb_epool {
     int n;                  /* P_T */
+    size_t chunk_bytes;
     kvb_vm_ops ops;
     uint8_t *owner;         /* [n] kvb_epool_owner of each chunk */
     int32_t *where_res;     /* [n] reservation the chunk is mapped in, -1 when free */
@@ -24,8 +25,9 @@ struct kvb_epool {
     kvb_epool_stats stats;
 };
 
-kvb_status kvb_epool_create(int n_chunks, int n_act, const kvb_vm_ops *ops, kvb_epool **out) {
-    if (n_chunks < 1 || n_act < 0 || n_act > n_chunks || !ops || !ops->reserve || !ops->map || !ops->unmap) {
+kvb_status kvb_epool_create(int n_chunks, size_t chunk_bytes, int n_act, const kvb_vm_ops *ops, kvb_epool **out) {
+    if (n_chunks < 1 || chunk_bytes == 0 || n_act < 0 || n_act > n_chunks || !ops || !ops->reserve || !ops->map ||
+        !ops->unmap) {
         KVB_LOG_E("elastic pool: %d chunks with %d for activations, and the reserve/map/unmap calls, are needed",
                   n_chunks, n_act);
         return KVB_ERR_INVALID;
@@ -33,6 +35,7 @@ kvb_status kvb_epool_create(int n_chunks, int n_act, const kvb_vm_ops *ops, kvb_
     kvb_epool *p = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *p, (void **)&p));
     p->n = n_chunks;
+    p->chunk_bytes = chunk_bytes;
     p->ops = *ops;
     kvb_status st;
     size_t n = (size_t)n_chunks;
@@ -75,6 +78,7 @@ void kvb_epool_destroy(kvb_epool *p) {
 }
 
 int kvb_epool_n_chunks(const kvb_epool *p) { return p->n; }
+size_t kvb_epool_chunk_bytes(const kvb_epool *p) { return p->chunk_bytes; }
 int kvb_epool_n_owned(const kvb_epool *p, kvb_epool_owner o) { return p->n_owned[o]; }
 int kvb_epool_n_free(const kvb_epool *p, kvb_epool_owner o) { return p->n_free[o]; }
 int kvb_epool_n_mapped(const kvb_epool *p, kvb_epool_owner o) { return p->n_owned[o] - p->n_free[o]; }

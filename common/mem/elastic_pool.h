@@ -47,14 +47,15 @@ typedef struct kvb_vm_ops {
 
 typedef struct kvb_epool kvb_epool;
 
-/* Creates the books of `n_chunks` chunks (>= 1): the first `n_act` (0..n_chunks) owned by the
- * activations, the rest by the KV cache, all free. `ops` is copied; its ctx is borrowed for the
- * pool's lifetime. Caller owns the result. */
-kvb_status kvb_epool_create(int n_chunks, int n_act, const kvb_vm_ops *ops, kvb_epool **out);
+/* Creates the books of `n_chunks` chunks (>= 1) of `chunk_bytes` (> 0) each: the first `n_act`
+ * (0..n_chunks) owned by the activations, the rest by the KV cache, all free. `ops` is copied; its ctx
+ * is borrowed for the pool's lifetime. Caller owns the result. */
+kvb_status kvb_epool_create(int n_chunks, size_t chunk_bytes, int n_act, const kvb_vm_ops *ops, kvb_epool **out);
 /* Unmaps every mapped chunk and releases every reservation still held. NULL-safe. */
 void kvb_epool_destroy(kvb_epool *p);
 
 int kvb_epool_n_chunks(const kvb_epool *p);                        /* P_T */
+size_t kvb_epool_chunk_bytes(const kvb_epool *p);
 int kvb_epool_n_owned(const kvb_epool *p, kvb_epool_owner o);      /* chunks labelled `o` */
 int kvb_epool_n_free(const kvb_epool *p, kvb_epool_owner o);       /* of those, unmapped */
 int kvb_epool_n_mapped(const kvb_epool *p, kvb_epool_owner o);     /* of those, mapped somewhere */

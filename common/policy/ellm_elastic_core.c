@@ -152,9 +152,9 @@ kvb_status kvb_ee_core_create(const kvb_ee_config *c, const kvb_vm_ops *ops, kvb
     core->c = *c;
     kvb_status st;
     KVB_TRY_GOTO(kvb_ee_window_init(&core->win, c->win_iters, c->win_misses), fail);
-    KVB_TRY_GOTO(kvb_epool_create(c->n_chunks, c->act_chunks_start, ops, &core->ep), fail);
+    KVB_TRY_GOTO(kvb_epool_create(c->n_chunks, c->chunk_bytes, c->act_chunks_start, ops, &core->ep), fail);
     KVB_TRY_GOTO(kvb_slot_pool_create(core->ep, c->n_slots, c->slot_chunks, &core->sp), fail);
-    KVB_TRY_GOTO(kvb_act_pool_create(core->ep, c->chunk_bytes, c->act_seg_chunks, c->act_align, &core->ap), fail);
+    KVB_TRY_GOTO(kvb_act_pool_create(core->ep, c->act_seg_chunks, c->act_align, &core->ap), fail);
     KVB_TRY_GOTO(tab_grow(core, 64), fail);
     if (c->inter && c->buf_max > 0) {
         if (c->buf_max > INT32_MAX) {
