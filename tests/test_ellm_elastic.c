@@ -16,8 +16,11 @@
 #include "common/mem/elastic_vm.h"
 #include "common/mem/mem.h"
 #include "common/policy/ellm_elastic_alg.h"
+#include "common/policy/ellm_elastic.h"
 #include "common/policy/ellm_elastic_core.h"
+#include "common/sched/engine.h"
 #include "tests/harness.h"
+#include "tests/testmodel.h"
 #include "tests/vm_mock.h"
 
 /* A recording VM layer and a unified pool of `n` chunks (`n_act` of them activations') over it. */
@@ -996,10 +999,138 @@ KVB_TEST(core_random_chunked) {
 }
 KVB_TEST_END
 
+/* ================================================================ the planners in the engine */
+
+#define LR 10   /* requests */
+#define LT 40   /* tokens each generates */
+
+typedef struct lrec {
+    int32_t toks[LR][LT];
+    int n[LR];
+    int finished;
+} lrec;
+
+static void l_on_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t t_ns) {
+    (void)t_ns;
+    lrec *r = ud;
+    if (id >= LR || index != r->n[id] || index >= LT) ck_abort_msg("token %d of request %llu out of order", index, (unsigned long long)id);
+    r->toks[id][r->n[id]++] = tok;
+}
+
+static void l_on_finish(void *ud, uint64_t id, kvb_finish why, kvb_status err) {
+    (void)id, (void)err;
+    lrec *r = ud;
+    if (why != KVB_FINISH_LENGTH) ck_abort_msg("request %llu finished with %s", (unsigned long long)id, kvb_finish_str(why));
+    r->finished++;
+}
+
+static int32_t LP[LR][256];
+static int LPL[LR];
+
+/* Runs the LR prompts through `policy` (params "k=v,k=v" or NULL) on an engine of max_seqs 16; the
+ * planner's report goes to *rep when it is one of eLLM's. Requests 6.. arrive after 8 steps. */
+static void l_run(kvb_model *m, const char *policy, const char *params, lrec *out, kvb_ee_report *rep) {
+    memset(out, 0, sizeof *out);
+    kvb_policy_params pp = {0};
+    if (params) {
+        char buf[512];
+        snprintf(buf, sizeof buf, "%s", params);
+        for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) ck_assert_int_eq(kvb_policy_params_add(&pp, tok), KVB_OK);
+    }
+    kvb_planner pl;
+    ck_assert_int_eq(kvb_policy_create(policy, &pp, &pl), KVB_OK);
+    kvb_policy_params_free(&pp);
+    kvb_planner keep = pl;
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.block_size = 16;
+    o.n_blocks = 200;
+    o.max_seqs = 16;
+    o.enable_prefix_cache = 0;
+    kvb_engine_events ev = {.ud = out, .on_token = l_on_token, .on_finish = l_on_finish};
+    kvb_engine *e = NULL;
+    ck_assert_int_eq(kvb_engine_create(m, &o, &pl, &ev, &e), KVB_OK);
+    for (int r = 0; r < LR; r++) {
+        if (r == 6)
+            for (int i = 0; i < 8; i++) ck_assert_msg(kvb_engine_step(e) == KVB_OK, "step: %s", kvb_engine_last_error(e));
+        kvb_request q = {.id = (uint64_t)r, .prompt = LP[r], .n_prompt = LPL[r], .max_tokens = LT};
+        ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    }
+    for (int i = 0; i < 20000 && kvb_engine_n_live(e) > 0; i++)
+        ck_assert_msg(kvb_engine_step(e) == KVB_OK, "step: %s", kvb_engine_last_error(e));
+    ck_assert_int_eq(kvb_engine_n_live(e), 0);
+    ck_assert_int_eq(out->finished, LR);
+    if (rep) ck_assert(kvb_ee_planner_report(&keep, rep));
+    kvb_engine_destroy(e);
+}
+
+static void l_same(const lrec *a, const lrec *b, const char *what) {
+    for (int r = 0; r < LR; r++) {
+        ck_assert_int_eq(a->n[r], b->n[r]);
+        for (int i = 0; i < a->n[r]; i++)
+            if (a->toks[r][i] != b->toks[r][i])
+                ck_abort_msg("%s: request %d token %d: %d vs %d", what, r, i, a->toks[r][i], b->toks[r][i]);
+    }
+}
+
+static void l_print(const char *what, const kvb_ee_report *p) {
+    fprintf(stderr,
+            "%-34s P_T %d: %llu iterations (%llu prefill), largest decode batch %d, %llu preempted, inflated %llu / "
+            "deflated %llu, offloaded %llu / fetched %llu, premapped %llu, maps %llu sync / %llu async, act now %d "
+            "(start %d)\n",
+            what, p->n_chunks, (unsigned long long)p->core.iterations, (unsigned long long)p->core.prefill_iters,
+            p->core.max_batch, (unsigned long long)p->core.preemptions, (unsigned long long)p->core.inflated,
+            (unsigned long long)p->core.deflated, (unsigned long long)p->core.offloads,
+            (unsigned long long)p->core.fetches, (unsigned long long)p->core.premapped,
+            (unsigned long long)p->sync_maps, (unsigned long long)p->async_maps, p->act_owned, p->act_start);
+}
+
+/* Greedy tokens under ellm-elastic (inflation, deflation, preemption), its ablations and both
+ * baselines equal the plain engine's, on a budget too small for everyone at once. */
+KVB_TEST(planners_lossless_under_pressure) {
+    kvb_t_model tm;
+    kvb_t_model_make(&tm, "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 200 --max-pos 256 --seed 3");
+    for (int r = 0; r < LR; r++) {
+        LPL[r] = r % 3 == 0 ? 150 + 7 * r : 10 + 9 * r;
+        for (int i = 0; i < LPL[r]; i++) LP[r][i] = (i * 17 + r * 31 + 5) % 200;
+    }
+    static lrec ref, got;
+    l_run(tm.m, "recompute", NULL, &ref, NULL);
+    static const struct {
+        const char *policy, *params;
+    } runs[] = {
+        {"ellm-elastic", "budget_mb=1"},
+        {"ellm-elastic", "budget_mb=1,intra=0"},
+        {"ellm-elastic", "budget_mb=1,premap=0,mapper=0"},
+        {"static-split", "budget_mb=1"},
+        {"static-split-chunked", "budget_mb=1,prefill_chunk=64"},
+    };
+    kvb_ee_report rep[KVB_ARRAY_LEN(runs)];
+    for (size_t k = 0; k < KVB_ARRAY_LEN(runs); k++) {
+        l_run(tm.m, runs[k].policy, runs[k].params, &got, &rep[k]);
+        char what[96];
+        snprintf(what, sizeof what, "%s %s", runs[k].policy, runs[k].params);
+        l_print(what, &rep[k]);
+        l_same(&ref, &got, what);
+    }
+    /* the scenario exercised what it is about */
+    ck_assert_uint_gt(rep[0].core.inflated, 0);
+    ck_assert_uint_gt(rep[0].core.deflated, 0);
+    ck_assert_uint_gt(rep[0].core.premapped, 0);
+    ck_assert_uint_gt(rep[0].async_maps, 0);
+    ck_assert_uint_eq(rep[1].core.inflated + rep[1].core.deflated, 0);
+    ck_assert_uint_eq(rep[2].async_maps, 0);
+    /* KV borrowed from the activations: larger decode batches than the static split */
+    ck_assert_int_gt(rep[0].core.max_batch, rep[3].core.max_batch);
+    kvb_t_model_free(&tm);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("ellm_elastic", KVB_T(epool_books, 10), KVB_T(epool_failed_call_changes_nothing, 10),
               KVB_T(act_pool_best_fit_coalesce, 10), KVB_T(act_pool_gc_only_idle_chunks, 10),
               KVB_T(slot_pool_best_fit_reuse, 10), KVB_T(slot_pool_reclaim_lru_and_excess, 10),
               KVB_T(alg1_fcfs_break, 10), KVB_T(alg1_offload_branch, 10), KVB_T(alg1_balloon_sign_and_bounds, 10),
               KVB_T(alg1_random_against_pseudocode, 30), KVB_T(alg2_scaling, 10), KVB_T(alg2_window_3_in_5, 10),
               KVB_T(core_random_elastic, 60), KVB_T(core_random_ablations, 60), KVB_T(core_random_chunked, 60),
-              KVB_T(core_random_real_mappings, 60), KVB_T(host_mapping_semantics, 20))
+              KVB_T(core_random_real_mappings, 60), KVB_T(host_mapping_semantics, 20),
+              KVB_T(planners_lossless_under_pressure, 240))
