@@ -85,6 +85,7 @@ static void usage(FILE *f, kvb_role role) {
             "  --max-batch-tokens N   token budget per engine step (default 512)\n"
             "  --max-seqs N           most running sequences (default 64)\n"
             "  --max-live N           requests live at once before new ones are rejected (default 1024)\n"
+            "  --max-live-per-client N  of them, one client's (DEALER socket's) at most (default max-live / 4)\n"
             "  --no-prefix-cache      do not reuse KV blocks across requests\n"
             "  --no-lend              worker: never lend blocks (as \"lend\": false in the node config)\n"
             "  --heartbeat-ms N       heartbeat period until the coordinator sets one (default %d)\n",
@@ -130,18 +131,18 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     const char *config = NULL, *name = NULL, *lsc = NULL;
     /* flags; unset: 0 / NULL / negative */
     const char *f_model = NULL, *f_ep = NULL, *f_coord = NULL, *f_backend = NULL, *f_policy = NULL;
-    int f_threads = 0, f_bs = 0, f_mbt = 0, f_seqs = 0, f_live = 0, f_hb = 0, no_pc = 0, no_lend = 0;
+    int f_threads = 0, f_bs = 0, f_mbt = 0, f_seqs = 0, f_live = 0, f_hb = 0, no_pc = 0, no_lend = 0, f_per_client = 0;
     double f_kv_mb = -1, f_lend = -1, f_window = -1;
 
     enum { O_CONFIG = 256, O_NAME, O_MODEL, O_EP, O_COORD, O_KVMB, O_BS, O_THREADS, O_BACKEND, O_POLICY, O_MBT,
-           O_SEQS, O_LIVE, O_NOPC, O_HB, O_LEND, O_WINDOW, O_LSC, O_NOLEND };
+           O_SEQS, O_LIVE, O_NOPC, O_HB, O_LEND, O_WINDOW, O_LSC, O_NOLEND, O_PER_CLIENT };
     struct option opts[32] = {
         {"config", 1, 0, O_CONFIG},   {"name", 1, 0, O_NAME},         {"model", 1, 0, O_MODEL},
         {"endpoint", 1, 0, O_EP},     {"coordinator", 1, 0, O_COORD}, {"kv-mb", 1, 0, O_KVMB},
         {"block-size", 1, 0, O_BS},   {"threads", 1, 0, O_THREADS},   {"backend", 1, 0, O_BACKEND},
         {"policy", 1, 0, O_POLICY},   {"max-batch-tokens", 1, 0, O_MBT}, {"max-seqs", 1, 0, O_SEQS},
         {"max-live", 1, 0, O_LIVE},   {"no-prefix-cache", 0, 0, O_NOPC}, {"heartbeat-ms", 1, 0, O_HB},
-        {"help", 0, 0, 'h'}};
+        {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"help", 0, 0, 'h'}};
     int n_opts = 0;
     while (opts[n_opts].name) n_opts++;
     if (role == KVB_ROLE_WORKER) {
@@ -175,6 +176,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         case O_MBT: st = kvb_parse_i64(optarg, 1, 1 << 30, &v); f_mbt = (int)v; break;
         case O_SEQS: st = kvb_parse_i64(optarg, 1, 1 << 20, &v); f_seqs = (int)v; break;
         case O_LIVE: st = kvb_parse_i64(optarg, 1, 1 << 20, &v); f_live = (int)v; break;
+        case O_PER_CLIENT: st = kvb_parse_i64(optarg, 1, 1 << 20, &v); f_per_client = (int)v; break;
         case O_HB: st = kvb_parse_i64(optarg, 10, 60000, &v); f_hb = (int)v; break;
         case O_KVMB:
             st = kvb_parse_f64(optarg, &d);
@@ -267,6 +269,8 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         if (m->kv_bytes > 0) a->kv_bytes = m->kv_bytes;
         if (m->max_batch_tokens > 0) a->max_batch_tokens = m->max_batch_tokens;
         if (m->max_seqs > 0) a->max_seqs = m->max_seqs;
+        if (m->max_live > 0) a->max_live = m->max_live;
+        a->max_live_per_client = m->max_live_per_client;
         a->lsc_stream = m->lsc_stream;
         a->lend = m->lend;
         if (a->cfg->heartbeat_ms > 0) a->heartbeat_ms = a->cfg->heartbeat_ms;
@@ -283,6 +287,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     if (f_mbt) a->max_batch_tokens = f_mbt;
     if (f_seqs) a->max_seqs = f_seqs;
     if (f_live) a->max_live = f_live;
+    if (f_per_client) a->max_live_per_client = f_per_client;
     if (f_hb) a->heartbeat_ms = f_hb;
     if (no_pc) a->prefix_cache = 0;
     if (no_lend) a->lend = 0;
@@ -412,7 +417,7 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
         goto fail;
     }
     kvb_server_opts so = {.endpoint = a->endpoint, .model_name = a->name, .max_live = a->max_live,
-                          .vocab = kvb_model_cfg(p->model)->vocab};
+                          .max_per_client = a->max_live_per_client, .vocab = kvb_model_cfg(p->model)->vocab};
     if ((st = kvb_server_create(&so, &p->srv)) != KVB_OK) {
         fprintf(stderr, "%s: cannot serve on %s: %s\n", prog, a->endpoint, kvb_status_str(st));
         goto fail;

@@ -37,6 +37,7 @@ typedef struct kvb_node_proc_args {
     int max_batch_tokens;
     int max_seqs;
     int max_live;
+    int max_live_per_client;     /* 0: the server's default (max_live / 4) */
     int prefix_cache;
     int heartbeat_ms;            /* until the coordinator says otherwise */
     double lend_interval_s;      /* worker: Alg. 1 SCALEDOWN period */

@@ -20,7 +20,7 @@ expect() {
     rc=$?
     if [ "$rc" -ne "$code" ]; then
         bad "$* -> exit $rc, want $code; output: $(echo "$out" | tail -3)"
-    elif ! echo "$out" | grep -Eq "$pat"; then
+    elif ! grep -Eq "$pat" <<<"$out"; then
         bad "$* -> output lacks /$pat/: $(echo "$out" | tail -3)"
     elif echo "$out" | grep -q "AddressSanitizer\|runtime error"; then
         bad "$* -> sanitizer report"

@@ -1295,6 +1295,106 @@ KVB_TEST(resume_after_kill) {
 }
 KVB_TEST_END
 
+/* One client cannot take the server: a greedy DEALER sends more requests than the server holds; it
+ * gets its share (max_live / 4 by default) and the rest are refused, and a second client's single
+ * request is accepted and admitted to the engine ahead of the greedy client's backlog (the engine runs
+ * 4 sequences: without fair admission the fair request would wait for all of the greedy ones). */
+KVB_TEST(greedy_client_fair) {
+    make_model();
+    const char *extra[] = {"--max-live", "128", "--max-seqs", "4", NULL};
+    start_server(extra);
+    enum { N_GREEDY = 140, SHARE = 128 / 4, MAXT = 256 };
+    const char *ps[] = {"1,2,3,4,5"};
+    int32_t *ref = NULL;
+    int n_ref = 0;
+    reference(ps, 1, MAXT, NULL, &ref, &n_ref);
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+
+    void *zctx = zmq_ctx_new();
+    void *greedy = raw_dealer(zctx);
+    stream *gs = calloc(N_GREEDY, sizeof *gs);
+    ck_assert_ptr_nonnull(gs);
+    for (int i = 0; i < N_GREEDY; i++) {
+        gs[i].rid = (uint64_t)i + 1;
+        raw_generate(greedy, gs[i].rid, prompt, 5, MAXT);
+    }
+    /* The server handles a client's messages in order: its Pong means it has seen all 140. */
+    raw_ping(greedy, 99);
+    int refused = 0;
+    for (int got_pong = 0; !got_pong;) {
+        Kvbank__Envelope *e = raw_recv(greedy, 20000);
+        ck_assert_ptr_nonnull(e);
+        if (e->body_case == KVBANK__ENVELOPE__BODY_PONG) {
+            got_pong = 1;
+        } else if (e->body_case == KVBANK__ENVELOPE__BODY_ERROR) {
+            ck_assert_int_eq(e->error->code, KVB_ERR_EXHAUSTED);
+            ck_assert_msg(strstr(e->error->message, "per client") != NULL, "refusal: %s", e->error->message);
+            uint64_t rid = e->error->request_id;
+            ck_assert(rid >= 1 && rid <= N_GREEDY);
+            gs[rid - 1].n_errors++;
+            refused++;
+        } else {
+            /* tokens of an accepted request: file them */
+            ck_assert_int_eq(e->body_case, KVBANK__ENVELOPE__BODY_TOKENS);
+            stream *st = &gs[e->tokens->request_id - 1];
+            for (size_t k = 0; k < e->tokens->n_tokens; k++) {
+                st->t_ns[st->n] = e->tokens->t_ns[k];
+                st->tok[st->n++] = e->tokens->tokens[k];
+            }
+            st->finish = e->tokens->finish;
+        }
+        kvbank__envelope__free_unpacked(e, NULL);
+    }
+
+    /* The fair client: served, exactly. */
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    collect *col = collect_new();
+    kvb_request r = {.prompt = prompt, .n_prompt = 5, .max_tokens = MAXT};
+    kvb_finish fin = KVB_FINISH_NONE;
+    char err[256] = "";
+    ck_assert_int_eq(kvb_client_ping(c, 10000, NULL), KVB_OK); /* connected */
+    uint64_t fair_sent = kvb_wall_ns();
+    kvb_status st = kvb_client_generate(c, &r, on_tok, col, 30000, &fin, err, sizeof err);
+    ck_assert_msg(st == KVB_OK, "the fair client's request: %s (%s)", kvb_status_str(st), err);
+    ck_assert_int_eq(fin, KVB_FINISH_LENGTH);
+    assert_ids_eq(col->tok, col->n, ref, n_ref, "fair client");
+    uint64_t fair_first = col->t_ns[0];
+
+    /* The greedy client's accepted requests all complete, exactly; count those done before the fair one. */
+    int done = 0, before = 0;
+    for (int i = 0; i < N_GREEDY; i++) done += gs[i].finish != 0 || gs[i].n_errors;
+    while (done < N_GREEDY) {
+        ck_assert_int_eq(pump(greedy, gs, N_GREEDY, 30000), 1);
+        done = 0;
+        for (int i = 0; i < N_GREEDY; i++) done += gs[i].finish != 0 || gs[i].n_errors;
+    }
+    int accepted = 0, waiting = 0;
+    for (int i = 0; i < N_GREEDY; i++) {
+        if (gs[i].n_errors) continue;
+        accepted++;
+        ck_assert_int_eq(gs[i].finish, KVBANK__FINISH_REASON__FINISH_LENGTH);
+        assert_ids_eq(gs[i].tok, gs[i].n, ref, n_ref, "greedy client");
+        /* greedy requests that started while the fair one waited: admitted ahead of it */
+        if (gs[i].t_ns[0] > fair_sent && gs[i].t_ns[0] < fair_first) before++;
+        if (gs[i].t_ns[0] > fair_sent) waiting++;
+    }
+    ck_assert_int_eq(accepted, SHARE);
+    ck_assert_int_eq(refused, N_GREEDY - SHARE);
+    /* A greedy backlog was still waiting when the fair request came (else this shows nothing) ... */
+    ck_assert_msg(waiting > 8, "only %d greedy requests still waited when the fair one was sent", waiting);
+    /* ... and only what already waited in the engine (FEED_WAITING = 8) went ahead of it. */
+    ck_assert_msg(before <= 8, "%d of the greedy client's requests were admitted while the fair one waited", before);
+    free(col);
+    free(gs);
+    free(ref);
+    kvb_client_destroy(c);
+    zmq_close(greedy);
+    zmq_ctx_term(zctx);
+    teardown();
+}
+KVB_TEST_END
+
 KVB_TEST(command_line) {
     make_model();
     g_quiet = 1; /* usage texts and the expected errors */
@@ -1461,5 +1561,5 @@ KVB_TEST_END
 KVB_TEST_MAIN("server", KVB_T(wire_roundtrip_and_fuzz, 120), KVB_T(generate_matches_reference, 120), KVB_T(concurrent_clients, 120),
               KVB_T(async_multiplex, 120),
               KVB_T(malformed_frames, 120), KVB_T(invalid_requests, 120), KVB_T(client_disconnect, 120),
-              KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120), KVB_T(resume_after_kill, 180),
+              KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120), KVB_T(resume_after_kill, 180), KVB_T(greedy_client_fair, 120),
               KVB_T(command_line, 120))

@@ -260,21 +260,6 @@ fail_map:
     return st;
 }
 
-/* Python's repr() of a float (what json.dumps writes): the shortest digits that round-trip, positional
- * for decimal exponents in [-4, 16) with at least one decimal ("10000.0"), else "1e-06" style. */
-static void py_float(double x, char *buf, size_t cap) {
-    char tmp[64];
-    int p;
-    for (p = 1; p < 17; p++) {
-        snprintf(tmp, sizeof tmp, "%.*e", p - 1, x);
-        if (strtod(tmp, NULL) == x) break;
-    }
-    snprintf(tmp, sizeof tmp, "%.*e", p - 1, x);
-    int e = atoi(strchr(tmp, 'e') + 1);
-    if (e >= -4 && e < 16) snprintf(buf, cap, "%.*f", KVB_MAX(p - 1 - e, 1), x);
-    else snprintf(buf, cap, "%s", tmp);
-}
-
 typedef struct kv_line {
     const char *key;
     char value[256]; /* JSON text, already indented for a nested value */
@@ -307,7 +292,7 @@ static kvb_status write_config(const opts *o) {
     SET("num_attention_heads", "%d", o->heads);
     SET("num_hidden_layers", "%d", o->layers);
     SET("num_key_value_heads", "%d", o->kv_heads);
-    py_float(o->qwen3 ? 1e-6 : 1e-5, f1, sizeof f1);
+    kvb_fmt_py_float(o->qwen3 ? 1e-6 : 1e-5, f1, sizeof f1);
     SET("rms_norm_eps", "%s", f1);
     if (o->llama3)
         SET("rope_scaling",
@@ -315,7 +300,7 @@ static kvb_status write_config(const opts *o) {
             "    \"original_max_position_embeddings\": %d,\n    \"rope_type\": \"llama3\"\n  }",
             KVB_MAX(o->max_pos / 8, 1));
     else SET("rope_scaling", "null");
-    py_float(o->rope_theta, f2, sizeof f2);
+    kvb_fmt_py_float(o->rope_theta, f2, sizeof f2);
     SET("rope_theta", "%s", f2);
     SET("tie_word_embeddings", "%s", o->tie ? "true" : "false");
     SET("torch_dtype", "\"%s\"", o->dtype == KVB_DTYPE_F32 ? "float32" : o->dtype == KVB_DTYPE_F16 ? "float16" : "bfloat16");

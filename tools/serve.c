@@ -45,6 +45,10 @@ static void usage(FILE *f) {
             "                         tokens)\n"
             "  --max-batch-tokens N   token budget per engine step (default 512)\n"
             "  --max-live N           requests live at once before new ones are rejected (default 1024)\n"
+            "  --max-live-per-client N  requests one client (one DEALER socket) may have live at once\n"
+            "                         (default max-live / 4); clients reach the engine fairly: the one with\n"
+            "                         the fewest requests running goes first\n"
+            "  --max-seqs N           most running sequences (default 64)\n"
             "  --policy NAME          planner (default recompute); --policy list prints them\n"
             "  --policy-param K=V     a parameter of the planner (repeat for more)\n"
             "  --no-prefix-cache      do not reuse KV blocks across requests\n"
@@ -79,15 +83,18 @@ static int valid_tag(const char *s) {
 int main(int argc, char **argv) {
     const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
     int threads = 1, block_size = 16, kv_blocks = 0, max_batch_tokens = 0, max_live = 1024, prefix_cache = 1;
+    int max_per_client = 0, max_seqs = 0;
     kvb_policy_params pparams = {0};
 
-    enum { O_MODEL = 256, O_EP, O_NAME, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_LIVE, O_POLICY, O_NOPC, O_PPARAM };
+    enum { O_MODEL = 256, O_EP, O_NAME, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_LIVE, O_POLICY, O_NOPC, O_PPARAM,
+           O_PER_CLIENT, O_SEQS };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL},       {"endpoint", 1, 0, O_EP},        {"name", 1, 0, O_NAME},
         {"backend", 1, 0, O_BACKEND},   {"threads", 1, 0, O_THREADS},    {"block-size", 1, 0, O_BS},
         {"kv-blocks", 1, 0, O_BLOCKS},  {"max-batch-tokens", 1, 0, O_MBT}, {"max-live", 1, 0, O_LIVE},
         {"policy", 1, 0, O_POLICY},     {"no-prefix-cache", 0, 0, O_NOPC}, {"policy-param", 1, 0, O_PPARAM},
         {"help", 0, 0, 'h'},
+        {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"max-seqs", 1, 0, O_SEQS},
         {0, 0, 0, 0}};
     int c, bad = 0;
     opterr = 1;
@@ -102,6 +109,8 @@ int main(int argc, char **argv) {
         case O_BLOCKS: bad = parse_int("--kv-blocks", optarg, 1, &kv_blocks) != 0; break;
         case O_MBT: bad = parse_int("--max-batch-tokens", optarg, 1, &max_batch_tokens) != 0; break;
         case O_LIVE: bad = parse_int("--max-live", optarg, 1, &max_live) != 0; break;
+        case O_PER_CLIENT: bad = parse_int("--max-live-per-client", optarg, 1, &max_per_client) != 0; break;
+        case O_SEQS: bad = parse_int("--max-seqs", optarg, 1, &max_seqs) != 0; break;
         case O_POLICY: policy = optarg; break;
         case O_PPARAM:
             if (kvb_policy_params_add(&pparams, optarg) != KVB_OK) {
@@ -201,7 +210,8 @@ int main(int argc, char **argv) {
     }
     if (g_stop) goto stopped;
 
-    kvb_server_opts so = {.endpoint = endpoint, .model_name = name, .max_live = max_live, .vocab = cfg->vocab};
+    kvb_server_opts so = {.endpoint = endpoint, .model_name = name, .max_live = max_live,
+                          .max_per_client = max_per_client, .vocab = cfg->vocab};
     if ((st = kvb_server_create(&so, &srv)) != KVB_OK) {
         fprintf(stderr, "kvbank-serve: cannot serve on %s: %s\n", endpoint, kvb_status_str(st));
         goto out;
@@ -211,6 +221,7 @@ int main(int argc, char **argv) {
     eo.block_size = block_size;
     eo.n_blocks = kv_blocks;
     if (max_batch_tokens) eo.max_batch_tokens = max_batch_tokens;
+    if (max_seqs) eo.max_seqs = max_seqs;
     eo.enable_prefix_cache = prefix_cache;
     eo.kv_mem = kvb_region_base(region);
     eo.kv_mem_bytes = kvb_region_size(region);

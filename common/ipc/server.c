@@ -11,6 +11,14 @@
  * mutes all of that client's slots and queues their cancellation, which flush() performs after its
  * pass: the engine is never re-entered from inside its own callbacks.
  *
+ * Fair admission. A request is not handed to the engine when it arrives: it waits in its client's
+ * queue (a client is a routing id) and feed() passes queued requests to the engine while the engine
+ * has fewer than FEED_WAITING requests waiting, each time from the client with the fewest requests in
+ * the engine (ties go round-robin). One client with a thousand requests therefore delays another's
+ * single request by at most one admission, not by its whole backlog. Each client may hold at most
+ * max_per_client live requests (default a quarter of max_live: at least four clients always find
+ * room); more are refused with KVB_ERR_EXHAUSTED naming that limit.
+ *
  * A role (master, worker) adds its own sockets to the same zmq_poll and runs its hooks between steps
  * (kvb_server_set_hooks), so the process stays single-threaded and nothing the hooks do to the engine
  * (attach, detach, shrink, grow) can overlap a step. */
@@ -38,6 +46,8 @@
 #define TOK_CAP0 4                           /* initial per-slot token buffer (tokens) */
 #define CLOSE_LINGER_MS 250                  /* how long destroy waits for queued replies */
 #define HOOK_ITEMS_MAX 15                    /* extra poll items a role may add */
+#define FEED_WAITING 8                       /* feed the engine while fewer requests than this wait in it */
+#define REQ_KEEP_IDS 4096                    /* a slot keeps a request buffer up to this many ids for reuse */
 
 typedef struct slot {
     int in_use;
@@ -58,7 +68,27 @@ typedef struct slot {
     int mute;                     /* send nothing more: the client is gone or got its final event */
     int broken;                   /* a token could not be buffered: end the request with ERROR */
     int cancel_queued;            /* listed in kvb_server.cancels */
+    int client;                   /* its client (index into kvb_server.clients) */
+    int queued;                   /* waiting in its client's queue, not yet in the engine */
+    int in_engine;                /* handed to the engine (engine events and cancels go there) */
+    int q_prev, q_next;           /* the client's queue, oldest first (-1 ends it) */
+    /* the request while queued: prompt then stop ids */
+    int32_t *req;                 /* [cap_req] (n_prompt + n_stop valid) */
+    int cap_req, n_prompt, n_stop, max_tokens, resume_index;
+    kvb_sampling sampling;
 } slot;
+
+/* A client: one routing id with at least one live request. */
+typedef struct client {
+    int in_use;
+    uint8_t ident[IDENT_MAX];     /* [ident_len] */
+    size_t ident_len;
+    uint64_t hash;                /* of the identity */
+    int next;                     /* next client in the same hash bucket, -1 ends the chain */
+    int n_live;                   /* its slots, queued or in the engine */
+    int n_engine;                 /* of which in the engine */
+    int q_head, q_tail;           /* its queued slots, oldest first (-1: none) */
+} client;
 
 struct kvb_server {
     void *zctx;
@@ -69,6 +99,7 @@ struct kvb_server {
     ino_t ipc_ino;
     char *model_name;
     int max_live;
+    int max_per_client;           /* live requests one client may hold */
     int vocab;
     kvb_engine *engine;           /* borrowed */
     slot *slots;                  /* [max_live] */
@@ -81,6 +112,12 @@ struct kvb_server {
     int *cancels;                 /* [max_live] slots to cancel in the engine, n_cancels valid */
     int n_cancels;
     int n_live;                   /* slots in use */
+    client *clients;              /* [max_live] (a client holds at least one slot) */
+    int *cl_free;                 /* [max_live] stack of free client indices, n_cl_free valid */
+    int n_cl_free;
+    int *cl_buckets;              /* [n_buckets] first client of each hash chain, -1 when empty */
+    int n_queued;                 /* slots waiting in client queues */
+    int rr;                       /* the client fed last (round-robin among equals) */
     uint64_t seq;                 /* last sequence number given to an engine id */
     kvb_server_stats stats;
     kvb_server_hooks hooks;       /* the role's sockets and callbacks (all zero: none) */
@@ -137,8 +174,78 @@ static int slot_find(kvb_server *s, const uint8_t *ident, size_t len, uint64_t r
     return -1;
 }
 
-/* Takes a free slot for (ident, rid) and gives it a fresh engine id. The caller checked n_free > 0. */
-static int slot_alloc(kvb_server *s, const uint8_t *ident, size_t len, uint64_t rid) {
+static uint64_t ident_hash(const uint8_t *ident, size_t len) { return key_hash(ident, len, 0); }
+
+/* The client of routing id `ident`, or -1 when it has no live request. */
+static int client_find(const kvb_server *s, const uint8_t *ident, size_t len) {
+    uint64_t h = ident_hash(ident, len);
+    for (int i = s->cl_buckets[h & (uint64_t)(s->n_buckets - 1)]; i >= 0; i = s->clients[i].next) {
+        const client *cl = &s->clients[i];
+        if (cl->hash == h && cl->ident_len == len && !memcmp(cl->ident, ident, len)) return i;
+    }
+    return -1;
+}
+
+/* The client of `ident`, made when it has none (there is always room: a client holds a slot, and the
+ * caller checked that a slot is free). */
+static int client_get(kvb_server *s, const uint8_t *ident, size_t len) {
+    int i = client_find(s, ident, len);
+    if (i >= 0) return i;
+    i = s->cl_free[--s->n_cl_free];
+    client *cl = &s->clients[i];
+    memset(cl, 0, sizeof *cl);
+    cl->in_use = 1;
+    memcpy(cl->ident, ident, len);
+    cl->ident_len = len;
+    cl->hash = ident_hash(ident, len);
+    cl->q_head = cl->q_tail = -1;
+    int *head = &s->cl_buckets[cl->hash & (uint64_t)(s->n_buckets - 1)];
+    cl->next = *head;
+    *head = i;
+    return i;
+}
+
+/* Forgets client `i` once it holds no request. */
+static void client_put(kvb_server *s, int i) {
+    client *cl = &s->clients[i];
+    if (!cl->in_use || cl->n_live > 0) return;
+    int *p = &s->cl_buckets[cl->hash & (uint64_t)(s->n_buckets - 1)];
+    while (*p >= 0 && *p != i) p = &s->clients[*p].next;
+    if (*p == i) *p = cl->next;
+    cl->in_use = 0;
+    s->cl_free[s->n_cl_free++] = i;
+}
+
+/* Appends slot i to its client's queue. */
+static void q_push(kvb_server *s, int i) {
+    slot *sl = &s->slots[i];
+    client *cl = &s->clients[sl->client];
+    sl->queued = 1;
+    sl->q_next = -1;
+    sl->q_prev = cl->q_tail;
+    if (cl->q_tail >= 0) s->slots[cl->q_tail].q_next = i;
+    else cl->q_head = i;
+    cl->q_tail = i;
+    s->n_queued++;
+}
+
+/* Takes slot i out of its client's queue. */
+static void q_unlink(kvb_server *s, int i) {
+    slot *sl = &s->slots[i];
+    if (!sl->queued) return;
+    client *cl = &s->clients[sl->client];
+    if (sl->q_prev >= 0) s->slots[sl->q_prev].q_next = sl->q_next;
+    else cl->q_head = sl->q_next;
+    if (sl->q_next >= 0) s->slots[sl->q_next].q_prev = sl->q_prev;
+    else cl->q_tail = sl->q_prev;
+    sl->queued = 0;
+    sl->q_prev = sl->q_next = -1;
+    s->n_queued--;
+}
+
+/* Takes a free slot for (ident, rid) of client `ci` and gives it a fresh engine id. The caller checked
+ * n_free > 0. */
+static int slot_alloc(kvb_server *s, const uint8_t *ident, size_t len, uint64_t rid, int ci) {
     int i = s->free_idx[--s->n_free];
     slot *sl = &s->slots[i];
     sl->in_use = 1;
@@ -155,6 +262,10 @@ static int slot_alloc(kvb_server *s, const uint8_t *ident, size_t len, uint64_t 
     sl->finish = KVB_FINISH_NONE;
     sl->err = KVB_OK;
     sl->mute = sl->broken = sl->cancel_queued = 0;
+    sl->client = ci;
+    sl->queued = sl->in_engine = 0;
+    sl->q_prev = sl->q_next = -1;
+    s->clients[ci].n_live++;
     /* `dirty` is left alone: a stale entry of a previous user may still be listed; flush copes. */
     s->n_live++;
     return i;
@@ -166,9 +277,20 @@ static void slot_free(kvb_server *s, int i) {
     int *p = &s->buckets[sl->hash & (uint64_t)(s->n_buckets - 1)];
     while (*p >= 0 && *p != i) p = &s->slots[*p].next;
     if (*p == i) *p = sl->next;
+    q_unlink(s, i);
+    client *cl = &s->clients[sl->client];
+    if (sl->in_engine) cl->n_engine--;
+    cl->n_live--;
+    client_put(s, sl->client);
     sl->in_use = 0;
+    sl->in_engine = 0;
     sl->eid = 0;
     sl->n_tok = 0;
+    if (sl->cap_req > REQ_KEEP_IDS) { /* a huge prompt's buffer is not kept around */
+        free(sl->req);
+        sl->req = NULL;
+        sl->cap_req = 0;
+    }
     s->free_idx[s->n_free++] = i;
     s->n_live--;
 }
@@ -336,6 +458,12 @@ static void flush(kvb_server *s) {
             slot *sl = &s->slots[i];
             sl->cancel_queued = 0;
             if (!sl->in_use || sl->finish != KVB_FINISH_NONE) continue;
+            if (!sl->in_engine) { /* still queued: nothing to stop */
+                q_unlink(s, i);
+                sl->finish = KVB_FINISH_CANCELLED;
+                mark_dirty(s, i);
+                continue;
+            }
             kvb_status st = s->engine ? kvb_engine_cancel(s->engine, sl->eid) : KVB_ERR_STATE;
             if (st != KVB_OK || sl->finish == KVB_FINISH_NONE) {
                 /* The engine does not know it (or did not say it finished): end it here. */
@@ -402,11 +530,20 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         reply_error(s, ident, len, rid, KVB_ERR_INVALID, "request_id %" PRIu64 " is already live", rid);
         return;
     }
+    int ci = client_find(s, ident, len);
+    if (ci >= 0 && s->clients[ci].n_live >= s->max_per_client) {
+        reply_error(s, ident, len, rid, KVB_ERR_EXHAUSTED,
+                    "this client has %d live requests, the limit per client (max_live_per_client)",
+                    s->clients[ci].n_live);
+        return;
+    }
     if (s->n_free == 0) {
         reply_error(s, ident, len, rid, KVB_ERR_EXHAUSTED, "the server has %d live requests, its limit", s->max_live);
         return;
     }
-    int i = slot_alloc(s, ident, len, rid);
+    size_t n_ids = g->n_prompt_ids + g->n_stop_ids;
+    ci = client_get(s, ident, len);
+    int i = slot_alloc(s, ident, len, rid, ci);
     slot *sl = &s->slots[i];
     if (sl->cap_tok == 0) {
         if (kvb_realloc_array((void **)&sl->tok, TOK_CAP0, sizeof *sl->tok) != KVB_OK ||
@@ -417,27 +554,77 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         }
         sl->cap_tok = TOK_CAP0;
     }
+    if (n_ids > (size_t)sl->cap_req) {
+        if (n_ids > INT_MAX || kvb_realloc_array((void **)&sl->req, n_ids, sizeof *sl->req) != KVB_OK) {
+            slot_free(s, i);
+            reply_error(s, ident, len, rid, KVB_ERR_NOMEM, "out of memory");
+            return;
+        }
+        sl->cap_req = (int)n_ids;
+    }
+    memcpy(sl->req, g->prompt_ids, g->n_prompt_ids * sizeof *sl->req);
+    if (g->n_stop_ids) memcpy(sl->req + g->n_prompt_ids, g->stop_ids, g->n_stop_ids * sizeof *sl->req);
+    sl->n_prompt = (int)g->n_prompt_ids;
+    sl->n_stop = (int)g->n_stop_ids;
+    sl->max_tokens = (int)g->max_tokens;
+    sl->resume_index = (int)g->resume_index;
+    sl->sampling = sp;
+    q_push(s, i);
+    s->stats.accepted++;
+    char b[36];
+    KVB_LOG_D("request %" PRIu64 " of client %s: %zu prompt tokens, max %" PRIu32 ", queued (engine id %" PRIu64 ")",
+              rid, ident_str(ident, len, b), g->n_prompt_ids, g->max_tokens, sl->eid);
+}
+
+/* Hands slot i (just taken out of its queue) to the engine; a refusal is the client's ErrorReply. */
+static void engine_add(kvb_server *s, int i) {
+    slot *sl = &s->slots[i];
     kvb_request r = {
         .id = sl->eid,
-        .prompt = g->prompt_ids,
-        .n_prompt = (int)g->n_prompt_ids,
-        .max_tokens = (int)g->max_tokens,
-        .stop_ids = g->stop_ids,
-        .n_stop = (int)g->n_stop_ids,
-        .sampling = sp,
-        .resume_index = (int)g->resume_index,
+        .prompt = sl->req,
+        .n_prompt = sl->n_prompt,
+        .max_tokens = sl->max_tokens,
+        .stop_ids = sl->n_stop ? sl->req + sl->n_prompt : NULL,
+        .n_stop = sl->n_stop,
+        .sampling = sl->sampling,
+        .resume_index = sl->resume_index,
     };
     kvb_status st = kvb_engine_add(s->engine, &r);
     if (st != KVB_OK) {
+        uint8_t ident[IDENT_MAX];
+        size_t len = sl->ident_len;
+        uint64_t rid = sl->rid;
+        memcpy(ident, sl->ident, len);
         slot_free(s, i);
+        s->stats.accepted--; /* counted as rejected instead */
         reply_error(s, ident, len, rid, st, "%s", st == KVB_ERR_INVALID ? kvb_engine_last_error(s->engine) : kvb_status_str(st));
         return;
     }
-    s->stats.accepted++;
+    sl->in_engine = 1;
+    s->clients[sl->client].n_engine++;
     if (s->hooks.on_request) s->hooks.on_request(s->hooks.ud, &r);
-    char b[36];
-    KVB_LOG_D("request %" PRIu64 " of client %s: %zu prompt tokens, max %" PRIu32 " -> engine id %" PRIu64, rid,
-              ident_str(ident, len, b), g->n_prompt_ids, g->max_tokens, sl->eid);
+}
+
+/* Feeds queued requests to the engine while few wait in it, each from the client with the fewest
+ * requests in the engine (round-robin among equals). */
+static void feed(kvb_server *s) {
+    while (s->n_queued > 0 && s->engine) {
+        kvb_engine_stats es;
+        kvb_engine_get_stats(s->engine, &es);
+        if (es.n_waiting >= FEED_WAITING) return;
+        int best = -1;
+        for (int k = 1; k <= s->max_live; k++) {
+            int ci = (s->rr + k) % s->max_live;
+            const client *cl = &s->clients[ci];
+            if (!cl->in_use || cl->q_head < 0) continue;
+            if (best < 0 || cl->n_engine < s->clients[best].n_engine) best = ci;
+        }
+        if (best < 0) return; /* n_queued says otherwise: cannot happen */
+        s->rr = best;
+        int i = s->clients[best].q_head;
+        q_unlink(s, i);
+        engine_add(s, i);
+    }
 }
 
 static void handle_cancel(kvb_server *s, const uint8_t *ident, size_t len, const Kvbank__CancelRequest *c) {
@@ -551,6 +738,7 @@ kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out) {
     kvb_server *s = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
     s->max_live = max_live;
+    s->max_per_client = opts->max_per_client > 0 ? KVB_MIN(opts->max_per_client, max_live) : KVB_MAX(1, max_live / 4);
     s->vocab = opts->vocab > 0 ? opts->vocab : 0;
     s->n_buckets = 1;
     while (s->n_buckets < 2 * max_live) s->n_buckets *= 2;
@@ -560,7 +748,12 @@ kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out) {
     KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->dirty, (void **)&s->dirty), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->cancels, (void **)&s->cancels), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)s->n_buckets, sizeof *s->buckets, (void **)&s->buckets), fail);
-    for (int b = 0; b < s->n_buckets; b++) s->buckets[b] = -1;
+    KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->clients, (void **)&s->clients), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->cl_free, (void **)&s->cl_free), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)s->n_buckets, sizeof *s->cl_buckets, (void **)&s->cl_buckets), fail);
+    for (int b = 0; b < s->n_buckets; b++) s->buckets[b] = s->cl_buckets[b] = -1;
+    for (int i = 0; i < max_live; i++) s->cl_free[i] = max_live - 1 - i;
+    s->n_cl_free = max_live;
     for (int i = 0; i < max_live; i++) s->free_idx[i] = max_live - 1 - i; /* slot 0 first */
     s->n_free = max_live;
 
@@ -577,7 +770,7 @@ kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out) {
     s->ipc_path = rt.ipc_path;
     s->ipc_dev = rt.ipc_dev;
     s->ipc_ino = rt.ipc_ino;
-    KVB_LOG_D("server bound to %s (max %d live requests)", s->endpoint, max_live);
+    KVB_LOG_D("server bound to %s (max %d live requests, %d per client)", s->endpoint, max_live, s->max_per_client);
     *out = s;
     return KVB_OK;
 fail:
@@ -595,7 +788,7 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
     zmq_pollitem_t items[1 + HOOK_ITEMS_MAX]; /* [0]: the server's socket, then the role's */
     int wish_ms = -1;                         /* what on_tick asked for last time */
     while (!*stop) {
-        int busy = kvb_engine_n_live(s->engine) > 0;
+        int busy = kvb_engine_n_live(s->engine) > 0 || s->n_queued > 0;
         int n_items = 1 + s->hooks.n_items;
         items[0] = (zmq_pollitem_t){.socket = s->sock, .fd = 0, .events = ZMQ_POLLIN, .revents = 0};
         for (int k = 0; k < s->hooks.n_items; k++) {
@@ -630,6 +823,8 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
         }
         if (s->hooks.on_tick) wish_ms = s->hooks.on_tick(s->hooks.ud);
         flush(s); /* cancellations produce finish events outside of steps */
+        feed(s);
+        flush(s); /* a request the engine refused */
         if (kvb_engine_n_live(s->engine) > 0) {
             if (s->hooks.on_step_begin) s->hooks.on_step_begin(s->hooks.ud);
             kvb_status st = kvb_engine_step(s->engine);
@@ -670,6 +865,7 @@ void kvb_server_destroy(kvb_server *s) {
         for (int i = 0; i < s->max_live; i++) {
             free(s->slots[i].tok);
             free(s->slots[i].t_ns);
+            free(s->slots[i].req);
         }
     }
     free(s->slots);
@@ -677,6 +873,9 @@ void kvb_server_destroy(kvb_server *s) {
     free(s->dirty);
     free(s->cancels);
     free(s->buckets);
+    free(s->clients);
+    free(s->cl_free);
+    free(s->cl_buckets);
     free(s->model_name);
     free(s->endpoint);
     free(s);

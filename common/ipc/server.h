@@ -19,6 +19,9 @@ typedef struct kvb_server_opts {
     const char *endpoint;   /* e.g. "ipc:///run/kvbank/model.sock" or "tcp://127.0.0.1:5555" */
     const char *model_name; /* reported in Pong and logs */
     int max_live;           /* requests accepted at once before rejecting (default 1024) */
+    int max_per_client;     /* requests one client (routing id) may have live at once (default
+                             * max_live / 4, at least 1); clients are admitted to the engine fairly
+                             * (the one with the fewest requests in it first) */
     int vocab;              /* > 0: prompt and stop ids must be < vocab (checked here so that the
                              * ErrorReply names the bad token; 0 leaves the check to the engine) */
 } kvb_server_opts;

@@ -223,6 +223,12 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     v = 64;
     KVB_TRY(kvb_json_get_int(jm, "max_seqs", 0, 1, 1 << 20, what, &v));
     m->max_seqs = (int)v;
+    v = 1024;
+    KVB_TRY(kvb_json_get_int(jm, "max_live", 0, 1, 1 << 20, what, &v));
+    m->max_live = (int)v;
+    v = 0;
+    KVB_TRY(kvb_json_get_int(jm, "max_live_per_client", 0, 1, 1 << 20, what, &v));
+    m->max_live_per_client = (int)v;
 
     const char *lsc = NULL;
     KVB_TRY(kvb_json_get_str(jm, "lsc", 0, what, &lsc));
@@ -246,7 +252,8 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     }
     static const char *const known[] = {"name",  "role",     "model_dir", "mkmodel",          "backend",
                                         "device", "threads", "kv_mb",     "block_size",       "endpoint",
-                                        "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend", NULL};
+                                        "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend",
+                                        "max_live", "max_live_per_client", NULL};
     warn_unknown(jm, known, what);
     return KVB_OK;
 }

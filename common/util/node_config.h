@@ -21,6 +21,8 @@
  *       "endpoint": "ipc://...",              default ipc://<run_dir>/<name>.sock
  *       "policy": "recompute",
  *       "max_batch_tokens": 512, "max_seqs": 64,
+ *       "max_live": 1024,                     requests live at once; more are refused
+ *       "max_live_per_client": 256,           of them, one client's at most (default max_live / 4)
  *       "lsc": "inplace" | "stream"           master only: how lent blocks reach attention
  *       "lend": true                          worker only: false keeps all its blocks (a baseline)
  *     }, ...
@@ -57,6 +59,8 @@ typedef struct kvb_node_model {
     char *policy;           /* default "recompute" */
     int max_batch_tokens;   /* default 512 */
     int max_seqs;           /* default 64 */
+    int max_live;           /* default 1024 */
+    int max_live_per_client;/* 0: the server's default (max_live / 4) */
     int lsc_stream;         /* master: 1 for "stream", 0 for "inplace" (default) */
     int lend;               /* worker: 1 (default) lends idle blocks; 0 ("lend": false) never does */
 } kvb_node_model;

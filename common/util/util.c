@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -219,4 +220,21 @@ uint16_t kvb_f32_to_bf16(float f) {
     if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
     x += 0x7fff + ((x >> 16) & 1);
     return (uint16_t)(x >> 16);
+}
+
+void kvb_fmt_py_float(double x, char *buf, size_t cap) {
+    if (isnan(x) || isinf(x)) {
+        snprintf(buf, cap, "%s", isnan(x) ? "nan" : x > 0 ? "inf" : "-inf");
+        return;
+    }
+    char tmp[64];
+    int p;
+    for (p = 1; p < 17; p++) {
+        snprintf(tmp, sizeof tmp, "%.*e", p - 1, x);
+        if (strtod(tmp, NULL) == x) break;
+    }
+    snprintf(tmp, sizeof tmp, "%.*e", p - 1, x);
+    int e = atoi(strchr(tmp, 'e') + 1);
+    if (e >= -4 && e < 16) snprintf(buf, cap, "%.*f", KVB_MAX(p - 1 - e, 1), x);
+    else snprintf(buf, cap, "%s", tmp);
 }

@@ -47,6 +47,11 @@ kvb_status kvb_parse_id_list(const char *s, int32_t **out, int *n_out);
  * become '_', at most `max` characters, "m" when empty. `out` holds max + 1 bytes. */
 void kvb_name_from_path(const char *path, char *out, size_t max);
 
+/* Python's repr() of a float (what json.dumps and str() write): the shortest digits that round-trip,
+ * positional for decimal exponents in [-4, 16) with at least one decimal ("10000.0"), else "1e-06"
+ * style; "nan", "inf", "-inf". `buf` holds at least 32 bytes. */
+void kvb_fmt_py_float(double x, char *buf, size_t cap);
+
 /* Half-precision conversions (IEEE binary16 and bfloat16) to/from float32. */
 float kvb_f16_to_f32(uint16_t h);
 uint16_t kvb_f32_to_f16(float f);

@@ -1,0 +1,128 @@
+/* kvbank — chat templates over the Jinja subset interpreter (see chat.h). */
+#include "common/text/chat.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/text/jinja.h"
+#include "common/text/text_impl.h"
+#include "common/util/util.h"
+
+struct kvb_chat_template {
+    kvb_jinja *jinja;
+    char *bos, *eos; /* the tokens' text, or NULL */
+};
+
+kvb_status kvb_chat_template_parse(const char *source, const char *bos_token, const char *eos_token,
+                                   kvb_chat_template **out, char *err, size_t err_len) {
+    kvb_chat_template *t;
+    *out = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *t, (void **)&t));
+    kvb_status st = kvb_jinja_parse(source, strlen(source), &t->jinja, err, err_len);
+    if (st == KVB_OK && bos_token) st = kvb_strdup(bos_token, &t->bos);
+    if (st == KVB_OK && eos_token) st = kvb_strdup(eos_token, &t->eos);
+    if (st != KVB_OK) {
+        kvb_chat_template_destroy(t);
+        return st;
+    }
+    *out = t;
+    return KVB_OK;
+}
+
+/* bos_token / eos_token of tokenizer_config.json: a string or {"content": ...}. */
+static const char *token_text(const json_t *cfg, const char *key) {
+    const json_t *v = json_object_get(cfg, key);
+    if (json_is_object(v)) v = json_object_get(v, "content");
+    return json_is_string(v) ? json_string_value(v) : NULL;
+}
+
+kvb_status kvb_chat_template_load(const char *model_dir, kvb_chat_template **out) {
+    json_t *cfg = NULL;
+    char *file_src = NULL, err[512];
+    const char *src = NULL, *where = "tokenizer_config.json";
+    *out = NULL;
+    KVB_TRY(kvb__model_json(model_dir, "tokenizer_config.json", 1, 1, &cfg));
+    char path[4096];
+    snprintf(path, sizeof path, "%s/chat_template.jinja", model_dir);
+    FILE *f = fopen(path, "rb");
+    kvb_status st = KVB_OK;
+    if (f) {
+        where = "chat_template.jinja";
+        size_t cap = 1 << 16, n = 0;
+        file_src = malloc(cap);
+        while (file_src) {
+            n += fread(file_src + n, 1, cap - n - 1, f);
+            if (n < cap - 1) break;
+            char *p = realloc(file_src, cap *= 2);
+            if (!p) free(file_src);
+            file_src = p;
+        }
+        fclose(f);
+        if (!file_src) {
+            json_decref(cfg);
+            return KVB_ERR_NOMEM;
+        }
+        file_src[n] = 0;
+        src = file_src;
+    } else {
+        const json_t *ct = json_object_get(cfg, "chat_template");
+        if (json_is_string(ct)) src = json_string_value(ct);
+        else if (json_is_array(ct)) { /* [{"name": "default", "template": ...}, {"name": "tool_use", ...}] */
+            size_t i;
+            const json_t *e;
+            json_array_foreach(ct, i, e) {
+                const json_t *name = json_object_get(e, "name");
+                if (json_is_string(name) && !strcmp(json_string_value(name), "default"))
+                    src = json_string_value(json_object_get(e, "template"));
+            }
+            if (!src) {
+                KVB_LOG_E("%s: tokenizer_config.json: chat_template is a list without a \"default\" template", model_dir);
+                st = KVB_ERR_UNSUPPORTED;
+            }
+        } else if (ct && !json_is_null(ct)) {
+            KVB_LOG_E("%s: tokenizer_config.json: chat_template must be a string or a list", model_dir);
+            st = KVB_ERR_FORMAT;
+        }
+    }
+    if (st == KVB_OK && !src) st = KVB_ERR_NOT_FOUND;
+    if (st == KVB_OK) {
+        st = kvb_chat_template_parse(src, token_text(cfg, "bos_token"), token_text(cfg, "eos_token"), out, err, sizeof err);
+        if (st != KVB_OK) KVB_LOG_E("%s: %s: %s", model_dir, where, err);
+    }
+    free(file_src);
+    json_decref(cfg);
+    return st;
+}
+
+void kvb_chat_template_destroy(kvb_chat_template *t) {
+    if (!t) return;
+    kvb_jinja_destroy(t->jinja);
+    free(t->bos);
+    free(t->eos);
+    free(t);
+}
+
+kvb_status kvb_chat_render(const kvb_chat_template *t, const json_t *messages, int add_generation_prompt,
+                           const json_t *extra, char **out, char *err, size_t err_len) {
+    *out = NULL;
+    if (!json_is_array(messages)) {
+        snprintf(err, err_len, "messages must be an array");
+        return KVB_ERR_INVALID;
+    }
+    if (extra && !json_is_object(extra)) {
+        snprintf(err, err_len, "extra template variables must be an object");
+        return KVB_ERR_INVALID;
+    }
+    json_t *vars = json_object();
+    if (!vars) return KVB_ERR_NOMEM;
+    int bad = json_object_set(vars, "messages", (json_t *)messages) |
+              json_object_set_new(vars, "add_generation_prompt", json_boolean(add_generation_prompt)) |
+              json_object_set_new(vars, "bos_token", json_string(t->bos ? t->bos : "")) |
+              json_object_set_new(vars, "eos_token", json_string(t->eos ? t->eos : ""));
+    if (extra) bad |= json_object_update(vars, (json_t *)extra);
+    size_t len;
+    kvb_status st = bad ? KVB_ERR_NOMEM : kvb_jinja_render(t->jinja, vars, out, &len, err, err_len);
+    json_decref(vars);
+    return st;
+}

@@ -1,0 +1,1007 @@
+/* kvbank — byte-level BPE tokenizer from a Hugging Face tokenizer.json (see tokenizer.h).
+ *
+ * Pipeline of an encode, as Hugging Face's tokenizers run it:
+ *   1. split the text on added tokens (leftmost, longest match; special and not), which pass as they are;
+ *   2. normalize every other section (NFC for Qwen2/Qwen3, nothing for Llama-3);
+ *   3. split it with the pre-tokenizer's regexes ("Isolated": matches and the gaps between them);
+ *   4. map each piece's bytes to byte-level characters and merge adjacent symbols by merge rank
+ *      (lowest rank first, leftmost first among equals), with a cache of pieces already seen;
+ *   5. add what the post-processor adds (BOS) when asked.
+ * Decoding concatenates every token's bytes (a vocabulary token's byte-level characters mapped back;
+ * an added token's content) and turns ill-formed UTF-8 into U+FFFD. */
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include "common/text/tokenizer.h"
+
+#include <ctype.h>
+#include <limits.h>
+#include <pcre2.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/text/text_impl.h"
+#include "common/text/unicode.h"
+#include "common/util/json.h"
+#include "common/util/util.h"
+
+#define MAX_REGEX 4
+#define CACHE_SLOTS (1u << 15) /* word cache: open addressing; cleared when 3/4 full */
+#define CACHE_MAX_WORD 256     /* longer pieces are not cached */
+
+typedef struct added_token {
+    const char *content; /* into t->strings */
+    size_t len;
+    int32_t id;
+    int special, lstrip, rstrip;
+} added_token;
+
+typedef struct cache_entry {
+    uint64_t hash;
+    char *key; /* [key_len] piece bytes + [n] int32 ids, one allocation; NULL: empty slot */
+    uint32_t key_len, n;
+} cache_entry;
+
+struct kvb_tokenizer {
+    int n_vocab;            /* one more than the largest id */
+    char *strings;          /* every token's text and bytes, back to back */
+    size_t strings_len, strings_cap;
+    size_t *tok_str;        /* [n_vocab] offset of the token's text (byte-level form), or SIZE_MAX: no token */
+    uint32_t *tok_str_len;  /* [n_vocab] */
+    size_t *tok_bytes;      /* [n_vocab] offset of the bytes the token decodes to */
+    uint32_t *tok_bytes_len;
+    uint8_t *special;       /* [n_vocab] 1: a special added token */
+    int32_t *vocab_slots;   /* [vocab_mask + 1] model vocabulary: id or -1 (key: the token's text) */
+    uint32_t vocab_mask;
+    struct merge_slot { int32_t a, b, rank, id; } *merges; /* [merge_mask + 1]; a = -1: empty */
+    uint32_t merge_mask;
+    int32_t byte_id[256];   /* the vocabulary id of each byte's byte-level character */
+    uint16_t byte_char[256]; /* byte -> byte-level code point (GPT-2's bytes_to_unicode) */
+    int ignore_merges;      /* a piece that is a vocabulary token is taken whole (Llama-3) */
+    int nfc;                /* normalizer: NFC */
+    added_token *added;     /* [n_added], by length descending */
+    int n_added;
+    int first_added[256];   /* index into added of the first token starting with this byte, or -1 */
+    pcre2_code *regex[MAX_REGEX];
+    int n_regex;
+    int32_t prefix[4], suffix[4]; /* ids the post-processor puts around a sequence */
+    int n_prefix, n_suffix;
+    int32_t eos[8];
+    int n_eos;
+    int32_t bos_id;
+    char *bos_str, *eos_str, *pad_str, *unk_str;
+    pthread_mutex_t cache_lock;
+    cache_entry *cache;     /* [CACHE_SLOTS] */
+    uint32_t cache_used;
+};
+
+/* ------------------------------------------------------------------------------------- hashing */
+
+static uint64_t hash_bytes(const void *p, size_t n) {
+    const uint8_t *s = p;
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a, then a final mix */
+    for (size_t i = 0; i < n; i++) h = (h ^ s[i]) * 0x100000001b3ull;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    return h;
+}
+
+static uint64_t hash_pair(int32_t a, int32_t b) {
+    uint64_t h = ((uint64_t)(uint32_t)a << 32 | (uint32_t)b) * 0x9e3779b97f4a7c15ull;
+    return h ^ h >> 29;
+}
+
+static uint32_t pow2_at_least(size_t n) {
+    uint32_t c = 16;
+    while (c < n) c <<= 1;
+    return c;
+}
+
+static const char *tok_text(const kvb_tokenizer *t, int32_t id) { return t->strings + t->tok_str[id]; }
+
+/* The model-vocabulary id of the token whose text is s[0..n), or -1. */
+static int32_t vocab_find(const kvb_tokenizer *t, const char *s, size_t n) {
+    for (uint32_t i = (uint32_t)hash_bytes(s, n) & t->vocab_mask;; i = (i + 1) & t->vocab_mask) {
+        int32_t id = t->vocab_slots[i];
+        if (id < 0) return -1;
+        if (t->tok_str_len[id] == n && !memcmp(tok_text(t, id), s, n)) return id;
+    }
+}
+
+static void vocab_insert(kvb_tokenizer *t, int32_t id) {
+    uint32_t i = (uint32_t)hash_bytes(tok_text(t, id), t->tok_str_len[id]) & t->vocab_mask;
+    while (t->vocab_slots[i] >= 0) i = (i + 1) & t->vocab_mask;
+    t->vocab_slots[i] = id;
+}
+
+static const struct merge_slot *merge_find(const kvb_tokenizer *t, int32_t a, int32_t b) {
+    for (uint32_t i = (uint32_t)hash_pair(a, b) & t->merge_mask;; i = (i + 1) & t->merge_mask) {
+        const struct merge_slot *m = &t->merges[i];
+        if (m->a < 0) return NULL;
+        if (m->a == a && m->b == b) return m;
+    }
+}
+
+/* ------------------------------------------------------------------------------------- loading */
+
+static kvb_status strings_add(kvb_tokenizer *t, const void *s, size_t n, size_t *off) {
+    if (t->strings_len + n + 1 > t->strings_cap) {
+        size_t cap = t->strings_cap ? t->strings_cap : 1 << 20;
+        while (cap < t->strings_len + n + 1) cap *= 2;
+        char *p = realloc(t->strings, cap);
+        if (!p) return KVB_ERR_NOMEM;
+        t->strings = p;
+        t->strings_cap = cap;
+    }
+    memcpy(t->strings + t->strings_len, s, n);
+    t->strings[t->strings_len + n] = 0;
+    *off = t->strings_len;
+    t->strings_len += n + 1;
+    return KVB_OK;
+}
+
+/* GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes for
+ * U+0100.. in byte order. */
+static void init_byte_chars(kvb_tokenizer *t) {
+    int n = 0;
+    for (int b = 0; b < 256; b++) {
+        int printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+        t->byte_char[b] = (uint16_t)(printable ? b : 0x100 + n++);
+    }
+}
+
+/* The bytes a vocabulary token stands for: its byte-level characters mapped back, or its own UTF-8 when
+ * one of its characters is not a byte-level character (as Hugging Face's ByteLevel decoder does). */
+static kvb_status set_token_bytes(kvb_tokenizer *t, int32_t id, const int16_t *char_byte) {
+    const uint8_t *s = (const uint8_t *)tok_text(t, id);
+    size_t n = t->tok_str_len[id], k = 0;
+    uint8_t tmp[1024];
+    int ok = n <= sizeof tmp;
+    for (size_t i = 0; ok && i < n;) {
+        uint32_t cp;
+        int len = kvb__utf8_decode(s + i, n - i, &cp);
+        if (!len || cp >= 0x144 || char_byte[cp] < 0) ok = 0;
+        else tmp[k++] = (uint8_t)char_byte[cp];
+        i += len ? (size_t)len : 1;
+    }
+    size_t off;
+    if (!ok) {
+        t->tok_bytes[id] = t->tok_str[id];
+        t->tok_bytes_len[id] = t->tok_str_len[id];
+        return KVB_OK;
+    }
+    KVB_TRY(strings_add(t, tmp, k, &off));
+    t->tok_bytes[id] = off;
+    t->tok_bytes_len[id] = (uint32_t)k;
+    return KVB_OK;
+}
+
+#define UNSUPPORTED(file, ...)                                                                          \
+    do {                                                                                               \
+        KVB_LOG_E("%s: " file ": " __VA_ARGS__);                                                        \
+        return KVB_ERR_UNSUPPORTED;                                                                    \
+    } while (0)
+
+static const char *str_field(const json_t *o, const char *key) {
+    const json_t *v = json_object_get(o, key);
+    return json_is_string(v) ? json_string_value(v) : NULL;
+}
+
+static int bool_field(const json_t *o, const char *key) { return json_is_true(json_object_get(o, key)); }
+
+/* Unicode White_Space, as Hugging Face's regex engine (Oniguruma) reads \s. PCRE2's \s differs
+ * (it adds U+180E), so patterns are rewritten to this class. */
+#define WS_CLASS "\\x{9}-\\x{D}\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}"
+
+static kvb_status rewrite_pattern(const char *dir, const char *pat, kvb_buf *out) {
+    int in_class = 0;
+    for (const char *p = pat; *p; p++) {
+        if (*p == '\\' && p[1]) {
+            if (p[1] == 's') KVB_TRY(kvb__buf_printf(out, in_class ? "%s" : "[%s]", WS_CLASS));
+            else if (p[1] == 'S' && !in_class) KVB_TRY(kvb__buf_printf(out, "[^%s]", WS_CLASS));
+            else if (p[1] == 'S') UNSUPPORTED("tokenizer.json", "pre_tokenizer regex: \\S inside a class: %s", dir, pat);
+            else KVB_TRY(kvb__buf_append(out, p, 2));
+            p++;
+            continue;
+        }
+        if (*p == '[' && !in_class) in_class = 1;
+        else if (*p == ']' && in_class) in_class = 0;
+        KVB_TRY(kvb__buf_putc(out, *p));
+    }
+    return KVB_OK;
+}
+
+static kvb_status add_regex(kvb_tokenizer *t, const char *dir, const char *pat) {
+    if (t->n_regex == MAX_REGEX) UNSUPPORTED("tokenizer.json", "pre_tokenizer: more than %d Split regexes", dir, MAX_REGEX);
+    kvb_buf b = {0};
+    kvb_status st = rewrite_pattern(dir, pat, &b);
+    if (st != KVB_OK) {
+        kvb__buf_free(&b);
+        return st;
+    }
+    int err;
+    PCRE2_SIZE off;
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)b.p, b.len, PCRE2_UTF | PCRE2_UCP, &err, &off, NULL);
+    kvb__buf_free(&b);
+    if (!re) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(err, msg, sizeof msg);
+        KVB_LOG_E("%s: tokenizer.json: pre_tokenizer regex does not compile at %zu (%s): %s", dir, (size_t)off,
+                  (char *)msg, pat);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    pcre2_jit_compile(re, PCRE2_JIT_COMPLETE); /* best effort: without JIT it only runs slower */
+    t->regex[t->n_regex++] = re;
+    return KVB_OK;
+}
+
+/* GPT-2's split, used by a ByteLevel pre-tokenizer with use_regex. */
+static const char *const GPT2_PATTERN =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+static kvb_status load_pre_tokenizer(kvb_tokenizer *t, const char *dir, const json_t *pt) {
+    if (json_is_null(pt) || !pt) UNSUPPORTED("tokenizer.json", "pre_tokenizer: null (not a byte-level BPE tokenizer)", dir);
+    const char *type = str_field(pt, "type");
+    if (type && !strcmp(type, "Sequence")) {
+        const json_t *list = json_object_get(pt, "pretokenizers");
+        size_t i;
+        const json_t *p;
+        json_array_foreach(list, i, p) KVB_TRY(load_pre_tokenizer(t, dir, p));
+        return KVB_OK;
+    }
+    if (type && !strcmp(type, "Split")) {
+        const json_t *pat = json_object_get(pt, "pattern");
+        const char *re = str_field(pat, "Regex"), *beh = str_field(pt, "behavior");
+        if (!re) UNSUPPORTED("tokenizer.json", "pre_tokenizer Split: only \"pattern\": {\"Regex\": ...} is supported", dir);
+        if (!beh || strcmp(beh, "Isolated"))
+            UNSUPPORTED("tokenizer.json", "pre_tokenizer Split: behavior \"%s\" (only Isolated)", dir, beh ? beh : "?");
+        if (bool_field(pt, "invert")) UNSUPPORTED("tokenizer.json", "pre_tokenizer Split: invert true", dir);
+        return add_regex(t, dir, re);
+    }
+    if (type && !strcmp(type, "ByteLevel")) {
+        if (bool_field(pt, "add_prefix_space"))
+            UNSUPPORTED("tokenizer.json", "pre_tokenizer ByteLevel: add_prefix_space true", dir);
+        const json_t *ur = json_object_get(pt, "use_regex");
+        if (!ur || json_is_true(ur)) return add_regex(t, dir, GPT2_PATTERN);
+        return KVB_OK;
+    }
+    UNSUPPORTED("tokenizer.json", "pre_tokenizer type \"%s\" (supported: Sequence, Split, ByteLevel)", dir,
+                type ? type : "?");
+}
+
+static kvb_status load_normalizer(kvb_tokenizer *t, const char *dir, const json_t *n) {
+    if (!n || json_is_null(n)) return KVB_OK;
+    const char *type = str_field(n, "type");
+    if (type && !strcmp(type, "NFC")) {
+        t->nfc = 1;
+        return KVB_OK;
+    }
+    if (type && !strcmp(type, "Sequence")) {
+        size_t i;
+        const json_t *p;
+        json_array_foreach(json_object_get(n, "normalizers"), i, p) KVB_TRY(load_normalizer(t, dir, p));
+        return KVB_OK;
+    }
+    UNSUPPORTED("tokenizer.json", "normalizer type \"%s\" (supported: NFC, Sequence)", dir, type ? type : "?");
+}
+
+static kvb_status load_post_processor(kvb_tokenizer *t, const char *dir, const json_t *pp) {
+    if (!pp || json_is_null(pp)) return KVB_OK;
+    const char *type = str_field(pp, "type");
+    if (type && !strcmp(type, "ByteLevel")) return KVB_OK; /* offsets only */
+    if (type && !strcmp(type, "Sequence")) {
+        size_t i;
+        const json_t *p;
+        json_array_foreach(json_object_get(pp, "processors"), i, p) KVB_TRY(load_post_processor(t, dir, p));
+        return KVB_OK;
+    }
+    if (!type || strcmp(type, "TemplateProcessing"))
+        UNSUPPORTED("tokenizer.json", "post_processor type \"%s\" (supported: ByteLevel, TemplateProcessing)", dir,
+                    type ? type : "?");
+    const json_t *single = json_object_get(pp, "single"), *specials = json_object_get(pp, "special_tokens");
+    size_t i;
+    const json_t *item;
+    int seen_a = 0;
+    json_array_foreach(single, i, item) {
+        const json_t *sp = json_object_get(item, "SpecialToken");
+        if (json_object_get(item, "Sequence")) {
+            seen_a = 1;
+            continue;
+        }
+        const char *name = str_field(sp, "id");
+        const json_t *ids = json_object_get(json_object_get(specials, name ? name : ""), "ids");
+        if (!name || !json_is_array(ids))
+            UNSUPPORTED("tokenizer.json", "post_processor.single[%zu]: not a SpecialToken with ids", dir, i);
+        size_t k;
+        const json_t *id;
+        json_array_foreach(ids, k, id) {
+            int32_t *dst = seen_a ? t->suffix : t->prefix;
+            int *n = seen_a ? &t->n_suffix : &t->n_prefix;
+            if (*n == 4 || !json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) >= t->n_vocab)
+                UNSUPPORTED("tokenizer.json", "post_processor.special_tokens[\"%s\"].ids: bad id", dir, name);
+            dst[(*n)++] = (int32_t)json_integer_value(id);
+        }
+    }
+    return KVB_OK;
+}
+
+static int cmp_added_len(const void *a, const void *b) {
+    const added_token *x = a, *y = b;
+    return x->len != y->len ? (x->len < y->len ? 1 : -1) : (x->id > y->id) - (x->id < y->id);
+}
+
+/* The vocabulary, merges and added tokens of tokenizer.json's "model" and "added_tokens". */
+static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj) {
+    const json_t *model = json_object_get(tj, "model"), *added = json_object_get(tj, "added_tokens");
+    const char *type = str_field(model, "type");
+    if (!type || strcmp(type, "BPE")) UNSUPPORTED("tokenizer.json", "model.type \"%s\" (only BPE)", dir, type ? type : "?");
+    if (bool_field(model, "byte_fallback")) UNSUPPORTED("tokenizer.json", "model.byte_fallback true", dir);
+    const json_t *dropout = json_object_get(model, "dropout");
+    if (dropout && !json_is_null(dropout)) UNSUPPORTED("tokenizer.json", "model.dropout set", dir);
+    const char *pfx = str_field(model, "continuing_subword_prefix"), *sfx = str_field(model, "end_of_word_suffix");
+    if ((pfx && *pfx) || (sfx && *sfx))
+        UNSUPPORTED("tokenizer.json", "model.continuing_subword_prefix / end_of_word_suffix set", dir);
+    t->ignore_merges = bool_field(model, "ignore_merges");
+    const json_t *vocab = json_object_get(model, "vocab"), *merges = json_object_get(model, "merges");
+    if (!json_is_object(vocab) || !json_is_array(merges)) {
+        KVB_LOG_E("%s: tokenizer.json: model.vocab (object) and model.merges (array) are required", dir);
+        return KVB_ERR_FORMAT;
+    }
+    /* ids: the largest of the vocabulary and the added tokens */
+    int64_t max_id = -1;
+    const char *key;
+    const json_t *v;
+    json_object_foreach((json_t *)vocab, key, v) {
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= INT32_MAX / 2) {
+            KVB_LOG_E("%s: tokenizer.json: model.vocab[\"%s\"] is not a valid id", dir, key);
+            return KVB_ERR_FORMAT;
+        }
+        max_id = KVB_MAX(max_id, json_integer_value(v));
+    }
+    size_t i;
+    json_array_foreach(added, i, v) {
+        const json_t *id = json_object_get(v, "id");
+        if (!json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) >= INT32_MAX / 2 ||
+            !json_is_string(json_object_get(v, "content"))) {
+            KVB_LOG_E("%s: tokenizer.json: added_tokens[%zu] needs an \"id\" and a \"content\"", dir, i);
+            return KVB_ERR_FORMAT;
+        }
+        max_id = KVB_MAX(max_id, json_integer_value(id));
+    }
+    t->n_vocab = (int)(max_id + 1);
+    size_t nv = (size_t)t->n_vocab;
+    KVB_TRY(kvb_malloc(nv * sizeof *t->tok_str, (void **)&t->tok_str));
+    KVB_TRY(kvb_calloc(nv, sizeof *t->tok_str_len, (void **)&t->tok_str_len));
+    KVB_TRY(kvb_malloc(nv * sizeof *t->tok_bytes, (void **)&t->tok_bytes));
+    KVB_TRY(kvb_calloc(nv, sizeof *t->tok_bytes_len, (void **)&t->tok_bytes_len));
+    KVB_TRY(kvb_calloc(nv, 1, (void **)&t->special));
+    for (size_t k = 0; k < nv; k++) t->tok_str[k] = t->tok_bytes[k] = SIZE_MAX;
+    uint32_t slots = pow2_at_least(2 * json_object_size(vocab) + 1);
+    t->vocab_mask = slots - 1;
+    KVB_TRY(kvb_malloc(slots * sizeof *t->vocab_slots, (void **)&t->vocab_slots));
+    memset(t->vocab_slots, 0xff, slots * sizeof *t->vocab_slots);
+    json_object_foreach((json_t *)vocab, key, v) {
+        int32_t id = (int32_t)json_integer_value(v);
+        size_t len = strlen(key);
+        if (t->tok_str[id] != SIZE_MAX) {
+            KVB_LOG_E("%s: tokenizer.json: model.vocab: id %d is given twice", dir, id);
+            return KVB_ERR_FORMAT;
+        }
+        KVB_TRY(strings_add(t, key, len, &t->tok_str[id]));
+        t->tok_str_len[id] = (uint32_t)len;
+        vocab_insert(t, id);
+    }
+    /* byte-level alphabet: every byte's character must be a token */
+    init_byte_chars(t);
+    int16_t char_byte[0x144];
+    for (int c = 0; c < 0x144; c++) char_byte[c] = -1;
+    for (int b = 0; b < 256; b++) {
+        char_byte[t->byte_char[b]] = (int16_t)b;
+        uint8_t u[4];
+        int len = kvb__utf8_encode(t->byte_char[b], u);
+        t->byte_id[b] = vocab_find(t, (const char *)u, (size_t)len);
+        if (t->byte_id[b] < 0)
+            UNSUPPORTED("tokenizer.json", "model.vocab lacks the byte-level character of byte 0x%02X (not a byte-level BPE vocabulary)",
+                        dir, b);
+    }
+    for (size_t k = 0; k < nv; k++)
+        if (t->tok_str[k] != SIZE_MAX) KVB_TRY(set_token_bytes(t, (int32_t)k, char_byte));
+    /* merges: "a b" strings or [a, b] pairs; rank = position */
+    size_t nm = json_array_size(merges);
+    slots = pow2_at_least(2 * nm + 1);
+    t->merge_mask = slots - 1;
+    KVB_TRY(kvb_malloc(slots * sizeof *t->merges, (void **)&t->merges));
+    for (uint32_t k = 0; k < slots; k++) t->merges[k].a = -1;
+    json_array_foreach(merges, i, v) {
+        const char *a, *b;
+        size_t la, lb;
+        if (json_is_string(v)) {
+            a = json_string_value(v);
+            const char *sp = strchr(a, ' ');
+            if (!sp) goto bad_merge;
+            la = (size_t)(sp - a);
+            b = sp + 1;
+            lb = strlen(b);
+        } else if (json_is_array(v) && json_array_size(v) == 2 && json_is_string(json_array_get(v, 0)) &&
+                   json_is_string(json_array_get(v, 1))) {
+            a = json_string_value(json_array_get(v, 0));
+            b = json_string_value(json_array_get(v, 1));
+            la = strlen(a);
+            lb = strlen(b);
+        } else goto bad_merge;
+        int32_t ia = vocab_find(t, a, la), ib = vocab_find(t, b, lb);
+        char joined[512];
+        if (ia < 0 || ib < 0 || la + lb > sizeof joined) goto bad_merge;
+        memcpy(joined, a, la);
+        memcpy(joined + la, b, lb);
+        int32_t im = vocab_find(t, joined, la + lb);
+        if (im < 0) goto bad_merge;
+        uint32_t s = (uint32_t)hash_pair(ia, ib) & t->merge_mask;
+        while (t->merges[s].a >= 0 && !(t->merges[s].a == ia && t->merges[s].b == ib)) s = (s + 1) & t->merge_mask;
+        if (t->merges[s].a >= 0) continue; /* a repeated merge keeps its first (lowest) rank */
+        t->merges[s] = (struct merge_slot){ia, ib, (int32_t)i, im};
+        continue;
+    bad_merge:
+        KVB_LOG_E("%s: tokenizer.json: model.merges[%zu] is not a pair of vocabulary tokens whose join is one", dir, i);
+        return KVB_ERR_FORMAT;
+    }
+    /* added tokens */
+    KVB_TRY(kvb_calloc(json_array_size(added) + 1, sizeof *t->added, (void **)&t->added));
+    json_array_foreach(added, i, v) {
+        const char *content = str_field(v, "content");
+        int32_t id = (int32_t)json_integer_value(json_object_get(v, "id"));
+        size_t len = strlen(content);
+        if (!len) continue;
+        if (bool_field(v, "single_word"))
+            UNSUPPORTED("tokenizer.json", "added_tokens[%zu] (\"%s\"): single_word true", dir, i, content);
+        if (kvb__utf8_validate((const uint8_t *)content, len) != len) return KVB_ERR_FORMAT;
+        if (t->tok_str[id] == SIZE_MAX) {
+            KVB_TRY(strings_add(t, content, len, &t->tok_str[id]));
+            t->tok_str_len[id] = (uint32_t)len;
+        }
+        /* an added token decodes to its content (never through the byte-level map) */
+        size_t off;
+        KVB_TRY(strings_add(t, content, len, &off));
+        t->tok_bytes[id] = off;
+        t->tok_bytes_len[id] = (uint32_t)len;
+        t->special[id] = (uint8_t)bool_field(v, "special");
+        added_token *a = &t->added[t->n_added++];
+        a->id = id;
+        a->len = len;
+        a->content = NULL; /* set below, once strings stops moving */
+        a->special = t->special[id];
+        a->lstrip = bool_field(v, "lstrip");
+        a->rstrip = bool_field(v, "rstrip");
+    }
+    for (int k = 0; k < t->n_added; k++) t->added[k].content = t->strings + t->tok_bytes[t->added[k].id];
+    qsort(t->added, (size_t)t->n_added, sizeof *t->added, cmp_added_len);
+    for (int b = 0; b < 256; b++) t->first_added[b] = -1;
+    return KVB_OK;
+}
+
+/* tokenizer_config.json's bos_token etc.: a string, an AddedToken object {"content": ...}, or null. */
+static kvb_status config_token(const json_t *cfg, const char *key, char **out) {
+    const json_t *v = json_object_get(cfg, key);
+    const char *s = json_is_string(v) ? json_string_value(v) : str_field(v, "content");
+    return s ? kvb_strdup(s, out) : KVB_OK;
+}
+
+kvb_status kvb__model_json(const char *dir, const char *name, int optional, int int_as_real, json_t **out) {
+    char path[PATH_MAX];
+    *out = NULL;
+    if (snprintf(path, sizeof path, "%s/%s", dir, name) >= (int)sizeof path) return KVB_ERR_INVALID;
+    if (access(path, F_OK) != 0) {
+        if (optional) return KVB_OK;
+        KVB_LOG_E("%s: not found", path);
+        return KVB_ERR_NOT_FOUND;
+    }
+    json_error_t err;
+    *out = json_load_file(path, int_as_real ? JSON_DECODE_INT_AS_REAL : 0, &err);
+    if (!*out) {
+        KVB_LOG_E("%s:%d:%d: invalid JSON: %s", path, err.line, err.column, err.text);
+        return err.line < 0 ? KVB_ERR_IO : KVB_ERR_FORMAT;
+    }
+    return KVB_OK;
+}
+
+/* eos_token_id of generation_config.json or config.json: an int or a list; 0 when absent. */
+static kvb_status eos_from(kvb_tokenizer *t, const char *dir, const char *file, const json_t *j) {
+    const json_t *v = json_object_get(j, "eos_token_id");
+    if (!v || json_is_null(v)) return KVB_OK;
+    json_t *one = json_is_integer(v) ? json_pack("[O]", v) : json_incref((json_t *)v);
+    size_t i;
+    const json_t *id;
+    kvb_status st = KVB_OK;
+    if (!json_is_array(one)) st = KVB_ERR_FORMAT;
+    json_array_foreach(one, i, id) {
+        if (!json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) >= t->n_vocab ||
+            i >= KVB_ARRAY_LEN(t->eos)) {
+            st = KVB_ERR_FORMAT;
+            break;
+        }
+        t->eos[t->n_eos++] = (int32_t)json_integer_value(id);
+    }
+    json_decref(one);
+    if (st != KVB_OK) {
+        t->n_eos = 0;
+        KVB_LOG_E("%s: %s: eos_token_id must be a token id below %d or a list of at most %zu", dir, file, t->n_vocab,
+                  KVB_ARRAY_LEN(t->eos));
+    }
+    return st;
+}
+
+kvb_status kvb_tokenizer_load(const char *model_dir, kvb_tokenizer **out) {
+    kvb_status st;
+    json_t *tj = NULL, *cfg = NULL, *gen = NULL, *mcfg = NULL;
+    *out = NULL;
+    kvb_tokenizer *t;
+    KVB_TRY(kvb_calloc(1, sizeof *t, (void **)&t));
+    pthread_mutex_init(&t->cache_lock, NULL);
+    t->bos_id = -1;
+    KVB_TRY_GOTO(kvb__model_json(model_dir, "tokenizer.json", 0, 0, &tj), fail);
+    KVB_TRY_GOTO(load_model(t, model_dir, tj), fail);
+    KVB_TRY_GOTO(load_normalizer(t, model_dir, json_object_get(tj, "normalizer")), fail);
+    KVB_TRY_GOTO(load_pre_tokenizer(t, model_dir, json_object_get(tj, "pre_tokenizer")), fail);
+    KVB_TRY_GOTO(load_post_processor(t, model_dir, json_object_get(tj, "post_processor")), fail);
+    const json_t *dec = json_object_get(tj, "decoder");
+    const char *dtype = str_field(dec, "type");
+    if (dec && !json_is_null(dec) && (!dtype || strcmp(dtype, "ByteLevel"))) {
+        KVB_LOG_E("%s: tokenizer.json: decoder type \"%s\" (only ByteLevel)", model_dir, dtype ? dtype : "?");
+        st = KVB_ERR_UNSUPPORTED;
+        goto fail;
+    }
+    for (int k = t->n_added - 1; k >= 0; k--) t->first_added[(uint8_t)t->added[k].content[0]] = k;
+
+    KVB_TRY_GOTO(kvb__model_json(model_dir, "tokenizer_config.json", 1, 1, &cfg), fail);
+    KVB_TRY_GOTO(kvb__model_json(model_dir, "generation_config.json", 1, 0, &gen), fail);
+    KVB_TRY_GOTO(kvb__model_json(model_dir, "config.json", 1, 0, &mcfg), fail);
+    KVB_TRY_GOTO(config_token(cfg, "bos_token", &t->bos_str), fail);
+    KVB_TRY_GOTO(config_token(cfg, "eos_token", &t->eos_str), fail);
+    KVB_TRY_GOTO(config_token(cfg, "pad_token", &t->pad_str), fail);
+    KVB_TRY_GOTO(config_token(cfg, "unk_token", &t->unk_str), fail);
+    if (t->bos_str) t->bos_id = kvb_tokenizer_token_id(t, t->bos_str);
+    /* without a post-processor template, the slow tokenizers' add_bos_token / add_eos_token decide */
+    if (!t->n_prefix && !t->n_suffix) {
+        if (bool_field(cfg, "add_bos_token") && t->bos_id >= 0) t->prefix[t->n_prefix++] = t->bos_id;
+        int32_t eos = t->eos_str ? kvb_tokenizer_token_id(t, t->eos_str) : -1;
+        if (bool_field(cfg, "add_eos_token") && eos >= 0) t->suffix[t->n_suffix++] = eos;
+    }
+    KVB_TRY_GOTO(eos_from(t, model_dir, "generation_config.json", gen), fail);
+    if (!t->n_eos) KVB_TRY_GOTO(eos_from(t, model_dir, "config.json", mcfg), fail);
+    if (!t->n_eos && t->eos_str) {
+        int32_t id = kvb_tokenizer_token_id(t, t->eos_str);
+        if (id >= 0) t->eos[t->n_eos++] = id;
+    }
+    KVB_TRY_GOTO(kvb_calloc(CACHE_SLOTS, sizeof *t->cache, (void **)&t->cache), fail);
+    json_decref(tj);
+    json_decref(cfg);
+    json_decref(gen);
+    json_decref(mcfg);
+    *out = t;
+    return KVB_OK;
+fail:
+    json_decref(tj);
+    json_decref(cfg);
+    json_decref(gen);
+    json_decref(mcfg);
+    kvb_tokenizer_destroy(t);
+    return st;
+}
+
+static void cache_clear(kvb_tokenizer *t) {
+    for (uint32_t i = 0; i < CACHE_SLOTS; i++) {
+        free(t->cache[i].key);
+        t->cache[i].key = NULL;
+    }
+    t->cache_used = 0;
+}
+
+void kvb_tokenizer_destroy(kvb_tokenizer *t) {
+    if (!t) return;
+    if (t->cache) cache_clear(t);
+    free(t->cache);
+    pthread_mutex_destroy(&t->cache_lock);
+    for (int i = 0; i < t->n_regex; i++) pcre2_code_free(t->regex[i]);
+    free(t->strings);
+    free(t->tok_str);
+    free(t->tok_str_len);
+    free(t->tok_bytes);
+    free(t->tok_bytes_len);
+    free(t->special);
+    free(t->vocab_slots);
+    free(t->merges);
+    free(t->added);
+    free(t->bos_str);
+    free(t->eos_str);
+    free(t->pad_str);
+    free(t->unk_str);
+    free(t);
+}
+
+/* ------------------------------------------------------------------------------------- queries */
+
+int kvb_tokenizer_vocab_size(const kvb_tokenizer *t) { return t->n_vocab; }
+
+int kvb_tokenizer_eos_ids(const kvb_tokenizer *t, const int32_t **ids) {
+    *ids = t->eos;
+    return t->n_eos;
+}
+
+int32_t kvb_tokenizer_bos_id(const kvb_tokenizer *t) { return t->bos_id; }
+
+const char *kvb_tokenizer_token_str(const kvb_tokenizer *t, const char *which) {
+    if (!strcmp(which, "bos_token")) return t->bos_str;
+    if (!strcmp(which, "eos_token")) return t->eos_str;
+    if (!strcmp(which, "pad_token")) return t->pad_str;
+    if (!strcmp(which, "unk_token")) return t->unk_str;
+    return NULL;
+}
+
+int32_t kvb_tokenizer_token_id(const kvb_tokenizer *t, const char *token) {
+    size_t n = strlen(token);
+    for (int k = 0; k < t->n_added; k++)
+        if (t->added[k].len == n && !memcmp(t->added[k].content, token, n)) return t->added[k].id;
+    return vocab_find(t, token, n);
+}
+
+int kvb_tokenizer_is_special(const kvb_tokenizer *t, int32_t id) {
+    return id >= 0 && id < t->n_vocab && t->special[id];
+}
+
+/* ------------------------------------------------------------------------------------- encoding */
+
+typedef struct id_vec {
+    int32_t *v;
+    int n, cap;
+} id_vec;
+
+static kvb_status ids_push(id_vec *o, const int32_t *ids, int n) {
+    if (o->n + n > o->cap) {
+        int cap = o->cap ? o->cap : 64;
+        while (cap < o->n + n) cap *= 2;
+        KVB_TRY(kvb_realloc_array((void **)&o->v, (size_t)cap, sizeof *o->v));
+        o->cap = cap;
+    }
+    memcpy(o->v + o->n, ids, (size_t)n * sizeof *ids);
+    o->n += n;
+    return KVB_OK;
+}
+
+static int cache_get(kvb_tokenizer *t, uint64_t h, const uint8_t *s, size_t n, id_vec *out, kvb_status *st) {
+    int hit = 0;
+    pthread_mutex_lock(&t->cache_lock);
+    for (uint32_t i = (uint32_t)h & (CACHE_SLOTS - 1);; i = (i + 1) & (CACHE_SLOTS - 1)) {
+        cache_entry *e = &t->cache[i];
+        if (!e->key) break;
+        if (e->hash == h && e->key_len == n && !memcmp(e->key, s, n)) {
+            int32_t ids[CACHE_MAX_WORD];
+            memcpy(ids, e->key + n, e->n * sizeof(int32_t));
+            hit = 1;
+            pthread_mutex_unlock(&t->cache_lock);
+            *st = ids_push(out, ids, (int)e->n);
+            return hit;
+        }
+    }
+    pthread_mutex_unlock(&t->cache_lock);
+    return hit;
+}
+
+static void cache_put(kvb_tokenizer *t, uint64_t h, const uint8_t *s, size_t n, const int32_t *ids, int k) {
+    char *key = malloc(n + (size_t)k * sizeof(int32_t));
+    if (!key) return; /* the cache is an optimization: skip it */
+    memcpy(key, s, n);
+    memcpy(key + n, ids, (size_t)k * sizeof(int32_t));
+    pthread_mutex_lock(&t->cache_lock);
+    if (t->cache_used >= CACHE_SLOTS / 4 * 3) cache_clear(t);
+    uint32_t i = (uint32_t)h & (CACHE_SLOTS - 1);
+    while (t->cache[i].key) {
+        if (t->cache[i].hash == h && t->cache[i].key_len == n && !memcmp(t->cache[i].key, s, n)) { /* raced */
+            pthread_mutex_unlock(&t->cache_lock);
+            free(key);
+            return;
+        }
+        i = (i + 1) & (CACHE_SLOTS - 1);
+    }
+    t->cache[i] = (cache_entry){h, key, (uint32_t)n, (uint32_t)k};
+    t->cache_used++;
+    pthread_mutex_unlock(&t->cache_lock);
+}
+
+typedef struct heap_item {
+    int32_t rank, pos; /* the merge's rank; the left symbol's index */
+    int32_t a, b;      /* the ids it merges (stale entries are skipped) */
+} heap_item;
+
+static int heap_less(const heap_item *x, const heap_item *y) {
+    return x->rank != y->rank ? x->rank < y->rank : x->pos < y->pos;
+}
+
+static void heap_push(heap_item *h, int *n, heap_item it) {
+    int i = (*n)++;
+    while (i > 0 && heap_less(&it, &h[(i - 1) / 2])) {
+        h[i] = h[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h[i] = it;
+}
+
+static heap_item heap_pop(heap_item *h, int *n) {
+    heap_item top = h[0], last = h[--(*n)];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && heap_less(&h[c + 1], &h[c])) c++;
+        if (!heap_less(&h[c], &last)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = last;
+    return top;
+}
+
+/* BPE of one pre-tokenized piece s[0..n) (raw bytes): one symbol per byte, then merges by rank. */
+static kvb_status bpe_piece(const kvb_tokenizer *tc, const uint8_t *s, size_t n, id_vec *out) {
+    kvb_tokenizer *t = (kvb_tokenizer *)tc; /* only the word cache changes, under its lock */
+    kvb_status st = KVB_OK;
+    uint64_t h = 0;
+    int cacheable = n <= CACHE_MAX_WORD;
+    if (cacheable) {
+        h = hash_bytes(s, n);
+        if (cache_get(t, h, s, n, out, &st)) return st;
+    }
+    if (t->ignore_merges) { /* the whole piece, if the vocabulary has it */
+        char small[4 * CACHE_MAX_WORD];
+        if (2 * n <= sizeof small) {
+            size_t k = 0;
+            for (size_t i = 0; i < n; i++) k += (size_t)kvb__utf8_encode(t->byte_char[s[i]], (uint8_t *)small + k);
+            int32_t id = vocab_find(t, small, k);
+            if (id >= 0) {
+                if (cacheable) cache_put(t, h, s, n, &id, 1);
+                return ids_push(out, &id, 1);
+            }
+        }
+    }
+    int32_t *sym = NULL, *next = NULL, *prev = NULL;
+    heap_item *heap = NULL;
+    int nh = 0;
+    KVB_TRY_GOTO(kvb_malloc(n * sizeof *sym, (void **)&sym), done);
+    KVB_TRY_GOTO(kvb_malloc(n * sizeof *next, (void **)&next), done);
+    KVB_TRY_GOTO(kvb_malloc(n * sizeof *prev, (void **)&prev), done);
+    KVB_TRY_GOTO(kvb_malloc(3 * n * sizeof *heap + sizeof *heap, (void **)&heap), done);
+    for (size_t i = 0; i < n; i++) {
+        sym[i] = t->byte_id[s[i]];
+        next[i] = i + 1 < n ? (int32_t)i + 1 : -1;
+        prev[i] = (int32_t)i - 1;
+    }
+    for (size_t i = 0; i + 1 < n; i++) {
+        const struct merge_slot *m = merge_find(t, sym[i], sym[i + 1]);
+        if (m) heap_push(heap, &nh, (heap_item){m->rank, (int32_t)i, sym[i], sym[i + 1]});
+    }
+    /* n - 1 pairs at first, and every merge (at most n - 1) pushes at most two: the heap stays below 3n */
+    while (nh > 0) {
+        heap_item it = heap_pop(heap, &nh);
+        int32_t p = it.pos, q = next[p];
+        if (sym[p] != it.a || q < 0 || sym[q] != it.b) continue; /* stale */
+        sym[p] = merge_find(t, it.a, it.b)->id;
+        next[p] = next[q];
+        if (next[q] >= 0) prev[next[q]] = p;
+        sym[q] = -1;
+        if (prev[p] >= 0) {
+            const struct merge_slot *m = merge_find(t, sym[prev[p]], sym[p]);
+            if (m) heap_push(heap, &nh, (heap_item){m->rank, prev[p], sym[prev[p]], sym[p]});
+        }
+        if (next[p] >= 0) {
+            const struct merge_slot *m = merge_find(t, sym[p], sym[next[p]]);
+            if (m) heap_push(heap, &nh, (heap_item){m->rank, p, sym[p], sym[next[p]]});
+        }
+    }
+    int k = 0;
+    for (int32_t i = 0; i >= 0; i = next[i]) sym[k++] = sym[i];
+    if (cacheable) cache_put(t, h, s, n, sym, k);
+    st = ids_push(out, sym, k);
+done:
+    free(sym);
+    free(next);
+    free(prev);
+    free(heap);
+    return st;
+}
+
+/* Splits s[0..n) with regex `level` (matches and the gaps between them) and hands each piece to the
+ * next level; past the last regex, to BPE. */
+static kvb_status split_piece(const kvb_tokenizer *t, int level, const uint8_t *s, size_t n, pcre2_match_data *md,
+                              id_vec *out) {
+    if (!n) return KVB_OK;
+    if (level == t->n_regex) return bpe_piece(t, s, n, out);
+    size_t pos = 0, start = 0;
+    while (start < n) {
+        int rc = pcre2_match(t->regex[level], s, n, start, PCRE2_NO_UTF_CHECK, md, NULL);
+        if (rc == PCRE2_ERROR_NOMATCH) break;
+        if (rc < 0) {
+            PCRE2_UCHAR msg[256];
+            pcre2_get_error_message(rc, msg, sizeof msg);
+            KVB_LOG_E("tokenizer: pre-tokenizer regex failed: %s", (char *)msg);
+            return KVB_ERR_INVALID;
+        }
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+        if (ov[0] > pos) KVB_TRY(split_piece(t, level + 1, s + pos, ov[0] - pos, md, out));
+        if (ov[1] > ov[0]) {
+            KVB_TRY(split_piece(t, level + 1, s + ov[0], ov[1] - ov[0], md, out));
+            pos = start = ov[1];
+        } else { /* an empty match: step over one character */
+            start = ov[1] + 1;
+            while (start < n && (s[start] & 0xC0) == 0x80) start++;
+        }
+    }
+    if (pos < n) KVB_TRY(split_piece(t, level + 1, s + pos, n - pos, md, out));
+    return KVB_OK;
+}
+
+static kvb_status encode_section(const kvb_tokenizer *t, const uint8_t *s, size_t n, pcre2_match_data *md,
+                                 kvb_buf *norm, id_vec *out) {
+    if (!n) return KVB_OK;
+    if (t->nfc) {
+        norm->len = 0;
+        KVB_TRY(kvb__nfc(s, n, norm));
+        s = (const uint8_t *)norm->p;
+        n = norm->len;
+    }
+    return split_piece(t, 0, s, n, md, out);
+}
+
+/* The added token that matches at s[0..n) (the longest), or NULL. */
+static const added_token *added_at(const kvb_tokenizer *t, const uint8_t *s, size_t n) {
+    int k = t->first_added[s[0]];
+    if (k < 0) return NULL;
+    for (; k < t->n_added; k++) {
+        const added_token *a = &t->added[k];
+        if (a->len <= n && (uint8_t)a->content[0] == s[0] && !memcmp(a->content, s, a->len)) return a;
+    }
+    return NULL;
+}
+
+static int is_space_at(const uint8_t *s, size_t n, int *len) {
+    uint32_t cp;
+    *len = kvb__utf8_decode(s, n, &cp);
+    if (!*len) return 0;
+    return (cp >= 9 && cp <= 13) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
+           cp == 0x3000;
+}
+
+kvb_status kvb_tokenizer_encode(const kvb_tokenizer *t, const char *text, size_t len, int add_special, int32_t **ids,
+                                int *n) {
+    const uint8_t *s = (const uint8_t *)text;
+    *ids = NULL;
+    *n = 0;
+    size_t bad = kvb__utf8_validate(s, len);
+    if (bad != len) {
+        KVB_LOG_W("tokenizer: the text is not valid UTF-8 at byte %zu", bad);
+        return KVB_ERR_INVALID;
+    }
+    if (len > (size_t)INT32_MAX / 2) return KVB_ERR_INVALID;
+    id_vec out = {0};
+    kvb_buf norm = {0};
+    kvb_status st = KVB_OK;
+    pcre2_match_data *md = t->n_regex ? pcre2_match_data_create_from_pattern(t->regex[0], NULL) : NULL;
+    if (t->n_regex && !md) return KVB_ERR_NOMEM;
+    if (add_special) KVB_TRY_GOTO(ids_push(&out, t->prefix, t->n_prefix), done);
+    size_t sec = 0, i = 0;
+    while (i < len) {
+        const added_token *a = t->n_added ? added_at(t, s + i, len - i) : NULL;
+        if (!a) {
+            i++;
+            continue;
+        }
+        size_t end = i;
+        int w;
+        if (a->lstrip) /* the token takes the whitespace on its left */
+            while (end > sec) {
+                size_t b = end - 1;
+                while (b > sec && (s[b] & 0xC0) == 0x80) b--;
+                if (!is_space_at(s + b, end - b, &w)) break;
+                end = b;
+            }
+        KVB_TRY_GOTO(encode_section(t, s + sec, end - sec, md, &norm, &out), done);
+        KVB_TRY_GOTO(ids_push(&out, &a->id, 1), done);
+        i += a->len;
+        if (a->rstrip)
+            while (i < len && is_space_at(s + i, len - i, &w)) i += (size_t)w;
+        sec = i;
+    }
+    KVB_TRY_GOTO(encode_section(t, s + sec, len - sec, md, &norm, &out), done);
+    if (add_special) KVB_TRY_GOTO(ids_push(&out, t->suffix, t->n_suffix), done);
+    *ids = out.v;
+    *n = out.n;
+    out.v = NULL;
+done:
+    pcre2_match_data_free(md);
+    kvb__buf_free(&norm);
+    free(out.v);
+    return st;
+}
+
+/* ------------------------------------------------------------------------------------- decoding */
+
+/* Appends the bytes of `id` to `raw` (nothing for ids without a token, as Hugging Face skips them). */
+static kvb_status token_bytes(const kvb_tokenizer *t, int32_t id, int skip_special, kvb_buf *raw) {
+    if (id < 0) {
+        KVB_LOG_W("tokenizer: cannot decode the negative token id %d", id);
+        return KVB_ERR_INVALID;
+    }
+    if (id >= t->n_vocab || t->tok_bytes[id] == SIZE_MAX || (skip_special && t->special[id])) return KVB_OK;
+    return kvb__buf_append(raw, t->strings + t->tok_bytes[id], t->tok_bytes_len[id]);
+}
+
+kvb_status kvb_tokenizer_decode(const kvb_tokenizer *t, const int32_t *ids, int n, int skip_special, char **out,
+                                size_t *len) {
+    kvb_buf raw = {0}, txt = {0};
+    kvb_status st = KVB_OK;
+    size_t used;
+    *out = NULL;
+    *len = 0;
+    for (int i = 0; i < n; i++) KVB_TRY_GOTO(token_bytes(t, ids[i], skip_special, &raw), fail);
+    KVB_TRY_GOTO(kvb__buf_reserve(&txt, 0), fail);
+    KVB_TRY_GOTO(kvb__utf8_lossy((const uint8_t *)raw.p, raw.len, 1, &txt, &used), fail);
+    kvb__buf_free(&raw);
+    *out = txt.p;
+    *len = txt.len;
+    return KVB_OK;
+fail:
+    kvb__buf_free(&raw);
+    kvb__buf_free(&txt);
+    return st;
+}
+
+struct kvb_detok {
+    const kvb_tokenizer *t;
+    int skip_special;
+    kvb_buf pending; /* bytes of an incomplete UTF-8 sequence at the end of the stream so far */
+    kvb_buf text;    /* the text handed out by the last call */
+};
+
+kvb_status kvb_detok_create(const kvb_tokenizer *t, int skip_special, kvb_detok **out) {
+    kvb_detok *d;
+    KVB_TRY(kvb_calloc(1, sizeof *d, (void **)&d));
+    d->t = t;
+    d->skip_special = skip_special;
+    *out = d;
+    return KVB_OK;
+}
+
+static kvb_status detok_emit(kvb_detok *d, int final, const char **text, size_t *len) {
+    size_t used;
+    d->text.len = 0;
+    KVB_TRY(kvb__buf_reserve(&d->text, 0));
+    KVB_TRY(kvb__utf8_lossy((const uint8_t *)d->pending.p, d->pending.len, final, &d->text, &used));
+    memmove(d->pending.p, d->pending.p + used, d->pending.len - used);
+    d->pending.len -= used;
+    *text = d->text.p;
+    *len = d->text.len;
+    return KVB_OK;
+}
+
+kvb_status kvb_detok_push(kvb_detok *d, int32_t id, const char **text, size_t *len) {
+    *text = "";
+    *len = 0;
+    KVB_TRY(kvb__buf_reserve(&d->pending, 0));
+    KVB_TRY(token_bytes(d->t, id, d->skip_special, &d->pending));
+    return detok_emit(d, 0, text, len);
+}
+
+kvb_status kvb_detok_flush(kvb_detok *d, const char **text, size_t *len) {
+    *text = "";
+    *len = 0;
+    KVB_TRY(kvb__buf_reserve(&d->pending, 0));
+    return detok_emit(d, 1, text, len);
+}
+
+void kvb_detok_destroy(kvb_detok *d) {
+    if (!d) return;
+    kvb__buf_free(&d->pending);
+    kvb__buf_free(&d->text);
+    free(d);
+}

@@ -1,0 +1,356 @@
+/* Unit tests of common/text: UTF-8 and NFC, the byte-level BPE tokenizer on a small tokenizer.json
+ * written here (merges by rank, leftmost ties, added and special tokens, NFC, the post-processor's BOS,
+ * EOS ids, decoding and streaming), load errors that name the file and field, and the Jinja subset
+ * (every construct, with expected outputs rendered by Python's Jinja2 as transformers configures it,
+ * plus errors with line and column). The real Llama-3 and Qwen3 tokenizers and templates are compared
+ * with reference implementations in tests/test_text_oracle.sh. */
+#include <jansson.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/text/chat.h"
+#include "common/text/tokenizer.h"
+#include "common/text/unicode.h"
+#include "tests/harness.h"
+
+/* ---------------------------------------------------------------------------------- UTF-8, NFC */
+
+static char *nfc(const char *s) {
+    kvb_buf b = {0};
+    ck_assert_int_eq(kvb__nfc((const uint8_t *)s, strlen(s), &b), KVB_OK);
+    return b.p ? b.p : strdup("");
+}
+
+KVB_TEST(nfc_forms) {
+    /* expected values from Python's unicodedata.normalize('NFC', ...) */
+    static const char *const cases[][2] = {
+        {"plain ascii", "plain ascii"},
+        {"e\xcc\x81", "\xc3\xa9"},                                  /* e + U+0301 -> é */
+        {"\xe1\x84\x92\xe1\x85\xa1\xe1\x86\xab", "\xed\x95\x9c"},   /* Hangul jamo L V T -> 한 */
+        {"a\xcc\x87\xcc\xa3", "\xe1\xba\xa1\xcc\x87"},              /* a + dot above + dot below -> ạ + dot above */
+        {"\xe2\x84\xab", "\xc3\x85"},                               /* Angstrom sign (singleton) -> Å */
+        {"\xe0\xa5\x98", "\xe0\xa4\x95\xe0\xa4\xbc"},               /* U+0958 (composition exclusion) stays decomposed */
+        {"caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac", "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        char *got = nfc(cases[i][0]);
+        ck_assert_str_eq(got, cases[i][1]);
+        free(got);
+    }
+}
+KVB_TEST_END
+
+KVB_TEST(utf8_lossy) {
+    static const struct { const char *in; size_t n; const char *out; size_t keep; } cases[] = {
+        {"ok \xc3\xa9", 5, "ok \xc3\xa9", 0},
+        {"\xe4\xbd", 2, "", 2},                                  /* incomplete at the end: kept */
+        {"\xe4\xbd" "a", 3, "\xef\xbf\xbd" "a", 0},              /* a maximal subpart: one U+FFFD */
+        {"\xc0\xaf", 2, "\xef\xbf\xbd\xef\xbf\xbd", 0},          /* invalid lead, lone continuation */
+        {"\xed\xa0\x80", 3, "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd", 0}, /* a surrogate: three */
+        {"x\xf0\x9f\x98", 4, "x", 3},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        kvb_buf b = {0};
+        size_t used;
+        ck_assert_int_eq(kvb__utf8_lossy((const uint8_t *)cases[i].in, cases[i].n, 0, &b, &used), KVB_OK);
+        ck_assert_uint_eq(b.len, strlen(cases[i].out));
+        ck_assert(!memcmp(b.p, cases[i].out, b.len));
+        ck_assert_uint_eq(cases[i].n - used, cases[i].keep);
+        b.len = 0;
+        ck_assert_int_eq(kvb__utf8_lossy((const uint8_t *)cases[i].in, cases[i].n, 1, &b, &used), KVB_OK);
+        ck_assert_uint_eq(used, cases[i].n);
+        kvb__buf_free(&b);
+    }
+    ck_assert_uint_eq(kvb__utf8_validate((const uint8_t *)"a\xc3", 2), 1);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------------------------- a small tokenizer */
+
+/* GPT-2's byte -> character map, written independently of the library's. */
+static void byte_char(int b, char out[4]) {
+    int n = 0;
+    for (int k = 0; k < b; k++)
+        if (!((k >= 0x21 && k <= 0x7E) || (k >= 0xA1 && k <= 0xAC) || (k >= 0xAE && k <= 0xFF))) n++;
+    int printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    int cp = printable ? b : 0x100 + n;
+    memset(out, 0, 4);
+    if (cp < 0x80) out[0] = (char)cp;
+    else {
+        out[0] = (char)(0xC0 | cp >> 6);
+        out[1] = (char)(0x80 | (cp & 0x3F));
+    }
+}
+
+enum { T_HE = 256, T_LL, T_HELL, T_HELLO, T_BC, T_GW, T_LLL, T_S = 300, T_X = 301, T_E = 302 };
+
+/* Writes a tokenizer model directory: ids 0..255 are the bytes; merges h e, l l, he ll, hell o, b c,
+ * Ġ w, ll l (in that rank order); added "<|s|>" (special, BOS), "<x>" (not special, lstrip) and
+ * "<|e|>" (special, EOS); NFC; a Llama-3-like split regex; BOS added by the post-processor. */
+static void write_model(const char *dir, const char *normalizer, int with_gen) {
+    mkdir(dir, 0700);
+    json_t *vocab = json_object();
+    for (int b = 0; b < 256; b++) {
+        char c[4];
+        byte_char(b, c);
+        json_object_set_new(vocab, c, json_integer(b));
+    }
+    const char *merged[][3] = {{"h", "e", "he"}, {"l", "l", "ll"}, {"he", "ll", "hell"}, {"hell", "o", "hello"},
+                               {"b", "c", "bc"}, {"\xc4\xa0", "w", "\xc4\xa0w"}, {"ll", "l", "lll"}};
+    json_t *merges = json_array();
+    for (int i = 0; i < 7; i++) {
+        json_object_set_new(vocab, merged[i][2], json_integer(256 + i));
+        json_array_append_new(merges, json_pack("[s,s]", merged[i][0], merged[i][1]));
+    }
+    json_t *tj = json_pack(
+        "{s:s, s:[{s:i, s:s, s:b, s:b, s:b}, {s:i, s:s, s:b, s:b, s:b}, {s:i, s:s, s:b, s:b, s:b}],"
+        " s:o, s:{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b}]},"
+        " s:{s:s, s:[{s:{s:s}}, {s:{s:s}}], s:{s:{s:[i]}}}, s:{s:s},"
+        " s:{s:s, s:o, s:o, s:b}}",
+        "version", "1.0", "added_tokens", "id", T_S, "content", "<|s|>", "special", 1, "lstrip", 0, "rstrip", 0,
+        "id", T_X, "content", "<x>", "special", 0, "lstrip", 1, "rstrip", 0, "id", T_E, "content", "<|e|>",
+        "special", 1, "lstrip", 0, "rstrip", 0, "normalizer",
+        normalizer ? json_pack("{s:s}", "type", normalizer) : json_null(), "pre_tokenizer", "type", "Sequence",
+        "pretokenizers", "type", "Split", "pattern", "Regex",
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+        "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        "behavior", "Isolated", "invert", 0, "type", "ByteLevel", "use_regex", 0, "post_processor", "type",
+        "TemplateProcessing", "single", "SpecialToken", "id", "<|s|>", "Sequence", "id", "A", "special_tokens",
+        "<|s|>", "ids", T_S, "decoder", "type", "ByteLevel", "model", "type", "BPE", "vocab", vocab, "merges",
+        merges, "ignore_merges", 0);
+    ck_assert_ptr_nonnull(tj);
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    ck_assert_int_eq(json_dump_file(tj, path, 0), 0);
+    json_decref(tj);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    json_t *cfg = json_pack("{s:s, s:{s:s}, s:f, s:s}", "bos_token", "<|s|>", "eos_token", "content", "<|e|>",
+                            "model_max_length", 1e30, "chat_template",
+                            "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}{{ eos_token }}"
+                            "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}");
+    ck_assert_int_eq(json_dump_file(cfg, path, 0), 0);
+    json_decref(cfg);
+    if (with_gen) {
+        snprintf(path, sizeof path, "%s/generation_config.json", dir);
+        FILE *f = fopen(path, "w");
+        fprintf(f, "{\"eos_token_id\": [%d, %d]}\n", T_E, T_S);
+        fclose(f);
+    }
+}
+
+static void rm_model(const char *dir) {
+    const char *files[] = {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
+                           "chat_template.jinja"};
+    char path[512];
+    for (size_t i = 0; i < KVB_ARRAY_LEN(files); i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, files[i]);
+        unlink(path);
+    }
+    rmdir(dir);
+}
+
+static void expect_ids(const kvb_tokenizer *t, const char *text, int add_special, const int32_t *want, int n_want) {
+    int32_t *ids;
+    int n;
+    ck_assert_int_eq(kvb_tokenizer_encode(t, text, strlen(text), add_special, &ids, &n), KVB_OK);
+    ck_assert_int_eq(n, n_want);
+    for (int i = 0; i < n; i++) ck_assert_int_eq(ids[i], want[i]);
+    free(ids);
+}
+
+KVB_TEST(bpe_small) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    write_model(dir, "NFC", 1);
+    kvb_tokenizer *t;
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    ck_assert_int_eq(kvb_tokenizer_vocab_size(t), T_E + 1);
+    expect_ids(t, "hello", 0, (int32_t[]){T_HELLO}, 1);
+    expect_ids(t, "hello", 1, (int32_t[]){T_S, T_HELLO}, 2);            /* the post-processor's BOS */
+    expect_ids(t, "llll", 0, (int32_t[]){T_LL, T_LL}, 2);               /* leftmost first; ll l ranks later */
+    expect_ids(t, "lll", 0, (int32_t[]){T_LLL}, 1);
+    expect_ids(t, "abc", 0, (int32_t[]){'a', T_BC}, 2);
+    expect_ids(t, "hello world", 0, (int32_t[]){T_HELLO, T_GW, 'o', 'r', 'l', 'd'}, 6);
+    expect_ids(t, "a<|s|>b", 0, (int32_t[]){'a', T_S, 'b'}, 3);         /* special tokens in the text */
+    expect_ids(t, "a  <x>b", 0, (int32_t[]){'a', T_X, 'b'}, 3);         /* lstrip eats the blanks */
+    expect_ids(t, "<|s|><|s|>", 0, (int32_t[]){T_S, T_S}, 2);
+    expect_ids(t, "e\xcc\x81", 0, (int32_t[]){0xC3, 0xA9}, 2);          /* NFC first: é is two bytes */
+    expect_ids(t, "", 0, NULL, 0);
+    int32_t *ids;
+    int n;
+    ck_assert_int_eq(kvb_tokenizer_encode(t, "bad \xff", 5, 0, &ids, &n), KVB_ERR_INVALID);
+    /* EOS from generation_config.json, BOS and the token strings from tokenizer_config.json */
+    const int32_t *eos;
+    ck_assert_int_eq(kvb_tokenizer_eos_ids(t, &eos), 2);
+    ck_assert_int_eq(eos[0], T_E);
+    ck_assert_int_eq(eos[1], T_S);
+    ck_assert_int_eq(kvb_tokenizer_bos_id(t), T_S);
+    ck_assert_str_eq(kvb_tokenizer_token_str(t, "eos_token"), "<|e|>");
+    ck_assert_int_eq(kvb_tokenizer_token_id(t, "<x>"), T_X);
+    ck_assert_int_eq(kvb_tokenizer_token_id(t, "\xc4\xa0w"), T_GW);
+    ck_assert(kvb_tokenizer_is_special(t, T_S) && !kvb_tokenizer_is_special(t, T_X));
+    /* decoding */
+    char *txt;
+    size_t len;
+    int32_t seq[] = {T_S, T_HELLO, T_GW, 'o', T_X, 0xC3, 0xA9, T_E, 0xE4, 0xBD};
+    ck_assert_int_eq(kvb_tokenizer_decode(t, seq, 10, 0, &txt, &len), KVB_OK);
+    ck_assert_str_eq(txt, "<|s|>hello wo<x>\xc3\xa9<|e|>\xef\xbf\xbd");
+    ck_assert_uint_eq(len, strlen(txt));
+    free(txt);
+    ck_assert_int_eq(kvb_tokenizer_decode(t, seq, 10, 1, &txt, &len), KVB_OK);
+    ck_assert_str_eq(txt, "hello wo<x>\xc3\xa9\xef\xbf\xbd");
+    free(txt);
+    int32_t neg = -1, big = 5000;
+    ck_assert_int_eq(kvb_tokenizer_decode(t, &neg, 1, 0, &txt, &len), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_tokenizer_decode(t, &big, 1, 0, &txt, &len), KVB_OK); /* no token: nothing */
+    ck_assert_uint_eq(len, 0);
+    free(txt);
+    /* streaming: never half a character; the pieces join to the decode */
+    kvb_detok *d;
+    ck_assert_int_eq(kvb_detok_create(t, 1, &d), KVB_OK);
+    const char *p;
+    size_t pl;
+    char acc[128] = "";
+    for (int i = 0; i < 10; i++) {
+        ck_assert_int_eq(kvb_detok_push(d, seq[i], &p, &pl), KVB_OK);
+        if (seq[i] == 0xC3 || seq[i] == 0xE4 || seq[i] == 0xBD) ck_assert_uint_eq(pl, 0);
+        strncat(acc, p, pl);
+    }
+    ck_assert_int_eq(kvb_detok_flush(d, &p, &pl), KVB_OK);
+    strncat(acc, p, pl);
+    ck_assert_str_eq(acc, "hello wo<x>\xc3\xa9\xef\xbf\xbd");
+    kvb_detok_destroy(d);
+    kvb_tokenizer_destroy(t);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+KVB_TEST(load_errors) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    kvb_tokenizer *t = NULL;
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_NOT_FOUND);
+    ck_assert_ptr_null(t);
+    write_model(dir, "Lowercase", 0);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_UNSUPPORTED); /* logged: tokenizer.json: normalizer type */
+    write_model(dir, NULL, 0);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    const int32_t *eos;
+    ck_assert_int_eq(kvb_tokenizer_eos_ids(t, &eos), 1); /* no generation_config.json: the eos_token */
+    ck_assert_int_eq(eos[0], T_E);
+    kvb_tokenizer_destroy(t);
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    FILE *f = fopen(path, "w");
+    fputs("{\"model\": {\"type\": \"BPE\", \"vocab\": {", f);
+    fclose(f);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_FORMAT);
+    f = fopen(path, "w");
+    fputs("{\"model\": {\"type\": \"Unigram\", \"vocab\": []}}", f);
+    fclose(f);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_UNSUPPORTED);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------------------------- chat templates */
+
+static kvb_status render(const char *tpl, const char *vars, char **out, char *err, size_t err_len) {
+    kvb_chat_template *ct;
+    kvb_status st = kvb_chat_template_parse(tpl, "<s>", "</s>", &ct, err, err_len);
+    if (st != KVB_OK) return st;
+    json_error_t je;
+    json_t *extra = json_loads(vars, 0, &je);
+    ck_assert_ptr_nonnull(extra);
+    json_t *msgs = json_array();
+    st = kvb_chat_render(ct, msgs, 0, extra, out, err, err_len);
+    json_decref(msgs);
+    json_decref(extra);
+    kvb_chat_template_destroy(ct);
+    return st;
+}
+
+KVB_TEST(jinja_constructs) {
+    /* template, variables, and what Python's Jinja2 renders (trim_blocks, lstrip_blocks, loopcontrols,
+     * transformers' tojson) */
+    static const char *const cases[][3] = {
+#include "tests/text/jinja_cases.inc"
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render(cases[i][0], cases[i][1], &out, err, sizeof err);
+        if (st != KVB_OK) fprintf(stderr, "case %zu: %s\n", i, err);
+        ck_assert_int_eq(st, KVB_OK);
+        if (strcmp(out, cases[i][2])) fprintf(stderr, "case %zu: template %s\n", i, cases[i][0]);
+        ck_assert_str_eq(out, cases[i][2]);
+        free(out);
+    }
+}
+KVB_TEST_END
+
+KVB_TEST(jinja_errors) {
+    static const struct { const char *tpl; kvb_status st; const char *msg; } cases[] = {
+        {"{{ raise_exception('Conversation roles must alternate') }}", KVB_ERR_INVALID, "Conversation roles must alternate"},
+        {"line one\n{% if x %}\n{{ x + }}", KVB_ERR_FORMAT, "line 3, column 8: unexpected '}}'"},
+        {"{% for x in xs %}", KVB_ERR_FORMAT, "missing {% endfor %}"},
+        {"{% endif %}", KVB_ERR_FORMAT, "line 1, column 4: unexpected {% endif %}"},
+        {"{% include 'x' %}", KVB_ERR_UNSUPPORTED, "line 1, column 4: the 'include' statement is not supported"},
+        {"\n  {{ 'a' | nosuch }}", KVB_ERR_INVALID, "line 2, column 10: unknown filter 'nosuch'"},
+        {"{{ missing.attr }}", KVB_ERR_INVALID, "'missing' is undefined"},
+        {"{{ 'a' + 1 }}", KVB_ERR_INVALID, "unsupported operand types for +: string and int"},
+        {"{% set xs = [1] %}{{ xs.append(2) }}", KVB_ERR_INVALID, "immutable"},
+        {"{{ 'unterminated }}", KVB_ERR_FORMAT, "unterminated string"},
+        {"{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", KVB_ERR_INVALID, "nest deeper"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render(cases[i].tpl, "{}", &out, err, sizeof err);
+        if (st != cases[i].st || !strstr(err, cases[i].msg)) fprintf(stderr, "case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, cases[i].st);
+        ck_assert_ptr_nonnull(strstr(err, cases[i].msg));
+        ck_assert_ptr_null(out);
+    }
+}
+KVB_TEST_END
+
+KVB_TEST(chat_template_files) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    kvb_chat_template *ct = NULL;
+    ck_assert_int_eq(kvb_chat_template_load(dir, &ct), KVB_ERR_NOT_FOUND);
+    write_model(dir, NULL, 0);
+    ck_assert_int_eq(kvb_chat_template_load(dir, &ct), KVB_OK);
+    json_t *msgs = json_pack("[{s:s, s:s}, {s:s, s:s}]", "role", "user", "content", " hi ", "role", "assistant",
+                             "content", "yo");
+    char *out, err[256];
+    ck_assert_int_eq(kvb_chat_render(ct, msgs, 1, NULL, &out, err, sizeof err), KVB_OK);
+    ck_assert_str_eq(out, "<|s|>[user] hi<|e|>[assistant] yo<|e|>[assistant] ");
+    free(out);
+    ck_assert_int_eq(kvb_chat_render(ct, json_object_get(msgs, "x"), 1, NULL, &out, err, sizeof err), KVB_ERR_INVALID);
+    kvb_chat_template_destroy(ct);
+    /* chat_template.jinja wins over tokenizer_config.json */
+    char path[512];
+    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
+    FILE *f = fopen(path, "w");
+    fputs("{% for m in messages %}{{ m.content }}{% endfor %}{{ extra_var }}\n", f);
+    fclose(f);
+    ck_assert_int_eq(kvb_chat_template_load(dir, &ct), KVB_OK);
+    json_t *extra = json_pack("{s:s}", "extra_var", "!");
+    ck_assert_int_eq(kvb_chat_render(ct, msgs, 0, extra, &out, err, sizeof err), KVB_OK);
+    ck_assert_str_eq(out, " hi yo!");
+    free(out);
+    kvb_chat_template_destroy(ct);
+    f = fopen(path, "w");
+    fputs("{% if %}", f);
+    fclose(f);
+    ck_assert_int_eq(kvb_chat_template_load(dir, &ct), KVB_ERR_FORMAT);
+    json_decref(extra);
+    json_decref(msgs);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
+              KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(chat_template_files, 20))
