@@ -240,10 +240,10 @@ int main(int argc, char **argv) {
         kvb_engine_get_stats(e, &s);
         fprintf(stderr,
                 "stats: steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
-                "blocks_total=%d\n",
+                "blocks_total=%d prefix_cache=%d max_running=%d\n",
                 (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
                 (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
-                (unsigned long long)s.prefix_hit_tokens, s.blocks_total);
+                (unsigned long long)s.prefix_hit_tokens, s.blocks_total, s.prefix_cache, s.max_running);
     }
     rc = 0;
     goto out;

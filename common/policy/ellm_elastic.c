@@ -68,6 +68,18 @@ static int64_t act_chunks_of(ee *p, size_t chunk_bytes, int64_t n_tokens, int n_
     return kvb_act_span_chunks(sizes, n, 256, chunk_bytes);
 }
 
+/* Whether a request of `len` tokens can ever be served by `n_chunks` chunks: its KV and θ beside the
+ * activations of its own prefill (ellm-elastic) or beside the static reserve (the baselines). The same
+ * rule as the core's configuration check. */
+static int len_fits(ee *p, size_t chunk, int64_t n_chunks, int theta, int len, int max_seqs) {
+    int64_t kv = KVB_DIV_CEIL(len, p->chunk_tokens);
+    int64_t kv_len = kv * p->chunk_tokens; /* a slot is whole chunks */
+    if (p->mode == KVB_EE_MODE_ELASTIC && p->intra)
+        return kv + act_chunks_of(p, chunk, kv_len, 1) + theta <= n_chunks;
+    int64_t step = p->mode == KVB_EE_MODE_CHUNKED ? p->prefill_chunk : kv_len;
+    return kv + theta + act_chunks_of(p, chunk, step, (int)KVB_MIN(max_seqs, step)) <= n_chunks;
+}
+
 /* ---------------------------------------------------------------- the fence */
 
 static int fence_passed(void *ud, uint64_t ticket) { return ticket <= ((ee *)ud)->completed; }
@@ -107,26 +119,44 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
                   p->name, (long long)p->chunk_tokens, chunk, gran, kvb_mem_kind(p->mem), (long long)k);
         return KVB_ERR_INVALID;
     }
-    int max_len = v->max_model_len;
-    int slot_chunks = (int)KVB_DIV_CEIL(max_len, p->chunk_tokens);
-    int n_slots = p->slots > 0 ? (int)p->slots : v->max_seqs;
-    int max_tokens = p->mode == KVB_EE_MODE_CHUNKED ? (int)p->prefill_chunk : slot_chunks * (int)p->chunk_tokens;
-    int max_seqs = v->max_seqs;
-    int64_t reserve = act_chunks_of(p, chunk, max_tokens, KVB_MIN(max_seqs, max_tokens));
-    /* default: the engine's KV blocks (at least one full-length request and 1% to spare), plus the
-     * static split's activation reserve for a model-length step */
-    double kv_default = KVB_MAX((double)v->pool.n_blocks * (double)block_bytes, (double)slot_chunks * (double)chunk);
-    int64_t full_act = act_chunks_of(p, chunk, slot_chunks * p->chunk_tokens, max_seqs);
-    double budget = p->budget_mb > 0 ? p->budget_mb * 1048576.0 : kv_default + (double)full_act * (double)chunk;
-    int64_t n_chunks = (int64_t)(budget / (double)chunk);
-    /* the default also leaves θ (1%) beside a full-length request on the static split's KV side */
-    while (p->budget_mb <= 0 && n_chunks - full_act < slot_chunks + (int64_t)ceil(0.01 * (double)n_chunks)) n_chunks++;
-    budget = (double)n_chunks * (double)chunk;
+    /* The budget and the longest request it can serve. Default budget: the engine's KV blocks plus the
+     * static split's activation reserve for a step of the longest request those blocks hold. */
+    int max_seqs = v->max_seqs, ct = (int)p->chunk_tokens;
+    int64_t kv_chunks = KVB_DIV_CEIL((int64_t)v->pool.n_blocks * (int64_t)block_bytes, (int64_t)chunk);
+    int64_t n_chunks;
+    if (p->budget_mb > 0) {
+        n_chunks = (int64_t)(p->budget_mb * 1048576.0 / (double)chunk);
+    } else {
+        /* the KV blocks hold requests of up to len tokens; θ (1%) comes on top */
+        int64_t len = KVB_MIN((int64_t)v->max_model_len, kv_chunks * ct);
+        int64_t step = p->mode == KVB_EE_MODE_CHUNKED ? p->prefill_chunk : len;
+        n_chunks = kv_chunks + act_chunks_of(p, chunk, step, (int)KVB_MIN(max_seqs, step));
+        n_chunks += (int64_t)ceil(0.01 * (double)n_chunks) + 1;
+    }
     if (n_chunks < 1 || n_chunks > INT32_MAX / 2) {
-        KVB_LOG_E("%s: a budget of %.1f MiB makes %lld chunks of %zu bytes", p->name, budget / 1048576.0,
-                  (long long)n_chunks, chunk);
+        KVB_LOG_E("%s: a budget of %.3f MiB makes %lld chunks of %zu bytes", p->name,
+                  (double)n_chunks * (double)chunk / 1048576.0, (long long)n_chunks, chunk);
         return KVB_ERR_INVALID;
     }
+    int theta = p->theta >= 0 ? (int)p->theta : (int)ceil(0.01 * (double)n_chunks);
+    /* the longest request (prompt + output) the budget serves, up to the model's length */
+    int lo = 0, hi = v->max_model_len;
+    while (lo < hi) {
+        int len = lo + (hi - lo + 1) / 2;
+        if (len_fits(p, chunk, n_chunks, theta, len, max_seqs)) lo = len;
+        else hi = len - 1;
+    }
+    int max_len = lo;
+    if (max_len < 1) {
+        KVB_LOG_E("%s: %lld chunks of %zu bytes cannot serve a request of even one token (θ %d)", p->name,
+                  (long long)n_chunks, chunk, theta);
+        return KVB_ERR_INVALID;
+    }
+    int slot_chunks = (int)KVB_DIV_CEIL(max_len, p->chunk_tokens);
+    int n_slots = p->slots > 0 ? (int)p->slots : v->max_seqs;
+    int max_tokens = p->mode == KVB_EE_MODE_CHUNKED ? (int)p->prefill_chunk : max_len;
+    int64_t reserve = act_chunks_of(p, chunk, max_tokens, KVB_MIN(max_seqs, max_tokens));
+    double budget = (double)n_chunks * (double)chunk;
     int elastic = p->mode == KVB_EE_MODE_ELASTIC;
     p->chunk_bytes = chunk;
     kvb_ee_config c = {
@@ -137,14 +167,14 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
         .n_slots = n_slots,
         .slot_chunks = slot_chunks,
         .act_chunks_start = (int)KVB_MIN(reserve, n_chunks),
-        .act_seg_chunks = (int)KVB_MAX(act_chunks_of(p, chunk, slot_chunks * p->chunk_tokens, max_seqs), 1),
+        .act_seg_chunks = (int)KVB_MAX(act_chunks_of(p, chunk, KVB_MAX(max_tokens, max_seqs), max_seqs), 1),
         .act_align = 256,
         .act = act_chunks,
         .act_ud = p,
         .stage_bytes_per_token = 0,
         .max_tokens = max_tokens,
         .max_seqs = max_seqs,
-        .theta = p->theta >= 0 ? (int)p->theta : (int)ceil(0.01 * (double)n_chunks),
+        .theta = theta,
         .intra = elastic && p->intra,
         .inter = elastic && p->inter,
         .buf_max = (int64_t)((p->buffer_mb > 0 ? p->buffer_mb * 1048576.0 : budget) / (double)chunk),

@@ -193,4 +193,5 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     out->n_waiting = e->waiting.n;
     out->blocks_own = kvb_block_pool_n_own(e->pool);
     out->blocks_borrowed = e->n_borrowed;
+    out->prefix_cache = e->o.enable_prefix_cache;
 }

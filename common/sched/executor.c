@@ -296,6 +296,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     }
     KVB_TRY_GOTO(kvb_forward_end(e->fw, e->logits), fail);
     e->stats.steps++;
+    e->stats.max_running = KVB_MAX(e->stats.max_running, e->running.n);
 
     uint64_t now = kvb_wall_ns();
     int li = 0;
