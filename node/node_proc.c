@@ -411,7 +411,7 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     size_t kv_bytes = (size_t)n_blocks * block_bytes; /* whole blocks: the region is block-aligned */
 
     int n_stale = 0;
-    kvb_node_unlink_stale_regions(a->tag, &n_stale);
+    kvb_region_unlink_stale(a->tag, &n_stale);
     if ((st = kvb_region_create(a->tag, kv_bytes, &p->region)) != KVB_OK) {
         fprintf(stderr, "%s: cannot create a %zu-byte shared KV region: %s\n", prog, kv_bytes, kvb_status_str(st));
         goto fail;

@@ -152,7 +152,7 @@ static int stop_server(int sig, double timeout_s) {
     kill(g_server, SIGKILL);
     waitpid(g_server, &status, 0);
     g_server = -1;
-    kvb_region_unlink_tag(g_name, NULL); /* it could not clean up after itself */
+    kvb_region_unlink_stale(g_name, NULL); /* it could not clean up after itself */
     return -1;
 }
 
@@ -1288,7 +1288,7 @@ KVB_TEST(resume_after_kill) {
     assert_ids_eq(k->col.tok, k->col.n, ref, k->col.n, "tokens before the loss");
     free(k);
     kvb_client_destroy(c);
-    kvb_region_unlink_tag(g_name, NULL); /* the killed server could not remove its region */
+    kvb_region_unlink_stale(g_name, NULL); /* the killed server could not remove its region */
     free(ref);
     free(sref);
     teardown();

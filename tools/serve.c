@@ -204,6 +204,9 @@ int main(int argc, char **argv) {
         goto out;
     }
     size_t kv_bytes = (size_t)kv_blocks * block_bytes;
+    int n_stale = 0;
+    kvb_region_unlink_stale(name, &n_stale); /* regions of crashed servers of this name */
+    if (n_stale) KVB_LOG_I("removed %d shared-memory region(s) of crashed servers named %s", n_stale, name);
     if ((st = kvb_region_create(name, kv_bytes, &region)) != KVB_OK) {
         fprintf(stderr, "kvbank-serve: cannot create a %zu-byte shared KV region: %s\n", kv_bytes, kvb_status_str(st));
         goto out;

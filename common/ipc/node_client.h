@@ -129,9 +129,4 @@ kvb_status kvb_node_client_send_status_request(kvb_node_client *nc, int ledger);
 /* Control(op, model, n_blocks); op is a KVBANK__CONTROL__OP__* value. */
 kvb_status kvb_node_client_send_control(kvb_node_client *nc, int op, const char *model, uint32_t n_blocks);
 
-/* Removes the shared-memory objects "/kvb-<tag>-<pid>-<seq>" of `tag` whose creating process no longer
- * exists (a model killed before it could unlink its region). Objects of live processes are left alone.
- * Returns how many were removed in *n_removed (may be NULL). */
-kvb_status kvb_node_unlink_stale_regions(const char *tag, int *n_removed);
-
 #endif
