@@ -2,6 +2,7 @@
  * to a model by name, and the offline SwiftCache plan of a node config. */
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,6 +72,11 @@ typedef struct ctl {
 } ctl;
 
 static int ctl_connect(ctl *c) {
+    char why[PATH_MAX + 256];
+    if (kvb_wire_ipc_check(c->endpoint, why, sizeof why) != KVB_OK) {
+        fprintf(stderr, PROG ": cannot reach the coordinator: %s\n", why);
+        return -1;
+    }
     c->zctx = zmq_ctx_new();
     if (!c->zctx) return -1;
     c->sock = zmq_socket(c->zctx, ZMQ_DEALER);
@@ -331,6 +337,12 @@ static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_
         return 1;
     }
     if (!alive) fprintf(stderr, PROG ": warning: the coordinator counts %s as dead; trying %s anyway\n", model, ep);
+    char why[PATH_MAX + 256];
+    if (kvb_wire_ipc_check(ep, why, sizeof why) == KVB_ERR_IO) {
+        fprintf(stderr, PROG ": cannot reach %s: %s\n", model, why);
+        free(ep);
+        return 1;
+    }
     int rc = 1;
     kvb_client *cl = NULL;
     gen_state s = {.cap = max_tokens, .quiet = quiet};

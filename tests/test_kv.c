@@ -493,6 +493,152 @@ KVB_TEST(pool_release_hook) {
 }
 KVB_TEST_END
 
+/* Sliced pool: 4 physical blocks of 3 layers = 12 slices, 20 virtual ids. */
+KVB_TEST(pool_sliced) {
+    size_t bb = kvb_kv_block_bytes(&k_geom), lb = kvb_kv_layer_bytes(&k_geom);
+    unsigned char *mem = malloc(4 * bb);
+    kvb_block_pool *p = NULL;
+    ck_assert_int_eq(kvb_block_pool_create_sliced(&k_geom, mem, 4 * bb, 5, 20, &p), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_block_pool_create_sliced(&k_geom, mem, 4 * bb, 4, 0, &p), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_block_pool_create_sliced(&k_geom, mem, 4 * bb, 4, 20, &p), KVB_OK);
+    ck_assert(kvb_block_pool_is_sliced(p));
+    ck_assert_int_eq(kvb_block_pool_n_slices(p), 12);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 12);
+    ck_assert_int_eq(kvb_block_pool_n_free(p), 4); /* whole blocks */
+    ck_assert_int_eq(kvb_block_pool_id_limit(p), 20);
+    ck_assert_int_eq(kvb_block_pool_capacity(p), 4);
+    int32_t id[6];
+    for (int i = 0; i < 4; i++) {
+        ck_assert_int_eq(kvb_block_pool_alloc(p, &id[i]), KVB_OK);
+        ck_assert_int_eq(id[i], i);
+        ck_assert_int_eq(kvb_block_pool_n_resident(p, id[i]), 3);
+    }
+    /* slices are handed out lowest first: block i's layers are slices 3i .. 3i+2, the block-major layout */
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 3; l++)
+            ck_assert_ptr_eq(kvb_block_pool_block_layer(p, id[i], l), mem + (size_t)(3 * i + l) * lb);
+    ck_assert_int_eq(kvb_block_pool_n_free(p), 0);
+    ck_assert_int_eq(kvb_block_pool_alloc(p, &id[4]), KVB_ERR_EXHAUSTED);
+    /* more ids than memory: a bare block has no slice until one is freed */
+    ck_assert_int_eq(kvb_block_pool_alloc_bare(p, &id[4]), KVB_OK);
+    ck_assert_int_eq(id[4], 4);
+    ck_assert_int_eq(kvb_block_pool_n_resident(p, id[4]), 0);
+    ck_assert_int_eq(kvb_block_pool_slice_alloc(p, id[4], 1), KVB_ERR_EXHAUSTED);
+    memset(kvb_block_pool_block_layer(p, id[1], 2), 0x5a, lb);
+    kvb_block_pool_slice_free(p, id[1], 0); /* block 1 moves layer 0 away: its slice serves block 4 */
+    ck_assert(!kvb_block_pool_slice_resident(p, id[1], 0));
+    ck_assert_int_eq(kvb_block_pool_slice_alloc(p, id[4], 1), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_slice_alloc(p, id[4], 1), KVB_OK); /* already resident */
+    ck_assert_ptr_eq(kvb_block_pool_block_layer(p, id[4], 1), mem + 3 * lb);
+    ck_assert_int_eq(((unsigned char *)kvb_block_pool_block_layer(p, id[1], 2))[lb - 1], 0x5a);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 0);
+    /* the last reference returns every slice with the id */
+    kvb_block_pool_unref(p, id[2]);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 3);
+    ck_assert_int_eq(kvb_block_pool_n_free(p), 1);
+    ck_assert(kvb_block_pool_is_free(p, id[2]));
+    /* scratch slices count against the same memory */
+    int32_t sc;
+    ck_assert_int_eq(kvb_block_pool_scratch_alloc(p, &sc), KVB_OK);
+    ck_assert_int_eq(sc, 6);
+    ck_assert_ptr_eq(kvb_block_pool_slice_addr(p, sc), mem + 6 * lb);
+    ck_assert_int_eq(kvb_block_pool_n_free(p), 0);
+    kvb_block_pool_scratch_free(p, sc);
+    /* a held block keeps its slices until it is freed */
+    hook_log h = {0};
+    kvb_block_pool_set_release_hook(p, keep_even, &h);
+    kvb_block_pool_unref(p, id[0]);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 3);
+    ck_assert_int_eq(kvb_block_pool_slice_alloc(p, id[0], 0), KVB_OK); /* a held block may gain a layer */
+    kvb_block_pool_free_block(p, id[0]);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 6);
+    kvb_block_pool_set_release_hook(p, NULL, NULL);
+    /* lending: the tail block's slices must be free; slices 6..11 are blocks 3 (in use) and ... */
+    ck_assert_int_eq(kvb_block_pool_resize(p, 3), KVB_ERR_STATE);
+    kvb_block_pool_unref(p, id[3]);
+    ck_assert_int_eq(kvb_block_pool_resize(p, 3), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_n_slices(p), 9);
+    ck_assert_int_eq(kvb_block_pool_resize(p, 4), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_n_slices(p), 12);
+    int32_t first;
+    ck_assert_int_eq(kvb_block_pool_attach(p, mem, 1, &first), KVB_ERR_UNSUPPORTED);
+    ck_assert_int_eq(kvb_block_pool_detach(p, 4, 1), KVB_ERR_UNSUPPORTED);
+    kvb_block_pool_destroy(p);
+    /* a block-major pool has none of this */
+    ck_assert_int_eq(kvb_block_pool_create(&k_geom, mem, 4 * bb, 4, &p), KVB_OK);
+    ck_assert(!kvb_block_pool_is_sliced(p));
+    ck_assert_int_eq(kvb_block_pool_alloc_bare(p, &id[0]), KVB_ERR_UNSUPPORTED);
+    ck_assert_int_eq(kvb_block_pool_scratch_alloc(p, &sc), KVB_ERR_UNSUPPORTED);
+    ck_assert_int_eq(kvb_block_pool_n_slices(p), 0);
+    kvb_block_pool_destroy(p);
+    free(mem);
+}
+KVB_TEST_END
+
+/* Random operations on a sliced pool against a model: every resident (block, layer) keeps its bytes,
+ * no two share a slice, the counts add up. */
+KVB_TEST(pool_sliced_random) {
+    enum { PHYS = 16, IDS = 64, L = 3 };
+    kvb_kv_geom g = k_geom;
+    size_t bb = kvb_kv_block_bytes(&g), lb = kvb_kv_layer_bytes(&g);
+    unsigned char *mem = malloc(PHYS * bb);
+    kvb_block_pool *p = NULL;
+    ck_assert_int_eq(kvb_block_pool_create_sliced(&g, mem, PHYS * bb, PHYS, IDS, &p), KVB_OK);
+    int live[IDS] = {0};
+    unsigned char tag[IDS][L] = {{0}}; /* byte written into each resident slice, 0 when not resident */
+    uint64_t x = 88172645463325252ull;
+    int scratch[PHYS * L], n_scratch = 0;
+    for (int it = 0; it < 20000; it++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        int op = (int)(x % 6), i = (int)((x >> 8) % IDS), l = (int)((x >> 20) % L);
+        int32_t got;
+        if (op == 0) {
+            kvb_status st = kvb_block_pool_alloc(p, &got);
+            if (st == KVB_OK) {
+                live[got] = 1;
+                for (int k = 0; k < L; k++) tag[got][k] = 0;
+            } else {
+                int n_live = 0;
+                for (int b = 0; b < IDS; b++) n_live += live[b];
+                ck_assert(kvb_block_pool_n_free_slices(p) < L || n_live == IDS);
+            }
+        } else if (op == 1) {
+            if (kvb_block_pool_alloc_bare(p, &got) == KVB_OK) live[got] = 1;
+        } else if (op == 2 && live[i]) {
+            kvb_block_pool_unref(p, i);
+            live[i] = 0;
+            memset(tag[i], 0, L);
+        } else if (op == 3 && live[i]) {
+            if (kvb_block_pool_slice_alloc(p, i, l) == KVB_OK && !tag[i][l]) {
+                tag[i][l] = (unsigned char)(1 + (x >> 32) % 250);
+                memset(kvb_block_pool_block_layer(p, i, l), tag[i][l], lb);
+            }
+        } else if (op == 4 && live[i] && kvb_block_pool_slice_resident(p, i, l)) {
+            kvb_block_pool_slice_free(p, i, l);
+            tag[i][l] = 0;
+        } else if (op == 5) {
+            if (n_scratch && x >> 40 & 1) kvb_block_pool_scratch_free(p, scratch[--n_scratch]);
+            else if (kvb_block_pool_scratch_alloc(p, &got) == KVB_OK) scratch[n_scratch++] = got;
+        }
+        if (it % 97) continue;
+        int used = n_scratch;
+        for (int b = 0; b < IDS; b++) {
+            if (!live[b]) continue;
+            for (int k = 0; k < L; k++) {
+                if (!kvb_block_pool_slice_resident(p, b, k)) continue;
+                used++;
+                const unsigned char *q = kvb_block_pool_block_layer(p, b, k);
+                if (tag[b][k]) ck_assert(q[0] == tag[b][k] && q[lb - 1] == tag[b][k]);
+                for (int s2 = 0; s2 < n_scratch; s2++) ck_assert_ptr_ne(q, kvb_block_pool_slice_addr(p, scratch[s2]));
+            }
+        }
+        ck_assert_int_eq(used + kvb_block_pool_n_free_slices(p), PHYS * L);
+    }
+    kvb_block_pool_destroy(p);
+    free(mem);
+}
+KVB_TEST_END
+
 KVB_TEST(block_table) {
     size_t bb = kvb_kv_block_bytes(&k_geom);
     void *mem = malloc(40 * bb);
@@ -1142,6 +1288,8 @@ KVB_TEST_MAIN("kv",
               KVB_T(pool_lowest_first_large, 20),
               KVB_T(pool_resize, 10),
               KVB_T(pool_release_hook, 10),
+              KVB_T(pool_sliced, 10),
+              KVB_T(pool_sliced_random, 30),
               KVB_T(block_table, 10),
               KVB_T(prefix_hash_chain, 10),
               KVB_T(prefix_publish_match, 10),

@@ -152,6 +152,31 @@ kill -0 "$KPID" 2>/dev/null || fail "kvbankd died on SIGHUP"
 grep -q "SIGHUP: reloading the node config is not supported" "$T/kvbankd.log" || fail "SIGHUP not logged"
 ok "second kvbankd (same config, and another run_dir with the same node name) refused, naming pid and run_dir; SIGHUP logged"
 
+# kvbankctl as another user says "permission denied" at once (instead of waiting for a timeout): the
+# run_dir is 0700 and a socket 0600. As root the other user is nobody (setpriv); otherwise the test
+# takes the write permission off the socket for a moment.
+if [ "$(id -u)" = 0 ]; then
+    as_other() { setpriv --reuid=65534 --regid=65534 --clear-groups "$@"; }
+    # the socket file itself, in a directory anyone may enter
+    O=$(mktemp -d /tmp/kvb-open-XXXXXX)
+    chmod 0755 "$O"
+    "$PY" -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); time.sleep(30)' \
+        "$O/c.sock" &
+    LSN=$!
+    for i in $(seq 50); do [ -S "$O/c.sock" ] && break; sleep 0.1; done
+    chmod 0600 "$O/c.sock"
+    out=$(as_other "$B/kvbankctl" --coordinator "ipc://$O/c.sock" status 2>&1) && fail "kvbankctl as nobody succeeded"
+    kill "$LSN" 2>/dev/null || true
+    wait "$LSN" 2>/dev/null || true
+    rm -rf "$O"
+    grep -q "permission denied: $O/c.sock belongs to uid 0 (mode 0600)" <<<"$out" || fail "as nobody (socket): $out"
+else
+    as_other() { chmod 0 "$RUN/coordinator.sock"; "$@"; local rc=$?; chmod 0600 "$RUN/coordinator.sock"; return $rc; }
+fi
+out=$(as_other "$B/kvbankctl" --coordinator "ipc://$RUN/coordinator.sock" status 2>&1) && fail "kvbankctl as another user succeeded"
+grep -q "permission denied" <<<"$out" || fail "kvbankctl as another user: $out"
+ok "kvbankctl as another user: $(head -1 <<<"$out")"
+
 # ------------------------------------------------------------------------------- kill -9 a worker
 old=$(echo "$st" | field "$WORKER" 2)
 [ -n "$old" ] && [ "$old" -gt 0 ] || fail "no pid for $WORKER in status"

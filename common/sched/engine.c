@@ -44,14 +44,32 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
         KVB_LOG_E("engine: planner %s cannot set up: %s", e->planner.iface->name, kvb_status_str(st));
         return st;
     }
-    if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0 || pp->max_model_len < 0 ||
-        pp->max_batch_tokens < 0 ||
+    if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0 || pp->sliced_ids < 0 ||
+        pp->sliced_min_layers < 0 || pp->max_model_len < 0 || pp->max_batch_tokens < 0 ||
         (pp->kv_mem && (pp->kv_blocks < 1 || pp->kv_mem_bytes / kvb_kv_block_bytes(&e->geom) < (size_t)pp->kv_blocks))) {
         KVB_LOG_E("engine: planner %s asks for negative resources or KV memory smaller than its blocks",
                   e->planner.iface->name);
         return KVB_ERR_INVALID;
     }
     return KVB_OK;
+}
+
+/* Replaces the fresh block-major pool with a sliced one over the same memory (the planner asked for
+ * request-level placements) and starts the layer-sliced KV manager. */
+static kvb_status make_sliced(kvb_engine *e, int n_ids, int min_layers) {
+    if (e->o.lsc_stream || e->o.host_tier_blocks > 0) {
+        KVB_LOG_E("engine: planner %s needs a sliced pool, which does not combine with LSC streaming or the prefix "
+                  "host tier", e->planner.iface->name);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    size_t bytes = e->o.kv_mem ? e->o.kv_mem_bytes : kvb_kv_block_bytes(&e->geom) * (size_t)e->o.n_blocks;
+    kvb_prefix_cache_destroy(e->pc);
+    e->pc = NULL;
+    kvb_block_pool_destroy(e->pool);
+    e->pool = NULL;
+    KVB_TRY(kvb_block_pool_create_sliced(&e->geom, e->kv_mem, bytes, e->o.n_blocks, n_ids, &e->pool));
+    KVB_TRY(kvb_prefix_cache_create(e->pool, &e->pc));
+    return kvb__slices_init(e, n_ids, min_layers);
 }
 
 kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
@@ -111,6 +129,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
                  fail);
     KVB_TRY_GOTO(kvb_prefix_cache_create(e->pool, &e->pc), fail);
     e->o.host_tier_blocks = pp.host_tier_blocks;
+    if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, pp.sliced_ids, pp.sliced_min_layers), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
     KVB_TRY_GOTO(kvb_forward_create(m, e->max_rows, &e->fw), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
@@ -154,6 +173,7 @@ void kvb_engine_destroy(kvb_engine *e) {
     free(e->loans);
     kvb__lsc_release(e);
     kvb__host_tier_free(e);
+    kvb__slices_free(e);
     free(e);
 }
 
@@ -189,6 +209,9 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     *out = e->stats;
     out->blocks_total = kvb_block_pool_n_blocks(e->pool);
     out->blocks_free = kvb_prefix_cache_n_available(e->pc);
+    if (e->sl) /* sliced: whole blocks' worth of slices not held by live requests (free or cached) */
+        out->blocks_free = (int)((kvb_block_pool_n_slices(e->pool) - kvb_block_pool_referenced_slices(e->pool)) /
+                                 e->geom.n_layers);
     out->n_running = e->running.n;
     out->n_waiting = e->waiting.n;
     out->blocks_own = kvb_block_pool_n_own(e->pool);

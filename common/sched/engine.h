@@ -80,6 +80,8 @@ typedef struct kvb_request {
     int resume_index;       /* >= 0: the request continues one that already produced this many tokens
                              * (the last resume_index prompt ids are those tokens, e.g. after its
                              * server died): seeded sampling starts after their draws */
+    double tbt_slo_ms;      /* >= 0: its time-between-tokens SLO (OrbitFlow's planner and Token-Deposit);
+                             * 0: the planner's default for the model */
 } kvb_request;
 
 /* Creates an engine over `m` (borrowed). `planner` may be NULL (vLLM scheduling, kvb_sched_fcfs).
@@ -136,6 +138,20 @@ typedef struct kvb_engine_stats {
     int max_running;            /* most requests running (or paused) at once after a step */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
+
+/* The layer-sliced KV manager (request-level placements on a sliced pool, plan.h kvb_plan_place). */
+typedef struct kvb_slices_stats {
+    uint64_t slices_offloaded;    /* (block, layer) slices moved device -> host tier when a placement changed */
+    uint64_t slices_onloaded;     /* moved host tier -> device when a placement changed */
+    uint64_t slices_prefetched;   /* loaded into prefetch slots for a step */
+    uint64_t bytes_loaded;        /* host tier -> device, all of the above */
+    uint64_t bytes_stored;        /* device -> host tier (moves and the rows steps wrote into host layers) */
+    uint64_t paused_layers_moved; /* layers of paused requests moved to make room (each: all its blocks) */
+    uint64_t cached_dropped;      /* unreferenced cached prefix blocks dropped to make room */
+    int peak_used;                /* most slices in use right after an install (kept + prefetch slots) */
+} kvb_slices_stats;
+/* Zero unless the pool is sliced. */
+void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out);
 
 /* The engine's block pool (for lending and for tests). */
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);

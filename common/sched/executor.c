@@ -17,6 +17,7 @@ static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto, const kvb_plan_op
     while (s->bt.n < need) {
         int32_t id = op && op->placed ? op->block0 + s->bt.n : -1;
         if (id >= 0) KVB_TRY(kvb_block_pool_take(e->pool, id));
+        else if (e->sl) KVB_TRY(kvb__slices_new_block(e, &id)); /* its layers get slices at the install */
         else KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id));
         kvb_status st = kvb_block_table_push(&s->bt, id);
         if (st != KVB_OK) {
@@ -232,7 +233,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         as->blk_first = n_blk;
         for (int j = 0; j < as->n_blocks; j++) {
             e->blk_id[n_blk] = s->bt.ids[j];
-            e->blk_base[n_blk++] = kvb_block_pool_block(e->pool, s->bt.ids[j]);
+            e->blk_base[n_blk++] = e->sl ? NULL : kvb_block_pool_block(e->pool, s->bt.ids[j]);
         }
         for (int t = 0; t < s->q_len; t++) {
             e->b_tokens[n_tok] = s->tokens[s->n_computed + t];
@@ -256,6 +257,10 @@ kvb_status kvb__exec_step(kvb_engine *e) {
      * with lsc_stream the borrowed ones are read from their LSC slot of the layer's parity. */
     size_t layer_bytes = kvb_kv_layer_bytes(&e->geom);
     lsc *ls = &e->lsc;
+    if (e->sl) { /* request-level placements: install them, prefetch slots for the host layers */
+        KVB_TRY_GOTO(kvb__slices_install(e, n_sched), fail_sl);
+        KVB_TRY_GOTO(kvb__slices_step_begin(e, n_blk), fail_sl);
+    }
     if (e->o.lsc_stream && e->n_borrowed > 0) stream = lsc_prepare(e, n_sched, n_blk) > 0;
     if (stream) {
         /* layers 0 and 1 load at once (different buffers), overlapping the embedding; the load of
@@ -269,7 +274,9 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     KVB_TRY_GOTO(kvb_forward_begin(e->fw, &b), fail_lsc);
     for (int l = 0; l < c->n_layers; l++) {
         uint64_t tl = kvb_now_ns();
-        for (int j = 0; j < n_blk; j++) e->blk_layer[j] = (char *)e->blk_base[j] + (size_t)l * layer_bytes;
+        if (e->sl) KVB_TRY_GOTO(kvb__slices_layer(e, n_sched, l), fail_sl);
+        else
+            for (int j = 0; j < n_blk; j++) e->blk_layer[j] = (char *)e->blk_base[j] + (size_t)l * layer_bytes;
         if (stream) {
             KVB_TRY_GOTO(kvb__lsc_wait(ls, ls->ticket[l]), fail_lsc);
             for (int j = 0; j < n_blk; j++)
@@ -277,6 +284,11 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         }
         e->t_wait[l] = kvb_now_ns() - tl;
         KVB_TRY_GOTO(kvb_forward_layer(e->fw, l), fail_lsc);
+        if (e->sl) {
+            /* the layer's kernels are done with its prefetch slots once the backend is idle */
+            KVB_TRY_GOTO(kvb_model_backend(e->m)->iface->sync(kvb_model_backend(e->m)->ctx), fail_sl);
+            KVB_TRY_GOTO(kvb__slices_layer_done(e, n_sched, l), fail_sl);
+        }
         if (stream) {
             /* the layer's kernels are done with its buffers once the backend is idle */
             KVB_TRY_GOTO(kvb_model_backend(e->m)->iface->sync(kvb_model_backend(e->m)->ctx), fail_lsc);
@@ -294,7 +306,8 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         lsc_finish(e, n_blk);
         stream = 0;
     }
-    KVB_TRY_GOTO(kvb_forward_end(e->fw, e->logits), fail);
+    KVB_TRY_GOTO(kvb_forward_end(e->fw, e->logits), fail_sl);
+    kvb__slices_step_end(e, n_sched);
     e->stats.steps++;
     e->stats.max_running = KVB_MAX(e->stats.max_running, e->running.n);
 
@@ -326,6 +339,8 @@ fail_lsc:
         (void)kvb__lsc_wait(ls, ls->posted); /* no copy may run on after the step */
         lsc_finish(e, n_blk);
     }
+fail_sl:
+    kvb__slices_step_end(e, 0); /* prefetch slots back; the failed step's rows are not counted */
 fail:
     KVB_LOG_E("engine step failed: %s; failing %d live requests", kvb_status_str(st), e->waiting.n + e->running.n);
     while (e->running.head) kvb__finish(e, &e->running, e->running.head, KVB_FINISH_ERROR, st);

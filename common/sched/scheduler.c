@@ -97,6 +97,8 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
         if (r->prompt[i] < 0 || r->prompt[i] >= c->vocab)
             return reject(e, r->id, "prompt token %d = %d is outside the vocabulary [0, %d)", i, r->prompt[i], c->vocab);
     }
+    if (!(r->tbt_slo_ms >= 0 && r->tbt_slo_ms <= 3.6e6))
+        return reject(e, r->id, "tbt_slo_ms %g must be in [0, 3600000] (0: the model's default)", r->tbt_slo_ms);
     if (kvb_sampling_check(&r->sampling) != KVB_OK)
         return reject(e, r->id, "invalid sampling parameters (temperature >= 0, top_k >= 0, top_p in [0, 1])");
     int64_t total = (int64_t)r->n_prompt + r->max_tokens;
@@ -105,9 +107,18 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
                       e->o.max_model_len);
     /* never fit: more than the own memory (lent-out part included) plus what is borrowed now */
     int64_t most = (int64_t)kvb_block_pool_capacity(e->pool) + e->n_borrowed;
-    if (KVB_DIV_CEIL(total, e->o.block_size) > most)
+    int64_t blocks = KVB_DIV_CEIL(total, e->o.block_size);
+    if (e->sl) { /* sliced: the ids (host homes), and the device slices the planner needs at least */
+        int64_t slices = (int64_t)kvb_block_pool_capacity(e->pool) * c->n_layers;
+        if (blocks > kvb_block_pool_id_limit(e->pool) || blocks * kvb__slices_min_layers(e) > slices)
+            return reject(e, r->id, "%lld tokens can never fit: %lld blocks of %d, %d block ids, %lld device slices "
+                          "of which the planner needs %d per block", (long long)total, (long long)blocks,
+                          e->o.block_size, kvb_block_pool_id_limit(e->pool), (long long)slices,
+                          kvb__slices_min_layers(e));
+    } else if (blocks > most) {
         return reject(e, r->id, "%lld tokens can never fit in %lld KV blocks of %d", (long long)total, (long long)most,
                       e->o.block_size);
+    }
     if (kvb__find_seq(&e->waiting, r->id) || kvb__find_seq(&e->running, r->id)) return reject(e, r->id, "duplicate id");
     seq *s = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
@@ -125,6 +136,7 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     s->t_add_ns = kvb_wall_ns();
     s->n_tokens = s->n_prompt = r->n_prompt;
     s->max_tokens = r->max_tokens;
+    s->slo_ns = (uint64_t)(r->tbt_slo_ms * 1e6 + 0.5);
     s->samp = r->sampling;
     kvb_rng_seed(&s->rng, r->sampling.seed);
     /* A resumed request's earlier tokens each took one draw (kvb_sample draws once per token when it
@@ -152,6 +164,7 @@ static kvb_status view_reserve(kvb_engine *e, int n) {
         KVB_TRY(kvb_realloc_array((void **)&e->memo, (size_t)cap, sizeof *e->memo));
         KVB_TRY(kvb_realloc_array((void **)&e->astate, (size_t)cap, sizeof *e->astate));
         KVB_TRY(kvb_realloc_array((void **)&e->asched, (size_t)cap, sizeof *e->asched));
+        KVB_TRY(kvb_realloc_array((void **)&e->anew, (size_t)cap, sizeof *e->anew));
         e->vcap = cap;
     }
     int hc = 16;
@@ -170,7 +183,8 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
         for (int j = 0; j < s->bt.n; j++) exclusive += kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1;
     e->vreqs[i] = (kvb_req_view){.id = s->id, .arrival = s->arrival, .t_arrival_ns = s->t_add_ns, .state = state,
                                  .n_prompt = s->n_prompt, .n_tokens = s->n_tokens, .n_generated = s->n_generated,
-                                 .max_tokens = s->max_tokens, .n_computed = s->n_computed, .n_blocks = s->bt.n,
+                                 .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
+                                 .n_blocks = s->bt.n,
                                  .n_exclusive = exclusive, .blocks = s->bt.ids};
     e->vseq[i] = s;
     e->memo[i].done = 0;
@@ -198,7 +212,8 @@ kvb_status kvb__view_build(kvb_engine *e) {
     v->pool = (kvb_pool_view){.capacity = kvb_block_pool_capacity(e->pool), .n_own = kvb_block_pool_n_own(e->pool),
                               .n_borrowed = e->n_borrowed, .n_blocks = kvb_block_pool_n_blocks(e->pool),
                               .n_free = n_free, .n_evictable = kvb_prefix_cache_n_available(e->pc) - n_free,
-                              .stage_slots = e->lsc.n_slots * 2};
+                              .stage_slots = e->lsc.n_slots * 2, .n_slices = kvb_block_pool_n_slices(e->pool),
+                              .n_free_slices = kvb_block_pool_n_free_slices(e->pool)};
     if (e->ht_pool) {
         int hf = kvb_block_pool_n_free(e->ht_pool);
         v->pool.host_capacity = kvb_block_pool_n_blocks(e->ht_pool);
@@ -289,8 +304,11 @@ static kvb_status acct_begin(kvb_engine *e, const kvb_view *v, acct *a) {
     for (int i = 0; i < v->n_reqs; i++) {
         e->astate[i] = v->reqs[i].state;
         e->asched[i] = 0;
+        e->anew[i] = 0;
     }
-    *a = (acct){.e = e, .v = v, .avail = (int64_t)v->pool.n_free + v->pool.n_evictable, .n_running = v->n_running,
+    /* a sliced pool counts ids here (its slices are checked apart, kvb__slices_check) */
+    int64_t free_blocks = e->sl ? kvb_block_pool_n_free_ids(e->pool) : v->pool.n_free;
+    *a = (acct){.e = e, .v = v, .avail = free_blocks + v->pool.n_evictable, .n_running = v->n_running,
                 .host_left = v->pool.host_free + v->pool.host_evictable, .budget = v->max_batch_tokens,
                 .batch_limit = v->max_seqs};
     return KVB_OK;
@@ -339,7 +357,7 @@ static int64_t run_need(const acct *a, int i, int q) {
 /* What admitting request i with at most q tokens costs: the tokens it computes and the blocks it takes
  * (idle prefix hits it references, host hits loaded into new blocks, blocks for the new tokens).
  * With `take`, the hits are counted as referenced from now on. */
-static kvb_status admit_cost(acct *a, int i, int q, int take, int *q_eff, int64_t *blocks) {
+static kvb_status admit_cost(acct *a, int i, int q, int take, int *q_eff, int64_t *blocks, int64_t *n_new) {
     const probe_memo *m;
     KVB_TRY(kvb__probe_memo(a->e, i, &m));
     const kvb_req_view *r = &a->v->reqs[i];
@@ -353,7 +371,9 @@ static kvb_status admit_cost(acct *a, int i, int q, int take, int *q_eff, int64_
     int have = m->n_hit + m->n_host_hit, computed = have * bs;
     *q_eff = KVB_MIN(q, r->n_tokens - computed);
     int64_t need = KVB_DIV_CEIL((int64_t)computed + *q_eff, bs) - have;
-    *blocks = cost + (need > 0 ? need : 0);
+    if (need < 0) need = 0;
+    *blocks = cost + need;
+    if (n_new) *n_new = need;
     return KVB_OK;
 }
 
@@ -366,7 +386,7 @@ static kvb_status idle_hits(acct *a, int i, int *out) {
     return KVB_OK;
 }
 
-__attribute__((format(printf, 3, 4))) static kvb_status refuse(char *err, size_t len, const char *fmt, ...) {
+kvb_status kvb__refuse(char *err, size_t len, const char *fmt, ...) {
     if (err && len) {
         va_list ap;
         va_start(ap, fmt);
@@ -409,33 +429,34 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     const char *kind = kvb_op_kind_str(op->kind);
     unsigned long long id = (unsigned long long)op->id;
     int i = kvb_view_find(v, op->id);
-    if (i < 0) return refuse(err, len, "plan op %d (%s): no live request has id %llu", k, kind, id);
+    if (i < 0) return kvb__refuse(err, len, "plan op %d (%s): no live request has id %llu", k, kind, id);
     const kvb_req_view *r = &v->reqs[i];
     kvb_req_state st = a->e->astate[i];
     switch (op->kind) {
     case KVB_OP_RUN: {
         if (st != KVB_REQ_RUNNING)
-            return refuse(err, len, "plan op %d (RUN request %llu): the request is %s, not running", k, id,
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): the request is %s, not running", k, id,
                           kvb_req_state_str(st));
         if (a->e->asched[i])
-            return refuse(err, len, "plan op %d (RUN request %llu): the request is already scheduled in this step", k, id);
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): the request is already scheduled in this step", k, id);
         int left = r->n_tokens - r->n_computed;
         if (op->q_len < 1 || op->q_len > left)
-            return refuse(err, len, "plan op %d (RUN request %llu): q_len %d, it has %d token(s) left to compute", k, id,
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): q_len %d, it has %d token(s) left to compute", k, id,
                           op->q_len, left);
         if (op->n_absent < 0 || op->n_absent > r->n_computed)
-            return refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k, id,
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k, id,
                           op->n_absent, r->n_computed);
         if (op->n_absent > 0)
-            return refuse(err, len, "plan op %d (RUN request %llu): n_absent > 0 is not carried out by this executor yet",
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent > 0 is not carried out by this executor yet",
                           k, id);
         int64_t need = run_need(a, i, op->q_len);
         if (need > a->avail)
-            return refuse(err, len,
+            return kvb__refuse(err, len,
                           "plan op %d (RUN request %llu): needs %lld new block(s), the pool can give %lld at this point "
                           "of the plan", k, id, (long long)need, (long long)a->avail);
         if (op->placed) KVB_TRY(acct_place(a, i, op, need, k, err, len));
         a->avail -= need;
+        a->e->anew[i] = need;
         a->tokens += op->q_len;
         a->rows += op->q_len + op->n_absent;
         a->n_sched++;
@@ -444,16 +465,16 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     }
     case KVB_OP_ADMIT: {
         if (st != KVB_REQ_WAITING)
-            return refuse(err, len, "plan op %d (ADMIT request %llu): the request is %s, not waiting", k, id,
+            return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): the request is %s, not waiting", k, id,
                           kvb_req_state_str(st));
         if (op->q_len < 1 || op->n_absent != 0)
-            return refuse(err, len, "plan op %d (ADMIT request %llu): q_len %d must be >= 1 and n_absent %d 0", k, id,
+            return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): q_len %d must be >= 1 and n_absent %d 0", k, id,
                           op->q_len, op->n_absent);
         int q;
         int64_t blocks;
-        KVB_TRY(admit_cost(a, i, op->q_len, 1, &q, &blocks));
+        KVB_TRY(admit_cost(a, i, op->q_len, 1, &q, &blocks, &a->e->anew[i]));
         if (blocks > a->avail)
-            return refuse(err, len,
+            return kvb__refuse(err, len,
                           "plan op %d (ADMIT request %llu): needs %lld block(s), the pool can give %lld at this point "
                           "of the plan", k, id, (long long)blocks, (long long)a->avail);
         if (op->placed) KVB_TRY(acct_place(a, i, op, blocks, k, err, len));
@@ -470,9 +491,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     case KVB_OP_PAUSE: {
         int pause = op->kind == KVB_OP_PAUSE;
         if (st != KVB_REQ_RUNNING && (pause || st != KVB_REQ_PAUSED))
-            return refuse(err, len, "plan op %d (%s request %llu): the request is %s", k, kind, id, kvb_req_state_str(st));
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): the request is %s", k, kind, id, kvb_req_state_str(st));
         if (a->e->asched[i])
-            return refuse(err, len, "plan op %d (%s request %llu): the request is scheduled earlier in this step", k, kind,
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): the request is scheduled earlier in this step", k, kind,
                           id);
         if (pause) {
             a->e->astate[i] = KVB_REQ_PAUSED;
@@ -487,25 +508,25 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     }
     case KVB_OP_RESUME:
         if (st != KVB_REQ_PAUSED)
-            return refuse(err, len, "plan op %d (RESUME request %llu): the request is %s, not paused", k, id,
+            return kvb__refuse(err, len, "plan op %d (RESUME request %llu): the request is %s, not paused", k, id,
                           kvb_req_state_str(st));
         a->e->astate[i] = KVB_REQ_RUNNING;
         break;
     case KVB_OP_SWAP_OUT:
     case KVB_OP_SWAP_IN:
-        return refuse(err, len, "plan op %d (%s request %llu): swapping is not carried out by this executor yet", k, kind,
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): swapping is not carried out by this executor yet", k, kind,
                       id);
     default:
-        return refuse(err, len, "plan op %d: unknown operation %d", k, (int)op->kind);
+        return kvb__refuse(err, len, "plan op %d: unknown operation %d", k, (int)op->kind);
     }
     if (a->tokens > a->budget)
-        return refuse(err, len, "plan op %d (%s request %llu): the plan computes %d tokens, the step budget is %d", k,
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): the plan computes %d tokens, the step budget is %d", k,
                       kind, id, a->tokens, a->budget);
     if (a->rows > v->max_rows)
-        return refuse(err, len, "plan op %d (%s request %llu): the plan needs %d forward rows, the step holds %d", k,
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): the plan needs %d forward rows, the step holds %d", k,
                       kind, id, a->rows, v->max_rows);
     if (a->n_sched > a->batch_limit)
-        return refuse(err, len, "plan op %d (%s request %llu): more than %d requests scheduled", k, kind, id,
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): more than %d requests scheduled", k, kind, id,
                       a->batch_limit);
     return KVB_OK;
 }
@@ -517,27 +538,29 @@ kvb_status kvb_sched_cost(const kvb_view *v, const kvb_plan *p, kvb_plan_cost *o
     KVB_TRY(acct_begin(e, v, &a));
     kvb_status st = KVB_OK;
     if (p->batch_limit < 0 || p->batch_limit > v->max_seqs) {
-        st = refuse(err, err_len, "plan batch_limit %d is outside [0, max_seqs %d]", p->batch_limit, v->max_seqs);
+        st = kvb__refuse(err, err_len, "plan batch_limit %d is outside [0, max_seqs %d]", p->batch_limit, v->max_seqs);
         goto out;
     }
     if (p->batch_limit > 0) a.batch_limit = p->batch_limit;
     for (int k = 0; k < p->n_ops && st == KVB_OK; k++) st = acct_op(&a, &p->ops[k], k, err, err_len);
     if (st != KVB_OK) goto out;
     if (a.n_running > v->max_seqs) {
-        st = refuse(err, err_len, "the plan leaves %d requests running or paused, max_seqs is %d", a.n_running,
+        st = kvb__refuse(err, err_len, "the plan leaves %d requests running or paused, max_seqs is %d", a.n_running,
                     v->max_seqs);
         goto out;
     }
     if (p->lent_default != KVB_RES_LENT) {
-        st = refuse(err, err_len, "lent_default %s: only LENT is carried out by this executor yet",
+        st = kvb__refuse(err, err_len, "lent_default %s: only LENT is carried out by this executor yet",
                     kvb_residency_str(p->lent_default));
         goto out;
     }
     if (p->n_res > 0 || p->n_copies > 0) {
-        st = refuse(err, err_len, "%d residency exception(s) and %d copy order(s): not carried out by this executor yet",
+        st = kvb__refuse(err, err_len, "%d residency exception(s) and %d copy order(s): not carried out by this executor yet",
                     p->n_res, p->n_copies);
         goto out;
     }
+    st = kvb__slices_check(e, v, p, e->astate, e->asched, e->anew, err, err_len);
+    if (st != KVB_OK) goto out;
     if (out)
         *out = (kvb_plan_cost){.blocks_left = a.avail, .tokens = a.tokens, .rows = a.rows, .n_sched = a.n_sched,
                                .n_running = a.n_running, .host_left = a.host_left};
@@ -715,8 +738,10 @@ static kvb_status fcfs_admit(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
         int i = w[k];
         const kvb_req_view *r = &v->reqs[i];
         /* one that needs more blocks than the pool holds now (lent out or detached) waits until grow /
-         * attach: admitted, it could only preempt itself over and over */
-        if (KVB_DIV_CEIL((int64_t)r->n_prompt + r->max_tokens, v->geom->block_size) > v->pool.n_blocks) {
+         * attach: admitted, it could only preempt itself over and over (a sliced pool holds a request's
+         * layers in part: kvb_engine_add has checked what its planner needs) */
+        if (!v->pool.n_slices &&
+            KVB_DIV_CEIL((int64_t)r->n_prompt + r->max_tokens, v->geom->block_size) > v->pool.n_blocks) {
             p->starved = 1;
             break;
         }
@@ -730,7 +755,7 @@ static kvb_status fcfs_admit(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
         }
         int q;
         int64_t blocks;
-        KVB_TRY_GOTO(admit_cost(a, i, a->budget - a->tokens, 0, &q, &blocks), out);
+        KVB_TRY_GOTO(admit_cost(a, i, a->budget - a->tokens, 0, &q, &blocks, NULL), out);
         if (blocks > a->avail) {
             p->starved = 1;
             break;
@@ -774,4 +799,5 @@ void kvb__sched_free(kvb_engine *e) {
     free(e->adj_touched);
     free(e->astate);
     free(e->asched);
+    free(e->anew);
 }

@@ -16,6 +16,10 @@
 #include "common/sched/engine.h"
 #include "common/sched/scheduler.h"
 
+#define KVB_MAX_LAYERS 256 /* layers a sliced pool's placements can name */
+
+typedef struct kvb_slices kvb_slices; /* slices.c */
+
 typedef struct seq {
     uint64_t id;
     uint64_t arrival;  /* admission order */
@@ -25,6 +29,7 @@ typedef struct seq {
     int cap;
     int n_prompt;
     int max_tokens;
+    uint64_t slo_ns;   /* time-between-tokens SLO, 0: the planner's default */
     int n_generated;
     int32_t *stop;     /* [n_stop] */
     int n_stop;
@@ -157,6 +162,8 @@ struct kvb_engine {
     lsc lsc;                 /* used with o.lsc_stream */
     void *ht_mem;            /* host tier: [host_tier_blocks][block_bytes] host memory, or NULL */
     kvb_block_pool *ht_pool; /* its blocks */
+    kvb_slices *sl;          /* the layer-sliced KV manager when the pool is sliced, else NULL */
+    int64_t *anew;           /* [vcap] per request: new blocks the plan being checked gives it */
     kvb_prefix_cache *ht_pc; /* its prefix cache: blocks keyed like the pool's */
 };
 
@@ -183,6 +190,9 @@ kvb_status kvb__plan_check(kvb_engine *e, kvb_plan_cost *cost);
 kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const probe_memo **out);
 void kvb__sched_free(kvb_engine *e);
 
+/* Writes a plan's refusal (printf format) to err[len] (may be NULL) and returns KVB_ERR_INVALID. */
+__attribute__((format(printf, 3, 4))) kvb_status kvb__refuse(char *err, size_t len, const char *fmt, ...);
+
 /* ---------------------------------------------------------------- executor.c */
 kvb_status kvb__exec_step(kvb_engine *e);
 void kvb__exec_free(kvb_engine *e);
@@ -195,6 +205,27 @@ unsigned char *kvb__lsc_buf(const lsc *c, int k, int parity);
 void kvb__lsc_begin(lsc *c);
 uint64_t kvb__lsc_post(lsc *c, int kind, int layer);
 kvb_status kvb__lsc_wait(lsc *c, uint64_t ticket);
+
+/* ---------------------------------------------------------------- slices.c (sliced pools) */
+/* Sets up the manager for a sliced pool of n_ids ids (host homes included); min_layers: see
+ * kvb_pool_plan.sliced_min_layers. */
+kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers);
+void kvb__slices_free(kvb_engine *e);
+int kvb__slices_min_layers(const kvb_engine *e);
+/* Reads the plan's placements (refusing bad ones; any placement without a sliced pool) and, for a
+ * sliced pool, checks the device slices the plan needs: astate / asched / anew per view index are the
+ * accounting's state after the operations (anew: new blocks each request gets). */
+kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p, const kvb_req_state *astate,
+                             const uint8_t *asched, const int64_t *anew, char *err, size_t len);
+/* A new block id for a sequence (no slice yet; its layers get slices at the install). */
+kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out);
+/* After the plan's operations: installs the placements and the step's prefetch slots. */
+kvb_status kvb__slices_install(kvb_engine *e, int n_sched);
+kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk);
+/* Fills e->blk_layer for layer l (prefetching host layers) / stores the rows written into host layers. */
+kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l);
+kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l);
+void kvb__slices_step_end(kvb_engine *e, int n_sched);
 
 /* ---------------------------------------------------------------- host_tier.c */
 kvb_status kvb__host_tier_init(kvb_engine *e);
