@@ -405,19 +405,19 @@ static kvb_status acct_place(acct *a, int i, const kvb_plan_op *op, int64_t more
     const char *kind = kvb_op_kind_str(op->kind);
     kvb_block_pool *pool = a->e->pool;
     if (a->v->prefix_cache)
-        return refuse(err, len, "plan op %d (%s request %llu): placed blocks need the prefix cache off", k, kind, id);
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): placed blocks need the prefix cache off", k, kind, id);
     if (op->block0 < 0 || (int64_t)op->block0 + r->n_blocks + more > kvb_block_pool_n_own(pool))
-        return refuse(err, len, "plan op %d (%s request %llu): blocks from %d on are outside the own pool of %d", k, kind,
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): blocks from %d on are outside the own pool of %d", k, kind,
                       id, (int)op->block0, kvb_block_pool_n_own(pool));
     int have = op->kind == KVB_OP_RUN ? r->n_blocks : 0;
     for (int j = 0; j < have; j++)
         if (r->blocks[j] != op->block0 + j)
-            return refuse(err, len, "plan op %d (%s request %llu): its block %d is %d, not %d", k, kind, id, j,
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): its block %d is %d, not %d", k, kind, id, j,
                           (int)r->blocks[j], (int)(op->block0 + j));
     for (int64_t j = have; j < have + more; j++) {
         int32_t b = (int32_t)(op->block0 + j);
         if (!kvb_block_pool_is_free(pool, b) || a->e->adj[b] != 0)
-            return refuse(err, len, "plan op %d (%s request %llu): block %d is not free", k, kind, id, (int)b);
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): block %d is not free", k, kind, id, (int)b);
         KVB_TRY(adj_add(a, b, 1));
     }
     return KVB_OK;
