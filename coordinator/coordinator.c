@@ -368,6 +368,9 @@ static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Regis
             .n_own = r->n_own,
             .endpoint = str_or_empty(r->endpoint),
             .model = str_or_empty(r->model),
+            .memory = str_or_empty(r->memory),
+            .device = r->device,
+            .stream = r->stream,
             .loans = loans,
             .n_loans = (int)r->n_loans,
         };
@@ -538,6 +541,9 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
         o->draining = m->draining != 0;
         o->tokens_generated = m->tokens_generated;
         o->model = m->model;
+        o->memory = (char *)m->memory;
+        o->device = m->device;
+        o->lend_blocked = (char *)m->lend_blocked;
         o->lends = m->n_lends;
         o->reclaims = m->n_reclaims;
         o->lend_ms_total = m->lend_ms_total;

@@ -16,6 +16,7 @@
 #include <zmq.h>
 
 #include "common/ipc/wire.h"
+#include "common/mem/mem.h"
 #include "common/mem/region.h"
 #include "common/util/node_config.h"
 
@@ -927,6 +928,16 @@ int main(int argc, char **argv) {
     if (kvb_calloc(1, sizeof *d, (void **)&d) != KVB_OK) return 1;
     d->pid_fd = d->node_lock_fd = -1;
     if (kvb_node_config_load(config, &d->cfg) != KVB_OK) goto out;
+    /* Every model's device must be there before anything is created: a node whose GPU is missing fails
+     * here (exit 1) instead of restarting its models forever, and leaves nothing behind. */
+    for (int i = 0; i < d->cfg->n_models; i++) {
+        const kvb_node_model *m = &d->cfg->models[i];
+        char why[256];
+        if (!kvb_mem_probe(m->backend, m->device, why, sizeof why)) {
+            KVB_LOG_E("model \"%s\": backend \"%s\" on device %d: %s", m->name, m->backend, m->device, why);
+            goto out;
+        }
+    }
     const char *bd = bin_dir ? bin_dir : d->cfg->bin_dir;
     if (bd) {
         char abs[PATH_MAX];

@@ -47,7 +47,7 @@ struct kvb_node_client {
     void *zctx;
     void *sock;                       /* DEALER, routing id = id.name */
     kvb_node_identity id;             /* its strings point to the copies below */
-    char *name, *region, *endpoint, *model; /* owned copies */
+    char *name, *region, *endpoint, *model, *memory; /* owned copies */
     kvb_node_callbacks cb;
     int heartbeat_ms;                 /* current period */
     int registered;
@@ -165,6 +165,9 @@ static void send_register(kvb_node_client *nc) {
     r.n_loans = (size_t)n_loans;
     r.loans = lp;
     r.model = nc->model;
+    r.memory = nc->memory;
+    r.device = nc->id.device;
+    r.stream = nc->id.stream != 0;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_REGISTER;
     env.register_ = &r;
@@ -654,11 +657,13 @@ kvb_status kvb_node_client_create(const char *endpoint, const kvb_node_identity 
     KVB_TRY_GOTO(dup_opt(id->region, &nc->region), fail);
     KVB_TRY_GOTO(dup_opt(id->endpoint, &nc->endpoint), fail);
     KVB_TRY_GOTO(dup_opt(id->model, &nc->model), fail);
+    KVB_TRY_GOTO(dup_opt(id->memory ? id->memory : "host", &nc->memory), fail);
     nc->id = *id;
     nc->id.name = nc->name;
     nc->id.region = nc->region;
     nc->id.endpoint = nc->endpoint;
     nc->id.model = nc->model;
+    nc->id.memory = nc->memory;
     nc->cb = *cb;
     nc->heartbeat_ms = KVB_MIN(KVB_MAX(heartbeat_ms, HEARTBEAT_MIN_MS), HEARTBEAT_MAX_MS);
 
@@ -725,6 +730,7 @@ void kvb_node_client_destroy(kvb_node_client *nc) {
     if (nc->zctx) zmq_ctx_term(nc->zctx);
     free(nc->name);
     free(nc->region);
+    free(nc->memory);
     free(nc->endpoint);
     free(nc->model);
     free(nc);

@@ -30,8 +30,11 @@ typedef struct kvb_node_identity {
     const char *name;      /* 1..255 bytes: the routing id and the model's name in the node */
     kvb_role role;
     kvb_kv_geom geom;      /* of its own blocks */
-    const char *region;    /* handle of its KV region (kvb_region_handle) */
+    const char *region;    /* handle of its KV region (kvb_mem_region_handle) */
     uint64_t region_bytes;
+    const char *memory;    /* memory kind of the region (kvb_mem_kind: "host", a device kind) */
+    uint32_t device;       /* device of the region */
+    int stream;            /* master: lent blocks are streamed into its LSC (1) or read in place (0) */
     uint32_t capacity;     /* blocks the region holds */
     const char *endpoint;  /* its request endpoint */
     const char *model;     /* model directory, informational (may be NULL) */

@@ -121,7 +121,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
         }
         e->kv_mem = o.kv_mem;
     } else {
-        KVB_TRY_GOTO(be->iface->alloc(be->ctx, bytes, &e->kv_mem), fail);
+        KVB_TRY_GOTO(kvb_mem_alloc(be->mem, bytes, &e->kv_mem), fail);
         e->kv_mem_owned = 1;
         o.kv_mem_bytes = bytes;
     }
@@ -131,7 +131,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     e->o.host_tier_blocks = pp.host_tier_blocks;
     if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, pp.sliced_ids, pp.sliced_min_layers), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
-    KVB_TRY_GOTO(kvb_forward_create(m, e->max_rows, &e->fw), fail);
+    KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, o.act_alloc, &e->fw), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_tokens, (void **)&e->b_tokens), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_pos, (void **)&e->b_pos), fail);
@@ -164,8 +164,7 @@ void kvb_engine_destroy(kvb_engine *e) {
     kvb_prefix_cache_destroy(e->pc);
     kvb_block_pool_destroy(e->pool);
     if (e->kv_mem_owned) {
-        kvb_backend *be = kvb_model_backend(e->m);
-        be->iface->free(be->ctx, e->kv_mem);
+        kvb_mem_free(kvb_model_backend(e->m)->mem, e->kv_mem);
     }
     kvb_planner_destroy(&e->planner);
     kvb__exec_free(e);

@@ -38,7 +38,8 @@ typedef struct kvb_engine_opts {
     int max_seqs;            /* most running sequences (default 64) */
     int max_model_len;       /* longest sequence (default: the model's max_pos) */
     int enable_prefix_cache; /* reuse full blocks across requests */
-    void *kv_mem;            /* backend memory for the pool (e.g. a kvb_region's base); NULL: allocate */
+    void *kv_mem;            /* memory of the backend's kvb_mem for the pool (e.g. an exportable region's
+                              * base); NULL: the engine allocates it (kvb_mem_alloc) */
     size_t kv_mem_bytes;     /* its size; kv_mem_bytes / block bytes is the capacity (>= n_blocks) */
     int lsc_stream;          /* master: attention never reads attached (borrowed) blocks in place; each
                               * step streams their layer slices through a layer stream cache (LSC,
@@ -53,7 +54,11 @@ typedef struct kvb_engine_opts {
     int host_tier_blocks;    /* > 0: a host tier of this many blocks behind the prefix cache (the
                               * baseline SwiftCache compares against: a cached block evicted from the
                               * pool is copied to host memory, and a later prefix hit there is copied
-                              * back into a pool block before use). Needs enable_prefix_cache. */
+                              * back into a pool block before use). Needs enable_prefix_cache. Pinned
+                              * host memory of the backend's kvb_mem. */
+    const kvb_mem_allocator *act_alloc; /* where the forward pass takes each step's buffers, sized by
+                              * that step's tokens (borrowed for the engine's lifetime); NULL: a step
+                              * arena of the backend's memory (kvb_mem_arena) */
 } kvb_engine_opts;
 
 void kvb_engine_opts_default(kvb_engine_opts *o);

@@ -88,7 +88,8 @@ kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
     }
     size_t host_bytes;
     if (__builtin_mul_overflow(sl->block_bytes, (size_t)n_ids, &host_bytes)) return KVB_ERR_INVALID;
-    KVB_TRY(kvb_aligned_alloc(host_bytes, (void **)&sl->host));
+    /* the host tier: pinned host memory of the backend's kvb_mem (asynchronous copies on a device) */
+    KVB_TRY(kvb_mem_pinned_alloc(kvb_model_backend(e->m)->mem, host_bytes, (void **)&sl->host));
     size_t cells = (size_t)n_ids * (size_t)sl->L;
     KVB_TRY(kvb_calloc((size_t)n_ids, sizeof *sl->fill, (void **)&sl->fill));
     KVB_TRY(kvb_calloc(cells, sizeof *sl->host_rows, (void **)&sl->host_rows));
@@ -104,7 +105,7 @@ kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
 void kvb__slices_free(kvb_engine *e) {
     kvb_slices *sl = e->sl;
     if (!sl) return;
-    free(sl->host);
+    kvb_mem_pinned_free(kvb_model_backend(e->m)->mem, sl->host);
     free(sl->fill);
     free(sl->host_rows);
     free(sl->want);

@@ -116,7 +116,7 @@ void kvb__lsc_release(kvb_engine *e) {
         pthread_mutex_destroy(&c->mu);
         c->started = 0;
     }
-    if (c->mem) c->be->iface->free(c->be->ctx, c->mem);
+    if (c->mem) kvb_mem_free(c->be->mem, c->mem);
     c->mem = NULL;
     free(c->slot_of);
     free(c->entry_slot);
@@ -143,9 +143,9 @@ kvb_status kvb__lsc_resize(kvb_engine *e, int n_slots) {
         KVB_TRY(kvb_realloc_array((void **)&c->src, (size_t)n_slots, sizeof *c->src));
         KVB_TRY(kvb_realloc_array((void **)&c->dirty_lo, (size_t)n_slots, sizeof *c->dirty_lo));
         KVB_TRY(kvb_realloc_array((void **)&c->dirty_hi, (size_t)n_slots, sizeof *c->dirty_hi));
-        KVB_TRY(c->be->iface->alloc(c->be->ctx, (size_t)n_slots * 2 * c->layer_bytes, &mem));
+        KVB_TRY(kvb_mem_alloc(c->be->mem, (size_t)n_slots * 2 * c->layer_bytes, &mem));
     }
-    if (c->mem) c->be->iface->free(c->be->ctx, c->mem);
+    if (c->mem) kvb_mem_free(c->be->mem, c->mem);
     c->mem = mem;
     c->n_slots = n_slots;
     return KVB_OK;

@@ -112,7 +112,7 @@ struct kvb_engine {
     kvb_engine_events ev;
     kvb_kv_geom geom;
     void *kv_mem;            /* pool memory */
-    int kv_mem_owned;        /* allocated by the engine through the backend */
+    int kv_mem_owned;        /* allocated by the engine from the backend's kvb_mem */
     kvb_block_pool *pool;
     kvb_prefix_cache *pc;
     kvb_forward *fw;
