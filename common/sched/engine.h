@@ -126,6 +126,7 @@ typedef struct kvb_engine_stats {
     uint64_t prompt_tokens;     /* tokens prefilled (recomputed ones included) */
     uint64_t generated_tokens;
     uint64_t preemptions;
+    uint64_t pauses;            /* PAUSE operations carried out (OrbitFlow's Pause-Resume) */
     uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache (host tier included) */
     uint64_t host_tier_stores;  /* blocks copied pool -> host tier */
     uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */

@@ -107,7 +107,10 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep) {
             break;
         }
         case KVB_OP_PREEMPT: kvb__preempt_seq(e, s); break;
-        case KVB_OP_PAUSE: s->paused = 1; break;
+        case KVB_OP_PAUSE:
+            s->paused = 1;
+            e->stats.pauses++;
+            break;
         case KVB_OP_RESUME: s->paused = 0; break;
         default: assert(!"refused by the check"); break;
         }
