@@ -143,6 +143,18 @@ static kvb_status load_coordinator(kvb_node_config *c, const json_t *root) {
     free(dflt);
     KVB_TRY(st);
     KVB_TRY(check_endpoint(c->coordinator, what, "endpoint"));
+    /* The coordinator serves this node's processes: ipc:// only (docs/design.md, threat model), and its
+     * control endpoint "<path>.ctl" must fit a Unix socket address too. */
+    if (strncmp(c->coordinator, "ipc://", 6) != 0) {
+        KVB_LOG_E("%s: field \"endpoint\" = \"%s\": the coordinator listens on ipc:// only (it serves the processes "
+                  "of one node; tcp:// would be open to every user of the machine)", what, c->coordinator);
+        return KVB_ERR_INVALID;
+    }
+    if (strlen(c->coordinator + 6) + 4 > IPC_PATH_MAX) {
+        KVB_LOG_E("%s: field \"endpoint\" = \"%s\": the socket path leaves no room for its \".ctl\" twin (at most "
+                  "%d bytes)", what, c->coordinator, IPC_PATH_MAX - 4);
+        return KVB_ERR_INVALID;
+    }
     int64_t v = c->heartbeat_ms;
     KVB_TRY(kvb_json_get_int(co, "heartbeat_ms", 0, 10, 3600000, what, &v));
     c->heartbeat_ms = (int)v;
