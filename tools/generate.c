@@ -374,11 +374,13 @@ int main(int argc, char **argv) {
         kvb_engine_slices_stats(e, &ss);
         fprintf(stderr,
                 "stats: steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
-                "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu\n",
+                "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
+                "max_running=%d\n",
                 (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
                 (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
                 (unsigned long long)s.prefix_hit_tokens, s.blocks_total, (unsigned long long)s.pauses,
-                (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded);
+                (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded, s.prefix_cache,
+                s.max_running);
     }
     rc = 0;
     goto out;
