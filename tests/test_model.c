@@ -817,6 +817,28 @@ KVB_TEST(model_load_llama) {
 }
 KVB_TEST_END
 
+/* One rule for the KV element size: by backend name (what kvbankctl uses without loading weights), equal
+ * to the activation dtype of every backend built into this binary. */
+KVB_TEST(kv_elem_size_rule) {
+    int es = 0;
+    const struct { const char *name; int bytes; } known[] = {
+        {"cpu", 4}, {NULL, 4}, {"cuda", 2}, {"cuda:bf16", 2}, {"cuda:f16", 2}, {"cuda:f32", 4}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(known); i++) {
+        ck_assert_int_eq(kvb_model_kv_elem_size(known[i].name, &es), KVB_OK);
+        ck_assert_int_eq(es, known[i].bytes);
+    }
+    ck_assert_int_eq(kvb_model_kv_elem_size("tpu", &es), KVB_ERR_UNSUPPORTED);
+    const char *built[] = {"cpu", "cuda", "cuda:f16", "cuda:f32"};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(built); i++) {
+        kvb_backend *be = NULL;
+        if (kvb_backend_create(built[i], 1, &be) != KVB_OK) continue; /* not built in, or no GPU */
+        ck_assert_int_eq(kvb_model_kv_elem_size(built[i], &es), KVB_OK);
+        ck_assert_int_eq(es, (int)kvb_dtype_size(be->iface->act_dtype));
+        kvb_backend_destroy(be);
+    }
+}
+KVB_TEST_END
+
 KVB_TEST(model_load_tied_llama3_f16) {
     kvb_backend *be = NULL;
     ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
@@ -1036,4 +1058,4 @@ KVB_TEST_MAIN("model", KVB_T(config_llama_defaults, 10), KVB_T(config_qwen3, 10)
               KVB_T(rope_inv_freq_llama3, 10), KVB_T(st_roundtrip, 10), KVB_T(st_malformed, 10),
               KVB_T(st_truncation_and_corruption, 60), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
               KVB_T(model_load_tied_llama3_f16, 10), KVB_T(model_load_qwen3_bf16_sharded, 10),
-              KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30))
+              KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30), KVB_T(kv_elem_size_rule, 10))

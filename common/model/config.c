@@ -5,6 +5,7 @@
  * max_position_embeddings 2048 (Qwen3Config: 32768), tie_word_embeddings false. Both the classic
  * `rope_theta` + `rope_scaling` fields and the newer `rope_parameters` object are understood. */
 #include "common/model/config.h"
+#include "kernels/backend.h"
 
 #include <limits.h>
 #include <math.h>
@@ -292,4 +293,11 @@ void kvb_model_config_rope_inv_freq(const kvb_model_config *c, float *inv_freq) 
         }
         inv_freq[i] = (float)f;
     }
+}
+
+kvb_status kvb_model_kv_elem_size(const char *backend, int *out) {
+    kvb_dtype dt;
+    KVB_TRY(kvb_backend_act_dtype(backend, &dt));
+    *out = (int)kvb_dtype_size(dt);
+    return KVB_OK;
 }

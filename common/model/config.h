@@ -46,6 +46,12 @@ kvb_status kvb_model_config_parse(const char *text, size_t len, kvb_model_config
 /* Reads and parses `dir`/config.json. */
 kvb_status kvb_model_config_load(const char *dir, kvb_model_config *out);
 
+/* Bytes per KV element of a model run on the backend called `backend` (NULL: cpu): the KV cache is
+ * stored in the backend's activation dtype. The one rule for every place that sizes KV memory (the
+ * model's geometry, kvbankctl's plan, which reads no weights). KVB_ERR_UNSUPPORTED for an unknown
+ * backend name. */
+kvb_status kvb_model_kv_elem_size(const char *backend, int *out);
+
 /* Fills inv_freq[head_dim/2] as transformers' rotary embedding does (default and llama3 types). */
 void kvb_model_config_rope_inv_freq(const kvb_model_config *c, float *inv_freq);
 

@@ -168,12 +168,14 @@ const kvb_model_config *kvb_model_cfg(const kvb_model *m) { return &m->cfg; }
 kvb_backend *kvb_model_backend(const kvb_model *m) { return m->be; }
 
 kvb_kv_geom kvb_model_kv_geom(const kvb_model *m, int block_size) {
+    int es = 0; /* a backend's own name is always known; 0 makes kvb_kv_geom_check refuse it otherwise */
+    (void)kvb_model_kv_elem_size(m->be->iface->name, &es);
     kvb_kv_geom g = {
         .n_layers = m->cfg.n_layers,
         .n_kv_heads = m->cfg.n_kv_heads,
         .head_dim = m->cfg.head_dim,
         .block_size = block_size,
-        .elem_size = (int)kvb_dtype_size(m->be->iface->act_dtype),
+        .elem_size = es,
     };
     return g;
 }

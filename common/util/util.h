@@ -30,6 +30,9 @@ kvb_status kvb_realloc_array(void **p, size_t n, size_t size);
 kvb_status kvb_aligned_alloc(size_t bytes, void **out);
 /* strdup that reports failure; caller owns the copy. */
 kvb_status kvb_strdup(const char *s, char **out);
+/* Tests: the calling thread's next `n` allocations through the wrappers above succeed and every one
+ * after them fails with KVB_ERR_NOMEM, until kvb__alloc_fail_after(-1) (the default). */
+void kvb__alloc_fail_after(int n);
 
 /* Monotonic clock in nanoseconds / seconds (CLOCK_MONOTONIC). */
 uint64_t kvb_now_ns(void);
