@@ -202,6 +202,14 @@ kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
 
 kvb_status kvb_engine_step(kvb_engine *e) { return kvb__exec_step(e); }
 
+kvb_status kvb_engine_plan_pool(kvb_engine *e, const kvb_planner *pl, const kvb_pool_event *ev, kvb_pool_plan *out) {
+    const kvb_planner *use = pl ? pl : &e->planner;
+    if (!use->iface || !use->iface->plan_pool) return KVB_ERR_UNSUPPORTED;
+    *out = (kvb_pool_plan){.stage_slots = kvb_stager_n_buffers(e->stager) / 2};
+    KVB_TRY(kvb__view_build(e));
+    return use->iface->plan_pool(use->ctx, ev, &e->view, out);
+}
+
 int kvb_engine_n_live(const kvb_engine *e) { return e->waiting.n + e->running.n + e->swapped.n; }
 
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }

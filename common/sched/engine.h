@@ -154,6 +154,11 @@ typedef struct kvb_slices_stats {
 /* Zero unless the pool is sliced. */
 void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out);
 
+/* Runs plan_pool of `pl` (NULL: the engine's own planner) for `ev` with a fresh view of the engine;
+ * `out` comes filled with the current stage slots (zeros otherwise). KVB_ERR_UNSUPPORTED when that planner
+ * has no plan_pool. Between steps only. A worker's lending runs through here (SwiftCache Alg. 1). */
+kvb_status kvb_engine_plan_pool(kvb_engine *e, const kvb_planner *pl, const kvb_pool_event *ev, kvb_pool_plan *out);
+
 /* The engine's block pool (for lending and for tests). */
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
 

@@ -279,9 +279,10 @@ typedef struct kvb_pool_plan {
     int sliced_min_layers; /* slices per block the planner needs at least for any request (its most
                             * offloaded placement, prefetch slots included); kvb_engine_add refuses a
                             * request whose blocks times this exceed the device's slices (0: n_layers) */
-    /* TICK, REQUEST (worker; the role rounds and caps them and runs the protocol): */
+    /* TICK, REQUEST, RETURNED (worker; the role rounds and caps them and runs the protocol): */
     int64_t lend;          /* own blocks to offer to the master */
     int64_t reclaim;       /* lent blocks to ask back */
+    int64_t demand_tokens; /* the longest request the planner keeps room for (Alg. 1's window maximum) */
     char why[96];          /* a reason for the log */
 } kvb_pool_plan;
 
