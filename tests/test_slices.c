@@ -319,6 +319,38 @@ KVB_TEST(placements_refused) {
 }
 KVB_TEST_END
 
+/* ---------------------------------------------------------------- lending a sliced pool's tail */
+
+KVB_TEST(sliced_lending) {
+    kvb_t_model_make(&tm, "--arch llama --layers 6 --hidden 64 --heads 4 --kv-heads 2 --vocab 200 --seed 17");
+    make_prompts();
+    static tokens ref, got;
+    reference(&ref);
+    placer p = {.period = 2, .paused = -1, .salt = 99};
+    kvb_planner pl = {&placer_iface, &p};
+    memset(&got, 0, sizeof got);
+    kvb_engine *e = engine(&got, &pl, 4, 60, 16, 4);
+    ck_assert_int_eq(kvb_engine_free_tail(e), 60);
+    submit(e, 0);
+    for (int i = 0; i < 4; i++) ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+    /* slices are handed out lowest first: the tail is free while request 0 runs */
+    int tail = kvb_engine_free_tail(e);
+    ck_assert_int_gt(tail, 40);
+    ck_assert_int_lt(tail, 60);
+    ck_assert_int_eq(kvb_engine_shrink(e, 60 - tail - 1), KVB_ERR_STATE); /* a slice in use: nothing changes */
+    ck_assert_int_eq(kvb_engine_n_own(e), 60);
+    ck_assert_int_eq(kvb_engine_shrink(e, 60 - tail), KVB_OK); /* lent */
+    ck_assert_int_eq(kvb_block_pool_n_slices(kvb_engine_pool(e)), (60 - tail) * LAYERS);
+    for (int r = 1; r < NR; r++) submit(e, r);
+    drain(e);
+    same(&ref, &got, "lent tail");
+    ck_assert_int_eq(kvb_engine_grow(e, 60), KVB_OK);
+    ck_assert_int_eq(kvb_engine_free_tail(e), 60);
+    kvb_engine_destroy(e);
+    kvb_t_model_free(&tm);
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------- the per-request SLO */
 
 static kvb_status slo_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
@@ -356,4 +388,4 @@ KVB_TEST(request_slo) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("slices", KVB_T(placements_lossless, 300), KVB_T(placements_refused, 60), KVB_T(request_slo, 30))
+KVB_TEST_MAIN("slices", KVB_T(placements_lossless, 300), KVB_T(placements_refused, 60), KVB_T(request_slo, 30), KVB_T(sliced_lending, 120))

@@ -58,6 +58,7 @@ struct kvb_block_pool {
     int n_slices;         /* physical slices in the pool: n_own * n_layers */
     int n_free_slices;    /* set bits of `slices` */
     int32_t *slice_of;    /* [id_cap * n_layers] physical slice of (id, layer), -1 when not resident */
+    int32_t *slice_owner; /* [capacity * n_layers] the id holding each physical slice, -1 free or scratch */
     bitmap slices;        /* free physical slices, over capacity * n_layers */
 };
 
@@ -262,6 +263,8 @@ kvb_status kvb_block_pool_create_sliced(const kvb_kv_geom *g, void *mem, size_t 
     KVB_TRY_GOTO(kvb_malloc((size_t)n_ids * L * sizeof *p->slice_of, (void **)&p->slice_of), fail_pool);
     for (size_t i = 0; i < (size_t)n_ids * L; i++) p->slice_of[i] = -1;
     KVB_TRY_GOTO(bitmap_build(&p->slices, cap * L), fail_pool);
+    KVB_TRY_GOTO(kvb_malloc(cap * L * sizeof *p->slice_owner, (void **)&p->slice_owner), fail_pool);
+    for (size_t k = 0; k < cap * L; k++) p->slice_owner[k] = -1;
     for (int32_t i = 0; i < n_ids; i++) mark_free(p, i);
     for (int32_t k = 0; k < (int32_t)((size_t)n_blocks * L); k++) bit_set(&p->slices, k);
     p->n_slices = p->n_free_slices = (int)((size_t)n_blocks * L);
@@ -278,6 +281,7 @@ void kvb_block_pool_destroy(kvb_block_pool *p) {
     bitmap_free(&p->ids);
     bitmap_free(&p->slices);
     free(p->slice_of);
+    free(p->slice_owner);
     free(p->refcount);
     free(p->att_addr);
     free(p->segs);
@@ -335,6 +339,7 @@ static void slice_take(kvb_block_pool *p, int32_t idx, int layer) {
     bit_clear(&p->slices, k);
     p->n_free_slices--;
     *so = k;
+    p->slice_owner[k] = idx;
 }
 
 /* Sliced: returns every slice of idx. */
@@ -343,6 +348,7 @@ static void slices_release(kvb_block_pool *p, int32_t idx) {
     for (int l = 0; l < p->geom.n_layers; l++) {
         if (so[l] < 0) continue;
         bit_set(&p->slices, so[l]);
+        p->slice_owner[so[l]] = -1;
         p->n_free_slices++;
         so[l] = -1;
     }
@@ -387,6 +393,30 @@ int kvb_block_pool_slice_resident(const kvb_block_pool *p, int32_t idx, int laye
     return p->slice_of[(size_t)idx * (size_t)p->geom.n_layers + (size_t)layer] >= 0;
 }
 
+int32_t kvb_block_pool_slice_owner(const kvb_block_pool *p, int32_t slice) {
+    assert(p->sliced && slice >= 0 && slice < p->capacity * p->geom.n_layers);
+    return p->slice_owner[slice];
+}
+
+int kvb_block_pool_free_tail(const kvb_block_pool *p) {
+    int n = 0;
+    if (p->sliced) { /* slices free or held by an unreferenced block (a cached prefix block) */
+        int L = p->geom.n_layers;
+        for (int b = p->n_own - 1; b >= 0; b--) {
+            int all = 1;
+            for (int l = 0; l < L && all; l++) {
+                int32_t k = b * L + l, o = p->slice_owner[k];
+                all = bit_test(&p->slices, k) || (o >= 0 && p->refcount[o] == 0);
+            }
+            if (!all) break;
+            n++;
+        }
+        return n;
+    }
+    for (int32_t i = p->n_own - 1; i >= 0 && bit_test(&p->ids, i); i--) n++;
+    return n;
+}
+
 int64_t kvb_block_pool_referenced_slices(const kvb_block_pool *p) {
     if (!p->sliced) return 0;
     int64_t n = 0;
@@ -414,6 +444,7 @@ void kvb_block_pool_slice_free(kvb_block_pool *p, int32_t idx, int layer) {
     int32_t *so = &p->slice_of[(size_t)idx * (size_t)p->geom.n_layers + (size_t)layer];
     assert(p->sliced && *so >= 0);
     bit_set(&p->slices, *so);
+    p->slice_owner[*so] = -1;
     p->n_free_slices++;
     *so = -1;
 }

@@ -135,6 +135,11 @@ int kvb_block_pool_n_free_ids(const kvb_block_pool *p);    /* ids on the free li
 kvb_status kvb_block_pool_alloc_bare(kvb_block_pool *p, int32_t *out);
 /* 1 if `layer` of block idx has a physical slice. Sliced pools only. */
 int kvb_block_pool_slice_resident(const kvb_block_pool *p, int32_t idx, int layer);
+/* The id holding physical slice `slice`, -1 when it is free or a scratch slice. Sliced pools only. */
+int32_t kvb_block_pool_slice_owner(const kvb_block_pool *p, int32_t slice);
+/* Own blocks at the top of [0, n_own) that could be given away now: free ids (block-major), or physical
+ * blocks whose every slice is free or held by an unreferenced block (sliced). */
+int kvb_block_pool_free_tail(const kvb_block_pool *p);
 /* Slices of referenced blocks (not of held or free ones, not scratch): O(ids * layers). 0 unless sliced. */
 int64_t kvb_block_pool_referenced_slices(const kvb_block_pool *p);
 /* Resident layers of block idx (n_layers in a block-major pool). */

@@ -126,6 +126,7 @@ typedef struct kvb_engine_stats {
     uint64_t prompt_tokens;     /* tokens prefilled (recomputed ones included) */
     uint64_t generated_tokens;
     uint64_t preemptions;
+    uint64_t pauses;            /* PAUSE operations carried out (OrbitFlow's Pause-Resume) */
     uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache (host tier included) */
     uint64_t host_tier_stores;  /* blocks copied pool -> host tier */
     uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */
@@ -139,6 +140,8 @@ typedef struct kvb_engine_stats {
     int blocks_borrowed;        /* attached blocks (all tags) */
     uint64_t lsc_loads;         /* LSC streaming: block-layer slices loaded from borrowed blocks */
     uint64_t lsc_stores;        /* LSC streaming: block-layer slices whose new rows were stored back */
+    int prefix_cache;           /* 1 if the prefix cache is on (a planner may turn it off at setup) */
+    int max_running;            /* most requests running (or paused) at once after a step */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
 
