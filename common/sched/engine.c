@@ -75,6 +75,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     if (ev) e->ev = *ev;
     e->geom = kvb_model_kv_geom(m, o.block_size);
     kvb_backend *be = kvb_model_backend(m);
+    e->model_info = (kvb_model_info){.cfg = c, .weight_bytes = kvb_model_weight_bytes_per_token(m),
+                                     .act_elem = (int)kvb_dtype_size(be->iface->act_dtype),
+                                     .flops = o.links.measured_flops};
     KVB_TRY_GOTO(kvb_kv_geom_check(&e->geom), fail);
     size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)o.n_blocks;
     if (o.kv_mem) {
@@ -96,6 +99,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     KVB_TRY_GOTO(kvb_stager_create(be, &o.links, &e->stager), fail);
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
+    if (pp.measure_flops && !(e->model_info.flops > 0)) KVB_TRY_GOTO(kvb_link_measure_flops(be, &e->model_info.flops), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
     KVB_TRY_GOTO(kvb_forward_create(m, e->max_rows, &e->fw), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);

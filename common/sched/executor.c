@@ -44,7 +44,7 @@ static kvb_status shadow_get(kvb_engine *e, int32_t id, int32_t *out) {
 
 /* Gives `s` blocks for its first `upto` tokens. KVB_ERR_EXHAUSTED if the pool cannot. */
 static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto) {
-    int need = KVB_DIV_CEIL(upto, e->o.block_size);
+    int need = KVB_DIV_CEIL(upto, e->o.block_size) - s->n_dropped;
     while (s->bt.n < need) {
         int32_t id;
         KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id));
@@ -140,6 +140,48 @@ static kvb_status swap_in(kvb_engine *e, seq *s) {
     return KVB_OK;
 }
 
+/* KVB_OP_DROP: the sequence keeps device KV from block `to` on. Releasing moves the table's first
+ * entries out (a block shared through the prefix cache stays cached for others); restoring puts new
+ * blocks in front, which this step's recompute fills (restore_hi). */
+static kvb_status drop_blocks(kvb_engine *e, seq *s, int to) {
+    int cur = s->n_dropped;
+    kvb_block_table *t = &s->bt;
+    if (to > cur) {
+        int k = to - cur;
+        for (int j = 0; j < k; j++) {
+            if (kvb_block_pool_refcount(e->pool, t->ids[j]) == 1) kvb__shadow_drop(e, t->ids[j]);
+            kvb_block_pool_unref(e->pool, t->ids[j]);
+        }
+        memmove(t->ids, t->ids + k, (size_t)(t->n - k) * sizeof *t->ids);
+        t->n -= k;
+        e->stats.dropped_blocks += (uint64_t)k;
+    } else if (to < cur) {
+        int k = cur - to;
+        for (int j = 0; j < k; j++) { /* grow the table by k (ids moved below) */
+            int32_t id;
+            KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id)); /* counted by the plan's check */
+            kvb_status st = kvb_block_table_push(t, id);
+            if (st != KVB_OK) {
+                kvb_block_pool_unref(e->pool, id);
+                return st;
+            }
+        }
+        /* the k new ids sit at the end: rotate them to the front */
+        int32_t tmp[64];
+        for (int done = 0; done < k;) {
+            int c = KVB_MIN(k - done, 64);
+            memcpy(tmp, t->ids + t->n - c, (size_t)c * sizeof *tmp);
+            memmove(t->ids + c, t->ids, (size_t)(t->n - c) * sizeof *t->ids);
+            memcpy(t->ids, tmp, (size_t)c * sizeof *tmp);
+            done += c;
+        }
+        s->restore_hi = cur;
+        e->stats.restored_blocks += (uint64_t)k;
+    }
+    s->n_dropped = to;
+    return KVB_OK;
+}
+
 /* Applies the checked plan in order; fills e->sched and returns how many sequences compute (< 0: a
  * copy of a swap failed, *err says how). */
 static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
@@ -202,6 +244,14 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
         case KVB_OP_PREEMPT: kvb__preempt_seq(e, s); break;
         case KVB_OP_PAUSE: s->paused = 1; break;
         case KVB_OP_RESUME: s->paused = 0; break;
+        case KVB_OP_DROP: {
+            kvb_status st = drop_blocks(e, s, op->n_dropped);
+            if (st != KVB_OK) {
+                *err = st;
+                return -1;
+            }
+            break;
+        }
         case KVB_OP_SWAP_OUT:
         case KVB_OP_SWAP_IN: {
             kvb_status st = op->kind == KVB_OP_SWAP_OUT ? swap_out(e, s) : swap_in(e, s);
@@ -251,7 +301,9 @@ static void publish_full_blocks(kvb_engine *e, seq *s) {
     int bs = e->o.block_size;
     while ((s->n_published + 1) * bs <= s->n_computed) {
         int b = s->n_published;
-        if (kvb_prefix_cache_publish(e->pc, s->last_hash, s->tokens + (size_t)b * bs, s->bt.ids[b], &s->last_hash) !=
+        if (b < s->n_dropped) break; /* a released block can no longer be published (nor its successors) */
+        if (kvb_prefix_cache_publish(e->pc, s->last_hash, s->tokens + (size_t)b * bs, s->bt.ids[b - s->n_dropped],
+                                     &s->last_hash) !=
             KVB_OK)
             break;
         s->n_published++;
@@ -266,6 +318,21 @@ static int is_stop(const seq *s, int32_t tok) {
 
 /* Entry ids of the step: pool block ids, or SCRATCH_ID(k) for scratch slice k. */
 #define SCRATCH_ID(k) (-2 - (k))
+
+/* Entry n_blk of the step: block j of `s` (its first `full` blocks are recomputed whole). A released
+ * block (DROP) and a fully recomputed block that is not being restored read scratch slice scr0 + j;
+ * a restored block receives the recomputed KV in place; the rest are the sequence's blocks. */
+static void layout_entry(kvb_engine *e, seq *s, int j, int full, int scr0, int n_blk) {
+    int restored = j >= s->n_dropped && j < s->restore_hi;
+    if (j < s->n_dropped || (j < full && !restored)) {
+        e->blk_id[n_blk] = SCRATCH_ID(scr0 + j);
+        e->blk_base[n_blk] = (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e);
+    } else {
+        int32_t id = s->bt.ids[j - s->n_dropped];
+        e->blk_id[n_blk] = id;
+        e->blk_base[n_blk] = kvb_block_pool_block(e->pool, id);
+    }
+}
 
 /* Lays out the batch: for each scheduled sequence its recomputed prefix (if any) as a sequence of its
  * own at positions 0..n_absent-1 over scratch slices (and its real boundary block), then its new
@@ -289,11 +356,7 @@ static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_ou
             kvb_attn_seq *as = &e->b_seqs[n_attn++];
             *as = (kvb_attn_seq){.q_start = n_tok, .q_len = a, .ctx_len = a, .n_blocks = KVB_DIV_CEIL(a, bs),
                                  .blk_first = n_blk};
-            for (int j = 0; j < as->n_blocks; j++, n_blk++) {
-                e->blk_id[n_blk] = j < full ? SCRATCH_ID(scr0 + j) : s->bt.ids[j];
-                e->blk_base[n_blk] = j < full ? (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e)
-                                              : kvb_block_pool_block(e->pool, s->bt.ids[j]);
-            }
+            for (int j = 0; j < as->n_blocks; j++, n_blk++) layout_entry(e, s, j, full, scr0, n_blk);
             for (int t = 0; t < a; t++, n_tok++) {
                 e->b_tokens[n_tok] = s->tokens[t];
                 e->b_pos[n_tok] = t;
@@ -304,11 +367,7 @@ static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_ou
         *as = (kvb_attn_seq){.q_start = n_tok, .q_len = s->q_len, .ctx_len = s->n_computed + s->q_len,
                              .blk_first = n_blk};
         as->n_blocks = KVB_DIV_CEIL(as->ctx_len, bs);
-        for (int j = 0; j < as->n_blocks; j++, n_blk++) {
-            e->blk_id[n_blk] = j < full ? SCRATCH_ID(scr0 + j) : s->bt.ids[j];
-            e->blk_base[n_blk] = j < full ? (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e)
-                                          : kvb_block_pool_block(e->pool, s->bt.ids[j]);
-        }
+        for (int j = 0; j < as->n_blocks; j++, n_blk++) layout_entry(e, s, j, full, scr0, n_blk);
         for (int t = 0; t < s->q_len; t++, n_tok++) {
             e->b_tokens[n_tok] = s->tokens[s->n_computed + t];
             e->b_pos[n_tok] = s->n_computed + t;
@@ -645,6 +704,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         if (!decode) e->stats.prompt_tokens += (uint64_t)s->q_len;
         s->n_computed += s->q_len;
         s->n_absent = 0;
+        s->restore_hi = 0;
         if (e->o.enable_prefix_cache) publish_full_blocks(e, s);
         if (s->n_computed != s->n_tokens) continue; /* prefill chunk: no token yet */
         const float *lg = e->logits + (size_t)li++ * c->vocab;

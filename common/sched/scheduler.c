@@ -57,6 +57,8 @@ void kvb__seq_free(kvb_engine *e, seq *s) {
 
 void kvb__seq_drop_kv(kvb_engine *e, seq *s) {
     release_blocks(e, s);
+    s->n_dropped = 0;
+    s->restore_hi = 0;
     s->n_computed = 0;
     s->n_published = 0;
     s->last_hash = KVB_PREFIX_ROOT;
@@ -162,6 +164,7 @@ static kvb_status view_reserve(kvb_engine *e, int n) {
         KVB_TRY(kvb_realloc_array((void **)&e->memo, (size_t)cap, sizeof *e->memo));
         KVB_TRY(kvb_realloc_array((void **)&e->astate, (size_t)cap, sizeof *e->astate));
         KVB_TRY(kvb_realloc_array((void **)&e->asched, (size_t)cap, sizeof *e->asched));
+        KVB_TRY(kvb_realloc_array((void **)&e->adrop, (size_t)cap, sizeof *e->adrop));
         e->vcap = cap;
     }
     int hc = 16;
@@ -182,7 +185,7 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
                                  .n_prompt = s->n_prompt, .n_tokens = s->n_tokens, .n_generated = s->n_generated,
                                  .max_tokens = s->max_tokens, .n_computed = s->n_computed,
                                  .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
-                                 .blocks = swapped ? s->host_bt.ids : s->bt.ids};
+                                 .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped};
     e->vseq[i] = s;
     e->memo[i].done = 0;
     s->vidx = i;
@@ -224,6 +227,8 @@ kvb_status kvb__view_build(kvb_engine *e) {
     for (seq *s = e->waiting.head; s; s = s->next) view_add(e, s, KVB_REQ_WAITING);
     v->n_waiting = v->n_reqs - v->n_running - v->n_swapped;
     v->reqs = e->vreqs;
+    v->model = &e->model_info;
+    v->links = kvb_stager_links(e->stager);
     v->engine = e;
     e->memo_n = 0;
     return KVB_OK;
@@ -303,6 +308,7 @@ static kvb_status acct_begin(kvb_engine *e, const kvb_view *v, acct *a) {
     for (int i = 0; i < v->n_reqs; i++) {
         e->astate[i] = v->reqs[i].state;
         e->asched[i] = 0;
+        e->adrop[i] = v->reqs[i].n_dropped;
     }
     *a = (acct){.e = e, .v = v, .avail = (int64_t)v->pool.n_free + v->pool.n_evictable, .n_running = v->n_running,
                 .host_left = v->pool.host_free + v->pool.host_evictable, .budget = v->max_batch_tokens,
@@ -344,9 +350,11 @@ static kvb_status acct_release(acct *a, int i, int *freed) {
     return KVB_OK;
 }
 
+/* New blocks a RUN of q tokens needs (a DROP's releases and restores keep the logical count: the
+ * released leading blocks count as present, since a RUN never writes them). */
 static int64_t run_need(const acct *a, int i, int q) {
     const kvb_req_view *r = &a->v->reqs[i];
-    int64_t need = KVB_DIV_CEIL((int64_t)r->n_computed + q, a->v->geom->block_size) - r->n_blocks;
+    int64_t need = KVB_DIV_CEIL((int64_t)r->n_computed + q, a->v->geom->block_size) - r->n_blocks - r->n_dropped;
     return need > 0 ? need : 0;
 }
 
@@ -413,6 +421,10 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->n_absent < 0 || op->n_absent > r->n_computed)
             return refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k, id,
                           op->n_absent, r->n_computed);
+        int absent_min = KVB_MAX(r->n_dropped, a->e->adrop[i]) * v->geom->block_size;
+        if (op->n_absent < absent_min)
+            return refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, but its first %d token(s) have no KV "
+                          "(dropped or restored in this step)", k, id, op->n_absent, absent_min);
         int64_t need = run_need(a, i, op->q_len);
         if (need > a->avail)
             return refuse(err, len,
@@ -508,6 +520,32 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         a->e->astate[i] = KVB_REQ_RUNNING;
         a->e->asched[i] |= 4; /* its view lists host blocks: it is not released again in this plan */
         break;
+    case KVB_OP_DROP: {
+        if (st != KVB_REQ_RUNNING && st != KVB_REQ_PAUSED)
+            return refuse(err, len, "plan op %d (DROP request %llu): the request is %s", k, id, kvb_req_state_str(st));
+        if (a->e->asched[i])
+            return refuse(err, len, "plan op %d (DROP request %llu): the request is scheduled, swapped in or dropped "
+                          "earlier in this step", k, id);
+        int bs = v->geom->block_size, cur = r->n_dropped, to = op->n_dropped;
+        if (to < 0 || (int64_t)to * bs > r->n_computed)
+            return refuse(err, len, "plan op %d (DROP request %llu): n_dropped %d, it has %d full block(s)", k, id, to,
+                          r->n_computed / bs);
+        if (to > cur) {
+            /* the released blocks are the first (to - cur) of its table */
+            for (int j = 0; j < to - cur; j++) {
+                a->avail += eff_ref(a, r->blocks[j]) == 1;
+                KVB_TRY(adj_add(a, r->blocks[j], -1));
+            }
+        } else if (to < cur) {
+            if (cur - to > a->avail)
+                return refuse(err, len, "plan op %d (DROP request %llu): restoring %d block(s), the pool can give %lld "
+                              "at this point of the plan", k, id, cur - to, (long long)a->avail);
+            a->avail -= cur - to;
+        }
+        a->e->adrop[i] = to;
+        a->e->asched[i] |= 8;
+        break;
+    }
     default:
         return refuse(err, len, "plan op %d: unknown operation %d", k, (int)op->kind);
     }
@@ -536,7 +574,9 @@ static kvb_status step_marks(acct *a, const kvb_plan *p, uint8_t **out) {
         const kvb_req_view *r = &v->reqs[i];
         if (op->kind == KVB_OP_RUN && r->state != KVB_REQ_SWAPPED) {
             for (int j = 0; j < r->n_blocks; j++) {
-                int w = (j + 1) * bs > r->n_computed || (op->n_absent % bs && j == op->n_absent / bs);
+                int jl = r->n_dropped + j; /* its block index in the request */
+                if (jl < e->adrop[i]) continue; /* released by a DROP of this plan */
+                int w = (jl + 1) * bs > r->n_computed || (op->n_absent % bs && jl == op->n_absent / bs);
                 m[r->blocks[j]] |= (uint8_t)(1 | (w ? 2 : 0));
             }
         } else if (op->kind == KVB_OP_ADMIT) {
@@ -720,6 +760,12 @@ kvb_status kvb_sched_cost(const kvb_view *v, const kvb_plan *p, kvb_plan_cost *o
                     v->max_seqs);
         goto out;
     }
+    for (int i = 0; i < v->n_reqs; i++)
+        if (e->adrop[i] < v->reqs[i].n_dropped && !(e->asched[i] & 1)) {
+            st = refuse(err, err_len, "request %llu: a DROP restores its blocks %d..%d but no RUN of this plan fills them",
+                        (unsigned long long)v->reqs[i].id, e->adrop[i], v->reqs[i].n_dropped - 1);
+            goto out;
+        }
     KVB_TRY_GOTO(check_residency(&a, p, err, err_len), out);
     if (out)
         *out = (kvb_plan_cost){.blocks_left = a.avail, .tokens = a.tokens, .rows = a.rows, .n_sched = a.n_sched,
@@ -777,7 +823,8 @@ static kvb_status fcfs_running(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
         int q = KVB_MIN(r->n_tokens - r->n_computed, a->budget - a->tokens);
         for (;;) {
             if (run_need(a, i, q) <= a->avail) {
-                st = push(a, p, (kvb_plan_op){.kind = KVB_OP_RUN, .id = r->id, .q_len = q});
+                int absent = e->adrop[i] * v->geom->block_size; /* dropped blocks are recomputed */
+                st = push(a, p, (kvb_plan_op){.kind = KVB_OP_RUN, .id = r->id, .q_len = q, .n_absent = absent});
                 break;
             }
             /* candidates: this request and the running ones after it that are not scheduled */
@@ -991,4 +1038,5 @@ void kvb__sched_free(kvb_engine *e) {
     free(e->adj_touched);
     free(e->astate);
     free(e->asched);
+    free(e->adrop);
 }

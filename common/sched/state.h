@@ -39,6 +39,9 @@ typedef struct seq {
     int paused;        /* running but not scheduled (KVB_OP_PAUSE) */
     int hits_taken;    /* during a step: its admission took its prefix hits (2: all that matched) */
     int n_absent;      /* tokens recomputed in the current step (KVB_OP_RUN.n_absent) */
+    int n_dropped;     /* leading blocks released (KVB_OP_DROP): bt.ids[j] is block n_dropped + j */
+    int restore_hi;    /* during a step: blocks [n_dropped, restore_hi) came back by a DROP and are
+                        * filled by this step's recompute (restore_hi <= n_dropped: none) */
     kvb_block_table host_bt; /* SWAPPED: its blocks in the host tier, in token order */
     int vidx;          /* index in the current view, -1 when not in it */
     struct seq *prev, *next;
@@ -126,7 +129,9 @@ struct kvb_engine {
     int adj_n, adj_touched_cap;
     kvb_req_state *astate;   /* [vcap] state of each request after the plan's operations so far */
     uint8_t *asched;         /* [vcap] 1 once the request has a RUN or ADMIT in the plan */
+    int32_t *adrop;          /* [vcap] its released leading blocks after the plan's DROPs so far */
     kvb_plan plan;
+    kvb_model_info model_info; /* what the view tells planners about the model (view.model) */
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] */
     uint64_t *t_copy;        /* [n_layers] ticket of the last LOAD copy order due before each layer */
