@@ -15,7 +15,8 @@ static void usage(FILE *f) {
                "  interference  each model's TTFT/TPOT with lending on against off (starts the node twice)\n"
                "  lend     lend and reclaim latency against the worker's pool size (block-major vs layer-major)\n"
                "  maxctx   the master's longest context with idle lenders against its own memory alone\n"
-               "  multiturn  P99 TTFT of multi-turn replay on the master: lending against a host-tier prefix cache\n");
+               "  multiturn  P99 TTFT of multi-turn replay on the master: lending against a host-tier prefix cache\n"
+               "  ellm-tw    eLLM token-wise KV caching against vllm-recompute / vllm-swap / hcache (paper §6)\n");
 }
 
 int main(int argc, char **argv) {
@@ -30,6 +31,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "lend")) return kvb_bench_lend(argc - 1, argv + 1);
     if (!strcmp(argv[1], "maxctx")) return kvb_bench_maxctx(argc - 1, argv + 1);
     if (!strcmp(argv[1], "multiturn")) return kvb_bench_multiturn(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "ellm-tw")) return kvb_bench_ellm_tw(argc - 1, argv + 1);
     fprintf(stderr, "kvbank-bench: unknown subcommand '%s'\n", argv[1]);
     usage(stderr);
     return 2;

@@ -10,5 +10,6 @@ int kvb_bench_interference(int argc, char **argv);
 int kvb_bench_lend(int argc, char **argv);
 int kvb_bench_maxctx(int argc, char **argv);
 int kvb_bench_multiturn(int argc, char **argv);
+int kvb_bench_ellm_tw(int argc, char **argv);
 
 #endif

@@ -644,6 +644,41 @@ KVB_TEST(ellm_tokenwise_lossless) {
 }
 KVB_TEST_END
 
+/* HCache: preempted requests leave their first layers as saved hidden states, rebuilt at swap-in by the
+ * layer's norm, K/V projections and RoPE: the reference's tokens whatever the split. */
+KVB_TEST(hcache_lossless) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
+    uint64_t restores = 0, swaps = 0;
+    for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++)
+        for (int hl = 0; hl <= 3; hl += 1) {
+            kvb_policy_params pp = {0};
+            char v[16];
+            snprintf(v, sizeof v, "%d", hl);
+            ck_assert_int_eq(kvb_policy_params_set(&pp, "hidden_layers", v), KVB_OK);
+            ck_assert_int_eq(kvb_policy_params_set(&pp, "async", "0"), KVB_OK);
+            kvb_planner pl;
+            ck_assert_int_eq(kvb_policy_create("hcache", &pp, &pl), KVB_OK);
+            kvb_policy_params_free(&pp);
+            kvb_engine_stats s;
+            pressure(&got, &pl, cfgs[c].bs, cfgs[c].blocks, cfgs[c].budget, &s);
+            printf("config %zu hidden_layers %d: %llu steps, %llu swap-outs, %llu rebuilt from hidden states, %llu "
+                   "bytes of hidden states saved\n", c, hl, (unsigned long long)s.steps, (unsigned long long)s.swap_outs,
+                   (unsigned long long)s.hidden_restores, (unsigned long long)s.hidden_saved_bytes);
+            assert_same(&ref, &got);
+            ck_assert_int_eq(s.blocks_free, s.blocks_total);
+            if (hl > 0) restores += s.hidden_restores;
+            swaps += s.swap_outs;
+        }
+    ck_assert_uint_gt(swaps, 0);
+    ck_assert_uint_gt(restores, 0);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST(absent_tokens_lossless) { mechanism_lossless(MECH_ABSENT, NULL); }
 KVB_TEST_END
 
@@ -861,5 +896,5 @@ KVB_TEST_END
 KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 240), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
               KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240),
-              KVB_T(ellm_tokenwise_lossless, 240),
+              KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240),
               KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60))

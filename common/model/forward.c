@@ -144,3 +144,24 @@ kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
     KVB_TRY(be->matmul(ctx, fw->rows, b->n_logits, &fw->m->lm_head, 0.0f, fw->logits));
     return be->to_host_f32(ctx, logits, fw->logits, (size_t)b->n_logits * c->vocab);
 }
+
+const void *kvb_forward_hidden(const kvb_forward *fw) { return fw->x; }
+
+kvb_status kvb_forward_kv_from_hidden(kvb_forward *fw, int layer, const void *x, const int32_t *pos,
+                                      const kvb_attn_batch *a) {
+    const kvb_model_config *c = &fw->m->cfg;
+    int n = a->n_tokens;
+    if (fw->b || layer < 0 || layer >= c->n_layers || n < 1 || n > fw->max_tokens) return KVB_ERR_INVALID;
+    const kvb_layer_weights *w = &fw->m->layers[layer];
+    const kvb_backend_i *be = fw->be->iface;
+    void *ctx = fw->be->ctx;
+    /* the layer's first half up to the KV write: norm, K and V projections, Qwen3's k norm, RoPE */
+    KVB_TRY(be->rmsnorm(ctx, x, n, c->hidden, &w->attn_norm, c->rms_eps, fw->h));
+    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wk, 0.0f, fw->k));
+    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wv, 0.0f, fw->v));
+    if (w->k_norm.data) KVB_TRY(be->rmsnorm(ctx, fw->k, n * c->n_kv_heads, c->head_dim, &w->k_norm, c->rms_eps, fw->k));
+    /* rope rotates q and k together; q is not needed here (its stale rows are rotated and ignored) */
+    KVB_TRY(be->rope(ctx, fw->q, c->n_heads, fw->k, c->n_kv_heads, n, pos, &fw->m->rope));
+    KVB_TRY(be->kv_write(ctx, a, fw->k, fw->v));
+    return be->sync(ctx);
+}

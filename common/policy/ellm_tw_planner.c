@@ -9,7 +9,14 @@
  *   vllm-recompute  vLLM under Eq. 5 with r = 0: FCFS with the batch bounded by the optimizer; when
  *                   blocks run out, the newest request is preempted and recomputed later.
  *   vllm-swap       the same, preempted requests swapped out to the host tier and back.
- *   hcache          preemption-based (ellm_tw_hcache.c).
+ *   hcache          HCache (Gao et al., EuroSys '25) as eLLM's §6.1 uses it: preemption-based, full KV
+ *                   while running; the hidden states entering the first n_h layers of every token are
+ *                   saved to host memory as they are computed, and a preempted request leaves those
+ *                   layers as hidden states and the others as KV in the host tier; restoring rebuilds
+ *                   the first n_h layers' KV from the hidden states (norm, K/V projections, RoPE) and
+ *                   copies the rest back. n_h by HCache's state partition: the split that balances the
+ *                   host-link transfer of a token (n_h hidden states + L - n_h layers of KV) against
+ *                   the K/V projections of n_h layers, whichever takes longer being the restore time.
  *
  * Running requests beyond the optimizer's b (b fell below their count): ellm-tokenwise first raises r
  * for the running set if that fits memory and the SLO (with 10% slack, so that b does not flap);
@@ -23,9 +30,9 @@
 #include "common/policy/policy.h"
 #include "common/sched/scheduler.h"
 
-typedef enum etw_kind { ETW_ELLM = 0, ETW_RECOMPUTE = 1, ETW_SWAP = 2 } etw_kind;
+typedef enum etw_kind { ETW_ELLM = 0, ETW_RECOMPUTE = 1, ETW_SWAP = 2, ETW_HCACHE = 3 } etw_kind;
 
-static const char *const kind_names[] = {"ellm-tokenwise", "vllm-recompute", "vllm-swap"};
+static const char *const kind_names[] = {"ellm-tokenwise", "vllm-recompute", "vllm-swap", "hcache"};
 
 /* The solver thread's mailbox: plan_step posts the newest problem and takes the newest answer. */
 typedef struct solver {
@@ -53,8 +60,13 @@ typedef struct etw {
     etw_kind kind;
     /* parameters */
     double slo_ms, r_max, r_fixed;
+    double perturb_flops, perturb_bw; /* §6.6: the optimizer sees FLOPS and bandwidth times these */
+    double wt_share;      /* the share of the SLO a step's prefill chunk may take (WT_max) */
+    int chunk_now;        /* this step's prefill tokens (prefill_tokens) */
     int64_t b_bound, F, chunk, rows, host_blocks, threads;
     int async, swap_layers;
+    int n_hidden;         /* hcache: layers restored from hidden states (the state partition) */
+    int64_t hidden_fixed; /* hcache: n_hidden given (parameter hidden_layers), -1: the partition decides */
     /* model, once known */
     int ready;
     kvb_etw_dims d;
@@ -70,11 +82,13 @@ typedef struct etw {
     kvb_etw_work last_work;
     int last_valid;
     uint64_t last_step;
+    uint64_t runq0;        /* this thread's CPU wait when the plan was handed over (kvb_thread_runq_ns) */
     /* statistics */
     kvb_etw_planner_stats st;
     double err_abs_rel_sum; /* Σ |predicted − measured| / measured */
     double cached_sum;      /* Σ over steps of (1 − Σu / Σs) of the decoding requests */
     uint64_t cached_steps;
+    double peak_flops;      /* the machine's matmul rate (view.model->flops) */
 } etw;
 
 /* ---------------------------------------------------------------- solver thread */
@@ -214,6 +228,30 @@ static kvb_status ensure_cap(etw *p, int n) {
     return KVB_OK;
 }
 
+/* HCache's state partition: per token, n_h layers restored from hidden states move n_h·h·act bytes
+ * plus (L - n_h) layers of KV over the host link, and compute n_h layers' K/V projections (2·2·h·kv_dim
+ * FLOPs each); the restore takes the longer of the two (transfer and compute pipelined), and n_h
+ * minimises it (ties: fewer hidden layers). */
+static int hcache_partition(const etw *p, const kvb_view *v) {
+    const kvb_etw_dims *d = &p->d;
+    double bw = 0;
+    if (v->links) bw = v->links->links[KVB_LINK_HOST].bytes_per_s;
+    if (!(bw > 0)) bw = 1 / p->rates.s_byte;
+    double hid = (double)d->hidden * d->act_elem, kv = kvb_etw_kv_bytes(d);
+    double kv_flops = 4.0 * d->hidden * d->kv_dim + 4.0 * d->hidden; /* projections + norm */
+    int best = 0;
+    double best_t = INFINITY;
+    for (int k = 0; k <= d->n_layers; k++) {
+        double io = (k * hid + (d->n_layers - k) * kv) / bw, comp = k * kv_flops * p->rates.s_flop;
+        double t = fmax(io, comp);
+        if (t < best_t * (1 - 1e-12)) {
+            best_t = t;
+            best = k;
+        }
+    }
+    return best;
+}
+
 /* The prior of the cost model from what the view says about the machine: the matmul rate the stager
  * measured, attention at a quarter of it, a bandwidth of 10 bytes per 30 FLOPs and 0.2 ms per step;
  * observe re-fits all four from measured steps. */
@@ -222,7 +260,7 @@ static void init_model(etw *p, const kvb_view *v) {
     kvb_etw_dims_from_config(mi->cfg, v->geom->elem_size, mi->act_elem, (double)mi->weight_bytes, &p->d);
     double flops = mi->flops > 0 ? mi->flops : 50e9;
     kvb_etw_rates prior = {.t_fixed = 2e-4, .s_flop = 1.0 / flops, .s_attn = 4.0 / flops, .s_byte = 3.0 / flops};
-    kvb_etw_fit_init(&p->fit, &prior, 1.0, 0.995);
+    kvb_etw_fit_init(&p->fit, &prior, 0.2, 0.99);
     p->rates = prior;
     p->link = (kvb_etw_link){0};
     if (p->swap_layers && v->links) {
@@ -231,21 +269,29 @@ static void init_model(etw *p, const kvb_view *v) {
         if (!(p->link.bytes_per_s > 0)) p->link.bytes_per_s = 1e12; /* link model off: memory speed */
     }
     p->layer = kvb_etw_layer_initial(&p->d, p->swap_layers ? &p->link : NULL);
+    p->peak_flops = mi->flops;
+    if (p->kind == ETW_HCACHE) p->n_hidden = p->hidden_fixed >= 0 ? (int)KVB_MIN(p->hidden_fixed, (int64_t)p->d.n_layers)
+                                                                   : hcache_partition(p, v);
     p->ready = 1;
 }
 
-/* WT_max: the prefill chunk of the queue's head costed by the model (0 with an empty queue). */
-static double wt_max(const etw *p, const kvb_view *v) {
+/* The prefill tokens a step may carry for waiting requests, and WT_max, the time they add to every
+ * running request's step (the planner's definition; the paper leaves WT_max undefined). The chunk is
+ * the `chunk` parameter, at most the queue's head's prompt and half the step's budget, and, with an
+ * SLO, cut to what the cost model says takes at most wt_share of it (at least one block of tokens, so
+ * that admissions always progress). */
+static int prefill_tokens(const etw *p, const kvb_view *v, double *wt) {
+    *wt = 0;
     if (!v->n_waiting || p->chunk <= 0) return 0;
     const kvb_req_view *h = &v->reqs[v->n_running + v->n_swapped];
-    double c = (double)KVB_MIN(p->chunk, (int64_t)h->n_tokens);
-    return kvb_etw_time(&p->rates, kvb_etw_work_prefill(&p->d, 0, c));
-}
-
-/* Forward rows kept for prefill while requests wait: the chunk, at most half the step's budget. */
-static int prefill_reserve(const etw *p, const kvb_view *v) {
-    if (!v->n_waiting) return 0;
-    return (int)KVB_MIN(p->chunk, (int64_t)v->max_batch_tokens / 2);
+    int c = (int)KVB_MIN(KVB_MIN(p->chunk, (int64_t)h->n_tokens), (int64_t)KVB_MAX(1, v->max_batch_tokens / 2));
+    if (p->slo_ms > 0) {
+        double cap = p->wt_share * p->slo_ms * 1e-3;
+        int lo = KVB_MIN(c, v->geom->block_size);
+        while (c > lo && kvb_etw_time(&p->rates, kvb_etw_work_prefill(&p->d, 0, c)) > cap) c = KVB_MAX(lo, c * 3 / 4);
+    }
+    *wt = kvb_etw_time(&p->rates, kvb_etw_work_prefill(&p->d, 0, c));
+    return c;
 }
 
 /* The problem of this view: candidates in FCFS order, s_i their tokens. */
@@ -253,23 +299,31 @@ static void make_problem(etw *p, const kvb_view *v, kvb_etw_problem *prob) {
     for (int i = 0; i < v->n_reqs; i++) p->s[i] = v->reqs[i].n_tokens;
     int64_t host = 0;
     if (p->swap_layers) host = v->pool.host_capacity;
+    kvb_etw_rates seen = p->rates;
+    seen.s_flop /= p->perturb_flops;
+    seen.s_attn /= p->perturb_flops;
+    seen.s_byte /= p->perturb_bw;
     *prob = (kvb_etw_problem){
         .d = &p->d,
-        .rates = p->rates,
+        .rates = seen,
         .layer = p->layer,
         .s = p->s,
         .n = v->n_reqs,
         .b_bound = (int)KVB_MIN(p->b_bound, (int64_t)v->max_seqs),
         .r_max = p->kind == ETW_ELLM ? p->r_max : 0,
         .slo_s = p->slo_ms > 0 ? p->slo_ms * 1e-3 : 1e9,
-        .wt_max_s = p->slo_ms > 0 ? wt_max(p, v) : 0,
+        .wt_max_s = 0, /* below */
         .block_size = v->geom->block_size,
         .unit_layers = (int)p->F,
         .mem_blocks = v->pool.n_blocks,
         .host_blocks = host,
-        .max_rows = KVB_MAX(1, v->max_rows - prefill_reserve(p, v)),
+        .max_rows = 1, /* below */
         .act_row_bytes = 0, /* the forward pass's extra rows are allocated once (plan_pool) */
     };
+    double wt;
+    p->chunk_now = prefill_tokens(p, v, &wt);
+    if (p->slo_ms > 0) prob->wt_max_s = wt;
+    prob->max_rows = KVB_MAX(1, v->max_rows - p->chunk_now);
     if (!p->swap_layers) {
         /* kvbank's fused step: the recomputed rows run in the decode's forward pass, each layer's
          * recompute writing single-layer scratch slices that the same layer's attention reads: one
@@ -286,20 +340,51 @@ static int decoding(const kvb_req_view *r) { return r->n_computed >= r->n_prompt
 static kvb_status trim_running(const etw *p, const kvb_view *v, int keep, kvb_plan *out) {
     for (int i = v->n_running - 1; i >= keep; i--) {
         kvb_op_kind k = KVB_OP_PREEMPT;
-        if (p->kind == ETW_SWAP && v->pool.host_free >= v->reqs[i].n_blocks) k = KVB_OP_SWAP_OUT;
-        KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = k, .id = v->reqs[i].id}));
+        int hid = 0;
+        if ((p->kind == ETW_SWAP || p->kind == ETW_HCACHE) && v->pool.host_free >= v->reqs[i].n_blocks) {
+            k = KVB_OP_SWAP_OUT;
+            if (p->kind == ETW_HCACHE) hid = KVB_MIN(p->n_hidden, v->reqs[i].hidden_layers);
+        }
+        KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = k, .id = v->reqs[i].id, .n_hidden = hid}));
     }
     return KVB_OK;
+}
+
+/* The work of the planned step by the cost model (observe fits it to the measured time), and the
+ * cached ratio of its decoding requests. */
+static void plan_work(etw *p, const kvb_view *v, const kvb_plan *out) {
+    kvb_etw_work w = kvb_etw_work_step(&p->d);
+    double sum_s = 0, sum_u = 0;
+    for (int k = 0; k < out->n_ops; k++) {
+        const kvb_plan_op *op = &out->ops[k];
+        if (op->kind != KVB_OP_RUN && op->kind != KVB_OP_ADMIT) continue;
+        int j = kvb_view_find(v, op->id);
+        if (j < 0) continue;
+        const kvb_req_view *rq = &v->reqs[j];
+        int start = op->kind == KVB_OP_RUN ? rq->n_computed : 0;
+        if (op->kind == KVB_OP_RUN && op->q_len == 1 && decoding(rq)) {
+            kvb_etw_work_add(&w, kvb_etw_work_decode(&p->d, rq->n_computed));
+            sum_s += rq->n_computed;
+            sum_u += op->n_absent;
+        } else {
+            kvb_etw_work_add(&w, kvb_etw_work_prefill(&p->d, start, op->q_len));
+        }
+        if (op->n_absent > 0) kvb_etw_work_add(&w, kvb_etw_work_recompute(&p->d, op->n_absent, p->d.n_layers));
+    }
+    p->last_work = w;
+    p->last_valid = 1;
+    if (sum_s > 0) {
+        p->cached_sum += 1 - sum_u / sum_s;
+        p->cached_steps++;
+    }
 }
 
 /* ellm-tokenwise's own part of the plan: DROP and RUN entries for the running requests at ratio r
  * (prefilling ones run their next chunk with nothing absent), then FCFS admission up to b. */
 static kvb_status ellm_plan(etw *p, const kvb_view *v, int n_keep, double r, int b, kvb_plan *out) {
     const int bs = v->geom->block_size;
-    int budget = (int)KVB_MIN((int64_t)v->max_batch_tokens, p->chunk + n_keep);
+    int budget = (int)KVB_MIN((int64_t)v->max_batch_tokens, (int64_t)p->chunk_now + n_keep);
     int used = 0;
-    double sum_s = 0, sum_u = 0;
-    kvb_etw_work w = kvb_etw_work_step(&p->d);
     for (int i = 0; i < n_keep; i++) {
         const kvb_req_view *rq = &v->reqs[i];
         if (rq->state != KVB_REQ_RUNNING) continue;
@@ -312,17 +397,12 @@ static kvb_status ellm_plan(etw *p, const kvb_view *v, int n_keep, double r, int
             int absent = (int)KVB_MAX(u, (int64_t)rq->n_dropped * bs);
             KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_RUN, .id = rq->id, .q_len = 1, .n_absent = absent}));
             used++;
-            kvb_etw_work_add(&w, kvb_etw_work_decode(&p->d, rq->n_computed));
-            if (absent > 0) kvb_etw_work_add(&w, kvb_etw_work_recompute(&p->d, absent, p->d.n_layers));
-            sum_s += rq->n_computed;
-            sum_u += absent;
         } else {
             int q = KVB_MIN(rq->n_tokens - rq->n_computed, budget - used);
             if (q < 1) continue;
             KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_RUN, .id = rq->id, .q_len = q,
                                                         .n_absent = rq->n_dropped * bs}));
             used += q;
-            kvb_etw_work_add(&w, kvb_etw_work_prefill(&p->d, rq->n_computed, q));
         }
     }
     /* the running part must fit before admissions are added (else the caller preempts and retries) */
@@ -331,24 +411,19 @@ static kvb_status ellm_plan(etw *p, const kvb_view *v, int n_keep, double r, int
     if (cst == KVB_ERR_INVALID) return KVB_ERR_EXHAUSTED;
     KVB_TRY(cst);
     kvb_fcfs_opts o = {.budget = budget, .batch_limit = b};
-    int before = out->n_ops;
-    KVB_TRY(kvb_sched_fcfs_admit(v, &o, out));
-    for (int k = before; k < out->n_ops; k++)
-        if (out->ops[k].kind == KVB_OP_ADMIT) {
-            int j = kvb_view_find(v, out->ops[k].id);
-            if (j >= 0) kvb_etw_work_add(&w, kvb_etw_work_prefill(&p->d, 0, out->ops[k].q_len));
-        }
-    p->last_work = w;
-    p->last_valid = 1;
-    if (sum_s > 0) {
-        p->cached_sum += 1 - sum_u / sum_s;
-        p->cached_steps++;
-    }
-    return KVB_OK;
+    return kvb_sched_fcfs_admit(v, &o, out);
 }
+
+static kvb_status plan_step_inner(etw *p, const kvb_view *v, kvb_plan *out);
 
 static kvb_status etw_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
     etw *p = ctx;
+    kvb_status st = plan_step_inner(p, v, out);
+    p->runq0 = kvb_thread_runq_ns();
+    return st;
+}
+
+static kvb_status plan_step_inner(etw *p, const kvb_view *v, kvb_plan *out) {
     if (!p->ready) init_model(p, v);
     KVB_TRY(ensure_cap(p, v->n_reqs + 1));
     p->last_valid = 0;
@@ -395,13 +470,35 @@ static kvb_status etw_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
         }
     }
     if (p->kind == ETW_ELLM && p->r_fixed < 0) {
-        /* the running set that stays must fit at r: raise r, or keep fewer (the newest are preempted) */
-        for (; keep > 0; keep--) {
-            double rk = kvb_etw_min_ratio(&prob, keep);
-            if (rk >= 0) {
-                r = fmax(r, rk);
+        /* the running set that stays must fit at r: raise r where the step stays within the SLO (10%
+         * slack) and Eq. 5 does not prefer fewer requests, else keep fewer (the newest are preempted) */
+        double best_obj = INFINITY;
+        int best_keep = 0;
+        double best_r = r;
+        for (int k2 = keep; k2 > 0; k2--) {
+            double rk = kvb_etw_min_ratio(&prob, k2);
+            if (rk < 0) continue;
+            if (rk <= r && best_keep == 0) { /* fits at r as it is: keep it, as the baselines would */
+                best_keep = k2;
+                best_r = r;
                 break;
             }
+            rk = fmax(r, rk);
+            double t = kvb_etw_exact_time(&prob, k2, rk);
+            if (t + prob.wt_max_s > 1.1 * prob.slo_s) continue;
+            if (t / k2 < best_obj) {
+                best_obj = t / k2;
+                best_keep = k2;
+                best_r = rk;
+            }
+            if (rk <= r) break; /* fewer requests only lower r further: no better objective below */
+        }
+        if (best_keep > 0) {
+            keep = best_keep;
+            r = best_r;
+        } else {
+            for (; keep > 0 && kvb_etw_min_ratio(&prob, keep) < 0; keep--) {}
+            if (keep > 0) r = fmax(r, kvb_etw_min_ratio(&prob, keep));
         }
         if (b > keep && keep < n_run) b = keep;
     }
@@ -421,7 +518,10 @@ static kvb_status etw_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
             char err[256] = "the running requests do not fit";
             kvb_status st = ellm_plan(p, v, keep, r, b, out);
             if (st == KVB_OK) st = kvb_sched_cost(v, out, NULL, err, sizeof err);
-            if ((st != KVB_ERR_INVALID && st != KVB_ERR_EXHAUSTED) || keep == 0) return st;
+            if ((st != KVB_ERR_INVALID && st != KVB_ERR_EXHAUSTED) || keep == 0) {
+                if (st == KVB_OK) plan_work(p, v, out);
+                return st;
+            }
             KVB_LOG_D("%s: plan refused (%s); preempting request %llu", kind_names[p->kind], err,
                       (unsigned long long)v->reqs[keep - 1].id);
             kvb_plan_reset(out);
@@ -431,8 +531,20 @@ static kvb_status etw_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
         }
     }
 
-    kvb_fcfs_opts o = {.batch_limit = b, .preempt_op = p->kind == ETW_SWAP ? KVB_OP_SWAP_OUT : KVB_OP_PREEMPT};
-    return kvb_sched_fcfs(v, &o, out);
+    kvb_fcfs_opts o = {.batch_limit = b, .preempt_op = p->kind == ETW_RECOMPUTE ? KVB_OP_PREEMPT : KVB_OP_SWAP_OUT,
+                       .budget = (int)KVB_MIN((int64_t)v->max_batch_tokens, (int64_t)p->chunk_now + b)};
+    KVB_TRY(kvb_sched_fcfs(v, &o, out));
+    if (p->kind == ETW_HCACHE)
+        for (int k = 0; k < out->n_ops; k++) {
+            kvb_plan_op *op = &out->ops[k];
+            if (op->kind == KVB_OP_RUN || op->kind == KVB_OP_ADMIT) op->n_hidden = p->n_hidden;
+            if (op->kind == KVB_OP_SWAP_OUT) {
+                int j = kvb_view_find(v, op->id);
+                op->n_hidden = j >= 0 ? KVB_MIN(p->n_hidden, v->reqs[j].hidden_layers) : 0;
+            }
+        }
+    plan_work(p, v, out);
+    return KVB_OK;
 }
 
 static kvb_status etw_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out) {
@@ -440,7 +552,7 @@ static kvb_status etw_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb_v
     if (ev->kind != KVB_POOL_SETUP) return KVB_OK;
     out->measure_flops = 1; /* the cost model's prior */
     if (p->kind == ETW_ELLM) out->extra_rows = (int)p->rows;
-    if (p->kind == ETW_SWAP || p->swap_layers)
+    if (p->kind == ETW_SWAP || p->kind == ETW_HCACHE || p->swap_layers)
         out->host_tier_blocks = (int)(p->host_blocks > 0 ? p->host_blocks : v->pool.capacity);
     if (p->async) KVB_TRY(solver_start(p));
     return KVB_OK;
@@ -449,10 +561,15 @@ static kvb_status etw_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb_v
 static void etw_observe(void *ctx, const kvb_step_report *r) {
     etw *p = ctx;
     if (!p->ready || !p->last_valid || r->t_step_ns <= r->t_plan_ns) return;
-    double t = (double)(r->t_step_ns - r->t_plan_ns) * 1e-9;
+    /* the step's execution, less the time this thread waited for a CPU (others' load on a shared
+     * machine is not what the cost model predicts) */
+    uint64_t exec = r->t_step_ns - r->t_plan_ns, waited = kvb_thread_runq_ns() - p->runq0;
+    double t = (double)(waited < exec ? exec - waited : exec) * 1e-9;
     double pred = kvb_etw_step_time(&p->rates, p->last_work);
     p->err_abs_rel_sum += fabs(pred - t) / t;
     p->st.observed++;
+    p->st.work_flops += p->last_work.flops + p->last_work.attn;
+    p->st.work_seconds += t;
     kvb_etw_fit_add(&p->fit, p->last_work, t);
     kvb_etw_fit_rates(&p->fit, &p->rates);
     p->last_valid = 0;
@@ -489,12 +606,21 @@ static const kvb_planner_i swap_iface = {
     .destroy = etw_destroy,
 };
 
+static const kvb_planner_i hcache_iface = {
+    .name = "hcache",
+    .plan_step = etw_plan_step,
+    .plan_pool = etw_plan_pool,
+    .observe = etw_observe,
+    .destroy = etw_destroy,
+};
+
 static const kvb_planner_i *iface_of(etw_kind k) {
-    return k == ETW_ELLM ? &etw_iface : k == ETW_RECOMPUTE ? &recompute_iface : &swap_iface;
+    return k == ETW_ELLM ? &etw_iface : k == ETW_RECOMPUTE ? &recompute_iface : k == ETW_SWAP ? &swap_iface : &hcache_iface;
 }
 
 kvb_status kvb_etw_planner_get_stats(const kvb_planner *pl, kvb_etw_planner_stats *out) {
-    if (!pl || (pl->iface != &etw_iface && pl->iface != &recompute_iface && pl->iface != &swap_iface))
+    if (!pl || (pl->iface != &etw_iface && pl->iface != &recompute_iface && pl->iface != &swap_iface &&
+                pl->iface != &hcache_iface))
         return KVB_ERR_INVALID;
     etw *p = pl->ctx;
     *out = p->st;
@@ -507,19 +633,27 @@ kvb_status kvb_etw_planner_get_stats(const kvb_planner *pl, kvb_etw_planner_stat
     out->cached_ratio = p->cached_steps ? p->cached_sum / (double)p->cached_steps : 1;
     out->rates = p->rates;
     out->layer = p->layer;
+    out->peak_flops = p->peak_flops;
+    out->n_hidden = p->n_hidden;
     return KVB_OK;
 }
 
 static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_planner *out) {
     const char *name = kind_names[kind];
     static const char *const known_ellm[] = {"slo_ms", "r_max", "r", "b_max", "F", "chunk", "rows", "async",
-                                             "swap", "host_blocks", "threads", NULL};
-    static const char *const known_base[] = {"slo_ms", "b_max", "chunk", "async", "host_blocks", NULL};
-    KVB_TRY(kvb_policy_params_check(params, name, kind == ETW_ELLM ? known_ellm : known_base));
+                                             "swap", "host_blocks", "threads", "perturb_flops", "perturb_bw",
+                                             "wt_share", NULL};
+    static const char *const known_base[] = {"slo_ms", "b_max", "chunk", "async", "host_blocks", "perturb_flops",
+                                             "perturb_bw", "wt_share", NULL};
+    static const char *const known_hcache[] = {"slo_ms", "b_max", "chunk", "async", "host_blocks", "perturb_flops",
+                                               "perturb_bw", "wt_share", "hidden_layers", NULL};
+    KVB_TRY(kvb_policy_params_check(params, name, kind == ETW_ELLM     ? known_ellm
+                                                   : kind == ETW_HCACHE ? known_hcache
+                                                                        : known_base));
     etw *p = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *p, (void **)&p));
     *p = (etw){.kind = kind, .slo_ms = 0, .r_max = 0.9, .r_fixed = -1, .b_bound = 512, .F = 4, .chunk = 256,
-               .rows = 8192, .async = 1, .threads = 1};
+               .rows = 1024, .async = 1, .threads = 1, .perturb_flops = 1, .perturb_bw = 1, .wt_share = 0.5, .hidden_fixed = -1};
     int64_t async = 1, swap = 0;
     kvb_status st = KVB_OK;
 #define P(x) \
@@ -535,6 +669,10 @@ static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_pla
     P(kvb_policy_param_i64(params, name, "swap", 0, 1, &swap));
     P(kvb_policy_param_i64(params, name, "host_blocks", 0, 1 << 30, &p->host_blocks));
     P(kvb_policy_param_i64(params, name, "threads", 1, 1 << 16, &p->threads));
+    P(kvb_policy_param_f64(params, name, "perturb_flops", 0.1, 10, &p->perturb_flops));
+    P(kvb_policy_param_f64(params, name, "perturb_bw", 0.1, 10, &p->perturb_bw));
+    P(kvb_policy_param_f64(params, name, "wt_share", 0.05, 0.95, &p->wt_share));
+    P(kvb_policy_param_i64(params, name, "hidden_layers", 0, 1 << 16, &p->hidden_fixed));
 #undef P
     if (st != KVB_OK) {
         free(p);
@@ -555,4 +693,7 @@ kvb_status kvb_policy_vllm_recompute_create(const kvb_policy_params *params, kvb
 }
 kvb_status kvb_policy_vllm_swap_create(const kvb_policy_params *params, kvb_planner *out) {
     return create(ETW_SWAP, params, out);
+}
+kvb_status kvb_policy_hcache_create(const kvb_policy_params *params, kvb_planner *out) {
+    return create(ETW_HCACHE, params, out);
 }

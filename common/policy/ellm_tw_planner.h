@@ -17,6 +17,10 @@ typedef struct kvb_etw_planner_stats {
     uint64_t trims;        /* running requests preempted because b fell below their count */
     double cost_mape;      /* mean |predicted − measured| / measured step time (§6.6) */
     double cached_ratio;   /* mean over steps of 1 − Σu_i / Σs_i of the decoding requests (paper: 0.64) */
+    double work_flops;     /* FLOPs (dense + attention) of the observed steps, by the cost model's count */
+    double work_seconds;   /* their measured seconds: work_flops / work_seconds is the achieved rate */
+    double peak_flops;     /* this machine's matmul rate (0 if unknown): utilisation = achieved / peak */
+    int n_hidden;          /* hcache: layers restored from hidden states (its state partition) */
     kvb_etw_rates rates;   /* the cost model now */
     kvb_etw_layer_plan layer;
 } kvb_etw_planner_stats;

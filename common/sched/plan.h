@@ -57,6 +57,9 @@ typedef struct kvb_req_view {
                             * blocks[0] holds tokens from n_dropped * block_size on */
     int n_dropped;         /* leading blocks it has released (KVB_OP_DROP): their tokens' KV is absent and
                             * every RUN recomputes them (n_absent >= n_dropped * block_size) */
+    int hidden_layers;     /* HCache: leading layers whose input hidden states of all its computed tokens
+                            * are saved in host memory (RUNNING: what a SWAP_OUT may leave as hidden
+                            * states; SWAPPED: the layers it left so) */
 } kvb_req_view;
 
 /* What a planner may know about the model and the machine (cost models). */
@@ -148,6 +151,11 @@ typedef struct kvb_plan_op {
                     * 0..n_absent-1 whose KV goes to scratch blocks of the step, so every layer's
                     * attention sees them; they produce no logits. 0 <= n_absent <= n_computed */
     int n_dropped; /* DROP: the request's new count of released leading blocks */
+    int n_hidden;  /* HCache (Gao et al., EuroSys '25). RUN, ADMIT: save the hidden states entering layers
+                    * [0, n_hidden) of this step's new tokens to the request's host memory (over the host
+                    * link). SWAP_OUT: layers [0, n_hidden) leave as those hidden states instead of KV
+                    * (n_hidden <= the view's hidden_layers); SWAP_IN rebuilds their KV from them (the
+                    * layer's norm, K/V projections and RoPE) and copies the other layers back */
 } kvb_plan_op;
 
 /* Where one block's KV is for a range of layers and how it reaches attention. The default needs no

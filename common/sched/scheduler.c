@@ -47,6 +47,7 @@ static void release_blocks(kvb_engine *e, seq *s) {
 
 void kvb__seq_free(kvb_engine *e, seq *s) {
     release_blocks(e, s);
+    free(s->hid);
     kvb_block_table_free(&s->bt);
     if (e->ht_pool) kvb_block_table_release(&s->host_bt, e->ht_pool);
     kvb_block_table_free(&s->host_bt);
@@ -59,6 +60,7 @@ void kvb__seq_drop_kv(kvb_engine *e, seq *s) {
     release_blocks(e, s);
     s->n_dropped = 0;
     s->restore_hi = 0;
+    s->hid_layers = s->hid_tokens = 0; /* recomputed from its tokens: saved hidden states are moot */
     s->n_computed = 0;
     s->n_published = 0;
     s->last_hash = KVB_PREFIX_ROOT;
@@ -185,7 +187,9 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
                                  .n_prompt = s->n_prompt, .n_tokens = s->n_tokens, .n_generated = s->n_generated,
                                  .max_tokens = s->max_tokens, .n_computed = s->n_computed,
                                  .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
-                                 .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped};
+                                 .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped,
+                                 .hidden_layers = swapped ? s->swap_hidden
+                                                  : s->hid_tokens >= s->n_computed ? s->hid_layers : 0};
     e->vseq[i] = s;
     e->memo[i].done = 0;
     s->vidx = i;
@@ -421,6 +425,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->n_absent < 0 || op->n_absent > r->n_computed)
             return refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k, id,
                           op->n_absent, r->n_computed);
+        if (op->n_hidden < 0 || op->n_hidden > v->geom->n_layers)
+            return refuse(err, len, "plan op %d (RUN request %llu): n_hidden %d is outside [0, %d layers]", k, id,
+                          op->n_hidden, v->geom->n_layers);
         int absent_min = KVB_MAX(r->n_dropped, a->e->adrop[i]) * v->geom->block_size;
         if (op->n_absent < absent_min)
             return refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, but its first %d token(s) have no KV "
@@ -445,6 +452,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->q_len < 1 || op->n_absent != 0)
             return refuse(err, len, "plan op %d (ADMIT request %llu): q_len %d must be >= 1 and n_absent %d 0", k, id,
                           op->q_len, op->n_absent);
+        if (op->n_hidden < 0 || op->n_hidden > v->geom->n_layers)
+            return refuse(err, len, "plan op %d (ADMIT request %llu): n_hidden %d is outside [0, %d layers]", k, id,
+                          op->n_hidden, v->geom->n_layers);
         int q;
         int64_t blocks;
         KVB_TRY(admit_cost(a, i, op->q_len, 1, &q, &blocks));
@@ -499,6 +509,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (r->n_blocks > a->host_left)
             return refuse(err, len, "plan op %d (SWAP_OUT request %llu): needs %d host-tier block(s), the host tier can "
                           "give %d at this point of the plan", k, id, r->n_blocks, a->host_left);
+        if (op->n_hidden < 0 || op->n_hidden > r->hidden_layers)
+            return refuse(err, len, "plan op %d (SWAP_OUT request %llu): n_hidden %d, but hidden states are saved for %d "
+                          "layer(s)", k, id, op->n_hidden, r->hidden_layers);
         int freed;
         KVB_TRY(acct_release(a, i, &freed));
         a->avail += freed;

@@ -42,6 +42,14 @@ typedef struct seq {
     int n_dropped;     /* leading blocks released (KVB_OP_DROP): bt.ids[j] is block n_dropped + j */
     int restore_hi;    /* during a step: blocks [n_dropped, restore_hi) came back by a DROP and are
                         * filled by this step's recompute (restore_hi <= n_dropped: none) */
+    /* HCache: hidden states entering layers [0, hid_layers) of tokens [0, hid_tokens), host memory
+     * [hid_cap_layers][hid_cap_tokens][hidden] of act_dtype elements */
+    unsigned char *hid;
+    int hid_cap_layers, hid_cap_tokens;
+    int hid_layers, hid_tokens;
+    int hid_save;      /* during a step: layers whose inputs this step saves (op n_hidden) */
+    int swap_hidden;   /* SWAPPED: layers left as hidden states (their KV is rebuilt at SWAP_IN) */
+    int row0;          /* during a step: the batch row of its first new token */
     kvb_block_table host_bt; /* SWAPPED: its blocks in the host tier, in token order */
     int vidx;          /* index in the current view, -1 when not in it */
     struct seq *prev, *next;
@@ -132,6 +140,8 @@ struct kvb_engine {
     int32_t *adrop;          /* [vcap] its released leading blocks after the plan's DROPs so far */
     kvb_plan plan;
     kvb_model_info model_info; /* what the view tells planners about the model (view.model) */
+    void *hid_stage;           /* HCache: backend memory staging saved / restored hidden states */
+    size_t hid_stage_bytes;
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] */
     uint64_t *t_copy;        /* [n_layers] ticket of the last LOAD copy order due before each layer */
