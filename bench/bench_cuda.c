@@ -117,14 +117,14 @@ static kvb_status do_copy(void *ud) {
 static double measure_copy_bw(kvb_backend *be, size_t bytes) {
     copy_ud c = {.bytes = bytes, .s = kvb_cuda_backend_stream(be)};
     double bw = 0;
-    if (be->iface->alloc(be->ctx, bytes, &c.a) != KVB_OK) return 0;
-    if (be->iface->alloc(be->ctx, bytes, &c.b) == KVB_OK &&
+    if (kvb_mem_alloc(be->mem, bytes, &c.a) != KVB_OK) return 0;
+    if (kvb_mem_alloc(be->mem, bytes, &c.b) == KVB_OK &&
         kvb_cuda_fill_uniform(c.a, KVB_DTYPE_BF16, bytes / 2, 1, -1, 1, c.s) == 0) {
         double t = time_events(be, do_copy, &c, REPS);
         if (t > 0) bw = 2.0 * (double)bytes / t;
     }
-    be->iface->free(be->ctx, c.a);
-    be->iface->free(be->ctx, c.b);
+    kvb_mem_free(be->mem, c.a);
+    kvb_mem_free(be->mem, c.b);
     return bw;
 }
 
@@ -144,8 +144,8 @@ static double measure_gemm(kvb_backend *be, int n) {
     size_t bytes = (size_t)n * n * 2;
     kvb_cuda_stream_t s = kvb_cuda_backend_stream(be);
     double rate = 0;
-    if (be->iface->alloc(be->ctx, bytes, &g.x) != KVB_OK) return 0;
-    if (be->iface->alloc(be->ctx, bytes, &g.y) == KVB_OK && be->iface->alloc(be->ctx, bytes, &g.w.data) == KVB_OK) {
+    if (kvb_mem_alloc(be->mem, bytes, &g.x) != KVB_OK) return 0;
+    if (kvb_mem_alloc(be->mem, bytes, &g.y) == KVB_OK && kvb_mem_alloc(be->mem, bytes, &g.w.data) == KVB_OK) {
         g.w.dtype = KVB_DTYPE_BF16;
         g.w.ne[0] = g.w.ne[1] = n;
         if (kvb_cuda_fill_uniform(g.x, KVB_DTYPE_BF16, (size_t)n * n, 2, -1, 1, s) == 0 &&
@@ -154,9 +154,9 @@ static double measure_gemm(kvb_backend *be, int n) {
             if (t > 0) rate = 2.0 * n * (double)n * n / t;
         }
     }
-    be->iface->free(be->ctx, g.x);
-    be->iface->free(be->ctx, g.y);
-    be->iface->free(be->ctx, g.w.data);
+    kvb_mem_free(be->mem, g.x);
+    kvb_mem_free(be->mem, g.y);
+    kvb_mem_free(be->mem, g.w.data);
     return rate;
 }
 
@@ -165,7 +165,7 @@ static double measure_gemm(kvb_backend *be, int n) {
 static kvb_status rand_tensor(kvb_backend *be, int64_t rows, int64_t cols, uint64_t seed, kvb_tensor *t) {
     kvb_dtype dt = cols == 1 ? KVB_DTYPE_F32 : KVB_DTYPE_BF16;
     size_t n = (size_t)rows * (size_t)cols;
-    KVB_TRY(be->iface->alloc(be->ctx, n * kvb_dtype_size(dt), &t->data));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * kvb_dtype_size(dt), &t->data));
     t->dtype = dt;
     t->ne[0] = rows;
     t->ne[1] = cols;
@@ -183,12 +183,12 @@ static void model_free(kvb_backend *be, model *m) {
             kvb_tensor *all[] = {&m->layers[l].attn_norm, &m->layers[l].wq,       &m->layers[l].wk,
                                  &m->layers[l].wv,        &m->layers[l].wo,       &m->layers[l].ffn_norm,
                                  &m->layers[l].gate,      &m->layers[l].up,       &m->layers[l].down};
-            for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) be->iface->free(be->ctx, all[i]->data);
+            for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) kvb_mem_free(be->mem, all[i]->data);
         }
     }
-    be->iface->free(be->ctx, m->embed.data);
-    be->iface->free(be->ctx, m->lm_head.data);
-    be->iface->free(be->ctx, m->final_norm.data);
+    kvb_mem_free(be->mem, m->embed.data);
+    kvb_mem_free(be->mem, m->lm_head.data);
+    kvb_mem_free(be->mem, m->final_norm.data);
     free(m->layers);
     free(m->inv_freq);
 }
@@ -229,7 +229,7 @@ static kvb_status model_build(kvb_backend *be, const shape *s, model *m) {
 
 static void acts_free(kvb_backend *be, acts *a) {
     void *bufs[] = {a->x, a->h, a->q, a->k, a->v, a->att, a->gate, a->up, a->rows, a->logits};
-    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++) be->iface->free(be->ctx, bufs[i]);
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++) kvb_mem_free(be->mem, bufs[i]);
     free(a->host_logits);
     memset(a, 0, sizeof *a);
 }
@@ -239,16 +239,16 @@ static kvb_status acts_alloc(kvb_backend *be, const shape *s, int cap, int logit
     a->cap = cap;
     a->logit_cap = logit_cap;
     size_t n = (size_t)cap, e = 2; /* bf16 */
-    KVB_TRY(be->iface->alloc(be->ctx, n * s->hidden * e, &a->x));
-    KVB_TRY(be->iface->alloc(be->ctx, n * s->hidden * e, &a->h));
-    KVB_TRY(be->iface->alloc(be->ctx, n * s->n_heads * s->head_dim * e, &a->q));
-    KVB_TRY(be->iface->alloc(be->ctx, n * s->n_kv * s->head_dim * e, &a->k));
-    KVB_TRY(be->iface->alloc(be->ctx, n * s->n_kv * s->head_dim * e, &a->v));
-    KVB_TRY(be->iface->alloc(be->ctx, n * s->n_heads * s->head_dim * e, &a->att));
-    KVB_TRY(be->iface->alloc(be->ctx, n * s->inter * e, &a->gate));
-    KVB_TRY(be->iface->alloc(be->ctx, n * s->inter * e, &a->up));
-    KVB_TRY(be->iface->alloc(be->ctx, (size_t)logit_cap * s->hidden * e, &a->rows));
-    KVB_TRY(be->iface->alloc(be->ctx, (size_t)logit_cap * s->vocab * e, &a->logits));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * s->hidden * e, &a->x));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * s->hidden * e, &a->h));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * s->n_heads * s->head_dim * e, &a->q));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * s->n_kv * s->head_dim * e, &a->k));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * s->n_kv * s->head_dim * e, &a->v));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * s->n_heads * s->head_dim * e, &a->att));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * s->inter * e, &a->gate));
+    KVB_TRY(kvb_mem_alloc(be->mem, n * s->inter * e, &a->up));
+    KVB_TRY(kvb_mem_alloc(be->mem, (size_t)logit_cap * s->hidden * e, &a->rows));
+    KVB_TRY(kvb_mem_alloc(be->mem, (size_t)logit_cap * s->vocab * e, &a->logits));
     KVB_TRY(kvb_malloc((size_t)logit_cap * s->vocab * sizeof(float), (void **)&a->host_logits));
     return KVB_OK;
 }
@@ -386,21 +386,25 @@ static int ipc_worker(int argc, char **argv) {
     if (argc != 5) return 2;
     int in = atoi(argv[2]), out = atoi(argv[3]);
     size_t bytes = (size_t)strtoull(argv[4], NULL, 10);
-    kvb_cuda_region *r = NULL;
+    kvb_mem *m = NULL;
+    kvb_mem_region *r = NULL;
     kvb_cuda_stream_t s = NULL;
-    if (kvb_cuda_stream_create(&s) != KVB_OK || kvb_cuda_region_create(bytes, &r) != KVB_OK) return 3;
-    if (kvb_cuda_fill_uniform(kvb_cuda_region_base(r), KVB_DTYPE_BF16, bytes / 2, 7, -1, 1, s) != 0 ||
+    if (kvb_mem_create("cuda", -1, &m) != KVB_OK || kvb_cuda_stream_create(&s) != KVB_OK ||
+        kvb_mem_region_create(m, "bench", bytes, &r) != KVB_OK)
+        return 3;
+    if (kvb_cuda_fill_uniform(kvb_mem_region_base(r), KVB_DTYPE_BF16, bytes / 2, 7, -1, 1, s) != 0 ||
         kvb_cuda_stream_sync(s) != KVB_OK)
         return 3;
     char line[256];
-    int n = snprintf(line, sizeof line, "%s\n", kvb_cuda_region_handle(r));
+    int n = snprintf(line, sizeof line, "%s\n", kvb_mem_region_handle(r));
     if (write(out, line, (size_t)n) != n) return 4;
     char ch;
     size_t got = 0;
     while (read(in, &ch, 1) == 1 && ch != '\n' && got < sizeof line - 1) line[got++] = ch;
     line[got] = 0;
-    kvb_cuda_region_destroy(r);
+    kvb_mem_region_destroy(r);
     kvb_cuda_stream_destroy(s);
+    kvb_mem_destroy(m);
     return strcmp(line, "DONE") ? 5 : 0;
 }
 
@@ -553,7 +557,7 @@ int kvb_bench_cuda(int argc, char **argv) {
         goto out;
     }
     size_t pool_bytes = block_bytes * (size_t)pool_blocks;
-    if (be->iface->alloc(be->ctx, pool_bytes, &pool) != KVB_OK) {
+    if (kvb_mem_alloc(be->mem, pool_bytes, &pool) != KVB_OK) {
         fprintf(stderr, "kvbank-bench cuda: cannot allocate %.1f GiB of KV blocks (fewer --layers or smaller lists)\n",
                 pool_bytes / 1073741824.0);
         goto out;
@@ -657,13 +661,13 @@ int kvb_bench_cuda(int argc, char **argv) {
         char ch;
         while (got < sizeof handle - 1 && read(from[0], &ch, 1) == 1 && ch != '\n') handle[got++] = ch;
         handle[got] = 0;
-        kvb_cuda_region *lent = NULL;
+        kvb_mem_region *lent = NULL;
         double t_local = -1, t_lent = -1;
-        if (pid > 0 && kvb_cuda_region_import(handle, bytes, &lent) == KVB_OK) {
+        if (pid > 0 && kvb_mem_region_import(be->mem, handle, bytes, &lent) == KVB_OK) {
             batch_view vl, vr;
             step st;
             if (view_make(&m, &g, pool, nb, ipc_batch, ctx, 1, &vl) == KVB_OK &&
-                view_make(&m, &g, kvb_cuda_region_base(lent), nb, ipc_batch, ctx, 1, &vr) == KVB_OK) {
+                view_make(&m, &g, kvb_mem_region_base(lent), nb, ipc_batch, ctx, 1, &vr) == KVB_OK) {
                 step_init(&st, be, &m, &a, &g, &vl, ipc_batch);
                 st.only_attention = 1;
                 t_local = time_events(be, run_step, &st, REPS);
@@ -673,7 +677,7 @@ int kvb_bench_cuda(int argc, char **argv) {
             }
             view_free(&vl, s.n_layers);
             view_free(&vr, s.n_layers);
-            kvb_cuda_region_destroy(lent);
+            kvb_mem_region_destroy(lent);
         }
         if (write(to[1], "DONE\n", 5) != 5) t_lent = -1;
         close(to[1]);
@@ -695,7 +699,7 @@ int kvb_bench_cuda(int argc, char **argv) {
     }
     rc = rc_ipc;
 out:
-    if (pool) be->iface->free(be->ctx, pool);
+    if (pool) kvb_mem_free(be->mem, pool);
     acts_free(be, &a);
     model_free(be, &m);
     kvb_backend_destroy(be);

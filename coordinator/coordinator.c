@@ -368,6 +368,9 @@ static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Regis
             .n_own = r->n_own,
             .endpoint = str_or_empty(r->endpoint),
             .model = str_or_empty(r->model),
+            .memory = str_or_empty(r->memory),
+            .device = r->device,
+            .stream = r->stream,
             .loans = loans,
             .n_loans = (int)r->n_loans,
         };
@@ -538,6 +541,9 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
         o->draining = m->draining != 0;
         o->tokens_generated = m->tokens_generated;
         o->model = m->model;
+        o->memory = (char *)m->memory;
+        o->device = m->device;
+        o->lend_blocked = (char *)m->lend_blocked;
         o->lends = m->n_lends;
         o->reclaims = m->n_reclaims;
         o->lend_ms_total = m->lend_ms_total;
@@ -701,23 +707,10 @@ static void fence_kill(void *ud, const char *name, uint32_t pid) {
     kill((pid_t)pid, SIGKILL);
 }
 
-/* kill(pid, 0) finds the process and it is not a zombie (a killed child its parent has not reaped
- * yet holds its pid but runs no more). */
+/* The ledger's liveness check of a model's pid. */
 static int pid_alive(void *ud, uint32_t pid) {
     (void)ud;
-    if (pid == 0 || pid > INT_MAX) return 1;
-    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return 0;
-    char path[64], buf[512];
-    snprintf(path, sizeof path, "/proc/%" PRIu32 "/stat", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 1; /* no /proc: trust kill() */
-    ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0) return 1;
-    buf[n] = '\0';
-    const char *rp = strrchr(buf, ')'); /* "pid (comm) S ..." and comm may hold ')' */
-    if (!rp || rp[1] != ' ') return 1;
-    return rp[2] != 'Z' && rp[2] != 'X';
+    return kvb_pid_alive((long)pid);
 }
 
 static void make_id(char out[40]) {

@@ -2,6 +2,7 @@
  * to a model by name, and the offline SwiftCache plan of a node config. */
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,6 +72,11 @@ typedef struct ctl {
 } ctl;
 
 static int ctl_connect(ctl *c) {
+    char why[PATH_MAX + 256];
+    if (kvb_wire_ipc_check(c->endpoint, why, sizeof why) != KVB_OK) {
+        fprintf(stderr, PROG ": cannot reach the coordinator: %s\n", why);
+        return -1;
+    }
     c->zctx = zmq_ctx_new();
     if (!c->zctx) return -1;
     c->sock = zmq_socket(c->zctx, ZMQ_DEALER);
@@ -188,6 +194,13 @@ static json_t *status_json(const Kvbank__StatusReply *s, int with_loans) {
                               "meu", (json_int_t)m->meu, "meu_master", (json_int_t)m->meu_master, "draining",
                               (int)m->draining, "tokens_generated", (json_int_t)m->tokens_generated, "model",
                               m->model ? m->model : "");
+        if (o && (json_object_set_new(o, "memory", json_string(m->memory && m->memory[0] ? m->memory : "host")) ||
+                  json_object_set_new(o, "device", json_integer((json_int_t)m->device)) ||
+                  (m->lend_blocked && m->lend_blocked[0] &&
+                   json_object_set_new(o, "lend_blocked", json_string(m->lend_blocked))))) {
+            json_decref(o);
+            o = NULL;
+        }
         if (!o || json_array_append_new(models, o)) {
             json_decref(models);
             return NULL;
@@ -235,6 +248,7 @@ static int cmd_status(ctl *c, int json) {
             printf("%-16s %-6s %8" PRIu32 " %-5s %11s %6s %8s %9s %9s %7" PRIu64 " %s%s\n", m->name ? m->name : "",
                    role_name(m->role), m->pid, m->alive ? "yes" : "no", own, lent, borrowed, load, meu,
                    m->last_heartbeat_ms, m->endpoint ? m->endpoint : "", m->draining ? "  (draining)" : "");
+            if (m->lend_blocked && m->lend_blocked[0]) printf("%-16s cannot lend: %s\n", "", m->lend_blocked);
         }
     }
     kvbank__envelope__free_unpacked(r, NULL);
@@ -331,6 +345,12 @@ static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_
         return 1;
     }
     if (!alive) fprintf(stderr, PROG ": warning: the coordinator counts %s as dead; trying %s anyway\n", model, ep);
+    char why[PATH_MAX + 256];
+    if (kvb_wire_ipc_check(ep, why, sizeof why) == KVB_ERR_IO) {
+        fprintf(stderr, PROG ": cannot reach %s: %s\n", model, why);
+        free(ep);
+        return 1;
+    }
     int rc = 1;
     kvb_client *cl = NULL;
     gen_state s = {.cap = max_tokens, .quiet = quiet};

@@ -16,6 +16,7 @@
 #include <zmq.h>
 
 #include "common/ipc/wire.h"
+#include "common/mem/mem.h"
 #include "common/mem/region.h"
 #include "common/util/node_config.h"
 
@@ -78,6 +79,8 @@ struct kvbankd {
     int signals;                  /* stop signals received */
     int pid_fd;                   /* the locked pid file, -1 when none */
     char *pid_path;
+    int node_lock_fd;             /* the locked /dev/shm/kvbankd-<uid>-<node>.lock, -1 when none */
+    char *node_lock_path;
 };
 
 static void child_exit_cb(uv_process_t *p, int64_t status, int term_signal);
@@ -153,14 +156,64 @@ static void remove_socket(const char *ep) {
     else KVB_LOG_D("removed socket %s", p);
 }
 
-/* Removes every stale shared-memory segment of the node's models. Returns how many went. */
+/* Removes the shared-memory segments of the node's models whose process is dead (kvb_region_unlink_stale:
+ * a live process's segments stay, even one of another node of the same name). Returns how many went. */
 static int unlink_node_shm(const kvbankd *d) {
     int total = 0;
     for (int i = 0; i < d->cfg->n_models; i++) {
         int n = 0;
-        if (kvb_region_unlink_tag(d->models[i].tag, &n) == KVB_OK) total += n;
+        if (kvb_region_unlink_stale(d->models[i].tag, &n) == KVB_OK) total += n;
     }
     return total;
+}
+
+/* Locks /dev/shm/kvbankd-<uid>-<node>.lock: one kvbankd per node name (and user) on the machine,
+ * whatever its run_dir, because the node's shared-memory names are machine-wide. A second one refuses
+ * to start, naming the running one's pid and run_dir (written into the file by write_pid_file). */
+static kvb_status lock_node(kvbankd *d) {
+    size_t n = strlen(d->cfg->node) + 64;
+    KVB_TRY(kvb_malloc(n, (void **)&d->node_lock_path));
+    snprintf(d->node_lock_path, n, "/dev/shm/kvbankd-%u-%s.lock", (unsigned)geteuid(), d->cfg->node);
+    for (int attempt = 0; attempt < 8; attempt++) {
+        int fd = open(d->node_lock_path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+        struct stat sb, sp;
+        if (fd < 0 || fstat(fd, &sb) != 0) {
+            KVB_LOG_E("%s: cannot open: %s", d->node_lock_path, strerror(errno));
+            if (fd >= 0) close(fd);
+            return KVB_ERR_IO;
+        }
+        if (sb.st_uid != geteuid() || !S_ISREG(sb.st_mode)) {
+            KVB_LOG_E("%s: not a file of this user (uid %u)", d->node_lock_path, (unsigned)sb.st_uid);
+            close(fd);
+            return KVB_ERR_IO;
+        }
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            char who[PATH_MAX + 32] = "";
+            ssize_t r = pread(fd, who, sizeof who - 1, 0);
+            who[r > 0 ? r : 0] = '\0';
+            char *nl = strchr(who, '\n');
+            const char *run_dir = "?";
+            if (nl) {
+                *nl = '\0';
+                run_dir = nl + 1;
+                nl = strchr(nl + 1, '\n');
+                if (nl) *nl = '\0';
+            }
+            KVB_LOG_E("kvbankd for node \"%s\" already runs on this machine (pid %s, run_dir %s; lock %s)",
+                      d->cfg->node, who[0] ? who : "?", run_dir[0] ? run_dir : "?", d->node_lock_path);
+            close(fd);
+            return KVB_ERR_STATE;
+        }
+        /* The holder may have removed the file between our open and our lock: ours must be the file at
+         * the path, else a third kvbankd could lock a new one at the same time. */
+        if (stat(d->node_lock_path, &sp) == 0 && sp.st_dev == sb.st_dev && sp.st_ino == sb.st_ino) {
+            d->node_lock_fd = fd;
+            return KVB_OK;
+        }
+        close(fd);
+    }
+    KVB_LOG_E("%s: cannot take the lock (the file keeps being replaced)", d->node_lock_path);
+    return KVB_ERR_STATE;
 }
 
 /* Locks run_dir/kvbankd.pid so that a second kvbankd of the same node refuses to start. */
@@ -186,21 +239,34 @@ static kvb_status lock_pid_file(kvbankd *d) {
     return KVB_OK;
 }
 
+/* Writes our pid into the pid file, and pid and run_dir into the node lock. */
 static kvb_status write_pid_file(kvbankd *d) {
-    char buf[32];
+    char buf[PATH_MAX + 32];
     int n = snprintf(buf, sizeof buf, "%ld\n", (long)getpid());
     if (ftruncate(d->pid_fd, 0) != 0 || pwrite(d->pid_fd, buf, (size_t)n, 0) != n) {
         KVB_LOG_E("%s: cannot write: %s", d->pid_path, strerror(errno));
+        return KVB_ERR_IO;
+    }
+    n = snprintf(buf, sizeof buf, "%ld\n%s\n", (long)getpid(), d->cfg->run_dir);
+    if (n >= (int)sizeof buf) n = (int)sizeof buf - 1;
+    if (ftruncate(d->node_lock_fd, 0) != 0 || pwrite(d->node_lock_fd, buf, (size_t)n, 0) != n) {
+        KVB_LOG_E("%s: cannot write: %s", d->node_lock_path, strerror(errno));
         return KVB_ERR_IO;
     }
     return KVB_OK;
 }
 
 static void remove_pid_file(kvbankd *d) {
-    if (d->pid_fd < 0) return;
-    unlink(d->pid_path);
-    close(d->pid_fd); /* releases the lock */
-    d->pid_fd = -1;
+    if (d->pid_fd >= 0) {
+        unlink(d->pid_path);
+        close(d->pid_fd); /* releases the lock */
+        d->pid_fd = -1;
+    }
+    if (d->node_lock_fd >= 0) {
+        unlink(d->node_lock_path); /* under the lock: a waiting kvbankd re-checks the path (lock_node) */
+        close(d->node_lock_fd);
+        d->node_lock_fd = -1;
+    }
 }
 
 /* ------------------------------------------------------------------------------------- children */
@@ -242,7 +308,7 @@ static void spawn_child(child *c) {
     if (c->model) {
         /* A dead process leaves its segments behind; the new one creates its own under a new name. */
         int n = 0;
-        kvb_region_unlink_tag(c->tag, &n);
+        kvb_region_unlink_stale(c->tag, &n);
         if (n) KVB_LOG_I("%s: removed %d stale shared-memory segment(s)", c->name, n);
     }
     uv_stdio_container_t stdio[3] = {
@@ -284,7 +350,7 @@ static void child_exit_cb(uv_process_t *p, int64_t status, int term_signal) {
     else KVB_LOG_W("%s (pid %d) died after %.1f s: %s", c->name, c->pid, ran, c->last_exit);
     if (c->model) {
         int n = 0;
-        kvb_region_unlink_tag(c->tag, &n);
+        kvb_region_unlink_stale(c->tag, &n);
         if (n) KVB_LOG_I("%s: removed %d shared-memory segment(s) it left behind", c->name, n);
     }
     c->pid = 0;
@@ -634,10 +700,11 @@ static void usage(FILE *f) {
             "usage: kvbankd --config FILE [--bin-dir DIR] [--foreground]\n"
             "\n"
             "The node supervisor. Reads the node config (JSON, see common/util/node_config.h), then:\n"
-            "  1. creates run_dir (mode 0700) with the pid file run_dir/kvbankd.pid, locked: a second\n"
-            "     kvbankd of the same node refuses to start;\n"
-            "  2. removes shared-memory segments /dev/shm/kvb-<node>_<model>-* left by crashed runs and\n"
-            "     stale socket files of the node's ipc:// endpoints;\n"
+            "  1. locks /dev/shm/kvbankd-<uid>-<node>.lock: a second kvbankd of the same node name on\n"
+            "     this machine refuses to start (whatever its run_dir), naming the first's pid and\n"
+            "     run_dir; creates run_dir (mode 0700) with the locked pid file run_dir/kvbankd.pid;\n"
+            "  2. removes the shared-memory segments /dev/shm/kvb-<node>_<model>-<pid>-* whose process\n"
+            "     <pid> is dead (left by crashed runs) and stale socket files of the node's endpoints;\n"
             "  3. for a model whose model_dir is missing and that has \"mkmodel\" arguments, runs\n"
             "     kvbank-mkmodel ARGS into a temporary directory renamed to model_dir when it succeeded\n"
             "     (a model_dir missing without \"mkmodel\" is an error);\n"
@@ -649,8 +716,9 @@ static void usage(FILE *f) {
             "starts over once a run lasted %.0f s. A dead model's shared-memory segments are removed\n"
             "before it restarts.\n"
             "SIGTERM or SIGINT drains the node: SIGTERM to the models, SIGKILL to those still running\n"
-            "after %d s, then the same for the coordinator; then the node's shared-memory segments, its\n"
-            "socket files and the pid file are removed and kvbankd exits 0. A second signal kills at once.\n"
+            "after %d s, then the same for the coordinator; then the node's shared-memory segments left\n"
+            "by dead processes, its socket files, the pid file and the lock are removed and kvbankd exits\n"
+            "0. A second signal kills at once.\n"
             "SIGHUP is logged and ignored: reloading the config is not supported.\n"
             "\n"
             "options:\n"
@@ -803,6 +871,7 @@ static void kvbankd_free(kvbankd *d) {
     if (!d) return;
     remove_pid_file(d);
     free(d->pid_path);
+    free(d->node_lock_path);
     free(d->coord.argv[0]);
     if (d->models)
         for (int i = 0; i < d->cfg->n_models; i++) free(d->models[i].argv[0]);
@@ -857,8 +926,18 @@ int main(int argc, char **argv) {
     kvbankd *d = NULL;
     int code = 1;
     if (kvb_calloc(1, sizeof *d, (void **)&d) != KVB_OK) return 1;
-    d->pid_fd = -1;
+    d->pid_fd = d->node_lock_fd = -1;
     if (kvb_node_config_load(config, &d->cfg) != KVB_OK) goto out;
+    /* Every model's device must be there before anything is created: a node whose GPU is missing fails
+     * here (exit 1) instead of restarting its models forever, and leaves nothing behind. */
+    for (int i = 0; i < d->cfg->n_models; i++) {
+        const kvb_node_model *m = &d->cfg->models[i];
+        char why[256];
+        if (!kvb_mem_probe(m->backend, m->device, why, sizeof why)) {
+            KVB_LOG_E("model \"%s\": backend \"%s\" on device %d: %s", m->name, m->backend, m->device, why);
+            goto out;
+        }
+    }
     const char *bd = bin_dir ? bin_dir : d->cfg->bin_dir;
     if (bd) {
         char abs[PATH_MAX];
@@ -871,6 +950,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     if (setup_children(d) != KVB_OK) goto out;
+    if (lock_node(d) != KVB_OK) goto out;
     if (make_run_dir(d->cfg->run_dir) != KVB_OK) goto out;
     if (lock_pid_file(d) != KVB_OK) goto out;
     if (!foreground) {
@@ -881,7 +961,8 @@ int main(int argc, char **argv) {
     if (write_pid_file(d) != KVB_OK) goto out;
     KVB_LOG_I("node %s: %d model(s), run_dir %s, programs from %s", d->cfg->node, d->cfg->n_models, d->cfg->run_dir,
               d->bin_dir);
-    /* The pid lock says no other kvbankd runs this node: what its endpoints and tags hold is stale. */
+    /* The locks say no other kvbankd runs this node: its endpoints' socket files are stale, and so are
+     * the segments of its tags whose process is dead (only those are removed). */
     remove_socket(d->cfg->coordinator);
     for (int i = 0; i < d->cfg->n_models; i++) remove_socket(d->cfg->models[i].endpoint);
     int n = unlink_node_shm(d);

@@ -196,17 +196,43 @@ static void give_back(kvb_ledger *l, kvb_loan *ln, int lender_dead, uint64_t now
     push_revoke(l, ln, now_ms);
 }
 
+static const char *mem_kind(const kvb_ledger_model *m) { return m->memory[0] ? m->memory : "host"; }
+
+/* Why worker w's region cannot serve master's plan, into why[len]; 0 when it can. A region of another
+ * memory kind cannot be imported at all (a host shm name means nothing to a device, and the other way
+ * round); a device region on another device is not addressable in place, only streamable (peer copies
+ * into the master's LSC, "lsc": "stream"). */
+static int plan_mismatch(const kvb_ledger_model *master, const kvb_ledger_model *w, char *why, size_t len) {
+    if (strcmp(mem_kind(master), mem_kind(w)) != 0) {
+        snprintf(why, len, "worker %s has %s memory and master %s has %s memory: models of different memory kinds "
+                 "cannot lend to each other", w->name, mem_kind(w), master->name, mem_kind(master));
+        return 1;
+    }
+    if (strcmp(mem_kind(w), "host") != 0 && w->device != master->device && !master->stream) {
+        snprintf(why, len, "worker %s's region is on %s device %" PRIu32 " and master %s reads lent blocks in place on "
+                 "device %" PRIu32 ": lending across devices needs the master's \"lsc\": \"stream\"",
+                 w->name, mem_kind(w), w->device, master->name, master->device);
+        return 1;
+    }
+    return 0;
+}
+
 static void recompute_meus(kvb_ledger *l) {
     kvb_ledger_model *master = live_master(l);
     for (int i = 0; i < l->n_models; i++) {
         kvb_ledger_model *w = &l->models[i];
         if (w->role != KVB_ROLE_WORKER) continue;
         w->has_meu = 0;
-        if (!master || !w->alive) continue;
-        /* A unit larger than the worker's whole region could never be lent. */
-        if (kvb_swift_meu(&master->geom, &w->geom, w->region_bytes, &w->meu) == KVB_OK) w->has_meu = 1;
-        else KVB_LOG_W("no minimum elastic unit between master %s and worker %s: the worker cannot lend",
-                       master->name, w->name);
+        char blocked[sizeof w->lend_blocked] = "";
+        if (master && w->alive && plan_mismatch(master, w, blocked, sizeof blocked)) {
+            if (strcmp(blocked, w->lend_blocked)) KVB_LOG_W("%s", blocked);
+        } else if (master && w->alive) {
+            /* A unit larger than the worker's whole region could never be lent. */
+            if (kvb_swift_meu(&master->geom, &w->geom, w->region_bytes, &w->meu) == KVB_OK) w->has_meu = 1;
+            else KVB_LOG_W("no minimum elastic unit between master %s and worker %s: the worker cannot lend",
+                           master->name, w->name);
+        }
+        snprintf(w->lend_blocked, sizeof w->lend_blocked, "%s", blocked);
     }
 }
 
@@ -269,6 +295,18 @@ static kvb_status check_reg(const kvb_ledger_reg *r, char *why, size_t why_len) 
         set_why(why, why_len, "bad geometry (layers %d, kv heads %d, head dim %d, block size %d, elem size %d)",
                 g->n_layers, g->n_kv_heads, g->head_dim, g->block_size, g->elem_size);
         return KVB_ERR_INVALID;
+    }
+    if (r->memory) {
+        size_t n = strlen(r->memory);
+        int ok = n <= KVB_LEDGER_MEMORY_MAX;
+        for (size_t i = 0; ok && i < n; i++) {
+            char ch = r->memory[i];
+            ok = (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9');
+        }
+        if (!ok) {
+            set_why(why, why_len, "memory kind must be 0..%d of [a-z0-9]", KVB_LEDGER_MEMORY_MAX);
+            return KVB_ERR_INVALID;
+        }
     }
     if (!r->region || !r->region[0] || strlen(r->region) > KVB_LEDGER_REGION_MAX) {
         set_why(why, why_len, "region handle must be 1..%d characters", KVB_LEDGER_REGION_MAX);
@@ -603,6 +641,9 @@ kvb_status kvb_ledger_register(kvb_ledger *l, const kvb_ledger_reg *r, uint64_t 
     m->n_own = r->n_own;
     m->endpoint = endpoint;
     m->model = model;
+    snprintf(m->memory, sizeof m->memory, "%s", r->memory && r->memory[0] ? r->memory : "host");
+    m->device = r->device;
+    m->stream = r->stream != 0;
     m->registered_ms = now_ms;
     m->last_heartbeat_ms = now_ms;
     recompute_meus(l);
@@ -671,6 +712,10 @@ kvb_status kvb_ledger_offer(kvb_ledger *l, const char *worker, uint32_t first_bl
     }
     if (master->draining) {
         set_why(why, why_len, "master %s is draining", master->name);
+        return KVB_ERR_STATE;
+    }
+    if (w->lend_blocked[0]) {
+        set_why(why, why_len, "%s", w->lend_blocked);
         return KVB_ERR_STATE;
     }
     if (!w->has_meu) {
@@ -881,6 +926,10 @@ kvb_status kvb_ledger_lend_request(kvb_ledger *l, const char *worker, uint32_t n
     }
     if (master->draining) {
         set_why(why, why_len, "master %s is draining", master->name);
+        return KVB_ERR_STATE;
+    }
+    if (w->lend_blocked[0]) {
+        set_why(why, why_len, "%s", w->lend_blocked);
         return KVB_ERR_STATE;
     }
     if (!w->has_meu) {

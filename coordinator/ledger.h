@@ -37,6 +37,7 @@
 #define KVB_LEDGER_NAME_MAX 64      /* model names: 1..64 of [A-Za-z0-9._-] */
 #define KVB_LEDGER_REGION_MAX 512   /* region handle (shm name, or a CUDA IPC handle in hex) */
 #define KVB_LEDGER_TEXT_MAX 1024    /* endpoint and model strings */
+#define KVB_LEDGER_MEMORY_MAX 15    /* memory kind ("host", a device kind) */
 #define KVB_LEDGER_MAX_MODELS 256   /* registered models (dead ones included) */
 #define KVB_LEDGER_MAX_LOANS 65536
 
@@ -94,6 +95,10 @@ typedef struct kvb_ledger_model {
     /* worker: loans that became active (offer accepted -> master's GrantAck) and loans given back
      * after a revocation (Revoke -> RevokeAck), with the sums of those latencies in ms */
     uint64_t n_lends, n_reclaims, lend_ms_total, reclaim_ms_total;
+    char memory[KVB_LEDGER_MEMORY_MAX + 1]; /* memory kind of its region ("host", or a device kind) */
+    uint32_t device;          /* device of its region */
+    int stream;               /* master: streams lent blocks into its LSC (1) or reads them in place (0) */
+    char lend_blocked[512];   /* worker: why it cannot lend to the live master ("" when it can) */
     int has_meu;              /* worker: an MEU with the live master exists */
     kvb_meu meu;              /* worker: the pair's MEU with the live master */
     char death[128];          /* why it was declared dead ("" while alive) */
@@ -111,6 +116,9 @@ typedef struct kvb_ledger_reg {
     uint32_t n_own;
     const char *endpoint;
     const char *model;
+    const char *memory;       /* memory kind of the region (NULL or "": "host") */
+    uint32_t device;
+    int stream;               /* master: lent blocks are streamed into its LSC */
     /* Loans the process holds now: id, lender, first_block, n_blocks, n_master_blocks, epoch and
      * state == KVB_LOAN_REVOKING for `revoking` are read; the rest is ignored. */
     const kvb_loan *loans;
@@ -184,7 +192,9 @@ typedef struct kvb_ledger_hb {
 int kvb_ledger_heartbeat(kvb_ledger *l, const char *name, const kvb_ledger_hb *hb, uint64_t now_ms);
 
 /* LendOffer of worker `worker` (flow 3). Refused (KVB_ERR_STATE / KVB_ERR_INVALID, reason in why) when
- * there is no live master, the worker or the master drains, the pair has no MEU, n_blocks is not a
+ * there is no live master, the worker or the master drains, the worker's region cannot serve the
+ * master's plan (another memory kind; on a device, another device while the master reads lent blocks
+ * in place), the pair has no MEU, n_blocks is not a
  * positive multiple of the worker's MEU, the range leaves the region, or it overlaps a loan. On
  * acceptance *loan (may be NULL) gets the new loan and a GRANT action is queued. */
 kvb_status kvb_ledger_offer(kvb_ledger *l, const char *worker, uint32_t first_block, uint32_t n_blocks,

@@ -1,7 +1,7 @@
 /* kvbank — the compute backend interface (ggml-style vtable).
  *
- * A backend owns device memory for weights and activations and runs the transformer's operators on
- * it. Model, scheduler and policy code see only this header; which backends exist is decided in
+ * A backend owns its weights and runs the transformer's operators on memory of its kind, which comes
+ * from the backend object's memory backend (`kvb_backend.mem`, common/mem/mem.h). Model, scheduler and policy code see only this header; which backends exist is decided in
  * kernels/registry.c alone. Every operator is asynchronous with respect to the host on a device
  * backend (ordered on the backend's stream) and synchronous on the CPU one; `sync` waits for all.
  *
@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/mem/mem.h"
 #include "common/util/util.h"
 
 /* A weight matrix or vector on a backend. ne[0] = rows (output features), ne[1] = columns (input
@@ -71,9 +72,8 @@ typedef struct kvb_backend_i {
     const char *name;
     kvb_dtype act_dtype; /* element type of activation buffers */
 
-    /* Memory. alloc returns backend memory of `bytes` (uninitialised); free is NULL-safe. */
-    kvb_status (*alloc)(void *ctx, size_t bytes, void **out);
-    void (*free)(void *ctx, void *p);
+    /* Memory is not the compute backend's business: buffers, pools and regions come from the
+     * backend object's `mem` (common/mem/mem.h). */
     /* Host <-> backend copies of raw bytes; `to_host` waits for the data. */
     kvb_status (*to_device)(void *ctx, void *dst, const void *src, size_t bytes);
     kvb_status (*to_host)(void *ctx, void *dst, const void *src, size_t bytes);
@@ -121,14 +121,20 @@ typedef struct kvb_backend_i {
     void (*destroy)(void *ctx);
 } kvb_backend_i;
 
-/* A backend object: its table and its context. */
+/* A backend object: its table, its context, and the memory its operators work on. */
 typedef struct kvb_backend {
     const kvb_backend_i *iface;
     void *ctx;
+    kvb_mem *mem; /* the memory backend of the same kind and device (common/mem/mem.h), owned: every
+                   * buffer, pool and region this backend computes on comes from it */
 } kvb_backend;
 
-/* Creates the backend named `name` ("cpu"; "cuda" when built with CUDA). Caller owns the result and
- * releases it with kvb_backend_destroy (NULL-safe). KVB_ERR_UNSUPPORTED for a backend not built in. */
+/* Creates the backend named `name` ("cpu"; "cuda[:variant]" when built with CUDA) on device `device`
+ * (-1: the current one; device backends make it current on the calling thread), with its memory
+ * backend (kvb_mem_create). Caller owns the result and releases it with kvb_backend_destroy
+ * (NULL-safe). KVB_ERR_UNSUPPORTED for a backend not built in, or, logged as "no CUDA device: ...",
+ * when the device is missing. kvb_backend_create is kvb_backend_create_on(name, -1, ...). */
+kvb_status kvb_backend_create_on(const char *name, int device, int n_threads, kvb_backend **out);
 kvb_status kvb_backend_create(const char *name, int n_threads, kvb_backend **out);
 void kvb_backend_destroy(kvb_backend *be);
 /* Comma-separated names of the backends compiled into this binary (static string). */

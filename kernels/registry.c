@@ -16,34 +16,46 @@ static int is_cuda_name(const char *name, const char **variant) {
 }
 #endif
 
-kvb_status kvb_backend_create(const char *name, int n_threads, kvb_backend **out) {
+kvb_status kvb_backend_create_on(const char *name, int device, int n_threads, kvb_backend **out) {
+    if (!out) return KVB_ERR_INVALID;
+    *out = NULL;
+    if (!name) name = "cpu";
 #ifdef KVB_WITH_CUDA
     const char *variant = NULL;
+    int cuda = is_cuda_name(name, &variant);
+#else
+    int cuda = 0;
 #endif
+    if (strcmp(name, "cpu") != 0 && !cuda) {
+        KVB_LOG_E("backend \"%s\" is not built into this binary (available: %s)", name, kvb_backend_list());
+        return KVB_ERR_UNSUPPORTED;
+    }
     kvb_backend *be = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *be, (void **)&be));
     kvb_status st;
-    if (!name || !strcmp(name, "cpu")) {
-        st = kvb__backend_cpu_create(n_threads, be);
+    /* memory first: it selects the device (and says "no CUDA device" when there is none) */
+    KVB_TRY_GOTO(kvb_mem_create(name, device, &be->mem), fail);
+    if (!cuda) st = kvb__backend_cpu_create(n_threads, be);
 #ifdef KVB_WITH_CUDA
-    } else if (is_cuda_name(name, &variant)) {
-        st = kvb__backend_cuda_create(variant, n_threads, be);
+    else st = kvb__backend_cuda_create(variant, n_threads, be);
 #endif
-    } else {
-        KVB_LOG_E("backend \"%s\" is not built into this binary (available: %s)", name, kvb_backend_list());
-        st = KVB_ERR_UNSUPPORTED;
-    }
-    if (st != KVB_OK) {
-        free(be);
-        return st;
-    }
+    if (st != KVB_OK) goto fail;
     *out = be;
     return KVB_OK;
+fail:
+    kvb_mem_destroy(be->mem);
+    free(be);
+    return st;
+}
+
+kvb_status kvb_backend_create(const char *name, int n_threads, kvb_backend **out) {
+    return kvb_backend_create_on(name, -1, n_threads, out);
 }
 
 void kvb_backend_destroy(kvb_backend *be) {
     if (!be) return;
     if (be->iface && be->iface->destroy) be->iface->destroy(be->ctx);
+    kvb_mem_destroy(be->mem);
     free(be);
 }
 

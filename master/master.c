@@ -24,7 +24,7 @@
 
 typedef struct mapped {
     char *handle;      /* the lender's region handle */
-    kvb_region *reg;   /* imported (never owned: destroying unmaps only) */
+    kvb_mem_region *reg; /* imported into the backend's memory (never owned: destroying unmaps only) */
     int refs;          /* loans attached from it */
 } mapped;
 
@@ -51,7 +51,8 @@ typedef struct master {
 
 /* ----------------------------------------------------------------------------------------- regions */
 
-static int region_get(master *m, const char *handle, char *err, size_t err_len) {
+/* The lender region `handle` of `bytes`, imported once (a second loan from it reuses the import). */
+static int region_get(master *m, const char *handle, uint64_t bytes, char *err, size_t err_len) {
     for (int i = 0; i < m->n_regions; i++)
         if (m->regions[i].reg && !strcmp(m->regions[i].handle, handle)) return i;
     int slot = -1;
@@ -70,28 +71,31 @@ static int region_get(master *m, const char *handle, char *err, size_t err_len) 
         memset(&m->regions[slot], 0, sizeof m->regions[slot]);
     }
     mapped *r = &m->regions[slot];
-    kvb_status st = kvb_region_import(handle, &r->reg);
+    kvb_status st = bytes > SIZE_MAX ? KVB_ERR_INVALID
+                                     : kvb_mem_region_import(kvb_node_proc_mem(m->p), handle, (size_t)bytes, &r->reg);
     if (st != KVB_OK) {
         r->reg = NULL;
-        snprintf(err, err_len, "cannot map region %s: %s", handle, kvb_status_str(st));
+        snprintf(err, err_len, "cannot import region %.40s%s of %" PRIu64 " bytes into %s memory: %s", handle,
+                 strlen(handle) > 40 ? "..." : "", bytes, kvb_mem_kind(kvb_node_proc_mem(m->p)), kvb_status_str(st));
         return -1;
     }
     if (kvb_strdup(handle, &r->handle) != KVB_OK) {
-        kvb_region_destroy(r->reg);
+        kvb_mem_region_destroy(r->reg);
         r->reg = NULL;
         snprintf(err, err_len, "out of memory");
         return -1;
     }
     r->refs = 0;
-    KVB_LOG_I("mapped lender region %s (%zu bytes)", handle, kvb_region_size(r->reg));
+    KVB_LOG_I("imported lender region %.40s%s (%zu bytes)", handle, strlen(handle) > 40 ? "..." : "",
+              kvb_mem_region_size(r->reg));
     return slot;
 }
 
 static void region_put(master *m, int i) {
     mapped *r = &m->regions[i];
     if (!r->reg || --r->refs > 0) return;
-    KVB_LOG_I("unmapped lender region %s (no loan left on it)", r->handle);
-    kvb_region_destroy(r->reg);
+    KVB_LOG_I("unmapped lender region %.40s%s (no loan left on it)", r->handle, strlen(r->handle) > 40 ? "..." : "");
+    kvb_mem_region_destroy(r->reg);
     free(r->handle);
     r->reg = NULL;
     r->handle = NULL;
@@ -167,13 +171,13 @@ static void cb_grant(void *ud, const Kvbank__Grant *g) {
         for (int k = 0; k < m->n_loans; k++) m->loans[k].l.lender = m->loans[k].lender; /* moved */
         m->cap_loans = cap;
     }
-    int ri = region_get(m, g->region, err, sizeof err);
+    int ri = region_get(m, g->region, g->region_bytes, err, sizeof err);
     if (ri < 0) {
         grant_fail(m, l->loan_id, err);
         return;
     }
     mapped *r = &m->regions[ri];
-    size_t size = kvb_region_size(r->reg);
+    size_t size = kvb_mem_region_size(r->reg);
     if (l->offset > size || l->bytes > size - l->offset) {
         snprintf(err, sizeof err, "bytes [%" PRIu64 ", %" PRIu64 ") lie outside region %s of %zu bytes", l->offset,
                  l->offset + l->bytes, g->region, size);
@@ -183,7 +187,7 @@ static void cb_grant(void *ud, const Kvbank__Grant *g) {
         return;
     }
     r->refs++;
-    void *mem = (char *)kvb_region_base(r->reg) + l->offset;
+    void *mem = (char *)kvb_mem_region_base(r->reg) + l->offset;
     kvb_status st = kvb_engine_attach(m->eng, l->loan_id, mem, (size_t)l->bytes, (int)l->n_master_blocks);
     if (st != KVB_OK) {
         region_put(m, ri);
@@ -313,11 +317,12 @@ int main(int argc, char **argv) {
     if (st != KVB_OK) fprintf(stderr, "kvbank-master: stopped on an error: %s\n", kvb_status_str(st));
     else rc = 0;
 out:
-    kvb_node_proc_destroy(p);
+    /* the imports first: they live in the memory of the backend that kvb_node_proc_destroy frees */
     for (int i = 0; i < m.n_regions; i++) {
-        kvb_region_destroy(m.regions[i].reg);
+        kvb_mem_region_destroy(m.regions[i].reg);
         free(m.regions[i].handle);
     }
+    kvb_node_proc_destroy(p);
     free(m.regions);
     free(m.loans);
     free(m.view);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "common/kv/block_pool.h"
+#include "common/mem/region.h" /* stale-segment cleanup of the host backend's names */
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 
@@ -32,7 +33,7 @@ struct kvb_node_proc {
     kvb_backend *be;
     kvb_model *model;
     kvb_kv_geom geom;
-    kvb_region *region;       /* own KV memory */
+    kvb_mem_region *region;   /* own KV memory: one exportable region of be->mem */
     kvb_server *srv;
     kvb_engine *eng;
     kvb_node_client *nc;
@@ -52,16 +53,18 @@ static void usage(FILE *f, kvb_role role) {
     if (w)
         fprintf(f,
                 "Serves one model of a kvbank node as a worker: requests on its own ZeroMQ endpoint, KV cache in\n"
-                "a POSIX shared-memory region (/kvb-TAG-PID-N, mode 0600) that the master may borrow blocks of.\n"
+                "one exportable region the master may borrow blocks of: a POSIX shared-memory object\n"
+                "(/kvb-TAG-PID-N, mode 0600) on the cpu backend, device memory with an IPC handle on a GPU.\n"
                 "Every lend interval it lends the free tail of its cache (SwiftCache Alg. 1 SCALEDOWN over the\n"
                 "window, in multiples of the minimum elastic unit) through kvbank-coordinator, and reclaims\n"
                 "blocks (SCALEUP) when its own requests need them.\n");
     else
         fprintf(f,
-                "Serves the master model of a kvbank node: requests on its own ZeroMQ endpoint, KV cache in a\n"
-                "POSIX shared-memory region (/kvb-TAG-PID-N, mode 0600), plus the blocks workers lend it\n"
-                "through kvbank-coordinator, which it maps and attends to in place (or streams through the\n"
-                "layer stream cache with --lsc stream). Logs the SwiftCache LSC/RC plan (Eq. 1-5) of the node.\n");
+                "Serves the master model of a kvbank node: requests on its own ZeroMQ endpoint, KV cache in one\n"
+                "exportable region (POSIX shm /kvb-TAG-PID-N, mode 0600, on the cpu backend; device memory on a\n"
+                "GPU), plus the blocks workers lend it through kvbank-coordinator, which it imports by handle\n"
+                "and attends to in place (or streams through the layer stream cache with --lsc stream, also\n"
+                "from another GPU). Logs the SwiftCache LSC/RC plan (Eq. 1-5) of the node.\n");
     fprintf(f,
             "It keeps serving its own requests while the coordinator is away and registers again when it\n"
             "is back. SIGINT or SIGTERM: stop accepting, cancel live requests (FINISH_CANCELLED),\n"
@@ -79,8 +82,9 @@ static void usage(FILE *f, kvb_role role) {
             "  --kv-mb N              KV memory in MiB, fractions allowed (default %g)\n"
             "  --block-size N         tokens per KV block (default 16)\n"
             "  --threads N            CPU threads (default 1)\n"
-            "  --backend NAME         compute backend (built in: %s; default cpu); the node's KV regions\n"
-            "                         are host shared memory, so only cpu works here so far\n"
+            "  --backend NAME         compute backend (built in: %s; default cpu); with a device\n"
+            "                         backend the KV region is device memory lent through its IPC handle\n"
+            "  --device N             the GPU of a device backend (default 0)\n"
             "  --policy NAME          preemption planner (default recompute)\n"
             "  --max-batch-tokens N   token budget per engine step (default 512)\n"
             "  --max-seqs N           most running sequences (default 64)\n"
@@ -131,18 +135,19 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     const char *config = NULL, *name = NULL, *lsc = NULL;
     /* flags; unset: 0 / NULL / negative */
     const char *f_model = NULL, *f_ep = NULL, *f_coord = NULL, *f_backend = NULL, *f_policy = NULL;
-    int f_threads = 0, f_bs = 0, f_mbt = 0, f_seqs = 0, f_live = 0, f_hb = 0, no_pc = 0, no_lend = 0, f_per_client = 0;
+    int f_threads = 0, f_bs = 0, f_mbt = 0, f_seqs = 0, f_live = 0, f_hb = 0, no_pc = 0, no_lend = 0, f_per_client = 0,
+        f_device = -1;
     double f_kv_mb = -1, f_lend = -1, f_window = -1;
 
     enum { O_CONFIG = 256, O_NAME, O_MODEL, O_EP, O_COORD, O_KVMB, O_BS, O_THREADS, O_BACKEND, O_POLICY, O_MBT,
-           O_SEQS, O_LIVE, O_NOPC, O_HB, O_LEND, O_WINDOW, O_LSC, O_NOLEND, O_PER_CLIENT };
+           O_SEQS, O_LIVE, O_NOPC, O_HB, O_LEND, O_WINDOW, O_LSC, O_NOLEND, O_PER_CLIENT, O_DEVICE };
     struct option opts[32] = {
         {"config", 1, 0, O_CONFIG},   {"name", 1, 0, O_NAME},         {"model", 1, 0, O_MODEL},
         {"endpoint", 1, 0, O_EP},     {"coordinator", 1, 0, O_COORD}, {"kv-mb", 1, 0, O_KVMB},
         {"block-size", 1, 0, O_BS},   {"threads", 1, 0, O_THREADS},   {"backend", 1, 0, O_BACKEND},
         {"policy", 1, 0, O_POLICY},   {"max-batch-tokens", 1, 0, O_MBT}, {"max-seqs", 1, 0, O_SEQS},
         {"max-live", 1, 0, O_LIVE},   {"no-prefix-cache", 0, 0, O_NOPC}, {"heartbeat-ms", 1, 0, O_HB},
-        {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"help", 0, 0, 'h'}};
+        {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"device", 1, 0, O_DEVICE}, {"help", 0, 0, 'h'}};
     int n_opts = 0;
     while (opts[n_opts].name) n_opts++;
     if (role == KVB_ROLE_WORKER) {
@@ -178,6 +183,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         case O_LIVE: st = kvb_parse_i64(optarg, 1, 1 << 20, &v); f_live = (int)v; break;
         case O_PER_CLIENT: st = kvb_parse_i64(optarg, 1, 1 << 20, &v); f_per_client = (int)v; break;
         case O_HB: st = kvb_parse_i64(optarg, 10, 60000, &v); f_hb = (int)v; break;
+        case O_DEVICE: st = kvb_parse_i64(optarg, 0, 1023, &v); f_device = (int)v; break;
         case O_KVMB:
             st = kvb_parse_f64(optarg, &d);
             if (st == KVB_OK && !(d > 0 && d <= 1 << 24)) st = KVB_ERR_INVALID;
@@ -263,6 +269,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         a->endpoint = m->endpoint;
         a->coordinator = a->cfg->coordinator;
         if (m->backend) a->backend = m->backend;
+        a->device = m->device;
         if (m->policy) a->policy = m->policy;
         if (m->threads > 0) a->threads = m->threads;
         if (m->block_size > 0) a->block_size = m->block_size;
@@ -281,6 +288,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     if (f_ep) a->endpoint = f_ep;
     if (f_coord) a->coordinator = f_coord;
     if (f_backend) a->backend = f_backend;
+    if (f_device >= 0) a->device = f_device;
     if (f_policy) a->policy = f_policy;
     if (f_threads) a->threads = f_threads;
     if (f_bs) a->block_size = f_bs;
@@ -394,16 +402,9 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
         goto fail;
     }
     planner_owned = 1;
-    if (strcmp(a->backend, "cpu") != 0) {
-        /* The KV memory below is a POSIX shared-memory region (host memory); a device backend needs
-         * a device region exported by CUDA IPC, which the node processes do not create yet. */
-        fprintf(stderr, "%s: backend '%s': the node's KV regions are host shared memory, only the cpu backend "
-                "can use them so far\n", prog, a->backend);
-        st = KVB_ERR_UNSUPPORTED;
-        goto fail;
-    }
-    if ((st = kvb_backend_create(a->backend, a->threads, &p->be)) != KVB_OK) {
-        fprintf(stderr, "%s: cannot create backend '%s': %s\n", prog, a->backend, kvb_status_str(st));
+    if ((st = kvb_backend_create_on(a->backend, a->device, a->threads, &p->be)) != KVB_OK) {
+        fprintf(stderr, "%s: cannot create backend '%s' on device %d: %s\n", prog, a->backend, a->device,
+                kvb_status_str(st));
         goto fail;
     }
     if ((st = kvb_model_load(a->model_dir, p->be, &p->model)) != KVB_OK) {
@@ -427,9 +428,10 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     size_t kv_bytes = (size_t)n_blocks * block_bytes; /* whole blocks: the region is block-aligned */
 
     int n_stale = 0;
-    kvb_node_unlink_stale_regions(a->tag, &n_stale);
-    if ((st = kvb_region_create(a->tag, kv_bytes, &p->region)) != KVB_OK) {
-        fprintf(stderr, "%s: cannot create a %zu-byte shared KV region: %s\n", prog, kv_bytes, kvb_status_str(st));
+    kvb_region_unlink_stale(a->tag, &n_stale);
+    if ((st = kvb_mem_region_create(p->be->mem, a->tag, kv_bytes, &p->region)) != KVB_OK) {
+        fprintf(stderr, "%s: cannot create a %zu-byte exportable KV region in %s memory: %s\n", prog, kv_bytes,
+                kvb_mem_kind(p->be->mem), kvb_status_str(st));
         goto fail;
     }
     kvb_server_opts so = {.endpoint = a->endpoint, .model_name = a->name, .max_live = a->max_live,
@@ -445,8 +447,8 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     eo.max_batch_tokens = a->max_batch_tokens;
     eo.max_seqs = a->max_seqs;
     eo.enable_prefix_cache = a->prefix_cache;
-    eo.kv_mem = kvb_region_base(p->region);
-    eo.kv_mem_bytes = kvb_region_size(p->region);
+    eo.kv_mem = kvb_mem_region_base(p->region);
+    eo.kv_mem_bytes = kvb_mem_region_size(p->region);
     kvb_engine_events ev = kvb_server_engine_events(p->srv);
     planner_owned = 0; /* kvb_engine_create takes the planner, also when it fails */
     if ((st = kvb_engine_create(p->model, &eo, &planner, &ev, &p->eng)) != KVB_OK) {
@@ -456,9 +458,11 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     kvb_server_attach(p->srv, p->eng);
 
     kvb_node_identity id = {.name = a->name, .role = a->role, .geom = p->geom,
-                            .region = kvb_region_handle(p->region), .region_bytes = kvb_region_size(p->region),
-                            .capacity = (uint32_t)n_blocks, .endpoint = kvb_server_endpoint(p->srv),
-                            .model = a->model_dir};
+                            .region = kvb_mem_region_handle(p->region),
+                            .region_bytes = kvb_mem_region_size(p->region), .memory = kvb_mem_kind(p->be->mem),
+                            .device = (uint32_t)kvb_mem_device(p->be->mem),
+                            .stream = a->role == KVB_ROLE_MASTER && a->lsc_stream, .capacity = (uint32_t)n_blocks,
+                            .endpoint = kvb_server_endpoint(p->srv), .model = a->model_dir};
     if ((st = kvb_node_client_create(a->coordinator, &id, &role->cb, a->heartbeat_ms, &p->nc)) != KVB_OK) {
         fprintf(stderr, "%s: cannot connect to the coordinator at %s: %s\n", prog, a->coordinator,
                 kvb_status_str(st));
@@ -469,9 +473,11 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
                           .on_request = hook_request, .on_step_begin = hook_step_begin,
                           .on_step_end = hook_step_end};
     KVB_TRY_GOTO(kvb_server_set_hooks(p->srv, &h), fail);
-    KVB_LOG_I("%s %s serving on %s: %lld KV blocks of %d tokens (%zu bytes each) in %s%s; coordinator %s",
+    KVB_LOG_I("%s %s serving on %s: %lld KV blocks of %d tokens (%zu bytes each) in %s memory (device %d, region "
+              "%.24s%s)%s; coordinator %s",
               a->role == KVB_ROLE_MASTER ? "master" : "worker", a->name, kvb_server_endpoint(p->srv),
-              (long long)n_blocks, a->block_size, block_bytes, kvb_region_handle(p->region),
+              (long long)n_blocks, a->block_size, block_bytes, kvb_mem_kind(p->be->mem), kvb_mem_device(p->be->mem),
+              kvb_mem_region_handle(p->region), strlen(kvb_mem_region_handle(p->region)) > 24 ? "..." : "",
               n_stale ? " (stale regions of the tag removed)" : "", a->coordinator);
     *out = p;
     return KVB_OK;
@@ -513,13 +519,14 @@ void kvb_node_proc_destroy(kvb_node_proc *p) {
     kvb_node_client_destroy(p->nc);
     kvb_engine_destroy(p->eng);
     kvb_server_destroy(p->srv);
-    kvb_region_destroy(p->region);
+    kvb_mem_region_destroy(p->region);
     kvb_model_destroy(p->model);
     kvb_backend_destroy(p->be);
     free(p);
 }
 
 kvb_engine *kvb_node_proc_engine(const kvb_node_proc *p) { return p ? p->eng : NULL; }
+kvb_mem *kvb_node_proc_mem(const kvb_node_proc *p) { return p && p->be ? p->be->mem : NULL; }
 kvb_node_client *kvb_node_proc_client(const kvb_node_proc *p) { return p ? p->nc : NULL; }
 const kvb_node_proc_args *kvb_node_proc_args_of(const kvb_node_proc *p) { return p ? &p->args : NULL; }
 const kvb_kv_geom *kvb_node_proc_geom(const kvb_node_proc *p) { return p ? &p->geom : NULL; }

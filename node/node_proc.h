@@ -1,7 +1,8 @@
 /* kvbank — a model process of the node: what kvbank-master and kvbank-worker share.
  *
- * The command line (node config entry or standalone flags), the model, its KV memory (a shared-memory
- * region tagged for the node), the engine over that memory, the model server on the request endpoint,
+ * The command line (node config entry or standalone flags), the model, its KV memory (one exportable
+ * region of the backend's memory, common/mem/mem.h: host shm tagged for the node, or device memory
+ * with an IPC handle), the engine over that memory, the model server on the request endpoint,
  * the coordinator client, signals, and the loop that runs them all in one thread: the role's code runs
  * as server hooks, between engine steps. The roles (master/master.c, worker/worker.c) add only what
  * differs: borrowing and lending. */
@@ -13,7 +14,7 @@
 
 #include "common/ipc/node_client.h"
 #include "common/ipc/server.h"
-#include "common/mem/region.h"
+#include "common/mem/mem.h"
 #include "common/sched/engine.h"
 #include "common/util/node_config.h"
 
@@ -30,6 +31,7 @@ typedef struct kvb_node_proc_args {
     const char *endpoint;        /* request endpoint */
     const char *coordinator;     /* coordinator endpoint */
     const char *backend;
+    int device;                  /* device of a device backend (0 for cpu) */
     const char *policy;
     int threads;
     int block_size;
@@ -65,8 +67,9 @@ typedef struct kvb_node_role {
     void (*on_request)(void *ud, const kvb_request *r);
 } kvb_node_role;
 
-/* Installs SIGINT/SIGTERM handlers, loads the model, removes stale regions of the tag, creates the KV
- * region, the server, the engine and the coordinator client (which registers on the first tick).
+/* Installs SIGINT/SIGTERM handlers, creates the backend on its device (a missing device fails here,
+ * "no CUDA device", before anything is created), loads the model, removes stale regions of the tag,
+ * creates the KV region, the server, the engine and the coordinator client (which registers on the first tick).
  * `role` is copied; its callbacks may run from kvb_node_proc_run and kvb_node_proc_pump only. Caller
  * owns the result; on failure the error was printed to stderr. */
 kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role *role, kvb_node_proc **out);
@@ -80,6 +83,8 @@ int kvb_node_proc_pump(kvb_node_proc *p, int timeout_ms, int (*done)(void *ud), 
 void kvb_node_proc_destroy(kvb_node_proc *p);
 
 kvb_engine *kvb_node_proc_engine(const kvb_node_proc *p);
+/* The memory the process's backend computes on: where lent regions are imported (owned by p). */
+kvb_mem *kvb_node_proc_mem(const kvb_node_proc *p);
 kvb_node_client *kvb_node_proc_client(const kvb_node_proc *p);
 const kvb_node_proc_args *kvb_node_proc_args_of(const kvb_node_proc *p);
 const kvb_kv_geom *kvb_node_proc_geom(const kvb_node_proc *p);

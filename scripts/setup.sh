@@ -23,6 +23,21 @@ kvb_install_packages() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+# The text layer's test oracles (tests/test_text_oracle.sh): npm packages pinned by
+# tests/npm/package-lock.json, installed into tests/npm/node_modules when node and npm are present.
+# Only the tests use them; kvbank never runs node.
+kvb_install_oracles() {
+    if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+        echo "==> node/npm not found: the text oracle test will be skipped"
+        return 0
+    fi
+    local d=$KVB_ROOT/tests/npm
+    if [ ! -f "$d/node_modules/.package-lock.json" ] || [ "$d/package-lock.json" -nt "$d/node_modules/.package-lock.json" ]; then
+        echo "==> npm ci (text oracles, in tests/npm)"
+        (cd "$d" && npm ci --no-audit --no-fund --loglevel=error)
+    fi
+}
+
 # kvb_build DIR [configure args...]: configure (once) and build in DIR.
 kvb_build() {
     local dir=$1

@@ -101,7 +101,7 @@ static void decode_dt(const void *b, size_t n, kvb_dtype dt, float *out) {
 static void *upload(kvb_backend *be, const float *x, size_t n) {
     kvb_dtype dt = be->iface->act_dtype;
     void *d = NULL;
-    ck_assert_int_eq(be->iface->alloc(be->ctx, n * kvb_dtype_size(dt), &d), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, n * kvb_dtype_size(dt), &d), KVB_OK);
     void *h = encode(x, n, dt);
     ck_assert_int_eq(be->iface->to_device(be->ctx, d, h, n * kvb_dtype_size(dt)), KVB_OK);
     free(h);
@@ -193,7 +193,7 @@ KVB_TEST(embed_gather_rows) {
             ids[1] = vocab - 1;
             float *oc = malloc(sizeof(float) * n * dim);
             void *og = NULL;
-            ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)n * dim * kvb_dtype_size(V->dt), &og), KVB_OK);
+            ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n * dim * kvb_dtype_size(V->dt), &og), KVB_OK);
             ck_assert_int_eq(cpu->iface->embed(cpu->ctx, &tc, ids, n, oc), KVB_OK);
             ck_assert_int_eq(gpu->iface->embed(gpu->ctx, &tg, ids, n, og), KVB_OK);
             float *got = download(gpu, og, (size_t)n * dim);
@@ -202,13 +202,13 @@ KVB_TEST(embed_gather_rows) {
             int32_t rows[5] = {76, 0, 3, 3, 40};
             float *gc = malloc(sizeof(float) * 5 * dim);
             void *gg = NULL;
-            ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)5 * dim * kvb_dtype_size(V->dt), &gg), KVB_OK);
+            ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)5 * dim * kvb_dtype_size(V->dt), &gg), KVB_OK);
             ck_assert_int_eq(cpu->iface->gather_rows(cpu->ctx, oc, rows, 5, dim, gc), KVB_OK);
             ck_assert_int_eq(gpu->iface->gather_rows(gpu->ctx, og, rows, 5, dim, gg), KVB_OK);
             float *got2 = download(gpu, gg, (size_t)5 * dim);
             ck_assert_int_eq(memcmp(got2, gc, sizeof(float) * 5 * dim), 0);
-            gpu->iface->free(gpu->ctx, og);
-            gpu->iface->free(gpu->ctx, gg);
+            kvb_mem_free(gpu->mem, og);
+            kvb_mem_free(gpu->mem, gg);
             cpu->iface->weight_free(cpu->ctx, &tc);
             gpu->iface->weight_free(gpu->ctx, &tg);
             free(table);
@@ -250,11 +250,11 @@ KVB_TEST(matmul) {
                 float *got = download(gpu, yg, (size_t)n * rows);
                 CHECK_CLOSE(got, yc, (size_t)n * rows, V, "matmul n=%d %dx%d beta=%d from %s", n, rows, cols, beta,
                             kvb_dtype_name(src_dt));
-                gpu->iface->free(gpu->ctx, yg);
+                kvb_mem_free(gpu->mem, yg);
                 free(yc);
                 free(got);
             }
-            gpu->iface->free(gpu->ctx, xg);
+            kvb_mem_free(gpu->mem, xg);
             cpu->iface->weight_free(cpu->ctx, &tc);
             gpu->iface->weight_free(gpu->ctx, &tg);
             free(w);
@@ -282,7 +282,7 @@ KVB_TEST(rmsnorm) {
             ck_assert_int_eq(tg.dtype, KVB_DTYPE_F32); /* norm weights stay f32 */
             float *yc = malloc(sizeof(float) * rows * dim);
             void *xg = upload(gpu, x, (size_t)rows * dim), *yg = NULL;
-            ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)rows * dim * kvb_dtype_size(V->dt), &yg), KVB_OK);
+            ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)rows * dim * kvb_dtype_size(V->dt), &yg), KVB_OK);
             ck_assert_int_eq(cpu->iface->rmsnorm(cpu->ctx, x, rows, dim, &tc, 1e-5f, yc), KVB_OK);
             ck_assert_int_eq(gpu->iface->rmsnorm(gpu->ctx, xg, rows, dim, &tg, 1e-5f, yg), KVB_OK);
             float *got = download(gpu, yg, (size_t)rows * dim);
@@ -291,8 +291,8 @@ KVB_TEST(rmsnorm) {
             ck_assert_int_eq(gpu->iface->rmsnorm(gpu->ctx, xg, rows, dim, &tg, 1e-5f, xg), KVB_OK);
             float *got2 = download(gpu, xg, (size_t)rows * dim);
             ck_assert_int_eq(memcmp(got, got2, sizeof(float) * rows * dim), 0);
-            gpu->iface->free(gpu->ctx, xg);
-            gpu->iface->free(gpu->ctx, yg);
+            kvb_mem_free(gpu->mem, xg);
+            kvb_mem_free(gpu->mem, yg);
             cpu->iface->weight_free(cpu->ctx, &tc);
             gpu->iface->weight_free(gpu->ctx, &tg);
             free(x);
@@ -330,8 +330,8 @@ KVB_TEST(rope) {
             float *gq = download(gpu, qg, (size_t)n * H * D), *gk = download(gpu, kg, (size_t)n * KH * D);
             CHECK_CLOSE(gq, q, (size_t)n * H * D, V, "rope q %d/%d hd %d", H, KH, D);
             CHECK_CLOSE(gk, k, (size_t)n * KH * D, V, "rope k %d/%d hd %d", H, KH, D);
-            gpu->iface->free(gpu->ctx, qg);
-            gpu->iface->free(gpu->ctx, kg);
+            kvb_mem_free(gpu->mem, qg);
+            kvb_mem_free(gpu->mem, kg);
             free(inv);
             free(q);
             free(k);
@@ -379,9 +379,9 @@ KVB_TEST(silu_mul_add) {
                 CHECK_CLOSE(got3, ref, n, V, "add unaligned n=%zu", n);
                 free(got3);
             }
-            gpu->iface->free(gpu->ctx, gg);
-            gpu->iface->free(gpu->ctx, ug);
-            gpu->iface->free(gpu->ctx, ag);
+            kvb_mem_free(gpu->mem, gg);
+            kvb_mem_free(gpu->mem, ug);
+            kvb_mem_free(gpu->mem, ag);
             free(g);
             free(u);
             free(oc);
@@ -427,7 +427,7 @@ static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V
     size_t row = (size_t)n_kv * hd, layer_elems = 2 * (size_t)bs * row, blk_elems = 2 * layer_elems;
     float *pool_c = calloc((size_t)n_blk * blk_elems, sizeof(float));
     void *pool_g = NULL;
-    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)n_blk * blk_elems * es, &pool_g), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n_blk * blk_elems * es, &pool_g), KVB_OK);
     void **pc = malloc(sizeof(void *) * n_blk), **pg = malloc(sizeof(void *) * n_blk);
     int mul = 7;
     while (n_blk % mul == 0) mul += 2;
@@ -464,7 +464,7 @@ static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V
     /* one step */
     float *q = rand_vec((size_t)n_tok * n_heads * hd, 1.0f, dt), *oc = malloc(sizeof(float) * n_tok * n_heads * hd);
     void *qg = upload(gpu, q, (size_t)n_tok * n_heads * hd), *og = NULL;
-    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)n_tok * n_heads * hd * es, &og), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n_tok * n_heads * hd * es, &og), KVB_OK);
     bc.n_tokens = bg.n_tokens = n_tok;
     bc.seqs = bg.seqs = step;
     ck_assert_int_eq(cpu->iface->attention(cpu->ctx, &bc, q, oc), KVB_OK);
@@ -477,11 +477,11 @@ static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V
     float *again = download(gpu, og, (size_t)n_tok * n_heads * hd);
     ck_assert_int_eq(memcmp(got, again, sizeof(float) * n_tok * n_heads * hd), 0);
 
-    gpu->iface->free(gpu->ctx, pool_g);
-    gpu->iface->free(gpu->ctx, kfg);
-    gpu->iface->free(gpu->ctx, vfg);
-    gpu->iface->free(gpu->ctx, qg);
-    gpu->iface->free(gpu->ctx, og);
+    kvb_mem_free(gpu->mem, pool_g);
+    kvb_mem_free(gpu->mem, kfg);
+    kvb_mem_free(gpu->mem, vfg);
+    kvb_mem_free(gpu->mem, qg);
+    kvb_mem_free(gpu->mem, og);
     free(fill_seqs);
     free(step);
     free(pool_c);
@@ -580,9 +580,9 @@ KVB_TEST(blocks_copy_gather_scatter) {
         unsigned char *host = malloc(bytes * pool_n);
         for (size_t i = 0; i < bytes * pool_n; i++) host[i] = (unsigned char)(frand() * 127 + 128);
         void *pool = NULL, *packed = NULL, *dev_ptrs = NULL;
-        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, bytes * pool_n, &pool), KVB_OK);
-        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, bytes * n, &packed), KVB_OK);
-        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, sizeof(void *) * 2 * n, &dev_ptrs), KVB_OK);
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, bytes * pool_n, &pool), KVB_OK);
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, bytes * n, &packed), KVB_OK);
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, sizeof(void *) * 2 * n, &dev_ptrs), KVB_OK);
         ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, pool, host, bytes * pool_n), KVB_OK);
         /* sources: blocks 0..22 in a shuffled order; destinations: blocks 23..39 (never a source) */
         void *ptrs[46];
@@ -613,9 +613,9 @@ KVB_TEST(blocks_copy_gather_scatter) {
         ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, pool_back, pool, bytes * pool_n), KVB_OK);
         for (int i = 0; i < n; i++)
             ck_assert(!memcmp(pool_back + (size_t)i * bytes, host + (size_t)i * bytes, bytes));
-        gpu->iface->free(gpu->ctx, pool);
-        gpu->iface->free(gpu->ctx, packed);
-        gpu->iface->free(gpu->ctx, dev_ptrs);
+        kvb_mem_free(gpu->mem, pool);
+        kvb_mem_free(gpu->mem, packed);
+        kvb_mem_free(gpu->mem, dev_ptrs);
         free(host);
         free(got);
         free(pool_back);
@@ -653,8 +653,8 @@ KVB_TEST(copy_concurrent) {
         unsigned char *host = malloc(bytes), *back = malloc(bytes);
         for (size_t i = 0; i < bytes; i++) host[i] = (unsigned char)(frand() * 127 + 128);
         void *a = NULL, *b = NULL;
-        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, bytes, &a), KVB_OK);
-        ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, bytes, &b), KVB_OK);
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, bytes, &a), KVB_OK);
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, bytes, &b), KVB_OK);
         ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, a, host, bytes), KVB_OK);
         /* a plain copy, then one from a second thread while this one runs operators elsewhere */
         ck_assert_int_eq(gpu->iface->copy(gpu->ctx, b, a, bytes), KVB_OK);
@@ -670,8 +670,8 @@ KVB_TEST(copy_concurrent) {
         ck_assert_int_eq(c.st, KVB_OK);
         ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, back, b, bytes), KVB_OK);
         ck_assert(!memcmp(back, host, bytes));
-        gpu->iface->free(gpu->ctx, a);
-        gpu->iface->free(gpu->ctx, b);
+        kvb_mem_free(gpu->mem, a);
+        kvb_mem_free(gpu->mem, b);
         free(host);
         free(back);
         kvb_backend_destroy(gpu);
@@ -704,10 +704,10 @@ static void check_sampling(kvb_backend *gpu, kvb_dtype dt, int rows, int vocab, 
     }
     void *dl = NULL, *dp = NULL, *dout = NULL, *dgreedy = NULL;
     size_t es = kvb_dtype_size(dt);
-    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, (size_t)rows * vocab * es, &dl), KVB_OK);
-    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, sizeof *P * rows, &dp), KVB_OK);
-    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, sizeof(int32_t) * rows, &dout), KVB_OK);
-    ck_assert_int_eq(gpu->iface->alloc(gpu->ctx, sizeof(int32_t) * rows, &dgreedy), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)rows * vocab * es, &dl), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, sizeof *P * rows, &dp), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, sizeof(int32_t) * rows, &dout), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, sizeof(int32_t) * rows, &dgreedy), KVB_OK);
     void *enc = encode(logits, (size_t)rows * vocab, dt);
     ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, dl, enc, (size_t)rows * vocab * es), KVB_OK);
     ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, dp, P, sizeof *P * rows), KVB_OK);
@@ -736,10 +736,10 @@ static void check_sampling(kvb_backend *gpu, kvb_dtype dt, int rows, int vocab, 
     /* differences can come only from expf ulps and fixed-point masses when u sits on a boundary */
     ck_assert_msg(agree >= n_sampled - KVB_MAX(1, n_sampled / 50), "sampling %s vocab %d: %d of %d agree",
                   kvb_dtype_name(dt), vocab, agree, n_sampled);
-    gpu->iface->free(gpu->ctx, dl);
-    gpu->iface->free(gpu->ctx, dp);
-    gpu->iface->free(gpu->ctx, dout);
-    gpu->iface->free(gpu->ctx, dgreedy);
+    kvb_mem_free(gpu->mem, dl);
+    kvb_mem_free(gpu->mem, dp);
+    kvb_mem_free(gpu->mem, dout);
+    kvb_mem_free(gpu->mem, dgreedy);
     free(enc);
     free(logits);
     free(P);

@@ -189,6 +189,61 @@ KVB_TEST(ledger_offer_validation) {
 }
 KVB_TEST_END
 
+/* Registers `name` with its region in `memory` on `device`; a master with `stream` streams lent blocks. */
+static void reg_mem(kvb_ledger *l, const char *name, kvb_role role, uint32_t pid, const char *memory,
+                    uint32_t device, int stream) {
+    const kvb_kv_geom *g = role == KVB_ROLE_MASTER ? &G_M : &G_A;
+    uint32_t cap = role == KVB_ROLE_MASTER ? 64 : 256;
+    kvb_ledger_reg r = {.name = name, .role = role, .pid = pid, .geom = *g, .region = "0123abcd",
+                        .region_bytes = (uint64_t)cap * kvb_kv_block_bytes(g), .capacity = cap, .n_own = cap,
+                        .endpoint = "ipc:///tmp/none", .model = "m", .memory = memory, .device = device,
+                        .stream = stream};
+    char why[256] = "";
+    kvb_status st = kvb_ledger_register(l, &r, 0, why, sizeof why);
+    ck_assert_msg(st == KVB_OK, "register %s: %s (%s)", name, kvb_status_str(st), why);
+}
+
+KVB_TEST(ledger_refuses_regions_off_the_masters_plan) {
+    kvb_ledger *l = new_ledger();
+    char why[512] = "";
+    /* host memory against device memory: never, whoever registers first */
+    reg_mem(l, "a", KVB_ROLE_WORKER, 11, "cuda", 0, 0);
+    reg_mem(l, "m", KVB_ROLE_MASTER, 10, "host", 0, 0);
+    const kvb_ledger_model *a = kvb_ledger_find(l, "a");
+    ck_assert(!a->has_meu);
+    ck_assert_msg(strstr(a->lend_blocked, "different memory kinds") != NULL, "blocked: %s", a->lend_blocked);
+    ck_assert_int_eq(kvb_ledger_offer(l, "a", 240, 16, 0, NULL, why, sizeof why), KVB_ERR_STATE);
+    ck_assert_msg(strstr(why, "worker a has cuda memory and master m has host memory") != NULL, "reason: %s", why);
+    ck_assert_int_eq(kvb_ledger_lend_request(l, "a", 16, why, sizeof why), KVB_ERR_STATE);
+    ck_assert_msg(strstr(why, "different memory kinds") != NULL, "reason: %s", why);
+    expect_no_act(l);
+    /* the same device kind on another device, with a master that reads lent blocks in place */
+    reg_mem(l, "m", KVB_ROLE_MASTER, 10, "cuda", 1, 0);
+    ck_assert_int_eq(kvb_ledger_offer(l, "a", 240, 16, 0, NULL, why, sizeof why), KVB_ERR_STATE);
+    ck_assert_msg(strstr(why, "on cuda device 0 and master m reads lent blocks in place on device 1") != NULL,
+                  "reason: %s", why);
+    /* ... which a streaming master can take (peer copies into its LSC) */
+    reg_mem(l, "m", KVB_ROLE_MASTER, 10, "cuda", 1, 1);
+    ck_assert(kvb_ledger_find(l, "a")->has_meu);
+    ck_assert_str_eq(kvb_ledger_find(l, "a")->lend_blocked, "");
+    lend(l, "a", 240, 16);
+    /* the same device: in place */
+    reg_mem(l, "b", KVB_ROLE_WORKER, 12, "cuda", 1, 0);
+    lend(l, "b", 240, 16);
+    /* no kind given means host memory (models of before this field) */
+    reg_mem(l, "c", KVB_ROLE_WORKER, 13, NULL, 0, 0);
+    ck_assert_str_eq(kvb_ledger_find(l, "c")->memory, "host");
+    ck_assert_int_eq(kvb_ledger_offer(l, "c", 240, 16, 0, NULL, why, sizeof why), KVB_ERR_STATE);
+    /* a malformed kind is refused at registration */
+    kvb_ledger_reg r = {.name = "d", .role = KVB_ROLE_WORKER, .pid = 14, .geom = G_A, .region = "/x",
+                        .region_bytes = 256 * kvb_kv_block_bytes(&G_A), .capacity = 256, .n_own = 256,
+                        .endpoint = "e", .memory = "Cuda!"};
+    ck_assert_int_eq(kvb_ledger_register(l, &r, 0, why, sizeof why), KVB_ERR_INVALID);
+    ck_assert_msg(strstr(why, "memory kind") != NULL, "reason: %s", why);
+    kvb_ledger_destroy(l);
+}
+KVB_TEST_END
+
 KVB_TEST(ledger_reclaim_lowest_first) {
     kvb_ledger *l = new_ledger();
     char why[256] = "";
@@ -1603,12 +1658,12 @@ KVB_TEST(ctl_control) {
     peer_close(&m);
     peer_close(&w);
     teardown();
-    /* no coordinator: a clear error within the timeout, exit 1 */
+    /* no coordinator: a clear error at once (no socket file), exit 1 */
     make_dir();
     const char *none[] = {"kvbankctl", "--coordinator", g_endpoint, "--timeout-ms", "300", "status", NULL};
     uint64_t t0 = kvb_now_ns();
     ck_assert_int_eq(run_tool(none, NULL, 0, err, sizeof err), 1);
-    ck_assert_msg(strstr(err, "no answer from the coordinator") != NULL, "stderr: %s", err);
+    ck_assert_msg(strstr(err, "no such socket (is it running?)") != NULL, "stderr: %s", err);
     ck_assert_uint_lt(kvb_now_ns() - t0, 5000000000ull);
     kvb_t_remove_tree(g_dir);
 }
@@ -1933,6 +1988,7 @@ KVB_TEST(proc_cli) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("coordinator", KVB_T(ledger_meu_per_pair, 10), KVB_T(ledger_offer_validation, 10),
+              KVB_T(ledger_refuses_regions_off_the_masters_plan, 10),
               KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_grant_failures, 10),
               KVB_T(ledger_lend_reclaim_counters, 10),
               KVB_T(ledger_master_death_returns_loans, 10), KVB_T(ledger_silent_master_fenced_first, 10), KVB_T(ledger_worker_death_revokes_lender_dead, 10),

@@ -9,6 +9,7 @@
  *                      stay equal to the local ones (any read of a lent block would give NaN), and a
  *                      probe read shows the poison is really visible through the import;
  *  bad_handles         a malformed handle, and a well-formed one that names nothing, are refused.
+ * Both sides get their memory through the memory interface (common/mem/mem.h) as the node does.
  *
  * The worker is this program re-executed with --worker (a fresh process: CUDA state does not survive
  * fork). Without a GPU, or in a build without CUDA, the program prints "SKIP: ..." and exits 77. */
@@ -76,27 +77,26 @@ static int worker_main(int argc, char **argv) {
     kvb_dtype dt;
     if (kvb_dtype_parse(argv[5], &dt) != KVB_OK) return 2;
     size_t bytes = block_elems() * N_BLOCKS * kvb_dtype_size(dt);
-    kvb_cuda_region *r = NULL;
-    kvb_cuda_stream_t s = NULL;
+    kvb_mem *m = NULL;
+    kvb_mem_region *r = NULL;
     void *host = make_blocks(seed, dt);
-    if (!host || kvb_cuda_stream_create(&s) != KVB_OK || kvb_cuda_region_create(bytes, &r) != KVB_OK) return 3;
-    if (kvb_cuda_copy_async(kvb_cuda_region_base(r), host, bytes, s) != KVB_OK || kvb_cuda_stream_sync(s) != KVB_OK)
+    if (!host || kvb_mem_create("cuda", -1, &m) != KVB_OK || kvb_mem_region_create(m, "ipc", bytes, &r) != KVB_OK)
         return 3;
+    if (kvb_mem_copy(m, kvb_mem_region_base(r), host, bytes) != KVB_OK) return 3;
     char line[256];
-    snprintf(line, sizeof line, "HANDLE %s %zu\n", kvb_cuda_region_handle(r), bytes);
+    snprintf(line, sizeof line, "HANDLE %s %zu\n", kvb_mem_region_handle(r), bytes);
     if (write_str(out, line)) return 4;
     /* the master uses the blocks until it acks (or hangs up) */
     if (read_line(in, line, sizeof line) < 0) return 5;
     if (!strcmp(line, "ACK")) {
         /* reclaimed: reuse the memory at once, as a busy worker would */
         memset(host, 0xff, bytes);
-        if (kvb_cuda_copy_async(kvb_cuda_region_base(r), host, bytes, s) != KVB_OK || kvb_cuda_stream_sync(s) != KVB_OK)
-            return 3;
+        if (kvb_mem_copy(m, kvb_mem_region_base(r), host, bytes) != KVB_OK) return 3;
         if (write_str(out, "POISONED\n")) return 4;
         if (read_line(in, line, sizeof line) < 0) return 5;
     }
-    kvb_cuda_region_destroy(r);
-    kvb_cuda_stream_destroy(s);
+    kvb_mem_region_destroy(r);
+    kvb_mem_destroy(m);
     free(host);
     return strcmp(line, "DONE") ? 6 : 0;
 }
@@ -203,13 +203,13 @@ static void lent_vs_local(const char *backend, int poison_after_ack) {
     worker w;
     worker_start(&w, seed, dt);
     ck_assert_int_eq(w.bytes, pool_bytes);
-    kvb_cuda_region *lent = NULL;
-    ck_assert_int_eq(kvb_cuda_region_import(w.handle, w.bytes, &lent), KVB_OK);
-    ck_assert(!kvb_cuda_region_is_owner(lent));
+    kvb_mem_region *lent = NULL;
+    ck_assert_int_eq(kvb_mem_region_import(be->mem, w.handle, w.bytes, &lent), KVB_OK);
+    ck_assert(!kvb_mem_region_is_owner(lent));
     /* local copies of the same blocks */
     void *host = make_blocks(seed, dt), *local = NULL;
     ck_assert_ptr_nonnull(host);
-    ck_assert_int_eq(be->iface->alloc(be->ctx, pool_bytes, &local), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, pool_bytes, &local), KVB_OK);
     ck_assert_int_eq(be->iface->to_device(be->ctx, local, host, pool_bytes), KVB_OK);
     step st;
     make_step(&st, dt);
@@ -229,11 +229,11 @@ static void lent_vs_local(const char *backend, int poison_after_ack) {
         }
     }
     void *q = NULL, *out = NULL;
-    ck_assert_int_eq(be->iface->alloc(be->ctx, nq * es, &q), KVB_OK);
-    ck_assert_int_eq(be->iface->alloc(be->ctx, nq * es, &out), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, nq * es, &q), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, nq * es, &out), KVB_OK);
     ck_assert_int_eq(be->iface->to_device(be->ctx, q, qh, nq * es), KVB_OK);
 
-    char *lb = kvb_cuda_region_base(lent);
+    char *lb = kvb_mem_region_base(lent);
     float *r_local = run_step(be, &st, q, out, local, lb, 0);
     float *r_lent = run_step(be, &st, q, out, local, lb, 1);
     float *r_mix = run_step(be, &st, q, out, local, lb, 2);
@@ -266,11 +266,11 @@ static void lent_vs_local(const char *backend, int poison_after_ack) {
         free(r_poisoned);
         free(r_fenced);
     }
-    kvb_cuda_region_destroy(lent);
+    kvb_mem_region_destroy(lent);
     worker_finish(&w);
-    be->iface->free(be->ctx, local);
-    be->iface->free(be->ctx, q);
-    be->iface->free(be->ctx, out);
+    kvb_mem_free(be->mem, local);
+    kvb_mem_free(be->mem, q);
+    kvb_mem_free(be->mem, out);
     kvb_backend_destroy(be);
     free(host);
     free(qf);

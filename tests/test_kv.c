@@ -158,10 +158,10 @@ KVB_TEST(region_bad_input) {
         r = (kvb_region *)1;
         ck_assert_int_eq(kvb_region_create(bad_tags[i], 64, &r), KVB_ERR_INVALID);
         ck_assert_ptr_null(r);
-        ck_assert_int_eq(kvb_region_unlink_tag(bad_tags[i], NULL), KVB_ERR_INVALID);
+        ck_assert_int_eq(kvb_region_unlink_stale(bad_tags[i], NULL), KVB_ERR_INVALID);
     }
     ck_assert_int_eq(kvb_region_create(NULL, 64, &r), KVB_ERR_INVALID);
-    ck_assert_int_eq(kvb_region_unlink_tag(NULL, NULL), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_region_unlink_stale(NULL, NULL), KVB_ERR_INVALID);
 
     char tag[32];
     make_tag(tag, sizeof tag, "bad");
@@ -184,47 +184,48 @@ KVB_TEST(region_bad_input) {
 }
 KVB_TEST_END
 
-KVB_TEST(region_unlink_tag) {
-    char tag[32], longer[40], other[40];
+/* The stale-segment cleanup removes the objects of dead processes only: a live process's (ours here,
+ * another node's of the same name in life) stay, and a longer tag that starts with ours is not ours. */
+KVB_TEST(region_unlink_stale) {
+    char tag[32], longer[40];
     make_tag(tag, sizeof tag, "ul");
     snprintf(longer, sizeof longer, "%s-x", tag); /* starts with "<tag>-": must survive */
-    snprintf(other, sizeof other, "%sx", tag);
-    kvb_region *a = NULL, *b = NULL, *c = NULL, *d = NULL;
+    kvb_region *a = NULL, *c = NULL;
     ck_assert_int_eq(kvb_region_create(tag, 128, &a), KVB_OK);
-    ck_assert_int_eq(kvb_region_create(tag, 128, &b), KVB_OK);
     ck_assert_int_eq(kvb_region_create(longer, 128, &c), KVB_OK);
-    ck_assert_int_eq(kvb_region_create(other, 128, &d), KVB_OK);
-    /* A stale segment of a crashed child (another pid) with our tag. */
-    char stale[64];
-    snprintf(stale, sizeof stale, "/kvb-%s-1-77", tag);
-    int fd = shm_open(stale, O_CREAT | O_EXCL | O_RDWR, 0600);
-    ck_assert_int_ge(fd, 0);
-    close(fd);
-
+    /* A segment of a crashed process (a child that exited and was reaped) and one of a live process
+     * that is not us (our parent: the test runner) with our tag. */
+    pid_t dead = fork();
+    ck_assert_int_ge(dead, 0);
+    if (dead == 0) _exit(0);
+    ck_assert_int_eq(waitpid(dead, NULL, 0), dead);
+    char stale[64], live[64], longer_dead[80];
+    snprintf(stale, sizeof stale, "/kvb-%s-%d-77", tag, (int)dead);
+    snprintf(live, sizeof live, "/kvb-%s-%d-78", tag, (int)getppid());
+    snprintf(longer_dead, sizeof longer_dead, "/kvb-%s-%d-79", longer, (int)dead);
+    const char *made[] = {stale, live, longer_dead};
+    for (int i = 0; i < 3; i++) {
+        int fd = shm_open(made[i], O_CREAT | O_EXCL | O_RDWR, 0600);
+        ck_assert_int_ge(fd, 0);
+        close(fd);
+    }
     int n = -1;
-    ck_assert_int_eq(kvb_region_unlink_tag(tag, &n), KVB_OK);
-    ck_assert_int_eq(n, 3);
-    ck_assert_int_eq(shm_exists(kvb_region_handle(a)), 0);
-    ck_assert_int_eq(shm_exists(kvb_region_handle(b)), 0);
-    ck_assert_int_eq(shm_exists(stale), 0);
-    ck_assert_int_eq(shm_exists(kvb_region_handle(c)), 1);
-    ck_assert_int_eq(shm_exists(kvb_region_handle(d)), 1);
-    /* Mappings survive the unlink. */
-    ((char *)kvb_region_base(a))[0] = 9;
-    ck_assert_int_eq(((char *)kvb_region_base(a))[0], 9);
-    ck_assert_int_eq(kvb_region_unlink_tag(tag, &n), KVB_OK);
-    ck_assert_int_eq(n, 0);
-
-    kvb_region_destroy(a); /* its name is gone already: logged, not fatal */
-    kvb_region_destroy(b);
-    ck_assert_int_eq(kvb_region_unlink_tag(longer, &n), KVB_OK);
+    ck_assert_int_eq(kvb_region_unlink_stale(tag, &n), KVB_OK);
     ck_assert_int_eq(n, 1);
-    ck_assert_int_eq(shm_exists(kvb_region_handle(d)), 1);
+    ck_assert_int_eq(shm_exists(stale), 0);
+    ck_assert_int_eq(shm_exists(live), 1);
+    ck_assert_int_eq(shm_exists(kvb_region_handle(a)), 1);
+    ck_assert_int_eq(shm_exists(kvb_region_handle(c)), 1);
+    ck_assert_int_eq(shm_exists(longer_dead), 1);
+    ck_assert_int_eq(kvb_region_unlink_stale(tag, &n), KVB_OK);
+    ck_assert_int_eq(n, 0);
+    ck_assert_int_eq(kvb_region_unlink_stale(longer, &n), KVB_OK);
+    ck_assert_int_eq(n, 1);
+    ck_assert_int_eq(shm_exists(longer_dead), 0);
+    ck_assert_int_eq(shm_exists(kvb_region_handle(c)), 1);
+    shm_unlink(live);
+    kvb_region_destroy(a);
     kvb_region_destroy(c);
-    char dname[KVB_REGION_HANDLE_MAX];
-    snprintf(dname, sizeof dname, "%s", kvb_region_handle(d));
-    kvb_region_destroy(d);
-    ck_assert_int_eq(shm_exists(dname), 0);
 }
 KVB_TEST_END
 
@@ -487,6 +488,152 @@ KVB_TEST(pool_release_hook) {
     kvb_block_pool_unref(p, 2);
     ck_assert_int_eq(h.calls, 4); /* no hook any more */
     ck_assert_int_eq(kvb_block_pool_is_free(p, 2), 1);
+    kvb_block_pool_destroy(p);
+    free(mem);
+}
+KVB_TEST_END
+
+/* Sliced pool: 4 physical blocks of 3 layers = 12 slices, 20 virtual ids. */
+KVB_TEST(pool_sliced) {
+    size_t bb = kvb_kv_block_bytes(&k_geom), lb = kvb_kv_layer_bytes(&k_geom);
+    unsigned char *mem = malloc(4 * bb);
+    kvb_block_pool *p = NULL;
+    ck_assert_int_eq(kvb_block_pool_create_sliced(&k_geom, mem, 4 * bb, 5, 20, &p), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_block_pool_create_sliced(&k_geom, mem, 4 * bb, 4, 0, &p), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_block_pool_create_sliced(&k_geom, mem, 4 * bb, 4, 20, &p), KVB_OK);
+    ck_assert(kvb_block_pool_is_sliced(p));
+    ck_assert_int_eq(kvb_block_pool_n_slices(p), 12);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 12);
+    ck_assert_int_eq(kvb_block_pool_n_free(p), 4); /* whole blocks */
+    ck_assert_int_eq(kvb_block_pool_id_limit(p), 20);
+    ck_assert_int_eq(kvb_block_pool_capacity(p), 4);
+    int32_t id[6];
+    for (int i = 0; i < 4; i++) {
+        ck_assert_int_eq(kvb_block_pool_alloc(p, &id[i]), KVB_OK);
+        ck_assert_int_eq(id[i], i);
+        ck_assert_int_eq(kvb_block_pool_n_resident(p, id[i]), 3);
+    }
+    /* slices are handed out lowest first: block i's layers are slices 3i .. 3i+2, the block-major layout */
+    for (int i = 0; i < 4; i++)
+        for (int l = 0; l < 3; l++)
+            ck_assert_ptr_eq(kvb_block_pool_block_layer(p, id[i], l), mem + (size_t)(3 * i + l) * lb);
+    ck_assert_int_eq(kvb_block_pool_n_free(p), 0);
+    ck_assert_int_eq(kvb_block_pool_alloc(p, &id[4]), KVB_ERR_EXHAUSTED);
+    /* more ids than memory: a bare block has no slice until one is freed */
+    ck_assert_int_eq(kvb_block_pool_alloc_bare(p, &id[4]), KVB_OK);
+    ck_assert_int_eq(id[4], 4);
+    ck_assert_int_eq(kvb_block_pool_n_resident(p, id[4]), 0);
+    ck_assert_int_eq(kvb_block_pool_slice_alloc(p, id[4], 1), KVB_ERR_EXHAUSTED);
+    memset(kvb_block_pool_block_layer(p, id[1], 2), 0x5a, lb);
+    kvb_block_pool_slice_free(p, id[1], 0); /* block 1 moves layer 0 away: its slice serves block 4 */
+    ck_assert(!kvb_block_pool_slice_resident(p, id[1], 0));
+    ck_assert_int_eq(kvb_block_pool_slice_alloc(p, id[4], 1), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_slice_alloc(p, id[4], 1), KVB_OK); /* already resident */
+    ck_assert_ptr_eq(kvb_block_pool_block_layer(p, id[4], 1), mem + 3 * lb);
+    ck_assert_int_eq(((unsigned char *)kvb_block_pool_block_layer(p, id[1], 2))[lb - 1], 0x5a);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 0);
+    /* the last reference returns every slice with the id */
+    kvb_block_pool_unref(p, id[2]);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 3);
+    ck_assert_int_eq(kvb_block_pool_n_free(p), 1);
+    ck_assert(kvb_block_pool_is_free(p, id[2]));
+    /* scratch slices count against the same memory */
+    int32_t sc;
+    ck_assert_int_eq(kvb_block_pool_scratch_alloc(p, &sc), KVB_OK);
+    ck_assert_int_eq(sc, 6);
+    ck_assert_ptr_eq(kvb_block_pool_slice_addr(p, sc), mem + 6 * lb);
+    ck_assert_int_eq(kvb_block_pool_n_free(p), 0);
+    kvb_block_pool_scratch_free(p, sc);
+    /* a held block keeps its slices until it is freed */
+    hook_log h = {0};
+    kvb_block_pool_set_release_hook(p, keep_even, &h);
+    kvb_block_pool_unref(p, id[0]);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 3);
+    ck_assert_int_eq(kvb_block_pool_slice_alloc(p, id[0], 0), KVB_OK); /* a held block may gain a layer */
+    kvb_block_pool_free_block(p, id[0]);
+    ck_assert_int_eq(kvb_block_pool_n_free_slices(p), 6);
+    kvb_block_pool_set_release_hook(p, NULL, NULL);
+    /* lending: the tail block's slices must be free; slices 6..11 are blocks 3 (in use) and ... */
+    ck_assert_int_eq(kvb_block_pool_resize(p, 3), KVB_ERR_STATE);
+    kvb_block_pool_unref(p, id[3]);
+    ck_assert_int_eq(kvb_block_pool_resize(p, 3), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_n_slices(p), 9);
+    ck_assert_int_eq(kvb_block_pool_resize(p, 4), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_n_slices(p), 12);
+    int32_t first;
+    ck_assert_int_eq(kvb_block_pool_attach(p, mem, 1, &first), KVB_ERR_UNSUPPORTED);
+    ck_assert_int_eq(kvb_block_pool_detach(p, 4, 1), KVB_ERR_UNSUPPORTED);
+    kvb_block_pool_destroy(p);
+    /* a block-major pool has none of this */
+    ck_assert_int_eq(kvb_block_pool_create(&k_geom, mem, 4 * bb, 4, &p), KVB_OK);
+    ck_assert(!kvb_block_pool_is_sliced(p));
+    ck_assert_int_eq(kvb_block_pool_alloc_bare(p, &id[0]), KVB_ERR_UNSUPPORTED);
+    ck_assert_int_eq(kvb_block_pool_scratch_alloc(p, &sc), KVB_ERR_UNSUPPORTED);
+    ck_assert_int_eq(kvb_block_pool_n_slices(p), 0);
+    kvb_block_pool_destroy(p);
+    free(mem);
+}
+KVB_TEST_END
+
+/* Random operations on a sliced pool against a model: every resident (block, layer) keeps its bytes,
+ * no two share a slice, the counts add up. */
+KVB_TEST(pool_sliced_random) {
+    enum { PHYS = 16, IDS = 64, L = 3 };
+    kvb_kv_geom g = k_geom;
+    size_t bb = kvb_kv_block_bytes(&g), lb = kvb_kv_layer_bytes(&g);
+    unsigned char *mem = malloc(PHYS * bb);
+    kvb_block_pool *p = NULL;
+    ck_assert_int_eq(kvb_block_pool_create_sliced(&g, mem, PHYS * bb, PHYS, IDS, &p), KVB_OK);
+    int live[IDS] = {0};
+    unsigned char tag[IDS][L] = {{0}}; /* byte written into each resident slice, 0 when not resident */
+    uint64_t x = 88172645463325252ull;
+    int scratch[PHYS * L], n_scratch = 0;
+    for (int it = 0; it < 20000; it++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        int op = (int)(x % 6), i = (int)((x >> 8) % IDS), l = (int)((x >> 20) % L);
+        int32_t got;
+        if (op == 0) {
+            kvb_status st = kvb_block_pool_alloc(p, &got);
+            if (st == KVB_OK) {
+                live[got] = 1;
+                for (int k = 0; k < L; k++) tag[got][k] = 0;
+            } else {
+                int n_live = 0;
+                for (int b = 0; b < IDS; b++) n_live += live[b];
+                ck_assert(kvb_block_pool_n_free_slices(p) < L || n_live == IDS);
+            }
+        } else if (op == 1) {
+            if (kvb_block_pool_alloc_bare(p, &got) == KVB_OK) live[got] = 1;
+        } else if (op == 2 && live[i]) {
+            kvb_block_pool_unref(p, i);
+            live[i] = 0;
+            memset(tag[i], 0, L);
+        } else if (op == 3 && live[i]) {
+            if (kvb_block_pool_slice_alloc(p, i, l) == KVB_OK && !tag[i][l]) {
+                tag[i][l] = (unsigned char)(1 + (x >> 32) % 250);
+                memset(kvb_block_pool_block_layer(p, i, l), tag[i][l], lb);
+            }
+        } else if (op == 4 && live[i] && kvb_block_pool_slice_resident(p, i, l)) {
+            kvb_block_pool_slice_free(p, i, l);
+            tag[i][l] = 0;
+        } else if (op == 5) {
+            if (n_scratch && x >> 40 & 1) kvb_block_pool_scratch_free(p, scratch[--n_scratch]);
+            else if (kvb_block_pool_scratch_alloc(p, &got) == KVB_OK) scratch[n_scratch++] = got;
+        }
+        if (it % 97) continue;
+        int used = n_scratch;
+        for (int b = 0; b < IDS; b++) {
+            if (!live[b]) continue;
+            for (int k = 0; k < L; k++) {
+                if (!kvb_block_pool_slice_resident(p, b, k)) continue;
+                used++;
+                const unsigned char *q = kvb_block_pool_block_layer(p, b, k);
+                if (tag[b][k]) ck_assert(q[0] == tag[b][k] && q[lb - 1] == tag[b][k]);
+                for (int s2 = 0; s2 < n_scratch; s2++) ck_assert_ptr_ne(q, kvb_block_pool_slice_addr(p, scratch[s2]));
+            }
+        }
+        ck_assert_int_eq(used + kvb_block_pool_n_free_slices(p), PHYS * L);
+    }
     kvb_block_pool_destroy(p);
     free(mem);
 }
@@ -1134,13 +1281,15 @@ KVB_TEST_MAIN("kv",
               KVB_T(region_share_fork, 20),
               KVB_T(region_names_unique, 10),
               KVB_T(region_bad_input, 10),
-              KVB_T(region_unlink_tag, 10),
+              KVB_T(region_unlink_stale, 10),
               KVB_T(geom_check, 10),
               KVB_T(pool_layout, 10),
               KVB_T(pool_alloc_ref, 10),
               KVB_T(pool_lowest_first_large, 20),
               KVB_T(pool_resize, 10),
               KVB_T(pool_release_hook, 10),
+              KVB_T(pool_sliced, 10),
+              KVB_T(pool_sliced_random, 30),
               KVB_T(block_table, 10),
               KVB_T(prefix_hash_chain, 10),
               KVB_T(prefix_publish_match, 10),

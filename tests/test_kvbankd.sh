@@ -2,9 +2,10 @@
 # kvbankd end to end on the host backend: the demo node (deploy/examples/node-cpu.json) with its paths
 # moved into a temporary directory and short timings. kvbankd generates the three models with
 # kvbank-mkmodel, starts the coordinator, the master and two workers; the test waits until every model
-# is alive and a worker lends, checks the modes of the shared-memory segments and sockets, kills a worker
-# with SIGKILL and waits for kvbankd to restart it (its old segments gone, a generate on it still gives
-# kvbank-generate's tokens), then drains the node with SIGTERM: exit 0 within 15 s, no process, segment,
+# is alive and a worker lends, checks the modes of the shared-memory segments and sockets, that a second
+# kvbankd of the same node name (same config, or another run_dir) refuses to start and touches nothing,
+# kills a worker with SIGKILL and waits for kvbankd to restart it (its old segments and a dead pid's
+# gone, a live pid's kept, a generate on it still gives kvbank-generate's tokens), then drains the node with SIGTERM: exit 0 within 15 s, no process, segment,
 # socket or pid file left.
 set -euo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
@@ -15,8 +16,10 @@ NODE=tkvbd_$$                    # unique per run: shm names are /dev/shm/kvb-<n
 CFG=$T/node.json
 RUN=$T/run
 KPID=
+BG_SLEEP=
 
 cleanup() {
+    [ -n "$BG_SLEEP" ] && kill "$BG_SLEEP" 2>/dev/null
     if [ -n "$KPID" ]; then
         kill -KILL -- "-$KPID" 2>/dev/null || true   # kvbankd leads its own process group (setsid)
         kill -KILL "$KPID" 2>/dev/null || true
@@ -126,17 +129,68 @@ ok "run_dir 0700, shm segments and sockets 0600"
 
 # a second kvbankd for the same node refuses to start; SIGHUP is logged, nothing else happens
 if "$B/kvbankd" --config "$CFG" --foreground >"$T/second.log" 2>&1; then fail "a second kvbankd started"; fi
-grep -q "already runs (pid $KPID)" "$T/second.log" || fail "second kvbankd: $(cat "$T/second.log")"
+grep -q "already runs on this machine (pid $KPID, run_dir $RUN;" "$T/second.log" || fail "second kvbankd: $(cat "$T/second.log")"
+# ... and so does one of another config with the same node name (another run_dir, other sockets):
+# the node's shared-memory names are machine-wide, so it must not start and clean them up.
+"$PY" - "$CFG" "$T/node2.json" "$T/run2" <<'PYEOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["run_dir"] = sys.argv[3]
+c["coordinator"].pop("endpoint", None)
+for m in c["models"]:
+    m.pop("endpoint", None)
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+PYEOF
+segs_before=$(ls /dev/shm/kvb-"${NODE}"_* | sort)
+if "$B/kvbankd" --config "$T/node2.json" --foreground >"$T/second2.log" 2>&1; then fail "a second node named $NODE started"; fi
+grep -q "already runs on this machine (pid $KPID, run_dir $RUN;" "$T/second2.log" || fail "second node: $(cat "$T/second2.log")"
+[ -e "$T/run2" ] && fail "the refused kvbankd created its run_dir"
+[ "$(ls /dev/shm/kvb-"${NODE}"_* | sort)" = "$segs_before" ] || fail "the first node's segments changed"
 kill -HUP "$KPID"
 sleep 0.3
 kill -0 "$KPID" 2>/dev/null || fail "kvbankd died on SIGHUP"
 grep -q "SIGHUP: reloading the node config is not supported" "$T/kvbankd.log" || fail "SIGHUP not logged"
-ok "second kvbankd refused; SIGHUP logged"
+ok "second kvbankd (same config, and another run_dir with the same node name) refused, naming pid and run_dir; SIGHUP logged"
+
+# kvbankctl as another user says "permission denied" at once (instead of waiting for a timeout): the
+# run_dir is 0700 and a socket 0600. As root the other user is nobody (setpriv); otherwise the test
+# takes the write permission off the socket for a moment.
+if [ "$(id -u)" = 0 ]; then
+    as_other() { setpriv --reuid=65534 --regid=65534 --clear-groups "$@"; }
+    # the socket file itself, in a directory anyone may enter
+    O=$(mktemp -d /tmp/kvb-open-XXXXXX)
+    chmod 0755 "$O"
+    "$PY" -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); time.sleep(30)' \
+        "$O/c.sock" &
+    LSN=$!
+    for i in $(seq 50); do [ -S "$O/c.sock" ] && break; sleep 0.1; done
+    chmod 0600 "$O/c.sock"
+    out=$(as_other "$B/kvbankctl" --coordinator "ipc://$O/c.sock" status 2>&1) && fail "kvbankctl as nobody succeeded"
+    kill "$LSN" 2>/dev/null || true
+    wait "$LSN" 2>/dev/null || true
+    rm -rf "$O"
+    grep -q "permission denied: $O/c.sock belongs to uid 0 (mode 0600)" <<<"$out" || fail "as nobody (socket): $out"
+else
+    as_other() { chmod 0 "$RUN/coordinator.sock"; "$@"; local rc=$?; chmod 0600 "$RUN/coordinator.sock"; return $rc; }
+fi
+out=$(as_other "$B/kvbankctl" --coordinator "ipc://$RUN/coordinator.sock" status 2>&1) && fail "kvbankctl as another user succeeded"
+grep -q "permission denied" <<<"$out" || fail "kvbankctl as another user: $out"
+ok "kvbankctl as another user: $(head -1 <<<"$out")"
 
 # ------------------------------------------------------------------------------- kill -9 a worker
 old=$(echo "$st" | field "$WORKER" 2)
 [ -n "$old" ] && [ "$old" -gt 0 ] || fail "no pid for $WORKER in status"
 [ -e /proc/"$old" ] && grep -q "kvbank-worker" /proc/"$old"/cmdline || fail "pid $old is not kvbank-worker"
+# Next to its segments: one of a dead process (stale) and one of a live process that is not this
+# node's (another node of the same name): the cleanup after the kill removes the first only.
+sh -c 'exit 0' &
+dead=$!
+wait "$dead" || true
+sleep 1000 &
+alive=$!
+BG_SLEEP=$alive
+: >"/dev/shm/kvb-${NODE}_${WORKER}-${dead}-0"
+: >"/dev/shm/kvb-${NODE}_${WORKER}-${alive}-0"
 kill -KILL "$old"
 deadline=$((SECONDS + 30))
 while :; do
@@ -153,7 +207,13 @@ ls /dev/shm/kvb-"${NODE}_${WORKER}-${old}"-* >/dev/null 2>&1 && fail "the killed
 # kvbankd itself removed them when the worker died (the new worker would also clean its tag up)
 grep -q "\[kvbankd\] $WORKER: removed [1-9][0-9]* shared-memory segment(s) it left behind" "$T/kvbankd.log" ||
     fail "kvbankd did not remove the killed worker's segments"
-ok "$WORKER killed (pid $old), restarted as pid $new; its old segments removed"
+[ -e "/dev/shm/kvb-${NODE}_${WORKER}-${dead}-0" ] && fail "the segment of dead pid $dead was not removed"
+[ -e "/dev/shm/kvb-${NODE}_${WORKER}-${alive}-0" ] || fail "the segment of live pid $alive was removed"
+kill "$alive" 2>/dev/null || true
+wait "$alive" 2>/dev/null || true
+rm -f "/dev/shm/kvb-${NODE}_${WORKER}-${alive}-0"
+BG_SLEEP=
+ok "$WORKER killed (pid $old), restarted as pid $new; its old segments and a dead pid's removed, a live pid's kept"
 
 PROMPT=1,5,9,14,27,33,2,8
 want=$("$B/kvbank-generate" --model "$T/models/$WORKER" --prompt-ids $PROMPT --max-tokens 12)
@@ -183,7 +243,7 @@ left=$(ps -e -o pgid=,pid=,args= | awk -v g="$KPID" '$1 == g')
 [ -z "$left" ] || fail "processes left in kvbankd's group: $left"
 KPID=
 ls /dev/shm/kvb-"${NODE}"_* >/dev/null 2>&1 && fail "segments left: $(ls /dev/shm/kvb-"${NODE}"_*)"
-for s in "${SOCKS[@]}" "$RUN/kvbankd.pid"; do
+for s in "${SOCKS[@]}" "$RUN/kvbankd.pid" "/dev/shm/kvbankd-$(id -u)-$NODE.lock"; do
     [ -e "$s" ] && fail "$s was not removed"
 done
 ok "no child process, shm segment, socket or pid file left"

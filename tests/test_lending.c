@@ -444,7 +444,7 @@ static void lender_kill(lender *L) {
     ck_assert_int_eq(waitpid(L->pid, &status, 0), L->pid);
     ck_assert(WIFSIGNALED(status));
     close(L->ctl);
-    kvb_region_unlink_tag(L->tag, NULL); /* it could not clean up itself */
+    kvb_region_unlink_stale(L->tag, NULL); /* it could not clean up itself */
 }
 
 static void lender_stop(lender *L, int killed) {

@@ -921,9 +921,119 @@ KVB_TEST(model_load_errors) {
 }
 KVB_TEST_END
 
+/* An allocator that records what the forward pass asks for and checks that everything comes back. */
+typedef struct counting_alloc {
+    kvb_mem *mem;
+    size_t sizes[64];
+    int n_allocs, live;
+} counting_alloc;
+
+static kvb_status ca_alloc(void *ctx, size_t bytes, void **out) {
+    counting_alloc *a = ctx;
+    if (a->n_allocs < 64) a->sizes[a->n_allocs] = bytes;
+    a->n_allocs++;
+    kvb_status st = kvb_mem_alloc(a->mem, bytes, out);
+    if (st == KVB_OK) a->live++;
+    return st;
+}
+
+static void ca_free(void *ctx, void *p) {
+    counting_alloc *a = ctx;
+    if (!p) return;
+    a->live--;
+    kvb_mem_free(a->mem, p);
+}
+
+static const kvb_mem_allocator_i ca_iface = {.alloc = ca_alloc, .free = ca_free};
+
+/* One sequence: a 5-token prompt, then one decode token, over one KV block of 16 tokens. Logits of
+ * each step go to logits[step][vocab]. */
+static void run_two_steps(kvb_model *m, kvb_forward *fw, void *block, float *logits) {
+    kvb_backend *be = kvb_model_backend(m);
+    kvb_kv_geom g = kvb_model_kv_geom(m, 16);
+    size_t layer_bytes = (size_t)2 * g.block_size * g.n_kv_heads * g.head_dim * g.elem_size;
+    int32_t toks[5] = {3, 1, 4, 1, 5}, pos[5] = {0, 1, 2, 3, 4};
+    for (int step = 0; step < 2; step++) {
+        int n = step == 0 ? 5 : 1;
+        kvb_attn_seq seq = {.q_start = 0, .q_len = n, .ctx_len = step == 0 ? 5 : 6, .n_blocks = 1, .blk_first = 0};
+        void *lb[1] = {block};
+        int32_t row = n - 1, tok2 = 9, pos2 = 5;
+        kvb_batch b = {.n_tokens = n, .tokens = step == 0 ? toks : &tok2, .pos = step == 0 ? pos : &pos2,
+                       .attn = {.geom = &g, .n_seqs = 1, .seqs = &seq, .layer_blocks = lb},
+                       .n_logits = 1, .logit_rows = &row};
+        ck_assert_int_eq(kvb_forward_begin(fw, &b), KVB_OK);
+        for (int l = 0; l < g.n_layers; l++) {
+            lb[0] = (char *)block + (size_t)l * layer_bytes;
+            ck_assert_int_eq(kvb_forward_layer(fw, l), KVB_OK);
+        }
+        ck_assert_int_eq(kvb_forward_end(fw, logits + (size_t)step * T_VOCAB), KVB_OK);
+    }
+    (void)be;
+}
+
+KVB_TEST(forward_allocator_seam) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
+    mk_spec sp = {.dtype = KVB_DTYPE_F32};
+    make_model("fwalloc", &sp);
+    kvb_model *m = NULL;
+    ck_assert_int_eq(load_logged("fwalloc", be, &m), KVB_OK);
+    kvb_kv_geom g = kvb_model_kv_geom(m, 16);
+    size_t block_bytes = (size_t)g.n_layers * 2 * g.block_size * g.n_kv_heads * g.head_dim * g.elem_size;
+    void *b1 = NULL, *b2 = NULL;
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, block_bytes, &b1), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, block_bytes, &b2), KVB_OK);
+    float got[2 * T_VOCAB], want[2 * T_VOCAB];
+
+    /* the caller's allocator: each step asks for buffers sized by its own tokens, gives all back */
+    counting_alloc ca = {.mem = be->mem};
+    kvb_mem_allocator al = {&ca_iface, &ca};
+    kvb_forward *fw = NULL;
+    ck_assert_int_eq(kvb_forward_create_with(m, 8, &al, &fw), KVB_OK);
+    ck_assert_int_eq(ca.n_allocs, 0); /* nothing sized at creation */
+    run_two_steps(m, fw, b1, got);
+    ck_assert_int_eq(ca.live, 0);
+    ck_assert_int_eq(ca.n_allocs, 2 * 10); /* 8 activation buffers + logit rows + logits, per step */
+    ck_assert_uint_eq(ca.sizes[0], (size_t)5 * T_HIDDEN * sizeof(float));  /* x, prompt step */
+    ck_assert_uint_eq(ca.sizes[10], (size_t)1 * T_HIDDEN * sizeof(float)); /* x, decode step */
+    ck_assert_uint_eq(ca.sizes[6], (size_t)5 * T_FF * sizeof(float));      /* gate */
+    ck_assert_uint_eq(ca.sizes[9], (size_t)1 * T_VOCAB * sizeof(float));   /* logits of one row */
+    /* a batch beyond max_tokens is refused before anything is allocated */
+    int32_t t9[9] = {0}, p9[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, r9 = 8;
+    kvb_attn_seq s9 = {.q_len = 9, .ctx_len = 9, .n_blocks = 1};
+    void *l9[1] = {b1};
+    kvb_batch big = {.n_tokens = 9, .tokens = t9, .pos = p9,
+                     .attn = {.geom = &g, .n_seqs = 1, .seqs = &s9, .layer_blocks = l9}, .n_logits = 1,
+                     .logit_rows = &r9};
+    ck_assert_int_eq(kvb_forward_begin(fw, &big), KVB_ERR_INVALID);
+    ck_assert_int_eq(ca.n_allocs, 20);
+    /* an abandoned step gives its buffers back at the next begin and at destroy */
+    big.n_tokens = s9.q_len = s9.ctx_len = 3;
+    r9 = 2;
+    ck_assert_int_eq(kvb_forward_begin(fw, &big), KVB_OK);
+    ck_assert_int_eq(ca.live, 10);
+    ck_assert_int_eq(kvb_forward_layer(fw, 0), KVB_OK);
+    ck_assert_int_eq(kvb_forward_begin(fw, &big), KVB_OK);
+    ck_assert_int_eq(ca.live, 10);
+    kvb_forward_destroy(fw);
+    ck_assert_int_eq(ca.live, 0);
+
+    /* the default step arena gives the same logits */
+    ck_assert_int_eq(kvb_forward_create(m, 8, &fw), KVB_OK);
+    run_two_steps(m, fw, b2, want);
+    kvb_forward_destroy(fw);
+    ck_assert(!memcmp(got, want, sizeof got));
+    for (int i = 0; i < 2 * T_VOCAB; i++) ck_assert(isfinite(got[i]));
+    kvb_mem_free(be->mem, b1);
+    kvb_mem_free(be->mem, b2);
+    kvb_model_destroy(m);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("model", KVB_T(config_llama_defaults, 10), KVB_T(config_qwen3, 10),
               KVB_T(config_llama3_rope_and_eos_list, 10), KVB_T(config_errors, 10), KVB_T(rope_inv_freq_default, 10),
               KVB_T(rope_inv_freq_llama3, 10), KVB_T(st_roundtrip, 10), KVB_T(st_malformed, 10),
               KVB_T(st_truncation_and_corruption, 60), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
               KVB_T(model_load_tied_llama3_f16, 10), KVB_T(model_load_qwen3_bf16_sharded, 10),
-              KVB_T(model_load_errors, 20))
+              KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30))

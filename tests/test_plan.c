@@ -581,6 +581,7 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
                (unsigned long long)s.recomputed_tokens, (unsigned long long)s.swap_outs, (unsigned long long)s.swap_ins,
                (unsigned long long)s.lsc_loads, (unsigned long long)s.copy_orders,
                (unsigned long long)s.links[KVB_LINK_HOST].bytes);
+        fflush(stdout);
         assert_same(&ref, &got);
         ck_assert_int_eq(m.observed, (int)s.steps);
         if (which == MECH_ABSENT) ck_assert_uint_gt(s.recomputed_tokens, 0);

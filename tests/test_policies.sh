@@ -54,9 +54,9 @@ for name in $names; do
         bad "generate --policy $name exits $rc: $(tail -3 "$T/gen-$name.err")"
     elif [ "$out" != "$ref" ]; then
         bad "generate --policy $name: tokens differ from the reference"
-    elif ! echo "$stats" | grep -Eq "preemptions=[1-9]|swap_outs=[1-9]|dropped_blocks=[1-9]"; then
-        # pressure shows as preemption, or as what a planner does instead (swapping out, dropping the
-        # KV of the oldest tokens)
+    elif ! echo "$stats" | grep -Eq "preemptions=[1-9]|pauses=[1-9]|slices_offloaded=[1-9]|swap_outs=[1-9]|dropped_blocks=[1-9]"; then
+        # memory pressure shows as preemptions (recompute), pauses, layers moved to the host tier, requests
+        # swapped out, or the KV of the oldest tokens dropped (recomputed each step)
         bad "generate --policy $name: no memory pressure ($stats)"
     elif echo "$stats" | grep -q "preemptions=[1-9]" && ! echo "$stats" | grep -q "prefix_hit_tokens=[1-9]"; then
         bad "generate --policy $name: preempted requests came back without a prefix hit ($stats)"

@@ -345,6 +345,10 @@ KVB_TEST(node_config_invalid) {
         {"{\"node\": \"n\", \"coordinator\": [], \"models\": [" M_OK "]}", "field \"coordinator\" must be an object",
          NULL},
         {"{\"node\": \"n\", \"run_dir\": \"\", \"models\": [" M_OK "]}", "field \"run_dir\" must not be empty", NULL},
+        /* a lending worker whose KV memory is of another kind than the master's: both named */
+        {NODE(M_OK ", " W(", \"backend\": \"cuda\", \"device\": 1")),
+         "model \"code\" (backend \"cuda\") and model \"chat\" (backend \"cpu\") cannot lend to each other",
+         "different kinds"},
     };
     node_fixture f;
     fixture_init(&f);
@@ -362,6 +366,17 @@ KVB_TEST(node_config_invalid) {
                           f.log);
         }
         ck_assert_ptr_null(c);
+    }
+    /* the same kind (variants of one backend), or a worker that never lends, are fine */
+    static const char *const good[] = {
+        "{\"node\": \"n\", \"models\": [{\"name\": \"chat\", \"role\": \"master\", \"model_dir\": \"m\", \"kv_mb\": 2, "
+        "\"backend\": \"cuda\"}, " W(", \"backend\": \"cuda:f32\", \"device\": 1") "]}",
+        NODE(M_OK ", " W(", \"backend\": \"cuda\", \"lend\": false")),
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(good); i++) {
+        kvb_node_config *ok = NULL;
+        ck_assert_msg(load_text(&f, good[i], &ok) == KVB_OK, "good case %zu refused: %s", i, f.log);
+        kvb_node_config_free(ok);
     }
     fixture_fini(&f);
     kvb_node_config *c = NULL;

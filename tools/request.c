@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "common/ipc/client.h"
+#include "common/ipc/wire.h"
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-request --endpoint EP --prompt-ids IDS --max-tokens N [options]\n"
@@ -88,6 +89,11 @@ int main(int argc, char **argv) {
     kvb_client *cl = NULL;
     req_state s = {.quiet = quiet, .cap = max_tokens};
     if (kvb_malloc((size_t)max_tokens * sizeof(int32_t), (void **)&s.ids) != KVB_OK) goto out;
+    char why[4096 + 256];
+    if (kvb_wire_ipc_check(ep, why, sizeof why) == KVB_ERR_IO) { /* permission denied: no wait helps */
+        fprintf(stderr, "kvbank-request: cannot reach %s: %s\n", ep, why);
+        goto out;
+    }
     if (kvb_client_connect_opts(ep, &copts, &cl) != KVB_OK) {
         fprintf(stderr, "kvbank-request: cannot connect to %s\n", ep);
         goto out;

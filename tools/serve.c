@@ -8,12 +8,13 @@
 
 #include "common/ipc/server.h"
 #include "common/kv/block_pool.h"
-#include "common/mem/region.h"
+#include "common/mem/mem.h"
+#include "common/mem/region.h" /* stale-segment cleanup */
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 
-#define TAG_MAX 24 /* kvb_region_create: longest tag */
+#define TAG_MAX 24 /* the longest --name (the region tag) */
 
 static volatile sig_atomic_t g_stop;
 
@@ -28,8 +29,10 @@ static void usage(FILE *f) {
             "\n"
             "Loads a model and serves it on a ZeroMQ ROUTER endpoint: clients (DEALER sockets) send\n"
             "GenerateRequest, CancelRequest and Ping envelopes (proto/kvbank.proto) and receive streams of\n"
-            "TokenEvents, ErrorReplies and Pongs. The KV cache lives in a POSIX shared-memory region named\n"
-            "/kvb-NAME-PID-N (mode 0600), removed on exit. An ipc:// socket file is made mode 0600.\n"
+            "TokenEvents, ErrorReplies and Pongs. The KV cache lives in one exportable region of the\n"
+            "backend's memory: with the cpu backend a POSIX shared-memory object named /kvb-NAME-PID-N\n"
+            "(mode 0600), removed on exit; with a device backend device memory on --device (an IPC handle\n"
+            "other processes could import). An ipc:// socket file is made mode 0600.\n"
             "SIGINT or SIGTERM stops the server (live requests end with FINISH_CANCELLED); exit status 0.\n"
             "\n"
             "options:\n"
@@ -39,6 +42,7 @@ static void usage(FILE *f) {
             "                         digits, '-' and '_', at most %d characters (default: the model\n"
             "                         directory's base name, other characters replaced by '_')\n"
             "  --backend NAME         compute backend (built in: %s; default cpu)\n"
+            "  --device N             the GPU of a device backend (default 0)\n"
             "  --threads N            CPU threads (default 1)\n"
             "  --block-size N         tokens per KV block (default 16)\n"
             "  --kv-blocks N          KV blocks in the pool (default: enough for 4 x max_position_embeddings\n"
@@ -85,18 +89,18 @@ int main(int argc, char **argv) {
     const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
     const char *links = "off";
     int threads = 1, block_size = 16, kv_blocks = 0, max_batch_tokens = 0, max_live = 1024, prefix_cache = 1;
-    int max_per_client = 0, max_seqs = 0;
+    int max_per_client = 0, max_seqs = 0, device = 0;
     kvb_policy_params pparams = {0};
 
     enum { O_MODEL = 256, O_EP, O_NAME, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_LIVE, O_POLICY, O_NOPC, O_PPARAM,
-           O_PER_CLIENT, O_SEQS, O_LINKS };
+           O_PER_CLIENT, O_SEQS, O_DEVICE, O_LINKS };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL},       {"endpoint", 1, 0, O_EP},        {"name", 1, 0, O_NAME},
         {"backend", 1, 0, O_BACKEND},   {"threads", 1, 0, O_THREADS},    {"block-size", 1, 0, O_BS},
         {"kv-blocks", 1, 0, O_BLOCKS},  {"max-batch-tokens", 1, 0, O_MBT}, {"max-live", 1, 0, O_LIVE},
         {"policy", 1, 0, O_POLICY},     {"no-prefix-cache", 0, 0, O_NOPC}, {"policy-param", 1, 0, O_PPARAM},
         {"link-preset", 1, 0, O_LINKS}, {"help", 0, 0, 'h'},
-        {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"max-seqs", 1, 0, O_SEQS},
+        {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"max-seqs", 1, 0, O_SEQS}, {"device", 1, 0, O_DEVICE},
         {0, 0, 0, 0}};
     int c, bad = 0;
     opterr = 1;
@@ -107,6 +111,7 @@ int main(int argc, char **argv) {
         case O_NAME: name_arg = optarg; break;
         case O_BACKEND: backend = optarg; break;
         case O_THREADS: bad = parse_int("--threads", optarg, 1, &threads) != 0; break;
+        case O_DEVICE: bad = parse_int("--device", optarg, 0, &device) != 0; break;
         case O_BS: bad = parse_int("--block-size", optarg, 1, &block_size) != 0; break;
         case O_BLOCKS: bad = parse_int("--kv-blocks", optarg, 1, &kv_blocks) != 0; break;
         case O_MBT: bad = parse_int("--max-batch-tokens", optarg, 1, &max_batch_tokens) != 0; break;
@@ -178,14 +183,15 @@ int main(int argc, char **argv) {
     int rc = 1;
     kvb_backend *be = NULL;
     kvb_model *m = NULL;
-    kvb_region *region = NULL;
+    kvb_mem_region *region = NULL;
     kvb_server *srv = NULL;
     kvb_engine *eng = NULL;
     int planner_owned = 1; /* until kvb_engine_create, which takes it in every case */
     kvb_status st;
 
-    if ((st = kvb_backend_create(backend, threads, &be)) != KVB_OK) {
-        fprintf(stderr, "kvbank-serve: cannot create backend '%s': %s\n", backend, kvb_status_str(st));
+    if ((st = kvb_backend_create_on(backend, device, threads, &be)) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: cannot create backend '%s' on device %d: %s\n", backend, device,
+                kvb_status_str(st));
         goto out;
     }
     if ((st = kvb_model_load(model_dir, be, &m)) != KVB_OK) {
@@ -208,8 +214,12 @@ int main(int argc, char **argv) {
         goto out;
     }
     size_t kv_bytes = (size_t)kv_blocks * block_bytes;
-    if ((st = kvb_region_create(name, kv_bytes, &region)) != KVB_OK) {
-        fprintf(stderr, "kvbank-serve: cannot create a %zu-byte shared KV region: %s\n", kv_bytes, kvb_status_str(st));
+    int n_stale = 0;
+    kvb_region_unlink_stale(name, &n_stale); /* regions of crashed servers of this name */
+    if (n_stale) KVB_LOG_I("removed %d shared-memory region(s) of crashed servers named %s", n_stale, name);
+    if ((st = kvb_mem_region_create(be->mem, name, kv_bytes, &region)) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: cannot create a %zu-byte KV region in %s memory: %s\n", kv_bytes,
+                kvb_mem_kind(be->mem), kvb_status_str(st));
         goto out;
     }
     if (g_stop) goto stopped;
@@ -227,8 +237,8 @@ int main(int argc, char **argv) {
     if (max_batch_tokens) eo.max_batch_tokens = max_batch_tokens;
     if (max_seqs) eo.max_seqs = max_seqs;
     eo.enable_prefix_cache = prefix_cache;
-    eo.kv_mem = kvb_region_base(region);
-    eo.kv_mem_bytes = kvb_region_size(region);
+    eo.kv_mem = kvb_mem_region_base(region);
+    eo.kv_mem_bytes = kvb_mem_region_size(region);
     if ((st = kvb_link_preset(links, be, &eo.links)) != KVB_OK) {
         fprintf(stderr, "kvbank-serve: unknown --link-preset '%s' (--link-preset list names them)\n", links);
         goto out;
@@ -241,8 +251,9 @@ int main(int argc, char **argv) {
     }
     kvb_server_attach(srv, eng);
 
-    KVB_LOG_I("serving %s on %s (%d KV blocks of %d tokens in %s, %zu bytes)", name, kvb_server_endpoint(srv),
-              kv_blocks, block_size, kvb_region_handle(region), kv_bytes);
+    KVB_LOG_I("serving %s on %s (%d KV blocks of %d tokens, %zu bytes, in %s memory: %.40s)", name,
+              kvb_server_endpoint(srv), kv_blocks, block_size, kv_bytes, kvb_mem_kind(be->mem),
+              kvb_mem_region_handle(region));
     st = kvb_server_run(srv, &g_stop);
     kvb_server_stats ss;
     kvb_server_get_stats(srv, &ss);
@@ -259,7 +270,7 @@ out:
     kvb_engine_destroy(eng);
     kvb_server_destroy(srv);
     if (planner_owned) kvb_planner_destroy(&planner);
-    kvb_region_destroy(region);
+    kvb_mem_region_destroy(region);
     kvb_model_destroy(m);
     kvb_backend_destroy(be);
     return rc;

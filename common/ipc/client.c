@@ -46,6 +46,7 @@ typedef struct live_req {
     int n_stop;
     int max_tokens;
     kvb_sampling sampling;
+    double tbt_slo_ms;
     uint64_t conn;         /* the connection its current attempt goes out on (kvb_client.conn numbering) */
     int lost;              /* that connection is gone: waiting for the next one */
     uint64_t lost_ns;      /* since when (kvb_now_ns) */
@@ -80,8 +81,8 @@ struct kvb_client {
 
 void kvb_client_opts_default(kvb_client_opts *o) {
     if (!o) return;
-    o->heartbeat_ms = 200;
-    o->dead_ms = 800;
+    o->heartbeat_ms = 250;
+    o->dead_ms = 1000;
     o->resume_ms = 30000;
 }
 
@@ -284,6 +285,7 @@ static void build_request(const live_req *e, Kvbank__GenerateRequest *g, Kvbank_
     g->top_p = e->sampling.top_p;
     g->seed = e->sampling.seed;
     g->resume_index = e->next_index;
+    g->tbt_slo_ms = (float)e->tbt_slo_ms;
     kvbank__envelope__init(env);
     env->body_case = KVBANK__ENVELOPE__BODY_GENERATE;
     env->generate = g;
@@ -316,6 +318,7 @@ kvb_status kvb_client_submit(kvb_client *c, const kvb_request *r, kvb_client_eve
     e->n_stop = r->n_stop;
     e->max_tokens = r->max_tokens;
     e->sampling = r->sampling;
+    e->tbt_slo_ms = r->tbt_slo_ms;
     /* The copies a resumption needs; the delivered tokens are appended as they arrive. */
     e->cap_seq = r->n_prompt + KVB_MIN(r->max_tokens, 64);
     kvb_status st = kvb_malloc((size_t)KVB_MAX(e->cap_seq, 1) * sizeof *e->seq, (void **)&e->seq);

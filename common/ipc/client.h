@@ -7,9 +7,9 @@
  * core (a table of live requests keyed by the request id), so the blocking call is the asynchronous
  * one plus a wait. A client is used from one thread at a time.
  *
- * Dead servers and resumed requests. The DEALER runs ZeroMQ heartbeats: a server that dies or hangs
- * is noticed within about a second (heartbeat_ms + dead_ms; on ipc:// a dead process closes its socket
- * at once). A request in flight when that happens is RESUMED when a server comes back on the same
+ * Dead servers and resumed requests. The DEALER runs ZeroMQ heartbeats: a server that dies is noticed
+ * at once on ipc:// (its socket closes) and one that hangs, or a dead one over tcp://, within
+ * heartbeat_ms + dead_ms (1.25 s by default). A request in flight when that happens is RESUMED when a server comes back on the same
  * endpoint (kvbankd restarts a dead model): the client resubmits the prompt followed by the tokens it
  * already delivered, for the remaining max_tokens, and the stream goes on with the next index — no
  * gap, no repeat. Greedy output equals an uninterrupted run's (the lossless invariant: a prefill of
@@ -29,8 +29,8 @@
 typedef struct kvb_client kvb_client;
 
 typedef struct kvb_client_opts {
-    int heartbeat_ms; /* ZeroMQ PING period on the connection (default 200; 0: no heartbeats) */
-    int dead_ms;      /* no traffic this long after a PING: the connection is dead (default 800) */
+    int heartbeat_ms; /* ZeroMQ PING period on the connection (default 250; 0: no heartbeats) */
+    int dead_ms;      /* no traffic this long after a PING: the connection is dead (default 1000) */
     int resume_ms;    /* a request whose server went away waits this long for a server to come back
                        * on the endpoint and resumes on it (default 30000, enough for kvbankd to
                        * restart a model); 0: such a request fails at once with KVB_ERR_UNAVAILABLE */

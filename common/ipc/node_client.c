@@ -47,7 +47,7 @@ struct kvb_node_client {
     void *zctx;
     void *sock;                       /* DEALER, routing id = id.name */
     kvb_node_identity id;             /* its strings point to the copies below */
-    char *name, *region, *endpoint, *model; /* owned copies */
+    char *name, *region, *endpoint, *model, *memory; /* owned copies */
     kvb_node_callbacks cb;
     int heartbeat_ms;                 /* current period */
     int registered;
@@ -165,6 +165,9 @@ static void send_register(kvb_node_client *nc) {
     r.n_loans = (size_t)n_loans;
     r.loans = lp;
     r.model = nc->model;
+    r.memory = nc->memory;
+    r.device = nc->id.device;
+    r.stream = nc->id.stream != 0;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_REGISTER;
     env.register_ = &r;
@@ -654,11 +657,13 @@ kvb_status kvb_node_client_create(const char *endpoint, const kvb_node_identity 
     KVB_TRY_GOTO(dup_opt(id->region, &nc->region), fail);
     KVB_TRY_GOTO(dup_opt(id->endpoint, &nc->endpoint), fail);
     KVB_TRY_GOTO(dup_opt(id->model, &nc->model), fail);
+    KVB_TRY_GOTO(dup_opt(id->memory ? id->memory : "host", &nc->memory), fail);
     nc->id = *id;
     nc->id.name = nc->name;
     nc->id.region = nc->region;
     nc->id.endpoint = nc->endpoint;
     nc->id.model = nc->model;
+    nc->id.memory = nc->memory;
     nc->cb = *cb;
     nc->heartbeat_ms = KVB_MIN(KVB_MAX(heartbeat_ms, HEARTBEAT_MIN_MS), HEARTBEAT_MAX_MS);
 
@@ -725,55 +730,8 @@ void kvb_node_client_destroy(kvb_node_client *nc) {
     if (nc->zctx) zmq_ctx_term(nc->zctx);
     free(nc->name);
     free(nc->region);
+    free(nc->memory);
     free(nc->endpoint);
     free(nc->model);
     free(nc);
-}
-
-/* ---------------------------------------------------------------------------- stale shared memory */
-
-/* "<pid>-<seq>", both decimal; returns the pid or -1. */
-static long parse_pid_seq(const char *s) {
-    char *end = NULL;
-    errno = 0;
-    long pid = strtol(s, &end, 10);
-    if (errno || end == s || *end != '-' || pid <= 0) return -1;
-    const char *q = end + 1;
-    if (!*q) return -1;
-    for (; *q; q++)
-        if (*q < '0' || *q > '9') return -1;
-    return pid;
-}
-
-kvb_status kvb_node_unlink_stale_regions(const char *tag, int *n_removed) {
-    if (n_removed) *n_removed = 0;
-    if (!tag || !*tag || strlen(tag) > 40) return KVB_ERR_INVALID;
-    for (const char *c = tag; *c; c++)
-        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '-' ||
-              *c == '_'))
-            return KVB_ERR_INVALID;
-    char prefix[64];
-    int plen = snprintf(prefix, sizeof prefix, "kvb-%s-", tag);
-    DIR *d = opendir("/dev/shm");
-    if (!d) {
-        KVB_LOG_W("cannot list /dev/shm: %s", strerror(errno));
-        return KVB_ERR_IO;
-    }
-    int removed = 0;
-    struct dirent *de;
-    while ((de = readdir(d)) != NULL) {
-        if (strncmp(de->d_name, prefix, (size_t)plen) != 0) continue;
-        long pid = parse_pid_seq(de->d_name + plen);
-        if (pid < 0 || pid == (long)getpid()) continue;
-        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue; /* alive (or not ours to judge) */
-        char name[300];
-        snprintf(name, sizeof name, "/%s", de->d_name);
-        if (shm_unlink(name) == 0) {
-            removed++;
-            KVB_LOG_I("removed %s, left behind by process %ld, which is gone", name, pid);
-        }
-    }
-    closedir(d);
-    if (n_removed) *n_removed = removed;
-    return KVB_OK;
 }

@@ -30,8 +30,11 @@ typedef struct kvb_node_identity {
     const char *name;      /* 1..255 bytes: the routing id and the model's name in the node */
     kvb_role role;
     kvb_kv_geom geom;      /* of its own blocks */
-    const char *region;    /* handle of its KV region (kvb_region_handle) */
+    const char *region;    /* handle of its KV region (kvb_mem_region_handle) */
     uint64_t region_bytes;
+    const char *memory;    /* memory kind of the region (kvb_mem_kind: "host", a device kind) */
+    uint32_t device;       /* device of the region */
+    int stream;            /* master: lent blocks are streamed into its LSC (1) or read in place (0) */
     uint32_t capacity;     /* blocks the region holds */
     const char *endpoint;  /* its request endpoint */
     const char *model;     /* model directory, informational (may be NULL) */
@@ -128,10 +131,5 @@ kvb_status kvb_node_client_send_revoke_ack(kvb_node_client *nc, uint64_t loan_id
 kvb_status kvb_node_client_send_status_request(kvb_node_client *nc, int ledger);
 /* Control(op, model, n_blocks); op is a KVBANK__CONTROL__OP__* value. */
 kvb_status kvb_node_client_send_control(kvb_node_client *nc, int op, const char *model, uint32_t n_blocks);
-
-/* Removes the shared-memory objects "/kvb-<tag>-<pid>-<seq>" of `tag` whose creating process no longer
- * exists (a model killed before it could unlink its region). Objects of live processes are left alone.
- * Returns how many were removed in *n_removed (may be NULL). */
-kvb_status kvb_node_unlink_stale_regions(const char *tag, int *n_removed);
 
 #endif

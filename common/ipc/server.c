@@ -75,6 +75,7 @@ typedef struct slot {
     /* the request while queued: prompt then stop ids */
     int32_t *req;                 /* [cap_req] (n_prompt + n_stop valid) */
     int cap_req, n_prompt, n_stop, max_tokens, resume_index;
+    double tbt_slo_ms;
     kvb_sampling sampling;
 } slot;
 
@@ -516,6 +517,11 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
                     g->resume_index, g->n_prompt_ids);
         return;
     }
+    if (!(g->tbt_slo_ms >= 0 && g->tbt_slo_ms <= 3.6e6)) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "tbt_slo_ms %g must be in [0, 3600000] (0: the model's default)",
+                    (double)g->tbt_slo_ms);
+        return;
+    }
     if (g->top_k > INT_MAX) {
         reply_error(s, ident, len, rid, KVB_ERR_INVALID, "top_k %" PRIu32 " is out of range", g->top_k);
         return;
@@ -568,6 +574,7 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
     sl->n_stop = (int)g->n_stop_ids;
     sl->max_tokens = (int)g->max_tokens;
     sl->resume_index = (int)g->resume_index;
+    sl->tbt_slo_ms = g->tbt_slo_ms;
     sl->sampling = sp;
     q_push(s, i);
     s->stats.accepted++;
@@ -588,6 +595,7 @@ static void engine_add(kvb_server *s, int i) {
         .n_stop = sl->n_stop,
         .sampling = sl->sampling,
         .resume_index = sl->resume_index,
+        .tbt_slo_ms = sl->tbt_slo_ms,
     };
     kvb_status st = kvb_engine_add(s->engine, &r);
     if (st != KVB_OK) {

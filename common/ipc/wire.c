@@ -1,14 +1,14 @@
 /* kvbank — encoding and validating wire messages. */
 #include "common/ipc/wire.h"
 
-#include <sys/stat.h>
-
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zmq.h>
 
 /* Logs why a frame was rejected and copies the reason into why[why_len] (when given). */
@@ -158,5 +158,35 @@ kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, 
         return st;
     }
     out->sock = sock;
+    return KVB_OK;
+}
+
+kvb_status kvb_wire_ipc_check(const char *endpoint, char *why, size_t why_len) {
+    if (why && why_len) why[0] = '\0';
+    if (!endpoint || strncmp(endpoint, "ipc://", 6) != 0 || endpoint[6] == '@' || endpoint[6] == '\0') return KVB_OK;
+    const char *path = endpoint + 6;
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        int e = errno;
+        if (e == EACCES) {
+            if (why) snprintf(why, why_len, "permission denied: %s is inside a directory this user (uid %u) may not "
+                                            "enter; talk to the node as the user that runs it", path,
+                              (unsigned)geteuid());
+            return KVB_ERR_IO;
+        }
+        if (why) snprintf(why, why_len, "%s: %s", path, e == ENOENT ? "no such socket (is it running?)" : strerror(e));
+        return e == ENOENT ? KVB_ERR_NOT_FOUND : KVB_ERR_IO;
+    }
+    if (!S_ISSOCK(sb.st_mode)) {
+        if (why) snprintf(why, why_len, "%s is not a socket", path);
+        return KVB_ERR_INVALID;
+    }
+    /* connect() on a unix socket needs write permission on its file */
+    if (faccessat(AT_FDCWD, path, W_OK, AT_EACCESS) != 0 && (errno == EACCES || errno == EPERM)) {
+        if (why) snprintf(why, why_len, "permission denied: %s belongs to uid %u (mode %04o), this is uid %u; talk to "
+                                        "the node as the user that runs it", path, (unsigned)sb.st_uid,
+                          (unsigned)(sb.st_mode & 07777), (unsigned)geteuid());
+        return KVB_ERR_IO;
+    }
     return KVB_OK;
 }

@@ -41,4 +41,11 @@ typedef struct kvb_wire_router {
 kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, int sndhwm, int64_t maxmsg,
                                 kvb_wire_router *out);
 
+/* For an ipc:// endpoint with a socket file: whether this process may connect to it, before ZeroMQ
+ * tries (ZeroMQ retries a refused connection silently, so a caller would only see a timeout).
+ * KVB_ERR_IO with "permission denied: ..." in why[why_len] when the file or a directory on its path is
+ * not open to this user, KVB_ERR_NOT_FOUND when there is no such file, KVB_ERR_INVALID when it is not a
+ * socket; KVB_OK otherwise, and for every other endpoint (tcp://, abstract ipc://@name). */
+kvb_status kvb_wire_ipc_check(const char *endpoint, char *why, size_t why_len);
+
 #endif

@@ -101,4 +101,59 @@ kvb_status kvb_block_pool_attach(kvb_block_pool *p, void *mem, int n, int32_t *f
  * reuses it, and the pool never touches `mem` again. */
 kvb_status kvb_block_pool_detach(kvb_block_pool *p, int32_t first_id, int n);
 
+/* ---------------------------------------------------------------- sliced pools (OrbitFlow §4, Fig. 6)
+ *
+ * A sliced pool counts its memory in (block, layer) slices so that a block can keep some layers on the
+ * device and others elsewhere (the host tier), and a layer moved away returns its slice for any other
+ * block's layer. Physical slice k is bytes [k * layer_bytes, (k+1) * layer_bytes) of the own memory:
+ * the same memory as the block-major layout read as slices (own block i holds slices i*L .. i*L+L-1),
+ * allocated lowest first, so a free tail of blocks can still be lent (resize). Block ids are virtual:
+ * ids [0, n_ids), more than the memory holds whole, each with a physical slice per layer or none.
+ *
+ * Differences from a block-major pool:
+ *  - alloc / take give a block with every layer resident (so code that knows nothing of slices works
+ *    unchanged); alloc_bare gives an id with none; slice_alloc / slice_free add or drop one layer;
+ *  - n_free counts blocks that alloc could hand out: min(free ids, free slices / n_layers);
+ *  - a block going back to the free list (last reference, or free_block) returns its slices; a block a
+ *    release hook holds keeps them (a cached prefix block stays readable);
+ *  - kvb_block_pool_block is not defined (assert): address layers with kvb_block_pool_block_layer,
+ *    which asserts that the layer is resident;
+ *  - n_blocks, n_own and capacity count physical blocks (slices / n_layers); id_limit is n_ids;
+ *  - attach / detach return KVB_ERR_UNSUPPORTED (a sliced model does not borrow).
+ * Scratch slices (prefetch buffers) come from the same memory and count against it. */
+
+/* Creates a sliced pool of n_blocks physical blocks (n_blocks * n_layers slices) over `mem` and n_ids
+ * (>= 1) virtual ids, all free. KVB_ERR_INVALID as kvb_block_pool_create, or when the tables would
+ * overflow. Caller owns the result. */
+kvb_status kvb_block_pool_create_sliced(const kvb_kv_geom *g, void *mem, size_t mem_bytes, int n_blocks, int n_ids,
+                                        kvb_block_pool **out);
+int kvb_block_pool_is_sliced(const kvb_block_pool *p);
+int kvb_block_pool_n_slices(const kvb_block_pool *p);      /* physical slices: n_own * n_layers (0 unless sliced) */
+int kvb_block_pool_n_free_slices(const kvb_block_pool *p); /* of those, free */
+int kvb_block_pool_n_free_ids(const kvb_block_pool *p);    /* ids on the free list (= n_free unless sliced) */
+/* An id with no resident layer, refcount 1. KVB_ERR_EXHAUSTED (no free id), KVB_ERR_UNSUPPORTED (not sliced). */
+kvb_status kvb_block_pool_alloc_bare(kvb_block_pool *p, int32_t *out);
+/* 1 if `layer` of block idx has a physical slice. Sliced pools only. */
+int kvb_block_pool_slice_resident(const kvb_block_pool *p, int32_t idx, int layer);
+/* The id holding physical slice `slice`, -1 when it is free or a scratch slice. Sliced pools only. */
+int32_t kvb_block_pool_slice_owner(const kvb_block_pool *p, int32_t slice);
+/* Own blocks at the top of [0, n_own) that could be given away now: free ids (block-major), or physical
+ * blocks whose every slice is free or held by an unreferenced block (sliced). */
+int kvb_block_pool_free_tail(const kvb_block_pool *p);
+/* Slices of referenced blocks (not of held or free ones, not scratch): O(ids * layers). 0 unless sliced. */
+int64_t kvb_block_pool_referenced_slices(const kvb_block_pool *p);
+/* Resident layers of block idx (n_layers in a block-major pool). */
+int kvb_block_pool_n_resident(const kvb_block_pool *p, int32_t idx);
+/* Gives `layer` of block idx (referenced or held) a slice: KVB_OK if it has one already,
+ * KVB_ERR_EXHAUSTED if none is free. The slice's content is undefined. */
+kvb_status kvb_block_pool_slice_alloc(kvb_block_pool *p, int32_t idx, int layer);
+/* Returns the slice of a resident layer (its KV is gone from the device). */
+void kvb_block_pool_slice_free(kvb_block_pool *p, int32_t idx, int layer);
+/* A slice tied to no block (a prefetch buffer), lowest free first: KVB_ERR_EXHAUSTED,
+ * KVB_ERR_UNSUPPORTED (not sliced). Give it back with scratch_free. */
+kvb_status kvb_block_pool_scratch_alloc(kvb_block_pool *p, int32_t *slice);
+void kvb_block_pool_scratch_free(kvb_block_pool *p, int32_t slice);
+/* Address of physical slice `slice` ([2][block_size][n_kv_heads][head_dim]). */
+void *kvb_block_pool_slice_addr(const kvb_block_pool *p, int32_t slice);
+
 #endif

@@ -299,15 +299,23 @@ kvb_status kvb__prefix_cache_insert_raw(kvb_prefix_cache *c, uint64_t hash, uint
     return entry_insert(c, hash, parent, tokens, idx);
 }
 
-kvb_status kvb_prefix_cache_alloc(kvb_prefix_cache *c, int32_t *out) {
-    if (!c || !out) return KVB_ERR_INVALID;
-    if (kvb_block_pool_n_free(c->pool) > 0) return kvb_block_pool_alloc(c->pool, out);
+/* Drops the least recently used unreferenced entry (after the evict hook); returns its block, now held
+ * with refcount 0, or NIL. */
+static int32_t evict_lru(kvb_prefix_cache *c) {
     int32_t i = c->lru_head;
-    if (i == NIL) return KVB_ERR_EXHAUSTED;
+    if (i == NIL) return NIL;
     if (c->evict_fn)
         c->evict_fn(c->evict_ud, c->slots[i].parent, c->tokens + (size_t)i * (size_t)c->block_size, i);
     entry_drop(c, i);
     c->stats.evictions++;
+    return i;
+}
+
+kvb_status kvb_prefix_cache_alloc(kvb_prefix_cache *c, int32_t *out) {
+    if (!c || !out) return KVB_ERR_INVALID;
+    if (kvb_block_pool_n_free(c->pool) > 0) return kvb_block_pool_alloc(c->pool, out);
+    int32_t i = evict_lru(c);
+    if (i == NIL) return KVB_ERR_EXHAUSTED;
     kvb_block_pool_ref(c->pool, i); /* held with refcount 0 -> handed out with refcount 1 */
     *out = i;
     return KVB_OK;
@@ -315,6 +323,14 @@ kvb_status kvb_prefix_cache_alloc(kvb_prefix_cache *c, int32_t *out) {
 
 int kvb_prefix_cache_n_available(const kvb_prefix_cache *c) { return kvb_block_pool_n_free(c->pool) + c->n_lru; }
 int kvb_prefix_cache_n_cached(const kvb_prefix_cache *c) { return c->n_cached; }
+
+kvb_status kvb_prefix_cache_evict(kvb_prefix_cache *c) {
+    if (!c) return KVB_ERR_INVALID;
+    int32_t i = evict_lru(c);
+    if (i == NIL) return KVB_ERR_EXHAUSTED;
+    kvb_block_pool_free_block(c->pool, i);
+    return KVB_OK;
+}
 
 void kvb_prefix_cache_clear(kvb_prefix_cache *c) {
     if (!c) return;

@@ -59,6 +59,10 @@ kvb_status kvb_prefix_cache_publish(kvb_prefix_cache *c, uint64_t parent, const 
  * block (evicted from the cache). KVB_ERR_EXHAUSTED when every block is referenced. */
 kvb_status kvb_prefix_cache_alloc(kvb_prefix_cache *c, int32_t *out);
 
+/* Evicts the least recently used unreferenced cached block to the pool's free list (the evict hook is
+ * called first). KVB_ERR_EXHAUSTED when no cached block is unreferenced. */
+kvb_status kvb_prefix_cache_evict(kvb_prefix_cache *c);
+
 /* Blocks that kvb_prefix_cache_alloc could hand out now (free + evictable). */
 int kvb_prefix_cache_n_available(const kvb_prefix_cache *c);
 int kvb_prefix_cache_n_cached(const kvb_prefix_cache *c);

@@ -1,6 +1,6 @@
 /* kvbank — the memory interface's common part (mem.h): argument checks, region bookkeeping (double
  * imports), virtual-memory slots with their counters and timers, deferred unmaps behind fences, and
- * the step arena. The backends (mem_host.c, mem_cuda.c) only do the work. */
+ * the step arena. The backends (mem_host.c and the device ones) only do the work. */
 #include "common/mem/mem_impl.h"
 
 #include <pthread.h>

@@ -1,4 +1,4 @@
-/* kvbank — what a memory backend implements (mem_host.c, mem_cuda.c) behind common/mem/mem.h.
+/* kvbank — what a memory backend implements (mem_host.c and the device backends) behind common/mem/mem.h.
  *
  * mem.c checks every argument (sizes, alignment, slot states, double imports), counts and times the
  * virtual-memory calls and keeps the queue of deferred unmaps; a backend only does the work. Only the
@@ -6,7 +6,6 @@
 #ifndef KVB_MEM_MEM_IMPL_H
 #define KVB_MEM_MEM_IMPL_H
 
-#include "config.h"
 #include "common/mem/mem.h"
 
 typedef struct kvb_mem_i {
@@ -47,14 +46,8 @@ typedef struct kvb_mem_i {
     void (*destroy)(void *ctx);
 } kvb_mem_i;
 
-/* Backend constructors, called by registry.c only. The CUDA one takes the device ordinal (-1: the
- * device current on this thread) and writes back the one it uses; its probe (no context made) says
- * whether `device` exists, else why not ("no CUDA device: ..."). */
+/* The host backend's constructor, called by registry.c only (which declares the device backends'). */
 kvb_status kvb__mem_host_create(const kvb_mem_i **iface, void **ctx);
-#ifdef KVB_WITH_CUDA
-kvb_status kvb__mem_cuda_create(int *device, const kvb_mem_i **iface, void **ctx);
-int kvb__mem_cuda_probe(int device, char *why, size_t why_len);
-#endif
 
 /* mem.c: wraps a backend into a kvb_mem (takes ctx; on failure destroys it). */
 kvb_status kvb__mem_wrap(const kvb_mem_i *iface, void *ctx, int device, kvb_mem **out);

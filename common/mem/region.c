@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -199,7 +200,7 @@ void kvb_region_destroy(kvb_region *r) {
     if (!r) return;
     if (munmap(r->base, r->size) != 0) KVB_LOG_E("region %s: munmap failed: %s", r->name, strerror(errno));
     if (r->owner && shm_unlink(r->name) != 0) {
-        /* ENOENT: someone (kvb_region_unlink_tag) removed the name already; the mapping was ours. */
+        /* ENOENT: someone removed the name already; the mapping was ours. */
         if (errno == ENOENT) KVB_LOG_W("region %s: shm_unlink failed: %s", r->name, strerror(errno));
         else KVB_LOG_E("region %s: shm_unlink failed: %s", r->name, strerror(errno));
     }
@@ -211,25 +212,21 @@ size_t kvb_region_size(const kvb_region *r) { return r ? r->size : 0; }
 const char *kvb_region_handle(const kvb_region *r) { return r ? r->name : NULL; }
 int kvb_region_is_owner(const kvb_region *r) { return r ? r->owner : 0; }
 
-/* 1 if `s` is exactly "<digits>-<digits>" (the "<pid>-<seq>" tail of a name). */
-static int is_pid_seq(const char *s) {
-    int groups = 0;
-    while (*s) {
-        if (*s < '0' || *s > '9') return 0;
-        while (*s >= '0' && *s <= '9') s++;
-        groups++;
-        if (*s == '-') {
-            if (groups == 2) return 0;
-            s++;
-            if (!*s) return 0;
-        } else if (*s) {
-            return 0;
-        }
+/* The pid of "<pid>-<seq>" (both decimal, nothing else), or -1. */
+static long parse_pid_seq(const char *s) {
+    long pid = 0;
+    const char *p = s;
+    if (*p < '0' || *p > '9') return -1;
+    while (*p >= '0' && *p <= '9') {
+        if (pid > (long)INT_MAX / 10) return -1;
+        pid = pid * 10 + (*p++ - '0');
     }
-    return groups == 2;
+    if (*p++ != '-' || *p < '0' || *p > '9') return -1;
+    while (*p >= '0' && *p <= '9') p++;
+    return *p || pid <= 0 ? -1 : pid;
 }
 
-kvb_status kvb_region_unlink_tag(const char *tag, int *n_removed) {
+kvb_status kvb_region_unlink_stale(const char *tag, int *n_removed) {
     if (n_removed) *n_removed = 0;
     if (!kvb_region_tag_valid(tag)) {
         char buf[44];
@@ -256,14 +253,16 @@ kvb_status kvb_region_unlink_tag(const char *tag, int *n_removed) {
             break;
         }
         /* Exactly "kvb-<tag>-<pid>-<seq>": a tag that merely starts with ours ("<tag>-x") is not ours. */
-        if (strncmp(de->d_name, prefix, (size_t)plen) != 0 || !is_pid_seq(de->d_name + plen)) continue;
+        if (strncmp(de->d_name, prefix, (size_t)plen) != 0) continue;
+        long pid = parse_pid_seq(de->d_name + plen);
+        if (pid < 0 || kvb_pid_alive(pid)) continue; /* its creator runs: not stale, whoever it is */
         char name[KVB_REGION_HANDLE_MAX + 8];
         int n = snprintf(name, sizeof name, "/%s", de->d_name);
         if (n < 0 || (size_t)n >= sizeof name) continue;
         if (shm_unlink(name) == 0) {
             removed++;
-            KVB_LOG_I("region %s: unlinked (tag %s cleanup)", name, tag);
-        } else if (errno != ENOENT) { /* ENOENT: its owner unlinked it since readdir */
+            KVB_LOG_I("region %s: unlinked (its process %ld is gone)", name, pid);
+        } else if (errno != ENOENT) { /* ENOENT: someone else cleaned it up since readdir */
             KVB_LOG_E("region %s: shm_unlink failed: %s", name, strerror(errno));
             st = KVB_ERR_IO;
         }

@@ -40,10 +40,12 @@ size_t kvb_region_size(const kvb_region *r);
 const char *kvb_region_handle(const kvb_region *r);
 int kvb_region_is_owner(const kvb_region *r);
 
-/* Removes every shared-memory object whose name starts with "/kvb-<tag>-" (a supervisor cleaning up
- * after crashed children). Only names of exactly the form "/kvb-<tag>-<pid>-<seq>" match, so the
- * objects of a longer tag that starts with this one ("<tag>-x") are left alone. KVB_ERR_INVALID for a
- * bad tag. Returns the number removed in *n_removed (may be NULL). */
-kvb_status kvb_region_unlink_tag(const char *tag, int *n_removed);
+/* Removes the shared-memory objects "/kvb-<tag>-<pid>-<seq>" whose creating process <pid> is dead
+ * (kvb_pid_alive: gone, or a zombie), i.e. regions of crashed processes; the objects of live processes
+ * are left alone, whoever runs them (a second node of the same name, a model that restarted). The one
+ * stale-segment cleanup of kvbankd, the model processes and kvbank-serve. Only names of exactly that
+ * form match, so the objects of a longer tag that starts with this one ("<tag>-x") are left alone.
+ * KVB_ERR_INVALID for a bad tag. Returns the number removed in *n_removed (may be NULL). */
+kvb_status kvb_region_unlink_stale(const char *tag, int *n_removed);
 
 #endif

@@ -364,7 +364,10 @@ kvb_status kvb_cuda_get_device(int *device) { return KVB_CUDA_CHECK(cudaGetDevic
 kvb_status kvb_cuda_malloc(size_t bytes, void **out) { return KVB_CUDA_CHECK(cudaMalloc(out, bytes)); }
 
 void kvb_cuda_free(void *p) {
-    if (p) (void)KVB_CUDA_CHECK(cudaFree(p));
+    if (!p) return;
+    /* no kernel of this process may still read or write it (cudaFree would wait too; say it) */
+    (void)KVB_CUDA_CHECK(cudaDeviceSynchronize());
+    (void)KVB_CUDA_CHECK(cudaFree(p));
 }
 
 kvb_status kvb_cuda_host_alloc(size_t bytes, void **out) {

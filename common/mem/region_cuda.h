@@ -154,6 +154,15 @@ kvb_status kvb_cuda_va_map(void *at, size_t bytes, uint64_t h);
  * may still touch it. */
 kvb_status kvb_cuda_va_unmap(void *at, size_t bytes);
 
+/* ---------------------------------------------------------------- the memory interface's backend */
+
+struct kvb_mem_i;
+/* The `cuda` backend of common/mem/mem.h (mem_cuda.c), for registry.c: the constructor takes the
+ * device ordinal (-1: the device current on this thread) and writes back the one it uses; the probe
+ * (which makes no context) says whether `device` exists, else why not ("no CUDA device: ..."). */
+kvb_status kvb__mem_cuda_create(int *device, const struct kvb_mem_i **iface, void **ctx);
+int kvb__mem_cuda_probe(int device, char *why, size_t why_len);
+
 #ifdef __cplusplus
 }
 #endif

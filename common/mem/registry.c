@@ -5,6 +5,9 @@
 
 #include "config.h"
 #include "common/mem/mem_impl.h"
+#ifdef KVB_WITH_CUDA
+#include "common/mem/region_cuda.h" /* the CUDA memory backend's constructor and probe */
+#endif
 
 #ifdef KVB_WITH_CUDA
 /* 1 if `name` is `family` or "family:variant". */

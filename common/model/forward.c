@@ -2,7 +2,9 @@
  * Follows transformers' LlamaDecoderLayer / Qwen3DecoderLayer:
  *   h = x + o_proj(attn(rope(q_norm(q_proj(norm1(x)))), rope(k_norm(k_proj(..))), v_proj(..)))
  *   x' = h + down(silu(gate(norm2(h))) * up(norm2(h)))
- * (q_norm/k_norm only for Qwen3). Every buffer below is backend memory of act_dtype elements. */
+ * (q_norm/k_norm only for Qwen3). Every buffer below is backend memory of act_dtype elements, taken
+ * for one step from the caller's allocator (common/mem/mem.h) at kvb_forward_begin, sized by that
+ * step's tokens, and given back at kvb_forward_end. */
 #include <math.h>
 #include <string.h>
 
@@ -12,56 +14,74 @@ struct kvb_forward {
     kvb_model *m;
     kvb_backend *be;
     int max_tokens;
-    void *x;    /* [max_tokens][hidden] residual stream */
-    void *h;    /* [max_tokens][hidden] normalised input of a sublayer */
-    void *q;    /* [max_tokens][n_heads][head_dim] */
-    void *k;    /* [max_tokens][n_kv_heads][head_dim] */
-    void *v;    /* [max_tokens][n_kv_heads][head_dim] */
-    void *att;  /* [max_tokens][n_heads][head_dim] attention output */
-    void *gate; /* [max_tokens][intermediate] */
-    void *up;   /* [max_tokens][intermediate] */
-    void *rows;     /* [logit_cap][hidden] rows that want logits */
-    void *logits;   /* [logit_cap][vocab] */
-    int logit_cap;
+    kvb_mem_allocator alloc; /* where each step's buffers come from */
+    kvb_mem_arena *arena;    /* the default allocator, owned (NULL when the caller supplied one) */
+    /* The step in flight's buffers, from `alloc`, sized by its n_tokens (n) and n_logits (r); NULL
+     * between steps. */
+    void *x;    /* [n][hidden] residual stream */
+    void *h;    /* [n][hidden] normalised input of a sublayer */
+    void *q;    /* [n][n_heads][head_dim] */
+    void *k;    /* [n][n_kv_heads][head_dim] */
+    void *v;    /* [n][n_kv_heads][head_dim] */
+    void *att;  /* [n][n_heads][head_dim] attention output */
+    void *gate; /* [n][intermediate] */
+    void *up;   /* [n][intermediate] */
+    void *rows;     /* [r][hidden] rows that want logits */
+    void *logits;   /* [r][vocab] */
     const kvb_batch *b; /* the step in flight (borrowed) */
     kvb_attn_batch attn;/* b->attn with the model's head count and scale */
     int next_layer;
 };
 
+/* The step's buffers, in one array for giving them back. */
+#define FW_BUFS(fw) {&(fw)->x, &(fw)->h, &(fw)->q, &(fw)->k, &(fw)->v, &(fw)->att, &(fw)->gate, &(fw)->up, \
+                     &(fw)->rows, &(fw)->logits}
+
 static kvb_status fw_alloc(kvb_forward *fw, size_t elems, void **out) {
     size_t es = kvb_dtype_size(fw->be->iface->act_dtype);
-    return fw->be->iface->alloc(fw->be->ctx, elems * es, out);
+    return fw->alloc.iface->alloc(fw->alloc.ctx, elems * es, out);
 }
 
-kvb_status kvb_forward_create(kvb_model *m, int max_tokens, kvb_forward **out) {
-    if (max_tokens < 1) return KVB_ERR_INVALID;
+/* Gives the step's buffers back to the allocator. */
+static void fw_release(kvb_forward *fw) {
+    void **bufs[] = FW_BUFS(fw);
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++) {
+        fw->alloc.iface->free(fw->alloc.ctx, *bufs[i]);
+        *bufs[i] = NULL;
+    }
+}
+
+kvb_status kvb_forward_create_with(kvb_model *m, int max_tokens, const kvb_mem_allocator *alloc, kvb_forward **out) {
+    if (max_tokens < 1 || !out) return KVB_ERR_INVALID;
+    if (alloc && (!alloc->iface || !alloc->iface->alloc || !alloc->iface->free)) return KVB_ERR_INVALID;
     kvb_forward *fw = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *fw, (void **)&fw));
     fw->m = m;
     fw->be = m->be;
     fw->max_tokens = max_tokens;
-    const kvb_model_config *c = &m->cfg;
-    size_t n = (size_t)max_tokens;
-    kvb_status st;
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->hidden, &fw->x), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->hidden, &fw->h), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->q), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->k), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->v), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->att), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->intermediate, &fw->gate), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->intermediate, &fw->up), fail);
+    if (alloc) {
+        fw->alloc = *alloc;
+    } else {
+        kvb_status st = kvb_mem_arena_create(m->be->mem, &fw->arena);
+        if (st != KVB_OK) {
+            free(fw);
+            return st;
+        }
+        fw->alloc = kvb_mem_arena_allocator(fw->arena);
+    }
     *out = fw;
     return KVB_OK;
-fail:
-    kvb_forward_destroy(fw);
-    return st;
+}
+
+kvb_status kvb_forward_create(kvb_model *m, int max_tokens, kvb_forward **out) {
+    return kvb_forward_create_with(m, max_tokens, NULL, out);
 }
 
 void kvb_forward_destroy(kvb_forward *fw) {
     if (!fw) return;
-    void *bufs[] = {fw->x, fw->h, fw->q, fw->k, fw->v, fw->att, fw->gate, fw->up, fw->rows, fw->logits};
-    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++) fw->be->iface->free(fw->be->ctx, bufs[i]);
+    if (fw->x) fw->be->iface->sync(fw->be->ctx); /* a step was abandoned: its kernels may still run */
+    fw_release(fw);
+    kvb_mem_arena_destroy(fw->arena);
     free(fw);
 }
 
@@ -78,14 +98,41 @@ kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b) {
             return KVB_ERR_INVALID;
         }
     }
+    const kvb_backend_i *be = fw->be->iface;
+    if (fw->x) {
+        /* the previous step was abandoned mid-way: its buffers go back once its kernels are done */
+        KVB_TRY(be->sync(fw->be->ctx));
+        fw_release(fw);
+    }
+    /* this step's buffers, sized by its tokens */
+    size_t n = (size_t)b->n_tokens;
+    kvb_status st;
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->hidden, &fw->x), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->hidden, &fw->h), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->q), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->k), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->v), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->att), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->intermediate, &fw->gate), fail);
+    KVB_TRY_GOTO(fw_alloc(fw, n * c->intermediate, &fw->up), fail);
+    if (b->n_logits > 0) {
+        KVB_TRY_GOTO(fw_alloc(fw, (size_t)b->n_logits * c->hidden, &fw->rows), fail);
+        KVB_TRY_GOTO(fw_alloc(fw, (size_t)b->n_logits * c->vocab, &fw->logits), fail);
+    }
     fw->b = b;
     fw->attn = b->attn;
     fw->attn.n_heads = c->n_heads;
     fw->attn.n_tokens = b->n_tokens;
     fw->attn.scale = (float)(1.0 / sqrt((double)c->head_dim));
     fw->next_layer = 0;
-    const kvb_backend_i *be = fw->be->iface;
-    return be->embed(fw->be->ctx, &fw->m->embed, b->tokens, b->n_tokens, fw->x);
+    KVB_TRY_GOTO(be->embed(fw->be->ctx, &fw->m->embed, b->tokens, b->n_tokens, fw->x), fail_step);
+    return KVB_OK;
+fail_step:
+    fw->b = NULL;
+    (void)be->sync(fw->be->ctx);
+fail:
+    fw_release(fw);
+    return st;
 }
 
 kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
@@ -129,20 +176,22 @@ kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
     const kvb_backend_i *be = fw->be->iface;
     void *ctx = fw->be->ctx;
     fw->b = NULL;
-    if (b->n_logits == 0) return be->sync(ctx);
-    if (b->n_logits > fw->logit_cap) {
-        be->free(ctx, fw->rows);
-        be->free(ctx, fw->logits);
-        fw->rows = fw->logits = NULL;
-        fw->logit_cap = 0;
-        KVB_TRY(fw_alloc(fw, (size_t)b->n_logits * c->hidden, &fw->rows));
-        KVB_TRY(fw_alloc(fw, (size_t)b->n_logits * c->vocab, &fw->logits));
-        fw->logit_cap = b->n_logits;
+    kvb_status st;
+    if (b->n_logits == 0) {
+        st = be->sync(ctx);
+    } else {
+        st = be->gather_rows(ctx, fw->x, b->logit_rows, b->n_logits, c->hidden, fw->rows);
+        if (st == KVB_OK)
+            st = be->rmsnorm(ctx, fw->rows, b->n_logits, c->hidden, &fw->m->final_norm, c->rms_eps, fw->rows);
+        if (st == KVB_OK) st = be->matmul(ctx, fw->rows, b->n_logits, &fw->m->lm_head, 0.0f, fw->logits);
+        /* waits for the device: every kernel of the step is done when it returns */
+        if (st == KVB_OK) st = be->to_host_f32(ctx, logits, fw->logits, (size_t)b->n_logits * c->vocab);
+        if (st != KVB_OK) (void)be->sync(ctx);
     }
-    KVB_TRY(be->gather_rows(ctx, fw->x, b->logit_rows, b->n_logits, c->hidden, fw->rows));
-    KVB_TRY(be->rmsnorm(ctx, fw->rows, b->n_logits, c->hidden, &fw->m->final_norm, c->rms_eps, fw->rows));
-    KVB_TRY(be->matmul(ctx, fw->rows, b->n_logits, &fw->m->lm_head, 0.0f, fw->logits));
-    return be->to_host_f32(ctx, logits, fw->logits, (size_t)b->n_logits * c->vocab);
+    /* The buffers go back; work already on the stream is done (sync above), and the next step's
+     * kernels run after this one's on the same stream anyway. */
+    fw_release(fw);
+    return st;
 }
 
 const void *kvb_forward_hidden(const kvb_forward *fw) { return fw->x; }
@@ -155,13 +204,28 @@ kvb_status kvb_forward_kv_from_hidden(kvb_forward *fw, int layer, const void *x,
     const kvb_layer_weights *w = &fw->m->layers[layer];
     const kvb_backend_i *be = fw->be->iface;
     void *ctx = fw->be->ctx;
+    /* buffers of its own (a step's are given back when it ends) */
+    void *h = NULL, *q = NULL, *k = NULL, *v = NULL;
+    size_t nn = (size_t)n;
+    kvb_status st;
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->hidden, &h), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_heads * c->head_dim, &q), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_kv_heads * c->head_dim, &k), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_kv_heads * c->head_dim, &v), out);
     /* the layer's first half up to the KV write: norm, K and V projections, Qwen3's k norm, RoPE */
-    KVB_TRY(be->rmsnorm(ctx, x, n, c->hidden, &w->attn_norm, c->rms_eps, fw->h));
-    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wk, 0.0f, fw->k));
-    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wv, 0.0f, fw->v));
-    if (w->k_norm.data) KVB_TRY(be->rmsnorm(ctx, fw->k, n * c->n_kv_heads, c->head_dim, &w->k_norm, c->rms_eps, fw->k));
-    /* rope rotates q and k together; q is not needed here (its stale rows are rotated and ignored) */
-    KVB_TRY(be->rope(ctx, fw->q, c->n_heads, fw->k, c->n_kv_heads, n, pos, &fw->m->rope));
-    KVB_TRY(be->kv_write(ctx, a, fw->k, fw->v));
-    return be->sync(ctx);
+    KVB_TRY_GOTO(be->rmsnorm(ctx, x, n, c->hidden, &w->attn_norm, c->rms_eps, h), out);
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wk, 0.0f, k), out);
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wv, 0.0f, v), out);
+    if (w->k_norm.data) KVB_TRY_GOTO(be->rmsnorm(ctx, k, n * c->n_kv_heads, c->head_dim, &w->k_norm, c->rms_eps, k), out);
+    /* rope rotates q and k together: q is projected too (defined values), then dropped */
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wq, 0.0f, q), out);
+    KVB_TRY_GOTO(be->rope(ctx, q, c->n_heads, k, c->n_kv_heads, n, pos, &fw->m->rope), out);
+    KVB_TRY_GOTO(be->kv_write(ctx, a, k, v), out);
+    st = be->sync(ctx);
+out:
+    if (h || q || k || v) (void)be->sync(ctx);
+    void *bufs[] = {h, q, k, v};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++)
+        if (bufs[i]) fw->alloc.iface->free(fw->alloc.ctx, bufs[i]);
+    return st;
 }

@@ -18,6 +18,7 @@
 
 #include <stdint.h>
 
+#include "common/mem/mem.h"
 #include "common/model/config.h"
 #include "kernels/backend.h"
 
@@ -49,11 +50,17 @@ typedef struct kvb_batch {
 
 typedef struct kvb_forward kvb_forward;
 
-/* Creates a forward context with scratch buffers for up to `max_tokens` rows per step. */
+/* Creates a forward context for steps of up to `max_tokens` rows. Each step's buffers (activations,
+ * logit rows) come from `alloc` (borrowed for the context's lifetime), asked for at kvb_forward_begin
+ * sized by that step's n_tokens and n_logits, and given back at kvb_forward_end (or at the next begin
+ * or destroy, after a sync, when a step was abandoned). kvb_forward_create uses a step arena of the
+ * model backend's memory (kvb_mem_arena). Caller owns the result. */
+kvb_status kvb_forward_create_with(kvb_model *m, int max_tokens, const kvb_mem_allocator *alloc, kvb_forward **out);
 kvb_status kvb_forward_create(kvb_model *m, int max_tokens, kvb_forward **out);
 void kvb_forward_destroy(kvb_forward *fw);
 
-/* `b` is borrowed until kvb_forward_end; its attn.layer_blocks may change between layers. */
+/* `b` is borrowed until kvb_forward_end; its attn.layer_blocks may change between layers. Takes the
+ * step's buffers from the allocator (KVB_ERR_NOMEM and nothing kept when it cannot give them). */
 kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b);
 kvb_status kvb_forward_layer(kvb_forward *fw, int layer);
 /* Writes logits [n_logits][vocab] (f32, host) for the batch's logit_rows. */

@@ -34,17 +34,36 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
     e->max_rows = e->o.max_batch_tokens; /* for the view */
     kvb_pool_event ev = {.kind = KVB_POOL_SETUP, .now_s = kvb_now_s()};
     KVB_TRY(kvb__plan_pool(e, &ev, pp));
-    if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0) {
+    if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0 || pp->sliced_ids < 0 ||
+        pp->sliced_min_layers < 0) {
         KVB_LOG_E("engine: planner %s asks for negative resources", e->planner.iface->name);
         return KVB_ERR_INVALID;
     }
-    if ((pp->host_tier_blocks > 0) != (pp->host_prefix || pp->host_tier_blocks > 0) ||
+    if ((pp->host_prefix && pp->host_tier_blocks == 0) ||
         (pp->host_prefix && !e->o.enable_prefix_cache)) {
         KVB_LOG_E("engine: planner %s asks for a host-tier prefix cache %s", e->planner.iface->name,
                   e->o.enable_prefix_cache ? "without host-tier blocks" : "with the prefix cache off");
         return KVB_ERR_INVALID;
     }
     return KVB_OK;
+}
+
+/* Replaces the fresh block-major pool with a sliced one over the same memory (the planner asked for
+ * request-level placements) and starts the layer-sliced KV manager. */
+static kvb_status make_sliced(kvb_engine *e, const kvb_pool_plan *pp) {
+    if (pp->stage_slots > 0 || pp->host_tier_blocks > 0) {
+        KVB_LOG_E("engine: planner %s needs a sliced pool, which does not combine with stage buffers or the host tier",
+                  e->planner.iface->name);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    size_t bytes = e->o.kv_mem ? e->o.kv_mem_bytes : kvb_kv_block_bytes(&e->geom) * (size_t)e->o.n_blocks;
+    kvb_prefix_cache_destroy(e->pc);
+    e->pc = NULL;
+    kvb_block_pool_destroy(e->pool);
+    e->pool = NULL;
+    KVB_TRY(kvb_block_pool_create_sliced(&e->geom, e->kv_mem, bytes, e->o.n_blocks, pp->sliced_ids, &e->pool));
+    KVB_TRY(kvb_prefix_cache_create(e->pool, &e->pc));
+    return kvb__slices_init(e, pp->sliced_ids, pp->sliced_min_layers);
 }
 
 kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
@@ -89,7 +108,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
         }
         e->kv_mem = o.kv_mem;
     } else {
-        KVB_TRY_GOTO(be->iface->alloc(be->ctx, bytes, &e->kv_mem), fail);
+        KVB_TRY_GOTO(kvb_mem_alloc(be->mem, bytes, &e->kv_mem), fail);
         e->kv_mem_owned = 1;
         o.kv_mem_bytes = bytes;
     }
@@ -100,8 +119,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
     if (pp.measure_flops && !(e->model_info.flops > 0)) KVB_TRY_GOTO(kvb_link_measure_flops(be, &e->model_info.flops), fail);
+    if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, &pp), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
-    KVB_TRY_GOTO(kvb_forward_create(m, e->max_rows, &e->fw), fail);
+    KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, o.act_alloc, &e->fw), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_tokens, (void **)&e->b_tokens), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_pos, (void **)&e->b_pos), fail);
@@ -139,13 +159,13 @@ void kvb_engine_destroy(kvb_engine *e) {
     kvb_prefix_cache_destroy(e->pc);
     kvb_block_pool_destroy(e->pool);
     if (e->kv_mem_owned) {
-        kvb_backend *be = kvb_model_backend(e->m);
-        be->iface->free(be->ctx, e->kv_mem);
+        kvb_mem_free(kvb_model_backend(e->m)->mem, e->kv_mem);
     }
     kvb_planner_destroy(&e->planner);
     kvb__sched_free(e);
     free(e->loans);
     kvb__host_tier_free(e);
+    kvb__slices_free(e);
     free(e);
 }
 
@@ -178,6 +198,9 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     *out = e->stats;
     out->blocks_total = kvb_block_pool_n_blocks(e->pool);
     out->blocks_free = kvb_prefix_cache_n_available(e->pc);
+    if (e->sl) /* sliced: whole blocks' worth of slices not held by live requests (free or cached) */
+        out->blocks_free = (int)((kvb_block_pool_n_slices(e->pool) - kvb_block_pool_referenced_slices(e->pool)) /
+                                 e->geom.n_layers);
     out->n_running = e->running.n;
     out->n_waiting = e->waiting.n;
     out->blocks_own = kvb_block_pool_n_own(e->pool);

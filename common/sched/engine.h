@@ -39,11 +39,15 @@ typedef struct kvb_engine_opts {
     int max_seqs;            /* most running sequences (default 64) */
     int max_model_len;       /* longest sequence (default: the model's max_pos) */
     int enable_prefix_cache; /* reuse full blocks across requests */
-    void *kv_mem;            /* backend memory for the pool (e.g. a kvb_region's base); NULL: allocate */
+    void *kv_mem;            /* memory of the backend's kvb_mem for the pool (e.g. an exportable region's
+                              * base); NULL: the engine allocates it (kvb_mem_alloc) */
     size_t kv_mem_bytes;     /* its size; kv_mem_bytes / block bytes is the capacity (>= n_blocks) */
     kvb_link_model links;    /* the stager's link model (common/sched/stager.h); all zero: off, copies at
                               * memory speed. What the planner asks for through plan_pool (host tier,
                               * stage buffers, forward rows) is not an option: planners own it. */
+    const kvb_mem_allocator *act_alloc; /* where the forward pass takes each step's buffers, sized by
+                              * that step's tokens (borrowed for the engine's lifetime); NULL: a step
+                              * arena of the backend's memory (kvb_mem_arena) */
 } kvb_engine_opts;
 
 void kvb_engine_opts_default(kvb_engine_opts *o);
@@ -70,6 +74,8 @@ typedef struct kvb_request {
     int resume_index;       /* >= 0: the request continues one that already produced this many tokens
                              * (the last resume_index prompt ids are those tokens, e.g. after its
                              * server died): seeded sampling starts after their draws */
+    double tbt_slo_ms;      /* >= 0: its time-between-tokens SLO (OrbitFlow's planner and Token-Deposit);
+                             * 0: the planner's default for the model */
 } kvb_request;
 
 /* Creates an engine over `m` (borrowed). `planner` may be NULL (vLLM scheduling, kvb_sched_fcfs).
@@ -109,6 +115,7 @@ typedef struct kvb_engine_stats {
     uint64_t prompt_tokens;     /* tokens prefilled (recomputed ones included) */
     uint64_t generated_tokens;
     uint64_t preemptions;
+    uint64_t pauses;            /* PAUSE operations carried out (OrbitFlow's Pause-Resume) */
     uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache (host tier included) */
     uint64_t host_tier_stores;  /* blocks copied pool -> host tier (prefix demotion) */
     uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */
@@ -134,6 +141,20 @@ typedef struct kvb_engine_stats {
     kvb_link_report links[KVB_LINK_COUNT]; /* what the stager's links carried since creation */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
+
+/* The layer-sliced KV manager (request-level placements on a sliced pool, plan.h kvb_plan_place). */
+typedef struct kvb_slices_stats {
+    uint64_t slices_offloaded;    /* (block, layer) slices moved device -> host tier when a placement changed */
+    uint64_t slices_onloaded;     /* moved host tier -> device when a placement changed */
+    uint64_t slices_prefetched;   /* loaded into prefetch slots for a step */
+    uint64_t bytes_loaded;        /* host tier -> device, all of the above */
+    uint64_t bytes_stored;        /* device -> host tier (moves and the rows steps wrote into host layers) */
+    uint64_t paused_layers_moved; /* layers of paused requests moved to make room (each: all its blocks) */
+    uint64_t cached_dropped;      /* unreferenced cached prefix blocks dropped to make room */
+    int peak_used;                /* most slices in use right after an install (kept + prefetch slots) */
+} kvb_slices_stats;
+/* Zero unless the pool is sliced. */
+void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out);
 
 /* The engine's block pool (for lending and for tests). */
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);

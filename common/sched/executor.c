@@ -47,7 +47,8 @@ static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto) {
     int need = KVB_DIV_CEIL(upto, e->o.block_size) - s->n_dropped;
     while (s->bt.n < need) {
         int32_t id;
-        KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id));
+        if (e->sl) KVB_TRY(kvb__slices_new_block(e, &id)); /* its layers get slices at the install */
+        else KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id));
         kvb_status st = kvb_block_table_push(&s->bt, id);
         if (st != KVB_OK) {
             kvb_block_pool_unref(e->pool, id);
@@ -144,8 +145,8 @@ static kvb_status hid_stage_reserve(kvb_engine *e, size_t bytes) {
     if (bytes <= e->hid_stage_bytes) return KVB_OK;
     kvb_backend *be = kvb_model_backend(e->m);
     void *mem = NULL;
-    KVB_TRY(be->iface->alloc(be->ctx, bytes, &mem));
-    be->iface->free(be->ctx, e->hid_stage);
+    KVB_TRY(kvb_mem_alloc(be->mem, bytes, &mem));
+    kvb_mem_free(be->mem, e->hid_stage);
     e->hid_stage = mem;
     e->hid_stage_bytes = bytes;
     return KVB_OK;
@@ -362,7 +363,10 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             break;
         }
         case KVB_OP_PREEMPT: kvb__preempt_seq(e, s); break;
-        case KVB_OP_PAUSE: s->paused = 1; break;
+        case KVB_OP_PAUSE:
+            s->paused = 1;
+            e->stats.pauses++;
+            break;
         case KVB_OP_RESUME: s->paused = 0; break;
         case KVB_OP_DROP: {
             kvb_status st = drop_blocks(e, s, op->n_dropped);
@@ -405,8 +409,8 @@ static kvb_status scratch_reserve(kvb_engine *e, int n) {
     if (n <= e->n_scratch) return KVB_OK;
     kvb_backend *be = kvb_model_backend(e->m);
     void *mem = NULL;
-    KVB_TRY(be->iface->alloc(be->ctx, (size_t)n * layer_bytes(e), &mem));
-    be->iface->free(be->ctx, e->scratch);
+    KVB_TRY(kvb_mem_alloc(be->mem, (size_t)n * layer_bytes(e), &mem));
+    kvb_mem_free(be->mem, e->scratch);
     e->scratch = mem;
     e->n_scratch = n;
     return KVB_OK;
@@ -450,7 +454,7 @@ static void layout_entry(kvb_engine *e, seq *s, int j, int full, int scr0, int n
     } else {
         int32_t id = s->bt.ids[j - s->n_dropped];
         e->blk_id[n_blk] = id;
-        e->blk_base[n_blk] = kvb_block_pool_block(e->pool, id);
+        e->blk_base[n_blk] = e->sl ? NULL /* per layer: kvb__slices_layer */ : kvb_block_pool_block(e->pool, id);
     }
 }
 
@@ -635,7 +639,9 @@ static kvb_status post_loads(kvb_engine *e, int l, uint64_t t[KVB_LINK_COUNT]) {
 }
 
 /* Posts the stores of the rows layer `l` wrote into stage buffers back to where the blocks live (and,
- * for host copies, into the pool block too, which stays valid). */
+ * for host copies, into the pool block too, which stays valid). The pool's rows are in place when this
+ * returns: they go over the local link, which nothing orders against the host link's next loads into
+ * the same buffers or a STORE copy order reading the pool block. */
 static kvb_status post_stores(kvb_engine *e, int l) {
     size_t lb = layer_bytes(e), row = lb / 2 / (size_t)e->o.block_size, half = lb / 2;
     uint64_t t;
@@ -658,6 +664,7 @@ static kvb_status post_stores(kvb_engine *e, int l) {
         }
         KVB_TRY(kvb_stager_post(e->stager, (kvb_link_kind)k, k == KVB_LINK_HOST ? KVB_XFER_D2H : KVB_XFER_D2D, first,
                                 n, &t));
+        if (k == KVB_LINK_LOCAL && n > 0) KVB_TRY(kvb_stager_wait(e->stager, t));
     }
     return KVB_OK;
 }
@@ -736,7 +743,7 @@ static kvb_status make_plan(kvb_engine *e) {
 }
 
 /* Runs the forward pass of the laid-out batch, layer by layer, with the stager's loads and stores. */
-static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_blk, int n_units, int n_sched) {
+static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_blk, int n_units) {
     const kvb_model_config *c = kvb_model_cfg(e->m);
     kvb_backend *be = kvb_model_backend(e->m);
     int L = c->n_layers;
@@ -755,9 +762,13 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_blk, int n_un
     for (int l = 0; l < L; l++) {
         uint64_t tl = kvb_now_ns();
         if (copy_t[l]) KVB_TRY(kvb_stager_wait(e->stager, copy_t[l]));
-        for (int j = 0; j < n_blk; j++) {
-            int32_t id = e->blk_id[j];
-            e->blk_layer[j] = id < 0 ? e->blk_base[j] : (char *)e->blk_base[j] + (size_t)l * lb;
+        if (e->sl) { /* a sliced pool: its manager places the slices (one attention sequence per request) */
+            KVB_TRY(kvb__slices_layer(e, n_sched, l));
+        } else {
+            for (int j = 0; j < n_blk; j++) {
+                int32_t id = e->blk_id[j];
+                e->blk_layer[j] = id < 0 ? e->blk_base[j] : (char *)e->blk_base[j] + (size_t)l * lb;
+            }
         }
         if (n_units) {
             for (int k = 0; k < KVB_LINK_COUNT; k++)
@@ -772,6 +783,11 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_blk, int n_un
         e->t_wait[l] = kvb_now_ns() - tl;
         KVB_TRY(hidden_save_layer(e, n_sched, l));
         KVB_TRY(kvb_forward_layer(e->fw, l));
+        if (e->sl) {
+            /* the layer's kernels are done with its prefetch slots once the backend is idle */
+            KVB_TRY(be->iface->sync(be->ctx));
+            KVB_TRY(kvb__slices_layer_done(e, n_sched, l));
+        }
         if (n_units || copies) {
             /* the layer's kernels are done with its buffers once the backend is idle */
             KVB_TRY(be->iface->sync(be->ctx));
@@ -807,15 +823,24 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         rep.n_prefill_seqs += e->sched[i]->q_len > 1;
     }
     rep.n_seqs = n_sched;
-    st = forward(e, &b, n_blk, n_units, n_sched);
+    if (e->sl) { /* request-level placements: install them, prefetch slots for the host layers */
+        KVB_TRY_GOTO(kvb__slices_install(e, n_sched), fail_sl);
+        KVB_TRY_GOTO(kvb__slices_step_begin(e, n_blk), fail_sl);
+    }
+    st = forward(e, &b, n_sched, n_blk, n_units);
     if (st != KVB_OK) {
         (void)kvb_stager_drain(e->stager); /* no copy may run on after the step */
-        goto fail_units;
+        goto fail_sl;
     }
     update_shadows(e, n_attn);
     forget_units(e);
     unindex_residency(e);
-    KVB_TRY_GOTO(kvb_forward_end(e->fw, e->logits), fail);
+    st = kvb_forward_end(e->fw, e->logits);
+    if (st != KVB_OK) {
+        kvb__slices_step_end(e, 0); /* prefetch slots back; the failed step's rows are not counted */
+        goto fail;
+    }
+    kvb__slices_step_end(e, n_sched);
     e->stats.steps++;
 
     uint64_t now = kvb_wall_ns();
@@ -845,7 +870,8 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     kvb_stager_take_report(e->stager, rep.links);
     if (e->planner.iface && e->planner.iface->observe) e->planner.iface->observe(e->planner.ctx, &rep);
     return KVB_OK;
-fail_units:
+fail_sl:
+    kvb__slices_step_end(e, 0); /* prefetch slots back; the failed step's rows are not counted */
     forget_units(e);
 fail_res:
     unindex_residency(e);
@@ -879,8 +905,8 @@ void kvb__exec_free(kvb_engine *e) {
     free(e->xl.x);
     if (e->scratch || e->hid_stage) {
         kvb_backend *be = kvb_model_backend(e->m);
-        be->iface->free(be->ctx, e->scratch);
-        be->iface->free(be->ctx, e->hid_stage);
+        kvb_mem_free(be->mem, e->scratch);
+        kvb_mem_free(be->mem, e->hid_stage);
     }
     free(e->shadow);
     free(e->shadow_ok);

@@ -34,7 +34,8 @@ static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, in
 
 kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix) {
     size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)blocks;
-    KVB_TRY(kvb_aligned_alloc(bytes, &e->ht_mem));
+    /* pinned host memory: on a device, copies between the pool and the tier run asynchronously */
+    KVB_TRY(kvb_mem_pinned_alloc(kvb_model_backend(e->m)->mem, bytes, &e->ht_mem));
     KVB_TRY(kvb_block_pool_create(&e->geom, e->ht_mem, bytes, blocks, &e->ht_pool));
     KVB_TRY(kvb_prefix_cache_create(e->ht_pool, &e->ht_pc));
     e->host_prefix = prefix;
@@ -79,7 +80,7 @@ int kvb__host_tier_peek(const kvb_engine *e, uint64_t parent, const int32_t *tok
 void kvb__host_tier_free(kvb_engine *e) {
     kvb_prefix_cache_destroy(e->ht_pc);
     kvb_block_pool_destroy(e->ht_pool);
-    free(e->ht_mem);
+    kvb_mem_pinned_free(kvb_model_backend(e->m)->mem, e->ht_mem);
     e->ht_pc = NULL;
     e->ht_pool = NULL;
     e->ht_mem = NULL;

@@ -11,6 +11,7 @@ int kvb_engine_n_own(const kvb_engine *e) { return kvb_block_pool_n_own(e->pool)
 int kvb_engine_capacity(const kvb_engine *e) { return kvb_block_pool_capacity(e->pool); }
 
 int kvb_engine_free_tail(const kvb_engine *e) {
+    if (e->sl) return kvb_block_pool_free_tail(e->pool); /* physical blocks whose slices are all free */
     int n = 0;
     /* refcount 0 is free or an unreferenced prefix-cache entry (the only holder of such blocks) */
     for (int32_t i = kvb_block_pool_n_own(e->pool) - 1; i >= 0 && kvb_block_pool_refcount(e->pool, i) == 0; i--) n++;
@@ -22,6 +23,23 @@ kvb_status kvb_engine_shrink(kvb_engine *e, int n_own_new) {
     if (n_own_new < 0 || n_own_new > n_own) {
         KVB_LOG_E("engine: shrink to %d own blocks, %d owned now", n_own_new, n_own);
         return KVB_ERR_INVALID;
+    }
+    if (e->sl) { /* a sliced pool: the tail's slices must be free (ids are virtual); cached blocks go */
+        int L = e->geom.n_layers;
+        for (int32_t k = n_own_new * L; k < n_own * L; k++) {
+            int32_t o = kvb_block_pool_slice_owner(e->pool, k);
+            if (o >= 0 && kvb_block_pool_refcount(e->pool, o) > 0) {
+                KVB_LOG_D("engine: cannot shrink to %d own blocks: slice %d is in use", n_own_new, (int)k);
+                return KVB_ERR_STATE;
+            }
+        }
+        for (int32_t k = n_own_new * L; k < n_own * L; k++) {
+            int32_t o = kvb_block_pool_slice_owner(e->pool, k);
+            if (o >= 0) kvb_prefix_cache_drop_range(e->pc, o, 1);
+        }
+        kvb_status st = kvb_block_pool_resize(e->pool, n_own_new);
+        if (st == KVB_ERR_STATE) KVB_LOG_D("engine: cannot shrink to %d own blocks: a slice of the tail is in use", n_own_new);
+        return st;
     }
     for (int32_t i = n_own_new; i < n_own; i++) {
         if (kvb_block_pool_refcount(e->pool, i) > 0) {
@@ -56,7 +74,10 @@ int64_t kvb_engine_max_request_tokens(const kvb_engine *e) {
 
 int kvb_engine_starved(const kvb_engine *e) {
     if (e->starved) return 1;
-    return e->waiting.head && kvb__seq_need_blocks(e, e->waiting.head) > kvb_block_pool_n_blocks(e->pool);
+    if (!e->waiting.head) return 0;
+    if (e->sl)
+        return kvb__seq_need_blocks(e, e->waiting.head) * kvb__slices_min_layers(e) > kvb_block_pool_n_slices(e->pool);
+    return kvb__seq_need_blocks(e, e->waiting.head) > kvb_block_pool_n_blocks(e->pool);
 }
 
 /* The planner sizes the stage buffers for the loans now attached (SwiftCache's LSC: plan_pool

@@ -49,7 +49,7 @@ const char *kvb_link_kind_str(kvb_link_kind k) {
 }
 
 void kvb_plan_reset(kvb_plan *p) {
-    p->n_ops = p->n_res = p->n_copies = 0;
+    p->n_ops = p->n_res = p->n_copies = p->n_places = 0;
     p->batch_limit = 0;
     p->lent_default = KVB_RES_LENT;
     p->starved = 0;
@@ -83,12 +83,19 @@ kvb_status kvb_plan_push_copy(kvb_plan *p, kvb_plan_copy c) {
     return KVB_OK;
 }
 
+kvb_status kvb_plan_push_place(kvb_plan *p, kvb_plan_place pl) {
+    KVB_TRY(grow((void **)&p->places, p->n_places, &p->cap_places, sizeof pl));
+    p->places[p->n_places++] = pl;
+    return KVB_OK;
+}
+
 kvb_status kvb_plan_copy_from(kvb_plan *dst, const kvb_plan *src) {
     kvb_plan_reset(dst);
     kvb_status st = KVB_OK;
     for (int i = 0; i < src->n_ops && st == KVB_OK; i++) st = kvb_plan_push_op(dst, src->ops[i]);
     for (int i = 0; i < src->n_res && st == KVB_OK; i++) st = kvb_plan_push_res(dst, src->res[i]);
     for (int i = 0; i < src->n_copies && st == KVB_OK; i++) st = kvb_plan_push_copy(dst, src->copies[i]);
+    for (int i = 0; i < src->n_places && st == KVB_OK; i++) st = kvb_plan_push_place(dst, src->places[i]);
     if (st != KVB_OK) {
         kvb_plan_reset(dst);
         return st;
@@ -105,6 +112,7 @@ void kvb_plan_free(kvb_plan *p) {
     free(p->ops);
     free(p->res);
     free(p->copies);
+    free(p->places);
     memset(p, 0, sizeof *p);
 }
 

@@ -50,6 +50,7 @@ typedef struct kvb_req_view {
     int n_tokens;          /* prompt + generated so far */
     int n_generated;
     int max_tokens;        /* most tokens it may generate in all */
+    uint64_t tbt_slo_ns;   /* its time-between-tokens SLO as submitted (kvb_request.tbt_slo_ms); 0: none given */
     int n_computed;        /* tokens whose KV is in its blocks (0 while waiting) */
     int n_blocks;          /* blocks in its table (pool ids; SWAPPED: host-tier ids) */
     int n_exclusive;       /* of those, referenced by this request alone (preempting it frees them) */
@@ -77,7 +78,9 @@ typedef struct kvb_pool_view {
     int n_own;         /* own blocks in the pool now (a worker lends the rest) */
     int n_borrowed;    /* attached (borrowed) blocks, ids >= capacity */
     int n_blocks;      /* n_own + n_borrowed */
-    int n_free;        /* blocks on the free list */
+    int n_free;        /* blocks on the free list (sliced pool: blocks allocatable with every layer) */
+    int n_slices;      /* sliced pool: (block, layer) slices of device memory; else 0 */
+    int n_free_slices; /* sliced pool: of those, free */
     int n_evictable;   /* cached prefix blocks nobody references (allocation evicts them, LRU first) */
     int stage_slots;   /* blocks a step may read through stage buffers (STREAM / HOST), two
                         * single-layer buffers each (double buffering: layer l+1 loads while l runs) */
@@ -203,9 +206,31 @@ typedef struct kvb_plan_copy {
     int layer;
 } kvb_plan_copy;
 
+/* A request-level placement (OrbitFlow's x_{r,l}): layers [layer0, layer1) of every block request `id`
+ * holds, those it gains in this step included, live in the host tier (KVB_RES_HOST) and are read
+ * through prefetch slots. Needs a sliced pool (kvb_pool_plan.sliced_ids at SETUP). A RUNNING request
+ * without entries keeps every layer on the device; the entries of one request must not overlap. A
+ * block is kept on the device at a layer if any running (not paused) request holding it keeps that
+ * layer, and is then counted once. Between steps the executor installs the difference to the state it
+ * has: a layer leaving the device is stored to the host tier (only rows not there yet) and its slices
+ * freed before any layer arriving is given slices and loaded; blocks of paused requests and cached
+ * prefix blocks leave lazily, layer by layer, when their slices are needed (never dropped while
+ * referenced). Each step a request with host layers gets `depth` prefetch slots of the slices its
+ * largest host layer needs; it loads its next host layer as soon as a slot is free (at the start of the
+ * step, then when the layer that used a slot has computed) and writes the new rows of a host layer back
+ * to the host tier after that layer. */
+typedef struct kvb_plan_place {
+    uint64_t id;
+    int layer0, layer1; /* 0 <= layer0 < layer1 <= n_layers */
+    kvb_residency where;/* KVB_RES_HOST */
+    int depth;          /* prefetch slots of the request, 1 or 2 (the same in all its entries) */
+} kvb_plan_place;
+
 typedef struct kvb_plan {
     kvb_plan_op *ops;        /* [n_ops] in the order the executor applies them */
     int n_ops, cap_ops;
+    kvb_plan_place *places;  /* [n_places] request-level placements */
+    int n_places, cap_places;
     kvb_plan_res *res;       /* [n_res] residency exceptions */
     int n_res, cap_res;
     kvb_plan_copy *copies;   /* [n_copies] copy orders */
@@ -223,6 +248,7 @@ void kvb_plan_reset(kvb_plan *p);
 kvb_status kvb_plan_push_op(kvb_plan *p, kvb_plan_op op);
 kvb_status kvb_plan_push_res(kvb_plan *p, kvb_plan_res r);
 kvb_status kvb_plan_push_copy(kvb_plan *p, kvb_plan_copy c);
+kvb_status kvb_plan_push_place(kvb_plan *p, kvb_plan_place pl);
 /* dst becomes a copy of src (dst's arrays grow as needed). KVB_ERR_NOMEM leaves dst reset. */
 kvb_status kvb_plan_copy_from(kvb_plan *dst, const kvb_plan *src);
 /* Frees the arrays (the struct itself is the caller's). NULL-safe. */
@@ -266,6 +292,12 @@ typedef struct kvb_pool_plan {
     /* SETUP (read once): */
     int host_prefix;       /* with a host tier: cached blocks the pool evicts are copied there and prefix
                             * matches continue there (the host-tier prefix cache baseline) */
+    /* SETUP (read once): a sliced pool (common/kv/block_pool.h) for request-level placements. */
+    int sliced_ids;        /* > 0: the pool's memory is counted in (block, layer) slices and it has this
+                            * many virtual block ids, each with a home in a host tier of as many blocks */
+    int sliced_min_layers; /* slices per block the planner needs at least for any request (its most
+                            * offloaded placement, prefetch slots included); kvb_engine_add refuses a
+                            * request whose blocks times this exceed the device's slices (0: n_layers) */
     /* TICK, REQUEST (worker; the role rounds and caps them and runs the protocol): */
     int64_t lend;          /* own blocks to offer to the master */
     int64_t reclaim;       /* lent blocks to ask back */

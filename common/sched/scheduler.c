@@ -110,6 +110,8 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
         if (r->prompt[i] < 0 || r->prompt[i] >= c->vocab)
             return reject(e, r->id, "prompt token %d = %d is outside the vocabulary [0, %d)", i, r->prompt[i], c->vocab);
     }
+    if (!(r->tbt_slo_ms >= 0 && r->tbt_slo_ms <= 3.6e6))
+        return reject(e, r->id, "tbt_slo_ms %g must be in [0, 3600000] (0: the model's default)", r->tbt_slo_ms);
     if (kvb_sampling_check(&r->sampling) != KVB_OK)
         return reject(e, r->id, "invalid sampling parameters (temperature >= 0, top_k >= 0, top_p in [0, 1])");
     int64_t total = (int64_t)r->n_prompt + r->max_tokens;
@@ -118,9 +120,18 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
                       e->o.max_model_len);
     /* never fit: more than the own memory (lent-out part included) plus what is borrowed now */
     int64_t most = (int64_t)kvb_block_pool_capacity(e->pool) + e->n_borrowed;
-    if (KVB_DIV_CEIL(total, e->o.block_size) > most)
+    int64_t blocks = KVB_DIV_CEIL(total, e->o.block_size);
+    if (e->sl) { /* sliced: the ids (host homes), and the device slices the planner needs at least */
+        int64_t slices = (int64_t)kvb_block_pool_capacity(e->pool) * c->n_layers;
+        if (blocks > kvb_block_pool_id_limit(e->pool) || blocks * kvb__slices_min_layers(e) > slices)
+            return reject(e, r->id, "%lld tokens can never fit: %lld blocks of %d, %d block ids, %lld device slices "
+                          "of which the planner needs %d per block", (long long)total, (long long)blocks,
+                          e->o.block_size, kvb_block_pool_id_limit(e->pool), (long long)slices,
+                          kvb__slices_min_layers(e));
+    } else if (blocks > most) {
         return reject(e, r->id, "%lld tokens can never fit in %lld KV blocks of %d", (long long)total, (long long)most,
                       e->o.block_size);
+    }
     if (kvb__find_seq(&e->waiting, r->id) || kvb__find_seq(&e->running, r->id) || kvb__find_seq(&e->swapped, r->id))
         return reject(e, r->id, "duplicate id");
     seq *s = NULL;
@@ -139,6 +150,7 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     s->t_add_ns = kvb_wall_ns();
     s->n_tokens = s->n_prompt = r->n_prompt;
     s->max_tokens = r->max_tokens;
+    s->slo_ns = (uint64_t)(r->tbt_slo_ms * 1e6 + 0.5);
     s->samp = r->sampling;
     kvb_rng_seed(&s->rng, r->sampling.seed);
     /* A resumed request's earlier tokens each took one draw (kvb_sample draws once per token when it
@@ -167,6 +179,7 @@ static kvb_status view_reserve(kvb_engine *e, int n) {
         KVB_TRY(kvb_realloc_array((void **)&e->astate, (size_t)cap, sizeof *e->astate));
         KVB_TRY(kvb_realloc_array((void **)&e->asched, (size_t)cap, sizeof *e->asched));
         KVB_TRY(kvb_realloc_array((void **)&e->adrop, (size_t)cap, sizeof *e->adrop));
+        KVB_TRY(kvb_realloc_array((void **)&e->anew, (size_t)cap, sizeof *e->anew));
         e->vcap = cap;
     }
     int hc = 16;
@@ -185,7 +198,7 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
         for (int j = 0; j < s->bt.n; j++) exclusive += kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1;
     e->vreqs[i] = (kvb_req_view){.id = s->id, .arrival = s->arrival, .t_arrival_ns = s->t_add_ns, .state = state,
                                  .n_prompt = s->n_prompt, .n_tokens = s->n_tokens, .n_generated = s->n_generated,
-                                 .max_tokens = s->max_tokens, .n_computed = s->n_computed,
+                                 .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
                                  .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
                                  .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped,
                                  .hidden_layers = swapped ? s->swap_hidden
@@ -216,7 +229,9 @@ kvb_status kvb__view_build(kvb_engine *e) {
     v->pool = (kvb_pool_view){.capacity = kvb_block_pool_capacity(e->pool), .n_own = kvb_block_pool_n_own(e->pool),
                               .n_borrowed = e->n_borrowed, .n_blocks = kvb_block_pool_n_blocks(e->pool),
                               .n_free = n_free, .n_evictable = kvb_prefix_cache_n_available(e->pc) - n_free,
-                              .stage_slots = kvb_stager_n_buffers(e->stager) / 2};
+                              .stage_slots = kvb_stager_n_buffers(e->stager) / 2,
+                              .n_slices = kvb_block_pool_n_slices(e->pool),
+                              .n_free_slices = kvb_block_pool_n_free_slices(e->pool)};
     if (e->ht_pool) {
         int hf = kvb_block_pool_n_free(e->ht_pool);
         v->pool.host_capacity = kvb_block_pool_n_blocks(e->ht_pool);
@@ -313,8 +328,11 @@ static kvb_status acct_begin(kvb_engine *e, const kvb_view *v, acct *a) {
         e->astate[i] = v->reqs[i].state;
         e->asched[i] = 0;
         e->adrop[i] = v->reqs[i].n_dropped;
+        e->anew[i] = 0;
     }
-    *a = (acct){.e = e, .v = v, .avail = (int64_t)v->pool.n_free + v->pool.n_evictable, .n_running = v->n_running,
+    /* a sliced pool counts ids here (its slices are checked apart, kvb__slices_check) */
+    int64_t free_blocks = e->sl ? kvb_block_pool_n_free_ids(e->pool) : v->pool.n_free;
+    *a = (acct){.e = e, .v = v, .avail = free_blocks + v->pool.n_evictable, .n_running = v->n_running,
                 .host_left = v->pool.host_free + v->pool.host_evictable, .budget = v->max_batch_tokens,
                 .batch_limit = v->max_seqs};
     return KVB_OK;
@@ -365,7 +383,7 @@ static int64_t run_need(const acct *a, int i, int q) {
 /* What admitting request i with at most q tokens costs: the tokens it computes and the blocks it takes
  * (idle prefix hits it references, host hits loaded into new blocks, blocks for the new tokens).
  * With `take`, the hits are counted as referenced from now on. */
-static kvb_status admit_cost(acct *a, int i, int q, int take, int *q_eff, int64_t *blocks) {
+static kvb_status admit_cost(acct *a, int i, int q, int take, int *q_eff, int64_t *blocks, int64_t *n_new) {
     const probe_memo *m;
     KVB_TRY(kvb__probe_memo(a->e, i, &m));
     const kvb_req_view *r = &a->v->reqs[i];
@@ -379,7 +397,9 @@ static kvb_status admit_cost(acct *a, int i, int q, int take, int *q_eff, int64_
     int have = m->n_hit + m->n_host_hit, computed = have * bs;
     *q_eff = KVB_MIN(q, r->n_tokens - computed);
     int64_t need = KVB_DIV_CEIL((int64_t)computed + *q_eff, bs) - have;
-    *blocks = cost + (need > 0 ? need : 0);
+    if (need < 0) need = 0;
+    *blocks = cost + need;
+    if (n_new) *n_new = need;
     return KVB_OK;
 }
 
@@ -392,7 +412,7 @@ static kvb_status idle_hits(acct *a, int i, int *out) {
     return KVB_OK;
 }
 
-__attribute__((format(printf, 3, 4))) static kvb_status refuse(char *err, size_t len, const char *fmt, ...) {
+kvb_status kvb__refuse(char *err, size_t len, const char *fmt, ...) {
     if (err && len) {
         va_list ap;
         va_start(ap, fmt);
@@ -408,36 +428,40 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     const char *kind = kvb_op_kind_str(op->kind);
     unsigned long long id = (unsigned long long)op->id;
     int i = kvb_view_find(v, op->id);
-    if (i < 0) return refuse(err, len, "plan op %d (%s): no live request has id %llu", k, kind, id);
+    if (i < 0) return kvb__refuse(err, len, "plan op %d (%s): no live request has id %llu", k, kind, id);
     const kvb_req_view *r = &v->reqs[i];
     kvb_req_state st = a->e->astate[i];
     switch (op->kind) {
     case KVB_OP_RUN: {
         if (st != KVB_REQ_RUNNING)
-            return refuse(err, len, "plan op %d (RUN request %llu): the request is %s, not running", k, id,
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): the request is %s, not running", k, id,
                           kvb_req_state_str(st));
         if (a->e->asched[i] & 3)
-            return refuse(err, len, "plan op %d (RUN request %llu): the request is already scheduled in this step", k, id);
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): the request is already scheduled in this step", k, id);
         int left = r->n_tokens - r->n_computed;
         if (op->q_len < 1 || op->q_len > left)
-            return refuse(err, len, "plan op %d (RUN request %llu): q_len %d, it has %d token(s) left to compute", k, id,
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): q_len %d, it has %d token(s) left to compute", k, id,
                           op->q_len, left);
         if (op->n_absent < 0 || op->n_absent > r->n_computed)
-            return refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k, id,
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k, id,
                           op->n_absent, r->n_computed);
         if (op->n_hidden < 0 || op->n_hidden > v->geom->n_layers)
-            return refuse(err, len, "plan op %d (RUN request %llu): n_hidden %d is outside [0, %d layers]", k, id,
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_hidden %d is outside [0, %d layers]", k, id,
                           op->n_hidden, v->geom->n_layers);
         int absent_min = KVB_MAX(r->n_dropped, a->e->adrop[i]) * v->geom->block_size;
         if (op->n_absent < absent_min)
-            return refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, but its first %d token(s) have no KV "
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, but its first %d token(s) have no KV "
                           "(dropped or restored in this step)", k, id, op->n_absent, absent_min);
+        if (op->n_absent > 0 && a->e->sl)
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent needs a block-major pool, not a sliced "
+                               "one", k, id);
         int64_t need = run_need(a, i, op->q_len);
         if (need > a->avail)
-            return refuse(err, len,
+            return kvb__refuse(err, len,
                           "plan op %d (RUN request %llu): needs %lld new block(s), the pool can give %lld at this point "
                           "of the plan", k, id, (long long)need, (long long)a->avail);
         a->avail -= need;
+        a->e->anew[i] = need;
         a->touched += r->n_blocks + need;
         a->tokens += op->q_len;
         a->rows += op->q_len + op->n_absent;
@@ -447,19 +471,19 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     }
     case KVB_OP_ADMIT: {
         if (st != KVB_REQ_WAITING)
-            return refuse(err, len, "plan op %d (ADMIT request %llu): the request is %s, not waiting", k, id,
+            return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): the request is %s, not waiting", k, id,
                           kvb_req_state_str(st));
         if (op->q_len < 1 || op->n_absent != 0)
-            return refuse(err, len, "plan op %d (ADMIT request %llu): q_len %d must be >= 1 and n_absent %d 0", k, id,
+            return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): q_len %d must be >= 1 and n_absent %d 0", k, id,
                           op->q_len, op->n_absent);
         if (op->n_hidden < 0 || op->n_hidden > v->geom->n_layers)
-            return refuse(err, len, "plan op %d (ADMIT request %llu): n_hidden %d is outside [0, %d layers]", k, id,
+            return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): n_hidden %d is outside [0, %d layers]", k, id,
                           op->n_hidden, v->geom->n_layers);
         int q;
         int64_t blocks;
-        KVB_TRY(admit_cost(a, i, op->q_len, 1, &q, &blocks));
+        KVB_TRY(admit_cost(a, i, op->q_len, 1, &q, &blocks, &a->e->anew[i]));
         if (blocks > a->avail)
-            return refuse(err, len,
+            return kvb__refuse(err, len,
                           "plan op %d (ADMIT request %llu): needs %lld block(s), the pool can give %lld at this point "
                           "of the plan", k, id, (long long)blocks, (long long)a->avail);
         a->avail -= blocks;
@@ -476,9 +500,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     case KVB_OP_PAUSE: {
         int pause = op->kind == KVB_OP_PAUSE;
         if (st != KVB_REQ_RUNNING && (pause || st != KVB_REQ_PAUSED))
-            return refuse(err, len, "plan op %d (%s request %llu): the request is %s", k, kind, id, kvb_req_state_str(st));
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): the request is %s", k, kind, id, kvb_req_state_str(st));
         if (a->e->asched[i])
-            return refuse(err, len, "plan op %d (%s request %llu): the request is scheduled or swapped in earlier in "
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): the request is scheduled or swapped in earlier in "
                           "this step", k, kind, id);
         if (pause) {
             a->e->astate[i] = KVB_REQ_PAUSED;
@@ -493,24 +517,24 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     }
     case KVB_OP_RESUME:
         if (st != KVB_REQ_PAUSED)
-            return refuse(err, len, "plan op %d (RESUME request %llu): the request is %s, not paused", k, id,
+            return kvb__refuse(err, len, "plan op %d (RESUME request %llu): the request is %s, not paused", k, id,
                           kvb_req_state_str(st));
         a->e->astate[i] = KVB_REQ_RUNNING;
         break;
     case KVB_OP_SWAP_OUT: {
         if (!a->e->ht_pool)
-            return refuse(err, len, "plan op %d (SWAP_OUT request %llu): the engine has no host tier (plan_pool sets "
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): the engine has no host tier (plan_pool sets "
                           "host_tier_blocks)", k, id);
         if (st != KVB_REQ_RUNNING && st != KVB_REQ_PAUSED)
-            return refuse(err, len, "plan op %d (SWAP_OUT request %llu): the request is %s", k, id, kvb_req_state_str(st));
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): the request is %s", k, id, kvb_req_state_str(st));
         if (a->e->asched[i])
-            return refuse(err, len, "plan op %d (SWAP_OUT request %llu): the request is scheduled or swapped in earlier "
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): the request is scheduled or swapped in earlier "
                           "in this step", k, id);
         if (r->n_blocks > a->host_left)
-            return refuse(err, len, "plan op %d (SWAP_OUT request %llu): needs %d host-tier block(s), the host tier can "
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): needs %d host-tier block(s), the host tier can "
                           "give %d at this point of the plan", k, id, r->n_blocks, a->host_left);
         if (op->n_hidden < 0 || op->n_hidden > r->hidden_layers)
-            return refuse(err, len, "plan op %d (SWAP_OUT request %llu): n_hidden %d, but hidden states are saved for %d "
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): n_hidden %d, but hidden states are saved for %d "
                           "layer(s)", k, id, op->n_hidden, r->hidden_layers);
         int freed;
         KVB_TRY(acct_release(a, i, &freed));
@@ -522,10 +546,10 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
     }
     case KVB_OP_SWAP_IN:
         if (st != KVB_REQ_SWAPPED)
-            return refuse(err, len, "plan op %d (SWAP_IN request %llu): the request is %s, not swapped", k, id,
+            return kvb__refuse(err, len, "plan op %d (SWAP_IN request %llu): the request is %s, not swapped", k, id,
                           kvb_req_state_str(st));
         if (r->n_blocks > a->avail)
-            return refuse(err, len, "plan op %d (SWAP_IN request %llu): needs %d block(s), the pool can give %lld at this "
+            return kvb__refuse(err, len, "plan op %d (SWAP_IN request %llu): needs %d block(s), the pool can give %lld at this "
                           "point of the plan", k, id, r->n_blocks, (long long)a->avail);
         a->avail -= r->n_blocks;
         a->host_left += r->n_blocks;
@@ -535,13 +559,13 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         break;
     case KVB_OP_DROP: {
         if (st != KVB_REQ_RUNNING && st != KVB_REQ_PAUSED)
-            return refuse(err, len, "plan op %d (DROP request %llu): the request is %s", k, id, kvb_req_state_str(st));
+            return kvb__refuse(err, len, "plan op %d (DROP request %llu): the request is %s", k, id, kvb_req_state_str(st));
         if (a->e->asched[i])
-            return refuse(err, len, "plan op %d (DROP request %llu): the request is scheduled, swapped in or dropped "
+            return kvb__refuse(err, len, "plan op %d (DROP request %llu): the request is scheduled, swapped in or dropped "
                           "earlier in this step", k, id);
         int bs = v->geom->block_size, cur = r->n_dropped, to = op->n_dropped;
         if (to < 0 || (int64_t)to * bs > r->n_computed)
-            return refuse(err, len, "plan op %d (DROP request %llu): n_dropped %d, it has %d full block(s)", k, id, to,
+            return kvb__refuse(err, len, "plan op %d (DROP request %llu): n_dropped %d, it has %d full block(s)", k, id, to,
                           r->n_computed / bs);
         if (to > cur) {
             /* the released blocks are the first (to - cur) of its table */
@@ -551,7 +575,7 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
             }
         } else if (to < cur) {
             if (cur - to > a->avail)
-                return refuse(err, len, "plan op %d (DROP request %llu): restoring %d block(s), the pool can give %lld "
+                return kvb__refuse(err, len, "plan op %d (DROP request %llu): restoring %d block(s), the pool can give %lld "
                               "at this point of the plan", k, id, cur - to, (long long)a->avail);
             a->avail -= cur - to;
         }
@@ -560,16 +584,16 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         break;
     }
     default:
-        return refuse(err, len, "plan op %d: unknown operation %d", k, (int)op->kind);
+        return kvb__refuse(err, len, "plan op %d: unknown operation %d", k, (int)op->kind);
     }
     if (a->tokens > a->budget)
-        return refuse(err, len, "plan op %d (%s request %llu): the plan computes %d tokens, the step budget is %d", k,
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): the plan computes %d tokens, the step budget is %d", k,
                       kind, id, a->tokens, a->budget);
     if (a->rows > v->max_rows)
-        return refuse(err, len, "plan op %d (%s request %llu): the plan needs %d forward rows, the step holds %d", k,
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): the plan needs %d forward rows, the step holds %d", k,
                       kind, id, a->rows, v->max_rows);
     if (a->n_sched > a->batch_limit)
-        return refuse(err, len, "plan op %d (%s request %llu): more than %d requests scheduled", k, kind, id,
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): more than %d requests scheduled", k, kind, id,
                       a->batch_limit);
     return KVB_OK;
 }
@@ -628,14 +652,14 @@ static kvb_status absent_readers(acct *a, const kvb_plan *p, int32_t id, int r, 
         if (op->kind == KVB_OP_RUN && q->state != KVB_REQ_SWAPPED) {
             for (int j = 0; j < q->n_blocks; j++)
                 if (q->blocks[j] == id && (j + 1) * bs > op->n_absent)
-                    return refuse(err, len, "residency %d: block %d is ABSENT but request %llu reads it (n_absent %d)", r,
+                    return kvb__refuse(err, len, "residency %d: block %d is ABSENT but request %llu reads it (n_absent %d)", r,
                                   (int)id, (unsigned long long)op->id, op->n_absent);
         } else if (op->kind == KVB_OP_ADMIT) {
             const probe_memo *pm;
             KVB_TRY(kvb__probe_memo(a->e, i, &pm));
             for (int j = 0; j < pm->n_hit; j++)
                 if (a->e->memo_ids[pm->hit_off + j] == id)
-                    return refuse(err, len, "residency %d: block %d is ABSENT but request %llu reuses it", r, (int)id,
+                    return kvb__refuse(err, len, "residency %d: block %d is ABSENT but request %llu reuses it", r, (int)id,
                                   (unsigned long long)op->id);
         }
     }
@@ -648,9 +672,12 @@ static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t 
     const kvb_view *v = a->v;
     int L = v->geom->n_layers;
     if (p->lent_default != KVB_RES_LENT && p->lent_default != KVB_RES_STREAM)
-        return refuse(err, len, "lent_default %s: borrowed blocks are read LENT (in place) or STREAM",
+        return kvb__refuse(err, len, "lent_default %s: borrowed blocks are read LENT (in place) or STREAM",
                       kvb_residency_str(p->lent_default));
     if (p->n_res == 0 && p->n_copies == 0 && p->lent_default == KVB_RES_LENT) return KVB_OK;
+    if (e->sl)
+        return kvb__refuse(err, len, "a sliced pool takes request-level placements (kvb_plan_place), not residency "
+                           "exceptions, copy orders or streamed borrowed blocks");
     uint8_t *mark = NULL;
     int32_t *first = NULL, *next = NULL;
     kvb_status st = KVB_OK;
@@ -663,40 +690,40 @@ static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t 
         const kvb_plan_res *x = &p->res[r];
         int32_t id = x->block;
         if (!kvb_block_pool_has(e->pool, id)) {
-            st = refuse(err, len, "residency %d: block %d is not a block of the pool", r, (int)id);
+            st = kvb__refuse(err, len, "residency %d: block %d is not a block of the pool", r, (int)id);
             break;
         }
         if (x->layer0 < 0 || x->layer0 >= x->layer1 || x->layer1 > L) {
-            st = refuse(err, len, "residency %d (block %d): layers [%d, %d) are not a range of the model's %d", r, (int)id,
+            st = kvb__refuse(err, len, "residency %d (block %d): layers [%d, %d) are not a range of the model's %d", r, (int)id,
                         x->layer0, x->layer1, L);
             break;
         }
         int lent = kvb_block_pool_is_attached(e->pool, id);
         switch (x->where) {
         case KVB_RES_LOCAL:
-            if (lent) st = refuse(err, len, "residency %d: block %d is borrowed; LOCAL is for the process's own blocks", r,
+            if (lent) st = kvb__refuse(err, len, "residency %d: block %d is borrowed; LOCAL is for the process's own blocks", r,
                                   (int)id);
             break;
         case KVB_RES_LENT:
         case KVB_RES_STREAM:
-            if (!lent) st = refuse(err, len, "residency %d: block %d is not borrowed; %s is for borrowed blocks", r,
+            if (!lent) st = kvb__refuse(err, len, "residency %d: block %d is not borrowed; %s is for borrowed blocks", r,
                                    (int)id, kvb_residency_str(x->where));
             break;
         case KVB_RES_HOST:
             for (int l = x->layer0; l < x->layer1 && st == KVB_OK; l++)
                 if (!host_copy_has(e, p, id, l))
-                    st = refuse(err, len, "residency %d: block %d has no host copy of layer %d (STORE it first)", r,
+                    st = kvb__refuse(err, len, "residency %d: block %d has no host copy of layer %d (STORE it first)", r,
                                 (int)id, l);
             break;
         case KVB_RES_ABSENT:
             if (mark[id]) st = absent_readers(a, p, id, r, err, len);
             break;
-        default: st = refuse(err, len, "residency %d (block %d): unknown residency %d", r, (int)id, (int)x->where);
+        default: st = kvb__refuse(err, len, "residency %d (block %d): unknown residency %d", r, (int)id, (int)x->where);
         }
         if (st != KVB_OK) break;
         for (int o = first[id]; o >= 0; o = next[o])
             if (p->res[o].layer0 < x->layer1 && x->layer0 < p->res[o].layer1) {
-                st = refuse(err, len, "residency %d and %d both give block %d's layers %d..", o, r, (int)id,
+                st = kvb__refuse(err, len, "residency %d and %d both give block %d's layers %d..", o, r, (int)id,
                             KVB_MAX(x->layer0, p->res[o].layer0));
                 break;
             }
@@ -709,28 +736,28 @@ static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t 
         int32_t id = cp->block;
         int load = cp->dir == KVB_COPY_LOAD;
         if (cp->dir != KVB_COPY_LOAD && cp->dir != KVB_COPY_STORE) {
-            st = refuse(err, len, "copy %d: unknown direction %d", c, (int)cp->dir);
+            st = kvb__refuse(err, len, "copy %d: unknown direction %d", c, (int)cp->dir);
         } else if (!e->ht_pool) {
-            st = refuse(err, len, "copy %d: the engine has no host tier (plan_pool sets host_tier_blocks)", c);
+            st = kvb__refuse(err, len, "copy %d: the engine has no host tier (plan_pool sets host_tier_blocks)", c);
         } else if (!kvb_block_pool_has(e->pool, id)) {
-            st = refuse(err, len, "copy %d: block %d is not a block of the pool", c, (int)id);
+            st = kvb__refuse(err, len, "copy %d: block %d is not a block of the pool", c, (int)id);
         } else if (cp->layer0 < 0 || cp->layer0 >= cp->layer1 || cp->layer1 > L) {
-            st = refuse(err, len, "copy %d (block %d): layers [%d, %d) are not a range of the model's %d", c, (int)id,
+            st = kvb__refuse(err, len, "copy %d (block %d): layers [%d, %d) are not a range of the model's %d", c, (int)id,
                         cp->layer0, cp->layer1, L);
         } else if (load ? (cp->layer < 0 || cp->layer >= L) : (cp->layer < -1 || cp->layer >= L)) {
-            st = refuse(err, len, "copy %d (block %d): a %s at layer %d", c, (int)id, load ? "LOAD due before" :
+            st = kvb__refuse(err, len, "copy %d (block %d): a %s at layer %d", c, (int)id, load ? "LOAD due before" :
                         "STORE after", cp->layer);
         } else if (load) {
             for (int l = cp->layer0; l < cp->layer1 && st == KVB_OK; l++)
                 if (!(id < e->shadow_cap && e->shadow[id] >= 0 && e->shadow_ok[(size_t)id * L + l]))
-                    st = refuse(err, len, "copy %d: LOAD of block %d layer %d from the host tier, which does not hold it",
+                    st = kvb__refuse(err, len, "copy %d: LOAD of block %d layer %d from the host tier, which does not hold it",
                                 c, (int)id, l);
             if (st == KVB_OK && mark[id] && cp->layer > cp->layer0)
-                st = refuse(err, len, "copy %d: LOAD of block %d layers [%d, %d) is due before layer %d, but the step "
+                st = kvb__refuse(err, len, "copy %d: LOAD of block %d layers [%d, %d) is due before layer %d, but the step "
                             "reads it at layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer0);
         } else {
             if ((mark[id] & 2) && cp->layer < cp->layer1 - 1)
-                st = refuse(err, len, "copy %d: STORE of block %d layers [%d, %d) after layer %d, but the step writes the "
+                st = kvb__refuse(err, len, "copy %d: STORE of block %d layers [%d, %d) after layer %d, but the step writes the "
                             "block until layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer1 - 1);
             int fresh = !(id < e->shadow_cap && e->shadow[id] >= 0);
             for (int o = 0; o < c && fresh; o++) fresh = !(p->copies[o].dir == KVB_COPY_STORE && p->copies[o].block == id);
@@ -739,14 +766,14 @@ static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t 
     }
     if (st != KVB_OK) goto out;
     if (new_copies > a->host_left) {
-        st = refuse(err, len, "the plan's STOREs need %d new host copies, the host tier can give %d", new_copies,
+        st = kvb__refuse(err, len, "the plan's STOREs need %d new host copies, the host tier can give %d", new_copies,
                     a->host_left);
         goto out;
     }
     a->host_left -= new_copies;
     int64_t bound = staged + (p->lent_default == KVB_RES_STREAM ? KVB_MIN((int64_t)v->pool.n_borrowed, a->touched) : 0);
     if (bound > v->pool.stage_slots)
-        st = refuse(err, len, "the plan may read %lld blocks through stage buffers, there are slots for %d (plan_pool's "
+        st = kvb__refuse(err, len, "the plan may read %lld blocks through stage buffers, there are slots for %d (plan_pool's "
                     "stage_slots)", (long long)bound, v->pool.stage_slots);
 out:
     free(mark);
@@ -762,24 +789,25 @@ kvb_status kvb_sched_cost(const kvb_view *v, const kvb_plan *p, kvb_plan_cost *o
     KVB_TRY(acct_begin(e, v, &a));
     kvb_status st = KVB_OK;
     if (p->batch_limit < 0 || p->batch_limit > v->max_seqs) {
-        st = refuse(err, err_len, "plan batch_limit %d is outside [0, max_seqs %d]", p->batch_limit, v->max_seqs);
+        st = kvb__refuse(err, err_len, "plan batch_limit %d is outside [0, max_seqs %d]", p->batch_limit, v->max_seqs);
         goto out;
     }
     if (p->batch_limit > 0) a.batch_limit = p->batch_limit;
     for (int k = 0; k < p->n_ops && st == KVB_OK; k++) st = acct_op(&a, &p->ops[k], k, err, err_len);
     if (st != KVB_OK) goto out;
     if (a.n_running > v->max_seqs) {
-        st = refuse(err, err_len, "the plan leaves %d requests running or paused, max_seqs is %d", a.n_running,
+        st = kvb__refuse(err, err_len, "the plan leaves %d requests running or paused, max_seqs is %d", a.n_running,
                     v->max_seqs);
         goto out;
     }
     for (int i = 0; i < v->n_reqs; i++)
         if (e->adrop[i] < v->reqs[i].n_dropped && !(e->asched[i] & 1)) {
-            st = refuse(err, err_len, "request %llu: a DROP restores its blocks %d..%d but no RUN of this plan fills them",
+            st = kvb__refuse(err, err_len, "request %llu: a DROP restores its blocks %d..%d but no RUN of this plan fills them",
                         (unsigned long long)v->reqs[i].id, e->adrop[i], v->reqs[i].n_dropped - 1);
             goto out;
         }
     KVB_TRY_GOTO(check_residency(&a, p, err, err_len), out);
+    KVB_TRY_GOTO(kvb__slices_check(e, v, p, e->astate, e->asched, e->anew, err, err_len), out);
     if (out)
         *out = (kvb_plan_cost){.blocks_left = a.avail, .tokens = a.tokens, .rows = a.rows, .n_sched = a.n_sched,
                                .n_running = a.n_running, .host_left = a.host_left};
@@ -985,7 +1013,8 @@ static kvb_status fcfs_admit(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
         const kvb_req_view *r = &v->reqs[i];
         /* one that needs more blocks than the pool holds now (lent out or detached) waits until grow /
          * attach: admitted, it could only preempt itself over and over */
-        if (KVB_DIV_CEIL((int64_t)r->n_prompt + r->max_tokens, v->geom->block_size) > v->pool.n_blocks) {
+        if (!v->pool.n_slices &&
+            KVB_DIV_CEIL((int64_t)r->n_prompt + r->max_tokens, v->geom->block_size) > v->pool.n_blocks) {
             p->starved = 1;
             break;
         }
@@ -999,7 +1028,7 @@ static kvb_status fcfs_admit(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
         }
         int q;
         int64_t blocks;
-        KVB_TRY_GOTO(admit_cost(a, i, a->budget - a->tokens, 0, &q, &blocks), out);
+        KVB_TRY_GOTO(admit_cost(a, i, a->budget - a->tokens, 0, &q, &blocks, NULL), out);
         if (blocks > a->avail) {
             p->starved = 1;
             break;
@@ -1052,4 +1081,5 @@ void kvb__sched_free(kvb_engine *e) {
     free(e->astate);
     free(e->asched);
     free(e->adrop);
+    free(e->anew);
 }

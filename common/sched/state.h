@@ -17,6 +17,10 @@
 #include "common/sched/scheduler.h"
 #include "common/sched/stager.h"
 
+#define KVB_MAX_LAYERS 256 /* layers a sliced pool's placements can name */
+
+typedef struct kvb_slices kvb_slices; /* slices.c */
+
 typedef struct seq {
     uint64_t id;
     uint64_t arrival;  /* admission order */
@@ -26,6 +30,7 @@ typedef struct seq {
     int cap;
     int n_prompt;
     int max_tokens;
+    uint64_t slo_ns;   /* time-between-tokens SLO, 0: the planner's default */
     int n_generated;
     int32_t *stop;     /* [n_stop] */
     int n_stop;
@@ -99,7 +104,7 @@ struct kvb_engine {
     kvb_engine_events ev;
     kvb_kv_geom geom;
     void *kv_mem;            /* pool memory */
-    int kv_mem_owned;        /* allocated by the engine through the backend */
+    int kv_mem_owned;        /* allocated by the engine from the backend's kvb_mem */
     kvb_block_pool *pool;
     kvb_prefix_cache *pc;
     kvb_forward *fw;
@@ -169,6 +174,8 @@ struct kvb_engine {
     seq_list swapped;        /* by arrival: KV in the host tier (seq.host_bt) */
     void *ht_mem;            /* host tier: [host_tier_blocks][block_bytes] host memory, or NULL */
     kvb_block_pool *ht_pool; /* its blocks */
+    kvb_slices *sl;          /* the layer-sliced KV manager when the pool is sliced, else NULL */
+    int64_t *anew;           /* [vcap] per request: new blocks the plan being checked gives it */
     kvb_prefix_cache *ht_pc; /* its prefix cache: blocks keyed like the pool's */
     int host_prefix;         /* evicted cached blocks are demoted to the host tier, matches continue there */
 };
@@ -198,6 +205,9 @@ kvb_status kvb__plan_pool(kvb_engine *e, const kvb_pool_event *ev, kvb_pool_plan
 kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const probe_memo **out);
 void kvb__sched_free(kvb_engine *e);
 
+/* Writes a plan's refusal (printf format) to err[len] (may be NULL) and returns KVB_ERR_INVALID. */
+__attribute__((format(printf, 3, 4))) kvb_status kvb__refuse(char *err, size_t len, const char *fmt, ...);
+
 /* ---------------------------------------------------------------- executor.c */
 kvb_status kvb__exec_step(kvb_engine *e);
 void kvb__exec_free(kvb_engine *e);
@@ -205,6 +215,27 @@ void kvb__exec_free(kvb_engine *e);
 kvb_status kvb__stage_reserve(kvb_engine *e, int slots);
 /* Drops the host copy of block `id` if it has one (its last reference is going). */
 void kvb__shadow_drop(kvb_engine *e, int32_t id);
+
+/* ---------------------------------------------------------------- slices.c (sliced pools) */
+/* Sets up the manager for a sliced pool of n_ids ids (host homes included); min_layers: see
+ * kvb_pool_plan.sliced_min_layers. */
+kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers);
+void kvb__slices_free(kvb_engine *e);
+int kvb__slices_min_layers(const kvb_engine *e);
+/* Reads the plan's placements (refusing bad ones; any placement without a sliced pool) and, for a
+ * sliced pool, checks the device slices the plan needs: astate / asched / anew per view index are the
+ * accounting's state after the operations (anew: new blocks each request gets). */
+kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p, const kvb_req_state *astate,
+                             const uint8_t *asched, const int64_t *anew, char *err, size_t len);
+/* A new block id for a sequence (no slice yet; its layers get slices at the install). */
+kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out);
+/* After the plan's operations: installs the placements and the step's prefetch slots. */
+kvb_status kvb__slices_install(kvb_engine *e, int n_sched);
+kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk);
+/* Fills e->blk_layer for layer l (prefetching host layers) / stores the rows written into host layers. */
+kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l);
+kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l);
+void kvb__slices_step_end(kvb_engine *e, int n_sched);
 
 /* ---------------------------------------------------------------- host_tier.c */
 /* Creates the host tier of `blocks` blocks; `prefix`: demote evicted cached blocks into it. */

@@ -199,6 +199,7 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     int64_t v = 0;
     KVB_TRY(kvb_json_get_int(jm, "device", 0, 0, 1023, what, &v));
     m->device = (int)v;
+
     v = 1;
     KVB_TRY(kvb_json_get_int(jm, "threads", 0, 1, 1024, what, &v));
     m->threads = (int)v;
@@ -258,6 +259,31 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     return KVB_OK;
 }
 
+/* The family of a backend name: the part before ':' ("cpu" for "cpu"). Backends of one family keep
+ * their KV memory in the same kind of memory (common/mem/registry.c maps families to kinds). */
+static size_t backend_family_len(const char *backend) { return strcspn(backend, ":"); }
+
+static int same_family(const char *a, const char *b) {
+    size_t n = backend_family_len(a);
+    return n == backend_family_len(b) && !strncmp(a, b, n);
+}
+
+/* Models that may lend to each other (the master and every worker that lends) need KV memory of one
+ * kind: a host shm region and a device region cannot be imported by each other's process. */
+static kvb_status check_memory_kinds(const kvb_node_config *c) {
+    const kvb_node_model *master = kvb_node_config_master(c);
+    for (int i = 0; i < c->n_models; i++) {
+        const kvb_node_model *m = &c->models[i];
+        if (m == master || !m->lend || same_family(m->backend, master->backend)) continue;
+        KVB_LOG_E("%s: model \"%s\" (backend \"%s\") and model \"%s\" (backend \"%s\") cannot lend to each other: "
+                  "their KV memory is of different kinds (host memory and device memory); give them backends of one "
+                  "kind, or the worker \"lend\": false",
+                  c->path, m->name, m->backend, master->name, master->backend);
+        return KVB_ERR_INVALID;
+    }
+    return KVB_OK;
+}
+
 /* Node-wide rules: exactly one master, unique names, unique endpoints (the coordinator's included). */
 static kvb_status check_node(const kvb_node_config *c) {
     int masters = 0;
@@ -291,7 +317,7 @@ static kvb_status check_node(const kvb_node_config *c) {
         KVB_LOG_E("%s: field \"models\": no model has \"role\": \"master\"; a node has exactly one", c->path);
         return KVB_ERR_INVALID;
     }
-    return KVB_OK;
+    return check_memory_kinds(c);
 }
 
 /* ------------------------------------------------------------------------------------------ public */

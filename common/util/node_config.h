@@ -15,7 +15,8 @@
  *     { "name": "chat", "role": "master" | "worker",
  *       "model_dir": "models/chat",           relative paths are relative to the config file
  *       "mkmodel": "--arch llama --layers 4", optional: kvbankd creates model_dir with kvbank-mkmodel
- *       "backend": "cpu", "device": 0, "threads": 1,
+ *       "backend": "cpu", "device": 0, "threads": 1,   with a device backend (kvb_backend_list) the
+ *                                             KV region is memory of GPU `device`
  *       "kv_mb": 16,                          KV memory budget in MiB (the region's size)
  *       "block_size": 16,
  *       "endpoint": "ipc://...",              default ipc://<run_dir>/<name>.sock
@@ -28,7 +29,8 @@
  *     }, ...
  *   ]
  * }
- * Exactly one master; names unique. Keys starting with '_' ("_comment") are ignored; other unknown
+ * Exactly one master; names unique. The master and every worker that lends need backends of one family
+ * (the part before ':'): their KV regions must be of one memory kind. Keys starting with '_' ("_comment") are ignored; other unknown
  * keys are warned about. Errors name the field and the model. */
 #ifndef KVB_UTIL_NODE_CONFIG_H
 #define KVB_UTIL_NODE_CONFIG_H

@@ -1,13 +1,16 @@
 #include "common/util/util.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 size_t kvb_dtype_size(kvb_dtype dt) { return dt == KVB_DTYPE_F32 ? 4 : 2; }
 
@@ -229,6 +232,35 @@ uint16_t kvb_f32_to_bf16(float f) {
     if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
     x += 0x7fff + ((x >> 16) & 1);
     return (uint16_t)(x >> 16);
+}
+
+kvb_status kvb_proc_stat(long pid, char *state, long *ppid) {
+    if (pid <= 0 || pid > INT_MAX) return KVB_ERR_INVALID;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT || errno == ESRCH ? KVB_ERR_NOT_FOUND : KVB_ERR_IO;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return n < 0 && errno == ESRCH ? KVB_ERR_NOT_FOUND : KVB_ERR_IO;
+    buf[n] = '\0';
+    const char *rp = strrchr(buf, ')'); /* "pid (comm) S ppid ..." and comm may hold ')' */
+    long pp = 0;
+    char st = 0;
+    if (!rp || sscanf(rp + 1, " %c %ld", &st, &pp) != 2) return KVB_ERR_IO;
+    if (state) *state = st;
+    if (ppid) *ppid = pp;
+    return KVB_OK;
+}
+
+int kvb_pid_alive(long pid) {
+    if (pid <= 0 || pid > INT_MAX) return 1;
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return 0;
+    char st = 0;
+    kvb_status s = kvb_proc_stat(pid, &st, NULL);
+    if (s == KVB_ERR_NOT_FOUND) return 0;
+    if (s != KVB_OK) return 1; /* no /proc: trust kill() */
+    return st != 'Z' && st != 'X';
 }
 
 void kvb_fmt_py_float(double x, char *buf, size_t cap) {

@@ -47,6 +47,14 @@ kvb_status kvb_parse_f64(const char *s, double *out);
 /* Parses a comma-separated list of non-negative int32 ("1,2,3"). *out is owned by the caller. */
 kvb_status kvb_parse_id_list(const char *s, int32_t **out, int *n_out);
 
+/* Processes. kvb_proc_stat reads the state letter ('R', 'S', 'Z', ...) and the parent of `pid` from
+ * /proc/PID/stat (either out-pointer may be NULL): KVB_ERR_NOT_FOUND when no such process exists,
+ * KVB_ERR_IO when /proc cannot be read. kvb_pid_alive is 1 while `pid` exists and is not a zombie (a
+ * dead child its parent has not reaped yet holds its pid but runs no more); a process of another user
+ * counts as alive, and so does any pid when /proc cannot tell. */
+kvb_status kvb_proc_stat(long pid, char *state, long *ppid);
+int kvb_pid_alive(long pid);
+
 /* A name from the last component of `path` (a model directory): characters outside [A-Za-z0-9_-]
  * become '_', at most `max` characters, "m" when empty. `out` holds max + 1 bytes. */
 void kvb_name_from_path(const char *path, char *out, size_t max);

@@ -8,8 +8,6 @@
 /* OpenBLAS' own thread count (declared in its cblas.h on Debian, but not by every provider). */
 void openblas_set_num_threads(int n);
 
-static kvb_status cpu_alloc(void *ctx, size_t bytes, void **out) { return kvb_aligned_alloc(bytes, out); }
-static void cpu_free(void *ctx, void *p) { free(p); }
 
 static kvb_status cpu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
     memcpy(dst, src, bytes);
@@ -125,8 +123,6 @@ static void cpu_destroy(void *ctx) {
 static const kvb_backend_i cpu_iface = {
     .name = "cpu",
     .act_dtype = KVB_DTYPE_F32,
-    .alloc = cpu_alloc,
-    .free = cpu_free,
     .to_device = cpu_copy,
     .to_host = cpu_copy,
     .to_host_f32 = cpu_to_host_f32,

@@ -198,15 +198,8 @@ static cudaDataType_t cuda_type(kvb_dtype dt) {
 
 /* ---------------------------------------------------------------- memory */
 
-static kvb_status cu_alloc(void *ctx, size_t bytes, void **out) {
-    if (bytes == 0) bytes = 1;
-    void *p = NULL;
-    KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(&p, bytes)));
-    *out = p;
-    return KVB_OK;
-}
-
-static void cu_free(void *ctx, void *p) {
+/* Frees a weight's device memory (buffers, pools and regions come from the memory interface). */
+static void dev_free(void *ctx, void *p) {
     if (!p) return;
     cuda_ctx *c = ctx;
     /* the memory may be in use by work still queued */
@@ -301,7 +294,7 @@ fail:
 
 static void cu_weight_free(void *ctx, kvb_tensor *t) {
     if (!t) return;
-    cu_free(ctx, t->data);
+    dev_free(ctx, t->data);
     t->data = NULL;
 }
 
@@ -541,7 +534,7 @@ static void cu_destroy(void *ctx) {
 
 #define CUDA_IFACE(NAME, DT)                                                                           \
     {                                                                                                  \
-        .name = NAME, .act_dtype = DT, .alloc = cu_alloc, .free = cu_free, .to_device = cu_to_device,  \
+        .name = NAME, .act_dtype = DT, .to_device = cu_to_device,  \
         .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .copy = cu_copy, .sync = cu_sync,        \
         .weight_load = cu_weight_load, .weight_free = cu_weight_free, .embed = cu_embed,               \
         .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .silu_mul = cu_silu_mul,          \

@@ -1,0 +1,492 @@
+/* kvbank — the layer-sliced KV manager: request-level placements (kvb_plan_place) carried out on a
+ * sliced pool (common/kv/block_pool.h). OrbitFlow's "KV manager" (../shared/papers/orbitflow.txt §3.2,
+ * §4) as a mechanism any planner can use.
+ *
+ * Every block id has a home in the host tier: host[id] holds its layers ([n_layers][layer_bytes], the
+ * block-major layout). Per block the manager knows `fill` (rows holding KV) and per (block, layer)
+ * `host_rows` (rows of the host copy that are valid: a prefix, since rows are only appended). A layer
+ * on the device has a slice of the pool with rows [0, fill); a layer not on the device has
+ * host_rows == fill.
+ *
+ * Between the plan and the forward pass (kvb__slices_install):
+ *  1. want: (block, layer) stays or comes on the device iff a running, not paused request holding the
+ *     block keeps the layer (shared prefix blocks: any owner; counted once);
+ *  2. every slice that is not wanted any more is stored (rows [host_rows, fill) only) and freed, before
+ *  3. every wanted layer that is not on the device gets a slice and is loaded (rows [0, fill));
+ *  4. each scheduled request with host layers gets depth x (its largest host layer's non-resident
+ *     blocks) prefetch slices.
+ * When a slice is needed and none is free, room is made lazily: cached prefix blocks nobody references
+ * are dropped (LRU), then the layers of paused requests leave, one layer of one request at a time,
+ * deepest first, stored before their slice is reused (Pause-Resume, §3.4: never dropped).
+ * During the step (kvb__slices_layer / _layer_done) a host layer's blocks are read from the request's
+ * prefetch slot and the rows the step wrote there are stored to the host tier after the layer.
+ *
+ * All copies go through the backend (to_device / to_host). */
+#include <assert.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/sched/state.h"
+
+#define SL_WORDS (KVB_MAX_LAYERS / 64)
+
+typedef struct sl_mask {
+    uint64_t w[SL_WORDS];
+} sl_mask;
+
+static int mask_has(const sl_mask *m, int l) { return (int)((m->w[l >> 6] >> (l & 63)) & 1u); }
+static int mask_any(const sl_mask *m) {
+    for (int i = 0; i < SL_WORDS; i++)
+        if (m->w[i]) return 1;
+    return 0;
+}
+
+struct kvb_slices {
+    int L, bs;
+    int n_ids;
+    int min_layers;
+    size_t layer_bytes, row_bytes, half_bytes, block_bytes;
+    unsigned char *host;  /* [n_ids][L][layer_bytes] */
+    uint16_t *fill;       /* [n_ids] */
+    uint16_t *host_rows;  /* [n_ids * L] */
+    uint8_t *want;        /* [n_ids * L] during a step (0 outside the touched ids) */
+    uint8_t *touched;     /* [n_ids] */
+    int32_t *tlist;       /* [n_ids] the touched ids */
+    int n_touched;
+    /* the plan's placements by view index */
+    sl_mask *vmask;       /* [vcap] host layers */
+    int *vdepth;          /* [vcap] */
+    int vcap;
+    /* the step's prefetch slices, by position in e->sched */
+    int32_t *scratch;     /* slices */
+    int n_scratch, cap_scratch;
+    int *s_first;         /* [max_seqs] first scratch index of sched[i] */
+    int *s_per;           /* [max_seqs] slices per slot (0: no host layer read) */
+    int *s_pos;           /* [max_seqs] during a layer: next free position in the slot */
+    int32_t *entry_scratch; /* [blk_cap] the scratch slice a layer_blocks entry reads, -1: in place */
+    int entry_cap;
+    kvb_slices_stats st;
+};
+
+/* ---------------------------------------------------------------- setup */
+
+kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
+    kvb_slices *sl = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *sl, (void **)&sl));
+    e->sl = sl;
+    sl->L = e->geom.n_layers;
+    sl->bs = e->geom.block_size;
+    sl->n_ids = n_ids;
+    sl->min_layers = min_layers > 0 ? KVB_MIN(min_layers, sl->L + 2) : sl->L;
+    sl->layer_bytes = kvb_kv_layer_bytes(&e->geom);
+    sl->block_bytes = kvb_kv_block_bytes(&e->geom);
+    sl->row_bytes = (size_t)e->geom.n_kv_heads * (size_t)e->geom.head_dim * (size_t)e->geom.elem_size;
+    sl->half_bytes = (size_t)sl->bs * sl->row_bytes;
+    if (sl->L > KVB_MAX_LAYERS) {
+        KVB_LOG_E("engine: a sliced pool supports at most %d layers (the model has %d)", KVB_MAX_LAYERS, sl->L);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    size_t host_bytes;
+    if (__builtin_mul_overflow(sl->block_bytes, (size_t)n_ids, &host_bytes)) return KVB_ERR_INVALID;
+    /* the host tier: pinned host memory of the backend's kvb_mem (asynchronous copies on a device) */
+    KVB_TRY(kvb_mem_pinned_alloc(kvb_model_backend(e->m)->mem, host_bytes, (void **)&sl->host));
+    size_t cells = (size_t)n_ids * (size_t)sl->L;
+    KVB_TRY(kvb_calloc((size_t)n_ids, sizeof *sl->fill, (void **)&sl->fill));
+    KVB_TRY(kvb_calloc(cells, sizeof *sl->host_rows, (void **)&sl->host_rows));
+    KVB_TRY(kvb_calloc(cells, sizeof *sl->want, (void **)&sl->want));
+    KVB_TRY(kvb_calloc((size_t)n_ids, sizeof *sl->touched, (void **)&sl->touched));
+    KVB_TRY(kvb_calloc((size_t)n_ids, sizeof *sl->tlist, (void **)&sl->tlist));
+    KVB_TRY(kvb_calloc((size_t)e->o.max_seqs, sizeof *sl->s_first, (void **)&sl->s_first));
+    KVB_TRY(kvb_calloc((size_t)e->o.max_seqs, sizeof *sl->s_per, (void **)&sl->s_per));
+    KVB_TRY(kvb_calloc((size_t)e->o.max_seqs, sizeof *sl->s_pos, (void **)&sl->s_pos));
+    return KVB_OK;
+}
+
+void kvb__slices_free(kvb_engine *e) {
+    kvb_slices *sl = e->sl;
+    if (!sl) return;
+    kvb_mem_pinned_free(kvb_model_backend(e->m)->mem, sl->host);
+    free(sl->fill);
+    free(sl->host_rows);
+    free(sl->want);
+    free(sl->touched);
+    free(sl->tlist);
+    free(sl->vmask);
+    free(sl->vdepth);
+    free(sl->scratch);
+    free(sl->s_first);
+    free(sl->s_per);
+    free(sl->s_pos);
+    free(sl->entry_scratch);
+    free(sl);
+    e->sl = NULL;
+}
+
+int kvb__slices_min_layers(const kvb_engine *e) { return e->sl ? e->sl->min_layers : e->geom.n_layers; }
+
+void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out) {
+    if (e->sl) *out = e->sl->st;
+    else memset(out, 0, sizeof *out);
+}
+
+/* ---------------------------------------------------------------- placements of the plan */
+
+static kvb_status vreserve(kvb_slices *sl, int n) {
+    if (n <= sl->vcap) return KVB_OK;
+    int cap = KVB_MAX(n, 2 * sl->vcap);
+    KVB_TRY(kvb_realloc_array((void **)&sl->vmask, (size_t)cap, sizeof *sl->vmask));
+    KVB_TRY(kvb_realloc_array((void **)&sl->vdepth, (size_t)cap, sizeof *sl->vdepth));
+    sl->vcap = cap;
+    return KVB_OK;
+}
+
+
+/* Reads p->places into vmask / vdepth by view index, checking them. */
+static kvb_status read_places(kvb_engine *e, const kvb_view *v, const kvb_plan *p, char *err, size_t len) {
+    kvb_slices *sl = e->sl;
+    if (p->n_places > 0 && !sl)
+        return kvb__refuse(err, len, "%d request placement(s): the pool is not sliced (the planner asks for one at setup)",
+                      p->n_places);
+    if (!sl) return KVB_OK;
+    KVB_TRY(vreserve(sl, v->n_reqs));
+    memset(sl->vmask, 0, (size_t)v->n_reqs * sizeof *sl->vmask);
+    for (int i = 0; i < v->n_reqs; i++) sl->vdepth[i] = 0;
+    for (int k = 0; k < p->n_places; k++) {
+        const kvb_plan_place *pl = &p->places[k];
+        unsigned long long id = (unsigned long long)pl->id;
+        int i = kvb_view_find(v, pl->id);
+        if (i < 0) return kvb__refuse(err, len, "placement %d: no live request has id %llu", k, id);
+        if (pl->where != KVB_RES_HOST)
+            return kvb__refuse(err, len, "placement %d (request %llu): %s, only HOST is a request-level placement", k, id,
+                          kvb_residency_str(pl->where));
+        if (pl->layer0 < 0 || pl->layer1 > sl->L || pl->layer0 >= pl->layer1)
+            return kvb__refuse(err, len, "placement %d (request %llu): layers [%d, %d) outside [0, %d)", k, id, pl->layer0,
+                          pl->layer1, sl->L);
+        if (pl->depth < 1 || pl->depth > 2 || (sl->vdepth[i] && sl->vdepth[i] != pl->depth))
+            return kvb__refuse(err, len, "placement %d (request %llu): depth %d (1 or 2, the same in all its entries)", k, id,
+                          pl->depth);
+        sl->vdepth[i] = pl->depth;
+        for (int l = pl->layer0; l < pl->layer1; l++) {
+            if (mask_has(&sl->vmask[i], l))
+                return kvb__refuse(err, len, "placement %d (request %llu): layer %d is placed twice", k, id, l);
+            sl->vmask[i].w[l >> 6] |= (uint64_t)1 << (l & 63);
+        }
+    }
+    return KVB_OK;
+}
+
+/* ---------------------------------------------------------------- want */
+
+static void touch(kvb_slices *sl, int32_t id) {
+    if (sl->touched[id]) return;
+    sl->touched[id] = 1;
+    sl->tlist[sl->n_touched++] = id;
+}
+
+static void want_clear(kvb_slices *sl) {
+    for (int t = 0; t < sl->n_touched; t++) {
+        int32_t id = sl->tlist[t];
+        sl->touched[id] = 0;
+        memset(sl->want + (size_t)id * sl->L, 0, (size_t)sl->L);
+    }
+    sl->n_touched = 0;
+}
+
+/* Marks the layers a holder of ids[0..n) with host layers `m` keeps. */
+static void want_mark(kvb_slices *sl, const int32_t *ids, int n, const sl_mask *m) {
+    for (int j = 0; j < n; j++) {
+        touch(sl, ids[j]);
+        uint8_t *w = sl->want + (size_t)ids[j] * sl->L;
+        for (int l = 0; l < sl->L; l++)
+            if (!mask_has(m, l)) w[l] = 1;
+    }
+}
+
+static int popcount_not(const sl_mask *m, int L) {
+    int n = 0;
+    for (int l = 0; l < L; l++) n += !mask_has(m, l);
+    return n;
+}
+
+/* Prefetch slices request `m`, `depth` needs for blocks ids[0..n) (already marked) plus n_new new blocks
+ * (exclusive: not kept at its host layers). `resident(l, id)` is whether the block is on the device at
+ * the layer when the step runs. */
+static int64_t scratch_need(const kvb_slices *sl, const kvb_block_pool *pool, const int32_t *ids, int n, int64_t n_new,
+                            const sl_mask *m, int depth, int installed) {
+    if (!mask_any(m)) return 0;
+    int64_t per = 0;
+    for (int l = 0; l < sl->L; l++) {
+        if (!mask_has(m, l)) continue;
+        int64_t c = n_new;
+        for (int j = 0; j < n; j++) {
+            int on = installed ? kvb_block_pool_slice_resident(pool, ids[j], l) : sl->want[(size_t)ids[j] * sl->L + l];
+            c += !on;
+        }
+        if (c > per) per = c;
+    }
+    return per * depth;
+}
+
+kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p, const kvb_req_state *astate,
+                             const uint8_t *asched, const int64_t *anew, char *err, size_t len) {
+    KVB_TRY(read_places(e, v, p, err, len));
+    kvb_slices *sl = e->sl;
+    if (!sl) return KVB_OK;
+    /* the blocks each running request holds after the plan: its own now, an admission's prefix hits */
+    int64_t need = 0;
+    want_clear(sl);
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < v->n_reqs; i++) {
+            if (astate[i] != KVB_REQ_RUNNING) continue;
+            const int32_t *ids = v->reqs[i].blocks;
+            int n = v->reqs[i].n_blocks;
+            if (v->reqs[i].state == KVB_REQ_WAITING) { /* admitted by this plan: its hits */
+                const probe_memo *mm;
+                KVB_TRY(kvb__probe_memo(e, i, &mm));
+                ids = e->memo_ids + mm->hit_off;
+                n = mm->n_hit;
+            }
+            if (pass == 0) {
+                want_mark(sl, ids, n, &sl->vmask[i]);
+                need += anew[i] * popcount_not(&sl->vmask[i], sl->L);
+            } else if (asched[i]) {
+                need += scratch_need(sl, e->pool, ids, n, anew[i], &sl->vmask[i], sl->vdepth[i], 0);
+            }
+        }
+    }
+    for (int t = 0; t < sl->n_touched; t++) {
+        const uint8_t *w = sl->want + (size_t)sl->tlist[t] * sl->L;
+        for (int l = 0; l < sl->L; l++) need += w[l];
+    }
+    want_clear(sl);
+    int have = kvb_block_pool_n_slices(e->pool);
+    if (need > have)
+        return kvb__refuse(err, len,
+                      "the plan needs %lld (block, layer) slices on the device (kept layers and prefetch slots), the "
+                      "pool has %d", (long long)need, have);
+    return KVB_OK;
+}
+
+/* ---------------------------------------------------------------- moving layers */
+
+/* Copies rows [r0, r1) of K and of V between a slice and the host home of (id, l). */
+static kvb_status copy_rows(kvb_engine *e, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
+    kvb_slices *sl = e->sl;
+    if (r1 <= r0) return KVB_OK;
+    kvb_backend *be = kvb_model_backend(e->m);
+    unsigned char *h = sl->host + (size_t)id * sl->block_bytes + (size_t)l * sl->layer_bytes;
+    unsigned char *d = slice;
+    size_t off = (size_t)r0 * sl->row_bytes, nb = (size_t)(r1 - r0) * sl->row_bytes;
+    for (int half = 0; half < 2; half++) {
+        size_t o = off + (half ? sl->half_bytes : 0);
+        if (to_host) KVB_TRY(be->iface->to_host(be->ctx, h + o, d + o, nb));
+        else KVB_TRY(be->iface->to_device(be->ctx, d + o, h + o, nb));
+    }
+    uint64_t bytes = 2 * (uint64_t)nb;
+    if (to_host) sl->st.bytes_stored += bytes;
+    else sl->st.bytes_loaded += bytes;
+    return KVB_OK;
+}
+
+/* Moves (id, l) from the device to its host home: stores what the host copy lacks, frees the slice. */
+static kvb_status offload(kvb_engine *e, int32_t id, int l) {
+    kvb_slices *sl = e->sl;
+    uint16_t *hr = &sl->host_rows[(size_t)id * sl->L + l];
+    KVB_TRY(copy_rows(e, 1, kvb_block_pool_block_layer(e->pool, id, l), id, l, *hr, sl->fill[id]));
+    *hr = sl->fill[id];
+    kvb_block_pool_slice_free(e->pool, id, l);
+    sl->st.slices_offloaded++;
+    return KVB_OK;
+}
+
+/* Frees one lazily held slice: an unreferenced cached block is dropped, else a layer of a paused
+ * request leaves (deepest layer first, all its blocks there). KVB_ERR_EXHAUSTED if nothing is left. */
+static kvb_status make_room_once(kvb_engine *e) {
+    kvb_slices *sl = e->sl;
+    int before = kvb_block_pool_n_free_slices(e->pool);
+    while (kvb_prefix_cache_evict(e->pc) == KVB_OK) {
+        sl->st.cached_dropped++;
+        if (kvb_block_pool_n_free_slices(e->pool) > before) return KVB_OK;
+    }
+    for (seq *s = e->running.head; s; s = s->next) {
+        if (!s->paused) continue;
+        for (int l = sl->L - 1; l >= 0; l--) {
+            int moved = 0;
+            for (int j = 0; j < s->bt.n; j++) {
+                int32_t id = s->bt.ids[j];
+                if (!kvb_block_pool_slice_resident(e->pool, id, l) || sl->want[(size_t)id * sl->L + l]) continue;
+                KVB_TRY(offload(e, id, l));
+                moved++;
+            }
+            if (moved) {
+                sl->st.paused_layers_moved++;
+                return KVB_OK;
+            }
+        }
+    }
+    return KVB_ERR_EXHAUSTED;
+}
+
+static kvb_status make_room(kvb_engine *e, int n) {
+    while (kvb_block_pool_n_free_slices(e->pool) < n) {
+        kvb_status st = make_room_once(e);
+        if (st != KVB_OK) {
+            KVB_LOG_E("engine: no (block, layer) slice left for the plan (%d free, %d needed)",
+                      kvb_block_pool_n_free_slices(e->pool), n);
+            return st;
+        }
+    }
+    return KVB_OK;
+}
+
+kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out) {
+    kvb_slices *sl = e->sl;
+    kvb_status st = kvb_block_pool_alloc_bare(e->pool, out);
+    while (st == KVB_ERR_EXHAUSTED && kvb_prefix_cache_evict(e->pc) == KVB_OK) {
+        sl->st.cached_dropped++;
+        st = kvb_block_pool_alloc_bare(e->pool, out);
+    }
+    if (st != KVB_OK) return st;
+    sl->fill[*out] = 0;
+    memset(sl->host_rows + (size_t)*out * sl->L, 0, (size_t)sl->L * sizeof *sl->host_rows);
+    return KVB_OK;
+}
+
+/* Gives the scheduled sequences' layer_blocks entries a scratch map (-1: in place). */
+static kvb_status entries_reserve(kvb_slices *sl, int n) {
+    if (n <= sl->entry_cap) return KVB_OK;
+    KVB_TRY(kvb_realloc_array((void **)&sl->entry_scratch, (size_t)n, sizeof *sl->entry_scratch));
+    sl->entry_cap = n;
+    return KVB_OK;
+}
+
+static kvb_status scratch_push(kvb_engine *e, int n) {
+    kvb_slices *sl = e->sl;
+    if (sl->n_scratch + n > sl->cap_scratch) {
+        int cap = KVB_MAX(sl->n_scratch + n, 2 * sl->cap_scratch);
+        KVB_TRY(kvb_realloc_array((void **)&sl->scratch, (size_t)cap, sizeof *sl->scratch));
+        sl->cap_scratch = cap;
+    }
+    KVB_TRY(make_room(e, n));
+    for (int k = 0; k < n; k++) {
+        kvb_status st = kvb_block_pool_scratch_alloc(e->pool, &sl->scratch[sl->n_scratch]);
+        assert(st == KVB_OK);
+        (void)st;
+        sl->n_scratch++;
+    }
+    return KVB_OK;
+}
+
+kvb_status kvb__slices_install(kvb_engine *e, int n_sched) {
+    kvb_slices *sl = e->sl;
+    if (!sl) return KVB_OK;
+    want_clear(sl);
+    for (seq *s = e->running.head; s; s = s->next)
+        if (!s->paused) want_mark(sl, s->bt.ids, s->bt.n, &sl->vmask[s->vidx]);
+    /* layers leaving first (their slices become free), then layers arriving */
+    for (int t = 0; t < sl->n_touched; t++) {
+        int32_t id = sl->tlist[t];
+        for (int l = 0; l < sl->L; l++)
+            if (!sl->want[(size_t)id * sl->L + l] && kvb_block_pool_slice_resident(e->pool, id, l))
+                KVB_TRY(offload(e, id, l));
+    }
+    for (int t = 0; t < sl->n_touched; t++) {
+        int32_t id = sl->tlist[t];
+        for (int l = 0; l < sl->L; l++) {
+            if (!sl->want[(size_t)id * sl->L + l] || kvb_block_pool_slice_resident(e->pool, id, l)) continue;
+            KVB_TRY(make_room(e, 1));
+            KVB_TRY(kvb_block_pool_slice_alloc(e->pool, id, l));
+            KVB_TRY(copy_rows(e, 0, kvb_block_pool_block_layer(e->pool, id, l), id, l, 0, sl->fill[id]));
+            sl->st.slices_onloaded++;
+        }
+    }
+    /* prefetch slots of the scheduled sequences */
+    sl->n_scratch = 0;
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        int nb = KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs);
+        sl->s_first[i] = sl->n_scratch;
+        int depth = sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1;
+        int64_t need = scratch_need(sl, e->pool, s->bt.ids, nb, 0, &sl->vmask[s->vidx], depth, 1);
+        sl->s_per[i] = (int)(need / depth);
+        KVB_TRY(scratch_push(e, (int)need));
+    }
+    int used = kvb_block_pool_n_slices(e->pool) - kvb_block_pool_n_free_slices(e->pool);
+    if (used > sl->st.peak_used) sl->st.peak_used = used;
+    return KVB_OK;
+}
+
+/* ---------------------------------------------------------------- the step */
+
+kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) { return e->sl ? entries_reserve(e->sl, n_blk) : KVB_OK; }
+
+/* Layer l's pointers for the scheduled sequences: resident slices in place, the others loaded into the
+ * sequence's prefetch slot for the layer (slot = rank of l among its host layers, modulo depth). */
+kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
+    kvb_slices *sl = e->sl;
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        const kvb_attn_seq *as = &e->b_seqs[i];
+        const sl_mask *m = &sl->vmask[s->vidx];
+        int in_host = mask_has(m, l), rank = 0, depth = sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1;
+        if (in_host)
+            for (int k = 0; k < l; k++) rank += mask_has(m, k);
+        int pos = sl->s_first[i] + (rank % depth) * sl->s_per[i], end = pos + sl->s_per[i];
+        for (int j = 0; j < as->n_blocks; j++) {
+            int ent = as->blk_first + j;
+            int32_t id = s->bt.ids[j];
+            sl->entry_scratch[ent] = -1;
+            if (kvb_block_pool_slice_resident(e->pool, id, l)) {
+                e->blk_layer[ent] = kvb_block_pool_block_layer(e->pool, id, l);
+                continue;
+            }
+            assert(in_host && pos < end); /* the install gave every other layer a slice */
+            (void)end;
+            int32_t k = sl->scratch[pos++];
+            void *dst = kvb_block_pool_slice_addr(e->pool, k);
+            KVB_TRY(copy_rows(e, 0, dst, id, l, 0, sl->fill[id]));
+            sl->st.slices_prefetched++;
+            sl->entry_scratch[ent] = k;
+            e->blk_layer[ent] = dst;
+        }
+    }
+    return KVB_OK;
+}
+
+/* After layer l: the rows the step wrote into prefetch slots go to the host tier. */
+kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
+    kvb_slices *sl = e->sl;
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        const kvb_attn_seq *as = &e->b_seqs[i];
+        int p0 = as->ctx_len - as->q_len, p1 = as->ctx_len;
+        for (int j = p0 / sl->bs; j <= (p1 - 1) / sl->bs; j++) {
+            int32_t k = sl->entry_scratch[as->blk_first + j];
+            if (k < 0) continue;
+            int32_t id = s->bt.ids[j];
+            int r0 = KVB_MAX(p0 - j * sl->bs, 0), r1 = KVB_MIN(p1 - j * sl->bs, sl->bs);
+            uint16_t *hr = &sl->host_rows[(size_t)id * sl->L + l];
+            assert(*hr == sl->fill[id] && r0 == *hr); /* appending right after the stored rows */
+            KVB_TRY(copy_rows(e, 1, kvb_block_pool_slice_addr(e->pool, k), id, l, r0, r1));
+            *hr = (uint16_t)r1;
+        }
+    }
+    return KVB_OK;
+}
+
+/* After the step: the blocks' fill grows by the rows written; prefetch slots go back. */
+void kvb__slices_step_end(kvb_engine *e, int n_sched) {
+    kvb_slices *sl = e->sl;
+    if (!sl) return;
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        const kvb_attn_seq *as = &e->b_seqs[i];
+        int p0 = as->ctx_len - as->q_len;
+        for (int j = p0 / sl->bs; j < as->n_blocks; j++) {
+            int rows = KVB_MIN(as->ctx_len - j * sl->bs, sl->bs);
+            if (rows > sl->fill[s->bt.ids[j]]) sl->fill[s->bt.ids[j]] = (uint16_t)rows;
+        }
+    }
+    for (int k = 0; k < sl->n_scratch; k++) kvb_block_pool_scratch_free(e->pool, sl->scratch[k]);
+    sl->n_scratch = 0;
+}
