@@ -27,16 +27,28 @@ void kvb_engine_opts_default(kvb_engine_opts *o) {
     o->enable_prefix_cache = 1;
 }
 
-/* The planner's resources (plan_pool SETUP): host tier, stage buffers, forward rows. */
+/* The planner's resources (plan_pool SETUP), asked before the pool exists (a planner may bring the KV
+ * memory): host tier, stage buffers, forward rows, its own pool memory. */
 static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
     *pp = (kvb_pool_plan){0};
     if (!e->planner.iface || !e->planner.iface->plan_pool) return KVB_OK;
-    e->max_rows = e->o.max_batch_tokens; /* for the view */
-    kvb_pool_event ev = {.kind = KVB_POOL_SETUP, .now_s = kvb_now_s()};
-    KVB_TRY(kvb__plan_pool(e, &ev, pp));
+    kvb_pool_event ev = {.kind = KVB_POOL_SETUP, .now_s = kvb_now_s(), .model = e->m};
+    kvb_view v = {.geom = &e->geom, .max_batch_tokens = e->o.max_batch_tokens, .max_rows = e->o.max_batch_tokens,
+                  .max_seqs = e->o.max_seqs, .max_model_len = e->o.max_model_len,
+                  .prefix_cache = e->o.enable_prefix_cache, .now_ns = kvb_wall_ns(),
+                  .pool = {.capacity = e->o.n_blocks, .n_own = e->o.n_blocks, .n_blocks = e->o.n_blocks,
+                           .n_free = e->o.n_blocks},
+                  .engine = e};
+    kvb_status st = e->planner.iface->plan_pool(e->planner.ctx, &ev, &v, pp);
+    if (st != KVB_OK) {
+        KVB_LOG_E("engine: planner %s cannot set up: %s", e->planner.iface->name, kvb_status_str(st));
+        return st;
+    }
     if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0 || pp->sliced_ids < 0 ||
-        pp->sliced_min_layers < 0) {
-        KVB_LOG_E("engine: planner %s asks for negative resources", e->planner.iface->name);
+        pp->sliced_min_layers < 0 || pp->max_model_len < 0 || pp->max_batch_tokens < 0 ||
+        (pp->kv_mem && (pp->kv_blocks < 1 || pp->kv_mem_bytes / kvb_kv_block_bytes(&e->geom) < (size_t)pp->kv_blocks))) {
+        KVB_LOG_E("engine: planner %s asks for negative resources or KV memory smaller than its blocks",
+                  e->planner.iface->name);
         return KVB_ERR_INVALID;
     }
     if ((pp->host_prefix && pp->host_tier_blocks == 0) ||
@@ -98,6 +110,16 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
                                      .act_elem = (int)kvb_dtype_size(be->iface->act_dtype),
                                      .flops = o.links.measured_flops};
     KVB_TRY_GOTO(kvb_kv_geom_check(&e->geom), fail);
+    kvb_pool_plan pp;
+    KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
+    if (pp.kv_mem) { /* the planner's memory replaces the options' */
+        o.kv_mem = e->o.kv_mem = pp.kv_mem;
+        o.kv_mem_bytes = e->o.kv_mem_bytes = pp.kv_mem_bytes;
+        o.n_blocks = e->o.n_blocks = pp.kv_blocks;
+    }
+    if (pp.max_model_len > 0 && pp.max_model_len < e->o.max_model_len) e->o.max_model_len = pp.max_model_len;
+    if (pp.no_prefix_cache) o.enable_prefix_cache = e->o.enable_prefix_cache = 0;
+    if (pp.max_batch_tokens > 0) o.max_batch_tokens = e->o.max_batch_tokens = pp.max_batch_tokens;
     size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)o.n_blocks;
     if (o.kv_mem) {
         if (o.kv_mem_bytes < bytes) {
@@ -116,8 +138,6 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
                  fail);
     KVB_TRY_GOTO(kvb_prefix_cache_create(e->pool, &e->pc), fail);
     KVB_TRY_GOTO(kvb_stager_create(be, &o.links, &e->stager), fail);
-    kvb_pool_plan pp;
-    KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
     if (pp.measure_flops && !(e->model_info.flops > 0)) KVB_TRY_GOTO(kvb_link_measure_flops(be, &e->model_info.flops), fail);
     if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, &pp), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
@@ -207,4 +227,5 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     out->blocks_borrowed = e->n_borrowed;
     out->n_swapped = e->swapped.n;
     kvb_stager_totals(e->stager, out->links);
+    out->prefix_cache = e->o.enable_prefix_cache;
 }

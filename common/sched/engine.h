@@ -139,6 +139,8 @@ typedef struct kvb_engine_stats {
     uint64_t lsc_stores;        /* staged writes: block-layer slices whose new rows were stored back */
     int n_swapped;
     kvb_link_report links[KVB_LINK_COUNT]; /* what the stager's links carried since creation */
+    int prefix_cache;           /* 1 if the prefix cache is on (a planner may turn it off at setup) */
+    int max_running;            /* most requests running (or paused) at once after a step */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
 

@@ -42,12 +42,15 @@ static kvb_status shadow_get(kvb_engine *e, int32_t id, int32_t *out) {
 
 /* ---------------------------------------------------------------- applying a plan */
 
-/* Gives `s` blocks for its first `upto` tokens. KVB_ERR_EXHAUSTED if the pool cannot. */
-static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto) {
+/* Gives `s` blocks for its first `upto` tokens: from the free list, or with `op` placed, the blocks
+ * op->block0 + j (checked free by the plan's check). Released leading blocks (DROP) are not given back.
+ * KVB_ERR_EXHAUSTED if the pool cannot. */
+static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto, const kvb_plan_op *op) {
     int need = KVB_DIV_CEIL(upto, e->o.block_size) - s->n_dropped;
     while (s->bt.n < need) {
-        int32_t id;
-        if (e->sl) KVB_TRY(kvb__slices_new_block(e, &id)); /* its layers get slices at the install */
+        int32_t id = op && op->placed ? op->block0 + s->bt.n : -1;
+        if (id >= 0) KVB_TRY(kvb_block_pool_take(e->pool, id));
+        else if (e->sl) KVB_TRY(kvb__slices_new_block(e, &id)); /* its layers get slices at the install */
         else KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id));
         kvb_status st = kvb_block_table_push(&s->bt, id);
         if (st != KVB_OK) {
@@ -315,7 +318,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
         seq *s = e->vseq[kvb_view_find(&e->view, op->id)];
         switch (op->kind) {
         case KVB_OP_RUN:
-            if (grow_blocks(e, s, s->n_computed + op->q_len) != KVB_OK) {
+            if (grow_blocks(e, s, s->n_computed + op->q_len, op) != KVB_OK) {
                 /* the accounting allowed it: only a failed allocation of the table itself gets here */
                 KVB_LOG_W("engine: no memory to extend request %llu's block table; preempting it",
                           (unsigned long long)s->id);
@@ -343,7 +346,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             int hit = s->n_published * e->o.block_size;
             s->n_computed = hit;
             int q = KVB_MIN(op->q_len, s->n_tokens - s->n_computed);
-            if (grow_blocks(e, s, s->n_computed + q) != KVB_OK) {
+            if (grow_blocks(e, s, s->n_computed + q, op) != KVB_OK) {
                 /* a host-tier hit was evicted since planning, or no memory for the table: it waits */
                 kvb__seq_drop_kv(e, s);
                 rep->admits_dropped++;
@@ -842,6 +845,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     }
     kvb__slices_step_end(e, n_sched);
     e->stats.steps++;
+    e->stats.max_running = KVB_MAX(e->stats.max_running, e->running.n);
 
     uint64_t now = kvb_wall_ns();
     int li = 0;

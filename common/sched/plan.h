@@ -159,6 +159,11 @@ typedef struct kvb_plan_op {
                     * link). SWAP_OUT: layers [0, n_hidden) leave as those hidden states instead of KV
                     * (n_hidden <= the view's hidden_layers); SWAP_IN rebuilds their KV from them (the
                     * layer's norm, K/V projections and RoPE) and copies the other layers back */
+    int placed;    /* RUN, ADMIT: 0 (default): new blocks come from the pool's free list; 1: the
+                    * request's j-th block is block0 + j (its existing blocks must be laid out so, its
+                    * new ones must be free): a planner that keeps each request's KV contiguous in an
+                    * address range of its own (eLLM's KV slots). Needs the prefix cache off */
+    int32_t block0;
 } kvb_plan_op;
 
 /* Where one block's KV is for a range of layers and how it reaches attention. The default needs no
@@ -265,9 +270,12 @@ typedef enum kvb_pool_event_kind {
     KVB_POOL_RETURNED = 5,/* `n_blocks` lent blocks came back unasked (worker: keep them a window) */
 } kvb_pool_event_kind;
 
+struct kvb_model;
+
 typedef struct kvb_pool_event {
     kvb_pool_event_kind kind;
     double now_s;          /* monotonic seconds */
+    struct kvb_model *model; /* SETUP: the model (borrowed; its config and backend) */
     int64_t tokens;        /* REQUEST */
     int n_blocks;          /* ATTACH, DETACH, RETURNED */
     /* Lending context the role knows (worker; 0 when unknown): */
@@ -287,6 +295,15 @@ typedef struct kvb_pool_plan {
     int extra_rows;        /* forward-pass rows beyond max_batch_tokens (recomputed tokens) */
     int measure_flops;     /* measure this machine's matmul rate for view.model->flops (a few ms, once per
                             * process and backend) */
+    void *kv_mem;          /* the planner's own memory for the KV pool, borrowed until the engine is
+                            * destroyed (eLLM: the KV slots, one reservation whose chunks the planner maps
+                            * on demand); NULL: the engine's (the options' kv_mem, else allocated) */
+    size_t kv_mem_bytes;   /* its size */
+    int kv_blocks;         /* blocks of it in the pool (with kv_mem) */
+    int max_model_len;     /* > 0: longest request the planner can serve (kvb_engine_add refuses longer) */
+    int max_batch_tokens;  /* > 0: the step budget the planner works with (eLLM computes whole prompts in one
+                            * step); the forward pass holds that many rows */
+    int no_prefix_cache;   /* 1: the prefix cache is off (a planner that places KV itself) */
     /* SETUP, ATTACH, DETACH: */
     int stage_slots;       /* blocks a step may read through stage buffers (STREAM / HOST) */
     /* SETUP (read once): */

@@ -247,7 +247,7 @@ kvb_status kvb__view_build(kvb_engine *e) {
     v->n_waiting = v->n_reqs - v->n_running - v->n_swapped;
     v->reqs = e->vreqs;
     v->model = &e->model_info;
-    v->links = kvb_stager_links(e->stager);
+    v->links = &e->o.links; /* the stager's, which copied them (it may not exist yet at SETUP) */
     v->engine = e;
     e->memo_n = 0;
     return KVB_OK;
@@ -422,6 +422,33 @@ kvb_status kvb__refuse(char *err, size_t len, const char *fmt, ...) {
     return KVB_ERR_INVALID;
 }
 
+/* A placed RUN or ADMIT (op->placed): the request's blocks are block0 + j. Its existing blocks must be
+ * laid out so, and the `more` blocks after them must be free now and not taken by an earlier operation
+ * of the plan (they are counted as taken from here on). */
+static kvb_status acct_place(acct *a, int i, const kvb_plan_op *op, int64_t more, int k, char *err, size_t len) {
+    const kvb_req_view *r = &a->v->reqs[i];
+    unsigned long long id = (unsigned long long)op->id;
+    const char *kind = kvb_op_kind_str(op->kind);
+    kvb_block_pool *pool = a->e->pool;
+    if (a->v->prefix_cache)
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): placed blocks need the prefix cache off", k, kind, id);
+    if (op->block0 < 0 || (int64_t)op->block0 + r->n_blocks + more > kvb_block_pool_n_own(pool))
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): blocks from %d on are outside the own pool of %d", k, kind,
+                      id, (int)op->block0, kvb_block_pool_n_own(pool));
+    int have = op->kind == KVB_OP_RUN ? r->n_blocks : 0;
+    for (int j = 0; j < have; j++)
+        if (r->blocks[j] != op->block0 + j)
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): its block %d is %d, not %d", k, kind, id, j,
+                          (int)r->blocks[j], (int)(op->block0 + j));
+    for (int64_t j = have; j < have + more; j++) {
+        int32_t b = (int32_t)(op->block0 + j);
+        if (!kvb_block_pool_is_free(pool, b) || a->e->adj[b] != 0)
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): block %d is not free", k, kind, id, (int)b);
+        KVB_TRY(adj_add(a, b, 1));
+    }
+    return KVB_OK;
+}
+
 /* Applies one operation to the accounting, checking it. `k` is its index in the plan (for messages). */
 static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size_t len) {
     const kvb_view *v = a->v;
@@ -460,6 +487,7 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
             return kvb__refuse(err, len,
                           "plan op %d (RUN request %llu): needs %lld new block(s), the pool can give %lld at this point "
                           "of the plan", k, id, (long long)need, (long long)a->avail);
+        if (op->placed) KVB_TRY(acct_place(a, i, op, need, k, err, len));
         a->avail -= need;
         a->e->anew[i] = need;
         a->touched += r->n_blocks + need;
@@ -486,6 +514,7 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
             return kvb__refuse(err, len,
                           "plan op %d (ADMIT request %llu): needs %lld block(s), the pool can give %lld at this point "
                           "of the plan", k, id, (long long)blocks, (long long)a->avail);
+        if (op->placed) KVB_TRY(acct_place(a, i, op, blocks, k, err, len));
         a->avail -= blocks;
         a->touched += KVB_DIV_CEIL(r->n_tokens, v->geom->block_size);
         a->tokens += q;
