@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every planner of the registry (`kvbank-generate --policy list`) gives recompute's greedy tokens on a
-# ragged batch under memory pressure (a pool smaller than the batch: preemption), with chunked prefill
+# ragged batch under memory pressure (a pool smaller than the batch: preemption, swapping out or dropping
+# the oldest tokens' KV), with chunked prefill
 # (a small step budget) and prefix hits (prompts sharing a prefix), in kvbank-generate and through
 # kvbank-serve with concurrent clients. Bad policy names and parameters exit 2 with a clear message.
 set -uo pipefail
@@ -54,9 +55,11 @@ for name in $names; do
     elif [ "$out" != "$ref" ]; then
         bad "generate --policy $name: tokens differ from the reference"
     elif ! grep -q "prefix_cache=0" <<<"$stats" &&
-        { ! grep -Eq "preemptions=[1-9]|pauses=[1-9]|slices_offloaded=[1-9]" <<<"$stats" ||
-            ! grep -q "prefix_hit_tokens=[1-9]" <<<"$stats"; }; then
-        # memory pressure shows as preemptions (recompute), pauses or layers moved to the host tier.
+        { ! grep -Eq "preemptions=[1-9]|pauses=[1-9]|slices_offloaded=[1-9]|swap_outs=[1-9]|dropped_blocks=[1-9]" <<<"$stats" ||
+            { grep -q "preemptions=[1-9]" <<<"$stats" && ! grep -q "prefix_hit_tokens=[1-9]" <<<"$stats"; }; }; then
+        # memory pressure shows as preemptions (recompute, and then the preempted requests' prefixes are hit
+        # again), pauses, layers moved to the host tier, requests swapped out, or the KV of the oldest tokens
+        # dropped (eLLM token-wise: recomputed every step).
         # Planners that place KV themselves (eLLM's: prefix_cache=0) size their own memory from a budget of
         # KV and activations; on this model a budget that can prefill the longest prompt holds every
         # decode at once, so pressure is not asked of them here: tests/test_ellm_elastic runs them

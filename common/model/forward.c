@@ -193,3 +193,39 @@ kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
     fw_release(fw);
     return st;
 }
+
+const void *kvb_forward_hidden(const kvb_forward *fw) { return fw->x; }
+
+kvb_status kvb_forward_kv_from_hidden(kvb_forward *fw, int layer, const void *x, const int32_t *pos,
+                                      const kvb_attn_batch *a) {
+    const kvb_model_config *c = &fw->m->cfg;
+    int n = a->n_tokens;
+    if (fw->b || layer < 0 || layer >= c->n_layers || n < 1 || n > fw->max_tokens) return KVB_ERR_INVALID;
+    const kvb_layer_weights *w = &fw->m->layers[layer];
+    const kvb_backend_i *be = fw->be->iface;
+    void *ctx = fw->be->ctx;
+    /* buffers of its own (a step's are given back when it ends) */
+    void *h = NULL, *q = NULL, *k = NULL, *v = NULL;
+    size_t nn = (size_t)n;
+    kvb_status st;
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->hidden, &h), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_heads * c->head_dim, &q), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_kv_heads * c->head_dim, &k), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_kv_heads * c->head_dim, &v), out);
+    /* the layer's first half up to the KV write: norm, K and V projections, Qwen3's k norm, RoPE */
+    KVB_TRY_GOTO(be->rmsnorm(ctx, x, n, c->hidden, &w->attn_norm, c->rms_eps, h), out);
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wk, 0.0f, k), out);
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wv, 0.0f, v), out);
+    if (w->k_norm.data) KVB_TRY_GOTO(be->rmsnorm(ctx, k, n * c->n_kv_heads, c->head_dim, &w->k_norm, c->rms_eps, k), out);
+    /* rope rotates q and k together: q is projected too (defined values), then dropped */
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wq, 0.0f, q), out);
+    KVB_TRY_GOTO(be->rope(ctx, q, c->n_heads, k, c->n_kv_heads, n, pos, &fw->m->rope), out);
+    KVB_TRY_GOTO(be->kv_write(ctx, a, k, v), out);
+    st = be->sync(ctx);
+out:
+    if (h || q || k || v) (void)be->sync(ctx);
+    void *bufs[] = {h, q, k, v};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++)
+        if (bufs[i]) fw->alloc.iface->free(fw->alloc.ctx, bufs[i]);
+    return st;
+}

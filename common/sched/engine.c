@@ -106,6 +106,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     if (ev) e->ev = *ev;
     e->geom = kvb_model_kv_geom(m, o.block_size);
     kvb_backend *be = kvb_model_backend(m);
+    e->model_info = (kvb_model_info){.cfg = c, .weight_bytes = kvb_model_weight_bytes_per_token(m),
+                                     .act_elem = (int)kvb_dtype_size(be->iface->act_dtype),
+                                     .flops = o.links.measured_flops};
     KVB_TRY_GOTO(kvb_kv_geom_check(&e->geom), fail);
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
@@ -135,6 +138,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
                  fail);
     KVB_TRY_GOTO(kvb_prefix_cache_create(e->pool, &e->pc), fail);
     KVB_TRY_GOTO(kvb_stager_create(be, &o.links, &e->stager), fail);
+    if (pp.measure_flops && !(e->model_info.flops > 0)) KVB_TRY_GOTO(kvb_link_measure_flops(be, &e->model_info.flops), fail);
     if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, &pp), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
     KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, o.act_alloc, &e->fw), fail);

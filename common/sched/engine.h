@@ -122,6 +122,10 @@ typedef struct kvb_engine_stats {
     uint64_t swap_outs;         /* requests swapped out to the host tier (KVB_OP_SWAP_OUT) */
     uint64_t swap_ins;
     uint64_t recomputed_tokens; /* absent tokens recomputed (sum of n_absent) */
+    uint64_t dropped_blocks;    /* leading blocks requests released (KVB_OP_DROP) */
+    uint64_t restored_blocks;   /* released blocks given back and refilled by recompute (KVB_OP_DROP) */
+    uint64_t hidden_restores;   /* swap-ins whose first layers were rebuilt from saved hidden states (HCache) */
+    uint64_t hidden_saved_bytes;/* hidden states saved to host memory (HCache) */
     uint64_t copy_orders;       /* plan copy orders carried out */
     uint64_t deferred;          /* admissions put off because a running sequence was computing the
                                  * same prefix block (it is reused a step later instead) */

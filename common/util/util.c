@@ -102,6 +102,15 @@ uint64_t kvb_now_ns(void) {
 
 double kvb_now_s(void) { return (double)kvb_now_ns() * 1e-9; }
 
+uint64_t kvb_thread_runq_ns(void) {
+    FILE *f = fopen("/proc/thread-self/schedstat", "r");
+    if (!f) return 0;
+    unsigned long long run = 0, wait = 0;
+    int n = fscanf(f, "%llu %llu", &run, &wait);
+    fclose(f);
+    return n == 2 ? (uint64_t)wait : 0;
+}
+
 uint64_t kvb_wall_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
