@@ -131,7 +131,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     e->o.host_tier_blocks = pp.host_tier_blocks;
     if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, pp.sliced_ids, pp.sliced_min_layers), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
-    KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, o.act_alloc, &e->fw), fail);
+    if (pp.act_alloc.iface) e->act_alloc = pp.act_alloc;
+    KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, e->act_alloc.iface ? &e->act_alloc : o.act_alloc, &e->fw),
+                 fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_tokens, (void **)&e->b_tokens), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_pos, (void **)&e->b_pos), fail);
