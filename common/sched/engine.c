@@ -104,6 +104,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
     if (pp.kv_mem) { /* the planner's memory replaces the options' */
+        e->planner_kv = 1;
         o.kv_mem = e->o.kv_mem = pp.kv_mem;
         o.kv_mem_bytes = e->o.kv_mem_bytes = pp.kv_mem_bytes;
         o.n_blocks = e->o.n_blocks = pp.kv_blocks;
@@ -199,6 +200,8 @@ kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
 kvb_status kvb_engine_step(kvb_engine *e) { return kvb__exec_step(e); }
 
 int kvb_engine_n_live(const kvb_engine *e) { return e->waiting.n + e->running.n; }
+
+int kvb_engine_planner_owns_kv(const kvb_engine *e) { return e->planner_kv; }
 
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }
 
