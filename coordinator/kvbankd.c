@@ -65,6 +65,8 @@ struct kvbankd {
     int exit_code;
     child coord;
     child *models;                /* [cfg->n_models], owned */
+    child gw;                     /* kvbank-gateway, when the config has a "gateway" section */
+    int has_gw;
     /* kvbank-mkmodel: model mk_index is written into mk_tmp (owned), renamed to model_dir on success */
     uv_process_t mk_proc;
     int mk_open, mk_running, mk_index;
@@ -505,6 +507,8 @@ static void start_models(kvbankd *d) {
     for (int pass = 0; pass < 2; pass++) /* the master first: workers lend to it */
         for (int i = 0; i < d->cfg->n_models; i++)
             if ((d->models[i].model->role == KVB_ROLE_MASTER) == (pass == 0)) spawn_child(&d->models[i]);
+    /* The gateway finds the models through the coordinator and retries them, so it may start now. */
+    if (d->has_gw) spawn_child(&d->gw);
 }
 
 /* ------------------------------------------------------------------------------------ kvbank-mkmodel */
@@ -646,6 +650,7 @@ static void finish(kvbankd *d) {
     close_handle((uv_handle_t *)&d->probe_timer);
     close_handle((uv_handle_t *)&d->drain_timer);
     close_handle((uv_handle_t *)&d->coord.restart_timer);
+    close_handle((uv_handle_t *)&d->gw.restart_timer);
     for (int i = 0; i < d->cfg->n_models; i++) close_handle((uv_handle_t *)&d->models[i].restart_timer);
     KVB_LOG_I("node %s stopped (exit status %d)", d->cfg->node, d->exit_code);
 }
@@ -658,7 +663,7 @@ static void stop_coordinator(kvbankd *d, int sig) {
 
 static void drain_step(kvbankd *d) {
     if (d->phase == PHASE_DRAIN_MODELS) {
-        if (d->mk_open) return;
+        if (d->mk_open || d->gw.proc_open) return;
         for (int i = 0; i < d->cfg->n_models; i++)
             if (d->models[i].proc_open) return;
         d->phase = PHASE_DRAIN_COORD;
@@ -675,6 +680,8 @@ static void drain_step(kvbankd *d) {
 static void drain_kill(kvbankd *d) {
     if (d->phase == PHASE_DRAIN_MODELS) {
         if (d->mk_running) uv_process_kill(&d->mk_proc, SIGKILL);
+        if (d->gw.running) KVB_LOG_W("the gateway (pid %d) did not stop: SIGKILL", d->gw.pid);
+        kill_child(&d->gw, SIGKILL);
         for (int i = 0; i < d->cfg->n_models; i++) {
             child *c = &d->models[i];
             if (!c->running) continue;
@@ -695,9 +702,12 @@ static void begin_drain(kvbankd *d, int code) {
     if (code > d->exit_code) d->exit_code = code;
     probe_stop(d);
     uv_timer_stop(&d->coord.restart_timer);
+    uv_timer_stop(&d->gw.restart_timer);
     for (int i = 0; i < d->cfg->n_models; i++) uv_timer_stop(&d->models[i].restart_timer);
     d->phase = PHASE_DRAIN_MODELS;
     if (d->mk_running) uv_process_kill(&d->mk_proc, SIGTERM);
+    if (d->gw.running) KVB_LOG_I("stopping the gateway (pid %d, SIGTERM)", d->gw.pid);
+    kill_child(&d->gw, SIGTERM);
     for (int i = 0; i < d->cfg->n_models; i++) {
         child *c = &d->models[i];
         if (!c->running) continue;
@@ -805,6 +815,15 @@ static kvb_status setup_children(kvbankd *d) {
     KVB_TRY(program_path(d, "kvbank-coordinator", &co->argv[0]));
     co->argv[1] = "--config";
     co->argv[2] = cfg->path;
+    if (cfg->gateway.enabled) {
+        child *g = &d->gw;
+        g->d = d;
+        g->name = "gateway";
+        KVB_TRY(program_path(d, "kvbank-gateway", &g->argv[0]));
+        g->argv[1] = "--config";
+        g->argv[2] = cfg->path;
+        d->has_gw = 1;
+    }
     int need_mkmodel = 0;
     for (int i = 0; i < cfg->n_models; i++) {
         child *c = &d->models[i];
@@ -864,6 +883,8 @@ static kvb_status setup_loop(kvbankd *d) {
     d->drain_timer.data = d;
     uv_timer_init(&d->loop, &d->coord.restart_timer);
     d->coord.restart_timer.data = &d->coord;
+    uv_timer_init(&d->loop, &d->gw.restart_timer);
+    d->gw.restart_timer.data = &d->gw;
     for (int i = 0; i < d->cfg->n_models; i++) {
         uv_timer_init(&d->loop, &d->models[i].restart_timer);
         d->models[i].restart_timer.data = &d->models[i];
@@ -924,6 +945,7 @@ static void kvbankd_free(kvbankd *d) {
     free(d->env);
     explicit_bzero(&d->auth, sizeof d->auth);
     free(d->coord.argv[0]);
+    free(d->gw.argv[0]);
     if (d->models)
         for (int i = 0; i < d->cfg->n_models; i++) free(d->models[i].argv[0]);
     free(d->models);

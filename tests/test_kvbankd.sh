@@ -52,6 +52,8 @@ c = json.load(open(src))
 c["node"] = node
 c["run_dir"] = run
 c["coordinator"].update(heartbeat_ms=200, heartbeat_misses=5, lend_interval_s=0.5, window_s=2.0)
+if "gateway" in c:
+    c["gateway"]["listen"] = "127.0.0.1:0"  # any free port: tests may run side by side
 for m in c["models"]:
     assert "mkmodel" in m, m["name"]
     m["model_dir"] = models + "/" + m["name"]
@@ -231,7 +233,9 @@ ok "restarted $WORKER generates kvbank-generate's tokens ($got)"
 
 # ------------------------------------------------------------------------------------------- drain
 mapfile -t KIDS < <(ps -o pid= --ppid "$KPID" | tr -d ' ')
-[ "${#KIDS[@]}" -eq 4 ] || fail "kvbankd has ${#KIDS[@]} children, want 4 (coordinator + 3 models)"
+WANT_KIDS=4
+grep -q '"gateway"' "$CFG" && WANT_KIDS=5 # kvbank-gateway too
+[ "${#KIDS[@]}" -eq $WANT_KIDS ] || fail "kvbankd has ${#KIDS[@]} children, want $WANT_KIDS (coordinator + 3 models, gateway)"
 t0=$SECONDS
 kill -TERM "$KPID"
 deadline=$((SECONDS + 15))
@@ -250,7 +254,7 @@ left=$(ps -e -o pgid=,pid=,args= | awk -v g="$KPID" '$1 == g')
 [ -z "$left" ] || fail "processes left in kvbankd's group: $left"
 KPID=
 ls /dev/shm/kvb-"${NODE}"_* >/dev/null 2>&1 && fail "segments left: $(ls /dev/shm/kvb-"${NODE}"_*)"
-for s in "${SOCKS[@]}" "$RUN/kvbankd.pid" "/dev/shm/kvbankd-$(id -u)-$NODE.lock"; do
+for s in "${SOCKS[@]}" "$RUN/kvbankd.pid" "$RUN/gateway.port" "/dev/shm/kvbankd-$(id -u)-$NODE.lock"; do
     [ -e "$s" ] && fail "$s was not removed"
 done
 ok "no child process, shm segment, socket or pid file left"
