@@ -23,6 +23,8 @@ static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench SUBCOMMAND [options]   (SUBCOMMAND --help for its options)\n"
                "\n"
                "subcommands:\n"
+               "  ellm-el  eLLM elastic memory against the static split and chunked prefill: online curves, goodput,\n"
+               "           offline throughput, ablations, time breakdown (same model, budget and requests)\n"
                "  engine   prefill and decode throughput of one model at batch 1, 8, 32, against this machine's\n"
                "           memory-copy bandwidth and OpenBLAS sgemm rate measured in the same run\n"
                "  cuda     the CUDA backend on a Llama-3-8B-shaped model against the GPU's copy and GEMM ceilings\n"
@@ -42,6 +44,7 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "engine")) return kvb_bench_engine(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "ellm-el")) return kvb_bench_ellm(argc - 1, argv + 1);
     if (!strcmp(argv[1], "cuda")) return kvb_bench_cuda(argc - 1, argv + 1);
     if (!strcmp(argv[1], "replay")) return kvb_bench_replay(argc - 1, argv + 1);
     if (!strcmp(argv[1], "interference")) return kvb_bench_interference(argc - 1, argv + 1);

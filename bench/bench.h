@@ -4,6 +4,7 @@
 #define KVB_BENCH_BENCH_H
 
 int kvb_bench_engine(int argc, char **argv);
+int kvb_bench_ellm(int argc, char **argv);
 int kvb_bench_cuda(int argc, char **argv);
 int kvb_bench_replay(int argc, char **argv);
 int kvb_bench_interference(int argc, char **argv);

@@ -377,6 +377,12 @@ void kvb_node_proc_load(const kvb_node_proc *p, kvb_node_load *out) {
     kvb_engine_get_stats(p->eng, &es);
     int own = kvb_engine_n_own(p->eng);
     int used = es.blocks_total - es.blocks_free;
+    if (kvb_engine_planner_owns_kv(p->eng)) {
+        /* the region is the model's registered capacity; its KV lives elsewhere and nothing is lent */
+        int cap = (int)(kvb_mem_region_size(p->region) / kvb_kv_block_bytes(&p->geom));
+        used = (int)((int64_t)used * cap / KVB_MAX(own, 1));
+        own = cap;
+    }
     out->n_own = (uint32_t)(own > 0 ? own : 0);
     out->n_used = (uint32_t)KVB_MAX(0, KVB_MIN(used, own));
     out->live_requests = (uint32_t)kvb_engine_n_live(p->eng);
@@ -513,6 +519,17 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
         goto fail;
     }
     kvb_server_attach(p->srv, p->eng);
+    if (kvb_engine_planner_owns_kv(p->eng)) {
+        /* eLLM's planners keep the KV in their own chunk pool, not in the exportable region */
+        if (a->role == KVB_ROLE_MASTER) {
+            fprintf(stderr, "%s: policy %s keeps its own KV memory, so this model cannot borrow blocks; run it as a "
+                            "worker with \"lend\": false\n", prog, a->policy);
+            st = KVB_ERR_INVALID;
+            goto fail;
+        }
+        if (a->lend) KVB_LOG_I("policy %s keeps its own KV memory: this worker lends nothing", a->policy);
+        p->args.lend = 0;
+    }
 
     /* The coordinator's credentials: kvbankd passes this model's token (KVB_AUTH_FD); run by hand, the
      * node client derives it from the coordinator's key file. */

@@ -1112,6 +1112,8 @@ KVB_TEST(planners_lossless_under_pressure) {
         snprintf(what, sizeof what, "%s %s", runs[k].policy, runs[k].params);
         l_print(what, &rep[k]);
         l_same(&ref, &got, what);
+        /* the forward pass took its buffers from the activation pool, exactly as Alg. 1 counted them */
+        ck_assert_uint_eq(rep[k].core.act_rescues, 0);
     }
     /* the scenario exercised what it is about */
     ck_assert_uint_gt(rep[0].core.inflated, 0);

@@ -328,6 +328,10 @@ static void cb_lend_request(void *ud, const Kvbank__LendRequest *m) {
         return;
     }
     w->draining = 0;
+    if (!w->a->lend) {
+        KVB_LOG_I("asked to lend %u block(s): this worker does not lend", m->n_blocks);
+        return;
+    }
     if (m->n_blocks == 0) {
         scale_down(w);
         return;
@@ -450,6 +454,7 @@ int main(int argc, char **argv) {
     kvb_node_proc *p = NULL;
     if (kvb_node_proc_create(&a, &role, &p) != KVB_OK) goto out;
     w.p = p;
+    w.a = kvb_node_proc_args_of(p); /* as the process settled them (a planner with its own KV lends nothing) */
     w.eng = kvb_node_proc_engine(p);
     w.nc = kvb_node_proc_client(p);
     w.capacity = (uint32_t)kvb_engine_capacity(w.eng);

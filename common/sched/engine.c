@@ -113,6 +113,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
     if (pp.kv_mem) { /* the planner's memory replaces the options' */
+        e->planner_kv = 1;
         o.kv_mem = e->o.kv_mem = pp.kv_mem;
         o.kv_mem_bytes = e->o.kv_mem_bytes = pp.kv_mem_bytes;
         o.n_blocks = e->o.n_blocks = pp.kv_blocks;
@@ -141,7 +142,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     if (pp.measure_flops && !(e->model_info.flops > 0)) KVB_TRY_GOTO(kvb_link_measure_flops(be, &e->model_info.flops), fail);
     if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, &pp), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
-    KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, o.act_alloc, &e->fw), fail);
+    if (pp.act_alloc.iface) e->act_alloc = pp.act_alloc;
+    KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, e->act_alloc.iface ? &e->act_alloc : o.act_alloc, &e->fw),
+                 fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_tokens, (void **)&e->b_tokens), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_pos, (void **)&e->b_pos), fail);
@@ -215,6 +218,8 @@ kvb_status kvb_engine_plan_pool(kvb_engine *e, const kvb_planner *pl, const kvb_
 }
 
 int kvb_engine_n_live(const kvb_engine *e) { return e->waiting.n + e->running.n + e->swapped.n; }
+
+int kvb_engine_planner_owns_kv(const kvb_engine *e) { return e->planner_kv; }
 
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }
 

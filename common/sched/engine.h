@@ -181,6 +181,11 @@ struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
  * after lending or a detach) stays queued at the head (FCFS) and kvb_engine_starved reports it; it
  * is admitted once grow/attach gives the blocks back. */
 
+/* 1 when the planner brought the KV memory itself (plan_pool SETUP: eLLM's slots): the engine's blocks are
+ * not in the memory the caller gave (opts.kv_mem, e.g. an exportable region), so the model neither
+ * lends nor borrows. */
+int kvb_engine_planner_owns_kv(const kvb_engine *e);
+
 /* Worker: blocks currently owned, and the most the memory holds. */
 int kvb_engine_n_own(const kvb_engine *e);
 int kvb_engine_capacity(const kvb_engine *e);

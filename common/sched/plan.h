@@ -304,6 +304,9 @@ typedef struct kvb_pool_plan {
     int max_batch_tokens;  /* > 0: the step budget the planner works with (eLLM computes whole prompts in one
                             * step); the forward pass holds that many rows */
     int no_prefix_cache;   /* 1: the prefix cache is off (a planner that places KV itself) */
+    kvb_mem_allocator act_alloc; /* iface set: where the forward pass takes each step's buffers (eLLM's
+                            * activation pool), borrowed for the engine's lifetime; it replaces the
+                            * options' act_alloc */
     /* SETUP, ATTACH, DETACH: */
     int stage_slots;       /* blocks a step may read through stage buffers (STREAM / HOST) */
     /* SETUP (read once): */

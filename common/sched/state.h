@@ -108,6 +108,8 @@ struct kvb_engine {
     kvb_block_pool *pool;
     kvb_prefix_cache *pc;
     kvb_forward *fw;
+    kvb_mem_allocator act_alloc; /* the planner's activation allocator (SETUP), iface NULL if none */
+    int planner_kv;          /* the planner brought the KV memory (SETUP) */
     int max_rows;            /* rows the forward pass holds: max_batch_tokens + extra rows */
     seq_list waiting;        /* by arrival; preempted sequences go back in arrival order */
     seq_list running;        /* by arrival (paused ones included) */
