@@ -23,6 +23,7 @@ typedef struct kvb_tensor {
     void *data;
     kvb_dtype dtype;
     int64_t ne[2];
+    int view; /* 1: data is the caller's memory, used in place (weight_view); weight_free frees nothing */
 } kvb_tensor;
 
 /* RoPE parameters precomputed from the model config (HF `rotary_emb`, incl. rope_scaling llama3).
@@ -91,6 +92,12 @@ typedef struct kvb_backend_i {
 
     /* Weights. Creates `dst` from host data in `src_dtype` of shape [rows][cols]; converts as needed. */
     kvb_status (*weight_load)(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
+                              kvb_tensor *dst);
+    /* Optional (NULL: every weight goes through weight_load). Makes `dst` use host memory `src` of
+     * shape [rows][cols] in place, without a copy, when the backend computes on it as it lies (the CPU
+     * backend: f32, 4-byte aligned); KVB_ERR_UNSUPPORTED otherwise, and the caller loads a copy. The
+     * caller keeps `src` readable until weight_free (the model keeps its safetensors mapping open). */
+    kvb_status (*weight_view)(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
                               kvb_tensor *dst);
     void (*weight_free)(void *ctx, kvb_tensor *t);
 

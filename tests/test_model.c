@@ -582,6 +582,25 @@ static kvb_status open_dir_logged(const char *dir, int *count) {
     return st;
 }
 
+/* kvb_st_release drops a tensor's pages from the process; its data reads back unchanged from the file. */
+KVB_TEST(st_release_keeps_data) {
+    static float big[3 * 4096];
+    for (size_t i = 0; i < KVB_ARRAY_LEN(big); i++) big[i] = (float)i * 0.5f;
+    kvb_st_write_tensor w = {.name = "big", .dtype = KVB_DTYPE_F32, .n_dims = 1, .shape = {KVB_ARRAY_LEN(big)},
+                             .data = big};
+    const char *path = tmp_path("rel.safetensors");
+    ck_assert_int_eq(kvb_st_write(path, &w, 1, NULL), KVB_OK);
+    kvb_st_set *s = NULL;
+    ck_assert_int_eq(kvb_st_open_file(path, &s), KVB_OK);
+    const kvb_st_tensor *t = kvb_st_find(s, "big");
+    kvb_st_prefault(t);
+    ck_assert_int_eq(memcmp(t->data, big, sizeof big), 0);
+    kvb_st_release(t);
+    ck_assert_int_eq(memcmp(t->data, big, sizeof big), 0);
+    kvb_st_close(s);
+}
+KVB_TEST_END
+
 KVB_TEST(st_dir_and_shards) {
     int count = -1;
     /* no weights at all */
@@ -811,6 +830,15 @@ KVB_TEST(model_load_llama) {
     ck_assert_ptr_null(m->layers[0].q_norm.data);
     ck_assert_int_eq(m->rope.head_dim, T_HD);
     ck_assert_float_eq(m->rope.inv_freq[1], 0.01f); /* 10000^(-2/4) */
+    /* f32 weights are the file mapping itself (no second copy): every matrix points into the
+     * mapped tensor, and the model keeps the mapping */
+    ck_assert_int_eq(m->weights_mapped, 1);
+    ck_assert_ptr_nonnull(m->weights_file);
+    const kvb_st_tensor *wk = kvb_st_find(m->weights_file, "model.layers.0.self_attn.k_proj.weight");
+    ck_assert_ptr_nonnull(wk);
+    ck_assert_ptr_eq(m->layers[0].wk.data, wk->data);
+    ck_assert_int_eq(m->layers[0].wk.view, 1);
+    ck_assert_ptr_eq(m->embed.data, kvb_st_find(m->weights_file, "model.embed_tokens.weight")->data);
     kvb_model_destroy(m);
     kvb_model_destroy(NULL);
     kvb_backend_destroy(be);
@@ -852,6 +880,10 @@ KVB_TEST(model_load_tied_llama3_f16) {
     ck_assert_int_eq(m->lm_head_tied, 1);
     ck_assert_ptr_eq(m->lm_head.data, m->embed.data);
     check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN); /* f16 values converted exactly */
+    /* converted weights are the backend's copies; the mapping is closed after loading */
+    ck_assert_int_eq(m->weights_mapped, 0);
+    ck_assert_ptr_null(m->weights_file);
+    ck_assert_int_eq(m->embed.view, 0);
     int64_t layer = expect_layer_params(0);
     ck_assert_int_eq(kvb_model_n_params(m), T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
     /* tied: the LM head reads the whole embedding table every step (in the backend's f32) */
@@ -1056,6 +1088,6 @@ KVB_TEST_END
 KVB_TEST_MAIN("model", KVB_T(config_llama_defaults, 10), KVB_T(config_qwen3, 10),
               KVB_T(config_llama3_rope_and_eos_list, 10), KVB_T(config_errors, 10), KVB_T(rope_inv_freq_default, 10),
               KVB_T(rope_inv_freq_llama3, 10), KVB_T(st_roundtrip, 10), KVB_T(st_malformed, 10),
-              KVB_T(st_truncation_and_corruption, 60), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
+              KVB_T(st_truncation_and_corruption, 60), KVB_T(st_release_keeps_data, 10), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
               KVB_T(model_load_tied_llama3_f16, 10), KVB_T(model_load_qwen3_bf16_sharded, 10),
               KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30), KVB_T(kv_elem_size_rule, 10))

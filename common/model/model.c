@@ -21,9 +21,10 @@ static void format_shape(char *buf, size_t cap, int n_dims, const int64_t *shape
 }
 
 /* Finds `name`, checks it is exactly [rows] (cols == 0: a vector) or [rows][cols], and loads it onto the
- * backend as a [rows][cols or 1] weight. Errors name the tensor and both shapes. */
+ * backend as a [rows][cols or 1] weight, in place where the backend can (*viewed = 1: `set` must stay
+ * open while the weight lives). Errors name the tensor and both shapes. */
 static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
-                              kvb_tensor *dst) {
+                              kvb_tensor *dst, int *viewed) {
     const kvb_st_tensor *t = kvb_st_find(set, name);
     if (!t) {
         KVB_LOG_E("model: tensor \"%s\" is missing", name);
@@ -39,8 +40,20 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
         KVB_LOG_E("model: tensor \"%s\" has shape %s, expected %s", name, a, e);
         return KVB_ERR_INVALID;
     }
-    /* the backend copies (and converts) the data; it may be unaligned inside the mapping */
-    kvb_status st = be->iface->weight_load(be->ctx, t->data, t->dtype, rows, cols ? cols : 1, dst);
+    /* Where the backend can compute on the mapped bytes as they are, they are the weight (one copy in
+     * memory: the file's page cache); otherwise the backend copies and converts them, and the mapped
+     * pages are dropped at once so the mapping does not stay resident beside the copy. */
+    kvb_status st = KVB_ERR_UNSUPPORTED;
+    if (be->iface->weight_view) st = be->iface->weight_view(be->ctx, t->data, t->dtype, rows, cols ? cols : 1, dst);
+    if (st == KVB_OK) {
+        kvb_st_prefault(t);
+        *viewed = 1;
+        return KVB_OK;
+    }
+    if (st == KVB_ERR_UNSUPPORTED) {
+        st = be->iface->weight_load(be->ctx, t->data, t->dtype, rows, cols ? cols : 1, dst);
+        kvb_st_release(t);
+    }
     if (st != KVB_OK) {
         KVB_LOG_E("model: backend %s could not load tensor \"%s\" (%s)", be->iface->name, name, kvb_status_str(st));
         memset(dst, 0, sizeof *dst);
@@ -77,7 +90,7 @@ static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l) {
         }
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst));
+        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst, &m->weights_mapped));
     }
     return KVB_OK;
 }
@@ -117,16 +130,16 @@ kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *m->layers, (void **)&m->layers), fail_set);
     KVB_TRY_GOTO(kvb_calloc((size_t)(c->head_dim / 2), sizeof *m->inv_freq, (void **)&m->inv_freq), fail_layers);
 
-    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed, &m->weights_mapped), fail_weights);
     for (int l = 0; l < c->n_layers; l++) KVB_TRY_GOTO(load_layer(m, set, l), fail_weights);
-    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm, &m->weights_mapped), fail_weights);
     if (c->tie_embeddings) {
         if (kvb_st_find(set, "lm_head.weight"))
             KVB_LOG_W("%s: tie_word_embeddings is true; lm_head.weight is ignored (the embedding is used)", dir);
         m->lm_head = m->embed;
         m->lm_head_tied = 1;
     } else {
-        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head), fail_weights);
+        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head, &m->weights_mapped), fail_weights);
     }
     int64_t expected = expected_tensor_count(c) + (c->tie_embeddings && kvb_st_find(set, "lm_head.weight"));
     if (kvb_st_count(set) > expected)
@@ -135,10 +148,12 @@ kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
     kvb_model_config_rope_inv_freq(c, m->inv_freq);
     m->rope.head_dim = c->head_dim;
     m->rope.inv_freq = m->inv_freq;
-    kvb_st_close(set); /* the backend holds its own copies of the weights */
-    KVB_LOG_I("%s: loaded %s, %d layers, hidden %d, %d/%d heads of %d, vocab %d, %lld parameters on %s", dir,
+    if (m->weights_mapped) m->weights_file = set; /* weights in place: the mapping lives with the model */
+    else kvb_st_close(set);                        /* the backend holds its own copies */
+    KVB_LOG_I("%s: loaded %s, %d layers, hidden %d, %d/%d heads of %d, vocab %d, %lld parameters on %s%s", dir,
               c->arch == KVB_ARCH_QWEN3 ? "Qwen3" : "Llama", c->n_layers, c->hidden, c->n_heads, c->n_kv_heads,
-              c->head_dim, c->vocab, (long long)kvb_model_n_params(m), be->iface->name);
+              c->head_dim, c->vocab, (long long)kvb_model_n_params(m), be->iface->name,
+              m->weights_mapped ? " (weights used in place from the mapped files)" : "");
     *out = m;
     return KVB_OK;
 
@@ -158,6 +173,7 @@ fail_model:
 void kvb_model_destroy(kvb_model *m) {
     if (!m) return;
     free_weights(m);
+    kvb_st_close(m->weights_file);
     free(m->layers);
     free(m->inv_freq);
     free(m);

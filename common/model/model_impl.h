@@ -28,6 +28,8 @@ struct kvb_model {
     int lm_head_tied;         /* lm_head aliases embed: free once */
     kvb_layer_weights *layers;/* [n_layers] */
     float *inv_freq;          /* [head_dim/2] RoPE inverse frequencies (host) */
+    int weights_mapped;       /* some weights are the safetensors mapping itself (weight_view) */
+    struct kvb_st_set *weights_file; /* that mapping, owned, closed after the weights; NULL otherwise */
     kvb_rope rope;
 };
 

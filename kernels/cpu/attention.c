@@ -14,6 +14,13 @@
 
 #include "kernels/cpu/ops.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KVB_ATTN_AVX2 1
+#else
+#define KVB_ATTN_AVX2 0
+#endif
+
 /* A sequence takes the sgemm path when it has at least this many query rows per KV head. */
 #define GEMM_MIN_ROWS 32
 /* Query rows (tokens x heads of a group) per sgemm tile. */
@@ -82,30 +89,88 @@ static void softmax(float *s, int n) {
     for (i = 0; i < n; i++) s[i] *= inv;
 }
 
-/* Every query row of the sequence for every query head of KV group g. scores: ctx_len floats. */
+/* The group's query heads against one key row: s[h * stride] = scale * <q[h], k> for h < gq. */
+static inline void dots_group(const float *q, int gq, const float *k, int hd, float scale, float *s, size_t stride) {
+    for (int h = 0; h < gq; h++) s[(size_t)h * stride] = dot(q + (size_t)h * hd, k, hd) * scale;
+}
+
+/* The group's outputs plus one value row: o[h] += p[h * stride] * v for h < gq. */
+static inline void axpy_group(const float *p, size_t stride, int gq, const float *v, float *o, int hd) {
+    for (int h = 0; h < gq; h++) axpy(p[(size_t)h * stride], v, o + (size_t)h * hd, hd);
+}
+
+#if KVB_ATTN_AVX2
+/* The same two loops with AVX2 + FMA for the head dimensions models use (multiples of 8): each key
+ * and value row is loaded once for all heads of the group. Chosen at run time (kvb__cpu_avx2). */
+__attribute__((target("avx2,fma"))) static void dots_group_avx2(const float *q, int gq, const float *k, int hd,
+                                                                 float scale, float *s, size_t stride) {
+    for (int h = 0; h < gq; h++) {
+        const float *qh = q + (size_t)h * hd;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= hd; i += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(k + i + 8), a1);
+        }
+        for (; i < hd; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a0);
+        __m256 a = _mm256_add_ps(a0, a1);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        s[(size_t)h * stride] = _mm_cvtss_f32(r) * scale;
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void axpy_group_avx2(const float *p, size_t stride, int gq, const float *v,
+                                                                 float *o, int hd) {
+    for (int i = 0; i < hd; i += 8) {
+        __m256 x = _mm256_loadu_ps(v + i);
+        for (int h = 0; h < gq; h++) {
+            float *oh = o + (size_t)h * hd + i;
+            _mm256_storeu_ps(oh, _mm256_fmadd_ps(_mm256_set1_ps(p[(size_t)h * stride]), x, _mm256_loadu_ps(oh)));
+        }
+    }
+}
+#endif
+
+/* Every query row of the sequence for all query heads of KV group g, which sit next to each other
+ * in a token's q row: one pass over the keys (each key row read once for the whole group), the
+ * softmax of each head, one pass over the values. scores: gq * ctx_len floats. */
 static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int g, const float *q, float *out,
                       float *scores) {
     const kvb_kv_geom *geo = b->geom;
     int hd = geo->head_dim, bs = geo->block_size, gq = b->n_heads / geo->n_kv_heads;
-    size_t row = (size_t)geo->n_kv_heads * hd, half = (size_t)bs * row;
+    size_t row = (size_t)geo->n_kv_heads * hd, half = (size_t)bs * row, stride = (size_t)sq->ctx_len;
+#if KVB_ATTN_AVX2
+    int simd = kvb__cpu_avx2 && hd % 8 == 0;
+#endif
     for (int t = 0; t < sq->q_len; t++) {
         int n_vis = sq->ctx_len - sq->q_len + t + 1;
-        for (int hi = 0; hi < gq; hi++) {
-            int h = g * gq + hi;
-            const float *qh = q + ((size_t)(sq->q_start + t) * b->n_heads + h) * hd;
-            float *oh = out + ((size_t)(sq->q_start + t) * b->n_heads + h) * hd;
-            for (int k0 = 0, j = 0; k0 < n_vis; k0 += bs, j++) {
-                const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)g * hd;
-                int n_in = KVB_MIN(bs, n_vis - k0);
-                for (int r = 0; r < n_in; r++) scores[k0 + r] = dot(qh, kb + r * row, hd) * b->scale;
+        const float *qg = q + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd;
+        float *og = out + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd;
+        for (int k0 = 0, j = 0; k0 < n_vis; k0 += bs, j++) {
+            const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)g * hd;
+            int n_in = KVB_MIN(bs, n_vis - k0);
+#if KVB_ATTN_AVX2
+            if (simd) {
+                for (int r = 0; r < n_in; r++) dots_group_avx2(qg, gq, kb + r * row, hd, b->scale, scores + k0 + r, stride);
+                continue;
             }
-            softmax(scores, n_vis);
-            memset(oh, 0, (size_t)hd * sizeof(float));
-            for (int k0 = 0, j = 0; k0 < n_vis; k0 += bs, j++) {
-                const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)g * hd;
-                int n_in = KVB_MIN(bs, n_vis - k0);
-                for (int r = 0; r < n_in; r++) axpy(scores[k0 + r], vb + r * row, oh, hd);
+#endif
+            for (int r = 0; r < n_in; r++) dots_group(qg, gq, kb + r * row, hd, b->scale, scores + k0 + r, stride);
+        }
+        for (int h = 0; h < gq; h++) softmax(scores + (size_t)h * stride, n_vis);
+        memset(og, 0, (size_t)gq * hd * sizeof(float));
+        for (int k0 = 0, j = 0; k0 < n_vis; k0 += bs, j++) {
+            const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)g * hd;
+            int n_in = KVB_MIN(bs, n_vis - k0);
+#if KVB_ATTN_AVX2
+            if (simd) {
+                for (int r = 0; r < n_in; r++) axpy_group_avx2(scores + k0 + r, stride, gq, vb + r * row, og, hd);
+                continue;
             }
+#endif
+            for (int r = 0; r < n_in; r++) axpy_group(scores + k0 + r, stride, gq, vb + r * row, og, hd);
         }
     }
 }
@@ -175,7 +240,7 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
             for (int t0 = 0; t0 < sq->q_len; t0 += tile_t)
                 items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = KVB_MIN(sq->q_len, t0 + tile_t), .gemm = 1};
         }
-        size_t item_need = gemm ? gemm_scratch_floats(sq->ctx_len, tile_t * gq, hd) : (size_t)sq->ctx_len;
+        size_t item_need = gemm ? gemm_scratch_floats(sq->ctx_len, tile_t * gq, hd) : (size_t)gq * sq->ctx_len;
         need = KVB_MAX(need, item_need);
     }
     KVB_TRY(kvb__cpu_scratch_reserve(c, need));

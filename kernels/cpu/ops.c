@@ -11,6 +11,7 @@
 #define PAR_MIN_ELEMS 65536
 
 int kvb__cpu_threads = 1;
+int kvb__cpu_avx2 = 0;
 
 kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats) {
     if (floats <= c->scratch_floats) return KVB_OK;

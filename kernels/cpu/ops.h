@@ -22,6 +22,9 @@ typedef struct kvb_cpu_ctx {
 /* Threads of the backend's OpenMP team. Process-wide, like OpenBLAS's own setting: every parallel
  * region names it explicitly, so the team size does not depend on which thread calls a kernel. */
 extern int kvb__cpu_threads;
+/* 1 when this processor has AVX2 and FMA (checked once at backend creation): the kernels with a
+ * hand-vectorized variant take it. */
+extern int kvb__cpu_avx2;
 
 /* Makes sure every thread has `floats` floats of scratch. */
 kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats);
