@@ -360,6 +360,21 @@ void kvb_node_proc_load(const kvb_node_proc *p, kvb_node_load *out) {
 
 /* -------------------------------------------------------------------------------------- lifecycle */
 
+/* The model's planner: its policy with its parameters. "lsc": "stream" (--lsc stream) is the swiftcache
+ * planner's parameter lsc=stream; with the default policy it picks that planner. */
+static kvb_status make_planner(const kvb_node_proc_args *a, kvb_planner *out) {
+    kvb_policy_params pp = {0};
+    const char *policy = a->policy;
+    kvb_status st = KVB_OK;
+    if (a->role == KVB_ROLE_MASTER && a->lsc_stream) {
+        if (!strcmp(policy, "recompute")) policy = "swiftcache"; /* the layer stream cache is SwiftCache's */
+        st = kvb_policy_params_set(&pp, "lsc", "stream");
+    }
+    if (st == KVB_OK) st = kvb_policy_create(policy, &pp, out);
+    kvb_policy_params_free(&pp);
+    return st;
+}
+
 kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role *role, kvb_node_proc **out) {
     if (!a || !role || !out) return KVB_ERR_INVALID;
     const char *prog = a->prog;
@@ -383,8 +398,9 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     kvb_planner planner = {0};
     int planner_owned = 0;
 
-    if ((st = kvb_policy_by_name(a->policy, &planner)) != KVB_OK) {
-        fprintf(stderr, "%s: unknown policy '%s'\n", prog, a->policy);
+    if ((st = make_planner(a, &planner)) != KVB_OK) {
+        fprintf(stderr, "%s: cannot create policy '%s' (see the log; kvbank-generate --policy list names them)\n", prog,
+                a->policy);
         goto fail;
     }
     planner_owned = 1;
@@ -435,7 +451,6 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     eo.enable_prefix_cache = a->prefix_cache;
     eo.kv_mem = kvb_mem_region_base(p->region);
     eo.kv_mem_bytes = kvb_mem_region_size(p->region);
-    eo.lsc_stream = a->role == KVB_ROLE_MASTER ? a->lsc_stream : 0;
     kvb_engine_events ev = kvb_server_engine_events(p->srv);
     planner_owned = 0; /* kvb_engine_create takes the planner, also when it fails */
     if ((st = kvb_engine_create(p->model, &eo, &planner, &ev, &p->eng)) != KVB_OK) {

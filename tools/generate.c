@@ -43,6 +43,7 @@ static void usage(FILE *f) {
             "  --no-prefix-cache      do not reuse KV blocks across requests\n"
             "  --policy NAME          planner (default recompute); --policy list prints them\n"
             "  --policy-param K=V     a parameter of the planner (repeat for more)\n"
+            "  --link-preset NAME     the stager's link model (default off); --link-preset list prints them\n"
             "  --sequential           run the requests one after another (later ones can hit the prefix cache)\n"
             "  --temperature T        0 (default) is greedy; otherwise sample\n"
             "  --top-k K, --top-p P   sampling filters (default off)\n"
@@ -187,7 +188,7 @@ static kvb_status print_result(const kvb_tokenizer *tok, int json_out, const int
 }
 
 int main(int argc, char **argv) {
-    const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL, *policy = "recompute";
+    const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL, *policy = "recompute", *links = "off";
     kvb_policy_params pparams = {0};
     int32_t *prompts[MAX_REQ];
     int n_prompt[MAX_REQ], n_req = 0;
@@ -210,7 +211,8 @@ int main(int argc, char **argv) {
     gen_state g = {0};
 
     enum { O_MODEL = 256, O_PROMPT, O_MAXTOK, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_NOPC, O_SEQ, O_TEMP,
-           O_TOPK, O_TOPP, O_SEED, O_STOP, O_DUMP, O_STATS, O_TEXT, O_CHAT, O_IGNORE_EOS, O_JSON, O_POLICY, O_PPARAM };
+           O_TOPK, O_TOPP, O_SEED, O_STOP, O_DUMP, O_STATS, O_TEXT, O_CHAT, O_IGNORE_EOS, O_JSON, O_POLICY, O_PPARAM,
+           O_LINKS };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL},         {"prompt-ids", 1, 0, O_PROMPT},   {"max-tokens", 1, 0, O_MAXTOK},
         {"backend", 1, 0, O_BACKEND},     {"threads", 1, 0, O_THREADS},     {"block-size", 1, 0, O_BS},
@@ -219,7 +221,8 @@ int main(int argc, char **argv) {
         {"top-p", 1, 0, O_TOPP},          {"seed", 1, 0, O_SEED},           {"stop-ids", 1, 0, O_STOP},
         {"dump-logits", 1, 0, O_DUMP},    {"stats", 0, 0, O_STATS},         {"policy", 1, 0, O_POLICY},
         {"policy-param", 1, 0, O_PPARAM}, {"prompt", 1, 0, O_TEXT},        {"chat", 1, 0, O_CHAT},
-        {"ignore-eos", 0, 0, O_IGNORE_EOS}, {"json", 0, 0, O_JSON},      {"help", 0, 0, 'h'},
+        {"ignore-eos", 0, 0, O_IGNORE_EOS}, {"json", 0, 0, O_JSON},      {"link-preset", 1, 0, O_LINKS},
+        {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -285,6 +288,7 @@ int main(int argc, char **argv) {
         case O_DUMP: dump_path = optarg; break;
         case O_STATS: show_stats = 1; break;
         case O_POLICY: policy = optarg; break;
+        case O_LINKS: links = optarg; break;
         case O_PPARAM:
             if (kvb_policy_params_add(&pparams, optarg) != KVB_OK) {
                 fprintf(stderr, "kvbank-generate: --policy-param needs KEY=VALUE, got '%s'\n", optarg);
@@ -295,8 +299,9 @@ int main(int argc, char **argv) {
         default: usage(stderr); goto bad_args;
         }
     }
-    if (!strcmp(policy, "list")) {
-        kvb_policy_print_list(stdout);
+    if (!strcmp(policy, "list") || !strcmp(links, "list")) {
+        if (!strcmp(policy, "list")) kvb_policy_print_list(stdout);
+        else kvb_link_preset_list(stdout);
         rc = 0;
         goto out;
     }
@@ -332,6 +337,11 @@ int main(int argc, char **argv) {
     }
     if (dump_path && kvb_calloc((size_t)max_tokens * cfg->vocab, sizeof(float), (void **)&g.dump) != KVB_OK) goto out;
     kvb_engine_events ev = {.ud = &g, .on_token = on_token, .on_finish = on_finish, .on_logits = on_logits};
+    if (kvb_link_preset(links, be, &o.links) != KVB_OK) {
+        fprintf(stderr, "kvbank-generate: unknown --link-preset '%s' (--link-preset list names them)\n", links);
+        goto bad_args;
+    }
+    if (show_stats) kvb_link_model_print(stderr, &o.links);
     kvb_planner planner;
     if (kvb_policy_create(policy, &pparams, &planner) != KVB_OK) {
         fprintf(stderr, "kvbank-generate: cannot create policy '%s' (see the log above; --policy list names them)\n",
@@ -375,12 +385,13 @@ int main(int argc, char **argv) {
         fprintf(stderr,
                 "stats: steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
                 "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
-                "max_running=%d\n",
+                "max_running=%d swap_outs=%llu recomputed_tokens=%llu host_link_bytes=%llu peer_link_bytes=%llu\n",
                 (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
                 (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
                 (unsigned long long)s.prefix_hit_tokens, s.blocks_total, (unsigned long long)s.pauses,
                 (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded, s.prefix_cache,
-                s.max_running);
+                s.max_running, (unsigned long long)s.swap_outs, (unsigned long long)s.recomputed_tokens,
+                (unsigned long long)s.links[KVB_LINK_HOST].bytes, (unsigned long long)s.links[KVB_LINK_PEER].bytes);
     }
     rc = 0;
     goto out;
