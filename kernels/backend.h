@@ -66,7 +66,9 @@ typedef struct kvb_attn_batch {
     int n_seqs;
     const kvb_attn_seq *seqs;   /* [n_seqs] host array */
     void *const *layer_blocks;  /* [sum of n_blocks] backend addresses */
-    float scale;                /* 1/sqrt(head_dim) */
+    float scale;                /* softmax scale: 1/sqrt(head_dim), times YaRN's attention factor squared */
+    int window;                 /* sliding window (Mistral, Qwen2): a query at position p sees the keys at
+                                 * positions (p - window, p]; 0 = every earlier key (full causal) */
 } kvb_attn_batch;
 
 typedef struct kvb_backend_i {
@@ -111,13 +113,17 @@ typedef struct kvb_backend_i {
     /* Rotates q [n][n_heads][hd] and k [n][n_kv_heads][hd] in place at positions pos[n] (host array). */
     kvb_status (*rope)(void *ctx, void *q, int n_heads, void *k, int n_kv_heads, int n, const int32_t *pos,
                        const kvb_rope *rope);
+    /* y[i][:] += b[:] for i < n: a linear layer's bias (b is a vector weight of `dim` entries, from
+     * weight_load with cols 1; y is [n][dim] activations). */
+    kvb_status (*bias_add)(void *ctx, void *y, int n, const kvb_tensor *b);
     /* out[i] = silu(gate[i]) * up[i] for i < n. out may alias gate. */
     kvb_status (*silu_mul)(void *ctx, const void *gate, const void *up, size_t n, void *out);
     /* Writes the batch's new K and V rows ([n_tokens][n_kv_heads][hd] each) into their slots of the
      * current layer's blocks (token at position p goes to block p / bs, row p % bs). */
     kvb_status (*kv_write)(void *ctx, const kvb_attn_batch *b, const void *k, const void *v);
     /* Causal paged attention, GQA: out[n_tokens][n_heads][hd] from q [n_tokens][n_heads][hd] and the
-     * K/V in the current layer's blocks (which already hold this step's rows). */
+     * K/V in the current layer's blocks (which already hold this step's rows); with b->window > 0 a
+     * query sees only the last `window` keys up to its own position (sliding-window attention). */
     kvb_status (*attention)(void *ctx, const kvb_attn_batch *b, const void *q, void *out);
     /* out[i][:] = x[rows[i]][:] for i < n (rows: host array). */
     kvb_status (*gather_rows)(void *ctx, const void *x, const int32_t *rows, int n, int dim, void *out);

@@ -97,6 +97,28 @@ for name in $names; do
     fi
 done
 
+# A Qwen2 model (q/k/v biases) whose upper layers attend through a sliding window of 8 keys, shorter
+# than every prompt: each planner still gives the sequential tokens under the same pressure (a window
+# masks keys; which blocks hold them, or whether they were recomputed, must not matter).
+M2="$T/m-swa"
+"$B/kvbank-mkmodel" --arch qwen2 --layers 3 --hidden 64 --heads 4 --kv-heads 2 --vocab 200 --sliding-window 8 \
+    --max-window-layers 1 --seed 6 "$M2" >/dev/null || bad "kvbank-mkmodel --arch qwen2 --sliding-window 8"
+ref2=$("$B/kvbank-generate" --model "$M2" "${ARGS[@]}" --max-tokens $MAXT --sequential --no-prefix-cache \
+    2>"$T/ref2.err") || bad "reference run of the windowed model: $(tail -3 "$T/ref2.err")"
+[ "$ref2" != "$ref" ] || bad "the windowed model gives the llama model's tokens"
+for name in $names; do
+    out=$("$B/kvbank-generate" --model "$M2" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" --policy "$name" \
+        2>"$T/gen2-$name.err")
+    rc=$?
+    if [ $rc -ne 0 ]; then
+        bad "generate --policy $name (sliding window): exits $rc: $(tail -3 "$T/gen2-$name.err")"
+    elif [ "$out" != "$ref2" ]; then
+        bad "generate --policy $name (sliding window): tokens differ from the sequential run"
+    else
+        ok "generate --policy $name (sliding window, biases): sequential tokens under pressure"
+    fi
+done
+
 # bad names and parameters
 out=$("$B/kvbank-generate" --model "$M" --prompt-ids 1,2 --max-tokens 2 --policy no-such 2>&1)
 [ $? -eq 2 ] && grep -q 'unknown policy "no-such" (available: .*recompute' <<<"$out" &&

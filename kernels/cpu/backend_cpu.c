@@ -1,5 +1,6 @@
 /* kvbank — the CPU backend: host memory, f32 activations, OpenBLAS + OpenMP kernels. */
 #include <cblas.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,6 +94,12 @@ static kvb_status cpu_rope(void *ctx, void *q, int n_heads, void *k, int n_kv_he
     return kvb__cpu_rope(ctx, q, n_heads, k, n_kv_heads, n, pos, rope);
 }
 
+static kvb_status cpu_bias_add(void *ctx, void *y, int n, const kvb_tensor *b) {
+    if (b->ne[1] != 1 || b->ne[0] > INT32_MAX) return KVB_ERR_INVALID;
+    kvb__cpu_bias_add(y, n, (int)b->ne[0], b->data);
+    return KVB_OK;
+}
+
 static kvb_status cpu_silu_mul(void *ctx, const void *gate, const void *up, size_t n, void *out) {
     kvb__cpu_silu_mul(gate, up, n, out);
     return KVB_OK;
@@ -150,6 +157,7 @@ static const kvb_backend_i cpu_iface = {
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
+    .bias_add = cpu_bias_add,
     .silu_mul = cpu_silu_mul,
     .kv_write = cpu_kv_write,
     .attention = cpu_attention,

@@ -114,6 +114,14 @@ void kvb__cpu_silu_mul(const float *gate, const float *up, size_t n, float *out)
     }
 }
 
+void kvb__cpu_bias_add(float *y, int n, int dim, const float *b) {
+#pragma omp parallel for schedule(static) if ((size_t)n * dim >= PAR_MIN_ELEMS) num_threads(kvb__cpu_threads)
+    for (int i = 0; i < n; i++) {
+        float *yr = y + (size_t)i * dim;
+        for (int c = 0; c < dim; c++) yr[c] += b[c];
+    }
+}
+
 void kvb__cpu_kv_write(const kvb_attn_batch *b, const float *k, const float *v) {
     const kvb_kv_geom *g = b->geom;
     size_t row = (size_t)g->n_kv_heads * g->head_dim; /* floats per token per K or V */

@@ -34,6 +34,8 @@ void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_
 void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float eps, float *y);
 kvb_status kvb__cpu_rope(kvb_cpu_ctx *c, float *q, int n_heads, float *k, int n_kv_heads, int n, const int32_t *pos,
                          const kvb_rope *rope);
+/* y[i][:] += b[:] for i < n (y is [n][dim]). */
+void kvb__cpu_bias_add(float *y, int n, int dim, const float *b);
 void kvb__cpu_silu_mul(const float *gate, const float *up, size_t n, float *out);
 void kvb__cpu_kv_write(const kvb_attn_batch *b, const float *k, const float *v);
 kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const float *q, float *out);
