@@ -368,8 +368,8 @@ kvb_status kvb_llamacpp_open(const char *libdir, const char *model_dir, int thre
     }
     kvb_model_config c;
     KVB_TRY(kvb_model_config_load(model_dir, &c));
-    if (c.arch != KVB_ARCH_LLAMA || c.rope_llama3) {
-        fprintf(stderr, "llama.cpp comparison: only plain Llama models (no rope scaling)\n");
+    if (c.arch != KVB_ARCH_LLAMA || c.rope_type != KVB_ROPE_DEFAULT || c.sliding_window > 0 || c.qkv_bias || c.o_bias || c.mlp_bias) {
+        fprintf(stderr, "llama.cpp comparison: only plain Llama models (no rope scaling, window or biases)\n");
         return KVB_ERR_UNSUPPORTED;
     }
     kvb_llamacpp *l = calloc(1, sizeof *l);
