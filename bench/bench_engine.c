@@ -2,9 +2,9 @@
  * measured in the same run.
  *
  * Every measurement (one prefill length or one decode point batch x context, for one engine) runs in a
- * fresh child process, so its peak RSS is that engine's alone: the child samples the ceilings, resets
- * its peak-RSS mark (/proc/self/clear_refs), loads the model, measures, reads VmHWM, samples the
- * ceilings again and reports through a pipe. kvbank and llama.cpp alternate point by point, so a
+ * fresh child process, so its peak RSS is that engine's alone: the child resets its peak-RSS mark
+ * (/proc/self/clear_refs), loads the model, measures, reads VmHWM and reports through a pipe; the
+ * ceilings are sampled in a child of their own just before and just after it. kvbank and llama.cpp alternate point by point, so a
  * neighbour's load falls on both.
  *
  *   read bandwidth  B = bytes / time of a multi-threaded sum over 512 MiB (best of 3)
@@ -323,13 +323,25 @@ static int run_llamacpp(const bench_cfg *cfg, const job *jb, job_result *r) {
     return ok;
 }
 
-static void sample_ceilings(const bench_cfg *cfg, job_result *r, int i) {
-    r->bw[i] = measure_read_bw((size_t)512 << 20, cfg->threads);
-    r->fl[i] = measure_sgemm(1024, cfg->threads);
+typedef void (*child_fn)(const bench_cfg *cfg, const job *jb, job_result *r);
+
+/* The ceilings, into bw[0] / fl[0]. */
+static void sample_ceilings(const bench_cfg *cfg, const job *jb, job_result *r) {
+    r->bw[0] = measure_read_bw((size_t)512 << 20, cfg->threads);
+    r->fl[0] = measure_sgemm(1024, cfg->threads);
+    r->ok = r->bw[0] > 0 && r->fl[0] > 0;
 }
 
-/* Runs one job in a child process; returns 1 when it reported success. */
-static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
+/* The measurement, with its peak RSS from a reset mark (after fork: the bench's own pages only). */
+static void measure(const bench_cfg *cfg, const job *jb, job_result *r) {
+    reset_peak_rss();
+    r->ok = jb->engine == ENGINE_KVBANK ? run_kvbank(cfg, jb, r) : run_llamacpp(cfg, jb, r);
+    r->peak_kb = peak_rss_kb();
+}
+
+/* Runs fn in a fresh child process, its result coming back through a pipe; returns 1 when the child
+ * reported success. */
+static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result *r) {
     memset(r, 0, sizeof *r);
     int fd[2];
     if (pipe(fd) != 0) return 0;
@@ -344,11 +356,7 @@ static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
         close(fd[0]);
         kvb_log_set_level(KVB_LOG_WARN); /* the table is the output */
         job_result cr = {0};
-        sample_ceilings(cfg, &cr, 0);
-        reset_peak_rss();
-        cr.ok = jb->engine == ENGINE_KVBANK ? run_kvbank(cfg, jb, &cr) : run_llamacpp(cfg, jb, &cr);
-        cr.peak_kb = peak_rss_kb();
-        sample_ceilings(cfg, &cr, 1);
+        fn(cfg, jb, &cr);
         ssize_t n = write(fd[1], &cr, sizeof cr);
         _exit(n == (ssize_t)sizeof cr ? 0 : 1);
     }
@@ -366,6 +374,19 @@ static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
     }
     if (got != sizeof *r) memset(r, 0, sizeof *r);
     return r->ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* One job: the ceilings in a child of their own just before and just after the measurement's child
+ * (so that neither the 512 MiB read buffer nor OpenBLAS's threaded buffers count in the measurement's
+ * peak RSS). Returns 1 when all three reported. */
+static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
+    job_result before, after;
+    int ok = in_child(sample_ceilings, cfg, jb, &before);
+    ok = in_child(measure, cfg, jb, r) && ok;
+    ok = in_child(sample_ceilings, cfg, jb, &after) && ok;
+    r->bw[0] = before.bw[0], r->fl[0] = before.fl[0];
+    r->bw[1] = after.bw[0], r->fl[1] = after.fl[0];
+    return ok;
 }
 
 /* ------------------------------------------------------------------------------------ the report */
@@ -510,7 +531,7 @@ int kvb_bench_engine(int argc, char **argv) {
         job g = {.engine = ENGINE_KVBANK, .kind = JOB_GREEDY, .ctx = 32};
         job gl = g;
         gl.engine = ENGINE_LLAMACPP;
-        int a = run_job(&cfg, &g, &r), b = run_job(&cfg, &gl, &rl);
+        int a = in_child(measure, &cfg, &g, &r), b = in_child(measure, &cfg, &gl, &rl);
         if (a && b) {
             int same = 0;
             while (same < N_GREEDY && r.greedy[same] == rl.greedy[same]) same++;
