@@ -135,12 +135,14 @@ static void reset_peak_rss(void) {
     }
 }
 
-static long peak_rss_kb(void) {
+/* A field of /proc/self/status in kB ("VmHWM:", "VmRSS:"); -1 when absent. */
+static long status_kb(const char *key) {
     FILE *f = fopen("/proc/self/status", "r");
     char line[256];
     long kb = -1;
+    size_t kl = strlen(key);
     while (f && fgets(line, sizeof line, f))
-        if (!strncmp(line, "VmHWM:", 6)) kb = strtol(line + 6, NULL, 10);
+        if (!strncmp(line, key, kl)) kb = strtol(line + kl, NULL, 10);
     if (f) fclose(f);
     return kb;
 }
@@ -163,6 +165,7 @@ typedef struct job_result {
     double win[MAX_WIN]; /* decode: seconds per step of each window; prefill: seconds per prompt */
     double bw[2], fl[2]; /* ceilings sampled before and after */
     long peak_kb;        /* VmHWM of the measurement (model load included) */
+    long base_kb;        /* VmRSS when it started: the bench's code and libraries, before the model */
     int64_t w_step;      /* weight bytes one step reads (kvbank only) */
     int64_t w_all;       /* all weight bytes (kvbank only) */
     int64_t layer_params, lm_params;
@@ -335,8 +338,9 @@ static void sample_ceilings(const bench_cfg *cfg, const job *jb, job_result *r) 
 /* The measurement, with its peak RSS from a reset mark (after fork: the bench's own pages only). */
 static void measure(const bench_cfg *cfg, const job *jb, job_result *r) {
     reset_peak_rss();
+    r->base_kb = status_kb("VmRSS:");
     r->ok = jb->engine == ENGINE_KVBANK ? run_kvbank(cfg, jb, r) : run_llamacpp(cfg, jb, r);
-    r->peak_kb = peak_rss_kb();
+    r->peak_kb = status_kb("VmHWM:");
 }
 
 /* Runs fn in a fresh child process, its result coming back through a pipe; returns 1 when the child
@@ -544,7 +548,7 @@ int kvb_bench_engine(int argc, char **argv) {
         }
     }
 
-    printf("%-20s %22s %10s %9s %7s %16s", "point", "kvbank", "rate", "ceiling", "ratio", "peak RSS / limit");
+    printf("%-20s %22s %10s %9s %7s %27s", "point", "kvbank", "rate", "ceiling", "ratio", "peak RSS / limit (base)");
     if (cmp) printf(" %22s %10s %8s %9s", "llama.cpp", "rate", "speedup", "peak RSS");
     printf("\n");
     for (int i = 0; i < n_prefill; i++) {
@@ -560,9 +564,9 @@ int kvb_bench_engine(int argc, char **argv) {
         double flops = 2.0 * T * (double)r.layer_params + 2.0 * (double)r.lm_params +
                        4.0 * c.n_layers * c.n_heads * (double)c.head_dim * T * (T + 1) / 2;
         double limit_mb = ((double)r.w_all + T * kv_per_tok) * 1.15 / 1e6;
-        printf("%-20s %8.1fms (%.1f-%.1f) %6.1f GF/s %5.1f GF/s %5.2f (%.2f-%.2f) %6.0f / %5.0f MB", label, s.med * 1e3,
+        printf("%-20s %8.1fms (%.1f-%.1f) %6.1f GF/s %5.1f GF/s %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
                s.lo * 1e3, s.hi * 1e3, flops / s.med / 1e9, s.fl / 1e9, flops / s.med / s.fl, flops / s.hi / s.fl,
-               flops / s.lo / s.fl, r.peak_kb / 1e3, limit_mb);
+               flops / s.lo / s.fl, r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
         if (cmp) failures += llamacpp_column(&cfg, &jb, T, s.med);
         printf("\n");
     }
@@ -588,9 +592,9 @@ int kvb_bench_engine(int argc, char **argv) {
             double flops = 2.0 * b * (double)(r.layer_params + r.lm_params) + 4.0 * c.n_layers * c.n_heads * c.head_dim * b * vis;
             double roof = KVB_MAX(bytes / s.bw, flops / s.fl);
             double limit_mb = ((double)r.w_all + b * (vis + 0.5 * cfg.reps * cfg.steps) * kv_per_tok) * 1.15 / 1e6;
-            printf("%-20s %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fms %5.2f (%.2f-%.2f) %6.0f / %5.0f MB", label, s.med * 1e3,
+            printf("%-20s %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fms %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
                    s.lo * 1e3, s.hi * 1e3, b / s.med, roof * 1e3, roof / s.med, roof / s.hi, roof / s.lo, r.peak_kb / 1e3,
-                   limit_mb);
+                   limit_mb, r.base_kb / 1e3);
             if (cmp) failures += llamacpp_column(&cfg, &jb, b, s.med);
             printf("   [%s-bound]\n", bytes / s.bw >= flops / s.fl ? "memory" : "compute");
         }
@@ -602,7 +606,8 @@ int kvb_bench_engine(int argc, char **argv) {
                median_of(ce.fl, ce.n) / 1e9, min_of(ce.fl, ce.n) / 1e9, max_of(ce.fl, ce.n) / 1e9);
     printf("ratio: prefill = model FLOPs / time / sgemm rate; decode = roofline / time, roofline = max((weights + KV "
            "read) / read bandwidth, FLOPs / sgemm rate), ceilings sampled around each point; speedup = llama.cpp time / "
-           "kvbank time\n");
+           "kvbank time; peak RSS: the measurement's own (reset when it starts), base: what it held then (the bench's "
+           "code and libraries; in a build with CUDA, cuBLAS's static data), limit: (all weights + the point's KV) x 1.15\n");
     rc = failures ? 1 : 0;
 out:
     free(prefill);
