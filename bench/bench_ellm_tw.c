@@ -469,7 +469,7 @@ static void bench_solver(const traces *tr, int trials) {
         kvb_etw_layer_plan lp;
         int reps = 2000;
         double t0 = busy_s();
-        for (int r = 0; r < reps; r++) kvb_etw_layer_optimize(&d, &k, &link, &bt, 1024, 1, &lp);
+        for (int r = 0; r < reps; r++) kvb_etw_layer_optimize(&d, &k, &link, &bt, 1024, KVB_ETW_DEVICE_GPU, &lp);
         double per = (busy_s() - t0) / reps;
         printf("  layer level (six (l1, l2), δ) on 256 running requests: %.1f us per call (the paper: ~0.03 ms); "
                "chose l1 %d, l2 %d, %d swapped layers, δ %d of 1024\n", per * 1e6, lp.l1, lp.l2, lp.n_swap, lp.delta);
