@@ -14,6 +14,7 @@
 #include "common/model/safetensors.h"
 #include "common/text/tokenizer.h"
 #include "common/util/util.h"
+#include "common/util/prog.h"
 
 typedef enum rope_kind { ROPE_NONE, ROPE_LLAMA3, ROPE_LINEAR, ROPE_YARN } rope_kind;
 
@@ -684,6 +685,7 @@ static kvb_status write_generation_config(const opts *o) {
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-mkmodel");
     opts o;
     int r = parse_args(argc, argv, &o);
     if (r == 1) {

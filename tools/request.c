@@ -6,6 +6,7 @@
 
 #include "common/ipc/client.h"
 #include "common/ipc/wire.h"
+#include "common/util/prog.h"
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-request --endpoint EP --prompt-ids IDS --max-tokens N [options]\n"
@@ -43,6 +44,7 @@ static int on_token(void *ud, int index, int32_t token, uint64_t t_ns) {
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-request");
     const char *ep = NULL;
     int32_t *prompt = NULL, *stop = NULL;
     int n_prompt = 0, n_stop = 0, max_tokens = 0, timeout_ms = 30000, wait_s = 0, quiet = 0;

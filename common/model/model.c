@@ -23,8 +23,10 @@ static void format_shape(char *buf, size_t cap, int n_dims, const int64_t *shape
 /* Finds `name`, checks it is exactly [rows] (cols == 0: a vector) or [rows][cols], and loads it onto the
  * backend as a [rows][cols or 1] weight, in place where the backend can (*viewed = 1: `set` must stay
  * open while the weight lives). Errors name the tensor and both shapes. */
-static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
-                              kvb_tensor *dst, int *viewed) {
+/* Finds `name` and checks it is exactly [rows] (cols == 0: a vector) or [rows][cols]; errors name the
+ * tensor and both shapes. Reads only the header (nothing of the tensor's data). */
+static kvb_status find_weight(const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
+                              const kvb_st_tensor **out) {
     const kvb_st_tensor *t = kvb_st_find(set, name);
     if (!t) {
         KVB_LOG_E("model: tensor \"%s\" is missing", name);
@@ -40,6 +42,14 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
         KVB_LOG_E("model: tensor \"%s\" has shape %s, expected %s", name, a, e);
         return KVB_ERR_INVALID;
     }
+    *out = t;
+    return KVB_OK;
+}
+
+static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
+                              kvb_tensor *dst, int *viewed) {
+    const kvb_st_tensor *t = NULL;
+    KVB_TRY(find_weight(set, name, rows, cols, &t));
     /* Where the backend can compute on the mapped bytes as they are, they are the weight (one copy in
      * memory: the file's page cache); otherwise the backend copies and converts them, and the mapped
      * pages are dropped at once so the mapping does not stay resident beside the copy. */
@@ -186,6 +196,38 @@ fail_set:
 fail_model:
     KVB_LOG_E("%s: model not loaded (%s)", dir, kvb_status_str(st));
     free(m);
+    return st;
+}
+
+kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg_out) {
+    if (!dir) return KVB_ERR_INVALID;
+    kvb_model_config c;
+    kvb_st_set *set = NULL;
+    const kvb_st_tensor *t = NULL;
+    kvb_status st;
+    KVB_TRY_GOTO(kvb_model_config_load(dir, &c), fail);
+    KVB_TRY_GOTO(kvb_st_open_dir(dir, &set), fail);
+    KVB_TRY_GOTO(find_weight(set, "model.embed_tokens.weight", c.vocab, c.hidden, &t), fail_set);
+    for (int l = 0; l < c.n_layers; l++) {
+        kvb_layer_weights w;
+        layer_tensor spec[18];
+        int n = layer_spec(&c, &w, spec);
+        for (int i = 0; i < n; i++) {
+            char name[128];
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
+            KVB_TRY_GOTO(find_weight(set, name, spec[i].rows, spec[i].cols, &t), fail_set);
+        }
+    }
+    KVB_TRY_GOTO(find_weight(set, "model.norm.weight", c.hidden, 0, &t), fail_set);
+    if (!c.tie_embeddings) KVB_TRY_GOTO(find_weight(set, "lm_head.weight", c.vocab, c.hidden, &t), fail_set);
+    kvb_st_close(set);
+    if (cfg_out) *cfg_out = c;
+    return KVB_OK;
+
+fail_set:
+    kvb_st_close(set);
+fail:
+    KVB_LOG_E("%s: not a loadable model (%s)", dir, kvb_status_str(st));
     return st;
 }
 
