@@ -946,6 +946,11 @@ static kvb_status setup_children(kvbankd *d) {
         c->argv[2] = cfg->path;
         c->argv[3] = "--name";
         c->argv[4] = m->name;
+        int elem = 0;
+        if (kvb_model_kv_elem_size(m->backend, &elem) != KVB_OK) { /* logs the backends there are */
+            KVB_LOG_E("%s: model \"%s\": unknown backend \"%s\"", cfg->path, m->name, m->backend);
+            bad = KVB_ERR_INVALID;
+        }
         if (!kvb_policy_find(m->policy)) {
             KVB_LOG_E("%s: model \"%s\": unknown policy \"%s\" (kvbank-serve --policy list names them)", cfg->path,
                       m->name, m->policy);

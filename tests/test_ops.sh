@@ -11,7 +11,10 @@
 #    `kvbankctl status` shows STATUS / RESTARTS / AGE, a worker whose checkpoint vanished goes
 #    restarting -> crash-looping with why, and back to running; drain / undrain; status --watch
 #    redraws; `kvbankctl top` under tmux (send-keys, capture-pane) shows the bars (lent blocks on the
-#    workers, borrowed on the master), a draining worker, and quits on q.
+#    workers, borrowed on the master), a draining worker, and quits on q;
+#  progress lines (KVB_PROGRESS=always: one line per redraw) of kvbank-mkmodel, of loading weights and
+#    of a kvbank-bench replay, none when stderr is not a terminal; --plot of kvbank-bench lend and
+#    replay: SVG files that parse as XML and carry their title and legends, drawn by gnuplot.
 set -euo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
 SRC=${KVB_SRCDIR:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -88,6 +91,46 @@ done
 out=$("$B/kvbankctl" --coordinator ipc:///x top </dev/null 2>&1) && fail "kvbankctl top without a terminal succeeded"
 grep -q "needs a terminal" <<<"$out" || fail "kvbankctl top without a terminal: $out"
 ok "kvbankctl: getopt_long errors, misplaced options, --help on each of 9 commands; top wants a terminal"
+
+# ------------------------------------------------------------------------------ progress lines
+"$B/kvbank-mkmodel" --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 256 "$T/prog" >/dev/null 2>"$T/mk.quiet"
+grep -q "%" "$T/mk.quiet" && fail "kvbank-mkmodel drew progress into a file: $(cat "$T/mk.quiet")"
+rm -rf "$T/prog"
+KVB_PROGRESS=always "$B/kvbank-mkmodel" --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 256 \
+    "$T/prog" >/dev/null 2>"$T/mk.err" || fail "kvbank-mkmodel: $(cat "$T/mk.err")"
+grep -qE "^generating the weights of $T/prog: 0% \(0.0 of 0.[0-9] MiB\)$" "$T/mk.err" || fail "mkmodel progress: $(cat "$T/mk.err")"
+grep -qE "^generating the weights of $T/prog: done, 0.[0-9] MiB in [0-9.]+ s$" "$T/mk.err" || fail "mkmodel progress end: $(cat "$T/mk.err")"
+grep -qE "^writing $T/prog/model.safetensors: done, " "$T/mk.err" || fail "mkmodel write line: $(cat "$T/mk.err")"
+KVB_PROGRESS=always "$B/kvbank-generate" --model "$T/prog" --prompt-ids 1,2,3 --max-tokens 2 >/dev/null 2>"$T/gen.err" ||
+    fail "kvbank-generate: $(cat "$T/gen.err")"
+grep -qE "^loading $T/prog: done, 0.[0-9] MiB in " "$T/gen.err" || fail "load progress: $(cat "$T/gen.err")"
+"$B/kvbank-generate" --model "$T/prog" --prompt-ids 1,2,3 --max-tokens 2 >/dev/null 2>"$T/gen.quiet"
+grep -q "loading $T/prog:" "$T/gen.quiet" && fail "kvbank-generate drew progress into a file"
+ok "progress lines: kvbank-mkmodel (generating, writing) and weight loading; nothing when stderr is a file"
+
+# ------------------------------------------------------------------------------------------ --plot
+# svg_has FILE TEXT...: FILE is XML (an <svg> root) and has each TEXT
+svg_has() {
+    "$PY" - "$@" <<'PYEOF'
+import sys, xml.etree.ElementTree as ET
+path, wants = sys.argv[1], sys.argv[2:]
+root = ET.parse(path).getroot()
+assert root.tag.endswith("svg"), root.tag
+text = " ".join(t for t in root.itertext())
+for w in wants:
+    assert w in text, "%r not in %s: %s" % (w, path, text[:400])
+PYEOF
+}
+"$B/kvbank-mkmodel" --arch llama --layers 1 --hidden 8 --heads 1 --kv-heads 1 --head-dim 8 --vocab 64 "$T/tiny" >/dev/null 2>&1
+"$B/kvbank-bench" lend --model "$T/tiny" --sizes 256,1024,4096 --reps 5 --plot "$T/lend.svg" >"$T/lend.out" 2>&1 ||
+    fail "kvbank-bench lend --plot: $(cat "$T/lend.out")"
+svg_has "$T/lend.svg" "lend and reclaim latency against the worker's pool size" "lend (block-major)" \
+    "reclaim (block-major)" "layer-major resize" || fail "lend.svg"
+[ -f "$T/lend.svg.gp" ] || fail "no gnuplot script beside lend.svg"
+out=$("$B/kvbank-bench" lend --model "$T/tiny" --sizes 256,1024 --reps 2 --plot "$T/nodir/x.svg" 2>&1) &&
+    fail "--plot into a missing directory succeeded"
+grep -q "cannot write $T/nodir/x.svg.gp" <<<"$out" || fail "--plot into a missing directory: $out"
+ok "kvbank-bench lend --plot: an SVG (gnuplot) with its title and three legends; a bad path is an error"
 
 # --------------------------------------------------------------------------------- --check-config
 # mkcfg OUT: the demo node with every path inside $T, short timings, any free gateway port, and the
@@ -267,6 +310,16 @@ wait "$WPID" || rc=$?
 n=$(grep -c '^NAME ' "$T/watch.out" || true)
 [ "$n" -ge 3 ] && [ "$n" -le 9 ] || fail "status --watch=0.2 drew $n tables in 1.5 s"
 ok "status --watch redraws ($n tables in 1.5 s) and exits 0 on SIGINT"
+
+# a replay against the running node: its progress line and its --plot of the blocks over time
+printf 'TIMESTAMP,ContextTokens,GeneratedTokens\n' >"$T/trace.csv"
+for i in $(seq 0 11); do printf '2023-11-16 18:17:%02d.0000000,%d,4\n' $((i / 4)) $((300 + 40 * i)); done >>"$T/trace.csv"
+KVB_PROGRESS=always "$B/kvbank-bench" replay --config "$CFG" --target chat="$T/trace.csv" --concurrency 4 \
+    --plot "$T/blocks.svg" >"$T/replay.out" 2>"$T/replay.err" || fail "kvbank-bench replay --plot: $(cat "$T/replay.out" "$T/replay.err")"
+grep -qE "^replaying 12 requests: done, 12 in [0-9.]+ s$" "$T/replay.err" || fail "replay progress: $(cat "$T/replay.err")"
+svg_has "$T/blocks.svg" "KV blocks of every model during the replay" "chat own" "chat borrowed (master blocks)" \
+    "code lent" "summ lent" || fail "blocks.svg"
+ok "kvbank-bench replay: a progress line, and --plot draws every model's blocks over time"
 
 kill -TERM "$KPID"
 wait "$KPID" || fail "kvbankd exited $? after SIGTERM"
