@@ -4,8 +4,9 @@
 # kvbank-mkmodel, starts the coordinator, the master and two workers; the test waits until every model
 # is alive and a worker lends, checks the modes of the shared-memory segments and sockets, that a second
 # kvbankd of the same node name (same config, or another run_dir) refuses to start and touches nothing,
-# kills a worker with SIGKILL and waits for kvbankd to restart it (its old segments and a dead pid's
-# gone, a live pid's kept, a generate on it still gives kvbank-generate's tokens), then drains the node with SIGTERM: exit 0 within 15 s, no process, segment,
+# kills a worker with SIGKILL mid-stream and waits for kvbankd to restart it (its old segments and a dead pid's
+# gone, a live pid's kept, the streaming request resumed on the new process with kvbank-generate's ids,
+# a generate on it still gives kvbank-generate's tokens), then drains the node with SIGTERM: exit 0 within 15 s, no process, segment,
 # socket or pid file left.
 set -euo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
@@ -17,9 +18,11 @@ CFG=$T/node.json
 RUN=$T/run
 KPID=
 BG_SLEEP=
+BG_REQ=
 
 cleanup() {
     [ -n "$BG_SLEEP" ] && kill "$BG_SLEEP" 2>/dev/null
+    [ -n "$BG_REQ" ] && kill "$BG_REQ" 2>/dev/null
     if [ -n "$KPID" ]; then
         kill -KILL -- "-$KPID" 2>/dev/null || true   # kvbankd leads its own process group (setsid)
         kill -KILL "$KPID" 2>/dev/null || true
@@ -200,6 +203,19 @@ alive=$!
 BG_SLEEP=$alive
 : >"/dev/shm/kvb-${NODE}_${WORKER}-${dead}-0"
 : >"/dev/shm/kvb-${NODE}_${WORKER}-${alive}-0"
+# A request streaming from the worker when it is killed (issue 15): kvbank-request notices the lost
+# connection (ZeroMQ heartbeats), waits for kvbankd's restart and resumes the request there.
+RPROMPT=3,1,4,1,5,9,2,6
+RMAX=2000 # (2008 of the model's 2048 positions: long enough that the kill lands mid-stream)
+"$B/kvbank-request" --endpoint "ipc://$RUN/$WORKER.sock" --prompt-ids $RPROMPT --max-tokens $RMAX --resume-s 60 \
+    >"$T/resume.out" 2>"$T/resume.err" &
+BG_REQ=$!
+deadline=$((SECONDS + 30))
+until [ "$(wc -l <"$T/resume.out")" -ge 5 ]; do
+    kill -0 "$BG_REQ" 2>/dev/null || fail "kvbank-request ended before the kill: $(cat "$T/resume.err")"
+    [ $SECONDS -lt $deadline ] || fail "no token streamed from $WORKER within 30 s"
+    sleep 0.01
+done
 kill -KILL "$old"
 deadline=$((SECONDS + 30))
 while :; do
@@ -223,6 +239,29 @@ wait "$alive" 2>/dev/null || true
 rm -f "/dev/shm/kvb-${NODE}_${WORKER}-${alive}-0"
 BG_SLEEP=
 ok "$WORKER killed (pid $old), restarted as pid $new; its old segments and a dead pid's removed, a live pid's kept"
+
+# The request that streamed across the kill: it finished; its stream was cut and resumed; every index
+# came once and in order (no gap, no repeat); its ids equal an uninterrupted run's.
+rc=0
+wait "$BG_REQ" || rc=$?
+BG_REQ=
+[ "$rc" -eq 0 ] || fail "the request across the kill failed (exit $rc): $(tail -3 "$T/resume.err")"
+grep -q "the connection to the model server was lost after" "$T/resume.err" ||
+    fail "the request was not interrupted by the kill (it finished first?): $(tail -3 "$T/resume.err")"
+grep -q "resumed after [0-9]* token(s)" "$T/resume.err" || fail "no resume: $(tail -3 "$T/resume.err")"
+"$PY" - "$T/resume.out" "$RMAX" <<'PYEOF' || fail "the resumed stream has a gap or a repeat"
+import sys
+idx = [int(l.split()[0]) for l in open(sys.argv[1]) if not l.startswith("finish")]
+want = list(range(int(sys.argv[2])))
+if idx != want:
+    bad = next(i for i in range(min(len(idx), len(want)) + 1) if i >= len(idx) or i >= len(want) or idx[i] != want[i])
+    print("stream indices differ at position %d: got %s, want %s" % (bad, idx[bad:bad + 3], want[bad:bad + 3]))
+    sys.exit(1)
+PYEOF
+want=$("$B/kvbank-generate" --model "$T/models/$WORKER" --prompt-ids $RPROMPT --max-tokens $RMAX 2>/dev/null)
+got=$(sed -n 's/^finish: length, [0-9]* tokens: //p' "$T/resume.out")
+[ -n "$want" ] && [ "$got" = "$want" ] || fail "the resumed request's ids differ from kvbank-generate's"
+ok "a $RMAX-token request streaming across the kill: $(grep -o 'lost after [0-9]* token(s)' "$T/resume.err" | head -1), $(grep -o 'resumed after [0-9]* token(s)' "$T/resume.err" | head -1); every index once, ids equal kvbank-generate's"
 
 PROMPT=1,5,9,14,27,33,2,8
 want=$("$B/kvbank-generate" --model "$T/models/$WORKER" --prompt-ids $PROMPT --max-tokens 12)
