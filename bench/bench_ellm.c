@@ -533,7 +533,8 @@ int kvb_bench_ellm(int argc, char **argv) {
     res = calloc((size_t)o.runs, sizeof *res);
     double *arr = NULL;
     if (!res) goto out;
-    for (char *wname = strtok(wbuf, ","); wname; wname = strtok(NULL, ",")) {
+    char *wsave = NULL; /* strtok_r: run_once tokenizes its parameters with strtok inside this loop */
+    for (char *wname = strtok_r(wbuf, ",", &wsave); wname; wname = strtok_r(NULL, ",", &wsave)) {
         wl w = {0}, woff = {0};
         int in = 0, out_len = 0;
         kvb_status st;
