@@ -333,15 +333,19 @@ static void decide(const kvb_of_planner *P, const of_snap *s, of_dec *d) {
         }
     }
     kvb_of_plan_out po;
+    memset(&po, 0, sizeof po);
     uint64_t rng = s->gen * 0x9e3779b97f4a7c15ull + 1;
-    kvb_of_victim rule = P->p.pause ? P->p.victim : KVB_OF_VICTIM_SCORE;
-    if (!P->p.pause) q.enforce_slo = 0; /* without Pause-Resume nobody is paused: the fastest plan that fits */
-    if (kvb_of_plan(&q, rule, &rng, &po) != KVB_OK) po.sol.feasible = 0;
+    if (!P->p.pause) { /* without Pause-Resume nobody is paused: the fastest plan that fits, if any */
+        q.enforce_slo = 0;
+        if (kvb_of_solve(&q, &po.sol) != KVB_OK) po.sol.feasible = 0;
+    } else if (kvb_of_plan(&q, P->p.victim, &rng, &po) != KVB_OK) {
+        po.sol.feasible = 0;
+    }
     d->sol = po.sol;
     d->best_effort = po.best_effort;
-    for (int r = 0; r < s->n; r++) {
+    for (int r = 0; r < s->n; r++) { /* infeasible: nothing changes (the plan's check trims) */
         d->pause[r] = po.paused[r];
-        d->cand[r] = excl[r] || po.paused[r] ? -1 : po.sol.cand[r];
+        d->cand[r] = excl[r] || po.paused[r] || !po.sol.feasible ? -1 : po.sol.cand[r];
     }
     d->solve_s = kvb_now_s() - t0;
 }
