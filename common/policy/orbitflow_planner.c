@@ -677,8 +677,17 @@ static kvb_status baseline_place(kvb_of_planner *P, const kvb_view *v, int chang
     return KVB_OK;
 }
 
+static kvb_status plan_step(kvb_of_planner *P, const kvb_view *v, kvb_plan *out);
+
 static kvb_status of_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
     kvb_of_planner *P = ctx;
+    double t0 = kvb_now_s();
+    kvb_status st = plan_step(P, v, out);
+    P->st.plan_s += kvb_now_s() - t0;
+    return st;
+}
+
+static kvb_status plan_step(kvb_of_planner *P, const kvb_view *v, kvb_plan *out) {
     P->step = (int64_t)v->step;
     if (!P->t_step_end) P->t_step_end = v->now_ns;
     /* requests: new tokens, finished ones */

@@ -63,6 +63,7 @@ typedef struct kvb_of_planner_stats {
     uint64_t trig_batch, trig_window, trig_memory, trig_mismatch;
     uint64_t pauses, resumes, emergency_pauses, preemptions, trimmed;
     uint64_t profile_fits;
+    double plan_s;              /* time in plan_step (the solver thread's time is solve_us_total) */
     int link_measured;
     double last_observed;       /* s: the last step's layers, waits included */
     uint64_t pred_steps;        /* decode steps with a prediction */

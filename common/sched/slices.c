@@ -377,9 +377,18 @@ static kvb_status scratch_push(kvb_engine *e, int n) {
     return KVB_OK;
 }
 
+static kvb_status install(kvb_engine *e, int n_sched);
+
 kvb_status kvb__slices_install(kvb_engine *e, int n_sched) {
+    if (!e->sl) return KVB_OK;
+    uint64_t t0 = kvb_now_ns();
+    kvb_status st = install(e, n_sched);
+    e->sl->st.install_ns += kvb_now_ns() - t0;
+    return st;
+}
+
+static kvb_status install(kvb_engine *e, int n_sched) {
     kvb_slices *sl = e->sl;
-    if (!sl) return KVB_OK;
     want_clear(sl);
     for (seq *s = e->running.head; s; s = s->next)
         if (!s->paused) want_mark(sl, s->bt.ids, s->bt.n, &sl->vmask[s->vidx]);
@@ -424,6 +433,7 @@ kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) { return e->sl ? ent
  * sequence's prefetch slot for the layer (slot = rank of l among its host layers, modulo depth). */
 kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
     kvb_slices *sl = e->sl;
+    uint64_t t0 = kvb_now_ns();
     for (int i = 0; i < n_sched; i++) {
         seq *s = e->sched[i];
         const kvb_attn_seq *as = &e->b_seqs[i];
@@ -450,12 +460,14 @@ kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
             e->blk_layer[ent] = dst;
         }
     }
+    sl->st.layer_ns += kvb_now_ns() - t0;
     return KVB_OK;
 }
 
 /* After layer l: the rows the step wrote into prefetch slots go to the host tier. */
 kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
     kvb_slices *sl = e->sl;
+    uint64_t t0 = kvb_now_ns();
     for (int i = 0; i < n_sched; i++) {
         seq *s = e->sched[i];
         const kvb_attn_seq *as = &e->b_seqs[i];
@@ -471,6 +483,7 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
             *hr = (uint16_t)r1;
         }
     }
+    sl->st.layer_ns += kvb_now_ns() - t0;
     return KVB_OK;
 }
 
