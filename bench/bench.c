@@ -1,8 +1,23 @@
 /* kvbank-bench — entry point: `kvbank-bench SUBCOMMAND [options]`. */
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bench/bench.h"
+#include "common/util/util.h"
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double kvb_bench_pct(double *v, int n, double p) {
+    if (n == 0) return NAN;
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    int k = (int)ceil(p / 100.0 * n) - 1;
+    return v[KVB_MAX(0, KVB_MIN(n - 1, k))];
+}
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench SUBCOMMAND [options]   (SUBCOMMAND --help for its options)\n"
@@ -15,7 +30,9 @@ static void usage(FILE *f) {
                "  interference  each model's TTFT/TPOT with lending on against off (starts the node twice)\n"
                "  lend     lend and reclaim latency against the worker's pool size (block-major vs layer-major)\n"
                "  maxctx   the master's longest context with idle lenders against its own memory alone\n"
-               "  multiturn  P99 TTFT of multi-turn replay on the master: lending against a host-tier prefix cache\n");
+               "  multiturn  P99 TTFT of multi-turn replay on the master: lending against a host-tier prefix cache\n"
+               "  serve    HTTP load against kvbank-gateway (trace arrivals, streaming): TTFT / TPOT / ITL, goodput, and\n"
+               "           the gateway's overhead against the model's ZeroMQ endpoint in the same run\n");
 }
 
 int main(int argc, char **argv) {
@@ -30,6 +47,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "lend")) return kvb_bench_lend(argc - 1, argv + 1);
     if (!strcmp(argv[1], "maxctx")) return kvb_bench_maxctx(argc - 1, argv + 1);
     if (!strcmp(argv[1], "multiturn")) return kvb_bench_multiturn(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "serve")) return kvb_bench_serve(argc - 1, argv + 1);
     fprintf(stderr, "kvbank-bench: unknown subcommand '%s'\n", argv[1]);
     usage(stderr);
     return 2;

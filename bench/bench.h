@@ -10,5 +10,9 @@ int kvb_bench_interference(int argc, char **argv);
 int kvb_bench_lend(int argc, char **argv);
 int kvb_bench_maxctx(int argc, char **argv);
 int kvb_bench_multiturn(int argc, char **argv);
+int kvb_bench_serve(int argc, char **argv);
+
+/* p-th percentile (nearest rank) of v[0..n) (sorted in place); NAN when n == 0. */
+double kvb_bench_pct(double *v, int n, double p);
 
 #endif

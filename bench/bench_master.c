@@ -21,6 +21,7 @@
 #include "common/kv/block_pool.h"
 #include "common/mem/region.h"
 #include "common/model/model.h"
+#include "common/policy/policy.h"
 #include "common/policy/swiftcache.h"
 #include "common/sched/engine.h"
 #include "common/util/node_config.h"
@@ -116,8 +117,18 @@ static kvb_status make_engine(master_setup *s, int lend, int host_tier_blocks, c
     o.n_blocks = (int)(s->nm->kv_bytes / (int64_t)kvb_kv_block_bytes(&s->geom));
     o.max_batch_tokens = s->nm->max_batch_tokens;
     o.max_seqs = s->nm->max_seqs;
-    o.host_tier_blocks = host_tier_blocks;
-    KVB_TRY(kvb_engine_create(s->m, &o, NULL, ev, out));
+    /* the baseline: the host-tier planner with a host tier of the lent blocks' bytes */
+    kvb_planner pl = {0};
+    if (host_tier_blocks > 0) {
+        char kv[32];
+        snprintf(kv, sizeof kv, "blocks=%d", host_tier_blocks);
+        kvb_policy_params pp = {0};
+        kvb_status st = kvb_policy_params_add(&pp, kv);
+        if (st == KVB_OK) st = kvb_policy_create("host-tier", &pp, &pl);
+        kvb_policy_params_free(&pp);
+        KVB_TRY(st);
+    }
+    KVB_TRY(kvb_engine_create(s->m, &o, host_tier_blocks > 0 ? &pl : NULL, ev, out));
     for (int i = 0; lend && i < s->n_lenders; i++)
         KVB_TRY(kvb_engine_attach(*out, (uint64_t)i + 1, kvb_region_base(s->lenders[i].region), s->lenders[i].bytes,
                                   s->lenders[i].n_master_blocks));

@@ -123,18 +123,7 @@ static void *client_thread(void *arg) {
     return NULL;
 }
 
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
-/* p-th percentile (nearest rank) of v[0..n) (sorted in place); NAN when n == 0. */
-static double pct(double *v, int n, double p) {
-    if (n == 0) return NAN;
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    int k = (int)ceil(p / 100.0 * n) - 1;
-    return v[KVB_MAX(0, KVB_MIN(n - 1, k))];
-}
 
 static int by_job_time(const void *a, const void *b) {
     double x = ((const job *)a)->t_s, y = ((const job *)b)->t_s;
@@ -265,9 +254,9 @@ static int replay_run(const char *cfg_path, replay *rp, const replay_params *p, 
         }
         const double ps[3] = {50, 95, 99};
         for (int q = 0; q < 3; q++) {
-            st->ttft[q] = pct(a, ok, ps[q]);
-            st->tpot[q] = pct(b, n_tpot, ps[q]);
-            st->tbt[q] = pct(g, n_gap, ps[q]);
+            st->ttft[q] = kvb_bench_pct(a, ok, ps[q]);
+            st->tpot[q] = kvb_bench_pct(b, n_tpot, ps[q]);
+            st->tbt[q] = kvb_bench_pct(g, n_gap, ps[q]);
         }
         st->n = n;
         st->sessions = tg->trace->n_sessions;

@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/pidfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -22,7 +24,10 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "common/ipc/auth.h"
 #include "common/ipc/wire.h"
+#include "common/mem/region.h"
+#include "common/util/sha256.h"
 #include "coordinator/ledger.h"
 
 #define IDENT_MAX 255                     /* ZeroMQ routing ids are 1..255 bytes */
@@ -30,6 +35,9 @@
 #define RECV_HARD_MAX ((int64_t)64 << 20) /* libzmq drops a peer that sends more in one message */
 #define BATCH_MAX 256                     /* messages handled between two timer checks */
 #define PENDING_MAX 1024                  /* Reclaimed messages kept for re-sending */
+#define ZAP_EP "inproc://zeromq.zap.01"   /* where libzmq sends ZAP requests */
+#define MONITOR_EP "inproc://kvb-coord-monitor"
+#define CTL_MONITOR_EP "inproc://kvb-coord-monitor-ctl"
 
 typedef struct pending_reclaimed {
     char to[KVB_LEDGER_NAME_MAX + 1];
@@ -37,9 +45,26 @@ typedef struct pending_reclaimed {
     Kvbank__Reclaimed msg;
 } pending_reclaimed;
 
+/* A model process verified at its registration: fencing and liveness go through its pidfd. */
+typedef struct verified_proc {
+    char name[KVB_LEDGER_NAME_MAX + 1];   /* "" for a free entry */
+    long pid;
+    int pidfd;                            /* -1 when it could not be opened (the process was gone) */
+} verified_proc;
+
 struct kvb_coord {
     void *zctx;
     void *sock;                           /* ROUTER */
+    void *ctl;                            /* ROUTER of control clients (EP.ctl) */
+    char *ctl_path;                       /* its socket file, or NULL */
+    dev_t ctl_dev;
+    ino_t ctl_ino;
+    void *zap;                            /* REP answering both ROUTERs' ZAP requests */
+    void *mon, *ctl_mon;                  /* PAIRs receiving each ROUTER's failed handshakes */
+    kvb_auth auth;                        /* the node secret */
+    long supervisor;                      /* kvbankd's pid when it started us (models must be its children), else 0 */
+    verified_proc procs[KVB_LEDGER_MAX_MODELS];
+    uint64_t zap_refused;                 /* ZAP refusals logged so far (rate limit) */
     char *endpoint;                       /* as bound */
     char *ipc_path;                       /* socket file of an ipc:// endpoint, or NULL */
     dev_t ipc_dev;                        /* and its identity, to remove only our own file */
@@ -60,8 +85,8 @@ struct kvb_coord {
 static uint64_t now_ms(void) { return kvb_now_ns() / 1000000u; }
 
 const char *kvb_drop_reason_str(kvb_drop_reason r) {
-    static const char *const names[KVB_DROP_N] = {"frames", "oversized", "malformed", "version",
-                                                  "body",   "unregistered", "role", "sender"};
+    static const char *const names[KVB_DROP_N] = {"frames", "oversized", "malformed", "version", "body",
+                                                  "unregistered", "role", "sender", "auth"};
     return (unsigned)r < KVB_DROP_N ? names[r] : "?";
 }
 
@@ -98,9 +123,11 @@ static void count_drop(kvb_coord *c, kvb_drop_reason r, const char *from, const 
     if (n <= 8 || (n & (n - 1)) == 0) /* the first few of each reason, then at powers of two */
         KVB_LOG_W("dropped a message from %s: %s: %s (dropped so far: %" PRIu64 " frames, %" PRIu64 " oversized, "
                   "%" PRIu64 " malformed, %" PRIu64 " version, %" PRIu64 " body, %" PRIu64 " unregistered, %" PRIu64
-                  " role, %" PRIu64 " sender)", from, kvb_drop_reason_str(r), why, c->stats.dropped[0],
-                  c->stats.dropped[1], c->stats.dropped[2], c->stats.dropped[3], c->stats.dropped[4],
-                  c->stats.dropped[5], c->stats.dropped[6], c->stats.dropped[7]);
+                  " role, %" PRIu64 " sender, %" PRIu64 " auth)", from, kvb_drop_reason_str(r), why,
+                  c->stats.dropped[0], c->stats.dropped[1], c->stats.dropped[2], c->stats.dropped[3],
+                  c->stats.dropped[4], c->stats.dropped[5], c->stats.dropped[6], c->stats.dropped[7],
+                  c->stats.dropped[8]);
+    if (r == KVB_DROP_AUTH) c->stats.auth_refused++;
 }
 
 kvb_status kvb_coord_decode(const uint8_t *buf, size_t len, Kvbank__Envelope **out, kvb_drop_reason *reason) {
@@ -134,8 +161,8 @@ fail:
 
 /* Sends `env` to the peer `to` (a routing id). Returns KVB_ERR_IO with errno set when the peer is not
  * connected or does not read. */
-static kvb_status send_to(kvb_coord *c, const void *to, size_t to_len, Kvbank__Envelope *env) {
-    kvb_status st = kvb_wire_send(c->sock, to, to_len, env, 1);
+static kvb_status send_to(kvb_coord *c, void *sock, const void *to, size_t to_len, Kvbank__Envelope *env) {
+    kvb_status st = kvb_wire_send(sock, to, to_len, env, 1);
     if (st == KVB_OK) {
         c->stats.sent++;
         return KVB_OK;
@@ -150,7 +177,7 @@ static kvb_status send_to(kvb_coord *c, const void *to, size_t to_len, Kvbank__E
 }
 
 static kvb_status send_name(kvb_coord *c, const char *name, Kvbank__Envelope *env) {
-    return send_to(c, name, strlen(name), env);
+    return send_to(c, c->sock, name, strlen(name), env);
 }
 
 static Kvbank__Role role_to_wire(kvb_role r) {
@@ -305,14 +332,84 @@ static void flush_actions(kvb_coord *c) {
 
 /* ------------------------------------------------------------------------------------------ handlers */
 
+typedef enum auth_kind { AUTH_NONE = 0, AUTH_MODEL = 1, AUTH_CTL = 2 } auth_kind;
+
 typedef struct msg_ctx {
+    void *sock;                         /* the ROUTER it came on (models' or control) */
     const uint8_t *ident;
     size_t ident_len;
     char name[KVB_LEDGER_NAME_MAX + 1]; /* the routing id as a name, "" if it cannot be one */
     char printable[72];
+    auth_kind auth;                     /* how its connection logged in (the ZAP handler's User-Id) */
+    char auth_name[KVB_LEDGER_NAME_MAX + 1]; /* AUTH_MODEL: the model it logged in as */
+    long auth_pid;                      /* the connection's process (SO_PEERCRED), -1 when unknown */
 } msg_ctx;
 
-static void reply(kvb_coord *c, const msg_ctx *m, Kvbank__Envelope *env) { send_to(c, m->ident, m->ident_len, env); }
+/* The identity the ZAP handler gave the connection: "m:<pid>:<name>" or "c:<pid>". */
+static void parse_user_id(const char *uid, msg_ctx *mc) {
+    mc->auth = AUTH_NONE;
+    mc->auth_name[0] = '\0';
+    mc->auth_pid = -1;
+    if (!uid || (uid[0] != 'm' && uid[0] != 'c') || uid[1] != ':') return;
+    char *end = NULL;
+    long pid = strtol(uid + 2, &end, 10);
+    if (!end || end == uid + 2 || pid <= 0) return;
+    if (uid[0] == 'c' && *end == '\0') {
+        mc->auth = AUTH_CTL;
+    } else if (uid[0] == 'm' && *end == ':' && strlen(end + 1) <= KVB_LEDGER_NAME_MAX && end[1]) {
+        mc->auth = AUTH_MODEL;
+        snprintf(mc->auth_name, sizeof mc->auth_name, "%s", end + 1);
+    } else {
+        return;
+    }
+    mc->auth_pid = pid;
+}
+
+/* --------------------------------------------------------------------------- verified processes */
+
+static verified_proc *proc_by_name(kvb_coord *c, const char *name) {
+    for (int i = 0; i < KVB_LEDGER_MAX_MODELS; i++)
+        if (!strcmp(c->procs[i].name, name)) return &c->procs[i];
+    return NULL;
+}
+
+static verified_proc *proc_by_pid(kvb_coord *c, long pid) {
+    for (int i = 0; i < KVB_LEDGER_MAX_MODELS; i++)
+        if (c->procs[i].name[0] && c->procs[i].pid == pid) return &c->procs[i];
+    return NULL;
+}
+
+/* The process that logged in as model `name` with pid `pid` registered: hold a pidfd on it, so that its
+ * liveness and its fencing never hit another process that reused the pid. The pid came from the kernel
+ * at the handshake; a pidfd opened now could only miss if that process died since and its pid was
+ * taken again, by a process of this user (and, in a supervised node, a child of kvbankd): then it is
+ * treated as gone. */
+static void proc_verified(kvb_coord *c, const char *name, long pid) {
+    verified_proc *v = proc_by_name(c, name);
+    if (!v) v = proc_by_name(c, "");
+    if (!v) return; /* the ledger holds at most as many models */
+    if (v->name[0] && v->pid == pid && v->pidfd >= 0) return;
+    if (v->name[0] && v->pidfd >= 0) close(v->pidfd);
+    snprintf(v->name, sizeof v->name, "%s", name);
+    v->pid = pid;
+    v->pidfd = pidfd_open((pid_t)pid, 0);
+    if (v->pidfd < 0) {
+        KVB_LOG_W("%s: pidfd_open(%ld): %s; it counts as gone", name, pid, strerror(errno));
+        return;
+    }
+    struct stat sb;
+    char path[32];
+    snprintf(path, sizeof path, "/proc/%ld", pid);
+    long ppid = 0;
+    if (stat(path, &sb) != 0 || sb.st_uid != geteuid() ||
+        (c->supervisor && (kvb_proc_stat(pid, NULL, &ppid) != KVB_OK || ppid != c->supervisor))) {
+        KVB_LOG_W("%s: pid %ld is no longer the process that logged in; it counts as gone", name, pid);
+        close(v->pidfd);
+        v->pidfd = -1;
+    }
+}
+
+static void reply(kvb_coord *c, const msg_ctx *m, Kvbank__Envelope *env) { send_to(c, m->sock, m->ident, m->ident_len, env); }
 
 static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Register *r) {
     char why[256] = "";
@@ -328,6 +425,17 @@ static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Regis
     } else if (r->role != KVBANK__ROLE__ROLE_MASTER && r->role != KVBANK__ROLE__ROLE_WORKER) {
         snprintf(why, sizeof why, "role must be master or worker");
         st = KVB_ERR_INVALID;
+    } else if ((long)r->pid != mc->auth_pid) {
+        snprintf(why, sizeof why, "the registration names pid %" PRIu32 ", its connection belongs to pid %ld", r->pid,
+                 mc->auth_pid);
+        st = KVB_ERR_INVALID;
+        count_drop(c, KVB_DROP_AUTH, mc->printable, why);
+    } else if ((!r->memory || !r->memory[0] || !strcmp(r->memory, "host")) &&
+               kvb_region_check(str_or_empty(r->region), mc->auth_pid, r->region_bytes, why, sizeof why) != KVB_OK) {
+        /* host memory: the region must be the registering process's own (a device handle is the memory
+         * backend's to check: the coordinator has no device context) */
+        st = KVB_ERR_INVALID;
+        count_drop(c, KVB_DROP_AUTH, mc->printable, why);
     } else if (r->n_loans > KVB_LEDGER_MAX_LOANS) {
         snprintf(why, sizeof why, "%zu loans reported, at most %d", r->n_loans, KVB_LEDGER_MAX_LOANS);
         st = KVB_ERR_INVALID;
@@ -376,6 +484,7 @@ static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Regis
         };
         pending_flush(c, name, 1); /* a registration reconciles everything: older Reclaimed are moot */
         st = kvb_ledger_register(c->ledger, &reg, now_ms(), why, sizeof why);
+        if (st == KVB_OK) proc_verified(c, name, mc->auth_pid);
     }
     free(loans);
     if (st != KVB_OK) KVB_LOG_W("refused the registration of %s: %s", mc->printable, why);
@@ -465,7 +574,7 @@ static void handle_lend_offer(kvb_coord *c, const msg_ctx *mc, const Kvbank__Len
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_LEND_RESULT;
     env.lend_result = &lr;
-    if (send_to(c, mc->ident, mc->ident_len, &env) != KVB_OK && st == KVB_OK) {
+    if (send_to(c, mc->sock, mc->ident, mc->ident_len, &env) != KVB_OK && st == KVB_OK) {
         /* The worker will not learn that its offer was taken: cancel the loan before its Grant goes out
          * (the queued GRANT finds it gone). The Reclaimed this queues reaches the worker when it is
          * back, and names the range it offered. */
@@ -561,6 +670,7 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
     sr.n_loans = (size_t)nl;
     sr.loans = lsp;
     sr.dropped_messages = c->stats.dropped_total;
+    sr.auth_refused = c->stats.auth_refused;
     sr.uptime_ms = now - c->t0_ms;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_STATUS_REPLY;
@@ -623,7 +733,26 @@ static void handle_control(kvb_coord *c, const msg_ctx *mc, const Kvbank__Contro
     reply(c, mc, &env);
 }
 
+/* Messages only a model sends, about itself. */
+static int is_model_message(Kvbank__Envelope__BodyCase b) {
+    return b == KVBANK__ENVELOPE__BODY_REGISTER || b == KVBANK__ENVELOPE__BODY_HEARTBEAT ||
+           b == KVBANK__ENVELOPE__BODY_LEND_OFFER || b == KVBANK__ENVELOPE__BODY_GRANT_ACK ||
+           b == KVBANK__ENVELOPE__BODY_RECLAIM_REQUEST || b == KVBANK__ENVELOPE__BODY_REVOKE_ACK;
+}
+
 static void dispatch(kvb_coord *c, const msg_ctx *mc, const Kvbank__Envelope *env) {
+    if (mc->auth == AUTH_NONE) { /* every connection logs in: cannot happen, but never trust it */
+        count_drop(c, KVB_DROP_AUTH, mc->printable, "no authenticated identity");
+        return;
+    }
+    if (is_model_message(env->body_case) && (mc->auth != AUTH_MODEL || strcmp(mc->auth_name, mc->name) != 0)) {
+        char why[160];
+        snprintf(why, sizeof why, "message type %d of model %s from a connection that logged in as %s",
+                 (int)env->body_case, mc->name[0] ? mc->name : "?",
+                 mc->auth == AUTH_CTL ? "a control client" : mc->auth_name);
+        count_drop(c, KVB_DROP_AUTH, mc->printable, why);
+        return;
+    }
     switch (env->body_case) {
     case KVBANK__ENVELOPE__BODY_REGISTER: handle_register(c, mc, env->register_); break;
     case KVBANK__ENVELOPE__BODY_HEARTBEAT: handle_heartbeat(c, mc, env->heartbeat); break;
@@ -645,10 +774,10 @@ static void dispatch(kvb_coord *c, const msg_ctx *mc, const Kvbank__Envelope *en
 
 /* Receives and handles one message. Returns 1 if one was handled, 0 if none was pending, -1 on a
  * socket error. */
-static int handle_one(kvb_coord *c) {
+static int handle_one(kvb_coord *c, void *sock) {
     zmq_msg_t id_msg, body_msg;
     zmq_msg_init(&id_msg);
-    if (zmq_msg_recv(&id_msg, c->sock, ZMQ_DONTWAIT) < 0) {
+    if (zmq_msg_recv(&id_msg, sock, ZMQ_DONTWAIT) < 0) {
         int e = errno;
         zmq_msg_close(&id_msg);
         if (e == EAGAIN || e == EINTR) return 0;
@@ -660,19 +789,21 @@ static int handle_one(kvb_coord *c) {
     zmq_msg_init(&body_msg);
     if (more) {
         /* the parts of a message arrive together: none of these waits */
-        if (zmq_msg_recv(&body_msg, c->sock, ZMQ_DONTWAIT) >= 0) n_frames++;
+        if (zmq_msg_recv(&body_msg, sock, ZMQ_DONTWAIT) >= 0) n_frames++;
         more = zmq_msg_more(&body_msg);
         while (more) {
             zmq_msg_t extra;
             zmq_msg_init(&extra);
-            if (zmq_msg_recv(&extra, c->sock, ZMQ_DONTWAIT) < 0) more = 0;
+            if (zmq_msg_recv(&extra, sock, ZMQ_DONTWAIT) < 0) more = 0;
             else n_frames++, more = zmq_msg_more(&extra);
             zmq_msg_close(&extra);
         }
     }
-    msg_ctx mc = {.ident = zmq_msg_data(&id_msg), .ident_len = KVB_MIN(zmq_msg_size(&id_msg), (size_t)IDENT_MAX)};
+    msg_ctx mc = {.sock = sock, .ident = zmq_msg_data(&id_msg),
+                  .ident_len = KVB_MIN(zmq_msg_size(&id_msg), (size_t)IDENT_MAX)};
     sender_name(mc.ident, mc.ident_len, mc.name);
     ident_str(mc.ident, mc.ident_len, mc.printable);
+    parse_user_id(n_frames >= 2 ? zmq_msg_gets(&body_msg, "User-Id") : NULL, &mc);
     if (n_frames != 2) {
         char why[64];
         snprintf(why, sizeof why, "%d frames, a message is one envelope", n_frames - 1);
@@ -695,21 +826,134 @@ static int handle_one(kvb_coord *c) {
     return 1;
 }
 
+/* ------------------------------------------------------------------------------------ handshakes */
+
+/* 1 if `s` can be a model's name (the ledger's rule: 1..64 of [A-Za-z0-9._-]). */
+static int model_name_ok(const char *s) {
+    size_t n = strlen(s);
+    if (n == 0 || n > KVB_LEDGER_NAME_MAX) return 0;
+    for (size_t i = 0; i < n; i++) {
+        char ch = s[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
+              ch == '_' || ch == '-'))
+            return 0;
+    }
+    return 1;
+}
+
+/* The ZAP handler's judgement of one handshake: 1 (with the connection's User-Id) or 0 (with why). */
+static int zap_judge(kvb_coord *c, const kvb_zap_req *q, char *user_id, size_t uid_len, char *why, size_t why_len) {
+    int ctl = !strcmp(q->domain, KVB_AUTH_ZAP_CTL);
+    if ((!ctl && strcmp(q->domain, KVB_AUTH_ZAP_MODELS) != 0) || strcmp(q->mechanism, "PLAIN") != 0) {
+        snprintf(why, why_len, "domain '%s', mechanism '%s'", q->domain, q->mechanism);
+        return 0;
+    }
+    if (q->pid <= 0) {
+        snprintf(why, why_len, "no peer credentials in the address '%s' (not an ipc:// connection)", q->address);
+        return 0;
+    }
+    if (q->uid != (long)geteuid()) {
+        snprintf(why, why_len, "pid %ld runs as uid %ld, the node as uid %u", q->pid, q->uid, (unsigned)geteuid());
+        return 0;
+    }
+    /* A control client on the control endpoint only: on the models' one its routing id could take a
+     * model's route (the routing id comes after the handshake). */
+    if (ctl || !strcmp(q->user, KVB_AUTH_CTL_USER)) {
+        if (!ctl || strcmp(q->user, KVB_AUTH_CTL_USER) != 0) {
+            snprintf(why, why_len, "pid %ld: user '%.64s' on the %s endpoint (models log in on the models' endpoint, "
+                     "control clients on the .ctl one)", q->pid, q->user, ctl ? "control" : "models'");
+            return 0;
+        }
+        snprintf(user_id, uid_len, "c:%ld", q->pid);
+        return 1;
+    }
+    if (!model_name_ok(q->user)) {
+        snprintf(why, why_len, "pid %ld: '%.64s' is neither a model name nor the control user", q->pid, q->user);
+        return 0;
+    }
+    char token[KVB_AUTH_TOKEN_LEN + 1];
+    kvb_auth_token(c->auth.secret, q->user, token);
+    int good = strlen(q->password) == KVB_AUTH_TOKEN_LEN && !kvb_memcmp_ct(q->password, token, KVB_AUTH_TOKEN_LEN);
+    explicit_bzero(token, sizeof token);
+    if (!good) {
+        snprintf(why, why_len, "pid %ld: wrong token for model %s", q->pid, q->user);
+        return 0;
+    }
+    long ppid = 0;
+    if (c->supervisor && (kvb_proc_stat(q->pid, NULL, &ppid) != KVB_OK || ppid != c->supervisor)) {
+        snprintf(why, why_len, "pid %ld logs in as model %s but kvbankd (pid %ld) did not start it (its parent is %ld)",
+                 q->pid, q->user, c->supervisor, ppid);
+        return 0;
+    }
+    snprintf(user_id, uid_len, "m:%ld:%s", q->pid, q->user);
+    return 1;
+}
+
+/* Answers every waiting ZAP request. */
+static void handle_zap(kvb_coord *c) {
+    for (;;) {
+        kvb_zap_req q;
+        kvb_status st = kvb_zap_recv(c->zap, &q);
+        if (st == KVB_ERR_NOT_FOUND) return;
+        if (st != KVB_OK) continue; /* answered with a refusal */
+        char user_id[KVB_LEDGER_NAME_MAX + 32] = "", why[256] = "";
+        int ok = zap_judge(c, &q, user_id, sizeof user_id, why, sizeof why);
+        explicit_bzero(q.password, sizeof q.password);
+        if (ok) {
+            KVB_LOG_D("handshake of pid %ld accepted as %s", q.pid, user_id);
+        } else {
+            uint64_t n = ++c->zap_refused;
+            if (n <= 8 || (n & (n - 1)) == 0) KVB_LOG_W("refused a connection: %s (%" PRIu64 " so far)", why, n);
+        }
+        kvb_zap_reply(c->zap, &q, ok, user_id, why);
+    }
+}
+
+/* Counts the handshakes that failed: wrong or no credentials (the ZAP handler refused), or a peer
+ * that does not speak PLAIN at all. */
+static void handle_monitor(kvb_coord *c, void *mon) {
+    uint16_t ev;
+    while (kvb_wire_monitor_event(mon, &ev)) {
+        if (ev & (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                  ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)) {
+            c->stats.auth_refused++;
+            if (ev != ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) { /* the ZAP handler logged its refusals */
+                uint64_t n = ++c->zap_refused;
+                if (n <= 8 || (n & (n - 1)) == 0)
+                    KVB_LOG_W("refused a connection that does not log in (no PLAIN handshake; %" PRIu64 " so far)", n);
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------- lifecycle */
 
 /* Fences a silent master before its loans go back to the lenders (see kvb_ledger_opts.fence): a
- * process that stopped heartbeating but still runs could be reading or writing lent blocks. */
+ * process that stopped heartbeating but still runs could be reading or writing lent blocks. Only a
+ * process verified at its registration is signalled, through its pidfd. */
 static void fence_kill(void *ud, const char *name, uint32_t pid) {
-    (void)ud;
-    if (pid == 0 || pid > INT_MAX) return;
+    kvb_coord *c = ud;
+    verified_proc *v = proc_by_name(c, name);
+    if (!v || v->pid != (long)pid || v->pidfd < 0) {
+        KVB_LOG_E("not fencing %s (pid %" PRIu32 "): not the verified process of its registration", name, pid);
+        return;
+    }
     KVB_LOG_W("fencing master %s (pid %" PRIu32 "): silent while holding loans; SIGKILL before its loans are "
               "returned", name, pid);
-    kill((pid_t)pid, SIGKILL);
+    if (pidfd_send_signal(v->pidfd, SIGKILL, NULL, 0) != 0 && errno != ESRCH)
+        KVB_LOG_E("pidfd_send_signal(%s, pid %" PRIu32 "): %s", name, pid, strerror(errno));
 }
 
-/* The ledger's liveness check of a model's pid. */
+/* The ledger's liveness check of a model's pid: its pidfd when it registered (readable once it
+ * exited), else kvb_pid_alive. */
 static int pid_alive(void *ud, uint32_t pid) {
-    (void)ud;
+    kvb_coord *c = ud;
+    verified_proc *v = proc_by_pid(c, (long)pid);
+    if (v) {
+        if (v->pidfd < 0) return 0;
+        struct pollfd pf = {.fd = v->pidfd, .events = POLLIN};
+        return poll(&pf, 1, 0) == 0;
+    }
     return kvb_pid_alive((long)pid);
 }
 
@@ -763,18 +1007,37 @@ static int unix_socket_live(const char *path) {
     return live;
 }
 
+kvb_status kvb_coord_endpoint_dir(const char *endpoint) {
+    if (!endpoint || strncmp(endpoint, "ipc://", 6) != 0 || endpoint[6] == '@' || endpoint[6] == '\0' ||
+        !strcmp(endpoint + 6, "*"))
+        return KVB_OK;
+    return make_parent_dirs(endpoint + 6);
+}
+
 kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out) {
     if (!opts || !opts->endpoint || !opts->endpoint[0] || !out) return KVB_ERR_INVALID;
+    if (!opts->auth || !opts->auth->has_secret) {
+        KVB_LOG_E("the coordinator needs the node secret (common/ipc/auth.h)");
+        return KVB_ERR_INVALID;
+    }
+    if (strncmp(opts->endpoint, "ipc://", 6) != 0) {
+        KVB_LOG_E("%s: the coordinator serves the processes of one node on ipc:// only (its peers' credentials "
+                  "come from the kernel there; tcp:// would be open to every user of the machine)", opts->endpoint);
+        return KVB_ERR_INVALID;
+    }
     kvb_status st = KVB_OK;
     kvb_coord *c = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *c, (void **)&c));
+    c->auth = *opts->auth;
+    c->supervisor = opts->auth->from_supervisor ? (long)getppid() : 0;
+    for (int i = 0; i < KVB_LEDGER_MAX_MODELS; i++) c->procs[i].pidfd = -1;
     c->heartbeat_ms = opts->heartbeat_ms ? opts->heartbeat_ms : 500;
     c->heartbeat_misses = opts->heartbeat_misses ? opts->heartbeat_misses : 4;
     c->tick_ms = KVB_MAX(10u, KVB_MIN(100u, c->heartbeat_ms / 4));
     make_id(c->id);
     kvb_ledger_opts lo = {.heartbeat_ms = c->heartbeat_ms, .heartbeat_misses = c->heartbeat_misses,
                           .pid_alive = opts->check_pids ? pid_alive : NULL,
-                          .fence = opts->check_pids ? fence_kill : NULL};
+                          .fence = opts->check_pids ? fence_kill : NULL, .pid_ud = c};
     KVB_TRY_GOTO(kvb_ledger_create(&lo, &c->ledger), fail);
 
     const char *ep = opts->endpoint;
@@ -793,17 +1056,52 @@ kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out) {
         st = KVB_ERR_IO;
         goto fail;
     }
+    /* The ZAP handler and the monitors of failed handshakes exist before the first connection can come. */
+    int zero = 0;
+    c->zap = zmq_socket(c->zctx, ZMQ_REP);
+    c->mon = zmq_socket(c->zctx, ZMQ_PAIR);
+    c->ctl_mon = zmq_socket(c->zctx, ZMQ_PAIR);
+    if (!c->zap || !c->mon || !c->ctl_mon || zmq_setsockopt(c->zap, ZMQ_LINGER, &zero, sizeof zero) ||
+        zmq_setsockopt(c->mon, ZMQ_LINGER, &zero, sizeof zero) ||
+        zmq_setsockopt(c->ctl_mon, ZMQ_LINGER, &zero, sizeof zero) || zmq_bind(c->zap, ZAP_EP) != 0) {
+        KVB_LOG_E("ZAP handler: %s", zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
+    char ctl_ep[PATH_MAX + 16];
+    KVB_TRY_GOTO(kvb_auth_ctl_endpoint(ep, ctl_ep, sizeof ctl_ep), fail);
+    if (is_ipc_file && access(ctl_ep + 6, F_OK) == 0 && unix_socket_live(ctl_ep + 6)) {
+        KVB_LOG_E("%s: another process is listening there (a coordinator already runs?)", ctl_ep);
+        st = KVB_ERR_STATE;
+        goto fail;
+    }
+    const int failed = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                       ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
     kvb_wire_router rt;
-    KVB_TRY_GOTO(kvb_wire_router_bind(c->zctx, ep, 1, SEND_HWM, RECV_HARD_MAX, &rt), fail);
+    KVB_TRY_GOTO(kvb_wire_router_bind(c->zctx, ep, 1, KVB_AUTH_ZAP_MODELS, SEND_HWM, RECV_HARD_MAX, &rt), fail);
     c->sock = rt.sock;
     c->endpoint = rt.endpoint;
     c->ipc_path = rt.ipc_path;
     c->ipc_dev = rt.ipc_dev;
     c->ipc_ino = rt.ipc_ino;
+    KVB_TRY_GOTO(kvb_wire_router_bind(c->zctx, ctl_ep, 0, KVB_AUTH_ZAP_CTL, SEND_HWM, RECV_HARD_MAX, &rt), fail);
+    c->ctl = rt.sock;
+    free(rt.endpoint);
+    c->ctl_path = rt.ipc_path;
+    c->ctl_dev = rt.ipc_dev;
+    c->ctl_ino = rt.ipc_ino;
+    if (zmq_socket_monitor(c->sock, MONITOR_EP, failed) != 0 || zmq_connect(c->mon, MONITOR_EP) != 0 ||
+        zmq_socket_monitor(c->ctl, CTL_MONITOR_EP, failed) != 0 || zmq_connect(c->ctl_mon, CTL_MONITOR_EP) != 0) {
+        KVB_LOG_E("zmq_socket_monitor: %s", zmq_strerror(errno));
+        st = KVB_ERR_IO;
+        goto fail;
+    }
     c->t0_ms = now_ms();
     c->next_tick_ms = c->t0_ms + c->tick_ms;
-    KVB_LOG_I("coordinator %s listening on %s (heartbeat %" PRIu32 " ms, dead after %" PRIu32 " misses%s)", c->id,
-              c->endpoint, c->heartbeat_ms, c->heartbeat_misses, opts->check_pids ? " or when its pid is gone" : "");
+    KVB_LOG_I("coordinator %s listening on %s (heartbeat %" PRIu32 " ms, dead after %" PRIu32 " misses%s; models "
+              "log in with their token%s)", c->id, c->endpoint, c->heartbeat_ms, c->heartbeat_misses,
+              opts->check_pids ? " or when its pid is gone" : "",
+              c->supervisor ? " and must be children of kvbankd" : "");
     *out = c;
     return KVB_OK;
 fail:
@@ -816,16 +1114,24 @@ kvb_status kvb_coord_run(kvb_coord *c, volatile sig_atomic_t *stop) {
     while (!*stop) {
         uint64_t now = now_ms();
         int timeout = now >= c->next_tick_ms ? 0 : (int)(c->next_tick_ms - now);
-        zmq_pollitem_t it = {.socket = c->sock, .fd = 0, .events = ZMQ_POLLIN, .revents = 0};
-        int rc = zmq_poll(&it, 1, timeout);
+        zmq_pollitem_t its[5] = {{.socket = c->sock, .events = ZMQ_POLLIN},
+                                 {.socket = c->ctl, .events = ZMQ_POLLIN},
+                                 {.socket = c->zap, .events = ZMQ_POLLIN},
+                                 {.socket = c->mon, .events = ZMQ_POLLIN},
+                                 {.socket = c->ctl_mon, .events = ZMQ_POLLIN}};
+        int rc = zmq_poll(its, 5, timeout);
         if (rc < 0) {
             if (errno == EINTR) continue;
             KVB_LOG_E("zmq_poll: %s", zmq_strerror(errno));
             return KVB_ERR_IO;
         }
-        if (rc > 0 && (it.revents & ZMQ_POLLIN)) {
+        if (rc > 0 && (its[2].revents & ZMQ_POLLIN)) handle_zap(c);
+        if (rc > 0 && (its[3].revents & ZMQ_POLLIN)) handle_monitor(c, c->mon);
+        if (rc > 0 && (its[4].revents & ZMQ_POLLIN)) handle_monitor(c, c->ctl_mon);
+        for (int k = 0; k < 2; k++) {
+            if (rc <= 0 || !(its[k].revents & ZMQ_POLLIN)) continue;
             for (int i = 0; i < BATCH_MAX && !*stop; i++) {
-                int r = handle_one(c);
+                int r = handle_one(c, its[k].socket);
                 if (r < 0) return KVB_ERR_IO;
                 if (r == 0) break;
             }
@@ -850,25 +1156,37 @@ kvb_status kvb_coord_run(kvb_coord *c, volatile sig_atomic_t *stop) {
 
 void kvb_coord_destroy(kvb_coord *c) {
     if (!c) return;
+    if (c->sock && c->mon) zmq_socket_monitor(c->sock, NULL, 0);
+    if (c->ctl && c->ctl_mon) zmq_socket_monitor(c->ctl, NULL, 0);
+    if (c->mon) zmq_close(c->mon);
+    if (c->ctl_mon) zmq_close(c->ctl_mon);
+    if (c->zap) zmq_close(c->zap);
     if (c->sock) zmq_close(c->sock);
+    if (c->ctl) zmq_close(c->ctl);
+    for (int i = 0; i < KVB_LEDGER_MAX_MODELS; i++)
+        if (c->procs[i].name[0] && c->procs[i].pidfd >= 0) close(c->procs[i].pidfd);
+    explicit_bzero(&c->auth, sizeof c->auth);
     if (c->zctx) zmq_ctx_term(c->zctx);
-    if (c->ipc_path) {
-        struct stat sb;
-        if (stat(c->ipc_path, &sb) == 0 && sb.st_dev == c->ipc_dev && sb.st_ino == c->ipc_ino) unlink(c->ipc_path);
-    }
+    struct stat sb;
+    if (c->ipc_path && stat(c->ipc_path, &sb) == 0 && sb.st_dev == c->ipc_dev && sb.st_ino == c->ipc_ino)
+        unlink(c->ipc_path);
+    if (c->ctl_path && stat(c->ctl_path, &sb) == 0 && sb.st_dev == c->ctl_dev && sb.st_ino == c->ctl_ino)
+        unlink(c->ctl_path);
     if (c->t0_ms) { /* it ran */
         kvb_coord_stats *s = &c->stats;
         KVB_LOG_I("coordinator stopping: %" PRIu64 " messages in, %" PRIu64 " out (%" PRIu64 " not delivered), "
                   "%" PRIu64 " dropped (%" PRIu64 " frames, %" PRIu64 " oversized, %" PRIu64 " malformed, %" PRIu64
-                  " version, %" PRIu64 " body, %" PRIu64 " unregistered, %" PRIu64 " role, %" PRIu64 " sender), "
-                  "%d loan(s) in the ledger", s->received, s->sent, s->send_failed, s->dropped_total, s->dropped[0],
-                  s->dropped[1], s->dropped[2], s->dropped[3], s->dropped[4], s->dropped[5], s->dropped[6],
-                  s->dropped[7], kvb_ledger_n_loans(c->ledger));
+                  " version, %" PRIu64 " body, %" PRIu64 " unregistered, %" PRIu64 " role, %" PRIu64 " sender, %" PRIu64
+                  " auth), %" PRIu64 " refused (handshakes and forged claims), %d loan(s) in the ledger", s->received,
+                  s->sent, s->send_failed, s->dropped_total, s->dropped[0], s->dropped[1], s->dropped[2],
+                  s->dropped[3], s->dropped[4], s->dropped[5], s->dropped[6], s->dropped[7], s->dropped[8],
+                  s->auth_refused, kvb_ledger_n_loans(c->ledger));
     }
     kvb_ledger_destroy(c->ledger);
     free(c->pending);
     free(c->endpoint);
     free(c->ipc_path);
+    free(c->ctl_path);
     free(c);
 }
 

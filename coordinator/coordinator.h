@@ -6,6 +6,15 @@
  * gets its answers back on it. ROUTER_HANDOVER lets a restarted model take its name back and
  * ROUTER_MANDATORY makes a send to a peer that is not connected fail instead of vanishing.
  *
+ * Trust (common/ipc/auth.h). The endpoint is ipc:// only. The ROUTER is a PLAIN server whose
+ * handshakes a ZAP handler in this loop judges before a connection can take a route: peers of another
+ * uid are refused, a model must log in with its name and token (in a node run by kvbankd, also be a
+ * child of kvbankd), a control client with the control user. Each message then carries its connection's
+ * authenticated identity ("User-Id"): a model may only send as itself, must register with the pid of its
+ * connection (the kernel's, SO_PEERCRED) and a region of that pid; fencing signals only such verified
+ * processes, through a pidfd opened at their registration. Refused handshakes and forged claims are
+ * counted (StatusReply.auth_refused).
+ *
  * One thread, one zmq_poll loop: messages are validated (one frame, at most KVB_WIRE_MAX_FRAME bytes,
  * a protobuf Envelope of version KVB_PROTO_VERSION with a body the coordinator accepts, from a
  * registered live model of the right role where the message needs one) and applied to the ledger;
@@ -19,6 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/ipc/auth.h"
 #include "common/util/util.h"
 #include "proto/kvbank.pb-c.h"
 
@@ -29,12 +39,19 @@ typedef struct kvb_coord_opts {
     uint32_t heartbeat_ms;     /* models heartbeat this often (0: 500) */
     uint32_t heartbeat_misses; /* a model silent this many periods is dead (0: 4) */
     int check_pids;            /* nonzero: a model whose pid is gone is dead at once (kill(pid, 0)) */
+    const kvb_auth *auth;      /* the node secret (required); from_supervisor: models must also be
+                                * children of this process's parent (kvbankd) */
 } kvb_coord_opts;
 
-/* Binds the ROUTER (LINGER 0). For an ipc:// endpoint the socket file is made mode 0600, its directory
- * is created mode 0700 when missing, and binding fails (KVB_ERR_STATE) when another process already
- * listens on that file (a stale file of a dead process is replaced). Caller owns the result. */
+/* Binds the ROUTER (LINGER 0). Only ipc:// endpoints (KVB_ERR_INVALID for tcp:// and the rest: the
+ * coordinator serves the processes of one node, and tcp would be open to every user of the machine).
+ * The socket file is made mode 0600, its directory is created mode 0700 when missing, and binding fails
+ * (KVB_ERR_STATE) when another process already listens on that file (a stale file of a dead process is
+ * replaced). Caller owns the result. */
 kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out);
+/* Creates the missing directories of an ipc:// endpoint's socket file, mode 0700 (KVB_OK for other
+ * endpoints). */
+kvb_status kvb_coord_endpoint_dir(const char *endpoint);
 /* Serves until *stop becomes nonzero (set it from a signal handler). KVB_ERR_IO if the socket fails. */
 kvb_status kvb_coord_run(kvb_coord *c, volatile sig_atomic_t *stop);
 /* Closes the socket and removes the ipc socket file it created. NULL-safe. */
@@ -54,7 +71,9 @@ typedef enum kvb_drop_reason {
     KVB_DROP_UNREGISTERED = 5, /* needs a registered live model, the sender is none */
     KVB_DROP_ROLE = 6,         /* the sender's role may not send it (e.g. GrantAck from a worker) */
     KVB_DROP_SENDER = 7,       /* the name inside is not the sender's routing id */
-    KVB_DROP_N = 8,
+    KVB_DROP_AUTH = 8,         /* the sender's authenticated identity does not allow it (another model's
+                                * message, a control client's model message, a forged pid or region) */
+    KVB_DROP_N = 9,
 } kvb_drop_reason;
 
 const char *kvb_drop_reason_str(kvb_drop_reason r);
@@ -65,6 +84,7 @@ typedef struct kvb_coord_stats {
     uint64_t dropped_total;
     uint64_t sent;
     uint64_t send_failed;            /* peer not connected or not reading */
+    uint64_t auth_refused;           /* handshakes refused (no or wrong credentials) + forged claims */
 } kvb_coord_stats;
 
 void kvb_coord_get_stats(const kvb_coord *c, kvb_coord_stats *out);

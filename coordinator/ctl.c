@@ -9,6 +9,7 @@
 #include <string.h>
 #include <zmq.h>
 
+#include "common/ipc/auth.h"
 #include "common/ipc/client.h"
 #include "common/ipc/wire.h"
 #include "common/kv/block_pool.h"
@@ -71,9 +72,11 @@ typedef struct ctl {
     void *zctx, *sock;
 } ctl;
 
+/* Connects to the coordinator's control endpoint (EP.ctl, common/ipc/auth.h). */
 static int ctl_connect(ctl *c) {
-    char why[PATH_MAX + 256];
-    if (kvb_wire_ipc_check(c->endpoint, why, sizeof why) != KVB_OK) {
+    char why[PATH_MAX + 256], ep[PATH_MAX + 16];
+    if (kvb_auth_ctl_endpoint(c->endpoint, ep, sizeof ep) != KVB_OK) return -1;
+    if (kvb_wire_ipc_check(ep, why, sizeof why) != KVB_OK) {
         fprintf(stderr, PROG ": cannot reach the coordinator: %s\n", why);
         return -1;
     }
@@ -83,8 +86,9 @@ static int ctl_connect(ctl *c) {
     if (!c->sock) return -1;
     int zero = 0;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero);
-    if (zmq_connect(c->sock, c->endpoint) != 0) {
-        fprintf(stderr, PROG ": cannot connect to %s: %s\n", c->endpoint, zmq_strerror(errno));
+    if (kvb_auth_set_ctl(c->sock) != KVB_OK) return -1; /* the coordinator's control login */
+    if (zmq_connect(c->sock, ep) != 0) {
+        fprintf(stderr, PROG ": cannot connect to %s: %s\n", ep, zmq_strerror(errno));
         return -1;
     }
     return 0;
@@ -206,9 +210,10 @@ static json_t *status_json(const Kvbank__StatusReply *s, int with_loans) {
             return NULL;
         }
     }
-    json_t *j = json_pack("{s:s, s:I, s:I, s:I, s:o}", "coordinator_id", s->coordinator_id ? s->coordinator_id : "",
-                          "epoch", (json_int_t)s->epoch, "uptime_ms", (json_int_t)s->uptime_ms, "dropped_messages",
-                          (json_int_t)s->dropped_messages, "models", models);
+    json_t *j = json_pack("{s:s, s:I, s:I, s:I, s:I, s:o}", "coordinator_id",
+                          s->coordinator_id ? s->coordinator_id : "", "epoch", (json_int_t)s->epoch, "uptime_ms",
+                          (json_int_t)s->uptime_ms, "dropped_messages", (json_int_t)s->dropped_messages,
+                          "auth_refused", (json_int_t)s->auth_refused, "models", models);
     if (j && with_loans) {
         json_t *loans = json_array();
         for (size_t i = 0; loans && i < s->n_loans; i++) json_array_append_new(loans, loan_json(s->loans[i]));
@@ -228,9 +233,9 @@ static int cmd_status(ctl *c, int json) {
     if (json) {
         rc = print_json(status_json(s, 0));
     } else {
-        printf("coordinator %s  epoch %" PRIu64 "  up %.1f s  dropped messages %" PRIu64 "\n",
+        printf("coordinator %s  epoch %" PRIu64 "  up %.1f s  dropped messages %" PRIu64 "  refused %" PRIu64 "\n",
                s->coordinator_id ? s->coordinator_id : "", s->epoch, (double)s->uptime_ms / 1000.0,
-               s->dropped_messages);
+               s->dropped_messages, s->auth_refused);
         printf("%-16s %-6s %8s %-5s %11s %6s %8s %9s %9s %7s %s\n", "NAME", "ROLE", "PID", "ALIVE", "OWN/CAP", "LENT",
                "BORROWED", "LIVE/WAIT", "MEU(W:M)", "HB(ms)", "ENDPOINT");
         for (size_t i = 0; i < s->n_models; i++) {

@@ -15,6 +15,7 @@
 #include <uv.h>
 #include <zmq.h>
 
+#include "common/ipc/auth.h"
 #include "common/ipc/wire.h"
 #include "common/mem/mem.h"
 #include "common/mem/region.h"
@@ -64,6 +65,8 @@ struct kvbankd {
     int exit_code;
     child coord;
     child *models;                /* [cfg->n_models], owned */
+    child gw;                     /* kvbank-gateway, when the config has a "gateway" section */
+    int has_gw;
     /* kvbank-mkmodel: model mk_index is written into mk_tmp (owned), renamed to model_dir on success */
     uv_process_t mk_proc;
     int mk_open, mk_running, mk_index;
@@ -81,6 +84,8 @@ struct kvbankd {
     char *pid_path;
     int node_lock_fd;             /* the locked /dev/shm/kvbankd-<uid>-<node>.lock, -1 when none */
     char *node_lock_path;
+    kvb_auth auth;                /* this start's node secret (common/ipc/auth.h) */
+    char **env;                   /* the children's environment: ours + KVB_AUTH_FD=3 (owned) */
 };
 
 static void child_exit_cb(uv_process_t *p, int64_t status, int term_signal);
@@ -269,6 +274,13 @@ static void remove_pid_file(kvbankd *d) {
     }
 }
 
+/* The coordinator's two socket files: the models' endpoint and the control one (EP.ctl). */
+static void remove_coordinator_sockets(const kvbankd *d) {
+    char ctl[PATH_MAX + 16];
+    remove_socket(d->cfg->coordinator);
+    if (kvb_auth_ctl_endpoint(d->cfg->coordinator, ctl, sizeof ctl) == KVB_OK) remove_socket(ctl);
+}
+
 /* ------------------------------------------------------------------------------------- children */
 
 static void describe_exit(int64_t status, int sig, char *buf, size_t len) {
@@ -311,22 +323,44 @@ static void spawn_child(child *c) {
         kvb_region_unlink_stale(c->tag, &n);
         if (n) KVB_LOG_I("%s: removed %d stale shared-memory segment(s)", c->name, n);
     }
-    uv_stdio_container_t stdio[3] = {
+    /* Its credentials on fd 3 (KVB_AUTH_FD): the node secret for the coordinator, its own token for a
+     * model. A pipe written and closed before the spawn: the child reads it to the end once. */
+    int pfd[2] = {-1, -1};
+    kvb_auth cred = d->auth;
+    if (c->model) {
+        memset(&cred, 0, sizeof cred);
+        kvb_auth_token(d->auth.secret, c->name, cred.token);
+    }
+    char text[256];
+    if (kvb_auth_format(&cred, text, sizeof text) != KVB_OK || pipe2(pfd, O_CLOEXEC) != 0 ||
+        write(pfd[1], text, strlen(text)) != (ssize_t)strlen(text)) {
+        /* uv_spawn then fails on the bad fd and the child is retried like one that could not start */
+        KVB_LOG_E("%s: cannot pass its credentials: %s", c->name, strerror(errno));
+        if (pfd[0] >= 0) close(pfd[0]);
+        pfd[0] = -1;
+    }
+    explicit_bzero(text, sizeof text);
+    explicit_bzero(&cred, sizeof cred);
+    if (pfd[1] >= 0) close(pfd[1]);
+    uv_stdio_container_t stdio[4] = {
         {.flags = UV_IGNORE},
         {.flags = UV_INHERIT_FD, .data.fd = 1},
         {.flags = UV_INHERIT_FD, .data.fd = 2},
+        {.flags = UV_INHERIT_FD, .data.fd = pfd[0]},
     };
     uv_process_options_t o = {
         .exit_cb = child_exit_cb,
         .file = c->argv[0],
         .args = c->argv,
-        .stdio_count = 3,
+        .env = d->env,
+        .stdio_count = 4,
         .stdio = stdio,
     };
     c->proc.data = c;
     c->started_s = kvb_now_s();
     c->proc_open = 1;
     int rc = uv_spawn(&d->loop, &c->proc, &o);
+    if (pfd[0] >= 0) close(pfd[0]);
     if (rc != 0) {
         KVB_LOG_E("%s: cannot start %s: %s", c->name, c->argv[0], uv_strerror(rc));
         /* uv_spawn initialised the handle before failing: close it like an exited one. */
@@ -389,8 +423,10 @@ static void probe_send(kvbankd *d) {
     }
     int linger = 0;
     zmq_setsockopt(d->zsock, ZMQ_LINGER, &linger, sizeof linger);
-    if (zmq_connect(d->zsock, d->cfg->coordinator) != 0) {
-        KVB_LOG_E("zmq_connect %s: %s", d->cfg->coordinator, zmq_strerror(errno));
+    kvb_auth_set_ctl(d->zsock); /* the coordinator's control login */
+    char ep[PATH_MAX + 16]; /* the control endpoint */
+    if (kvb_auth_ctl_endpoint(d->cfg->coordinator, ep, sizeof ep) != KVB_OK || zmq_connect(d->zsock, ep) != 0) {
+        KVB_LOG_E("zmq_connect %s: %s", ep, zmq_strerror(errno));
         probe_close(d);
         return;
     }
@@ -471,6 +507,8 @@ static void start_models(kvbankd *d) {
     for (int pass = 0; pass < 2; pass++) /* the master first: workers lend to it */
         for (int i = 0; i < d->cfg->n_models; i++)
             if ((d->models[i].model->role == KVB_ROLE_MASTER) == (pass == 0)) spawn_child(&d->models[i]);
+    /* The gateway finds the models through the coordinator and retries them, so it may start now. */
+    if (d->has_gw) spawn_child(&d->gw);
 }
 
 /* ------------------------------------------------------------------------------------ kvbank-mkmodel */
@@ -603,7 +641,7 @@ static void finish(kvbankd *d) {
     uv_timer_stop(&d->drain_timer);
     int n = unlink_node_shm(d);
     if (n) KVB_LOG_I("removed %d stale shared-memory segment(s) of node %s", n, d->cfg->node);
-    remove_socket(d->cfg->coordinator);
+    remove_coordinator_sockets(d);
     for (int i = 0; i < d->cfg->n_models; i++) remove_socket(d->cfg->models[i].endpoint);
     remove_pid_file(d);
     close_handle((uv_handle_t *)&d->sig_term);
@@ -612,6 +650,7 @@ static void finish(kvbankd *d) {
     close_handle((uv_handle_t *)&d->probe_timer);
     close_handle((uv_handle_t *)&d->drain_timer);
     close_handle((uv_handle_t *)&d->coord.restart_timer);
+    close_handle((uv_handle_t *)&d->gw.restart_timer);
     for (int i = 0; i < d->cfg->n_models; i++) close_handle((uv_handle_t *)&d->models[i].restart_timer);
     KVB_LOG_I("node %s stopped (exit status %d)", d->cfg->node, d->exit_code);
 }
@@ -624,7 +663,7 @@ static void stop_coordinator(kvbankd *d, int sig) {
 
 static void drain_step(kvbankd *d) {
     if (d->phase == PHASE_DRAIN_MODELS) {
-        if (d->mk_open) return;
+        if (d->mk_open || d->gw.proc_open) return;
         for (int i = 0; i < d->cfg->n_models; i++)
             if (d->models[i].proc_open) return;
         d->phase = PHASE_DRAIN_COORD;
@@ -641,6 +680,8 @@ static void drain_step(kvbankd *d) {
 static void drain_kill(kvbankd *d) {
     if (d->phase == PHASE_DRAIN_MODELS) {
         if (d->mk_running) uv_process_kill(&d->mk_proc, SIGKILL);
+        if (d->gw.running) KVB_LOG_W("the gateway (pid %d) did not stop: SIGKILL", d->gw.pid);
+        kill_child(&d->gw, SIGKILL);
         for (int i = 0; i < d->cfg->n_models; i++) {
             child *c = &d->models[i];
             if (!c->running) continue;
@@ -661,9 +702,12 @@ static void begin_drain(kvbankd *d, int code) {
     if (code > d->exit_code) d->exit_code = code;
     probe_stop(d);
     uv_timer_stop(&d->coord.restart_timer);
+    uv_timer_stop(&d->gw.restart_timer);
     for (int i = 0; i < d->cfg->n_models; i++) uv_timer_stop(&d->models[i].restart_timer);
     d->phase = PHASE_DRAIN_MODELS;
     if (d->mk_running) uv_process_kill(&d->mk_proc, SIGTERM);
+    if (d->gw.running) KVB_LOG_I("stopping the gateway (pid %d, SIGTERM)", d->gw.pid);
+    kill_child(&d->gw, SIGTERM);
     for (int i = 0; i < d->cfg->n_models; i++) {
         child *c = &d->models[i];
         if (!c->running) continue;
@@ -771,6 +815,15 @@ static kvb_status setup_children(kvbankd *d) {
     KVB_TRY(program_path(d, "kvbank-coordinator", &co->argv[0]));
     co->argv[1] = "--config";
     co->argv[2] = cfg->path;
+    if (cfg->gateway.enabled) {
+        child *g = &d->gw;
+        g->d = d;
+        g->name = "gateway";
+        KVB_TRY(program_path(d, "kvbank-gateway", &g->argv[0]));
+        g->argv[1] = "--config";
+        g->argv[2] = cfg->path;
+        d->has_gw = 1;
+    }
     int need_mkmodel = 0;
     for (int i = 0; i < cfg->n_models; i++) {
         child *c = &d->models[i];
@@ -802,6 +855,21 @@ static kvb_status setup_children(kvbankd *d) {
     return KVB_OK;
 }
 
+/* This start's node secret, and the environment of the children: ours with KVB_AUTH_FD=3 (the
+ * strings are borrowed from environ, which kvbankd does not change). */
+static kvb_status setup_auth(kvbankd *d) {
+    extern char **environ;
+    KVB_TRY(kvb_auth_new_secret(&d->auth));
+    size_t n = 0;
+    while (environ[n]) n++;
+    KVB_TRY(kvb_calloc(n + 2, sizeof *d->env, (void **)&d->env));
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (strncmp(environ[i], KVB_AUTH_FD_ENV "=", sizeof KVB_AUTH_FD_ENV)) d->env[k++] = environ[i];
+    d->env[k] = (char *)KVB_AUTH_FD_ENV "=3";
+    return KVB_OK;
+}
+
 static kvb_status setup_loop(kvbankd *d) {
     int rc = uv_loop_init(&d->loop);
     if (rc != 0) {
@@ -815,6 +883,8 @@ static kvb_status setup_loop(kvbankd *d) {
     d->drain_timer.data = d;
     uv_timer_init(&d->loop, &d->coord.restart_timer);
     d->coord.restart_timer.data = &d->coord;
+    uv_timer_init(&d->loop, &d->gw.restart_timer);
+    d->gw.restart_timer.data = &d->gw;
     for (int i = 0; i < d->cfg->n_models; i++) {
         uv_timer_init(&d->loop, &d->models[i].restart_timer);
         d->models[i].restart_timer.data = &d->models[i];
@@ -872,7 +942,10 @@ static void kvbankd_free(kvbankd *d) {
     remove_pid_file(d);
     free(d->pid_path);
     free(d->node_lock_path);
+    free(d->env);
+    explicit_bzero(&d->auth, sizeof d->auth);
     free(d->coord.argv[0]);
+    free(d->gw.argv[0]);
     if (d->models)
         for (int i = 0; i < d->cfg->n_models; i++) free(d->models[i].argv[0]);
     free(d->models);
@@ -963,11 +1036,12 @@ int main(int argc, char **argv) {
               d->bin_dir);
     /* The locks say no other kvbankd runs this node: its endpoints' socket files are stale, and so are
      * the segments of its tags whose process is dead (only those are removed). */
-    remove_socket(d->cfg->coordinator);
+    remove_coordinator_sockets(d);
     for (int i = 0; i < d->cfg->n_models; i++) remove_socket(d->cfg->models[i].endpoint);
     int n = unlink_node_shm(d);
     if (n) KVB_LOG_I("removed %d stale shared-memory segment(s) of node %s", n, d->cfg->node);
 
+    if (setup_auth(d) != KVB_OK) goto out;
     if (setup_loop(d) != KVB_OK) goto out;
     mk_next(d);
     uv_run(&d->loop, UV_RUN_DEFAULT);

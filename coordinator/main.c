@@ -3,7 +3,9 @@
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
+#include "common/ipc/auth.h"
 #include "common/util/node_config.h"
 #include "coordinator/coordinator.h"
 
@@ -38,6 +40,11 @@ static void usage(FILE *f) {
             "  --heartbeat-misses N   a model silent for N heartbeat periods is dead (default 4, or the\n"
             "                         config's)\n"
             "  -h, --help             this text\n"
+            "\n"
+            "Only ipc:// endpoints: models log in with a token derived from the node secret (see\n"
+            "docs/design.md, threat model). Under kvbankd the secret comes on the fd named by $KVB_AUTH_FD;\n"
+            "run by hand, the coordinator keeps it in the key file SOCKET.key next to its socket (mode\n"
+            "0600, made at the first start and reused), where models run by hand find it.\n"
             "\n"
             "SIGINT or SIGTERM stops it (exit status 0). Log level: KVB_LOG_LEVEL=error|warn|info|debug.\n"
             "Exit status 1 on an error (bad config, endpoint in use), 2 on a usage error.\n");
@@ -99,8 +106,43 @@ int main(int argc, char **argv) {
         if (!hb_ms) co.heartbeat_ms = (uint32_t)nc->heartbeat_ms;
         if (!misses) co.heartbeat_misses = (uint32_t)nc->heartbeat_misses;
     }
+    if (strncmp(co.endpoint, "ipc://", 6) != 0) {
+        fprintf(stderr, "kvbank-coordinator: %s: the coordinator listens on ipc:// only (it serves the processes of "
+                        "one node; tcp:// would be open to every user of the machine)\n", co.endpoint);
+        kvb_node_config_free(nc);
+        return 1;
+    }
+    kvb_auth auth;
+    kvb_status st = kvb_auth_from_env(&auth);
+    if (st == KVB_OK && !auth.has_secret) {
+        fprintf(stderr, "kvbank-coordinator: $%s carries a model's token, not the node secret\n", KVB_AUTH_FD_ENV);
+        st = KVB_ERR_INVALID;
+    } else if (st == KVB_ERR_NOT_FOUND) {
+        /* run by hand: the key file next to the socket, made once and reused across restarts (models
+         * run by hand read it) */
+        char key[4096];
+        st = kvb_auth_key_path(co.endpoint, key, sizeof key);
+        if (st != KVB_OK) fprintf(stderr, "kvbank-coordinator: %s has no socket file to keep a key file next to; "
+                                          "run it under kvbankd\n", co.endpoint);
+        if (st == KVB_OK && (st = kvb_auth_read_file(key, &auth)) == KVB_ERR_NOT_FOUND &&
+            (st = kvb_auth_new_secret(&auth)) == KVB_OK) {
+            mode_t old = umask(0077);
+            st = kvb_coord_endpoint_dir(co.endpoint); /* the key file lives where the socket will */
+            if (st == KVB_OK) st = kvb_auth_write_file(key, &auth);
+            umask(old);
+            if (st == KVB_OK) KVB_LOG_I("node key written to %s (mode 0600)", key);
+        }
+        if (st == KVB_OK && !auth.has_secret) st = KVB_ERR_INVALID;
+        if (st != KVB_OK) fprintf(stderr, "kvbank-coordinator: no usable key file %s\n", key);
+    }
+    if (st != KVB_OK) {
+        kvb_node_config_free(nc);
+        return 1;
+    }
+    co.auth = &auth;
     kvb_coord *coord = NULL;
-    kvb_status st = kvb_coord_create(&co, &coord);
+    st = kvb_coord_create(&co, &coord);
+    explicit_bzero(&auth, sizeof auth);
     kvb_node_config_free(nc);
     if (st != KVB_OK) {
         fprintf(stderr, "kvbank-coordinator: cannot start: %s\n", kvb_status_str(st));

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/ipc/auth.h"
 #include "common/kv/block_pool.h"
 #include "common/mem/region.h" /* stale-segment cleanup of the host backend's names */
 #include "common/model/model.h"
@@ -328,6 +329,7 @@ static int hook_tick(void *ud) {
     kvb_node_proc *p = ud;
     int w1 = p->role.on_tick ? p->role.on_tick(p->role.ud) : -1;
     int w2 = kvb_node_client_tick(p->nc);
+    p->items[0].socket = kvb_node_client_pollitem(p->nc).socket; /* a reconnection replaces it */
     if (w1 < 0) return w2;
     if (w2 < 0) return w1;
     return KVB_MIN(w1, w2);
@@ -358,6 +360,21 @@ void kvb_node_proc_load(const kvb_node_proc *p, kvb_node_load *out) {
 
 /* -------------------------------------------------------------------------------------- lifecycle */
 
+/* The model's planner: its policy with its parameters. "lsc": "stream" (--lsc stream) is the swiftcache
+ * planner's parameter lsc=stream; with the default policy it picks that planner. */
+static kvb_status make_planner(const kvb_node_proc_args *a, kvb_planner *out) {
+    kvb_policy_params pp = {0};
+    const char *policy = a->policy;
+    kvb_status st = KVB_OK;
+    if (a->role == KVB_ROLE_MASTER && a->lsc_stream) {
+        if (!strcmp(policy, "recompute")) policy = "swiftcache"; /* the layer stream cache is SwiftCache's */
+        st = kvb_policy_params_set(&pp, "lsc", "stream");
+    }
+    if (st == KVB_OK) st = kvb_policy_create(policy, &pp, out);
+    kvb_policy_params_free(&pp);
+    return st;
+}
+
 kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role *role, kvb_node_proc **out) {
     if (!a || !role || !out) return KVB_ERR_INVALID;
     const char *prog = a->prog;
@@ -381,8 +398,9 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     kvb_planner planner = {0};
     int planner_owned = 0;
 
-    if ((st = kvb_policy_by_name(a->policy, &planner)) != KVB_OK) {
-        fprintf(stderr, "%s: unknown policy '%s'\n", prog, a->policy);
+    if ((st = make_planner(a, &planner)) != KVB_OK) {
+        fprintf(stderr, "%s: cannot create policy '%s' (see the log; kvbank-generate --policy list names them)\n", prog,
+                a->policy);
         goto fail;
     }
     planner_owned = 1;
@@ -433,7 +451,6 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     eo.enable_prefix_cache = a->prefix_cache;
     eo.kv_mem = kvb_mem_region_base(p->region);
     eo.kv_mem_bytes = kvb_mem_region_size(p->region);
-    eo.lsc_stream = a->role == KVB_ROLE_MASTER ? a->lsc_stream : 0;
     kvb_engine_events ev = kvb_server_engine_events(p->srv);
     planner_owned = 0; /* kvb_engine_create takes the planner, also when it fails */
     if ((st = kvb_engine_create(p->model, &eo, &planner, &ev, &p->eng)) != KVB_OK) {
@@ -442,13 +459,29 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     }
     kvb_server_attach(p->srv, p->eng);
 
-    kvb_node_identity id = {.name = a->name, .role = a->role, .geom = p->geom,
+    /* The coordinator's credentials: kvbankd passes this model's token (KVB_AUTH_FD); run by hand, the
+     * node client derives it from the coordinator's key file. */
+    kvb_auth auth;
+    char token[KVB_AUTH_TOKEN_LEN + 1] = "";
+    kvb_status ast = kvb_auth_from_env(&auth);
+    if (ast == KVB_OK) {
+        if (auth.has_secret) kvb_auth_token(auth.secret, a->name, token);
+        else memcpy(token, auth.token, sizeof token);
+        explicit_bzero(&auth, sizeof auth);
+    } else if (ast != KVB_ERR_NOT_FOUND) {
+        fprintf(stderr, "%s: unreadable credentials on $%s\n", prog, KVB_AUTH_FD_ENV);
+        st = ast;
+        goto fail;
+    }
+    kvb_node_identity id = {.name = a->name, .role = a->role, .geom = p->geom, .token = token[0] ? token : NULL,
                             .region = kvb_mem_region_handle(p->region),
                             .region_bytes = kvb_mem_region_size(p->region), .memory = kvb_mem_kind(p->be->mem),
                             .device = (uint32_t)kvb_mem_device(p->be->mem),
                             .stream = a->role == KVB_ROLE_MASTER && a->lsc_stream, .capacity = (uint32_t)n_blocks,
                             .endpoint = kvb_server_endpoint(p->srv), .model = a->model_dir};
-    if ((st = kvb_node_client_create(a->coordinator, &id, &role->cb, a->heartbeat_ms, &p->nc)) != KVB_OK) {
+    st = kvb_node_client_create(a->coordinator, &id, &role->cb, a->heartbeat_ms, &p->nc);
+    explicit_bzero(token, sizeof token);
+    if (st != KVB_OK) {
         fprintf(stderr, "%s: cannot connect to the coordinator at %s: %s\n", prog, a->coordinator,
                 kvb_status_str(st));
         goto fail;

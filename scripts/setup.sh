@@ -8,7 +8,8 @@ KVB_JOBS=${KVB_JOBS:-$(nproc)}
 
 # Debian packages kvbank builds and tests with (see README "Dependencies").
 KVB_PACKAGES="build-essential autoconf automake pkg-config libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
-libuv1-dev libjansson-dev libopenblas-dev libxxhash-dev libnlopt-dev libpcre2-dev check python3-numpy procps"
+libuv1-dev libjansson-dev libopenblas-dev libxxhash-dev libnlopt-dev libpcre2-dev check python3-numpy procps libh2o-dev libssl-dev
+libcurl4-openssl-dev curl"
 
 kvb_install_packages() {
     local missing=()
@@ -21,6 +22,21 @@ kvb_install_packages() {
     [ "$(id -u)" -ne 0 ] && sudo="sudo"
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# The text layer's test oracles (tests/test_text_oracle.sh): npm packages pinned by
+# tests/npm/package-lock.json, installed into tests/npm/node_modules when node and npm are present.
+# Only the tests use them; kvbank never runs node.
+kvb_install_oracles() {
+    if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+        echo "==> node/npm not found: the text oracle test will be skipped"
+        return 0
+    fi
+    local d=$KVB_ROOT/tests/npm
+    if [ ! -f "$d/node_modules/.package-lock.json" ] || [ "$d/package-lock.json" -nt "$d/node_modules/.package-lock.json" ]; then
+        echo "==> npm ci (text oracles, in tests/npm)"
+        (cd "$d" && npm ci --no-audit --no-fund --loglevel=error)
+    fi
 }
 
 # kvb_build DIR [configure args...]: configure (once) and build in DIR.

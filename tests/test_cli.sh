@@ -45,6 +45,10 @@ expect 1 "vocabulary" -- "$B/kvbank-generate" --model "$M" --prompt-ids 1,100 --
 expect 1 "exceeds the model length" -- "$B/kvbank-generate" --model "$M" --prompt-ids 1 --max-tokens 5000
 expect 1 "cpu" -- "$B/kvbank-generate" --model "$M" --prompt-ids 1 --max-tokens 2 --backend tpu
 expect 1 "config.json" -- "$B/kvbank-generate" --model "$T/none" --prompt-ids 1 --max-tokens 2
+expect 1 "tokenizer.json" -- "$B/kvbank-generate" --model "$M" --prompt "hi" --max-tokens 2
+expect 1 "tokenizer.json" -- "$B/kvbank-mkmodel" --arch llama --tokenizer "$T/none" "$T/tok"
+expect 2 "eos-ids" -- "$B/kvbank-mkmodel" --arch llama --eos-ids 1,x "$T/tok"
+expect 1 "EOS id 300 is not below the vocabulary size 100" -- "$B/kvbank-mkmodel" --arch llama --vocab 100 --eos-ids 300 "$T/tok"
 
 # broken copies of the good model
 mk() { rm -rf "$T/$1"; cp -r "$M" "$T/$1"; echo "$T/$1"; }

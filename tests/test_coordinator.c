@@ -20,15 +20,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zmq.h>
 
+#include "common/ipc/auth.h"
 #include "common/ipc/client.h"
+#include "common/ipc/node_client.h"
 #include "common/ipc/wire.h"
 #include "common/kv/block_pool.h"
+#include "common/mem/region.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/ledger.h"
 #include "tests/harness.h"
@@ -867,12 +871,26 @@ typedef struct peer {
     void *ctx, *sock;
     char name[64];           /* routing id; "" for an anonymous one */
     uint64_t last_hb_ns;
+    kvb_region *region;      /* the KV region it registers with (a real one of this process) */
 } peer;
 
 static peer *g_alive[8];     /* peers that heartbeat while the test waits */
 static int g_n_alive;
 
-static void peer_open(peer *p, const char *name) {
+/* The token of model `name` from the coordinator's key file next to its socket (the way a model run by
+ * hand logs in); 0 when there is no key file (a coordinator that does not authenticate). */
+static int model_token(const char *name, char out[KVB_AUTH_TOKEN_LEN + 1]) {
+    char key[PATH_MAX];
+    kvb_auth a;
+    if (kvb_auth_key_path(g_endpoint, key, sizeof key) != KVB_OK || kvb_auth_read_file(key, &a) != KVB_OK) return 0;
+    kvb_auth_token(a.secret, name, out);
+    return 1;
+}
+
+/* A DEALER to the coordinator's models' endpoint (ctl: its control endpoint) with routing id `name`
+ * (NULL: none, the ROUTER makes one up) that logs in as `user` with `password` (user NULL: no PLAIN at
+ * all). */
+static void peer_open_at(peer *p, int ctl, const char *name, const char *user, const char *password) {
     memset(p, 0, sizeof p[0]);
     p->ctx = zmq_ctx_new();
     ck_assert_ptr_nonnull(p->ctx);
@@ -885,10 +903,25 @@ static void peer_open(peer *p, const char *name) {
         snprintf(p->name, sizeof p->name, "%s", name);
         ck_assert_int_eq(zmq_setsockopt(p->sock, ZMQ_ROUTING_ID, name, strlen(name)), 0);
     }
-    ck_assert_int_eq(zmq_connect(p->sock, g_endpoint), 0);
+    if (user) ck_assert_int_eq(kvb_auth_set_plain(p->sock, user, password), KVB_OK);
+    char ep[sizeof g_endpoint + 8];
+    snprintf(ep, sizeof ep, "%s%s", g_endpoint, ctl ? ".ctl" : "");
+    ck_assert_int_eq(zmq_connect(p->sock, ep), 0);
+}
+
+/* A model peer logs in with its token on the models' endpoint; an anonymous one as a control client on
+ * the control endpoint. (Without a key file, as against a coordinator that does not authenticate, both
+ * connect to the one endpoint without credentials.) */
+static void peer_open(peer *p, const char *name) {
+    char tok[KVB_AUTH_TOKEN_LEN + 1];
+    if (name && model_token(name, tok)) peer_open_at(p, 0, name, name, tok);
+    else if (!name && model_token("-", tok)) peer_open_at(p, 1, NULL, KVB_AUTH_CTL_USER, "-");
+    else peer_open_at(p, 0, name, NULL, NULL);
 }
 
 static void peer_close(peer *p) {
+    kvb_region_destroy(p->region);
+    p->region = NULL;
     if (p->sock) zmq_close(p->sock);
     if (p->ctx) zmq_ctx_term(p->ctx);
     p->sock = p->ctx = NULL;
@@ -1000,16 +1033,23 @@ static Kvbank__RegisterReply *peer_register_loans(peer *p, kvb_role role, uint32
     wg.head_dim = (uint32_t)g->head_dim;
     wg.block_size = (uint32_t)g->block_size;
     wg.elem_size = (uint32_t)g->elem_size;
-    char region[96], ep[192];
-    snprintf(region, sizeof region, "/kvb-test-%s", p->name);
+    char ep[192];
     snprintf(ep, sizeof ep, "ipc://%s/%s.sock", g_dir, p->name);
+    size_t bytes = (size_t)capacity * kvb_kv_block_bytes(g);
+    if (!p->region || kvb_region_size(p->region) < bytes) { /* a real region of this process */
+        kvb_region_destroy(p->region);
+        char tag[40];
+        snprintf(tag, sizeof tag, "t%d_%.20s", (int)getpid(), p->name);
+        ck_assert_int_eq(kvb_region_create(tag, bytes, &p->region), KVB_OK);
+    }
+    const char *region = kvb_region_handle(p->region);
     Kvbank__Register r = KVBANK__REGISTER__INIT;
     r.name = p->name;
     r.role = role == KVB_ROLE_MASTER ? KVBANK__ROLE__ROLE_MASTER : KVBANK__ROLE__ROLE_WORKER;
     r.pid = pid;
     r.geom = &wg;
-    r.region = region;
-    r.region_bytes = (uint64_t)capacity * kvb_kv_block_bytes(g);
+    r.region = (char *)region;
+    r.region_bytes = (uint64_t)bytes;
     r.capacity = capacity;
     r.n_own = capacity;
     r.endpoint = ep;
@@ -1093,9 +1133,7 @@ static uint64_t lend_flow(peer *m, peer *w, uint32_t first, uint32_t n) {
     ck_assert_uint_eq(g->loan->n_master_blocks, n / 4);
     ck_assert_ptr_nonnull(g->lender_geom);
     ck_assert_uint_eq(g->lender_geom->n_layers, (uint32_t)G_A.n_layers);
-    char region[96];
-    snprintf(region, sizeof region, "/kvb-test-%s", w->name);
-    ck_assert_str_eq(g->region, region);
+    ck_assert_str_eq(g->region, kvb_region_handle(w->region));
     kvbank__envelope__free_unpacked(e, NULL);
     send_grant_ack(m, id, 1);
     return id;
@@ -1251,7 +1289,13 @@ static void child_master(int fd) {
     int zero = 0;
     zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(s, ZMQ_ROUTING_ID, "m", 1);
+    char tok[KVB_AUTH_TOKEN_LEN + 1];
+    if (!model_token("m", tok) || kvb_auth_set_plain(s, "m", tok) != KVB_OK) _exit(3);
     if (zmq_connect(s, g_endpoint) != 0) _exit(3);
+    kvb_region *region = NULL; /* its own (it dies with SIGKILL: the test removes it) */
+    char tag[32];
+    snprintf(tag, sizeof tag, "t%d_m", (int)getpid());
+    if (kvb_region_create(tag, 64 * kvb_kv_block_bytes(&G_M), &region) != KVB_OK) _exit(3);
     Kvbank__KvGeometry wg = KVBANK__KV_GEOMETRY__INIT;
     wg.n_layers = (uint32_t)G_M.n_layers;
     wg.n_kv_heads = (uint32_t)G_M.n_kv_heads;
@@ -1263,7 +1307,7 @@ static void child_master(int fd) {
     r.role = KVBANK__ROLE__ROLE_MASTER;
     r.pid = (uint32_t)getpid();
     r.geom = &wg;
-    r.region = "/kvb-test-m";
+    r.region = (char *)kvb_region_handle(region);
     r.capacity = 64;
     r.region_bytes = 64 * kvb_kv_block_bytes(&G_M);
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
@@ -1353,6 +1397,9 @@ KVB_TEST(proc_master_killed) {
     uint64_t t0 = kvb_now_ns();
     kill(child, SIGKILL);
     ck_assert_int_eq(waitpid(child, NULL, 0), child); /* reaped: the pid is gone */
+    char ctag[32];
+    snprintf(ctag, sizeof ctag, "t%d_m", (int)child);
+    kvb_region_unlink_stale(ctag, NULL); /* the killed child's region */
     e = peer_expect(&w, KVBANK__ENVELOPE__BODY_RECLAIMED, 10000, "reclaimed after the master died");
     double dt = (double)(kvb_now_ns() - t0) / 1e9;
     ck_assert_uint_eq(e->reclaimed->loan_id, id);
@@ -1889,9 +1936,12 @@ KVB_TEST(ctl_generate) {
     Kvbank__Register r = KVBANK__REGISTER__INIT;
     r.name = "w";
     r.role = KVBANK__ROLE__ROLE_WORKER;
-    r.pid = (uint32_t)srv;
+    r.pid = (uint32_t)getpid(); /* the registration is this connection's: pid and region are ours */
     r.geom = &wg;
-    r.region = "/kvb-test-w";
+    char tag[32];
+    snprintf(tag, sizeof tag, "t%d_w", (int)getpid());
+    ck_assert_int_eq(kvb_region_create(tag, 64 * kvb_kv_block_bytes(&G_A), &w.region), KVB_OK);
+    r.region = (char *)kvb_region_handle(w.region);
     r.capacity = 64;
     r.region_bytes = 64 * kvb_kv_block_bytes(&G_A);
     r.endpoint = ep;
@@ -1954,6 +2004,10 @@ KVB_TEST(proc_cli) {
     ck_assert_int_eq(run_tool(badn, NULL, 0, err, sizeof err), 2);
     const char *badcfg[] = {"kvbank-coordinator", "--config", "/nonexistent.json", NULL};
     ck_assert_int_eq(run_tool(badcfg, NULL, 0, err, sizeof err), 1);
+    /* tcp is refused: the coordinator serves one node's processes, on ipc:// */
+    const char *tcp[] = {"kvbank-coordinator", "--endpoint", "tcp://127.0.0.1:0", NULL};
+    ck_assert_int_eq(run_tool(tcp, NULL, 0, err, sizeof err), 1);
+    ck_assert_msg(strstr(err, "ipc:// only") != NULL, "stderr: %s", err);
     start_coordinator();
     const char *second[] = {"kvbank-coordinator", "--endpoint", g_endpoint, NULL};
     ck_assert_int_eq(run_tool(second, NULL, 0, err, sizeof err), 1);
@@ -1987,6 +2041,238 @@ KVB_TEST(proc_cli) {
 }
 KVB_TEST_END
 
+/* ------------------------------------------------------------------------------------ trust (issue 15) */
+
+/* Waits `ms` while the g_alive peers heartbeat (and reads what comes to `p`, which must be nothing but
+ * heartbeat replies when `quiet`). */
+static void wait_alive(peer *p, int ms) {
+    uint64_t end = kvb_now_ns() + (uint64_t)ms * 1000000u;
+    while (kvb_now_ns() < end) {
+        Kvbank__Envelope *e = peer_recv(p, 20);
+        if (e) kvbank__envelope__free_unpacked(e, NULL);
+    }
+}
+
+static uint64_t auth_refused(void) {
+    Kvbank__Envelope *s = status_of(0);
+    uint64_t n = s->status_reply->auth_refused;
+    kvbank__envelope__free_unpacked(s, NULL);
+    return n;
+}
+
+/* A connection under a worker's name cannot take the worker's route: one without credentials (the
+ * hijacker of the issue, which sends nothing), one with a wrong token, one with the control login on
+ * the models' endpoint. Each is refused at its handshake and counted; the real worker stays alive
+ * with its loan for many silence limits. */
+KVB_TEST(proc_hijack_refused) {
+    make_dir();
+    snprintf(g_hb_ms, sizeof g_hb_ms, "50");
+    snprintf(g_misses, sizeof g_misses, "4"); /* dead after 200 ms of silence */
+    start_coordinator();
+    peer m, w, h[3];
+    peer_open(&m, "m");
+    peer_open(&w, "w");
+    peer_register(&m, KVB_ROLE_MASTER, &G_M, 64);
+    keep_alive(&m);
+    peer_register(&w, KVB_ROLE_WORKER, &G_A, 64);
+    keep_alive(&w);
+    uint64_t id = lend_flow(&m, &w, 56, 8);
+    wait_alive(&m, 100);
+    uint64_t refused0 = auth_refused();
+    char wrong[KVB_AUTH_TOKEN_LEN + 1];
+    memset(wrong, '0', KVB_AUTH_TOKEN_LEN);
+    wrong[KVB_AUTH_TOKEN_LEN] = '\0';
+    peer_open_at(&h[0], 0, "w", NULL, NULL);
+    peer_open_at(&h[1], 0, "w", "w", wrong);
+    peer_open_at(&h[2], 0, "w", KVB_AUTH_CTL_USER, "-");
+    wait_alive(&m, 1000); /* five silence limits */
+    Kvbank__Envelope *s = status_of(1);
+    const Kvbank__ModelStatus *ws = find_status(s->status_reply, "w");
+    ck_assert_ptr_nonnull(ws);
+    if (!ws->alive) print_log();
+    ck_assert_msg(ws->alive, "the worker lost its route to a hijacker");
+    ck_assert_uint_eq(s->status_reply->n_loans, 1);
+    ck_assert_uint_eq(s->status_reply->loans[0]->loan_id, id);
+    ck_assert(!s->status_reply->loans[0]->revoking);
+    ck_assert_uint_ge(s->status_reply->auth_refused, refused0 + 3);
+    kvbank__envelope__free_unpacked(s, NULL);
+    /* the worker's route still works: its reclaim goes through and comes back */
+    send_reclaim(&w, 8);
+    Kvbank__Envelope *e = peer_expect(&m, KVBANK__ENVELOPE__BODY_REVOKE, 10000, "revoke after the hijack");
+    ck_assert_uint_eq(e->revoke->loan_id, id);
+    uint64_t ep = e->revoke->epoch;
+    kvbank__envelope__free_unpacked(e, NULL);
+    send_revoke_ack(&m, id, ep);
+    e = peer_expect(&w, KVBANK__ENVELOPE__BODY_RECLAIMED, 10000, "reclaimed after the hijack");
+    kvbank__envelope__free_unpacked(e, NULL);
+    ck_assert(log_contains("refused a connection"));
+    for (int i = 0; i < 3; i++) peer_close(&h[i]);
+    peer_close(&m);
+    peer_close(&w);
+    teardown();
+}
+KVB_TEST_END
+
+/* Forged claims are refused, counted, and kill nothing: a registration without credentials gets no
+ * answer at all; a master that registers with another process's pid (the pid the coordinator would
+ * SIGKILL to fence it) is refused, and so are registrations with a region of another pid or one that
+ * does not exist. The victim process lives on, also after the would-be master falls silent. */
+KVB_TEST(proc_forged_claims) {
+    make_dir();
+    snprintf(g_hb_ms, sizeof g_hb_ms, "50");
+    snprintf(g_misses, sizeof g_misses, "4");
+    start_coordinator();
+    pid_t victim = fork();
+    ck_assert_int_ge(victim, 0);
+    if (victim == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        for (;;) pause();
+    }
+    uint64_t refused0 = auth_refused();
+
+    /* no credentials: the handshake is refused, the Register never arrives */
+    peer x;
+    peer_open_at(&x, 0, "x", NULL, NULL);
+    Kvbank__KvGeometry wg = KVBANK__KV_GEOMETRY__INIT;
+    wg.n_layers = (uint32_t)G_M.n_layers, wg.n_kv_heads = (uint32_t)G_M.n_kv_heads;
+    wg.head_dim = (uint32_t)G_M.head_dim, wg.block_size = (uint32_t)G_M.block_size;
+    wg.elem_size = (uint32_t)G_M.elem_size;
+    Kvbank__Register r = KVBANK__REGISTER__INIT;
+    r.name = "x";
+    r.role = KVBANK__ROLE__ROLE_WORKER;
+    r.pid = (uint32_t)getpid();
+    r.geom = &wg;
+    r.region = "/kvb-none";
+    r.capacity = 64;
+    r.region_bytes = 64 * kvb_kv_block_bytes(&G_M);
+    Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
+    env.body_case = KVBANK__ENVELOPE__BODY_REGISTER;
+    env.register_ = &r;
+    zmq_send(x.sock, "", 0, ZMQ_DONTWAIT); /* (a DEALER without a connection queues nothing) */
+    kvb_wire_send(x.sock, NULL, 0, &env, 1);
+    Kvbank__Envelope *e = peer_recv(&x, 500);
+    int x_answered = e != NULL;
+    if (e) kvbank__envelope__free_unpacked(e, NULL);
+
+    /* a master that names the victim's pid: refused (its connection is this process) */
+    peer m, w;
+    peer_open(&m, "m");
+    Kvbank__Envelope *h = NULL;
+    Kvbank__RegisterReply *rr = peer_register_loans(&m, KVB_ROLE_MASTER, (uint32_t)victim, &G_M, 64, NULL, 0, &h);
+    int forged_ok = rr->ok;
+    char forged_err[256];
+    snprintf(forged_err, sizeof forged_err, "%s", rr->error ? rr->error : "");
+    kvbank__envelope__free_unpacked(h, NULL);
+    if (forged_ok) {
+        /* (a coordinator that takes it: the master borrows and falls silent, and is fenced) */
+        peer_open(&w, "w");
+        peer_register(&w, KVB_ROLE_WORKER, &G_A, 64);
+        keep_alive(&w);
+        send_offer(&w, 56, 8);
+        e = peer_expect(&m, KVBANK__ENVELOPE__BODY_GRANT, 10000, "grant to the forged master");
+        send_grant_ack(&m, e->grant->loan->loan_id, 1);
+        kvbank__envelope__free_unpacked(e, NULL);
+        wait_alive(&w, 1000);
+        peer_close(&w);
+    }
+
+    /* regions that are not the registering process's */
+    peer y, z;
+    peer_open(&y, "y");
+    peer_open(&z, "z");
+    char other[96];
+    snprintf(other, sizeof other, "/kvb-t%d_y-%d-0", (int)getpid(), (int)victim); /* another pid's name */
+    int fd = shm_open(other, O_CREAT | O_RDWR, 0600);
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(ftruncate(fd, 64 * (off_t)kvb_kv_block_bytes(&G_M)), 0);
+    close(fd);
+    const char *regions[2] = {other, "/kvb-nothere-1-1"};
+    peer *ps[2] = {&y, &z};
+    int region_ok[2];
+    char region_err[2][256];
+    for (int i = 0; i < 2; i++) {
+        Kvbank__Register rg = r;
+        rg.name = ps[i]->name;
+        rg.region = (char *)regions[i];
+        env.register_ = &rg;
+        peer_send(ps[i], &env);
+        e = peer_expect(ps[i], KVBANK__ENVELOPE__BODY_REGISTER_REPLY, 10000, "register with a foreign region");
+        region_ok[i] = e->register_reply->ok;
+        snprintf(region_err[i], sizeof region_err[i], "%s", e->register_reply->error ? e->register_reply->error : "");
+        kvbank__envelope__free_unpacked(e, NULL);
+    }
+    shm_unlink(other);
+
+    int victim_alive = kill(victim, 0) == 0 && waitpid(victim, NULL, WNOHANG) == 0;
+    uint64_t refused = auth_refused();
+    kill(victim, SIGKILL);
+    waitpid(victim, NULL, 0);
+    if (forged_ok || !victim_alive) print_log();
+    ck_assert_msg(victim_alive, "the coordinator killed pid %d, which a peer named as its own", (int)victim);
+    ck_assert_msg(!forged_ok, "a registration with another process's pid was accepted");
+    ck_assert_msg(!x_answered, "a registration without credentials was answered");
+    ck_assert_msg(strstr(forged_err, "pid") != NULL, "refusal: %s", forged_err);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_msg(!region_ok[i], "a registration with region %s was accepted", regions[i]);
+        ck_assert_msg(strstr(region_err[i], "region") != NULL, "refusal: %s", region_err[i]);
+    }
+    ck_assert_uint_ge(refused, refused0 + 4); /* x's handshake, m's pid, y's and z's regions */
+    peer_close(&x);
+    peer_close(&m);
+    peer_close(&y);
+    peer_close(&z);
+    teardown();
+}
+KVB_TEST_END
+
+static void nc_load(void *ud, kvb_node_load *out) {
+    (void)ud;
+    memset(out, 0, sizeof *out);
+}
+
+/* A model whose route is lost (another connection logged in under its name took it, e.g. a stray
+ * second process of the same model) notices the silence, makes a new socket and registers again: it
+ * recovers without a restart and before the coordinator's silence limit, so it is never declared
+ * dead. The real node client (common/ipc/node_client.c), with its token from the key file. */
+KVB_TEST(proc_route_recovery) {
+    make_dir();
+    snprintf(g_hb_ms, sizeof g_hb_ms, "100");
+    snprintf(g_misses, sizeof g_misses, "15"); /* dead after 1.5 s of silence; the client reconnects after 0.5 s */
+    start_coordinator();
+    char tag[32];
+    snprintf(tag, sizeof tag, "t%d_w", (int)getpid());
+    kvb_region *reg = NULL;
+    ck_assert_int_eq(kvb_region_create(tag, 64 * kvb_kv_block_bytes(&G_A), &reg), KVB_OK);
+    kvb_node_identity id = {.name = "w", .role = KVB_ROLE_WORKER, .geom = G_A, .region = kvb_region_handle(reg),
+                            .region_bytes = kvb_region_size(reg), .capacity = 64, .endpoint = "ipc:///nowhere"};
+    kvb_node_callbacks cb = {.load = nc_load};
+    kvb_node_client *nc = NULL;
+    ck_assert_int_eq(kvb_node_client_create(g_endpoint, &id, &cb, 100, &nc), KVB_OK);
+    for (int i = 0; i < 100 && !kvb_node_client_registered(nc); i++) kvb_node_client_pump(nc, 50);
+    ck_assert(kvb_node_client_registered(nc));
+
+    /* the stray connection: w's own credentials, routing id w, silent */
+    char tok[KVB_AUTH_TOKEN_LEN + 1];
+    ck_assert(model_token("w", tok));
+    peer stray;
+    peer_open_at(&stray, 0, "w", "w", tok);
+    kvb_node_client_pump(nc, 3000); /* two coordinator silence limits */
+    ck_assert(kvb_node_client_registered(nc));
+    Kvbank__Envelope *s = status_of(0);
+    const Kvbank__ModelStatus *ws = find_status(s->status_reply, "w");
+    ck_assert_ptr_nonnull(ws);
+    ck_assert(ws->alive);
+    ck_assert_uint_lt(ws->last_heartbeat_ms, 500);
+    kvbank__envelope__free_unpacked(s, NULL);
+    if (log_contains(" is dead")) print_log();
+    ck_assert_msg(!log_contains(" is dead"), "the worker was declared dead while its route was lost");
+    peer_close(&stray);
+    kvb_node_client_destroy(nc);
+    kvb_region_destroy(reg);
+    teardown();
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("coordinator", KVB_T(ledger_meu_per_pair, 10), KVB_T(ledger_offer_validation, 10),
               KVB_T(ledger_refuses_regions_off_the_masters_plan, 10),
               KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_grant_failures, 10),
@@ -1997,4 +2283,5 @@ KVB_TEST_MAIN("coordinator", KVB_T(ledger_meu_per_pair, 10), KVB_T(ledger_offer_
               KVB_T(ledger_reregister_same_pid, 10), KVB_T(proc_lend_reclaim_flow, 60), KVB_T(proc_worker_silent, 60),
               KVB_T(proc_master_killed, 60), KVB_T(proc_bad_messages, 60), KVB_T(proc_restart_rebuilds_ledger, 60),
               KVB_T(ctl_control, 60), KVB_T(ctl_status_json, 60), KVB_T(ctl_plan, 30), KVB_T(ctl_generate, 120),
-              KVB_T(proc_cli, 60))
+              KVB_T(proc_cli, 60), KVB_T(proc_hijack_refused, 60),
+              KVB_T(proc_forged_claims, 60), KVB_T(proc_route_recovery, 60))

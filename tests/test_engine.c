@@ -285,10 +285,14 @@ KVB_TEST(host_tier_lossless) {
     kvb_engine_opts_default(&o);
     o.block_size = 8;
     o.n_blocks = 10;
-    o.host_tier_blocks = 32;
+    kvb_policy_params pp = {0};
+    ck_assert_int_eq(kvb_policy_params_add(&pp, "blocks=32"), KVB_OK); /* a host tier of 32 blocks */
+    kvb_planner pl;
+    ck_assert_int_eq(kvb_policy_create("host-tier", &pp, &pl), KVB_OK);
+    kvb_policy_params_free(&pp);
     kvb_engine_events ev = {.ud = &r, .on_token = on_token, .on_finish = on_finish};
     kvb_engine *e = NULL;
-    ck_assert_int_eq(kvb_engine_create(model, &o, NULL, &ev, &e), KVB_OK);
+    ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
     add(e, 0, P[0], PL[0], 20); /* 57 tokens: 7 full blocks published */
     run(e);
     int32_t other[64];

@@ -52,6 +52,8 @@ c = json.load(open(src))
 c["node"] = node
 c["run_dir"] = run
 c["coordinator"].update(heartbeat_ms=200, heartbeat_misses=5, lend_interval_s=0.5, window_s=2.0)
+if "gateway" in c:
+    c["gateway"]["listen"] = "127.0.0.1:0"  # any free port: tests may run side by side
 for m in c["models"]:
     assert "mkmodel" in m, m["name"]
     m["model_dir"] = models + "/" + m["name"]
@@ -110,6 +112,13 @@ for m in "${MODELS[@]}"; do
 done
 ok "pid file and the generated model directories"
 
+# trust: the models logged in with the tokens kvbankd handed them (nothing refused), and the node
+# secret is nowhere on disk (no key file: that is for a coordinator run by hand)
+"$PY" -c 'import json,sys; j=json.load(open(sys.argv[1])); sys.exit(0 if j["auth_refused"] == 0 else 1)' "$T/status.json" ||
+    fail "the coordinator refused logins of the node's own models: $(cat "$T/status.json")"
+[ -e "$RUN/coordinator.sock.key" ] && fail "a key file next to kvbankd's coordinator"
+ok "models logged in with their tokens, nothing refused, no key file"
+
 # modes: run_dir 0700, shared-memory segments and ipc sockets 0600
 [ "$(stat -c %a "$RUN")" = 700 ] || fail "run_dir mode $(stat -c %a "$RUN"), want 700"
 for m in "${MODELS[@]}"; do
@@ -119,7 +128,7 @@ for m in "${MODELS[@]}"; do
         [ "$(stat -c %a "$s")" = 600 ] || fail "$s has mode $(stat -c %a "$s"), want 600"
     done
 done
-SOCKS=("$RUN/coordinator.sock")
+SOCKS=("$RUN/coordinator.sock" "$RUN/coordinator.sock.ctl")
 for m in "${MODELS[@]}"; do SOCKS+=("$RUN/$m.sock"); done
 for s in "${SOCKS[@]}"; do
     [ -S "$s" ] || fail "$s is not a socket"
@@ -161,17 +170,17 @@ if [ "$(id -u)" = 0 ]; then
     O=$(mktemp -d /tmp/kvb-open-XXXXXX)
     chmod 0755 "$O"
     "$PY" -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1); time.sleep(30)' \
-        "$O/c.sock" &
+        "$O/c.sock.ctl" &
     LSN=$!
-    for i in $(seq 50); do [ -S "$O/c.sock" ] && break; sleep 0.1; done
-    chmod 0600 "$O/c.sock"
+    for i in $(seq 50); do [ -S "$O/c.sock.ctl" ] && break; sleep 0.1; done
+    chmod 0600 "$O/c.sock.ctl"
     out=$(as_other "$B/kvbankctl" --coordinator "ipc://$O/c.sock" status 2>&1) && fail "kvbankctl as nobody succeeded"
     kill "$LSN" 2>/dev/null || true
     wait "$LSN" 2>/dev/null || true
     rm -rf "$O"
-    grep -q "permission denied: $O/c.sock belongs to uid 0 (mode 0600)" <<<"$out" || fail "as nobody (socket): $out"
+    grep -q "permission denied: $O/c.sock.ctl belongs to uid 0 (mode 0600)" <<<"$out" || fail "as nobody (socket): $out"
 else
-    as_other() { chmod 0 "$RUN/coordinator.sock"; "$@"; local rc=$?; chmod 0600 "$RUN/coordinator.sock"; return $rc; }
+    as_other() { chmod 0 "$RUN/coordinator.sock.ctl"; "$@"; local rc=$?; chmod 0600 "$RUN/coordinator.sock.ctl"; return $rc; }
 fi
 out=$(as_other "$B/kvbankctl" --coordinator "ipc://$RUN/coordinator.sock" status 2>&1) && fail "kvbankctl as another user succeeded"
 grep -q "permission denied" <<<"$out" || fail "kvbankctl as another user: $out"
@@ -224,7 +233,9 @@ ok "restarted $WORKER generates kvbank-generate's tokens ($got)"
 
 # ------------------------------------------------------------------------------------------- drain
 mapfile -t KIDS < <(ps -o pid= --ppid "$KPID" | tr -d ' ')
-[ "${#KIDS[@]}" -eq 4 ] || fail "kvbankd has ${#KIDS[@]} children, want 4 (coordinator + 3 models)"
+WANT_KIDS=4
+grep -q '"gateway"' "$CFG" && WANT_KIDS=5 # kvbank-gateway too
+[ "${#KIDS[@]}" -eq $WANT_KIDS ] || fail "kvbankd has ${#KIDS[@]} children, want $WANT_KIDS (coordinator + 3 models, gateway)"
 t0=$SECONDS
 kill -TERM "$KPID"
 deadline=$((SECONDS + 15))
@@ -243,7 +254,7 @@ left=$(ps -e -o pgid=,pid=,args= | awk -v g="$KPID" '$1 == g')
 [ -z "$left" ] || fail "processes left in kvbankd's group: $left"
 KPID=
 ls /dev/shm/kvb-"${NODE}"_* >/dev/null 2>&1 && fail "segments left: $(ls /dev/shm/kvb-"${NODE}"_*)"
-for s in "${SOCKS[@]}" "$RUN/kvbankd.pid" "/dev/shm/kvbankd-$(id -u)-$NODE.lock"; do
+for s in "${SOCKS[@]}" "$RUN/kvbankd.pid" "$RUN/gateway.port" "/dev/shm/kvbankd-$(id -u)-$NODE.lock"; do
     [ -e "$s" ] && fail "$s was not removed"
 done
 ok "no child process, shm segment, socket or pid file left"

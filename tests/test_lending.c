@@ -271,11 +271,16 @@ static kvb_engine *mk(rec *r, eopts x) {
     o.n_blocks = x.n_blocks;
     o.max_batch_tokens = x.budget ? x.budget : 512;
     o.enable_prefix_cache = x.prefix;
-    o.lsc_stream = x.stream;
     o.kv_mem = x.mem;
     o.kv_mem_bytes = x.mem_bytes;
     kvb_engine_events ev = {.ud = r, .on_token = on_token, .on_finish = on_finish};
     kvb_planner pl = kvb_policy_recompute();
+    if (x.stream) { /* SwiftCache's layer stream cache: the swiftcache planner with lsc=stream */
+        kvb_policy_params pp = {0};
+        ck_assert_int_eq(kvb_policy_params_add(&pp, "lsc=stream"), KVB_OK);
+        ck_assert_int_eq(kvb_policy_create("swiftcache", &pp, &pl), KVB_OK);
+        kvb_policy_params_free(&pp);
+    }
     kvb_engine *e = NULL;
     ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
     return e;

@@ -171,7 +171,7 @@ expect_rc() {
     shift 2
     out=$("$@" 2>&1) || rc=$?
     [ "$rc" = "$code" ] || fail "$* -> exit $rc, want $code: $(echo "$out" | tail -2)"
-    echo "$out" | grep -Eq -- "$pat" || fail "$* -> output lacks /$pat/: $(echo "$out" | tail -2)"
+    grep -Eq -- "$pat" <<<"$out" || fail "$* -> output lacks /$pat/: $(echo "$out" | tail -2)"
 }
 for p in kvbank-master kvbank-worker; do
     expect_rc 0 "^usage: $p --config" "$B/$p" --help

@@ -221,16 +221,56 @@ typedef enum bad_kind {
     BAD_DOUBLE_RUN,
     BAD_RESUME_RUNNING,
     BAD_BATCH_LIMIT,
+    BAD_RES_NOT_IN_POOL,
+    BAD_STREAM_OWN,
+    BAD_RES_OVERLAP,
+    BAD_ABSENT_READ,
+    BAD_SWAP_NO_HOST,
+    BAD_COPY_NO_HOST,
+    BAD_HOST_NO_COPY,
+    BAD_LOAD_NO_COPY,
+    BAD_STORE_EARLY,
+    BAD_STAGE,
 } bad_kind;
 
 typedef struct scripted {
     bad_kind bad;
+    int host; /* plan_pool: a host tier of 16 blocks */
 } scripted;
 
 static const kvb_plan_op *find_op(const kvb_plan *p, kvb_op_kind k) {
     for (int i = 0; i < p->n_ops; i++)
         if (p->ops[i].kind == k) return &p->ops[i];
     return NULL;
+}
+
+/* The residency and copy cases, on request 0's blocks (its first block is full and not written in the
+ * step; its block 4 receives its next token once its prompt is done). */
+static kvb_status scripted_residency(const scripted *s, const kvb_view *v, kvb_plan *out) {
+    const kvb_req_view *r0 = &v->reqs[kvb_view_find(v, 0)];
+    int L = v->geom->n_layers;
+    int32_t b0 = r0->blocks[0];
+    switch (s->bad) {
+    case BAD_RES_NOT_IN_POOL: return kvb_plan_push_res(out, (kvb_plan_res){9999, 0, 1, KVB_RES_LOCAL});
+    case BAD_STREAM_OWN: return kvb_plan_push_res(out, (kvb_plan_res){b0, 0, L, KVB_RES_STREAM});
+    case BAD_RES_OVERLAP:
+        KVB_TRY(kvb_plan_push_res(out, (kvb_plan_res){b0, 0, 2, KVB_RES_LOCAL}));
+        return kvb_plan_push_res(out, (kvb_plan_res){b0, 1, 3, KVB_RES_LOCAL});
+    case BAD_ABSENT_READ: return kvb_plan_push_res(out, (kvb_plan_res){b0, 0, L, KVB_RES_ABSENT});
+    case BAD_SWAP_NO_HOST:
+        kvb_plan_reset(out);
+        return kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_SWAP_OUT, .id = 0});
+    case BAD_COPY_NO_HOST: return kvb_plan_push_copy(out, (kvb_plan_copy){KVB_COPY_STORE, b0, 0, L, -1});
+    case BAD_HOST_NO_COPY: return kvb_plan_push_res(out, (kvb_plan_res){b0, 1, L, KVB_RES_HOST});
+    case BAD_LOAD_NO_COPY: return kvb_plan_push_copy(out, (kvb_plan_copy){KVB_COPY_LOAD, b0, 0, L, 0});
+    case BAD_STORE_EARLY:
+        ck_assert_int_ge(r0->n_blocks, 5);
+        return kvb_plan_push_copy(out, (kvb_plan_copy){KVB_COPY_STORE, r0->blocks[4], 0, L, 0});
+    case BAD_STAGE:
+        KVB_TRY(kvb_plan_push_copy(out, (kvb_plan_copy){KVB_COPY_STORE, b0, 0, L, -1}));
+        return kvb_plan_push_res(out, (kvb_plan_res){b0, 0, L, KVB_RES_HOST});
+    default: return KVB_ERR_INVALID;
+    }
 }
 
 /* A valid FCFS plan, then broken as asked. */
@@ -270,11 +310,18 @@ static kvb_status scripted_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
         ck_assert_ptr_nonnull(run);
         return kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_RESUME, .id = run->id});
     case BAD_BATCH_LIMIT: out->batch_limit = v->max_seqs + 1; break;
+    default: return scripted_residency(s, v, out);
     }
     return KVB_OK;
 }
 
-static const kvb_planner_i scripted_iface = {.name = "scripted", .plan_step = scripted_plan};
+static kvb_status scripted_pool(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out) {
+    if (ev->kind == KVB_POOL_SETUP && ((scripted *)ctx)->host) out->host_tier_blocks = 16;
+    return KVB_OK;
+}
+
+static const kvb_planner_i scripted_iface = {.name = "scripted", .plan_step = scripted_plan,
+                                             .plan_pool = scripted_pool};
 
 /* Requests 0, 2 and 3 on 8 blocks of 8 tokens with a step budget of `budget`, planned by `pl`. */
 static kvb_engine *violating_setup(rec *r, kvb_planner *pl, int budget) {
@@ -288,34 +335,47 @@ KVB_TEST(violating_plan_refused) {
     setup_model();
     make_prompts();
     static rec ref, got;
-    /* With a budget of 16, request 0 (57 tokens, 8 blocks) is admitted first and prefills in chunks
-     * while 2 and 3 wait; with 64, 0 and 2 fill the pool at once and 3 waits. The broken plans come at
-     * the second step; each is refused and leaves everything as it was, and the run then gives the
-     * tokens of an unbroken one. */
-    const struct { bad_kind bad; int budget; const char *says; } cases[] = {
-        {BAD_UNKNOWN_ID, 16, "no live request has id 999"},
-        {BAD_RUN_WAITING, 16, "RUN request 3): the request is waiting, not running"},
-        {BAD_OVER_BUDGET, 16, "the plan computes 21 tokens, the step budget is 16"},
-        {BAD_TOO_MANY_BLOCKS, 64, "ADMIT request 3): needs 3 block(s), the pool can give 0"},
-        {BAD_PREEMPT_SCHEDULED, 16, "scheduled earlier in this step"},
-        {BAD_Q_BEYOND_TOKENS, 16, "q_len 22, it has 21 token(s) left to compute"},
-        {BAD_DOUBLE_RUN, 16, "already scheduled"},
-        {BAD_RESUME_RUNNING, 16, "not paused"},
-        {BAD_BATCH_LIMIT, 16, "batch_limit 65 is outside"},
+    /* Setup 0: a budget of 16: request 0 (57 tokens, 8 blocks) is admitted first and prefills in chunks
+     * while 2 and 3 wait. Setup 1: a budget of 64: 0 and 2 fill the pool at once and 3 waits. Setup 2:
+     * setup 0 with a host tier of 16 blocks, three steps in (0 decodes into its block 4). The broken plans
+     * come after the warm-up steps; each is refused and leaves everything as it was, and the run then
+     * gives the tokens of an unbroken one. */
+    const struct { int budget, host, warm; } setups[] = {{16, 0, 1}, {64, 0, 1}, {16, 1, 3}};
+    const struct { bad_kind bad; int setup; const char *says; } cases[] = {
+        {BAD_UNKNOWN_ID, 0, "no live request has id 999"},
+        {BAD_RUN_WAITING, 0, "RUN request 3): the request is waiting, not running"},
+        {BAD_OVER_BUDGET, 0, "the plan computes 21 tokens, the step budget is 16"},
+        {BAD_TOO_MANY_BLOCKS, 1, "ADMIT request 3): needs 3 block(s), the pool can give 0"},
+        {BAD_PREEMPT_SCHEDULED, 0, "scheduled or swapped in earlier in this step"},
+        {BAD_Q_BEYOND_TOKENS, 0, "q_len 22, it has 21 token(s) left to compute"},
+        {BAD_DOUBLE_RUN, 0, "already scheduled"},
+        {BAD_RESUME_RUNNING, 0, "not paused"},
+        {BAD_BATCH_LIMIT, 0, "batch_limit 65 is outside"},
+        {BAD_RES_NOT_IN_POOL, 0, "block 9999 is not a block of the pool"},
+        {BAD_STREAM_OWN, 0, "is not borrowed; STREAM is for borrowed blocks"},
+        {BAD_RES_OVERLAP, 0, "residency 0 and 1 both give block"},
+        {BAD_ABSENT_READ, 0, "is ABSENT but request 0 reads it (n_absent 0)"},
+        {BAD_SWAP_NO_HOST, 0, "SWAP_OUT request 0): the engine has no host tier"},
+        {BAD_COPY_NO_HOST, 0, "copy 0: the engine has no host tier"},
+        {BAD_HOST_NO_COPY, 2, "has no host copy of layer 1 (STORE it first)"},
+        {BAD_LOAD_NO_COPY, 2, "from the host tier, which does not hold it"},
+        {BAD_STORE_EARLY, 2, "after layer 0, but the step writes the block until layer 2"},
+        {BAD_STAGE, 2, "the plan may read 1 blocks through stage buffers, there are slots for 0"},
     };
-    scripted sc = {BAD_NONE};
+    scripted sc = {BAD_NONE, 0};
     kvb_planner pl = {&scripted_iface, &sc};
-    for (int budget = 16; budget <= 64; budget *= 4) {
-        kvb_engine *e = violating_setup(&ref, &pl, budget);
+    for (int k = 0; k < (int)KVB_ARRAY_LEN(setups); k++) {
+        sc.host = setups[k].host;
+        kvb_engine *e = violating_setup(&ref, &pl, setups[k].budget);
         run(e);
         kvb_engine_destroy(e);
-        e = violating_setup(&got, &pl, budget);
-        ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+        e = violating_setup(&got, &pl, setups[k].budget);
+        for (int i = 0; i < setups[k].warm; i++) ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
         kvb_engine_stats before, after;
         kvb_engine_get_stats(e, &before);
         int events = got.events, free0 = kvb_block_pool_n_free(kvb_engine_pool(e)), live = kvb_engine_n_live(e);
         for (size_t c = 0; c < KVB_ARRAY_LEN(cases); c++) {
-            if (cases[c].budget != budget) continue;
+            if (cases[c].setup != k) continue;
             sc.bad = cases[c].bad;
             ck_assert_int_eq(kvb_engine_step(e), KVB_ERR_INVALID);
             ck_assert_msg(strstr(kvb_engine_last_error(e), cases[c].says), "case %zu: '%s' does not say '%s'", c,
@@ -335,6 +395,245 @@ KVB_TEST(violating_plan_refused) {
         }
         kvb_engine_destroy(e);
     }
+    teardown_model();
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------- the mechanisms under test planners */
+
+static uint64_t rng_next(uint64_t *x) {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+/* A test planner over vLLM's scheduling that exercises one mechanism of the executor. */
+typedef enum mech { MECH_ABSENT, MECH_SWAP, MECH_HOST } mech;
+
+typedef struct mechanic {
+    mech m;
+    uint64_t rng;
+    int observed;       /* observe calls */
+    uint64_t host_bytes;/* what the host link carried, as observed */
+    /* MECH_HOST: which (request, block index) has a host copy of which block id */
+    uint64_t st_req[512];
+    int st_idx[512];
+    int32_t st_blk[512];
+    int n_st;
+} mechanic;
+
+static int stored(const mechanic *m, uint64_t req, int idx, int32_t blk) {
+    for (int k = 0; k < m->n_st; k++)
+        if (m->st_req[k] == req && m->st_idx[k] == idx && m->st_blk[k] == blk) return 1;
+    return 0;
+}
+
+/* Forgets the host copies recorded for request `id` (its blocks were released: preempted). */
+static void forget(mechanic *m, uint64_t id) {
+    for (int k = 0; k < m->n_st; k++)
+        if (m->st_req[k] == id) {
+            m->n_st--;
+            m->st_req[k] = m->st_req[m->n_st];
+            m->st_idx[k] = m->st_idx[m->n_st];
+            m->st_blk[k--] = m->st_blk[m->n_st];
+        }
+}
+
+static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    mechanic *m = ctx;
+    kvb_fcfs_opts o = {.preempt_op = m->m == MECH_SWAP ? KVB_OP_SWAP_OUT : KVB_OP_PREEMPT};
+    KVB_TRY(kvb_sched_fcfs(v, &o, out));
+    for (int i = 0; i < v->n_reqs; i++)
+        if (v->reqs[i].state != KVB_REQ_RUNNING) forget(m, v->reqs[i].id);
+    for (int k = 0; k < out->n_ops; k++)
+        if (out->ops[k].kind == KVB_OP_PREEMPT) forget(m, out->ops[k].id);
+    int L = v->geom->n_layers, n_ops = out->n_ops;
+    for (int k = 0; k < n_ops; k++) {
+        kvb_plan_op *op = &out->ops[k];
+        if (op->kind != KVB_OP_RUN) continue;
+        const kvb_req_view *r = &v->reqs[kvb_view_find(v, op->id)];
+        if (m->m == MECH_ABSENT) {
+            op->n_absent = (int)(rng_next(&m->rng) % (uint64_t)(r->n_computed + 1));
+        } else if (m->m == MECH_HOST && r->state == KVB_REQ_RUNNING) {
+            /* blocks stored in an earlier step are read from the host tier at layers 1.. (the request's
+             * tail block too: the rows this step writes there go through the host copy); every block
+             * is stored again after the last layer */
+            for (int j = 0; j < r->n_blocks; j++) {
+                int given = 0; /* a prefix block shared with an earlier request of the plan is one entry */
+                for (int c = 0; c < out->n_copies && !given; c++) given = out->copies[c].block == r->blocks[j];
+                if (given) continue;
+                if (stored(m, r->id, j, r->blocks[j]))
+                    KVB_TRY(kvb_plan_push_res(out, (kvb_plan_res){r->blocks[j], 1, L, KVB_RES_HOST}));
+                KVB_TRY(kvb_plan_push_copy(out, (kvb_plan_copy){KVB_COPY_STORE, r->blocks[j], 0, L, L - 1}));
+                if (!stored(m, r->id, j, r->blocks[j]) && m->n_st < 512) {
+                    m->st_req[m->n_st] = r->id;
+                    m->st_idx[m->n_st] = j;
+                    m->st_blk[m->n_st++] = r->blocks[j];
+                }
+            }
+
+        }
+    }
+    return KVB_OK;
+}
+
+static kvb_status mech_pool(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out) {
+    const mechanic *m = ctx;
+    if (ev->kind != KVB_POOL_SETUP) return KVB_OK;
+    if (m->m == MECH_ABSENT) out->extra_rows = 1024;
+    if (m->m != MECH_ABSENT) out->host_tier_blocks = 512;
+    if (m->m == MECH_HOST) out->stage_slots = 256;
+    return KVB_OK;
+}
+
+static void mech_observe(void *ctx, const kvb_step_report *r) {
+    mechanic *m = ctx;
+    uint64_t layers = 0;
+    for (int l = 0; l < r->n_layers; l++) {
+        ck_assert_uint_le(r->t_wait_ns[l], r->t_layer_ns[l]);
+        layers += r->t_layer_ns[l];
+    }
+    ck_assert_uint_le(layers, r->t_step_ns);
+    ck_assert_int_ge(r->n_seqs, 1);
+    m->observed++;
+    m->host_bytes += r->links[KVB_LINK_HOST].bytes;
+}
+
+static const kvb_planner_i mech_iface = {.name = "mechanic", .plan_step = mech_plan, .plan_pool = mech_pool,
+                                         .observe = mech_observe};
+
+/* The pressure scenario of every_planner_lossless under a test planner using mechanism `which`. */
+static void mechanism_lossless(mech which, const kvb_link_model *links) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
+    for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
+        static mechanic m;
+        memset(&m, 0, sizeof m);
+        m.m = which;
+        m.rng = 0x9E3779B97F4A7C15ull + c;
+        kvb_planner pl = {&mech_iface, &m};
+        memset(&got, 0, sizeof got);
+        kvb_engine_opts o;
+        kvb_engine_opts_default(&o);
+        o.block_size = cfgs[c].bs;
+        o.n_blocks = cfgs[c].blocks;
+        o.max_batch_tokens = cfgs[c].budget;
+        if (links) o.links = *links;
+        kvb_engine_events ev = {.ud = &got, .on_token = on_token, .on_finish = on_finish};
+        kvb_engine *e = NULL;
+        ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
+        for (int r = 0; r < 3; r++) add(e, (uint64_t)r);
+        for (int i = 0; i < 6; i++) ck_assert_msg(kvb_engine_step(e) == KVB_OK, "step: %s", kvb_engine_last_error(e));
+        add(e, 3);
+        add(e, 4);
+        run(e);
+        kvb_engine_stats s;
+        kvb_engine_get_stats(e, &s);
+        ck_assert_int_eq(s.blocks_free, s.blocks_total);
+        printf("config %zu: %llu steps, %llu recomputed tokens, %llu swap-outs, %llu swap-ins, %llu staged loads, "
+               "%llu copy orders, host link %llu bytes\n", c, (unsigned long long)s.steps,
+               (unsigned long long)s.recomputed_tokens, (unsigned long long)s.swap_outs, (unsigned long long)s.swap_ins,
+               (unsigned long long)s.lsc_loads, (unsigned long long)s.copy_orders,
+               (unsigned long long)s.links[KVB_LINK_HOST].bytes);
+        fflush(stdout);
+        assert_same(&ref, &got);
+        ck_assert_int_eq(m.observed, (int)s.steps);
+        if (which == MECH_ABSENT) ck_assert_uint_gt(s.recomputed_tokens, 0);
+        if (which == MECH_SWAP) {
+            ck_assert_uint_gt(s.swap_outs, 0);
+            ck_assert_uint_eq(s.swap_ins, s.swap_outs);
+            ck_assert_uint_eq(s.preemptions, 0);
+        }
+        if (which == MECH_HOST) {
+            ck_assert_uint_gt(s.lsc_loads, 0);
+            ck_assert_uint_gt(s.copy_orders, 0);
+            ck_assert_uint_eq(m.host_bytes, s.links[KVB_LINK_HOST].bytes);
+        }
+        kvb_engine_destroy(e);
+    }
+    teardown_model();
+}
+
+KVB_TEST(absent_tokens_lossless) { mechanism_lossless(MECH_ABSENT, NULL); }
+KVB_TEST_END
+
+KVB_TEST(swap_lossless) { mechanism_lossless(MECH_SWAP, NULL); }
+KVB_TEST_END
+
+KVB_TEST(host_residency_lossless) {
+    /* also under a link model: 2 GB/s and 20 us per transfer on the host link */
+    kvb_link_model lm = {.name = "test", .target = "test links", .scale = 1, .target_flops = 1};
+    lm.links[KVB_LINK_HOST] = (kvb_link){2e9, 20e-6};
+    mechanism_lossless(MECH_HOST, &lm);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------- the stager and its link model */
+
+KVB_TEST(stager_link_model) {
+    setup_model();
+    kvb_link_model lm;
+    ck_assert_int_eq(kvb_link_preset("h100-pcie5", NULL, &lm), KVB_OK);
+    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].bytes_per_s, 50e9, 1);
+    ck_assert_double_eq_tol(kvb_link_seconds(&lm, KVB_LINK_HOST, 50000000), 1e-3 + 10e-6, 1e-9);
+    ck_assert_int_eq(kvb_link_preset("no-such", NULL, &lm), KVB_ERR_NOT_FOUND);
+    ck_assert_int_eq(kvb_link_preset("h100-pcie5-scaled", NULL, &lm), KVB_ERR_INVALID); /* needs a backend */
+    ck_assert_int_eq(kvb_link_preset("h100-pcie5-scaled", tm.be, &lm), KVB_OK);
+    ck_assert_double_gt(lm.measured_flops, 1e6);
+    ck_assert_double_eq_tol(lm.scale, lm.measured_flops / 800e12, 1e-18);
+    /* transfer time / compute time equals the target's: bandwidth x scale, latency / scale */
+    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].bytes_per_s, 50e9 * lm.scale, 1e-6);
+    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].latency_s, 10e-6 / lm.scale, 1e-9);
+    char line[1024];
+    FILE *f = fmemopen(line, sizeof line, "w");
+    kvb_link_model_print(f, &lm);
+    fclose(f);
+    ck_assert_msg(!strncmp(line, "link preset: h100-pcie5-scaled (H100", 36), "%s", line);
+    printf("%s", line);
+
+    /* a slow link: every transfer takes at least latency + bytes / bandwidth, in post order */
+    kvb_link_model slow = {.name = "slow", .scale = 1, .target_flops = 1};
+    slow.links[KVB_LINK_HOST] = (kvb_link){100e6, 2e-3};
+    kvb_stager *s;
+    ck_assert_int_eq(kvb_stager_create(tm.be, &slow, &s), KVB_OK);
+    enum { MB = 1 << 20 };
+    unsigned char *src = malloc(3 * MB), *dst = calloc(3, MB);
+    for (int i = 0; i < 3 * MB; i++) src[i] = (unsigned char)(i * 7);
+    kvb_xfer x[3];
+    uint64_t t[3];
+    uint64_t t0 = kvb_now_ns();
+    for (int i = 0; i < 3; i++) {
+        x[i] = (kvb_xfer){dst + (size_t)i * MB, src + (size_t)i * MB, MB};
+        ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &x[i], 1, &t[i]), KVB_OK);
+    }
+    ck_assert_int_eq(kvb_stager_wait(s, t[1]), KVB_OK);
+    ck_assert_int_eq(memcmp(dst, src, 2 * MB), 0); /* the first two are in place */
+    ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
+    double took = (double)(kvb_now_ns() - t0) / 1e9, least = 3 * (2e-3 + MB / 100e6);
+    ck_assert_int_eq(memcmp(dst, src, 3 * MB), 0);
+    ck_assert_msg(took >= least, "3 transfers took %.4f s, the link model says at least %.4f s", took, least);
+    kvb_link_report rep[KVB_LINK_COUNT];
+    kvb_stager_take_report(s, rep);
+    ck_assert_uint_eq(rep[KVB_LINK_HOST].bytes, 3 * MB);
+    ck_assert_uint_eq(rep[KVB_LINK_HOST].copies, 3);
+    ck_assert_uint_ge(rep[KVB_LINK_HOST].busy_ns, (uint64_t)(least * 1e9));
+    ck_assert_double_le(rep[KVB_LINK_HOST].gbps, 0.1 + 1e-9); /* achieved: at most the modelled 100 MB/s */
+    kvb_stager_take_report(s, rep);
+    ck_assert_uint_eq(rep[KVB_LINK_HOST].bytes, 0); /* since the last report */
+    uint64_t none;
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_PEER, KVB_XFER_D2D, x, 0, &none), KVB_OK);
+    ck_assert_int_eq(kvb_stager_wait(s, none), KVB_OK);
+    ck_assert_int_eq(kvb_stager_reserve(s, 4, 4096), KVB_OK);
+    ck_assert_int_eq(kvb_stager_n_buffers(s), 4);
+    ck_assert_ptr_nonnull(kvb_stager_buffer(s, 3));
+    ck_assert_ptr_null(kvb_stager_buffer(s, 4));
+    kvb_stager_destroy(s);
+    free(src);
+    free(dst);
     teardown_model();
 }
 KVB_TEST_END
@@ -470,4 +769,5 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 240), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
-              KVB_T(registry_and_params, 10))
+              KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240),
+              KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60))

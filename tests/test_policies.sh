@@ -39,7 +39,7 @@ ref=$("$B/kvbank-generate" --model "$M" "${ARGS[@]}" --max-tokens $MAXT --sequen
 
 list=$("$B/kvbank-generate" --policy list) || bad "--policy list exits 0"
 names=$(echo "$list" | awk '{print $1}')
-echo "$list" | grep -q "^recompute " && ok "--policy list names recompute" || bad "--policy list lacks recompute: $list"
+grep -q "^recompute " <<<"$list" && ok "--policy list names recompute" || bad "--policy list lacks recompute: $list"
 [ "$(echo "$list" | wc -l)" -ge 1 ] || bad "--policy list is empty"
 [ "$("$B/kvbank-serve" --policy list)" = "$list" ] && ok "kvbank-serve --policy list is the same table" ||
     bad "kvbank-serve --policy list differs"
@@ -53,9 +53,14 @@ for name in $names; do
         bad "generate --policy $name exits $rc: $(tail -3 "$T/gen-$name.err")"
     elif [ "$out" != "$ref" ]; then
         bad "generate --policy $name: tokens differ from the reference"
-    elif ! echo "$stats" | grep -Eq "preemptions=[1-9]|pauses=[1-9]|slices_offloaded=[1-9]" ||
-        ! echo "$stats" | grep -q "prefix_hit_tokens=[1-9]"; then
-        # memory pressure shows as preemptions (recompute), pauses or layers moved to the host tier
+    elif ! grep -q "prefix_cache=0" <<<"$stats" &&
+        { ! grep -Eq "preemptions=[1-9]|pauses=[1-9]|slices_offloaded=[1-9]" <<<"$stats" ||
+            ! grep -q "prefix_hit_tokens=[1-9]" <<<"$stats"; }; then
+        # memory pressure shows as preemptions (recompute), pauses or layers moved to the host tier.
+        # Planners that place KV themselves (eLLM's: prefix_cache=0) size their own memory from a budget of
+        # KV and activations; on this model a budget that can prefill the longest prompt holds every
+        # decode at once, so pressure is not asked of them here: tests/test_ellm_elastic runs them
+        # under pressure (planners_lossless_under_pressure).
         bad "generate --policy $name: no memory pressure or no prefix hit ($stats)"
     else
         ok "generate --policy $name: reference tokens under pressure ($stats)"
@@ -91,16 +96,16 @@ done
 
 # bad names and parameters
 out=$("$B/kvbank-generate" --model "$M" --prompt-ids 1,2 --max-tokens 2 --policy no-such 2>&1)
-[ $? -eq 2 ] && echo "$out" | grep -q 'unknown policy "no-such" (available: .*recompute' &&
+[ $? -eq 2 ] && grep -q 'unknown policy "no-such" (available: .*recompute' <<<"$out" &&
     ok "generate: unknown policy exits 2 naming the available ones" || bad "generate --policy no-such: $out"
 out=$("$B/kvbank-generate" --model "$M" --prompt-ids 1,2 --max-tokens 2 --policy recompute --policy-param zzz=1 2>&1)
-[ $? -eq 2 ] && echo "$out" | grep -q "policy recompute: unknown parameter 'zzz'" &&
+[ $? -eq 2 ] && grep -q "policy recompute: unknown parameter 'zzz'" <<<"$out" &&
     ok "generate: an unknown parameter exits 2 naming it" || bad "generate --policy-param zzz=1: $out"
 out=$("$B/kvbank-generate" --model "$M" --prompt-ids 1,2 --max-tokens 2 --policy-param novalue 2>&1)
-[ $? -eq 2 ] && echo "$out" | grep -q "KEY=VALUE" && ok "generate: --policy-param without = exits 2" ||
+[ $? -eq 2 ] && grep -q "KEY=VALUE" <<<"$out" && ok "generate: --policy-param without = exits 2" ||
     bad "generate --policy-param novalue: $out"
 out=$("$B/kvbank-serve" --model "$M" --endpoint "ipc://$T/x.sock" --policy no-such 2>&1)
-[ $? -eq 2 ] && echo "$out" | grep -q 'unknown policy "no-such"' && ok "serve: unknown policy exits 2" ||
+[ $? -eq 2 ] && grep -q 'unknown policy "no-such"' <<<"$out" && ok "serve: unknown policy exits 2" ||
     bad "serve --policy no-such: $out"
 
 [ $fails -eq 0 ] && echo "all policy checks passed" || echo "$fails check(s) failed"

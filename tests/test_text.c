@@ -329,6 +329,17 @@ KVB_TEST(chat_template_files) {
     ck_assert_str_eq(out, "<|s|>[user] hi<|e|>[assistant] yo<|e|>[assistant] ");
     free(out);
     ck_assert_int_eq(kvb_chat_render(ct, json_object_get(msgs, "x"), 1, NULL, &out, err, sizeof err), KVB_ERR_INVALID);
+    /* OpenAI content parts are joined with "\n"; other part types are refused */
+    json_t *parts = json_pack("[{s:s, s:[{s:s, s:s}, {s:s, s:s}]}]", "role", "user", "content", "type", "text", "text",
+                              "one", "type", "text", "text", "two");
+    ck_assert_int_eq(kvb_chat_render(ct, parts, 0, NULL, &out, err, sizeof err), KVB_OK);
+    ck_assert_str_eq(out, "<|s|>[user] one\ntwo<|e|>");
+    free(out);
+    json_object_set_new(json_array_get(json_object_get(json_array_get(parts, 0), "content"), 1), "type",
+                        json_string("image_url"));
+    ck_assert_int_eq(kvb_chat_render(ct, parts, 0, NULL, &out, err, sizeof err), KVB_ERR_INVALID);
+    ck_assert_ptr_nonnull(strstr(err, "content[1]"));
+    json_decref(parts);
     kvb_chat_template_destroy(ct);
     /* chat_template.jinja wins over tokenizer_config.json */
     char path[512];

@@ -9,6 +9,7 @@
 #include "common/util/json.h"
 #include "common/util/node_config.h"
 #include "common/util/npy.h"
+#include "common/util/sha256.h"
 #include "common/util/token_deposit.h"
 #include "common/util/util.h"
 #include "tests/harness.h"
@@ -230,7 +231,7 @@ KVB_TEST(node_config_explicit) {
     /* Relative run_dir and bin_dir resolve against the config's directory like model_dir; the longest
      * names (node 16, model 23) make a 40-char region tag. */
     const char *txt = "{\"node\": \"N_23456789012345\", \"run_dir\": \"run/\", \"bin_dir\": \"/opt/kvbank/bin\",\n"
-                      " \"coordinator\": {\"endpoint\": \"tcp://127.0.0.1:5600\", \"heartbeat_ms\": 100,\n"
+                      " \"coordinator\": {\"endpoint\": \"ipc:///tmp/kvb-explicit/c.sock\", \"heartbeat_ms\": 100,\n"
                       "   \"heartbeat_misses\": 3, \"lend_interval_s\": 0.5, \"window_s\": 5},\n"
                       " \"models\": [\n"
                       "  {\"name\": \"w\", \"role\": \"worker\", \"model_dir\": \"/abs/w\", \"kv_mb\": 1, \"lend\": false},\n"
@@ -242,7 +243,7 @@ KVB_TEST(node_config_explicit) {
     snprintf(want, sizeof want, "%s/run", f.dir);
     ck_assert_str_eq(c->run_dir, want);
     ck_assert_str_eq(c->bin_dir, "/opt/kvbank/bin");
-    ck_assert_str_eq(c->coordinator, "tcp://127.0.0.1:5600");
+    ck_assert_str_eq(c->coordinator, "ipc:///tmp/kvb-explicit/c.sock");
     ck_assert_int_eq(c->heartbeat_ms, 100);
     ck_assert_int_eq(c->heartbeat_misses, 3);
     ck_assert_double_eq(c->lend_interval_s, 0.5);
@@ -342,6 +343,8 @@ KVB_TEST(node_config_invalid) {
          "coordinator: field \"heartbeat_misses\"", NULL},
         {"{\"node\": \"n\", \"coordinator\": {\"endpoint\": \"udp://x\"}, \"models\": [" M_OK "]}",
          "coordinator: field \"endpoint\" = \"udp://x\"", NULL},
+        {"{\"node\": \"n\", \"coordinator\": {\"endpoint\": \"tcp://127.0.0.1:5600\"}, \"models\": [" M_OK "]}",
+         "the coordinator listens on ipc:// only", NULL},
         {"{\"node\": \"n\", \"coordinator\": [], \"models\": [" M_OK "]}", "field \"coordinator\" must be an object",
          NULL},
         {"{\"node\": \"n\", \"run_dir\": \"\", \"models\": [" M_OK "]}", "field \"run_dir\" must not be empty", NULL},
@@ -416,6 +419,70 @@ KVB_TEST(token_deposit) {
 }
 KVB_TEST_END
 
+/* SHA-256 against FIPS 180-4's examples (and lengths around the padding boundary, from Python's
+ * hashlib), HMAC-SHA-256 against RFC 4231 (cases 1, 2 and 6: a key longer than a block). */
+static void hex_of(const uint8_t *d, char out[65]) { kvb_hex(d, KVB_SHA256_BYTES, out); }
+
+KVB_TEST(sha256_vectors) {
+    uint8_t d[KVB_SHA256_BYTES];
+    char hx[65];
+    struct { const char *msg; const char *want; } v[] = {
+        {"", "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"},
+        {"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"},
+        {"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+         "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(v); i++) {
+        kvb_sha256_digest(v[i].msg, strlen(v[i].msg), d);
+        hex_of(d, hx);
+        ck_assert_str_eq(hx, v[i].want);
+    }
+    const char *xs[] = {"d5e285683cd4efc02d021a5c62014694958901005d6f71e89e0989fac77e4072",  /* 55 x */
+                        "04c26261370ee7541549d16dee320c723e3fd14671e66a099afe0a377c16888e",  /* 56 x */
+                        "7ce100971f64e7001e8fe5a51973ecdfe1ced42befe7ee8d5fd6219506b5393c"}; /* 64 x */
+    const size_t xn[] = {55, 56, 64};
+    char xbuf[64];
+    memset(xbuf, 'x', sizeof xbuf);
+    for (int i = 0; i < 3; i++) {
+        kvb_sha256_digest(xbuf, xn[i], d);
+        hex_of(d, hx);
+        ck_assert_str_eq(hx, xs[i]);
+    }
+    /* a million 'a' fed in uneven pieces */
+    kvb_sha256 s;
+    kvb_sha256_init(&s);
+    char a[997];
+    memset(a, 'a', sizeof a);
+    size_t left = 1000000;
+    while (left) {
+        size_t n = left < sizeof a ? left : sizeof a;
+        kvb_sha256_update(&s, a, n);
+        left -= n;
+    }
+    kvb_sha256_final(&s, d);
+    hex_of(d, hx);
+    ck_assert_str_eq(hx, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+
+    uint8_t k1[20];
+    memset(k1, 0x0b, sizeof k1);
+    kvb_hmac_sha256(k1, sizeof k1, "Hi There", 8, d);
+    hex_of(d, hx);
+    ck_assert_str_eq(hx, "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
+    const char *m2 = "what do ya want for nothing?";
+    kvb_hmac_sha256("Jefe", 4, m2, strlen(m2), d);
+    hex_of(d, hx);
+    ck_assert_str_eq(hx, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+    uint8_t k6[131];
+    memset(k6, 0xaa, sizeof k6);
+    const char *m6 = "Test Using Larger Than Block-Size Key - Hash Key First";
+    kvb_hmac_sha256(k6, sizeof k6, m6, strlen(m6), d);
+    hex_of(d, hx);
+    ck_assert_str_eq(hx, "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+    ck_assert_int_eq(kvb_memcmp_ct("abc", "abc", 3), 0);
+    ck_assert_int_ne(kvb_memcmp_ct("abc", "abd", 3), 0);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("util", KVB_T(status_strings, 10), KVB_T(parse_id_list, 10), KVB_T(half_roundtrip, 30),
               KVB_T(npy_header, 10), KVB_T(json_fields, 10), KVB_T(node_config_defaults, 10),
-              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(token_deposit, 10))
+              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(token_deposit, 10), KVB_T(sha256_vectors, 10))

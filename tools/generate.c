@@ -6,6 +6,9 @@
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/text/chat.h"
+#include "common/text/tokenizer.h"
+#include "common/util/json.h"
 #include "common/util/npy.h"
 
 #define MAX_REQ 256
@@ -13,6 +16,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: kvbank-generate --model DIR --prompt-ids IDS [--prompt-ids IDS ...] --max-tokens N [options]\n"
+            "       kvbank-generate --model DIR --prompt TEXT | --chat FILE.json [...] --max-tokens N [options]\n"
             "\n"
             "Generates tokens for each prompt (comma-separated token ids) and prints the generated ids of each\n"
             "request on its own line, comma-separated, in the order the prompts were given. All prompts run as\n"
@@ -21,6 +25,14 @@ static void usage(FILE *f) {
             "options:\n"
             "  --model DIR            Hugging Face model directory (config.json + *.safetensors)\n"
             "  --prompt-ids IDS       a prompt, e.g. 1,2,3; repeat for more requests\n"
+            "  --prompt TEXT          a prompt as text, tokenized with the model's tokenizer.json (with its BOS)\n"
+            "  --chat FILE            a conversation: a JSON array of {role, content} messages, or an object with\n"
+            "                         \"messages\" and more template variables (\"enable_thinking\": false, ...),\n"
+            "                         rendered with the model's chat template and the generation prompt\n"
+            "                         With --prompt or --chat the model's EOS ids stop generation and the\n"
+            "                         decoded text of each request is printed instead of its ids.\n"
+            "  --ignore-eos           do not stop at the model's EOS ids\n"
+            "  --json                 print one JSON object per request: prompt_ids, ids, text, finish\n"
             "  --max-tokens N         tokens to generate per request\n"
             "  --backend NAME         compute backend (built in: %s; default cpu)\n"
             "  --threads N            CPU threads (default 1)\n"
@@ -31,6 +43,7 @@ static void usage(FILE *f) {
             "  --no-prefix-cache      do not reuse KV blocks across requests\n"
             "  --policy NAME          planner (default recompute); --policy list prints them\n"
             "  --policy-param K=V     a parameter of the planner (repeat for more)\n"
+            "  --link-preset NAME     the stager's link model (default off); --link-preset list prints them\n"
             "  --sequential           run the requests one after another (later ones can hit the prefix cache)\n"
             "  --temperature T        0 (default) is greedy; otherwise sample\n"
             "  --top-k K, --top-p P   sampling filters (default off)\n"
@@ -80,13 +93,111 @@ static int parse_int(const char *flag, const char *v, int min, int *out) {
     return 0;
 }
 
+/* --chat FILE: the messages and any other template variables (an array is just the messages). */
+static kvb_status render_chat(const char *model_dir, const char *file, char **text) {
+    json_t *j = NULL, *extra = NULL;
+    kvb_chat_template *ct = NULL;
+    char err[512];
+    kvb_status st = kvb_json_load_file(file, &j);
+    if (st != KVB_OK) return st;
+    const json_t *msgs = j;
+    if (json_is_object(j)) {
+        msgs = json_object_get(j, "messages");
+        extra = json_deep_copy(j);
+        json_object_del(extra, "messages");
+    }
+    if (!json_is_array(msgs)) {
+        fprintf(stderr, "kvbank-generate: %s: want an array of messages or an object with \"messages\"\n", file);
+        st = KVB_ERR_INVALID;
+    }
+    if (st == KVB_OK && (st = kvb_chat_template_load(model_dir, &ct)) != KVB_OK)
+        fprintf(stderr, "kvbank-generate: %s has no usable chat template (see the log above)\n", model_dir);
+    if (st == KVB_OK && (st = kvb_chat_render(ct, msgs, 1, extra, text, err, sizeof err)) != KVB_OK)
+        fprintf(stderr, "kvbank-generate: %s: %s\n", file, err);
+    kvb_chat_template_destroy(ct);
+    json_decref(extra);
+    json_decref(j);
+    return st;
+}
+
+/* Tokenizes the --prompt and --chat requests with the model's tokenizer (kept in *tok for decoding). */
+static kvb_status text_prompts(const char *model_dir, int n_req, const char **req_text, const int *req_chat,
+                               int32_t **prompts, int *n_prompt, kvb_tokenizer **tok) {
+    kvb_status st = kvb_tokenizer_load(model_dir, tok);
+    if (st != KVB_OK) {
+        fprintf(stderr, "kvbank-generate: cannot load the tokenizer of %s (see the log above)\n", model_dir);
+        return st;
+    }
+    for (int i = 0; i < n_req; i++) {
+        if (!req_text[i]) continue;
+        char *chat = NULL;
+        if (req_chat[i]) KVB_TRY(render_chat(model_dir, req_text[i], &chat));
+        const char *text = chat ? chat : req_text[i];
+        /* a rendered template holds its BOS already */
+        st = kvb_tokenizer_encode(*tok, text, strlen(text), !chat, &prompts[i], &n_prompt[i]);
+        free(chat);
+        if (st != KVB_OK) {
+            fprintf(stderr, "kvbank-generate: cannot tokenize prompt %d (not UTF-8?)\n", i);
+            return st;
+        }
+        if (!n_prompt[i]) {
+            fprintf(stderr, "kvbank-generate: prompt %d is empty\n", i);
+            return KVB_ERR_INVALID;
+        }
+    }
+    return KVB_OK;
+}
+
+/* The tokenizer's EOS ids join --stop-ids. */
+static kvb_status add_eos_stops(const kvb_tokenizer *tok, int32_t **stop, int *n_stop) {
+    const int32_t *eos;
+    int n = kvb_tokenizer_eos_ids(tok, &eos);
+    KVB_TRY(kvb_realloc_array((void **)stop, (size_t)(*n_stop + n + 1), sizeof **stop));
+    for (int i = 0; i < n; i++) (*stop)[(*n_stop)++] = eos[i];
+    return KVB_OK;
+}
+
+static json_t *id_array(const int32_t *ids, int n) {
+    json_t *a = json_array();
+    for (int i = 0; a && i < n; i++) json_array_append_new(a, json_integer(ids[i]));
+    return a;
+}
+
+/* One request's result: its decoded text (special tokens skipped) on a line, or with --json an object
+ * with the prompt's ids, the generated ids, the text and why it finished. */
+static kvb_status print_result(const kvb_tokenizer *tok, int json_out, const int32_t *prompt, int n_prompt,
+                               const int32_t *ids, int n, kvb_finish fin) {
+    char *text = NULL;
+    size_t len = 0;
+    if (tok) KVB_TRY(kvb_tokenizer_decode(tok, ids, n, 1, &text, &len));
+    if (!json_out) {
+        fwrite(text, 1, len, stdout);
+        printf("\n");
+        free(text);
+        return KVB_OK;
+    }
+    json_t *o = json_pack("{s:o, s:o, s:s, s:s}", "prompt_ids", id_array(prompt, n_prompt), "ids", id_array(ids, n),
+                          "finish", fin == KVB_FINISH_STOP ? "stop" : "length", "text", "");
+    if (o && text) json_object_set_new(o, "text", json_stringn(text, len));
+    free(text);
+    if (!o) return KVB_ERR_NOMEM;
+    json_dumpf(o, stdout, JSON_COMPACT | JSON_ENSURE_ASCII);
+    printf("\n");
+    json_decref(o);
+    return KVB_OK;
+}
+
 int main(int argc, char **argv) {
-    const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL, *policy = "recompute";
+    const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL, *policy = "recompute", *links = "off";
     kvb_policy_params pparams = {0};
     int32_t *prompts[MAX_REQ];
     int n_prompt[MAX_REQ], n_req = 0;
+    const char *req_text[MAX_REQ] = {0}; /* --prompt text or --chat file of a request; NULL: --prompt-ids */
+    int req_chat[MAX_REQ] = {0};
     int32_t *stop = NULL;
-    int n_stop = 0, max_tokens = 0, threads = 1, show_stats = 0, sequential = 0;
+    int n_stop = 0, max_tokens = 0, threads = 1, show_stats = 0, sequential = 0, ignore_eos = 0, json_out = 0;
+    int n_text = 0;
+    kvb_tokenizer *tok = NULL;
     kvb_engine_opts o;
     kvb_engine_opts_default(&o);
     o.n_blocks = 0;
@@ -100,7 +211,8 @@ int main(int argc, char **argv) {
     gen_state g = {0};
 
     enum { O_MODEL = 256, O_PROMPT, O_MAXTOK, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_NOPC, O_SEQ, O_TEMP,
-           O_TOPK, O_TOPP, O_SEED, O_STOP, O_DUMP, O_STATS, O_POLICY, O_PPARAM };
+           O_TOPK, O_TOPP, O_SEED, O_STOP, O_DUMP, O_STATS, O_TEXT, O_CHAT, O_IGNORE_EOS, O_JSON, O_POLICY, O_PPARAM,
+           O_LINKS };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL},         {"prompt-ids", 1, 0, O_PROMPT},   {"max-tokens", 1, 0, O_MAXTOK},
         {"backend", 1, 0, O_BACKEND},     {"threads", 1, 0, O_THREADS},     {"block-size", 1, 0, O_BS},
@@ -108,7 +220,9 @@ int main(int argc, char **argv) {
         {"sequential", 0, 0, O_SEQ},      {"temperature", 1, 0, O_TEMP},    {"top-k", 1, 0, O_TOPK},
         {"top-p", 1, 0, O_TOPP},          {"seed", 1, 0, O_SEED},           {"stop-ids", 1, 0, O_STOP},
         {"dump-logits", 1, 0, O_DUMP},    {"stats", 0, 0, O_STATS},         {"policy", 1, 0, O_POLICY},
-        {"policy-param", 1, 0, O_PPARAM}, {"help", 0, 0, 'h'},
+        {"policy-param", 1, 0, O_PPARAM}, {"prompt", 1, 0, O_TEXT},        {"chat", 1, 0, O_CHAT},
+        {"ignore-eos", 0, 0, O_IGNORE_EOS}, {"json", 0, 0, O_JSON},      {"link-preset", 1, 0, O_LINKS},
+        {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -125,6 +239,20 @@ int main(int argc, char **argv) {
             }
             n_req++;
             break;
+        case O_TEXT:
+        case O_CHAT:
+            if (n_req == MAX_REQ) {
+                fprintf(stderr, "kvbank-generate: at most %d prompts\n", MAX_REQ);
+                goto bad_args;
+            }
+            prompts[n_req] = NULL;
+            n_prompt[n_req] = 0;
+            req_text[n_req] = optarg;
+            req_chat[n_req++] = c == O_CHAT;
+            n_text++;
+            break;
+        case O_IGNORE_EOS: ignore_eos = 1; break;
+        case O_JSON: json_out = 1; break;
         case O_MAXTOK: if (parse_int("--max-tokens", optarg, 1, &max_tokens)) goto bad_args; break;
         case O_BACKEND: backend = optarg; break;
         case O_THREADS: if (parse_int("--threads", optarg, 1, &threads)) goto bad_args; break;
@@ -160,6 +288,7 @@ int main(int argc, char **argv) {
         case O_DUMP: dump_path = optarg; break;
         case O_STATS: show_stats = 1; break;
         case O_POLICY: policy = optarg; break;
+        case O_LINKS: links = optarg; break;
         case O_PPARAM:
             if (kvb_policy_params_add(&pparams, optarg) != KVB_OK) {
                 fprintf(stderr, "kvbank-generate: --policy-param needs KEY=VALUE, got '%s'\n", optarg);
@@ -170,14 +299,15 @@ int main(int argc, char **argv) {
         default: usage(stderr); goto bad_args;
         }
     }
-    if (!strcmp(policy, "list")) {
-        kvb_policy_print_list(stdout);
+    if (!strcmp(policy, "list") || !strcmp(links, "list")) {
+        if (!strcmp(policy, "list")) kvb_policy_print_list(stdout);
+        else kvb_link_preset_list(stdout);
         rc = 0;
         goto out;
     }
     if (optind != argc || !model_dir || !n_req || !max_tokens) {
         if (optind != argc) fprintf(stderr, "kvbank-generate: unexpected argument '%s'\n", argv[optind]);
-        else fprintf(stderr, "kvbank-generate: --model, --prompt-ids and --max-tokens are required\n");
+        else fprintf(stderr, "kvbank-generate: --model, a prompt (--prompt-ids, --prompt or --chat) and --max-tokens are required\n");
         usage(stderr);
         goto bad_args;
     }
@@ -185,6 +315,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "kvbank-generate: invalid sampling parameters (temperature >= 0, top-p in [0, 1])\n");
         goto bad_args;
     }
+
+    if (n_text && text_prompts(model_dir, n_req, req_text, req_chat, prompts, n_prompt, &tok) != KVB_OK) goto out;
+    if (tok && !ignore_eos && add_eos_stops(tok, &stop, &n_stop) != KVB_OK) goto out;
 
     g.n_req = n_req;
     g.max_tokens = max_tokens;
@@ -204,6 +337,11 @@ int main(int argc, char **argv) {
     }
     if (dump_path && kvb_calloc((size_t)max_tokens * cfg->vocab, sizeof(float), (void **)&g.dump) != KVB_OK) goto out;
     kvb_engine_events ev = {.ud = &g, .on_token = on_token, .on_finish = on_finish, .on_logits = on_logits};
+    if (kvb_link_preset(links, be, &o.links) != KVB_OK) {
+        fprintf(stderr, "kvbank-generate: unknown --link-preset '%s' (--link-preset list names them)\n", links);
+        goto bad_args;
+    }
+    if (show_stats) kvb_link_model_print(stderr, &o.links);
     kvb_planner planner;
     if (kvb_policy_create(policy, &pparams, &planner) != KVB_OK) {
         fprintf(stderr, "kvbank-generate: cannot create policy '%s' (see the log above; --policy list names them)\n",
@@ -231,6 +369,10 @@ int main(int argc, char **argv) {
             fprintf(stderr, "kvbank-generate: request %d failed: %s\n", i, kvb_status_str(g.err[i]));
             goto out;
         }
+        if (json_out || tok) {
+            if (print_result(tok, json_out, prompts[i], n_prompt[i], g.out[i], g.n_out[i], g.fin[i]) != KVB_OK) goto out;
+            continue;
+        }
         for (int k = 0; k < g.n_out[i]; k++) printf(k ? ",%d" : "%d", g.out[i][k]);
         printf("\n");
     }
@@ -242,11 +384,14 @@ int main(int argc, char **argv) {
         kvb_engine_slices_stats(e, &ss);
         fprintf(stderr,
                 "stats: steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
-                "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu\n",
+                "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
+                "max_running=%d swap_outs=%llu recomputed_tokens=%llu host_link_bytes=%llu peer_link_bytes=%llu\n",
                 (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
                 (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
                 (unsigned long long)s.prefix_hit_tokens, s.blocks_total, (unsigned long long)s.pauses,
-                (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded);
+                (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded, s.prefix_cache,
+                s.max_running, (unsigned long long)s.swap_outs, (unsigned long long)s.recomputed_tokens,
+                (unsigned long long)s.links[KVB_LINK_HOST].bytes, (unsigned long long)s.links[KVB_LINK_PEER].bytes);
     }
     rc = 0;
     goto out;
@@ -262,6 +407,7 @@ out:
     }
     free(g.dump);
     free(stop);
+    kvb_tokenizer_destroy(tok);
     kvb_policy_params_free(&pparams);
     return rc;
 }

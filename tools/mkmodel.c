@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include "common/model/safetensors.h"
+#include "common/text/tokenizer.h"
 #include "common/util/util.h"
 
 typedef struct opts {
@@ -23,6 +24,11 @@ typedef struct opts {
     double rope_theta; /* 0: the architecture's default */
     int shards;
     const char *outdir;
+    const char *tokenizer;  /* --tokenizer DIR, or NULL */
+    int vocab_given;        /* --vocab was on the command line */
+    int32_t bos_id;         /* config.json's bos_token_id (-1: null) */
+    int32_t *eos;           /* [n_eos] config.json / generation_config.json eos_token_id */
+    int n_eos;
 } opts;
 
 static void usage(FILE *f, const char *prog) {
@@ -50,6 +56,13 @@ static void usage(FILE *f, const char *prog) {
             "  --rope-theta X      RoPE base (default 10000 for llama, 1000000 for qwen3)\n"
             "  --shards N          split the tensors, in checkpoint order, over N files of about equal\n"
             "                      tensor count (default 1: a single model.safetensors)\n"
+            "  --tokenizer DIR     carry the Hugging Face tokenizer of DIR: copies tokenizer.json,\n"
+            "                      tokenizer_config.json and chat_template.jinja (if present), sets\n"
+            "                      vocab_size to the tokenizer's size (unless --vocab is larger), bos/eos\n"
+            "                      ids from it, and writes generation_config.json with the EOS ids\n"
+            "  --eos-ids IDS       EOS ids for config.json and generation_config.json (default: 2, or with\n"
+            "                      --tokenizer its EOS ids plus the end-of-turn tokens it has:\n"
+            "                      <|eot_id|>, <|eom_id|>, <|end_of_text|>, <|im_end|>, <|endoftext|>)\n"
             "  --help              this text\n"
             "\n"
             "Weights: linear layers N(0, 1/sqrt(in_features)), embeddings N(0, 1) (with --tie\n"
@@ -260,6 +273,13 @@ fail_map:
     return st;
 }
 
+/* eos_token_id as transformers writes it: an int, or a list when there are several. */
+static void eos_json(const opts *o, char *buf, size_t cap) {
+    size_t k = (size_t)snprintf(buf, cap, o->n_eos == 1 ? "" : "[");
+    for (int i = 0; i < o->n_eos && k < cap; i++) k += (size_t)snprintf(buf + k, cap - k, i ? ", %d" : "%d", o->eos[i]);
+    if (o->n_eos != 1 && k < cap) snprintf(buf + k, cap - k, "]");
+}
+
 typedef struct kv_line {
     const char *key;
     char value[256]; /* JSON text, already indented for a nested value */
@@ -280,8 +300,11 @@ static kvb_status write_config(const opts *o) {
     SET("architectures", "[\n    \"%s\"\n  ]", o->qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM");
     SET("attention_bias", "false");
     SET("attention_dropout", "0.0");
-    SET("bos_token_id", "1");
-    SET("eos_token_id", "2");
+    if (o->bos_id >= 0) SET("bos_token_id", "%d", o->bos_id);
+    else SET("bos_token_id", "null");
+    char eos[200];
+    eos_json(o, eos, sizeof eos);
+    SET("eos_token_id", "%s", eos);
     SET("head_dim", "%d", o->head_dim);
     SET("hidden_act", "\"silu\"");
     SET("hidden_size", "%d", o->hidden);
@@ -349,7 +372,7 @@ static int parse_int_opt(const char *prog, const char *flag, const char *arg, in
 /* Parses argv into `o`; returns 0, 1 for --help, or -1 for a usage error (message printed). */
 static int parse_args(int argc, char **argv, opts *o) {
     enum { O_ARCH = 256, O_LAYERS, O_HIDDEN, O_HEADS, O_KV, O_HD, O_FF, O_VOCAB, O_MAXPOS, O_DTYPE, O_SEED,
-           O_TIE, O_SCALING, O_THETA, O_SHARDS, O_HELP };
+           O_TIE, O_SCALING, O_THETA, O_SHARDS, O_TOKENIZER, O_EOS, O_HELP };
     static const struct option lo[] = {
         {"arch", required_argument, 0, O_ARCH}, {"layers", required_argument, 0, O_LAYERS},
         {"hidden", required_argument, 0, O_HIDDEN}, {"heads", required_argument, 0, O_HEADS},
@@ -358,11 +381,12 @@ static int parse_args(int argc, char **argv, opts *o) {
         {"max-pos", required_argument, 0, O_MAXPOS}, {"dtype", required_argument, 0, O_DTYPE},
         {"seed", required_argument, 0, O_SEED}, {"tie", no_argument, 0, O_TIE},
         {"rope-scaling", required_argument, 0, O_SCALING}, {"rope-theta", required_argument, 0, O_THETA},
-        {"shards", required_argument, 0, O_SHARDS}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+        {"shards", required_argument, 0, O_SHARDS}, {"tokenizer", required_argument, 0, O_TOKENIZER},
+        {"eos-ids", required_argument, 0, O_EOS}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *prog = argv[0];
     int have_arch = 0;
     *o = (opts){.layers = 2, .hidden = 64, .heads = 4, .kv_heads = 2, .head_dim = 0, .intermediate = 128,
-                .vocab = 256, .max_pos = 2048, .dtype = KVB_DTYPE_F32, .seed = 0, .shards = 1};
+                .vocab = 256, .max_pos = 2048, .dtype = KVB_DTYPE_F32, .seed = 0, .shards = 1, .bos_id = 1};
     opterr = 0;
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -383,7 +407,19 @@ static int parse_args(int argc, char **argv, opts *o) {
         case O_KV: r = parse_int_opt(prog, "kv-heads", optarg, 1, 1024, &o->kv_heads); break;
         case O_HD: r = parse_int_opt(prog, "head-dim", optarg, 2, 1024, &o->head_dim); break;
         case O_FF: r = parse_int_opt(prog, "intermediate", optarg, 1, 1 << 18, &o->intermediate); break;
-        case O_VOCAB: r = parse_int_opt(prog, "vocab", optarg, 3, 1 << 20, &o->vocab); break;
+        case O_VOCAB:
+            r = parse_int_opt(prog, "vocab", optarg, 3, 1 << 20, &o->vocab);
+            o->vocab_given = 1;
+            break;
+        case O_TOKENIZER: o->tokenizer = optarg; break;
+        case O_EOS:
+            free(o->eos);
+            o->eos = NULL;
+            if (kvb_parse_id_list(optarg, &o->eos, &o->n_eos) != KVB_OK || o->n_eos > 8) {
+                fprintf(stderr, "%s: --eos-ids wants at most 8 comma-separated token ids, got \"%s\"\n", prog, optarg);
+                return -1;
+            }
+            break;
         case O_MAXPOS: r = parse_int_opt(prog, "max-pos", optarg, 1, 1 << 24, &o->max_pos); break;
         case O_SHARDS: r = parse_int_opt(prog, "shards", optarg, 1, 99999, &o->shards); break;
         case O_DTYPE:
@@ -451,12 +487,110 @@ static int parse_args(int argc, char **argv, opts *o) {
         return -1;
     }
     if (!o->rope_theta) o->rope_theta = o->qwen3 ? 1000000.0 : 10000.0;
+    if (!o->eos && !o->tokenizer) {
+        static int32_t two = 2;
+        o->eos = malloc(sizeof two);
+        if (!o->eos) return -1;
+        o->eos[0] = two;
+        o->n_eos = 1;
+    }
     int n_tensors = 1 + o->layers * (o->qwen3 ? 11 : 9) + 1 + !o->tie;
     if (o->shards > n_tensors) {
         fprintf(stderr, "%s: --shards %d exceeds the %d tensors of this model\n", prog, o->shards, n_tensors);
         return -1;
     }
     return 0;
+}
+
+/* Copies DIR/name into OUTDIR (a missing optional file is skipped). */
+static kvb_status copy_file(const char *dir, const char *outdir, const char *name, int optional) {
+    char src[PATH_MAX], dst[PATH_MAX];
+    if (snprintf(src, sizeof src, "%s/%s", dir, name) >= (int)sizeof src ||
+        snprintf(dst, sizeof dst, "%s/%s", outdir, name) >= (int)sizeof dst)
+        return KVB_ERR_INVALID;
+    FILE *in = fopen(src, "rb");
+    if (!in) {
+        if (optional && errno == ENOENT) return KVB_OK;
+        KVB_LOG_E("%s: cannot read: %s", src, strerror(errno));
+        return KVB_ERR_IO;
+    }
+    FILE *out = fopen(dst, "wb");
+    if (!out) {
+        fclose(in);
+        KVB_LOG_E("%s: cannot create: %s", dst, strerror(errno));
+        return KVB_ERR_IO;
+    }
+    char buf[1 << 16];
+    size_t n;
+    int bad = 0;
+    while ((n = fread(buf, 1, sizeof buf, in)) > 0) bad |= fwrite(buf, 1, n, out) != n;
+    bad |= ferror(in);
+    fclose(in);
+    bad |= fclose(out) != 0;
+    if (bad) {
+        KVB_LOG_E("%s: copy to %s failed", src, dst);
+        return KVB_ERR_IO;
+    }
+    return KVB_OK;
+}
+
+/* --tokenizer: the vocabulary size, BOS and EOS ids from the tokenizer, and its files copied. */
+static kvb_status take_tokenizer(opts *o) {
+    kvb_tokenizer *t;
+    KVB_TRY(kvb_tokenizer_load(o->tokenizer, &t));
+    kvb_status st = KVB_OK;
+    int n = kvb_tokenizer_vocab_size(t);
+    if (o->vocab_given && o->vocab < n) {
+        KVB_LOG_E("--vocab %d is smaller than the tokenizer's %d tokens", o->vocab, n);
+        st = KVB_ERR_INVALID;
+        goto done;
+    }
+    if (!o->vocab_given) o->vocab = n;
+    o->bos_id = kvb_tokenizer_bos_id(t);
+    if (!o->eos) { /* the tokenizer's EOS ids, then the end-of-turn tokens chat templates close turns with */
+        static const char *const turn_ends[] = {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>"};
+        const int32_t *ids;
+        int k = kvb_tokenizer_eos_ids(t, &ids);
+        KVB_TRY_GOTO(kvb_calloc((size_t)k + KVB_ARRAY_LEN(turn_ends), sizeof *o->eos, (void **)&o->eos), done);
+        for (int i = 0; i < k; i++) o->eos[o->n_eos++] = ids[i];
+        for (size_t i = 0; i < KVB_ARRAY_LEN(turn_ends); i++) {
+            int32_t id = kvb_tokenizer_token_id(t, turn_ends[i]);
+            int seen = id < 0 || !kvb_tokenizer_is_special(t, id);
+            for (int j = 0; j < o->n_eos; j++) seen |= o->eos[j] == id;
+            if (!seen) o->eos[o->n_eos++] = id;
+        }
+        if (!o->n_eos) {
+            KVB_LOG_E("%s: the tokenizer names no EOS token; give --eos-ids", o->tokenizer);
+            st = KVB_ERR_INVALID;
+            goto done;
+        }
+    }
+    KVB_TRY_GOTO(copy_file(o->tokenizer, o->outdir, "tokenizer.json", 0), done);
+    KVB_TRY_GOTO(copy_file(o->tokenizer, o->outdir, "tokenizer_config.json", 1), done);
+    KVB_TRY_GOTO(copy_file(o->tokenizer, o->outdir, "chat_template.jinja", 1), done);
+    KVB_TRY_GOTO(copy_file(o->tokenizer, o->outdir, "special_tokens_map.json", 1), done);
+done:
+    kvb_tokenizer_destroy(t);
+    return st;
+}
+
+/* generation_config.json as transformers writes it (sorted keys, indent 2). */
+static kvb_status write_generation_config(const opts *o) {
+    char path[PATH_MAX], eos[200];
+    if (snprintf(path, sizeof path, "%s/generation_config.json", o->outdir) >= (int)sizeof path) return KVB_ERR_INVALID;
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        KVB_LOG_E("%s: cannot create: %s", path, strerror(errno));
+        return KVB_ERR_IO;
+    }
+    eos_json(o, eos, sizeof eos);
+    if (o->bos_id >= 0) fprintf(f, "{\n  \"bos_token_id\": %d,\n  \"eos_token_id\": %s\n}\n", o->bos_id, eos);
+    else fprintf(f, "{\n  \"eos_token_id\": %s\n}\n", eos);
+    if (ferror(f) | (fclose(f) != 0)) {
+        KVB_LOG_E("%s: write failed", path);
+        return KVB_ERR_IO;
+    }
+    return KVB_OK;
 }
 
 int main(int argc, char **argv) {
@@ -476,14 +610,26 @@ int main(int argc, char **argv) {
     }
     tensor_list l = {0};
     kvb_status st;
+    if (o.tokenizer) {
+        KVB_TRY_GOTO(take_tokenizer(&o), fail_list);
+        KVB_TRY_GOTO(write_generation_config(&o), fail_list);
+    }
+    for (int i = 0; i < o.n_eos; i++)
+        if (o.eos[i] >= o.vocab) {
+            fprintf(stderr, "%s: EOS id %d is not below the vocabulary size %d\n", argv[0], o.eos[i], o.vocab);
+            st = KVB_ERR_INVALID;
+            goto fail_list;
+        }
     KVB_TRY_GOTO(build_list(&o, &l), fail_list);
     KVB_TRY_GOTO(fill(&o, &l), fail_list);
     KVB_TRY_GOTO(write_weights(&o, &l), fail_list);
     KVB_TRY_GOTO(write_config(&o), fail_list);
     list_free(&l);
+    free(o.eos);
     return 0;
 fail_list:
     list_free(&l);
+    free(o.eos);
     fprintf(stderr, "%s: failed to write the model to %s: %s\n", argv[0], o.outdir, kvb_status_str(st));
     return 1;
 }

@@ -55,6 +55,7 @@ static void usage(FILE *f) {
             "  --max-seqs N           most running sequences (default 64)\n"
             "  --policy NAME          planner (default recompute); --policy list prints them\n"
             "  --policy-param K=V     a parameter of the planner (repeat for more)\n"
+            "  --link-preset NAME     the stager's link model (default off); --link-preset list prints them\n"
             "  --no-prefix-cache      do not reuse KV blocks across requests\n"
             "  -h, --help             this text\n"
             "\n"
@@ -86,18 +87,19 @@ static int valid_tag(const char *s) {
 
 int main(int argc, char **argv) {
     const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
+    const char *links = "off";
     int threads = 1, block_size = 16, kv_blocks = 0, max_batch_tokens = 0, max_live = 1024, prefix_cache = 1;
     int max_per_client = 0, max_seqs = 0, device = 0;
     kvb_policy_params pparams = {0};
 
     enum { O_MODEL = 256, O_EP, O_NAME, O_BACKEND, O_THREADS, O_BS, O_BLOCKS, O_MBT, O_LIVE, O_POLICY, O_NOPC, O_PPARAM,
-           O_PER_CLIENT, O_SEQS, O_DEVICE };
+           O_PER_CLIENT, O_SEQS, O_DEVICE, O_LINKS };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL},       {"endpoint", 1, 0, O_EP},        {"name", 1, 0, O_NAME},
         {"backend", 1, 0, O_BACKEND},   {"threads", 1, 0, O_THREADS},    {"block-size", 1, 0, O_BS},
         {"kv-blocks", 1, 0, O_BLOCKS},  {"max-batch-tokens", 1, 0, O_MBT}, {"max-live", 1, 0, O_LIVE},
         {"policy", 1, 0, O_POLICY},     {"no-prefix-cache", 0, 0, O_NOPC}, {"policy-param", 1, 0, O_PPARAM},
-        {"help", 0, 0, 'h'},
+        {"link-preset", 1, 0, O_LINKS}, {"help", 0, 0, 'h'},
         {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"max-seqs", 1, 0, O_SEQS}, {"device", 1, 0, O_DEVICE},
         {0, 0, 0, 0}};
     int c, bad = 0;
@@ -117,6 +119,7 @@ int main(int argc, char **argv) {
         case O_PER_CLIENT: bad = parse_int("--max-live-per-client", optarg, 1, &max_per_client) != 0; break;
         case O_SEQS: bad = parse_int("--max-seqs", optarg, 1, &max_seqs) != 0; break;
         case O_POLICY: policy = optarg; break;
+        case O_LINKS: links = optarg; break;
         case O_PPARAM:
             if (kvb_policy_params_add(&pparams, optarg) != KVB_OK) {
                 fprintf(stderr, "kvbank-serve: --policy-param needs KEY=VALUE, got '%s'\n", optarg);
@@ -132,8 +135,9 @@ int main(int argc, char **argv) {
         kvb_policy_params_free(&pparams);
         return 2;
     }
-    if (!strcmp(policy, "list")) {
-        kvb_policy_print_list(stdout);
+    if (!strcmp(policy, "list") || !strcmp(links, "list")) {
+        if (!strcmp(policy, "list")) kvb_policy_print_list(stdout);
+        else kvb_link_preset_list(stdout);
         kvb_policy_params_free(&pparams);
         return 0;
     }
@@ -235,6 +239,10 @@ int main(int argc, char **argv) {
     eo.enable_prefix_cache = prefix_cache;
     eo.kv_mem = kvb_mem_region_base(region);
     eo.kv_mem_bytes = kvb_mem_region_size(region);
+    if ((st = kvb_link_preset(links, be, &eo.links)) != KVB_OK) {
+        fprintf(stderr, "kvbank-serve: unknown --link-preset '%s' (--link-preset list names them)\n", links);
+        goto out;
+    }
     kvb_engine_events ev = kvb_server_engine_events(srv);
     planner_owned = 0; /* kvb_engine_create takes the planner, also when it fails */
     if ((st = kvb_engine_create(m, &eo, &planner, &ev, &eng)) != KVB_OK) {

@@ -578,22 +578,8 @@ static int recv_one(kvb_client *c) {
  * connection was lost. */
 static int pump_monitor(kvb_client *c) {
     int lost = 0;
-    for (;;) {
-        zmq_msg_t m;
-        zmq_msg_init(&m);
-        if (zmq_msg_recv(&m, c->mon, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&m);
-            return lost;
-        }
-        uint16_t ev = 0; /* frame 1: event (16 bits) and value (32 bits); frame 2: the endpoint */
-        if (zmq_msg_size(&m) >= sizeof ev) memcpy(&ev, zmq_msg_data(&m), sizeof ev);
-        int more = zmq_msg_more(&m);
-        zmq_msg_close(&m);
-        while (more) {
-            zmq_msg_init(&m);
-            more = zmq_msg_recv(&m, c->mon, ZMQ_DONTWAIT) >= 0 && zmq_msg_more(&m);
-            zmq_msg_close(&m);
-        }
+    uint16_t ev;
+    while (kvb_wire_monitor_event(c->mon, &ev)) {
         if (ev == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
             c->connected = 1;
             c->conn++;
@@ -606,6 +592,7 @@ static int pump_monitor(kvb_client *c) {
             lost = 1;
         }
     }
+    return lost;
 }
 
 /* The finish of a request whose server went away after it had delivered all it could (max_tokens, or a

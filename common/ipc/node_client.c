@@ -3,9 +3,11 @@
  * States: unregistered (a Register goes out now and then, every other outgoing message is refused
  * here because the coordinator would drop it) and registered (a Heartbeat every heartbeat_ms). A
  * registered client falls back to unregistered when a HeartbeatReply says known = false, when a reply
- * names another coordinator instance, or when nothing has answered for SILENCE_PERIODS heartbeat
- * periods. The socket is a DEALER with ZMQ_IMMEDIATE: while the coordinator is gone a send fails at
- * once instead of queueing, so a restarted coordinator never receives a backlog of stale messages.
+ * names another coordinator instance, or when nothing has answered for RECONNECT_PERIODS heartbeat
+ * periods (then it also replaces its socket: the route of its name may belong to another connection).
+ * The socket is a DEALER with ZMQ_IMMEDIATE: while the coordinator is gone a send fails at once instead
+ * of queueing, so a restarted coordinator never receives a backlog of stale messages. It logs in with
+ * PLAIN (the model's name and token, common/ipc/auth.h).
  *
  * Keepalive. Heartbeats normally go out from the owner's loop, between engine steps. One step can
  * take longer than the coordinator's silence limit (a long prefill on a loaded CPU), and a master
@@ -29,11 +31,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/ipc/auth.h"
 #include "common/ipc/wire.h"
 
 #define COORD_ID_MAX 128          /* longest coordinator instance id kept (longer ones are cut) */
-#define SILENCE_PERIODS 4         /* heartbeat periods without any reply: the coordinator is gone */
-#define SILENCE_MIN_MS 1000       /* ... but never less than this */
 #define REGISTER_RETRY_MIN_MS 250 /* Register resend period while unanswered */
 #define REFUSED_RETRY_MS 1000     /* after a refused Register */
 #define HEARTBEAT_MIN_MS 10       /* bounds on the period a coordinator may ask for */
@@ -42,10 +43,18 @@
                                    * coordinator gives unconfirmed loans a short grace period */
 #define UNREACHABLE_RETRY_MS 50   /* Register resend period while no connection exists */
 #define RECV_MAX_BYTES ((int64_t)KVB_WIRE_MAX_FRAME + 4096) /* larger frames are cut by libzmq */
+#define RECONNECT_PERIODS 2       /* no answer for this many heartbeat periods: a new socket */
+#define RECONNECT_MIN_MS 500      /* ... but never sooner than this */
+#define KEY_RETRY_MS 1000         /* key file not there yet (or refused): read it again this often */
 
 struct kvb_node_client {
     void *zctx;
-    void *sock;                       /* DEALER, routing id = id.name */
+    void *sock;                       /* DEALER, routing id = id.name, PLAIN user id.name */
+    char *coord_ep;                   /* the coordinator's endpoint */
+    char token[KVB_AUTH_TOKEN_LEN + 1]; /* the password of the socket ("" while unknown) */
+    int token_fixed;                  /* given at creation; else from the key file */
+    uint64_t next_key_ns;             /* key file: when to read it again while not connected */
+    uint64_t reconnects;              /* new sockets after silence */
     kvb_node_identity id;             /* its strings point to the copies below */
     char *name, *region, *endpoint, *model, *memory; /* owned copies */
     kvb_node_callbacks cb;
@@ -84,11 +93,6 @@ static int period_ms(const kvb_node_client *nc) { return nc->heartbeat_ms; }
 
 static uint64_t ms_ns(int ms) { return (uint64_t)(ms > 0 ? ms : 0) * 1000000u; }
 
-static int silence_ms(const kvb_node_client *nc) {
-    int s = SILENCE_PERIODS * period_ms(nc);
-    return s < SILENCE_MIN_MS ? SILENCE_MIN_MS : s;
-}
-
 static int register_retry_ms(const kvb_node_client *nc) {
     int r = period_ms(nc);
     return r < REGISTER_RETRY_MIN_MS ? REGISTER_RETRY_MIN_MS : r;
@@ -115,6 +119,9 @@ static kvb_status send_env(kvb_node_client *nc, Kvbank__Envelope *env) {
 static void mark_waiting(kvb_node_client *nc) {
     if (!nc->waiting_since_ns) nc->waiting_since_ns = kvb_now_ns();
 }
+
+static int load_token(kvb_node_client *nc);
+static kvb_status open_socket(kvb_node_client *nc);
 
 /* ------------------------------------------------------------------------------- register, heartbeat */
 
@@ -178,8 +185,15 @@ static void send_register(kvb_node_client *nc) {
     }
     free(lp);
     free(lw);
-    /* Not connected (ZMQ_IMMEDIATE): try again soon, the coordinator is registering everyone now. */
-    nc->next_register_ns = kvb_now_ns() + ms_ns(sent ? register_retry_ms(nc) : UNREACHABLE_RETRY_MS);
+    /* Not connected (ZMQ_IMMEDIATE): try again soon, the coordinator is registering everyone now. A
+     * model of a node run by hand may have come before the coordinator's key file (or read an old
+     * one): read it again now and then. */
+    uint64_t now = kvb_now_ns();
+    if (!sent && !nc->token_fixed && now >= nc->next_key_ns) {
+        nc->next_key_ns = now + ms_ns(KEY_RETRY_MS);
+        if (load_token(nc) && open_socket(nc) != KVB_OK) KVB_LOG_E("coordinator: cannot make a new socket");
+    }
+    nc->next_register_ns = now + ms_ns(sent ? register_retry_ms(nc) : UNREACHABLE_RETRY_MS);
 }
 
 /* Sends a Heartbeat with the numbers `ld`; 1 when it went out. */
@@ -486,11 +500,25 @@ void kvb_node_client_on_ready(kvb_node_client *nc) {
     }
 }
 
+static void reconnect(kvb_node_client *nc, const char *why);
+
+static int reconnect_ms(const kvb_node_client *nc) {
+    int r = RECONNECT_PERIODS * period_ms(nc);
+    return r < RECONNECT_MIN_MS ? RECONNECT_MIN_MS : r;
+}
+
 int kvb_node_client_tick(kvb_node_client *nc) {
     if (!nc) return -1;
     uint64_t now = kvb_now_ns();
-    if (nc->registered && nc->waiting_since_ns && now - nc->waiting_since_ns > ms_ns(silence_ms(nc)))
-        lose_registration(nc, "no answer from the coordinator");
+    /* Messages went out on a standing connection and nothing came back: the coordinator may be gone
+     * or stuck, or our name's route may belong to another connection now (ROUTER_HANDOVER). A new
+     * socket takes the route back (well before the coordinator's silence limit) and registers again. */
+    if (nc->waiting_since_ns && now - nc->waiting_since_ns > ms_ns(reconnect_ms(nc))) {
+        char why[96];
+        snprintf(why, sizeof why, "no answer from the coordinator for %d ms", reconnect_ms(nc));
+        reconnect(nc, why);
+        now = kvb_now_ns();
+    }
     uint64_t next;
     if (!nc->registered) {
         if (now >= nc->next_register_ns) send_register(nc);
@@ -499,7 +527,7 @@ int kvb_node_client_tick(kvb_node_client *nc) {
         if (now >= nc->next_heartbeat_ns) send_heartbeat(nc);
         next = nc->next_heartbeat_ns;
         if (nc->waiting_since_ns) {
-            uint64_t dead = nc->waiting_since_ns + ms_ns(silence_ms(nc)) + 1;
+            uint64_t dead = nc->waiting_since_ns + ms_ns(reconnect_ms(nc)) + 1;
             if (dead < next) next = dead;
         }
     }
@@ -635,6 +663,64 @@ static kvb_status dup_opt(const char *s, char **out) {
     return kvb_strdup(s ? s : "", out);
 }
 
+/* The token of the socket: the one given, or the one the node key file gives (common/ipc/auth.h).
+ * Returns 1 when it changed. */
+static int load_token(kvb_node_client *nc) {
+    if (nc->token_fixed) return 0;
+    char path[4096];
+    kvb_auth a;
+    if (kvb_auth_key_path(nc->coord_ep, path, sizeof path) != KVB_OK || kvb_auth_read_file(path, &a) != KVB_OK ||
+        !a.has_secret)
+        return 0; /* not there yet: the coordinator writes it when it starts */
+    char tok[KVB_AUTH_TOKEN_LEN + 1];
+    kvb_auth_token(a.secret, nc->name, tok);
+    explicit_bzero(&a, sizeof a);
+    int changed = strcmp(tok, nc->token) != 0;
+    memcpy(nc->token, tok, sizeof tok);
+    explicit_bzero(tok, sizeof tok);
+    return changed;
+}
+
+/* A new DEALER to the coordinator in place of the old one (closed, its queue dropped). */
+static kvb_status open_socket(kvb_node_client *nc) {
+    if (nc->sock) zmq_close(nc->sock);
+    nc->sock = zmq_socket(nc->zctx, ZMQ_DEALER);
+    if (!nc->sock) {
+        KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));
+        return KVB_ERR_IO;
+    }
+    int zero = 0, one = 1, ivl = RECONNECT_IVL_MS, ivl_max = 0;
+    int64_t maxmsg = RECV_MAX_BYTES;
+    if (zmq_setsockopt(nc->sock, ZMQ_ROUTING_ID, nc->name, strlen(nc->name)) ||
+        zmq_setsockopt(nc->sock, ZMQ_LINGER, &zero, sizeof zero) ||
+        zmq_setsockopt(nc->sock, ZMQ_IMMEDIATE, &one, sizeof one) ||
+        zmq_setsockopt(nc->sock, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl) ||
+        zmq_setsockopt(nc->sock, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof ivl_max) ||
+        zmq_setsockopt(nc->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg)) {
+        KVB_LOG_E("coordinator: zmq_setsockopt: %s", zmq_strerror(errno));
+        return KVB_ERR_IO;
+    }
+    /* Without a token yet the socket speaks no PLAIN: the coordinator refuses it until the key file
+     * is there (load_token is tried again meanwhile). */
+    if (nc->token[0]) KVB_TRY(kvb_auth_set_plain(nc->sock, nc->name, nc->token));
+    if (zmq_connect(nc->sock, nc->coord_ep) != 0) {
+        KVB_LOG_E("cannot connect to the coordinator at %s: %s", nc->coord_ep, zmq_strerror(errno));
+        return KVB_ERR_INVALID;
+    }
+    return KVB_OK;
+}
+
+/* Drops the connection and makes a new one (the old one's route may belong to another connection
+ * now); the next tick registers again. */
+static void reconnect(kvb_node_client *nc, const char *why) {
+    kvb_node_client_on_ready(nc); /* what already arrived still counts */
+    load_token(nc);
+    KVB_LOG_W("coordinator: %s; reconnecting with a new socket", why);
+    if (open_socket(nc) != KVB_OK) KVB_LOG_E("coordinator: cannot make a new socket; retrying later");
+    nc->reconnects++;
+    lose_registration(nc, why);
+}
+
 kvb_status kvb_node_client_create(const char *endpoint, const kvb_node_identity *id, const kvb_node_callbacks *cb,
                                   int heartbeat_ms, kvb_node_client **out) {
     if (!endpoint || !id || !cb || !cb->load || !out || !id->name || heartbeat_ms <= 0) return KVB_ERR_INVALID;
@@ -667,35 +753,26 @@ kvb_status kvb_node_client_create(const char *endpoint, const kvb_node_identity 
     nc->cb = *cb;
     nc->heartbeat_ms = KVB_MIN(KVB_MAX(heartbeat_ms, HEARTBEAT_MIN_MS), HEARTBEAT_MAX_MS);
 
+    KVB_TRY_GOTO(dup_opt(endpoint, &nc->coord_ep), fail);
+    if (id->token) {
+        if (strlen(id->token) != KVB_AUTH_TOKEN_LEN) {
+            KVB_LOG_E("coordinator: a token has %d characters", KVB_AUTH_TOKEN_LEN);
+            st = KVB_ERR_INVALID;
+            goto fail;
+        }
+        memcpy(nc->token, id->token, sizeof nc->token);
+        nc->token_fixed = 1;
+    } else {
+        load_token(nc);
+    }
+    nc->id.token = NULL; /* kept in nc->token only */
     nc->zctx = zmq_ctx_new();
     if (!nc->zctx) {
         KVB_LOG_E("zmq_ctx_new: %s", zmq_strerror(errno));
         st = KVB_ERR_IO;
         goto fail;
     }
-    nc->sock = zmq_socket(nc->zctx, ZMQ_DEALER);
-    if (!nc->sock) {
-        KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));
-        st = KVB_ERR_IO;
-        goto fail;
-    }
-    int zero = 0, one = 1, ivl = RECONNECT_IVL_MS, ivl_max = 0;
-    int64_t maxmsg = RECV_MAX_BYTES;
-    if (zmq_setsockopt(nc->sock, ZMQ_ROUTING_ID, nc->name, name_len) ||
-        zmq_setsockopt(nc->sock, ZMQ_LINGER, &zero, sizeof zero) ||
-        zmq_setsockopt(nc->sock, ZMQ_IMMEDIATE, &one, sizeof one) ||
-        zmq_setsockopt(nc->sock, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl) ||
-        zmq_setsockopt(nc->sock, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof ivl_max) ||
-        zmq_setsockopt(nc->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg)) {
-        KVB_LOG_E("coordinator: zmq_setsockopt: %s", zmq_strerror(errno));
-        st = KVB_ERR_IO;
-        goto fail;
-    }
-    if (zmq_connect(nc->sock, endpoint) != 0) {
-        KVB_LOG_E("cannot connect to the coordinator at %s: %s", endpoint, zmq_strerror(errno));
-        st = KVB_ERR_INVALID;
-        goto fail;
-    }
+    KVB_TRY_GOTO(open_socket(nc), fail);
     int e = pthread_create(&nc->ka_thread, NULL, keepalive_main, nc);
     if (e != 0) {
         KVB_LOG_E("coordinator: cannot start the keepalive thread: %s", strerror(e));
@@ -728,6 +805,9 @@ void kvb_node_client_destroy(kvb_node_client *nc) {
     }
     if (nc->sock) zmq_close(nc->sock);
     if (nc->zctx) zmq_ctx_term(nc->zctx);
+    if (nc->reconnects) KVB_LOG_D("coordinator: %" PRIu64 " reconnection(s) after silence", nc->reconnects);
+    explicit_bzero(nc->token, sizeof nc->token);
+    free(nc->coord_ep);
     free(nc->name);
     free(nc->region);
     free(nc->memory);

@@ -6,7 +6,10 @@
  * RegisterReply gives), and registers again when the coordinator says it does not know the name
  * (HeartbeatReply.known = false), when its instance id changes (a restart), or when it stops
  * answering. ZeroMQ reconnects by itself; the client never gives up and never makes the process exit:
- * a model keeps serving its own requests without a coordinator.
+ * a model keeps serving its own requests without a coordinator. The socket logs in as the model
+ * (PLAIN: its name and token). When the coordinator stops answering while the connection stands (its
+ * route taken over by another connection of the same name, say), the client closes its socket, makes
+ * a new one and registers again, so the model recovers without a restart.
  *
  * Everything else the coordinator sends is validated and handed to the role's callbacks. The client
  * is not thread-safe (one owner thread; busy_begin is the one hand-over) and never blocks: the role polls its socket together with the model server's
@@ -38,6 +41,9 @@ typedef struct kvb_node_identity {
     uint32_t capacity;     /* blocks the region holds */
     const char *endpoint;  /* its request endpoint */
     const char *model;     /* model directory, informational (may be NULL) */
+    const char *token;     /* its token for the coordinator (common/ipc/auth.h; kvbankd passes it), or
+                            * NULL: derived from the node key file next to the coordinator's socket (a
+                            * node run by hand), read again until it is there and at every reconnection */
 } kvb_node_identity;
 
 /* The numbers of a Heartbeat (and n_own of a Register). */
@@ -90,7 +96,8 @@ kvb_status kvb_node_client_create(const char *endpoint, const kvb_node_identity 
 /* Closes the socket (queued messages are dropped). NULL-safe. */
 void kvb_node_client_destroy(kvb_node_client *nc);
 
-/* A poll item for the client's socket (ZMQ_POLLIN). */
+/* A poll item for the client's socket (ZMQ_POLLIN). The socket changes when the client reconnects
+ * (kvb_node_client_tick): take the item again after every tick. */
 zmq_pollitem_t kvb_node_client_pollitem(const kvb_node_client *nc);
 /* Receives and dispatches every message waiting on the socket. Never blocks. */
 void kvb_node_client_on_ready(kvb_node_client *nc);

@@ -772,7 +772,7 @@ kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out) {
         goto fail;
     }
     kvb_wire_router rt;
-    KVB_TRY_GOTO(kvb_wire_router_bind(s->zctx, opts->endpoint, 0, SEND_HWM, RECV_HARD_MAX, &rt), fail);
+    KVB_TRY_GOTO(kvb_wire_router_bind(s->zctx, opts->endpoint, 0, NULL, SEND_HWM, RECV_HARD_MAX, &rt), fail);
     s->sock = rt.sock;
     s->endpoint = rt.endpoint;
     s->ipc_path = rt.ipc_path;

@@ -106,8 +106,8 @@ kvb_status kvb_wire_send(void *sock, const void *ident, size_t ident_len, Kvbank
     return KVB_OK;
 }
 
-kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, int sndhwm, int64_t maxmsg,
-                                kvb_wire_router *out) {
+kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, const char *zap_domain, int sndhwm,
+                                int64_t maxmsg, kvb_wire_router *out) {
     memset(out, 0, sizeof *out);
     void *sock = zmq_socket(zctx, ZMQ_ROUTER);
     if (!sock) {
@@ -119,7 +119,9 @@ kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, 
         (handover && zmq_setsockopt(sock, ZMQ_ROUTER_HANDOVER, &one, sizeof one)) ||
         zmq_setsockopt(sock, ZMQ_LINGER, &zero, sizeof zero) ||
         zmq_setsockopt(sock, ZMQ_SNDHWM, &sndhwm, sizeof sndhwm) ||
-        zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg)) {
+        zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) ||
+        (zap_domain && (zmq_setsockopt(sock, ZMQ_PLAIN_SERVER, &one, sizeof one) ||
+                        zmq_setsockopt(sock, ZMQ_ZAP_DOMAIN, zap_domain, strlen(zap_domain))))) {
         KVB_LOG_E("zmq_setsockopt: %s", zmq_strerror(errno));
         zmq_close(sock);
         return KVB_ERR_IO;
@@ -189,4 +191,23 @@ kvb_status kvb_wire_ipc_check(const char *endpoint, char *why, size_t why_len) {
         return KVB_ERR_IO;
     }
     return KVB_OK;
+}
+
+int kvb_wire_monitor_event(void *mon, uint16_t *ev) {
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, mon, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&m);
+        return 0;
+    }
+    *ev = 0; /* frame 1: the event (16 bits) and a value (32 bits); frame 2: the endpoint */
+    if (zmq_msg_size(&m) >= sizeof *ev) memcpy(ev, zmq_msg_data(&m), sizeof *ev);
+    int more = zmq_msg_more(&m);
+    zmq_msg_close(&m);
+    while (more) {
+        zmq_msg_init(&m);
+        more = zmq_msg_recv(&m, mon, ZMQ_DONTWAIT) >= 0 && zmq_msg_more(&m);
+        zmq_msg_close(&m);
+    }
+    return 1;
 }

@@ -34,12 +34,17 @@ typedef struct kvb_wire_router {
 } kvb_wire_router;
 
 /* Creates a ROUTER on `zctx` with ROUTER_MANDATORY (a send to a departed peer fails with
- * EHOSTUNREACH), ROUTER_HANDOVER when `handover` (a reconnecting peer takes its routing id back),
+ * EHOSTUNREACH), ROUTER_HANDOVER when `handover` (a reconnecting peer takes its routing id back), a
+ * PLAIN server whose handshakes the ZAP handler of `zap_domain` judges when that is not NULL,
  * LINGER 0, send high-water mark `sndhwm` and receive cap `maxmsg`, and binds it to `endpoint`; the
  * socket file of an ipc:// endpoint is created under umask 0077 and made 0600 (only this user may
  * connect). Logs and returns KVB_ERR_IO on failure, leaving nothing open. */
-kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, int sndhwm, int64_t maxmsg,
-                                kvb_wire_router *out);
+kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, const char *zap_domain, int sndhwm,
+                                int64_t maxmsg, kvb_wire_router *out);
+
+/* Reads one event from a socket monitor (the PAIR connected to zmq_socket_monitor's endpoint) without
+ * waiting: 1 with the event (a ZMQ_EVENT_* value) in *ev, 0 when none is queued. */
+int kvb_wire_monitor_event(void *mon, uint16_t *ev);
 
 /* For an ipc:// endpoint with a socket file: whether this process may connect to it, before ZeroMQ
  * tries (ZeroMQ retries a refused connection silently, so a caller would only see a timeout).

@@ -271,3 +271,38 @@ kvb_status kvb_region_unlink_stale(const char *tag, int *n_removed) {
     if (n_removed) *n_removed = removed;
     return st;
 }
+
+kvb_status kvb_region_check(const char *handle, long pid, uint64_t bytes, char *why, size_t why_len) {
+    if (why && why_len) why[0] = '\0';
+    /* "/kvb-" <tag> "-" <pid> "-" <seq>: the tag may hold '-', so the pid is the next-to-last field */
+    const char *dash = handle && handle_valid(handle) && !strncmp(handle, "/kvb-", 5) ? strrchr(handle, '-') : NULL;
+    const char *p = dash;
+    while (p && p > handle + 5 && p[-1] != '-') p--;
+    if (!dash || p <= handle + 5 || parse_pid_seq(p) < 0) {
+        if (why) snprintf(why, why_len, "region handle '%.100s' is not /kvb-<tag>-<pid>-<seq>", handle ? handle : "");
+        return KVB_ERR_INVALID;
+    }
+    long owner = parse_pid_seq(p);
+    if (owner != pid) {
+        if (why) snprintf(why, why_len, "region %s belongs to pid %ld, not to pid %ld", handle, owner, pid);
+        return KVB_ERR_INVALID;
+    }
+    char path[sizeof SHM_DIR + KVB_REGION_HANDLE_MAX];
+    snprintf(path, sizeof path, "%s%s", SHM_DIR, handle);
+    struct stat sb;
+    if (lstat(path, &sb) != 0) {
+        if (why) snprintf(why, why_len, "region %s does not exist", handle);
+        return KVB_ERR_INVALID;
+    }
+    if (!S_ISREG(sb.st_mode) || sb.st_uid != geteuid() || (sb.st_mode & 077)) {
+        if (why) snprintf(why, why_len, "region %s is not a private object of this user (uid %u, mode %04o)", handle,
+                          (unsigned)sb.st_uid, (unsigned)(sb.st_mode & 07777));
+        return KVB_ERR_INVALID;
+    }
+    if ((uint64_t)sb.st_size < bytes) {
+        if (why) snprintf(why, why_len, "region %s holds %lld bytes, fewer than the %llu claimed", handle,
+                          (long long)sb.st_size, (unsigned long long)bytes);
+        return KVB_ERR_INVALID;
+    }
+    return KVB_OK;
+}

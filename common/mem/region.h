@@ -40,6 +40,12 @@ size_t kvb_region_size(const kvb_region *r);
 const char *kvb_region_handle(const kvb_region *r);
 int kvb_region_is_owner(const kvb_region *r);
 
+/* Whether `handle` names a live region of process `pid` of this user holding at least `bytes` (what a
+ * coordinator checks before it tells the master to map it): exactly "/kvb-<tag>-<pid>-<seq>", an
+ * existing shared-memory object that is a regular file of this user no one else may open, at least
+ * `bytes` long. KVB_ERR_INVALID with the reason in why[why_len] otherwise. */
+kvb_status kvb_region_check(const char *handle, long pid, uint64_t bytes, char *why, size_t why_len);
+
 /* Removes the shared-memory objects "/kvb-<tag>-<pid>-<seq>" whose creating process <pid> is dead
  * (kvb_pid_alive: gone, or a zombie), i.e. regions of crashed processes; the objects of live processes
  * are left alone, whoever runs them (a second node of the same name, a model that restarted). The one

@@ -27,16 +27,17 @@ void kvb_engine_opts_default(kvb_engine_opts *o) {
     o->enable_prefix_cache = 1;
 }
 
-/* The planner's resources (plan_pool SETUP); without plan_pool, what the options say. */
+/* The planner's resources (plan_pool SETUP), asked before the pool exists (a planner may bring the KV
+ * memory): host tier, stage buffers, forward rows, its own pool memory. */
 static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
-    *pp = (kvb_pool_plan){.host_tier_blocks = e->o.host_tier_blocks};
+    *pp = (kvb_pool_plan){0};
     if (!e->planner.iface || !e->planner.iface->plan_pool) return KVB_OK;
-    kvb_pool_event ev = {.kind = KVB_POOL_SETUP, .now_s = kvb_now_s()};
+    kvb_pool_event ev = {.kind = KVB_POOL_SETUP, .now_s = kvb_now_s(), .model = e->m};
     kvb_view v = {.geom = &e->geom, .max_batch_tokens = e->o.max_batch_tokens, .max_rows = e->o.max_batch_tokens,
                   .max_seqs = e->o.max_seqs, .max_model_len = e->o.max_model_len,
                   .prefix_cache = e->o.enable_prefix_cache, .now_ns = kvb_wall_ns(),
-                  .pool = {.capacity = kvb_block_pool_capacity(e->pool), .n_own = kvb_block_pool_n_own(e->pool),
-                           .n_blocks = kvb_block_pool_n_blocks(e->pool), .n_free = kvb_block_pool_n_free(e->pool)},
+                  .pool = {.capacity = e->o.n_blocks, .n_own = e->o.n_blocks, .n_blocks = e->o.n_blocks,
+                           .n_free = e->o.n_blocks},
                   .engine = e};
     kvb_status st = e->planner.iface->plan_pool(e->planner.ctx, &ev, &v, pp);
     if (st != KVB_OK) {
@@ -44,8 +45,16 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
         return st;
     }
     if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0 || pp->sliced_ids < 0 ||
-        pp->sliced_min_layers < 0) {
-        KVB_LOG_E("engine: planner %s asks for negative resources", e->planner.iface->name);
+        pp->sliced_min_layers < 0 || pp->max_model_len < 0 || pp->max_batch_tokens < 0 ||
+        (pp->kv_mem && (pp->kv_blocks < 1 || pp->kv_mem_bytes / kvb_kv_block_bytes(&e->geom) < (size_t)pp->kv_blocks))) {
+        KVB_LOG_E("engine: planner %s asks for negative resources or KV memory smaller than its blocks",
+                  e->planner.iface->name);
+        return KVB_ERR_INVALID;
+    }
+    if ((pp->host_prefix && pp->host_tier_blocks == 0) ||
+        (pp->host_prefix && !e->o.enable_prefix_cache)) {
+        KVB_LOG_E("engine: planner %s asks for a host-tier prefix cache %s", e->planner.iface->name,
+                  e->o.enable_prefix_cache ? "without host-tier blocks" : "with the prefix cache off");
         return KVB_ERR_INVALID;
     }
     return KVB_OK;
@@ -53,10 +62,10 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
 
 /* Replaces the fresh block-major pool with a sliced one over the same memory (the planner asked for
  * request-level placements) and starts the layer-sliced KV manager. */
-static kvb_status make_sliced(kvb_engine *e, int n_ids, int min_layers) {
-    if (e->o.lsc_stream || e->o.host_tier_blocks > 0) {
-        KVB_LOG_E("engine: planner %s needs a sliced pool, which does not combine with LSC streaming or the prefix "
-                  "host tier", e->planner.iface->name);
+static kvb_status make_sliced(kvb_engine *e, const kvb_pool_plan *pp) {
+    if (pp->stage_slots > 0 || pp->host_tier_blocks > 0) {
+        KVB_LOG_E("engine: planner %s needs a sliced pool, which does not combine with stage buffers or the host tier",
+                  e->planner.iface->name);
         return KVB_ERR_UNSUPPORTED;
     }
     size_t bytes = e->o.kv_mem ? e->o.kv_mem_bytes : kvb_kv_block_bytes(&e->geom) * (size_t)e->o.n_blocks;
@@ -64,9 +73,9 @@ static kvb_status make_sliced(kvb_engine *e, int n_ids, int min_layers) {
     e->pc = NULL;
     kvb_block_pool_destroy(e->pool);
     e->pool = NULL;
-    KVB_TRY(kvb_block_pool_create_sliced(&e->geom, e->kv_mem, bytes, e->o.n_blocks, n_ids, &e->pool));
+    KVB_TRY(kvb_block_pool_create_sliced(&e->geom, e->kv_mem, bytes, e->o.n_blocks, pp->sliced_ids, &e->pool));
     KVB_TRY(kvb_prefix_cache_create(e->pool, &e->pc));
-    return kvb__slices_init(e, n_ids, min_layers);
+    return kvb__slices_init(e, pp->sliced_ids, pp->sliced_min_layers);
 }
 
 kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
@@ -98,6 +107,16 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     e->geom = kvb_model_kv_geom(m, o.block_size);
     kvb_backend *be = kvb_model_backend(m);
     KVB_TRY_GOTO(kvb_kv_geom_check(&e->geom), fail);
+    kvb_pool_plan pp;
+    KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
+    if (pp.kv_mem) { /* the planner's memory replaces the options' */
+        o.kv_mem = e->o.kv_mem = pp.kv_mem;
+        o.kv_mem_bytes = e->o.kv_mem_bytes = pp.kv_mem_bytes;
+        o.n_blocks = e->o.n_blocks = pp.kv_blocks;
+    }
+    if (pp.max_model_len > 0 && pp.max_model_len < e->o.max_model_len) e->o.max_model_len = pp.max_model_len;
+    if (pp.no_prefix_cache) o.enable_prefix_cache = e->o.enable_prefix_cache = 0;
+    if (pp.max_batch_tokens > 0) o.max_batch_tokens = e->o.max_batch_tokens = pp.max_batch_tokens;
     size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)o.n_blocks;
     if (o.kv_mem) {
         if (o.kv_mem_bytes < bytes) {
@@ -115,23 +134,23 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     KVB_TRY_GOTO(kvb_block_pool_create(&e->geom, e->kv_mem, o.kv_mem ? o.kv_mem_bytes : bytes, o.n_blocks, &e->pool),
                  fail);
     KVB_TRY_GOTO(kvb_prefix_cache_create(e->pool, &e->pc), fail);
-    kvb_pool_plan pp;
-    KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
-    e->o.host_tier_blocks = pp.host_tier_blocks;
-    if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, pp.sliced_ids, pp.sliced_min_layers), fail);
+    KVB_TRY_GOTO(kvb_stager_create(be, &o.links, &e->stager), fail);
+    if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, &pp), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
     KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, o.act_alloc, &e->fw), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_tokens, (void **)&e->b_tokens), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_pos, (void **)&e->b_pos), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->b_seqs, (void **)&e->b_seqs), fail);
+    /* two attention sequences per request: its recomputed prefix (n_absent) and its new tokens */
+    KVB_TRY_GOTO(kvb_calloc(2 * (size_t)o.max_seqs, sizeof *e->b_seqs, (void **)&e->b_seqs), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->b_logit_rows, (void **)&e->b_logit_rows), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs * c->vocab, sizeof(float), (void **)&e->logits), fail);
     KVB_TRY_GOTO(kvb_calloc(2 * (size_t)c->vocab, sizeof(float), (void **)&e->sample_scratch), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_layer, (void **)&e->t_layer), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_wait, (void **)&e->t_wait), fail);
-    if (o.lsc_stream) KVB_TRY_GOTO(kvb__lsc_init(e), fail);
-    if (e->o.host_tier_blocks > 0 && o.enable_prefix_cache) KVB_TRY_GOTO(kvb__host_tier_init(e), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_copy, (void **)&e->t_copy), fail);
+    if (pp.stage_slots > 0) KVB_TRY_GOTO(kvb__stage_reserve(e, pp.stage_slots), fail);
+    if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix), fail);
     *out = e;
     return KVB_OK;
 fail:
@@ -141,8 +160,10 @@ fail:
 
 void kvb_engine_destroy(kvb_engine *e) {
     if (!e) return;
-    seq_list *lists[] = {&e->waiting, &e->running};
-    for (int i = 0; i < 2; i++) {
+    kvb_stager_destroy(e->stager); /* no copy runs on */
+    e->stager = NULL;
+    seq_list *lists[] = {&e->waiting, &e->running, &e->swapped};
+    for (int i = 0; i < 3; i++) {
         while (lists[i]->head) {
             seq *s = lists[i]->head;
             kvb__list_remove(lists[i], s);
@@ -150,16 +171,15 @@ void kvb_engine_destroy(kvb_engine *e) {
         }
     }
     kvb_forward_destroy(e->fw);
+    kvb__exec_free(e);
     kvb_prefix_cache_destroy(e->pc);
     kvb_block_pool_destroy(e->pool);
     if (e->kv_mem_owned) {
         kvb_mem_free(kvb_model_backend(e->m)->mem, e->kv_mem);
     }
     kvb_planner_destroy(&e->planner);
-    kvb__exec_free(e);
     kvb__sched_free(e);
     free(e->loans);
-    kvb__lsc_release(e);
     kvb__host_tier_free(e);
     kvb__slices_free(e);
     free(e);
@@ -172,12 +192,9 @@ const char *kvb_engine_last_error(const kvb_engine *e) { return e->last_error; }
 kvb_model *kvb_engine_model(const kvb_engine *e) { return e->m; }
 
 kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
-    seq *s = kvb__find_seq(&e->waiting, id);
-    seq_list *l = &e->waiting;
-    if (!s) {
-        s = kvb__find_seq(&e->running, id);
-        l = &e->running;
-    }
+    seq_list *lists[] = {&e->waiting, &e->running, &e->swapped}, *l = NULL;
+    seq *s = NULL;
+    for (int i = 0; i < 3 && !s; i++) s = kvb__find_seq(l = lists[i], id);
     if (!s) return KVB_ERR_NOT_FOUND;
     kvb__finish(e, l, s, KVB_FINISH_CANCELLED, KVB_OK);
     return KVB_OK;
@@ -185,7 +202,7 @@ kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
 
 kvb_status kvb_engine_step(kvb_engine *e) { return kvb__exec_step(e); }
 
-int kvb_engine_n_live(const kvb_engine *e) { return e->waiting.n + e->running.n; }
+int kvb_engine_n_live(const kvb_engine *e) { return e->waiting.n + e->running.n + e->swapped.n; }
 
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }
 
@@ -204,4 +221,7 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     out->n_waiting = e->waiting.n;
     out->blocks_own = kvb_block_pool_n_own(e->pool);
     out->blocks_borrowed = e->n_borrowed;
+    out->n_swapped = e->swapped.n;
+    kvb_stager_totals(e->stager, out->links);
+    out->prefix_cache = e->o.enable_prefix_cache;
 }

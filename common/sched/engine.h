@@ -18,6 +18,7 @@
 #include "common/model/model.h"
 #include "common/sched/plan.h"
 #include "common/sched/sampling.h"
+#include "common/sched/stager.h"
 
 typedef struct kvb_engine kvb_engine;
 
@@ -41,21 +42,9 @@ typedef struct kvb_engine_opts {
     void *kv_mem;            /* memory of the backend's kvb_mem for the pool (e.g. an exportable region's
                               * base); NULL: the engine allocates it (kvb_mem_alloc) */
     size_t kv_mem_bytes;     /* its size; kv_mem_bytes / block bytes is the capacity (>= n_blocks) */
-    int lsc_stream;          /* master: attention never reads attached (borrowed) blocks in place; each
-                              * step streams their layer slices through a layer stream cache (LSC,
-                              * SwiftCache §3.2-3.3): before layer l a copy thread loads layer l's
-                              * slice of every borrowed block of the batch into an LSC slot, after it
-                              * stores the rows the step wrote back; double-buffered, so layer l+1
-                              * loads while layer l computes. The LSC has two single-layer slots per
-                              * attached block, so a step (which touches a block once) never needs
-                              * more slots than exist: it is Eq. 4's N_LSC with the K_master cap
-                              * applied by the caller, who attaches at most K_master blocks. Needs the
-                              * backend's `copy` (else kvb_engine_create fails, KVB_ERR_UNSUPPORTED). */
-    int host_tier_blocks;    /* > 0: a host tier of this many blocks behind the prefix cache (the
-                              * baseline SwiftCache compares against: a cached block evicted from the
-                              * pool is copied to host memory, and a later prefix hit there is copied
-                              * back into a pool block before use). Needs enable_prefix_cache. Pinned
-                              * host memory of the backend's kvb_mem. */
+    kvb_link_model links;    /* the stager's link model (common/sched/stager.h); all zero: off, copies at
+                              * memory speed. What the planner asks for through plan_pool (host tier,
+                              * stage buffers, forward rows) is not an option: planners own it. */
     const kvb_mem_allocator *act_alloc; /* where the forward pass takes each step's buffers, sized by
                               * that step's tokens (borrowed for the engine's lifetime); NULL: a step
                               * arena of the backend's memory (kvb_mem_arena) */
@@ -128,8 +117,12 @@ typedef struct kvb_engine_stats {
     uint64_t preemptions;
     uint64_t pauses;            /* PAUSE operations carried out (OrbitFlow's Pause-Resume) */
     uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache (host tier included) */
-    uint64_t host_tier_stores;  /* blocks copied pool -> host tier */
+    uint64_t host_tier_stores;  /* blocks copied pool -> host tier (prefix demotion) */
     uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */
+    uint64_t swap_outs;         /* requests swapped out to the host tier (KVB_OP_SWAP_OUT) */
+    uint64_t swap_ins;
+    uint64_t recomputed_tokens; /* absent tokens recomputed (sum of n_absent) */
+    uint64_t copy_orders;       /* plan copy orders carried out */
     uint64_t deferred;          /* admissions put off because a running sequence was computing the
                                  * same prefix block (it is reused a step later instead) */
     int blocks_total;
@@ -138,8 +131,12 @@ typedef struct kvb_engine_stats {
     int n_waiting;
     int blocks_own;             /* own blocks in the pool (n_own) */
     int blocks_borrowed;        /* attached blocks (all tags) */
-    uint64_t lsc_loads;         /* LSC streaming: block-layer slices loaded from borrowed blocks */
-    uint64_t lsc_stores;        /* LSC streaming: block-layer slices whose new rows were stored back */
+    uint64_t lsc_loads;         /* staged reads: block-layer slices loaded into stage buffers (STREAM, HOST) */
+    uint64_t lsc_stores;        /* staged writes: block-layer slices whose new rows were stored back */
+    int n_swapped;
+    kvb_link_report links[KVB_LINK_COUNT]; /* what the stager's links carried since creation */
+    int prefix_cache;           /* 1 if the prefix cache is on (a planner may turn it off at setup) */
+    int max_running;            /* most requests running (or paused) at once after a step */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
 
@@ -166,8 +163,8 @@ struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
  * The engine's own blocks are ids [0, n_own) of its KV memory (capacity blocks in all). A worker
  * lends the tail of that range: it shrinks n_own and the blocks [n_own, old n_own) become a loan; a
  * master attaches borrowed memory as extra blocks that it allocates from like its own (lowest id
- * first, so its own blocks fill first) and attends to in place (or streams through the LSC with
- * opts.lsc_stream). Attached blocks have ids >= capacity (common/kv/block_pool.h, id layout), so a
+ * first, so its own blocks fill first) and attends to in place (or, as its planner says, through
+ * stage buffers: residency STREAM). Attached blocks have ids >= capacity (common/kv/block_pool.h, id layout), so a
  * process may both lend its tail and attach loans. Every call is O(blocks touched) and never copies
  * a block except where the comment says so. None of these may be called from inside an event
  * callback or while a step runs (they are the fence: no step is in flight between steps).
@@ -200,8 +197,7 @@ int kvb_engine_starved(const kvb_engine *e);
 /* Master: adds `n_blocks` blocks at `mem` (memory of `bytes` >= n_blocks * block_bytes, borrowed:
  * the caller keeps it mapped until the detach returns) under the caller's `tag` (a loan id).
  * KVB_ERR_INVALID for a bad argument or a tag already attached; KVB_ERR_NOMEM (nothing attached) if
- * the LSC cannot grow. With lsc_stream the LSC holds 2 single-layer slots (double buffer) per
- * attached block: Eq. 4's N_LSC = sum K_i when the caller attaches at most K_master blocks. */
+ * the stage buffers the planner asks for on attach (plan_pool ATTACH) cannot be allocated. */
 kvb_status kvb_engine_attach(kvb_engine *e, uint64_t tag, void *mem, size_t bytes, int n_blocks);
 
 typedef struct kvb_detach_stats {

@@ -1,21 +1,55 @@
-/* kvbank — the executor: asks the planner for a plan, checks it, applies its request-level decisions,
- * turns the step's block tables into per-layer block pointers for the forward pass (streaming borrowed
- * blocks through the layer stream cache when asked), runs the forward pass layer by layer, samples,
- * publishes full blocks to the prefix cache and tells the planner what the step measured. */
+/* kvbank — the executor: asks the planner for a plan, checks it, applies its request-level decisions
+ * (admit, run, preempt, swap, pause), turns the step into per-layer block pointers for the forward pass
+ * (in place, through stage buffers loaded by the stager, or scratch slices for recomputed tokens),
+ * carries out the plan's copy orders, runs the forward pass layer by layer, samples, publishes full
+ * blocks to the prefix cache and tells the planner what the step measured. */
 #include <assert.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "common/sched/state.h"
 
+/* ---------------------------------------------------------------- host copies of pool blocks */
+
+static size_t layer_bytes(const kvb_engine *e) { return kvb_kv_layer_bytes(&e->geom); }
+
+/* Makes the per-block host-copy tables cover every block id. */
+static kvb_status shadow_reserve(kvb_engine *e) {
+    int ids = kvb_block_pool_id_limit(e->pool), L = e->geom.n_layers;
+    if (ids <= e->shadow_cap) return KVB_OK;
+    KVB_TRY(kvb_realloc_array((void **)&e->shadow, (size_t)ids, sizeof *e->shadow));
+    KVB_TRY(kvb_realloc_array((void **)&e->shadow_ok, (size_t)ids * (size_t)L, 1));
+    for (int i = e->shadow_cap; i < ids; i++) e->shadow[i] = -1;
+    memset(e->shadow_ok + (size_t)e->shadow_cap * L, 0, (size_t)(ids - e->shadow_cap) * L);
+    e->shadow_cap = ids;
+    return KVB_OK;
+}
+
+void kvb__shadow_drop(kvb_engine *e, int32_t id) {
+    if (id < 0 || id >= e->shadow_cap || e->shadow[id] < 0) return;
+    kvb_block_pool_unref(e->ht_pool, e->shadow[id]);
+    e->shadow[id] = -1;
+    memset(e->shadow_ok + (size_t)id * e->geom.n_layers, 0, (size_t)e->geom.n_layers);
+}
+
+/* The host copy of block `id`, made (empty) if it has none. */
+static kvb_status shadow_get(kvb_engine *e, int32_t id, int32_t *out) {
+    KVB_TRY(shadow_reserve(e));
+    if (e->shadow[id] < 0) KVB_TRY(kvb__host_alloc(e, &e->shadow[id]));
+    *out = e->shadow[id];
+    return KVB_OK;
+}
+
 /* ---------------------------------------------------------------- applying a plan */
 
-/* Gives `s` blocks for its first `upto` tokens. KVB_ERR_EXHAUSTED if the pool cannot. */
-static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto) {
+/* Gives `s` blocks for its first `upto` tokens: from the free list, or with `op` placed, the blocks
+ * op->block0 + j (checked free by the plan's check). KVB_ERR_EXHAUSTED if the pool cannot. */
+static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto, const kvb_plan_op *op) {
     int need = KVB_DIV_CEIL(upto, e->o.block_size);
     while (s->bt.n < need) {
-        int32_t id;
-        if (e->sl) KVB_TRY(kvb__slices_new_block(e, &id)); /* its layers get slices at the install */
+        int32_t id = op && op->placed ? op->block0 + s->bt.n : -1;
+        if (id >= 0) KVB_TRY(kvb_block_pool_take(e->pool, id));
+        else if (e->sl) KVB_TRY(kvb__slices_new_block(e, &id)); /* its layers get slices at the install */
         else KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id));
         kvb_status st = kvb_block_table_push(&s->bt, id);
         if (st != KVB_OK) {
@@ -49,10 +83,72 @@ static void take_hits(kvb_engine *e, seq *s) {
     s->hits_taken = pushed == got ? 2 : 1;
 }
 
-/* Applies the checked plan in order; fills e->sched and returns how many sequences compute. */
-static int apply_plan(kvb_engine *e, kvb_step_report *rep) {
+/* Copies whole blocks between the pool and the host tier (pool[i] <-> host[i]) over the host link. */
+static kvb_status move_blocks(kvb_engine *e, kvb_xfer_dir dir, const int32_t *pool, const int32_t *host, int n) {
+    kvb_xfer *x = NULL;
+    if (n == 0) return KVB_OK;
+    KVB_TRY(kvb_malloc((size_t)n * sizeof *x, (void **)&x));
+    size_t bb = kvb_kv_block_bytes(&e->geom);
+    for (int i = 0; i < n; i++) {
+        void *p = kvb_block_pool_block(e->pool, pool[i]), *h = kvb_block_pool_block(e->ht_pool, host[i]);
+        x[i] = dir == KVB_XFER_D2H ? (kvb_xfer){h, p, bb} : (kvb_xfer){p, h, bb};
+    }
+    uint64_t t;
+    kvb_status st = kvb_stager_post(e->stager, KVB_LINK_HOST, dir, x, n, &t);
+    if (st == KVB_OK) st = kvb_stager_wait(e->stager, t);
+    free(x);
+    return st;
+}
+
+/* KVB_OP_SWAP_OUT: the sequence's KV goes to new host-tier blocks and its pool blocks are released. */
+static kvb_status swap_out(kvb_engine *e, seq *s) {
+    int n = s->bt.n;
+    for (int j = 0; j < n; j++) {
+        int32_t h;
+        KVB_TRY(kvb__host_alloc(e, &h)); /* counted by the plan's check */
+        kvb_status st = kvb_block_table_push(&s->host_bt, h);
+        if (st != KVB_OK) {
+            kvb_block_pool_unref(e->ht_pool, h);
+            return st;
+        }
+    }
+    KVB_TRY(move_blocks(e, KVB_XFER_D2H, s->bt.ids, s->host_bt.ids, n));
+    for (int j = 0; j < n; j++)
+        if (kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1) kvb__shadow_drop(e, s->bt.ids[j]);
+    kvb_block_table_release(&s->bt, e->pool);
+    kvb__list_remove(&e->running, s);
+    s->paused = 0;
+    kvb__list_insert_ordered(&e->swapped, s);
+    e->stats.swap_outs++;
+    return KVB_OK;
+}
+
+/* KVB_OP_SWAP_IN: new pool blocks receive the sequence's KV from the host tier. */
+static kvb_status swap_in(kvb_engine *e, seq *s) {
+    int n = s->host_bt.n;
+    for (int j = 0; j < n; j++) {
+        int32_t id;
+        KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id)); /* counted by the plan's check */
+        kvb_status st = kvb_block_table_push(&s->bt, id);
+        if (st != KVB_OK) {
+            kvb_block_pool_unref(e->pool, id);
+            return st;
+        }
+    }
+    KVB_TRY(move_blocks(e, KVB_XFER_H2D, s->bt.ids, s->host_bt.ids, n));
+    kvb_block_table_release(&s->host_bt, e->ht_pool);
+    kvb__list_remove(&e->swapped, s);
+    kvb__list_insert_ordered(&e->running, s);
+    e->stats.swap_ins++;
+    return KVB_OK;
+}
+
+/* Applies the checked plan in order; fills e->sched and returns how many sequences compute (< 0: a
+ * copy of a swap failed, *err says how). */
+static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
     const kvb_plan *p = &e->plan;
     int n = 0, admits_stopped = 0;
+    *err = KVB_OK;
     /* 1. the prefix hits of every admission are referenced first, so that no allocation of this step
      *    evicts a block a later admission of the same plan was planned to reuse */
     for (int k = 0; k < p->n_ops; k++) {
@@ -67,7 +163,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep) {
         seq *s = e->vseq[kvb_view_find(&e->view, op->id)];
         switch (op->kind) {
         case KVB_OP_RUN:
-            if (grow_blocks(e, s, s->n_computed + op->q_len) != KVB_OK) {
+            if (grow_blocks(e, s, s->n_computed + op->q_len, op) != KVB_OK) {
                 /* the accounting allowed it: only a failed allocation of the table itself gets here */
                 KVB_LOG_W("engine: no memory to extend request %llu's block table; preempting it",
                           (unsigned long long)s->id);
@@ -75,6 +171,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep) {
                 break;
             }
             s->q_len = op->q_len;
+            s->n_absent = op->n_absent;
             e->sched[n++] = s;
             break;
         case KVB_OP_ADMIT: {
@@ -85,12 +182,12 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep) {
             }
             take_hits(e, s); /* a request the plan preempted before admitting it again */
             int max_blocks = (s->n_tokens - 1) / e->o.block_size;
-            if (e->ht_pc && s->hits_taken == 2) kvb__host_tier_load(e, s, max_blocks);
+            if (e->ht_pc && e->host_prefix && s->hits_taken == 2) kvb__host_tier_load(e, s, max_blocks);
             s->hits_taken = 0;
             int hit = s->n_published * e->o.block_size;
             s->n_computed = hit;
             int q = KVB_MIN(op->q_len, s->n_tokens - s->n_computed);
-            if (grow_blocks(e, s, s->n_computed + q) != KVB_OK) {
+            if (grow_blocks(e, s, s->n_computed + q, op) != KVB_OK) {
                 /* a host-tier hit was evicted since planning, or no memory for the table: it waits */
                 kvb__seq_drop_kv(e, s);
                 rep->admits_dropped++;
@@ -101,6 +198,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep) {
             kvb__list_remove(&e->waiting, s);
             kvb__list_insert_ordered(&e->running, s);
             s->q_len = q;
+            s->n_absent = 0;
             e->sched[n++] = s;
             break;
         }
@@ -110,7 +208,15 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep) {
             e->stats.pauses++;
             break;
         case KVB_OP_RESUME: s->paused = 0; break;
-        default: assert(!"refused by the check"); break;
+        case KVB_OP_SWAP_OUT:
+        case KVB_OP_SWAP_IN: {
+            kvb_status st = op->kind == KVB_OP_SWAP_OUT ? swap_out(e, s) : swap_in(e, s);
+            if (st != KVB_OK) {
+                *err = st;
+                return -1;
+            }
+            break;
+        }
         }
     }
     e->starved = p->starved || admits_stopped;
@@ -126,9 +232,24 @@ static kvb_status ensure_blk_cap(kvb_engine *e, int n) {
     KVB_TRY(kvb_realloc_array((void **)&e->blk_base, (size_t)cap, sizeof(void *)));
     KVB_TRY(kvb_realloc_array((void **)&e->blk_layer, (size_t)cap, sizeof(void *)));
     KVB_TRY(kvb_realloc_array((void **)&e->blk_id, (size_t)cap, sizeof *e->blk_id));
-    if (e->o.lsc_stream) KVB_TRY(kvb_realloc_array((void **)&e->lsc.entry_slot, (size_t)cap, sizeof(int32_t)));
     e->blk_cap = cap;
     return KVB_OK;
+}
+
+/* Scratch slices for `n` fully recomputed blocks (one layer each: every layer recomputes them). */
+static kvb_status scratch_reserve(kvb_engine *e, int n) {
+    if (n <= e->n_scratch) return KVB_OK;
+    kvb_backend *be = kvb_model_backend(e->m);
+    void *mem = NULL;
+    KVB_TRY(kvb_mem_alloc(be->mem, (size_t)n * layer_bytes(e), &mem));
+    kvb_mem_free(be->mem, e->scratch);
+    e->scratch = mem;
+    e->n_scratch = n;
+    return KVB_OK;
+}
+
+kvb_status kvb__stage_reserve(kvb_engine *e, int slots) {
+    return kvb_stager_reserve(e->stager, 2 * slots, layer_bytes(e));
 }
 
 /* Offers every newly completed full block of `s` to the prefix cache. */
@@ -149,47 +270,280 @@ static int is_stop(const seq *s, int32_t tok) {
     return 0;
 }
 
-/* LSC streaming: gives every borrowed block of the step a slot (a block shared by several sequences
- * gets one), records where its layer slices live and which rows the step writes into it. Returns
- * the number of slots used (0: nothing to stream). */
-static int lsc_prepare(kvb_engine *e, int n_sched, int n_blk) {
-    lsc *c = &e->lsc;
-    int cap = kvb_block_pool_capacity(e->pool), bs = e->o.block_size, n = 0;
-    for (int j = 0; j < n_blk; j++) {
-        int32_t id = e->blk_id[j];
-        c->entry_slot[j] = -1;
-        if (!kvb_block_pool_is_attached(e->pool, id)) continue;
-        int32_t *k = &c->slot_of[id - cap];
-        if (*k < 0) {
-            /* every slot is a distinct attached block and the LSC has one per attached block */
-            assert(n < c->n_slots);
-            *k = n++;
-            c->src[*k] = e->blk_base[j];
-            c->dirty_lo[*k] = bs;
-            c->dirty_hi[*k] = 0;
-        }
-        c->entry_slot[j] = *k;
+/* Entry ids of the step: pool block ids, or SCRATCH_ID(k) for scratch slice k. */
+#define SCRATCH_ID(k) (-2 - (k))
+
+/* Lays out the batch: for each scheduled sequence its recomputed prefix (if any) as a sequence of its
+ * own at positions 0..n_absent-1 over scratch slices (and its real boundary block), then its new
+ * tokens over its blocks, the fully recomputed ones replaced by the same scratch slices. Fills
+ * e->b_seqs, tokens, positions, logit rows, e->blk_id / blk_base. */
+static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_out, int *n_attn_out) {
+    int bs = e->o.block_size, n_tok = 0, n_blk = 0, n_attn = 0, n_logits = 0, n_scr = 0, total = 0;
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        total += KVB_DIV_CEIL(s->n_computed + s->q_len, bs) + KVB_DIV_CEIL(s->n_absent, bs);
+        n_scr += s->n_absent / bs;
     }
-    for (int i = 0; i < n_sched && n > 0; i++) {
+    KVB_TRY(ensure_blk_cap(e, total));
+    KVB_TRY(scratch_reserve(e, n_scr));
+    n_scr = 0;
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        int a = s->n_absent, full = a / bs, scr0 = n_scr;
+        n_scr += full;
+        if (a > 0) {
+            kvb_attn_seq *as = &e->b_seqs[n_attn++];
+            *as = (kvb_attn_seq){.q_start = n_tok, .q_len = a, .ctx_len = a, .n_blocks = KVB_DIV_CEIL(a, bs),
+                                 .blk_first = n_blk};
+            for (int j = 0; j < as->n_blocks; j++, n_blk++) {
+                e->blk_id[n_blk] = j < full ? SCRATCH_ID(scr0 + j) : s->bt.ids[j];
+                e->blk_base[n_blk] = j < full ? (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e)
+                                              : kvb_block_pool_block(e->pool, s->bt.ids[j]);
+            }
+            for (int t = 0; t < a; t++, n_tok++) {
+                e->b_tokens[n_tok] = s->tokens[t];
+                e->b_pos[n_tok] = t;
+            }
+            e->stats.recomputed_tokens += (uint64_t)a;
+        }
+        kvb_attn_seq *as = &e->b_seqs[n_attn++];
+        *as = (kvb_attn_seq){.q_start = n_tok, .q_len = s->q_len, .ctx_len = s->n_computed + s->q_len,
+                             .blk_first = n_blk};
+        as->n_blocks = KVB_DIV_CEIL(as->ctx_len, bs);
+        for (int j = 0; j < as->n_blocks; j++, n_blk++) {
+            e->blk_id[n_blk] = j < full ? SCRATCH_ID(scr0 + j) : s->bt.ids[j];
+            e->blk_base[n_blk] = j < full ? (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e)
+                                 : e->sl ? NULL /* per layer: kvb__slices_layer */
+                                         : kvb_block_pool_block(e->pool, s->bt.ids[j]);
+        }
+        for (int t = 0; t < s->q_len; t++, n_tok++) {
+            e->b_tokens[n_tok] = s->tokens[s->n_computed + t];
+            e->b_pos[n_tok] = s->n_computed + t;
+        }
+        if (as->ctx_len == s->n_tokens) e->b_logit_rows[n_logits++] = n_tok - 1;
+    }
+    *b = (kvb_batch){.n_tokens = n_tok, .tokens = e->b_tokens, .pos = e->b_pos,
+                     .attn = {.geom = &e->geom, .n_seqs = n_attn, .seqs = e->b_seqs, .layer_blocks = e->blk_layer},
+                     .n_logits = n_logits, .logit_rows = e->b_logit_rows};
+    *n_blk_out = n_blk;
+    *n_attn_out = n_attn;
+    return KVB_OK;
+}
+
+/* Where block `id` is read at `layer` in this step. */
+static kvb_residency where(const kvb_engine *e, int32_t id, int layer) {
+    if (id < 0) return KVB_RES_LOCAL; /* scratch */
+    if (id < e->res_first_cap)
+        for (int r = e->res_first[id]; r >= 0; r = e->res_next[r]) {
+            const kvb_plan_res *x = &e->plan.res[r];
+            if (layer >= x->layer0 && layer < x->layer1) return x->where;
+        }
+    return kvb_block_pool_is_attached(e->pool, id) ? e->plan.lent_default : KVB_RES_LOCAL;
+}
+
+static int staged(kvb_residency r) { return r == KVB_RES_STREAM || r == KVB_RES_HOST; }
+
+/* Links the plan's residency exceptions by block id. */
+static kvb_status index_residency(kvb_engine *e) {
+    const kvb_plan *p = &e->plan;
+    int ids = kvb_block_pool_id_limit(e->pool);
+    if (ids > e->res_first_cap) {
+        KVB_TRY(kvb_realloc_array((void **)&e->res_first, (size_t)ids, sizeof *e->res_first));
+        for (int i = e->res_first_cap; i < ids; i++) e->res_first[i] = -1;
+        e->res_first_cap = ids;
+    }
+    if (p->n_res > e->res_next_cap) {
+        KVB_TRY(kvb_realloc_array((void **)&e->res_next, (size_t)p->n_res, sizeof *e->res_next));
+        e->res_next_cap = p->n_res;
+    }
+    for (int r = p->n_res - 1; r >= 0; r--) {
+        e->res_next[r] = e->res_first[p->res[r].block];
+        e->res_first[p->res[r].block] = r;
+    }
+    return KVB_OK;
+}
+
+static void unindex_residency(kvb_engine *e) {
+    for (int r = 0; r < e->plan.n_res; r++) e->res_first[e->plan.res[r].block] = -1;
+}
+
+/* Gives every block of the step that some layer reads through stage buffers a unit per kind (a block
+ * shared by several sequences gets one), and records which rows the step writes into it. Returns the
+ * number of units. */
+static kvb_status make_units(kvb_engine *e, int n_attn, int n_blk, int *n_units) {
+    int ids = kvb_block_pool_id_limit(e->pool), bs = e->o.block_size, L = e->geom.n_layers, n = 0;
+    if (ids > e->unit_of_cap) {
+        KVB_TRY(kvb_realloc_array((void **)&e->unit_of, 2 * (size_t)ids, sizeof *e->unit_of));
+        for (int i = 0; i < 2 * ids; i++) e->unit_of[i] = -1;
+        e->unit_of_cap = ids;
+    }
+    if (n_blk > e->units_cap) {
+        KVB_TRY(kvb_realloc_array((void **)&e->units, (size_t)n_blk, sizeof *e->units));
+        e->units_cap = n_blk;
+    }
+    int stream_default = e->plan.lent_default == KVB_RES_STREAM;
+    for (int j = 0; j < n_blk && (stream_default || e->plan.n_res > 0); j++) {
+        int32_t id = e->blk_id[j];
+        if (id < 0) continue;
+        /* a block without exceptions reads the same way at every layer */
+        int layers = e->res_first[id] >= 0 ? L : 1;
+        for (int l = 0; l < layers; l++) {
+            kvb_residency w = where(e, id, l);
+            if (!staged(w)) continue;
+            int32_t *u = &e->unit_of[(w == KVB_RES_HOST) * e->unit_of_cap + id];
+            if (*u >= 0) continue;
+            unsigned char *src = w == KVB_RES_HOST ? kvb_block_pool_block(e->ht_pool, e->shadow[id])
+                                                   : kvb_block_pool_block(e->pool, id);
+            *u = n;
+            e->units[n] = (stage_unit){.block = id, .kind = w, .buf = n, .src = src, .dirty_lo = bs, .dirty_hi = 0};
+            n++;
+        }
+    }
+    for (int i = 0; i < n_attn && n > 0; i++) {
         const kvb_attn_seq *as = &e->b_seqs[i];
         int p0 = as->ctx_len - as->q_len, p1 = as->ctx_len; /* positions written this step */
         for (int bj = p0 / bs; bj <= (p1 - 1) / bs; bj++) {
-            int k = c->entry_slot[as->blk_first + bj];
-            if (k < 0) continue;
-            c->dirty_lo[k] = KVB_MIN(c->dirty_lo[k], KVB_MAX(p0 - bj * bs, 0));
-            c->dirty_hi[k] = KVB_MAX(c->dirty_hi[k], KVB_MIN(p1 - bj * bs, bs));
+            int32_t id = e->blk_id[as->blk_first + bj];
+            if (id < 0) continue;
+            for (int k = 0; k < 2; k++) {
+                int u = e->unit_of[k * e->unit_of_cap + id];
+                if (u < 0) continue;
+                e->units[u].dirty_lo = KVB_MIN(e->units[u].dirty_lo, KVB_MAX(p0 - bj * bs, 0));
+                e->units[u].dirty_hi = KVB_MAX(e->units[u].dirty_hi, KVB_MIN(p1 - bj * bs, bs));
+            }
         }
     }
-    c->n_used = n;
-    return n;
+    *n_units = e->n_units = n;
+    return KVB_OK;
 }
 
-/* Forgets the step's slot assignment (the slot map is reused by the next step). */
-static void lsc_finish(kvb_engine *e, int n_blk) {
-    int cap = kvb_block_pool_capacity(e->pool);
-    for (int j = 0; j < n_blk; j++)
-        if (e->lsc.entry_slot[j] >= 0) e->lsc.slot_of[e->blk_id[j] - cap] = -1;
-    e->lsc.n_used = 0;
+static void forget_units(kvb_engine *e) {
+    for (int u = 0; u < e->n_units; u++)
+        e->unit_of[(e->units[u].kind == KVB_RES_HOST) * e->unit_of_cap + e->units[u].block] = -1;
+    e->n_units = 0;
+}
+
+/* ---------------------------------------------------------------- the step's transfers */
+
+static kvb_xfer *xl_add(kvb_engine *e) { return &e->xl.x[e->xl.n++]; }
+
+/* Reserves room for every transfer piece of the step (the stager borrows them until the drain). */
+static kvb_status xl_reserve(kvb_engine *e, int n) {
+    e->xl.n = 0;
+    if (n <= e->xl.cap) return KVB_OK;
+    KVB_TRY(kvb_realloc_array((void **)&e->xl.x, (size_t)n, sizeof *e->xl.x));
+    e->xl.cap = n;
+    return KVB_OK;
+}
+
+static kvb_link_kind unit_link(const stage_unit *u) { return u->kind == KVB_RES_HOST ? KVB_LINK_HOST : KVB_LINK_PEER; }
+
+static void *stage_buf(const kvb_engine *e, const stage_unit *u, int layer) {
+    return kvb_stager_buffer(e->stager, 2 * u->buf + (layer & 1));
+}
+
+/* Posts layer `l`'s loads into the stage buffers, one transfer per link; tickets in t[link]. */
+static kvb_status post_loads(kvb_engine *e, int l, uint64_t t[KVB_LINK_COUNT]) {
+    size_t lb = layer_bytes(e);
+    for (int k = KVB_LINK_HOST; k <= KVB_LINK_PEER; k++) {
+        kvb_xfer *first = e->xl.x + e->xl.n;
+        int n = 0;
+        for (int u = 0; u < e->n_units; u++) {
+            const stage_unit *su = &e->units[u];
+            if (unit_link(su) != (kvb_link_kind)k || where(e, su->block, l) != su->kind) continue;
+            *xl_add(e) = (kvb_xfer){stage_buf(e, su, l), su->src + (size_t)l * lb, lb};
+            n++;
+        }
+        KVB_TRY(kvb_stager_post(e->stager, (kvb_link_kind)k, k == KVB_LINK_HOST ? KVB_XFER_H2D : KVB_XFER_D2D, first,
+                                n, &t[k]));
+        e->stats.lsc_loads += (uint64_t)n;
+    }
+    return KVB_OK;
+}
+
+/* Posts the stores of the rows layer `l` wrote into stage buffers back to where the blocks live (and,
+ * for host copies, into the pool block too, which stays valid). The pool's rows are in place when this
+ * returns: they go over the local link, which nothing orders against the host link's next loads into
+ * the same buffers or a STORE copy order reading the pool block. */
+static kvb_status post_stores(kvb_engine *e, int l) {
+    size_t lb = layer_bytes(e), row = lb / 2 / (size_t)e->o.block_size, half = lb / 2;
+    uint64_t t;
+    for (int k = KVB_LINK_HOST; k <= KVB_LINK_LOCAL; k++) {
+        kvb_xfer *first = e->xl.x + e->xl.n;
+        int n = 0;
+        for (int u = 0; u < e->n_units; u++) {
+            const stage_unit *su = &e->units[u];
+            if (su->dirty_lo >= su->dirty_hi || where(e, su->block, l) != su->kind) continue;
+            if (k == KVB_LINK_LOCAL && su->kind != KVB_RES_HOST) continue;
+            if (k != KVB_LINK_LOCAL && unit_link(su) != (kvb_link_kind)k) continue;
+            unsigned char *buf = stage_buf(e, su, l);
+            unsigned char *dst = k == KVB_LINK_LOCAL ? kvb_block_pool_block(e->pool, su->block) : su->src;
+            dst += (size_t)l * lb;
+            size_t r0 = (size_t)su->dirty_lo * row, nb = (size_t)(su->dirty_hi - su->dirty_lo) * row;
+            *xl_add(e) = (kvb_xfer){dst + r0, buf + r0, nb};               /* K rows */
+            *xl_add(e) = (kvb_xfer){dst + half + r0, buf + half + r0, nb}; /* V rows */
+            n += 2;
+            if (k != KVB_LINK_LOCAL) e->stats.lsc_stores++;
+        }
+        KVB_TRY(kvb_stager_post(e->stager, (kvb_link_kind)k, k == KVB_LINK_HOST ? KVB_XFER_D2H : KVB_XFER_D2D, first,
+                                n, &t));
+        if (k == KVB_LINK_LOCAL && n > 0) KVB_TRY(kvb_stager_wait(e->stager, t));
+    }
+    return KVB_OK;
+}
+
+/* Posts the plan's copy orders that go at `when` (LOADs: -2, at the start; STOREs: after layer `when`,
+ * -1 at once); LOAD tickets go to load_t[layer they must precede]. */
+static kvb_status post_copies(kvb_engine *e, int when, uint64_t *load_t) {
+    const kvb_plan *p = &e->plan;
+    size_t lb = layer_bytes(e);
+    for (int c = 0; c < p->n_copies; c++) {
+        const kvb_plan_copy *cp = &p->copies[c];
+        int load = cp->dir == KVB_COPY_LOAD;
+        if ((load && when != -2) || (!load && cp->layer != when)) continue;
+        int32_t h;
+        KVB_TRY(shadow_get(e, cp->block, &h));
+        unsigned char *pool = (unsigned char *)kvb_block_pool_block(e->pool, cp->block) + (size_t)cp->layer0 * lb;
+        unsigned char *host = (unsigned char *)kvb_block_pool_block(e->ht_pool, h) + (size_t)cp->layer0 * lb;
+        size_t nb = (size_t)(cp->layer1 - cp->layer0) * lb;
+        kvb_xfer *x = xl_add(e);
+        *x = load ? (kvb_xfer){pool, host, nb} : (kvb_xfer){host, pool, nb};
+        uint64_t t;
+        KVB_TRY(kvb_stager_post(e->stager, KVB_LINK_HOST, load ? KVB_XFER_H2D : KVB_XFER_D2H, x, 1, &t));
+        if (load) load_t[cp->layer] = t; /* the host link runs in order: the last ticket covers the rest */
+        e->stats.copy_orders++;
+    }
+    return KVB_OK;
+}
+
+/* After the step: a host copy is stale where the step wrote its pool block other than through it;
+ * stored layers are current. */
+static void update_shadows(kvb_engine *e, int n_attn) {
+    if (!e->shadow_cap) return;
+    int bs = e->o.block_size, L = e->geom.n_layers;
+    for (int i = 0; i < n_attn; i++) {
+        const kvb_attn_seq *as = &e->b_seqs[i];
+        int p0 = as->ctx_len - as->q_len, p1 = as->ctx_len;
+        for (int bj = p0 / bs; bj <= (p1 - 1) / bs; bj++) {
+            int32_t id = e->blk_id[as->blk_first + bj];
+            if (id < 0 || id >= e->shadow_cap || e->shadow[id] < 0) continue;
+            for (int l = 0; l < L; l++)
+                if (where(e, id, l) != KVB_RES_HOST) e->shadow_ok[(size_t)id * L + l] = 0;
+        }
+    }
+    for (int c = 0; c < e->plan.n_copies; c++) {
+        const kvb_plan_copy *cp = &e->plan.copies[c];
+        if (cp->dir == KVB_COPY_STORE) memset(e->shadow_ok + (size_t)cp->block * L + cp->layer0, 1, cp->layer1 - cp->layer0);
+    }
+}
+
+/* Host copies for the plan's STOREs exist before the step's units point at them. */
+static kvb_status prepare_shadows(kvb_engine *e) {
+    for (int c = 0; c < e->plan.n_copies; c++) {
+        int32_t h;
+        if (e->plan.copies[c].dir == KVB_COPY_STORE) KVB_TRY(shadow_get(e, e->plan.copies[c].block, &h));
+    }
+    return KVB_OK;
 }
 
 /* ---------------------------------------------------------------- the step */
@@ -198,7 +552,7 @@ static void lsc_finish(kvb_engine *e, int n_blk) {
 static kvb_status make_plan(kvb_engine *e) {
     KVB_TRY(kvb__view_build(e));
     kvb_plan_reset(&e->plan);
-    const char *name = e->planner.iface ? e->planner.iface->name : "fcfs";
+    const char *name = kvb_engine_planner_name(e);
     kvb_status st = e->planner.iface ? e->planner.iface->plan_step(e->planner.ctx, &e->view, &e->plan)
                                      : kvb_sched_fcfs(&e->view, NULL, &e->plan);
     if (st != KVB_OK) {
@@ -211,105 +565,106 @@ static kvb_status make_plan(kvb_engine *e) {
     return st;
 }
 
+/* Runs the forward pass of the laid-out batch, layer by layer, with the stager's loads and stores. */
+static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_blk, int n_units) {
+    const kvb_model_config *c = kvb_model_cfg(e->m);
+    kvb_backend *be = kvb_model_backend(e->m);
+    int L = c->n_layers;
+    size_t lb = layer_bytes(e);
+    uint64_t load_t[2][KVB_LINK_COUNT] = {{0}}; /* per parity */
+    uint64_t *copy_t = e->t_copy;               /* the LOAD copy orders each layer waits for */
+    int copies = e->plan.n_copies > 0, stores = 0;
+    for (int l = 0; l < L; l++) copy_t[l] = 0;
+    KVB_TRY(xl_reserve(e, (n_units * 5 + 2) * L + e->plan.n_copies));
+    if (copies) {
+        KVB_TRY(post_copies(e, -2, copy_t));
+        KVB_TRY(post_copies(e, -1, NULL));
+    }
+    for (int l = 0; n_units && l < KVB_MIN(2, L); l++) KVB_TRY(post_loads(e, l, load_t[l & 1]));
+    KVB_TRY(kvb_forward_begin(e->fw, b));
+    for (int l = 0; l < L; l++) {
+        uint64_t tl = kvb_now_ns();
+        if (copy_t[l]) KVB_TRY(kvb_stager_wait(e->stager, copy_t[l]));
+        if (e->sl) { /* a sliced pool: its manager places the slices (one attention sequence per request) */
+            KVB_TRY(kvb__slices_layer(e, n_sched, l));
+        } else {
+            for (int j = 0; j < n_blk; j++) {
+                int32_t id = e->blk_id[j];
+                e->blk_layer[j] = id < 0 ? e->blk_base[j] : (char *)e->blk_base[j] + (size_t)l * lb;
+            }
+        }
+        if (n_units) {
+            for (int k = 0; k < KVB_LINK_COUNT; k++)
+                if (load_t[l & 1][k]) KVB_TRY(kvb_stager_wait(e->stager, load_t[l & 1][k]));
+            for (int j = 0; j < n_blk; j++) {
+                int32_t id = e->blk_id[j];
+                if (id < 0) continue;
+                kvb_residency w = where(e, id, l);
+                if (staged(w)) e->blk_layer[j] = stage_buf(e, &e->units[e->unit_of[(w == KVB_RES_HOST) * e->unit_of_cap + id]], l);
+            }
+        }
+        e->t_wait[l] = kvb_now_ns() - tl;
+        KVB_TRY(kvb_forward_layer(e->fw, l));
+        if (e->sl) {
+            /* the layer's kernels are done with its prefetch slots once the backend is idle */
+            KVB_TRY(be->iface->sync(be->ctx));
+            KVB_TRY(kvb__slices_layer_done(e, n_sched, l));
+        }
+        if (n_units || copies) {
+            /* the layer's kernels are done with its buffers once the backend is idle */
+            KVB_TRY(be->iface->sync(be->ctx));
+            if (n_units) KVB_TRY(post_stores(e, l));
+            if (copies) KVB_TRY(post_copies(e, l, NULL));
+            if (n_units && l + 2 < L) KVB_TRY(post_loads(e, l + 2, load_t[l & 1]));
+            stores = 1;
+        }
+        e->t_layer[l] = kvb_now_ns() - tl;
+    }
+    if (stores || copies) KVB_TRY(kvb_stager_drain(e->stager)); /* every copy is back before the step ends */
+    return KVB_OK;
+}
+
 kvb_status kvb__exec_step(kvb_engine *e) {
     uint64_t t0 = kvb_now_ns();
     KVB_TRY(make_plan(e));
     const kvb_model_config *c = kvb_model_cfg(e->m);
     kvb_step_report rep = {.step = e->stats.steps, .t_plan_ns = kvb_now_ns() - t0, .n_layers = c->n_layers,
                            .t_layer_ns = e->t_layer, .t_wait_ns = e->t_wait};
-    int n_sched = apply_plan(e, &rep);
+    kvb_status st = KVB_OK;
+    int n_sched = apply_plan(e, &rep, &st), n_blk = 0, n_attn = 0, n_units = 0;
+    if (n_sched < 0) goto fail;
     if (n_sched == 0) return KVB_OK;
-    int n_tok = 0, n_blk = 0, n_logits = 0, stream = 0;
-    for (int i = 0; i < n_sched; i++) n_blk += e->sched[i]->bt.n;
-    kvb_status st;
-    KVB_TRY_GOTO(ensure_blk_cap(e, n_blk), fail);
-    n_blk = 0;
+    kvb_batch b;
+    KVB_TRY_GOTO(prepare_shadows(e), fail);
+    KVB_TRY_GOTO(layout(e, n_sched, &b, &n_blk, &n_attn), fail);
+    KVB_TRY_GOTO(index_residency(e), fail);
+    KVB_TRY_GOTO(make_units(e, n_attn, n_blk, &n_units), fail_res);
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
-        kvb_attn_seq *as = &e->b_seqs[i];
-        as->q_start = n_tok;
-        as->q_len = s->q_len;
-        as->ctx_len = s->n_computed + s->q_len;
-        as->n_blocks = KVB_DIV_CEIL(as->ctx_len, e->o.block_size);
-        as->blk_first = n_blk;
-        for (int j = 0; j < as->n_blocks; j++) {
-            e->blk_id[n_blk] = s->bt.ids[j];
-            e->blk_base[n_blk++] = e->sl ? NULL : kvb_block_pool_block(e->pool, s->bt.ids[j]);
-        }
-        for (int t = 0; t < s->q_len; t++) {
-            e->b_tokens[n_tok] = s->tokens[s->n_computed + t];
-            e->b_pos[n_tok] = s->n_computed + t;
-            n_tok++;
-        }
-        if (as->ctx_len == s->n_tokens) e->b_logit_rows[n_logits++] = n_tok - 1;
-        rep.n_prefill_seqs += s->q_len > 1;
+        rep.n_tokens += e->sched[i]->q_len;
+        rep.n_absent_rows += e->sched[i]->n_absent;
+        rep.n_prefill_seqs += e->sched[i]->q_len > 1;
     }
     rep.n_seqs = n_sched;
-    rep.n_tokens = n_tok;
-    kvb_batch b = {
-        .n_tokens = n_tok,
-        .tokens = e->b_tokens,
-        .pos = e->b_pos,
-        .attn = {.geom = &e->geom, .n_seqs = n_sched, .seqs = e->b_seqs, .layer_blocks = e->blk_layer},
-        .n_logits = n_logits,
-        .logit_rows = e->b_logit_rows,
-    };
-    /* Residency: own and borrowed blocks are read in place (block base + layer offset), except that
-     * with lsc_stream the borrowed ones are read from their LSC slot of the layer's parity. */
-    size_t layer_bytes = kvb_kv_layer_bytes(&e->geom);
-    lsc *ls = &e->lsc;
     if (e->sl) { /* request-level placements: install them, prefetch slots for the host layers */
         KVB_TRY_GOTO(kvb__slices_install(e, n_sched), fail_sl);
         KVB_TRY_GOTO(kvb__slices_step_begin(e, n_blk), fail_sl);
     }
-    if (e->o.lsc_stream && e->n_borrowed > 0) stream = lsc_prepare(e, n_sched, n_blk) > 0;
-    if (stream) {
-        /* layers 0 and 1 load at once (different buffers), overlapping the embedding; the load of
-         * layer l+2 is posted after the store of layer l, which used the same buffer */
-        kvb__lsc_begin(ls);
-        for (int l = 0; l < KVB_MIN(2, c->n_layers); l++) {
-            ls->ticket[l] = kvb__lsc_post(ls, LSC_LOAD, l);
-            e->stats.lsc_loads += (uint64_t)ls->n_used;
-        }
+    st = forward(e, &b, n_sched, n_blk, n_units);
+    if (st != KVB_OK) {
+        (void)kvb_stager_drain(e->stager); /* no copy may run on after the step */
+        goto fail_sl;
     }
-    KVB_TRY_GOTO(kvb_forward_begin(e->fw, &b), fail_lsc);
-    for (int l = 0; l < c->n_layers; l++) {
-        uint64_t tl = kvb_now_ns();
-        if (e->sl) KVB_TRY_GOTO(kvb__slices_layer(e, n_sched, l), fail_sl);
-        else
-            for (int j = 0; j < n_blk; j++) e->blk_layer[j] = (char *)e->blk_base[j] + (size_t)l * layer_bytes;
-        if (stream) {
-            KVB_TRY_GOTO(kvb__lsc_wait(ls, ls->ticket[l]), fail_lsc);
-            for (int j = 0; j < n_blk; j++)
-                if (ls->entry_slot[j] >= 0) e->blk_layer[j] = kvb__lsc_buf(ls, ls->entry_slot[j], l & 1);
-        }
-        e->t_wait[l] = kvb_now_ns() - tl;
-        KVB_TRY_GOTO(kvb_forward_layer(e->fw, l), fail_lsc);
-        if (e->sl) {
-            /* the layer's kernels are done with its prefetch slots once the backend is idle */
-            KVB_TRY_GOTO(kvb_model_backend(e->m)->iface->sync(kvb_model_backend(e->m)->ctx), fail_sl);
-            KVB_TRY_GOTO(kvb__slices_layer_done(e, n_sched, l), fail_sl);
-        }
-        if (stream) {
-            /* the layer's kernels are done with its buffers once the backend is idle */
-            KVB_TRY_GOTO(kvb_model_backend(e->m)->iface->sync(kvb_model_backend(e->m)->ctx), fail_lsc);
-            kvb__lsc_post(ls, LSC_STORE, l);
-            for (int k = 0; k < ls->n_used; k++) e->stats.lsc_stores += ls->dirty_lo[k] < ls->dirty_hi[k];
-            if (l + 2 < c->n_layers) {
-                ls->ticket[l + 2] = kvb__lsc_post(ls, LSC_LOAD, l + 2);
-                e->stats.lsc_loads += (uint64_t)ls->n_used;
-            }
-        }
-        e->t_layer[l] = kvb_now_ns() - tl;
+    update_shadows(e, n_attn);
+    forget_units(e);
+    unindex_residency(e);
+    st = kvb_forward_end(e->fw, e->logits);
+    if (st != KVB_OK) {
+        kvb__slices_step_end(e, 0); /* prefetch slots back; the failed step's rows are not counted */
+        goto fail;
     }
-    if (stream) {
-        KVB_TRY_GOTO(kvb__lsc_wait(ls, ls->posted), fail_lsc); /* every store is back before the step ends */
-        lsc_finish(e, n_blk);
-        stream = 0;
-    }
-    KVB_TRY_GOTO(kvb_forward_end(e->fw, e->logits), fail_sl);
     kvb__slices_step_end(e, n_sched);
     e->stats.steps++;
+    e->stats.max_running = KVB_MAX(e->stats.max_running, e->running.n);
 
     uint64_t now = kvb_wall_ns();
     int li = 0;
@@ -318,6 +673,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         int decode = s->q_len == 1 && s->n_generated > 0 && s->n_computed == s->n_tokens - 1;
         if (!decode) e->stats.prompt_tokens += (uint64_t)s->q_len;
         s->n_computed += s->q_len;
+        s->n_absent = 0;
         if (e->o.enable_prefix_cache) publish_full_blocks(e, s);
         if (s->n_computed != s->n_tokens) continue; /* prefill chunk: no token yet */
         const float *lg = e->logits + (size_t)li++ * c->vocab;
@@ -332,19 +688,20 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         else if (s->n_generated >= s->max_tokens) kvb__finish(e, &e->running, s, KVB_FINISH_LENGTH, KVB_OK);
     }
     rep.t_step_ns = kvb_now_ns() - t0;
+    kvb_stager_take_report(e->stager, rep.links);
     if (e->planner.iface && e->planner.iface->observe) e->planner.iface->observe(e->planner.ctx, &rep);
     return KVB_OK;
-fail_lsc:
-    if (stream) {
-        (void)kvb__lsc_wait(ls, ls->posted); /* no copy may run on after the step */
-        lsc_finish(e, n_blk);
-    }
 fail_sl:
     kvb__slices_step_end(e, 0); /* prefetch slots back; the failed step's rows are not counted */
+    forget_units(e);
+fail_res:
+    unindex_residency(e);
 fail:
-    KVB_LOG_E("engine step failed: %s; failing %d live requests", kvb_status_str(st), e->waiting.n + e->running.n);
-    while (e->running.head) kvb__finish(e, &e->running, e->running.head, KVB_FINISH_ERROR, st);
-    while (e->waiting.head) kvb__finish(e, &e->waiting, e->waiting.head, KVB_FINISH_ERROR, st);
+    KVB_LOG_E("engine step failed: %s; failing %d live requests", kvb_status_str(st),
+              e->waiting.n + e->running.n + e->swapped.n);
+    seq_list *lists[] = {&e->running, &e->swapped, &e->waiting};
+    for (int k = 0; k < 3; k++)
+        while (lists[k]->head) kvb__finish(e, lists[k], lists[k]->head, KVB_FINISH_ERROR, st);
     return st;
 }
 
@@ -361,5 +718,17 @@ void kvb__exec_free(kvb_engine *e) {
     free(e->sample_scratch);
     free(e->t_layer);
     free(e->t_wait);
+    free(e->t_copy);
+    free(e->units);
+    free(e->unit_of);
+    free(e->res_first);
+    free(e->res_next);
+    free(e->xl.x);
+    if (e->scratch) {
+        kvb_backend *be = kvb_model_backend(e->m);
+        kvb_mem_free(be->mem, e->scratch);
+    }
+    free(e->shadow);
+    free(e->shadow_ok);
     kvb_plan_free(&e->plan);
 }

@@ -1,8 +1,19 @@
-/* kvbank — the host tier behind the prefix cache (the baseline SwiftCache compares against): a second
- * block pool in host memory with its own prefix cache, keyed like the pool's. A cached block the pool
- * evicts is copied out (the prefix cache's evict hook, the last moment its KV can be read), and a
- * prefix match that ends in the pool continues here, each hit copied back into a new pool block. */
+/* kvbank — the host tier: a second block pool in host memory, sized by the planner (plan_pool SETUP),
+ * holding swapped-out requests, host copies of pool blocks (STORE copy orders, HOST residency) and,
+ * when the planner asks (host_prefix: the baseline SwiftCache compares against), a prefix cache keyed
+ * like the pool's: a cached block the pool evicts is copied out (the prefix cache's evict hook, the
+ * last moment its KV can be read), and a prefix match that ends in the pool continues here, each hit
+ * copied back into a new pool block. Every copy goes over the stager's host link. */
 #include "common/sched/state.h"
+
+kvb_status kvb__host_alloc(kvb_engine *e, int32_t *out) { return kvb_prefix_cache_alloc(e->ht_pc, out); }
+
+kvb_status kvb__host_copy(kvb_engine *e, kvb_xfer_dir dir, void *dst, const void *src, size_t bytes) {
+    kvb_xfer x = {dst, src, bytes};
+    uint64_t t;
+    KVB_TRY(kvb_stager_post(e->stager, KVB_LINK_HOST, dir, &x, 1, &t));
+    return kvb_stager_wait(e->stager, t);
+}
 
 /* Evict hook of the pool's prefix cache: copy the block out before it is reused. */
 static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, int32_t idx) {
@@ -13,22 +24,22 @@ static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, in
         kvb_block_pool_unref(e->ht_pool, h); /* already there */
         return;
     }
-    if (kvb_prefix_cache_alloc(e->ht_pc, &h) != KVB_OK) return; /* every host block in use: drop it */
-    kvb_backend *be = kvb_model_backend(e->m);
-    if (be->iface->to_host(be->ctx, kvb_block_pool_block(e->ht_pool, h), kvb_block_pool_block(e->pool, idx),
-                           kvb_kv_block_bytes(&e->geom)) == KVB_OK &&
+    if (kvb__host_alloc(e, &h) != KVB_OK) return; /* every host block in use: drop it */
+    if (kvb__host_copy(e, KVB_XFER_D2H, kvb_block_pool_block(e->ht_pool, h), kvb_block_pool_block(e->pool, idx),
+                       kvb_kv_block_bytes(&e->geom)) == KVB_OK &&
         kvb_prefix_cache_publish(e->ht_pc, parent, tokens, h, NULL) == KVB_OK)
         e->stats.host_tier_stores++;
     kvb_block_pool_unref(e->ht_pool, h);
 }
 
-kvb_status kvb__host_tier_init(kvb_engine *e) {
-    size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)e->o.host_tier_blocks;
+kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix) {
+    size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)blocks;
     /* pinned host memory: on a device, copies between the pool and the tier run asynchronously */
     KVB_TRY(kvb_mem_pinned_alloc(kvb_model_backend(e->m)->mem, bytes, &e->ht_mem));
-    KVB_TRY(kvb_block_pool_create(&e->geom, e->ht_mem, bytes, e->o.host_tier_blocks, &e->ht_pool));
+    KVB_TRY(kvb_block_pool_create(&e->geom, e->ht_mem, bytes, blocks, &e->ht_pool));
     KVB_TRY(kvb_prefix_cache_create(e->ht_pool, &e->ht_pc));
-    kvb_prefix_cache_set_evict_hook(e->pc, host_tier_store, e);
+    e->host_prefix = prefix;
+    if (prefix) kvb_prefix_cache_set_evict_hook(e->pc, host_tier_store, e);
     return KVB_OK;
 }
 
@@ -36,7 +47,6 @@ kvb_status kvb__host_tier_init(kvb_engine *e) {
  * published and appended to the sequence. Returns the blocks loaded. */
 int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
     int bs = e->o.block_size, loaded = 0;
-    kvb_backend *be = kvb_model_backend(e->m);
     while (s->n_published < max_blocks) {
         const int32_t *tk = s->tokens + (size_t)s->n_published * bs;
         int32_t h, d;
@@ -44,8 +54,8 @@ int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
         if (kvb_prefix_cache_match_from(e->ht_pc, s->last_hash, tk, bs, 1, &h, &next) != 1) break;
         kvb_status st = kvb_prefix_cache_alloc(e->pc, &d);
         if (st == KVB_OK) {
-            st = be->iface->to_device(be->ctx, kvb_block_pool_block(e->pool, d), kvb_block_pool_block(e->ht_pool, h),
-                                      kvb_kv_block_bytes(&e->geom));
+            st = kvb__host_copy(e, KVB_XFER_H2D, kvb_block_pool_block(e->pool, d), kvb_block_pool_block(e->ht_pool, h),
+                                kvb_kv_block_bytes(&e->geom));
             if (st == KVB_OK) st = kvb_prefix_cache_publish(e->pc, s->last_hash, tk, d, NULL);
             if (st == KVB_OK) st = kvb_block_table_push(&s->bt, d);
             if (st != KVB_OK) kvb_block_pool_unref(e->pool, d);

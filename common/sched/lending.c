@@ -66,8 +66,8 @@ kvb_status kvb_engine_grow(kvb_engine *e, int n_own_new) {
 
 int64_t kvb_engine_max_request_tokens(const kvb_engine *e) {
     int64_t most = 0;
-    const seq_list *lists[] = {&e->waiting, &e->running};
-    for (int i = 0; i < 2; i++)
+    const seq_list *lists[] = {&e->waiting, &e->running, &e->swapped};
+    for (int i = 0; i < 3; i++)
         for (const seq *s = lists[i]->head; s; s = s->next) most = KVB_MAX(most, (int64_t)s->cap);
     return most;
 }
@@ -78,6 +78,16 @@ int kvb_engine_starved(const kvb_engine *e) {
     if (e->sl)
         return kvb__seq_need_blocks(e, e->waiting.head) * kvb__slices_min_layers(e) > kvb_block_pool_n_slices(e->pool);
     return kvb__seq_need_blocks(e, e->waiting.head) > kvb_block_pool_n_blocks(e->pool);
+}
+
+/* The planner sizes the stage buffers for the loans now attached (SwiftCache's LSC: plan_pool
+ * ATTACH / DETACH). */
+static kvb_status stage_for_loans(kvb_engine *e, kvb_pool_event_kind kind, int n_blocks) {
+    kvb_pool_plan pp = {.stage_slots = kvb_stager_n_buffers(e->stager) / 2};
+    kvb_pool_event ev = {.kind = kind, .now_s = kvb_now_s(), .n_blocks = n_blocks};
+    KVB_TRY(kvb__plan_pool(e, &ev, &pp));
+    if (pp.stage_slots < 0) return KVB_ERR_INVALID;
+    return kvb__stage_reserve(e, pp.stage_slots);
 }
 
 static int find_loan(const kvb_engine *e, uint64_t tag) {
@@ -105,18 +115,19 @@ kvb_status kvb_engine_attach(kvb_engine *e, uint64_t tag, void *mem, size_t byte
     }
     int32_t first;
     KVB_TRY(kvb_block_pool_attach(e->pool, mem, n_blocks, &first));
-    if (e->o.lsc_stream) {
-        kvb_status st = kvb__lsc_resize(e, e->n_borrowed + n_blocks);
-        if (st != KVB_OK) {
-            KVB_LOG_E("engine: no memory for the LSC of %d borrowed blocks", e->n_borrowed + n_blocks);
-            kvb_status st2 = kvb_block_pool_detach(e->pool, first, n_blocks);
-            assert(st2 == KVB_OK); /* its blocks are all free: nothing ran on them */
-            (void)st2;
-            return st;
-        }
-    }
     e->loans[e->n_loans++] = (loan){.tag = tag, .first = first, .n = n_blocks};
     e->n_borrowed += n_blocks;
+    kvb_status st = stage_for_loans(e, KVB_POOL_ATTACH, n_blocks);
+    if (st != KVB_OK) {
+        KVB_LOG_E("engine: no stage buffers for %d borrowed blocks: loan %llu not attached", e->n_borrowed,
+                  (unsigned long long)tag);
+        e->n_loans--;
+        e->n_borrowed -= n_blocks;
+        kvb_status st2 = kvb_block_pool_detach(e->pool, first, n_blocks);
+        assert(st2 == KVB_OK); /* its blocks are all free: nothing ran on them */
+        (void)st2;
+        return st;
+    }
     e->starved = 0;
     KVB_LOG_D("engine: loan %llu attached as blocks [%d, %d)", (unsigned long long)tag, (int)first,
               (int)first + n_blocks);
@@ -151,6 +162,7 @@ static void fence_block(kvb_engine *e, detach_ctx *d, int32_t id) {
     int off = id - d->first;
     if (d->taken[off] || kvb_block_pool_refcount(e->pool, id) > 0) return;
     if (!kvb_block_pool_is_free(e->pool, id)) d->st.dropped += kvb_prefix_cache_drop_range(e->pc, id, 1);
+    kvb__shadow_drop(e, id);
     kvb_status st = kvb_block_pool_take(e->pool, id);
     assert(st == KVB_OK); /* refcount 0 and no cache entry: on the free list */
     (void)st;
@@ -266,8 +278,8 @@ kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_d
     memmove(&e->loans[li], &e->loans[li + 1], (size_t)(e->n_loans - li - 1) * sizeof *e->loans);
     e->n_loans--;
     e->n_borrowed -= d.n;
-    if (e->o.lsc_stream && kvb__lsc_resize(e, e->n_borrowed) != KVB_OK)
-        KVB_LOG_W("engine: could not shrink the LSC; it keeps %d slots", e->lsc.n_slots);
+    if (stage_for_loans(e, KVB_POOL_DETACH, d.n) != KVB_OK)
+        KVB_LOG_W("engine: could not resize the stage buffers; they keep %d slots", kvb_stager_n_buffers(e->stager) / 2);
     KVB_LOG_D("engine: loan %llu detached%s: %d blocks moved, %d cached dropped, %d requests preempted",
               (unsigned long long)tag, lender_dead ? " (lender dead)" : "", d.st.moved, d.st.dropped,
               d.st.preempted);

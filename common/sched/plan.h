@@ -66,7 +66,8 @@ typedef struct kvb_pool_view {
     int n_slices;      /* sliced pool: (block, layer) slices of device memory; else 0 */
     int n_free_slices; /* sliced pool: of those, free */
     int n_evictable;   /* cached prefix blocks nobody references (allocation evicts them, LRU first) */
-    int stage_slots;   /* single-layer stage buffers (STREAM / HOST residency) */
+    int stage_slots;   /* blocks a step may read through stage buffers (STREAM / HOST), two
+                        * single-layer buffers each (double buffering: layer l+1 loads while l runs) */
     int host_capacity; /* host-tier blocks (0: no host tier) */
     int host_free;
     int host_evictable;
@@ -84,11 +85,12 @@ typedef struct kvb_view {
     uint64_t step;            /* steps run so far */
     uint64_t now_ns;          /* wall clock at the view's making */
     kvb_pool_view pool;
-    /* Live requests: RUNNING and PAUSED ones in arrival order, then SWAPPED, then WAITING in arrival
-     * order (the queue). n_running counts RUNNING + PAUSED, which come first. */
+    /* Live requests: RUNNING and PAUSED ones in arrival order, then SWAPPED ones in arrival order, then
+     * WAITING ones in arrival order (the queue): n_running + n_swapped + n_waiting = n_reqs. */
     int n_reqs;
     const kvb_req_view *reqs; /* [n_reqs] */
     int n_running;
+    int n_swapped;
     int n_waiting;
     /* The engine, for the scheduler's routines (common/sched/scheduler.h) that probe the prefix cache;
      * planners pass the view to them and never use this themselves. */
@@ -123,6 +125,11 @@ typedef struct kvb_plan_op {
                     * this step (eLLM token-wise): they are added as extra rows at positions
                     * 0..n_absent-1 whose KV goes to scratch blocks of the step, so every layer's
                     * attention sees them; they produce no logits. 0 <= n_absent <= n_computed */
+    int placed;    /* RUN, ADMIT: 0 (default): new blocks come from the pool's free list; 1: the
+                    * request's j-th block is block0 + j (its existing blocks must be laid out so, its
+                    * new ones must be free): a planner that keeps each request's KV contiguous in an
+                    * address range of its own (eLLM's KV slots). Needs the prefix cache off */
+    int32_t block0;
 } kvb_plan_op;
 
 /* Where one block's KV is for a range of layers and how it reaches attention. The default needs no
@@ -134,8 +141,10 @@ typedef enum kvb_residency {
     KVB_RES_STREAM = 2, /* borrowed block read through a stage buffer: its layer slice is loaded before
                          * the layer and the rows the step wrote are stored back after it (SwiftCache
                          * §3.2-3.3 layer stream cache) */
-    KVB_RES_HOST = 3,   /* lives in the host tier (host_block): loaded into a stage buffer before the
-                         * layer, written rows stored back after it (OrbitFlow offload) */
+    KVB_RES_HOST = 3,   /* read from the block's host copy (made by a STORE copy order): loaded into a
+                         * stage buffer before the layer over the host link, rows the step writes
+                         * stored back to it after the layer (OrbitFlow offload). The pool block keeps
+                         * a valid copy too (block-major memory is not freed per layer) */
     KVB_RES_ABSENT = 4, /* not read at all: every scheduled request using the block recomputes its
                          * tokens (n_absent covers the block) */
 } kvb_residency;
@@ -148,22 +157,22 @@ typedef struct kvb_plan_res {
     int32_t block;      /* pool block id */
     int layer0, layer1; /* 0 <= layer0 < layer1 <= n_layers */
     kvb_residency where;
-    int32_t host_block; /* HOST: the host-tier block holding these layers; else -1 */
 } kvb_plan_res;
 
 typedef enum kvb_copy_dir {
-    KVB_COPY_LOAD = 1,  /* host tier -> pool block */
-    KVB_COPY_STORE = 2, /* pool block -> host tier */
+    KVB_COPY_LOAD = 1,  /* the block's host copy -> the pool block */
+    KVB_COPY_STORE = 2, /* the pool block -> its host copy (made on the first STORE; dropped with the
+                         * block's last reference) */
 } kvb_copy_dir;
 
-/* A copy of layers [layer0, layer1) of one block between the pool and the host tier, run by the
- * stager while the step computes. A LOAD must be complete before layer `layer` runs (0: before the
- * step's first layer); a STORE may start once layer `layer` has run (-1: at once, before layer 0),
- * and every copy is complete when the step ends. */
+/* A copy of layers [layer0, layer1) of one pool block to or from its host copy in the host tier, run
+ * by the stager over the host link while the step computes. A LOAD must be complete before layer
+ * `layer` runs (0: before the step's first layer); a STORE may start once layer `layer` has run (-1:
+ * at once, before layer 0); every copy is complete when the step ends. A LOAD needs a host copy that
+ * holds those layers (stored, and not written in the pool since). */
 typedef struct kvb_plan_copy {
     kvb_copy_dir dir;
     int32_t block;      /* pool block id */
-    int32_t host_block; /* host-tier block id */
     int layer0, layer1;
     int layer;
 } kvb_plan_copy;
@@ -227,9 +236,12 @@ typedef enum kvb_pool_event_kind {
     KVB_POOL_RETURNED = 5,/* `n_blocks` lent blocks came back unasked (worker: keep them a window) */
 } kvb_pool_event_kind;
 
+struct kvb_model;
+
 typedef struct kvb_pool_event {
     kvb_pool_event_kind kind;
     double now_s;          /* monotonic seconds */
+    struct kvb_model *model; /* SETUP: the model (borrowed; its config and backend) */
     int64_t tokens;        /* REQUEST */
     int n_blocks;          /* ATTACH, DETACH, RETURNED */
     /* Lending context the role knows (worker; 0 when unknown): */
@@ -247,8 +259,20 @@ typedef struct kvb_pool_plan {
     /* SETUP (read once): */
     int host_tier_blocks;  /* blocks of host memory behind the pool (0: none) */
     int extra_rows;        /* forward-pass rows beyond max_batch_tokens (recomputed tokens) */
+    void *kv_mem;          /* the planner's own memory for the KV pool, borrowed until the engine is
+                            * destroyed (eLLM: the KV slots, one reservation whose chunks the planner maps
+                            * on demand); NULL: the engine's (the options' kv_mem, else allocated) */
+    size_t kv_mem_bytes;   /* its size */
+    int kv_blocks;         /* blocks of it in the pool (with kv_mem) */
+    int max_model_len;     /* > 0: longest request the planner can serve (kvb_engine_add refuses longer) */
+    int max_batch_tokens;  /* > 0: the step budget the planner works with (eLLM computes whole prompts in one
+                            * step); the forward pass holds that many rows */
+    int no_prefix_cache;   /* 1: the prefix cache is off (a planner that places KV itself) */
     /* SETUP, ATTACH, DETACH: */
-    int stage_slots;       /* single-layer stage buffers for STREAM / HOST residency */
+    int stage_slots;       /* blocks a step may read through stage buffers (STREAM / HOST) */
+    /* SETUP (read once): */
+    int host_prefix;       /* with a host tier: cached blocks the pool evicts are copied there and prefix
+                            * matches continue there (the host-tier prefix cache baseline) */
     /* SETUP (read once): a sliced pool (common/kv/block_pool.h) for request-level placements. */
     int sliced_ids;        /* > 0: the pool's memory is counted in (block, layer) slices and it has this
                             * many virtual block ids, each with a home in a host tier of as many blocks */

@@ -38,16 +38,25 @@ seq *kvb__find_seq(const seq_list *l, uint64_t id) {
     return NULL;
 }
 
-void kvb__seq_free(kvb_engine *e, seq *s) {
+/* Releases the sequence's pool blocks; a block whose last reference goes loses its host copy. */
+static void release_blocks(kvb_engine *e, seq *s) {
+    for (int j = 0; j < s->bt.n; j++)
+        if (kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1) kvb__shadow_drop(e, s->bt.ids[j]);
     kvb_block_table_release(&s->bt, e->pool);
+}
+
+void kvb__seq_free(kvb_engine *e, seq *s) {
+    release_blocks(e, s);
     kvb_block_table_free(&s->bt);
+    if (e->ht_pool) kvb_block_table_release(&s->host_bt, e->ht_pool);
+    kvb_block_table_free(&s->host_bt);
     free(s->tokens);
     free(s->stop);
     free(s);
 }
 
 void kvb__seq_drop_kv(kvb_engine *e, seq *s) {
-    kvb_block_table_release(&s->bt, e->pool);
+    release_blocks(e, s);
     s->n_computed = 0;
     s->n_published = 0;
     s->last_hash = KVB_PREFIX_ROOT;
@@ -119,7 +128,8 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
         return reject(e, r->id, "%lld tokens can never fit in %lld KV blocks of %d", (long long)total, (long long)most,
                       e->o.block_size);
     }
-    if (kvb__find_seq(&e->waiting, r->id) || kvb__find_seq(&e->running, r->id)) return reject(e, r->id, "duplicate id");
+    if (kvb__find_seq(&e->waiting, r->id) || kvb__find_seq(&e->running, r->id) || kvb__find_seq(&e->swapped, r->id))
+        return reject(e, r->id, "duplicate id");
     seq *s = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
     s->cap = (int)total;
@@ -178,14 +188,14 @@ static kvb_status view_reserve(kvb_engine *e, int n) {
 
 static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
     int i = e->view.n_reqs++;
-    int exclusive = 0;
+    int exclusive = 0, swapped = state == KVB_REQ_SWAPPED;
     if (state == KVB_REQ_RUNNING || state == KVB_REQ_PAUSED)
         for (int j = 0; j < s->bt.n; j++) exclusive += kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1;
     e->vreqs[i] = (kvb_req_view){.id = s->id, .arrival = s->arrival, .t_arrival_ns = s->t_add_ns, .state = state,
                                  .n_prompt = s->n_prompt, .n_tokens = s->n_tokens, .n_generated = s->n_generated,
                                  .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
-                                 .n_blocks = s->bt.n,
-                                 .n_exclusive = exclusive, .blocks = s->bt.ids};
+                                 .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
+                                 .blocks = swapped ? s->host_bt.ids : s->bt.ids};
     e->vseq[i] = s;
     e->memo[i].done = 0;
     s->vidx = i;
@@ -196,7 +206,7 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
 }
 
 kvb_status kvb__view_build(kvb_engine *e) {
-    int n = e->running.n + e->waiting.n;
+    int n = e->running.n + e->swapped.n + e->waiting.n;
     KVB_TRY(view_reserve(e, n));
     for (int i = 0; i < e->vhash_cap; i++) e->vhash[i] = -1;
     kvb_view *v = &e->view;
@@ -212,7 +222,8 @@ kvb_status kvb__view_build(kvb_engine *e) {
     v->pool = (kvb_pool_view){.capacity = kvb_block_pool_capacity(e->pool), .n_own = kvb_block_pool_n_own(e->pool),
                               .n_borrowed = e->n_borrowed, .n_blocks = kvb_block_pool_n_blocks(e->pool),
                               .n_free = n_free, .n_evictable = kvb_prefix_cache_n_available(e->pc) - n_free,
-                              .stage_slots = e->lsc.n_slots * 2, .n_slices = kvb_block_pool_n_slices(e->pool),
+                              .stage_slots = kvb_stager_n_buffers(e->stager) / 2,
+                              .n_slices = kvb_block_pool_n_slices(e->pool),
                               .n_free_slices = kvb_block_pool_n_free_slices(e->pool)};
     if (e->ht_pool) {
         int hf = kvb_block_pool_n_free(e->ht_pool);
@@ -223,8 +234,10 @@ kvb_status kvb__view_build(kvb_engine *e) {
     v->n_reqs = 0;
     for (seq *s = e->running.head; s; s = s->next) view_add(e, s, s->paused ? KVB_REQ_PAUSED : KVB_REQ_RUNNING);
     v->n_running = v->n_reqs;
+    for (seq *s = e->swapped.head; s; s = s->next) view_add(e, s, KVB_REQ_SWAPPED);
+    v->n_swapped = v->n_reqs - v->n_running;
     for (seq *s = e->waiting.head; s; s = s->next) view_add(e, s, KVB_REQ_WAITING);
-    v->n_waiting = v->n_reqs - v->n_running;
+    v->n_waiting = v->n_reqs - v->n_running - v->n_swapped;
     v->reqs = e->vreqs;
     v->engine = e;
     e->memo_n = 0;
@@ -270,7 +283,7 @@ kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const probe_memo **out) {
                 m->n_hit = kvb_prefix_cache_peek_from(e->pc, KVB_PREFIX_ROOT, s->tokens, s->n_tokens, max_blocks,
                                                       e->memo_ids + e->memo_n, &m->last_hash);
                 e->memo_n += m->n_hit;
-                if (e->ht_pc && m->n_hit < max_blocks)
+                if (e->ht_pc && e->host_prefix && m->n_hit < max_blocks)
                     m->n_host_hit = kvb__host_tier_peek(e, m->last_hash, s->tokens + (size_t)m->n_hit * bs,
                                                         max_blocks - m->n_hit, &m->last_hash);
             }
@@ -289,6 +302,7 @@ typedef struct acct {
     const kvb_view *v;
     int64_t avail;     /* blocks allocation can give (free + evictable) */
     int tokens, rows, n_sched, n_running;
+    int64_t touched;   /* blocks the scheduled requests hold after the plan (an upper bound of staged ones) */
     int host_left;
     int budget, batch_limit;
 } acct;
@@ -396,6 +410,33 @@ kvb_status kvb__refuse(char *err, size_t len, const char *fmt, ...) {
     return KVB_ERR_INVALID;
 }
 
+/* A placed RUN or ADMIT (op->placed): the request's blocks are block0 + j. Its existing blocks must be
+ * laid out so, and the `more` blocks after them must be free now and not taken by an earlier operation
+ * of the plan (they are counted as taken from here on). */
+static kvb_status acct_place(acct *a, int i, const kvb_plan_op *op, int64_t more, int k, char *err, size_t len) {
+    const kvb_req_view *r = &a->v->reqs[i];
+    unsigned long long id = (unsigned long long)op->id;
+    const char *kind = kvb_op_kind_str(op->kind);
+    kvb_block_pool *pool = a->e->pool;
+    if (a->v->prefix_cache)
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): placed blocks need the prefix cache off", k, kind, id);
+    if (op->block0 < 0 || (int64_t)op->block0 + r->n_blocks + more > kvb_block_pool_n_own(pool))
+        return kvb__refuse(err, len, "plan op %d (%s request %llu): blocks from %d on are outside the own pool of %d", k, kind,
+                      id, (int)op->block0, kvb_block_pool_n_own(pool));
+    int have = op->kind == KVB_OP_RUN ? r->n_blocks : 0;
+    for (int j = 0; j < have; j++)
+        if (r->blocks[j] != op->block0 + j)
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): its block %d is %d, not %d", k, kind, id, j,
+                          (int)r->blocks[j], (int)(op->block0 + j));
+    for (int64_t j = have; j < have + more; j++) {
+        int32_t b = (int32_t)(op->block0 + j);
+        if (!kvb_block_pool_is_free(pool, b) || a->e->adj[b] != 0)
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): block %d is not free", k, kind, id, (int)b);
+        KVB_TRY(adj_add(a, b, 1));
+    }
+    return KVB_OK;
+}
+
 /* Applies one operation to the accounting, checking it. `k` is its index in the plan (for messages). */
 static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size_t len) {
     const kvb_view *v = a->v;
@@ -410,7 +451,7 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (st != KVB_REQ_RUNNING)
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): the request is %s, not running", k, id,
                           kvb_req_state_str(st));
-        if (a->e->asched[i])
+        if (a->e->asched[i] & 3)
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): the request is already scheduled in this step", k, id);
         int left = r->n_tokens - r->n_computed;
         if (op->q_len < 1 || op->q_len > left)
@@ -419,20 +460,22 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->n_absent < 0 || op->n_absent > r->n_computed)
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k, id,
                           op->n_absent, r->n_computed);
-        if (op->n_absent > 0)
-            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent > 0 is not carried out by this executor yet",
-                          k, id);
+        if (op->n_absent > 0 && a->e->sl)
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent needs a block-major pool, not a sliced "
+                               "one", k, id);
         int64_t need = run_need(a, i, op->q_len);
         if (need > a->avail)
             return kvb__refuse(err, len,
                           "plan op %d (RUN request %llu): needs %lld new block(s), the pool can give %lld at this point "
                           "of the plan", k, id, (long long)need, (long long)a->avail);
+        if (op->placed) KVB_TRY(acct_place(a, i, op, need, k, err, len));
         a->avail -= need;
         a->e->anew[i] = need;
+        a->touched += r->n_blocks + need;
         a->tokens += op->q_len;
         a->rows += op->q_len + op->n_absent;
         a->n_sched++;
-        a->e->asched[i] = 1;
+        a->e->asched[i] |= 1;
         break;
     }
     case KVB_OP_ADMIT: {
@@ -449,7 +492,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
             return kvb__refuse(err, len,
                           "plan op %d (ADMIT request %llu): needs %lld block(s), the pool can give %lld at this point "
                           "of the plan", k, id, (long long)blocks, (long long)a->avail);
+        if (op->placed) KVB_TRY(acct_place(a, i, op, blocks, k, err, len));
         a->avail -= blocks;
+        a->touched += KVB_DIV_CEIL(r->n_tokens, v->geom->block_size);
         a->tokens += q;
         a->rows += q;
         a->n_sched++;
@@ -464,8 +509,8 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (st != KVB_REQ_RUNNING && (pause || st != KVB_REQ_PAUSED))
             return kvb__refuse(err, len, "plan op %d (%s request %llu): the request is %s", k, kind, id, kvb_req_state_str(st));
         if (a->e->asched[i])
-            return kvb__refuse(err, len, "plan op %d (%s request %llu): the request is scheduled earlier in this step", k, kind,
-                          id);
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): the request is scheduled or swapped in earlier in "
+                          "this step", k, kind, id);
         if (pause) {
             a->e->astate[i] = KVB_REQ_PAUSED;
         } else {
@@ -483,10 +528,39 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
                           kvb_req_state_str(st));
         a->e->astate[i] = KVB_REQ_RUNNING;
         break;
-    case KVB_OP_SWAP_OUT:
+    case KVB_OP_SWAP_OUT: {
+        if (!a->e->ht_pool)
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): the engine has no host tier (plan_pool sets "
+                          "host_tier_blocks)", k, id);
+        if (st != KVB_REQ_RUNNING && st != KVB_REQ_PAUSED)
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): the request is %s", k, id, kvb_req_state_str(st));
+        if (a->e->asched[i])
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): the request is scheduled or swapped in earlier "
+                          "in this step", k, id);
+        if (r->n_blocks > a->host_left)
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): needs %d host-tier block(s), the host tier can "
+                          "give %d at this point of the plan", k, id, r->n_blocks, a->host_left);
+        int freed;
+        KVB_TRY(acct_release(a, i, &freed));
+        a->avail += freed;
+        a->host_left -= r->n_blocks;
+        a->n_running--;
+        a->e->astate[i] = KVB_REQ_SWAPPED;
+        break;
+    }
     case KVB_OP_SWAP_IN:
-        return kvb__refuse(err, len, "plan op %d (%s request %llu): swapping is not carried out by this executor yet", k, kind,
-                      id);
+        if (st != KVB_REQ_SWAPPED)
+            return kvb__refuse(err, len, "plan op %d (SWAP_IN request %llu): the request is %s, not swapped", k, id,
+                          kvb_req_state_str(st));
+        if (r->n_blocks > a->avail)
+            return kvb__refuse(err, len, "plan op %d (SWAP_IN request %llu): needs %d block(s), the pool can give %lld at this "
+                          "point of the plan", k, id, r->n_blocks, (long long)a->avail);
+        a->avail -= r->n_blocks;
+        a->host_left += r->n_blocks;
+        a->n_running++;
+        a->e->astate[i] = KVB_REQ_RUNNING;
+        a->e->asched[i] |= 4; /* its view lists host blocks: it is not released again in this plan */
+        break;
     default:
         return kvb__refuse(err, len, "plan op %d: unknown operation %d", k, (int)op->kind);
     }
@@ -500,6 +574,188 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         return kvb__refuse(err, len, "plan op %d (%s request %llu): more than %d requests scheduled", k, kind, id,
                       a->batch_limit);
     return KVB_OK;
+}
+
+/* Marks of the blocks the plan's scheduled requests read (1) and write (2) this step. */
+static kvb_status step_marks(acct *a, const kvb_plan *p, uint8_t **out) {
+    kvb_engine *e = a->e;
+    const kvb_view *v = a->v;
+    int bs = v->geom->block_size;
+    uint8_t *m = NULL;
+    KVB_TRY(kvb_calloc((size_t)kvb_block_pool_id_limit(e->pool), 1, (void **)&m));
+    for (int k = 0; k < p->n_ops; k++) {
+        const kvb_plan_op *op = &p->ops[k];
+        int i = kvb_view_find(v, op->id);
+        const kvb_req_view *r = &v->reqs[i];
+        if (op->kind == KVB_OP_RUN && r->state != KVB_REQ_SWAPPED) {
+            for (int j = 0; j < r->n_blocks; j++) {
+                int w = (j + 1) * bs > r->n_computed || (op->n_absent % bs && j == op->n_absent / bs);
+                m[r->blocks[j]] |= (uint8_t)(1 | (w ? 2 : 0));
+            }
+        } else if (op->kind == KVB_OP_ADMIT) {
+            const probe_memo *pm;
+            kvb_status st = kvb__probe_memo(e, i, &pm);
+            if (st != KVB_OK) {
+                free(m);
+                return st;
+            }
+            for (int j = 0; j < pm->n_hit; j++) m[e->memo_ids[pm->hit_off + j]] |= 1;
+        }
+    }
+    *out = m;
+    return KVB_OK;
+}
+
+/* Whether the block's host copy holds layer l now, or a STORE of this plan at once (-1) makes it. */
+static int host_copy_has(const kvb_engine *e, const kvb_plan *p, int32_t id, int l) {
+    if (id < e->shadow_cap && e->shadow[id] >= 0 && e->shadow_ok[(size_t)id * e->geom.n_layers + l]) return 1;
+    for (int c = 0; c < p->n_copies; c++) {
+        const kvb_plan_copy *cp = &p->copies[c];
+        if (cp->dir == KVB_COPY_STORE && cp->block == id && cp->layer == -1 && l >= cp->layer0 && l < cp->layer1) return 1;
+    }
+    return 0;
+}
+
+/* An ABSENT block must not be read this step: every RUN request holding it recomputes it (n_absent
+ * covers it) and no admission reuses it. */
+static kvb_status absent_readers(acct *a, const kvb_plan *p, int32_t id, int r, char *err, size_t len) {
+    const kvb_view *v = a->v;
+    int bs = v->geom->block_size;
+    for (int k = 0; k < p->n_ops; k++) {
+        const kvb_plan_op *op = &p->ops[k];
+        int i = kvb_view_find(v, op->id);
+        const kvb_req_view *q = &v->reqs[i];
+        if (op->kind == KVB_OP_RUN && q->state != KVB_REQ_SWAPPED) {
+            for (int j = 0; j < q->n_blocks; j++)
+                if (q->blocks[j] == id && (j + 1) * bs > op->n_absent)
+                    return kvb__refuse(err, len, "residency %d: block %d is ABSENT but request %llu reads it (n_absent %d)", r,
+                                  (int)id, (unsigned long long)op->id, op->n_absent);
+        } else if (op->kind == KVB_OP_ADMIT) {
+            const probe_memo *pm;
+            KVB_TRY(kvb__probe_memo(a->e, i, &pm));
+            for (int j = 0; j < pm->n_hit; j++)
+                if (a->e->memo_ids[pm->hit_off + j] == id)
+                    return kvb__refuse(err, len, "residency %d: block %d is ABSENT but request %llu reuses it", r, (int)id,
+                                  (unsigned long long)op->id);
+        }
+    }
+    return KVB_OK;
+}
+
+/* Checks the plan's residency exceptions and copy orders (after its operations were accounted). */
+static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t len) {
+    kvb_engine *e = a->e;
+    const kvb_view *v = a->v;
+    int L = v->geom->n_layers;
+    if (p->lent_default != KVB_RES_LENT && p->lent_default != KVB_RES_STREAM)
+        return kvb__refuse(err, len, "lent_default %s: borrowed blocks are read LENT (in place) or STREAM",
+                      kvb_residency_str(p->lent_default));
+    if (p->n_res == 0 && p->n_copies == 0 && p->lent_default == KVB_RES_LENT) return KVB_OK;
+    if (e->sl)
+        return kvb__refuse(err, len, "a sliced pool takes request-level placements (kvb_plan_place), not residency "
+                           "exceptions, copy orders or streamed borrowed blocks");
+    uint8_t *mark = NULL;
+    int32_t *first = NULL, *next = NULL;
+    kvb_status st = KVB_OK;
+    int ids = kvb_block_pool_id_limit(e->pool), staged = 0, new_copies = 0;
+    KVB_TRY_GOTO(step_marks(a, p, &mark), out);
+    KVB_TRY_GOTO(kvb_malloc((size_t)ids * sizeof *first, (void **)&first), out);
+    KVB_TRY_GOTO(kvb_malloc((size_t)(p->n_res + 1) * sizeof *next, (void **)&next), out);
+    for (int i = 0; i < ids; i++) first[i] = -1;
+    for (int r = 0; r < p->n_res && st == KVB_OK; r++) {
+        const kvb_plan_res *x = &p->res[r];
+        int32_t id = x->block;
+        if (!kvb_block_pool_has(e->pool, id)) {
+            st = kvb__refuse(err, len, "residency %d: block %d is not a block of the pool", r, (int)id);
+            break;
+        }
+        if (x->layer0 < 0 || x->layer0 >= x->layer1 || x->layer1 > L) {
+            st = kvb__refuse(err, len, "residency %d (block %d): layers [%d, %d) are not a range of the model's %d", r, (int)id,
+                        x->layer0, x->layer1, L);
+            break;
+        }
+        int lent = kvb_block_pool_is_attached(e->pool, id);
+        switch (x->where) {
+        case KVB_RES_LOCAL:
+            if (lent) st = kvb__refuse(err, len, "residency %d: block %d is borrowed; LOCAL is for the process's own blocks", r,
+                                  (int)id);
+            break;
+        case KVB_RES_LENT:
+        case KVB_RES_STREAM:
+            if (!lent) st = kvb__refuse(err, len, "residency %d: block %d is not borrowed; %s is for borrowed blocks", r,
+                                   (int)id, kvb_residency_str(x->where));
+            break;
+        case KVB_RES_HOST:
+            for (int l = x->layer0; l < x->layer1 && st == KVB_OK; l++)
+                if (!host_copy_has(e, p, id, l))
+                    st = kvb__refuse(err, len, "residency %d: block %d has no host copy of layer %d (STORE it first)", r,
+                                (int)id, l);
+            break;
+        case KVB_RES_ABSENT:
+            if (mark[id]) st = absent_readers(a, p, id, r, err, len);
+            break;
+        default: st = kvb__refuse(err, len, "residency %d (block %d): unknown residency %d", r, (int)id, (int)x->where);
+        }
+        if (st != KVB_OK) break;
+        for (int o = first[id]; o >= 0; o = next[o])
+            if (p->res[o].layer0 < x->layer1 && x->layer0 < p->res[o].layer1) {
+                st = kvb__refuse(err, len, "residency %d and %d both give block %d's layers %d..", o, r, (int)id,
+                            KVB_MAX(x->layer0, p->res[o].layer0));
+                break;
+            }
+        if (first[id] < 0 && (x->where == KVB_RES_STREAM || x->where == KVB_RES_HOST)) staged++;
+        next[r] = first[id];
+        first[id] = r;
+    }
+    for (int c = 0; c < p->n_copies && st == KVB_OK; c++) {
+        const kvb_plan_copy *cp = &p->copies[c];
+        int32_t id = cp->block;
+        int load = cp->dir == KVB_COPY_LOAD;
+        if (cp->dir != KVB_COPY_LOAD && cp->dir != KVB_COPY_STORE) {
+            st = kvb__refuse(err, len, "copy %d: unknown direction %d", c, (int)cp->dir);
+        } else if (!e->ht_pool) {
+            st = kvb__refuse(err, len, "copy %d: the engine has no host tier (plan_pool sets host_tier_blocks)", c);
+        } else if (!kvb_block_pool_has(e->pool, id)) {
+            st = kvb__refuse(err, len, "copy %d: block %d is not a block of the pool", c, (int)id);
+        } else if (cp->layer0 < 0 || cp->layer0 >= cp->layer1 || cp->layer1 > L) {
+            st = kvb__refuse(err, len, "copy %d (block %d): layers [%d, %d) are not a range of the model's %d", c, (int)id,
+                        cp->layer0, cp->layer1, L);
+        } else if (load ? (cp->layer < 0 || cp->layer >= L) : (cp->layer < -1 || cp->layer >= L)) {
+            st = kvb__refuse(err, len, "copy %d (block %d): a %s at layer %d", c, (int)id, load ? "LOAD due before" :
+                        "STORE after", cp->layer);
+        } else if (load) {
+            for (int l = cp->layer0; l < cp->layer1 && st == KVB_OK; l++)
+                if (!(id < e->shadow_cap && e->shadow[id] >= 0 && e->shadow_ok[(size_t)id * L + l]))
+                    st = kvb__refuse(err, len, "copy %d: LOAD of block %d layer %d from the host tier, which does not hold it",
+                                c, (int)id, l);
+            if (st == KVB_OK && mark[id] && cp->layer > cp->layer0)
+                st = kvb__refuse(err, len, "copy %d: LOAD of block %d layers [%d, %d) is due before layer %d, but the step "
+                            "reads it at layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer0);
+        } else {
+            if ((mark[id] & 2) && cp->layer < cp->layer1 - 1)
+                st = kvb__refuse(err, len, "copy %d: STORE of block %d layers [%d, %d) after layer %d, but the step writes the "
+                            "block until layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer1 - 1);
+            int fresh = !(id < e->shadow_cap && e->shadow[id] >= 0);
+            for (int o = 0; o < c && fresh; o++) fresh = !(p->copies[o].dir == KVB_COPY_STORE && p->copies[o].block == id);
+            new_copies += fresh;
+        }
+    }
+    if (st != KVB_OK) goto out;
+    if (new_copies > a->host_left) {
+        st = kvb__refuse(err, len, "the plan's STOREs need %d new host copies, the host tier can give %d", new_copies,
+                    a->host_left);
+        goto out;
+    }
+    a->host_left -= new_copies;
+    int64_t bound = staged + (p->lent_default == KVB_RES_STREAM ? KVB_MIN((int64_t)v->pool.n_borrowed, a->touched) : 0);
+    if (bound > v->pool.stage_slots)
+        st = kvb__refuse(err, len, "the plan may read %lld blocks through stage buffers, there are slots for %d (plan_pool's "
+                    "stage_slots)", (long long)bound, v->pool.stage_slots);
+out:
+    free(mark);
+    free(first);
+    free(next);
+    return st;
 }
 
 kvb_status kvb_sched_cost(const kvb_view *v, const kvb_plan *p, kvb_plan_cost *out, char *err, size_t err_len) {
@@ -520,18 +776,8 @@ kvb_status kvb_sched_cost(const kvb_view *v, const kvb_plan *p, kvb_plan_cost *o
                     v->max_seqs);
         goto out;
     }
-    if (p->lent_default != KVB_RES_LENT) {
-        st = kvb__refuse(err, err_len, "lent_default %s: only LENT is carried out by this executor yet",
-                    kvb_residency_str(p->lent_default));
-        goto out;
-    }
-    if (p->n_res > 0 || p->n_copies > 0) {
-        st = kvb__refuse(err, err_len, "%d residency exception(s) and %d copy order(s): not carried out by this executor yet",
-                    p->n_res, p->n_copies);
-        goto out;
-    }
-    st = kvb__slices_check(e, v, p, e->astate, e->asched, e->anew, err, err_len);
-    if (st != KVB_OK) goto out;
+    KVB_TRY_GOTO(check_residency(&a, p, err, err_len), out);
+    KVB_TRY_GOTO(kvb__slices_check(e, v, p, e->astate, e->asched, e->anew, err, err_len), out);
     if (out)
         *out = (kvb_plan_cost){.blocks_left = a.avail, .tokens = a.tokens, .rows = a.rows, .n_sched = a.n_sched,
                                .n_running = a.n_running, .host_left = a.host_left};
@@ -583,7 +829,7 @@ static kvb_status fcfs_running(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
     kvb_status st = KVB_OK;
     if (v->n_running > 0) KVB_TRY(kvb_malloc((size_t)v->n_running * sizeof *cand, (void **)&cand));
     for (int i = 0; i < v->n_running && a->budget - a->tokens > 0 && a->n_sched < a->batch_limit; i++) {
-        if (e->astate[i] != KVB_REQ_RUNNING || e->asched[i]) continue;
+        if (e->astate[i] != KVB_REQ_RUNNING || (e->asched[i] & 3)) continue;
         const kvb_req_view *r = &v->reqs[i];
         int q = KVB_MIN(r->n_tokens - r->n_computed, a->budget - a->tokens);
         for (;;) {
@@ -635,7 +881,7 @@ static kvb_status in_flight(acct *a, int i, int *out) {
     for (int j = 0; j < a->v->n_reqs; j++) {
         if (j == i || e->astate[j] != KVB_REQ_RUNNING) continue;
         const seq *r = e->vseq[j];
-        if (e->asched[j] == 2) { /* admitted by this plan: as it will be after its hits */
+        if ((e->asched[j] & 3) == 2) { /* admitted by this plan: as it will be after its hits */
             const probe_memo *mr;
             KVB_TRY(kvb__probe_memo(e, j, &mr));
             int h = mr->n_hit + mr->n_host_hit;
@@ -698,19 +944,44 @@ static kvb_status waiting_order(acct *a, int **out, int *n_out) {
     return KVB_OK;
 }
 
+/* Swapped requests come back first, oldest first, each with its next tokens (vLLM: no new request is
+ * admitted while one waits swapped out). Returns 1 in *blocked when one could not come back. */
+static kvb_status fcfs_swap_in(acct *a, kvb_plan *p, int *blocked) {
+    const kvb_view *v = a->v;
+    *blocked = 0;
+    for (int i = v->n_running; i < v->n_running + v->n_swapped; i++) {
+        if (a->e->astate[i] != KVB_REQ_SWAPPED) continue;
+        const kvb_req_view *r = &v->reqs[i];
+        int q = KVB_MIN(r->n_tokens - r->n_computed, a->budget - a->tokens);
+        if (q < 1 || a->n_running >= v->max_seqs || a->n_sched >= a->batch_limit ||
+            r->n_blocks + run_need(a, i, q) > a->avail) {
+            *blocked = 1;
+            return KVB_OK;
+        }
+        KVB_TRY(push(a, p, (kvb_plan_op){.kind = KVB_OP_SWAP_IN, .id = r->id}));
+        KVB_TRY(push(a, p, (kvb_plan_op){.kind = KVB_OP_RUN, .id = r->id, .q_len = q}));
+    }
+    return KVB_OK;
+}
+
 static kvb_status fcfs_admit(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
     const kvb_view *v = a->v;
+    int blocked;
+    p->starved = 0;
+    KVB_TRY(fcfs_swap_in(a, p, &blocked));
+    if (blocked) {
+        p->starved = 1;
+        return KVB_OK;
+    }
     int *w, n;
     KVB_TRY(waiting_order(a, &w, &n));
     kvb_status st = KVB_OK;
-    p->starved = 0;
     for (int k = 0; k < n && a->budget - a->tokens > 0 && a->n_running < v->max_seqs && a->n_sched < a->batch_limit;
          k++) {
         int i = w[k];
         const kvb_req_view *r = &v->reqs[i];
         /* one that needs more blocks than the pool holds now (lent out or detached) waits until grow /
-         * attach: admitted, it could only preempt itself over and over (a sliced pool holds a request's
-         * layers in part: kvb_engine_add has checked what its planner needs) */
+         * attach: admitted, it could only preempt itself over and over */
         if (!v->pool.n_slices &&
             KVB_DIV_CEIL((int64_t)r->n_prompt + r->max_tokens, v->geom->block_size) > v->pool.n_blocks) {
             p->starved = 1;
@@ -758,6 +1029,14 @@ kvb_status kvb_sched_fcfs_admit(const kvb_view *v, const kvb_fcfs_opts *o, kvb_p
 
 kvb_status kvb_sched_fcfs(const kvb_view *v, const kvb_fcfs_opts *o, kvb_plan *out) {
     return fcfs_phases(v, o, out, 1, 1);
+}
+
+kvb_status kvb__plan_pool(kvb_engine *e, const kvb_pool_event *ev, kvb_pool_plan *out) {
+    if (!e->planner.iface || !e->planner.iface->plan_pool) return KVB_OK;
+    KVB_TRY(kvb__view_build(e));
+    kvb_status st = e->planner.iface->plan_pool(e->planner.ctx, ev, &e->view, out);
+    if (st != KVB_OK) KVB_LOG_E("engine: plan_pool of %s failed: %s", e->planner.iface->name, kvb_status_str(st));
+    return st;
 }
 
 void kvb__sched_free(kvb_engine *e) {

@@ -1,157 +1,401 @@
-/* kvbank — the stager: the copy thread that moves layer slices between tiers while the forward pass
- * computes. Today it runs the layer stream cache (SwiftCache §3.2-3.3): double-buffered single-layer
- * slots for borrowed blocks, loads posted before a layer and stores of the rows a step wrote after it,
- * in FIFO order, each post returning a ticket to wait on before the layer that needs it. */
-#include <assert.h>
+/* kvbank — the stager (stager.h): one copy thread per link, transfers in post order per link, tickets,
+ * the link model's delays, and the presets that model target machines. */
+#include "common/sched/stager.h"
 
-#include "common/sched/state.h"
+#include <errno.h>
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
 
-unsigned char *kvb__lsc_buf(const lsc *c, int k, int parity) {
-    return (unsigned char *)c->mem + ((size_t)k * 2 + (size_t)parity) * c->layer_bytes;
+/* ------------------------------------------------------------------------------------ link model */
+
+/* A target machine: compute rate and its three links. Numbers are the vendors' figures rounded to what
+ * a copy achieves (PCIe 5.0 x16 about 50 GB/s of its 64, NVLink 4 about 450 GB/s one way); latency is
+ * the cost of one transfer (a copy call or a gather kernel launch), about 10 us over PCIe or NVLink,
+ * 5 us on the device. */
+typedef struct preset {
+    const char *name;
+    const char *target;
+    double tflops;                  /* dense bf16 tensor rate */
+    double gbps[KVB_LINK_COUNT];    /* host, peer, local */
+    double lat_us[KVB_LINK_COUNT];
+} preset;
+
+static const preset presets[] = {
+    {"h100-pcie5", "H100 SXM, bf16 800 TFLOP/s; host tier over PCIe 5.0 x16; lenders on the same GPU (in place)",
+     800, {50, 1500, 1500}, {10, 5, 5}},
+    {"h100-nvlink", "H100 SXM, bf16 800 TFLOP/s; host tier over PCIe 5.0 x16; lenders on other GPUs over NVLink 4",
+     800, {50, 450, 1500}, {10, 10, 5}},
+    {"a100-pcie4", "A100 80GB, bf16 312 TFLOP/s; host and peers over PCIe 4.0 x16 (eLLM's testbeds)", 312,
+     {25, 25, 1300}, {10, 10, 5}},
+    {"pcie3", "RTX A5000, bf16 111 TFLOP/s; host and peers over PCIe 3.0 x16 (OrbitFlow's testbed)", 111,
+     {12, 12, 380}, {10, 10, 5}},
+    {"h20-nvlink", "H20 96GB, bf16 148 TFLOP/s; host over PCIe 4.0 (32 GB/s shared); peers over NVLink 200 GB/s one "
+                   "way (SwiftCache's testbed)", 148, {32, 200, 2000}, {10, 10, 5}},
+};
+
+void kvb_link_preset_list(FILE *f) {
+    fprintf(f, "%-18s %s\n", "off", "no link model: copies run at memory speed (default)");
+    for (size_t i = 0; i < KVB_ARRAY_LEN(presets); i++) {
+        const preset *p = &presets[i];
+        fprintf(f, "%-18s %s: host %g GB/s, peer %g GB/s, local %g GB/s\n", p->name, p->target, p->gbps[0], p->gbps[1],
+                p->gbps[2]);
+    }
+    fprintf(f, "%-18s the same links scaled by this machine's measured compute rate / the target's\n", "NAME-scaled");
 }
 
-/* Runs one task on the copy thread (outside the mutex). */
-static kvb_status lsc_run(lsc *c, int kind, int layer) {
-    const kvb_backend_i *bi = c->be->iface;
-    size_t off = (size_t)layer * c->layer_bytes;
-    for (int k = 0; k < c->n_used; k++) {
-        unsigned char *buf = kvb__lsc_buf(c, k, layer & 1);
-        if (kind == LSC_LOAD) {
-            KVB_TRY(bi->copy(c->be->ctx, buf, c->src[k] + off, c->layer_bytes));
-        } else if (c->dirty_lo[k] < c->dirty_hi[k]) {
-            /* only the rows this step wrote: K rows, then the same V rows */
-            size_t r0 = (size_t)c->dirty_lo[k] * c->row_bytes, nb = (size_t)(c->dirty_hi[k] - c->dirty_lo[k]) * c->row_bytes;
-            KVB_TRY(bi->copy(c->be->ctx, c->src[k] + off + r0, buf + r0, nb));
-            KVB_TRY(bi->copy(c->be->ctx, c->src[k] + off + c->half_bytes + r0, buf + c->half_bytes + r0, nb));
+static pthread_mutex_t flops_mu = PTHREAD_MUTEX_INITIALIZER;
+static char flops_backend[32];
+static double flops_cached;
+
+kvb_status kvb_link_measure_flops(kvb_backend *be, double *flops) {
+    pthread_mutex_lock(&flops_mu);
+    if (flops_cached > 0 && !strcmp(flops_backend, be->iface->name)) {
+        *flops = flops_cached;
+        pthread_mutex_unlock(&flops_mu);
+        return KVB_OK;
+    }
+    pthread_mutex_unlock(&flops_mu);
+    enum { N = 256, K = 1024, R = 1024 };
+    const kvb_backend_i *bi = be->iface;
+    size_t es = kvb_dtype_size(bi->act_dtype);
+    float *host = NULL;
+    void *x = NULL, *y = NULL;
+    kvb_tensor w = {0};
+    kvb_status st;
+    KVB_TRY_GOTO(kvb_malloc((size_t)R * K * sizeof(float), (void **)&host), out);
+    for (size_t i = 0; i < (size_t)R * K; i++) host[i] = (float)((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
+    KVB_TRY_GOTO(bi->weight_load(be->ctx, host, KVB_DTYPE_F32, R, K, &w), out);
+    KVB_TRY_GOTO(kvb_mem_alloc(be->mem, (size_t)N * K * es, &x), out);
+    KVB_TRY_GOTO(kvb_mem_alloc(be->mem, (size_t)N * R * es, &y), out);
+    float *xh = host; /* reuse: N x K <= R x K */
+    if (bi->act_dtype == KVB_DTYPE_F32) KVB_TRY_GOTO(bi->to_device(be->ctx, x, xh, (size_t)N * K * sizeof(float)), out);
+    /* (other dtypes: the values do not change the time a matmul takes) */
+    double best = 0;
+    for (int rep = 0; rep < 5; rep++) {
+        uint64_t t0 = kvb_now_ns();
+        KVB_TRY_GOTO(bi->matmul(be->ctx, x, N, &w, 0.0f, y), out);
+        KVB_TRY_GOTO(bi->sync(be->ctx), out);
+        double s = (double)(kvb_now_ns() - t0) / 1e9;
+        if (s > 0) best = KVB_MAX(best, 2.0 * N * K * R / s);
+    }
+    *flops = best;
+    pthread_mutex_lock(&flops_mu);
+    flops_cached = best;
+    snprintf(flops_backend, sizeof flops_backend, "%s", bi->name);
+    pthread_mutex_unlock(&flops_mu);
+out:
+    if (w.data) bi->weight_free(be->ctx, &w);
+    kvb_mem_free(be->mem, x);
+    kvb_mem_free(be->mem, y);
+    free(host);
+    return st;
+}
+
+kvb_status kvb_link_preset(const char *name, kvb_backend *be, kvb_link_model *out) {
+    memset(out, 0, sizeof *out);
+    out->scale = 1;
+    if (!name || !strcmp(name, "off")) {
+        snprintf(out->name, sizeof out->name, "off");
+        snprintf(out->target, sizeof out->target, "copies at memory speed");
+        return KVB_OK;
+    }
+    size_t len = strlen(name);
+    const char *suffix = "-scaled";
+    int scaled = len > strlen(suffix) && !strcmp(name + len - strlen(suffix), suffix);
+    size_t base = scaled ? len - strlen(suffix) : len;
+    for (size_t i = 0; i < KVB_ARRAY_LEN(presets); i++) {
+        const preset *p = &presets[i];
+        if (strlen(p->name) != base || strncmp(p->name, name, base)) continue;
+        snprintf(out->name, sizeof out->name, "%s", name);
+        snprintf(out->target, sizeof out->target, "%s", p->target);
+        out->target_flops = p->tflops * 1e12;
+        if (scaled) {
+            if (!be) {
+                KVB_LOG_E("link preset %s: measuring this machine's compute rate needs a backend", name);
+                return KVB_ERR_INVALID;
+            }
+            KVB_TRY(kvb_link_measure_flops(be, &out->measured_flops));
+            out->scale = out->measured_flops / out->target_flops;
+        }
+        for (int k = 0; k < KVB_LINK_COUNT; k++) {
+            out->links[k].bytes_per_s = p->gbps[k] * 1e9 * out->scale;
+            out->links[k].latency_s = p->lat_us[k] * 1e-6 / out->scale;
+        }
+        return KVB_OK;
+    }
+    char names[512];
+    size_t at = (size_t)snprintf(names, sizeof names, "off");
+    for (size_t i = 0; i < KVB_ARRAY_LEN(presets) && at < sizeof names; i++)
+        at += (size_t)snprintf(names + at, sizeof names - at, ", %s", presets[i].name);
+    KVB_LOG_E("unknown link preset \"%s\" (available: %s, each also as NAME-scaled)", name, names);
+    return KVB_ERR_NOT_FOUND;
+}
+
+/* "12.5 GB/s", "9.6 MB/s". */
+static void fmt_rate(char *buf, size_t len, double bps) {
+    if (bps >= 1e9) snprintf(buf, len, "%.3g GB/s", bps / 1e9);
+    else if (bps >= 1e6) snprintf(buf, len, "%.3g MB/s", bps / 1e6);
+    else snprintf(buf, len, "%.3g kB/s", bps / 1e3);
+}
+
+static void fmt_time(char *buf, size_t len, double s) {
+    if (s >= 1) snprintf(buf, len, "%.3g s", s);
+    else if (s >= 1e-3) snprintf(buf, len, "%.3g ms", s * 1e3);
+    else snprintf(buf, len, "%.3g us", s * 1e6);
+}
+
+void kvb_link_model_print(FILE *f, const kvb_link_model *m) {
+    if (!m->target_flops) {
+        fprintf(f, "link preset: off (copies at memory speed)\n");
+        return;
+    }
+    fprintf(f, "link preset: %s (%s", m->name, m->target);
+    if (m->measured_flops > 0)
+        fprintf(f, "; scaled by %.3g = this machine's %.3g GFLOP/s measured / the target's %.3g TFLOP/s", m->scale,
+                m->measured_flops / 1e9, m->target_flops / 1e12);
+    for (int k = 0; k < KVB_LINK_COUNT; k++) {
+        char r[32], t[32];
+        fmt_rate(r, sizeof r, m->links[k].bytes_per_s);
+        fmt_time(t, sizeof t, m->links[k].latency_s);
+        fprintf(f, "%s %s %s + %s", k ? "," : ";", kvb_link_kind_str((kvb_link_kind)k), r, t);
+    }
+    fprintf(f, ")\n");
+}
+
+double kvb_link_seconds(const kvb_link_model *m, kvb_link_kind link, size_t bytes) {
+    if (!m || link < 0 || link >= KVB_LINK_COUNT) return 0;
+    const kvb_link *l = &m->links[link];
+    return l->latency_s + (l->bytes_per_s > 0 ? (double)bytes / l->bytes_per_s : 0);
+}
+
+/* ---------------------------------------------------------------------------------------- stager */
+
+typedef struct task {
+    kvb_xfer_dir dir;
+    const kvb_xfer *x; /* borrowed until waited */
+    int n;
+} task;
+
+typedef struct lane {
+    struct kvb_stager *s;
+    kvb_link_kind kind;
+    pthread_t thread;
+    int started;
+    task *q;             /* ring of cap tasks: task t (1-based) at q[(t - 1) % cap] */
+    int cap;
+    uint64_t posted, done;
+    kvb_status err;      /* first error since the last drain */
+    kvb_link_report now; /* since the last report */
+    kvb_link_report total;
+} lane;
+
+struct kvb_stager {
+    kvb_backend *be;
+    kvb_link_model lm;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int quit;
+    lane lanes[KVB_LINK_COUNT];
+    void *buf_mem;       /* [n_buf][buf_bytes] backend memory */
+    int n_buf;
+    size_t buf_bytes;
+};
+
+static kvb_status run_task(kvb_stager *s, const task *t) {
+    const kvb_backend_i *bi = s->be->iface;
+    for (int i = 0; i < t->n; i++) {
+        const kvb_xfer *x = &t->x[i];
+        if (!x->bytes) continue;
+        switch (t->dir) {
+        case KVB_XFER_D2D: KVB_TRY(bi->copy(s->be->ctx, x->dst, x->src, x->bytes)); break;
+        case KVB_XFER_D2H: KVB_TRY(bi->to_host(s->be->ctx, x->dst, x->src, x->bytes)); break;
+        case KVB_XFER_H2D: KVB_TRY(bi->to_device(s->be->ctx, x->dst, x->src, x->bytes)); break;
         }
     }
     return KVB_OK;
 }
 
-static void *lsc_thread(void *arg) {
-    lsc *c = arg;
-    pthread_mutex_lock(&c->mu);
-    for (;;) {
-        while (!c->quit && c->done == c->posted) pthread_cond_wait(&c->cv, &c->mu);
-        if (c->done == c->posted) break; /* quit with nothing left */
-        size_t slot = (size_t)(c->done % LSC_QUEUE);
-        int kind = c->q_kind[slot], layer = c->q_layer[slot];
-        pthread_mutex_unlock(&c->mu);
-        kvb_status st = lsc_run(c, kind, layer);
-        pthread_mutex_lock(&c->mu);
-        if (st != KVB_OK && c->err == KVB_OK) c->err = st;
-        c->done++;
-        pthread_cond_broadcast(&c->cv);
+/* Sleeps until the monotonic time `until_ns`. */
+static void sleep_until(uint64_t until_ns) {
+    struct timespec ts = {.tv_sec = (time_t)(until_ns / 1000000000u), .tv_nsec = (long)(until_ns % 1000000000u)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
     }
-    pthread_mutex_unlock(&c->mu);
+}
+
+static void *lane_thread(void *arg) {
+    lane *ln = arg;
+    kvb_stager *s = ln->s;
+    const kvb_link *link = &s->lm.links[ln->kind];
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->quit && ln->done == ln->posted) pthread_cond_wait(&s->cv, &s->mu);
+        if (ln->done == ln->posted) break; /* quit with nothing left */
+        task t = ln->q[ln->done % (uint64_t)ln->cap];
+        pthread_mutex_unlock(&s->mu);
+        uint64_t t0 = kvb_now_ns();
+        kvb_status st = run_task(s, &t);
+        size_t bytes = 0;
+        for (int i = 0; i < t.n; i++) bytes += t.x[i].bytes;
+        double want_s = link->latency_s + (link->bytes_per_s > 0 ? (double)bytes / link->bytes_per_s : 0);
+        uint64_t until = t0 + (uint64_t)(want_s * 1e9);
+        if (want_s > 0 && kvb_now_ns() < until) sleep_until(until);
+        uint64_t busy = kvb_now_ns() - t0;
+        pthread_mutex_lock(&s->mu);
+        if (st != KVB_OK && ln->err == KVB_OK) ln->err = st;
+        kvb_link_report *reps[2] = {&ln->now, &ln->total};
+        for (int r = 0; r < 2; r++) {
+            reps[r]->bytes += bytes;
+            reps[r]->copies++;
+            reps[r]->busy_ns += busy;
+        }
+        ln->done++;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
     return NULL;
 }
 
-/* Starts a step: clears the copy error (the thread is idle between steps). */
-void kvb__lsc_begin(lsc *c) {
-    pthread_mutex_lock(&c->mu);
-    assert(c->done == c->posted);
-    c->err = KVB_OK;
-    pthread_mutex_unlock(&c->mu);
+kvb_status kvb_stager_create(kvb_backend *be, const kvb_link_model *links, kvb_stager **out) {
+    kvb_stager *s = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
+    s->be = be;
+    if (links) s->lm = *links;
+    else KVB_TRY(kvb_link_preset("off", NULL, &s->lm));
+    if (pthread_mutex_init(&s->mu, NULL)) {
+        free(s);
+        return KVB_ERR_NOMEM;
+    }
+    if (pthread_cond_init(&s->cv, NULL)) {
+        pthread_mutex_destroy(&s->mu);
+        free(s);
+        return KVB_ERR_NOMEM;
+    }
+    for (int k = 0; k < KVB_LINK_COUNT; k++) s->lanes[k] = (lane){.s = s, .kind = (kvb_link_kind)k};
+    *out = s;
+    return KVB_OK;
 }
 
-/* Queues a task; returns its ticket (wait for it with lsc_wait). */
-uint64_t kvb__lsc_post(lsc *c, int kind, int layer) {
-    pthread_mutex_lock(&c->mu);
-    assert(c->posted - c->done < LSC_QUEUE);
-    size_t slot = (size_t)(c->posted % LSC_QUEUE);
-    c->q_kind[slot] = kind;
-    c->q_layer[slot] = layer;
-    uint64_t t = ++c->posted;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
-    return t;
+void kvb_stager_destroy(kvb_stager *s) {
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->quit = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int k = 0; k < KVB_LINK_COUNT; k++) {
+        if (s->lanes[k].started) pthread_join(s->lanes[k].thread, NULL);
+        free(s->lanes[k].q);
+    }
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    if (s->buf_mem) kvb_mem_free(s->be->mem, s->buf_mem);
+    free(s);
 }
 
-/* Waits until task `ticket` and every task before it finished; returns the step's first copy error. */
-kvb_status kvb__lsc_wait(lsc *c, uint64_t ticket) {
-    pthread_mutex_lock(&c->mu);
-    while (c->done < ticket) pthread_cond_wait(&c->cv, &c->mu);
-    kvb_status st = c->err;
-    pthread_mutex_unlock(&c->mu);
+const kvb_link_model *kvb_stager_links(const kvb_stager *s) { return &s->lm; }
+
+kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, const kvb_xfer *x, int n,
+                           uint64_t *ticket) {
+    const kvb_backend_i *bi = s->be->iface;
+    if (link < 0 || link >= KVB_LINK_COUNT || n < 0) return KVB_ERR_INVALID;
+    if ((dir == KVB_XFER_D2D && !bi->copy) || (dir == KVB_XFER_D2H && !bi->to_host) ||
+        (dir == KVB_XFER_H2D && !bi->to_device)) {
+        KVB_LOG_E("stager: the %s backend cannot copy in this direction", bi->name);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    lane *ln = &s->lanes[link];
+    kvb_status st = KVB_OK;
+    pthread_mutex_lock(&s->mu);
+    if (n == 0) {
+        *ticket = ((uint64_t)link << 56) | ln->posted; /* done once everything before it is */
+        goto out;
+    }
+    if (ln->posted - ln->done == (uint64_t)ln->cap) { /* full: grow the ring, keeping the order */
+        int cap = ln->cap ? 2 * ln->cap : 16;
+        task *q = NULL;
+        if ((st = kvb_malloc((size_t)cap * sizeof *q, (void **)&q)) != KVB_OK) goto out;
+        for (uint64_t t = ln->done; t < ln->posted; t++) q[t % (uint64_t)cap] = ln->q[t % (uint64_t)ln->cap];
+        free(ln->q);
+        ln->q = q;
+        ln->cap = cap;
+    }
+    if (!ln->started) {
+        if (pthread_create(&ln->thread, NULL, lane_thread, ln)) {
+            KVB_LOG_E("stager: cannot start the %s link's copy thread", kvb_link_kind_str(link));
+            st = KVB_ERR_NOMEM;
+            goto out;
+        }
+        ln->started = 1;
+    }
+    ln->q[ln->posted % (uint64_t)ln->cap] = (task){.dir = dir, .x = x, .n = n};
+    ln->posted++;
+    *ticket = ((uint64_t)link << 56) | ln->posted;
+    pthread_cond_broadcast(&s->cv);
+out:
+    pthread_mutex_unlock(&s->mu);
     return st;
 }
 
-kvb_status kvb__lsc_init(kvb_engine *e) {
-    lsc *c = &e->lsc;
-    c->be = kvb_model_backend(e->m);
-    if (!c->be->iface->copy) {
-        KVB_LOG_E("engine: LSC streaming needs the %s backend's copy operation", c->be->iface->name);
-        return KVB_ERR_UNSUPPORTED;
-    }
-    c->layer_bytes = kvb_kv_layer_bytes(&e->geom);
-    c->row_bytes = (size_t)e->geom.n_kv_heads * (size_t)e->geom.head_dim * (size_t)e->geom.elem_size;
-    c->half_bytes = (size_t)e->geom.block_size * c->row_bytes;
-    KVB_TRY(kvb_calloc((size_t)e->geom.n_layers, sizeof *c->ticket, (void **)&c->ticket));
-    if (pthread_mutex_init(&c->mu, NULL)) return KVB_ERR_NOMEM;
-    if (pthread_cond_init(&c->cv, NULL)) {
-        pthread_mutex_destroy(&c->mu);
-        return KVB_ERR_NOMEM;
-    }
-    if (pthread_create(&c->thread, NULL, lsc_thread, c)) {
-        KVB_LOG_E("engine: cannot start the LSC copy thread");
-        pthread_cond_destroy(&c->cv);
-        pthread_mutex_destroy(&c->mu);
-        return KVB_ERR_NOMEM;
-    }
-    c->started = 1;
-    return KVB_OK;
+kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket) {
+    int link = (int)(ticket >> 56);
+    if (link >= KVB_LINK_COUNT) return KVB_ERR_INVALID;
+    uint64_t t = ticket & ((1ull << 56) - 1);
+    lane *ln = &s->lanes[link];
+    pthread_mutex_lock(&s->mu);
+    while (ln->done < t) pthread_cond_wait(&s->cv, &s->mu);
+    kvb_status st = ln->err;
+    pthread_mutex_unlock(&s->mu);
+    return st;
 }
 
-/* Stops the copy thread and frees the LSC. Safe on a partly initialised or unused LSC. */
-void kvb__lsc_release(kvb_engine *e) {
-    lsc *c = &e->lsc;
-    if (c->started) {
-        pthread_mutex_lock(&c->mu);
-        c->quit = 1;
-        pthread_cond_broadcast(&c->cv);
-        pthread_mutex_unlock(&c->mu);
-        pthread_join(c->thread, NULL);
-        pthread_cond_destroy(&c->cv);
-        pthread_mutex_destroy(&c->mu);
-        c->started = 0;
+kvb_status kvb_stager_drain(kvb_stager *s) {
+    kvb_status st = KVB_OK;
+    pthread_mutex_lock(&s->mu);
+    for (int k = 0; k < KVB_LINK_COUNT; k++) {
+        lane *ln = &s->lanes[k];
+        while (ln->done < ln->posted) pthread_cond_wait(&s->cv, &s->mu);
+        if (st == KVB_OK) st = ln->err;
+        ln->err = KVB_OK;
     }
-    if (c->mem) kvb_mem_free(c->be->mem, c->mem);
-    c->mem = NULL;
-    free(c->slot_of);
-    free(c->entry_slot);
-    free(c->src);
-    free(c->dirty_lo);
-    free(c->dirty_hi);
-    free(c->ticket);
+    pthread_mutex_unlock(&s->mu);
+    return st;
 }
 
-/* Sizes the LSC for `n_slots` borrowed blocks and the slot map for the pool's id space. Called
- * between steps only (no task in flight). On failure the LSC keeps its old size. */
-kvb_status kvb__lsc_resize(kvb_engine *e, int n_slots) {
-    lsc *c = &e->lsc;
-    int ids = kvb_block_pool_id_limit(e->pool) - kvb_block_pool_capacity(e->pool);
-    if (ids > c->slot_of_n) {
-        KVB_TRY(kvb_realloc_array((void **)&c->slot_of, (size_t)ids, sizeof *c->slot_of));
-        for (int j = c->slot_of_n; j < ids; j++) c->slot_of[j] = -1;
-        c->slot_of_n = ids;
+static void finish_report(kvb_link_report *r) { r->gbps = r->busy_ns ? (double)r->bytes / (double)r->busy_ns : 0; }
+
+void kvb_stager_take_report(kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT]) {
+    pthread_mutex_lock(&s->mu);
+    for (int k = 0; k < KVB_LINK_COUNT; k++) {
+        out[k] = s->lanes[k].now;
+        finish_report(&out[k]);
+        s->lanes[k].now = (kvb_link_report){0};
     }
-    if (n_slots == c->n_slots) return KVB_OK;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void kvb_stager_totals(const kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT]) {
+    pthread_mutex_lock((pthread_mutex_t *)&s->mu);
+    for (int k = 0; k < KVB_LINK_COUNT; k++) {
+        out[k] = s->lanes[k].total;
+        finish_report(&out[k]);
+    }
+    pthread_mutex_unlock((pthread_mutex_t *)&s->mu);
+}
+
+kvb_status kvb_stager_reserve(kvb_stager *s, int n, size_t bytes) {
+    if (n < 0) return KVB_ERR_INVALID;
+    if (n == s->n_buf && bytes == s->buf_bytes) return KVB_OK;
     void *mem = NULL;
-    if (n_slots > 0) {
-        /* per-slot arrays first: on a later failure, arrays longer than n_slots are harmless */
-        KVB_TRY(kvb_realloc_array((void **)&c->src, (size_t)n_slots, sizeof *c->src));
-        KVB_TRY(kvb_realloc_array((void **)&c->dirty_lo, (size_t)n_slots, sizeof *c->dirty_lo));
-        KVB_TRY(kvb_realloc_array((void **)&c->dirty_hi, (size_t)n_slots, sizeof *c->dirty_hi));
-        KVB_TRY(kvb_mem_alloc(c->be->mem, (size_t)n_slots * 2 * c->layer_bytes, &mem));
-    }
-    if (c->mem) kvb_mem_free(c->be->mem, c->mem);
-    c->mem = mem;
-    c->n_slots = n_slots;
+    if (n > 0) KVB_TRY(kvb_mem_alloc(s->be->mem, (size_t)n * bytes, &mem));
+    if (s->buf_mem) kvb_mem_free(s->be->mem, s->buf_mem);
+    s->buf_mem = mem;
+    s->n_buf = n;
+    s->buf_bytes = bytes;
     return KVB_OK;
 }
 
-/* ---------------------------------------------------------------- create / destroy */
+int kvb_stager_n_buffers(const kvb_stager *s) { return s->n_buf; }
 
-/* ---------------------------------------------------------------- host tier (baseline) */
-
+void *kvb_stager_buffer(const kvb_stager *s, int i) {
+    return i >= 0 && i < s->n_buf ? (char *)s->buf_mem + (size_t)i * s->buf_bytes : NULL;
+}

@@ -15,6 +15,7 @@
 #include "common/kv/prefix_cache.h"
 #include "common/sched/engine.h"
 #include "common/sched/scheduler.h"
+#include "common/sched/stager.h"
 
 #define KVB_MAX_LAYERS 256 /* layers a sliced pool's placements can name */
 
@@ -42,6 +43,8 @@ typedef struct seq {
     int q_len;         /* tokens scheduled in the current step */
     int paused;        /* running but not scheduled (KVB_OP_PAUSE) */
     int hits_taken;    /* during a step: its admission took its prefix hits (2: all that matched) */
+    int n_absent;      /* tokens recomputed in the current step (KVB_OP_RUN.n_absent) */
+    kvb_block_table host_bt; /* SWAPPED: its blocks in the host tier, in token order */
     int vidx;          /* index in the current view, -1 when not in it */
     struct seq *prev, *next;
 } seq;
@@ -58,43 +61,21 @@ typedef struct loan {
     int n;             /* blocks */
 } loan;
 
-/* Copy-thread tasks of the layer stream cache. */
-enum { LSC_LOAD = 1, LSC_STORE = 2 };
-#define LSC_QUEUE 8 /* at most 3 tasks are ever outstanding: load l+1, store l, load l+2 */
+/* A block whose layer slices pass through stage buffers in this step (STREAM: from its borrowed
+ * memory over the peer link; HOST: from its host copy over the host link). */
+typedef struct stage_unit {
+    int32_t block;          /* pool id */
+    kvb_residency kind;     /* KVB_RES_STREAM or KVB_RES_HOST */
+    int buf;                /* its stage buffers: 2 * buf + (layer & 1) */
+    unsigned char *src;     /* where its slices live (all layers): borrowed block or host-tier block */
+    int dirty_lo, dirty_hi; /* rows [lo, hi) of the block this step writes; lo >= hi: none */
+} stage_unit;
 
-/* The layer stream cache (SwiftCache §3.2-3.3). Each borrowed block used by a step gets a slot k of
- * two single-layer buffers (parity 0 and 1: layer l uses parity l & 1). A copy thread loads layer
- * l's slice of every slot's block into parity l & 1 before layer l runs and stores the rows the step
- * wrote back after it; tasks run in the order they are posted (FIFO), which gives §3.3's ordering:
- * load(l+2) reuses the buffer of layer l and is posted after store(l). */
-typedef struct lsc {
-    void *mem;              /* backend memory [n_slots][2][layer_bytes] */
-    int n_slots;            /* borrowed blocks the LSC can hold (= attached blocks) */
-    int32_t *slot_of;       /* [slot_of_n] slot of attached id capacity+j in this step, -1 if none */
-    int slot_of_n;
-    int32_t *entry_slot;    /* [blk_cap] slot of each layer_blocks entry of the step, -1 for local */
-    /* per step; the copy thread reads them (written before the first post, under the mutex) */
-    unsigned char **src;    /* [n_slots] borrowed block base (all layers) of slot k */
-    int *dirty_lo;          /* [n_slots] rows [lo, hi) of the block written by this step; lo >= hi: none */
-    int *dirty_hi;
-    int n_used;             /* slots used by this step */
-    size_t layer_bytes;     /* one layer slice of a block: [2][block_size][n_kv_heads][head_dim] */
-    size_t row_bytes;       /* one token row of K (or V): [n_kv_heads][head_dim] */
-    size_t half_bytes;      /* offset of V in a slice: block_size * row_bytes */
-    uint64_t *ticket;       /* [n_layers] ticket of each layer's load in this step */
-    /* copy thread */
-    kvb_backend *be;
-    pthread_t thread;
-    int started;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int q_kind[LSC_QUEUE];
-    int q_layer[LSC_QUEUE];
-    uint64_t posted;        /* tasks posted; task t (1-based) sits at q[(t - 1) % LSC_QUEUE] */
-    uint64_t done;          /* tasks finished */
-    kvb_status err;         /* first copy error of the step */
-    int quit;
-} lsc;
+/* Per-step transfer lists of the stager, one run per (layer, load/store, link). */
+typedef struct xfer_list {
+    kvb_xfer *x;  /* [cap] */
+    int n, cap;
+} xfer_list;
 
 /* What the scheduler's probe found for one request of the view (valid while the view is). */
 typedef struct probe_memo {
@@ -153,18 +134,35 @@ struct kvb_engine {
     kvb_plan plan;
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] */
+    uint64_t *t_copy;        /* [n_layers] ticket of the last LOAD copy order due before each layer */
     /* lending */
     loan *loans;             /* [n_loans] attached segments, in attach order */
     int n_loans;
     int loans_cap;
     int n_borrowed;          /* blocks of all loans */
     int starved;             /* the last schedule left the queue's head waiting for blocks */
-    lsc lsc;                 /* used with o.lsc_stream */
+    /* the stager and the step's residency (executor.c) */
+    kvb_stager *stager;
+    stage_unit *units;       /* [units_cap] this step's staged blocks */
+    int n_units, units_cap;
+    int32_t *unit_of;        /* [2][unit_of_cap] per block id: its STREAM / HOST unit in this step, -1 */
+    int unit_of_cap;
+    int32_t *res_first;      /* [res_first_cap] per block id: its first residency exception, -1 */
+    int32_t *res_next;       /* [plan.n_res] the next exception of the same block, -1 */
+    int res_first_cap, res_next_cap;
+    xfer_list xl;            /* every transfer of the step (the stager borrows them until the drain) */
+    void *scratch;           /* single-layer slices for recomputed (absent) tokens: [n_scratch][layer] */
+    int n_scratch;
+    int32_t *shadow;         /* [shadow_cap] per block id: its host-tier copy, -1 */
+    uint8_t *shadow_ok;      /* [shadow_cap][n_layers] 1 where the host copy holds the layer */
+    int shadow_cap;
+    seq_list swapped;        /* by arrival: KV in the host tier (seq.host_bt) */
     void *ht_mem;            /* host tier: [host_tier_blocks][block_bytes] host memory, or NULL */
     kvb_block_pool *ht_pool; /* its blocks */
     kvb_slices *sl;          /* the layer-sliced KV manager when the pool is sliced, else NULL */
     int64_t *anew;           /* [vcap] per request: new blocks the plan being checked gives it */
     kvb_prefix_cache *ht_pc; /* its prefix cache: blocks keyed like the pool's */
+    int host_prefix;         /* evicted cached blocks are demoted to the host tier, matches continue there */
 };
 
 /* ---------------------------------------------------------------- scheduler.c */
@@ -186,6 +184,8 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r);
 kvb_status kvb__view_build(kvb_engine *e);
 /* Checks e->plan against e->view; the sentence goes to e->last_error. */
 kvb_status kvb__plan_check(kvb_engine *e, kvb_plan_cost *cost);
+/* Calls the planner's plan_pool (if any) with a fresh view; `out` holds the current values. */
+kvb_status kvb__plan_pool(kvb_engine *e, const kvb_pool_event *ev, kvb_pool_plan *out);
 /* The probe results of request vidx (computed on first use). */
 kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const probe_memo **out);
 void kvb__sched_free(kvb_engine *e);
@@ -196,15 +196,10 @@ __attribute__((format(printf, 3, 4))) kvb_status kvb__refuse(char *err, size_t l
 /* ---------------------------------------------------------------- executor.c */
 kvb_status kvb__exec_step(kvb_engine *e);
 void kvb__exec_free(kvb_engine *e);
-
-/* ---------------------------------------------------------------- stager.c (layer stream cache) */
-kvb_status kvb__lsc_init(kvb_engine *e);
-void kvb__lsc_release(kvb_engine *e);
-kvb_status kvb__lsc_resize(kvb_engine *e, int n_slots);
-unsigned char *kvb__lsc_buf(const lsc *c, int k, int parity);
-void kvb__lsc_begin(lsc *c);
-uint64_t kvb__lsc_post(lsc *c, int kind, int layer);
-kvb_status kvb__lsc_wait(lsc *c, uint64_t ticket);
+/* Stage buffers for `slots` staged blocks (2 single-layer buffers each). */
+kvb_status kvb__stage_reserve(kvb_engine *e, int slots);
+/* Drops the host copy of block `id` if it has one (its last reference is going). */
+void kvb__shadow_drop(kvb_engine *e, int32_t id);
 
 /* ---------------------------------------------------------------- slices.c (sliced pools) */
 /* Sets up the manager for a sliced pool of n_ids ids (host homes included); min_layers: see
@@ -228,11 +223,16 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l);
 void kvb__slices_step_end(kvb_engine *e, int n_sched);
 
 /* ---------------------------------------------------------------- host_tier.c */
-kvb_status kvb__host_tier_init(kvb_engine *e);
+/* Creates the host tier of `blocks` blocks; `prefix`: demote evicted cached blocks into it. */
+kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix);
 void kvb__host_tier_free(kvb_engine *e);
 /* Continues the prefix match of `s` in the host tier, loading each hit into a new pool block. Returns
  * the blocks loaded. */
 int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks);
+/* A host-tier block for writing (free, or the least recently used cached one). KVB_ERR_EXHAUSTED. */
+kvb_status kvb__host_alloc(kvb_engine *e, int32_t *out);
+/* Copies `bytes` between the pool and the host tier over the host link and waits (dir D2H or H2D). */
+kvb_status kvb__host_copy(kvb_engine *e, kvb_xfer_dir dir, void *dst, const void *src, size_t bytes);
 /* How many blocks after `parent` the host tier holds for tokens[0..max_blocks*bs), without loading. */
 int kvb__host_tier_peek(const kvb_engine *e, uint64_t parent, const int32_t *tokens, int max_blocks,
                         uint64_t *last_hash);

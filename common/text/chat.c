@@ -103,6 +103,53 @@ void kvb_chat_template_destroy(kvb_chat_template *t) {
     free(t);
 }
 
+/* OpenAI's content parts ([{"type": "text", "text": ...}, ...]) joined into one string with "\n", as
+ * vLLM hands them to templates that expect text. *out is a new reference: `messages` itself when no
+ * message has parts. */
+static kvb_status flatten_parts(const json_t *messages, json_t **out, char *err, size_t err_len) {
+    size_t i;
+    const json_t *m;
+    *out = NULL;
+    json_t *copy = NULL;
+    json_array_foreach(messages, i, m) {
+        const json_t *content = json_object_get(m, "content");
+        if (!json_is_array(content)) continue;
+        if (!copy && !(copy = json_deep_copy(messages))) return KVB_ERR_NOMEM;
+        size_t k, len = 0;
+        const json_t *part;
+        json_array_foreach(content, k, part) {
+            const char *type = json_string_value(json_object_get(part, "type"));
+            const json_t *text = json_object_get(part, "text");
+            if (!type || strcmp(type, "text") || !json_is_string(text)) {
+                snprintf(err, err_len, "messages[%zu].content[%zu]: only parts of type \"text\" with a \"text\" string are supported",
+                         i, k);
+                json_decref(copy);
+                return KVB_ERR_INVALID;
+            }
+            len += json_string_length(text) + 1;
+        }
+        char *joined = malloc(len + 1), *p = joined;
+        if (!joined) {
+            json_decref(copy);
+            return KVB_ERR_NOMEM;
+        }
+        json_array_foreach(content, k, part) {
+            const json_t *text = json_object_get(part, "text");
+            if (k) *p++ = '\n';
+            memcpy(p, json_string_value(text), json_string_length(text));
+            p += json_string_length(text);
+        }
+        int bad = json_object_set_new(json_array_get(copy, i), "content", json_stringn(joined, (size_t)(p - joined)));
+        free(joined);
+        if (bad) {
+            json_decref(copy);
+            return KVB_ERR_NOMEM;
+        }
+    }
+    *out = copy ? copy : json_incref((json_t *)messages);
+    return KVB_OK;
+}
+
 kvb_status kvb_chat_render(const kvb_chat_template *t, const json_t *messages, int add_generation_prompt,
                            const json_t *extra, char **out, char *err, size_t err_len) {
     *out = NULL;
@@ -114,9 +161,14 @@ kvb_status kvb_chat_render(const kvb_chat_template *t, const json_t *messages, i
         snprintf(err, err_len, "extra template variables must be an object");
         return KVB_ERR_INVALID;
     }
+    json_t *msgs;
+    KVB_TRY(flatten_parts(messages, &msgs, err, err_len));
     json_t *vars = json_object();
-    if (!vars) return KVB_ERR_NOMEM;
-    int bad = json_object_set(vars, "messages", (json_t *)messages) |
+    if (!vars) {
+        json_decref(msgs);
+        return KVB_ERR_NOMEM;
+    }
+    int bad = json_object_set_new(vars, "messages", msgs) |
               json_object_set_new(vars, "add_generation_prompt", json_boolean(add_generation_prompt)) |
               json_object_set_new(vars, "bos_token", json_string(t->bos ? t->bos : "")) |
               json_object_set_new(vars, "eos_token", json_string(t->eos ? t->eos : ""));

@@ -21,7 +21,9 @@ kvb_status kvb_chat_template_parse(const char *source, const char *bos_token, co
                                    kvb_chat_template **out, char *err, size_t err_len);
 void kvb_chat_template_destroy(kvb_chat_template *t);
 
-/* Renders `messages` (a jansson array of {role, content, ...}) with add_generation_prompt, bos_token,
+/* Renders `messages` (a jansson array of {role, content, ...}; a content given as OpenAI text parts
+ * [{"type": "text", "text": ...}] is joined with "\n" first, other part types are KVB_ERR_INVALID)
+ * with add_generation_prompt, bos_token,
  * eos_token and the variables of `extra` (a JSON object such as {"enable_thinking": false, "tools":
  * [...]}; may be NULL; its keys override the others). raise_exception in the template -> KVB_ERR_INVALID
  * with its message in err; other template errors -> KVB_ERR_INVALID with line and column in err.

@@ -88,9 +88,14 @@ static uint64_t hash_bytes(const void *p, size_t n) {
     return h;
 }
 
+/* murmur3's 64-bit finalizer over the pair: every input bit reaches the low bits the tables use. */
 static uint64_t hash_pair(int32_t a, int32_t b) {
-    uint64_t h = ((uint64_t)(uint32_t)a << 32 | (uint32_t)b) * 0x9e3779b97f4a7c15ull;
-    return h ^ h >> 29;
+    uint64_t h = (uint64_t)(uint32_t)a << 32 | (uint32_t)b;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    return h ^ h >> 33;
 }
 
 static uint32_t pow2_at_least(size_t n) {

@@ -256,57 +256,75 @@ static kvb_status decompose_into(uint32_t cp, cp_vec *c) {
     return KVB_OK;
 }
 
-kvb_status kvb__nfc(const uint8_t *s, size_t n, kvb_buf *out) {
-    size_t i = 0;
-    while (i < n && s[i] < 0x80) i++;
-    if (i == n) return kvb__buf_append(out, s, n); /* ASCII is its own NFC */
-    cp_vec c = {0};
-    kvb_status st = KVB_OK;
-    for (i = 0; i < n;) {
+/* NFC of one segment (see kvb__nfc). */
+static kvb_status nfc_segment(const uint8_t *s, size_t n, cp_vec *c, kvb_buf *out) {
+    c->n = 0;
+    for (size_t i = 0; i < n;) {
         uint32_t cp;
         int len = kvb__utf8_decode(s + i, n - i, &cp);
-        if (!len) {
-            st = KVB_ERR_INVALID;
-            goto done;
-        }
-        KVB_TRY_GOTO(decompose_into(cp, &c), done);
+        if (!len) return KVB_ERR_INVALID;
+        KVB_TRY(decompose_into(cp, c));
         i += (size_t)len;
     }
     /* canonical ordering: a stable sort of every run of non-starters by combining class */
-    for (size_t k = 1; k < c.n; k++) {
-        int cc = ccc_of(c.v[k]);
+    for (size_t k = 1; k < c->n; k++) {
+        int cc = ccc_of(c->v[k]);
         if (!cc) continue;
         size_t j = k;
-        uint32_t x = c.v[k];
-        while (j > 0 && ccc_of(c.v[j - 1]) > cc) {
-            c.v[j] = c.v[j - 1];
+        uint32_t x = c->v[k];
+        while (j > 0 && ccc_of(c->v[j - 1]) > cc) {
+            c->v[j] = c->v[j - 1];
             j--;
         }
-        c.v[j] = x;
+        c->v[j] = x;
     }
     /* composition: each character joins the last starter unless a character between them blocks it */
     size_t w = 0;
     long starter = -1;
     int last_cc = 0;
-    for (size_t k = 0; k < c.n; k++) {
-        uint32_t x = c.v[k];
+    for (size_t k = 0; k < c->n; k++) {
+        uint32_t x = c->v[k];
         int cc = ccc_of(x);
         if (starter >= 0 && ((size_t)starter == w - 1 || (last_cc != 0 && last_cc < cc))) {
-            uint32_t comp = compose(c.v[starter], x);
+            uint32_t comp = compose(c->v[starter], x);
             if (comp) {
-                c.v[starter] = comp;
+                c->v[starter] = comp;
                 continue;
             }
         }
         if (cc == 0) starter = (long)w;
         last_cc = cc;
-        c.v[w++] = x;
+        c->v[w++] = x;
     }
     for (size_t k = 0; k < w; k++) {
         uint8_t b[4];
-        KVB_TRY_GOTO(kvb__buf_append(out, b, (size_t)kvb__utf8_encode(c.v[k], b)), done);
+        KVB_TRY(kvb__buf_append(out, b, (size_t)kvb__utf8_encode(c->v[k], b)));
     }
-done:
+    return KVB_OK;
+}
+
+/* ASCII characters are starters that never decompose, never reorder and are never the second part of
+ * a composite: the text splits into independent segments just before every ASCII character. Runs of
+ * ASCII are copied; each non-ASCII run is normalized together with the ASCII character before it
+ * (which may be the first part of a composite, as e + U+0301). */
+kvb_status kvb__nfc(const uint8_t *s, size_t n, kvb_buf *out) {
+    cp_vec c = {0};
+    kvb_status st = KVB_OK;
+    size_t i = 0;
+    while (i < n && st == KVB_OK) {
+        size_t j = i;
+        while (j < n && s[j] < 0x80) j++;
+        size_t seg = j > i ? j - 1 : j; /* the last ASCII character joins the segment */
+        st = kvb__buf_append(out, s + i, seg - i);
+        if (st != KVB_OK || j == n) {
+            if (st == KVB_OK && seg < n) st = kvb__buf_append(out, s + seg, n - seg);
+            break;
+        }
+        size_t k = j;
+        while (k < n && s[k] >= 0x80) k++;
+        st = nfc_segment(s + seg, k - seg, &c, out);
+        i = k;
+    }
     free(c.v);
     return st;
 }

@@ -143,6 +143,18 @@ static kvb_status load_coordinator(kvb_node_config *c, const json_t *root) {
     free(dflt);
     KVB_TRY(st);
     KVB_TRY(check_endpoint(c->coordinator, what, "endpoint"));
+    /* The coordinator serves this node's processes: ipc:// only (docs/design.md, threat model), and its
+     * control endpoint "<path>.ctl" must fit a Unix socket address too. */
+    if (strncmp(c->coordinator, "ipc://", 6) != 0) {
+        KVB_LOG_E("%s: field \"endpoint\" = \"%s\": the coordinator listens on ipc:// only (it serves the processes "
+                  "of one node; tcp:// would be open to every user of the machine)", what, c->coordinator);
+        return KVB_ERR_INVALID;
+    }
+    if (strlen(c->coordinator + 6) + 4 > IPC_PATH_MAX) {
+        KVB_LOG_E("%s: field \"endpoint\" = \"%s\": the socket path leaves no room for its \".ctl\" twin (at most "
+                  "%d bytes)", what, c->coordinator, IPC_PATH_MAX - 4);
+        return KVB_ERR_INVALID;
+    }
     int64_t v = c->heartbeat_ms;
     KVB_TRY(kvb_json_get_int(co, "heartbeat_ms", 0, 10, 3600000, what, &v));
     c->heartbeat_ms = (int)v;
@@ -154,6 +166,54 @@ static kvb_status load_coordinator(kvb_node_config *c, const json_t *root) {
     static const char *const known[] = {"endpoint", "heartbeat_ms", "heartbeat_misses", "lend_interval_s",
                                         "window_s", NULL};
     if (co) warn_unknown(co, known, what);
+    return KVB_OK;
+}
+
+/* "gateway": {"listen": "HOST:PORT", "max_body_kb", "max_streams", "tbt_slo_ms"} (optional). */
+static kvb_status load_gateway(kvb_node_config *c, const json_t *root) {
+    kvb_node_gateway *g = &c->gateway;
+    g->port = 8000;
+    g->max_body = 1 << 20;
+    g->max_streams = 256;
+    const json_t *go = json_object_get(root, "gateway");
+    if (!go || json_is_null(go)) return KVB_OK;
+    char what[PATH_MAX + 32];
+    snprintf(what, sizeof what, "%s: gateway", c->path);
+    if (!json_is_object(go)) {
+        KVB_LOG_E("%s: field \"gateway\" must be an object", c->path);
+        return KVB_ERR_INVALID;
+    }
+    g->enabled = 1;
+    char *listen = NULL;
+    KVB_TRY(dup_str(go, "listen", 0, what, "127.0.0.1:8000", &listen));
+    /* HOST:PORT, the host of an IPv6 address in brackets */
+    char *colon = strrchr(listen, ':');
+    char *host = listen, *end = NULL;
+    long port = colon ? strtol(colon + 1, &end, 10) : -1;
+    if (colon) *colon = '\0';
+    if (host[0] == '[') {
+        size_t n = strlen(host);
+        if (n < 2 || host[n - 1] != ']') port = -1;
+        else host[n - 1] = '\0', host++;
+    }
+    if (!colon || !end || *end || colon[1] == '\0' || port < 0 || port > 65535 || !*host) {
+        KVB_LOG_E("%s: field \"listen\" must be HOST:PORT (e.g. 127.0.0.1:8000 or [::1]:8000)", what);
+        free(listen);
+        return KVB_ERR_INVALID;
+    }
+    kvb_status st = kvb_strdup(host, &g->host);
+    free(listen);
+    KVB_TRY(st);
+    g->port = (int)port;
+    int64_t v = g->max_body / 1024;
+    KVB_TRY(kvb_json_get_int(go, "max_body_kb", 0, 1, 1 << 20, what, &v));
+    g->max_body = v * 1024;
+    v = g->max_streams;
+    KVB_TRY(kvb_json_get_int(go, "max_streams", 0, 1, 100000, what, &v));
+    g->max_streams = (int)v;
+    KVB_TRY(kvb_json_get_real(go, "tbt_slo_ms", 0, 0, 60000, what, &g->tbt_slo_ms));
+    static const char *const known[] = {"listen", "max_body_kb", "max_streams", "tbt_slo_ms", NULL};
+    warn_unknown(go, known, what);
     return KVB_OK;
 }
 
@@ -251,10 +311,12 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
         KVB_LOG_W("%s: field \"lend\" applies to workers only; ignored", what);
         m->lend = 1;
     }
+    m->tbt_slo_ms = -1;
+    KVB_TRY(kvb_json_get_real(jm, "tbt_slo_ms", 0, 0, 60000, what, &m->tbt_slo_ms));
     static const char *const known[] = {"name",  "role",     "model_dir", "mkmodel",          "backend",
                                         "device", "threads", "kv_mb",     "block_size",       "endpoint",
                                         "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend",
-                                        "max_live", "max_live_per_client", NULL};
+                                        "max_live", "max_live_per_client", "tbt_slo_ms", NULL};
     warn_unknown(jm, known, what);
     return KVB_OK;
 }
@@ -379,6 +441,7 @@ kvb_status kvb_node_config_load(const char *path, kvb_node_config **out) {
     }
 
     KVB_TRY_GOTO(load_coordinator(c, root), fail);
+    KVB_TRY_GOTO(load_gateway(c, root), fail);
 
     const json_t *models = json_object_get(root, "models");
     if (!json_is_array(models) || json_array_size(models) == 0) {
@@ -399,7 +462,7 @@ kvb_status kvb_node_config_load(const char *path, kvb_node_config **out) {
     }
     KVB_TRY_GOTO(check_node(c), fail);
 
-    static const char *const known[] = {"node", "run_dir", "bin_dir", "coordinator", "models", NULL};
+    static const char *const known[] = {"node", "run_dir", "bin_dir", "coordinator", "models", "gateway", NULL};
     warn_unknown(root, known, c->path);
     free(dir);
     json_decref(root);
@@ -430,6 +493,7 @@ void kvb_node_config_free(kvb_node_config *c) {
     free(c->run_dir);
     free(c->bin_dir);
     free(c->coordinator);
+    free(c->gateway.host);
     free(c);
 }
 

@@ -26,8 +26,15 @@
  *       "max_live_per_client": 256,           of them, one client's at most (default max_live / 4)
  *       "lsc": "inplace" | "stream"           master only: how lent blocks reach attention
  *       "lend": true                          worker only: false keeps all its blocks (a baseline)
+ *       "tbt_slo_ms": 0                       the gateway's Token-Deposit target for this model (0: off)
  *     }, ...
- *   ]
+ *   ],
+ *   "gateway": {                              optional: kvbankd runs kvbank-gateway (HTTP, OpenAI API)
+ *     "listen": "127.0.0.1:8000",             HOST:PORT ("[::1]:8000" for IPv6); port 0: any free port
+ *     "max_body_kb": 1024,                    larger request bodies get 413
+ *     "max_streams": 256,                     requests in flight at once; more get 429
+ *     "tbt_slo_ms": 0                         Token-Deposit default of every model (0: off)
+ *   }
  * }
  * Exactly one master; names unique. The master and every worker that lends need backends of one family
  * (the part before ':'): their KV regions must be of one memory kind. Keys starting with '_' ("_comment") are ignored; other unknown
@@ -65,7 +72,17 @@ typedef struct kvb_node_model {
     int max_live_per_client;/* 0: the server's default (max_live / 4) */
     int lsc_stream;         /* master: 1 for "stream", 0 for "inplace" (default) */
     int lend;               /* worker: 1 (default) lends idle blocks; 0 ("lend": false) never does */
+    double tbt_slo_ms;      /* Token-Deposit target at the gateway; < 0: the gateway's default */
 } kvb_node_model;
+
+typedef struct kvb_node_gateway {
+    int enabled;            /* the config has a "gateway" section */
+    char *host;             /* listen address, without brackets (default 127.0.0.1) */
+    int port;               /* default 8000 */
+    int64_t max_body;       /* bytes (max_body_kb * 1024, default 1 MiB) */
+    int max_streams;        /* default 256 */
+    double tbt_slo_ms;      /* default 0 */
+} kvb_node_gateway;
 
 typedef struct kvb_node_config {
     char *path;             /* the file it was read from (absolute) */
@@ -79,6 +96,7 @@ typedef struct kvb_node_config {
     double window_s;        /* default 60 */
     kvb_node_model *models;
     int n_models;
+    kvb_node_gateway gateway;
 } kvb_node_config;
 
 /* Reads and validates `path`. Caller owns the result (kvb_node_config_free). */

@@ -2,6 +2,7 @@
 // tests/text_cli, answered by @lenml/tokenizers (transformers.js's tokenizers) and @huggingface/jinja.
 //   node oracle.mjs encode MODEL_DIR < corpus.json
 //   node oracle.mjs render MODEL_DIR < conversations.json
+//   node oracle.mjs decode MODEL_DIR < [[ids...], ...]      (special tokens skipped)
 import { readFileSync, existsSync } from "node:fs";
 import { TokenizerLoader } from "@lenml/tokenizers";
 import { Template } from "@huggingface/jinja";
@@ -17,9 +18,16 @@ if (cmd === "encode") {
   const out = input.map((text) => {
     // special tokens in the text are special; nothing added around the text (add_special_tokens false)
     const ids = tok.encode(text, { add_special_tokens: false });
-    const decode = (skip) => tok.decode(ids, { skip_special_tokens: skip, clean_up_tokenization_spaces: false });
+    const decode = (skip) =>
+      ids.length ? tok.decode(ids, { skip_special_tokens: skip, clean_up_tokenization_spaces: false }) : "";
     return { ids, decoded: decode(false), decoded_skip: decode(true) };
   });
+  process.stdout.write(JSON.stringify(out) + "\n");
+} else if (cmd === "decode") {
+  const tok = TokenizerLoader.fromPreTrained({ tokenizerJSON: readJson("tokenizer.json"), tokenizerConfig: config });
+  const out = input.map((ids) => ({
+    text: ids.length ? tok.decode(ids, { skip_special_tokens: true, clean_up_tokenization_spaces: false }) : "",
+  }));
   process.stdout.write(JSON.stringify(out) + "\n");
 } else if (cmd === "render") {
   let source = config.chat_template;
@@ -42,6 +50,6 @@ if (cmd === "encode") {
   });
   process.stdout.write(JSON.stringify(out) + "\n");
 } else {
-  process.stderr.write("usage: node oracle.mjs encode|render MODEL_DIR < JSON\n");
+  process.stderr.write("usage: node oracle.mjs encode|render|decode MODEL_DIR < JSON\n");
   process.exit(2);
 }

