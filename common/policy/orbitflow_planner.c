@@ -19,6 +19,7 @@
 #include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/scheduler.h"
+#include "common/sched/stager.h"
 #include "common/util/token_deposit.h"
 
 #define OF_MAX KVB_OF_MAX_REQS
@@ -75,6 +76,7 @@ struct kvb_of_planner {
     int kind;
     int L, bs;
     size_t layer_bytes;
+    int link_known;        /* the link's bandwidth comes from the stager's model or a parameter */
     kvb_of_cand cands[KVB_OF_MAX_CANDS];
     int n_cands;
     int most_off;          /* index of the most offloaded candidate */
@@ -840,7 +842,7 @@ static void of_observe(void *ctx, const kvb_step_report *r) {
         else kvb_of_profile_observe(&P->prof, P->pending_tokens, lay, 0, P->p.ewma);
     }
     const kvb_link_report *h = &r->links[KVB_LINK_HOST];
-    if (h->gbps > 0 && !(P->p.link_gbps > 0)) {
+    if (h->gbps > 0 && !P->link_known) { /* no model of the link: what it achieved */
         double slices_s = h->gbps * 1e9 / (double)P->layer_bytes;
         P->prof.bw = P->st.link_measured ? (1 - P->p.ewma) * P->prof.bw + P->p.ewma * slices_s : slices_s;
         P->st.link_measured = 1;
@@ -867,8 +869,18 @@ static kvb_status of_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb_vi
     }
     KVB_TRY(kvb_calloc((size_t)OF_SAMPLES * P->L, sizeof *P->s_lay, (void **)&P->s_lay));
     kvb_of_profile_uniform(&P->prof, P->L, 0, 0, 1e12, 0);
-    if (P->p.link_gbps > 0) P->prof.bw = P->p.link_gbps * 1e9 / (double)P->layer_bytes;
-    P->prof.lat = P->p.link_us * 1e-6;
+    /* the host link as the stager charges it (a parameter wins; an unlimited link: measured later) */
+    const kvb_link *h = v->links ? &v->links->links[KVB_LINK_HOST] : NULL;
+    if (h && h->bytes_per_s > 0) {
+        P->prof.bw = h->bytes_per_s / (double)P->layer_bytes;
+        P->link_known = 1;
+    }
+    if (h) P->prof.lat = h->latency_s;
+    if (P->p.link_gbps > 0) {
+        P->prof.bw = P->p.link_gbps * 1e9 / (double)P->layer_bytes;
+        P->link_known = 1;
+    }
+    if (P->p.link_us > 0) P->prof.lat = P->p.link_us * 1e-6;
     const kvb_of_cand *mo = &P->cands[P->most_off];
     out->sliced_min_layers = P->L - mo->n_off + (mo->n_off > 0 ? mo->n_slots : 0);
     int64_t ids = P->p.host_blocks;

@@ -240,6 +240,7 @@ kvb_status kvb__view_build(kvb_engine *e) {
     v->n_waiting = v->n_reqs - v->n_running - v->n_swapped;
     v->reqs = e->vreqs;
     v->engine = e;
+    v->links = kvb_stager_links(e->stager);
     e->memo_n = 0;
     return KVB_OK;
 }
