@@ -23,6 +23,8 @@ static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench SUBCOMMAND [options]   (SUBCOMMAND --help for its options)\n"
                "\n"
                "subcommands:\n"
+               "  ellm-el  eLLM elastic memory against the static split and chunked prefill: online curves, goodput,\n"
+               "           offline throughput, ablations, time breakdown (same model, budget and requests)\n"
                "  engine   prefill and decode throughput of one model at batch 1, 8, 32, against this machine's\n"
                "           memory-copy bandwidth and OpenBLAS sgemm rate measured in the same run\n"
                "  cuda     the CUDA backend on a Llama-3-8B-shaped model against the GPU's copy and GEMM ceilings\n"
@@ -32,7 +34,8 @@ static void usage(FILE *f) {
                "  maxctx   the master's longest context with idle lenders against its own memory alone\n"
                "  multiturn  P99 TTFT of multi-turn replay on the master: lending against a host-tier prefix cache\n"
                "  serve    HTTP load against kvbank-gateway (trace arrivals, streaming): TTFT / TPOT / ITL, goodput, and\n"
-               "           the gateway's overhead against the model's ZeroMQ endpoint in the same run\n");
+               "           the gateway's overhead against the model's ZeroMQ endpoint in the same run\n"
+               "  ellm-tw    eLLM token-wise KV caching against vllm-recompute / vllm-swap / hcache (paper §6)\n");
 }
 
 int main(int argc, char **argv) {
@@ -41,6 +44,7 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "engine")) return kvb_bench_engine(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "ellm-el")) return kvb_bench_ellm(argc - 1, argv + 1);
     if (!strcmp(argv[1], "cuda")) return kvb_bench_cuda(argc - 1, argv + 1);
     if (!strcmp(argv[1], "replay")) return kvb_bench_replay(argc - 1, argv + 1);
     if (!strcmp(argv[1], "interference")) return kvb_bench_interference(argc - 1, argv + 1);
@@ -48,6 +52,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "maxctx")) return kvb_bench_maxctx(argc - 1, argv + 1);
     if (!strcmp(argv[1], "multiturn")) return kvb_bench_multiturn(argc - 1, argv + 1);
     if (!strcmp(argv[1], "serve")) return kvb_bench_serve(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "ellm-tw")) return kvb_bench_ellm_tw(argc - 1, argv + 1);
     fprintf(stderr, "kvbank-bench: unknown subcommand '%s'\n", argv[1]);
     usage(stderr);
     return 2;

@@ -4,12 +4,14 @@
 #define KVB_BENCH_BENCH_H
 
 int kvb_bench_engine(int argc, char **argv);
+int kvb_bench_ellm(int argc, char **argv);
 int kvb_bench_cuda(int argc, char **argv);
 int kvb_bench_replay(int argc, char **argv);
 int kvb_bench_interference(int argc, char **argv);
 int kvb_bench_lend(int argc, char **argv);
 int kvb_bench_maxctx(int argc, char **argv);
 int kvb_bench_multiturn(int argc, char **argv);
+int kvb_bench_ellm_tw(int argc, char **argv);
 int kvb_bench_serve(int argc, char **argv);
 
 /* p-th percentile (nearest rank) of v[0..n) (sorted in place); NAN when n == 0. */

@@ -1,53 +1,77 @@
-/* kvbank-bench engine — the engine against this machine's ceilings, measured in the same run.
+/* kvbank-bench engine — the engine against this machine's ceilings, and optionally against llama.cpp,
+ * measured in the same run.
  *
- *   copy bandwidth  B  = 2 * bytes / time of a large memcpy (bytes read + bytes written), best of 3
- *   sgemm rate      F  = 2*n^3 / time of an n x n x n cblas_sgemm, best of 2
- * This machine shares memory bandwidth with its neighbours, so the ceilings are sampled again before
- * every measurement and each ratio uses the median of all samples of the run (printed with their
- * range); each measurement itself is the median of several repetitions.
- *   decode ratio       = (weight bytes + KV bytes read per step) / step time / B
- *   prefill ratio      = model FLOPs of the prefill / time / F
- * with model FLOPs = 2 * tokens * (layer weights) + 2 * (LM head, one row) + causal attention
- * (2 products x 2 FLOPs x heads x head_dim x tokens*(tokens+1)/2 per layer). */
+ * Every measurement (one prefill length or one decode point batch x context, for one engine) runs in a
+ * fresh child process, so its peak RSS is that engine's alone: the child samples the ceilings, resets
+ * its peak-RSS mark (/proc/self/clear_refs), loads the model, measures, reads VmHWM, samples the
+ * ceilings again and reports through a pipe. kvbank and llama.cpp alternate point by point, so a
+ * neighbour's load falls on both.
+ *
+ *   read bandwidth  B = bytes / time of a multi-threaded sum over 512 MiB (best of 3)
+ *   sgemm rate      F = 2 n^3 / time of an n x n x n cblas_sgemm on the same threads (best of 2)
+ * Each ratio uses the median of the ceiling samples taken around that measurement.
+ *   decode roofline   = max((weight bytes + KV bytes read per step) / B, FLOPs per step / F)
+ *   decode ratio      = roofline / measured step time
+ *   prefill ratio     = model FLOPs of the prefill / time / F
+ * with weight bytes the matrices and norms one step reads (layers, final norm, LM head), KV bytes
+ * batch x visible tokens x 2 x layers x KV heads x head_dim x 4, FLOPs = 2 x rows x (layer and LM-head
+ * parameters) + attention (2 products x 2 FLOPs x heads x head_dim x visible keys per row and layer).
+ * Times are medians over --reps windows (decode: --decode-steps steps each; prefill: one prompt each),
+ * printed with their min-max. The RSS limit is the issue's: (all weights + the KV the point holds) x
+ * 1.15. */
 #include <cblas.h>
+#include <errno.h>
 #include <getopt.h>
 #include <omp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "bench/bench.h"
-#include "common/kv/block_pool.h"
+#include "bench/bench_llamacpp.h"
+#include "common/model/config.h"
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 
 void openblas_set_num_threads(int n);
 
-static double measure_copy_bw(size_t bytes, int threads) {
-    char *a = NULL, *b = NULL;
-    if (kvb_aligned_alloc(bytes, (void **)&a) != KVB_OK || kvb_aligned_alloc(bytes, (void **)&b) != KVB_OK) {
-        free(a);
-        return 0;
-    }
+#define MAX_WIN 16
+#define MAX_POINTS 64
+#define N_GREEDY 8
+#define BENCH_MAX_BATCH 1024
+
+static double measure_read_bw(size_t bytes, int threads) {
+    uint64_t *a = NULL;
+    if (kvb_aligned_alloc(bytes, (void **)&a) != KVB_OK) return 0;
+    size_t n = bytes / sizeof *a;
     memset(a, 1, bytes);
-    memset(b, 2, bytes);
     double best = 1e30;
+    volatile uint64_t sink = 0;
     for (int rep = 0; rep < 3; rep++) {
         double t0 = kvb_now_s();
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int i = 0; i < threads; i++) {
-            size_t chunk = bytes / (size_t)threads, off = chunk * (size_t)i;
-            memcpy(b + off, a + off, i == threads - 1 ? bytes - off : chunk);
+        uint64_t total = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
+        for (int t = 0; t < threads; t++) {
+            size_t i0 = n * (size_t)t / (size_t)threads, i1 = n * (size_t)(t + 1) / (size_t)threads;
+            uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            size_t i = i0;
+            for (; i + 4 <= i1; i += 4) s0 += a[i], s1 += a[i + 1], s2 += a[i + 2], s3 += a[i + 3];
+            for (; i < i1; i++) s0 += a[i];
+            total += s0 + s1 + s2 + s3;
         }
+        sink += total;
         double t = kvb_now_s() - t0;
         best = t < best ? t : best;
     }
     free(a);
-    free(b);
-    return 2.0 * (double)bytes / best;
+    return (double)bytes / best;
 }
 
-static double measure_sgemm(int n) {
+static double measure_sgemm(int n, int threads) {
     float *a = NULL, *b = NULL, *c = NULL;
     size_t sz = (size_t)n * n * sizeof(float);
     if (kvb_aligned_alloc(sz, (void **)&a) || kvb_aligned_alloc(sz, (void **)&b) || kvb_aligned_alloc(sz, (void **)&c)) {
@@ -59,6 +83,7 @@ static double measure_sgemm(int n) {
         a[i] = (float)(i % 7) * 0.1f;
         b[i] = (float)(i % 5) * 0.1f;
     }
+    openblas_set_num_threads(threads); /* the library's own threads for the reference sgemm */
     double best = 1e30;
     for (int rep = 0; rep < 2; rep++) {
         double t0 = kvb_now_s();
@@ -66,254 +91,501 @@ static double measure_sgemm(int n) {
         double t = kvb_now_s() - t0;
         best = t < best ? t : best;
     }
+    openblas_set_num_threads(1); /* back to the backend's setting: one pool, OpenMP */
     free(a);
     free(b);
     free(c);
     return 2.0 * n * (double)n * n / best;
 }
 
-#define BENCH_MAX_BATCH 1024
-
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
 
-/* Median of v[0..n) (sorts v). */
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+/* Median of v[0..n) (sorts a copy). */
+static double median_of(const double *v, int n) {
+    double *s = n > 0 ? malloc((size_t)n * sizeof *s) : NULL;
+    if (!s) return 0;
+    memcpy(s, v, (size_t)n * sizeof *s);
+    qsort(s, (size_t)n, sizeof *s, cmp_double);
+    double m = n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+    free(s);
+    return m;
 }
 
-/* Ceiling samples of one run. */
-typedef struct ceilings {
-    double bw[16], fl[16];
-    int n;
-    int threads;
-} ceilings;
-
-static void sample_ceilings(ceilings *c) {
-    if (c->n == 16) return;
-    openblas_set_num_threads(c->threads); /* the library's own threads for the reference sgemm */
-    c->bw[c->n] = measure_copy_bw((size_t)512 << 20, c->threads);
-    c->fl[c->n] = measure_sgemm(2048);
-    c->n++;
-    openblas_set_num_threads(1); /* back to the backend's setting: one pool, OpenMP */
+static double min_of(const double *v, int n) {
+    double m = v[0];
+    for (int i = 1; i < n; i++) m = v[i] < m ? v[i] : m;
+    return m;
 }
+
+static double max_of(const double *v, int n) {
+    double m = v[0];
+    for (int i = 1; i < n; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* Peak RSS bookkeeping (Linux): writing 5 to clear_refs resets VmHWM to the current RSS. */
+static void reset_peak_rss(void) {
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (f) {
+        fputs("5", f);
+        fclose(f);
+    }
+}
+
+static long peak_rss_kb(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kb = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmHWM:", 6)) kb = strtol(line + 6, NULL, 10);
+    if (f) fclose(f);
+    return kb;
+}
+
+/* ------------------------------------------------------------------------------- one measurement */
+
+typedef enum { ENGINE_KVBANK = 0, ENGINE_LLAMACPP = 1 } engine_kind;
+typedef enum { JOB_PREFILL = 0, JOB_DECODE = 1, JOB_GREEDY = 2 } job_kind;
+
+typedef struct job {
+    engine_kind engine;
+    job_kind kind;
+    int batch, ctx; /* decode: batch x context; prefill: ctx = prompt tokens */
+} job;
+
+/* What a child reports. */
+typedef struct job_result {
+    int ok;
+    int n_win;
+    double win[MAX_WIN]; /* decode: seconds per step of each window; prefill: seconds per prompt */
+    double bw[2], fl[2]; /* ceilings sampled before and after */
+    long peak_kb;        /* VmHWM of the measurement (model load included) */
+    int64_t w_step;      /* weight bytes one step reads (kvbank only) */
+    int64_t w_all;       /* all weight bytes (kvbank only) */
+    int64_t layer_params, lm_params;
+    int32_t greedy[N_GREEDY];
+} job_result;
+
+typedef struct bench_cfg {
+    const char *model_dir, *llama_dir;
+    int threads, steps, reps, block_size;
+} bench_cfg;
 
 typedef struct bench_counter {
     int64_t tokens;
-    int n_started;                    /* requests that produced their first token */
-    int per_req[BENCH_MAX_BATCH];     /* tokens per request */
+    int n_started;
+    int per_req[BENCH_MAX_BATCH];
+    int32_t first[N_GREEDY]; /* tokens of request 0 */
 } bench_counter;
 
 static void count_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t t_ns) {
     bench_counter *c = ud;
     c->tokens++;
+    if (id == 0 && index >= 0 && index < N_GREEDY) c->first[index] = tok;
     if (id < BENCH_MAX_BATCH && c->per_req[id]++ == 0) c->n_started++;
 }
 
-static void usage(FILE *f) {
-    fprintf(f, "usage: kvbank-bench engine --model DIR [--threads N] [--prefill-tokens N] [--context N]\n"
-               "                           [--decode-steps N] [--batches 1,8,32] [--block-size N]\n"
-               "\n"
-               "  --threads N          CPU threads for the engine and the ceilings (default 2)\n"
-               "  --prefill-tokens N   prompt length of the prefill measurement (default 512)\n"
-               "  --context N          prompt length before the timed decode steps (default 128)\n"
-               "  --decode-steps N     timed decode steps per batch size (default 16)\n"
-               "  --batches LIST       decode batch sizes (default 1,8,32)\n");
-}
+static int32_t prompt_token(int i, int r, int vocab) { return (int32_t)((i * 31 + r * 17 + 1) % vocab); }
 
-/* Runs `batch` requests with prompts of `ctx` tokens until all are decoding, then times `steps` decode
- * steps. Returns seconds per step, or < 0 on error. */
-static double time_decode(kvb_model *m, int batch, int ctx, int steps, int block_size) {
+/* kvbank: `batch` requests with prompts of `ctx` tokens until all decode, then n_win windows of
+ * `steps` decode steps. */
+static int kvbank_decode(kvb_model *m, const bench_cfg *cfg, int batch, int ctx, job_result *r) {
     const kvb_model_config *c = kvb_model_cfg(m);
     kvb_engine_opts o;
     kvb_engine_opts_default(&o);
-    o.block_size = block_size;
+    o.block_size = cfg->block_size;
     o.max_seqs = batch;
     o.max_batch_tokens = KVB_MAX(512, batch);
     /* prompts are prefilled over several steps, so the first requests start decoding earlier: give
-     * every request enough tokens to still be decoding at the end of the timed window */
-    int max_tokens = 3 * steps + KVB_DIV_CEIL(batch * ctx, o.max_batch_tokens) + 2;
-    o.n_blocks = batch * KVB_DIV_CEIL(ctx + max_tokens, block_size);
+     * every request enough tokens to still be decoding at the end of the timed windows */
+    int max_tokens = (cfg->reps + 1) * cfg->steps + KVB_DIV_CEIL(batch * ctx, o.max_batch_tokens) + 2;
+    o.n_blocks = batch * KVB_DIV_CEIL(ctx + max_tokens, cfg->block_size);
     o.enable_prefix_cache = 0;
-    bench_counter cnt = {0};
-    kvb_engine_events ev = {.ud = &cnt, .on_token = count_token};
+    bench_counter *cnt = calloc(1, sizeof *cnt);
+    int32_t *prompt = malloc((size_t)ctx * sizeof(int32_t));
+    kvb_engine_events ev = {.ud = cnt, .on_token = count_token};
     kvb_planner pl = kvb_policy_recompute();
     kvb_engine *e = NULL;
-    if (kvb_engine_create(m, &o, &pl, &ev, &e) != KVB_OK) return -1;
-    int32_t *prompt = NULL;
-    if (kvb_malloc((size_t)ctx * sizeof(int32_t), (void **)&prompt) != KVB_OK) {
-        kvb_engine_destroy(e);
-        return -1;
+    int ok = cnt && prompt && kvb_engine_create(m, &o, &pl, &ev, &e) == KVB_OK;
+    for (int q = 0; q < batch && ok; q++) {
+        for (int i = 0; i < ctx; i++) prompt[i] = prompt_token(i, q, c->vocab);
+        kvb_request req = {.id = (uint64_t)q, .prompt = prompt, .n_prompt = ctx, .max_tokens = max_tokens};
+        ok = kvb_engine_add(e, &req) == KVB_OK;
     }
-    for (int r = 0; r < batch; r++) {
-        for (int i = 0; i < ctx; i++) prompt[i] = (int32_t)((i * 31 + r * 17 + 1) % c->vocab);
-        kvb_request req = {.id = (uint64_t)r, .prompt = prompt, .n_prompt = ctx, .max_tokens = max_tokens};
-        if (kvb_engine_add(e, &req) != KVB_OK) {
-            free(prompt);
-            kvb_engine_destroy(e);
-            return -1;
-        }
-    }
-    free(prompt);
-    while (cnt.n_started < batch) /* prefill everyone: each emits its first token */
-        if (kvb_engine_step(e) != KVB_OK) break;
-    /* every step from here decodes one token of each request */
-    int64_t before = cnt.tokens;
-    double win[3];
-    for (int w = 0; w < 3; w++) {
+    while (ok && cnt->n_started < batch) ok = kvb_engine_step(e) == KVB_OK;
+    int64_t before = ok ? cnt->tokens : 0;
+    for (int w = 0; w < cfg->reps && ok; w++) {
         double t0 = kvb_now_s();
-        for (int s = 0; s < steps; s++) kvb_engine_step(e);
-        win[w] = (kvb_now_s() - t0) / steps;
+        for (int s = 0; s < cfg->steps && ok; s++) ok = kvb_engine_step(e) == KVB_OK;
+        r->win[w] = (kvb_now_s() - t0) / cfg->steps;
     }
-    double dt = median(win, 3);
-    int ok = cnt.tokens - before == (int64_t)batch * steps * 3;
+    ok = ok && cnt->tokens - before == (int64_t)batch * cfg->steps * cfg->reps; /* every step decoded everyone */
+    r->n_win = cfg->reps;
     kvb_engine_destroy(e);
-    return ok ? dt : -1;
+    free(prompt);
+    free(cnt);
+    return ok;
 }
 
-static double time_prefill(kvb_model *m, int tokens, int block_size) {
+static int kvbank_prefill(kvb_model *m, const bench_cfg *cfg, int tokens, job_result *r) {
     const kvb_model_config *c = kvb_model_cfg(m);
     kvb_engine_opts o;
     kvb_engine_opts_default(&o);
-    o.block_size = block_size;
+    o.block_size = cfg->block_size;
     o.max_batch_tokens = tokens;
-    o.n_blocks = KVB_DIV_CEIL(tokens + 1, block_size);
+    o.n_blocks = KVB_DIV_CEIL(tokens + 1, cfg->block_size);
     o.enable_prefix_cache = 0;
-    bench_counter cnt = {0};
-    kvb_engine_events ev = {.ud = &cnt, .on_token = count_token};
+    bench_counter *cnt = calloc(1, sizeof *cnt);
+    int32_t *prompt = malloc((size_t)tokens * sizeof(int32_t));
+    kvb_engine_events ev = {.ud = cnt, .on_token = count_token};
     kvb_engine *e = NULL;
-    if (kvb_engine_create(m, &o, NULL, &ev, &e) != KVB_OK) return -1;
-    int32_t *prompt = NULL;
-    if (kvb_malloc((size_t)tokens * sizeof(int32_t), (void **)&prompt) != KVB_OK) {
-        kvb_engine_destroy(e);
-        return -1;
-    }
-    double times[5];
-    int n_t = 0;
-    for (int rep = 0; rep < 5; rep++) {
-        for (int i = 0; i < tokens; i++) prompt[i] = (int32_t)((i * 7 + rep * 13 + 3) % c->vocab);
-        kvb_request req = {.id = (uint64_t)rep, .prompt = prompt, .n_prompt = tokens, .max_tokens = 1};
-        if (kvb_engine_add(e, &req) != KVB_OK) break;
+    int ok = cnt && prompt && kvb_engine_create(m, &o, NULL, &ev, &e) == KVB_OK;
+    for (int rep = 0; rep < cfg->reps && ok; rep++) {
+        for (int i = 0; i < tokens; i++) prompt[i] = prompt_token(i, rep + 1000, c->vocab);
+        kvb_request req = {.id = (uint64_t)rep + 1, .prompt = prompt, .n_prompt = tokens, .max_tokens = 1};
+        ok = kvb_engine_add(e, &req) == KVB_OK;
         double t0 = kvb_now_s();
-        kvb_status st = kvb_engine_step(e);
-        double t = kvb_now_s() - t0;
-        if (st != KVB_OK || cnt.tokens != rep + 1) break;
-        times[n_t++] = t;
+        ok = ok && kvb_engine_step(e) == KVB_OK && cnt->tokens == rep + 1;
+        r->win[rep] = kvb_now_s() - t0;
     }
-    free(prompt);
+    r->n_win = cfg->reps;
     kvb_engine_destroy(e);
-    return n_t == 5 ? median(times, n_t) : -1;
+    free(prompt);
+    free(cnt);
+    return ok;
+}
+
+static int kvbank_greedy(kvb_model *m, int n_prompt, job_result *r) {
+    const kvb_model_config *c = kvb_model_cfg(m);
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    bench_counter *cnt = calloc(1, sizeof *cnt);
+    int32_t prompt[256];
+    kvb_engine_events ev = {.ud = cnt, .on_token = count_token};
+    kvb_engine *e = NULL;
+    int ok = cnt && kvb_engine_create(m, &o, NULL, &ev, &e) == KVB_OK;
+    for (int i = 0; i < n_prompt; i++) prompt[i] = prompt_token(i, 0, c->vocab);
+    kvb_request req = {.id = 0, .prompt = prompt, .n_prompt = n_prompt, .max_tokens = N_GREEDY};
+    ok = ok && kvb_engine_add(e, &req) == KVB_OK;
+    while (ok && cnt->tokens < N_GREEDY) ok = kvb_engine_step(e) == KVB_OK;
+    if (ok) memcpy(r->greedy, cnt->first, sizeof r->greedy);
+    kvb_engine_destroy(e);
+    free(cnt);
+    return ok;
+}
+
+static int run_kvbank(const bench_cfg *cfg, const job *jb, job_result *r) {
+    kvb_backend *be = NULL;
+    kvb_model *m = NULL;
+    int ok = kvb_backend_create("cpu", cfg->threads, &be) == KVB_OK && kvb_model_load(cfg->model_dir, be, &m) == KVB_OK;
+    if (ok) {
+        const kvb_model_config *c = kvb_model_cfg(m);
+        r->w_step = kvb_model_weight_bytes_per_token(m);
+        r->lm_params = (int64_t)c->vocab * c->hidden;
+        r->layer_params = r->w_step / 4 - r->lm_params - c->hidden; /* f32 weights on the CPU backend */
+        r->w_all = 4 * kvb_model_n_params(m);
+        if (jb->kind == JOB_DECODE) ok = kvbank_decode(m, cfg, jb->batch, jb->ctx, r);
+        else if (jb->kind == JOB_PREFILL) ok = kvbank_prefill(m, cfg, jb->ctx, r);
+        else ok = kvbank_greedy(m, jb->ctx, r);
+    }
+    kvb_model_destroy(m);
+    kvb_backend_destroy(be);
+    return ok;
+}
+
+static int run_llamacpp(const bench_cfg *cfg, const job *jb, job_result *r) {
+    kvb_model_config c;
+    if (kvb_model_config_load(cfg->model_dir, &c) != KVB_OK) return 0;
+    kvb_llamacpp *l = NULL;
+    if (kvb_llamacpp_open(cfg->llama_dir, cfg->model_dir, cfg->threads, &l) != KVB_OK) return 0;
+    int n_seq = jb->kind == JOB_DECODE ? jb->batch : 1;
+    int32_t **prompts = calloc((size_t)n_seq, sizeof *prompts);
+    int ok = prompts != NULL;
+    for (int s = 0; s < n_seq && ok; s++) {
+        ok = (prompts[s] = malloc((size_t)jb->ctx * sizeof(int32_t))) != NULL;
+        for (int i = 0; ok && i < jb->ctx; i++) prompts[s][i] = prompt_token(i, jb->kind == JOB_PREFILL ? 1000 : s, c.vocab);
+    }
+    if (ok && jb->kind == JOB_DECODE) {
+        ok = kvb_llamacpp_decode(l, jb->batch, (const int32_t *const *)prompts, jb->ctx, cfg->steps, r->win, cfg->reps) == 0;
+        r->n_win = cfg->reps;
+    } else if (ok && jb->kind == JOB_PREFILL) {
+        for (int rep = 0; rep < cfg->reps && ok; rep++) ok = (r->win[rep] = kvb_llamacpp_prefill(l, prompts[0], jb->ctx)) > 0;
+        r->n_win = cfg->reps;
+    } else if (ok) {
+        ok = kvb_llamacpp_greedy(l, prompts[0], jb->ctx, N_GREEDY, r->greedy) == 0;
+    }
+    for (int s = 0; prompts && s < n_seq; s++) free(prompts[s]);
+    free(prompts);
+    kvb_llamacpp_close(l);
+    return ok;
+}
+
+static void sample_ceilings(const bench_cfg *cfg, job_result *r, int i) {
+    r->bw[i] = measure_read_bw((size_t)512 << 20, cfg->threads);
+    r->fl[i] = measure_sgemm(1024, cfg->threads);
+}
+
+/* Runs one job in a child process; returns 1 when it reported success. */
+static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
+    memset(r, 0, sizeof *r);
+    int fd[2];
+    if (pipe(fd) != 0) return 0;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fd[0]);
+        close(fd[1]);
+        return 0;
+    }
+    if (pid == 0) {
+        close(fd[0]);
+        kvb_log_set_level(KVB_LOG_WARN); /* the table is the output */
+        job_result cr = {0};
+        sample_ceilings(cfg, &cr, 0);
+        reset_peak_rss();
+        cr.ok = jb->engine == ENGINE_KVBANK ? run_kvbank(cfg, jb, &cr) : run_llamacpp(cfg, jb, &cr);
+        cr.peak_kb = peak_rss_kb();
+        sample_ceilings(cfg, &cr, 1);
+        ssize_t n = write(fd[1], &cr, sizeof cr);
+        _exit(n == (ssize_t)sizeof cr ? 0 : 1);
+    }
+    close(fd[1]);
+    size_t got = 0;
+    while (got < sizeof *r) {
+        ssize_t n = read(fd[0], (char *)r + got, sizeof *r - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    close(fd[0]);
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (got != sizeof *r) memset(r, 0, sizeof *r);
+    return r->ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* ------------------------------------------------------------------------------------ the report */
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvbank-bench engine --model DIR [--threads N] [--prefill LIST] [--contexts LIST]\n"
+               "                           [--batches LIST] [--max-tokens N] [--decode-steps N] [--reps N]\n"
+               "                           [--block-size N] [--llama-cpp LIBDIR]\n"
+               "\n"
+               "  --threads N        CPU threads for the engines and the ceilings (default 2)\n"
+               "  --prefill LIST     prompt lengths of the prefill measurements (default 512,8192)\n"
+               "  --contexts LIST    prompt lengths before the timed decode steps (default 128,2048,8192)\n"
+               "  --batches LIST     decode batch sizes (default 1,8,32)\n"
+               "  --max-tokens N     skip decode points whose batch x context exceeds N (their prefill\n"
+               "                     alone would take minutes here; default 16384)\n"
+               "  --decode-steps N   decode steps per timed window (default 16)\n"
+               "  --reps N           timed windows (decode) or prompts (prefill) per point (default 5)\n"
+               "  --block-size N     KV block size in tokens (default 16)\n"
+               "  --llama-cpp DIR    also run llama.cpp's prebuilt CPU library from DIR (libllama and\n"
+               "                     libggml*, e.g. the npm package @node-llama-cpp/linux-x64's\n"
+               "                     bins/linux-x64) on the same weights, point by point\n");
+}
+
+static int parse_list(const char *arg, int32_t **out, int *n) {
+    free(*out);
+    *out = NULL;
+    return kvb_parse_id_list(arg, out, n) == KVB_OK && *n > 0 && *n <= MAX_POINTS;
+}
+
+typedef struct point_stats {
+    double med, lo, hi;   /* seconds */
+    double bw, fl;        /* median ceilings around the point */
+} point_stats;
+
+static point_stats stats_of(const job_result *r) {
+    point_stats s = {median_of(r->win, r->n_win), min_of(r->win, r->n_win), max_of(r->win, r->n_win), 0, 0};
+    s.bw = 0.5 * (r->bw[0] + r->bw[1]);
+    s.fl = 0.5 * (r->fl[0] + r->fl[1]);
+    return s;
+}
+
+/* Every ceiling sample of the run (for the summary line). */
+typedef struct ceiling_log {
+    double bw[2 * 2 * MAX_POINTS * MAX_POINTS], fl[2 * 2 * MAX_POINTS * MAX_POINTS];
+    int n;
+} ceiling_log;
+
+/* Runs `jb` on kvbank; logs its ceiling samples. Prints "failed" and returns 0 when it failed. */
+static int kvbank_point(const bench_cfg *cfg, const job *jb, const char *label, job_result *r, ceiling_log *ce) {
+    if (!run_job(cfg, jb, r)) {
+        printf("%-20s failed\n", label);
+        return 0;
+    }
+    for (int i = 0; i < 2 && ce->n < (int)KVB_ARRAY_LEN(ce->bw); i++, ce->n++) ce->bw[ce->n] = r->bw[i], ce->fl[ce->n] = r->fl[i];
+    return 1;
+}
+
+/* Runs `jb` on llama.cpp and prints its columns: time per window, tokens per second (`tokens` per
+ * window), kvbank's speedup (against kvbank's median `kvb_med`), peak RSS. Returns 1 on failure. */
+static int llamacpp_column(const bench_cfg *cfg, const job *kv_jb, double tokens, double kvb_med) {
+    job jb = *kv_jb;
+    job_result r;
+    jb.engine = ENGINE_LLAMACPP;
+    if (!run_job(cfg, &jb, &r)) {
+        printf(" llama.cpp failed");
+        return 1;
+    }
+    point_stats s = stats_of(&r);
+    printf(" %8.2fms (%.2f-%.2f) %6.1f tok/s %6.2fx %6.0f MB", s.med * 1e3, s.lo * 1e3, s.hi * 1e3, tokens / s.med,
+           s.med / kvb_med, r.peak_kb / 1e3);
+    return 0;
 }
 
 int kvb_bench_engine(int argc, char **argv) {
-    const char *model_dir = NULL;
-    int threads = 2, prefill_tokens = 512, ctx = 128, steps = 16, block_size = 16;
-    int32_t *batches = NULL;
-    int n_batches = 0;
-    static const struct option opts[] = {{"model", 1, 0, 'm'},        {"threads", 1, 0, 't'},
-                                         {"prefill-tokens", 1, 0, 'p'}, {"context", 1, 0, 'c'},
-                                         {"decode-steps", 1, 0, 's'}, {"batches", 1, 0, 'b'},
-                                         {"block-size", 1, 0, 'k'},   {"help", 0, 0, 'h'},
-                                         {0, 0, 0, 0}};
-    int ch;
+    bench_cfg cfg = {.threads = 2, .steps = 16, .reps = 5, .block_size = 16};
+    int max_tokens = 16384;
+    int32_t *prefill = NULL, *contexts = NULL, *batches = NULL;
+    int n_prefill = 0, n_ctx = 0, n_batch = 0;
+    static const struct option opts[] = {
+        {"model", 1, 0, 'm'},    {"threads", 1, 0, 't'},      {"prefill", 1, 0, 'p'},      {"contexts", 1, 0, 'c'},
+        {"batches", 1, 0, 'b'},  {"max-tokens", 1, 0, 'x'},   {"decode-steps", 1, 0, 's'}, {"reps", 1, 0, 'r'},
+        {"block-size", 1, 0, 'k'}, {"llama-cpp", 1, 0, 'l'},  {"help", 0, 0, 'h'},         {0, 0, 0, 0}};
+    int ch, rc = 2;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
-        int *dst = ch == 't' ? &threads : ch == 'p' ? &prefill_tokens : ch == 'c' ? &ctx : ch == 's' ? &steps
-                 : ch == 'k' ? &block_size : NULL;
+        int *dst = ch == 't' ? &cfg.threads : ch == 's' ? &cfg.steps : ch == 'r' ? &cfg.reps
+                 : ch == 'k' ? &cfg.block_size : ch == 'x' ? &max_tokens : NULL;
         if (dst) {
-            if (kvb_parse_i64(optarg, 1, 1 << 20, &v) != KVB_OK) {
+            if (kvb_parse_i64(optarg, 1, 1 << 24, &v) != KVB_OK || (ch == 'r' && v > MAX_WIN)) {
                 fprintf(stderr, "kvbank-bench engine: bad number '%s'\n", optarg);
-                return 2;
+                goto out;
             }
             *dst = (int)v;
         } else if (ch == 'm') {
-            model_dir = optarg;
-        } else if (ch == 'b') {
-            free(batches);
-            if (kvb_parse_id_list(optarg, &batches, &n_batches) != KVB_OK) {
-                fprintf(stderr, "kvbank-bench engine: --batches needs a list like 1,8,32\n");
-                return 2;
+            cfg.model_dir = optarg;
+        } else if (ch == 'l') {
+            cfg.llama_dir = optarg;
+        } else if (ch == 'p' || ch == 'c' || ch == 'b') {
+            int32_t **l = ch == 'p' ? &prefill : ch == 'c' ? &contexts : &batches;
+            int *n = ch == 'p' ? &n_prefill : ch == 'c' ? &n_ctx : &n_batch;
+            if (!parse_list(optarg, l, n)) {
+                fprintf(stderr, "kvbank-bench engine: --%s needs a list like 1,8,32\n",
+                        ch == 'p' ? "prefill" : ch == 'c' ? "contexts" : "batches");
+                goto out;
             }
         } else {
             usage(ch == 'h' ? stdout : stderr);
-            return ch == 'h' ? 0 : 2;
+            rc = ch == 'h' ? 0 : 2;
+            goto out;
         }
     }
-    if (!model_dir) {
+    if (!cfg.model_dir) {
         usage(stderr);
-        return 2;
+        goto out;
     }
-    if (!batches) {
-        static const int32_t def[] = {1, 8, 32};
-        if (kvb_malloc(sizeof def, (void **)&batches) != KVB_OK) return 1;
-        memcpy(batches, def, sizeof def);
-        n_batches = 3;
+    if ((!prefill && !parse_list("512,8192", &prefill, &n_prefill)) ||
+        (!contexts && !parse_list("128,2048,8192", &contexts, &n_ctx)) ||
+        (!batches && !parse_list("1,8,32", &batches, &n_batch))) {
+        rc = 1;
+        goto out;
     }
-    kvb_backend *be = NULL;
-    kvb_model *m = NULL;
-    int rc = 1;
-    ceilings ce = {.threads = threads};
-    sample_ceilings(&ce);
-    if (kvb_backend_create("cpu", threads, &be) != KVB_OK) goto out;
-    if (kvb_model_load(model_dir, be, &m) != KVB_OK) goto out;
-    const kvb_model_config *c = kvb_model_cfg(m);
-    printf("kvbank-bench engine: %s, %d layers, hidden %d, %d heads / %d KV heads, vocab %d, %.1fM params, "
-           "%d threads\n\n",
-           model_dir, c->n_layers, c->hidden, c->n_heads, c->n_kv_heads, c->vocab, kvb_model_n_params(m) / 1e6,
-           threads);
-
-    /* prefill */
-    int64_t w_bytes = kvb_model_weight_bytes_per_token(m);
-    int64_t lm_params = (int64_t)c->vocab * c->hidden;
-    int64_t layer_params = w_bytes / 4 - lm_params - c->hidden; /* f32 weights on the CPU backend */
-    sample_ceilings(&ce);
-    double t_pre = time_prefill(m, prefill_tokens, block_size);
-    double T = prefill_tokens;
-    double attn_flops = 4.0 * c->n_layers * c->n_heads * (double)c->head_dim * T * (T + 1) / 2;
-    double model_flops = 2.0 * T * (double)layer_params + 2.0 * (double)lm_params + attn_flops;
-
-    /* decode */
-    kvb_kv_geom g = kvb_model_kv_geom(m, block_size);
-    double kv_per_tok = 2.0 * g.n_layers * g.n_kv_heads * g.head_dim * g.elem_size;
-    double dts[64], bytes[64];
-    for (int i = 0; i < n_batches && i < 64; i++) {
-        sample_ceilings(&ce);
-        int b = batches[i];
-        dts[i] = b < 1 || b > BENCH_MAX_BATCH ? -1 : time_decode(m, b, ctx, steps, block_size);
-        bytes[i] = (double)w_bytes + b * kv_per_tok * (ctx + 1.5 * steps);
+    kvb_model_config c;
+    if (kvb_model_config_load(cfg.model_dir, &c) != KVB_OK) {
+        rc = 1;
+        goto out;
     }
-    sample_ceilings(&ce);
+    int cmp = cfg.llama_dir != NULL;
+    printf("kvbank-bench engine: %s, %d layers, hidden %d, %d heads / %d KV heads of %d, intermediate %d, vocab %d, "
+           "%d threads%s\n",
+           cfg.model_dir, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate, c.vocab,
+           cfg.threads, cmp ? ", against llama.cpp (prebuilt CPU library, its default f16 KV cache)" : "");
+    printf("each point in a fresh process; times: median (min-max) over %d windows of %d decode steps or %d prompts\n\n",
+           cfg.reps, cfg.steps, cfg.reps);
 
-    double bw_s[16], fl_s[16];
-    memcpy(bw_s, ce.bw, sizeof bw_s);
-    memcpy(fl_s, ce.fl, sizeof fl_s);
-    double bw = median(bw_s, ce.n), flops_peak = median(fl_s, ce.n);
-    printf("ceilings (median of %d samples in this run): copy bandwidth %.2f GB/s (read + write; range %.1f-%.1f), "
-           "sgemm %.1f GFLOP/s (range %.1f-%.1f)\n\n",
-           ce.n, bw / 1e9, bw_s[0] / 1e9, bw_s[ce.n - 1] / 1e9, flops_peak / 1e9, fl_s[0] / 1e9, fl_s[ce.n - 1] / 1e9);
-    printf("%-28s %12s %14s %10s\n", "measurement", "time", "rate", "ratio");
-    if (t_pre > 0)
-        printf("%-28s %10.2fms %9.1f GF/s %9.2f   (of sgemm)\n", "prefill", t_pre * 1e3, model_flops / t_pre / 1e9,
-               model_flops / t_pre / flops_peak);
-    else
-        printf("%-28s failed\n", "prefill");
-    for (int i = 0; i < n_batches && i < 64; i++) {
-        char label[64];
-        snprintf(label, sizeof label, "decode batch %d ctx %d", batches[i], ctx);
-        if (dts[i] <= 0) {
-            printf("%-28s failed\n", label);
+    double kv_per_tok = 2.0 * c.n_layers * c.n_kv_heads * c.head_dim * 4;
+    static ceiling_log ce;
+    job_result r, rl;
+    int failures = 0;
+
+    /* greedy agreement */
+    if (cmp) {
+        job g = {.engine = ENGINE_KVBANK, .kind = JOB_GREEDY, .ctx = 32};
+        job gl = g;
+        gl.engine = ENGINE_LLAMACPP;
+        int a = run_job(&cfg, &g, &r), b = run_job(&cfg, &gl, &rl);
+        if (a && b) {
+            int same = 0;
+            while (same < N_GREEDY && r.greedy[same] == rl.greedy[same]) same++;
+            printf("greedy check, %d tokens after a 32-token prompt: the first %d agree (kvbank %d %d %d ..., llama.cpp "
+                   "%d %d %d ...)\n\n",
+                   N_GREEDY, same, r.greedy[0], r.greedy[1], r.greedy[2], rl.greedy[0], rl.greedy[1], rl.greedy[2]);
+        } else {
+            printf("greedy check failed (kvbank %s, llama.cpp %s)\n\n", a ? "ok" : "failed", b ? "ok" : "failed");
+            failures++;
+        }
+    }
+
+    printf("%-20s %22s %10s %9s %7s %16s", "point", "kvbank", "rate", "ceiling", "ratio", "peak RSS / limit");
+    if (cmp) printf(" %22s %10s %8s %9s", "llama.cpp", "rate", "speedup", "peak RSS");
+    printf("\n");
+    for (int i = 0; i < n_prefill; i++) {
+        job jb = {.engine = ENGINE_KVBANK, .kind = JOB_PREFILL, .ctx = prefill[i]};
+        char label[48];
+        snprintf(label, sizeof label, "prefill %d", prefill[i]);
+        if (!kvbank_point(&cfg, &jb, label, &r, &ce)) {
+            failures++;
             continue;
         }
-        printf("%-28s %10.2fms %9.1f tok/s %8.2f   (of copy bandwidth; %.2f GB/s)\n", label, dts[i] * 1e3,
-               batches[i] / dts[i], bytes[i] / dts[i] / bw, bytes[i] / dts[i] / 1e9);
+        point_stats s = stats_of(&r);
+        double T = prefill[i];
+        double flops = 2.0 * T * (double)r.layer_params + 2.0 * (double)r.lm_params +
+                       4.0 * c.n_layers * c.n_heads * (double)c.head_dim * T * (T + 1) / 2;
+        double limit_mb = ((double)r.w_all + T * kv_per_tok) * 1.15 / 1e6;
+        printf("%-20s %8.1fms (%.1f-%.1f) %6.1f GF/s %5.1f GF/s %5.2f (%.2f-%.2f) %6.0f / %5.0f MB", label, s.med * 1e3,
+               s.lo * 1e3, s.hi * 1e3, flops / s.med / 1e9, s.fl / 1e9, flops / s.med / s.fl, flops / s.hi / s.fl,
+               flops / s.lo / s.fl, r.peak_kb / 1e3, limit_mb);
+        if (cmp) failures += llamacpp_column(&cfg, &jb, T, s.med);
+        printf("\n");
     }
-    rc = 0;
+    for (int bi = 0; bi < n_batch; bi++) {
+        for (int ci = 0; ci < n_ctx; ci++) {
+            int b = batches[bi], ctx = contexts[ci];
+            char label[48];
+            snprintf(label, sizeof label, "decode %dx%d", b, ctx);
+            if ((int64_t)b * ctx > max_tokens || b > BENCH_MAX_BATCH) {
+                printf("%-20s skipped (batch x context above --max-tokens %d)\n", label, max_tokens);
+                continue;
+            }
+            job jb = {.engine = ENGINE_KVBANK, .kind = JOB_DECODE, .batch = b, .ctx = ctx};
+            if (!kvbank_point(&cfg, &jb, label, &r, &ce)) {
+                failures++;
+                continue;
+            }
+            point_stats s = stats_of(&r);
+            /* visible tokens per sequence, averaged over the timed windows (conservative: the
+             * first requests of a batch started decoding a few steps earlier) */
+            double vis = ctx + 0.5 * cfg.reps * cfg.steps;
+            double bytes = (double)r.w_step + b * vis * kv_per_tok;
+            double flops = 2.0 * b * (double)(r.layer_params + r.lm_params) + 4.0 * c.n_layers * c.n_heads * c.head_dim * b * vis;
+            double roof = KVB_MAX(bytes / s.bw, flops / s.fl);
+            double limit_mb = ((double)r.w_all + b * (vis + 0.5 * cfg.reps * cfg.steps) * kv_per_tok) * 1.15 / 1e6;
+            printf("%-20s %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fms %5.2f (%.2f-%.2f) %6.0f / %5.0f MB", label, s.med * 1e3,
+                   s.lo * 1e3, s.hi * 1e3, b / s.med, roof * 1e3, roof / s.med, roof / s.hi, roof / s.lo, r.peak_kb / 1e3,
+                   limit_mb);
+            if (cmp) failures += llamacpp_column(&cfg, &jb, b, s.med);
+            printf("   [%s-bound]\n", bytes / s.bw >= flops / s.fl ? "memory" : "compute");
+        }
+    }
+    if (ce.n > 0)
+        printf("\nceilings around the points (%d samples): read bandwidth %.2f GB/s (range %.2f-%.2f), sgemm %.1f GFLOP/s "
+               "(range %.1f-%.1f)\n",
+               ce.n, median_of(ce.bw, ce.n) / 1e9, min_of(ce.bw, ce.n) / 1e9, max_of(ce.bw, ce.n) / 1e9,
+               median_of(ce.fl, ce.n) / 1e9, min_of(ce.fl, ce.n) / 1e9, max_of(ce.fl, ce.n) / 1e9);
+    printf("ratio: prefill = model FLOPs / time / sgemm rate; decode = roofline / time, roofline = max((weights + KV "
+           "read) / read bandwidth, FLOPs / sgemm rate), ceilings sampled around each point; speedup = llama.cpp time / "
+           "kvbank time\n");
+    rc = failures ? 1 : 0;
 out:
-    kvb_model_destroy(m);
-    kvb_backend_destroy(be);
+    free(prefill);
+    free(contexts);
     free(batches);
     return rc;
 }

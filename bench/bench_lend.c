@@ -12,7 +12,7 @@
 
 #include "bench/bench.h"
 #include "common/kv/block_pool.h"
-#include "common/mem/region.h"
+#include "common/mem/mem.h"
 #include "common/model/model.h"
 #include "common/sched/engine.h"
 
@@ -96,7 +96,7 @@ int kvb_bench_lend(int argc, char **argv) {
     for (int si = 0; si < n_sizes; si++) {
         int n = sizes[si];
         if (n <= loan) continue;
-        kvb_region *wr = NULL;
+        kvb_mem_region *wr = NULL;
         kvb_engine *w = NULL, *ms = NULL;
         char *lm = NULL;
         kvb_engine_opts o;
@@ -104,10 +104,10 @@ int kvb_bench_lend(int argc, char **argv) {
         o.block_size = 1;
         o.max_seqs = 4;
         o.max_batch_tokens = 64;
-        if (kvb_region_create("bench-lend", bb * (size_t)n, &wr) != KVB_OK) goto size_fail;
+        if (kvb_mem_region_create(be->mem, "bench-lend", bb * (size_t)n, &wr) != KVB_OK) goto size_fail;
         o.n_blocks = n;
-        o.kv_mem = kvb_region_base(wr);
-        o.kv_mem_bytes = kvb_region_size(wr);
+        o.kv_mem = kvb_mem_region_base(wr);
+        o.kv_mem_bytes = kvb_mem_region_size(wr);
         if (kvb_engine_create(m, &o, NULL, NULL, &w) != KVB_OK) goto size_fail;
         kvb_engine_opts mo = o;
         mo.kv_mem = NULL;
@@ -119,7 +119,7 @@ int kvb_bench_lend(int argc, char **argv) {
             int own = kvb_engine_n_own(w);
             double t0 = kvb_now_s();
             if (kvb_engine_shrink(w, own - loan) != KVB_OK ||
-                kvb_engine_attach(ms, (uint64_t)r + 1, (char *)kvb_region_base(wr) + (size_t)(own - loan) * bb,
+                kvb_engine_attach(ms, (uint64_t)r + 1, (char *)kvb_mem_region_base(wr) + (size_t)(own - loan) * bb,
                                   (size_t)loan * bb, loan) != KVB_OK)
                 goto size_fail;
             double t1 = kvb_now_s();
@@ -158,7 +158,7 @@ int kvb_bench_lend(int argc, char **argv) {
         free(lm);
         kvb_engine_destroy(ms);
         kvb_engine_destroy(w);
-        kvb_region_destroy(wr);
+        kvb_mem_region_destroy(wr);
     }
     printf("\nratios are against the smallest pool: block-major lend+reclaim stays flat (O(1) in the pool size);\n"
            "a layer-major resize moves (L-1)/L of the cache, linear in it.\n");

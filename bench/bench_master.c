@@ -19,7 +19,7 @@
 #include "bench/bench.h"
 #include "bench/trace.h"
 #include "common/kv/block_pool.h"
-#include "common/mem/region.h"
+#include "common/mem/mem.h"
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/policy/swiftcache.h"
@@ -27,7 +27,7 @@
 #include "common/util/node_config.h"
 
 typedef struct lender {
-    kvb_region *region;
+    kvb_mem_region *region; /* the lender's KV region, in the master backend's memory */
     int n_master_blocks; /* lent, in master blocks */
     uint64_t bytes;
 } lender;
@@ -43,7 +43,7 @@ typedef struct master_setup {
 } master_setup;
 
 static void setup_free(master_setup *s) {
-    for (int i = 0; i < s->n_lenders; i++) kvb_region_destroy(s->lenders[i].region);
+    for (int i = 0; i < s->n_lenders; i++) kvb_mem_region_destroy(s->lenders[i].region);
     kvb_model_destroy(s->m);
     kvb_backend_destroy(s->be);
     kvb_node_config_free(s->cfg);
@@ -100,7 +100,7 @@ static kvb_status setup(const char *cfg_path, int threads, master_setup *s) {
         lender *l = &s->lenders[s->n_lenders++];
         l->n_master_blocks = (int)(units * u.meu_master);
         l->bytes = (uint64_t)units * u.lcm_bytes;
-        KVB_TRY(kvb_region_create("bench-lender", (size_t)w->kv_bytes, &l->region));
+        KVB_TRY(kvb_mem_region_create(s->be->mem, "bench-lender", (size_t)w->kv_bytes, &l->region));
         printf("  lender %-8s %lld blocks of %zu bytes, MEU %u worker / %u master blocks: lends %lld units = %d "
                "master blocks\n",
                w->name, (long long)w_blocks, kvb_kv_block_bytes(&wg), u.meu_worker, u.meu_master, (long long)units,
@@ -130,7 +130,7 @@ static kvb_status make_engine(master_setup *s, int lend, int host_tier_blocks, c
     }
     KVB_TRY(kvb_engine_create(s->m, &o, host_tier_blocks > 0 ? &pl : NULL, ev, out));
     for (int i = 0; lend && i < s->n_lenders; i++)
-        KVB_TRY(kvb_engine_attach(*out, (uint64_t)i + 1, kvb_region_base(s->lenders[i].region), s->lenders[i].bytes,
+        KVB_TRY(kvb_engine_attach(*out, (uint64_t)i + 1, kvb_mem_region_base(s->lenders[i].region), s->lenders[i].bytes,
                                   s->lenders[i].n_master_blocks));
     return KVB_OK;
 }

@@ -388,8 +388,8 @@ out:
 /* ------------------------------------------------------------------------------------------- plan */
 
 /* The KV geometry a model of the node config will register with: layers, KV heads and head dim from
- * its config.json, block size from the node config, 4-byte elements on the CPU backend (other
- * backends: the checkpoint's dtype). */
+ * its config.json, block size from the node config, the element size of its backend
+ * (kvb_model_kv_elem_size, the rule the model itself uses; no weights are read). */
 static int model_geom(const kvb_node_model *m, kvb_kv_geom *g) {
     kvb_model_config mc;
     if (kvb_model_config_load(m->model_dir, &mc) != KVB_OK) {
@@ -400,7 +400,10 @@ static int model_geom(const kvb_node_model *m, kvb_kv_geom *g) {
     g->n_kv_heads = mc.n_kv_heads;
     g->head_dim = mc.head_dim;
     g->block_size = m->block_size;
-    g->elem_size = !m->backend || !strcmp(m->backend, "cpu") ? 4 : (int)kvb_dtype_size(mc.torch_dtype);
+    if (kvb_model_kv_elem_size(m->backend, &g->elem_size) != KVB_OK) {
+        fprintf(stderr, PROG ": model %s: unknown backend '%s'\n", m->name, m->backend ? m->backend : "");
+        return -1;
+    }
     if (kvb_kv_geom_check(g) != KVB_OK) {
         fprintf(stderr, PROG ": model %s: bad KV geometry\n", m->name);
         return -1;

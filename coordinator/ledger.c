@@ -951,16 +951,16 @@ kvb_status kvb_ledger_drain(kvb_ledger *l, const char *name, uint64_t now_ms, in
         set_why(why, why_len, "no live model %s", name ? name : "(null)");
         return KVB_ERR_NOT_FOUND;
     }
+    /* Everything that can fail first: nothing changes when it does. */
     KVB_TRY(reserve(l, max_actions(l, 1), 0));
+    uint64_t *ids = NULL; /* the ids first: give_back may delete */
+    int n = 0;
+    if (l->n_loans) KVB_TRY(kvb_calloc((size_t)l->n_loans, sizeof *ids, (void **)&ids));
     m->draining = 1;
     if (m->role == KVB_ROLE_WORKER) {
         kvb_ledger_action *a = push(l, KVB_ACT_LEND_REQUEST, m->name);
         a->drain = 1;
     }
-    /* Collect the ids first: give_back may delete. */
-    uint64_t *ids = NULL;
-    int n = 0;
-    if (l->n_loans) KVB_TRY(kvb_calloc((size_t)l->n_loans, sizeof *ids, (void **)&ids));
     for (int i = 0; i < l->n_loans; i++) {
         const kvb_loan *ln = &l->loans[i];
         if (ln->state == KVB_LOAN_REVOKING) continue;

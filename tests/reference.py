@@ -1,12 +1,16 @@
 #!/usr/bin/python3
-"""kvbank's float64 NumPy reference of the Llama and Qwen3 forward passes.
+"""kvbank's float64 NumPy reference of the Llama, Mistral, Qwen2 and Qwen3 forward passes.
 
-Written from the Hugging Face modeling equations (transformers' modeling_llama.py / modeling_qwen3.py):
-embedding, RMSNorm, q/k/v projections, Qwen3's per-head q_norm/k_norm before RoPE, rotate_half RoPE
-(default and llama3 inverse frequencies), causal GQA attention, o_proj + residual, post-attention
-RMSNorm, SwiGLU MLP + residual, final RMSNorm, lm_head (or the tied embedding). Everything is float64.
-Reads config.json and safetensors (single file or shards through model.safetensors.index.json) itself;
-needs only numpy.
+Written from the Hugging Face modeling equations (transformers' modeling_llama.py, modeling_mistral.py,
+modeling_qwen2.py, modeling_qwen3.py, modeling_rope_utils.py): embedding, RMSNorm, q/k/v projections with
+their biases (Qwen2 always; Llama/Qwen3 with attention_bias), Qwen3's per-head q_norm/k_norm before RoPE,
+rotate_half RoPE (default, linear, llama3 and yarn inverse frequencies; yarn's attention factor
+multiplies cos and sin), causal GQA attention with the sliding window of the layer (Mistral:
+sliding_window on every layer; Qwen2/Qwen3: with use_sliding_window, the layers layer_types or
+max_window_layers name; a query at position i sees keys j with i - window < j <= i), o_proj (+ bias) +
+residual, post-attention RMSNorm, SwiGLU MLP (+ Llama's mlp_bias) + residual, final RMSNorm, lm_head (or
+the tied embedding). Everything is float64. Reads config.json and safetensors (single file or shards
+through model.safetensors.index.json) itself; needs only numpy.
 
   reference.py --model DIR --prompt-ids 1,2,3 --tokens 7,8,9 --logits FILE.npy [--rtol 1e-4]
       Teacher-forces prompt+tokens and compares the logits that predicted tokens[i] (position
@@ -26,16 +30,21 @@ import numpy as np
 TIE_GAP = 1e-3  # a top-2 gap below this is a near-tie: argmax disagreement is reported, not failed
 
 
+ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM"}
+
+
 class Config:
     def __init__(self, path):
         with open(path) as f:
             c = json.load(f)
         archs = c.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-            c.get("model_type"), c.get("model_type"))
-        if arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        arch = archs[0] if archs else ARCHS.get(c.get("model_type"), c.get("model_type"))
+        if arch not in ARCHS.values():
             raise SystemExit("reference.py: unsupported architecture %r" % arch)
+        self.arch = arch
         self.qwen3 = arch == "Qwen3ForCausalLM"
+        qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
         self.n_layers = c["num_hidden_layers"]
         self.hidden = c["hidden_size"]
         self.n_heads = c["num_attention_heads"]
@@ -46,39 +55,91 @@ class Config:
         self.vocab = c["vocab_size"]
         self.eps = float(c.get("rms_norm_eps", 1e-6))
         self.tie = bool(c.get("tie_word_embeddings", False))
+        self.max_pos = c.get("max_position_embeddings") or {
+            "LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32}.get(arch, 32768)
+        if c.get("hidden_act", "silu") != "silu":
+            raise SystemExit("reference.py: hidden_act %r" % c["hidden_act"])
+        if c.get("partial_rotary_factor", 1.0) != 1.0:
+            raise SystemExit("reference.py: partial_rotary_factor %r" % c["partial_rotary_factor"])
+        # biases: Qwen2Attention has bias=True on q/k/v; Llama/Qwen3 read attention_bias (q/k/v/o); Llama
+        # reads mlp_bias; Mistral reads neither
+        attn_bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(c.get("attention_bias", False))
+        self.qkv_bias = attn_bias or arch == "Qwen2ForCausalLM"
+        self.o_bias = attn_bias
+        self.mlp_bias = arch == "LlamaForCausalLM" and bool(c.get("mlp_bias", False))
+        # sliding windows per layer (None: full causal)
+        self.windows = [None] * self.n_layers
+        if arch == "MistralForCausalLM":
+            w = c.get("sliding_window", 4096)  # MistralConfig's default
+            self.windows = [w] * self.n_layers
+        elif qwen:
+            w = c.get("sliding_window", 4096) if c.get("use_sliding_window", False) else None
+            types = c.get("layer_types")
+            if types is None:
+                first = c.get("max_window_layers", 28)
+                types = ["sliding_attention" if w is not None and i >= first else "full_attention"
+                         for i in range(self.n_layers)]
+            self.windows = [w if t == "sliding_attention" else None for t in types]
         rs = c.get("rope_scaling")
         self.rope_theta = float(c.get("rope_theta", 10000.0))
         rp = c.get("rope_parameters")
         if rs is None and isinstance(rp, dict):
             rs = rp
             self.rope_theta = float(rp.get("rope_theta", self.rope_theta))
-        self.rope_scaling = None
+        self.rope_type, self.rope = "default", rs
         if rs is not None:
-            kind = rs.get("rope_type", rs.get("type"))
-            if kind == "llama3":
-                self.rope_scaling = rs
-            elif kind != "default":
-                raise SystemExit("reference.py: unsupported rope type %r" % kind)
+            self.rope_type = rs.get("rope_type", rs.get("type"))
+            if self.rope_type not in ("default", "linear", "llama3", "yarn"):
+                raise SystemExit("reference.py: unsupported rope type %r" % self.rope_type)
 
     def inv_freq(self):
-        """transformers' _compute_default_rope_parameters and _compute_llama3_parameters, in float64."""
+        """(inv_freq, attention_factor): transformers' _compute_{default,linear_scaling,llama3,yarn}_..._parameters,
+        in float64."""
         d = self.head_dim
         inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        rs = self.rope_scaling
-        if rs is None:
-            return inv
+        rs, kind = self.rope, self.rope_type
+        if kind == "default":
+            return inv, 1.0
         factor = float(rs["factor"])
-        low = float(rs["low_freq_factor"])
-        high = float(rs["high_freq_factor"])
-        old_ctx = float(rs["original_max_position_embeddings"])
-        low_wavelen = old_ctx / low
-        high_wavelen = old_ctx / high
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return np.where(medium, smoothed, scaled)
+        if kind == "linear":
+            return inv / factor, 1.0
+        if kind == "llama3":
+            low = float(rs["low_freq_factor"])
+            high = float(rs["high_freq_factor"])
+            old_ctx = float(rs["original_max_position_embeddings"])
+            low_wavelen = old_ctx / low
+            high_wavelen = old_ctx / high
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return np.where(medium, smoothed, scaled), 1.0
+        # yarn
+        orig = rs.get("original_max_position_embeddings") or self.max_pos
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn = rs.get("attention_factor")
+        if attn is None:
+            ms, ms_all = rs.get("mscale"), rs.get("mscale_all_dim")
+            attn = mscale(factor, ms) / mscale(factor, ms_all) if ms and ms_all else mscale(factor)
+        beta_fast = rs.get("beta_fast") or 32
+        beta_slow = rs.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(self.rope_theta))
+
+        lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rs.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(d // 2, dtype=np.float64) - lo) / (hi - lo), 0.0, 1.0)
+        extrapolation = 1.0 - ramp
+        return inv / factor * (1 - extrapolation) + inv * extrapolation, float(attn)
 
 
 ST_DTYPES = {"F32": (np.dtype("<f4"), 4), "F16": (np.dtype("<f2"), 2), "BF16": (np.dtype("<u2"), 2)}
@@ -135,7 +196,7 @@ class Model:
     def __init__(self, model_dir):
         self.c = Config(os.path.join(model_dir, "config.json"))
         self.w = read_weights(model_dir)
-        self.inv_freq = self.c.inv_freq()
+        self.inv_freq, self.attn_factor = self.c.inv_freq()
 
     def forward(self, ids):
         """Logits [len(ids), vocab] of a causal forward pass over `ids` at positions 0..len-1."""
@@ -146,14 +207,25 @@ class Model:
         pos = np.arange(n, dtype=np.float64)
         freqs = np.outer(pos, self.inv_freq)
         emb = np.concatenate([freqs, freqs], axis=-1)  # [n, hd]
-        cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
-        mask = np.triu(np.full((n, n), -np.inf), k=1)
+        # yarn: cos and sin times the attention factor (RotaryEmbedding.attention_scaling)
+        cos = (np.cos(emb) * self.attn_factor)[:, None, :]
+        sin = (np.sin(emb) * self.attn_factor)[:, None, :]
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+
+        def linear(h, name, bias):
+            y = h @ w[name + ".weight"].T
+            return y + w[name + ".bias"] if bias else y
+
         for l in range(c.n_layers):
             p = "model.layers.%d." % l
+            visible = j <= i
+            if c.windows[l] is not None:
+                visible &= j > i - c.windows[l]
+            mask = np.where(visible, 0.0, -np.inf)
             h = rmsnorm(x, w[p + "input_layernorm.weight"], c.eps)
-            q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(n, nh, hd)
-            k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(n, nkv, hd)
-            v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(n, nkv, hd)
+            q = linear(h, p + "self_attn.q_proj", c.qkv_bias).reshape(n, nh, hd)
+            k = linear(h, p + "self_attn.k_proj", c.qkv_bias).reshape(n, nkv, hd)
+            v = linear(h, p + "self_attn.v_proj", c.qkv_bias).reshape(n, nkv, hd)
             if c.qwen3:
                 q = rmsnorm(q, w[p + "self_attn.q_norm.weight"], c.eps)
                 k = rmsnorm(k, w[p + "self_attn.k_norm.weight"], c.eps)
@@ -167,11 +239,11 @@ class Model:
                 pr = np.exp(s)
                 pr /= pr.sum(axis=-1, keepdims=True)
                 out[:, hh, :] = pr @ v[:, kvh, :]
-            x = x + out.reshape(n, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+            x = x + linear(out.reshape(n, nh * hd), p + "self_attn.o_proj", c.o_bias)
             h = rmsnorm(x, w[p + "post_attention_layernorm.weight"], c.eps)
-            g = h @ w[p + "mlp.gate_proj.weight"].T
-            u = h @ w[p + "mlp.up_proj.weight"].T
-            x = x + (silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
+            g = linear(h, p + "mlp.gate_proj", c.mlp_bias)
+            u = linear(h, p + "mlp.up_proj", c.mlp_bias)
+            x = x + linear(silu(g) * u, p + "mlp.down_proj", c.mlp_bias)
         x = rmsnorm(x, w["model.norm.weight"], c.eps)
         head = w["model.embed_tokens.weight"] if c.tie else w["lm_head.weight"]
         return x @ head.T

@@ -5,9 +5,9 @@
  *
  * The CUDA backend is checked in its three variants (cuda:f32, cuda:f16, cuda = bf16): embedding and
  * row gather, matmul (beta 0 and 1, weights uploaded from f32/f16/bf16), RMSNorm (rows and per-head),
- * RoPE, SiLU.mul, residual add, KV write (exact), paged attention (decode with and without context
- * splits, prefill tiles, chunked prefill after a past, GQA/MHA/MQA, head sizes 6..256, block sizes
- * 1..32, contexts up to 9000), block copy/gather/scatter (exact), the backend's device-to-device copy
+ * RoPE, SiLU.mul, residual add, bias add, KV write (exact), paged attention (decode with and without
+ * context splits, prefill tiles, chunked prefill after a past, GQA/MHA/MQA, head sizes 6..256, block
+ * sizes 1..32, contexts up to 9000, sliding windows), block copy/gather/scatter (exact), the backend's device-to-device copy
  * from a second thread while operators run (the LSC copy thread), greedy/top-k/top-p sampling against
  * kvb_sample, and the memory pieces (device region handle, pinned buffers, events, VMM chunks).
  *
@@ -405,8 +405,8 @@ typedef struct seq_spec {
 /* Fills every sequence's whole context with kv_write (one prefill-like batch), checks the blocks are
  * identical, then runs one attention step with the given q_len per sequence on both backends. The
  * blocks live in layer 1 of a 2-layer block-major pool, handed out in a scrambled order. */
-static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V, const seq_spec *specs, int n_seqs,
-                            int n_heads, int n_kv, int hd, int bs) {
+static void check_attention_w(kvb_backend *cpu, kvb_backend *gpu, const variant *V, const seq_spec *specs,
+                              int n_seqs, int n_heads, int n_kv, int hd, int bs, int window) {
     kvb_dtype dt = V->dt;
     size_t es = kvb_dtype_size(dt);
     kvb_kv_geom gc = {.n_layers = 2, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
@@ -467,11 +467,13 @@ static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V
     ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n_tok * n_heads * hd * es, &og), KVB_OK);
     bc.n_tokens = bg.n_tokens = n_tok;
     bc.seqs = bg.seqs = step;
+    bc.window = bg.window = window;
     ck_assert_int_eq(cpu->iface->attention(cpu->ctx, &bc, q, oc), KVB_OK);
     ck_assert_int_eq(gpu->iface->attention(gpu->ctx, &bg, qg, og), KVB_OK);
     float *got = download(gpu, og, (size_t)n_tok * n_heads * hd);
-    CHECK_CLOSE(got, oc, (size_t)n_tok * n_heads * hd, V, "attention heads %d/%d hd %d bs %d seqs %d (first %d/%d)",
-                n_heads, n_kv, hd, bs, n_seqs, specs[0].q_len, specs[0].ctx_len);
+    CHECK_CLOSE(got, oc, (size_t)n_tok * n_heads * hd, V,
+                "attention heads %d/%d hd %d bs %d window %d seqs %d (first %d/%d)", n_heads, n_kv, hd, bs, window,
+                n_seqs, specs[0].q_len, specs[0].ctx_len);
     /* the same plan again gives the same bits (no atomics) */
     ck_assert_int_eq(gpu->iface->attention(gpu->ctx, &bg, qg, og), KVB_OK);
     float *again = download(gpu, og, (size_t)n_tok * n_heads * hd);
@@ -495,6 +497,11 @@ static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V
     free(oc);
     free(got);
     free(again);
+}
+
+static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V, const seq_spec *specs, int n_seqs,
+                            int n_heads, int n_kv, int hd, int bs) {
+    check_attention_w(cpu, gpu, V, specs, n_seqs, n_heads, n_kv, hd, bs, 0);
 }
 
 KVB_TEST(attention_decode) {
@@ -545,6 +552,59 @@ KVB_TEST(attention_prefill) {
         int bss[] = {1, 7, 16, 32};
         for (size_t i = 0; i < KVB_ARRAY_LEN(bss); i++) check_attention(cpu, gpu, &VARIANTS[v], mix, 6, 8, 2, 64, bss[i]);
         check_attention(cpu, gpu, &VARIANTS[v], mix, 6, 32, 8, 128, 16);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* Sliding windows (Mistral, Qwen2): decode splits that start at the window, prefill tiles whose rows
+ * start their windows at different keys, windows below a block, a key tile and a split. */
+KVB_TEST(attention_sliding_window) {
+    rng_state = 21;
+    kvb_backend *cpu = make("cpu");
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        seq_spec dec[] = {{1, 1}, {1, 17}, {1, 300}, {1, 5000}, {2, 700}};
+        seq_spec mix[] = {{300, 300}, {70, 133}, {1, 40}, {3, 3}, {129, 1000}, {1, 1}};
+        int windows[] = {1, 7, 100, 600, 4096};
+        for (size_t w = 0; w < KVB_ARRAY_LEN(windows); w++) {
+            check_attention_w(cpu, gpu, &VARIANTS[v], dec, 5, 8, 2, 64, 16, windows[w]);
+            check_attention_w(cpu, gpu, &VARIANTS[v], mix, 6, 8, 2, 64, 7, windows[w]);
+        }
+        check_attention_w(cpu, gpu, &VARIANTS[v], mix, 6, 32, 8, 128, 16, 257);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* bias_add: y[i][:] += b[:] with an f32 bias on activations of each dtype. */
+KVB_TEST(bias_add) {
+    rng_state = 22;
+    kvb_backend *cpu = make("cpu");
+    int shapes[][2] = {{1, 7}, {37, 64}, {300, 4096}, {5, 18944}};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
+            int n = shapes[si][0], d = shapes[si][1];
+            float *y = rand_vec((size_t)n * d, 1.0f, V->dt), *b = rand_vec((size_t)d, 0.5f, KVB_DTYPE_F32);
+            void *yg = upload(gpu, y, (size_t)n * d);
+            kvb_tensor bc, bgt;
+            ck_assert_int_eq(cpu->iface->weight_load(cpu->ctx, b, KVB_DTYPE_F32, d, 1, &bc), KVB_OK);
+            ck_assert_int_eq(gpu->iface->weight_load(gpu->ctx, b, KVB_DTYPE_F32, d, 1, &bgt), KVB_OK);
+            ck_assert_int_eq(cpu->iface->bias_add(cpu->ctx, y, n, &bc), KVB_OK);
+            ck_assert_int_eq(gpu->iface->bias_add(gpu->ctx, yg, n, &bgt), KVB_OK);
+            float *got = download(gpu, yg, (size_t)n * d);
+            CHECK_CLOSE(got, y, (size_t)n * d, V, "bias_add %d x %d", n, d);
+            cpu->iface->weight_free(cpu->ctx, &bc);
+            gpu->iface->weight_free(gpu->ctx, &bgt);
+            kvb_mem_free(gpu->mem, yg);
+            free(y);
+            free(b);
+            free(got);
+        }
         kvb_backend_destroy(gpu);
     }
     kvb_backend_destroy(cpu);
@@ -823,6 +883,7 @@ int main(int argc, char **argv) {
         KVB_T(rope, 60),                 KVB_T(silu_mul_add, 60),
         KVB_T(attention_decode, 300),    KVB_T(attention_long_context_split, 300),
         KVB_T(attention_prefill, 300),   KVB_T(attention_head_shapes, 300),
+        KVB_T(attention_sliding_window, 300), KVB_T(bias_add, 60),
         KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120),
         KVB_T(sampling, 120),
         KVB_T(cuda_memory, 60),

@@ -152,6 +152,7 @@ static void make_problem(rand_problem *rp, uint64_t *rs, int n_max) {
         .mem_blocks = (int64_t)(full * frac) + rng_int(rs, 0, 4),
         .host_blocks = lp.n_swap > 0 ? (int64_t)(full * 2) : 0,
         .max_rows = rng_unif(rs) < 0.3 ? 256 + rng_int(rs, 0, 2000) : 1 << 30,
+        .act_row_bytes = rng_unif(rs) < 0.5 ? kvb_etw_act_row_bytes(&rp->d) : 0,
     };
 }
 
@@ -219,7 +220,7 @@ KVB_TEST(optimizer_edges) {
     kvb_etw_rates k = {.t_fixed = 5e-4, .s_flop = 1.0 / 60e9, .s_attn = 1.0 / 15e9, .s_byte = 1.0 / 9e9};
     kvb_etw_problem p = {.d = &d, .rates = k, .layer = kvb_etw_layer_initial(&d, NULL), .s = s, .n = 4,
                          .b_bound = 512, .r_max = 0.9, .slo_s = 1, .block_size = 16, .unit_layers = 4,
-                         .mem_blocks = 1000, .max_rows = 1 << 20};
+                         .mem_blocks = 1000, .max_rows = 1 << 20, .act_row_bytes = kvb_etw_act_row_bytes(&d)};
     kvb_etw_solution o;
     /* everything fits: all four, nothing recomputed */
     ck_assert_int_eq(kvb_etw_solve(&p, &o), KVB_OK);

@@ -153,7 +153,9 @@ typedef struct seq_spec {
     int q_len, ctx_len;
 } seq_spec;
 
-static void check_attention(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads) {
+/* window > 0: sliding-window attention (a row sees its last `window` keys). */
+static void check_attention_w(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads,
+                              int window) {
     kvb_backend *be = make_backend(threads);
     kvb_kv_geom g = {.n_layers = 1, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
     int n_tok = 0, n_blk = 0;
@@ -196,7 +198,7 @@ static void check_attention(const seq_spec *specs, int n_seqs, int n_heads, int 
         }
     }
     kvb_attn_batch b = {.geom = &g, .n_heads = n_heads, .n_tokens = n_tok, .n_seqs = n_seqs, .seqs = seqs,
-                        .layer_blocks = ptrs, .scale = (float)(1 / sqrt(hd))};
+                        .layer_blocks = ptrs, .scale = (float)(1 / sqrt(hd)), .window = window};
     ck_assert_int_eq(be->iface->kv_write(be->ctx, &b, knew, vnew), KVB_OK);
     ck_assert_int_eq(be->iface->attention(be->ctx, &b, q, out), KVB_OK);
     int gq = n_heads / n_kv;
@@ -206,26 +208,27 @@ static void check_attention(const seq_spec *specs, int n_seqs, int n_heads, int 
         for (int t = 0; t < sq->q_len; t++)
             for (int h = 0; h < n_heads; h++) {
                 int vis = sq->ctx_len - sq->q_len + t + 1, kvh = h / gq;
+                int lo = window > 0 && vis > window ? vis - window : 0;
                 const float *qh = q + ((size_t)(sq->q_start + t) * n_heads + h) * hd;
                 double mx = -1e300, sum = 0;
-                for (int k = 0; k < vis; k++) {
+                for (int k = lo; k < vis; k++) {
                     double d = 0;
                     for (int i = 0; i < hd; i++) d += (double)qh[i] * kd[s][(size_t)k * row + kvh * hd + i];
                     sc[k] = d / sqrt(hd);
                     mx = fmax(mx, sc[k]);
                 }
-                for (int k = 0; k < vis; k++) sum += (sc[k] = exp(sc[k] - mx));
+                for (int k = lo; k < vis; k++) sum += (sc[k] = exp(sc[k] - mx));
                 double *o = ref + ((size_t)(sq->q_start + t) * n_heads + h) * hd;
                 for (int i = 0; i < hd; i++) {
                     double acc = 0;
-                    for (int k = 0; k < vis; k++) acc += sc[k] / sum * vd[s][(size_t)k * row + kvh * hd + i];
+                    for (int k = lo; k < vis; k++) acc += sc[k] / sum * vd[s][(size_t)k * row + kvh * hd + i];
                     o[i] = acc;
                 }
             }
     }
     double e = rel_err(out, ref, (size_t)n_tok * n_heads * hd);
-    ck_assert_msg(e < 1e-5, "attention heads %d/%d hd %d bs %d threads %d: rel err %g", n_heads, n_kv, hd, bs, threads,
-                  e);
+    ck_assert_msg(e < 1e-5, "attention heads %d/%d hd %d bs %d threads %d window %d: rel err %g", n_heads, n_kv, hd, bs,
+                  threads, window, e);
     for (int s = 0; s < n_seqs; s++) {
         free(kd[s]);
         free(vd[s]);
@@ -241,6 +244,10 @@ static void check_attention(const seq_spec *specs, int n_seqs, int n_heads, int 
     free(vnew);
     free(ref);
     kvb_backend_destroy(be);
+}
+
+static void check_attention(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads) {
+    check_attention_w(specs, n_seqs, n_heads, n_kv, hd, bs, threads, 0);
 }
 
 KVB_TEST(attention_paths_gqa) {
@@ -263,5 +270,39 @@ KVB_TEST(attention_paths_mha_mqa) {
 }
 KVB_TEST_END
 
+/* Sliding windows (Mistral, Qwen2): smaller than one block, across blocks, wider than some contexts,
+ * on both paths (decode walk and the sgemm tiles, whose rows start their windows at different keys). */
+KVB_TEST(attention_sliding_window) {
+    rng_state = 5;
+    seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1}, {5, 90}};
+    int windows[] = {1, 5, 17, 64, 200};
+    for (size_t w = 0; w < KVB_ARRAY_LEN(windows); w++) {
+        check_attention_w(specs, 6, 8, 2, 32, 7, 3, windows[w]);
+        check_attention_w(specs, 6, 8, 2, 32, 16, 1, windows[w]);
+    }
+    check_attention_w(specs, 6, 6, 1, 64, 32, 2, 33); /* MQA */
+}
+KVB_TEST_END
+
+/* bias_add: y[i][:] += b[:], row by row. */
+KVB_TEST(bias_add_rows) {
+    rng_state = 6;
+    kvb_backend *be = make_backend(3);
+    enum { N = 300, D = 257 };
+    static float y[N * D], y0[N * D], bv[D];
+    fill(y, N * D);
+    fill(bv, D);
+    memcpy(y0, y, sizeof y);
+    kvb_tensor tb;
+    ck_assert_int_eq(be->iface->weight_load(be->ctx, bv, KVB_DTYPE_F32, D, 1, &tb), KVB_OK);
+    ck_assert_int_eq(be->iface->bias_add(be->ctx, y, N, &tb), KVB_OK);
+    for (int i = 0; i < N; i++)
+        for (int c = 0; c < D; c++) ck_assert_float_eq(y[i * D + c], y0[i * D + c] + bv[c]);
+    be->iface->weight_free(be->ctx, &tb);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(weight_load_half, 10),
-              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_paths_mha_mqa, 60))
+              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_paths_mha_mqa, 60),
+              KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))

@@ -364,26 +364,28 @@ static void range_census(kvb_engine *e, int32_t first, int n, int *live, int *ca
 
 /* ---------------------------------------------------------------- borrowed memory */
 
-/* Shared memory made by this process and mapped a second time by handle, as the master maps a
- * worker's region. */
+/* An exportable region of host memory (the memory interface, as the node uses it) made by this
+ * process and imported a second time by handle, as the master imports a worker's region. */
 typedef struct shm {
-    kvb_region *made;
-    kvb_region *mapped;
+    kvb_mem *mem;
+    kvb_mem_region *made;
+    kvb_mem_region *mapped;
     unsigned char *base; /* the imported mapping */
 } shm;
 
 static void shm_open_(shm *s, size_t bytes) {
     char tag[40];
     snprintf(tag, sizeof tag, "kvbtlend%ld", (long)getpid());
-    ck_assert_int_eq(kvb_region_create(tag, bytes, &s->made), KVB_OK);
-    ck_assert_int_eq(kvb_region_import(kvb_region_handle(s->made), &s->mapped), KVB_OK);
-    ck_assert_uint_eq(kvb_region_size(s->mapped), bytes);
-    s->base = kvb_region_base(s->mapped);
+    ck_assert_int_eq(kvb_mem_create("cpu", -1, &s->mem), KVB_OK);
+    ck_assert_int_eq(kvb_mem_region_create(s->mem, tag, bytes, &s->made), KVB_OK);
+    ck_assert_int_eq(kvb_mem_region_import(s->mem, kvb_mem_region_handle(s->made), bytes, &s->mapped), KVB_OK);
+    s->base = kvb_mem_region_base(s->mapped);
 }
 
 static void shm_close(shm *s) {
-    kvb_region_destroy(s->mapped);
-    kvb_region_destroy(s->made);
+    kvb_mem_region_destroy(s->mapped);
+    kvb_mem_region_destroy(s->made);
+    kvb_mem_destroy(s->mem);
 }
 
 /* A lender in another process: a forked child creates the region and sends its handle; the test
@@ -392,7 +394,8 @@ typedef struct lender {
     pid_t pid;
     int ctl;
     char tag[40];
-    kvb_region *mapped;
+    kvb_mem *mem;
+    kvb_mem_region *mapped;
     unsigned char *base;
 } lender;
 
@@ -407,20 +410,22 @@ static void lender_start(lender *L, size_t bytes) {
         close(cp[1]);
         char tag[40];
         snprintf(tag, sizeof tag, "kvbtlender%ld", (long)getpid());
-        kvb_region *r = NULL;
-        if (kvb_region_create(tag, bytes, &r) != KVB_OK) _exit(3);
-        const char *h = kvb_region_handle(r);
+        kvb_mem *m = NULL;
+        kvb_mem_region *r = NULL;
+        if (kvb_mem_create("cpu", -1, &m) != KVB_OK || kvb_mem_region_create(m, tag, bytes, &r) != KVB_OK) _exit(3);
+        const char *h = kvb_mem_region_handle(r);
         if (write(hp[1], h, strlen(h) + 1) != (ssize_t)(strlen(h) + 1)) _exit(4);
         close(hp[1]);
         char c;
         while (read(cp[0], &c, 1) > 0) {
         }
-        kvb_region_destroy(r);
+        kvb_mem_region_destroy(r);
+        kvb_mem_destroy(m);
         _exit(0);
     }
     close(hp[1]);
     close(cp[0]);
-    char handle[KVB_REGION_HANDLE_MAX];
+    char handle[KVB_MEM_HANDLE_MAX];
     size_t got = 0;
     for (;;) {
         ck_assert_uint_lt(got, sizeof handle);
@@ -432,9 +437,9 @@ static void lender_start(lender *L, size_t bytes) {
     L->pid = pid;
     L->ctl = cp[1];
     snprintf(L->tag, sizeof L->tag, "kvbtlender%ld", (long)pid);
-    ck_assert_int_eq(kvb_region_import(handle, &L->mapped), KVB_OK);
-    ck_assert_uint_eq(kvb_region_size(L->mapped), bytes);
-    L->base = kvb_region_base(L->mapped);
+    ck_assert_int_eq(kvb_mem_create("cpu", -1, &L->mem), KVB_OK);
+    ck_assert_int_eq(kvb_mem_region_import(L->mem, handle, bytes, &L->mapped), KVB_OK);
+    L->base = kvb_mem_region_base(L->mapped);
 }
 
 /* The lender dies; the master's mapping stays (as a CUDA IPC mapping may, or may not: never read). */
@@ -454,7 +459,8 @@ static void lender_stop(lender *L, int killed) {
         ck_assert_int_eq(waitpid(L->pid, &status, 0), L->pid);
         ck_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     }
-    kvb_region_destroy(L->mapped);
+    kvb_mem_region_destroy(L->mapped);
+    kvb_mem_destroy(L->mem);
 }
 
 /* Fills bytes with 0xff: every f32 there is a NaN. */
@@ -471,13 +477,13 @@ KVB_TEST(worker_shrink_grow) {
 
     /* the worker's own KV memory: a shared region of 32 blocks of 8 tokens */
     size_t bb = block_bytes(8);
-    kvb_region *region = NULL;
+    kvb_mem_region *region = NULL;
     char tag[40];
     snprintf(tag, sizeof tag, "kvbtlendw%ld", (long)getpid());
-    ck_assert_int_eq(kvb_region_create(tag, 32 * bb, &region), KVB_OK);
+    ck_assert_int_eq(kvb_mem_region_create(kvb_model_backend(model)->mem, tag, 32 * bb, &region), KVB_OK);
     memset(&got, 0, sizeof got);
-    kvb_engine *e = mk(&got, (eopts){.bs = 8, .n_blocks = 32, .prefix = 1, .mem = kvb_region_base(region),
-                                    .mem_bytes = kvb_region_size(region)});
+    kvb_engine *e = mk(&got, (eopts){.bs = 8, .n_blocks = 32, .prefix = 1, .mem = kvb_mem_region_base(region),
+                                    .mem_bytes = kvb_mem_region_size(region)});
     ck_assert_int_eq(kvb_engine_capacity(e), 32);
     ck_assert_int_eq(kvb_engine_n_own(e), 32);
     ck_assert_int_eq(kvb_engine_free_tail(e), 32);
@@ -545,7 +551,7 @@ KVB_TEST(worker_shrink_grow) {
     ck_assert_int_eq(got.n[10], 40);
     for (int k = 0; k < 40; k++) ck_assert_int_eq(got.toks[10][k], ref.toks[0][k]);
     kvb_engine_destroy(e);
-    kvb_region_destroy(region);
+    kvb_mem_region_destroy(region);
     teardown_model();
 }
 KVB_TEST_END

@@ -120,7 +120,7 @@ KVB_TEST(config_llama_defaults) {
     ck_assert_float_eq(c.rms_eps, 1e-6f);
     ck_assert_double_eq(c.rope_theta, 10000.0);
     ck_assert_int_eq(c.tie_embeddings, 0);
-    ck_assert_int_eq(c.rope_llama3, 0);
+    ck_assert_int_eq(c.rope_type, KVB_ROPE_DEFAULT);
     ck_assert_int_eq(c.bos_id, -1);
     ck_assert_int_eq(c.n_eos, 0);
     ck_assert_int_eq(c.torch_dtype, KVB_DTYPE_F32);
@@ -180,7 +180,7 @@ KVB_TEST(config_llama3_rope_and_eos_list) {
         " \"vocab_size\": 128256}";
     kvb_model_config c;
     ck_assert_int_eq(parse_cfg(txt, &c), KVB_OK);
-    ck_assert_int_eq(c.rope_llama3, 1);
+    ck_assert_int_eq(c.rope_type, KVB_ROPE_LLAMA3);
     ck_assert_double_eq(c.rope_factor, 8.0);
     ck_assert_double_eq(c.rope_low_freq_factor, 1.0);
     ck_assert_double_eq(c.rope_high_freq_factor, 4.0);
@@ -201,15 +201,121 @@ KVB_TEST(config_llama3_rope_and_eos_list) {
              "\"rope_scaling\": {\"type\": \"llama3\", \"factor\": 2, \"low_freq_factor\": 1,"
              " \"high_freq_factor\": 2, \"original_max_position_embeddings\": 64}");
     ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
-    ck_assert_int_eq(c.rope_llama3, 1);
+    ck_assert_int_eq(c.rope_type, KVB_ROPE_LLAMA3);
     ck_assert_double_eq(c.rope_factor, 2.0);
     snprintf(buf, sizeof buf, base, "\"rope_scaling\": {\"rope_type\": \"default\"}");
     ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
-    ck_assert_int_eq(c.rope_llama3, 0);
+    ck_assert_int_eq(c.rope_type, KVB_ROPE_DEFAULT);
     snprintf(buf, sizeof buf, base, "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 123456.0}");
     ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
     ck_assert_double_eq(c.rope_theta, 123456.0);
-    ck_assert_int_eq(c.rope_llama3, 0);
+    ck_assert_int_eq(c.rope_type, KVB_ROPE_DEFAULT);
+}
+KVB_TEST_END
+
+/* Mistral: a window on every layer (MistralConfig's default 4096 when absent, none when null). */
+KVB_TEST(config_mistral_window) {
+    /* Mistral-7B-v0.1's config.json */
+    const char *txt =
+        "{\"architectures\": [\"MistralForCausalLM\"], \"bos_token_id\": 1, \"eos_token_id\": 2,"
+        " \"hidden_act\": \"silu\", \"hidden_size\": 4096, \"initializer_range\": 0.02,"
+        " \"intermediate_size\": 14336, \"max_position_embeddings\": 32768, \"model_type\": \"mistral\","
+        " \"num_attention_heads\": 32, \"num_hidden_layers\": 32, \"num_key_value_heads\": 8,"
+        " \"rms_norm_eps\": 1e-05, \"rope_theta\": 10000.0, \"sliding_window\": 4096,"
+        " \"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\", \"use_cache\": true, \"vocab_size\": 32000}";
+    kvb_model_config c;
+    ck_assert_int_eq(parse_cfg(txt, &c), KVB_OK);
+    ck_assert_int_eq(c.arch, KVB_ARCH_MISTRAL);
+    ck_assert_str_eq(kvb_arch_name(c.arch), "Mistral");
+    ck_assert_int_eq(c.head_dim, 128);
+    ck_assert_int_eq(c.qkv_bias + c.o_bias + c.mlp_bias, 0);
+    for (int l = 0; l < 32; l++) ck_assert_int_eq(kvb_model_config_window(&c, l), 4096);
+    ck_assert_int_eq(kvb_model_config_window(&c, 32), 0);
+    /* v0.2+: "sliding_window": null; absent: the class default 4096; Mistral ignores attention_bias */
+    const char *base = "{\"model_type\": \"mistral\", \"hidden_size\": 64, \"intermediate_size\": 128,"
+                       " \"num_attention_heads\": 4, \"num_hidden_layers\": 3, \"vocab_size\": 256%s}";
+    char buf[1024];
+    snprintf(buf, sizeof buf, base, ", \"sliding_window\": null, \"attention_bias\": true");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.sliding_window, 0);
+    ck_assert_int_eq(kvb_model_config_window(&c, 0), 0);
+    ck_assert_int_eq(c.qkv_bias + c.o_bias, 0);
+    ck_assert_int_eq(c.max_pos, 131072);
+    snprintf(buf, sizeof buf, base, "");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(kvb_model_config_window(&c, 2), 4096);
+}
+KVB_TEST_END
+
+/* Qwen2 / Qwen2.5: q/k/v biases always, no o_proj bias; the window only with use_sliding_window, on the
+ * layers from max_window_layers on, or as layer_types says. */
+KVB_TEST(config_qwen2_bias_window) {
+    /* Qwen2.5-7B-Instruct's config.json (with its YaRN block as the model card says to add it) */
+    const char *txt =
+        "{\"architectures\": [\"Qwen2ForCausalLM\"], \"attention_dropout\": 0.0, \"bos_token_id\": 151643,"
+        " \"eos_token_id\": 151645, \"hidden_act\": \"silu\", \"hidden_size\": 3584, \"initializer_range\": 0.02,"
+        " \"intermediate_size\": 18944, \"max_position_embeddings\": 32768, \"max_window_layers\": 28,"
+        " \"model_type\": \"qwen2\", \"num_attention_heads\": 28, \"num_hidden_layers\": 28,"
+        " \"num_key_value_heads\": 4, \"rms_norm_eps\": 1e-06, \"rope_theta\": 1000000.0,"
+        " \"rope_scaling\": {\"factor\": 4.0, \"original_max_position_embeddings\": 32768, \"type\": \"yarn\"},"
+        " \"sliding_window\": 131072, \"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\","
+        " \"use_cache\": true, \"use_sliding_window\": false, \"vocab_size\": 152064}";
+    kvb_model_config c;
+    ck_assert_int_eq(parse_cfg(txt, &c), KVB_OK);
+    ck_assert_int_eq(c.arch, KVB_ARCH_QWEN2);
+    ck_assert_int_eq(c.head_dim, 128);
+    ck_assert_int_eq(c.qkv_bias, 1);
+    ck_assert_int_eq(c.o_bias, 0);
+    ck_assert_int_eq(c.mlp_bias, 0);
+    ck_assert_int_eq(c.sliding_window, 0); /* use_sliding_window false */
+    ck_assert_int_eq(c.rope_type, KVB_ROPE_YARN);
+    ck_assert_int_eq(c.rope_orig_max_pos, 32768);
+    ck_assert_double_eq_tol(c.rope_attn_factor, 0.1 * log(4.0) + 1.0, 1e-12);
+
+    const char *base = "{\"model_type\": \"qwen2\", \"hidden_size\": 64, \"intermediate_size\": 128,"
+                       " \"num_attention_heads\": 4, \"num_hidden_layers\": 4, \"vocab_size\": 256%s}";
+    char buf[1024];
+    snprintf(buf, sizeof buf, base, ", \"use_sliding_window\": true, \"sliding_window\": 24, \"max_window_layers\": 2");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    int want[4] = {0, 0, 24, 24};
+    for (int l = 0; l < 4; l++) ck_assert_int_eq(kvb_model_config_window(&c, l), want[l]);
+    /* defaults: sliding_window 4096, max_window_layers 28 (so no layer of 4 slides) */
+    snprintf(buf, sizeof buf, base, ", \"use_sliding_window\": true");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    for (int l = 0; l < 4; l++) ck_assert_int_eq(kvb_model_config_window(&c, l), 0);
+    /* layer_types decides which layers slide */
+    snprintf(buf, sizeof buf, base,
+             ", \"use_sliding_window\": true, \"sliding_window\": 8, \"max_window_layers\": 0, \"layer_types\":"
+             " [\"sliding_attention\", \"full_attention\", \"sliding_attention\", \"full_attention\"]");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    int want2[4] = {8, 0, 8, 0};
+    for (int l = 0; l < 4; l++) ck_assert_int_eq(kvb_model_config_window(&c, l), want2[l]);
+    /* sliding layers without use_sliding_window: transformers sets sliding_window to None: full attention */
+    snprintf(buf, sizeof buf, base,
+             ", \"sliding_window\": 8, \"layer_types\": [\"sliding_attention\", \"sliding_attention\","
+             " \"sliding_attention\", \"sliding_attention\"]");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    for (int l = 0; l < 4; l++) ck_assert_int_eq(kvb_model_config_window(&c, l), 0);
+}
+KVB_TEST_END
+
+/* attention_bias on Llama and Qwen3 (q/k/v/o), mlp_bias on Llama only. */
+KVB_TEST(config_biases) {
+    const char *base = "{\"model_type\": \"%s\", \"hidden_size\": 64, \"intermediate_size\": 128,"
+                       " \"num_attention_heads\": 4, \"num_hidden_layers\": 2, \"vocab_size\": 256%s}";
+    char buf[1024];
+    kvb_model_config c;
+    snprintf(buf, sizeof buf, base, "llama", ", \"attention_bias\": true, \"mlp_bias\": true");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.qkv_bias + c.o_bias + c.mlp_bias, 3);
+    snprintf(buf, sizeof buf, base, "qwen3", ", \"attention_bias\": true, \"mlp_bias\": true");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.qkv_bias + c.o_bias, 2);
+    ck_assert_int_eq(c.mlp_bias, 0); /* Qwen3MLP has no bias */
+    snprintf(buf, sizeof buf, base, "qwen2", ", \"attention_bias\": false");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.qkv_bias, 1); /* Qwen2Attention: q/k/v bias=True whatever the config says */
+    ck_assert_int_eq(c.o_bias, 0);
 }
 KVB_TEST_END
 
@@ -224,8 +330,8 @@ KVB_TEST(config_errors) {
     } cases[] = {
         {"{\"hidden_size\": 64,", NULL, KVB_ERR_FORMAT, "invalid JSON"},
         {"[1, 2]", NULL, KVB_ERR_FORMAT, "JSON object"},
-        {"{\"architectures\": [\"MistralForCausalLM\"], \"hidden_size\": 64}", NULL, KVB_ERR_UNSUPPORTED,
-         "MistralForCausalLM"},
+        {"{\"architectures\": [\"GPT2LMHeadModel\"], \"hidden_size\": 64}", NULL, KVB_ERR_UNSUPPORTED,
+         "GPT2LMHeadModel"},
         {"{\"model_type\": \"gpt2\", \"hidden_size\": 64}", NULL, KVB_ERR_UNSUPPORTED, "gpt2"},
         {"{\"hidden_size\": 64}", NULL, KVB_ERR_INVALID, "model_type"},
         {"{\"architectures\": [\"LlamaForCausalLM\"], \"intermediate_size\": 128, \"num_attention_heads\": 4,"
@@ -247,8 +353,28 @@ KVB_TEST(config_errors) {
          NULL, KVB_ERR_INVALID, "head_dim"},
         {NULL, ", \"rms_norm_eps\": 0", KVB_ERR_INVALID, "rms_norm_eps"},
         {NULL, ", \"rope_theta\": -5", KVB_ERR_INVALID, "rope_theta"},
-        {NULL, ", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}", KVB_ERR_UNSUPPORTED, "yarn"},
-        {NULL, ", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 4.0}", KVB_ERR_UNSUPPORTED, "linear"},
+        {NULL, ", \"rope_scaling\": {\"rope_type\": \"dynamic\", \"factor\": 4.0}", KVB_ERR_UNSUPPORTED, "dynamic"},
+        {NULL, ", \"rope_scaling\": {\"type\": \"longrope\", \"factor\": 4.0}", KVB_ERR_UNSUPPORTED, "longrope"},
+        {NULL, ", \"rope_scaling\": {\"rope_type\": \"yarn\"}", KVB_ERR_INVALID, "factor"},
+        {NULL, ", \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4, \"beta_fast\": \"x\"}", KVB_ERR_INVALID,
+         "beta_fast"},
+        {NULL, ", \"rope_scaling\": {\"rope_type\": \"linear\"}", KVB_ERR_INVALID, "factor"},
+        {NULL, ", \"partial_rotary_factor\": 0.5", KVB_ERR_UNSUPPORTED, "partial_rotary_factor"},
+        {NULL, ", \"quantization_config\": {\"quant_method\": \"awq\", \"bits\": 4}", KVB_ERR_UNSUPPORTED,
+         "quantization_config\" (awq)"},
+        {NULL, ", \"attention_bias\": \"yes\"", KVB_ERR_INVALID, "attention_bias"},
+        {"{\"model_type\": \"qwen2\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": 4,"
+         " \"num_hidden_layers\": 2, \"vocab_size\": 256, \"layer_types\": [\"full_attention\", \"chunked_attention\"]}",
+         NULL, KVB_ERR_UNSUPPORTED, "\"layer_types\"[1] = \"chunked_attention\""},
+        {"{\"model_type\": \"qwen2\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": 4,"
+         " \"num_hidden_layers\": 2, \"vocab_size\": 256, \"layer_types\": [\"full_attention\"]}",
+         NULL, KVB_ERR_INVALID, "layer_types"},
+        {"{\"model_type\": \"mistral\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": 4,"
+         " \"num_hidden_layers\": 2, \"vocab_size\": 256, \"layer_types\": [\"full_attention\", \"full_attention\"]}",
+         NULL, KVB_ERR_UNSUPPORTED, "layer_types"},
+        {"{\"model_type\": \"mistral\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": 4,"
+         " \"num_hidden_layers\": 2, \"vocab_size\": 256, \"sliding_window\": 0}",
+         NULL, KVB_ERR_INVALID, "sliding_window"},
         {NULL, ", \"rope_scaling\": {\"factor\": 4.0}", KVB_ERR_INVALID, "rope_type"},
         {NULL, ", \"rope_scaling\": {\"rope_type\": \"llama3\", \"low_freq_factor\": 1, \"high_freq_factor\": 4,"
                " \"original_max_position_embeddings\": 8192}",
@@ -262,12 +388,11 @@ KVB_TEST(config_errors) {
         {NULL, ", \"eos_token_id\": 256", KVB_ERR_INVALID, "eos_token_id"},
         {NULL, ", \"bos_token_id\": -1", KVB_ERR_INVALID, "bos_token_id"},
         {NULL, ", \"hidden_act\": \"gelu\"", KVB_ERR_UNSUPPORTED, "gelu"},
-        {NULL, ", \"attention_bias\": true", KVB_ERR_UNSUPPORTED, "attention_bias"},
         {NULL, ", \"tie_word_embeddings\": 1", KVB_ERR_INVALID, "tie_word_embeddings"},
         {NULL, ", \"architectures\": \"LlamaForCausalLM\"", KVB_ERR_FORMAT, "duplicate"},
     };
     for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
-        char buf[1024];
+        char buf[2048];
         if (cases[i].text) snprintf(buf, sizeof buf, "%s", cases[i].text);
         else snprintf(buf, sizeof buf, base, cases[i].extra);
         kvb_model_config c;
@@ -316,7 +441,7 @@ KVB_TEST(rope_inv_freq_llama3) {
      *   f2:     256 <= 628.3 <= 1024     -> smooth = (1024/628.3185307179587 - 1) / (4 - 1) = 0.20991553908700275
      *                                       (1 - smooth) * 0.01 / 8 + smooth * 0.01 = 0.003086760967011274
      *   f3:     6283.2 > 1024            -> 0.001 / 8 = 0.000125 */
-    kvb_model_config c = {.head_dim = 8, .rope_theta = 10000.0, .rope_llama3 = 1, .rope_factor = 8.0,
+    kvb_model_config c = {.head_dim = 8, .rope_theta = 10000.0, .rope_type = KVB_ROPE_LLAMA3, .rope_factor = 8.0,
                           .rope_low_freq_factor = 1.0, .rope_high_freq_factor = 4.0, .rope_orig_max_pos = 1024};
     float f[4];
     kvb_model_config_rope_inv_freq(&c, f);
@@ -332,6 +457,55 @@ KVB_TEST(rope_inv_freq_llama3) {
     e.rope_high_freq_factor = 100.0;
     kvb_model_config_rope_inv_freq(&e, f);
     ck_assert_float_eq_tol(f[1], 0.1f / 8.0f, 1e-8f);
+}
+KVB_TEST_END
+
+KVB_TEST(rope_inv_freq_linear_yarn) {
+    kvb_model_config c = {.head_dim = 8, .rope_theta = 10000.0, .rope_type = KVB_ROPE_LINEAR, .rope_factor = 4.0};
+    float f[4];
+    kvb_model_config_rope_inv_freq(&c, f);
+    ck_assert_float_eq(f[0], 0.25f);
+    ck_assert_float_eq(f[3], 0.00025f);
+    /* YaRN, head_dim 16, theta 1e4, factor 4, original context 1024, beta 32 / 1:
+     *   correction dim(r) = 16 ln(1024 / (2 pi r)) / (2 ln 1e4): r = 32 -> 1.41..., floor 1;
+     *   r = 1 -> 4.42..., ceil 5; ramp(i) = clamp((i - 1) / 4, 0, 1); extrapolation weight 1 - ramp(i):
+     *   i = 0, 1: f (extrapolated), i = 3: half f / 4 + half f, i >= 5: f / 4 (interpolated) */
+    kvb_model_config y = {.head_dim = 16, .rope_theta = 10000.0, .rope_type = KVB_ROPE_YARN, .rope_factor = 4.0,
+                          .rope_orig_max_pos = 1024, .rope_beta_fast = 32, .rope_beta_slow = 1, .rope_truncate = 1};
+    float g[8];
+    kvb_model_config_rope_inv_freq(&y, g);
+    for (int i = 0; i < 8; i++) {
+        double base = pow(10000.0, -2.0 * i / 16.0), ramp = fmin(fmax((i - 1) / 4.0, 0.0), 1.0);
+        double want = base / 4.0 * ramp + base * (1.0 - ramp);
+        ck_assert_msg(fabs(g[i] - want) <= 1e-7 * want, "yarn inv_freq[%d] = %.9g, want %.9g", i, g[i], want);
+    }
+    /* without truncation the ramp runs from 1.41.. to 4.42.. */
+    y.rope_truncate = 0;
+    kvb_model_config_rope_inv_freq(&y, g);
+    double lo = 16 * log(1024 / (2 * M_PI * 32)) / (2 * log(1e4)), hi = 16 * log(1024 / (2 * M_PI)) / (2 * log(1e4));
+    double base3 = pow(10000.0, -6.0 / 16.0), r3 = (3 - lo) / (hi - lo);
+    ck_assert_double_le(fabs(g[3] - (base3 / 4 * r3 + base3 * (1 - r3))), 1e-7 * base3);
+    /* the attention factor: default 0.1 ln(factor) + 1, from mscale / mscale_all_dim, or given */
+    const char *base = "{\"model_type\": \"qwen3\", \"hidden_size\": 64, \"intermediate_size\": 128,"
+                       " \"num_attention_heads\": 4, \"num_hidden_layers\": 2, \"vocab_size\": 256,"
+                       " \"max_position_embeddings\": 4096, \"rope_scaling\": %s}";
+    char buf[1024];
+    kvb_model_config c2;
+    snprintf(buf, sizeof buf, base, "{\"rope_type\": \"yarn\", \"factor\": 8}");
+    ck_assert_int_eq(parse_cfg(buf, &c2), KVB_OK);
+    ck_assert_int_eq(c2.rope_orig_max_pos, 4096); /* defaults to max_position_embeddings */
+    ck_assert_double_eq_tol(c2.rope_attn_factor, 0.1 * log(8.0) + 1.0, 1e-12);
+    ck_assert_double_eq(c2.rope_beta_fast, 32.0);
+    ck_assert_double_eq(c2.rope_beta_slow, 1.0);
+    snprintf(buf, sizeof buf, base, "{\"rope_type\": \"yarn\", \"factor\": 8, \"mscale\": 2, \"mscale_all_dim\": 1}");
+    ck_assert_int_eq(parse_cfg(buf, &c2), KVB_OK);
+    ck_assert_double_eq_tol(c2.rope_attn_factor, (0.2 * log(8.0) + 1.0) / (0.1 * log(8.0) + 1.0), 1e-12);
+    snprintf(buf, sizeof buf, base, "{\"rope_type\": \"yarn\", \"factor\": 8, \"attention_factor\": 0.5,"
+                                    " \"beta_fast\": 16, \"beta_slow\": 2, \"truncate\": false}");
+    ck_assert_int_eq(parse_cfg(buf, &c2), KVB_OK);
+    ck_assert_double_eq(c2.rope_attn_factor, 0.5);
+    ck_assert_double_eq(c2.rope_beta_fast, 16.0);
+    ck_assert_int_eq(c2.rope_truncate, 0);
 }
 KVB_TEST_END
 
@@ -582,6 +756,25 @@ static kvb_status open_dir_logged(const char *dir, int *count) {
     return st;
 }
 
+/* kvb_st_release drops a tensor's pages from the process; its data reads back unchanged from the file. */
+KVB_TEST(st_release_keeps_data) {
+    static float big[3 * 4096];
+    for (size_t i = 0; i < KVB_ARRAY_LEN(big); i++) big[i] = (float)i * 0.5f;
+    kvb_st_write_tensor w = {.name = "big", .dtype = KVB_DTYPE_F32, .n_dims = 1, .shape = {KVB_ARRAY_LEN(big)},
+                             .data = big};
+    const char *path = tmp_path("rel.safetensors");
+    ck_assert_int_eq(kvb_st_write(path, &w, 1, NULL), KVB_OK);
+    kvb_st_set *s = NULL;
+    ck_assert_int_eq(kvb_st_open_file(path, &s), KVB_OK);
+    const kvb_st_tensor *t = kvb_st_find(s, "big");
+    kvb_st_prefault(t);
+    ck_assert_int_eq(memcmp(t->data, big, sizeof big), 0);
+    kvb_st_release(t);
+    ck_assert_int_eq(memcmp(t->data, big, sizeof big), 0);
+    kvb_st_close(s);
+}
+KVB_TEST_END
+
 KVB_TEST(st_dir_and_shards) {
     int count = -1;
     /* no weights at all */
@@ -811,9 +1004,40 @@ KVB_TEST(model_load_llama) {
     ck_assert_ptr_null(m->layers[0].q_norm.data);
     ck_assert_int_eq(m->rope.head_dim, T_HD);
     ck_assert_float_eq(m->rope.inv_freq[1], 0.01f); /* 10000^(-2/4) */
+    /* f32 weights are the file mapping itself (no second copy): every matrix points into the
+     * mapped tensor, and the model keeps the mapping */
+    ck_assert_int_eq(m->weights_mapped, 1);
+    ck_assert_ptr_nonnull(m->weights_file);
+    const kvb_st_tensor *wk = kvb_st_find(m->weights_file, "model.layers.0.self_attn.k_proj.weight");
+    ck_assert_ptr_nonnull(wk);
+    ck_assert_ptr_eq(m->layers[0].wk.data, wk->data);
+    ck_assert_int_eq(m->layers[0].wk.view, 1);
+    ck_assert_ptr_eq(m->embed.data, kvb_st_find(m->weights_file, "model.embed_tokens.weight")->data);
     kvb_model_destroy(m);
     kvb_model_destroy(NULL);
     kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+/* One rule for the KV element size: by backend name (what kvbankctl uses without loading weights), equal
+ * to the activation dtype of every backend built into this binary. */
+KVB_TEST(kv_elem_size_rule) {
+    int es = 0;
+    const struct { const char *name; int bytes; } known[] = {
+        {"cpu", 4}, {NULL, 4}, {"cuda", 2}, {"cuda:bf16", 2}, {"cuda:f16", 2}, {"cuda:f32", 4}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(known); i++) {
+        ck_assert_int_eq(kvb_model_kv_elem_size(known[i].name, &es), KVB_OK);
+        ck_assert_int_eq(es, known[i].bytes);
+    }
+    ck_assert_int_eq(kvb_model_kv_elem_size("tpu", &es), KVB_ERR_UNSUPPORTED);
+    const char *built[] = {"cpu", "cuda", "cuda:f16", "cuda:f32"};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(built); i++) {
+        kvb_backend *be = NULL;
+        if (kvb_backend_create(built[i], 1, &be) != KVB_OK) continue; /* not built in, or no GPU */
+        ck_assert_int_eq(kvb_model_kv_elem_size(built[i], &es), KVB_OK);
+        ck_assert_int_eq(es, (int)kvb_dtype_size(be->iface->act_dtype));
+        kvb_backend_destroy(be);
+    }
 }
 KVB_TEST_END
 
@@ -830,6 +1054,10 @@ KVB_TEST(model_load_tied_llama3_f16) {
     ck_assert_int_eq(m->lm_head_tied, 1);
     ck_assert_ptr_eq(m->lm_head.data, m->embed.data);
     check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN); /* f16 values converted exactly */
+    /* converted weights are the backend's copies; the mapping is closed after loading */
+    ck_assert_int_eq(m->weights_mapped, 0);
+    ck_assert_ptr_null(m->weights_file);
+    ck_assert_int_eq(m->embed.view, 0);
     int64_t layer = expect_layer_params(0);
     ck_assert_int_eq(kvb_model_n_params(m), T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
     /* tied: the LM head reads the whole embedding table every step (in the backend's f32) */
@@ -902,6 +1130,19 @@ KVB_TEST(model_load_errors) {
                " \"vocab_size\": 10}");
     ck_assert_int_eq(load_logged("llama_w", be, &m), KVB_ERR_NOT_FOUND);
     ck_assert_log_has("model.layers.0.self_attn.q_norm.weight");
+    /* a Qwen2 config (q/k/v biases) or a Llama one with mlp_bias over bias-less weights */
+    write_text(tmp_path("llama_w/config.json"),
+               "{\"architectures\": [\"Qwen2ForCausalLM\"], \"hidden_size\": 8, \"intermediate_size\": 12,"
+               " \"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"head_dim\": 4, \"num_hidden_layers\": 2,"
+               " \"vocab_size\": 10}");
+    ck_assert_int_eq(load_logged("llama_w", be, &m), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("model.layers.0.self_attn.q_proj.bias");
+    write_text(tmp_path("llama_w/config.json"),
+               "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 8, \"intermediate_size\": 12,"
+               " \"num_attention_heads\": 2, \"num_key_value_heads\": 1, \"head_dim\": 4, \"num_hidden_layers\": 2,"
+               " \"vocab_size\": 10, \"mlp_bias\": true}");
+    ck_assert_int_eq(load_logged("llama_w", be, &m), KVB_ERR_NOT_FOUND);
+    ck_assert_log_has("model.layers.0.mlp.gate_proj.bias");
     /* an unknown architecture in config.json */
     write_text(tmp_path("llama_w/config.json"),
                "{\"architectures\": [\"Gemma2ForCausalLM\"], \"hidden_size\": 8, \"intermediate_size\": 12,"
@@ -1032,8 +1273,9 @@ KVB_TEST(forward_allocator_seam) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("model", KVB_T(config_llama_defaults, 10), KVB_T(config_qwen3, 10),
-              KVB_T(config_llama3_rope_and_eos_list, 10), KVB_T(config_errors, 10), KVB_T(rope_inv_freq_default, 10),
-              KVB_T(rope_inv_freq_llama3, 10), KVB_T(st_roundtrip, 10), KVB_T(st_malformed, 10),
-              KVB_T(st_truncation_and_corruption, 60), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
+              KVB_T(config_llama3_rope_and_eos_list, 10), KVB_T(config_mistral_window, 10),
+              KVB_T(config_qwen2_bias_window, 10), KVB_T(config_biases, 10), KVB_T(config_errors, 10),
+              KVB_T(rope_inv_freq_default, 10), KVB_T(rope_inv_freq_llama3, 10), KVB_T(rope_inv_freq_linear_yarn, 10), KVB_T(st_roundtrip, 10), KVB_T(st_malformed, 10),
+              KVB_T(st_truncation_and_corruption, 60), KVB_T(st_release_keeps_data, 10), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
               KVB_T(model_load_tied_llama3_f16, 10), KVB_T(model_load_qwen3_bf16_sharded, 10),
-              KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30))
+              KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30), KVB_T(kv_elem_size_rule, 10))

@@ -181,6 +181,9 @@ for p in kvbank-master kvbank-worker; do
     expect_rc 1 "cannot read the node config" "$B/$p" --config "$T/none.json" --name wa
     expect_rc 2 "no model named" "$B/$p" --config "$T/node.json" --name nobody
     expect_rc 1 "cannot load model" "$B/$p" --model "$T/none" --endpoint "ipc://$T/x.sock" --coordinator "$EP"
+    expect_rc 2 "--policy-param needs KEY=VALUE" "$B/$p" --model "$MA" --policy-param novalue
+    expect_rc 1 "policy swiftcache: unknown parameter 'nope'" "$B/$p" --model "$MA" --endpoint "ipc://$T/x.sock" \
+        --coordinator "$EP" --policy swiftcache --policy-param nope=1
 done
 expect_rc 0 "--lend-interval" "$B/kvbank-worker" --help
 expect_rc 0 "--lsc" "$B/kvbank-master" --help

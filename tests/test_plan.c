@@ -221,6 +221,9 @@ typedef enum bad_kind {
     BAD_DOUBLE_RUN,
     BAD_RESUME_RUNNING,
     BAD_BATCH_LIMIT,
+    BAD_DROP_PARTIAL,
+    BAD_DROP_NO_ABSENT,
+    BAD_DROP_AFTER_RUN,
     BAD_RES_NOT_IN_POOL,
     BAD_STREAM_OWN,
     BAD_RES_OVERLAP,
@@ -310,6 +313,19 @@ static kvb_status scripted_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
         ck_assert_ptr_nonnull(run);
         return kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_RESUME, .id = run->id});
     case BAD_BATCH_LIMIT: out->batch_limit = v->max_seqs + 1; break;
+    case BAD_DROP_PARTIAL:
+    case BAD_DROP_NO_ABSENT: {
+        /* request 0 has computed 16 tokens (2 full blocks of 8): dropping 3 goes past them; dropping 1
+         * before its RUN leaves the RUN reading tokens without KV */
+        kvb_plan_op drop = {.kind = KVB_OP_DROP, .id = 0, .n_dropped = s->bad == BAD_DROP_PARTIAL ? 3 : 1};
+        KVB_TRY(kvb_plan_push_op(out, drop));
+        memmove(out->ops + 1, out->ops, (size_t)(out->n_ops - 1) * sizeof *out->ops);
+        out->ops[0] = drop;
+        break;
+    }
+    case BAD_DROP_AFTER_RUN:
+        ck_assert_ptr_nonnull(run);
+        return kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_DROP, .id = run->id, .n_dropped = 1});
     default: return scripted_residency(s, v, out);
     }
     return KVB_OK;
@@ -351,6 +367,9 @@ KVB_TEST(violating_plan_refused) {
         {BAD_DOUBLE_RUN, 0, "already scheduled"},
         {BAD_RESUME_RUNNING, 0, "not paused"},
         {BAD_BATCH_LIMIT, 0, "batch_limit 65 is outside"},
+        {BAD_DROP_PARTIAL, 0, "DROP request 0): n_dropped 3, it has 2 full block(s)"},
+        {BAD_DROP_NO_ABSENT, 0, "RUN request 0): n_absent 0, but its first 8 token(s) have no KV"},
+        {BAD_DROP_AFTER_RUN, 0, "DROP request 0): the request is scheduled, swapped in or dropped earlier"},
         {BAD_RES_NOT_IN_POOL, 0, "block 9999 is not a block of the pool"},
         {BAD_STREAM_OWN, 0, "is not borrowed; STREAM is for borrowed blocks"},
         {BAD_RES_OVERLAP, 0, "residency 0 and 1 both give block"},
@@ -409,11 +428,12 @@ static uint64_t rng_next(uint64_t *x) {
 }
 
 /* A test planner over vLLM's scheduling that exercises one mechanism of the executor. */
-typedef enum mech { MECH_ABSENT, MECH_SWAP, MECH_HOST } mech;
+typedef enum mech { MECH_ABSENT, MECH_SWAP, MECH_HOST, MECH_DROP } mech;
 
 typedef struct mechanic {
     mech m;
     uint64_t rng;
+    int drops, restores; /* MECH_DROP: DROP operations that released / restored blocks */
     int observed;       /* observe calls */
     uint64_t host_bytes;/* what the host link carried, as observed */
     /* MECH_HOST: which (request, block index) has a host copy of which block id */
@@ -455,6 +475,28 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
         const kvb_req_view *r = &v->reqs[kvb_view_find(v, op->id)];
         if (m->m == MECH_ABSENT) {
             op->n_absent = (int)(rng_next(&m->rng) % (uint64_t)(r->n_computed + 1));
+        } else if (m->m == MECH_DROP && r->state == KVB_REQ_RUNNING && rng_next(&m->rng) % 2) {
+            /* a random count of released leading blocks (more, fewer: restored, or the same), put before
+             * the RUN, whose n_absent then covers every block without KV; kept only if the pool allows */
+            int bs = v->geom->block_size, full = r->n_computed / bs;
+            int to = (int)(rng_next(&m->rng) % (uint64_t)(full + 1));
+            int before = op->n_absent, lo = KVB_MAX(to, r->n_dropped) * bs;
+            op->n_absent = lo + (int)(rng_next(&m->rng) % (uint64_t)(r->n_computed - lo + 1));
+            kvb_plan_op drop = {.kind = KVB_OP_DROP, .id = r->id, .n_dropped = to};
+            KVB_TRY(kvb_plan_push_op(out, drop));
+            memmove(out->ops + k + 1, out->ops + k, (size_t)(out->n_ops - 1 - k) * sizeof *out->ops);
+            out->ops[k] = drop;
+            kvb_plan_cost cost;
+            if (kvb_sched_cost(v, out, &cost, NULL, 0) == KVB_OK) {
+                m->drops += to > r->n_dropped;
+                m->restores += to < r->n_dropped;
+                k++;
+                n_ops++;
+            } else { /* undo */
+                memmove(out->ops + k, out->ops + k + 1, (size_t)(out->n_ops - 1 - k) * sizeof *out->ops);
+                out->n_ops--;
+                out->ops[k].n_absent = before;
+            }
         } else if (m->m == MECH_HOST && r->state == KVB_REQ_RUNNING) {
             /* blocks stored in an earlier step are read from the host tier at layers 1.. (the request's
              * tail block too: the rows this step writes there go through the host copy); every block
@@ -481,8 +523,8 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
 static kvb_status mech_pool(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out) {
     const mechanic *m = ctx;
     if (ev->kind != KVB_POOL_SETUP) return KVB_OK;
-    if (m->m == MECH_ABSENT) out->extra_rows = 1024;
-    if (m->m != MECH_ABSENT) out->host_tier_blocks = 512;
+    if (m->m == MECH_ABSENT || m->m == MECH_DROP) out->extra_rows = 1024;
+    if (m->m == MECH_SWAP || m->m == MECH_HOST) out->host_tier_blocks = 512;
     if (m->m == MECH_HOST) out->stage_slots = 256;
     return KVB_OK;
 }
@@ -543,6 +585,14 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
         assert_same(&ref, &got);
         ck_assert_int_eq(m.observed, (int)s.steps);
         if (which == MECH_ABSENT) ck_assert_uint_gt(s.recomputed_tokens, 0);
+        if (which == MECH_DROP) {
+            printf("config %zu: %d drops, %d restores, %llu blocks released, %llu restored\n", c, m.drops, m.restores,
+                   (unsigned long long)s.dropped_blocks, (unsigned long long)s.restored_blocks);
+            ck_assert_int_gt(m.drops, 0);
+            ck_assert_int_gt(m.restores, 0);
+            ck_assert_uint_gt(s.dropped_blocks, 0);
+            ck_assert_uint_gt(s.restored_blocks, 0);
+        }
         if (which == MECH_SWAP) {
             ck_assert_uint_gt(s.swap_outs, 0);
             ck_assert_uint_eq(s.swap_ins, s.swap_outs);
@@ -558,10 +608,87 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
     teardown_model();
 }
 
+/* eLLM token-wise at fixed random ratios r in [0, 0.9] (and with its own optimizer, with and without a
+ * TPOT SLO) on the pressure scenario: the reference's tokens, with blocks released and recomputed. */
+KVB_TEST(ellm_tokenwise_lossless) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
+    uint64_t rng = 0x1234567ull;
+    for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
+        for (int t = 0; t < 4; t++) {
+            kvb_policy_params pp = {0};
+            char r[32];
+            double ratio = (double)(rng_next(&rng) % 901) / 1000.0;
+            snprintf(r, sizeof r, "%.3f", ratio);
+            if (t < 2) ck_assert_int_eq(kvb_policy_params_set(&pp, "r", r), KVB_OK);
+            if (t == 3) ck_assert_int_eq(kvb_policy_params_set(&pp, "slo_ms", "50"), KVB_OK);
+            ck_assert_int_eq(kvb_policy_params_set(&pp, "async", t == 1 ? "1" : "0"), KVB_OK);
+            kvb_planner pl;
+            ck_assert_int_eq(kvb_policy_create("ellm-tokenwise", &pp, &pl), KVB_OK);
+            kvb_policy_params_free(&pp);
+            kvb_engine_stats s;
+            pressure(&got, &pl, cfgs[c].bs, cfgs[c].blocks, cfgs[c].budget, &s);
+            printf("config %zu %s r=%s: %llu steps, %llu preemptions, %llu recomputed tokens, %llu blocks released, "
+                   "%llu restored\n", c, t < 2 ? "fixed" : t == 2 ? "optimized" : "optimized, SLO 50 ms",
+                   t < 2 ? r : "-", (unsigned long long)s.steps, (unsigned long long)s.preemptions,
+                   (unsigned long long)s.recomputed_tokens, (unsigned long long)s.dropped_blocks,
+                   (unsigned long long)s.restored_blocks);
+            assert_same(&ref, &got);
+            ck_assert_int_eq(s.blocks_free, s.blocks_total);
+            if (t < 2 && ratio * 20 >= 2 * cfgs[c].bs) ck_assert_uint_gt(s.dropped_blocks, 0);
+        }
+    }
+    teardown_model();
+}
+KVB_TEST_END
+
+/* HCache: preempted requests leave their first layers as saved hidden states, rebuilt at swap-in by the
+ * layer's norm, K/V projections and RoPE: the reference's tokens whatever the split. */
+KVB_TEST(hcache_lossless) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
+    uint64_t restores = 0, swaps = 0;
+    for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++)
+        for (int hl = 0; hl <= 3; hl += 1) {
+            kvb_policy_params pp = {0};
+            char v[16];
+            snprintf(v, sizeof v, "%d", hl);
+            ck_assert_int_eq(kvb_policy_params_set(&pp, "hidden_layers", v), KVB_OK);
+            ck_assert_int_eq(kvb_policy_params_set(&pp, "async", "0"), KVB_OK);
+            kvb_planner pl;
+            ck_assert_int_eq(kvb_policy_create("hcache", &pp, &pl), KVB_OK);
+            kvb_policy_params_free(&pp);
+            kvb_engine_stats s;
+            pressure(&got, &pl, cfgs[c].bs, cfgs[c].blocks, cfgs[c].budget, &s);
+            printf("config %zu hidden_layers %d: %llu steps, %llu swap-outs, %llu rebuilt from hidden states, %llu "
+                   "bytes of hidden states saved\n", c, hl, (unsigned long long)s.steps, (unsigned long long)s.swap_outs,
+                   (unsigned long long)s.hidden_restores, (unsigned long long)s.hidden_saved_bytes);
+            assert_same(&ref, &got);
+            ck_assert_int_eq(s.blocks_free, s.blocks_total);
+            if (hl > 0) restores += s.hidden_restores;
+            swaps += s.swap_outs;
+        }
+    ck_assert_uint_gt(swaps, 0);
+    ck_assert_uint_gt(restores, 0);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST(absent_tokens_lossless) { mechanism_lossless(MECH_ABSENT, NULL); }
 KVB_TEST_END
 
 KVB_TEST(swap_lossless) { mechanism_lossless(MECH_SWAP, NULL); }
+KVB_TEST_END
+
+/* Requests release and restore their leading blocks at random (KVB_OP_DROP), recomputing what has no
+ * KV: the tokens stay the reference's and every block comes back to the pool. */
+KVB_TEST(drop_blocks_lossless) { mechanism_lossless(MECH_DROP, NULL); }
 KVB_TEST_END
 
 KVB_TEST(host_residency_lossless) {
@@ -769,5 +896,6 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 240), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
-              KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240),
+              KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240),
+              KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240),
               KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every planner of the registry (`kvbank-generate --policy list`) gives recompute's greedy tokens on a
-# ragged batch under memory pressure (a pool smaller than the batch: preemption), with chunked prefill
+# ragged batch under memory pressure (a pool smaller than the batch: preemption, swapping out or dropping
+# the oldest tokens' KV), with chunked prefill
 # (a small step budget) and prefix hits (prompts sharing a prefix), in kvbank-generate and through
 # kvbank-serve with concurrent clients. Bad policy names and parameters exit 2 with a clear message.
 set -uo pipefail
@@ -54,9 +55,11 @@ for name in $names; do
     elif [ "$out" != "$ref" ]; then
         bad "generate --policy $name: tokens differ from the reference"
     elif ! grep -q "prefix_cache=0" <<<"$stats" &&
-        { ! grep -Eq "preemptions=[1-9]|pauses=[1-9]|slices_offloaded=[1-9]" <<<"$stats" ||
-            ! grep -q "prefix_hit_tokens=[1-9]" <<<"$stats"; }; then
-        # memory pressure shows as preemptions (recompute), pauses or layers moved to the host tier.
+        { ! grep -Eq "preemptions=[1-9]|pauses=[1-9]|slices_offloaded=[1-9]|swap_outs=[1-9]|dropped_blocks=[1-9]" <<<"$stats" ||
+            { grep -q "preemptions=[1-9]" <<<"$stats" && ! grep -q "prefix_hit_tokens=[1-9]" <<<"$stats"; }; }; then
+        # memory pressure shows as preemptions (recompute, and then the preempted requests' prefixes are hit
+        # again), pauses, layers moved to the host tier, requests swapped out, or the KV of the oldest tokens
+        # dropped (eLLM token-wise: recomputed every step).
         # Planners that place KV themselves (eLLM's: prefix_cache=0) size their own memory from a budget of
         # KV and activations; on this model a budget that can prefill the longest prompt holds every
         # decode at once, so pressure is not asked of them here: tests/test_ellm_elastic runs them
@@ -91,6 +94,28 @@ for name in $names; do
         bad "serve --policy $name: tokens differ from the reference"
     else
         ok "serve --policy $name: reference tokens for 5 concurrent clients"
+    fi
+done
+
+# A Qwen2 model (q/k/v biases) whose upper layers attend through a sliding window of 8 keys, shorter
+# than every prompt: each planner still gives the sequential tokens under the same pressure (a window
+# masks keys; which blocks hold them, or whether they were recomputed, must not matter).
+M2="$T/m-swa"
+"$B/kvbank-mkmodel" --arch qwen2 --layers 3 --hidden 64 --heads 4 --kv-heads 2 --vocab 200 --sliding-window 8 \
+    --max-window-layers 1 --seed 6 "$M2" >/dev/null || bad "kvbank-mkmodel --arch qwen2 --sliding-window 8"
+ref2=$("$B/kvbank-generate" --model "$M2" "${ARGS[@]}" --max-tokens $MAXT --sequential --no-prefix-cache \
+    2>"$T/ref2.err") || bad "reference run of the windowed model: $(tail -3 "$T/ref2.err")"
+[ "$ref2" != "$ref" ] || bad "the windowed model gives the llama model's tokens"
+for name in $names; do
+    out=$("$B/kvbank-generate" --model "$M2" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" --policy "$name" \
+        2>"$T/gen2-$name.err")
+    rc=$?
+    if [ $rc -ne 0 ]; then
+        bad "generate --policy $name (sliding window): exits $rc: $(tail -3 "$T/gen2-$name.err")"
+    elif [ "$out" != "$ref2" ]; then
+        bad "generate --policy $name (sliding window): tokens differ from the sequential run"
+    else
+        ok "generate --policy $name (sliding window, biases): sequential tokens under pressure"
     fi
 done
 

@@ -5,6 +5,10 @@
 # greedily generates 32 tokens after a 37-token prompt (so prefill and decode both cross block
 # boundaries) and dumps the logits; reference.py teacher-forces the same tokens and compares. A ragged
 # batch of prompts of 37, 5 and 20 tokens in one run must give each request the tokens it gets alone.
+# The variants cover Llama, Mistral (sliding window), Qwen2 (q/k/v biases, a window on the upper
+# layers), Qwen3 (YaRN, attention bias, window), linear RoPE and Llama's attention/MLP biases. For the
+# features that change the math, the engine's logits must also FAIL against the reference of the same
+# model with the feature edited out of its config.json (so the check cannot pass by ignoring it).
 #
 # Environment: KVB_BUILDDIR (the directory holding kvbank-generate and kvbank-mkmodel; default: found
 # next to this script), KVB_SRCDIR (source tree; default: this script's parent), KVB_PYTHON (default
@@ -48,6 +52,20 @@ variants=(
     "llama-bf16     --arch llama --dtype bf16 --seed 5"
     "qwen3-f16      --arch qwen3 --dtype f16 --seed 6"
     "llama-sharded  --arch llama --shards 2 --seed 7"
+    "mistral-swa    --arch mistral --sliding-window 20 --seed 8"
+    "qwen2-bias     --arch qwen2 --seed 9"
+    "qwen2-swa      --arch qwen2 --layers 4 --sliding-window 12 --max-window-layers 2 --seed 10"
+    "qwen3-yarn-swa --arch qwen3 --rope-scaling yarn --rope-theta 10000 --max-pos 4096 --attention-bias --sliding-window 24 --max-window-layers 1 --seed 11"
+    "llama-bias-lin --arch llama --attention-bias --mlp-bias --rope-scaling linear --seed 12"
+)
+
+# Edits (python3 statements on the dict `c` of config.json) that remove a feature a variant has: the
+# engine's logits must not match the reference of the edited model.
+declare -A without=(
+    [mistral-swa]='c["sliding_window"] = None'
+    [qwen2-swa]='c["use_sliding_window"] = False'
+    [qwen3-yarn-swa]='c["rope_scaling"]["attention_factor"] = 1.0'
+    [llama-bias-lin]='c["attention_bias"] = False'
 )
 
 failures=0
@@ -92,6 +110,22 @@ for v in "${variants[@]}"; do
         check_ref "$name bs=$bs" "$dir" "$P37" "$out" "$npy"
         if [[ $bs == 16 ]]; then alone37=$out; fi
     done
+
+    if [[ -n "${without[$name]:-}" && -n "$alone37" ]]; then
+        checks=$((checks + 1))
+        cp -r "$dir" "$dir.without"
+        "$py" -c 'import json, sys
+p = sys.argv[1] + "/config.json"
+c = json.load(open(p))
+exec(sys.argv[2])
+json.dump(c, open(p, "w"))' "$dir.without" "${without[$name]}"
+        if "$py" "$ref" --model "$dir.without" --prompt-ids "$P37" --tokens "$alone37" --logits "$tmp/$name.bs16.npy" \
+            >"$tmp/$name.without.log" 2>&1; then
+            fail "$name: the logits also match the model with ${without[$name]} (the feature is not exercised)"
+        else
+            echo "$name: logits do not match the model with ${without[$name]} (reference: $(tail -1 "$tmp/$name.without.log" | cut -c1-60))"
+        fi
+    fi
 
     # Ragged batch at block size 16: each request gets exactly the tokens it gets alone.
     alone=("$alone37")

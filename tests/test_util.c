@@ -352,6 +352,10 @@ KVB_TEST(node_config_invalid) {
         {NODE(M_OK ", " W(", \"backend\": \"cuda\", \"device\": 1")),
          "model \"code\" (backend \"cuda\") and model \"chat\" (backend \"cpu\") cannot lend to each other",
          "different kinds"},
+        {NODE(M_OK ", " W(", \"policy_params\": [1]")), "model \"code\": field \"policy_params\" must be an object",
+         NULL},
+        {NODE(M_OK ", " W(", \"policy_params\": {\"lsc\": [\"stream\"]}")),
+         "policy_params.lsc must be a string, a number or a boolean", NULL},
     };
     node_fixture f;
     fixture_init(&f);
@@ -388,6 +392,26 @@ KVB_TEST(node_config_invalid) {
 #undef M_OK
 #undef W
 #undef NODE
+}
+KVB_TEST_END
+
+KVB_TEST(node_config_policy_params) {
+    node_fixture f;
+    fixture_init(&f);
+    const char *txt = "{\"node\": \"n\", \"models\": [{\"name\": \"chat\", \"role\": \"master\", \"model_dir\": \"m\", "
+                      "\"kv_mb\": 2, \"policy\": \"swiftcache\", \"policy_params\": {\"lsc\": \"stream\", "
+                      "\"window_s\": 30, \"ratio\": 0.25, \"deposit\": true}}]}";
+    kvb_node_config *c = NULL;
+    ck_assert_msg(load_text(&f, txt, &c) == KVB_OK, "%s", f.log);
+    const kvb_node_model *m = kvb_node_config_master(c);
+    ck_assert_int_eq(m->n_policy_params, 4);
+    const char *want[][2] = {{"lsc", "stream"}, {"window_s", "30"}, {"ratio", "0.25"}, {"deposit", "true"}};
+    for (int i = 0; i < 4; i++) {
+        ck_assert_str_eq(m->policy_keys[i], want[i][0]);
+        ck_assert_str_eq(m->policy_values[i], want[i][1]);
+    }
+    kvb_node_config_free(c);
+    fixture_fini(&f);
 }
 KVB_TEST_END
 
@@ -485,4 +509,4 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("util", KVB_T(status_strings, 10), KVB_T(parse_id_list, 10), KVB_T(half_roundtrip, 30),
               KVB_T(npy_header, 10), KVB_T(json_fields, 10), KVB_T(node_config_defaults, 10),
-              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(token_deposit, 10), KVB_T(sha256_vectors, 10))
+              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(node_config_policy_params, 10), KVB_T(token_deposit, 10), KVB_T(sha256_vectors, 10))

@@ -385,12 +385,14 @@ int main(int argc, char **argv) {
         fprintf(stderr,
                 "stats: steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
                 "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
-                "max_running=%d swap_outs=%llu recomputed_tokens=%llu host_link_bytes=%llu peer_link_bytes=%llu\n",
+                "max_running=%d swap_outs=%llu recomputed_tokens=%llu dropped_blocks=%llu restored_blocks=%llu "
+                "host_link_bytes=%llu peer_link_bytes=%llu\n",
                 (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
                 (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
                 (unsigned long long)s.prefix_hit_tokens, s.blocks_total, (unsigned long long)s.pauses,
                 (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded, s.prefix_cache,
                 s.max_running, (unsigned long long)s.swap_outs, (unsigned long long)s.recomputed_tokens,
+                (unsigned long long)s.dropped_blocks, (unsigned long long)s.restored_blocks,
                 (unsigned long long)s.links[KVB_LINK_HOST].bytes, (unsigned long long)s.links[KVB_LINK_PEER].bytes);
     }
     rc = 0;

@@ -1,4 +1,4 @@
-/* kvbank-mkmodel — writes a random-weight Llama or Qwen3 model in the Hugging Face layout
+/* kvbank-mkmodel — writes a random-weight Llama, Mistral, Qwen2 or Qwen3 model in the Hugging Face layout
  * (config.json as transformers writes it, model.safetensors or shards + model.safetensors.index.json).
  * Weights are deterministic from --seed: splitmix64 uniforms, Box-Muller normals. */
 #include <errno.h>
@@ -10,17 +10,25 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "common/model/config.h"
 #include "common/model/safetensors.h"
 #include "common/text/tokenizer.h"
 #include "common/util/util.h"
 
+typedef enum rope_kind { ROPE_NONE, ROPE_LLAMA3, ROPE_LINEAR, ROPE_YARN } rope_kind;
+
 typedef struct opts {
-    int qwen3;
+    kvb_arch arch;
+    int qwen3;              /* arch == KVB_ARCH_QWEN3 (q/k norms) */
+    int attention_bias;     /* --attention-bias (llama, qwen3): q/k/v/o biases */
+    int mlp_bias;           /* --mlp-bias (llama) */
+    int sliding_window;     /* --sliding-window N (0: none) */
+    int max_window_layers;  /* --max-window-layers (qwen2/qwen3; -1: half the layers) */
     int layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, max_pos;
     kvb_dtype dtype;
     uint64_t seed;
     int tie;
-    int llama3;
+    rope_kind rope;
     double rope_theta; /* 0: the architecture's default */
     int shards;
     const char *outdir;
@@ -33,13 +41,14 @@ typedef struct opts {
 
 static void usage(FILE *f, const char *prog) {
     fprintf(f,
-            "usage: %s --arch llama|qwen3 [options] OUTDIR\n"
+            "usage: %s --arch llama|mistral|qwen2|qwen3 [options] OUTDIR\n"
             "\n"
             "Writes a random-weight model in the Hugging Face layout into OUTDIR (created if missing):\n"
             "config.json and model.safetensors, or with --shards N > 1 the files\n"
             "model-0000i-of-0000N.safetensors and model.safetensors.index.json.\n"
             "\n"
-            "  --arch A            llama (LlamaForCausalLM) or qwen3 (Qwen3ForCausalLM; adds q/k norms)\n"
+            "  --arch A            llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2\n"
+            "                      (Qwen2ForCausalLM: q/k/v biases) or qwen3 (Qwen3ForCausalLM: q/k norms)\n"
             "  --layers N          decoder layers (default 2)\n"
             "  --hidden N          hidden size (default 64)\n"
             "  --heads N           attention heads (default 4)\n"
@@ -52,8 +61,15 @@ static void usage(FILE *f, const char *prog) {
             "  --seed N            RNG seed (default 0); same flags and seed give identical files\n"
             "  --tie               tie_word_embeddings: no lm_head.weight, the LM head is the embedding\n"
             "  --rope-scaling T    T = llama3: factor 8, low_freq_factor 1, high_freq_factor 4,\n"
-            "                      original_max_position_embeddings = max-pos / 8\n"
-            "  --rope-theta X      RoPE base (default 10000 for llama, 1000000 for qwen3)\n"
+            "                      original_max_position_embeddings = max-pos / 8; linear: factor 2;\n"
+            "                      yarn: factor 4, original_max_position_embeddings = max-pos / 4\n"
+            "  --rope-theta X      RoPE base (default 10000 for llama, 1000000 for the others)\n"
+            "  --sliding-window N  sliding-window attention over the last N keys: every layer (mistral;\n"
+            "                      without it mistral writes \"sliding_window\": null), or with\n"
+            "                      use_sliding_window the layers from --max-window-layers on (qwen2, qwen3)\n"
+            "  --max-window-layers K  qwen2/qwen3: the first layer that slides (default: half the layers)\n"
+            "  --attention-bias    llama, qwen3: biases on q/k/v/o_proj (qwen2 always has q/k/v biases)\n"
+            "  --mlp-bias          llama: biases on gate/up/down_proj\n"
             "  --shards N          split the tensors, in checkpoint order, over N files of about equal\n"
             "                      tensor count (default 1: a single model.safetensors)\n"
             "  --tokenizer DIR     carry the Hugging Face tokenizer of DIR: copies tokenizer.json,\n"
@@ -67,7 +83,7 @@ static void usage(FILE *f, const char *prog) {
             "\n"
             "Weights: linear layers N(0, 1/sqrt(in_features)), embeddings N(0, 1) (with --tie\n"
             "N(0, 1/sqrt(hidden)), the LM head's scale), norm weights 1 + N(0, 0.1). rms_norm_eps is\n"
-            "1e-5 (llama) or 1e-6 (qwen3). Exit status 2 on a usage error.\n",
+            "1e-5 (llama, mistral) or 1e-6 (qwen2, qwen3); biases N(0, 0.5). Exit status 2 on a usage error.\n",
             prog);
 }
 
@@ -141,6 +157,13 @@ static void list_free(tensor_list *l) {
 
 static int64_t elems(const wtensor *t) { return t->n_dims == 1 ? t->shape[0] : t->shape[0] * t->shape[1]; }
 
+static int qkv_bias(const opts *o) { return o->arch == KVB_ARCH_QWEN2 || o->attention_bias; }
+
+/* Tensors per decoder layer. */
+static int layer_tensor_count(const opts *o) {
+    return 9 + (o->qwen3 ? 2 : 0) + (qkv_bias(o) ? 3 : 0) + (o->attention_bias ? 1 : 0) + (o->mlp_bias ? 3 : 0);
+}
+
 /* The checkpoint's tensors in the order transformers lists them. */
 static kvb_status build_list(const opts *o, tensor_list *l) {
     const int64_t h = o->hidden, q = (int64_t)o->heads * o->head_dim, kv = (int64_t)o->kv_heads * o->head_dim;
@@ -160,6 +183,12 @@ static kvb_status build_list(const opts *o, tensor_list *l) {
         LAYER("self_attn.k_proj.weight", 2, kv, h, 0.0, 1.0 / sqrt((double)h));
         LAYER("self_attn.v_proj.weight", 2, kv, h, 0.0, 1.0 / sqrt((double)h));
         LAYER("self_attn.o_proj.weight", 2, h, q, 0.0, 1.0 / sqrt((double)q));
+        if (qkv_bias(o)) {
+            LAYER("self_attn.q_proj.bias", 1, q, 0, 0.0, 0.5);
+            LAYER("self_attn.k_proj.bias", 1, kv, 0, 0.0, 0.5);
+            LAYER("self_attn.v_proj.bias", 1, kv, 0, 0.0, 0.5);
+        }
+        if (o->attention_bias) LAYER("self_attn.o_proj.bias", 1, h, 0, 0.0, 0.5);
         if (o->qwen3) {
             LAYER("self_attn.q_norm.weight", 1, o->head_dim, 0, 1.0, 0.1);
             LAYER("self_attn.k_norm.weight", 1, o->head_dim, 0, 1.0, 0.1);
@@ -168,6 +197,11 @@ static kvb_status build_list(const opts *o, tensor_list *l) {
         LAYER("mlp.gate_proj.weight", 2, ff, h, 0.0, 1.0 / sqrt((double)h));
         LAYER("mlp.up_proj.weight", 2, ff, h, 0.0, 1.0 / sqrt((double)h));
         LAYER("mlp.down_proj.weight", 2, h, ff, 0.0, 1.0 / sqrt((double)ff));
+        if (o->mlp_bias) {
+            LAYER("mlp.gate_proj.bias", 1, ff, 0, 0.0, 0.5);
+            LAYER("mlp.up_proj.bias", 1, ff, 0, 0.0, 0.5);
+            LAYER("mlp.down_proj.bias", 1, h, 0, 0.0, 0.5);
+        }
 #undef LAYER
     }
     KVB_TRY(add(l, "model.norm.weight", 1, h, 0, 1.0, 0.1));
@@ -289,52 +323,75 @@ static int cmp_kv_line(const void *a, const void *b) {
     return strcmp(((const kv_line *)a)->key, ((const kv_line *)b)->key);
 }
 
-/* config.json as transformers' PretrainedConfig.to_json_file writes it: the fields a real Llama / Qwen3
- * checkpoint carries, json.dumps(indent=2, sort_keys=True) + "\n" (transformers_version is left out:
- * transformers did not write this file). */
+static const char *const ARCH_CLASS[] = {
+    [KVB_ARCH_LLAMA] = "LlamaForCausalLM", [KVB_ARCH_QWEN3] = "Qwen3ForCausalLM",
+    [KVB_ARCH_MISTRAL] = "MistralForCausalLM", [KVB_ARCH_QWEN2] = "Qwen2ForCausalLM"};
+static const char *const ARCH_TYPE[] = {
+    [KVB_ARCH_LLAMA] = "llama", [KVB_ARCH_QWEN3] = "qwen3", [KVB_ARCH_MISTRAL] = "mistral", [KVB_ARCH_QWEN2] = "qwen2"};
+
+/* config.json as transformers' PretrainedConfig.to_json_file writes it: the fields a real checkpoint of
+ * the architecture carries, json.dumps(indent=2, sort_keys=True) + "\n" (transformers_version is left
+ * out: transformers did not write this file). */
 static kvb_status write_config(const opts *o) {
-    kv_line L[32];
+    kv_line L[40];
     int n = 0;
     char f1[64], f2[64];
+    const int llama = o->arch == KVB_ARCH_LLAMA, mistral = o->arch == KVB_ARCH_MISTRAL;
+    const int qwen = o->arch == KVB_ARCH_QWEN2 || o->arch == KVB_ARCH_QWEN3;
 #define SET(k, ...) (L[n].key = (k), snprintf(L[n].value, sizeof L[n].value, __VA_ARGS__), n++)
-    SET("architectures", "[\n    \"%s\"\n  ]", o->qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM");
-    SET("attention_bias", "false");
+    SET("architectures", "[\n    \"%s\"\n  ]", ARCH_CLASS[o->arch]);
+    if (llama || o->qwen3) SET("attention_bias", "%s", o->attention_bias ? "true" : "false");
     SET("attention_dropout", "0.0");
     if (o->bos_id >= 0) SET("bos_token_id", "%d", o->bos_id);
     else SET("bos_token_id", "null");
     char eos[200];
     eos_json(o, eos, sizeof eos);
     SET("eos_token_id", "%s", eos);
-    SET("head_dim", "%d", o->head_dim);
+    /* Qwen2 and Mistral checkpoints carry head_dim only where it is not hidden / heads */
+    if (llama || o->qwen3 || o->head_dim * o->heads != o->hidden) SET("head_dim", "%d", o->head_dim);
     SET("hidden_act", "\"silu\"");
     SET("hidden_size", "%d", o->hidden);
     SET("initializer_range", "0.02");
     SET("intermediate_size", "%d", o->intermediate);
     SET("max_position_embeddings", "%d", o->max_pos);
-    SET("model_type", "\"%s\"", o->qwen3 ? "qwen3" : "llama");
+    SET("model_type", "\"%s\"", ARCH_TYPE[o->arch]);
     SET("num_attention_heads", "%d", o->heads);
     SET("num_hidden_layers", "%d", o->layers);
     SET("num_key_value_heads", "%d", o->kv_heads);
-    kvb_fmt_py_float(o->qwen3 ? 1e-6 : 1e-5, f1, sizeof f1);
+    kvb_fmt_py_float(qwen ? 1e-6 : 1e-5, f1, sizeof f1);
     SET("rms_norm_eps", "%s", f1);
-    if (o->llama3)
+    switch (o->rope) {
+    case ROPE_LLAMA3:
         SET("rope_scaling",
             "{\n    \"factor\": 8.0,\n    \"high_freq_factor\": 4.0,\n    \"low_freq_factor\": 1.0,\n"
             "    \"original_max_position_embeddings\": %d,\n    \"rope_type\": \"llama3\"\n  }",
             KVB_MAX(o->max_pos / 8, 1));
-    else SET("rope_scaling", "null");
+        break;
+    case ROPE_LINEAR: SET("rope_scaling", "{\n    \"factor\": 2.0,\n    \"rope_type\": \"linear\"\n  }"); break;
+    case ROPE_YARN: /* as Qwen's model cards write it */
+        SET("rope_scaling",
+            "{\n    \"factor\": 4.0,\n    \"original_max_position_embeddings\": %d,\n    \"rope_type\": \"yarn\"\n  }",
+            KVB_MAX(o->max_pos / 4, 1));
+        break;
+    case ROPE_NONE: SET("rope_scaling", "null"); break;
+    }
     kvb_fmt_py_float(o->rope_theta, f2, sizeof f2);
     SET("rope_theta", "%s", f2);
     SET("tie_word_embeddings", "%s", o->tie ? "true" : "false");
     SET("torch_dtype", "\"%s\"", o->dtype == KVB_DTYPE_F32 ? "float32" : o->dtype == KVB_DTYPE_F16 ? "float16" : "bfloat16");
     SET("use_cache", "true");
     SET("vocab_size", "%d", o->vocab);
-    if (o->qwen3) {
-        SET("max_window_layers", "%d", o->layers);
-        SET("sliding_window", "null");
-        SET("use_sliding_window", "false");
+    if (qwen) {
+        int first = o->max_window_layers >= 0 ? o->max_window_layers : o->layers / 2;
+        SET("max_window_layers", "%d", o->sliding_window ? first : o->layers);
+        if (o->sliding_window) SET("sliding_window", "%d", o->sliding_window);
+        else SET("sliding_window", "null");
+        SET("use_sliding_window", "%s", o->sliding_window ? "true" : "false");
+    } else if (mistral) {
+        if (o->sliding_window) SET("sliding_window", "%d", o->sliding_window);
+        else SET("sliding_window", "null");
     } else {
-        SET("mlp_bias", "false");
+        SET("mlp_bias", "%s", o->mlp_bias ? "true" : "false");
         SET("pretraining_tp", "1");
     }
 #undef SET
@@ -372,7 +429,8 @@ static int parse_int_opt(const char *prog, const char *flag, const char *arg, in
 /* Parses argv into `o`; returns 0, 1 for --help, or -1 for a usage error (message printed). */
 static int parse_args(int argc, char **argv, opts *o) {
     enum { O_ARCH = 256, O_LAYERS, O_HIDDEN, O_HEADS, O_KV, O_HD, O_FF, O_VOCAB, O_MAXPOS, O_DTYPE, O_SEED,
-           O_TIE, O_SCALING, O_THETA, O_SHARDS, O_TOKENIZER, O_EOS, O_HELP };
+           O_TIE, O_SCALING, O_THETA, O_SHARDS, O_TOKENIZER, O_EOS, O_WINDOW, O_WINDOW_LAYERS, O_ATTN_BIAS,
+           O_MLP_BIAS, O_HELP };
     static const struct option lo[] = {
         {"arch", required_argument, 0, O_ARCH}, {"layers", required_argument, 0, O_LAYERS},
         {"hidden", required_argument, 0, O_HIDDEN}, {"heads", required_argument, 0, O_HEADS},
@@ -382,25 +440,38 @@ static int parse_args(int argc, char **argv, opts *o) {
         {"seed", required_argument, 0, O_SEED}, {"tie", no_argument, 0, O_TIE},
         {"rope-scaling", required_argument, 0, O_SCALING}, {"rope-theta", required_argument, 0, O_THETA},
         {"shards", required_argument, 0, O_SHARDS}, {"tokenizer", required_argument, 0, O_TOKENIZER},
-        {"eos-ids", required_argument, 0, O_EOS}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+        {"eos-ids", required_argument, 0, O_EOS}, {"sliding-window", required_argument, 0, O_WINDOW},
+        {"max-window-layers", required_argument, 0, O_WINDOW_LAYERS}, {"attention-bias", no_argument, 0, O_ATTN_BIAS},
+        {"mlp-bias", no_argument, 0, O_MLP_BIAS}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *prog = argv[0];
     int have_arch = 0;
     *o = (opts){.layers = 2, .hidden = 64, .heads = 4, .kv_heads = 2, .head_dim = 0, .intermediate = 128,
-                .vocab = 256, .max_pos = 2048, .dtype = KVB_DTYPE_F32, .seed = 0, .shards = 1, .bos_id = 1};
+                .vocab = 256, .max_pos = 2048, .dtype = KVB_DTYPE_F32, .seed = 0, .shards = 1, .bos_id = 1,
+                .max_window_layers = -1};
     opterr = 0;
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
         int r = 0;
         switch (c) {
-        case O_ARCH:
-            if (!strcmp(optarg, "llama")) o->qwen3 = 0;
-            else if (!strcmp(optarg, "qwen3")) o->qwen3 = 1;
-            else {
-                fprintf(stderr, "%s: --arch must be llama or qwen3, got \"%s\"\n", prog, optarg);
+        case O_ARCH: {
+            int found = 0;
+            for (int a = 0; a < (int)KVB_ARRAY_LEN(ARCH_TYPE); a++)
+                if (!strcmp(optarg, ARCH_TYPE[a])) {
+                    o->arch = (kvb_arch)a;
+                    found = 1;
+                }
+            if (!found) {
+                fprintf(stderr, "%s: --arch must be llama, mistral, qwen2 or qwen3, got \"%s\"\n", prog, optarg);
                 return -1;
             }
+            o->qwen3 = o->arch == KVB_ARCH_QWEN3;
             have_arch = 1;
             break;
+        }
+        case O_WINDOW: r = parse_int_opt(prog, "sliding-window", optarg, 1, 1 << 24, &o->sliding_window); break;
+        case O_WINDOW_LAYERS: r = parse_int_opt(prog, "max-window-layers", optarg, 0, 1024, &o->max_window_layers); break;
+        case O_ATTN_BIAS: o->attention_bias = 1; break;
+        case O_MLP_BIAS: o->mlp_bias = 1; break;
         case O_LAYERS: r = parse_int_opt(prog, "layers", optarg, 1, 1024, &o->layers); break;
         case O_HIDDEN: r = parse_int_opt(prog, "hidden", optarg, 1, 1 << 16, &o->hidden); break;
         case O_HEADS: r = parse_int_opt(prog, "heads", optarg, 1, 1024, &o->heads); break;
@@ -440,11 +511,13 @@ static int parse_args(int argc, char **argv, opts *o) {
         }
         case O_TIE: o->tie = 1; break;
         case O_SCALING:
-            if (strcmp(optarg, "llama3") != 0) {
-                fprintf(stderr, "%s: --rope-scaling supports only llama3, got \"%s\"\n", prog, optarg);
+            if (!strcmp(optarg, "llama3")) o->rope = ROPE_LLAMA3;
+            else if (!strcmp(optarg, "linear")) o->rope = ROPE_LINEAR;
+            else if (!strcmp(optarg, "yarn")) o->rope = ROPE_YARN;
+            else {
+                fprintf(stderr, "%s: --rope-scaling must be llama3, linear or yarn, got \"%s\"\n", prog, optarg);
                 return -1;
             }
-            o->llama3 = 1;
             break;
         case O_THETA:
             if (kvb_parse_f64(optarg, &o->rope_theta) != KVB_OK || !(o->rope_theta > 1.0)) {
@@ -486,7 +559,24 @@ static int parse_args(int argc, char **argv, opts *o) {
         fprintf(stderr, "%s: --kv-heads %d does not divide --heads %d\n", prog, o->kv_heads, o->heads);
         return -1;
     }
-    if (!o->rope_theta) o->rope_theta = o->qwen3 ? 1000000.0 : 10000.0;
+    if (o->attention_bias && o->arch != KVB_ARCH_LLAMA && o->arch != KVB_ARCH_QWEN3) {
+        fprintf(stderr, "%s: --attention-bias is a llama / qwen3 option (qwen2 always has q/k/v biases, mistral "
+                        "none)\n", prog);
+        return -1;
+    }
+    if (o->mlp_bias && o->arch != KVB_ARCH_LLAMA) {
+        fprintf(stderr, "%s: --mlp-bias is a llama option\n", prog);
+        return -1;
+    }
+    if (o->sliding_window && o->arch == KVB_ARCH_LLAMA) {
+        fprintf(stderr, "%s: --sliding-window needs --arch mistral, qwen2 or qwen3 (Llama has none)\n", prog);
+        return -1;
+    }
+    if (o->max_window_layers >= 0 && (!o->sliding_window || (o->arch != KVB_ARCH_QWEN2 && !o->qwen3))) {
+        fprintf(stderr, "%s: --max-window-layers goes with --sliding-window on qwen2 / qwen3\n", prog);
+        return -1;
+    }
+    if (!o->rope_theta) o->rope_theta = o->arch == KVB_ARCH_LLAMA ? 10000.0 : 1000000.0;
     if (!o->eos && !o->tokenizer) {
         static int32_t two = 2;
         o->eos = malloc(sizeof two);
@@ -494,7 +584,7 @@ static int parse_args(int argc, char **argv, opts *o) {
         o->eos[0] = two;
         o->n_eos = 1;
     }
-    int n_tensors = 1 + o->layers * (o->qwen3 ? 11 : 9) + 1 + !o->tie;
+    int n_tensors = 1 + o->layers * layer_tensor_count(o) + 1 + !o->tie;
     if (o->shards > n_tensors) {
         fprintf(stderr, "%s: --shards %d exceeds the %d tensors of this model\n", prog, o->shards, n_tensors);
         return -1;

@@ -12,6 +12,8 @@
  * New loans stack downward (the newest is the lowest), and the coordinator reclaims lowest first, so
  * the worker gets a contiguous tail back every time.
  *
+ * How much to lend and to reclaim is the pool planner's decision (plan_pool: SwiftCache Alg. 1 in the
+ * swiftcache planner, common/policy/swiftcache_planner.c); this file runs the protocol around it.
  * Everything here runs in the server's thread between engine steps (server hooks). */
 #include <inttypes.h>
 #include <stdio.h>
@@ -19,9 +21,7 @@
 #include <string.h>
 
 #include "node/node_proc.h"
-#include "common/policy/swiftcache.h"
 
-#define WINDOW_CAP0 64             /* initial samples of Alg. 1's window */
 #define SHUTDOWN_WAIT_MS 5000      /* most time spent getting lent blocks back at exit */
 #define RECLAIM_RESEND_PERIODS 10  /* heartbeat periods before a ReclaimRequest is repeated */
 
@@ -53,7 +53,6 @@ typedef struct worker {
     range *r;                  /* [n_r] lowest first, tiling [n_own, capacity) */
     int n_r, cap_r;
     kvb_node_loan *view;       /* [cap_r] the R_LOAN loans for a Register */
-    kvb_swift_window win;      /* Alg. 1 line 22: prompt + max_tokens of each request, by arrival time */
     uint64_t next_lend_ns;     /* next SCALEDOWN check */
     int draining;              /* the coordinator drains this worker: lend nothing */
     int stopping;              /* shutting down: reclaim everything, lend nothing */
@@ -175,25 +174,31 @@ static int offer_pending(const worker *w) {
     return 0;
 }
 
-/* Alg. 1 SCALEDOWN, capped by the free tail and rounded down to the MEU. */
-static void scale_down(worker *w, double now_s) {
+/* Asks the pool planner (SwiftCache Alg. 1) about `kind`; `out` gets its amounts. */
+static kvb_status pool_decide(worker *w, kvb_pool_event_kind kind, int64_t tokens, int n_blocks, int starved,
+                              kvb_pool_plan *out) {
+    uint32_t mw, mm;
+    meu(w, &mw, &mm);
+    kvb_pool_event ev = {.kind = kind, .now_s = kvb_now_s(), .tokens = tokens, .n_blocks = n_blocks,
+                         .meu_worker = mw, .meu_master = mm,
+                         .own_soon = (int64_t)n_own(w) + blocks_of(w, R_RETURNED), /* returned: grown once contiguous */
+                         .lent = blocks_of(w, R_LOAN), .free_tail = kvb_engine_free_tail(w->eng),
+                         .live_max_tokens = kvb_engine_max_request_tokens(w->eng), .starved = starved};
+    kvb_status st = kvb_node_proc_plan_pool(w->p, &ev, out);
+    if (st != KVB_OK) KVB_LOG_W("the pool planner failed: %s", kvb_status_str(st));
+    return st;
+}
+
+/* Alg. 1 SCALEDOWN (the planner's amount, capped by the free tail and rounded down to the MEU). */
+static void scale_down(worker *w) {
     uint32_t mw, mm;
     meu(w, &mw, &mm);
     if (!mw || !mm || w->draining || w->stopping || offer_pending(w) || w->reclaim_n ||
         !kvb_node_client_registered(w->nc) || kvb_engine_starved(w->eng))
         return;
-    int64_t max_len = kvb_swift_window_max(&w->win, now_s);
-    int64_t live = kvb_engine_max_request_tokens(w->eng); /* requests older than the window still run */
-    if (live > max_len) max_len = live;
-    int64_t d_w = 0, d_m = 0;
-    kvb_swift_scale_down(n_own(w), w->block_size, mw, mm, max_len, &d_w, &d_m);
-    int64_t tail = kvb_engine_free_tail(w->eng);
-    tail -= tail % mw;
-    if (d_w > tail) d_w = tail;
-    if (d_w <= 0) return;
-    char why[96];
-    snprintf(why, sizeof why, "Alg. 1 SCALEDOWN: longest request %" PRId64 " tokens in the window", max_len);
-    lend(w, (uint32_t)d_w, why);
+    kvb_pool_plan pp;
+    if (pool_decide(w, KVB_POOL_TICK, 0, 0, 0, &pp) != KVB_OK || pp.lend <= 0) return;
+    lend(w, (uint32_t)KVB_MIN(pp.lend, (int64_t)UINT32_MAX), pp.why);
 }
 
 /* Whether a ReclaimRequest may go out now: one at a time, repeated only when unanswered for long. */
@@ -214,23 +219,10 @@ static void reclaim(worker *w, uint32_t n, const char *why) {
     KVB_LOG_I("reclaiming %u block(s) (%s; %u own)", n, why, n_own(w));
 }
 
-/* Alg. 1 SCALEUP for `request_len` tokens; `starved`: requests wait for blocks even though the longest
- * one alone would fit (several together do not), then at least one MEU is asked back. */
-static void scale_up(worker *w, int64_t request_len, int starved) {
-    if (!may_reclaim(w)) return;
-    uint32_t mw, mm;
-    meu(w, &mw, &mm);
-    if (!mw) mw = 1; /* the coordinator rounds to whole loans anyway */
-    if (!mm) mm = 1;
-    int64_t own_soon = (int64_t)n_own(w) + blocks_of(w, R_RETURNED); /* returned: grown once contiguous */
-    int64_t d_w = 0, d_m = 0;
-    kvb_swift_scale_up(own_soon, w->block_size, mw, mm, request_len, &d_w, &d_m);
-    if (d_w == 0 && starved) d_w = mw;
-    if (d_w <= 0) return;
-    char why[96];
-    snprintf(why, sizeof why, "Alg. 1 SCALEUP: a request of %" PRId64 " tokens%s", request_len,
-             starved ? ", requests waiting" : "");
-    reclaim(w, (uint32_t)KVB_MIN(d_w, (int64_t)UINT32_MAX), why);
+/* What the pool planner asks back (Alg. 1 SCALEUP), sent if a reclaim may go out now. */
+static void scale_up(worker *w, const kvb_pool_plan *pp) {
+    if (pp->reclaim <= 0 || !may_reclaim(w)) return;
+    reclaim(w, (uint32_t)KVB_MIN(pp->reclaim, (int64_t)UINT32_MAX), pp->why);
 }
 
 /* ---------------------------------------------------------------------------- coordinator messages */
@@ -238,7 +230,8 @@ static void scale_up(worker *w, int64_t request_len, int starved) {
 static void cb_load(void *ud, kvb_node_load *out) {
     worker *w = ud;
     kvb_node_proc_load(w->p, out);
-    int64_t mx = kvb_swift_window_max(&w->win, kvb_now_s());
+    kvb_pool_plan pp;
+    int64_t mx = pool_decide(w, KVB_POOL_TICK, 0, 0, 0, &pp) == KVB_OK ? pp.demand_tokens : 0;
     out->max_need = (uint32_t)KVB_MIN(KVB_DIV_CEIL(mx, (int64_t)w->block_size), (int64_t)UINT32_MAX);
 }
 
@@ -320,7 +313,8 @@ static void cb_reclaimed(void *ud, const Kvbank__Reclaimed *m) {
          * someone wants this worker to hold its blocks. Counted as demand in Alg. 1's window, so that
          * SCALEDOWN does not lend them again before window_s has passed. */
         uint32_t hold = n_own(w);
-        kvb_swift_window_add(&w->win, kvb_now_s(), (int64_t)hold * w->block_size);
+        kvb_pool_plan pp;
+        (void)pool_decide(w, KVB_POOL_RETURNED, 0, (int)hold, 0, &pp);
         KVB_LOG_I("keeping %u own blocks for the %.0f s window (the blocks came back unasked)", hold, w->a->window_s);
     }
 }
@@ -334,8 +328,12 @@ static void cb_lend_request(void *ud, const Kvbank__LendRequest *m) {
         return;
     }
     w->draining = 0;
+    if (!w->a->lend) {
+        KVB_LOG_I("asked to lend %u block(s): this worker does not lend", m->n_blocks);
+        return;
+    }
     if (m->n_blocks == 0) {
-        scale_down(w, kvb_now_s());
+        scale_down(w);
         return;
     }
     uint32_t mw, mm;
@@ -401,10 +399,12 @@ static void cb_status(void *ud, const Kvbank__StatusReply *m) {
 static int on_tick(void *ud) {
     worker *w = ud;
     uint64_t now = kvb_now_ns();
-    if (kvb_engine_starved(w->eng)) scale_up(w, kvb_engine_max_request_tokens(w->eng), 1);
+    kvb_pool_plan pp;
+    if (kvb_engine_starved(w->eng) && may_reclaim(w) && pool_decide(w, KVB_POOL_TICK, 0, 0, 1, &pp) == KVB_OK)
+        scale_up(w, &pp);
     if (!w->stopping && now >= w->next_lend_ns) {
         w->next_lend_ns = now + ms_ns(w->a->lend_interval_s * 1000.0);
-        if (w->a->lend) scale_down(w, kvb_now_s());
+        if (w->a->lend) scale_down(w);
     }
     /* The ledger answers what the MEU is (a coordinator that does not put it in its replies) and
      * whether an unanswered offer became a loan. */
@@ -423,10 +423,8 @@ static int on_tick(void *ud) {
 
 static void on_request(void *ud, const kvb_request *r) {
     worker *w = ud;
-    int64_t len = (int64_t)r->n_prompt + r->max_tokens;
-    kvb_swift_window_add(&w->win, kvb_now_s(), len);
-    /* Alg. 1 SCALEUP is triggered by the incoming request. */
-    scale_up(w, len, 0);
+    kvb_pool_plan pp; /* the planner records the request in its window and says what to ask back */
+    if (pool_decide(w, KVB_POOL_REQUEST, (int64_t)r->n_prompt + r->max_tokens, 0, 0, &pp) == KVB_OK) scale_up(w, &pp);
 }
 
 /* ------------------------------------------------------------------------------------------- main */
@@ -445,11 +443,6 @@ int main(int argc, char **argv) {
     memset(&w, 0, sizeof w);
     w.a = &a;
     w.block_size = a.block_size;
-    if (kvb_swift_window_init(&w.win, a.window_s, WINDOW_CAP0) != KVB_OK) {
-        fprintf(stderr, "kvbank-worker: out of memory\n");
-        kvb_node_proc_args_free(&a);
-        return 1;
-    }
     kvb_node_role role = {
         .ud = &w,
         .cb = {.ud = &w, .load = cb_load, .loans = cb_loans, .on_registered = cb_registered,
@@ -461,6 +454,7 @@ int main(int argc, char **argv) {
     kvb_node_proc *p = NULL;
     if (kvb_node_proc_create(&a, &role, &p) != KVB_OK) goto out;
     w.p = p;
+    w.a = kvb_node_proc_args_of(p); /* as the process settled them (a planner with its own KV lends nothing) */
     w.eng = kvb_node_proc_engine(p);
     w.nc = kvb_node_proc_client(p);
     w.capacity = (uint32_t)kvb_engine_capacity(w.eng);
@@ -483,7 +477,6 @@ int main(int argc, char **argv) {
     else rc = 0;
 out:
     kvb_node_proc_destroy(p);
-    kvb_swift_window_free(&w.win);
     free(w.r);
     free(w.view);
     kvb_node_proc_args_free(&a);

@@ -440,7 +440,7 @@ static kvb_status keep_tokens(live_req *e, const int32_t *tok, size_t n) {
         KVB_TRY(kvb_realloc_array((void **)&e->seq, cap, sizeof *e->seq));
         e->cap_seq = (int)cap;
     }
-    memcpy(e->seq + e->n_prompt + e->next_index, tok, n * sizeof *tok);
+    if (n) memcpy(e->seq + e->n_prompt + e->next_index, tok, n * sizeof *tok); /* tok is NULL when n is 0 */
     return KVB_OK;
 }
 

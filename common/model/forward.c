@@ -1,8 +1,9 @@
-/* kvbank — the layer-stepped forward pass of Llama / Qwen3 over a flattened token batch.
- * Follows transformers' LlamaDecoderLayer / Qwen3DecoderLayer:
+/* kvbank — the layer-stepped forward pass of Llama / Mistral / Qwen2 / Qwen3 over a flattened token
+ * batch. Follows transformers' LlamaDecoderLayer (and its Mistral, Qwen2, Qwen3 twins):
  *   h = x + o_proj(attn(rope(q_norm(q_proj(norm1(x)))), rope(k_norm(k_proj(..))), v_proj(..)))
  *   x' = h + down(silu(gate(norm2(h))) * up(norm2(h)))
- * (q_norm/k_norm only for Qwen3). Every buffer below is backend memory of act_dtype elements, taken
+ * (q_norm/k_norm only for Qwen3; each projection adds its bias where the architecture has one;
+ * attention is sliding-window on the layers kvb_model_config_window names). Every buffer below is backend memory of act_dtype elements, taken
  * for one step from the caller's allocator (common/mem/mem.h) at kvb_forward_begin, sized by that
  * step's tokens, and given back at kvb_forward_end. */
 #include <math.h>
@@ -123,7 +124,8 @@ kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b) {
     fw->attn = b->attn;
     fw->attn.n_heads = c->n_heads;
     fw->attn.n_tokens = b->n_tokens;
-    fw->attn.scale = (float)(1.0 / sqrt((double)c->head_dim));
+    /* YaRN multiplies cos and sin by its attention factor a, so q.k by a^2: folded into the scale */
+    fw->attn.scale = (float)(c->rope_attn_factor * c->rope_attn_factor / sqrt((double)c->head_dim));
     fw->next_layer = 0;
     KVB_TRY_GOTO(be->embed(fw->be->ctx, &fw->m->embed, b->tokens, b->n_tokens, fw->x), fail_step);
     return KVB_OK;
@@ -146,11 +148,17 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
 
     /* layer_blocks may have been refilled for this layer since begin */
     fw->attn.layer_blocks = fw->b->attn.layer_blocks;
+    fw->attn.window = kvb_model_config_window(c, layer);
 
     KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->attn_norm, eps, fw->h));
     KVB_TRY(be->matmul(ctx, fw->h, n, &w->wq, 0.0f, fw->q));
     KVB_TRY(be->matmul(ctx, fw->h, n, &w->wk, 0.0f, fw->k));
     KVB_TRY(be->matmul(ctx, fw->h, n, &w->wv, 0.0f, fw->v));
+    if (w->bq.data) { /* Qwen2; Llama / Qwen3 with attention_bias */
+        KVB_TRY(be->bias_add(ctx, fw->q, n, &w->bq));
+        KVB_TRY(be->bias_add(ctx, fw->k, n, &w->bk));
+        KVB_TRY(be->bias_add(ctx, fw->v, n, &w->bv));
+    }
     if (w->q_norm.data) { /* Qwen3: RMSNorm over each head before RoPE */
         KVB_TRY(be->rmsnorm(ctx, fw->q, n * c->n_heads, c->head_dim, &w->q_norm, eps, fw->q));
         KVB_TRY(be->rmsnorm(ctx, fw->k, n * c->n_kv_heads, c->head_dim, &w->k_norm, eps, fw->k));
@@ -159,12 +167,18 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     KVB_TRY(be->kv_write(ctx, &fw->attn, fw->k, fw->v));
     KVB_TRY(be->attention(ctx, &fw->attn, fw->q, fw->att));
     KVB_TRY(be->matmul(ctx, fw->att, n, &w->wo, 1.0f, fw->x)); /* x += o_proj(att) */
+    if (w->bo.data) KVB_TRY(be->bias_add(ctx, fw->x, n, &w->bo));
 
     KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->ffn_norm, eps, fw->h));
     KVB_TRY(be->matmul(ctx, fw->h, n, &w->w_gate, 0.0f, fw->gate));
     KVB_TRY(be->matmul(ctx, fw->h, n, &w->w_up, 0.0f, fw->up));
+    if (w->b_gate.data) { /* Llama with mlp_bias */
+        KVB_TRY(be->bias_add(ctx, fw->gate, n, &w->b_gate));
+        KVB_TRY(be->bias_add(ctx, fw->up, n, &w->b_up));
+    }
     KVB_TRY(be->silu_mul(ctx, fw->gate, fw->up, (size_t)n * c->intermediate, fw->gate));
     KVB_TRY(be->matmul(ctx, fw->gate, n, &w->w_down, 1.0f, fw->x)); /* x += down(...) */
+    if (w->b_down.data) KVB_TRY(be->bias_add(ctx, fw->x, n, &w->b_down));
     fw->next_layer = layer + 1;
     return KVB_OK;
 }
@@ -191,5 +205,41 @@ kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
     /* The buffers go back; work already on the stream is done (sync above), and the next step's
      * kernels run after this one's on the same stream anyway. */
     fw_release(fw);
+    return st;
+}
+
+const void *kvb_forward_hidden(const kvb_forward *fw) { return fw->x; }
+
+kvb_status kvb_forward_kv_from_hidden(kvb_forward *fw, int layer, const void *x, const int32_t *pos,
+                                      const kvb_attn_batch *a) {
+    const kvb_model_config *c = &fw->m->cfg;
+    int n = a->n_tokens;
+    if (fw->b || layer < 0 || layer >= c->n_layers || n < 1 || n > fw->max_tokens) return KVB_ERR_INVALID;
+    const kvb_layer_weights *w = &fw->m->layers[layer];
+    const kvb_backend_i *be = fw->be->iface;
+    void *ctx = fw->be->ctx;
+    /* buffers of its own (a step's are given back when it ends) */
+    void *h = NULL, *q = NULL, *k = NULL, *v = NULL;
+    size_t nn = (size_t)n;
+    kvb_status st;
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->hidden, &h), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_heads * c->head_dim, &q), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_kv_heads * c->head_dim, &k), out);
+    KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_kv_heads * c->head_dim, &v), out);
+    /* the layer's first half up to the KV write: norm, K and V projections, Qwen3's k norm, RoPE */
+    KVB_TRY_GOTO(be->rmsnorm(ctx, x, n, c->hidden, &w->attn_norm, c->rms_eps, h), out);
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wk, 0.0f, k), out);
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wv, 0.0f, v), out);
+    if (w->k_norm.data) KVB_TRY_GOTO(be->rmsnorm(ctx, k, n * c->n_kv_heads, c->head_dim, &w->k_norm, c->rms_eps, k), out);
+    /* rope rotates q and k together: q is projected too (defined values), then dropped */
+    KVB_TRY_GOTO(be->matmul(ctx, h, n, &w->wq, 0.0f, q), out);
+    KVB_TRY_GOTO(be->rope(ctx, q, c->n_heads, k, c->n_kv_heads, n, pos, &fw->m->rope), out);
+    KVB_TRY_GOTO(be->kv_write(ctx, a, k, v), out);
+    st = be->sync(ctx);
+out:
+    if (h || q || k || v) (void)be->sync(ctx);
+    void *bufs[] = {h, q, k, v};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++)
+        if (bufs[i]) fw->alloc.iface->free(fw->alloc.ctx, bufs[i]);
     return st;
 }

@@ -21,9 +21,10 @@ static void format_shape(char *buf, size_t cap, int n_dims, const int64_t *shape
 }
 
 /* Finds `name`, checks it is exactly [rows] (cols == 0: a vector) or [rows][cols], and loads it onto the
- * backend as a [rows][cols or 1] weight. Errors name the tensor and both shapes. */
+ * backend as a [rows][cols or 1] weight, in place where the backend can (*viewed = 1: `set` must stay
+ * open while the weight lives). Errors name the tensor and both shapes. */
 static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
-                              kvb_tensor *dst) {
+                              kvb_tensor *dst, int *viewed) {
     const kvb_st_tensor *t = kvb_st_find(set, name);
     if (!t) {
         KVB_LOG_E("model: tensor \"%s\" is missing", name);
@@ -39,8 +40,20 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
         KVB_LOG_E("model: tensor \"%s\" has shape %s, expected %s", name, a, e);
         return KVB_ERR_INVALID;
     }
-    /* the backend copies (and converts) the data; it may be unaligned inside the mapping */
-    kvb_status st = be->iface->weight_load(be->ctx, t->data, t->dtype, rows, cols ? cols : 1, dst);
+    /* Where the backend can compute on the mapped bytes as they are, they are the weight (one copy in
+     * memory: the file's page cache); otherwise the backend copies and converts them, and the mapped
+     * pages are dropped at once so the mapping does not stay resident beside the copy. */
+    kvb_status st = KVB_ERR_UNSUPPORTED;
+    if (be->iface->weight_view) st = be->iface->weight_view(be->ctx, t->data, t->dtype, rows, cols ? cols : 1, dst);
+    if (st == KVB_OK) {
+        kvb_st_prefault(t);
+        *viewed = 1;
+        return KVB_OK;
+    }
+    if (st == KVB_ERR_UNSUPPORTED) {
+        st = be->iface->weight_load(be->ctx, t->data, t->dtype, rows, cols ? cols : 1, dst);
+        kvb_st_release(t);
+    }
     if (st != KVB_OK) {
         KVB_LOG_E("model: backend %s could not load tensor \"%s\" (%s)", be->iface->name, name, kvb_status_str(st));
         memset(dst, 0, sizeof *dst);
@@ -49,43 +62,63 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
     return KVB_OK;
 }
 
-static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l) {
-    const kvb_model_config *c = &m->cfg;
-    kvb_layer_weights *w = &m->layers[l];
+/* The tensors of layer l that this architecture has: suffix under model.layers.l., destination and
+ * shape (cols 0: a vector). Returns the count written to spec. */
+typedef struct layer_tensor {
+    const char *suffix;
+    kvb_tensor *dst;
+    int64_t rows, cols;
+} layer_tensor;
+
+static int layer_spec(const kvb_model_config *c, kvb_layer_weights *w, layer_tensor spec[18]) {
     const int64_t h = c->hidden, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
     const int64_t ff = c->intermediate;
-    struct {
-        const char *suffix;
-        kvb_tensor *dst;
-        int64_t rows, cols;
-    } spec[] = {
-        {"input_layernorm.weight", &w->attn_norm, h, 0},
-        {"self_attn.q_proj.weight", &w->wq, q, h},
-        {"self_attn.k_proj.weight", &w->wk, kv, h},
-        {"self_attn.v_proj.weight", &w->wv, kv, h},
-        {"self_attn.o_proj.weight", &w->wo, h, q},
-        {"self_attn.q_norm.weight", &w->q_norm, c->head_dim, 0},
-        {"self_attn.k_norm.weight", &w->k_norm, c->head_dim, 0},
-        {"post_attention_layernorm.weight", &w->ffn_norm, h, 0},
-        {"mlp.gate_proj.weight", &w->w_gate, ff, h},
-        {"mlp.up_proj.weight", &w->w_up, ff, h},
-        {"mlp.down_proj.weight", &w->w_down, h, ff},
-    };
-    for (size_t i = 0; i < KVB_ARRAY_LEN(spec); i++) {
-        if (spec[i].dst == &w->q_norm || spec[i].dst == &w->k_norm) {
-            if (c->arch != KVB_ARCH_QWEN3) continue;
-        }
+    int n = 0;
+#define T(s, d, r, cl) (spec[n++] = (layer_tensor){(s), (d), (r), (cl)})
+    T("input_layernorm.weight", &w->attn_norm, h, 0);
+    T("self_attn.q_proj.weight", &w->wq, q, h);
+    T("self_attn.k_proj.weight", &w->wk, kv, h);
+    T("self_attn.v_proj.weight", &w->wv, kv, h);
+    T("self_attn.o_proj.weight", &w->wo, h, q);
+    if (c->qkv_bias) {
+        T("self_attn.q_proj.bias", &w->bq, q, 0);
+        T("self_attn.k_proj.bias", &w->bk, kv, 0);
+        T("self_attn.v_proj.bias", &w->bv, kv, 0);
+    }
+    if (c->o_bias) T("self_attn.o_proj.bias", &w->bo, h, 0);
+    if (c->arch == KVB_ARCH_QWEN3) {
+        T("self_attn.q_norm.weight", &w->q_norm, c->head_dim, 0);
+        T("self_attn.k_norm.weight", &w->k_norm, c->head_dim, 0);
+    }
+    T("post_attention_layernorm.weight", &w->ffn_norm, h, 0);
+    T("mlp.gate_proj.weight", &w->w_gate, ff, h);
+    T("mlp.up_proj.weight", &w->w_up, ff, h);
+    T("mlp.down_proj.weight", &w->w_down, h, ff);
+    if (c->mlp_bias) {
+        T("mlp.gate_proj.bias", &w->b_gate, ff, 0);
+        T("mlp.up_proj.bias", &w->b_up, ff, 0);
+        T("mlp.down_proj.bias", &w->b_down, h, 0);
+    }
+#undef T
+    return n;
+}
+
+static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l) {
+    layer_tensor spec[18];
+    int n = layer_spec(&m->cfg, &m->layers[l], spec);
+    for (int i = 0; i < n; i++) {
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst));
+        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst, &m->weights_mapped));
     }
     return KVB_OK;
 }
 
 /* The tensors a checkpoint of this architecture holds (for the "unused tensor" warning). */
 static int64_t expected_tensor_count(const kvb_model_config *c) {
-    int per_layer = c->arch == KVB_ARCH_QWEN3 ? 11 : 9;
-    return (int64_t)c->n_layers * per_layer + 2 + (c->tie_embeddings ? 0 : 1);
+    kvb_layer_weights w;
+    layer_tensor spec[18];
+    return (int64_t)c->n_layers * layer_spec(c, &w, spec) + 2 + (c->tie_embeddings ? 0 : 1);
 }
 
 static void free_weights(kvb_model *m) {
@@ -93,8 +126,7 @@ static void free_weights(kvb_model *m) {
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
             kvb_layer_weights *w = &m->layers[l];
-            kvb_tensor *all[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->wo, &w->q_norm,
-                                 &w->k_norm, &w->ffn_norm, &w->w_gate, &w->w_up, &w->w_down};
+            kvb_tensor *all[] = KVB_LAYER_TENSORS(w);
             for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) weight_free(be, all[i]);
         }
     }
@@ -117,16 +149,16 @@ kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *m->layers, (void **)&m->layers), fail_set);
     KVB_TRY_GOTO(kvb_calloc((size_t)(c->head_dim / 2), sizeof *m->inv_freq, (void **)&m->inv_freq), fail_layers);
 
-    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed, &m->weights_mapped), fail_weights);
     for (int l = 0; l < c->n_layers; l++) KVB_TRY_GOTO(load_layer(m, set, l), fail_weights);
-    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm, &m->weights_mapped), fail_weights);
     if (c->tie_embeddings) {
         if (kvb_st_find(set, "lm_head.weight"))
             KVB_LOG_W("%s: tie_word_embeddings is true; lm_head.weight is ignored (the embedding is used)", dir);
         m->lm_head = m->embed;
         m->lm_head_tied = 1;
     } else {
-        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head), fail_weights);
+        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head, &m->weights_mapped), fail_weights);
     }
     int64_t expected = expected_tensor_count(c) + (c->tie_embeddings && kvb_st_find(set, "lm_head.weight"));
     if (kvb_st_count(set) > expected)
@@ -135,10 +167,12 @@ kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
     kvb_model_config_rope_inv_freq(c, m->inv_freq);
     m->rope.head_dim = c->head_dim;
     m->rope.inv_freq = m->inv_freq;
-    kvb_st_close(set); /* the backend holds its own copies of the weights */
-    KVB_LOG_I("%s: loaded %s, %d layers, hidden %d, %d/%d heads of %d, vocab %d, %lld parameters on %s", dir,
-              c->arch == KVB_ARCH_QWEN3 ? "Qwen3" : "Llama", c->n_layers, c->hidden, c->n_heads, c->n_kv_heads,
-              c->head_dim, c->vocab, (long long)kvb_model_n_params(m), be->iface->name);
+    if (m->weights_mapped) m->weights_file = set; /* weights in place: the mapping lives with the model */
+    else kvb_st_close(set);                        /* the backend holds its own copies */
+    KVB_LOG_I("%s: loaded %s, %d layers, hidden %d, %d/%d heads of %d, vocab %d, %lld parameters on %s%s", dir,
+              kvb_arch_name(c->arch), c->n_layers, c->hidden, c->n_heads, c->n_kv_heads,
+              c->head_dim, c->vocab, (long long)kvb_model_n_params(m), be->iface->name,
+              m->weights_mapped ? " (weights used in place from the mapped files)" : "");
     *out = m;
     return KVB_OK;
 
@@ -158,6 +192,7 @@ fail_model:
 void kvb_model_destroy(kvb_model *m) {
     if (!m) return;
     free_weights(m);
+    kvb_st_close(m->weights_file);
     free(m->layers);
     free(m->inv_freq);
     free(m);
@@ -168,21 +203,25 @@ const kvb_model_config *kvb_model_cfg(const kvb_model *m) { return &m->cfg; }
 kvb_backend *kvb_model_backend(const kvb_model *m) { return m->be; }
 
 kvb_kv_geom kvb_model_kv_geom(const kvb_model *m, int block_size) {
+    int es = 0; /* a backend's own name is always known; 0 makes kvb_kv_geom_check refuse it otherwise */
+    (void)kvb_model_kv_elem_size(m->be->iface->name, &es);
     kvb_kv_geom g = {
         .n_layers = m->cfg.n_layers,
         .n_kv_heads = m->cfg.n_kv_heads,
         .head_dim = m->cfg.head_dim,
         .block_size = block_size,
-        .elem_size = (int)kvb_dtype_size(m->be->iface->act_dtype),
+        .elem_size = es,
     };
     return g;
 }
 
 static int64_t layer_params(const kvb_model_config *c) {
-    const int64_t h = c->hidden, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
-    int64_t n = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * (int64_t)c->intermediate;
-    if (c->arch == KVB_ARCH_QWEN3) n += 2 * (int64_t)c->head_dim;
-    return n;
+    kvb_layer_weights w;
+    layer_tensor spec[18];
+    int n = layer_spec(c, &w, spec);
+    int64_t p = 0;
+    for (int i = 0; i < n; i++) p += spec[i].rows * (spec[i].cols ? spec[i].cols : 1);
+    return p;
 }
 
 /* Counts a tied embedding once, as transformers' num_parameters() does. */
@@ -203,8 +242,7 @@ int64_t kvb_model_weight_bytes_per_token(const kvb_model *m) {
     int64_t b = tensor_bytes(&m->final_norm) + tensor_bytes(&m->lm_head);
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const kvb_layer_weights *w = &m->layers[l];
-        const kvb_tensor *all[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->wo, &w->q_norm,
-                                   &w->k_norm, &w->ffn_norm, &w->w_gate, &w->w_up, &w->w_down};
+        const kvb_tensor *all[] = KVB_LAYER_TENSORS(w);
         for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) b += tensor_bytes(all[i]);
     }
     return b;

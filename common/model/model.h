@@ -66,4 +66,17 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer);
 /* Writes logits [n_logits][vocab] (f32, host) for the batch's logit_rows. */
 kvb_status kvb_forward_end(kvb_forward *fw, float *logits);
 
+/* The residual stream [n_tokens][hidden] (backend memory, act dtype) of the step in flight: between
+ * kvb_forward_begin / kvb_forward_layer(l - 1) and kvb_forward_layer(l) it holds every row's hidden
+ * state entering layer l (what HCache saves). Borrowed; the next layer overwrites it. */
+const void *kvb_forward_hidden(const kvb_forward *fw);
+
+/* HCache's restoration (Gao et al., EuroSys '25): layer `layer`'s K and V of a->n_tokens rows rebuilt
+ * from their saved hidden states x ([n_tokens][hidden], backend memory, act dtype) at positions pos:
+ * the layer's norm, K/V projections (and Qwen3's k norm), RoPE, written through the backend's kv_write
+ * into a->layer_blocks (the layer's slices; a->seqs places the rows as in a step). Uses the forward's
+ * buffers: never while a step is in flight (KVB_ERR_INVALID), n_tokens <= the forward's max_tokens. */
+kvb_status kvb_forward_kv_from_hidden(kvb_forward *fw, int layer, const void *x, const int32_t *pos,
+                                      const kvb_attn_batch *a);
+
 #endif

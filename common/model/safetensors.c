@@ -254,6 +254,32 @@ static kvb_status set_new(kvb_st_set **out) {
     return KVB_OK;
 }
 
+/* Whole pages of [p, p + n), or 0 when there are none. */
+static size_t inner_pages(const void *p, size_t n, uintptr_t *start) {
+    uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = ((uintptr_t)p + pg - 1) & ~(pg - 1), b = ((uintptr_t)p + n) & ~(pg - 1);
+    *start = a;
+    return b > a ? (size_t)(b - a) : 0;
+}
+
+void kvb_st_release(const kvb_st_tensor *t) {
+    uintptr_t a;
+    size_t n = inner_pages(t->data, t->nbytes, &a);
+    /* a private read-only file mapping: dropped pages are read back from the file if touched again */
+    if (n) (void)madvise((void *)a, n, MADV_DONTNEED);
+}
+
+void kvb_st_prefault(const kvb_st_tensor *t) {
+#ifdef MADV_POPULATE_READ
+    uintptr_t a;
+    size_t n = inner_pages(t->data, t->nbytes, &a);
+    /* maps the pages now (older kernels refuse the advice: the first step then faults them in) */
+    if (n) (void)madvise((void *)a, n, MADV_POPULATE_READ);
+#else
+    (void)t;
+#endif
+}
+
 void kvb_st_close(kvb_st_set *s) {
     if (!s) return;
     for (int i = 0; i < s->n_ents; i++) free((char *)s->ents[i].t.name);

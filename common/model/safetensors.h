@@ -33,6 +33,13 @@ kvb_status kvb_st_open_dir(const char *dir, kvb_st_set **out);
 kvb_status kvb_st_open_file(const char *path, kvb_st_set **out);
 void kvb_st_close(kvb_st_set *s);
 
+/* Drops the whole pages of `t`'s data from this process (madvise DONTNEED): for a tensor the caller has
+ * converted into memory of its own, so the mapping does not stay resident beside the copy. The data
+ * stays readable (pages come back from the file). */
+void kvb_st_release(const kvb_st_tensor *t);
+/* Maps `t`'s pages now (MADV_POPULATE_READ where the kernel has it), for a tensor used in place. */
+void kvb_st_prefault(const kvb_st_tensor *t);
+
 /* The tensor called `name`, or NULL. */
 const kvb_st_tensor *kvb_st_find(const kvb_st_set *s, const char *name);
 int kvb_st_count(const kvb_st_set *s);

@@ -23,7 +23,7 @@ typedef struct ee {
     int blocks_per_slot;
     int act_start;
     int max_model_len;
-    kvb_mem *mem;
+    kvb_mem *mem;         /* borrowed: the model backend's */
     kvb_elastic_vm *vm;
     kvb_ee_core *core;
     size_t chunk_bytes;
@@ -80,6 +80,25 @@ static int len_fits(ee *p, size_t chunk, int64_t n_chunks, int theta, int len, i
     return kv + theta + act_chunks_of(p, chunk, step, (int)KVB_MIN(max_seqs, step)) <= n_chunks;
 }
 
+/* ---------------------------------------------------------------- the forward pass's allocator */
+
+/* Each step's activation buffers come from the activation pool (common/mem/act_pool.h): a block
+ * freed at the step's end stays mapped (idle) until GC gives its chunks to the KV side, which happens
+ * only in a later plan, after the step's fence. */
+static kvb_status act_alloc(void *ctx, size_t bytes, void **out) {
+    ee *p = ctx;
+    uintptr_t a;
+    KVB_TRY(kvb_ee_core_act_alloc(p->core, bytes, &a));
+    *out = (void *)a;
+    return KVB_OK;
+}
+
+static void act_free(void *ctx, void *ptr) {
+    if (ptr) kvb_ee_core_act_free(((ee *)ctx)->core, (uintptr_t)ptr);
+}
+
+static const kvb_mem_allocator_i act_iface = {.alloc = act_alloc, .free = act_free};
+
 /* ---------------------------------------------------------------- the fence */
 
 static int fence_passed(void *ud, uint64_t ticket) { return ticket <= ((ee *)ud)->completed; }
@@ -107,7 +126,7 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
         KVB_LOG_E("%s: chunk_tokens %lld must be a multiple of the block size %d", p->name, (long long)p->chunk_tokens, bs);
         return KVB_ERR_INVALID;
     }
-    KVB_TRY(kvb_mem_create(be->iface->name, -1, &p->mem));
+    p->mem = be->mem; /* the device's memory: chunks and reservations come from it */
     size_t gran;
     KVB_TRY(kvb_mem_granularity(p->mem, &gran));
     size_t chunk = (size_t)p->chunk_tokens * tok_bytes;
@@ -210,6 +229,7 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
     out->max_batch_tokens = max_tokens;
     out->no_prefix_cache = 1;
     out->host_tier_blocks = 0;
+    out->act_alloc = (kvb_mem_allocator){.iface = &act_iface, .ctx = p};
     KVB_LOG_I("%s: %d chunks of %zu bytes (%lld tokens) = %.1f MiB for KV and activations, activations start with "
               "%d (a %d-token step), %d slots of %d chunks, θ %d%s%s",
               p->name, c.n_chunks, chunk, (long long)p->chunk_tokens, (double)c.n_chunks * (double)chunk / 1048576.0,
@@ -305,7 +325,6 @@ static void ee_destroy(void *ctx) {
     kvb_ee_step_free(&p->step);
     kvb_ee_core_destroy(p->core);
     kvb_elastic_vm_destroy(p->vm);
-    kvb_mem_destroy(p->mem);
     free(p->reqs);
     free(p);
 }

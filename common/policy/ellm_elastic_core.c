@@ -315,16 +315,23 @@ kvb_status kvb_ee_core_sync(kvb_ee_core *core, const kvb_ee_req *reqs, int n, ui
         }
         i++;
     }
-    /* this iteration's queues, by arrival (pointers into the table, stable until the next sync) */
+    /* this iteration's queues, by arrival (pointers into the table, stable until the next sync). The
+     * engine lists its queues in arrival order, so they come sorted; running and swapped requests are two
+     * sorted runs, merged by the sort only when both exist. */
     core->n_run = core->n_wait = 0;
-    for (size_t i = 0; i < core->cap; i++) {
-        ee_req *r = &core->tab[i];
-        if (!r->used) continue;
-        if (r->state == R_WAITING) core->wait[core->n_wait++] = r;
-        else core->run[core->n_run++] = r;
+    int run_sorted = 1, wait_sorted = 1;
+    for (int i = 0; i < n; i++) {
+        ee_req *r = req_find(core, reqs[i].id);
+        if (r->state == R_WAITING) {
+            wait_sorted &= core->n_wait == 0 || core->wait[core->n_wait - 1]->arrival < r->arrival;
+            core->wait[core->n_wait++] = r;
+        } else {
+            run_sorted &= core->n_run == 0 || core->run[core->n_run - 1]->arrival < r->arrival;
+            core->run[core->n_run++] = r;
+        }
     }
-    qsort(core->run, (size_t)core->n_run, sizeof *core->run, by_arrival);
-    qsort(core->wait, (size_t)core->n_wait, sizeof *core->wait, by_arrival);
+    if (!run_sorted) qsort(core->run, (size_t)core->n_run, sizeof *core->run, by_arrival);
+    if (!wait_sorted) qsort(core->wait, (size_t)core->n_wait, sizeof *core->wait, by_arrival);
     /* Alg. 2, once per iteration */
     core->st.ttft_misses += (uint64_t)ttft_miss;
     core->st.tpot_misses += (uint64_t)tpot_miss;

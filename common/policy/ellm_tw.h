@@ -14,8 +14,9 @@
  *    on top of FLOPs/FLOPS (without it Eq. 5 is minimised at b = 1, r = 0). The four coefficients are
  *    calibrated per backend and re-fitted online from measured steps (kvb_etw_fit_*).
  *  - Memory counts whole blocks (resident tokens of each request, the new token included), the scratch
- *    units of the recompute/load pipeline (F-layer units, ellm_tw_map.h) and the activations of the
- *    recomputed rows; M_o uses Σu_i (the tokens actually absent) instead of b·max(s_i)·r.
+ *    units of the recompute/load pipeline (units of F layers, ellm_tw_map.h) and, where they come out
+ *    of the same budget, the activations of the recomputed rows; M_o uses Σu_i (the tokens actually
+ *    absent) instead of b·max(s_i)·r.
  *  - Swapped prefix layers sit above the highest recomputed one (a swapped layer below it would still
  *    need the prefix's hidden state to pass through it, saving only its K/V projections): (l1, l2)
  *    gives the share of swapped layers l1/(l1+l2) and the pipeline depths, not an interleaving. */
@@ -159,6 +160,8 @@ typedef struct kvb_etw_problem {
     int64_t mem_blocks;  /* device blocks for resident KV, scratch units and recompute activations */
     int64_t host_blocks; /* host-tier blocks for swapped prefix layers (0: none) */
     int64_t max_rows;    /* most rows one step's forward pass may hold (decodes + recomputed tokens) */
+    double act_row_bytes;/* device bytes each recomputed row's activations take from mem_blocks (0 when
+                          * the forward pass's rows are allocated once, outside the pool) */
 } kvb_etw_problem;
 
 typedef struct kvb_etw_solution {

@@ -43,7 +43,7 @@ static void blocks_of(const kvb_etw_problem *p, const totals *t, int64_t *dev, i
     const int L = p->d->n_layers;
     int64_t scratch = kvb_etw_map_carriers(L, p->unit_layers, p->layer.depth, t->token_blocks);
     int64_t bb = block_bytes_of(p);
-    int64_t act = (int64_t)ceil((double)t->absent * kvb_etw_act_row_bytes(p->d) / (double)bb);
+    int64_t act = (int64_t)ceil((double)t->absent * p->act_row_bytes / (double)bb);
     *dev = t->resident + scratch + act;
     *host = p->layer.n_swap > 0 ? kvb_etw_map_host_carriers(L, p->unit_layers, p->layer.n_rec, t->token_blocks) : 0;
 }
@@ -112,7 +112,7 @@ static void heap_down(brk *h, int n, int i) {
 static double absent_cost(const kvb_etw_problem *p) {
     int L = p->d->n_layers;
     double uw = (double)kvb_etw_map_units_window(L, p->unit_layers, p->layer.depth) / kvb_etw_map_slots(L, p->unit_layers);
-    return uw / p->block_size + kvb_etw_act_row_bytes(p->d) / (double)block_bytes_of(p);
+    return uw / p->block_size + p->act_row_bytes / (double)block_bytes_of(p);
 }
 
 /* Smallest r that can fit, from exact device blocks `dev` at r_c: from r_c to r, resident blocks
@@ -196,7 +196,7 @@ double kvb_etw_min_ratio(const kvb_etw_problem *p, int b) {
      * the cap, bisect. */
     int64_t budget = 4 * (int64_t)b + 4096;
     int exact_checks = 16;
-    const double act = kvb_etw_act_row_bytes(p->d) / (double)block_bytes_of(p);
+    const double act = p->act_row_bytes / (double)block_bytes_of(p);
     while (n > 0 && h[0].r <= p->r_max) {
         double rb = h[0].r;
         if (budget-- <= 0) {
@@ -328,7 +328,7 @@ static double mem_fn(unsigned n, const double *x, double *grad, void *data) {
     const kvb_etw_problem *p = R->p;
     double b = x[0], r = x[1], g1;
     double P1 = interp(R, R->p1, b, &g1), bs = p->block_size;
-    double act = kvb_etw_act_row_bytes(p->d) / R->bb;
+    double act = p->act_row_bytes / R->bb;
     double per_absent = -1.0 / bs + R->uw / bs + act; /* blocks per absent token */
     double round = (bs - 1) / bs;
     double m = (P1 + b) / bs + b * round + r * P1 * per_absent;
@@ -373,7 +373,7 @@ typedef struct best_pt {
 static double relax_min_ratio(const relax *R, int b) {
     const kvb_etw_problem *p = R->p;
     double bs = p->block_size, P1 = R->p1[b];
-    double per_absent = -1.0 / bs + R->uw / bs + kvb_etw_act_row_bytes(p->d) / R->bb;
+    double per_absent = -1.0 / bs + R->uw / bs + p->act_row_bytes / R->bb;
     double m0 = R->pblk[b]; /* exact at r = 0; the floors of r > 0 lose half a block each on average */
     if (m0 <= (double)p->mem_blocks) return 0;
     if (per_absent >= 0 || P1 <= 0) return INFINITY;

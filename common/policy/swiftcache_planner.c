@@ -6,14 +6,27 @@
  * the layer and the rows the step wrote stored back after it (residency STREAM). The LSC holds two
  * single-layer buffers per attached block (plan_pool ATTACH / DETACH), so a step never needs more than
  * exist: Eq. 4's N_LSC when the caller attaches at most K_master blocks. Scheduling is vLLM's
- * (kvb_sched_fcfs). */
+ * (kvb_sched_fcfs).
+ *
+ * Worker side (§3.5 Alg. 1, plan_pool): the window of the last window_s seconds' request lengths
+ * (line 22); on a request SCALEUP asks back what the longest request needs (line 6-12); every tick
+ * SCALEDOWN lends what the longest request of the window does not need (lines 14-21), capped by the free
+ * tail and rounded down to the MEU; a starved worker asks back what its longest live request needs, at
+ * least one MEU; blocks returned unasked count as demand for one window. The worker (worker/worker.c)
+ * runs the protocol and carries out the amounts. */
+#include <inttypes.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/policy/policy.h"
+#include "common/policy/swiftcache.h"
 #include "common/sched/scheduler.h"
 
+#define WINDOW_CAP0 64 /* initial samples of Alg. 1's window */
+
 typedef struct swift {
-    int stream; /* lsc=stream */
+    int stream;           /* lsc=stream */
+    kvb_swift_window win; /* Alg. 1 line 22: prompt + max_tokens of each request, by arrival time */
 } swift;
 
 static kvb_status swift_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
@@ -22,14 +35,59 @@ static kvb_status swift_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
     return kvb_sched_fcfs(v, NULL, out);
 }
 
+/* Alg. 1 SCALEUP for `tokens`, at least one MEU when `starved`. */
+static void scale_up(const kvb_pool_event *ev, int bs, int64_t tokens, int starved, kvb_pool_plan *out) {
+    uint32_t mw = ev->meu_worker ? ev->meu_worker : 1, mm = ev->meu_master ? ev->meu_master : 1;
+    int64_t d_w = 0, d_m = 0;
+    kvb_swift_scale_up(ev->own_soon, bs, mw, mm, tokens, &d_w, &d_m);
+    if (d_w == 0 && starved) d_w = mw;
+    out->reclaim = d_w;
+    if (d_w > 0)
+        snprintf(out->why, sizeof out->why, "Alg. 1 SCALEUP: a request of %" PRId64 " tokens%s", tokens,
+                 starved ? ", requests waiting" : "");
+}
+
 static kvb_status swift_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out) {
-    const swift *s = ctx;
-    if (ev->kind == KVB_POOL_SETUP || ev->kind == KVB_POOL_ATTACH || ev->kind == KVB_POOL_DETACH)
-        out->stage_slots = s->stream ? v->pool.n_borrowed : 0;
+    swift *s = ctx;
+    int bs = v->geom->block_size;
+    switch (ev->kind) {
+    case KVB_POOL_SETUP:
+    case KVB_POOL_ATTACH:
+    case KVB_POOL_DETACH: out->stage_slots = s->stream ? v->pool.n_borrowed : 0; break;
+    case KVB_POOL_REQUEST:
+        kvb_swift_window_add(&s->win, ev->now_s, ev->tokens);
+        scale_up(ev, bs, ev->tokens, 0, out); /* Alg. 1 SCALEUP is triggered by the incoming request */
+        break;
+    case KVB_POOL_RETURNED: /* someone wants this worker to hold its blocks: demand for one window */
+        kvb_swift_window_add(&s->win, ev->now_s, (int64_t)ev->n_blocks * bs);
+        break;
+    case KVB_POOL_TICK: {
+        if (ev->starved) {
+            scale_up(ev, bs, ev->live_max_tokens, 1, out);
+            break;
+        }
+        if (!ev->meu_worker || !ev->meu_master) break; /* lend nothing before the MEU is known */
+        int64_t max_len = kvb_swift_window_max(&s->win, ev->now_s);
+        if (ev->live_max_tokens > max_len) max_len = ev->live_max_tokens; /* older requests still run */
+        int64_t d_w = 0, d_m = 0;
+        kvb_swift_scale_down(v->pool.n_own, bs, ev->meu_worker, ev->meu_master, max_len, &d_w, &d_m);
+        int64_t tail = ev->free_tail - ev->free_tail % ev->meu_worker;
+        out->lend = d_w > tail ? tail : d_w;
+        if (out->lend > 0)
+            snprintf(out->why, sizeof out->why, "Alg. 1 SCALEDOWN: longest request %" PRId64 " tokens in the window",
+                     max_len);
+        break;
+    }
+    }
+    out->demand_tokens = kvb_swift_window_max(&s->win, ev->now_s);
     return KVB_OK;
 }
 
-static void swift_destroy(void *ctx) { free(ctx); }
+static void swift_destroy(void *ctx) {
+    swift *s = ctx;
+    kvb_swift_window_free(&s->win);
+    free(s);
+}
 
 static const kvb_planner_i swift_iface = {
     .name = "swiftcache",
@@ -39,14 +97,21 @@ static const kvb_planner_i swift_iface = {
 };
 
 kvb_status kvb_policy_swiftcache_create(const kvb_policy_params *params, kvb_planner *out) {
-    static const char *const known[] = {"lsc", NULL};
+    static const char *const known[] = {"lsc", "window_s", NULL};
     static const char *const lsc[] = {"inplace", "stream", NULL};
     KVB_TRY(kvb_policy_params_check(params, "swiftcache", known));
     int mode = 0;
+    double window_s = 60.0;
     KVB_TRY(kvb_policy_param_choice(params, "swiftcache", "lsc", lsc, &mode));
+    KVB_TRY(kvb_policy_param_f64(params, "swiftcache", "window_s", 0.001, 7 * 86400.0, &window_s));
     swift *s = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
     s->stream = mode == 1;
+    kvb_status st = kvb_swift_window_init(&s->win, window_s, WINDOW_CAP0);
+    if (st != KVB_OK) {
+        free(s);
+        return st;
+    }
     *out = (kvb_planner){.iface = &swift_iface, .ctx = s};
     return KVB_OK;
 }

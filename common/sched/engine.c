@@ -106,10 +106,14 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     if (ev) e->ev = *ev;
     e->geom = kvb_model_kv_geom(m, o.block_size);
     kvb_backend *be = kvb_model_backend(m);
+    e->model_info = (kvb_model_info){.cfg = c, .weight_bytes = kvb_model_weight_bytes_per_token(m),
+                                     .act_elem = (int)kvb_dtype_size(be->iface->act_dtype),
+                                     .flops = o.links.measured_flops};
     KVB_TRY_GOTO(kvb_kv_geom_check(&e->geom), fail);
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
     if (pp.kv_mem) { /* the planner's memory replaces the options' */
+        e->planner_kv = 1;
         o.kv_mem = e->o.kv_mem = pp.kv_mem;
         o.kv_mem_bytes = e->o.kv_mem_bytes = pp.kv_mem_bytes;
         o.n_blocks = e->o.n_blocks = pp.kv_blocks;
@@ -135,9 +139,12 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
                  fail);
     KVB_TRY_GOTO(kvb_prefix_cache_create(e->pool, &e->pc), fail);
     KVB_TRY_GOTO(kvb_stager_create(be, &o.links, &e->stager), fail);
+    if (pp.measure_flops && !(e->model_info.flops > 0)) KVB_TRY_GOTO(kvb_link_measure_flops(be, &e->model_info.flops), fail);
     if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, &pp), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
-    KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, o.act_alloc, &e->fw), fail);
+    if (pp.act_alloc.iface) e->act_alloc = pp.act_alloc;
+    KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, e->act_alloc.iface ? &e->act_alloc : o.act_alloc, &e->fw),
+                 fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_tokens, (void **)&e->b_tokens), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_pos, (void **)&e->b_pos), fail);
@@ -202,7 +209,17 @@ kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
 
 kvb_status kvb_engine_step(kvb_engine *e) { return kvb__exec_step(e); }
 
+kvb_status kvb_engine_plan_pool(kvb_engine *e, const kvb_planner *pl, const kvb_pool_event *ev, kvb_pool_plan *out) {
+    const kvb_planner *use = pl ? pl : &e->planner;
+    if (!use->iface || !use->iface->plan_pool) return KVB_ERR_UNSUPPORTED;
+    *out = (kvb_pool_plan){.stage_slots = kvb_stager_n_buffers(e->stager) / 2};
+    KVB_TRY(kvb__view_build(e));
+    return use->iface->plan_pool(use->ctx, ev, &e->view, out);
+}
+
 int kvb_engine_n_live(const kvb_engine *e) { return e->waiting.n + e->running.n + e->swapped.n; }
+
+int kvb_engine_planner_owns_kv(const kvb_engine *e) { return e->planner_kv; }
 
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }
 

@@ -122,6 +122,10 @@ typedef struct kvb_engine_stats {
     uint64_t swap_outs;         /* requests swapped out to the host tier (KVB_OP_SWAP_OUT) */
     uint64_t swap_ins;
     uint64_t recomputed_tokens; /* absent tokens recomputed (sum of n_absent) */
+    uint64_t dropped_blocks;    /* leading blocks requests released (KVB_OP_DROP) */
+    uint64_t restored_blocks;   /* released blocks given back and refilled by recompute (KVB_OP_DROP) */
+    uint64_t hidden_restores;   /* swap-ins whose first layers were rebuilt from saved hidden states (HCache) */
+    uint64_t hidden_saved_bytes;/* hidden states saved to host memory (HCache) */
     uint64_t copy_orders;       /* plan copy orders carried out */
     uint64_t deferred;          /* admissions put off because a running sequence was computing the
                                  * same prefix block (it is reused a step later instead) */
@@ -156,6 +160,11 @@ typedef struct kvb_slices_stats {
 /* Zero unless the pool is sliced. */
 void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out);
 
+/* Runs plan_pool of `pl` (NULL: the engine's own planner) for `ev` with a fresh view of the engine;
+ * `out` comes filled with the current stage slots (zeros otherwise). KVB_ERR_UNSUPPORTED when that planner
+ * has no plan_pool. Between steps only. A worker's lending runs through here (SwiftCache Alg. 1). */
+kvb_status kvb_engine_plan_pool(kvb_engine *e, const kvb_planner *pl, const kvb_pool_event *ev, kvb_pool_plan *out);
+
 /* The engine's block pool (for lending and for tests). */
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
 
@@ -173,6 +182,11 @@ struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
  * blocks. A waiting request that needs more blocks than the pool holds now (n_own + borrowed, e.g.
  * after lending or a detach) stays queued at the head (FCFS) and kvb_engine_starved reports it; it
  * is admitted once grow/attach gives the blocks back. */
+
+/* 1 when the planner brought the KV memory itself (plan_pool SETUP: eLLM's slots): the engine's blocks are
+ * not in the memory the caller gave (opts.kv_mem, e.g. an exportable region), so the model neither
+ * lends nor borrows. */
+int kvb_engine_planner_owns_kv(const kvb_engine *e);
 
 /* Worker: blocks currently owned, and the most the memory holds. */
 int kvb_engine_n_own(const kvb_engine *e);

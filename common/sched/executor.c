@@ -43,9 +43,10 @@ static kvb_status shadow_get(kvb_engine *e, int32_t id, int32_t *out) {
 /* ---------------------------------------------------------------- applying a plan */
 
 /* Gives `s` blocks for its first `upto` tokens: from the free list, or with `op` placed, the blocks
- * op->block0 + j (checked free by the plan's check). KVB_ERR_EXHAUSTED if the pool cannot. */
+ * op->block0 + j (checked free by the plan's check). Released leading blocks (DROP) are not given back.
+ * KVB_ERR_EXHAUSTED if the pool cannot. */
 static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto, const kvb_plan_op *op) {
-    int need = KVB_DIV_CEIL(upto, e->o.block_size);
+    int need = KVB_DIV_CEIL(upto, e->o.block_size) - s->n_dropped;
     while (s->bt.n < need) {
         int32_t id = op && op->placed ? op->block0 + s->bt.n : -1;
         if (id >= 0) KVB_TRY(kvb_block_pool_take(e->pool, id));
@@ -84,13 +85,16 @@ static void take_hits(kvb_engine *e, seq *s) {
 }
 
 /* Copies whole blocks between the pool and the host tier (pool[i] <-> host[i]) over the host link. */
-static kvb_status move_blocks(kvb_engine *e, kvb_xfer_dir dir, const int32_t *pool, const int32_t *host, int n) {
+/* Only layers [layer0, L) of each block: block-major blocks hold them contiguously at the end. */
+static kvb_status move_blocks(kvb_engine *e, kvb_xfer_dir dir, const int32_t *pool, const int32_t *host, int n,
+                              int layer0) {
     kvb_xfer *x = NULL;
-    if (n == 0) return KVB_OK;
+    if (n == 0 || layer0 >= e->geom.n_layers) return KVB_OK;
     KVB_TRY(kvb_malloc((size_t)n * sizeof *x, (void **)&x));
-    size_t bb = kvb_kv_block_bytes(&e->geom);
+    size_t off = (size_t)layer0 * layer_bytes(e), bb = kvb_kv_block_bytes(&e->geom) - off;
     for (int i = 0; i < n; i++) {
-        void *p = kvb_block_pool_block(e->pool, pool[i]), *h = kvb_block_pool_block(e->ht_pool, host[i]);
+        char *p = (char *)kvb_block_pool_block(e->pool, pool[i]) + off;
+        char *h = (char *)kvb_block_pool_block(e->ht_pool, host[i]) + off;
         x[i] = dir == KVB_XFER_D2H ? (kvb_xfer){h, p, bb} : (kvb_xfer){p, h, bb};
     }
     uint64_t t;
@@ -100,8 +104,115 @@ static kvb_status move_blocks(kvb_engine *e, kvb_xfer_dir dir, const int32_t *po
     return st;
 }
 
-/* KVB_OP_SWAP_OUT: the sequence's KV goes to new host-tier blocks and its pool blocks are released. */
-static kvb_status swap_out(kvb_engine *e, seq *s) {
+/* ---------------------------------------------------------------- HCache: saved hidden states */
+
+static size_t hid_row_bytes(const kvb_engine *e) {
+    return (size_t)kvb_model_cfg(e->m)->hidden * kvb_dtype_size(kvb_model_backend(e->m)->iface->act_dtype);
+}
+
+static unsigned char *hid_at(const kvb_engine *e, const seq *s, int layer, int token) {
+    return s->hid + ((size_t)layer * s->hid_cap_tokens + (size_t)token) * hid_row_bytes(e);
+}
+
+/* A RUN or ADMIT saves the inputs of layers [0, n_hidden) of its new tokens: host memory for every layer
+ * and token it may ever save (prompt + max_tokens). Saving must continue where it stopped, else what
+ * is saved can no longer rebuild the KV of every token and is forgotten. */
+static kvb_status hidden_begin(kvb_engine *e, seq *s, int n_hidden) {
+    s->hid_save = 0;
+    if (n_hidden <= 0) return KVB_OK;
+    int cap_tok = s->n_prompt + s->max_tokens;
+    if (!s->hid || s->hid_cap_layers < n_hidden || s->hid_cap_tokens < cap_tok) {
+        unsigned char *h = NULL;
+        KVB_TRY(kvb_aligned_alloc((size_t)n_hidden * (size_t)cap_tok * hid_row_bytes(e), (void **)&h));
+        free(s->hid);
+        s->hid = h;
+        s->hid_cap_layers = n_hidden;
+        s->hid_cap_tokens = cap_tok;
+        s->hid_layers = s->hid_tokens = 0;
+    }
+    if (s->hid_tokens != s->n_computed) s->hid_layers = s->hid_tokens = 0;
+    if (s->n_computed > 0 && s->hid_layers == 0) return KVB_OK; /* a gap: nothing to continue */
+    s->hid_save = n_hidden;
+    return KVB_OK;
+}
+
+/* After the step: what the saves of this step cover. */
+static void hidden_end(seq *s) {
+    if (s->hid_save <= 0) return;
+    s->hid_layers = s->hid_tokens == 0 ? s->hid_save : KVB_MIN(s->hid_layers, s->hid_save);
+    s->hid_tokens = s->n_computed + s->q_len;
+    s->hid_save = 0;
+}
+
+static kvb_status hid_stage_reserve(kvb_engine *e, size_t bytes) {
+    if (bytes <= e->hid_stage_bytes) return KVB_OK;
+    kvb_backend *be = kvb_model_backend(e->m);
+    void *mem = NULL;
+    KVB_TRY(kvb_mem_alloc(be->mem, bytes, &mem));
+    kvb_mem_free(be->mem, e->hid_stage);
+    e->hid_stage = mem;
+    e->hid_stage_bytes = bytes;
+    return KVB_OK;
+}
+
+/* Before layer l: the scheduled sequences that save layer l's inputs copy their rows of the residual
+ * stream to host memory. Written with the backend's to_host, not through the stager's link model:
+ * HCache streams these saves out behind the compute, and a per-step transfer under a scaled link
+ * preset would pay the preset's per-transfer latency (10 us scaled by the compute ratio: 100 ms and
+ * more for a tiny model), an artifact of the scaling that would only handicap this baseline. The
+ * restoration (SWAP_IN) does go over the host link. */
+static kvb_status hidden_save_layer(kvb_engine *e, int n_sched, int l) {
+    size_t rb = hid_row_bytes(e);
+    kvb_backend *be = kvb_model_backend(e->m);
+    const unsigned char *x = kvb_forward_hidden(e->fw);
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        if (s->hid_save <= l) continue;
+        KVB_TRY(be->iface->to_host(be->ctx, hid_at(e, s, l, s->n_computed), x + (size_t)s->row0 * rb,
+                                   (size_t)s->q_len * rb));
+        e->stats.hidden_saved_bytes += (uint64_t)s->q_len * rb;
+    }
+    return KVB_OK;
+}
+
+/* SWAP_IN of a sequence that left layers [0, swap_hidden) as hidden states: each layer's states go back
+ * over the host link (in chunks of the forward's rows) and its K and V are rebuilt into the new blocks. */
+static kvb_status restore_from_hidden(kvb_engine *e, seq *s) {
+    int nh = s->swap_hidden, total = s->n_computed, bs = e->o.block_size;
+    s->swap_hidden = 0;
+    if (nh <= 0 || total <= 0) return KVB_OK;
+    size_t rb = hid_row_bytes(e);
+    int chunk = KVB_MIN(total, e->max_rows);
+    KVB_TRY(hid_stage_reserve(e, (size_t)chunk * rb));
+    int32_t *pos = NULL;
+    void **blocks = NULL;
+    kvb_status st = kvb_malloc((size_t)chunk * sizeof *pos, (void **)&pos);
+    if (st == KVB_OK) st = kvb_malloc((size_t)s->bt.n * sizeof *blocks, (void **)&blocks);
+    for (int l = 0; l < nh && st == KVB_OK; l++) {
+        for (int a0 = 0; a0 < total && st == KVB_OK; a0 += chunk) {
+            int c = KVB_MIN(chunk, total - a0);
+            kvb_xfer xf = {e->hid_stage, hid_at(e, s, l, a0), (size_t)c * rb};
+            uint64_t t;
+            st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, &xf, 1, &t);
+            if (st == KVB_OK) st = kvb_stager_wait(e->stager, t);
+            if (st != KVB_OK) break;
+            for (int i = 0; i < c; i++) pos[i] = a0 + i;
+            kvb_attn_seq as = {.q_start = 0, .q_len = c, .ctx_len = a0 + c, .n_blocks = KVB_DIV_CEIL(a0 + c, bs)};
+            for (int j = 0; j < as.n_blocks; j++) blocks[j] = kvb_block_pool_block_layer(e->pool, s->bt.ids[j], l);
+            kvb_attn_batch ab = {.geom = &e->geom, .n_heads = kvb_model_cfg(e->m)->n_heads, .n_tokens = c,
+                                 .n_seqs = 1, .seqs = &as, .layer_blocks = blocks};
+            st = kvb_forward_kv_from_hidden(e->fw, l, e->hid_stage, pos, &ab);
+        }
+    }
+    e->stats.hidden_restores += (uint64_t)(st == KVB_OK);
+    free(pos);
+    free(blocks);
+    return st;
+}
+
+/* KVB_OP_SWAP_OUT: the sequence's KV goes to new host-tier blocks and its pool blocks are released;
+ * layers [0, n_hidden) stay behind as its saved hidden states (HCache). */
+static kvb_status swap_out(kvb_engine *e, seq *s, int n_hidden) {
     int n = s->bt.n;
     for (int j = 0; j < n; j++) {
         int32_t h;
@@ -112,7 +223,8 @@ static kvb_status swap_out(kvb_engine *e, seq *s) {
             return st;
         }
     }
-    KVB_TRY(move_blocks(e, KVB_XFER_D2H, s->bt.ids, s->host_bt.ids, n));
+    KVB_TRY(move_blocks(e, KVB_XFER_D2H, s->bt.ids, s->host_bt.ids, n, n_hidden));
+    s->swap_hidden = n_hidden;
     for (int j = 0; j < n; j++)
         if (kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1) kvb__shadow_drop(e, s->bt.ids[j]);
     kvb_block_table_release(&s->bt, e->pool);
@@ -135,11 +247,54 @@ static kvb_status swap_in(kvb_engine *e, seq *s) {
             return st;
         }
     }
-    KVB_TRY(move_blocks(e, KVB_XFER_H2D, s->bt.ids, s->host_bt.ids, n));
+    KVB_TRY(move_blocks(e, KVB_XFER_H2D, s->bt.ids, s->host_bt.ids, n, s->swap_hidden));
+    KVB_TRY(restore_from_hidden(e, s));
     kvb_block_table_release(&s->host_bt, e->ht_pool);
     kvb__list_remove(&e->swapped, s);
     kvb__list_insert_ordered(&e->running, s);
     e->stats.swap_ins++;
+    return KVB_OK;
+}
+
+/* KVB_OP_DROP: the sequence keeps device KV from block `to` on. Releasing moves the table's first
+ * entries out (a block shared through the prefix cache stays cached for others); restoring puts new
+ * blocks in front, which this step's recompute fills (restore_hi). */
+static kvb_status drop_blocks(kvb_engine *e, seq *s, int to) {
+    int cur = s->n_dropped;
+    kvb_block_table *t = &s->bt;
+    if (to > cur) {
+        int k = to - cur;
+        for (int j = 0; j < k; j++) {
+            if (kvb_block_pool_refcount(e->pool, t->ids[j]) == 1) kvb__shadow_drop(e, t->ids[j]);
+            kvb_block_pool_unref(e->pool, t->ids[j]);
+        }
+        memmove(t->ids, t->ids + k, (size_t)(t->n - k) * sizeof *t->ids);
+        t->n -= k;
+        e->stats.dropped_blocks += (uint64_t)k;
+    } else if (to < cur) {
+        int k = cur - to;
+        for (int j = 0; j < k; j++) { /* grow the table by k (ids moved below) */
+            int32_t id;
+            KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id)); /* counted by the plan's check */
+            kvb_status st = kvb_block_table_push(t, id);
+            if (st != KVB_OK) {
+                kvb_block_pool_unref(e->pool, id);
+                return st;
+            }
+        }
+        /* the k new ids sit at the end: rotate them to the front */
+        int32_t tmp[64];
+        for (int done = 0; done < k;) {
+            int c = KVB_MIN(k - done, 64);
+            memcpy(tmp, t->ids + t->n - c, (size_t)c * sizeof *tmp);
+            memmove(t->ids + c, t->ids, (size_t)(t->n - c) * sizeof *t->ids);
+            memcpy(t->ids, tmp, (size_t)c * sizeof *tmp);
+            done += c;
+        }
+        s->restore_hi = cur;
+        e->stats.restored_blocks += (uint64_t)k;
+    }
+    s->n_dropped = to;
     return KVB_OK;
 }
 
@@ -172,6 +327,10 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             }
             s->q_len = op->q_len;
             s->n_absent = op->n_absent;
+            if (hidden_begin(e, s, op->n_hidden) != KVB_OK) {
+                *err = KVB_ERR_NOMEM;
+                return -1;
+            }
             e->sched[n++] = s;
             break;
         case KVB_OP_ADMIT: {
@@ -199,6 +358,10 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             kvb__list_insert_ordered(&e->running, s);
             s->q_len = q;
             s->n_absent = 0;
+            if (hidden_begin(e, s, op->n_hidden) != KVB_OK) {
+                *err = KVB_ERR_NOMEM;
+                return -1;
+            }
             e->sched[n++] = s;
             break;
         }
@@ -208,9 +371,17 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             e->stats.pauses++;
             break;
         case KVB_OP_RESUME: s->paused = 0; break;
+        case KVB_OP_DROP: {
+            kvb_status st = drop_blocks(e, s, op->n_dropped);
+            if (st != KVB_OK) {
+                *err = st;
+                return -1;
+            }
+            break;
+        }
         case KVB_OP_SWAP_OUT:
         case KVB_OP_SWAP_IN: {
-            kvb_status st = op->kind == KVB_OP_SWAP_OUT ? swap_out(e, s) : swap_in(e, s);
+            kvb_status st = op->kind == KVB_OP_SWAP_OUT ? swap_out(e, s, op->n_hidden) : swap_in(e, s);
             if (st != KVB_OK) {
                 *err = st;
                 return -1;
@@ -257,7 +428,9 @@ static void publish_full_blocks(kvb_engine *e, seq *s) {
     int bs = e->o.block_size;
     while ((s->n_published + 1) * bs <= s->n_computed) {
         int b = s->n_published;
-        if (kvb_prefix_cache_publish(e->pc, s->last_hash, s->tokens + (size_t)b * bs, s->bt.ids[b], &s->last_hash) !=
+        if (b < s->n_dropped) break; /* a released block can no longer be published (nor its successors) */
+        if (kvb_prefix_cache_publish(e->pc, s->last_hash, s->tokens + (size_t)b * bs, s->bt.ids[b - s->n_dropped],
+                                     &s->last_hash) !=
             KVB_OK)
             break;
         s->n_published++;
@@ -272,6 +445,21 @@ static int is_stop(const seq *s, int32_t tok) {
 
 /* Entry ids of the step: pool block ids, or SCRATCH_ID(k) for scratch slice k. */
 #define SCRATCH_ID(k) (-2 - (k))
+
+/* Entry n_blk of the step: block j of `s` (its first `full` blocks are recomputed whole). A released
+ * block (DROP) and a fully recomputed block that is not being restored read scratch slice scr0 + j;
+ * a restored block receives the recomputed KV in place; the rest are the sequence's blocks. */
+static void layout_entry(kvb_engine *e, seq *s, int j, int full, int scr0, int n_blk) {
+    int restored = j >= s->n_dropped && j < s->restore_hi;
+    if (j < s->n_dropped || (j < full && !restored)) {
+        e->blk_id[n_blk] = SCRATCH_ID(scr0 + j);
+        e->blk_base[n_blk] = (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e);
+    } else {
+        int32_t id = s->bt.ids[j - s->n_dropped];
+        e->blk_id[n_blk] = id;
+        e->blk_base[n_blk] = e->sl ? NULL /* per layer: kvb__slices_layer */ : kvb_block_pool_block(e->pool, id);
+    }
+}
 
 /* Lays out the batch: for each scheduled sequence its recomputed prefix (if any) as a sequence of its
  * own at positions 0..n_absent-1 over scratch slices (and its real boundary block), then its new
@@ -295,11 +483,7 @@ static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_ou
             kvb_attn_seq *as = &e->b_seqs[n_attn++];
             *as = (kvb_attn_seq){.q_start = n_tok, .q_len = a, .ctx_len = a, .n_blocks = KVB_DIV_CEIL(a, bs),
                                  .blk_first = n_blk};
-            for (int j = 0; j < as->n_blocks; j++, n_blk++) {
-                e->blk_id[n_blk] = j < full ? SCRATCH_ID(scr0 + j) : s->bt.ids[j];
-                e->blk_base[n_blk] = j < full ? (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e)
-                                              : kvb_block_pool_block(e->pool, s->bt.ids[j]);
-            }
+            for (int j = 0; j < as->n_blocks; j++, n_blk++) layout_entry(e, s, j, full, scr0, n_blk);
             for (int t = 0; t < a; t++, n_tok++) {
                 e->b_tokens[n_tok] = s->tokens[t];
                 e->b_pos[n_tok] = t;
@@ -307,15 +491,11 @@ static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_ou
             e->stats.recomputed_tokens += (uint64_t)a;
         }
         kvb_attn_seq *as = &e->b_seqs[n_attn++];
+        s->row0 = n_tok;
         *as = (kvb_attn_seq){.q_start = n_tok, .q_len = s->q_len, .ctx_len = s->n_computed + s->q_len,
                              .blk_first = n_blk};
         as->n_blocks = KVB_DIV_CEIL(as->ctx_len, bs);
-        for (int j = 0; j < as->n_blocks; j++, n_blk++) {
-            e->blk_id[n_blk] = j < full ? SCRATCH_ID(scr0 + j) : s->bt.ids[j];
-            e->blk_base[n_blk] = j < full ? (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e)
-                                 : e->sl ? NULL /* per layer: kvb__slices_layer */
-                                         : kvb_block_pool_block(e->pool, s->bt.ids[j]);
-        }
+        for (int j = 0; j < as->n_blocks; j++, n_blk++) layout_entry(e, s, j, full, scr0, n_blk);
         for (int t = 0; t < s->q_len; t++, n_tok++) {
             e->b_tokens[n_tok] = s->tokens[s->n_computed + t];
             e->b_pos[n_tok] = s->n_computed + t;
@@ -604,6 +784,7 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
             }
         }
         e->t_wait[l] = kvb_now_ns() - tl;
+        KVB_TRY(hidden_save_layer(e, n_sched, l));
         KVB_TRY(kvb_forward_layer(e->fw, l));
         if (e->sl) {
             /* the layer's kernels are done with its prefetch slots once the backend is idle */
@@ -672,8 +853,10 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         seq *s = e->sched[i];
         int decode = s->q_len == 1 && s->n_generated > 0 && s->n_computed == s->n_tokens - 1;
         if (!decode) e->stats.prompt_tokens += (uint64_t)s->q_len;
+        hidden_end(s);
         s->n_computed += s->q_len;
         s->n_absent = 0;
+        s->restore_hi = 0;
         if (e->o.enable_prefix_cache) publish_full_blocks(e, s);
         if (s->n_computed != s->n_tokens) continue; /* prefill chunk: no token yet */
         const float *lg = e->logits + (size_t)li++ * c->vocab;
@@ -724,9 +907,10 @@ void kvb__exec_free(kvb_engine *e) {
     free(e->res_first);
     free(e->res_next);
     free(e->xl.x);
-    if (e->scratch) {
+    if (e->scratch || e->hid_stage) {
         kvb_backend *be = kvb_model_backend(e->m);
         kvb_mem_free(be->mem, e->scratch);
+        kvb_mem_free(be->mem, e->hid_stage);
     }
     free(e->shadow);
     free(e->shadow_ok);

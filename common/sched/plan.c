@@ -22,6 +22,7 @@ const char *kvb_op_kind_str(kvb_op_kind k) {
     case KVB_OP_SWAP_IN: return "SWAP_IN";
     case KVB_OP_PAUSE: return "PAUSE";
     case KVB_OP_RESUME: return "RESUME";
+    case KVB_OP_DROP: return "DROP";
     }
     return "?";
 }

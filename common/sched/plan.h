@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "common/util/util.h"
+#include "common/model/config.h"
 #include "kernels/backend.h"
 
 /* ------------------------------------------------------------------------------------------ view */
@@ -53,8 +54,23 @@ typedef struct kvb_req_view {
     int n_computed;        /* tokens whose KV is in its blocks (0 while waiting) */
     int n_blocks;          /* blocks in its table (pool ids; SWAPPED: host-tier ids) */
     int n_exclusive;       /* of those, referenced by this request alone (preempting it frees them) */
-    const int32_t *blocks; /* [n_blocks] its block ids in token order (borrowed, valid during the call) */
+    const int32_t *blocks; /* [n_blocks] its block ids in token order (borrowed, valid during the call);
+                            * blocks[0] holds tokens from n_dropped * block_size on */
+    int n_dropped;         /* leading blocks it has released (KVB_OP_DROP): their tokens' KV is absent and
+                            * every RUN recomputes them (n_absent >= n_dropped * block_size) */
+    int hidden_layers;     /* HCache: leading layers whose input hidden states of all its computed tokens
+                            * are saved in host memory (RUNNING: what a SWAP_OUT may leave as hidden
+                            * states; SWAPPED: the layers it left so) */
 } kvb_req_view;
+
+/* What a planner may know about the model and the machine (cost models). */
+typedef struct kvb_model_info {
+    const kvb_model_config *cfg; /* the model's config.json */
+    int64_t weight_bytes;        /* weight bytes a step reads (kvb_model_weight_bytes_per_token) */
+    int act_elem;                /* bytes per activation element on the backend */
+    double flops;                /* this machine's measured matmul rate (kvb_link_measure_flops), FLOP/s;
+                                  * 0 when not measured */
+} kvb_model_info;
 
 /* Block counts of the KV pool and of the host tier. */
 typedef struct kvb_pool_view {
@@ -92,6 +108,11 @@ typedef struct kvb_view {
     int n_running;
     int n_swapped;
     int n_waiting;
+    /* The model, for planners with a cost model (eLLM's, OrbitFlow's). */
+    const kvb_model_info *model;
+    /* The stager's link model (common/sched/stager.h; "off" when copies run at memory speed), for
+     * planners that predict transfer times. */
+    const struct kvb_link_model *links;
     /* The engine, for the scheduler's routines (common/sched/scheduler.h) that probe the prefix cache;
      * planners pass the view to them and never use this themselves. */
     const struct kvb_engine *engine;
@@ -113,6 +134,13 @@ typedef enum kvb_op_kind {
                           * a RUN later in the plan may schedule it in the same step */
     KVB_OP_PAUSE = 6,    /* RUNNING -> PAUSED: not scheduled, keeps its KV */
     KVB_OP_RESUME = 7,   /* PAUSED -> RUNNING; a RUN later in the plan may schedule it */
+    KVB_OP_DROP = 8,     /* RUNNING/PAUSED, before its RUN: the request keeps device KV from block n_dropped
+                          * on (eLLM token-wise). More than now: blocks [now, n_dropped) are released
+                          * (shared prefix blocks stay cached for others), and every later RUN must
+                          * recompute them (n_absent >= n_dropped * block_size). Fewer than now: blocks
+                          * [n_dropped, now) come back as new blocks, which this step's RUN of the request
+                          * must fill (its n_absent >= now * block_size). Only full blocks:
+                          * n_dropped * block_size <= n_computed */
 } kvb_op_kind;
 
 const char *kvb_op_kind_str(kvb_op_kind k);
@@ -128,6 +156,12 @@ typedef struct kvb_plan_op {
                     * this step (eLLM token-wise): they are added as extra rows at positions
                     * 0..n_absent-1 whose KV goes to scratch blocks of the step, so every layer's
                     * attention sees them; they produce no logits. 0 <= n_absent <= n_computed */
+    int n_dropped; /* DROP: the request's new count of released leading blocks */
+    int n_hidden;  /* HCache (Gao et al., EuroSys '25). RUN, ADMIT: save the hidden states entering layers
+                    * [0, n_hidden) of this step's new tokens to the request's host memory (over the host
+                    * link). SWAP_OUT: layers [0, n_hidden) leave as those hidden states instead of KV
+                    * (n_hidden <= the view's hidden_layers); SWAP_IN rebuilds their KV from them (the
+                    * layer's norm, K/V projections and RoPE) and copies the other layers back */
     int placed;    /* RUN, ADMIT: 0 (default): new blocks come from the pool's free list; 1: the
                     * request's j-th block is block0 + j (its existing blocks must be laid out so, its
                     * new ones must be free): a planner that keeps each request's KV contiguous in an
@@ -262,6 +296,8 @@ typedef struct kvb_pool_plan {
     /* SETUP (read once): */
     int host_tier_blocks;  /* blocks of host memory behind the pool (0: none) */
     int extra_rows;        /* forward-pass rows beyond max_batch_tokens (recomputed tokens) */
+    int measure_flops;     /* measure this machine's matmul rate for view.model->flops (a few ms, once per
+                            * process and backend) */
     void *kv_mem;          /* the planner's own memory for the KV pool, borrowed until the engine is
                             * destroyed (eLLM: the KV slots, one reservation whose chunks the planner maps
                             * on demand); NULL: the engine's (the options' kv_mem, else allocated) */
@@ -271,6 +307,9 @@ typedef struct kvb_pool_plan {
     int max_batch_tokens;  /* > 0: the step budget the planner works with (eLLM computes whole prompts in one
                             * step); the forward pass holds that many rows */
     int no_prefix_cache;   /* 1: the prefix cache is off (a planner that places KV itself) */
+    kvb_mem_allocator act_alloc; /* iface set: where the forward pass takes each step's buffers (eLLM's
+                            * activation pool), borrowed for the engine's lifetime; it replaces the
+                            * options' act_alloc */
     /* SETUP, ATTACH, DETACH: */
     int stage_slots;       /* blocks a step may read through stage buffers (STREAM / HOST) */
     /* SETUP (read once): */
@@ -282,9 +321,10 @@ typedef struct kvb_pool_plan {
     int sliced_min_layers; /* slices per block the planner needs at least for any request (its most
                             * offloaded placement, prefetch slots included); kvb_engine_add refuses a
                             * request whose blocks times this exceed the device's slices (0: n_layers) */
-    /* TICK, REQUEST (worker; the role rounds and caps them and runs the protocol): */
+    /* TICK, REQUEST, RETURNED (worker; the role rounds and caps them and runs the protocol): */
     int64_t lend;          /* own blocks to offer to the master */
     int64_t reclaim;       /* lent blocks to ask back */
+    int64_t demand_tokens; /* the longest request the planner keeps room for (Alg. 1's window maximum) */
     char why[96];          /* a reason for the log */
 } kvb_pool_plan;
 

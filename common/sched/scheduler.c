@@ -47,6 +47,7 @@ static void release_blocks(kvb_engine *e, seq *s) {
 
 void kvb__seq_free(kvb_engine *e, seq *s) {
     release_blocks(e, s);
+    free(s->hid);
     kvb_block_table_free(&s->bt);
     if (e->ht_pool) kvb_block_table_release(&s->host_bt, e->ht_pool);
     kvb_block_table_free(&s->host_bt);
@@ -57,6 +58,9 @@ void kvb__seq_free(kvb_engine *e, seq *s) {
 
 void kvb__seq_drop_kv(kvb_engine *e, seq *s) {
     release_blocks(e, s);
+    s->n_dropped = 0;
+    s->restore_hi = 0;
+    s->hid_layers = s->hid_tokens = 0; /* recomputed from its tokens: saved hidden states are moot */
     s->n_computed = 0;
     s->n_published = 0;
     s->last_hash = KVB_PREFIX_ROOT;
@@ -174,6 +178,7 @@ static kvb_status view_reserve(kvb_engine *e, int n) {
         KVB_TRY(kvb_realloc_array((void **)&e->memo, (size_t)cap, sizeof *e->memo));
         KVB_TRY(kvb_realloc_array((void **)&e->astate, (size_t)cap, sizeof *e->astate));
         KVB_TRY(kvb_realloc_array((void **)&e->asched, (size_t)cap, sizeof *e->asched));
+        KVB_TRY(kvb_realloc_array((void **)&e->adrop, (size_t)cap, sizeof *e->adrop));
         KVB_TRY(kvb_realloc_array((void **)&e->anew, (size_t)cap, sizeof *e->anew));
         e->vcap = cap;
     }
@@ -195,7 +200,9 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
                                  .n_prompt = s->n_prompt, .n_tokens = s->n_tokens, .n_generated = s->n_generated,
                                  .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
                                  .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
-                                 .blocks = swapped ? s->host_bt.ids : s->bt.ids};
+                                 .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped,
+                                 .hidden_layers = swapped ? s->swap_hidden
+                                                  : s->hid_tokens >= s->n_computed ? s->hid_layers : 0};
     e->vseq[i] = s;
     e->memo[i].done = 0;
     s->vidx = i;
@@ -239,6 +246,8 @@ kvb_status kvb__view_build(kvb_engine *e) {
     for (seq *s = e->waiting.head; s; s = s->next) view_add(e, s, KVB_REQ_WAITING);
     v->n_waiting = v->n_reqs - v->n_running - v->n_swapped;
     v->reqs = e->vreqs;
+    v->model = &e->model_info;
+    v->links = &e->o.links; /* the stager's, which copied them (it may not exist yet at SETUP) */
     v->engine = e;
     v->links = kvb_stager_links(e->stager);
     e->memo_n = 0;
@@ -319,6 +328,7 @@ static kvb_status acct_begin(kvb_engine *e, const kvb_view *v, acct *a) {
     for (int i = 0; i < v->n_reqs; i++) {
         e->astate[i] = v->reqs[i].state;
         e->asched[i] = 0;
+        e->adrop[i] = v->reqs[i].n_dropped;
         e->anew[i] = 0;
     }
     /* a sliced pool counts ids here (its slices are checked apart, kvb__slices_check) */
@@ -363,9 +373,11 @@ static kvb_status acct_release(acct *a, int i, int *freed) {
     return KVB_OK;
 }
 
+/* New blocks a RUN of q tokens needs (a DROP's releases and restores keep the logical count: the
+ * released leading blocks count as present, since a RUN never writes them). */
 static int64_t run_need(const acct *a, int i, int q) {
     const kvb_req_view *r = &a->v->reqs[i];
-    int64_t need = KVB_DIV_CEIL((int64_t)r->n_computed + q, a->v->geom->block_size) - r->n_blocks;
+    int64_t need = KVB_DIV_CEIL((int64_t)r->n_computed + q, a->v->geom->block_size) - r->n_blocks - r->n_dropped;
     return need > 0 ? need : 0;
 }
 
@@ -461,6 +473,13 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->n_absent < 0 || op->n_absent > r->n_computed)
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k, id,
                           op->n_absent, r->n_computed);
+        if (op->n_hidden < 0 || op->n_hidden > v->geom->n_layers)
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_hidden %d is outside [0, %d layers]", k, id,
+                          op->n_hidden, v->geom->n_layers);
+        int absent_min = KVB_MAX(r->n_dropped, a->e->adrop[i]) * v->geom->block_size;
+        if (op->n_absent < absent_min)
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, but its first %d token(s) have no KV "
+                          "(dropped or restored in this step)", k, id, op->n_absent, absent_min);
         if (op->n_absent > 0 && a->e->sl)
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent needs a block-major pool, not a sliced "
                                "one", k, id);
@@ -486,6 +505,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->q_len < 1 || op->n_absent != 0)
             return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): q_len %d must be >= 1 and n_absent %d 0", k, id,
                           op->q_len, op->n_absent);
+        if (op->n_hidden < 0 || op->n_hidden > v->geom->n_layers)
+            return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): n_hidden %d is outside [0, %d layers]", k, id,
+                          op->n_hidden, v->geom->n_layers);
         int q;
         int64_t blocks;
         KVB_TRY(admit_cost(a, i, op->q_len, 1, &q, &blocks, &a->e->anew[i]));
@@ -541,6 +563,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (r->n_blocks > a->host_left)
             return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): needs %d host-tier block(s), the host tier can "
                           "give %d at this point of the plan", k, id, r->n_blocks, a->host_left);
+        if (op->n_hidden < 0 || op->n_hidden > r->hidden_layers)
+            return kvb__refuse(err, len, "plan op %d (SWAP_OUT request %llu): n_hidden %d, but hidden states are saved for %d "
+                          "layer(s)", k, id, op->n_hidden, r->hidden_layers);
         int freed;
         KVB_TRY(acct_release(a, i, &freed));
         a->avail += freed;
@@ -562,6 +587,32 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         a->e->astate[i] = KVB_REQ_RUNNING;
         a->e->asched[i] |= 4; /* its view lists host blocks: it is not released again in this plan */
         break;
+    case KVB_OP_DROP: {
+        if (st != KVB_REQ_RUNNING && st != KVB_REQ_PAUSED)
+            return kvb__refuse(err, len, "plan op %d (DROP request %llu): the request is %s", k, id, kvb_req_state_str(st));
+        if (a->e->asched[i])
+            return kvb__refuse(err, len, "plan op %d (DROP request %llu): the request is scheduled, swapped in or dropped "
+                          "earlier in this step", k, id);
+        int bs = v->geom->block_size, cur = r->n_dropped, to = op->n_dropped;
+        if (to < 0 || (int64_t)to * bs > r->n_computed)
+            return kvb__refuse(err, len, "plan op %d (DROP request %llu): n_dropped %d, it has %d full block(s)", k, id, to,
+                          r->n_computed / bs);
+        if (to > cur) {
+            /* the released blocks are the first (to - cur) of its table */
+            for (int j = 0; j < to - cur; j++) {
+                a->avail += eff_ref(a, r->blocks[j]) == 1;
+                KVB_TRY(adj_add(a, r->blocks[j], -1));
+            }
+        } else if (to < cur) {
+            if (cur - to > a->avail)
+                return kvb__refuse(err, len, "plan op %d (DROP request %llu): restoring %d block(s), the pool can give %lld "
+                              "at this point of the plan", k, id, cur - to, (long long)a->avail);
+            a->avail -= cur - to;
+        }
+        a->e->adrop[i] = to;
+        a->e->asched[i] |= 8;
+        break;
+    }
     default:
         return kvb__refuse(err, len, "plan op %d: unknown operation %d", k, (int)op->kind);
     }
@@ -590,7 +641,9 @@ static kvb_status step_marks(acct *a, const kvb_plan *p, uint8_t **out) {
         const kvb_req_view *r = &v->reqs[i];
         if (op->kind == KVB_OP_RUN && r->state != KVB_REQ_SWAPPED) {
             for (int j = 0; j < r->n_blocks; j++) {
-                int w = (j + 1) * bs > r->n_computed || (op->n_absent % bs && j == op->n_absent / bs);
+                int jl = r->n_dropped + j; /* its block index in the request */
+                if (jl < e->adrop[i]) continue; /* released by a DROP of this plan */
+                int w = (jl + 1) * bs > r->n_computed || (op->n_absent % bs && jl == op->n_absent / bs);
                 m[r->blocks[j]] |= (uint8_t)(1 | (w ? 2 : 0));
             }
         } else if (op->kind == KVB_OP_ADMIT) {
@@ -777,6 +830,12 @@ kvb_status kvb_sched_cost(const kvb_view *v, const kvb_plan *p, kvb_plan_cost *o
                     v->max_seqs);
         goto out;
     }
+    for (int i = 0; i < v->n_reqs; i++)
+        if (e->adrop[i] < v->reqs[i].n_dropped && !(e->asched[i] & 1)) {
+            st = kvb__refuse(err, err_len, "request %llu: a DROP restores its blocks %d..%d but no RUN of this plan fills them",
+                        (unsigned long long)v->reqs[i].id, e->adrop[i], v->reqs[i].n_dropped - 1);
+            goto out;
+        }
     KVB_TRY_GOTO(check_residency(&a, p, err, err_len), out);
     KVB_TRY_GOTO(kvb__slices_check(e, v, p, e->astate, e->asched, e->anew, err, err_len), out);
     if (out)
@@ -835,7 +894,8 @@ static kvb_status fcfs_running(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
         int q = KVB_MIN(r->n_tokens - r->n_computed, a->budget - a->tokens);
         for (;;) {
             if (run_need(a, i, q) <= a->avail) {
-                st = push(a, p, (kvb_plan_op){.kind = KVB_OP_RUN, .id = r->id, .q_len = q});
+                int absent = e->adrop[i] * v->geom->block_size; /* dropped blocks are recomputed */
+                st = push(a, p, (kvb_plan_op){.kind = KVB_OP_RUN, .id = r->id, .q_len = q, .n_absent = absent});
                 break;
             }
             /* candidates: this request and the running ones after it that are not scheduled */
@@ -1050,5 +1110,6 @@ void kvb__sched_free(kvb_engine *e) {
     free(e->adj_touched);
     free(e->astate);
     free(e->asched);
+    free(e->adrop);
     free(e->anew);
 }

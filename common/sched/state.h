@@ -44,6 +44,17 @@ typedef struct seq {
     int paused;        /* running but not scheduled (KVB_OP_PAUSE) */
     int hits_taken;    /* during a step: its admission took its prefix hits (2: all that matched) */
     int n_absent;      /* tokens recomputed in the current step (KVB_OP_RUN.n_absent) */
+    int n_dropped;     /* leading blocks released (KVB_OP_DROP): bt.ids[j] is block n_dropped + j */
+    int restore_hi;    /* during a step: blocks [n_dropped, restore_hi) came back by a DROP and are
+                        * filled by this step's recompute (restore_hi <= n_dropped: none) */
+    /* HCache: hidden states entering layers [0, hid_layers) of tokens [0, hid_tokens), host memory
+     * [hid_cap_layers][hid_cap_tokens][hidden] of act_dtype elements */
+    unsigned char *hid;
+    int hid_cap_layers, hid_cap_tokens;
+    int hid_layers, hid_tokens;
+    int hid_save;      /* during a step: layers whose inputs this step saves (op n_hidden) */
+    int swap_hidden;   /* SWAPPED: layers left as hidden states (their KV is rebuilt at SWAP_IN) */
+    int row0;          /* during a step: the batch row of its first new token */
     kvb_block_table host_bt; /* SWAPPED: its blocks in the host tier, in token order */
     int vidx;          /* index in the current view, -1 when not in it */
     struct seq *prev, *next;
@@ -97,6 +108,8 @@ struct kvb_engine {
     kvb_block_pool *pool;
     kvb_prefix_cache *pc;
     kvb_forward *fw;
+    kvb_mem_allocator act_alloc; /* the planner's activation allocator (SETUP), iface NULL if none */
+    int planner_kv;          /* the planner brought the KV memory (SETUP) */
     int max_rows;            /* rows the forward pass holds: max_batch_tokens + extra rows */
     seq_list waiting;        /* by arrival; preempted sequences go back in arrival order */
     seq_list running;        /* by arrival (paused ones included) */
@@ -131,7 +144,11 @@ struct kvb_engine {
     int adj_n, adj_touched_cap;
     kvb_req_state *astate;   /* [vcap] state of each request after the plan's operations so far */
     uint8_t *asched;         /* [vcap] 1 once the request has a RUN or ADMIT in the plan */
+    int32_t *adrop;          /* [vcap] its released leading blocks after the plan's DROPs so far */
     kvb_plan plan;
+    kvb_model_info model_info; /* what the view tells planners about the model (view.model) */
+    void *hid_stage;           /* HCache: backend memory staging saved / restored hidden states */
+    size_t hid_stage_bytes;
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] */
     uint64_t *t_copy;        /* [n_layers] ticket of the last LOAD copy order due before each layer */

@@ -217,6 +217,44 @@ static kvb_status load_gateway(kvb_node_config *c, const json_t *root) {
     return KVB_OK;
 }
 
+/* "policy_params": {"KEY": VALUE, ...}: strings, numbers and booleans, kept as text for the planner to
+ * parse (it refuses keys it does not know). */
+static kvb_status load_policy_params(const json_t *jm, const char *what, kvb_node_model *m) {
+    const json_t *pp = json_object_get(jm, "policy_params");
+    if (!pp || json_is_null(pp)) return KVB_OK;
+    if (!json_is_object(pp)) {
+        KVB_LOG_E("%s: field \"policy_params\" must be an object of KEY: value", what);
+        return KVB_ERR_INVALID;
+    }
+    size_t n = json_object_size(pp);
+    if (n == 0) return KVB_OK;
+    KVB_TRY(kvb_calloc(n, sizeof *m->policy_keys, (void **)&m->policy_keys));
+    KVB_TRY(kvb_calloc(n, sizeof *m->policy_values, (void **)&m->policy_values));
+    const char *key;
+    const json_t *val;
+    json_object_foreach((json_t *)pp, key, val) {
+        char buf[64];
+        const char *text = buf;
+        if (json_is_string(val)) text = json_string_value(val);
+        else if (json_is_integer(val)) snprintf(buf, sizeof buf, "%lld", (long long)json_integer_value(val));
+        else if (json_is_real(val)) snprintf(buf, sizeof buf, "%.17g", json_real_value(val));
+        else if (json_is_boolean(val)) text = json_is_true(val) ? "true" : "false";
+        else {
+            KVB_LOG_E("%s: policy_params.%s must be a string, a number or a boolean", what, key);
+            return KVB_ERR_INVALID;
+        }
+        if (!key[0]) {
+            KVB_LOG_E("%s: policy_params has an empty key", what);
+            return KVB_ERR_INVALID;
+        }
+        int i = m->n_policy_params;
+        KVB_TRY(kvb_strdup(key, &m->policy_keys[i]));
+        KVB_TRY(kvb_strdup(text, &m->policy_values[i]));
+        m->n_policy_params++;
+    }
+    return KVB_OK;
+}
+
 static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *jm, int idx, kvb_node_model *m) {
     char what[PATH_MAX + 64];
     snprintf(what, sizeof what, "%s: models[%d]", c->path, idx);
@@ -278,6 +316,7 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     KVB_TRY(check_endpoint(m->endpoint, what, "endpoint"));
 
     KVB_TRY(dup_str(jm, "policy", 0, what, "recompute", &m->policy));
+    KVB_TRY(load_policy_params(jm, what, m));
     v = 512;
     KVB_TRY(kvb_json_get_int(jm, "max_batch_tokens", 0, 1, 1 << 24, what, &v));
     m->max_batch_tokens = (int)v;
@@ -316,7 +355,7 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     static const char *const known[] = {"name",  "role",     "model_dir", "mkmodel",          "backend",
                                         "device", "threads", "kv_mb",     "block_size",       "endpoint",
                                         "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend",
-                                        "max_live", "max_live_per_client", "tbt_slo_ms", NULL};
+                                        "max_live", "max_live_per_client", "tbt_slo_ms", "policy_params", NULL};
     warn_unknown(jm, known, what);
     return KVB_OK;
 }
@@ -486,6 +525,12 @@ void kvb_node_config_free(kvb_node_config *c) {
         free(m->backend);
         free(m->endpoint);
         free(m->policy);
+        for (int k = 0; k < m->n_policy_params; k++) {
+            free(m->policy_keys[k]);
+            free(m->policy_values[k]);
+        }
+        free(m->policy_keys);
+        free(m->policy_values);
     }
     free(c->models);
     free(c->path);

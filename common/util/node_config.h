@@ -20,7 +20,8 @@
  *       "kv_mb": 16,                          KV memory budget in MiB (the region's size)
  *       "block_size": 16,
  *       "endpoint": "ipc://...",              default ipc://<run_dir>/<name>.sock
- *       "policy": "recompute",
+ *       "policy": "recompute",                `--policy list` names them
+ *       "policy_params": {"lsc": "stream"},   the planner's parameters (strings, numbers, booleans)
  *       "max_batch_tokens": 512, "max_seqs": 64,
  *       "max_live": 1024,                     requests live at once; more are refused
  *       "max_live_per_client": 256,           of them, one client's at most (default max_live / 4)
@@ -66,6 +67,9 @@ typedef struct kvb_node_model {
     int block_size;         /* default 16 */
     char *endpoint;
     char *policy;           /* default "recompute" */
+    char **policy_keys;     /* [n_policy_params] "policy_params": {KEY: value} as text (the planner parses) */
+    char **policy_values;
+    int n_policy_params;
     int max_batch_tokens;   /* default 512 */
     int max_seqs;           /* default 64 */
     int max_live;           /* default 1024 */

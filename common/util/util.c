@@ -32,8 +32,21 @@ kvb_status kvb_dtype_parse(const char *name, kvb_dtype *out) {
     return KVB_OK;
 }
 
+/* Allocation failures on demand, per thread (tests): -1 never; n >= 0: after n more allocations. */
+static _Thread_local int fail_after = -1;
+
+void kvb__alloc_fail_after(int n) { fail_after = n; }
+
+/* 1 if this allocation is to fail (counting it otherwise). */
+static int injected_failure(void) {
+    if (fail_after < 0) return 0;
+    if (fail_after == 0) return 1;
+    fail_after--;
+    return 0;
+}
+
 kvb_status kvb_malloc(size_t bytes, void **out) {
-    void *p = malloc(bytes ? bytes : 1);
+    void *p = injected_failure() ? NULL : malloc(bytes ? bytes : 1);
     if (!p) {
         KVB_LOG_E("allocation of %zu bytes failed", bytes);
         return KVB_ERR_NOMEM;
@@ -43,7 +56,7 @@ kvb_status kvb_malloc(size_t bytes, void **out) {
 }
 
 kvb_status kvb_calloc(size_t n, size_t size, void **out) {
-    void *p = calloc(n ? n : 1, size ? size : 1);
+    void *p = injected_failure() ? NULL : calloc(n ? n : 1, size ? size : 1);
     if (!p) {
         KVB_LOG_E("allocation of %zu x %zu bytes failed", n, size);
         return KVB_ERR_NOMEM;
@@ -55,7 +68,7 @@ kvb_status kvb_calloc(size_t n, size_t size, void **out) {
 kvb_status kvb_realloc_array(void **p, size_t n, size_t size) {
     if (size && n > SIZE_MAX / size) return KVB_ERR_NOMEM;
     size_t bytes = n * size;
-    void *q = realloc(*p, bytes ? bytes : 1);
+    void *q = injected_failure() ? NULL : realloc(*p, bytes ? bytes : 1);
     if (!q) {
         KVB_LOG_E("reallocation to %zu x %zu bytes failed", n, size);
         return KVB_ERR_NOMEM;
@@ -66,7 +79,7 @@ kvb_status kvb_realloc_array(void **p, size_t n, size_t size) {
 
 kvb_status kvb_aligned_alloc(size_t bytes, void **out) {
     void *p = NULL;
-    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) {
+    if (injected_failure() || posix_memalign(&p, 64, bytes ? bytes : 64) != 0) {
         KVB_LOG_E("aligned allocation of %zu bytes failed", bytes);
         return KVB_ERR_NOMEM;
     }
@@ -75,7 +88,7 @@ kvb_status kvb_aligned_alloc(size_t bytes, void **out) {
 }
 
 kvb_status kvb_strdup(const char *s, char **out) {
-    char *p = strdup(s ? s : "");
+    char *p = injected_failure() ? NULL : strdup(s ? s : "");
     if (!p) return KVB_ERR_NOMEM;
     *out = p;
     return KVB_OK;
@@ -88,6 +101,15 @@ uint64_t kvb_now_ns(void) {
 }
 
 double kvb_now_s(void) { return (double)kvb_now_ns() * 1e-9; }
+
+uint64_t kvb_thread_runq_ns(void) {
+    FILE *f = fopen("/proc/thread-self/schedstat", "r");
+    if (!f) return 0;
+    unsigned long long run = 0, wait = 0;
+    int n = fscanf(f, "%llu %llu", &run, &wait);
+    fclose(f);
+    return n == 2 ? (uint64_t)wait : 0;
+}
 
 uint64_t kvb_wall_ns(void) {
     struct timespec ts;

@@ -30,12 +30,19 @@ kvb_status kvb_realloc_array(void **p, size_t n, size_t size);
 kvb_status kvb_aligned_alloc(size_t bytes, void **out);
 /* strdup that reports failure; caller owns the copy. */
 kvb_status kvb_strdup(const char *s, char **out);
+/* Tests: the calling thread's next `n` allocations through the wrappers above succeed and every one
+ * after them fails with KVB_ERR_NOMEM, until kvb__alloc_fail_after(-1) (the default). */
+void kvb__alloc_fail_after(int n);
 
 /* Monotonic clock in nanoseconds / seconds (CLOCK_MONOTONIC). */
 uint64_t kvb_now_ns(void);
 double kvb_now_s(void);
 /* Wall clock in nanoseconds since the epoch (for timestamps that leave the process). */
 uint64_t kvb_wall_ns(void);
+/* Nanoseconds the calling thread has spent runnable but waiting for a CPU (Linux schedstat), 0 where
+ * the kernel does not say. A wall-clock interval minus its growth is the time the thread ran or slept:
+ * what the interval would have taken on a machine nobody else was using. */
+uint64_t kvb_thread_runq_ns(void);
 
 /* Strict decimal parsing: the whole string must be a number in [min, max]. */
 kvb_status kvb_parse_i64(const char *s, int64_t min, int64_t max, int64_t *out);

@@ -6,13 +6,22 @@
  *  - prefill-like sequences: one item per (sequence, KV head, tile of query rows) gathers the keys and
  *    values visible to the tile into contiguous scratch and runs Q.K^T and P.V as two sgemm calls
  *    with the causal mask applied between them.
- * Both compute exact softmax attention in f32 (max subtracted before exp). */
+ * Both compute exact softmax attention in f32 (max subtracted before exp). With a sliding window
+ * (kvb_attn_batch.window) a row sees only its last `window` keys; keys before every row's window are
+ * neither read nor gathered. */
 #include <cblas.h>
 #include <math.h>
 #include <omp.h>
 #include <string.h>
 
 #include "kernels/cpu/ops.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KVB_ATTN_AVX2 1
+#else
+#define KVB_ATTN_AVX2 0
+#endif
 
 /* A sequence takes the sgemm path when it has at least this many query rows per KV head. */
 #define GEMM_MIN_ROWS 32
@@ -82,67 +91,142 @@ static void softmax(float *s, int n) {
     for (i = 0; i < n; i++) s[i] *= inv;
 }
 
-/* Every query row of the sequence for every query head of KV group g. scores: ctx_len floats. */
+/* The group's query heads against one key row: s[h * stride] = scale * <q[h], k> for h < gq. */
+static inline void dots_group(const float *q, int gq, const float *k, int hd, float scale, float *s, size_t stride) {
+    for (int h = 0; h < gq; h++) s[(size_t)h * stride] = dot(q + (size_t)h * hd, k, hd) * scale;
+}
+
+/* The group's outputs plus one value row: o[h] += p[h * stride] * v for h < gq. */
+static inline void axpy_group(const float *p, size_t stride, int gq, const float *v, float *o, int hd) {
+    for (int h = 0; h < gq; h++) axpy(p[(size_t)h * stride], v, o + (size_t)h * hd, hd);
+}
+
+#if KVB_ATTN_AVX2
+/* The same two loops with AVX2 + FMA for the head dimensions models use (multiples of 8): each key
+ * and value row is loaded once for all heads of the group. Chosen at run time (kvb__cpu_avx2). */
+__attribute__((target("avx2,fma"))) static void dots_group_avx2(const float *q, int gq, const float *k, int hd,
+                                                                 float scale, float *s, size_t stride) {
+    for (int h = 0; h < gq; h++) {
+        const float *qh = q + (size_t)h * hd;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 16 <= hd; i += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(k + i + 8), a1);
+        }
+        for (; i < hd; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a0);
+        __m256 a = _mm256_add_ps(a0, a1);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        s[(size_t)h * stride] = _mm_cvtss_f32(r) * scale;
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void axpy_group_avx2(const float *p, size_t stride, int gq, const float *v,
+                                                                 float *o, int hd) {
+    for (int i = 0; i < hd; i += 8) {
+        __m256 x = _mm256_loadu_ps(v + i);
+        for (int h = 0; h < gq; h++) {
+            float *oh = o + (size_t)h * hd + i;
+            _mm256_storeu_ps(oh, _mm256_fmadd_ps(_mm256_set1_ps(p[(size_t)h * stride]), x, _mm256_loadu_ps(oh)));
+        }
+    }
+}
+#endif
+
+/* First key a query row with `n_vis` causally visible keys may see: 0, or with a sliding window the
+ * start of the window (the row's own key is the last of `window` keys). */
+static inline int first_key(const kvb_attn_batch *b, int n_vis) {
+    return b->window > 0 && n_vis > b->window ? n_vis - b->window : 0;
+}
+
+/* Every query row of the sequence for all query heads of KV group g, which sit next to each other
+ * in a token's q row: one pass over the visible keys (each key row read once for the whole group),
+ * the softmax of each head, one pass over the values. scores: gq * ctx_len floats, head h's score
+ * for key k at scores[h * ctx_len + k]. */
 static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int g, const float *q, float *out,
                       float *scores) {
     const kvb_kv_geom *geo = b->geom;
     int hd = geo->head_dim, bs = geo->block_size, gq = b->n_heads / geo->n_kv_heads;
-    size_t row = (size_t)geo->n_kv_heads * hd, half = (size_t)bs * row;
+    size_t row = (size_t)geo->n_kv_heads * hd, half = (size_t)bs * row, stride = (size_t)sq->ctx_len;
+#if KVB_ATTN_AVX2
+    int simd = kvb__cpu_avx2 && hd % 8 == 0;
+#endif
     for (int t = 0; t < sq->q_len; t++) {
-        int n_vis = sq->ctx_len - sq->q_len + t + 1;
-        for (int hi = 0; hi < gq; hi++) {
-            int h = g * gq + hi;
-            const float *qh = q + ((size_t)(sq->q_start + t) * b->n_heads + h) * hd;
-            float *oh = out + ((size_t)(sq->q_start + t) * b->n_heads + h) * hd;
-            for (int k0 = 0, j = 0; k0 < n_vis; k0 += bs, j++) {
-                const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)g * hd;
-                int n_in = KVB_MIN(bs, n_vis - k0);
-                for (int r = 0; r < n_in; r++) scores[k0 + r] = dot(qh, kb + r * row, hd) * b->scale;
+        int n_vis = sq->ctx_len - sq->q_len + t + 1, lo = first_key(b, n_vis);
+        const float *qg = q + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd;
+        float *og = out + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd;
+        /* keys [lo, n_vis), block by block */
+        for (int k0 = lo; k0 < n_vis;) {
+            int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, n_vis - k0);
+            const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)g * hd + r0 * row;
+#if KVB_ATTN_AVX2
+            if (simd) {
+                for (int r = 0; r < n_in; r++) dots_group_avx2(qg, gq, kb + r * row, hd, b->scale, scores + k0 + r, stride);
+                k0 += n_in;
+                continue;
             }
-            softmax(scores, n_vis);
-            memset(oh, 0, (size_t)hd * sizeof(float));
-            for (int k0 = 0, j = 0; k0 < n_vis; k0 += bs, j++) {
-                const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)g * hd;
-                int n_in = KVB_MIN(bs, n_vis - k0);
-                for (int r = 0; r < n_in; r++) axpy(scores[k0 + r], vb + r * row, oh, hd);
+#endif
+            for (int r = 0; r < n_in; r++) dots_group(qg, gq, kb + r * row, hd, b->scale, scores + k0 + r, stride);
+            k0 += n_in;
+        }
+        for (int h = 0; h < gq; h++) softmax(scores + (size_t)h * stride + lo, n_vis - lo);
+        memset(og, 0, (size_t)gq * hd * sizeof(float));
+        for (int k0 = lo; k0 < n_vis;) {
+            int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, n_vis - k0);
+            const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)g * hd + r0 * row;
+#if KVB_ATTN_AVX2
+            if (simd) {
+                for (int r = 0; r < n_in; r++) axpy_group_avx2(scores + k0 + r, stride, gq, vb + r * row, og, hd);
+                k0 += n_in;
+                continue;
             }
+#endif
+            for (int r = 0; r < n_in; r++) axpy_group(scores + k0 + r, stride, gq, vb + r * row, og, hd);
+            k0 += n_in;
         }
     }
 }
 
 static size_t gemm_scratch_floats(int nk, int m, int hd) { return 2 * (size_t)nk * hd + (size_t)m * (nk + 2 * (size_t)hd); }
 
-/* Query rows [t0, t1) of the sequence for KV group g through sgemm (single-threaded inside the team). */
+/* Query rows [t0, t1) of the sequence for KV group g through sgemm (single-threaded inside the team).
+ * The tile gathers the keys [k_lo, nk) some row of it sees; row r's own keys are [lo_r, nvis_r). */
 static void attn_gemm(const kvb_attn_batch *b, const kvb_attn_seq *sq, int g, int t0, int t1, const float *q,
                       float *out, float *scratch) {
     const kvb_kv_geom *geo = b->geom;
     int hd = geo->head_dim, bs = geo->block_size, gq = b->n_heads / geo->n_kv_heads;
     size_t row = (size_t)geo->n_kv_heads * hd, half = (size_t)bs * row;
     int past = sq->ctx_len - sq->q_len;
-    int m = (t1 - t0) * gq, nk = past + t1; /* keys visible to the tile's last row */
-    float *kc = scratch, *vc = kc + (size_t)nk * hd, *s = vc + (size_t)nk * hd;
-    float *qt = s + (size_t)m * nk, *ot = qt + (size_t)m * hd;
+    int nk = past + t1, k_lo = first_key(b, past + t0 + 1); /* keys of the tile's last / first row */
+    int m = (t1 - t0) * gq, nkt = nk - k_lo;
+    float *kc = scratch, *vc = kc + (size_t)nkt * hd, *s = vc + (size_t)nkt * hd;
+    float *qt = s + (size_t)m * nkt, *ot = qt + (size_t)m * hd;
 
-    for (int k0 = 0, j = 0; k0 < nk; k0 += bs, j++) {
+    for (int k0 = k_lo; k0 < nk;) {
+        int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, nk - k0);
         const float *blk = b->layer_blocks[sq->blk_first + j];
-        int n_in = KVB_MIN(bs, nk - k0);
         for (int r = 0; r < n_in; r++) {
-            memcpy(kc + (size_t)(k0 + r) * hd, blk + r * row + (size_t)g * hd, (size_t)hd * sizeof(float));
-            memcpy(vc + (size_t)(k0 + r) * hd, blk + half + r * row + (size_t)g * hd, (size_t)hd * sizeof(float));
+            size_t at = (size_t)(k0 - k_lo + r) * hd, src = (size_t)(r0 + r) * row + (size_t)g * hd;
+            memcpy(kc + at, blk + src, (size_t)hd * sizeof(float));
+            memcpy(vc + at, blk + half + src, (size_t)hd * sizeof(float));
         }
+        k0 += n_in;
     }
     /* the group's gq heads are adjacent in a token's q row */
     for (int t = t0; t < t1; t++)
         memcpy(qt + (size_t)(t - t0) * gq * hd, q + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd,
                (size_t)gq * hd * sizeof(float));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nk, hd, b->scale, qt, hd, kc, hd, 0.0f, s, nk);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nkt, hd, b->scale, qt, hd, kc, hd, 0.0f, s, nkt);
     for (int r = 0; r < m; r++) {
-        int n_vis = past + t0 + r / gq + 1;
-        float *sr = s + (size_t)r * nk;
-        softmax(sr, n_vis);
-        for (int c = n_vis; c < nk; c++) sr[c] = 0.0f;
+        int n_vis = past + t0 + r / gq + 1, lo = first_key(b, n_vis) - k_lo, hi = n_vis - k_lo;
+        float *sr = s + (size_t)r * nkt;
+        softmax(sr + lo, hi - lo);
+        for (int c = 0; c < lo; c++) sr[c] = 0.0f;
+        for (int c = hi; c < nkt; c++) sr[c] = 0.0f;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, nk, 1.0f, s, nk, vc, hd, 0.0f, ot, hd);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, nkt, 1.0f, s, nkt, vc, hd, 0.0f, ot, hd);
     for (int t = t0; t < t1; t++)
         memcpy(out + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd, ot + (size_t)(t - t0) * gq * hd,
                (size_t)gq * hd * sizeof(float));
@@ -175,7 +259,7 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
             for (int t0 = 0; t0 < sq->q_len; t0 += tile_t)
                 items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = KVB_MIN(sq->q_len, t0 + tile_t), .gemm = 1};
         }
-        size_t item_need = gemm ? gemm_scratch_floats(sq->ctx_len, tile_t * gq, hd) : (size_t)sq->ctx_len;
+        size_t item_need = gemm ? gemm_scratch_floats(sq->ctx_len, tile_t * gq, hd) : (size_t)gq * sq->ctx_len;
         need = KVB_MAX(need, item_need);
     }
     KVB_TRY(kvb__cpu_scratch_reserve(c, need));

@@ -1,5 +1,6 @@
 /* kvbank — the CPU backend: host memory, f32 activations, OpenBLAS + OpenMP kernels. */
 #include <cblas.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -49,12 +50,27 @@ static kvb_status cpu_weight_load(void *ctx, const void *src, kvb_dtype src_dtyp
     dst->dtype = KVB_DTYPE_F32;
     dst->ne[0] = rows;
     dst->ne[1] = cols;
+    dst->view = 0;
+    return KVB_OK;
+}
+
+/* f32 weights are used where they lie (the safetensors mapping): the file's page cache is the only
+ * copy, so the process holds the weights once. */
+static kvb_status cpu_weight_view(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
+                                  kvb_tensor *dst) {
+    if (rows <= 0 || cols <= 0) return KVB_ERR_INVALID;
+    if (src_dtype != KVB_DTYPE_F32 || (uintptr_t)src % sizeof(float)) return KVB_ERR_UNSUPPORTED;
+    dst->data = (void *)src;
+    dst->dtype = KVB_DTYPE_F32;
+    dst->ne[0] = rows;
+    dst->ne[1] = cols;
+    dst->view = 1;
     return KVB_OK;
 }
 
 static void cpu_weight_free(void *ctx, kvb_tensor *t) {
     if (!t) return;
-    free(t->data);
+    if (!t->view) free(t->data);
     t->data = NULL;
 }
 
@@ -76,6 +92,12 @@ static kvb_status cpu_rmsnorm(void *ctx, const void *x, int rows, int dim, const
 static kvb_status cpu_rope(void *ctx, void *q, int n_heads, void *k, int n_kv_heads, int n, const int32_t *pos,
                            const kvb_rope *rope) {
     return kvb__cpu_rope(ctx, q, n_heads, k, n_kv_heads, n, pos, rope);
+}
+
+static kvb_status cpu_bias_add(void *ctx, void *y, int n, const kvb_tensor *b) {
+    if (b->ne[1] != 1 || b->ne[0] > INT32_MAX) return KVB_ERR_INVALID;
+    kvb__cpu_bias_add(y, n, (int)b->ne[0], b->data);
+    return KVB_OK;
 }
 
 static kvb_status cpu_silu_mul(void *ctx, const void *gate, const void *up, size_t n, void *out) {
@@ -129,11 +151,13 @@ static const kvb_backend_i cpu_iface = {
     .copy = cpu_copy,
     .sync = cpu_sync,
     .weight_load = cpu_weight_load,
+    .weight_view = cpu_weight_view,
     .weight_free = cpu_weight_free,
     .embed = cpu_embed,
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
+    .bias_add = cpu_bias_add,
     .silu_mul = cpu_silu_mul,
     .kv_write = cpu_kv_write,
     .attention = cpu_attention,
@@ -145,6 +169,10 @@ static const kvb_backend_i cpu_iface = {
 kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out) {
     kvb_cpu_ctx *c = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *c, (void **)&c));
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    kvb__cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
     out->iface = &cpu_iface;
     out->ctx = c;
     cpu_set_threads(c, n_threads);

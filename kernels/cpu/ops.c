@@ -11,6 +11,7 @@
 #define PAR_MIN_ELEMS 65536
 
 int kvb__cpu_threads = 1;
+int kvb__cpu_avx2 = 0;
 
 kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats) {
     if (floats <= c->scratch_floats) return KVB_OK;
@@ -110,6 +111,14 @@ void kvb__cpu_silu_mul(const float *gate, const float *up, size_t n, float *out)
     for (size_t i = 0; i < n; i++) {
         float g = gate[i];
         out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+void kvb__cpu_bias_add(float *y, int n, int dim, const float *b) {
+#pragma omp parallel for schedule(static) if ((size_t)n * dim >= PAR_MIN_ELEMS) num_threads(kvb__cpu_threads)
+    for (int i = 0; i < n; i++) {
+        float *yr = y + (size_t)i * dim;
+        for (int c = 0; c < dim; c++) yr[c] += b[c];
     }
 }
 

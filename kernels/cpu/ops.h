@@ -22,6 +22,9 @@ typedef struct kvb_cpu_ctx {
 /* Threads of the backend's OpenMP team. Process-wide, like OpenBLAS's own setting: every parallel
  * region names it explicitly, so the team size does not depend on which thread calls a kernel. */
 extern int kvb__cpu_threads;
+/* 1 when this processor has AVX2 and FMA (checked once at backend creation): the kernels with a
+ * hand-vectorized variant take it. */
+extern int kvb__cpu_avx2;
 
 /* Makes sure every thread has `floats` floats of scratch. */
 kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats);
@@ -31,6 +34,8 @@ void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_
 void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float eps, float *y);
 kvb_status kvb__cpu_rope(kvb_cpu_ctx *c, float *q, int n_heads, float *k, int n_kv_heads, int n, const int32_t *pos,
                          const kvb_rope *rope);
+/* y[i][:] += b[:] for i < n (y is [n][dim]). */
+void kvb__cpu_bias_add(float *y, int n, int dim, const float *b);
 void kvb__cpu_silu_mul(const float *gate, const float *up, size_t n, float *out);
 void kvb__cpu_kv_write(const kvb_attn_batch *b, const float *k, const float *v);
 kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const float *q, float *out);

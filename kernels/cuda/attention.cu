@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 4)
     __shared__ float Ored[DR][HDP];                     /* output rows after the cross-group reduction */
     __shared__ float m_s[DR], l_s[DR], alpha_s[DR];     /* running max, running sum, last rescale factor */
     __shared__ int nvis_s[DR];                          /* keys visible to each row (0: row unused) */
+    __shared__ int lo_s[DR];                            /* first key of each row's sliding window (0: none) */
 
     const kvb_cuda_attn_decode_item it = items[blockIdx.x];
     const kvb_attn_seq sq = a.seqs[it.seq];
@@ -79,6 +80,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 4)
         l_s[tid] = 0.0f;
         alpha_s[tid] = 1.0f;
         nvis_s[tid] = tid < rows ? past + tid / gq + 1 : 0;
+        lo_s[tid] = a.window > 0 && nvis_s[tid] > a.window ? nvis_s[tid] - a.window : 0;
     }
     __syncthreads();
 
@@ -147,7 +149,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 4)
                 if (gl == 0 && kk < tlen) {
                     int key = tile + kk;
 #pragma unroll
-                    for (int r = 0; r < DR; r++) S[r][kk] = key < nvis_s[r] ? acc[r] : -INFINITY;
+                    for (int r = 0; r < DR; r++) S[r][kk] = key < nvis_s[r] && key >= lo_s[r] ? acc[r] : -INFINITY;
                 }
             }
         }
@@ -325,13 +327,16 @@ __global__ void __launch_bounds__(PRE_THREADS)
     for (int i = tid; i < PBK * QLD; i += PRE_THREADS) Ks[i] = 0.0f; /* the padding stays zero */
     for (int i = tid; i < PBK * HDP; i += PRE_THREADS) Vs[i] = 0.0f;
 
-    int nvis[2];
+    int nvis[2], lo[2]; /* each row sees keys [lo, nvis) */
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         int r = ty + 32 * i, t = it.t0 + r / nh, hh = it.h0 + r % nh;
         nvis[i] = (r < TT * nh && t < sq.q_len && hh < gq) ? past + t + 1 : 0;
+        lo[i] = a.window > 0 && nvis[i] > a.window ? nvis[i] - a.window : 0;
     }
     const int kmax = past + min(it.t0 + TT, sq.q_len); /* keys the tile's last row sees */
+    /* the first key the tile's first row sees (every other row's window starts later) */
+    const int kmin = a.window > 0 && past + it.t0 + 1 > a.window ? past + it.t0 + 1 - a.window : 0;
     const int dlim = (hd + 3) & ~3;
     const int NS = (hd + W - 1) / W;
 
@@ -343,7 +348,7 @@ __global__ void __launch_bounds__(PRE_THREADS)
         for (int c = 0; c < NC; c++) o[i][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     __syncthreads();
 
-    for (int k0 = 0; k0 < kmax; k0 += PBK) {
+    for (int k0 = kmin; k0 < kmax; k0 += PBK) {
         /* K and V of keys [k0, k0 + PBK) into shared memory as f32 */
         for (int i = tid; i < PBK * NS; i += PRE_THREADS) {
             int kk = i / NS, s = i % NS, key = k0 + kk;
@@ -382,7 +387,8 @@ __global__ void __launch_bounds__(PRE_THREADS)
             float mx = -INFINITY;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                if (k0 + tx + 8 * j >= nvis[i]) sc[i][j] = -INFINITY;
+                int key = k0 + tx + 8 * j;
+                if (key >= nvis[i] || key < lo[i]) sc[i][j] = -INFINITY;
                 mx = fmaxf(mx, sc[i][j]);
             }
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

@@ -9,7 +9,9 @@
  *    run; each split writes a normalised partial output and its log-sum-exp, and the reduce kernel
  *    merges the splits of each (sequence, KV head). A single split writes the output directly.
  * Both accumulate in f32 with exp2 of log2e-prescaled scores and never use atomics: results are
- * deterministic for a given plan. The CPU twin is kvb__cpu_attention. */
+ * deterministic for a given plan. With a sliding window each row masks the keys before its window;
+ * prefill tiles start at their first row's window, decode items cover only the keys some row sees
+ * (the host picks k_begin). The CPU twin is kvb__cpu_attention. */
 #ifndef KVB_KERNELS_CUDA_ATTENTION_H
 #define KVB_KERNELS_CUDA_ATTENTION_H
 
@@ -40,7 +42,9 @@ typedef struct kvb_cuda_attn_args {
     int n_kv_heads;
     int head_dim;             /* even, at most KVB_CUDA_ATTN_MAX_HEAD_DIM */
     int block_size;           /* tokens per KV block */
-    float scale;              /* softmax scale, 1/sqrt(head_dim) */
+    float scale;              /* softmax scale, 1/sqrt(head_dim) (times YaRN's attention factor squared) */
+    int window;               /* sliding window: a row with n_vis visible keys sees [n_vis - window, n_vis);
+                                 0 = all of them (kvb_attn_batch.window) */
     const kvb_attn_seq *seqs; /* [n_seqs] the batch's sequences (kernels/backend.h) */
     const void *const *blocks;/* [sum of n_blocks] layer-slice address of each block entry,
                                  [2][block_size][n_kv_heads][head_dim], 16-byte aligned */

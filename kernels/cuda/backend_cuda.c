@@ -356,6 +356,15 @@ static kvb_status cu_rope(void *ctx, void *q, int n_heads, void *k, int n_kv_hea
         kvb_cuda_rope(q, n_heads, k, n_kv_heads, c->dt, n, rope->head_dim, d_pos, d_freq, c->stream));
 }
 
+static kvb_status cu_bias_add(void *ctx, void *y, int n, const kvb_tensor *b) {
+    cuda_ctx *c = ctx;
+    if (b->dtype != KVB_DTYPE_F32 || b->ne[1] != 1 || b->ne[0] > INT32_MAX) {
+        KVB_LOG_E("cuda bias_add: the bias must be an f32 vector");
+        return KVB_ERR_INVALID;
+    }
+    return KVB_CUDA_CHECK(kvb_cuda_bias_add(y, c->dt, n, (int)b->ne[0], b->data, c->stream));
+}
+
 static kvb_status cu_silu_mul(void *ctx, const void *gate, const void *up, size_t n, void *out) {
     cuda_ctx *c = ctx;
     return KVB_CUDA_CHECK(kvb_cuda_silu_mul(gate, up, out, c->dt, n, c->stream));
@@ -363,6 +372,7 @@ static kvb_status cu_silu_mul(void *ctx, const void *gate, const void *up, size_
 
 static kvb_status check_batch(cuda_ctx *c, const kvb_attn_batch *b) {
     const kvb_kv_geom *g = b->geom;
+    if (b->window < 0) return KVB_ERR_INVALID;
     if (g->elem_size != (int)kvb_dtype_size(c->dt)) {
         KVB_LOG_E("cuda attention: KV elements of %d bytes on a %s backend", g->elem_size, kvb_dtype_name(c->dt));
         return KVB_ERR_INVALID;
@@ -411,6 +421,20 @@ static kvb_status cu_kv_write(void *ctx, const kvb_attn_batch *b, const void *k,
                                             g->n_kv_heads * g->head_dim, k, v, c->stream));
 }
 
+/* The first key any query row of a decode-like sequence sees: 0, or with a sliding window the start of
+ * its first row's window (later rows' windows start later; the kernel masks per row). */
+static int decode_first_key(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
+    int first_vis = sq->ctx_len - sq->q_len + 1;
+    return b->window > 0 && first_vis > b->window ? first_vis - b->window : 0;
+}
+
+/* Keys per decode split of a range of n_keys: about n_keys / splits_wanted, never below
+ * DECODE_MIN_SPLIT, a multiple of the kernel's key tile. */
+static int decode_split_len(int n_keys, int splits_wanted) {
+    int len = KVB_MAX(DECODE_MIN_SPLIT, KVB_DIV_CEIL(n_keys, splits_wanted));
+    return KVB_DIV_CEIL(len, KVB_CUDA_ATTN_KEY_TILE) * KVB_CUDA_ATTN_KEY_TILE;
+}
+
 static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q, void *out) {
     cuda_ctx *c = ctx;
     KVB_TRY(check_batch(c, b));
@@ -434,9 +458,8 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         if (sq->q_len <= 0 || sq->q_len * gq > KVB_CUDA_ATTN_DECODE_ROWS) continue;
-        int len = KVB_MAX(DECODE_MIN_SPLIT, KVB_DIV_CEIL(sq->ctx_len, splits_wanted));
-        len = KVB_DIV_CEIL(len, KVB_CUDA_ATTN_KEY_TILE) * KVB_CUDA_ATTN_KEY_TILE;
-        int ns = KVB_DIV_CEIL(sq->ctx_len, len);
+        int k0 = decode_first_key(b, sq), len = decode_split_len(sq->ctx_len - k0, splits_wanted);
+        int ns = KVB_DIV_CEIL(sq->ctx_len - k0, len);
         n_dec += (size_t)nkv * (size_t)ns;
         if (ns > 1) {
             n_red += (size_t)nkv;
@@ -460,18 +483,17 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
                         c->pitems[ip++] = (kvb_cuda_attn_prefill_item){.seq = s, .kvh = kvh, .t0 = ti * tt, .h0 = h0};
             continue;
         }
-        int len = KVB_MAX(DECODE_MIN_SPLIT, KVB_DIV_CEIL(sq->ctx_len, splits_wanted));
-        len = KVB_DIV_CEIL(len, KVB_CUDA_ATTN_KEY_TILE) * KVB_CUDA_ATTN_KEY_TILE;
-        int ns = KVB_DIV_CEIL(sq->ctx_len, len);
+        int k0 = decode_first_key(b, sq), len = decode_split_len(sq->ctx_len - k0, splits_wanted);
+        int ns = KVB_DIV_CEIL(sq->ctx_len - k0, len);
         for (int kvh = 0; kvh < nkv; kvh++) {
             if (ns == 1) {
-                c->ditems[id++] = (kvb_cuda_attn_decode_item){s, kvh, 0, sq->ctx_len, -1};
+                c->ditems[id++] = (kvb_cuda_attn_decode_item){s, kvh, k0, sq->ctx_len, -1};
                 continue;
             }
             c->ritems[ir++] = (kvb_cuda_attn_reduce_item){s, kvh, part, ns};
             for (int i = 0; i < ns; i++)
-                c->ditems[id++] =
-                    (kvb_cuda_attn_decode_item){s, kvh, i * len, KVB_MIN(sq->ctx_len, (i + 1) * len), part++};
+                c->ditems[id++] = (kvb_cuda_attn_decode_item){s, kvh, k0 + i * len,
+                                                              KVB_MIN(sq->ctx_len, k0 + (i + 1) * len), part++};
         }
     }
 
@@ -482,6 +504,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
         .head_dim = hd,
         .block_size = g->block_size,
         .scale = b->scale,
+        .window = b->window,
         .q = q,
         .out = out,
     };
@@ -537,8 +560,8 @@ static void cu_destroy(void *ctx) {
         .name = NAME, .act_dtype = DT, .to_device = cu_to_device,  \
         .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .copy = cu_copy, .sync = cu_sync,        \
         .weight_load = cu_weight_load, .weight_free = cu_weight_free, .embed = cu_embed,               \
-        .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .silu_mul = cu_silu_mul,          \
-        .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows,             \
+        .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .bias_add = cu_bias_add,          \
+        .silu_mul = cu_silu_mul, .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows,             \
         .set_threads = cu_set_threads, .destroy = cu_destroy,                                          \
     }
 

@@ -51,6 +51,12 @@ int launch_binary(const void *a, const void *b, void *out, kvb_dtype dt, size_t 
     return (int)cudaGetLastError();
 }
 
+template <typename T> __global__ void bias_add_kernel(T *y, size_t n, int dim, const float *bias) {
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = kvb::from_f<T>(kvb::to_f(y[i]) + bias[i % (size_t)dim]);
+}
+
 } // namespace
 
 extern "C" int kvb_cuda_silu_mul(const void *gate, const void *up, void *out, kvb_dtype dt, size_t n,
@@ -60,4 +66,13 @@ extern "C" int kvb_cuda_silu_mul(const void *gate, const void *up, void *out, kv
 
 extern "C" int kvb_cuda_add(const void *a, const void *b, void *out, kvb_dtype dt, size_t n, kvb_cuda_stream_t s) {
     return launch_binary(a, b, out, dt, n, s, add_op());
+}
+
+extern "C" int kvb_cuda_bias_add(void *y, kvb_dtype dt, int rows, int dim, const float *bias, kvb_cuda_stream_t s) {
+    KVB_CUDA_REQUIRE_STREAM(s);
+    if (rows <= 0 || dim <= 0) return (int)cudaSuccess;
+    const int threads = 256;
+    size_t n = (size_t)rows * (size_t)dim;
+    KVB_CUDA_DISPATCH(dt, T, bias_add_kernel<T><<<kvb_cuda_grid(n, threads), threads, 0, s>>>((T *)y, n, dim, bias));
+    return (int)cudaGetLastError();
 }

@@ -14,6 +14,10 @@ int kvb_cuda_silu_mul(const void *gate, const void *up, void *out, kvb_dtype dt,
  * beta). out may alias a or b. */
 int kvb_cuda_add(const void *a, const void *b, void *out, kvb_dtype dt, size_t n, kvb_cuda_stream_t s);
 
+/* y[i][c] += bias[c] for i < rows, c < dim: y of `dt`, bias f32 (a linear layer's bias, kept f32 like
+ * every vector weight). CPU twin: kvb__cpu_bias_add. */
+int kvb_cuda_bias_add(void *y, kvb_dtype dt, int rows, int dim, const float *bias, kvb_cuda_stream_t s);
+
 KVB_CUDA_EXTERN_C_END
 
 #endif

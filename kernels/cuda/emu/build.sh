@@ -110,14 +110,15 @@ for c in kernels/registry.c kernels/cuda/backend_cuda.c kernels/cpu/backend_cpu.
 done
 LIBS="$(pkg-config --libs check openblas jansson libxxhash libzmq libprotobuf-c libuv) -fopenmp -lstdc++ -lrt -lm -lpthread"
 gcc $CFLAGS $(pkg-config --cflags check) "$ROOT/tests/test_backend_consistency.c" "${OBJS[@]}" \
-    "$BUILD/libkvb_sched.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/test_backend_consistency"
+    "$BUILD/libkvb_sched.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/test_backend_consistency"
 gcc $CFLAGS "$ROOT/tools/generate.c" "${OBJS[@]}" "$BUILD/libkvb_policy.a" "$BUILD/libkvb_sched.a" \
-    "$BUILD/libkvb_model.a" "$BUILD/libkvb_kv.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/kvbank-generate"
+    "$BUILD/libkvb_model.a" "$BUILD/libkvb_kv.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_text.a" "$BUILD/libkvb_util.a" \
+    $LIBS $(pkg-config --libs libpcre2-8) -o "$OUT/kvbank-generate"
 # kvbank-bench's cuda subcommand alone (run it with --shape tiny: emulated time is not time)
 printf '%s\n' '#include <string.h>' '#include "bench/bench.h"' \
     'int main(int argc, char **argv) {' \
     '    if (argc > 1 && !strcmp(argv[1], "cuda")) return kvb_bench_cuda(argc - 1, argv + 1);' \
     '    return 2;' '}' >"$OUT/src/bench_main.c"
-gcc $CFLAGS "$OUT/src/bench_main.c" "$ROOT/bench/bench_cuda.c" "${OBJS[@]}" "$BUILD/libkvb_util.a" $LIBS \
+gcc $CFLAGS "$OUT/src/bench_main.c" "$ROOT/bench/bench_cuda.c" "${OBJS[@]}" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS \
     -o "$OUT/kvbank-bench"
 echo "emulated: $OUT/test_backend_consistency $OUT/kvbank-generate $OUT/kvbank-bench (cuda only)"

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# eLLM's planners in a real kvbank node (ipc:// endpoints in a temporary directory): kvbank-coordinator,
+# a master (recompute) and two workers, one running ellm-elastic and one static-split-chunked (from the
+# node config's "policy"). Concurrent requests to each worker give kvbank-generate's tokens; the workers
+# say they lend nothing (their KV is in their own chunk pool, not in the exportable region) and the
+# ledger shows no loan of theirs; a master with ellm-elastic refuses to start (it could not borrow).
+# SIGTERM: every process exits 0.
+set -euo pipefail
+B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
+PY=${KVB_PYTHON:-/usr/bin/python3}
+T=$(mktemp -d /tmp/kvb-ellm-node-XXXXXX)
+NODE=te$$
+EP=ipc://$T/coord.sock
+DEADLINE=${KVB_NODE_DEADLINE:-60}
+BG=()
+cleanup() {
+    local rc=$?
+    trap - EXIT
+    for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -f /dev/shm/kvb-"${NODE}"_* 2>/dev/null || true
+    rm -rf "$T"
+    exit $rc
+}
+trap cleanup EXIT
+ok() { echo "ok   - $*"; }
+fail() {
+    echo "FAIL - $*"
+    for f in "$T"/*.log; do
+        [ -f "$f" ] || continue
+        echo "---- tail of $(basename "$f")"
+        tail -20 "$f"
+    done
+    exit 1
+}
+wait_until() {
+    local what=$1 secs=$2
+    shift 2
+    local end=$((SECONDS + secs))
+    until "$@"; do
+        [ "$SECONDS" -ge "$end" ] && fail "no $what within ${secs} s"
+        sleep 0.1
+    done
+}
+ctl() { "$B/kvbankctl" --coordinator "$EP" --timeout-ms 2000 "$@"; }
+alive() { # alive N: N models registered and alive
+    local s
+    s=$(ctl status --json 2>/dev/null) || return 1
+    "$PY" -c "import json,sys; s=json.loads(sys.argv[1]); sys.exit(0 if sum(1 for m in s['models'] if m.get('alive')) == int(sys.argv[2]) else 1)" "$s" "$1"
+}
+
+M=$T/m
+"$B/kvbank-mkmodel" --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 128 --max-pos 512 --seed 21 \
+    "$M" >/dev/null
+cat >"$T/node.json" <<EOF
+{ "node": "$NODE", "run_dir": "$T",
+  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 4, "lend_interval_s": 0.3 },
+  "models": [
+    { "name": "chat", "role": "master", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/chat.sock" },
+    { "name": "el", "role": "worker", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/el.sock",
+      "policy": "ellm-elastic" },
+    { "name": "ck", "role": "worker", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/ck.sock",
+      "policy": "static-split-chunked" } ] }
+EOF
+
+"$B/kvbank-coordinator" --config "$T/node.json" 2>>"$T/coordinator.log" &
+COORD=$!
+BG+=($!)
+declare -A PID=()
+for m in chat el ck; do
+    role=worker
+    [ $m = chat ] && role=master
+    "$B/kvbank-$role" --config "$T/node.json" --name $m 2>>"$T/$m.log" &
+    PID[$m]=$!
+    BG+=($!)
+done
+wait_until "three live models" "$DEADLINE" alive 3
+ok "coordinator, a master and two workers (ellm-elastic, static-split-chunked) registered"
+
+# a master with ellm-elastic: exit 1 with the reason
+rc=0
+out=$("$B/kvbank-master" --model "$M" --endpoint "ipc://$T/bad.sock" --coordinator "$EP" --kv-mb 1 \
+    --policy ellm-elastic 2>&1) || rc=$?
+[ $rc = 1 ] && grep -q "cannot borrow blocks" <<<"$out" && ok "a master with ellm-elastic refuses to start" ||
+    fail "master --policy ellm-elastic: exit $rc: $(tail -2 <<<"$out")"
+
+ids() { "$PY" -c "import sys; n, a, b = map(int, sys.argv[1:]); print(','.join(str((a * i + b) % 120 + 3) for i in range(n)))" "$@"; }
+PROMPTS=("$(ids 40 7 1)" "$(ids 9 5 2)" "$(ids 120 3 4)" "$(ids 25 11 9)")
+for m in el ck; do
+    pids=()
+    for i in "${!PROMPTS[@]}"; do
+        "$B/kvbank-request" --endpoint "ipc://$T/$m.sock" --prompt-ids "${PROMPTS[$i]}" --max-tokens 24 \
+            --timeout-ms $((DEADLINE * 1000)) >"$T/$m-$i.out" 2>"$T/$m-$i.err" &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || fail "$m: a request failed"; done
+    for i in "${!PROMPTS[@]}"; do
+        want=$("$B/kvbank-generate" --model "$M" --prompt-ids "${PROMPTS[$i]}" --max-tokens 24 2>/dev/null)
+        got=$(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$T/$m-$i.out")
+        [ "$got" = "$want" ] || fail "$m request $i: got '$got', want '$want'"
+    done
+    grep -q "keeps its own KV memory: this worker lends nothing" "$T/$m.log" || fail "$m: no word that it lends nothing"
+    ok "worker $m: 4 concurrent requests give kvbank-generate's tokens; it lends nothing"
+done
+sleep 1 # a few lend intervals
+l=$(ctl ledger --json) || fail "kvbankctl ledger"
+"$PY" -c "import json,sys; l=json.loads(sys.argv[1]); l=l.get('loans',[]) if isinstance(l,dict) else l; sys.exit(1 if any(x.get('lender') in ('el','ck') for x in l) else 0)" "$l" ||
+    fail "the ledger holds a loan of el or ck: $l"
+ok "the ledger holds no loan of theirs"
+
+for m in el ck chat; do kill -TERM "${PID[$m]}"; done
+for m in el ck chat; do
+    rc=0
+    wait "${PID[$m]}" || rc=$?
+    [ $rc = 0 ] || fail "$m exited $rc on SIGTERM"
+done
+kill -TERM $COORD
+wait $COORD || fail "the coordinator exited non-zero"
+ok "SIGTERM: every process exits 0"
+echo "all ellm node checks passed"
