@@ -323,12 +323,8 @@ static int cmp_d(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static double pct(double *v, int n, double q) {
-    if (n == 0) return 0;
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    int k = (int)ceil(q * n) - 1;
-    return v[KVB_MAX(0, KVB_MIN(k, n - 1))];
-}
+/* q-quantile (nearest rank) of v[0..n), sorted in place; 0 when n == 0. */
+static double pct(double *v, int n, double q) { return n ? kvb_bench_pct(v, n, 100 * q) : 0; }
 
 /* Metrics on delivery times: Token-Deposit pacing at the SLO when `deposit`, else at generation. */
 static kvb_status measure(const run_out *o, const workload *w, double slo_s, int deposit, metrics *m) {
@@ -392,20 +388,18 @@ static void cell_add(cell *c, double v) {
     if (c->n < MAX_RUNS) c->v[c->n++] = v;
 }
 
-/* "mean (min-max)" with `digits` decimals. */
+/* "median (min-max)" with `digits` decimals. */
 static const char *cell_str(const cell *c, int digits, char *buf, size_t len) {
     if (!c->n) {
         snprintf(buf, len, "-");
         return buf;
     }
-    double s = 0, lo = c->v[0], hi = c->v[0];
-    for (int i = 0; i < c->n; i++) {
-        s += c->v[i];
-        lo = KVB_MIN(lo, c->v[i]);
-        hi = KVB_MAX(hi, c->v[i]);
-    }
-    if (c->n == 1) snprintf(buf, len, "%.*f", digits, s);
-    else snprintf(buf, len, "%.*f (%.*f-%.*f)", digits, s / c->n, digits, lo, digits, hi);
+    double v[MAX_RUNS];
+    memcpy(v, c->v, (size_t)c->n * sizeof *v);
+    qsort(v, (size_t)c->n, sizeof *v, cmp_d);
+    double med = c->n % 2 ? v[c->n / 2] : 0.5 * (v[c->n / 2 - 1] + v[c->n / 2]);
+    if (c->n == 1) snprintf(buf, len, "%.*f", digits, med);
+    else snprintf(buf, len, "%.*f (%.*f-%.*f)", digits, med, digits, v[0], digits, v[c->n - 1]);
     return buf;
 }
 
@@ -687,12 +681,12 @@ static int run_bench(const bench_opts *o) {
             if (fabs(o->scales[si] - 1.5) < 1e-9) scale15 = si;
         const int all_cols[] = {M_TBT, M_TPOT, M_P95, M_P99, M_P99TPOT, M_E2E, M_RPM, M_MEM};
         for (int ri = 0; ri < o->n_rates; ri++) {
-            printf("\nSLO scale %.2g, arrival rate %.2g x capacity (%.2f req/s), %d requests x %d runs: mean (min-max)\n",
+            printf("\nSLO scale %.2g, arrival rate %.2g x capacity (%.2f req/s), %d requests x %d runs: median (min-max)\n",
                    o->scales[scale15], o->rates[ri], o->rates[ri] * capacity, o->n_req, o->runs);
             print_head("planner", all_cols, 8);
             for (int p = 0; p < n_pc; p++) print_row(k_main[p].label, main_cells[ri][p].m[scale15], all_cols, 8);
         }
-        printf("\nTBT / TPOT attainment %% by SLO scale (columns) and arrival rate, mean over runs\n");
+        printf("\nTBT / TPOT attainment %% by SLO scale (columns) and arrival rate, median (min-max) over runs\n");
         printf("  %-24s %6s", "planner", "rate");
         for (int si = 0; si < o->n_scales; si++) printf("   TBT@%-4.2g TPOT@%-4.2g", o->scales[si], o->scales[si]);
         printf("\n");
@@ -706,7 +700,7 @@ static int run_bench(const bench_opts *o) {
                 }
                 printf("\n");
             }
-        printf("\nsolver (orbitflow, SLO scale 1.5): per rate, mean (min-max) over runs\n");
+        printf("\nsolver (orbitflow, SLO scale 1.5): per rate, median (min-max) over runs\n");
         printf("  %6s %14s %14s %14s %14s %16s %16s %14s %10s\n", "rate", "calls/request", "share of E2E %",
                "us per call", "max us", "mean/step %", "max/step %", "model err %", "pauses");
         for (int ri = 0; ri < o->n_rates; ri++) {
@@ -869,7 +863,7 @@ static int run_bench(const bench_opts *o) {
     if (section_on(o, "sensitivity")) {
         static const char *const cmp[3] = {"orbitflow", "flexgen-plus", "dynamic-heuristic"};
         double slo_ms = 1.5 * base_step * 1e3;
-        printf("\nsensitivity (SLO scale 1.5, rate 1 x the default capacity): TBT attainment %%, mean (min-max)\n");
+        printf("\nsensitivity (SLO scale 1.5, rate 1 x the default capacity): TBT attainment %%, median (min-max)\n");
         printf("  %-28s %22s %22s %22s\n", "setting", cmp[0], cmp[1], cmp[2]);
         struct { const char *label; double cv; int batch; int64_t T; } sens[] = {
             {"burstiness CV 1 (Poisson)", 1, 0, 0}, {"burstiness CV 4", 4, 0, 0},   {"batch 2", 1, 2, 0},

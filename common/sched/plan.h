@@ -116,9 +116,6 @@ typedef struct kvb_view {
     /* The engine, for the scheduler's routines (common/sched/scheduler.h) that probe the prefix cache;
      * planners pass the view to them and never use this themselves. */
     const struct kvb_engine *engine;
-    /* The stager's link model (common/sched/stager.h; never NULL), so that planners that predict
-     * transfer times (OrbitFlow's latency model) charge what the stager charges. */
-    const struct kvb_link_model *links;
 } kvb_view;
 
 /* ------------------------------------------------------------------------------------------ plan */

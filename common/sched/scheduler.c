@@ -249,7 +249,6 @@ kvb_status kvb__view_build(kvb_engine *e) {
     v->model = &e->model_info;
     v->links = &e->o.links; /* the stager's, which copied them (it may not exist yet at SETUP) */
     v->engine = e;
-    v->links = kvb_stager_links(e->stager);
     e->memo_n = 0;
     return KVB_OK;
 }
