@@ -832,6 +832,9 @@ static void of_observe(void *ctx, const kvb_step_report *r) {
             P->st.pred_steps++;
             P->st.pred_err_sum += e;
             if (e > P->st.pred_err_max) P->st.pred_err_max = e;
+            P->st.pred_within[0] += e <= 0.10;
+            P->st.pred_within[1] += e <= 0.25;
+            P->st.pred_within[2] += e <= 0.50;
         }
         /* a decode step's compute: a sample for the fit, and the EWMA of measured / predicted */
         P->s_tok[P->next_sample] = P->pending_tokens;

@@ -68,6 +68,7 @@ typedef struct kvb_of_planner_stats {
     double last_observed;       /* s: the last step's layers, waits included */
     uint64_t pred_steps;        /* decode steps with a prediction */
     double pred_err_sum, pred_err_max; /* |observed - predicted| / predicted */
+    uint64_t pred_within[3];    /* of those, steps with that error within 10 %, 25 %, 50 % */
 } kvb_of_planner_stats;
 
 kvb_status kvb_of_planner_create(kvb_of_kind kind, const kvb_of_params *p, kvb_planner *out);
