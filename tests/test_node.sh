@@ -32,42 +32,7 @@ EP=ipc://$T/coord.sock
 DEADLINE=${KVB_NODE_DEADLINE:-30} # seconds any single wait may take
 LSC=${KVB_NODE_LSC:-inplace}    # how the master's attention reaches lent blocks: inplace or stream
 declare -A PID=()               # model name -> pid
-BG=()                           # every process started here
-
-cleanup() {
-    local rc=$?
-    trap - EXIT
-    for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -f /dev/shm/kvb-"${NODE}"_* 2>/dev/null || true
-    if [ "${KVB_NODE_KEEP:-0}" = 1 ]; then echo "logs kept in $T"; else rm -rf "$T"; fi
-    exit $rc
-}
-trap cleanup EXIT
-
-ok() { echo "ok   - $*"; }
-fail() {
-    echo "FAIL - $*"
-    for f in "$T"/*.log; do
-        [ -f "$f" ] || continue
-        echo "---- tail of $(basename "$f")"
-        tail -25 "$f"
-    done
-    exit 1
-}
-
-# wait_until WHAT SECONDS CMD...: polls CMD every 0.1 s until it succeeds.
-wait_until() {
-    local what=$1 secs=$2
-    shift 2
-    local end=$((SECONDS + secs))
-    until "$@"; do
-        [ "$SECONDS" -ge "$end" ] && fail "no $what within ${secs} s"
-        sleep 0.1
-    done
-}
-
-ctl() { "$B/kvbankctl" --coordinator "$EP" --timeout-ms 2000 "$@"; }
+source "$(dirname "$0")/node_harness.sh" # BG: every process started here; ok, fail, wait_until, ctl
 
 # st EXPR: evaluates the python expression EXPR with s = `kvbankctl status --json` and l = the ledger's
 # loans; exits 0 when it is true (prints it when it is not a bool).
