@@ -67,9 +67,11 @@ KVB_TEST(pool_segments) {
         ck_assert_int_eq(kvb_block_pool_alloc(p, &id), KVB_OK);
         ck_assert_int_eq(id, i);
     }
-    /* detach needs exactly one segment whose blocks are all free */
+    /* detach needs a segment, or the front of one, whose blocks are all free */
     ck_assert_int_eq(kvb_block_pool_detach(p, fa, 3), KVB_ERR_STATE);
-    ck_assert_int_eq(kvb_block_pool_detach(p, fa, 2), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_block_pool_detach(p, fa, 2), KVB_ERR_STATE); /* the front, in use */
+    ck_assert_int_eq(kvb_block_pool_detach(p, fa, 4), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_block_pool_detach(p, fa, 0), KVB_ERR_INVALID);
     ck_assert_int_eq(kvb_block_pool_detach(p, fa + 1, 3), KVB_ERR_INVALID);
     ck_assert_int_eq(kvb_block_pool_detach(p, 0, 4), KVB_ERR_INVALID); /* own blocks are no segment */
     kvb_block_pool_set_release_hook(p, keep_block_5, NULL);
@@ -126,6 +128,17 @@ KVB_TEST(pool_segments) {
     ck_assert_int_eq(kvb_block_pool_n_blocks(p), 4);
     ck_assert_int_eq(kvb_block_pool_n_attached(p), 0);
     /* a re-attach after a full retire starts at capacity again */
+    ck_assert_int_eq(kvb_block_pool_attach(p, d, 4, &fd), KVB_OK);
+    ck_assert_int_eq(fd, 4);
+    /* partial reclaim: the front of a segment goes, the rest stays attached with its addresses */
+    ck_assert_int_eq(kvb_block_pool_detach(p, fd, 1), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_has(p, 4), 0);
+    ck_assert_int_eq(kvb_block_pool_has(p, 5), 1);
+    ck_assert_ptr_eq(kvb_block_pool_block(p, 5), d + bb);
+    ck_assert_int_eq(kvb_block_pool_n_attached(p), 3);
+    ck_assert_int_eq(kvb_block_pool_detach(p, fd, 3), KVB_ERR_INVALID); /* retired now */
+    ck_assert_int_eq(kvb_block_pool_detach(p, fd + 1, 3), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_id_limit(p), 4);
     ck_assert_int_eq(kvb_block_pool_attach(p, d, 4, &fd), KVB_OK);
     ck_assert_int_eq(fd, 4);
     ck_assert_int_eq(kvb_block_pool_detach(p, fd, 4), KVB_OK);
@@ -839,6 +852,118 @@ KVB_TEST(detach_drops_cached_prefix) {
 }
 KVB_TEST_END
 
+/* ---------------------------------------------------------------- (d2) partial reclaim (issue 10) */
+
+/* The hits of prompt p (n tokens) when run again as request id, and its tokens against `want`. */
+static uint64_t rerun_hits(kvb_engine *e, rec *got, uint64_t id, const int32_t *p, int n, int max, const rec *ref,
+                           uint64_t ref_id) {
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    uint64_t h0 = s.prefix_hit_tokens;
+    add(e, id, p, n, max);
+    run(e);
+    kvb_engine_get_stats(e, &s);
+    ck_assert_int_eq(got->n[id], max);
+    for (int k = 0; k < max; k++) ck_assert_int_eq(got->toks[id][k], ref->toks[ref_id][k]);
+    return s.prefix_hit_tokens - h0;
+}
+
+/* The partial-detach scene (llama, bs 4): 8 own blocks and one loan of `loan_blocks` under `tag` in
+ * shared memory `lend`; rs[0] and then rs[1] run to completion (rs[1]'s blocks are the more recently
+ * used), `ref` gets the reference tokens of rs[0..n). Caller owns the engine and `lend`. */
+static kvb_engine *two_prompts_on_loan(rec *ref, rec *got, const req *rs, int n, shm *lend, int loan_blocks,
+                                       uint64_t tag) {
+    setup_model("llama", 3);
+    make_prompts();
+    reference(ref, rs, n);
+    size_t bb = block_bytes(4);
+    shm_open_(lend, (size_t)loan_blocks * bb);
+    memset(got, 0, sizeof *got);
+    kvb_engine *e = mk(got, (eopts){.bs = 4, .n_blocks = 8, .prefix = 1});
+    ck_assert_int_eq(kvb_engine_attach(e, tag, lend->base, (size_t)loan_blocks * bb, loan_blocks), KVB_OK);
+    for (int i = 0; i < 2; i++) {
+        add(e, rs[i].id, rs[i].p, rs[i].n, rs[i].max);
+        run(e);
+    }
+    return e;
+}
+
+/* A loan shrinks by its first blocks; the idle cached blocks there are kept (copied into free blocks
+ * elsewhere) when there is room, and a live request on the range keeps running with identical tokens. */
+KVB_TEST(partial_detach_keeps_hot_cache) {
+    static rec ref, got;
+    const req rs[] = {{0, P[0], 37, 30}, {2, P[2], 23, 20}, {1, P[1], 5, 40}};
+    shm lend;
+    kvb_engine *e = two_prompts_on_loan(&ref, &got, rs, 3, &lend, 64, 9); /* loan ids 8..71 */
+    size_t bb = block_bytes(4);
+    add(e, 1, P[1], 5, 40); /* live across the detach, its blocks on the range */
+    steps(e, 3);
+    int live, cached;
+    range_census(e, 8, 24, &live, &cached);
+    ck_assert_int_ge(cached, 12);
+    ck_assert_int_gt(live, 0);
+    kvb_detach_stats ds;
+    ck_assert_int_eq(kvb_engine_detach_front(e, 9, 0, 0, &ds), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_engine_detach_front(e, 9, 65, 0, &ds), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_engine_detach_front(e, 9, 24, 0, &ds), KVB_OK);
+    ck_assert_int_eq(ds.kept, cached); /* room for all of them */
+    ck_assert_int_eq(ds.dropped, 0);
+    ck_assert_int_eq(ds.moved, live);
+    ck_assert_int_eq(ds.preempted, 0);
+    /* the loan keeps its end, same tag */
+    uint64_t tag;
+    int nb;
+    ck_assert_int_eq(kvb_engine_loans(e, &tag, &nb, 1), 1);
+    ck_assert_uint_eq(tag, 9);
+    ck_assert_int_eq(nb, 40);
+    ck_assert_int_eq(kvb_engine_n_borrowed(e), 40);
+    kvb_block_pool *p = kvb_engine_pool(e);
+    for (int32_t i = 8; i < 32; i++) ck_assert_int_eq(kvb_block_pool_has(p, i), 0);
+    for (int32_t i = 32; i < 72; i++) ck_assert_int_eq(kvb_block_pool_has(p, i), 1);
+    poison(lend.base, 24 * bb); /* nothing may read the front any more */
+    run(e);
+    assert_same(&ref, &got, rs, 3);
+    /* every cached block still serves (the pool holds them all): both prompts hit all their full blocks */
+    ck_assert_uint_eq(rerun_hits(e, &got, 3, P[0], 37, 30, &ref, 0), 36);
+    ck_assert_uint_eq(rerun_hits(e, &got, 4, P[2], 23, 20, &ref, 2), 20);
+    /* the rest of the loan goes whole */
+    ck_assert_int_eq(kvb_engine_detach(e, 9, 0, &ds), KVB_OK);
+    ck_assert_int_eq(kvb_engine_n_borrowed(e), 0);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    shm_close(&lend);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* Without free room the range's cached blocks displace colder ones elsewhere, most recent first: after
+ * the detach the newest prompt still hits in full, and what had no colder block to displace is dropped. */
+KVB_TEST(partial_detach_keeps_most_recent) {
+    static rec ref, got;
+    const req rs[] = {{0, P[0], 37, 30}, {2, P[2], 23, 20}};
+    shm lend;
+    kvb_engine *e = two_prompts_on_loan(&ref, &got, rs, 2, &lend, 20, 4); /* loan ids 8..27 */
+    size_t bb = block_bytes(4);
+    int live, cached;
+    range_census(e, 8, 12, &live, &cached);
+    ck_assert_int_eq(live, 0);
+    ck_assert_int_lt(kvb_block_pool_n_free(kvb_engine_pool(e)), cached); /* too few free blocks for all */
+    kvb_detach_stats ds;
+    ck_assert_int_eq(kvb_engine_detach_front(e, 4, 12, 0, &ds), KVB_OK);
+    printf("partial detach without room: %d cached on the range, %d kept, %d dropped\n", cached, ds.kept, ds.dropped);
+    ck_assert_int_eq(ds.kept + ds.dropped, cached);
+    ck_assert_int_gt(ds.kept, 0);
+    ck_assert_int_eq(kvb_engine_n_borrowed(e), 8);
+    poison(lend.base, 12 * bb);
+    ck_assert_uint_eq(rerun_hits(e, &got, 4, P[2], 23, 20, &ref, 2), 20); /* the newest prompt: all 5 blocks */
+    assert_same(&ref, &got, rs, 2);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    shm_close(&lend);
+    teardown_model();
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------- (e) LSC streaming */
 
 /* One run of the LSC scenario with block size `bs`: own pool of 2 blocks, one loan, requests with
@@ -969,5 +1094,6 @@ KVB_TEST_END
 KVB_TEST_MAIN("lending", KVB_T(pool_segments, 20), KVB_T(prefix_on_segments, 10), KVB_T(worker_shrink_grow, 60),
               KVB_T(master_borrowed_session, 60), KVB_T(detach_moves_live_blocks, 60),
               KVB_T(detach_preempts_without_free_blocks, 60), KVB_T(detach_lender_dead, 60),
-              KVB_T(detach_drops_cached_prefix, 60), KVB_T(lsc_stream_lossless, 120),
+              KVB_T(detach_drops_cached_prefix, 60), KVB_T(partial_detach_keeps_hot_cache, 60),
+              KVB_T(partial_detach_keeps_most_recent, 60), KVB_T(lsc_stream_lossless, 120),
               KVB_T(attach_detach_cycles, 120))

@@ -4,6 +4,7 @@
 # by kvbank-mkmodel, heartbeat 200 ms, lend interval 0.5 s, a 16-block master KV budget.
 #
 #  1. idle workers lend (Alg. 1 SCALEDOWN); the ledger, the master and the MEUs agree (kvbankctl)
+#  1b. a reclaim of one MEU shrinks a loan from its start instead of taking it back whole (issue 10)
 #  2. a multi-turn session on the master, longer than its own KV holds: every turn's tokens equal
 #     kvbank-generate's for the same prompt
 #  3. a worker gets a long request while the master decodes on borrowed blocks: the worker reclaims
@@ -215,6 +216,18 @@ n=$(shm_modes_ok)
 [ "$n" = 3 ] || fail "expected 3 shared-memory regions of node $NODE, found $n"
 ok "idle workers lent: $(st "[(x['lender'], x['n_blocks'], x['n_master_blocks']) for x in l]") master blocks borrowed: $(st "m['chat']['n_borrowed']"); regions mode 0600"
 
+# ------------------------------------------- 1b. a small reclaim takes back what it asks for (issue 10)
+# wa's lowest loan shrinks by one MEU (16 worker blocks = 1 master block) from its start: same loan id,
+# the rest stays lent, the master gives back only the front.
+low="min((x for x in l if x['lender'] == 'wa'), key=lambda x: x['first_block'])"
+wait_until "a loan of wa larger than one MEU" "$DEADLINE" st "$low['n_blocks'] > 16 and not any(x['revoking'] for x in l)"
+lid=$(st "$low['loan_id']") lfirst=$(st "$low['first_block']") ln=$(st "$low['n_blocks']")
+ctl reclaim wa 16 >/dev/null || fail "kvbankctl reclaim wa 16 failed"
+wait_until "loan $lid of wa shrunk by one MEU" "$DEADLINE" \
+    st "any(x['loan_id'] == $lid and x['first_block'] == $lfirst + 16 and x['n_blocks'] == $ln - 16 and not x['revoking'] for x in l)"
+grep -q "gave back the front of loan $lid" "$T/chat.log" || fail "the master did not give back the front of loan $lid"
+ok "kvbankctl reclaim wa 16: loan $lid went from [$lfirst, $((lfirst + ln))) to [$((lfirst + 16)), $((lfirst + ln))), not taken back whole"
+
 # -------------------------------------------------- 2. a multi-turn session longer than the master's KV
 prompt=$(ids 24 7 1)
 for turn in 1 2 3 4 5 6 7 8; do
@@ -236,8 +249,8 @@ full="m['chat']['n_borrowed'] == 31 and m['wa']['n_lent'] == 256 and m['wb']['n_
 wait_until "both workers lending all they can" "$DEADLINE" st "$full"
 # block moves + preemptions reported by the master's RevokeAcks after line $1 of its log
 revoke_hits() {
-    tail -n +$(($1 + 1)) "$T/chat.log" | grep "gave back loan" |
-        sed -n 's/.*: \([0-9]*\) block(s) moved, [0-9]* dropped, \([0-9]*\) sequence.*/\1 \2/p' |
+    tail -n +$(($1 + 1)) "$T/chat.log" | grep -E "gave back (the front of )?loan" |
+        sed -n 's/.*: \([0-9]*\) block(s) moved, .* dropped, \([0-9]*\) sequence.*/\1 \2/p' |
         awk '{ s += $1 + $2 } END { print s + 0 }'
 }
 line0=$(wc -l <"$T/chat.log")

@@ -216,6 +216,8 @@ typedef struct kvb_detach_stats {
     int moved;     /* live blocks copied to other blocks (KV moved, sequences keep running) */
     int dropped;   /* unreferenced prefix-cache blocks dropped */
     int preempted; /* sequences preempted by recompute (no free block to move to, or lender_dead) */
+    int kept;      /* unreferenced prefix-cache blocks copied into free blocks outside the range (issue 10) */
+    int demoted;   /* unreferenced prefix-cache blocks stored into the host tier's prefix cache */
 } kvb_detach_stats;
 
 /* Master: stops using the blocks attached under `tag` and forgets them: live blocks are copied to
@@ -230,6 +232,13 @@ typedef struct kvb_detach_stats {
  * outside the range is free or evictable, the newest sequence still on the range is preempted (its
  * own blocks free up room for the older ones). `out` may be NULL. */
 kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_detach_stats *out);
+/* Master, partial reclaim (issue 10): detaches only the first `n_blocks` (1..the loan's size) blocks of
+ * the loan `tag` as above; the loan keeps the rest, same tag. Idle cached blocks of the range are kept
+ * where room allows, most recently used first: copied into free blocks outside the range (as many as
+ * stay free once the range's live blocks moved) or, with a host-tier prefix cache, demoted there; the
+ * rest are dropped (the stats count each). Also done by kvb_engine_detach, unless lender_dead.
+ * KVB_ERR_INVALID for a bad count (nothing changed). */
+kvb_status kvb_engine_detach_front(kvb_engine *e, uint64_t tag, int n_blocks, int lender_dead, kvb_detach_stats *out);
 /* Master: blocks attached now (all tags). */
 int kvb_engine_n_borrowed(const kvb_engine *e);
 /* Master: the loans attached now: writes up to `max` tags and their block counts (either array may be
