@@ -236,6 +236,7 @@ typedef struct rec {
     int32_t toks[MAXR][MAXT];
     int n[MAXR];
     kvb_finish fin[MAXR];
+    kvb_status err[MAXR];
 } rec;
 
 static void on_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t t_ns) {
@@ -249,6 +250,7 @@ static void on_finish(void *ud, uint64_t id, kvb_finish why, kvb_status err) {
     rec *r = ud;
     ck_assert_int_eq(r->fin[id], KVB_FINISH_NONE);
     r->fin[id] = why;
+    r->err[id] = err;
 }
 
 static kvb_t_model tm;
@@ -273,6 +275,8 @@ static size_t block_bytes(int bs) {
 
 typedef struct eopts {
     int bs, n_blocks, budget, prefix, stream;
+    double stall_wait_s; /* > 0: kvb_engine_opts.stall_wait_s, with stall_overtake */
+    int stall_overtake;
     void *mem;
     size_t mem_bytes;
 } eopts;
@@ -286,6 +290,10 @@ static kvb_engine *mk(rec *r, eopts x) {
     o.enable_prefix_cache = x.prefix;
     o.kv_mem = x.mem;
     o.kv_mem_bytes = x.mem_bytes;
+    if (x.stall_wait_s > 0) {
+        o.stall_wait_s = x.stall_wait_s;
+        o.stall_overtake = x.stall_overtake;
+    }
     kvb_engine_events ev = {.ud = r, .on_token = on_token, .on_finish = on_finish};
     kvb_planner pl = kvb_policy_recompute();
     if (x.stream) { /* SwiftCache's layer stream cache: the swiftcache planner with lsc=stream */
@@ -759,6 +767,59 @@ KVB_TEST(detach_preempts_without_free_blocks) {
 }
 KVB_TEST_END
 
+/* Issue 10: requests admitted on borrowed blocks, preempted when the loan goes and no longer fitting the
+ * pool, must not hold the queue for good: a later request that fits is served past them (at most
+ * stall_overtake of them), and they fail with KVB_ERR_EXHAUSTED after stall_wait_s. */
+KVB_TEST(stalled_head_overtaken_then_fails) {
+    setup_model("llama", 3);
+    make_prompts();
+    req rs[6];
+    detach_requests(rs);
+    rs[3] = (req){4, P[1], 5, 8}; /* 13 tokens: 4 blocks, the whole own pool */
+    rs[4] = (req){5, P[1], 5, 6};
+    static rec ref, got;
+    reference(&ref, rs, 5);
+    size_t bb = block_bytes(4);
+    shm lend;
+    shm_open_(&lend, 40 * bb);
+    memset(&got, 0, sizeof got);
+    kvb_engine *e = mk(&got, (eopts){.bs = 4, .n_blocks = 4, .prefix = 0, .stall_wait_s = 5, .stall_overtake = 1});
+    ck_assert_int_eq(kvb_engine_attach(e, 1, lend.base, 40 * bb, 40), KVB_OK);
+    start_detach_requests(e, rs);
+    kvb_detach_stats ds;
+    ck_assert_int_eq(kvb_engine_detach(e, 1, 0, &ds), KVB_OK);
+    ck_assert_int_eq(ds.preempted, 3); /* all three wait now, none fits the 4 own blocks */
+    poison(lend.base, 40 * bb);
+    add(e, 4, rs[3].p, rs[3].n, rs[3].max);
+    add(e, 5, rs[4].p, rs[4].n, rs[4].max);
+    /* request 4 overtakes the stalled three; request 5 may not (one overtake each) and waits */
+    for (int i = 0; i < 20000 && got.fin[4] == KVB_FINISH_NONE; i++) ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+    ck_assert_int_eq(got.fin[4], KVB_FINISH_LENGTH);
+    ck_assert_int_eq(got.n[5], 0);
+    for (int k = 0; k < 3; k++) ck_assert_int_eq(got.fin[rs[k].id], KVB_FINISH_NONE);
+    ck_assert_int_eq(kvb_engine_starved(e), 1);
+    /* no loan comes: after the stall wait they fail with an explicit error, and request 5 runs */
+    for (int i = 0; i < 100000 && kvb_engine_n_live(e) > 0; i++) {
+        ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+        if (got.fin[5] == KVB_FINISH_NONE) usleep(500);
+    }
+    ck_assert_int_eq(kvb_engine_n_live(e), 0);
+    for (int k = 0; k < 3; k++) {
+        ck_assert_int_eq(got.fin[rs[k].id], KVB_FINISH_ERROR);
+        ck_assert_int_eq(got.err[rs[k].id], KVB_ERR_EXHAUSTED);
+    }
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    ck_assert_uint_eq(s.stalled_failed, 3);
+    const req done[] = {rs[3], rs[4]};
+    assert_same(&ref, &got, done, 2);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    shm_close(&lend);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST(detach_lender_dead) {
     setup_model("llama", 3);
     make_prompts();
@@ -1093,7 +1154,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("lending", KVB_T(pool_segments, 20), KVB_T(prefix_on_segments, 10), KVB_T(worker_shrink_grow, 60),
               KVB_T(master_borrowed_session, 60), KVB_T(detach_moves_live_blocks, 60),
-              KVB_T(detach_preempts_without_free_blocks, 60), KVB_T(detach_lender_dead, 60),
+              KVB_T(detach_preempts_without_free_blocks, 60), KVB_T(detach_lender_dead, 60), KVB_T(stalled_head_overtaken_then_fails, 60),
               KVB_T(detach_drops_cached_prefix, 60), KVB_T(partial_detach_keeps_hot_cache, 60),
               KVB_T(partial_detach_keeps_most_recent, 60), KVB_T(lsc_stream_lossless, 120),
               KVB_T(attach_detach_cycles, 120))

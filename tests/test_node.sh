@@ -19,117 +19,8 @@
 # 30 s); KVB_NODE_KEEP=1 keeps the temporary directory with every process's log; KVB_NODE_LSC=stream
 # runs the master with "lsc": "stream" (lent blocks streamed through the layer stream cache).
 set -euo pipefail
-B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
-PY=${KVB_PYTHON:-/usr/bin/python3}
-for p in kvbank-coordinator kvbankctl kvbank-master kvbank-worker kvbank-mkmodel kvbank-generate kvbank-request; do
-    if [ ! -x "$B/$p" ]; then
-        echo "FAIL - $B/$p is missing (build it first)"
-        exit 1
-    fi
-done
-T=$(mktemp -d /tmp/kvb-node-XXXXXX)
-NODE=tn$$                       # shm tags are ${NODE}_<model>
-EP=ipc://$T/coord.sock
-DEADLINE=${KVB_NODE_DEADLINE:-30} # seconds any single wait may take
 LSC=${KVB_NODE_LSC:-inplace}    # how the master's attention reaches lent blocks: inplace or stream
-declare -A PID=()               # model name -> pid
-BG=()                           # every process started here
-
-cleanup() {
-    local rc=$?
-    trap - EXIT
-    for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -f /dev/shm/kvb-"${NODE}"_* 2>/dev/null || true
-    if [ "${KVB_NODE_KEEP:-0}" = 1 ]; then echo "logs kept in $T"; else rm -rf "$T"; fi
-    exit $rc
-}
-trap cleanup EXIT
-
-ok() { echo "ok   - $*"; }
-fail() {
-    echo "FAIL - $*"
-    for f in "$T"/*.log; do
-        [ -f "$f" ] || continue
-        echo "---- tail of $(basename "$f")"
-        tail -25 "$f"
-    done
-    exit 1
-}
-
-# wait_until WHAT SECONDS CMD...: polls CMD every 0.1 s until it succeeds.
-wait_until() {
-    local what=$1 secs=$2
-    shift 2
-    local end=$((SECONDS + secs))
-    until "$@"; do
-        [ "$SECONDS" -ge "$end" ] && fail "no $what within ${secs} s"
-        sleep 0.1
-    done
-}
-
-ctl() { "$B/kvbankctl" --coordinator "$EP" --timeout-ms 2000 "$@"; }
-
-# st EXPR: evaluates the python expression EXPR with s = `kvbankctl status --json` and l = the ledger's
-# loans; exits 0 when it is true (prints it when it is not a bool).
-st() {
-    local s l
-    s=$(ctl status --json 2>/dev/null) || return 1
-    l=$(ctl ledger --json 2>/dev/null) || return 1
-    "$PY" - "$s" "$l" "$1" <<'PYEOF'
-import json, sys
-s = json.loads(sys.argv[1]); lj = json.loads(sys.argv[2])
-l = lj.get('loans', []) if isinstance(lj, dict) else lj
-m = {x['name']: x for x in s['models'] if x.get('alive')}
-v = eval(sys.argv[3])
-if isinstance(v, bool):
-    sys.exit(0 if v else 1)
-print(v)
-PYEOF
-}
-
-ids() { "$PY" -c "import sys; n, a, b = map(int, sys.argv[1:]); print(','.join(str((a * i + b) % 120 + 3) for i in range(n)))" "$@"; }
-
-start_model() { # start_model master|worker NAME
-    "$B/kvbank-$1" --config "$T/node.json" --name "$2" 2>>"$T/$2.log" &
-    PID[$2]=$!
-    BG+=($!)
-}
-
-start_coordinator() {
-    "$B/kvbank-coordinator" --config "$T/node.json" 2>>"$T/coordinator.log" &
-    PID[coordinator]=$!
-    BG+=($!)
-}
-
-# request ENDPOINT_NAME PROMPT MAX OUTFILE: kvbank-request in the background; its pid in $REQ. OUTFILE
-# gets a line `INDEX TOKEN MS` per token as it arrives, then `finish: REASON, N tokens: IDS`.
-request() {
-    "$B/kvbank-request" --endpoint "ipc://$T/$1.sock" --prompt-ids "$2" --max-tokens "$3" \
-        --timeout-ms $((DEADLINE * 1000)) >"$4" 2>"$4.err" &
-    REQ=$!
-    BG+=($!)
-}
-
-# check_tokens WHAT MODEL_DIR BLOCK_SIZE PROMPT MAX OUTFILE: the ids in OUTFILE are kvbank-generate's
-check_tokens() {
-    local want got
-    want=$("$B/kvbank-generate" --model "$2" --block-size "$3" --prompt-ids "$4" --max-tokens "$5" 2>/dev/null) ||
-        fail "$1: kvbank-generate failed"
-    got=$(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$6")
-    [ "$got" = "$want" ] || fail "$1: tokens differ from kvbank-generate: got '$got', want '$want' ($(cat "$6.err"))"
-}
-
-# wait_exit PID SECONDS: waits for a process started here to end; its exit status in $RC
-wait_exit() {
-    local end=$((SECONDS + $2))
-    while kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; do
-        [ "$SECONDS" -ge "$end" ] && fail "process $1 still running after $2 s"
-        sleep 0.1
-    done
-    RC=0
-    wait "$1" || RC=$?
-}
+source "$(dirname "$0")/node_lib.sh"
 
 shm_modes_ok() {
     local f n=0
@@ -142,11 +33,8 @@ shm_modes_ok() {
 }
 
 # ------------------------------------------------------------------------------------ the node
-MM=$T/m_master MA=$T/m_a MB=$T/m_b
-"$B/kvbank-mkmodel" --arch llama --layers 4 --hidden 512 --heads 16 --kv-heads 4 --head-dim 32 \
-    --intermediate 1024 --vocab 128 --max-pos 4096 --seed 11 "$MM" >/dev/null
-"$B/kvbank-mkmodel" --arch qwen3 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --vocab 128 \
-    --seed 12 "$MA" >/dev/null
+MB=$T/m_b
+make_master_and_wa
 "$B/kvbank-mkmodel" --arch qwen3 --layers 3 --hidden 32 --heads 2 --kv-heads 1 --head-dim 16 --vocab 128 \
     --seed 13 "$MB" >/dev/null
 # block bytes: master 4*2*16*4*32*4 = 65536 (1 MiB = 16 blocks = 256 tokens); wa 2*2*8*2*16*4 = 4096

@@ -25,6 +25,8 @@ void kvb_engine_opts_default(kvb_engine_opts *o) {
     o->max_batch_tokens = 512;
     o->max_seqs = 64;
     o->enable_prefix_cache = 1;
+    o->stall_wait_s = 60;
+    o->stall_overtake = 64;
 }
 
 /* The planner's resources (plan_pool SETUP), asked before the pool exists (a planner may bring the KV

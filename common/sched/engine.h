@@ -48,6 +48,12 @@ typedef struct kvb_engine_opts {
     const kvb_mem_allocator *act_alloc; /* where the forward pass takes each step's buffers, sized by
                               * that step's tokens (borrowed for the engine's lifetime); NULL: a step
                               * arena of the backend's memory (kvb_mem_arena) */
+    /* A waiting request that no longer fits the pool as it is now (it was admitted on borrowed blocks
+     * that went back, or on own blocks a worker lent) is *stalled* (issue 10): */
+    double stall_wait_s;     /* it fails with KVB_ERR_EXHAUSTED (FINISH_ERROR) after stalling this long
+                              * (default 60; <= 0: it waits for blocks forever) */
+    int stall_overtake;      /* later requests the FCFS scheduler admits past it while it stalls (bounded
+                              * overtaking; default 64; <= 0: none, strict FCFS) */
 } kvb_engine_opts;
 
 void kvb_engine_opts_default(kvb_engine_opts *o);
@@ -141,6 +147,7 @@ typedef struct kvb_engine_stats {
     kvb_link_report links[KVB_LINK_COUNT]; /* what the stager's links carried since creation */
     int prefix_cache;           /* 1 if the prefix cache is on (a planner may turn it off at setup) */
     int max_running;            /* most requests running (or paused) at once after a step */
+    uint64_t stalled_failed;    /* waiting requests failed after stall_wait_s without fitting the pool */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
 
