@@ -592,6 +592,9 @@ kvb_status kvb_node_proc_run(kvb_node_proc *p) {
     KVB_LOG_I("stopped serving: accepted=%llu completed=%llu rejected=%llu malformed=%llu disconnects=%llu",
               (unsigned long long)ss.accepted, (unsigned long long)ss.completed, (unsigned long long)ss.rejected,
               (unsigned long long)ss.malformed, (unsigned long long)ss.disconnects);
+    char line[1024];
+    kvb_engine_stats_format(p->eng, line, sizeof line);
+    KVB_LOG_I("engine: %s", line);
     return st;
 }
 

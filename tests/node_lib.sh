@@ -1,6 +1,6 @@
-# kvbank — what the node tests (test_node.sh, test_stall.sh) share: the built tools, a temporary run
-# directory, process bookkeeping with cleanup on exit, and helpers that poll with a deadline. Sourced
-# after `set -euo pipefail`; KVB_NODE_TAG names the node (shm tags are <tag><pid>_<model>).
+# kvbank — what test_node.sh and test_stall.sh share beyond tests/node_harness.sh: the built tools, a
+# temporary run directory, the node's name (KVB_NODE_TAG, default tn, plus the pid) and endpoint, and
+# helpers for models, requests and the ledger. Sourced after `set -euo pipefail`.
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
 PY=${KVB_PYTHON:-/usr/bin/python3}
 for p in kvbank-coordinator kvbankctl kvbank-master kvbank-worker kvbank-mkmodel kvbank-generate kvbank-request; do
@@ -14,42 +14,7 @@ NODE=${KVB_NODE_TAG:-tn}$$        # shm tags are ${NODE}_<model>
 EP=ipc://$T/coord.sock
 DEADLINE=${KVB_NODE_DEADLINE:-30} # seconds any single wait may take
 declare -A PID=()               # model name -> pid
-BG=()                           # every process started here
-
-cleanup() {
-    local rc=$?
-    trap - EXIT
-    for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -f /dev/shm/kvb-"${NODE}"_* 2>/dev/null || true
-    if [ "${KVB_NODE_KEEP:-0}" = 1 ]; then echo "logs kept in $T"; else rm -rf "$T"; fi
-    exit $rc
-}
-trap cleanup EXIT
-
-ok() { echo "ok   - $*"; }
-fail() {
-    echo "FAIL - $*"
-    for f in "$T"/*.log; do
-        [ -f "$f" ] || continue
-        echo "---- tail of $(basename "$f")"
-        tail -25 "$f"
-    done
-    exit 1
-}
-
-# wait_until WHAT SECONDS CMD...: polls CMD every 0.1 s until it succeeds.
-wait_until() {
-    local what=$1 secs=$2
-    shift 2
-    local end=$((SECONDS + secs))
-    until "$@"; do
-        [ "$SECONDS" -ge "$end" ] && fail "no $what within ${secs} s"
-        sleep 0.1
-    done
-}
-
-ctl() { "$B/kvbankctl" --coordinator "$EP" --timeout-ms 2000 "$@"; }
+source "$(dirname "$0")/node_harness.sh" # BG: every process started here; ok, fail, wait_until, ctl
 
 # st EXPR: evaluates the python expression EXPR with s = `kvbankctl status --json` and l = the ledger's
 # loans; exits 0 when it is true (prints it when it is not a bool).
@@ -69,7 +34,6 @@ print(v)
 PYEOF
 }
 
-ids() { "$PY" -c "import sys; n, a, b = map(int, sys.argv[1:]); print(','.join(str((a * i + b) % 120 + 3) for i in range(n)))" "$@"; }
 
 start_model() { # start_model master|worker NAME
     "$B/kvbank-$1" --config "$T/node.json" --name "$2" 2>>"$T/$2.log" &

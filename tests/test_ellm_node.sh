@@ -12,42 +12,7 @@ T=$(mktemp -d /tmp/kvb-ellm-node-XXXXXX)
 NODE=te$$
 EP=ipc://$T/coord.sock
 DEADLINE=${KVB_NODE_DEADLINE:-60}
-BG=()
-cleanup() {
-    local rc=$?
-    trap - EXIT
-    for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -f /dev/shm/kvb-"${NODE}"_* 2>/dev/null || true
-    rm -rf "$T"
-    exit $rc
-}
-trap cleanup EXIT
-ok() { echo "ok   - $*"; }
-fail() {
-    echo "FAIL - $*"
-    for f in "$T"/*.log; do
-        [ -f "$f" ] || continue
-        echo "---- tail of $(basename "$f")"
-        tail -20 "$f"
-    done
-    exit 1
-}
-wait_until() {
-    local what=$1 secs=$2
-    shift 2
-    local end=$((SECONDS + secs))
-    until "$@"; do
-        [ "$SECONDS" -ge "$end" ] && fail "no $what within ${secs} s"
-        sleep 0.1
-    done
-}
-ctl() { "$B/kvbankctl" --coordinator "$EP" --timeout-ms 2000 "$@"; }
-alive() { # alive N: N models registered and alive
-    local s
-    s=$(ctl status --json 2>/dev/null) || return 1
-    "$PY" -c "import json,sys; s=json.loads(sys.argv[1]); sys.exit(0 if sum(1 for m in s['models'] if m.get('alive')) == int(sys.argv[2]) else 1)" "$s" "$1"
-}
+source "$(dirname "$0")/node_harness.sh"
 
 M=$T/m
 "$B/kvbank-mkmodel" --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 128 --max-pos 512 --seed 21 \
@@ -63,18 +28,7 @@ cat >"$T/node.json" <<EOF
       "policy": "static-split-chunked" } ] }
 EOF
 
-"$B/kvbank-coordinator" --config "$T/node.json" 2>>"$T/coordinator.log" &
-COORD=$!
-BG+=($!)
-declare -A PID=()
-for m in chat el ck; do
-    role=worker
-    [ $m = chat ] && role=master
-    "$B/kvbank-$role" --config "$T/node.json" --name $m 2>>"$T/$m.log" &
-    PID[$m]=$!
-    BG+=($!)
-done
-wait_until "three live models" "$DEADLINE" alive 3
+start_node "$T/node.json" chat el ck
 ok "coordinator, a master and two workers (ellm-elastic, static-split-chunked) registered"
 
 # a master with ellm-elastic: exit 1 with the reason
@@ -84,7 +38,6 @@ out=$("$B/kvbank-master" --model "$M" --endpoint "ipc://$T/bad.sock" --coordinat
 [ $rc = 1 ] && grep -q "cannot borrow blocks" <<<"$out" && ok "a master with ellm-elastic refuses to start" ||
     fail "master --policy ellm-elastic: exit $rc: $(tail -2 <<<"$out")"
 
-ids() { "$PY" -c "import sys; n, a, b = map(int, sys.argv[1:]); print(','.join(str((a * i + b) % 120 + 3) for i in range(n)))" "$@"; }
 PROMPTS=("$(ids 40 7 1)" "$(ids 9 5 2)" "$(ids 120 3 4)" "$(ids 25 11 9)")
 for m in el ck; do
     pids=()

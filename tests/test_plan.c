@@ -894,7 +894,7 @@ KVB_TEST(registry_and_params) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 240), KVB_T(destroy_contract, 60),
+KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
               KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240),
               KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240),

@@ -92,6 +92,8 @@ for name in $names; do
         bad "serve --policy $name: a client or the server failed (server exit $src): $(tail -3 "$T/serve-$name.err")"
     elif [ "${got%$'\n'}" != "$ref" ]; then
         bad "serve --policy $name: tokens differ from the reference"
+    elif ! grep -q "engine: policy=$name steps=[1-9]" "$T/serve-$name.err"; then
+        bad "serve --policy $name: its engine statistics at the stop do not name the policy: $(tail -2 "$T/serve-$name.err")"
     else
         ok "serve --policy $name: reference tokens for 5 concurrent clients"
     fi

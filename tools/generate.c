@@ -378,22 +378,9 @@ int main(int argc, char **argv) {
     }
     if (dump_path && kvb_npy_write_f32(dump_path, g.dump, g.n_out[0], cfg->vocab) != KVB_OK) goto out;
     if (show_stats) {
-        kvb_engine_stats s;
-        kvb_engine_get_stats(e, &s);
-        kvb_slices_stats ss;
-        kvb_engine_slices_stats(e, &ss);
-        fprintf(stderr,
-                "stats: steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
-                "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
-                "max_running=%d swap_outs=%llu recomputed_tokens=%llu dropped_blocks=%llu restored_blocks=%llu "
-                "host_link_bytes=%llu peer_link_bytes=%llu\n",
-                (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
-                (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
-                (unsigned long long)s.prefix_hit_tokens, s.blocks_total, (unsigned long long)s.pauses,
-                (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded, s.prefix_cache,
-                s.max_running, (unsigned long long)s.swap_outs, (unsigned long long)s.recomputed_tokens,
-                (unsigned long long)s.dropped_blocks, (unsigned long long)s.restored_blocks,
-                (unsigned long long)s.links[KVB_LINK_HOST].bytes, (unsigned long long)s.links[KVB_LINK_PEER].bytes);
+        char line[1024];
+        kvb_engine_stats_format(e, line, sizeof line);
+        fprintf(stderr, "stats: %s\n", line);
     }
     rc = 0;
     goto out;

@@ -260,6 +260,9 @@ int main(int argc, char **argv) {
     KVB_LOG_I("stopped: accepted=%llu completed=%llu rejected=%llu malformed=%llu disconnects=%llu",
               (unsigned long long)ss.accepted, (unsigned long long)ss.completed, (unsigned long long)ss.rejected,
               (unsigned long long)ss.malformed, (unsigned long long)ss.disconnects);
+    char line[1024];
+    kvb_engine_stats_format(eng, line, sizeof line);
+    KVB_LOG_I("engine: %s", line);
     if (st != KVB_OK) {
         fprintf(stderr, "kvbank-serve: the server stopped on an error: %s\n", kvb_status_str(st));
         goto out;

@@ -116,7 +116,7 @@ typedef struct kvb_etw_layer_plan {
     double t_swap;   /* Eq. 6 for one window (l1 layers), seconds */
     double t_rec;    /* Eq. 7 corrected for one window (l2 layers), seconds */
     /* The fused step's thread split (Eq. 8-9): delta of `threads` for the recompute (K1), the rest
-     * for the decode (K2). CUDA: threads = 1024 and delta a multiple of 32 in [32, 992]; CPU: the
+     * for the decode (K2). GPU: threads = 1024 and delta a multiple of 32 in [32, 992]; CPU: the
      * worker threads, delta in [1, threads - 1] (0 when there is nothing to recompute). */
     int threads;
     int delta;
@@ -129,15 +129,23 @@ typedef struct kvb_etw_batch {
     const int *u;       /* [b] absent (recomputed) tokens of each, u[i] <= s[i] */
 } kvb_etw_batch;
 
+/* What the δ split divides (Eq. 8-9): a GPU's thread block (1024 threads, warp-aligned) or the CPU
+ * backend's worker threads. */
+typedef enum kvb_etw_device {
+    KVB_ETW_DEVICE_CPU = 0, /* delta in [1, threads - 1] of the worker threads */
+    KVB_ETW_DEVICE_GPU = 1  /* delta a multiple of 32 in [32, 992] of 1024 threads */
+} kvb_etw_device;
+
 /* The paper's starting point before the layer level answers: l1 = 3, l2 = 2 (M_o = 40hbsr). */
 kvb_etw_layer_plan kvb_etw_layer_initial(const kvb_etw_dims *d, const kvb_etw_link *link);
 /* §4.3.1: picks (l1, l2) in {1,2,3} x {1,2} with the smallest |T_swap − T_rec| (ties: the smaller
  * depth) when the link exists and swapping does not make the estimated step longer than recomputing
  * every layer (kvbank's guard); otherwise l1 = 0, l2 = 1, n_rec = L. Then the δ split of `threads`
- * (`cuda`: warp-aligned, ≤ 1024) from the estimated times of K1 (recompute of l2 layers) and K2
+ * (`device_kind` GPU: warp-aligned, ≤ 1024) from the estimated times of K1 (recompute of l2 layers) and K2
  * (decode of l1 + l2 layers), Eq. 8-9 in seconds instead of FLOPs. */
 void kvb_etw_layer_optimize(const kvb_etw_dims *d, const kvb_etw_rates *k, const kvb_etw_link *link,
-                            const kvb_etw_batch *bt, int threads, int cuda, kvb_etw_layer_plan *out);
+                            const kvb_etw_batch *bt, int threads, kvb_etw_device device_kind,
+                            kvb_etw_layer_plan *out);
 /* Estimated seconds of one step of `bt` under `lp` (decode + recompute of n_rec layers, the loads of
  * n_swap layers overlapped with them and exposed only where they run past the compute). */
 double kvb_etw_step_estimate(const kvb_etw_dims *d, const kvb_etw_rates *k, const kvb_etw_link *link,

@@ -189,7 +189,8 @@ double kvb_etw_step_estimate(const kvb_etw_dims *d, const kvb_etw_rates *k, cons
 }
 
 void kvb_etw_layer_optimize(const kvb_etw_dims *d, const kvb_etw_rates *k, const kvb_etw_link *link,
-                            const kvb_etw_batch *bt, int threads, int cuda, kvb_etw_layer_plan *out) {
+                            const kvb_etw_batch *bt, int threads, kvb_etw_device device_kind,
+                            kvb_etw_layer_plan *out) {
     const int L = d->n_layers;
     double U = 0;
     kvb_etw_work rec1 = {0}, dec1 = {0}; /* one layer of recompute / of decode for the whole batch */
@@ -237,7 +238,7 @@ void kvb_etw_layer_optimize(const kvb_etw_dims *d, const kvb_etw_rates *k, const
 
     /* Eq. 8-9: K1 recomputes l2 layers, K2 decodes l1 + l2 layers; split by their estimated times */
     double v1 = best.l2 * t_rl, v2 = (best.l1 + best.l2) * t_dl;
-    if (cuda) {
+    if (device_kind == KVB_ETW_DEVICE_GPU) {
         best.threads = 1024;
         if (U <= 0 || v1 <= 0) {
             best.delta = 0;

@@ -126,7 +126,7 @@ static void *solver_main(void *arg) {
         kvb_etw_layer_plan lp = prob.layer;
         if (p->swap_layers) {
             kvb_etw_batch bt = {.b = n_run, .s = s, .u = u};
-            kvb_etw_layer_optimize(p->d.n_layers ? &p->d : prob.d, &prob.rates, &p->link, &bt, (int)p->threads, 0, &lp);
+            kvb_etw_layer_optimize(p->d.n_layers ? &p->d : prob.d, &prob.rates, &p->link, &bt, (int)p->threads, KVB_ETW_DEVICE_CPU, &lp);
         }
         prob.layer = lp;
         prob.s = s;

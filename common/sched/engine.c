@@ -3,6 +3,7 @@
  * host_tier.c and lending.c (see state.h). */
 #include "common/sched/engine.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "common/sched/state.h"
@@ -243,4 +244,26 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     out->n_swapped = e->swapped.n;
     kvb_stager_totals(e->stager, out->links);
     out->prefix_cache = e->o.enable_prefix_cache;
+}
+
+void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    kvb_slices_stats ss;
+    kvb_engine_slices_stats(e, &ss);
+    snprintf(buf, len,
+             "policy=%s steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
+             "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
+             "max_running=%d swap_outs=%llu swap_ins=%llu recomputed_tokens=%llu dropped_blocks=%llu "
+             "restored_blocks=%llu hidden_restores=%llu hidden_saved_bytes=%llu host_link_bytes=%llu "
+             "peer_link_bytes=%llu",
+             kvb_engine_planner_name(e), (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
+             (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
+             (unsigned long long)s.prefix_hit_tokens, s.blocks_total, (unsigned long long)s.pauses,
+             (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded, s.prefix_cache,
+             s.max_running, (unsigned long long)s.swap_outs, (unsigned long long)s.swap_ins,
+             (unsigned long long)s.recomputed_tokens, (unsigned long long)s.dropped_blocks,
+             (unsigned long long)s.restored_blocks, (unsigned long long)s.hidden_restores,
+             (unsigned long long)s.hidden_saved_bytes, (unsigned long long)s.links[KVB_LINK_HOST].bytes,
+             (unsigned long long)s.links[KVB_LINK_PEER].bytes);
 }

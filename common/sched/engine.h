@@ -150,6 +150,9 @@ typedef struct kvb_engine_stats {
     uint64_t stalled_failed;    /* waiting requests failed after stall_wait_s without fitting the pool */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
+/* The statistics as one line of `key=value` words, starting with `policy=NAME` (kvbank-generate --stats,
+ * and what kvbank-serve and the node's model processes log when they stop); truncated to `len`. */
+void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len);
 
 /* The layer-sliced KV manager (request-level placements on a sliced pool, plan.h kvb_plan_place). */
 typedef struct kvb_slices_stats {

@@ -1,0 +1,73 @@
+# kvbank — what the node test scripts share (sourced, not run): set B, PY, T (a temporary directory),
+# NODE (the node's shm tag) and EP (the coordinator's endpoint) first, and add every process started
+# to BG. Gives ok/fail (fail prints the tail of every log in $T and exits 1), wait_until, ctl (kvbankctl
+# against EP), alive N, and an EXIT trap that kills what is in BG and removes the node's shared memory
+# and $T (kept with KVB_NODE_KEEP=1).
+BG=()
+
+node_cleanup() {
+    local rc=$?
+    trap - EXIT
+    for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -f /dev/shm/kvb-"${NODE}"_* 2>/dev/null || true
+    if [ "${KVB_NODE_KEEP:-0}" = 1 ]; then echo "logs kept in $T"; else rm -rf "$T"; fi
+    exit $rc
+}
+trap node_cleanup EXIT
+
+ok() { echo "ok   - $*"; }
+fail() {
+    echo "FAIL - $*"
+    for f in "$T"/*.log; do
+        [ -f "$f" ] || continue
+        echo "---- tail of $(basename "$f")"
+        tail -25 "$f"
+    done
+    exit 1
+}
+
+# wait_until WHAT SECONDS CMD...: polls CMD every 0.1 s until it succeeds.
+wait_until() {
+    local what=$1 secs=$2
+    shift 2
+    local end=$((SECONDS + secs))
+    until "$@"; do
+        [ "$SECONDS" -ge "$end" ] && fail "no $what within ${secs} s"
+        sleep 0.1
+    done
+}
+
+ctl() { "$B/kvbankctl" --coordinator "$EP" --timeout-ms 2000 "$@"; }
+
+# alive N: N models registered and alive (fails the test when a process started here has died).
+alive() {
+    local s p
+    for p in "${BG[@]}"; do kill -0 "$p" 2>/dev/null || fail "process $p exited early"; done
+    s=$(ctl status --json 2>/dev/null) || return 1
+    "$PY" -c "import json,sys; s=json.loads(sys.argv[1]); sys.exit(0 if sum(1 for m in s['models'] if m.get('alive')) == int(sys.argv[2]) else 1)" "$s" "$1"
+}
+
+# start_node CONFIG MASTER WORKER...: starts kvbank-coordinator (pid in COORD) and the named models of
+# CONFIG (the first as the master; pids in PID[name]), each logging to $T/NAME.log, and waits until all
+# are alive.
+declare -A PID=()
+start_node() {
+    local cfg=$1 master=$2 m role
+    shift 2
+    set -- "$master" "$@"
+    "$B/kvbank-coordinator" --config "$cfg" 2>>"$T/coordinator.log" &
+    COORD=$!
+    BG+=($!)
+    for m in "$@"; do
+        role=worker
+        [ "$m" = "$master" ] && role=master
+        "$B/kvbank-$role" --config "$cfg" --name "$m" 2>>"$T/$m.log" &
+        PID[$m]=$!
+        BG+=($!)
+    done
+    wait_until "$# live models" "$DEADLINE" alive $#
+}
+
+# ids N A B: N comma-separated token ids (A·i + B) mod 120 + 3.
+ids() { "$PY" -c "import sys; n, a, b = map(int, sys.argv[1:]); print(','.join(str((a * i + b) % 120 + 3) for i in range(n)))" "$@"; }

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# eLLM token-wise (issue 12) and its three baselines in a real kvbank node (ipc:// endpoints in a
+# temporary directory): kvbank-coordinator, a master running ellm-tokenwise (it may borrow: its KV is in
+# the block pool) and three workers running vllm-recompute (lending its idle blocks), vllm-swap and
+# hcache, each from the node config's "policy" and "policy_params", each with a pool smaller than the
+# requests it is sent. Four requests go to each model at once over one connection (kvbank-request with
+# repeated --prompt-ids); every one gives kvbank-generate's greedy tokens. On SIGTERM each model logs
+# its engine statistics: they must show the policy's own mechanism at work (blocks of the oldest tokens
+# released and recomputed; preemption; swapping; KV rebuilt from saved hidden states). Every process
+# exits 0.
+set -euo pipefail
+B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
+PY=${KVB_PYTHON:-/usr/bin/python3}
+T=$(mktemp -d /tmp/kvb-ellm-tw-node-XXXXXX)
+NODE=tw$$
+EP=ipc://$T/coord.sock
+DEADLINE=${KVB_NODE_DEADLINE:-90}
+source "$(dirname "$0")/node_harness.sh"
+
+# 4 layers, 4 KV heads of 64: 8 KiB of KV per token, 128 KiB per 16-token block; 1 MB = 8 blocks, against
+# 17 for the four requests together (the longest needs 6)
+M=$T/m
+"$B/kvbank-mkmodel" --arch llama --layers 4 --hidden 256 --heads 4 --kv-heads 4 --vocab 128 --max-pos 512 --seed 23 \
+    "$M" >/dev/null
+MODELS=(tw rc sw hc)
+declare -A POLICY=([tw]=ellm-tokenwise [rc]=vllm-recompute [sw]=vllm-swap [hc]=hcache)
+cat >"$T/node.json" <<EOF
+{ "node": "$NODE", "run_dir": "$T",
+  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 10, "lend_interval_s": 0.3 },
+  "models": [
+    { "name": "tw", "role": "master", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/tw.sock",
+      "policy": "ellm-tokenwise", "policy_params": { "r": 0.5, "async": 0 } },
+    { "name": "rc", "role": "worker", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/rc.sock",
+      "policy": "vllm-recompute" },
+    { "name": "sw", "role": "worker", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/sw.sock",
+      "policy": "vllm-swap", "lend": false },
+    { "name": "hc", "role": "worker", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/hc.sock",
+      "policy": "hcache", "policy_params": { "hidden_layers": 1 }, "lend": false } ] }
+EOF
+
+start_node "$T/node.json" tw rc sw hc
+ok "coordinator, an ellm-tokenwise master and vllm-recompute, vllm-swap, hcache workers registered"
+
+PROMPTS=("$(ids 40 7 1)" "$(ids 9 5 2)" "$(ids 60 3 4)" "$(ids 25 11 9)")
+ARGS=()
+for p in "${PROMPTS[@]}"; do ARGS+=(--prompt-ids "$p"); done
+WANT=()
+for i in "${!PROMPTS[@]}"; do
+    WANT+=("$("$B/kvbank-generate" --model "$M" --prompt-ids "${PROMPTS[$i]}" --max-tokens 24 2>/dev/null)")
+done
+for m in "${MODELS[@]}"; do
+    "$B/kvbank-request" --endpoint "ipc://$T/$m.sock" "${ARGS[@]}" --max-tokens 24 --wait 20 \
+        --timeout-ms $((DEADLINE * 1000)) >"$T/$m.out" 2>"$T/$m.err" &
+    PID[req-$m]=$!
+done
+for m in "${MODELS[@]}"; do
+    wait "${PID[req-$m]}" || fail "$m (${POLICY[$m]}): kvbank-request failed: $(cat "$T/$m.err")"
+    mapfile -t got < <(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$T/$m.out")
+    [ "${#got[@]}" = "${#PROMPTS[@]}" ] || fail "$m: ${#got[@]} answers for ${#PROMPTS[@]} requests: $(cat "$T/$m.out")"
+    for i in "${!PROMPTS[@]}"; do
+        [ "${got[$i]}" = "${WANT[$i]}" ] || fail "$m (${POLICY[$m]}) request $i: got '${got[$i]}', want '${WANT[$i]}'"
+    done
+    ok "$m (${POLICY[$m]}): 4 requests at once give kvbank-generate's tokens"
+done
+
+for m in "${MODELS[@]}"; do kill -TERM "${PID[$m]}"; done
+for m in "${MODELS[@]}"; do
+    rc=0
+    wait "${PID[$m]}" || rc=$?
+    [ $rc = 0 ] || fail "$m exited $rc on SIGTERM"
+done
+kill -TERM $COORD
+wait $COORD || fail "the coordinator exited non-zero"
+ok "SIGTERM: every process exits 0"
+
+# the engine statistics each model logged when it stopped
+stat_of() { # stat_of MODEL KEY
+    sed -n 's/.*engine: policy=.*/&/p' "$T/$1.log" | tail -1 | tr ' ' '\n' | sed -n "s/^$2=//p"
+}
+for m in "${MODELS[@]}"; do
+    [ "$(stat_of $m policy)" = "${POLICY[$m]}" ] || fail "$m: no engine statistics of policy ${POLICY[$m]} in its log"
+done
+line() { grep -o 'engine: policy=.*' "$T/$1.log" | tail -1; }
+[ "$(stat_of tw dropped_blocks)" -gt 0 ] && [ "$(stat_of tw recomputed_tokens)" -gt 0 ] ||
+    fail "ellm-tokenwise released and recomputed nothing: $(line tw)"
+ok "ellm-tokenwise released the oldest tokens' blocks and recomputed them: $(line tw)"
+[ "$(stat_of rc preemptions)" -gt 0 ] || fail "vllm-recompute preempted nothing: $(line rc)"
+ok "vllm-recompute preempted under pressure: $(line rc)"
+[ "$(stat_of sw swap_outs)" -gt 0 ] && [ "$(stat_of sw swap_ins)" = "$(stat_of sw swap_outs)" ] ||
+    fail "vllm-swap swapped nothing out and back: $(line sw)"
+ok "vllm-swap swapped requests out and back: $(line sw)"
+[ "$(stat_of hc hidden_saved_bytes)" -gt 0 ] && [ "$(stat_of hc hidden_restores)" -gt 0 ] ||
+    fail "hcache rebuilt nothing from hidden states: $(line hc)"
+ok "hcache saved hidden states and rebuilt KV from them: $(line hc)"
+echo "all ellm-tokenwise node checks passed"
