@@ -35,7 +35,7 @@
 #include "kernels/backend.h"
 
 #define KVB_LEDGER_NAME_MAX 64      /* model names: 1..64 of [A-Za-z0-9._-] */
-#define KVB_LEDGER_REGION_MAX 512   /* region handle (shm name, or a CUDA IPC handle in hex) */
+#define KVB_LEDGER_REGION_MAX 512   /* region handle (shm name, or a device IPC handle in hex) */
 #define KVB_LEDGER_TEXT_MAX 1024    /* endpoint and model strings */
 #define KVB_LEDGER_MEMORY_MAX 15    /* memory kind ("host", a device kind) */
 #define KVB_LEDGER_MAX_MODELS 256   /* registered models (dead ones included) */
