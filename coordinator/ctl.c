@@ -372,7 +372,8 @@ static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_
     kvb_status st = kvb_client_generate(cl, &req, on_token, &s, c->timeout_ms, &fin, err, sizeof err);
     if (st != KVB_OK) {
         fprintf(stderr, PROG ": %s: %s%s%s\n", ep, kvb_status_str(st), err[0] ? ": " : "", err);
-        goto out;
+        if (!s.n) goto out;
+        fin = KVB_FINISH_ERROR; /* the tokens delivered before the error are shown, --quiet too */
     }
     if (!quiet) printf("finish: %s, %d tokens: ", kvb_finish_str(fin), s.n);
     for (int i = 0; i < s.n; i++) printf(i ? ",%d" : "%d", s.ids[i]);
