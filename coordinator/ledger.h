@@ -238,6 +238,11 @@ kvb_status kvb_ledger_lend_request(kvb_ledger *l, const char *worker, uint32_t n
 kvb_status kvb_ledger_drain(kvb_ledger *l, const char *name, uint64_t now_ms, int *n_loans, char *why,
                             size_t why_len);
 
+/* Control(UNDRAIN): undoes kvb_ledger_drain. A worker gets LendRequest(0 blocks, no drain): it lends
+ * again when SwiftCache's Alg. 1 says so; the master borrows again. KVB_ERR_STATE (with `why`) when the
+ * model does not drain. */
+kvb_status kvb_ledger_undrain(kvb_ledger *l, const char *name, char *why, size_t why_len);
+
 /* Declares a live model dead (flow 5): a worker's loans are revoked with lender_dead; a master's loans
  * are deleted and their lenders get Reclaimed. `reason` is kept for the status. No-op for an unknown or
  * already dead model. */

@@ -607,6 +607,22 @@ KVB_TEST(ledger_drain) {
     ck_assert_int_eq(kvb_ledger_offer(l, "b", 52, 4, 0, NULL, why, sizeof why), KVB_ERR_STATE);
     ck_assert_msg(strstr(why, "master m is draining") != NULL, "reason: %s", why);
     ck_assert_int_eq(kvb_ledger_drain(l, "ghost", 0, &n, why, sizeof why), KVB_ERR_NOT_FOUND);
+    /* undrain: the master borrows again, the worker is told (LendRequest of 0 blocks, no drain) and may
+     * be asked to lend again; a model that does not drain is refused, naming it */
+    ck_assert_int_eq(kvb_ledger_undrain(l, "b", why, sizeof why), KVB_ERR_STATE);
+    ck_assert_msg(strstr(why, "b is not draining") != NULL, "reason: %s", why);
+    expect_no_act(l);
+    ck_assert_int_eq(kvb_ledger_undrain(l, "m", why, sizeof why), KVB_OK);
+    expect_no_act(l);
+    ck_assert(!kvb_ledger_find(l, "m")->draining);
+    ck_assert_int_eq(kvb_ledger_undrain(l, "a", why, sizeof why), KVB_OK);
+    act = expect_act(l, KVB_ACT_LEND_REQUEST, "a", 0);
+    ck_assert(!act.drain);
+    ck_assert_uint_eq(act.n_blocks, 0);
+    expect_no_act(l);
+    ck_assert_int_eq(kvb_ledger_lend_request(l, "a", 4, why, sizeof why), KVB_OK);
+    expect_act(l, KVB_ACT_LEND_REQUEST, "a", 0);
+    ck_assert_int_eq(kvb_ledger_undrain(l, "ghost", why, sizeof why), KVB_ERR_NOT_FOUND);
     kvb_ledger_destroy(l);
 }
 KVB_TEST_END

@@ -7,6 +7,7 @@
 
 #include "common/ipc/client.h"
 #include "common/ipc/wire.h"
+#include "common/util/prog.h"
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-request --endpoint EP --prompt-ids IDS --max-tokens N [options]\n"
@@ -136,6 +137,7 @@ static int on_token(void *ud, int index, int32_t token, uint64_t t_ns) {
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-request");
     const char *ep = NULL;
     int32_t *prompt = NULL, *stop = NULL;
     batch bt = {0};
