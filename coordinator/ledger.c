@@ -886,7 +886,7 @@ kvb_status kvb_ledger_reclaim(kvb_ledger *l, const char *worker, uint32_t n_bloc
             continue;
         cand[k++] = *ln;
     }
-    qsort(cand, (size_t)n_cand, sizeof *cand, cmp_first_block);
+    if (n_cand) qsort(cand, (size_t)n_cand, sizeof *cand, cmp_first_block); /* cand is NULL when empty */
     uint64_t taken = 0;
     for (int i = 0; i < n_cand && in_flight + taken < n_blocks; i++) {
         kvb_loan *ln = find_loan(l, cand[i].id);
