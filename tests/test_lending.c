@@ -276,6 +276,7 @@ static size_t block_bytes(int bs) {
 typedef struct eopts {
     int bs, n_blocks, budget, prefix, stream;
     double stall_wait_s; /* > 0: kvb_engine_opts.stall_wait_s, with stall_overtake */
+    long long lenders_bytes; /* stream: the swiftcache planner's lenders_bytes (LSC inside the budget) */
     int stall_overtake;
     void *mem;
     size_t mem_bytes;
@@ -299,6 +300,11 @@ static kvb_engine *mk(rec *r, eopts x) {
     if (x.stream) { /* SwiftCache's layer stream cache: the swiftcache planner with lsc=stream */
         kvb_policy_params pp = {0};
         ck_assert_int_eq(kvb_policy_params_add(&pp, "lsc=stream"), KVB_OK);
+        if (x.lenders_bytes > 0) {
+            char kv[48];
+            snprintf(kv, sizeof kv, "lenders_bytes=%lld", x.lenders_bytes);
+            ck_assert_int_eq(kvb_policy_params_add(&pp, kv), KVB_OK);
+        }
         ck_assert_int_eq(kvb_policy_create("swiftcache", &pp, &pl), KVB_OK);
         kvb_policy_params_free(&pp);
     }
@@ -1090,6 +1096,49 @@ KVB_TEST(lsc_stream_lossless) {
 }
 KVB_TEST_END
 
+/* Issue 10: with lenders_bytes the layer stream cache comes out of the master's KV budget (Eq. 1-5 with
+ * two single-layer buffers per streamed block): own blocks + LSC never exceed the budget, an attach
+ * beyond what the LSC streams is refused and changes nothing, and streaming stays lossless. */
+KVB_TEST(lsc_within_budget) {
+    setup_model("llama", 3);
+    make_prompts();
+    req rs[4];
+    detach_requests(rs);
+    static rec ref, got;
+    reference(&ref, rs, 3);
+    size_t bb = block_bytes(4), lb = bb / (size_t)n_layers;
+    shm own, lend;
+    shm_open_(&own, 40 * bb); /* the master's budget: 40 blocks, K_master = 120 single-layer blocks */
+    shm_open_(&lend, 25 * bb);
+    memset(&got, 0, sizeof got);
+    /* K = 24 full-layer blocks lendable: n_stream = min(24, (120 - 3) / 2) = 24, the LSC takes
+     * ceil(48 / 3) = 16 blocks, the pool keeps 24 */
+    kvb_engine *e = mk(&got, (eopts){.bs = 4, .n_blocks = 40, .prefix = 1, .stream = 1, .mem = own.base,
+                                     .mem_bytes = 40 * bb, .lenders_bytes = (long long)(24 * bb)});
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    ck_assert_int_eq(kvb_engine_capacity(e), 24);
+    ck_assert_int_eq(s.stage_slots, 24);
+    ck_assert_uint_le((size_t)kvb_engine_capacity(e) * bb + (size_t)s.stage_slots * 2 * lb, 40 * bb);
+    ck_assert_int_eq(kvb_engine_attach(e, 1, lend.base, 24 * bb, 24), KVB_OK);
+    /* one block more than the LSC streams: refused, nothing attached */
+    ck_assert_int_ne(kvb_engine_attach(e, 2, lend.base + 24 * bb, bb, 1), KVB_OK);
+    ck_assert_int_eq(kvb_engine_n_borrowed(e), 24);
+    ck_assert_int_eq(kvb_engine_loans(e, NULL, NULL, 0), 1);
+    start_detach_requests(e, rs);
+    run(e);
+    assert_same(&ref, &got, rs, 3);
+    kvb_engine_get_stats(e, &s);
+    ck_assert_uint_gt(s.lsc_loads, 0); /* borrowed blocks were streamed */
+    ck_assert_int_eq(s.stage_slots, 24);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    shm_close(&lend);
+    shm_close(&own);
+    teardown_model();
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------- (f) id ranges are reused */
 
 KVB_TEST(attach_detach_cycles) {
@@ -1156,5 +1205,5 @@ KVB_TEST_MAIN("lending", KVB_T(pool_segments, 20), KVB_T(prefix_on_segments, 10)
               KVB_T(master_borrowed_session, 60), KVB_T(detach_moves_live_blocks, 60),
               KVB_T(detach_preempts_without_free_blocks, 60), KVB_T(detach_lender_dead, 60), KVB_T(stalled_head_overtaken_then_fails, 60),
               KVB_T(detach_drops_cached_prefix, 60), KVB_T(partial_detach_keeps_hot_cache, 60),
-              KVB_T(partial_detach_keeps_most_recent, 60), KVB_T(lsc_stream_lossless, 120),
+              KVB_T(partial_detach_keeps_most_recent, 60), KVB_T(lsc_stream_lossless, 120), KVB_T(lsc_within_budget, 60),
               KVB_T(attach_detach_cycles, 120))

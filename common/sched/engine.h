@@ -149,6 +149,7 @@ typedef struct kvb_engine_stats {
     int prefix_cache;           /* 1 if the prefix cache is on (a planner may turn it off at setup) */
     int max_running;            /* most requests running (or paused) at once after a step */
     uint64_t stalled_failed;    /* waiting requests failed after stall_wait_s without fitting the pool */
+    int stage_slots;            /* blocks a step may stream now (two single-layer stage buffers each) */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
 /* The statistics as one line of `key=value` words, starting with `policy=NAME` (kvbank-generate --stats,

@@ -318,6 +318,9 @@ typedef struct kvb_pool_plan {
     kvb_mem_allocator act_alloc; /* iface set: where the forward pass takes each step's buffers (eLLM's
                             * activation pool), borrowed for the engine's lifetime; it replaces the
                             * options' act_alloc */
+    int lsc_own_blocks;    /* > 0: the stage buffers live in this many blocks' worth of the engine's KV
+                            * memory (its top), which the pool does not get: SwiftCache's LSC inside the
+                            * master's budget (Eq. 4-5); stage_slots can then never ask for more */
     /* SETUP, ATTACH, DETACH: */
     int stage_slots;       /* blocks a step may read through stage buffers (STREAM / HOST) */
     /* SETUP (read once): */
