@@ -18,7 +18,7 @@ make_master_and_wa
 # master block 65536 bytes (1 MiB = 16 blocks = 256 tokens); wa block 4096 bytes (MEU 16 : 1), 256 blocks
 cat >"$T/node.json" <<EOF
 { "node": "$NODE", "run_dir": "$T",
-  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 4,
+  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 10,
                    "lend_interval_s": 0.5, "window_s": 2.0 },
   "models": [
     { "name": "chat", "role": "master", "model_dir": "$MM", "kv_mb": 1, "block_size": 16,
