@@ -535,6 +535,11 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
         }
         if (a->lend) KVB_LOG_I("policy %s keeps its own KV memory: this worker lends nothing", a->policy);
         p->args.lend = 0;
+    } else if (a->role == KVB_ROLE_MASTER && kvb_block_pool_is_sliced(kvb_engine_pool(p->eng))) {
+        /* OrbitFlow's planners: per-layer slices of the region (docs/design.md, sliced pools) */
+        KVB_LOG_W("policy %s places KV per (block, layer) slice and a sliced pool cannot attach borrowed memory: "
+                  "this master serves from its own blocks and the host tier; loans offered to it go back to their "
+                  "lenders", a->policy);
     }
 
     /* The coordinator's credentials: kvbankd passes this model's token (KVB_AUTH_FD); run by hand, the
@@ -569,9 +574,9 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
                           .on_request = hook_request, .on_step_begin = hook_step_begin,
                           .on_step_end = hook_step_end};
     KVB_TRY_GOTO(kvb_server_set_hooks(p->srv, &h), fail);
-    KVB_LOG_I("%s %s serving on %s: %lld KV blocks of %d tokens (%zu bytes each) in %s memory (device %d, region "
-              "%.24s%s)%s; coordinator %s",
-              a->role == KVB_ROLE_MASTER ? "master" : "worker", a->name, kvb_server_endpoint(p->srv),
+    KVB_LOG_I("%s %s serving on %s (policy %s): %lld KV blocks of %d tokens (%zu bytes each) in %s memory (device "
+              "%d, region %.24s%s)%s; coordinator %s",
+              a->role == KVB_ROLE_MASTER ? "master" : "worker", a->name, kvb_server_endpoint(p->srv), a->policy,
               (long long)n_blocks, a->block_size, block_bytes, kvb_mem_kind(p->be->mem), kvb_mem_device(p->be->mem),
               kvb_mem_region_handle(p->region), strlen(kvb_mem_region_handle(p->region)) > 24 ? "..." : "",
               n_stale ? " (stale regions of the tag removed)" : "", a->coordinator);

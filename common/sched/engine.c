@@ -41,7 +41,7 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
                   .prefix_cache = e->o.enable_prefix_cache, .now_ns = kvb_wall_ns(),
                   .pool = {.capacity = e->o.n_blocks, .n_own = e->o.n_blocks, .n_blocks = e->o.n_blocks,
                            .n_free = e->o.n_blocks},
-                  .engine = e};
+                  .engine = e, .links = &e->o.links};
     kvb_status st = e->planner.iface->plan_pool(e->planner.ctx, &ev, &v, pp);
     if (st != KVB_OK) {
         KVB_LOG_E("engine: planner %s cannot set up: %s", e->planner.iface->name, kvb_status_str(st));

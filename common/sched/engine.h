@@ -166,6 +166,8 @@ typedef struct kvb_slices_stats {
     uint64_t paused_layers_moved; /* layers of paused requests moved to make room (each: all its blocks) */
     uint64_t cached_dropped;      /* unreferenced cached prefix blocks dropped to make room */
     int peak_used;                /* most slices in use right after an install (kept + prefetch slots) */
+    uint64_t install_ns;          /* time installing placements (moves, prefetch slots) */
+    uint64_t layer_ns;            /* time preparing layers (prefetch copies and waits, host-layer stores) */
 } kvb_slices_stats;
 /* Zero unless the pool is sliced. */
 void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out);
