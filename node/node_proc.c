@@ -252,6 +252,8 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     a->lend_interval_s = DEFAULT_LEND_INTERVAL_S;
     a->lend = 1;
     a->window_s = DEFAULT_WINDOW_S;
+    a->stall_wait_s = 60;
+    a->stall_overtake = 64;
     if (config) {
         if (!name) {
             fprintf(stderr, "%s: --config needs --name (the model's entry)\n", a->prog);
@@ -296,6 +298,8 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         a->max_live_per_client = m->max_live_per_client;
         a->lsc_stream = m->lsc_stream;
         a->lend = m->lend;
+        a->stall_wait_s = m->stall_wait_s;
+        a->stall_overtake = m->stall_overtake;
         if (a->cfg->heartbeat_ms > 0) a->heartbeat_ms = a->cfg->heartbeat_ms;
         if (a->cfg->lend_interval_s > 0) a->lend_interval_s = a->cfg->lend_interval_s;
         if (a->cfg->window_s > 0) a->window_s = a->cfg->window_s;
@@ -506,6 +510,8 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     eo.max_batch_tokens = a->max_batch_tokens;
     eo.max_seqs = a->max_seqs;
     eo.enable_prefix_cache = a->prefix_cache;
+    eo.stall_wait_s = a->stall_wait_s;
+    eo.stall_overtake = a->stall_overtake;
     eo.kv_mem = kvb_mem_region_base(p->region);
     eo.kv_mem_bytes = kvb_mem_region_size(p->region);
     kvb_engine_events ev = kvb_server_engine_events(p->srv);

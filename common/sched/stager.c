@@ -213,9 +213,11 @@ struct kvb_stager {
     pthread_cond_t cv;
     int quit;
     lane lanes[KVB_LINK_COUNT];
-    void *buf_mem;       /* [n_buf][buf_bytes] backend memory */
+    void *buf_mem;       /* [n_buf][buf_bytes] backend memory (ext_mem when that is set) */
     int n_buf;
     size_t buf_bytes;
+    void *ext_mem;       /* the caller's memory for the buffers, borrowed (NULL: allocate) */
+    size_t ext_bytes;
 };
 
 static kvb_status run_task(kvb_stager *s, const task *t) {
@@ -394,7 +396,7 @@ void kvb_stager_destroy(kvb_stager *s) {
     }
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
-    if (s->buf_mem) kvb_mem_free(s->be->mem, s->buf_mem);
+    if (s->buf_mem && s->buf_mem != s->ext_mem) kvb_mem_free(s->be->mem, s->buf_mem);
     free(s);
 }
 
@@ -528,12 +530,30 @@ void kvb_stager_totals(const kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT])
 kvb_status kvb_stager_reserve(kvb_stager *s, int n, size_t bytes) {
     if (n < 0) return KVB_ERR_INVALID;
     if (n == s->n_buf && bytes == s->buf_bytes) return KVB_OK;
+    if (s->ext_mem) { /* the caller's memory: no allocation, and never more than it holds */
+        if ((size_t)n * bytes > s->ext_bytes) {
+            KVB_LOG_E("stager: %d stage buffers of %zu bytes do not fit the %zu bytes set aside for them", n, bytes,
+                      s->ext_bytes);
+            return KVB_ERR_EXHAUSTED;
+        }
+        s->buf_mem = s->ext_mem;
+        s->n_buf = n;
+        s->buf_bytes = bytes;
+        return KVB_OK;
+    }
     void *mem = NULL;
     if (n > 0) KVB_TRY(kvb_mem_alloc(s->be->mem, (size_t)n * bytes, &mem));
     if (s->buf_mem) kvb_mem_free(s->be->mem, s->buf_mem);
     s->buf_mem = mem;
     s->n_buf = n;
     s->buf_bytes = bytes;
+    return KVB_OK;
+}
+
+kvb_status kvb_stager_use_memory(kvb_stager *s, void *mem, size_t bytes) {
+    if (!s || !mem || s->n_buf) return KVB_ERR_INVALID;
+    s->ext_mem = mem;
+    s->ext_bytes = bytes;
     return KVB_OK;
 }
 

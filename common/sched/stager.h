@@ -102,6 +102,10 @@ void kvb_stager_totals(const kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT])
  * stager allocates, so that the memory interface can take it over). Only between steps (no transfer
  * in flight). On failure the old buffers stay. */
 kvb_status kvb_stager_reserve(kvb_stager *s, int n, size_t bytes);
+/* From now on the stage buffers live in `mem` ([bytes], backend memory the caller keeps until the
+ * stager is destroyed) and kvb_stager_reserve never allocates: more than `bytes` is KVB_ERR_EXHAUSTED.
+ * SwiftCache's LSC inside the master's KV budget (issue 10). Before any buffer exists. */
+kvb_status kvb_stager_use_memory(kvb_stager *s, void *mem, size_t bytes);
 int kvb_stager_n_buffers(const kvb_stager *s);
 void *kvb_stager_buffer(const kvb_stager *s, int i);
 
