@@ -46,6 +46,7 @@ typedef struct run_res {
     double ttft_mean, ttft_p50, ttft_p99, tpot_mean, tpot_p99, attain, out_tps, span_s;
     double exec_s, decode_s, plan_s, vm_s, vm_sync_s;
     uint64_t out_tokens, prompt_tokens, decode_tokens;
+    uint64_t host_bytes, host_busy_ns; /* the host link (the CPU buffer's offloads and fetches) */
     int max_batch, failed;
     kvb_ee_report rep;
 } run_res;
@@ -55,6 +56,7 @@ typedef struct bench {
     kvb_model *m;
     int vocab, max_len, threads, max_seqs, block_size;
     double budget_mb;
+    kvb_link_model links; /* the stager's link model for this run */
     double k;          /* length scale */
     double slo_ttft, slo_tpot; /* seconds, per workload (set before its runs) */
     req_rec *recs;
@@ -198,8 +200,12 @@ static kvb_status run_once(bench *b, const char *policy, const char *params, con
     memset(res, 0, sizeof *res);
     kvb_policy_params pp = {0};
     char buf[512];
-    snprintf(buf, sizeof buf, "budget_mb=%.4f,slots=%d%s%s", b->budget_mb, b->max_seqs, params && *params ? "," : "",
-             params ? params : "");
+    /* eLLM's Alg. 2 scales its CPU buffer against the workload's SLOs (B_logic from 1 chunk) */
+    char slo[96] = "";
+    if (!strcmp(policy, "ellm-elastic") && isfinite(b->slo_ttft) && isfinite(b->slo_tpot))
+        snprintf(slo, sizeof slo, ",slo_ttft_ms=%.3f,slo_tpot_ms=%.4f", b->slo_ttft * 1e3, b->slo_tpot * 1e3);
+    snprintf(buf, sizeof buf, "budget_mb=%.4f,slots=%d%s%s%s", b->budget_mb, b->max_seqs, slo,
+             params && *params ? "," : "", params ? params : "");
     for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) KVB_TRY(kvb_policy_params_add(&pp, t));
     kvb_planner pl;
     kvb_status st = kvb_policy_create(policy, &pp, &pl);
@@ -213,6 +219,7 @@ static kvb_status run_once(bench *b, const char *policy, const char *params, con
     o.max_seqs = b->max_seqs;
     o.max_batch_tokens = b->max_len;
     o.enable_prefix_cache = 0;
+    o.links = b->links;
     kvb_engine_events ev = {.ud = b, .on_token = on_token, .on_finish = on_finish};
     kvb_engine *e = NULL;
     KVB_TRY(kvb_engine_create(b->m, &o, &pl, &ev, &e));
@@ -263,6 +270,8 @@ static kvb_status run_once(bench *b, const char *policy, const char *params, con
         kvb_engine_get_stats(e, &s1);
         res->out_tokens = s1.generated_tokens;
         res->prompt_tokens = s1.prompt_tokens;
+        res->host_bytes = s1.links[KVB_LINK_HOST].bytes;
+        res->host_busy_ns = s1.links[KVB_LINK_HOST].busy_ns;
         kvb_ee_planner_report(&keep, &res->rep);
     }
     kvb_engine_destroy(e);
@@ -344,11 +353,15 @@ static void usage(FILE *f) {
             "  --rates LIST         online rates as multiples of the static split's saturation (0.5,1,1.5,2)\n"
             "  --bisect N           bisection steps for goodput (default 4)\n"
             "  --sharegpt FILE      (default ../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv)\n"
+            "  --link NAME          the stager's link preset for the CPU buffer (default a100-pcie4-scaled: the\n"
+            "                       paper's A100 + PCIe 4, its transfer/compute ratio on this CPU)\n"
+            "  --link2 NAME         a second preset for eLLM's online rows at 1x and 1.5x saturation\n"
+            "                       (default h100-pcie5-scaled; none: skip)\n"
             "  --quick              smaller everything (a smoke run)\n");
 }
 
 typedef struct opts {
-    const char *model, *sharegpt, *workloads, *rates;
+    const char *model, *sharegpt, *workloads, *rates, *link, *link2;
     int threads, slots, requests, offline, runs, bisect, quick;
     double act_share;
 } opts;
@@ -378,7 +391,8 @@ static void print_row(const char *label, double rate, const run_res *res, int ru
     print_spread("%.0f", GET(out_tps), runs);
     printf(" |");
     print_spread("%.2f", GET(attain), runs);
-    printf(" | %d\n", res[0].max_batch);
+    printf(" | %d | %llu/%llu\n", res[0].max_batch, (unsigned long long)res[0].rep.core.offloads,
+           (unsigned long long)res[0].rep.core.fetches);
 }
 
 /* The highest rate with >= 90% attainment: the curve's points bracket it, bisection narrows it. */
@@ -413,12 +427,14 @@ static kvb_status goodput(bench *b, const pol *p, const wl *w, const double *rat
 int kvb_bench_ellm(int argc, char **argv) {
     opts o = {.sharegpt = "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
               .workloads = "2k2k,32k2k,sharegpt", .rates = "0.5,1,1.5,2", .threads = 1, .slots = 256,
-              .requests = 1000, .offline = 400, .runs = 3, .bisect = 4, .act_share = 0.35};
+              .requests = 1000, .offline = 400, .runs = 3, .bisect = 4, .act_share = 0.35,
+              .link = "a100-pcie4-scaled", .link2 = "h100-pcie5-scaled"};
     static const struct option lo[] = {
         {"model", 1, 0, 'm'},    {"threads", 1, 0, 't'},          {"act-share", 1, 0, 'a'},
         {"slots", 1, 0, 's'},    {"requests", 1, 0, 'n'},         {"offline-requests", 1, 0, 'o'},
         {"runs", 1, 0, 'r'},     {"workloads", 1, 0, 'w'},        {"rates", 1, 0, 'R'},
         {"bisect", 1, 0, 'b'},   {"sharegpt", 1, 0, 'g'},         {"quick", 0, 0, 'q'},
+        {"link", 1, 0, 'L'},     {"link2", 1, 0, 'M'},
         {"help", 0, 0, 'h'},     {0, 0, 0, 0}};
     int ch;
     optind = 1;
@@ -436,6 +452,8 @@ int kvb_bench_ellm(int argc, char **argv) {
         case 'b': o.bisect = atoi(optarg); break;
         case 'g': o.sharegpt = optarg; break;
         case 'q': o.quick = 1; break;
+        case 'L': o.link = optarg; break;
+        case 'M': o.link2 = optarg; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -457,6 +475,13 @@ int kvb_bench_ellm(int argc, char **argv) {
     run_res *res = NULL;
     if (kvb_backend_create("cpu", o.threads, &b.be) != KVB_OK || kvb_model_load(o.model, b.be, &b.m) != KVB_OK) {
         fprintf(stderr, "ellm-el: cannot load %s\n", o.model);
+        goto out;
+    }
+    kvb_link_model links2;
+    memset(&links2, 0, sizeof links2);
+    int have2 = strcmp(o.link2, "none") != 0;
+    if (kvb_link_preset(o.link, b.be, &b.links) != KVB_OK || (have2 && kvb_link_preset(o.link2, b.be, &links2) != KVB_OK)) {
+        fprintf(stderr, "ellm-el: unknown link preset (see kvbank-bench --help)\n");
         goto out;
     }
     const kvb_model_config *c = kvb_model_cfg(b.m);
@@ -482,9 +507,14 @@ int kvb_bench_ellm(int argc, char **argv) {
            "the rest is KV (%.0f tokens)\n",
            b.budget_mb, reserve / 1048576.0, 100 * o.act_share, b.max_len,
            (b.budget_mb * 1048576.0 - reserve) / kv_tok);
-    printf("chunks of 16 tokens (%.0f KiB), %d slots; requests per online run %d, offline %d, runs %d; link preset: "
-           "none (the CPU buffer's offload and fetch are not run by this executor yet)\n",
+    printf("chunks of 16 tokens (%.0f KiB), %d slots; requests per online run %d, offline %d, runs %d\n",
            16 * kv_tok / 1024, b.max_seqs, o.requests, o.offline, o.runs);
+    printf("the CPU buffer (offload at prefill, fetch at decode) runs over the stager's host link: ");
+    kvb_link_model_print(stdout, &b.links);
+    if (have2) {
+        printf("second preset (eLLM rows at the end of each workload): ");
+        kvb_link_model_print(stdout, &links2);
+    }
     fflush(stdout);
 
     const pol pols[] = {{"ellm-elastic", "ellm-elastic", ""},
@@ -576,7 +606,7 @@ int kvb_bench_ellm(int argc, char **argv) {
         printf("  saturation rate of the static split: %.2f requests/s\n", sat);
         /* online curves */
         printf("-- online, Poisson arrivals: rate (req/s) | TTFT mean, p99 (s) | TPOT mean, p99 (s) | output tokens/s "
-               "| SLO attainment | largest batch\n");
+               "| SLO attainment | largest batch | offloaded/fetched (first run)\n");
         double att[3][16], rates[16];
         for (int i = 0; i < n_rates; i++) rates[i] = rates_rel[i] * sat;
         for (int i = 0; i < n_rates; i++) {
@@ -624,6 +654,27 @@ int kvb_bench_ellm(int argc, char **argv) {
                (unsigned long long)rp->async_maps, (unsigned long long)rp->async_unmaps,
                (unsigned long long)rp->core.inflated, (unsigned long long)rp->core.deflated,
                (unsigned long long)rp->core.preemptions);
+        double hostp[16];
+        for (int r = 0; r < o.runs; r++) hostp[r] = 100 * (double)res[r].host_busy_ns * 1e-9 / res[r].exec_s;
+        printf("   CPU buffer: %llu requests offloaded at prefill (%llu chunks), %llu fetched (%llu chunks); host link "
+               "%.1f MiB, busy %% of execution",
+               (unsigned long long)rp->core.offloads, (unsigned long long)rp->core.offload_chunks,
+               (unsigned long long)rp->core.fetches, (unsigned long long)rp->core.fetch_chunks,
+               (double)res[0].host_bytes / 1048576.0);
+        print_spread("%.2f", spread_of(hostp, o.runs), o.runs);
+        printf(" (%s)\n", b.links.name);
+        if (have2) {
+            /* the CPU buffer under the second preset: only eLLM uses the host link */
+            kvb_link_model keep_links = b.links;
+            b.links = links2;
+            printf("-- ellm-elastic with the CPU buffer over %s:\n", links2.name);
+            for (int i = 0; i < n_rates; i++) {
+                if (rates_rel[i] != 1.0 && rates_rel[i] != 1.5) continue;
+                if (measure(&b, &pols[0], &w, rates[i], o.runs, res) != KVB_OK) goto out;
+                print_row(pols[0].label, rates[i], res, o.runs);
+            }
+            b.links = keep_links;
+        }
         fflush(stdout);
         wl_free(&w);
         wl_free(&woff);

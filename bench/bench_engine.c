@@ -2,9 +2,9 @@
  * measured in the same run.
  *
  * Every measurement (one prefill length or one decode point batch x context, for one engine) runs in a
- * fresh child process, so its peak RSS is that engine's alone: the child samples the ceilings, resets
- * its peak-RSS mark (/proc/self/clear_refs), loads the model, measures, reads VmHWM, samples the
- * ceilings again and reports through a pipe. kvbank and llama.cpp alternate point by point, so a
+ * fresh child process, so its peak RSS is that engine's alone: the child resets its peak-RSS mark
+ * (/proc/self/clear_refs), loads the model, measures, reads VmHWM and reports through a pipe; the
+ * ceilings are sampled in a child of their own just before and just after it. kvbank and llama.cpp alternate point by point, so a
  * neighbour's load falls on both.
  *
  *   read bandwidth  B = bytes / time of a multi-threaded sum over 512 MiB (best of 3)
@@ -135,12 +135,14 @@ static void reset_peak_rss(void) {
     }
 }
 
-static long peak_rss_kb(void) {
+/* A field of /proc/self/status in kB ("VmHWM:", "VmRSS:"); -1 when absent. */
+static long status_kb(const char *key) {
     FILE *f = fopen("/proc/self/status", "r");
     char line[256];
     long kb = -1;
+    size_t kl = strlen(key);
     while (f && fgets(line, sizeof line, f))
-        if (!strncmp(line, "VmHWM:", 6)) kb = strtol(line + 6, NULL, 10);
+        if (!strncmp(line, key, kl)) kb = strtol(line + kl, NULL, 10);
     if (f) fclose(f);
     return kb;
 }
@@ -163,6 +165,7 @@ typedef struct job_result {
     double win[MAX_WIN]; /* decode: seconds per step of each window; prefill: seconds per prompt */
     double bw[2], fl[2]; /* ceilings sampled before and after */
     long peak_kb;        /* VmHWM of the measurement (model load included) */
+    long base_kb;        /* VmRSS when it started: the bench's code and libraries, before the model */
     int64_t w_step;      /* weight bytes one step reads (kvbank only) */
     int64_t w_all;       /* all weight bytes (kvbank only) */
     int64_t layer_params, lm_params;
@@ -323,13 +326,26 @@ static int run_llamacpp(const bench_cfg *cfg, const job *jb, job_result *r) {
     return ok;
 }
 
-static void sample_ceilings(const bench_cfg *cfg, job_result *r, int i) {
-    r->bw[i] = measure_read_bw((size_t)512 << 20, cfg->threads);
-    r->fl[i] = measure_sgemm(1024, cfg->threads);
+typedef void (*child_fn)(const bench_cfg *cfg, const job *jb, job_result *r);
+
+/* The ceilings, into bw[0] / fl[0]. */
+static void sample_ceilings(const bench_cfg *cfg, const job *jb, job_result *r) {
+    r->bw[0] = measure_read_bw((size_t)512 << 20, cfg->threads);
+    r->fl[0] = measure_sgemm(1024, cfg->threads);
+    r->ok = r->bw[0] > 0 && r->fl[0] > 0;
 }
 
-/* Runs one job in a child process; returns 1 when it reported success. */
-static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
+/* The measurement, with its peak RSS from a reset mark (after fork: the bench's own pages only). */
+static void measure(const bench_cfg *cfg, const job *jb, job_result *r) {
+    reset_peak_rss();
+    r->base_kb = status_kb("VmRSS:");
+    r->ok = jb->engine == ENGINE_KVBANK ? run_kvbank(cfg, jb, r) : run_llamacpp(cfg, jb, r);
+    r->peak_kb = status_kb("VmHWM:");
+}
+
+/* Runs fn in a fresh child process, its result coming back through a pipe; returns 1 when the child
+ * reported success. */
+static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result *r) {
     memset(r, 0, sizeof *r);
     int fd[2];
     if (pipe(fd) != 0) return 0;
@@ -344,11 +360,7 @@ static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
         close(fd[0]);
         kvb_log_set_level(KVB_LOG_WARN); /* the table is the output */
         job_result cr = {0};
-        sample_ceilings(cfg, &cr, 0);
-        reset_peak_rss();
-        cr.ok = jb->engine == ENGINE_KVBANK ? run_kvbank(cfg, jb, &cr) : run_llamacpp(cfg, jb, &cr);
-        cr.peak_kb = peak_rss_kb();
-        sample_ceilings(cfg, &cr, 1);
+        fn(cfg, jb, &cr);
         ssize_t n = write(fd[1], &cr, sizeof cr);
         _exit(n == (ssize_t)sizeof cr ? 0 : 1);
     }
@@ -366,6 +378,19 @@ static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
     }
     if (got != sizeof *r) memset(r, 0, sizeof *r);
     return r->ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* One job: the ceilings in a child of their own just before and just after the measurement's child
+ * (so that neither the 512 MiB read buffer nor OpenBLAS's threaded buffers count in the measurement's
+ * peak RSS). Returns 1 when all three reported. */
+static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
+    job_result before, after;
+    int ok = in_child(sample_ceilings, cfg, jb, &before);
+    ok = in_child(measure, cfg, jb, r) && ok;
+    ok = in_child(sample_ceilings, cfg, jb, &after) && ok;
+    r->bw[0] = before.bw[0], r->fl[0] = before.fl[0];
+    r->bw[1] = after.bw[0], r->fl[1] = after.fl[0];
+    return ok;
 }
 
 /* ------------------------------------------------------------------------------------ the report */
@@ -510,7 +535,7 @@ int kvb_bench_engine(int argc, char **argv) {
         job g = {.engine = ENGINE_KVBANK, .kind = JOB_GREEDY, .ctx = 32};
         job gl = g;
         gl.engine = ENGINE_LLAMACPP;
-        int a = run_job(&cfg, &g, &r), b = run_job(&cfg, &gl, &rl);
+        int a = in_child(measure, &cfg, &g, &r), b = in_child(measure, &cfg, &gl, &rl);
         if (a && b) {
             int same = 0;
             while (same < N_GREEDY && r.greedy[same] == rl.greedy[same]) same++;
@@ -523,7 +548,7 @@ int kvb_bench_engine(int argc, char **argv) {
         }
     }
 
-    printf("%-20s %22s %10s %9s %7s %16s", "point", "kvbank", "rate", "ceiling", "ratio", "peak RSS / limit");
+    printf("%-20s %22s %10s %9s %7s %27s", "point", "kvbank", "rate", "ceiling", "ratio", "peak RSS / limit (base)");
     if (cmp) printf(" %22s %10s %8s %9s", "llama.cpp", "rate", "speedup", "peak RSS");
     printf("\n");
     for (int i = 0; i < n_prefill; i++) {
@@ -539,9 +564,9 @@ int kvb_bench_engine(int argc, char **argv) {
         double flops = 2.0 * T * (double)r.layer_params + 2.0 * (double)r.lm_params +
                        4.0 * c.n_layers * c.n_heads * (double)c.head_dim * T * (T + 1) / 2;
         double limit_mb = ((double)r.w_all + T * kv_per_tok) * 1.15 / 1e6;
-        printf("%-20s %8.1fms (%.1f-%.1f) %6.1f GF/s %5.1f GF/s %5.2f (%.2f-%.2f) %6.0f / %5.0f MB", label, s.med * 1e3,
+        printf("%-20s %8.1fms (%.1f-%.1f) %6.1f GF/s %5.1f GF/s %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
                s.lo * 1e3, s.hi * 1e3, flops / s.med / 1e9, s.fl / 1e9, flops / s.med / s.fl, flops / s.hi / s.fl,
-               flops / s.lo / s.fl, r.peak_kb / 1e3, limit_mb);
+               flops / s.lo / s.fl, r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
         if (cmp) failures += llamacpp_column(&cfg, &jb, T, s.med);
         printf("\n");
     }
@@ -567,9 +592,9 @@ int kvb_bench_engine(int argc, char **argv) {
             double flops = 2.0 * b * (double)(r.layer_params + r.lm_params) + 4.0 * c.n_layers * c.n_heads * c.head_dim * b * vis;
             double roof = KVB_MAX(bytes / s.bw, flops / s.fl);
             double limit_mb = ((double)r.w_all + b * (vis + 0.5 * cfg.reps * cfg.steps) * kv_per_tok) * 1.15 / 1e6;
-            printf("%-20s %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fms %5.2f (%.2f-%.2f) %6.0f / %5.0f MB", label, s.med * 1e3,
+            printf("%-20s %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fms %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
                    s.lo * 1e3, s.hi * 1e3, b / s.med, roof * 1e3, roof / s.med, roof / s.hi, roof / s.lo, r.peak_kb / 1e3,
-                   limit_mb);
+                   limit_mb, r.base_kb / 1e3);
             if (cmp) failures += llamacpp_column(&cfg, &jb, b, s.med);
             printf("   [%s-bound]\n", bytes / s.bw >= flops / s.fl ? "memory" : "compute");
         }
@@ -581,7 +606,8 @@ int kvb_bench_engine(int argc, char **argv) {
                median_of(ce.fl, ce.n) / 1e9, min_of(ce.fl, ce.n) / 1e9, max_of(ce.fl, ce.n) / 1e9);
     printf("ratio: prefill = model FLOPs / time / sgemm rate; decode = roofline / time, roofline = max((weights + KV "
            "read) / read bandwidth, FLOPs / sgemm rate), ceilings sampled around each point; speedup = llama.cpp time / "
-           "kvbank time\n");
+           "kvbank time; peak RSS: the measurement's own (reset when it starts), base: what it held then (the bench's "
+           "code and libraries; in a build with CUDA, cuBLAS's static data), limit: (all weights + the point's KV) x 1.15\n");
     rc = failures ? 1 : 0;
 out:
     free(prefill);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "bench/bench.h"
+#include "bench/plot.h"
 #include "common/kv/block_pool.h"
 #include "common/mem/mem.h"
 #include "common/model/model.h"
@@ -28,28 +29,32 @@ static double med(double *v, int n) {
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench lend --model DIR [--sizes 1024,65536,1048576] [--loan U] [--reps R]\n"
-               "                         [--layers-major L]\n"
+               "                         [--layers-major L] [--plot FILE.svg]\n"
                "\n"
                "  --model DIR       a model directory; use a tiny one (e.g. kvbank-mkmodel --layers 1 --hidden 8\n"
                "                    --heads 1 --kv-heads 1 --head-dim 8) so that 1M blocks fit in memory\n"
                "  --sizes LIST      worker pool sizes in blocks (default 1024,65536,1048576)\n"
                "  --loan U          blocks per loan (default 16)\n"
                "  --reps R          repetitions, median reported (default 200)\n"
-               "  --layer-major L   layers of the layer-major comparison (default 32)\n");
+               "  --layer-major L   layers of the layer-major comparison (default 32)\n"
+               "  --plot FILE.svg   draw lend, reclaim and the layer-major resize against the pool size\n"
+               "                    (log-log; gnuplot)\n");
 }
 
 int kvb_bench_lend(int argc, char **argv) {
-    const char *model_dir = NULL;
+    const char *model_dir = NULL, *plot_path = NULL;
     int32_t *sizes = NULL;
     int n_sizes = 0, loan = 16, reps = 200, lm_layers = 32;
     static const struct option opts[] = {{"model", 1, 0, 'm'},       {"sizes", 1, 0, 's'},
                                          {"loan", 1, 0, 'u'},        {"reps", 1, 0, 'r'},
                                          {"layer-major", 1, 0, 'L'}, {"help", 0, 0, 'h'},
+                                         {"plot", 1, 0, 'P'},
                                          {0, 0, 0, 0}};
     int ch;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         if (ch == 'm') model_dir = optarg;
+        else if (ch == 'P') plot_path = optarg;
         else if (ch == 's') {
             free(sizes);
             if (kvb_parse_id_list(optarg, &sizes, &n_sizes) != KVB_OK) {
@@ -84,9 +89,15 @@ int kvb_bench_lend(int argc, char **argv) {
     kvb_backend *be = NULL;
     kvb_model *m = NULL;
     double *t_lend = NULL, *t_reclaim = NULL, *t_lm = NULL;
+    double *px = NULL, *py[3] = {NULL, NULL, NULL}; /* --plot: pool size; lend, reclaim, layer-major us */
+    int n_pts = 0;
     if (kvb_backend_create("cpu", 1, &be) != KVB_OK || kvb_model_load(model_dir, be, &m) != KVB_OK) goto out;
     if (kvb_calloc((size_t)reps, sizeof(double), (void **)&t_lend) || kvb_calloc((size_t)reps, sizeof(double), (void **)&t_reclaim) ||
-        kvb_calloc((size_t)reps, sizeof(double), (void **)&t_lm))
+        kvb_calloc((size_t)reps, sizeof(double), (void **)&t_lm) ||
+        kvb_calloc((size_t)n_sizes, sizeof(double), (void **)&px) ||
+        kvb_calloc((size_t)n_sizes, sizeof(double), (void **)&py[0]) ||
+        kvb_calloc((size_t)n_sizes, sizeof(double), (void **)&py[1]) ||
+        kvb_calloc((size_t)n_sizes, sizeof(double), (void **)&py[2]))
         goto out;
     kvb_kv_geom g = kvb_model_kv_geom(m, 1);
     size_t bb = kvb_kv_block_bytes(&g);
@@ -153,6 +164,11 @@ int kvb_bench_lend(int argc, char **argv) {
             }
             printf("%10d %12.2f %12.2f %8.2f (%4.2fx) | %10.1f (%6.1fx)\n", n, a, b, a + b, (a + b) / base_lr, c,
                    c / base_lm);
+            px[n_pts] = n;
+            py[0][n_pts] = a;
+            py[1][n_pts] = b;
+            py[2][n_pts] = c;
+            n_pts++;
         }
     size_fail:
         free(lm);
@@ -163,7 +179,22 @@ int kvb_bench_lend(int argc, char **argv) {
     printf("\nratios are against the smallest pool: block-major lend+reclaim stays flat (O(1) in the pool size);\n"
            "a layer-major resize moves (L-1)/L of the cache, linear in it.\n");
     rc = 0;
+    if (plot_path) {
+        char t[160];
+        snprintf(t, sizeof t, "lend and reclaim latency against the worker's pool size (loan %d blocks, median of %d)", loan,
+                 reps);
+        const kvb_plot_series ser[3] = {
+            {.name = "lend (block-major)", .x = px, .y = py[0], .n = (size_t)n_pts},
+            {.name = "reclaim (block-major)", .x = px, .y = py[1], .n = (size_t)n_pts},
+            {.name = "layer-major resize (SwiftCache Fig. 5)", .x = px, .y = py[2], .n = (size_t)n_pts},
+        };
+        const kvb_plot pl = {.title = t, .xlabel = "worker pool (blocks)", .ylabel = "latency (us)", .logx = 1,
+                             .logy = 1, .series = ser, .n_series = 3};
+        if (kvb_plot_svg(plot_path, &pl) != 0) rc = 1;
+    }
 out:
+    free(px);
+    for (int i = 0; i < 3; i++) free(py[i]);
     free(t_lend);
     free(t_reclaim);
     free(t_lm);

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "bench/bench.h"
+#include "bench/plot.h"
 #include "bench/trace.h"
 #include "common/kv/block_pool.h"
 #include "common/mem/mem.h"
@@ -259,19 +260,21 @@ static double pctl(const double *v, int n, double p, double *tmp) {
 }
 
 int kvb_bench_multiturn(int argc, char **argv) {
-    const char *cfg = NULL, *trace = NULL;
+    const char *cfg = NULL, *trace = NULL, *plot_path = NULL;
     int threads = 2;
     kvb_trace_opts to = {.rate_scale = 1, .len_scale = 1.0 / 32, .min_output = 1, .max_output = 32,
                          .max_time_s = 20};
     static const struct option opts[] = {{"config", 1, 0, 'c'}, {"trace", 1, 0, 'T'}, {"threads", 1, 0, 't'},
                                          {"rate", 1, 0, 'r'},   {"len-scale", 1, 0, 's'}, {"duration", 1, 0, 'd'},
-                                         {"max-output", 1, 0, 'o'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+                                         {"max-output", 1, 0, 'o'}, {"help", 0, 0, 'h'}, {"plot", 1, 0, 'P'},
+                                         {0, 0, 0, 0}};
     int ch;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         kvb_status st = KVB_OK;
         if (ch == 'c') cfg = optarg;
         else if (ch == 'T') trace = optarg;
+        else if (ch == 'P') plot_path = optarg;
         else if (ch == 't') { st = kvb_parse_i64(optarg, 1, 256, &v); threads = (int)v; }
         else if (ch == 'r') st = kvb_parse_f64(optarg, &to.rate_scale);
         else if (ch == 's') st = kvb_parse_f64(optarg, &to.len_scale);
@@ -280,10 +283,11 @@ int kvb_bench_multiturn(int argc, char **argv) {
         else {
             fprintf(ch == 'h' ? stdout : stderr,
                     "usage: kvbank-bench multiturn --config NODE.json --trace MOONCAKE.jsonl [--rate X] [--len-scale S]\n"
-                    "                              [--duration S] [--max-output N] [--threads N]\n"
+                    "                              [--duration S] [--max-output N] [--threads N] [--plot FILE.svg]\n"
                     "  open-loop replay of the trace's multi-turn sessions on the master: lending (workers' memory\n"
                     "  attached, in place) against a host-tier prefix cache of the same bytes; defaults: rate 1,\n"
-                    "  len-scale 1/32, the first 20 s, outputs capped at 32 tokens\n");
+                    "  len-scale 1/32, the first 20 s, outputs capped at 32 tokens; --plot draws both TTFT CDFs\n"
+                    "  (gnuplot)\n");
             return ch == 'h' ? 0 : 2;
         }
         if (st != KVB_OK || to.rate_scale <= 0 || to.len_scale <= 0) {
@@ -380,10 +384,29 @@ int kvb_bench_multiturn(int argc, char **argv) {
         printf("(prefilled tok: prompt tokens computed, recomputation after preemption included; fewer means more "
                "reuse)\n");
         printf("\nP99 TTFT ratio host tier / lending: %.2f\n", pctl(b, m1, 99, tmp) / pctl(a, m0, 99, tmp));
+        rc = 0;
+        if (plot_path) { /* the two TTFT CDFs (a and b are sorted in place) */
+            double *xy = NULL;
+            if (kvb_calloc((size_t)(2 * (m0 + m1)) + 1, sizeof(double), (void **)&xy) == KVB_OK) {
+                double *ax = xy, *ay = xy + m0, *bx = xy + 2 * m0, *by = xy + 2 * m0 + m1;
+                kvb_plot_cdf(a, (size_t)m0, ax, ay);
+                kvb_plot_cdf(b, (size_t)m1, bx, by);
+                const kvb_plot_series ser[2] = {
+                    {.name = "lending (workers' blocks in place)", .x = ax, .y = ay, .n = (size_t)m0, .steps = 1},
+                    {.name = "host-tier prefix cache (copies)", .x = bx, .y = by, .n = (size_t)m1, .steps = 1},
+                };
+                const kvb_plot pl = {.title = "multi-turn TTFT on the master: lending against a host tier of the same size",
+                                     .xlabel = "TTFT (ms)", .ylabel = "fraction of requests", .logx = 1, .series = ser,
+                                     .n_series = 2};
+                if (kvb_plot_svg(plot_path, &pl) != 0) rc = 1;
+            } else {
+                rc = 1;
+            }
+            free(xy);
+        }
         free(a);
         free(b);
     }
-    rc = 0;
 out:
     free(res[0]);
     free(res[1]);

@@ -23,6 +23,8 @@
 #include "common/ipc/client.h"
 #include "common/model/config.h"
 #include "common/util/node_config.h"
+#include "common/util/progress.h"
+#include "bench/plot.h"
 
 #define MAX_TARGETS 8
 
@@ -44,15 +46,97 @@ typedef struct job {
     double t_s;
 } job;
 
+/* --plot of replay: every model's blocks over time, from `kvbankctl status --json` twice a second. */
+#define BL_MODELS 16
+#define BL_SAMPLES 8192
+typedef struct blocks_log {
+    char ctl[4200];                 /* kvbankctl next to this program */
+    int n_models, n;
+    char names[BL_MODELS][65];
+    int master[BL_MODELS];          /* role master: borrowed is drawn, else lent */
+    double t[BL_SAMPLES];           /* s since the replay began */
+    double own[BL_MODELS][BL_SAMPLES], lent[BL_MODELS][BL_SAMPLES], borrowed[BL_MODELS][BL_SAMPLES];
+} blocks_log;
+
 typedef struct replay {
     target tg[MAX_TARGETS];
     int n_targets;
     job *jobs;
     int n_jobs;
     atomic_int next;
+    atomic_int done;   /* requests finished (or failed): the progress line */
     uint64_t start_ns; /* wall clock of t = 0 */
     int timeout_ms;
+    blocks_log *bl;    /* --plot: sampled while the trace plays (NULL: not asked) */
 } replay;
+
+/* `kvbankctl --config CFG status --json` (the program at `ctl`): the reply (caller decrefs) and its
+ * "models" array in *models, or NULL when the coordinator does not answer. */
+static json_t *ctl_status(const char *ctl, const char *cfg, json_t **models) {
+    char cmd[8600];
+    snprintf(cmd, sizeof cmd, "'%s' --config '%s' --timeout-ms 1000 status --json 2>/dev/null", ctl, cfg);
+    *models = NULL;
+    FILE *f = popen(cmd, "r");
+    if (!f) return NULL;
+    json_error_t err;
+    json_t *j = json_loadf(f, 0, &err);
+    pclose(f);
+    *models = j ? json_object_get(j, "models") : NULL;
+    if (!json_is_array(*models)) *models = NULL;
+    return j;
+}
+
+/* Adds one sample of every model's own / lent / borrowed blocks at time t (s). */
+static void blocks_sample(blocks_log *bl, const char *cfg_path, double t) {
+    if (bl->n >= BL_SAMPLES) return;
+    json_t *models = NULL, *j = ctl_status(bl->ctl, cfg_path, &models);
+    if (!models) {
+        json_decref(j);
+        return;
+    }
+    int k = bl->n++;
+    bl->t[k] = t;
+    for (int m = 0; m < BL_MODELS; m++) bl->own[m][k] = bl->lent[m][k] = bl->borrowed[m][k] = NAN;
+    size_t i;
+    json_t *o;
+    json_array_foreach(models, i, o) {
+        const char *name = json_string_value(json_object_get(o, "name"));
+        if (!name || !json_is_true(json_object_get(o, "alive"))) continue;
+        int m = 0;
+        while (m < bl->n_models && strcmp(bl->names[m], name)) m++;
+        if (m == bl->n_models) {
+            if (m == BL_MODELS) continue;
+            snprintf(bl->names[m], sizeof bl->names[m], "%s", name);
+            const char *role = json_string_value(json_object_get(o, "role"));
+            bl->master[m] = role && !strcmp(role, "master");
+            for (int q = 0; q < k; q++) bl->own[m][q] = bl->lent[m][q] = bl->borrowed[m][q] = NAN;
+            bl->n_models++;
+        }
+        bl->own[m][k] = (double)json_integer_value(json_object_get(o, "n_own"));
+        bl->lent[m][k] = (double)json_integer_value(json_object_get(o, "n_lent"));
+        bl->borrowed[m][k] = (double)json_integer_value(json_object_get(o, "n_borrowed"));
+    }
+    json_decref(j);
+}
+
+/* The replay's --plot: each model's own blocks, and a worker's lent or the master's borrowed ones. */
+static int blocks_plot(const blocks_log *bl, const char *path) {
+    kvb_plot_series ser[2 * BL_MODELS];
+    char names[2 * BL_MODELS][96];
+    int n = 0;
+    for (int m = 0; m < bl->n_models; m++) {
+        snprintf(names[n], sizeof names[n], "%s own", bl->names[m]);
+        ser[n] = (kvb_plot_series){.name = names[n], .x = bl->t, .y = bl->own[m], .n = (size_t)bl->n, .steps = 1};
+        n++;
+        snprintf(names[n], sizeof names[n], "%s %s", bl->names[m], bl->master[m] ? "borrowed (master blocks)" : "lent");
+        ser[n] = (kvb_plot_series){.name = names[n], .x = bl->t, .y = bl->master[m] ? bl->borrowed[m] : bl->lent[m],
+                                   .n = (size_t)bl->n, .steps = 1};
+        n++;
+    }
+    const kvb_plot pl = {.title = "KV blocks of every model during the replay (own, lent, borrowed)",
+                         .xlabel = "time since the replay began (s)", .ylabel = "blocks", .series = ser, .n_series = n};
+    return kvb_plot_svg(path, &pl);
+}
 
 typedef struct req_rec {
     uint64_t arrival_ns;
@@ -90,6 +174,7 @@ static void *client_thread(void *arg) {
         const kvb_trace_req *q = &tg->trace->reqs[jb->req];
         if (!cl[jb->target] && kvb_client_connect(tg->endpoint, &cl[jb->target]) != KVB_OK) {
             tg->failed[jb->req] = 1;
+            atomic_fetch_add(&rp->done, 1);
             continue;
         }
         uint64_t arrival = rp->start_ns + (uint64_t)(jb->t_s * 1e9);
@@ -108,6 +193,7 @@ static void *client_thread(void *arg) {
                 kvb_client_destroy(cl[jb->target]);
                 cl[jb->target] = NULL;
             }
+            atomic_fetch_add(&rp->done, 1);
             continue;
         }
         tg->ttft_ms[jb->req] = rec.first_ms;
@@ -118,6 +204,7 @@ static void *client_thread(void *arg) {
             for (int i = 0; i < rec.n - 1; i++) sum += rec.gaps[i];
             tg->tpot_ms[jb->req] = sum / (rec.n - 1);
         }
+        atomic_fetch_add(&rp->done, 1);
     }
     for (int i = 0; i < MAX_TARGETS; i++) kvb_client_destroy(cl[i]);
     return NULL;
@@ -174,6 +261,7 @@ static int replay_run(const char *cfg_path, replay *rp, const replay_params *p, 
     rp->timeout_ms = p->timeout_ms;
     rp->n_jobs = 0;
     atomic_store(&rp->next, 0);
+    atomic_store(&rp->done, 0);
     if (kvb_node_config_load(cfg_path, &cfg) != KVB_OK) return 1;
     for (int i = 0; i < rp->n_targets; i++) {
         target *tg = &rp->tg[i];
@@ -215,6 +303,23 @@ static int replay_run(const char *cfg_path, replay *rp, const replay_params *p, 
     int started = 0;
     for (int i = 0; i < p->concurrency; i++)
         if (pthread_create(&th[i], NULL, client_thread, rp) == 0) started++;
+    /* a progress line on a terminal while the trace plays (common/util/progress.h) */
+    kvb_progress pg;
+    char what[160];
+    snprintf(what, sizeof what, "replaying %d requests", rp->n_jobs);
+    kvb_progress_begin(&pg, what, (uint64_t)rp->n_jobs, KVB_PROGRESS_COUNT);
+    double next_sample = 0;
+    while (started && atomic_load(&rp->done) < rp->n_jobs) {
+        kvb_progress_update(&pg, (uint64_t)atomic_load(&rp->done));
+        double t = ((double)kvb_wall_ns() - (double)rp->start_ns) / 1e9;
+        if (rp->bl && t >= next_sample) {
+            blocks_sample(rp->bl, cfg_path, t);
+            next_sample = t + 0.5;
+        }
+        struct timespec ts = {.tv_sec = 0, .tv_nsec = 100000000};
+        nanosleep(&ts, NULL);
+    }
+    kvb_progress_end(&pg);
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
     free(th);
     double makespan = (double)(kvb_wall_ns() - rp->start_ns) / 1e9;
@@ -307,11 +412,13 @@ static const char *const REPLAY_OPTIONS =
     "  --concurrency N   client threads (default 64)\n"
     "  --timeout-ms N    give up on a silent request (default 60000)\n"
     "  --slo-ttft-ms N   TTFT SLO (default 2000);  --slo-tpot-ms N  TPOT SLO (default 200)\n"
-    "  --json FILE       also write the results as JSON\n";
+    "  --json FILE       also write the results as JSON\n"
+    "  --plot FILE.svg   draw a figure with gnuplot: replay, every model's blocks own / lent / borrowed\n"
+    "                    over time; interference, each model's TTFT CDF with lending on against off\n";
 
 /* Parses the options shared by replay and interference. Returns -1 to go on, else an exit status. */
 static int parse_replay_args(int argc, char **argv, const char *prog, const char *usage, const char **cfg_path,
-                             const char **json_path, replay *rp, replay_params *p) {
+                             const char **json_path, const char **plot_path, replay *rp, replay_params *p) {
     *p = (replay_params){.to = {.rate_scale = 1, .len_scale = 1.0 / 64, .min_output = 1, .max_output = 64},
                          .concurrency = 64, .timeout_ms = 60000, .slo_ttft = 2000, .slo_tpot = 200};
     static const struct option opts[] = {
@@ -320,6 +427,7 @@ static int parse_replay_args(int argc, char **argv, const char *prog, const char
         {"duration", 1, 0, 'd'},     {"max-requests", 1, 0, 'n'}, {"concurrency", 1, 0, 'C'},
         {"timeout-ms", 1, 0, 'T'},   {"slo-ttft-ms", 1, 0, 'f'}, {"slo-tpot-ms", 1, 0, 'p'},
         {"json", 1, 0, 'j'},         {"out-scale", 1, 0, 'o'},   {"help", 0, 0, 'h'},
+        {"plot", 1, 0, 'P'},
         {0, 0, 0, 0}};
     int ch;
     int64_t v;
@@ -329,6 +437,7 @@ static int parse_replay_args(int argc, char **argv, const char *prog, const char
         case 'o': st = kvb_parse_f64(optarg, &p->to.out_scale); break;
         case 'c': *cfg_path = optarg; break;
         case 'j': *json_path = optarg; break;
+        case 'P': *plot_path = optarg; break;
         case 't': {
             char *eq = strchr(optarg, '=');
             if (!eq || eq == optarg || !eq[1] || rp->n_targets == MAX_TARGETS) {
@@ -365,8 +474,19 @@ static int parse_replay_args(int argc, char **argv, const char *prog, const char
     return -1;
 }
 
+/* The directory of this executable, where kvbankctl and kvbankd are. */
+static int self_dir(char *buf, size_t len) {
+    ssize_t n = readlink("/proc/self/exe", buf, len - 1);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char *slash = strrchr(buf, '/');
+    if (!slash) return -1;
+    *slash = 0;
+    return 0;
+}
+
 int kvb_bench_replay(int argc, char **argv) {
-    const char *cfg_path = NULL, *json_path = NULL;
+    const char *cfg_path = NULL, *json_path = NULL, *plot_path = NULL;
     replay rp = {0};
     replay_params p;
     int r = parse_replay_args(argc, argv, "kvbank-bench replay",
@@ -374,10 +494,18 @@ int kvb_bench_replay(int argc, char **argv) {
                               "[options]\n\n"
                               "Replays real traces against a running node (start it with kvbankd first) and reports\n"
                               "TTFT, TPOT and TBT percentiles, throughput and SLO attainment per model.\n\n",
-                              &cfg_path, &json_path, &rp, &p);
+                              &cfg_path, &json_path, &plot_path, &rp, &p);
     if (r >= 0) return r;
     replay_stats st[MAX_TARGETS];
+    if (plot_path) {
+        char dir[4096];
+        if (self_dir(dir, sizeof dir) != 0 || kvb_calloc(1, sizeof *rp.bl, (void **)&rp.bl) != KVB_OK) return 1;
+        snprintf(rp.bl->ctl, sizeof rp.bl->ctl, "%s/kvbankctl", dir);
+    }
     int rc = replay_run(cfg_path, &rp, &p, st);
+    if (rc == 0 && rp.bl && blocks_plot(rp.bl, plot_path) != 0) rc = 1;
+    free(rp.bl);
+    rp.bl = NULL;
     if (rc == 0) {
         json_t *jroot = json_object(), *jt = json_array();
         print_header();
@@ -430,16 +558,11 @@ static int write_variant(const char *src, const char *dst, const char *run_dir, 
 /* Runs `kvbankctl --config CFG status --json` and returns the sum of the workers' lent blocks and how
  * many models are alive (both -1 when the coordinator does not answer). */
 static void node_status(const char *bin_dir, const char *cfg, int *lent, int *alive) {
-    char cmd[8400];
-    snprintf(cmd, sizeof cmd, "'%s/kvbankctl' --config '%s' status --json 2>/dev/null", bin_dir, cfg);
+    char ctl[4200];
+    snprintf(ctl, sizeof ctl, "%s/kvbankctl", bin_dir);
     *lent = *alive = -1;
-    FILE *f = popen(cmd, "r");
-    if (!f) return;
-    json_error_t err;
-    json_t *j = json_loadf(f, 0, &err);
-    pclose(f);
-    json_t *models = j ? json_object_get(j, "models") : NULL;
-    if (json_is_array(models)) {
+    json_t *models = NULL, *j = ctl_status(ctl, cfg, &models);
+    if (models) {
         *lent = *alive = 0;
         size_t i;
         json_t *m;
@@ -451,8 +574,34 @@ static void node_status(const char *bin_dir, const char *cfg, int *lent, int *al
     json_decref(j);
 }
 
+/* interference --plot: per target the CDF of TTFT with lending off and on (the arrays are sorted). */
+static int ttft_plot(const replay *rp, double *ttft[2][MAX_TARGETS], int n_ttft[2][MAX_TARGETS], const char *path) {
+    kvb_plot_series ser[2 * MAX_TARGETS];
+    char names[2 * MAX_TARGETS][96];
+    double *xy[2 * MAX_TARGETS][2] = {{0}};
+    int n = 0, rc = -1;
+    for (int i = 0; i < rp->n_targets; i++)
+        for (int lend = 0; lend < 2; lend++) {
+            int k = n_ttft[lend][i];
+            if (!k) continue;
+            if (kvb_calloc((size_t)k, sizeof(double), (void **)&xy[n][0]) != KVB_OK ||
+                kvb_calloc((size_t)k, sizeof(double), (void **)&xy[n][1]) != KVB_OK)
+                goto out;
+            kvb_plot_cdf(ttft[lend][i], (size_t)k, xy[n][0], xy[n][1]);
+            snprintf(names[n], sizeof names[n], "%s, lending %s", rp->tg[i].model, lend ? "on" : "off");
+            ser[n] = (kvb_plot_series){.name = names[n], .x = xy[n][0], .y = xy[n][1], .n = (size_t)k, .steps = 1};
+            n++;
+        }
+    const kvb_plot pl = {.title = "TTFT of every model with lending on and off (same traces)", .xlabel = "TTFT (ms)",
+                         .ylabel = "fraction of requests", .logx = 1, .series = ser, .n_series = n};
+    rc = kvb_plot_svg(path, &pl);
+out:
+    for (int k = 0; k < 2 * MAX_TARGETS; k++) free(xy[k][0]), free(xy[k][1]);
+    return rc;
+}
+
 int kvb_bench_interference(int argc, char **argv) {
-    const char *cfg_path = NULL, *json_path = NULL;
+    const char *cfg_path = NULL, *json_path = NULL, *plot_path = NULL;
     replay rp = {0};
     replay_params p;
     int r = parse_replay_args(argc, argv, "kvbank-bench interference",
@@ -462,7 +611,7 @@ int kvb_bench_interference(int argc, char **argv) {
                               "lending off (\"lend\": false on every worker) and once with it on, replays the same traces\n"
                               "to it each time, and prints every model's TTFT and TPOT with lending on against off\n"
                               "(SwiftCache reports workers at most 9.7% worse).\n\n",
-                              &cfg_path, &json_path, &rp, &p);
+                              &cfg_path, &json_path, &plot_path, &rp, &p);
     if (r >= 0) return r;
     char bin_dir[4096];
     ssize_t n = readlink("/proc/self/exe", bin_dir, sizeof bin_dir - 1);
@@ -472,6 +621,8 @@ int kvb_bench_interference(int argc, char **argv) {
     char tmpl[] = "/tmp/kvb-interference-XXXXXX";
     if (!mkdtemp(tmpl)) return 1;
     replay_stats st[2][MAX_TARGETS];
+    double *ttft[2][MAX_TARGETS] = {{0}}; /* --plot: [off/on][target] served requests' TTFT, ms */
+    int n_ttft[2][MAX_TARGETS] = {{0}};
     int rc = 1;
     for (int lend = 0; lend < 2; lend++) {
         char cfg[4200], run[4200], log[4200];
@@ -510,6 +661,12 @@ int kvb_bench_interference(int argc, char **argv) {
         printf("   %d models alive, %d worker blocks lent\n", alive, lent);
         int ok = alive == want && (!lend || lent > 0);
         if (ok) ok = replay_run(cfg, &rp, &p, st[lend]) == 0;
+        for (int i = 0; ok && plot_path && i < rp.n_targets; i++) { /* --plot: the TTFTs of the served requests */
+            const target *tg = &rp.tg[i];
+            if (kvb_calloc((size_t)tg->trace->n, sizeof(double), (void **)&ttft[lend][i]) != KVB_OK) break;
+            for (int k = 0; k < tg->trace->n; k++)
+                if (!tg->failed[k]) ttft[lend][i][n_ttft[lend][i]++] = tg->ttft_ms[k];
+        }
         replay_free(&rp);
         kill(pid, SIGTERM);
         int status;
@@ -538,7 +695,10 @@ int kvb_bench_interference(int argc, char **argv) {
         fprintf(stderr, "kvbank-bench interference: cannot write %s\n", json_path);
     json_decref(jroot);
     rc = 0;
+    if (plot_path && ttft_plot(&rp, ttft, n_ttft, plot_path) != 0) rc = 1;
 out:
+    for (int l = 0; l < 2; l++)
+        for (int i = 0; i < MAX_TARGETS; i++) free(ttft[l][i]);
     replay_free(&rp);
     return rc;
 }

@@ -52,6 +52,16 @@ typedef struct verified_proc {
     int pidfd;                            /* -1 when it could not be opened (the process was gone) */
 } verified_proc;
 
+/* One process of kvbankd's last NodeReport, as it sent it (strings cut to fit). */
+typedef struct child_state {
+    char name[KVB_LEDGER_NAME_MAX + 1];
+    char state[16];
+    char role[16];
+    char last_exit[96];
+    uint32_t restarts, attempts, pid;
+    uint64_t age_ms;
+} child_state;
+
 struct kvb_coord {
     void *zctx;
     void *sock;                           /* ROUTER */
@@ -78,6 +88,9 @@ struct kvb_coord {
     pending_reclaimed *pending;           /* [n_pending] undelivered Reclaimed, oldest first */
     int n_pending;
     kvb_coord_stats stats;
+    child_state children[KVB_LEDGER_MAX_MODELS + 2]; /* kvbankd's last NodeReport (models, coordinator, gateway) */
+    int n_children;
+    uint64_t children_at_ms;              /* when it came (monotonic) */
 };
 
 /* ------------------------------------------------------------------------------------------ helpers */
@@ -636,6 +649,7 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
         o->alive = m->alive != 0;
         o->capacity = m->capacity;
         o->n_own = m->n_own;
+        o->n_used = m->n_used;
         o->n_lent = m->role == KVB_ROLE_WORKER ? kvb_ledger_n_lent(c->ledger, m->name) : 0;
         o->n_borrowed = m->role == KVB_ROLE_MASTER && m->alive ? kvb_ledger_n_borrowed(c->ledger) : 0;
         o->live_requests = m->live_requests;
@@ -672,6 +686,23 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
     sr.dropped_messages = c->stats.dropped_total;
     sr.auth_refused = c->stats.auth_refused;
     sr.uptime_ms = now - c->t0_ms;
+    Kvbank__ChildState cs[KVB_LEDGER_MAX_MODELS + 2], *csp[KVB_LEDGER_MAX_MODELS + 2];
+    for (int i = 0; i < c->n_children; i++) {
+        const child_state *k = &c->children[i];
+        kvbank__child_state__init(&cs[i]);
+        cs[i].name = (char *)k->name;
+        cs[i].state = (char *)k->state;
+        cs[i].role = (char *)k->role;
+        cs[i].last_exit = (char *)k->last_exit;
+        cs[i].restarts = k->restarts;
+        cs[i].attempts = k->attempts;
+        cs[i].pid = k->pid;
+        cs[i].age_ms = k->age_ms;
+        csp[i] = &cs[i];
+    }
+    sr.n_children = (size_t)c->n_children;
+    sr.children = csp;
+    sr.children_report_ms = c->n_children && now > c->children_at_ms ? now - c->children_at_ms : 0;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_STATUS_REPLY;
     env.status_reply = &sr;
@@ -681,6 +712,30 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
     free(gs);
     free(ls);
     free(lsp);
+}
+
+/* kvbankd's NodeReport: kept (the last one only) for the status of models that did not register. Only
+ * from the kvbankd that started this coordinator (a control connection of its pid). */
+static void handle_node_report(kvb_coord *c, const msg_ctx *mc, const Kvbank__NodeReport *r) {
+    if (mc->auth != AUTH_CTL || !c->supervisor || mc->auth_pid != c->supervisor) {
+        count_drop(c, KVB_DROP_SENDER, mc->printable, "NodeReport not from this coordinator's kvbankd");
+        return;
+    }
+    int n = 0;
+    for (size_t i = 0; i < r->n_children && n < (int)KVB_ARRAY_LEN(c->children); i++) {
+        const Kvbank__ChildState *k = r->children[i];
+        child_state *o = &c->children[n++];
+        snprintf(o->name, sizeof o->name, "%s", str_or_empty(k->name));
+        snprintf(o->state, sizeof o->state, "%s", str_or_empty(k->state));
+        snprintf(o->role, sizeof o->role, "%s", str_or_empty(k->role));
+        snprintf(o->last_exit, sizeof o->last_exit, "%s", str_or_empty(k->last_exit));
+        o->restarts = k->restarts;
+        o->attempts = k->attempts;
+        o->pid = k->pid;
+        o->age_ms = k->age_ms;
+    }
+    c->n_children = n;
+    c->children_at_ms = now_ms();
 }
 
 static void handle_control(kvb_coord *c, const msg_ctx *mc, const Kvbank__Control *ct) {
@@ -717,6 +772,10 @@ static void handle_control(kvb_coord *c, const msg_ctx *mc, const Kvbank__Contro
     case KVBANK__CONTROL__OP__OP_DRAIN:
         st = kvb_ledger_drain(c->ledger, model, now, &n_loans, why, sizeof why);
         if (st == KVB_OK) KVB_LOG_I("control from %s: draining %s (%d loan(s))", mc->printable, model, n_loans);
+        break;
+    case KVBANK__CONTROL__OP__OP_UNDRAIN:
+        st = kvb_ledger_undrain(c->ledger, model, why, sizeof why);
+        if (st == KVB_OK) KVB_LOG_I("control from %s: %s no longer drains", mc->printable, model);
         break;
     default:
         snprintf(why, sizeof why, "unknown control operation %d", (int)ct->op);
@@ -762,6 +821,7 @@ static void dispatch(kvb_coord *c, const msg_ctx *mc, const Kvbank__Envelope *en
     case KVBANK__ENVELOPE__BODY_REVOKE_ACK: handle_revoke_ack(c, mc, env->revoke_ack); break;
     case KVBANK__ENVELOPE__BODY_STATUS_REQUEST: handle_status(c, mc, env->status_request); break;
     case KVBANK__ENVELOPE__BODY_CONTROL: handle_control(c, mc, env->control); break;
+    case KVBANK__ENVELOPE__BODY_NODE_REPORT: handle_node_report(c, mc, env->node_report); break;
     default: {
         char why[64];
         snprintf(why, sizeof why, "message type %d is not for the coordinator", (int)env->body_case);

@@ -1,6 +1,10 @@
 /* kvbankctl — the operator's tool: node status and ledger, manual lend / reclaim / drain, one request
  * to a model by name, and the offline SwiftCache plan of a node config. */
 #include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <time.h>
+#include <unistd.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <jansson.h>
@@ -17,48 +21,11 @@
 #include "common/policy/swiftcache.h"
 #include "common/util/node_config.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/ctl.h"
+#include "common/util/prog.h"
 
 #define PROG "kvbankctl"
 #define DEFAULT_TIMEOUT_MS 5000
-
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: kvbankctl [--coordinator EP | --config NODE.json] [--timeout-ms N] COMMAND [ARGS]\n"
-            "\n"
-            "Talks to kvbank-coordinator (the endpoint is --coordinator, or the \"coordinator\" section of the\n"
-            "node config).\n"
-            "\n"
-            "commands:\n"
-            "  status [--json]        every model: role, pid, alive, blocks own/capacity, lent, borrowed,\n"
-            "                         load (live/waiting requests), the MEU of each worker with the master\n"
-            "                         (worker blocks : master blocks), draining; the ledger epoch\n"
-            "  ledger [--json]        the loans: id, lender, worker blocks, master blocks, bytes, epoch,\n"
-            "                         revoking\n"
-            "  lend WORKER N          ask WORKER to offer N of its blocks to the master (the worker decides\n"
-            "                         what it can lend; `ok` means it was asked)\n"
-            "  reclaim WORKER N       give WORKER at least N blocks back (whole loans, lowest first; blocks\n"
-            "                         already being reclaimed count)\n"
-            "  drain MODEL            a worker stops lending and takes all its blocks back; the master gives\n"
-            "                         back everything it borrowed and borrows no more\n"
-            "  generate --model NAME --prompt-ids IDS --max-tokens N [--stop-ids IDS] [--quiet]\n"
-            "                         send one request to the model's endpoint (from the status) and print\n"
-            "                         each token as `INDEX TOKEN MS`, then a summary line (--quiet: only the ids)\n"
-            "  plan [--config NODE.json] [--json]\n"
-            "                         offline, no coordinator: for each worker its MEU with the master, the\n"
-            "                         master's layer stream cache and regular cache sizes (SwiftCache Eq.\n"
-            "                         1-5) from the kv budgets, and its longest context without lending,\n"
-            "                         with lending as in the paper ((N_LSC + N_RC) * B) and in place (kvbank)\n"
-            "\n"
-            "options:\n"
-            "  --coordinator EP       the coordinator's endpoint\n"
-            "  --config NODE.json     node config (coordinator endpoint; the default config of `plan`)\n"
-            "  --timeout-ms N         give up when the coordinator (or the model) is silent this long\n"
-            "                         (default %d)\n"
-            "  -h, --help             this text\n"
-            "\n"
-            "Exit status 0 on success, 1 on an error (no answer, refused, unknown model), 2 on a usage error.\n",
-            DEFAULT_TIMEOUT_MS);
-}
 
 static const char *role_name(Kvbank__Role r) {
     return r == KVBANK__ROLE__ROLE_MASTER ? "master" : r == KVBANK__ROLE__ROLE_WORKER ? "worker" : "none";
@@ -66,11 +33,6 @@ static const char *role_name(Kvbank__Role r) {
 
 /* ------------------------------------------------------------------------------------ coordinator */
 
-typedef struct ctl {
-    const char *endpoint;
-    int timeout_ms;
-    void *zctx, *sock;
-} ctl;
 
 /* Connects to the coordinator's control endpoint (EP.ctl, common/ipc/auth.h). */
 static int ctl_connect(ctl *c) {
@@ -94,7 +56,7 @@ static int ctl_connect(ctl *c) {
     return 0;
 }
 
-static void ctl_close(ctl *c) {
+void kvb__ctl_close(ctl *c) {
     if (c->sock) zmq_close(c->sock);
     if (c->zctx) zmq_ctx_term(c->zctx);
     c->sock = c->zctx = NULL;
@@ -145,7 +107,7 @@ static Kvbank__Envelope *ctl_call(ctl *c, Kvbank__Envelope *env, Kvbank__Envelop
     return NULL;
 }
 
-static Kvbank__Envelope *get_status(ctl *c, int ledger) {
+Kvbank__Envelope *kvb__ctl_get_status(ctl *c, int ledger) {
     Kvbank__StatusRequest sr = KVBANK__STATUS_REQUEST__INIT;
     sr.ledger = ledger != 0;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
@@ -178,6 +140,26 @@ static json_t *loan_json(const Kvbank__Loan *l) {
                      (int)l->revoking);
 }
 
+const Kvbank__ChildState *kvb__ctl_child_of(const Kvbank__StatusReply *s, const char *name);
+const char *kvb__ctl_model_state(const Kvbank__ModelStatus *m, const Kvbank__ChildState *k);
+static void model_why(const Kvbank__ModelStatus *m, const Kvbank__ChildState *k, const char *state, char *buf,
+                      size_t len);
+
+/* "status", "restarts" and "age_ms" (kvbankd's, when it reports) and "why" (when not serving) of one model. */
+static int supervision_json(const Kvbank__StatusReply *s, const Kvbank__ModelStatus *m, const Kvbank__ChildState *k,
+                            json_t *o) {
+    const char *state = kvb__ctl_model_state(m, k);
+    char why[256];
+    model_why(m, k, state, why, sizeof why);
+    if (json_object_set_new(o, "status", json_string(state))) return -1;
+    if (k && (json_object_set_new(o, "restarts", json_integer(k->restarts)) ||
+              json_object_set_new(o, "age_ms", json_integer((json_int_t)(k->age_ms + s->children_report_ms))) ||
+              json_object_set_new(o, "last_exit", json_string(k->last_exit ? k->last_exit : ""))))
+        return -1;
+    if (why[0] && json_object_set_new(o, "why", json_string(why))) return -1;
+    return 0;
+}
+
 static json_t *status_json(const Kvbank__StatusReply *s, int with_loans) {
     json_t *models = json_array();
     for (size_t i = 0; models && i < s->n_models; i++) {
@@ -200,12 +182,34 @@ static json_t *status_json(const Kvbank__StatusReply *s, int with_loans) {
                               m->model ? m->model : "");
         if (o && (json_object_set_new(o, "memory", json_string(m->memory && m->memory[0] ? m->memory : "host")) ||
                   json_object_set_new(o, "device", json_integer((json_int_t)m->device)) ||
+                  json_object_set_new(o, "registered", json_true()) ||
+                  supervision_json(s, m, kvb__ctl_child_of(s, m->name ? m->name : ""), o) ||
                   (m->lend_blocked && m->lend_blocked[0] &&
                    json_object_set_new(o, "lend_blocked", json_string(m->lend_blocked))))) {
             json_decref(o);
             o = NULL;
         }
         if (!o || json_array_append_new(models, o)) {
+            json_decref(models);
+            return NULL;
+        }
+    }
+    /* kvbankd's models that never registered */
+    for (size_t i = 0; models && i < s->n_children; i++) {
+        const Kvbank__ChildState *k = s->children[i];
+        const char *role = k->role ? k->role : "";
+        if ((strcmp(role, "master") && strcmp(role, "worker")) || !k->name) continue;
+        int seen = 0;
+        for (size_t j = 0; j < s->n_models; j++) seen |= s->models[j]->name && !strcmp(s->models[j]->name, k->name);
+        if (seen) continue;
+        json_t *o = json_pack("{s:s, s:s, s:I, s:b, s:b}", "name", k->name, "role", role, "pid", (json_int_t)k->pid,
+                              "alive", 0, "registered", 0);
+        if (!o || supervision_json(s, NULL, k, o)) {
+            json_decref(o);
+            json_decref(models);
+            return NULL;
+        }
+        if (json_array_append_new(models, o)) { /* takes o even when it fails */
             json_decref(models);
             return NULL;
         }
@@ -225,43 +229,182 @@ static json_t *status_json(const Kvbank__StatusReply *s, int with_loans) {
     return j;
 }
 
+/* ----------------------------------------------------------------------------------------- status */
+
+/* kvbankd's state of `name` in the report, or NULL (no kvbankd, or not one of its children). */
+const Kvbank__ChildState *kvb__ctl_child_of(const Kvbank__StatusReply *s, const char *name) {
+    for (size_t i = 0; i < s->n_children; i++)
+        if (s->children[i]->name && !strcmp(s->children[i]->name, name)) return s->children[i];
+    return NULL;
+}
+
+static const Kvbank__ModelStatus *model_of(const Kvbank__StatusReply *s, const char *name) {
+    for (size_t i = 0; i < s->n_models; i++)
+        if (s->models[i]->name && !strcmp(s->models[i]->name, name)) return s->models[i];
+    return NULL;
+}
+
+#define CRASH_LOOP_ATTEMPTS 3 /* restarts in a row (no run long enough to reset kvbankd's backoff) */
+
+/* The STATUS column (kubectl's idea): running, starting (its process runs, it has not registered),
+ * restarting, crash-looping (restarting for the CRASH_LOOP_ATTEMPTS-th time in a row), draining,
+ * pending / generating (kvbankd has not started it yet), stopping, dead (without kvbankd). */
+const char *kvb__ctl_model_state(const Kvbank__ModelStatus *m, const Kvbank__ChildState *k) {
+    const char *ks = k && k->state ? k->state : "";
+    if (!strcmp(ks, "restarting"))
+        return k->attempts >= CRASH_LOOP_ATTEMPTS ? "crash-looping" : "restarting";
+    if (!strcmp(ks, "pending") || !strcmp(ks, "generating") || !strcmp(ks, "stopping") || !strcmp(ks, "stopped"))
+        return ks;
+    /* kvbankd says it runs (or there is no kvbankd): the coordinator's view decides */
+    if (m && m->alive && (!k || !k->pid || k->pid == m->pid)) return m->draining ? "draining" : "running";
+    if (k && !strcmp(ks, "running")) return "starting";
+    return "dead";
+}
+
+/* Why a configured model is not serving, for the line under it ("" when it is). */
+static void model_why(const Kvbank__ModelStatus *m, const Kvbank__ChildState *k, const char *state, char *buf,
+                      size_t len) {
+    buf[0] = '\0';
+    const char *ex = k && k->last_exit && k->last_exit[0] ? k->last_exit : NULL;
+    if (!strcmp(state, "crash-looping") || !strcmp(state, "restarting"))
+        snprintf(buf, len, "%s: its last run ended with %s; restart %u in a row (see kvbankd's log)",
+                 m ? "dead" : "not registered", ex ? ex : "?", k->attempts);
+    else if (!strcmp(state, "starting"))
+        snprintf(buf, len, "process %u runs but has not registered with the coordinator yet (loading its weights?)%s%s",
+                 k->pid, ex ? "; last exit: " : "", ex ? ex : "");
+    else if (!strcmp(state, "pending"))
+        snprintf(buf, len, "not started yet (kvbankd starts the models once the coordinator answers)");
+    else if (!strcmp(state, "generating"))
+        snprintf(buf, len, "kvbankd is writing its model_dir with kvbank-mkmodel");
+    else if (!strcmp(state, "dead") && m)
+        snprintf(buf, len, "the coordinator heard no heartbeat for %" PRIu64 " ms", m->last_heartbeat_ms);
+}
+
+/* "45s", "3m12s", "2h05m", "3d04h" */
+static void format_age(uint64_t ms, char *buf, size_t len) {
+    uint64_t s = ms / 1000;
+    if (s < 60) snprintf(buf, len, "%" PRIu64 "s", s);
+    else if (s < 3600) snprintf(buf, len, "%" PRIu64 "m%02" PRIu64 "s", s / 60, s % 60);
+    else if (s < 86400) snprintf(buf, len, "%" PRIu64 "h%02" PRIu64 "m", s / 3600, s % 3600 / 60);
+    else snprintf(buf, len, "%" PRIu64 "d%02" PRIu64 "h", s / 86400, s % 86400 / 3600);
+}
+
+/* The names to show: the registered models in the coordinator's order, then kvbankd's models that
+ * did not register (configured, never seen by the coordinator). Returns the count; *names borrowed. */
+static size_t status_names(const Kvbank__StatusReply *s, const char ***names) {
+    *names = NULL;
+    size_t n = 0, cap = s->n_models + s->n_children;
+    if (!cap || kvb_calloc(cap, sizeof **names, (void **)names) != KVB_OK) return 0;
+    for (size_t i = 0; i < s->n_models; i++) (*names)[n++] = s->models[i]->name ? s->models[i]->name : "";
+    for (size_t i = 0; i < s->n_children; i++) {
+        const Kvbank__ChildState *k = s->children[i];
+        const char *role = k->role ? k->role : "";
+        if (strcmp(role, "master") && strcmp(role, "worker")) continue;
+        if (k->name && !model_of(s, k->name)) (*names)[n++] = k->name;
+    }
+    return n;
+}
+
+static void print_status_table(const Kvbank__StatusReply *s) {
+    printf("coordinator %s  epoch %" PRIu64 "  up %.1f s  dropped messages %" PRIu64 "  refused %" PRIu64 "%s\n",
+           s->coordinator_id ? s->coordinator_id : "", s->epoch, (double)s->uptime_ms / 1000.0, s->dropped_messages,
+           s->auth_refused, s->n_children ? "" : "  (no kvbankd report: STATUS from heartbeats only)");
+    printf("%-16s %-6s %-13s %8s %6s %8s %11s %6s %8s %9s %9s %7s %s\n", "NAME", "ROLE", "STATUS", "RESTARTS", "AGE",
+           "PID", "OWN/CAP", "LENT", "BORROWED", "LIVE/WAIT", "MEU(W:M)", "HB(ms)", "ENDPOINT");
+    const char **names = NULL;
+    size_t n = status_names(s, &names);
+    for (size_t i = 0; i < n; i++) {
+        const Kvbank__ModelStatus *m = model_of(s, names[i]);
+        const Kvbank__ChildState *k = kvb__ctl_child_of(s, names[i]);
+        const char *state = kvb__ctl_model_state(m, k);
+        char restarts[16] = "-", age[24] = "-", own[32] = "-", load[32] = "-", meu[32] = "-", lent[16] = "-",
+             borrowed[16] = "-", hb[24] = "-", pid[16] = "-";
+        if (k) {
+            snprintf(restarts, sizeof restarts, "%u", k->restarts);
+            if (k->age_ms) format_age(k->age_ms + s->children_report_ms, age, sizeof age);
+        }
+        const char *role = k && k->role ? k->role : "";
+        if (m) {
+            role = m->role == KVBANK__ROLE__ROLE_MASTER ? "master" : m->role == KVBANK__ROLE__ROLE_WORKER ? "worker" : "none";
+            int worker = m->role == KVBANK__ROLE__ROLE_WORKER;
+            snprintf(own, sizeof own, "%" PRIu32 "/%" PRIu32, m->n_own, m->capacity);
+            snprintf(load, sizeof load, "%" PRIu32 "/%" PRIu32, m->live_requests, m->waiting_requests);
+            if (worker && m->meu) snprintf(meu, sizeof meu, "%" PRIu32 ":%" PRIu32, m->meu, m->meu_master);
+            if (worker) snprintf(lent, sizeof lent, "%" PRIu32, m->n_lent);
+            else snprintf(borrowed, sizeof borrowed, "%" PRIu32, m->n_borrowed);
+            snprintf(hb, sizeof hb, "%" PRIu64, m->last_heartbeat_ms);
+            if (m->alive) snprintf(pid, sizeof pid, "%" PRIu32, m->pid);
+            else if (k && k->pid) snprintf(pid, sizeof pid, "%u", k->pid); /* its new process */
+        } else if (k && k->pid) {
+            snprintf(pid, sizeof pid, "%u", k->pid);
+        }
+        printf("%-16s %-6s %-13s %8s %6s %8s %11s %6s %8s %9s %9s %7s %s\n", names[i], role, state, restarts, age, pid,
+               own, lent, borrowed, load, meu, hb, m && m->endpoint ? m->endpoint : "");
+        char why[256];
+        model_why(m, k, state, why, sizeof why);
+        if (why[0]) printf("%-16s %s\n", "", why);
+        if (m && m->lend_blocked && m->lend_blocked[0]) printf("%-16s cannot lend: %s\n", "", m->lend_blocked);
+    }
+    free(names);
+    for (size_t i = 0; i < s->n_children; i++) { /* the coordinator and the gateway, from kvbankd */
+        const Kvbank__ChildState *k = s->children[i];
+        const char *role = k->role ? k->role : "";
+        if (!strcmp(role, "master") || !strcmp(role, "worker")) continue;
+        char age[24] = "-";
+        if (k->age_ms) format_age(k->age_ms + s->children_report_ms, age, sizeof age);
+        const char *st = kvb__ctl_model_state(NULL, k);
+        if (!strcmp(st, "starting")) st = "running"; /* not a model: nothing to register */
+        printf("%-16s %-6s %-13s %8u %6s %8u%s%s\n", k->name ? k->name : "", "-", st, k->restarts, age, k->pid,
+               k->last_exit && k->last_exit[0] ? "  last exit: " : "", k->last_exit ? k->last_exit : "");
+    }
+}
+
 static int cmd_status(ctl *c, int json) {
-    Kvbank__Envelope *r = get_status(c, 0);
+    Kvbank__Envelope *r = kvb__ctl_get_status(c, 0);
     if (!r) return 1;
     const Kvbank__StatusReply *s = r->status_reply;
     int rc = 0;
-    if (json) {
-        rc = print_json(status_json(s, 0));
-    } else {
-        printf("coordinator %s  epoch %" PRIu64 "  up %.1f s  dropped messages %" PRIu64 "  refused %" PRIu64 "\n",
-               s->coordinator_id ? s->coordinator_id : "", s->epoch, (double)s->uptime_ms / 1000.0,
-               s->dropped_messages, s->auth_refused);
-        printf("%-16s %-6s %8s %-5s %11s %6s %8s %9s %9s %7s %s\n", "NAME", "ROLE", "PID", "ALIVE", "OWN/CAP", "LENT",
-               "BORROWED", "LIVE/WAIT", "MEU(W:M)", "HB(ms)", "ENDPOINT");
-        for (size_t i = 0; i < s->n_models; i++) {
-            const Kvbank__ModelStatus *m = s->models[i];
-            char own[32], load[32], meu[32], lent[16], borrowed[16];
-            snprintf(own, sizeof own, "%" PRIu32 "/%" PRIu32, m->n_own, m->capacity);
-            snprintf(load, sizeof load, "%" PRIu32 "/%" PRIu32, m->live_requests, m->waiting_requests);
-            int worker = m->role == KVBANK__ROLE__ROLE_WORKER;
-            if (worker && m->meu) snprintf(meu, sizeof meu, "%" PRIu32 ":%" PRIu32, m->meu, m->meu_master);
-            else snprintf(meu, sizeof meu, "-");
-            if (worker) snprintf(lent, sizeof lent, "%" PRIu32, m->n_lent);
-            else snprintf(lent, sizeof lent, "-");
-            if (!worker) snprintf(borrowed, sizeof borrowed, "%" PRIu32, m->n_borrowed);
-            else snprintf(borrowed, sizeof borrowed, "-");
-            printf("%-16s %-6s %8" PRIu32 " %-5s %11s %6s %8s %9s %9s %7" PRIu64 " %s%s\n", m->name ? m->name : "",
-                   role_name(m->role), m->pid, m->alive ? "yes" : "no", own, lent, borrowed, load, meu,
-                   m->last_heartbeat_ms, m->endpoint ? m->endpoint : "", m->draining ? "  (draining)" : "");
-            if (m->lend_blocked && m->lend_blocked[0]) printf("%-16s cannot lend: %s\n", "", m->lend_blocked);
-        }
-    }
+    if (json) rc = print_json(status_json(s, 0));
+    else print_status_table(s);
     kvbank__envelope__free_unpacked(r, NULL);
     return rc;
 }
 
+static volatile sig_atomic_t g_stop;
+static void on_sigint(int sig) {
+    (void)sig;
+    g_stop = 1;
+}
+
+/* status --watch: the table again every `interval_s`, on a cleared terminal, until SIGINT/SIGTERM;
+ * a coordinator that does not answer is shown as such and asked again. */
+static int cmd_status_watch(ctl *c, double interval_s) {
+    signal(SIGINT, on_sigint);
+    signal(SIGTERM, on_sigint);
+    int tty = isatty(STDOUT_FILENO);
+    while (!g_stop) {
+        Kvbank__Envelope *r = kvb__ctl_get_status(c, 0);
+        if (tty) printf("\033[H\033[2J");
+        time_t now = time(NULL);
+        char when[32];
+        strftime(when, sizeof when, "%H:%M:%S", localtime(&now));
+        printf("every %.1f s, %s (Ctrl-C to stop)\n", interval_s, when);
+        if (r) {
+            print_status_table(r->status_reply);
+            kvbank__envelope__free_unpacked(r, NULL);
+        } else {
+            printf("no answer from the coordinator at %s\n", c->endpoint);
+            kvb__ctl_close(c); /* a new socket for the next try */
+        }
+        fflush(stdout);
+        struct timespec ts = {.tv_sec = (time_t)interval_s, .tv_nsec = (long)((interval_s - (double)(time_t)interval_s) * 1e9)};
+        while (!g_stop && nanosleep(&ts, &ts) != 0) {}
+    }
+    return 0;
+}
+
 static int cmd_ledger(ctl *c, int json) {
-    Kvbank__Envelope *r = get_status(c, 1);
+    Kvbank__Envelope *r = kvb__ctl_get_status(c, 1);
     if (!r) return 1;
     const Kvbank__StatusReply *s = r->status_reply;
     int rc = 0;
@@ -304,6 +447,8 @@ static int cmd_control(ctl *c, Kvbank__Control__Op op, const char *model, uint32
         printf("ok: asked %s to lend %" PRIu32 " blocks\n", model, n);
     } else if (op == KVBANK__CONTROL__OP__OP_RECLAIM) {
         printf("ok: reclaiming at least %" PRIu32 " blocks of %s\n", n, model);
+    } else if (op == KVBANK__CONTROL__OP__OP_UNDRAIN) {
+        printf("ok: %s no longer drains\n", model);
     } else {
         printf("ok: %s drains\n", model);
     }
@@ -332,7 +477,7 @@ static int on_token(void *ud, int index, int32_t token, uint64_t t_ns) {
 
 static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_prompt, const int32_t *stop,
                         int n_stop, int max_tokens, int quiet) {
-    Kvbank__Envelope *r = get_status(c, 0);
+    Kvbank__Envelope *r = kvb__ctl_get_status(c, 0);
     if (!r) return 1;
     char *ep = NULL;
     int found = 0, alive = 0;
@@ -372,7 +517,8 @@ static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_
     kvb_status st = kvb_client_generate(cl, &req, on_token, &s, c->timeout_ms, &fin, err, sizeof err);
     if (st != KVB_OK) {
         fprintf(stderr, PROG ": %s: %s%s%s\n", ep, kvb_status_str(st), err[0] ? ": " : "", err);
-        goto out;
+        if (!s.n) goto out;
+        fin = KVB_FINISH_ERROR; /* the tokens delivered before the error are shown, --quiet too */
     }
     if (!quiet) printf("finish: %s, %d tokens: ", kvb_finish_str(fin), s.n);
     for (int i = 0; i < s.n; i++) printf(i ? ",%d" : "%d", s.ids[i]);
@@ -536,144 +682,254 @@ static int parse_n(const char *what, const char *v, int64_t min, int64_t max, in
     return 0;
 }
 
-/* 1 if argv[i..argc) is exactly nothing or "--json" (sets *json); prints a usage error otherwise. */
-static int json_flag_only(int argc, char **argv, int i, const char *cmd, int *json) {
-    *json = 0;
-    for (; i < argc; i++) {
-        if (!strcmp(argv[i], "--json")) *json = 1;
-        else {
-            fprintf(stderr, PROG " %s: unexpected argument '%s'\n", cmd, argv[i]);
-            return 0;
+/* One subcommand: its synopsis and what it does (kvbankctl COMMAND --help). */
+typedef struct command {
+    const char *name;
+    const char *synopsis;
+    const char *help;
+} command;
+
+static const command g_commands[] = {
+    {"status", "status [--json] [--watch[=SECONDS]]",
+     "Every model of the node, one line each: NAME, ROLE, STATUS (running, starting, restarting,\n"
+     "crash-looping, draining, pending, generating, stopping, dead), RESTARTS and AGE (from kvbankd's\n"
+     "report to the coordinator), PID, blocks OWN/CAP, LENT, BORROWED, LIVE/WAIT requests, the MEU of\n"
+     "a worker with the master (worker blocks : master blocks), the last heartbeat and the endpoint.\n"
+     "A model kvbankd runs that is not registered is shown too, with why under it; then the\n"
+     "coordinator and the gateway.\n"
+     "  --json              the same as JSON (\"status\", \"restarts\", \"age_ms\", \"why\" per model)\n"
+     "  --watch[=SECONDS]   show it again every SECONDS (default 2) until Ctrl-C\n"},
+    {"ledger", "ledger [--json]", "The loans: id, lender, worker blocks, master blocks, offset, bytes, epoch, state.\n"
+                                   "  --json              as JSON\n"},
+    {"top", "top [--interval SECONDS]",
+     "A live view of the node (ncurses): per model a bar of its KV memory split into own used, own\n"
+     "free, lent and borrowed blocks, requests running and waiting, tokens/s, and the loans moving\n"
+     "(lends and reclaims since the last refresh). q quits.\n"
+     "  --interval SECONDS  refresh period (default 1)\n"},
+    {"lend", "lend WORKER N", "Ask WORKER to offer N of its blocks to the master (the worker decides what it can lend;\n"
+                               "`ok` means it was asked).\n"},
+    {"reclaim", "reclaim WORKER N", "Give WORKER at least N blocks back (whole loans, lowest first; blocks already being\n"
+                                     "reclaimed count).\n"},
+    {"drain", "drain MODEL", "A worker stops lending and takes all its blocks back; the master gives back everything it\n"
+                              "borrowed and borrows no more. `undrain` undoes it.\n"},
+    {"undrain", "undrain MODEL", "Undo `drain`: a worker lends again when SwiftCache's Alg. 1 says so; the master borrows\n"
+                                  "again. Refused when MODEL does not drain.\n"},
+    {"generate", "generate --model NAME --prompt-ids IDS --max-tokens N [--stop-ids IDS] [--quiet]",
+     "Send one request to the model's endpoint (from the status) and print each token as\n"
+     "`INDEX TOKEN MS`, then a summary line.\n"
+     "  --quiet             print only the ids\n"},
+    {"plan", "plan [--config NODE.json] [--json]",
+     "Offline, no coordinator: for each worker its MEU with the master, the master's layer stream\n"
+     "cache and regular cache sizes (SwiftCache Eq. 1-5) from the kv budgets, and its longest context\n"
+     "without lending, with lending as in the paper ((N_LSC + N_RC) * B) and in place (kvbank).\n"
+     "  --config NODE.json  the node config (default: kvbankctl's --config)\n"
+     "  --json              as JSON\n"},
+};
+
+static const command *find_command(const char *name) {
+    for (size_t i = 0; i < KVB_ARRAY_LEN(g_commands); i++)
+        if (!strcmp(g_commands[i].name, name)) return &g_commands[i];
+    return NULL;
+}
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: kvbankctl [--coordinator EP | --config NODE.json] [--timeout-ms N] COMMAND [ARGS]\n"
+               "\n"
+               "Talks to kvbank-coordinator (the endpoint is --coordinator, or the \"coordinator\" section of the\n"
+               "node config). `kvbankctl COMMAND --help` tells more about each command.\n"
+               "\n"
+               "commands:\n");
+    for (size_t i = 0; i < KVB_ARRAY_LEN(g_commands); i++) fprintf(f, "  %s\n", g_commands[i].synopsis);
+    fprintf(f,
+            "\n"
+            "options:\n"
+            "  --coordinator EP       the coordinator's endpoint\n"
+            "  --config NODE.json     node config (coordinator endpoint; the default config of `plan`)\n"
+            "  --timeout-ms N         give up when the coordinator (or the model) is silent this long\n"
+            "                         (default %d)\n"
+            "  -h, --help             this text\n"
+            "  --version              the version\n"
+            "\n"
+            "Exit status 0 on success, 1 on an error (no answer, refused, unknown model), 2 on a usage error.\n",
+            DEFAULT_TIMEOUT_MS);
+}
+
+static void command_usage(FILE *f, const command *c) {
+    fprintf(f, "usage: kvbankctl [OPTIONS] %s\n\n%s", c->synopsis, c->help);
+}
+
+/* getopt_long's error for argv[optind - 1] in `cmd` ("" for the global options), on stderr. */
+static int bad_option(const char *cmd, char **argv, const char *usage_hint) {
+    const char *a = argv[optind - 1], *sp = cmd[0] ? " " : "";
+    if (strncmp(a, "--", 2) != 0) fprintf(stderr, PROG "%s%s: unknown option '-%c'\n", sp, cmd, optopt ? optopt : '?');
+    else if (!optopt) fprintf(stderr, PROG "%s%s: unknown option '%s'\n", sp, cmd, a);
+    else if (strchr(a, '=')) fprintf(stderr, PROG "%s%s: option '%s' takes no value\n", sp, cmd, a);
+    else fprintf(stderr, PROG "%s%s: option '%s' needs a value\n", sp, cmd, a);
+    fprintf(stderr, "%s\n", usage_hint);
+    return 2;
+}
+
+/* What a command was given. */
+typedef struct cmd_args {
+    int json, quiet, watch;
+    double interval_s;
+    const char *model, *config;
+    int64_t n, max_tokens;
+    int32_t *prompt, *stop;
+    int n_prompt, n_stop;
+} cmd_args;
+
+/* Parses ARGS of `cmd` (argv[0] is the command). 0 ok, 1 --help printed, 2 usage error (printed). */
+static int parse_command(const command *cmd, int argc, char **argv, cmd_args *a) {
+    enum { O_JSON = 256, O_WATCH, O_INTERVAL, O_MODEL, O_PROMPT, O_STOP, O_MAX, O_QUIET, O_CONFIG };
+    static const struct option opts[] = {
+        {"help", no_argument, NULL, 'h'},           {"json", no_argument, NULL, O_JSON},
+        {"watch", optional_argument, NULL, O_WATCH}, {"interval", required_argument, NULL, O_INTERVAL},
+        {"model", required_argument, NULL, O_MODEL}, {"prompt-ids", required_argument, NULL, O_PROMPT},
+        {"stop-ids", required_argument, NULL, O_STOP}, {"max-tokens", required_argument, NULL, O_MAX},
+        {"quiet", no_argument, NULL, O_QUIET},       {"config", required_argument, NULL, O_CONFIG},
+        {NULL, 0, NULL, 0},
+    };
+    /* which options each command takes */
+    const char *n = cmd->name;
+    int takes_json = !strcmp(n, "status") || !strcmp(n, "ledger") || !strcmp(n, "plan");
+    char hint[96];
+    snprintf(hint, sizeof hint, "usage: kvbankctl %s (kvbankctl %s --help for more)", cmd->synopsis, n);
+    optind = 0; /* a fresh scan of this argv */
+    opterr = 0;
+    int o;
+    while ((o = getopt_long(argc, argv, "+h", opts, NULL)) != -1) {
+        int ok = 1;
+        switch (o) {
+        case 'h': command_usage(stdout, cmd); return 1;
+        case O_JSON: ok = takes_json; a->json = 1; break;
+        case O_WATCH:
+            ok = !strcmp(n, "status");
+            a->watch = 1;
+            a->interval_s = 2.0;
+            if (ok && optarg) {
+                char *end = NULL;
+                a->interval_s = strtod(optarg, &end);
+                if (!end || *end || !(a->interval_s >= 0.1 && a->interval_s <= 3600)) {
+                    fprintf(stderr, PROG " status: --watch=SECONDS must be a number in [0.1, 3600], got '%s'\n", optarg);
+                    return 2;
+                }
+            }
+            break;
+        case O_INTERVAL: {
+            ok = !strcmp(n, "top");
+            char *end = NULL;
+            a->interval_s = strtod(optarg, &end);
+            if (ok && (!end || *end || !(a->interval_s >= 0.1 && a->interval_s <= 3600))) {
+                fprintf(stderr, PROG " top: --interval must be a number of seconds in [0.1, 3600], got '%s'\n", optarg);
+                return 2;
+            }
+            break;
+        }
+        case O_CONFIG: ok = !strcmp(n, "plan"); a->config = optarg; break;
+        case O_QUIET: ok = !strcmp(n, "generate"); a->quiet = 1; break;
+        case O_MODEL: ok = !strcmp(n, "generate"); a->model = optarg; break;
+        case O_MAX:
+            ok = !strcmp(n, "generate");
+            if (ok && parse_n("--max-tokens", optarg, 1, 1 << 30, &a->max_tokens)) return 2;
+            break;
+        case O_PROMPT:
+        case O_STOP: {
+            ok = !strcmp(n, "generate");
+            int32_t **ids = o == O_PROMPT ? &a->prompt : &a->stop;
+            int *cnt = o == O_PROMPT ? &a->n_prompt : &a->n_stop;
+            free(*ids);
+            *ids = NULL;
+            if (ok && kvb_parse_id_list(optarg, ids, cnt) != KVB_OK) {
+                fprintf(stderr, PROG " generate: bad %s '%s'\n", o == O_PROMPT ? "--prompt-ids" : "--stop-ids", optarg);
+                return 2;
+            }
+            break;
+        }
+        default: return bad_option(n, argv, hint);
+        }
+        if (!ok) {
+            fprintf(stderr, PROG " %s: option '%s' does not apply to this command\n%s\n", n, argv[optind - 1], hint);
+            return 2;
         }
     }
-    return 1;
+    int rest = argc - optind, want = 0;
+    if (!strcmp(n, "lend") || !strcmp(n, "reclaim")) want = 2;
+    else if (!strcmp(n, "drain") || !strcmp(n, "undrain")) want = 1;
+    if (rest != want) {
+        if (rest > want) fprintf(stderr, PROG " %s: unexpected argument '%s'\n", n, argv[optind + want]);
+        else fprintf(stderr, PROG " %s: %s required\n", n, want == 2 ? "WORKER and N are" : "MODEL is");
+        fprintf(stderr, "%s\n", hint);
+        return 2;
+    }
+    if (want) a->model = argv[optind];
+    if (want == 2 && parse_n("N", argv[optind + 1], 1, UINT32_MAX, &a->n)) return 2;
+    if (!strcmp(n, "generate") && (!a->model || !a->prompt || !a->max_tokens)) {
+        fprintf(stderr, PROG " generate: --model, --prompt-ids and --max-tokens are required\n%s\n", hint);
+        return 2;
+    }
+    return 0;
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbankctl");
     const char *endpoint = NULL, *config = NULL;
     int64_t timeout = DEFAULT_TIMEOUT_MS;
-    int i = 1;
-    for (; i < argc && argv[i][0] == '-'; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            return 0;
-        }
-        if (i + 1 >= argc) {
-            fprintf(stderr, PROG ": %s needs a value\n", a);
-            return 2;
-        }
-        if (!strcmp(a, "--coordinator")) endpoint = argv[++i];
-        else if (!strcmp(a, "--config")) config = argv[++i];
-        else if (!strcmp(a, "--timeout-ms")) {
-            if (parse_n("--timeout-ms", argv[++i], 1, 3600000, &timeout)) return 2;
-        } else {
-            fprintf(stderr, PROG ": unknown option '%s'\n", a);
-            usage(stderr);
-            return 2;
+    enum { O_COORD = 256, O_CONFIG, O_TIMEOUT };
+    static const struct option opts[] = {
+        {"coordinator", required_argument, NULL, O_COORD},
+        {"config", required_argument, NULL, O_CONFIG},
+        {"timeout-ms", required_argument, NULL, O_TIMEOUT},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    static const char hint[] = "usage: kvbankctl [OPTIONS] COMMAND [ARGS] (kvbankctl --help for more)";
+    opterr = 0;
+    int o;
+    /* "+": the options before the command; the command's own come after it */
+    while ((o = getopt_long(argc, argv, "+h", opts, NULL)) != -1) {
+        switch (o) {
+        case 'h': usage(stdout); return 0;
+        case O_COORD: endpoint = optarg; break;
+        case O_CONFIG: config = optarg; break;
+        case O_TIMEOUT:
+            if (parse_n("--timeout-ms", optarg, 1, 3600000, &timeout)) return 2;
+            break;
+        default: return bad_option("", argv, hint);
         }
     }
-    if (i >= argc) {
-        fprintf(stderr, PROG ": no command\n");
-        usage(stderr);
+    if (optind >= argc) {
+        fprintf(stderr, PROG ": no command\n%s\n", hint);
         return 2;
     }
-    const char *cmd = argv[i++];
-    kvb_log_set_tag(PROG);
-
-    if (!strcmp(cmd, "plan")) {
-        const char *path = config;
-        int json = 0;
-        for (; i < argc; i++) {
-            if (!strcmp(argv[i], "--json")) json = 1;
-            else if (!strcmp(argv[i], "--config") && i + 1 < argc) path = argv[++i];
-            else {
-                fprintf(stderr, PROG " plan: unexpected argument '%s'\n", argv[i]);
-                return 2;
-            }
-        }
+    const command *cmd = find_command(argv[optind]);
+    if (!cmd) {
+        fprintf(stderr, PROG ": unknown command '%s'\n%s\n", argv[optind], hint);
+        return 2;
+    }
+    cmd_args a = {.interval_s = 1.0};
+    int pr = parse_command(cmd, argc - optind, argv + optind, &a);
+    if (pr) {
+        free(a.prompt);
+        free(a.stop);
+        return pr == 1 ? 0 : 2;
+    }
+    if (!strcmp(cmd->name, "plan")) {
+        const char *path = a.config ? a.config : config;
         if (!path) {
             fprintf(stderr, PROG " plan: --config NODE.json is required\n");
             return 2;
         }
-        return cmd_plan(path, json);
+        return cmd_plan(path, a.json);
     }
 
-    /* Every other command talks to the coordinator; check its arguments before connecting. */
-    int json = 0, rc = 2;
-    int64_t n = 0, max_tokens = 0;
-    int quiet = 0;
-    const char *model = NULL;
-    int32_t *prompt = NULL, *stop = NULL;
-    int n_prompt = 0, n_stop = 0;
-    Kvbank__Control__Op op = KVBANK__CONTROL__OP__OP_NONE;
-    if (!strcmp(cmd, "status") || !strcmp(cmd, "ledger")) {
-        if (!json_flag_only(argc, argv, i, cmd, &json)) return 2;
-    } else if (!strcmp(cmd, "lend") || !strcmp(cmd, "reclaim")) {
-        if (argc - i != 2) {
-            fprintf(stderr, PROG " %s: WORKER and N are required\n", cmd);
-            return 2;
-        }
-        model = argv[i];
-        if (parse_n("N", argv[i + 1], 1, UINT32_MAX, &n)) return 2;
-        op = !strcmp(cmd, "lend") ? KVBANK__CONTROL__OP__OP_LEND : KVBANK__CONTROL__OP__OP_RECLAIM;
-    } else if (!strcmp(cmd, "drain")) {
-        if (argc - i != 1) {
-            fprintf(stderr, PROG " drain: MODEL is required\n");
-            return 2;
-        }
-        model = argv[i];
-        op = KVBANK__CONTROL__OP__OP_DRAIN;
-    } else if (!strcmp(cmd, "generate")) {
-        for (; i < argc; i++) {
-            const char *a = argv[i];
-            const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-            if (!strcmp(a, "--quiet")) {
-                quiet = 1;
-                continue;
-            }
-            if (!v) {
-                fprintf(stderr, PROG " generate: unexpected argument '%s'\n", a);
-                goto usage_error;
-            }
-            if (!strcmp(a, "--model")) model = v;
-            else if (!strcmp(a, "--prompt-ids")) {
-                free(prompt);
-                prompt = NULL;
-                if (kvb_parse_id_list(v, &prompt, &n_prompt) != KVB_OK) {
-                    fprintf(stderr, PROG " generate: bad --prompt-ids '%s'\n", v);
-                    goto usage_error;
-                }
-            } else if (!strcmp(a, "--stop-ids")) {
-                free(stop);
-                stop = NULL;
-                if (kvb_parse_id_list(v, &stop, &n_stop) != KVB_OK) {
-                    fprintf(stderr, PROG " generate: bad --stop-ids '%s'\n", v);
-                    goto usage_error;
-                }
-            } else if (!strcmp(a, "--max-tokens")) {
-                if (parse_n("--max-tokens", v, 1, 1 << 30, &max_tokens)) goto usage_error;
-            } else {
-                fprintf(stderr, PROG " generate: unexpected argument '%s'\n", a);
-                goto usage_error;
-            }
-            i++;
-        }
-        if (!model || !prompt || !max_tokens) {
-            fprintf(stderr, PROG " generate: --model, --prompt-ids and --max-tokens are required\n");
-            goto usage_error;
-        }
-    } else {
-        fprintf(stderr, PROG ": unknown command '%s'\n", cmd);
-        usage(stderr);
-        return 2;
-    }
-
+    int rc = 1;
     kvb_node_config *nc = NULL;
     if (!endpoint && config) {
+        /* only for the endpoint: the config's warnings are kvbankd's (and `plan`'s) to print */
+        setenv("KVB_CONFIG_CHECKED", "1", 1);
         if (kvb_node_config_load(config, &nc) != KVB_OK) {
             fprintf(stderr, PROG ": cannot load the node config %s (see the log above)\n", config);
-            rc = 1;
             goto done;
         }
         endpoint = nc->coordinator;
@@ -684,18 +940,23 @@ int main(int argc, char **argv) {
         goto done;
     }
     ctl c = {.endpoint = endpoint, .timeout_ms = (int)timeout};
-    if (!strcmp(cmd, "status")) rc = cmd_status(&c, json);
-    else if (!strcmp(cmd, "ledger")) rc = cmd_ledger(&c, json);
-    else if (!strcmp(cmd, "generate")) rc = cmd_generate(&c, model, prompt, n_prompt, stop, n_stop, (int)max_tokens, quiet);
-    else rc = cmd_control(&c, op, model, (uint32_t)n);
-    ctl_close(&c);
+    const char *n = cmd->name;
+    if (!strcmp(n, "status")) rc = a.watch ? cmd_status_watch(&c, a.interval_s) : cmd_status(&c, a.json);
+    else if (!strcmp(n, "ledger")) rc = cmd_ledger(&c, a.json);
+    else if (!strcmp(n, "top")) rc = kvb__ctl_top(&c, a.interval_s);
+    else if (!strcmp(n, "generate"))
+        rc = cmd_generate(&c, a.model, a.prompt, a.n_prompt, a.stop, a.n_stop, (int)a.max_tokens, a.quiet);
+    else {
+        Kvbank__Control__Op op = !strcmp(n, "lend")      ? KVBANK__CONTROL__OP__OP_LEND
+                                 : !strcmp(n, "reclaim") ? KVBANK__CONTROL__OP__OP_RECLAIM
+                                 : !strcmp(n, "drain")   ? KVBANK__CONTROL__OP__OP_DRAIN
+                                                         : KVBANK__CONTROL__OP__OP_UNDRAIN;
+        rc = cmd_control(&c, op, a.model, (uint32_t)a.n);
+    }
+    kvb__ctl_close(&c);
 done:
     kvb_node_config_free(nc);
-    free(prompt);
-    free(stop);
+    free(a.prompt);
+    free(a.stop);
     return rc;
-usage_error:
-    free(prompt);
-    free(stop);
-    return 2;
 }

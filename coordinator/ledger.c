@@ -978,6 +978,28 @@ kvb_status kvb_ledger_drain(kvb_ledger *l, const char *name, uint64_t now_ms, in
     return KVB_OK;
 }
 
+kvb_status kvb_ledger_undrain(kvb_ledger *l, const char *name, char *why, size_t why_len) {
+    if (!l) return KVB_ERR_INVALID;
+    kvb_ledger_model *m = live_model(l, name);
+    if (!m) {
+        set_why(why, why_len, "no live model %s", name ? name : "(null)");
+        return KVB_ERR_NOT_FOUND;
+    }
+    if (!m->draining) {
+        set_why(why, why_len, "%s is not draining", m->name);
+        return KVB_ERR_STATE;
+    }
+    if (m->role == KVB_ROLE_WORKER) {
+        KVB_TRY(reserve(l, max_actions(l, 1), 0));
+        kvb_ledger_action *a = push(l, KVB_ACT_LEND_REQUEST, m->name);
+        a->n_blocks = 0; /* the worker's own SCALEDOWN check decides what to lend */
+        a->drain = 0;
+    }
+    m->draining = 0;
+    KVB_LOG_I("%s %s no longer drains", m->role == KVB_ROLE_MASTER ? "master" : "worker", m->name);
+    return KVB_OK;
+}
+
 /* ------------------------------------------------------------------------------------------ failures */
 
 void kvb_ledger_model_dead(kvb_ledger *l, const char *name, const char *reason, uint64_t now_ms) {

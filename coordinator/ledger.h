@@ -35,7 +35,7 @@
 #include "kernels/backend.h"
 
 #define KVB_LEDGER_NAME_MAX 64      /* model names: 1..64 of [A-Za-z0-9._-] */
-#define KVB_LEDGER_REGION_MAX 512   /* region handle (shm name, or a CUDA IPC handle in hex) */
+#define KVB_LEDGER_REGION_MAX 512   /* region handle (shm name, or a device IPC handle in hex) */
 #define KVB_LEDGER_TEXT_MAX 1024    /* endpoint and model strings */
 #define KVB_LEDGER_MEMORY_MAX 15    /* memory kind ("host", a device kind) */
 #define KVB_LEDGER_MAX_MODELS 256   /* registered models (dead ones included) */
@@ -232,6 +232,11 @@ kvb_status kvb_ledger_lend_request(kvb_ledger *l, const char *worker, uint32_t n
  * being given back. */
 kvb_status kvb_ledger_drain(kvb_ledger *l, const char *name, uint64_t now_ms, int *n_loans, char *why,
                             size_t why_len);
+
+/* Control(UNDRAIN): undoes kvb_ledger_drain. A worker gets LendRequest(0 blocks, no drain): it lends
+ * again when SwiftCache's Alg. 1 says so; the master borrows again. KVB_ERR_STATE (with `why`) when the
+ * model does not drain. */
+kvb_status kvb_ledger_undrain(kvb_ledger *l, const char *name, char *why, size_t why_len);
 
 /* Declares a live model dead (flow 5): a worker's loans are revoked with lender_dead; a master's loans
  * are deleted and their lenders get Reclaimed. `reason` is kept for the status. No-op for an unknown or

@@ -8,6 +8,7 @@
 #include "common/ipc/auth.h"
 #include "common/util/node_config.h"
 #include "coordinator/coordinator.h"
+#include "common/util/prog.h"
 
 static volatile sig_atomic_t g_stop;
 
@@ -62,6 +63,7 @@ static int parse_u32(const char *flag, const char *v, int64_t min, int64_t max, 
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-coordinator");
     const char *endpoint = NULL, *config = NULL;
     uint32_t hb_ms = 0, misses = 0;
     enum { O_EP = 256, O_CONFIG, O_HB, O_MISSES };

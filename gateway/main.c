@@ -9,6 +9,7 @@
 #include "common/util/log.h"
 #include "common/util/node_config.h"
 #include "gateway/gateway.h"
+#include "common/util/prog.h"
 
 static volatile sig_atomic_t g_stop;
 static void on_signal(int sig) {
@@ -56,6 +57,7 @@ static int parse_listen(const char *s, char *buf, size_t len, const char **host,
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-gateway");
     kvb_log_set_tag("gateway");
     gw_opts o;
     gw_opts_default(&o);

@@ -17,6 +17,7 @@
 #include "node/node_proc.h"
 #include "common/kv/block_pool.h"
 #include "common/policy/swiftcache.h"
+#include "common/util/prog.h"
 
 #define LENDER_MAX 64          /* longest lender name kept */
 #define SHUTDOWN_REPLY_MS 1000 /* wait for the coordinator to answer the drain at exit */
@@ -277,6 +278,7 @@ static int drained(void *ud) {
 static int answered(void *ud) { return ((master *)ud)->drain_answer != 0; }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-master");
     kvb_node_proc_args a;
     int rc = kvb_node_proc_parse(KVB_ROLE_MASTER, argc, argv, &a);
     if (rc >= 0) return rc;

@@ -551,6 +551,22 @@ KVB_TEST(ledger_drain) {
     ck_assert_int_eq(kvb_ledger_offer(l, "b", 52, 4, 0, NULL, why, sizeof why), KVB_ERR_STATE);
     ck_assert_msg(strstr(why, "master m is draining") != NULL, "reason: %s", why);
     ck_assert_int_eq(kvb_ledger_drain(l, "ghost", 0, &n, why, sizeof why), KVB_ERR_NOT_FOUND);
+    /* undrain: the master borrows again, the worker is told (LendRequest of 0 blocks, no drain) and may
+     * be asked to lend again; a model that does not drain is refused, naming it */
+    ck_assert_int_eq(kvb_ledger_undrain(l, "b", why, sizeof why), KVB_ERR_STATE);
+    ck_assert_msg(strstr(why, "b is not draining") != NULL, "reason: %s", why);
+    expect_no_act(l);
+    ck_assert_int_eq(kvb_ledger_undrain(l, "m", why, sizeof why), KVB_OK);
+    expect_no_act(l);
+    ck_assert(!kvb_ledger_find(l, "m")->draining);
+    ck_assert_int_eq(kvb_ledger_undrain(l, "a", why, sizeof why), KVB_OK);
+    act = expect_act(l, KVB_ACT_LEND_REQUEST, "a", 0);
+    ck_assert(!act.drain);
+    ck_assert_uint_eq(act.n_blocks, 0);
+    expect_no_act(l);
+    ck_assert_int_eq(kvb_ledger_lend_request(l, "a", 4, why, sizeof why), KVB_OK);
+    expect_act(l, KVB_ACT_LEND_REQUEST, "a", 0);
+    ck_assert_int_eq(kvb_ledger_undrain(l, "ghost", why, sizeof why), KVB_ERR_NOT_FOUND);
     kvb_ledger_destroy(l);
 }
 KVB_TEST_END
@@ -766,6 +782,8 @@ static char g_log[96];
 static pid_t g_coord = -1;
 static char g_hb_ms[16] = "100", g_misses[16] = "50";
 static char g_config[128];    /* non-empty: start the coordinator with --config g_config */
+static kvb_auth g_sup;        /* has_secret: the test plays kvbankd, handing the coordinator this secret
+                               * on an inherited pipe (KVB_AUTH_FD) instead of its key file */
 
 static const char *builddir(void) {
     if (g_builddir[0]) return g_builddir;
@@ -868,6 +886,14 @@ static void spawn_coordinator(void) {
     char path[PATH_MAX];
     snprintf(path, sizeof path, "%s/kvbank-coordinator", builddir());
     pid_t parent = getpid();
+    int sup[2] = {-1, -1};
+    if (g_sup.has_secret) { /* kvbankd's way: the secret on a pipe the coordinator inherits */
+        char text[256];
+        ck_assert_int_eq(kvb_auth_format(&g_sup, text, sizeof text), KVB_OK);
+        ck_assert_int_eq(pipe(sup), 0);
+        ck_assert_int_eq(write(sup[1], text, strlen(text)), (ssize_t)strlen(text));
+        close(sup[1]);
+    }
     fflush(NULL);
     pid_t pid = fork();
     ck_assert_int_ge(pid, 0);
@@ -875,6 +901,11 @@ static void spawn_coordinator(void) {
         setpgid(0, 0); /* check's timeout kill of the test's group must not SIGKILL it */
         prctl(PR_SET_PDEATHSIG, SIGTERM);
         if (getppid() != parent) _exit(1);
+        if (sup[0] >= 0) {
+            char fd[16];
+            snprintf(fd, sizeof fd, "%d", sup[0]);
+            setenv(KVB_AUTH_FD_ENV, fd, 1);
+        }
         int fd = open(g_log, O_WRONLY | O_CREAT | O_APPEND, 0600);
         if (fd >= 0) {
             dup2(fd, 1);
@@ -893,6 +924,7 @@ static void spawn_coordinator(void) {
                    "--heartbeat-misses", g_misses, (char *)NULL);
         _exit(127);
     }
+    if (sup[0] >= 0) close(sup[0]);
     g_coord = pid;
 }
 
@@ -928,6 +960,10 @@ static int g_n_alive;
 /* The token of model `name` from the coordinator's key file next to its socket (the way a model run by
  * hand logs in); 0 when there is no key file (a coordinator that does not authenticate). */
 static int model_token(const char *name, char out[KVB_AUTH_TOKEN_LEN + 1]) {
+    if (g_sup.has_secret) { /* the test holds the secret it handed the coordinator */
+        kvb_auth_token(g_sup.secret, name, out);
+        return 1;
+    }
     char key[PATH_MAX];
     kvb_auth a;
     if (kvb_auth_key_path(g_endpoint, key, sizeof key) != KVB_OK || kvb_auth_read_file(key, &a) != KVB_OK) return 0;
@@ -1072,9 +1108,10 @@ static void teardown(void) {
     if (g_dir[0]) kvb_t_remove_tree(g_dir);
 }
 
-static Kvbank__RegisterReply *peer_register_loans(peer *p, kvb_role role, uint32_t pid, const kvb_kv_geom *g,
-                                                  uint32_t capacity, Kvbank__Loan **loans, size_t n_loans,
-                                                  Kvbank__Envelope **holder) {
+/* Sends p's Register: `role`, `pid`, geometry `g`, `capacity` blocks in a real region of this process
+ * (made or grown here), the loans it reports. */
+static void peer_send_register(peer *p, kvb_role role, uint32_t pid, const kvb_kv_geom *g, uint32_t capacity,
+                               Kvbank__Loan **loans, size_t n_loans) {
     Kvbank__KvGeometry wg = KVBANK__KV_GEOMETRY__INIT;
     wg.n_layers = (uint32_t)g->n_layers;
     wg.n_kv_heads = (uint32_t)g->n_kv_heads;
@@ -1108,6 +1145,13 @@ static Kvbank__RegisterReply *peer_register_loans(peer *p, kvb_role role, uint32
     env.body_case = KVBANK__ENVELOPE__BODY_REGISTER;
     env.register_ = &r;
     peer_send(p, &env);
+}
+
+/* p registers (peer_send_register) and gets its RegisterReply, which *holder owns. */
+static Kvbank__RegisterReply *peer_register_loans(peer *p, kvb_role role, uint32_t pid, const kvb_kv_geom *g,
+                                                  uint32_t capacity, Kvbank__Loan **loans, size_t n_loans,
+                                                  Kvbank__Envelope **holder) {
+    peer_send_register(p, role, pid, g, capacity, loans, n_loans);
     *holder = peer_expect(p, KVBANK__ENVELOPE__BODY_REGISTER_REPLY, 10000, "register");
     p->last_hb_ns = kvb_now_ns();
     return (*holder)->register_reply;
@@ -1394,14 +1438,8 @@ static void child_master(int fd) {
     }
 }
 
-/* A master killed with SIGKILL: the coordinator sees its pid gone (long before any heartbeat silence
- * limit) and every lender gets its blocks back. */
-KVB_TEST(proc_master_killed) {
-    make_dir();
-    snprintf(g_hb_ms, sizeof g_hb_ms, "1000");
-    snprintf(g_misses, sizeof g_misses, "30"); /* silence would take 30 s */
-    start_coordinator();
-    int fds[2];
+/* Forks child_master; fds gets its pipe (fds[0] the read end, open; fds[1] closed). Returns its pid. */
+static pid_t spawn_child_master(int fds[2]) {
     ck_assert_int_eq(pipe(fds), 0);
     fflush(NULL);
     pid_t child = fork();
@@ -1412,16 +1450,33 @@ KVB_TEST(proc_master_killed) {
         child_master(fds[1]);
     }
     close(fds[1]);
-    /* wait for the child to be registered */
+    fds[1] = -1;
+    return child;
+}
+
+/* 1 once the coordinator counts `child` as model m, alive, with its pid; 0 after 5 s. */
+static int wait_child_master(pid_t child) {
     int registered = 0;
-    for (int i = 0; i < 200 && !registered; i++) {
+    for (int i = 0; i < 250 && !registered; i++) {
         Kvbank__Envelope *s = status_of(0);
         const Kvbank__ModelStatus *ms = find_status(s->status_reply, "m");
         registered = ms && ms->alive && ms->pid == (uint32_t)child;
         kvbank__envelope__free_unpacked(s, NULL);
         if (!registered) usleep(20000);
     }
-    ck_assert_msg(registered, "the child master did not register");
+    return registered;
+}
+
+/* A master killed with SIGKILL: the coordinator sees its pid gone (long before any heartbeat silence
+ * limit) and every lender gets its blocks back. */
+KVB_TEST(proc_master_killed) {
+    make_dir();
+    snprintf(g_hb_ms, sizeof g_hb_ms, "1000");
+    snprintf(g_misses, sizeof g_misses, "30"); /* silence would take 30 s */
+    start_coordinator();
+    int fds[2];
+    pid_t child = spawn_child_master(fds);
+    ck_assert_msg(wait_child_master(child), "the child master did not register");
     peer w;
     peer_open(&w, "w");
     peer_register(&w, KVB_ROLE_WORKER, &G_A, 64);
@@ -2273,6 +2328,51 @@ KVB_TEST(proc_forged_claims) {
 }
 KVB_TEST_END
 
+/* Under kvbankd (the node secret on KVB_AUTH_FD, no key file) only kvbankd's children may log in as
+ * models: a token alone does not make a process the model. The test plays kvbankd. A connection of the
+ * test process itself with model m's right token is refused at its handshake and counted (the process
+ * is not a child of the supervisor), its Register never arrives; a forked child with the same token
+ * registers as m and is served. The supervised coordinator keeps the secret off the disk. */
+KVB_TEST(proc_supervised_children_only) {
+    make_dir();
+    snprintf(g_hb_ms, sizeof g_hb_ms, "100");
+    snprintf(g_misses, sizeof g_misses, "50");
+    ck_assert_int_eq(kvb_auth_new_secret(&g_sup), KVB_OK);
+    start_coordinator();
+    char key[PATH_MAX];
+    ck_assert_int_eq(kvb_auth_key_path(g_endpoint, key, sizeof key), KVB_OK);
+    ck_assert_msg(access(key, F_OK) != 0, "a coordinator under a supervisor wrote the node key to %s", key);
+    uint64_t refused0 = auth_refused();
+
+    /* the right token from a process kvbankd did not start */
+    peer self;
+    peer_open(&self, "m");
+    peer_send_register(&self, KVB_ROLE_MASTER, (uint32_t)getpid(), &G_M, 64, NULL, 0);
+    Kvbank__Envelope *e = peer_recv(&self, 1000);
+    int self_answered = e != NULL;
+    if (e) kvbank__envelope__free_unpacked(e, NULL);
+    uint64_t refused1 = auth_refused();
+
+    /* the same token from a child of the supervisor */
+    int fds[2];
+    pid_t child = spawn_child_master(fds);
+    close(fds[0]);
+    int registered = wait_child_master(child);
+    kill(child, SIGKILL);
+    ck_assert_int_eq(waitpid(child, NULL, 0), child);
+    char ctag[32];
+    snprintf(ctag, sizeof ctag, "t%d_m", (int)child);
+    kvb_region_unlink_stale(ctag, NULL); /* the killed child's region */
+    if (self_answered || !registered) print_log();
+    ck_assert_msg(!self_answered, "a process that kvbankd did not start registered with a model's token");
+    ck_assert_uint_ge(refused1, refused0 + 1);
+    ck_assert(log_contains("did not start it"));
+    ck_assert_msg(registered, "kvbankd's child did not register with its token");
+    peer_close(&self);
+    teardown();
+}
+KVB_TEST_END
+
 static void nc_load(void *ud, kvb_node_load *out) {
     (void)ud;
     memset(out, 0, sizeof *out);
@@ -2332,4 +2432,5 @@ KVB_TEST_MAIN("coordinator", KVB_T(ledger_meu_per_pair, 10), KVB_T(ledger_offer_
               KVB_T(proc_master_killed, 60), KVB_T(proc_bad_messages, 60), KVB_T(proc_restart_rebuilds_ledger, 60),
               KVB_T(ctl_control, 60), KVB_T(ctl_status_json, 60), KVB_T(ctl_plan, 30), KVB_T(ctl_generate, 120),
               KVB_T(proc_cli, 60), KVB_T(proc_hijack_refused, 60),
-              KVB_T(proc_forged_claims, 60), KVB_T(proc_route_recovery, 60))
+              KVB_T(proc_forged_claims, 60), KVB_T(proc_supervised_children_only, 60),
+              KVB_T(proc_route_recovery, 60))

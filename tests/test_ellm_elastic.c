@@ -1088,8 +1088,9 @@ static void l_print(const char *what, const kvb_ee_report *p) {
             (unsigned long long)p->sync_maps, (unsigned long long)p->async_maps, p->act_owned, p->act_start);
 }
 
-/* Greedy tokens under ellm-elastic (inflation, deflation, preemption), its ablations and both
- * baselines equal the plain engine's, on a budget too small for everyone at once. */
+/* Greedy tokens under ellm-elastic (inflation, deflation, preemption, offload to the CPU buffer and
+ * fetch), its ablations and both baselines equal the plain engine's, on a budget too small for everyone
+ * at once. */
 KVB_TEST(planners_lossless_under_pressure) {
     kvb_t_model tm;
     kvb_t_model_make(&tm, "--arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 2 --vocab 200 --max-pos 256 --seed 3");
@@ -1107,6 +1108,7 @@ KVB_TEST(planners_lossless_under_pressure) {
         {"ellm-elastic", "budget_mb=1,premap=0,mapper=0"},
         {"static-split", "budget_mb=1"},
         {"static-split-chunked", "budget_mb=1,prefill_chunk=64"},
+        {"ellm-elastic", "budget_mb=1,slots=3"},
     };
     kvb_ee_report rep[KVB_ARRAY_LEN(runs)];
     for (size_t k = 0; k < KVB_ARRAY_LEN(runs); k++) {
@@ -1125,6 +1127,14 @@ KVB_TEST(planners_lossless_under_pressure) {
     ck_assert_uint_gt(rep[0].async_maps, 0);
     ck_assert_uint_eq(rep[1].core.inflated + rep[1].core.deflated, 0);
     ck_assert_uint_eq(rep[2].async_maps, 0);
+    /* the CPU buffer (§4.3.2): prefills offloaded to the host tier and fetched back for their decode, with
+     * the activations' staging counted exactly (no rescue above), in the inter-only ablation and in eLLM
+     * with fewer slots than requests */
+    ck_assert_uint_gt(rep[1].core.offloads, 0);
+    ck_assert_uint_gt(rep[1].core.fetches, 0);
+    ck_assert_uint_gt(rep[5].core.offloads, 0);
+    ck_assert_uint_gt(rep[5].core.fetches, 0);
+    ck_assert_uint_eq(rep[3].core.offloads + rep[4].core.offloads, 0);
     /* KV borrowed from the activations: larger decode batches than the static split */
     ck_assert_int_gt(rep[0].core.max_batch, rep[3].core.max_batch);
     kvb_t_model_free(&tm);

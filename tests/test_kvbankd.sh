@@ -4,8 +4,10 @@
 # kvbank-mkmodel, starts the coordinator, the master and two workers; the test waits until every model
 # is alive and a worker lends, checks the modes of the shared-memory segments and sockets, that a second
 # kvbankd of the same node name (same config, or another run_dir) refuses to start and touches nothing,
-# kills a worker with SIGKILL and waits for kvbankd to restart it (its old segments and a dead pid's
-# gone, a live pid's kept, a generate on it still gives kvbank-generate's tokens), then drains the node with SIGTERM: exit 0 within 15 s, no process, segment,
+# kills a worker with SIGKILL mid-stream and waits for kvbankd to restart it (its old segments and a dead pid's
+# gone, a live pid's kept, the streaming request resumed on the new process with kvbank-generate's ids;
+# killed again under a request without resume, which fails at once and prints the ids it got; a
+# generate on it still gives kvbank-generate's tokens), then drains the node with SIGTERM: exit 0 within 15 s, no process, segment,
 # socket or pid file left.
 set -euo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
@@ -17,9 +19,11 @@ CFG=$T/node.json
 RUN=$T/run
 KPID=
 BG_SLEEP=
+BG_REQ=
 
 cleanup() {
     [ -n "$BG_SLEEP" ] && kill "$BG_SLEEP" 2>/dev/null
+    [ -n "$BG_REQ" ] && kill "$BG_REQ" 2>/dev/null
     if [ -n "$KPID" ]; then
         kill -KILL -- "-$KPID" 2>/dev/null || true   # kvbankd leads its own process group (setsid)
         kill -KILL "$KPID" 2>/dev/null || true
@@ -200,17 +204,48 @@ alive=$!
 BG_SLEEP=$alive
 : >"/dev/shm/kvb-${NODE}_${WORKER}-${dead}-0"
 : >"/dev/shm/kvb-${NODE}_${WORKER}-${alive}-0"
-kill -KILL "$old"
-deadline=$((SECONDS + 30))
-while :; do
-    if st=$(status); then
-        new=$(echo "$st" | field "$WORKER" 2)
-        a=$(echo "$st" | field "$WORKER" 3)
-        [ -n "$new" ] && [ "$new" != "$old" ] && [ "$new" -gt 0 ] && [ "$a" = 1 ] && break
-    fi
-    [ $SECONDS -lt $deadline ] || fail "$WORKER not back with a new pid within 30 s; last status: ${st:-none}"
-    sleep 0.3
-done
+# A request streaming from the worker when it is killed (issue 15): kvbank-request notices the lost
+# connection (ZeroMQ heartbeats), waits for kvbankd's restart and resumes the request there.
+RPROMPT=3,1,4,1,5,9,2,6
+RMAX=2000 # (2008 of the model's 2048 positions: long enough that the kill lands mid-stream)
+# wait_restart: waits until $WORKER is alive again with a pid other than $old (30 s at most): new=its pid
+wait_restart() {
+    local deadline=$((SECONDS + 30)) a
+    while :; do
+        if st=$(status); then
+            new=$(echo "$st" | field "$WORKER" 2)
+            a=$(echo "$st" | field "$WORKER" 3)
+            [ -n "$new" ] && [ "$new" != "$old" ] && [ "$new" -gt 0 ] && [ "$a" = 1 ] && break
+        fi
+        [ $SECONDS -lt $deadline ] || fail "$WORKER not back with a new pid within 30 s; last status: ${st:-none}"
+        sleep 0.3
+    done
+}
+# kill_mid_stream PID RESUME_S OUT: a kvbank-request of $RMAX tokens to the worker (pid PID) with
+# --resume-s RESUME_S, into OUT.out and OUT.err (BG_REQ: its pid); once 5 tokens came, SIGKILL the
+# worker. The worker (every thread) runs at nice 19 meanwhile, so that on a loaded machine this script
+# sees the first tokens and kills it while the stream is still running.
+kill_mid_stream() {
+    renice -n 19 -p $(ls /proc/"$1"/task) >/dev/null
+    "$B/kvbank-request" --endpoint "ipc://$RUN/$WORKER.sock" --prompt-ids $RPROMPT --max-tokens $RMAX \
+        --resume-s "$2" >"$3.out" 2>"$3.err" &
+    BG_REQ=$!
+    local deadline=$((SECONDS + 30))
+    until [ "$(wc -l <"$3.out")" -ge 5 ]; do
+        kill -0 "$BG_REQ" 2>/dev/null || fail "kvbank-request ended before the kill: $(cat "$3.err")"
+        [ $SECONDS -lt $deadline ] || fail "no token streamed from $WORKER within 30 s"
+        sleep 0.01
+    done
+    kill -KILL "$1"
+}
+# request_exit: waits for the request BG_REQ to end; rc=its exit status
+request_exit() {
+    rc=0
+    wait "$BG_REQ" || rc=$?
+    BG_REQ=
+}
+kill_mid_stream "$old" 60 "$T/resume"
+wait_restart
 grep -q "restarting $WORKER (signal 9" "$T/kvbankd.log" || fail "no 'restarting $WORKER (signal 9 ...' in the log"
 ls /dev/shm/kvb-"${NODE}_${WORKER}-${old}"-* >/dev/null 2>&1 && fail "the killed worker's segments are still there"
 # kvbankd itself removed them when the worker died (the new worker would also clean its tag up)
@@ -223,6 +258,42 @@ wait "$alive" 2>/dev/null || true
 rm -f "/dev/shm/kvb-${NODE}_${WORKER}-${alive}-0"
 BG_SLEEP=
 ok "$WORKER killed (pid $old), restarted as pid $new; its old segments and a dead pid's removed, a live pid's kept"
+
+# The request that streamed across the kill: it finished; its stream was cut and resumed; every index
+# came once and in order (no gap, no repeat); its ids equal an uninterrupted run's.
+request_exit
+[ "$rc" -eq 0 ] || fail "the request across the kill failed (exit $rc): $(tail -3 "$T/resume.err")"
+grep -q "the connection to the model server was lost after" "$T/resume.err" ||
+    fail "the request was not interrupted by the kill (it finished first?): $(tail -3 "$T/resume.err")"
+grep -q "resumed after [0-9]* token(s)" "$T/resume.err" || fail "no resume: $(tail -3 "$T/resume.err")"
+"$PY" - "$T/resume.out" "$RMAX" <<'PYEOF' || fail "the resumed stream has a gap or a repeat"
+import sys
+idx = [int(l.split()[0]) for l in open(sys.argv[1]) if not l.startswith("finish")]
+want = list(range(int(sys.argv[2])))
+if idx != want:
+    bad = next(i for i in range(min(len(idx), len(want)) + 1) if i >= len(idx) or i >= len(want) or idx[i] != want[i])
+    print("stream indices differ at position %d: got %s, want %s" % (bad, idx[bad:bad + 3], want[bad:bad + 3]))
+    sys.exit(1)
+PYEOF
+want=$("$B/kvbank-generate" --model "$T/models/$WORKER" --prompt-ids $RPROMPT --max-tokens $RMAX 2>/dev/null)
+got=$(sed -n 's/^finish: length, [0-9]* tokens: //p' "$T/resume.out")
+[ -n "$want" ] && [ "$got" = "$want" ] || fail "the resumed request's ids differ from kvbank-generate's"
+ok "a $RMAX-token request streaming across the kill: $(grep -o 'lost after [0-9]* token(s)' "$T/resume.err" | head -1), $(grep -o 'resumed after [0-9]* token(s)' "$T/resume.err" | head -1); every index once, ids equal kvbank-generate's"
+
+# The same without resume (--resume-s 0), killing the restarted worker: the request fails with the
+# loss, not by its 30 s timeout, saying how far it got, and still prints the ids it got (the summary
+# line, which --quiet prints alone), a prefix of an uninterrupted run's. kvbankd restarts the worker again.
+kill_mid_stream "$new" 0 "$T/noresume"
+request_exit
+[ "$rc" -eq 1 ] || fail "kvbank-request --resume-s 0 across the kill exited $rc: $(tail -3 "$T/noresume.err")"
+grep -q "the model server went away after [0-9]* of at most $RMAX tokens" "$T/noresume.err" ||
+    fail "kvbank-request --resume-s 0: $(tail -3 "$T/noresume.err")"
+partial=$(sed -n 's/^finish: error, [0-9]* tokens: //p' "$T/noresume.out")
+[ -n "$partial" ] && [ "${want#"$partial",}" != "$want" ] ||
+    fail "kvbank-request --resume-s 0 printed '${partial:0:80}', not a prefix of kvbank-generate's ids"
+ok "without resume: $(grep -o 'went away after [0-9]* of at most [0-9]* tokens' "$T/noresume.err" | head -1), those ids printed"
+old=$new
+wait_restart
 
 PROMPT=1,5,9,14,27,33,2,8
 want=$("$B/kvbank-generate" --model "$T/models/$WORKER" --prompt-ids $PROMPT --max-tokens 12)

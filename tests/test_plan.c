@@ -234,6 +234,7 @@ typedef enum bad_kind {
     BAD_LOAD_NO_COPY,
     BAD_STORE_EARLY,
     BAD_STAGE,
+    BAD_OFFLOAD_NO_HOST,
 } bad_kind;
 
 typedef struct scripted {
@@ -326,6 +327,11 @@ static kvb_status scripted_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     case BAD_DROP_AFTER_RUN:
         ck_assert_ptr_nonnull(run);
         return kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_DROP, .id = run->id, .n_dropped = 1});
+    case BAD_OFFLOAD_NO_HOST: {
+        ck_assert_int_ge(waiting, 0);
+        const kvb_req_view *w = &v->reqs[waiting];
+        return kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_ADMIT, .id = w->id, .q_len = w->n_tokens, .offload = 1});
+    }
     default: return scripted_residency(s, v, out);
     }
     return KVB_OK;
@@ -380,6 +386,7 @@ KVB_TEST(violating_plan_refused) {
         {BAD_LOAD_NO_COPY, 2, "from the host tier, which does not hold it"},
         {BAD_STORE_EARLY, 2, "after layer 0, but the step writes the block until layer 2"},
         {BAD_STAGE, 2, "the plan may read 1 blocks through stage buffers, there are slots for 0"},
+        {BAD_OFFLOAD_NO_HOST, 1, "ADMIT request 3): an offloaded admission needs a host tier"},
     };
     scripted sc = {BAD_NONE, 0};
     kvb_planner pl = {&scripted_iface, &sc};

@@ -14,6 +14,8 @@
 #include "common/model/safetensors.h"
 #include "common/text/tokenizer.h"
 #include "common/util/util.h"
+#include "common/util/progress.h"
+#include "common/util/prog.h"
 
 typedef enum rope_kind { ROPE_NONE, ROPE_LLAMA3, ROPE_LINEAR, ROPE_YARN } rope_kind;
 
@@ -212,10 +214,21 @@ static kvb_status build_list(const opts *o, tensor_list *l) {
 /* Draws every tensor's values from one stream, in list order, and stores them in the output dtype. */
 static kvb_status fill(const opts *o, tensor_list *l) {
     rng r = {.s = o->seed};
+    /* a progress line on a terminal (common/util/progress.h): a big model takes a while */
+    kvb_progress pg;
+    uint64_t total = 0, done = 0;
+    for (int i = 0; i < l->n; i++) total += (uint64_t)elems(&l->t[i]) * kvb_dtype_size(o->dtype);
+    char what[PATH_MAX + 32];
+    snprintf(what, sizeof what, "generating the weights of %s", o->outdir);
+    kvb_progress_begin(&pg, what, total, KVB_PROGRESS_BYTES);
     for (int i = 0; i < l->n; i++) {
         wtensor *t = &l->t[i];
         int64_t n = elems(t);
-        KVB_TRY(kvb_malloc((size_t)n * kvb_dtype_size(o->dtype), &t->data));
+        kvb_status st = kvb_malloc((size_t)n * kvb_dtype_size(o->dtype), &t->data);
+        if (st != KVB_OK) {
+            kvb_progress_cancel(&pg);
+            return st;
+        }
         for (int64_t k = 0; k < n; k++) {
             float v = (float)(t->mean + t->std * normal(&r));
             switch (o->dtype) {
@@ -223,8 +236,12 @@ static kvb_status fill(const opts *o, tensor_list *l) {
             case KVB_DTYPE_F16: ((uint16_t *)t->data)[k] = kvb_f32_to_f16(v); break;
             case KVB_DTYPE_BF16: ((uint16_t *)t->data)[k] = kvb_f32_to_bf16(v); break;
             }
+            if ((k & 0xfffff) == 0xfffff) kvb_progress_update(&pg, done + (uint64_t)(k + 1) * kvb_dtype_size(o->dtype));
         }
+        done += (uint64_t)n * kvb_dtype_size(o->dtype);
+        kvb_progress_update(&pg, done);
     }
+    kvb_progress_end(&pg);
     return KVB_OK;
 }
 
@@ -243,7 +260,15 @@ static kvb_status write_file(const opts *o, const char *fname, wtensor *ts, int 
         w[i].shape[1] = ts[i].shape[1];
         w[i].data = ts[i].data;
     }
+    uint64_t bytes = 0;
+    for (int i = 0; i < n; i++) bytes += (uint64_t)elems(&ts[i]) * kvb_dtype_size(o->dtype);
+    kvb_progress pg; /* one line for the file (kvb_st_write writes it in one go) */
+    char what[PATH_MAX + 16];
+    snprintf(what, sizeof what, "writing %s", path);
+    kvb_progress_begin(&pg, what, bytes, KVB_PROGRESS_BYTES);
     kvb_status st = kvb_st_write(path, w, n, "{\"format\": \"pt\"}");
+    if (st == KVB_OK) kvb_progress_end(&pg);
+    else kvb_progress_cancel(&pg);
     free(w);
     return st;
 }
@@ -684,6 +709,7 @@ static kvb_status write_generation_config(const opts *o) {
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-mkmodel");
     opts o;
     int r = parse_args(argc, argv, &o);
     if (r == 1) {

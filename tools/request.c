@@ -7,6 +7,7 @@
 
 #include "common/ipc/client.h"
 #include "common/ipc/wire.h"
+#include "common/util/prog.h"
 
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-request --endpoint EP --prompt-ids IDS --max-tokens N [options]\n"
@@ -26,7 +27,9 @@ static void usage(FILE *f) {
                "                         back (kvbankd restarts it) and continue the request there, no token\n"
                "                         lost or repeated (default 30; 0: fail at once)\n"
                "  --wait S               wait up to S seconds for the server to answer a ping first (default 0)\n"
-               "  --quiet                print only the generated ids\n");
+               "  --quiet                print only the generated ids\n"
+               "\n"
+               "Exit status 1 when the request fails; the ids delivered before the failure are still printed.\n");
 }
 
 typedef struct req_state {
@@ -134,6 +137,7 @@ static int on_token(void *ud, int index, int32_t token, uint64_t t_ns) {
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-request");
     const char *ep = NULL;
     int32_t *prompt = NULL, *stop = NULL;
     batch bt = {0};
@@ -228,7 +232,8 @@ int main(int argc, char **argv) {
     kvb_status st = kvb_client_generate(cl, &r, on_token, &s, timeout_ms, &fin, err, sizeof err);
     if (st != KVB_OK) {
         fprintf(stderr, "kvbank-request: %s%s%s\n", kvb_status_str(st), err[0] ? ": " : "", err);
-        goto out;
+        if (!s.n) goto out;
+        fin = KVB_FINISH_ERROR; /* the tokens delivered before the error are shown, --quiet too */
     }
     if (!quiet) printf("finish: %s, %d tokens: ", kvb_finish_str(fin), s.n);
     for (int i = 0; i < s.n; i++) printf(i ? ",%d" : "%d", s.ids[i]);

@@ -13,6 +13,7 @@
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/util/prog.h"
 
 #define TAG_MAX 24 /* the longest --name (the region tag) */
 
@@ -86,6 +87,7 @@ static int valid_tag(const char *s) {
 
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-serve");
     const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
     const char *links = "off";
     int threads = 1, block_size = 16, kv_blocks = 0, max_batch_tokens = 0, max_live = 1024, prefix_cache = 1;

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "node/node_proc.h"
+#include "common/util/prog.h"
 
 #define SHUTDOWN_WAIT_MS 5000      /* most time spent getting lent blocks back at exit */
 #define RECLAIM_RESEND_PERIODS 10  /* heartbeat periods before a ReclaimRequest is repeated */
@@ -435,6 +436,7 @@ static int all_back(void *ud) {
 }
 
 int main(int argc, char **argv) {
+    kvb_prog_init(argc, argv, "kvbank-worker");
     kvb_node_proc_args a;
     int rc = kvb_node_proc_parse(KVB_ROLE_WORKER, argc, argv, &a);
     if (rc >= 0) return rc;

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common/model/safetensors.h"
+#include "common/util/progress.h"
 
 /* Frees one weight if it was loaded. */
 static void weight_free(kvb_backend *be, kvb_tensor *t) {
@@ -23,8 +24,10 @@ static void format_shape(char *buf, size_t cap, int n_dims, const int64_t *shape
 /* Finds `name`, checks it is exactly [rows] (cols == 0: a vector) or [rows][cols], and loads it onto the
  * backend as a [rows][cols or 1] weight, in place where the backend can (*viewed = 1: `set` must stay
  * open while the weight lives). Errors name the tensor and both shapes. */
-static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
-                              kvb_tensor *dst, int *viewed) {
+/* Finds `name` and checks it is exactly [rows] (cols == 0: a vector) or [rows][cols]; errors name the
+ * tensor and both shapes. Reads only the header (nothing of the tensor's data). */
+static kvb_status find_weight(const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
+                              const kvb_st_tensor **out) {
     const kvb_st_tensor *t = kvb_st_find(set, name);
     if (!t) {
         KVB_LOG_E("model: tensor \"%s\" is missing", name);
@@ -40,6 +43,16 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
         KVB_LOG_E("model: tensor \"%s\" has shape %s, expected %s", name, a, e);
         return KVB_ERR_INVALID;
     }
+    *out = t;
+    return KVB_OK;
+}
+
+/* Loads one weight; adds its file bytes to the load's progress line. */
+static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
+                              kvb_tensor *dst, int *viewed, kvb_progress *pg) {
+    const kvb_st_tensor *t = NULL;
+    KVB_TRY(find_weight(set, name, rows, cols, &t));
+    kvb_progress_update(pg, pg->done + t->nbytes);
     /* Where the backend can compute on the mapped bytes as they are, they are the weight (one copy in
      * memory: the file's page cache); otherwise the backend copies and converts them, and the mapped
      * pages are dropped at once so the mapping does not stay resident beside the copy. */
@@ -103,13 +116,13 @@ static int layer_spec(const kvb_model_config *c, kvb_layer_weights *w, layer_ten
     return n;
 }
 
-static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l) {
+static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_progress *pg) {
     layer_tensor spec[18];
     int n = layer_spec(&m->cfg, &m->layers[l], spec);
     for (int i = 0; i < n; i++) {
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst, &m->weights_mapped));
+        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst, &m->weights_mapped, pg));
     }
     return KVB_OK;
 }
@@ -149,17 +162,25 @@ kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *m->layers, (void **)&m->layers), fail_set);
     KVB_TRY_GOTO(kvb_calloc((size_t)(c->head_dim / 2), sizeof *m->inv_freq, (void **)&m->inv_freq), fail_layers);
 
-    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed, &m->weights_mapped), fail_weights);
-    for (int l = 0; l < c->n_layers; l++) KVB_TRY_GOTO(load_layer(m, set, l), fail_weights);
-    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm, &m->weights_mapped), fail_weights);
+    /* a progress line on a terminal (common/util/progress.h): large checkpoints take a while */
+    kvb_progress pg;
+    uint64_t total = 0;
+    for (int i = 0; i < kvb_st_count(set); i++) total += kvb_st_at(set, i)->nbytes;
+    char what[128];
+    snprintf(what, sizeof what, "loading %s", dir);
+    kvb_progress_begin(&pg, what, total, KVB_PROGRESS_BYTES);
+    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed, &m->weights_mapped, &pg), fail_weights);
+    for (int l = 0; l < c->n_layers; l++) KVB_TRY_GOTO(load_layer(m, set, l, &pg), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm, &m->weights_mapped, &pg), fail_weights);
     if (c->tie_embeddings) {
         if (kvb_st_find(set, "lm_head.weight"))
             KVB_LOG_W("%s: tie_word_embeddings is true; lm_head.weight is ignored (the embedding is used)", dir);
         m->lm_head = m->embed;
         m->lm_head_tied = 1;
     } else {
-        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head, &m->weights_mapped), fail_weights);
+        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head, &m->weights_mapped, &pg), fail_weights);
     }
+    kvb_progress_end(&pg);
     int64_t expected = expected_tensor_count(c) + (c->tie_embeddings && kvb_st_find(set, "lm_head.weight"));
     if (kvb_st_count(set) > expected)
         KVB_LOG_W("%s: %lld tensors in the checkpoint are not used", dir, (long long)(kvb_st_count(set) - expected));
@@ -177,6 +198,7 @@ kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
     return KVB_OK;
 
 fail_weights:
+    kvb_progress_cancel(&pg);
     free_weights(m);
     free(m->inv_freq);
 fail_layers:
@@ -186,6 +208,38 @@ fail_set:
 fail_model:
     KVB_LOG_E("%s: model not loaded (%s)", dir, kvb_status_str(st));
     free(m);
+    return st;
+}
+
+kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg_out) {
+    if (!dir) return KVB_ERR_INVALID;
+    kvb_model_config c;
+    kvb_st_set *set = NULL;
+    const kvb_st_tensor *t = NULL;
+    kvb_status st;
+    KVB_TRY_GOTO(kvb_model_config_load(dir, &c), fail);
+    KVB_TRY_GOTO(kvb_st_open_dir(dir, &set), fail);
+    KVB_TRY_GOTO(find_weight(set, "model.embed_tokens.weight", c.vocab, c.hidden, &t), fail_set);
+    for (int l = 0; l < c.n_layers; l++) {
+        kvb_layer_weights w;
+        layer_tensor spec[18];
+        int n = layer_spec(&c, &w, spec);
+        for (int i = 0; i < n; i++) {
+            char name[128];
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
+            KVB_TRY_GOTO(find_weight(set, name, spec[i].rows, spec[i].cols, &t), fail_set);
+        }
+    }
+    KVB_TRY_GOTO(find_weight(set, "model.norm.weight", c.hidden, 0, &t), fail_set);
+    if (!c.tie_embeddings) KVB_TRY_GOTO(find_weight(set, "lm_head.weight", c.vocab, c.hidden, &t), fail_set);
+    kvb_st_close(set);
+    if (cfg_out) *cfg_out = c;
+    return KVB_OK;
+
+fail_set:
+    kvb_st_close(set);
+fail:
+    KVB_LOG_E("%s: not a loadable model (%s)", dir, kvb_status_str(st));
     return st;
 }
 

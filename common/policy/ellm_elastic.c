@@ -52,19 +52,13 @@ static int act_sizes(const ee *p, int64_t n, int logits, size_t sizes[10]) {
     return logits > 0 ? 10 : 8;
 }
 
-static int64_t act_chunks(void *ud, int64_t n_tokens, int n_seqs, int64_t stage_bytes) {
-    ee *p = ud;
+
+/* Chunks of chunk_bytes the forward pass's buffers of a step take, with stage_bytes of offload staging. */
+static int64_t act_chunks_of(ee *p, size_t chunk_bytes, int64_t n_tokens, int n_seqs, int64_t stage_bytes) {
     if (n_tokens <= 0) return 0;
     size_t sizes[11];
     int n = act_sizes(p, n_tokens, n_seqs, sizes);
     if (stage_bytes > 0) sizes[n++] = (size_t)stage_bytes;
-    return kvb_act_span_chunks(sizes, n, 256, p->chunk_bytes);
-}
-
-/* act_chunks before the core exists (its chunk size is the argument). */
-static int64_t act_chunks_of(ee *p, size_t chunk_bytes, int64_t n_tokens, int n_seqs) {
-    size_t sizes[10];
-    int n = act_sizes(p, n_tokens, n_seqs, sizes);
     return kvb_act_span_chunks(sizes, n, 256, chunk_bytes);
 }
 
@@ -75,9 +69,14 @@ static int len_fits(ee *p, size_t chunk, int64_t n_chunks, int theta, int len, i
     int64_t kv = KVB_DIV_CEIL(len, p->chunk_tokens);
     int64_t kv_len = kv * p->chunk_tokens; /* a slot is whole chunks */
     if (p->mode == KVB_EE_MODE_ELASTIC && p->intra)
-        return kv + act_chunks_of(p, chunk, kv_len, 1) + theta <= n_chunks;
+        return kv + act_chunks_of(p, chunk, kv_len, 1, 0) + theta <= n_chunks;
     int64_t step = p->mode == KVB_EE_MODE_CHUNKED ? p->prefill_chunk : kv_len;
-    return kv + theta + act_chunks_of(p, chunk, step, (int)KVB_MIN(max_seqs, step)) <= n_chunks;
+    return kv + theta + act_chunks_of(p, chunk, step, (int)KVB_MIN(max_seqs, step), 0) <= n_chunks;
+}
+
+static int64_t act_chunks(void *ud, int64_t n_tokens, int n_seqs, int64_t stage_bytes) {
+    ee *p = ud;
+    return act_chunks_of(p, p->chunk_bytes, n_tokens, n_seqs, stage_bytes);
 }
 
 /* ---------------------------------------------------------------- the forward pass's allocator */
@@ -149,7 +148,7 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
         /* the KV blocks hold requests of up to len tokens; θ (1%) comes on top */
         int64_t len = KVB_MIN((int64_t)v->max_model_len, kv_chunks * ct);
         int64_t step = p->mode == KVB_EE_MODE_CHUNKED ? p->prefill_chunk : len;
-        n_chunks = kv_chunks + act_chunks_of(p, chunk, step, (int)KVB_MIN(max_seqs, step));
+        n_chunks = kv_chunks + act_chunks_of(p, chunk, step, (int)KVB_MIN(max_seqs, step), 0);
         n_chunks += (int64_t)ceil(0.01 * (double)n_chunks) + 1;
     }
     if (n_chunks < 1 || n_chunks > INT32_MAX / 2) {
@@ -174,7 +173,11 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
     int slot_chunks = (int)KVB_DIV_CEIL(max_len, p->chunk_tokens);
     int n_slots = p->slots > 0 ? (int)p->slots : v->max_seqs;
     int max_tokens = p->mode == KVB_EE_MODE_CHUNKED ? (int)p->prefill_chunk : max_len;
-    int64_t reserve = act_chunks_of(p, chunk, max_tokens, KVB_MIN(max_seqs, max_tokens));
+    int64_t reserve = act_chunks_of(p, chunk, max_tokens, KVB_MIN(max_seqs, max_tokens), 0);
+    /* the most staging a step's offloaded prefills take (two single-layer slices per block, §4.3.2) */
+    int64_t stage_max = p->mode == KVB_EE_MODE_ELASTIC && p->inter
+                            ? 2 * (int64_t)kvb_kv_layer_bytes(&p->geom) * (KVB_DIV_CEIL(max_tokens, bs) + max_seqs)
+                            : 0;
     double budget = (double)n_chunks * (double)chunk;
     int elastic = p->mode == KVB_EE_MODE_ELASTIC;
     p->chunk_bytes = chunk;
@@ -186,11 +189,12 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
         .n_slots = n_slots,
         .slot_chunks = slot_chunks,
         .act_chunks_start = (int)KVB_MIN(reserve, n_chunks),
-        .act_seg_chunks = (int)KVB_MAX(act_chunks_of(p, chunk, KVB_MAX(max_tokens, max_seqs), max_seqs), 1),
+        .act_seg_chunks = (int)KVB_MAX(act_chunks_of(p, chunk, KVB_MAX(max_tokens, max_seqs), max_seqs, stage_max), 1),
         .act_align = 256,
         .act = act_chunks,
         .act_ud = p,
-        .stage_bytes_per_token = 0,
+        .stage_bytes_per_token = (int64_t)(2 * kvb_kv_layer_bytes(&p->geom) / (size_t)bs),
+        .stage_round_tokens = bs,
         .max_tokens = max_tokens,
         .max_seqs = max_seqs,
         .theta = theta,
@@ -207,11 +211,9 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
         .premap_max = p->premap_max > 0 ? (int)p->premap_max : n_slots,
     };
     if (!c.inter) c.buf_max = 0;
-    if (c.inter) {
-        /* the CPU buffer needs the executor's offload at prefill and fetch at decode */
-        KVB_LOG_W("%s: the CPU buffer is not carried out by this executor yet; running with inter=0", p->name);
-        c.inter = 0;
-        c.buf_max = 0;
+    if (c.buf_max * (int64_t)(p->chunk_tokens / bs) > INT32_MAX / 2) {
+        KVB_LOG_E("%s: a CPU buffer of %lld chunks is too large", p->name, (long long)c.buf_max);
+        return KVB_ERR_INVALID;
     }
     p->act_start = c.act_chunks_start;
     p->max_model_len = max_len;
@@ -228,7 +230,9 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
     out->max_model_len = max_len;
     out->max_batch_tokens = max_tokens;
     out->no_prefix_cache = 1;
-    out->host_tier_blocks = 0;
+    /* the CPU buffer: B_max chunks of host-tier blocks (the core's chunk ids are its own books; the engine's
+     * host tier holds the bytes) */
+    out->host_tier_blocks = (int)(c.buf_max * (p->chunk_tokens / bs));
     out->act_alloc = (kvb_mem_allocator){.iface = &act_iface, .ctx = p};
     KVB_LOG_I("%s: %d chunks of %zu bytes (%lld tokens) = %.1f MiB for KV and activations, activations start with "
               "%d (a %d-token step), %d slots of %d chunks, θ %d%s%s",
@@ -295,12 +299,18 @@ static kvb_status ee_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
         case KVB_EE_DO_PREEMPT: op.kind = KVB_OP_PREEMPT; break;
         case KVB_EE_DO_PREFILL: op.kind = it->kv_before == 0 ? KVB_OP_ADMIT : KVB_OP_RUN; break;
         case KVB_EE_DO_DECODE: op.kind = KVB_OP_RUN; break;
-        default:
-            KVB_LOG_E("%s: %s is not carried out by this executor", p->name,
-                      it->action == KVB_EE_DO_OFFLOAD ? "an offload at prefill" : "a fetch from the CPU buffer");
-            return KVB_ERR_UNSUPPORTED;
+        case KVB_EE_DO_OFFLOAD: /* §4.3.2: computed with its KV streamed to the CPU buffer layer by layer */
+            op.kind = KVB_OP_ADMIT;
+            op.offload = 1;
+            break;
+        case KVB_EE_DO_FETCH: { /* its KV back into its slot over the host link, then its decode */
+            kvb_plan_op in = {.kind = KVB_OP_SWAP_IN, .id = it->id, .placed = 1, .block0 = it->slot * p->blocks_per_slot};
+            KVB_TRY(kvb_plan_push_op(out, in));
+            op.kind = KVB_OP_RUN;
+            break;
         }
-        if (it->action != KVB_EE_DO_PREEMPT) {
+        }
+        if (it->action != KVB_EE_DO_PREEMPT && it->action != KVB_EE_DO_OFFLOAD) {
             op.placed = 1;
             op.block0 = it->slot * p->blocks_per_slot;
         }

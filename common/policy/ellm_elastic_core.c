@@ -114,7 +114,8 @@ static kvb_status config_check(const kvb_ee_config *c) {
     if (c->chunk_bytes == 0 || c->chunk_tokens < 1 || c->n_chunks < 1 || c->n_slots < 1 || c->slot_chunks < 1 ||
         c->act_chunks_start < 0 || c->act_chunks_start > c->n_chunks || c->act_seg_chunks < 1 || !c->act ||
         c->max_tokens < 1 || c->max_seqs < 1 || c->theta < 0 || c->alpha < 2 || c->buf_max < 0 || c->buf_start < 1 ||
-        c->premap_max < 0 || c->slo_ttft_s < 0 || c->slo_tpot_s < 0 || c->stage_bytes_per_token < 0) {
+        c->premap_max < 0 || c->slo_ttft_s < 0 || c->slo_tpot_s < 0 || c->stage_bytes_per_token < 0 ||
+        c->stage_round_tokens < 0) {
         KVB_LOG_E("ellm-elastic: invalid configuration (chunks, slots, activation model, budget, θ >= 0, α >= 2, "
                   "buffer sizes)");
         return KVB_ERR_INVALID;
@@ -419,6 +420,12 @@ static void record_batch(kvb_ee_step *st, const kvb_ee_alg1_in *in, const kvb_ee
     st->p_act = in->p_act;
 }
 
+/* Bytes of the staging area an offloaded prefill of n tokens streams its KV through. */
+static int64_t stage_bytes(const kvb_ee_config *c, int64_t n) {
+    if (c->stage_round_tokens > 0) n = KVB_DIV_CEIL(n, c->stage_round_tokens) * c->stage_round_tokens;
+    return n * c->stage_bytes_per_token;
+}
+
 /* Alg. 1's prefill branch over the queue. Returns the batch size. */
 static kvb_status plan_prefill(kvb_ee_core *core, kvb_ee_step *st, int *n_batch) {
     *n_batch = 0;
@@ -427,7 +434,7 @@ static kvb_status plan_prefill(kvb_ee_core *core, kvb_ee_step *st, int *n_batch)
         const ee_req *r = core->wait[i];
         core->cand[i] = (kvb_ee_cand){.kv_chunks = kvb_ee_core_kv_chunks(core, r->n_tokens),
                                       .q_len = r->n_tokens,
-                                      .stage_bytes = (int64_t)r->n_tokens * core->c.stage_bytes_per_token,
+                                      .stage_bytes = stage_bytes(&core->c, r->n_tokens),
                                       .needs_slot = 1};
     }
     kvb_ee_alg1_in in = alg_in(core, KVB_EE_PREFILL);

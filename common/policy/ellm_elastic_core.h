@@ -48,6 +48,8 @@ typedef struct kvb_ee_config {
     kvb_ee_act_fn act;       /* chunks a step's activations take (the forward pass's buffers) */
     void *act_ud;
     int64_t stage_bytes_per_token; /* staging bytes per token of an offloaded prefill */
+    int stage_round_tokens;  /* > 0: an offloaded prefill's tokens are rounded up to a multiple of this
+                              * for its staging (whole blocks); 0: not rounded */
     /* scheduling */
     int max_tokens;          /* token budget of an iteration */
     int max_seqs;            /* most requests in an iteration */

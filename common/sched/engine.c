@@ -252,7 +252,7 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
     snprintf(buf, len,
              "policy=%s steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
              "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
-             "max_running=%d swap_outs=%llu swap_ins=%llu recomputed_tokens=%llu dropped_blocks=%llu "
+             "max_running=%d swap_outs=%llu swap_ins=%llu offload_prefills=%llu recomputed_tokens=%llu dropped_blocks=%llu "
              "restored_blocks=%llu hidden_restores=%llu hidden_saved_bytes=%llu host_link_bytes=%llu "
              "peer_link_bytes=%llu",
              kvb_engine_planner_name(e), (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
@@ -260,7 +260,7 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              (unsigned long long)s.prefix_hit_tokens, s.blocks_total, (unsigned long long)s.pauses,
              (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded, s.prefix_cache,
              s.max_running, (unsigned long long)s.swap_outs, (unsigned long long)s.swap_ins,
-             (unsigned long long)s.recomputed_tokens, (unsigned long long)s.dropped_blocks,
+             (unsigned long long)s.offload_prefills, (unsigned long long)s.recomputed_tokens, (unsigned long long)s.dropped_blocks,
              (unsigned long long)s.restored_blocks, (unsigned long long)s.hidden_restores,
              (unsigned long long)s.hidden_saved_bytes, (unsigned long long)s.links[KVB_LINK_HOST].bytes,
              (unsigned long long)s.links[KVB_LINK_PEER].bytes);

@@ -121,6 +121,7 @@ typedef struct kvb_engine_stats {
     uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */
     uint64_t swap_outs;         /* requests swapped out to the host tier (KVB_OP_SWAP_OUT) */
     uint64_t swap_ins;
+    uint64_t offload_prefills;  /* requests prefilled with their KV streamed to the host tier (ADMIT offload) */
     uint64_t recomputed_tokens; /* absent tokens recomputed (sum of n_absent) */
     uint64_t dropped_blocks;    /* leading blocks requests released (KVB_OP_DROP) */
     uint64_t restored_blocks;   /* released blocks given back and refilled by recompute (KVB_OP_DROP) */

@@ -144,15 +144,20 @@ static void hidden_end(seq *s) {
     s->hid_save = 0;
 }
 
-static kvb_status hid_stage_reserve(kvb_engine *e, size_t bytes) {
-    if (bytes <= e->hid_stage_bytes) return KVB_OK;
+/* Backend memory of at least `bytes` at *mem (of *have bytes), kept across steps: grown, never shrunk. */
+static kvb_status backend_reserve(kvb_engine *e, size_t bytes, void **mem, size_t *have) {
+    if (bytes <= *have) return KVB_OK;
     kvb_backend *be = kvb_model_backend(e->m);
-    void *mem = NULL;
-    KVB_TRY(kvb_mem_alloc(be->mem, bytes, &mem));
-    kvb_mem_free(be->mem, e->hid_stage);
-    e->hid_stage = mem;
-    e->hid_stage_bytes = bytes;
+    void *m = NULL;
+    KVB_TRY(kvb_mem_alloc(be->mem, bytes, &m));
+    kvb_mem_free(be->mem, *mem);
+    *mem = m;
+    *have = bytes;
     return KVB_OK;
+}
+
+static kvb_status hid_stage_reserve(kvb_engine *e, size_t bytes) {
+    return backend_reserve(e, bytes, &e->hid_stage, &e->hid_stage_bytes);
 }
 
 /* Before layer l: the scheduled sequences that save layer l's inputs copy their rows of the residual
@@ -235,12 +240,13 @@ static kvb_status swap_out(kvb_engine *e, seq *s, int n_hidden) {
     return KVB_OK;
 }
 
-/* KVB_OP_SWAP_IN: new pool blocks receive the sequence's KV from the host tier. */
-static kvb_status swap_in(kvb_engine *e, seq *s) {
+/* KVB_OP_SWAP_IN: new pool blocks (placed: op->block0 + j) receive the sequence's KV from the host tier. */
+static kvb_status swap_in(kvb_engine *e, seq *s, const kvb_plan_op *op) {
     int n = s->host_bt.n;
     for (int j = 0; j < n; j++) {
-        int32_t id;
-        KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id)); /* counted by the plan's check */
+        int32_t id = op->placed ? op->block0 + j : -1;
+        if (id >= 0) KVB_TRY(kvb_block_pool_take(e->pool, id)); /* checked free by the plan's check */
+        else KVB_TRY(kvb_prefix_cache_alloc(e->pc, &id)); /* counted by the plan's check */
         kvb_status st = kvb_block_table_push(&s->bt, id);
         if (st != KVB_OK) {
             kvb_block_pool_unref(e->pool, id);
@@ -254,6 +260,43 @@ static kvb_status swap_in(kvb_engine *e, seq *s) {
     kvb__list_insert_ordered(&e->running, s);
     e->stats.swap_ins++;
     return KVB_OK;
+}
+
+/* ADMIT offload (ellm-elastic-memory.txt §4.3.2): the sequence computes its whole prompt this step with
+ * its KV going to new host-tier blocks (counted by the plan's check) through the step's staging area;
+ * it runs in this step and is SWAPPED after it (offload_end). */
+static kvb_status offload_begin(kvb_engine *e, seq *s) {
+    int nb = KVB_DIV_CEIL(s->n_tokens, e->o.block_size);
+    for (int j = 0; j < nb; j++) {
+        int32_t h;
+        KVB_TRY(kvb__host_alloc(e, &h));
+        kvb_status st = kvb_block_table_push(&s->host_bt, h);
+        if (st != KVB_OK) {
+            kvb_block_pool_unref(e->ht_pool, h);
+            return st;
+        }
+    }
+    s->hits_taken = 0;
+    s->n_computed = 0;
+    kvb__list_remove(&e->waiting, s);
+    kvb__list_insert_ordered(&e->running, s);
+    s->q_len = s->n_tokens;
+    s->n_absent = 0;
+    s->hid_save = 0;
+    s->offload = 1;
+    e->stats.offload_prefills++;
+    return KVB_OK;
+}
+
+/* After the step: offloaded sequences leave the running list for the swapped one. */
+static void offload_end(kvb_engine *e, int n_sched) {
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        if (!s->offload) continue;
+        s->offload = 0;
+        kvb__list_remove(&e->running, s);
+        kvb__list_insert_ordered(&e->swapped, s);
+    }
 }
 
 /* KVB_OP_DROP: the sequence keeps device KV from block `to` on. Releasing moves the table's first
@@ -339,6 +382,16 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
                 rep->admits_dropped++;
                 break;
             }
+            if (op->offload) {
+                /* eLLM's CPU buffer: host-tier blocks for the whole prompt, no pool block */
+                kvb_status st = offload_begin(e, s);
+                if (st != KVB_OK) {
+                    *err = st;
+                    return -1;
+                }
+                e->sched[n++] = s;
+                break;
+            }
             take_hits(e, s); /* a request the plan preempted before admitting it again */
             int max_blocks = (s->n_tokens - 1) / e->o.block_size;
             if (e->ht_pc && e->host_prefix && s->hits_taken == 2) kvb__host_tier_load(e, s, max_blocks);
@@ -381,7 +434,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
         }
         case KVB_OP_SWAP_OUT:
         case KVB_OP_SWAP_IN: {
-            kvb_status st = op->kind == KVB_OP_SWAP_OUT ? swap_out(e, s, op->n_hidden) : swap_in(e, s);
+            kvb_status st = op->kind == KVB_OP_SWAP_OUT ? swap_out(e, s, op->n_hidden) : swap_in(e, s, op);
             if (st != KVB_OK) {
                 *err = st;
                 return -1;
@@ -403,6 +456,7 @@ static kvb_status ensure_blk_cap(kvb_engine *e, int n) {
     KVB_TRY(kvb_realloc_array((void **)&e->blk_base, (size_t)cap, sizeof(void *)));
     KVB_TRY(kvb_realloc_array((void **)&e->blk_layer, (size_t)cap, sizeof(void *)));
     KVB_TRY(kvb_realloc_array((void **)&e->blk_id, (size_t)cap, sizeof *e->blk_id));
+    KVB_TRY(kvb_realloc_array((void **)&e->blk_off, (size_t)cap, sizeof *e->blk_off));
     e->blk_cap = cap;
     return KVB_OK;
 }
@@ -445,13 +499,21 @@ static int is_stop(const seq *s, int32_t tok) {
 
 /* Entry ids of the step: pool block ids, or SCRATCH_ID(k) for scratch slice k. */
 #define SCRATCH_ID(k) (-2 - (k))
+/* The entry id of an offloaded admission's block: its blk_base is its host-tier block, blk_off its staging
+ * block. */
+#define OFFLOAD_ID (-1)
 
 /* Entry n_blk of the step: block j of `s` (its first `full` blocks are recomputed whole). A released
  * block (DROP) and a fully recomputed block that is not being restored read scratch slice scr0 + j;
  * a restored block receives the recomputed KV in place; the rest are the sequence's blocks. */
 static void layout_entry(kvb_engine *e, seq *s, int j, int full, int scr0, int n_blk) {
     int restored = j >= s->n_dropped && j < s->restore_hi;
-    if (j < s->n_dropped || (j < full && !restored)) {
+    e->blk_off[n_blk] = -1;
+    if (s->offload) { /* its staging block (per layer: forward) */
+        e->blk_id[n_blk] = OFFLOAD_ID;
+        e->blk_base[n_blk] = kvb_block_pool_block(e->ht_pool, s->host_bt.ids[j]); /* where its layers go */
+        e->blk_off[n_blk] = e->n_off++;
+    } else if (j < s->n_dropped || (j < full && !restored)) {
         e->blk_id[n_blk] = SCRATCH_ID(scr0 + j);
         e->blk_base[n_blk] = (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e);
     } else {
@@ -475,6 +537,7 @@ static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_ou
     KVB_TRY(ensure_blk_cap(e, total));
     KVB_TRY(scratch_reserve(e, n_scr));
     n_scr = 0;
+    e->n_off = 0;
     for (int i = 0; i < n_sched; i++) {
         seq *s = e->sched[i];
         int a = s->n_absent, full = a / bs, scr0 = n_scr;
@@ -726,6 +789,45 @@ static kvb_status prepare_shadows(kvb_engine *e) {
     return KVB_OK;
 }
 
+/* ---------------------------------------------------------------- offloaded admissions' staging */
+
+/* Layer l's slice of staging block k (two parities: layer l+1 is computed while layer l's rows go out). */
+static void *off_slice(const kvb_engine *e, int k, int l) {
+    return (char *)e->off_stage + ((size_t)(l & 1) * (size_t)e->n_off + (size_t)k) * layer_bytes(e);
+}
+
+/* The staging area of the step's offloaded admissions: from the planner's activation allocator (the
+ * staging joins the step's activations, which Alg. 1 counted), else backend memory kept for later steps. */
+static kvb_status off_stage_begin(kvb_engine *e) {
+    if (e->n_off == 0) return KVB_OK;
+    size_t bytes = 2 * (size_t)e->n_off * layer_bytes(e);
+    if (e->act_alloc.iface) return e->act_alloc.iface->alloc(e->act_alloc.ctx, bytes, &e->off_stage);
+    return backend_reserve(e, bytes, &e->off_stage, &e->off_stage_bytes);
+}
+
+/* After the step's copies are drained. */
+static void off_stage_end(kvb_engine *e) {
+    if (e->off_stage && e->act_alloc.iface) {
+        e->act_alloc.iface->free(e->act_alloc.ctx, e->off_stage);
+        e->off_stage = NULL;
+    }
+    e->n_off = 0;
+}
+
+/* After layer l: the rows it wrote into the staging blocks go to their host-tier blocks over the host link,
+ * one transfer for the layer (the ticket in *t: the same parity is reused two layers later). */
+static kvb_status post_offload_stores(kvb_engine *e, int n_blk, int l, uint64_t *t) {
+    size_t lb = layer_bytes(e);
+    kvb_xfer *first = e->xl.x + e->xl.n;
+    int n = 0;
+    for (int j = 0; j < n_blk; j++) {
+        if (e->blk_off[j] < 0) continue;
+        *xl_add(e) = (kvb_xfer){(char *)e->blk_base[j] + (size_t)l * lb, off_slice(e, e->blk_off[j], l), lb};
+        n++;
+    }
+    return kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_D2H, first, n, t);
+}
+
 /* ---------------------------------------------------------------- the step */
 
 /* Asks the planner (or the built-in FCFS) for the plan and checks it. Nothing changes on failure. */
@@ -753,14 +855,16 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
     size_t lb = layer_bytes(e);
     uint64_t load_t[2][KVB_LINK_COUNT] = {{0}}; /* per parity */
     uint64_t *copy_t = e->t_copy;               /* the LOAD copy orders each layer waits for */
-    int copies = e->plan.n_copies > 0, stores = 0;
+    int copies = e->plan.n_copies > 0, stores = 0, offs = e->n_off > 0;
+    uint64_t off_t[2] = {0, 0}; /* per parity: the last stores out of the staging blocks */
     for (int l = 0; l < L; l++) copy_t[l] = 0;
-    KVB_TRY(xl_reserve(e, (n_units * 5 + 2) * L + e->plan.n_copies));
+    KVB_TRY(xl_reserve(e, (n_units * 5 + 2 + e->n_off) * L + e->plan.n_copies));
     if (copies) {
         KVB_TRY(post_copies(e, -2, copy_t));
         KVB_TRY(post_copies(e, -1, NULL));
     }
     for (int l = 0; n_units && l < KVB_MIN(2, L); l++) KVB_TRY(post_loads(e, l, load_t[l & 1]));
+    KVB_TRY(off_stage_begin(e));
     KVB_TRY(kvb_forward_begin(e->fw, b));
     for (int l = 0; l < L; l++) {
         uint64_t tl = kvb_now_ns();
@@ -772,6 +876,11 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
                 int32_t id = e->blk_id[j];
                 e->blk_layer[j] = id < 0 ? e->blk_base[j] : (char *)e->blk_base[j] + (size_t)l * lb;
             }
+        }
+        if (offs) { /* layer l writes into the staging parity whose rows of layer l-2 are out */
+            if (off_t[l & 1]) KVB_TRY(kvb_stager_wait(e->stager, off_t[l & 1]));
+            for (int j = 0; j < n_blk; j++)
+                if (e->blk_off[j] >= 0) e->blk_layer[j] = off_slice(e, e->blk_off[j], l);
         }
         if (n_units) {
             for (int k = 0; k < KVB_LINK_COUNT; k++)
@@ -791,9 +900,10 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
             KVB_TRY(be->iface->sync(be->ctx));
             KVB_TRY(kvb__slices_layer_done(e, n_sched, l));
         }
-        if (n_units || copies) {
+        if (n_units || copies || offs) {
             /* the layer's kernels are done with its buffers once the backend is idle */
             KVB_TRY(be->iface->sync(be->ctx));
+            if (offs) KVB_TRY(post_offload_stores(e, n_blk, l, &off_t[l & 1]));
             if (n_units) KVB_TRY(post_stores(e, l));
             if (copies) KVB_TRY(post_copies(e, l, NULL));
             if (n_units && l + 2 < L) KVB_TRY(post_loads(e, l + 2, load_t[l & 1]));
@@ -833,8 +943,10 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     st = forward(e, &b, n_sched, n_blk, n_units);
     if (st != KVB_OK) {
         (void)kvb_stager_drain(e->stager); /* no copy may run on after the step */
+        off_stage_end(e);
         goto fail_sl;
     }
+    off_stage_end(e);
     update_shadows(e, n_attn);
     forget_units(e);
     unindex_residency(e);
@@ -844,6 +956,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         goto fail;
     }
     kvb__slices_step_end(e, n_sched);
+    offload_end(e, n_sched);
     e->stats.steps++;
     e->stats.max_running = KVB_MAX(e->stats.max_running, e->running.n);
 
@@ -867,8 +980,9 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         s->n_generated++;
         e->stats.generated_tokens++;
         if (e->ev.on_token) e->ev.on_token(e->ev.ud, s->id, index, tok, now);
-        if (is_stop(s, tok)) kvb__finish(e, &e->running, s, KVB_FINISH_STOP, KVB_OK);
-        else if (s->n_generated >= s->max_tokens) kvb__finish(e, &e->running, s, KVB_FINISH_LENGTH, KVB_OK);
+        seq_list *in = s->host_bt.n > 0 && s->bt.n == 0 ? &e->swapped : &e->running; /* offloaded: swapped */
+        if (is_stop(s, tok)) kvb__finish(e, in, s, KVB_FINISH_STOP, KVB_OK);
+        else if (s->n_generated >= s->max_tokens) kvb__finish(e, in, s, KVB_FINISH_LENGTH, KVB_OK);
     }
     rep.t_step_ns = kvb_now_ns() - t0;
     kvb_stager_take_report(e->stager, rep.links);
@@ -897,6 +1011,7 @@ void kvb__exec_free(kvb_engine *e) {
     free(e->blk_base);
     free(e->blk_layer);
     free(e->blk_id);
+    free(e->blk_off);
     free(e->logits);
     free(e->sample_scratch);
     free(e->t_layer);
@@ -907,10 +1022,11 @@ void kvb__exec_free(kvb_engine *e) {
     free(e->res_first);
     free(e->res_next);
     free(e->xl.x);
-    if (e->scratch || e->hid_stage) {
+    if (e->scratch || e->hid_stage || e->off_stage_bytes) {
         kvb_backend *be = kvb_model_backend(e->m);
         kvb_mem_free(be->mem, e->scratch);
         kvb_mem_free(be->mem, e->hid_stage);
+        if (e->off_stage_bytes) kvb_mem_free(be->mem, e->off_stage);
     }
     free(e->shadow);
     free(e->shadow_ok);

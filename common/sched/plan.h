@@ -162,8 +162,16 @@ typedef struct kvb_plan_op {
     int placed;    /* RUN, ADMIT: 0 (default): new blocks come from the pool's free list; 1: the
                     * request's j-th block is block0 + j (its existing blocks must be laid out so, its
                     * new ones must be free): a planner that keeps each request's KV contiguous in an
-                    * address range of its own (eLLM's KV slots). Needs the prefix cache off */
+                    * address range of its own (eLLM's KV slots). Needs the prefix cache off.
+                    * SWAP_IN: the request's KV comes back into blocks block0 + j (free) */
     int32_t block0;
+    int offload;   /* ADMIT: 1: the request's KV goes to the host tier as it is computed and never takes a
+                    * pool block (eLLM's CPU buffer, ellm-elastic-memory.txt §4.3.2): each layer's K/V of
+                    * its new tokens is written into a staging area of two single-layer slices per block
+                    * (double-buffered, taken from the activation allocator) and stored over the host
+                    * link to new host-tier blocks after the layer; after the step the request is
+                    * SWAPPED (a SWAP_IN brings it back). Needs a host tier, the prefix cache off, not
+                    * placed, and q_len covering the whole prompt */
 } kvb_plan_op;
 
 /* Where one block's KV is for a range of layers and how it reaches attention. The default needs no

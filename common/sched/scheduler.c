@@ -432,17 +432,21 @@ static kvb_status acct_place(acct *a, int i, const kvb_plan_op *op, int64_t more
     kvb_block_pool *pool = a->e->pool;
     if (a->v->prefix_cache)
         return kvb__refuse(err, len, "plan op %d (%s request %llu): placed blocks need the prefix cache off", k, kind, id);
-    if (op->block0 < 0 || (int64_t)op->block0 + r->n_blocks + more > kvb_block_pool_n_own(pool))
+    int have = op->kind == KVB_OP_RUN ? r->n_blocks : 0;
+    if (op->block0 < 0 || (int64_t)op->block0 + have + more > kvb_block_pool_n_own(pool))
         return kvb__refuse(err, len, "plan op %d (%s request %llu): blocks from %d on are outside the own pool of %d", k, kind,
                       id, (int)op->block0, kvb_block_pool_n_own(pool));
-    int have = op->kind == KVB_OP_RUN ? r->n_blocks : 0;
-    for (int j = 0; j < have; j++)
-        if (r->blocks[j] != op->block0 + j)
-            return kvb__refuse(err, len, "plan op %d (%s request %llu): its block %d is %d, not %d", k, kind, id, j,
-                          (int)r->blocks[j], (int)(op->block0 + j));
+    for (int j = 0; j < have; j++) {
+        /* swapped in earlier in this plan: its view lists host blocks, its pool blocks are the ones taken */
+        int ok = a->e->asched[i] & 4 ? eff_ref(a, op->block0 + j) == 1 : r->blocks[j] == op->block0 + j;
+        if (!ok)
+            return kvb__refuse(err, len, "plan op %d (%s request %llu): its block %d is not block %d", k, kind, id, j,
+                          (int)(op->block0 + j));
+    }
     for (int64_t j = have; j < have + more; j++) {
         int32_t b = (int32_t)(op->block0 + j);
-        if (!kvb_block_pool_is_free(pool, b) || a->e->adj[b] != 0)
+        /* free now, or released by an earlier operation of this plan (a PREEMPT before a fetch into its slot) */
+        if (eff_ref(a, b) != 0 || (a->e->adj[b] == 0 && !kvb_block_pool_is_free(pool, b)))
             return kvb__refuse(err, len, "plan op %d (%s request %llu): block %d is not free", k, kind, id, (int)b);
         KVB_TRY(adj_add(a, b, 1));
     }
@@ -507,6 +511,27 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->n_hidden < 0 || op->n_hidden > v->geom->n_layers)
             return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): n_hidden %d is outside [0, %d layers]", k, id,
                           op->n_hidden, v->geom->n_layers);
+        if (op->offload) {
+            /* eLLM's CPU buffer: the whole prompt computed, its KV straight to new host-tier blocks */
+            if (!a->e->ht_pool || v->prefix_cache || op->placed || a->e->sl)
+                return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): an offloaded admission needs a host tier, "
+                              "the prefix cache off, no placed blocks and a block-major pool", k, id);
+            if (op->q_len < r->n_tokens)
+                return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): an offloaded admission computes all %d "
+                              "tokens, q_len is %d", k, id, r->n_tokens, op->q_len);
+            int hb = KVB_DIV_CEIL(r->n_tokens, v->geom->block_size);
+            if (hb > a->host_left)
+                return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): offloading needs %d host-tier block(s), the "
+                              "host tier can give %d at this point of the plan", k, id, hb, a->host_left);
+            a->host_left -= hb;
+            a->e->anew[i] = 0;
+            a->tokens += r->n_tokens;
+            a->rows += r->n_tokens;
+            a->n_sched++;
+            a->e->astate[i] = KVB_REQ_SWAPPED;
+            a->e->asched[i] = 2;
+            break;
+        }
         int q;
         int64_t blocks;
         KVB_TRY(admit_cost(a, i, op->q_len, 1, &q, &blocks, &a->e->anew[i]));
@@ -580,6 +605,10 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (r->n_blocks > a->avail)
             return kvb__refuse(err, len, "plan op %d (SWAP_IN request %llu): needs %d block(s), the pool can give %lld at this "
                           "point of the plan", k, id, r->n_blocks, (long long)a->avail);
+        if (a->e->asched[i])
+            return kvb__refuse(err, len, "plan op %d (SWAP_IN request %llu): the request is scheduled earlier in this step",
+                          k, id);
+        if (op->placed) KVB_TRY(acct_place(a, i, op, r->n_blocks, k, err, len));
         a->avail -= r->n_blocks;
         a->host_left += r->n_blocks;
         a->n_running++;

@@ -55,6 +55,7 @@ typedef struct seq {
     int hid_save;      /* during a step: layers whose inputs this step saves (op n_hidden) */
     int swap_hidden;   /* SWAPPED: layers left as hidden states (their KV is rebuilt at SWAP_IN) */
     int row0;          /* during a step: the batch row of its first new token */
+    int offload;       /* during a step: an ADMIT offload (its KV goes to host_bt through the staging area) */
     kvb_block_table host_bt; /* SWAPPED: its blocks in the host tier, in token order */
     int vidx;          /* index in the current view, -1 when not in it */
     struct seq *prev, *next;
@@ -170,6 +171,13 @@ struct kvb_engine {
     xfer_list xl;            /* every transfer of the step (the stager borrows them until the drain) */
     void *scratch;           /* single-layer slices for recomputed (absent) tokens: [n_scratch][layer] */
     int n_scratch;
+    /* ADMIT offload (eLLM's CPU buffer): this step's staging area, [2 parities][n_off][layer slice] from the
+     * activation allocator (else backend memory kept across steps), and per step entry its staging
+     * block (-1: none) */
+    void *off_stage;
+    size_t off_stage_bytes;  /* kept backend memory's size (0 when the activation allocator lends it) */
+    int n_off;               /* staging blocks of this step */
+    int32_t *blk_off;        /* [blk_cap] */
     int32_t *shadow;         /* [shadow_cap] per block id: its host-tier copy, -1 */
     uint8_t *shadow_ok;      /* [shadow_cap][n_layers] 1 where the host copy holds the layer */
     int shadow_cap;

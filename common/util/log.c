@@ -13,15 +13,32 @@ static int g_level_from_env = 0;
 static char g_tag[64] = "kvbank";
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
+static const char *const g_level_names[] = {"error", "warn", "info", "debug"};
+
+/* KVB_LOG_LEVEL's level; -1 when unset, -2 when it names no level. */
+static int env_level(void) {
+    const char *s = getenv("KVB_LOG_LEVEL");
+    if (!s) return -1;
+    for (int l = 0; l < 4; l++)
+        if (!strcasecmp(s, g_level_names[l])) return l;
+    return -2;
+}
+
 static void level_from_env(void) {
     if (g_level_from_env) return;
     g_level_from_env = 1;
-    const char *s = getenv("KVB_LOG_LEVEL");
-    if (!s) return;
-    if (!strcasecmp(s, "error")) g_level = KVB_LOG_ERROR;
-    else if (!strcasecmp(s, "warn")) g_level = KVB_LOG_WARN;
-    else if (!strcasecmp(s, "info")) g_level = KVB_LOG_INFO;
-    else if (!strcasecmp(s, "debug")) g_level = KVB_LOG_DEBUG;
+    int l = env_level();
+    if (l >= 0) g_level = (kvb_log_level)l; /* an invalid value is the program's to refuse (kvb_log_level_from_env) */
+}
+
+kvb_status kvb_log_level_from_env(char *why, size_t len) {
+    int l = env_level();
+    if (l == -2) {
+        snprintf(why, len, "KVB_LOG_LEVEL=\"%s\" is not a log level (error, warn, info, debug)", getenv("KVB_LOG_LEVEL"));
+        return KVB_ERR_INVALID;
+    }
+    level_from_env();
+    return KVB_OK;
 }
 
 void kvb_log_set_level(kvb_log_level level) {

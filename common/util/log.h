@@ -4,6 +4,10 @@
 #ifndef KVB_UTIL_LOG_H
 #define KVB_UTIL_LOG_H
 
+#include <stddef.h>
+
+#include "common/util/status.h"
+
 typedef enum kvb_log_level {
     KVB_LOG_ERROR = 0,
     KVB_LOG_WARN = 1,
@@ -15,6 +19,9 @@ void kvb_log_set_level(kvb_log_level level);
 kvb_log_level kvb_log_get_level(void);
 /* Sets the tag printed in every line of this process (a model name, "coordinator"). Copied. */
 void kvb_log_set_tag(const char *tag);
+/* Takes the level from KVB_LOG_LEVEL now; KVB_ERR_INVALID with a message in `why` naming the levels
+ * when it is set to something else (kvb_prog_init makes that a usage error). */
+kvb_status kvb_log_level_from_env(char *why, size_t len);
 
 void kvb_log(kvb_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

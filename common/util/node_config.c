@@ -9,6 +9,7 @@
 #include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/util/json.h"
@@ -90,16 +91,50 @@ static kvb_status dup_str(const json_t *obj, const char *key, int required, cons
     return KVB_OK;
 }
 
-/* Warns about every key of `obj` that is not in `known` (NULL-terminated); "_..." keys are comments. */
+/* Levenshtein distance between a and b, or `cap` when it is at least cap (keys are short). */
+static int edit_distance(const char *a, const char *b, int cap) {
+    size_t la = strlen(a), lb = strlen(b);
+    if (la > 63 || lb > 63) return cap;
+    int row[64];
+    for (size_t j = 0; j <= lb; j++) row[j] = (int)j;
+    for (size_t i = 1; i <= la; i++) {
+        int diag = row[0];
+        row[0] = (int)i;
+        for (size_t j = 1; j <= lb; j++) {
+            int up = row[j];
+            int best = diag + (a[i - 1] != b[j - 1]);
+            if (row[j] + 1 < best) best = row[j] + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return row[lb] < cap ? row[lb] : cap;
+}
+
+/* Warns about every key of `obj` that is not in `known` (NULL-terminated), with the known key it is a
+ * near miss of ("kv_mbb": did you mean "kv_mb"?); "_..." keys are comments. kvbankd checks the config
+ * before it starts its children and sets KVB_CONFIG_CHECKED=1 for them, so that a node prints each
+ * warning once: under that variable they are debug lines. */
 static void warn_unknown(const json_t *obj, const char *const *known, const char *what) {
     const char *key;
     json_t *v;
+    const char *checked = getenv("KVB_CONFIG_CHECKED");
+    kvb_log_level lvl = checked && !strcmp(checked, "1") ? KVB_LOG_DEBUG : KVB_LOG_WARN;
     json_object_foreach((json_t *)obj, key, v) {
         (void)v;
         if (key[0] == '_') continue;
         int found = 0;
-        for (const char *const *k = known; *k; k++) found |= !strcmp(*k, key);
-        if (!found) KVB_LOG_W("%s: unknown field \"%s\" ignored", what, key);
+        const char *near = NULL;
+        int cap = strlen(key) <= 4 ? 2 : 3, best = cap; /* at most 1 edit for short keys, else 2 */
+        for (const char *const *k = known; *k; k++) {
+            found |= !strcmp(*k, key);
+            int dist = edit_distance(key, *k, best);
+            if (dist < best) best = dist, near = *k;
+        }
+        if (found) continue;
+        if (near) kvb_log(lvl, "%s: unknown field \"%s\" ignored (did you mean \"%s\"?)", what, key, near);
+        else kvb_log(lvl, "%s: unknown field \"%s\" ignored", what, key);
     }
 }
 
@@ -268,6 +303,13 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
         return KVB_ERR_INVALID;
     }
     snprintf(what, sizeof what, "%s: model \"%s\"", c->path, m->name);
+    /* unknown keys first: a misspelt required field ("kv_mbb") then comes with its "did you mean" before
+     * the error about the missing one */
+    static const char *const known[] = {"name",  "role",     "model_dir", "mkmodel",          "backend",
+                                        "device", "threads", "kv_mb",     "block_size",       "endpoint",
+                                        "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend",
+                                        "max_live", "max_live_per_client", "tbt_slo_ms", "policy_params", NULL};
+    warn_unknown(jm, known, what);
 
     const char *role = NULL;
     KVB_TRY(kvb_json_get_str(jm, "role", 1, what, &role));
@@ -352,11 +394,6 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     }
     m->tbt_slo_ms = -1;
     KVB_TRY(kvb_json_get_real(jm, "tbt_slo_ms", 0, 0, 60000, what, &m->tbt_slo_ms));
-    static const char *const known[] = {"name",  "role",     "model_dir", "mkmodel",          "backend",
-                                        "device", "threads", "kv_mb",     "block_size",       "endpoint",
-                                        "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend",
-                                        "max_live", "max_live_per_client", "tbt_slo_ms", "policy_params", NULL};
-    warn_unknown(jm, known, what);
     return KVB_OK;
 }
 
@@ -479,6 +516,8 @@ kvb_status kvb_node_config_load(const char *path, kvb_node_config **out) {
         if (st != KVB_OK) goto fail;
     }
 
+    static const char *const known[] = {"node", "run_dir", "bin_dir", "coordinator", "models", "gateway", NULL};
+    warn_unknown(root, known, c->path);
     KVB_TRY_GOTO(load_coordinator(c, root), fail);
     KVB_TRY_GOTO(load_gateway(c, root), fail);
 
@@ -501,8 +540,6 @@ kvb_status kvb_node_config_load(const char *path, kvb_node_config **out) {
     }
     KVB_TRY_GOTO(check_node(c), fail);
 
-    static const char *const known[] = {"node", "run_dir", "bin_dir", "coordinator", "models", "gateway", NULL};
-    warn_unknown(root, known, c->path);
     free(dir);
     json_decref(root);
     *out = c;

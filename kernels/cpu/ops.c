@@ -6,6 +6,13 @@
 #include <omp.h>
 #include <string.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KVB_OPS_AVX2 1
+#else
+#define KVB_OPS_AVX2 0
+#endif
+
 /* Below this many elements an elementwise kernel runs on the calling thread: waking the team would
  * cost more than the work. */
 #define PAR_MIN_ELEMS 65536
@@ -28,12 +35,74 @@ void kvb__cpu_embed(const float *table, int64_t dim, const int32_t *ids, int n, 
     for (int i = 0; i < n; i++) memcpy(out + (size_t)i * dim, table + (size_t)ids[i] * dim, (size_t)dim * sizeof(float));
 }
 
+/* Decode batches (at most this many rows of x) take the streaming kernel below instead of sgemm. */
+#define SMALL_N_MAX 32
+
+#if KVB_OPS_AVX2
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 a) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* y[i][r] = <x[i], w[r]> (+ beta y[i][r]) for R rows of w and N rows of x, cols a multiple of 8: R x N
+ * accumulators of 8 lanes, each w vector loaded once for the N rows of x. Every output is summed in
+ * the same order (lane c % 8 over c, then the lanes pairwise) whatever R, N and the batch size are, so
+ * a sequence's logits do not depend on what it is batched with. */
+#define SMALL_TILE(R, N)                                                                                          \
+    __attribute__((target("avx2,fma"))) static void small_tile_##R##x##N(const float *w, const float *x, int64_t cols,  \
+                                                                         float beta, float *y, int64_t ldy) {       \
+        __m256 acc[R][N];                                                                                         \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) _Pragma("GCC unroll 4") for (int i = 0; i < N; i++)     \
+            acc[r][i] = _mm256_setzero_ps();                                                                      \
+        for (int64_t c = 0; c < cols; c += 8) {                                                                   \
+            __m256 wv[R];                                                                                         \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + r * cols + c);        \
+            _Pragma("GCC unroll 4") for (int i = 0; i < N; i++) {                                                 \
+                __m256 xv = _mm256_loadu_ps(x + i * cols + c);                                                    \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(wv[r], xv, acc[r][i]); \
+            }                                                                                                     \
+        }                                                                                                         \
+        _Pragma("GCC unroll 4") for (int i = 0; i < N; i++) _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {   \
+            float s = hsum8(acc[r][i]), *o = y + i * ldy + r;                                                     \
+            *o = beta != 0.0f ? s + beta * *o : s;                                                                \
+        }                                                                                                         \
+    }
+SMALL_TILE(3, 4)
+SMALL_TILE(3, 1)
+SMALL_TILE(1, 4)
+SMALL_TILE(1, 1)
+
+/* Rows [r0, r1) of y = x . w^T (+ beta y) for n <= SMALL_N_MAX: w is read from memory once — a block of
+ * 3 rows stays in L1 while every group of 4 rows of x (in L2) passes over it — where sgemm would first
+ * copy (pack) all of it, which costs more than the products at these batch sizes. */
+static void small_n_rows(const float *x, int n, const float *w, int64_t r0, int64_t r1, int64_t cols, float beta,
+                         float *y, int64_t ldy) {
+    int64_t r = r0;
+    for (; r + 3 <= r1; r += 3) {
+        int i = 0;
+        for (; i + 4 <= n; i += 4) small_tile_3x4(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy);
+        for (; i < n; i++) small_tile_3x1(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy);
+    }
+    for (; r < r1; r++) {
+        int i = 0;
+        for (; i + 4 <= n; i += 4) small_tile_1x4(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy);
+        for (; i < n; i++) small_tile_1x1(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy);
+    }
+}
+#endif
+
 void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_t cols, float beta, float *y) {
     /* w is [rows][cols] (HF Linear layout), so y = x . w^T. OpenBLAS runs single-threaded inside one
      * OpenMP team (one thread pool for the whole backend); each thread takes a slice of w's rows, so
-     * w is streamed once in total. A single row is a matrix-vector product, which OpenBLAS 0.3.21 does
+     * w is streamed once in total. Decode batches (n <= SMALL_N_MAX) take the streaming kernel when the
+     * processor has AVX2; otherwise a single row is a matrix-vector product, which OpenBLAS 0.3.21 does
      * not pick by itself for M = 1. */
     int par = (double)rows * cols * n >= 1 << 18 && rows >= 64;
+#if KVB_OPS_AVX2
+    int small = kvb__cpu_avx2 && n <= SMALL_N_MAX && cols % 8 == 0;
+#endif
 #pragma omp parallel if (par) num_threads(kvb__cpu_threads)
     {
         int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -42,6 +111,11 @@ void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_
         if (t + 1 < nt) r1 &= ~(int64_t)15;
         if (r1 > r0) {
             const float *ws = w + r0 * cols;
+#if KVB_OPS_AVX2
+            if (small)
+                small_n_rows(x, n, w, r0, r1, cols, beta, y, rows);
+            else
+#endif
             if (n == 1)
                 cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, ws, (blasint)cols, x, 1,
                             beta, y + r0, 1);

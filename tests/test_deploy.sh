@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The deploy files, checked as far as this machine can:
+#  - deploy/kubernetes/daemonset.yaml parses (python3-yaml); the DaemonSet requests nvidia.com/gpu,
+#    runs as non-root, exposes the gateway's port (the node config's "gateway" listen port) as a named
+#    containerPort that a Service targets, is ready on GET /health of that port and alive while
+#    `kvbankctl status` answers; its embedded node config loads with `kvbankd --check-config`
+#    (devices not probed: it names a GPU) and the config's "cuda" models are what the image builds;
+#  - both Dockerfiles run as a non-root user, the CUDA one from NVIDIA's devel image to its runtime
+#    image with --with-cuda; both install the build packages from scripts/setup.sh;
+#  - `systemd-analyze verify` accepts deploy/systemd/kvbankd.service (its ExecStart pointed at the
+#    built kvbankd), with no warning; a broken copy of the unit is caught (the check can fail).
+# Docker images are not built here (no Docker daemon on the test machines); deploy/README.md says so.
+set -euo pipefail
+B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
+SRC=${KVB_SRCDIR:-$(cd "$(dirname "$0")/.." && pwd)}
+PY=${KVB_PYTHON:-/usr/bin/python3}
+T=$(mktemp -d /tmp/kvb-deploy-XXXXXX)
+trap 'rm -rf "$T"' EXIT
+fail() { echo "FAIL - $*"; exit 1; }
+ok() { echo "ok   - $*"; }
+[ -x "$B/kvbankd" ] || fail "$B/kvbankd is not built"
+"$PY" -c 'import yaml' 2>/dev/null || fail "$PY has no yaml module (Debian: python3-yaml)"
+
+# ---------------------------------------------------------------------------------- the DaemonSet
+"$PY" - "$SRC/deploy/kubernetes/daemonset.yaml" "$T/node.json" <<'PYEOF' || fail "daemonset.yaml"
+import json, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+kinds = {d["kind"]: d for d in docs}
+for k in ("Namespace", "ConfigMap", "DaemonSet", "Service"):
+    assert k in kinds, "no %s in %s" % (k, [d["kind"] for d in docs])
+cfg_text = kinds["ConfigMap"]["data"]["node.json"]
+cfg = json.loads(cfg_text)
+open(sys.argv[2], "w").write(cfg_text)
+port = int(cfg["gateway"]["listen"].rsplit(":", 1)[1])
+assert all(m.get("backend", "cpu").startswith("cuda") for m in cfg["models"]), "a model not on cuda"
+ds = kinds["DaemonSet"]
+pod = ds["spec"]["template"]["spec"]
+assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+sc = pod["securityContext"]
+assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0, sc
+(c,) = pod["containers"]
+assert c["image"] == "kvbank:cuda", c["image"]
+assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
+assert c["securityContext"]["allowPrivilegeEscalation"] is False
+ports = {p["name"]: p for p in c["ports"]}
+assert ports["http"]["containerPort"] == port, (ports, port)
+rp = c["readinessProbe"]["httpGet"]
+assert rp["path"] == "/health" and rp["port"] in ("http", port), rp
+lp = c["livenessProbe"]["exec"]["command"]
+assert lp[0].endswith("/kvbankctl") and lp[-1] == "status" and "/etc/kvbank/node.json" in lp, lp
+mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+vols = {v["name"] for v in pod["volumes"]}
+assert set(mounts) <= vols, (mounts, vols)
+assert mounts["config"] == "/etc/kvbank" and c["args"][:2] == ["--config", "/etc/kvbank/node.json"]
+for m in cfg["models"]:
+    assert any(m["model_dir"].startswith(p + "/") for p in mounts.values()), m["model_dir"] + " is on no volume"
+svc = kinds["Service"]
+assert svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
+assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+(sp,) = svc["spec"]["ports"]
+assert sp["targetPort"] in ("http", port) and sp["port"] == port, sp
+print("daemonset.yaml: %d documents, gateway port %d, %d models" % (len(docs), port, len(cfg["models"])))
+PYEOF
+out=$("$B/kvbankd" --config "$T/node.json" --check-config --no-device-check 2>&1) ||
+    fail "the DaemonSet's node config does not load: $out"
+grep -q "config ok (devices not probed" <<<"$out" || fail "--check-config: $out"
+grep -qE "^chat +master cuda:0 " <<<"$out" || fail "--check-config plan: $out"
+grep -q "gateway on 0.0.0.0:8000" <<<"$out" || fail "--check-config plan: $out"
+ok "daemonset.yaml parses: GPU request, non-root, containerPort + Service on the gateway port, readiness /health, liveness kvbankctl status; its node config passes kvbankd --check-config"
+
+# The check can fail: a ConfigMap whose config has a misspelt required key is refused.
+sed 's/"kv_mb": 64/"kv_mbb": 64/' "$T/node.json" >"$T/bad.json"
+out=$("$B/kvbankd" --config "$T/bad.json" --check-config --no-device-check 2>&1) && fail "--check-config accepted kv_mbb"
+grep -q 'did you mean "kv_mb"' <<<"$out" || fail "--check-config of kv_mbb: $out"
+ok "a misspelt key in the same config fails --check-config"
+
+# ------------------------------------------------------------------------------------ Dockerfiles
+for f in Dockerfile Dockerfile.cuda; do
+    d=$SRC/deploy/container/$f
+    [ -f "$d" ] || fail "$d missing"
+    [ -f "$d.dockerignore" ] || fail "$d.dockerignore missing"
+    grep -qE '^USER +[1-9][0-9]*(:[1-9][0-9]*)?$' "$d" || fail "$f does not end as a non-root numeric USER"
+    grep -q 'source scripts/setup.sh && kvb_install_packages' "$d" || fail "$f does not install scripts/setup.sh's packages"
+    grep -q 'kvbankd' "$d" || fail "$f does not run kvbankd"
+done
+grep -qE '^FROM nvidia/cuda:\$\{CUDA_VERSION\}-devel-\$\{UBUNTU\} AS build' "$SRC/deploy/container/Dockerfile.cuda" ||
+    fail "Dockerfile.cuda does not build on the CUDA devel image"
+grep -qE '^FROM nvidia/cuda:\$\{CUDA_VERSION\}-runtime-\$\{UBUNTU\}$' "$SRC/deploy/container/Dockerfile.cuda" ||
+    fail "Dockerfile.cuda does not run on the CUDA runtime image"
+grep -q -- '--with-cuda=/usr/local/cuda' "$SRC/deploy/container/Dockerfile.cuda" || fail "Dockerfile.cuda does not configure --with-cuda"
+ok "Dockerfiles: non-root USER, packages from scripts/setup.sh; the CUDA one from the devel to the runtime image, --with-cuda"
+
+# ------------------------------------------------------------------------------------------ systemd
+if ! command -v systemd-analyze >/dev/null; then
+    echo "SKIP - systemd-analyze verify (no systemd-analyze on this machine)"
+else
+    sed "s#^ExecStart=/usr/local/bin/kvbankd #ExecStart=$B/kvbankd #" "$SRC/deploy/systemd/kvbankd.service" >"$T/kvbankd.service"
+    grep -q "^ExecStart=$B/kvbankd --config" "$T/kvbankd.service" || fail "the unit's ExecStart is not /usr/local/bin/kvbankd"
+    rc=0
+    out=$(cd "$T" && systemd-analyze verify "$T/kvbankd.service" 2>&1) || rc=$?
+    [ "$rc" -eq 0 ] && [ -z "$out" ] || fail "systemd-analyze verify kvbankd.service (exit $rc): $out"
+    sed 's/^KillMode=mixed/KillMode=sometimes/' "$T/kvbankd.service" >"$T/bad.service"
+    out=$(cd "$T" && systemd-analyze verify "$T/bad.service" 2>&1) || true
+    grep -q "kill mode" <<<"$out" || fail "systemd-analyze verify did not catch a bad KillMode: $out"
+    ok "systemd-analyze verify: kvbankd.service clean, a broken copy caught"
+fi
+echo "all deploy checks passed"
