@@ -7,6 +7,7 @@
 #include "bench/bench.h"
 #include "common/util/util.h"
 #include "common/util/prog.h"
+#include "kernels/backend.h"
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -40,6 +41,7 @@ static void usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
+    kvb_cpu_threads_passive(argv);
     kvb_prog_init(argc, argv, "kvbank-bench");
     if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
         usage(argc < 2 ? stderr : stdout);

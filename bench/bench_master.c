@@ -19,6 +19,7 @@
 #include "bench/bench.h"
 #include "bench/plot.h"
 #include "bench/trace.h"
+#include "common/util/progress.h"
 #include "common/kv/block_pool.h"
 #include "common/mem/mem.h"
 #include "common/model/model.h"
@@ -333,7 +334,12 @@ int kvb_bench_multiturn(int argc, char **argv) {
         }
         double t0 = kvb_now_s();
         int next = 0, rejected = 0;
+        kvb_progress pg; /* a progress line on a terminal (common/util/progress.h) */
+        char what[96];
+        snprintf(what, sizeof what, "multiturn, %s", mode ? "host tier" : "lending");
+        kvb_progress_begin(&pg, what, (uint64_t)n, KVB_PROGRESS_COUNT);
         while (ms.done + rejected < n) {
+            kvb_progress_update(&pg, (uint64_t)(ms.done + rejected));
             double now = kvb_now_s() - t0;
             while (next < n && tr->reqs[next].t_s <= now) {
                 const kvb_trace_req *q = &tr->reqs[next];
@@ -353,6 +359,8 @@ int kvb_bench_multiturn(int argc, char **argv) {
                 }
             }
         }
+        if (ms.done + rejected < n) kvb_progress_cancel(&pg);
+        else kvb_progress_end(&pg);
         kvb_engine_stats st;
         kvb_engine_get_stats(e, &st);
         computed[mode] = st.prompt_tokens;

@@ -107,6 +107,10 @@ typedef struct kvb_backend_i {
     kvb_status (*embed)(void *ctx, const kvb_tensor *table, const int32_t *ids, int n, void *out);
     /* y[n][rows(w)] = x[n][cols(w)] . w^T + beta * y   (beta 0 or 1: 1 fuses the residual add). */
     kvb_status (*matmul)(void *ctx, const void *x, int n, const kvb_tensor *w, float beta, void *y);
+    /* Optional (NULL: the caller runs `matmul` with beta 0 per weight). y[i] = x . w[i]^T for i < nw,
+     * weights of the same cols sharing one input (q/k/v, gate/up): one pass of the backend's threads
+     * over all of them, so a decode step waits at a third fewer joins of the team. */
+    kvb_status (*matmul_n)(void *ctx, const void *x, int n, const kvb_tensor *const *w, int nw, void *const *y);
     /* RMSNorm over `rows` rows of `dim`: y = x / sqrt(mean(x^2) + eps) * w  (w has `dim` entries).
      * x and y may alias. Used for layer norms and Qwen3's per-head q/k norm (rows = tokens*heads). */
     kvb_status (*rmsnorm)(void *ctx, const void *x, int rows, int dim, const kvb_tensor *w, float eps, void *y);
@@ -159,5 +163,15 @@ const char *kvb_backend_list(void);
 
 /* The CPU backend (kernels/cpu). */
 kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out);
+
+/* Called first in the main of a program that may compute on the CPU backend, before it has any other
+ * effect. The CPU backend's threads are an OpenMP team, and libgomp reads its wait policy once, when it
+ * is loaded: by default a thread that waits at a join spins. On cores shared with other processes the
+ * spinning thread holds a core, the scheduler counts it as busy, and the thread it waits for sits in
+ * the run queue, so each of a decode step's joins can cost a scheduler period (on 2 cores at load 30
+ * a 125M-model decode step took 5.6 s spinning, 0.14 s with sleeping waits). When OMP_WAIT_POLICY is
+ * not set, this re-executes the program (/proc/self/exe, same argv) once with OMP_WAIT_POLICY=passive;
+ * a policy set in the environment is kept. Returns when it did not re-execute. */
+void kvb_cpu_threads_passive(char **argv);
 
 #endif

@@ -18,6 +18,7 @@
 #include "common/kv/block_pool.h"
 #include "common/policy/swiftcache.h"
 #include "common/util/prog.h"
+#include "kernels/backend.h"
 
 #define LENDER_MAX 64          /* longest lender name kept */
 #define SHUTDOWN_REPLY_MS 1000 /* wait for the coordinator to answer the drain at exit */
@@ -278,6 +279,7 @@ static int drained(void *ud) {
 static int answered(void *ud) { return ((master *)ud)->drain_answer != 0; }
 
 int main(int argc, char **argv) {
+    kvb_cpu_threads_passive(argv);
     kvb_prog_init(argc, argv, "kvbank-master");
     kvb_node_proc_args a;
     int rc = kvb_node_proc_parse(KVB_ROLE_MASTER, argc, argv, &a);

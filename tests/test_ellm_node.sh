@@ -19,7 +19,7 @@ M=$T/m
     "$M" >/dev/null
 cat >"$T/node.json" <<EOF
 { "node": "$NODE", "run_dir": "$T",
-  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 4, "lend_interval_s": 0.3 },
+  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 10, "lend_interval_s": 0.3 },
   "models": [
     { "name": "chat", "role": "master", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/chat.sock" },
     { "name": "el", "role": "worker", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/el.sock",

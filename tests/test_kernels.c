@@ -76,15 +76,19 @@ KVB_TEST(matmul_split_rows) {
 }
 KVB_TEST_END
 
+static int have_avx2(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
 /* A row's products do not depend on the batch it is in (decode batches up to 32 on AVX2): greedy
  * tokens then do not change when a policy batches, preempts or swaps other sequences. */
 KVB_TEST(matmul_batch_invariant) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return;
-#else
-    return;
-#endif
+    if (!have_avx2()) return;
     rng_state = 7;
     int rows = 200, cols = 96, nmax = 32;
     kvb_backend *be = make_backend(2);
@@ -105,6 +109,57 @@ KVB_TEST(matmul_batch_invariant) {
     free(w);
     free(x);
     free(y);
+    free(y1);
+}
+KVB_TEST_END
+
+/* matmul_n over q/k/v-like weights gives each product as matmul does — bit for bit at decode sizes
+ * (the streaming kernel), within rounding at prefill sizes — on 1 to 3 threads (the team's row split
+ * crosses the weights' boundaries), and refuses weights of different widths. */
+KVB_TEST(matmul_n_matches_matmul) {
+    rng_state = 11;
+    int avx2 = have_avx2();
+    int cols = 64, rows[3] = {96, 32, 40}, ns[] = {1, 3, 8, 40};
+    float *w[3], *y[3], *y1 = malloc(sizeof(float) * 40 * 96), *x = malloc(sizeof(float) * 40 * cols);
+    fill(x, (size_t)40 * cols);
+    for (int th = 1; th <= 3; th++) {
+        kvb_backend *be = make_backend(th);
+        ck_assert_ptr_nonnull(be->iface->matmul_n);
+        kvb_tensor t[3];
+        const kvb_tensor *tp[3] = {&t[0], &t[1], &t[2]};
+        for (int i = 0; i < 3; i++) {
+            w[i] = malloc(sizeof(float) * rows[i] * cols);
+            y[i] = malloc(sizeof(float) * 40 * rows[i]);
+            fill(w[i], (size_t)rows[i] * cols);
+            ck_assert_int_eq(be->iface->weight_load(be->ctx, w[i], KVB_DTYPE_F32, rows[i], cols, &t[i]), KVB_OK);
+        }
+        for (size_t k = 0; k < KVB_ARRAY_LEN(ns); k++) {
+            ck_assert_int_eq(be->iface->matmul_n(be->ctx, x, ns[k], tp, 3, (void *const *)y), KVB_OK);
+            for (int i = 0; i < 3; i++) {
+                ck_assert_int_eq(be->iface->matmul(be->ctx, x, ns[k], &t[i], 0.0f, y1), KVB_OK);
+                size_t m = (size_t)ns[k] * rows[i];
+                if (ns[k] <= 32 && avx2) {
+                    ck_assert_msg(!memcmp(y[i], y1, sizeof(float) * m), "weight %d, n=%d, %d threads", i, ns[k], th);
+                } else { /* sgemm's results depend on the width of the slice it gets */
+                    double e = 0;
+                    for (size_t j = 0; j < m; j++) e = fmax(e, fabs((double)y[i][j] - y1[j]));
+                    ck_assert_msg(e < 1e-5, "weight %d, n=%d, %d threads: %g", i, ns[k], th, e);
+                }
+            }
+        }
+        kvb_tensor bad;
+        ck_assert_int_eq(be->iface->weight_load(be->ctx, w[0], KVB_DTYPE_F32, 2, 32, &bad), KVB_OK);
+        const kvb_tensor *mixed[2] = {&t[0], &bad};
+        ck_assert_int_eq(be->iface->matmul_n(be->ctx, x, 1, mixed, 2, (void *const *)y), KVB_ERR_INVALID);
+        be->iface->weight_free(be->ctx, &bad);
+        for (int i = 0; i < 3; i++) {
+            be->iface->weight_free(be->ctx, &t[i]);
+            free(w[i]);
+            free(y[i]);
+        }
+        kvb_backend_destroy(be);
+    }
+    free(x);
     free(y1);
 }
 KVB_TEST_END
@@ -339,6 +394,6 @@ KVB_TEST(bias_add_rows) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(matmul_batch_invariant, 30), KVB_T(weight_load_half, 10),
+KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(matmul_batch_invariant, 30), KVB_T(matmul_n_matches_matmul, 30), KVB_T(weight_load_half, 10),
               KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_paths_mha_mqa, 60),
               KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))

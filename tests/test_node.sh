@@ -117,7 +117,7 @@ MM=$T/m_master MA=$T/m_a MB=$T/m_b
 # (MEU 16 worker : 1 master); wb 3*2*16*1*16*4 = 6144 (MEU 32 : 3)
 cat >"$T/node.json" <<EOF
 { "node": "$NODE", "run_dir": "$T",
-  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 4,
+  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 10,
                    "lend_interval_s": 0.5, "window_s": 2.0 },
   "models": [
     { "name": "chat", "role": "master", "model_dir": "$MM", "kv_mb": 1, "block_size": 16,

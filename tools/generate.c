@@ -11,6 +11,7 @@
 #include "common/util/json.h"
 #include "common/util/npy.h"
 #include "common/util/prog.h"
+#include "kernels/backend.h"
 
 #define MAX_REQ 256
 
@@ -189,6 +190,7 @@ static kvb_status print_result(const kvb_tokenizer *tok, int json_out, const int
 }
 
 int main(int argc, char **argv) {
+    kvb_cpu_threads_passive(argv);
     kvb_prog_init(argc, argv, "kvbank-generate");
     const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL, *policy = "recompute", *links = "off";
     kvb_policy_params pparams = {0};

@@ -14,6 +14,7 @@
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "common/util/prog.h"
+#include "kernels/backend.h"
 
 #define TAG_MAX 24 /* the longest --name (the region tag) */
 
@@ -87,6 +88,7 @@ static int valid_tag(const char *s) {
 
 
 int main(int argc, char **argv) {
+    kvb_cpu_threads_passive(argv);
     kvb_prog_init(argc, argv, "kvbank-serve");
     const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
     const char *links = "off";

@@ -22,6 +22,7 @@
 
 #include "node/node_proc.h"
 #include "common/util/prog.h"
+#include "kernels/backend.h"
 
 #define SHUTDOWN_WAIT_MS 5000      /* most time spent getting lent blocks back at exit */
 #define RECLAIM_RESEND_PERIODS 10  /* heartbeat periods before a ReclaimRequest is repeated */
@@ -436,6 +437,7 @@ static int all_back(void *ud) {
 }
 
 int main(int argc, char **argv) {
+    kvb_cpu_threads_passive(argv);
     kvb_prog_init(argc, argv, "kvbank-worker");
     kvb_node_proc_args a;
     int rc = kvb_node_proc_parse(KVB_ROLE_WORKER, argc, argv, &a);

@@ -137,6 +137,15 @@ fail:
     return st;
 }
 
+/* y[i] = x . w[i]^T for projections sharing their input: in one call where the backend has
+ * matmul_n, else one matmul each. */
+static kvb_status matmuls(kvb_forward *fw, const void *x, int n, const kvb_tensor *const *w, void *const *y, int nw) {
+    const kvb_backend_i *be = fw->be->iface;
+    if (be->matmul_n) return be->matmul_n(fw->be->ctx, x, n, w, nw, y);
+    for (int i = 0; i < nw; i++) KVB_TRY(be->matmul(fw->be->ctx, x, n, w[i], 0.0f, y[i]));
+    return KVB_OK;
+}
+
 kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     if (!fw->b || layer != fw->next_layer || layer >= fw->m->cfg.n_layers) return KVB_ERR_STATE;
     const kvb_model_config *c = &fw->m->cfg;
@@ -151,9 +160,9 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     fw->attn.window = kvb_model_config_window(c, layer);
 
     KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->attn_norm, eps, fw->h));
-    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wq, 0.0f, fw->q));
-    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wk, 0.0f, fw->k));
-    KVB_TRY(be->matmul(ctx, fw->h, n, &w->wv, 0.0f, fw->v));
+    const kvb_tensor *qkv[] = {&w->wq, &w->wk, &w->wv};
+    void *qkv_out[] = {fw->q, fw->k, fw->v};
+    KVB_TRY(matmuls(fw, fw->h, n, qkv, qkv_out, 3));
     if (w->bq.data) { /* Qwen2; Llama / Qwen3 with attention_bias */
         KVB_TRY(be->bias_add(ctx, fw->q, n, &w->bq));
         KVB_TRY(be->bias_add(ctx, fw->k, n, &w->bk));
@@ -170,8 +179,9 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     if (w->bo.data) KVB_TRY(be->bias_add(ctx, fw->x, n, &w->bo));
 
     KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->ffn_norm, eps, fw->h));
-    KVB_TRY(be->matmul(ctx, fw->h, n, &w->w_gate, 0.0f, fw->gate));
-    KVB_TRY(be->matmul(ctx, fw->h, n, &w->w_up, 0.0f, fw->up));
+    const kvb_tensor *gate_up[] = {&w->w_gate, &w->w_up};
+    void *gate_up_out[] = {fw->gate, fw->up};
+    KVB_TRY(matmuls(fw, fw->h, n, gate_up, gate_up_out, 2));
     if (w->b_gate.data) { /* Llama with mlp_bias */
         KVB_TRY(be->bias_add(ctx, fw->gate, n, &w->b_gate));
         KVB_TRY(be->bias_add(ctx, fw->up, n, &w->b_up));

@@ -44,10 +44,12 @@ static void draw(kvb_progress *p, double now) {
     fflush(stderr);
     p->drawn = 1;
     p->last_s = now;
+    p->last_pct = pct;
 }
 
 void kvb_progress_begin(kvb_progress *p, const char *what, uint64_t total, kvb_progress_unit unit) {
     memset(p, 0, sizeof *p);
+    p->last_pct = -1;
     snprintf(p->what, sizeof p->what, "%s", what ? what : "");
     p->total = total;
     p->unit = unit;
@@ -62,6 +64,9 @@ void kvb_progress_update(kvb_progress *p, uint64_t done) {
     double now = kvb_now_s();
     if (p->mode == 1 && now - p->t0_s < SHOW_AFTER_S) return;
     if (now - p->last_s < REDRAW_S && p->drawn) return;
+    /* KVB_PROGRESS=always writes lines, not redraws: one per whole percent (or every 10 s) */
+    int pct = p->total ? (int)(100.0 * (double)p->done / (double)p->total) : 100;
+    if (p->mode == 2 && pct == p->last_pct && now - p->last_s < 10.0) return;
     draw(p, now);
 }
 

@@ -8,7 +8,7 @@
  * draws one line on stderr, redrawn in place at most every 100 ms once the operation has run 0.5 s:
  * `loading models/big: 45% (1.2 of 2.7 GiB), 3 s left`, and ends it with `... done: 2.7 GiB in 6.1 s`.
  * Quiet when stderr is not a terminal (logs and pipes get nothing), unless KVB_PROGRESS=always (then
- * from the start, one line per redraw, which is what tests read); KVB_PROGRESS=never silences it. */
+ * from the start, a line per whole percent, which is what tests read); KVB_PROGRESS=never silences it. */
 #ifndef KVB_UTIL_PROGRESS_H
 #define KVB_UTIL_PROGRESS_H
 
@@ -25,8 +25,9 @@ typedef struct kvb_progress {
     uint64_t total, done;
     kvb_progress_unit unit;
     double t0_s, last_s;  /* monotonic: begin, last redraw */
-    int mode;             /* 0 off, 1 terminal (redraw in place), 2 always (a line per redraw) */
+    int mode;             /* 0 off, 1 terminal (redraw in place), 2 always (a line per percent) */
     int drawn;            /* something is on the line */
+    int last_pct;         /* the percentage last drawn */
 } kvb_progress;
 
 void kvb_progress_begin(kvb_progress *p, const char *what, uint64_t total, kvb_progress_unit unit);

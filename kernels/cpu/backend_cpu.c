@@ -1,8 +1,10 @@
 /* kvbank — the CPU backend: host memory, f32 activations, OpenBLAS + OpenMP kernels. */
 #include <cblas.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kernels/cpu/ops.h"
 
@@ -84,6 +86,21 @@ static kvb_status cpu_matmul(void *ctx, const void *x, int n, const kvb_tensor *
     return KVB_OK;
 }
 
+#define MATMUL_N_MAX 4
+
+static kvb_status cpu_matmul_n(void *ctx, const void *x, int n, const kvb_tensor *const *w, int nw, void *const *y) {
+    if (nw < 1 || nw > MATMUL_N_MAX) return KVB_ERR_INVALID;
+    const float *ws[MATMUL_N_MAX];
+    int64_t rows[MATMUL_N_MAX];
+    for (int i = 0; i < nw; i++) {
+        if (w[i]->ne[1] != w[0]->ne[1]) return KVB_ERR_INVALID;
+        ws[i] = w[i]->data;
+        rows[i] = w[i]->ne[0];
+    }
+    kvb__cpu_matmul_n(x, n, ws, rows, nw, w[0]->ne[1], (float *const *)y);
+    return KVB_OK;
+}
+
 static kvb_status cpu_rmsnorm(void *ctx, const void *x, int rows, int dim, const kvb_tensor *w, float eps, void *y) {
     kvb__cpu_rmsnorm(x, rows, dim, w->data, eps, y);
     return KVB_OK;
@@ -155,6 +172,7 @@ static const kvb_backend_i cpu_iface = {
     .weight_free = cpu_weight_free,
     .embed = cpu_embed,
     .matmul = cpu_matmul,
+    .matmul_n = cpu_matmul_n,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
     .bias_add = cpu_bias_add,
@@ -177,4 +195,11 @@ kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out) {
     out->ctx = c;
     cpu_set_threads(c, n_threads);
     return KVB_OK;
+}
+
+void kvb_cpu_threads_passive(char **argv) {
+    if (getenv("OMP_WAIT_POLICY") || setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+    fflush(NULL);
+    execv("/proc/self/exe", argv);
+    unsetenv("OMP_WAIT_POLICY"); /* no /proc or exec refused: run on with libgomp's default */
 }

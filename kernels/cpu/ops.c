@@ -93,6 +93,31 @@ static void small_n_rows(const float *x, int n, const float *w, int64_t r0, int6
 }
 #endif
 
+/* Rows [r0, r1) of y = x . w^T + beta y (w is [rows][cols], y is [n][rows]) on the calling thread. */
+static void matmul_rows(const float *x, int n, const float *w, int64_t rows, int64_t cols, int64_t r0, int64_t r1,
+                        float beta, float *y) {
+#if KVB_OPS_AVX2
+    if (kvb__cpu_avx2 && n <= SMALL_N_MAX && cols % 8 == 0) {
+        small_n_rows(x, n, w, r0, r1, cols, beta, y, rows);
+        return;
+    }
+#endif
+    const float *ws = w + r0 * cols;
+    if (n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, ws, (blasint)cols, x, 1, beta,
+                    y + r0, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (blasint)(r1 - r0), (blasint)cols, 1.0f, x,
+                    (blasint)cols, ws, (blasint)cols, beta, y + r0, (blasint)rows);
+}
+
+/* Thread t's share [*r0, *r1) of `total` rows among nt: contiguous, cut at multiples of 16 rows
+ * (64-byte aligned slices of y). */
+static void row_share(int64_t total, int t, int nt, int64_t *r0, int64_t *r1) {
+    *r0 = (total * t / nt) & ~(int64_t)15;
+    *r1 = t + 1 < nt ? (total * (t + 1) / nt) & ~(int64_t)15 : total;
+}
+
 void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_t cols, float beta, float *y) {
     /* w is [rows][cols] (HF Linear layout), so y = x . w^T. OpenBLAS runs single-threaded inside one
      * OpenMP team (one thread pool for the whole backend); each thread takes a slice of w's rows, so
@@ -100,28 +125,27 @@ void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_
      * processor has AVX2; otherwise a single row is a matrix-vector product, which OpenBLAS 0.3.21 does
      * not pick by itself for M = 1. */
     int par = (double)rows * cols * n >= 1 << 18 && rows >= 64;
-#if KVB_OPS_AVX2
-    int small = kvb__cpu_avx2 && n <= SMALL_N_MAX && cols % 8 == 0;
-#endif
 #pragma omp parallel if (par) num_threads(kvb__cpu_threads)
     {
-        int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;
-        r0 &= ~(int64_t)15; /* 64-byte aligned slices of y */
-        if (t + 1 < nt) r1 &= ~(int64_t)15;
-        if (r1 > r0) {
-            const float *ws = w + r0 * cols;
-#if KVB_OPS_AVX2
-            if (small)
-                small_n_rows(x, n, w, r0, r1, cols, beta, y, rows);
-            else
-#endif
-            if (n == 1)
-                cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, ws, (blasint)cols, x, 1,
-                            beta, y + r0, 1);
-            else
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (blasint)(r1 - r0), (blasint)cols, 1.0f, x,
-                            (blasint)cols, ws, (blasint)cols, beta, y + r0, (blasint)rows);
+        int64_t r0, r1;
+        row_share(rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+        if (r1 > r0) matmul_rows(x, n, w, rows, cols, r0, r1, beta, y);
+    }
+}
+
+void kvb__cpu_matmul_n(const float *x, int n, const float *const *w, const int64_t *rows, int nw, int64_t cols,
+                       float *const *y) {
+    /* the weights' rows one after the other, split among the team as one matrix */
+    int64_t total = 0;
+    for (int i = 0; i < nw; i++) total += rows[i];
+    int par = (double)total * cols * n >= 1 << 18 && total >= 64;
+#pragma omp parallel if (par) num_threads(kvb__cpu_threads)
+    {
+        int64_t r0, r1, base = 0;
+        row_share(total, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+        for (int i = 0; i < nw; base += rows[i++]) {
+            int64_t a = KVB_MAX(r0, base) - base, b = KVB_MIN(r1, base + rows[i]) - base;
+            if (b > a) matmul_rows(x, n, w[i], rows[i], cols, a, b, 0.0f, y[i]);
         }
     }
 }

@@ -31,6 +31,9 @@ kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats);
 
 void kvb__cpu_embed(const float *table, int64_t dim, const int32_t *ids, int n, float *out);
 void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_t cols, float beta, float *y);
+/* y[i] = x . w[i]^T for i < nw (w[i] is [rows[i]][cols]) in one parallel region. */
+void kvb__cpu_matmul_n(const float *x, int n, const float *const *w, const int64_t *rows, int nw, int64_t cols,
+                       float *const *y);
 void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float eps, float *y);
 kvb_status kvb__cpu_rope(kvb_cpu_ctx *c, float *q, int n_heads, float *k, int n_kv_heads, int n, const int32_t *pos,
                          const kvb_rope *rope);
