@@ -37,7 +37,9 @@ static void usage(FILE *f) {
                "  multiturn  P99 TTFT of multi-turn replay on the master: lending against a host-tier prefix cache\n"
                "  serve    HTTP load against kvbank-gateway (trace arrivals, streaming): TTFT / TPOT / ITL, goodput, and\n"
                "           the gateway's overhead against the model's ZeroMQ endpoint in the same run\n"
-               "  ellm-tw    eLLM token-wise KV caching against vllm-recompute / vllm-swap / hcache (paper §6)\n");
+               "  ellm-tw    eLLM token-wise KV caching against vllm-recompute / vllm-swap / hcache (paper §6)\n"
+               "  orbitflow  OrbitFlow against DeepSpeed, FlexGen(+), SLO-aware offloading and the dynamic heuristic\n"
+               "           under the stager's link model: SLO attainment, tails, throughput, ablations, solver (paper §5)\n");
 }
 
 int main(int argc, char **argv) {
@@ -57,6 +59,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "multiturn")) return kvb_bench_multiturn(argc - 1, argv + 1);
     if (!strcmp(argv[1], "serve")) return kvb_bench_serve(argc - 1, argv + 1);
     if (!strcmp(argv[1], "ellm-tw")) return kvb_bench_ellm_tw(argc - 1, argv + 1);
+    if (!strcmp(argv[1], "orbitflow")) return kvb_bench_orbitflow(argc - 1, argv + 1);
     fprintf(stderr, "kvbank-bench: unknown subcommand '%s'\n", argv[1]);
     usage(stderr);
     return 2;

@@ -13,6 +13,7 @@ int kvb_bench_maxctx(int argc, char **argv);
 int kvb_bench_multiturn(int argc, char **argv);
 int kvb_bench_ellm_tw(int argc, char **argv);
 int kvb_bench_serve(int argc, char **argv);
+int kvb_bench_orbitflow(int argc, char **argv);
 
 /* p-th percentile (nearest rank) of v[0..n) (sorted in place); NAN when n == 0. */
 double kvb_bench_pct(double *v, int n, double p);

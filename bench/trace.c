@@ -40,7 +40,7 @@ static void scale_lengths(const kvb_trace_opts *o, double in, double outl, int *
     *g = gg;
 }
 
-/* A tiny open-addressing set of seen hash ids and a map first-id -> session. */
+/* A tiny open-addressing set of seen hash ids and a map prefix chain -> session. */
 typedef struct idmap {
     uint64_t *keys;
     int *vals;
@@ -97,6 +97,8 @@ static kvb_status load_mooncake(const char *path, const kvb_trace_opts *o, kvb_t
     size_t lcap = 0;
     int cap = 0, lineno = 0;
     idmap sessions = {0}, seen = {0};
+    uint64_t *chain = NULL; /* [n hash ids] chain[k]: hash of the request's hash ids [0, k] */
+    size_t chain_cap = 0;
     int *turns = NULL, turns_cap = 0;
     int bt = KVB_MAX(1, (int)lround(TRACE_BLOCK * o->len_scale)); /* tokens per scaled hash block */
     while (getline(&line, &lcap, f) > 0) {
@@ -118,12 +120,27 @@ static kvb_status load_mooncake(const char *path, const kvb_trace_opts *o, kvb_t
             break;
         }
         scale_lengths(o, (double)json_integer_value(il), (double)json_integer_value(ol), &r.n_prompt, &r.max_tokens);
-        uint64_t first = (uint64_t)json_integer_value(json_array_get(h, 0));
-        int is_new = 0;
-        if (!idmap_get(&sessions, first, &r.session)) {
-            r.session = t->n_sessions++;
-            is_new = 1;
-            if ((st = idmap_put(&sessions, first, r.session)) != KVB_OK) break;
+        /* Sessions (issue 10): a turn extends its session's previous prompt, so a request joins the
+         * session one of whose prompts is the longest prefix of its own hash ids; a request that extends
+         * no earlier prompt opens a session. (Grouping by the first hash id made one session of every
+         * request that starts with the same system-prompt block.) */
+        size_t nh0 = json_array_size(h);
+        if (nh0 > chain_cap) {
+            chain_cap = KVB_MAX(nh0, 2 * chain_cap);
+            if ((st = kvb_realloc_array((void **)&chain, chain_cap, sizeof *chain)) != KVB_OK) {
+                json_decref(j);
+                break;
+            }
+        }
+        for (size_t k = 0; k < nh0; k++)
+            chain[k] = mix64((k ? chain[k - 1] : 0x9e3779b97f4a7c15ull) ^ (uint64_t)json_integer_value(json_array_get(h, k)));
+        int is_new = 1;
+        for (size_t k = nh0; k-- > 0 && is_new;)
+            if (idmap_get(&sessions, chain[k], &r.session)) is_new = 0;
+        if (is_new) r.session = t->n_sessions++;
+        if ((st = idmap_put(&sessions, chain[nh0 - 1], r.session)) != KVB_OK) {
+            json_decref(j);
+            break;
         }
         if (r.session >= turns_cap) {
             turns_cap = KVB_MAX(1024, turns_cap * 2);
@@ -160,6 +177,7 @@ static kvb_status load_mooncake(const char *path, const kvb_trace_opts *o, kvb_t
     }
     free(line);
     free(turns);
+    free(chain);
     idmap_free(&sessions);
     idmap_free(&seen);
     fclose(f);

@@ -3,8 +3,9 @@
  * Mooncake FAST'25 (`synthetic_trace.jsonl`): each hash id stands for one 512-token prefix block and
  * equal ids mean a reusable prefix. A request's prompt is built block by block from its hash ids, each
  * block's tokens derived from the id alone, so equal ids give equal tokens and the trace's prefix reuse
- * becomes real KV reuse; requests are grouped into sessions by their first hash id (a conversation's
- * turns share it). Azure LLM inference 2023 (`AzureLLMInferenceTrace_{conv,code}.csv`): arrival times
+ * becomes real KV reuse; requests are grouped into sessions by the longest shared prefix chain: a
+ * request joins the session one of whose prompts' hash ids is the longest prefix of its own (a turn
+ * extends its session's previous prompt), else it opens one. Azure LLM inference 2023 (`AzureLLMInferenceTrace_{conv,code}.csv`): arrival times
  * and lengths; prompts are unique (no reuse in that trace).
  * Prompt lengths are multiplied by `len_scale` (to fit a small model's context), output lengths by
  * `out_scale` (capped by max_output), arrival gaps divided by `rate_scale`. */
@@ -20,7 +21,7 @@ typedef struct kvb_trace_req {
     int32_t *prompt;    /* [n_prompt] token ids */
     int n_prompt;
     int max_tokens;
-    int session;        /* Mooncake: session index (by first hash id); Azure: -1 */
+    int session;        /* Mooncake: session index (by prefix chain, see above); Azure: -1 */
     int turn;           /* 0-based turn within the session */
     int reused_tokens;  /* prompt tokens whose hash block an earlier request of the trace already had */
 } kvb_trace_req;

@@ -303,6 +303,10 @@ static void send_action(kvb_coord *c, const kvb_ledger_action *a) {
         m.loan_id = a->loan.id;
         m.epoch = a->epoch;
         m.lender_dead = a->lender_dead != 0;
+        if (!m.lender_dead && a->loan.revoke_blocks && a->loan.revoke_blocks < a->loan.n_blocks) {
+            m.first_block = a->loan.first_block; /* partial reclaim: only the loan's first blocks */
+            m.n_blocks = a->loan.revoke_blocks;
+        }
         env.body_case = KVBANK__ENVELOPE__BODY_REVOKE;
         env.revoke = &m;
         KVB_LOG_D("Revoke loan %" PRIu64 " (epoch %" PRIu64 "%s) -> %s", m.loan_id, m.epoch,
@@ -620,8 +624,9 @@ static void handle_revoke_ack(kvb_coord *c, const msg_ctx *mc, const Kvbank__Rev
     kvb_status st = kvb_ledger_revoke_ack(c->ledger, mc->name, a->loan_id, a->epoch, now_ms(), why, sizeof why);
     if (dropped_for_sender(c, mc, st, "RevokeAck", why)) return;
     if (st != KVB_OK) KVB_LOG_I("RevokeAck of loan %" PRIu64 " ignored: %s", a->loan_id, why);
-    else KVB_LOG_D("RevokeAck loan %" PRIu64 ": %" PRIu32 " moved, %" PRIu32 " dropped, %" PRIu32 " preempted",
-                   a->loan_id, a->moved_blocks, a->dropped_blocks, a->preempted);
+    else KVB_LOG_D("RevokeAck loan %" PRIu64 ": %" PRIu32 " moved, %" PRIu32 " cached kept, %" PRIu32 " demoted, %"
+                   PRIu32 " dropped, %" PRIu32 " preempted", a->loan_id, a->moved_blocks, a->kept_blocks,
+                   a->demoted_blocks, a->dropped_blocks, a->preempted);
 }
 
 static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusRequest *s) {

@@ -174,17 +174,26 @@ static void finish_loan(kvb_ledger *l, uint64_t id) {
     push_reclaimed(l, &copy);
 }
 
-/* Starts (or, for lender_dead, sharpens) the revocation of a loan; a loan no master holds is
- * finished at once. */
+static int revoke_partial(const kvb_loan *ln) { return ln->revoke_blocks && ln->revoke_blocks < ln->n_blocks; }
+
+/* Lender blocks of `ln` on their way back. */
+static uint32_t revoking_blocks(const kvb_loan *ln) {
+    return ln->state != KVB_LOAN_REVOKING ? 0 : revoke_partial(ln) ? ln->revoke_blocks : ln->n_blocks;
+}
+
+/* Starts (or, for lender_dead, sharpens; for a partial revoke, widens to the whole loan) the revocation
+ * of a loan; a loan no master holds is finished at once. */
 static void give_back(kvb_ledger *l, kvb_loan *ln, int lender_dead, uint64_t now_ms) {
     if ((ln->state == KVB_LOAN_UNCONFIRMED && !ln->by_master) || !live_master(l)) {
         finish_loan(l, ln->id);
         return;
     }
     if (ln->state == KVB_LOAN_REVOKING) {
-        if (lender_dead && !ln->lender_dead) {
-            ln->lender_dead = 1;
+        if ((lender_dead && !ln->lender_dead) || revoke_partial(ln)) { /* sharpened, or widened to all */
+            ln->lender_dead |= lender_dead;
+            ln->revoke_blocks = 0;
             ln->revoke_epoch = bump(l);
+            if (!ln->lender_dead) ln->min_ack_epoch = ln->revoke_epoch; /* the part's ack finishes nothing */
             push_revoke(l, ln, now_ms);
         }
         return;
@@ -192,6 +201,19 @@ static void give_back(kvb_ledger *l, kvb_loan *ln, int lender_dead, uint64_t now
     ln->state = KVB_LOAN_REVOKING;
     ln->t_revoke_ms = now_ms;
     ln->lender_dead = lender_dead;
+    ln->revoke_blocks = 0;
+    ln->min_ack_epoch = 0;
+    ln->revoke_epoch = bump(l);
+    push_revoke(l, ln, now_ms);
+}
+
+/* Partial reclaim: revokes the first k lender blocks of an ACTIVE loan (0 < k < n_blocks, whole MEUs). */
+static void give_back_part(kvb_ledger *l, kvb_loan *ln, uint32_t k, uint64_t now_ms) {
+    ln->state = KVB_LOAN_REVOKING;
+    ln->t_revoke_ms = now_ms;
+    ln->lender_dead = 0;
+    ln->revoke_blocks = k;
+    ln->min_ack_epoch = 0;
     ln->revoke_epoch = bump(l);
     push_revoke(l, ln, now_ms);
 }
@@ -819,6 +841,18 @@ static int cmp_first_block(const void *a, const void *b) {
     return x->first_block < y->first_block ? -1 : x->first_block > y->first_block;
 }
 
+/* How much of `ln` (ACTIVE or GRANTING) a reclaim that still needs `need` blocks takes: all of it, or its
+ * first blocks rounded up to whole worker MEUs when that is less (and the loan is whole MEUs of the
+ * pair's unit, held by a live master). */
+static uint32_t part_of(const kvb_ledger *l, const kvb_ledger_model *w, const kvb_loan *ln, uint64_t need) {
+    if (need >= ln->n_blocks || ln->state != KVB_LOAN_ACTIVE || !w->has_meu || !live_master(l)) return ln->n_blocks;
+    uint32_t mw = w->meu.meu_worker, mm = w->meu.meu_master;
+    if (!mw || !mm || ln->n_blocks % mw || (uint64_t)ln->n_blocks / mw * mm != ln->n_master_blocks)
+        return ln->n_blocks;
+    uint64_t k = (need + mw - 1) / mw * mw;
+    return k < ln->n_blocks ? (uint32_t)k : ln->n_blocks;
+}
+
 kvb_status kvb_ledger_reclaim(kvb_ledger *l, const char *worker, uint32_t n_blocks, uint64_t now_ms,
                               uint32_t *n_revoking, char *why, size_t why_len) {
     if (!l) return KVB_ERR_INVALID;
@@ -831,7 +865,7 @@ kvb_status kvb_ledger_reclaim(kvb_ledger *l, const char *worker, uint32_t n_bloc
         const kvb_loan *ln = &l->loans[i];
         if (ln->orphan || ln->lender_pid != w->pid || strcmp(ln->lender, w->name)) continue;
         n_all++;
-        if (ln->state == KVB_LOAN_REVOKING) in_flight += ln->n_blocks;
+        if (ln->state == KVB_LOAN_REVOKING) in_flight += revoking_blocks(ln);
         else n_cand++;
     }
     if (!n_all) {
@@ -852,20 +886,55 @@ kvb_status kvb_ledger_reclaim(kvb_ledger *l, const char *worker, uint32_t n_bloc
             continue;
         cand[k++] = *ln;
     }
-    qsort(cand, (size_t)n_cand, sizeof *cand, cmp_first_block);
+    if (n_cand) qsort(cand, (size_t)n_cand, sizeof *cand, cmp_first_block); /* cand is NULL when empty */
     uint64_t taken = 0;
     for (int i = 0; i < n_cand && in_flight + taken < n_blocks; i++) {
         kvb_loan *ln = find_loan(l, cand[i].id);
         if (!ln) continue;
-        taken += ln->n_blocks;
-        KVB_LOG_I("reclaiming loan %" PRIu64 " of %s: blocks [%" PRIu32 ", %" PRIu64 ")", ln->id, w->name,
-                  ln->first_block, (uint64_t)ln->first_block + ln->n_blocks);
-        give_back(l, ln, 0, now_ms);
+        uint32_t k = part_of(l, w, ln, n_blocks - in_flight - taken);
+        taken += k;
+        KVB_LOG_I("reclaiming %s loan %" PRIu64 " of %s: blocks [%" PRIu32 ", %" PRIu64 ")",
+                  k < ln->n_blocks ? "the front of" : "", ln->id, w->name, ln->first_block,
+                  (uint64_t)ln->first_block + k);
+        if (k < ln->n_blocks) give_back_part(l, ln, k, now_ms);
+        else give_back(l, ln, 0, now_ms);
     }
     free(cand);
     uint64_t total = in_flight + taken;
     if (n_revoking) *n_revoking = total > UINT32_MAX ? UINT32_MAX : (uint32_t)total;
     return KVB_OK;
+}
+
+/* The master gave back the first revoke_blocks of `ln`: the loan keeps the rest and is ACTIVE again;
+ * the lender gets Reclaimed for the part. */
+static void shrink_loan(kvb_ledger *l, kvb_loan *ln, uint64_t now_ms) {
+    uint32_t k = ln->revoke_blocks;
+    uint32_t mk = (uint32_t)((uint64_t)k * ln->n_master_blocks / ln->n_blocks); /* exact: whole MEUs (part_of) */
+    uint64_t kb = ln->bytes / ln->n_blocks * k;
+    kvb_loan part = *ln;
+    part.n_blocks = k;
+    part.n_master_blocks = mk;
+    part.bytes = kb;
+    part.state = KVB_LOAN_ACTIVE;
+    part.revoke_blocks = 0;
+    ln->first_block += k;
+    ln->n_blocks -= k;
+    ln->n_master_blocks -= mk;
+    ln->offset += kb;
+    ln->bytes -= kb;
+    ln->state = KVB_LOAN_ACTIVE;
+    ln->revoke_blocks = 0;
+    ln->min_ack_epoch = 0;
+    KVB_LOG_I("blocks [%" PRIu32 ", %" PRIu32 ") of loan %" PRIu64 " given back by the master; it keeps [%" PRIu32
+              ", %" PRIu64 ")", part.first_block, ln->first_block, ln->id, ln->first_block,
+              (uint64_t)ln->first_block + ln->n_blocks);
+    kvb_ledger_model *w = find_model(l, ln->lender);
+    if (w) {
+        w->n_reclaims++;
+        w->reclaim_ms_total += now_ms > ln->t_revoke_ms ? now_ms - ln->t_revoke_ms : 0;
+    }
+    bump(l);
+    push_reclaimed(l, &part);
 }
 
 kvb_status kvb_ledger_revoke_ack(kvb_ledger *l, const char *master, uint64_t loan_id, uint64_t epoch,
@@ -883,10 +952,19 @@ kvb_status kvb_ledger_revoke_ack(kvb_ledger *l, const char *master, uint64_t loa
         set_why(why, why_len, "loan %" PRIu64 " is %s, not being revoked", loan_id, kvb_loan_state_str(ln->state));
         return KVB_ERR_STATE;
     }
+    if (epoch < ln->min_ack_epoch) { /* answers the partial Revoke this loan's whole one widened */
+        set_why(why, why_len, "loan %" PRIu64 ": the ack of epoch %" PRIu64 " answers an earlier, partial revoke",
+                loan_id, epoch);
+        return KVB_ERR_STATE;
+    }
     if (epoch != ln->revoke_epoch)
         KVB_LOG_D("RevokeAck of loan %" PRIu64 " carries epoch %" PRIu64 ", the revoke's is %" PRIu64, loan_id, epoch,
                   ln->revoke_epoch);
     KVB_TRY(reserve(l, 1, 0));
+    if (revoke_partial(ln)) {
+        shrink_loan(l, ln, now_ms);
+        return KVB_OK;
+    }
     KVB_LOG_I("loan %" PRIu64 " of %s given back by the master%s", loan_id, ln->lender,
               ln->lender_dead ? " (lender dead)" : "");
     kvb_ledger_model *w = find_model(l, ln->lender);
@@ -963,7 +1041,7 @@ kvb_status kvb_ledger_drain(kvb_ledger *l, const char *name, uint64_t now_ms, in
     }
     for (int i = 0; i < l->n_loans; i++) {
         const kvb_loan *ln = &l->loans[i];
-        if (ln->state == KVB_LOAN_REVOKING) continue;
+        if (ln->state == KVB_LOAN_REVOKING && !revoke_partial(ln)) continue; /* a partial one is widened */
         if (m->role == KVB_ROLE_WORKER && (ln->orphan || ln->lender_pid != m->pid || strcmp(ln->lender, m->name)))
             continue;
         ids[n++] = ln->id;

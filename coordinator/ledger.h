@@ -70,6 +70,9 @@ typedef struct kvb_loan {
     uint64_t t_sent_ms;       /* when the last Grant / Revoke for it went out (ack timeouts) */
     uint64_t t_offer_ms;      /* when the offer was accepted (lend latency: until the GrantAck) */
     uint64_t t_revoke_ms;     /* REVOKING: when the revocation began (reclaim latency: until the RevokeAck) */
+    uint32_t revoke_blocks;   /* REVOKING: lender blocks given back from first_block on (a partial reclaim,
+                               * whole MEUs); 0 or n_blocks: the whole loan */
+    uint64_t min_ack_epoch;   /* REVOKING: a RevokeAck older than this answers a narrower Revoke: ignored */
     int by_master, by_worker; /* UNCONFIRMED: which side reported it */
     uint64_t deadline_ms;     /* UNCONFIRMED: end of the grace period */
 } kvb_loan;
@@ -211,8 +214,10 @@ kvb_status kvb_ledger_grant_undeliverable(kvb_ledger *l, uint64_t loan_id, uint6
 
 /* ReclaimRequest of `worker` (flow 4), or Control(RECLAIM). `n_blocks` is what the worker wants back
  * in all: blocks of its loans already being reclaimed count toward it. The worker's other loans are
- * revoked whole, lowest first_block first, until at least n_blocks are on their way back (or none is
- * left). *n_revoking (may be NULL) gets the blocks now being reclaimed (old and new). KVB_ERR_STATE
+ * revoked lowest first_block first until n_blocks are on their way back (or none is left); the last
+ * one only in part when less than all of it is needed: its first blocks, rounded up to whole worker
+ * MEUs (issue 10: a small reclaim no longer takes back a large loan). After the master's RevokeAck
+ * the loan keeps the rest (ACTIVE again) and the lender gets Reclaimed for the part. *n_revoking (may be NULL) gets the blocks now being reclaimed (old and new). KVB_ERR_STATE
  * when the worker has nothing lent. */
 kvb_status kvb_ledger_reclaim(kvb_ledger *l, const char *worker, uint32_t n_blocks, uint64_t now_ms,
                               uint32_t *n_revoking, char *why, size_t why_len);

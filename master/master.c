@@ -48,7 +48,7 @@ typedef struct master {
     mapped *regions;              /* [n_regions] */
     int n_regions, cap_regions;
     int drain_answer;             /* shutdown: 0 none yet, 1 ok, -1 refused */
-    uint64_t n_grants, n_revokes, n_moved, n_dropped, n_preempted;
+    uint64_t n_grants, n_revokes, n_moved, n_dropped, n_preempted, n_kept; /* n_kept: cached blocks kept or demoted */
 } master;
 
 /* ----------------------------------------------------------------------------------------- regions */
@@ -110,15 +110,20 @@ static int find_loan(const master *m, uint64_t id) {
     return -1;
 }
 
+static void tally(master *m, const kvb_detach_stats *ds) {
+    m->n_moved += (uint64_t)ds->moved;
+    m->n_dropped += (uint64_t)ds->dropped;
+    m->n_preempted += (uint64_t)ds->preempted;
+    m->n_kept += (uint64_t)ds->kept + (uint64_t)ds->demoted;
+}
+
 /* Detaches loan i from the engine and forgets it. */
 static kvb_status drop_loan(master *m, int i, int lender_dead, kvb_detach_stats *ds) {
     loan *ln = &m->loans[i];
     memset(ds, 0, sizeof *ds);
     kvb_status st = kvb_engine_detach(m->eng, ln->l.loan_id, lender_dead, ds);
     if (st != KVB_OK && st != KVB_ERR_NOT_FOUND) return st; /* still attached: keep it mapped */
-    m->n_moved += (uint64_t)ds->moved;
-    m->n_dropped += (uint64_t)ds->dropped;
-    m->n_preempted += (uint64_t)ds->preempted;
+    tally(m, ds);
     region_put(m, ln->region);
     memmove(ln, ln + 1, (size_t)(m->n_loans - i - 1) * sizeof *ln);
     m->n_loans--;
@@ -211,28 +216,58 @@ static void cb_grant(void *ud, const Kvbank__Grant *g) {
     kvb_node_client_send_grant_ack(m->nc, l->loan_id, 1, NULL);
 }
 
+/* Partial reclaim (issue 10): gives back the front of loan i up to lender block `end` (whole MEUs:
+ * the loan's master blocks per lender block are exact), keeping the rest attached. */
+static kvb_status shrink_loan(master *m, int i, uint32_t end, kvb_detach_stats *ds) {
+    kvb_node_loan *l = &m->loans[i].l;
+    uint32_t k = end - l->first_block; /* lender blocks, 0 < k < n_blocks */
+    uint64_t km = (uint64_t)k * l->n_master_blocks;
+    if (km % l->n_blocks) {
+        KVB_LOG_W("loan %" PRIu64 ": %u of %u lender blocks are no whole number of its %u master blocks; giving "
+                  "back all of it", l->loan_id, k, l->n_blocks, l->n_master_blocks);
+        return drop_loan(m, i, 0, ds);
+    }
+    uint32_t mk = (uint32_t)(km / l->n_blocks);
+    uint64_t kb = l->bytes / l->n_blocks * k; /* lender block bytes * k */
+    KVB_TRY(kvb_engine_detach_front(m->eng, l->loan_id, (int)mk, 0, ds));
+    tally(m, ds);
+    l->first_block += k;
+    l->n_blocks -= k;
+    l->n_master_blocks -= mk;
+    l->offset += kb;
+    l->bytes -= kb;
+    return KVB_OK;
+}
+
 static void cb_revoke(void *ud, const Kvbank__Revoke *rv) {
     master *m = ud;
     int i = find_loan(m, rv->loan_id);
     kvb_detach_stats ds = {0};
+    uint64_t end = (uint64_t)rv->first_block + rv->n_blocks; /* a partial revoke: the loan keeps [end, ...) */
     if (i < 0) {
         /* Not attached (a repeated Revoke, or a Grant that never came): nothing uses it. */
         KVB_LOG_I("revoke of loan %" PRIu64 ", which is not attached here: acknowledged", rv->loan_id);
+    } else if (rv->n_blocks && !rv->lender_dead && end <= m->loans[i].l.first_block) {
+        KVB_LOG_I("revoke of blocks [%u, %" PRIu64 ") of loan %" PRIu64 ", given back already: acknowledged",
+                  rv->first_block, end, rv->loan_id);
     } else {
         uint64_t t0 = kvb_now_ns();
-        kvb_status st = drop_loan(m, i, rv->lender_dead, &ds);
+        const kvb_node_loan *l = &m->loans[i].l;
+        int part = rv->n_blocks && !rv->lender_dead && end < (uint64_t)l->first_block + l->n_blocks;
+        kvb_status st = part ? shrink_loan(m, i, (uint32_t)end, &ds) : drop_loan(m, i, rv->lender_dead, &ds);
         if (st != KVB_OK) {
             /* Still attached and in use: no ack (the coordinator repeats the Revoke). */
             KVB_LOG_E("cannot detach loan %" PRIu64 ": %s; will try again", rv->loan_id, kvb_status_str(st));
             return;
         }
         m->n_revokes++;
-        KVB_LOG_I("gave back loan %" PRIu64 "%s in %.2f ms: %d block(s) moved, %d dropped, %d sequence(s) preempted",
-                  rv->loan_id, rv->lender_dead ? " (lender dead)" : "", (double)(kvb_now_ns() - t0) / 1e6, ds.moved,
-                  ds.dropped, ds.preempted);
+        KVB_LOG_I("gave back %sloan %" PRIu64 "%s in %.2f ms: %d block(s) moved, %d cached kept, %d demoted, %d "
+                  "dropped, %d sequence(s) preempted",
+                  part ? "the front of " : "", rv->loan_id, rv->lender_dead ? " (lender dead)" : "",
+                  (double)(kvb_now_ns() - t0) / 1e6, ds.moved, ds.kept, ds.demoted, ds.dropped, ds.preempted);
     }
     kvb_node_client_send_revoke_ack(m->nc, rv->loan_id, rv->epoch, (uint32_t)ds.moved, (uint32_t)ds.dropped,
-                                    (uint32_t)ds.preempted);
+                                    (uint32_t)ds.preempted, (uint32_t)ds.kept, (uint32_t)ds.demoted);
 }
 
 static void cb_control_reply(void *ud, const Kvbank__ControlReply *r) {
@@ -315,9 +350,9 @@ int main(int argc, char **argv) {
         kvb_detach_stats ds;
         if (drop_loan(&m, m.n_loans - 1, 1, &ds) != KVB_OK) break;
     }
-    KVB_LOG_I("borrowed %" PRIu64 " loan(s), gave back %" PRIu64 ": %" PRIu64 " block(s) moved, %" PRIu64
-              " dropped, %" PRIu64 " preemption(s)",
-              m.n_grants, m.n_revokes, m.n_moved, m.n_dropped, m.n_preempted);
+    KVB_LOG_I("borrowed %" PRIu64 " loan(s), gave back %" PRIu64 " (or their fronts): %" PRIu64 " block(s) moved, %"
+              PRIu64 " cached kept, %" PRIu64 " dropped, %" PRIu64 " preemption(s)",
+              m.n_grants, m.n_revokes, m.n_moved, m.n_kept, m.n_dropped, m.n_preempted);
     if (st != KVB_OK) fprintf(stderr, "kvbank-master: stopped on an error: %s\n", kvb_status_str(st));
     else rc = 0;
 out:

@@ -252,6 +252,8 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
     a->lend_interval_s = DEFAULT_LEND_INTERVAL_S;
     a->lend = 1;
     a->window_s = DEFAULT_WINDOW_S;
+    a->stall_wait_s = 60;
+    a->stall_overtake = 64;
     if (config) {
         if (!name) {
             fprintf(stderr, "%s: --config needs --name (the model's entry)\n", a->prog);
@@ -296,6 +298,8 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         a->max_live_per_client = m->max_live_per_client;
         a->lsc_stream = m->lsc_stream;
         a->lend = m->lend;
+        a->stall_wait_s = m->stall_wait_s;
+        a->stall_overtake = m->stall_overtake;
         if (a->cfg->heartbeat_ms > 0) a->heartbeat_ms = a->cfg->heartbeat_ms;
         if (a->cfg->lend_interval_s > 0) a->lend_interval_s = a->cfg->lend_interval_s;
         if (a->cfg->window_s > 0) a->window_s = a->cfg->window_s;
@@ -506,6 +510,8 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     eo.max_batch_tokens = a->max_batch_tokens;
     eo.max_seqs = a->max_seqs;
     eo.enable_prefix_cache = a->prefix_cache;
+    eo.stall_wait_s = a->stall_wait_s;
+    eo.stall_overtake = a->stall_overtake;
     eo.kv_mem = kvb_mem_region_base(p->region);
     eo.kv_mem_bytes = kvb_mem_region_size(p->region);
     kvb_engine_events ev = kvb_server_engine_events(p->srv);
@@ -529,6 +535,11 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
         }
         if (a->lend) KVB_LOG_I("policy %s keeps its own KV memory: this worker lends nothing", a->policy);
         p->args.lend = 0;
+    } else if (a->role == KVB_ROLE_MASTER && kvb_block_pool_is_sliced(kvb_engine_pool(p->eng))) {
+        /* OrbitFlow's planners: per-layer slices of the region (docs/design.md, sliced pools) */
+        KVB_LOG_W("policy %s places KV per (block, layer) slice and a sliced pool cannot attach borrowed memory: "
+                  "this master serves from its own blocks and the host tier; loans offered to it go back to their "
+                  "lenders", a->policy);
     }
 
     /* The coordinator's credentials: kvbankd passes this model's token (KVB_AUTH_FD); run by hand, the
@@ -563,9 +574,9 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
                           .on_request = hook_request, .on_step_begin = hook_step_begin,
                           .on_step_end = hook_step_end};
     KVB_TRY_GOTO(kvb_server_set_hooks(p->srv, &h), fail);
-    KVB_LOG_I("%s %s serving on %s: %lld KV blocks of %d tokens (%zu bytes each) in %s memory (device %d, region "
-              "%.24s%s)%s; coordinator %s",
-              a->role == KVB_ROLE_MASTER ? "master" : "worker", a->name, kvb_server_endpoint(p->srv),
+    KVB_LOG_I("%s %s serving on %s (policy %s): %lld KV blocks of %d tokens (%zu bytes each) in %s memory (device "
+              "%d, region %.24s%s)%s; coordinator %s",
+              a->role == KVB_ROLE_MASTER ? "master" : "worker", a->name, kvb_server_endpoint(p->srv), a->policy,
               (long long)n_blocks, a->block_size, block_bytes, kvb_mem_kind(p->be->mem), kvb_mem_device(p->be->mem),
               kvb_mem_region_handle(p->region), strlen(kvb_mem_region_handle(p->region)) > 24 ? "..." : "",
               n_stale ? " (stale regions of the tag removed)" : "", a->coordinator);

@@ -46,6 +46,8 @@ typedef struct kvb_node_proc_args {
     int heartbeat_ms;            /* until the coordinator says otherwise */
     double lend_interval_s;      /* worker: Alg. 1 SCALEDOWN period */
     double window_s;             /* worker: Alg. 1 window t */
+    double stall_wait_s;         /* kvb_engine_opts.stall_wait_s (issue 10) */
+    int stall_overtake;          /* kvb_engine_opts.stall_overtake */
     int lsc_stream;              /* master: stream lent blocks through the LSC */
     int lend;                    /* worker: offer idle blocks (1, default) or never (0: --no-lend) */
     kvb_node_config *cfg;        /* the node config when --config was given (owned; else NULL) */

@@ -263,7 +263,7 @@ def mid_stream(node, what, act):
         return "FAIL", f"{did}; the request failed after it: {err.strip()[-300:]}"
     got = [int(x) for x in out.strip().split(",") if x]
     verdict, detail = node.compare(prompt, got, max_tokens, what.replace(" ", "-"))
-    gave = re.findall(r"gave back loan \d+[^\n]*", node.master_log_since(log0))
+    gave = re.findall(r"gave back (?:the front of )?loan \d+[^\n]*", node.master_log_since(log0))
     return verdict, f"{did}; {detail}" + (f"; master: {gave[0]}" if gave else "")
 
 

@@ -257,14 +257,18 @@ KVB_TEST(ledger_reclaim_lowest_first) {
     /* loans stack downward: the lowest is the newest */
     uint64_t l12 = lend(l, "a", 48, 16), l8 = lend(l, "a", 32, 16), l4 = lend(l, "a", 16, 8);
     ck_assert_uint_eq(kvb_ledger_n_lent(l, "a"), 40);
-    /* 20 blocks: the loans at 16 (8 blocks) and 32 (16 blocks), lowest first, cover it */
+    /* 20 blocks: the loan at 16 (8 blocks) whole and the first 12 of the loan at 32 (16 blocks; whole
+     * MEUs of 4 worker blocks), lowest first (issue 10: a reclaim takes back what it asks for) */
     uint32_t n = 0;
     uint64_t e0 = kvb_ledger_epoch(l);
     ck_assert_int_eq(kvb_ledger_reclaim(l, "a", 20, 0, &n, why, sizeof why), KVB_OK);
-    ck_assert_uint_eq(n, 24);
+    ck_assert_uint_eq(n, 20);
     kvb_ledger_action r1 = expect_act(l, KVB_ACT_REVOKE, "m", l4);
     kvb_ledger_action r2 = expect_act(l, KVB_ACT_REVOKE, "m", l8);
     ck_assert(!r1.lender_dead && !r2.lender_dead);
+    ck_assert_uint_eq(r1.loan.revoke_blocks, 0); /* all of it */
+    ck_assert_uint_eq(r2.loan.revoke_blocks, 12);
+    ck_assert_uint_eq(r2.loan.first_block, 32);
     ck_assert_uint_gt(r1.epoch, e0);
     ck_assert_uint_gt(r2.epoch, r1.epoch);
     expect_no_act(l); /* no Reclaimed before the RevokeAck */
@@ -280,21 +284,73 @@ KVB_TEST(ledger_reclaim_lowest_first) {
     /* ... and only the master may ack */
     ck_assert_int_eq(kvb_ledger_revoke_ack(l, "a", l8, r2.epoch, 0, why, sizeof why), KVB_ERR_PROTOCOL);
     ck_assert_ptr_nonnull(kvb_ledger_loan(l, l8));
-    /* the acks, in any order, each give exactly that loan back */
+    /* the acks, in any order, each give exactly what was revoked back: the part of l8, the loan keeps
+     * its end ([44, 48): 4 worker blocks = 1 master block) */
     ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", l8, r2.epoch, 0, why, sizeof why), KVB_OK);
     kvb_ledger_action rc = expect_act(l, KVB_ACT_RECLAIMED, "a", l8);
     ck_assert_uint_eq(rc.loan.first_block, 32);
-    ck_assert_uint_eq(rc.loan.n_blocks, 16);
+    ck_assert_uint_eq(rc.loan.n_blocks, 12);
+    expect_no_act(l);
+    const kvb_loan *k8 = kvb_ledger_loan(l, l8);
+    ck_assert_ptr_nonnull(k8);
+    ck_assert_int_eq(k8->state, KVB_LOAN_ACTIVE);
+    ck_assert_uint_eq(k8->first_block, 44);
+    ck_assert_uint_eq(k8->n_blocks, 4);
+    ck_assert_uint_eq(k8->n_master_blocks, 1);
+    ck_assert_uint_eq(k8->offset, 44u * 4096u);
+    ck_assert_uint_eq(k8->bytes, 4u * 4096u);
+    /* a repeated ack of the part finds the loan active: ignored, nothing more comes back */
+    ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", l8, r2.epoch, 0, why, sizeof why), KVB_ERR_STATE);
     expect_no_act(l);
     ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", l4, r1.epoch, 0, why, sizeof why), KVB_OK);
     expect_act(l, KVB_ACT_RECLAIMED, "a", l4);
     ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", l4, r1.epoch, 0, why, sizeof why), KVB_ERR_NOT_FOUND);
+    ck_assert_uint_eq(kvb_ledger_n_lent(l, "a"), 20);
     ck_assert_int_eq(kvb_ledger_reclaim(l, "a", 30, 0, &n, why, sizeof why), KVB_OK);
-    ck_assert_uint_eq(n, 16);
+    ck_assert_uint_eq(n, 20);
+    expect_act(l, KVB_ACT_REVOKE, "m", l8);
     expect_act(l, KVB_ACT_REVOKE, "m", l12);
     /* a worker with nothing lent */
     reg(l, "b", KVB_ROLE_WORKER, 12, &G_A, 64);
     ck_assert_int_eq(kvb_ledger_reclaim(l, "b", 4, 0, &n, why, sizeof why), KVB_ERR_STATE);
+    kvb_ledger_destroy(l);
+}
+KVB_TEST_END
+
+/* Partial reclaim (issue 10): a partial revoke still in flight is widened to the whole loan by a drain
+ * (or the lender's death), and the late ack of the part then finishes nothing. */
+KVB_TEST(ledger_partial_reclaim_widened) {
+    kvb_ledger *l = new_ledger();
+    char why[256] = "";
+    reg(l, "m", KVB_ROLE_MASTER, 10, &G_M, 64);
+    reg(l, "a", KVB_ROLE_WORKER, 11, &G_A, 64);
+    uint64_t id = lend(l, "a", 32, 32);
+    uint32_t n = 0;
+    ck_assert_int_eq(kvb_ledger_reclaim(l, "a", 5, 0, &n, why, sizeof why), KVB_OK);
+    ck_assert_uint_eq(n, 8); /* rounded up to whole MEUs of 4 */
+    kvb_ledger_action p = expect_act(l, KVB_ACT_REVOKE, "m", id);
+    ck_assert_uint_eq(p.loan.revoke_blocks, 8);
+    /* asked again: it is on its way */
+    ck_assert_int_eq(kvb_ledger_reclaim(l, "a", 8, 0, &n, why, sizeof why), KVB_OK);
+    ck_assert_uint_eq(n, 8);
+    expect_no_act(l);
+    int nl = 0;
+    ck_assert_int_eq(kvb_ledger_drain(l, "a", 0, &nl, why, sizeof why), KVB_OK);
+    ck_assert_int_eq(nl, 1);
+    expect_act(l, KVB_ACT_LEND_REQUEST, "a", 0);
+    kvb_ledger_action w = expect_act(l, KVB_ACT_REVOKE, "m", id);
+    ck_assert_uint_eq(w.loan.revoke_blocks, 0); /* the whole loan now */
+    ck_assert_uint_gt(w.epoch, p.epoch);
+    /* the part's ack comes first: it finishes nothing */
+    ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", id, p.epoch, 0, why, sizeof why), KVB_ERR_STATE);
+    ck_assert_msg(strstr(why, "partial") != NULL, "reason: %s", why);
+    expect_no_act(l);
+    ck_assert_int_eq(kvb_ledger_loan(l, id)->n_blocks, 32);
+    ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", id, w.epoch, 0, why, sizeof why), KVB_OK);
+    kvb_ledger_action rc = expect_act(l, KVB_ACT_RECLAIMED, "a", id);
+    ck_assert_uint_eq(rc.loan.first_block, 32);
+    ck_assert_uint_eq(rc.loan.n_blocks, 32);
+    ck_assert_int_eq(kvb_ledger_n_loans(l), 0);
     kvb_ledger_destroy(l);
 }
 KVB_TEST_END
@@ -1272,10 +1328,36 @@ KVB_TEST(proc_lend_reclaim_flow) {
     uint64_t epoch0 = s->status_reply->epoch;
     kvbank__envelope__free_unpacked(s, NULL);
 
+    /* one MEU (4 worker blocks): the loan's first 4 blocks come back, it keeps the rest (issue 10) */
     send_reclaim(&w, 4);
     Kvbank__Envelope *e = peer_expect(&m, KVBANK__ENVELOPE__BODY_REVOKE, 10000, "revoke");
     ck_assert_uint_eq(e->revoke->loan_id, id);
     ck_assert(!e->revoke->lender_dead);
+    ck_assert_uint_eq(e->revoke->first_block, 48);
+    ck_assert_uint_eq(e->revoke->n_blocks, 4);
+    uint64_t pepoch = e->revoke->epoch;
+    kvbank__envelope__free_unpacked(e, NULL);
+    send_revoke_ack(&m, id, pepoch);
+    e = peer_expect(&w, KVBANK__ENVELOPE__BODY_RECLAIMED, 10000, "reclaimed part");
+    ck_assert_uint_eq(e->reclaimed->loan_id, id);
+    ck_assert_uint_eq(e->reclaimed->first_block, 48);
+    ck_assert_uint_eq(e->reclaimed->n_blocks, 4);
+    kvbank__envelope__free_unpacked(e, NULL);
+    s = status_of(1);
+    ck_assert_uint_eq(s->status_reply->n_loans, 1);
+    ck_assert_uint_eq(s->status_reply->loans[0]->first_block, 52);
+    ck_assert_uint_eq(s->status_reply->loans[0]->n_blocks, 12);
+    ck_assert_uint_eq(s->status_reply->loans[0]->n_master_blocks, 3);
+    ck_assert(!s->status_reply->loans[0]->revoking);
+    epoch0 = s->status_reply->epoch;
+    kvbank__envelope__free_unpacked(s, NULL);
+
+    /* the rest: the whole loan */
+    send_reclaim(&w, 12);
+    e = peer_expect(&m, KVBANK__ENVELOPE__BODY_REVOKE, 10000, "revoke");
+    ck_assert_uint_eq(e->revoke->loan_id, id);
+    ck_assert(!e->revoke->lender_dead);
+    ck_assert_uint_eq(e->revoke->n_blocks, 0); /* the whole loan */
     ck_assert_uint_gt(e->revoke->epoch, epoch0);
     uint64_t repoch = e->revoke->epoch;
     kvbank__envelope__free_unpacked(e, NULL);
@@ -1289,8 +1371,8 @@ KVB_TEST(proc_lend_reclaim_flow) {
     send_revoke_ack(&m, id, repoch);
     e = peer_expect(&w, KVBANK__ENVELOPE__BODY_RECLAIMED, 10000, "reclaimed");
     ck_assert_uint_eq(e->reclaimed->loan_id, id);
-    ck_assert_uint_eq(e->reclaimed->first_block, 48);
-    ck_assert_uint_eq(e->reclaimed->n_blocks, 16);
+    ck_assert_uint_eq(e->reclaimed->first_block, 52);
+    ck_assert_uint_eq(e->reclaimed->n_blocks, 12);
     ck_assert_uint_gt(e->reclaimed->epoch, repoch);
     kvbank__envelope__free_unpacked(e, NULL);
     s = status_of(1);
@@ -1770,8 +1852,9 @@ KVB_TEST(ctl_control) {
     ck_assert_msg(strstr(err, "not a worker") != NULL, "stderr: %s", err);
     const char *nosuch_argv[] = {"kvbankctl", "--coordinator", g_endpoint, "reclaim", "nosuch", "4", NULL};
     ck_assert_int_eq(run_tool(nosuch_argv, out, sizeof out, err, sizeof err), 1);
-    /* reclaim by hand: the master gets the Revoke */
-    const char *rec_argv[] = {"kvbankctl", "--coordinator", g_endpoint, "reclaim", "w", "1", NULL};
+    /* reclaim by hand: the master gets the Revoke (all 8 blocks: one block back would be one MEU, the
+     * front of the loan) */
+    const char *rec_argv[] = {"kvbankctl", "--coordinator", g_endpoint, "reclaim", "w", "8", NULL};
     ck_assert_int_eq(run_tool(rec_argv, out, sizeof out, err, sizeof err), 0);
     e = peer_expect(&m, KVBANK__ENVELOPE__BODY_REVOKE, 10000, "revoke");
     ck_assert_uint_eq(e->revoke->loan_id, id);
@@ -2423,7 +2506,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("coordinator", KVB_T(ledger_meu_per_pair, 10), KVB_T(ledger_offer_validation, 10),
               KVB_T(ledger_refuses_regions_off_the_masters_plan, 10),
-              KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_grant_failures, 10),
+              KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_partial_reclaim_widened, 10), KVB_T(ledger_grant_failures, 10),
               KVB_T(ledger_lend_reclaim_counters, 10),
               KVB_T(ledger_master_death_returns_loans, 10), KVB_T(ledger_silent_master_fenced_first, 10), KVB_T(ledger_worker_death_revokes_lender_dead, 10),
               KVB_T(ledger_register_rules, 10), KVB_T(ledger_drain, 10), KVB_T(ledger_drain_failure_changes_nothing, 10), KVB_T(ledger_restart_both_sides, 10),

@@ -67,9 +67,11 @@ KVB_TEST(pool_segments) {
         ck_assert_int_eq(kvb_block_pool_alloc(p, &id), KVB_OK);
         ck_assert_int_eq(id, i);
     }
-    /* detach needs exactly one segment whose blocks are all free */
+    /* detach needs a segment, or the front of one, whose blocks are all free */
     ck_assert_int_eq(kvb_block_pool_detach(p, fa, 3), KVB_ERR_STATE);
-    ck_assert_int_eq(kvb_block_pool_detach(p, fa, 2), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_block_pool_detach(p, fa, 2), KVB_ERR_STATE); /* the front, in use */
+    ck_assert_int_eq(kvb_block_pool_detach(p, fa, 4), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_block_pool_detach(p, fa, 0), KVB_ERR_INVALID);
     ck_assert_int_eq(kvb_block_pool_detach(p, fa + 1, 3), KVB_ERR_INVALID);
     ck_assert_int_eq(kvb_block_pool_detach(p, 0, 4), KVB_ERR_INVALID); /* own blocks are no segment */
     kvb_block_pool_set_release_hook(p, keep_block_5, NULL);
@@ -126,6 +128,17 @@ KVB_TEST(pool_segments) {
     ck_assert_int_eq(kvb_block_pool_n_blocks(p), 4);
     ck_assert_int_eq(kvb_block_pool_n_attached(p), 0);
     /* a re-attach after a full retire starts at capacity again */
+    ck_assert_int_eq(kvb_block_pool_attach(p, d, 4, &fd), KVB_OK);
+    ck_assert_int_eq(fd, 4);
+    /* partial reclaim: the front of a segment goes, the rest stays attached with its addresses */
+    ck_assert_int_eq(kvb_block_pool_detach(p, fd, 1), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_has(p, 4), 0);
+    ck_assert_int_eq(kvb_block_pool_has(p, 5), 1);
+    ck_assert_ptr_eq(kvb_block_pool_block(p, 5), d + bb);
+    ck_assert_int_eq(kvb_block_pool_n_attached(p), 3);
+    ck_assert_int_eq(kvb_block_pool_detach(p, fd, 3), KVB_ERR_INVALID); /* retired now */
+    ck_assert_int_eq(kvb_block_pool_detach(p, fd + 1, 3), KVB_OK);
+    ck_assert_int_eq(kvb_block_pool_id_limit(p), 4);
     ck_assert_int_eq(kvb_block_pool_attach(p, d, 4, &fd), KVB_OK);
     ck_assert_int_eq(fd, 4);
     ck_assert_int_eq(kvb_block_pool_detach(p, fd, 4), KVB_OK);
@@ -223,6 +236,7 @@ typedef struct rec {
     int32_t toks[MAXR][MAXT];
     int n[MAXR];
     kvb_finish fin[MAXR];
+    kvb_status err[MAXR];
 } rec;
 
 static void on_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t t_ns) {
@@ -236,6 +250,7 @@ static void on_finish(void *ud, uint64_t id, kvb_finish why, kvb_status err) {
     rec *r = ud;
     ck_assert_int_eq(r->fin[id], KVB_FINISH_NONE);
     r->fin[id] = why;
+    r->err[id] = err;
 }
 
 static kvb_t_model tm;
@@ -260,6 +275,9 @@ static size_t block_bytes(int bs) {
 
 typedef struct eopts {
     int bs, n_blocks, budget, prefix, stream;
+    double stall_wait_s; /* > 0: kvb_engine_opts.stall_wait_s, with stall_overtake */
+    long long lenders_bytes; /* stream: the swiftcache planner's lenders_bytes (LSC inside the budget) */
+    int stall_overtake;
     void *mem;
     size_t mem_bytes;
 } eopts;
@@ -273,11 +291,20 @@ static kvb_engine *mk(rec *r, eopts x) {
     o.enable_prefix_cache = x.prefix;
     o.kv_mem = x.mem;
     o.kv_mem_bytes = x.mem_bytes;
+    if (x.stall_wait_s > 0) {
+        o.stall_wait_s = x.stall_wait_s;
+        o.stall_overtake = x.stall_overtake;
+    }
     kvb_engine_events ev = {.ud = r, .on_token = on_token, .on_finish = on_finish};
     kvb_planner pl = kvb_policy_recompute();
     if (x.stream) { /* SwiftCache's layer stream cache: the swiftcache planner with lsc=stream */
         kvb_policy_params pp = {0};
         ck_assert_int_eq(kvb_policy_params_add(&pp, "lsc=stream"), KVB_OK);
+        if (x.lenders_bytes > 0) {
+            char kv[48];
+            snprintf(kv, sizeof kv, "lenders_bytes=%lld", x.lenders_bytes);
+            ck_assert_int_eq(kvb_policy_params_add(&pp, kv), KVB_OK);
+        }
         ck_assert_int_eq(kvb_policy_create("swiftcache", &pp, &pl), KVB_OK);
         kvb_policy_params_free(&pp);
     }
@@ -746,6 +773,59 @@ KVB_TEST(detach_preempts_without_free_blocks) {
 }
 KVB_TEST_END
 
+/* Issue 10: requests admitted on borrowed blocks, preempted when the loan goes and no longer fitting the
+ * pool, must not hold the queue for good: a later request that fits is served past them (at most
+ * stall_overtake of them), and they fail with KVB_ERR_EXHAUSTED after stall_wait_s. */
+KVB_TEST(stalled_head_overtaken_then_fails) {
+    setup_model("llama", 3);
+    make_prompts();
+    req rs[6];
+    detach_requests(rs);
+    rs[3] = (req){4, P[1], 5, 8}; /* 13 tokens: 4 blocks, the whole own pool */
+    rs[4] = (req){5, P[1], 5, 6};
+    static rec ref, got;
+    reference(&ref, rs, 5);
+    size_t bb = block_bytes(4);
+    shm lend;
+    shm_open_(&lend, 40 * bb);
+    memset(&got, 0, sizeof got);
+    kvb_engine *e = mk(&got, (eopts){.bs = 4, .n_blocks = 4, .prefix = 0, .stall_wait_s = 5, .stall_overtake = 1});
+    ck_assert_int_eq(kvb_engine_attach(e, 1, lend.base, 40 * bb, 40), KVB_OK);
+    start_detach_requests(e, rs);
+    kvb_detach_stats ds;
+    ck_assert_int_eq(kvb_engine_detach(e, 1, 0, &ds), KVB_OK);
+    ck_assert_int_eq(ds.preempted, 3); /* all three wait now, none fits the 4 own blocks */
+    poison(lend.base, 40 * bb);
+    add(e, 4, rs[3].p, rs[3].n, rs[3].max);
+    add(e, 5, rs[4].p, rs[4].n, rs[4].max);
+    /* request 4 overtakes the stalled three; request 5 may not (one overtake each) and waits */
+    for (int i = 0; i < 20000 && got.fin[4] == KVB_FINISH_NONE; i++) ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+    ck_assert_int_eq(got.fin[4], KVB_FINISH_LENGTH);
+    ck_assert_int_eq(got.n[5], 0);
+    for (int k = 0; k < 3; k++) ck_assert_int_eq(got.fin[rs[k].id], KVB_FINISH_NONE);
+    ck_assert_int_eq(kvb_engine_starved(e), 1);
+    /* no loan comes: after the stall wait they fail with an explicit error, and request 5 runs */
+    for (int i = 0; i < 100000 && kvb_engine_n_live(e) > 0; i++) {
+        ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+        if (got.fin[5] == KVB_FINISH_NONE) usleep(500);
+    }
+    ck_assert_int_eq(kvb_engine_n_live(e), 0);
+    for (int k = 0; k < 3; k++) {
+        ck_assert_int_eq(got.fin[rs[k].id], KVB_FINISH_ERROR);
+        ck_assert_int_eq(got.err[rs[k].id], KVB_ERR_EXHAUSTED);
+    }
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    ck_assert_uint_eq(s.stalled_failed, 3);
+    const req done[] = {rs[3], rs[4]};
+    assert_same(&ref, &got, done, 2);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    shm_close(&lend);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST(detach_lender_dead) {
     setup_model("llama", 3);
     make_prompts();
@@ -839,6 +919,118 @@ KVB_TEST(detach_drops_cached_prefix) {
 }
 KVB_TEST_END
 
+/* ---------------------------------------------------------------- (d2) partial reclaim (issue 10) */
+
+/* The hits of prompt p (n tokens) when run again as request id, and its tokens against `want`. */
+static uint64_t rerun_hits(kvb_engine *e, rec *got, uint64_t id, const int32_t *p, int n, int max, const rec *ref,
+                           uint64_t ref_id) {
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    uint64_t h0 = s.prefix_hit_tokens;
+    add(e, id, p, n, max);
+    run(e);
+    kvb_engine_get_stats(e, &s);
+    ck_assert_int_eq(got->n[id], max);
+    for (int k = 0; k < max; k++) ck_assert_int_eq(got->toks[id][k], ref->toks[ref_id][k]);
+    return s.prefix_hit_tokens - h0;
+}
+
+/* The partial-detach scene (llama, bs 4): 8 own blocks and one loan of `loan_blocks` under `tag` in
+ * shared memory `lend`; rs[0] and then rs[1] run to completion (rs[1]'s blocks are the more recently
+ * used), `ref` gets the reference tokens of rs[0..n). Caller owns the engine and `lend`. */
+static kvb_engine *two_prompts_on_loan(rec *ref, rec *got, const req *rs, int n, shm *lend, int loan_blocks,
+                                       uint64_t tag) {
+    setup_model("llama", 3);
+    make_prompts();
+    reference(ref, rs, n);
+    size_t bb = block_bytes(4);
+    shm_open_(lend, (size_t)loan_blocks * bb);
+    memset(got, 0, sizeof *got);
+    kvb_engine *e = mk(got, (eopts){.bs = 4, .n_blocks = 8, .prefix = 1});
+    ck_assert_int_eq(kvb_engine_attach(e, tag, lend->base, (size_t)loan_blocks * bb, loan_blocks), KVB_OK);
+    for (int i = 0; i < 2; i++) {
+        add(e, rs[i].id, rs[i].p, rs[i].n, rs[i].max);
+        run(e);
+    }
+    return e;
+}
+
+/* A loan shrinks by its first blocks; the idle cached blocks there are kept (copied into free blocks
+ * elsewhere) when there is room, and a live request on the range keeps running with identical tokens. */
+KVB_TEST(partial_detach_keeps_hot_cache) {
+    static rec ref, got;
+    const req rs[] = {{0, P[0], 37, 30}, {2, P[2], 23, 20}, {1, P[1], 5, 40}};
+    shm lend;
+    kvb_engine *e = two_prompts_on_loan(&ref, &got, rs, 3, &lend, 64, 9); /* loan ids 8..71 */
+    size_t bb = block_bytes(4);
+    add(e, 1, P[1], 5, 40); /* live across the detach, its blocks on the range */
+    steps(e, 3);
+    int live, cached;
+    range_census(e, 8, 24, &live, &cached);
+    ck_assert_int_ge(cached, 12);
+    ck_assert_int_gt(live, 0);
+    kvb_detach_stats ds;
+    ck_assert_int_eq(kvb_engine_detach_front(e, 9, 0, 0, &ds), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_engine_detach_front(e, 9, 65, 0, &ds), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_engine_detach_front(e, 9, 24, 0, &ds), KVB_OK);
+    ck_assert_int_eq(ds.kept, cached); /* room for all of them */
+    ck_assert_int_eq(ds.dropped, 0);
+    ck_assert_int_eq(ds.moved, live);
+    ck_assert_int_eq(ds.preempted, 0);
+    /* the loan keeps its end, same tag */
+    uint64_t tag;
+    int nb;
+    ck_assert_int_eq(kvb_engine_loans(e, &tag, &nb, 1), 1);
+    ck_assert_uint_eq(tag, 9);
+    ck_assert_int_eq(nb, 40);
+    ck_assert_int_eq(kvb_engine_n_borrowed(e), 40);
+    kvb_block_pool *p = kvb_engine_pool(e);
+    for (int32_t i = 8; i < 32; i++) ck_assert_int_eq(kvb_block_pool_has(p, i), 0);
+    for (int32_t i = 32; i < 72; i++) ck_assert_int_eq(kvb_block_pool_has(p, i), 1);
+    poison(lend.base, 24 * bb); /* nothing may read the front any more */
+    run(e);
+    assert_same(&ref, &got, rs, 3);
+    /* every cached block still serves (the pool holds them all): both prompts hit all their full blocks */
+    ck_assert_uint_eq(rerun_hits(e, &got, 3, P[0], 37, 30, &ref, 0), 36);
+    ck_assert_uint_eq(rerun_hits(e, &got, 4, P[2], 23, 20, &ref, 2), 20);
+    /* the rest of the loan goes whole */
+    ck_assert_int_eq(kvb_engine_detach(e, 9, 0, &ds), KVB_OK);
+    ck_assert_int_eq(kvb_engine_n_borrowed(e), 0);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    shm_close(&lend);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* Without free room the range's cached blocks displace colder ones elsewhere, most recent first: after
+ * the detach the newest prompt still hits in full, and what had no colder block to displace is dropped. */
+KVB_TEST(partial_detach_keeps_most_recent) {
+    static rec ref, got;
+    const req rs[] = {{0, P[0], 37, 30}, {2, P[2], 23, 20}};
+    shm lend;
+    kvb_engine *e = two_prompts_on_loan(&ref, &got, rs, 2, &lend, 20, 4); /* loan ids 8..27 */
+    size_t bb = block_bytes(4);
+    int live, cached;
+    range_census(e, 8, 12, &live, &cached);
+    ck_assert_int_eq(live, 0);
+    ck_assert_int_lt(kvb_block_pool_n_free(kvb_engine_pool(e)), cached); /* too few free blocks for all */
+    kvb_detach_stats ds;
+    ck_assert_int_eq(kvb_engine_detach_front(e, 4, 12, 0, &ds), KVB_OK);
+    printf("partial detach without room: %d cached on the range, %d kept, %d dropped\n", cached, ds.kept, ds.dropped);
+    ck_assert_int_eq(ds.kept + ds.dropped, cached);
+    ck_assert_int_gt(ds.kept, 0);
+    ck_assert_int_eq(kvb_engine_n_borrowed(e), 8);
+    poison(lend.base, 12 * bb);
+    ck_assert_uint_eq(rerun_hits(e, &got, 4, P[2], 23, 20, &ref, 2), 20); /* the newest prompt: all 5 blocks */
+    assert_same(&ref, &got, rs, 2);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    shm_close(&lend);
+    teardown_model();
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------- (e) LSC streaming */
 
 /* One run of the LSC scenario with block size `bs`: own pool of 2 blocks, one loan, requests with
@@ -900,6 +1092,49 @@ KVB_TEST(lsc_stream_lossless) {
         shm_close(&a);
         shm_close(&b);
     }
+    teardown_model();
+}
+KVB_TEST_END
+
+/* Issue 10: with lenders_bytes the layer stream cache comes out of the master's KV budget (Eq. 1-5 with
+ * two single-layer buffers per streamed block): own blocks + LSC never exceed the budget, an attach
+ * beyond what the LSC streams is refused and changes nothing, and streaming stays lossless. */
+KVB_TEST(lsc_within_budget) {
+    setup_model("llama", 3);
+    make_prompts();
+    req rs[4];
+    detach_requests(rs);
+    static rec ref, got;
+    reference(&ref, rs, 3);
+    size_t bb = block_bytes(4), lb = bb / (size_t)n_layers;
+    shm own, lend;
+    shm_open_(&own, 40 * bb); /* the master's budget: 40 blocks, K_master = 120 single-layer blocks */
+    shm_open_(&lend, 25 * bb);
+    memset(&got, 0, sizeof got);
+    /* K = 24 full-layer blocks lendable: n_stream = min(24, (120 - 3) / 2) = 24, the LSC takes
+     * ceil(48 / 3) = 16 blocks, the pool keeps 24 */
+    kvb_engine *e = mk(&got, (eopts){.bs = 4, .n_blocks = 40, .prefix = 1, .stream = 1, .mem = own.base,
+                                     .mem_bytes = 40 * bb, .lenders_bytes = (long long)(24 * bb)});
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    ck_assert_int_eq(kvb_engine_capacity(e), 24);
+    ck_assert_int_eq(s.stage_slots, 24);
+    ck_assert_uint_le((size_t)kvb_engine_capacity(e) * bb + (size_t)s.stage_slots * 2 * lb, 40 * bb);
+    ck_assert_int_eq(kvb_engine_attach(e, 1, lend.base, 24 * bb, 24), KVB_OK);
+    /* one block more than the LSC streams: refused, nothing attached */
+    ck_assert_int_ne(kvb_engine_attach(e, 2, lend.base + 24 * bb, bb, 1), KVB_OK);
+    ck_assert_int_eq(kvb_engine_n_borrowed(e), 24);
+    ck_assert_int_eq(kvb_engine_loans(e, NULL, NULL, 0), 1);
+    start_detach_requests(e, rs);
+    run(e);
+    assert_same(&ref, &got, rs, 3);
+    kvb_engine_get_stats(e, &s);
+    ck_assert_uint_gt(s.lsc_loads, 0); /* borrowed blocks were streamed */
+    ck_assert_int_eq(s.stage_slots, 24);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    shm_close(&lend);
+    shm_close(&own);
     teardown_model();
 }
 KVB_TEST_END
@@ -968,6 +1203,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("lending", KVB_T(pool_segments, 20), KVB_T(prefix_on_segments, 10), KVB_T(worker_shrink_grow, 60),
               KVB_T(master_borrowed_session, 60), KVB_T(detach_moves_live_blocks, 60),
-              KVB_T(detach_preempts_without_free_blocks, 60), KVB_T(detach_lender_dead, 60),
-              KVB_T(detach_drops_cached_prefix, 60), KVB_T(lsc_stream_lossless, 120),
+              KVB_T(detach_preempts_without_free_blocks, 60), KVB_T(detach_lender_dead, 60), KVB_T(stalled_head_overtaken_then_fails, 60),
+              KVB_T(detach_drops_cached_prefix, 60), KVB_T(partial_detach_keeps_hot_cache, 60),
+              KVB_T(partial_detach_keeps_most_recent, 60), KVB_T(lsc_stream_lossless, 120), KVB_T(lsc_within_budget, 60),
               KVB_T(attach_detach_cycles, 120))

@@ -4,6 +4,7 @@
 # by kvbank-mkmodel, heartbeat 200 ms, lend interval 0.5 s, a 16-block master KV budget.
 #
 #  1. idle workers lend (Alg. 1 SCALEDOWN); the ledger, the master and the MEUs agree (kvbankctl)
+#  1b. a reclaim of one MEU shrinks a loan from its start instead of taking it back whole (issue 10)
 #  2. a multi-turn session on the master, longer than its own KV holds: every turn's tokens equal
 #     kvbank-generate's for the same prompt
 #  3. a worker gets a long request while the master decodes on borrowed blocks: the worker reclaims
@@ -18,82 +19,8 @@
 # 30 s); KVB_NODE_KEEP=1 keeps the temporary directory with every process's log; KVB_NODE_LSC=stream
 # runs the master with "lsc": "stream" (lent blocks streamed through the layer stream cache).
 set -euo pipefail
-B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
-PY=${KVB_PYTHON:-/usr/bin/python3}
-for p in kvbank-coordinator kvbankctl kvbank-master kvbank-worker kvbank-mkmodel kvbank-generate kvbank-request; do
-    if [ ! -x "$B/$p" ]; then
-        echo "FAIL - $B/$p is missing (build it first)"
-        exit 1
-    fi
-done
-T=$(mktemp -d /tmp/kvb-node-XXXXXX)
-NODE=tn$$                       # shm tags are ${NODE}_<model>
-EP=ipc://$T/coord.sock
-DEADLINE=${KVB_NODE_DEADLINE:-30} # seconds any single wait may take
 LSC=${KVB_NODE_LSC:-inplace}    # how the master's attention reaches lent blocks: inplace or stream
-declare -A PID=()               # model name -> pid
-source "$(dirname "$0")/node_harness.sh" # BG: every process started here; ok, fail, wait_until, ctl
-
-# st EXPR: evaluates the python expression EXPR with s = `kvbankctl status --json` and l = the ledger's
-# loans; exits 0 when it is true (prints it when it is not a bool).
-st() {
-    local s l
-    s=$(ctl status --json 2>/dev/null) || return 1
-    l=$(ctl ledger --json 2>/dev/null) || return 1
-    "$PY" - "$s" "$l" "$1" <<'PYEOF'
-import json, sys
-s = json.loads(sys.argv[1]); lj = json.loads(sys.argv[2])
-l = lj.get('loans', []) if isinstance(lj, dict) else lj
-m = {x['name']: x for x in s['models'] if x.get('alive')}
-v = eval(sys.argv[3])
-if isinstance(v, bool):
-    sys.exit(0 if v else 1)
-print(v)
-PYEOF
-}
-
-ids() { "$PY" -c "import sys; n, a, b = map(int, sys.argv[1:]); print(','.join(str((a * i + b) % 120 + 3) for i in range(n)))" "$@"; }
-
-start_model() { # start_model master|worker NAME
-    "$B/kvbank-$1" --config "$T/node.json" --name "$2" 2>>"$T/$2.log" &
-    PID[$2]=$!
-    BG+=($!)
-}
-
-start_coordinator() {
-    "$B/kvbank-coordinator" --config "$T/node.json" 2>>"$T/coordinator.log" &
-    PID[coordinator]=$!
-    BG+=($!)
-}
-
-# request ENDPOINT_NAME PROMPT MAX OUTFILE: kvbank-request in the background; its pid in $REQ. OUTFILE
-# gets a line `INDEX TOKEN MS` per token as it arrives, then `finish: REASON, N tokens: IDS`.
-request() {
-    "$B/kvbank-request" --endpoint "ipc://$T/$1.sock" --prompt-ids "$2" --max-tokens "$3" \
-        --timeout-ms $((DEADLINE * 1000)) >"$4" 2>"$4.err" &
-    REQ=$!
-    BG+=($!)
-}
-
-# check_tokens WHAT MODEL_DIR BLOCK_SIZE PROMPT MAX OUTFILE: the ids in OUTFILE are kvbank-generate's
-check_tokens() {
-    local want got
-    want=$("$B/kvbank-generate" --model "$2" --block-size "$3" --prompt-ids "$4" --max-tokens "$5" 2>/dev/null) ||
-        fail "$1: kvbank-generate failed"
-    got=$(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$6")
-    [ "$got" = "$want" ] || fail "$1: tokens differ from kvbank-generate: got '$got', want '$want' ($(cat "$6.err"))"
-}
-
-# wait_exit PID SECONDS: waits for a process started here to end; its exit status in $RC
-wait_exit() {
-    local end=$((SECONDS + $2))
-    while kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; do
-        [ "$SECONDS" -ge "$end" ] && fail "process $1 still running after $2 s"
-        sleep 0.1
-    done
-    RC=0
-    wait "$1" || RC=$?
-}
+source "$(dirname "$0")/node_lib.sh"
 
 shm_modes_ok() {
     local f n=0
@@ -106,11 +33,8 @@ shm_modes_ok() {
 }
 
 # ------------------------------------------------------------------------------------ the node
-MM=$T/m_master MA=$T/m_a MB=$T/m_b
-"$B/kvbank-mkmodel" --arch llama --layers 4 --hidden 512 --heads 16 --kv-heads 4 --head-dim 32 \
-    --intermediate 1024 --vocab 128 --max-pos 4096 --seed 11 "$MM" >/dev/null
-"$B/kvbank-mkmodel" --arch qwen3 --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 --vocab 128 \
-    --seed 12 "$MA" >/dev/null
+MB=$T/m_b
+make_master_and_wa
 "$B/kvbank-mkmodel" --arch qwen3 --layers 3 --hidden 32 --heads 2 --kv-heads 1 --head-dim 16 --vocab 128 \
     --seed 13 "$MB" >/dev/null
 # block bytes: master 4*2*16*4*32*4 = 65536 (1 MiB = 16 blocks = 256 tokens); wa 2*2*8*2*16*4 = 4096
@@ -180,6 +104,18 @@ n=$(shm_modes_ok)
 [ "$n" = 3 ] || fail "expected 3 shared-memory regions of node $NODE, found $n"
 ok "idle workers lent: $(st "[(x['lender'], x['n_blocks'], x['n_master_blocks']) for x in l]") master blocks borrowed: $(st "m['chat']['n_borrowed']"); regions mode 0600"
 
+# ------------------------------------------- 1b. a small reclaim takes back what it asks for (issue 10)
+# wa's lowest loan shrinks by one MEU (16 worker blocks = 1 master block) from its start: same loan id,
+# the rest stays lent, the master gives back only the front.
+low="min((x for x in l if x['lender'] == 'wa'), key=lambda x: x['first_block'])"
+wait_until "a loan of wa larger than one MEU" "$DEADLINE" st "$low['n_blocks'] > 16 and not any(x['revoking'] for x in l)"
+lid=$(st "$low['loan_id']") lfirst=$(st "$low['first_block']") ln=$(st "$low['n_blocks']")
+ctl reclaim wa 16 >/dev/null || fail "kvbankctl reclaim wa 16 failed"
+wait_until "loan $lid of wa shrunk by one MEU" "$DEADLINE" \
+    st "any(x['loan_id'] == $lid and x['first_block'] == $lfirst + 16 and x['n_blocks'] == $ln - 16 and not x['revoking'] for x in l)"
+grep -q "gave back the front of loan $lid" "$T/chat.log" || fail "the master did not give back the front of loan $lid"
+ok "kvbankctl reclaim wa 16: loan $lid went from [$lfirst, $((lfirst + ln))) to [$((lfirst + 16)), $((lfirst + ln))), not taken back whole"
+
 # -------------------------------------------------- 2. a multi-turn session longer than the master's KV
 prompt=$(ids 24 7 1)
 for turn in 1 2 3 4 5 6 7 8; do
@@ -201,8 +137,8 @@ full="m['chat']['n_borrowed'] == 31 and m['wa']['n_lent'] == 256 and m['wb']['n_
 wait_until "both workers lending all they can" "$DEADLINE" st "$full"
 # block moves + preemptions reported by the master's RevokeAcks after line $1 of its log
 revoke_hits() {
-    tail -n +$(($1 + 1)) "$T/chat.log" | grep "gave back loan" |
-        sed -n 's/.*: \([0-9]*\) block(s) moved, [0-9]* dropped, \([0-9]*\) sequence.*/\1 \2/p' |
+    tail -n +$(($1 + 1)) "$T/chat.log" | grep -E "gave back (the front of )?loan" |
+        sed -n 's/.*: \([0-9]*\) block(s) moved, .* dropped, \([0-9]*\) sequence.*/\1 \2/p' |
         awk '{ s += $1 + $2 } END { print s + 0 }'
 }
 line0=$(wc -l <"$T/chat.log")

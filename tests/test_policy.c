@@ -21,11 +21,22 @@ KVB_TEST(paper_example_lsc_rc) {
     ck_assert_int_eq(p.max_ctx_tokens, 25 * 16);
     ck_assert_int_eq(p.no_lending_tokens, 10 * 16);
     ck_assert_int_eq(p.inplace_tokens, 27 * 16);
+    /* kvbank streams a block through two buffers: 17 blocks take 34 single-layer buffers = 4 full-layer
+     * blocks of the budget, the regular cache keeps 10 - 4 = 6: (17 + 6) * 16 tokens (issue 10) */
+    ck_assert_int_eq(p.n_stream, 17);
+    ck_assert_int_eq(p.lsc_own_blocks, 4);
+    ck_assert_int_eq(p.n_rc_stream, 6);
+    ck_assert_int_eq(p.stream_tokens, 23 * 16);
+    ck_assert_int_le(p.lsc_own_blocks * 10 + p.n_rc_stream * 10, p.k_master);
     /* workers hold more than the master: LSC takes all of the master's memory, no RC */
     uint64_t big[1] = {500 * mb * 10};
     ck_assert_int_eq(kvb_swift_plan_lsc(&m, c_master, big, 1, &p), KVB_OK);
     ck_assert_int_eq(p.n_lsc, 100);
     ck_assert_int_eq(p.n_rc, 0);
+    /* in stream mode one full-layer block stays the pool's: (100 - 10) / 2 = 45 blocks streamed */
+    ck_assert_int_eq(p.n_stream, 45);
+    ck_assert_int_eq(p.lsc_own_blocks, 9);
+    ck_assert_int_eq(p.n_rc_stream, 1);
 }
 KVB_TEST_END
 

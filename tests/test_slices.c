@@ -10,6 +10,7 @@
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "common/sched/scheduler.h"
+#include "common/sched/stager.h"
 #include "tests/harness.h"
 #include "tests/testmodel.h"
 
@@ -162,9 +163,12 @@ static const kvb_planner_i placer_iface = {.name = "placer", .plan_step = placer
 
 static kvb_t_model tm;
 
+static const kvb_link_model *g_links; /* the link model of the engines made next (NULL: off) */
+
 static kvb_engine *engine(tokens *t, kvb_planner *pl, int bs, int n_blocks, int budget, int max_seqs) {
     kvb_engine_opts o;
     kvb_engine_opts_default(&o);
+    if (g_links) o.links = *g_links;
     o.block_size = bs;
     o.n_blocks = n_blocks;
     o.max_batch_tokens = budget;
@@ -211,9 +215,16 @@ KVB_TEST(placements_lossless) {
     static tokens ref, got;
     reference(&ref);
     /* block size, physical blocks (x 6 layers of slices), step budget, most running */
-    const struct { int bs, blocks, budget, seqs, period; } cfg[] = {
-        {4, 40, 12, 4, 3}, {8, 14, 64, 3, 2}, {1, 300, 7, 4, 5}, {16, 8, 512, 6, 1}};
+    /* the last two under link models: one after the other, and shared (slow enough that transfers
+     * overlap the layers and each other) */
+    const struct { int bs, blocks, budget, seqs, period, link; } cfg[] = {
+        {4, 40, 12, 4, 3, 0}, {8, 14, 64, 3, 2, 0}, {1, 300, 7, 4, 5, 0}, {16, 8, 512, 6, 1, 0},
+        {4, 40, 12, 4, 2, 1}, {8, 14, 64, 3, 1, 2}};
+    kvb_link_model lm = {.name = "test", .scale = 1, .target_flops = 1};
+    lm.links[KVB_LINK_HOST] = (kvb_link){50e6, 100e-6};
     for (size_t c = 0; c < KVB_ARRAY_LEN(cfg); c++) {
+        lm.share = cfg[c].link == 2;
+        g_links = cfg[c].link ? &lm : NULL;
         placer p = {.period = cfg[c].period, .paused = -1, .salt = c};
         kvb_planner pl = {&placer_iface, &p};
         memset(&got, 0, sizeof got);
@@ -244,6 +255,7 @@ KVB_TEST(placements_lossless) {
         ck_assert_int_gt(p.pauses, 0);
         ck_assert_int_le(ss.peak_used, cfg[c].blocks * LAYERS);
         ck_assert_int_eq(st.blocks_free, st.blocks_total); /* nothing held at the end */
+        g_links = NULL;
         if (c == 0) {
             ck_assert_int_gt(st.prefix_hit_tokens, 0);
             ck_assert_int_gt(p.trims, 0); /* the device could not hold everyone at some step */
@@ -351,6 +363,80 @@ KVB_TEST(sliced_lending) {
 }
 KVB_TEST_END
 
+/* ---------------------------------------------------------------- the stager's sharing links */
+
+static double since(uint64_t t0) { return (double)(kvb_now_ns() - t0) * 1e-9; }
+
+KVB_TEST(stager_sharing) {
+    kvb_backend *be;
+    ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
+    /* 20 MB/s and 2 ms per transfer, shared: a MiB alone takes 2 + 52.4 ms */
+    kvb_link_model lm = {.name = "shared", .scale = 1, .target_flops = 1, .share = 1};
+    lm.links[KVB_LINK_HOST] = (kvb_link){20e6, 2e-3};
+    kvb_stager *s;
+    ck_assert_int_eq(kvb_stager_create(be, &lm, &s), KVB_OK);
+    enum { MB = 1 << 20, Q = MB / 4 };
+    const double bw = 20e6, lat = 2e-3;
+    unsigned char *src = malloc(4 * MB), *dst = calloc(4, MB), *back = calloc(1, MB);
+    for (int i = 0; i < 4 * MB; i++) src[i] = (unsigned char)(i * 13 + 1);
+    kvb_xfer a = {dst, src, MB}, b = {dst + MB, src + MB, MB};
+    uint64_t ta, tb;
+    /* two equal transfers posted together share the link: both land at lat + 2 MiB / bw */
+    uint64_t t0 = kvb_now_ns();
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &a, 1, &ta), KVB_OK);
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &b, 1, &tb), KVB_OK);
+    ck_assert_int_eq(kvb_stager_wait(s, ta), KVB_OK);
+    double wa = since(t0);
+    ck_assert_int_eq(kvb_stager_wait(s, tb), KVB_OK);
+    double wb = since(t0);
+    ck_assert_msg(wa >= lat + 2.0 * MB / bw * 0.999, "the first of two equal transfers took %.4f s, alone %.4f s", wa,
+                  lat + MB / bw);
+    ck_assert_double_ge(wb, wa);
+    ck_assert_int_eq(memcmp(dst, src, 2 * MB), 0);
+    ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
+    /* a small transfer posted after a large one is not queued behind it: a quarter MiB shares the link
+     * and lands at lat + 2 Q / bw = 28 ms; in post order it would wait for the MiB (69 ms) */
+    kvb_xfer big = {dst + 2 * MB, src + 2 * MB, MB}, small = {dst + 3 * MB, src + 3 * MB, Q};
+    uint64_t tbig, tsmall;
+    t0 = kvb_now_ns();
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &big, 1, &tbig), KVB_OK);
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &small, 1, &tsmall), KVB_OK);
+    ck_assert_int_eq(kvb_stager_wait(s, tsmall), KVB_OK);
+    double ws = since(t0);
+    ck_assert_int_eq(kvb_stager_wait(s, tbig), KVB_OK);
+    double wl = since(t0);
+    printf("sharing: two equal MiB %.1f / %.1f ms (model %.1f); a quarter after a MiB %.1f ms (model %.1f, in post "
+           "order %.1f); the MiB %.1f ms (model %.1f)\n",
+           wa * 1e3, wb * 1e3, (lat + 2.0 * MB / bw) * 1e3, ws * 1e3, (lat + 2.0 * Q / bw) * 1e3,
+           (2 * lat + (double)(MB + Q) / bw) * 1e3, wl * 1e3, (lat + (double)(MB + Q) / bw) * 1e3);
+    ck_assert_double_ge(ws, lat + 2.0 * Q / bw * 0.999);
+    ck_assert_msg(ws < 2 * lat + (double)(MB + Q) / bw, "the quarter MiB waited for the MiB: %.4f s", ws);
+    ck_assert_double_ge(wl, lat + (double)(MB + Q) / bw * 0.999);
+    ck_assert_int_eq(memcmp(dst + 2 * MB, src + 2 * MB, MB + Q), 0);
+    /* the two directions do not share: a load and a store together each take lat + MiB / bw */
+    kvb_xfer in = {dst, src + MB, MB}, out = {back, src + 2 * MB, MB};
+    uint64_t tin, tout;
+    t0 = kvb_now_ns();
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &in, 1, &tin), KVB_OK);
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_D2H, &out, 1, &tout), KVB_OK);
+    ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
+    double wd = since(t0);
+    ck_assert_double_ge(wd, lat + (double)MB / bw * 0.999);
+    ck_assert_msg(wd < lat + 2.0 * MB / bw, "full duplex: a load and a store took %.4f s together", wd);
+    ck_assert_int_eq(memcmp(back, src + 2 * MB, MB), 0);
+    kvb_link_report rep[KVB_LINK_COUNT];
+    kvb_stager_take_report(s, rep);
+    ck_assert_uint_eq(rep[KVB_LINK_HOST].copies, 6);
+    ck_assert_double_le(rep[KVB_LINK_HOST].gbps, 2 * bw * 1e-9 + 1e-9); /* at most both directions at full rate */
+    ck_assert_double_ge(rep[KVB_LINK_HOST].gbps, 0.5 * bw * 1e-9);
+    kvb_stager_destroy(s);
+    kvb_backend_destroy(be);
+    free(src);
+    free(dst);
+    free(back);
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------- the per-request SLO */
 
 static kvb_status slo_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
@@ -388,4 +474,4 @@ KVB_TEST(request_slo) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("slices", KVB_T(placements_lossless, 300), KVB_T(placements_refused, 60), KVB_T(request_slo, 30), KVB_T(sliced_lending, 120))
+KVB_TEST_MAIN("slices", KVB_T(placements_lossless, 300), KVB_T(placements_refused, 60), KVB_T(request_slo, 30), KVB_T(sliced_lending, 120), KVB_T(stager_sharing, 60))

@@ -210,7 +210,8 @@ static int may_reclaim(const worker *w) {
     return !w->reclaim_n || kvb_now_ns() - w->reclaim_sent_ns >= quiet;
 }
 
-/* Asks the coordinator for `n` lent blocks back (it revokes whole loans, lowest first). */
+/* Asks the coordinator for `n` lent blocks back (it revokes loans lowest first, the last one only in
+ * part when less than all of it is needed). */
 static void reclaim(worker *w, uint32_t n, const char *why) {
     uint32_t lent = blocks_of(w, R_LOAN);
     if (n > lent) n = lent;
@@ -290,25 +291,10 @@ static void cb_lend_result(void *ud, const Kvbank__LendResult *m) {
               rg->first + rg->n, m->loan->loan_id, m->loan->n_master_blocks, m->loan->epoch);
 }
 
-static void cb_reclaimed(void *ud, const Kvbank__Reclaimed *m) {
-    worker *w = ud;
-    int i = m->loan_id ? find_loan(w, m->loan_id) : -1;
-    if (i < 0) i = find_range(w, m->first_block, m->n_blocks);
-    if (i < 0) {
-        KVB_LOG_W("Reclaimed of loan %" PRIu64 " (blocks [%u, %u)) that is not lent here ignored", m->loan_id,
-                  m->first_block, m->first_block + m->n_blocks);
-        return;
-    }
-    range *rg = &w->r[i];
-    if (rg->kind == R_RETURNED) return; /* a repeat */
-    if (rg->first != m->first_block || rg->n != m->n_blocks)
-        KVB_LOG_W("Reclaimed of loan %" PRIu64 " names blocks [%u, %u), the loan is [%u, %u); taking the loan's",
-                  m->loan_id, m->first_block, m->first_block + m->n_blocks, rg->first, rg->first + rg->n);
-    KVB_LOG_I("blocks [%u, %u) (%s, loan %" PRIu64 ") are back", rg->first, rg->first + rg->n, range_kind_str(rg->kind),
-              m->loan_id);
+/* `n` blocks came back (a range now RETURNED): grow over them, and count unasked ones as demand. */
+static void returned(worker *w, uint32_t n) {
     int asked = w->reclaim_n > 0 || w->stopping;
-    rg->kind = R_RETURNED;
-    reclaim_progress(w, rg->n);
+    reclaim_progress(w, n);
     grow_returned(w);
     if (!asked && !w->draining) {
         /* Not asked for (kvbankctl reclaim, a master that left, a ledger rebuilt without the loan):
@@ -320,6 +306,54 @@ static void cb_reclaimed(void *ud, const Kvbank__Reclaimed *m) {
         KVB_LOG_I("keeping %u own blocks for the %.0f s window (the blocks came back unasked)", hold, w->a->window_s);
     }
 }
+
+static void cb_reclaimed(void *ud, const Kvbank__Reclaimed *m) {
+    worker *w = ud;
+    int i = m->loan_id ? find_loan(w, m->loan_id) : -1;
+    if (i < 0) i = find_range(w, m->first_block, m->n_blocks);
+    if (i < 0) {
+        KVB_LOG_W("Reclaimed of loan %" PRIu64 " (blocks [%u, %u)) that is not lent here ignored", m->loan_id,
+                  m->first_block, m->first_block + m->n_blocks);
+        return;
+    }
+    range *rg = &w->r[i];
+    if (rg->kind == R_RETURNED) return; /* a repeat */
+    if (rg->kind == R_LOAN && m->loan_id == rg->loan.loan_id && m->first_block == rg->first && m->n_blocks < rg->n) {
+        /* Partial reclaim (issue 10): the front of the loan is back, the loan keeps the rest. */
+        if (reserve(w) != KVB_OK) {
+            KVB_LOG_E("no memory to split loan %" PRIu64 "; blocks [%u, %u) stay unused", m->loan_id, m->first_block,
+                      m->first_block + m->n_blocks);
+            return;
+        }
+        rg = &w->r[i];
+        uint32_t k = m->n_blocks;
+        memmove(&w->r[i + 1], &w->r[i], (size_t)(w->n_r - i) * sizeof *w->r);
+        w->n_r++;
+        range *loan = &w->r[i + 1];
+        uint32_t mk = (uint32_t)((uint64_t)k * loan->loan.n_master_blocks / loan->n);
+        uint64_t kb = loan->loan.bytes / loan->n * k;
+        loan->first += k;
+        loan->n -= k;
+        loan->loan.first_block = loan->first;
+        loan->loan.n_blocks = loan->n;
+        loan->loan.n_master_blocks -= mk;
+        loan->loan.offset += kb;
+        loan->loan.bytes -= kb;
+        w->r[i] = (range){.first = m->first_block, .n = k, .kind = R_RETURNED};
+        KVB_LOG_I("blocks [%u, %u) (the front of loan %" PRIu64 ") are back; it keeps [%u, %u)", m->first_block,
+                  m->first_block + k, m->loan_id, loan->first, loan->first + loan->n);
+        returned(w, k);
+        return;
+    }
+    if (rg->first != m->first_block || rg->n != m->n_blocks)
+        KVB_LOG_W("Reclaimed of loan %" PRIu64 " names blocks [%u, %u), the loan is [%u, %u); taking the loan's",
+                  m->loan_id, m->first_block, m->first_block + m->n_blocks, rg->first, rg->first + rg->n);
+    KVB_LOG_I("blocks [%u, %u) (%s, loan %" PRIu64 ") are back", rg->first, rg->first + rg->n, range_kind_str(rg->kind),
+              m->loan_id);
+    rg->kind = R_RETURNED;
+    returned(w, rg->n);
+}
+
 
 static void cb_lend_request(void *ud, const Kvbank__LendRequest *m) {
     worker *w = ud;

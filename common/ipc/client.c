@@ -470,9 +470,12 @@ static void on_tokens(kvb_client *c, const Kvbank__TokenEvent *te) {
         return;
     }
     req_take(c, rid);
-    kvb_status st = f == KVB_FINISH_ERROR ? KVB_ERR_BACKEND : KVB_OK;
-    e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, st,
-          f == KVB_FINISH_ERROR ? "the model failed the request" : "");
+    kvb_status st = f != KVB_FINISH_ERROR ? KVB_OK : te->error_code < 0 ? status_from_wire(te->error_code) : KVB_ERR_BACKEND;
+    char why[160] = "";
+    if (f == KVB_FINISH_ERROR)
+        snprintf(why, sizeof why, "the model failed the request%s%.100s", te->error && te->error[0] ? ": " : "",
+                 te->error ? te->error : "");
+    e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, st, why);
     req_free(e);
 }
 

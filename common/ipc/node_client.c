@@ -598,7 +598,7 @@ kvb_status kvb_node_client_send_grant_ack(kvb_node_client *nc, uint64_t loan_id,
 }
 
 kvb_status kvb_node_client_send_revoke_ack(kvb_node_client *nc, uint64_t loan_id, uint64_t epoch, uint32_t moved,
-                                           uint32_t dropped, uint32_t preempted) {
+                                           uint32_t dropped, uint32_t preempted, uint32_t kept, uint32_t demoted) {
     KVB_TRY(need_registered(nc));
     Kvbank__RevokeAck m = KVBANK__REVOKE_ACK__INIT;
     m.loan_id = loan_id;
@@ -606,6 +606,8 @@ kvb_status kvb_node_client_send_revoke_ack(kvb_node_client *nc, uint64_t loan_id
     m.moved_blocks = moved;
     m.dropped_blocks = dropped;
     m.preempted = preempted;
+    m.kept_blocks = kept;
+    m.demoted_blocks = demoted;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_REVOKE_ACK;
     env.revoke_ack = &m;

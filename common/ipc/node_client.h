@@ -133,8 +133,10 @@ uint64_t kvb_node_client_epoch(const kvb_node_client *nc);
 kvb_status kvb_node_client_send_lend_offer(kvb_node_client *nc, uint32_t first_block, uint32_t n_blocks);
 kvb_status kvb_node_client_send_reclaim(kvb_node_client *nc, uint32_t n_blocks);
 kvb_status kvb_node_client_send_grant_ack(kvb_node_client *nc, uint64_t loan_id, int ok, const char *error);
+/* RevokeAck: what the detach did (moved live blocks, dropped / kept / demoted cached blocks, preempted
+ * sequences). */
 kvb_status kvb_node_client_send_revoke_ack(kvb_node_client *nc, uint64_t loan_id, uint64_t epoch, uint32_t moved,
-                                           uint32_t dropped, uint32_t preempted);
+                                           uint32_t dropped, uint32_t preempted, uint32_t kept, uint32_t demoted);
 kvb_status kvb_node_client_send_status_request(kvb_node_client *nc, int ledger);
 /* Control(op, model, n_blocks); op is a KVBANK__CONTROL__OP__* value. */
 kvb_status kvb_node_client_send_control(kvb_node_client *nc, int op, const char *model, uint32_t n_blocks);

@@ -439,6 +439,10 @@ static void flush(kvb_server *s) {
                 te.n_t_ns = (size_t)sl->n_tok;
                 te.t_ns = sl->t_ns;
                 te.finish = finish_to_wire(f);
+                if (f == KVB_FINISH_ERROR && sl->err != KVB_OK) { /* say why (a stalled request: issue 10) */
+                    te.error_code = (int32_t)sl->err;
+                    te.error = (char *)kvb_status_str(sl->err);
+                }
                 Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
                 env.body_case = KVBANK__ENVELOPE__BODY_TOKENS;
                 env.tokens = &te;

@@ -638,8 +638,8 @@ kvb_status kvb_block_pool_detach(kvb_block_pool *p, int32_t first_id, int n) {
             break;
         }
     }
-    if (at < 0 || !p->segs[at].mem || p->segs[at].n != n) {
-        KVB_LOG_E("block pool: [%d, +%d) is not an attached segment", (int)first_id, n);
+    if (at < 0 || !p->segs[at].mem || n < 1 || p->segs[at].n < n) {
+        KVB_LOG_E("block pool: [%d, +%d) is not the start of an attached segment", (int)first_id, n);
         return KVB_ERR_INVALID;
     }
     for (int32_t idx = first_id; idx < first_id + n; idx++) {
@@ -648,6 +648,13 @@ kvb_status kvb_block_pool_detach(kvb_block_pool *p, int32_t first_id, int n) {
                       p->refcount[idx] > 0 ? "referenced" : "held by the release hook");
             return KVB_ERR_STATE;
         }
+    }
+    if (p->segs[at].n > n) { /* the front of the segment: the rest stays attached as a segment of its own */
+        KVB_TRY(segs_reserve(p));
+        pool_seg rest = {.first = first_id + n, .n = p->segs[at].n - n,
+                         .mem = p->segs[at].mem + (size_t)n * p->block_bytes};
+        p->segs[at].n = n;
+        segs_insert(p, at + 1, rest);
     }
     for (int32_t idx = first_id; idx < first_id + n; idx++) {
         bit_clear(&p->ids, idx);

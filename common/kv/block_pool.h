@@ -95,7 +95,8 @@ kvb_status kvb_block_pool_resize(kvb_block_pool *p, int n_blocks);
  * free blocks with ids [*first_id, *first_id + n), all >= capacity (see the id layout above).
  * KVB_ERR_INVALID for a bad argument or when the id space would pass INT32_MAX, KVB_ERR_NOMEM. */
 kvb_status kvb_block_pool_attach(kvb_block_pool *p, void *mem, int n, int32_t *first_id);
-/* Detaches the segment [first_id, first_id + n) (exactly one attached segment, else KVB_ERR_INVALID).
+/* Detaches [first_id, first_id + n): a whole attached segment, or the front of one (partial reclaim;
+ * the rest [first_id + n, end) stays attached with its addresses), else KVB_ERR_INVALID.
  * Every block must be on the free list, neither referenced nor held by the release hook, else
  * KVB_ERR_STATE and nothing changes. Afterwards no id of the range is handed out until a later attach
  * reuses it, and the pool never touches `mem` again. */

@@ -378,6 +378,51 @@ kvb_status kvb_prefix_cache_move(kvb_prefix_cache *c, int32_t from, int32_t to) 
     return st;
 }
 
+int kvb_prefix_cache_idle_lru(const kvb_prefix_cache *c, int32_t *out, int max) {
+    if (!c) return 0;
+    int k = 0;
+    for (int32_t i = c->lru_head; i != NIL && k < max; i = c->slots[i].lru_next) out[k++] = i;
+    return k;
+}
+
+int kvb_prefix_cache_n_idle(const kvb_prefix_cache *c) { return c ? c->n_lru : 0; }
+
+kvb_status kvb_prefix_cache_rehome(kvb_prefix_cache *c, int32_t from, int32_t to) {
+    if (!c) return KVB_ERR_INVALID;
+    if (!kvb_prefix_cache_is_cached(c, from) || !c->slots[from].in_lru || kvb_prefix_cache_is_cached(c, to) ||
+        kvb_block_pool_refcount(c->pool, to) != 1)
+        return KVB_ERR_STATE;
+    KVB_TRY(slots_reserve(c, to + 1)); /* may move c->slots and c->tokens */
+    int32_t prev = c->slots[from].lru_prev;
+    uint64_t hash = c->slots[from].hash, parent = c->slots[from].parent;
+    entry_drop(c, from); /* leaves the slot's tokens in place; `from` is held with refcount 0 */
+    kvb_status st = entry_insert(c, hash, parent, &c->tokens[(size_t)from * (size_t)c->block_size], to);
+    assert(st == KVB_OK); /* as in kvb_prefix_cache_move */
+    kvb_block_pool_unref(c->pool, to); /* the release hook puts it at the LRU tail ... */
+    lru_remove(c, to);                 /* ... but it keeps `from`'s place: after `prev` */
+    pc_slot *s = &c->slots[to];
+    s->in_lru = 1;
+    s->lru_prev = prev;
+    s->lru_next = prev != NIL ? c->slots[prev].lru_next : c->lru_head;
+    if (prev != NIL) c->slots[prev].lru_next = to;
+    else c->lru_head = to;
+    if (s->lru_next != NIL) c->slots[s->lru_next].lru_prev = to;
+    else c->lru_tail = to;
+    c->n_lru++;
+    kvb_block_pool_free_block(c->pool, from);
+    return st;
+}
+
+int kvb_prefix_cache_demote(kvb_prefix_cache *c, int32_t idx) {
+    if (!kvb_prefix_cache_is_cached(c, idx) || !c->slots[idx].in_lru) return 0;
+    int hooked = c->evict_fn != NULL;
+    if (hooked) c->evict_fn(c->evict_ud, c->slots[idx].parent, c->tokens + (size_t)idx * (size_t)c->block_size, idx);
+    entry_drop(c, idx);
+    c->stats.evictions++;
+    kvb_block_pool_free_block(c->pool, idx);
+    return hooked ? 1 : 0;
+}
+
 void kvb_prefix_cache_stats(const kvb_prefix_cache *c, kvb_prefix_stats *out) {
     if (!out) return;
     if (!c) {

@@ -82,6 +82,20 @@ int kvb_prefix_cache_is_cached(const kvb_prefix_cache *c, int32_t idx);
  * goes to the free list with its last reference. KVB_ERR_STATE if `from` is not cached or `to` is. */
 kvb_status kvb_prefix_cache_move(kvb_prefix_cache *c, int32_t from, int32_t to);
 
+/* The unreferenced cached blocks, least recently used first (the eviction order); writes up to `max`
+ * ids to `out` and returns how many. O(cached idle blocks). */
+int kvb_prefix_cache_idle_lru(const kvb_prefix_cache *c, int32_t *out, int max);
+/* How many cached blocks are unreferenced (evictable). */
+int kvb_prefix_cache_n_idle(const kvb_prefix_cache *c);
+/* Moves the entry of `from` (cached, unreferenced) to `to` (allocated by the caller: refcount 1, not
+ * cached) after the caller copied the KV; `to` takes the caller's reference, becomes unreferenced and
+ * keeps `from`'s place in the LRU order; `from` goes back to the free list. KVB_ERR_STATE otherwise. */
+kvb_status kvb_prefix_cache_rehome(kvb_prefix_cache *c, int32_t from, int32_t to);
+/* Evicts the cached unreferenced block `idx` to the free list, calling the evict hook first (a host
+ * tier copies it out there). Returns 1 if a hook ran (the entry lives on there), 0 if it was dropped
+ * or `idx` is not an idle cached block. */
+int kvb_prefix_cache_demote(kvb_prefix_cache *c, int32_t idx);
+
 typedef struct kvb_prefix_stats {
     uint64_t queries;      /* blocks looked up */
     uint64_t hits;         /* blocks found */

@@ -19,6 +19,7 @@
 #include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/scheduler.h"
+#include "common/sched/stager.h"
 #include "common/util/token_deposit.h"
 
 #define OF_MAX KVB_OF_MAX_REQS
@@ -75,6 +76,7 @@ struct kvb_of_planner {
     int kind;
     int L, bs;
     size_t layer_bytes;
+    int link_known;        /* the link's bandwidth comes from the stager's model or a parameter */
     kvb_of_cand cands[KVB_OF_MAX_CANDS];
     int n_cands;
     int most_off;          /* index of the most offloaded candidate */
@@ -333,15 +335,19 @@ static void decide(const kvb_of_planner *P, const of_snap *s, of_dec *d) {
         }
     }
     kvb_of_plan_out po;
+    memset(&po, 0, sizeof po);
     uint64_t rng = s->gen * 0x9e3779b97f4a7c15ull + 1;
-    kvb_of_victim rule = P->p.pause ? P->p.victim : KVB_OF_VICTIM_SCORE;
-    if (!P->p.pause) q.enforce_slo = 0; /* without Pause-Resume nobody is paused: the fastest plan that fits */
-    if (kvb_of_plan(&q, rule, &rng, &po) != KVB_OK) po.sol.feasible = 0;
+    if (!P->p.pause) { /* without Pause-Resume nobody is paused: the fastest plan that fits, if any */
+        q.enforce_slo = 0;
+        if (kvb_of_solve(&q, &po.sol) != KVB_OK) po.sol.feasible = 0;
+    } else if (kvb_of_plan(&q, P->p.victim, &rng, &po) != KVB_OK) {
+        po.sol.feasible = 0;
+    }
     d->sol = po.sol;
     d->best_effort = po.best_effort;
-    for (int r = 0; r < s->n; r++) {
+    for (int r = 0; r < s->n; r++) { /* infeasible: nothing changes (the plan's check trims) */
         d->pause[r] = po.paused[r];
-        d->cand[r] = excl[r] || po.paused[r] ? -1 : po.sol.cand[r];
+        d->cand[r] = excl[r] || po.paused[r] || !po.sol.feasible ? -1 : po.sol.cand[r];
     }
     d->solve_s = kvb_now_s() - t0;
 }
@@ -673,8 +679,17 @@ static kvb_status baseline_place(kvb_of_planner *P, const kvb_view *v, int chang
     return KVB_OK;
 }
 
+static kvb_status plan_step(kvb_of_planner *P, const kvb_view *v, kvb_plan *out);
+
 static kvb_status of_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
     kvb_of_planner *P = ctx;
+    double t0 = kvb_now_s();
+    kvb_status st = plan_step(P, v, out);
+    P->st.plan_s += kvb_now_s() - t0;
+    return st;
+}
+
+static kvb_status plan_step(kvb_of_planner *P, const kvb_view *v, kvb_plan *out) {
     P->step = (int64_t)v->step;
     if (!P->t_step_end) P->t_step_end = v->now_ns;
     /* requests: new tokens, finished ones */
@@ -817,6 +832,9 @@ static void of_observe(void *ctx, const kvb_step_report *r) {
             P->st.pred_steps++;
             P->st.pred_err_sum += e;
             if (e > P->st.pred_err_max) P->st.pred_err_max = e;
+            P->st.pred_within[0] += e <= 0.10;
+            P->st.pred_within[1] += e <= 0.25;
+            P->st.pred_within[2] += e <= 0.50;
         }
         /* a decode step's compute: a sample for the fit, and the EWMA of measured / predicted */
         P->s_tok[P->next_sample] = P->pending_tokens;
@@ -827,7 +845,7 @@ static void of_observe(void *ctx, const kvb_step_report *r) {
         else kvb_of_profile_observe(&P->prof, P->pending_tokens, lay, 0, P->p.ewma);
     }
     const kvb_link_report *h = &r->links[KVB_LINK_HOST];
-    if (h->gbps > 0 && !(P->p.link_gbps > 0)) {
+    if (h->gbps > 0 && !P->link_known) { /* no model of the link: what it achieved */
         double slices_s = h->gbps * 1e9 / (double)P->layer_bytes;
         P->prof.bw = P->st.link_measured ? (1 - P->p.ewma) * P->prof.bw + P->p.ewma * slices_s : slices_s;
         P->st.link_measured = 1;
@@ -854,8 +872,18 @@ static kvb_status of_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb_vi
     }
     KVB_TRY(kvb_calloc((size_t)OF_SAMPLES * P->L, sizeof *P->s_lay, (void **)&P->s_lay));
     kvb_of_profile_uniform(&P->prof, P->L, 0, 0, 1e12, 0);
-    if (P->p.link_gbps > 0) P->prof.bw = P->p.link_gbps * 1e9 / (double)P->layer_bytes;
-    P->prof.lat = P->p.link_us * 1e-6;
+    /* the host link as the stager charges it (a parameter wins; an unlimited link: measured later) */
+    const kvb_link *h = v->links ? &v->links->links[KVB_LINK_HOST] : NULL;
+    if (h && h->bytes_per_s > 0) {
+        P->prof.bw = h->bytes_per_s / (double)P->layer_bytes;
+        P->link_known = 1;
+    }
+    if (h) P->prof.lat = h->latency_s;
+    if (P->p.link_gbps > 0) {
+        P->prof.bw = P->p.link_gbps * 1e9 / (double)P->layer_bytes;
+        P->link_known = 1;
+    }
+    if (P->p.link_us > 0) P->prof.lat = P->p.link_us * 1e-6;
     const kvb_of_cand *mo = &P->cands[P->most_off];
     out->sliced_min_layers = P->L - mo->n_off + (mo->n_off > 0 ? mo->n_slots : 0);
     int64_t ids = P->p.host_blocks;

@@ -63,10 +63,12 @@ typedef struct kvb_of_planner_stats {
     uint64_t trig_batch, trig_window, trig_memory, trig_mismatch;
     uint64_t pauses, resumes, emergency_pauses, preemptions, trimmed;
     uint64_t profile_fits;
+    double plan_s;              /* time in plan_step (the solver thread's time is solve_us_total) */
     int link_measured;
     double last_observed;       /* s: the last step's layers, waits included */
     uint64_t pred_steps;        /* decode steps with a prediction */
     double pred_err_sum, pred_err_max; /* |observed - predicted| / predicted */
+    uint64_t pred_within[3];    /* of those, steps with that error within 10 %, 25 %, 50 % */
 } kvb_of_planner_stats;
 
 kvb_status kvb_of_planner_create(kvb_of_kind kind, const kvb_of_params *p, kvb_planner *out);

@@ -57,6 +57,13 @@ typedef struct kvb_swift_plan {
     int64_t max_ctx_tokens;    /* (N_LSC + N_RC) * B: the paper's longest context */
     int64_t no_lending_tokens; /* floor(K_master / L) * B: without lending */
     int64_t inplace_tokens;    /* kvbank when lent blocks are addressable in place: (floor(K_master / L) + K) * B */
+    /* kvbank's LSC streams a lent block through two single-layer buffers (layer l+2 loads into layer l's
+     * after its store), so within the same budget: */
+    int64_t n_stream;          /* lent blocks streamed at once: min(K, floor((K_master - L) / 2)), >= 0 (one
+                                * full-layer block stays the pool's) */
+    int64_t lsc_own_blocks;    /* full-layer master blocks the LSC takes: ceil(2 * n_stream / L) */
+    int64_t n_rc_stream;       /* the regular cache left: floor(K_master / L) - lsc_own_blocks */
+    int64_t stream_tokens;     /* (n_stream + n_rc_stream) * B: the longest context in stream mode */
 } kvb_swift_plan;
 
 /* c_master: KV bytes of the master; c_workers[n]: KV bytes each worker can lend. */

@@ -4,9 +4,11 @@
  * one GPU or the host backend: docs/design.md); with lsc=stream they go through the layer stream cache
  * instead: every borrowed block of a step is read through stage buffers, its layer slice loaded before
  * the layer and the rows the step wrote stored back after it (residency STREAM). The LSC holds two
- * single-layer buffers per attached block (plan_pool ATTACH / DETACH), so a step never needs more than
- * exist: Eq. 4's N_LSC when the caller attaches at most K_master blocks. Scheduling is vLLM's
- * (kvb_sched_fcfs).
+ * single-layer buffers per streamed block. With lenders_bytes (the KV bytes the node's workers can
+ * lend) the LSC comes out of the master's own KV budget, sized by Eq. 1-5 with kvbank's two buffers per
+ * block (kvb_swift_plan_lsc: n_stream blocks, the pool the rest), and an attach beyond n_stream is
+ * refused; without it the LSC holds two buffers per attached block beside the budget (issue 10: the node
+ * master does not pass it yet, docs/design.md). Scheduling is vLLM's (kvb_sched_fcfs).
  *
  * Worker side (§3.5 Alg. 1, plan_pool): the window of the last window_s seconds' request lengths
  * (line 22); on a request SCALEUP asks back what the longest request needs (line 6-12); every tick
@@ -18,6 +20,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/kv/block_pool.h"
 #include "common/policy/policy.h"
 #include "common/policy/swiftcache.h"
 #include "common/sched/scheduler.h"
@@ -26,6 +29,9 @@
 
 typedef struct swift {
     int stream;           /* lsc=stream */
+    int64_t lenders_bytes; /* stream: KV bytes the node's workers can lend (Eq. 2's C_i summed); > 0: the
+                           * LSC comes out of the master's budget */
+    int lsc_slots;        /* stream, within budget: lent blocks streamed at once (set at SETUP) */
     kvb_swift_window win; /* Alg. 1 line 22: prompt + max_tokens of each request, by arrival time */
 } swift;
 
@@ -52,8 +58,27 @@ static kvb_status swift_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb
     int bs = v->geom->block_size;
     switch (ev->kind) {
     case KVB_POOL_SETUP:
+        if (s->stream && s->lenders_bytes > 0) { /* Eq. 1-5 within the master's budget */
+            kvb_swift_plan p;
+            uint64_t lend = (uint64_t)s->lenders_bytes;
+            KVB_TRY(kvb_swift_plan_lsc(v->geom, (uint64_t)v->pool.capacity * kvb_kv_block_bytes(v->geom), &lend, 1, &p));
+            s->lsc_slots = (int)p.n_stream;
+            out->lsc_own_blocks = (int)p.lsc_own_blocks;
+            out->stage_slots = s->lsc_slots;
+            break;
+        }
+        /* fall through */
     case KVB_POOL_ATTACH:
-    case KVB_POOL_DETACH: out->stage_slots = s->stream ? v->pool.n_borrowed : 0; break;
+    case KVB_POOL_DETACH:
+        if (!s->stream) out->stage_slots = 0;
+        else if (!s->lenders_bytes) out->stage_slots = v->pool.n_borrowed; /* beside the budget (in-process use) */
+        else if (v->pool.n_borrowed <= s->lsc_slots) out->stage_slots = s->lsc_slots;
+        else { /* refused: the LSC cannot stream that many */
+            KVB_LOG_W("swiftcache: %d borrowed blocks, the layer stream cache streams at most %d (Eq. 4 within "
+                      "the master's budget)", v->pool.n_borrowed, s->lsc_slots);
+            out->stage_slots = -1;
+        }
+        break;
     case KVB_POOL_REQUEST:
         kvb_swift_window_add(&s->win, ev->now_s, ev->tokens);
         scale_up(ev, bs, ev->tokens, 0, out); /* Alg. 1 SCALEUP is triggered by the incoming request */
@@ -97,16 +122,19 @@ static const kvb_planner_i swift_iface = {
 };
 
 kvb_status kvb_policy_swiftcache_create(const kvb_policy_params *params, kvb_planner *out) {
-    static const char *const known[] = {"lsc", "window_s", NULL};
+    static const char *const known[] = {"lsc", "window_s", "lenders_bytes", NULL};
     static const char *const lsc[] = {"inplace", "stream", NULL};
     KVB_TRY(kvb_policy_params_check(params, "swiftcache", known));
     int mode = 0;
     double window_s = 60.0;
     KVB_TRY(kvb_policy_param_choice(params, "swiftcache", "lsc", lsc, &mode));
     KVB_TRY(kvb_policy_param_f64(params, "swiftcache", "window_s", 0.001, 7 * 86400.0, &window_s));
+    int64_t lenders_bytes = 0;
+    KVB_TRY(kvb_policy_param_i64(params, "swiftcache", "lenders_bytes", 0, INT64_MAX / 2, &lenders_bytes));
     swift *s = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
     s->stream = mode == 1;
+    s->lenders_bytes = lenders_bytes;
     kvb_status st = kvb_swift_window_init(&s->win, window_s, WINDOW_CAP0);
     if (st != KVB_OK) {
         free(s);

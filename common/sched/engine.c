@@ -26,6 +26,8 @@ void kvb_engine_opts_default(kvb_engine_opts *o) {
     o->max_batch_tokens = 512;
     o->max_seqs = 64;
     o->enable_prefix_cache = 1;
+    o->stall_wait_s = 60;
+    o->stall_overtake = 64;
 }
 
 /* The planner's resources (plan_pool SETUP), asked before the pool exists (a planner may bring the KV
@@ -39,13 +41,14 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
                   .prefix_cache = e->o.enable_prefix_cache, .now_ns = kvb_wall_ns(),
                   .pool = {.capacity = e->o.n_blocks, .n_own = e->o.n_blocks, .n_blocks = e->o.n_blocks,
                            .n_free = e->o.n_blocks},
-                  .engine = e};
+                  .engine = e, .links = &e->o.links};
     kvb_status st = e->planner.iface->plan_pool(e->planner.ctx, &ev, &v, pp);
     if (st != KVB_OK) {
         KVB_LOG_E("engine: planner %s cannot set up: %s", e->planner.iface->name, kvb_status_str(st));
         return st;
     }
     if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0 || pp->sliced_ids < 0 ||
+        pp->lsc_own_blocks < 0 || (pp->lsc_own_blocks > 0 && (pp->lsc_own_blocks >= e->o.n_blocks || pp->kv_mem)) ||
         pp->sliced_min_layers < 0 || pp->max_model_len < 0 || pp->max_batch_tokens < 0 ||
         (pp->kv_mem && (pp->kv_blocks < 1 || pp->kv_mem_bytes / kvb_kv_block_bytes(&e->geom) < (size_t)pp->kv_blocks))) {
         KVB_LOG_E("engine: planner %s asks for negative resources or KV memory smaller than its blocks",
@@ -136,10 +139,16 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
         e->kv_mem_owned = 1;
         o.kv_mem_bytes = bytes;
     }
-    KVB_TRY_GOTO(kvb_block_pool_create(&e->geom, e->kv_mem, o.kv_mem ? o.kv_mem_bytes : bytes, o.n_blocks, &e->pool),
-                 fail);
+    size_t pool_bytes = o.kv_mem ? o.kv_mem_bytes : bytes, lsc_bytes = 0;
+    if (pp.lsc_own_blocks > 0) { /* the LSC takes the top of the KV memory; the pool keeps the rest (Eq. 5) */
+        lsc_bytes = (size_t)pp.lsc_own_blocks * kvb_kv_block_bytes(&e->geom);
+        pool_bytes -= lsc_bytes;
+        o.n_blocks = e->o.n_blocks = (int)KVB_MIN((size_t)o.n_blocks, pool_bytes / kvb_kv_block_bytes(&e->geom));
+    }
+    KVB_TRY_GOTO(kvb_block_pool_create(&e->geom, e->kv_mem, pool_bytes, o.n_blocks, &e->pool), fail);
     KVB_TRY_GOTO(kvb_prefix_cache_create(e->pool, &e->pc), fail);
     KVB_TRY_GOTO(kvb_stager_create(be, &o.links, &e->stager), fail);
+    if (lsc_bytes) KVB_TRY_GOTO(kvb_stager_use_memory(e->stager, (char *)e->kv_mem + pool_bytes, lsc_bytes), fail);
     if (pp.measure_flops && !(e->model_info.flops > 0)) KVB_TRY_GOTO(kvb_link_measure_flops(be, &e->model_info.flops), fail);
     if (pp.sliced_ids > 0) KVB_TRY_GOTO(make_sliced(e, &pp), fail);
     e->max_rows = o.max_batch_tokens + pp.extra_rows;
@@ -235,6 +244,7 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     if (e->sl) /* sliced: whole blocks' worth of slices not held by live requests (free or cached) */
         out->blocks_free = (int)((kvb_block_pool_n_slices(e->pool) - kvb_block_pool_referenced_slices(e->pool)) /
                                  e->geom.n_layers);
+    out->stage_slots = kvb_stager_n_buffers(e->stager) / 2;
     out->n_running = e->running.n;
     out->n_waiting = e->waiting.n;
     out->blocks_own = kvb_block_pool_n_own(e->pool);

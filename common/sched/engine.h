@@ -48,6 +48,12 @@ typedef struct kvb_engine_opts {
     const kvb_mem_allocator *act_alloc; /* where the forward pass takes each step's buffers, sized by
                               * that step's tokens (borrowed for the engine's lifetime); NULL: a step
                               * arena of the backend's memory (kvb_mem_arena) */
+    /* A waiting request that no longer fits the pool as it is now (it was admitted on borrowed blocks
+     * that went back, or on own blocks a worker lent) is *stalled* (issue 10): */
+    double stall_wait_s;     /* it fails with KVB_ERR_EXHAUSTED (FINISH_ERROR) after stalling this long
+                              * (default 60; <= 0: it waits for blocks forever) */
+    int stall_overtake;      /* later requests the FCFS scheduler admits past it while it stalls (bounded
+                              * overtaking; default 64; <= 0: none, strict FCFS) */
 } kvb_engine_opts;
 
 void kvb_engine_opts_default(kvb_engine_opts *o);
@@ -142,6 +148,8 @@ typedef struct kvb_engine_stats {
     kvb_link_report links[KVB_LINK_COUNT]; /* what the stager's links carried since creation */
     int prefix_cache;           /* 1 if the prefix cache is on (a planner may turn it off at setup) */
     int max_running;            /* most requests running (or paused) at once after a step */
+    uint64_t stalled_failed;    /* waiting requests failed after stall_wait_s without fitting the pool */
+    int stage_slots;            /* blocks a step may stream now (two single-layer stage buffers each) */
 } kvb_engine_stats;
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out);
 /* The statistics as one line of `key=value` words, starting with `policy=NAME` (kvbank-generate --stats,
@@ -158,6 +166,8 @@ typedef struct kvb_slices_stats {
     uint64_t paused_layers_moved; /* layers of paused requests moved to make room (each: all its blocks) */
     uint64_t cached_dropped;      /* unreferenced cached prefix blocks dropped to make room */
     int peak_used;                /* most slices in use right after an install (kept + prefetch slots) */
+    uint64_t install_ns;          /* time installing placements (moves, prefetch slots) */
+    uint64_t layer_ns;            /* time preparing layers (prefetch copies and waits, host-layer stores) */
 } kvb_slices_stats;
 /* Zero unless the pool is sliced. */
 void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out);
@@ -220,6 +230,8 @@ typedef struct kvb_detach_stats {
     int moved;     /* live blocks copied to other blocks (KV moved, sequences keep running) */
     int dropped;   /* unreferenced prefix-cache blocks dropped */
     int preempted; /* sequences preempted by recompute (no free block to move to, or lender_dead) */
+    int kept;      /* unreferenced prefix-cache blocks copied into free blocks outside the range (issue 10) */
+    int demoted;   /* unreferenced prefix-cache blocks stored into the host tier's prefix cache */
 } kvb_detach_stats;
 
 /* Master: stops using the blocks attached under `tag` and forgets them: live blocks are copied to
@@ -234,6 +246,13 @@ typedef struct kvb_detach_stats {
  * outside the range is free or evictable, the newest sequence still on the range is preempted (its
  * own blocks free up room for the older ones). `out` may be NULL. */
 kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_detach_stats *out);
+/* Master, partial reclaim (issue 10): detaches only the first `n_blocks` (1..the loan's size) blocks of
+ * the loan `tag` as above; the loan keeps the rest, same tag. Idle cached blocks of the range are kept
+ * where room allows, most recently used first: copied into free blocks outside the range (as many as
+ * stay free once the range's live blocks moved) or, with a host-tier prefix cache, demoted there; the
+ * rest are dropped (the stats count each). Also done by kvb_engine_detach, unless lender_dead.
+ * KVB_ERR_INVALID for a bad count (nothing changed). */
+kvb_status kvb_engine_detach_front(kvb_engine *e, uint64_t tag, int n_blocks, int lender_dead, kvb_detach_stats *out);
 /* Master: blocks attached now (all tags). */
 int kvb_engine_n_borrowed(const kvb_engine *e);
 /* Master: the loans attached now: writes up to `max` tags and their block counts (either array may be

@@ -409,6 +409,8 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             e->stats.prefix_hit_tokens += (uint64_t)hit;
             kvb__list_remove(&e->waiting, s);
             kvb__list_insert_ordered(&e->running, s);
+            for (seq *w = e->waiting.head; w && w->arrival < s->arrival; w = w->next)
+                if (w->t_stall_ns) w->n_overtaken++; /* admitted past a stalled request (bounded) */
             s->q_len = q;
             s->n_absent = 0;
             if (hidden_begin(e, s, op->n_hidden) != KVB_OK) {
@@ -915,8 +917,36 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
     return KVB_OK;
 }
 
+/* Issue 10: a waiting request that no longer fits the pool as it is now (loans went back, own blocks
+ * lent) stalls; after stall_wait_s without blocks coming back it ends with an explicit error instead of
+ * holding the queue for good (the FCFS scheduler serves up to stall_overtake later requests past it
+ * meanwhile). One that fits again starts over. */
+static void fail_stalled(kvb_engine *e) {
+    if (e->sl) return; /* a sliced pool lends nothing */
+    int n_blocks = kvb_block_pool_n_blocks(e->pool);
+    uint64_t now = kvb_now_ns(), wait = e->o.stall_wait_s > 0 ? (uint64_t)(e->o.stall_wait_s * 1e9) : 0;
+    for (seq *s = e->waiting.head; s;) {
+        seq *next = s->next;
+        int64_t need = kvb__seq_need_blocks(e, s);
+        if (need <= n_blocks) {
+            s->t_stall_ns = 0;
+            s->n_overtaken = 0;
+        } else if (!s->t_stall_ns) {
+            s->t_stall_ns = now;
+        } else if (wait && now - s->t_stall_ns >= wait) {
+            KVB_LOG_W("engine: request %llu needs %lld KV blocks, the pool holds %d since its blocks were lent or "
+                      "reclaimed, and none came back within %.1f s: it fails", (unsigned long long)s->id,
+                      (long long)need, n_blocks, e->o.stall_wait_s);
+            e->stats.stalled_failed++;
+            kvb__finish(e, &e->waiting, s, KVB_FINISH_ERROR, KVB_ERR_EXHAUSTED);
+        }
+        s = next;
+    }
+}
+
 kvb_status kvb__exec_step(kvb_engine *e) {
     uint64_t t0 = kvb_now_ns();
+    fail_stalled(e);
     KVB_TRY(make_plan(e));
     const kvb_model_config *c = kvb_model_cfg(e->m);
     kvb_step_report rep = {.step = e->stats.steps, .t_plan_ns = kvb_now_ns() - t0, .n_layers = c->n_layers,

@@ -150,7 +150,7 @@ typedef struct detach_ctx {
     int n;
     uint8_t *taken;      /* [n] 1 once the detach holds the block (its only reference) */
     int32_t *moved_to;   /* [n] new id of a moved block (the detach holds one reference), -1 */
-    int32_t *scratch;    /* [n] range ids of a sequence being preempted */
+    int32_t *scratch;    /* [n] range ids of a sequence being preempted; idle cached ones (keep_cached) */
     kvb_detach_stats st;
 } detach_ctx;
 
@@ -239,11 +239,82 @@ static seq *move_seq(kvb_engine *e, detach_ctx *d, seq *s) {
     return s->next;
 }
 
+/* A detach keeps the master's prefix cache where it can (issue 10): the range's idle cached blocks, most
+ * recently used first, are copied into blocks outside the range: free ones first (as many as stay free
+ * once the range's live blocks have moved; lowest ids, so the master's own memory first), then ones
+ * that an idle cached block colder than the one being kept gave up (evicted as usual: demoted to the
+ * host tier when it has a prefix cache). So after the detach the pool holds the most recently used
+ * blocks it can. What cannot be kept is demoted to the host tier when there is one, else dropped. The
+ * range's free blocks are fenced first, so every block handed out here lies outside it. Without memory
+ * for the LRU order the range's cached blocks are dropped as before. */
+static void keep_cached(kvb_engine *e, detach_ctx *d) {
+    kvb_backend *be = kvb_model_backend(e->m);
+    size_t bb = kvb_kv_block_bytes(&e->geom);
+    int live = 0;
+    for (int i = 0; i < d->n; i++) {
+        int32_t id = d->first + i;
+        if (kvb_block_pool_is_free(e->pool, id)) fence_block(e, d, id);
+        else if (kvb_block_pool_refcount(e->pool, id) > 0) live++;
+    }
+    int n_idle = kvb_prefix_cache_n_idle(e->pc);
+    int32_t *lru = NULL; /* [n_idle] idle cached blocks, coldest first */
+    if (!n_idle || kvb_malloc((size_t)n_idle * sizeof *lru, (void **)&lru) != KVB_OK) return;
+    n_idle = kvb_prefix_cache_idle_lru(e->pc, lru, n_idle);
+    int spare = kvb_block_pool_n_free(e->pool) - live; /* free blocks outside the range no move needs */
+    int cold = 0;                                       /* next colder block outside the range */
+    for (int k = n_idle - 1; k >= 0; k--) {
+        int32_t h = lru[k], nid;
+        if (!in_range(d, h)) continue;
+        if (spare <= 0) {
+            while (cold < k && in_range(d, lru[cold])) cold++;
+            if (cold < k) { /* colder than h: it makes room */
+                (void)kvb_prefix_cache_demote(e->pc, lru[cold++]);
+                spare++;
+            }
+        }
+        if (spare > 0 && kvb_block_pool_alloc(e->pool, &nid) == KVB_OK) {
+            spare--;
+            assert(!in_range(d, nid));
+            if (be->iface->copy(be->ctx, kvb_block_pool_block(e->pool, nid), kvb_block_pool_block(e->pool, h), bb) ==
+                    KVB_OK &&
+                kvb_prefix_cache_rehome(e->pc, h, nid) == KVB_OK) {
+                kvb__shadow_drop(e, h);
+                fence_block(e, d, h);
+                d->st.kept++;
+                continue;
+            }
+            kvb_block_pool_unref(e->pool, nid);
+        }
+        if (e->host_prefix) { /* no room in the pool: the host tier keeps it */
+            uint64_t stores = e->stats.host_tier_stores;
+            (void)kvb_prefix_cache_demote(e->pc, h);
+            fence_block(e, d, h);
+            if (e->stats.host_tier_stores > stores) d->st.demoted++;
+            else d->st.dropped++;
+        }
+    }
+    free(lru);
+}
+
 kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_detach_stats *out) {
+    int li = find_loan(e, tag);
+    if (li < 0) {
+        if (out) *out = (kvb_detach_stats){0};
+        return KVB_ERR_NOT_FOUND;
+    }
+    return kvb_engine_detach_front(e, tag, e->loans[li].n, lender_dead, out);
+}
+
+kvb_status kvb_engine_detach_front(kvb_engine *e, uint64_t tag, int n_blocks, int lender_dead, kvb_detach_stats *out) {
     if (out) *out = (kvb_detach_stats){0};
     int li = find_loan(e, tag);
     if (li < 0) return KVB_ERR_NOT_FOUND;
-    detach_ctx d = {.first = e->loans[li].first, .n = e->loans[li].n};
+    if (n_blocks < 1 || n_blocks > e->loans[li].n) {
+        KVB_LOG_E("engine: detach of %d block(s) from loan %llu of %d", n_blocks, (unsigned long long)tag,
+                  e->loans[li].n);
+        return KVB_ERR_INVALID;
+    }
+    detach_ctx d = {.first = e->loans[li].first, .n = n_blocks};
     kvb_status st;
     KVB_TRY_GOTO(kvb_calloc((size_t)d.n, sizeof *d.taken, (void **)&d.taken), fail_scratch);
     KVB_TRY_GOTO(kvb_malloc((size_t)d.n * sizeof *d.moved_to, (void **)&d.moved_to), fail_scratch);
@@ -251,7 +322,8 @@ kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_d
     for (int i = 0; i < d.n; i++) d.moved_to[i] = -1;
     int can_move = !lender_dead && kvb_model_backend(e->m)->iface->copy;
 
-    /* 1. idle blocks (free, or cached and unreferenced) leave circulation */
+    /* 1. idle blocks (free, or cached and unreferenced) leave circulation; hot cached ones are kept */
+    if (can_move) keep_cached(e, &d);
     for (int i = 0; i < d.n; i++) fence_block(e, &d, d.first + i);
     /* 2. live blocks: only running sequences hold blocks (a waiting one holds none) */
     for (seq *s = e->running.head; s;) {
@@ -274,15 +346,24 @@ kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_d
         kvb_block_pool_unref(e->pool, d.first + i); /* no cache entry: back to the free list */
     }
     st = kvb_block_pool_detach(e->pool, d.first, d.n);
-    assert(st == KVB_OK);
-    memmove(&e->loans[li], &e->loans[li + 1], (size_t)(e->n_loans - li - 1) * sizeof *e->loans);
-    e->n_loans--;
+    if (st != KVB_OK) { /* only the split of a segment can fail (no memory for its entry) */
+        assert(st == KVB_ERR_NOMEM && d.n < e->loans[li].n); /* the range's blocks are free: still usable */
+        goto fail_scratch;
+    }
+    if (d.n < e->loans[li].n) { /* partial: the loan keeps its tail */
+        e->loans[li].first += d.n;
+        e->loans[li].n -= d.n;
+    } else {
+        memmove(&e->loans[li], &e->loans[li + 1], (size_t)(e->n_loans - li - 1) * sizeof *e->loans);
+        e->n_loans--;
+    }
     e->n_borrowed -= d.n;
     if (stage_for_loans(e, KVB_POOL_DETACH, d.n) != KVB_OK)
         KVB_LOG_W("engine: could not resize the stage buffers; they keep %d slots", kvb_stager_n_buffers(e->stager) / 2);
-    KVB_LOG_D("engine: loan %llu detached%s: %d blocks moved, %d cached dropped, %d requests preempted",
-              (unsigned long long)tag, lender_dead ? " (lender dead)" : "", d.st.moved, d.st.dropped,
-              d.st.preempted);
+    KVB_LOG_D("engine: %d block(s) of loan %llu detached%s: %d blocks moved, %d cached kept, %d demoted, %d "
+              "dropped, %d requests preempted",
+              d.n, (unsigned long long)tag, lender_dead ? " (lender dead)" : "", d.st.moved, d.st.kept, d.st.demoted,
+              d.st.dropped, d.st.preempted);
     if (out) *out = d.st;
 fail_scratch:
     free(d.taken);

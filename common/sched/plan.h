@@ -58,6 +58,8 @@ typedef struct kvb_req_view {
                             * blocks[0] holds tokens from n_dropped * block_size on */
     int n_dropped;         /* leading blocks it has released (KVB_OP_DROP): their tokens' KV is absent and
                             * every RUN recomputes them (n_absent >= n_dropped * block_size) */
+    int n_overtaken;       /* WAITING: later requests admitted past it while it could not fit the pool as
+                            * it is now (bounded by kvb_view.stall_overtake) */
     int hidden_layers;     /* HCache: leading layers whose input hidden states of all its computed tokens
                             * are saved in host memory (RUNNING: what a SWAP_OUT may leave as hidden
                             * states; SWAPPED: the layers it left so) */
@@ -98,6 +100,7 @@ typedef struct kvb_view {
     int max_seqs;             /* most requests RUNNING or PAUSED at once */
     int max_model_len;
     int prefix_cache;         /* 1 if full blocks are shared through the prefix cache */
+    int stall_overtake;       /* most later requests admitted past one that cannot fit the pool now (0: none) */
     uint64_t step;            /* steps run so far */
     uint64_t now_ns;          /* wall clock at the view's making */
     kvb_pool_view pool;
@@ -315,6 +318,9 @@ typedef struct kvb_pool_plan {
     kvb_mem_allocator act_alloc; /* iface set: where the forward pass takes each step's buffers (eLLM's
                             * activation pool), borrowed for the engine's lifetime; it replaces the
                             * options' act_alloc */
+    int lsc_own_blocks;    /* > 0: the stage buffers live in this many blocks' worth of the engine's KV
+                            * memory (its top), which the pool does not get: SwiftCache's LSC inside the
+                            * master's budget (Eq. 4-5); stage_slots can then never ask for more */
     /* SETUP, ATTACH, DETACH: */
     int stage_slots;       /* blocks a step may read through stage buffers (STREAM / HOST) */
     /* SETUP (read once): */

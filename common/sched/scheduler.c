@@ -2,6 +2,7 @@
  * accounting every plan is checked with, and vLLM's FCFS scheduling as a routine planners call
  * (common/sched/scheduler.h). */
 #include <assert.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -201,6 +202,7 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
                                  .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
                                  .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
                                  .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped,
+                                 .n_overtaken = s->n_overtaken,
                                  .hidden_layers = swapped ? s->swap_hidden
                                                   : s->hid_tokens >= s->n_computed ? s->hid_layers : 0};
     e->vseq[i] = s;
@@ -223,6 +225,7 @@ kvb_status kvb__view_build(kvb_engine *e) {
     v->max_seqs = e->o.max_seqs;
     v->max_model_len = e->o.max_model_len;
     v->prefix_cache = e->o.enable_prefix_cache;
+    v->stall_overtake = KVB_MAX(e->o.stall_overtake, 0);
     v->step = e->stats.steps;
     v->now_ns = kvb_wall_ns();
     int n_free = kvb_block_pool_n_free(e->pool);
@@ -1065,17 +1068,23 @@ static kvb_status fcfs_admit(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
     int *w, n;
     KVB_TRY(waiting_order(a, &w, &n));
     kvb_status st = KVB_OK;
+    int may_pass = INT_MAX; /* admissions still allowed past the stalled requests skipped so far */
     for (int k = 0; k < n && a->budget - a->tokens > 0 && a->n_running < v->max_seqs && a->n_sched < a->batch_limit;
          k++) {
         int i = w[k];
         const kvb_req_view *r = &v->reqs[i];
         /* one that needs more blocks than the pool holds now (lent out or detached) waits until grow /
-         * attach: admitted, it could only preempt itself over and over */
+         * attach: admitted, it could only preempt itself over and over. Requests behind it that fit are
+         * served meanwhile, up to v->stall_overtake of them (bounded overtaking, issue 10); the engine
+         * fails it after its stall wait. */
         if (!v->pool.n_slices &&
             KVB_DIV_CEIL((int64_t)r->n_prompt + r->max_tokens, v->geom->block_size) > v->pool.n_blocks) {
             p->starved = 1;
+            may_pass = KVB_MIN(may_pass, v->stall_overtake - r->n_overtaken);
+            if (may_pass > 0) continue;
             break;
         }
+        if (may_pass <= 0) break;
         if (v->prefix_cache) {
             int defer;
             KVB_TRY_GOTO(in_flight(a, i, &defer), out);
@@ -1092,6 +1101,7 @@ static kvb_status fcfs_admit(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
             break;
         }
         KVB_TRY_GOTO(push(a, p, (kvb_plan_op){.kind = KVB_OP_ADMIT, .id = r->id, .q_len = q}), out);
+        if (may_pass != INT_MAX) may_pass--; /* it passed a stalled request */
     }
 out:
     free(w);

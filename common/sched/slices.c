@@ -41,6 +41,15 @@ static int mask_any(const sl_mask *m) {
     return 0;
 }
 
+/* Transfer pieces the stager borrows (see px_reserve). */
+typedef struct px_list {
+    kvb_xfer *x;
+    int n, cap;
+    int posted; /* pieces of it were posted and not yet waited for */
+} px_list;
+
+#define LAUNCHED (1ull << 63) /* s_ticket: the layer's load was posted (the rest is its ticket, 0: none) */
+
 struct kvb_slices {
     int L, bs;
     int n_ids;
@@ -62,9 +71,15 @@ struct kvb_slices {
     int n_scratch, cap_scratch;
     int *s_first;         /* [max_seqs] first scratch index of sched[i] */
     int *s_per;           /* [max_seqs] slices per slot (0: no host layer read) */
-    int *s_pos;           /* [max_seqs] during a layer: next free position in the slot */
     int32_t *entry_scratch; /* [blk_cap] the scratch slice a layer_blocks entry reads, -1: in place */
     int entry_cap;
+    int n_sched_step;     /* sequences of this step */
+    uint64_t *s_ticket;   /* [max_seqs][L] per sequence and host layer: LAUNCHED | its load's ticket */
+    uint64_t *onload_t;   /* [L] the install's loads due before each layer (0: none) */
+    px_list ev, on, step; /* pieces: moves off the device, moves onto it, the step's prefetches and stores */
+    int32_t *mv_id;       /* [mv_cap] (block, layer) pairs of one move */
+    int *mv_layer;
+    int mv_cap;
     kvb_slices_stats st;
 };
 
@@ -98,7 +113,8 @@ kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
     KVB_TRY(kvb_calloc((size_t)n_ids, sizeof *sl->tlist, (void **)&sl->tlist));
     KVB_TRY(kvb_calloc((size_t)e->o.max_seqs, sizeof *sl->s_first, (void **)&sl->s_first));
     KVB_TRY(kvb_calloc((size_t)e->o.max_seqs, sizeof *sl->s_per, (void **)&sl->s_per));
-    KVB_TRY(kvb_calloc((size_t)e->o.max_seqs, sizeof *sl->s_pos, (void **)&sl->s_pos));
+    KVB_TRY(kvb_calloc((size_t)e->o.max_seqs * (size_t)sl->L, sizeof *sl->s_ticket, (void **)&sl->s_ticket));
+    KVB_TRY(kvb_calloc((size_t)sl->L, sizeof *sl->onload_t, (void **)&sl->onload_t));
     return KVB_OK;
 }
 
@@ -116,8 +132,14 @@ void kvb__slices_free(kvb_engine *e) {
     free(sl->scratch);
     free(sl->s_first);
     free(sl->s_per);
-    free(sl->s_pos);
     free(sl->entry_scratch);
+    free(sl->s_ticket);
+    free(sl->onload_t);
+    free(sl->ev.x);
+    free(sl->on.x);
+    free(sl->step.x);
+    free(sl->mv_id);
+    free(sl->mv_layer);
     free(sl);
     e->sl = NULL;
 }
@@ -269,38 +291,77 @@ kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p
 
 /* ---------------------------------------------------------------- moving layers */
 
-/* Copies rows [r0, r1) of K and of V between a slice and the host home of (id, l). */
-static kvb_status copy_rows(kvb_engine *e, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
+static kvb_status ids_reserve(kvb_slices *sl, int n) {
+    if (n <= sl->mv_cap) return KVB_OK;
+    int cap = KVB_MAX(n, 2 * sl->mv_cap);
+    KVB_TRY(kvb_realloc_array((void **)&sl->mv_id, (size_t)cap, sizeof *sl->mv_id));
+    KVB_TRY(kvb_realloc_array((void **)&sl->mv_layer, (size_t)cap, sizeof *sl->mv_layer));
+    sl->mv_cap = cap;
+    return KVB_OK;
+}
+
+/* Lists of transfer pieces. The stager borrows a list's pieces until their transfer has been waited
+ * for, so a list is sized before anything is posted from it and only reset after the waits. */
+static kvb_status px_reserve(px_list *l, int n) {
+    if (l->n + n <= l->cap) return KVB_OK;
+    assert(l->n == 0 || l->posted == 0); /* never moved while the stager holds pieces of it */
+    int cap = KVB_MAX(l->n + n, 2 * l->cap);
+    KVB_TRY(kvb_realloc_array((void **)&l->x, (size_t)cap, sizeof *l->x));
+    l->cap = cap;
+    return KVB_OK;
+}
+
+/* Appends the pieces that copy rows [r0, r1) of K and of V between a slice and the host home of (id, l). */
+static void add_rows(kvb_engine *e, px_list *pl, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
     kvb_slices *sl = e->sl;
-    if (r1 <= r0) return KVB_OK;
-    kvb_backend *be = kvb_model_backend(e->m);
+    if (r1 <= r0) return;
     unsigned char *h = sl->host + (size_t)id * sl->block_bytes + (size_t)l * sl->layer_bytes;
     unsigned char *d = slice;
     size_t off = (size_t)r0 * sl->row_bytes, nb = (size_t)(r1 - r0) * sl->row_bytes;
     for (int half = 0; half < 2; half++) {
         size_t o = off + (half ? sl->half_bytes : 0);
-        if (to_host) KVB_TRY(be->iface->to_host(be->ctx, h + o, d + o, nb));
-        else KVB_TRY(be->iface->to_device(be->ctx, d + o, h + o, nb));
+        assert(pl->n < pl->cap);
+        pl->x[pl->n++] = to_host ? (kvb_xfer){h + o, d + o, nb} : (kvb_xfer){d + o, h + o, nb};
     }
-    uint64_t bytes = 2 * (uint64_t)nb;
-    if (to_host) sl->st.bytes_stored += bytes;
-    else sl->st.bytes_loaded += bytes;
-    return KVB_OK;
+    if (to_host) sl->st.bytes_stored += 2 * (uint64_t)nb;
+    else sl->st.bytes_loaded += 2 * (uint64_t)nb;
 }
 
-/* Moves (id, l) from the device to its host home: stores what the host copy lacks, frees the slice. */
-static kvb_status offload(kvb_engine *e, int32_t id, int l) {
+/* Posts pieces [from, pl->n) of `pl` as one transfer on the host link (0: nothing to post). */
+static kvb_status post(kvb_engine *e, px_list *pl, int from, int to_host, uint64_t *ticket) {
+    *ticket = 0;
+    if (pl->n == from) return KVB_OK;
+    pl->posted = 1;
+    return kvb_stager_post(e->stager, KVB_LINK_HOST, to_host ? KVB_XFER_D2H : KVB_XFER_H2D, pl->x + from,
+                           pl->n - from, ticket);
+}
+
+/* Moves layers off the device: stores what each host copy lacks (one transfer), waits for it, then
+ * frees the slices. ids[k], layers[k] for k < n. */
+static kvb_status offload(kvb_engine *e, const int32_t *ids, const int *layers, int n) {
     kvb_slices *sl = e->sl;
-    uint16_t *hr = &sl->host_rows[(size_t)id * sl->L + l];
-    KVB_TRY(copy_rows(e, 1, kvb_block_pool_block_layer(e->pool, id, l), id, l, *hr, sl->fill[id]));
-    *hr = sl->fill[id];
-    kvb_block_pool_slice_free(e->pool, id, l);
-    sl->st.slices_offloaded++;
+    px_list *pl = &sl->ev;
+    pl->n = pl->posted = 0;
+    KVB_TRY(px_reserve(pl, 2 * n));
+    for (int k = 0; k < n; k++) {
+        uint16_t *hr = &sl->host_rows[(size_t)ids[k] * sl->L + layers[k]];
+        add_rows(e, pl, 1, kvb_block_pool_block_layer(e->pool, ids[k], layers[k]), ids[k], layers[k], *hr,
+                 sl->fill[ids[k]]);
+    }
+    uint64_t t;
+    KVB_TRY(post(e, pl, 0, 1, &t));
+    if (t) KVB_TRY(kvb_stager_wait(e->stager, t)); /* the slices are read before anyone reuses them */
+    pl->n = pl->posted = 0;
+    for (int k = 0; k < n; k++) {
+        sl->host_rows[(size_t)ids[k] * sl->L + layers[k]] = sl->fill[ids[k]];
+        kvb_block_pool_slice_free(e->pool, ids[k], layers[k]);
+    }
+    sl->st.slices_offloaded += (uint64_t)n;
     return KVB_OK;
 }
 
-/* Frees one lazily held slice: an unreferenced cached block is dropped, else a layer of a paused
- * request leaves (deepest layer first, all its blocks there). KVB_ERR_EXHAUSTED if nothing is left. */
+/* Frees lazily held slices: an unreferenced cached block is dropped, else a layer of a paused request
+ * leaves (deepest layer first, all its blocks there at once). KVB_ERR_EXHAUSTED if nothing is left. */
 static kvb_status make_room_once(kvb_engine *e) {
     kvb_slices *sl = e->sl;
     int before = kvb_block_pool_n_free_slices(e->pool);
@@ -311,14 +372,16 @@ static kvb_status make_room_once(kvb_engine *e) {
     for (seq *s = e->running.head; s; s = s->next) {
         if (!s->paused) continue;
         for (int l = sl->L - 1; l >= 0; l--) {
-            int moved = 0;
+            int n = 0;
             for (int j = 0; j < s->bt.n; j++) {
                 int32_t id = s->bt.ids[j];
                 if (!kvb_block_pool_slice_resident(e->pool, id, l) || sl->want[(size_t)id * sl->L + l]) continue;
-                KVB_TRY(offload(e, id, l));
-                moved++;
+                KVB_TRY(ids_reserve(sl, n + 1));
+                sl->mv_id[n] = id;
+                sl->mv_layer[n++] = l;
             }
-            if (moved) {
+            if (n) {
+                KVB_TRY(offload(e, sl->mv_id, sl->mv_layer, n));
                 sl->st.paused_layers_moved++;
                 return KVB_OK;
             }
@@ -352,7 +415,6 @@ kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out) {
     return KVB_OK;
 }
 
-/* Gives the scheduled sequences' layer_blocks entries a scratch map (-1: in place). */
 static kvb_status entries_reserve(kvb_slices *sl, int n) {
     if (n <= sl->entry_cap) return KVB_OK;
     KVB_TRY(kvb_realloc_array((void **)&sl->entry_scratch, (size_t)n, sizeof *sl->entry_scratch));
@@ -360,56 +422,80 @@ static kvb_status entries_reserve(kvb_slices *sl, int n) {
     return KVB_OK;
 }
 
-static kvb_status scratch_push(kvb_engine *e, int n) {
+static kvb_status install(kvb_engine *e, int n_sched);
+
+kvb_status kvb__slices_install(kvb_engine *e, int n_sched) {
+    if (!e->sl) return KVB_OK;
+    uint64_t t0 = kvb_now_ns();
+    kvb_status st = install(e, n_sched);
+    e->sl->st.install_ns += kvb_now_ns() - t0;
+    return st;
+}
+
+/* Blocks sequence sched[i] reads in this step. */
+static int step_blocks(const kvb_slices *sl, const seq *s) { return KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs); }
+
+static int depth_of(const kvb_slices *sl, const seq *s) { return sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1; }
+
+static kvb_status install(kvb_engine *e, int n_sched) {
     kvb_slices *sl = e->sl;
-    if (sl->n_scratch + n > sl->cap_scratch) {
-        int cap = KVB_MAX(sl->n_scratch + n, 2 * sl->cap_scratch);
-        KVB_TRY(kvb_realloc_array((void **)&sl->scratch, (size_t)cap, sizeof *sl->scratch));
-        sl->cap_scratch = cap;
+    sl->n_sched_step = n_sched;
+    want_clear(sl);
+    for (seq *s = e->running.head; s; s = s->next)
+        if (!s->paused) want_mark(sl, s->bt.ids, s->bt.n, &sl->vmask[s->vidx]);
+    /* layers leaving first, all in one transfer (their slices become free once it has landed) */
+    int n = 0, n_on = 0;
+    for (int t = 0; t < sl->n_touched; t++) {
+        int32_t id = sl->tlist[t];
+        for (int l = 0; l < sl->L; l++) {
+            int want = sl->want[(size_t)id * sl->L + l], res = kvb_block_pool_slice_resident(e->pool, id, l);
+            if (!want && res) {
+                KVB_TRY(ids_reserve(sl, n + 1));
+                sl->mv_id[n] = id;
+                sl->mv_layer[n++] = l;
+            }
+            n_on += want && !res;
+        }
     }
-    KVB_TRY(make_room(e, n));
-    for (int k = 0; k < n; k++) {
+    if (n) KVB_TRY(offload(e, sl->mv_id, sl->mv_layer, n));
+    /* the step's prefetch slots: depth x the largest host layer's non-resident blocks, per sequence
+     * (counted as the install leaves residency) */
+    int n_scratch = 0;
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        int64_t need = scratch_need(sl, e->pool, s->bt.ids, step_blocks(sl, s), 0, &sl->vmask[s->vidx], depth_of(sl, s),
+                                    0 /* as wanted */);
+        sl->s_first[i] = n_scratch;
+        sl->s_per[i] = (int)(need / depth_of(sl, s));
+        n_scratch += (int)need;
+    }
+    /* room for the arriving layers and the slots, then the arriving layers, one transfer per layer;
+     * a layer counts as on the device once its transfer has landed (kvb__slices_layer waits) */
+    KVB_TRY(make_room(e, n_on + n_scratch));
+    px_list *pl = &sl->on;
+    pl->n = pl->posted = 0;
+    KVB_TRY(px_reserve(pl, 2 * n_on));
+    for (int l = 0; l < sl->L; l++) {
+        int from = pl->n;
+        for (int t = 0; t < sl->n_touched; t++) {
+            int32_t id = sl->tlist[t];
+            if (!sl->want[(size_t)id * sl->L + l] || kvb_block_pool_slice_resident(e->pool, id, l)) continue;
+            KVB_TRY(kvb_block_pool_slice_alloc(e->pool, id, l)); /* make_room left enough */
+            add_rows(e, pl, 0, kvb_block_pool_block_layer(e->pool, id, l), id, l, 0, sl->fill[id]);
+            sl->st.slices_onloaded++;
+        }
+        KVB_TRY(post(e, pl, from, 0, &sl->onload_t[l]));
+    }
+    sl->n_scratch = 0;
+    if (n_scratch > sl->cap_scratch) {
+        KVB_TRY(kvb_realloc_array((void **)&sl->scratch, (size_t)n_scratch, sizeof *sl->scratch));
+        sl->cap_scratch = n_scratch;
+    }
+    for (int k = 0; k < n_scratch; k++) {
         kvb_status st = kvb_block_pool_scratch_alloc(e->pool, &sl->scratch[sl->n_scratch]);
         assert(st == KVB_OK);
         (void)st;
         sl->n_scratch++;
-    }
-    return KVB_OK;
-}
-
-kvb_status kvb__slices_install(kvb_engine *e, int n_sched) {
-    kvb_slices *sl = e->sl;
-    if (!sl) return KVB_OK;
-    want_clear(sl);
-    for (seq *s = e->running.head; s; s = s->next)
-        if (!s->paused) want_mark(sl, s->bt.ids, s->bt.n, &sl->vmask[s->vidx]);
-    /* layers leaving first (their slices become free), then layers arriving */
-    for (int t = 0; t < sl->n_touched; t++) {
-        int32_t id = sl->tlist[t];
-        for (int l = 0; l < sl->L; l++)
-            if (!sl->want[(size_t)id * sl->L + l] && kvb_block_pool_slice_resident(e->pool, id, l))
-                KVB_TRY(offload(e, id, l));
-    }
-    for (int t = 0; t < sl->n_touched; t++) {
-        int32_t id = sl->tlist[t];
-        for (int l = 0; l < sl->L; l++) {
-            if (!sl->want[(size_t)id * sl->L + l] || kvb_block_pool_slice_resident(e->pool, id, l)) continue;
-            KVB_TRY(make_room(e, 1));
-            KVB_TRY(kvb_block_pool_slice_alloc(e->pool, id, l));
-            KVB_TRY(copy_rows(e, 0, kvb_block_pool_block_layer(e->pool, id, l), id, l, 0, sl->fill[id]));
-            sl->st.slices_onloaded++;
-        }
-    }
-    /* prefetch slots of the scheduled sequences */
-    sl->n_scratch = 0;
-    for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
-        int nb = KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs);
-        sl->s_first[i] = sl->n_scratch;
-        int depth = sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1;
-        int64_t need = scratch_need(sl, e->pool, s->bt.ids, nb, 0, &sl->vmask[s->vidx], depth, 1);
-        sl->s_per[i] = (int)(need / depth);
-        KVB_TRY(scratch_push(e, (int)need));
     }
     int used = kvb_block_pool_n_slices(e->pool) - kvb_block_pool_n_free_slices(e->pool);
     if (used > sl->st.peak_used) sl->st.peak_used = used;
@@ -418,20 +504,86 @@ kvb_status kvb__slices_install(kvb_engine *e, int n_sched) {
 
 /* ---------------------------------------------------------------- the step */
 
-kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) { return e->sl ? entries_reserve(e->sl, n_blk) : KVB_OK; }
+/* Loads sched[i]'s host layer l into its slot (slot = rank of l among its host layers, modulo depth):
+ * one transfer of every block of the sequence that is not on the device at l. */
+static kvb_status launch(kvb_engine *e, int i, int l) {
+    kvb_slices *sl = e->sl;
+    seq *s = e->sched[i];
+    const sl_mask *m = &sl->vmask[s->vidx];
+    int rank = 0;
+    for (int k = 0; k < l; k++) rank += mask_has(m, k);
+    int pos = sl->s_first[i] + (rank % depth_of(sl, s)) * sl->s_per[i];
+    int from = sl->step.n, nb = step_blocks(sl, s);
+    for (int j = 0; j < nb; j++) {
+        int32_t id = s->bt.ids[j];
+        if (kvb_block_pool_slice_resident(e->pool, id, l)) continue;
+        add_rows(e, &sl->step, 0, kvb_block_pool_slice_addr(e->pool, sl->scratch[pos++]), id, l, 0, sl->fill[id]);
+        sl->st.slices_prefetched++;
+    }
+    uint64_t t;
+    KVB_TRY(post(e, &sl->step, from, 0, &t));
+    /* nothing to load (only fresh blocks): the layer still waits for the stores that read the slot
+     * before (an empty post's ticket is done once everything posted before it is) */
+    if (!t) KVB_TRY(kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, NULL, 0, &t));
+    sl->s_ticket[(size_t)i * sl->L + l] = LAUNCHED | t;
+    return KVB_OK;
+}
 
-/* Layer l's pointers for the scheduled sequences: resident slices in place, the others loaded into the
- * sequence's prefetch slot for the layer (slot = rank of l among its host layers, modulo depth). */
+/* The next host layer of sched[i] from layer `l0` on that is not launched yet (-1 if none). */
+static int next_host(const kvb_slices *sl, int i, const seq *s, int l0) {
+    const sl_mask *m = &sl->vmask[s->vidx];
+    for (int l = l0; l < sl->L; l++)
+        if (mask_has(m, l) && !sl->s_ticket[(size_t)i * sl->L + l]) return l;
+    return -1;
+}
+
+/* Before the forward pass: the transfer pieces of the step (prefetches and the stores of the rows the
+ * step writes into host layers), then each sequence loads its first `depth` host layers at once (the
+ * greedy rule of §3.3.1 that the latency model simulates). */
+kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
+    kvb_slices *sl = e->sl;
+    if (!sl) return KVB_OK;
+    KVB_TRY(entries_reserve(sl, n_blk));
+    int n_sched = sl->n_sched_step, pieces = 0;
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        const sl_mask *m = &sl->vmask[s->vidx];
+        int host = 0, nb = step_blocks(sl, s);
+        for (int l = 0; l < sl->L; l++) host += mask_has(m, l);
+        int written = KVB_DIV_CEIL(s->q_len, sl->bs) + 1;
+        pieces += 2 * host * (nb + KVB_MIN(written, nb));
+        memset(sl->s_ticket + (size_t)i * sl->L, 0, (size_t)sl->L * sizeof *sl->s_ticket);
+    }
+    sl->step.n = sl->step.posted = 0;
+    KVB_TRY(px_reserve(&sl->step, pieces));
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        for (int k = 0; k < depth_of(sl, s); k++) {
+            int l = next_host(sl, i, s, 0);
+            if (l >= 0) KVB_TRY(launch(e, i, l));
+        }
+    }
+    return KVB_OK;
+}
+
+/* Layer l's pointers for the scheduled sequences: resident slices in place, the others from the
+ * sequence's prefetch slot once its transfer (and any install load of the layer) has landed. */
 kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
     kvb_slices *sl = e->sl;
+    uint64_t t0 = kvb_now_ns();
+    if (sl->onload_t[l]) KVB_TRY(kvb_stager_wait(e->stager, sl->onload_t[l]));
     for (int i = 0; i < n_sched; i++) {
         seq *s = e->sched[i];
         const kvb_attn_seq *as = &e->b_seqs[i];
         const sl_mask *m = &sl->vmask[s->vidx];
-        int in_host = mask_has(m, l), rank = 0, depth = sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1;
-        if (in_host)
+        int in_host = mask_has(m, l), rank = 0;
+        if (in_host) {
+            uint64_t *t = &sl->s_ticket[(size_t)i * sl->L + l];
+            assert(*t & LAUNCHED); /* launched when its slot was freed by the layer before that used it */
+            if (*t & ~LAUNCHED) KVB_TRY(kvb_stager_wait(e->stager, *t & ~LAUNCHED));
             for (int k = 0; k < l; k++) rank += mask_has(m, k);
-        int pos = sl->s_first[i] + (rank % depth) * sl->s_per[i], end = pos + sl->s_per[i];
+        }
+        int pos = sl->s_first[i] + (rank % depth_of(sl, s)) * sl->s_per[i];
         for (int j = 0; j < as->n_blocks; j++) {
             int ent = as->blk_first + j;
             int32_t id = s->bt.ids[j];
@@ -440,22 +592,23 @@ kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
                 e->blk_layer[ent] = kvb_block_pool_block_layer(e->pool, id, l);
                 continue;
             }
-            assert(in_host && pos < end); /* the install gave every other layer a slice */
-            (void)end;
+            assert(in_host); /* the install gave every other layer a slice */
             int32_t k = sl->scratch[pos++];
-            void *dst = kvb_block_pool_slice_addr(e->pool, k);
-            KVB_TRY(copy_rows(e, 0, dst, id, l, 0, sl->fill[id]));
-            sl->st.slices_prefetched++;
             sl->entry_scratch[ent] = k;
-            e->blk_layer[ent] = dst;
+            e->blk_layer[ent] = kvb_block_pool_slice_addr(e->pool, k);
         }
     }
+    sl->st.layer_ns += kvb_now_ns() - t0;
     return KVB_OK;
 }
 
-/* After layer l: the rows the step wrote into prefetch slots go to the host tier. */
+/* After layer l (the backend is idle): the rows the step wrote into prefetch slots go to their host
+ * homes (in one transfer, waited for at the end of the step), and every sequence whose slot layer l
+ * used launches its next host layer into it. */
 kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
     kvb_slices *sl = e->sl;
+    uint64_t t0 = kvb_now_ns();
+    int from = sl->step.n;
     for (int i = 0; i < n_sched; i++) {
         seq *s = e->sched[i];
         const kvb_attn_seq *as = &e->b_seqs[i];
@@ -467,17 +620,32 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
             int r0 = KVB_MAX(p0 - j * sl->bs, 0), r1 = KVB_MIN(p1 - j * sl->bs, sl->bs);
             uint16_t *hr = &sl->host_rows[(size_t)id * sl->L + l];
             assert(*hr == sl->fill[id] && r0 == *hr); /* appending right after the stored rows */
-            KVB_TRY(copy_rows(e, 1, kvb_block_pool_slice_addr(e->pool, k), id, l, r0, r1));
-            *hr = (uint16_t)r1;
+            add_rows(e, &sl->step, 1, kvb_block_pool_slice_addr(e->pool, k), id, l, r0, r1);
+            *hr = (uint16_t)r1; /* landed by the end of the step (kvb__slices_step_end drains) */
         }
     }
+    uint64_t t;
+    KVB_TRY(post(e, &sl->step, from, 1, &t));
+    for (int i = 0; i < n_sched; i++) {
+        seq *s = e->sched[i];
+        if (!mask_has(&sl->vmask[s->vidx], l)) continue;
+        int nl = next_host(sl, i, s, l + 1);
+        if (nl >= 0) KVB_TRY(launch(e, i, nl));
+    }
+    sl->st.layer_ns += kvb_now_ns() - t0;
     return KVB_OK;
 }
 
-/* After the step: the blocks' fill grows by the rows written; prefetch slots go back. */
+/* After the step: every transfer has landed, the blocks' fill grows by the rows written, prefetch
+ * slots go back. */
 void kvb__slices_step_end(kvb_engine *e, int n_sched) {
     kvb_slices *sl = e->sl;
     if (!sl) return;
+    if (sl->step.posted || sl->on.posted) (void)kvb_stager_drain(e->stager);
+
+    sl->step.n = sl->step.posted = 0;
+    sl->on.n = sl->on.posted = 0;
+    for (int l = 0; l < sl->L; l++) sl->onload_t[l] = 0;
     for (int i = 0; i < n_sched; i++) {
         seq *s = e->sched[i];
         const kvb_attn_seq *as = &e->b_seqs[i];

@@ -152,7 +152,7 @@ void kvb_link_model_print(FILE *f, const kvb_link_model *m) {
         fprintf(f, "link preset: off (copies at memory speed)\n");
         return;
     }
-    fprintf(f, "link preset: %s (%s", m->name, m->target);
+    fprintf(f, "link preset: %s%s (%s", m->name, m->share ? ", transfers share each link equally" : "", m->target);
     if (m->measured_flops > 0)
         fprintf(f, "; scaled by %.3g = this machine's %.3g GFLOP/s measured / the target's %.3g TFLOP/s", m->scale,
                 m->measured_flops / 1e9, m->target_flops / 1e12);
@@ -179,6 +179,16 @@ typedef struct task {
     int n;
 } task;
 
+/* Sharing links: the model's state of one transfer, and of a link's two directions. Times are
+ * monotonic seconds. */
+typedef struct vxfer {
+    uint64_t t;      /* its ticket number on the lane */
+    int dirn;        /* 0: towards the device (H2D, D2D), 1: from it (D2H) */
+    double rem;      /* bytes the model has not carried yet */
+    double act;      /* when it starts moving data (post + latency) */
+    int done;
+} vxfer;
+
 typedef struct lane {
     struct kvb_stager *s;
     kvb_link_kind kind;
@@ -190,6 +200,10 @@ typedef struct lane {
     kvb_status err;      /* first error since the last drain */
     kvb_link_report now; /* since the last report */
     kvb_link_report total;
+    /* sharing links: transfers posted since the last drain, and the model's clock */
+    vxfer *v;
+    int nv, capv;
+    double vt;           /* the model has been advanced to this time */
 } lane;
 
 struct kvb_stager {
@@ -199,9 +213,11 @@ struct kvb_stager {
     pthread_cond_t cv;
     int quit;
     lane lanes[KVB_LINK_COUNT];
-    void *buf_mem;       /* [n_buf][buf_bytes] backend memory */
+    void *buf_mem;       /* [n_buf][buf_bytes] backend memory (ext_mem when that is set) */
     int n_buf;
     size_t buf_bytes;
+    void *ext_mem;       /* the caller's memory for the buffers, borrowed (NULL: allocate) */
+    size_t ext_bytes;
 };
 
 static kvb_status run_task(kvb_stager *s, const task *t) {
@@ -225,6 +241,93 @@ static void sleep_until(uint64_t until_ns) {
     }
 }
 
+/* Monotonic seconds since the process's first call (small numbers keep the model's sums exact). */
+static double mono_s(void) {
+    static uint64_t base;
+    uint64_t now = kvb_now_ns(), zero = 0;
+    __atomic_compare_exchange_n(&base, &zero, now - 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return (double)(now - __atomic_load_n(&base, __ATOMIC_RELAXED)) * 1e-9;
+}
+
+/* Sharing links: advances the model of `ln` to time `until` (with s->mu held). In each direction the
+ * transfers that have started share the bandwidth equally; a transfer's share is redistributed when
+ * it is done. The time either direction is busy counts in the reports. */
+static void share_advance(kvb_stager *s, lane *ln, double until) {
+    double bw = s->lm.links[ln->kind].bytes_per_s;
+    while (ln->vt < until) {
+        int n_act[2] = {0, 0};
+        double min_rem[2] = {1e300, 1e300}, next_act = 1e300;
+        for (int i = 0; i < ln->nv; i++) {
+            vxfer *x = &ln->v[i];
+            if (x->done) continue;
+            if (x->act <= ln->vt) {
+                if (x->rem <= 0 || !(bw > 0)) { /* nothing left, or an unlimited link: done as it starts */
+                    x->rem = 0;
+                    x->done = 1;
+                    continue;
+                }
+                n_act[x->dirn]++;
+                if (x->rem < min_rem[x->dirn]) min_rem[x->dirn] = x->rem;
+            } else if (x->act < next_act) {
+                next_act = x->act;
+            }
+        }
+        double tn = KVB_MIN(next_act, until), t_fin[2] = {1e300, 1e300};
+        for (int d = 0; d < 2; d++)
+            if (n_act[d]) tn = KVB_MIN(tn, t_fin[d] = ln->vt + min_rem[d] * n_act[d] / bw);
+        double dt = tn - ln->vt;
+        if (n_act[0] || n_act[1]) {
+            uint64_t busy = (uint64_t)(dt * 1e9);
+            ln->now.busy_ns += busy;
+            ln->total.busy_ns += busy;
+        }
+        for (int i = 0; i < ln->nv; i++) {
+            vxfer *x = &ln->v[i];
+            if (x->done || x->act > ln->vt) continue;
+            double moved = dt * bw / n_act[x->dirn];
+            /* the smallest of a direction is done when its finishing time is reached (exactly, so that
+             * rounding can never leave a sliver that takes no time to move) */
+            if ((tn >= t_fin[x->dirn] && x->rem <= min_rem[x->dirn] * (1 + 1e-9)) || x->rem - moved <= 1e-6) {
+                x->rem = 0;
+                x->done = 1;
+            } else {
+                x->rem -= moved;
+            }
+        }
+        ln->vt = tn;
+    }
+}
+
+/* Sharing links: when transfer `x` will be done if nothing else is posted (s->mu held). */
+static double share_eta(kvb_stager *s, lane *ln, const vxfer *x) {
+    double bw = s->lm.links[ln->kind].bytes_per_s, t = ln->vt, rem = x->rem;
+    if (!(bw > 0)) return KVB_MAX(t, x->act);
+    /* the other started transfers of its direction, by remaining bytes: each one done first shares the
+     * link until then. Ones that start later would slow x down: leaving them out makes this the earliest
+     * x can be done, and the waiter looks again when it wakes. */
+    double others[256];
+    int n = 0;
+    if (x->act > t) t = x->act;
+    for (int i = 0; i < ln->nv && n < 256; i++) {
+        const vxfer *y = &ln->v[i];
+        if (y != x && !y->done && y->dirn == x->dirn && y->act <= t) others[n++] = y->rem;
+    }
+    for (int i = 1; i < n; i++)
+        for (int k = i; k > 0 && others[k] < others[k - 1]; k--) {
+            double tmp = others[k];
+            others[k] = others[k - 1];
+            others[k - 1] = tmp;
+        }
+    double done = 0; /* bytes every remaining transfer has moved so far in this projection */
+    int active = n + 1;
+    for (int i = 0; i < n && others[i] < rem; i++) {
+        t += (others[i] - done) * active / bw;
+        done = others[i];
+        active--;
+    }
+    return t + (rem - done) * active / bw;
+}
+
 static void *lane_thread(void *arg) {
     lane *ln = arg;
     kvb_stager *s = ln->s;
@@ -239,10 +342,12 @@ static void *lane_thread(void *arg) {
         kvb_status st = run_task(s, &t);
         size_t bytes = 0;
         for (int i = 0; i < t.n; i++) bytes += t.x[i].bytes;
-        double want_s = link->latency_s + (link->bytes_per_s > 0 ? (double)bytes / link->bytes_per_s : 0);
+        /* one after the other: the copy takes what the model charges; sharing: the model decides when
+         * a waiter sees it done, the copy itself runs at once */
+        double want_s = s->lm.share ? 0 : link->latency_s + (link->bytes_per_s > 0 ? (double)bytes / link->bytes_per_s : 0);
         uint64_t until = t0 + (uint64_t)(want_s * 1e9);
         if (want_s > 0 && kvb_now_ns() < until) sleep_until(until);
-        uint64_t busy = kvb_now_ns() - t0;
+        uint64_t busy = s->lm.share ? 0 : kvb_now_ns() - t0;
         pthread_mutex_lock(&s->mu);
         if (st != KVB_OK && ln->err == KVB_OK) ln->err = st;
         kvb_link_report *reps[2] = {&ln->now, &ln->total};
@@ -287,10 +392,11 @@ void kvb_stager_destroy(kvb_stager *s) {
     for (int k = 0; k < KVB_LINK_COUNT; k++) {
         if (s->lanes[k].started) pthread_join(s->lanes[k].thread, NULL);
         free(s->lanes[k].q);
+        free(s->lanes[k].v);
     }
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
-    if (s->buf_mem) kvb_mem_free(s->be->mem, s->buf_mem);
+    if (s->buf_mem && s->buf_mem != s->ext_mem) kvb_mem_free(s->be->mem, s->buf_mem);
     free(s);
 }
 
@@ -329,6 +435,19 @@ kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, 
         }
         ln->started = 1;
     }
+    if (s->lm.share) { /* the model's record of it */
+        if (ln->nv == ln->capv) {
+            int cap = ln->capv ? 2 * ln->capv : 64;
+            if ((st = kvb_realloc_array((void **)&ln->v, (size_t)cap, sizeof *ln->v)) != KVB_OK) goto out;
+            ln->capv = cap;
+        }
+        double now = mono_s();
+        share_advance(s, ln, now);
+        size_t bytes = 0;
+        for (int i = 0; i < n; i++) bytes += x[i].bytes;
+        ln->v[ln->nv++] = (vxfer){.t = ln->posted + 1, .dirn = dir == KVB_XFER_D2H, .rem = (double)bytes,
+                                  .act = now + s->lm.links[link].latency_s};
+    }
     ln->q[ln->posted % (uint64_t)ln->cap] = (task){.dir = dir, .x = x, .n = n};
     ln->posted++;
     *ticket = ((uint64_t)link << 56) | ln->posted;
@@ -338,6 +457,26 @@ out:
     return st;
 }
 
+/* Sharing links: waits (s->mu held) until the model has carried transfer t of `ln` (posted since the
+ * last drain; an older one is done). A post meanwhile wakes the waiter, which estimates again. */
+static void share_wait(kvb_stager *s, lane *ln, uint64_t t) {
+    for (;;) {
+        share_advance(s, ln, mono_s());
+        const vxfer *x = NULL;
+        for (int i = 0; i < ln->nv && !x; i++)
+            if (ln->v[i].t == t) x = &ln->v[i];
+        if (!x || x->done) return;
+        double wait = share_eta(s, ln, x) - mono_s();
+        if (wait <= 0) wait = 1e-6;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        double end = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9 + wait;
+        ts.tv_sec = (time_t)end;
+        ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+}
+
 kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket) {
     int link = (int)(ticket >> 56);
     if (link >= KVB_LINK_COUNT) return KVB_ERR_INVALID;
@@ -345,6 +484,7 @@ kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket) {
     lane *ln = &s->lanes[link];
     pthread_mutex_lock(&s->mu);
     while (ln->done < t) pthread_cond_wait(&s->cv, &s->mu);
+    if (s->lm.share) share_wait(s, ln, t);
     kvb_status st = ln->err;
     pthread_mutex_unlock(&s->mu);
     return st;
@@ -356,6 +496,8 @@ kvb_status kvb_stager_drain(kvb_stager *s) {
     for (int k = 0; k < KVB_LINK_COUNT; k++) {
         lane *ln = &s->lanes[k];
         while (ln->done < ln->posted) pthread_cond_wait(&s->cv, &s->mu);
+        for (int i = 0; s->lm.share && i < ln->nv; i++) share_wait(s, ln, ln->v[i].t);
+        ln->nv = 0;
         if (st == KVB_OK) st = ln->err;
         ln->err = KVB_OK;
     }
@@ -368,6 +510,7 @@ static void finish_report(kvb_link_report *r) { r->gbps = r->busy_ns ? (double)r
 void kvb_stager_take_report(kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT]) {
     pthread_mutex_lock(&s->mu);
     for (int k = 0; k < KVB_LINK_COUNT; k++) {
+        if (s->lm.share) share_advance(s, &s->lanes[k], mono_s()); /* the busy time up to now */
         out[k] = s->lanes[k].now;
         finish_report(&out[k]);
         s->lanes[k].now = (kvb_link_report){0};
@@ -387,12 +530,30 @@ void kvb_stager_totals(const kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT])
 kvb_status kvb_stager_reserve(kvb_stager *s, int n, size_t bytes) {
     if (n < 0) return KVB_ERR_INVALID;
     if (n == s->n_buf && bytes == s->buf_bytes) return KVB_OK;
+    if (s->ext_mem) { /* the caller's memory: no allocation, and never more than it holds */
+        if ((size_t)n * bytes > s->ext_bytes) {
+            KVB_LOG_E("stager: %d stage buffers of %zu bytes do not fit the %zu bytes set aside for them", n, bytes,
+                      s->ext_bytes);
+            return KVB_ERR_EXHAUSTED;
+        }
+        s->buf_mem = s->ext_mem;
+        s->n_buf = n;
+        s->buf_bytes = bytes;
+        return KVB_OK;
+    }
     void *mem = NULL;
     if (n > 0) KVB_TRY(kvb_mem_alloc(s->be->mem, (size_t)n * bytes, &mem));
     if (s->buf_mem) kvb_mem_free(s->be->mem, s->buf_mem);
     s->buf_mem = mem;
     s->n_buf = n;
     s->buf_bytes = bytes;
+    return KVB_OK;
+}
+
+kvb_status kvb_stager_use_memory(kvb_stager *s, void *mem, size_t bytes) {
+    if (!s || !mem || s->n_buf) return KVB_ERR_INVALID;
+    s->ext_mem = mem;
+    s->ext_bytes = bytes;
     return KVB_OK;
 }
 

@@ -35,6 +35,11 @@ typedef struct kvb_link_model {
     double target_flops;           /* the target's compute rate (FLOP/s), 0 for "off" */
     double measured_flops;         /* this machine's (scaled presets), else 0 */
     double scale;                  /* 1, or measured / target */
+    int share;                     /* 0: a link's transfers run one after the other in post order; 1: the
+                                    * transfers in flight on a link share its bandwidth equally, each
+                                    * direction apart (to and from the device: full duplex), a transfer
+                                    * moving data from post + latency on (processor sharing: OrbitFlow
+                                    * §3.3.1's rule, and how DMA engines share a PCIe link) */
 } kvb_link_model;
 
 /* The preset `name` (kvb_link_preset_list prints them): "off", "h100-pcie5", "h100-nvlink",
@@ -82,7 +87,9 @@ const kvb_link_model *kvb_stager_links(const kvb_stager *s);
 kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, const kvb_xfer *x, int n,
                            uint64_t *ticket);
 /* Waits until the transfer `ticket` (and every earlier one on its link) is done; returns the link's
- * first copy error since the last drain. */
+ * first copy error since the last drain. With a sharing link model (share = 1) "done" means that
+ * transfer's share of the link has carried its bytes: every earlier transfer has landed in memory (the
+ * copies themselves run in post order) but may still be charged by the model. */
 kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket);
 /* Waits for every posted transfer; returns the first error of any link and clears the errors. */
 kvb_status kvb_stager_drain(kvb_stager *s);
@@ -95,6 +102,10 @@ void kvb_stager_totals(const kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT])
  * stager allocates, so that the memory interface can take it over). Only between steps (no transfer
  * in flight). On failure the old buffers stay. */
 kvb_status kvb_stager_reserve(kvb_stager *s, int n, size_t bytes);
+/* From now on the stage buffers live in `mem` ([bytes], backend memory the caller keeps until the
+ * stager is destroyed) and kvb_stager_reserve never allocates: more than `bytes` is KVB_ERR_EXHAUSTED.
+ * SwiftCache's LSC inside the master's KV budget (issue 10). Before any buffer exists. */
+kvb_status kvb_stager_use_memory(kvb_stager *s, void *mem, size_t bytes);
 int kvb_stager_n_buffers(const kvb_stager *s);
 void *kvb_stager_buffer(const kvb_stager *s, int i);
 

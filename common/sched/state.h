@@ -58,6 +58,8 @@ typedef struct seq {
     int offload;       /* during a step: an ADMIT offload (its KV goes to host_bt through the staging area) */
     kvb_block_table host_bt; /* SWAPPED: its blocks in the host tier, in token order */
     int vidx;          /* index in the current view, -1 when not in it */
+    uint64_t t_stall_ns; /* WAITING: wall clock since which it no longer fits the pool (0: it fits) */
+    int n_overtaken;   /* WAITING: later requests admitted past it while it stalled */
     struct seq *prev, *next;
 } seq;
 

@@ -308,7 +308,8 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     static const char *const known[] = {"name",  "role",     "model_dir", "mkmodel",          "backend",
                                         "device", "threads", "kv_mb",     "block_size",       "endpoint",
                                         "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend",
-                                        "max_live", "max_live_per_client", "tbt_slo_ms", "policy_params", NULL};
+                                        "max_live", "max_live_per_client", "tbt_slo_ms", "policy_params",
+                                        "stall_wait_s", "stall_overtake", NULL};
     warn_unknown(jm, known, what);
 
     const char *role = NULL;
@@ -394,6 +395,11 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     }
     m->tbt_slo_ms = -1;
     KVB_TRY(kvb_json_get_real(jm, "tbt_slo_ms", 0, 0, 60000, what, &m->tbt_slo_ms));
+    m->stall_wait_s = 60;
+    KVB_TRY(kvb_json_get_real(jm, "stall_wait_s", 0, 0, 86400, what, &m->stall_wait_s));
+    v = 64;
+    KVB_TRY(kvb_json_get_int(jm, "stall_overtake", 0, 0, 1 << 20, what, &v));
+    m->stall_overtake = (int)v;
     return KVB_OK;
 }
 

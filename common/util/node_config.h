@@ -28,6 +28,9 @@
  *       "lsc": "inplace" | "stream"           master only: how lent blocks reach attention
  *       "lend": true                          worker only: false keeps all its blocks (a baseline)
  *       "tbt_slo_ms": 0                       the gateway's Token-Deposit target for this model (0: off)
+ *       "stall_wait_s": 60,                   a request that no longer fits the KV pool (its blocks were
+ *                                             lent or reclaimed) fails after this long (0: waits forever)
+ *       "stall_overtake": 64                  later requests served past such a request meanwhile
  *     }, ...
  *   ],
  *   "gateway": {                              optional: kvbankd runs kvbank-gateway (HTTP, OpenAI API)
@@ -77,6 +80,8 @@ typedef struct kvb_node_model {
     int lsc_stream;         /* master: 1 for "stream", 0 for "inplace" (default) */
     int lend;               /* worker: 1 (default) lends idle blocks; 0 ("lend": false) never does */
     double tbt_slo_ms;      /* Token-Deposit target at the gateway; < 0: the gateway's default */
+    double stall_wait_s;    /* kvb_engine_opts.stall_wait_s (default 60; 0: never fail) */
+    int stall_overtake;     /* kvb_engine_opts.stall_overtake (default 64) */
 } kvb_node_model;
 
 typedef struct kvb_node_gateway {
