@@ -624,6 +624,14 @@ KVB_TEST(ellm_tokenwise_lossless) {
     reference(&ref);
     const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
     uint64_t rng = 0x1234567ull;
+    {
+        /* prefix layers reloaded from the host tier are not carried out yet: refused, not faked */
+        kvb_policy_params pp = {0};
+        kvb_planner pl;
+        ck_assert_int_eq(kvb_policy_params_set(&pp, "swap", "1"), KVB_OK);
+        ck_assert_int_eq(kvb_policy_create("ellm-tokenwise", &pp, &pl), KVB_ERR_UNSUPPORTED);
+        kvb_policy_params_free(&pp);
+    }
     for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
         for (int t = 0; t < 4; t++) {
             kvb_policy_params pp = {0};

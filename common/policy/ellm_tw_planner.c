@@ -674,6 +674,15 @@ static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_pla
     P(kvb_policy_param_f64(params, name, "wt_share", 0.05, 0.95, &p->wt_share));
     P(kvb_policy_param_i64(params, name, "hidden_layers", 0, 1 << 16, &p->hidden_fixed));
 #undef P
+    if (st == KVB_OK && swap) {
+        /* the layer level (kvb_etw_layer_optimize) and the host-block accounting are built and tested,
+         * but the executor recomputes every layer of the absent prefix: it does not yet write the
+         * prefix's upper layers to the host tier at DROP and reload them each step, so an optimizer
+         * told they are reloaded would plan for a step that does not run */
+        KVB_LOG_E("policy %s: swap=1 (prefix layers above n_rec reloaded from the host tier, §4.3) is not carried "
+                  "out by the executor yet; use swap=0 (every absent layer recomputed)", name);
+        st = KVB_ERR_UNSUPPORTED;
+    }
     if (st != KVB_OK) {
         free(p);
         return st;
