@@ -36,6 +36,7 @@
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/util/progress.h"
 
 void openblas_set_num_threads(int n);
 
@@ -551,11 +552,24 @@ int kvb_bench_engine(int argc, char **argv) {
     printf("%-20s %22s %10s %9s %7s %27s", "point", "kvbank", "rate", "ceiling", "ratio", "peak RSS / limit (base)");
     if (cmp) printf(" %22s %10s %8s %9s", "llama.cpp", "rate", "speedup", "peak RSS");
     printf("\n");
+    fflush(stdout);
+    /* one progress line over every point on a terminal (common/util/progress.h), taken off while a row prints */
+    int n_points = n_prefill;
+    for (int bi = 0; bi < n_batch; bi++)
+        for (int ci = 0; ci < n_ctx; ci++)
+            n_points += (int64_t)batches[bi] * contexts[ci] <= max_tokens && batches[bi] <= BENCH_MAX_BATCH;
+    kvb_progress pg;
+    int n_done = 0;
+    kvb_progress_begin(&pg, "measuring points", (uint64_t)n_points, KVB_PROGRESS_COUNT);
     for (int i = 0; i < n_prefill; i++) {
         job jb = {.engine = ENGINE_KVBANK, .kind = JOB_PREFILL, .ctx = prefill[i]};
         char label[48];
         snprintf(label, sizeof label, "prefill %d", prefill[i]);
-        if (!kvbank_point(&cfg, &jb, label, &r, &ce)) {
+        kvb_progress_update(&pg, (uint64_t)n_done); /* drawn while the point runs */
+        int got = kvbank_point(&cfg, &jb, label, &r, &ce);
+        kvb_progress_clear(&pg);
+        n_done++;
+        if (!got) {
             failures++;
             continue;
         }
@@ -580,7 +594,11 @@ int kvb_bench_engine(int argc, char **argv) {
                 continue;
             }
             job jb = {.engine = ENGINE_KVBANK, .kind = JOB_DECODE, .batch = b, .ctx = ctx};
-            if (!kvbank_point(&cfg, &jb, label, &r, &ce)) {
+            kvb_progress_update(&pg, (uint64_t)n_done);
+            int got = kvbank_point(&cfg, &jb, label, &r, &ce);
+            kvb_progress_clear(&pg);
+            n_done++;
+            if (!got) {
                 failures++;
                 continue;
             }
@@ -599,6 +617,7 @@ int kvb_bench_engine(int argc, char **argv) {
             printf("   [%s-bound]\n", bytes / s.bw >= flops / s.fl ? "memory" : "compute");
         }
     }
+    kvb_progress_end(&pg);
     if (ce.n > 0)
         printf("\nceilings around the points (%d samples): read bandwidth %.2f GB/s (range %.2f-%.2f), sgemm %.1f GFLOP/s "
                "(range %.1f-%.1f)\n",

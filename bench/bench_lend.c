@@ -16,6 +16,7 @@
 #include "common/mem/mem.h"
 #include "common/model/model.h"
 #include "common/sched/engine.h"
+#include "common/util/progress.h"
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -109,6 +110,8 @@ int kvb_bench_lend(int argc, char **argv) {
         if (n <= loan) continue;
         kvb_mem_region *wr = NULL;
         kvb_engine *w = NULL, *ms = NULL;
+        kvb_progress pg;
+        int pg_open = 0;
         char *lm = NULL;
         kvb_engine_opts o;
         kvb_engine_opts_default(&o);
@@ -126,6 +129,11 @@ int kvb_bench_lend(int argc, char **argv) {
         mo.n_blocks = 64;
         if (kvb_engine_create(m, &mo, NULL, NULL, &ms) != KVB_OK) goto size_fail;
         size_t lm_bytes = bb * (size_t)n;
+        /* a progress line per pool size on a terminal (common/util/progress.h): both loops' repetitions */
+        char what[64];
+        snprintf(what, sizeof what, "pool of %d blocks", n);
+        kvb_progress_begin(&pg, what, 2 * (uint64_t)reps, KVB_PROGRESS_COUNT);
+        pg_open = 1;
         for (int r = 0; r < reps; r++) {
             int own = kvb_engine_n_own(w);
             double t0 = kvb_now_s();
@@ -140,6 +148,7 @@ int kvb_bench_lend(int argc, char **argv) {
             double t2 = kvb_now_s();
             t_lend[r] = (t1 - t0) * 1e6;
             t_reclaim[r] = (t2 - t1) * 1e6;
+            kvb_progress_update(&pg, (uint64_t)r + 1);
         }
         /* timed in a loop of its own, afterwards: its buffer and memmoves would evict the pool's
          * metadata from the caches */
@@ -155,7 +164,10 @@ int kvb_bench_lend(int argc, char **argv) {
             for (int l = lm_layers - 1; l >= 1; l--)
                 memmove(lm + l * per_layer, lm + l * (per_layer - cut), per_layer - cut);
             t_lm[r] = (kvb_now_s() - t3) * 1e6;
+            kvb_progress_update(&pg, (uint64_t)(reps + r + 1));
         }
+        kvb_progress_end(&pg);
+        pg_open = 0;
         {
             double a = med(t_lend, reps), b = med(t_reclaim, reps), c = med(t_lm, reps);
             if (base_lr == 0) {
@@ -171,6 +183,7 @@ int kvb_bench_lend(int argc, char **argv) {
             n_pts++;
         }
     size_fail:
+        if (pg_open) kvb_progress_cancel(&pg);
         free(lm);
         kvb_engine_destroy(ms);
         kvb_engine_destroy(w);

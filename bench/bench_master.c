@@ -155,8 +155,9 @@ static int64_t max_context(kvb_engine *e, const kvb_model *m, int bs) {
     return KVB_MIN(blocks * bs, (int64_t)kvb_model_cfg(m)->max_pos);
 }
 
-/* Runs a request of `len` tokens (prompt len-1, one generated); 1 if it completed. */
-static int run_len(kvb_engine *e, counter *c, int64_t len, int vocab, uint64_t id) {
+/* Runs a request of `len` tokens (prompt len-1, one generated); 1 if it completed. `pg` (NULL: none) is
+ * a progress line over the prompt's tokens. */
+static int run_len(kvb_engine *e, counter *c, int64_t len, int vocab, uint64_t id, kvb_progress *pg) {
     int32_t *p = NULL;
     if (kvb_malloc((size_t)len * sizeof *p, (void **)&p) != KVB_OK) return 0;
     for (int64_t i = 0; i < len - 1; i++) p[i] = (int32_t)(3 + (i * 7919 + 13) % (vocab - 3));
@@ -165,25 +166,33 @@ static int run_len(kvb_engine *e, counter *c, int64_t len, int vocab, uint64_t i
     kvb_status st = kvb_engine_add(e, &r);
     free(p);
     if (st != KVB_OK) return 0;
-    while (kvb_engine_n_live(e) > 0)
+    kvb_engine_stats s0, s1;
+    kvb_engine_get_stats(e, &s0);
+    while (kvb_engine_n_live(e) > 0) {
         if (kvb_engine_step(e) != KVB_OK) return 0;
+        kvb_engine_get_stats(e, &s1);
+        kvb_progress_update(pg, s1.prompt_tokens - s0.prompt_tokens);
+    }
     return c->finished == 1 && c->why == KVB_FINISH_LENGTH && c->tokens == 1;
 }
 
 static void usage_maxctx(FILE *f) {
-    fprintf(f, "usage: kvbank-bench maxctx --config NODE.json [--threads N]\n"
+    fprintf(f, "usage: kvbank-bench maxctx --config NODE.json [--threads N] [--plot FILE.svg]\n"
+               "  --plot FILE.svg   draw a bar chart with gnuplot: the longest context of every configuration\n"
                "  the master's and workers' models and KV budgets come from the node config; give the master\n"
                "  model a max_position_embeddings above what its memory holds (kvbank-mkmodel --max-pos)\n");
 }
 
 int kvb_bench_maxctx(int argc, char **argv) {
-    const char *cfg = NULL;
+    const char *cfg = NULL, *plot_path = NULL;
     int threads = 2;
-    static const struct option opts[] = {{"config", 1, 0, 'c'}, {"threads", 1, 0, 't'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+    static const struct option opts[] = {{"config", 1, 0, 'c'}, {"threads", 1, 0, 't'}, {"plot", 1, 0, 'P'},
+                                         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     int ch;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         if (ch == 'c') cfg = optarg;
+        else if (ch == 'P') plot_path = optarg;
         else if (ch == 't' && kvb_parse_i64(optarg, 1, 256, &v) == KVB_OK) threads = (int)v;
         else {
             usage_maxctx(ch == 'h' ? stdout : stderr);
@@ -206,10 +215,17 @@ int kvb_bench_maxctx(int argc, char **argv) {
         kvb_engine *e = NULL;
         if (make_engine(&s, lend, 0, &ev, &e) != KVB_OK) goto out;
         int64_t mx = max_context(e, s.m, bs);
+        /* a progress line per configuration on a terminal (common/util/progress.h) */
+        kvb_progress pg;
+        char what[96];
+        snprintf(what, sizeof what, "%s: prefilling %lld tokens", lend ? "with lending" : "own memory only", (long long)mx - 1);
+        kvb_progress_begin(&pg, what, (uint64_t)mx - 1, KVB_PROGRESS_COUNT);
         double t0 = kvb_now_s();
-        int ok = run_len(e, &c, mx, vocab, 1);
+        int ok = run_len(e, &c, mx, vocab, 1, &pg);
         double dt = kvb_now_s() - t0;
-        int refused = !run_len(e, &c, mx + bs, vocab, 2);
+        if (ok) kvb_progress_end(&pg);
+        else kvb_progress_cancel(&pg);
+        int refused = !run_len(e, &c, mx + bs, vocab, 2, NULL);
         printf("  %-16s max context %7lld tokens: %s in %.1f s; %lld tokens %s\n", lend ? "with lending" : "own memory only",
                (long long)mx, ok ? "completed" : "FAILED", dt, (long long)(mx + bs), refused ? "refused" : "NOT refused");
         got[lend] = ok && refused ? mx : 0;
@@ -229,6 +245,19 @@ int kvb_bench_maxctx(int argc, char **argv) {
     printf("(N_LSC %lld, N_RC %lld, K_master %lld single-layer blocks, lenders hold %lld full blocks)\n",
            (long long)p.n_lsc, (long long)p.n_rc, (long long)p.k_master, (long long)p.k_workers);
     rc = got[0] && got[1] ? 0 : 1;
+    if (plot_path) {
+        /* the four rows of the table as bars (a failed measurement is a bar of 0) */
+        static const char *const labels[4] = {"master alone", "master + lenders", "Eq. 1-5 with lending",
+                                              "Eq. 1-5 without lending"};
+        const double x[4] = {0, 1, 2, 3};
+        const double y[4] = {(double)got[0], (double)got[1], (double)p.max_ctx_tokens, (double)p.no_lending_tokens};
+        const kvb_plot_series ser[2] = {{.name = "measured", .x = x, .y = y, .n = 2, .bars = 1},
+                                        {.name = "SwiftCache Eq. 1-5", .x = x + 2, .y = y + 2, .n = 2, .bars = 1}};
+        const kvb_plot pl = {.title = "the master's longest context per configuration", .xlabel = "configuration",
+                             .ylabel = "longest context (tokens)", .series = ser, .n_series = 2, .xtics = labels,
+                             .n_xtics = 4};
+        if (kvb_plot_svg(plot_path, &pl) != 0) rc = 1;
+    }
 out:
     setup_free(&s);
     return rc;

@@ -24,6 +24,7 @@
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "common/sched/scheduler.h"
+#include "common/util/progress.h"
 #include "common/util/token_deposit.h"
 
 /* ---------------------------------------------------------------- workload */
@@ -181,6 +182,7 @@ typedef struct run_out {
 typedef struct replay_ud {
     rec *r;
     uint64_t t0;
+    int done;                 /* requests finished: the progress line */
 } replay_ud;
 
 static void on_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t t_ns) {
@@ -194,6 +196,7 @@ static void on_finish(void *ud, uint64_t id, kvb_finish why, kvb_status err) {
     replay_ud *u = ud;
     u->r[id].fin = why;
     u->r[id].fin_ns = kvb_wall_ns() - u->t0;
+    u->done++;
     if (why == KVB_FINISH_ERROR) KVB_LOG_E("bench orbitflow: request %llu failed: %s", (unsigned long long)id, kvb_status_str(err));
 }
 
@@ -250,6 +253,12 @@ static kvb_status replay_with(const regime *g, const char *name, const char *par
     kvb_engine_events ev = {.ud = &u, .on_token = on_token, .on_finish = on_finish};
     kvb_engine *e = NULL;
     KVB_TRY(kvb_engine_create(g->m, &eo, &pl, &ev, &e));
+    /* a progress line per replay on a terminal (common/util/progress.h) */
+    kvb_progress pg;
+    char what[160];
+    snprintf(what, sizeof what, "replaying %d requests under %s", w->n, name ? name : "");
+    if (name) kvb_progress_begin(&pg, what, (uint64_t)w->n, KVB_PROGRESS_COUNT);
+    else memset(&pg, 0, sizeof pg); /* decode_latency's probes: no line (update/end do nothing) */
     u.t0 = kvb_wall_ns();
     int next = 0;
     double mem_w = 0, mem_t = 0, dec_t = 0;
@@ -276,6 +285,7 @@ static kvb_status replay_with(const regime *g, const char *name, const char *par
         kvb_engine_get_stats(e, &s0);
         double t0 = kvb_now_s();
         if ((st = kvb_engine_step(e)) != KVB_OK) goto out;
+        kvb_progress_update(&pg, (uint64_t)u.done);
         double dt = kvb_now_s() - t0;
         kvb_engine_stats s1;
         kvb_engine_get_stats(e, &s1);
@@ -291,6 +301,7 @@ static kvb_status replay_with(const regime *g, const char *name, const char *par
             dec_n++;
         }
     }
+    kvb_progress_end(&pg);
     o->wall_s = (double)(kvb_wall_ns() - u.t0) * 1e-9;
     o->mem_mean = mem_t > 0 ? mem_w / mem_t : 0;
     o->step_s_mean = dec_n ? dec_t / dec_n : 0;
@@ -299,6 +310,7 @@ static kvb_status replay_with(const regime *g, const char *name, const char *par
     kvb_engine_slices_stats(e, &o->ss);
     if (o->have_ps) kvb_of_planner_get_stats(P, &o->ps);
 out:
+    kvb_progress_cancel(&pg); /* after kvb_progress_end: nothing */
     kvb_engine_destroy(e);
     return st;
 }

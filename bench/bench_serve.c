@@ -23,6 +23,7 @@
 #include "common/ipc/client.h"
 #include "common/model/config.h"
 #include "common/util/node_config.h"
+#include "common/util/progress.h"
 
 typedef struct rec {
     uint64_t arrival_ns;  /* scheduled */
@@ -156,12 +157,12 @@ static size_t on_body(char *p, size_t sz, size_t nm, void *ud) {
     return n;
 }
 
-static int run_http(rec *r, const kvb_trace *tr, const serve_opts *o, uint64_t t0) {
+static int run_http(rec *r, const kvb_trace *tr, const serve_opts *o, uint64_t t0, kvb_progress *pg) {
     CURLM *multi = curl_multi_init();
     if (!multi) return -1;
     char url[512];
     snprintf(url, sizeof url, "%s/v1/completions", o->url);
-    int next = 0, live = 0;
+    int next = 0, live = 0, n_done = 0;
     uint64_t deadline = t0 + (uint64_t)o->timeout_s * 1000000000ull;
     while ((next < tr->n || live) && kvb_wall_ns() < deadline) {
         uint64_t now = kvb_wall_ns();
@@ -198,7 +199,9 @@ static int run_http(rec *r, const kvb_trace *tr, const serve_opts *o, uint64_t t
             x->done = 1;
             curl_multi_remove_handle(multi, m->easy_handle);
             live--;
+            n_done++;
         }
+        kvb_progress_update(pg, (uint64_t)n_done);
         now = kvb_wall_ns();
         int wait_ms = 50;
         if (next < tr->n) {
@@ -229,7 +232,7 @@ static void on_event(void *ud, uint64_t rid, const int32_t *tokens, const uint64
     }
 }
 
-static int run_direct(kvb_client *c, rec *r, const kvb_trace *tr, const serve_opts *o, uint64_t t0) {
+static int run_direct(kvb_client *c, rec *r, const kvb_trace *tr, const serve_opts *o, uint64_t t0, kvb_progress *pg) {
     int next = 0, done = 0;
     uint64_t deadline = t0 + (uint64_t)o->timeout_s * 1000000000ull;
     int fd = kvb_client_fd(c);
@@ -247,6 +250,7 @@ static int run_direct(kvb_client *c, rec *r, const kvb_trace *tr, const serve_op
         kvb_client_dispatch(c);
         done = 0;
         for (int i = 0; i < next; i++) done += r[i].done;
+        kvb_progress_update(pg, (uint64_t)done);
         now = kvb_wall_ns();
         int wait_ms = 50;
         if (next < tr->n) {
@@ -402,8 +406,14 @@ int kvb_bench_serve(int argc, char **argv) {
             rec_reset(r, tr->n);
             uint64_t t0 = kvb_wall_ns() + 100000000ull;
             for (int i = 0; i < tr->n; i++) r[i].arrival_ns = t0 + (uint64_t)(tr->reqs[i].t_s * 1e9);
-            if (path == 0) run_http(r, tr, &o, t0);
-            else run_direct(client, r, tr, &o, t0);
+            /* a progress line per replay on a terminal (common/util/progress.h) */
+            kvb_progress pg;
+            char what[96];
+            snprintf(what, sizeof what, "rep %d, %s: replaying %d requests", rep, path ? "direct" : "gateway", tr->n);
+            kvb_progress_begin(&pg, what, (uint64_t)tr->n, KVB_PROGRESS_COUNT);
+            if (path == 0) run_http(r, tr, &o, t0, &pg);
+            else run_direct(client, r, tr, &o, t0, &pg);
+            kvb_progress_end(&pg);
             run_stats *x = &s[path][rep];
             stats_of(r, tr, &o, t0, x);
             printf("%-4d %-8s %5d %9.2f %9.2f %9.3f %9.3f %9.3f %9.3f %9.2f %9.1f\n", rep, path ? "direct" : "gateway",

@@ -55,6 +55,21 @@ int kvb_plot_svg(const char *svg_path, const kvb_plot *p) {
     fprintf(f, "\nset grid\nset key outside right top noenhanced\n");
     if (p->logx) fprintf(f, "set logscale x\n");
     if (p->logy) fprintf(f, "set logscale y\n");
+    if (p->xtics && p->n_xtics > 0) {
+        fprintf(f, "set xtics noenhanced (");
+        for (int i = 0; i < p->n_xtics; i++) {
+            fprintf(f, "%s", i ? ", " : "");
+            put_str(f, p->xtics[i]);
+            fprintf(f, " %d", i);
+        }
+        fprintf(f, ")\nset xrange [-0.5:%g]\n", p->n_xtics - 0.5);
+    }
+    for (int s = 0; s < p->n_series; s++)
+        if (p->series[s].bars) {
+            fprintf(f, "set boxwidth 0.6\nset style fill solid 0.7 border -1\n");
+            if (!p->logy) fprintf(f, "set yrange [0:*]\n");
+            break;
+        }
     int drawn = 0;
     for (int s = 0; s < p->n_series; s++) {
         const kvb_plot_series *ser = &p->series[s];
@@ -70,7 +85,9 @@ int kvb_plot_svg(const char *svg_path, const kvb_plot *p) {
     }
     fprintf(f, "plot ");
     for (int s = 0; s < p->n_series; s++) {
-        fprintf(f, "%s$d%d using 1:2 with %s title ", s ? ", " : "", s, p->series[s].steps ? "steps lw 2" : "linespoints lw 2 pt 7");
+        const kvb_plot_series *ser = &p->series[s];
+        fprintf(f, "%s$d%d using 1:2 with %s title ", s ? ", " : "", s,
+                ser->bars ? "boxes" : ser->steps ? "steps lw 2" : "linespoints lw 2 pt 7");
         put_str(f, p->series[s].name);
     }
     fprintf(f, "\n");

@@ -13,6 +13,7 @@ typedef struct kvb_plot_series {
     const double *x, *y;   /* [n] points, drawn in order */
     size_t n;
     int steps;             /* 1: a step line (CDFs, counts over time), 0: lines with points */
+    int bars;              /* 1: a bar at each x (a bar chart; takes precedence over steps) */
 } kvb_plot_series;
 
 typedef struct kvb_plot {
@@ -21,6 +22,8 @@ typedef struct kvb_plot {
     int logx, logy;        /* logarithmic axes */
     const kvb_plot_series *series;
     int n_series;
+    const char *const *xtics; /* NULL, or a bar chart's [n_xtics] labels, at x = 0, 1, ... */
+    int n_xtics;
 } kvb_plot;
 
 /* Draws `p` into `svg_path` with gnuplot. Returns 0, or -1 with a message on stderr (gnuplot missing,

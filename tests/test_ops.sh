@@ -14,7 +14,9 @@
 #    workers, borrowed on the master), a draining worker, and quits on q;
 #  progress lines (KVB_PROGRESS=always: one line per redraw) of kvbank-mkmodel, of loading weights and
 #    of a kvbank-bench replay, none when stderr is not a terminal; --plot of kvbank-bench lend and
-#    replay: SVG files that parse as XML and carry their title and legends, drawn by gnuplot.
+#    replay: SVG files that parse as XML and carry their title and legends, drawn by gnuplot; progress
+#    lines of kvbank-bench lend, engine, orbitflow, maxctx and serve on tiny runs, and maxctx --plot's
+#    bar chart.
 set -euo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
 SRC=${KVB_SRCDIR:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -131,6 +133,49 @@ out=$("$B/kvbank-bench" lend --model "$T/tiny" --sizes 256,1024 --reps 2 --plot 
     fail "--plot into a missing directory succeeded"
 grep -q "cannot write $T/nodir/x.svg.gp" <<<"$out" || fail "--plot into a missing directory: $out"
 ok "kvbank-bench lend --plot: an SVG (gnuplot) with its title and three legends; a bad path is an error"
+
+# progress lines of the other benchmarks, on tiny runs: lend (a line per pool size), engine (one over
+# the points), orbitflow (a line per replay, none for its latency probes), maxctx (a line per
+# configuration) and its --plot, a bar chart of the longest context per configuration
+KVB_PROGRESS=always "$B/kvbank-bench" lend --model "$T/tiny" --sizes 256,1024 --reps 3 >"$T/lendp.out" 2>"$T/lendp.err" ||
+    fail "kvbank-bench lend: $(cat "$T/lendp.out" "$T/lendp.err")"
+for n in 256 1024; do
+    grep -qE "^pool of $n blocks: 0% \(0 of 6\)$" "$T/lendp.err" && grep -qE "^pool of $n blocks: done, 6 in [0-9.]+ s$" "$T/lendp.err" ||
+        fail "lend progress ($n): $(cat "$T/lendp.err")"
+done
+"$B/kvbank-bench" lend --model "$T/tiny" --sizes 256 --reps 2 >/dev/null 2>"$T/lendq.err" || fail "kvbank-bench lend (quiet)"
+grep -q "pool of" "$T/lendq.err" && fail "kvbank-bench lend drew progress into a file: $(cat "$T/lendq.err")"
+KVB_PROGRESS=always "$B/kvbank-bench" engine --model "$T/tiny" --prefill 16 --contexts 16 --batches 1,2 --decode-steps 2 \
+    --reps 1 >"$T/eng.out" 2>"$T/eng.err" || fail "kvbank-bench engine: $(cat "$T/eng.out" "$T/eng.err")"
+grep -qE "^measuring points: 33% \(1 of 3\)" "$T/eng.err" && grep -qE "^measuring points: done, 3 in [0-9.]+ s$" "$T/eng.err" ||
+    fail "engine progress: $(cat "$T/eng.err")"
+printf 'num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n' >"$T/sharegpt.csv"
+for i in 1 2 3 4 5 6 7 8; do echo "$((20 + 3 * i)),$((4 + i)),0,0"; done >>"$T/sharegpt.csv"
+KVB_PROGRESS=always "$B/kvbank-bench" orbitflow --model "$T/tiny" --trace "$T/sharegpt.csv" --requests 4 --runs 1 --rates 1 \
+    --slo-scales 1 --sections main >"$T/of.out" 2>"$T/of.err" || fail "kvbank-bench orbitflow: $(cat "$T/of.out" "$T/of.err")"
+for p in orbitflow deepspeed flexgen slo-aware-offload; do
+    grep -qE "^replaying 4 requests under $p: done, 4 in [0-9.]+ s$" "$T/of.err" || fail "orbitflow progress ($p): $(cat "$T/of.err")"
+done
+grep -q "under :" "$T/of.err" && fail "orbitflow drew a line for a probe: $(cat "$T/of.err")"
+"$PY" - "$T/maxctx.json" "$T/mx" <<'PYEOF'
+import json, sys
+dst, d = sys.argv[1:]
+arch = "--arch llama --layers 1 --hidden 64 --heads 2 --kv-heads 2 --head-dim 32 --intermediate 32 --vocab 64"
+json.dump({"node": "mx", "run_dir": d + "/run", "models": [
+    {"name": "chat", "role": "master", "model_dir": d + "/chat", "kv_mb": 1, "block_size": 16,
+     "mkmodel": arch + " --max-pos 65536 --seed 1"},
+    {"name": "code", "role": "worker", "model_dir": d + "/code", "kv_mb": 1, "block_size": 16,
+     "mkmodel": arch + " --seed 2"}]}, open(dst, "w"))
+PYEOF
+KVB_PROGRESS=always "$B/kvbank-bench" maxctx --config "$T/maxctx.json" --plot "$T/maxctx.svg" >"$T/mx.out" 2>"$T/mx.err" ||
+    fail "kvbank-bench maxctx --plot: $(cat "$T/mx.out" "$T/mx.err")"
+grep -qE "^own memory only: prefilling 2047 tokens: done, 2047 in [0-9.]+ s$" "$T/mx.err" &&
+    grep -qE "^with lending: prefilling 4095 tokens: done, 4095 in [0-9.]+ s$" "$T/mx.err" || fail "maxctx progress: $(cat "$T/mx.err")"
+grep -q "^master + lenders, in place (measured) *4096 *2.00$" "$T/mx.out" || fail "maxctx: $(cat "$T/mx.out")"
+svg_has "$T/maxctx.svg" "the master's longest context per configuration" "master alone" "master + lenders" \
+    "Eq. 1-5 with lending" "Eq. 1-5 without lending" "measured" "SwiftCache Eq. 1-5" "longest context (tokens)" || fail "maxctx.svg"
+grep -q "with boxes" "$T/maxctx.svg.gp" && grep -q "^1 4096$" "$T/maxctx.svg.gp" || fail "maxctx.svg.gp: $(cat "$T/maxctx.svg.gp")"
+ok "progress lines of kvbank-bench lend, engine, orbitflow, maxctx; maxctx --plot draws a bar per configuration"
 
 # --------------------------------------------------------------------------------- --check-config
 # mkcfg OUT: the demo node with every path inside $T, short timings, any free gateway port, and the
@@ -320,6 +365,14 @@ grep -qE "^replaying 12 requests: done, 12 in [0-9.]+ s$" "$T/replay.err" || fai
 svg_has "$T/blocks.svg" "KV blocks of every model during the replay" "chat own" "chat borrowed (master blocks)" \
     "code lent" "summ lent" || fail "blocks.svg"
 ok "kvbank-bench replay: a progress line, and --plot draws every model's blocks over time"
+
+# kvbank-bench serve against the running node: a progress line per run (gateway, direct)
+KVB_PROGRESS=always "$B/kvbank-bench" serve --config "$CFG" --model chat --trace "$T/trace.csv" --reps 1 --max-requests 4 \
+    --max-output 4 >"$T/serve.out" 2>"$T/serve.err" || fail "kvbank-bench serve: $(cat "$T/serve.out" "$T/serve.err")"
+for p in gateway direct; do
+    grep -qE "^rep 0, $p: replaying 4 requests: done, 4 in [0-9.]+ s$" "$T/serve.err" || fail "serve progress ($p): $(cat "$T/serve.err")"
+done
+ok "kvbank-bench serve: a progress line per run"
 
 kill -TERM "$KPID"
 wait "$KPID" || fail "kvbankd exited $? after SIGTERM"

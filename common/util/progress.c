@@ -83,6 +83,13 @@ void kvb_progress_end(kvb_progress *p) {
     p->mode = 0;
 }
 
+void kvb_progress_clear(kvb_progress *p) {
+    if (!p || p->mode != 1 || !p->drawn) return;
+    fprintf(stderr, "\r\033[K");
+    fflush(stderr);
+    p->drawn = 0;
+}
+
 void kvb_progress_cancel(kvb_progress *p) {
     if (!p || !p->mode) return;
     if (p->mode == 1 && p->drawn) fprintf(stderr, "\r\033[K");

@@ -33,6 +33,9 @@ typedef struct kvb_progress {
 void kvb_progress_begin(kvb_progress *p, const char *what, uint64_t total, kvb_progress_unit unit);
 void kvb_progress_update(kvb_progress *p, uint64_t done);
 void kvb_progress_end(kvb_progress *p);
+/* Takes the line off a terminal so that stdout can print a line of its own; the next update draws it
+ * again (KVB_PROGRESS=always writes whole lines: nothing to take off). */
+void kvb_progress_clear(kvb_progress *p);
 /* The operation failed: the line is cleared (its error says the rest). */
 void kvb_progress_cancel(kvb_progress *p);
 
