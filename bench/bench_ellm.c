@@ -25,6 +25,7 @@
 #include "common/policy/ellm_elastic.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/util/progress.h"
 
 #define PAPER_CTX 262144.0
 
@@ -229,6 +230,11 @@ static kvb_status run_once(bench *b, const char *policy, const char *params, con
     for (int i = 0; i < w->n; i++) max_in = KVB_MAX(max_in, w->in[i]);
     st = kvb_malloc((size_t)max_in * sizeof *prompt, (void **)&prompt);
     for (int i = 0; i < w->n; i++) b->recs[i] = (req_rec){.t_arr = arr[i], .t_first = NAN};
+    /* a progress line per replay on a terminal (common/util/progress.h) */
+    kvb_progress pg;
+    char what[160];
+    snprintf(what, sizeof what, "replaying %d requests under %s", w->n, policy);
+    kvb_progress_begin(&pg, what, (uint64_t)w->n, KVB_PROGRESS_COUNT);
     b->t0 = (double)kvb_wall_ns() * 1e-9;
     int next = 0, finished = 0;
     kvb_engine_stats s0, s1;
@@ -264,7 +270,10 @@ static kvb_status run_once(bench *b, const char *policy, const char *params, con
         }
         finished = 0;
         for (int i = 0; i < next; i++) finished += b->recs[i].done != 0;
+        kvb_progress_update(&pg, (uint64_t)finished);
     }
+    if (st == KVB_OK) kvb_progress_end(&pg);
+    else kvb_progress_cancel(&pg);
     free(prompt);
     if (st == KVB_OK) {
         kvb_engine_get_stats(e, &s1);

@@ -33,6 +33,7 @@
 #include "common/policy/ellm_tw_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/util/progress.h"
 
 /* ---------------------------------------------------------------- traces */
 
@@ -267,6 +268,7 @@ static kvb_status run_once(kvb_model *m, const workload *w, const run_opts *o, r
     eo.links = o->links;
     int n = w->n;
     run_state s = {.w = w};
+    kvb_progress pg = {0}; /* a progress line per replay on a terminal (common/util/progress.h) */
     double *tmp = NULL;
     int32_t *prompt = NULL;
     kvb_engine *e = NULL;
@@ -282,6 +284,9 @@ static kvb_status run_once(kvb_model *m, const workload *w, const run_opts *o, r
     if (st != KVB_OK) goto out;
     int vocab = kvb_model_cfg(m)->vocab, next = 0, rejected = 0;
     double run_sum = 0, steps = 0;
+    char what[160];
+    snprintf(what, sizeof what, "replaying %d requests under %s", n, o->policy);
+    kvb_progress_begin(&pg, what, (uint64_t)n, KVB_PROGRESS_COUNT);
     for (int i = 0; i < n; i++) s.arr[i] = o->load > 0 ? w->t[i] * o->time_scale / o->load : 0;
     while (s.done + rejected < n) {
         while (next < n && s.arr[next] <= s.vt) {
@@ -311,7 +316,9 @@ static kvb_status run_once(kvb_model *m, const workload *w, const run_opts *o, r
         run_sum += es.n_running;
         steps++;
         if (es.n_running > res->run_max) res->run_max = es.n_running;
+        kvb_progress_update(&pg, (uint64_t)(s.done + rejected));
     }
+    kvb_progress_end(&pg);
     res->run_mean = steps > 0 ? run_sum / steps : 0;
     /* metrics over the measured requests (after the warm-up) */
     double t_lo = INFINITY, t_hi = 0, toks = 0, slo_toks = 0, tpot_sum = 0, ttft_sum = 0;
@@ -361,6 +368,7 @@ static kvb_status run_once(kvb_model *m, const workload *w, const run_opts *o, r
     }
     if (rejected) printf("    (%s: %d requests rejected)\n", o->policy, rejected);
 out:
+    kvb_progress_cancel(&pg); /* after kvb_progress_end: nothing */
     kvb_engine_destroy(e);
     free(s.arr);
     free(s.first);

@@ -15,7 +15,7 @@
 #  progress lines (KVB_PROGRESS=always: one line per redraw) of kvbank-mkmodel, of loading weights and
 #    of a kvbank-bench replay, none when stderr is not a terminal; --plot of kvbank-bench lend and
 #    replay: SVG files that parse as XML and carry their title and legends, drawn by gnuplot; progress
-#    lines of kvbank-bench lend, engine, orbitflow, maxctx and serve on tiny runs, and maxctx --plot's
+#    lines of kvbank-bench lend, engine, orbitflow, maxctx, ellm-el and serve on tiny runs, and maxctx --plot's
 #    bar chart.
 set -euo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
@@ -175,7 +175,15 @@ grep -q "^master + lenders, in place (measured) *4096 *2.00$" "$T/mx.out" || fai
 svg_has "$T/maxctx.svg" "the master's longest context per configuration" "master alone" "master + lenders" \
     "Eq. 1-5 with lending" "Eq. 1-5 without lending" "measured" "SwiftCache Eq. 1-5" "longest context (tokens)" || fail "maxctx.svg"
 grep -q "with boxes" "$T/maxctx.svg.gp" && grep -q "^1 4096$" "$T/maxctx.svg.gp" || fail "maxctx.svg.gp: $(cat "$T/maxctx.svg.gp")"
-ok "progress lines of kvbank-bench lend, engine, orbitflow, maxctx; maxctx --plot draws a bar per configuration"
+# ellm-el: a line per replay of each of its three planners (a smoke run on a 2-layer model)
+"$B/kvbank-mkmodel" --arch llama --layers 2 --hidden 64 --heads 4 --kv-heads 4 --head-dim 16 --intermediate 128 \
+    --vocab 256 --max-pos 8192 "$T/el" >/dev/null 2>&1 || fail "kvbank-mkmodel (ellm-el's model)"
+KVB_PROGRESS=always "$B/kvbank-bench" ellm-el --model "$T/el" --quick --workloads 2k2k --runs 1 --offline-requests 8 \
+    --requests 8 --rates 1 --bisect 1 --link2 none >"$T/el.out" 2>"$T/el.err" || fail "kvbank-bench ellm-el: $(cat "$T/el.out" "$T/el.err")"
+for p in ellm-elastic static-split static-split-chunked; do
+    grep -qE "^replaying [0-9]+ requests under $p: done, [0-9]+ in [0-9.]+ s$" "$T/el.err" || fail "ellm-el progress ($p): $(cat "$T/el.err")"
+done
+ok "progress lines of kvbank-bench lend, engine, orbitflow, maxctx, ellm-el; maxctx --plot draws a bar per configuration"
 
 # --------------------------------------------------------------------------------- --check-config
 # mkcfg OUT: the demo node with every path inside $T, short timings, any free gateway port, and the
