@@ -71,3 +71,46 @@ start_node() {
 
 # ids N A B: N comma-separated token ids (A·i + B) mod 120 + 3.
 ids() { "$PY" -c "import sys; n, a, b = map(int, sys.argv[1:]); print(','.join(str((a * i + b) % 120 + 3) for i in range(n)))" "$@"; }
+
+# requests_match_generate MAX_TOKENS WHAT: four prompts sent at once to each model in MODELS (over one
+# connection each) must give kvbank-generate's tokens for model $M; POLICY[m] names each model's policy.
+requests_match_generate() {
+    local max=$1 what=$2 m i p
+    local prompts=("$(ids 40 7 1)" "$(ids 9 5 2)" "$(ids 60 3 4)" "$(ids 25 11 9)") args=() want=() got=()
+    for p in "${prompts[@]}"; do args+=(--prompt-ids "$p"); done
+    for i in "${!prompts[@]}"; do
+        want+=("$("$B/kvbank-generate" --model "$M" --prompt-ids "${prompts[$i]}" --max-tokens "$max" 2>/dev/null)")
+    done
+    for m in "${MODELS[@]}"; do
+        "$B/kvbank-request" --endpoint "ipc://$T/$m.sock" "${args[@]}" --max-tokens "$max" --wait 20 \
+            --timeout-ms $((DEADLINE * 1000)) >"$T/$m.out" 2>"$T/$m.err" &
+        PID[req-$m]=$!
+    done
+    for m in "${MODELS[@]}"; do
+        wait "${PID[req-$m]}" || fail "$m (${POLICY[$m]}): kvbank-request failed: $(cat "$T/$m.err")"
+        mapfile -t got < <(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$T/$m.out")
+        [ "${#got[@]}" = "${#prompts[@]}" ] || fail "$m: ${#got[@]} answers for ${#prompts[@]} requests: $(cat "$T/$m.out")"
+        for i in "${!prompts[@]}"; do
+            [ "${got[$i]}" = "${want[$i]}" ] || fail "$m (${POLICY[$m]}) request $i: got '${got[$i]}', want '${want[$i]}'"
+        done
+        ok "$m (${POLICY[$m]}): 4 requests at once$what give kvbank-generate's tokens"
+    done
+}
+
+# stop_node: SIGTERM to every model in MODELS and to the coordinator; each must exit 0.
+stop_node() {
+    local m rc
+    for m in "${MODELS[@]}"; do kill -TERM "${PID[$m]}"; done
+    for m in "${MODELS[@]}"; do
+        rc=0
+        wait "${PID[$m]}" || rc=$?
+        [ $rc = 0 ] || fail "$m exited $rc on SIGTERM"
+    done
+    kill -TERM "$COORD"
+    wait "$COORD" || fail "the coordinator exited non-zero"
+    ok "SIGTERM: every process exits 0"
+}
+
+# line MODEL: the engine statistics MODEL logged when it stopped; stat_of MODEL KEY: one value of them.
+line() { grep -o 'engine: policy=.*' "$T/$1.log" | tail -1; }
+stat_of() { line "$1" | tr ' ' '\n' | sed -n "s/^$2=//p"; }

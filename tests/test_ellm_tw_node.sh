@@ -41,46 +41,13 @@ EOF
 start_node "$T/node.json" tw rc sw hc
 ok "coordinator, an ellm-tokenwise master and vllm-recompute, vllm-swap, hcache workers registered"
 
-PROMPTS=("$(ids 40 7 1)" "$(ids 9 5 2)" "$(ids 60 3 4)" "$(ids 25 11 9)")
-ARGS=()
-for p in "${PROMPTS[@]}"; do ARGS+=(--prompt-ids "$p"); done
-WANT=()
-for i in "${!PROMPTS[@]}"; do
-    WANT+=("$("$B/kvbank-generate" --model "$M" --prompt-ids "${PROMPTS[$i]}" --max-tokens 24 2>/dev/null)")
-done
-for m in "${MODELS[@]}"; do
-    "$B/kvbank-request" --endpoint "ipc://$T/$m.sock" "${ARGS[@]}" --max-tokens 24 --wait 20 \
-        --timeout-ms $((DEADLINE * 1000)) >"$T/$m.out" 2>"$T/$m.err" &
-    PID[req-$m]=$!
-done
-for m in "${MODELS[@]}"; do
-    wait "${PID[req-$m]}" || fail "$m (${POLICY[$m]}): kvbank-request failed: $(cat "$T/$m.err")"
-    mapfile -t got < <(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$T/$m.out")
-    [ "${#got[@]}" = "${#PROMPTS[@]}" ] || fail "$m: ${#got[@]} answers for ${#PROMPTS[@]} requests: $(cat "$T/$m.out")"
-    for i in "${!PROMPTS[@]}"; do
-        [ "${got[$i]}" = "${WANT[$i]}" ] || fail "$m (${POLICY[$m]}) request $i: got '${got[$i]}', want '${WANT[$i]}'"
-    done
-    ok "$m (${POLICY[$m]}): 4 requests at once give kvbank-generate's tokens"
-done
-
-for m in "${MODELS[@]}"; do kill -TERM "${PID[$m]}"; done
-for m in "${MODELS[@]}"; do
-    rc=0
-    wait "${PID[$m]}" || rc=$?
-    [ $rc = 0 ] || fail "$m exited $rc on SIGTERM"
-done
-kill -TERM $COORD
-wait $COORD || fail "the coordinator exited non-zero"
-ok "SIGTERM: every process exits 0"
+requests_match_generate 24 ""
+stop_node
 
 # the engine statistics each model logged when it stopped
-stat_of() { # stat_of MODEL KEY
-    sed -n 's/.*engine: policy=.*/&/p' "$T/$1.log" | tail -1 | tr ' ' '\n' | sed -n "s/^$2=//p"
-}
 for m in "${MODELS[@]}"; do
     [ "$(stat_of $m policy)" = "${POLICY[$m]}" ] || fail "$m: no engine statistics of policy ${POLICY[$m]} in its log"
 done
-line() { grep -o 'engine: policy=.*' "$T/$1.log" | tail -1; }
 [ "$(stat_of tw dropped_blocks)" -gt 0 ] && [ "$(stat_of tw recomputed_tokens)" -gt 0 ] ||
     fail "ellm-tokenwise released and recomputed nothing: $(line tw)"
 ok "ellm-tokenwise released the oldest tokens' blocks and recomputed them: $(line tw)"

@@ -60,42 +60,9 @@ out=$("$B/kvbank-worker" --config "$T/node.json" --name bad 2>&1) || rc=$?
 [ $rc = 1 ] && grep -q "delta_min" <<<"$out" && ok "a worker whose config gives a bad orbitflow parameter exits 1 naming it" ||
     fail "worker bad: exit $rc: $(tail -2 <<<"$out")"
 
-PROMPTS=("$(ids 40 7 1)" "$(ids 9 5 2)" "$(ids 60 3 4)" "$(ids 25 11 9)")
-ARGS=()
-for p in "${PROMPTS[@]}"; do ARGS+=(--prompt-ids "$p"); done
-WANT=()
-for i in "${!PROMPTS[@]}"; do
-    WANT+=("$("$B/kvbank-generate" --model "$M" --prompt-ids "${PROMPTS[$i]}" --max-tokens 20 2>/dev/null)")
-done
-for m in "${MODELS[@]}"; do
-    "$B/kvbank-request" --endpoint "ipc://$T/$m.sock" "${ARGS[@]}" --max-tokens 20 --wait 20 \
-        --timeout-ms $((DEADLINE * 1000)) >"$T/$m.out" 2>"$T/$m.err" &
-    PID[req-$m]=$!
-done
-for m in "${MODELS[@]}"; do
-    wait "${PID[req-$m]}" || fail "$m (${POLICY[$m]}): kvbank-request failed: $(cat "$T/$m.err")"
-    mapfile -t got < <(sed -n 's/^finish: [a-z]*, [0-9]* tokens: //p' "$T/$m.out")
-    [ "${#got[@]}" = "${#PROMPTS[@]}" ] || fail "$m: ${#got[@]} answers for ${#PROMPTS[@]} requests: $(cat "$T/$m.out")"
-    for i in "${!PROMPTS[@]}"; do
-        [ "${got[$i]}" = "${WANT[$i]}" ] || fail "$m (${POLICY[$m]}) request $i: got '${got[$i]}', want '${WANT[$i]}'"
-    done
-    ok "$m (${POLICY[$m]}): 4 requests at once over 1 MB of KV give kvbank-generate's tokens"
-done
+requests_match_generate 20 " over 1 MB of KV"
+stop_node
 
-for m in "${MODELS[@]}"; do kill -TERM "${PID[$m]}"; done
-for m in "${MODELS[@]}"; do
-    rc=0
-    wait "${PID[$m]}" || rc=$?
-    [ $rc = 0 ] || fail "$m exited $rc on SIGTERM"
-done
-kill -TERM $COORD
-wait $COORD || fail "the coordinator exited non-zero"
-ok "SIGTERM: every process exits 0"
-
-stat_of() { # stat_of MODEL KEY: from the engine statistics the model logged when it stopped
-    grep -o 'engine: policy=.*' "$T/$1.log" | tail -1 | tr ' ' '\n' | sed -n "s/^$2=//p"
-}
-line() { grep -o 'engine: policy=.*' "$T/$1.log" | tail -1; }
 for m in "${MODELS[@]}"; do
     [ "$(stat_of $m policy)" = "${POLICY[$m]}" ] || fail "$m: no engine statistics of policy ${POLICY[$m]}: $(line $m)"
     [ "$(stat_of $m slices_prefetched)" -gt 0 ] || fail "$m (${POLICY[$m]}) prefetched no layer from the host tier: $(line $m)"
