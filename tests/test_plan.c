@@ -435,13 +435,15 @@ static uint64_t rng_next(uint64_t *x) {
 }
 
 /* A test planner over vLLM's scheduling that exercises one mechanism of the executor. */
-typedef enum mech { MECH_ABSENT, MECH_SWAP, MECH_HOST, MECH_DROP } mech;
+typedef enum mech { MECH_ABSENT, MECH_SWAP, MECH_HOST, MECH_DROP, MECH_DROP_HOST } mech;
 
 typedef struct mechanic {
     mech m;
     uint64_t rng;
     int drops, restores; /* MECH_DROP: DROP operations that released / restored blocks */
     int observed;       /* observe calls */
+    int host_free, host_capacity; /* the host tier as the last view saw it (free + evictable) */
+    int swapped_runs;   /* MECH_DROP_HOST: RUNs asking for host-tier prefix layers of a request that has copies */
     uint64_t host_bytes;/* what the host link carried, as observed */
     /* MECH_HOST: which (request, block index) has a host copy of which block id */
     uint64_t st_req[512];
@@ -470,7 +472,10 @@ static void forget(mechanic *m, uint64_t id) {
 static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     mechanic *m = ctx;
     kvb_fcfs_opts o = {.preempt_op = m->m == MECH_SWAP ? KVB_OP_SWAP_OUT : KVB_OP_PREEMPT};
+    m->host_free = v->pool.host_free + v->pool.host_evictable;
+    m->host_capacity = v->pool.host_capacity;
     KVB_TRY(kvb_sched_fcfs(v, &o, out));
+    if (m->m == MECH_DROP_HOST) out->prefix_serial = (int)(rng_next(&m->rng) % 4); /* the ablations' paths too */
     for (int i = 0; i < v->n_reqs; i++)
         if (v->reqs[i].state != KVB_REQ_RUNNING) forget(m, v->reqs[i].id);
     for (int k = 0; k < out->n_ops; k++)
@@ -482,7 +487,8 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
         const kvb_req_view *r = &v->reqs[kvb_view_find(v, op->id)];
         if (m->m == MECH_ABSENT) {
             op->n_absent = (int)(rng_next(&m->rng) % (uint64_t)(r->n_computed + 1));
-        } else if (m->m == MECH_DROP && r->state == KVB_REQ_RUNNING && rng_next(&m->rng) % 2) {
+        } else if ((m->m == MECH_DROP || m->m == MECH_DROP_HOST) && r->state == KVB_REQ_RUNNING &&
+                   rng_next(&m->rng) % 2) {
             /* a random count of released leading blocks (more, fewer: restored, or the same), put before
              * the RUN, whose n_absent then covers every block without KV; kept only if the pool allows */
             int bs = v->geom->block_size, full = r->n_computed / bs;
@@ -490,6 +496,10 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
             int before = op->n_absent, lo = KVB_MAX(to, r->n_dropped) * bs;
             op->n_absent = lo + (int)(rng_next(&m->rng) % (uint64_t)(r->n_computed - lo + 1));
             kvb_plan_op drop = {.kind = KVB_OP_DROP, .id = r->id, .n_dropped = to};
+            if (m->m == MECH_DROP_HOST) { /* random layer counts: stored at the DROP, read by the RUN */
+                drop.n_host = (int)(rng_next(&m->rng) % (uint64_t)(L + 1));
+                op->n_host = (int)(rng_next(&m->rng) % (uint64_t)(L + 1));
+            }
             KVB_TRY(kvb_plan_push_op(out, drop));
             memmove(out->ops + k + 1, out->ops + k, (size_t)(out->n_ops - 1 - k) * sizeof *out->ops);
             out->ops[k] = drop;
@@ -503,7 +513,12 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
                 memmove(out->ops + k, out->ops + k + 1, (size_t)(out->n_ops - 1 - k) * sizeof *out->ops);
                 out->n_ops--;
                 out->ops[k].n_absent = before;
+                out->ops[k].n_host = 0;
             }
+        } else if (m->m == MECH_DROP_HOST && r->state == KVB_REQ_RUNNING) {
+            /* no DROP this step: the released blocks (if any) are read at a random number of upper layers */
+            op->n_host = (int)(rng_next(&m->rng) % (uint64_t)(L + 1));
+            m->swapped_runs += op->n_host > 0 && r->host_layers > 0;
         } else if (m->m == MECH_HOST && r->state == KVB_REQ_RUNNING) {
             /* blocks stored in an earlier step are read from the host tier at layers 1.. (the request's
              * tail block too: the rows this step writes there go through the host copy); every block
@@ -530,7 +545,8 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
 static kvb_status mech_pool(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out) {
     const mechanic *m = ctx;
     if (ev->kind != KVB_POOL_SETUP) return KVB_OK;
-    if (m->m == MECH_ABSENT || m->m == MECH_DROP) out->extra_rows = 1024;
+    if (m->m == MECH_ABSENT || m->m == MECH_DROP || m->m == MECH_DROP_HOST) out->extra_rows = 1024;
+    if (m->m == MECH_DROP_HOST) out->host_tier_blocks = 512;
     if (m->m == MECH_SWAP || m->m == MECH_HOST) out->host_tier_blocks = 512;
     if (m->m == MECH_HOST) out->stage_slots = 256;
     return KVB_OK;
@@ -559,6 +575,7 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
     static rec ref, got;
     reference(&ref);
     const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
+    uint64_t preempted = 0;
     for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
         static mechanic m;
         memset(&m, 0, sizeof m);
@@ -583,6 +600,8 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
         kvb_engine_stats s;
         kvb_engine_get_stats(e, &s);
         ck_assert_int_eq(s.blocks_free, s.blocks_total);
+        ck_assert_int_eq(kvb_engine_step(e), KVB_OK); /* an empty step: the planner sees the host tier */
+        ck_assert_int_eq(m.host_free, m.host_capacity); /* no host-tier block leaked */
         printf("config %zu: %llu steps, %llu recomputed tokens, %llu swap-outs, %llu swap-ins, %llu staged loads, "
                "%llu copy orders, host link %llu bytes\n", c, (unsigned long long)s.steps,
                (unsigned long long)s.recomputed_tokens, (unsigned long long)s.swap_outs, (unsigned long long)s.swap_ins,
@@ -592,6 +611,17 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
         assert_same(&ref, &got);
         ck_assert_int_eq(m.observed, (int)s.steps);
         if (which == MECH_ABSENT) ck_assert_uint_gt(s.recomputed_tokens, 0);
+        if (which == MECH_DROP_HOST) {
+            printf("config %zu: %d drops, %d restores, %llu released blocks stored to the host tier, %llu "
+                   "(block, layer) slices loaded instead of recomputed, %d runs reading host layers\n", c, m.drops,
+                   m.restores, (unsigned long long)s.prefix_host_stores, (unsigned long long)s.prefix_host_loads,
+                   m.swapped_runs);
+            ck_assert_int_gt(m.drops, 0);
+            ck_assert_int_gt(m.restores, 0);
+            ck_assert_uint_gt(s.prefix_host_stores, 0);
+            ck_assert_uint_gt(s.prefix_host_loads, 0);
+            preempted += s.preemptions; /* copies released with their request's KV (the host check above) */
+        }
         if (which == MECH_DROP) {
             printf("config %zu: %d drops, %d restores, %llu blocks released, %llu restored\n", c, m.drops, m.restores,
                    (unsigned long long)s.dropped_blocks, (unsigned long long)s.restored_blocks);
@@ -612,6 +642,7 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
         }
         kvb_engine_destroy(e);
     }
+    if (which == MECH_DROP_HOST) ck_assert_uint_gt(preempted, 0);
     teardown_model();
 }
 
@@ -625,37 +656,50 @@ KVB_TEST(ellm_tokenwise_lossless) {
     const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
     uint64_t rng = 0x1234567ull;
     {
-        /* prefix layers reloaded from the host tier are not carried out yet: refused, not faked */
+        /* a count of swapped layers without swapped layers is refused */
         kvb_policy_params pp = {0};
         kvb_planner pl;
-        ck_assert_int_eq(kvb_policy_params_set(&pp, "swap", "1"), KVB_OK);
-        ck_assert_int_eq(kvb_policy_create("ellm-tokenwise", &pp, &pl), KVB_ERR_UNSUPPORTED);
+        ck_assert_int_eq(kvb_policy_params_set(&pp, "n_swap", "1"), KVB_OK);
+        ck_assert_int_eq(kvb_policy_create("ellm-tokenwise", &pp, &pl), KVB_ERR_INVALID);
         kvb_policy_params_free(&pp);
     }
+    uint64_t host_loads = 0;
     for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
-        for (int t = 0; t < 4; t++) {
+        for (int t = 0; t < 7; t++) {
             kvb_policy_params pp = {0};
-            char r[32];
+            char r[32], ns[16];
             double ratio = (double)(rng_next(&rng) % 901) / 1000.0;
             snprintf(r, sizeof r, "%.3f", ratio);
-            if (t < 2) ck_assert_int_eq(kvb_policy_params_set(&pp, "r", r), KVB_OK);
+            snprintf(ns, sizeof ns, "%d", (int)(rng_next(&rng) % 4));
+            if (t < 2 || t >= 4) ck_assert_int_eq(kvb_policy_params_set(&pp, "r", r), KVB_OK);
             if (t == 3) ck_assert_int_eq(kvb_policy_params_set(&pp, "slo_ms", "50"), KVB_OK);
-            ck_assert_int_eq(kvb_policy_params_set(&pp, "async", t == 1 ? "1" : "0"), KVB_OK);
+            /* swapped layers (§4.3): a random count, the layer level's, and the two ablations */
+            if (t >= 4) ck_assert_int_eq(kvb_policy_params_set(&pp, "swap", "1"), KVB_OK);
+            if (t == 4 || t == 6) ck_assert_int_eq(kvb_policy_params_set(&pp, "n_swap", ns), KVB_OK);
+            if (t == 6) ck_assert_int_eq(kvb_policy_params_set(&pp, "overlap", "0"), KVB_OK);
+            if (t == 6) ck_assert_int_eq(kvb_policy_params_set(&pp, "fuse", "0"), KVB_OK);
+            ck_assert_int_eq(kvb_policy_params_set(&pp, "async", t == 1 || t == 5 ? "1" : "0"), KVB_OK);
             kvb_planner pl;
             ck_assert_int_eq(kvb_policy_create("ellm-tokenwise", &pp, &pl), KVB_OK);
             kvb_policy_params_free(&pp);
             kvb_engine_stats s;
             pressure(&got, &pl, cfgs[c].bs, cfgs[c].blocks, cfgs[c].budget, &s);
-            printf("config %zu %s r=%s: %llu steps, %llu preemptions, %llu recomputed tokens, %llu blocks released, "
-                   "%llu restored\n", c, t < 2 ? "fixed" : t == 2 ? "optimized" : "optimized, SLO 50 ms",
-                   t < 2 ? r : "-", (unsigned long long)s.steps, (unsigned long long)s.preemptions,
-                   (unsigned long long)s.recomputed_tokens, (unsigned long long)s.dropped_blocks,
-                   (unsigned long long)s.restored_blocks);
+            static const char *const what[] = {"fixed", "fixed", "optimized", "optimized, SLO 50 ms",
+                                               "fixed, swap n_swap", "fixed, swap by the layer level",
+                                               "fixed, swap n_swap, overlap=0 fuse=0"};
+            printf("config %zu %s r=%s n_swap=%s: %llu steps, %llu preemptions, %llu recomputed tokens, %llu blocks "
+                   "released, %llu restored, %llu stored to the host tier, %llu (block, layer) loads\n", c, what[t],
+                   t < 2 || t >= 4 ? r : "-", t == 4 || t == 6 ? ns : "-", (unsigned long long)s.steps,
+                   (unsigned long long)s.preemptions, (unsigned long long)s.recomputed_tokens,
+                   (unsigned long long)s.dropped_blocks, (unsigned long long)s.restored_blocks,
+                   (unsigned long long)s.prefix_host_stores, (unsigned long long)s.prefix_host_loads);
             assert_same(&ref, &got);
             ck_assert_int_eq(s.blocks_free, s.blocks_total);
-            if (t < 2 && ratio * 20 >= 2 * cfgs[c].bs) ck_assert_uint_gt(s.dropped_blocks, 0);
+            if ((t < 2 || t >= 4) && ratio * 20 >= 2 * cfgs[c].bs) ck_assert_uint_gt(s.dropped_blocks, 0);
+            host_loads += s.prefix_host_loads;
         }
     }
+    ck_assert_uint_gt(host_loads, 0); /* some runs read prefix layers from the host tier */
     teardown_model();
 }
 KVB_TEST_END
@@ -704,6 +748,17 @@ KVB_TEST_END
 /* Requests release and restore their leading blocks at random (KVB_OP_DROP), recomputing what has no
  * KV: the tokens stay the reference's and every block comes back to the pool. */
 KVB_TEST(drop_blocks_lossless) { mechanism_lossless(MECH_DROP, NULL); }
+KVB_TEST_END
+
+/* eLLM §4.3 with swapped layers: released blocks keep host-tier copies of a random number of upper
+ * layers (DROP n_host), each RUN reads a random number of them from the host tier instead of
+ * recomputing them (RUN n_host, more than the copies hold included), restores, preemptions and both
+ * ablation paths included, under a link model: the reference's tokens, nothing leaked. */
+KVB_TEST(drop_blocks_swapped_layers_lossless) {
+    kvb_link_model lm = {.name = "test", .target = "test links", .scale = 1, .target_flops = 1};
+    lm.links[KVB_LINK_HOST] = (kvb_link){2e9, 20e-6};
+    mechanism_lossless(MECH_DROP_HOST, &lm);
+}
 KVB_TEST_END
 
 KVB_TEST(host_residency_lossless) {
@@ -911,6 +966,6 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
-              KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240),
+              KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240), KVB_T(drop_blocks_swapped_layers_lossless, 240),
               KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240),
               KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60))

@@ -32,6 +32,8 @@ struct kvb_forward {
     const kvb_batch *b; /* the step in flight (borrowed) */
     kvb_attn_batch attn;/* b->attn with the model's head count and scale */
     int next_layer;
+    int n_rows;         /* rows the next layers compute: the batch's first n_rows (kvb_forward_rows) */
+    int split;          /* 0 < split < n_rows: projections and MLP as two GEMMs, rows [0, split) and the rest */
 };
 
 /* The step's buffers, in one array for giving them back. */
@@ -127,6 +129,8 @@ kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b) {
     /* YaRN multiplies cos and sin by its attention factor a, so q.k by a^2: folded into the scale */
     fw->attn.scale = (float)(c->rope_attn_factor * c->rope_attn_factor / sqrt((double)c->head_dim));
     fw->next_layer = 0;
+    fw->n_rows = b->n_tokens;
+    fw->split = 0;
     KVB_TRY_GOTO(be->embed(fw->be->ctx, &fw->m->embed, b->tokens, b->n_tokens, fw->x), fail_step);
     return KVB_OK;
 fail_step:
@@ -137,12 +141,47 @@ fail:
     return st;
 }
 
-/* y[i] = x . w[i]^T for projections sharing their input: in one call where the backend has
- * matmul_n, else one matmul each. */
-static kvb_status matmuls(kvb_forward *fw, const void *x, int n, const kvb_tensor *const *w, void *const *y, int nw) {
+/* y[i] = x . w[i]^T (+ beta * y[i]) for projections sharing their input: in one call where the backend
+ * has matmul_n (beta 0), else one matmul each; with a split (kvb_forward_split) once per row range. */
+static kvb_status matmuls(kvb_forward *fw, const void *x, int n, const kvb_tensor *const *w, void *const *y, int nw,
+                          float beta) {
     const kvb_backend_i *be = fw->be->iface;
-    if (be->matmul_n) return be->matmul_n(fw->be->ctx, x, n, w, nw, y);
-    for (int i = 0; i < nw; i++) KVB_TRY(be->matmul(fw->be->ctx, x, n, w[i], 0.0f, y[i]));
+    size_t es = kvb_dtype_size(be->act_dtype);
+    int cut[3] = {0, fw->split > 0 && fw->split < n ? fw->split : n, n};
+    for (int part = 0; part < 2; part++) {
+        int r0 = cut[part], rn = cut[part + 1] - r0;
+        if (rn <= 0) continue;
+        const void *xp = (const char *)x + (size_t)r0 * (size_t)w[0]->ne[1] * es;
+        void *yp[8];
+        for (int i = 0; i < nw; i++) yp[i] = (char *)y[i] + (size_t)r0 * (size_t)w[i]->ne[0] * es;
+        if (be->matmul_n && beta == 0.0f && nw > 1) {
+            KVB_TRY(be->matmul_n(fw->be->ctx, xp, rn, w, nw, yp));
+            continue;
+        }
+        for (int i = 0; i < nw; i++) KVB_TRY(be->matmul(fw->be->ctx, xp, rn, w[i], beta, yp[i]));
+    }
+    return KVB_OK;
+}
+
+static kvb_status matmul1(kvb_forward *fw, const void *x, int n, const kvb_tensor *w, float beta, void *y) {
+    return matmuls(fw, x, n, &w, &y, 1, beta);
+}
+
+kvb_status kvb_forward_rows(kvb_forward *fw, int n_rows, int n_seqs) {
+    if (!fw->b || n_rows < 1 || n_rows > fw->n_rows || n_seqs < 1 || n_seqs > fw->attn.n_seqs) return KVB_ERR_INVALID;
+    for (int i = 0; i < fw->b->n_logits; i++)
+        if (fw->b->logit_rows[i] >= n_rows) return KVB_ERR_INVALID;
+    for (int i = 0; i < n_seqs; i++)
+        if (fw->attn.seqs[i].q_start + fw->attn.seqs[i].q_len > n_rows) return KVB_ERR_INVALID;
+    fw->n_rows = n_rows;
+    fw->attn.n_tokens = n_rows;
+    fw->attn.n_seqs = n_seqs;
+    return KVB_OK;
+}
+
+kvb_status kvb_forward_split(kvb_forward *fw, int rows) {
+    if (!fw->b || rows < 0) return KVB_ERR_INVALID;
+    fw->split = rows;
     return KVB_OK;
 }
 
@@ -152,7 +191,7 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     const kvb_layer_weights *w = &fw->m->layers[layer];
     const kvb_backend_i *be = fw->be->iface;
     void *ctx = fw->be->ctx;
-    int n = fw->b->n_tokens;
+    int n = fw->n_rows;
     float eps = c->rms_eps;
 
     /* layer_blocks may have been refilled for this layer since begin */
@@ -162,7 +201,7 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->attn_norm, eps, fw->h));
     const kvb_tensor *qkv[] = {&w->wq, &w->wk, &w->wv};
     void *qkv_out[] = {fw->q, fw->k, fw->v};
-    KVB_TRY(matmuls(fw, fw->h, n, qkv, qkv_out, 3));
+    KVB_TRY(matmuls(fw, fw->h, n, qkv, qkv_out, 3, 0.0f));
     if (w->bq.data) { /* Qwen2; Llama / Qwen3 with attention_bias */
         KVB_TRY(be->bias_add(ctx, fw->q, n, &w->bq));
         KVB_TRY(be->bias_add(ctx, fw->k, n, &w->bk));
@@ -175,19 +214,19 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     KVB_TRY(be->rope(ctx, fw->q, c->n_heads, fw->k, c->n_kv_heads, n, fw->b->pos, &fw->m->rope));
     KVB_TRY(be->kv_write(ctx, &fw->attn, fw->k, fw->v));
     KVB_TRY(be->attention(ctx, &fw->attn, fw->q, fw->att));
-    KVB_TRY(be->matmul(ctx, fw->att, n, &w->wo, 1.0f, fw->x)); /* x += o_proj(att) */
+    KVB_TRY(matmul1(fw, fw->att, n, &w->wo, 1.0f, fw->x)); /* x += o_proj(att) */
     if (w->bo.data) KVB_TRY(be->bias_add(ctx, fw->x, n, &w->bo));
 
     KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->ffn_norm, eps, fw->h));
     const kvb_tensor *gate_up[] = {&w->w_gate, &w->w_up};
     void *gate_up_out[] = {fw->gate, fw->up};
-    KVB_TRY(matmuls(fw, fw->h, n, gate_up, gate_up_out, 2));
+    KVB_TRY(matmuls(fw, fw->h, n, gate_up, gate_up_out, 2, 0.0f));
     if (w->b_gate.data) { /* Llama with mlp_bias */
         KVB_TRY(be->bias_add(ctx, fw->gate, n, &w->b_gate));
         KVB_TRY(be->bias_add(ctx, fw->up, n, &w->b_up));
     }
     KVB_TRY(be->silu_mul(ctx, fw->gate, fw->up, (size_t)n * c->intermediate, fw->gate));
-    KVB_TRY(be->matmul(ctx, fw->gate, n, &w->w_down, 1.0f, fw->x)); /* x += down(...) */
+    KVB_TRY(matmul1(fw, fw->gate, n, &w->w_down, 1.0f, fw->x)); /* x += down(...) */
     if (w->b_down.data) KVB_TRY(be->bias_add(ctx, fw->x, n, &w->b_down));
     fw->next_layer = layer + 1;
     return KVB_OK;

@@ -68,6 +68,15 @@ void kvb_forward_destroy(kvb_forward *fw);
  * step's buffers from the allocator (KVB_ERR_NOMEM and nothing kept when it cannot give them). */
 kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b);
 kvb_status kvb_forward_layer(kvb_forward *fw, int layer);
+/* Between layers of the step in flight: the next layers compute only the batch's first n_rows rows
+ * and attention sequences [0, n_seqs) (fewer than before; the dropped sequences' rows must lie past
+ * n_rows, every logit row before it). eLLM token-wise: recomputed prefix rows laid out last leave
+ * the step above the highest recomputed layer. KVB_ERR_INVALID otherwise, nothing changed. */
+kvb_status kvb_forward_rows(kvb_forward *fw, int n_rows, int n_seqs);
+/* Between layers of the step in flight: 0 < rows < the rows computed: the next layers' projections
+ * and MLP run as two GEMMs each, rows [0, rows) and the rest (eLLM §6.3's "without fusion" ablation;
+ * the same results per row); 0: one GEMM. */
+kvb_status kvb_forward_split(kvb_forward *fw, int rows);
 /* Writes logits [n_logits][vocab] (f32, host) for the batch's logit_rows. */
 kvb_status kvb_forward_end(kvb_forward *fw, float *logits);
 

@@ -46,6 +46,7 @@ typedef struct solver {
     int *req_u;        /* [req_cap] u_i of the running set at the last (b, r), for the layer level */
     int req_cap;
     int req_n_run;
+    int64_t req_host;  /* host-tier blocks of the view */
     uint64_t req_seq;  /* bumped per post */
     /* answer (under mu) */
     kvb_etw_solution sol;
@@ -65,6 +66,8 @@ typedef struct etw {
     int chunk_now;        /* this step's prefill tokens (prefill_tokens) */
     int64_t b_bound, F, chunk, rows, host_blocks, threads;
     int async, swap_layers;
+    int64_t n_swap_fixed; /* swap=1: prefix layers read from the host tier (parameter n_swap), -1: the layer level */
+    int serial;           /* kvb_plan.prefix_serial: the §6.3 ablations (overlap=0, fuse=0) */
     int n_hidden;         /* hcache: layers restored from hidden states (the state partition) */
     int64_t hidden_fixed; /* hcache: n_hidden given (parameter hidden_layers), -1: the partition decides */
     /* model, once known */
@@ -91,6 +94,29 @@ typedef struct etw {
     double peak_flops;      /* the machine's matmul rate (view.model->flops) */
 } etw;
 
+/* The layer level (§4.3) for the running set, or the fixed count of swapped layers (parameter n_swap). */
+static void layer_level(const etw *p, const kvb_etw_dims *d, const kvb_etw_rates *rates, const int *s, const int *u,
+                        int n_run, kvb_etw_layer_plan *lp) {
+    kvb_etw_batch bt = {.b = n_run, .s = s, .u = u};
+    kvb_etw_layer_optimize(d, rates, &p->link, &bt, (int)p->threads, KVB_ETW_DEVICE_CPU, lp);
+    if (p->n_swap_fixed >= 0) {
+        lp->n_swap = (int)KVB_MIN(p->n_swap_fixed, (int64_t)d->n_layers);
+        lp->n_rec = d->n_layers - lp->n_swap;
+    }
+}
+
+/* The layer level's answer as the request level sees it in kvbank's fused step: one layer of scratch
+ * per recomputed block (units of one layer, depth 1), two with swapped layers (the loads of layer l+1
+ * land in one parity while layer l reads the other); the host copies are whole host-tier blocks
+ * (block-major: a released block keeps one whatever its layers) while the solver counts n_swap / L of
+ * a block per released block, so its host budget is scaled by L / n_swap to make the two agree. */
+static void problem_layer(const kvb_etw_layer_plan *lp, int64_t host_capacity, kvb_etw_problem *prob) {
+    prob->layer = *lp;
+    prob->unit_layers = 1;
+    prob->layer.depth = lp->n_swap > 0 ? 2 : 1;
+    prob->host_blocks = lp->n_swap > 0 ? host_capacity * prob->d->n_layers / lp->n_swap : 0;
+}
+
 /* ---------------------------------------------------------------- solver thread */
 static void *solver_main(void *arg) {
     etw *p = arg;
@@ -105,6 +131,7 @@ static void *solver_main(void *arg) {
         uint64_t seq = sv->req_seq;
         kvb_etw_problem prob = sv->req;
         int n = prob.n, n_run = sv->req_n_run;
+        int64_t host = sv->req_host;
         if (n > cap) {
             int nc = n * 2;
             int *ns = realloc(s, (size_t)nc * sizeof *s), *nu = ns ? realloc(u, (size_t)nc * sizeof *u) : NULL;
@@ -124,11 +151,8 @@ static void *solver_main(void *arg) {
         /* layer level on the running set at the last (b, r) (§4.3), then the request level with its
          * M_o and n_rec (the closed loop) */
         kvb_etw_layer_plan lp = prob.layer;
-        if (p->swap_layers) {
-            kvb_etw_batch bt = {.b = n_run, .s = s, .u = u};
-            kvb_etw_layer_optimize(p->d.n_layers ? &p->d : prob.d, &prob.rates, &p->link, &bt, (int)p->threads, KVB_ETW_DEVICE_CPU, &lp);
-        }
-        prob.layer = lp;
+        if (p->swap_layers) layer_level(p, p->d.n_layers ? &p->d : prob.d, &prob.rates, s, u, n_run, &lp);
+        problem_layer(&lp, host, &prob);
         prob.s = s;
         kvb_etw_solution sol;
         kvb_status st = kvb_etw_solve(&prob, &sol);
@@ -185,8 +209,8 @@ static void solver_stop(etw *p) {
 }
 
 /* Posts `prob` (its s copied, with the running set's u) and takes the newest answer, if any. */
-static kvb_status solver_exchange(etw *p, const kvb_etw_problem *prob, const int *u, int n_run, kvb_etw_solution *sol,
-                                  kvb_etw_layer_plan *lp, int *have) {
+static kvb_status solver_exchange(etw *p, const kvb_etw_problem *prob, const int *u, int n_run, int64_t host,
+                                  kvb_etw_solution *sol, kvb_etw_layer_plan *lp, int *have) {
     solver *sv = &p->sv;
     pthread_mutex_lock(&sv->mu);
     kvb_status st = KVB_OK;
@@ -206,6 +230,7 @@ static kvb_status solver_exchange(etw *p, const kvb_etw_problem *prob, const int
         memcpy(sv->req_s, prob->s, (size_t)prob->n * sizeof *prob->s);
         memcpy(sv->req_u, u, (size_t)n_run * sizeof *u);
         sv->req_n_run = n_run;
+        sv->req_host = host;
         sv->req_seq++;
         pthread_cond_signal(&sv->cv);
     }
@@ -324,13 +349,8 @@ static void make_problem(etw *p, const kvb_view *v, kvb_etw_problem *prob) {
     p->chunk_now = prefill_tokens(p, v, &wt);
     if (p->slo_ms > 0) prob->wt_max_s = wt;
     prob->max_rows = KVB_MAX(1, v->max_rows - p->chunk_now);
-    if (!p->swap_layers) {
-        /* kvbank's fused step: the recomputed rows run in the decode's forward pass, each layer's
-         * recompute writing single-layer scratch slices that the same layer's attention reads: one
-         * layer of scratch per recomputed block (units of one layer, depth 1) */
-        prob->unit_layers = 1;
-        prob->layer.depth = 1;
-    }
+    /* kvbank's fused step: the recomputed rows run in the decode's forward pass */
+    problem_layer(&p->layer, host, prob);
 }
 
 /* ---------------------------------------------------------------- plan_step */
@@ -369,7 +389,11 @@ static void plan_work(etw *p, const kvb_view *v, const kvb_plan *out) {
         } else {
             kvb_etw_work_add(&w, kvb_etw_work_prefill(&p->d, start, op->q_len));
         }
-        if (op->n_absent > 0) kvb_etw_work_add(&w, kvb_etw_work_recompute(&p->d, op->n_absent, p->d.n_layers));
+        if (op->n_absent > 0) {
+            /* the rows leave above the recomputed layers when the request's released blocks have copies */
+            int swapl = KVB_MIN(op->n_host, rq->host_layers > 0 ? rq->host_layers : op->n_host);
+            kvb_etw_work_add(&w, kvb_etw_work_recompute(&p->d, op->n_absent, p->d.n_layers - swapl));
+        }
     }
     p->last_work = w;
     p->last_valid = 1;
@@ -385,17 +409,33 @@ static kvb_status ellm_plan(etw *p, const kvb_view *v, int n_keep, double r, int
     const int bs = v->geom->block_size;
     int budget = (int)KVB_MIN((int64_t)v->max_batch_tokens, (int64_t)p->chunk_now + n_keep);
     int used = 0;
+    /* swapped layers (§4.3): the released blocks keep host copies of layers [n_rec, L), read each step */
+    int n_host = p->swap_layers ? p->layer.n_swap : 0;
+    int host_left = v->pool.host_free + v->pool.host_evictable;
+    out->prefix_serial = p->serial;
     for (int i = 0; i < n_keep; i++) {
         const kvb_req_view *rq = &v->reqs[i];
         if (rq->state != KVB_REQ_RUNNING) continue;
         if (decoding(rq)) {
             int64_t u = kvb_etw_absent(r, rq->n_computed);
-            int drop = (int)(u / bs);
+            int drop = (int)(u / bs), copies = 0;
+            if (drop > rq->n_dropped && ((rq->n_dropped == 0 && n_host > 0) || rq->host_layers > 0)) {
+                copies = drop - rq->n_dropped; /* host blocks the DROP stores into */
+                if (copies > host_left) {
+                    /* the host tier is full: a request with copies keeps what it holds (recomputing
+                     * more rows than it released), one without starts none */
+                    if (rq->host_layers > 0) drop = rq->n_dropped;
+                    copies = 0;
+                }
+            }
+            host_left -= copies;
             if (drop != rq->n_dropped)
-                KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_DROP, .id = rq->id, .n_dropped = drop}));
+                KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_DROP, .id = rq->id, .n_dropped = drop,
+                                                            .n_host = copies > 0 ? n_host : 0}));
             /* a restore (fewer dropped blocks) recomputes the restored blocks into them this step */
             int absent = (int)KVB_MAX(u, (int64_t)rq->n_dropped * bs);
-            KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_RUN, .id = rq->id, .q_len = 1, .n_absent = absent}));
+            KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_RUN, .id = rq->id, .q_len = 1, .n_absent = absent,
+                                                        .n_host = n_host}));
             used++;
         } else {
             int q = KVB_MIN(rq->n_tokens - rq->n_computed, budget - used);
@@ -439,9 +479,14 @@ static kvb_status plan_step_inner(etw *p, const kvb_view *v, kvb_plan *out) {
     kvb_etw_layer_plan lp = p->layer;
     int have = 0;
     if (p->async) {
-        KVB_TRY(solver_exchange(p, &prob, p->u, v->n_running, &sol, &lp, &have));
+        KVB_TRY(solver_exchange(p, &prob, p->u, v->n_running, p->swap_layers ? v->pool.host_capacity : 0, &sol, &lp,
+                                &have));
     } else {
         double t0 = kvb_now_s();
+        if (p->swap_layers) {
+            layer_level(p, &p->d, &prob.rates, p->s, p->u, v->n_running, &lp);
+            problem_layer(&lp, v->pool.host_capacity, &prob);
+        }
         KVB_TRY(kvb_etw_solve(&prob, &sol));
         double dt = kvb_now_s() - t0;
         p->sv.t_sum += dt;
@@ -450,7 +495,6 @@ static kvb_status plan_step_inner(etw *p, const kvb_view *v, kvb_plan *out) {
         have = 1;
     }
     if (have) p->layer = lp;
-    prob.layer = p->layer;
 
     /* the answer may be for an older view: re-check it against this one */
     int n_run = v->n_running;
@@ -642,7 +686,7 @@ static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_pla
     const char *name = kind_names[kind];
     static const char *const known_ellm[] = {"slo_ms", "r_max", "r", "b_max", "F", "chunk", "rows", "async",
                                              "swap", "host_blocks", "threads", "perturb_flops", "perturb_bw",
-                                             "wt_share", NULL};
+                                             "wt_share", "n_swap", "overlap", "fuse", NULL};
     static const char *const known_base[] = {"slo_ms", "b_max", "chunk", "async", "host_blocks", "perturb_flops",
                                              "perturb_bw", "wt_share", NULL};
     static const char *const known_hcache[] = {"slo_ms", "b_max", "chunk", "async", "host_blocks", "perturb_flops",
@@ -653,8 +697,9 @@ static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_pla
     etw *p = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *p, (void **)&p));
     *p = (etw){.kind = kind, .slo_ms = 0, .r_max = 0.9, .r_fixed = -1, .b_bound = 512, .F = 4, .chunk = 256,
-               .rows = 1024, .async = 1, .threads = 1, .perturb_flops = 1, .perturb_bw = 1, .wt_share = 0.5, .hidden_fixed = -1};
-    int64_t async = 1, swap = 0;
+               .rows = 1024, .async = 1, .threads = 1, .perturb_flops = 1, .perturb_bw = 1, .wt_share = 0.5, .hidden_fixed = -1,
+               .n_swap_fixed = -1};
+    int64_t async = 1, swap = 0, overlap = 1, fuse = 1;
     kvb_status st = KVB_OK;
 #define P(x) \
     if (st == KVB_OK) st = (x)
@@ -673,15 +718,13 @@ static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_pla
     P(kvb_policy_param_f64(params, name, "perturb_bw", 0.1, 10, &p->perturb_bw));
     P(kvb_policy_param_f64(params, name, "wt_share", 0.05, 0.95, &p->wt_share));
     P(kvb_policy_param_i64(params, name, "hidden_layers", 0, 1 << 16, &p->hidden_fixed));
+    P(kvb_policy_param_i64(params, name, "n_swap", 0, 1 << 16, &p->n_swap_fixed));
+    P(kvb_policy_param_i64(params, name, "overlap", 0, 1, &overlap));
+    P(kvb_policy_param_i64(params, name, "fuse", 0, 1, &fuse));
 #undef P
-    if (st == KVB_OK && swap) {
-        /* the layer level (kvb_etw_layer_optimize) and the host-block accounting are built and tested,
-         * but the executor recomputes every layer of the absent prefix: it does not yet write the
-         * prefix's upper layers to the host tier at DROP and reload them each step, so an optimizer
-         * told they are reloaded would plan for a step that does not run */
-        KVB_LOG_E("policy %s: swap=1 (prefix layers above n_rec reloaded from the host tier, §4.3) is not carried "
-                  "out by the executor yet; use swap=0 (every absent layer recomputed)", name);
-        st = KVB_ERR_UNSUPPORTED;
+    if (st == KVB_OK && p->n_swap_fixed >= 0 && !swap) {
+        KVB_LOG_E("policy %s: n_swap=%lld needs swap=1 (swapped prefix layers)", name, (long long)p->n_swap_fixed);
+        st = KVB_ERR_INVALID;
     }
     if (st != KVB_OK) {
         free(p);
@@ -689,6 +732,7 @@ static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_pla
     }
     p->async = (int)async;
     p->swap_layers = (int)swap;
+    p->serial = (overlap ? 0 : 1) | (fuse ? 0 : 2);
     if (p->r_fixed >= 0 && p->r_fixed > p->r_max) p->r_max = p->r_fixed;
     *out = (kvb_planner){.iface = iface_of(kind), .ctx = p};
     return KVB_OK;

@@ -166,6 +166,10 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_layer, (void **)&e->t_layer), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_wait, (void **)&e->t_wait), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_copy, (void **)&e->t_copy), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_pfx, (void **)&e->t_pfx), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->l_rows, (void **)&e->l_rows), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->l_seqs, (void **)&e->l_seqs), fail);
+    KVB_TRY_GOTO(kvb_calloc((size_t)e->o.max_seqs, sizeof *e->pfx_ord, (void **)&e->pfx_ord), fail);
     if (pp.stage_slots > 0) KVB_TRY_GOTO(kvb__stage_reserve(e, pp.stage_slots), fail);
     if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix), fail);
     *out = e;
@@ -263,7 +267,7 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              "policy=%s steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
              "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
              "max_running=%d swap_outs=%llu swap_ins=%llu offload_prefills=%llu recomputed_tokens=%llu dropped_blocks=%llu "
-             "restored_blocks=%llu hidden_restores=%llu hidden_saved_bytes=%llu host_link_bytes=%llu "
+             "restored_blocks=%llu prefix_host_stores=%llu prefix_host_loads=%llu hidden_restores=%llu hidden_saved_bytes=%llu host_link_bytes=%llu "
              "peer_link_bytes=%llu",
              kvb_engine_planner_name(e), (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
              (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
@@ -271,7 +275,8 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              (unsigned long long)ss.slices_prefetched, (unsigned long long)ss.slices_offloaded, s.prefix_cache,
              s.max_running, (unsigned long long)s.swap_outs, (unsigned long long)s.swap_ins,
              (unsigned long long)s.offload_prefills, (unsigned long long)s.recomputed_tokens, (unsigned long long)s.dropped_blocks,
-             (unsigned long long)s.restored_blocks, (unsigned long long)s.hidden_restores,
+             (unsigned long long)s.restored_blocks, (unsigned long long)s.prefix_host_stores,
+             (unsigned long long)s.prefix_host_loads, (unsigned long long)s.hidden_restores,
              (unsigned long long)s.hidden_saved_bytes, (unsigned long long)s.links[KVB_LINK_HOST].bytes,
              (unsigned long long)s.links[KVB_LINK_PEER].bytes);
 }

@@ -131,6 +131,8 @@ typedef struct kvb_engine_stats {
     uint64_t recomputed_tokens; /* absent tokens recomputed (sum of n_absent) */
     uint64_t dropped_blocks;    /* leading blocks requests released (KVB_OP_DROP) */
     uint64_t restored_blocks;   /* released blocks given back and refilled by recompute (KVB_OP_DROP) */
+    uint64_t prefix_host_stores;/* released blocks whose upper layers were stored to the host tier (DROP n_host) */
+    uint64_t prefix_host_loads; /* (released block, layer) slices loaded from the host tier instead of recomputed */
     uint64_t hidden_restores;   /* swap-ins whose first layers were rebuilt from saved hidden states (HCache) */
     uint64_t hidden_saved_bytes;/* hidden states saved to host memory (HCache) */
     uint64_t copy_orders;       /* plan copy orders carried out */

@@ -105,6 +105,20 @@ static kvb_status move_blocks(kvb_engine *e, kvb_xfer_dir dir, const int32_t *po
     return st;
 }
 
+/* Appends n new host-tier blocks (counted by the plan's check) to table t. */
+static kvb_status host_blocks_push(kvb_engine *e, kvb_block_table *t, int n) {
+    for (int j = 0; j < n; j++) {
+        int32_t h;
+        KVB_TRY(kvb__host_alloc(e, &h));
+        kvb_status st = kvb_block_table_push(t, h);
+        if (st != KVB_OK) {
+            kvb_block_pool_unref(e->ht_pool, h);
+            return st;
+        }
+    }
+    return KVB_OK;
+}
+
 /* ---------------------------------------------------------------- HCache: saved hidden states */
 
 static size_t hid_row_bytes(const kvb_engine *e) {
@@ -220,15 +234,7 @@ static kvb_status restore_from_hidden(kvb_engine *e, seq *s) {
  * layers [0, n_hidden) stay behind as its saved hidden states (HCache). */
 static kvb_status swap_out(kvb_engine *e, seq *s, int n_hidden) {
     int n = s->bt.n;
-    for (int j = 0; j < n; j++) {
-        int32_t h;
-        KVB_TRY(kvb__host_alloc(e, &h)); /* counted by the plan's check */
-        kvb_status st = kvb_block_table_push(&s->host_bt, h);
-        if (st != KVB_OK) {
-            kvb_block_pool_unref(e->ht_pool, h);
-            return st;
-        }
-    }
+    KVB_TRY(host_blocks_push(e, &s->host_bt, n));
     KVB_TRY(move_blocks(e, KVB_XFER_D2H, s->bt.ids, s->host_bt.ids, n, n_hidden));
     s->swap_hidden = n_hidden;
     for (int j = 0; j < n; j++)
@@ -268,21 +274,14 @@ static kvb_status swap_in(kvb_engine *e, seq *s, const kvb_plan_op *op) {
  * it runs in this step and is SWAPPED after it (offload_end). */
 static kvb_status offload_begin(kvb_engine *e, seq *s) {
     int nb = KVB_DIV_CEIL(s->n_tokens, e->o.block_size);
-    for (int j = 0; j < nb; j++) {
-        int32_t h;
-        KVB_TRY(kvb__host_alloc(e, &h));
-        kvb_status st = kvb_block_table_push(&s->host_bt, h);
-        if (st != KVB_OK) {
-            kvb_block_pool_unref(e->ht_pool, h);
-            return st;
-        }
-    }
+    KVB_TRY(host_blocks_push(e, &s->host_bt, nb));
     s->hits_taken = 0;
     s->n_computed = 0;
     kvb__list_remove(&e->waiting, s);
     kvb__list_insert_ordered(&e->running, s);
     s->q_len = s->n_tokens;
     s->n_absent = 0;
+    s->n_swapl = 0;
     s->hid_save = 0;
     s->offload = 1;
     e->stats.offload_prefills++;
@@ -300,14 +299,33 @@ static void offload_end(kvb_engine *e, int n_sched) {
     }
 }
 
+/* DROP n_host: before blocks [cur, to) of `s` are released, their layers [L - layers, L) go to new
+ * host-tier blocks (counted by the plan's check) over the host link, once (eLLM §4.3: swapped prefix
+ * KV is written before its device blocks are freed). A request keeps one layer count for all its
+ * copies: its first DROP sets it (n_host), later DROPs store the same layers whatever their n_host, so
+ * that every released block has a copy or none has. */
+static kvb_status store_prefix_copies(kvb_engine *e, seq *s, int to, int n_host) {
+    int cur = s->n_dropped, L = e->geom.n_layers;
+    if (s->pfx_layers == 0 && (cur > 0 || n_host <= 0)) return KVB_OK;
+    assert(s->pfx_bt.n == cur);
+    int layers = cur == 0 ? n_host : s->pfx_layers;
+    KVB_TRY(host_blocks_push(e, &s->pfx_bt, to - cur));
+    s->pfx_layers = layers;
+    KVB_TRY(move_blocks(e, KVB_XFER_D2H, s->bt.ids, s->pfx_bt.ids + cur, to - cur, L - layers));
+    e->stats.prefix_host_stores += (uint64_t)(to - cur);
+    return KVB_OK;
+}
+
 /* KVB_OP_DROP: the sequence keeps device KV from block `to` on. Releasing moves the table's first
- * entries out (a block shared through the prefix cache stays cached for others); restoring puts new
- * blocks in front, which this step's recompute fills (restore_hi). */
-static kvb_status drop_blocks(kvb_engine *e, seq *s, int to) {
+ * entries out (a block shared through the prefix cache stays cached for others), after storing their
+ * upper layers to the host tier when the plan asks (n_host); restoring puts new blocks in front, which
+ * this step's recompute fills (restore_hi), and the restored blocks' host copies go. */
+static kvb_status drop_blocks(kvb_engine *e, seq *s, int to, int n_host) {
     int cur = s->n_dropped;
     kvb_block_table *t = &s->bt;
     if (to > cur) {
         int k = to - cur;
+        KVB_TRY(store_prefix_copies(e, s, to, n_host));
         for (int j = 0; j < k; j++) {
             if (kvb_block_pool_refcount(e->pool, t->ids[j]) == 1) kvb__shadow_drop(e, t->ids[j]);
             kvb_block_pool_unref(e->pool, t->ids[j]);
@@ -337,6 +355,11 @@ static kvb_status drop_blocks(kvb_engine *e, seq *s, int to) {
         }
         s->restore_hi = cur;
         e->stats.restored_blocks += (uint64_t)k;
+        if (s->pfx_layers > 0) { /* the restored blocks' copies go: the table keeps blocks [0, to) */
+            for (int j = to; j < s->pfx_bt.n; j++) kvb_block_pool_unref(e->ht_pool, s->pfx_bt.ids[j]);
+            s->pfx_bt.n = to;
+            if (to == 0) s->pfx_layers = 0;
+        }
     }
     s->n_dropped = to;
     return KVB_OK;
@@ -371,6 +394,9 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             }
             s->q_len = op->q_len;
             s->n_absent = op->n_absent;
+            /* released blocks' upper layers from their host copies: at most the layers they hold, none in
+             * a step that restores blocks (those are filled at every layer by the recompute) */
+            s->n_swapl = s->n_dropped > 0 && s->restore_hi <= s->n_dropped ? KVB_MIN(op->n_host, s->pfx_layers) : 0;
             if (hidden_begin(e, s, op->n_hidden) != KVB_OK) {
                 *err = KVB_ERR_NOMEM;
                 return -1;
@@ -414,6 +440,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
                 if (w->t_stall_ns) w->n_overtaken++; /* admitted past a stalled request (bounded) */
             s->q_len = q;
             s->n_absent = 0;
+            s->n_swapl = 0;
             if (hidden_begin(e, s, op->n_hidden) != KVB_OK) {
                 *err = KVB_ERR_NOMEM;
                 return -1;
@@ -428,7 +455,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             break;
         case KVB_OP_RESUME: s->paused = 0; break;
         case KVB_OP_DROP: {
-            kvb_status st = drop_blocks(e, s, op->n_dropped);
+            kvb_status st = drop_blocks(e, s, op->n_dropped, op->n_host);
             if (st != KVB_OK) {
                 *err = st;
                 return -1;
@@ -460,6 +487,8 @@ static kvb_status ensure_blk_cap(kvb_engine *e, int n) {
     KVB_TRY(kvb_realloc_array((void **)&e->blk_layer, (size_t)cap, sizeof(void *)));
     KVB_TRY(kvb_realloc_array((void **)&e->blk_id, (size_t)cap, sizeof *e->blk_id));
     KVB_TRY(kvb_realloc_array((void **)&e->blk_off, (size_t)cap, sizeof *e->blk_off));
+    KVB_TRY(kvb_realloc_array((void **)&e->blk_real, (size_t)cap, sizeof *e->blk_real));
+    KVB_TRY(kvb_realloc_array((void **)&e->blk_rec, (size_t)cap, sizeof *e->blk_rec));
     e->blk_cap = cap;
     return KVB_OK;
 }
@@ -508,17 +537,25 @@ static int is_stop(const seq *s, int32_t tok) {
 
 /* Entry n_blk of the step: block j of `s` (its first `full` blocks are recomputed whole). A released
  * block (DROP) and a fully recomputed block that is not being restored read scratch slice scr0 + j;
- * a restored block receives the recomputed KV in place; the rest are the sequence's blocks. */
-static void layout_entry(kvb_engine *e, seq *s, int j, int full, int scr0, int n_blk) {
+ * a restored block receives the recomputed KV in place; the rest are the sequence's blocks. `own`: the
+ * entry belongs to the sequence's new tokens, whose scratch entries for blocks it still holds read
+ * those blocks in place above its recomputed layers. */
+static void layout_entry(kvb_engine *e, seq *s, int j, int full, int n_blk, int own) {
     int restored = j >= s->n_dropped && j < s->restore_hi;
     e->blk_off[n_blk] = -1;
+    e->blk_real[n_blk] = -1;
+    e->blk_rec[n_blk] = (int16_t)e->geom.n_layers;
     if (s->offload) { /* its staging block (per layer: forward) */
         e->blk_id[n_blk] = OFFLOAD_ID;
         e->blk_base[n_blk] = kvb_block_pool_block(e->ht_pool, s->host_bt.ids[j]); /* where its layers go */
         e->blk_off[n_blk] = e->n_off++;
     } else if (j < s->n_dropped || (j < full && !restored)) {
-        e->blk_id[n_blk] = SCRATCH_ID(scr0 + j);
-        e->blk_base[n_blk] = (char *)e->scratch + (size_t)(scr0 + j) * layer_bytes(e);
+        e->blk_id[n_blk] = SCRATCH_ID(s->scr0 + j);
+        e->blk_base[n_blk] = (char *)e->scratch + (size_t)(s->scr0 + j) * layer_bytes(e);
+        if (own && j >= s->n_dropped && s->n_swapl > 0) {
+            e->blk_real[n_blk] = s->bt.ids[j - s->n_dropped];
+            e->blk_rec[n_blk] = (int16_t)(e->geom.n_layers - s->n_swapl);
+        }
     } else {
         int32_t id = s->bt.ids[j - s->n_dropped];
         e->blk_id[n_blk] = id;
@@ -526,47 +563,72 @@ static void layout_entry(kvb_engine *e, seq *s, int j, int full, int scr0, int n
     }
 }
 
-/* Lays out the batch: for each scheduled sequence its recomputed prefix (if any) as a sequence of its
- * own at positions 0..n_absent-1 over scratch slices (and its real boundary block), then its new
- * tokens over its blocks, the fully recomputed ones replaced by the same scratch slices. Fills
- * e->b_seqs, tokens, positions, logit rows, e->blk_id / blk_base. */
+/* Recomputed prefixes in the order they are laid out: most recomputed layers first (so the rows that
+ * leave the forward pass at a layer are the last ones). */
+static int by_swapped_layers(const void *a, const void *b) {
+    const seq *x = *(seq *const *)a, *y = *(seq *const *)b;
+    if (x->n_swapl != y->n_swapl) return x->n_swapl < y->n_swapl ? -1 : 1;
+    return x->row0 < y->row0 ? -1 : x->row0 > y->row0;
+}
+
+/* Lays out the batch: each scheduled sequence's new tokens over its blocks (the fully recomputed ones
+ * replaced by scratch slices), in the order of e->sched (b_seqs[i] is sched[i]'s), then each recomputed
+ * prefix as a sequence of its own at positions 0..n_absent-1 over the same scratch slices (and its
+ * real boundary block), those with the most recomputed layers first. Fills e->b_seqs, tokens,
+ * positions, logit rows, e->blk_id / blk_base / blk_real / blk_rec, and per layer the rows and
+ * sequences that compute it (e->l_rows / l_seqs: the recomputed prefixes leave above their layers). */
 static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_out, int *n_attn_out) {
-    int bs = e->o.block_size, n_tok = 0, n_blk = 0, n_attn = 0, n_logits = 0, n_scr = 0, total = 0;
+    int bs = e->o.block_size, L = e->geom.n_layers, n_tok = 0, n_blk = 0, n_attn = 0, n_logits = 0, n_scr = 0;
+    int total = 0, n_pfx = 0, swapl = 0;
     for (int i = 0; i < n_sched; i++) {
         seq *s = e->sched[i];
         total += KVB_DIV_CEIL(s->n_computed + s->q_len, bs) + KVB_DIV_CEIL(s->n_absent, bs);
+        s->scr0 = n_scr;
         n_scr += s->n_absent / bs;
+        swapl |= s->n_swapl > 0;
+        if (s->n_absent > 0) e->pfx_ord[n_pfx++] = s;
     }
     KVB_TRY(ensure_blk_cap(e, total));
-    KVB_TRY(scratch_reserve(e, n_scr));
-    n_scr = 0;
+    KVB_TRY(scratch_reserve(e, swapl ? 2 * n_scr : n_scr));
+    e->scr_par = swapl ? n_scr : 0; /* layer l+1's loads land while layer l reads the other parity */
     e->n_off = 0;
     for (int i = 0; i < n_sched; i++) {
         seq *s = e->sched[i];
-        int a = s->n_absent, full = a / bs, scr0 = n_scr;
-        n_scr += full;
-        if (a > 0) {
-            kvb_attn_seq *as = &e->b_seqs[n_attn++];
-            *as = (kvb_attn_seq){.q_start = n_tok, .q_len = a, .ctx_len = a, .n_blocks = KVB_DIV_CEIL(a, bs),
-                                 .blk_first = n_blk};
-            for (int j = 0; j < as->n_blocks; j++, n_blk++) layout_entry(e, s, j, full, scr0, n_blk);
-            for (int t = 0; t < a; t++, n_tok++) {
-                e->b_tokens[n_tok] = s->tokens[t];
-                e->b_pos[n_tok] = t;
-            }
-            e->stats.recomputed_tokens += (uint64_t)a;
-        }
+        int full = s->n_absent / bs;
         kvb_attn_seq *as = &e->b_seqs[n_attn++];
         s->row0 = n_tok;
         *as = (kvb_attn_seq){.q_start = n_tok, .q_len = s->q_len, .ctx_len = s->n_computed + s->q_len,
                              .blk_first = n_blk};
         as->n_blocks = KVB_DIV_CEIL(as->ctx_len, bs);
-        for (int j = 0; j < as->n_blocks; j++, n_blk++) layout_entry(e, s, j, full, scr0, n_blk);
+        for (int j = 0; j < as->n_blocks; j++, n_blk++) layout_entry(e, s, j, full, n_blk, 1);
         for (int t = 0; t < s->q_len; t++, n_tok++) {
             e->b_tokens[n_tok] = s->tokens[s->n_computed + t];
             e->b_pos[n_tok] = s->n_computed + t;
         }
         if (as->ctx_len == s->n_tokens) e->b_logit_rows[n_logits++] = n_tok - 1;
+    }
+    e->main_rows = n_tok;
+    qsort(e->pfx_ord, (size_t)n_pfx, sizeof *e->pfx_ord, by_swapped_layers);
+    for (int l = 0; l < L; l++) {
+        e->l_rows[l] = n_tok;
+        e->l_seqs[l] = n_attn;
+    }
+    for (int k = 0; k < n_pfx; k++) {
+        seq *s = e->pfx_ord[k];
+        int a = s->n_absent, full = a / bs;
+        kvb_attn_seq *as = &e->b_seqs[n_attn++];
+        *as = (kvb_attn_seq){.q_start = n_tok, .q_len = a, .ctx_len = a, .n_blocks = KVB_DIV_CEIL(a, bs),
+                             .blk_first = n_blk};
+        for (int j = 0; j < as->n_blocks; j++, n_blk++) layout_entry(e, s, j, full, n_blk, 0);
+        for (int t = 0; t < a; t++, n_tok++) {
+            e->b_tokens[n_tok] = s->tokens[t];
+            e->b_pos[n_tok] = t;
+        }
+        for (int l = 0; l < L - s->n_swapl; l++) { /* its rows compute layers [0, L - n_swapl) */
+            e->l_rows[l] = n_tok;
+            e->l_seqs[l] = n_attn;
+        }
+        e->stats.recomputed_tokens += (uint64_t)a;
     }
     *b = (kvb_batch){.n_tokens = n_tok, .tokens = e->b_tokens, .pos = e->b_pos,
                      .attn = {.geom = &e->geom, .n_seqs = n_attn, .seqs = e->b_seqs, .layer_blocks = e->blk_layer},
@@ -850,35 +912,76 @@ static kvb_status make_plan(kvb_engine *e) {
     return st;
 }
 
+/* The prefix loads of layer l (eLLM §4.3, swapped layers): every scheduled sequence reading layer l of its
+ * released blocks from their host copies gets them into its scratch slices of the layer's parity, one
+ * transfer over the host link; the ticket in e->t_pfx[l] (0: nothing to load). */
+static kvb_status post_prefix_loads(kvb_engine *e, int n_sched, int l) {
+    size_t lb = layer_bytes(e);
+    int L = e->geom.n_layers, n = 0;
+    kvb_xfer *first = e->xl.x + e->xl.n;
+    e->t_pfx[l] = 0;
+    for (int i = 0; i < n_sched; i++) {
+        const seq *s = e->sched[i];
+        if (l < L - s->n_swapl) continue;
+        for (int j = 0; j < s->n_dropped; j++) {
+            char *dst = (char *)e->scratch + ((size_t)(l & 1) * (size_t)e->scr_par + (size_t)(s->scr0 + j)) * lb;
+            const char *src = (const char *)kvb_block_pool_block(e->ht_pool, s->pfx_bt.ids[j]) + (size_t)l * lb;
+            *xl_add(e) = (kvb_xfer){dst, src, lb};
+            n++;
+        }
+    }
+    if (n == 0) return KVB_OK;
+    e->stats.prefix_host_loads += (uint64_t)n;
+    return kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, first, n, &e->t_pfx[l]);
+}
+
+/* Layer l's slice of step entry j outside a sliced pool: a pool block's layer, a scratch slice (of the
+ * layer's parity when the step loads prefix layers), or, above its sequence's recomputed layers, the
+ * block a scratch entry stands for. */
+static void *entry_layer(const kvb_engine *e, int j, int l) {
+    int32_t id = e->blk_id[j];
+    size_t lb = layer_bytes(e);
+    if (id >= 0) return (char *)e->blk_base[j] + (size_t)l * lb;
+    if (id == OFFLOAD_ID) return e->blk_base[j];
+    if (e->blk_real[j] >= 0 && l >= e->blk_rec[j]) return (char *)kvb_block_pool_block(e->pool, e->blk_real[j]) + (size_t)l * lb;
+    return (char *)e->scratch + ((size_t)(l & 1) * (size_t)e->scr_par + (size_t)(SCRATCH_ID(0) - id)) * lb;
+}
+
 /* Runs the forward pass of the laid-out batch, layer by layer, with the stager's loads and stores. */
 static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_blk, int n_units) {
     const kvb_model_config *c = kvb_model_cfg(e->m);
     kvb_backend *be = kvb_model_backend(e->m);
     int L = c->n_layers;
-    size_t lb = layer_bytes(e);
     uint64_t load_t[2][KVB_LINK_COUNT] = {{0}}; /* per parity */
     uint64_t *copy_t = e->t_copy;               /* the LOAD copy orders each layer waits for */
     int copies = e->plan.n_copies > 0, stores = 0, offs = e->n_off > 0;
     uint64_t off_t[2] = {0, 0}; /* per parity: the last stores out of the staging blocks */
+    int pfx_xfers = 0, serial = e->plan.prefix_serial;
+    for (int i = 0; i < n_sched; i++) pfx_xfers += e->sched[i]->n_dropped * e->sched[i]->n_swapl;
+    int pfx = pfx_xfers > 0;
     for (int l = 0; l < L; l++) copy_t[l] = 0;
-    KVB_TRY(xl_reserve(e, (n_units * 5 + 2 + e->n_off) * L + e->plan.n_copies));
+    KVB_TRY(xl_reserve(e, (n_units * 5 + 2 + e->n_off) * L + e->plan.n_copies + pfx_xfers));
     if (copies) {
         KVB_TRY(post_copies(e, -2, copy_t));
         KVB_TRY(post_copies(e, -1, NULL));
     }
     for (int l = 0; n_units && l < KVB_MIN(2, L); l++) KVB_TRY(post_loads(e, l, load_t[l & 1]));
+    for (int l = 0; pfx && !(serial & 1) && l < KVB_MIN(2, L); l++) KVB_TRY(post_prefix_loads(e, n_sched, l));
     KVB_TRY(off_stage_begin(e));
     KVB_TRY(kvb_forward_begin(e->fw, b));
+    /* "without fusion" (§6.3): the recomputed rows' GEMMs apart from the new tokens' */
+    if ((serial & 2) && e->main_rows < b->n_tokens) KVB_TRY(kvb_forward_split(e->fw, e->main_rows));
     for (int l = 0; l < L; l++) {
         uint64_t tl = kvb_now_ns();
         if (copy_t[l]) KVB_TRY(kvb_stager_wait(e->stager, copy_t[l]));
+        if (pfx && (serial & 1)) KVB_TRY(post_prefix_loads(e, n_sched, l)); /* "without overlap" (§6.3) */
+        if (pfx && e->t_pfx[l]) KVB_TRY(kvb_stager_wait(e->stager, e->t_pfx[l]));
+        if (l > 0 && (e->l_rows[l] != e->l_rows[l - 1] || e->l_seqs[l] != e->l_seqs[l - 1]))
+            KVB_TRY(kvb_forward_rows(e->fw, e->l_rows[l], e->l_seqs[l])); /* prefixes above their recomputed layers */
         if (e->sl) { /* a sliced pool: its manager places the slices (one attention sequence per request) */
             KVB_TRY(kvb__slices_layer(e, n_sched, l));
         } else {
-            for (int j = 0; j < n_blk; j++) {
-                int32_t id = e->blk_id[j];
-                e->blk_layer[j] = id < 0 ? e->blk_base[j] : (char *)e->blk_base[j] + (size_t)l * lb;
-            }
+            for (int j = 0; j < n_blk; j++) e->blk_layer[j] = entry_layer(e, j, l);
         }
         if (offs) { /* layer l writes into the staging parity whose rows of layer l-2 are out */
             if (off_t[l & 1]) KVB_TRY(kvb_stager_wait(e->stager, off_t[l & 1]));
@@ -903,9 +1006,10 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
             KVB_TRY(be->iface->sync(be->ctx));
             KVB_TRY(kvb__slices_layer_done(e, n_sched, l));
         }
-        if (n_units || copies || offs) {
+        if (n_units || copies || offs || pfx) {
             /* the layer's kernels are done with its buffers once the backend is idle */
             KVB_TRY(be->iface->sync(be->ctx));
+            if (pfx && !(serial & 1) && l + 2 < L) KVB_TRY(post_prefix_loads(e, n_sched, l + 2));
             if (offs) KVB_TRY(post_offload_stores(e, n_blk, l, &off_t[l & 1]));
             if (n_units) KVB_TRY(post_stores(e, l));
             if (copies) KVB_TRY(post_copies(e, l, NULL));
@@ -914,7 +1018,7 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
         }
         e->t_layer[l] = kvb_now_ns() - tl;
     }
-    if (stores || copies) KVB_TRY(kvb_stager_drain(e->stager)); /* every copy is back before the step ends */
+    if (stores || copies || pfx) KVB_TRY(kvb_stager_drain(e->stager)); /* every copy is back before the step ends */
     return KVB_OK;
 }
 
@@ -1007,6 +1111,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         hidden_end(s);
         s->n_computed += s->q_len;
         s->n_absent = 0;
+        s->n_swapl = 0;
         s->restore_hi = 0;
         if (e->o.enable_prefix_cache) publish_full_blocks(e, s);
         if (s->n_computed != s->n_tokens) continue; /* prefill chunk: no token yet */
@@ -1050,6 +1155,12 @@ void kvb__exec_free(kvb_engine *e) {
     free(e->blk_layer);
     free(e->blk_id);
     free(e->blk_off);
+    free(e->blk_real);
+    free(e->blk_rec);
+    free(e->pfx_ord);
+    free(e->l_rows);
+    free(e->l_seqs);
+    free(e->t_pfx);
     free(e->logits);
     free(e->sample_scratch);
     free(e->t_layer);

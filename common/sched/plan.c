@@ -52,6 +52,7 @@ void kvb_plan_reset(kvb_plan *p) {
     p->n_ops = p->n_res = p->n_copies = p->n_places = 0;
     p->batch_limit = 0;
     p->lent_default = KVB_RES_LENT;
+    p->prefix_serial = 0;
     p->starved = 0;
     p->n_deferred = 0;
 }
@@ -102,6 +103,7 @@ kvb_status kvb_plan_copy_from(kvb_plan *dst, const kvb_plan *src) {
     }
     dst->batch_limit = src->batch_limit;
     dst->lent_default = src->lent_default;
+    dst->prefix_serial = src->prefix_serial;
     dst->starved = src->starved;
     dst->n_deferred = src->n_deferred;
     return KVB_OK;

@@ -58,6 +58,8 @@ typedef struct kvb_req_view {
                             * blocks[0] holds tokens from n_dropped * block_size on */
     int n_dropped;         /* leading blocks it has released (KVB_OP_DROP): their tokens' KV is absent and
                             * every RUN recomputes them (n_absent >= n_dropped * block_size) */
+    int host_layers;       /* its released blocks have host-tier copies of layers [n_layers - host_layers,
+                            * n_layers) (KVB_OP_DROP n_host; 0: none) */
     int n_overtaken;       /* WAITING: later requests admitted past it while it could not fit the pool as
                             * it is now (bounded by kvb_view.stall_overtake) */
     int hidden_layers;     /* HCache: leading layers whose input hidden states of all its computed tokens
@@ -157,6 +159,19 @@ typedef struct kvb_plan_op {
                     * 0..n_absent-1 whose KV goes to scratch blocks of the step, so every layer's
                     * attention sees them; they produce no logits. 0 <= n_absent <= n_computed */
     int n_dropped; /* DROP: the request's new count of released leading blocks */
+    int n_host;    /* eLLM token-wise with swapped prefix layers (§4.3; needs a host tier). DROP: the blocks it
+                    * releases keep host-tier copies of layers [L - n_host, L), stored over the host link
+                    * before they are freed: when n_host > 0 and the request has no released block yet, and
+                    * whatever n_host when its released blocks have copies (then of the layers those hold,
+                    * kvb_req_view.host_layers): every released block has a copy or none has (a request
+                    * whose first DROP had n_host 0 has none until all its blocks come back).
+                    * RUN: layers [L - n_host, L) of the released blocks' tokens are read from those copies
+                    * (loaded into scratch before their layer, two layers ahead) instead of recomputed, and
+                    * the recomputed rows leave the forward pass after layer L - n_host - 1, so nothing of
+                    * the upper layers is computed for them (rows n_absent covers beyond the released
+                    * blocks read their own blocks there). At most the layers the copies hold are read
+                    * (a larger n_host recomputes the rest); a step that restores blocks of the request
+                    * recomputes every layer. 0 <= n_host <= n_layers */
     int n_hidden;  /* HCache (Gao et al., EuroSys '25). RUN, ADMIT: save the hidden states entering layers
                     * [0, n_hidden) of this step's new tokens to the request's host memory (over the host
                     * link). SWAP_OUT: layers [0, n_hidden) leave as those hidden states instead of KV
@@ -253,6 +268,11 @@ typedef struct kvb_plan {
     int n_copies, cap_copies;
     int batch_limit;            /* most RUN + ADMIT entries this step (0: max_seqs) */
     kvb_residency lent_default; /* LENT (0 means LENT) or STREAM: borrowed blocks without an exception */
+    int prefix_serial;          /* ablations of eLLM §6.3 for RUNs with n_host: bit 0 ("without overlap"):
+                                 * a layer's prefix loads start when the layer is due and are waited for at
+                                 * once, instead of two layers ahead behind the compute; bit 1 ("without
+                                 * fusion"): the recomputed rows' projections and MLP run as GEMMs of their
+                                 * own after the new tokens', instead of in the same GEMMs */
     /* Outcome the planner reports along with the plan (statistics and the worker's Alg. 1 signal). */
     int starved;                /* the queue's head waits for blocks the pool does not have now */
     int n_deferred;             /* admissions put off to reuse a prefix a running request computes */

@@ -46,8 +46,15 @@ static void release_blocks(kvb_engine *e, seq *s) {
     kvb_block_table_release(&s->bt, e->pool);
 }
 
+void kvb__prefix_copies_release(kvb_engine *e, seq *s) {
+    if (e->ht_pool) kvb_block_table_release(&s->pfx_bt, e->ht_pool);
+    s->pfx_layers = 0;
+}
+
 void kvb__seq_free(kvb_engine *e, seq *s) {
     release_blocks(e, s);
+    kvb__prefix_copies_release(e, s);
+    kvb_block_table_free(&s->pfx_bt);
     free(s->hid);
     kvb_block_table_free(&s->bt);
     if (e->ht_pool) kvb_block_table_release(&s->host_bt, e->ht_pool);
@@ -59,6 +66,7 @@ void kvb__seq_free(kvb_engine *e, seq *s) {
 
 void kvb__seq_drop_kv(kvb_engine *e, seq *s) {
     release_blocks(e, s);
+    kvb__prefix_copies_release(e, s);
     s->n_dropped = 0;
     s->restore_hi = 0;
     s->hid_layers = s->hid_tokens = 0; /* recomputed from its tokens: saved hidden states are moot */
@@ -202,7 +210,7 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
                                  .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
                                  .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
                                  .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped,
-                                 .n_overtaken = s->n_overtaken,
+                                 .host_layers = s->pfx_layers, .n_overtaken = s->n_overtaken,
                                  .hidden_layers = swapped ? s->swap_hidden
                                                   : s->hid_tokens >= s->n_computed ? s->hid_layers : 0};
     e->vseq[i] = s;
@@ -482,6 +490,9 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->n_hidden < 0 || op->n_hidden > v->geom->n_layers)
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_hidden %d is outside [0, %d layers]", k, id,
                           op->n_hidden, v->geom->n_layers);
+        if (op->n_host < 0 || op->n_host > v->geom->n_layers)
+            return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_host %d is outside [0, %d layers]", k, id,
+                          op->n_host, v->geom->n_layers);
         int absent_min = KVB_MAX(r->n_dropped, a->e->adrop[i]) * v->geom->block_size;
         if (op->n_absent < absent_min)
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, but its first %d token(s) have no KV "
@@ -628,6 +639,20 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (to < 0 || (int64_t)to * bs > r->n_computed)
             return kvb__refuse(err, len, "plan op %d (DROP request %llu): n_dropped %d, it has %d full block(s)", k, id, to,
                           r->n_computed / bs);
+        if (op->n_host < 0 || op->n_host > v->geom->n_layers)
+            return kvb__refuse(err, len, "plan op %d (DROP request %llu): n_host %d is outside [0, %d layers]", k, id,
+                          op->n_host, v->geom->n_layers);
+        if (to > cur && ((cur == 0 && op->n_host > 0) || r->host_layers > 0)) {
+            /* the released blocks' host copies (executor.c, drop_blocks) */
+            if (!a->e->ht_pool)
+                return kvb__refuse(err, len, "plan op %d (DROP request %llu): n_host %d, but the engine has no host tier "
+                              "(plan_pool sets host_tier_blocks)", k, id, KVB_MAX(op->n_host, r->host_layers));
+            if (to - cur > a->host_left)
+                return kvb__refuse(err, len, "plan op %d (DROP request %llu): its released blocks need %d host-tier "
+                              "block(s), the host tier can give %d at this point of the plan", k, id, to - cur,
+                              a->host_left);
+            a->host_left -= to - cur;
+        }
         if (to > cur) {
             /* the released blocks are the first (to - cur) of its table */
             for (int j = 0; j < to - cur; j++) {

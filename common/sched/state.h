@@ -47,6 +47,11 @@ typedef struct seq {
     int n_dropped;     /* leading blocks released (KVB_OP_DROP): bt.ids[j] is block n_dropped + j */
     int restore_hi;    /* during a step: blocks [n_dropped, restore_hi) came back by a DROP and are
                         * filled by this step's recompute (restore_hi <= n_dropped: none) */
+    kvb_block_table pfx_bt; /* host-tier copies of its released blocks, pfx_bt.ids[j] of block j (KVB_OP_DROP
+                        * n_host): layers [L - pfx_layers, L) of each; pfx_bt.n == n_dropped when it has them */
+    int pfx_layers;    /* 0: no copies */
+    int n_swapl;       /* during a step: layers [L - n_swapl, L) of its released blocks are read from pfx_bt and
+                        * its recomputed rows leave the forward pass above layer L - n_swapl - 1 */
     /* HCache: hidden states entering layers [0, hid_layers) of tokens [0, hid_tokens), host memory
      * [hid_cap_layers][hid_cap_tokens][hidden] of act_dtype elements */
     unsigned char *hid;
@@ -55,6 +60,7 @@ typedef struct seq {
     int hid_save;      /* during a step: layers whose inputs this step saves (op n_hidden) */
     int swap_hidden;   /* SWAPPED: layers left as hidden states (their KV is rebuilt at SWAP_IN) */
     int row0;          /* during a step: the batch row of its first new token */
+    int scr0;          /* during a step: its first scratch slice (recomputed whole blocks) */
     int offload;       /* during a step: an ADMIT offload (its KV goes to host_bt through the staging area) */
     kvb_block_table host_bt; /* SWAPPED: its blocks in the host tier, in token order */
     int vidx;          /* index in the current view, -1 when not in it */
@@ -128,6 +134,16 @@ struct kvb_engine {
     void **blk_layer;        /* [blk_cap] the same blocks' slices for the current layer */
     int blk_cap;
     int32_t *blk_id;         /* [blk_cap] the same blocks' ids */
+    int32_t *blk_real;       /* [blk_cap] a scratch entry of a new-token sequence standing for one of its own
+                              * (not released) blocks: that block's id, read in place from layer blk_rec on;
+                              * else -1 */
+    int16_t *blk_rec;        /* [blk_cap] */
+    seq **pfx_ord;           /* [max_seqs] the step's recomputed prefixes in layout order */
+    int *l_rows, *l_seqs;    /* [n_layers] rows and attention sequences computing each layer */
+    int main_rows;           /* rows of the step's new tokens (the recomputed prefixes' come after) */
+    int scr_par;             /* scratch slices per parity when the step reads prefix layers from the host tier
+                              * (layer l uses parity l & 1), else 0 */
+    uint64_t *t_pfx;         /* [n_layers] ticket of the prefix loads due before each layer (0: none) */
     float *logits;           /* [max_seqs][vocab] */
     float *sample_scratch;   /* [2*vocab] */
     char last_error[256];    /* why the last kvb_engine_add failed, or the last plan was refused */
@@ -203,6 +219,8 @@ void kvb__list_insert_ordered(seq_list *l, seq *s);
 seq *kvb__find_seq(const seq_list *l, uint64_t id);
 void kvb__seq_free(kvb_engine *e, seq *s);
 void kvb__seq_drop_kv(kvb_engine *e, seq *s);
+/* Releases the host-tier copies of a sequence's released blocks (KVB_OP_DROP n_host). */
+void kvb__prefix_copies_release(kvb_engine *e, seq *s);
 /* Removes `s` from `l`, frees it and reports on_finish. */
 void kvb__finish(kvb_engine *e, seq_list *l, seq *s, kvb_finish why, kvb_status err);
 /* Preemption by recompute: releases the running sequence's blocks (published ones stay cached) and
