@@ -418,10 +418,12 @@ static kvb_status mt_run(master_setup *s, const kvb_trace *tr, const mt_opts *mo
         const lender *l = &s->lenders[i];
         int units = l->n_master_blocks / KVB_MAX(1, l->meu_master);
         ch[i].front = KVB_MAX(1, (int)(units * mo->reclaim_frac)) * l->meu_master;
-        if (ch[i].front >= l->n_master_blocks) ch[i].front = l->n_master_blocks - l->meu_master;
+        if (ch[i].front >= l->n_master_blocks) ch[i].front = l->n_master_blocks - l->meu_master; /* 0: one MEU */
     }
     uint64_t next_tag = (uint64_t)s->n_lenders + 1;
-    int churn_on = mode == 0 && mo->reclaim_every > 0 && s->n_lenders > 0, who = 0;
+    int churn_on = 0, who = 0; /* churn only lenders whose loan has more than one MEU */
+    for (int i = 0; i < s->n_lenders; i++) churn_on |= ch[i].front > 0;
+    churn_on = churn_on && mode == 0 && mo->reclaim_every > 0;
     int next = 0, rejected_warm = 0;
     while (next < n && tr->reqs[next].t_s < mo->skip_s) next++;
     rejected_warm = next; /* skipped: never replayed */
@@ -456,6 +458,7 @@ static kvb_status mt_run(master_setup *s, const kvb_trace *tr, const mt_opts *mo
             next++;
         }
         if (churn_on && now >= next_churn && next < n) { /* lenders reclaim while requests still arrive */
+            while (ch[who].front <= 0) who = (who + 1) % s->n_lenders;
             KVB_TRY_GOTO(churn_event(s, e, &ch[who], who, &next_tag, out), out_pg);
             who = (who + 1) % s->n_lenders;
             next_churn += mo->reclaim_every;
@@ -516,7 +519,7 @@ static void usage_multiturn(FILE *f) {
             "  prefix cache of the same bytes (copies over the host link), side by side in every repetition\n"
             "  --link PRESET       the stager's link model (default h100-pcie5-scaled; 'list' names them)\n"
             "  --rate X            arrival rate multiplier (default 5)\n"
-            "  --len-scale S       prompt tokens per trace token (default 1/64)\n"
+            "  --len-scale S       prompt tokens per trace token (default 1/128)\n"
             "  --skip S            the requests of the first S s (after --rate) are not replayed; the reusable share\n"
             "                      still counts what they had (default 30: the window sits where the trace reuses most)\n"
             "  --warmup S          the next S s of requests run first, queued at once in arrival order, not counted:\n"
@@ -533,7 +536,7 @@ int kvb_bench_multiturn(int argc, char **argv) {
     const char *cfg = NULL, *trace = NULL, *plot_path = NULL, *link = "h100-pcie5-scaled";
     int threads = 2;
     double duration = 60;
-    mt_opts mo = {.to = {.rate_scale = 5, .len_scale = 1.0 / 64, .min_output = 1, .max_output = 32},
+    mt_opts mo = {.to = {.rate_scale = 5, .len_scale = 1.0 / 128, .min_output = 1, .max_output = 32},
                   .skip_s = 30, .warmup_s = 5, .reclaim_every = 2, .reclaim_frac = 0.5, .reps = 3};
     static const struct option opts[] = {{"config", 1, 0, 'c'},   {"trace", 1, 0, 'T'},     {"threads", 1, 0, 't'},
                                          {"rate", 1, 0, 'r'},     {"len-scale", 1, 0, 's'}, {"duration", 1, 0, 'd'},
