@@ -61,6 +61,20 @@ static inline int kvb_test_main(int argc, char **argv, const char *suite_name, c
     return failed ? 1 : 0;
 }
 
+/* A multiplier m for scrambling n blocks as j -> (m*j + 3) mod n: a permutation only when m is prime to
+ * n (a multiplier that merely does not divide n, 9 for n = 21, maps two blocks to one place). */
+static inline int kvb_test_scramble_mul(int n) {
+    for (int m = 7;; m += 2) {
+        int a = m, b = n;
+        while (b) {
+            int t = a % b;
+            a = b;
+            b = t;
+        }
+        if (a == 1) return m;
+    }
+}
+
 /* For suites that need a device: runs `probe` (1 when the device is there, else 0 with the reason in
  * why[len]) in a child process, so that the runner, which forks every test, never initialises the
  * device itself, and returns 77 after printing "SKIP: <reason>" when it is missing; -1 when it is

@@ -226,7 +226,9 @@ KVB_TEST_END
 KVB_TEST(matmul) {
     rng_state = 12;
     kvb_backend *cpu = make("cpu");
-    int shapes[][3] = {{1, 300, 200}, {5, 257, 64}, {33, 512, 128}, {2, 17, 9}, {64, 1024, 4096}, {1, 4096, 1024}};
+    /* n <= 8 with 16-byte rows take the gemv kernel, the others cuBLAS */
+    int shapes[][3] = {{1, 300, 200}, {5, 257, 64},     {33, 512, 128},   {2, 17, 9},
+                       {64, 1024, 4096}, {1, 4096, 1024}, {8, 96, 136}, {3, 40, 2056}};
     kvb_dtype srcs[] = {KVB_DTYPE_F32, KVB_DTYPE_F16, KVB_DTYPE_BF16};
     for (int v = 0; v < N_VARIANTS; v++) {
         const variant *V = &VARIANTS[v];
@@ -429,8 +431,7 @@ static void check_attention_w(kvb_backend *cpu, kvb_backend *gpu, const variant 
     void *pool_g = NULL;
     ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n_blk * blk_elems * es, &pool_g), KVB_OK);
     void **pc = malloc(sizeof(void *) * n_blk), **pg = malloc(sizeof(void *) * n_blk);
-    int mul = 7;
-    while (n_blk % mul == 0) mul += 2;
+    int mul = kvb_test_scramble_mul(n_blk);
     for (int j = 0; j < n_blk; j++) {
         size_t at = (size_t)((j * (size_t)mul + 3) % (size_t)n_blk) * blk_elems + layer_elems; /* layer 1 */
         pc[j] = pool_c + at;

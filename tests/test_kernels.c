@@ -261,8 +261,7 @@ static void check_attention_w(const seq_spec *specs, int n_seqs, int n_heads, in
     /* pool with blocks handed out in a scrambled order */
     float *pool = calloc((size_t)n_blk * blk_floats, sizeof(float));
     void **ptrs = malloc(sizeof(void *) * n_blk);
-    int mul = 7; /* j -> (mul*j + 3) mod n_blk is a permutation when mul is prime to n_blk */
-    while (n_blk % mul == 0) mul += 2;
+    int mul = kvb_test_scramble_mul(n_blk);
     for (int j = 0; j < n_blk; j++) ptrs[j] = pool + (size_t)((j * mul + 3) % n_blk) * blk_floats;
     /* dense K/V per sequence [ctx][n_kv][hd]; past tokens written straight into the blocks, new ones
      * through kv_write */

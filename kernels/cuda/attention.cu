@@ -262,23 +262,179 @@ __global__ void __launch_bounds__(DEC_THREADS, 4)
         a.part_lse[(size_t)it.part * DR + tid] = l_s[tid] > 0.0f ? m_s[tid] + log2f(l_s[tid]) : -INFINITY;
 }
 
+/* The decode kernel for the shapes real models have: head_dim HD exactly 32, 64, 128 or 256 with rows
+ * moved as 16-byte vectors and at most 32 lanes per row. LPK = HD / VEC<T> lanes hold one key's K and V
+ * rows (a 16-byte slot each), so a warp takes KPW = 32 / LPK keys per step and the block NG = 4 * KPW.
+ * Group g = warp * KPW + lane / LPK walks its own keys (k_begin + g, then every NG) with its own online softmax,
+ * UF keys per step loaded before their first use, and no barrier inside the key loop: the scores of a
+ * key are reduced over its LPK lanes by shuffles. The groups merge in shared memory at the end, in
+ * group order (deterministic). R is the register tile of query rows (>= the launch's rows). */
+template <typename T, int HD, int R>
+__global__ void __launch_bounds__(DEC_THREADS)
+    decode_fast_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_decode_item *__restrict__ items) {
+    constexpr int W = kvb::VEC<T>;
+    constexpr int LPK = HD / W;
+    static_assert(LPK >= 1 && LPK <= 32 && 32 % LPK == 0, "a key's row must fit in one warp");
+    constexpr int KPW = 32 / LPK, NG = DEC_WARPS * KPW;
+    constexpr int UF = R <= 4 ? 4 : 2; /* keys per group per step */
+    __shared__ float Ms[NG][R], Ls[NG][R];
+    __shared__ __align__(16) float Os[NG][R][HD];
+
+    const kvb_cuda_attn_decode_item it = items[blockIdx.x];
+    const kvb_attn_seq sq = a.seqs[it.seq];
+    const int gq = a.n_heads / a.n_kv_heads, rows = sq.q_len * gq, past = sq.ctx_len - sq.q_len;
+    const size_t row_elems = (size_t)a.n_kv_heads * HD, v_off = (size_t)a.block_size * row_elems;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gl = lane % LPK, grp = warp * KPW + lane / LPK;
+    const float qscale = a.scale * LOG2E;
+
+    float qf[R][W], o[R][W], m[R], l[R];
+    int nvis[R], lo[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        nvis[r] = r < rows ? past + r / gq + 1 : 0;
+        lo[r] = a.window > 0 && nvis[r] > a.window ? nvis[r] - a.window : 0;
+#pragma unroll
+        for (int j = 0; j < W; j++) o[r][j] = qf[r][j] = 0.0f;
+        if (r < rows) {
+            int t = r / gq, h = it.kvh * gq + r % gq;
+            kvb::load_vec((const T *)a.q + ((size_t)(sq.q_start + t) * a.n_heads + h) * HD + gl * W, qf[r]);
+#pragma unroll
+            for (int j = 0; j < W; j++) qf[r][j] *= qscale;
+        }
+    }
+
+    /* the loop runs on the warp's first key so that all its lanes take the same steps (the shuffles) */
+    for (int base = it.k_begin + warp * KPW; base < it.k_end; base += NG * UF) {
+        const int k0 = base + lane / LPK;
+        uint4 kraw[UF], vraw[UF];
+#pragma unroll
+        for (int u = 0; u < UF; u++) {
+            int key = k0 + u * NG;
+            if (key < it.k_end) {
+                const T *kr = key_row<T>(a, sq.blk_first, key, it.kvh, row_elems) + gl * W;
+                kraw[u] = *reinterpret_cast<const uint4 *>(kr);
+                vraw[u] = *reinterpret_cast<const uint4 *>(kr + v_off);
+            } else {
+                kraw[u] = vraw[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        float sc[UF][R];
+#pragma unroll
+        for (int u = 0; u < UF; u++) {
+            float kf[W];
+            const T *ke = reinterpret_cast<const T *>(&kraw[u]);
+#pragma unroll
+            for (int j = 0; j < W; j++) kf[j] = kvb::to_f(ke[j]);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int j = 0; j < W; j++) acc += qf[r][j] * kf[j];
+#pragma unroll
+                for (int off = LPK / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+                int key = k0 + u * NG;
+                sc[u][r] = key < it.k_end && key < nvis[r] && key >= lo[r] ? acc : -INFINITY;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float mx = sc[0][r];
+#pragma unroll
+            for (int u = 1; u < UF; u++) mx = fmaxf(mx, sc[u][r]);
+            float m_new = fmaxf(m[r], mx);
+            if (m_new == -INFINITY) continue; /* nothing visible yet: p = 0 for every key */
+            float corr = exp2f(m[r] - m_new), p[UF], ps = 0.0f;
+#pragma unroll
+            for (int u = 0; u < UF; u++) {
+                p[u] = exp2f(sc[u][r] - m_new);
+                ps += p[u];
+            }
+            m[r] = m_new;
+            l[r] = l[r] * corr + ps;
+#pragma unroll
+            for (int j = 0; j < W; j++) o[r][j] *= corr;
+#pragma unroll
+            for (int u = 0; u < UF; u++) {
+                const T *ve = reinterpret_cast<const T *>(&vraw[u]);
+#pragma unroll
+                for (int j = 0; j < W; j++) o[r][j] += p[u] * kvb::to_f(ve[j]);
+            }
+        }
+    }
+
+    /* merge the groups */
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+        for (int j = 0; j < W; j++) Os[grp][r][gl * W + j] = o[r][j];
+        if (gl == 0) {
+            Ms[grp][r] = m[r];
+            Ls[grp][r] = l[r];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < rows * HD; i += DEC_THREADS) {
+        int r = i / HD, d = i % HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int g = 0; g < NG; g++) M = fmaxf(M, Ms[g][r]);
+        float L = 0.0f, O = 0.0f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int g = 0; g < NG; g++) {
+                float w = Ms[g][r] == -INFINITY ? 0.0f : exp2f(Ms[g][r] - M);
+                L += w * Ls[g][r];
+                O += w * Os[g][r][d];
+            }
+        }
+        float v = L > 0.0f ? O / L : 0.0f;
+        if (it.part < 0) {
+            int t = r / gq, h = it.kvh * gq + r % gq;
+            ((T *)a.out)[((size_t)(sq.q_start + t) * a.n_heads + h) * HD + d] = kvb::from_f<T>(v);
+        } else {
+            a.part_o[((size_t)it.part * DR + r) * HD + d] = v;
+            if (d == 0) a.part_lse[(size_t)it.part * DR + r] = L > 0.0f ? M + log2f(L) : -INFINITY;
+        }
+    }
+}
+
+/* One block per (sequence, KV head): warp r finds row r's largest log-sum-exp M and the weight sum over
+ * the splits once, then every (row, dim) sums its splits' outputs weighted by exp2(lse - M). */
 template <typename T>
 __global__ void reduce_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_reduce_item *__restrict__ items) {
+    __shared__ float M_s[DR], den_s[DR];
     const kvb_cuda_attn_reduce_item it = items[blockIdx.x];
     const kvb_attn_seq sq = a.seqs[it.seq];
     const int hd = a.head_dim, gq = a.n_heads / a.n_kv_heads, rows = sq.q_len * gq;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const float *lse = a.part_lse + (size_t)it.part_first * DR;
+    for (int r = warp; r < rows; r += n_warps) {
+        float M = -INFINITY, den = 0.0f;
+        for (int p = lane; p < it.n_parts; p += 32) M = fmaxf(M, lse[(size_t)p * DR + r]);
+        M = kvb::warp_max(M);
+        if (M != -INFINITY)
+            for (int p = lane; p < it.n_parts; p += 32) {
+                float x = lse[(size_t)p * DR + r];
+                if (x != -INFINITY) den += exp2f(x - M);
+            }
+        den = kvb::warp_sum(den);
+        if (lane == 0) {
+            M_s[r] = M;
+            den_s[r] = den;
+        }
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < rows * hd; i += blockDim.x) {
         int r = i / hd, d = i % hd;
-        float M = -INFINITY;
-        for (int p = 0; p < it.n_parts; p++) M = fmaxf(M, a.part_lse[(size_t)(it.part_first + p) * DR + r]);
-        float num = 0.0f, den = 0.0f;
+        float M = M_s[r], den = den_s[r], num = 0.0f;
         if (M != -INFINITY) {
+#pragma unroll 4
             for (int p = 0; p < it.n_parts; p++) {
-                float lse = a.part_lse[(size_t)(it.part_first + p) * DR + r];
-                if (lse == -INFINITY) continue;
-                float w = exp2f(lse - M);
-                num += w * a.part_o[((size_t)(it.part_first + p) * DR + r) * hd + d];
-                den += w;
+                float x = lse[(size_t)p * DR + r];
+                if (x != -INFINITY) num += exp2f(x - M) * a.part_o[((size_t)(it.part_first + p) * DR + r) * hd + d];
             }
         }
         int t = r / gq, h = it.kvh * gq + r % gq;
@@ -477,6 +633,14 @@ int launch_prefill(const kvb_cuda_attn_args &a, const kvb_cuda_attn_prefill_item
 
 template <typename T, int HDP, bool VP>
 int launch_decode(const kvb_cuda_attn_args &a, const kvb_cuda_attn_decode_item *items, int n, cudaStream_t s) {
+    /* the fast kernel where the head fills its padded size and a row fits one warp in 16-byte slots */
+    if constexpr (VP && HDP / kvb::VEC<T> <= 32) {
+        if (a.head_dim == HDP) {
+            if (a.decode_rows <= 4) decode_fast_kernel<T, HDP, 4><<<n, DEC_THREADS, 0, s>>>(a, items);
+            else decode_fast_kernel<T, HDP, DR><<<n, DEC_THREADS, 0, s>>>(a, items);
+            return (int)cudaGetLastError();
+        }
+    }
     decode_kernel<T, HDP, VP><<<n, DEC_THREADS, 0, s>>>(a, items);
     return (int)cudaGetLastError();
 }

@@ -7,7 +7,10 @@
  *  - decode: one CUDA block per (sequence, KV head, split of the context). A long context is cut into
  *    splits of a length the caller picks (a multiple of KVB_CUDA_ATTN_KEY_TILE) so that enough blocks
  *    run; each split writes a normalised partial output and its log-sum-exp, and the reduce kernel
- *    merges the splits of each (sequence, KV head). A single split writes the output directly.
+ *    merges the splits of each (sequence, KV head). A single split writes the output directly. Where
+ *    the head dimension is 32/64/128/256 and a row moves in 16-byte slots, each group of lanes that
+ *    holds one key row walks its own keys with its own online softmax (no barrier in the key loop) and
+ *    the groups merge at the end; other shapes take a tiled kernel with shared-memory score tiles.
  * Both accumulate in f32 with exp2 of log2e-prescaled scores and never use atomics: results are
  * deterministic for a given plan. With a sliding window each row masks the keys before its window;
  * prefill tiles start at their first row's window, decode items cover only the keys some row sees
@@ -52,6 +55,8 @@ typedef struct kvb_cuda_attn_args {
     void *out;                /* [n_tokens][n_heads][head_dim] */
     float *part_o;            /* [n_parts][KVB_CUDA_ATTN_DECODE_ROWS][head_dim] normalised split outputs */
     float *part_lse;          /* [n_parts][KVB_CUDA_ATTN_DECODE_ROWS] log2(sum exp2) of each split row */
+    int decode_rows;          /* most query rows (q_len x group) of any decode item of the launch: sizes
+                                 the decode kernel's register tile (1..KVB_CUDA_ATTN_DECODE_ROWS) */
 } kvb_cuda_attn_args;
 
 /* A prefill tile: heads [h0, h0 + nh) of KV group kvh, nh = min(group size, PREFILL_ROWS), and the

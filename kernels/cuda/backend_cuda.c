@@ -23,6 +23,7 @@
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embed.h"
+#include "kernels/cuda/gemv.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/rope.h"
@@ -34,7 +35,7 @@
 #define UPLOAD_CHUNK_ELEMS ((size_t)16 << 20)
 /* Decode splits: aim for this many CUDA blocks per multiprocessor, never split below this many keys. */
 #define DECODE_BLOCKS_PER_SM 4
-#define DECODE_MIN_SPLIT (2 * KVB_CUDA_ATTN_KEY_TILE)
+#define DECODE_MIN_SPLIT KVB_CUDA_ATTN_KEY_TILE
 
 /* ---------------------------------------------------------------- errors */
 
@@ -328,6 +329,8 @@ static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w
         return KVB_ERR_INVALID;
     }
     int rows = (int)w->ne[0], cols = (int)w->ne[1];
+    if (kvb_cuda_gemv_fits(c->dt, w->data, x, cols, n)) /* decode: gemv.h says why */
+        return KVB_CUDA_CHECK(kvb_cuda_gemv(w->data, x, y, c->dt, rows, cols, n, beta, c->stream));
     float alpha = 1.0f;
     cudaDataType_t t = cuda_type(c->dt);
     /* column-major view: Y^T[rows][n] = W[rows][cols] (stored as cols x rows, so op T) . X^T[cols][n] */
@@ -455,9 +458,11 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
     size_t want_blocks = (size_t)DECODE_BLOCKS_PER_SM * (size_t)c->n_sm;
     int splits_wanted = n_dec_pairs ? (int)KVB_MAX((size_t)1, KVB_DIV_CEIL(want_blocks, n_dec_pairs)) : 1;
     size_t n_dec = 0, n_red = 0, n_parts = 0;
+    int decode_rows = 1;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         if (sq->q_len <= 0 || sq->q_len * gq > KVB_CUDA_ATTN_DECODE_ROWS) continue;
+        decode_rows = KVB_MAX(decode_rows, sq->q_len * gq);
         int k0 = decode_first_key(b, sq), len = decode_split_len(sq->ctx_len - k0, splits_wanted);
         int ns = KVB_DIV_CEIL(sq->ctx_len - k0, len);
         n_dec += (size_t)nkv * (size_t)ns;
@@ -505,6 +510,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
         .block_size = g->block_size,
         .scale = b->scale,
         .window = b->window,
+        .decode_rows = decode_rows,
         .q = q,
         .out = out,
     };

@@ -113,7 +113,7 @@ gcc $CFLAGS $(pkg-config --cflags check) "$ROOT/tests/test_backend_consistency.c
     "$BUILD/libkvb_sched.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/test_backend_consistency"
 gcc $CFLAGS "$ROOT/tools/generate.c" "${OBJS[@]}" "$BUILD/libkvb_policy.a" "$BUILD/libkvb_sched.a" \
     "$BUILD/libkvb_model.a" "$BUILD/libkvb_kv.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_text.a" "$BUILD/libkvb_util.a" \
-    $LIBS $(pkg-config --libs libpcre2-8) -o "$OUT/kvbank-generate"
+    $LIBS $(pkg-config --libs libpcre2-8 nlopt) -o "$OUT/kvbank-generate"
 # kvbank-bench's cuda subcommand alone (run it with --shape tiny: emulated time is not time)
 printf '%s\n' '#include <string.h>' '#include "bench/bench.h"' \
     'int main(int argc, char **argv) {' \

@@ -94,6 +94,9 @@ template <typename T> inline T atomicAdd(T *p, T v) {
     return old;
 }
 
+/* cache-hinted loads are plain loads */
+template <typename T> inline T __ldcs(const T *p) { return *p; }
+
 inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 inline unsigned __float_as_uint(float f) { return emu_unbits<unsigned>(emu_bits(f)); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
