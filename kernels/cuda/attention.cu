@@ -431,7 +431,7 @@ __global__ void reduce_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_re
         int r = i / hd, d = i % hd;
         float M = M_s[r], den = den_s[r], num = 0.0f;
         if (M != -INFINITY) {
-#pragma unroll 4
+#pragma unroll 8
             for (int p = 0; p < it.n_parts; p++) {
                 float x = lse[(size_t)p * DR + r];
                 if (x != -INFINITY) num += exp2f(x - M) * a.part_o[((size_t)(it.part_first + p) * DR + r) * hd + d];
@@ -687,6 +687,7 @@ extern "C" int kvb_cuda_attention_reduce(const kvb_cuda_attn_args *a, const kvb_
                                          int n_items, kvb_cuda_stream_t s) {
     int e = check_args(a, s);
     if (e || n_items <= 0) return e;
-    KVB_CUDA_DISPATCH(a->dtype, T, reduce_kernel<T><<<n_items, 128, 0, s>>>(*a, items));
+    /* a thread per (row, dim) of a Llama-shaped group (4 x 128): each has its splits' loads in flight */
+    KVB_CUDA_DISPATCH(a->dtype, T, reduce_kernel<T><<<n_items, 512, 0, s>>>(*a, items));
     return (int)cudaGetLastError();
 }

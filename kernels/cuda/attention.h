@@ -5,7 +5,7 @@
  *  - prefill: one CUDA block per tile of KVB_CUDA_ATTN_PREFILL_ROWS query rows (tokens x heads of one
  *    KV group), walking the visible keys in shared-memory tiles with an online softmax;
  *  - decode: one CUDA block per (sequence, KV head, split of the context). A long context is cut into
- *    splits of a length the caller picks (a multiple of KVB_CUDA_ATTN_KEY_TILE) so that enough blocks
+ *    splits of a length the caller picks so that enough blocks
  *    run; each split writes a normalised partial output and its log-sum-exp, and the reduce kernel
  *    merges the splits of each (sequence, KV head). A single split writes the output directly. Where
  *    the head dimension is 32/64/128/256 and a row moves in 16-byte slots, each group of lanes that
@@ -35,7 +35,7 @@ KVB_CUDA_EXTERN_C_BEGIN
 #define KVB_CUDA_ATTN_DECODE_ROWS 8
 /* Query rows per prefill tile. */
 #define KVB_CUDA_ATTN_PREFILL_ROWS 64
-/* Keys per inner tile of the decode kernel; split lengths are multiples of it. */
+/* Keys per inner tile of the tiled decode kernel. */
 #define KVB_CUDA_ATTN_KEY_TILE 128
 
 /* What every attention launch of one batch shares. All pointers are device memory. */

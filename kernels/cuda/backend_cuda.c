@@ -35,7 +35,9 @@
 #define UPLOAD_CHUNK_ELEMS ((size_t)16 << 20)
 /* Decode splits: aim for this many CUDA blocks per multiprocessor, never split below this many keys. */
 #define DECODE_BLOCKS_PER_SM 4
-#define DECODE_MIN_SPLIT KVB_CUDA_ATTN_KEY_TILE
+/* 64 keys: 8 per lane group of the fast kernel, two steps; a batch of one sequence then still fills the
+ * device at a 1K context (8 KV heads x 16 splits) */
+#define DECODE_MIN_SPLIT 64
 
 /* ---------------------------------------------------------------- errors */
 
@@ -432,10 +434,10 @@ static int decode_first_key(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
 }
 
 /* Keys per decode split of a range of n_keys: about n_keys / splits_wanted, never below
- * DECODE_MIN_SPLIT, a multiple of the kernel's key tile. */
+ * DECODE_MIN_SPLIT, a multiple of it. */
 static int decode_split_len(int n_keys, int splits_wanted) {
     int len = KVB_MAX(DECODE_MIN_SPLIT, KVB_DIV_CEIL(n_keys, splits_wanted));
-    return KVB_DIV_CEIL(len, KVB_CUDA_ATTN_KEY_TILE) * KVB_CUDA_ATTN_KEY_TILE;
+    return KVB_DIV_CEIL(len, DECODE_MIN_SPLIT) * DECODE_MIN_SPLIT;
 }
 
 static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q, void *out) {
