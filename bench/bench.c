@@ -21,6 +21,27 @@ double kvb_bench_pct(double *v, int n, double p) {
     return v[KVB_MAX(0, KVB_MIN(n - 1, k))];
 }
 
+void kvb_bench_spread(const double *v, int n, double *med, double *lo, double *hi) {
+    double t[64];
+    n = KVB_MIN(n, 64);
+    if (n <= 0) {
+        *med = *lo = *hi = NAN;
+        return;
+    }
+    memcpy(t, v, sizeof(double) * (size_t)n);
+    qsort(t, (size_t)n, sizeof *t, cmp_d);
+    *lo = t[0];
+    *hi = t[n - 1];
+    *med = n % 2 ? t[n / 2] : (t[n / 2 - 1] + t[n / 2]) / 2;
+}
+
+const char *kvb_bench_spread_str(const double *v, int n, int prec, char *buf, size_t len) {
+    double m, lo, hi;
+    kvb_bench_spread(v, n, &m, &lo, &hi);
+    snprintf(buf, len, "%.*f [%.*f-%.*f]", prec, m, prec, lo, prec, hi);
+    return buf;
+}
+
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench SUBCOMMAND [options]   (SUBCOMMAND --help for its options)\n"
                "\n"

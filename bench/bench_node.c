@@ -224,6 +224,9 @@ typedef struct replay_params {
     int max_len;      /* 0: the model's max_position_embeddings */
     int timeout_ms;
     double slo_ttft, slo_tpot;
+    const char *link; /* interference: every model's "link_preset" (NULL: the default below) */
+    double warmup_s;  /* requests arriving before are replayed but not counted (< 0: the default) */
+    int reps;         /* interference: repetitions (0: the default) */
 } replay_params;
 
 /* One target's results. */
@@ -330,6 +333,7 @@ static int replay_run(const char *cfg_path, replay *rp, const replay_params *p, 
         int n = tg->trace->n, ok = 0, n_tpot = 0, n_gap = 0, slo_ok = 0;
         int64_t toks = 0, reused = 0, prompt = 0;
         memset(st, 0, sizeof *st);
+        const double warm = KVB_MAX(0, p->warmup_s);
         for (int k = 0; k < n; k++) n_gap += tg->n_tokens[k] > 1 ? tg->n_tokens[k] - 1 : 0;
         double *a = malloc(sizeof(double) * (size_t)(n + 1)), *b = malloc(sizeof(double) * (size_t)(n + 1));
         double *g = malloc(sizeof(double) * (size_t)(n_gap + 1));
@@ -340,7 +344,10 @@ static int replay_run(const char *cfg_path, replay *rp, const replay_params *p, 
             goto out;
         }
         n_gap = 0;
+        int n_meas = 0;
         for (int k = 0; k < n; k++) {
+            if (tg->trace->reqs[k].t_s < warm) continue; /* the warm-up: not counted */
+            n_meas++;
             prompt += tg->trace->reqs[k].n_prompt;
             reused += tg->trace->reqs[k].reused_tokens;
             if (tg->failed[k]) {
@@ -363,10 +370,10 @@ static int replay_run(const char *cfg_path, replay *rp, const replay_params *p, 
             st->tpot[q] = kvb_bench_pct(b, n_tpot, ps[q]);
             st->tbt[q] = kvb_bench_pct(g, n_gap, ps[q]);
         }
-        st->n = n;
+        st->n = n_meas;
         st->sessions = tg->trace->n_sessions;
         st->tok_s = (double)toks / makespan;
-        st->slo = n ? (double)slo_ok / n : 0;
+        st->slo = n_meas ? (double)slo_ok / n_meas : 0;
         st->reuse = prompt ? (double)reused / prompt : 0;
         free(a);
         free(b);
@@ -412,6 +419,10 @@ static const char *const REPLAY_OPTIONS =
     "  --concurrency N   client threads (default 64)\n"
     "  --timeout-ms N    give up on a silent request (default 60000)\n"
     "  --slo-ttft-ms N   TTFT SLO (default 2000);  --slo-tpot-ms N  TPOT SLO (default 200)\n"
+    "  --warmup S        requests arriving in the first S s are replayed but not counted (replay: default 0;\n"
+    "                    interference: 10)\n"
+    "  --link PRESET     interference: every model's stager link model (default h100-pcie5-scaled)\n"
+    "  --reps N          interference: repetitions, each starting the node with lending off and on (default 3)\n"
     "  --json FILE       also write the results as JSON\n"
     "  --plot FILE.svg   draw a figure with gnuplot: replay, every model's blocks own / lent / borrowed\n"
     "                    over time; interference, each model's TTFT CDF with lending on against off\n";
@@ -420,14 +431,16 @@ static const char *const REPLAY_OPTIONS =
 static int parse_replay_args(int argc, char **argv, const char *prog, const char *usage, const char **cfg_path,
                              const char **json_path, const char **plot_path, replay *rp, replay_params *p) {
     *p = (replay_params){.to = {.rate_scale = 1, .len_scale = 1.0 / 64, .min_output = 1, .max_output = 64},
-                         .concurrency = 64, .timeout_ms = 60000, .slo_ttft = 2000, .slo_tpot = 200};
+                         .concurrency = 64, .timeout_ms = 60000, .slo_ttft = 2000, .slo_tpot = 200,
+                         .warmup_s = -1};
     static const struct option opts[] = {
         {"config", 1, 0, 'c'},       {"target", 1, 0, 't'},      {"rate", 1, 0, 'r'},
         {"len-scale", 1, 0, 's'},    {"max-len", 1, 0, 'L'},     {"max-output", 1, 0, 'O'},
         {"duration", 1, 0, 'd'},     {"max-requests", 1, 0, 'n'}, {"concurrency", 1, 0, 'C'},
         {"timeout-ms", 1, 0, 'T'},   {"slo-ttft-ms", 1, 0, 'f'}, {"slo-tpot-ms", 1, 0, 'p'},
         {"json", 1, 0, 'j'},         {"out-scale", 1, 0, 'o'},   {"help", 0, 0, 'h'},
-        {"plot", 1, 0, 'P'},
+        {"plot", 1, 0, 'P'},         {"link", 1, 0, 'k'},        {"warmup", 1, 0, 'w'},
+        {"reps", 1, 0, 'R'},
         {0, 0, 0, 0}};
     int ch;
     int64_t v;
@@ -435,6 +448,9 @@ static int parse_replay_args(int argc, char **argv, const char *prog, const char
         kvb_status st = KVB_OK;
         switch (ch) {
         case 'o': st = kvb_parse_f64(optarg, &p->to.out_scale); break;
+        case 'k': p->link = optarg; break;
+        case 'w': st = kvb_parse_f64(optarg, &p->warmup_s); if (p->warmup_s < 0) st = KVB_ERR_INVALID; break;
+        case 'R': st = kvb_parse_i64(optarg, 1, 64, &v); p->reps = (int)v; break;
         case 'c': *cfg_path = optarg; break;
         case 'j': *json_path = optarg; break;
         case 'P': *plot_path = optarg; break;
@@ -525,8 +541,9 @@ int kvb_bench_replay(int argc, char **argv) {
 /* ---------------------------------------------------------------- interference */
 
 /* Writes a copy of the node config at `src` to `dst` with its run_dir moved to `run_dir`, model and
- * binary paths made absolute, and every worker's "lend" set to `lend`. */
-static int write_variant(const char *src, const char *dst, const char *run_dir, int lend) {
+ * binary paths made absolute, every worker's "lend" set to `lend` and every model's "link_preset" to
+ * `link`. */
+static int write_variant(const char *src, const char *dst, const char *run_dir, int lend, const char *link) {
     kvb_node_config *c = NULL;
     if (kvb_node_config_load(src, &c) != KVB_OK) return -1;
     json_error_t err;
@@ -547,6 +564,7 @@ static int write_variant(const char *src, const char *dst, const char *run_dir, 
         const kvb_node_model *nm = name ? kvb_node_config_model(c, name) : NULL;
         if (nm) json_object_set_new(m, "model_dir", json_string(nm->model_dir));
         json_object_del(m, "endpoint");
+        json_object_set_new(m, "link_preset", json_string(link));
         if (nm && nm->role == KVB_ROLE_WORKER) json_object_set_new(m, "lend", json_boolean(lend));
     }
     int rc = json_dump_file(j, dst, JSON_INDENT(2));
@@ -556,11 +574,13 @@ static int write_variant(const char *src, const char *dst, const char *run_dir, 
 }
 
 /* Runs `kvbankctl --config CFG status --json` and returns the sum of the workers' lent blocks and how
- * many models are alive (both -1 when the coordinator does not answer). */
-static void node_status(const char *bin_dir, const char *cfg, int *lent, int *alive) {
+ * many models are alive (both -1 when the coordinator does not answer); `reclaims` (NULL: not asked):
+ * the workers' reclaims since the node started. */
+static void node_status(const char *bin_dir, const char *cfg, int *lent, int *alive, int *reclaims) {
     char ctl[4200];
     snprintf(ctl, sizeof ctl, "%s/kvbankctl", bin_dir);
     *lent = *alive = -1;
+    if (reclaims) *reclaims = 0;
     json_t *models = NULL, *j = ctl_status(ctl, cfg, &models);
     if (models) {
         *lent = *alive = 0;
@@ -568,6 +588,7 @@ static void node_status(const char *bin_dir, const char *cfg, int *lent, int *al
         json_t *m;
         json_array_foreach(models, i, m) {
             *lent += (int)json_integer_value(json_object_get(m, "n_lent"));
+            if (reclaims) *reclaims += (int)json_integer_value(json_object_get(m, "reclaims"));
             *alive += json_is_true(json_object_get(m, "alive"));
         }
     }
@@ -607,12 +628,16 @@ int kvb_bench_interference(int argc, char **argv) {
     int r = parse_replay_args(argc, argv, "kvbank-bench interference",
                               "usage: kvbank-bench interference --config NODE.json --target MODEL=TRACE [--target ...] "
                               "[options]\n\n"
-                              "Starts the node of NODE.json twice with kvbankd (the programs next to this one): once with\n"
-                              "lending off (\"lend\": false on every worker) and once with it on, replays the same traces\n"
-                              "to it each time, and prints every model's TTFT and TPOT with lending on against off\n"
-                              "(SwiftCache reports workers at most 9.7% worse).\n\n",
+                              "Starts the node of NODE.json with kvbankd (the programs next to this one) twice per\n"
+                              "repetition: with lending off (\"lend\": false on every worker) and on, every model under\n"
+                              "the same stager link preset; replays the same traces each time (the warm-up not counted)\n"
+                              "and prints every model's TTFT and TPOT with lending on against off, median and min-max\n"
+                              "over the repetitions (SwiftCache's targets: within 5% at p50, 10% at p99).\n\n",
                               &cfg_path, &json_path, &plot_path, &rp, &p);
     if (r >= 0) return r;
+    if (!p.link) p.link = "h100-pcie5-scaled";
+    if (p.warmup_s < 0) p.warmup_s = 10;
+    if (p.reps == 0) p.reps = 3;
     char bin_dir[4096];
     ssize_t n = readlink("/proc/self/exe", bin_dir, sizeof bin_dir - 1);
     if (n <= 0) return 1;
@@ -620,76 +645,114 @@ int kvb_bench_interference(int argc, char **argv) {
     *strrchr(bin_dir, '/') = 0;
     char tmpl[] = "/tmp/kvb-interference-XXXXXX";
     if (!mkdtemp(tmpl)) return 1;
-    replay_stats st[2][MAX_TARGETS];
-    double *ttft[2][MAX_TARGETS] = {{0}}; /* --plot: [off/on][target] served requests' TTFT, ms */
+    replay_stats (*st)[2][MAX_TARGETS] = NULL; /* [rep][off/on][target] */
+    int reclaims[64] = {0};                     /* per repetition, lending on: the workers' reclaims */
+    double *ttft[2][MAX_TARGETS] = {{0}}; /* --plot: [off/on][target] the last repetition's TTFTs, ms */
     int n_ttft[2][MAX_TARGETS] = {{0}};
     int rc = 1;
-    for (int lend = 0; lend < 2; lend++) {
-        char cfg[4200], run[4200], log[4200];
-        snprintf(cfg, sizeof cfg, "%s/node-%s.json", tmpl, lend ? "lend" : "nolend");
-        snprintf(run, sizeof run, "%s/run-%s", tmpl, lend ? "lend" : "nolend");
-        snprintf(log, sizeof log, "%s/kvbankd-%s.log", tmpl, lend ? "lend" : "nolend");
-        if (write_variant(cfg_path, cfg, run, lend) != 0) {
-            fprintf(stderr, "kvbank-bench interference: cannot write %s\n", cfg);
-            goto out;
-        }
-        printf("\n== lending %s: kvbankd --config %s (log %s)\n", lend ? "on" : "off", cfg, log);
-        fflush(stdout);
-        pid_t pid = fork();
-        if (pid == 0) {
-            int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-            if (fd >= 0) {
-                dup2(fd, 1);
-                dup2(fd, 2);
+    if (kvb_calloc((size_t)p.reps, sizeof *st, (void **)&st) != KVB_OK) return 1;
+    printf("kvbank-bench interference: %s, %d repetitions, warm-up %.0f s not counted; every model's link_preset %s\n",
+           cfg_path, p.reps, p.warmup_s, p.link);
+    for (int rep = 0; rep < p.reps; rep++)
+        for (int lend = 0; lend < 2; lend++) {
+            char cfg[4200], run[4200], log[4200];
+            snprintf(cfg, sizeof cfg, "%s/node-%s.json", tmpl, lend ? "lend" : "nolend");
+            snprintf(run, sizeof run, "%s/run-%s", tmpl, lend ? "lend" : "nolend");
+            snprintf(log, sizeof log, "%s/kvbankd-%s-%d.log", tmpl, lend ? "lend" : "nolend", rep + 1);
+            if (write_variant(cfg_path, cfg, run, lend, p.link) != 0) {
+                fprintf(stderr, "kvbank-bench interference: cannot write %s\n", cfg);
+                goto out;
             }
-            char exe[4200];
-            snprintf(exe, sizeof exe, "%s/kvbankd", bin_dir);
-            execl(exe, "kvbankd", "--config", cfg, "--foreground", (char *)NULL);
-            _exit(127);
+            printf("\n== repetition %d, lending %s: kvbankd --config %s (log %s)\n", rep + 1, lend ? "on" : "off", cfg,
+                   log);
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid == 0) {
+                int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+                if (fd >= 0) {
+                    dup2(fd, 1);
+                    dup2(fd, 2);
+                }
+                char exe[4200];
+                snprintf(exe, sizeof exe, "%s/kvbankd", bin_dir);
+                execl(exe, "kvbankd", "--config", cfg, "--foreground", (char *)NULL);
+                _exit(127);
+            }
+            if (pid < 0) goto out;
+            int lent = -1, alive = -1, want = 0;
+            kvb_node_config *c = NULL;
+            if (kvb_node_config_load(cfg, &c) == KVB_OK) want = c->n_models;
+            kvb_node_config_free(c);
+            for (int k = 0; k < 600; k++) { /* up to 60 s: models generated, loaded, registered (and lending) */
+                node_status(bin_dir, cfg, &lent, &alive, NULL);
+                if (alive == want && (!lend || lent > 0)) break;
+                struct timespec ts = {0, 100000000};
+                nanosleep(&ts, NULL);
+            }
+            printf("   %d models alive, %d worker blocks lent\n", alive, lent);
+            int ok = alive == want && (!lend || lent > 0);
+            if (ok) ok = replay_run(cfg, &rp, &p, st[rep][lend]) == 0;
+            if (ok && lend) node_status(bin_dir, cfg, &lent, &alive, &reclaims[rep]);
+            for (int i = 0; ok && plot_path && i < rp.n_targets; i++) { /* --plot: the TTFTs of the served requests */
+                const target *tg = &rp.tg[i];
+                free(ttft[lend][i]);
+                n_ttft[lend][i] = 0;
+                if (kvb_calloc((size_t)tg->trace->n, sizeof(double), (void **)&ttft[lend][i]) != KVB_OK) break;
+                for (int k = 0; k < tg->trace->n; k++)
+                    if (!tg->failed[k] && tg->trace->reqs[k].t_s >= p.warmup_s)
+                        ttft[lend][i][n_ttft[lend][i]++] = tg->ttft_ms[k];
+            }
+            replay_free(&rp);
+            kill(pid, SIGTERM);
+            int status;
+            waitpid(pid, &status, 0);
+            if (!ok) {
+                fprintf(stderr, "kvbank-bench interference: the node did not come up or the replay failed (see %s)\n",
+                        log);
+                goto out;
+            }
+            print_header();
+            for (int i = 0; i < rp.n_targets; i++) print_stats(rp.tg[i].model, &st[rep][lend][i]);
+            if (lend) printf("(the workers reclaimed %d times during this run)\n", reclaims[rep]);
         }
-        if (pid < 0) goto out;
-        int lent = -1, alive = -1, want = 0;
-        kvb_node_config *c = NULL;
-        if (kvb_node_config_load(cfg, &c) == KVB_OK) want = c->n_models;
-        kvb_node_config_free(c);
-        for (int k = 0; k < 600; k++) { /* up to 60 s: models generated, loaded, registered (and lending) */
-            node_status(bin_dir, cfg, &lent, &alive);
-            if (alive == want && (!lend || lent > 0)) break;
-            struct timespec ts = {0, 100000000};
-            nanosleep(&ts, NULL);
-        }
-        printf("   %d models alive, %d worker blocks lent\n", alive, lent);
-        int ok = alive == want && (!lend || lent > 0);
-        if (ok) ok = replay_run(cfg, &rp, &p, st[lend]) == 0;
-        for (int i = 0; ok && plot_path && i < rp.n_targets; i++) { /* --plot: the TTFTs of the served requests */
-            const target *tg = &rp.tg[i];
-            if (kvb_calloc((size_t)tg->trace->n, sizeof(double), (void **)&ttft[lend][i]) != KVB_OK) break;
-            for (int k = 0; k < tg->trace->n; k++)
-                if (!tg->failed[k]) ttft[lend][i][n_ttft[lend][i]++] = tg->ttft_ms[k];
-        }
-        replay_free(&rp);
-        kill(pid, SIGTERM);
-        int status;
-        waitpid(pid, &status, 0);
-        if (!ok) {
-            fprintf(stderr, "kvbank-bench interference: the node did not come up or the replay failed (see %s)\n", log);
-            goto out;
-        }
-        print_header();
-        for (int i = 0; i < rp.n_targets; i++) print_stats(rp.tg[i].model, &st[lend][i]);
-    }
-    printf("\n%-10s %14s %14s %14s %14s\n", "model", "TTFT p50 on/off", "TTFT p99 on/off", "TPOT p50 on/off",
-           "TPOT p99 on/off");
+    /* the ratios on / off per repetition, then their median and min-max */
+    printf("\nlending on / off, median [min-max] over %d repetitions (wall-clock latencies on a loaded shared CPU; "
+           "link preset %s)\n",
+           p.reps, p.link);
+    printf("%-8s %6s %7s %22s %22s %22s %22s\n", "model", "n", "reuse", "TTFT p50 on/off", "TTFT p99 on/off",
+           "TPOT p50 on/off", "TPOT p99 on/off");
     json_t *jroot = json_object(), *jt = json_array();
     for (int i = 0; i < rp.n_targets; i++) {
-        const replay_stats *a = &st[0][i], *b = &st[1][i];
-        printf("%-10s %14.3f %14.3f %14.3f %14.3f\n", rp.tg[i].model, b->ttft[0] / a->ttft[0], b->ttft[2] / a->ttft[2],
-               b->tpot[0] / a->tpot[0], b->tpot[2] / a->tpot[2]);
-        json_t *o = json_object();
-        json_object_set_new(o, "off", stats_json(rp.tg[i].model, rp.tg[i].trace_path, a, &p));
-        json_object_set_new(o, "on", stats_json(rp.tg[i].model, rp.tg[i].trace_path, b, &p));
-        json_array_append_new(jt, o);
+        double v[4][64];
+        char t[4][48];
+        const int q[4] = {0, 2, 0, 2};
+        for (int rr = 0; rr < p.reps; rr++)
+            for (int k = 0; k < 4; k++) {
+                const replay_stats *a = &st[rr][0][i], *b = &st[rr][1][i];
+                v[k][rr] = k < 2 ? b->ttft[q[k]] / a->ttft[q[k]] : b->tpot[q[k]] / a->tpot[q[k]];
+            }
+        printf("%-8s %6d %6.1f%% %22s %22s %22s %22s\n", rp.tg[i].model, st[0][1][i].n, 100 * st[0][1][i].reuse,
+               kvb_bench_spread_str(v[0], p.reps, 3, t[0], sizeof t[0]), kvb_bench_spread_str(v[1], p.reps, 3, t[1], sizeof t[1]),
+               kvb_bench_spread_str(v[2], p.reps, 3, t[2], sizeof t[2]), kvb_bench_spread_str(v[3], p.reps, 3, t[3], sizeof t[3]));
+        if (st[0][1][i].n < 1000) printf("         (%d requests behind each P99: fewer than 1,000)\n", st[0][1][i].n);
+        for (int rr = 0; rr < p.reps; rr++) {
+            json_t *o = json_object();
+            json_object_set_new(o, "repetition", json_integer(rr + 1));
+            json_object_set_new(o, "off", stats_json(rp.tg[i].model, rp.tg[i].trace_path, &st[rr][0][i], &p));
+            json_object_set_new(o, "on", stats_json(rp.tg[i].model, rp.tg[i].trace_path, &st[rr][1][i], &p));
+            json_object_set_new(o, "worker_reclaims", json_integer(reclaims[rr]));
+            json_array_append_new(jt, o);
+        }
     }
+    {
+        double v[64];
+        char t[48];
+        for (int rr = 0; rr < p.reps; rr++) v[rr] = reclaims[rr];
+        printf("(n: requests behind each percentile after the warm-up; reuse: the trace's reusable share of their prompt\n"
+               " tokens; the workers reclaimed %s times per run with lending on)\n",
+               kvb_bench_spread_str(v, p.reps, 0, t, sizeof t));
+    }
+    json_object_set_new(jroot, "link_preset", json_string(p.link));
     json_object_set_new(jroot, "targets", jt);
     if (json_path && json_dump_file(jroot, json_path, JSON_INDENT(2)) != 0)
         fprintf(stderr, "kvbank-bench interference: cannot write %s\n", json_path);
@@ -700,5 +763,6 @@ out:
     for (int l = 0; l < 2; l++)
         for (int i = 0; i < MAX_TARGETS; i++) free(ttft[l][i]);
     replay_free(&rp);
+    free(st);
     return rc;
 }

@@ -183,6 +183,8 @@ static json_t *status_json(const Kvbank__StatusReply *s, int with_loans) {
         if (o && (json_object_set_new(o, "memory", json_string(m->memory && m->memory[0] ? m->memory : "host")) ||
                   json_object_set_new(o, "device", json_integer((json_int_t)m->device)) ||
                   json_object_set_new(o, "registered", json_true()) ||
+                  json_object_set_new(o, "lends", json_integer((json_int_t)m->lends)) ||
+                  json_object_set_new(o, "reclaims", json_integer((json_int_t)m->reclaims)) ||
                   supervision_json(s, m, kvb__ctl_child_of(s, m->name ? m->name : ""), o) ||
                   (m->lend_blocked && m->lend_blocked[0] &&
                    json_object_set_new(o, "lend_blocked", json_string(m->lend_blocked))))) {

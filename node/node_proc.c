@@ -300,6 +300,7 @@ int kvb_node_proc_parse(kvb_role role, int argc, char **argv, kvb_node_proc_args
         a->lend = m->lend;
         a->stall_wait_s = m->stall_wait_s;
         a->stall_overtake = m->stall_overtake;
+        a->link_preset = m->link_preset;
         if (a->cfg->heartbeat_ms > 0) a->heartbeat_ms = a->cfg->heartbeat_ms;
         if (a->cfg->lend_interval_s > 0) a->lend_interval_s = a->cfg->lend_interval_s;
         if (a->cfg->window_s > 0) a->window_s = a->cfg->window_s;
@@ -514,6 +515,15 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     eo.stall_overtake = a->stall_overtake;
     eo.kv_mem = kvb_mem_region_base(p->region);
     eo.kv_mem_bytes = kvb_mem_region_size(p->region);
+    if (a->link_preset) { /* kvb_link_preset logs the known names for a bad one */
+        if ((st = kvb_link_preset(a->link_preset, p->be, &eo.links)) != KVB_OK) {
+            fprintf(stderr, "%s: unknown \"link_preset\" '%s' (kvbank-generate --link-preset list names them)\n", prog,
+                    a->link_preset);
+            goto fail;
+        }
+        fprintf(stderr, "%s: ", prog);
+        kvb_link_model_print(stderr, &eo.links);
+    }
     kvb_engine_events ev = kvb_server_engine_events(p->srv);
     planner_owned = 0; /* kvb_engine_create takes the planner, also when it fails */
     if ((st = kvb_engine_create(p->model, &eo, &planner, &ev, &p->eng)) != KVB_OK) {

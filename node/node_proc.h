@@ -49,6 +49,7 @@ typedef struct kvb_node_proc_args {
     double stall_wait_s;         /* kvb_engine_opts.stall_wait_s (issue 10) */
     int stall_overtake;          /* kvb_engine_opts.stall_overtake */
     int lsc_stream;              /* master: stream lent blocks through the LSC */
+    const char *link_preset;     /* the engine's link model by name (kvb_link_preset), NULL: off */
     int lend;                    /* worker: offer idle blocks (1, default) or never (0: --no-lend) */
     kvb_node_config *cfg;        /* the node config when --config was given (owned; else NULL) */
 } kvb_node_proc_args;

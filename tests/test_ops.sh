@@ -185,6 +185,41 @@ for p in ellm-elastic static-split static-split-chunked; do
 done
 ok "progress lines of kvbank-bench lend, engine, orbitflow, maxctx, ellm-el; maxctx --plot draws a bar per configuration"
 
+# maxctx's third configuration (stream mode within the budget) and why Eq. 1-5 equal the master alone
+# on this one-layer master; multiturn's tables on a tiny run (a small Mooncake-format trace with
+# shared prefixes): the link preset, the reusable share, the spread over repetitions, the lenders'
+# reclaims and the cached blocks they cost
+grep -q "^SwiftCache LSC + RC in the budget, stream (measured) *2048 *1.00$" "$T/mx.out" &&
+    grep -q "^SwiftCache Eq. 1-5: (N_LSC + N_RC) \* B *2048 *1.00$" "$T/mx.out" &&
+    grep -q "with L = 1 the layer stream cache gains nothing" "$T/mx.out" &&
+    grep -q "^(Eq. 1-5 use the master's geometry: chat, L = 1 layers" "$T/mx.out" || fail "maxctx rows: $(cat "$T/mx.out")"
+"$PY" - "$T/mt.jsonl" <<'PYEOF'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for i in range(60):  # 20 sessions of 3 turns, 12 s; every turn extends its session's prompt
+        s, turn = i % 20, i // 20
+        ids = [1000 * s + k for k in range(4 + 4 * turn)]
+        f.write(json.dumps({"timestamp": i * 200, "input_length": 512 * len(ids), "output_length": 4, "hash_ids": ids}) + "\n")
+PYEOF
+"$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --link off --rate 1 --skip 0 --warmup 2 \
+    --duration 10 --reps 2 --reclaim-every 0.5 --len-scale 0.03125 >"$T/mt.out" 2>&1 || fail "kvbank-bench multiturn: $(cat "$T/mt.out")"
+grep -q "^  link preset: off" "$T/mt.out" &&
+    grep -qE "^  reusable share of the measured prompt tokens .*: [0-9.]+% " "$T/mt.out" &&
+    grep -q "NOTE: 50 requests behind each P99, fewer than 1,000" "$T/mt.out" &&
+    grep -qE "^lending \(in place\) +2 +50 +50 .* [0-9]+ reclaims \([0-9]+ blocks\)" "$T/mt.out" &&
+    grep -qE "^host-tier \(copies\) +2 +50 +50 " "$T/mt.out" &&
+    grep -q "^over 2 repetitions (median \[min-max\])" "$T/mt.out" &&
+    grep -qE "^P99 TTFT host tier / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" || fail "multiturn tables: $(cat "$T/mt.out")"
+"$PY" - "$T/mt.out" <<'PYEOF' || fail "multiturn lost per reclaimed: $(cat "$T/mt.out")"
+import re, sys
+m = re.search(r"^cached blocks lost per reclaimed block \(lending\): ([0-9.]+) .*\((\d+) lost of (\d+) reclaimed in all\)$",
+              open(sys.argv[1]).read(), re.M)
+assert m, "no lost-per-reclaimed line"
+lost, rec = int(m.group(2)), int(m.group(3))
+assert rec > 0 and 0 <= lost <= rec, (lost, rec)
+PYEOF
+ok "kvbank-bench maxctx's stream row and Eq. 1-5 note; multiturn's link preset, reusable share, reps and lost per reclaimed block"
+
 # --------------------------------------------------------------------------------- --check-config
 # mkcfg OUT: the demo node with every path inside $T, short timings, any free gateway port, and the
 # python statements of $2 applied to the dict c

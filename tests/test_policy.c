@@ -37,6 +37,26 @@ KVB_TEST(paper_example_lsc_rc) {
     ck_assert_int_eq(p.n_stream, 45);
     ck_assert_int_eq(p.lsc_own_blocks, 9);
     ck_assert_int_eq(p.n_rc_stream, 1);
+    /* one layer (test_ops.sh's maxctx node: 1 MiB master, 1 MiB worker of the same geometry): a single-layer
+     * block is a full block, so Eq. 4 gives N_LSC = K_master and Eq. 5 no RC: (N_LSC + N_RC) * B equals
+     * the master alone (Eq. 1-5 gain at most L times); kvbank streams nothing (a streamed block would
+     * cost two own blocks) */
+    kvb_kv_geom one = {.n_layers = 1, .n_kv_heads = 2, .head_dim = 32, .block_size = 16, .elem_size = 4};
+    uint64_t w1[1] = {1u << 20};
+    ck_assert_int_eq(kvb_swift_plan_lsc(&one, 1u << 20, w1, 1, &p), KVB_OK);
+    ck_assert_int_eq(p.k_master, 128);
+    ck_assert_int_eq(p.k_workers, 128);
+    ck_assert_int_eq(p.n_lsc, 128);
+    ck_assert_int_eq(p.n_rc, 0);
+    ck_assert_int_eq(p.max_ctx_tokens, p.no_lending_tokens);
+    ck_assert_int_eq(p.inplace_tokens, 2 * p.no_lending_tokens);
+    ck_assert_int_eq(p.n_stream, 0);
+    ck_assert_int_eq(p.lsc_own_blocks, 0);
+    ck_assert_int_eq(p.stream_tokens, p.no_lending_tokens);
+    one.n_layers = 2; /* two layers: a streamed block costs one own block, no gain either */
+    ck_assert_int_eq(kvb_swift_plan_lsc(&one, 1u << 20, w1, 1, &p), KVB_OK);
+    ck_assert_int_eq(p.n_stream, 0);
+    ck_assert_int_eq(p.stream_tokens, p.no_lending_tokens);
 }
 KVB_TEST_END
 

@@ -236,7 +236,7 @@ KVB_TEST(node_config_explicit) {
                       " \"models\": [\n"
                       "  {\"name\": \"w\", \"role\": \"worker\", \"model_dir\": \"/abs/w\", \"kv_mb\": 1, \"lend\": false},\n"
                       "  {\"name\": \"M_23456789-123456789012\", \"role\": \"master\", \"model_dir\": \".\",\n"
-                      "   \"kv_mb\": 3, \"lsc\": \"stream\", \"backend\": \"cuda\"}]}";
+                      "   \"kv_mb\": 3, \"lsc\": \"stream\", \"backend\": \"cuda\", \"link_preset\": \"h100-pcie5-scaled\"}]}";
     kvb_node_config *c = NULL;
     ck_assert_int_eq(load_text(&f, txt, &c), KVB_OK);
     char want[160];
@@ -258,6 +258,8 @@ KVB_TEST(node_config_explicit) {
     ck_assert_int_eq(c->models[0].lend, 0); /* a worker that never lends */
     ck_assert_int_eq(m->lend, 1);           /* the default */
     ck_assert_str_eq(m->backend, "cuda");
+    ck_assert_str_eq(m->link_preset, "h100-pcie5-scaled");
+    ck_assert_ptr_null(c->models[0].link_preset); /* off by default */
     char tag[41];
     kvb_node_region_tag(c, m->name, tag, sizeof tag);
     ck_assert_str_eq(tag, "N_23456789012345_M_23456789-123456789012");
@@ -313,6 +315,8 @@ KVB_TEST(node_config_invalid) {
         {NODE(M_OK ", " W(", \"max_batch_tokens\": 0")), "model \"code\": field \"max_batch_tokens\"", NULL},
         {NODE(M_OK ", " W(", \"model_dir\": \"\"")), NULL, NULL}, /* duplicate key again */
         {NODE(M_OK ", " W(", \"policy\": \"\"")), "model \"code\": field \"policy\" must not be empty", NULL},
+        {NODE(M_OK ", " W(", \"link_preset\": \"\"")), "model \"code\": field \"link_preset\" must not be empty", NULL},
+        {NODE(M_OK ", " W(", \"link_preset\": 5")), "model \"code\": field \"link_preset\"", NULL},
         {NODE(M_OK ", " W(", \"mkmodel\": \"--arch 'llama'\"")), "model \"code\": field \"mkmodel\"", NULL},
         {NODE(M_OK ", " W(", \"mkmodel\": 3")), "model \"code\": field \"mkmodel\" must be a string", NULL},
         {NODE(M_OK ", " W(", \"lsc\": \"fast\"")), "model \"code\": field \"lsc\" = \"fast\"", NULL},

@@ -126,7 +126,9 @@ kvb_status kvb_swift_plan_lsc(const kvb_kv_geom *m, uint64_t c_master, const uin
     out->max_ctx_tokens = (out->n_lsc + out->n_rc) * m->block_size;
     out->no_lending_tokens = k_master / L * m->block_size;
     out->inplace_tokens = (k_master / L + k) * m->block_size;
-    out->n_stream = KVB_MAX(0, KVB_MIN(k, (k_master - L) / 2));
+    /* a streamed block costs 2/L of an own full-layer block and adds one: a gain only when L > 2 (with
+     * L <= 2 the LSC would take as much as it streams, or more: nothing is streamed) */
+    out->n_stream = L > 2 ? KVB_MAX(0, KVB_MIN(k, (k_master - L) / 2)) : 0;
     out->lsc_own_blocks = KVB_DIV_CEIL(2 * out->n_stream, L);
     out->n_rc_stream = k_master / L - out->lsc_own_blocks;
     out->stream_tokens = (out->n_stream + out->n_rc_stream) * m->block_size;

@@ -60,7 +60,8 @@ typedef struct kvb_swift_plan {
     /* kvbank's LSC streams a lent block through two single-layer buffers (layer l+2 loads into layer l's
      * after its store), so within the same budget: */
     int64_t n_stream;          /* lent blocks streamed at once: min(K, floor((K_master - L) / 2)), >= 0 (one
-                                * full-layer block stays the pool's) */
+                                * full-layer block stays the pool's); 0 when L <= 2 (streaming a block would
+                                * cost the pool 2/L >= 1 of its own blocks: no gain) */
     int64_t lsc_own_blocks;    /* full-layer master blocks the LSC takes: ceil(2 * n_stream / L) */
     int64_t n_rc_stream;       /* the regular cache left: floor(K_master / L) - lsc_own_blocks */
     int64_t stream_tokens;     /* (n_stream + n_rc_stream) * B: the longest context in stream mode */

@@ -90,6 +90,7 @@ static kvb_status move_blocks(kvb_engine *e, kvb_xfer_dir dir, const int32_t *po
                               int layer0) {
     kvb_xfer *x = NULL;
     if (n == 0 || layer0 >= e->geom.n_layers) return KVB_OK;
+    KVB_TRY(kvb__host_flush(e)); /* demotions first: they may read the blocks written here */
     KVB_TRY(kvb_malloc((size_t)n * sizeof *x, (void **)&x));
     size_t off = (size_t)layer0 * layer_bytes(e), bb = kvb_kv_block_bytes(&e->geom) - off;
     for (int i = 0; i < n; i++) {
@@ -1061,7 +1062,14 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     kvb_step_report rep = {.step = e->stats.steps, .t_plan_ns = kvb_now_ns() - t0, .n_layers = c->n_layers,
                            .t_layer_ns = e->t_layer, .t_wait_ns = e->t_wait};
     kvb_status st = KVB_OK;
+    e->ht_batch = e->host_prefix; /* demotions go out in one transfer, before anything writes the pool */
     int n_sched = apply_plan(e, &rep, &st), n_blk = 0, n_attn = 0, n_units = 0;
+    e->ht_batch = 0;
+    kvb_status fst = kvb__host_flush(e);
+    if (n_sched >= 0 && fst != KVB_OK) {
+        st = fst;
+        n_sched = -1;
+    }
     if (n_sched < 0) goto fail;
     if (n_sched == 0) return KVB_OK;
     kvb_batch b;

@@ -15,7 +15,32 @@ kvb_status kvb__host_copy(kvb_engine *e, kvb_xfer_dir dir, void *dst, const void
     return kvb_stager_wait(e->stager, t);
 }
 
-/* Evict hook of the pool's prefix cache: copy the block out before it is reused. */
+kvb_status kvb__host_flush(kvb_engine *e) {
+    if (e->n_ht_pend == 0) return KVB_OK;
+    uint64_t t;
+    kvb_status st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_D2H, e->ht_pend, e->n_ht_pend, &t);
+    e->n_ht_pend = 0;
+    return st == KVB_OK ? kvb_stager_wait(e->stager, t) : st;
+}
+
+/* Queues the copy of pool block `idx` into host block `h` (ht_batch), else copies it now. */
+static kvb_status store_block(kvb_engine *e, int32_t h, int32_t idx) {
+    kvb_xfer x = {kvb_block_pool_block(e->ht_pool, h), kvb_block_pool_block(e->pool, idx), kvb_kv_block_bytes(&e->geom)};
+    if (!e->ht_batch) return kvb__host_copy(e, KVB_XFER_D2H, x.dst, x.src, x.bytes);
+    if (e->n_ht_pend == e->cap_ht_pend) {
+        int cap = e->cap_ht_pend ? 2 * e->cap_ht_pend : 64;
+        kvb_xfer *p = realloc(e->ht_pend, (size_t)cap * sizeof *p);
+        if (!p) return kvb__host_copy(e, KVB_XFER_D2H, x.dst, x.src, x.bytes);
+        e->ht_pend = p;
+        e->cap_ht_pend = cap;
+    }
+    e->ht_pend[e->n_ht_pend++] = x;
+    return KVB_OK;
+}
+
+/* Evict hook of the pool's prefix cache: copy the block out before it is reused (while a plan is
+ * applied the copy is batched with the step's other demotions: kvb__host_flush runs before the block
+ * can be written). */
 static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, int32_t idx) {
     kvb_engine *e = ud;
     int32_t h;
@@ -25,9 +50,7 @@ static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, in
         return;
     }
     if (kvb__host_alloc(e, &h) != KVB_OK) return; /* every host block in use: drop it */
-    if (kvb__host_copy(e, KVB_XFER_D2H, kvb_block_pool_block(e->ht_pool, h), kvb_block_pool_block(e->pool, idx),
-                       kvb_kv_block_bytes(&e->geom)) == KVB_OK &&
-        kvb_prefix_cache_publish(e->ht_pc, parent, tokens, h, NULL) == KVB_OK)
+    if (store_block(e, h, idx) == KVB_OK && kvb_prefix_cache_publish(e->ht_pc, parent, tokens, h, NULL) == KVB_OK)
         e->stats.host_tier_stores++;
     kvb_block_pool_unref(e->ht_pool, h);
 }
@@ -43,30 +66,53 @@ kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix) {
     return KVB_OK;
 }
 
-/* Continues a prefix match of `s` in the host tier: each hit is copied into a new pool block, which is
- * published and appended to the sequence. Returns the blocks loaded. */
+/* Continues a prefix match of `s` in the host tier: the hits are copied into new pool blocks in one
+ * transfer (after the pending demotions, which may read those blocks), then published and appended to
+ * the sequence. Returns the blocks loaded. */
 int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
-    int bs = e->o.block_size, loaded = 0;
-    while (s->n_published < max_blocks) {
-        const int32_t *tk = s->tokens + (size_t)s->n_published * bs;
+    int bs = e->o.block_size, n = 0, loaded = 0, cap = max_blocks - s->n_published;
+    if (cap <= 0) return 0;
+    int32_t *hd = NULL;   /* [2 cap]: host block, pool block */
+    uint64_t *par = NULL; /* [cap + 1]: the chained hash before each hit, then after the last */
+    kvb_xfer *x = NULL;
+    if (kvb_malloc((size_t)cap * 2 * sizeof *hd, (void **)&hd) || kvb_malloc((size_t)(cap + 1) * sizeof *par, (void **)&par) ||
+        kvb_malloc((size_t)cap * sizeof *x, (void **)&x))
+        goto out;
+    par[0] = s->last_hash;
+    while (n < cap) {
+        const int32_t *tk = s->tokens + (size_t)(s->n_published + n) * bs;
         int32_t h, d;
-        uint64_t next;
-        if (kvb_prefix_cache_match_from(e->ht_pc, s->last_hash, tk, bs, 1, &h, &next) != 1) break;
-        kvb_status st = kvb_prefix_cache_alloc(e->pc, &d);
-        if (st == KVB_OK) {
-            st = kvb__host_copy(e, KVB_XFER_H2D, kvb_block_pool_block(e->pool, d), kvb_block_pool_block(e->ht_pool, h),
-                                kvb_kv_block_bytes(&e->geom));
-            if (st == KVB_OK) st = kvb_prefix_cache_publish(e->pc, s->last_hash, tk, d, NULL);
-            if (st == KVB_OK) st = kvb_block_table_push(&s->bt, d);
-            if (st != KVB_OK) kvb_block_pool_unref(e->pool, d);
+        if (kvb_prefix_cache_match_from(e->ht_pc, par[n], tk, bs, 1, &h, &par[n + 1]) != 1) break;
+        if (kvb_prefix_cache_alloc(e->pc, &d) != KVB_OK) { /* the host block stays referenced until copied */
+            kvb_block_pool_unref(e->ht_pool, h);
+            break;
         }
-        kvb_block_pool_unref(e->ht_pool, h);
-        if (st != KVB_OK) break;
-        s->last_hash = next;
+        hd[2 * n] = h;
+        hd[2 * n + 1] = d;
+        x[n] = (kvb_xfer){kvb_block_pool_block(e->pool, d), kvb_block_pool_block(e->ht_pool, h), kvb_kv_block_bytes(&e->geom)};
+        n++;
+    }
+    uint64_t t;
+    kvb_status st = n ? kvb__host_flush(e) : KVB_OK;
+    if (st == KVB_OK && n) st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, x, n, &t);
+    if (st == KVB_OK && n) st = kvb_stager_wait(e->stager, t);
+    for (int i = 0; i < n; i++) {
+        int32_t d = hd[2 * i + 1];
+        const int32_t *tk = s->tokens + (size_t)s->n_published * bs;
+        if (st == KVB_OK) st = kvb_prefix_cache_publish(e->pc, par[i], tk, d, NULL);
+        if (st == KVB_OK) st = kvb_block_table_push(&s->bt, d);
+        if (st != KVB_OK) kvb_block_pool_unref(e->pool, d);
+        kvb_block_pool_unref(e->ht_pool, hd[2 * i]);
+        if (st != KVB_OK) continue;
+        s->last_hash = par[i + 1];
         s->n_published++;
         loaded++;
         e->stats.host_tier_loads++;
     }
+out:
+    free(hd);
+    free(par);
+    free(x);
     return loaded;
 }
 
@@ -78,6 +124,9 @@ int kvb__host_tier_peek(const kvb_engine *e, uint64_t parent, const int32_t *tok
 }
 
 void kvb__host_tier_free(kvb_engine *e) {
+    free(e->ht_pend);
+    e->ht_pend = NULL;
+    e->n_ht_pend = e->cap_ht_pend = 0;
     kvb_prefix_cache_destroy(e->ht_pc);
     kvb_block_pool_destroy(e->ht_pool);
     kvb_mem_pinned_free(kvb_model_backend(e->m)->mem, e->ht_mem);

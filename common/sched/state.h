@@ -206,6 +206,11 @@ struct kvb_engine {
     int64_t *anew;           /* [vcap] per request: new blocks the plan being checked gives it */
     kvb_prefix_cache *ht_pc; /* its prefix cache: blocks keyed like the pool's */
     int host_prefix;         /* evicted cached blocks are demoted to the host tier, matches continue there */
+    /* demotions while a plan is applied are batched: one transfer for all of them, posted (and waited
+     * for) before the next host-link transfer and before the step's forward (kvb__host_flush) */
+    int ht_batch;            /* 1 while apply_plan runs */
+    kvb_xfer *ht_pend;       /* [n_ht_pend] pool block -> host block copies not posted yet */
+    int n_ht_pend, cap_ht_pend;
 };
 
 /* ---------------------------------------------------------------- scheduler.c */
@@ -276,6 +281,9 @@ void kvb__host_tier_free(kvb_engine *e);
 int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks);
 /* A host-tier block for writing (free, or the least recently used cached one). KVB_ERR_EXHAUSTED. */
 kvb_status kvb__host_alloc(kvb_engine *e, int32_t *out);
+/* Posts the batched demotions (one transfer) and waits for them; a no-op when none are pending. Called
+ * before anything else goes over the host link and before the pool's blocks are written. */
+kvb_status kvb__host_flush(kvb_engine *e);
 /* Copies `bytes` between the pool and the host tier over the host link and waits (dir D2H or H2D). */
 kvb_status kvb__host_copy(kvb_engine *e, kvb_xfer_dir dir, void *dst, const void *src, size_t bytes);
 /* How many blocks after `parent` the host tier holds for tokens[0..max_blocks*bs), without loading. */

@@ -309,7 +309,7 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
                                         "device", "threads", "kv_mb",     "block_size",       "endpoint",
                                         "policy", "lsc",     "max_seqs",  "max_batch_tokens", "lend",
                                         "max_live", "max_live_per_client", "tbt_slo_ms", "policy_params",
-                                        "stall_wait_s", "stall_overtake", NULL};
+                                        "stall_wait_s", "stall_overtake", "link_preset", NULL};
     warn_unknown(jm, known, what);
 
     const char *role = NULL;
@@ -359,6 +359,7 @@ static kvb_status load_model(kvb_node_config *c, const char *dir, const json_t *
     KVB_TRY(check_endpoint(m->endpoint, what, "endpoint"));
 
     KVB_TRY(dup_str(jm, "policy", 0, what, "recompute", &m->policy));
+    KVB_TRY(dup_str(jm, "link_preset", 0, what, NULL, &m->link_preset));
     KVB_TRY(load_policy_params(jm, what, m));
     v = 512;
     KVB_TRY(kvb_json_get_int(jm, "max_batch_tokens", 0, 1, 1 << 24, what, &v));
@@ -568,6 +569,7 @@ void kvb_node_config_free(kvb_node_config *c) {
         free(m->backend);
         free(m->endpoint);
         free(m->policy);
+        free(m->link_preset);
         for (int k = 0; k < m->n_policy_params; k++) {
             free(m->policy_keys[k]);
             free(m->policy_values[k]);

@@ -31,6 +31,8 @@
  *       "stall_wait_s": 60,                   a request that no longer fits the KV pool (its blocks were
  *                                             lent or reclaimed) fails after this long (0: waits forever)
  *       "stall_overtake": 64                  later requests served past such a request meanwhile
+ *       "link_preset": "h100-pcie5-scaled"    the stager's link model of its engine (kvb_link_preset;
+ *                                             default: off, copies at memory speed; benchmarks set it)
  *     }, ...
  *   ],
  *   "gateway": {                              optional: kvbankd runs kvbank-gateway (HTTP, OpenAI API)
@@ -81,6 +83,7 @@ typedef struct kvb_node_model {
     int lend;               /* worker: 1 (default) lends idle blocks; 0 ("lend": false) never does */
     double tbt_slo_ms;      /* Token-Deposit target at the gateway; < 0: the gateway's default */
     double stall_wait_s;    /* kvb_engine_opts.stall_wait_s (default 60; 0: never fail) */
+    char *link_preset;      /* kvb_engine_opts.links by name (NULL: off); checked by the model process */
     int stall_overtake;     /* kvb_engine_opts.stall_overtake (default 64) */
 } kvb_node_model;
 

@@ -12,6 +12,8 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -39,12 +41,75 @@
  * device at a 1K context (8 KV heads x 16 splits) */
 #define DECODE_MIN_SPLIT 64
 
+/* ---------------------------------------------------------------- cuBLAS, loaded on first use */
+
+/* cuBLAS is opened when the first CUDA backend is created, never linked: linked, libcublasLt alone put
+ * about 150 MB into every process of a CUDA build (84 MB of zero pages from its .bss, 62 MB of file
+ * pages), CPU backend included, before any model loaded (issue 14's memory target). The handful of
+ * entry points the backend calls go through this table. A build against the host emulation
+ * (kernels/cuda/emu) links its replacements instead (KVB_CUBLAS_LINKED). */
+typedef struct blas_api {
+    cublasStatus_t (*create)(cublasHandle_t *);
+    cublasStatus_t (*destroy)(cublasHandle_t);
+    cublasStatus_t (*set_stream)(cublasHandle_t, cudaStream_t);
+    cublasStatus_t (*set_workspace)(cublasHandle_t, void *, size_t);
+    cublasStatus_t (*set_pointer_mode)(cublasHandle_t, cublasPointerMode_t);
+    cublasStatus_t (*gemm_ex)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void *,
+                              const void *, cudaDataType, int, const void *, cudaDataType, int, const void *, void *,
+                              cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
+    const char *(*status_string)(cublasStatus_t);
+    const char *(*status_name)(cublasStatus_t);
+} blas_api;
+
+static blas_api blas_fn;
+static kvb_status blas_loaded = KVB_ERR_BACKEND;
+static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
+
+#define KVB_STR_(x) #x
+#define KVB_STR(x) KVB_STR_(x)
+#define CUBLAS_SONAME "libcublas.so." KVB_STR(CUBLAS_VER_MAJOR)
+
+static void blas_load(void) {
+#ifdef KVB_CUBLAS_LINKED
+    blas_fn = (blas_api){cublasCreate_v2,        cublasDestroy_v2, cublasSetStream_v2,    cublasSetWorkspace_v2,
+                      cublasSetPointerMode_v2, cublasGemmEx,     cublasGetStatusString, cublasGetStatusName};
+    blas_loaded = KVB_OK;
+#else
+    /* the toolkit's copy first (the one the build was checked against), then the loader's search path */
+    void *h = NULL;
+#ifdef KVB_CUDA_LIBDIR
+    h = dlopen(KVB_CUDA_LIBDIR "/" CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+#endif
+    if (!h) h = dlopen(CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        KVB_LOG_E("cuda backend: cannot load cuBLAS (%s): %s", CUBLAS_SONAME, dlerror());
+        return;
+    }
+    static const char *const names[] = {"cublasCreate_v2",         "cublasDestroy_v2", "cublasSetStream_v2",
+                                        "cublasSetWorkspace_v2",   "cublasSetPointerMode_v2",
+                                        "cublasGemmEx",            "cublasGetStatusString",
+                                        "cublasGetStatusName"};
+    void *fn[KVB_ARRAY_LEN(names)];
+    for (size_t i = 0; i < KVB_ARRAY_LEN(names); i++) {
+        if (!(fn[i] = dlsym(h, names[i]))) {
+            KVB_LOG_E("cuda backend: %s has no %s", CUBLAS_SONAME, names[i]);
+            dlclose(h);
+            return;
+        }
+    }
+    _Static_assert(sizeof blas_fn == sizeof fn, "one entry point per member of blas_api");
+    memcpy(&blas_fn, fn, sizeof blas_fn); /* same order, all function pointers */
+    blas_loaded = KVB_OK;
+#endif
+}
+
 /* ---------------------------------------------------------------- errors */
 
 kvb_status kvb__cublas_status(int st, const char *expr, const char *file, int line) {
     if (st == (int)CUBLAS_STATUS_SUCCESS) return KVB_OK;
     cublasStatus_t s = (cublasStatus_t)st;
-    KVB_LOG_E("cublas: %s: %s (%s) at %s:%d", expr, cublasGetStatusString(s), cublasGetStatusName(s), file, line);
+    KVB_LOG_E("cublas: %s: %s (%s) at %s:%d", expr, blas_fn.status_string ? blas_fn.status_string(s) : "?",
+              blas_fn.status_name ? blas_fn.status_name(s) : "?", file, line);
     switch (s) {
     case CUBLAS_STATUS_ALLOC_FAILED: return KVB_ERR_NOMEM;
     case CUBLAS_STATUS_NOT_SUPPORTED:
@@ -336,7 +401,7 @@ static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w
     float alpha = 1.0f;
     cudaDataType_t t = cuda_type(c->dt);
     /* column-major view: Y^T[rows][n] = W[rows][cols] (stored as cols x rows, so op T) . X^T[cols][n] */
-    return KVB_CUBLAS_CHECK(cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w->data, t, cols, x, t,
+    return KVB_CUBLAS_CHECK(blas_fn.gemm_ex(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w->data, t, cols, x, t,
                                          cols, &beta, y, t, rows, c->compute, CUBLAS_GEMM_DEFAULT));
 }
 
@@ -545,7 +610,7 @@ static void cu_destroy(void *ctx) {
     if (!c) return;
     if (c->stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     if (c->copy_stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->copy_stream));
-    if (c->blas) (void)KVB_CUBLAS_CHECK(cublasDestroy(c->blas));
+    if (c->blas) (void)KVB_CUBLAS_CHECK(blas_fn.destroy(c->blas));
     for (int i = 0; i < STAGE_SLOTS; i++) {
         if (c->stage[i].host) cudaFreeHost(c->stage[i].host);
         if (c->stage[i].done) cudaEventDestroy(c->stage[i].done);
@@ -629,11 +694,13 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)), fail);
     for (int i = 0; i < STAGE_SLOTS; i++)
         KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming)), fail);
-    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasCreate(&c->blas)), fail);
-    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasSetStream(c->blas, c->stream)), fail);
+    pthread_once(&blas_once, blas_load);
+    KVB_TRY_GOTO(blas_loaded, fail);
+    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(blas_fn.create(&c->blas)), fail);
+    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(blas_fn.set_stream(c->blas, c->stream)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaMalloc(&c->blas_ws, BLAS_WORKSPACE_BYTES)), fail);
-    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasSetWorkspace(c->blas, c->blas_ws, BLAS_WORKSPACE_BYTES)), fail);
-    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(cublasSetPointerMode(c->blas, CUBLAS_POINTER_MODE_HOST)), fail);
+    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(blas_fn.set_workspace(c->blas, c->blas_ws, BLAS_WORKSPACE_BYTES)), fail);
+    KVB_TRY_GOTO(KVB_CUBLAS_CHECK(blas_fn.set_pointer_mode(c->blas, CUBLAS_POINTER_MODE_HOST)), fail);
     out->iface = iface;
     out->ctx = c;
     struct cudaDeviceProp p;

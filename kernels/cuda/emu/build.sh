@@ -93,7 +93,7 @@ for name in sorted(os.listdir(cu_dir)):
 PY
 
 CXXFLAGS="-std=c++17 -O2 -g -fno-strict-aliasing -w -I$ROOT -I$OUT/cfg -I$CUDA_DIR/include"
-CFLAGS="-std=gnu11 -O2 -g -fopenmp -D_GNU_SOURCE -I$ROOT -I$OUT/cfg -I$CUDA_DIR/include $(pkg-config --cflags openblas jansson)"
+CFLAGS="-std=gnu11 -O2 -g -fopenmp -D_GNU_SOURCE -DKVB_CUBLAS_LINKED -I$ROOT -I$OUT/cfg -I$CUDA_DIR/include $(pkg-config --cflags openblas jansson)"
 OBJS=()
 for f in "$OUT"/src/*.cc; do
     o="$OUT/obj/$(basename "${f%.cc}").o"
