@@ -547,8 +547,9 @@ static void bench_solver(const traces *tr, int trials) {
         double base = kvb_etw_step_time(&k, kvb_etw_work_step(&d)), ttok = kvb_etw_time(&k, kvb_etw_work_recompute(&d, 1, d.n_layers));
         printf("  (memory-bound, Eq. 5 per request is base·(1-r)/b0 + decode + r·s·t_tok: linear in r, so r > 0 pays only "
                "where a request's context s < base / (b0·t_tok); here base (fixed + weight read) %.2f ms, t_tok (one "
-               "token through all layers) %.4f ms: s < %.0f / b0 tokens; the paper's model charges every decode 2hV·s "
-               "of logits, which makes r = 0 look far costlier)\n", base * 1e3, ttok * 1e3, base / ttok);
+               "token through all layers) %.4f ms: s < %.0f / b0 tokens, or where r = 0 fits not even the queue's head "
+               "(b0 < 1: the top row); the paper's model charges every decode 2hV·s of logits, which makes r = 0 look "
+               "far costlier)\n", base * 1e3, ttok * 1e3, base / ttok);
     }
     /* layer level: (l1, l2) and δ per call, on a running set of 256 */
     {

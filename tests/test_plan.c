@@ -620,6 +620,8 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
             ck_assert_int_gt(m.restores, 0);
             ck_assert_uint_gt(s.prefix_host_stores, 0);
             ck_assert_uint_gt(s.prefix_host_loads, 0);
+            /* the recomputed rows left the forward pass above their recomputed layers */
+            ck_assert_uint_lt(s.recomputed_row_layers, s.recomputed_tokens * (uint64_t)kvb_model_cfg(model)->n_layers);
             preempted += s.preemptions; /* copies released with their request's KV (the host check above) */
         }
         if (which == MECH_DROP) {
@@ -629,6 +631,7 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
             ck_assert_int_gt(m.restores, 0);
             ck_assert_uint_gt(s.dropped_blocks, 0);
             ck_assert_uint_gt(s.restored_blocks, 0);
+            ck_assert_uint_eq(s.recomputed_row_layers, s.recomputed_tokens * (uint64_t)kvb_model_cfg(model)->n_layers); /* every layer recomputed */
         }
         if (which == MECH_SWAP) {
             ck_assert_uint_gt(s.swap_outs, 0);

@@ -267,7 +267,7 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              "policy=%s steps=%llu prompt_tokens=%llu generated_tokens=%llu preemptions=%llu prefix_hit_tokens=%llu "
              "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
              "max_running=%d swap_outs=%llu swap_ins=%llu offload_prefills=%llu recomputed_tokens=%llu dropped_blocks=%llu "
-             "restored_blocks=%llu prefix_host_stores=%llu prefix_host_loads=%llu hidden_restores=%llu hidden_saved_bytes=%llu host_link_bytes=%llu "
+             "restored_blocks=%llu prefix_host_stores=%llu prefix_host_loads=%llu recomputed_row_layers=%llu hidden_restores=%llu hidden_saved_bytes=%llu host_link_bytes=%llu "
              "peer_link_bytes=%llu",
              kvb_engine_planner_name(e), (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
              (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
@@ -276,7 +276,8 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              s.max_running, (unsigned long long)s.swap_outs, (unsigned long long)s.swap_ins,
              (unsigned long long)s.offload_prefills, (unsigned long long)s.recomputed_tokens, (unsigned long long)s.dropped_blocks,
              (unsigned long long)s.restored_blocks, (unsigned long long)s.prefix_host_stores,
-             (unsigned long long)s.prefix_host_loads, (unsigned long long)s.hidden_restores,
+             (unsigned long long)s.prefix_host_loads, (unsigned long long)s.recomputed_row_layers,
+             (unsigned long long)s.hidden_restores,
              (unsigned long long)s.hidden_saved_bytes, (unsigned long long)s.links[KVB_LINK_HOST].bytes,
              (unsigned long long)s.links[KVB_LINK_PEER].bytes);
 }

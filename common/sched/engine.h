@@ -133,6 +133,8 @@ typedef struct kvb_engine_stats {
     uint64_t restored_blocks;   /* released blocks given back and refilled by recompute (KVB_OP_DROP) */
     uint64_t prefix_host_stores;/* released blocks whose upper layers were stored to the host tier (DROP n_host) */
     uint64_t prefix_host_loads; /* (released block, layer) slices loaded from the host tier instead of recomputed */
+    uint64_t recomputed_row_layers; /* recomputed rows the forward pass computed, summed over layers (below
+                                 * recomputed_tokens x n_layers when prefix layers come from the host tier) */
     uint64_t hidden_restores;   /* swap-ins whose first layers were rebuilt from saved hidden states (HCache) */
     uint64_t hidden_saved_bytes;/* hidden states saved to host memory (HCache) */
     uint64_t copy_orders;       /* plan copy orders carried out */

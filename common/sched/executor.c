@@ -971,13 +971,18 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
     KVB_TRY(kvb_forward_begin(e->fw, b));
     /* "without fusion" (§6.3): the recomputed rows' GEMMs apart from the new tokens' */
     if ((serial & 2) && e->main_rows < b->n_tokens) KVB_TRY(kvb_forward_split(e->fw, e->main_rows));
+    int rows = b->n_tokens, seqs = b->attn.n_seqs; /* what the forward pass computes now */
     for (int l = 0; l < L; l++) {
         uint64_t tl = kvb_now_ns();
         if (copy_t[l]) KVB_TRY(kvb_stager_wait(e->stager, copy_t[l]));
         if (pfx && (serial & 1)) KVB_TRY(post_prefix_loads(e, n_sched, l)); /* "without overlap" (§6.3) */
         if (pfx && e->t_pfx[l]) KVB_TRY(kvb_stager_wait(e->stager, e->t_pfx[l]));
-        if (l > 0 && (e->l_rows[l] != e->l_rows[l - 1] || e->l_seqs[l] != e->l_seqs[l - 1]))
-            KVB_TRY(kvb_forward_rows(e->fw, e->l_rows[l], e->l_seqs[l])); /* prefixes above their recomputed layers */
+        if (e->l_rows[l] != rows || e->l_seqs[l] != seqs) { /* prefixes above their recomputed layers leave */
+            rows = e->l_rows[l];
+            seqs = e->l_seqs[l];
+            KVB_TRY(kvb_forward_rows(e->fw, rows, seqs));
+        }
+        e->stats.recomputed_row_layers += (uint64_t)(rows - e->main_rows);
         if (e->sl) { /* a sliced pool: its manager places the slices (one attention sequence per request) */
             KVB_TRY(kvb__slices_layer(e, n_sched, l));
         } else {
