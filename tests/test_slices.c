@@ -367,6 +367,13 @@ KVB_TEST_END
 
 static double since(uint64_t t0) { return (double)(kvb_now_ns() - t0) * 1e-9; }
 
+/* The link model paces copies with real sleeps, so its schedule is read off the wall clock. A lower
+ * bound is the model's own (a copy cannot land before the model lets it; the time between two posts,
+ * during which the first copy ran alone at the full rate, is taken off it). An upper bound only says
+ * which model ran (shared against post order, duplex against one link): a descheduled test can miss it,
+ * never meet it wrongly, so it is checked on the best of up to TRIES runs. */
+enum { TRIES = 3 };
+
 KVB_TEST(stager_sharing) {
     kvb_backend *be;
     ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
@@ -379,54 +386,68 @@ KVB_TEST(stager_sharing) {
     const double bw = 20e6, lat = 2e-3;
     unsigned char *src = malloc(4 * MB), *dst = calloc(4, MB), *back = calloc(1, MB);
     for (int i = 0; i < 4 * MB; i++) src[i] = (unsigned char)(i * 13 + 1);
+    /* two equal transfers posted together share the link: both land at lat + 2 MiB / bw */
     kvb_xfer a = {dst, src, MB}, b = {dst + MB, src + MB, MB};
     uint64_t ta, tb;
-    /* two equal transfers posted together share the link: both land at lat + 2 MiB / bw */
     uint64_t t0 = kvb_now_ns();
     ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &a, 1, &ta), KVB_OK);
+    double gap = since(t0);
     ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &b, 1, &tb), KVB_OK);
+    gap = since(t0) - gap;
     ck_assert_int_eq(kvb_stager_wait(s, ta), KVB_OK);
     double wa = since(t0);
     ck_assert_int_eq(kvb_stager_wait(s, tb), KVB_OK);
     double wb = since(t0);
-    ck_assert_msg(wa >= lat + 2.0 * MB / bw * 0.999, "the first of two equal transfers took %.4f s, alone %.4f s", wa,
-                  lat + MB / bw);
+    ck_assert_msg(wa >= lat + 2.0 * MB / bw * 0.999 - gap, "the first of two equal transfers took %.4f s, alone %.4f s",
+                  wa, lat + MB / bw);
     ck_assert_double_ge(wb, wa);
     ck_assert_int_eq(memcmp(dst, src, 2 * MB), 0);
     ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
     /* a small transfer posted after a large one is not queued behind it: a quarter MiB shares the link
      * and lands at lat + 2 Q / bw = 28 ms; in post order it would wait for the MiB (69 ms) */
-    kvb_xfer big = {dst + 2 * MB, src + 2 * MB, MB}, small = {dst + 3 * MB, src + 3 * MB, Q};
-    uint64_t tbig, tsmall;
-    t0 = kvb_now_ns();
-    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &big, 1, &tbig), KVB_OK);
-    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &small, 1, &tsmall), KVB_OK);
-    ck_assert_int_eq(kvb_stager_wait(s, tsmall), KVB_OK);
-    double ws = since(t0);
-    ck_assert_int_eq(kvb_stager_wait(s, tbig), KVB_OK);
-    double wl = since(t0);
+    double ws = 1e9, wl = 0;
+    int copies = 2;
+    for (int k = 0; k < TRIES && ws >= 2 * lat + (double)(MB + Q) / bw; k++) {
+        kvb_xfer big = {dst + 2 * MB, src + 2 * MB, MB}, small = {dst + 3 * MB, src + 3 * MB, Q};
+        uint64_t tbig, tsmall;
+        memset(dst + 2 * MB, 0, MB + Q);
+        t0 = kvb_now_ns();
+        ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &big, 1, &tbig), KVB_OK);
+        ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &small, 1, &tsmall), KVB_OK);
+        ck_assert_int_eq(kvb_stager_wait(s, tsmall), KVB_OK);
+        ws = since(t0);
+        ck_assert_int_eq(kvb_stager_wait(s, tbig), KVB_OK);
+        wl = since(t0);
+        copies += 2;
+        ck_assert_double_ge(ws, lat + 2.0 * Q / bw * 0.999);
+        ck_assert_double_ge(wl, lat + (double)(MB + Q) / bw * 0.999);
+        ck_assert_int_eq(memcmp(dst + 2 * MB, src + 2 * MB, MB + Q), 0);
+    }
     printf("sharing: two equal MiB %.1f / %.1f ms (model %.1f); a quarter after a MiB %.1f ms (model %.1f, in post "
            "order %.1f); the MiB %.1f ms (model %.1f)\n",
            wa * 1e3, wb * 1e3, (lat + 2.0 * MB / bw) * 1e3, ws * 1e3, (lat + 2.0 * Q / bw) * 1e3,
            (2 * lat + (double)(MB + Q) / bw) * 1e3, wl * 1e3, (lat + (double)(MB + Q) / bw) * 1e3);
-    ck_assert_double_ge(ws, lat + 2.0 * Q / bw * 0.999);
-    ck_assert_msg(ws < 2 * lat + (double)(MB + Q) / bw, "the quarter MiB waited for the MiB: %.4f s", ws);
-    ck_assert_double_ge(wl, lat + (double)(MB + Q) / bw * 0.999);
-    ck_assert_int_eq(memcmp(dst + 2 * MB, src + 2 * MB, MB + Q), 0);
+    ck_assert_msg(ws < 2 * lat + (double)(MB + Q) / bw, "the quarter MiB waited for the MiB in %d runs: %.4f s", TRIES,
+                  ws);
     /* the two directions do not share: a load and a store together each take lat + MiB / bw */
-    kvb_xfer in = {dst, src + MB, MB}, out = {back, src + 2 * MB, MB};
-    uint64_t tin, tout;
-    t0 = kvb_now_ns();
-    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &in, 1, &tin), KVB_OK);
-    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_D2H, &out, 1, &tout), KVB_OK);
-    ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
-    double wd = since(t0);
-    ck_assert_double_ge(wd, lat + (double)MB / bw * 0.999);
-    ck_assert_msg(wd < lat + 2.0 * MB / bw, "full duplex: a load and a store took %.4f s together", wd);
-    ck_assert_int_eq(memcmp(back, src + 2 * MB, MB), 0);
+    double wd = 1e9;
+    for (int k = 0; k < TRIES && wd >= lat + 2.0 * MB / bw; k++) {
+        kvb_xfer in = {dst, src + MB, MB}, out = {back, src + 2 * MB, MB};
+        uint64_t tin, tout;
+        memset(back, 0, MB);
+        t0 = kvb_now_ns();
+        ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &in, 1, &tin), KVB_OK);
+        ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_D2H, &out, 1, &tout), KVB_OK);
+        ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
+        wd = since(t0);
+        copies += 2;
+        ck_assert_double_ge(wd, lat + (double)MB / bw * 0.999);
+        ck_assert_int_eq(memcmp(back, src + 2 * MB, MB), 0);
+    }
+    ck_assert_msg(wd < lat + 2.0 * MB / bw, "full duplex: a load and a store took %.4f s together in %d runs", wd, TRIES);
     kvb_link_report rep[KVB_LINK_COUNT];
     kvb_stager_take_report(s, rep);
-    ck_assert_uint_eq(rep[KVB_LINK_HOST].copies, 6);
+    ck_assert_uint_eq(rep[KVB_LINK_HOST].copies, (unsigned)copies);
     ck_assert_double_le(rep[KVB_LINK_HOST].gbps, 2 * bw * 1e-9 + 1e-9); /* at most both directions at full rate */
     ck_assert_double_ge(rep[KVB_LINK_HOST].gbps, 0.5 * bw * 1e-9);
     kvb_stager_destroy(s);
