@@ -313,6 +313,10 @@ KVB_TEST(host_tier_lossless) {
     kvb_engine_get_stats(e, &s);
     ck_assert_uint_gt(s.host_tier_loads, 0);
     ck_assert_uint_ge(s.prefix_hit_tokens, s.host_tier_loads * 8);
+    /* batched (issue 10): a step's demotions go out in one transfer, a request's hits come back in one */
+    ck_assert_uint_gt(s.host_tier_stores, 1);
+    ck_assert_uint_gt(s.host_tier_loads, 1);
+    ck_assert_uint_lt(s.links[KVB_LINK_HOST].copies, s.host_tier_stores); /* one transfer a block: stores + loads */
     assert_no_leak(e);
     kvb_engine_destroy(e);
 
