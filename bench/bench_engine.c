@@ -626,7 +626,7 @@ int kvb_bench_engine(int argc, char **argv) {
     printf("ratio: prefill = model FLOPs / time / sgemm rate; decode = roofline / time, roofline = max((weights + KV "
            "read) / read bandwidth, FLOPs / sgemm rate), ceilings sampled around each point; speedup = llama.cpp time / "
            "kvbank time; peak RSS: the measurement's own (reset when it starts), base: what it held then (the bench's "
-           "code and libraries; in a build with CUDA, cuBLAS's static data), limit: (all weights + the point's KV) x 1.15\n");
+           "code and libraries), limit: (all weights + the point's KV) x 1.15\n");
     rc = failures ? 1 : 0;
 out:
     free(prefill);
