@@ -342,12 +342,13 @@ static void check_attention(const seq_spec *specs, int n_seqs, int n_heads, int 
 
 KVB_TEST(attention_paths_gqa) {
     rng_state = 3;
-    /* decode (1 new token), short chunk, long prefill (sgemm path, several tiles), chunk after a past */
-    seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1}};
+    /* decode (1 new token), short chunk, long prefill (sgemm path, several tiles), chunk after a past,
+     * decode walks over several chunks of keys (merged) */
+    seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1}, {1, 1300}, {2, 1025}};
     int bss[] = {1, 7, 16};
     for (size_t i = 0; i < KVB_ARRAY_LEN(bss); i++) {
-        check_attention(specs, 5, 8, 2, 32, bss[i], 1);
-        check_attention(specs, 5, 8, 2, 32, bss[i], 3);
+        check_attention(specs, 7, 8, 2, 32, bss[i], 1);
+        check_attention(specs, 7, 8, 2, 32, bss[i], 3);
     }
 }
 KVB_TEST_END
@@ -364,11 +365,12 @@ KVB_TEST_END
  * on both paths (decode walk and the sgemm tiles, whose rows start their windows at different keys). */
 KVB_TEST(attention_sliding_window) {
     rng_state = 5;
-    seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1}, {5, 90}};
-    int windows[] = {1, 5, 17, 64, 200};
+    /* the last two: decode walks whose windows start inside a later chunk of keys or span two */
+    seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1}, {5, 90}, {1, 1300}, {2, 1030}};
+    int windows[] = {1, 5, 17, 64, 200, 600};
     for (size_t w = 0; w < KVB_ARRAY_LEN(windows); w++) {
-        check_attention_w(specs, 6, 8, 2, 32, 7, 3, windows[w]);
-        check_attention_w(specs, 6, 8, 2, 32, 16, 1, windows[w]);
+        check_attention_w(specs, 8, 8, 2, 32, 7, 3, windows[w]);
+        check_attention_w(specs, 8, 8, 2, 32, 16, 1, windows[w]);
     }
     check_attention_w(specs, 6, 6, 1, 64, 32, 2, 33); /* MQA */
 }

@@ -1,8 +1,12 @@
 /* kvbank — causal paged attention (GQA) on the CPU, reading K/V through per-layer block pointers.
  *
  * The work is split into items run by one OpenMP team:
- *  - decode-like sequences (few query rows per KV head): one item per (sequence, KV head) walks the
- *    blocks in place: dot products, softmax, weighted sum of V rows;
+ *  - decode-like sequences (few query rows per KV head): one item per (sequence, chunk of WALK_KEYS
+ *    keys at fixed positions) walks the blocks in place for every head at once, so each key and value
+ *    row is read whole (all KV heads, contiguous): dot products, the chunk's softmax, weighted sum of V
+ *    rows; a sequence of several chunks merges them by their maxima and sums, in chunk order. (An item
+ *    per KV head read a quarter of every row of a 4-head model and ran at a third of the bandwidth.)
+ *    Chunk bounds depend on key positions only, so a sequence's result does not depend on its batch;
  *  - prefill-like sequences: one item per (sequence, KV head, tile of query rows) gathers the keys and
  *    values visible to the tile into contiguous scratch and runs Q.K^T and P.V as two sgemm calls
  *    with the causal mask applied between them.
@@ -28,10 +32,15 @@
 /* Query rows (tokens x heads of a group) per sgemm tile. */
 #define TILE_ROWS 128
 
+/* Keys per decode walk item. */
+#define WALK_KEYS 512
+
 typedef struct attn_item {
     int seq;
-    int g;      /* KV head */
-    int t0, t1; /* query rows [t0, t1) of the sequence; walk items cover all of them */
+    int g;      /* KV head (sgemm items) */
+    int t0, t1; /* query rows [t0, t1) of the sequence (sgemm items); walk items cover all of them */
+    int k0, k1; /* keys [k0, k1) (walk items) */
+    int part;   /* walk: the chunk's partial slot, or -1 when the sequence has one chunk */
     int gemm;
 } attn_item;
 
@@ -72,6 +81,40 @@ static inline float exp_softmax(float x) {
     return e * scale;
 }
 
+/* s[i] = e^(s[i] - mx) for i < n: 8 lanes at a time where AVX2 is there (the same polynomial; FMA may
+ * contract it, so a machine gives the same result on every path, not the same bits as another one). */
+#if KVB_ATTN_AVX2
+__attribute__((target("avx2,fma"))) static void exp_sub_avx2(float *s, int n, float mx) {
+    const __m256 vmx = _mm256_set1_ps(mx), lo = _mm256_set1_ps(-87.0f), magic = _mm256_set1_ps(12582912.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx), lo);
+        __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+        __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+        r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
+        __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+        __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+        __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+        _mm256_storeu_ps(s + i, _mm256_mul_ps(e, _mm256_castsi256_ps(bits)));
+    }
+    for (; i < n; i++) s[i] = exp_softmax(s[i] - mx);
+}
+#endif
+
+static void exp_sub(float *s, int n, float mx) {
+#if KVB_ATTN_AVX2
+    if (kvb__cpu_avx2) {
+        exp_sub_avx2(s, n, mx);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) s[i] = exp_softmax(s[i] - mx);
+}
+
 /* Softmax of s[0..n) in place. Eight partial maxima and sums keep the loops vectorizable. */
 static void softmax(float *s, int n) {
     float m8[8], a8[8] = {0};
@@ -82,13 +125,32 @@ static void softmax(float *s, int n) {
     float mx = m8[0];
     for (int j = 1; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
     for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-    for (i = 0; i < n; i++) s[i] = exp_softmax(s[i] - mx);
+    exp_sub(s, n, mx);
     for (i = 0; i + 8 <= n; i += 8)
         for (int j = 0; j < 8; j++) a8[j] += s[i + j];
     float sum = ((a8[0] + a8[4]) + (a8[1] + a8[5])) + ((a8[2] + a8[6]) + (a8[3] + a8[7]));
     for (; i < n; i++) sum += s[i];
     float inv = 1.0f / sum;
     for (i = 0; i < n; i++) s[i] *= inv;
+}
+
+/* e^(s[i] - max) in place for s[0..n), n > 0; returns the max, *sum the sum (not normalised). */
+static float exp_part(float *s, int n, float *sum) {
+    float m8[8], a8[8] = {0};
+    for (int j = 0; j < 8; j++) m8[j] = s[0];
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) m8[j] = s[i + j] > m8[j] ? s[i + j] : m8[j];
+    float mx = m8[0];
+    for (int j = 1; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
+    for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
+    exp_sub(s, n, mx);
+    for (i = 0; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) a8[j] += s[i + j];
+    float acc = ((a8[0] + a8[4]) + (a8[1] + a8[5])) + ((a8[2] + a8[6]) + (a8[3] + a8[7]));
+    for (; i < n; i++) acc += s[i];
+    *sum = acc;
+    return mx;
 }
 
 /* The group's query heads against one key row: s[h * stride] = scale * <q[h], k> for h < gq. */
@@ -133,6 +195,20 @@ __attribute__((target("avx2,fma"))) static void axpy_group_avx2(const float *p, 
         }
     }
 }
+
+/* Every head of a token against one whole key row (all KV heads): s[h * stride] for h < n_heads. */
+__attribute__((target("avx2,fma"))) static void dots_row_avx2(const float *q, int n_kv, int gq, const float *k,
+                                                               int hd, float scale, float *s, size_t stride) {
+    for (int g = 0; g < n_kv; g++)
+        dots_group_avx2(q + (size_t)g * gq * hd, gq, k + (size_t)g * hd, hd, scale, s + (size_t)g * gq * stride, stride);
+}
+
+/* Every head's output plus its share of one whole value row. */
+__attribute__((target("avx2,fma"))) static void axpy_row_avx2(const float *p, size_t stride, int n_kv, int gq,
+                                                               const float *v, float *o, int hd) {
+    for (int g = 0; g < n_kv; g++)
+        axpy_group_avx2(p + (size_t)g * gq * stride, stride, gq, v + (size_t)g * hd, o + (size_t)g * gq * hd, hd);
+}
 #endif
 
 /* First key a query row with `n_vis` causally visible keys may see: 0, or with a sliding window the
@@ -141,52 +217,108 @@ static inline int first_key(const kvb_attn_batch *b, int n_vis) {
     return b->window > 0 && n_vis > b->window ? n_vis - b->window : 0;
 }
 
-/* Every query row of the sequence for all query heads of KV group g, which sit next to each other
- * in a token's q row: one pass over the visible keys (each key row read once for the whole group),
- * the softmax of each head, one pass over the values. scores: gq * ctx_len floats, head h's score
- * for key k at scores[h * ctx_len + k]. */
-static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int g, const float *q, float *out,
-                      float *scores) {
+/* Keys [k0, k1) of a decode-like sequence for every query row and head. Row t sees keys [lo_t, n_vis_t);
+ * scores[(t * n_heads + h) * n + k - k0], n = k1 - k0. Each row and head gets the chunk's maximum m, sum
+ * l and unnormalised output o = sum e^(s - m) v: normalised into `out` when the sequence has this one
+ * chunk (part == NULL), else kept in the chunk's partial slot: o [q_len][n_heads][hd], then m and l,
+ * [q_len][n_heads] each. */
+static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, int k1, const float *q, float *out,
+                      float *part, float *scores) {
     const kvb_kv_geom *geo = b->geom;
-    int hd = geo->head_dim, bs = geo->block_size, gq = b->n_heads / geo->n_kv_heads;
-    size_t row = (size_t)geo->n_kv_heads * hd, half = (size_t)bs * row, stride = (size_t)sq->ctx_len;
+    int hd = geo->head_dim, bs = geo->block_size, nkv = geo->n_kv_heads, nh = b->n_heads, gq = nh / nkv;
+    size_t row = (size_t)nkv * hd, half = (size_t)bs * row, stride = (size_t)(k1 - k0);
 #if KVB_ATTN_AVX2
     int simd = kvb__cpu_avx2 && hd % 8 == 0;
 #endif
     for (int t = 0; t < sq->q_len; t++) {
-        int n_vis = sq->ctx_len - sq->q_len + t + 1, lo = first_key(b, n_vis);
-        const float *qg = q + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd;
-        float *og = out + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd;
-        /* keys [lo, n_vis), block by block */
-        for (int k0 = lo; k0 < n_vis;) {
-            int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, n_vis - k0);
-            const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)g * hd + r0 * row;
-#if KVB_ATTN_AVX2
-            if (simd) {
-                for (int r = 0; r < n_in; r++) dots_group_avx2(qg, gq, kb + r * row, hd, b->scale, scores + k0 + r, stride);
-                k0 += n_in;
-                continue;
-            }
-#endif
-            for (int r = 0; r < n_in; r++) dots_group(qg, gq, kb + r * row, hd, b->scale, scores + k0 + r, stride);
-            k0 += n_in;
+        int n_vis = sq->ctx_len - sq->q_len + t + 1;
+        int a = KVB_MAX(k0, first_key(b, n_vis)), e = KVB_MIN(k1, n_vis);
+        const float *qt = q + (size_t)(sq->q_start + t) * nh * hd;
+        float *st = scores + (size_t)t * nh * stride;
+        float *ot = part ? part + (size_t)t * nh * hd : out + (size_t)(sq->q_start + t) * nh * hd;
+        float m[KVB_CPU_ATTN_MAX_HEADS], l[KVB_CPU_ATTN_MAX_HEADS];
+        for (int h = 0; h < nh; h++) {
+            m[h] = -INFINITY;
+            l[h] = 0.0f;
         }
-        for (int h = 0; h < gq; h++) softmax(scores + (size_t)h * stride + lo, n_vis - lo);
-        memset(og, 0, (size_t)gq * hd * sizeof(float));
-        for (int k0 = lo; k0 < n_vis;) {
-            int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, n_vis - k0);
-            const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)g * hd + r0 * row;
+        memset(ot, 0, (size_t)nh * hd * sizeof(float));
+        if (a < e) {
+            /* scores, key rows in block order */
+            for (int k = a; k < e;) {
+                int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
+                const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)r0 * row;
+                for (int r = 0; r < n_in; r++) {
+                    float *s = st + (k + r - k0);
 #if KVB_ATTN_AVX2
-            if (simd) {
-                for (int r = 0; r < n_in; r++) axpy_group_avx2(scores + k0 + r, stride, gq, vb + r * row, og, hd);
-                k0 += n_in;
-                continue;
-            }
+                    if (simd) {
+                        dots_row_avx2(qt, nkv, gq, kb + r * row, hd, b->scale, s, stride);
+                        continue;
+                    }
 #endif
-            for (int r = 0; r < n_in; r++) axpy_group(scores + k0 + r, stride, gq, vb + r * row, og, hd);
-            k0 += n_in;
+                    for (int g = 0; g < nkv; g++)
+                        dots_group(qt + (size_t)g * gq * hd, gq, kb + r * row + (size_t)g * hd, hd, b->scale,
+                                   s + (size_t)g * gq * stride, stride);
+                }
+                k += n_in;
+            }
+            for (int h = 0; h < nh; h++) m[h] = exp_part(st + (size_t)h * stride + (a - k0), e - a, &l[h]);
+            /* o += p v, value rows in block order */
+            for (int k = a; k < e;) {
+                int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
+                const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)r0 * row;
+                for (int r = 0; r < n_in; r++) {
+                    const float *p = st + (k + r - k0);
+#if KVB_ATTN_AVX2
+                    if (simd) {
+                        axpy_row_avx2(p, stride, nkv, gq, vb + r * row, ot, hd);
+                        continue;
+                    }
+#endif
+                    for (int g = 0; g < nkv; g++)
+                        axpy_group(p + (size_t)g * gq * stride, stride, gq, vb + r * row + (size_t)g * hd,
+                                   ot + (size_t)g * gq * hd, hd);
+                }
+                k += n_in;
+            }
+        }
+        if (part) {
+            float *mp = part + (size_t)sq->q_len * nh * hd + (size_t)t * nh, *lp = mp + (size_t)sq->q_len * nh;
+            memcpy(mp, m, (size_t)nh * sizeof(float));
+            memcpy(lp, l, (size_t)nh * sizeof(float));
+            continue;
+        }
+        for (int h = 0; h < nh; h++) {
+            float *oh = ot + (size_t)h * hd, inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+            for (int d = 0; d < hd; d++) oh[d] *= inv;
         }
     }
+}
+
+/* Merges the n_chunks partials of a sequence (walk items, in chunk order) into `out`. */
+static void attn_merge(const kvb_attn_batch *b, const kvb_attn_seq *sq, const float *part, int n_chunks, float *out) {
+    int hd = b->geom->head_dim, nh = b->n_heads;
+    size_t rows = (size_t)sq->q_len * nh, slot = rows * (hd + 2); /* one chunk's partials */
+    for (int t = 0; t < sq->q_len; t++)
+        for (int h = 0; h < nh; h++) {
+            size_t r = (size_t)t * nh + h;
+            float M = -INFINITY;
+            for (int c = 0; c < n_chunks; c++) {
+                const float *mc = part + c * slot + rows * hd + r, *lc = mc + rows;
+                if (*lc > 0.0f && *mc > M) M = *mc;
+            }
+            float *o = out + ((size_t)(sq->q_start + t) * nh + h) * hd, L = 0.0f;
+            memset(o, 0, (size_t)hd * sizeof(float));
+            if (M == -INFINITY) continue;
+            for (int c = 0; c < n_chunks; c++) {
+                const float *oc = part + c * slot + r * hd, *mc = part + c * slot + rows * hd + r, *lc = mc + rows;
+                if (!(*lc > 0.0f)) continue;
+                float w = exp_softmax(*mc - M);
+                L += w * *lc;
+                for (int d = 0; d < hd; d++) o[d] += w * oc[d];
+            }
+            float inv = 1.0f / L;
+            for (int d = 0; d < hd; d++) o[d] *= inv;
+        }
 }
 
 static size_t gemm_scratch_floats(int nk, int m, int hd) { return 2 * (size_t)nk * hd + (size_t)m * (nk + 2 * (size_t)hd); }
@@ -232,35 +364,70 @@ static void attn_gemm(const kvb_attn_batch *b, const kvb_attn_seq *sq, int g, in
                (size_t)gq * hd * sizeof(float));
 }
 
+/* Walk chunks of a decode-like sequence: chunks c0 .. c1 - 1 of WALK_KEYS keys cover the keys some row
+ * sees, [first_key of its first row, ctx_len). */
+static void walk_chunks(const kvb_attn_batch *b, const kvb_attn_seq *sq, int *c0, int *c1) {
+    *c0 = first_key(b, sq->ctx_len - sq->q_len + 1) / WALK_KEYS;
+    *c1 = KVB_DIV_CEIL(sq->ctx_len, WALK_KEYS);
+}
+
 kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const float *q, float *out) {
     const kvb_kv_geom *geo = b->geom;
-    int nkv = geo->n_kv_heads, hd = geo->head_dim, gq = b->n_heads / nkv;
+    int nkv = geo->n_kv_heads, hd = geo->head_dim, nh = b->n_heads, gq = nh / nkv;
     int tile_t = KVB_MAX(1, TILE_ROWS / gq);
+    if (nh > KVB_CPU_ATTN_MAX_HEADS) {
+        KVB_LOG_E("cpu attention: %d query heads, at most %d", nh, KVB_CPU_ATTN_MAX_HEADS);
+        return KVB_ERR_UNSUPPORTED;
+    }
     int n_items = 0;
+    size_t part_floats = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
-        n_items += nkv * (sq->q_len * gq >= GEMM_MIN_ROWS ? KVB_DIV_CEIL(sq->q_len, tile_t) : 1);
+        if (sq->q_len <= 0) continue;
+        if (sq->q_len * gq >= GEMM_MIN_ROWS) {
+            n_items += nkv * KVB_DIV_CEIL(sq->q_len, tile_t);
+            continue;
+        }
+        int c0, c1;
+        walk_chunks(b, sq, &c0, &c1);
+        n_items += c1 - c0;
+        if (c1 - c0 > 1) part_floats += (size_t)(c1 - c0) * sq->q_len * nh * (hd + 2);
     }
     if ((size_t)n_items > c->items_cap) {
         KVB_TRY(kvb_realloc_array(&c->items, (size_t)n_items, sizeof(attn_item)));
         c->items_cap = (size_t)n_items;
     }
+    if (part_floats > c->part_floats) {
+        float *p = NULL;
+        KVB_TRY(kvb_aligned_alloc(part_floats * sizeof(float), (void **)&p));
+        free(c->part);
+        c->part = p;
+        c->part_floats = part_floats;
+    }
     attn_item *items = c->items;
-    size_t need = 0;
+    size_t need = 0, part_at = 0;
     int n = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
-        int gemm = sq->q_len * gq >= GEMM_MIN_ROWS;
-        for (int g = 0; g < nkv; g++) {
-            if (!gemm) {
-                items[n++] = (attn_item){.seq = s, .g = g, .t0 = 0, .t1 = sq->q_len, .gemm = 0};
-                continue;
-            }
-            for (int t0 = 0; t0 < sq->q_len; t0 += tile_t)
-                items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = KVB_MIN(sq->q_len, t0 + tile_t), .gemm = 1};
+        if (sq->q_len <= 0) continue;
+        if (sq->q_len * gq >= GEMM_MIN_ROWS) {
+            for (int g = 0; g < nkv; g++)
+                for (int t0 = 0; t0 < sq->q_len; t0 += tile_t)
+                    items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = KVB_MIN(sq->q_len, t0 + tile_t),
+                                             .gemm = 1};
+            need = KVB_MAX(need, gemm_scratch_floats(sq->ctx_len, tile_t * gq, hd));
+            continue;
         }
-        size_t item_need = gemm ? gemm_scratch_floats(sq->ctx_len, tile_t * gq, hd) : (size_t)gq * sq->ctx_len;
-        need = KVB_MAX(need, item_need);
+        int c0, c1;
+        walk_chunks(b, sq, &c0, &c1);
+        for (int ch = c0; ch < c1; ch++) {
+            items[n++] = (attn_item){.seq = s,
+                                     .k0 = ch * WALK_KEYS,
+                                     .k1 = KVB_MIN(sq->ctx_len, (ch + 1) * WALK_KEYS),
+                                     .part = c1 - c0 > 1 ? (int)part_at : -1};
+            if (c1 - c0 > 1) part_at += (size_t)sq->q_len * nh * (hd + 2);
+        }
+        need = KVB_MAX(need, (size_t)sq->q_len * nh * WALK_KEYS);
     }
     KVB_TRY(kvb__cpu_scratch_reserve(c, need));
 #pragma omp parallel for schedule(dynamic, 1) if (n_items > 1) num_threads(kvb__cpu_threads)
@@ -268,7 +435,19 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
         const attn_item *it = &items[i];
         float *scratch = c->scratch + (size_t)omp_get_thread_num() * c->scratch_floats;
         if (it->gemm) attn_gemm(b, &b->seqs[it->seq], it->g, it->t0, it->t1, q, out, scratch);
-        else attn_walk(b, &b->seqs[it->seq], it->g, q, out, scratch);
+        else attn_walk(b, &b->seqs[it->seq], it->k0, it->k1, q, out, it->part < 0 ? NULL : c->part + it->part, scratch);
+    }
+    /* sequences of several chunks: merge in chunk order (their items are adjacent, first at .part) */
+    for (int i = 0; i < n;) {
+        const attn_item *it = &items[i];
+        int j = i + 1;
+        if (it->gemm || it->part < 0) {
+            i = j;
+            continue;
+        }
+        while (j < n && !items[j].gemm && items[j].seq == it->seq) j++;
+        attn_merge(b, &b->seqs[it->seq], c->part + it->part, j - i, out);
+        i = j;
     }
     return KVB_OK;
 }

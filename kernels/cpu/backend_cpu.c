@@ -156,6 +156,7 @@ static void cpu_destroy(void *ctx) {
     free(c->scratch);
     free(c->rope_cs);
     free(c->items);
+    free(c->part);
     free(c);
 }
 

@@ -17,7 +17,12 @@ typedef struct kvb_cpu_ctx {
     size_t rope_cs_floats;
     void *items;          /* [items_cap] attention work items */
     size_t items_cap;
+    float *part;          /* [part_floats] decode attention's per-chunk partials */
+    size_t part_floats;
 } kvb_cpu_ctx;
+
+/* Query heads the CPU attention takes (its per-row softmax state lives on the stack). */
+#define KVB_CPU_ATTN_MAX_HEADS 256
 
 /* Threads of the backend's OpenMP team. Process-wide, like OpenBLAS's own setting: every parallel
  * region names it explicitly, so the team size does not depend on which thread calls a kernel. */
