@@ -327,6 +327,10 @@ all_lending() {
         [ "$(st code n_lent)" -gt 0 ] 2>/dev/null && [ "$(st summ n_lent)" -gt 0 ] 2>/dev/null
 }
 wait_for "3 models running, both workers lending" 90 all_lending
+# RESTARTS and AGE come from kvbankd's NodeReport, sent every REPORT_MS once its socket is connected:
+# the coordinator may have answered the lines above before the first one arrived
+has_report() { ! ctl status 2>&1 | grep -q 'no kvbankd report'; }
+wait_for "kvbankd's first report at the coordinator" 30 has_report
 out=$(ctl status)
 head -2 <<<"$out" | tail -1 | grep -qE '^NAME +ROLE +STATUS +RESTARTS +AGE +PID' || fail "status header: $out"
 for m in chat code summ; do
