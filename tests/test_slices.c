@@ -367,11 +367,11 @@ KVB_TEST_END
 
 static double since(uint64_t t0) { return (double)(kvb_now_ns() - t0) * 1e-9; }
 
-/* The link model paces copies with real sleeps, so its schedule is read off the wall clock. A lower
- * bound is the model's own (a copy cannot land before the model lets it; the time between two posts,
- * during which the first copy ran alone at the full rate, is taken off it). An upper bound only says
- * which model ran (shared against post order, duplex against one link): a descheduled test can miss it,
- * never meet it wrongly, so it is checked on the best of up to TRIES runs. */
+/* The link model paces copies with real sleeps, so its schedule is read off the wall clock. Hard lower
+ * bounds are the link's physics: a copy cannot land before its bytes alone could, nor a set of copies
+ * before all their bytes could. Which model ran (shared against post order, duplex against one link) is
+ * told by bounds a loaded machine can miss (a descheduled test or copy thread) but never meet wrongly, so
+ * they are checked on the best of up to TRIES runs. */
 enum { TRIES = 3 };
 
 KVB_TEST(stager_sharing) {
@@ -386,32 +386,40 @@ KVB_TEST(stager_sharing) {
     const double bw = 20e6, lat = 2e-3;
     unsigned char *src = malloc(4 * MB), *dst = calloc(4, MB), *back = calloc(1, MB);
     for (int i = 0; i < 4 * MB; i++) src[i] = (unsigned char)(i * 13 + 1);
-    /* two equal transfers posted together share the link: both land at lat + 2 MiB / bw */
+    /* two equal transfers posted together share the link: both land at lat + 2 MiB / bw. Hard bounds:
+     * neither lands before a MiB alone could, the second not before both MiB could. That they shared
+     * (in post order the first lands at lat + 1 MiB / bw) is checked on the best of TRIES runs: the
+     * copy thread may notice the second post late, and the first runs alone meanwhile. */
     kvb_xfer a = {dst, src, MB}, b = {dst + MB, src + MB, MB};
-    uint64_t ta, tb;
-    uint64_t t0 = kvb_now_ns();
-    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &a, 1, &ta), KVB_OK);
-    double gap = since(t0);
-    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &b, 1, &tb), KVB_OK);
-    gap = since(t0) - gap;
-    ck_assert_int_eq(kvb_stager_wait(s, ta), KVB_OK);
-    double wa = since(t0);
-    ck_assert_int_eq(kvb_stager_wait(s, tb), KVB_OK);
-    double wb = since(t0);
-    ck_assert_msg(wa >= lat + 2.0 * MB / bw * 0.999 - gap, "the first of two equal transfers took %.4f s, alone %.4f s",
-                  wa, lat + MB / bw);
-    ck_assert_double_ge(wb, wa);
-    ck_assert_int_eq(memcmp(dst, src, 2 * MB), 0);
-    ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
+    double wa = 0, wb = 0;
+    int copies = 0;
+    for (int k = 0; k < TRIES && wa < lat + 1.5 * MB / bw; k++) {
+        uint64_t ta, tb;
+        memset(dst, 0, 2 * MB);
+        uint64_t t0 = kvb_now_ns();
+        ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &a, 1, &ta), KVB_OK);
+        ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &b, 1, &tb), KVB_OK);
+        ck_assert_int_eq(kvb_stager_wait(s, ta), KVB_OK);
+        wa = since(t0);
+        ck_assert_int_eq(kvb_stager_wait(s, tb), KVB_OK);
+        wb = since(t0);
+        copies += 2;
+        ck_assert_double_ge(wa, lat + (double)MB / bw * 0.999);
+        ck_assert_double_ge(wb, lat + 2.0 * MB / bw * 0.999);
+        ck_assert_double_ge(wb, wa);
+        ck_assert_int_eq(memcmp(dst, src, 2 * MB), 0);
+        ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
+    }
+    ck_assert_msg(wa >= lat + 1.5 * MB / bw, "the first of two equal transfers took %.4f s in %d runs, alone %.4f s",
+                  wa, TRIES, lat + MB / bw);
     /* a small transfer posted after a large one is not queued behind it: a quarter MiB shares the link
      * and lands at lat + 2 Q / bw = 28 ms; in post order it would wait for the MiB (69 ms) */
     double ws = 1e9, wl = 0;
-    int copies = 2;
     for (int k = 0; k < TRIES && ws >= 2 * lat + (double)(MB + Q) / bw; k++) {
         kvb_xfer big = {dst + 2 * MB, src + 2 * MB, MB}, small = {dst + 3 * MB, src + 3 * MB, Q};
         uint64_t tbig, tsmall;
         memset(dst + 2 * MB, 0, MB + Q);
-        t0 = kvb_now_ns();
+        uint64_t t0 = kvb_now_ns();
         ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &big, 1, &tbig), KVB_OK);
         ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &small, 1, &tsmall), KVB_OK);
         ck_assert_int_eq(kvb_stager_wait(s, tsmall), KVB_OK);
@@ -435,7 +443,7 @@ KVB_TEST(stager_sharing) {
         kvb_xfer in = {dst, src + MB, MB}, out = {back, src + 2 * MB, MB};
         uint64_t tin, tout;
         memset(back, 0, MB);
-        t0 = kvb_now_ns();
+        uint64_t t0 = kvb_now_ns();
         ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &in, 1, &tin), KVB_OK);
         ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_D2H, &out, 1, &tout), KVB_OK);
         ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
