@@ -115,25 +115,6 @@ static void exp_sub(float *s, int n, float mx) {
     for (int i = 0; i < n; i++) s[i] = exp_softmax(s[i] - mx);
 }
 
-/* Softmax of s[0..n) in place. Eight partial maxima and sums keep the loops vectorizable. */
-static void softmax(float *s, int n) {
-    float m8[8], a8[8] = {0};
-    for (int j = 0; j < 8; j++) m8[j] = s[0];
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) m8[j] = s[i + j] > m8[j] ? s[i + j] : m8[j];
-    float mx = m8[0];
-    for (int j = 1; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
-    for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-    exp_sub(s, n, mx);
-    for (i = 0; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) a8[j] += s[i + j];
-    float sum = ((a8[0] + a8[4]) + (a8[1] + a8[5])) + ((a8[2] + a8[6]) + (a8[3] + a8[7]));
-    for (; i < n; i++) sum += s[i];
-    float inv = 1.0f / sum;
-    for (i = 0; i < n; i++) s[i] *= inv;
-}
-
 /* e^(s[i] - max) in place for s[0..n), n > 0; returns the max, *sum the sum (not normalised). */
 static float exp_part(float *s, int n, float *sum) {
     float m8[8], a8[8] = {0};
@@ -151,6 +132,14 @@ static float exp_part(float *s, int n, float *sum) {
     for (; i < n; i++) acc += s[i];
     *sum = acc;
     return mx;
+}
+
+/* Softmax of s[0..n) in place, n > 0. */
+static void softmax(float *s, int n) {
+    float sum;
+    exp_part(s, n, &sum);
+    float inv = 1.0f / sum;
+    for (int i = 0; i < n; i++) s[i] *= inv;
 }
 
 /* The group's query heads against one key row: s[h * stride] = scale * <q[h], k> for h < gq. */
@@ -397,13 +386,7 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
         KVB_TRY(kvb_realloc_array(&c->items, (size_t)n_items, sizeof(attn_item)));
         c->items_cap = (size_t)n_items;
     }
-    if (part_floats > c->part_floats) {
-        float *p = NULL;
-        KVB_TRY(kvb_aligned_alloc(part_floats * sizeof(float), (void **)&p));
-        free(c->part);
-        c->part = p;
-        c->part_floats = part_floats;
-    }
+    KVB_TRY(kvb__cpu_floats_reserve(&c->part, &c->part_floats, part_floats));
     attn_item *items = c->items;
     size_t need = 0, part_at = 0;
     int n = 0;

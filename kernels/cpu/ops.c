@@ -31,6 +31,16 @@ kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats) {
     return KVB_OK;
 }
 
+kvb_status kvb__cpu_floats_reserve(float **buf, size_t *cap, size_t floats) {
+    if (floats <= *cap) return KVB_OK;
+    float *p = NULL;
+    KVB_TRY(kvb_aligned_alloc(floats * sizeof(float), (void **)&p));
+    free(*buf);
+    *buf = p;
+    *cap = floats;
+    return KVB_OK;
+}
+
 void kvb__cpu_embed(const float *table, int64_t dim, const int32_t *ids, int n, float *out) {
     for (int i = 0; i < n; i++) memcpy(out + (size_t)i * dim, table + (size_t)ids[i] * dim, (size_t)dim * sizeof(float));
 }
@@ -181,14 +191,7 @@ static void rope_rows(float *x, int n_heads, int n, const float *cs, int hd) {
 kvb_status kvb__cpu_rope(kvb_cpu_ctx *c, float *q, int n_heads, float *k, int n_kv_heads, int n, const int32_t *pos,
                          const kvb_rope *rope) {
     int hd = rope->head_dim, half = hd / 2;
-    size_t need = (size_t)n * hd;
-    if (need > c->rope_cs_floats) {
-        float *p = NULL;
-        KVB_TRY(kvb_aligned_alloc(need * sizeof(float), (void **)&p));
-        free(c->rope_cs);
-        c->rope_cs = p;
-        c->rope_cs_floats = need;
-    }
+    KVB_TRY(kvb__cpu_floats_reserve(&c->rope_cs, &c->rope_cs_floats, (size_t)n * hd));
     /* One cos/sin table per token, shared by all heads; angles in double so that long positions keep
      * f32 accuracy (transformers computes them in f32; the f64 reference is the stricter target). */
     for (int t = 0; t < n; t++) {

@@ -33,6 +33,8 @@ extern int kvb__cpu_avx2;
 
 /* Makes sure every thread has `floats` floats of scratch. */
 kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats);
+/* Makes the aligned buffer *buf hold at least `floats` floats (contents not kept). */
+kvb_status kvb__cpu_floats_reserve(float **buf, size_t *cap, size_t floats);
 
 void kvb__cpu_embed(const float *table, int64_t dim, const int32_t *ids, int n, float *out);
 void kvb__cpu_matmul(const float *x, int n, const float *w, int64_t rows, int64_t cols, float beta, float *y);

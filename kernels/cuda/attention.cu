@@ -325,9 +325,7 @@ __global__ void __launch_bounds__(DEC_THREADS)
 #pragma unroll
         for (int u = 0; u < UF; u++) {
             float kf[W];
-            const T *ke = reinterpret_cast<const T *>(&kraw[u]);
-#pragma unroll
-            for (int j = 0; j < W; j++) kf[j] = kvb::to_f(ke[j]);
+            kvb::unpack_vec<T>(kraw[u], kf);
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 float acc = 0.0f;
@@ -358,9 +356,10 @@ __global__ void __launch_bounds__(DEC_THREADS)
             for (int j = 0; j < W; j++) o[r][j] *= corr;
 #pragma unroll
             for (int u = 0; u < UF; u++) {
-                const T *ve = reinterpret_cast<const T *>(&vraw[u]);
+                float vf[W];
+                kvb::unpack_vec<T>(vraw[u], vf);
 #pragma unroll
-                for (int j = 0; j < W; j++) o[r][j] += p[u] * kvb::to_f(ve[j]);
+                for (int j = 0; j < W; j++) o[r][j] += p[u] * vf[j];
             }
         }
     }

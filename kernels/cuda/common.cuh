@@ -27,12 +27,16 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-/* 16 bytes at p (16-byte aligned) as VEC<T> floats. */
-template <typename T> __device__ __forceinline__ void load_vec(const T *p, float *f) {
-    uint4 u = *reinterpret_cast<const uint4 *>(p);
+/* 16 loaded bytes as VEC<T> floats. */
+template <typename T> __device__ __forceinline__ void unpack_vec(const uint4 &u, float *f) {
     const T *e = reinterpret_cast<const T *>(&u);
 #pragma unroll
     for (int i = 0; i < VEC<T>; i++) f[i] = to_f(e[i]);
+}
+
+/* 16 bytes at p (16-byte aligned) as VEC<T> floats. */
+template <typename T> __device__ __forceinline__ void load_vec(const T *p, float *f) {
+    unpack_vec<T>(*reinterpret_cast<const uint4 *>(p), f);
 }
 
 template <typename T> __device__ __forceinline__ void store_vec(T *p, const float *f) {

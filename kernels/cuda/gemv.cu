@@ -36,9 +36,7 @@ __global__ void __launch_bounds__(THREADS)
             int s = s0 + u * 32;
             if (s >= slots) break;
             float wf[V];
-            const T *we = reinterpret_cast<const T *>(&wv[u]);
-#pragma unroll
-            for (int j = 0; j < V; j++) wf[j] = kvb::to_f(we[j]);
+            kvb::unpack_vec<T>(wv[u], wf);
 #pragma unroll
             for (int t = 0; t < N; t++) {
                 float xf[V];
