@@ -119,6 +119,7 @@ struct kvb_engine {
     kvb_forward *fw;
     kvb_mem_allocator act_alloc; /* the planner's activation allocator (SETUP), iface NULL if none */
     int planner_kv;          /* the planner brought the KV memory (SETUP) */
+    int max_borrowed;        /* >= 0: the planner attaches at most this many blocks (SETUP); -1: no limit */
     int max_rows;            /* rows the forward pass holds: max_batch_tokens + extra rows */
     seq_list waiting;        /* by arrival; preempted sequences go back in arrival order */
     seq_list running;        /* by arrival (paused ones included) */
