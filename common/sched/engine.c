@@ -172,7 +172,8 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     KVB_TRY_GOTO(kvb_calloc((size_t)e->o.max_seqs, sizeof *e->pfx_ord, (void **)&e->pfx_ord), fail);
     if (pp.stage_slots > 0) KVB_TRY_GOTO(kvb__stage_reserve(e, pp.stage_slots), fail);
     e->max_borrowed = pp.limit_borrowed ? pp.max_borrowed : -1;
-    if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix), fail);
+    if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix,
+                                                                        pp.host_layered), fail);
     *out = e;
     return KVB_OK;
 fail:

@@ -347,6 +347,9 @@ typedef struct kvb_pool_plan {
     /* SETUP, ATTACH, DETACH: */
     int stage_slots;       /* blocks a step may read through stage buffers (STREAM / HOST) */
     /* SETUP (read once): */
+    int host_layered;      /* with host_prefix: a step's hits load layer by layer behind the compute (one
+                            * transfer per layer, each layer waiting for its own) instead of all of them
+                            * before the step (issue 10: the paper's baseline loads per layer) */
     int host_prefix;       /* with a host tier: cached blocks the pool evicts are copied there and prefix
                             * matches continue there (the host-tier prefix cache baseline) */
     /* SETUP (read once): a sliced pool (common/kv/block_pool.h) for request-level placements. */
