@@ -48,7 +48,8 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
         return st;
     }
     if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0 || pp->sliced_ids < 0 ||
-        pp->lsc_own_blocks < 0 || pp->max_borrowed < 0 || (pp->lsc_own_blocks > 0 && (pp->lsc_own_blocks >= e->o.n_blocks || pp->kv_mem)) ||
+        pp->lsc_own_blocks < 0 || pp->max_borrowed < 0 ||
+        (pp->lsc_own_blocks > 0 && (pp->lsc_own_blocks >= e->o.n_blocks || pp->kv_mem)) ||
         pp->sliced_min_layers < 0 || pp->max_model_len < 0 || pp->max_batch_tokens < 0 ||
         (pp->kv_mem && (pp->kv_blocks < 1 || pp->kv_mem_bytes / kvb_kv_block_bytes(&e->geom) < (size_t)pp->kv_blocks))) {
         KVB_LOG_E("engine: planner %s asks for negative resources or KV memory smaller than its blocks",
