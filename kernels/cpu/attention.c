@@ -29,7 +29,10 @@
 
 /* A sequence takes the sgemm path when it has at least this many query rows per KV head. */
 #define GEMM_MIN_ROWS 32
-/* Query rows (tokens x heads of a group) per sgemm tile. */
+/* Query rows (tokens x heads of a group) per sgemm tile, at most. A tile's tokens divide
+ * KVB_CHUNK_ALIGN_ROWS and tiles start at step rows (kvb_attn_batch.row0 + q row) that are multiples
+ * of it, so a sequence whose rows come in pieces (kernels/backend.h) has the tiles, and so the results,
+ * it has in one piece. */
 #define TILE_ROWS 128
 
 /* Keys per decode walk item. */
@@ -364,6 +367,7 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
     const kvb_kv_geom *geo = b->geom;
     int nkv = geo->n_kv_heads, hd = geo->head_dim, nh = b->n_heads, gq = nh / nkv;
     int tile_t = KVB_MAX(1, TILE_ROWS / gq);
+    while (KVB_CHUNK_ALIGN_ROWS % tile_t) tile_t--;
     if (nh > KVB_CPU_ATTN_MAX_HEADS) {
         KVB_LOG_E("cpu attention: %d query heads, at most %d", nh, KVB_CPU_ATTN_MAX_HEADS);
         return KVB_ERR_UNSUPPORTED;
@@ -374,7 +378,8 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
         const kvb_attn_seq *sq = &b->seqs[s];
         if (sq->q_len <= 0) continue;
         if (sq->q_len * gq >= GEMM_MIN_ROWS) {
-            n_items += nkv * KVB_DIV_CEIL(sq->q_len, tile_t);
+            int r0 = b->row0 + sq->q_start; /* the step's row of the first query row */
+            n_items += nkv * ((r0 + sq->q_len - 1) / tile_t - r0 / tile_t + 1);
             continue;
         }
         int c0, c1;
@@ -394,10 +399,12 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
         const kvb_attn_seq *sq = &b->seqs[s];
         if (sq->q_len <= 0) continue;
         if (sq->q_len * gq >= GEMM_MIN_ROWS) {
+            int r0 = b->row0 + sq->q_start;
             for (int g = 0; g < nkv; g++)
-                for (int t0 = 0; t0 < sq->q_len; t0 += tile_t)
-                    items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = KVB_MIN(sq->q_len, t0 + tile_t),
-                                             .gemm = 1};
+                for (int t0 = 0, t1; t0 < sq->q_len; t0 = t1) {
+                    t1 = KVB_MIN(sq->q_len, ((r0 + t0) / tile_t + 1) * tile_t - r0);
+                    items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = t1, .gemm = 1};
+                }
             need = KVB_MAX(need, gemm_scratch_floats(sq->ctx_len, tile_t * gq, hd));
             continue;
         }
