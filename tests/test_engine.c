@@ -2,6 +2,7 @@
  * recompute, chunked prefill and batching give exactly the tokens of a plain run), cancellation,
  * rejection of bad requests, stop ids, seeded sampling, and no leaked blocks. The model is a real
  * safetensors directory written by kvbank-mkmodel in a temporary directory. */
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -11,6 +12,7 @@
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/sched/sampling.h"
 #include "tests/harness.h"
 #include "tests/testmodel.h"
 
@@ -361,5 +363,36 @@ KVB_TEST(inflight_prefix_deferred) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("engine", KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
+/* Greedy sampling is the first index of the largest logit, wherever it is (the vector body, the tail,
+ * index 0), with ties, signed zeros and NaNs among the logits. */
+KVB_TEST(greedy_argmax) {
+    enum { V = 1003 };
+    static float x[V];
+    kvb_sampling g = {0};
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 1);
+    uint64_t st = 7;
+    for (int trial = 0; trial < 400; trial++) {
+        int n = 1 + trial % V;
+        for (int i = 0; i < n; i++) {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            x[i] = (float)((st >> 40) % 9) - 4.0f; /* few distinct values: many ties */
+        }
+        if (trial % 5 == 1) x[trial % n] = NAN;
+        if (trial % 7 == 2) x[n - 1] = 5.0f;
+        if (trial % 11 == 3) x[0] = 6.0f;
+        if (trial % 13 == 4) {
+            for (int i = 0; i < n; i++) x[i] = x[i] > 0 ? -x[i] : x[i];
+            x[n / 2] = -0.0f;
+            x[n - 1] = 0.0f;
+        }
+        int32_t want = 0;
+        for (int i = 1; i < n; i++)
+            if (x[i] > x[want]) want = i;
+        ck_assert_int_eq(kvb_sample(&g, &rng, x, n, NULL), want);
+    }
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("engine", KVB_T(greedy_argmax, 30), KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
               KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(inflight_prefix_deferred, 60))

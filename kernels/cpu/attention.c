@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/vexp.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -61,50 +62,14 @@ static inline void axpy(float a, const float *x, float *y, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* e^x for the softmax's arguments (x <= 0 once the maximum is subtracted), in a form the compiler
- * vectorizes (glibc's vector expf is only declared under -ffast-math): x = k ln2 + r with |r| <= ln2/2
- * (k rounded to nearest by the 1.5 * 2^23 trick, ln2 split in two for an exact product), e^r by the
- * classic degree-6 minimax polynomial of single-precision exp (relative error about 1e-7, at most a
- * couple of ulps), 2^k built in the exponent bits. Arguments below -87 are clamped: e^-87 is 1.6e-38, so
- * a weight that small cannot change a sum that includes e^0 = 1. */
-static inline float exp_softmax(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float e = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return e * scale;
-}
-
 /* s[i] = e^(s[i] - mx) for i < n: 8 lanes at a time where AVX2 is there (the same polynomial; FMA may
  * contract it, so a machine gives the same result on every path, not the same bits as another one). */
 #if KVB_ATTN_AVX2
 __attribute__((target("avx2,fma"))) static void exp_sub_avx2(float *s, int n, float mx) {
-    const __m256 vmx = _mm256_set1_ps(mx), lo = _mm256_set1_ps(-87.0f), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 vmx = _mm256_set1_ps(mx);
     int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx), lo);
-        __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
-        __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-        r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
-        __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-        __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-        __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-        _mm256_storeu_ps(s + i, _mm256_mul_ps(e, _mm256_castsi256_ps(bits)));
-    }
-    for (; i < n; i++) s[i] = exp_softmax(s[i] - mx);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, kvb__expf8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx)));
+    for (; i < n; i++) s[i] = kvb__expf(s[i] - mx);
 }
 #endif
 
@@ -115,7 +80,7 @@ static void exp_sub(float *s, int n, float mx) {
         return;
     }
 #endif
-    for (int i = 0; i < n; i++) s[i] = exp_softmax(s[i] - mx);
+    for (int i = 0; i < n; i++) s[i] = kvb__expf(s[i] - mx);
 }
 
 /* e^(s[i] - max) in place for s[0..n), n > 0; returns the max, *sum the sum (not normalised). */
@@ -304,7 +269,7 @@ static void attn_merge(const kvb_attn_batch *b, const kvb_attn_seq *sq, const fl
             for (int c = 0; c < n_chunks; c++) {
                 const float *oc = part + c * slot + r * hd, *mc = part + c * slot + rows * hd + r, *lc = mc + rows;
                 if (!(*lc > 0.0f)) continue;
-                float w = exp_softmax(*mc - M);
+                float w = kvb__expf(*mc - M);
                 L += w * *lc;
                 for (int d = 0; d < hd; d++) o[d] += w * oc[d];
             }
