@@ -45,6 +45,7 @@ typedef struct master_setup {
     kvb_link_model links; /* the stager's link model of every engine made here (--link) */
     lender lenders[16];
     int n_lenders;
+    int host_whole;       /* the host-tier baseline loads hits whole before the step (--host-load whole) */
 } master_setup;
 
 static void setup_free(master_setup *s) {
@@ -137,6 +138,7 @@ static kvb_status make_engine(master_setup *s, int lend, int host_tier_blocks, i
     if (host_tier_blocks > 0) { /* the baseline: the host-tier planner with a host tier of the lent blocks' bytes */
         policy = "host-tier";
         snprintf(kv[0], sizeof kv[0], "blocks=%d", host_tier_blocks);
+        snprintf(kv[1], sizeof kv[1], "layered=%d", !s->host_whole);
     } else if (stream) {
         uint64_t lent = 0;
         for (int i = 0; i < s->n_lenders; i++) lent += s->lenders[i].bytes;
@@ -529,11 +531,13 @@ static void usage_multiturn(FILE *f) {
             "  --reclaim-every S   a lender reclaims or lends back every S s, round robin (default 2; 0: never)\n"
             "  --reclaim-frac F    share of a lender's loan each reclaim takes, whole MEUs (default 0.5)\n"
             "  --reps N            repetitions, medians and min-max printed (default 3)\n"
+            "  --host-load MODE    how the host-tier baseline loads its hits: layered (default: layer by layer\n"
+            "                      behind the compute, as the paper's baseline) or whole (all of them before the step)\n"
             "  --threads N  --plot FILE.svg (the TTFT CDFs of the last repetition, gnuplot)\n");
 }
 
 int kvb_bench_multiturn(int argc, char **argv) {
-    const char *cfg = NULL, *trace = NULL, *plot_path = NULL, *link = "h100-pcie5-scaled";
+    const char *cfg = NULL, *trace = NULL, *plot_path = NULL, *link = "h100-pcie5-scaled", *host_load = "layered";
     int threads = 2;
     double duration = 60;
     mt_opts mo = {.to = {.rate_scale = 5, .len_scale = 1.0 / 128, .min_output = 1, .max_output = 32},
@@ -543,7 +547,7 @@ int kvb_bench_multiturn(int argc, char **argv) {
                                          {"max-output", 1, 0, 'o'}, {"help", 0, 0, 'h'},    {"plot", 1, 0, 'P'},
                                          {"link", 1, 0, 'l'},     {"warmup", 1, 0, 'w'},    {"reclaim-every", 1, 0, 'e'},
                                          {"reclaim-frac", 1, 0, 'f'}, {"reps", 1, 0, 'R'}, {"skip", 1, 0, 'S'},
-                                         {0, 0, 0, 0}};
+                                         {"host-load", 1, 0, 'H'}, {0, 0, 0, 0}};
     int ch;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -552,6 +556,7 @@ int kvb_bench_multiturn(int argc, char **argv) {
         else if (ch == 'T') trace = optarg;
         else if (ch == 'P') plot_path = optarg;
         else if (ch == 'l') link = optarg;
+        else if (ch == 'H') { host_load = optarg; st = strcmp(optarg, "layered") && strcmp(optarg, "whole") ? KVB_ERR_INVALID : KVB_OK; }
         else if (ch == 't') { st = kvb_parse_i64(optarg, 1, 256, &v); threads = (int)v; }
         else if (ch == 'r') st = kvb_parse_f64(optarg, &mo.to.rate_scale);
         else if (ch == 's') st = kvb_parse_f64(optarg, &mo.to.len_scale);
@@ -587,6 +592,7 @@ int kvb_bench_multiturn(int argc, char **argv) {
     mt_result res[64][2];
     printf("kvbank-bench multiturn: %s on the master of %s\n", trace, cfg);
     if (setup(cfg, threads, link, &s) != KVB_OK) goto out;
+    s.host_whole = !strcmp(host_load, "whole");
     mo.to.vocab = kvb_model_cfg(s.m)->vocab;
     mo.to.max_time_s = mo.skip_s + mo.warmup_s + duration;
     int lent_blocks = 0;
@@ -615,7 +621,8 @@ int kvb_bench_multiturn(int argc, char **argv) {
            "(%lld of %lld); new prompt tokens %lld = %lld blocks against the master's own %d blocks\n",
            prompt ? 100.0 * (double)reused / (double)prompt : 0, (long long)reused, (long long)prompt,
            (long long)(prompt - reused), (long long)((prompt - reused) / s.nm->block_size), own_blocks);
-    printf("  lenders give %d master blocks (host-tier baseline: the same bytes); ", lent_blocks);
+    printf("  lenders give %d master blocks (host-tier baseline: the same bytes, its hits loaded %s); ", lent_blocks,
+           s.host_whole ? "whole before the step" : "layer by layer behind the compute");
     if (mo.reclaim_every > 0)
         printf("each %.1f s a lender (round robin) reclaims %.0f%% of its loan or lends it back\n", mo.reclaim_every,
                mo.reclaim_frac * 100);

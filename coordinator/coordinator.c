@@ -222,14 +222,17 @@ static void geom_to_wire(const kvb_kv_geom *g, Kvbank__KvGeometry *w) {
 
 static int wire_int(uint32_t v) { return v > INT_MAX ? -1 : (int)v; }
 
-/* The MEUs a worker's replies carry (0 when unknown or for the master). */
-static void meus_of(const kvb_coord *c, const char *name, uint32_t *w, uint32_t *m) {
+/* The MEUs a worker's replies carry (0 when unknown or for the master), and its lend room (issue 10:
+ * *limited when the master's LSC caps what it can attach). */
+static void meus_of(const kvb_coord *c, const char *name, uint32_t *w, uint32_t *m, protobuf_c_boolean *limited,
+                    uint32_t *room) {
     const kvb_ledger_model *md = kvb_ledger_find(c->ledger, name);
     *w = *m = 0;
     if (md && md->alive && md->role == KVB_ROLE_WORKER && md->has_meu) {
         *w = md->meu.meu_worker;
         *m = md->meu.meu_master;
     }
+    *limited = md && md->alive && kvb_ledger_lend_room(c->ledger, name, room);
 }
 
 /* ---------------------------------------------------------------------------------- pending Reclaimed */
@@ -496,6 +499,8 @@ static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Regis
             .memory = str_or_empty(r->memory),
             .device = r->device,
             .stream = r->stream,
+            .borrow_limited = r->borrow_limited,
+            .max_borrow = r->max_borrow,
             .loans = loans,
             .n_loans = (int)r->n_loans,
         };
@@ -511,7 +516,7 @@ static void handle_register(kvb_coord *c, const msg_ctx *mc, const Kvbank__Regis
     rr.epoch = kvb_ledger_epoch(c->ledger);
     rr.heartbeat_ms = c->heartbeat_ms;
     rr.coordinator_id = c->id;
-    if (st == KVB_OK) meus_of(c, name, &rr.meu_worker, &rr.meu_master);
+    if (st == KVB_OK) meus_of(c, name, &rr.meu_worker, &rr.meu_master, &rr.room_limited, &rr.lend_room);
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_REGISTER_REPLY;
     env.register_reply = &rr;
@@ -531,7 +536,7 @@ static void handle_heartbeat(kvb_coord *c, const msg_ctx *mc, const Kvbank__Hear
     hr.known = known != 0;
     hr.epoch = kvb_ledger_epoch(c->ledger);
     hr.coordinator_id = c->id;
-    if (known) meus_of(c, mc->name, &hr.meu_worker, &hr.meu_master);
+    if (known) meus_of(c, mc->name, &hr.meu_worker, &hr.meu_master, &hr.room_limited, &hr.lend_room);
     else KVB_LOG_D("heartbeat of unknown model %s: asking it to register", mc->printable);
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_HEARTBEAT_REPLY;
@@ -667,6 +672,8 @@ static void handle_status(kvb_coord *c, const msg_ctx *mc, const Kvbank__StatusR
             o->meu_master = m->meu.meu_master;
         }
         o->draining = m->draining != 0;
+        o->borrow_limited = m->borrow_limited != 0;
+        o->max_borrow = m->max_borrow;
         o->tokens_generated = m->tokens_generated;
         o->model = m->model;
         o->memory = (char *)m->memory;

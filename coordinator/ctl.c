@@ -185,6 +185,8 @@ static json_t *status_json(const Kvbank__StatusReply *s, int with_loans) {
                   json_object_set_new(o, "registered", json_true()) ||
                   json_object_set_new(o, "lends", json_integer((json_int_t)m->lends)) ||
                   json_object_set_new(o, "reclaims", json_integer((json_int_t)m->reclaims)) ||
+                  (m->borrow_limited &&
+                   json_object_set_new(o, "max_borrow", json_integer((json_int_t)m->max_borrow))) ||
                   supervision_json(s, m, kvb__ctl_child_of(s, m->name ? m->name : ""), o) ||
                   (m->lend_blocked && m->lend_blocked[0] &&
                    json_object_set_new(o, "lend_blocked", json_string(m->lend_blocked))))) {
@@ -333,6 +335,8 @@ static void print_status_table(const Kvbank__StatusReply *s) {
             snprintf(load, sizeof load, "%" PRIu32 "/%" PRIu32, m->live_requests, m->waiting_requests);
             if (worker && m->meu) snprintf(meu, sizeof meu, "%" PRIu32 ":%" PRIu32, m->meu, m->meu_master);
             if (worker) snprintf(lent, sizeof lent, "%" PRIu32, m->n_lent);
+            else if (m->borrow_limited) /* issue 10: at most what its LSC streams */
+                snprintf(borrowed, sizeof borrowed, "%" PRIu32 "/%" PRIu32, m->n_borrowed, m->max_borrow);
             else snprintf(borrowed, sizeof borrowed, "%" PRIu32, m->n_borrowed);
             snprintf(hb, sizeof hb, "%" PRIu64, m->last_heartbeat_ms);
             if (m->alive) snprintf(pid, sizeof pid, "%" PRIu32, m->pid);

@@ -371,6 +371,21 @@ static kvb_status check_reg(const kvb_ledger_reg *r, char *why, size_t why_len) 
                 return KVB_ERR_INVALID;
             }
     }
+    if (r->borrow_limited || r->max_borrow) { /* issue 10: the master's LSC within its budget */
+        uint64_t held = 0;
+        for (int i = 0; i < r->n_loans; i++) held += r->loans[i].n_master_blocks;
+        if (r->role != KVB_ROLE_MASTER || !r->borrow_limited) {
+            set_why(why, why_len, "max_borrow %" PRIu32 " from %s: only a master limits its borrowing "
+                    "(borrow_limited with max_borrow)", r->max_borrow,
+                    r->role == KVB_ROLE_MASTER ? "a master without borrow_limited" : "a worker");
+            return KVB_ERR_INVALID;
+        }
+        if (r->max_borrow > (1u << 30) || held > r->max_borrow) {
+            set_why(why, why_len, "max_borrow %" PRIu32 " master blocks is above 2^30 or below the %" PRIu64
+                    " its reported loans hold", r->max_borrow, held);
+            return KVB_ERR_INVALID;
+        }
+    }
     return KVB_OK;
 }
 
@@ -666,6 +681,8 @@ kvb_status kvb_ledger_register(kvb_ledger *l, const kvb_ledger_reg *r, uint64_t 
     snprintf(m->memory, sizeof m->memory, "%s", r->memory && r->memory[0] ? r->memory : "host");
     m->device = r->device;
     m->stream = r->stream != 0;
+    m->borrow_limited = r->role == KVB_ROLE_MASTER && r->borrow_limited;
+    m->max_borrow = m->borrow_limited ? r->max_borrow : 0;
     m->registered_ms = now_ms;
     m->last_heartbeat_ms = now_ms;
     recompute_meus(l);
@@ -748,6 +765,15 @@ kvb_status kvb_ledger_offer(kvb_ledger *l, const char *worker, uint32_t first_bl
         set_why(why, why_len, "%" PRIu32 " blocks is not a positive multiple of the MEU (%" PRIu32 " blocks)",
                 n_blocks, w->meu.meu_worker);
         return KVB_ERR_INVALID;
+    }
+    uint32_t room = 0;
+    if (kvb_ledger_lend_room(l, w->name, &room) && n_blocks > room) {
+        /* issue 10: the master's LSC streams at most max_borrow blocks (Eq. 4 within its budget): a Grant
+         * beyond it would be refused, so the offer is */
+        set_why(why, why_len, "master %s can attach %" PRIu32 " more of %s's blocks (its layer stream cache streams "
+                "at most %" PRIu32 " master blocks, %" PRIu32 " borrowed or being granted), not %" PRIu32,
+                master->name, room, w->name, master->max_borrow, kvb_ledger_n_borrowed(l), n_blocks);
+        return KVB_ERR_STATE;
     }
     uint64_t bb = kvb_kv_block_bytes(&w->geom);
     if ((uint64_t)first_block + n_blocks > w->capacity ||
@@ -1208,6 +1234,18 @@ const kvb_loan *kvb_ledger_loan(const kvb_ledger *l, uint64_t id) { return l ? f
 uint32_t kvb_ledger_n_lent(const kvb_ledger *l, const char *worker) {
     const kvb_ledger_model *w = l ? find_model(l, worker) : NULL;
     return w && w->role == KVB_ROLE_WORKER ? lent_by(l, w) : 0;
+}
+
+int kvb_ledger_lend_room(const kvb_ledger *l, const char *worker, uint32_t *room) {
+    *room = 0;
+    const kvb_ledger_model *m = l ? live_master(l) : NULL;
+    const kvb_ledger_model *w = l ? find_model(l, worker) : NULL;
+    if (!m || !m->borrow_limited || !w || w->role != KVB_ROLE_WORKER || !w->has_meu || !w->meu.meu_master) return 0;
+    uint32_t held = kvb_ledger_n_borrowed(l);
+    uint64_t free_m = m->max_borrow > held ? m->max_borrow - held : 0;
+    uint64_t r = free_m / w->meu.meu_master * w->meu.meu_worker;
+    *room = r > UINT32_MAX ? UINT32_MAX : (uint32_t)r;
+    return 1;
 }
 
 uint32_t kvb_ledger_n_borrowed(const kvb_ledger *l) {

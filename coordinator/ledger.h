@@ -101,6 +101,8 @@ typedef struct kvb_ledger_model {
     char memory[KVB_LEDGER_MEMORY_MAX + 1]; /* memory kind of its region ("host", or a device kind) */
     uint32_t device;          /* device of its region */
     int stream;               /* master: streams lent blocks into its LSC (1) or reads them in place (0) */
+    int borrow_limited;       /* master: its LSC lies within its budget and streams at most max_borrow */
+    uint32_t max_borrow;      /* master blocks (issue 10; SwiftCache §3.3 Eq. 4-5) */
     char lend_blocked[512];   /* worker: why it cannot lend to the live master ("" when it can) */
     int has_meu;              /* worker: an MEU with the live master exists */
     kvb_meu meu;              /* worker: the pair's MEU with the live master */
@@ -122,6 +124,9 @@ typedef struct kvb_ledger_reg {
     const char *memory;       /* memory kind of the region (NULL or "": "host") */
     uint32_t device;
     int stream;               /* master: lent blocks are streamed into its LSC */
+    int borrow_limited;       /* master: it can attach at most max_borrow master blocks (its LSC within its
+                               * budget); refused from a worker, above 2^30 or below its reported loans */
+    uint32_t max_borrow;
     /* Loans the process holds now: id, lender, first_block, n_blocks, n_master_blocks, epoch and
      * state == KVB_LOAN_REVOKING for `revoking` are read; the rest is ignored. */
     const kvb_loan *loans;
@@ -274,5 +279,8 @@ const kvb_loan *kvb_ledger_loan(const kvb_ledger *l, uint64_t id);
 /* Worker: blocks lent out (loans of its live process). Master: master blocks borrowed. */
 uint32_t kvb_ledger_n_lent(const kvb_ledger *l, const char *worker);
 uint32_t kvb_ledger_n_borrowed(const kvb_ledger *l);
+/* Worker `worker`'s room: how many of its blocks (whole MEUs) the live master can still attach, when the
+ * master's borrowing is limited (returns 1); 0 when it is not (or there is no such worker or MEU). */
+int kvb_ledger_lend_room(const kvb_ledger *l, const char *worker, uint32_t *room);
 
 #endif

@@ -302,6 +302,14 @@ static void log_plan(const master *m) {
               n, plan.m_block, plan.k_workers, plan.k_master, plan.n_lsc, plan.n_rc, plan.max_ctx_tokens,
               plan.no_lending_tokens, plan.inplace_tokens,
               a->lsc_stream ? "streamed through the LSC (\"lsc\": \"stream\")" : "read in place (\"lsc\": \"inplace\")");
+    int cap = kvb_engine_max_borrowed(m->eng);
+    if (cap >= 0) { /* issue 10: the LSC within the budget (the swiftcache planner's lenders_bytes) */
+        int own = kvb_engine_n_own(m->eng);
+        KVB_LOG_I("the layer stream cache lies within the KV budget: %d own block(s) for the pool (the regular "
+                  "cache), %" PRId64 " for %d stream slot(s); at most %d master blocks borrowed (registered with the "
+                  "coordinator, which caps the workers' offers)", own, a->kv_bytes / (int64_t)m->block_bytes - own,
+                  cap, cap);
+    }
 }
 
 /* ------------------------------------------------------------------------------------------- main */

@@ -2,6 +2,7 @@
 #include "node/node_proc.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -398,7 +399,10 @@ void kvb_node_proc_load(const kvb_node_proc *p, kvb_node_load *out) {
 /* -------------------------------------------------------------------------------------- lifecycle */
 
 /* The model's planner: its policy with its parameters. "lsc": "stream" (--lsc stream) is the swiftcache
- * planner's parameter lsc=stream; with the default policy it picks that planner. */
+ * planner's parameter lsc=stream; with the default policy it picks that planner. With a node config the
+ * master also passes lenders_bytes, the KV budgets of the workers that lend (Eq. 2's C_i): its layer
+ * stream cache then comes out of its own budget, sized by Eq. 1-5 (SwiftCache §3.3; issue 10), and it
+ * registers how many blocks that LSC streams (the coordinator caps the workers' offers at it). */
 static kvb_status make_planner(const kvb_node_proc_args *a, kvb_planner *out) {
     kvb_policy_params pp = {0};
     const char *policy = a->policy;
@@ -408,6 +412,14 @@ static kvb_status make_planner(const kvb_node_proc_args *a, kvb_planner *out) {
     if (st == KVB_OK && a->role == KVB_ROLE_MASTER && a->lsc_stream) {
         if (!strcmp(policy, "recompute")) policy = "swiftcache"; /* the layer stream cache is SwiftCache's */
         st = kvb_policy_params_set(&pp, "lsc", "stream");
+        int64_t lend = 0;
+        for (int i = 0; a->cfg && i < a->cfg->n_models; i++)
+            if (a->cfg->models[i].role == KVB_ROLE_WORKER && a->cfg->models[i].lend) lend += a->cfg->models[i].kv_bytes;
+        if (st == KVB_OK && lend > 0 && !kvb_policy_params_get(&pp, "lenders_bytes")) {
+            char v[32];
+            snprintf(v, sizeof v, "%" PRId64, lend);
+            st = kvb_policy_params_set(&pp, "lenders_bytes", v);
+        }
     }
     if (st == KVB_OK) st = kvb_policy_create(policy, &pp, out);
     kvb_policy_params_free(&pp);
@@ -571,6 +583,8 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
                             .region_bytes = kvb_mem_region_size(p->region), .memory = kvb_mem_kind(p->be->mem),
                             .device = (uint32_t)kvb_mem_device(p->be->mem),
                             .stream = a->role == KVB_ROLE_MASTER && a->lsc_stream, .capacity = (uint32_t)n_blocks,
+                            .borrow_limited = a->role == KVB_ROLE_MASTER && kvb_engine_max_borrowed(p->eng) >= 0,
+                            .max_borrow = (uint32_t)KVB_MAX(kvb_engine_max_borrowed(p->eng), 0),
                             .endpoint = kvb_server_endpoint(p->srv), .model = a->model_dir};
     st = kvb_node_client_create(a->coordinator, &id, &role->cb, a->heartbeat_ms, &p->nc);
     explicit_bzero(token, sizeof token);

@@ -249,6 +249,81 @@ KVB_TEST(ledger_refuses_regions_off_the_masters_plan) {
 }
 KVB_TEST_END
 
+/* Registers master "m" (pid 10, 64 blocks of G_M) that can attach at most `max` master blocks (issue 10:
+ * its LSC within its budget), reporting `loans`. */
+static kvb_status reg_limited(kvb_ledger *l, kvb_role role, int limited, uint32_t max, const kvb_loan *loans,
+                              int n_loans, char *why) {
+    kvb_ledger_reg r = {.name = role == KVB_ROLE_MASTER ? "m" : "a", .role = role,
+                        .pid = role == KVB_ROLE_MASTER ? 10 : 11, .geom = role == KVB_ROLE_MASTER ? G_M : G_A,
+                        .region = "/kvb-test-region", .capacity = 64, .n_own = 64, .endpoint = "e", .model = "m",
+                        .stream = role == KVB_ROLE_MASTER, .borrow_limited = limited, .max_borrow = max,
+                        .loans = loans, .n_loans = n_loans};
+    r.region_bytes = 64 * kvb_kv_block_bytes(&r.geom);
+    return kvb_ledger_register(l, &r, 0, why, 256);
+}
+
+KVB_TEST(ledger_master_borrow_limit) {
+    kvb_ledger *l = new_ledger();
+    char why[256] = "";
+    uint32_t room = 0;
+    ck_assert_int_eq(reg_limited(l, KVB_ROLE_MASTER, 1, 5, NULL, 0, why), KVB_OK);
+    ck_assert_int_eq(reg_limited(l, KVB_ROLE_WORKER, 0, 0, NULL, 0, why), KVB_OK);
+    const kvb_ledger_model *a = kvb_ledger_find(l, "a"), *m = kvb_ledger_find(l, "m");
+    ck_assert(a->has_meu && m->borrow_limited && m->max_borrow == 5);
+    uint32_t mw = a->meu.meu_worker, mm = a->meu.meu_master; /* G_A : G_M = 4 : 1 */
+    ck_assert_uint_eq(mw, 4);
+    ck_assert_uint_eq(mm, 1);
+    ck_assert(kvb_ledger_lend_room(l, "a", &room));
+    ck_assert_uint_eq(room, 5 * mw);
+    ck_assert(!kvb_ledger_lend_room(l, "m", &room)); /* the master has no room of its own */
+    /* an offer beyond the room is refused with the numbers, and changes nothing */
+    ck_assert_int_eq(kvb_ledger_offer(l, "a", 40, 24, 0, NULL, why, sizeof why), KVB_ERR_STATE);
+    ck_assert_msg(strstr(why, "master m can attach 20 more of a's blocks (its layer stream cache streams at most 5 "
+                              "master blocks, 0 borrowed or being granted), not 24") != NULL, "reason: %s", why);
+    ck_assert_int_eq(kvb_ledger_n_loans(l), 0);
+    expect_no_act(l);
+    /* a Grant on its way counts: 3 of 5 granted, 2 left */
+    kvb_loan ln;
+    ck_assert_int_eq(kvb_ledger_offer(l, "a", 52, 12, 0, &ln, why, sizeof why), KVB_OK);
+    expect_act(l, KVB_ACT_GRANT, "m", ln.id);
+    ck_assert(kvb_ledger_lend_room(l, "a", &room) && room == 2 * mw);
+    ck_assert_int_eq(kvb_ledger_offer(l, "a", 40, 12, 0, NULL, why, sizeof why), KVB_ERR_STATE);
+    ck_assert_int_eq(kvb_ledger_grant_ack(l, "m", ln.id, 1, 0, why, sizeof why), KVB_OK);
+    lend(l, "a", 44, 8);
+    ck_assert(kvb_ledger_lend_room(l, "a", &room) && room == 0);
+    ck_assert_uint_eq(kvb_ledger_n_borrowed(l), 5);
+    /* a reclaim gives room back once the master acked it */
+    uint32_t n = 0;
+    ck_assert_int_eq(kvb_ledger_reclaim(l, "a", 8, 0, &n, why, sizeof why), KVB_OK);
+    kvb_ledger_action rv = expect_act(l, KVB_ACT_REVOKE, "m", 0);
+    ck_assert(kvb_ledger_lend_room(l, "a", &room) && room == 0); /* still the master's until its ack */
+    ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", rv.loan.id, rv.epoch, 0, why, sizeof why), KVB_OK);
+    expect_act(l, KVB_ACT_RECLAIMED, "a", rv.loan.id);
+    ck_assert(kvb_ledger_lend_room(l, "a", &room) && room == 2 * mw);
+
+    /* hostile or malformed limits: refused with a reason, the ledger unchanged */
+    uint64_t epoch = kvb_ledger_epoch(l);
+    ck_assert_int_eq(reg_limited(l, KVB_ROLE_WORKER, 1, 8, NULL, 0, why), KVB_ERR_INVALID); /* from a worker */
+    ck_assert_msg(strstr(why, "max_borrow 8 from a worker: only a master limits its borrowing") != NULL, "%s", why);
+    ck_assert_int_eq(reg_limited(l, KVB_ROLE_MASTER, 0, 8, NULL, 0, why), KVB_ERR_INVALID); /* no flag */
+    ck_assert_msg(strstr(why, "a master without borrow_limited") != NULL, "reason: %s", why);
+    ck_assert_int_eq(reg_limited(l, KVB_ROLE_MASTER, 1, (1u << 30) + 1, NULL, 0, why), KVB_ERR_INVALID);
+    ck_assert_msg(strstr(why, "above 2^30") != NULL, "reason: %s", why);
+    kvb_loan held[1] = {{.id = ln.id, .first_block = 52, .n_blocks = 12, .n_master_blocks = 3}};
+    snprintf(held[0].lender, sizeof held[0].lender, "a");
+    ck_assert_int_eq(reg_limited(l, KVB_ROLE_MASTER, 1, 2, held, 1, why), KVB_ERR_INVALID); /* holds more */
+    ck_assert_msg(strstr(why, "below the 3 its reported loans hold") != NULL, "reason: %s", why);
+    ck_assert_uint_eq(kvb_ledger_epoch(l), epoch);
+    ck_assert(kvb_ledger_find(l, "m")->max_borrow == 5 && kvb_ledger_find(l, "a")->alive);
+    ck_assert_uint_eq(kvb_ledger_n_borrowed(l), 3);
+    expect_no_act(l);
+    /* the same master registering again without a limit: no room limit any more */
+    ck_assert_int_eq(reg_limited(l, KVB_ROLE_MASTER, 0, 0, held, 1, why), KVB_OK);
+    ck_assert(!kvb_ledger_lend_room(l, "a", &room));
+    kvb_ledger_destroy(l);
+}
+KVB_TEST_END
+
 KVB_TEST(ledger_reclaim_lowest_first) {
     kvb_ledger *l = new_ledger();
     char why[256] = "";
@@ -1164,6 +1239,10 @@ static void teardown(void) {
     if (g_dir[0]) kvb_t_remove_tree(g_dir);
 }
 
+/* The next Registers' borrowing limit (issue 10; 0, 0: none). */
+static int g_reg_limited;
+static uint32_t g_reg_max_borrow;
+
 /* Sends p's Register: `role`, `pid`, geometry `g`, `capacity` blocks in a real region of this process
  * (made or grown here), the loans it reports. */
 static void peer_send_register(peer *p, kvb_role role, uint32_t pid, const kvb_kv_geom *g, uint32_t capacity,
@@ -1197,6 +1276,8 @@ static void peer_send_register(peer *p, kvb_role role, uint32_t pid, const kvb_k
     r.loans = loans;
     r.n_loans = n_loans;
     r.model = "test";
+    r.borrow_limited = g_reg_limited != 0;
+    r.max_borrow = g_reg_max_borrow;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_REGISTER;
     env.register_ = &r;
@@ -1392,6 +1473,57 @@ KVB_TEST(proc_lend_reclaim_flow) {
 }
 KVB_TEST_END
 
+/* Issue 10 over the wire: a master whose LSC lies within its budget registers how many blocks it can
+ * attach; workers hear their room in the RegisterReply, an offer beyond it is refused, kvbankctl's status
+ * shows the limit; a worker claiming a limit is refused with the reason and registers nothing. */
+KVB_TEST(proc_master_borrow_limit) {
+    make_dir();
+    start_coordinator();
+    peer m, w;
+    peer_open(&m, "m");
+    peer_open(&w, "w");
+    Kvbank__Envelope *h = NULL;
+    g_reg_limited = 1;
+    g_reg_max_borrow = 3;
+    Kvbank__RegisterReply *rr = peer_register_loans(&w, KVB_ROLE_WORKER, (uint32_t)getpid(), &G_A, 64, NULL, 0, &h);
+    ck_assert(!rr->ok);
+    ck_assert_msg(strstr(rr->error, "max_borrow 3 from a worker: only a master limits its borrowing") != NULL,
+                  "error: %s", rr->error);
+    kvbank__envelope__free_unpacked(h, NULL);
+    Kvbank__Envelope *s = status_of(0);
+    ck_assert_uint_eq(s->status_reply->n_models, 0);
+    kvbank__envelope__free_unpacked(s, NULL);
+    peer_register(&m, KVB_ROLE_MASTER, &G_M, 64);
+    keep_alive(&m);
+    g_reg_limited = 0;
+    g_reg_max_borrow = 0;
+    rr = peer_register_loans(&w, KVB_ROLE_WORKER, (uint32_t)getpid(), &G_A, 64, NULL, 0, &h);
+    ck_assert(rr->ok);
+    ck_assert(rr->room_limited);
+    ck_assert_uint_eq(rr->lend_room, 12); /* 3 master blocks, MEU 4 : 1 */
+    kvbank__envelope__free_unpacked(h, NULL);
+    keep_alive(&w);
+    send_offer(&w, 44, 20);
+    Kvbank__Envelope *e = peer_expect(&w, KVBANK__ENVELOPE__BODY_LEND_RESULT, 10000, "offer beyond the room");
+    ck_assert(!e->lend_result->accepted);
+    ck_assert_msg(strstr(e->lend_result->error, "master m can attach 12 more of w's blocks") != NULL, "error: %s",
+                  e->lend_result->error);
+    kvbank__envelope__free_unpacked(e, NULL);
+    lend_flow(&m, &w, 52, 12);
+    s = status_of(1);
+    const Kvbank__ModelStatus *ms = find_status(s->status_reply, "m");
+    ck_assert(ms->borrow_limited);
+    ck_assert_uint_eq(ms->max_borrow, 3);
+    ck_assert_uint_eq(ms->n_borrowed, 3);
+    ck_assert(!find_status(s->status_reply, "w")->borrow_limited);
+    ck_assert_uint_eq(s->status_reply->n_loans, 1);
+    kvbank__envelope__free_unpacked(s, NULL);
+    peer_close(&m);
+    peer_close(&w);
+    teardown();
+}
+KVB_TEST_END
+
 /* A worker that stops heartbeating is dead: the master gets Revoke(lender_dead). */
 KVB_TEST(proc_worker_silent) {
     make_dir();
@@ -1536,10 +1668,13 @@ static pid_t spawn_child_master(int fds[2]) {
     return child;
 }
 
-/* 1 once the coordinator counts `child` as model m, alive, with its pid; 0 after 5 s. */
+/* 1 once the coordinator counts `child` as model m, alive, with its pid; 0 after 15 s. Bounded by the
+ * clock, not by a count of polls: each poll is a new control connection with its own handshake, and on
+ * a loaded machine 250 of them took the test past its time limit. */
 static int wait_child_master(pid_t child) {
     int registered = 0;
-    for (int i = 0; i < 250 && !registered; i++) {
+    uint64_t deadline = kvb_now_ns() + 15000000000ull;
+    while (!registered && kvb_now_ns() < deadline) {
         Kvbank__Envelope *s = status_of(0);
         const Kvbank__ModelStatus *ms = find_status(s->status_reply, "m");
         registered = ms && ms->alive && ms->pid == (uint32_t)child;
@@ -2506,14 +2641,14 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("coordinator", KVB_T(ledger_meu_per_pair, 10), KVB_T(ledger_offer_validation, 10),
               KVB_T(ledger_refuses_regions_off_the_masters_plan, 10),
-              KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_partial_reclaim_widened, 10), KVB_T(ledger_grant_failures, 10),
+              KVB_T(ledger_master_borrow_limit, 10), KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_partial_reclaim_widened, 10), KVB_T(ledger_grant_failures, 10),
               KVB_T(ledger_lend_reclaim_counters, 10),
               KVB_T(ledger_master_death_returns_loans, 10), KVB_T(ledger_silent_master_fenced_first, 10), KVB_T(ledger_worker_death_revokes_lender_dead, 10),
               KVB_T(ledger_register_rules, 10), KVB_T(ledger_drain, 10), KVB_T(ledger_drain_failure_changes_nothing, 10), KVB_T(ledger_restart_both_sides, 10),
               KVB_T(ledger_restart_worker_alone, 10), KVB_T(ledger_restart_master_alone, 10),
-              KVB_T(ledger_reregister_same_pid, 10), KVB_T(proc_lend_reclaim_flow, 60), KVB_T(proc_worker_silent, 60),
+              KVB_T(ledger_reregister_same_pid, 10), KVB_T(proc_lend_reclaim_flow, 60), KVB_T(proc_master_borrow_limit, 60), KVB_T(proc_worker_silent, 60),
               KVB_T(proc_master_killed, 60), KVB_T(proc_bad_messages, 60), KVB_T(proc_restart_rebuilds_ledger, 60),
               KVB_T(ctl_control, 60), KVB_T(ctl_status_json, 60), KVB_T(ctl_plan, 30), KVB_T(ctl_generate, 120),
               KVB_T(proc_cli, 60), KVB_T(proc_hijack_refused, 60),
-              KVB_T(proc_forged_claims, 60), KVB_T(proc_supervised_children_only, 60),
+              KVB_T(proc_forged_claims, 60), KVB_T(proc_supervised_children_only, 90),
               KVB_T(proc_route_recovery, 60))

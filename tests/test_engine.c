@@ -276,23 +276,23 @@ KVB_TEST(stop_ids_and_sampling) {
 }
 KVB_TEST_END
 
-KVB_TEST(host_tier_lossless) {
-    /* turn 1 fills the cache, an unrelated request evicts it from a small pool, turn 2 (turn 1's prompt +
-     * answer + new ids) finds its prefix in the host tier, copies it back, and gives the plain tokens */
-    setup_model("llama");
-    make_prompts();
-    static rec r, plain;
-    memset(&r, 0, sizeof r);
+/* The host_tier_lossless scenario with the host-tier planner's `layered`; the stats and the host link's
+ * transfers during turn 2 in *s and *turn2_copies, turn 2's prompt in turn2[*n2]. */
+static void host_tier_turns(int layered, rec *r, kvb_engine_stats *s, uint64_t *turn2_copies, int32_t *turn2, int *n2) {
+    memset(r, 0, sizeof *r);
     kvb_engine_opts o;
     kvb_engine_opts_default(&o);
     o.block_size = 8;
     o.n_blocks = 10;
     kvb_policy_params pp = {0};
+    char lay[32];
+    snprintf(lay, sizeof lay, "layered=%d", layered);
     ck_assert_int_eq(kvb_policy_params_add(&pp, "blocks=32"), KVB_OK); /* a host tier of 32 blocks */
+    ck_assert_int_eq(kvb_policy_params_add(&pp, lay), KVB_OK);
     kvb_planner pl;
     ck_assert_int_eq(kvb_policy_create("host-tier", &pp, &pl), KVB_OK);
     kvb_policy_params_free(&pp);
-    kvb_engine_events ev = {.ud = &r, .on_token = on_token, .on_finish = on_finish};
+    kvb_engine_events ev = {.ud = r, .on_token = on_token, .on_finish = on_finish};
     kvb_engine *e = NULL;
     ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
     add(e, 0, P[0], PL[0], 20); /* 57 tokens: 7 full blocks published */
@@ -301,33 +301,57 @@ KVB_TEST(host_tier_lossless) {
     for (int i = 0; i < 64; i++) other[i] = (i * 31 + 5) % 200;
     add(e, 1, other, 60, 10); /* needs 9 of the 10 blocks: evicts turn 1's cached blocks */
     run(e);
-    kvb_engine_stats s;
-    kvb_engine_get_stats(e, &s);
-    ck_assert_uint_gt(s.host_tier_stores, 0);
-    int32_t turn2[128];
-    int n2 = PL[0];
+    kvb_engine_get_stats(e, s);
+    ck_assert_uint_gt(s->host_tier_stores, 0);
+    uint64_t c0 = s->links[KVB_LINK_HOST].copies;
+    *n2 = PL[0];
     memcpy(turn2, P[0], sizeof(int32_t) * PL[0]);
-    memcpy(turn2 + n2, r.toks[0], sizeof(int32_t) * 20);
-    n2 += 20;
-    turn2[n2++] = 9;
-    add(e, 2, turn2, n2, 12);
+    memcpy(turn2 + *n2, r->toks[0], sizeof(int32_t) * 20);
+    *n2 += 20;
+    turn2[(*n2)++] = 9;
+    add(e, 2, turn2, *n2, 12);
     run(e);
-    kvb_engine_get_stats(e, &s);
-    ck_assert_uint_gt(s.host_tier_loads, 0);
-    ck_assert_uint_ge(s.prefix_hit_tokens, s.host_tier_loads * 8);
-    /* batched (issue 10): a step's demotions go out in one transfer, a request's hits come back in one */
-    ck_assert_uint_gt(s.host_tier_stores, 1);
-    ck_assert_uint_gt(s.host_tier_loads, 1);
-    ck_assert_uint_lt(s.links[KVB_LINK_HOST].copies, s.host_tier_stores); /* one transfer a block: stores + loads */
+    kvb_engine_get_stats(e, s);
+    *turn2_copies = s->links[KVB_LINK_HOST].copies - c0;
     assert_no_leak(e);
     kvb_engine_destroy(e);
+}
+
+KVB_TEST(host_tier_lossless) {
+    /* turn 1 fills the cache, an unrelated request evicts it from a small pool, turn 2 (turn 1's prompt +
+     * answer + new ids) finds its prefix in the host tier, copies it back, and gives the plain tokens;
+     * the hits whole before the step (layered=0) and layer by layer behind the compute (layered=1) */
+    setup_model("llama");
+    make_prompts();
+    static rec r[2], plain;
+    kvb_engine_stats s[2];
+    uint64_t c[2];
+    int32_t turn2[128];
+    int n2 = 0;
+    for (int layered = 0; layered < 2; layered++) {
+        host_tier_turns(layered, &r[layered], &s[layered], &c[layered], turn2, &n2);
+        ck_assert_uint_gt(s[layered].host_tier_loads, 0);
+        ck_assert_uint_ge(s[layered].prefix_hit_tokens, s[layered].host_tier_loads * 8);
+        /* batched (issue 10): a step's demotions go out in one transfer, a request's hits come back in one
+         * (layered: one per layer) */
+        ck_assert_uint_gt(s[layered].host_tier_stores, 1);
+        ck_assert_uint_gt(s[layered].host_tier_loads, 1);
+        ck_assert_uint_lt(s[layered].links[KVB_LINK_HOST].copies, s[layered].host_tier_stores + (uint64_t)layered);
+    }
+    /* the same work: what differs is how the loads' transfers go, one for the hits or one per layer */
+    ck_assert_uint_eq(s[1].host_tier_loads, s[0].host_tier_loads);
+    ck_assert_uint_eq(s[1].host_tier_stores, s[0].host_tier_stores);
+    /* turn 2's transfers, layered: at least its hits' L = 2 loads and the step's demotions */
+    ck_assert_uint_ge(c[1], 3);
+    ck_assert_uint_ge(c[0], 2);
 
     memset(&plain, 0, sizeof plain);
-    e = make_engine(&plain, 8, 64, 512, 0);
+    kvb_engine *e = make_engine(&plain, 8, 64, 512, 0);
     add(e, 2, turn2, n2, 12);
     run(e);
     kvb_engine_destroy(e);
-    for (int i = 0; i < 12; i++) ck_assert_int_eq(r.toks[2][i], plain.toks[2][i]);
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 12; i++) ck_assert_int_eq(r[k].toks[2][i], plain.toks[2][i]);
     teardown_model();
 }
 KVB_TEST_END

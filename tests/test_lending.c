@@ -1119,6 +1119,7 @@ KVB_TEST(lsc_within_budget) {
     kvb_engine_get_stats(e, &s);
     ck_assert_int_eq(kvb_engine_capacity(e), 24);
     ck_assert_int_eq(s.stage_slots, 24);
+    ck_assert_int_eq(kvb_engine_max_borrowed(e), 24); /* what the node master registers (max_borrow) */
     ck_assert_uint_le((size_t)kvb_engine_capacity(e) * bb + (size_t)s.stage_slots * 2 * lb, 40 * bb);
     ck_assert_int_eq(kvb_engine_attach(e, 1, lend.base, 24 * bb, 24), KVB_OK);
     /* one block more than the LSC streams: refused, nothing attached */

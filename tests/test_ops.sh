@@ -204,12 +204,16 @@ PYEOF
 "$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --link off --rate 1 --skip 0 --warmup 2 \
     --duration 10 --reps 2 --reclaim-every 0.5 --len-scale 0.03125 >"$T/mt.out" 2>&1 || fail "kvbank-bench multiturn: $(cat "$T/mt.out")"
 grep -q "^  link preset: off" "$T/mt.out" &&
+    grep -q "host-tier baseline: the same bytes, its hits loaded layer by layer behind the compute" "$T/mt.out" &&
     grep -qE "^  reusable share of the measured prompt tokens .*: [0-9.]+% " "$T/mt.out" &&
     grep -q "NOTE: 50 requests behind each P99, fewer than 1,000" "$T/mt.out" &&
     grep -qE "^lending \(in place\) +2 +50 +50 .* [0-9]+ reclaims \([0-9]+ blocks\)" "$T/mt.out" &&
     grep -qE "^host-tier \(copies\) +2 +50 +50 " "$T/mt.out" &&
     grep -q "^over 2 repetitions (median \[min-max\])" "$T/mt.out" &&
     grep -qE "^P99 TTFT host tier / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" || fail "multiturn tables: $(cat "$T/mt.out")"
+rc=0
+"$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --host-load sideways >"$T/mtb.out" 2>&1 || rc=$?
+[ "$rc" = 2 ] && grep -q "bad value 'sideways'" "$T/mtb.out" || fail "multiturn --host-load sideways: exit $rc: $(cat "$T/mtb.out")"
 "$PY" - "$T/mt.out" <<'PYEOF' || fail "multiturn lost per reclaimed: $(cat "$T/mt.out")"
 import re, sys
 m = re.search(r"^cached blocks lost per reclaimed block \(lending\): ([0-9.]+) .*\((\d+) lost of (\d+) reclaimed in all\)$",

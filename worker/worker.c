@@ -148,7 +148,15 @@ static void meu(const worker *w, uint32_t *mw, uint32_t *mm) { kvb_node_client_m
 
 /* Offers the top `n` own blocks (a multiple of the worker MEU). */
 static void lend(worker *w, uint32_t n, const char *why) {
-    uint32_t own = n_own(w);
+    uint32_t own = n_own(w), room, mw;
+    if (kvb_node_client_lend_room(w->nc, &room) && n > room) {
+        /* issue 10: the master's layer stream cache lies within its budget and streams no more than
+         * this (the coordinator refuses a larger offer, so that the master never refuses a Grant) */
+        meu(w, &mw, NULL);
+        uint32_t cap = mw ? room - room % mw : 0;
+        KVB_LOG_D("%u block(s) to lend, the master can attach %u more: offering %u", n, room, cap);
+        n = cap;
+    }
     if (n == 0 || n > own) return;
     if (reserve(w) != KVB_OK) return;
     uint32_t first = own - n;

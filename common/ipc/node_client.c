@@ -63,6 +63,8 @@ struct kvb_node_client {
     char coord_id[COORD_ID_MAX];      /* instance that last registered us; "" before the first */
     uint64_t epoch;
     uint32_t meu_worker, meu_master;  /* 0: unknown */
+    int room_limited;                 /* the coordinator's last reply: the master attaches at most */
+    uint32_t lend_room;               /* lend_room more of this worker's blocks (issue 10) */
     uint64_t next_register_ns;        /* unregistered: when the next Register goes out */
     uint64_t next_heartbeat_ns;       /* registered: when the next Heartbeat goes out */
     uint64_t waiting_since_ns;        /* first request still without any reply since (0: none) */
@@ -175,6 +177,8 @@ static void send_register(kvb_node_client *nc) {
     r.memory = nc->memory;
     r.device = nc->id.device;
     r.stream = nc->id.stream != 0;
+    r.borrow_limited = nc->id.role == KVB_ROLE_MASTER && nc->id.borrow_limited;
+    r.max_borrow = r.borrow_limited ? nc->id.max_borrow : 0;
     Kvbank__Envelope env = KVBANK__ENVELOPE__INIT;
     env.body_case = KVBANK__ENVELOPE__BODY_REGISTER;
     env.register_ = &r;
@@ -308,6 +312,14 @@ static void lose_registration(kvb_node_client *nc, const char *why) {
     nc->waiting_since_ns = 0;
 }
 
+static void update_room(kvb_node_client *nc, int limited, uint32_t room) {
+    if (nc->id.role != KVB_ROLE_WORKER) return;
+    if (limited && (!nc->room_limited || room != nc->lend_room))
+        KVB_LOG_D("coordinator: the master can attach %u more of this worker's blocks", room);
+    nc->room_limited = limited != 0;
+    nc->lend_room = limited ? room : 0;
+}
+
 static void update_meu(kvb_node_client *nc, uint32_t w, uint32_t m) {
     if (nc->id.role != KVB_ROLE_WORKER) return;
     if (w != nc->meu_worker || m != nc->meu_master) {
@@ -338,6 +350,7 @@ static void on_register_reply(kvb_node_client *nc, const Kvbank__RegisterReply *
     }
     nc->epoch = rr->epoch;
     update_meu(nc, rr->meu_worker, rr->meu_master);
+    update_room(nc, rr->room_limited, rr->lend_room);
     int same = nc->coord_id[0] && !strncmp(nc->coord_id, cid, sizeof nc->coord_id - 1) && !nc->forgotten;
     if (nc->registered && same) return; /* the answer to a repeated Register */
     nc->forgotten = 0;
@@ -363,6 +376,7 @@ static void on_heartbeat_reply(kvb_node_client *nc, const Kvbank__HeartbeatReply
     }
     nc->epoch = hr->epoch;
     update_meu(nc, hr->meu_worker, hr->meu_master);
+    update_room(nc, hr->room_limited, hr->lend_room);
 }
 
 /* --------------------------------------------------------------------------------------- dispatch */
@@ -650,6 +664,11 @@ int kvb_node_client_heartbeat_ms(const kvb_node_client *nc) { return nc ? nc->he
 void kvb_node_client_meu(const kvb_node_client *nc, uint32_t *meu_worker, uint32_t *meu_master) {
     if (meu_worker) *meu_worker = nc ? nc->meu_worker : 0;
     if (meu_master) *meu_master = nc ? nc->meu_master : 0;
+}
+
+int kvb_node_client_lend_room(const kvb_node_client *nc, uint32_t *room) {
+    if (room) *room = nc && nc->room_limited ? nc->lend_room : 0;
+    return nc && nc->room_limited;
 }
 
 void kvb_node_client_set_meu(kvb_node_client *nc, uint32_t meu_worker, uint32_t meu_master) {

@@ -38,6 +38,9 @@ typedef struct kvb_node_identity {
     const char *memory;    /* memory kind of the region (kvb_mem_kind: "host", a device kind) */
     uint32_t device;       /* device of the region */
     int stream;            /* master: lent blocks are streamed into its LSC (1) or read in place (0) */
+    int borrow_limited;    /* master: it attaches at most max_borrow master blocks (its LSC within its
+                            * budget, issue 10); 0: no limit */
+    uint32_t max_borrow;
     uint32_t capacity;     /* blocks the region holds */
     const char *endpoint;  /* its request endpoint */
     const char *model;     /* model directory, informational (may be NULL) */
@@ -124,6 +127,9 @@ int kvb_node_client_heartbeat_ms(const kvb_node_client *nc);
 void kvb_node_client_meu(const kvb_node_client *nc, uint32_t *meu_worker, uint32_t *meu_master);
 /* Sets the MEUs (the role learned them from a StatusReply). */
 void kvb_node_client_set_meu(kvb_node_client *nc, uint32_t meu_worker, uint32_t meu_master);
+/* Worker: 1 when the master's borrowing is limited (its LSC within its budget, issue 10), with *room its
+ * blocks the master can still attach as of the coordinator's last reply; 0 when there is no limit. */
+int kvb_node_client_lend_room(const kvb_node_client *nc, uint32_t *room);
 /* The ledger epoch of the last reply. */
 uint64_t kvb_node_client_epoch(const kvb_node_client *nc);
 

@@ -7,8 +7,9 @@
  * single-layer buffers per streamed block. With lenders_bytes (the KV bytes the node's workers can
  * lend) the LSC comes out of the master's own KV budget, sized by Eq. 1-5 with kvbank's two buffers per
  * block (kvb_swift_plan_lsc: n_stream blocks, the pool the rest), and an attach beyond n_stream is
- * refused; without it the LSC holds two buffers per attached block beside the budget (issue 10: the node
- * master does not pass it yet, docs/design.md). Scheduling is vLLM's (kvb_sched_fcfs).
+ * refused (the engine says so: kvb_engine_max_borrowed; the node master registers it with the
+ * coordinator, which caps the workers' offers); without it the LSC holds two buffers per attached block
+ * beside the budget (in-process use only: the node master passes lenders_bytes, docs/design.md). Scheduling is vLLM's (kvb_sched_fcfs).
  *
  * Worker side (§3.5 Alg. 1, plan_pool): the window of the last window_s seconds' request lengths
  * (line 22); on a request SCALEUP asks back what the longest request needs (line 6-12); every tick
@@ -65,6 +66,8 @@ static kvb_status swift_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb
             s->lsc_slots = (int)p.n_stream;
             out->lsc_own_blocks = (int)p.lsc_own_blocks;
             out->stage_slots = s->lsc_slots;
+            out->limit_borrowed = 1; /* an attach beyond lsc_slots is refused below */
+            out->max_borrowed = s->lsc_slots;
             break;
         }
         /* fall through */

@@ -48,7 +48,7 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
         return st;
     }
     if (pp->host_tier_blocks < 0 || pp->extra_rows < 0 || pp->stage_slots < 0 || pp->sliced_ids < 0 ||
-        pp->lsc_own_blocks < 0 || (pp->lsc_own_blocks > 0 && (pp->lsc_own_blocks >= e->o.n_blocks || pp->kv_mem)) ||
+        pp->lsc_own_blocks < 0 || pp->max_borrowed < 0 || (pp->lsc_own_blocks > 0 && (pp->lsc_own_blocks >= e->o.n_blocks || pp->kv_mem)) ||
         pp->sliced_min_layers < 0 || pp->max_model_len < 0 || pp->max_batch_tokens < 0 ||
         (pp->kv_mem && (pp->kv_blocks < 1 || pp->kv_mem_bytes / kvb_kv_block_bytes(&e->geom) < (size_t)pp->kv_blocks))) {
         KVB_LOG_E("engine: planner %s asks for negative resources or KV memory smaller than its blocks",
@@ -171,7 +171,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->l_seqs, (void **)&e->l_seqs), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)e->o.max_seqs, sizeof *e->pfx_ord, (void **)&e->pfx_ord), fail);
     if (pp.stage_slots > 0) KVB_TRY_GOTO(kvb__stage_reserve(e, pp.stage_slots), fail);
-    if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix), fail);
+    e->max_borrowed = pp.limit_borrowed ? pp.max_borrowed : -1;
+    if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix,
+                                                                        pp.host_layered), fail);
     *out = e;
     return KVB_OK;
 fail:
@@ -234,6 +236,7 @@ kvb_status kvb_engine_plan_pool(kvb_engine *e, const kvb_planner *pl, const kvb_
 int kvb_engine_n_live(const kvb_engine *e) { return e->waiting.n + e->running.n + e->swapped.n; }
 
 int kvb_engine_planner_owns_kv(const kvb_engine *e) { return e->planner_kv; }
+int kvb_engine_max_borrowed(const kvb_engine *e) { return e ? e->max_borrowed : -1; }
 
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }
 

@@ -259,6 +259,9 @@ kvb_status kvb_engine_detach(kvb_engine *e, uint64_t tag, int lender_dead, kvb_d
 kvb_status kvb_engine_detach_front(kvb_engine *e, uint64_t tag, int n_blocks, int lender_dead, kvb_detach_stats *out);
 /* Master: blocks attached now (all tags). */
 int kvb_engine_n_borrowed(const kvb_engine *e);
+/* Master: the most blocks the planner lets it attach (SwiftCache's LSC within the budget streams no
+ * more, issue 10), or -1 when there is no limit. */
+int kvb_engine_max_borrowed(const kvb_engine *e);
 /* Master: the loans attached now: writes up to `max` tags and their block counts (either array may be
  * NULL) in attach order and returns how many loans there are. */
 int kvb_engine_loans(const kvb_engine *e, uint64_t *tags, int *n_blocks, int max);

@@ -91,6 +91,7 @@ static kvb_status move_blocks(kvb_engine *e, kvb_xfer_dir dir, const int32_t *po
     kvb_xfer *x = NULL;
     if (n == 0 || layer0 >= e->geom.n_layers) return KVB_OK;
     KVB_TRY(kvb__host_flush(e)); /* demotions first: they may read the blocks written here */
+    KVB_TRY(kvb__host_tier_finish_loads(e)); /* and the layered loads of hits (host_layered) */
     KVB_TRY(kvb_malloc((size_t)n * sizeof *x, (void **)&x));
     size_t off = (size_t)layer0 * layer_bytes(e), bb = kvb_kv_block_bytes(&e->geom) - off;
     for (int i = 0; i < n; i++) {
@@ -213,7 +214,8 @@ static kvb_status restore_from_hidden(kvb_engine *e, seq *s) {
             int c = KVB_MIN(chunk, total - a0);
             kvb_xfer xf = {e->hid_stage, hid_at(e, s, l, a0), (size_t)c * rb};
             uint64_t t;
-            st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, &xf, 1, &t);
+            st = kvb__host_tier_finish_loads(e); /* the recompute below may read loaded blocks */
+            if (st == KVB_OK) st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, &xf, 1, &t);
             if (st == KVB_OK) st = kvb_stager_wait(e->stager, t);
             if (st != KVB_OK) break;
             for (int i = 0; i < c; i++) pos[i] = a0 + i;
@@ -960,6 +962,8 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
     for (int i = 0; i < n_sched; i++) pfx_xfers += e->sched[i]->n_dropped * e->sched[i]->n_swapl;
     int pfx = pfx_xfers > 0;
     for (int l = 0; l < L; l++) copy_t[l] = 0;
+    int htl = e->n_htl > 0; /* host-tier hits loading layer by layer (host_layered) */
+    if (htl) KVB_TRY(kvb__host_tier_post_loads(e));
     KVB_TRY(xl_reserve(e, (n_units * 5 + 2 + e->n_off) * L + e->plan.n_copies + pfx_xfers));
     if (copies) {
         KVB_TRY(post_copies(e, -2, copy_t));
@@ -975,6 +979,7 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
     for (int l = 0; l < L; l++) {
         uint64_t tl = kvb_now_ns();
         if (copy_t[l]) KVB_TRY(kvb_stager_wait(e->stager, copy_t[l]));
+        if (htl && e->t_htl[l]) KVB_TRY(kvb_stager_wait(e->stager, e->t_htl[l]));
         if (pfx && (serial & 1)) KVB_TRY(post_prefix_loads(e, n_sched, l)); /* "without overlap" (§6.3) */
         if (pfx && e->t_pfx[l]) KVB_TRY(kvb_stager_wait(e->stager, e->t_pfx[l]));
         if (e->l_rows[l] != rows || e->l_seqs[l] != seqs) { /* prefixes above their recomputed layers leave */
@@ -1024,6 +1029,7 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
         e->t_layer[l] = kvb_now_ns() - tl;
     }
     if (stores || copies || pfx) KVB_TRY(kvb_stager_drain(e->stager)); /* every copy is back before the step ends */
+    if (htl) KVB_TRY(kvb__host_tier_finish_loads(e));
     return KVB_OK;
 }
 
@@ -1069,6 +1075,13 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     if (n_sched >= 0 && fst != KVB_OK) {
         st = fst;
         n_sched = -1;
+    }
+    if (n_sched <= 0) { /* no forward pass: layered loads of admissions the plan dropped land now */
+        fst = kvb__host_tier_finish_loads(e);
+        if (n_sched == 0 && fst != KVB_OK) {
+            st = fst;
+            n_sched = -1;
+        }
     }
     if (n_sched < 0) goto fail;
     if (n_sched == 0) return KVB_OK;
@@ -1142,6 +1155,7 @@ fail_sl:
 fail_res:
     unindex_residency(e);
 fail:
+    (void)kvb__host_tier_finish_loads(e); /* a step that stopped before its forward pass */
     KVB_LOG_E("engine step failed: %s; failing %d live requests", kvb_status_str(st),
               e->waiting.n + e->running.n + e->swapped.n);
     seq_list *lists[] = {&e->running, &e->swapped, &e->waiting};

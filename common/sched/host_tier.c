@@ -9,6 +9,7 @@
 kvb_status kvb__host_alloc(kvb_engine *e, int32_t *out) { return kvb_prefix_cache_alloc(e->ht_pc, out); }
 
 kvb_status kvb__host_copy(kvb_engine *e, kvb_xfer_dir dir, void *dst, const void *src, size_t bytes) {
+    KVB_TRY(kvb__host_tier_finish_loads(e)); /* a copy never overtakes the step's layered loads */
     kvb_xfer x = {dst, src, bytes};
     uint64_t t;
     KVB_TRY(kvb_stager_post(e->stager, KVB_LINK_HOST, dir, &x, 1, &t));
@@ -55,20 +56,74 @@ static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, in
     kvb_block_pool_unref(e->ht_pool, h);
 }
 
-kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix) {
+kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix, int layered) {
     size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)blocks;
     /* pinned host memory: on a device, copies between the pool and the tier run asynchronously */
     KVB_TRY(kvb_mem_pinned_alloc(kvb_model_backend(e->m)->mem, bytes, &e->ht_mem));
     KVB_TRY(kvb_block_pool_create(&e->geom, e->ht_mem, bytes, blocks, &e->ht_pool));
     KVB_TRY(kvb_prefix_cache_create(e->ht_pool, &e->ht_pc));
     e->host_prefix = prefix;
+    e->host_layered = prefix && layered;
+    if (e->host_layered) KVB_TRY(kvb_calloc((size_t)e->geom.n_layers, sizeof *e->t_htl, (void **)&e->t_htl));
     if (prefix) kvb_prefix_cache_set_evict_hook(e->pc, host_tier_store, e);
     return KVB_OK;
 }
 
+/* host_layered: hit (host block h -> pool block d) joins the step's layered loads; both stay referenced
+ * until they are in. */
+static kvb_status htl_add(kvb_engine *e, int32_t h, int32_t d) {
+    if (e->n_htl == e->cap_htl) {
+        int cap = e->cap_htl ? 2 * e->cap_htl : 64;
+        KVB_TRY(kvb_realloc_array((void **)&e->htl, (size_t)cap * 2, sizeof *e->htl));
+        KVB_TRY(kvb_realloc_array((void **)&e->htl_x, (size_t)cap * (size_t)e->geom.n_layers, sizeof *e->htl_x));
+        e->cap_htl = cap;
+    }
+    kvb_block_pool_ref(e->ht_pool, h);
+    kvb_block_pool_ref(e->pool, d);
+    e->htl[2 * e->n_htl] = h;
+    e->htl[2 * e->n_htl + 1] = d;
+    e->n_htl++;
+    return KVB_OK;
+}
+
+kvb_status kvb__host_tier_post_loads(kvb_engine *e) {
+    if (e->n_htl == 0 || e->htl_posted) return KVB_OK;
+    KVB_TRY(kvb__host_flush(e)); /* demotions first: they may read the blocks written here */
+    int L = e->geom.n_layers, n = e->n_htl;
+    size_t lb = kvb_kv_block_bytes(&e->geom) / (size_t)L;
+    e->htl_posted = 1;
+    for (int l = 0; l < L; l++) { /* block-major: layer l of a block at l * lb */
+        kvb_xfer *x = e->htl_x + (size_t)l * (size_t)n;
+        for (int i = 0; i < n; i++)
+            x[i] = (kvb_xfer){(char *)kvb_block_pool_block(e->pool, e->htl[2 * i + 1]) + (size_t)l * lb,
+                              (const char *)kvb_block_pool_block(e->ht_pool, e->htl[2 * i]) + (size_t)l * lb, lb};
+        KVB_TRY(kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, x, n, &e->t_htl[l]));
+    }
+    return KVB_OK;
+}
+
+kvb_status kvb__host_tier_finish_loads(kvb_engine *e) {
+    if (e->n_htl == 0) return KVB_OK;
+    kvb_status st = kvb__host_tier_post_loads(e);
+    for (int l = 0; l < e->geom.n_layers; l++) {
+        if (st == KVB_OK && e->t_htl[l]) st = kvb_stager_wait(e->stager, e->t_htl[l]);
+        e->t_htl[l] = 0;
+    }
+    if (st != KVB_OK) (void)kvb_stager_drain(e->stager); /* nothing may land after the blocks go back */
+    for (int i = 0; i < e->n_htl; i++) {
+        kvb_block_pool_unref(e->ht_pool, e->htl[2 * i]);
+        kvb_block_pool_unref(e->pool, e->htl[2 * i + 1]);
+    }
+    e->n_htl = 0;
+    e->htl_posted = 0;
+    return st;
+}
+
 /* Continues a prefix match of `s` in the host tier: the hits are copied into new pool blocks in one
  * transfer (after the pending demotions, which may read those blocks), then published and appended to
- * the sequence. Returns the blocks loaded. */
+ * the sequence; with host_layered they join the step's layer-by-layer loads instead (the blocks are
+ * published now: whatever reads them in this step waits for each layer in the forward pass). Returns
+ * the blocks loaded. */
 int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
     int bs = e->o.block_size, n = 0, loaded = 0, cap = max_blocks - s->n_published;
     if (cap <= 0) return 0;
@@ -93,9 +148,14 @@ int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
         n++;
     }
     uint64_t t;
-    kvb_status st = n ? kvb__host_flush(e) : KVB_OK;
-    if (st == KVB_OK && n) st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, x, n, &t);
-    if (st == KVB_OK && n) st = kvb_stager_wait(e->stager, t);
+    kvb_status st = KVB_OK;
+    if (e->host_layered) {
+        for (int i = 0; i < n && st == KVB_OK; i++) st = htl_add(e, hd[2 * i], hd[2 * i + 1]);
+    } else {
+        st = n ? kvb__host_flush(e) : KVB_OK;
+        if (st == KVB_OK && n) st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, x, n, &t);
+        if (st == KVB_OK && n) st = kvb_stager_wait(e->stager, t);
+    }
     for (int i = 0; i < n; i++) {
         int32_t d = hd[2 * i + 1];
         const int32_t *tk = s->tokens + (size_t)s->n_published * bs;
@@ -124,6 +184,13 @@ int kvb__host_tier_peek(const kvb_engine *e, uint64_t parent, const int32_t *tok
 }
 
 void kvb__host_tier_free(kvb_engine *e) {
+    free(e->htl); /* no load is pending: each step finishes its own */
+    free(e->htl_x);
+    free(e->t_htl);
+    e->htl = NULL;
+    e->htl_x = NULL;
+    e->t_htl = NULL;
+    e->n_htl = e->cap_htl = 0;
     free(e->ht_pend);
     e->ht_pend = NULL;
     e->n_ht_pend = e->cap_ht_pend = 0;

@@ -341,9 +341,15 @@ typedef struct kvb_pool_plan {
     int lsc_own_blocks;    /* > 0: the stage buffers live in this many blocks' worth of the engine's KV
                             * memory (its top), which the pool does not get: SwiftCache's LSC inside the
                             * master's budget (Eq. 4-5); stage_slots can then never ask for more */
+    int limit_borrowed;    /* 1: the planner refuses to attach more than max_borrowed blocks (the LSC within
+                            * the budget streams no more); the node master tells the coordinator (issue 10) */
+    int max_borrowed;
     /* SETUP, ATTACH, DETACH: */
     int stage_slots;       /* blocks a step may read through stage buffers (STREAM / HOST) */
     /* SETUP (read once): */
+    int host_layered;      /* with host_prefix: a step's hits load layer by layer behind the compute (one
+                            * transfer per layer, each layer waiting for its own) instead of all of them
+                            * before the step (issue 10: the paper's baseline loads per layer) */
     int host_prefix;       /* with a host tier: cached blocks the pool evicts are copied there and prefix
                             * matches continue there (the host-tier prefix cache baseline) */
     /* SETUP (read once): a sliced pool (common/kv/block_pool.h) for request-level placements. */

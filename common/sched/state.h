@@ -119,6 +119,7 @@ struct kvb_engine {
     kvb_forward *fw;
     kvb_mem_allocator act_alloc; /* the planner's activation allocator (SETUP), iface NULL if none */
     int planner_kv;          /* the planner brought the KV memory (SETUP) */
+    int max_borrowed;        /* >= 0: the planner attaches at most this many blocks (SETUP); -1: no limit */
     int max_rows;            /* rows the forward pass holds: max_batch_tokens + extra rows */
     seq_list waiting;        /* by arrival; preempted sequences go back in arrival order */
     seq_list running;        /* by arrival (paused ones included) */
@@ -211,6 +212,16 @@ struct kvb_engine {
     int ht_batch;            /* 1 while apply_plan runs */
     kvb_xfer *ht_pend;       /* [n_ht_pend] pool block -> host block copies not posted yet */
     int n_ht_pend, cap_ht_pend;
+    /* host_layered (issue 10; the paper's baseline): the step's host-tier hits load layer by layer behind
+     * the compute: one transfer per layer for all of them, posted before the forward pass, each layer
+     * waiting for its own (kvb__host_tier_post_loads); the pool and host blocks stay referenced until
+     * every layer is in (kvb__host_tier_finish_loads). 0: each admission's hits in one transfer first. */
+    int host_layered;
+    int32_t *htl;            /* [2 n_htl]: host block, pool block of each pending hit */
+    int n_htl, cap_htl;
+    kvb_xfer *htl_x;         /* [n_layers * n_htl] the posted pieces (kept until the transfers are done) */
+    uint64_t *t_htl;         /* [n_layers] tickets, 0: not posted */
+    int htl_posted;
 };
 
 /* ---------------------------------------------------------------- scheduler.c */
@@ -274,7 +285,11 @@ void kvb__slices_step_end(kvb_engine *e, int n_sched);
 
 /* ---------------------------------------------------------------- host_tier.c */
 /* Creates the host tier of `blocks` blocks; `prefix`: demote evicted cached blocks into it. */
-kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix);
+kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix, int layered);
+/* host_layered: posts the pending hits' loads, one transfer per layer (after the pending demotions) */
+kvb_status kvb__host_tier_post_loads(kvb_engine *e);
+/* Posts what is not posted yet, waits for every layer, releases the blocks: no load runs on after it. */
+kvb_status kvb__host_tier_finish_loads(kvb_engine *e);
 void kvb__host_tier_free(kvb_engine *e);
 /* Continues the prefix match of `s` in the host tier, loading each hit into a new pool block. Returns
  * the blocks loaded. */

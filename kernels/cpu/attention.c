@@ -175,6 +175,13 @@ __attribute__((target("avx2,fma"))) static void axpy_row_avx2(const float *p, si
 }
 #endif
 
+/* Asks for the `bytes` at p (one key or value row) to be brought into the cache. A walk reads a block's
+ * rows in order, which the hardware prefetcher follows, but the next block is anywhere in the pool: while
+ * it reads row r of one block it prefetches row r of the next. */
+static inline void prefetch_row(const char *p, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
+}
+
 /* First key a query row with `n_vis` causally visible keys may see: 0, or with a sliding window the
  * start of the window (the row's own key is the last of `window` keys). */
 static inline int first_key(const kvb_attn_batch *b, int n_vis) {
@@ -211,7 +218,9 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
             for (int k = a; k < e;) {
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
                 const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)r0 * row;
+                const char *kn = k + n_in < e ? (const char *)b->layer_blocks[sq->blk_first + j + 1] : NULL;
                 for (int r = 0; r < n_in; r++) {
+                    if (kn) prefetch_row(kn + (size_t)r * row * sizeof(float), row * sizeof(float));
                     float *s = st + (k + r - k0);
 #if KVB_ATTN_AVX2
                     if (simd) {
@@ -230,7 +239,9 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
             for (int k = a; k < e;) {
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
                 const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)r0 * row;
+                const char *vn = k + n_in < e ? (const char *)((const float *)b->layer_blocks[sq->blk_first + j + 1] + half) : NULL;
                 for (int r = 0; r < n_in; r++) {
+                    if (vn) prefetch_row(vn + (size_t)r * row * sizeof(float), row * sizeof(float));
                     const float *p = st + (k + r - k0);
 #if KVB_ATTN_AVX2
                     if (simd) {
