@@ -425,6 +425,37 @@ static kvb_loan *add_reported(kvb_ledger *l, const kvb_loan *r, uint32_t lender_
     return ln;
 }
 
+/* A coordinator restart in the middle of a partial revoke (issue 10): the master had given back the
+ * front of loan `wide` (the worker's view, which never got Reclaimed for it) and keeps `narrow` (its
+ * view), acking to a coordinator that died. 1 when `narrow` is such a suffix of `wide`. */
+static int front_given_back(const kvb_loan *wide, const kvb_loan *narrow) {
+    return wide->id == narrow->id && !strcmp(wide->lender, narrow->lender) && narrow->first_block > wide->first_block &&
+           (uint64_t)narrow->first_block + narrow->n_blocks == (uint64_t)wide->first_block + wide->n_blocks;
+}
+
+/* Finishes that partial revoke: the ledger's loan `ln` becomes `keep`'s range (ACTIVE, both sides), the
+ * lender gets Reclaimed for the front [from, keep->first_block) of the loan it reported. */
+static void finish_front(kvb_ledger *l, kvb_loan *ln, uint32_t from, const kvb_loan *keep, uint32_t n_master_blocks,
+                         uint64_t bb) {
+    uint32_t k = keep->first_block - from;
+    KVB_LOG_W("loan %" PRIu64 " of %s: the master holds [%" PRIu32 ", %" PRIu64 "), the worker [%" PRIu32 ", %" PRIu64
+              "): a partial revoke's ack was lost with the previous coordinator; the front goes back to the worker",
+              ln->id, ln->lender, keep->first_block, (uint64_t)keep->first_block + keep->n_blocks, from,
+              (uint64_t)keep->first_block + keep->n_blocks);
+    kvb_ledger_action *a = push(l, KVB_ACT_RECLAIMED, ln->lender);
+    a->loan = *ln;
+    a->loan.first_block = from;
+    a->loan.n_blocks = k;
+    a->epoch = bump(l);
+    ln->first_block = keep->first_block;
+    ln->n_blocks = keep->n_blocks;
+    ln->n_master_blocks = n_master_blocks;
+    ln->offset = (uint64_t)ln->first_block * bb;
+    ln->bytes = (uint64_t)ln->n_blocks * bb;
+    ln->state = KVB_LOAN_ACTIVE;
+    ln->by_master = ln->by_worker = 1;
+}
+
 static int in_ids(const uint64_t *ids, int n, uint64_t id) {
     for (int i = 0; i < n; i++)
         if (ids[i] == id) return 1;
@@ -455,6 +486,14 @@ static void reconcile_worker(kvb_ledger *l, kvb_ledger_model *w, const kvb_ledge
             }
             continue;
         }
+        if (ln && ln->state == KVB_LOAN_UNCONFIRMED && ln->by_master && (ln->lender_pid == w->pid || ln->lender_pid == 0) &&
+            front_given_back(rep, ln)) { /* the master gave the front back; the worker never heard */
+            matched[n_matched++] = ln->id;
+            ln->lender_pid = w->pid;
+            ln->orphan = 0;
+            finish_front(l, ln, rep->first_block, ln, ln->n_master_blocks, bb);
+            continue;
+        }
         if (ln) { /* the id means another range: keep the ledger's view, give the worker its blocks */
             KVB_LOG_W("worker %s reports loan %" PRIu64 " as blocks [%" PRIu32 ", %" PRIu64 "), the ledger has "
                       "%s [%" PRIu32 ", %" PRIu64 ") under that id: returning the reported range", w->name, rep->id,
@@ -462,7 +501,9 @@ static void reconcile_worker(kvb_ledger *l, kvb_ledger_model *w, const kvb_ledge
                       (uint64_t)ln->first_block + ln->n_blocks);
         }
         kvb_loan *ov = overlapping(l, w->name, w->pid, rep->first_block, rep->n_blocks);
-        if (ov) {
+        if (!ov) ov = overlapping(l, w->name, 0, rep->first_block, rep->n_blocks);
+        if (ov) { /* a master may hold those blocks: they come back only through its RevokeAck (the ledger's
+                   * loan, not reported here, is revoked below) */
             KVB_LOG_W("worker %s reports loan %" PRIu64 " overlapping loan %" PRIu64 ": ignored", w->name, rep->id,
                       ov->id);
             continue;
@@ -530,6 +571,14 @@ static void reconcile_master(kvb_ledger *l, kvb_ledger_model *m, const kvb_ledge
             } else if (revoking) {
                 give_back(l, ln, 0, now_ms);
             }
+            continue;
+        }
+        kvb_ledger_model *lw = ln ? live_model(l, ln->lender) : NULL;
+        if (ln && ln->state == KVB_LOAN_UNCONFIRMED && ln->by_worker && !ln->by_master && lw &&
+            lw->role == KVB_ROLE_WORKER && lw->pid == ln->lender_pid && front_given_back(ln, rep)) {
+            /* the master gave the front back; the worker never heard */
+            matched[n_matched++] = ln->id;
+            finish_front(l, ln, ln->first_block, rep, rep->n_master_blocks, kvb_kv_block_bytes(&lw->geom));
             continue;
         }
         if (ln) { /* the id means another range here: make the master drop its copy, reading nothing */

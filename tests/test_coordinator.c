@@ -430,6 +430,105 @@ KVB_TEST(ledger_partial_reclaim_widened) {
 }
 KVB_TEST_END
 
+/* A coordinator restart in the middle of a partial revoke (issue 10). A lends [32, 64) (8 master
+ * blocks); a reclaim of 8 revokes its front [32, 40); then the coordinator dies and a new one (a new
+ * ledger) hears the models register again, in `worker_first` order. `applied`: the master had shrunk
+ * its loan to [40, 64) and acked (the ack was lost), else it still holds all of it. Whatever the order,
+ * no worker block may end up both lent and the worker's: every block of [32, 64) is either in a loan
+ * both sides hold with the same range, or returned to the worker (Reclaimed, after the master dropped
+ * what it had of it), and a block that the master reads is never returned. (Before the fix this test
+ * came with, `applied` returned all of [32, 64) to the worker at once while the master still read
+ * [40, 64): the worker's report overlapped a loan the master reported before the worker registered.)
+ * With `applied` the partial revoke is finished: the front goes back, the loan keeps [40, 64). */
+static void restart_mid_partial(int applied, int worker_first) {
+    kvb_ledger *l = new_ledger();
+    char why[256] = "";
+    reg(l, "m", KVB_ROLE_MASTER, 10, &G_M, 64);
+    reg(l, "a", KVB_ROLE_WORKER, 11, &G_A, 64);
+    uint64_t id = lend(l, "a", 32, 32);
+    uint32_t n = 0;
+    ck_assert_int_eq(kvb_ledger_reclaim(l, "a", 8, 0, &n, why, sizeof why), KVB_OK);
+    kvb_ledger_action p = expect_act(l, KVB_ACT_REVOKE, "m", id);
+    ck_assert_uint_eq(p.loan.revoke_blocks, 8);
+    kvb_ledger_destroy(l); /* the coordinator dies */
+
+    l = new_ledger();
+    kvb_loan wl = {.id = id, .first_block = 32, .n_blocks = 32, .n_master_blocks = 8, .epoch = p.loan.epoch};
+    kvb_loan ml = wl;
+    if (applied) {
+        ml.first_block = 40;
+        ml.n_blocks = 24;
+        ml.n_master_blocks = 6;
+    }
+    snprintf(wl.lender, sizeof wl.lender, "a");
+    snprintf(ml.lender, sizeof ml.lender, "a");
+    for (int k = 0; k < 2; k++) {
+        int worker = (k == 0) == (worker_first != 0);
+        kvb_status st = worker ? reg_full(l, "a", KVB_ROLE_WORKER, 11, &G_A, 64, &wl, 1, 10, why)
+                               : reg_full(l, "m", KVB_ROLE_MASTER, 10, &G_M, 64, &ml, 1, 10, why);
+        ck_assert_msg(st == KVB_OK, "register again: %s", why);
+    }
+    /* the models answer what they are told: the master acks every Revoke (dropping its range), the
+     * worker takes back every Reclaimed range; the grace periods pass */
+    uint8_t master_has[64] = {0}, worker_has[64] = {0}; /* per worker block; [32, 64) lent */
+    for (uint32_t b = ml.first_block; b < ml.first_block + ml.n_blocks; b++) master_has[b] = 1;
+    for (int b = 0; b < 32; b++) worker_has[b] = 1;
+    for (int round = 0; round < 20; round++) { /* 50 ms apart, both models heartbeating */
+        uint64_t now = 10 + (uint64_t)round * 50;
+        kvb_ledger_heartbeat(l, "m", NULL, now);
+        kvb_ledger_heartbeat(l, "a", NULL, now);
+        kvb_ledger_tick(l, now);
+        kvb_ledger_action a;
+        while (kvb_ledger_pop_action(l, &a)) {
+            if (a.kind == KVB_ACT_REVOKE) {
+                uint32_t f = a.loan.first_block, cnt = a.loan.revoke_blocks ? a.loan.revoke_blocks : a.loan.n_blocks;
+                for (uint32_t b = f; b < f + cnt && b < 64; b++) master_has[b] = 0;
+                kvb_status st = kvb_ledger_revoke_ack(l, "m", a.loan.id, a.epoch, now, why, sizeof why);
+                ck_assert_msg(st == KVB_OK || st == KVB_ERR_NOT_FOUND || st == KVB_ERR_STATE, "ack: %s", why);
+            } else if (a.kind == KVB_ACT_RECLAIMED) {
+                for (uint32_t b = a.loan.first_block; b < a.loan.first_block + a.loan.n_blocks && b < 64; b++) {
+                    ck_assert_msg(!master_has[b], "block %u returned to the worker while the master holds it", b);
+                    worker_has[b] = 1;
+                }
+            }
+        }
+    }
+    /* the end state: what the ledger says is lent, the master holds and the worker does not; the rest is
+     * the worker's */
+    uint8_t lent[64] = {0};
+    for (int i = 0; i < kvb_ledger_n_loans(l); i++) {
+        const kvb_loan *ln = kvb_ledger_loan_at(l, i);
+        ck_assert_int_eq(ln->state, KVB_LOAN_ACTIVE);
+        for (uint32_t b = ln->first_block; b < ln->first_block + ln->n_blocks; b++) lent[b] = 1;
+    }
+    for (int b = 32; b < 64; b++) {
+        ck_assert_msg(lent[b] ? master_has[b] && !worker_has[b] : worker_has[b] && !master_has[b],
+                      "block %d (applied %d, worker first %d): lent %d, master %d, worker %d", b, applied,
+                      worker_first, lent[b], master_has[b], worker_has[b]);
+        ck_assert_int_eq(lent[b], applied ? b >= 40 : 1); /* nothing dropped that need not be */
+    }
+    /* the worker, still short of blocks, asks again (it repeats an unanswered ReclaimRequest): what is
+     * still lent comes back by the front, as before the restart */
+    if (kvb_ledger_n_loans(l) > 0) {
+        const kvb_loan *ln = kvb_ledger_loan_at(l, 0);
+        uint32_t f = ln->first_block, total = ln->n_blocks;
+        ck_assert_int_eq(kvb_ledger_reclaim(l, "a", 8, 1010, &n, why, sizeof why), KVB_OK);
+        kvb_ledger_action rv = expect_act(l, KVB_ACT_REVOKE, "m", ln->id);
+        ck_assert_uint_eq(rv.loan.revoke_blocks, total > 8 ? 8 : 0);
+        ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", rv.loan.id, rv.epoch, 1010, why, sizeof why), KVB_OK);
+        kvb_ledger_action rc = expect_act(l, KVB_ACT_RECLAIMED, "a", rv.loan.id);
+        ck_assert_uint_eq(rc.loan.first_block, f);
+        ck_assert_uint_eq(rc.loan.n_blocks, total > 8 ? 8 : total);
+    }
+    kvb_ledger_destroy(l);
+}
+
+KVB_TEST(ledger_restart_mid_partial_revoke) {
+    for (int applied = 0; applied < 2; applied++)
+        for (int worker_first = 0; worker_first < 2; worker_first++) restart_mid_partial(applied, worker_first);
+}
+KVB_TEST_END
+
 KVB_TEST(ledger_lend_reclaim_counters) {
     /* The numbers behind the gateway's kvbank_lend / kvbank_reclaim metrics: loans that became active
      * and loans given back, with their latencies (offer -> GrantAck, Revoke -> RevokeAck). */
@@ -2641,7 +2740,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("coordinator", KVB_T(ledger_meu_per_pair, 10), KVB_T(ledger_offer_validation, 10),
               KVB_T(ledger_refuses_regions_off_the_masters_plan, 10),
-              KVB_T(ledger_master_borrow_limit, 10), KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_partial_reclaim_widened, 10), KVB_T(ledger_grant_failures, 10),
+              KVB_T(ledger_master_borrow_limit, 10), KVB_T(ledger_restart_mid_partial_revoke, 10), KVB_T(ledger_reclaim_lowest_first, 10), KVB_T(ledger_partial_reclaim_widened, 10), KVB_T(ledger_grant_failures, 10),
               KVB_T(ledger_lend_reclaim_counters, 10),
               KVB_T(ledger_master_death_returns_loans, 10), KVB_T(ledger_silent_master_fenced_first, 10), KVB_T(ledger_worker_death_revokes_lender_dead, 10),
               KVB_T(ledger_register_rules, 10), KVB_T(ledger_drain, 10), KVB_T(ledger_drain_failure_changes_nothing, 10), KVB_T(ledger_restart_both_sides, 10),

@@ -210,7 +210,9 @@ grep -q "^  link preset: off" "$T/mt.out" &&
     grep -qE "^lending \(in place\) +2 +50 +50 .* [0-9]+ reclaims \([0-9]+ blocks\)" "$T/mt.out" &&
     grep -qE "^host-tier \(copies\) +2 +50 +50 " "$T/mt.out" &&
     grep -q "^over 2 repetitions (median \[min-max\])" "$T/mt.out" &&
-    grep -qE "^P99 TTFT host tier / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" || fail "multiturn tables: $(cat "$T/mt.out")"
+    grep -qE "^P99 TTFT host tier / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
+    grep -qE "^achieved reuse \(hit tokens / measured prompt tokens\): lending [0-9.]+ \[[0-9.]+-[0-9.]+\]%, host tier [0-9.]+ \[[0-9.]+-[0-9.]+\]% \(the trace offers [0-9.]+%\)" "$T/mt.out" ||
+    fail "multiturn tables: $(cat "$T/mt.out")"
 rc=0
 "$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --host-load sideways >"$T/mtb.out" 2>&1 || rc=$?
 [ "$rc" = 2 ] && grep -q "bad value 'sideways'" "$T/mtb.out" || fail "multiturn --host-load sideways: exit $rc: $(cat "$T/mtb.out")"
