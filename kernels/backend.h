@@ -55,6 +55,17 @@ typedef struct kvb_attn_seq {
     int blk_first; /* index of this sequence's first entry in kvb_attn_batch.layer_blocks */
 } kvb_attn_seq;
 
+/* The forward pass may run a layer's rows in chunks (common/model/forward.c): a step's rows then
+ * arrive at the backend in pieces, [c0, c1) of the step, over several calls; a sequence's rows too,
+ * each piece's attention seeing the keys up to its last row (kvb_attn_batch.row0 = c0). Cuts are at
+ * rows that are multiples of this, with at least 32 rows of a sequence on each side of a cut inside
+ * it, and a piece holds more than 32 rows. A backend's result for a row must not depend on the cuts:
+ * the CPU backend's sgemm (OpenBLAS) handles the rows of its operand in groups counted from the
+ * first (12 for the Zen / Haswell kernels, the tail by narrower kernels that sum in another order), so
+ * pieces starting at multiples of 192 are grouped as in one piece; its attention tiles a sequence's
+ * rows at step rows that are multiples of its tile, which divides this. */
+#define KVB_CHUNK_ALIGN_ROWS 192
+
 /* The attention view of one step for one layer. `layer_blocks[blk_first + j]` is the address of the
  * j-th block's slice for the current layer ([2][block_size][n_kv_heads][head_dim]); the executor fills
  * it per layer, so a block may live in the local pool, another process's region, a layer stream
@@ -69,6 +80,8 @@ typedef struct kvb_attn_batch {
     float scale;                /* softmax scale: 1/sqrt(head_dim), times YaRN's attention factor squared */
     int window;                 /* sliding window (Mistral, Qwen2): a query at position p sees the keys at
                                  * positions (p - window, p]; 0 = every earlier key (full causal) */
+    int row0;                   /* the step's row that is q's first: the rows of a piece (see
+                                 * KVB_CHUNK_ALIGN_ROWS); 0 for a whole step */
 } kvb_attn_batch;
 
 typedef struct kvb_backend_i {

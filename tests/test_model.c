@@ -16,6 +16,7 @@
 #include "common/util/util.h"
 #include "kernels/backend.h"
 #include "tests/harness.h"
+#include "tests/testmodel.h"
 
 /* ------------------------------------------------------------------------------------ helpers */
 
@@ -1272,10 +1273,103 @@ KVB_TEST(forward_allocator_seam) {
 }
 KVB_TEST_END
 
+/* One step of three sequences (1,105 rows) against KV of blocks that `kv` holds (a copy of `kv0`, the
+ * KV before the step): C's 5-token prompt (the attention's walk path), A's rows 100..899 (its first 100
+ * keys already there), B's 300-token prompt, in that order (A starts off every tile boundary). Every
+ * row's logits go to `logits`. With `alloc` the forward pass takes its buffers from it. */
+enum { CH_A_PAST = 100, CH_A = 900, CH_B = 300, CH_C = 5, CH_ROWS = CH_A - CH_A_PAST + CH_B + CH_C, CH_BS = 16 };
+
+static void chunk_step(kvb_model *m, int chunk, const kvb_mem_allocator *alloc, const void *kv0, void *kv,
+                       size_t kv_bytes, float *logits) {
+    const kvb_model_config *c = kvb_model_cfg(m);
+    kvb_kv_geom g = kvb_model_kv_geom(m, CH_BS);
+    size_t layer_bytes = (size_t)2 * g.block_size * g.n_kv_heads * g.head_dim * g.elem_size;
+    size_t block_bytes = layer_bytes * (size_t)c->n_layers;
+    memcpy(kv, kv0, kv_bytes);
+    int q_len[3] = {CH_C, CH_A - CH_A_PAST, CH_B}, ctx[3] = {CH_C, CH_A, CH_B};
+    kvb_attn_seq seqs[3];
+    static int32_t tok[CH_ROWS], pos[CH_ROWS], rows[CH_ROWS];
+    int n_blocks = 0, row = 0;
+    for (int s = 0; s < 3; s++) {
+        seqs[s] = (kvb_attn_seq){.q_start = row, .q_len = q_len[s], .ctx_len = ctx[s],
+                                 .n_blocks = KVB_DIV_CEIL(ctx[s], CH_BS), .blk_first = n_blocks};
+        n_blocks += seqs[s].n_blocks;
+        for (int t = 0; t < q_len[s]; t++, row++) {
+            pos[row] = ctx[s] - q_len[s] + t;
+            tok[row] = (int32_t)(((unsigned)pos[row] * 2654435761u + (unsigned)s * 97u) % (unsigned)c->vocab);
+            rows[row] = row;
+        }
+    }
+    ck_assert_uint_eq(kv_bytes, block_bytes * (size_t)n_blocks);
+    void **lb = malloc(sizeof(void *) * (size_t)n_blocks);
+    ck_assert_ptr_nonnull(lb);
+    kvb_batch b = {.n_tokens = CH_ROWS, .tokens = tok, .pos = pos,
+                   .attn = {.geom = &g, .n_seqs = 3, .seqs = seqs, .layer_blocks = lb},
+                   .n_logits = CH_ROWS, .logit_rows = rows};
+    kvb_forward *fw = NULL;
+    ck_assert_int_eq(kvb_forward_create_with(m, CH_ROWS, alloc, &fw), KVB_OK);
+    ck_assert_int_eq(kvb_forward_chunk(fw, chunk), KVB_OK);
+    ck_assert_int_eq(kvb_forward_begin(fw, &b), KVB_OK);
+    ck_assert_int_eq(kvb_forward_chunk(fw, chunk), KVB_ERR_INVALID); /* not while a step is in flight */
+    for (int l = 0; l < c->n_layers; l++) {
+        for (int j = 0; j < n_blocks; j++) lb[j] = (char *)kv + (size_t)j * block_bytes + (size_t)l * layer_bytes;
+        ck_assert_int_eq(kvb_forward_layer(fw, l), KVB_OK);
+    }
+    ck_assert_int_eq(kvb_forward_end(fw, logits), KVB_OK);
+    kvb_forward_destroy(fw);
+    free(lb);
+}
+
+/* A layer's rows run in chunks (kvb_forward_chunk) give the same bits as in one piece: logits of every
+ * row and the KV written, on a full-causal and a sliding-window model; the chunk buffers are smaller
+ * than the step. */
+KVB_TEST(forward_chunks_exact) {
+    const char *archs[] = {
+        "--arch llama --layers 2 --hidden 64 --heads 6 --kv-heads 2 --head-dim 16 --intermediate 96 --vocab 48 --max-pos 2048 --seed 5",
+        "--arch mistral --layers 2 --hidden 64 --heads 4 --kv-heads 4 --intermediate 96 --vocab 48 --max-pos 2048 "
+        "--sliding-window 300 --seed 6"};
+    for (size_t ai = 0; ai < KVB_ARRAY_LEN(archs); ai++) {
+        kvb_t_model t;
+        kvb_t_model_make(&t, archs[ai]);
+        const kvb_model_config *c = kvb_model_cfg(t.m);
+        kvb_kv_geom g = kvb_model_kv_geom(t.m, CH_BS);
+        size_t kv_bytes = (size_t)2 * g.block_size * g.n_kv_heads * g.head_dim * g.elem_size * (size_t)c->n_layers *
+                          (size_t)(KVB_DIV_CEIL(CH_A, CH_BS) + KVB_DIV_CEIL(CH_B, CH_BS) + KVB_DIV_CEIL(CH_C, CH_BS));
+        float *kv0 = calloc(1, kv_bytes), *kv_want = malloc(kv_bytes), *kv_got = malloc(kv_bytes);
+        size_t n_logits = (size_t)CH_ROWS * c->vocab;
+        float *want = malloc(n_logits * sizeof(float)), *got = malloc(n_logits * sizeof(float));
+        ck_assert(kv0 && kv_want && kv_got && want && got);
+        /* A's first 100 keys: some values of the KV's scale (the step only reads them) */
+        for (size_t i = 0; i < kv_bytes / sizeof(float); i++) kv0[i] = (float)((int)(i * 2654435761u % 2001u) - 1000) / 500.0f;
+        chunk_step(t.m, 0, NULL, kv0, kv_want, kv_bytes, want);
+        for (size_t i = 0; i < n_logits; i++) ck_assert(isfinite(want[i]));
+        int chunks[] = {64, 200, 512};
+        for (size_t ci = 0; ci < KVB_ARRAY_LEN(chunks); ci++) {
+            counting_alloc ca = {.mem = t.be->mem};
+            kvb_mem_allocator al = {&ca_iface, &ca};
+            chunk_step(t.m, chunks[ci], &al, kv0, kv_got, kv_bytes, got);
+            /* x of the whole step, then h of a chunk: fewer rows than the step */
+            ck_assert_uint_eq(ca.sizes[0], (size_t)CH_ROWS * c->hidden * sizeof(float));
+            ck_assert_uint_lt(ca.sizes[1], (size_t)CH_ROWS * c->hidden * sizeof(float));
+            ck_assert_int_eq(ca.live, 0);
+            ck_assert_msg(!memcmp(got, want, n_logits * sizeof(float)), "%s: chunk %d: logits differ", archs[ai],
+                          chunks[ci]);
+            ck_assert_msg(!memcmp(kv_got, kv_want, kv_bytes), "%s: chunk %d: KV differs", archs[ai], chunks[ci]);
+        }
+        free(kv0);
+        free(kv_want);
+        free(kv_got);
+        free(want);
+        free(got);
+        kvb_t_model_free(&t);
+    }
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("model", KVB_T(config_llama_defaults, 10), KVB_T(config_qwen3, 10),
               KVB_T(config_llama3_rope_and_eos_list, 10), KVB_T(config_mistral_window, 10),
               KVB_T(config_qwen2_bias_window, 10), KVB_T(config_biases, 10), KVB_T(config_errors, 10),
               KVB_T(rope_inv_freq_default, 10), KVB_T(rope_inv_freq_llama3, 10), KVB_T(rope_inv_freq_linear_yarn, 10), KVB_T(st_roundtrip, 10), KVB_T(st_malformed, 10),
               KVB_T(st_truncation_and_corruption, 60), KVB_T(st_release_keeps_data, 10), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
               KVB_T(model_load_tied_llama3_f16, 10), KVB_T(model_load_qwen3_bf16_sharded, 10),
-              KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30), KVB_T(kv_elem_size_rule, 10))
+              KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30), KVB_T(forward_chunks_exact, 120), KVB_T(kv_elem_size_rule, 10))

@@ -4,12 +4,31 @@
  *   x' = h + down(silu(gate(norm2(h))) * up(norm2(h)))
  * (q_norm/k_norm only for Qwen3; each projection adds its bias where the architecture has one;
  * attention is sliding-window on the layers kvb_model_config_window names). Every buffer below is backend memory of act_dtype elements, taken
- * for one step from the caller's allocator (common/mem/mem.h) at kvb_forward_begin, sized by that
- * step's tokens, and given back at kvb_forward_end. */
+ * for one step from the caller's allocator (common/mem/mem.h) at kvb_forward_begin and given back at
+ * kvb_forward_end.
+ *
+ * A layer runs its rows in chunks of about fw->chunk rows (kvb_forward_chunk), one after the other:
+ * norm, QKV, RoPE, KV write, attention, o_proj, FFN of a chunk, then the next. That is exact: a row's
+ * attention needs the keys and values of the rows before it, which an earlier chunk of the same layer
+ * has written, and everything else is per row. So only the residual stream x is sized by the step's
+ * rows (hidden floats a row, an eighth of a 12-layer model's KV); the other activations (q, k, v, the
+ * attention output, gate and up: 2 hidden + 2 kv + 2 intermediate floats a row) by the largest chunk.
+ * An 8K-token prompt in one step held 250 MB of them on the 125M model, the KV it writes is 200 MB.
+ * Chunks are cut (chunk_end) at rows that are multiples of KVB_CHUNK_ALIGN_ROWS, with at least
+ * FW_PIECE_MIN rows on each side of a sequence cut inside, and hold at least FW_CHUNK_MIN rows unless
+ * the step has fewer: so the backend takes the same path for every row (sgemm above 32 rows, the
+ * attention's product path above 32 query rows of a head group) with the same grouping of rows
+ * (kernels/backend.h), and its results are the same bits as in one piece (tests/test_model
+ * forward_chunks_exact). */
 #include <math.h>
 #include <string.h>
 
 #include "common/model/model_impl.h"
+
+/* Rows of the smallest chunk (more than the CPU backend's 32-row decode kernel takes), and of the
+ * smallest piece of a sequence cut inside (a gemm-path sequence stays on it at any group size). */
+#define FW_CHUNK_MIN 64
+#define FW_PIECE_MIN 32
 
 struct kvb_forward {
     kvb_model *m;
@@ -20,13 +39,14 @@ struct kvb_forward {
     /* The step in flight's buffers, from `alloc`, sized by its n_tokens (n) and n_logits (r); NULL
      * between steps. */
     void *x;    /* [n][hidden] residual stream */
-    void *h;    /* [n][hidden] normalised input of a sublayer */
-    void *q;    /* [n][n_heads][head_dim] */
-    void *k;    /* [n][n_kv_heads][head_dim] */
-    void *v;    /* [n][n_kv_heads][head_dim] */
-    void *att;  /* [n][n_heads][head_dim] attention output */
-    void *gate; /* [n][intermediate] */
-    void *up;   /* [n][intermediate] */
+    /* per chunk of a layer's rows, [cap] rows each */
+    void *h;    /* [cap][hidden] normalised input of a sublayer */
+    void *q;    /* [cap][n_heads][head_dim] */
+    void *k;    /* [cap][n_kv_heads][head_dim] */
+    void *v;    /* [cap][n_kv_heads][head_dim] */
+    void *att;  /* [cap][n_heads][head_dim] attention output */
+    void *gate; /* [cap][intermediate] */
+    void *up;   /* [cap][intermediate] */
     void *rows;     /* [r][hidden] rows that want logits */
     void *logits;   /* [r][vocab] */
     const kvb_batch *b; /* the step in flight (borrowed) */
@@ -34,10 +54,15 @@ struct kvb_forward {
     int next_layer;
     int n_rows;         /* rows the next layers compute: the batch's first n_rows (kvb_forward_rows) */
     int split;          /* 0 < split < n_rows: projections and MLP as two GEMMs, rows [0, split) and the rest */
+    int chunk;          /* rows a layer runs at once (about; 0: all) */
+    int cap;            /* rows the chunk buffers hold */
+    kvb_attn_seq *cseqs;/* a chunk's sequences, [cseqs_cap] (host) */
+    int cseqs_cap;
 };
 
-/* The step's buffers, in one array for giving them back. */
-#define FW_BUFS(fw) {&(fw)->x, &(fw)->h, &(fw)->q, &(fw)->k, &(fw)->v, &(fw)->att, &(fw)->gate, &(fw)->up, \
+/* The step's buffers, in one array for giving them back; the chunk buffers first. */
+#define FW_N_CHUNK_BUFS 7
+#define FW_BUFS(fw) {&(fw)->h, &(fw)->q, &(fw)->k, &(fw)->v, &(fw)->att, &(fw)->gate, &(fw)->up, &(fw)->x, \
                      &(fw)->rows, &(fw)->logits}
 
 static kvb_status fw_alloc(kvb_forward *fw, size_t elems, void **out) {
@@ -45,13 +70,102 @@ static kvb_status fw_alloc(kvb_forward *fw, size_t elems, void **out) {
     return fw->alloc.iface->alloc(fw->alloc.ctx, elems * es, out);
 }
 
-/* Gives the step's buffers back to the allocator. */
-static void fw_release(kvb_forward *fw) {
+/* Gives the first n of the step's buffers (FW_BUFS order) back to the allocator. */
+static void fw_release_n(kvb_forward *fw, size_t n) {
     void **bufs[] = FW_BUFS(fw);
-    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++) {
+    for (size_t i = 0; i < n && i < KVB_ARRAY_LEN(bufs); i++) {
         fw->alloc.iface->free(fw->alloc.ctx, *bufs[i]);
         *bufs[i] = NULL;
     }
+}
+
+static void fw_release(kvb_forward *fw) {
+    fw_release_n(fw, (size_t)-1);
+    fw->cap = 0;
+}
+
+/* Chunk buffers of `rows` rows (the old ones back first; the backend runs kernels in order, so one
+ * still reading them is done before the new ones are written). */
+static kvb_status fw_chunk_bufs(kvb_forward *fw, int rows) {
+    const kvb_model_config *c = &fw->m->cfg;
+    fw_release_n(fw, FW_N_CHUNK_BUFS);
+    fw->cap = 0;
+    size_t n = (size_t)rows;
+    KVB_TRY(fw_alloc(fw, n * c->hidden, &fw->h));
+    KVB_TRY(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->q));
+    KVB_TRY(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->k));
+    KVB_TRY(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->v));
+    KVB_TRY(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->att));
+    KVB_TRY(fw_alloc(fw, n * c->intermediate, &fw->gate));
+    KVB_TRY(fw_alloc(fw, n * c->intermediate, &fw->up));
+    fw->cap = rows;
+    return KVB_OK;
+}
+
+/* Whether the layer's rows may be cut before row c: c a multiple of KVB_CHUNK_ALIGN_ROWS, and a
+ * sequence cut there keeps FW_PIECE_MIN rows on each side. */
+static int cut_ok(const kvb_forward *fw, int c) {
+    if (c % KVB_CHUNK_ALIGN_ROWS) return 0;
+    for (int s = 0; s < fw->attn.n_seqs; s++) {
+        const kvb_attn_seq *sq = &fw->attn.seqs[s];
+        if (c > sq->q_start && c < sq->q_start + sq->q_len &&
+            (c - sq->q_start < FW_PIECE_MIN || sq->q_start + sq->q_len - c < FW_PIECE_MIN))
+            return 0;
+    }
+    return 1;
+}
+
+/* The largest cut in [lo, hi] (`largest`), else the smallest; -1 when there is none. */
+static int find_cut(const kvb_forward *fw, int lo, int hi, int largest) {
+    int al = KVB_CHUNK_ALIGN_ROWS, first = KVB_DIV_CEIL(lo, al) * al, last = hi / al * al;
+    for (int c = largest ? last : first; c >= first && c <= last; c += largest ? -al : al)
+        if (cut_ok(fw, c)) return c;
+    return -1;
+}
+
+/* End of the chunk of the layer's rows that starts at row c0. */
+static int chunk_end(const kvb_forward *fw, int c0) {
+    int n = fw->n_rows;
+    if (fw->chunk <= 0 || n - c0 <= fw->chunk) return n;
+    int lo = c0 + FW_CHUNK_MIN, hi = n - FW_CHUNK_MIN;
+    int c = find_cut(fw, lo, KVB_MIN(hi, c0 + fw->chunk), 1);
+    if (c < 0) c = find_cut(fw, c0 + fw->chunk + 1, hi, 0);
+    return c < 0 ? n : c;
+}
+
+/* Rows of the largest chunk of the layer's rows. */
+static int max_chunk(const kvb_forward *fw) {
+    int cap = 0;
+    for (int c0 = 0, c1; c0 < fw->n_rows; c0 = c1) {
+        c1 = chunk_end(fw, c0);
+        cap = KVB_MAX(cap, c1 - c0);
+    }
+    return cap;
+}
+
+/* The attention view of rows [c0, c1) of the layer: the sequences' rows there, each seeing the keys up
+ * to its last row there (the layer's rows before c0 have written theirs). */
+static kvb_status chunk_attn(kvb_forward *fw, int c0, int c1, kvb_attn_batch *out) {
+    *out = fw->attn;
+    out->n_tokens = c1 - c0;
+    out->row0 = c0;
+    if (c0 == 0 && c1 == fw->n_rows) return KVB_OK;
+    if (fw->cseqs_cap < fw->attn.n_seqs) {
+        KVB_TRY(kvb_realloc_array((void **)&fw->cseqs, (size_t)fw->attn.n_seqs, sizeof *fw->cseqs));
+        fw->cseqs_cap = fw->attn.n_seqs;
+    }
+    int n = 0, bs = fw->attn.geom->block_size;
+    for (int s = 0; s < fw->attn.n_seqs; s++) {
+        const kvb_attn_seq *sq = &fw->attn.seqs[s];
+        int qe = sq->q_start + sq->q_len, a = KVB_MAX(c0, sq->q_start), e = KVB_MIN(c1, qe);
+        if (a >= e) continue;
+        int ctx = sq->ctx_len - (qe - e);
+        fw->cseqs[n++] = (kvb_attn_seq){.q_start = a - c0, .q_len = e - a, .ctx_len = ctx,
+                                        .n_blocks = KVB_DIV_CEIL(ctx, bs), .blk_first = sq->blk_first};
+    }
+    out->n_seqs = n;
+    out->seqs = fw->cseqs;
+    return KVB_OK;
 }
 
 kvb_status kvb_forward_create_with(kvb_model *m, int max_tokens, const kvb_mem_allocator *alloc, kvb_forward **out) {
@@ -62,6 +176,7 @@ kvb_status kvb_forward_create_with(kvb_model *m, int max_tokens, const kvb_mem_a
     fw->m = m;
     fw->be = m->be;
     fw->max_tokens = max_tokens;
+    fw->chunk = KVB_FORWARD_CHUNK_ROWS;
     if (alloc) {
         fw->alloc = *alloc;
     } else {
@@ -85,7 +200,14 @@ void kvb_forward_destroy(kvb_forward *fw) {
     if (fw->x) fw->be->iface->sync(fw->be->ctx); /* a step was abandoned: its kernels may still run */
     fw_release(fw);
     kvb_mem_arena_destroy(fw->arena);
+    free(fw->cseqs);
     free(fw);
+}
+
+kvb_status kvb_forward_chunk(kvb_forward *fw, int rows) {
+    if (fw->b || rows < 0) return KVB_ERR_INVALID;
+    fw->chunk = rows > 0 && rows < FW_CHUNK_MIN ? FW_CHUNK_MIN : rows;
+    return KVB_OK;
 }
 
 kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b) {
@@ -107,23 +229,18 @@ kvb_status kvb_forward_begin(kvb_forward *fw, const kvb_batch *b) {
         KVB_TRY(be->sync(fw->be->ctx));
         fw_release(fw);
     }
-    /* this step's buffers, sized by its tokens */
+    /* this step's buffers: the residual stream sized by its tokens, the rest by its largest chunk */
     size_t n = (size_t)b->n_tokens;
     kvb_status st;
+    fw->attn = b->attn;
+    fw->n_rows = b->n_tokens;
     KVB_TRY_GOTO(fw_alloc(fw, n * c->hidden, &fw->x), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->hidden, &fw->h), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->q), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->k), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->v), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->att), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->intermediate, &fw->gate), fail);
-    KVB_TRY_GOTO(fw_alloc(fw, n * c->intermediate, &fw->up), fail);
+    KVB_TRY_GOTO(fw_chunk_bufs(fw, max_chunk(fw)), fail);
     if (b->n_logits > 0) {
         KVB_TRY_GOTO(fw_alloc(fw, (size_t)b->n_logits * c->hidden, &fw->rows), fail);
         KVB_TRY_GOTO(fw_alloc(fw, (size_t)b->n_logits * c->vocab, &fw->logits), fail);
     }
     fw->b = b;
-    fw->attn = b->attn;
     fw->attn.n_heads = c->n_heads;
     fw->attn.n_tokens = b->n_tokens;
     /* YaRN multiplies cos and sin by its attention factor a, so q.k by a^2: folded into the scale */
@@ -141,13 +258,15 @@ fail:
     return st;
 }
 
-/* y[i] = x . w[i]^T (+ beta * y[i]) for projections sharing their input: in one call where the backend
- * has matmul_n (beta 0), else one matmul each; with a split (kvb_forward_split) once per row range. */
-static kvb_status matmuls(kvb_forward *fw, const void *x, int n, const kvb_tensor *const *w, void *const *y, int nw,
-                          float beta) {
+/* y[i] = x . w[i]^T (+ beta * y[i]) for projections sharing their input, n rows of a chunk whose first
+ * is the layer's row row0: in one call where the backend has matmul_n (beta 0), else one matmul each;
+ * with a split (kvb_forward_split) inside the chunk once per row range. */
+static kvb_status matmuls(kvb_forward *fw, int row0, const void *x, int n, const kvb_tensor *const *w, void *const *y,
+                          int nw, float beta) {
     const kvb_backend_i *be = fw->be->iface;
     size_t es = kvb_dtype_size(be->act_dtype);
-    int cut[3] = {0, fw->split > 0 && fw->split < n ? fw->split : n, n};
+    int sp = fw->split - row0;
+    int cut[3] = {0, sp > 0 && sp < n ? sp : n, n};
     for (int part = 0; part < 2; part++) {
         int r0 = cut[part], rn = cut[part + 1] - r0;
         if (rn <= 0) continue;
@@ -163,8 +282,8 @@ static kvb_status matmuls(kvb_forward *fw, const void *x, int n, const kvb_tenso
     return KVB_OK;
 }
 
-static kvb_status matmul1(kvb_forward *fw, const void *x, int n, const kvb_tensor *w, float beta, void *y) {
-    return matmuls(fw, x, n, &w, &y, 1, beta);
+static kvb_status matmul1(kvb_forward *fw, int r0, const void *x, int n, const kvb_tensor *w, float beta, void *y) {
+    return matmuls(fw, r0, x, n, &w, &y, 1, beta);
 }
 
 kvb_status kvb_forward_rows(kvb_forward *fw, int n_rows, int n_seqs) {
@@ -185,23 +304,21 @@ kvb_status kvb_forward_split(kvb_forward *fw, int rows) {
     return KVB_OK;
 }
 
-kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
-    if (!fw->b || layer != fw->next_layer || layer >= fw->m->cfg.n_layers) return KVB_ERR_STATE;
+/* Rows [c0, c1) of the layer (fw->x's rows; the chunk buffers hold them from their row 0). */
+static kvb_status layer_chunk(kvb_forward *fw, const kvb_layer_weights *w, int c0, int c1) {
     const kvb_model_config *c = &fw->m->cfg;
-    const kvb_layer_weights *w = &fw->m->layers[layer];
     const kvb_backend_i *be = fw->be->iface;
     void *ctx = fw->be->ctx;
-    int n = fw->n_rows;
+    int n = c1 - c0;
     float eps = c->rms_eps;
+    void *x = (char *)fw->x + (size_t)c0 * c->hidden * kvb_dtype_size(be->act_dtype);
+    kvb_attn_batch attn;
+    KVB_TRY(chunk_attn(fw, c0, c1, &attn));
 
-    /* layer_blocks may have been refilled for this layer since begin */
-    fw->attn.layer_blocks = fw->b->attn.layer_blocks;
-    fw->attn.window = kvb_model_config_window(c, layer);
-
-    KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->attn_norm, eps, fw->h));
+    KVB_TRY(be->rmsnorm(ctx, x, n, c->hidden, &w->attn_norm, eps, fw->h));
     const kvb_tensor *qkv[] = {&w->wq, &w->wk, &w->wv};
     void *qkv_out[] = {fw->q, fw->k, fw->v};
-    KVB_TRY(matmuls(fw, fw->h, n, qkv, qkv_out, 3, 0.0f));
+    KVB_TRY(matmuls(fw, c0, fw->h, n, qkv, qkv_out, 3, 0.0f));
     if (w->bq.data) { /* Qwen2; Llama / Qwen3 with attention_bias */
         KVB_TRY(be->bias_add(ctx, fw->q, n, &w->bq));
         KVB_TRY(be->bias_add(ctx, fw->k, n, &w->bk));
@@ -211,23 +328,40 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
         KVB_TRY(be->rmsnorm(ctx, fw->q, n * c->n_heads, c->head_dim, &w->q_norm, eps, fw->q));
         KVB_TRY(be->rmsnorm(ctx, fw->k, n * c->n_kv_heads, c->head_dim, &w->k_norm, eps, fw->k));
     }
-    KVB_TRY(be->rope(ctx, fw->q, c->n_heads, fw->k, c->n_kv_heads, n, fw->b->pos, &fw->m->rope));
-    KVB_TRY(be->kv_write(ctx, &fw->attn, fw->k, fw->v));
-    KVB_TRY(be->attention(ctx, &fw->attn, fw->q, fw->att));
-    KVB_TRY(matmul1(fw, fw->att, n, &w->wo, 1.0f, fw->x)); /* x += o_proj(att) */
-    if (w->bo.data) KVB_TRY(be->bias_add(ctx, fw->x, n, &w->bo));
+    KVB_TRY(be->rope(ctx, fw->q, c->n_heads, fw->k, c->n_kv_heads, n, fw->b->pos + c0, &fw->m->rope));
+    KVB_TRY(be->kv_write(ctx, &attn, fw->k, fw->v));
+    KVB_TRY(be->attention(ctx, &attn, fw->q, fw->att));
+    KVB_TRY(matmul1(fw, c0, fw->att, n, &w->wo, 1.0f, x)); /* x += o_proj(att) */
+    if (w->bo.data) KVB_TRY(be->bias_add(ctx, x, n, &w->bo));
 
-    KVB_TRY(be->rmsnorm(ctx, fw->x, n, c->hidden, &w->ffn_norm, eps, fw->h));
+    KVB_TRY(be->rmsnorm(ctx, x, n, c->hidden, &w->ffn_norm, eps, fw->h));
     const kvb_tensor *gate_up[] = {&w->w_gate, &w->w_up};
     void *gate_up_out[] = {fw->gate, fw->up};
-    KVB_TRY(matmuls(fw, fw->h, n, gate_up, gate_up_out, 2, 0.0f));
+    KVB_TRY(matmuls(fw, c0, fw->h, n, gate_up, gate_up_out, 2, 0.0f));
     if (w->b_gate.data) { /* Llama with mlp_bias */
         KVB_TRY(be->bias_add(ctx, fw->gate, n, &w->b_gate));
         KVB_TRY(be->bias_add(ctx, fw->up, n, &w->b_up));
     }
     KVB_TRY(be->silu_mul(ctx, fw->gate, fw->up, (size_t)n * c->intermediate, fw->gate));
-    KVB_TRY(matmul1(fw, fw->gate, n, &w->w_down, 1.0f, fw->x)); /* x += down(...) */
-    if (w->b_down.data) KVB_TRY(be->bias_add(ctx, fw->x, n, &w->b_down));
+    KVB_TRY(matmul1(fw, c0, fw->gate, n, &w->w_down, 1.0f, x)); /* x += down(...) */
+    if (w->b_down.data) KVB_TRY(be->bias_add(ctx, x, n, &w->b_down));
+    return KVB_OK;
+}
+
+kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
+    if (!fw->b || layer != fw->next_layer || layer >= fw->m->cfg.n_layers) return KVB_ERR_STATE;
+    const kvb_model_config *c = &fw->m->cfg;
+
+    /* layer_blocks may have been refilled for this layer since begin */
+    fw->attn.layer_blocks = fw->b->attn.layer_blocks;
+    fw->attn.window = kvb_model_config_window(c, layer);
+    /* fewer rows than at begin (kvb_forward_rows) can end a chunk at a later cut: the buffers grow then */
+    int cap = max_chunk(fw);
+    if (cap > fw->cap) KVB_TRY(fw_chunk_bufs(fw, cap));
+    for (int c0 = 0, c1; c0 < fw->n_rows; c0 = c1) {
+        c1 = chunk_end(fw, c0);
+        KVB_TRY(layer_chunk(fw, &fw->m->layers[layer], c0, c1));
+    }
     fw->next_layer = layer + 1;
     return KVB_OK;
 }

@@ -30,7 +30,10 @@
 
 /* A sequence takes the sgemm path when it has at least this many query rows per KV head. */
 #define GEMM_MIN_ROWS 32
-/* Query rows (tokens x heads of a group) per sgemm tile. */
+/* Query rows (tokens x heads of a group) per sgemm tile, at most. A tile's tokens divide
+ * KVB_CHUNK_ALIGN_ROWS and tiles start at step rows (kvb_attn_batch.row0 + q row) that are multiples
+ * of it, so a sequence whose rows come in pieces (kernels/backend.h) has the tiles, and so the results,
+ * it has in one piece. */
 #define TILE_ROWS 128
 
 /* Keys per decode walk item. */
@@ -40,9 +43,11 @@ typedef struct attn_item {
     int seq;
     int g;      /* KV head (sgemm items) */
     int t0, t1; /* query rows [t0, t1) of the sequence (sgemm items); walk items cover all of them */
-    int k0, k1; /* keys [k0, k1) (walk items) */
+    int k0, k1; /* keys [k0, k1) (walk and gather items) */
     int part;   /* walk: the chunk's partial slot, or -1 when the sequence has one chunk */
-    int gemm;
+    int gemm;   /* 1: an sgemm item, 2: a gather item */
+    int kbase;  /* sgemm and gather: the first key of the sequence's gathered K/V */
+    size_t gat; /* sgemm and gather: where the sequence's gathered K/V start in kvb_cpu_ctx.gath */
 } attn_item;
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -80,9 +85,9 @@ static void exp_sub(float *s, int n, float mx) {
     for (int i = 0; i < n; i++) s[i] = kvb__expf(s[i] - mx);
 }
 
-/* e^(s[i] - max) in place for s[0..n), n > 0; returns the max, *sum the sum (not normalised). */
-static float exp_part(float *s, int n, float *sum) {
-    float m8[8], a8[8] = {0};
+/* The maximum of s[0..n), n > 0 (8 lanes, then across). */
+static float row_max(const float *s, int n) {
+    float m8[8];
     for (int j = 0; j < 8; j++) m8[j] = s[0];
     int i = 0;
     for (; i + 8 <= n; i += 8)
@@ -90,21 +95,26 @@ static float exp_part(float *s, int n, float *sum) {
     float mx = m8[0];
     for (int j = 1; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
     for (; i < n; i++) mx = s[i] > mx ? s[i] : mx;
-    exp_sub(s, n, mx);
-    for (i = 0; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) a8[j] += s[i + j];
-    float acc = ((a8[0] + a8[4]) + (a8[1] + a8[5])) + ((a8[2] + a8[6]) + (a8[3] + a8[7]));
-    for (; i < n; i++) acc += s[i];
-    *sum = acc;
     return mx;
 }
 
-/* Softmax of s[0..n) in place, n > 0. */
-static void softmax(float *s, int n) {
-    float sum;
-    exp_part(s, n, &sum);
-    float inv = 1.0f / sum;
-    for (int i = 0; i < n; i++) s[i] *= inv;
+/* The sum of s[0..n) (8 lanes, then pairwise). */
+static float row_sum(const float *s, int n) {
+    float a8[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) a8[j] += s[i + j];
+    float acc = ((a8[0] + a8[4]) + (a8[1] + a8[5])) + ((a8[2] + a8[6]) + (a8[3] + a8[7]));
+    for (; i < n; i++) acc += s[i];
+    return acc;
+}
+
+/* e^(s[i] - max) in place for s[0..n), n > 0; returns the max, *sum the sum (not normalised). */
+static float exp_part(float *s, int n, float *sum) {
+    float mx = row_max(s, n);
+    exp_sub(s, n, mx);
+    *sum = row_sum(s, n);
+    return mx;
 }
 
 /* The group's query heads against one key row: s[h * stride] = scale * <q[h], k> for h < gq. */
@@ -317,47 +327,104 @@ static void attn_merge(const kvb_attn_batch *b, const kvb_attn_seq *sq, const fl
         }
 }
 
-static size_t gemm_scratch_floats(int nk, int m, int hd) { return 2 * (size_t)nk * hd + (size_t)m * (nk + 2 * (size_t)hd); }
+/* Keys per block of a gemm item (at key positions that are multiples of it): the block's scores, tile
+ * rows x KEY_BLOCK, stay in L2 through the softmax and P.V. */
+#define KEY_BLOCK 256
 
-/* Query rows [t0, t1) of the sequence for KV group g through sgemm (single-threaded inside the team).
- * The tile gathers the keys [k_lo, nk) some row of it sees; row r's own keys are [lo_r, nvis_r). */
-static void attn_gemm(const kvb_attn_batch *b, const kvb_attn_seq *sq, int g, int t0, int t1, const float *q,
-                      float *out, float *scratch) {
+static size_t gemm_scratch_floats(int m, int hd) { return (size_t)m * (KEY_BLOCK + 2 * (size_t)hd + 2); }
+
+/* Keys per gather item. */
+#define GATHER_KEYS 512
+
+/* The first key some query row of an sgemm sequence sees: its gathered K/V start there. */
+static int gather_base(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
+    return first_key(b, sq->ctx_len - sq->q_len + 1);
+}
+
+/* Keys [it->k0, it->k1) of an sgemm sequence into its gathered K/V at gath + it->gat: K as
+ * [KV head][key - kbase][head_dim], then V alike (whole K/V rows read once, each head's slice written
+ * to its own run). */
+static void gather_kv(const kvb_attn_batch *b, const attn_item *it, float *gath) {
     const kvb_kv_geom *geo = b->geom;
-    int hd = geo->head_dim, bs = geo->block_size, gq = b->n_heads / geo->n_kv_heads;
-    size_t row = (size_t)geo->n_kv_heads * hd, half = (size_t)bs * row;
-    int past = sq->ctx_len - sq->q_len;
-    int nk = past + t1, k_lo = first_key(b, past + t0 + 1); /* keys of the tile's last / first row */
-    int m = (t1 - t0) * gq, nkt = nk - k_lo;
-    float *kc = scratch, *vc = kc + (size_t)nkt * hd, *s = vc + (size_t)nkt * hd;
-    float *qt = s + (size_t)m * nkt, *ot = qt + (size_t)m * hd;
-
-    for (int k0 = k_lo; k0 < nk;) {
-        int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, nk - k0);
+    const kvb_attn_seq *sq = &b->seqs[it->seq];
+    int hd = geo->head_dim, bs = geo->block_size, nkv = geo->n_kv_heads;
+    size_t row = (size_t)nkv * hd, half = (size_t)bs * row, nks = (size_t)(sq->ctx_len - it->kbase);
+    float *kg = gath + it->gat, *vg = kg + (size_t)nkv * nks * hd;
+    for (int k0 = it->k0; k0 < it->k1;) {
+        int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, it->k1 - k0);
         const float *blk = b->layer_blocks[sq->blk_first + j];
         for (int r = 0; r < n_in; r++) {
-            size_t at = (size_t)(k0 - k_lo + r) * hd, src = (size_t)(r0 + r) * row + (size_t)g * hd;
-            memcpy(kc + at, blk + src, (size_t)hd * sizeof(float));
-            memcpy(vc + at, blk + half + src, (size_t)hd * sizeof(float));
+            size_t key = (size_t)(k0 + r - it->kbase), src = (size_t)(r0 + r) * row;
+            for (int g = 0; g < nkv; g++) {
+                size_t at = ((size_t)g * nks + key) * hd;
+                memcpy(kg + at, blk + src + (size_t)g * hd, (size_t)hd * sizeof(float));
+                memcpy(vg + at, blk + half + src + (size_t)g * hd, (size_t)hd * sizeof(float));
+            }
         }
         k0 += n_in;
     }
+}
+
+/* The query rows [t0, t1) of the sequence for KV group g of sgemm item `it` (single-threaded inside
+ * the team), a block of keys at a time with the online softmax: row r keeps its running maximum mx[r],
+ * sum l[r] and unnormalised output; a block that raises the maximum scales the sum and output by
+ * e^(old - new) first. The tile sees keys [k_lo, nk); row r its own [lo_r, nvis_r). */
+static void attn_gemm(const kvb_attn_batch *b, const kvb_attn_seq *sq, const attn_item *it, const float *q,
+                      float *out, const float *gath, float *scratch) {
+    const kvb_kv_geom *geo = b->geom;
+    int hd = geo->head_dim, gq = b->n_heads / geo->n_kv_heads, g = it->g, t0 = it->t0, t1 = it->t1;
+    int past = sq->ctx_len - sq->q_len;
+    int nk = past + t1, k_lo = first_key(b, past + t0 + 1); /* keys of the tile's last / first row */
+    int m = (t1 - t0) * gq;
+    size_t nks = (size_t)(sq->ctx_len - it->kbase);
+    const float *kg = gath + it->gat + (size_t)g * nks * hd, *vg = kg + (size_t)geo->n_kv_heads * nks * hd;
+    float *s = scratch, *qt = s + (size_t)m * KEY_BLOCK, *ot = qt + (size_t)m * hd, *mx = ot + (size_t)m * hd;
+    float *l = mx + m;
+
     /* the group's gq heads are adjacent in a token's q row */
     for (int t = t0; t < t1; t++)
         memcpy(qt + (size_t)(t - t0) * gq * hd, q + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd,
                (size_t)gq * hd * sizeof(float));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nkt, hd, b->scale, qt, hd, kc, hd, 0.0f, s, nkt);
+    memset(ot, 0, (size_t)m * hd * sizeof(float));
     for (int r = 0; r < m; r++) {
-        int n_vis = past + t0 + r / gq + 1, lo = first_key(b, n_vis) - k_lo, hi = n_vis - k_lo;
-        float *sr = s + (size_t)r * nkt;
-        softmax(sr + lo, hi - lo);
-        for (int c = 0; c < lo; c++) sr[c] = 0.0f;
-        for (int c = hi; c < nkt; c++) sr[c] = 0.0f;
+        mx[r] = -INFINITY;
+        l[r] = 0.0f;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, nkt, 1.0f, s, nkt, vc, hd, 0.0f, ot, hd);
+    for (int kb = k_lo, ke; kb < nk; kb = ke) {
+        ke = KVB_MIN(nk, (kb / KEY_BLOCK + 1) * KEY_BLOCK);
+        int nkb = ke - kb;
+        const float *kc = kg + (size_t)(kb - it->kbase) * hd, *vc = vg + (size_t)(kb - it->kbase) * hd;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nkb, hd, b->scale, qt, hd, kc, hd, 0.0f, s, nkb);
+        for (int r = 0; r < m; r++) {
+            int n_vis = past + t0 + r / gq + 1;
+            int lo = KVB_MAX(first_key(b, n_vis), kb) - kb, hi = KVB_MIN(n_vis, ke) - kb;
+            float *sr = s + (size_t)r * nkb;
+            if (lo >= hi) { /* none of the block's keys is the row's */
+                memset(sr, 0, (size_t)nkb * sizeof(float));
+                continue;
+            }
+            float M = KVB_MAX(mx[r], row_max(sr + lo, hi - lo));
+            exp_sub(sr + lo, hi - lo, M);
+            if (M > mx[r] && l[r] > 0.0f) {
+                float c = kvb__expf(mx[r] - M), *o = ot + (size_t)r * hd;
+                l[r] *= c;
+                for (int d = 0; d < hd; d++) o[d] *= c;
+            }
+            mx[r] = M;
+            l[r] += row_sum(sr + lo, hi - lo);
+            memset(sr, 0, (size_t)lo * sizeof(float));
+            memset(sr + hi, 0, (size_t)(nkb - hi) * sizeof(float));
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, nkb, 1.0f, s, nkb, vc, hd, 1.0f, ot, hd);
+    }
     for (int t = t0; t < t1; t++)
-        memcpy(out + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq) * hd, ot + (size_t)(t - t0) * gq * hd,
-               (size_t)gq * hd * sizeof(float));
+        for (int h = 0; h < gq; h++) {
+            int r = (t - t0) * gq + h;
+            const float *o = ot + (size_t)r * hd;
+            float *dst = out + ((size_t)(sq->q_start + t) * b->n_heads + (size_t)g * gq + h) * hd;
+            float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            for (int d = 0; d < hd; d++) dst[d] = o[d] * inv;
+        }
 }
 
 /* Walk chunks of a decode-like sequence: chunks c0 .. c1 - 1 of WALK_KEYS keys cover the keys some row
@@ -371,17 +438,22 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
     const kvb_kv_geom *geo = b->geom;
     int nkv = geo->n_kv_heads, hd = geo->head_dim, nh = b->n_heads, gq = nh / nkv;
     int tile_t = KVB_MAX(1, TILE_ROWS / gq);
+    while (KVB_CHUNK_ALIGN_ROWS % tile_t) tile_t--;
     if (nh > KVB_CPU_ATTN_MAX_HEADS) {
         KVB_LOG_E("cpu attention: %d query heads, at most %d", nh, KVB_CPU_ATTN_MAX_HEADS);
         return KVB_ERR_UNSUPPORTED;
     }
-    int n_items = 0;
-    size_t part_floats = 0;
+    int n_items = 0, n_gather = 0;
+    size_t part_floats = 0, gath_floats = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         if (sq->q_len <= 0) continue;
         if (sq->q_len * gq >= GEMM_MIN_ROWS) {
-            n_items += nkv * KVB_DIV_CEIL(sq->q_len, tile_t);
+            int r0 = b->row0 + sq->q_start; /* the step's row of the first query row */
+            n_items += nkv * ((r0 + sq->q_len - 1) / tile_t - r0 / tile_t + 1);
+            int kbase = gather_base(b, sq);
+            n_gather += KVB_DIV_CEIL(sq->ctx_len - kbase, GATHER_KEYS);
+            gath_floats += 2 * (size_t)nkv * (size_t)(sq->ctx_len - kbase) * hd;
             continue;
         }
         int c0, c1;
@@ -389,23 +461,30 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
         n_items += c1 - c0;
         if (c1 - c0 > 1) part_floats += (size_t)(c1 - c0) * sq->q_len * nh * (hd + 2);
     }
-    if ((size_t)n_items > c->items_cap) {
-        KVB_TRY(kvb_realloc_array(&c->items, (size_t)n_items, sizeof(attn_item)));
-        c->items_cap = (size_t)n_items;
+    if ((size_t)(n_items + n_gather) > c->items_cap) {
+        KVB_TRY(kvb_realloc_array(&c->items, (size_t)(n_items + n_gather), sizeof(attn_item)));
+        c->items_cap = (size_t)(n_items + n_gather);
     }
     KVB_TRY(kvb__cpu_floats_reserve(&c->part, &c->part_floats, part_floats));
-    attn_item *items = c->items;
-    size_t need = 0, part_at = 0;
-    int n = 0;
+    KVB_TRY(kvb__cpu_floats_reserve(&c->gath, &c->gath_floats, gath_floats));
+    attn_item *items = c->items, *gather = items + n_items;
+    size_t need = 0, part_at = 0, gat_at = 0;
+    int n = 0, ng = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         if (sq->q_len <= 0) continue;
         if (sq->q_len * gq >= GEMM_MIN_ROWS) {
+            int r0 = b->row0 + sq->q_start, kbase = gather_base(b, sq);
+            for (int k0 = kbase; k0 < sq->ctx_len; k0 += GATHER_KEYS)
+                gather[ng++] = (attn_item){.seq = s, .k0 = k0, .k1 = KVB_MIN(sq->ctx_len, k0 + GATHER_KEYS), .gemm = 2,
+                                           .kbase = kbase, .gat = gat_at};
             for (int g = 0; g < nkv; g++)
-                for (int t0 = 0; t0 < sq->q_len; t0 += tile_t)
-                    items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = KVB_MIN(sq->q_len, t0 + tile_t),
-                                             .gemm = 1};
-            need = KVB_MAX(need, gemm_scratch_floats(sq->ctx_len, tile_t * gq, hd));
+                for (int t0 = 0, t1; t0 < sq->q_len; t0 = t1) {
+                    t1 = KVB_MIN(sq->q_len, ((r0 + t0) / tile_t + 1) * tile_t - r0);
+                    items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = t1, .gemm = 1, .kbase = kbase, .gat = gat_at};
+                }
+            gat_at += 2 * (size_t)nkv * (size_t)(sq->ctx_len - kbase) * hd;
+            need = KVB_MAX(need, gemm_scratch_floats(tile_t * gq, hd));
             continue;
         }
         int c0, c1;
@@ -420,11 +499,14 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
         need = KVB_MAX(need, (size_t)sq->q_len * nh * WALK_KEYS);
     }
     KVB_TRY(kvb__cpu_scratch_reserve(c, need));
+    /* the sgemm sequences' keys and values, per KV head, contiguous: read by all of its tiles */
+#pragma omp parallel for schedule(dynamic, 1) if (ng > 1) num_threads(kvb__cpu_threads)
+    for (int i = 0; i < ng; i++) gather_kv(b, &gather[i], c->gath);
 #pragma omp parallel for schedule(dynamic, 1) if (n_items > 1) num_threads(kvb__cpu_threads)
     for (int i = 0; i < n_items; i++) {
         const attn_item *it = &items[i];
         float *scratch = c->scratch + (size_t)omp_get_thread_num() * c->scratch_floats;
-        if (it->gemm) attn_gemm(b, &b->seqs[it->seq], it->g, it->t0, it->t1, q, out, scratch);
+        if (it->gemm) attn_gemm(b, &b->seqs[it->seq], it, q, out, c->gath, scratch);
         else attn_walk(b, &b->seqs[it->seq], it->k0, it->k1, q, out, it->part < 0 ? NULL : c->part + it->part, scratch);
     }
     /* sequences of several chunks: merge in chunk order (their items are adjacent, first at .part) */

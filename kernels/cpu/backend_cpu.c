@@ -157,6 +157,7 @@ static void cpu_destroy(void *ctx) {
     free(c->rope_cs);
     free(c->items);
     free(c->part);
+    free(c->gath);
     free(c);
 }
 

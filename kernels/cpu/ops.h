@@ -19,6 +19,8 @@ typedef struct kvb_cpu_ctx {
     size_t items_cap;
     float *part;          /* [part_floats] decode attention's per-chunk partials */
     size_t part_floats;
+    float *gath;          /* [gath_floats] prefill attention's keys and values, per KV head */
+    size_t gath_floats;
 } kvb_cpu_ctx;
 
 /* Query heads the CPU attention takes (its per-row softmax state lives on the stack). */
