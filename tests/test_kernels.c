@@ -371,6 +371,19 @@ KVB_TEST(attention_paths_gqa) {
 }
 KVB_TEST_END
 
+/* The same attention and matrix-product checks on the paths a processor without AVX2 takes (the generic
+ * loops, OpenBLAS for every product), chosen with KVB_CPU_SIMD=0 at backend creation. */
+KVB_TEST(generic_paths) {
+    setenv("KVB_CPU_SIMD", "0", 1);
+    rng_state = 6;
+    seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1300}, {2, 1025}};
+    check_attention(specs, 6, 8, 2, 32, 7, 2);
+    check_attention(specs, 6, 6, 1, 64, 16, 1);
+    check_attention_w(specs, 6, 8, 2, 32, 16, 2, 17);
+    unsetenv("KVB_CPU_SIMD");
+}
+KVB_TEST_END
+
 KVB_TEST(attention_paths_mha_mqa) {
     rng_state = 4;
     seq_spec specs[] = {{1, 65}, {64, 64}, {33, 90}};
@@ -414,5 +427,5 @@ KVB_TEST(bias_add_rows) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(matmul_batch_invariant, 30), KVB_T(matmul_n_matches_matmul, 30), KVB_T(weight_load_half, 10),
-              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_paths_mha_mqa, 60),
+              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
               KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))

@@ -341,28 +341,141 @@ static int gather_base(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
     return first_key(b, sq->ctx_len - sq->q_len + 1);
 }
 
-/* Keys [it->k0, it->k1) of an sgemm sequence into its gathered K/V at gath + it->gat: K as
- * [KV head][key - kbase][head_dim], then V alike (whole K/V rows read once, each head's slice written
- * to its own run). */
+/* Columns of a sequence's gathered K^T: its keys rounded up to 16, plus 16 (the score kernel reads 16
+ * columns from any key's column, the last ones unused). */
+static size_t gather_ldk(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
+    return (size_t)KVB_DIV_CEIL(sq->ctx_len - gather_base(b, sq), 16) * 16 + 16;
+}
+
+/* Floats of a sequence's gathered K^T and V. */
+static size_t gather_floats(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
+    size_t nks = (size_t)(sq->ctx_len - gather_base(b, sq));
+    return (size_t)b->geom->n_kv_heads * (size_t)b->geom->head_dim * (gather_ldk(b, sq) + nks);
+}
+
+/* Keys [it->k0, it->k1) of an sgemm sequence into its gathered K/V at gath + it->gat: K transposed, as
+ * [KV head][dim][key - kbase] (row stride gather_ldk), then V as [KV head][key - kbase][dim] (whole
+ * K/V rows read once, each head's slice written to its own run). */
 static void gather_kv(const kvb_attn_batch *b, const attn_item *it, float *gath) {
     const kvb_kv_geom *geo = b->geom;
     const kvb_attn_seq *sq = &b->seqs[it->seq];
     int hd = geo->head_dim, bs = geo->block_size, nkv = geo->n_kv_heads;
     size_t row = (size_t)nkv * hd, half = (size_t)bs * row, nks = (size_t)(sq->ctx_len - it->kbase);
-    float *kg = gath + it->gat, *vg = kg + (size_t)nkv * nks * hd;
+    size_t ldk = gather_ldk(b, sq);
+    float *kg = gath + it->gat, *vg = kg + (size_t)nkv * hd * ldk;
     for (int k0 = it->k0; k0 < it->k1;) {
         int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, it->k1 - k0);
         const float *blk = b->layer_blocks[sq->blk_first + j];
         for (int r = 0; r < n_in; r++) {
             size_t key = (size_t)(k0 + r - it->kbase), src = (size_t)(r0 + r) * row;
             for (int g = 0; g < nkv; g++) {
-                size_t at = ((size_t)g * nks + key) * hd;
-                memcpy(kg + at, blk + src + (size_t)g * hd, (size_t)hd * sizeof(float));
-                memcpy(vg + at, blk + half + src + (size_t)g * hd, (size_t)hd * sizeof(float));
+                const float *kr = blk + src + (size_t)g * hd;
+                float *kt = kg + (size_t)g * hd * ldk + key;
+                for (int d = 0; d < hd; d++) kt[(size_t)d * ldk] = kr[d];
+                memcpy(vg + ((size_t)g * nks + key) * hd, blk + half + src + (size_t)g * hd, (size_t)hd * sizeof(float));
             }
         }
         k0 += n_in;
     }
+}
+
+#if KVB_ATTN_AVX2
+/* The prefill tile's two products without sgemm's packing of operands it reads once per key block
+ * (measured: the tile's attention ran at about two thirds of the matrix products' rate through sgemm).
+ * Register tiles of R rows x 16 columns, R <= 6: 12 accumulators, two 8-lane loads of the shared operand
+ * and one broadcast per row for each step of the inner dimension. Each entry is an FMA chain in
+ * inner-dimension order, so a row's results do not depend on how rows were tiled (chunked forward
+ * passes give the same bits). */
+
+/* S[r][j] = scale * sum_d Q[r][d] KT[d][j], r < R, j < nj <= 16 (KT has 16 readable columns). */
+#define QK_TILE(R)                                                                                                  \
+    __attribute__((target("avx2,fma"))) static void qk_tile_##R(const float *Q, int hd, const float *KT, size_t ldk, \
+                                                                float scale, int nj, float *S, size_t lds) {        \
+        __m256 a[R][2];                                                                                             \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                \
+        for (int d = 0; d < hd; d++) {                                                                              \
+            __m256 k0 = _mm256_loadu_ps(KT + (size_t)d * ldk), k1 = _mm256_loadu_ps(KT + (size_t)d * ldk + 8);      \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                   \
+                __m256 qv = _mm256_broadcast_ss(Q + (size_t)r * hd + d);                                            \
+                a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);                                                         \
+                a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);                                                         \
+            }                                                                                                       \
+        }                                                                                                           \
+        const __m256 vs = _mm256_set1_ps(scale);                                                                    \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                       \
+            float t[16];                                                                                            \
+            float *o = nj == 16 ? S + (size_t)r * lds : t;                                                          \
+            _mm256_storeu_ps(o, _mm256_mul_ps(a[r][0], vs));                                                        \
+            _mm256_storeu_ps(o + 8, _mm256_mul_ps(a[r][1], vs));                                                    \
+            if (nj < 16) memcpy(S + (size_t)r * lds, t, (size_t)nj * sizeof(float));                                \
+        }                                                                                                           \
+    }
+
+/* O[r][0..16) += sum_k P[r][k] V[k][0..16), r < R, k < nk (V rows hd apart). */
+#define PV_TILE(R)                                                                                                  \
+    __attribute__((target("avx2,fma"))) static void pv_tile_##R(const float *P, size_t ldp, const float *V, int hd,  \
+                                                                int nk, float *O) {                                 \
+        __m256 a[R][2];                                                                                             \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                       \
+            a[r][0] = _mm256_loadu_ps(O + (size_t)r * hd);                                                          \
+            a[r][1] = _mm256_loadu_ps(O + (size_t)r * hd + 8);                                                      \
+        }                                                                                                           \
+        for (int k = 0; k < nk; k++) {                                                                              \
+            __m256 v0 = _mm256_loadu_ps(V + (size_t)k * hd), v1 = _mm256_loadu_ps(V + (size_t)k * hd + 8);          \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                   \
+                __m256 pv = _mm256_broadcast_ss(P + (size_t)r * ldp + k);                                           \
+                a[r][0] = _mm256_fmadd_ps(pv, v0, a[r][0]);                                                         \
+                a[r][1] = _mm256_fmadd_ps(pv, v1, a[r][1]);                                                         \
+            }                                                                                                       \
+        }                                                                                                           \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                       \
+            _mm256_storeu_ps(O + (size_t)r * hd, a[r][0]);                                                          \
+            _mm256_storeu_ps(O + (size_t)r * hd + 8, a[r][1]);                                                      \
+        }                                                                                                           \
+    }
+QK_TILE(1)
+QK_TILE(2)
+QK_TILE(3)
+QK_TILE(4)
+QK_TILE(5)
+QK_TILE(6)
+PV_TILE(1)
+PV_TILE(2)
+PV_TILE(3)
+PV_TILE(4)
+PV_TILE(5)
+PV_TILE(6)
+typedef void (*qk_tile_fn)(const float *, int, const float *, size_t, float, int, float *, size_t);
+typedef void (*pv_tile_fn)(const float *, size_t, const float *, int, int, float *);
+static const qk_tile_fn qk_tiles[7] = {NULL, qk_tile_1, qk_tile_2, qk_tile_3, qk_tile_4, qk_tile_5, qk_tile_6};
+static const pv_tile_fn pv_tiles[7] = {NULL, pv_tile_1, pv_tile_2, pv_tile_3, pv_tile_4, pv_tile_5, pv_tile_6};
+#endif
+
+/* s [m][nk] = scale * q [m][hd] . kt [hd][nk] (kt's rows ldk apart, readable to a multiple of 16). */
+static void scores_block(const float *q, int m, int hd, const float *kt, size_t ldk, int nk, float scale, float *s) {
+#if KVB_ATTN_AVX2
+    if (kvb__cpu_avx2) {
+        for (int i = 0; i < m; i += 6)
+            for (int j = 0; j < nk; j += 16)
+                qk_tiles[KVB_MIN(6, m - i)](q + (size_t)i * hd, hd, kt + j, ldk, scale, KVB_MIN(16, nk - j),
+                                            s + (size_t)i * nk + j, (size_t)nk);
+        return;
+    }
+#endif
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, nk, hd, scale, q, hd, kt, (blasint)ldk, 0.0f, s, nk);
+}
+
+/* o [m][hd] += p [m][nk] . v [nk][hd]. */
+static void values_block(const float *p, int m, int nk, const float *v, int hd, float *o) {
+#if KVB_ATTN_AVX2
+    if (kvb__cpu_avx2 && hd % 16 == 0) {
+        for (int i = 0; i < m; i += 6)
+            for (int d = 0; d < hd; d += 16)
+                pv_tiles[KVB_MIN(6, m - i)](p + (size_t)i * nk, (size_t)nk, v + d, hd, nk, o + (size_t)i * hd + d);
+        return;
+    }
+#endif
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, nk, 1.0f, p, nk, v, hd, 1.0f, o, hd);
 }
 
 /* The query rows [t0, t1) of the sequence for KV group g of sgemm item `it` (single-threaded inside
@@ -376,8 +489,9 @@ static void attn_gemm(const kvb_attn_batch *b, const kvb_attn_seq *sq, const att
     int past = sq->ctx_len - sq->q_len;
     int nk = past + t1, k_lo = first_key(b, past + t0 + 1); /* keys of the tile's last / first row */
     int m = (t1 - t0) * gq;
-    size_t nks = (size_t)(sq->ctx_len - it->kbase);
-    const float *kg = gath + it->gat + (size_t)g * nks * hd, *vg = kg + (size_t)geo->n_kv_heads * nks * hd;
+    size_t nks = (size_t)(sq->ctx_len - it->kbase), ldk = gather_ldk(b, sq);
+    const float *kg = gath + it->gat + (size_t)g * hd * ldk;
+    const float *vg = gath + it->gat + (size_t)geo->n_kv_heads * hd * ldk + (size_t)g * nks * hd;
     float *s = scratch, *qt = s + (size_t)m * KEY_BLOCK, *ot = qt + (size_t)m * hd, *mx = ot + (size_t)m * hd;
     float *l = mx + m;
 
@@ -393,8 +507,8 @@ static void attn_gemm(const kvb_attn_batch *b, const kvb_attn_seq *sq, const att
     for (int kb = k_lo, ke; kb < nk; kb = ke) {
         ke = KVB_MIN(nk, (kb / KEY_BLOCK + 1) * KEY_BLOCK);
         int nkb = ke - kb;
-        const float *kc = kg + (size_t)(kb - it->kbase) * hd, *vc = vg + (size_t)(kb - it->kbase) * hd;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, nkb, hd, b->scale, qt, hd, kc, hd, 0.0f, s, nkb);
+        const float *kc = kg + (kb - it->kbase), *vc = vg + (size_t)(kb - it->kbase) * hd;
+        scores_block(qt, m, hd, kc, ldk, nkb, b->scale, s);
         for (int r = 0; r < m; r++) {
             int n_vis = past + t0 + r / gq + 1;
             int lo = KVB_MAX(first_key(b, n_vis), kb) - kb, hi = KVB_MIN(n_vis, ke) - kb;
@@ -415,7 +529,7 @@ static void attn_gemm(const kvb_attn_batch *b, const kvb_attn_seq *sq, const att
             memset(sr, 0, (size_t)lo * sizeof(float));
             memset(sr + hi, 0, (size_t)(nkb - hi) * sizeof(float));
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, nkb, 1.0f, s, nkb, vc, hd, 1.0f, ot, hd);
+        values_block(s, m, nkb, vc, hd, ot);
     }
     for (int t = t0; t < t1; t++)
         for (int h = 0; h < gq; h++) {
@@ -453,7 +567,7 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
             n_items += nkv * ((r0 + sq->q_len - 1) / tile_t - r0 / tile_t + 1);
             int kbase = gather_base(b, sq);
             n_gather += KVB_DIV_CEIL(sq->ctx_len - kbase, GATHER_KEYS);
-            gath_floats += 2 * (size_t)nkv * (size_t)(sq->ctx_len - kbase) * hd;
+            gath_floats += gather_floats(b, sq);
             continue;
         }
         int c0, c1;
@@ -483,7 +597,7 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
                     t1 = KVB_MIN(sq->q_len, ((r0 + t0) / tile_t + 1) * tile_t - r0);
                     items[n++] = (attn_item){.seq = s, .g = g, .t0 = t0, .t1 = t1, .gemm = 1, .kbase = kbase, .gat = gat_at};
                 }
-            gat_at += 2 * (size_t)nkv * (size_t)(sq->ctx_len - kbase) * hd;
+            gat_at += gather_floats(b, sq);
             need = KVB_MAX(need, gemm_scratch_floats(tile_t * gq, hd));
             continue;
         }
