@@ -7,9 +7,9 @@
  *    rows; a sequence of several chunks merges them by their maxima and sums, in chunk order. (An item
  *    per KV head read a quarter of every row of a 4-head model and ran at a third of the bandwidth.)
  *    Chunk bounds depend on key positions only, so a sequence's result does not depend on its batch;
- *  - prefill-like sequences: one item per (sequence, KV head, tile of query rows) gathers the keys and
- *    values visible to the tile into contiguous scratch and runs Q.K^T and P.V as two sgemm calls
- *    with the causal mask applied between them.
+ *  - prefill-like sequences: their visible keys and values are gathered once per call (K transposed),
+ *    then one item per (sequence, KV head, tile of query rows) runs Q.K^T and P.V a block of keys at a
+ *    time (AVX2 register tiles; sgemm without AVX2) with the causal mask and an online softmax between.
  * Both compute exact softmax attention in f32 (max subtracted before exp). With a sliding window
  * (kvb_attn_batch.window) a row sees only its last `window` keys; keys before every row's window are
  * neither read nor gathered. */
@@ -28,9 +28,10 @@
 #define KVB_ATTN_AVX2 0
 #endif
 
-/* A sequence takes the sgemm path when it has at least this many query rows per KV head. */
+/* A sequence takes the gemm path (gathered K/V, tiled products) when it has at least this many query
+ * rows per KV head. */
 #define GEMM_MIN_ROWS 32
-/* Query rows (tokens x heads of a group) per sgemm tile, at most. A tile's tokens divide
+/* Query rows (tokens x heads of a group) per gemm tile, at most. A tile's tokens divide
  * KVB_CHUNK_ALIGN_ROWS and tiles start at step rows (kvb_attn_batch.row0 + q row) that are multiples
  * of it, so a sequence whose rows come in pieces (kernels/backend.h) has the tiles, and so the results,
  * it has in one piece. */
@@ -41,13 +42,13 @@
 
 typedef struct attn_item {
     int seq;
-    int g;      /* KV head (sgemm items) */
-    int t0, t1; /* query rows [t0, t1) of the sequence (sgemm items); walk items cover all of them */
+    int g;      /* KV head (gemm items) */
+    int t0, t1; /* query rows [t0, t1) of the sequence (gemm items); walk items cover all of them */
     int k0, k1; /* keys [k0, k1) (walk and gather items) */
     int part;   /* walk: the chunk's partial slot, or -1 when the sequence has one chunk */
-    int gemm;   /* 1: an sgemm item, 2: a gather item */
-    int kbase;  /* sgemm and gather: the first key of the sequence's gathered K/V */
-    size_t gat; /* sgemm and gather: where the sequence's gathered K/V start in kvb_cpu_ctx.gath */
+    int gemm;   /* 1: a gemm item, 2: a gather item */
+    int kbase;  /* gemm and gather: the first key of the sequence's gathered K/V */
+    size_t gat; /* gemm and gather: where the sequence's gathered K/V start in kvb_cpu_ctx.gath */
 } attn_item;
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -336,7 +337,7 @@ static size_t gemm_scratch_floats(int m, int hd) { return (size_t)m * (KEY_BLOCK
 /* Keys per gather item. */
 #define GATHER_KEYS 512
 
-/* The first key some query row of an sgemm sequence sees: its gathered K/V start there. */
+/* The first key some query row of a gemm sequence sees: its gathered K/V start there. */
 static int gather_base(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
     return first_key(b, sq->ctx_len - sq->q_len + 1);
 }
@@ -353,7 +354,7 @@ static size_t gather_floats(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
     return (size_t)b->geom->n_kv_heads * (size_t)b->geom->head_dim * (gather_ldk(b, sq) + nks);
 }
 
-/* Keys [it->k0, it->k1) of an sgemm sequence into its gathered K/V at gath + it->gat: K transposed, as
+/* Keys [it->k0, it->k1) of a gemm sequence into its gathered K/V at gath + it->gat: K transposed, as
  * [KV head][dim][key - kbase] (row stride gather_ldk), then V as [KV head][key - kbase][dim] (whole
  * K/V rows read once, each head's slice written to its own run). */
 static void gather_kv(const kvb_attn_batch *b, const attn_item *it, float *gath) {
@@ -478,7 +479,7 @@ static void values_block(const float *p, int m, int nk, const float *v, int hd, 
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, hd, nk, 1.0f, p, nk, v, hd, 1.0f, o, hd);
 }
 
-/* The query rows [t0, t1) of the sequence for KV group g of sgemm item `it` (single-threaded inside
+/* The query rows [t0, t1) of the sequence for KV group g of gemm item `it` (single-threaded inside
  * the team), a block of keys at a time with the online softmax: row r keeps its running maximum mx[r],
  * sum l[r] and unnormalised output; a block that raises the maximum scales the sum and output by
  * e^(old - new) first. The tile sees keys [k_lo, nk); row r its own [lo_r, nvis_r). */
@@ -613,7 +614,7 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
         need = KVB_MAX(need, (size_t)sq->q_len * nh * WALK_KEYS);
     }
     KVB_TRY(kvb__cpu_scratch_reserve(c, need));
-    /* the sgemm sequences' keys and values, per KV head, contiguous: read by all of its tiles */
+    /* the gemm sequences' keys and values, per KV head, contiguous: read by all of its tiles */
 #pragma omp parallel for schedule(dynamic, 1) if (ng > 1) num_threads(kvb__cpu_threads)
     for (int i = 0; i < ng; i++) gather_kv(b, &gather[i], c->gath);
 #pragma omp parallel for schedule(dynamic, 1) if (n_items > 1) num_threads(kvb__cpu_threads)

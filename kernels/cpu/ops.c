@@ -21,17 +21,6 @@
 int kvb__cpu_threads = 1;
 int kvb__cpu_avx2 = 0;
 
-kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats) {
-    if (floats <= c->scratch_floats) return KVB_OK;
-    floats = floats + floats / 2;
-    float *p = NULL;
-    KVB_TRY(kvb_aligned_alloc(floats * sizeof(float) * (size_t)c->n_threads, (void **)&p));
-    free(c->scratch);
-    c->scratch = p;
-    c->scratch_floats = floats;
-    return KVB_OK;
-}
-
 kvb_status kvb__cpu_floats_reserve(float **buf, size_t *cap, size_t floats) {
     if (floats <= *cap) return KVB_OK;
     float *p = NULL;
@@ -39,6 +28,15 @@ kvb_status kvb__cpu_floats_reserve(float **buf, size_t *cap, size_t floats) {
     free(*buf);
     *buf = p;
     *cap = floats;
+    return KVB_OK;
+}
+
+kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats) {
+    if (floats <= c->scratch_floats) return KVB_OK;
+    floats += floats / 2; /* room to grow before the next reallocation */
+    size_t all = 0;       /* every thread's slab: always reallocated */
+    KVB_TRY(kvb__cpu_floats_reserve(&c->scratch, &all, floats * (size_t)c->n_threads));
+    c->scratch_floats = floats;
     return KVB_OK;
 }
 
@@ -227,17 +225,21 @@ kvb_status kvb__cpu_rope(kvb_cpu_ctx *c, float *q, int n_heads, float *k, int n_
 }
 
 #if KVB_OPS_AVX2
-/* out[i] = g / (1 + e^-g) * up[i] for i in [i0, i1), 8 lanes at a time; the last partial group through a
- * masked load, so every element takes the same instructions wherever the team's split falls. */
+__attribute__((target("avx2,fma"))) static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    __m256 e = kvb__expf8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+/* out[i] = g / (1 + e^-g) * up[i] for i in [i0, i1), 8 lanes at a time; the last partial group through
+ * masked loads and stores (slow on AMD, so only there), so every element takes the same instructions
+ * wherever the team's split falls. */
 __attribute__((target("avx2,fma"))) static void silu_mul_avx2(const float *gate, const float *up, size_t i0,
                                                               size_t i1, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (size_t i = i0; i < i1; i += 8) {
-        int left = (int)KVB_MIN(i1 - i, (size_t)8);
-        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 g = _mm256_maskload_ps(gate + i, m), u = _mm256_maskload_ps(up + i, m);
-        __m256 y = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, kvb__expf8(_mm256_sub_ps(zero, g)))), u);
-        _mm256_maskstore_ps(out + i, m, y);
+    size_t i = i0;
+    for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    if (i < i1) {
+        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(i1 - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_maskstore_ps(out + i, m, silu_mul8(_mm256_maskload_ps(gate + i, m), _mm256_maskload_ps(up + i, m)));
     }
 }
 #endif
