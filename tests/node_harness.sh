@@ -1,8 +1,8 @@
 # kvbank — what the node test scripts share (sourced, not run): set B, PY, T (a temporary directory),
 # NODE (the node's shm tag) and EP (the coordinator's endpoint) first, and add every process started
 # to BG. Gives ok/fail (fail prints the tail of every log in $T and exits 1), wait_until, ctl (kvbankctl
-# against EP), alive N, and an EXIT trap that kills what is in BG and removes the node's shared memory
-# and $T (kept with KVB_NODE_KEEP=1).
+# against EP), st EXPR (a python expression over the status and the ledger), alive N, and an EXIT trap
+# that kills what is in BG and removes the node's shared memory and $T (kept with KVB_NODE_KEEP=1).
 BG=()
 
 node_cleanup() {
@@ -39,6 +39,24 @@ wait_until() {
 }
 
 ctl() { "$B/kvbankctl" --coordinator "$EP" --timeout-ms 2000 "$@"; }
+
+# st EXPR: evaluates the python expression EXPR with s = `kvbankctl status --json` and l = the ledger's
+# loans; exits 0 when it is true (prints it when it is not a bool).
+st() {
+    local s l
+    s=$(ctl status --json 2>/dev/null) || return 1
+    l=$(ctl ledger --json 2>/dev/null) || return 1
+    "$PY" - "$s" "$l" "$1" <<'PYEOF'
+import json, sys
+s = json.loads(sys.argv[1]); lj = json.loads(sys.argv[2])
+l = lj.get('loans', []) if isinstance(lj, dict) else lj
+m = {x['name']: x for x in s['models'] if x.get('alive')}
+v = eval(sys.argv[3])
+if isinstance(v, bool):
+    sys.exit(0 if v else 1)
+print(v)
+PYEOF
+}
 
 # alive N: N models registered and alive (fails the test when a process started here has died).
 alive() {

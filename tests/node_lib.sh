@@ -14,26 +14,7 @@ NODE=${KVB_NODE_TAG:-tn}$$        # shm tags are ${NODE}_<model>
 EP=ipc://$T/coord.sock
 DEADLINE=${KVB_NODE_DEADLINE:-30} # seconds any single wait may take
 declare -A PID=()               # model name -> pid
-source "$(dirname "$0")/node_harness.sh" # BG: every process started here; ok, fail, wait_until, ctl
-
-# st EXPR: evaluates the python expression EXPR with s = `kvbankctl status --json` and l = the ledger's
-# loans; exits 0 when it is true (prints it when it is not a bool).
-st() {
-    local s l
-    s=$(ctl status --json 2>/dev/null) || return 1
-    l=$(ctl ledger --json 2>/dev/null) || return 1
-    "$PY" - "$s" "$l" "$1" <<'PYEOF'
-import json, sys
-s = json.loads(sys.argv[1]); lj = json.loads(sys.argv[2])
-l = lj.get('loans', []) if isinstance(lj, dict) else lj
-m = {x['name']: x for x in s['models'] if x.get('alive')}
-v = eval(sys.argv[3])
-if isinstance(v, bool):
-    sys.exit(0 if v else 1)
-print(v)
-PYEOF
-}
-
+source "$(dirname "$0")/node_harness.sh" # BG: every process started here; ok, fail, wait_until, ctl, st
 
 start_model() { # start_model master|worker NAME
     "$B/kvbank-$1" --config "$T/node.json" --name "$2" 2>>"$T/$2.log" &

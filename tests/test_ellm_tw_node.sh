@@ -3,11 +3,13 @@
 # temporary directory): kvbank-coordinator, a master running ellm-tokenwise (it may borrow: its KV is in
 # the block pool) and three workers running vllm-recompute (lending its idle blocks), vllm-swap and
 # hcache, each from the node config's "policy" and "policy_params", each with a pool smaller than the
-# requests it is sent. Four requests go to each model at once over one connection (kvbank-request with
-# repeated --prompt-ids); every one gives kvbank-generate's greedy tokens. On SIGTERM each model logs
-# its engine statistics: they must show the policy's own mechanism at work (blocks of the oldest tokens
-# released and recomputed; preemption; swapping; KV rebuilt from saved hidden states). Every process
-# exits 0.
+# requests it is sent. First the idle rc lends all its blocks and tw borrows them; kvbankctl reclaim
+# takes them back, so that every model serves the requests from its own 8 blocks (the pressure the
+# checks below rely on must not depend on when a lend interval falls). Four requests go to each model
+# at once over one connection (kvbank-request with repeated --prompt-ids); every one gives
+# kvbank-generate's greedy tokens. On SIGTERM each model logs its engine statistics: they must show the
+# policy's own mechanism at work (blocks of the oldest tokens released and recomputed; preemption;
+# swapping; KV rebuilt from saved hidden states). Every process exits 0.
 set -euo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
 PY=${KVB_PYTHON:-/usr/bin/python3}
@@ -26,7 +28,8 @@ MODELS=(tw rc sw hc)
 declare -A POLICY=([tw]=ellm-tokenwise [rc]=vllm-recompute [sw]=vllm-swap [hc]=hcache)
 cat >"$T/node.json" <<EOF
 { "node": "$NODE", "run_dir": "$T",
-  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 10, "lend_interval_s": 0.3 },
+  "coordinator": { "endpoint": "$EP", "heartbeat_ms": 200, "heartbeat_misses": 10, "lend_interval_s": 0.3,
+                   "window_s": 600 },
   "models": [
     { "name": "tw", "role": "master", "model_dir": "$M", "kv_mb": 1, "endpoint": "ipc://$T/tw.sock",
       "policy": "ellm-tokenwise", "policy_params": { "r": 0.5, "async": 0 } },
@@ -41,6 +44,21 @@ EOF
 start_node "$T/node.json" tw rc sw hc
 ok "coordinator, an ellm-tokenwise master and vllm-recompute, vllm-swap, hcache workers registered"
 
+# The idle rc lends all its blocks (Alg. 1 SCALEDOWN with an empty window), the ellm-tokenwise master
+# borrows them (its KV is in the block pool; same model and block size: MEU 1:1).
+wait_until "rc's 8 blocks lent to tw" "$DEADLINE" \
+    st "m['rc']['n_lent'] == 8 and m['tw']['n_borrowed'] == 8 and [(x['lender'], x['n_blocks']) for x in l] == [('rc', 8)] and not any(x['revoking'] for x in l)"
+ok "vllm-recompute worker rc lent its 8 idle blocks, the ellm-tokenwise master tw borrowed them"
+# Taken back unasked, rc keeps its blocks for the window (600 s: a bound far beyond the requests below,
+# so that rc does not lend again while they run). Before this, rc's pool during the requests was 8
+# blocks or what SCALEUP had reclaimed so far (6), depending on whether a lend interval fell before
+# they came; with 6, two requests at a time fit and it preempted nothing.
+ctl reclaim rc 8 >/dev/null || fail "kvbankctl reclaim rc 8 failed"
+wait_until "rc's blocks back from tw" "$DEADLINE" \
+    st "m['rc']['n_lent'] == 0 and m['rc']['n_own'] == 8 and m['tw']['n_borrowed'] == 0 and not l"
+grep -q "keeping 8 own blocks for the 600 s window" "$T/rc.log" || fail "rc does not keep its blocks after the reclaim"
+ok "kvbankctl reclaim rc 8: tw gave the loan back; rc keeps its 8 blocks for the window"
+
 requests_match_generate 24 ""
 stop_node
 
@@ -51,6 +69,10 @@ done
 [ "$(stat_of tw dropped_blocks)" -gt 0 ] && [ "$(stat_of tw recomputed_tokens)" -gt 0 ] ||
     fail "ellm-tokenwise released and recomputed nothing: $(line tw)"
 ok "ellm-tokenwise released the oldest tokens' blocks and recomputed them: $(line tw)"
+# rc served from all 8 of its blocks: it lent once, before the requests
+grep -q "lent 1 time(s)" "$T/rc.log" || fail "rc lent again while serving: $(grep "lent .* time(s)" "$T/rc.log")"
+[ "$(stat_of rc blocks_total)" = 8 ] || fail "rc served from $(stat_of rc blocks_total) blocks, not its 8"
+[ "$(stat_of tw blocks_total)" = 8 ] || fail "tw served from $(stat_of tw blocks_total) blocks, not its own 8"
 [ "$(stat_of rc preemptions)" -gt 0 ] || fail "vllm-recompute preempted nothing: $(line rc)"
 ok "vllm-recompute preempted under pressure: $(line rc)"
 [ "$(stat_of sw swap_outs)" -gt 0 ] && [ "$(stat_of sw swap_ins)" = "$(stat_of sw swap_outs)" ] ||
