@@ -60,7 +60,13 @@ static int name_ok(const char *s) {
 }
 
 static uint64_t silence_ms(const kvb_ledger *l) { return (uint64_t)l->opts.heartbeat_ms * l->opts.heartbeat_misses; }
-static uint64_t grace_ms(const kvb_ledger *l) { return 2 * (uint64_t)l->opts.heartbeat_ms; }
+/* A loan only the master reported waits for its lender as long as a registered model may stay silent
+ * before it is declared dead (the silence limit): a live lender slow to register again (a loaded
+ * machine) keeps its loan, a dead one loses it no later than it would have been found dead. Waiting
+ * costs nothing: a lender that registers without the loan, or a new process of its name, settles it at
+ * once. (Two heartbeat periods were too short: a lender 0.4 s late under load had the master's data on
+ * its blocks dropped and its loan revoked although it lived.) */
+static uint64_t lender_grace_ms(const kvb_ledger *l) { return silence_ms(l); }
 /* A loan only its worker reported may still be attached in a master that has not reconnected yet:
  * returning it early would let two processes use the blocks, so it waits for the master to register
  * (which settles it at once) far longer than a live master needs to reconnect. */
@@ -608,14 +614,14 @@ static void reconcile_master(kvb_ledger *l, kvb_ledger_model *m, const kvb_ledge
         } else if (revoking) {
             nl->state = KVB_LOAN_REVOKING;
             nl->revoke_epoch = l->epoch;
-            nl->deadline_ms = now_ms + grace_ms(l);
+            nl->deadline_ms = now_ms + lender_grace_ms(l);
             push_revoke(l, nl, now_ms);
         } else {
             nl->state = KVB_LOAN_UNCONFIRMED;
             nl->by_master = 1;
-            nl->deadline_ms = now_ms + grace_ms(l);
+            nl->deadline_ms = now_ms + lender_grace_ms(l);
             KVB_LOG_I("loan %" PRIu64 " of %s reported by master %s: waiting up to %" PRIu64 " ms for the lender",
-                      rep->id, rep->lender, m->name, grace_ms(l));
+                      rep->id, rep->lender, m->name, lender_grace_ms(l));
         }
     }
     /* Loans the master did not report: it does not hold them. A Grant may still be on its way to this
@@ -1230,7 +1236,7 @@ void kvb_ledger_tick(kvb_ledger *l, uint64_t now_ms) {
                 finish_loan(l, ln->id);
             } else {
                 KVB_LOG_W("loan %" PRIu64 ": its lender %s did not register within %" PRIu64 " ms; revoking it "
-                          "(lender_dead)", ln->id, ln->lender, grace_ms(l));
+                          "(lender_dead)", ln->id, ln->lender, lender_grace_ms(l));
                 ln->orphan = 1;
                 give_back(l, ln, 1, now_ms);
             }

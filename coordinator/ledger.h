@@ -19,7 +19,7 @@
  * A lender never gets Reclaimed for a loan the master may still touch: only after the master's
  * RevokeAck, a failed grant, or the master's death. After a coordinator restart, loans come back with
  * the models' Register messages; a loan reported by one side only is UNCONFIRMED until the other side
- * registers (or the grace period of two heartbeat periods ends), see kvb_ledger_register.
+ * registers (or its grace period ends), see kvb_ledger_register.
  *
  * The epoch counts ledger changes: it grows by one whenever a loan is created, changes state or is
  * deleted (and never goes back below an epoch reported by a re-registering model). */
@@ -181,9 +181,9 @@ void kvb_ledger_destroy(kvb_ledger *l);
  * dead while it was only slow) reconciles its loans:
  *   - reported by both sides: kept (a loan the master reports as revoking gets its Revoke again);
  *   - reported by the worker alone: returned to it (Reclaimed) once the master has registered without
- *     it, or when no master registers within the grace period (2 * heartbeat_ms);
+ *     it, or when no master registers within the master's grace period (30 s at least);
  *   - reported by the master alone: revoked as lender_dead once the lender has registered without it,
- *     or when it does not register within the grace period;
+ *     or when it does not register within the silence limit (heartbeat_ms * heartbeat_misses);
  *   - known to the ledger but not reported by the registering model: it does not hold it; if that
  *     model is the master the lender gets its blocks back, if it is the lender the master is told to
  *     drop them (lender_dead).

@@ -958,12 +958,15 @@ KVB_TEST(ledger_restart_master_alone) {
     ck_assert_int_eq(kvb_ledger_offer(l, "a", 56, 8, 1050, NULL, why, sizeof why), KVB_ERR_INVALID);
     ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", 7, act.epoch, 1060, why, sizeof why), KVB_OK);
     expect_no_act(l); /* no Reclaimed: a never thought it lent them */
-    /* b never registers: after 2 x 100 ms its loan is revoked as lender_dead */
-    kvb_ledger_heartbeat(l, "m", NULL, 1150);
-    kvb_ledger_heartbeat(l, "a", NULL, 1150);
-    kvb_ledger_tick(l, 1150);
+    /* b never registers: after the silence limit (4 x 100 ms, as long as a registered model may stay
+     * silent) its loan is revoked as lender_dead; a lender two heartbeat periods late keeps it */
+    kvb_ledger_heartbeat(l, "m", NULL, 1250);
+    kvb_ledger_heartbeat(l, "a", NULL, 1250);
+    kvb_ledger_tick(l, 1250);
     expect_no_act(l);
-    kvb_ledger_tick(l, 1200);
+    kvb_ledger_tick(l, 1399);
+    expect_no_act(l);
+    kvb_ledger_tick(l, 1400);
     act = expect_act(l, KVB_ACT_REVOKE, "m", 9);
     ck_assert(act.lender_dead);
     ck_assert_int_eq(kvb_ledger_revoke_ack(l, "m", 9, act.epoch, 1210, why, sizeof why), KVB_OK);

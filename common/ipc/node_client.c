@@ -40,7 +40,8 @@
 #define HEARTBEAT_MIN_MS 10       /* bounds on the period a coordinator may ask for */
 #define HEARTBEAT_MAX_MS 60000
 #define RECONNECT_IVL_MS 50       /* ZeroMQ reconnect period, constant (no backoff): a restarted
-                                   * coordinator gives unconfirmed loans a short grace period */
+                                   * coordinator waits only so long for the other side of a loan
+                                   * (for a lender: the silence limit) */
 #define UNREACHABLE_RETRY_MS 50   /* Register resend period while no connection exists */
 #define RECV_MAX_BYTES ((int64_t)KVB_WIRE_MAX_FRAME + 4096) /* larger frames are cut by libzmq */
 #define RECONNECT_PERIODS 2       /* no answer for this many heartbeat periods: a new socket */
