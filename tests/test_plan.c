@@ -10,6 +10,7 @@
 
 #include "common/kv/block_pool.h"
 #include "common/model/model.h"
+#include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "common/sched/scheduler.h"
@@ -107,9 +108,13 @@ static void reference(rec *ref) {
 }
 
 /* The pressure scenario: small blocks, a pool that cannot hold everyone, a budget that chunks the
- * prompts; requests 3 and 4 arrive after a few steps (prefix hits on 0 and 1). */
-static void pressure(rec *got, kvb_planner *pl, int bs, int blocks, int budget, kvb_engine_stats *st) {
+ * prompts; requests 3 and 4 arrive after a few steps (prefix hits on 0 and 1). `of`: an OrbitFlow
+ * planner's statistics at the end (NULL: none wanted). */
+static void pressure_of(rec *got, kvb_planner *pl, int bs, int blocks, int budget, kvb_engine_stats *st,
+                        kvb_of_planner_stats *of) {
     memset(got, 0, sizeof *got);
+    kvb_of_planner *P = NULL;
+    if (of) ck_assert(kvb_of_planner_of(pl, &P));
     kvb_engine *e = make_engine(got, pl, bs, blocks, budget);
     for (int r = 0; r < 3; r++) add(e, (uint64_t)r);
     for (int i = 0; i < 6; i++) ck_assert_msg(kvb_engine_step(e) == KVB_OK, "step: %s", kvb_engine_last_error(e));
@@ -118,15 +123,24 @@ static void pressure(rec *got, kvb_planner *pl, int bs, int blocks, int budget, 
     run(e);
     kvb_engine_get_stats(e, st);
     ck_assert_int_eq(st->blocks_free, st->blocks_total); /* nothing leaked */
+    if (P) kvb_of_planner_get_stats(P, of);
     kvb_engine_destroy(e);
 }
+
+static void pressure(rec *got, kvb_planner *pl, int bs, int blocks, int budget, kvb_engine_stats *st) {
+    pressure_of(got, pl, bs, blocks, budget, st, NULL);
+}
+
+typedef struct pressure_cfg {
+    int bs, blocks, budget;
+} pressure_cfg;
+static const pressure_cfg cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
 
 KVB_TEST(every_planner_lossless) {
     setup_model();
     make_prompts();
     static rec ref, base, got;
     reference(&ref);
-    const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
     for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
         kvb_engine_stats s0, s;
         kvb_planner rc = kvb_policy_recompute();
@@ -145,6 +159,53 @@ KVB_TEST(every_planner_lossless) {
             assert_same(&base, &got);
         }
     }
+    teardown_model();
+}
+KVB_TEST_END
+
+/* OrbitFlow's decisions come from a solver thread a step or more behind the engine (on a loaded
+ * machine, several): by the time one is installed the running requests have grown, and a resume it
+ * makes may no longer fit beside them — with one request running there is no victim to pause, and
+ * the plan must still fit (the resume waits). The inline solver with solver_lag installs every
+ * decision that many steps late, deterministically; the tokens must not change. */
+KVB_TEST(orbitflow_late_decisions) {
+    setup_model();
+    make_prompts();
+    static rec ref, base, got;
+    reference(&ref);
+    uint64_t deferred = 0, resumes = 0;
+    for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
+        kvb_engine_stats s;
+        kvb_planner rc = kvb_policy_recompute();
+        pressure(&base, &rc, cfgs[c].bs, cfgs[c].blocks, cfgs[c].budget, &s);
+        assert_same(&ref, &base);
+        for (int lag = 0; lag <= 6; lag++) {
+            kvb_policy_params pp = {0};
+            char lag_s[16];
+            snprintf(lag_s, sizeof lag_s, "%d", lag);
+            ck_assert_int_eq(kvb_policy_params_set(&pp, "solver", "inline"), KVB_OK);
+            ck_assert_int_eq(kvb_policy_params_set(&pp, "solver_lag", lag_s), KVB_OK);
+            kvb_planner pl;
+            ck_assert_int_eq(kvb_policy_create("orbitflow", &pp, &pl), KVB_OK);
+            kvb_policy_params_free(&pp);
+            kvb_of_planner_stats of;
+            pressure_of(&got, &pl, cfgs[c].bs, cfgs[c].blocks, cfgs[c].budget, &s, &of);
+            printf("config %zu lag %d: %llu steps, %llu pauses, %llu resumes, %llu deferred\n", c, lag,
+                   (unsigned long long)s.steps, (unsigned long long)of.pauses, (unsigned long long)of.resumes,
+                   (unsigned long long)of.resumes_deferred);
+            assert_same(&base, &got);
+            deferred += of.resumes_deferred;
+            resumes += of.resumes;
+        }
+    }
+    ck_assert_uint_gt(resumes, 0);
+    ck_assert_uint_gt(deferred, 0); /* the case above happened */
+    /* a lag needs the inline solver */
+    kvb_policy_params pp = {0};
+    ck_assert_int_eq(kvb_policy_params_set(&pp, "solver_lag", "1"), KVB_OK);
+    kvb_planner pl;
+    ck_assert_int_eq(kvb_policy_create("orbitflow", &pp, &pl), KVB_ERR_INVALID);
+    kvb_policy_params_free(&pp);
     teardown_model();
 }
 KVB_TEST_END
@@ -574,7 +635,6 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
     make_prompts();
     static rec ref, got;
     reference(&ref);
-    const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
     uint64_t preempted = 0;
     for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
         static mechanic m;
@@ -656,7 +716,6 @@ KVB_TEST(ellm_tokenwise_lossless) {
     make_prompts();
     static rec ref, got;
     reference(&ref);
-    const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
     uint64_t rng = 0x1234567ull;
     {
         /* a count of swapped layers without swapped layers is refused */
@@ -714,7 +773,6 @@ KVB_TEST(hcache_lossless) {
     make_prompts();
     static rec ref, got;
     reference(&ref);
-    const struct { int bs, blocks, budget; } cfgs[] = {{4, 18, 9}, {8, 9, 7}, {16, 8, 512}, {1, 60, 5}};
     uint64_t restores = 0, swaps = 0;
     for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++)
         for (int hl = 0; hl <= 3; hl += 1) {
@@ -967,7 +1025,7 @@ KVB_TEST(registry_and_params) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(destroy_contract, 60),
+KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(orbitflow_late_decisions, 240), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
               KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240), KVB_T(drop_blocks_swapped_layers_lossless, 240),
               KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240),

@@ -9,8 +9,8 @@
  * The plan is the scheduler's FCFS (running requests, then admissions in arrival order up to the batch
  * limit, none while a request is paused), request-level placements (kvb_plan_place) for every running
  * request, pauses and resumes; it is checked with kvb_sched_cost and trimmed (admissions first, then
- * the most offloaded placement for all, then a pause (OrbitFlow) or a preemption (baselines)) until it
- * fits. The pure model, solver, controller and rules are in orbitflow_{model,solver,rules}.c. */
+ * the most offloaded placement for all, then the decision's resumes, then a pause (OrbitFlow) or a
+ * preemption (baselines)) until it fits. The pure model, solver, controller and rules are in orbitflow_{model,solver,rules}.c. */
 #include <math.h>
 #include <pthread.h>
 #include <string.h>
@@ -115,6 +115,7 @@ struct kvb_of_planner {
     int in_ready, busy;
     of_dec out;            /* the latest decision (out_ready: not yet taken) */
     int out_ready;
+    int64_t out_step;      /* inline with solver_lag: the step from which `out` may be taken */
     uint64_t gen;
     kvb_of_planner_stats st;
     uint64_t rng;
@@ -141,7 +142,7 @@ void kvb_of_params_default(kvb_of_params *p) {
 kvb_status kvb_of_params_parse(const kvb_policy_params *pp, const char *name, kvb_of_params *p) {
     static const char *const known[] = {"slo_ms", "delta_min", "delta_max", "ewma", "threshold", "alpha", "deposit",
                                         "pause", "mode", "victim", "host_blocks", "batch", "batch_tokens",
-                                        "solver", "max_nodes", "link_gbps", "link_us", NULL};
+                                        "solver", "solver_lag", "max_nodes", "link_gbps", "link_us", NULL};
     static const char *const onoff[] = {"off", "on", NULL};
     static const char *const modes[] = {"request-wise", "uniform", NULL};
     static const char *const victims[] = {"score", "longest", "shortest", "random", NULL};
@@ -177,6 +178,14 @@ kvb_status kvb_of_params_parse(const kvb_policy_params *pp, const char *name, kv
     p->batch = (int)i64;
     KVB_TRY(kvb_policy_param_i64(pp, name, "batch_tokens", 0, INT64_MAX / 2, &p->batch_tokens));
     KVB_TRY(kvb_policy_param_choice(pp, name, "solver", solvers, &p->threaded));
+    i64 = p->solver_lag;
+    KVB_TRY(kvb_policy_param_i64(pp, name, "solver_lag", 0, 1000, &i64));
+    p->solver_lag = (int)i64;
+    if (p->solver_lag > 0 && p->threaded) {
+        KVB_LOG_E("policy %s: solver_lag=%d needs solver=inline (a solver thread lags as it runs)", name,
+                  p->solver_lag);
+        return KVB_ERR_INVALID;
+    }
     KVB_TRY(kvb_policy_param_i64(pp, name, "max_nodes", 0, INT64_MAX / 2, &p->max_nodes));
     KVB_TRY(kvb_policy_param_f64(pp, name, "link_gbps", 0, 1e6, &p->link_gbps));
     KVB_TRY(kvb_policy_param_f64(pp, name, "link_us", 0, 1e9, &p->link_us));
@@ -374,12 +383,14 @@ static void *solver_thread(void *arg) {
     return NULL;
 }
 
-/* Hands a snapshot to the solver (inline: solves it now). */
+/* Hands a snapshot to the solver (inline: solves it now; its decision is taken `solver_lag` steps
+ * later). */
 static void solve_post(kvb_of_planner *P, const of_snap *s) {
     P->st.solver_calls++;
     if (!P->p.threaded) {
         decide(P, s, &P->out);
         P->out_ready = 1;
+        P->out_step = P->step + P->p.solver_lag;
         return;
     }
     pthread_mutex_lock(&P->mu);
@@ -393,7 +404,7 @@ static void solve_post(kvb_of_planner *P, const of_snap *s) {
 static int solve_take(kvb_of_planner *P, of_dec *d) {
     int got = 0;
     if (P->p.threaded) pthread_mutex_lock(&P->mu);
-    if (P->out_ready) {
+    if (P->out_ready && (P->p.threaded || P->step >= P->out_step)) {
         *d = P->out;
         P->out_ready = 0;
         got = 1;
@@ -403,7 +414,7 @@ static int solve_take(kvb_of_planner *P, of_dec *d) {
 }
 
 static int solve_busy(kvb_of_planner *P) {
-    if (!P->p.threaded) return 0;
+    if (!P->p.threaded) return P->out_ready; /* a lagging inline decision not yet taken */
     pthread_mutex_lock(&P->mu);
     int b = P->busy || P->in_ready;
     pthread_mutex_unlock(&P->mu);
@@ -415,6 +426,7 @@ static int solve_busy(kvb_of_planner *P) {
 typedef struct of_attempt {
     uint64_t pause[OF_MAX], resume[OF_MAX], victim[OF_MAX];
     int n_pause, n_resume, n_victim;
+    int min_resume;    /* resumes build_fitting keeps: 1 when nothing else would run, else 0 */
     int all_most_off;  /* every request at the most offloaded placement */
     int n_admit;       /* most admissions */
 } of_attempt;
@@ -504,12 +516,19 @@ static int next_victim(kvb_of_planner *P, const kvb_view *v, const of_attempt *a
 }
 
 /* Builds the plan, trimming until the executor's check accepts it: fewer admissions, then every
- * request at the most offloaded placement, then victims one by one. */
+ * request at the most offloaded placement, then resumes, latest first, then victims one by one. A
+ * resume comes from a decision made on a snapshot up to a step old (the solver runs beside the
+ * engine): by now the running requests may have grown past what the pool can hold beside it, and a
+ * lone running request is never a victim, so the resume waits instead (the request stays paused and
+ * the next decision or a finish brings it back); the one resume that is all that would run is kept. */
 static kvb_status build_fitting(kvb_of_planner *P, const kvb_view *v, of_attempt *a, kvb_plan *out) {
     int max_admit = v->max_seqs;
     for (int level = 0;; level++) {
         if (level == 1) a->all_most_off = 1;
-        if (level >= 2) {
+        if (level >= 2 && a->n_resume > a->min_resume) {
+            a->n_resume--;
+            P->st.resumes_deferred++;
+        } else if (level >= 2) {
             uint64_t id;
             if (!next_victim(P, v, a, &id)) break;
             a->victim[a->n_victim++] = id;
@@ -757,6 +776,7 @@ static kvb_status plan_step(kvb_of_planner *P, const kvb_view *v, kvb_plan *out)
         }
         if (first) a.resume[a.n_resume++] = first->id;
     }
+    a.min_resume = !running && a.n_resume > 0;
     KVB_TRY(build_fitting(P, v, &a, out));
     /* what the executed plan did: pauses, resumes, the step's context for observe */
     double tokens = 0;

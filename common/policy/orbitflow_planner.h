@@ -11,6 +11,8 @@
  *   batch=N            most running requests (0: the engine's max_seqs); batch_tokens=N: the per-batch
  *                      token limit FlexGen and SLO-aware offloading size for (0: batch x max_model_len)
  *   solver=thread|inline   the solver on its own thread one step ahead (default) or in plan_step
+ *   solver_lag=N       inline solver only: its decision is installed N steps after the snapshot it
+ *                      was made on (0), a solver thread N steps behind the engine, made deterministic
  *   max_nodes=N        search nodes before the solver stops with its best (0: no limit)
  *   link_gbps=G link_us=U   the host link for the latency model (0: measured by the stager) */
 #ifndef KVB_POLICY_ORBITFLOW_PLANNER_H
@@ -40,6 +42,7 @@ typedef struct kvb_of_params {
     int batch;
     int64_t batch_tokens;
     int threaded;
+    int solver_lag;            /* inline solver: steps between a snapshot and its decision's install */
     int64_t max_nodes;
     double link_gbps, link_us;
 } kvb_of_params;
@@ -62,6 +65,7 @@ typedef struct kvb_of_planner_stats {
     int last_window;
     uint64_t trig_batch, trig_window, trig_memory, trig_mismatch;
     uint64_t pauses, resumes, emergency_pauses, preemptions, trimmed;
+    uint64_t resumes_deferred;  /* a decision's resumes dropped from a step's plan: no room beside what runs */
     uint64_t profile_fits;
     double plan_s;              /* time in plan_step (the solver thread's time is solve_us_total) */
     int link_measured;
