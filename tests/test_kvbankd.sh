@@ -160,7 +160,11 @@ grep -q "already runs on this machine (pid $KPID, run_dir $RUN;" "$T/second2.log
 [ -e "$T/run2" ] && fail "the refused kvbankd created its run_dir"
 [ "$(ls /dev/shm/kvb-"${NODE}"_* | sort)" = "$segs_before" ] || fail "the first node's segments changed"
 kill -HUP "$KPID"
-sleep 0.3
+# the log line is waited for (up to 10 s: a loaded machine may take a while to run the handler)
+for _ in $(seq 100); do
+    grep -q "SIGHUP: reloading the node config is not supported" "$T/kvbankd.log" && break
+    sleep 0.1
+done
 kill -0 "$KPID" 2>/dev/null || fail "kvbankd died on SIGHUP"
 grep -q "SIGHUP: reloading the node config is not supported" "$T/kvbankd.log" || fail "SIGHUP not logged"
 ok "second kvbankd (same config, and another run_dir with the same node name) refused, naming pid and run_dir; SIGHUP logged"
