@@ -388,20 +388,25 @@ static void gather_kv(const kvb_attn_batch *b, const attn_item *it, float *gath)
  * inner-dimension order, so a row's results do not depend on how rows were tiled (chunked forward
  * passes give the same bits). */
 
+/* acc[r][0..1] += sum_i A[r * lda + i] * B[i * ldb + 0..16) for r < R, i < n: one 16-column panel of B
+ * per step, shared by the R rows, and one broadcast of A per row (both products' inner loop). */
+#define TILE_FMA(R, A, lda, B, ldb, n, acc)                                                                         \
+    for (int i_ = 0; i_ < (n); i_++) {                                                                              \
+        __m256 b0 = _mm256_loadu_ps((B) + (size_t)i_ * (ldb)), b1 = _mm256_loadu_ps((B) + (size_t)i_ * (ldb) + 8);  \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                       \
+            __m256 av = _mm256_broadcast_ss((A) + (size_t)r * (lda) + i_);                                          \
+            acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);                                                         \
+            acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);                                                         \
+        }                                                                                                           \
+    }
+
 /* S[r][j] = scale * sum_d Q[r][d] KT[d][j], r < R, j < nj <= 16 (KT has 16 readable columns). */
 #define QK_TILE(R)                                                                                                  \
     __attribute__((target("avx2,fma"))) static void qk_tile_##R(const float *Q, int hd, const float *KT, size_t ldk, \
                                                                 float scale, int nj, float *S, size_t lds) {        \
         __m256 a[R][2];                                                                                             \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();                \
-        for (int d = 0; d < hd; d++) {                                                                              \
-            __m256 k0 = _mm256_loadu_ps(KT + (size_t)d * ldk), k1 = _mm256_loadu_ps(KT + (size_t)d * ldk + 8);      \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                   \
-                __m256 qv = _mm256_broadcast_ss(Q + (size_t)r * hd + d);                                            \
-                a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);                                                         \
-                a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);                                                         \
-            }                                                                                                       \
-        }                                                                                                           \
+        TILE_FMA(R, Q, hd, KT, ldk, hd, a);                                                                         \
         const __m256 vs = _mm256_set1_ps(scale);                                                                    \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                       \
             float t[16];                                                                                            \
@@ -421,14 +426,7 @@ static void gather_kv(const kvb_attn_batch *b, const attn_item *it, float *gath)
             a[r][0] = _mm256_loadu_ps(O + (size_t)r * hd);                                                          \
             a[r][1] = _mm256_loadu_ps(O + (size_t)r * hd + 8);                                                      \
         }                                                                                                           \
-        for (int k = 0; k < nk; k++) {                                                                              \
-            __m256 v0 = _mm256_loadu_ps(V + (size_t)k * hd), v1 = _mm256_loadu_ps(V + (size_t)k * hd + 8);          \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                   \
-                __m256 pv = _mm256_broadcast_ss(P + (size_t)r * ldp + k);                                           \
-                a[r][0] = _mm256_fmadd_ps(pv, v0, a[r][0]);                                                         \
-                a[r][1] = _mm256_fmadd_ps(pv, v1, a[r][1]);                                                         \
-            }                                                                                                       \
-        }                                                                                                           \
+        TILE_FMA(R, P, ldp, V, hd, nk, a);                                                                          \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                       \
             _mm256_storeu_ps(O + (size_t)r * hd, a[r][0]);                                                          \
             _mm256_storeu_ps(O + (size_t)r * hd + 8, a[r][1]);                                                      \
