@@ -68,9 +68,9 @@ static void check_matmul(int n, int rows, int cols, int threads) {
 KVB_TEST(matmul_split_rows) {
     rng_state = 1;
     /* decode batches (n <= 32, cols % 8 == 0: the streaming kernel on AVX2, rows not a multiple of its
-     * 3-row tiles, n not of its 4-row groups), sgemm beyond, odd column counts */
-    int shapes[][3] = {{1, 300, 200}, {1, 1024, 96}, {5, 257, 64}, {8, 301, 64}, {32, 190, 96},
-                       {7, 100, 40}, {33, 512, 128}, {2, 17, 9}};
+     * 3-row tiles, n not of its 4-row groups, several hundred columns), sgemm beyond, odd column counts */
+    int shapes[][3] = {{1, 300, 200}, {1, 1024, 96}, {5, 257, 64}, {8, 301, 64}, {32, 190, 96}, {13, 301, 392},
+                       {32, 1000, 520}, {7, 100, 40}, {33, 512, 128}, {2, 17, 9}};
     for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
         for (int th = 1; th <= 3; th++) check_matmul(shapes[i][0], shapes[i][1], shapes[i][2], th);
 }
@@ -90,7 +90,7 @@ static int have_avx2(void) {
 KVB_TEST(matmul_batch_invariant) {
     if (!have_avx2()) return;
     rng_state = 7;
-    int rows = 200, cols = 96, nmax = 32;
+    int rows = 200, cols = 392, nmax = 32;
     kvb_backend *be = make_backend(2);
     float *w = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * nmax * cols);
     float *y = malloc(sizeof(float) * nmax * rows), *y1 = malloc(sizeof(float) * rows);
@@ -262,9 +262,10 @@ typedef struct seq_spec {
     int q_len, ctx_len;
 } seq_spec;
 
-/* window > 0: sliding-window attention (a row sees its last `window` keys). */
-static void check_attention_w(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads,
-                              int window) {
+/* window > 0: sliding-window attention (a row sees its last `window` keys). keep: where the output goes
+ * too (n_tokens x n_heads x hd floats), or NULL. */
+static void check_attention_keep(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads,
+                                 int window, float *keep) {
     kvb_backend *be = make_backend(threads);
     kvb_kv_geom g = {.n_layers = 1, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
     int n_tok = 0, n_blk = 0;
@@ -337,6 +338,7 @@ static void check_attention_w(const seq_spec *specs, int n_seqs, int n_heads, in
     double e = rel_err(out, ref, (size_t)n_tok * n_heads * hd);
     ck_assert_msg(e < 1e-5, "attention heads %d/%d hd %d bs %d threads %d window %d: rel err %g", n_heads, n_kv, hd, bs,
                   threads, window, e);
+    if (keep) memcpy(keep, out, sizeof(float) * n_tok * n_heads * hd);
     for (int s = 0; s < n_seqs; s++) {
         free(kd[s]);
         free(vd[s]);
@@ -354,6 +356,11 @@ static void check_attention_w(const seq_spec *specs, int n_seqs, int n_heads, in
     kvb_backend_destroy(be);
 }
 
+static void check_attention_w(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads,
+                              int window) {
+    check_attention_keep(specs, n_seqs, n_heads, n_kv, hd, bs, threads, window, NULL);
+}
+
 static void check_attention(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads) {
     check_attention_w(specs, n_seqs, n_heads, n_kv, hd, bs, threads, 0);
 }
@@ -367,6 +374,31 @@ KVB_TEST(attention_paths_gqa) {
     for (size_t i = 0; i < KVB_ARRAY_LEN(bss); i++) {
         check_attention(specs, 7, 8, 2, 32, bss[i], 1);
         check_attention(specs, 7, 8, 2, 32, bss[i], 3);
+    }
+}
+KVB_TEST_END
+
+/* A decode row's attention is the same bits whatever the block size: the walk's kernels take a block's
+ * keys four at a time (scores) or all at once (values) and the rows left over one by one, each product
+ * and sum in one order whichever. Block sizes 1 and 3 never make a group of four; 16 and 32 mostly do;
+ * 5 and 7 mix them. Head dimensions: 64 and 128 (values in registers, 64 columns at a time), 24 and 32
+ * (not a multiple of 64: values row by row; 24: not of 16 either). */
+KVB_TEST(attention_decode_block_sizes) {
+    seq_spec specs[] = {{1, 1}, {1, 7}, {1, 129}, {2, 61}, {1, 600}, {3, 1030}};
+    int n_tok = 9, shapes[][3] = {{12, 4, 64}, {8, 2, 128}, {8, 2, 32}, {6, 3, 24}, {4, 1, 64}};
+    int bss[] = {1, 3, 5, 7, 16, 32};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++) {
+        int nh = shapes[i][0], nkv = shapes[i][1], hd = shapes[i][2];
+        size_t floats = (size_t)n_tok * nh * hd;
+        float *first = malloc(sizeof(float) * floats), *out = malloc(sizeof(float) * floats);
+        for (size_t j = 0; j < KVB_ARRAY_LEN(bss); j++) {
+            rng_state = 11; /* the same queries, keys and values for every block size */
+            check_attention_keep(specs, 6, nh, nkv, hd, bss[j], 2, 0, j ? out : first);
+            ck_assert_msg(!j || !memcmp(first, out, sizeof(float) * floats),
+                          "heads %d/%d hd %d: block size %d gives other bits than block size 1", nh, nkv, hd, bss[j]);
+        }
+        free(first);
+        free(out);
     }
 }
 KVB_TEST_END
@@ -427,5 +459,5 @@ KVB_TEST(bias_add_rows) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(matmul_batch_invariant, 30), KVB_T(matmul_n_matches_matmul, 30), KVB_T(weight_load_half, 10),
-              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
+              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
               KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))

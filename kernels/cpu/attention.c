@@ -198,6 +198,96 @@ __attribute__((target("avx2,fma"))) static void axpy_rows4_avx2(const float *p, 
         }
     }
 }
+
+/* Share `part` of `parts` of the prefetch of [pf, pf + bytes): a block's kernels spread the next block's
+ * prefetch over their head loop, so that it goes on while they compute. */
+static inline void prefetch_share(const char *pf, size_t bytes, int part, int parts) {
+    size_t lines = KVB_DIV_CEIL(bytes, 64), l1 = lines * (size_t)(part + 1) / (size_t)parts;
+    for (size_t l = lines * (size_t)part / (size_t)parts; l < l1; l++) __builtin_prefetch(pf + l * 64);
+}
+
+/* Scores of 4 consecutive key rows (k, k + row, ...) for one head, s[j] = scale * <q, k_j> for j < 4,
+ * each product summed as dots_group_avx2 sums it (two accumulators over alternate 8-lane groups, then
+ * lanes l and l + 4, then the pairs, then the two halves), so the same bits; the 4 horizontal sums are
+ * done together by a transpose in registers, a quarter of their instructions. With hd a constant (the
+ * callers below) q stays in registers for the 4 rows. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void dots4_head(const float *q, const float *k,
+                                                                                 size_t row, int hd, __m256 scale,
+                                                                                 float *s) {
+    __m256 a[4];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+        const float *kj = k + (size_t)j * row;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int i = 0;
+        _Pragma("GCC unroll 8") for (; i + 16 <= hd; i += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(kj + i + 8), a1);
+        }
+        for (; i < hd; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kj + i), a0);
+        a[j] = _mm256_add_ps(a0, a1);
+    }
+    /* lanes l + l+4 of rows 0, 1 (then 2, 3) side by side: row 0 in the low half, row 1 in the high */
+    __m256 s01 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+    __m256 s23 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+    /* + the pair two lanes on: low half [r0 e, r0 o, r2 e, r2 o], high half the same for rows 1, 3 */
+    __m256 u = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* even + odd: [r0, r2, r0, r2 | r1, r3, r1, r3] */
+    __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u, u, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m128 r = _mm_unpacklo_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
+    _mm_storeu_ps(s, _mm_mul_ps(r, _mm256_castps256_ps128(scale)));
+}
+
+/* Every head's scores for rows [0, n) of a block's keys, n a multiple of 4 (k: the first row; s: head
+ * 0's score of that row, head h's h * stride on). Head by head, so that q stays in registers. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void dots_quads_body(const float *q, int nh, int gq,
+                                                                                      const float *k, size_t row, int n,
+                                                                                      int hd, float scale, float *s,
+                                                                                      size_t stride, const char *pf,
+                                                                                      size_t pf_bytes) {
+    __m256 sc = _mm256_set1_ps(scale);
+    for (int h = 0; h < nh; h++) {
+        prefetch_share(pf, pf_bytes, h, nh);
+        const float *qh = q + (size_t)h * hd, *kg = k + (size_t)(h / gq) * hd;
+        float *sh = s + (size_t)h * stride;
+        for (int r = 0; r + 4 <= n; r += 4) dots4_head(qh, kg + (size_t)r * row, row, hd, sc, sh + r);
+    }
+}
+__attribute__((target("avx2,fma"))) static void dots_quads_64(const float *q, int nh, int gq, const float *k,
+                                                              size_t row, int n, float scale, float *s, size_t stride,
+                                                              const char *pf, size_t pf_bytes) {
+    dots_quads_body(q, nh, gq, k, row, n, 64, scale, s, stride, pf, pf_bytes);
+}
+__attribute__((target("avx2,fma"))) static void dots_quads(const float *q, int nh, int gq, const float *k, size_t row,
+                                                           int n, int hd, float scale, float *s, size_t stride,
+                                                           const char *pf, size_t pf_bytes) {
+    if (hd == 64) dots_quads_64(q, nh, gq, k, row, n, scale, s, stride, pf, pf_bytes);
+    else dots_quads_body(q, nh, gq, k, row, n, hd, scale, s, stride, pf, pf_bytes);
+}
+
+/* o[h] += sum over rows r < n of p[h * stride + r] * v_r[h's KV head] for every head, v_r = v + r * row,
+ * hd a multiple of 64: 64 columns of a head's output stay in registers while the rows pass, each
+ * element's FMAs in row order as in axpy_rows4_avx2, so the same bits. */
+__attribute__((target("avx2,fma"))) static void axpy_block_avx2(const float *p, size_t stride, int nh, int gq,
+                                                                const float *v, size_t row, int n, float *o, int hd,
+                                                                const char *pf, size_t pf_bytes) {
+    for (int h = 0; h < nh; h++) {
+        prefetch_share(pf, pf_bytes, h, nh);
+        const float *ph = p + (size_t)h * stride, *vg = v + (size_t)(h / gq) * hd;
+        for (int d = 0; d < hd; d += 64) {
+            float *oh = o + (size_t)h * hd + d;
+            __m256 acc[8];
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(oh + 8 * j);
+            for (int r = 0; r < n; r++) {
+                __m256 pr = _mm256_broadcast_ss(ph + r);
+                const float *vr = vg + (size_t)r * row + d;
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+            }
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) _mm256_storeu_ps(oh + 8 * j, acc[j]);
+        }
+    }
+}
 #endif
 
 /* Asks for the `bytes` at p (one key or value row) to be brought into the cache. A walk reads a block's
@@ -244,7 +334,16 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
                 const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)r0 * row;
                 const char *kn = k + n_in < e ? (const char *)b->layer_blocks[sq->blk_first + j + 1] : NULL;
-                for (int r = 0; r < n_in; r++) {
+                int r = 0;
+#if KVB_ATTN_AVX2
+                if (simd) { /* rows by fours, the next block's rows (as many as are read) prefetched meanwhile */
+                    size_t pf = kn ? (size_t)KVB_MIN(bs, e - k - n_in) * row * sizeof(float) : 0;
+                    r = n_in & ~3;
+                    dots_quads(qt, nh, gq, kb, row, r, hd, b->scale, st + (k - k0), stride, kn, pf);
+                    kn = NULL;
+                }
+#endif
+                for (; r < n_in; r++) {
                     if (kn) prefetch_row(kn + (size_t)r * row * sizeof(float), row * sizeof(float));
                     float *s = st + (k + r - k0);
 #if KVB_ATTN_AVX2
@@ -265,6 +364,14 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
                 const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)r0 * row;
                 const char *vn = k + n_in < e ? (const char *)((const float *)b->layer_blocks[sq->blk_first + j + 1] + half) : NULL;
+#if KVB_ATTN_AVX2
+                if (simd && hd % 64 == 0) { /* the block's rows at once, the next block's prefetched meanwhile */
+                    size_t pf = vn ? (size_t)KVB_MIN(bs, e - k - n_in) * row * sizeof(float) : 0;
+                    axpy_block_avx2(st + (k - k0), stride, nh, gq, vb, row, n_in, ot, hd, vn, pf);
+                    k += n_in;
+                    continue;
+                }
+#endif
                 for (int r = 0; r < n_in; r++) {
                     if (vn) prefetch_row(vn + (size_t)r * row * sizeof(float), row * sizeof(float));
                     const float *p = st + (k + r - k0);
