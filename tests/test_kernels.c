@@ -201,6 +201,12 @@ KVB_TEST(rmsnorm_rope_silu) {
     }
     ck_assert_int_eq(be->iface->rmsnorm(be->ctx, x, R, D, &tw, 1e-6f, y), KVB_OK);
     ck_assert_double_lt(rel_err(y, ref, R * D), 1e-6);
+    /* a row alone gives the bits it has in the batch (rows go in groups of 8; 300 = 37 groups + 4) */
+    for (int r = 0; r < R; r += 7) {
+        float y1[D];
+        ck_assert_int_eq(be->iface->rmsnorm(be->ctx, x + r * D, 1, D, &tw, 1e-6f, y1), KVB_OK);
+        ck_assert_msg(!memcmp(y1, y + r * D, sizeof y1), "rmsnorm row %d alone differs from the batch", r);
+    }
     /* in place gives the same */
     ck_assert_int_eq(be->iface->rmsnorm(be->ctx, x, R, D, &tw, 1e-6f, x), KVB_OK);
     ck_assert_int_eq(memcmp(x, y, sizeof x), 0);

@@ -177,16 +177,41 @@ void kvb__cpu_matmul_n(const float *x, int n, const float *const *w, const int64
     }
 }
 
-void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float eps, float *y) {
-#pragma omp parallel for schedule(static) if ((size_t)rows * dim >= PAR_MIN_ELEMS) num_threads(kvb__cpu_threads)
-    for (int r = 0; r < rows; r++) {
+/* Rows of RMS_GROUP take their sums of squares together. */
+#define RMS_GROUP 8
+
+/* y = x / rms(x) * w for the rows [r0, r1), r1 - r0 <= RMS_GROUP. Each row's sum of squares runs in
+ * double, element after element (a chain of dependent adds); a full group interleaves its rows' chains,
+ * which the processor then overlaps (a 32 x 768 call: 51 us as one row after the other, 28 us so) —
+ * each row's sum is the same sequence whether it is in a group or alone, so the same bits. y may be x. */
+static void rmsnorm_rows(const float *x, int r0, int r1, int dim, const float *w, float eps, float *y) {
+    double ss[RMS_GROUP] = {0};
+    if (r1 - r0 == RMS_GROUP) {
+        for (int i = 0; i < dim; i++)
+            for (int j = 0; j < RMS_GROUP; j++) {
+                double v = x[(size_t)(r0 + j) * dim + i];
+                ss[j] += v * v;
+            }
+    } else {
+        for (int r = r0; r < r1; r++)
+            for (int i = 0; i < dim; i++) {
+                double v = x[(size_t)r * dim + i];
+                ss[r - r0] += v * v;
+            }
+    }
+    for (int r = r0; r < r1; r++) {
         const float *xr = x + (size_t)r * dim;
         float *yr = y + (size_t)r * dim;
-        double ss = 0;
-        for (int i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];
-        float inv = (float)(1.0 / sqrt(ss / dim + (double)eps));
+        float inv = (float)(1.0 / sqrt(ss[r - r0] / dim + (double)eps));
         for (int i = 0; i < dim; i++) yr[i] = xr[i] * inv * w[i];
     }
+}
+
+void kvb__cpu_rmsnorm(const float *x, int rows, int dim, const float *w, float eps, float *y) {
+    int groups = KVB_DIV_CEIL(rows, RMS_GROUP);
+#pragma omp parallel for schedule(static) if ((size_t)rows * dim >= PAR_MIN_ELEMS) num_threads(kvb__cpu_threads)
+    for (int g = 0; g < groups; g++)
+        rmsnorm_rows(x, g * RMS_GROUP, KVB_MIN(rows, (g + 1) * RMS_GROUP), dim, w, eps, y);
 }
 
 static void rope_rows(float *x, int n_heads, int n, const float *cs, int hd) {
