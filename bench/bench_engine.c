@@ -165,6 +165,8 @@ typedef struct job_result {
     int n_win;
     double win[MAX_WIN]; /* decode: seconds per step of each window; prefill: seconds per prompt */
     double bw[2], fl[2]; /* ceilings sampled before and after */
+    int n_mid;           /* ceilings sampled between the windows (kvbank's windows: n_win - 1) */
+    double mid_bw[MAX_WIN], mid_fl[MAX_WIN];
     long peak_kb;        /* VmHWM of the measurement (model load included) */
     long base_kb;        /* VmRSS when it started: the bench's code and libraries, before the model */
     int64_t w_step;      /* weight bytes one step reads (kvbank only) */
@@ -194,6 +196,21 @@ static void count_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t 
 
 static int32_t prompt_token(int i, int r, int vocab) { return (int32_t)((i * 31 + r * 17 + 1) % vocab); }
 
+/* The measurement child's end of its pipes to the parent (-1 elsewhere): between two timed windows it
+ * asks the parent to sample the ceilings in another child and waits until that is done, so that each
+ * window has a sample just before and just after it (see run_job). */
+static int g_between_ask = -1, g_between_done = -1;
+
+static void between_windows(void) {
+    if (g_between_ask < 0) return;
+    char b = 'w';
+    ssize_t n;
+    while ((n = write(g_between_ask, &b, 1)) < 0 && errno == EINTR) {
+    }
+    while ((n = read(g_between_done, &b, 1)) < 0 && errno == EINTR) {
+    }
+}
+
 /* kvbank: `batch` requests with prompts of `ctx` tokens until all decode, then n_win windows of
  * `steps` decode steps. */
 static int kvbank_decode(kvb_model *m, const bench_cfg *cfg, int batch, int ctx, job_result *r) {
@@ -222,6 +239,7 @@ static int kvbank_decode(kvb_model *m, const bench_cfg *cfg, int batch, int ctx,
     while (ok && cnt->n_started < batch) ok = kvb_engine_step(e) == KVB_OK;
     int64_t before = ok ? cnt->tokens : 0;
     for (int w = 0; w < cfg->reps && ok; w++) {
+        if (w > 0) between_windows();
         double t0 = kvb_now_s();
         for (int s = 0; s < cfg->steps && ok; s++) ok = kvb_engine_step(e) == KVB_OK;
         r->win[w] = (kvb_now_s() - t0) / cfg->steps;
@@ -248,6 +266,7 @@ static int kvbank_prefill(kvb_model *m, const bench_cfg *cfg, int tokens, job_re
     kvb_engine *e = NULL;
     int ok = cnt && prompt && kvb_engine_create(m, &o, NULL, &ev, &e) == KVB_OK;
     for (int rep = 0; rep < cfg->reps && ok; rep++) {
+        if (rep > 0) between_windows();
         for (int i = 0; i < tokens; i++) prompt[i] = prompt_token(i, rep + 1000, c->vocab);
         kvb_request req = {.id = (uint64_t)rep + 1, .prompt = prompt, .n_prompt = tokens, .max_tokens = 1};
         ok = kvb_engine_add(e, &req) == KVB_OK;
@@ -345,20 +364,38 @@ static void measure(const bench_cfg *cfg, const job *jb, job_result *r) {
 }
 
 /* Runs fn in a fresh child process, its result coming back through a pipe; returns 1 when the child
- * reported success. */
-static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result *r) {
+ * reported success. With `between` (a measurement), the child may ask between its windows for the
+ * ceilings to be sampled: each time, they are, in a child of their own while it waits, into between's
+ * mid_bw / mid_fl. */
+static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result *r, job_result *between) {
     memset(r, 0, sizeof *r);
-    int fd[2];
+    int fd[2], ask[2] = {-1, -1}, done[2] = {-1, -1};
     if (pipe(fd) != 0) return 0;
+    if (between && (pipe(ask) != 0 || pipe(done) != 0)) {
+        for (int i = 0; i < 2; i++) {
+            close(fd[i]);
+            if (ask[i] >= 0) close(ask[i]);
+            if (done[i] >= 0) close(done[i]);
+        }
+        return 0;
+    }
     fflush(NULL);
     pid_t pid = fork();
     if (pid < 0) {
-        close(fd[0]);
-        close(fd[1]);
+        for (int i = 0; i < 2; i++) {
+            close(fd[i]);
+            if (ask[i] >= 0) close(ask[i]);
+            if (done[i] >= 0) close(done[i]);
+        }
         return 0;
     }
     if (pid == 0) {
         close(fd[0]);
+        if (between) {
+            close(ask[0]);
+            close(done[1]);
+            g_between_ask = ask[1], g_between_done = done[0];
+        }
         kvb_log_set_level(KVB_LOG_WARN); /* the table is the output */
         job_result cr = {0};
         fn(cfg, jb, &cr);
@@ -366,6 +403,31 @@ static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result
         _exit(n == (ssize_t)sizeof cr ? 0 : 1);
     }
     close(fd[1]);
+    if (between) {
+        close(ask[1]);
+        close(done[0]);
+        between->n_mid = 0;
+        char b;
+        ssize_t n;
+        /* until the child closes its end (it exits): a request per window boundary */
+        while ((n = read(ask[0], &b, 1)) != 0) {
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                break;
+            }
+            job_result c;
+            if (in_child(sample_ceilings, cfg, jb, &c, NULL) && between->n_mid < MAX_WIN) {
+                between->mid_bw[between->n_mid] = c.bw[0];
+                between->mid_fl[between->n_mid] = c.fl[0];
+                between->n_mid++;
+            }
+            b = 'd';
+            while (write(done[1], &b, 1) < 0 && errno == EINTR) {
+            }
+        }
+        close(ask[0]);
+        close(done[1]);
+    }
     size_t got = 0;
     while (got < sizeof *r) {
         ssize_t n = read(fd[0], (char *)r + got, sizeof *r - got);
@@ -381,16 +443,20 @@ static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result
     return r->ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
-/* One job: the ceilings in a child of their own just before and just after the measurement's child
- * (so that neither the 512 MiB read buffer nor OpenBLAS's threaded buffers count in the measurement's
- * peak RSS). Returns 1 when all three reported. */
+/* One job: the ceilings in a child of their own just before and just after the measurement's child,
+ * and between its windows (so that neither the 512 MiB read buffer nor OpenBLAS's threaded buffers
+ * count in the measurement's peak RSS, and each window has a sample on either side of it). Returns 1
+ * when the samples before and after and the measurement reported. */
 static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
-    job_result before, after;
-    int ok = in_child(sample_ceilings, cfg, jb, &before);
-    ok = in_child(measure, cfg, jb, r) && ok;
-    ok = in_child(sample_ceilings, cfg, jb, &after) && ok;
+    job_result before, after, mid = {0};
+    int ok = in_child(sample_ceilings, cfg, jb, &before, NULL);
+    ok = in_child(measure, cfg, jb, r, &mid) && ok;
+    ok = in_child(sample_ceilings, cfg, jb, &after, NULL) && ok;
     r->bw[0] = before.bw[0], r->fl[0] = before.fl[0];
     r->bw[1] = after.bw[0], r->fl[1] = after.fl[0];
+    r->n_mid = mid.n_mid;
+    memcpy(r->mid_bw, mid.mid_bw, sizeof r->mid_bw);
+    memcpy(r->mid_fl, mid.mid_fl, sizeof r->mid_fl);
     return ok;
 }
 
@@ -426,6 +492,20 @@ typedef struct point_stats {
     double bw, fl;        /* median ceilings around the point */
 } point_stats;
 
+/* The ceilings around window w, into *bw / *fl: the mean of the samples just before and just after it
+ * (the point's first sample, those between its windows, its last). Without a sample between every two
+ * windows (llama.cpp's measurements), every window gets the mean of the point's first and last. */
+static void window_ceilings(const job_result *r, int w, double *bw, double *fl) {
+    if (r->n_mid != r->n_win - 1) {
+        *bw = 0.5 * (r->bw[0] + r->bw[1]);
+        *fl = 0.5 * (r->fl[0] + r->fl[1]);
+        return;
+    }
+    int last = w == r->n_win - 1;
+    *bw = 0.5 * ((w == 0 ? r->bw[0] : r->mid_bw[w - 1]) + (last ? r->bw[1] : r->mid_bw[w]));
+    *fl = 0.5 * ((w == 0 ? r->fl[0] : r->mid_fl[w - 1]) + (last ? r->fl[1] : r->mid_fl[w]));
+}
+
 static point_stats stats_of(const job_result *r) {
     point_stats s = {median_of(r->win, r->n_win), min_of(r->win, r->n_win), max_of(r->win, r->n_win), 0, 0};
     s.bw = 0.5 * (r->bw[0] + r->bw[1]);
@@ -435,7 +515,7 @@ static point_stats stats_of(const job_result *r) {
 
 /* Every ceiling sample of the run (for the summary line). */
 typedef struct ceiling_log {
-    double bw[2 * 2 * MAX_POINTS * MAX_POINTS], fl[2 * 2 * MAX_POINTS * MAX_POINTS];
+    double bw[(MAX_WIN + 1) * 2 * MAX_POINTS * MAX_POINTS], fl[(MAX_WIN + 1) * 2 * MAX_POINTS * MAX_POINTS];
     int n;
 } ceiling_log;
 
@@ -446,6 +526,8 @@ static int kvbank_point(const bench_cfg *cfg, const job *jb, const char *label, 
         return 0;
     }
     for (int i = 0; i < 2 && ce->n < (int)KVB_ARRAY_LEN(ce->bw); i++, ce->n++) ce->bw[ce->n] = r->bw[i], ce->fl[ce->n] = r->fl[i];
+    for (int i = 0; i < r->n_mid && ce->n < (int)KVB_ARRAY_LEN(ce->bw); i++, ce->n++)
+        ce->bw[ce->n] = r->mid_bw[i], ce->fl[ce->n] = r->mid_fl[i];
     return 1;
 }
 
@@ -536,7 +618,7 @@ int kvb_bench_engine(int argc, char **argv) {
         job g = {.engine = ENGINE_KVBANK, .kind = JOB_GREEDY, .ctx = 32};
         job gl = g;
         gl.engine = ENGINE_LLAMACPP;
-        int a = in_child(measure, &cfg, &g, &r), b = in_child(measure, &cfg, &gl, &rl);
+        int a = in_child(measure, &cfg, &g, &r, NULL), b = in_child(measure, &cfg, &gl, &rl, NULL);
         if (a && b) {
             int same = 0;
             while (same < N_GREEDY && r.greedy[same] == rl.greedy[same]) same++;
@@ -578,9 +660,16 @@ int kvb_bench_engine(int argc, char **argv) {
         double flops = 2.0 * T * (double)r.layer_params + 2.0 * (double)r.lm_params +
                        4.0 * c.n_layers * c.n_heads * (double)c.head_dim * T * (T + 1) / 2;
         double limit_mb = ((double)r.w_all + T * kv_per_tok) * 1.15 / 1e6;
+        double ratio[MAX_WIN], rate[MAX_WIN];
+        for (int w = 0; w < r.n_win; w++) {
+            double bw, fl;
+            window_ceilings(&r, w, &bw, &fl);
+            rate[w] = fl;
+            ratio[w] = flops / r.win[w] / fl;
+        }
         printf("%-20s %8.1fms (%.1f-%.1f) %6.1f GF/s %5.1f GF/s %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
-               s.lo * 1e3, s.hi * 1e3, flops / s.med / 1e9, s.fl / 1e9, flops / s.med / s.fl, flops / s.hi / s.fl,
-               flops / s.lo / s.fl, r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
+               s.lo * 1e3, s.hi * 1e3, flops / s.med / 1e9, median_of(rate, r.n_win) / 1e9, median_of(ratio, r.n_win),
+               min_of(ratio, r.n_win), max_of(ratio, r.n_win), r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
         if (cmp) failures += llamacpp_column(&cfg, &jb, T, s.med);
         printf("\n");
     }
@@ -608,11 +697,17 @@ int kvb_bench_engine(int argc, char **argv) {
             double vis = ctx + 0.5 * cfg.reps * cfg.steps;
             double bytes = (double)r.w_step + b * vis * kv_per_tok;
             double flops = 2.0 * b * (double)(r.layer_params + r.lm_params) + 4.0 * c.n_layers * c.n_heads * c.head_dim * b * vis;
-            double roof = KVB_MAX(bytes / s.bw, flops / s.fl);
             double limit_mb = ((double)r.w_all + b * (vis + 0.5 * cfg.reps * cfg.steps) * kv_per_tok) * 1.15 / 1e6;
+            double roof[MAX_WIN], ratio[MAX_WIN];
+            for (int w = 0; w < r.n_win; w++) {
+                double bw, fl;
+                window_ceilings(&r, w, &bw, &fl);
+                roof[w] = KVB_MAX(bytes / bw, flops / fl);
+                ratio[w] = roof[w] / r.win[w];
+            }
             printf("%-20s %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fms %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
-                   s.lo * 1e3, s.hi * 1e3, b / s.med, roof * 1e3, roof / s.med, roof / s.hi, roof / s.lo, r.peak_kb / 1e3,
-                   limit_mb, r.base_kb / 1e3);
+                   s.lo * 1e3, s.hi * 1e3, b / s.med, median_of(roof, r.n_win) * 1e3, median_of(ratio, r.n_win),
+                   min_of(ratio, r.n_win), max_of(ratio, r.n_win), r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
             if (cmp) failures += llamacpp_column(&cfg, &jb, b, s.med);
             printf("   [%s-bound]\n", bytes / s.bw >= flops / s.fl ? "memory" : "compute");
         }
@@ -624,7 +719,9 @@ int kvb_bench_engine(int argc, char **argv) {
                ce.n, median_of(ce.bw, ce.n) / 1e9, min_of(ce.bw, ce.n) / 1e9, max_of(ce.bw, ce.n) / 1e9,
                median_of(ce.fl, ce.n) / 1e9, min_of(ce.fl, ce.n) / 1e9, max_of(ce.fl, ce.n) / 1e9);
     printf("ratio: prefill = model FLOPs / time / sgemm rate; decode = roofline / time, roofline = max((weights + KV "
-           "read) / read bandwidth, FLOPs / sgemm rate), ceilings sampled around each point; speedup = llama.cpp time / "
+           "read) / read bandwidth, FLOPs / sgemm rate); ratios window by window, each against the ceilings sampled just "
+           "before and just after it (before the point, between its windows, after it), median (min-max); ceiling: "
+           "the median window's; speedup = llama.cpp time / "
            "kvbank time; peak RSS: the measurement's own (reset when it starts), base: what it held then (the bench's "
            "code and libraries), limit: (all weights + the point's KV) x 1.15\n");
     rc = failures ? 1 : 0;
