@@ -204,10 +204,9 @@ static int g_between_ask = -1, g_between_done = -1;
 static void between_windows(void) {
     if (g_between_ask < 0) return;
     char b = 'w';
-    ssize_t n;
-    while ((n = write(g_between_ask, &b, 1)) < 0 && errno == EINTR) {
+    while (write(g_between_ask, &b, 1) < 0 && errno == EINTR) {
     }
-    while ((n = read(g_between_done, &b, 1)) < 0 && errno == EINTR) {
+    while (read(g_between_done, &b, 1) < 0 && errno == EINTR) {
     }
 }
 
@@ -363,6 +362,15 @@ static void measure(const bench_cfg *cfg, const job *jb, job_result *r) {
     r->peak_kb = status_kb("VmHWM:");
 }
 
+/* Closes the ends of in_child's pipes that are open (-1: never made). */
+static void close_pipes(const int fd[2], const int ask[2], const int done[2]) {
+    for (int i = 0; i < 2; i++) {
+        close(fd[i]);
+        if (ask[i] >= 0) close(ask[i]);
+        if (done[i] >= 0) close(done[i]);
+    }
+}
+
 /* Runs fn in a fresh child process, its result coming back through a pipe; returns 1 when the child
  * reported success. With `between` (a measurement), the child may ask between its windows for the
  * ceilings to be sampled: each time, they are, in a child of their own while it waits, into between's
@@ -372,21 +380,13 @@ static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result
     int fd[2], ask[2] = {-1, -1}, done[2] = {-1, -1};
     if (pipe(fd) != 0) return 0;
     if (between && (pipe(ask) != 0 || pipe(done) != 0)) {
-        for (int i = 0; i < 2; i++) {
-            close(fd[i]);
-            if (ask[i] >= 0) close(ask[i]);
-            if (done[i] >= 0) close(done[i]);
-        }
+        close_pipes(fd, ask, done);
         return 0;
     }
     fflush(NULL);
     pid_t pid = fork();
     if (pid < 0) {
-        for (int i = 0; i < 2; i++) {
-            close(fd[i]);
-            if (ask[i] >= 0) close(ask[i]);
-            if (done[i] >= 0) close(done[i]);
-        }
+        close_pipes(fd, ask, done);
         return 0;
     }
     if (pid == 0) {

@@ -149,6 +149,11 @@ KVB_PROGRESS=always "$B/kvbank-bench" engine --model "$T/tiny" --prefill 16 --co
     --reps 1 >"$T/eng.out" 2>"$T/eng.err" || fail "kvbank-bench engine: $(cat "$T/eng.out" "$T/eng.err")"
 grep -qE "^measuring points: 33% \(1 of 3\)" "$T/eng.err" && grep -qE "^measuring points: done, 3 in [0-9.]+ s$" "$T/eng.err" ||
     fail "engine progress: $(cat "$T/eng.err")"
+# with 2 windows a point's ceilings are sampled before it, between its windows and after it: 3 a point
+"$B/kvbank-bench" engine --model "$T/tiny" --prefill 16 --contexts 16 --batches 2 --decode-steps 2 --reps 2 \
+    >"$T/eng2.out" 2>&1 || fail "kvbank-bench engine --reps 2: $(cat "$T/eng2.out")"
+grep -qE "^ceilings around the points \(6 samples\)" "$T/eng2.out" ||
+    fail "engine: no ceilings sampled between the windows: $(cat "$T/eng2.out")"
 printf 'num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n' >"$T/sharegpt.csv"
 for i in 1 2 3 4 5 6 7 8; do echo "$((20 + 3 * i)),$((4 + i)),0,0"; done >>"$T/sharegpt.csv"
 KVB_PROGRESS=always "$B/kvbank-bench" orbitflow --model "$T/tiny" --trace "$T/sharegpt.csv" --requests 4 --runs 1 --rates 1 \
