@@ -65,14 +65,29 @@ static void check_matmul(int n, int rows, int cols, int threads) {
     free(ref);
 }
 
+/* The widths of the decode products' streaming kernel this processor has, widest first (KVB_CPU_SIMD
+ * values: NULL is the default, the widest): each test of the products runs on every one, so an AVX-512
+ * machine also checks the AVX2 kernel an older one takes. */
+static const char *simd_levels[] = {NULL, "avx2"};
+static void use_simd(const char *level) {
+    if (level) setenv("KVB_CPU_SIMD", level, 1);
+    else unsetenv("KVB_CPU_SIMD");
+}
+
 KVB_TEST(matmul_split_rows) {
     rng_state = 1;
-    /* decode batches (n <= 32, cols % 8 == 0: the streaming kernel on AVX2, rows not a multiple of its
-     * 3-row tiles, n not of its 4-row groups, several hundred columns), sgemm beyond, odd column counts */
+    /* decode batches (n <= 32, cols % 8 == 0: the streaming kernel — 16 lanes and 6-row tiles on AVX-512
+     * when cols % 16 == 0, else 8 lanes and 3-row tiles — rows not a multiple of its tiles, n not of its
+     * 4-row groups, several hundred columns), sgemm beyond, odd column counts */
     int shapes[][3] = {{1, 300, 200}, {1, 1024, 96}, {5, 257, 64}, {8, 301, 64}, {32, 190, 96}, {13, 301, 392},
-                       {32, 1000, 520}, {7, 100, 40}, {33, 512, 128}, {2, 17, 9}};
-    for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
-        for (int th = 1; th <= 3; th++) check_matmul(shapes[i][0], shapes[i][1], shapes[i][2], th);
+                       {32, 1000, 520}, {32, 1000, 512}, {8, 301, 784}, {1, 500, 1024}, {7, 100, 40}, {33, 512, 128},
+                       {2, 17, 9}};
+    for (size_t l = 0; l < KVB_ARRAY_LEN(simd_levels); l++) {
+        use_simd(simd_levels[l]);
+        for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
+            for (int th = 1; th <= 3; th++) check_matmul(shapes[i][0], shapes[i][1], shapes[i][2], th);
+    }
+    use_simd(NULL);
 }
 KVB_TEST_END
 
@@ -87,10 +102,8 @@ static int have_avx2(void) {
 
 /* A row's products do not depend on the batch it is in (decode batches up to 32 on AVX2): greedy
  * tokens then do not change when a policy batches, preempts or swaps other sequences. */
-KVB_TEST(matmul_batch_invariant) {
-    if (!have_avx2()) return;
-    rng_state = 7;
-    int rows = 200, cols = 392, nmax = 32;
+static void check_batch_invariant(int rows, int cols) {
+    int nmax = 32;
     kvb_backend *be = make_backend(2);
     float *w = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * nmax * cols);
     float *y = malloc(sizeof(float) * nmax * rows), *y1 = malloc(sizeof(float) * rows);
@@ -102,7 +115,8 @@ KVB_TEST(matmul_batch_invariant) {
         for (int i = 0; i < n; i += 3) {
             ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &t, 0.0f, y), KVB_OK);
             ck_assert_int_eq(be->iface->matmul(be->ctx, x + (size_t)i * cols, 1, &t, 0.0f, y1), KVB_OK);
-            ck_assert_msg(!memcmp(y + (size_t)i * rows, y1, sizeof(float) * rows), "row %d of a batch of %d differs", i, n);
+            ck_assert_msg(!memcmp(y + (size_t)i * rows, y1, sizeof(float) * rows),
+                          "%d x %d: row %d of a batch of %d differs", rows, cols, i, n);
         }
     be->iface->weight_free(be->ctx, &t);
     kvb_backend_destroy(be);
@@ -110,6 +124,17 @@ KVB_TEST(matmul_batch_invariant) {
     free(x);
     free(y);
     free(y1);
+}
+
+KVB_TEST(matmul_batch_invariant) {
+    if (!have_avx2()) return;
+    rng_state = 7;
+    for (size_t l = 0; l < KVB_ARRAY_LEN(simd_levels); l++) {
+        use_simd(simd_levels[l]);
+        check_batch_invariant(200, 392); /* 8 lanes whatever the processor */
+        check_batch_invariant(200, 512); /* 16 lanes on AVX-512 */
+    }
+    use_simd(NULL);
 }
 KVB_TEST_END
 
@@ -122,7 +147,9 @@ KVB_TEST(matmul_n_matches_matmul) {
     int cols = 64, rows[3] = {96, 32, 40}, ns[] = {1, 3, 8, 40};
     float *w[3], *y[3], *y1 = malloc(sizeof(float) * 40 * 96), *x = malloc(sizeof(float) * 40 * cols);
     fill(x, (size_t)40 * cols);
-    for (int th = 1; th <= 3; th++) {
+    for (int run = 0; run < 3 * (int)KVB_ARRAY_LEN(simd_levels); run++) {
+        int th = run % 3 + 1;
+        use_simd(simd_levels[run / 3]);
         kvb_backend *be = make_backend(th);
         ck_assert_ptr_nonnull(be->iface->matmul_n);
         kvb_tensor t[3];
@@ -139,7 +166,8 @@ KVB_TEST(matmul_n_matches_matmul) {
                 ck_assert_int_eq(be->iface->matmul(be->ctx, x, ns[k], &t[i], 0.0f, y1), KVB_OK);
                 size_t m = (size_t)ns[k] * rows[i];
                 if (ns[k] <= 32 && avx2) {
-                    ck_assert_msg(!memcmp(y[i], y1, sizeof(float) * m), "weight %d, n=%d, %d threads", i, ns[k], th);
+                    ck_assert_msg(!memcmp(y[i], y1, sizeof(float) * m), "weight %d, n=%d, %d threads, simd %s", i, ns[k], th,
+                                  simd_levels[run / 3] ? simd_levels[run / 3] : "widest");
                 } else { /* sgemm's results depend on the width of the slice it gets */
                     double e = 0;
                     for (size_t j = 0; j < m; j++) e = fmax(e, fabs((double)y[i][j] - y1[j]));
@@ -159,6 +187,7 @@ KVB_TEST(matmul_n_matches_matmul) {
         }
         kvb_backend_destroy(be);
     }
+    use_simd(NULL);
     free(x);
     free(y1);
 }

@@ -192,10 +192,12 @@ kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     kvb__cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    /* KVB_CPU_SIMD=0: the generic loops and OpenBLAS only (how a processor without AVX2 runs; tests
-     * cover those paths with it) */
+    kvb__cpu_avx512 = kvb__cpu_avx2 && __builtin_cpu_supports("avx512f");
+    /* KVB_CPU_SIMD=0: the generic loops and OpenBLAS only (how a processor without AVX2 runs);
+     * KVB_CPU_SIMD=avx2: no AVX-512 (how an AVX2-only processor runs). Tests cover those paths with it. */
     const char *simd = getenv("KVB_CPU_SIMD");
-    if (simd && strcmp(simd, "0") == 0) kvb__cpu_avx2 = 0;
+    if (simd && strcmp(simd, "0") == 0) kvb__cpu_avx2 = kvb__cpu_avx512 = 0;
+    if (simd && strcmp(simd, "avx2") == 0) kvb__cpu_avx512 = 0;
 #endif
     out->iface = &cpu_iface;
     out->ctx = c;

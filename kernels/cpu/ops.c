@@ -20,6 +20,7 @@
 
 int kvb__cpu_threads = 1;
 int kvb__cpu_avx2 = 0;
+int kvb__cpu_avx512 = 0;
 
 kvb_status kvb__cpu_floats_reserve(float **buf, size_t *cap, size_t floats) {
     if (floats <= *cap) return KVB_OK;
@@ -55,67 +56,118 @@ __attribute__((target("avx2,fma"))) static inline float hsum8(__m256 a) {
     return _mm_cvtss_f32(r);
 }
 
-/* y[i][r] = <x[i], w[r]> (+ beta y[i][r]) for R rows of w and N rows of x, cols a multiple of 8: R x N
- * accumulators of 8 lanes, each w vector loaded once for the N rows of x. Every output is summed in
- * the same order (lane c % 8 over c, then the lanes pairwise) whatever R, N and the batch size are, so
+/* lane j + lane j + 8, then as hsum8 */
+__attribute__((target("avx512f,avx2,fma"))) static inline float hsum16(__m512 a) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
+}
+
+/* The streaming kernel's two vector widths: V8 (AVX2, 16 registers) and V16 (AVX-512, 32 registers). */
+#define V8_T __m256
+#define V8_LANES 8
+#define V8_TARGET "avx2,fma"
+#define V8_ZERO _mm256_setzero_ps
+#define V8_LOAD _mm256_loadu_ps
+#define V8_FMA _mm256_fmadd_ps
+#define V8_HSUM hsum8
+#define V16_T __m512
+#define V16_LANES 16
+#define V16_TARGET "avx512f,avx2,fma"
+#define V16_ZERO _mm512_setzero_ps
+#define V16_LOAD _mm512_loadu_ps
+#define V16_FMA _mm512_fmadd_ps
+#define V16_HSUM hsum16
+
+/* y[i][r] = <x[i], w[r]> (+ beta y[i][r]) for R rows of w and N rows of x, cols a multiple of the lanes
+ * L: R x N accumulators of L lanes, each w vector loaded once for the N rows of x. Every output is summed
+ * in the same order (lane c % L over c, then the lanes pairwise) whatever R, N and the batch size are, so
  * a sequence's logits do not depend on what it is batched with. Along the way it prefetches pf_n bytes
- * from pf, pf_k cache lines every 8 columns (the next block of w: see small_n_rows). */
-#define SMALL_TILE(R, N)                                                                                          \
-    __attribute__((target("avx2,fma"))) static void small_tile_##R##x##N(const float *w, const float *x, int64_t cols,  \
-                                                                         float beta, float *y, int64_t ldy,         \
-                                                                         const char *pf, int64_t pf_n, int pf_k) {  \
-        __m256 acc[R][N];                                                                                         \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) _Pragma("GCC unroll 4") for (int i = 0; i < N; i++)     \
-            acc[r][i] = _mm256_setzero_ps();                                                                      \
+ * from pf, pf_k cache lines every L columns (the next block of w: see small_n_rows). */
+#define SMALL_TILE(V, R, N)                                                                                       \
+    __attribute__((target(V##_TARGET))) static void small_tile_##V##_##R##x##N(                                    \
+        const float *w, const float *x, int64_t cols, float beta, float *y, int64_t ldy, const char *pf,          \
+        int64_t pf_n, int pf_k) {                                                                                 \
+        V##_T acc[R][N];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _Pragma("GCC unroll 4") for (int i = 0; i < N; i++)     \
+            acc[r][i] = V##_ZERO();                                                                               \
         int64_t pf_at = 0;                                                                                        \
-        for (int64_t c = 0; c < cols; c += 8) {                                                                   \
-            for (int k = 0; k < pf_k && pf_at < pf_n; k++, pf_at += 64) _mm_prefetch(pf + pf_at, _MM_HINT_T0);     \
-            __m256 wv[R];                                                                                         \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) wv[r] = _mm256_loadu_ps(w + r * cols + c);        \
+        for (int64_t c = 0; c < cols; c += V##_LANES) {                                                           \
+            for (int k = 0; k < pf_k && pf_at < pf_n; k++, pf_at += 64) _mm_prefetch(pf + pf_at, _MM_HINT_T1);     \
+            V##_T wv[R];                                                                                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) wv[r] = V##_LOAD(w + r * cols + c);               \
             _Pragma("GCC unroll 4") for (int i = 0; i < N; i++) {                                                 \
-                __m256 xv = _mm256_loadu_ps(x + i * cols + c);                                                    \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(wv[r], xv, acc[r][i]); \
+                V##_T xv = V##_LOAD(x + i * cols + c);                                                            \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][i] = V##_FMA(wv[r], xv, acc[r][i]);    \
             }                                                                                                     \
         }                                                                                                         \
-        _Pragma("GCC unroll 4") for (int i = 0; i < N; i++) _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {   \
-            float s = hsum8(acc[r][i]), *o = y + i * ldy + r;                                                     \
+        _Pragma("GCC unroll 4") for (int i = 0; i < N; i++) _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {   \
+            float s = V##_HSUM(acc[r][i]), *o = y + i * ldy + r;                                                  \
             *o = beta != 0.0f ? s + beta * *o : s;                                                                \
         }                                                                                                         \
     }
-SMALL_TILE(3, 4)
-SMALL_TILE(3, 1)
-SMALL_TILE(1, 4)
-SMALL_TILE(1, 1)
+SMALL_TILE(V8, 3, 4)
+SMALL_TILE(V8, 3, 1)
+SMALL_TILE(V8, 1, 4)
+SMALL_TILE(V8, 1, 1)
+SMALL_TILE(V16, 6, 4)
+SMALL_TILE(V16, 6, 1)
+SMALL_TILE(V16, 1, 4)
+SMALL_TILE(V16, 1, 1)
+
+typedef void (*small_tile_fn)(const float *w, const float *x, int64_t cols, float beta, float *y, int64_t ldy,
+                              const char *pf, int64_t pf_n, int pf_k);
+
+/* One width of the streaming kernel: blocks of `rows` rows of w against groups of 4 rows of x. */
+typedef struct small_kernel {
+    int rows, lanes;
+    small_tile_fn block_4, block_1, row_4, row_1; /* rows x 4, rows x 1, 1 x 4, 1 x 1 */
+} small_kernel;
+
+/* AVX2: 12 accumulators, 3 of w and one of x in the 16 registers. */
+static const small_kernel small_v8 = {3, 8, small_tile_V8_3x4, small_tile_V8_3x1, small_tile_V8_1x4,
+                                      small_tile_V8_1x1};
+/* AVX-512: 24 accumulators of 16 lanes, 6 of w and one of x in the 32 registers: twice the work per loaded
+ * vector of x. The 3 x 4 tile at 16 lanes was no faster than AVX2's (the loop's loads and prefetches per
+ * FMA were the limit, not its width); 6 x 4 ran the products of a batch-32 decode step of the bench model
+ * 1.13-1.25x faster than it on 2 Zen 4 cores (150-158 -> 178-188 GFLOP/s, weights in DRAM), 1.11x at batch 8. */
+static const small_kernel small_v16 = {6, 16, small_tile_V16_6x4, small_tile_V16_6x1, small_tile_V16_1x4,
+                                       small_tile_V16_1x1};
 
 /* Rows [r0, r1) of y = x . w^T (+ beta y) for n <= SMALL_N_MAX: w is read from memory once — a block of
- * 3 rows stays in L1 while every group of 4 rows of x (in L2) passes over it — where sgemm would first
- * copy (pack) all of it, which costs more than the products at these batch sizes. While a block is in
- * use, its passes prefetch the next block, a share each: the hardware's stream prefetcher restarts at
- * every block's three new rows, and waiting for them cost 15-25% of the kernel's rate with the weights
- * in DRAM (a decode step's case: they are 400 MB), measured with 2 threads at batch 8 and 32. */
-static void small_n_rows(const float *x, int n, const float *w, int64_t r0, int64_t r1, int64_t cols, float beta,
-                         float *y, int64_t ldy) {
-    int calls = n / 4 + n % 4; /* tile calls per block of 3 rows */
-    int64_t block = 3 * cols * (int64_t)sizeof(float);
+ * k->rows rows stays in L1 while every group of 4 rows of x (in L2) passes over it — where sgemm would
+ * first copy (pack) all of it, which costs more than the products at these batch sizes. While a block is
+ * in use, its passes prefetch the next block, a share each: the hardware's stream prefetcher restarts at
+ * every block's new rows, and waiting for them cost 15-25% of the kernel's rate with the weights in DRAM
+ * (a decode step's case: they are 400 MB), measured with 2 threads at batch 8 and 32. The prefetches go to
+ * L2, not L1: on Zen 4 (2 cores, the products of the bench model's decode step, 302 MB of weights) those
+ * into L1 held the streaming to 15-25 GB/s against 32 GB/s for a plain read of the same weights, and
+ * into L2 it ran at 27-31 GB/s — batch 1 11.8 -> 7.5-9.8 ms, batch 8 16.4 -> 9.6-11.2 ms, batch 32 level
+ * (25.6-26.4 ms), the next block's lines in L1 evicting the current block's while the batch's groups of x
+ * still passed over it. */
+static void small_n_rows(const small_kernel *k, const float *x, int n, const float *w, int64_t r0, int64_t r1,
+                         int64_t cols, float beta, float *y, int64_t ldy) {
+    int R = k->rows;
+    int calls = n / 4 + n % 4; /* tile calls per block of R rows */
+    int64_t block = R * cols * (int64_t)sizeof(float);
     int64_t share = KVB_DIV_CEIL(KVB_DIV_CEIL(block, calls), 64) * 64; /* bytes each call prefetches */
-    int pf_k = (int)KVB_DIV_CEIL(share / 64, cols / 8);                  /* lines per 8 columns */
+    int pf_k = (int)KVB_DIV_CEIL(share / 64, cols / k->lanes);           /* lines per vector of columns */
     int64_t r = r0;
-    for (; r + 3 <= r1; r += 3) {
-        int64_t next = KVB_MIN(r1 - (r + 3), 3) * cols * (int64_t)sizeof(float); /* bytes of the next block */
-        const char *pf = (const char *)(w + (r + 3) * cols);
+    for (; r + R <= r1; r += R) {
+        int64_t next = KVB_MIN(r1 - (r + R), R) * cols * (int64_t)sizeof(float); /* bytes of the next block */
+        const char *pf = (const char *)(w + (r + R) * cols);
         int i = 0;
         int64_t at = 0; /* where this call's share of the next block starts */
         for (; i + 4 <= n; i += 4, at += share)
-            small_tile_3x4(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy, pf + KVB_MIN(at, next),
-                           KVB_MIN(share, next - at), pf_k);
+            k->block_4(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy, pf + KVB_MIN(at, next),
+                       KVB_MIN(share, next - at), pf_k);
         for (; i < n; i++, at += share)
-            small_tile_3x1(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy, pf + KVB_MIN(at, next),
-                           KVB_MIN(share, next - at), pf_k);
+            k->block_1(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy, pf + KVB_MIN(at, next),
+                       KVB_MIN(share, next - at), pf_k);
     }
     for (; r < r1; r++) {
         int i = 0;
-        for (; i + 4 <= n; i += 4) small_tile_1x4(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy, NULL, 0, 0);
-        for (; i < n; i++) small_tile_1x1(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy, NULL, 0, 0);
+        for (; i + 4 <= n; i += 4) k->row_4(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy, NULL, 0, 0);
+        for (; i < n; i++) k->row_1(w + r * cols, x + i * cols, cols, beta, y + i * ldy + r, ldy, NULL, 0, 0);
     }
 }
 #endif
@@ -124,8 +176,14 @@ static void small_n_rows(const float *x, int n, const float *w, int64_t r0, int6
 static void matmul_rows(const float *x, int n, const float *w, int64_t rows, int64_t cols, int64_t r0, int64_t r1,
                         float beta, float *y) {
 #if KVB_OPS_AVX2
+    /* the width depends only on the processor and cols, never on n: a weight's products at every
+     * decode batch size sum in the same order */
+    if (kvb__cpu_avx512 && n <= SMALL_N_MAX && cols % 16 == 0) {
+        small_n_rows(&small_v16, x, n, w, r0, r1, cols, beta, y, rows);
+        return;
+    }
     if (kvb__cpu_avx2 && n <= SMALL_N_MAX && cols % 8 == 0) {
-        small_n_rows(x, n, w, r0, r1, cols, beta, y, rows);
+        small_n_rows(&small_v8, x, n, w, r0, r1, cols, beta, y, rows);
         return;
     }
 #endif
