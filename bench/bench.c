@@ -64,7 +64,7 @@ static void usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
-    kvb_cpu_threads_passive(argv);
+    kvb_cpu_threads_wait(argv, KVB_CPU_CORES_OWN);
     kvb_prog_init(argc, argv, "kvbank-bench");
     if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
         usage(argc < 2 ? stderr : stdout);

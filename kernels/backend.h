@@ -177,14 +177,29 @@ const char *kvb_backend_list(void);
 /* The CPU backend (kernels/cpu). */
 kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out);
 
+/* How the CPU backend's waiting threads wait, by who else runs on the cores (kvb_cpu_threads_wait). */
+typedef enum kvb_cpu_cores {
+    KVB_CPU_CORES_OWN,    /* a program alone with its model (kvbank-generate, -serve, -bench): a waiting
+                           * thread spins briefly (GOMP_SPINCOUNT=KVB_CPU_SPIN), then sleeps */
+    KVB_CPU_CORES_SHARED, /* a node's model process (kvbank-master, -worker), several on the same cores by
+                           * design: a waiting thread sleeps at once */
+} kvb_cpu_cores;
+
+/* The bounded spin of KVB_CPU_CORES_OWN, in libgomp's spin iterations (docs/design.md, "Waiting threads"). */
+#define KVB_CPU_SPIN "3000"
+
 /* Called first in the main of a program that may compute on the CPU backend, before it has any other
  * effect. The CPU backend's threads are an OpenMP team, and libgomp reads its wait policy once, when it
- * is loaded: by default a thread that waits at a join spins. On cores shared with other processes the
- * spinning thread holds a core, the scheduler counts it as busy, and the thread it waits for sits in
- * the run queue, so each of a decode step's joins can cost a scheduler period (on 2 cores at load 30
- * a 125M-model decode step took 5.6 s spinning, 0.14 s with sleeping waits). When OMP_WAIT_POLICY is
- * not set, this re-executes the program (/proc/self/exe, same argv) once with OMP_WAIT_POLICY=passive;
- * a policy set in the environment is kept. Returns when it did not re-execute. */
-void kvb_cpu_threads_passive(char **argv);
+ * is loaded: by default a thread that waits at a join spins for up to ~3 ms. On cores shared with other
+ * processes the spinning thread holds a core, the scheduler counts it as busy, and the thread it waits
+ * for sits in the run queue, so each of a decode step's joins can cost a scheduler period (on 2 cores at
+ * load 30 a 125M-model decode step took 5.6 s spinning, 0.14 s with sleeping waits); sleeping at once
+ * costs a wake-up per join instead (tens to hundreds of us on a virtual machine). When OMP_WAIT_POLICY is
+ * not set, this re-executes the program (/proc/self/exe, same argv) once with OMP_WAIT_POLICY=passive
+ * and, for KVB_CPU_CORES_OWN, GOMP_SPINCOUNT=KVB_CPU_SPIN unless GOMP_SPINCOUNT is set; a policy set in
+ * the environment is kept as it is. The re-executed program takes the variables it was given out of its
+ * environment again (libgomp has read them), so the programs it starts choose for themselves: kvbankd
+ * started by `kvbank-bench node` gives its model processes no spin. Returns when it did not re-execute. */
+void kvb_cpu_threads_wait(char **argv, kvb_cpu_cores cores);
 
 #endif

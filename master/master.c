@@ -322,7 +322,7 @@ static int drained(void *ud) {
 static int answered(void *ud) { return ((master *)ud)->drain_answer != 0; }
 
 int main(int argc, char **argv) {
-    kvb_cpu_threads_passive(argv);
+    kvb_cpu_threads_wait(argv, KVB_CPU_CORES_SHARED);
     kvb_prog_init(argc, argv, "kvbank-master");
     kvb_node_proc_args a;
     int rc = kvb_node_proc_parse(KVB_ROLE_MASTER, argc, argv, &a);

@@ -33,6 +33,31 @@ for p in kvbank-mkmodel kvbank-generate kvbank-serve kvbank-request kvbank-bench
     expect 0 "usage" -- "$B/$p" --help
     expect 2 "usage|unrecognized|unknown" -- "$B/$p" --no-such-flag
 done
+
+# How the CPU backend's threads wait (kvb_cpu_threads_wait), as libgomp reports what it read (the last
+# report counts: the one after the re-execution). A program alone with its model spins briefly, a node's
+# model process sleeps at once, and a policy or spin count the user set is kept.
+waits() { # PROG [VAR=VALUE...] -> "POLICY SPINCOUNT"
+    local p=$1
+    shift
+    env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT "$@" OMP_DISPLAY_ENV=verbose "$B/$p" --help 2>&1 |
+        awk -F"'" '/OMP_WAIT_POLICY =/ { w = $2 } /GOMP_SPINCOUNT =/ { s = $2 } END { print w, s }'
+}
+check_wait() { # WANT PROG [VAR=VALUE...]
+    local want=$1 got
+    shift
+    got=$(waits "$@")
+    if [ "$got" = "$want" ]; then ok "threads of $* wait: $got"; else bad "threads of $* wait: '$got', want '$want'"; fi
+}
+check_wait "PASSIVE 3000" kvbank-generate
+check_wait "PASSIVE 3000" kvbank-serve
+check_wait "PASSIVE 3000" kvbank-bench
+check_wait "PASSIVE 0" kvbank-master
+check_wait "PASSIVE 0" kvbank-worker
+check_wait "PASSIVE 7" kvbank-generate GOMP_SPINCOUNT=7
+check_wait "PASSIVE 0" kvbank-generate OMP_WAIT_POLICY=passive
+check_wait "ACTIVE 30000000000" kvbank-generate OMP_WAIT_POLICY=active
+
 expect 2 "required" -- "$B/kvbank-generate" --model "$T/none"
 expect 2 "prompt-ids" -- "$B/kvbank-generate" --model "$T/none" --prompt-ids 1,x --max-tokens 2
 expect 2 "max-tokens" -- "$B/kvbank-generate" --model "$T/none" --prompt-ids 1 --max-tokens 0

@@ -190,7 +190,7 @@ static kvb_status print_result(const kvb_tokenizer *tok, int json_out, const int
 }
 
 int main(int argc, char **argv) {
-    kvb_cpu_threads_passive(argv);
+    kvb_cpu_threads_wait(argv, KVB_CPU_CORES_OWN);
     kvb_prog_init(argc, argv, "kvbank-generate");
     const char *model_dir = NULL, *backend = "cpu", *dump_path = NULL, *policy = "recompute", *links = "off";
     kvb_policy_params pparams = {0};

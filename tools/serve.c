@@ -88,7 +88,7 @@ static int valid_tag(const char *s) {
 
 
 int main(int argc, char **argv) {
-    kvb_cpu_threads_passive(argv);
+    kvb_cpu_threads_wait(argv, KVB_CPU_CORES_OWN);
     kvb_prog_init(argc, argv, "kvbank-serve");
     const char *model_dir = NULL, *endpoint = NULL, *name_arg = NULL, *backend = "cpu", *policy = "recompute";
     const char *links = "off";

@@ -479,7 +479,7 @@ static int all_back(void *ud) {
 }
 
 int main(int argc, char **argv) {
-    kvb_cpu_threads_passive(argv);
+    kvb_cpu_threads_wait(argv, KVB_CPU_CORES_SHARED);
     kvb_prog_init(argc, argv, "kvbank-worker");
     kvb_node_proc_args a;
     int rc = kvb_node_proc_parse(KVB_ROLE_WORKER, argc, argv, &a);

@@ -205,9 +205,27 @@ kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out) {
     return KVB_OK;
 }
 
-void kvb_cpu_threads_passive(char **argv) {
-    if (getenv("OMP_WAIT_POLICY") || setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
-    fflush(NULL);
-    execv("/proc/self/exe", argv);
-    unsetenv("OMP_WAIT_POLICY"); /* no /proc or exec refused: run on with libgomp's default */
+/* Set in the re-executed program's environment: which of the two variables kvb_cpu_threads_wait added. */
+#define WAIT_SET_ENV "KVB_CPU_WAIT_SET"
+
+static void wait_env_clear(int spin) {
+    unsetenv("OMP_WAIT_POLICY");
+    if (spin) unsetenv("GOMP_SPINCOUNT");
+    unsetenv(WAIT_SET_ENV);
+}
+
+void kvb_cpu_threads_wait(char **argv, kvb_cpu_cores cores) {
+    const char *set = getenv(WAIT_SET_ENV);
+    if (set) { /* re-executed: libgomp has read the variables; the programs this one starts choose their own */
+        wait_env_clear(strcmp(set, "spin") == 0);
+        return;
+    }
+    if (getenv("OMP_WAIT_POLICY")) return;
+    int spin = cores == KVB_CPU_CORES_OWN && !getenv("GOMP_SPINCOUNT");
+    if (setenv("OMP_WAIT_POLICY", "passive", 1) == 0 && (!spin || setenv("GOMP_SPINCOUNT", KVB_CPU_SPIN, 1) == 0) &&
+        setenv(WAIT_SET_ENV, spin ? "spin" : "policy", 1) == 0) {
+        fflush(NULL);
+        execv("/proc/self/exe", argv);
+    }
+    wait_env_clear(spin); /* no /proc, exec refused or no memory: run on with libgomp's default */
 }
