@@ -438,6 +438,35 @@ KVB_TEST(attention_decode_block_sizes) {
 }
 KVB_TEST_END
 
+/* The decode walk's AVX-512 kernels (a KV group's heads together, up to 6 of them, head sizes a multiple of
+ * 16) give the same bits as the AVX2 ones (KVB_CPU_SIMD=avx2), across block sizes that leave rows after the
+ * fours and groups of 1 to 7 heads (7: past the wide kernels, the AVX2 ones on both sides). On a processor
+ * without AVX-512 both runs take the AVX2 kernels. */
+KVB_TEST(attention_decode_widths) {
+    seq_spec specs[] = {{1, 1}, {1, 7}, {1, 129}, {2, 61}, {1, 600}, {3, 1030}};
+    int n_tok = 9, shapes[][3] = {{12, 4, 64}, {8, 2, 128}, {8, 2, 32}, {6, 3, 48}, {4, 1, 64}, {10, 2, 64},
+                                  {12, 2, 64}, {14, 2, 64}, {4, 4, 64}};
+    int bss[] = {5, 16};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
+        for (size_t j = 0; j < KVB_ARRAY_LEN(bss); j++) {
+            int nh = shapes[i][0], nkv = shapes[i][1], hd = shapes[i][2];
+            size_t floats = (size_t)n_tok * nh * hd;
+            float *wide = malloc(sizeof(float) * floats), *avx2 = malloc(sizeof(float) * floats);
+            rng_state = 12;
+            check_attention_keep(specs, 6, nh, nkv, hd, bss[j], 2, 0, wide);
+            setenv("KVB_CPU_SIMD", "avx2", 1);
+            rng_state = 12;
+            check_attention_keep(specs, 6, nh, nkv, hd, bss[j], 2, 0, avx2);
+            unsetenv("KVB_CPU_SIMD");
+            ck_assert_msg(!memcmp(wide, avx2, sizeof(float) * floats),
+                          "heads %d/%d hd %d block size %d: the AVX-512 walk gives other bits than the AVX2 one", nh,
+                          nkv, hd, bss[j]);
+            free(wide);
+            free(avx2);
+        }
+}
+KVB_TEST_END
+
 /* The same attention and matrix-product checks on the paths a processor without AVX2 takes (the generic
  * loops, OpenBLAS for every product), chosen with KVB_CPU_SIMD=0 at backend creation. */
 KVB_TEST(generic_paths) {
@@ -494,5 +523,5 @@ KVB_TEST(bias_add_rows) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(matmul_batch_invariant, 30), KVB_T(matmul_n_matches_matmul, 30), KVB_T(weight_load_half, 10),
-              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
+              KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T(attention_decode_widths, 60), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
               KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))
