@@ -185,7 +185,7 @@ typedef enum kvb_cpu_cores {
                            * design: a waiting thread sleeps at once */
 } kvb_cpu_cores;
 
-/* The bounded spin of KVB_CPU_CORES_OWN, in libgomp's spin iterations (docs/design.md, "Waiting threads"). */
+/* The bounded spin of KVB_CPU_CORES_OWN, in libgomp's spin iterations (docs/design.md, "Waiting threads sleep"). */
 #define KVB_CPU_SPIN "3000"
 
 /* Called first in the main of a program that may compute on the CPU backend, before it has any other
@@ -199,7 +199,7 @@ typedef enum kvb_cpu_cores {
  * and, for KVB_CPU_CORES_OWN, GOMP_SPINCOUNT=KVB_CPU_SPIN unless GOMP_SPINCOUNT is set; a policy set in
  * the environment is kept as it is. The re-executed program takes the variables it was given out of its
  * environment again (libgomp has read them), so the programs it starts choose for themselves: kvbankd
- * started by `kvbank-bench node` gives its model processes no spin. Returns when it did not re-execute. */
+ * started by `kvbank-bench interference` gives its model processes no spin. Returns when it did not re-execute. */
 void kvb_cpu_threads_wait(char **argv, kvb_cpu_cores cores);
 
 #endif

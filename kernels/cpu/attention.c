@@ -374,7 +374,8 @@ __attribute__((target("avx512f,avx2,fma"), always_inline)) static inline void ax
     default: BODY(6); break;                                                                                      \
     }
 
-/* dots_quads for every KV group (gq <= GROUP512_MAX), the next block's prefetch spread over the groups. */
+/* dots_quads for every KV group (gq <= GROUP512_MAX), the next block's prefetch spread over every 4 key rows
+ * of every group. */
 __attribute__((target("avx512f,avx2,fma"))) static void dots_quads512(const float *q, int nkv, int gq, const float *k,
                                                                       size_t row, int n, int hd, float scale, float *s,
                                                                       size_t stride, const char *pf, size_t pf_bytes) {
@@ -388,7 +389,8 @@ __attribute__((target("avx512f,avx2,fma"))) static void dots_quads512(const floa
     }
 }
 
-/* axpy_block_avx2 for every KV group (gq <= GROUP512_MAX, hd a multiple of 64). */
+/* axpy_block_avx2 for every KV group (gq <= GROUP512_MAX, hd a multiple of 64), the next block's prefetch
+ * spread over every value row of every group. */
 __attribute__((target("avx512f,avx2,fma"))) static void axpy_block512(const float *p, size_t stride, int nkv, int gq,
                                                                       const float *v, size_t row, int n, float *o,
                                                                       int hd, const char *pf, size_t pf_bytes) {

@@ -32,7 +32,8 @@ extern int kvb__cpu_threads;
 /* 1 when this processor has AVX2 and FMA (checked once at backend creation): the kernels with a
  * hand-vectorized variant take it. */
 extern int kvb__cpu_avx2;
-/* 1 when it also has AVX-512F (and kvb__cpu_avx2 is 1): the decode products take their 16-lane kernel. */
+/* 1 when it also has AVX-512F (and kvb__cpu_avx2 is 1): the decode products take their 16-lane kernel,
+ * the decode attention its group-wise walk. */
 extern int kvb__cpu_avx512;
 
 /* Makes sure every thread has `floats` floats of scratch. */
