@@ -115,6 +115,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
                                      .act_elem = (int)kvb_dtype_size(be->iface->act_dtype),
                                      .flops = o.links.measured_flops};
     KVB_TRY_GOTO(kvb_kv_geom_check(&e->geom), fail);
+    KVB_TRY_GOTO(kvb__hcache_init(e), fail);
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
     if (pp.kv_mem) { /* the planner's memory replaces the options' */
@@ -186,14 +187,16 @@ void kvb_engine_destroy(kvb_engine *e) {
     if (!e) return;
     kvb_stager_destroy(e->stager); /* no copy runs on */
     e->stager = NULL;
-    seq_list *lists[] = {&e->waiting, &e->running, &e->swapped};
+    kvb__seq_list *lists[] = {&e->waiting, &e->running, &e->swapped};
     for (int i = 0; i < 3; i++) {
         while (lists[i]->head) {
-            seq *s = lists[i]->head;
+            kvb__seq *s = lists[i]->head;
             kvb__list_remove(lists[i], s);
             if (e->pool) kvb__seq_free(e, s);
         }
     }
+    for (int k = 0; k < KVB__MECH_COUNT; k++)
+        if (e->mech[k].iface && e->mech[k].iface->destroy) e->mech[k].iface->destroy(e->mech[k].ctx, e);
     kvb_forward_destroy(e->fw);
     kvb__exec_free(e);
     kvb_prefix_cache_destroy(e->pc);
@@ -216,8 +219,8 @@ const char *kvb_engine_last_error(const kvb_engine *e) { return e->last_error; }
 kvb_model *kvb_engine_model(const kvb_engine *e) { return e->m; }
 
 kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
-    seq_list *lists[] = {&e->waiting, &e->running, &e->swapped}, *l = NULL;
-    seq *s = NULL;
+    kvb__seq_list *lists[] = {&e->waiting, &e->running, &e->swapped}, *l = NULL;
+    kvb__seq *s = NULL;
     for (int i = 0; i < 3 && !s; i++) s = kvb__find_seq(l = lists[i], id);
     if (!s) return KVB_ERR_NOT_FOUND;
     kvb__finish(e, l, s, KVB_FINISH_CANCELLED, KVB_OK);

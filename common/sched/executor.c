@@ -45,7 +45,7 @@ static kvb_status shadow_get(kvb_engine *e, int32_t id, int32_t *out) {
 /* Gives `s` blocks for its first `upto` tokens: from the free list, or with `op` placed, the blocks
  * op->block0 + j (checked free by the plan's check). Released leading blocks (DROP) are not given back.
  * KVB_ERR_EXHAUSTED if the pool cannot. */
-static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto, const kvb_plan_op *op) {
+static kvb_status grow_blocks(kvb_engine *e, kvb__seq *s, int upto, const kvb_plan_op *op) {
     int need = KVB_DIV_CEIL(upto, e->o.block_size) - s->n_dropped;
     while (s->bt.n < need) {
         int32_t id = op && op->placed ? op->block0 + s->bt.n : -1;
@@ -64,7 +64,7 @@ static kvb_status grow_blocks(kvb_engine *e, seq *s, int upto, const kvb_plan_op
 /* Takes the prefix-cache hits of a waiting sequence: full cached blocks, leaving at least one token to
  * compute for the logits. Sets n_published and last_hash (n_computed follows at admission) and
  * s->hits_taken: 1, or 2 when the match was used whole (the host tier may continue it). */
-static void take_hits(kvb_engine *e, seq *s) {
+static void take_hits(kvb_engine *e, kvb__seq *s) {
     if (s->hits_taken) return;
     s->hits_taken = 1;
     if (!e->o.enable_prefix_cache || s->n_computed != 0) return;
@@ -120,46 +120,6 @@ static kvb_status host_blocks_push(kvb_engine *e, kvb_block_table *t, int n) {
     return KVB_OK;
 }
 
-/* ---------------------------------------------------------------- HCache: saved hidden states */
-
-static size_t hid_row_bytes(const kvb_engine *e) {
-    return (size_t)kvb_model_cfg(e->m)->hidden * kvb_dtype_size(kvb_model_backend(e->m)->iface->act_dtype);
-}
-
-static unsigned char *hid_at(const kvb_engine *e, const seq *s, int layer, int token) {
-    return s->hid + ((size_t)layer * s->hid_cap_tokens + (size_t)token) * hid_row_bytes(e);
-}
-
-/* A RUN or ADMIT saves the inputs of layers [0, n_hidden) of its new tokens: host memory for every layer
- * and token it may ever save (prompt + max_tokens). Saving must continue where it stopped, else what
- * is saved can no longer rebuild the KV of every token and is forgotten. */
-static kvb_status hidden_begin(kvb_engine *e, seq *s, int n_hidden) {
-    s->hid_save = 0;
-    if (n_hidden <= 0) return KVB_OK;
-    int cap_tok = s->n_prompt + s->max_tokens;
-    if (!s->hid || s->hid_cap_layers < n_hidden || s->hid_cap_tokens < cap_tok) {
-        unsigned char *h = NULL;
-        KVB_TRY(kvb_aligned_alloc((size_t)n_hidden * (size_t)cap_tok * hid_row_bytes(e), (void **)&h));
-        free(s->hid);
-        s->hid = h;
-        s->hid_cap_layers = n_hidden;
-        s->hid_cap_tokens = cap_tok;
-        s->hid_layers = s->hid_tokens = 0;
-    }
-    if (s->hid_tokens != s->n_computed) s->hid_layers = s->hid_tokens = 0;
-    if (s->n_computed > 0 && s->hid_layers == 0) return KVB_OK; /* a gap: nothing to continue */
-    s->hid_save = n_hidden;
-    return KVB_OK;
-}
-
-/* After the step: what the saves of this step cover. */
-static void hidden_end(seq *s) {
-    if (s->hid_save <= 0) return;
-    s->hid_layers = s->hid_tokens == 0 ? s->hid_save : KVB_MIN(s->hid_layers, s->hid_save);
-    s->hid_tokens = s->n_computed + s->q_len;
-    s->hid_save = 0;
-}
-
 /* Backend memory of at least `bytes` at *mem (of *have bytes), kept across steps: grown, never shrunk. */
 static kvb_status backend_reserve(kvb_engine *e, size_t bytes, void **mem, size_t *have) {
     if (bytes <= *have) return KVB_OK;
@@ -172,73 +132,12 @@ static kvb_status backend_reserve(kvb_engine *e, size_t bytes, void **mem, size_
     return KVB_OK;
 }
 
-static kvb_status hid_stage_reserve(kvb_engine *e, size_t bytes) {
-    return backend_reserve(e, bytes, &e->hid_stage, &e->hid_stage_bytes);
-}
-
-/* Before layer l: the scheduled sequences that save layer l's inputs copy their rows of the residual
- * stream to host memory. Written with the backend's to_host, not through the stager's link model:
- * HCache streams these saves out behind the compute, and a per-step transfer under a scaled link
- * preset would pay the preset's per-transfer latency (10 us scaled by the compute ratio: 100 ms and
- * more for a tiny model), an artifact of the scaling that would only handicap this baseline. The
- * restoration (SWAP_IN) does go over the host link. */
-static kvb_status hidden_save_layer(kvb_engine *e, int n_sched, int l) {
-    size_t rb = hid_row_bytes(e);
-    kvb_backend *be = kvb_model_backend(e->m);
-    const unsigned char *x = kvb_forward_hidden(e->fw);
-    for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
-        if (s->hid_save <= l) continue;
-        KVB_TRY(be->iface->to_host(be->ctx, hid_at(e, s, l, s->n_computed), x + (size_t)s->row0 * rb,
-                                   (size_t)s->q_len * rb));
-        e->stats.hidden_saved_bytes += (uint64_t)s->q_len * rb;
-    }
-    return KVB_OK;
-}
-
-/* SWAP_IN of a sequence that left layers [0, swap_hidden) as hidden states: each layer's states go back
- * over the host link (in chunks of the forward's rows) and its K and V are rebuilt into the new blocks. */
-static kvb_status restore_from_hidden(kvb_engine *e, seq *s) {
-    int nh = s->swap_hidden, total = s->n_computed, bs = e->o.block_size;
-    s->swap_hidden = 0;
-    if (nh <= 0 || total <= 0) return KVB_OK;
-    size_t rb = hid_row_bytes(e);
-    int chunk = KVB_MIN(total, e->max_rows);
-    KVB_TRY(hid_stage_reserve(e, (size_t)chunk * rb));
-    int32_t *pos = NULL;
-    void **blocks = NULL;
-    kvb_status st = kvb_malloc((size_t)chunk * sizeof *pos, (void **)&pos);
-    if (st == KVB_OK) st = kvb_malloc((size_t)s->bt.n * sizeof *blocks, (void **)&blocks);
-    for (int l = 0; l < nh && st == KVB_OK; l++) {
-        for (int a0 = 0; a0 < total && st == KVB_OK; a0 += chunk) {
-            int c = KVB_MIN(chunk, total - a0);
-            kvb_xfer xf = {e->hid_stage, hid_at(e, s, l, a0), (size_t)c * rb};
-            uint64_t t;
-            st = kvb__host_tier_finish_loads(e); /* the recompute below may read loaded blocks */
-            if (st == KVB_OK) st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, &xf, 1, &t);
-            if (st == KVB_OK) st = kvb_stager_wait(e->stager, t);
-            if (st != KVB_OK) break;
-            for (int i = 0; i < c; i++) pos[i] = a0 + i;
-            kvb_attn_seq as = {.q_start = 0, .q_len = c, .ctx_len = a0 + c, .n_blocks = KVB_DIV_CEIL(a0 + c, bs)};
-            for (int j = 0; j < as.n_blocks; j++) blocks[j] = kvb_block_pool_block_layer(e->pool, s->bt.ids[j], l);
-            kvb_attn_batch ab = {.geom = &e->geom, .n_heads = kvb_model_cfg(e->m)->n_heads, .n_tokens = c,
-                                 .n_seqs = 1, .seqs = &as, .layer_blocks = blocks};
-            st = kvb_forward_kv_from_hidden(e->fw, l, e->hid_stage, pos, &ab);
-        }
-    }
-    e->stats.hidden_restores += (uint64_t)(st == KVB_OK);
-    free(pos);
-    free(blocks);
-    return st;
-}
-
 /* KVB_OP_SWAP_OUT: the sequence's KV goes to new host-tier blocks and its pool blocks are released;
  * layers [0, n_hidden) stay behind as its saved hidden states (HCache). */
-static kvb_status swap_out(kvb_engine *e, seq *s, int n_hidden) {
+static kvb_status swap_out(kvb_engine *e, kvb__seq *s, int n_hidden) {
     int n = s->bt.n;
     KVB_TRY(host_blocks_push(e, &s->host_bt, n));
-    KVB_TRY(move_blocks(e, KVB_XFER_D2H, s->bt.ids, s->host_bt.ids, n, n_hidden));
-    s->swap_hidden = n_hidden;
+    KVB_TRY(move_blocks(e, KVB_XFER_D2H, s->bt.ids, s->host_bt.ids, n, kvb__hcache_swap_out(e, s, n_hidden)));
     for (int j = 0; j < n; j++)
         if (kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1) kvb__shadow_drop(e, s->bt.ids[j]);
     kvb_block_table_release(&s->bt, e->pool);
@@ -250,7 +149,7 @@ static kvb_status swap_out(kvb_engine *e, seq *s, int n_hidden) {
 }
 
 /* KVB_OP_SWAP_IN: new pool blocks (placed: op->block0 + j) receive the sequence's KV from the host tier. */
-static kvb_status swap_in(kvb_engine *e, seq *s, const kvb_plan_op *op) {
+static kvb_status swap_in(kvb_engine *e, kvb__seq *s, const kvb_plan_op *op) {
     int n = s->host_bt.n;
     for (int j = 0; j < n; j++) {
         int32_t id = op->placed ? op->block0 + j : -1;
@@ -262,8 +161,8 @@ static kvb_status swap_in(kvb_engine *e, seq *s, const kvb_plan_op *op) {
             return st;
         }
     }
-    KVB_TRY(move_blocks(e, KVB_XFER_H2D, s->bt.ids, s->host_bt.ids, n, s->swap_hidden));
-    KVB_TRY(restore_from_hidden(e, s));
+    KVB_TRY(move_blocks(e, KVB_XFER_H2D, s->bt.ids, s->host_bt.ids, n, kvb__hcache_swapped_layers(s)));
+    KVB_TRY(kvb__hcache_restore(e, s));
     kvb_block_table_release(&s->host_bt, e->ht_pool);
     kvb__list_remove(&e->swapped, s);
     kvb__list_insert_ordered(&e->running, s);
@@ -274,7 +173,7 @@ static kvb_status swap_in(kvb_engine *e, seq *s, const kvb_plan_op *op) {
 /* ADMIT offload (ellm-elastic-memory.txt §4.3.2): the sequence computes its whole prompt this step with
  * its KV going to new host-tier blocks (counted by the plan's check) through the step's staging area;
  * it runs in this step and is SWAPPED after it (offload_end). */
-static kvb_status offload_begin(kvb_engine *e, seq *s) {
+static kvb_status offload_begin(kvb_engine *e, kvb__seq *s) {
     int nb = KVB_DIV_CEIL(s->n_tokens, e->o.block_size);
     KVB_TRY(host_blocks_push(e, &s->host_bt, nb));
     s->hits_taken = 0;
@@ -284,7 +183,6 @@ static kvb_status offload_begin(kvb_engine *e, seq *s) {
     s->q_len = s->n_tokens;
     s->n_absent = 0;
     s->n_swapl = 0;
-    s->hid_save = 0;
     s->offload = 1;
     e->stats.offload_prefills++;
     return KVB_OK;
@@ -293,7 +191,7 @@ static kvb_status offload_begin(kvb_engine *e, seq *s) {
 /* After the step: offloaded sequences leave the running list for the swapped one. */
 static void offload_end(kvb_engine *e, int n_sched) {
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         if (!s->offload) continue;
         s->offload = 0;
         kvb__list_remove(&e->running, s);
@@ -306,7 +204,7 @@ static void offload_end(kvb_engine *e, int n_sched) {
  * KV is written before its device blocks are freed). A request keeps one layer count for all its
  * copies: its first DROP sets it (n_host), later DROPs store the same layers whatever their n_host, so
  * that every released block has a copy or none has. */
-static kvb_status store_prefix_copies(kvb_engine *e, seq *s, int to, int n_host) {
+static kvb_status store_prefix_copies(kvb_engine *e, kvb__seq *s, int to, int n_host) {
     int cur = s->n_dropped, L = e->geom.n_layers;
     if (s->pfx_layers == 0 && (cur > 0 || n_host <= 0)) return KVB_OK;
     assert(s->pfx_bt.n == cur);
@@ -322,7 +220,7 @@ static kvb_status store_prefix_copies(kvb_engine *e, seq *s, int to, int n_host)
  * entries out (a block shared through the prefix cache stays cached for others), after storing their
  * upper layers to the host tier when the plan asks (n_host); restoring puts new blocks in front, which
  * this step's recompute fills (restore_hi), and the restored blocks' host copies go. */
-static kvb_status drop_blocks(kvb_engine *e, seq *s, int to, int n_host) {
+static kvb_status drop_blocks(kvb_engine *e, kvb__seq *s, int to, int n_host) {
     int cur = s->n_dropped;
     kvb_block_table *t = &s->bt;
     if (to > cur) {
@@ -367,12 +265,21 @@ static kvb_status drop_blocks(kvb_engine *e, seq *s, int to, int n_host) {
     return KVB_OK;
 }
 
-/* Applies the checked plan in order; fills e->sched and returns how many sequences compute (< 0: a
- * copy of a swap failed, *err says how). */
-static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
+/* The mechanisms' part of operation `op` on request s. */
+static kvb_status mechs_apply(kvb_engine *e, kvb__seq *s, const kvb_plan_op *op) {
+    for (int k = 0; k < KVB__MECH_COUNT; k++) {
+        const kvb__mech *m = &e->mech[k];
+        if (m->iface && m->iface->apply_op) KVB_TRY(m->iface->apply_op(m->ctx, e, s, op));
+    }
+    return KVB_OK;
+}
+
+/* Applies the checked plan in order and fills e->sched / e->n_sched with the requests that compute. A
+ * failure (a copy of a swap, memory for saved hidden states) leaves the plan half applied: the step fails. */
+static kvb_status apply_plan(kvb_engine *e, kvb_step_report *rep) {
     const kvb_plan *p = &e->plan;
-    int n = 0, admits_stopped = 0;
-    *err = KVB_OK;
+    int admits_stopped = 0;
+    e->n_sched = 0;
     /* 1. the prefix hits of every admission are referenced first, so that no allocation of this step
      *    evicts a block a later admission of the same plan was planned to reuse */
     for (int k = 0; k < p->n_ops; k++) {
@@ -384,7 +291,7 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
     /* 2. the operations in order */
     for (int k = 0; k < p->n_ops; k++) {
         const kvb_plan_op *op = &p->ops[k];
-        seq *s = e->vseq[kvb_view_find(&e->view, op->id)];
+        kvb__seq *s = e->vseq[kvb_view_find(&e->view, op->id)];
         switch (op->kind) {
         case KVB_OP_RUN:
             if (grow_blocks(e, s, s->n_computed + op->q_len, op) != KVB_OK) {
@@ -399,11 +306,8 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             /* released blocks' upper layers from their host copies: at most the layers they hold, none in
              * a step that restores blocks (those are filled at every layer by the recompute) */
             s->n_swapl = s->n_dropped > 0 && s->restore_hi <= s->n_dropped ? KVB_MIN(op->n_host, s->pfx_layers) : 0;
-            if (hidden_begin(e, s, op->n_hidden) != KVB_OK) {
-                *err = KVB_ERR_NOMEM;
-                return -1;
-            }
-            e->sched[n++] = s;
+            KVB_TRY(mechs_apply(e, s, op));
+            e->sched[e->n_sched++] = s;
             break;
         case KVB_OP_ADMIT: {
             if (admits_stopped) {
@@ -413,12 +317,9 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             }
             if (op->offload) {
                 /* eLLM's CPU buffer: host-tier blocks for the whole prompt, no pool block */
-                kvb_status st = offload_begin(e, s);
-                if (st != KVB_OK) {
-                    *err = st;
-                    return -1;
-                }
-                e->sched[n++] = s;
+                KVB_TRY(offload_begin(e, s));
+                KVB_TRY(mechs_apply(e, s, op));
+                e->sched[e->n_sched++] = s;
                 break;
             }
             take_hits(e, s); /* a request the plan preempted before admitting it again */
@@ -438,16 +339,13 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             e->stats.prefix_hit_tokens += (uint64_t)hit;
             kvb__list_remove(&e->waiting, s);
             kvb__list_insert_ordered(&e->running, s);
-            for (seq *w = e->waiting.head; w && w->arrival < s->arrival; w = w->next)
+            for (kvb__seq *w = e->waiting.head; w && w->arrival < s->arrival; w = w->next)
                 if (w->t_stall_ns) w->n_overtaken++; /* admitted past a stalled request (bounded) */
             s->q_len = q;
             s->n_absent = 0;
             s->n_swapl = 0;
-            if (hidden_begin(e, s, op->n_hidden) != KVB_OK) {
-                *err = KVB_ERR_NOMEM;
-                return -1;
-            }
-            e->sched[n++] = s;
+            KVB_TRY(mechs_apply(e, s, op));
+            e->sched[e->n_sched++] = s;
             break;
         }
         case KVB_OP_PREEMPT: kvb__preempt_seq(e, s); break;
@@ -456,28 +354,14 @@ static int apply_plan(kvb_engine *e, kvb_step_report *rep, kvb_status *err) {
             e->stats.pauses++;
             break;
         case KVB_OP_RESUME: s->paused = 0; break;
-        case KVB_OP_DROP: {
-            kvb_status st = drop_blocks(e, s, op->n_dropped, op->n_host);
-            if (st != KVB_OK) {
-                *err = st;
-                return -1;
-            }
-            break;
-        }
-        case KVB_OP_SWAP_OUT:
-        case KVB_OP_SWAP_IN: {
-            kvb_status st = op->kind == KVB_OP_SWAP_OUT ? swap_out(e, s, op->n_hidden) : swap_in(e, s, op);
-            if (st != KVB_OK) {
-                *err = st;
-                return -1;
-            }
-            break;
-        }
+        case KVB_OP_DROP: KVB_TRY(drop_blocks(e, s, op->n_dropped, op->n_host)); break;
+        case KVB_OP_SWAP_OUT: KVB_TRY(swap_out(e, s, op->n_hidden)); break;
+        case KVB_OP_SWAP_IN: KVB_TRY(swap_in(e, s, op)); break;
         }
     }
     e->starved = p->starved || admits_stopped;
     e->stats.deferred += (uint64_t)p->n_deferred;
-    return n;
+    return KVB_OK;
 }
 
 /* ---------------------------------------------------------------- the step's block pointers */
@@ -512,7 +396,7 @@ kvb_status kvb__stage_reserve(kvb_engine *e, int slots) {
 }
 
 /* Offers every newly completed full block of `s` to the prefix cache. */
-static void publish_full_blocks(kvb_engine *e, seq *s) {
+static void publish_full_blocks(kvb_engine *e, kvb__seq *s) {
     int bs = e->o.block_size;
     while ((s->n_published + 1) * bs <= s->n_computed) {
         int b = s->n_published;
@@ -525,7 +409,7 @@ static void publish_full_blocks(kvb_engine *e, seq *s) {
     }
 }
 
-static int is_stop(const seq *s, int32_t tok) {
+static int is_stop(const kvb__seq *s, int32_t tok) {
     for (int i = 0; i < s->n_stop; i++)
         if (s->stop[i] == tok) return 1;
     return 0;
@@ -542,7 +426,7 @@ static int is_stop(const seq *s, int32_t tok) {
  * a restored block receives the recomputed KV in place; the rest are the sequence's blocks. `own`: the
  * entry belongs to the sequence's new tokens, whose scratch entries for blocks it still holds read
  * those blocks in place above its recomputed layers. */
-static void layout_entry(kvb_engine *e, seq *s, int j, int full, int n_blk, int own) {
+static void layout_entry(kvb_engine *e, kvb__seq *s, int j, int full, int n_blk, int own) {
     int restored = j >= s->n_dropped && j < s->restore_hi;
     e->blk_off[n_blk] = -1;
     e->blk_real[n_blk] = -1;
@@ -568,7 +452,7 @@ static void layout_entry(kvb_engine *e, seq *s, int j, int full, int n_blk, int 
 /* Recomputed prefixes in the order they are laid out: most recomputed layers first (so the rows that
  * leave the forward pass at a layer are the last ones). */
 static int by_swapped_layers(const void *a, const void *b) {
-    const seq *x = *(seq *const *)a, *y = *(seq *const *)b;
+    const kvb__seq *x = *(kvb__seq *const *)a, *y = *(kvb__seq *const *)b;
     if (x->n_swapl != y->n_swapl) return x->n_swapl < y->n_swapl ? -1 : 1;
     return x->row0 < y->row0 ? -1 : x->row0 > y->row0;
 }
@@ -583,7 +467,7 @@ static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_ou
     int bs = e->o.block_size, L = e->geom.n_layers, n_tok = 0, n_blk = 0, n_attn = 0, n_logits = 0, n_scr = 0;
     int total = 0, n_pfx = 0, swapl = 0;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         total += KVB_DIV_CEIL(s->n_computed + s->q_len, bs) + KVB_DIV_CEIL(s->n_absent, bs);
         s->scr0 = n_scr;
         n_scr += s->n_absent / bs;
@@ -595,7 +479,7 @@ static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_ou
     e->scr_par = swapl ? n_scr : 0; /* layer l+1's loads land while layer l reads the other parity */
     e->n_off = 0;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         int full = s->n_absent / bs;
         kvb_attn_seq *as = &e->b_seqs[n_attn++];
         s->row0 = n_tok;
@@ -616,7 +500,7 @@ static kvb_status layout(kvb_engine *e, int n_sched, kvb_batch *b, int *n_blk_ou
         e->l_seqs[l] = n_attn;
     }
     for (int k = 0; k < n_pfx; k++) {
-        seq *s = e->pfx_ord[k];
+        kvb__seq *s = e->pfx_ord[k];
         int a = s->n_absent, full = a / bs;
         kvb_attn_seq *as = &e->b_seqs[n_attn++];
         *as = (kvb_attn_seq){.q_start = n_tok, .q_len = a, .ctx_len = a, .n_blocks = KVB_DIV_CEIL(a, bs),
@@ -705,7 +589,7 @@ static kvb_status make_units(kvb_engine *e, int n_attn, int n_blk, int *n_units)
             unsigned char *src = w == KVB_RES_HOST ? kvb_block_pool_block(e->ht_pool, e->shadow[id])
                                                    : kvb_block_pool_block(e->pool, id);
             *u = n;
-            e->units[n] = (stage_unit){.block = id, .kind = w, .buf = n, .src = src, .dirty_lo = bs, .dirty_hi = 0};
+            e->units[n] = (kvb__stage_unit){.block = id, .kind = w, .buf = n, .src = src, .dirty_lo = bs, .dirty_hi = 0};
             n++;
         }
     }
@@ -746,9 +630,9 @@ static kvb_status xl_reserve(kvb_engine *e, int n) {
     return KVB_OK;
 }
 
-static kvb_link_kind unit_link(const stage_unit *u) { return u->kind == KVB_RES_HOST ? KVB_LINK_HOST : KVB_LINK_PEER; }
+static kvb_link_kind unit_link(const kvb__stage_unit *u) { return u->kind == KVB_RES_HOST ? KVB_LINK_HOST : KVB_LINK_PEER; }
 
-static void *stage_buf(const kvb_engine *e, const stage_unit *u, int layer) {
+static void *stage_buf(const kvb_engine *e, const kvb__stage_unit *u, int layer) {
     return kvb_stager_buffer(e->stager, 2 * u->buf + (layer & 1));
 }
 
@@ -759,7 +643,7 @@ static kvb_status post_loads(kvb_engine *e, int l, uint64_t t[KVB_LINK_COUNT]) {
         kvb_xfer *first = e->xl.x + e->xl.n;
         int n = 0;
         for (int u = 0; u < e->n_units; u++) {
-            const stage_unit *su = &e->units[u];
+            const kvb__stage_unit *su = &e->units[u];
             if (unit_link(su) != (kvb_link_kind)k || where(e, su->block, l) != su->kind) continue;
             *xl_add(e) = (kvb_xfer){stage_buf(e, su, l), su->src + (size_t)l * lb, lb};
             n++;
@@ -782,7 +666,7 @@ static kvb_status post_stores(kvb_engine *e, int l) {
         kvb_xfer *first = e->xl.x + e->xl.n;
         int n = 0;
         for (int u = 0; u < e->n_units; u++) {
-            const stage_unit *su = &e->units[u];
+            const kvb__stage_unit *su = &e->units[u];
             if (su->dirty_lo >= su->dirty_hi || where(e, su->block, l) != su->kind) continue;
             if (k == KVB_LINK_LOCAL && su->kind != KVB_RES_HOST) continue;
             if (k != KVB_LINK_LOCAL && unit_link(su) != (kvb_link_kind)k) continue;
@@ -923,7 +807,7 @@ static kvb_status post_prefix_loads(kvb_engine *e, int n_sched, int l) {
     kvb_xfer *first = e->xl.x + e->xl.n;
     e->t_pfx[l] = 0;
     for (int i = 0; i < n_sched; i++) {
-        const seq *s = e->sched[i];
+        const kvb__seq *s = e->sched[i];
         if (l < L - s->n_swapl) continue;
         for (int j = 0; j < s->n_dropped; j++) {
             char *dst = (char *)e->scratch + ((size_t)(l & 1) * (size_t)e->scr_par + (size_t)(s->scr0 + j)) * lb;
@@ -949,6 +833,47 @@ static void *entry_layer(const kvb_engine *e, int j, int l) {
     return (char *)e->scratch + ((size_t)(l & 1) * (size_t)e->scr_par + (size_t)(SCRATCH_ID(0) - id)) * lb;
 }
 
+/* ---------------------------------------------------------------- the mechanisms' hooks */
+
+/* Every mechanism's step_begin; the union of their flags in *any. */
+static kvb_status mechs_step_begin(kvb_engine *e, unsigned *any) {
+    *any = 0;
+    for (int k = 0; k < KVB__MECH_COUNT; k++) {
+        kvb__mech *m = &e->mech[k];
+        m->step = 0;
+        if (!m->iface || !m->iface->step_begin) continue;
+        KVB_TRY(m->iface->step_begin(m->ctx, e, &m->step));
+        *any |= m->step;
+    }
+    return KVB_OK;
+}
+
+/* layer_in (out = 0) or layer_out (out = 1) of layer l, of the mechanisms active in this step. */
+static kvb_status mechs_layer(kvb_engine *e, int l, int out) {
+    for (int k = 0; k < KVB__MECH_COUNT; k++) {
+        const kvb__mech *m = &e->mech[k];
+        if (!(m->step & KVB__STEP_ACTIVE)) continue;
+        kvb_status (*hook)(void *, kvb_engine *, int) = out ? m->iface->layer_out : m->iface->layer_in;
+        if (hook) KVB_TRY(hook(m->ctx, e, l));
+    }
+    return KVB_OK;
+}
+
+static void mechs_step_end(kvb_engine *e, int ok) {
+    for (int k = 0; k < KVB__MECH_COUNT; k++) {
+        kvb__mech *m = &e->mech[k];
+        if (m->iface && m->iface->step_end) m->iface->step_end(m->ctx, e, ok);
+        m->step = 0;
+    }
+}
+
+static void mechs_step_done(kvb_engine *e) {
+    for (int k = 0; k < KVB__MECH_COUNT; k++) {
+        const kvb__mech *m = &e->mech[k];
+        if (m->iface && m->iface->step_done) m->iface->step_done(m->ctx, e);
+    }
+}
+
 /* Runs the forward pass of the laid-out batch, layer by layer, with the stager's loads and stores. */
 static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_blk, int n_units) {
     const kvb_model_config *c = kvb_model_cfg(e->m);
@@ -972,6 +897,8 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
     for (int l = 0; n_units && l < KVB_MIN(2, L); l++) KVB_TRY(post_loads(e, l, load_t[l & 1]));
     for (int l = 0; pfx && !(serial & 1) && l < KVB_MIN(2, L); l++) KVB_TRY(post_prefix_loads(e, n_sched, l));
     KVB_TRY(off_stage_begin(e));
+    unsigned flags;
+    KVB_TRY(mechs_step_begin(e, &flags));
     KVB_TRY(kvb_forward_begin(e->fw, b));
     /* "without fusion" (§6.3): the recomputed rows' GEMMs apart from the new tokens' */
     if ((serial & 2) && e->main_rows < b->n_tokens) KVB_TRY(kvb_forward_split(e->fw, e->main_rows));
@@ -1008,8 +935,8 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
                 if (staged(w)) e->blk_layer[j] = stage_buf(e, &e->units[e->unit_of[(w == KVB_RES_HOST) * e->unit_of_cap + id]], l);
             }
         }
+        KVB_TRY(mechs_layer(e, l, 0));
         e->t_wait[l] = kvb_now_ns() - tl;
-        KVB_TRY(hidden_save_layer(e, n_sched, l));
         KVB_TRY(kvb_forward_layer(e->fw, l));
         if (e->sl) {
             /* the layer's kernels are done with its prefetch slots once the backend is idle */
@@ -1026,9 +953,12 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b, int n_sched, int n_
             if (n_units && l + 2 < L) KVB_TRY(post_loads(e, l + 2, load_t[l & 1]));
             stores = 1;
         }
+        if (flags & KVB__STEP_SYNC) KVB_TRY(be->iface->sync(be->ctx));
+        KVB_TRY(mechs_layer(e, l, 1));
         e->t_layer[l] = kvb_now_ns() - tl;
     }
-    if (stores || copies || pfx) KVB_TRY(kvb_stager_drain(e->stager)); /* every copy is back before the step ends */
+    /* every copy is back before the step ends */
+    if (stores || copies || pfx || (flags & KVB__STEP_DRAIN)) KVB_TRY(kvb_stager_drain(e->stager));
     if (htl) KVB_TRY(kvb__host_tier_finish_loads(e));
     return KVB_OK;
 }
@@ -1041,8 +971,8 @@ static void fail_stalled(kvb_engine *e) {
     if (e->sl) return; /* a sliced pool lends nothing */
     int n_blocks = kvb_block_pool_n_blocks(e->pool);
     uint64_t now = kvb_now_ns(), wait = e->o.stall_wait_s > 0 ? (uint64_t)(e->o.stall_wait_s * 1e9) : 0;
-    for (seq *s = e->waiting.head; s;) {
-        seq *next = s->next;
+    for (kvb__seq *s = e->waiting.head; s;) {
+        kvb__seq *next = s->next;
         int64_t need = kvb__seq_need_blocks(e, s);
         if (need <= n_blocks) {
             s->t_stall_ns = 0;
@@ -1067,23 +997,17 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     const kvb_model_config *c = kvb_model_cfg(e->m);
     kvb_step_report rep = {.step = e->stats.steps, .t_plan_ns = kvb_now_ns() - t0, .n_layers = c->n_layers,
                            .t_layer_ns = e->t_layer, .t_wait_ns = e->t_wait};
-    kvb_status st = KVB_OK;
     e->ht_batch = e->host_prefix; /* demotions go out in one transfer, before anything writes the pool */
-    int n_sched = apply_plan(e, &rep, &st), n_blk = 0, n_attn = 0, n_units = 0;
+    kvb_status st = apply_plan(e, &rep), fst;
+    int n_sched = e->n_sched, n_blk = 0, n_attn = 0, n_units = 0;
     e->ht_batch = 0;
-    kvb_status fst = kvb__host_flush(e);
-    if (n_sched >= 0 && fst != KVB_OK) {
-        st = fst;
-        n_sched = -1;
-    }
-    if (n_sched <= 0) { /* no forward pass: layered loads of admissions the plan dropped land now */
+    fst = kvb__host_flush(e);
+    if (st == KVB_OK) st = fst;
+    if (st != KVB_OK || n_sched == 0) { /* no forward pass: layered loads of admissions the plan dropped land now */
         fst = kvb__host_tier_finish_loads(e);
-        if (n_sched == 0 && fst != KVB_OK) {
-            st = fst;
-            n_sched = -1;
-        }
+        if (st == KVB_OK) st = fst;
     }
-    if (n_sched < 0) goto fail;
+    if (st != KVB_OK) goto fail;
     if (n_sched == 0) return KVB_OK;
     kvb_batch b;
     KVB_TRY_GOTO(prepare_shadows(e), fail);
@@ -1110,23 +1034,24 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     update_shadows(e, n_attn);
     forget_units(e);
     unindex_residency(e);
+    mechs_step_end(e, 1);
     st = kvb_forward_end(e->fw, e->logits);
     if (st != KVB_OK) {
         kvb__slices_step_end(e, 0); /* prefetch slots back; the failed step's rows are not counted */
-        goto fail;
+        goto fail_ended;
     }
     kvb__slices_step_end(e, n_sched);
     offload_end(e, n_sched);
+    mechs_step_done(e);
     e->stats.steps++;
     e->stats.max_running = KVB_MAX(e->stats.max_running, e->running.n);
 
     uint64_t now = kvb_wall_ns();
     int li = 0;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         int decode = s->q_len == 1 && s->n_generated > 0 && s->n_computed == s->n_tokens - 1;
         if (!decode) e->stats.prompt_tokens += (uint64_t)s->q_len;
-        hidden_end(s);
         s->n_computed += s->q_len;
         s->n_absent = 0;
         s->n_swapl = 0;
@@ -1141,7 +1066,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
         s->n_generated++;
         e->stats.generated_tokens++;
         if (e->ev.on_token) e->ev.on_token(e->ev.ud, s->id, index, tok, now);
-        seq_list *in = s->host_bt.n > 0 && s->bt.n == 0 ? &e->swapped : &e->running; /* offloaded: swapped */
+        kvb__seq_list *in = s->host_bt.n > 0 && s->bt.n == 0 ? &e->swapped : &e->running; /* offloaded: swapped */
         if (is_stop(s, tok)) kvb__finish(e, in, s, KVB_FINISH_STOP, KVB_OK);
         else if (s->n_generated >= s->max_tokens) kvb__finish(e, in, s, KVB_FINISH_LENGTH, KVB_OK);
     }
@@ -1155,10 +1080,12 @@ fail_sl:
 fail_res:
     unindex_residency(e);
 fail:
+    mechs_step_end(e, 0);
+fail_ended:
     (void)kvb__host_tier_finish_loads(e); /* a step that stopped before its forward pass */
     KVB_LOG_E("engine step failed: %s; failing %d live requests", kvb_status_str(st),
               e->waiting.n + e->running.n + e->swapped.n);
-    seq_list *lists[] = {&e->running, &e->swapped, &e->waiting};
+    kvb__seq_list *lists[] = {&e->running, &e->swapped, &e->waiting};
     for (int k = 0; k < 3; k++)
         while (lists[k]->head) kvb__finish(e, lists[k], lists[k]->head, KVB_FINISH_ERROR, st);
     return st;
@@ -1190,10 +1117,9 @@ void kvb__exec_free(kvb_engine *e) {
     free(e->res_first);
     free(e->res_next);
     free(e->xl.x);
-    if (e->scratch || e->hid_stage || e->off_stage_bytes) {
+    if (e->scratch || e->off_stage_bytes) {
         kvb_backend *be = kvb_model_backend(e->m);
         kvb_mem_free(be->mem, e->scratch);
-        kvb_mem_free(be->mem, e->hid_stage);
         if (e->off_stage_bytes) kvb_mem_free(be->mem, e->off_stage);
     }
     free(e->shadow);

@@ -124,7 +124,7 @@ kvb_status kvb__host_tier_finish_loads(kvb_engine *e) {
  * the sequence; with host_layered they join the step's layer-by-layer loads instead (the blocks are
  * published now: whatever reads them in this step waits for each layer in the forward pass). Returns
  * the blocks loaded. */
-int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
+int kvb__host_tier_load(kvb_engine *e, kvb__seq *s, int max_blocks) {
     int bs = e->o.block_size, n = 0, loaded = 0, cap = max_blocks - s->n_published;
     if (cap <= 0) return 0;
     int32_t *hd = NULL;   /* [2 cap]: host block, pool block */

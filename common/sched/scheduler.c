@@ -11,7 +11,7 @@
 
 /* ---------------------------------------------------------------- lists and sequences */
 
-void kvb__list_remove(seq_list *l, seq *s) {
+void kvb__list_remove(kvb__seq_list *l, kvb__seq *s) {
     if (s->prev) s->prev->next = s->next;
     else l->head = s->next;
     if (s->next) s->next->prev = s->prev;
@@ -21,8 +21,8 @@ void kvb__list_remove(seq_list *l, seq *s) {
 }
 
 /* Inserts keeping the list ordered by arrival (new arrivals go to the tail in O(1)). */
-void kvb__list_insert_ordered(seq_list *l, seq *s) {
-    seq *after = l->tail;
+void kvb__list_insert_ordered(kvb__seq_list *l, kvb__seq *s) {
+    kvb__seq *after = l->tail;
     while (after && after->arrival > s->arrival) after = after->prev;
     s->prev = after;
     s->next = after ? after->next : l->head;
@@ -33,29 +33,29 @@ void kvb__list_insert_ordered(seq_list *l, seq *s) {
     l->n++;
 }
 
-seq *kvb__find_seq(const seq_list *l, uint64_t id) {
-    for (seq *s = l->head; s; s = s->next)
+kvb__seq *kvb__find_seq(const kvb__seq_list *l, uint64_t id) {
+    for (kvb__seq *s = l->head; s; s = s->next)
         if (s->id == id) return s;
     return NULL;
 }
 
 /* Releases the sequence's pool blocks; a block whose last reference goes loses its host copy. */
-static void release_blocks(kvb_engine *e, seq *s) {
+static void release_blocks(kvb_engine *e, kvb__seq *s) {
     for (int j = 0; j < s->bt.n; j++)
         if (kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1) kvb__shadow_drop(e, s->bt.ids[j]);
     kvb_block_table_release(&s->bt, e->pool);
 }
 
-void kvb__prefix_copies_release(kvb_engine *e, seq *s) {
+void kvb__prefix_copies_release(kvb_engine *e, kvb__seq *s) {
     if (e->ht_pool) kvb_block_table_release(&s->pfx_bt, e->ht_pool);
     s->pfx_layers = 0;
 }
 
-void kvb__seq_free(kvb_engine *e, seq *s) {
+void kvb__seq_free(kvb_engine *e, kvb__seq *s) {
     release_blocks(e, s);
     kvb__prefix_copies_release(e, s);
     kvb_block_table_free(&s->pfx_bt);
-    free(s->hid);
+    kvb__mechs_seq_release(e, s, KVB__RELEASE_SEQ);
     kvb_block_table_free(&s->bt);
     if (e->ht_pool) kvb_block_table_release(&s->host_bt, e->ht_pool);
     kvb_block_table_free(&s->host_bt);
@@ -64,26 +64,26 @@ void kvb__seq_free(kvb_engine *e, seq *s) {
     free(s);
 }
 
-void kvb__seq_drop_kv(kvb_engine *e, seq *s) {
+void kvb__seq_drop_kv(kvb_engine *e, kvb__seq *s) {
     release_blocks(e, s);
     kvb__prefix_copies_release(e, s);
     s->n_dropped = 0;
     s->restore_hi = 0;
-    s->hid_layers = s->hid_tokens = 0; /* recomputed from its tokens: saved hidden states are moot */
+    kvb__mechs_seq_release(e, s, KVB__RELEASE_KV);
     s->n_computed = 0;
     s->n_published = 0;
     s->last_hash = KVB_PREFIX_ROOT;
     s->hits_taken = 0;
 }
 
-void kvb__finish(kvb_engine *e, seq_list *l, seq *s, kvb_finish why, kvb_status err) {
+void kvb__finish(kvb_engine *e, kvb__seq_list *l, kvb__seq *s, kvb_finish why, kvb_status err) {
     kvb__list_remove(l, s);
     uint64_t id = s->id;
     kvb__seq_free(e, s);
     if (e->ev.on_finish) e->ev.on_finish(e->ev.ud, id, why, err);
 }
 
-void kvb__preempt_seq(kvb_engine *e, seq *victim) {
+void kvb__preempt_seq(kvb_engine *e, kvb__seq *victim) {
     KVB_LOG_D("preempting request %llu (%d tokens, %d blocks) by recompute", (unsigned long long)victim->id,
               victim->n_tokens, victim->bt.n);
     kvb__list_remove(&e->running, victim);
@@ -93,7 +93,7 @@ void kvb__preempt_seq(kvb_engine *e, seq *victim) {
     e->stats.preemptions++;
 }
 
-int64_t kvb__seq_need_blocks(const kvb_engine *e, const seq *s) {
+int64_t kvb__seq_need_blocks(const kvb_engine *e, const kvb__seq *s) {
     return KVB_DIV_CEIL((int64_t)s->cap, e->o.block_size);
 }
 
@@ -143,7 +143,7 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     }
     if (kvb__find_seq(&e->waiting, r->id) || kvb__find_seq(&e->running, r->id) || kvb__find_seq(&e->swapped, r->id))
         return reject(e, r->id, "duplicate id");
-    seq *s = NULL;
+    kvb__seq *s = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
     s->cap = (int)total;
     kvb_status st;
@@ -200,7 +200,7 @@ static kvb_status view_reserve(kvb_engine *e, int n) {
     return KVB_OK;
 }
 
-static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
+static void view_add(kvb_engine *e, kvb__seq *s, kvb_req_state state) {
     int i = e->view.n_reqs++;
     int exclusive = 0, swapped = state == KVB_REQ_SWAPPED;
     if (state == KVB_REQ_RUNNING || state == KVB_REQ_PAUSED)
@@ -210,9 +210,8 @@ static void view_add(kvb_engine *e, seq *s, kvb_req_state state) {
                                  .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
                                  .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
                                  .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped,
-                                 .host_layers = s->pfx_layers, .n_overtaken = s->n_overtaken,
-                                 .hidden_layers = swapped ? s->swap_hidden
-                                                  : s->hid_tokens >= s->n_computed ? s->hid_layers : 0};
+                                 .host_layers = s->pfx_layers, .n_overtaken = s->n_overtaken};
+    kvb__mechs_view_req(e, s, &e->vreqs[i]);
     e->vseq[i] = s;
     e->memo[i].done = 0;
     s->vidx = i;
@@ -250,11 +249,11 @@ kvb_status kvb__view_build(kvb_engine *e) {
         v->pool.host_evictable = kvb_prefix_cache_n_available(e->ht_pc) - hf;
     }
     v->n_reqs = 0;
-    for (seq *s = e->running.head; s; s = s->next) view_add(e, s, s->paused ? KVB_REQ_PAUSED : KVB_REQ_RUNNING);
+    for (kvb__seq *s = e->running.head; s; s = s->next) view_add(e, s, s->paused ? KVB_REQ_PAUSED : KVB_REQ_RUNNING);
     v->n_running = v->n_reqs;
-    for (seq *s = e->swapped.head; s; s = s->next) view_add(e, s, KVB_REQ_SWAPPED);
+    for (kvb__seq *s = e->swapped.head; s; s = s->next) view_add(e, s, KVB_REQ_SWAPPED);
     v->n_swapped = v->n_reqs - v->n_running;
-    for (seq *s = e->waiting.head; s; s = s->next) view_add(e, s, KVB_REQ_WAITING);
+    for (kvb__seq *s = e->waiting.head; s; s = s->next) view_add(e, s, KVB_REQ_WAITING);
     v->n_waiting = v->n_reqs - v->n_running - v->n_swapped;
     v->reqs = e->vreqs;
     v->model = &e->model_info;
@@ -289,12 +288,12 @@ static kvb_status memo_reserve(kvb_engine *e, int more) {
     return KVB_OK;
 }
 
-kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const probe_memo **out) {
-    probe_memo *m = &e->memo[vidx];
+kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const kvb__memo **out) {
+    kvb__memo *m = &e->memo[vidx];
     if (!m->done) {
-        const seq *s = e->vseq[vidx];
+        const kvb__seq *s = e->vseq[vidx];
         int bs = e->o.block_size;
-        *m = (probe_memo){.done = 1, .last_hash = KVB_PREFIX_ROOT, .hit_off = e->memo_n};
+        *m = (kvb__memo){.done = 1, .last_hash = KVB_PREFIX_ROOT, .hit_off = e->memo_n};
         if (e->o.enable_prefix_cache) {
             /* full blocks, leaving at least one token to compute for the logits */
             int max_blocks = (s->n_tokens - 1) / bs;
@@ -395,7 +394,7 @@ static int64_t run_need(const acct *a, int i, int q) {
  * (idle prefix hits it references, host hits loaded into new blocks, blocks for the new tokens).
  * With `take`, the hits are counted as referenced from now on. */
 static kvb_status admit_cost(acct *a, int i, int q, int take, int *q_eff, int64_t *blocks, int64_t *n_new) {
-    const probe_memo *m;
+    const kvb__memo *m;
     KVB_TRY(kvb__probe_memo(a->e, i, &m));
     const kvb_req_view *r = &a->v->reqs[i];
     int bs = a->v->geom->block_size;
@@ -416,7 +415,7 @@ static kvb_status admit_cost(acct *a, int i, int q, int take, int *q_eff, int64_
 
 /* Idle hits of request i that admitting it would take out of the available count (no change). */
 static kvb_status idle_hits(acct *a, int i, int *out) {
-    const probe_memo *m;
+    const kvb__memo *m;
     KVB_TRY(kvb__probe_memo(a->e, i, &m));
     *out = 0;
     for (int j = 0; j < m->n_hit; j++) *out += eff_ref(a, a->e->memo_ids[m->hit_off + j]) == 0;
@@ -703,7 +702,7 @@ static kvb_status step_marks(acct *a, const kvb_plan *p, uint8_t **out) {
                 m[r->blocks[j]] |= (uint8_t)(1 | (w ? 2 : 0));
             }
         } else if (op->kind == KVB_OP_ADMIT) {
-            const probe_memo *pm;
+            const kvb__memo *pm;
             kvb_status st = kvb__probe_memo(e, i, &pm);
             if (st != KVB_OK) {
                 free(m);
@@ -741,7 +740,7 @@ static kvb_status absent_readers(acct *a, const kvb_plan *p, int32_t id, int r, 
                     return kvb__refuse(err, len, "residency %d: block %d is ABSENT but request %llu reads it (n_absent %d)", r,
                                   (int)id, (unsigned long long)op->id, op->n_absent);
         } else if (op->kind == KVB_OP_ADMIT) {
-            const probe_memo *pm;
+            const kvb__memo *pm;
             KVB_TRY(kvb__probe_memo(a->e, i, &pm));
             for (int j = 0; j < pm->n_hit; j++)
                 if (a->e->memo_ids[pm->hit_off + j] == id)
@@ -977,7 +976,7 @@ static kvb_status fcfs_running(acct *a, const kvb_fcfs_opts *o, kvb_plan *p) {
 
 /* Whether `s`'s next prompt block (after `hits` full blocks, chained hash `last`) is being computed
  * now by request r (fields as they will be when this step starts). */
-static int computes_block(const seq *r, int r_published, uint64_t r_last, int r_computed, const seq *s, int hits,
+static int computes_block(const kvb__seq *r, int r_published, uint64_t r_last, int r_computed, const kvb__seq *s, int hits,
                           uint64_t last, int bs) {
     if (r_published != hits || r_last != last) return 0;
     if (r->n_tokens < (hits + 1) * bs || r_computed >= (hits + 1) * bs) return 0;
@@ -989,17 +988,17 @@ static int computes_block(const seq *r, int r_published, uint64_t r_last, int r_
  * admitting i now would compute the same KV a second time. */
 static kvb_status in_flight(acct *a, int i, int *out) {
     kvb_engine *e = a->e;
-    const probe_memo *m;
+    const kvb__memo *m;
     KVB_TRY(kvb__probe_memo(e, i, &m));
-    const seq *s = e->vseq[i];
+    const kvb__seq *s = e->vseq[i];
     int bs = e->o.block_size, b = m->n_hit + m->n_host_hit;
     *out = 0;
     if ((int64_t)(b + 1) * bs > s->n_tokens - 1) return KVB_OK; /* no full block left to match */
     for (int j = 0; j < a->v->n_reqs; j++) {
         if (j == i || e->astate[j] != KVB_REQ_RUNNING) continue;
-        const seq *r = e->vseq[j];
+        const kvb__seq *r = e->vseq[j];
         if ((e->asched[j] & 3) == 2) { /* admitted by this plan: as it will be after its hits */
-            const probe_memo *mr;
+            const kvb__memo *mr;
             KVB_TRY(kvb__probe_memo(e, j, &mr));
             int h = mr->n_hit + mr->n_host_hit;
             if (computes_block(r, h, mr->last_hash, h * bs, s, b, m->last_hash, bs)) *out = 1;
@@ -1021,7 +1020,7 @@ kvb_status kvb_sched_probe(const kvb_view *v, int req, const kvb_plan *p, kvb_pr
         st = KVB_ERR_INVALID;
         goto out;
     }
-    const probe_memo *m;
+    const kvb__memo *m;
     KVB_TRY_GOTO(kvb__probe_memo(e, req, &m), out);
     *out = (kvb_prefix_probe){.n_hit = m->n_hit, .n_host_hit = m->n_host_hit};
     KVB_TRY_GOTO(idle_hits(&a, req, &out->n_hit_idle), out);

@@ -263,7 +263,7 @@ kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p
             const int32_t *ids = v->reqs[i].blocks;
             int n = v->reqs[i].n_blocks;
             if (v->reqs[i].state == KVB_REQ_WAITING) { /* admitted by this plan: its hits */
-                const probe_memo *mm;
+                const kvb__memo *mm;
                 KVB_TRY(kvb__probe_memo(e, i, &mm));
                 ids = e->memo_ids + mm->hit_off;
                 n = mm->n_hit;
@@ -369,7 +369,7 @@ static kvb_status make_room_once(kvb_engine *e) {
         sl->st.cached_dropped++;
         if (kvb_block_pool_n_free_slices(e->pool) > before) return KVB_OK;
     }
-    for (seq *s = e->running.head; s; s = s->next) {
+    for (kvb__seq *s = e->running.head; s; s = s->next) {
         if (!s->paused) continue;
         for (int l = sl->L - 1; l >= 0; l--) {
             int n = 0;
@@ -433,15 +433,15 @@ kvb_status kvb__slices_install(kvb_engine *e, int n_sched) {
 }
 
 /* Blocks sequence sched[i] reads in this step. */
-static int step_blocks(const kvb_slices *sl, const seq *s) { return KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs); }
+static int step_blocks(const kvb_slices *sl, const kvb__seq *s) { return KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs); }
 
-static int depth_of(const kvb_slices *sl, const seq *s) { return sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1; }
+static int depth_of(const kvb_slices *sl, const kvb__seq *s) { return sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1; }
 
 static kvb_status install(kvb_engine *e, int n_sched) {
     kvb_slices *sl = e->sl;
     sl->n_sched_step = n_sched;
     want_clear(sl);
-    for (seq *s = e->running.head; s; s = s->next)
+    for (kvb__seq *s = e->running.head; s; s = s->next)
         if (!s->paused) want_mark(sl, s->bt.ids, s->bt.n, &sl->vmask[s->vidx]);
     /* layers leaving first, all in one transfer (their slices become free once it has landed) */
     int n = 0, n_on = 0;
@@ -462,7 +462,7 @@ static kvb_status install(kvb_engine *e, int n_sched) {
      * (counted as the install leaves residency) */
     int n_scratch = 0;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         int64_t need = scratch_need(sl, e->pool, s->bt.ids, step_blocks(sl, s), 0, &sl->vmask[s->vidx], depth_of(sl, s),
                                     0 /* as wanted */);
         sl->s_first[i] = n_scratch;
@@ -508,7 +508,7 @@ static kvb_status install(kvb_engine *e, int n_sched) {
  * one transfer of every block of the sequence that is not on the device at l. */
 static kvb_status launch(kvb_engine *e, int i, int l) {
     kvb_slices *sl = e->sl;
-    seq *s = e->sched[i];
+    kvb__seq *s = e->sched[i];
     const sl_mask *m = &sl->vmask[s->vidx];
     int rank = 0;
     for (int k = 0; k < l; k++) rank += mask_has(m, k);
@@ -530,7 +530,7 @@ static kvb_status launch(kvb_engine *e, int i, int l) {
 }
 
 /* The next host layer of sched[i] from layer `l0` on that is not launched yet (-1 if none). */
-static int next_host(const kvb_slices *sl, int i, const seq *s, int l0) {
+static int next_host(const kvb_slices *sl, int i, const kvb__seq *s, int l0) {
     const sl_mask *m = &sl->vmask[s->vidx];
     for (int l = l0; l < sl->L; l++)
         if (mask_has(m, l) && !sl->s_ticket[(size_t)i * sl->L + l]) return l;
@@ -546,7 +546,7 @@ kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
     KVB_TRY(entries_reserve(sl, n_blk));
     int n_sched = sl->n_sched_step, pieces = 0;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         const sl_mask *m = &sl->vmask[s->vidx];
         int host = 0, nb = step_blocks(sl, s);
         for (int l = 0; l < sl->L; l++) host += mask_has(m, l);
@@ -557,7 +557,7 @@ kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
     sl->step.n = sl->step.posted = 0;
     KVB_TRY(px_reserve(&sl->step, pieces));
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         for (int k = 0; k < depth_of(sl, s); k++) {
             int l = next_host(sl, i, s, 0);
             if (l >= 0) KVB_TRY(launch(e, i, l));
@@ -573,7 +573,7 @@ kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
     uint64_t t0 = kvb_now_ns();
     if (sl->onload_t[l]) KVB_TRY(kvb_stager_wait(e->stager, sl->onload_t[l]));
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         const kvb_attn_seq *as = &e->b_seqs[i];
         const sl_mask *m = &sl->vmask[s->vidx];
         int in_host = mask_has(m, l), rank = 0;
@@ -610,7 +610,7 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
     uint64_t t0 = kvb_now_ns();
     int from = sl->step.n;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         const kvb_attn_seq *as = &e->b_seqs[i];
         int p0 = as->ctx_len - as->q_len, p1 = as->ctx_len;
         for (int j = p0 / sl->bs; j <= (p1 - 1) / sl->bs; j++) {
@@ -627,7 +627,7 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
     uint64_t t;
     KVB_TRY(post(e, &sl->step, from, 1, &t));
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         if (!mask_has(&sl->vmask[s->vidx], l)) continue;
         int nl = next_host(sl, i, s, l + 1);
         if (nl >= 0) KVB_TRY(launch(e, i, nl));
@@ -647,7 +647,7 @@ void kvb__slices_step_end(kvb_engine *e, int n_sched) {
     sl->on.n = sl->on.posted = 0;
     for (int l = 0; l < sl->L; l++) sl->onload_t[l] = 0;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->sched[i];
         const kvb_attn_seq *as = &e->b_seqs[i];
         int p0 = as->ctx_len - as->q_len;
         for (int j = p0 / sl->bs; j < as->n_blocks; j++) {

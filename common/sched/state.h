@@ -14,6 +14,7 @@
 #include "common/kv/block_table.h"
 #include "common/kv/prefix_cache.h"
 #include "common/sched/engine.h"
+#include "common/sched/mech.h"
 #include "common/sched/scheduler.h"
 #include "common/sched/stager.h"
 
@@ -21,7 +22,7 @@
 
 typedef struct kvb_slices kvb_slices; /* slices.c */
 
-typedef struct seq {
+typedef struct kvb__seq {
     uint64_t id;
     uint64_t arrival;  /* admission order */
     uint64_t t_add_ns; /* wall clock at kvb_engine_add */
@@ -52,13 +53,6 @@ typedef struct seq {
     int pfx_layers;    /* 0: no copies */
     int n_swapl;       /* during a step: layers [L - n_swapl, L) of its released blocks are read from pfx_bt and
                         * its recomputed rows leave the forward pass above layer L - n_swapl - 1 */
-    /* HCache: hidden states entering layers [0, hid_layers) of tokens [0, hid_tokens), host memory
-     * [hid_cap_layers][hid_cap_tokens][hidden] of act_dtype elements */
-    unsigned char *hid;
-    int hid_cap_layers, hid_cap_tokens;
-    int hid_layers, hid_tokens;
-    int hid_save;      /* during a step: layers whose inputs this step saves (op n_hidden) */
-    int swap_hidden;   /* SWAPPED: layers left as hidden states (their KV is rebuilt at SWAP_IN) */
     int row0;          /* during a step: the batch row of its first new token */
     int scr0;          /* during a step: its first scratch slice (recomputed whole blocks) */
     int offload;       /* during a step: an ADMIT offload (its KV goes to host_bt through the staging area) */
@@ -66,30 +60,31 @@ typedef struct seq {
     int vidx;          /* index in the current view, -1 when not in it */
     uint64_t t_stall_ns; /* WAITING: wall clock since which it no longer fits the pool (0: it fits) */
     int n_overtaken;   /* WAITING: later requests admitted past it while it stalled */
-    struct seq *prev, *next;
-} seq;
+    void *mx[KVB__MECH_COUNT]; /* each mechanism's state for this request (NULL: none; mech.h) */
+    struct kvb__seq *prev, *next;
+} kvb__seq;
 
-typedef struct seq_list {
-    seq *head, *tail;
+typedef struct kvb__seq_list {
+    kvb__seq *head, *tail;
     int n;
-} seq_list;
+} kvb__seq_list;
 
 /* One attached loan: a segment of the pool. */
-typedef struct loan {
+typedef struct kvb__loan {
     uint64_t tag;      /* the caller's loan id */
     int32_t first;     /* first block id of the segment */
     int n;             /* blocks */
-} loan;
+} kvb__loan;
 
 /* A block whose layer slices pass through stage buffers in this step (STREAM: from its borrowed
  * memory over the peer link; HOST: from its host copy over the host link). */
-typedef struct stage_unit {
+typedef struct kvb__stage_unit {
     int32_t block;          /* pool id */
     kvb_residency kind;     /* KVB_RES_STREAM or KVB_RES_HOST */
     int buf;                /* its stage buffers: 2 * buf + (layer & 1) */
     unsigned char *src;     /* where its slices live (all layers): borrowed block or host-tier block */
     int dirty_lo, dirty_hi; /* rows [lo, hi) of the block this step writes; lo >= hi: none */
-} stage_unit;
+} kvb__stage_unit;
 
 /* Per-step transfer lists of the stager, one run per (layer, load/store, link). */
 typedef struct xfer_list {
@@ -98,13 +93,13 @@ typedef struct xfer_list {
 } xfer_list;
 
 /* What the scheduler's probe found for one request of the view (valid while the view is). */
-typedef struct probe_memo {
+typedef struct kvb__memo {
     int done;            /* probed in this view */
     int n_hit;           /* pool blocks */
     int hit_off;         /* their ids: e->memo_ids[hit_off .. hit_off + n_hit) */
     int n_host_hit;      /* host-tier blocks after them */
     uint64_t last_hash;  /* chained hash after all the hits (pool and host) */
-} probe_memo;
+} kvb__memo;
 
 struct kvb_engine {
     kvb_model *m;
@@ -121,12 +116,14 @@ struct kvb_engine {
     int planner_kv;          /* the planner brought the KV memory (SETUP) */
     int max_borrowed;        /* >= 0: the planner attaches at most this many blocks (SETUP); -1: no limit */
     int max_rows;            /* rows the forward pass holds: max_batch_tokens + extra rows */
-    seq_list waiting;        /* by arrival; preempted sequences go back in arrival order */
-    seq_list running;        /* by arrival (paused ones included) */
+    kvb__seq_list waiting;        /* by arrival; preempted sequences go back in arrival order */
+    kvb__seq_list running;        /* by arrival (paused ones included) */
     uint64_t next_arrival;
     kvb_engine_stats stats;
+    kvb__mech mech[KVB__MECH_COUNT]; /* the executor's mechanisms (mech.h), iface NULL where not set up */
     /* per-step scratch */
-    seq **sched;             /* [max_seqs] sequences of this step */
+    kvb__seq **sched;             /* [max_seqs] sequences of this step */
+    int n_sched;
     int32_t *b_tokens;       /* [max_rows] */
     int32_t *b_pos;          /* [max_rows] */
     kvb_attn_seq *b_seqs;    /* [max_seqs] */
@@ -139,7 +136,7 @@ struct kvb_engine {
                               * (not released) blocks: that block's id, read in place from layer blk_rec on;
                               * else -1 */
     int16_t *blk_rec;        /* [blk_cap] */
-    seq **pfx_ord;           /* [max_seqs] the step's recomputed prefixes in layout order */
+    kvb__seq **pfx_ord;           /* [max_seqs] the step's recomputed prefixes in layout order */
     int *l_rows, *l_seqs;    /* [n_layers] rows and attention sequences computing each layer */
     int main_rows;           /* rows of the step's new tokens (the recomputed prefixes' come after) */
     int scr_par;             /* scratch slices per parity when the step reads prefix layers from the host tier
@@ -151,11 +148,11 @@ struct kvb_engine {
     /* the planner's view and plan (scheduler.c, executor.c) */
     kvb_view view;
     kvb_req_view *vreqs;     /* [vcap] */
-    seq **vseq;              /* [vcap] the sequence behind each view entry */
+    kvb__seq **vseq;              /* [vcap] the sequence behind each view entry */
     int vcap;
     int32_t *vhash;          /* [vhash_cap] open-addressing map id -> view index, -1 empty */
     int vhash_cap;           /* power of two >= 2 * n_reqs */
-    probe_memo *memo;        /* [vcap] */
+    kvb__memo *memo;        /* [vcap] */
     int32_t *memo_ids;       /* hit ids of all probes of this view */
     int memo_n, memo_cap;
     int32_t *adj;            /* [adj_cap] per block id: refcount change the plan makes (accounting) */
@@ -167,20 +164,18 @@ struct kvb_engine {
     int32_t *adrop;          /* [vcap] its released leading blocks after the plan's DROPs so far */
     kvb_plan plan;
     kvb_model_info model_info; /* what the view tells planners about the model (view.model) */
-    void *hid_stage;           /* HCache: backend memory staging saved / restored hidden states */
-    size_t hid_stage_bytes;
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] */
     uint64_t *t_copy;        /* [n_layers] ticket of the last LOAD copy order due before each layer */
     /* lending */
-    loan *loans;             /* [n_loans] attached segments, in attach order */
+    kvb__loan *loans;             /* [n_loans] attached segments, in attach order */
     int n_loans;
     int loans_cap;
     int n_borrowed;          /* blocks of all loans */
     int starved;             /* the last schedule left the queue's head waiting for blocks */
     /* the stager and the step's residency (executor.c) */
     kvb_stager *stager;
-    stage_unit *units;       /* [units_cap] this step's staged blocks */
+    kvb__stage_unit *units;       /* [units_cap] this step's staged blocks */
     int n_units, units_cap;
     int32_t *unit_of;        /* [2][unit_of_cap] per block id: its STREAM / HOST unit in this step, -1 */
     int unit_of_cap;
@@ -200,7 +195,7 @@ struct kvb_engine {
     int32_t *shadow;         /* [shadow_cap] per block id: its host-tier copy, -1 */
     uint8_t *shadow_ok;      /* [shadow_cap][n_layers] 1 where the host copy holds the layer */
     int shadow_cap;
-    seq_list swapped;        /* by arrival: KV in the host tier (seq.host_bt) */
+    kvb__seq_list swapped;        /* by arrival: KV in the host tier (seq.host_bt) */
     void *ht_mem;            /* host tier: [host_tier_blocks][block_bytes] host memory, or NULL */
     kvb_block_pool *ht_pool; /* its blocks */
     kvb_slices *sl;          /* the layer-sliced KV manager when the pool is sliced, else NULL */
@@ -225,20 +220,20 @@ struct kvb_engine {
 };
 
 /* ---------------------------------------------------------------- scheduler.c */
-void kvb__list_remove(seq_list *l, seq *s);
-void kvb__list_insert_ordered(seq_list *l, seq *s);
-seq *kvb__find_seq(const seq_list *l, uint64_t id);
-void kvb__seq_free(kvb_engine *e, seq *s);
-void kvb__seq_drop_kv(kvb_engine *e, seq *s);
+void kvb__list_remove(kvb__seq_list *l, kvb__seq *s);
+void kvb__list_insert_ordered(kvb__seq_list *l, kvb__seq *s);
+kvb__seq *kvb__find_seq(const kvb__seq_list *l, uint64_t id);
+void kvb__seq_free(kvb_engine *e, kvb__seq *s);
+void kvb__seq_drop_kv(kvb_engine *e, kvb__seq *s);
 /* Releases the host-tier copies of a sequence's released blocks (KVB_OP_DROP n_host). */
-void kvb__prefix_copies_release(kvb_engine *e, seq *s);
+void kvb__prefix_copies_release(kvb_engine *e, kvb__seq *s);
 /* Removes `s` from `l`, frees it and reports on_finish. */
-void kvb__finish(kvb_engine *e, seq_list *l, seq *s, kvb_finish why, kvb_status err);
+void kvb__finish(kvb_engine *e, kvb__seq_list *l, kvb__seq *s, kvb_finish why, kvb_status err);
 /* Preemption by recompute: releases the running sequence's blocks (published ones stay cached) and
  * puts it back in the queue in arrival order with its prompt plus the tokens it generated. */
-void kvb__preempt_seq(kvb_engine *e, seq *victim);
+void kvb__preempt_seq(kvb_engine *e, kvb__seq *victim);
 /* Blocks `s` needs at most over its life (prompt + max_tokens). */
-int64_t kvb__seq_need_blocks(const kvb_engine *e, const seq *s);
+int64_t kvb__seq_need_blocks(const kvb_engine *e, const kvb__seq *s);
 /* The body of kvb_engine_add. */
 kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r);
 /* Rebuilds e->view from the engine's state. KVB_ERR_NOMEM. */
@@ -248,7 +243,7 @@ kvb_status kvb__plan_check(kvb_engine *e, kvb_plan_cost *cost);
 /* Calls the planner's plan_pool (if any) with a fresh view; `out` holds the current values. */
 kvb_status kvb__plan_pool(kvb_engine *e, const kvb_pool_event *ev, kvb_pool_plan *out);
 /* The probe results of request vidx (computed on first use). */
-kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const probe_memo **out);
+kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const kvb__memo **out);
 void kvb__sched_free(kvb_engine *e);
 
 /* Writes a plan's refusal (printf format) to err[len] (may be NULL) and returns KVB_ERR_INVALID. */
@@ -261,6 +256,32 @@ void kvb__exec_free(kvb_engine *e);
 kvb_status kvb__stage_reserve(kvb_engine *e, int slots);
 /* Drops the host copy of block `id` if it has one (its last reference is going). */
 void kvb__shadow_drop(kvb_engine *e, int32_t id);
+
+/* ---------------------------------------------------------------- hcache.c */
+kvb_status kvb__hcache_init(kvb_engine *e);
+/* SWAP_OUT: layers [0, n_hidden) of s leave as its saved hidden states; returns how many do. */
+int kvb__hcache_swap_out(kvb_engine *e, kvb__seq *s, int n_hidden);
+/* SWAPPED: the layers s left as hidden states. */
+int kvb__hcache_swapped_layers(const kvb__seq *s);
+/* SWAP_IN: rebuilds the K and V of the layers s left as hidden states into its (new) blocks. */
+kvb_status kvb__hcache_restore(kvb_engine *e, kvb__seq *s);
+
+/* ---------------------------------------------------------------- mechanisms, for the files that own requests */
+/* Each mechanism's seq_release for s. */
+static inline void kvb__mechs_seq_release(kvb_engine *e, kvb__seq *s, kvb__release why) {
+    for (int k = 0; k < KVB__MECH_COUNT; k++) {
+        const kvb__mech *m = &e->mech[k];
+        if (m->iface && m->iface->seq_release) m->iface->seq_release(m->ctx, e, s, why);
+    }
+}
+
+/* Each mechanism's view_req for s. */
+static inline void kvb__mechs_view_req(const kvb_engine *e, const kvb__seq *s, kvb_req_view *r) {
+    for (int k = 0; k < KVB__MECH_COUNT; k++) {
+        const kvb__mech *m = &e->mech[k];
+        if (m->iface && m->iface->view_req) m->iface->view_req(m->ctx, e, s, r);
+    }
+}
 
 /* ---------------------------------------------------------------- slices.c (sliced pools) */
 /* Sets up the manager for a sliced pool of n_ids ids (host homes included); min_layers: see
@@ -293,7 +314,7 @@ kvb_status kvb__host_tier_finish_loads(kvb_engine *e);
 void kvb__host_tier_free(kvb_engine *e);
 /* Continues the prefix match of `s` in the host tier, loading each hit into a new pool block. Returns
  * the blocks loaded. */
-int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks);
+int kvb__host_tier_load(kvb_engine *e, kvb__seq *s, int max_blocks);
 /* A host-tier block for writing (free, or the least recently used cached one). KVB_ERR_EXHAUSTED. */
 kvb_status kvb__host_alloc(kvb_engine *e, int32_t *out);
 /* Posts the batched demotions (one transfer) and waits for them; a no-op when none are pending. Called
