@@ -732,7 +732,7 @@ static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_pla
     }
     p->async = (int)async;
     p->swap_layers = (int)swap;
-    p->serial = (overlap ? 0 : 1) | (fuse ? 0 : 2);
+    p->serial = (overlap ? 0 : KVB_PLAN_SERIAL_LOADS) | (fuse ? 0 : KVB_PLAN_SERIAL_GEMMS);
     if (p->r_fixed >= 0 && p->r_fixed > p->r_max) p->r_max = p->r_fixed;
     *out = (kvb_planner){.iface = iface_of(kind), .ctx = p};
     return KVB_OK;

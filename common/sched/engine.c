@@ -157,25 +157,15 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     if (pp.act_alloc.iface) e->act_alloc = pp.act_alloc;
     KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, e->act_alloc.iface ? &e->act_alloc : o.act_alloc, &e->fw),
                  fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_tokens, (void **)&e->b_tokens), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_pos, (void **)&e->b_pos), fail);
-    /* two attention sequences per request: its recomputed prefix (n_absent) and its new tokens */
-    KVB_TRY_GOTO(kvb_calloc(2 * (size_t)o.max_seqs, sizeof *e->b_seqs, (void **)&e->b_seqs), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->b_logit_rows, (void **)&e->b_logit_rows), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs * c->vocab, sizeof(float), (void **)&e->logits), fail);
-    KVB_TRY_GOTO(kvb_calloc(2 * (size_t)c->vocab, sizeof(float), (void **)&e->sample_scratch), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_layer, (void **)&e->t_layer), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_wait, (void **)&e->t_wait), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_copy, (void **)&e->t_copy), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_pfx, (void **)&e->t_pfx), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->l_rows, (void **)&e->l_rows), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->l_seqs, (void **)&e->l_seqs), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)e->o.max_seqs, sizeof *e->pfx_ord, (void **)&e->pfx_ord), fail);
+    KVB_TRY_GOTO(kvb__step_init(e), fail);
+    KVB_TRY_GOTO(kvb__residency_init(e), fail);
     if (pp.stage_slots > 0) KVB_TRY_GOTO(kvb__stage_reserve(e, pp.stage_slots), fail);
     e->max_borrowed = pp.limit_borrowed ? pp.max_borrowed : -1;
-    if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix,
-                                                                        pp.host_layered), fail);
+    if (pp.host_tier_blocks > 0) { /* and the mechanisms that need it */
+        KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix, pp.host_layered), fail);
+        KVB_TRY_GOTO(kvb__prefix_init(e), fail);
+        KVB_TRY_GOTO(kvb__offload_init(e), fail);
+    }
     *out = e;
     return KVB_OK;
 fail:
@@ -208,7 +198,6 @@ void kvb_engine_destroy(kvb_engine *e) {
     kvb__sched_free(e);
     free(e->loans);
     kvb__host_tier_free(e);
-    kvb__slices_free(e);
     free(e);
 }
 
@@ -244,15 +233,13 @@ int kvb_engine_max_borrowed(const kvb_engine *e) { return e ? e->max_borrowed : 
 
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }
 
-const char *kvb_engine_planner_name(const kvb_engine *e) {
-    return e->planner.iface && e->planner.iface->name ? e->planner.iface->name : "fcfs";
-}
+const char *kvb_engine_planner_name(const kvb_engine *e) { return kvb__planner_name(e); }
 
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     *out = e->stats;
     out->blocks_total = kvb_block_pool_n_blocks(e->pool);
     out->blocks_free = kvb_prefix_cache_n_available(e->pc);
-    if (e->sl) /* sliced: whole blocks' worth of slices not held by live requests (free or cached) */
+    if (kvb__sliced(e)) /* sliced: whole blocks' worth of slices not held by live requests (free or cached) */
         out->blocks_free = (int)((kvb_block_pool_n_slices(e->pool) - kvb_block_pool_referenced_slices(e->pool)) /
                                  e->geom.n_layers);
     out->stage_slots = kvb_stager_n_buffers(e->stager) / 2;

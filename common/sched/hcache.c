@@ -68,8 +68,8 @@ static kvb_status hc_apply_op(void *ctx, kvb_engine *e, kvb__seq *s, const kvb_p
 
 static kvb_status hc_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
     (void)ctx;
-    for (int i = 0; i < e->n_sched; i++)
-        if (of(e->sched[i]) && of(e->sched[i])->save > 0) {
+    for (int i = 0; i < e->step.n_sched; i++)
+        if (of(e->step.sched[i]) && of(e->step.sched[i])->save > 0) {
             *flags = KVB__STEP_ACTIVE;
             return KVB_OK;
         }
@@ -87,8 +87,8 @@ static kvb_status hc_layer_in(void *ctx, kvb_engine *e, int l) {
     hcache *h = ctx;
     kvb_backend *be = kvb_model_backend(e->m);
     const unsigned char *x = kvb_forward_hidden(e->fw);
-    for (int i = 0; i < e->n_sched; i++) {
-        kvb__seq *s = e->sched[i];
+    for (int i = 0; i < e->step.n_sched; i++) {
+        kvb__seq *s = e->step.sched[i];
         hc_seq *q = of(s);
         if (!q || q->save <= l) continue;
         KVB_TRY(be->iface->to_host(be->ctx, hid_at(h, q, l, s->n_computed), x + (size_t)s->row0 * h->row_bytes,
@@ -101,8 +101,8 @@ static kvb_status hc_layer_in(void *ctx, kvb_engine *e, int l) {
 /* After the step: what the saves of this step cover. */
 static void hc_step_done(void *ctx, kvb_engine *e) {
     (void)ctx;
-    for (int i = 0; i < e->n_sched; i++) {
-        kvb__seq *s = e->sched[i];
+    for (int i = 0; i < e->step.n_sched; i++) {
+        kvb__seq *s = e->step.sched[i];
         hc_seq *q = of(s);
         if (!q || q->save <= 0) continue;
         q->layers = q->tokens == 0 ? q->save : KVB_MIN(q->layers, q->save);

@@ -11,7 +11,7 @@ int kvb_engine_n_own(const kvb_engine *e) { return kvb_block_pool_n_own(e->pool)
 int kvb_engine_capacity(const kvb_engine *e) { return kvb_block_pool_capacity(e->pool); }
 
 int kvb_engine_free_tail(const kvb_engine *e) {
-    if (e->sl) return kvb_block_pool_free_tail(e->pool); /* physical blocks whose slices are all free */
+    if (kvb__sliced(e)) return kvb_block_pool_free_tail(e->pool); /* physical blocks whose slices are all free */
     int n = 0;
     /* refcount 0 is free or an unreferenced prefix-cache entry (the only holder of such blocks) */
     for (int32_t i = kvb_block_pool_n_own(e->pool) - 1; i >= 0 && kvb_block_pool_refcount(e->pool, i) == 0; i--) n++;
@@ -24,7 +24,7 @@ kvb_status kvb_engine_shrink(kvb_engine *e, int n_own_new) {
         KVB_LOG_E("engine: shrink to %d own blocks, %d owned now", n_own_new, n_own);
         return KVB_ERR_INVALID;
     }
-    if (e->sl) { /* a sliced pool: the tail's slices must be free (ids are virtual); cached blocks go */
+    if (kvb__sliced(e)) { /* a sliced pool: the tail's slices must be free (ids are virtual); cached blocks go */
         int L = e->geom.n_layers;
         for (int32_t k = n_own_new * L; k < n_own * L; k++) {
             int32_t o = kvb_block_pool_slice_owner(e->pool, k);
@@ -75,7 +75,7 @@ int64_t kvb_engine_max_request_tokens(const kvb_engine *e) {
 int kvb_engine_starved(const kvb_engine *e) {
     if (e->starved) return 1;
     if (!e->waiting.head) return 0;
-    if (e->sl)
+    if (kvb__sliced(e))
         return kvb__seq_need_blocks(e, e->waiting.head) * kvb__slices_min_layers(e) > kvb_block_pool_n_slices(e->pool);
     return kvb__seq_need_blocks(e, e->waiting.head) > kvb_block_pool_n_blocks(e->pool);
 }
@@ -162,7 +162,7 @@ static void fence_block(kvb_engine *e, detach_ctx *d, int32_t id) {
     int off = id - d->first;
     if (d->taken[off] || kvb_block_pool_refcount(e->pool, id) > 0) return;
     if (!kvb_block_pool_is_free(e->pool, id)) d->st.dropped += kvb_prefix_cache_drop_range(e->pc, id, 1);
-    kvb__shadow_drop(e, id);
+    kvb__block_forget(e, id);
     kvb_status st = kvb_block_pool_take(e->pool, id);
     assert(st == KVB_OK); /* refcount 0 and no cache entry: on the free list */
     (void)st;
@@ -278,7 +278,7 @@ static void keep_cached(kvb_engine *e, detach_ctx *d) {
             if (be->iface->copy(be->ctx, kvb_block_pool_block(e->pool, nid), kvb_block_pool_block(e->pool, h), bb) ==
                     KVB_OK &&
                 kvb_prefix_cache_rehome(e->pc, h, nid) == KVB_OK) {
-                kvb__shadow_drop(e, h);
+                kvb__block_forget(e, h);
                 fence_block(e, d, h);
                 d->st.kept++;
                 continue;

@@ -268,15 +268,19 @@ typedef struct kvb_plan {
     int n_copies, cap_copies;
     int batch_limit;            /* most RUN + ADMIT entries this step (0: max_seqs) */
     kvb_residency lent_default; /* LENT (0 means LENT) or STREAM: borrowed blocks without an exception */
-    int prefix_serial;          /* ablations of eLLM §6.3 for RUNs with n_host: bit 0 ("without overlap"):
-                                 * a layer's prefix loads start when the layer is due and are waited for at
-                                 * once, instead of two layers ahead behind the compute; bit 1 ("without
-                                 * fusion"): the recomputed rows' projections and MLP run as GEMMs of their
-                                 * own after the new tokens', instead of in the same GEMMs */
+    int prefix_serial;          /* ablations of eLLM §6.3 for RUNs with n_host, KVB_PLAN_SERIAL_* flags */
     /* Outcome the planner reports along with the plan (statistics and the worker's Alg. 1 signal). */
     int starved;                /* the queue's head waits for blocks the pool does not have now */
     int n_deferred;             /* admissions put off to reuse a prefix a running request computes */
 } kvb_plan;
+
+/* kvb_plan.prefix_serial: the ablations of eLLM §6.3. */
+enum {
+    KVB_PLAN_SERIAL_LOADS = 1 << 0, /* "without overlap": a layer's prefix loads start when the layer is due and
+                                     * are waited for at once, instead of two layers ahead behind the compute */
+    KVB_PLAN_SERIAL_GEMMS = 1 << 1, /* "without fusion": the recomputed rows' projections and MLP run as GEMMs
+                                     * of their own after the new tokens', instead of in the same GEMMs */
+};
 
 /* Empties the plan for a new step (keeps its arrays; lent_default back to LENT). */
 void kvb_plan_reset(kvb_plan *p);

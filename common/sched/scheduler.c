@@ -39,22 +39,26 @@ kvb__seq *kvb__find_seq(const kvb__seq_list *l, uint64_t id) {
     return NULL;
 }
 
-/* Releases the sequence's pool blocks; a block whose last reference goes loses its host copy. */
-static void release_blocks(kvb_engine *e, kvb__seq *s) {
-    for (int j = 0; j < s->bt.n; j++)
-        if (kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1) kvb__shadow_drop(e, s->bt.ids[j]);
-    kvb_block_table_release(&s->bt, e->pool);
+void kvb__block_forget(kvb_engine *e, int32_t id) {
+    for (int k = 0; k < KVB__MECH_COUNT; k++) {
+        const kvb__mech *m = &e->mech[k];
+        if (m->iface && m->iface->block_free) m->iface->block_free(m->ctx, e, id);
+    }
 }
 
-void kvb__prefix_copies_release(kvb_engine *e, kvb__seq *s) {
-    if (e->ht_pool) kvb_block_table_release(&s->pfx_bt, e->ht_pool);
-    s->pfx_layers = 0;
+void kvb__block_unref(kvb_engine *e, int32_t id) {
+    if (kvb_block_pool_refcount(e->pool, id) == 1) kvb__block_forget(e, id);
+    kvb_block_pool_unref(e->pool, id);
+}
+
+void kvb__seq_release_blocks(kvb_engine *e, kvb__seq *s) {
+    for (int j = 0; j < s->bt.n; j++)
+        if (kvb_block_pool_refcount(e->pool, s->bt.ids[j]) == 1) kvb__block_forget(e, s->bt.ids[j]);
+    kvb_block_table_release(&s->bt, e->pool); /* newest first, for the prefix cache's LRU */
 }
 
 void kvb__seq_free(kvb_engine *e, kvb__seq *s) {
-    release_blocks(e, s);
-    kvb__prefix_copies_release(e, s);
-    kvb_block_table_free(&s->pfx_bt);
+    kvb__seq_release_blocks(e, s);
     kvb__mechs_seq_release(e, s, KVB__RELEASE_SEQ);
     kvb_block_table_free(&s->bt);
     if (e->ht_pool) kvb_block_table_release(&s->host_bt, e->ht_pool);
@@ -65,8 +69,7 @@ void kvb__seq_free(kvb_engine *e, kvb__seq *s) {
 }
 
 void kvb__seq_drop_kv(kvb_engine *e, kvb__seq *s) {
-    release_blocks(e, s);
-    kvb__prefix_copies_release(e, s);
+    kvb__seq_release_blocks(e, s);
     s->n_dropped = 0;
     s->restore_hi = 0;
     kvb__mechs_seq_release(e, s, KVB__RELEASE_KV);
@@ -130,7 +133,7 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     /* never fit: more than the own memory (lent-out part included) plus what is borrowed now */
     int64_t most = (int64_t)kvb_block_pool_capacity(e->pool) + e->n_borrowed;
     int64_t blocks = KVB_DIV_CEIL(total, e->o.block_size);
-    if (e->sl) { /* sliced: the ids (host homes), and the device slices the planner needs at least */
+    if (kvb__sliced(e)) { /* sliced: the ids (host homes), and the device slices the planner needs at least */
         int64_t slices = (int64_t)kvb_block_pool_capacity(e->pool) * c->n_layers;
         if (blocks > kvb_block_pool_id_limit(e->pool) || blocks * kvb__slices_min_layers(e) > slices)
             return reject(e, r->id, "%lld tokens can never fit: %lld blocks of %d, %d block ids, %lld device slices "
@@ -210,7 +213,7 @@ static void view_add(kvb_engine *e, kvb__seq *s, kvb_req_state state) {
                                  .max_tokens = s->max_tokens, .tbt_slo_ns = s->slo_ns, .n_computed = s->n_computed,
                                  .n_blocks = swapped ? s->host_bt.n : s->bt.n, .n_exclusive = exclusive,
                                  .blocks = swapped ? s->host_bt.ids : s->bt.ids, .n_dropped = s->n_dropped,
-                                 .host_layers = s->pfx_layers, .n_overtaken = s->n_overtaken};
+                                 .n_overtaken = s->n_overtaken};
     kvb__mechs_view_req(e, s, &e->vreqs[i]);
     e->vseq[i] = s;
     e->memo[i].done = 0;
@@ -341,7 +344,7 @@ static kvb_status acct_begin(kvb_engine *e, const kvb_view *v, acct *a) {
         e->anew[i] = 0;
     }
     /* a sliced pool counts ids here (its slices are checked apart, kvb__slices_check) */
-    int64_t free_blocks = e->sl ? kvb_block_pool_n_free_ids(e->pool) : v->pool.n_free;
+    int64_t free_blocks = kvb__sliced(e) ? kvb_block_pool_n_free_ids(e->pool) : v->pool.n_free;
     *a = (acct){.e = e, .v = v, .avail = free_blocks + v->pool.n_evictable, .n_running = v->n_running,
                 .host_left = v->pool.host_free + v->pool.host_evictable, .budget = v->max_batch_tokens,
                 .batch_limit = v->max_seqs};
@@ -496,7 +499,7 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
         if (op->n_absent < absent_min)
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, but its first %d token(s) have no KV "
                           "(dropped or restored in this step)", k, id, op->n_absent, absent_min);
-        if (op->n_absent > 0 && a->e->sl)
+        if (op->n_absent > 0 && kvb__sliced(a->e))
             return kvb__refuse(err, len, "plan op %d (RUN request %llu): n_absent needs a block-major pool, not a sliced "
                                "one", k, id);
         int64_t need = run_need(a, i, op->q_len);
@@ -526,7 +529,7 @@ static kvb_status acct_op(acct *a, const kvb_plan_op *op, int k, char *err, size
                           op->n_hidden, v->geom->n_layers);
         if (op->offload) {
             /* eLLM's CPU buffer: the whole prompt computed, its KV straight to new host-tier blocks */
-            if (!a->e->ht_pool || v->prefix_cache || op->placed || a->e->sl)
+            if (!a->e->ht_pool || v->prefix_cache || op->placed || kvb__sliced(a->e))
                 return kvb__refuse(err, len, "plan op %d (ADMIT request %llu): an offloaded admission needs a host tier, "
                               "the prefix cache off, no placed blocks and a block-major pool", k, id);
             if (op->q_len < r->n_tokens)
@@ -717,7 +720,7 @@ static kvb_status step_marks(acct *a, const kvb_plan *p, uint8_t **out) {
 
 /* Whether the block's host copy holds layer l now, or a STORE of this plan at once (-1) makes it. */
 static int host_copy_has(const kvb_engine *e, const kvb_plan *p, int32_t id, int l) {
-    if (id < e->shadow_cap && e->shadow[id] >= 0 && e->shadow_ok[(size_t)id * e->geom.n_layers + l]) return 1;
+    if (kvb__host_copy_has(e, id, l)) return 1;
     for (int c = 0; c < p->n_copies; c++) {
         const kvb_plan_copy *cp = &p->copies[c];
         if (cp->dir == KVB_COPY_STORE && cp->block == id && cp->layer == -1 && l >= cp->layer0 && l < cp->layer1) return 1;
@@ -760,7 +763,7 @@ static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t 
         return kvb__refuse(err, len, "lent_default %s: borrowed blocks are read LENT (in place) or STREAM",
                       kvb_residency_str(p->lent_default));
     if (p->n_res == 0 && p->n_copies == 0 && p->lent_default == KVB_RES_LENT) return KVB_OK;
-    if (e->sl)
+    if (kvb__sliced(e))
         return kvb__refuse(err, len, "a sliced pool takes request-level placements (kvb_plan_place), not residency "
                            "exceptions, copy orders or streamed borrowed blocks");
     uint8_t *mark = NULL;
@@ -834,7 +837,7 @@ static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t 
                         "STORE after", cp->layer);
         } else if (load) {
             for (int l = cp->layer0; l < cp->layer1 && st == KVB_OK; l++)
-                if (!(id < e->shadow_cap && e->shadow[id] >= 0 && e->shadow_ok[(size_t)id * L + l]))
+                if (!kvb__host_copy_has(e, id, l))
                     st = kvb__refuse(err, len, "copy %d: LOAD of block %d layer %d from the host tier, which does not hold it",
                                 c, (int)id, l);
             if (st == KVB_OK && mark[id] && cp->layer > cp->layer0)
@@ -844,7 +847,7 @@ static kvb_status check_residency(acct *a, const kvb_plan *p, char *err, size_t 
             if ((mark[id] & 2) && cp->layer < cp->layer1 - 1)
                 st = kvb__refuse(err, len, "copy %d: STORE of block %d layers [%d, %d) after layer %d, but the step writes the "
                             "block until layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer1 - 1);
-            int fresh = !(id < e->shadow_cap && e->shadow[id] >= 0);
+            int fresh = !kvb__host_copy_exists(e, id);
             for (int o = 0; o < c && fresh; o++) fresh = !(p->copies[o].dir == KVB_COPY_STORE && p->copies[o].block == id);
             new_copies += fresh;
         }

@@ -85,10 +85,12 @@ struct kvb_slices {
 
 /* ---------------------------------------------------------------- setup */
 
+static const kvb__mech_i slices_iface;
+
 kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
     kvb_slices *sl = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *sl, (void **)&sl));
-    e->sl = sl;
+    e->mech[KVB__MECH_SLICES] = (kvb__mech){.iface = &slices_iface, .ctx = sl};
     sl->L = e->geom.n_layers;
     sl->bs = e->geom.block_size;
     sl->n_ids = n_ids;
@@ -118,9 +120,8 @@ kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
     return KVB_OK;
 }
 
-void kvb__slices_free(kvb_engine *e) {
-    kvb_slices *sl = e->sl;
-    if (!sl) return;
+static void sl_destroy(void *ctx, kvb_engine *e) {
+    kvb_slices *sl = ctx;
     kvb_mem_pinned_free(kvb_model_backend(e->m)->mem, sl->host);
     free(sl->fill);
     free(sl->host_rows);
@@ -141,13 +142,14 @@ void kvb__slices_free(kvb_engine *e) {
     free(sl->mv_id);
     free(sl->mv_layer);
     free(sl);
-    e->sl = NULL;
 }
 
-int kvb__slices_min_layers(const kvb_engine *e) { return e->sl ? e->sl->min_layers : e->geom.n_layers; }
+int kvb__slices_min_layers(const kvb_engine *e) {
+    return kvb__sliced(e) ? kvb__sliced(e)->min_layers : e->geom.n_layers;
+}
 
 void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out) {
-    if (e->sl) *out = e->sl->st;
+    if (kvb__sliced(e)) *out = kvb__sliced(e)->st;
     else memset(out, 0, sizeof *out);
 }
 
@@ -165,7 +167,7 @@ static kvb_status vreserve(kvb_slices *sl, int n) {
 
 /* Reads p->places into vmask / vdepth by view index, checking them. */
 static kvb_status read_places(kvb_engine *e, const kvb_view *v, const kvb_plan *p, char *err, size_t len) {
-    kvb_slices *sl = e->sl;
+    kvb_slices *sl = kvb__sliced(e);
     if (p->n_places > 0 && !sl)
         return kvb__refuse(err, len, "%d request placement(s): the pool is not sliced (the planner asks for one at setup)",
                       p->n_places);
@@ -252,7 +254,7 @@ static int64_t scratch_need(const kvb_slices *sl, const kvb_block_pool *pool, co
 kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p, const kvb_req_state *astate,
                              const uint8_t *asched, const int64_t *anew, char *err, size_t len) {
     KVB_TRY(read_places(e, v, p, err, len));
-    kvb_slices *sl = e->sl;
+    kvb_slices *sl = kvb__sliced(e);
     if (!sl) return KVB_OK;
     /* the blocks each running request holds after the plan: its own now, an admission's prefix hits */
     int64_t need = 0;
@@ -312,8 +314,7 @@ static kvb_status px_reserve(px_list *l, int n) {
 }
 
 /* Appends the pieces that copy rows [r0, r1) of K and of V between a slice and the host home of (id, l). */
-static void add_rows(kvb_engine *e, px_list *pl, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
-    kvb_slices *sl = e->sl;
+static void add_rows(kvb_slices *sl, px_list *pl, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
     if (r1 <= r0) return;
     unsigned char *h = sl->host + (size_t)id * sl->block_bytes + (size_t)l * sl->layer_bytes;
     unsigned char *d = slice;
@@ -338,14 +339,14 @@ static kvb_status post(kvb_engine *e, px_list *pl, int from, int to_host, uint64
 
 /* Moves layers off the device: stores what each host copy lacks (one transfer), waits for it, then
  * frees the slices. ids[k], layers[k] for k < n. */
-static kvb_status offload(kvb_engine *e, const int32_t *ids, const int *layers, int n) {
-    kvb_slices *sl = e->sl;
+static kvb_status evict_layers(kvb_engine *e, const int32_t *ids, const int *layers, int n) {
+    kvb_slices *sl = kvb__sliced(e);
     px_list *pl = &sl->ev;
     pl->n = pl->posted = 0;
     KVB_TRY(px_reserve(pl, 2 * n));
     for (int k = 0; k < n; k++) {
         uint16_t *hr = &sl->host_rows[(size_t)ids[k] * sl->L + layers[k]];
-        add_rows(e, pl, 1, kvb_block_pool_block_layer(e->pool, ids[k], layers[k]), ids[k], layers[k], *hr,
+        add_rows(sl, pl, 1, kvb_block_pool_block_layer(e->pool, ids[k], layers[k]), ids[k], layers[k], *hr,
                  sl->fill[ids[k]]);
     }
     uint64_t t;
@@ -363,7 +364,7 @@ static kvb_status offload(kvb_engine *e, const int32_t *ids, const int *layers, 
 /* Frees lazily held slices: an unreferenced cached block is dropped, else a layer of a paused request
  * leaves (deepest layer first, all its blocks there at once). KVB_ERR_EXHAUSTED if nothing is left. */
 static kvb_status make_room_once(kvb_engine *e) {
-    kvb_slices *sl = e->sl;
+    kvb_slices *sl = kvb__sliced(e);
     int before = kvb_block_pool_n_free_slices(e->pool);
     while (kvb_prefix_cache_evict(e->pc) == KVB_OK) {
         sl->st.cached_dropped++;
@@ -381,7 +382,7 @@ static kvb_status make_room_once(kvb_engine *e) {
                 sl->mv_layer[n++] = l;
             }
             if (n) {
-                KVB_TRY(offload(e, sl->mv_id, sl->mv_layer, n));
+                KVB_TRY(evict_layers(e, sl->mv_id, sl->mv_layer, n));
                 sl->st.paused_layers_moved++;
                 return KVB_OK;
             }
@@ -403,7 +404,7 @@ static kvb_status make_room(kvb_engine *e, int n) {
 }
 
 kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out) {
-    kvb_slices *sl = e->sl;
+    kvb_slices *sl = kvb__sliced(e);
     kvb_status st = kvb_block_pool_alloc_bare(e->pool, out);
     while (st == KVB_ERR_EXHAUSTED && kvb_prefix_cache_evict(e->pc) == KVB_OK) {
         sl->st.cached_dropped++;
@@ -422,15 +423,6 @@ static kvb_status entries_reserve(kvb_slices *sl, int n) {
     return KVB_OK;
 }
 
-static kvb_status install(kvb_engine *e, int n_sched);
-
-kvb_status kvb__slices_install(kvb_engine *e, int n_sched) {
-    if (!e->sl) return KVB_OK;
-    uint64_t t0 = kvb_now_ns();
-    kvb_status st = install(e, n_sched);
-    e->sl->st.install_ns += kvb_now_ns() - t0;
-    return st;
-}
 
 /* Blocks sequence sched[i] reads in this step. */
 static int step_blocks(const kvb_slices *sl, const kvb__seq *s) { return KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs); }
@@ -438,7 +430,7 @@ static int step_blocks(const kvb_slices *sl, const kvb__seq *s) { return KVB_DIV
 static int depth_of(const kvb_slices *sl, const kvb__seq *s) { return sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1; }
 
 static kvb_status install(kvb_engine *e, int n_sched) {
-    kvb_slices *sl = e->sl;
+    kvb_slices *sl = kvb__sliced(e);
     sl->n_sched_step = n_sched;
     want_clear(sl);
     for (kvb__seq *s = e->running.head; s; s = s->next)
@@ -457,12 +449,12 @@ static kvb_status install(kvb_engine *e, int n_sched) {
             n_on += want && !res;
         }
     }
-    if (n) KVB_TRY(offload(e, sl->mv_id, sl->mv_layer, n));
+    if (n) KVB_TRY(evict_layers(e, sl->mv_id, sl->mv_layer, n));
     /* the step's prefetch slots: depth x the largest host layer's non-resident blocks, per sequence
      * (counted as the install leaves residency) */
     int n_scratch = 0;
     for (int i = 0; i < n_sched; i++) {
-        kvb__seq *s = e->sched[i];
+        kvb__seq *s = e->step.sched[i];
         int64_t need = scratch_need(sl, e->pool, s->bt.ids, step_blocks(sl, s), 0, &sl->vmask[s->vidx], depth_of(sl, s),
                                     0 /* as wanted */);
         sl->s_first[i] = n_scratch;
@@ -481,7 +473,7 @@ static kvb_status install(kvb_engine *e, int n_sched) {
             int32_t id = sl->tlist[t];
             if (!sl->want[(size_t)id * sl->L + l] || kvb_block_pool_slice_resident(e->pool, id, l)) continue;
             KVB_TRY(kvb_block_pool_slice_alloc(e->pool, id, l)); /* make_room left enough */
-            add_rows(e, pl, 0, kvb_block_pool_block_layer(e->pool, id, l), id, l, 0, sl->fill[id]);
+            add_rows(sl, pl, 0, kvb_block_pool_block_layer(e->pool, id, l), id, l, 0, sl->fill[id]);
             sl->st.slices_onloaded++;
         }
         KVB_TRY(post(e, pl, from, 0, &sl->onload_t[l]));
@@ -507,8 +499,8 @@ static kvb_status install(kvb_engine *e, int n_sched) {
 /* Loads sched[i]'s host layer l into its slot (slot = rank of l among its host layers, modulo depth):
  * one transfer of every block of the sequence that is not on the device at l. */
 static kvb_status launch(kvb_engine *e, int i, int l) {
-    kvb_slices *sl = e->sl;
-    kvb__seq *s = e->sched[i];
+    kvb_slices *sl = kvb__sliced(e);
+    kvb__seq *s = e->step.sched[i];
     const sl_mask *m = &sl->vmask[s->vidx];
     int rank = 0;
     for (int k = 0; k < l; k++) rank += mask_has(m, k);
@@ -517,7 +509,7 @@ static kvb_status launch(kvb_engine *e, int i, int l) {
     for (int j = 0; j < nb; j++) {
         int32_t id = s->bt.ids[j];
         if (kvb_block_pool_slice_resident(e->pool, id, l)) continue;
-        add_rows(e, &sl->step, 0, kvb_block_pool_slice_addr(e->pool, sl->scratch[pos++]), id, l, 0, sl->fill[id]);
+        add_rows(sl, &sl->step, 0, kvb_block_pool_slice_addr(e->pool, sl->scratch[pos++]), id, l, 0, sl->fill[id]);
         sl->st.slices_prefetched++;
     }
     uint64_t t;
@@ -540,13 +532,12 @@ static int next_host(const kvb_slices *sl, int i, const kvb__seq *s, int l0) {
 /* Before the forward pass: the transfer pieces of the step (prefetches and the stores of the rows the
  * step writes into host layers), then each sequence loads its first `depth` host layers at once (the
  * greedy rule of §3.3.1 that the latency model simulates). */
-kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
-    kvb_slices *sl = e->sl;
-    if (!sl) return KVB_OK;
-    KVB_TRY(entries_reserve(sl, n_blk));
+static kvb_status prefetch_begin(kvb_engine *e) {
+    kvb_slices *sl = kvb__sliced(e);
+    KVB_TRY(entries_reserve(sl, e->step.n_ent));
     int n_sched = sl->n_sched_step, pieces = 0;
     for (int i = 0; i < n_sched; i++) {
-        kvb__seq *s = e->sched[i];
+        kvb__seq *s = e->step.sched[i];
         const sl_mask *m = &sl->vmask[s->vidx];
         int host = 0, nb = step_blocks(sl, s);
         for (int l = 0; l < sl->L; l++) host += mask_has(m, l);
@@ -557,7 +548,7 @@ kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
     sl->step.n = sl->step.posted = 0;
     KVB_TRY(px_reserve(&sl->step, pieces));
     for (int i = 0; i < n_sched; i++) {
-        kvb__seq *s = e->sched[i];
+        kvb__seq *s = e->step.sched[i];
         for (int k = 0; k < depth_of(sl, s); k++) {
             int l = next_host(sl, i, s, 0);
             if (l >= 0) KVB_TRY(launch(e, i, l));
@@ -566,15 +557,29 @@ kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
     return KVB_OK;
 }
 
+/* After the plan's operations: installs the placements and the step's prefetch slots, and launches the
+ * first prefetches. */
+static kvb_status sl_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
+    kvb_slices *sl = ctx;
+    uint64_t t0 = kvb_now_ns();
+    kvb_status st = install(e, e->step.n_sched);
+    sl->st.install_ns += kvb_now_ns() - t0;
+    KVB_TRY(st);
+    KVB_TRY(prefetch_begin(e));
+    *flags = KVB__STEP_ACTIVE | KVB__STEP_SYNC | KVB__STEP_LAYOUT;
+    return KVB_OK;
+}
+
 /* Layer l's pointers for the scheduled sequences: resident slices in place, the others from the
  * sequence's prefetch slot once its transfer (and any install load of the layer) has landed. */
-kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
-    kvb_slices *sl = e->sl;
+static kvb_status sl_layer_in(void *ctx, kvb_engine *e, int l) {
+    kvb_slices *sl = ctx;
+    int n_sched = e->step.n_sched;
     uint64_t t0 = kvb_now_ns();
     if (sl->onload_t[l]) KVB_TRY(kvb_stager_wait(e->stager, sl->onload_t[l]));
     for (int i = 0; i < n_sched; i++) {
-        kvb__seq *s = e->sched[i];
-        const kvb_attn_seq *as = &e->b_seqs[i];
+        kvb__seq *s = e->step.sched[i];
+        const kvb_attn_seq *as = &e->step.seqs[i];
         const sl_mask *m = &sl->vmask[s->vidx];
         int in_host = mask_has(m, l), rank = 0;
         if (in_host) {
@@ -589,13 +594,13 @@ kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
             int32_t id = s->bt.ids[j];
             sl->entry_scratch[ent] = -1;
             if (kvb_block_pool_slice_resident(e->pool, id, l)) {
-                e->blk_layer[ent] = kvb_block_pool_block_layer(e->pool, id, l);
+                e->step.layer[ent] = kvb_block_pool_block_layer(e->pool, id, l);
                 continue;
             }
             assert(in_host); /* the install gave every other layer a slice */
             int32_t k = sl->scratch[pos++];
             sl->entry_scratch[ent] = k;
-            e->blk_layer[ent] = kvb_block_pool_slice_addr(e->pool, k);
+            e->step.layer[ent] = kvb_block_pool_slice_addr(e->pool, k);
         }
     }
     sl->st.layer_ns += kvb_now_ns() - t0;
@@ -605,13 +610,14 @@ kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
 /* After layer l (the backend is idle): the rows the step wrote into prefetch slots go to their host
  * homes (in one transfer, waited for at the end of the step), and every sequence whose slot layer l
  * used launches its next host layer into it. */
-kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
-    kvb_slices *sl = e->sl;
+static kvb_status sl_layer_out(void *ctx, kvb_engine *e, int l) {
+    kvb_slices *sl = ctx;
+    int n_sched = e->step.n_sched;
     uint64_t t0 = kvb_now_ns();
     int from = sl->step.n;
     for (int i = 0; i < n_sched; i++) {
-        kvb__seq *s = e->sched[i];
-        const kvb_attn_seq *as = &e->b_seqs[i];
+        kvb__seq *s = e->step.sched[i];
+        const kvb_attn_seq *as = &e->step.seqs[i];
         int p0 = as->ctx_len - as->q_len, p1 = as->ctx_len;
         for (int j = p0 / sl->bs; j <= (p1 - 1) / sl->bs; j++) {
             int32_t k = sl->entry_scratch[as->blk_first + j];
@@ -620,14 +626,14 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
             int r0 = KVB_MAX(p0 - j * sl->bs, 0), r1 = KVB_MIN(p1 - j * sl->bs, sl->bs);
             uint16_t *hr = &sl->host_rows[(size_t)id * sl->L + l];
             assert(*hr == sl->fill[id] && r0 == *hr); /* appending right after the stored rows */
-            add_rows(e, &sl->step, 1, kvb_block_pool_slice_addr(e->pool, k), id, l, r0, r1);
+            add_rows(sl, &sl->step, 1, kvb_block_pool_slice_addr(e->pool, k), id, l, r0, r1);
             *hr = (uint16_t)r1; /* landed by the end of the step (kvb__slices_step_end drains) */
         }
     }
     uint64_t t;
     KVB_TRY(post(e, &sl->step, from, 1, &t));
     for (int i = 0; i < n_sched; i++) {
-        kvb__seq *s = e->sched[i];
+        kvb__seq *s = e->step.sched[i];
         if (!mask_has(&sl->vmask[s->vidx], l)) continue;
         int nl = next_host(sl, i, s, l + 1);
         if (nl >= 0) KVB_TRY(launch(e, i, nl));
@@ -636,25 +642,38 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
     return KVB_OK;
 }
 
-/* After the step: every transfer has landed, the blocks' fill grows by the rows written, prefetch
- * slots go back. */
-void kvb__slices_step_end(kvb_engine *e, int n_sched) {
-    kvb_slices *sl = e->sl;
-    if (!sl) return;
+/* After the step, ok or not: every transfer has landed, prefetch slots go back. */
+static void sl_step_end(void *ctx, kvb_engine *e, int ok) {
+    kvb_slices *sl = ctx;
+    (void)ok;
     if (sl->step.posted || sl->on.posted) (void)kvb_stager_drain(e->stager);
-
     sl->step.n = sl->step.posted = 0;
     sl->on.n = sl->on.posted = 0;
     for (int l = 0; l < sl->L; l++) sl->onload_t[l] = 0;
-    for (int i = 0; i < n_sched; i++) {
-        kvb__seq *s = e->sched[i];
-        const kvb_attn_seq *as = &e->b_seqs[i];
+    for (int k = 0; k < sl->n_scratch; k++) kvb_block_pool_scratch_free(e->pool, sl->scratch[k]);
+    sl->n_scratch = 0;
+}
+
+/* The step succeeded: the blocks' fill grows by the rows written. */
+static void sl_step_done(void *ctx, kvb_engine *e) {
+    kvb_slices *sl = ctx;
+    for (int i = 0; i < e->step.n_sched; i++) {
+        kvb__seq *s = e->step.sched[i];
+        const kvb_attn_seq *as = &e->step.seqs[i];
         int p0 = as->ctx_len - as->q_len;
         for (int j = p0 / sl->bs; j < as->n_blocks; j++) {
             int rows = KVB_MIN(as->ctx_len - j * sl->bs, sl->bs);
             if (rows > sl->fill[s->bt.ids[j]]) sl->fill[s->bt.ids[j]] = (uint16_t)rows;
         }
     }
-    for (int k = 0; k < sl->n_scratch; k++) kvb_block_pool_scratch_free(e->pool, sl->scratch[k]);
-    sl->n_scratch = 0;
 }
+
+static const kvb__mech_i slices_iface = {
+    .name = "sliced pool",
+    .step_begin = sl_step_begin,
+    .layer_in = sl_layer_in,
+    .layer_out = sl_layer_out,
+    .step_end = sl_step_end,
+    .step_done = sl_step_done,
+    .destroy = sl_destroy,
+};
