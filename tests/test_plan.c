@@ -4,6 +4,7 @@
  * lossless; the view says what the engine holds; the engine destroys its planner exactly once
  * whether or not kvb_engine_create succeeds. The model is a real safetensors directory written by
  * kvbank-mkmodel. */
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -13,7 +14,7 @@
 #include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
-#include "common/sched/scheduler.h"
+#include "common/policy/fcfs.h"
 #include "tests/harness.h"
 #include "tests/testmodel.h"
 
@@ -72,6 +73,8 @@ static kvb_engine *make_engine(rec *r, kvb_planner *pl, int bs, int n_blocks, in
     o.max_batch_tokens = budget;
     kvb_engine_events ev = {.ud = r, .on_token = on_token, .on_finish = on_finish};
     kvb_engine *e = NULL;
+    kvb_planner fcfs = kvb_policy_recompute(); /* NULL: vLLM scheduling */
+    if (!pl) pl = &fcfs;
     ck_assert_int_eq(kvb_engine_create(model, &o, pl, &ev, &e), KVB_OK);
     return e;
 }
@@ -219,7 +222,7 @@ typedef struct counting {
 
 static kvb_status counting_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     ((counting *)ctx)->steps++;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static void counting_destroy(void *ctx) { ((counting *)ctx)->destroyed++; }
@@ -341,7 +344,7 @@ static kvb_status scripted_residency(const scripted *s, const kvb_view *v, kvb_p
 /* A valid FCFS plan, then broken as asked. */
 static kvb_status scripted_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     scripted *s = ctx;
-    KVB_TRY(kvb_sched_fcfs(v, NULL, out));
+    KVB_TRY(kvb_fcfs(v, NULL, out));
     const kvb_plan_op *run = find_op(out, KVB_OP_RUN);
     int waiting = -1;
     for (int i = 0; i < v->n_reqs; i++)
@@ -535,7 +538,7 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     kvb_fcfs_opts o = {.preempt_op = m->m == MECH_SWAP ? KVB_OP_SWAP_OUT : KVB_OP_PREEMPT};
     m->host_free = v->pool.host_free + v->pool.host_evictable;
     m->host_capacity = v->pool.host_capacity;
-    KVB_TRY(kvb_sched_fcfs(v, &o, out));
+    KVB_TRY(kvb_fcfs(v, &o, out));
     if (m->m == MECH_DROP_HOST) out->prefix_serial = (int)(rng_next(&m->rng) % 4); /* the ablations' paths too */
     for (int i = 0; i < v->n_reqs; i++)
         if (v->reqs[i].state != KVB_REQ_RUNNING) forget(m, v->reqs[i].id);
@@ -915,7 +918,7 @@ static kvb_status pauser_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
         if (p->step == 9) KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_RESUME, .id = 0}));
     }
     p->step++;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static const kvb_planner_i pauser_iface = {.name = "pauser", .plan_step = pauser_plan};
@@ -973,7 +976,7 @@ static kvb_status viewer_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     ck_assert_int_le(blocks + v->pool.n_free + v->pool.n_evictable, v->pool.n_blocks);
     ck_assert_int_eq(kvb_view_find(v, 12345), -1);
     w->checked++;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static const kvb_planner_i viewer_iface = {.name = "viewer", .plan_step = viewer_plan};
@@ -988,6 +991,72 @@ KVB_TEST(view_is_the_engine) {
     kvb_engine_stats s;
     pressure(&got, &pl, 4, 18, 9, &s);
     ck_assert_int_gt(w.checked, 10);
+    assert_same(&ref, &got);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* Two threads check two plans of one view at once, while plan_step waits for them: the check owns its
+ * memory and the view's probe is safe to call from any thread, so each sees the answer it got alone
+ * (a solver thread may check its plans). */
+typedef struct checker {
+    const kvb_view *v;
+    const kvb_plan *p;
+    kvb_status want;
+    kvb_plan_cost cost;
+    int wrong;
+} checker;
+
+static void *check_loop(void *arg) {
+    checker *c = arg;
+    for (int k = 0; k < 400; k++) {
+        kvb_plan_cost got;
+        char err[256];
+        kvb_status st = kvb_sched_cost(c->v, c->p, &got, err, sizeof err);
+        if (st != c->want || (st == KVB_OK && memcmp(&got, &c->cost, sizeof got))) c->wrong++;
+    }
+    return NULL;
+}
+
+typedef struct threaded {
+    int rounds, wrong;
+} threaded;
+
+static kvb_status threaded_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    threaded *t = ctx;
+    kvb_plan a = {0}, b = {0};
+    kvb_plan_reset(&a);
+    kvb_plan_reset(&b);
+    /* a: vLLM's plan; b: its admissions alone, within a budget that leaves some behind */
+    kvb_status st = kvb_fcfs(v, NULL, &a);
+    kvb_fcfs_opts o = {.budget = 3};
+    if (st == KVB_OK) st = kvb_fcfs_admit(v, &o, &b);
+    checker c[2] = {{.v = v, .p = &a}, {.v = v, .p = &b}};
+    for (int i = 0; i < 2 && st == KVB_OK; i++) c[i].want = kvb_sched_cost(v, c[i].p, &c[i].cost, NULL, 0);
+    pthread_t th[2];
+    for (int i = 0; i < 2 && st == KVB_OK; i++) ck_assert_int_eq(pthread_create(&th[i], NULL, check_loop, &c[i]), 0);
+    for (int i = 0; i < 2 && st == KVB_OK; i++) pthread_join(th[i], NULL);
+    t->wrong += c[0].wrong + c[1].wrong;
+    t->rounds++;
+    if (st == KVB_OK) st = kvb_plan_copy_from(out, &a);
+    kvb_plan_free(&a);
+    kvb_plan_free(&b);
+    return st;
+}
+
+static const kvb_planner_i threaded_iface = {.name = "threaded", .plan_step = threaded_plan};
+
+KVB_TEST(check_from_threads) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    threaded t = {0};
+    kvb_planner pl = {&threaded_iface, &t};
+    kvb_engine_stats s;
+    pressure(&got, &pl, 4, 18, 9, &s);
+    ck_assert_int_gt(t.rounds, 10);
+    ck_assert_msg(t.wrong == 0, "%d of %d concurrent checks disagreed with the same check alone", t.wrong, t.rounds * 800);
     assert_same(&ref, &got);
     teardown_model();
 }
@@ -1027,6 +1096,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(orbitflow_late_decisions, 240), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
+              KVB_T(check_from_threads, 120),
               KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240), KVB_T(drop_blocks_swapped_layers_lossless, 240),
               KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240),
               KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60))

@@ -1,6 +1,5 @@
-/* kvbank — the engine's public API: create and destroy, requests, the step, statistics. The work is in
- * scheduler.c (queue, view, FCFS), executor.c (plans, the forward pass), stager.c (copies),
- * host_tier.c and lending.c (see state.h). */
+/* kvbank — the engine's public API: create and destroy, requests, the step, statistics. The work is in the
+ * files state.h lists. */
 #include "common/sched/engine.h"
 
 #include <stdio.h>
@@ -41,7 +40,7 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
                   .prefix_cache = e->o.enable_prefix_cache, .now_ns = kvb_wall_ns(),
                   .pool = {.capacity = e->o.n_blocks, .n_own = e->o.n_blocks, .n_blocks = e->o.n_blocks,
                            .n_free = e->o.n_blocks},
-                  .engine = e, .links = &e->o.links};
+                  .links = &e->o.links};
     kvb_status st = e->planner.iface->plan_pool(e->planner.ctx, &ev, &v, pp);
     if (st != KVB_OK) {
         KVB_LOG_E("engine: planner %s cannot set up: %s", e->planner.iface->name, kvb_status_str(st));
@@ -86,8 +85,9 @@ static kvb_status make_sliced(kvb_engine *e, const kvb_pool_plan *pp) {
 kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
                              const kvb_engine_events *ev, kvb_engine **out) {
     kvb_planner pl = planner && planner->iface ? *planner : (kvb_planner){0};
-    if (pl.iface && !pl.iface->plan_step) {
-        KVB_LOG_E("engine: planner %s has no plan_step", pl.iface->name ? pl.iface->name : "?");
+    if (!pl.iface || !pl.iface->plan_step) {
+        KVB_LOG_E("engine: %s", pl.iface ? "the planner has no plan_step"
+                                         : "no planner (kvb_policy_recompute schedules as vLLM does)");
         kvb_planner_destroy(&pl);
         return KVB_ERR_INVALID;
     }
@@ -105,6 +105,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
         kvb_planner_destroy(&pl);
         return st;
     }
+    pthread_mutex_init(&e->memo_mu, NULL);
     e->m = m;
     e->o = o;
     e->planner = pl; /* from here on kvb_engine_destroy destroys it */
@@ -115,7 +116,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
                                      .act_elem = (int)kvb_dtype_size(be->iface->act_dtype),
                                      .flops = o.links.measured_flops};
     KVB_TRY_GOTO(kvb_kv_geom_check(&e->geom), fail);
-    KVB_TRY_GOTO(kvb__hcache_init(e), fail);
+    KVB_TRY_GOTO(kvb__hcache_init(e), fail); /* the mechanisms that check plans on every engine */
+    KVB_TRY_GOTO(kvb__prefix_init(e), fail);
+    KVB_TRY_GOTO(kvb__offload_init(e), fail);
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
     if (pp.kv_mem) { /* the planner's memory replaces the options' */
@@ -161,11 +164,8 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     KVB_TRY_GOTO(kvb__residency_init(e), fail);
     if (pp.stage_slots > 0) KVB_TRY_GOTO(kvb__stage_reserve(e, pp.stage_slots), fail);
     e->max_borrowed = pp.limit_borrowed ? pp.max_borrowed : -1;
-    if (pp.host_tier_blocks > 0) { /* and the mechanisms that need it */
-        KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix, pp.host_layered), fail);
-        KVB_TRY_GOTO(kvb__prefix_init(e), fail);
-        KVB_TRY_GOTO(kvb__offload_init(e), fail);
-    }
+    if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix,
+                                                                        pp.host_layered), fail);
     *out = e;
     return KVB_OK;
 fail:
@@ -195,7 +195,7 @@ void kvb_engine_destroy(kvb_engine *e) {
         kvb_mem_free(kvb_model_backend(e->m)->mem, e->kv_mem);
     }
     kvb_planner_destroy(&e->planner);
-    kvb__sched_free(e);
+    kvb__view_free(e);
     free(e->loans);
     kvb__host_tier_free(e);
     free(e);

@@ -239,15 +239,14 @@ static void mechs_step_done(kvb_engine *e) {
 /* ---------------------------------------------------------------- the step */
 
 const char *kvb__planner_name(const kvb_engine *e) {
-    return e->planner.iface && e->planner.iface->name ? e->planner.iface->name : "fcfs";
+    return e->planner.iface && e->planner.iface->name ? e->planner.iface->name : "?";
 }
 
-/* Asks the planner (or the built-in FCFS) for the plan and checks it. Nothing changes on failure. */
+/* Asks the planner for the plan and checks it. Nothing changes on failure. */
 static kvb_status make_plan(kvb_engine *e) {
     KVB_TRY(kvb__view_build(e));
     kvb_plan_reset(&e->plan);
-    kvb_status st = e->planner.iface ? e->planner.iface->plan_step(e->planner.ctx, &e->view, &e->plan)
-                                     : kvb_sched_fcfs(&e->view, NULL, &e->plan);
+    kvb_status st = e->planner.iface->plan_step(e->planner.ctx, &e->view, &e->plan);
     if (st != KVB_OK) {
         snprintf(e->last_error, sizeof e->last_error, "planner %s failed: %s", kvb__planner_name(e), kvb_status_str(st));
         KVB_LOG_E("engine: %s", e->last_error);

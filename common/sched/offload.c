@@ -23,8 +23,29 @@ static offload *get(const kvb_engine *e) { return e->mech[KVB__MECH_OFFLOAD].ctx
 static size_t layer_bytes(const kvb_engine *e) { return kvb_kv_layer_bytes(&e->geom); }
 
 /* Layer l's slice of staging block k. */
-static void *slice(const kvb_engine *e, const offload *o, int k, int l) {
+static void *stage_slice(const kvb_engine *e, const offload *o, int k, int l) {
     return (char *)o->stage + ((size_t)(l & 1) * (size_t)o->n + (size_t)k) * layer_bytes(e);
+}
+
+static kvb_status off_check_op(void *ctx, const kvb_engine *e, kvb_acct *a, const kvb_plan_op *op, int k, char *err,
+                               size_t len) {
+    (void)ctx;
+    if (op->kind != KVB_OP_ADMIT || !op->offload) return KVB_OK;
+    const kvb_view *v = a->v;
+    const kvb_req_view *r = &v->reqs[kvb_view_find(v, op->id)];
+    unsigned long long id = (unsigned long long)op->id;
+    if (!e->ht_pool || v->prefix_cache || op->placed || kvb__sliced(e))
+        return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): an offloaded admission needs a host tier, the "
+                               "prefix cache off, no placed blocks and a block-major pool", k, id);
+    if (op->q_len < r->n_tokens)
+        return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): an offloaded admission computes all %d tokens, "
+                               "q_len is %d", k, id, r->n_tokens, op->q_len);
+    int hb = KVB_DIV_CEIL(r->n_tokens, v->geom->block_size);
+    if (hb > a->host_left)
+        return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): offloading needs %d host-tier block(s), the "
+                               "host tier can give %d at this point of the plan", k, id, hb, a->host_left);
+    a->host_left -= hb;
+    return KVB_OK;
 }
 
 kvb_status kvb__offload_admit(kvb_engine *e, kvb__seq *s) {
@@ -68,7 +89,7 @@ static kvb_status off_layer_in(void *ctx, kvb_engine *e, int l) {
     offload *o = ctx;
     if (o->t[l & 1]) KVB_TRY(kvb_stager_wait(e->stager, o->t[l & 1]));
     for (int j = 0; j < e->step.n_ent; j++)
-        if (e->step.ent[j].kind == KVB__ENT_OFFLOAD) e->step.layer[j] = slice(e, o, e->step.ent[j].slice, l);
+        if (e->step.ent[j].kind == KVB__ENT_OFFLOAD) e->step.layer[j] = stage_slice(e, o, e->step.ent[j].slice, l);
     return KVB_OK;
 }
 
@@ -80,7 +101,7 @@ static kvb_status off_layer_out(void *ctx, kvb_engine *e, int l) {
     for (int j = 0; j < e->step.n_ent; j++) {
         const kvb__entry *x = &e->step.ent[j];
         if (x->kind == KVB__ENT_OFFLOAD)
-            *kvb__xlist_add(&o->xl) = (kvb_xfer){(char *)x->base + (size_t)l * lb, slice(e, o, x->slice, l), lb};
+            *kvb__xlist_add(&o->xl) = (kvb_xfer){(char *)x->base + (size_t)l * lb, stage_slice(e, o, x->slice, l), lb};
     }
     return kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_D2H, first, o->n, &o->t[l & 1]);
 }
@@ -118,6 +139,7 @@ static void off_destroy(void *ctx, kvb_engine *e) {
 
 static const kvb__mech_i offload_iface = {
     .name = "offload",
+    .check_op = off_check_op,
     .step_begin = off_step_begin,
     .layer_in = off_layer_in,
     .layer_out = off_layer_out,

@@ -75,13 +75,13 @@ static kvb_status copy_get(residency *r, kvb_engine *e, int32_t id, int32_t *out
     return KVB_OK;
 }
 
-int kvb__host_copy_exists(const kvb_engine *e, int32_t id) {
+static int host_copy_exists(const kvb_engine *e, int32_t id) {
     const residency *r = get(e);
     return r && id >= 0 && id < r->copy_cap && r->copy[id] >= 0;
 }
 
-int kvb__host_copy_has(const kvb_engine *e, int32_t id, int l) {
-    return kvb__host_copy_exists(e, id) && get(e)->copy_ok[(size_t)id * e->geom.n_layers + l];
+static int host_copy_has(const kvb_engine *e, int32_t id, int l) {
+    return host_copy_exists(e, id) && get(e)->copy_ok[(size_t)id * e->geom.n_layers + l];
 }
 
 static void rs_block_free(void *ctx, kvb_engine *e, int32_t id) {
@@ -323,7 +323,7 @@ static void rs_step_end(void *ctx, kvb_engine *e, int ok) {
         int p0 = as->ctx_len - as->q_len, p1 = as->ctx_len;
         for (int bj = p0 / bs; bj <= (p1 - 1) / bs; bj++) {
             const kvb__entry *x = &st->ent[as->blk_first + bj];
-            if (x->kind != KVB__ENT_BLOCK || !kvb__host_copy_exists(e, x->block)) continue;
+            if (x->kind != KVB__ENT_BLOCK || !host_copy_exists(e, x->block)) continue;
             for (int l = 0; l < L; l++)
                 if (where(r, e, x->block, l) != KVB_RES_HOST) r->copy_ok[(size_t)x->block * L + l] = 0;
         }
@@ -339,6 +339,190 @@ static void rs_step_end(void *ctx, kvb_engine *e, int ok) {
         for (int k = 0; k < e->plan.n_res; k++) r->first[e->plan.res[k].block] = -1;
     r->indexed = 0;
 }
+
+/* Marks of the blocks the plan's scheduled requests read (1) and write (2) this step. */
+static kvb_status step_marks(const kvb_engine *e, kvb_acct *a, const kvb_plan *p, uint8_t **out) {
+    const kvb_view *v = a->v;
+    int bs = v->geom->block_size;
+    uint8_t *m = NULL;
+    KVB_TRY(kvb_calloc((size_t)kvb_block_pool_id_limit(e->pool), 1, (void **)&m));
+    for (int k = 0; k < p->n_ops; k++) {
+        const kvb_plan_op *op = &p->ops[k];
+        int i = kvb_view_find(v, op->id);
+        const kvb_req_view *r = &v->reqs[i];
+        if (op->kind == KVB_OP_RUN && r->state != KVB_REQ_SWAPPED) {
+            for (int j = 0; j < r->n_blocks; j++) {
+                int jl = r->n_dropped + j; /* its block index in the request */
+                if (jl < a->dropped[i]) continue; /* released by a DROP of this plan */
+                int w = (jl + 1) * bs > r->n_computed || (op->n_absent % bs && jl == op->n_absent / bs);
+                m[r->blocks[j]] |= (uint8_t)(1 | (w ? 2 : 0));
+            }
+        } else if (op->kind == KVB_OP_ADMIT) {
+            kvb_view_hits pm;
+            kvb_status st = kvb_acct_hits(a, i, &pm);
+            if (st != KVB_OK) {
+                free(m);
+                return st;
+            }
+            for (int j = 0; j < pm.n_hit; j++) m[pm.ids[j]] |= 1;
+        }
+    }
+    *out = m;
+    return KVB_OK;
+}
+
+/* Whether the block's host copy holds layer l now, or a STORE of this plan at once (-1) makes it. */
+static int copy_has_layer(const kvb_engine *e, const kvb_plan *p, int32_t id, int l) {
+    if (host_copy_has(e, id, l)) return 1;
+    for (int c = 0; c < p->n_copies; c++) {
+        const kvb_plan_copy *cp = &p->copies[c];
+        if (cp->dir == KVB_COPY_STORE && cp->block == id && cp->layer == -1 && l >= cp->layer0 && l < cp->layer1) return 1;
+    }
+    return 0;
+}
+
+/* An ABSENT block must not be read this step: every RUN request holding it recomputes it (n_absent
+ * covers it) and no admission reuses it. */
+static kvb_status absent_readers(kvb_acct *a, const kvb_plan *p, int32_t id, int r, char *err, size_t len) {
+    const kvb_view *v = a->v;
+    int bs = v->geom->block_size;
+    for (int k = 0; k < p->n_ops; k++) {
+        const kvb_plan_op *op = &p->ops[k];
+        int i = kvb_view_find(v, op->id);
+        const kvb_req_view *q = &v->reqs[i];
+        if (op->kind == KVB_OP_RUN && q->state != KVB_REQ_SWAPPED) {
+            for (int j = 0; j < q->n_blocks; j++)
+                if (q->blocks[j] == id && (j + 1) * bs > op->n_absent)
+                    return kvb_plan_refuse(err, len, "residency %d: block %d is ABSENT but request %llu reads it (n_absent %d)", r,
+                                  (int)id, (unsigned long long)op->id, op->n_absent);
+        } else if (op->kind == KVB_OP_ADMIT) {
+            kvb_view_hits pm;
+            KVB_TRY(kvb_acct_hits(a, i, &pm));
+            for (int j = 0; j < pm.n_hit; j++)
+                if (pm.ids[j] == id)
+                    return kvb_plan_refuse(err, len, "residency %d: block %d is ABSENT but request %llu reuses it", r, (int)id,
+                                  (unsigned long long)op->id);
+        }
+    }
+    return KVB_OK;
+}
+
+/* Checks the plan's residency exceptions and copy orders (after its operations were accounted). */
+static kvb_status rs_check_plan(void *ctx, const kvb_engine *e, kvb_acct *a, const kvb_plan *p, char *err, size_t len) {
+    (void)ctx;
+    const kvb_view *v = a->v;
+    int L = v->geom->n_layers;
+    if (p->lent_default != KVB_RES_LENT && p->lent_default != KVB_RES_STREAM)
+        return kvb_plan_refuse(err, len, "lent_default %s: borrowed blocks are read LENT (in place) or STREAM",
+                      kvb_residency_str(p->lent_default));
+    if (p->n_res == 0 && p->n_copies == 0 && p->lent_default == KVB_RES_LENT) return KVB_OK;
+    if (kvb__sliced(e))
+        return kvb_plan_refuse(err, len, "a sliced pool takes request-level placements (kvb_plan_place), not residency "
+                           "exceptions, copy orders or streamed borrowed blocks");
+    uint8_t *mark = NULL;
+    int32_t *first = NULL, *next = NULL;
+    kvb_status st = KVB_OK;
+    int ids = kvb_block_pool_id_limit(e->pool), staged = 0, new_copies = 0;
+    KVB_TRY_GOTO(step_marks(e, a, p, &mark), out);
+    KVB_TRY_GOTO(kvb_malloc((size_t)ids * sizeof *first, (void **)&first), out);
+    KVB_TRY_GOTO(kvb_malloc((size_t)(p->n_res + 1) * sizeof *next, (void **)&next), out);
+    for (int i = 0; i < ids; i++) first[i] = -1;
+    for (int r = 0; r < p->n_res && st == KVB_OK; r++) {
+        const kvb_plan_res *x = &p->res[r];
+        int32_t id = x->block;
+        if (!kvb_block_pool_has(e->pool, id)) {
+            st = kvb_plan_refuse(err, len, "residency %d: block %d is not a block of the pool", r, (int)id);
+            break;
+        }
+        if (x->layer0 < 0 || x->layer0 >= x->layer1 || x->layer1 > L) {
+            st = kvb_plan_refuse(err, len, "residency %d (block %d): layers [%d, %d) are not a range of the model's %d", r, (int)id,
+                        x->layer0, x->layer1, L);
+            break;
+        }
+        int lent = kvb_block_pool_is_attached(e->pool, id);
+        switch (x->where) {
+        case KVB_RES_LOCAL:
+            if (lent) st = kvb_plan_refuse(err, len, "residency %d: block %d is borrowed; LOCAL is for the process's own blocks", r,
+                                  (int)id);
+            break;
+        case KVB_RES_LENT:
+        case KVB_RES_STREAM:
+            if (!lent) st = kvb_plan_refuse(err, len, "residency %d: block %d is not borrowed; %s is for borrowed blocks", r,
+                                   (int)id, kvb_residency_str(x->where));
+            break;
+        case KVB_RES_HOST:
+            for (int l = x->layer0; l < x->layer1 && st == KVB_OK; l++)
+                if (!copy_has_layer(e, p, id, l))
+                    st = kvb_plan_refuse(err, len, "residency %d: block %d has no host copy of layer %d (STORE it first)", r,
+                                (int)id, l);
+            break;
+        case KVB_RES_ABSENT:
+            if (mark[id]) st = absent_readers(a, p, id, r, err, len);
+            break;
+        default: st = kvb_plan_refuse(err, len, "residency %d (block %d): unknown residency %d", r, (int)id, (int)x->where);
+        }
+        if (st != KVB_OK) break;
+        for (int o = first[id]; o >= 0; o = next[o])
+            if (p->res[o].layer0 < x->layer1 && x->layer0 < p->res[o].layer1) {
+                st = kvb_plan_refuse(err, len, "residency %d and %d both give block %d's layers %d..", o, r, (int)id,
+                            KVB_MAX(x->layer0, p->res[o].layer0));
+                break;
+            }
+        if (first[id] < 0 && (x->where == KVB_RES_STREAM || x->where == KVB_RES_HOST)) staged++;
+        next[r] = first[id];
+        first[id] = r;
+    }
+    for (int c = 0; c < p->n_copies && st == KVB_OK; c++) {
+        const kvb_plan_copy *cp = &p->copies[c];
+        int32_t id = cp->block;
+        int load = cp->dir == KVB_COPY_LOAD;
+        if (cp->dir != KVB_COPY_LOAD && cp->dir != KVB_COPY_STORE) {
+            st = kvb_plan_refuse(err, len, "copy %d: unknown direction %d", c, (int)cp->dir);
+        } else if (!e->ht_pool) {
+            st = kvb_plan_refuse(err, len, "copy %d: the engine has no host tier (plan_pool sets host_tier_blocks)", c);
+        } else if (!kvb_block_pool_has(e->pool, id)) {
+            st = kvb_plan_refuse(err, len, "copy %d: block %d is not a block of the pool", c, (int)id);
+        } else if (cp->layer0 < 0 || cp->layer0 >= cp->layer1 || cp->layer1 > L) {
+            st = kvb_plan_refuse(err, len, "copy %d (block %d): layers [%d, %d) are not a range of the model's %d", c, (int)id,
+                        cp->layer0, cp->layer1, L);
+        } else if (load ? (cp->layer < 0 || cp->layer >= L) : (cp->layer < -1 || cp->layer >= L)) {
+            st = kvb_plan_refuse(err, len, "copy %d (block %d): a %s at layer %d", c, (int)id, load ? "LOAD due before" :
+                        "STORE after", cp->layer);
+        } else if (load) {
+            for (int l = cp->layer0; l < cp->layer1 && st == KVB_OK; l++)
+                if (!host_copy_has(e, id, l))
+                    st = kvb_plan_refuse(err, len, "copy %d: LOAD of block %d layer %d from the host tier, which does not hold it",
+                                c, (int)id, l);
+            if (st == KVB_OK && mark[id] && cp->layer > cp->layer0)
+                st = kvb_plan_refuse(err, len, "copy %d: LOAD of block %d layers [%d, %d) is due before layer %d, but the step "
+                            "reads it at layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer0);
+        } else {
+            if ((mark[id] & 2) && cp->layer < cp->layer1 - 1)
+                st = kvb_plan_refuse(err, len, "copy %d: STORE of block %d layers [%d, %d) after layer %d, but the step writes the "
+                            "block until layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer1 - 1);
+            int fresh = !host_copy_exists(e, id);
+            for (int o = 0; o < c && fresh; o++) fresh = !(p->copies[o].dir == KVB_COPY_STORE && p->copies[o].block == id);
+            new_copies += fresh;
+        }
+    }
+    if (st != KVB_OK) goto out;
+    if (new_copies > a->host_left) {
+        st = kvb_plan_refuse(err, len, "the plan's STOREs need %d new host copies, the host tier can give %d", new_copies,
+                    a->host_left);
+        goto out;
+    }
+    a->host_left -= new_copies;
+    int64_t bound = staged + (p->lent_default == KVB_RES_STREAM ? KVB_MIN((int64_t)v->pool.n_borrowed, a->touched) : 0);
+    if (bound > v->pool.stage_slots)
+        st = kvb_plan_refuse(err, len, "the plan may read %lld blocks through stage buffers, there are slots for %d (plan_pool's "
+                    "stage_slots)", (long long)bound, v->pool.stage_slots);
+out:
+    free(mark);
+    free(first);
+    free(next);
+    return st;
+}
+
 
 static void rs_destroy(void *ctx, kvb_engine *e) {
     (void)e;
@@ -356,6 +540,7 @@ static void rs_destroy(void *ctx, kvb_engine *e) {
 
 static const kvb__mech_i residency_iface = {
     .name = "residency",
+    .check_plan = rs_check_plan,
     .step_begin = rs_step_begin,
     .layer_in = rs_layer_in,
     .layer_out = rs_layer_out,

@@ -1,10 +1,17 @@
-/* kvbank — the engine's state, shared by the files of common/sched (not a public interface):
+/* kvbank — the engine's state, shared by the files of common/sched (not a public interface). By job:
  *   engine.c     the public API: create, destroy, requests, step, statistics
- *   scheduler.c  the queue (requests and their lists), the planner's view, plan accounting, FCFS
- *   executor.c   plan validation and application, per-layer block pointers, the forward pass, results
- *   stager.c     the copy thread (layer stream cache) between tiers
- *   host_tier.c  the host tier behind the prefix cache
- *   lending.c    shrink / grow (worker), attach / detach (master) */
+ *   lending.c    shrink / grow (worker), attach / detach (master)
+ *   executor.c   plan making, the generic apply of a plan, the layer loop over the mechanisms, sampling
+ *   layout.c     the step's batch: attention entries, recomputed prefixes over scratch slices
+ *   step.c       the step's memory
+ *   view.c       the planner's view and its functions (probe, the mechanisms' checks)
+ *   check.c      the plan check's generic accounting (check.h, also for planners)
+ *   queue.c      requests and their lists, release, preemption, end
+ *   host_tier.c  the host tier behind the pool (and its layered loads), swap.c the swaps over it
+ *   mechanisms (mech.h): slices.c, prefix.c, offload.c, residency.c, hcache.c
+ *   stager.c     the copy threads between tiers and the link model
+ * Calls go down that list (engine.c and lending.c call the rest; the mechanisms call queue.c, layout.c,
+ * host_tier.c); what calls up goes through kvb__mech_i or kvb_view_ops. */
 #ifndef KVB_SCHED_STATE_H
 #define KVB_SCHED_STATE_H
 
@@ -15,7 +22,7 @@
 #include "common/kv/prefix_cache.h"
 #include "common/sched/engine.h"
 #include "common/sched/mech.h"
-#include "common/sched/scheduler.h"
+#include "common/sched/check.h"
 #include "common/sched/stager.h"
 
 #define KVB_MAX_LAYERS 256 /* layers a sliced pool's placements can name */
@@ -69,15 +76,6 @@ typedef struct kvb__loan {
     int32_t first;     /* first block id of the segment */
     int n;             /* blocks */
 } kvb__loan;
-
-/* What the scheduler's probe found for one request of the view (valid while the view is). */
-typedef struct kvb__memo {
-    int done;            /* probed in this view */
-    int n_hit;           /* pool blocks */
-    int hit_off;         /* their ids: e->memo_ids[hit_off .. hit_off + n_hit) */
-    int n_host_hit;      /* host-tier blocks after them */
-    uint64_t last_hash;  /* chained hash after all the hits (pool and host) */
-} kvb__memo;
 
 /* What one entry of the step's attention blocks (kvb_attn_seq.blk_first + j) reads. */
 typedef enum kvb__ent_kind {
@@ -141,31 +139,24 @@ struct kvb_engine {
     int planner_kv;          /* the planner brought the KV memory (SETUP) */
     int max_borrowed;        /* >= 0: the planner attaches at most this many blocks (SETUP); -1: no limit */
     int max_rows;            /* rows the forward pass holds: max_batch_tokens + extra rows */
-    /* the queues (scheduler.c) */
+    /* the queues (queue.c) */
     kvb__seq_list waiting;   /* by arrival; preempted requests go back in arrival order */
     kvb__seq_list running;   /* by arrival (paused ones included) */
     kvb__seq_list swapped;   /* by arrival: KV in the host tier (seq.host_bt) */
     uint64_t next_arrival;
     kvb_engine_stats stats;
     char last_error[256];    /* why the last kvb_engine_add failed, or the last plan was refused */
-    /* the planner's view and plan (scheduler.c, executor.c) */
+    /* the planner's view (view.c) and plan (executor.c) */
     kvb_view view;
     kvb_req_view *vreqs;     /* [vcap] */
     kvb__seq **vseq;         /* [vcap] the request behind each view entry */
     int vcap;
     int32_t *vhash;          /* [vhash_cap] open-addressing map id -> view index, -1 empty */
     int vhash_cap;           /* power of two >= 2 * n_reqs */
-    kvb__memo *memo;         /* [vcap] */
-    int32_t *memo_ids;       /* hit ids of all probes of this view */
+    struct kvb__memo *memo;  /* [vcap] what each request's prefix probe found (view.c) */
+    int32_t *memo_ids;       /* [memo_cap] the probes' hit ids, memo_n of them reserved for this view */
     int memo_n, memo_cap;
-    int32_t *adj;            /* [adj_cap] per block id: refcount change the plan makes (accounting) */
-    int adj_cap;
-    int32_t *adj_touched;    /* ids with adj != 0, to reset */
-    int adj_n, adj_touched_cap;
-    kvb_req_state *astate;   /* [vcap] state of each request after the plan's operations so far */
-    uint8_t *asched;         /* [vcap] 1 once the request has a RUN or ADMIT in the plan */
-    int32_t *adrop;          /* [vcap] its released leading blocks after the plan's DROPs so far */
-    int64_t *anew;           /* [vcap] per request: new blocks the plan being checked gives it */
+    pthread_mutex_t memo_mu; /* probes may run on a planner's thread */
     kvb_plan plan;
     kvb_model_info model_info; /* what the view tells planners about the model (view.model) */
     /* the step (executor.c, layout.c) and the mechanisms that carry it out (mech.h) */
@@ -193,7 +184,7 @@ struct kvb_engine {
 /* The sliced pool's manager, NULL when the pool is block-major. */
 static inline kvb_slices *kvb__sliced(const kvb_engine *e) { return e->mech[KVB__MECH_SLICES].ctx; }
 
-/* ---------------------------------------------------------------- scheduler.c */
+/* ---------------------------------------------------------------- queue.c */
 void kvb__list_remove(kvb__seq_list *l, kvb__seq *s);
 void kvb__list_insert_ordered(kvb__seq_list *l, kvb__seq *s);
 kvb__seq *kvb__find_seq(const kvb__seq_list *l, uint64_t id);
@@ -203,46 +194,46 @@ void kvb__seq_drop_kv(kvb_engine *e, kvb__seq *s);
 void kvb__block_forget(kvb_engine *e, int32_t id);
 /* Drops one reference of pool block `id`; the mechanisms hear of its last (block_free). */
 void kvb__block_unref(kvb_engine *e, int32_t id);
-/* Releases the request's pool blocks (kvb__block_unref each; published ones stay cached). */
+/* Releases the request's pool blocks (published ones stay cached); the mechanisms hear of each last
+ * reference. */
 void kvb__seq_release_blocks(kvb_engine *e, kvb__seq *s);
 /* Removes `s` from `l`, frees it and reports on_finish. */
 void kvb__finish(kvb_engine *e, kvb__seq_list *l, kvb__seq *s, kvb_finish why, kvb_status err);
-/* Preemption by recompute: releases the running sequence's blocks (published ones stay cached) and
+/* Preemption by recompute: releases the running request's blocks (published ones stay cached) and
  * puts it back in the queue in arrival order with its prompt plus the tokens it generated. */
 void kvb__preempt_seq(kvb_engine *e, kvb__seq *victim);
 /* Blocks `s` needs at most over its life (prompt + max_tokens). */
 int64_t kvb__seq_need_blocks(const kvb_engine *e, const kvb__seq *s);
 /* The body of kvb_engine_add. */
 kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r);
+
+/* ---------------------------------------------------------------- view.c */
 /* Rebuilds e->view from the engine's state. KVB_ERR_NOMEM. */
 kvb_status kvb__view_build(kvb_engine *e);
 /* Checks e->plan against e->view; the sentence goes to e->last_error. */
 kvb_status kvb__plan_check(kvb_engine *e, kvb_plan_cost *cost);
 /* Calls the planner's plan_pool (if any) with a fresh view; `out` holds the current values. */
 kvb_status kvb__plan_pool(kvb_engine *e, const kvb_pool_event *ev, kvb_pool_plan *out);
-/* The probe results of request vidx (computed on first use). */
-kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const kvb__memo **out);
-void kvb__sched_free(kvb_engine *e);
-
-/* Writes a plan's refusal (printf format) to err[len] (may be NULL) and returns KVB_ERR_INVALID. */
-__attribute__((format(printf, 3, 4))) kvb_status kvb__refuse(char *err, size_t len, const char *fmt, ...);
+void kvb__view_free(kvb_engine *e);
 
 /* ---------------------------------------------------------------- executor.c */
 kvb_status kvb__exec_step(kvb_engine *e);
 void kvb__exec_free(kvb_engine *e);
 const char *kvb__planner_name(const kvb_engine *e);
 
-/* ---------------------------------------------------------------- layout.c */
+/* ---------------------------------------------------------------- step.c */
 kvb_status kvb__step_init(kvb_engine *e);
 void kvb__step_free(kvb_engine *e);
-/* Lays out e->step.sched's batch into e->step and *b. KVB_ERR_NOMEM. */
-kvb_status kvb__layout(kvb_engine *e, kvb_batch *b);
-/* Every entry's slice of layer l from the pool or the scratch (e->step.layer). */
-void kvb__layout_layer(kvb_engine *e, int l);
 /* Scratch slice k of layer l (its parity when the step loads prefix layers). */
 void *kvb__scratch_slice(const kvb_engine *e, int k, int l);
 /* Backend memory of at least `bytes` at *mem (of *have bytes), kept across steps: grown, never shrunk. */
 kvb_status kvb__backend_reserve(kvb_engine *e, size_t bytes, void **mem, size_t *have);
+
+/* ---------------------------------------------------------------- layout.c */
+/* Lays out e->step.sched's batch into e->step and *b. KVB_ERR_NOMEM. */
+kvb_status kvb__layout(kvb_engine *e, kvb_batch *b);
+/* Every entry's slice of layer l from the pool or the scratch (e->step.layer). */
+void kvb__layout_layer(kvb_engine *e, int l);
 
 /* ---------------------------------------------------------------- the mechanisms' own entry points */
 /* offload.c: ADMIT offload of s (host-tier blocks for its whole prompt, no pool block). */
@@ -258,9 +249,6 @@ int kvb__prefix_kept_layers(const kvb_engine *e, const kvb__seq *s);
 kvb_status kvb__residency_init(kvb_engine *e);
 /* Stage buffers for `slots` staged blocks (2 single-layer buffers each). */
 kvb_status kvb__stage_reserve(kvb_engine *e, int slots);
-/* Whether pool block id has a host copy / one holding layer l. */
-int kvb__host_copy_exists(const kvb_engine *e, int32_t id);
-int kvb__host_copy_has(const kvb_engine *e, int32_t id, int l);
 /* swap.c: KVB_OP_SWAP_OUT (n_hidden layers left as hidden states) and KVB_OP_SWAP_IN. */
 kvb_status kvb__swap_out(kvb_engine *e, kvb__seq *s, int n_hidden);
 kvb_status kvb__swap_in(kvb_engine *e, kvb__seq *s, const kvb_plan_op *op);
@@ -274,33 +262,11 @@ int kvb__hcache_swapped_layers(const kvb__seq *s);
 /* SWAP_IN: rebuilds the K and V of the layers s left as hidden states into its (new) blocks. */
 kvb_status kvb__hcache_restore(kvb_engine *e, kvb__seq *s);
 
-/* ---------------------------------------------------------------- mechanisms, for the files that own requests */
-/* Each mechanism's seq_release for s. */
-static inline void kvb__mechs_seq_release(kvb_engine *e, kvb__seq *s, kvb__release why) {
-    for (int k = 0; k < KVB__MECH_COUNT; k++) {
-        const kvb__mech *m = &e->mech[k];
-        if (m->iface && m->iface->seq_release) m->iface->seq_release(m->ctx, e, s, why);
-    }
-}
-
-/* Each mechanism's view_req for s. */
-static inline void kvb__mechs_view_req(const kvb_engine *e, const kvb__seq *s, kvb_req_view *r) {
-    for (int k = 0; k < KVB__MECH_COUNT; k++) {
-        const kvb__mech *m = &e->mech[k];
-        if (m->iface && m->iface->view_req) m->iface->view_req(m->ctx, e, s, r);
-    }
-}
-
 /* ---------------------------------------------------------------- slices.c (sliced pools) */
 /* Sets up the manager for a sliced pool of n_ids ids (host homes included); min_layers: see
  * kvb_pool_plan.sliced_min_layers. */
 kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers);
 int kvb__slices_min_layers(const kvb_engine *e);
-/* Reads the plan's placements (refusing bad ones; any placement without a sliced pool) and, for a
- * sliced pool, checks the device slices the plan needs: astate / asched / anew per view index are the
- * accounting's state after the operations (anew: new blocks each request gets). */
-kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p, const kvb_req_state *astate,
-                             const uint8_t *asched, const int64_t *anew, char *err, size_t len);
 /* A new block id for a sequence (no slice yet; its layers get slices at the install). */
 kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out);
 
