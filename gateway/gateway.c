@@ -407,11 +407,14 @@ static void stream_start_response(gw_stream *s) {
     count_http(s->g, s->ep, 200);
 }
 
-/* Hands `out` to h2o (the last thing a pump does: h2o may call back at once). */
+/* Hands `out` to h2o (the last thing a pump does: h2o may call back at once). h2o keeps the buffer
+ * until it calls proceed; HTTP/2 copies it into a frame only when the connection next flushes and
+ * HTTP/1 hands it to uv_write. A final send gets no proceed, and the stream is freed right after it,
+ * so its buffer is a copy in the request's pool, which h2o frees once it is done with the request. */
 static void stream_write(gw_stream *s, int final) {
-    h2o_iovec_t iov = h2o_iovec_init(s->out, s->out_len);
-    s->sending = 1;
     h2o_req_t *req = s->req;
+    h2o_iovec_t iov = final ? h2o_strdup(&req->pool, s->out ? s->out : "", s->out_len) : h2o_iovec_init(s->out, s->out_len);
+    s->sending = 1;
     if (final) {
         s->h2o_done = 1; /* h2o calls neither proceed nor stop after a final send */
         if (s->link) s->link->s = NULL;
