@@ -67,6 +67,9 @@ typedef struct gw_error {
 
 void gw_error_set(gw_error *e, int status, const char *type, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
+/* `s` cut to at most n - 4 bytes on a UTF-8 character boundary, "..." added when cut, into buf[n];
+ * returns buf. For names a client sent that an error message repeats. */
+const char *gw_clip(const char *s, char *buf, size_t n);
 /* The OpenAI error body {"error": {"message", "type", "param", "code"}}; caller frees. */
 char *gw_error_body(const gw_error *e, size_t *len);
 

@@ -53,10 +53,34 @@
 #define STALE_FACTOR 3            /* a coordinator / model silent for 3 status periods does not "answer" */
 #define DEFAULT_MAX_TOKENS 16     /* completions without max_tokens (OpenAI's default) */
 #define SUBMIT_TIMEOUT_MS 1000    /* how long a send to a model may wait for queue room */
-#define SHUTDOWN_MS 2000          /* how long a stopping gateway waits for its connections to close */
+#define SHUTDOWN_MS 2000          /* after the drain: how long the gateway waits for its connections to close */
+#define NAME_ECHO 64              /* bytes of a client-given name that an error message repeats */
+/* Resets: an HTTP/2 client that cancels its requests faster than this bucket refills is closed
+ * (GOAWAY ENHANCE_YOUR_CALM): CVE-2023-44487, which Debian's h2o 2.2.5 does not handle itself. */
+#define RESET_BURST 200.0         /* cancelled requests a connection may have in a burst */
+#define RESET_RATE 20.0           /* ... and per second after it */
 
 typedef struct gw gw;
 typedef struct gw_stream gw_stream;
+
+/* ------------------------------------------------------------------------------------- connections */
+
+/* An accepted TCP connection. h2o owns the socket; the gateway keeps this record until h2o's close
+ * callback (on_conn_closed) so that a drain can end idle keep-alive connections (h2o 2.2 has no call
+ * for that) and a connection that resets too much can be closed. */
+typedef struct gw_conn {
+    uv_tcp_t tcp;                 /* first: h2o's close callback gets &tcp */
+    gw *g;
+    struct gw_conn *prev, *next;
+    int fd;
+    h2o_socket_t *sock;           /* h2o's socket (valid until on_conn_closed) */
+    int http2;                    /* a request came over HTTP/2 */
+    int n_streams;                /* gw_streams of this connection in flight */
+    int closing;                  /* shut down by the gateway (drain or abuse) */
+    double reset_tokens;          /* RESET_BURST bucket */
+    uint64_t reset_ns;            /* when the bucket was last refilled (kvb_now_ns) */
+    uint64_t resets;              /* requests the client cancelled */
+} gw_conn;
 
 /* ------------------------------------------------------------------------------------------ models */
 
@@ -93,8 +117,14 @@ struct gw {
     const gw_opts *o;
     uv_loop_t *loop;
     volatile sig_atomic_t *stop;  /* polled by the housekeeping timer */
-    int stopping;                 /* begin_shutdown ran */
-    uint64_t stop_deadline_ns;
+    int draining;                 /* the stop was asked: /health fails, no new connection is accepted */
+    int stopping;                 /* the drain ended: what is left is cancelled */
+    uint64_t drain_deadline_ns, stop_deadline_ns;
+    gw_conn *conns;               /* open connections (doubly linked) */
+    int n_conns;
+    gw_conn **conn_by_fd;         /* [n_conn_by_fd] */
+    int n_conn_by_fd;
+    uint64_t resets_closed;       /* connections closed for resetting too much */
     uv_timer_t housekeep, status_timer;
     /* HTTP */
     h2o_globalconf_t h2o_conf;
@@ -140,6 +170,7 @@ struct gw_stream {
     h2o_req_t *req;               /* NULL once h2o is done with it */
     req_link *link;
     int ep;                       /* EP_COMPLETIONS / EP_CHAT */
+    gw_conn *conn;                /* its connection (NULL once closed) */
     int http1;
     int h2o_done;                 /* final response sent, or the request was disposed */
     int upstream_live;
@@ -190,6 +221,45 @@ static void count_http(gw *g, int ep, int status) {
     int cls = status / 100;
     if (cls < 0 || cls > 5) cls = 0;
     g->http[ep][cls]++;
+}
+
+/* The connection a request came on, or NULL. */
+static gw_conn *conn_of(gw *g, h2o_req_t *req) {
+    if (!req || !req->conn->callbacks->get_socket) return NULL;
+    h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
+    int fd = sock ? h2o_socket_get_fd(sock) : -1;
+    return fd >= 0 && fd < g->n_conn_by_fd ? g->conn_by_fd[fd] : NULL;
+}
+
+/* Ends a connection: its reading side is shut, so h2o reads EOF, finishes what it is writing and
+ * closes it (and disposes its requests) the way it does when a client leaves. */
+static void conn_shut(gw_conn *c) {
+    if (c->closing) return;
+    c->closing = 1;
+    shutdown(c->fd, SHUT_RD);
+}
+
+/* A request of `c` was cancelled by its client: an HTTP/2 connection that does this faster than the
+ * bucket allows gets GOAWAY (ENHANCE_YOUR_CALM) and is closed. */
+static void conn_count_reset(gw *g, gw_conn *c) {
+    if (!c) return;
+    c->resets++;
+    uint64_t now = kvb_now_ns();
+    if (!c->reset_ns) c->reset_tokens = RESET_BURST;
+    else c->reset_tokens = KVB_MIN(RESET_BURST, c->reset_tokens + (double)(now - c->reset_ns) / 1e9 * RESET_RATE);
+    c->reset_ns = now;
+    c->reset_tokens -= 1.0;
+    if (c->reset_tokens >= 0 || c->closing || !c->http2) return;
+    g->resets_closed++;
+    KVB_LOG_W("gateway: a client cancelled %" PRIu64 " requests on one HTTP/2 connection, faster than %.0f a second: "
+              "closing it (GOAWAY ENHANCE_YOUR_CALM)", c->resets, RESET_RATE);
+    /* h2o 2.2 has no call to send a GOAWAY on one connection: the frame is written here, between h2o's
+     * writes (which are whole frames), when none is under way; the connection ends either way */
+    static const uint8_t goaway[17] = {0, 0, 8, 7 /* GOAWAY */, 0, 0, 0, 0, 0, /* last stream: */ 0x7f, 0xff, 0xff, 0xff,
+                                       0, 0, 0, 11 /* ENHANCE_YOUR_CALM */};
+    if (!h2o_socket_is_writing(c->sock) && send(c->fd, goaway, sizeof goaway, MSG_DONTWAIT | MSG_NOSIGNAL) < 0)
+        KVB_LOG_D("gateway: GOAWAY not sent: %s", strerror(errno));
+    conn_shut(c);
 }
 
 /* Sends a complete response (status, JSON or text body). The request is done afterwards. */
@@ -244,6 +314,8 @@ static void on_stream_timer_closed(uv_handle_t *h) {
 
 static void stream_unlink(gw_stream *s) {
     gw *g = s->g;
+    if (s->conn) s->conn->n_streams--;
+    s->conn = NULL;
     if (s->prev) s->prev->next = s->next;
     else if (g->streams == s) g->streams = s->next;
     if (s->next) s->next->prev = s->prev;
@@ -284,6 +356,7 @@ static void on_req_dispose(void *p) {
         s->g->disconnects++;
         KVB_LOG_I("gateway: %s: the client went away; cancelling its request", s->id);
         record_metrics(s, KVB_FINISH_CANCELLED);
+        conn_count_reset(s->g, s->conn);
     }
     s->h2o_done = 1;
     stream_abandon_upstream(s);
@@ -822,16 +895,27 @@ static int peer_closed(gw_stream *s) {
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
-/* Stop: no new connections, every request in flight ends (its model request cancelled), then the loop
- * runs until h2o has closed its connections (at most SHUTDOWN_MS) so that everything is freed. */
+/* The drain (docs/gateway.md): /health fails at once (readiness), no new connection is accepted,
+ * HTTP/2 clients get GOAWAY and HTTP/1 responses end their connections; requests in flight finish
+ * until drain_timeout_ms; idle connections are closed as they become idle. */
+static void begin_drain(gw *g) {
+    g->draining = 1;
+    g->drain_deadline_ns = kvb_now_ns() + (uint64_t)g->o->drain_timeout_ms * 1000000u;
+    KVB_LOG_I("gateway: draining: %d requests in flight may finish within %d ms; no new connections", g->n_streams,
+              g->o->drain_timeout_ms);
+    uv_close((uv_handle_t *)&g->listener, NULL);
+    h2o_context_request_shutdown(&g->h2o_ctx);
+}
+
+/* The drain is over: every request still in flight ends (its model request cancelled), every
+ * connection is shut, and the loop runs until h2o has closed them (at most SHUTDOWN_MS) so that
+ * everything is freed. */
 static void begin_shutdown(gw *g) {
     g->stopping = 1;
     g->stop_deadline_ns = kvb_now_ns() + (uint64_t)SHUTDOWN_MS * 1000000u;
-    KVB_LOG_I("gateway: stopping (%d requests in flight are cancelled)", g->n_streams);
-    uv_close((uv_handle_t *)&g->listener, NULL);
+    if (g->n_streams) KVB_LOG_W("gateway: stopping: %d requests still in flight are cancelled", g->n_streams);
+    else KVB_LOG_I("gateway: stopping: every request finished");
     uv_timer_stop(&g->status_timer);
-    /* (not h2o_context_request_shutdown: in h2o 2.2 its HTTP/2 graceful-shutdown timer outlives the
-     * connections and h2o_context_dispose then asserts; the requests are ended here instead) */
     for (gw_stream *s = g->streams, *nx; s; s = nx) {
         nx = s->next;
         stream_abandon_upstream(s);
@@ -844,12 +928,13 @@ static void begin_shutdown(gw *g) {
 
 static void on_housekeep(uv_timer_t *t) {
     gw *g = t->data;
-    if (*g->stop && !g->stopping) begin_shutdown(g);
+    if (*g->stop && !g->draining) begin_drain(g);
+    if (g->draining && !g->stopping && (!g->streams || kvb_now_ns() > g->drain_deadline_ns)) begin_shutdown(g);
+    if (g->draining) /* idle connections end now, busy ones once their requests are answered */
+        for (gw_conn *c = g->conns; c; c = c->next)
+            if (!c->n_streams || g->stopping) conn_shut(c);
     if (g->stopping) {
-        if ((h2o_linklist_is_empty(&g->h2o_ctx.http1._conns) && h2o_linklist_is_empty(&g->h2o_ctx.http2._conns) &&
-             !g->streams) ||
-            kvb_now_ns() > g->stop_deadline_ns)
-            uv_stop(g->loop);
+        if ((!g->conns && !g->streams) || kvb_now_ns() > g->stop_deadline_ns) uv_stop(g->loop);
         return;
     }
     for (gw_stream *s = g->streams, *nx; s; s = nx) {
@@ -914,17 +999,22 @@ static int model_answers(const gw *g, const gw_model *m) {
            kvb_now_ns() - m->pong_ns < (uint64_t)STALE_FACTOR * (uint64_t)g->o->status_ms * 1000000u;
 }
 
+/* Readiness. /health?model=NAME: that model answers (per-model readiness); /health: the node can
+ * serve, i.e. the coordinator and at least one model answer, so that one model that crash-loops does
+ * not take the others out of a load balancer. Both fail as soon as a drain starts. */
 static void handle_health(gw *g, h2o_req_t *req) {
-    char name[128];
+    char name[KVB_NAME_MAX_GW + 1];
     int ok = coordinator_answers(g);
-    const char *why = ok ? NULL : "the coordinator does not answer";
+    const char *why = ok ? NULL : "the coordinator does not answer\n";
+    if (g->draining) ok = 0, why = "draining\n";
     if (query_param(req, "model", name, sizeof name)) {
         gw_model *m = model_find(g, name);
-        if (!m) ok = 0, why = "no such model";
-        else if (!model_answers(g, m)) ok = 0, why = "the model does not answer";
-    } else {
-        for (int i = 0; i < g->n_models && ok; i++)
-            if (g->models[i]->alive && !model_answers(g, g->models[i])) ok = 0, why = "a model does not answer";
+        if (!m) ok = 0, why = "no such model\n";
+        else if (ok && !model_answers(g, m)) ok = 0, why = "the model does not answer\n";
+    } else if (ok) {
+        int any = 0;
+        for (int i = 0; i < g->n_models; i++) any |= model_answers(g, g->models[i]);
+        if (!any) ok = 0, why = "no model answers\n";
     }
     if (ok) send_body(g, req, EP_HEALTH, 200, "text/plain", "ok\n", 3);
     else send_body(g, req, EP_HEALTH, 503, "text/plain", why, strlen(why));
@@ -947,7 +1037,9 @@ static void handle_models(gw *g, h2o_req_t *req) {
 static gw_model *model_for(gw *g, const char *name, gw_error *err) {
     gw_model *m = model_find(g, name);
     if (!m || (!m->alive && !m->client)) {
-        gw_error_set(err, 404, "not_found_error", "model", "The model '%s' does not exist on this node", name);
+        char clip[NAME_ECHO + 8];
+        gw_error_set(err, 404, "not_found_error", "model", "The model '%s' does not exist on this node",
+                     gw_clip(name, clip, sizeof clip));
         return NULL;
     }
     if (!m->alive || !m->client) {
@@ -1095,6 +1187,8 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     /* Everything in place before the submit: the model's answer may come within the dispatch below. */
     s->link = h2o_mem_alloc_shared(&req->pool, sizeof *s->link, on_req_dispose);
     s->link->s = s;
+    s->conn = conn_of(g, req);
+    if (s->conn) s->conn->n_streams++;
     s->next = g->streams;
     if (g->streams) g->streams->prev = s;
     g->streams = s;
@@ -1137,7 +1231,9 @@ static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
     gw_model *m = model_find(g, p.model);
     json_t *out = NULL;
     if (!m) {
-        gw_error_set(&err, 404, "not_found_error", "model", "The model '%s' does not exist on this node", p.model);
+        char clip[NAME_ECHO + 8];
+        gw_error_set(&err, 404, "not_found_error", "model", "The model '%s' does not exist on this node",
+                     gw_clip(p.model, clip, sizeof clip));
     } else if (!m->tok) {
         gw_error_set(&err, 400, "invalid_request_error", "model", "model '%s' has no tokenizer", m->name);
     } else if (ep == EP_DETOKENIZE) {
@@ -1187,6 +1283,14 @@ static void handle_metrics(gw *g, h2o_req_t *req);
 
 static int on_req(h2o_handler_t *self, h2o_req_t *req) {
     gw *g = *(gw **)(self + 1);
+    gw_conn *c = conn_of(g, req);
+    if (c && req->version >= 0x200) c->http2 = 1;
+    if (g->draining) req->http1_is_persistent = 0; /* the connection ends with this response */
+    if (c && c->closing) { /* closed for abuse: what it still had buffered gets no work done */
+        req->http1_is_persistent = 0;
+        send_body(g, req, EP_OTHER, 503, "text/plain", "closing\n", 8);
+        return 0;
+    }
     int ep = EP_OTHER;
     if (path_is(req, "/v1/completions")) ep = EP_COMPLETIONS;
     else if (path_is(req, "/v1/chat/completions")) ep = EP_CHAT;
@@ -1198,8 +1302,9 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
     int post = ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_TOKENIZE || ep == EP_DETOKENIZE;
     gw_error err;
     if (ep == EP_OTHER) {
-        gw_error_set(&err, 404, "not_found_error", NULL, "no endpoint %.*s", (int)KVB_MIN(req->path.len, (size_t)200),
-                     req->path.base);
+        char clip[NAME_ECHO + 8], path[NAME_ECHO + 8];
+        snprintf(path, sizeof path, "%.*s", (int)KVB_MIN(req->path.len, sizeof path - 1), req->path.base);
+        gw_error_set(&err, 404, "not_found_error", NULL, "no endpoint %s", gw_clip(path, clip, NAME_ECHO));
         send_error(g, req, ep, &err);
         return 0;
     }
@@ -1345,6 +1450,11 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     gw_metric_head(&t, "kvbank_gateway_client_disconnects_total", "counter",
                    "Requests cancelled in their model because the HTTP client went away");
     gw_metric_sample(&t, "kvbank_gateway_client_disconnects_total", "", (double)g->disconnects);
+    gw_metric_head(&t, "kvbank_gateway_reset_connections_closed_total", "counter",
+                   "HTTP/2 connections closed because their client cancelled requests too fast (rapid reset)");
+    gw_metric_sample(&t, "kvbank_gateway_reset_connections_closed_total", "", (double)g->resets_closed);
+    gw_metric_head(&t, "kvbank_gateway_connections", "gauge", "Open client connections");
+    gw_metric_sample(&t, "kvbank_gateway_connections", "", g->n_conns);
     gw_metric_head(&t, "kvbank_gateway_rejected_busy_total", "counter", "Requests refused with 429 (max_streams)");
     gw_metric_sample(&t, "kvbank_gateway_rejected_busy_total", "", (double)g->rejected_busy);
     gw_metric_head(&t, "kvbank_gateway_streams_active", "gauge", "Requests in flight at the gateway");
@@ -1356,19 +1466,51 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
 
 /* --------------------------------------------------------------------------------------- server */
 
+/* h2o closed the socket of a connection. */
+static void on_conn_closed(uv_handle_t *h) {
+    gw_conn *c = (gw_conn *)h;
+    gw *g = c->g;
+    if (c->prev) c->prev->next = c->next;
+    else if (g->conns == c) g->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    g->n_conns--;
+    if (c->fd >= 0 && c->fd < g->n_conn_by_fd && g->conn_by_fd[c->fd] == c) g->conn_by_fd[c->fd] = NULL;
+    for (gw_stream *s = g->streams; s; s = s->next)
+        if (s->conn == c) s->conn = NULL;
+    free(c);
+}
+
 static void on_accept(uv_stream_t *listener, int status) {
     gw *g = listener->data;
     if (status != 0) return;
-    uv_tcp_t *conn = malloc(sizeof *conn);
-    if (!conn) return;
-    uv_tcp_init(g->loop, conn);
-    if (uv_accept(listener, (uv_stream_t *)conn) != 0) {
-        uv_close((uv_handle_t *)conn, (uv_close_cb)free);
+    gw_conn *c = calloc(1, sizeof *c);
+    if (!c) return;
+    c->g = g;
+    c->fd = -1;
+    uv_tcp_init(g->loop, &c->tcp);
+    uv_os_fd_t fd = -1;
+    if (uv_accept(listener, (uv_stream_t *)&c->tcp) != 0 || uv_fileno((uv_handle_t *)&c->tcp, &fd) != 0) {
+        uv_close((uv_handle_t *)&c->tcp, (uv_close_cb)free);
         return;
     }
-    uv_tcp_nodelay(conn, 1);
-    h2o_socket_t *sock = h2o_uv_socket_create((uv_stream_t *)conn, (uv_close_cb)free);
-    h2o_accept(&g->accept_ctx, sock);
+    if (fd >= g->n_conn_by_fd) {
+        int n = fd + 64;
+        if (kvb_realloc_array((void **)&g->conn_by_fd, (size_t)n, sizeof *g->conn_by_fd) != KVB_OK) {
+            uv_close((uv_handle_t *)&c->tcp, (uv_close_cb)free);
+            return;
+        }
+        for (int i = g->n_conn_by_fd; i < n; i++) g->conn_by_fd[i] = NULL;
+        g->n_conn_by_fd = n;
+    }
+    c->fd = fd;
+    g->conn_by_fd[fd] = c;
+    c->next = g->conns;
+    if (g->conns) g->conns->prev = c;
+    g->conns = c;
+    g->n_conns++;
+    uv_tcp_nodelay(&c->tcp, 1);
+    c->sock = h2o_uv_socket_create((uv_stream_t *)&c->tcp, on_conn_closed);
+    h2o_accept(&g->accept_ctx, c->sock);
 }
 
 static kvb_status listen_on(gw *g) {
@@ -1403,6 +1545,9 @@ void gw_opts_default(gw_opts *o) {
     o->max_body = 1 << 20;
     o->max_streams = 256;
     o->status_ms = 1000;
+    o->drain_timeout_ms = 30000;
+    o->text_workers = 2;
+    o->health_open = o->metrics_open = 1;
 }
 
 kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts *models, int max_models) {
@@ -1413,6 +1558,15 @@ kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts
         o->max_body = (size_t)c->gateway.max_body;
         o->max_streams = c->gateway.max_streams;
         o->tbt_slo_ms = c->gateway.tbt_slo_ms;
+        o->drain_timeout_ms = (int)(c->gateway.drain_timeout_s * 1000.0 + 0.5);
+        o->max_text = (size_t)c->gateway.max_text;
+        o->text_workers = c->gateway.text_workers;
+        o->api_keys = (const char *const *)c->gateway.api_keys;
+        o->n_api_keys = c->gateway.n_api_keys;
+        o->health_open = c->gateway.health_open;
+        o->metrics_open = c->gateway.metrics_open;
+        o->tls_cert = c->gateway.tls_cert;
+        o->tls_key = c->gateway.tls_key;
     }
     if (c->n_models > max_models) return KVB_ERR_INVALID;
     for (int i = 0; i < c->n_models; i++) {
@@ -1498,12 +1652,19 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
 done:
     for (gw_stream *s = g->streams; s; s = s->next)
         if (s->upstream_live && s->m->client) kvb_client_abandon(s->m->client, s->rid), s->upstream_live = 0;
-    /* h2o's closing connections leave deferred work on its zero timeout: let it run, then dispose */
-    for (int k = 0; k < 10; k++) uv_run(g->loop, UV_RUN_NOWAIT);
-    h2o_context_dispose(&g->h2o_ctx);
+    /* Connections still open (a client that would not let go): reset them, and let h2o close them and
+     * run the deferred work on its zero timeout. h2o_context_dispose asserts that none of its timeouts
+     * holds an entry: the graceful-shutdown one is ours to unlink (h2o 2.2 keeps it a second). */
+    for (gw_conn *c = g->conns; c; c = c->next) shutdown(c->fd, SHUT_RDWR);
+    for (int k = 0; k < 200 && (g->conns || k < 10); k++) uv_run(g->loop, UV_RUN_NOWAIT);
+    h2o_timeout_unlink(&g->h2o_ctx.http2._graceful_shutdown_timeout);
+    int disposed = !g->conns;
+    if (disposed) h2o_context_dispose(&g->h2o_ctx);
+    else KVB_LOG_W("gateway: %d connections did not close; exiting without freeing them", g->n_conns);
     uv_walk(g->loop, close_walk, NULL);
     uv_run(g->loop, UV_RUN_DEFAULT);
-    h2o_config_dispose(&g->h2o_conf);
+    if (disposed) h2o_config_dispose(&g->h2o_conf);
+    free(g->conn_by_fd);
     for (int i = 0; i < g->n_models; i++) {
         kvb_client_destroy(g->models[i]->client);
         kvb_tokenizer_destroy(g->models[i]->tok);

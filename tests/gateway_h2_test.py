@@ -6,6 +6,8 @@ deadline; no check depends on how fast the machine is."""
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -88,9 +90,178 @@ def test_curl_h2(n):
     ok("curl --http2-prior-knowledge: %d streamed completions multiplexed, each exact" % n)
 
 
+def child_pid(name):
+    """The pid kvbankd last started `name` with (its log)."""
+    pids = re.findall(r"started %s \(pid (\d+)\)" % re.escape(name), open(A.dir + "/kvbankd.log").read())
+    check(pids, "kvbankd logged the pid of %s" % name)
+    return int(pids[-1])
+
+
+def health(model=None, timeout=30):
+    path = "/health" + ("?model=" + model if model else "")
+    return gateway_test.request("GET", path, timeout=timeout)[0]
+
+
+def test_echo_clipped():
+    """A name the client sent comes back cut to a few dozen bytes (not 900 KB)."""
+    name = "\u00e9" * 450000  # 900 KB of UTF-8, so that a cut inside a character would show
+    for path, body in (("/v1/completions", {"model": name, "prompt": [1, 2], "max_tokens": 2}),
+                       ("/tokenize", {"model": name, "prompt": "x"})):
+        st, j, raw = gateway_test.post(path, json.dumps(body, ensure_ascii=False).encode())
+        check(st == 404 and j and j["error"]["param"] == "model", "%s: 404 naming the model (%d %r)" % (path, st, raw[:200]))
+        check(len(raw) < 1024 and "..." in j["error"]["message"], "%s: the name is cut (%d bytes)" % (path, len(raw)))
+    st, ct, raw = gateway_test.request("GET", "/" + "x" * 60000)
+    check(st == 404 and len(raw) < 1024, "a 60 KB unknown path: 404 of %d bytes" % len(raw))
+    ok("404s repeat at most %d bytes of a 900 KB model name and of a 60 KB path" % max(len(raw), 0))
+
+
+def test_model_readiness():
+    """A model that stops answering takes itself out of /health?model=, not the node out of /health."""
+    pid = child_pid("code")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        gateway_test.wait_for("code to stop answering", lambda: health("code") == 503, 30)
+        check(health() == 200, "/health stays 200 while chat answers and code does not")
+        check(health("chat") == 200, "/health?model=chat stays 200")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    gateway_test.wait_for("code to answer again", lambda: health("code") == 200, 30)
+    ok("per-model readiness: a stopped model fails /health?model=code only; /health and chat stay ready")
+
+
+def metric(name, **labels):
+    s, _ = gateway_test.metrics()
+    return gateway_test.metric(s, name, **labels)
+
+
+def test_rapid_reset():
+    """CVE-2023-44487: streams opened and reset at once on one connection. The gateway closes the
+    connection (GOAWAY ENHANCE_YOUR_CALM), logs a bounded number of lines, and /health of the other
+    model answers meanwhile."""
+    log0 = open(A.dir + "/kvbankd.log").read().count("went away")
+    gen0 = metric("kvbank_generation_tokens_total", model="chat")
+    c = h2client.H2(A.port)
+    body = json.dumps({"model": "chat", "prompt": [1, 2, 3], "max_tokens": 500, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    sent = 0
+    try:
+        for _ in range(20000):
+            sid = c.request("POST", "/v1/completions", body)
+            c.rst(sid)
+            sent += 1
+    except OSError:
+        pass  # the gateway closed the connection while we were still sending: what it should do
+    goaway, frames = None, 0
+    c.s.settimeout(30)
+    while True:
+        f = c.read_frame()
+        if f is None:
+            break
+        frames += 1
+        if f[0] == h2client.GOAWAY:
+            goaway = int.from_bytes(f[3][4:8], "big")
+    c.close()
+    check(c.closed, "the abusive connection was closed")
+    check(goaway in (11, None), "GOAWAY's code is ENHANCE_YOUR_CALM (got %s)" % goaway)
+    check(health("code", timeout=10) == 200, "/health?model=code answers after the flood")
+    closed = metric("kvbank_gateway_reset_connections_closed_total")
+    check(closed and closed >= 1, "counted in kvbank_gateway_reset_connections_closed_total (%s)" % closed)
+    logged = open(A.dir + "/kvbankd.log").read().count("went away") - log0
+    check(logged <= 100, "'client went away' logged %d times for %d resets (rate-limited)" % (logged, sent))
+    gateway_test.wait_for("chat idle", lambda: metric("kvbank_requests_running", model="chat") == 0, 30)
+    gen = metric("kvbank_generation_tokens_total", model="chat") - gen0
+    ok("rapid reset: %d streams opened and reset, the connection closed (GOAWAY %s), %d log lines, chat generated %d "
+       "tokens for them" % (sent, goaway, logged, gen))
+
+
+def test_h2load_flood():
+    """h2load floods /health?model=chat over HTTP/2 while /health?model=code must keep answering."""
+    p = subprocess.Popen(["h2load", "-D", "6", "-c", "8", "-m", "100", "-t", "1",
+                          "http://127.0.0.1:%d/health?model=chat" % A.port],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    worst, n = 0.0, 0
+    try:
+        time.sleep(0.3)
+        while p.poll() is None and n < 20:
+            t0 = time.time()
+            check(health("code", timeout=30) == 200, "/health?model=code during the flood")
+            worst = max(worst, time.time() - t0)
+            n += 1
+            time.sleep(0.1)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        out = p.communicate()[0].decode()
+    check(n > 0, "the flood lasted long enough to ask /health during it: %s" % out[-300:])
+    ok("h2load flood (8 connections x 100 streams): /health?model=code answered %d times during it (slowest %.3f s)"
+       % (n, worst))
+
+
+def test_drain():
+    """SIGTERM to kvbankd with a keep-alive HTTP/1 connection, an idle HTTP/2 connection and a stream
+    in flight: readiness fails and new connections are refused at once, the stream finishes with every
+    token, the gateway exits 0 (no abort), and only then do the models stop."""
+    import http.client
+    h1 = http.client.HTTPConnection("127.0.0.1", A.port, timeout=30)
+    h1.request("GET", "/health")
+    check(h1.getresponse().read() == b"ok\n", "keep-alive connection")
+    idle = h2client.H2(A.port)
+    idle.responses([idle.request("GET", "/health")])
+    c = h2client.H2(A.port)
+    n = 150
+    ref = generate_ref(A.dir + "/chat", [[7, 8, 9]], n)[0]
+    sid = c.request("POST", "/v1/completions", json.dumps({
+        "model": "chat", "prompt": [7, 8, 9], "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+        "return_token_ids": True, "kvbank_tbt_slo_ms": 20}).encode())
+    first = []
+    while not any(f[0] == h2client.DATA and f[2] == sid and b'"token_ids"' in f[3] for f in first):
+        f = c.read_frame()
+        check(f is not None, "the stream started")
+        first.append(f)
+    os.kill(A.kvbankd_pid, signal.SIGTERM)
+
+    def refused():
+        try:
+            return health(timeout=5) == 503
+        except OSError:
+            return True
+    gateway_test.wait_for("readiness to fail / new connections refused", refused, 10)
+    rest = c.responses([sid])[sid]
+    frames = [f[3] for f in first if f[0] == h2client.DATA and f[2] == sid] + rest["frames"]
+    check(rest["ended"] and rest["reset"] is None, "the stream in flight ended normally: %s" % rest["reset"])
+    evs = sse_events(b"".join(frames), "the draining stream")
+    check(tokens_of(evs) == ref, "the draining stream got all %d tokens" % n)
+    check([e for e in evs if e["choices"]][-1]["choices"][0]["finish_reason"] == "length", "finish length")
+    c.close()
+    idle.close()
+    end = time.time() + 60
+    while time.time() < end:
+        try:
+            os.kill(A.kvbankd_pid, 0)
+        except OSError:
+            break
+        log = open(A.dir + "/kvbankd.log").read()
+        if re.search(r"node \S+ stopped", log):
+            break
+        time.sleep(0.1)
+    log = open(A.dir + "/kvbankd.log").read()
+    g = re.search(r"gateway \(pid \d+\) stopped: (.*)", log)
+    check(g and g.group(1) == "exit status 0", "the gateway exited 0: %s" % (g.group(1) if g else "not logged"))
+    m = re.search(r"chat \(pid \d+\) stopped", log)
+    check(m and g.start() < m.start(), "the models stopped after the gateway")
+    check("cancelled" not in log[log.find("draining node"):], "nothing was cancelled in the drain")
+    ok("drain: readiness failed and new connections were refused at once, the stream in flight got all %d tokens, "
+       "the gateway exited 0 with a keep-alive and an idle HTTP/2 connection open, then the models stopped" % n)
+
+
 TESTS = {
     "frames": lambda: test_h2_frames_exact(90),
     "curl": lambda: test_curl_h2(60),
+    "echo": test_echo_clipped,
+    "readiness": test_model_readiness,
+    "reset": test_rapid_reset,
+    "flood": test_h2load_flood,
+    "drain": test_drain,
 }
 
 
@@ -100,6 +271,7 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--only", default="")
+    ap.add_argument("--kvbankd-pid", type=int, default=0)
     A = ap.parse_args()
     gateway_test.A = A
     gateway_test.wait_for("healthy node", lambda: gateway_test.request("GET", "/health?model=chat")[0] == 200 and

@@ -5,6 +5,8 @@
 # directory in $T; the cleanup trap stops it and shows its log on failure.
 #   GW_EXTRA   more members of the "gateway" section (JSON, starting with a comma), default none
 #   GW_MODELS_EXTRA  more entries of "models" (JSON, starting with a comma), default none
+#   GW_MAX_BODY_KB   the gateway's max_body_kb (default 64)
+#   GW_HB_MISSES     the coordinator's heartbeat_misses (default 5, of 200 ms)
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
 SRC=${KVB_SRCDIR:-$(cd "$(dirname "$0")/.." && pwd)}
 PY=${KVB_PYTHON:-/usr/bin/python3}
@@ -17,6 +19,8 @@ NODE=tgw_$$
 KPID=
 GW_EXTRA=${GW_EXTRA:-}
 GW_MODELS_EXTRA=${GW_MODELS_EXTRA:-}
+GW_MAX_BODY_KB=${GW_MAX_BODY_KB:-64}
+GW_HB_MISSES=${GW_HB_MISSES:-5}
 gw_node_cleanup() {
     local rc=$?
     if [ -n "$KPID" ]; then
@@ -81,13 +85,13 @@ c = json.load(open(p)); c["eos_token_id"] = eos; json.dump(c, open(p, "w"), inde
 EOF
     cat >"$T/node.json" <<EOF
 { "node": "$NODE", "run_dir": "$T/run",
-  "coordinator": { "heartbeat_ms": 200, "heartbeat_misses": 5, "lend_interval_s": 0.5, "window_s": 2.0 },
+  "coordinator": { "heartbeat_ms": 200, "heartbeat_misses": $GW_HB_MISSES, "lend_interval_s": 0.5, "window_s": 2.0 },
   "models": [
     { "name": "chat", "role": "master", "model_dir": "$T/chat", "kv_mb": 24, "block_size": 16, "max_seqs": 64 },
     { "name": "code", "role": "worker", "model_dir": "$T/code", "kv_mb": 2, "block_size": 16, "tbt_slo_ms": 0 }
     $GW_MODELS_EXTRA
   ],
-  "gateway": { "listen": "127.0.0.1:0", "max_body_kb": 64, "max_streams": 300, "tbt_slo_ms": 0 $GW_EXTRA }
+  "gateway": { "listen": "127.0.0.1:0", "max_body_kb": $GW_MAX_BODY_KB, "max_streams": 300, "tbt_slo_ms": 0 $GW_EXTRA }
 }
 EOF
 }

@@ -75,10 +75,13 @@ class H2:
         n = int.from_bytes(self.buf[:3], "big")
         typ, flags, sid = self.buf[3], self.buf[4], struct.unpack(">I", self.buf[5:9])[0] & 0x7FFFFFFF
         payload, self.buf = self.buf[9:9 + n], self.buf[9 + n:]
-        if typ == SETTINGS and not flags & ACK:
-            self.frame(SETTINGS, ACK, 0)
-        elif typ == PING and not flags & ACK:
-            self.frame(PING, ACK, 0, payload)
+        try:
+            if typ == SETTINGS and not flags & ACK:
+                self.frame(SETTINGS, ACK, 0)
+            elif typ == PING and not flags & ACK:
+                self.frame(PING, ACK, 0, payload)
+        except OSError:
+            pass  # the server closed its side: the frames it sent before are still read
         return typ, flags, sid, payload
 
     def responses(self, sids):
