@@ -125,6 +125,8 @@ struct gw {
     gw_conn **conn_by_fd;         /* [n_conn_by_fd] */
     int n_conn_by_fd;
     uint64_t resets_closed;       /* connections closed for resetting too much */
+    struct gw_job *jobs;          /* text jobs on the thread pool (doubly linked) */
+    int n_jobs;
     uv_timer_t housekeep, status_timer;
     /* HTTP */
     h2o_globalconf_t h2o_conf;
@@ -929,7 +931,8 @@ static void begin_shutdown(gw *g) {
 static void on_housekeep(uv_timer_t *t) {
     gw *g = t->data;
     if (*g->stop && !g->draining) begin_drain(g);
-    if (g->draining && !g->stopping && (!g->streams || kvb_now_ns() > g->drain_deadline_ns)) begin_shutdown(g);
+    if (g->draining && !g->stopping && ((!g->streams && !g->jobs) || kvb_now_ns() > g->drain_deadline_ns))
+        begin_shutdown(g);
     if (g->draining) /* idle connections end now, busy ones once their requests are answered */
         for (gw_conn *c = g->conns; c; c = c->next)
             if (!c->n_streams || g->stopping) conn_shut(c);
@@ -1049,6 +1052,196 @@ static gw_model *model_for(gw *g, const char *name, gw_error *err) {
     return m;
 }
 
+/* ------------------------------------------------------------------------------- text off the loop
+ *
+ * Rendering a chat template and tokenizing a prompt cost what the client sends (a 320 KB prompt of
+ * combining marks, a template loop): they run on libuv's thread pool (text_workers threads), never
+ * on the loop, so no request can hold up another. A job holds the parsed body (which only its worker
+ * touches while it runs) and the model's tokenizer and template (immutable while the gateway runs);
+ * its result comes back on the loop in job_done. A client that leaves meanwhile disposes its request:
+ * the job's link in the request's pool clears job->req and the result is dropped (a job not started
+ * yet is cancelled). */
+
+typedef enum gw_job_kind { JOB_GENERATE, JOB_TOKENIZE, JOB_DETOKENIZE } gw_job_kind;
+
+typedef struct gw_job gw_job;
+typedef struct job_link {
+    gw_job *j;
+} job_link;
+
+struct gw_job {
+    uv_work_t work;               /* work.data: the job */
+    gw *g;
+    gw_job *prev, *next;          /* gw.jobs */
+    gw_job_kind kind;
+    int ep;
+    h2o_req_t *req;               /* NULL once h2o disposed it */
+    job_link *link;               /* in req's pool */
+    gw_conn *conn;                /* NULL once closed */
+    gw_model *m;
+    json_t *doc;                  /* the parsed body (owned) */
+    gw_params p;                  /* JOB_GENERATE (borrows doc); the worker fills p.prompt_ids */
+    gw_tok_params tp;             /* JOB_TOKENIZE / JOB_DETOKENIZE (borrows doc) */
+    int failed;
+    gw_error err;
+    char *body;                   /* JOB_TOKENIZE / JOB_DETOKENIZE: the response JSON (malloc'd) */
+};
+
+static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_model *m);
+
+static void job_fail(gw_job *j, int status, const char *param, const char *fmt, const char *detail) {
+    j->failed = 1;
+    gw_error_set(&j->err, status, status >= 500 ? "server_error" : "invalid_request_error", param, fmt, detail);
+}
+
+/* The text of a prompt: `text`, or the chat template rendered over `messages`; *owned is set when the
+ * result is a new buffer. On the worker. */
+static int job_text(gw_job *j, const char *text, size_t len, json_t *messages, int add_gen, json_t *kwargs,
+                    const char **out, size_t *out_len, char **owned) {
+    char terr[256] = "";
+    *owned = NULL;
+    if (messages) {
+        if (kvb_chat_render(j->m->tmpl, messages, add_gen, kwargs, owned, terr, sizeof terr) != KVB_OK) {
+            job_fail(j, 400, "messages", "the chat template failed: %s", terr);
+            return 0;
+        }
+        text = *owned;
+        len = strlen(*owned);
+    }
+    size_t max = j->g->o->max_text ? j->g->o->max_text : j->g->o->max_body;
+    if (len > max) {
+        char what[96];
+        snprintf(what, sizeof what, "%zu bytes, more than the %zu", len, max);
+        job_fail(j, 413, messages ? "messages" : "prompt", "the text to tokenize is %s this gateway takes", what);
+        return 0;
+    }
+    *out = text;
+    *out_len = len;
+    return 1;
+}
+
+static void job_run(uv_work_t *w) {
+    gw_job *j = w->data;
+    const char *text = NULL;
+    size_t len = 0;
+    char *owned = NULL;
+    if (j->kind == JOB_GENERATE) {
+        gw_params *p = &j->p;
+        int chat = j->ep == EP_CHAT;
+        if (job_text(j, p->prompt_text, p->prompt_len, chat ? p->messages : NULL, p->add_generation_prompt,
+                     p->template_kwargs, &text, &len, &owned)) {
+            kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, p->add_special_tokens, &p->prompt_ids,
+                                                 &p->n_prompt_ids);
+            if (es != KVB_OK || p->n_prompt_ids == 0)
+                job_fail(j, 400, chat ? "messages" : "prompt", "%s",
+                         es != KVB_OK ? "the prompt is not valid UTF-8 text" : "the prompt is empty");
+        }
+    } else if (j->kind == JOB_DETOKENIZE) {
+        char *out = NULL;
+        size_t n = 0;
+        if (kvb_tokenizer_decode(j->m->tok, j->tp.ids, j->tp.n_ids, 0, &out, &n) != KVB_OK) {
+            job_fail(j, 400, "tokens", "a token id is outside the vocabulary of '%s'", j->m->name);
+        } else {
+            json_t *o = json_pack("{s:s%}", "prompt", out, n);
+            j->body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+            json_decref(o);
+        }
+        free(out);
+    } else {
+        gw_tok_params *tp = &j->tp;
+        if (job_text(j, tp->prompt, tp->prompt_len, tp->messages, tp->add_generation_prompt, NULL, &text, &len,
+                     &owned)) {
+            int32_t *ids = NULL;
+            int n = 0;
+            if (kvb_tokenizer_encode(j->m->tok, text, len, tp->add_special_tokens, &ids, &n) != KVB_OK) {
+                job_fail(j, 400, "prompt", "%s", "the prompt is not valid UTF-8 text");
+            } else {
+                json_t *o = json_pack("{s:i, s:i, s:o}", "count", n, "max_model_len",
+                                      j->m->have_cfg ? j->m->cfg.max_pos : 0, "tokens", ids_json(ids, n));
+                j->body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+                json_decref(o);
+            }
+            free(ids);
+        }
+    }
+    free(owned);
+    if (!j->failed && j->kind != JOB_GENERATE && !j->body) job_fail(j, 500, NULL, "%s", "out of memory");
+}
+
+static void job_free(gw_job *j) {
+    gw *g = j->g;
+    if (j->prev) j->prev->next = j->next;
+    else if (g->jobs == j) g->jobs = j->next;
+    if (j->next) j->next->prev = j->prev;
+    g->n_jobs--;
+    if (j->conn) j->conn->n_streams--;
+    if (j->link) j->link->j = NULL;
+    gw_params_free(&j->p);
+    gw_tok_params_free(&j->tp);
+    json_decref(j->doc);
+    free(j->body);
+    free(j);
+}
+
+static void job_done(uv_work_t *w, int status) {
+    gw_job *j = w->data;
+    gw *g = j->g;
+    h2o_req_t *req = j->req;
+    if (status == 0 && req) {
+        if (j->failed) send_error(g, req, j->ep, &j->err);
+        else if (j->kind == JOB_GENERATE) generate_submit(g, req, j->ep, &j->p, j->m);
+        else send_body(g, req, j->ep, 200, "application/json", j->body, strlen(j->body));
+    }
+    job_free(j);
+}
+
+/* The client of a job's request left (h2o disposes the request). */
+static void on_job_req_dispose(void *p) {
+    job_link *l = p;
+    if (!l->j) return;
+    l->j->req = NULL;
+    l->j->link = NULL;
+    l->j->g->disconnects++;
+    conn_count_reset(l->j->g, l->j->conn);
+    uv_cancel((uv_req_t *)&l->j->work); /* a job not started yet ends now (job_done with UV_ECANCELED) */
+    l->j = NULL;
+}
+
+/* Queues a job for `req`; takes doc (and the params borrowing it). On failure answers 500. */
+static void job_start(gw *g, h2o_req_t *req, int ep, gw_job_kind kind, gw_model *m, json_t *doc, const gw_params *p,
+                      const gw_tok_params *tp) {
+    gw_job *j = calloc(1, sizeof *j);
+    if (!j) {
+        json_decref(doc);
+        if (p) gw_params_free((gw_params *)p);
+        if (tp) gw_tok_params_free((gw_tok_params *)tp);
+        send_body(g, req, ep, 500, "text/plain", "out of memory\n", 14);
+        return;
+    }
+    j->g = g;
+    j->kind = kind;
+    j->ep = ep;
+    j->req = req;
+    j->m = m;
+    j->doc = doc;
+    if (p) j->p = *p;
+    if (tp) j->tp = *tp;
+    j->work.data = j;
+    j->link = h2o_mem_alloc_shared(&req->pool, sizeof *j->link, on_job_req_dispose);
+    j->link->j = j;
+    j->conn = conn_of(g, req);
+    if (j->conn) j->conn->n_streams++;
+    j->next = g->jobs;
+    if (g->jobs) g->jobs->prev = j;
+    g->jobs = j;
+    g->n_jobs++;
+    if (uv_queue_work(g->loop, &j->work, job_run, job_done) != 0) {
+        j->req = NULL;
+        send_body(g, req, ep, 500, "text/plain", "cannot queue the request\n", 25);
+        job_free(j);
+    }
+}
+
 static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     gw_error err;
     gw_params p;
@@ -1058,76 +1251,78 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         send_error(g, req, ep, &err);
         return;
     }
-    gw_stream *s = NULL;
     gw_model *m = model_for(g, p.model, &err);
     if (!m) goto reject;
-    if (g->n_streams >= g->o->max_streams) {
+    if (g->n_streams + g->n_jobs >= g->o->max_streams) {
         g->rejected_busy++;
-        gw_error_set(&err, 429, "rate_limit_error", NULL, "the gateway has %d requests in flight, its limit", g->n_streams);
+        gw_error_set(&err, 429, "rate_limit_error", NULL, "the gateway has %d requests in flight, its limit",
+                     g->n_streams + g->n_jobs);
         goto reject;
     }
-    /* The prompt as token ids: given, or the text (a chat rendered with the model's template) encoded. */
     if ((ep == EP_CHAT || p.prompt_text || p.n_stop) && !m->tok) {
         gw_error_set(&err, 400, "invalid_request_error", ep == EP_CHAT ? "messages" : p.n_stop ? "stop" : "prompt",
                      "model '%s' has no tokenizer (tokenizer.json): send the prompt as token ids, without stop strings",
                      m->name);
         goto reject;
     }
-    if (ep == EP_CHAT || p.prompt_text) {
-        char *rendered = NULL, terr[256] = "";
-        const char *text = p.prompt_text;
-        size_t tlen = p.prompt_len;
-        if (ep == EP_CHAT) {
-            if (!m->tmpl) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
-                goto reject;
-            }
-            if (kvb_chat_render(m->tmpl, p.messages, p.add_generation_prompt, p.template_kwargs, &rendered, terr,
-                                sizeof terr) != KVB_OK) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "the chat template failed: %s", terr);
-                goto reject;
-            }
-            text = rendered;
-            tlen = strlen(rendered);
-        }
-        kvb_status es = kvb_tokenizer_encode(m->tok, text, tlen, p.add_special_tokens, &p.prompt_ids, &p.n_prompt_ids);
-        free(rendered);
-        if (es != KVB_OK || p.n_prompt_ids == 0) {
-            gw_error_set(&err, 400, "invalid_request_error", ep == EP_CHAT ? "messages" : "prompt",
-                         es != KVB_OK ? "the prompt is not valid UTF-8 text" : "the prompt is empty");
-            goto reject;
-        }
+    if (ep == EP_CHAT && !m->tmpl) {
+        gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+        goto reject;
+    }
+    if (ep == EP_CHAT || p.prompt_text) { /* the prompt as token ids: on the thread pool */
+        job_start(g, req, ep, JOB_GENERATE, m, doc, &p, NULL);
+        return;
+    }
+    generate_submit(g, req, ep, &p, m);
+    gw_params_free(&p);
+    json_decref(doc);
+    return;
+reject:
+    gw_params_free(&p);
+    json_decref(doc);
+    send_error(g, req, ep, &err);
+}
+
+/* The rest of a completion once its prompt is token ids (on the loop): checks against the model,
+ * the stream, the submit. Borrows p (the caller frees it; the stream takes p->prompt_ids when it
+ * returns them). */
+static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_model *m) {
+    gw_error err;
+    gw_stream *s = NULL;
+    if (!m->alive || !m->client) {
+        gw_error_set(&err, 503, "server_error", "model", "The model '%s' is not running now", m->name);
+        goto reject;
     }
     if (m->have_cfg)
-        for (int i = 0; i < p.n_prompt_ids; i++)
-            if (p.prompt_ids[i] >= m->cfg.vocab) {
+        for (int i = 0; i < p->n_prompt_ids; i++)
+            if (p->prompt_ids[i] >= m->cfg.vocab) {
                 gw_error_set(&err, 400, "invalid_request_error", "prompt",
-                             "prompt token %d is %d, outside the vocabulary of model '%s' [0, %d)", i, p.prompt_ids[i],
+                             "prompt token %d is %d, outside the vocabulary of model '%s' [0, %d)", i, p->prompt_ids[i],
                              m->name, m->cfg.vocab);
                 goto reject;
             }
     int max_pos = m->have_cfg ? m->cfg.max_pos : 0;
-    if (max_pos && p.n_prompt_ids >= max_pos) {
+    if (max_pos && p->n_prompt_ids >= max_pos) {
         gw_error_set(&err, 400, "invalid_request_error", "prompt",
                      "the prompt has %d tokens; model '%s' takes at most %d (prompt and completion together)",
-                     p.n_prompt_ids, m->name, max_pos);
+                     p->n_prompt_ids, m->name, max_pos);
         goto reject;
     }
-    int max_tokens = p.max_tokens;
-    if (!max_tokens) max_tokens = ep == EP_CHAT && max_pos ? max_pos - p.n_prompt_ids : DEFAULT_MAX_TOKENS;
-    if (max_pos && p.n_prompt_ids + max_tokens > max_pos) {
-        if (p.max_tokens) {
+    int max_tokens = p->max_tokens;
+    if (!max_tokens) max_tokens = ep == EP_CHAT && max_pos ? max_pos - p->n_prompt_ids : DEFAULT_MAX_TOKENS;
+    if (max_pos && p->n_prompt_ids + max_tokens > max_pos) {
+        if (p->max_tokens) {
             gw_error_set(&err, 400, "invalid_request_error", "max_tokens",
-                         "max_tokens is %d, but the prompt has %d tokens and model '%s' takes %d in all", p.max_tokens,
-                         p.n_prompt_ids, m->name, max_pos);
+                         "max_tokens is %d, but the prompt has %d tokens and model '%s' takes %d in all", p->max_tokens,
+                         p->n_prompt_ids, m->name, max_pos);
             goto reject;
         }
-        max_tokens = max_pos - p.n_prompt_ids;
+        max_tokens = max_pos - p->n_prompt_ids;
     }
     int32_t stop_ids[GW_MAX_STOP_IDS + 8];
     int n_stop_ids = 0;
-    for (int i = 0; i < p.n_stop_ids; i++) stop_ids[n_stop_ids++] = p.stop_ids[i];
-    if (!p.ignore_eos) {
+    for (int i = 0; i < p->n_stop_ids; i++) stop_ids[n_stop_ids++] = p->stop_ids[i];
+    if (!p->ignore_eos) {
         const int32_t *eos = NULL;
         int n_eos = m->tok ? kvb_tokenizer_eos_ids(m->tok, &eos) : 0;
         for (int i = 0; i < n_eos && n_stop_ids < (int)KVB_ARRAY_LEN(stop_ids); i++) stop_ids[n_stop_ids++] = eos[i];
@@ -1148,20 +1343,20 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     s->created = (int64_t)time(NULL);
     snprintf(s->id, sizeof s->id, "%s-%016" PRIx64 "%08x", ep == EP_CHAT ? "chatcmpl" : "cmpl", ++g->next_id,
              (unsigned)(kvb_wall_ns() & 0xffffffffu));
-    s->stream = p.stream;
-    s->include_usage = p.include_usage;
-    s->return_token_ids = p.return_token_ids;
-    s->timings = p.timings;
-    s->n_prompt = p.n_prompt_ids;
-    double slo = p.tbt_slo_ms >= 0 ? p.tbt_slo_ms : m->tbt_slo_ms >= 0 ? m->tbt_slo_ms : g->o->tbt_slo_ms;
-    s->slo_ns = p.stream ? (uint64_t)(slo * 1e6) : 0; /* pacing is for what a user watches arrive */
+    s->stream = p->stream;
+    s->include_usage = p->include_usage;
+    s->return_token_ids = p->return_token_ids;
+    s->timings = p->timings;
+    s->n_prompt = p->n_prompt_ids;
+    double slo = p->tbt_slo_ms >= 0 ? p->tbt_slo_ms : m->tbt_slo_ms >= 0 ? m->tbt_slo_ms : g->o->tbt_slo_ms;
+    s->slo_ns = p->stream ? (uint64_t)(slo * 1e6) : 0; /* pacing is for what a user watches arrive */
     s->t_arrival = kvb_wall_ns();
-    if (p.return_token_ids) {
-        s->prompt_ids = p.prompt_ids;
-        p.prompt_ids = NULL;
+    if (p->return_token_ids) {
+        s->prompt_ids = p->prompt_ids;
+        p->prompt_ids = NULL;
     }
-    if (m->tok && (kvb_detok_create(m->tok, p.skip_special_tokens, &s->detok) != KVB_OK ||
-                   gw_stop_create(p.stop, p.stop_len, p.n_stop, &s->stopper) != KVB_OK)) {
+    if (m->tok && (kvb_detok_create(m->tok, p->skip_special_tokens, &s->detok) != KVB_OK ||
+                   gw_stop_create(p->stop, p->stop_len, p->n_stop, &s->stopper) != KVB_OK)) {
         kvb_detok_destroy(s->detok);
         gw_stop_destroy(s->stopper);
         free(s->prompt_ids);
@@ -1174,15 +1369,15 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     s->timer.data = s;
     kvb_request r = {
         .tbt_slo_ms = slo, /* the model's planner sees the target too (OrbitFlow) */
-        .prompt = s->prompt_ids ? s->prompt_ids : p.prompt_ids,
+        .prompt = s->prompt_ids ? s->prompt_ids : p->prompt_ids,
         .n_prompt = s->n_prompt,
         .max_tokens = max_tokens,
         .stop_ids = stop_ids,
         .n_stop = n_stop_ids,
-        .sampling = {.temperature = (float)p.temperature,
-                     .top_k = p.top_k,
-                     .top_p = (float)p.top_p,
-                     .seed = p.has_seed ? p.seed : (kvb_wall_ns() ^ (g->next_id * 0x9e3779b97f4a7c15ull))},
+        .sampling = {.temperature = (float)p->temperature,
+                     .top_k = p->top_k,
+                     .top_p = (float)p->top_p,
+                     .seed = p->has_seed ? p->seed : (kvb_wall_ns() ^ (g->next_id * 0x9e3779b97f4a7c15ull))},
     };
     /* Everything in place before the submit: the model's answer may come within the dispatch below. */
     s->link = h2o_mem_alloc_shared(&req->pool, sizeof *s->link, on_req_dispose);
@@ -1207,18 +1402,15 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         goto reject;
     }
     s->upstream_live = 1;
-    gw_params_free(&p);
-    json_decref(doc);
     if (s->stream) stream_pump(s); /* the response head goes out at once */
     kvb_client_dispatch(m->client); /* the send may have consumed the fd's edge */
     return;
 reject:
-    gw_params_free(&p);
-    json_decref(doc);
     send_error(g, req, ep, &err);
 }
 
-/* vLLM's POST /tokenize (prompt or messages -> ids) and POST /detokenize (ids -> text). */
+/* vLLM's POST /tokenize (prompt or messages -> ids) and POST /detokenize (ids -> text): on the thread
+ * pool. */
 static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
     gw_error err;
     gw_tok_params p;
@@ -1229,53 +1421,25 @@ static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
         return;
     }
     gw_model *m = model_find(g, p.model);
-    json_t *out = NULL;
     if (!m) {
         char clip[NAME_ECHO + 8];
         gw_error_set(&err, 404, "not_found_error", "model", "The model '%s' does not exist on this node",
                      gw_clip(p.model, clip, sizeof clip));
     } else if (!m->tok) {
         gw_error_set(&err, 400, "invalid_request_error", "model", "model '%s' has no tokenizer", m->name);
-    } else if (ep == EP_DETOKENIZE) {
-        char *text = NULL;
-        size_t len = 0;
-        if (kvb_tokenizer_decode(m->tok, p.ids, p.n_ids, 0, &text, &len) != KVB_OK)
-            gw_error_set(&err, 400, "invalid_request_error", "tokens", "a token id is outside the vocabulary of '%s'",
-                         m->name);
-        else out = json_pack("{s:s%}", "prompt", text, len);
-        free(text);
+    } else if (p.messages && !m->tmpl) {
+        gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+    } else if (g->n_streams + g->n_jobs >= g->o->max_streams) {
+        g->rejected_busy++;
+        gw_error_set(&err, 429, "rate_limit_error", NULL, "the gateway has %d requests in flight, its limit",
+                     g->n_streams + g->n_jobs);
     } else {
-        char *rendered = NULL, terr[256] = "";
-        const char *text = p.prompt;
-        size_t len = p.prompt_len;
-        int ok = 1;
-        if (p.messages) {
-            if (!m->tmpl) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
-                ok = 0;
-            } else if (kvb_chat_render(m->tmpl, p.messages, p.add_generation_prompt, NULL, &rendered, terr, sizeof terr) !=
-                       KVB_OK) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "the chat template failed: %s", terr);
-                ok = 0;
-            } else {
-                text = rendered;
-                len = strlen(rendered);
-            }
-        }
-        int32_t *ids = NULL;
-        int n = 0;
-        if (ok && kvb_tokenizer_encode(m->tok, text, len, p.add_special_tokens, &ids, &n) != KVB_OK)
-            gw_error_set(&err, 400, "invalid_request_error", "prompt", "the prompt is not valid UTF-8 text"), ok = 0;
-        if (ok)
-            out = json_pack("{s:i, s:i, s:o}", "count", n, "max_model_len", m->have_cfg ? m->cfg.max_pos : 0, "tokens",
-                            ids_json(ids, n));
-        free(ids);
-        free(rendered);
+        job_start(g, req, ep, ep == EP_DETOKENIZE ? JOB_DETOKENIZE : JOB_TOKENIZE, m, doc, NULL, &p);
+        return;
     }
     gw_tok_params_free(&p);
     json_decref(doc);
-    if (out) send_json(g, req, ep, 200, out);
-    else send_error(g, req, ep, &err);
+    send_error(g, req, ep, &err);
 }
 
 /* /metrics: the whole node in Prometheus' text format. */
@@ -1453,6 +1617,9 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     gw_metric_head(&t, "kvbank_gateway_reset_connections_closed_total", "counter",
                    "HTTP/2 connections closed because their client cancelled requests too fast (rapid reset)");
     gw_metric_sample(&t, "kvbank_gateway_reset_connections_closed_total", "", (double)g->resets_closed);
+    gw_metric_head(&t, "kvbank_gateway_text_jobs", "gauge",
+                   "Requests whose text is being rendered, tokenized or detokenized on the thread pool (or waiting for it)");
+    gw_metric_sample(&t, "kvbank_gateway_text_jobs", "", g->n_jobs);
     gw_metric_head(&t, "kvbank_gateway_connections", "gauge", "Open client connections");
     gw_metric_sample(&t, "kvbank_gateway_connections", "", g->n_conns);
     gw_metric_head(&t, "kvbank_gateway_rejected_busy_total", "counter", "Requests refused with 429 (max_streams)");
@@ -1477,6 +1644,8 @@ static void on_conn_closed(uv_handle_t *h) {
     if (c->fd >= 0 && c->fd < g->n_conn_by_fd && g->conn_by_fd[c->fd] == c) g->conn_by_fd[c->fd] = NULL;
     for (gw_stream *s = g->streams; s; s = s->next)
         if (s->conn == c) s->conn = NULL;
+    for (struct gw_job *j = g->jobs; j; j = j->next)
+        if (j->conn == c) j->conn = NULL;
     free(c);
 }
 
@@ -1591,6 +1760,10 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     KVB_TRY(kvb_calloc(1, sizeof *g, (void **)&g));
     g->o = o;
     g->stop = stop;
+    /* the text jobs' threads: libuv sizes its pool from this at the first uv_queue_work */
+    char nthreads[16];
+    snprintf(nthreads, sizeof nthreads, "%d", o->text_workers > 0 ? o->text_workers : 2);
+    setenv("UV_THREADPOOL_SIZE", nthreads, 1);
     g->loop = uv_default_loop();
     for (int i = 0; i < o->n_models; i++) {
         gw_model *m = model_add(g, o->models[i].name);

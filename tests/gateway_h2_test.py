@@ -254,9 +254,46 @@ def test_drain():
        "the gateway exited 0 with a keep-alive and an idle HTTP/2 connection open, then the models stopped" % n)
 
 
+def test_hostile_text():
+    """A 320 KB prompt of combining marks (NFC's canonical ordering) and a chat template that loops for
+    as long as the client asks: while they are worked on, the gateway's loop answers /health for every
+    model (the text work runs on the thread pool)."""
+    results = {}
+
+    def call(name, path, body):
+        t0 = time.time()
+        st, j, raw = gateway_test.post(path, json.dumps(body, ensure_ascii=False).encode(), timeout=600)
+        results[name] = (st, time.time() - t0, raw[:160])
+
+    marks = "e" + "\u0301\u0327" * 80000
+    threads = [threading.Thread(target=call, args=("nfc", "/tokenize", {"model": "chat", "prompt": marks})),
+               threading.Thread(target=call, args=("template", "/v1/chat/completions", {
+                   "model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                   "chat_template_kwargs": {"pad": 1000}}))]
+    for t in threads:
+        t.start()
+    gateway_test.wait_for("a text job at work (seen through /metrics)",
+                          lambda: (metric("kvbank_gateway_text_jobs") or 0) >= 1 or len(results) == 2, 60)
+    check(len(results) < 2, "the hostile requests were still at work when /metrics answered: %s" % results)
+    answered = 0
+    while (metric("kvbank_gateway_text_jobs") or 0) >= 1 and answered < 10:
+        check(health("code", timeout=60) == 200 and health("chat", timeout=60) == 200,
+              "/health of every model answers while a text job runs")
+        answered += 1
+    check(answered >= 1, "/health answered at least once while a text job ran")
+    for t in threads:
+        t.join(600)
+    check(len(results) == 2 and all(r[0] in (200, 400, 413) for r in results.values()),
+          "both hostile requests got an answer: %s" % results)
+    ok("hostile text: /health of both models answered %d times while a 320 KB combining-mark prompt (%d, %.1f s) "
+       "and a %d-step template (%d, %.1f s) were worked on" % (answered, results["nfc"][0], results["nfc"][1],
+                                                            1000 * 1000, results["template"][0], results["template"][1]))
+
+
 TESTS = {
     "frames": lambda: test_h2_frames_exact(90),
     "curl": lambda: test_curl_h2(60),
+    "hostile": test_hostile_text,
     "echo": test_echo_clipped,
     "readiness": test_model_readiness,
     "reset": test_rapid_reset,
