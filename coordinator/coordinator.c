@@ -1067,18 +1067,6 @@ static kvb_status make_parent_dirs(const char *path) {
     return KVB_OK;
 }
 
-/* 1 if a process accepts connections on the unix socket file `path`. */
-static int unix_socket_live(const char *path) {
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    if (strlen(path) >= sizeof sa.sun_path) return 0;
-    memcpy(sa.sun_path, path, strlen(path) + 1);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return 0;
-    int live = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-    close(fd);
-    return live;
-}
-
 kvb_status kvb_coord_endpoint_dir(const char *endpoint) {
     if (!endpoint || strncmp(endpoint, "ipc://", 6) != 0 || endpoint[6] == '@' || endpoint[6] == '\0' ||
         !strcmp(endpoint + 6, "*"))
@@ -1116,7 +1104,7 @@ kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out) {
     int is_ipc_file = !strncmp(ep, "ipc://", 6) && ep[6] != '@' && ep[6] != '\0' && strcmp(ep + 6, "*");
     if (is_ipc_file) {
         KVB_TRY_GOTO(make_parent_dirs(ep + 6), fail);
-        if (access(ep + 6, F_OK) == 0 && unix_socket_live(ep + 6)) {
+        if (access(ep + 6, F_OK) == 0 && kvb_wire_unix_live(ep + 6)) {
             KVB_LOG_E("%s: another process is listening there (a coordinator already runs?)", ep);
             st = KVB_ERR_STATE;
             goto fail;
@@ -1142,7 +1130,7 @@ kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out) {
     }
     char ctl_ep[PATH_MAX + 16];
     KVB_TRY_GOTO(kvb_auth_ctl_endpoint(ep, ctl_ep, sizeof ctl_ep), fail);
-    if (is_ipc_file && access(ctl_ep + 6, F_OK) == 0 && unix_socket_live(ctl_ep + 6)) {
+    if (is_ipc_file && access(ctl_ep + 6, F_OK) == 0 && kvb_wire_unix_live(ctl_ep + 6)) {
         KVB_LOG_E("%s: another process is listening there (a coordinator already runs?)", ctl_ep);
         st = KVB_ERR_STATE;
         goto fail;

@@ -51,6 +51,7 @@
 #define KVB_NAME_MAX_GW 65        /* model names: up to 64 bytes */
 #define HOUSEKEEP_MS 100          /* disconnect peeks and the dispatch safety net */
 #define STALE_FACTOR 3            /* a coordinator / model silent for 3 status periods does not "answer" */
+#define SILENT_FACTOR 10          /* a request whose model is silent for 10 status periods fails (503) */
 #define DEFAULT_MAX_TOKENS 16     /* completions without max_tokens (OpenAI's default) */
 #define SUBMIT_TIMEOUT_MS 1000    /* how long a send to a model may wait for queue room */
 #define SHUTDOWN_MS 2000          /* after the drain: how long the gateway waits for its connections to close */
@@ -104,6 +105,9 @@ typedef struct gw_model {
     /* the model's numbers: last Pong and last coordinator status */
     kvb_client_pong pong;
     uint64_t pong_ns;             /* when the last Pong arrived (kvb_now_ns), 0: never */
+    int verified;                 /* a Pong came from the registered process (nothing is routed before) */
+    int impostor;                 /* the last Pong came from another process than the one the coordinator
+                                   * registered under this name (its pid, checked by the kernel) */
     uint32_t n_own, n_lent, n_borrowed, capacity;
     uint64_t lends, reclaims, lend_ms_total, reclaim_ms_total;
     /* what the gateway measured (delivery side) */
@@ -187,6 +191,7 @@ struct gw_stream {
     int32_t *prompt_ids;          /* [n_prompt] when return_token_ids */
     uint64_t slo_ns;              /* Token-Deposit target; 0: off */
     uint64_t t_arrival;           /* kvb_wall_ns when the HTTP request was handled */
+    uint64_t submit_ns;           /* kvb_now_ns of the submit */
     /* tokens: [n_tok] of [cap_tok] */
     int32_t *tok;
     uint64_t *t_gen;              /* the model's sampling time (wall ns) */
@@ -713,8 +718,18 @@ static void on_model_readable(uv_poll_t *p, int status, int events) {
     if (m->client && kvb_client_dispatch(m->client) != KVB_OK) KVB_LOG_W("gateway: model %s: socket error", m->name);
 }
 
+/* A Pong counts only from the process the coordinator registered under the model's name: the
+ * coordinator checked that pid at registration (SO_PEERCRED), the client reads the sender's pid from
+ * the kernel too, so another process that took over the endpoint's path is not trusted. */
 static void on_pong(void *ud, const kvb_client_pong *p) {
     gw_model *m = ud;
+    int impostor = p->peer_pid > 0 && m->pid && (uint32_t)p->peer_pid != m->pid;
+    if (impostor && !m->impostor)
+        KVB_LOG_E("gateway: model %s: its endpoint %s is served by pid %d, but the coordinator registered pid %u: "
+                  "not routing to it", m->name, m->endpoint, (int)p->peer_pid, m->pid);
+    m->impostor = impostor;
+    if (impostor) return;
+    m->verified = 1;
     m->pong = *p;
     m->pong_ns = kvb_now_ns();
 }
@@ -739,6 +754,7 @@ static void on_poll_closed(uv_handle_t *h) {
 }
 
 static void model_disconnect(gw_model *m) {
+    m->verified = 0;
     if (!m->client) return;
     fail_model_streams(m->g, m, "the model's endpoint changed; the request was lost");
     if (m->poll_open) {
@@ -825,6 +841,7 @@ static void status_apply(gw *g, const Kvbank__StatusReply *r) {
         gw_model *m = model_find(g, ms->name);
         if (!m && !(m = model_add(g, ms->name))) continue;
         m->alive = ms->alive;
+        if (m->pid != ms->pid) m->verified = 0; /* a new process: trusted once it answers as itself */
         m->pid = ms->pid;
         m->role = (int)ms->role;
         m->n_own = ms->n_own;
@@ -958,6 +975,21 @@ static void on_housekeep(uv_timer_t *t) {
         else send_body(g, req, s->ep, 499, "text/plain", "", 0);
         stream_maybe_free(s);
     }
+    /* A request's deadline: its model must keep answering pings. A model whose endpoint vanished (or
+     * went to an impostor) would otherwise leave its requests waiting with no headers for good. */
+    uint64_t now = kvb_now_ns(), silent = (uint64_t)SILENT_FACTOR * (uint64_t)g->o->status_ms * 1000000u;
+    for (gw_stream *s = g->streams, *nx; s; s = nx) {
+        nx = s->next;
+        uint64_t heard = KVB_MAX(s->m->pong_ns, s->submit_ns);
+        if (!s->upstream_live || s->finished || now - heard < silent) continue;
+        KVB_LOG_W("gateway: %s: model %s has not answered for %.0f s; failing the request", s->id, s->m->name,
+                  (double)(now - heard) / 1e9);
+        stream_abandon_upstream(s);
+        stream_fail(s, 503, "server_error", "%s", "the model stopped answering");
+        s->n_released = s->n_tok;
+        if (s->h2o_done) stream_maybe_free(s);
+        else if (!s->sending) stream_pump(s);
+    }
     for (int i = 0; i < g->n_models; i++)
         if (g->models[i]->client) kvb_client_dispatch(g->models[i]->client);
 }
@@ -998,7 +1030,7 @@ static int coordinator_answers(const gw *g) {
 }
 
 static int model_answers(const gw *g, const gw_model *m) {
-    return m->alive && m->pong_ns &&
+    return m->alive && m->pong_ns && !m->impostor &&
            kvb_now_ns() - m->pong_ns < (uint64_t)STALE_FACTOR * (uint64_t)g->o->status_ms * 1000000u;
 }
 
@@ -1047,6 +1079,15 @@ static gw_model *model_for(gw *g, const char *name, gw_error *err) {
     }
     if (!m->alive || !m->client) {
         gw_error_set(err, 503, "server_error", "model", "The model '%s' is not running now", name);
+        return NULL;
+    }
+    if (m->impostor) {
+        gw_error_set(err, 503, "server_error", "model",
+                     "The endpoint of model '%s' is served by another process than the one registered", name);
+        return NULL;
+    }
+    if (!m->verified) {
+        gw_error_set(err, 503, "server_error", "model", "The model '%s' has not answered yet", name);
         return NULL;
     }
     return m;
@@ -1289,7 +1330,7 @@ reject:
 static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_model *m) {
     gw_error err;
     gw_stream *s = NULL;
-    if (!m->alive || !m->client) {
+    if (!m->alive || !m->client || m->impostor) {
         gw_error_set(&err, 503, "server_error", "model", "The model '%s' is not running now", m->name);
         goto reject;
     }
@@ -1402,6 +1443,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
         goto reject;
     }
     s->upstream_live = 1;
+    s->submit_ns = kvb_now_ns();
     if (s->stream) stream_pump(s); /* the response head goes out at once */
     kvb_client_dispatch(m->client); /* the send may have consumed the fd's edge */
     return;

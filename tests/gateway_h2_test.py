@@ -290,6 +290,47 @@ def test_hostile_text():
                                                             1000 * 1000, results["template"][0], results["template"][1]))
 
 
+def test_hijack():
+    """Another process of the same user on a model's ipc path: kvbank-serve refuses to bind a socket
+    that a process listens on; one that took the path over anyway (the file unlinked first) is not
+    trusted by the gateway, which checks the pid behind the endpoint against the coordinator's."""
+    m = re.findall(r"gateway: model code at (ipc://\S+)", open(A.dir + "/kvbankd.log").read())
+    check(m, "the gateway logged code's endpoint")
+    ep = m[-1]
+    r = subprocess.run([gateway_test.B + "/kvbank-serve", "--model", A.dir + "/code", "--endpoint", ep, "--name", "code"],
+                       capture_output=True, timeout=60)
+    check(r.returncode != 0 and b"another process is listening" in r.stderr,
+          "kvbank-serve on a live endpoint is refused: rc %d %r" % (r.returncode, r.stderr[-300:]))
+    st, j, raw = gateway_test.post("/v1/completions", {"model": "code", "prompt": [5, 6, 7], "max_tokens": 4,
+                                                       "temperature": 0, "ignore_eos": True})
+    check(st == 200, "code still serves from its own process: %d %r" % (st, raw[:200]))
+    # the impostor: the path unlinked, then bound by another process; a new gateway connects there
+    os.unlink(ep[6:])
+    imp = subprocess.Popen([gateway_test.B + "/kvbank-serve", "--model", A.dir + "/code", "--endpoint", ep, "--name",
+                            "code"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        gateway_test.wait_for("the impostor's socket", lambda: os.path.exists(ep[6:]), 60)
+        os.kill(child_pid("gateway"), signal.SIGKILL)
+        old = A.port
+
+        def back():
+            try:
+                A.port = int(open(A.dir + "/run/gateway.port").read())
+                return health("chat", timeout=2) == 200
+            except (OSError, ValueError):
+                return False
+        gateway_test.wait_for("the gateway restarted", back, 60)
+        gateway_test.wait_for("the impostor detected", lambda: "registered pid" in open(A.dir + "/kvbankd.log").read(), 30)
+        st, j, raw = gateway_test.post("/v1/completions", {"model": "code", "prompt": [5, 6, 7], "max_tokens": 4})
+        check(st == 503, "no request goes to the impostor: %d %r" % (st, raw[:200]))
+        check(health("code") == 503 and health() == 200, "code is not ready, the node is")
+    finally:
+        imp.terminate()
+        imp.wait(30)
+    ok("endpoint hijack: kvbank-serve refused a live endpoint; an impostor on an unlinked path got no request "
+       "(gateway port %d -> %d)" % (old, A.port))
+
+
 TESTS = {
     "frames": lambda: test_h2_frames_exact(90),
     "curl": lambda: test_curl_h2(60),
@@ -298,6 +339,7 @@ TESTS = {
     "readiness": test_model_readiness,
     "reset": test_rapid_reset,
     "flood": test_h2load_flood,
+    "hijack": test_hijack,
     "drain": test_drain,
 }
 

@@ -7,7 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -106,9 +108,26 @@ kvb_status kvb_wire_send(void *sock, const void *ident, size_t ident_len, Kvbank
     return KVB_OK;
 }
 
+int kvb_wire_unix_live(const char *path) {
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof sa.sun_path) return 0;
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    int live = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    close(fd);
+    return live;
+}
+
 kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, const char *zap_domain, int sndhwm,
                                 int64_t maxmsg, kvb_wire_router *out) {
     memset(out, 0, sizeof *out);
+    if (!strncmp(endpoint, "ipc://", 6) && endpoint[6] != '@' && endpoint[6] != '\0' && strcmp(endpoint + 6, "*") &&
+        kvb_wire_unix_live(endpoint + 6)) {
+        KVB_LOG_E("cannot bind %s: another process is listening there (it keeps its endpoint; stop it first)",
+                  endpoint);
+        return KVB_ERR_STATE;
+    }
     void *sock = zmq_socket(zctx, ZMQ_ROUTER);
     if (!sock) {
         KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));

@@ -33,12 +33,17 @@ typedef struct kvb_wire_router {
     ino_t ipc_ino;
 } kvb_wire_router;
 
+/* 1 if a process accepts connections on the unix socket file `path`. */
+int kvb_wire_unix_live(const char *path);
+
 /* Creates a ROUTER on `zctx` with ROUTER_MANDATORY (a send to a departed peer fails with
  * EHOSTUNREACH), ROUTER_HANDOVER when `handover` (a reconnecting peer takes its routing id back), a
  * PLAIN server whose handshakes the ZAP handler of `zap_domain` judges when that is not NULL,
  * LINGER 0, send high-water mark `sndhwm` and receive cap `maxmsg`, and binds it to `endpoint`; the
  * socket file of an ipc:// endpoint is created under umask 0077 and made 0600 (only this user may
- * connect). Logs and returns KVB_ERR_IO on failure, leaving nothing open. */
+ * connect). An ipc:// socket file on which a process already listens is never taken over (ZeroMQ would
+ * unlink it and bind anew, and that process's clients would talk to this one): KVB_ERR_STATE. Logs and
+ * returns KVB_ERR_IO on other failures, leaving nothing open. */
 kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, const char *zap_domain, int sndhwm,
                                 int64_t maxmsg, kvb_wire_router *out);
 
