@@ -144,32 +144,14 @@ static void count_drop(kvb_coord *c, kvb_drop_reason r, const char *from, const 
 }
 
 kvb_status kvb_coord_decode(const uint8_t *buf, size_t len, Kvbank__Envelope **out, kvb_drop_reason *reason) {
-    if (!out) return KVB_ERR_INVALID;
-    *out = NULL;
-    kvb_drop_reason r = KVB_DROP_MALFORMED;
-    if (len > KVB_WIRE_MAX_FRAME) {
-        r = KVB_DROP_OVERSIZED;
-        goto fail;
-    }
-    static const uint8_t empty[1] = {0};
-    Kvbank__Envelope *env = kvbank__envelope__unpack(NULL, len, buf && len ? buf : empty);
-    if (!env) goto fail;
-    if (env->version != KVB_PROTO_VERSION) {
-        kvbank__envelope__free_unpacked(env, NULL);
-        r = KVB_DROP_VERSION;
-        goto fail;
-    }
-    /* protobuf-c sets the pointer of the body it parsed; an unknown field number leaves NOT_SET */
-    if (env->body_case == KVBANK__ENVELOPE__BODY__NOT_SET || !env->register_) {
-        kvbank__envelope__free_unpacked(env, NULL);
-        r = KVB_DROP_BODY;
-        goto fail;
-    }
-    *out = env;
-    return KVB_OK;
-fail:
-    if (reason) *reason = r;
-    return KVB_ERR_PROTOCOL;
+    kvb_wire_fault f = KVB_WIRE_OK;
+    kvb_status st = kvb_wire_decode(buf, len, out, &f);
+    if (st == KVB_OK || !reason) return st;
+    *reason = f == KVB_WIRE_OVERSIZED ? KVB_DROP_OVERSIZED
+              : f == KVB_WIRE_VERSION ? KVB_DROP_VERSION
+              : f == KVB_WIRE_NO_BODY ? KVB_DROP_BODY
+                                      : KVB_DROP_MALFORMED;
+    return st;
 }
 
 /* Sends `env` to the peer `to` (a routing id). Returns KVB_ERR_IO with errno set when the peer is not

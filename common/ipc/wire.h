@@ -15,6 +15,20 @@
 
 /* Packs `env` (version is set here) into a new buffer; caller frees *buf. */
 kvb_status kvb_wire_pack(Kvbank__Envelope *env, uint8_t **buf, size_t *len);
+/* Which check a frame failed (kvb_wire_decode). */
+typedef enum kvb_wire_fault {
+    KVB_WIRE_OK = 0,
+    KVB_WIRE_OVERSIZED = 1,   /* larger than KVB_WIRE_MAX_FRAME */
+    KVB_WIRE_MALFORMED = 2,   /* not a protobuf Envelope */
+    KVB_WIRE_VERSION = 3,     /* Envelope.version != KVB_PROTO_VERSION */
+    KVB_WIRE_NO_BODY = 4,     /* no body (or one of a field number this build does not know) */
+} kvb_wire_fault;
+
+/* Decodes a frame of any body (model server and coordinator messages alike): size limit, protobuf,
+ * version, a body present. Logs nothing; *fault (may be NULL) says which check failed. On success the
+ * caller frees *out with kvbank__envelope__free_unpacked(*out, NULL). */
+kvb_status kvb_wire_decode(const uint8_t *buf, size_t len, Kvbank__Envelope **out, kvb_wire_fault *fault);
+
 /* Unpacks and validates a frame: size limit, protobuf well-formed, version, a known body. On success
  * the caller frees *out with kvbank__envelope__free_unpacked(*out, NULL). On failure logs why and
  * writes a one-line reason into `why` (may be NULL). */
