@@ -35,6 +35,7 @@ void gw_error_set(gw_error *e, int status, const char *type, const char *param, 
     if (!e) return;
     e->status = status;
     e->type = type;
+    e->code = NULL;
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
     va_list ap;
     va_start(ap, fmt);
@@ -45,9 +46,10 @@ void gw_error_set(gw_error *e, int status, const char *type, const char *param, 
 }
 
 char *gw_error_body(const gw_error *e, size_t *len) {
-    json_t *o = json_pack("{s:{s:s, s:s, s:o, s:n}}", "error", "message", e->message, "type",
+    json_t *o = json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
                           e->type ? e->type : "invalid_request_error", "param",
-                          e->param[0] ? json_string(e->param) : json_null(), "code");
+                          e->param[0] ? json_string(e->param) : json_null(), "code",
+                          e->code ? json_string(e->code) : json_null());
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     if (len) *len = s ? strlen(s) : 0;

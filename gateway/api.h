@@ -63,6 +63,7 @@ typedef struct gw_error {
     const char *type;         /* "invalid_request_error", "not_found_error", "server_error", ... */
     char param[64];
     char message[512];
+    const char *code;         /* OpenAI's "code" ("invalid_api_key"), or NULL (null) */
 } gw_error;
 
 void gw_error_set(gw_error *e, int status, const char *type, const char *param, const char *fmt, ...)

@@ -23,6 +23,9 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <h2o.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <strings.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
@@ -41,8 +44,8 @@
 #include "common/model/config.h"
 #include "common/text/chat.h"
 #include "common/text/tokenizer.h"
+#include "common/util/sha256.h"
 #include "common/util/token_deposit.h"
-#include "coordinator/coordinator.h"
 #include "gateway/api.h"
 #include "gateway/metrics.h"
 #include "gateway/stop.h"
@@ -129,6 +132,9 @@ struct gw {
     gw_conn **conn_by_fd;         /* [n_conn_by_fd] */
     int n_conn_by_fd;
     uint64_t resets_closed;       /* connections closed for resetting too much */
+    uint8_t (*key_digest)[KVB_SHA256_BYTES]; /* [o->n_api_keys] SHA-256 of each API key */
+    uint64_t unauthorized;        /* requests refused with 401 */
+    SSL_CTX *ssl;                 /* TLS (tls_cert / tls_key), or NULL */
     struct gw_job *jobs;          /* text jobs on the thread pool (doubly linked) */
     int n_jobs;
     uv_timer_t housekeep, status_timer;
@@ -271,7 +277,7 @@ static void conn_count_reset(gw *g, gw_conn *c) {
 
 /* Sends a complete response (status, JSON or text body). The request is done afterwards. */
 static void send_body(gw *g, h2o_req_t *req, int ep, int status, const char *ctype, const char *body, size_t len) {
-    static const char *const reasons[] = {[200] = "OK", [400] = "Bad Request", [404] = "Not Found",
+    static const char *const reasons[] = {[200] = "OK", [400] = "Bad Request", [401] = "Unauthorized", [404] = "Not Found",
                                           [405] = "Method Not Allowed", [413] = "Payload Too Large",
                                           [429] = "Too Many Requests", [500] = "Internal Server Error",
                                           [503] = "Service Unavailable"};
@@ -877,7 +883,7 @@ static void on_coord_readable(uv_poll_t *p, int status, int events) {
         }
         Kvbank__Envelope *env = NULL;
         if (!zmq_msg_more(&msg) &&
-            kvb_coord_decode(zmq_msg_data(&msg), zmq_msg_size(&msg), &env, NULL) == KVB_OK) {
+            kvb_wire_decode(zmq_msg_data(&msg), zmq_msg_size(&msg), &env, NULL) == KVB_OK) {
             if (env->body_case == KVBANK__ENVELOPE__BODY_STATUS_REPLY) status_apply(g, env->status_reply);
             kvbank__envelope__free_unpacked(env, NULL);
         }
@@ -1487,6 +1493,23 @@ static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
 /* /metrics: the whole node in Prometheus' text format. */
 static void handle_metrics(gw *g, h2o_req_t *req);
 
+/* Whether the request may pass: no keys configured, an open /health or /metrics, or a Bearer key that
+ * is one of the keys. Keys are compared by their SHA-256 in constant time (neither a key's bytes nor
+ * its length shows in the time an answer takes). */
+static int authorized(gw *g, h2o_req_t *req) {
+    if (!g->o->n_api_keys) return 1;
+    if ((g->o->health_open && path_is(req, "/health")) || (g->o->metrics_open && path_is(req, "/metrics"))) return 1;
+    ssize_t i = h2o_find_header(&req->headers, H2O_TOKEN_AUTHORIZATION, -1);
+    if (i < 0) return 0;
+    h2o_iovec_t v = req->headers.entries[i].value;
+    if (v.len < 7 || strncasecmp(v.base, "Bearer ", 7) != 0) return 0;
+    uint8_t d[KVB_SHA256_BYTES];
+    kvb_sha256_digest(v.base + 7, v.len - 7, d);
+    int ok = 0;
+    for (int k = 0; k < g->o->n_api_keys; k++) ok |= kvb_memcmp_ct(d, g->key_digest[k], sizeof d) == 0;
+    return ok;
+}
+
 static int on_req(h2o_handler_t *self, h2o_req_t *req) {
     gw *g = *(gw **)(self + 1);
     gw_conn *c = conn_of(g, req);
@@ -1498,6 +1521,16 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
         return 0;
     }
     int ep = EP_OTHER;
+    if (!authorized(g, req)) {
+        gw_error e;
+        gw_error_set(&e, 401, "invalid_request_error", NULL, "%s",
+                     "a valid API key is required: send it as 'Authorization: Bearer KEY'");
+        e.code = "invalid_api_key";
+        g->unauthorized++;
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_WWW_AUTHENTICATE, NULL, H2O_STRLIT("Bearer"));
+        send_error(g, req, EP_OTHER, &e);
+        return 0;
+    }
     if (path_is(req, "/v1/completions")) ep = EP_COMPLETIONS;
     else if (path_is(req, "/v1/chat/completions")) ep = EP_CHAT;
     else if (path_is(req, "/v1/models")) ep = EP_MODELS;
@@ -1662,6 +1695,8 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     gw_metric_head(&t, "kvbank_gateway_text_jobs", "gauge",
                    "Requests whose text is being rendered, tokenized or detokenized on the thread pool (or waiting for it)");
     gw_metric_sample(&t, "kvbank_gateway_text_jobs", "", g->n_jobs);
+    gw_metric_head(&t, "kvbank_gateway_unauthorized_total", "counter", "Requests refused with 401 (no or a wrong API key)");
+    gw_metric_sample(&t, "kvbank_gateway_unauthorized_total", "", (double)g->unauthorized);
     gw_metric_head(&t, "kvbank_gateway_connections", "gauge", "Open client connections");
     gw_metric_sample(&t, "kvbank_gateway_connections", "", g->n_conns);
     gw_metric_head(&t, "kvbank_gateway_rejected_busy_total", "counter", "Requests refused with 429 (max_streams)");
@@ -1722,6 +1757,24 @@ static void on_accept(uv_stream_t *listener, int status) {
     uv_tcp_nodelay(&c->tcp, 1);
     c->sock = h2o_uv_socket_create((uv_stream_t *)&c->tcp, on_conn_closed);
     h2o_accept(&g->accept_ctx, c->sock);
+}
+
+/* HTTPS: OpenSSL with the PEM chain and key of the config; HTTP/2 by ALPN, else HTTP/1.1. */
+static kvb_status tls_setup(gw *g) {
+    g->ssl = SSL_CTX_new(TLS_server_method());
+    if (!g->ssl) return KVB_ERR_NOMEM;
+    SSL_CTX_set_min_proto_version(g->ssl, TLS1_2_VERSION);
+    SSL_CTX_set_options(g->ssl, SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION);
+    if (SSL_CTX_use_certificate_chain_file(g->ssl, g->o->tls_cert) != 1 ||
+        SSL_CTX_use_PrivateKey_file(g->ssl, g->o->tls_key, SSL_FILETYPE_PEM) != 1 || SSL_CTX_check_private_key(g->ssl) != 1) {
+        char why[256];
+        ERR_error_string_n(ERR_get_error(), why, sizeof why);
+        KVB_LOG_E("gateway: TLS certificate %s / key %s: %s", g->o->tls_cert, g->o->tls_key, why);
+        return KVB_ERR_INVALID;
+    }
+    h2o_ssl_register_alpn_protocols(g->ssl, h2o_http2_alpn_protocols);
+    g->accept_ctx.ssl_ctx = g->ssl;
+    return KVB_OK;
 }
 
 static kvb_status listen_on(gw *g) {
@@ -1826,6 +1879,11 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     h2o_context_init(&g->h2o_ctx, g->loop, &g->h2o_conf);
     g->accept_ctx.ctx = &g->h2o_ctx;
     g->accept_ctx.hosts = g->h2o_conf.hosts;
+    if (o->n_api_keys) {
+        KVB_TRY_GOTO(kvb_calloc((size_t)o->n_api_keys, sizeof *g->key_digest, (void **)&g->key_digest), done);
+        for (int k = 0; k < o->n_api_keys; k++) kvb_sha256_digest(o->api_keys[k], strlen(o->api_keys[k]), g->key_digest[k]);
+    }
+    if (o->tls_cert) KVB_TRY_GOTO(tls_setup(g), done);
     KVB_TRY_GOTO(listen_on(g), done);
 
     /* The gateway is a control client of the coordinator: it logs in on EP.ctl (common/ipc/auth.h) and
@@ -1853,7 +1911,7 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     uv_timer_start(&g->housekeep, on_housekeep, HOUSEKEEP_MS, HOUSEKEEP_MS);
 
     KVB_LOG_I("gateway: listening on %s port %d (coordinator %s)", o->host, g->port, o->coordinator);
-    printf("kvbank-gateway: listening on http://%s%s%s:%d\n", strchr(o->host, ':') ? "[" : "", o->host,
+    printf("kvbank-gateway: listening on %s://%s%s%s:%d\n", g->ssl ? "https" : "http", strchr(o->host, ':') ? "[" : "", o->host,
            strchr(o->host, ':') ? "]" : "", g->port);
     fflush(stdout);
     if (o->port_file) {
@@ -1880,6 +1938,8 @@ done:
     uv_run(g->loop, UV_RUN_DEFAULT);
     if (disposed) h2o_config_dispose(&g->h2o_conf);
     free(g->conn_by_fd);
+    free(g->key_digest);
+    if (g->ssl) SSL_CTX_free(g->ssl);
     for (int i = 0; i < g->n_models; i++) {
         kvb_client_destroy(g->models[i]->client);
         kvb_tokenizer_destroy(g->models[i]->tok);
