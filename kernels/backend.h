@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "common/mem/mem.h"
+#include "common/util/kv_geom.h"
 #include "common/util/util.h"
 
 /* A weight matrix or vector on a backend. ne[0] = rows (output features), ne[1] = columns (input
@@ -33,16 +34,6 @@ typedef struct kvb_rope {
     const float *inv_freq; /* [head_dim/2] host array, owned by the model */
 } kvb_rope;
 
-/* KV geometry of one model's cache, shared by every layer that reads blocks.
- * One block holds `block_size` tokens of every layer: [n_layers][2 (K,V)][block_size][n_kv_heads][head_dim]
- * (SwiftCache §3.4 block-major). A block's slice for one layer is [2][block_size][n_kv_heads][head_dim]. */
-typedef struct kvb_kv_geom {
-    int n_layers;
-    int n_kv_heads;
-    int head_dim;
-    int block_size; /* tokens per block */
-    int elem_size;  /* bytes per K/V element (4 on the CPU backend) */
-} kvb_kv_geom;
 
 /* One sequence of a flattened attention batch. Its new tokens are rows [q_start, q_start+q_len) of
  * the batch and sit at positions [ctx_len-q_len, ctx_len) of the sequence; attention is causal over

@@ -38,6 +38,7 @@
 #include "coordinator/ledger.h"
 #include "tests/harness.h"
 #include "tests/testfiles.h"
+#include "tests/testproc.h"
 
 /* Geometries: the master's block is 16384 bytes; worker A's 4096 (MEU 4 worker : 1 master); worker
  * B's 3072 (lcm 49152: MEU 16 : 3). */
@@ -1008,7 +1009,6 @@ KVB_TEST_END
 
 /* ===================================================================================== processes */
 
-static char g_builddir[PATH_MAX];
 static char g_dir[64];        /* this test's scratch directory */
 static char g_endpoint[160];
 static char g_log[96];
@@ -1018,88 +1018,20 @@ static char g_config[128];    /* non-empty: start the coordinator with --config 
 static kvb_auth g_sup;        /* has_secret: the test plays kvbankd, handing the coordinator this secret
                                * on an inherited pipe (KVB_AUTH_FD) instead of its key file */
 
-static const char *builddir(void) {
-    if (g_builddir[0]) return g_builddir;
-    const char *env = getenv("KVB_BUILDDIR");
-    if (env && *env) {
-        snprintf(g_builddir, sizeof g_builddir, "%s", env);
-    } else {
-        char exe[PATH_MAX];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        ck_assert_int_gt(n, 0);
-        exe[n] = '\0';
-        for (int up = 0; up < 2; up++) {
-            char *slash = strrchr(exe, '/');
-            ck_assert_ptr_nonnull(slash);
-            *slash = '\0';
-        }
-        memcpy(g_builddir, exe, strlen(exe) + 1);
-    }
-    return g_builddir;
-}
-
+static const char *builddir(void) { return kvb_t_builddir(); }
 
 static void heartbeat_alive(void);
 
 /* Runs a program of the build directory with stdout into out[out_len] (may be NULL) and stderr into
- * err[err_len] (may be NULL: the test's stderr). Returns its exit status, -1 if it did not exit. */
+ * err[err_len] (may be NULL: the test's stderr). The fake peers keep heartbeating while the tool runs: a
+ * loaded (sanitizer) machine may run it for longer than the silence limit, and a silent master holding
+ * loans is fenced with SIGKILL, which would hit this process. Returns its exit status, -1 if it did not
+ * exit. */
 static int run_tool(const char *const *argv, char *out, size_t out_len, char *err, size_t err_len) {
-    char path[PATH_MAX];
-    snprintf(path, sizeof path, "%s/%s", builddir(), argv[0]);
     char errfile[128];
     snprintf(errfile, sizeof errfile, "%s/tool.err", g_dir);
-    int fds[2];
-    ck_assert_int_eq(pipe(fds), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    ck_assert_int_ge(pid, 0);
-    if (pid == 0) {
-        dup2(fds[1], 1);
-        close(fds[0]);
-        close(fds[1]);
-        if (err) {
-            int fd = open(errfile, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-            if (fd >= 0) dup2(fd, 2);
-        }
-        setenv("KVB_LOG_LEVEL", "warn", 1);
-        execv(path, (char *const *)argv);
-        fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
-        _exit(127);
-    }
-    close(fds[1]);
-    size_t n = 0;
-    char sink[4096];
-    for (;;) {
-        /* The fake peers keep heartbeating while the tool runs: a loaded (sanitizer) machine may run it
-         * for longer than the silence limit, and a silent master holding loans is fenced with SIGKILL,
-         * which would hit this process. */
-        struct pollfd pf = {.fd = fds[0], .events = POLLIN};
-        if (poll(&pf, 1, 20) == 0) {
-            heartbeat_alive();
-            continue;
-        }
-        char *dst = out && n + 1 < out_len ? out + n : sink;
-        size_t room = out && n + 1 < out_len ? out_len - 1 - n : sizeof sink;
-        ssize_t r = read(fds[0], dst, room);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) break;
-        if (dst != sink) n += (size_t)r;
-    }
-    close(fds[0]);
-    if (out && out_len) out[n] = '\0';
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    if (err && err_len) {
-        err[0] = '\0';
-        FILE *f = fopen(errfile, "r");
-        if (f) {
-            size_t k = fread(err, 1, err_len - 1, f);
-            err[k] = '\0';
-            fclose(f);
-        }
-    }
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return kvb_t_run_tool(argv, &(kvb_t_run){.out = out, .out_len = out_len, .err = err, .err_len = err_len,
+                                             .err_file = errfile, .idle = heartbeat_alive});
 }
 
 static void print_log(void) { kvb_t_print_file(g_log, "coordinator log"); }

@@ -1002,6 +1002,7 @@ KVB_TEST_END
 typedef struct checker {
     const kvb_view *v;
     const kvb_plan *p;
+    pthread_barrier_t *go;
     kvb_status want;
     kvb_plan_cost cost;
     int wrong;
@@ -1009,7 +1010,8 @@ typedef struct checker {
 
 static void *check_loop(void *arg) {
     checker *c = arg;
-    for (int k = 0; k < 400; k++) {
+    pthread_barrier_wait(c->go); /* both at once */
+    for (int k = 0; k < 20000; k++) {
         kvb_plan_cost got;
         char err[256];
         kvb_status st = kvb_sched_cost(c->v, c->p, &got, err, sizeof err);
@@ -1031,11 +1033,14 @@ static kvb_status threaded_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     kvb_status st = kvb_fcfs(v, NULL, &a);
     kvb_fcfs_opts o = {.budget = 3};
     if (st == KVB_OK) st = kvb_fcfs_admit(v, &o, &b);
-    checker c[2] = {{.v = v, .p = &a}, {.v = v, .p = &b}};
+    pthread_barrier_t go;
+    pthread_barrier_init(&go, NULL, 2);
+    checker c[2] = {{.v = v, .p = &a, .go = &go}, {.v = v, .p = &b, .go = &go}};
     for (int i = 0; i < 2 && st == KVB_OK; i++) c[i].want = kvb_sched_cost(v, c[i].p, &c[i].cost, NULL, 0);
     pthread_t th[2];
     for (int i = 0; i < 2 && st == KVB_OK; i++) ck_assert_int_eq(pthread_create(&th[i], NULL, check_loop, &c[i]), 0);
     for (int i = 0; i < 2 && st == KVB_OK; i++) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&go);
     t->wrong += c[0].wrong + c[1].wrong;
     t->rounds++;
     if (st == KVB_OK) st = kvb_plan_copy_from(out, &a);
@@ -1056,7 +1061,66 @@ KVB_TEST(check_from_threads) {
     kvb_engine_stats s;
     pressure(&got, &pl, 4, 18, 9, &s);
     ck_assert_int_gt(t.rounds, 10);
-    ck_assert_msg(t.wrong == 0, "%d of %d concurrent checks disagreed with the same check alone", t.wrong, t.rounds * 800);
+    ck_assert_msg(t.wrong == 0, "%d of %d concurrent checks disagreed with the same check alone", t.wrong, t.rounds * 40000);
+    assert_same(&ref, &got);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* A check in the middle of the scheduler's own accounting (its pick_victim callback) changes nothing of
+ * the plan the scheduler makes: every accounting owns its memory. */
+typedef struct nester {
+    kvb_plan other;
+    int nested, differ, failed;
+} nester;
+
+static int plain_victim(void *ud, const kvb_view *v, const int *cand, int n) {
+    (void)ud, (void)v, (void)cand;
+    return n - 1;
+}
+
+static int nest_victim(void *ud, const kvb_view *v, const int *cand, int n) {
+    nester *t = ud;
+    kvb_plan_cost c;
+    (void)kvb_sched_cost(v, &t->other, &c, NULL, 0);
+    t->nested++;
+    return plain_victim(ud, v, cand, n);
+}
+
+static kvb_status nester_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    nester *t = ctx;
+    kvb_plan a = {0};
+    kvb_plan_reset(&a);
+    kvb_plan_reset(&t->other);
+    kvb_status st = KVB_OK; /* the other plan preempts every running request */
+    for (int i = 0; i < v->n_running && st == KVB_OK; i++)
+        if (v->reqs[i].state == KVB_REQ_RUNNING)
+            st = kvb_plan_push_op(&t->other, (kvb_plan_op){.kind = KVB_OP_PREEMPT, .id = v->reqs[i].id});
+    kvb_fcfs_opts plain = {.pick_victim = plain_victim}, nest = {.pick_victim = nest_victim, .ud = t};
+    if (st == KVB_OK) st = kvb_fcfs(v, &plain, &a);
+    if (st == KVB_OK) st = kvb_fcfs(v, &nest, out);
+    t->failed += st != KVB_OK;
+    if (st == KVB_OK && (a.n_ops != out->n_ops || memcmp(a.ops, out->ops, sizeof *a.ops * (size_t)a.n_ops)))
+        t->differ++;
+    kvb_plan_free(&a);
+    return st;
+}
+
+static const kvb_planner_i nester_iface = {.name = "nester", .plan_step = nester_plan};
+
+KVB_TEST(check_inside_check) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    nester t = {0};
+    kvb_planner pl = {&nester_iface, &t};
+    kvb_engine_stats s;
+    pressure(&got, &pl, 4, 18, 9, &s);
+    kvb_plan_free(&t.other);
+    ck_assert_int_gt(t.nested, 0);
+    ck_assert_int_eq(t.failed, 0);
+    ck_assert_msg(t.differ == 0, "%d plans changed by a check made while they were built", t.differ);
     assert_same(&ref, &got);
     teardown_model();
 }
@@ -1096,7 +1160,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(orbitflow_late_decisions, 240), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
-              KVB_T(check_from_threads, 120),
+              KVB_T(check_from_threads, 120), KVB_T(check_inside_check, 120),
               KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240), KVB_T(drop_blocks_swapped_layers_lossless, 240),
               KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240),
               KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60))

@@ -340,7 +340,10 @@ static void rs_step_end(void *ctx, kvb_engine *e, int ok) {
     r->indexed = 0;
 }
 
-/* Marks of the blocks the plan's scheduled requests read (1) and write (2) this step. */
+/* What the plan's scheduled requests do with a block this step (step_marks). */
+enum { MARK_READ = 1, MARK_WRITE = 2 };
+
+/* Marks of the blocks the plan's scheduled requests read and write this step. */
 static kvb_status step_marks(const kvb_engine *e, kvb_acct *a, const kvb_plan *p, uint8_t **out) {
     const kvb_view *v = a->v;
     int bs = v->geom->block_size;
@@ -355,7 +358,7 @@ static kvb_status step_marks(const kvb_engine *e, kvb_acct *a, const kvb_plan *p
                 int jl = r->n_dropped + j; /* its block index in the request */
                 if (jl < a->dropped[i]) continue; /* released by a DROP of this plan */
                 int w = (jl + 1) * bs > r->n_computed || (op->n_absent % bs && jl == op->n_absent / bs);
-                m[r->blocks[j]] |= (uint8_t)(1 | (w ? 2 : 0));
+                m[r->blocks[j]] |= (uint8_t)(MARK_READ | (w ? MARK_WRITE : 0));
             }
         } else if (op->kind == KVB_OP_ADMIT) {
             kvb_view_hits pm;
@@ -364,7 +367,7 @@ static kvb_status step_marks(const kvb_engine *e, kvb_acct *a, const kvb_plan *p
                 free(m);
                 return st;
             }
-            for (int j = 0; j < pm.n_hit; j++) m[pm.ids[j]] |= 1;
+            for (int j = 0; j < pm.n_hit; j++) m[pm.ids[j]] |= MARK_READ;
         }
     }
     *out = m;
@@ -497,7 +500,7 @@ static kvb_status rs_check_plan(void *ctx, const kvb_engine *e, kvb_acct *a, con
                 st = kvb_plan_refuse(err, len, "copy %d: LOAD of block %d layers [%d, %d) is due before layer %d, but the step "
                             "reads it at layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer0);
         } else {
-            if ((mark[id] & 2) && cp->layer < cp->layer1 - 1)
+            if ((mark[id] & MARK_WRITE) && cp->layer < cp->layer1 - 1)
                 st = kvb_plan_refuse(err, len, "copy %d: STORE of block %d layers [%d, %d) after layer %d, but the step writes the "
                             "block until layer %d", c, (int)id, cp->layer0, cp->layer1, cp->layer, cp->layer1 - 1);
             int fresh = !host_copy_exists(e, id);

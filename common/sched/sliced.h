@@ -27,7 +27,7 @@ typedef struct px_list {
 
 #define LAUNCHED (1ull << 63) /* s_ticket: the layer's load was posted (the rest is its ticket, 0: none) */
 
-struct kvb_slices {
+struct kvb__slices {
     int L, bs;
     int n_ids;
     int min_layers;
@@ -61,14 +61,14 @@ struct kvb_slices {
 };
 
 /* slices_check.c: reads p->places into vmask / vdepth by view index, refusing bad ones. */
-kvb_status kvb__slices_read_places(kvb_slices *sl, const kvb_view *v, const kvb_plan *p, char *err, size_t len);
+kvb_status kvb__slices_read_places(kvb__slices *sl, const kvb_view *v, const kvb_plan *p, char *err, size_t len);
 /* Forgets the wanted layers. */
-void kvb__slices_want_clear(kvb_slices *sl);
+void kvb__slices_want_clear(kvb__slices *sl);
 /* Marks the layers a holder of ids[0..n) with host layers `m` keeps. */
-void kvb__slices_want_mark(kvb_slices *sl, const int32_t *ids, int n, const sl_mask *m);
+void kvb__slices_want_mark(kvb__slices *sl, const int32_t *ids, int n, const sl_mask *m);
 /* Prefetch slices a request with host layers `m` and `depth` slots needs for blocks ids[0..n) plus n_new
  * new blocks: on the device as wanted, or (installed) as resident now. */
-int64_t kvb__slices_scratch_need(const kvb_slices *sl, const kvb_block_pool *pool, const int32_t *ids, int n,
+int64_t kvb__slices_scratch_need(const kvb__slices *sl, const kvb_block_pool *pool, const int32_t *ids, int n,
                                  int64_t n_new, const sl_mask *m, int depth, int installed);
 /* The mechanism's check hooks (mech.h). */
 kvb_status kvb__slices_check_op(void *ctx, const kvb_engine *e, kvb_acct *a, const kvb_plan_op *op, int k, char *err,

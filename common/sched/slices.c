@@ -33,7 +33,7 @@
 static const kvb__mech_i slices_iface;
 
 kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
-    kvb_slices *sl = NULL;
+    kvb__slices *sl = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *sl, (void **)&sl));
     pthread_mutex_init(&sl->mu, NULL);
     e->mech[KVB__MECH_SLICES] = (kvb__mech){.iface = &slices_iface, .ctx = sl};
@@ -67,7 +67,7 @@ kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
 }
 
 static void sl_destroy(void *ctx, kvb_engine *e) {
-    kvb_slices *sl = ctx;
+    kvb__slices *sl = ctx;
     kvb_mem_pinned_free(kvb_model_backend(e->m)->mem, sl->host);
     free(sl->fill);
     free(sl->host_rows);
@@ -102,7 +102,7 @@ void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out) {
 
 /* ---------------------------------------------------------------- moving layers */
 
-static kvb_status ids_reserve(kvb_slices *sl, int n) {
+static kvb_status ids_reserve(kvb__slices *sl, int n) {
     if (n <= sl->mv_cap) return KVB_OK;
     int cap = KVB_MAX(n, 2 * sl->mv_cap);
     KVB_TRY(kvb_realloc_array((void **)&sl->mv_id, (size_t)cap, sizeof *sl->mv_id));
@@ -123,7 +123,7 @@ static kvb_status px_reserve(px_list *l, int n) {
 }
 
 /* Appends the pieces that copy rows [r0, r1) of K and of V between a slice and the host home of (id, l). */
-static void add_rows(kvb_slices *sl, px_list *pl, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
+static void add_rows(kvb__slices *sl, px_list *pl, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
     if (r1 <= r0) return;
     unsigned char *h = sl->host + (size_t)id * sl->block_bytes + (size_t)l * sl->layer_bytes;
     unsigned char *d = slice;
@@ -149,7 +149,7 @@ static kvb_status post(kvb_engine *e, px_list *pl, int from, int to_host, uint64
 /* Moves layers off the device: stores what each host copy lacks (one transfer), waits for it, then
  * frees the slices. ids[k], layers[k] for k < n. */
 static kvb_status evict_layers(kvb_engine *e, const int32_t *ids, const int *layers, int n) {
-    kvb_slices *sl = kvb__sliced(e);
+    kvb__slices *sl = kvb__sliced(e);
     px_list *pl = &sl->ev;
     pl->n = pl->posted = 0;
     KVB_TRY(px_reserve(pl, 2 * n));
@@ -173,7 +173,7 @@ static kvb_status evict_layers(kvb_engine *e, const int32_t *ids, const int *lay
 /* Frees lazily held slices: an unreferenced cached block is dropped, else a layer of a paused request
  * leaves (deepest layer first, all its blocks there at once). KVB_ERR_EXHAUSTED if nothing is left. */
 static kvb_status make_room_once(kvb_engine *e) {
-    kvb_slices *sl = kvb__sliced(e);
+    kvb__slices *sl = kvb__sliced(e);
     int before = kvb_block_pool_n_free_slices(e->pool);
     while (kvb_prefix_cache_evict(e->pc) == KVB_OK) {
         sl->st.cached_dropped++;
@@ -213,7 +213,7 @@ static kvb_status make_room(kvb_engine *e, int n) {
 }
 
 kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out) {
-    kvb_slices *sl = kvb__sliced(e);
+    kvb__slices *sl = kvb__sliced(e);
     kvb_status st = kvb_block_pool_alloc_bare(e->pool, out);
     while (st == KVB_ERR_EXHAUSTED && kvb_prefix_cache_evict(e->pc) == KVB_OK) {
         sl->st.cached_dropped++;
@@ -225,7 +225,7 @@ kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out) {
     return KVB_OK;
 }
 
-static kvb_status entries_reserve(kvb_slices *sl, int n) {
+static kvb_status entries_reserve(kvb__slices *sl, int n) {
     if (n <= sl->entry_cap) return KVB_OK;
     KVB_TRY(kvb_realloc_array((void **)&sl->entry_scratch, (size_t)n, sizeof *sl->entry_scratch));
     sl->entry_cap = n;
@@ -233,11 +233,11 @@ static kvb_status entries_reserve(kvb_slices *sl, int n) {
 }
 
 /* Blocks sequence sched[i] reads in this step. */
-static int step_blocks(const kvb_slices *sl, const kvb__seq *s) { return KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs); }
+static int step_blocks(const kvb__slices *sl, const kvb__seq *s) { return KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs); }
 
-static int depth_of(const kvb_slices *sl, const kvb__seq *s) { return sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1; }
+static int depth_of(const kvb__slices *sl, const kvb__seq *s) { return sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1; }
 
-static kvb_status install(kvb_slices *sl, kvb_engine *e) {
+static kvb_status install(kvb__slices *sl, kvb_engine *e) {
     char err[256];
     int n_sched = e->step.n_sched;
     KVB_TRY(kvb__slices_read_places(sl, &e->view, &e->plan, err, sizeof err)); /* the plan was checked: this reads them */
@@ -308,7 +308,7 @@ static kvb_status install(kvb_slices *sl, kvb_engine *e) {
 /* Loads sched[i]'s host layer l into its slot (slot = rank of l among its host layers, modulo depth):
  * one transfer of every block of the sequence that is not on the device at l. */
 static kvb_status launch(kvb_engine *e, int i, int l) {
-    kvb_slices *sl = kvb__sliced(e);
+    kvb__slices *sl = kvb__sliced(e);
     kvb__seq *s = e->step.sched[i];
     const sl_mask *m = &sl->vmask[s->vidx];
     int rank = 0;
@@ -331,7 +331,7 @@ static kvb_status launch(kvb_engine *e, int i, int l) {
 }
 
 /* The next host layer of sched[i] from layer `l0` on that is not launched yet (-1 if none). */
-static int next_host(const kvb_slices *sl, int i, const kvb__seq *s, int l0) {
+static int next_host(const kvb__slices *sl, int i, const kvb__seq *s, int l0) {
     const sl_mask *m = &sl->vmask[s->vidx];
     for (int l = l0; l < sl->L; l++)
         if (mask_has(m, l) && !sl->s_ticket[(size_t)i * sl->L + l]) return l;
@@ -341,7 +341,7 @@ static int next_host(const kvb_slices *sl, int i, const kvb__seq *s, int l0) {
 /* Before the forward pass: the transfer pieces of the step (prefetches and the stores of the rows the
  * step writes into host layers), then each sequence loads its first `depth` host layers at once (the
  * greedy rule of §3.3.1 that the latency model simulates). */
-static kvb_status prefetch_begin(kvb_slices *sl, kvb_engine *e) {
+static kvb_status prefetch_begin(kvb__slices *sl, kvb_engine *e) {
     KVB_TRY(entries_reserve(sl, e->step.n_ent));
     int n_sched = e->step.n_sched, pieces = 0;
     for (int i = 0; i < n_sched; i++) {
@@ -368,7 +368,7 @@ static kvb_status prefetch_begin(kvb_slices *sl, kvb_engine *e) {
 /* After the plan's operations: installs the placements and the step's prefetch slots, and launches the
  * first prefetches. */
 static kvb_status sl_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
-    kvb_slices *sl = ctx;
+    kvb__slices *sl = ctx;
     uint64_t t0 = kvb_now_ns();
     pthread_mutex_lock(&sl->mu);
     kvb_status st = install(sl, e);
@@ -383,7 +383,7 @@ static kvb_status sl_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
 /* Layer l's pointers for the scheduled sequences: resident slices in place, the others from the
  * sequence's prefetch slot once its transfer (and any install load of the layer) has landed. */
 static kvb_status sl_layer_in(void *ctx, kvb_engine *e, int l) {
-    kvb_slices *sl = ctx;
+    kvb__slices *sl = ctx;
     int n_sched = e->step.n_sched;
     uint64_t t0 = kvb_now_ns();
     if (sl->onload_t[l]) KVB_TRY(kvb_stager_wait(e->stager, sl->onload_t[l]));
@@ -421,7 +421,7 @@ static kvb_status sl_layer_in(void *ctx, kvb_engine *e, int l) {
  * homes (in one transfer, waited for at the end of the step), and every sequence whose slot layer l
  * used launches its next host layer into it. */
 static kvb_status sl_layer_out(void *ctx, kvb_engine *e, int l) {
-    kvb_slices *sl = ctx;
+    kvb__slices *sl = ctx;
     int n_sched = e->step.n_sched;
     uint64_t t0 = kvb_now_ns();
     int from = sl->step.n;
@@ -454,7 +454,7 @@ static kvb_status sl_layer_out(void *ctx, kvb_engine *e, int l) {
 
 /* After the step, ok or not: every transfer has landed, prefetch slots go back. */
 static void sl_step_end(void *ctx, kvb_engine *e, int ok) {
-    kvb_slices *sl = ctx;
+    kvb__slices *sl = ctx;
     (void)ok;
     if (sl->step.posted || sl->on.posted) (void)kvb_stager_drain(e->stager);
     sl->step.n = sl->step.posted = 0;
@@ -466,7 +466,7 @@ static void sl_step_end(void *ctx, kvb_engine *e, int ok) {
 
 /* The step succeeded: the blocks' fill grows by the rows written. */
 static void sl_step_done(void *ctx, kvb_engine *e) {
-    kvb_slices *sl = ctx;
+    kvb__slices *sl = ctx;
     for (int i = 0; i < e->step.n_sched; i++) {
         kvb__seq *s = e->step.sched[i];
         const kvb_attn_seq *as = &e->step.seqs[i];

@@ -6,7 +6,7 @@
 
 /* ---------------------------------------------------------------- placements of the plan */
 
-static kvb_status vreserve(kvb_slices *sl, int n) {
+static kvb_status vreserve(kvb__slices *sl, int n) {
     if (n <= sl->vcap) return KVB_OK;
     int cap = KVB_MAX(n, 2 * sl->vcap);
     KVB_TRY(kvb_realloc_array((void **)&sl->vmask, (size_t)cap, sizeof *sl->vmask));
@@ -16,7 +16,7 @@ static kvb_status vreserve(kvb_slices *sl, int n) {
 }
 
 /* Reads p->places into vmask / vdepth by view index, checking them. */
-kvb_status kvb__slices_read_places(kvb_slices *sl, const kvb_view *v, const kvb_plan *p, char *err, size_t len) {
+kvb_status kvb__slices_read_places(kvb__slices *sl, const kvb_view *v, const kvb_plan *p, char *err, size_t len) {
     KVB_TRY(vreserve(sl, v->n_reqs));
     memset(sl->vmask, 0, (size_t)v->n_reqs * sizeof *sl->vmask);
     for (int i = 0; i < v->n_reqs; i++) sl->vdepth[i] = 0;
@@ -46,13 +46,13 @@ kvb_status kvb__slices_read_places(kvb_slices *sl, const kvb_view *v, const kvb_
 
 /* ---------------------------------------------------------------- want */
 
-static void touch(kvb_slices *sl, int32_t id) {
+static void touch(kvb__slices *sl, int32_t id) {
     if (sl->touched[id]) return;
     sl->touched[id] = 1;
     sl->tlist[sl->n_touched++] = id;
 }
 
-void kvb__slices_want_clear(kvb_slices *sl) {
+void kvb__slices_want_clear(kvb__slices *sl) {
     for (int t = 0; t < sl->n_touched; t++) {
         int32_t id = sl->tlist[t];
         sl->touched[id] = 0;
@@ -62,7 +62,7 @@ void kvb__slices_want_clear(kvb_slices *sl) {
 }
 
 /* Marks the layers a holder of ids[0..n) with host layers `m` keeps. */
-void kvb__slices_want_mark(kvb_slices *sl, const int32_t *ids, int n, const sl_mask *m) {
+void kvb__slices_want_mark(kvb__slices *sl, const int32_t *ids, int n, const sl_mask *m) {
     for (int j = 0; j < n; j++) {
         touch(sl, ids[j]);
         uint8_t *w = sl->want + (size_t)ids[j] * sl->L;
@@ -80,7 +80,7 @@ static int popcount_not(const sl_mask *m, int L) {
 /* Prefetch slices request `m`, `depth` needs for blocks ids[0..n) (already marked) plus n_new new blocks
  * (exclusive: not kept at its host layers). `resident(l, id)` is whether the block is on the device at
  * the layer when the step runs. */
-int64_t kvb__slices_scratch_need(const kvb_slices *sl, const kvb_block_pool *pool, const int32_t *ids, int n, int64_t n_new,
+int64_t kvb__slices_scratch_need(const kvb__slices *sl, const kvb_block_pool *pool, const int32_t *ids, int n, int64_t n_new,
                             const sl_mask *m, int depth, int installed) {
     if (!mask_any(m)) return 0;
     int64_t per = 0;
@@ -110,7 +110,7 @@ kvb_status kvb__slices_check_op(void *ctx, const kvb_engine *e, kvb_acct *a, con
 /* Reads the plan's placements (refusing bad ones) and checks the device slices the plan needs, after the
  * accounting of its operations (a: each request's state, whether it is scheduled, its new blocks). The
  * check's scratch (placements, wanted layers) is the manager's: one check at a time. */
-static kvb_status check_slices(kvb_slices *sl, const kvb_engine *e, kvb_acct *a, const kvb_plan *p, char *err,
+static kvb_status check_slices(kvb__slices *sl, const kvb_engine *e, kvb_acct *a, const kvb_plan *p, char *err,
                                size_t len) {
     const kvb_view *v = a->v;
     const kvb_req_state *astate = a->state;
@@ -153,7 +153,7 @@ static kvb_status check_slices(kvb_slices *sl, const kvb_engine *e, kvb_acct *a,
 }
 
 kvb_status kvb__slices_check_plan(void *ctx, const kvb_engine *e, kvb_acct *a, const kvb_plan *p, char *err, size_t len) {
-    kvb_slices *sl = ctx;
+    kvb__slices *sl = ctx;
     pthread_mutex_lock(&sl->mu);
     kvb_status st = check_slices(sl, e, a, p, err, len);
     pthread_mutex_unlock(&sl->mu);

@@ -27,7 +27,7 @@
 
 #define KVB_MAX_LAYERS 256 /* layers a sliced pool's placements can name */
 
-typedef struct kvb_slices kvb_slices; /* slices.c */
+typedef struct kvb__slices kvb__slices; /* slices.c */
 
 typedef struct kvb__seq {
     uint64_t id;
@@ -182,7 +182,7 @@ struct kvb_engine {
 };
 
 /* The sliced pool's manager, NULL when the pool is block-major. */
-static inline kvb_slices *kvb__sliced(const kvb_engine *e) { return e->mech[KVB__MECH_SLICES].ctx; }
+static inline kvb__slices *kvb__sliced(const kvb_engine *e) { return e->mech[KVB__MECH_SLICES].ctx; }
 
 /* ---------------------------------------------------------------- queue.c */
 void kvb__list_remove(kvb__seq_list *l, kvb__seq *s);
