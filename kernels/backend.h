@@ -176,7 +176,7 @@ typedef enum kvb_cpu_cores {
                            * design: a waiting thread sleeps at once */
 } kvb_cpu_cores;
 
-/* The bounded spin of KVB_CPU_CORES_OWN, in libgomp's spin iterations (docs/design.md, "Waiting threads sleep"). */
+/* The bounded spin of KVB_CPU_CORES_OWN, in libgomp's spin iterations (docs/perf.md, "Waiting threads sleep"). */
 #define KVB_CPU_SPIN "3000"
 
 /* Called first in the main of a program that may compute on the CPU backend, before it has any other

@@ -435,7 +435,8 @@ typedef struct kvb_step_report {
     uint64_t t_plan_ns;        /* in plan_step */
     int n_layers;
     const uint64_t *t_layer_ns;/* [n_layers] wall time of each layer, waits for its loads included */
-    const uint64_t *t_wait_ns; /* [n_layers] of which waiting for the stager before the layer */
+    const uint64_t *t_wait_ns; /* [n_layers] of which before the layer's kernels (the mechanisms' layer_in: waits for
+                                * loads, saved inputs) */
     int n_seqs;                /* RUN + ADMIT entries */
     int n_tokens;              /* sum of q_len */
     int n_absent_rows;         /* sum of n_absent */
