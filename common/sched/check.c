@@ -16,6 +16,20 @@ kvb_status kvb_plan_refuse(char *err, size_t len, const char *fmt, ...) {
     return KVB_ERR_INVALID;
 }
 
+kvb_status kvb_plan_refuse_op(char *err, size_t len, int k, const kvb_plan_op *op, const char *fmt, ...) {
+    if (err && len) {
+        int n = snprintf(err, len, "plan op %d (%s request %llu): ", k, kvb_op_kind_str(op->kind),
+                         (unsigned long long)op->id);
+        if (n >= 0 && (size_t)n < len) {
+            va_list ap;
+            va_start(ap, fmt);
+            vsnprintf(err + n, len - (size_t)n, fmt, ap);
+            va_end(ap);
+        }
+    }
+    return KVB_ERR_INVALID;
+}
+
 /* ---------------------------------------------------------------- references the plan changes */
 
 static uint32_t adj_slot(int32_t id, int cap) { return ((uint32_t)id * 0x9E3779B1u) & (uint32_t)(cap - 1); }
@@ -67,7 +81,8 @@ kvb_status kvb_acct_begin(const kvb_view *v, kvb_acct *a) {
     size_t n = (size_t)KVB_MAX(v->n_reqs, 1);
     unsigned char *mem = NULL;
     /* one allocation: state, n_new, dropped, sched, then the reference changes */
-    KVB_TRY(kvb_malloc(n * (sizeof *a->state + sizeof *a->n_new + sizeof *a->dropped + sizeof *a->sched), (void **)&mem));
+    size_t per_req = sizeof *a->state + sizeof *a->n_new + sizeof *a->dropped + sizeof *a->sched;
+    KVB_TRY(kvb_malloc(n * per_req, (void **)&mem));
     a->n_new = (int64_t *)mem;
     a->state = (kvb_req_state *)(a->n_new + n);
     a->dropped = (int32_t *)(a->state + n);
@@ -159,28 +174,24 @@ static kvb_status idle_hits(const kvb_acct *a, int i, int *out) {
 static kvb_status acct_place(kvb_acct *a, int i, const kvb_plan_op *op, int64_t more, int k, char *err, size_t len) {
     const kvb_view *v = a->v;
     const kvb_req_view *r = &v->reqs[i];
-    unsigned long long id = (unsigned long long)op->id;
-    const char *kind = kvb_op_kind_str(op->kind);
     if (v->prefix_cache)
-        return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): placed blocks need the prefix cache off", k, kind,
-                               id);
+        return kvb_plan_refuse_op(err, len, k, op, "placed blocks need the prefix cache off");
     int have = op->kind == KVB_OP_RUN ? r->n_blocks : 0;
     if (op->block0 < 0 || (int64_t)op->block0 + have + more > v->pool.n_own)
-        return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): blocks from %d on are outside the own pool of %d",
-                               k, kind, id, (int)op->block0, v->pool.n_own);
+        return kvb_plan_refuse_op(err, len, k, op, "blocks from %d on are outside the own pool of %d",
+                                                   (int)op->block0, v->pool.n_own);
     for (int j = 0; j < have; j++) {
         /* swapped in earlier in this plan: its view lists host blocks, its pool blocks are the ones taken */
         int ok = a->sched[i] & KVB_ACCT_SWAPPED_IN ? kvb_acct_ref(a, op->block0 + j) == 1
                                                    : r->blocks[j] == op->block0 + j;
         if (!ok)
-            return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): its block %d is not block %d", k, kind, id, j,
-                                   (int)(op->block0 + j));
+            return kvb_plan_refuse_op(err, len, k, op, "its block %d is not block %d", j, (int)(op->block0 + j));
     }
     for (int64_t j = have; j < have + more; j++) {
         int32_t b = (int32_t)(op->block0 + j);
         /* free now, or released by an earlier operation of this plan (a PREEMPT before a fetch into its slot) */
         if (kvb_acct_ref(a, b) != 0 || (adj_get(a, b) == 0 && !v->ops->block_free(v->ops_ctx, b)))
-            return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): block %d is not free", k, kind, id, (int)b);
+            return kvb_plan_refuse_op(err, len, k, op, "block %d is not free", (int)b);
         KVB_TRY(kvb_acct_adj(a, b, 1));
     }
     return KVB_OK;
@@ -190,88 +201,72 @@ static kvb_status acct_place(kvb_acct *a, int i, const kvb_plan_op *op, int64_t 
 static kvb_status op_valid(const kvb_acct *a, const kvb_plan_op *op, int i, int k, char *err, size_t len) {
     const kvb_view *v = a->v;
     const kvb_req_view *r = &v->reqs[i];
-    const char *kind = kvb_op_kind_str(op->kind);
-    unsigned long long id = (unsigned long long)op->id;
     kvb_req_state st = a->state[i];
     switch (op->kind) {
     case KVB_OP_RUN: {
         if (st != KVB_REQ_RUNNING)
-            return kvb_plan_refuse(err, len, "plan op %d (RUN request %llu): the request is %s, not running", k, id,
-                                   kvb_req_state_str(st));
+            return kvb_plan_refuse_op(err, len, k, op, "the request is %s, not running", kvb_req_state_str(st));
         if (a->sched[i] & KVB_ACCT_SCHEDULED)
-            return kvb_plan_refuse(err, len, "plan op %d (RUN request %llu): the request is already scheduled in this step",
-                                   k, id);
+            return kvb_plan_refuse_op(err, len, k, op, "the request is already scheduled in this step");
         int left = r->n_tokens - r->n_computed;
         if (op->q_len < 1 || op->q_len > left)
-            return kvb_plan_refuse(err, len, "plan op %d (RUN request %llu): q_len %d, it has %d token(s) left to compute",
-                                   k, id, op->q_len, left);
+            return kvb_plan_refuse_op(err, len, k, op, "q_len %d, it has %d token(s) left to compute", op->q_len, left);
         if (op->n_absent < 0 || op->n_absent > r->n_computed)
-            return kvb_plan_refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, it has %d computed token(s)", k,
-                                   id, op->n_absent, r->n_computed);
+            return kvb_plan_refuse_op(err, len, k, op, "n_absent %d, it has %d computed token(s)",
+                                                       op->n_absent, r->n_computed);
         int absent_min = KVB_MAX(r->n_dropped, a->dropped[i]) * v->geom->block_size;
         if (op->n_absent < absent_min)
-            return kvb_plan_refuse(err, len, "plan op %d (RUN request %llu): n_absent %d, but its first %d token(s) have "
-                                   "no KV (dropped or restored in this step)", k, id, op->n_absent, absent_min);
+            return kvb_plan_refuse_op(err, len, k, op, "n_absent %d, but its first %d token(s) have no KV (dropped or "
+                                                       "restored in this step)", op->n_absent, absent_min);
         return KVB_OK;
     }
     case KVB_OP_ADMIT:
         if (st != KVB_REQ_WAITING)
-            return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): the request is %s, not waiting", k, id,
-                                   kvb_req_state_str(st));
+            return kvb_plan_refuse_op(err, len, k, op, "the request is %s, not waiting", kvb_req_state_str(st));
         if (op->q_len < 1 || op->n_absent != 0)
-            return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): q_len %d must be >= 1 and n_absent %d 0", k,
-                                   id, op->q_len, op->n_absent);
+            return kvb_plan_refuse_op(err, len, k, op, "q_len %d must be >= 1 and n_absent %d 0",
+                                                       op->q_len, op->n_absent);
         return KVB_OK;
     case KVB_OP_PREEMPT:
     case KVB_OP_PAUSE:
         if (st != KVB_REQ_RUNNING && (op->kind == KVB_OP_PAUSE || st != KVB_REQ_PAUSED))
-            return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): the request is %s", k, kind, id,
-                                   kvb_req_state_str(st));
+            return kvb_plan_refuse_op(err, len, k, op, "the request is %s", kvb_req_state_str(st));
         if (a->sched[i])
-            return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): the request is scheduled or swapped in earlier "
-                                   "in this step", k, kind, id);
+            return kvb_plan_refuse_op(err, len, k, op, "the request is scheduled or swapped in earlier in this step");
         return KVB_OK;
     case KVB_OP_RESUME:
         if (st != KVB_REQ_PAUSED)
-            return kvb_plan_refuse(err, len, "plan op %d (RESUME request %llu): the request is %s, not paused", k, id,
-                                   kvb_req_state_str(st));
+            return kvb_plan_refuse_op(err, len, k, op, "the request is %s, not paused", kvb_req_state_str(st));
         return KVB_OK;
     case KVB_OP_SWAP_OUT:
         if (!v->pool.host_capacity)
-            return kvb_plan_refuse(err, len, "plan op %d (SWAP_OUT request %llu): the engine has no host tier (plan_pool "
-                                   "sets host_tier_blocks)", k, id);
+            return kvb_plan_refuse_op(err, len, k, op, "the engine has no host tier (plan_pool sets host_tier_blocks)");
         if (st != KVB_REQ_RUNNING && st != KVB_REQ_PAUSED)
-            return kvb_plan_refuse(err, len, "plan op %d (SWAP_OUT request %llu): the request is %s", k, id,
-                                   kvb_req_state_str(st));
+            return kvb_plan_refuse_op(err, len, k, op, "the request is %s", kvb_req_state_str(st));
         if (a->sched[i])
-            return kvb_plan_refuse(err, len, "plan op %d (SWAP_OUT request %llu): the request is scheduled or swapped in "
-                                   "earlier in this step", k, id);
+            return kvb_plan_refuse_op(err, len, k, op, "the request is scheduled or swapped in earlier in this step");
         if (r->n_blocks > a->host_left)
-            return kvb_plan_refuse(err, len, "plan op %d (SWAP_OUT request %llu): needs %d host-tier block(s), the host "
-                                   "tier can give %d at this point of the plan", k, id, r->n_blocks, a->host_left);
+            return kvb_plan_refuse_op(err, len, k, op, "needs %d host-tier block(s), the host tier can give %d at "
+                                                       "this point of the plan", r->n_blocks, a->host_left);
         return KVB_OK;
     case KVB_OP_SWAP_IN:
         if (st != KVB_REQ_SWAPPED)
-            return kvb_plan_refuse(err, len, "plan op %d (SWAP_IN request %llu): the request is %s, not swapped", k, id,
-                                   kvb_req_state_str(st));
+            return kvb_plan_refuse_op(err, len, k, op, "the request is %s, not swapped", kvb_req_state_str(st));
         if (r->n_blocks > a->avail)
-            return kvb_plan_refuse(err, len, "plan op %d (SWAP_IN request %llu): needs %d block(s), the pool can give %lld "
-                                   "at this point of the plan", k, id, r->n_blocks, (long long)a->avail);
+            return kvb_plan_refuse_op(err, len, k, op, "needs %d block(s), the pool can give %lld at this point of "
+                                                       "the plan", r->n_blocks, (long long)a->avail);
         if (a->sched[i])
-            return kvb_plan_refuse(err, len, "plan op %d (SWAP_IN request %llu): the request is scheduled earlier in this "
-                                   "step", k, id);
+            return kvb_plan_refuse_op(err, len, k, op, "the request is scheduled earlier in this step");
         return KVB_OK;
     case KVB_OP_DROP: {
         if (st != KVB_REQ_RUNNING && st != KVB_REQ_PAUSED)
-            return kvb_plan_refuse(err, len, "plan op %d (DROP request %llu): the request is %s", k, id,
-                                   kvb_req_state_str(st));
+            return kvb_plan_refuse_op(err, len, k, op, "the request is %s", kvb_req_state_str(st));
         if (a->sched[i])
-            return kvb_plan_refuse(err, len, "plan op %d (DROP request %llu): the request is scheduled, swapped in or "
-                                   "dropped earlier in this step", k, id);
+            return kvb_plan_refuse_op(err, len, k, op, "the request is scheduled, swapped in or dropped earlier in "
+                                                       "this step");
         int bs = v->geom->block_size, to = op->n_dropped;
         if (to < 0 || (int64_t)to * bs > r->n_computed)
-            return kvb_plan_refuse(err, len, "plan op %d (DROP request %llu): n_dropped %d, it has %d full block(s)", k, id,
-                                   to, r->n_computed / bs);
+            return kvb_plan_refuse_op(err, len, k, op, "n_dropped %d, it has %d full block(s)", to, r->n_computed / bs);
         return KVB_OK;
     }
     }
@@ -282,14 +277,13 @@ static kvb_status op_valid(const kvb_acct *a, const kvb_plan_op *op, int i, int 
 static kvb_status op_account(kvb_acct *a, const kvb_plan_op *op, int i, int k, char *err, size_t len) {
     const kvb_view *v = a->v;
     const kvb_req_view *r = &v->reqs[i];
-    unsigned long long id = (unsigned long long)op->id;
     int bs = v->geom->block_size;
     switch (op->kind) {
     case KVB_OP_RUN: {
         int64_t need = kvb_acct_run_need(a, i, op->q_len);
         if (need > a->avail)
-            return kvb_plan_refuse(err, len, "plan op %d (RUN request %llu): needs %lld new block(s), the pool can give "
-                                   "%lld at this point of the plan", k, id, (long long)need, (long long)a->avail);
+            return kvb_plan_refuse_op(err, len, k, op, "needs %lld new block(s), the pool can give %lld at this point "
+                                                       "of the plan", (long long)need, (long long)a->avail);
         if (op->placed) KVB_TRY(acct_place(a, i, op, need, k, err, len));
         a->avail -= need;
         a->n_new[i] = need;
@@ -314,8 +308,8 @@ static kvb_status op_account(kvb_acct *a, const kvb_plan_op *op, int i, int k, c
         int64_t blocks;
         KVB_TRY(kvb_acct_admit_cost(a, i, op->q_len, 1, &q, &blocks, &a->n_new[i]));
         if (blocks > a->avail)
-            return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): needs %lld block(s), the pool can give %lld "
-                                   "at this point of the plan", k, id, (long long)blocks, (long long)a->avail);
+            return kvb_plan_refuse_op(err, len, k, op, "needs %lld block(s), the pool can give %lld at this point of "
+                                                       "the plan", (long long)blocks, (long long)a->avail);
         if (op->placed) KVB_TRY(acct_place(a, i, op, blocks, k, err, len));
         a->avail -= blocks;
         a->touched += KVB_DIV_CEIL(r->n_tokens, bs);
@@ -356,8 +350,8 @@ static kvb_status op_account(kvb_acct *a, const kvb_plan_op *op, int i, int k, c
             }
         } else if (to < cur) {
             if (cur - to > a->avail)
-                return kvb_plan_refuse(err, len, "plan op %d (DROP request %llu): restoring %d block(s), the pool can give "
-                                       "%lld at this point of the plan", k, id, cur - to, (long long)a->avail);
+                return kvb_plan_refuse_op(err, len, k, op, "restoring %d block(s), the pool can give %lld at this "
+                                                           "point of the plan", cur - to, (long long)a->avail);
             a->avail -= cur - to;
         }
         a->dropped[i] = to;
@@ -378,14 +372,13 @@ kvb_status kvb_acct_op(kvb_acct *a, const kvb_plan_op *op, int k, char *err, siz
     KVB_TRY(v->ops->check_op(v->ops_ctx, a, op, k, err, len));
     KVB_TRY(op_account(a, op, i, k, err, len));
     if (a->tokens > a->budget)
-        return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): the plan computes %d tokens, the step budget is %d",
-                               k, kind, id, a->tokens, a->budget);
+        return kvb_plan_refuse_op(err, len, k, op, "the plan computes %d tokens, the step budget is %d",
+                                                   a->tokens, a->budget);
     if (a->rows > v->max_rows)
-        return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): the plan needs %d forward rows, the step holds %d",
-                               k, kind, id, a->rows, v->max_rows);
+        return kvb_plan_refuse_op(err, len, k, op, "the plan needs %d forward rows, the step holds %d",
+                                                   a->rows, v->max_rows);
     if (a->n_sched > a->batch_limit)
-        return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): more than %d requests scheduled", k, kind, id,
-                               a->batch_limit);
+        return kvb_plan_refuse_op(err, len, k, op, "more than %d requests scheduled", a->batch_limit);
     return KVB_OK;
 }
 
@@ -395,7 +388,8 @@ kvb_status kvb_sched_cost(const kvb_view *v, const kvb_plan *p, kvb_plan_cost *o
     KVB_TRY(kvb_acct_begin(v, &a));
     kvb_status st = KVB_OK;
     if (p->batch_limit < 0 || p->batch_limit > v->max_seqs) {
-        st = kvb_plan_refuse(err, err_len, "plan batch_limit %d is outside [0, max_seqs %d]", p->batch_limit, v->max_seqs);
+        st = kvb_plan_refuse(err, err_len, "plan batch_limit %d is outside [0, max_seqs %d]",
+                                           p->batch_limit, v->max_seqs);
         goto out;
     }
     if (p->batch_limit > 0) a.batch_limit = p->batch_limit;
@@ -408,12 +402,15 @@ kvb_status kvb_sched_cost(const kvb_view *v, const kvb_plan *p, kvb_plan_cost *o
     }
     for (int i = 0; i < v->n_reqs; i++)
         if (a.dropped[i] < v->reqs[i].n_dropped && !(a.sched[i] & KVB_ACCT_RUN)) {
-            st = kvb_plan_refuse(err, err_len, "request %llu: a DROP restores its blocks %d..%d but no RUN of this plan "
-                                 "fills them", (unsigned long long)v->reqs[i].id, a.dropped[i], v->reqs[i].n_dropped - 1);
+            st = kvb_plan_refuse(err, err_len, "request %llu: a DROP restores its blocks %d..%d but no RUN of this "
+                                               "plan "
+                                 "fills them",
+                                 (unsigned long long)v->reqs[i].id, a.dropped[i], v->reqs[i].n_dropped - 1);
             goto out;
         }
     if (p->n_places > 0 && !v->pool.n_slices) {
-        st = kvb_plan_refuse(err, err_len, "%d request placement(s): the pool is not sliced (the planner asks for one at "
+        st = kvb_plan_refuse(err, err_len, "%d request placement(s): the pool is not sliced (the planner asks for one "
+                                           "at "
                              "setup)", p->n_places);
         goto out;
     }

@@ -77,6 +77,9 @@ kvb_status kvb_acct_hits(const kvb_acct *a, int i, kvb_view_hits *out);
 
 /* Writes a plan's refusal (printf format) to err[len] (may be NULL) and returns KVB_ERR_INVALID. */
 __attribute__((format(printf, 3, 4))) kvb_status kvb_plan_refuse(char *err, size_t len, const char *fmt, ...);
+/* The same for operation k of a plan: "plan op K (KIND request ID): " and the sentence. */
+__attribute__((format(printf, 5, 6))) kvb_status kvb_plan_refuse_op(char *err, size_t len, int k, const kvb_plan_op *op,
+                                                                    const char *fmt, ...);
 
 /* What admitting request v->reqs[req] now would reuse. */
 typedef struct kvb_prefix_probe {

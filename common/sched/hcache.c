@@ -69,16 +69,14 @@ static kvb_status hc_apply_op(void *ctx, kvb_engine *e, kvb__seq *s, const kvb_p
 static kvb_status hc_check_op(void *ctx, const kvb_engine *e, kvb_acct *a, const kvb_plan_op *op, int k, char *err,
                               size_t len) {
     (void)ctx;
-    unsigned long long id = (unsigned long long)op->id;
     int L = e->geom.n_layers;
     if ((op->kind == KVB_OP_RUN || op->kind == KVB_OP_ADMIT) && (op->n_hidden < 0 || op->n_hidden > L))
-        return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): n_hidden %d is outside [0, %d layers]", k,
-                               kvb_op_kind_str(op->kind), id, op->n_hidden, L);
+        return kvb_plan_refuse_op(err, len, k, op, "n_hidden %d is outside [0, %d layers]", op->n_hidden, L);
     if (op->kind == KVB_OP_SWAP_OUT) {
         const kvb_req_view *r = &a->v->reqs[kvb_view_find(a->v, op->id)];
         if (op->n_hidden < 0 || op->n_hidden > r->hidden_layers)
-            return kvb_plan_refuse(err, len, "plan op %d (SWAP_OUT request %llu): n_hidden %d, but hidden states are saved "
-                                   "for %d layer(s)", k, id, op->n_hidden, r->hidden_layers);
+            return kvb_plan_refuse_op(err, len, k, op, "n_hidden %d, but hidden states are saved for %d layer(s)",
+                                                       op->n_hidden, r->hidden_layers);
     }
     return KVB_OK;
 }

@@ -33,17 +33,16 @@ static kvb_status off_check_op(void *ctx, const kvb_engine *e, kvb_acct *a, cons
     if (op->kind != KVB_OP_ADMIT || !op->offload) return KVB_OK;
     const kvb_view *v = a->v;
     const kvb_req_view *r = &v->reqs[kvb_view_find(v, op->id)];
-    unsigned long long id = (unsigned long long)op->id;
     if (!e->ht_pool || v->prefix_cache || op->placed || kvb__sliced(e))
-        return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): an offloaded admission needs a host tier, the "
-                               "prefix cache off, no placed blocks and a block-major pool", k, id);
+        return kvb_plan_refuse_op(err, len, k, op, "an offloaded admission needs a host tier, the prefix cache off, "
+                                                   "no placed blocks and a block-major pool");
     if (op->q_len < r->n_tokens)
-        return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): an offloaded admission computes all %d tokens, "
-                               "q_len is %d", k, id, r->n_tokens, op->q_len);
+        return kvb_plan_refuse_op(err, len, k, op, "an offloaded admission computes all %d tokens, q_len is %d",
+                                                   r->n_tokens, op->q_len);
     int hb = KVB_DIV_CEIL(r->n_tokens, v->geom->block_size);
     if (hb > a->host_left)
-        return kvb_plan_refuse(err, len, "plan op %d (ADMIT request %llu): offloading needs %d host-tier block(s), the "
-                               "host tier can give %d at this point of the plan", k, id, hb, a->host_left);
+        return kvb_plan_refuse_op(err, len, k, op, "offloading needs %d host-tier block(s), the host tier can give %d "
+                                                   "at this point of the plan", hb, a->host_left);
     a->host_left -= hb;
     return KVB_OK;
 }

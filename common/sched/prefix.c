@@ -58,23 +58,20 @@ static kvb_status store_copies(kvb_engine *e, kvb__seq *s, int to, int n_host) {
 static kvb_status pf_check_op(void *ctx, const kvb_engine *e, kvb_acct *a, const kvb_plan_op *op, int k, char *err,
                               size_t len) {
     (void)ctx;
-    unsigned long long id = (unsigned long long)op->id;
     int L = e->geom.n_layers;
     if (op->kind != KVB_OP_RUN && op->kind != KVB_OP_DROP) return KVB_OK;
     if (op->n_host < 0 || op->n_host > L)
-        return kvb_plan_refuse(err, len, "plan op %d (%s request %llu): n_host %d is outside [0, %d layers]", k,
-                               kvb_op_kind_str(op->kind), id, op->n_host, L);
+        return kvb_plan_refuse_op(err, len, k, op, "n_host %d is outside [0, %d layers]", op->n_host, L);
     if (op->kind == KVB_OP_RUN) return KVB_OK;
     const kvb_req_view *r = &a->v->reqs[kvb_view_find(a->v, op->id)];
     int cur = r->n_dropped, to = op->n_dropped;
     if (to > cur && ((cur == 0 && op->n_host > 0) || r->host_layers > 0)) { /* copies of the released blocks */
         if (!e->ht_pool)
-            return kvb_plan_refuse(err, len, "plan op %d (DROP request %llu): n_host %d, but the engine has no host tier "
-                                   "(plan_pool sets host_tier_blocks)", k, id, KVB_MAX(op->n_host, r->host_layers));
+            return kvb_plan_refuse_op(err, len, k, op, "n_host %d, but the engine has no host tier (plan_pool sets "
+                                                       "host_tier_blocks)", KVB_MAX(op->n_host, r->host_layers));
         if (to - cur > a->host_left)
-            return kvb_plan_refuse(err, len, "plan op %d (DROP request %llu): its released blocks need %d host-tier "
-                                   "block(s), the host tier can give %d at this point of the plan", k, id, to - cur,
-                                   a->host_left);
+            return kvb_plan_refuse_op(err, len, k, op, "its released blocks need %d host-tier block(s), the host tier "
+                                                       "can give %d at this point of the plan", to - cur, a->host_left);
         a->host_left -= to - cur;
     }
     return KVB_OK;

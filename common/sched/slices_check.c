@@ -26,13 +26,16 @@ kvb_status kvb__slices_read_places(kvb__slices *sl, const kvb_view *v, const kvb
         int i = kvb_view_find(v, pl->id);
         if (i < 0) return kvb_plan_refuse(err, len, "placement %d: no live request has id %llu", k, id);
         if (pl->where != KVB_RES_HOST)
-            return kvb_plan_refuse(err, len, "placement %d (request %llu): %s, only HOST is a request-level placement", k, id,
+            return kvb_plan_refuse(err, len, "placement %d (request %llu): %s, only HOST is a request-level placement",
+                                             k, id,
                           kvb_residency_str(pl->where));
         if (pl->layer0 < 0 || pl->layer1 > sl->L || pl->layer0 >= pl->layer1)
-            return kvb_plan_refuse(err, len, "placement %d (request %llu): layers [%d, %d) outside [0, %d)", k, id, pl->layer0,
+            return kvb_plan_refuse(err, len, "placement %d (request %llu): layers [%d, %d) outside [0, %d)",
+                                             k, id, pl->layer0,
                           pl->layer1, sl->L);
         if (pl->depth < 1 || pl->depth > 2 || (sl->vdepth[i] && sl->vdepth[i] != pl->depth))
-            return kvb_plan_refuse(err, len, "placement %d (request %llu): depth %d (1 or 2, the same in all its entries)", k, id,
+            return kvb_plan_refuse(err, len, "placement %d (request %llu): depth %d (1 or 2, the same in all its "
+                                             "entries)", k, id,
                           pl->depth);
         sl->vdepth[i] = pl->depth;
         for (int l = pl->layer0; l < pl->layer1; l++) {
@@ -80,7 +83,8 @@ static int popcount_not(const sl_mask *m, int L) {
 /* Prefetch slices request `m`, `depth` needs for blocks ids[0..n) (already marked) plus n_new new blocks
  * (exclusive: not kept at its host layers). `resident(l, id)` is whether the block is on the device at
  * the layer when the step runs. */
-int64_t kvb__slices_scratch_need(const kvb__slices *sl, const kvb_block_pool *pool, const int32_t *ids, int n, int64_t n_new,
+int64_t kvb__slices_scratch_need(const kvb__slices *sl, const kvb_block_pool *pool, const int32_t *ids, int n,
+                                 int64_t n_new,
                             const sl_mask *m, int depth, int installed) {
     if (!mask_any(m)) return 0;
     int64_t per = 0;
@@ -102,8 +106,7 @@ kvb_status kvb__slices_check_op(void *ctx, const kvb_engine *e, kvb_acct *a, con
     (void)e;
     (void)a;
     if (op->kind == KVB_OP_RUN && op->n_absent > 0)
-        return kvb_plan_refuse(err, len, "plan op %d (RUN request %llu): n_absent needs a block-major pool, not a sliced "
-                               "one", k, (unsigned long long)op->id);
+        return kvb_plan_refuse_op(err, len, k, op, "n_absent needs a block-major pool, not a sliced one");
     return KVB_OK;
 }
 
@@ -152,7 +155,8 @@ static kvb_status check_slices(kvb__slices *sl, const kvb_engine *e, kvb_acct *a
     return KVB_OK;
 }
 
-kvb_status kvb__slices_check_plan(void *ctx, const kvb_engine *e, kvb_acct *a, const kvb_plan *p, char *err, size_t len) {
+kvb_status kvb__slices_check_plan(void *ctx, const kvb_engine *e, kvb_acct *a, const kvb_plan *p, char *err,
+                                  size_t len) {
     kvb__slices *sl = ctx;
     pthread_mutex_lock(&sl->mu);
     kvb_status st = check_slices(sl, e, a, p, err, len);
