@@ -18,6 +18,18 @@
 #include "common/util/util.h"
 #include "tests/harness.h"
 
+/* splitmix64: the walks' "model" picks uniformly among the allowed tokens, reproducibly */
+typedef struct kvb_rng {
+    uint64_t s;
+} kvb_rng;
+static void kvb_rng_seed(kvb_rng *r, uint64_t seed) { r->s = seed; }
+static double kvb_rng_uniform(kvb_rng *r) {
+    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return (double)((z ^ (z >> 31)) >> 11) / 9007199254740992.0;
+}
+
 /* ---------------------------------------------------------------------------------- vocabularies */
 
 /* A test vocabulary: the bytes of every token (shared with the grammar's copy for walks). */
@@ -232,4 +244,563 @@ KVB_TEST(json_any) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("grammar", KVB_T(choice_and_literals, 30), KVB_T(regex_language, 30), KVB_T(json_any, 30))
+/* ---------------------------------------------------------------------------------- JSON Schema */
+
+static const char *const person_schema =
+    "{\"type\":\"object\",\"properties\":{"
+    "\"name\":{\"type\":\"string\",\"minLength\":1,\"maxLength\":12},"
+    "\"age\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":150},"
+    "\"email\":{\"type\":\"string\",\"format\":\"email\"},"
+    "\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\",\"b\",\"c\"]},\"maxItems\":3},"
+    "\"kind\":{\"const\":\"person\"},"
+    "\"score\":{\"type\":[\"number\",\"null\"]}},"
+    "\"required\":[\"name\",\"age\"],\"additionalProperties\":false}";
+
+KVB_TEST(schema_language) {
+    tvocab t;
+    small_vocab(&t);
+    static const struct { const char *schema, *s; int want; } cases[] = {
+        {"{\"type\":\"integer\",\"minimum\":-12,\"maximum\":345}", "-12", 1},
+        {"{\"type\":\"integer\",\"minimum\":-12,\"maximum\":345}", "-13", 0},
+        {"{\"type\":\"integer\",\"minimum\":-12,\"maximum\":345}", "345", 1},
+        {"{\"type\":\"integer\",\"minimum\":-12,\"maximum\":345}", "346", 0},
+        {"{\"type\":\"integer\",\"minimum\":-12,\"maximum\":345}", "99", 1},
+        {"{\"type\":\"integer\",\"exclusiveMinimum\":7}", "7", 0},
+        {"{\"type\":\"integer\",\"exclusiveMinimum\":7}", "8", 1},
+        {"{\"type\":\"integer\",\"exclusiveMinimum\":7}", "123456", 1},
+        {"{\"type\":\"integer\",\"maximum\":-5}", "-5", 1},
+        {"{\"type\":\"integer\",\"maximum\":-5}", "-4", 0},
+        {"{\"type\":\"integer\",\"maximum\":-5}", "-40000", 1},
+        {"{\"type\":\"number\",\"minimum\":0}", "-1", 0},
+        {"{\"type\":\"number\",\"minimum\":0}", "1.5e3", 1},
+        {"{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}", "\"ab\"", 1},
+        {"{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}", "\"\\u00e9bc\"", 1},
+        {"{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}", "\"abcd\"", 0},
+        {"{\"type\":\"string\",\"pattern\":\"^[a-z]+\\\\d$\"}", "\"abc1\"", 1},
+        {"{\"type\":\"string\",\"pattern\":\"^[a-z]+\\\\d$\"}", "\"abc\"", 0},
+        {"{\"type\":\"string\",\"pattern\":\"x\\\"y\"}", "\"--x\\\"y--\"", 1},
+        {"{\"type\":\"string\",\"format\":\"date\"}", "\"2024-02-29\"", 1},
+        {"{\"type\":\"string\",\"format\":\"date\"}", "\"2024-13-01\"", 0},
+        {"{\"type\":\"string\",\"format\":\"uuid\"}", "\"123e4567-e89b-12d3-a456-426614174000\"", 1},
+        {"{\"enum\":[\"a\",1,null,{\"x\":[true]}]}", "{\"x\":[true]}", 1},
+        {"{\"enum\":[\"a\",1,null,{\"x\":[true]}]}", "2", 0},
+        {"{\"anyOf\":[{\"type\":\"string\"},{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":2}]}", "[1, 2]", 1},
+        {"{\"anyOf\":[{\"type\":\"string\"},{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":2}]}", "[1]", 0},
+        {"{\"type\":\"array\",\"prefixItems\":[{\"type\":\"string\"},{\"type\":\"integer\"}],\"items\":false}", "[\"a\", 1]", 1},
+        {"{\"type\":\"array\",\"prefixItems\":[{\"type\":\"string\"},{\"type\":\"integer\"}],\"items\":false}", "[\"a\"]", 1},
+        {"{\"type\":\"array\",\"prefixItems\":[{\"type\":\"string\"},{\"type\":\"integer\"}],\"items\":false}", "[\"a\", 1, 2]", 0},
+        {"{\"type\":\"array\",\"prefixItems\":[{\"type\":\"string\"}],\"items\":{\"type\":\"null\"},\"minItems\":2}", "[\"a\", null, null]", 1},
+        {"{\"type\":\"array\",\"prefixItems\":[{\"type\":\"string\"}],\"items\":{\"type\":\"null\"},\"minItems\":2}", "[\"a\"]", 0},
+        {"{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":1,\"maxItems\":2}", "[]", 0},
+        {"{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":1,\"maxItems\":2}", "[1,2]", 1},
+        {"{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":1,\"maxItems\":2}", "[1,2,3]", 0},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"},\"b\":{\"type\":\"integer\"}}}", "{}", 1},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"},\"b\":{\"type\":\"integer\"}}}", "{\"b\": 1}", 1},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"},\"b\":{\"type\":\"integer\"}}}", "{\"a\": 1, \"b\": 2}", 1},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"},\"b\":{\"type\":\"integer\"}}}", "{\"c\": 1}", 0},
+        {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"},\"b\":{\"type\":\"integer\"}}}", "{,\"b\": 1}", 0},
+        {"{\"type\":\"object\",\"properties\":{\"ab\":{\"type\":\"integer\"}},\"additionalProperties\":{\"type\":\"string\"}}",
+         "{\"ab\": 1, \"abc\": \"x\", \"a\": \"y\"}", 1},
+        {"{\"type\":\"object\",\"properties\":{\"ab\":{\"type\":\"integer\"}},\"additionalProperties\":{\"type\":\"string\"}}",
+         "{\"ab\": 1, \"ab\": \"x\"}", 0},
+        {"{\"type\":\"object\",\"properties\":{\"ab\":{\"type\":\"integer\"}},\"additionalProperties\":{\"type\":\"string\"}}",
+         "{\"x\": \"1\"}", 1},
+        {"{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},\"next\":{\"anyOf\":[{\"$ref\":\"#/$defs/node\"},"
+         "{\"type\":\"null\"}]}},\"required\":[\"v\",\"next\"]}},\"$ref\":\"#/$defs/node\"}",
+         "{\"v\": 1, \"next\": {\"v\": 2, \"next\": null}}", 1},
+        {"{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},\"next\":{\"anyOf\":[{\"$ref\":\"#/$defs/node\"},"
+         "{\"type\":\"null\"}]}},\"required\":[\"v\",\"next\"]}},\"$ref\":\"#/$defs/node\"}",
+         "{\"v\": 1, \"next\": {\"v\": 2}}", 0},
+        {"{\"type\":\"string\",\"nullable\":true}", "null", 1},
+        {"{}", "[{\"any\": 1}]", 1}, {"true", "3", 1},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        kvb_grammar *g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, cases[i].schema, NULL);
+        if (matches(g, cases[i].s, strlen(cases[i].s)) != cases[i].want)
+            ck_abort_msg("schema %s on '%s': want %d", cases[i].schema, cases[i].s, cases[i].want);
+        kvb_grammar_release(g);
+    }
+    kvb_grammar *g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, person_schema, NULL);
+    const char *ok = "{\"name\": \"Al\", \"age\": 42, \"tags\": [\"a\", \"c\"], \"kind\": \"person\", \"score\": null}";
+    ck_assert(matches(g, ok, strlen(ok)));
+    const char *missing = "{\"name\": \"Al\"}", *extra = "{\"name\": \"Al\", \"age\": 1, \"x\": 1}";
+    ck_assert(!matches(g, missing, strlen(missing)) && !matches(g, extra, strlen(extra)));
+    kvb_grammar_release(g);
+    /* not strict: other keys allowed, any value */
+    kvb_grammar_opts o;
+    kvb_grammar_opts_default(&o);
+    o.strict = 0;
+    g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}}}", &o);
+    { const char *x = "{\"a\": 1, \"b\": [null]}"; ck_assert(matches(g, x, strlen(x))); }
+    kvb_grammar_release(g);
+    tvocab_free(&t);
+}
+KVB_TEST_END
+
+static void expect_error(const tvocab *t, const char *schema, kvb_status want, const char *msg) {
+    kvb_grammar_part p = {.kind = KVB_GRAMMAR_JSON_SCHEMA, .text = schema, .len = strlen(schema)};
+    kvb_grammar *g = NULL;
+    char err[256] = "";
+    kvb_status st = kvb_grammar_compile(t->v, &p, 1, NULL, &g, err, sizeof err);
+    if (st != want || !strstr(err, msg)) ck_abort_msg("schema %.80s: got %d '%s', want %d '%s'", schema, st, err, want, msg);
+    ck_assert_ptr_null(g);
+}
+
+KVB_TEST(schema_errors) {
+    tvocab t;
+    small_vocab(&t);
+    expect_error(&t, "{\"type\":\"object\",\"patternProperties\":{}}", KVB_ERR_UNSUPPORTED, "'patternProperties' is not supported");
+    expect_error(&t, "{\"type\":\"object\",\"properties\":{\"a\":{\"not\":{}}}}", KVB_ERR_UNSUPPORTED, "'not' is not supported (at #/properties/a)");
+    expect_error(&t, "{\"type\":\"number\",\"maximum\":3}", KVB_ERR_UNSUPPORTED, "'maximum' on a number");
+    expect_error(&t, "{\"type\":\"string\",\"format\":\"color\"}", KVB_ERR_UNSUPPORTED, "format 'color'");
+    expect_error(&t, "{\"type\":\"array\",\"uniqueItems\":true}", KVB_ERR_UNSUPPORTED, "uniqueItems");
+    expect_error(&t, "{\"allOf\":[{},{}]}", KVB_ERR_UNSUPPORTED, "allOf");
+    expect_error(&t, "{\"type\":\"nope\"}", KVB_ERR_INVALID, "unknown type 'nope'");
+    expect_error(&t, "{\"$ref\":\"#/$defs/missing\"}", KVB_ERR_INVALID, "does not resolve");
+    expect_error(&t, "{\"type\":", KVB_ERR_INVALID, "not JSON");
+    expect_error(&t, "false", KVB_ERR_INVALID, "admits no value");
+    expect_error(&t, "{\"required\":[\"a\"]}", KVB_ERR_UNSUPPORTED, "required property 'a'");
+    expect_error(&t, "{\"type\":\"string\",\"maxLength\":100000}", KVB_ERR_EXHAUSTED, "maxLength");
+    /* recursion without a base case: no finite value */
+    expect_error(&t, "{\"type\":\"object\",\"properties\":{\"a\":{\"$ref\":\"#\"}},\"required\":[\"a\"]}", KVB_ERR_INVALID, "no finite output");
+    expect_error(&t, "{\"$ref\":\"#\"}", KVB_ERR_INVALID, "no finite output");
+    /* recursion before any output */
+    expect_error(&t, "{\"anyOf\":[{\"$ref\":\"#\"},{\"type\":\"null\"}]}", KVB_ERR_INVALID, "left-recursive");
+    /* deep nesting: a clear error past max_schema_depth, never a stack overflow */
+    kvb_buf deep = {0};
+    for (int i = 0; i < 5000; i++) kvb__buf_printf(&deep, "{\"type\":\"array\",\"items\":");
+    kvb__buf_printf(&deep, "{\"type\":\"null\"}");
+    for (int i = 0; i < 5000; i++) kvb__buf_putc(&deep, '}');
+    kvb__buf_putc(&deep, 0);
+    expect_error(&t, deep.p, KVB_ERR_INVALID, "not JSON"); /* jansson's own depth limit comes first */
+    deep.len = 0;
+    for (int i = 0; i < 100; i++) kvb__buf_printf(&deep, "{\"type\":\"array\",\"items\":");
+    kvb__buf_printf(&deep, "{\"type\":\"null\"}");
+    for (int i = 0; i < 100; i++) kvb__buf_putc(&deep, '}');
+    kvb__buf_putc(&deep, 0);
+    expect_error(&t, deep.p, KVB_ERR_EXHAUSTED, "nest deeper");
+    /* a huge enum: compiles within the limits or refuses, bounded */
+    deep.len = 0;
+    kvb__buf_printf(&deep, "{\"enum\":[");
+    for (int i = 0; i < 20000; i++) kvb__buf_printf(&deep, "%s\"value-%d-%x\"", i ? "," : "", i, i * 2654435761u);
+    kvb__buf_printf(&deep, "]}");
+    kvb__buf_putc(&deep, 0);
+    kvb_grammar_part p = {.kind = KVB_GRAMMAR_JSON_SCHEMA, .text = deep.p, .len = strlen(deep.p)};
+    kvb_grammar *g = NULL;
+    char err[256] = "";
+    kvb_status st = kvb_grammar_compile(t.v, &p, 1, NULL, &g, err, sizeof err);
+    ck_assert_msg(st == KVB_OK || st == KVB_ERR_EXHAUSTED, "huge enum: %d %s", st, err);
+    if (g) {
+        ck_assert(matches(g, "\"value-19999-", 13) == 0); /* incomplete */
+        kvb_grammar_release(g);
+    }
+    /* an explosion by nested bounded repetitions: refused by the state or node limit */
+    kvb_grammar_opts o;
+    kvb_grammar_opts_default(&o);
+    o.max_states = 5000;
+    const char *boom = "{\"type\":\"array\",\"items\":{\"type\":\"array\",\"items\":{\"type\":\"string\",\"maxLength\":2000},"
+                       "\"maxItems\":2000},\"maxItems\":2000}";
+    p = (kvb_grammar_part){.kind = KVB_GRAMMAR_JSON_SCHEMA, .text = boom, .len = strlen(boom)};
+    st = kvb_grammar_compile(t.v, &p, 1, &o, &g, err, sizeof err);
+    ck_assert_msg(st == KVB_ERR_EXHAUSTED, "boom: %d %s", st, err);
+    kvb__buf_free(&deep);
+    tvocab_free(&t);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------------------------- masks against direct matching */
+
+/* Random walks on the small vocabulary: at every step, every token's mask bit must equal whether the
+ * matcher accepts it (checked on a fork), and the walk must never be stuck before completion. */
+static void check_masks(const tvocab *t, kvb_grammar *g, int walks, int steps, uint64_t seed) {
+    kvb_rng rng;
+    kvb_rng_seed(&rng, seed);
+    size_t words = kvb_grammar_mask_words(t->v);
+    uint32_t *mask = calloc(words, sizeof *mask);
+    int32_t *allowed = calloc((size_t)t->n, sizeof *allowed);
+    for (int w = 0; w < walks; w++) {
+        kvb_grammar_matcher *m;
+        ck_assert_int_eq(kvb_grammar_matcher_create(g, &m), KVB_OK);
+        for (int s = 0; s < steps; s++) {
+            ck_assert_int_eq(kvb_grammar_matcher_fill_mask(m, mask), KVB_OK);
+            int na = 0;
+            for (int id = 0; id < t->n; id++) {
+                kvb_grammar_matcher *f;
+                ck_assert_int_eq(kvb_grammar_matcher_fork(m, &f), KVB_OK);
+                int ok = kvb_grammar_matcher_accept_token(f, id) == KVB_OK;
+                kvb_grammar_matcher_destroy(f);
+                if (ok != bit(mask, id)) ck_abort_msg("walk %d step %d token %d '%.*s': mask %d, accept %d", w, s, id, (int)t->lens[id],
+                                                      t->bytes[id], bit(mask, id), ok);
+                if (ok) allowed[na++] = id;
+            }
+            if (kvb_grammar_matcher_done(m)) break;
+            ck_assert_msg(na > 0, "stuck: nothing allowed before completion");
+            int32_t id = allowed[(int)(kvb_rng_uniform(&rng) * na)];
+            ck_assert_int_eq(kvb_grammar_matcher_accept_token(m, id), KVB_OK);
+            if (id == t->eos) break;
+        }
+        kvb_grammar_matcher_destroy(m);
+    }
+    free(mask);
+    free(allowed);
+}
+
+KVB_TEST(masks_match_direct) {
+    tvocab t;
+    small_vocab(&t);
+    kvb_grammar_opts o;
+    kvb_grammar_opts_default(&o);
+    o.ws_indent = 4;
+    o.max_depth = 6; /* the depth limit is met often, with the exact path near it */
+    kvb_grammar *g = compile1(&t, KVB_GRAMMAR_JSON, NULL, &o);
+    check_masks(&t, g, 6, 60, 1);
+    kvb_grammar_release(g);
+    g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, person_schema, &o);
+    check_masks(&t, g, 6, 60, 2);
+    kvb_grammar_release(g);
+    g = compile1(&t, KVB_GRAMMAR_REGEX, "(ab|abc|x[0-9]{2,4})+(\\.[a-c]*)?", &o);
+    check_masks(&t, g, 6, 30, 3);
+    kvb_grammar_release(g);
+    const char *tree = "{\"$defs\":{\"t\":{\"type\":\"object\",\"properties\":{\"k\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/t\"}}},"
+                       "\"required\":[\"k\"]}},\"$ref\":\"#/$defs/t\"}";
+    g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, tree, &o);
+    check_masks(&t, g, 6, 60, 4);
+    kvb_grammar_release(g);
+    tvocab_free(&t);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------------------------- a validator for the subset */
+
+static int re_search(const char *pattern, const char *s, size_t n, int anchored_full) {
+    int code;
+    PCRE2_SIZE off;
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_ALT_BSUX | (anchored_full ? PCRE2_ANCHORED | PCRE2_ENDANCHORED : 0),
+                                   &code, &off, NULL);
+    ck_assert_msg(re != NULL, "PCRE2 refuses %s", pattern);
+    pcre2_match_data *md = pcre2_match_data_create_from_pattern(re, NULL);
+    int rc = pcre2_match(re, (PCRE2_SPTR)s, n, 0, 0, md, NULL);
+    pcre2_match_data_free(md);
+    pcre2_code_free(re);
+    return rc >= 0;
+}
+
+static const json_t *resolve(const json_t *root, const char *ref) {
+    const json_t *cur = root;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", ref + 1);
+    for (char *tok = strtok(buf, "/"); tok && cur; tok = strtok(NULL, "/")) cur = json_object_get(cur, tok);
+    return cur;
+}
+
+static int valid(const json_t *root, const json_t *s, const json_t *v);
+
+static int valid_type(const json_t *root, const json_t *s, const char *type, const json_t *v) {
+    if (!strcmp(type, "null")) return json_is_null(v);
+    if (!strcmp(type, "boolean")) return json_is_boolean(v);
+    if (!strcmp(type, "integer")) {
+        if (!json_is_integer(v)) return 0;
+        json_int_t x = json_integer_value(v);
+        const json_t *b;
+        if ((b = json_object_get(s, "minimum")) && x < json_number_value(b)) return 0;
+        if ((b = json_object_get(s, "maximum")) && x > json_number_value(b)) return 0;
+        if ((b = json_object_get(s, "exclusiveMinimum")) && x <= json_number_value(b)) return 0;
+        if ((b = json_object_get(s, "exclusiveMaximum")) && x >= json_number_value(b)) return 0;
+        return 1;
+    }
+    if (!strcmp(type, "number")) {
+        const json_t *b = json_object_get(s, "minimum");
+        return json_is_number(v) && (!b || json_number_value(v) >= json_number_value(b));
+    }
+    if (!strcmp(type, "string")) {
+        if (!json_is_string(v)) return 0;
+        const char *x = json_string_value(v);
+        size_t n = json_string_length(v), chars = 0;
+        for (size_t i = 0; i < n; i++) chars += ((uint8_t)x[i] & 0xC0) != 0x80;
+        const json_t *b;
+        if ((b = json_object_get(s, "minLength")) && chars < (size_t)json_integer_value(b)) return 0;
+        if ((b = json_object_get(s, "maxLength")) && chars > (size_t)json_integer_value(b)) return 0;
+        if ((b = json_object_get(s, "pattern")) && !re_search(json_string_value(b), x, n, 0)) return 0;
+        if ((b = json_object_get(s, "format"))) {
+            const char *f = json_string_value(b);
+            int y, mo, d, h, mi, se, k = 0;
+            unsigned char addr[4];
+            if (!strcmp(f, "date")) return sscanf(x, "%4d-%2d-%2d%n", &y, &mo, &d, &k) == 3 && (size_t)k == n && mo >= 1 && mo <= 12 && d >= 1 && d <= 31;
+            if (!strcmp(f, "date-time"))
+                return sscanf(x, "%4d-%2d-%2dT%2d:%2d:%2d", &y, &mo, &d, &h, &mi, &se) == 6 && mo >= 1 && mo <= 12 && h < 24 && mi < 60 && se < 60;
+            if (!strcmp(f, "uuid")) {
+                if (n != 36) return 0;
+                for (size_t i = 0; i < n; i++)
+                    if ((i == 8 || i == 13 || i == 18 || i == 23) ? x[i] != '-' : !strchr("0123456789abcdefABCDEF", x[i])) return 0;
+                return 1;
+            }
+            if (!strcmp(f, "ipv4")) return inet_pton(AF_INET, x, addr) == 1;
+            if (!strcmp(f, "email")) return strchr(x, '@') && strchr(strchr(x, '@'), '.') && !strchr(strchr(x, '@') + 1, '@');
+        }
+        return 1;
+    }
+    if (!strcmp(type, "array")) {
+        if (!json_is_array(v)) return 0;
+        size_t n = json_array_size(v), np = 0;
+        const json_t *b, *pre = json_object_get(s, "prefixItems"), *items = json_object_get(s, "items");
+        if ((b = json_object_get(s, "minItems")) && n < (size_t)json_integer_value(b)) return 0;
+        if ((b = json_object_get(s, "maxItems")) && n > (size_t)json_integer_value(b)) return 0;
+        if (pre) np = json_array_size(pre);
+        for (size_t i = 0; i < n; i++) {
+            const json_t *sub = i < np ? json_array_get(pre, i) : items;
+            if (sub && !valid(root, sub, json_array_get(v, i))) return 0;
+        }
+        return 1;
+    }
+    if (!strcmp(type, "object")) {
+        if (!json_is_object(v)) return 0;
+        const json_t *props = json_object_get(s, "properties"), *req = json_object_get(s, "required");
+        const json_t *addl = json_object_get(s, "additionalProperties");
+        size_t i;
+        const json_t *r;
+        json_array_foreach(req, i, r) if (!json_object_get(v, json_string_value(r))) return 0;
+        const char *key;
+        const json_t *val;
+        json_object_foreach((json_t *)v, key, val) {
+            const json_t *sub = json_object_get(props, key);
+            if (sub) {
+                if (!valid(root, sub, val)) return 0;
+            } else if (!addl || json_is_false(addl)) {
+                return 0; /* strict: the grammar adds no other key */
+            } else if (!valid(root, addl, val)) {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+
+static int valid(const json_t *root, const json_t *s, const json_t *v) {
+    if (json_is_true(s)) return 1;
+    if (!json_is_object(s)) return 0;
+    const json_t *x;
+    if ((x = json_object_get(s, "$ref"))) return valid(root, resolve(root, json_string_value(x)), v);
+    if (json_is_true(json_object_get(s, "nullable")) && json_is_null(v)) return 1;
+    if ((x = json_object_get(s, "const"))) return json_equal((json_t *)x, (json_t *)v);
+    if ((x = json_object_get(s, "enum"))) {
+        size_t i;
+        const json_t *e;
+        json_array_foreach(x, i, e) if (json_equal((json_t *)e, (json_t *)v)) return 1;
+        return 0;
+    }
+    if ((x = json_object_get(s, "anyOf")) || (x = json_object_get(s, "oneOf"))) {
+        size_t i;
+        const json_t *e;
+        json_array_foreach(x, i, e) if (valid(root, e, v)) return 1;
+        return 0;
+    }
+    const json_t *type = json_object_get(s, "type");
+    if (json_is_string(type)) return valid_type(root, s, json_string_value(type), v);
+    if (json_is_array(type)) {
+        size_t i;
+        const json_t *e;
+        json_array_foreach(type, i, e) if (valid_type(root, s, json_string_value(e), v)) return 1;
+        return 0;
+    }
+    if (json_object_get(s, "properties")) return valid_type(root, s, "object", v);
+    return 1;
+}
+
+/* Whitespace outside strings: runs are "", " " or "\n" + at most `indent` spaces. */
+static int ws_bounded(const char *s, size_t n, int indent) {
+    int in_str = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (in_str) {
+            if (s[i] == '\\') i++;
+            else if (s[i] == '"') in_str = 0;
+            continue;
+        }
+        if (s[i] == '"') in_str = 1;
+        if (!strchr(" \n\t\r", s[i])) continue;
+        size_t j = i;
+        while (j < n && strchr(" \n\t\r", s[j]) && s[j]) j++;
+        size_t len = j - i;
+        if (s[i] == ' ' ? len != 1 : (s[i] != '\n' || len - 1 > (size_t)indent || memchr(s + i + 1, '\n', len - 1) ||
+                                      memchr(s + i + 1, '\t', len - 1) || memchr(s + i + 1, '\r', len - 1)))
+            return 0;
+        i = j - 1;
+    }
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------------- random walks, real vocabularies */
+
+typedef struct walk_stats {
+    int walks, completed, tokens;
+    double mask_s[4096];
+    int n_mask;
+} walk_stats;
+
+/* One walk: uniform among the allowed tokens until done, an EOS, or max_tokens. Also checks, at every
+ * step, a sample of tokens on either side of the mask against the matcher. Returns 1 when complete;
+ * the output in *out. */
+static int random_walk(const tvocab *t, kvb_grammar *g, kvb_rng *rng, int max_tokens, kvb_buf *out, walk_stats *ws) {
+    size_t words = kvb_grammar_mask_words(t->v);
+    uint32_t *mask = calloc(words, sizeof *mask);
+    int32_t *allowed = malloc((size_t)t->n * sizeof *allowed);
+    kvb_grammar_matcher *m;
+    ck_assert_int_eq(kvb_grammar_matcher_create(g, &m), KVB_OK);
+    out->len = 0;
+    int complete = 0;
+    for (int step = 0; step < max_tokens; step++) {
+        uint64_t t0 = kvb_now_ns();
+        ck_assert_int_eq(kvb_grammar_matcher_fill_mask(m, mask), KVB_OK);
+        if (ws->n_mask < (int)KVB_ARRAY_LEN(ws->mask_s)) ws->mask_s[ws->n_mask++] = (double)(kvb_now_ns() - t0) * 1e-9;
+        int na = 0;
+        for (int id = 0; id < t->n; id++)
+            if (bit(mask, id)) allowed[na++] = id;
+        if (kvb_grammar_matcher_done(m)) {
+            ck_assert_int_eq(na, 1); /* only the EOS */
+            ck_assert_int_eq(allowed[0], t->eos);
+            complete = 1;
+            break;
+        }
+        ck_assert_msg(na > 0, "nothing allowed before completion after '%.*s'", (int)out->len, out->p ? out->p : "");
+        /* spot checks: 8 random ids against the matcher */
+        for (int k = 0; k < 8; k++) {
+            int32_t id = (int32_t)(kvb_rng_uniform(rng) * t->n);
+            kvb_grammar_matcher *f;
+            ck_assert_int_eq(kvb_grammar_matcher_fork(m, &f), KVB_OK);
+            int ok = kvb_grammar_matcher_accept_token(f, id) == KVB_OK;
+            kvb_grammar_matcher_destroy(f);
+            if (ok != bit(mask, id)) ck_abort_msg("token %d: mask %d, matcher %d after '%.*s'", id, bit(mask, id), ok, (int)out->len, out->p);
+        }
+        int32_t id = allowed[(int)(kvb_rng_uniform(rng) * na)];
+        ck_assert_int_eq(kvb_grammar_matcher_accept_token(m, id), KVB_OK);
+        ws->tokens++;
+        if (id == t->eos) {
+            complete = 1;
+            break;
+        }
+        kvb__buf_append(out, t->bytes[id], t->lens[id]);
+    }
+    kvb__buf_putc(out, 0);
+    out->len--;
+    kvb_grammar_matcher_destroy(m);
+    free(mask);
+    free(allowed);
+    ws->walks++;
+    ws->completed += complete;
+    return complete;
+}
+
+static int cmp_dbl(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static const char *const walk_schemas[] = {
+    NULL, /* person_schema */
+    "{\"type\":\"object\",\"properties\":{\"id\":{\"type\":\"string\",\"format\":\"uuid\"},\"when\":{\"type\":\"string\",\"format\":\"date\"},"
+    "\"ip\":{\"type\":\"string\",\"format\":\"ipv4\"},\"code\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{2}-\\\\d{3}$\"},"
+    "\"n\":{\"type\":\"integer\",\"minimum\":-5,\"maximum\":1234}},\"required\":[\"id\",\"when\",\"ip\",\"code\",\"n\"]}",
+    "{\"$defs\":{\"t\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},\"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/t\"},"
+    "\"maxItems\":2}},\"required\":[\"v\",\"kids\"]}},\"$ref\":\"#/$defs/t\"}",
+    "{\"type\":\"object\",\"properties\":{\"name\":{\"const\":\"get_weather\"},\"arguments\":{\"type\":\"object\",\"properties\":{"
+    "\"city\":{\"type\":\"string\",\"maxLength\":20},\"unit\":{\"enum\":[\"celsius\",\"fahrenheit\"]},\"days\":{\"type\":\"array\","
+    "\"prefixItems\":[{\"type\":\"boolean\"},{\"type\":\"null\"}],\"items\":{\"type\":\"number\",\"minimum\":0},\"maxItems\":4}},"
+    "\"required\":[\"city\",\"unit\"]}},\"required\":[\"name\",\"arguments\"]}",
+    "{\"anyOf\":[{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\",\"maxLength\":8}},\"required\":[\"a\"]},"
+    "{\"type\":\"object\",\"properties\":{\"b\":{\"type\":\"boolean\"}},\"required\":[\"b\"]}]}",
+};
+
+static void walks_on(const char *which) {
+    tvocab t;
+    if (!real_vocab(&t, which)) ck_abort_msg("the %s tokenizer is missing: run scripts/setup.sh (npm ci in tests/npm)", which);
+    kvb_grammar_opts o;
+    kvb_grammar_opts_default(&o);
+    o.ws_indent = 6;
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 42);
+    kvb_buf out = {0};
+    walk_stats *ws = calloc(1, sizeof *ws);
+    /* schemas: parse with jansson, validate */
+    for (size_t k = 0; k < KVB_ARRAY_LEN(walk_schemas); k++) {
+        const char *text = walk_schemas[k] ? walk_schemas[k] : person_schema;
+        kvb_grammar *g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, text, &o);
+        json_t *schema = json_loads(text, 0, NULL);
+        int done = 0;
+        for (int w = 0; w < 6; w++) {
+            if (!random_walk(&t, g, &rng, 1500, &out, ws)) continue;
+            done++;
+            json_error_t je;
+            json_t *v = json_loadb(out.p, out.len, JSON_DECODE_ANY, &je);
+            if (!v) ck_abort_msg("%s schema %zu: output does not parse (%s): %s", which, k, je.text, out.p);
+            if (!valid(schema, schema, v)) ck_abort_msg("%s schema %zu: output does not fit: %s", which, k, out.p);
+            if (!ws_bounded(out.p, out.len, o.ws_indent)) ck_abort_msg("%s: whitespace over the bound: %s", which, out.p);
+            json_decref(v);
+        }
+        ck_assert_msg(done >= 3, "%s schema %zu: only %d of 6 walks completed", which, k, done);
+        json_decref(schema);
+        kvb_grammar_release(g);
+    }
+    /* any JSON object */
+    kvb_grammar *g = compile1(&t, KVB_GRAMMAR_JSON_OBJECT, NULL, &o);
+    for (int w = 0, done = 0; w < 6; w++) {
+        if (!random_walk(&t, g, &rng, 1500, &out, ws)) continue;
+        json_t *v = json_loadb(out.p, out.len, 0, NULL);
+        ck_assert_msg(v && json_is_object(v), "%s json_object: %s", which, out.p);
+        ck_assert_msg(ws_bounded(out.p, out.len, o.ws_indent), "%s: whitespace over the bound: %s", which, out.p);
+        json_decref(v);
+        done++;
+        if (w == 5) ck_assert_int_ge(done, 3);
+    }
+    kvb_grammar_release(g);
+    /* regexes: PCRE2 must match the whole output */
+    static const char *const res[] = {"[a-z]{3,8}@[a-z]{2,5}\\.(com|org)", "(\\d{1,3}\\.){3}\\d{1,3}", "(yes|no|maybe)( because .{0,20})?",
+                                      "\\w{1,10}( \\w{1,10}){0,5}\\.", "[\\u4e00-\\u9fff]{1,4}|caf\\u00e9"};
+    for (size_t k = 0; k < KVB_ARRAY_LEN(res); k++) {
+        g = compile1(&t, KVB_GRAMMAR_REGEX, res[k], &o);
+        for (int w = 0; w < 4; w++) {
+            ck_assert_msg(random_walk(&t, g, &rng, 200, &out, ws), "%s regex %s: no completion", which, res[k]);
+            if (!re_search(res[k], out.p, out.len, 1)) ck_abort_msg("%s regex %s: '%s' does not match", which, res[k], out.p);
+        }
+        kvb_grammar_release(g);
+    }
+    /* a choice and a tool call: a literal, a schema, a literal */
+    const char *choices[] = {"positive", "negative", "neutral"};
+    kvb_grammar_part cp = {.kind = KVB_GRAMMAR_CHOICE, .choices = choices, .n_choices = 3};
+    char err[256];
+    ck_assert_int_eq(kvb_grammar_compile(t.v, &cp, 1, &o, &g, err, sizeof err), KVB_OK);
+    for (int w = 0; w < 4; w++) {
+        ck_assert(random_walk(&t, g, &rng, 50, &out, ws));
+        ck_assert_msg(!strcmp(out.p, "positive") || !strcmp(out.p, "negative") || !strcmp(out.p, "neutral"), "%s", out.p);
+    }
+    kvb_grammar_release(g);
+    const char *args = "{\"type\":\"object\",\"properties\":{\"q\":{\"type\":\"string\",\"maxLength\":10}},\"required\":[\"q\"]}";
+    const char *pre = "<tool_call>\n{\"name\": \"search\", \"arguments\": ";
+    kvb_grammar_part tool[] = {{.kind = KVB_GRAMMAR_LITERAL, .text = pre, .len = strlen(pre)},
+                               {.kind = KVB_GRAMMAR_JSON_SCHEMA, .text = args, .len = strlen(args)},
+                               {.kind = KVB_GRAMMAR_LITERAL, .text = "}\n</tool_call>", .len = 14}};
+    ck_assert_int_eq(kvb_grammar_compile(t.v, tool, 3, &o, &g, err, sizeof err), KVB_OK);
+    for (int w = 0; w < 4; w++) {
+        ck_assert(random_walk(&t, g, &rng, 200, &out, ws));
+        ck_assert_msg(!strncmp(out.p, tool[0].text, tool[0].len) && out.len > 60 && !strcmp(out.p + out.len - 14, tool[2].text), "%s", out.p);
+        json_t *v = json_loadb(out.p + 11, out.len - 11 - 13, 0, NULL); /* the JSON between the tags */
+        ck_assert_msg(v && json_is_string(json_object_get(json_object_get(v, "arguments"), "q")), "%s", out.p);
+        json_decref(v);
+    }
+    kvb_grammar_release(g);
+    qsort(ws->mask_s, (size_t)ws->n_mask, sizeof *ws->mask_s, cmp_dbl);
+    printf("%s: %d walks (%d complete), %d tokens; mask per step (first use of each state included): median %.1f us, "
+           "max %.1f ms\n", which, ws->walks, ws->completed, ws->tokens, ws->mask_s[ws->n_mask / 2] * 1e6, ws->mask_s[ws->n_mask - 1] * 1e3);
+    free(ws);
+    kvb__buf_free(&out);
+    tvocab_free(&t);
+}
+
+KVB_TEST(walks_llama3) { walks_on("llama3"); }
+KVB_TEST_END
+
+KVB_TEST(walks_qwen3) { walks_on("qwen3"); }
+KVB_TEST_END
+
+KVB_TEST_MAIN("grammar", KVB_T(choice_and_literals, 30), KVB_T(regex_language, 30), KVB_T(json_any, 30),
+              KVB_T(schema_language, 60), KVB_T(schema_errors, 120), KVB_T(masks_match_direct, 300),
+              KVB_T(walks_llama3, 600), KVB_T(walks_qwen3, 600))

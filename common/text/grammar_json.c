@@ -73,17 +73,23 @@ static int32_t quoted(kvb__gb *b, int32_t inner) {
 
 static int32_t jstring(kvb__gb *b) { return quoted(b, kvb__gx_repeat(b, kvb__gx_json_char(b), 0, -1)); }
 
-static int32_t digits(kvb__gb *b, int min) { return kvb__gx_repeat(b, kvb__gx_range(b, '0', '9'), min, -1); }
+/* Digit runs are bounded as whitespace is: a model cannot spin on digits, and what it writes fits the
+ * parsers at the other end (int64 integers, double exponents). */
+#define MAX_INT_DIGITS 18 /* below 2^63 */
+#define MAX_FRAC_DIGITS 16
+#define MAX_EXP_DIGITS 2
 
-/* 0 | [1-9][0-9]* */
+static int32_t digits(kvb__gb *b, int min, int max) { return kvb__gx_repeat(b, kvb__gx_range(b, '0', '9'), min, max); }
+
+/* 0 | [1-9][0-9]{0,17} */
 static int32_t natural(kvb__gb *b) {
-    return kvb__gx_alt2(b, kvb__gx_lit(b, "0", 1), kvb__gx_seq2(b, kvb__gx_range(b, '1', '9'), digits(b, 0)));
+    return kvb__gx_alt2(b, kvb__gx_lit(b, "0", 1), kvb__gx_seq2(b, kvb__gx_range(b, '1', '9'), digits(b, 0, MAX_INT_DIGITS - 1)));
 }
 
 static int32_t jnumber(kvb__gb *b, int allow_minus) {
-    int32_t frac = kvb__gx_opt(b, kvb__gx_seq2(b, kvb__gx_lit(b, ".", 1), digits(b, 1)));
+    int32_t frac = kvb__gx_opt(b, kvb__gx_seq2(b, kvb__gx_lit(b, ".", 1), digits(b, 1, MAX_FRAC_DIGITS)));
     int32_t exp = kvb__gx_opt(b, kvb__gx_seq(b, (int32_t[]){kvb__gx_alt2(b, kvb__gx_lit(b, "e", 1), kvb__gx_lit(b, "E", 1)),
-        kvb__gx_opt(b, kvb__gx_alt2(b, kvb__gx_lit(b, "+", 1), kvb__gx_lit(b, "-", 1))), digits(b, 1)}, 3));
+        kvb__gx_opt(b, kvb__gx_alt2(b, kvb__gx_lit(b, "+", 1), kvb__gx_lit(b, "-", 1))), digits(b, 1, MAX_EXP_DIGITS)}, 3));
     int32_t sign = allow_minus ? kvb__gx_opt(b, kvb__gx_lit(b, "-", 1)) : kvb__gx_empty(b);
     return kvb__gx_seq(b, (int32_t[]){sign, natural(b), frac, exp}, 4);
 }
@@ -263,8 +269,9 @@ static int32_t nat_range(kvb__gb *b, long long lo, long long hi) {
         char nines[24];
         memset(nines, '9', (size_t)la);
         nines[la] = 0;
-        /* lo .. 99..9 (la digits), then anything longer */
-        return kvb__gx_alt2(b, same_len(b, a, nines, la), kvb__gx_seq2(b, kvb__gx_range(b, '1', '9'), kvb__gx_repeat(b, kvb__gx_range(b, '0', '9'), la, -1)));
+        /* lo .. 99..9 (la digits), then anything longer (up to MAX_INT_DIGITS) */
+        if (la >= MAX_INT_DIGITS) return same_len(b, a, nines, la);
+        return kvb__gx_alt2(b, same_len(b, a, nines, la), kvb__gx_seq2(b, kvb__gx_range(b, '1', '9'), digits(b, la, MAX_INT_DIGITS - 1)));
     }
     int lz = snprintf(z, sizeof z, "%lld", hi);
     if (la == lz) return same_len(b, a, z, la);
@@ -568,11 +575,12 @@ static int32_t array_schema(sctx *c, const json_t *s) {
         }
         elems = after;
     }
+    /* one whitespace run between "[" and "]" when empty: (elements ws)? */
     int32_t body;
-    if (elems == -2) body = kvb__gx_empty(b); /* no element is possible */
-    else body = min == 0 ? kvb__gx_opt(b, elems) : elems;
-    if (max == 0) body = kvb__gx_empty(b);
-    return kvb__gx_seq(b, (int32_t[]){kvb__gx_lit(b, "[", 1), ws(b), body, ws(b), kvb__gx_lit(b, "]", 1)}, 5);
+    if (elems == -2 || max == 0) body = kvb__gx_empty(b); /* no element is possible */
+    else body = kvb__gx_seq2(b, elems, ws(b));
+    if (min == 0) body = kvb__gx_opt(b, body);
+    return kvb__gx_seq(b, (int32_t[]){kvb__gx_lit(b, "[", 1), ws(b), body, kvb__gx_lit(b, "]", 1)}, 4);
 }
 
 static int32_t typed(sctx *c, const json_t *s, const char *type) {
