@@ -8,6 +8,7 @@
 #include <arpa/inet.h>
 #include <jansson.h>
 #include <pcre2.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -801,6 +802,262 @@ KVB_TEST_END
 KVB_TEST(walks_qwen3) { walks_on("qwen3"); }
 KVB_TEST_END
 
+/* ---------------------------------------------------------------------------------- rollback, fork, cache, threads */
+
+KVB_TEST(rollback_and_fork) {
+    tvocab t;
+    small_vocab(&t);
+    kvb_grammar *g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, person_schema, NULL);
+    size_t words = kvb_grammar_mask_words(t.v);
+    uint32_t *m0 = calloc(words, 4), *m1 = calloc(words, 4);
+    kvb_grammar_matcher *a, *b;
+    ck_assert_int_eq(kvb_grammar_matcher_create(g, &a), KVB_OK);
+    const char *pre = "{\"name\": \"Al\", \"age\": 4";
+    ck_assert_int_eq(kvb_grammar_matcher_accept_bytes(a, pre, strlen(pre)), KVB_OK);
+    ck_assert_int_eq(kvb_grammar_matcher_fill_mask(a, m0), KVB_OK);
+    ck_assert_int_eq(kvb_grammar_matcher_fork(a, &b), KVB_OK);
+    /* a goes on with "2}" (complete), b with "0, \"kind\"" */
+    ck_assert_int_eq(kvb_grammar_matcher_accept_token(a, '2'), KVB_OK);
+    ck_assert_int_eq(kvb_grammar_matcher_accept_token(a, '}'), KVB_OK);
+    ck_assert(kvb_grammar_matcher_done(a));
+    ck_assert_int_eq(kvb_grammar_matcher_accept_bytes(b, "0, \"kind\"", 9), KVB_OK);
+    ck_assert(!kvb_grammar_matcher_accepting(b));
+    ck_assert_int_eq(kvb_grammar_matcher_rollback(a, 2), KVB_OK);
+    ck_assert_int_eq(kvb_grammar_matcher_fill_mask(a, m1), KVB_OK);
+    ck_assert(!memcmp(m0, m1, words * 4));
+    ck_assert_int_eq(kvb_grammar_matcher_rollback(b, 1), KVB_OK); /* back to the fork point */
+    ck_assert_int_eq(kvb_grammar_matcher_fill_mask(b, m1), KVB_OK);
+    ck_assert(!memcmp(m0, m1, words * 4));
+    ck_assert_int_eq(kvb_grammar_matcher_rollback(b, 1), KVB_ERR_INVALID); /* a fork starts at its fork point */
+    /* a refused token leaves the state as it was */
+    ck_assert_int_eq(kvb_grammar_matcher_accept_bytes(a, "x", 1), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_grammar_matcher_fill_mask(a, m1), KVB_OK);
+    ck_assert(!memcmp(m0, m1, words * 4));
+    kvb_grammar_matcher_destroy(a);
+    kvb_grammar_release(g); /* b holds it */
+    ck_assert_int_eq(kvb_grammar_matcher_accept_bytes(b, "2}", 2), KVB_OK);
+    ck_assert(kvb_grammar_matcher_done(b));
+    kvb_grammar_matcher_destroy(b);
+    free(m0);
+    free(m1);
+    tvocab_free(&t);
+}
+KVB_TEST_END
+
+typedef struct thr_arg {
+    kvb_grammar *g;
+    const char *text;
+    uint32_t *masks; /* [len][words] the mask after each prefix */
+    size_t words;
+} thr_arg;
+
+static void *thr_main(void *p) {
+    thr_arg *a = p;
+    kvb_grammar_matcher *m;
+    if (kvb_grammar_matcher_create(a->g, &m) != KVB_OK) return NULL;
+    for (size_t i = 0; a->text[i]; i++) {
+        if (kvb_grammar_matcher_fill_mask(m, a->masks + i * a->words) != KVB_OK) break;
+        if (kvb_grammar_matcher_accept_bytes(m, a->text + i, 1) != KVB_OK) break;
+    }
+    kvb_grammar_matcher_destroy(m);
+    return NULL;
+}
+
+KVB_TEST(cache_and_threads) {
+    tvocab t;
+    small_vocab(&t);
+    kvb_grammar_cache *c;
+    ck_assert_int_eq(kvb_grammar_cache_create(t.v, 2, &c), KVB_OK);
+    const char *s1 = "{\"type\":\"integer\"}", *s2 = "{\"type\":\"string\"}", *s3 = "{\"type\":\"boolean\"}";
+    kvb_grammar_part p = {.kind = KVB_GRAMMAR_JSON_SCHEMA};
+    kvb_grammar *g1, *g1b, *g2, *g3, *bad;
+    char err[128];
+    p.text = s1, p.len = strlen(s1);
+    ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &g1, err, sizeof err), KVB_OK);
+    ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &g1b, err, sizeof err), KVB_OK);
+    ck_assert_ptr_eq(g1, g1b);
+    kvb_grammar_opts o;
+    kvb_grammar_opts_default(&o);
+    o.ws_indent = -1; /* other options: another grammar */
+    kvb_grammar *g1c;
+    ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, &o, &g1c, err, sizeof err), KVB_OK);
+    ck_assert_ptr_ne(g1, g1c);
+    p.text = s2, p.len = strlen(s2);
+    ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &g2, err, sizeof err), KVB_OK);
+    p.text = s3, p.len = strlen(s3);
+    ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &g3, err, sizeof err), KVB_OK);
+    p.text = "{\"type\":7}", p.len = 10;
+    ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &bad, err, sizeof err), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &bad, err, sizeof err), KVB_ERR_INVALID);
+    uint64_t hits, misses;
+    kvb_grammar_cache_stats(c, &hits, &misses);
+    ck_assert_uint_eq(hits, 1);
+    ck_assert_uint_eq(misses, 6); /* s1, s1 compact, s2, s3, bad twice (failures are not cached) */
+    /* s1 was evicted (capacity 2): still usable through the references held here */
+    ck_assert(matches(g1, "-12", 3) && matches(g1c, "7", 1));
+    p.text = s1, p.len = strlen(s1);
+    ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &g1b, err, sizeof err), KVB_OK);
+    ck_assert_ptr_ne(g1, g1b); /* compiled again */
+    kvb_grammar_cache_destroy(c);
+    kvb_grammar_release(g1), kvb_grammar_release(g1b), kvb_grammar_release(g1c), kvb_grammar_release(g2), kvb_grammar_release(g3);
+    /* four threads filling masks of one grammar at once (tables built under the grammar's lock) agree
+     * with one thread alone */
+    kvb_grammar *g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, person_schema, NULL);
+    const char *text = "{\"name\": \"\xc3\xa9t\\u00e9\", \"age\": 150, \"tags\": [\"b\"], \"score\": -1.5e+3}";
+    size_t words = kvb_grammar_mask_words(t.v), len = strlen(text);
+    thr_arg args[5];
+    pthread_t th[4];
+    for (int k = 0; k < 5; k++) args[k] = (thr_arg){g, text, calloc(len * words, 4), words};
+    for (int k = 0; k < 4; k++) ck_assert_int_eq(pthread_create(&th[k], NULL, thr_main, &args[k]), 0);
+    for (int k = 0; k < 4; k++) pthread_join(th[k], NULL);
+    kvb_grammar_release(g);
+    g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, person_schema, NULL);
+    args[4].g = g;
+    thr_main(&args[4]);
+    for (int k = 0; k < 4; k++) ck_assert(!memcmp(args[k].masks, args[4].masks, len * words * 4));
+    ck_assert(bit(args[4].masks + (len - 1) * words, '}'));
+    for (int k = 0; k < 5; k++) free(args[k].masks);
+    kvb_grammar_release(g);
+    tvocab_free(&t);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------------------------- fuzzing the compilers */
+
+/* A short walk on the small vocabulary: the mask is never empty before completion and agrees with the
+ * matcher on sampled tokens; a completed JSON output parses. */
+static void fuzz_walk(const tvocab *t, kvb_grammar *g, kvb_rng *rng, int json) {
+    size_t words = kvb_grammar_mask_words(t->v);
+    uint32_t *mask = calloc(words, 4);
+    kvb_grammar_matcher *m;
+    kvb_buf out = {0};
+    ck_assert_int_eq(kvb_grammar_matcher_create(g, &m), KVB_OK);
+    for (int step = 0; step < 40; step++) {
+        ck_assert_int_eq(kvb_grammar_matcher_fill_mask(m, mask), KVB_OK);
+        int32_t allowed[SMALL_N];
+        int na = 0;
+        for (int id = 0; id < t->n; id++)
+            if (bit(mask, id)) allowed[na++] = id;
+        if (kvb_grammar_matcher_done(m)) break;
+        ck_assert_msg(na > 0, "stuck after '%.*s'", (int)out.len, out.p);
+        for (int k = 0; k < 4; k++) {
+            int32_t id = (int32_t)(kvb_rng_uniform(rng) * t->n);
+            kvb_grammar_matcher *f;
+            ck_assert_int_eq(kvb_grammar_matcher_fork(m, &f), KVB_OK);
+            ck_assert_int_eq(kvb_grammar_matcher_accept_token(f, id) == KVB_OK, bit(mask, id));
+            kvb_grammar_matcher_destroy(f);
+        }
+        int32_t id = allowed[(int)(kvb_rng_uniform(rng) * na)];
+        ck_assert_int_eq(kvb_grammar_matcher_accept_token(m, id), KVB_OK);
+        if (id == t->eos) break;
+        kvb__buf_append(&out, t->bytes[id], t->lens[id]);
+    }
+    if (json && kvb_grammar_matcher_accepting(m) && out.len) {
+        json_t *v = json_loadb(out.p, out.len, JSON_DECODE_ANY, NULL);
+        ck_assert_msg(v != NULL, "a complete output does not parse: %.*s", (int)out.len, out.p);
+        json_decref(v);
+    }
+    kvb_grammar_matcher_destroy(m);
+    kvb__buf_free(&out);
+    free(mask);
+}
+
+static json_t *random_schema(kvb_rng *r, int depth) {
+    static const char *const types[] = {"object", "array", "string", "integer", "number", "boolean", "null", "nope"};
+    static const char *const keys[] = {"type", "properties", "required", "items", "prefixItems", "enum", "const", "anyOf", "oneOf",
+                                       "minItems", "maxItems", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
+                                       "additionalProperties", "$ref", "nullable", "allOf", "not", "exclusiveMinimum"};
+    int pick = (int)(kvb_rng_uniform(r) * 20);
+    if (pick == 0) return json_true();
+    if (pick == 1) return json_integer((int)(kvb_rng_uniform(r) * 5));
+    json_t *s = json_object();
+    int nk = 1 + (int)(kvb_rng_uniform(r) * 4);
+    for (int k = 0; k < nk; k++) {
+        const char *key = keys[(int)(kvb_rng_uniform(r) * KVB_ARRAY_LEN(keys))];
+        json_t *v = NULL;
+        double u = kvb_rng_uniform(r);
+        if (!strcmp(key, "type")) v = json_string(types[(int)(u * KVB_ARRAY_LEN(types))]);
+        else if (!strcmp(key, "properties") && depth < 4) {
+            v = json_object();
+            for (int i = 0; i < 1 + (int)(u * 4); i++) {
+                char name[16];
+                snprintf(name, sizeof name, "p%d", i);
+                json_object_set_new(v, name, random_schema(r, depth + 1));
+            }
+        } else if ((!strcmp(key, "items") || !strcmp(key, "not") || !strcmp(key, "additionalProperties")) && depth < 4)
+            v = u < 0.2 ? json_false() : random_schema(r, depth + 1);
+        else if ((!strcmp(key, "anyOf") || !strcmp(key, "oneOf") || !strcmp(key, "allOf") || !strcmp(key, "prefixItems")) && depth < 4) {
+            v = json_array();
+            for (int i = 0; i < (int)(u * 3); i++) json_array_append_new(v, random_schema(r, depth + 1));
+        } else if (!strcmp(key, "required")) v = json_pack("[ss]", "p0", u < 0.5 ? "p1" : "zz");
+        else if (!strcmp(key, "enum")) v = json_pack("[siob]", "x", (int)(u * 100), json_null(), u < 0.5);
+        else if (!strcmp(key, "const")) v = json_pack("{s:[i]}", "k", (int)(u * 9));
+        else if (!strcmp(key, "pattern")) v = json_string(u < 0.5 ? "^a[0-9]{1,3}$" : "(b|c)+");
+        else if (!strcmp(key, "format")) v = json_string(u < 0.5 ? "date" : "uuid");
+        else if (!strcmp(key, "$ref")) v = json_string(u < 0.5 ? "#" : "#/properties/p0");
+        else if (!strcmp(key, "nullable")) v = json_boolean(u < 0.5);
+        else v = json_integer((int)(u * 40) - 5);
+        if (v) json_object_set_new(s, key, v);
+    }
+    return s;
+}
+
+KVB_TEST(fuzz_compilers) {
+    tvocab t;
+    small_vocab(&t);
+    kvb_rng rng;
+    kvb_rng_seed(&rng, 7);
+    kvb_grammar_opts o;
+    kvb_grammar_opts_default(&o);
+    o.max_states = 20000; /* bounded work per input */
+    static const char alphabet[] = "ab()[]{}|*+?.^$\\-,0123456789dwsDWSux:<>P=!\xc3\xa9";
+    int compiled = 0, refused = 0;
+    for (int it = 0; it < 1500; it++) {
+        char re[32];
+        int n = (int)(kvb_rng_uniform(&rng) * 24);
+        for (int i = 0; i < n; i++) re[i] = alphabet[(int)(kvb_rng_uniform(&rng) * (sizeof alphabet - 1))];
+        kvb_grammar_part p = {.kind = KVB_GRAMMAR_REGEX, .text = re, .len = (size_t)n};
+        kvb_grammar *g = NULL;
+        char err[256] = "";
+        kvb_status st = kvb_grammar_compile(t.v, &p, 1, &o, &g, err, sizeof err);
+        if (st == KVB_OK) {
+            compiled++;
+            if (it % 8 == 0) fuzz_walk(&t, g, &rng, 0);
+            kvb_grammar_release(g);
+        } else {
+            refused++;
+            ck_assert_msg(err[0] && !g, "regex refused without a reason");
+            ck_assert(st == KVB_ERR_INVALID || st == KVB_ERR_UNSUPPORTED || st == KVB_ERR_EXHAUSTED);
+        }
+    }
+    printf("fuzz: %d random regexes compiled, %d refused with a reason\n", compiled, refused);
+    compiled = refused = 0;
+    for (int it = 0; it < 600; it++) {
+        json_t *s = random_schema(&rng, 0);
+        char *text = json_dumps(s, JSON_ENCODE_ANY);
+        json_decref(s);
+        size_t len = strlen(text);
+        if (it % 3 == 0 && len > 2) text[(size_t)(kvb_rng_uniform(&rng) * len)] = "{}[]\":,x1"[(int)(kvb_rng_uniform(&rng) * 9)];
+        kvb_grammar_part p = {.kind = KVB_GRAMMAR_JSON_SCHEMA, .text = text, .len = len};
+        kvb_grammar *g = NULL;
+        char err[256] = "";
+        kvb_status st = kvb_grammar_compile(t.v, &p, 1, &o, &g, err, sizeof err);
+        if (st == KVB_OK) {
+            compiled++;
+            fuzz_walk(&t, g, &rng, 1);
+            kvb_grammar_release(g);
+        } else {
+            refused++;
+            ck_assert_msg(err[0] && !g, "schema refused without a reason: %s", text);
+        }
+        free(text);
+    }
+    printf("fuzz: %d random schemas compiled, %d refused with a reason\n", compiled, refused);
+    tvocab_free(&t);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("grammar", KVB_T(choice_and_literals, 30), KVB_T(regex_language, 30), KVB_T(json_any, 30),
               KVB_T(schema_language, 60), KVB_T(schema_errors, 120), KVB_T(masks_match_direct, 300),
-              KVB_T(walks_llama3, 600), KVB_T(walks_qwen3, 600))
+              KVB_T(walks_llama3, 600), KVB_T(walks_qwen3, 600),
+              KVB_T(rollback_and_fork, 30), KVB_T(cache_and_threads, 60), KVB_T(fuzz_compilers, 600))
