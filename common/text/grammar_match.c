@@ -43,11 +43,8 @@ struct kvb_grammar_vocab {
     int max_len;
 };
 
-static const kvb_grammar_vocab *sort_vocab; /* qsort has no context argument; guarded by sort_lock */
-static pthread_mutex_t sort_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static int cmp_tok(const void *a, const void *b) {
-    const kvb_grammar_vocab *v = sort_vocab;
+static int cmp_tok(const void *a, const void *b, void *ctx) {
+    const kvb_grammar_vocab *v = ctx;
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     uint32_t lx = v->len[x], ly = v->len[y];
     int c = memcmp(v->bytes + v->off[x], v->bytes + v->off[y], lx < ly ? lx : ly);
@@ -69,10 +66,7 @@ static kvb_status vocab_trie(kvb_grammar_vocab *v) {
     KVB_TRY(kvb_malloc(((size_t)v->n_sorted + 1) * sizeof *v->sorted, (void **)&v->sorted));
     for (int i = 0, k = 0; i < v->n_vocab; i++)
         if (v->len[i]) v->sorted[k++] = i;
-    pthread_mutex_lock(&sort_lock);
-    sort_vocab = v;
-    qsort(v->sorted, (size_t)v->n_sorted, sizeof *v->sorted, cmp_tok);
-    pthread_mutex_unlock(&sort_lock);
+    qsort_r(v->sorted, (size_t)v->n_sorted, sizeof *v->sorted, cmp_tok, v);
     /* nodes: at most one per byte of every token */
     KVB_TRY(kvb_malloc(total + 1, (void **)&v->nbyte));
     KVB_TRY(kvb_malloc((total + 1) * sizeof *v->ndepth, (void **)&v->ndepth));
