@@ -162,6 +162,11 @@ KVB_TEST(choice_and_literals) {
     ck_assert(kvb_grammar_matcher_accepting(m) && kvb_grammar_matcher_done(m));
     ck_assert_int_eq(kvb_grammar_matcher_fill_mask(m, mask), KVB_OK);
     for (int i = 0; i < t.n; i++) ck_assert_int_eq(bit(mask, i), i == t.eos);
+    /* logits wider than the vocabulary: the extra ids are masked too */
+    float logits[SMALL_N + 40];
+    for (int i = 0; i < SMALL_N + 40; i++) logits[i] = 1.0f;
+    kvb_grammar_mask_apply(t.v, mask, logits, SMALL_N + 40);
+    for (int i = 0; i < SMALL_N + 40; i++) ck_assert(i == t.eos ? logits[i] == 1.0f : logits[i] == -__builtin_inff());
     ck_assert_int_eq(kvb_grammar_matcher_accept_token(m, t.eos), KVB_OK);
     ck_assert_int_eq(kvb_grammar_matcher_fill_mask(m, mask), KVB_OK);
     for (int i = 0; i < t.n; i++) ck_assert_int_eq(bit(mask, i), 0);
@@ -459,6 +464,11 @@ KVB_TEST(masks_match_direct) {
     g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, person_schema, &o);
     check_masks(&t, g, 6, 60, 2);
     kvb_grammar_release(g);
+    o.max_table_bytes = 0; /* no table kept: each is built for its step and freed */
+    g = compile1(&t, KVB_GRAMMAR_JSON_SCHEMA, person_schema, &o);
+    check_masks(&t, g, 3, 60, 2);
+    kvb_grammar_release(g);
+    o.max_table_bytes = (size_t)256 << 20;
     g = compile1(&t, KVB_GRAMMAR_REGEX, "(ab|abc|x[0-9]{2,4})+(\\.[a-c]*)?", &o);
     check_masks(&t, g, 6, 30, 3);
     kvb_grammar_release(g);

@@ -21,6 +21,7 @@ void kvb_grammar_opts_default(kvb_grammar_opts *o) {
     o->max_states = 200000;
     o->max_schema_depth = 64;
     o->strict = 1;
+    o->max_table_bytes = (size_t)256 << 20;
 }
 
 /* ------------------------------------------------------------------------------------- builder */
@@ -818,7 +819,8 @@ static kvb_status key_put(kvb_buf *k, const void *p, size_t n) {
 
 /* Length-prefixed fields: two different part lists never serialize alike. */
 static kvb_status cache_key(const kvb_grammar_part *parts, int n, const kvb_grammar_opts *o, kvb_buf *k) {
-    KVB_TRY(key_put(k, o, sizeof *o));
+    int64_t f[] = {o->ws_indent, o->max_depth, o->max_states, o->max_schema_depth, o->strict, (int64_t)o->max_table_bytes};
+    KVB_TRY(key_put(k, f, sizeof f)); /* field by field: the struct's padding is not part of the key */
     for (int i = 0; i < n; i++) {
         int32_t kind = parts[i].kind;
         KVB_TRY(key_put(k, &kind, sizeof kind));

@@ -11,7 +11,7 @@
  *   kvb_grammar_cache_create(vocab, 64, &cache);               once per model
  *   kvb_grammar_cache_get(cache, parts, n, NULL, &g, err, n);  per request (compiled once per schema text)
  *   kvb_grammar_matcher_create(g, &m); kvb_grammar_release(g); per sequence (the matcher holds g)
- *   per step: kvb_grammar_matcher_fill_mask(m, mask); kvb_grammar_mask_apply(mask, logits, n_vocab);
+ *   per step: kvb_grammar_matcher_fill_mask(m, mask); kvb_grammar_mask_apply(vocab, mask, logits, n_logits);
  *             sample; kvb_grammar_matcher_accept_token(m, id); stop when kvb_grammar_matcher_done(m).
  *
  * Threads: a vocabulary, a compiled grammar and the cache may be used from several threads at once
@@ -76,9 +76,12 @@ typedef struct kvb_grammar_opts {
     int max_schema_depth; /* compile limit on a schema's nesting (subschemas within subschemas) */
     int strict;           /* JSON Schema objects without additionalProperties allow no other keys (as
                            * OpenAI's strict mode and xgrammar do); 0: they allow any other key */
+    size_t max_table_bytes; /* mask tables a grammar keeps (bytes); past it a state's table is built
+                             * again at each use (slower masks, bounded memory) */
 } kvb_grammar_opts;
 
-/* Defaults: ws_indent 16, max_depth 64, max_states 200000, max_schema_depth 64, strict 1. */
+/* Defaults: ws_indent 16, max_depth 64, max_states 200000, max_schema_depth 64, strict 1,
+ * max_table_bytes 256 MiB. */
 void kvb_grammar_opts_default(kvb_grammar_opts *o);
 
 /* Compiles parts[n_parts] for vocabulary v (opts NULL: defaults). Caller owns one reference on *out
@@ -127,7 +130,8 @@ int kvb_grammar_matcher_accepting(const kvb_grammar_matcher *m);
 /* 1 when decoding should stop: an EOS was accepted, or the output is complete and nothing can follow. */
 int kvb_grammar_matcher_done(const kvb_grammar_matcher *m);
 
-/* logits[i] = -INFINITY for every token i < n_vocab whose bit in mask is clear. */
-void kvb_grammar_mask_apply(const uint32_t *mask, float *logits, int n_vocab);
+/* logits[i] = -INFINITY for every token whose bit in mask (a mask of v) is clear, and for every id at or
+ * past v's size (a model's logits may be wider than its tokenizer: Qwen3 151936 > 151669). */
+void kvb_grammar_mask_apply(const kvb_grammar_vocab *v, const uint32_t *mask, float *logits, int n_logits);
 
 #endif

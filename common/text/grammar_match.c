@@ -413,7 +413,9 @@ static void stepper_free(stepper *sp) {
 /* ------------------------------------------------------------------------------------- per-state tables */
 
 struct kvb__gtable {
-    uint32_t *ci; /* [mask words] tokens decided inside the state's rule: allowed */
+    uint32_t *ci;     /* [mask words] tokens decided inside the state's rule: allowed; NULL when sparse */
+    int32_t *ci_ids;  /* [n_ci] the same as ids when few are allowed (most structural states) */
+    int32_t n_ci;
     int32_t *cd;  /* [n_cd] positions in vocab->sorted of the tokens the stack decides, in trie order */
     int32_t n_cd;
     int32_t max_push; /* the most frames a token pushed on the walk: ci holds only below max_depth - max_push */
@@ -520,6 +522,7 @@ static void walk_free(walk *w) {
 static void table_free(kvb__gtable *t) {
     if (!t) return;
     free(t->ci);
+    free(t->ci_ids);
     free(t->cd);
     free(t);
 }
@@ -560,6 +563,7 @@ static kvb_status table_build(const kvb_grammar *g, int32_t s, kvb__gtable **out
         escf[d] = escf[d - 1] | ((w.flags[c] & FL_ESC) != 0);
         for (uint32_t k = v->ntok[i]; k < v->ntok[i + 1]; k++) {
             int32_t id = v->sorted[k];
+            t->n_ci += !(t->ci[id >> 5] >> (id & 31) & 1);
             t->ci[id >> 5] |= 1u << (id & 31);
         }
         i++;
@@ -569,6 +573,14 @@ static kvb_status table_build(const kvb_grammar *g, int32_t s, kvb__gtable **out
         goto fail;
     }
     for (int32_t f = 0; f < w.fs.n; f++) t->max_push = KVB_MAX(t->max_push, w.fs.f[f].depth);
+    if (t->n_ci < (int32_t)(kvb_grammar_mask_words(v) / 2)) { /* a list is smaller and ORs faster */
+        if (t->n_ci) KVB_TRY_GOTO(kvb_malloc((size_t)t->n_ci * sizeof *t->ci_ids, (void **)&t->ci_ids), fail);
+        int32_t k = 0;
+        for (size_t wd = 0; wd < kvb_grammar_mask_words(v); wd++)
+            for (uint32_t b = t->ci[wd]; b; b &= b - 1) t->ci_ids[k++] = (int32_t)(wd * 32 + (size_t)__builtin_ctz(b));
+        free(t->ci);
+        t->ci = NULL;
+    }
     walk_free(&w);
     free(cfg);
     free(escf);
@@ -582,8 +594,11 @@ fail:
     return st;
 }
 
-static kvb_status table_get(kvb_grammar *g, int32_t s, const kvb__gtable **out) {
+/* State s's table; *owned: the grammar is over max_table_bytes and the caller frees this one. Tables
+ * kept are never freed before the grammar (other threads read them without the lock). */
+static kvb_status table_get(kvb_grammar *g, int32_t s, kvb__gtable **out, int *owned) {
     kvb__gtable *t = __atomic_load_n(&g->tables[s], __ATOMIC_ACQUIRE);
+    *owned = 0;
     if (t) {
         *out = t;
         return KVB_OK;
@@ -594,8 +609,13 @@ static kvb_status table_get(kvb_grammar *g, int32_t s, const kvb__gtable **out) 
     if (!t) {
         st = table_build(g, s, &t);
         if (st == KVB_OK) {
-            g->table_bytes += kvb_grammar_mask_words(g->v) * 4 + (size_t)t->n_cd * 4;
-            __atomic_store_n(&g->tables[s], t, __ATOMIC_RELEASE);
+            size_t bytes = (t->ci ? kvb_grammar_mask_words(g->v) * 4 : (size_t)t->n_ci * 4) + (size_t)t->n_cd * 4;
+            if (g->table_bytes + bytes <= g->opts.max_table_bytes) {
+                g->table_bytes += bytes;
+                __atomic_store_n(&g->tables[s], t, __ATOMIC_RELEASE);
+            } else {
+                *owned = 1;
+            }
         }
     }
     pthread_mutex_unlock(&g->lock);
@@ -735,7 +755,6 @@ kvb_status kvb_grammar_matcher_accept_bytes(kvb_grammar_matcher *m, const void *
             fstore_truncate(&m->fs, h.frames);
             return KVB_ERR_EXHAUSTED;
         }
-        if (!nxt->n && !(flags & FL_ACCEPT) && i + 1 < len) flags = 0;
         topvec *t = cur;
         cur = nxt, nxt = t;
         if (!cur->n && !(flags & FL_ACCEPT)) break;
@@ -845,6 +864,19 @@ static kvb_status check_tokens(kvb_grammar_matcher *m, top t, const int32_t *pos
     return KVB_OK;
 }
 
+/* Top t's part of the mask from its state's table: the context-independent tokens (or_ci: not yet ORed
+ * for this state; tops are sorted by state), then the context-dependent ones walked with t's stack. */
+static kvb_status mask_from_table(kvb_grammar_matcher *m, top t, const kvb__gtable *tb, int or_ci, uint32_t *mask) {
+    size_t words = kvb_grammar_mask_words(m->g->v);
+    if (or_ci) {
+        if (tb->ci)
+            for (size_t w = 0; w < words; w++) mask[w] |= tb->ci[w];
+        else
+            for (int32_t k = 0; k < tb->n_ci; k++) mask[tb->ci_ids[k] >> 5] |= 1u << (tb->ci_ids[k] & 31);
+    }
+    return tb->n_cd ? check_tokens(m, t, tb->cd, tb->n_cd, mask) : KVB_OK;
+}
+
 kvb_status kvb_grammar_matcher_fill_mask(kvb_grammar_matcher *m, uint32_t *mask) {
     const kvb_grammar_vocab *v = m->g->v;
     size_t words = kvb_grammar_mask_words(v);
@@ -854,25 +886,27 @@ kvb_status kvb_grammar_matcher_fill_mask(kvb_grammar_matcher *m, uint32_t *mask)
     int32_t last = -1;
     for (int32_t i = 0; i < h.n; i++) {
         top t = m->tops.t[h.t0 + i];
-        const kvb__gtable *tb;
-        KVB_TRY(table_get(m->g, t.state, &tb));
+        kvb__gtable *tb;
+        int owned;
+        KVB_TRY(table_get(m->g, t.state, &tb, &owned));
         int32_t depth = t.parent >= 0 ? m->fs.f[t.parent].depth : 0;
+        kvb_status st = KVB_OK;
         if (depth + tb->max_push > m->g->opts.max_depth) {
-            KVB_TRY(check_tokens(m, t, NULL, v->n_sorted, mask));
-            continue;
-        }
-        if (t.state != last) { /* tops are sorted by state: one OR per state */
-            for (size_t w = 0; w < words; w++) mask[w] |= tb->ci[w];
+            st = check_tokens(m, t, NULL, v->n_sorted, mask);
+        } else {
+            st = mask_from_table(m, t, tb, t.state != last, mask);
             last = t.state;
         }
-        if (tb->n_cd) KVB_TRY(check_tokens(m, t, tb->cd, tb->n_cd, mask));
+        if (owned) table_free(tb);
+        KVB_TRY(st);
     }
     if (h.flags & FL_ACCEPT)
         for (int i = 0; i < v->n_eos; i++) mask[v->eos[i] >> 5] |= 1u << (v->eos[i] & 31);
     return KVB_OK;
 }
-
-void kvb_grammar_mask_apply(const uint32_t *mask, float *logits, int n_vocab) {
-    for (int i = 0; i < n_vocab; i++)
+void kvb_grammar_mask_apply(const kvb_grammar_vocab *v, const uint32_t *mask, float *logits, int n_logits) {
+    int n = KVB_MIN(n_logits, v->n_vocab);
+    for (int i = 0; i < n; i++)
         if (!(mask[i >> 5] >> (i & 31) & 1)) logits[i] = -__builtin_inff();
+    for (int i = n; i < n_logits; i++) logits[i] = -__builtin_inff(); /* ids past the tokenizer have no bytes */
 }
