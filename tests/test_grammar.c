@@ -886,6 +886,7 @@ KVB_TEST(cache_and_threads) {
     ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &g1, err, sizeof err), KVB_OK);
     ck_assert_int_eq(kvb_grammar_cache_get(c, &p, 1, NULL, &g1b, err, sizeof err), KVB_OK);
     ck_assert_ptr_eq(g1, g1b);
+    kvb_grammar_release(g1b); /* the same grammar: two references */
     kvb_grammar_opts o;
     kvb_grammar_opts_default(&o);
     o.ws_indent = -1; /* other options: another grammar */

@@ -462,7 +462,7 @@ static int32_t walk_intern(walk *w, const top *t, int32_t n, int flags) {
     for (;; j = (j + 1) & w->mask) {
         int32_t i = w->slots[j];
         if (i < 0) break;
-        if (w->flags[i] == flags && w->t0[i + 1] - w->t0[i] == n && !memcmp(w->tops + w->t0[i], t, (size_t)n * sizeof *t))
+        if (w->flags[i] == flags && w->t0[i + 1] - w->t0[i] == n && (!n || !memcmp(w->tops + w->t0[i], t, (size_t)n * sizeof *t)))
             return i;
     }
     if (w->n + 1 >= w->cap) {
@@ -480,7 +480,7 @@ static int32_t walk_intern(walk *w, const top *t, int32_t n, int flags) {
     }
     int32_t id = w->n++;
     w->t0[id] = w->ntops;
-    memcpy(w->tops + w->ntops, t, (size_t)n * sizeof *t);
+    if (n) memcpy(w->tops + w->ntops, t, (size_t)n * sizeof *t);
     w->ntops += n;
     w->t0[id + 1] = w->ntops;
     w->flags[id] = (uint8_t)flags;
