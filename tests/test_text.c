@@ -42,6 +42,84 @@ KVB_TEST(nfc_forms) {
 }
 KVB_TEST_END
 
+/* Code points -> UTF-8 (a test helper independent of the library's encoder). */
+static size_t put_cps(char *out, const uint32_t *cp, size_t n) {
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t c = cp[i];
+        if (c < 0x80) out[k++] = (char)c;
+        else if (c < 0x800) {
+            out[k++] = (char)(0xC0 | c >> 6);
+            out[k++] = (char)(0x80 | (c & 0x3F));
+        } else {
+            out[k++] = (char)(0xE0 | c >> 12);
+            out[k++] = (char)(0x80 | (c >> 6 & 0x3F));
+            out[k++] = (char)(0x80 | (c & 0x3F));
+        }
+    }
+    out[k] = 0;
+    return k;
+}
+
+/* Runs of non-starters longer than the short-run path (16): expected values from Python's
+ * unicodedata.normalize('NFC', ...) (classes 1, 202, 216, 220, 230, 233, 240 interleaved). */
+KVB_TEST(nfc_long_runs) {
+    static const uint32_t in1[] = {0x71, 0x35c, 0x327, 0x345, 0x301, 0x300, 0x323, 0x300, 0x35c, 0x31b, 0x301, 0x323,
+                                   0x316, 0x301, 0x300, 0x345, 0x345, 0x300, 0x316, 0x300, 0x323, 0x345, 0x301, 0x31b,
+                                   0x300, 0x316, 0x31b, 0x301, 0x31b, 0x31b, 0x345, 0x301, 0x316, 0x301, 0x323, 0x327,
+                                   0x334, 0x345, 0x327, 0x323, 0x300};
+    static const uint32_t out1[] = {0x71, 0x334, 0x327, 0x327, 0x327, 0x31b, 0x31b, 0x31b, 0x31b, 0x31b, 0x323, 0x323,
+                                    0x316, 0x316, 0x323, 0x316, 0x316, 0x323, 0x323, 0x301, 0x300, 0x300, 0x301, 0x301,
+                                    0x300, 0x300, 0x300, 0x301, 0x300, 0x301, 0x301, 0x301, 0x300, 0x35c, 0x35c, 0x345,
+                                    0x345, 0x345, 0x345, 0x345, 0x345};
+    static const uint32_t in2[] = {0x6f, 0x31b, 0x334, 0x323, 0x327, 0x300, 0x31b, 0x31b, 0x316, 0x35c, 0x300,
+                                   0x323, 0x300, 0x31b, 0x301, 0x31b, 0x316, 0x308, 0x323, 0x345, 0x35c, 0x308,
+                                   0x31b, 0x308, 0x35c, 0x334, 0x316, 0x327, 0x316, 0x300, 0x31b};
+    static const uint32_t out2[] = {0x1ee3, 0x334, 0x334, 0x327, 0x327, 0x31b, 0x31b, 0x31b, 0x31b, 0x31b,
+                                    0x31b, 0x316, 0x323, 0x316, 0x323, 0x316, 0x316, 0x300, 0x300, 0x300,
+                                    0x301, 0x308, 0x308, 0x308, 0x300, 0x35c, 0x35c, 0x35c, 0x345};
+    char a[256], b[256];
+    put_cps(a, in1, KVB_ARRAY_LEN(in1));
+    put_cps(b, out1, KVB_ARRAY_LEN(out1));
+    char *got = nfc(a);
+    ck_assert_str_eq(got, b);
+    free(got);
+    put_cps(a, in2, KVB_ARRAY_LEN(in2));
+    put_cps(b, out2, KVB_ARRAY_LEN(out2));
+    got = nfc(a);
+    ck_assert_str_eq(got, b);
+    free(got);
+}
+KVB_TEST_END
+
+/* "e" + (U+0301 U+0327) x 80,000: one run of 160,000 marks of two classes. The insertion sort took
+ * 17 s on it (quadratic; this test's hang limit fails it), the merge sort milliseconds. Expected
+ * (Python): U+0229 (e + cedilla), U+0327 x 79,999, U+0301 x 80,000. */
+KVB_TEST(nfc_hostile_run) {
+    enum { PAIRS = 80000 };
+    char *in = malloc(1 + 4 * PAIRS + 1), *want = malloc(2 + 4 * PAIRS + 1);
+    size_t n = 0, w = 0;
+    in[n++] = 'e';
+    for (int i = 0; i < PAIRS; i++) {
+        memcpy(in + n, "\xcc\x81\xcc\xa7", 4);
+        n += 4;
+    }
+    in[n] = 0;
+    memcpy(want + w, "\xc8\xa9", 2);
+    w += 2;
+    for (int i = 0; i < PAIRS - 1; i++, w += 2) memcpy(want + w, "\xcc\xa7", 2);
+    for (int i = 0; i < PAIRS; i++, w += 2) memcpy(want + w, "\xcc\x81", 2);
+    want[w] = 0;
+    kvb_buf b = {0};
+    ck_assert_int_eq(kvb__nfc((const uint8_t *)in, n, &b), KVB_OK);
+    ck_assert_uint_eq(b.len, w);
+    ck_assert(!memcmp(b.p, want, w));
+    kvb__buf_free(&b);
+    free(in);
+    free(want);
+}
+KVB_TEST_END
+
 KVB_TEST(utf8_lossy) {
     static const struct { const char *in; size_t n; const char *out; size_t keep; } cases[] = {
         {"ok \xc3\xa9", 5, "ok \xc3\xa9", 0},
@@ -363,5 +441,5 @@ KVB_TEST(chat_template_files) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
+KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(nfc_long_runs, 10), KVB_T(nfc_hostile_run, 5), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
               KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(chat_template_files, 20))
