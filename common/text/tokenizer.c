@@ -568,13 +568,7 @@ kvb_status kvb__model_json(const char *dir, const char *name, int optional, int 
         KVB_LOG_E("%s: not found", path);
         return KVB_ERR_NOT_FOUND;
     }
-    json_error_t err;
-    *out = json_load_file(path, int_as_real ? JSON_DECODE_INT_AS_REAL : 0, &err);
-    if (!*out) {
-        KVB_LOG_E("%s:%d:%d: invalid JSON: %s", path, err.line, err.column, err.text);
-        return err.line < 0 ? KVB_ERR_IO : KVB_ERR_FORMAT;
-    }
-    return KVB_OK;
+    return kvb_json_load_file_flags(path, int_as_real ? JSON_DECODE_INT_AS_REAL : 0, out);
 }
 
 /* eos_token_id of generation_config.json or config.json: an int or a list; 0 when absent. */

@@ -3,20 +3,33 @@
 #include <errno.h>
 #include <math.h>
 #include <string.h>
+#include <unistd.h>
 
-kvb_status kvb_json_load_file(const char *path, json_t **out) {
+#include "common/util/util.h"
+
+kvb_status kvb_json_load_file_flags(const char *path, size_t flags, json_t **out) {
     json_error_t err;
-    json_t *j = json_load_file(path, JSON_REJECT_DUPLICATES, &err);
+    int fd;
+    *out = NULL;
+    kvb_status st = kvb_open_regular(path, &fd);
+    if (st == KVB_ERR_NOT_FOUND) KVB_LOG_E("%s: cannot read: it does not exist", path);
+    if (st != KVB_OK) return st;
+    json_t *j = json_loadfd(fd, flags, &err);
+    close(fd);
     if (!j) {
-        if (err.line == -1 || strstr(err.text, "unable to open")) {
+        if (err.line == -1) {
             KVB_LOG_E("%s: cannot read: %s", path, err.text);
-            return errno == ENOENT ? KVB_ERR_NOT_FOUND : KVB_ERR_IO;
+            return KVB_ERR_IO;
         }
         KVB_LOG_E("%s:%d:%d: invalid JSON: %s", path, err.line, err.column, err.text);
         return KVB_ERR_FORMAT;
     }
     *out = j;
     return KVB_OK;
+}
+
+kvb_status kvb_json_load_file(const char *path, json_t **out) {
+    return kvb_json_load_file_flags(path, JSON_REJECT_DUPLICATES, out);
 }
 
 kvb_status kvb_json_load_text(const char *text, size_t len, const char *what, json_t **out) {
