@@ -5,6 +5,7 @@
  * plus errors with line and column). The real Llama-3 and Qwen3 tokenizers and templates are compared
  * with reference implementations in tests/test_text_oracle.sh. */
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -425,9 +426,9 @@ KVB_TEST_END
 
 /* Added tokens are matched leftmost-longest by a trie walk; the linear scan of every token at every
  * byte took 13 s for 100K characters against 50,000 added tokens that share their first byte (this
- * test's hang limit fails it: 300K characters). */
+ * test's hang limit fails it: 1M characters, over 100 s). */
 KVB_TEST(tok_many_added) {
-    enum { N_ADDED = 50000, REPS = 150000 };
+    enum { N_ADDED = 50000, REPS = 500000 };
     char dir[] = "/tmp/kvb-tok-XXXXXX";
     ck_assert_ptr_nonnull(mkdtemp(dir));
     json_t *added = json_array();
@@ -547,7 +548,7 @@ KVB_TEST(jinja_errors) {
         {"{{ 'a' + 1 }}", KVB_ERR_INVALID, "unsupported operand types for +: string and int"},
         {"{% set xs = [1] %}{{ xs.append(2) }}", KVB_ERR_INVALID, "immutable"},
         {"{{ 'unterminated }}", KVB_ERR_FORMAT, "unterminated string"},
-        {"{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", KVB_ERR_INVALID, "nest deeper"},
+        {"{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", KVB_ERR_EXHAUSTED, "nests deeper than"},
     };
     for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
         char *out = NULL, err[256] = "";
@@ -557,6 +558,198 @@ KVB_TEST(jinja_errors) {
         ck_assert_ptr_nonnull(strstr(err, cases[i].msg));
         ck_assert_ptr_null(out);
     }
+}
+KVB_TEST_END
+
+/* A template of `reps` copies of `open` then `reps` copies of `close` (caller frees). */
+static char *nest(const char *pre, const char *open, const char *mid, const char *close, const char *post, int reps) {
+    size_t n = strlen(pre) + strlen(mid) + strlen(post) + (size_t)reps * (strlen(open) + strlen(close)) + 1;
+    char *s = malloc(n), *p = s;
+    p += sprintf(p, "%s", pre);
+    for (int i = 0; i < reps; i++) p += sprintf(p, "%s", open);
+    p += sprintf(p, "%s", mid);
+    for (int i = 0; i < reps; i++) p += sprintf(p, "%s", close);
+    sprintf(p, "%s", post);
+    return s;
+}
+
+/* Templates nested 20,000 levels deep (40 KB; the parser overflowed the stack: SIGSEGV) and chains the
+ * parser builds in loops (a.b.c..., a + b + ..., x|f|f...) whose tree the evaluator would recurse over
+ * are refused at parse with KVB_ERR_UNSUPPORTED naming the bound; nesting up to the bound parses and
+ * renders. */
+KVB_TEST(jinja_parse_depth) {
+    enum { DEEP = 20000 };
+    char *deep[] = {
+        nest("", "{% if x %}", "", "{% endif %}", "", DEEP),
+        nest("", "{% for x in y %}", "", "{% endfor %}", "", DEEP),
+        nest("{{ ", "(", "x", ")", " }}", DEEP),
+        nest("{{ ", "[", "x", "]", " }}", DEEP),
+        nest("{{ ", "{'k': ", "x", "}", " }}", DEEP),
+        nest("{{ ", "f(", "x", ")", " }}", DEEP),
+        nest("{{ ", "-", "x", "", " }}", DEEP),
+        nest("{{ ", "not ", "x", "", " }}", DEEP),
+        nest("{{ x", ".a", "", "", " }}", DEEP),
+        nest("{{ x", "[0]", "", "", " }}", DEEP),
+        nest("{{ x", " + 1", "", "", " }}", DEEP),
+        nest("{{ x", " ~ 'a'", "", "", " }}", DEEP),
+        nest("{{ x", "|trim", "", "", " }}", DEEP),
+        nest("{{ x", " if y else x", "", "", " }}", DEEP),
+        nest("{% if x %}", "{% elif y %}", "", "", "{% endif %}", DEEP),
+        nest("{{ ", "x if y else (", "x", ")", " }}", DEEP),
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(deep); i++) {
+        kvb_chat_template *ct = NULL;
+        char err[256] = "";
+        kvb_status st = kvb_chat_template_parse(deep[i], NULL, NULL, &ct, err, sizeof err);
+        if (st != KVB_ERR_UNSUPPORTED) fprintf(stderr, "case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, KVB_ERR_UNSUPPORTED);
+        ck_assert_ptr_nonnull(strstr(err, "nest deeper than 64 levels"));
+        ck_assert_ptr_null(ct);
+        free(deep[i]);
+    }
+    /* within the bound: 30 nested ifs, 30 parentheses, a chain of 30 */
+    char *ok[] = {
+        nest("{% set x = 1 %}", "{% if x %}", "y", "{% endif %}", "", 30),
+        nest("{{ ", "(", "7", ")", " }}", 30),
+        nest("{{ 'a'", " ~ 'b'", "", "", " }}", 30),
+    };
+    const char *want[] = {"y", "7", "abbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(ok); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render(ok[i], "{}", &out, err, sizeof err);
+        if (st != KVB_OK) fprintf(stderr, "ok case %zu: %s\n", i, err);
+        ck_assert_int_eq(st, KVB_OK);
+        ck_assert_str_eq(out, want[i]);
+        free(out);
+        free(ok[i]);
+    }
+}
+KVB_TEST_END
+
+/* Renders `tpl` with `vars` under `lim` (NULL: the defaults). */
+static kvb_status render_lim(const char *tpl, const char *vars, const kvb_text_limits *lim, char **out, char *err,
+                             size_t err_len) {
+    kvb_chat_template *ct;
+    kvb_status st = kvb_chat_template_parse(tpl, "<s>", "</s>", &ct, err, err_len);
+    ck_assert_int_eq(st, KVB_OK);
+    if (lim) kvb_chat_template_set_limits(ct, lim);
+    json_error_t je;
+    json_t *extra = json_loads(vars, 0, &je);
+    ck_assert_ptr_nonnull(extra);
+    json_t *msgs = json_array();
+    *out = NULL;
+    st = kvb_chat_render(ct, msgs, 0, extra, out, err, err_len);
+    json_decref(msgs);
+    json_decref(extra);
+    kvb_chat_template_destroy(ct);
+    return st;
+}
+
+/* Renders ran without a budget: two nested range(1000000) loops grew ~0.8 GB/s until memory ran out
+ * (this test's hang limit fails it). Each budget (steps, output bytes, memory, recursion) ends a render
+ * with KVB_ERR_EXHAUSTED naming it, and the same template renders under a budget large enough. */
+KVB_TEST(jinja_render_budgets) {
+    static const struct { const char *tpl; const char *msg; } cases[] = {
+        /* the loops: every iteration made a loop dict that lived to the end */
+        {"{% for i in range(1000000) %}{% for j in range(1000000) %}{{ '' }}{% endfor %}{% endfor %}", "budget of 20000000 steps"},
+        {"{% for i in range(1000000) %}{% for j in range(1000000) %}{% set x = [i, j] %}{% endfor %}{% endfor %}", "budget"},
+        /* string work that allocates nothing: 'in' over a long string */
+        {"{% set s = 'a' * 1000000 %}{% for i in range(1000000) %}{% if 'b' in s %}{% endif %}{% endfor %}", "steps"},
+        /* output */
+        {"{% for i in range(1000000) %}0123456789{% endfor %}", "output budget of 8388608 bytes"},
+        {"{{ 'a' * 1000000000 }}", "output budget"},
+        /* memory: a string grown by concatenation keeps every intermediate copy until the end */
+        {"{% set ns = namespace(s='') %}{% for i in range(100000) %}{% set ns.s = ns.s ~ 'abcdefghij' %}{% endfor %}",
+         "memory budget of 268435456 bytes"},
+        /* recursion: a recursive macro, and values nested deeper than the bound */
+        {"{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}", "nests deeper than 256 levels"},
+        {"{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|tojson }}",
+         "nests deeper"},
+        {"{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}",
+         "nests deeper"},
+        {"{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x == ns.x }}",
+         "nests deeper"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render_lim(cases[i].tpl, "{}", NULL, &out, err, sizeof err);
+        if (st != KVB_ERR_EXHAUSTED || !strstr(err, cases[i].msg)) fprintf(stderr, "case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, KVB_ERR_EXHAUSTED);
+        ck_assert_ptr_nonnull(strstr(err, cases[i].msg));
+        ck_assert_ptr_null(out);
+    }
+    /* deep input: messages nested beyond the bound are refused, not recursed into */
+    char *deep = nest("{\"x\": ", "[", "1", "]", "}", 1000);
+    char *out = NULL, err[256] = "";
+    ck_assert_int_eq(render_lim("{{ x|length }}", deep, NULL, &out, err, sizeof err), KVB_ERR_EXHAUSTED);
+    ck_assert_ptr_nonnull(strstr(err, "nests deeper"));
+    free(deep);
+    /* per template: tiny budgets refuse what the defaults allow, and a budget that suffices passes */
+    kvb_text_limits lim;
+    kvb_text_limits_default(&lim);
+    const char *tpl = "{% for i in range(100) %}{{ i }},{% endfor %}";
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_OK);
+    ck_assert_uint_eq(strlen(out), 290);
+    free(out);
+    lim.render_steps = 200;
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_ERR_EXHAUSTED);
+    ck_assert_ptr_nonnull(strstr(err, "budget of 200 steps"));
+    kvb_text_limits_default(&lim);
+    lim.render_output = 289;
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_ERR_EXHAUSTED);
+    ck_assert_ptr_nonnull(strstr(err, "output budget of 289 bytes"));
+    lim.render_output = 290;
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_OK);
+    free(out);
+    kvb_text_limits_default(&lim);
+    lim.render_memory = 32 << 10; /* less than one arena chunk */
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_ERR_EXHAUSTED);
+    ck_assert_ptr_nonnull(strstr(err, "memory budget of 32768 bytes"));
+}
+KVB_TEST_END
+
+/* The worst cases of both recursions run within KVB_TEXT_STACK_BYTES of stack (limits.h), what a
+ * server's worker thread must have: templates at the nesting bound parse, renders at the call-depth
+ * bound end with KVB_ERR_EXHAUSTED; a stack overflow would kill this test. */
+static void *deep_in_thread(void *arg) {
+    (void)arg;
+    char *tpls[] = {
+        nest("{% macro m(n) %}{{ ", "(", "m(n + 1)", ")", " }}{% endmacro %}{{ m(0) }}", 55),
+        nest("{% macro m(n) %}", "{% for i in [1] %}", "{{ m(n + 1) }}", "{% endfor %}", "{% endmacro %}{{ m(0) }}", 55),
+        strdup("{% set ns = namespace(x=[]) %}{% for i in range(1000) %}{% set ns.x = [ns.x, {'k': ns.x}] %}{% endfor %}"
+               "{{ ns.x|tojson(indent=2) }}{{ ns.x }}{{ ns.x == ns.x }}{{ [ns.x] < [ns.x] }}"),
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(tpls); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render_lim(tpls[i], "{}", NULL, &out, err, sizeof err);
+        if (st != KVB_ERR_EXHAUSTED) fprintf(stderr, "case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, KVB_ERR_EXHAUSTED);
+        free(tpls[i]);
+    }
+    /* 30 blocks and 31 lists deep: the deepest template that parses */
+    char *lists = nest("{{ ", "[", "x", "]", "|length }}", 31);
+    char *at_bound = nest("{% set x = 1 %}", "{% if x %}", lists, "{% endif %}", "", 30);
+    free(lists);
+    kvb_chat_template *ct;
+    char err[256] = "";
+    ck_assert_int_eq(kvb_chat_template_parse(at_bound, NULL, NULL, &ct, err, sizeof err), KVB_OK);
+    kvb_chat_template_destroy(ct);
+    char *out = NULL;
+    ck_assert_int_eq(render_lim(at_bound, "{}", NULL, &out, err, sizeof err), KVB_OK);
+    ck_assert_str_eq(out, "1");
+    free(out);
+    free(at_bound);
+    return NULL;
+}
+
+KVB_TEST(jinja_stack_bound) {
+    pthread_attr_t a;
+    pthread_t th;
+    pthread_attr_init(&a);
+    ck_assert_int_eq(pthread_attr_setstacksize(&a, KVB_TEXT_STACK_BYTES), 0);
+    ck_assert_int_eq(pthread_create(&th, &a, deep_in_thread, NULL), 0);
+    ck_assert_int_eq(pthread_join(th, NULL), 0);
+    pthread_attr_destroy(&a);
 }
 KVB_TEST_END
 
@@ -608,7 +801,8 @@ KVB_TEST(chat_template_files) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(nfc_long_runs, 10), KVB_T(nfc_hostile_run, 5), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
-              KVB_T(tok_empty_match_regex, 10), KVB_T(tok_added_id_bounds, 10), KVB_T(tok_many_added, 10),
+KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(nfc_long_runs, 10), KVB_T(nfc_hostile_run, 10), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
+              KVB_T(tok_empty_match_regex, 10), KVB_T(tok_added_id_bounds, 10), KVB_T(tok_many_added, 30),
               KVB_T(tok_budgets, 10),
-              KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(chat_template_files, 20))
+              KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(jinja_parse_depth, 20),
+              KVB_T(jinja_render_budgets, 60), KVB_T(jinja_stack_bound, 20), KVB_T(chat_template_files, 20))
