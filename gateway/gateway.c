@@ -77,6 +77,7 @@ typedef struct gw_model {
     kvb_model_config cfg;         /* vocab, max_pos, eos ids */
     kvb_tokenizer *tok;           /* tokenizer.json, or NULL (the model then takes token ids only) */
     kvb_chat_template *tmpl;      /* its chat template, or NULL */
+    char tmpl_why[320];           /* why a template it has cannot be used (chat requests are told), or "" */
     /* the model's numbers: last Pong and last coordinator status */
     kvb_client_pong pong;
     uint64_t pong_ns;             /* when the last Pong arrived (kvb_now_ns), 0: never */
@@ -711,6 +712,14 @@ static gw_model *model_add(gw *g, const char *name) {
     return m;
 }
 
+/* A chat request to a model without a usable chat template: why, when it has one that does not parse. */
+static void no_chat_error(gw_error *err, const gw_model *m) {
+    if (m->tmpl_why[0])
+        gw_error_set(err, 400, "invalid_request_error", "messages",
+                     "model '%s' is served without chat: its chat template cannot be used (%s)", m->name, m->tmpl_why);
+    else gw_error_set(err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+}
+
 /* Reads config.json of the model directory (vocabulary, context length, EOS ids) once it is known. */
 static void model_load_dir(gw_model *m) {
     if (m->have_cfg || !m->model_dir[0]) return;
@@ -721,9 +730,10 @@ static void model_load_dir(gw_model *m) {
             KVB_LOG_W("gateway: model %s: its tokenizer cannot be used (%s); it takes token ids only", m->name,
                       kvb_status_str(ts));
         if (m->tok) {
-            ts = kvb_chat_template_load(m->model_dir, &m->tmpl);
+            ts = kvb_chat_template_load_why(m->model_dir, &m->tmpl, m->tmpl_why, sizeof m->tmpl_why);
             if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
-                KVB_LOG_W("gateway: model %s: its chat template cannot be used (%s)", m->name, kvb_status_str(ts));
+                KVB_LOG_W("gateway: model %s: served without chat: its chat template cannot be used (%s)", m->name,
+                          m->tmpl_why);
         }
         KVB_LOG_I("gateway: model %s: %s, %s", m->name, m->tok ? "tokenizer" : "no tokenizer (token ids only)",
                   m->tmpl ? "chat template" : "no chat template");
@@ -984,7 +994,7 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         size_t tlen = p.prompt_len;
         if (ep == EP_CHAT) {
             if (!m->tmpl) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+                no_chat_error(&err, m);
                 goto reject;
             }
             if (kvb_chat_render(m->tmpl, p.messages, p.add_generation_prompt, p.template_kwargs, &rendered, terr,
@@ -1152,7 +1162,7 @@ static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
         int ok = 1;
         if (p.messages) {
             if (!m->tmpl) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+                no_chat_error(&err, m);
                 ok = 0;
             } else if (kvb_chat_render(m->tmpl, p.messages, p.add_generation_prompt, NULL, &rendered, terr, sizeof terr) !=
                        KVB_OK) {
