@@ -3,24 +3,22 @@
 #include <errno.h>
 #include <math.h>
 #include <string.h>
-#include <unistd.h>
+#include <stdlib.h>
 
 #include "common/util/util.h"
 
 kvb_status kvb_json_load_file_flags(const char *path, size_t flags, json_t **out) {
     json_error_t err;
-    int fd;
+    char *text = NULL;
+    size_t len = 0;
     *out = NULL;
-    kvb_status st = kvb_open_regular(path, &fd);
+    /* read whole (jansson's json_loadfd reads a byte per system call: 10 M of them for a tokenizer.json) */
+    kvb_status st = kvb_read_file(path, KVB_JSON_MAX_FILE, &text, &len);
     if (st == KVB_ERR_NOT_FOUND) KVB_LOG_E("%s: cannot read: it does not exist", path);
     if (st != KVB_OK) return st;
-    json_t *j = json_loadfd(fd, flags, &err);
-    close(fd);
+    json_t *j = json_loadb(text, len, flags, &err);
+    free(text);
     if (!j) {
-        if (err.line == -1) {
-            KVB_LOG_E("%s: cannot read: %s", path, err.text);
-            return KVB_ERR_IO;
-        }
         KVB_LOG_E("%s:%d:%d: invalid JSON: %s", path, err.line, err.column, err.text);
         return KVB_ERR_FORMAT;
     }
