@@ -1,8 +1,10 @@
 /* kvbank — checking a model directory without loading it (see check.h). */
 #include "common/model/check.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/text/chat.h"
 #include "common/text/tokenizer.h"
@@ -104,6 +106,9 @@ kvb_status kvb_model_check_text(const char *dir, int *has_tokenizer, int *has_ch
     kvb_chat_template *ct = NULL;
     *has_tokenizer = *has_chat = 0;
     if (why_len) why[0] = '\0';
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/tokenizer.json", dir) >= (int)sizeof path || access(path, F_OK) != 0)
+        return KVB_OK; /* no tokenizer: token ids only, as intended */
     kvb_status st = kvb_tokenizer_load(dir, &tok);
     if (st != KVB_OK) {
         if (st != KVB_ERR_NOT_FOUND)
