@@ -18,7 +18,7 @@ B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
 SRC=${KVB_SRCDIR:-$(cd "$(dirname "$0")/.." && pwd)}
 PY=${KVB_PYTHON:-/usr/bin/python3}
 T=$(mktemp -d /tmp/kvb-start-XXXXXX)
-NODE=tkvbs_$$
+NODE=tks$$
 RUN=$T/run
 CFG=$T/node.json
 KPID=
@@ -179,13 +179,13 @@ ok "chat to the model whose template does not parse: 400 saying why; /health 200
 "$PY" - "$CFG" "$T/other.json" <<'PYEOF'
 import json, sys
 c = json.load(open(sys.argv[1]))
-c["node"] = c["node"] + "_other"
+c["node"] = c["node"] + "o"
 json.dump(c, open(sys.argv[2], "w"))
 PYEOF
 out=$(timeout 30 "$B/kvbankd" --config "$T/other.json" --foreground 2>&1) && fail "a second kvbankd on the run_dir started: $out"
 grep -q "kvbankd for node \"$NODE\" already runs on this machine (pid $KPID, run_dir $RUN;" <<<"$out" ||
     fail "the refusal does not name node $NODE: $out"
-ok "a second kvbankd on the run_dir (node ${NODE}_other) is refused naming node $NODE, pid $KPID"
+ok "a second kvbankd on the run_dir (node ${NODE}o) is refused naming node $NODE, pid $KPID"
 
 # -------------------------------------------------------------------------------------- SIGSTOP
 old=$(field code 2 <<<"$st")
