@@ -495,6 +495,9 @@ KVB_TEST(tok_budgets) {
     ck_assert_int_eq(kvb_tokenizer_decode(t, ids, 10, 0, &out, &len), KVB_OK);
     ck_assert_str_eq(out, "aaaaaaaaaa");
     free(out);
+    ck_assert_int_eq(kvb_tokenizer_decode(t, NULL, 0, 0, &out, &len), KVB_OK); /* UBSan: NULL + 0 before */
+    ck_assert_str_eq(out, "");
+    free(out);
     free(ids);
     kvb_tokenizer_destroy(t);
     rm_model(dir);
@@ -558,6 +561,45 @@ KVB_TEST(jinja_errors) {
         ck_assert_ptr_nonnull(strstr(err, cases[i].msg));
         ck_assert_ptr_null(out);
     }
+}
+KVB_TEST_END
+
+/* What the fuzz targets (tests/fuzz) found: 64-bit overflow in integer arithmetic (undefined behaviour;
+ * Python's ints have no bound, so a result beyond 64 bits is an error here), ** capped at 64 factors
+ * ((-1) ** 65 gave 1), huge slice steps overflowing the index, a float beyond int's range, a string
+ * literal's buffer leaked when an escape is refused, decode of no ids handing NULL to the UTF-8 pass. */
+KVB_TEST(jinja_fuzz_findings) {
+    static const char *const ok[][2] = {
+        {"{{ (-1) ** 65 }}|{{ 2 ** 62 }}|{{ 3 ** 0 }}|{{ 2 ** -1 }}", "-1|4611686018427387904|1|0.5"},
+        {"{{ [1, 2, 3][2::9223372036854775807] }}|{{ [1, 2, 3][::-9223372036854775807] }}", "[3]|[3]"},
+        {"{{ 'abc'[1::9223372036854775807] }}|{{ 9223372036854775807 - 1 }}", "b|9223372036854775806"},
+        {"{% for i in range(9223372036854775800, 9223372036854775807, 4) %}{{ i }},{% endfor %}",
+         "9223372036854775800,9223372036854775804,"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(ok); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render(ok[i][0], "{}", &out, err, sizeof err);
+        if (st != KVB_OK) fprintf(stderr, "ok case %zu: %s\n", i, err);
+        ck_assert_int_eq(st, KVB_OK);
+        ck_assert_str_eq(out, ok[i][1]);
+        free(out);
+    }
+    static const char *const overflow[] = {
+        "{{ 2 ** 69 }}", "{{ 9223372036854775807 + 1 }}", "{{ -9223372036854775807 - 2 }}",
+        "{{ 4611686018427387904 * 2 }}", "{{ -(-9223372036854775807 - 1) }}", "{{ (-9223372036854775807 - 1) // -1 }}",
+        "{{ (-9223372036854775807 - 1)|abs }}", "{{ [9223372036854775807, 1]|sum }}", "{{ 1e300|int }}",
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(overflow); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render(overflow[i], "{}", &out, err, sizeof err);
+        if (st != KVB_ERR_INVALID) fprintf(stderr, "overflow case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, KVB_ERR_INVALID);
+        ck_assert(strstr(err, "overflow") || strstr(err, "does not fit"));
+        ck_assert_ptr_null(out);
+    }
+    char *out = NULL, err[256] = "";
+    ck_assert_int_eq(render("{{ 'a\\u12' }}", "{}", &out, err, sizeof err), KVB_ERR_FORMAT); /* leaked its buffer */
+    ck_assert_ptr_nonnull(strstr(err, "bad \\u escape"));
 }
 KVB_TEST_END
 
@@ -804,5 +846,5 @@ KVB_TEST_END
 KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(nfc_long_runs, 10), KVB_T(nfc_hostile_run, 10), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
               KVB_T(tok_empty_match_regex, 10), KVB_T(tok_added_id_bounds, 10), KVB_T(tok_many_added, 30),
               KVB_T(tok_budgets, 10),
-              KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(jinja_parse_depth, 20),
+              KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(jinja_parse_depth, 20), KVB_T(jinja_fuzz_findings, 10),
               KVB_T(jinja_render_budgets, 60), KVB_T(jinja_stack_bound, 20), KVB_T(chat_template_files, 20))

@@ -115,6 +115,13 @@ static const jv NONE = {.kind = JV_NONE};
 
 static jv mk_bool(int b) { return (jv){.kind = JV_BOOL, .u.b = !!b}; }
 static jv mk_int(int64_t i) { return (jv){.kind = JV_INT, .u.i = i}; }
+
+/* a + b, saturated at the int64 range: loop indices step with it without overflowing */
+static int64_t sat_add(int64_t a, int64_t b) {
+    int64_t c;
+    if (!__builtin_add_overflow(a, b, &c)) return c;
+    return b > 0 ? INT64_MAX : INT64_MIN;
+}
 static jv mk_float(double f) { return (jv){.kind = JV_FLOAT, .u.f = f}; }
 
 static jv mk_str(rstate *r, const char *p, size_t n) {
@@ -741,7 +748,7 @@ static NOINLINE jv do_slice(rstate *r, const jnode *at, jv obj, jv a, jv b, jv c
     int64_t hi = slice_bound(r, at, b, step > 0 ? n : -1, n, step);
     if (obj.kind == JV_LIST) {
         jv out = mk_list(r);
-        for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) list_push(r, out.u.l, obj.u.l->v[i]);
+        for (int64_t i = lo; step > 0 ? i < hi : i > hi; i = sat_add(i, step)) list_push(r, out.u.l, obj.u.l->v[i]);
         return out;
     }
     if (step == 1) {
@@ -755,7 +762,7 @@ static NOINLINE jv do_slice(rstate *r, const jnode *at, jv obj, jv a, jv b, jv c
     for (size_t i = 0, k = 0; i <= obj.u.s.n; i++)
         if (i == obj.u.s.n || ((unsigned char)obj.u.s.p[i] & 0xC0) != 0x80) off[k++] = i;
     sbuf b2 = {0};
-    for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) bput(r, &b2, obj.u.s.p + off[i], off[i + 1] - off[i]);
+    for (int64_t i = lo; step > 0 ? i < hi : i > hi; i = sat_add(i, step)) bput(r, &b2, obj.u.s.p + off[i], off[i + 1] - off[i]);
     jv out = mk_buf_str(r, &b2);
     return out;
 }
@@ -881,7 +888,7 @@ static NOINLINE jv call_global(rstate *r, const jnode *at, const char *fn, const
         }
         if (!step) fail(r, at, "range() step must not be zero");
         jv l = mk_list(r);
-        for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) {
+        for (int64_t i = lo; step > 0 ? i < hi : i > hi; i = sat_add(i, step)) {
             if (l.u.l->n >= MAX_RANGE) fail(r, at, "range() larger than %d", MAX_RANGE);
             list_push(r, l.u.l, mk_int(i));
         }
@@ -1135,6 +1142,8 @@ static NOINLINE jv apply_filter(rstate *r, scope *sc, const jnode *at, const cha
     if (!strcmp(name, "string")) return str_of(r, v);
     if (!strcmp(name, "safe")) return v;
     if (!strcmp(name, "int")) {
+        if (v.kind == JV_FLOAT && !(v.u.f > -9223372036854775808.0 && v.u.f < 9223372036854775808.0))
+            fail(r, at, "int: %g does not fit in 64 bits", v.u.f);
         if (is_num(v)) return mk_int(v.kind == JV_FLOAT ? (int64_t)v.u.f : ival(v));
         if (v.kind == JV_STR) {
             char *end, *s = kvb__ja_strdup(&r->a, v.u.s.p, v.u.s.n);
@@ -1237,7 +1246,10 @@ static NOINLINE jv apply_filter(rstate *r, scope *sc, const jnode *at, const cha
     }
     if (!strcmp(name, "abs")) {
         if (v.kind == JV_FLOAT) return mk_float(fabs(v.u.f));
-        if (is_intlike(v)) return mk_int(ival(v) < 0 ? -ival(v) : ival(v));
+        if (is_intlike(v)) {
+            if (ival(v) == INT64_MIN) fail(r, at, "integer overflow: abs(%lld)", (long long)ival(v));
+            return mk_int(ival(v) < 0 ? -ival(v) : ival(v));
+        }
         fail(r, at, "abs needs a number");
     }
     if (!strcmp(name, "round")) {
@@ -1272,8 +1284,10 @@ static NOINLINE jv apply_filter(rstate *r, scope *sc, const jnode *at, const cha
             if (acc.kind == JV_UNDEF) acc = mk_int(0);
             for (size_t i = 0; i < items->n; i++) {
                 if (!is_num(items->v[i]) || !is_num(acc)) fail(r, at, "sum needs numbers");
-                acc = is_intlike(acc) && is_intlike(items->v[i]) ? mk_int(ival(acc) + ival(items->v[i]))
-                                                                 : mk_float(num(acc) + num(items->v[i]));
+                int64_t x;
+                if (is_intlike(acc) && is_intlike(items->v[i]) && __builtin_add_overflow(ival(acc), ival(items->v[i]), &x))
+                    fail(r, at, "integer overflow: sum exceeds 64 bits");
+                acc = is_intlike(acc) && is_intlike(items->v[i]) ? mk_int(x) : mk_float(num(acc) + num(items->v[i]));
             }
             return acc;
         }
@@ -1348,12 +1362,19 @@ static NOINLINE jv binop(rstate *r, const jnode *at, jop op, jv x, jv y) {
         fail(r, at, "unsupported operand types for %s: %s and %s", ops[op], kind_name(x), kind_name(y));
     }
     int ints = is_intlike(x) && is_intlike(y);
-    int64_t a = ival(x), b = ival(y);
+    int64_t a = ival(x), b = ival(y), c = 0;
     double fa = num(x), fb = num(y);
+    static const char *const sym[] = {"+", "-", "*", "/", "//", "%", "**"};
+    /* Python's ints have no bound; ours are 64 bits: a result beyond them is an error, not a wrap */
+    int over = ints && ((op == OP_ADD && __builtin_add_overflow(a, b, &c)) ||
+                        (op == OP_SUB && __builtin_sub_overflow(a, b, &c)) ||
+                        (op == OP_MUL && __builtin_mul_overflow(a, b, &c)) ||
+                        ((op == OP_FLOORDIV || op == OP_MOD) && a == INT64_MIN && b == -1));
+    if (over) fail(r, at, "integer overflow: %lld %s %lld does not fit in 64 bits", (long long)a, sym[op], (long long)b);
     switch (op) {
-    case OP_ADD: return ints ? mk_int(a + b) : mk_float(fa + fb);
-    case OP_SUB: return ints ? mk_int(a - b) : mk_float(fa - fb);
-    case OP_MUL: return ints ? mk_int(a * b) : mk_float(fa * fb);
+    case OP_ADD: return ints ? mk_int(c) : mk_float(fa + fb);
+    case OP_SUB: return ints ? mk_int(c) : mk_float(fa - fb);
+    case OP_MUL: return ints ? mk_int(c) : mk_float(fa * fb);
     case OP_DIV:
         if (fb == 0) fail(r, at, "division by zero");
         return mk_float(fa / fb);
@@ -1372,9 +1393,12 @@ static NOINLINE jv binop(rstate *r, const jnode *at, jop op, jv x, jv y) {
             return op == OP_MOD ? mk_float(m) : mk_float(q);
         }
     case OP_POW:
-        if (ints && b >= 0) {
-            int64_t p = 1;
-            for (int64_t k = 0; k < b && k < 64; k++) p *= a;
+        if (ints && b >= 0) { /* by squaring: O(log b) */
+            int64_t p = 1, base = a;
+            /* the square is used later whenever a higher bit of e is left: its overflow is the result's */
+            for (int64_t e = b; e; e >>= 1)
+                if (((e & 1) && __builtin_mul_overflow(p, base, &p)) || ((e >> 1) && __builtin_mul_overflow(base, base, &base)))
+                    fail(r, at, "integer overflow: %lld ** %lld does not fit in 64 bits", (long long)a, (long long)b);
             return mk_int(p);
         }
         return mk_float(pow(fa, fb));
@@ -1467,6 +1491,7 @@ static jv eval_node(rstate *r, scope *sc, const jnode *n) {
         jv v = eval(r, sc, n->a);
         if (!is_num(v)) fail(r, n, "bad operand type for unary %s: %s", n->kind == JN_NEG ? "-" : "+", kind_name(v));
         if (n->kind == JN_POS) return v;
+        if (v.kind != JV_FLOAT && ival(v) == INT64_MIN) fail(r, n, "integer overflow: -(%lld)", (long long)ival(v));
         return v.kind == JV_FLOAT ? mk_float(-v.u.f) : mk_int(-ival(v));
     }
     case JN_NOT: return mk_bool(!truthy(eval(r, sc, n->a)));

@@ -82,6 +82,7 @@ typedef struct parser {
     int n, cap, i;
     jarena *a;
     int depth;              /* nested parse_* calls that recurse (bounded: KVB_JINJA_MAX_NESTING) */
+    kvb_buf str;            /* a string literal being decoded (freed by kvb_jinja_parse on every path) */
     jmp_buf jb;
     kvb_status st;
     char *err;
@@ -137,7 +138,8 @@ static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r
 static void lex_string(parser *p, int line, int col) {
     char q = p->src[p->pos];
     advance(p, 1);
-    kvb_buf b = {0};
+    kvb_buf *b = &p->str; /* the parser's own: a failure below longjmps past this function */
+    b->len = 0;
     while (p->pos < p->len && p->src[p->pos] != q) {
         char c = p->src[p->pos];
         if (c == '\\' && p->pos + 1 < p->len) {
@@ -167,28 +169,24 @@ static void lex_string(parser *p, int line, int col) {
                 if (*end || cp >= 0x110000 || (cp >= 0xD800 && cp < 0xE000))
                     fail_at(p, KVB_ERR_FORMAT, line, col, "bad \\%c escape in string", e);
                 uint8_t u[4];
-                bst = kvb__buf_append(&b, u, (size_t)kvb__utf8_encode((uint32_t)cp, u));
+                bst = kvb__buf_append(b, u, (size_t)kvb__utf8_encode((uint32_t)cp, u));
                 advance(p, 2 + (size_t)digits);
             } else {
-                if (lit || digits < 0) bst = kvb__buf_putc(&b, lit);
-                else bst = kvb__buf_append(&b, p->src + p->pos, 2); /* an unknown escape stays as written */
+                if (lit || digits < 0) bst = kvb__buf_putc(b, lit);
+                else bst = kvb__buf_append(b, p->src + p->pos, 2); /* an unknown escape stays as written */
                 advance(p, 2);
             }
             if (bst != KVB_OK) longjmp(*p->a->oom, 1);
             continue;
         }
-        if (kvb__buf_putc(&b, c) != KVB_OK) longjmp(*p->a->oom, 1);
+        if (kvb__buf_putc(b, c) != KVB_OK) longjmp(*p->a->oom, 1);
         advance(p, 1);
     }
-    if (p->pos >= p->len) {
-        kvb__buf_free(&b);
-        fail_at(p, KVB_ERR_FORMAT, line, col, "unterminated string");
-    }
+    if (p->pos >= p->len) fail_at(p, KVB_ERR_FORMAT, line, col, "unterminated string");
     advance(p, 1);
     tok *t = push_tok(p, TK_STR, line, col);
-    t->s = kvb__ja_strdup(p->a, b.p ? b.p : "", b.len);
-    t->n = b.len;
-    kvb__buf_free(&b);
+    t->s = kvb__ja_strdup(p->a, b->p ? b->p : "", b->len);
+    t->n = b->len;
 }
 
 /* The tokens of one {{ }} or {% %} tag, up to and including its end; returns the end's modifier. */
@@ -419,7 +417,10 @@ static jnode *parse_primary(parser *p) {
             tok *u = next(p);
             ok = ok && kvb__buf_append(&b, u->s, u->n) == KVB_OK;
         }
-        if (!ok) longjmp(*p->a->oom, 1);
+        if (!ok) {
+            kvb__buf_free(&b);
+            longjmp(*p->a->oom, 1);
+        }
         n->lit = (jv){.kind = JV_STR, .u.s = {kvb__ja_strdup(p->a, b.p ? b.p : "", b.len), b.len}};
         kvb__buf_free(&b);
         return n;
@@ -981,11 +982,13 @@ kvb_status kvb_jinja_parse(const char *src, size_t len, kvb_jinja **out, char *e
     j->body = body.v;
     j->n_body = body.n;
     free(p.t);
+    kvb__buf_free(&p.str);
     j->arena.oom = NULL;
     *out = j;
     return KVB_OK;
 fail:
     free(p.t);
+    kvb__buf_free(&p.str);
     kvb__ja_free(&j->arena);
     free(j);
     *out = NULL;

@@ -151,6 +151,11 @@ kvb_status kvb__utf8_lossy(const uint8_t *s, size_t n, int final, kvb_buf *out, 
     static const char repl[3] = {(char)0xEF, (char)0xBF, (char)0xBD};
     size_t i = 0, run = 0; /* s[run..i) is valid and not yet appended */
     KVB_TRY(kvb__buf_reserve(out, n));
+    *consumed = 0;
+    if (!n) { /* s may be NULL */
+        out->p[out->len] = 0;
+        return KVB_OK;
+    }
     while (i < n) {
         if (s[i] < 0x80) {
             i++;
