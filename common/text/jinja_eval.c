@@ -42,32 +42,33 @@ typedef struct rstate {
     kvb_text_limits lim;
 } rstate;
 
-static void fail(rstate *r, const jnode *at, const char *fmt, ...) __attribute__((format(printf, 3, 4), noreturn, noinline, cold));
-static void fail(rstate *r, const jnode *at, const char *fmt, ...) {
+/* Ends the render with status st and the message in r->err ("chat template line L, column C: ..."). */
+static void fail_v(rstate *r, kvb_status st, const jnode *at, const char *fmt, va_list ap)
+    __attribute__((format(printf, 4, 0), noreturn, noinline, cold));
+static void fail_v(rstate *r, kvb_status st, const jnode *at, const char *fmt, va_list ap) {
     char msg[384];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     if (at) snprintf(r->err, r->err_len, "chat template line %d, column %d: %s", at->line, at->col, msg);
     else snprintf(r->err, r->err_len, "chat template: %s", msg);
-    r->st = KVB_ERR_INVALID;
+    r->st = st;
     longjmp(r->jb, 1);
+}
+
+/* A run-time error of the template (a type error, an undefined attribute): KVB_ERR_INVALID. */
+static void fail(rstate *r, const jnode *at, const char *fmt, ...) __attribute__((format(printf, 3, 4), noreturn, cold));
+static void fail(rstate *r, const jnode *at, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fail_v(r, KVB_ERR_INVALID, at, fmt, ap);
 }
 
 /* A budget of kvb_text_limits is spent: KVB_ERR_EXHAUSTED (the template is not wrong, the input or the
  * template's loops are too large for this server). */
-static void fail_budget(rstate *r, const jnode *at, const char *fmt, ...) __attribute__((format(printf, 3, 4), noreturn, noinline, cold));
+static void fail_budget(rstate *r, const jnode *at, const char *fmt, ...) __attribute__((format(printf, 3, 4), noreturn, cold));
 static void fail_budget(rstate *r, const jnode *at, const char *fmt, ...) {
-    char msg[256];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (at) snprintf(r->err, r->err_len, "chat template line %d, column %d: %s", at->line, at->col, msg);
-    else snprintf(r->err, r->err_len, "chat template: %s", msg);
-    r->st = KVB_ERR_EXHAUSTED;
-    longjmp(r->jb, 1);
+    fail_v(r, KVB_ERR_EXHAUSTED, at, fmt, ap);
 }
 
 /* Counts k units of work against the step budget. */
