@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "bench/bench.h"
+#include "bench/bench_link.h"
 #include "common/kv/block_pool.h"
 #include "common/model/model.h"
 #include "common/policy/orbitflow_planner.h"
@@ -418,9 +419,9 @@ static const char *cell_str(const cell *c, int digits, char *buf, size_t len) {
 typedef struct bench_opts {
     const char *model;
     const char *trace;
-    const char *link;
+    const char *link;     /* NULL: pcie3-scaled on the CPU, off on a GPU */
     const char *sections;
-    int threads;
+    kvb_bench_dev dev;
     int post_order;       /* the link runs transfers one after the other (else they share it) */
     int64_t batch_tokens;
     int batch;
@@ -584,20 +585,22 @@ static int run_bench(const bench_opts *o) {
     sharegpt sg = {0};
     int rc = 1;
     double t_start = kvb_now_s();
-    if (kvb_backend_create("cpu", o->threads, &be) != KVB_OK || kvb_model_load(o->model, be, &m) != KVB_OK) goto out;
+    if (kvb_bench_backend(&o->dev, &be) != KVB_OK || kvb_model_load(o->model, be, &m) != KVB_OK) goto out;
     if (sharegpt_load(o->trace, &sg) != KVB_OK) goto out;
     const kvb_model_config *mc = kvb_model_cfg(m);
     regime g = {.m = m, .L = mc->n_layers, .bs = 16, .batch = o->batch, .batch_tokens = o->batch_tokens, .chunk = 256};
     g.budget_blocks = (int)(o->batch_tokens / 2 / g.bs);
-    if (kvb_link_preset(o->link, be, &g.links) != KVB_OK) goto out;
-    g.links.share = !o->post_order; /* §3.3.1's rule, the one OrbitFlow's latency model simulates */
     kvb_kv_geom geom = kvb_model_kv_geom(m, g.bs);
     size_t layer_bytes = kvb_kv_layer_bytes(&geom);
 
     printf("kvbank-bench orbitflow: OrbitFlow against its baselines (../shared/papers/orbitflow.txt §5), in process\n");
-    kvb_link_model_print(stdout, &g.links);
-    printf("model: %s, %d layers, %d KV heads x %d, one (block, layer) slice = %zu bytes; cpu, %d threads\n",
-           o->model, g.L, mc->n_kv_heads, mc->head_dim, layer_bytes, o->threads);
+    /* the time scale at Fig. 2b's first point: one request decoding over 2K tokens (scaled like the lengths) */
+    kvb_link_point pt = {.batch = 1, .q = 1, .ctx = KVB_MAX(2 * g.bs, 2048.0 * (double)g.batch_tokens / 32768),
+                         .target_ctx = 2048};
+    if (kvb_bench_links(m, &o->dev, o->link, "pcie3-scaled", &pt, &g.links) != KVB_OK) goto out;
+    g.links.share = !o->post_order; /* §3.3.1's rule, the one OrbitFlow's latency model simulates */
+    printf("model: %s, %d layers, %d KV heads x %d, one (block, layer) slice = %zu bytes; %s, %d threads\n",
+           o->model, g.L, mc->n_kv_heads, mc->head_dim, layer_bytes, be->iface->name, o->dev.threads);
     printf("regime (§5.1 scaled): batch %d, per-batch token limit T = %lld (the paper's 32768), device KV = T/2 = %d "
            "blocks x %d layers = %d slices, 16-token blocks, step budget %d tokens\n",
            g.batch, (long long)g.batch_tokens, g.budget_blocks, g.L, g.budget_blocks * g.L, g.chunk);
@@ -612,19 +615,31 @@ static int run_bench(const bench_opts *o) {
            (long long)(g.batch_tokens / 2 - g.bs), base_step * 1e3);
 
     /* transfer / compute per layer at the paper's 2K and 16K tokens (Fig. 2b), scaled like the lengths */
-    printf("\ntransfer / compute of one layer (Fig. 2b; the paper: LLaMA3-8B on an A6000 over PCIe 3.0)\n");
-    printf("  %-22s %12s %14s %14s %10s %10s\n", "paper tokens", "tokens here", "transfer ms", "compute ms", "ratio",
-           "paper");
+    printf("\ntransfer / compute of one layer of one request (Fig. 2b; the paper: LLaMA3-8B on an A6000 over PCIe 3.0;\n"
+           " the target's column is the link model's roofline of %s)\n", g.links.model[0] ? g.links.model : "-");
+    printf("  %-14s %12s %14s %14s %10s %10s %10s\n", "paper tokens", "tokens here", "transfer ms", "compute ms", "ratio",
+           "target", "paper");
     const int paper_tok[2] = {2048, 16384};
     const double paper_ratio[2] = {1.9, 6.1};
+    int far = 0;
     for (int k = 0; k < 2; k++) {
         int tok = (int)KVB_MAX(2 * g.bs, paper_tok[k] * g.batch_tokens / 32768);
         double step_s, layer_s;
         if (decode_latency(&g, tok, 16, &step_s, &layer_s) != KVB_OK) goto out;
         double xfer = kvb_link_seconds(&g.links, KVB_LINK_HOST, (size_t)KVB_DIV_CEIL(tok, g.bs) * layer_bytes);
-        printf("  %-22d %12d %14.4f %14.4f %9.2fx %9.1fx\n", paper_tok[k], tok, xfer * 1e3, layer_s * 1e3,
-               layer_s > 0 ? xfer / layer_s : 0, paper_ratio[k]);
+        double ratio = layer_s > 0 ? xfer / layer_s : 0, target = 0;
+        if (g.links.gpu.peak_flops > 0) { /* the target's roofline at the paper's length */
+            const kvb_target_model *tm = &g.links.tm;
+            double t_layer = kvb_target_step_s(&g.links.gpu, tm, 1, 1, paper_tok[k]) / tm->n_layers;
+            const kvb_link *l = &g.links.target_links[KVB_LINK_HOST];
+            target = (l->latency_s + paper_tok[k] * kvb_target_kv_bytes(tm) / l->bytes_per_s) / t_layer;
+        }
+        int f = g.links.target_flops > 0 && kvb_link_regime_far(ratio, paper_ratio[k]);
+        far |= f;
+        printf("  %-14d %12d %14.4f %14.4f %9.2fx %9.2fx %9.1fx%s\n", paper_tok[k], tok, xfer * 1e3, layer_s * 1e3, ratio,
+               target, paper_ratio[k], f ? "  MORE THAN 2x AWAY" : "");
     }
+    const char *far_note = far ? " -- THE REGIME IS MORE THAN 2x AWAY FROM FIG. 2b'S" : "";
 
     /* capacity: everything arrives at once; completed requests per second under orbitflow */
     double capacity = 0;
@@ -697,8 +712,8 @@ static int run_bench(const bench_opts *o) {
             if (fabs(o->scales[si] - 1.5) < 1e-9) scale15 = si;
         const int all_cols[] = {M_TBT, M_TPOT, M_P95, M_P99, M_P99TPOT, M_E2E, M_RPM, M_MEM};
         for (int ri = 0; ri < o->n_rates; ri++) {
-            printf("\nSLO scale %.2g, arrival rate %.2g x capacity (%.2f req/s), %d requests x %d runs: median (min-max)\n",
-                   o->scales[scale15], o->rates[ri], o->rates[ri] * capacity, o->n_req, o->runs);
+            printf("\nSLO scale %.2g, arrival rate %.2g x capacity (%.2f req/s), %d requests x %d runs: median (min-max)%s\n",
+                   o->scales[scale15], o->rates[ri], o->rates[ri] * capacity, o->n_req, o->runs, far_note);
             print_head("planner", all_cols, 8);
             for (int p = 0; p < n_pc; p++) print_row(k_main[p].label, main_cells[ri][p].m[scale15], all_cols, 8);
             char b1[64], b2[64];
@@ -706,7 +721,7 @@ static int run_bench(const bench_opts *o) {
                    cell_str(&main_cells[ri][0].m[scale15][M_NTOK], 0, b1, sizeof b1),
                    cell_str(&main_cells[ri][0].m[scale15][M_NREQ], 0, b2, sizeof b2));
         }
-        printf("\nTBT / TPOT attainment %% by SLO scale (columns) and arrival rate, median (min-max) over runs\n");
+        printf("\nTBT / TPOT attainment %% by SLO scale (columns) and arrival rate, median (min-max) over runs%s\n", far_note);
         printf("  %-24s %6s", "planner", "rate");
         for (int si = 0; si < o->n_scales; si++) printf("   TBT@%-4.2g TPOT@%-4.2g", o->scales[si], o->scales[si]);
         printf("\n");
@@ -949,24 +964,27 @@ out:
 }
 
 int kvb_bench_orbitflow(int argc, char **argv) {
-    bench_opts o = {.trace = "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", .link = "pcie3-scaled",
-                    .threads = 2, .batch_tokens = 2048, .batch = 4, .n_req = 48, .runs = 3, .seed = 1};
+    bench_opts o = {.trace = "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", .link = NULL,
+                    .dev = KVB_BENCH_DEV_DEFAULT, .batch_tokens = 2048, .batch = 4, .n_req = 48, .runs = 3, .seed = 1};
     static const struct option longopts[] = {
         {"model", 1, 0, 'm'}, {"trace", 1, 0, 't'}, {"link", 1, 0, 'l'}, {"sections", 1, 0, 's'},
         {"threads", 1, 0, 'j'}, {"batch-tokens", 1, 0, 'T'}, {"batch", 1, 0, 'b'}, {"requests", 1, 0, 'n'},
         {"runs", 1, 0, 'r'}, {"rates", 1, 0, 'R'}, {"slo-scales", 1, 0, 'S'}, {"seed", 1, 0, 'x'},
-        {"post-order", 0, 0, 'P'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+        {"post-order", 0, 0, 'P'}, {"help", 0, 0, 'h'}, {"backend", 1, 0, 'B'}, {"device", 1, 0, 'D'}, {0, 0, 0, 0}};
     const char *rates = "0.5,1,1.5", *scales = "1,1.5,2.5";
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         int64_t v;
+        int d = kvb_bench_dev_opt(&o.dev, c, optarg, "kvbank-bench orbitflow");
+        if (d == 2) return 2;
+        if (d) continue;
         switch (c) {
         case 'm': o.model = optarg; break;
         case 't': o.trace = optarg; break;
         case 'l': o.link = optarg; break;
         case 's': o.sections = optarg; break;
-        case 'j': if (kvb_parse_i64(optarg, 1, 256, &v)) goto usage; o.threads = (int)v; break;
+        case 'j': if (kvb_parse_i64(optarg, 1, 256, &v)) goto usage; o.dev.threads = (int)v; break;
         case 'T': if (kvb_parse_i64(optarg, 64, 1 << 22, &o.batch_tokens)) goto usage; break;
         case 'b': if (kvb_parse_i64(optarg, 1, KVB_OF_MAX_REQS, &v)) goto usage; o.batch = (int)v; break;
         case 'n': if (kvb_parse_i64(optarg, 1, 1 << 20, &v)) goto usage; o.n_req = (int)v; break;
@@ -979,7 +997,10 @@ int kvb_bench_orbitflow(int argc, char **argv) {
             printf("usage: kvbank-bench orbitflow --model DIR [--link PRESET] [--batch-tokens T] [--batch N]\n"
                    "         [--requests N] [--runs N] [--rates 0.5,1,1.5] [--slo-scales 1,1.5,2.5] [--seed N]\n"
                    "         [--trace sharegpt.csv] [--sections main,ablation,solver,sensitivity] [--threads N]\n"
-                   "         [--post-order]  (the link runs transfers in post order; default: they share it, §3.3.1)\n");
+                   "         [--post-order]  (the link runs transfers in post order; default: they share it, §3.3.1)\n"
+                   "  --link PRESET  default pcie3-scaled on the CPU (OrbitFlow's RTX A5000 over PCIe 3.0 serving\n"
+                   "                 Llama-3-8B, its time scale measured at Fig. 2b's 2K tokens), off on a GPU\n"
+                   KVB_BENCH_DEV_USAGE);
             return 0;
         default: goto usage;
         }
