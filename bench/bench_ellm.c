@@ -646,12 +646,23 @@ int kvb_bench_ellm(int argc, char **argv) {
                (double)off_batch[0] / KVB_MAX(off_batch[1], 1));
         printf("  saturation rate of the static split: %.2f requests/s\n", sat);
         {
-            /* the CPU buffer's own effect (Fig. 8): the same offline burst with it and without (inter=0) */
+            /* the CPU buffer's own effect (Fig. 8): an offline burst of 6x the requests the static split runs at
+             * once (a queue that only grows: TTFT misses without TPOT ones, so Alg. 2 doubles B_logic until a
+             * request's KV fits it), with the buffer and without (inter=0) */
             const pol nobuf = {"eLLM without CPU buffer", "ellm-elastic", "inter=0"};
             spread ttft_on, ttft_off, tot_on, tot_off;
             double a[16], t[16];
+            wl wb = {0};
+            int n_burst = KVB_MAX(woff.n, 6 * KVB_MAX(off_batch[1], 1));
+            kvb_status bst = !strcmp(wname, "sharegpt") ? wl_sharegpt(o.sharegpt, n_burst, b.k, b.max_len, 7, &wb)
+                                                         : wl_fixed(wname, n_burst, woff.in[0], woff.out[0], &wb);
+            if (bst != KVB_OK) goto out;
+            printf("  the CPU buffer, an offline burst of %d requests:", n_burst);
             for (int k = 0; k < 2; k++) {
-                if (measure(&b, k ? &nobuf : &pols[0], &woff, 0, o.runs, res) != KVB_OK) goto out;
+                if (measure(&b, k ? &nobuf : &pols[0], &wb, 0, o.runs, res) != KVB_OK) {
+                    wl_free(&wb);
+                    goto out;
+                }
                 for (int r = 0; r < o.runs; r++) {
                     a[r] = res[r].ttft_mean;
                     t[r] = (double)(res[r].out_tokens + res[r].prompt_tokens) / res[r].span_s;
@@ -659,8 +670,8 @@ int kvb_bench_ellm(int argc, char **argv) {
                 *(k ? &ttft_off : &ttft_on) = spread_of(a, o.runs);
                 *(k ? &tot_off : &tot_on) = spread_of(t, o.runs);
                 if (!k)
-                    printf("  the CPU buffer, offline: %llu requests offloaded at prefill (%llu chunks), %llu fetched; "
-                           "TTFT mean with / without it:",
+                    printf(" %llu offloaded at prefill (%llu chunks), %llu fetched (first run); TTFT mean with / "
+                           "without it:",
                            (unsigned long long)res[0].rep.core.offloads, (unsigned long long)res[0].rep.core.offload_chunks,
                            (unsigned long long)res[0].rep.core.fetches);
             }
@@ -672,6 +683,7 @@ int kvb_bench_ellm(int argc, char **argv) {
             printf(" /");
             print_spread("%.0f", tot_off, o.runs);
             printf("\n");
+            wl_free(&wb);
         }
         /* online curves */
         printf("-- online, Poisson arrivals: rate (req/s) | TTFT mean, p99 (s) | TPOT mean, p99 (s) | output tokens/s "

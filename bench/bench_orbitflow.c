@@ -688,6 +688,7 @@ static int run_bench(const bench_opts *o) {
     int n_pc = (int)KVB_ARRAY_LEN(k_main);
     static pol_cells main_cells[8][KVB_ARRAY_LEN(k_main)]; /* [rate][policy] */
     static cell solver[8][8];                              /* [rate][quantity] */
+    static cell diag[8][10];                               /* [rate][quantity]: why it wins or loses */
     if (section_on(o, "main")) {
         for (int ri = 0; ri < o->n_rates; ri++) {
             for (int run = 0; run < o->runs; run++) {
@@ -727,6 +728,22 @@ static int run_bench(const bench_opts *o) {
                             cell_add(&solver[ri][5], r.step_s_mean > 0 ? 100 * ps->solve_us_max * 1e-6 / r.step_s_mean : 0);
                             cell_add(&solver[ri][6], ps->pred_steps ? 100.0 * (double)ps->pred_within[1] / (double)ps->pred_steps : 0);
                             cell_add(&solver[ri][7], (double)ps->pauses);
+                            double per = 1.0 / w.n, fd = ps->feasible_decisions ? (double)ps->feasible_decisions : 1;
+                            cell_add(&diag[ri][0], ps->trig_batch * per);
+                            cell_add(&diag[ri][1], ps->trig_window * per);
+                            cell_add(&diag[ri][2], ps->trig_memory * per);
+                            cell_add(&diag[ri][3], ps->trig_mismatch * per);
+                            cell_add(&diag[ri][4], (double)ps->solver_late * per);
+                            cell_add(&diag[ri][5], ps->decisions ? 100.0 * (double)(ps->infeasible + ps->best_effort) /
+                                                                       (double)ps->decisions
+                                                                 : 0);
+                            cell_add(&diag[ri][6], 100.0 * (double)ps->trimmed / (double)KVB_MAX(r.steps, 1));
+                            cell_add(&diag[ri][7], (double)ps->emergency_pauses);
+                            cell_add(&diag[ri][8], ps->budget_slices_sum > 0
+                                                       ? 100 * ps->buffer_slices_sum / ps->budget_slices_sum : 0);
+                            cell_add(&diag[ri][9], ps->budget_slices_sum > 0
+                                                       ? 100 * ps->eq1_buffer_slices_sum / ps->budget_slices_sum : 0);
+                            (void)fd;
                         }
                         run_free(&r);
                     }
@@ -774,6 +791,23 @@ static int run_bench(const bench_opts *o) {
                    cell_str(&solver[ri][3], 0, b[3], 64), cell_str(&solver[ri][4], 1, b[4], 64),
                    cell_str(&solver[ri][5], 1, b[5], 64), cell_str(&solver[ri][6], 1, b[6], 64),
                    cell_str(&solver[ri][7], 0, b[7], 64));
+        }
+    }
+    if (section_on(o, "main") && planner_on(o, "orbitflow")) {
+        printf("\nwhy (orbitflow, SLO scale 1.5), per rate, median (min-max) over runs: the controller's triggers per\n"
+               "request (batch change, window end, memory, latency mismatch), steps a trigger waited on a busy solver per\n"
+               "request, decisions infeasible or best-effort %%, steps whose plan fell back to the most offloaded placement\n"
+               "for all %% (trimmed), emergency pauses, and the prefetch buffer of feasible decisions as %% of the device\n"
+               "budget: kvbank's (the sum over requests: every request's next layer in flight at once) and Eq. 1's (the\n"
+               "max over layers) for the same placement\n");
+        printf("  %6s %10s %10s %10s %10s %10s %12s %12s %10s %14s %14s\n", "rate", "batch", "window", "memory",
+               "mismatch", "late", "infeas %", "trimmed %", "e-pauses", "buffer %", "Eq. 1 %");
+        for (int ri = 0; ri < o->n_rates; ri++) {
+            char b[10][64];
+            printf("  %6.2g", o->rates[ri]);
+            for (int k = 0; k < 10; k++)
+                printf(" %*s", k >= 8 ? 14 : k >= 5 && k <= 6 ? 12 : 10, cell_str(&diag[ri][k], k < 5 ? 2 : 1, b[k], 64));
+            printf("\n");
         }
     }
     /* ---------------------------------------------------------------- ablations (Fig. 14) */
