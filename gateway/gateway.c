@@ -45,6 +45,7 @@
 #include "common/text/chat.h"
 #include "common/text/tokenizer.h"
 #include "common/util/sha256.h"
+#include "common/util/prog.h"
 #include "common/util/token_deposit.h"
 #include "gateway/api.h"
 #include "gateway/metrics.h"
@@ -66,6 +67,15 @@
 
 typedef struct gw gw;
 typedef struct gw_stream gw_stream;
+
+/* The endpoints (the label of kvbank_gateway_http_requests_total). */
+enum {
+    EP_COMPLETIONS, EP_CHAT, EP_MODELS, EP_MODEL, EP_HEALTH, EP_PING, EP_METRICS, EP_VERSION, EP_TOKENIZE,
+    EP_DETOKENIZE, EP_OTHER, EP_COUNT
+};
+static const char *const EP_NAMES[EP_COUNT] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                               "/v1/models/{model}", "/health", "/ping", "/metrics", "/version",
+                                               "/tokenize", "/detokenize", "other"};
 
 /* ------------------------------------------------------------------------------------- connections */
 
@@ -158,14 +168,14 @@ struct gw {
     int n_streams;
     uint64_t next_id;
     /* HTTP counters: by endpoint and status class */
-    uint64_t http[8][6];          /* [endpoint][status / 100] */
+    uint64_t http[EP_COUNT][6];   /* [endpoint][status / 100] */
     uint64_t disconnects;         /* requests cancelled because their HTTP client went away */
     uint64_t rejected_busy;
+    uint64_t *ignored;            /* [n_fields] requests that carried each ignored field (gw_fields) */
+    int n_fields;
 };
 
-enum { EP_COMPLETIONS, EP_CHAT, EP_MODELS, EP_HEALTH, EP_METRICS, EP_TOKENIZE, EP_DETOKENIZE, EP_OTHER };
-static const char *const EP_NAMES[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                       "/metrics", "/tokenize", "/detokenize", "other"};
+
 
 /* ----------------------------------------------------------------------------------------- streams */
 
@@ -284,6 +294,12 @@ static void send_body(gw *g, h2o_req_t *req, int ep, int status, const char *cty
     req->res.status = status;
     req->res.reason = status < (int)KVB_ARRAY_LEN(reasons) && reasons[status] ? reasons[status] : "Error";
     h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL, ctype, strlen(ctype));
+    if (req->method.len == 4 && !memcmp(req->method.base, "HEAD", 4)) {
+        /* h2o sends no body for HEAD and no length either: the length GET would have (RFC 9110 §9.3.2) */
+        char *cl = h2o_mem_alloc_pool(&req->pool, 24);
+        int n = snprintf(cl, 24, "%zu", len);
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_LENGTH, NULL, cl, (size_t)n);
+    }
     count_http(g, ep, status);
     h2o_send_inline(req, body, len);
 }
@@ -1043,7 +1059,7 @@ static int model_answers(const gw *g, const gw_model *m) {
 /* Readiness. /health?model=NAME: that model answers (per-model readiness); /health: the node can
  * serve, i.e. the coordinator and at least one model answer, so that one model that crash-loops does
  * not take the others out of a load balancer. Both fail as soon as a drain starts. */
-static void handle_health(gw *g, h2o_req_t *req) {
+static void handle_health(gw *g, h2o_req_t *req, int ep) {
     char name[KVB_NAME_MAX_GW + 1];
     int ok = coordinator_answers(g);
     const char *why = ok ? NULL : "the coordinator does not answer\n";
@@ -1057,21 +1073,39 @@ static void handle_health(gw *g, h2o_req_t *req) {
         for (int i = 0; i < g->n_models; i++) any |= model_answers(g, g->models[i]);
         if (!any) ok = 0, why = "no model answers\n";
     }
-    if (ok) send_body(g, req, EP_HEALTH, 200, "text/plain", "ok\n", 3);
-    else send_body(g, req, EP_HEALTH, 503, "text/plain", why, strlen(why));
+    if (ok) send_body(g, req, ep, 200, "text/plain", "ok\n", 3);
+    else send_body(g, req, ep, 503, "text/plain", why, strlen(why));
+}
+
+/* A model's card (OpenAI's Model object, with vLLM's root and max_model_len). */
+static json_t *model_card(const gw_model *m) {
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", m->name, "object", "model", "created", (json_int_t)0,
+                          "owned_by", "kvbank", "root", m->model_dir);
+    if (o && m->have_cfg) json_object_set_new(o, "max_model_len", json_integer(m->cfg.max_pos));
+    return o;
 }
 
 static void handle_models(gw *g, h2o_req_t *req) {
     json_t *data = json_array();
-    for (int i = 0; i < g->n_models; i++) {
-        gw_model *m = g->models[i];
-        if (!m->alive) continue;
-        json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", m->name, "object", "model", "created", (json_int_t)0,
-                              "owned_by", "kvbank", "root", m->model_dir);
-        if (m->have_cfg) json_object_set_new(o, "max_model_len", json_integer(m->cfg.max_pos));
-        json_array_append_new(data, o);
-    }
+    for (int i = 0; i < g->n_models; i++)
+        if (g->models[i]->alive) json_array_append_new(data, model_card(g->models[i]));
     send_json(g, req, EP_MODELS, 200, json_pack("{s:s, s:o}", "object", "list", "data", data));
+}
+
+/* GET /v1/models/{model}: the card of a model that /v1/models lists, else 404. */
+static void handle_model(gw *g, h2o_req_t *req, size_t prefix) {
+    char name[KVB_NAME_MAX_GW + 1], clip[NAME_ECHO + 8];
+    size_t n = req->path_normalized.len - prefix;
+    snprintf(name, sizeof name, "%.*s", (int)KVB_MIN(n, sizeof name - 1), req->path_normalized.base + prefix);
+    gw_model *m = n < sizeof name ? model_find(g, name) : NULL;
+    if (m && m->alive) {
+        send_json(g, req, EP_MODEL, 200, model_card(m));
+        return;
+    }
+    gw_error err;
+    gw_error_set(&err, 404, "not_found_error", "model", "The model '%s' does not exist on this node",
+                 gw_clip(name, clip, sizeof clip));
+    send_error(g, req, EP_MODEL, &err);
 }
 
 /* The model a request names, alive and connected; fills *err otherwise. */
@@ -1289,6 +1323,19 @@ static void job_start(gw *g, h2o_req_t *req, int ep, gw_job_kind kind, gw_model 
     }
 }
 
+/* Counts the ignored fields of a request; the first request with a field logs its name, once per
+ * field for the gateway's life (a client sending them on every request fills no log). */
+static void note_ignored(gw *g, const gw_params *p) {
+    const gw_field *fields = gw_fields(NULL);
+    for (int i = 0; i < p->n_ignored; i++) {
+        int k = p->ignored[i];
+        if (k < 0 || k >= g->n_fields) continue;
+        if (!g->ignored[k]++)
+            KVB_LOG_I("gateway: requests carry '%s', which this server accepts and ignores (as vLLM does); "
+                      "logged once", fields[k].name);
+    }
+}
+
 static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     gw_error err;
     gw_params p;
@@ -1298,6 +1345,7 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         send_error(g, req, ep, &err);
         return;
     }
+    note_ignored(g, &p);
     gw_model *m = model_for(g, p.model, &err);
     if (!m) goto reject;
     if (g->n_streams + g->n_jobs >= g->o->max_streams) {
@@ -1403,7 +1451,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
         p->prompt_ids = NULL;
     }
     if (m->tok && (kvb_detok_create(m->tok, p->skip_special_tokens, &s->detok) != KVB_OK ||
-                   gw_stop_create(p->stop, p->stop_len, p->n_stop, &s->stopper) != KVB_OK)) {
+                   gw_stop_create(p->stop, p->stop_len, p->n_stop, p->include_stop_str, &s->stopper) != KVB_OK)) {
         kvb_detok_destroy(s->detok);
         gw_stop_destroy(s->stopper);
         free(s->prompt_ids);
@@ -1498,7 +1546,9 @@ static void handle_metrics(gw *g, h2o_req_t *req);
  * its length shows in the time an answer takes). */
 static int authorized(gw *g, h2o_req_t *req) {
     if (!g->o->n_api_keys) return 1;
-    if ((g->o->health_open && path_is(req, "/health")) || (g->o->metrics_open && path_is(req, "/metrics"))) return 1;
+    if ((g->o->health_open && (path_is(req, "/health") || path_is(req, "/ping"))) ||
+        (g->o->metrics_open && path_is(req, "/metrics")))
+        return 1;
     ssize_t i = h2o_find_header(&req->headers, H2O_TOKEN_AUTHORIZATION, -1);
     if (i < 0) return 0;
     h2o_iovec_t v = req->headers.entries[i].value;
@@ -1531,14 +1581,15 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
         send_error(g, req, EP_OTHER, &e);
         return 0;
     }
-    if (path_is(req, "/v1/completions")) ep = EP_COMPLETIONS;
-    else if (path_is(req, "/v1/chat/completions")) ep = EP_CHAT;
-    else if (path_is(req, "/v1/models")) ep = EP_MODELS;
-    else if (path_is(req, "/health")) ep = EP_HEALTH;
-    else if (path_is(req, "/metrics")) ep = EP_METRICS;
-    else if (path_is(req, "/tokenize")) ep = EP_TOKENIZE;
-    else if (path_is(req, "/detokenize")) ep = EP_DETOKENIZE;
+    static const size_t models_len = sizeof "/v1/models/" - 1;
+    for (int e = 0; e < EP_OTHER; e++)
+        if (e != EP_MODEL && path_is(req, EP_NAMES[e])) ep = e;
+    if (req->path_normalized.len > models_len && !memcmp(req->path_normalized.base, "/v1/models/", models_len))
+        ep = EP_MODEL;
+    /* what each endpoint answers: POST for work, GET and HEAD for what is read, all three for /ping
+     * (vLLM's, which load balancers probe with either) */
     int post = ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_TOKENIZE || ep == EP_DETOKENIZE;
+    int get = !post || ep == EP_PING;
     gw_error err;
     if (ep == EP_OTHER) {
         char clip[NAME_ECHO + 8], path[NAME_ECHO + 8];
@@ -1547,8 +1598,10 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
         send_error(g, req, ep, &err);
         return 0;
     }
-    if (!method_is(req, post ? "POST" : "GET")) {
-        gw_error_set(&err, 405, "invalid_request_error", NULL, "%s takes %s", EP_NAMES[ep], post ? "POST" : "GET");
+    if (!((post || ep == EP_PING) && method_is(req, "POST")) && !(get && (method_is(req, "GET") || method_is(req, "HEAD")))) {
+        const char *allow = ep == EP_PING ? "GET, HEAD, POST" : post ? "POST" : "GET, HEAD";
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_ALLOW, NULL, allow, strlen(allow));
+        gw_error_set(&err, 405, "invalid_request_error", NULL, "%s takes %s", EP_NAMES[ep], allow);
         send_error(g, req, ep, &err);
         return 0;
     }
@@ -1556,8 +1609,13 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
     case EP_COMPLETIONS:
     case EP_CHAT: handle_generate(g, req, ep); break;
     case EP_MODELS: handle_models(g, req); break;
-    case EP_HEALTH: handle_health(g, req); break;
+    case EP_MODEL: handle_model(g, req, models_len); break;
+    case EP_HEALTH:
+    case EP_PING: handle_health(g, req, ep); break;
     case EP_METRICS: handle_metrics(g, req); break;
+    case EP_VERSION:
+        send_json(g, req, ep, 200, json_pack("{s:s}", "version", kvb_version()));
+        break;
     default: handle_tokens(g, req, ep); break;
     }
     return 0;
@@ -1701,6 +1759,14 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     gw_metric_sample(&t, "kvbank_gateway_connections", "", g->n_conns);
     gw_metric_head(&t, "kvbank_gateway_rejected_busy_total", "counter", "Requests refused with 429 (max_streams)");
     gw_metric_sample(&t, "kvbank_gateway_rejected_busy_total", "", (double)g->rejected_busy);
+    gw_metric_head(&t, "kvbank_gateway_ignored_fields_total", "counter",
+                   "Requests that carried a field this server accepts and ignores (as vLLM does), by field");
+    const gw_field *fields = gw_fields(NULL);
+    for (int k = 0; k < g->n_fields; k++) {
+        if (fields[k].kind != GW_FIELD_IGNORED || (k && !strcmp(fields[k].name, fields[k - 1].name))) continue;
+        snprintf(lab, sizeof lab, "field=\"%s\"", fields[k].name);
+        gw_metric_sample(&t, "kvbank_gateway_ignored_fields_total", lab, (double)g->ignored[k]);
+    }
     gw_metric_head(&t, "kvbank_gateway_streams_active", "gauge", "Requests in flight at the gateway");
     gw_metric_sample(&t, "kvbank_gateway_streams_active", "", g->n_streams);
     if (t.failed) send_body(g, req, EP_METRICS, 500, "text/plain", "out of memory\n", 14);
@@ -1855,6 +1921,11 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     KVB_TRY(kvb_calloc(1, sizeof *g, (void **)&g));
     g->o = o;
     g->stop = stop;
+    gw_fields(&g->n_fields);
+    if (kvb_calloc((size_t)g->n_fields, sizeof *g->ignored, (void **)&g->ignored) != KVB_OK) {
+        free(g);
+        return KVB_ERR_NOMEM;
+    }
     /* the text jobs' threads: libuv sizes its pool from this at the first uv_queue_work */
     char nthreads[16];
     snprintf(nthreads, sizeof nthreads, "%d", o->text_workers > 0 ? o->text_workers : 2);
@@ -1939,6 +2010,7 @@ done:
     if (disposed) h2o_config_dispose(&g->h2o_conf);
     free(g->conn_by_fd);
     free(g->key_digest);
+    free(g->ignored);
     if (g->ssl) SSL_CTX_free(g->ssl);
     for (int i = 0; i < g->n_models; i++) {
         kvb_client_destroy(g->models[i]->client);

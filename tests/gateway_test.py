@@ -254,6 +254,13 @@ def test_errors():
         ({"model": "code", "prompt": "the worker has no tokenizer"}, 400, "prompt"),
         ({"model": "code", "prompt": [1, 2], "stop": ["x"]}, 400, "stop"),
         ({"model": "chat", "prompt": "x", "stop": [""]}, 400, "stop"),
+        # ignored fields keep their type; a misspelt field is no ignored one
+        ({"model": "chat", "prompt": [1, 2], "store": "yes"}, 400, "store"),
+        ({"model": "chat", "prompt": [1, 2], "metadata": ["x"]}, 400, "metadata"),
+        ({"model": "chat", "prompt": [1, 2], "temprature": 0}, 400, "temprature"),
+        ({"model": "chat", "prompt": [1, 2], "reasoning_effort": "low"}, 400, "reasoning_effort"),  # chat's field
+        ({"model": "chat", "prompt": [1, 2], "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": "chat", "prompt": [1, 2], "cache_salt": "s"}, 400, "cache_salt"),
     ]
     for body, status, param in cases:
         st, j, raw = post("/v1/completions", body)
@@ -280,6 +287,91 @@ def test_errors():
     check(r.stdout.decode() == "413", "oversized body -> 413 (curl got %s)" % r.stdout)
     ok("errors: wrong types, ranges, unknown and unsupported fields, unknown model, bad JSON, 405, 404, 413 "
        "(%d cases, each naming its field)" % (len(cases) + 4))
+
+
+def test_leniency():
+    """Fields vLLM accepts and does not use are accepted and ignored: the output is the same as without
+    them, each name is logged once however many requests carry it, and /metrics counts them."""
+    base = {"model": "chat", "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    extra = {"user": "u-1", "store": False, "metadata": {"team": "a"}, "service_tier": "auto",
+             "request_id": "r-1", "prompt_cache_key": "k", "length_penalty": 1.0, "vllm_xargs": {},
+             "n": 1, "presence_penalty": 0, "echo": False}
+    s0, _ = metrics()
+    plain = post("/v1/completions", base)[1]["choices"][0]["token_ids"]
+    for _ in range(3):
+        st, j, raw = post("/v1/completions", dict(base, **extra))
+        check(st == 200, "completions with ignored fields: %d %s" % (st, raw[:300]))
+        check(j["choices"][0]["token_ids"] == plain, "ignored fields change nothing: %s" % j["choices"][0]["token_ids"])
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = {"model": "chat", "messages": msgs, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = post("/v1/chat/completions", chat)[1]["choices"][0]["message"]["content"]
+    st, j, raw = post("/v1/chat/completions", dict(chat, reasoning_effort="low", parallel_tool_calls=False,
+                                                   include_reasoning=True, store=True, tool_choice="none", tools=[],
+                                                   response_format={"type": "text"}, modalities=["text"]))
+    check(st == 200 and j["choices"][0]["message"]["content"] == plain, "chat with ignored fields: %s" % raw[:300])
+    s1, _ = metrics()
+    for f, k in (("store", 4), ("metadata", 3), ("user", 3), ("reasoning_effort", 1)):
+        got = metric(s1, "kvbank_gateway_ignored_fields_total", field=f) - (metric(s0, "kvbank_gateway_ignored_fields_total",
+                                                                                   field=f) or 0)
+        check(got == k, "kvbank_gateway_ignored_fields_total{field=%s} moved by %s, want %d" % (f, got, k))
+    log = open(A.dir + "/kvbankd.log").read()
+    for f in ("store", "metadata", "user", "service_tier", "reasoning_effort", "parallel_tool_calls"):
+        n = log.count("requests carry '%s', which this server accepts and ignores" % f)
+        check(n == 1, "'%s' logged once (%d times)" % (f, n))
+    ok("leniency: vLLM's unused fields accepted and ignored (same tokens), each logged once, counted in /metrics")
+
+
+def test_endpoints():
+    st, ct, raw = request("GET", "/v1/models")
+    cards = {m["id"]: m for m in json.loads(raw)["data"]}
+    st, ct, raw = request("GET", "/v1/models/chat")
+    check(st == 200 and json.loads(raw) == cards["chat"], "GET /v1/models/chat is its card: %s" % raw[:300])
+    check(json.loads(raw)["max_model_len"] == 4096, "max_model_len: %s" % raw[:300])
+    st, ct, raw = request("GET", "/v1/models/nope")
+    j = json.loads(raw)
+    check(st == 404 and j["error"]["type"] == "not_found_error" and "nope" in j["error"]["message"],
+          "GET /v1/models/nope: %d %s" % (st, raw[:200]))
+    st, ct, raw = request("GET", "/version")
+    version = re.search(r"AC_INIT\(\[kvbank\], \[([^]]*)\]", open(os.path.join(os.path.dirname(__file__), "..",
+                                                                              "configure.ac")).read()).group(1)
+    check(st == 200 and json.loads(raw) == {"version": version}, "/version: %s (configure.ac says %s)" % (raw, version))
+    for method in ("GET", "POST"):
+        st, ct, raw = request(method, "/ping", body=b"" if method == "POST" else None)
+        check(st == 200 and raw == b"ok\n", "%s /ping: %d %r" % (method, st, raw))
+    def head(path):
+        """HEAD over a raw socket (http.client would not read a body a HEAD response must not have):
+        (status, headers, the bytes after the head)."""
+        sock = socket.create_connection(("127.0.0.1", A.port), timeout=30)
+        sock.sendall(("HEAD %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path).encode())
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        sock.close()
+        hd, _, rest = data.partition(b"\r\n\r\n")
+        lines = hd.decode().split("\r\n")
+        hdrs = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        return int(lines[0].split()[1]), hdrs, rest
+    for path in ("/health", "/health?model=chat", "/ping", "/v1/models", "/v1/models/chat", "/version", "/metrics"):
+        st, hdrs, rest = head(path)
+        check(st == 200 and rest == b"", "HEAD %s: %d, %d bytes of body" % (path, st, len(rest)))
+        check(path == "/metrics" or int(hdrs.get("content-length", -1)) == len(request("GET", path)[2]),
+              "HEAD %s: Content-Length %s" % (path, hdrs.get("content-length")))
+    st, hdrs, rest = head("/health?model=nope")
+    check(st == 503 and rest == b"", "HEAD /health of an unknown model: %d" % st)
+    c = conn()
+    c.request("DELETE", "/health")
+    r = c.getresponse()
+    r.read()
+    c.close()
+    check(r.status == 405 and r.getheader("Allow") == "GET, HEAD", "DELETE /health: %d, Allow %s" % (r.status, r.getheader("Allow")))
+    st, ct, raw = request("GET", "/v1/chat/completions")
+    check(st == 405, "GET /v1/chat/completions: %d" % st)
+    ok("endpoints: GET /v1/models/{id} (its card; 404 naming an unknown one), /version, /ping (GET, POST, HEAD), "
+       "HEAD on every GET endpoint (no body, GET's length), 405 with Allow")
 
 
 SPECIAL = {300, 302}  # <|s|> and <|e|> of the test tokenizer (test_gateway.sh); <x> (301) is not special
@@ -338,6 +430,12 @@ def test_text():
           "stop %r: %r (want %r)" % (stop, j["choices"][0]["text"], full[:k]))
     st, evs, done = sse(dict(body, stop=[stop], stream=True))
     check(done and stream_text(evs) == full[:k], "streamed stop %r: %r" % (stop, stream_text(evs)))
+    # vLLM's include_stop_str_in_output: the stop string ends the text
+    st, j, _ = post("/v1/completions", dict(body, stop=[stop], include_stop_str_in_output=True))
+    check(j["choices"][0]["text"] == full[:k + len(stop)] and j["choices"][0]["finish_reason"] == "stop",
+          "include_stop_str_in_output: %r (want %r)" % (j["choices"][0]["text"], full[:k + len(stop)]))
+    st, evs, done = sse(dict(body, stop=[stop], stream=True, include_stop_str_in_output=True))
+    check(done and stream_text(evs) == full[:k + len(stop)], "streamed include_stop_str_in_output: %r" % stream_text(evs))
     check([e for e in evs if e["choices"]][-1]["choices"][0]["finish_reason"] == "stop", "streamed stop reason")
     # chat: the template renders the messages; the deltas add up to the message
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
@@ -580,6 +678,8 @@ def main():
     test_discovery()
     test_completions(A.eos)
     test_errors()
+    test_leniency()
+    test_endpoints()
     test_text()
     test_vanishing_clients()
     test_slow_client()
