@@ -125,6 +125,8 @@ typedef struct gw_model {
     uint64_t lends, reclaims, lend_ms_total, reclaim_ms_total;
     /* what the gateway measured (delivery side) */
     gw_hist ttft, tpot, itl, gen_itl, e2e;
+    gw_hist decode;               /* first to last token, as the model sampled them */
+    gw_hist req_prompt, req_gen, req_max_tokens; /* per request: prompt and generated tokens, max_tokens */
     uint64_t finished[5];         /* by kvb_finish */
     uint64_t prompt_tokens, completion_tokens, deposit_held;
     int n_streams;
@@ -204,6 +206,7 @@ struct gw_stream {
     int64_t created;
     int stream, include_usage, return_token_ids, timings;
     int n_prompt;
+    int max_tokens;               /* what the model was asked for (the request's, or the default) */
     int32_t *prompt_ids;          /* [n_prompt] when return_token_ids */
     uint64_t slo_ns;              /* Token-Deposit target; 0: off */
     uint64_t t_arrival;           /* kvb_wall_ns when the HTTP request was handled */
@@ -483,9 +486,13 @@ static void record_metrics(gw_stream *s, kvb_finish f) {
     if (f >= 0 && f < 5) m->finished[f]++;
     m->prompt_tokens += (uint64_t)s->n_prompt;
     m->completion_tokens += (uint64_t)s->n_tok;
+    gw_hist_observe(&m->req_prompt, s->n_prompt);
+    gw_hist_observe(&m->req_gen, s->n_tok);
+    gw_hist_observe(&m->req_max_tokens, s->max_tokens);
     double now = (double)kvb_wall_ns();
     gw_hist_observe(&m->e2e, (now - (double)s->t_arrival) / 1e9);
     if (s->n_tok == 0) return;
+    gw_hist_observe(&m->decode, (double)(int64_t)(s->t_gen[s->n_tok - 1] - s->t_gen[0]) / 1e9);
     gw_hist_observe(&m->ttft, (double)(int64_t)(s->t_deliv[0] - s->t_arrival) / 1e9);
     if (s->n_tok > 1)
         gw_hist_observe(&m->tpot, (double)(s->t_deliv[s->n_tok - 1] - s->t_deliv[0]) / 1e9 / (s->n_tok - 1));
@@ -823,6 +830,10 @@ static gw_model *model_add(gw *g, const char *name) {
     gw_hist_init(&m->itl, &GW_HIST_TOKEN);
     gw_hist_init(&m->gen_itl, &GW_HIST_TOKEN);
     gw_hist_init(&m->e2e, &GW_HIST_REQUEST);
+    gw_hist_init(&m->decode, &GW_HIST_REQUEST);
+    gw_hist_init(&m->req_prompt, &GW_HIST_COUNT);
+    gw_hist_init(&m->req_gen, &GW_HIST_COUNT);
+    gw_hist_init(&m->req_max_tokens, &GW_HIST_COUNT);
     g->models[g->n_models++] = m;
     return m;
 }
@@ -1443,6 +1454,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     s->return_token_ids = p->return_token_ids;
     s->timings = p->timings;
     s->n_prompt = p->n_prompt_ids;
+    s->max_tokens = max_tokens;
     double slo = p->tbt_slo_ms >= 0 ? p->tbt_slo_ms : m->tbt_slo_ms >= 0 ? m->tbt_slo_ms : g->o->tbt_slo_ms;
     s->slo_ns = p->stream ? (uint64_t)(slo * 1e6) : 0; /* pacing is for what a user watches arrive */
     s->t_arrival = kvb_wall_ns();
@@ -1663,7 +1675,7 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     COUNTER("kvbank_preemptions_total", "Sequences the model preempted (recompute)", m->pong.preemptions);
     COUNTER("kvbank_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache",
             m->pong.prefix_hit_tokens);
-    GAUGE("kvbank_kv_blocks_total", "KV blocks in the model's pool (own and borrowed)", m->pong.blocks_total);
+    GAUGE("kvbank_kv_blocks_capacity", "KV blocks in the model's pool (own and borrowed)", m->pong.blocks_total);
     GAUGE("kvbank_kv_blocks_free", "KV blocks free or evictable", m->pong.blocks_free);
     GAUGE("kvbank_kv_blocks_own", "KV blocks of the model's own memory in use by its pool", m->n_own);
     GAUGE("kvbank_kv_blocks_lent", "KV blocks this worker has lent to the master", m->n_lent);
@@ -1722,16 +1734,67 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     COUNTER("kvbank_gateway_deposit_burst_tokens_total",
             "Tokens still held by Token-Deposit when their request finished (delivered at once)", m->deposit_held);
     GAUGE("kvbank_gateway_streams", "Requests of this model in flight at the gateway", m->n_streams);
-    /* The Gateway API Inference Extension's model-server protocol, vLLM profile (its endpoint picker
-     * scrapes these names). */
+    /* vLLM's names (labelled model_name), for the dashboards written for vLLM and for the Gateway API
+     * Inference Extension's endpoint picker (its vLLM model-server profile scrapes the gauges).
+     * `?names=kvbank` leaves them out: a colon in a metric name is reserved for recording rules, and
+     * `promtool check metrics` says so about each of them, as it does about vLLM's own. */
+    char which[16];
+    if (!query_param(req, "names", which, sizeof which) || strcmp(which, "kvbank")) {
 #undef LAB
 #define LAB(m) (gw_label_escape((m)->name, esc, sizeof esc), snprintf(lab, sizeof lab, "model_name=\"%s\"", esc), lab)
-    GAUGE("vllm:num_requests_running", "Requests running on the model (vLLM profile)", m->pong.running);
-    GAUGE("vllm:num_requests_waiting", "Requests waiting for the model (vLLM profile)", m->pong.waiting);
-    GAUGE("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (vLLM profile)",
-          m->pong.blocks_total ? 1.0 - (double)m->pong.blocks_free / m->pong.blocks_total : 0.0);
-    GAUGE("vllm:gpu_cache_usage_perc", "KV-cache usage, 0..1 (vLLM's older name)",
-          m->pong.blocks_total ? 1.0 - (double)m->pong.blocks_free / m->pong.blocks_total : 0.0);
+        GAUGE("vllm:num_requests_running", "Requests running on the model (vLLM profile)", m->pong.running);
+        GAUGE("vllm:num_requests_waiting", "Requests waiting for the model (vLLM profile)", m->pong.waiting);
+        GAUGE("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (vLLM profile)",
+              m->pong.blocks_total ? 1.0 - (double)m->pong.blocks_free / m->pong.blocks_total : 0.0);
+        GAUGE("vllm:gpu_cache_usage_perc", "KV-cache usage, 0..1 (vLLM's older name)",
+              m->pong.blocks_total ? 1.0 - (double)m->pong.blocks_free / m->pong.blocks_total : 0.0);
+        COUNTER("vllm:num_preemptions_total", "Sequences the model preempted (recompute)", m->pong.preemptions);
+        /* every prompt token the engine placed came from the prefix cache or was computed */
+        COUNTER("vllm:prefix_cache_queries_total",
+                "Prompt tokens the engine placed: served from the prefix cache or computed (recomputed ones included)",
+                m->pong.prompt_tokens + m->pong.prefix_hit_tokens);
+        COUNTER("vllm:prefix_cache_hits_total", "Prompt tokens served from the prefix cache", m->pong.prefix_hit_tokens);
+        COUNTER("vllm:prompt_tokens_total", "Prompt tokens of the requests the gateway finished", m->prompt_tokens);
+        COUNTER("vllm:generation_tokens_total", "Tokens the gateway delivered", m->completion_tokens);
+        gw_metric_head(&t, "vllm:request_success_total", "counter",
+                       "Requests the gateway finished, by finish reason (abort: cancelled or failed)");
+        FOR_MODELS {
+            gw_model *m = g->models[i];
+            static const struct {
+                const char *reason;
+                int a, b; /* kvb_finish values counted under the reason */
+            } vr[] = {{"stop", KVB_FINISH_STOP, -1}, {"length", KVB_FINISH_LENGTH, -1},
+                      {"abort", KVB_FINISH_CANCELLED, KVB_FINISH_ERROR}};
+            for (size_t r = 0; r < KVB_ARRAY_LEN(vr); r++) {
+                gw_label_escape(m->name, esc, sizeof esc);
+                snprintf(lab, sizeof lab, "model_name=\"%s\",finished_reason=\"%s\"", esc, vr[r].reason);
+                gw_metric_sample(&t, "vllm:request_success_total", lab,
+                                 (double)(m->finished[vr[r].a] + (vr[r].b >= 0 ? m->finished[vr[r].b] : 0)));
+            }
+        }
+        struct {
+            const char *name, *help;
+            size_t off;
+        } vh[] = {
+            {"vllm:time_to_first_token_seconds", "Arrival at the gateway to the first token delivered", offsetof(gw_model, ttft)},
+            {"vllm:time_per_output_token_seconds", "(last - first delivery) / (tokens - 1) per request", offsetof(gw_model, tpot)},
+            {"vllm:inter_token_latency_seconds", "Gap between two tokens delivered", offsetof(gw_model, itl)},
+            {"vllm:e2e_request_latency_seconds", "Arrival at the gateway to the request's end", offsetof(gw_model, e2e)},
+            {"vllm:request_decode_time_seconds", "First to last token of a request, as the model sampled them",
+             offsetof(gw_model, decode)},
+            {"vllm:request_prompt_tokens", "Prompt tokens per request", offsetof(gw_model, req_prompt)},
+            {"vllm:request_generation_tokens", "Generated tokens per request", offsetof(gw_model, req_gen)},
+            {"vllm:request_params_max_tokens", "max_tokens per request (the default where none was given)",
+             offsetof(gw_model, req_max_tokens)},
+        };
+        for (size_t h = 0; h < KVB_ARRAY_LEN(vh); h++) {
+            gw_metric_head(&t, vh[h].name, "histogram", vh[h].help);
+            FOR_MODELS {
+                gw_model *m = g->models[i];
+                gw_metric_hist(&t, vh[h].name, LAB(m), (const gw_hist *)((const char *)m + vh[h].off));
+            }
+        }
+    }
 #undef LAB
 #undef GAUGE
 #undef COUNTER

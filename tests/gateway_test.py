@@ -588,41 +588,79 @@ def test_concurrent_streams():
        % (time.time() - t0))
 
 
+# vLLM's metric names the gateway exports (labelled model_name), and their types
+VLLM = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:gpu_cache_usage_perc": "gauge", "vllm:num_preemptions_total": "counter",
+        "vllm:prefix_cache_queries_total": "counter", "vllm:prefix_cache_hits_total": "counter",
+        "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter",
+        "vllm:request_success_total": "counter", "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:time_per_output_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+        "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+        "vllm:request_params_max_tokens": "histogram"}
+
+
+def promtool_check(raw):
+    r = subprocess.run(["promtool", "check", "metrics"], input=raw, capture_output=True)
+    return r.returncode, [ln for ln in (r.stdout.decode() + r.stderr.decode()).splitlines() if ln.strip()]
+
+
 def test_metrics_move():
     s0, types = metrics()
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+    for name, typ in VLLM.items():
+        check(types.get(name) == typ, "%s is a %s (got %s)" % (name, typ, types.get(name)))
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"):
         check(metric(s0, name, model_name="chat") is not None, "%s{model_name=chat}" % name)
     for name in ("kvbank_time_to_first_token_seconds", "kvbank_time_per_output_token_seconds",
                  "kvbank_inter_token_latency_seconds"):
         check(types.get(name) == "histogram", name)
     for name in ("kvbank_kv_blocks_own", "kvbank_kv_blocks_lent", "kvbank_kv_blocks_borrowed", "kvbank_lends_total",
-                 "kvbank_reclaims_total", "kvbank_preemptions_total", "kvbank_prefix_cache_hit_tokens_total"):
+                 "kvbank_reclaims_total", "kvbank_preemptions_total", "kvbank_prefix_cache_hit_tokens_total",
+                 "kvbank_kv_blocks_capacity"):
         check(metric(s0, name, model="chat") is not None, "%s{model=chat}" % name)
+    check("kvbank_kv_blocks_total" not in types, "the gauge kvbank_kv_blocks_total is renamed kvbank_kv_blocks_capacity")
     check(metric(s0, "kvbank_coordinator_up") == 1, "coordinator up")
-    before = {k: metric(s0, k, model="chat") for k in ("kvbank_gateway_completion_tokens_total",
-                                                        "kvbank_generation_tokens_total",
-                                                        "kvbank_time_to_first_token_seconds_count")}
+    moving = {("kvbank_gateway_completion_tokens_total", "model"): 7, ("kvbank_time_to_first_token_seconds_count", "model"): 1,
+              ("vllm:generation_tokens_total", "model_name"): 7, ("vllm:prompt_tokens_total", "model_name"): 3,
+              ("vllm:e2e_request_latency_seconds_count", "model_name"): 1,
+              ("vllm:time_to_first_token_seconds_count", "model_name"): 1,
+              ("vllm:request_prompt_tokens_sum", "model_name"): 3, ("vllm:request_generation_tokens_sum", "model_name"): 7,
+              ("vllm:request_params_max_tokens_sum", "model_name"): 7,
+              ("vllm:request_decode_time_seconds_count", "model_name"): 1}
+
+    def value(s, key):
+        return metric(s, key[0], **{key[1]: "chat"}) or 0
+    before = {k: value(s0, k) for k in moving}
+    ok0 = metric(s0, "vllm:request_success_total", model_name="chat", finished_reason="length")
     h0 = metric(s0, "kvbank_gateway_http_requests_total", endpoint="/v1/completions", code="2xx")
+    g0 = metric(s0, "kvbank_generation_tokens_total", model="chat")
     post("/v1/completions", {"model": "chat", "prompt": [3, 3, 3], "max_tokens": 7, "temperature": 0,
                              "ignore_eos": True})
 
     def moved():
         s, _ = metrics()
-        return (metric(s, "kvbank_gateway_completion_tokens_total", model="chat") ==
-                before["kvbank_gateway_completion_tokens_total"] + 7 and
-                metric(s, "kvbank_generation_tokens_total", model="chat") >=
-                before["kvbank_generation_tokens_total"] + 7 and
-                metric(s, "kvbank_time_to_first_token_seconds_count", model="chat") ==
-                before["kvbank_time_to_first_token_seconds_count"] + 1 and
+        return (all(value(s, k) == before[k] + d for k, d in moving.items()) and
+                metric(s, "kvbank_generation_tokens_total", model="chat") >= g0 + 7 and
+                metric(s, "vllm:request_success_total", model_name="chat", finished_reason="length") == ok0 + 1 and
                 metric(s, "kvbank_gateway_http_requests_total", endpoint="/v1/completions", code="2xx") == h0 + 1)
     wait_for("metrics to move", moved, 10)
-    promtool = "/usr/bin/promtool"
-    if os.path.exists(promtool):
-        raw = request("GET", "/metrics")[2]
-        r = subprocess.run([promtool, "check", "metrics"], input=raw, capture_output=True)
-        check(r.returncode == 0, "promtool check metrics: %s" % r.stdout.decode() + r.stderr.decode())
-        ok("promtool check metrics passes")
-    ok("/metrics parses (%d families) and its counters move with a request" % len(types))
+    s1, _ = metrics()
+    check(metric(s1, "vllm:prefix_cache_queries_total", model_name="chat") ==
+          metric(s1, "kvbank_prompt_tokens_total", model="chat") + metric(s1, "kvbank_prefix_cache_hit_tokens_total", model="chat"),
+          "prefix cache queries = tokens prefilled + tokens hit")
+    # promtool: the kvbank names are clean; each vLLM name trips exactly the reserved-colon lint
+    raw = request("GET", "/metrics")[2]
+    rc, lines = promtool_check(raw)
+    colon = sorted(ln.split()[0] for ln in lines if ln.endswith("metric names should not contain ':'"))
+    check(colon == sorted(VLLM), "promtool: the colon lint, once per vLLM name: %s" % colon)
+    check(len(lines) == len(colon), "promtool check metrics finds nothing else: %s" % [ln for ln in lines if "':'" not in ln])
+    st, ct, raw = request("GET", "/metrics?names=kvbank")
+    check(st == 200 and b"vllm:" not in raw, "/metrics?names=kvbank has no vllm: names")
+    rc, lines = promtool_check(raw)
+    check(rc == 0 and not lines, "promtool check metrics on /metrics?names=kvbank: exit %d %s" % (rc, lines))
+    ok("/metrics parses (%d families, %d of them vLLM's) and its counters move with a request; promtool check metrics: "
+       "clean on the kvbank names, the reserved-colon lint only on vLLM's" % (len(types), len(VLLM)))
 
 
 def test_deposit():
