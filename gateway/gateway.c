@@ -843,7 +843,10 @@ static void model_load_dir(gw_model *m) {
     if (m->have_cfg || !m->model_dir[0]) return;
     if (kvb_model_config_load(m->model_dir, &m->cfg) == KVB_OK) {
         m->have_cfg = 1;
-        kvb_status ts = kvb_tokenizer_load(m->model_dir, &m->tok);
+        /* a model without tokenizer.json is a normal case (it takes token ids): said at info below */
+        char tj[sizeof m->model_dir + 16];
+        snprintf(tj, sizeof tj, "%s/tokenizer.json", m->model_dir);
+        kvb_status ts = access(tj, F_OK) == 0 ? kvb_tokenizer_load(m->model_dir, &m->tok) : KVB_ERR_NOT_FOUND;
         if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
             KVB_LOG_W("gateway: model %s: its tokenizer cannot be used (%s); it takes token ids only", m->name,
                       kvb_status_str(ts));
