@@ -1638,6 +1638,26 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
 
 /* ------------------------------------------------------------------------------------- /metrics */
 
+/* A histogram of every model: its name, help and where it is in gw_model. */
+typedef struct hist_family {
+    const char *name, *help;
+    size_t off;
+} hist_family;
+
+/* The families `f[n]`, one series per model labelled `key`="<model name>". */
+static void hist_families(gw_text *t, const gw *g, const hist_family *f, size_t n, const char *key) {
+    char lab[256], esc[160];
+    for (size_t h = 0; h < n; h++) {
+        gw_metric_head(t, f[h].name, "histogram", f[h].help);
+        for (int i = 0; i < g->n_models; i++) {
+            const gw_model *m = g->models[i];
+            gw_label_escape(m->name, esc, sizeof esc);
+            snprintf(lab, sizeof lab, "%s=\"%s\"", key, esc);
+            gw_metric_hist(t, f[h].name, lab, (const gw_hist *)((const char *)m + f[h].off));
+        }
+    }
+}
+
 static void handle_metrics(gw *g, h2o_req_t *req) {
     gw_text t = {0};
     char lab[256], esc[160];
@@ -1704,10 +1724,7 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     COUNTER("kvbank_server_disconnects_total", "Requests the model cancelled because their client went away",
             m->pong.disconnects);
     /* measured at the gateway, as delivered to the HTTP clients */
-    struct {
-        const char *name, *help;
-        size_t off;
-    } hists[] = {
+    static const hist_family hists[] = {
         {"kvbank_time_to_first_token_seconds", "Arrival at the gateway to the first token delivered", offsetof(gw_model, ttft)},
         {"kvbank_time_per_output_token_seconds", "(last - first delivery) / (tokens - 1) per request", offsetof(gw_model, tpot)},
         {"kvbank_inter_token_latency_seconds", "Gap between two tokens delivered (after Token-Deposit)", offsetof(gw_model, itl)},
@@ -1715,13 +1732,7 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
          offsetof(gw_model, gen_itl)},
         {"kvbank_e2e_request_latency_seconds", "Arrival at the gateway to the request's end", offsetof(gw_model, e2e)},
     };
-    for (size_t h = 0; h < KVB_ARRAY_LEN(hists); h++) {
-        gw_metric_head(&t, hists[h].name, "histogram", hists[h].help);
-        FOR_MODELS {
-            gw_model *m = g->models[i];
-            gw_metric_hist(&t, hists[h].name, LAB(m), (const gw_hist *)((const char *)m + hists[h].off));
-        }
-    }
+    hist_families(&t, g, hists, KVB_ARRAY_LEN(hists), "model");
     gw_metric_head(&t, "kvbank_gateway_requests_total", "counter", "Requests the gateway finished, by finish reason");
     static const char *const reasons[] = {"none", "length", "stop", "cancelled", "error"};
     FOR_MODELS {
@@ -1775,10 +1786,7 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
                                  (double)(m->finished[vr[r].a] + (vr[r].b >= 0 ? m->finished[vr[r].b] : 0)));
             }
         }
-        struct {
-            const char *name, *help;
-            size_t off;
-        } vh[] = {
+        static const hist_family vh[] = {
             {"vllm:time_to_first_token_seconds", "Arrival at the gateway to the first token delivered", offsetof(gw_model, ttft)},
             {"vllm:time_per_output_token_seconds", "(last - first delivery) / (tokens - 1) per request", offsetof(gw_model, tpot)},
             {"vllm:inter_token_latency_seconds", "Gap between two tokens delivered", offsetof(gw_model, itl)},
@@ -1790,13 +1798,7 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
             {"vllm:request_params_max_tokens", "max_tokens per request (the default where none was given)",
              offsetof(gw_model, req_max_tokens)},
         };
-        for (size_t h = 0; h < KVB_ARRAY_LEN(vh); h++) {
-            gw_metric_head(&t, vh[h].name, "histogram", vh[h].help);
-            FOR_MODELS {
-                gw_model *m = g->models[i];
-                gw_metric_hist(&t, vh[h].name, LAB(m), (const gw_hist *)((const char *)m + vh[h].off));
-            }
-        }
+        hist_families(&t, g, vh, KVB_ARRAY_LEN(vh), "model_name");
     }
 #undef LAB
 #undef GAUGE

@@ -21,21 +21,10 @@ import time
 import urllib.parse
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gateway_test import check, fail, ok  # noqa: E402
+
 A = None
-
-
-def ok(msg):
-    print("ok   - " + msg, flush=True)
-
-
-def fail(msg):
-    print("FAIL - " + msg, flush=True)
-    sys.exit(1)
-
-
-def check(cond, msg):
-    if not cond:
-        fail(msg)
 
 
 def get(url, timeout=10):

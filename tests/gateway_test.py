@@ -85,6 +85,20 @@ def sse(body, path="/v1/completions"):
     return 200, events, done
 
 
+def recv_all(sock, size=65536, pause=0.0):
+    """Everything `sock` sends until it closes (read `size` bytes at a time, `pause` s between reads);
+    closes it."""
+    data = b""
+    while True:
+        chunk = sock.recv(size)
+        if not chunk:
+            break
+        data += chunk
+        time.sleep(pause)
+    sock.close()
+    return data
+
+
 def generate_ref(model_dir, prompts, max_tokens):
     """kvbank-generate's greedy ids for each prompt (lists of ints)."""
     args = [B + "/kvbank-generate", "--model", model_dir, "--max-tokens", str(max_tokens)]
@@ -344,13 +358,7 @@ def test_endpoints():
         (status, headers, the bytes after the head)."""
         sock = socket.create_connection(("127.0.0.1", A.port), timeout=30)
         sock.sendall(("HEAD %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path).encode())
-        data = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-        sock.close()
+        data = recv_all(sock)
         hd, _, rest = data.partition(b"\r\n\r\n")
         lines = hd.decode().split("\r\n")
         hdrs = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
@@ -526,14 +534,7 @@ def test_slow_client():
                     timeout=30)
     check(st == 200, "another request completes while a client does not read")
     time.sleep(1.0)
-    data = b""
-    while True:
-        chunk = sock.recv(1024)
-        if not chunk:
-            break
-        data += chunk
-        time.sleep(0.001)
-    sock.close()
+    data = recv_all(sock, 1024, 0.001)
     head, _, body = data.partition(b"\r\n\r\n")
     # chunked transfer encoding: undo it
     out, rest = b"", body
