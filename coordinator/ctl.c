@@ -501,7 +501,7 @@ static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_
     }
     kvbank__envelope__free_unpacked(r, NULL);
     if (!found) {
-        fprintf(stderr, PROG ": no model '%s' is registered with the coordinator (registered: %s)\n", model,
+        fprintf(stderr, PROG ": no such model registered: '%s' (the coordinator has: %s)\n", model,
                 names[0] ? names : "none");
         return 1;
     }

@@ -67,7 +67,7 @@ typedef struct gw_field {
 /* The table: *n rows; a name may have one row per endpoint (logprobs: a boolean in chat, an integer
  * in completions). Static, never freed. */
 const gw_field *gw_fields(int *n);
-#define GW_MAX_IGNORED 16     /* ignored fields one request reports (gw_params.ignored) */
+#define GW_MAX_IGNORED 32     /* ignored fields one request reports (gw_params.ignored): at least the ignored rows */
 
 /* A validated request. Pointers borrow from the JSON document it was read from. */
 struct gw_params {

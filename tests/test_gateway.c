@@ -221,6 +221,9 @@ KVB_TEST(field_table) {
         }
     }
     ck_assert_int_ge(n_ignored, 10);
+    int ignored_rows = 0;
+    for (int i = 0; i < n; i++) ignored_rows += f[i].kind == GW_FIELD_IGNORED;
+    ck_assert_int_le(ignored_rows, GW_MAX_IGNORED); /* a request carrying all of them reports each */
     ck_assert_int_ge(n_unsupported, 20);
     /* the neutral values common clients send pass; anything more is refused by name */
     const char *neutral[] = {"\"n\": 1", "\"logprobs\": false", "\"top_logprobs\": 0", "\"presence_penalty\": 0.0",

@@ -368,9 +368,9 @@ fi
 # an unknown model is named, with the ones that are registered
 rc=0
 out=$(ctl generate --model nope --prompt-ids 1,2 --max-tokens 2 2>&1) || rc=$?
-[ "$rc" -eq 1 ] && grep -qF "no model 'nope' is registered with the coordinator (registered: " <<<"$out" ||
+[ "$rc" -eq 1 ] && grep -qF "no such model registered: 'nope' (the coordinator has: " <<<"$out" ||
     fail "generate on an unknown model: exit $rc, $out"
-for m in chat code summ; do grep -qE "registered: .*\b$m\b" <<<"$out" || fail "generate on an unknown model: $m not listed: $out"; done
+for m in chat code summ; do grep -qE "has: .*\b$m\b" <<<"$out" || fail "generate on an unknown model: $m not listed: $out"; done
 ok "kvbankctl reads \$KVBANK_CONFIG (status, plan), says where it looked without one, and names an unknown model"
 
 # a worker whose checkpoint vanishes under the running node: restarting, crash-looping, why; back
