@@ -43,7 +43,8 @@ for cmd in cmds:
     out = r.stdout.decode()
     what = cmd.split("\n")[0][:90]
     assert r.returncode == 0, "%s: exit %d: %s" % (what, r.returncode, r.stderr.decode()[-500:])
-    assert "/metrics" in cmd or '"error"' not in out, "%s: %s" % (what, out[:500])
+    k = -1 if "/metrics" in cmd else out.find('"error"')
+    assert k < 0, "%s: %s" % (what, out[max(0, k - 200):k + 400])
     if "/metrics" in cmd:
         assert "vllm:num_requests_running" in out and "kvbank_model_up" in out, "%s: %s" % (what, out[:300])
         seen.add("metrics")
