@@ -1,8 +1,11 @@
 /* kvbank — the engine's public API: create and destroy, requests, the step, statistics. The work is in the
  * files state.h lists. */
 #include "common/sched/engine.h"
+#include "common/sched/link_calib.h"
 
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/sched/state.h"
@@ -110,6 +113,10 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     e->o = o;
     e->planner = pl; /* from here on kvb_engine_destroy destroys it */
     if (ev) e->ev = *ev;
+    if (o.links.calibrate) { /* a scaled link preset no caller calibrated: at the default point */
+        KVB_TRY_GOTO(kvb_link_calibrate(m, NULL, &o.links), fail);
+        e->o.links = o.links;
+    }
     e->geom = kvb_model_kv_geom(m, o.block_size);
     kvb_backend *be = kvb_model_backend(m);
     e->model_info = (kvb_model_info){.cfg = c, .weight_bytes = kvb_model_weight_bytes_per_token(m),
@@ -207,6 +214,8 @@ const char *kvb_engine_last_error(const kvb_engine *e) { return e->last_error; }
 
 kvb_model *kvb_engine_model(const kvb_engine *e) { return e->m; }
 
+const kvb_link_model *kvb_engine_links(const kvb_engine *e) { return kvb_stager_links(e->stager); }
+
 kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
     kvb__seq_list *lists[] = {&e->waiting, &e->running, &e->swapped}, *l = NULL;
     kvb__seq *s = NULL;
@@ -274,4 +283,132 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              (unsigned long long)s.hidden_restores,
              (unsigned long long)s.hidden_saved_bytes, (unsigned long long)s.links[KVB_LINK_HOST].bytes,
              (unsigned long long)s.links[KVB_LINK_PEER].bytes);
+}
+
+/* ---------------------------------------------------------------- the link model's time scale (link_calib.h)
+ * Measured by running the model on an engine of its own; here, in the engine's own file, because an
+ * engine made with a scaled preset no caller calibrated calibrates it first (kvb_engine_create). */
+
+enum { CAL_BS = 16 };
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Token `i` of request `r`'s prompt: the first ctx are its history, the rest differ per repetition. */
+static int32_t tok_of(int r, int rep, int i, int ctx, int vocab) {
+    uint64_t z = (uint64_t)r * 1000003u + (uint64_t)i * 7919u + (i >= ctx ? (uint64_t)(rep + 1) * 104729u : 0);
+    z ^= z >> 17;
+    z *= 0xed5ad4bbu;
+    z ^= z >> 11;
+    return (int32_t)(3 + z % (uint64_t)(vocab - 3));
+}
+
+/* The measurement's own plan (the engine needs a planner, and the policies that hold vLLM's sit above
+ * this layer): running requests compute what is left of their prompt, then waiting ones are admitted in
+ * arrival order, each taking its prefix hits, as far as the step's budget and max_seqs go. */
+static kvb_status cal_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    (void)ctx;
+    int left = v->max_batch_tokens, n = 0, bs = v->geom->block_size;
+    for (int i = 0; i < v->n_reqs && left > 0 && n < v->max_seqs; i++) {
+        const kvb_req_view *r = &v->reqs[i];
+        kvb_plan_op op = {.id = r->id};
+        if (r->state == KVB_REQ_RUNNING) {
+            op.kind = KVB_OP_RUN;
+            op.q_len = KVB_MIN(r->n_tokens - r->n_computed, left);
+        } else if (r->state == KVB_REQ_WAITING) {
+            kvb_prefix_probe pr;
+            KVB_TRY(kvb_sched_probe(v, i, out, &pr));
+            op.kind = KVB_OP_ADMIT;
+            op.q_len = KVB_MIN(r->n_tokens - (pr.n_hit + pr.n_host_hit) * bs, left);
+        } else {
+            continue;
+        }
+        KVB_TRY(kvb_plan_push_op(out, op));
+        left -= op.q_len;
+        n++;
+    }
+    return KVB_OK;
+}
+
+static const kvb_planner_i cal_planner = {.name = "link-calibration", .plan_step = cal_plan};
+
+/* Runs the engine until it has no live request; the steps' time less run-queue waits, seconds. */
+static kvb_status run_out(kvb_engine *e, double *t_s) {
+    double t = 0;
+    while (kvb_engine_n_live(e) > 0) {
+        uint64_t t0 = kvb_now_ns(), q0 = kvb_thread_runq_ns();
+        KVB_TRY(kvb_engine_step(e));
+        uint64_t dt = kvb_now_ns() - t0, dq = kvb_thread_runq_ns() - q0;
+        t += (double)(dq < dt ? dt - dq : dt) * 1e-9;
+    }
+    if (t_s) *t_s = t;
+    return KVB_OK;
+}
+
+kvb_status kvb_link_measure_step(kvb_model *m, const kvb_link_point *p, int reps, double *step_s) {
+    const kvb_model_config *c = kvb_model_cfg(m);
+    int ctx = KVB_MAX(CAL_BS, (int)lround(p->ctx / CAL_BS) * CAL_BS);
+    if (p->batch < 1 || p->q < 1 || reps < 1 || ctx + p->q + 1 > c->max_pos || c->vocab < 4) {
+        KVB_LOG_E("link calibration: a step of %d x %d tokens over %d does not fit the model (context %d)", p->batch,
+                  p->q, ctx, c->max_pos);
+        return KVB_ERR_INVALID;
+    }
+    int len = ctx + p->q, per_req = (len + CAL_BS - 1) / CAL_BS + 1;
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.block_size = CAL_BS;
+    o.n_blocks = 2 * p->batch * per_req + 4; /* the histories stay cached while a repetition runs */
+    o.max_seqs = p->batch;
+    o.max_batch_tokens = KVB_MAX(p->batch * p->q, 256);
+    o.enable_prefix_cache = 1;
+    kvb_engine *e = NULL;
+    int32_t *prompt = NULL;
+    double *t = NULL;
+    kvb_status st;
+    KVB_TRY_GOTO(kvb_malloc((size_t)len * sizeof *prompt, (void **)&prompt), out);
+    KVB_TRY_GOTO(kvb_calloc((size_t)reps + 1, sizeof *t, (void **)&t), out);
+    KVB_TRY_GOTO(kvb_engine_create(m, &o, &(kvb_planner){.iface = &cal_planner}, NULL, &e), out);
+    uint64_t id = 1;
+    /* the histories, prefilled once and left in the prefix cache */
+    for (int r = 0; r < p->batch; r++) {
+        for (int i = 0; i < ctx; i++) prompt[i] = tok_of(r, 0, i, ctx, c->vocab);
+        kvb_request rq = {.id = id++, .prompt = prompt, .n_prompt = ctx, .max_tokens = 1};
+        KVB_TRY_GOTO(kvb_engine_add(e, &rq), out);
+    }
+    KVB_TRY_GOTO(run_out(e, NULL), out);
+    /* each repetition: every request's q new tokens over its cached history, in one step (the budget
+     * holds them all), and its first token sampled there */
+    for (int rep = 0; rep <= reps; rep++) {
+        for (int r = 0; r < p->batch; r++) {
+            for (int i = 0; i < len; i++) prompt[i] = tok_of(r, rep, i, ctx, c->vocab);
+            kvb_request rq = {.id = id++, .prompt = prompt, .n_prompt = len, .max_tokens = 1};
+            KVB_TRY_GOTO(kvb_engine_add(e, &rq), out);
+        }
+        KVB_TRY_GOTO(run_out(e, &t[rep]), out);
+    }
+    qsort(t + 1, (size_t)reps, sizeof *t, cmp_d); /* the first repetition warms the caches */
+    *step_s = reps % 2 ? t[1 + reps / 2] : 0.5 * (t[reps / 2] + t[1 + reps / 2]);
+    st = KVB_OK;
+out:
+    kvb_engine_destroy(e);
+    free(prompt);
+    free(t);
+    return st;
+}
+
+kvb_status kvb_link_calibrate(kvb_model *m, const kvb_link_point *p, kvb_link_model *lm) {
+    if (!lm->calibrate) return KVB_OK;
+    const kvb_model_config *c = kvb_model_cfg(m);
+    kvb_link_point def = {.batch = 4, .q = 1, .ctx = KVB_MIN(512, (c->max_pos - 2) / CAL_BS * CAL_BS)};
+    if (!p) p = &def;
+    kvb_link_point pt = *p;
+    pt.ctx = KVB_MAX(CAL_BS, (int)lround(pt.ctx / CAL_BS) * CAL_BS); /* what kvb_link_measure_step runs */
+    double step;
+    KVB_TRY(kvb_link_measure_step(m, &pt, 7, &step));
+    kvb_kv_geom g = kvb_model_kv_geom(m, 1);
+    double kv_bytes = (double)kvb_kv_layer_bytes(&g); /* one token, one layer: K and V */
+    if (p->target_ctx > 0 && p->ctx > 0) pt.target_ctx = p->target_ctx * pt.ctx / p->ctx; /* the rounding, on both sides */
+    return kvb_link_scale(lm, &pt, step, c->n_layers, kv_bytes);
 }

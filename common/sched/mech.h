@@ -77,7 +77,7 @@ typedef struct kvb__mech_i {
     /* After the layer loop and the drain, whether the step succeeded (ok) or not; also after a step that
      * failed before its layer loop (step_begin may not have run): buffers back, the step's state reset. */
     void (*step_end)(void *ctx, struct kvb_engine *e, int ok);
-    /* The step's logits are out: per-request bookkeeping before the requests advance (e->sched). */
+    /* The step's logits are out: per-request bookkeeping before the requests advance (e->step.sched). */
     void (*step_done)(void *ctx, struct kvb_engine *e);
     /* The request's fields the mechanism owns in the planner's view. */
     void (*view_req)(void *ctx, const struct kvb_engine *e, const struct kvb__seq *s, kvb_req_view *r);

@@ -43,7 +43,7 @@ struct kvb__slices {
     sl_mask *vmask;       /* [vcap] host layers */
     int *vdepth;          /* [vcap] */
     int vcap;
-    /* the step's prefetch slices, by position in e->sched */
+    /* the step's prefetch slices, by position in e->step.sched */
     int32_t *scratch;     /* slices */
     int n_scratch, cap_scratch;
     int *s_first;         /* [max_seqs] first scratch index of sched[i] */
