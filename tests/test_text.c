@@ -340,7 +340,7 @@ KVB_TEST(load_errors) {
 KVB_TEST_END
 
 /* A minimal byte-level tokenizer: the 256 byte tokens, the merge "b b" -> "bb" (id 256), one Split
- * regex `pattern` and the added tokens `added` (a JSON array, may be NULL); config.json's vocab_size
+ * regex `pattern` (then ByteLevel without its own regex) and the added tokens `added` (a JSON array, may be NULL); config.json's vocab_size
  * when vocab_size > 0. */
 static void write_tok(const char *dir, const char *pattern, json_t *added, int vocab_size) {
     mkdir(dir, 0700);
@@ -351,9 +351,10 @@ static void write_tok(const char *dir, const char *pattern, json_t *added, int v
         json_object_set_new(vocab, c, json_integer(b));
     }
     json_object_set_new(vocab, "bb", json_integer(256));
-    json_t *tj = json_pack("{s:o, s:{s:s, s:{s:s}, s:s}, s:{s:s, s:o, s:[[s,s]]}}", "added_tokens",
-                           added ? added : json_array(), "pre_tokenizer", "type", "Split", "pattern", "Regex",
-                           pattern, "behavior", "Isolated", "model", "type", "BPE", "vocab", vocab, "merges", "b",
+    json_t *tj = json_pack("{s:o, s:{s:s, s:[{s:s, s:{s:s}, s:s}, {s:s, s:b}]}, s:{s:s, s:o, s:[[s,s]]}}",
+                           "added_tokens", added ? added : json_array(), "pre_tokenizer", "type", "Sequence",
+                           "pretokenizers", "type", "Split", "pattern", "Regex", pattern, "behavior", "Isolated",
+                           "type", "ByteLevel", "use_regex", 0, "model", "type", "BPE", "vocab", vocab, "merges", "b",
                            "b");
     ck_assert_ptr_nonnull(tj);
     char path[512];
