@@ -6,6 +6,8 @@
  *   text_cli render MODEL_DIR < conversations.json  conversations: [{"messages": [...],
  *                                                  "add_generation_prompt": b, "extra": {...}}, ...].
  *                                                  Prints [{"text": "..."} | {"error": "..."}, ...]
+ *   text_cli decode MODEL_DIR < [[ids...], ...]    per list: {"text": decode skipping special tokens,
+ *                                                  "text_all": decode with them, "stream_ok": ...}
  *   text_cli speed MODEL_DIR FILE [REPEATS]        encode FILE's text, print tokens/s (cold, then warm cache) */
 #include <jansson.h>
 #include <stdio.h>
@@ -82,6 +84,35 @@ static int cmd_encode(const char *dir) {
     return 0;
 }
 
+static int cmd_decode(const char *dir) {
+    kvb_tokenizer *t;
+    if (kvb_tokenizer_load(dir, &t) != KVB_OK) return 1;
+    json_t *in = read_stdin(), *out = json_array();
+    if (!in) return 1;
+    size_t i, k;
+    json_t *list, *v;
+    json_array_foreach(in, i, list) {
+        int n = (int)json_array_size(list);
+        int32_t *ids = calloc((size_t)n + 1, sizeof *ids);
+        json_array_foreach(list, k, v) ids[k] = (int32_t)json_integer_value(v);
+        char *txt, *all;
+        size_t len, alen;
+        if (kvb_tokenizer_decode(t, ids, n, 1, &txt, &len) != KVB_OK || kvb_tokenizer_decode(t, ids, n, 0, &all, &alen) != KVB_OK)
+            return 1;
+        int sok = stream_matches(t, ids, n, 1, txt, len) && stream_matches(t, ids, n, 0, all, alen);
+        json_array_append_new(out, json_pack("{s:s%, s:s%, s:b}", "text", txt, len, "text_all", all, alen, "stream_ok", sok));
+        free(txt);
+        free(all);
+        free(ids);
+    }
+    json_dumpf(out, stdout, JSON_ENSURE_ASCII | JSON_COMPACT);
+    printf("\n");
+    json_decref(in);
+    json_decref(out);
+    kvb_tokenizer_destroy(t);
+    return 0;
+}
+
 static int cmd_render(const char *dir) {
     kvb_chat_template *ct;
     if (kvb_chat_template_load(dir, &ct) != KVB_OK) return 1;
@@ -135,7 +166,8 @@ static int cmd_speed(const char *dir, const char *file, int repeats) {
 int main(int argc, char **argv) {
     if (argc >= 3 && !strcmp(argv[1], "encode")) return cmd_encode(argv[2]);
     if (argc >= 3 && !strcmp(argv[1], "render")) return cmd_render(argv[2]);
+    if (argc >= 3 && !strcmp(argv[1], "decode")) return cmd_decode(argv[2]);
     if (argc >= 4 && !strcmp(argv[1], "speed")) return cmd_speed(argv[2], argv[3], argc > 4 ? atoi(argv[4]) : 3);
-    fprintf(stderr, "usage: text_cli encode|render MODEL_DIR < JSON | text_cli speed MODEL_DIR FILE [N]\n");
+    fprintf(stderr, "usage: text_cli encode|decode|render MODEL_DIR < JSON | text_cli speed MODEL_DIR FILE [N]\n");
     return 2;
 }
