@@ -475,12 +475,15 @@ enum { S_UNK = 0, S_BOS = 1, S_EOS = 2, S_BYTE0 = 3, S_MS = 259, S_A, S_B, S_H, 
        S_MSHELL, S_MSHELLO, S_MSMS, S_AB, S_N_VOCAB };
 #define MS "\xe2\x96\x81" /* U+2581, SentencePiece's space */
 
-/* A Llama-2-shaped tokenizer.json: <unk> <s> </s>, the 256 <0xNN> tokens (`with_bytes`), the
+enum { SPM_BYTES = 1, SPM_CROSS = 2 }; /* write_spm's flags */
+
+/* A Llama-2-shaped tokenizer.json: <unk> <s> </s>, the 256 <0xNN> tokens (SPM_BYTES), the
  * characters of "hello ab" and their merges "l l", "▁ h", "▁h e", "▁he ll", "▁hell o", "▁ ▁", "a b"
- * (by rank); model.unk_token `unk` (NULL: none), fuse_unk, and the normalizer, pre-tokenizer and
+ * (by rank), and with SPM_CROSS "ab ▁" -> "ab▁" (id S_N_VOCAB: a token with "▁" after another
+ * character); model.unk_token `unk` (NULL: none), fuse_unk, and the normalizer, pre-tokenizer and
  * decoder given (the Llama-2 ones where NULL: Prepend "▁" + Replace " " -> "▁", none, Replace "▁"
  * -> " " + ByteFallback + Fuse + Strip 1). The post-processor adds <s>. Steals the JSON. */
-static void write_spm(const char *dir, int with_bytes, const char *unk, int fuse_unk, json_t *normalizer,
+static void write_spm(const char *dir, int flags, const char *unk, int fuse_unk, json_t *normalizer,
                       json_t *pre, json_t *decoder) {
     mkdir(dir, 0700);
     static const char *const toks[] = {MS, "a", "b", "h", "e", "l", "o", "ll", MS "h", MS "he", MS "hell",
@@ -488,13 +491,17 @@ static void write_spm(const char *dir, int with_bytes, const char *unk, int fuse
     static const char *const merges[][2] = {{"l", "l"}, {MS, "h"}, {MS "h", "e"}, {MS "he", "ll"},
                                             {MS "hell", "o"}, {MS, MS}, {"a", "b"}};
     json_t *vocab = json_pack("{s:i, s:i, s:i}", "<unk>", S_UNK, "<s>", S_BOS, "</s>", S_EOS), *m = json_array();
-    for (int b = 0; b < 256 && with_bytes; b++) {
+    for (int b = 0; b < 256 && (flags & SPM_BYTES); b++) {
         char name[8];
         snprintf(name, sizeof name, "<0x%02X>", b);
         json_object_set_new(vocab, name, json_integer(S_BYTE0 + b));
     }
     for (size_t i = 0; i < KVB_ARRAY_LEN(toks); i++) json_object_set_new(vocab, toks[i], json_integer(S_MS + (int)i));
     for (size_t i = 0; i < KVB_ARRAY_LEN(merges); i++) json_array_append_new(m, json_pack("[s,s]", merges[i][0], merges[i][1]));
+    if (flags & SPM_CROSS) {
+        json_object_set_new(vocab, "ab" MS, json_integer(S_N_VOCAB));
+        json_array_append_new(m, json_pack("[s,s]", "ab", MS));
+    }
     if (!normalizer)
         normalizer = json_pack("{s:s, s:[{s:s, s:s}, {s:s, s:{s:s}, s:s}]}", "type", "Sequence", "normalizers", "type",
                                "Prepend", "prepend", MS, "type", "Replace", "pattern", "String", " ", "content", MS);
@@ -510,7 +517,7 @@ static void write_spm(const char *dir, int with_bytes, const char *unk, int fuse
                            "added_tokens", added, "normalizer", normalizer, "pre_tokenizer", pre ? pre : json_null(),
                            "decoder", decoder, "post_processor", "type", "TemplateProcessing", "single", "SpecialToken",
                            "id", "<s>", "Sequence", "id", "A", "special_tokens", "<s>", "ids", S_BOS, "model", "type",
-                           "BPE", "vocab", vocab, "merges", m, "byte_fallback", with_bytes, "fuse_unk", fuse_unk,
+                           "BPE", "vocab", vocab, "merges", m, "byte_fallback", flags & SPM_BYTES, "fuse_unk", fuse_unk,
                            "unk_token", unk ? json_string(unk) : json_null());
     ck_assert_ptr_nonnull(tj);
     char path[512];
@@ -519,7 +526,7 @@ static void write_spm(const char *dir, int with_bytes, const char *unk, int fuse
     json_decref(tj);
     snprintf(path, sizeof path, "%s/config.json", dir); /* the ids of absent byte tokens exist */
     FILE *f = fopen(path, "w");
-    fprintf(f, "{\"vocab_size\": %d}\n", S_N_VOCAB);
+    fprintf(f, "{\"vocab_size\": %d}\n", S_N_VOCAB + 1);
     fclose(f);
 }
 
@@ -584,6 +591,13 @@ KVB_TEST(spm_llama2) {
     expect_decode(t, (int32_t[]){S_A, S_BYTE0 + 0xE4, S_BYTE0 + 0xB8, S_A}, 4, 0, "a\xef\xbf\xbd" "a");
     expect_decode(t, (int32_t[]){S_BYTE0 + 0xE4}, 1, 0, "\xef\xbf\xbd");
     expect_decode(t, (int32_t[]){S_BYTE0 + ' ', S_BYTE0 + ' ', S_A}, 3, 0, " a"); /* a byte " " strips too */
+    expect_ids(t, "ab ab", 0, (int32_t[]){S_MS, S_AB, S_MS, S_AB}, 4);
+    kvb_tokenizer_destroy(t);
+    /* a token with "▁" after another character: a merge may join across that "▁", so the section is
+     * merged whole (as Hugging Face does), not word by word */
+    write_spm(dir, SPM_BYTES | SPM_CROSS, "<unk>", 1, NULL, NULL, NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "ab ab", 0, (int32_t[]){S_MS, S_N_VOCAB, S_AB}, 3);
     kvb_tokenizer_destroy(t);
     rm_model(dir);
 }

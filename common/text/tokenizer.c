@@ -110,6 +110,8 @@ struct kvb_tokenizer {
         prepend_scheme prepend;
         int split;          /* pieces start at each replacement character */
     } metaspace;            /* a Metaspace pre-tokenizer */
+    char space[5];          /* SentencePiece style: the character a space becomes ("▁"), when merging */
+    size_t space_len;       /* word by word is exact (spm_word_split), else 0 */
     char dec_strip[5];      /* decoder Strip (after Fuse): at most dec_strip_n of this character come */
     size_t dec_strip_len;   /* off the start of the decoded text */
     int dec_strip_n;
@@ -820,6 +822,40 @@ static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj
     return trie_build(t);
 }
 
+/* Hugging Face merges a SentencePiece-style section (no pre-tokenizer, or Metaspace without split) as
+ * one piece: over a long text that is slow (every merge jumps through the whole text) and the word
+ * cache never hits. When no vocabulary token has the space character right after another character
+ * (Llama-2 and Mistral have "▁" inside a token only in runs of "▁"), no merge can join the symbols on
+ * either side of a "▁" that follows another character, since every merge makes a vocabulary token; so
+ * merging the words between such places one by one gives the same tokens. Sets t->space when so. */
+static void spm_word_split(kvb_tokenizer *t) {
+    const char *sp = NULL;
+    size_t sl = 0;
+    if (t->byte_level || t->ignore_merges || t->n_regex) return; /* ignore_merges: a whole piece may be a token */
+    if (t->metaspace.on) {
+        sp = t->metaspace.rep;
+        sl = t->metaspace.rep_len;
+    }
+    for (int i = 0; i < t->n_norm && !sp; i++) {
+        uint32_t cp;
+        const norm_step *st = &t->norm[i];
+        if (st->kind == NORM_REPLACE && st->from_len == 1 && st->from[0] == ' ' && st->to_len <= 4 &&
+            (size_t)kvb__utf8_decode((const uint8_t *)st->to, st->to_len, &cp) == st->to_len) {
+            sp = st->to;
+            sl = st->to_len;
+        }
+    }
+    if (!sp || vocab_find(t, sp, sl) < 0) return;
+    for (int32_t id = 0; id < t->n_vocab; id++) {
+        if (t->tok_str[id] == SIZE_MAX) continue;
+        const char *s = tok_text(t, id), *e = s + t->tok_str_len[id];
+        for (const char *p = s + 1; p < e && (p = memmem(p, (size_t)(e - p), sp, sl)); p += sl)
+            if ((size_t)(p - s) < sl || memcmp(p - sl, sp, sl)) return; /* after another character */
+    }
+    memcpy(t->space, sp, sl);
+    t->space_len = sl;
+}
+
 /* The pieces fit together: byte-level BPE (a ByteLevel pre-tokenizer) decodes with ByteLevel (or no
  * decoder); SentencePiece style needs its own decoder; Metaspace splits alone. */
 static kvb_status check_pipeline(const kvb_tokenizer *t, const char *dir, int has_decoder, const decoder_cfg *dc) {
@@ -902,6 +938,7 @@ kvb_status kvb_tokenizer_load(const char *model_dir, kvb_tokenizer **out) {
     KVB_TRY_GOTO(check_pipeline(t, model_dir, dec && !json_is_null(dec), &dc), fail);
     KVB_TRY_GOTO(load_model(t, model_dir, tj, mcfg, &dc), fail);
     KVB_TRY_GOTO(load_post_processor(t, model_dir, json_object_get(tj, "post_processor")), fail);
+    spm_word_split(t);
 
     KVB_TRY_GOTO(kvb__model_json(model_dir, "tokenizer_config.json", 1, 1, &cfg), fail);
     KVB_TRY_GOTO(kvb__model_json(model_dir, "generation_config.json", 1, 0, &gen), fail);
@@ -1078,37 +1115,73 @@ static void cache_put(kvb_tokenizer *t, uint64_t h, const uint8_t *s, size_t n, 
     pthread_mutex_unlock(&t->cache_lock);
 }
 
-typedef struct heap_item {
-    int32_t rank, pos; /* the merge's rank; the left symbol's index */
-    int32_t a, b;      /* the ids it merges (stale entries are skipped) */
-} heap_item;
+/* The pairs of adjacent symbols that have a merge, as an indexed min-heap: one entry per left symbol,
+ * keyed (rank << 32 | position), so the lowest rank comes first and the leftmost among equals (as
+ * Hugging Face's BPE); where[] finds a position's entry to change or remove it when a merge changes
+ * its pair. At most one entry per symbol: 12 bytes each, however many merges happen. */
+typedef struct pair_heap {
+    uint64_t *key;  /* [n symbols] heap of (rank << 32 | position) */
+    int32_t *where; /* [n symbols] index in key of the position's entry, or -1 */
+    int n;
+} pair_heap;
 
-static int heap_less(const heap_item *x, const heap_item *y) {
-    return x->rank != y->rank ? x->rank < y->rank : x->pos < y->pos;
+static void heap_place(pair_heap *h, int i, uint64_t k) {
+    h->key[i] = k;
+    h->where[(uint32_t)k] = i;
 }
 
-static void heap_push(heap_item *h, int *n, heap_item it) {
-    int i = (*n)++;
-    while (i > 0 && heap_less(&it, &h[(i - 1) / 2])) {
-        h[i] = h[(i - 1) / 2];
+static void heap_up(pair_heap *h, int i) {
+    uint64_t k = h->key[i];
+    while (i > 0 && k < h->key[(i - 1) / 2]) {
+        heap_place(h, i, h->key[(i - 1) / 2]);
         i = (i - 1) / 2;
     }
-    h[i] = it;
+    heap_place(h, i, k);
 }
 
-static heap_item heap_pop(heap_item *h, int *n) {
-    heap_item top = h[0], last = h[--(*n)];
-    int i = 0;
+static void heap_down(pair_heap *h, int i) {
+    uint64_t k = h->key[i];
     for (;;) {
         int c = 2 * i + 1;
-        if (c >= *n) break;
-        if (c + 1 < *n && heap_less(&h[c + 1], &h[c])) c++;
-        if (!heap_less(&h[c], &last)) break;
-        h[i] = h[c];
+        if (c >= h->n) break;
+        if (c + 1 < h->n && h->key[c + 1] < h->key[c]) c++;
+        if (h->key[c] >= k) break;
+        heap_place(h, i, h->key[c]);
         i = c;
     }
-    h[i] = last;
-    return top;
+    heap_place(h, i, k);
+}
+
+static void heap_remove(pair_heap *h, int32_t pos) {
+    int i = h->where[pos];
+    if (i < 0) return;
+    h->where[pos] = -1;
+    if (i == --h->n) return;
+    uint64_t old = h->key[i], last = h->key[h->n];
+    heap_place(h, i, last);
+    if (last < old) heap_up(h, i);
+    else heap_down(h, i);
+}
+
+/* Sets the entry of position `pos` to its pair's merge (removed when the pair has none). */
+static void heap_set(pair_heap *h, const kvb_tokenizer *t, int32_t pos, int32_t a, int32_t b) {
+    const struct merge_slot *m = b >= 0 ? merge_find(t, a, b) : NULL;
+    if (!m) {
+        heap_remove(h, pos);
+        return;
+    }
+    uint64_t k = (uint64_t)(uint32_t)m->rank << 32 | (uint32_t)pos;
+    int i = h->where[pos];
+    if (i < 0) {
+        i = h->n++;
+        heap_place(h, i, k);
+        heap_up(h, i);
+    } else if (k != h->key[i]) {
+        uint64_t old = h->key[i];
+        heap_place(h, i, k);
+        if (k < old) heap_up(h, i);
+        else heap_down(h, i);
+    }
 }
 
 /* The first symbols of a SentencePiece-style piece s[0..n) (valid UTF-8), into sym[] (at most n): each
@@ -1167,12 +1240,12 @@ static kvb_status bpe_piece(const kvb_tokenizer *tc, const uint8_t *s, size_t n,
         }
     }
     int32_t *sym = NULL, *next = NULL, *prev = NULL;
-    heap_item *heap = NULL;
-    int nh = 0;
+    pair_heap heap = {0};
     KVB_TRY_GOTO(kvb_malloc(n * sizeof *sym, (void **)&sym), done);
     KVB_TRY_GOTO(kvb_malloc(n * sizeof *next, (void **)&next), done);
     KVB_TRY_GOTO(kvb_malloc(n * sizeof *prev, (void **)&prev), done);
-    KVB_TRY_GOTO(kvb_malloc(3 * n * sizeof *heap + sizeof *heap, (void **)&heap), done);
+    KVB_TRY_GOTO(kvb_malloc(n * sizeof *heap.key, (void **)&heap.key), done);
+    KVB_TRY_GOTO(kvb_malloc(n * sizeof *heap.where, (void **)&heap.where), done);
     size_t nsym = n;
     if (t->byte_level)
         for (size_t i = 0; i < n; i++) sym[i] = t->byte_id[s[i]];
@@ -1181,29 +1254,18 @@ static kvb_status bpe_piece(const kvb_tokenizer *tc, const uint8_t *s, size_t n,
     for (size_t i = 0; i < nsym; i++) {
         next[i] = i + 1 < nsym ? (int32_t)i + 1 : -1;
         prev[i] = (int32_t)i - 1;
+        heap.where[i] = -1;
     }
-    for (size_t i = 0; i + 1 < nsym; i++) {
-        const struct merge_slot *m = merge_find(t, sym[i], sym[i + 1]);
-        if (m) heap_push(heap, &nh, (heap_item){m->rank, (int32_t)i, sym[i], sym[i + 1]});
-    }
-    /* nsym - 1 <= n - 1 pairs at first, and every merge (at most n - 1) pushes at most two: the heap
-     * stays below 3n */
-    while (nh > 0) {
-        heap_item it = heap_pop(heap, &nh);
-        int32_t p = it.pos, q = next[p];
-        if (sym[p] != it.a || q < 0 || sym[q] != it.b) continue; /* stale */
-        sym[p] = merge_find(t, it.a, it.b)->id;
+    for (size_t i = 0; i + 1 < nsym; i++) heap_set(&heap, t, (int32_t)i, sym[i], sym[i + 1]);
+    while (heap.n > 0) {
+        int32_t p = (int32_t)(uint32_t)heap.key[0], q = next[p];
+        sym[p] = merge_find(t, sym[p], sym[q])->id;
+        heap_remove(&heap, p);
+        heap_remove(&heap, q); /* q's pair is gone with q */
         next[p] = next[q];
         if (next[q] >= 0) prev[next[q]] = p;
-        sym[q] = -1;
-        if (prev[p] >= 0) {
-            const struct merge_slot *m = merge_find(t, sym[prev[p]], sym[p]);
-            if (m) heap_push(heap, &nh, (heap_item){m->rank, prev[p], sym[prev[p]], sym[p]});
-        }
-        if (next[p] >= 0) {
-            const struct merge_slot *m = merge_find(t, sym[p], sym[next[p]]);
-            if (m) heap_push(heap, &nh, (heap_item){m->rank, p, sym[p], sym[next[p]]});
-        }
+        if (prev[p] >= 0) heap_set(&heap, t, prev[p], sym[prev[p]], sym[p]);
+        heap_set(&heap, t, p, sym[p], next[p] >= 0 ? sym[next[p]] : -1);
     }
     int k = 0;
     for (int32_t i = 0; i >= 0; i = next[i]) sym[k++] = sym[i];
@@ -1213,7 +1275,8 @@ done:
     free(sym);
     free(next);
     free(prev);
-    free(heap);
+    free(heap.key);
+    free(heap.where);
     return st;
 }
 
@@ -1293,6 +1356,19 @@ static kvb_status normalize(const kvb_tokenizer *t, const uint8_t **s, size_t *n
     return KVB_OK;
 }
 
+/* A SentencePiece-style piece merged word by word where that is exact (spm_word_split): a word starts
+ * at each space character that follows another character. */
+static kvb_status spm_words(const kvb_tokenizer *t, const uint8_t *s, size_t n, pcre2_match_data *md, id_vec *out) {
+    size_t start = 0, sl = t->space_len;
+    for (const uint8_t *p = s + 1; n > 1 && (p = memmem(p, (size_t)(s + n - p), t->space, sl)); p += sl) {
+        size_t at = (size_t)(p - s);
+        if (at >= sl && !memcmp(s + at - sl, t->space, sl)) continue; /* in a run of them */
+        KVB_TRY(split_piece(t, 0, s + start, at - start, md, out));
+        start = at;
+    }
+    return split_piece(t, 0, s + start, n - start, md, out);
+}
+
 /* Metaspace: every " " becomes the replacement character, one goes in front as prepend_scheme says
  * (`first`: the section starts the text), and the text splits before each one (split), as Hugging
  * Face's Metaspace pre-tokenizer does. */
@@ -1310,7 +1386,7 @@ static kvb_status metaspace_split(const kvb_tokenizer *t, const uint8_t *s, size
     KVB_TRY(rs);
     s = (const uint8_t *)o->p;
     n = o->len;
-    if (!t->metaspace.split) return split_piece(t, 0, s, n, md, out);
+    if (!t->metaspace.split) return t->space_len ? spm_words(t, s, n, md, out) : split_piece(t, 0, s, n, md, out);
     size_t start = 0;
     for (const uint8_t *p = s + 1; n > 1 && (p = memmem(p, (size_t)(s + n - p), rep, rl)); p += rl) {
         KVB_TRY(split_piece(t, 0, s + start, (size_t)(p - s) - start, md, out));
@@ -1325,6 +1401,7 @@ static kvb_status encode_section(const kvb_tokenizer *t, const uint8_t *s, size_
     if (!n) return KVB_OK;
     KVB_TRY(normalize(t, &s, &n, sc));
     if (t->metaspace.on && n) return metaspace_split(t, s, n, first, sc, md, out);
+    if (t->space_len) return spm_words(t, s, n, md, out);
     return split_piece(t, 0, s, n, md, out);
 }
 
