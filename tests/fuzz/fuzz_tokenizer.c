@@ -7,7 +7,8 @@
  * Checks:
  *   - invalid UTF-8 is refused with KVB_ERR_INVALID, nothing else;
  *   - without a normalizer, decode(encode(text)) == text (byte-level BPE is lossless);
- *   - with NFC, encode(decode(encode(text))) == encode(text) (NFC is idempotent, BPE deterministic);
+ *   - with NFC, encode(decode(encode(text))) == encode(text) (NFC is idempotent, BPE deterministic),
+ *     unless NFC composed an added token's content (added tokens are matched before normalizing);
  *   - Llama-2's pipeline: decode(encode(text)) == text for text without "▁" or an added token (the
  *     "▁" prepended to the text is the space the decoder strips);
  *   - every id an encode gives lies in the vocabulary;
@@ -150,6 +151,20 @@ static int same_ids(const int32_t *x, int nx, const int32_t *y, int ny) {
     return nx == ny && (!nx || !memcmp(x, y, (size_t)nx * sizeof *x));
 }
 
+/* Added tokens are matched in the text before it is normalized (as transformers.js does; Hugging Face's
+ * Rust library matches a "normalized" one after): NFC can compose an added token's content that the
+ * text did not have ("e\u0301te\u0301" -> "été"), which a second encode then matches. */
+static int nfc_made_added(const char *text, size_t size, const char *out, size_t len) {
+    static const char *const added[] = {"<|s|>", "<|im_start|>", "\xc3\xa9t\xc3\xa9"};
+    for (size_t i = 0; i < sizeof added / sizeof added[0]; i++) {
+        size_t k = strlen(added[i]), a = 0, b = 0;
+        for (const char *p = text; (p = memmem(p, size - (size_t)(p - text), added[i], k)); p += k) a++;
+        for (const char *p = out; (p = memmem(p, len - (size_t)(p - out), added[i], k)); p += k) b++;
+        if (b > a) return 1;
+    }
+    return 0;
+}
+
 static void ids_in_vocab(const kvb_tokenizer *t, const int32_t *ids, int n) {
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= kvb_tokenizer_vocab_size(t)) abort();
@@ -219,7 +234,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (kvb_tokenizer_encode(g_nfc, text, size, 0, &ids, &n) != KVB_OK) abort();
         if (kvb_tokenizer_decode(g_nfc, ids, n, 0, &out, &len) != KVB_OK) abort();
         if (kvb_tokenizer_encode(g_nfc, out, len, 0, &ids2, &n2) != KVB_OK) abort();
-        if (!same_ids(ids, n, ids2, n2)) abort();
+        if (!same_ids(ids, n, ids2, n2) && !nfc_made_added(text, size, out, len)) abort();
         free(out);
         free(ids);
         free(ids2);
