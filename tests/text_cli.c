@@ -48,61 +48,50 @@ static int stream_matches(const kvb_tokenizer *t, const int32_t *ids, int n, int
     return ok;
 }
 
-static int cmd_encode(const char *dir) {
-    kvb_tokenizer *t;
-    if (kvb_tokenizer_load(dir, &t) != KVB_OK) return 1;
-    json_t *in = read_stdin(), *out = json_array();
-    if (!in) return 1;
-    size_t i;
-    json_t *s;
-    json_array_foreach(in, i, s) {
-        int32_t *ids;
-        int n;
-        if (kvb_tokenizer_encode(t, json_string_value(s), json_string_length(s), 0, &ids, &n) != KVB_OK) {
-            json_array_append_new(out, json_pack("{s:s}", "error", "encode failed"));
-            continue;
-        }
-        json_t *arr = json_array();
-        for (int k = 0; k < n; k++) json_array_append_new(arr, json_integer(ids[k]));
-        char *txt, *txt2;
-        size_t len, len2;
-        if (kvb_tokenizer_decode(t, ids, n, 0, &txt, &len) != KVB_OK ||
-            kvb_tokenizer_decode(t, ids, n, 1, &txt2, &len2) != KVB_OK)
-            return 1;
-        int sok = stream_matches(t, ids, n, 0, txt, len) && stream_matches(t, ids, n, 1, txt2, len2);
-        json_array_append_new(out, json_pack("{s:o, s:s%, s:s%, s:b}", "ids", arr, "decoded", txt, len,
-                                             "decoded_skip", txt2, len2, "stream_ok", sok));
-        free(txt);
-        free(txt2);
-        free(ids);
+/* {key_all: decode with special tokens, key_skip: without, "stream_ok": both streams join to them},
+ * or NULL when a decode fails. */
+static json_t *decode_both(const kvb_tokenizer *t, const int32_t *ids, int n, const char *key_all,
+                           const char *key_skip) {
+    char *all, *skip;
+    size_t alen, slen;
+    if (kvb_tokenizer_decode(t, ids, n, 0, &all, &alen) != KVB_OK) return NULL;
+    if (kvb_tokenizer_decode(t, ids, n, 1, &skip, &slen) != KVB_OK) {
+        free(all);
+        return NULL;
     }
-    json_dumpf(out, stdout, JSON_ENSURE_ASCII | JSON_COMPACT);
-    printf("\n");
-    json_decref(in);
-    json_decref(out);
-    kvb_tokenizer_destroy(t);
-    return 0;
+    int sok = stream_matches(t, ids, n, 0, all, alen) && stream_matches(t, ids, n, 1, skip, slen);
+    json_t *o = json_pack("{s:s%, s:s%, s:b}", key_all, all, alen, key_skip, skip, slen, "stream_ok", sok);
+    free(all);
+    free(skip);
+    return o;
 }
 
-static int cmd_decode(const char *dir) {
+/* encode: every string of the input -> its ids and decodes; decode: every id list -> its decodes. */
+static int cmd_tokens(const char *dir, int encode) {
     kvb_tokenizer *t;
     if (kvb_tokenizer_load(dir, &t) != KVB_OK) return 1;
     json_t *in = read_stdin(), *out = json_array();
     if (!in) return 1;
     size_t i, k;
-    json_t *list, *v;
-    json_array_foreach(in, i, list) {
-        int n = (int)json_array_size(list);
-        int32_t *ids = calloc((size_t)n + 1, sizeof *ids);
-        json_array_foreach(list, k, v) ids[k] = (int32_t)json_integer_value(v);
-        char *txt, *all;
-        size_t len, alen;
-        if (kvb_tokenizer_decode(t, ids, n, 1, &txt, &len) != KVB_OK || kvb_tokenizer_decode(t, ids, n, 0, &all, &alen) != KVB_OK)
-            return 1;
-        int sok = stream_matches(t, ids, n, 1, txt, len) && stream_matches(t, ids, n, 0, all, alen);
-        json_array_append_new(out, json_pack("{s:s%, s:s%, s:b}", "text", txt, len, "text_all", all, alen, "stream_ok", sok));
-        free(txt);
-        free(all);
+    json_t *item, *v;
+    json_array_foreach(in, i, item) {
+        int32_t *ids;
+        int n = (int)json_array_size(item);
+        if (!encode) {
+            ids = calloc((size_t)n + 1, sizeof *ids);
+            json_array_foreach(item, k, v) ids[k] = (int32_t)json_integer_value(v);
+        } else if (kvb_tokenizer_encode(t, json_string_value(item), json_string_length(item), 0, &ids, &n) != KVB_OK) {
+            json_array_append_new(out, json_pack("{s:s}", "error", "encode failed"));
+            continue;
+        }
+        json_t *o = decode_both(t, ids, n, encode ? "decoded" : "text_all", encode ? "decoded_skip" : "text");
+        if (!o) return 1;
+        if (encode) {
+            json_t *arr = json_array();
+            for (int j = 0; j < n; j++) json_array_append_new(arr, json_integer(ids[j]));
+            json_object_set_new(o, "ids", arr);
+        }
+        json_array_append_new(out, o);
         free(ids);
     }
     json_dumpf(out, stdout, JSON_ENSURE_ASCII | JSON_COMPACT);
@@ -164,9 +153,9 @@ static int cmd_speed(const char *dir, const char *file, int repeats) {
 }
 
 int main(int argc, char **argv) {
-    if (argc >= 3 && !strcmp(argv[1], "encode")) return cmd_encode(argv[2]);
+    if (argc >= 3 && !strcmp(argv[1], "encode")) return cmd_tokens(argv[2], 1);
     if (argc >= 3 && !strcmp(argv[1], "render")) return cmd_render(argv[2]);
-    if (argc >= 3 && !strcmp(argv[1], "decode")) return cmd_decode(argv[2]);
+    if (argc >= 3 && !strcmp(argv[1], "decode")) return cmd_tokens(argv[2], 0);
     if (argc >= 4 && !strcmp(argv[1], "speed")) return cmd_speed(argv[2], argv[3], argc > 4 ? atoi(argv[4]) : 3);
     fprintf(stderr, "usage: text_cli encode|decode|render MODEL_DIR < JSON | text_cli speed MODEL_DIR FILE [N]\n");
     return 2;
