@@ -1,10 +1,13 @@
 /* kvbank — text in and out of a model: the tokenizer of a Hugging Face model directory.
  *
- * Byte-level BPE as in tokenizer.json (Llama-3, Qwen2/Qwen3, GPT-2 style): added and special tokens
- * are split off first, the rest is normalized (NFC where the file says so), split by the
- * pre-tokenizer's regex (PCRE2), mapped to byte-level characters and merged by rank. Decoding maps
- * back to bytes and replaces ill-formed UTF-8 with U+FFFD. Anything in the files that kvbank does not
- * implement is refused at load with an error naming the file and the field.
+ * BPE as in tokenizer.json, byte-level (Llama-3, Qwen2/Qwen3, GPT-2 style) or SentencePiece style
+ * with byte fallback (Llama-2, Mistral; docs/text.md): added and special tokens are split off first,
+ * the rest is normalized (NFC; Prepend and Replace), split by the pre-tokenizer (regexes on PCRE2, or
+ * Metaspace), turned into first symbols (bytes through the byte-level map; characters, or <0xNN>
+ * tokens for those the vocabulary lacks) and merged by rank. Decoding turns tokens back into bytes,
+ * replaces ill-formed UTF-8 with U+FFFD and strips what a Strip decoder strips from the start. Anything
+ * in the files that kvbank does not implement is refused at load with an error naming the file and
+ * the field.
  *
  * A loaded tokenizer is immutable and may be used from several threads at once (its word cache has
  * its own lock). */
