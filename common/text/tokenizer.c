@@ -110,8 +110,8 @@ struct kvb_tokenizer {
         prepend_scheme prepend;
         int split;          /* pieces start at each replacement character */
     } metaspace;            /* a Metaspace pre-tokenizer */
-    char space[5];          /* SentencePiece style: the character a space becomes ("▁"), when merging */
-    size_t space_len;       /* word by word is exact (spm_word_split), else 0 */
+    char space[5];          /* SentencePiece style: the character a space becomes ("▁") */
+    size_t space_len;       /* its length; 0 unless merging word by word is exact (spm_word_split) */
     char dec_strip[5];      /* decoder Strip (after Fuse): at most dec_strip_n of this character come */
     size_t dec_strip_len;   /* off the start of the decoded text */
     int dec_strip_n;

@@ -70,7 +70,8 @@ int32_t kvb_tokenizer_token_id(const kvb_tokenizer *t, const char *token);
 /* 1 when `id` is a special token (added with "special": true). */
 int kvb_tokenizer_is_special(const kvb_tokenizer *t, int32_t id);
 
-/* The bytes token `id` decodes to (a vocabulary token's byte-level characters mapped back, an added
+/* The bytes token `id` decodes to (a byte-level token's characters mapped back; a SentencePiece-style
+ * token's text after the decoder's Replace steps, "▁" a space, or the byte of a <0xNN> token; an added
  * token's content), borrowed from t; NULL with *len 0 for an id without a token. Unlike a decode, a
  * token holding part of a UTF-8 character gives its raw bytes (grammars match tokens byte by byte). */
 const char *kvb_tokenizer_token_bytes(const kvb_tokenizer *t, int32_t id, size_t *len);
