@@ -19,6 +19,7 @@
 #   4. served: kvbankd runs the Llama-2-format model behind kvbank-gateway: /tokenize of every corpus
 #      line (with and without special tokens) and of every conversation equals the reference's ids,
 #      /detokenize of the reference's ids its decode.
+#   5. the example node's tokenizer (deploy/examples/tokenizer): the corpus and the Qwen3 conversations.
 # Skips (77) only when node or npm is missing.
 set -uo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
@@ -280,5 +281,25 @@ if grep -E "AddressSanitizer|LeakSanitizer|runtime error" "$T/kvbankd.log" >/dev
     bad "sanitizer report in the node's log: $(grep -A20 -E "AddressSanitizer|LeakSanitizer|runtime error" "$T/kvbankd.log" | head -30)"
 fi
 
+# 5. the example node's tokenizer (deploy/examples/tokenizer: Qwen3's cut to 2048 tokens): the corpus and the
+# Qwen3 conversations, ours against the reference
+X=$S/deploy/examples/tokenizer
+"$B/tests/text_cli" encode "$X" < "$S/tests/text/corpus.json" > "$T/x-ours.json" 2>"$T/err" || bad "text_cli encode example: $(tail -2 "$T/err")"
+node "$NPM_DIR/oracle.mjs" encode "$X" < "$S/tests/text/corpus.json" > "$T/x-ref.json" || bad "oracle encode example"
+"$B/tests/text_cli" render "$X" < "$T/conv-qwen3.json" > "$T/x-rours.json" 2>"$T/err" || bad "text_cli render example: $(tail -2 "$T/err")"
+node "$NPM_DIR/oracle.mjs" render "$X" < "$T/conv-qwen3.json" > "$T/x-rref.json" || bad "oracle render example"
+if out=$("$PY" - "$T" <<'PYEOF'
+import json, sys
+T = sys.argv[1]
+o, r = json.load(open(T + "/x-ours.json")), json.load(open(T + "/x-ref.json"))
+same = [a.get(k) == b[k] for a, b in zip(o, r) for k in ("ids", "decoded", "decoded_skip")]
+ro, rr = json.load(open(T + "/x-rours.json")), json.load(open(T + "/x-rref.json"))
+renders = [a.get("text") == b.get("text") and ("text" in b) == ("text" in a) for a, b in zip(ro, rr)]
+assert len(o) == len(r) > 100 and all(same), [(i, a, b) for i, (a, b) in enumerate(zip(o, r)) if a.get("ids") != b["ids"]][:2]
+assert len(ro) == len(rr) > 10 and all(renders), [(a, b) for a, b in zip(ro, rr) if a.get("text") != b.get("text")][:2]
+print("%d corpus strings, %d conversations" % (len(o), len(ro)))
+PYEOF
+); then ok "deploy/examples/tokenizer: $out identical to the reference"
+else bad "deploy/examples/tokenizer differs from the reference: $out"; fi
 [ $fails -eq 0 ] && echo "all text oracle checks passed" || echo "$fails text oracle check(s) failed"
 exit $((fails > 0))
