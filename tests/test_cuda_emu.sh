@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# kvbank — the CUDA kernels without a GPU: tests/test_tensor_core (the tensor-core primitives against a
+# scalar GEMM, and a missing cp.async wait reading poison) and tests/test_backend_consistency (every
+# CUDA kernel against its CPU twin) built against the host emulation (kernels/cuda/emu, into
+# $KVB_BUILDDIR/emu by `make check`). The attention tests run again with the threads of each block in
+# reverse and in shuffled order (KVB_EMU_ORDER): a read of shared memory that a missing barrier leaves
+# unordered gives different results in different orders.
+#
+# SKIP (77) when the build has no CUDA (no emu/ programs) or is a sanitizer build (no emu/ either).
+set -uo pipefail
+b=${KVB_BUILDDIR:?set KVB_BUILDDIR (make check does)}
+emu=$b/emu
+if [[ ! -x $emu/test_backend_consistency || ! -x $emu/test_tensor_core ]]; then
+    echo "SKIP: no emulated CUDA programs in $emu (built by make check in a CUDA build tree without sanitizers)"
+    exit 77
+fi
+# the emulated device: H200-sized, so decode splits are planned as on the GPU
+export KVB_EMU_SMS=${KVB_EMU_SMS:-132}
+export KVB_LOG_LEVEL=${KVB_LOG_LEVEL:-warn}
+failed=0
+run() { # NAME ENV... -- PROGRAM ARGS...
+    local name=$1
+    shift
+    local t0=$SECONDS out rc
+    out=$(env "$@" 2>&1)
+    rc=$?
+    if [[ $rc -eq 0 ]]; then
+        echo "ok   - $name ($((SECONDS - t0)) s): $(grep -E '^[0-9]+%: Checks' <<<"$out" | tail -1)"
+    else
+        echo "FAIL - $name (exit $rc)"
+        tail -40 <<<"$out" | sed 's/^/    /'
+        failed=1
+    fi
+}
+run "tensor-core primitives" "$emu/test_tensor_core"
+run "consistency suite (threads in order)" "$emu/test_backend_consistency"
+for order in reverse shuffle; do
+    for t in attention_prefill attention_decode attention_sliding_window; do
+        run "$t (threads in $order order)" KVB_EMU_ORDER=$order "$emu/test_backend_consistency" --test "$t"
+    done
+done
+exit $failed
