@@ -116,14 +116,64 @@ static int layer_spec(const kvb_model_config *c, kvb_layer_weights *w, layer_ten
     return n;
 }
 
+/* Loads spec entries `idx` (same cols) of layer l stacked into one weight `dst` (weight_load_stacked). */
+static kvb_status load_stacked(kvb_model *m, const kvb_st_set *set, int l, const layer_tensor *spec, const int *idx,
+                               int n, kvb_tensor *dst, kvb_progress *pg) {
+    const kvb_st_tensor *t[3];
+    const void *src[3];
+    kvb_dtype dt[3];
+    int64_t rows[3];
+    for (int i = 0; i < n; i++) {
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[idx[i]].suffix);
+        KVB_TRY(find_weight(set, name, spec[idx[i]].rows, spec[idx[i]].cols, &t[i]));
+        kvb_progress_update(pg, pg->done + t[i]->nbytes);
+        src[i] = t[i]->data;
+        dt[i] = t[i]->dtype;
+        rows[i] = spec[idx[i]].rows;
+    }
+    int64_t cols = spec[idx[0]].cols ? spec[idx[0]].cols : 1;
+    kvb_status st = m->be->iface->weight_load_stacked(m->be->ctx, src, dt, rows, n, cols, dst);
+    for (int i = 0; i < n; i++) kvb_st_release(t[i]);
+    if (st != KVB_OK) {
+        KVB_LOG_E("model: backend %s could not load layer %d's %s and the %d after it stacked (%s)", m->be->iface->name,
+                  l, spec[idx[0]].suffix, n - 1, kvb_status_str(st));
+        memset(dst, 0, sizeof *dst);
+    }
+    return st;
+}
+
 static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_progress *pg) {
     layer_tensor spec[18];
-    int n = layer_spec(&m->cfg, &m->layers[l], spec);
+    kvb_layer_weights *w = &m->layers[l];
+    int n = layer_spec(&m->cfg, w, spec);
+    /* a backend that runs the projections sharing an input as one product gets them stacked: q/k/v,
+     * their biases, and gate/up (unless they have biases, which the fused SiLU-mul does not add) */
+    struct {
+        kvb_tensor *part[3], *dst;
+        int n;
+    } stacks[] = {{{&w->wq, &w->wk, &w->wv}, &w->wqkv, 3},
+                  {{&w->bq, &w->bk, &w->bv}, &w->bqkv, 3},
+                  {{&w->w_gate, &w->w_up}, &w->w_gu, m->cfg.mlp_bias ? 0 : 2}};
+    int fused = m->be->iface->weight_load_stacked != NULL;
+    int idx[3][3], found[3] = {0, 0, 0};
     for (int i = 0; i < n; i++) {
+        int in_stack = 0;
+        for (int s = 0; fused && s < 3; s++)
+            for (int j = 0; j < stacks[s].n; j++)
+                if (spec[i].dst == stacks[s].part[j]) {
+                    idx[s][j] = i;
+                    found[s]++;
+                    in_stack = 1;
+                }
+        if (in_stack) continue;
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
         KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst, &m->weights_mapped, pg));
     }
+    for (int s = 0; fused && s < 3; s++)
+        if (stacks[s].n && found[s] == stacks[s].n)
+            KVB_TRY(load_stacked(m, set, l, spec, idx[s], stacks[s].n, stacks[s].dst, pg));
     return KVB_OK;
 }
 
