@@ -655,6 +655,13 @@ int kvb_tokenizer_is_special(const kvb_tokenizer *t, int32_t id) {
     return id >= 0 && id < t->n_vocab && t->special[id];
 }
 
+const char *kvb_tokenizer_token_bytes(const kvb_tokenizer *t, int32_t id, size_t *len) {
+    *len = 0;
+    if (id < 0 || id >= t->n_vocab || t->tok_bytes[id] == SIZE_MAX) return NULL;
+    *len = t->tok_bytes_len[id];
+    return t->strings + t->tok_bytes[id];
+}
+
 /* ------------------------------------------------------------------------------------- encoding */
 
 typedef struct id_vec {

@@ -60,6 +60,11 @@ int32_t kvb_tokenizer_token_id(const kvb_tokenizer *t, const char *token);
 /* 1 when `id` is a special token (added with "special": true). */
 int kvb_tokenizer_is_special(const kvb_tokenizer *t, int32_t id);
 
+/* The bytes token `id` decodes to (a vocabulary token's byte-level characters mapped back, an added
+ * token's content), borrowed from t; NULL with *len 0 for an id without a token. Unlike a decode, a
+ * token holding part of a UTF-8 character gives its raw bytes (grammars match tokens byte by byte). */
+const char *kvb_tokenizer_token_bytes(const kvb_tokenizer *t, int32_t id, size_t *len);
+
 /* Incremental detokenization for streaming: push one id, get the newly completed text (never half a
  * UTF-8 character); the concatenation of all outputs + flush equals kvb_tokenizer_decode of all ids
  * (with the same skip_special). The detokenizer borrows t. */
