@@ -2,9 +2,14 @@
 # kvbank — the CUDA kernels without a GPU: tests/test_tensor_core (the tensor-core primitives against a
 # scalar GEMM, and a missing cp.async wait reading poison) and tests/test_backend_consistency (every
 # CUDA kernel against its CPU twin) built against the host emulation (kernels/cuda/emu, into
-# $KVB_BUILDDIR/emu by `make check`). The attention tests run again with the threads of each block in
-# reverse and in shuffled order (KVB_EMU_ORDER): a read of shared memory that a missing barrier leaves
-# unordered gives different results in different orders.
+# $KVB_BUILDDIR/emu by `make check`).
+#   tests/test_cuda_emu.sh          the two programs, threads in order
+#   tests/test_cuda_emu.sh --orders the attention tests of the kernels with shared-memory tiles and
+#                                   split merges again with the threads of each block in reverse and in
+#                                   shuffled order (KVB_EMU_ORDER): a read of shared memory that a
+#                                   missing barrier leaves unordered gives different results
+#                                   (tests/test_cuda_emu_order.sh, a test of its own so that make -j runs
+#                                   it beside the first)
 #
 # SKIP (77) when the build has no CUDA (no emu/ programs) or is a sanitizer build (no emu/ either).
 set -uo pipefail
@@ -32,11 +37,14 @@ run() { # NAME ENV... -- PROGRAM ARGS...
         failed=1
     fi
 }
-run "tensor-core primitives" "$emu/test_tensor_core"
-run "consistency suite (threads in order)" "$emu/test_backend_consistency"
-for order in reverse shuffle; do
-    for t in attention_prefill attention_decode attention_sliding_window; do
-        run "$t (threads in $order order)" KVB_EMU_ORDER=$order "$emu/test_backend_consistency" --test "$t"
+if [[ ${1:-} == --orders ]]; then
+    for order in reverse shuffle; do
+        for t in attention_prefill attention_decode attention_chunk_over_past; do
+            run "$t (threads in $order order)" KVB_EMU_ORDER=$order "$emu/test_backend_consistency" --test "$t"
+        done
     done
-done
+else
+    run "tensor-core primitives" "$emu/test_tensor_core"
+    run "consistency suite (threads in order)" "$emu/test_backend_consistency"
+fi
 exit $failed
