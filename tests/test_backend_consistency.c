@@ -520,6 +520,85 @@ typedef struct seq_spec {
     int q_len, ctx_len;
 } seq_spec;
 
+/* KV blocks for the same sequences on both backends: the sequences' blocks live in layer 1 of a 2-layer
+ * block-major pool, handed out in a scrambled order. seqs[s] covers sequence s's last q_len tokens
+ * (rows [q_start, q_start + q_len) of a batch), fill[s] its whole context. */
+typedef struct kv_pools {
+    kvb_kv_geom gc, gg;       /* geometry on the CPU (f32) and the GPU (its dtype) */
+    kvb_attn_seq *seqs, *fill; /* [n_seqs] */
+    int n_seqs, n_tok, n_fill, n_blk, bs;
+    size_t row, blk_elems, es; /* K or V row elements, elements of a block, GPU element size */
+    float *pool_c;
+    void *pool_g;
+    void **pc, **pg;           /* [n_blk] layer-1 slice of each block entry */
+} kv_pools;
+
+static void pools_make(kvb_backend *gpu, const variant *V, const seq_spec *specs, int n_seqs, int n_kv, int hd, int bs,
+                       kv_pools *p) {
+    memset(p, 0, sizeof *p);
+    p->es = kvb_dtype_size(V->dt);
+    p->bs = bs;
+    p->n_seqs = n_seqs;
+    p->gc = (kvb_kv_geom){.n_layers = 2, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
+    p->gg = p->gc;
+    p->gg.elem_size = (int)p->es;
+    p->fill = calloc((size_t)n_seqs, sizeof *p->fill);
+    p->seqs = calloc((size_t)n_seqs, sizeof *p->seqs);
+    for (int s = 0; s < n_seqs; s++) {
+        int nb = KVB_DIV_CEIL(specs[s].ctx_len, bs);
+        p->fill[s] = (kvb_attn_seq){.q_start = p->n_fill, .q_len = specs[s].ctx_len, .ctx_len = specs[s].ctx_len,
+                                    .n_blocks = nb, .blk_first = p->n_blk};
+        p->seqs[s] = (kvb_attn_seq){.q_start = p->n_tok, .q_len = specs[s].q_len, .ctx_len = specs[s].ctx_len,
+                                    .n_blocks = nb, .blk_first = p->n_blk};
+        p->n_fill += specs[s].ctx_len;
+        p->n_tok += specs[s].q_len;
+        p->n_blk += nb;
+    }
+    p->row = (size_t)n_kv * hd;
+    size_t layer_elems = 2 * (size_t)bs * p->row;
+    p->blk_elems = 2 * layer_elems;
+    p->pool_c = calloc((size_t)p->n_blk * p->blk_elems, sizeof(float));
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)p->n_blk * p->blk_elems * p->es, &p->pool_g), KVB_OK);
+    p->pc = malloc(sizeof(void *) * p->n_blk);
+    p->pg = malloc(sizeof(void *) * p->n_blk);
+    int mul = kvb_test_scramble_mul(p->n_blk);
+    for (int j = 0; j < p->n_blk; j++) {
+        size_t at = (size_t)((j * (size_t)mul + 3) % (size_t)p->n_blk) * p->blk_elems + layer_elems; /* layer 1 */
+        p->pc[j] = p->pool_c + at;
+        p->pg[j] = (char *)p->pool_g + at * p->es;
+    }
+}
+
+static void pools_free(kvb_backend *gpu, kv_pools *p) {
+    kvb_mem_free(gpu->mem, p->pool_g);
+    free(p->seqs);
+    free(p->fill);
+    free(p->pool_c);
+    free(p->pc);
+    free(p->pg);
+}
+
+/* The K and V rows of the positions [ctx_len - q_len, ctx_len) of every sequence, as written in each
+ * pool, into want (CPU) and got (GPU, decoded), [rows][row]; returns the element count. */
+static size_t pools_rows(kvb_backend *gpu, const kv_pools *p, const seq_spec *specs, const kvb_attn_seq *which,
+                         float *want, float *got) {
+    char *raw = malloc((size_t)p->n_blk * p->blk_elems * p->es);
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, raw, p->pool_g, (size_t)p->n_blk * p->blk_elems * p->es), KVB_OK);
+    size_t m = 0;
+    for (int s = 0; s < p->n_seqs; s++)
+        for (int pos = specs[s].ctx_len - which[s].q_len; pos < specs[s].ctx_len; pos++)
+            for (int kv = 0; kv < 2; kv++) {
+                size_t off = (size_t)kv * p->bs * p->row + (size_t)(pos % p->bs) * p->row;
+                int j = which[s].blk_first + pos / p->bs;
+                memcpy(want + m, (const float *)p->pc[j] + off, sizeof(float) * p->row);
+                decode_dt(raw + ((char *)p->pg[j] - (char *)p->pool_g) + off * p->es, p->row, gpu->iface->act_dtype,
+                          got + m);
+                m += p->row;
+            }
+    free(raw);
+    return m;
+}
+
 /* Fills every sequence's whole context with kv_write (one prefill-like batch), checks the blocks are
  * identical, then runs one attention step with the given q_len per sequence on both backends. The
  * blocks live in layer 1 of a 2-layer block-major pool, handed out in a scrambled order. */
@@ -527,57 +606,30 @@ static void check_attention_w(kvb_backend *cpu, kvb_backend *gpu, const variant 
                               int n_seqs, int n_heads, int n_kv, int hd, int bs, int window) {
     kvb_dtype dt = V->dt;
     size_t es = kvb_dtype_size(dt);
-    kvb_kv_geom gc = {.n_layers = 2, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
-    kvb_kv_geom gg = gc;
-    gg.elem_size = (int)es;
-    kvb_attn_seq *fill_seqs = calloc((size_t)n_seqs, sizeof *fill_seqs), *step = calloc((size_t)n_seqs, sizeof *step);
-    int n_fill = 0, n_tok = 0, n_blk = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        int nb = KVB_DIV_CEIL(specs[s].ctx_len, bs);
-        fill_seqs[s] = (kvb_attn_seq){.q_start = n_fill, .q_len = specs[s].ctx_len, .ctx_len = specs[s].ctx_len,
-                                      .n_blocks = nb, .blk_first = n_blk};
-        step[s] = (kvb_attn_seq){.q_start = n_tok, .q_len = specs[s].q_len, .ctx_len = specs[s].ctx_len,
-                                 .n_blocks = nb, .blk_first = n_blk};
-        n_fill += specs[s].ctx_len;
-        n_tok += specs[s].q_len;
-        n_blk += nb;
-    }
-    size_t row = (size_t)n_kv * hd, layer_elems = 2 * (size_t)bs * row, blk_elems = 2 * layer_elems;
-    float *pool_c = calloc((size_t)n_blk * blk_elems, sizeof(float));
-    void *pool_g = NULL;
-    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n_blk * blk_elems * es, &pool_g), KVB_OK);
-    void **pc = malloc(sizeof(void *) * n_blk), **pg = malloc(sizeof(void *) * n_blk);
-    int mul = kvb_test_scramble_mul(n_blk);
-    for (int j = 0; j < n_blk; j++) {
-        size_t at = (size_t)((j * (size_t)mul + 3) % (size_t)n_blk) * blk_elems + layer_elems; /* layer 1 */
-        pc[j] = pool_c + at;
-        pg[j] = (char *)pool_g + at * es;
-    }
+    kv_pools P;
+    pools_make(gpu, V, specs, n_seqs, n_kv, hd, bs, &P);
+    int n_fill = P.n_fill, n_tok = P.n_tok;
+    size_t row = P.row;
+    kvb_attn_seq *step = P.seqs;
     /* the whole context of every sequence through kv_write */
     float *kf = rand_vec((size_t)n_fill * row, 1.0f, dt), *vf = rand_vec((size_t)n_fill * row, 1.0f, dt);
     void *kfg = upload(gpu, kf, (size_t)n_fill * row), *vfg = upload(gpu, vf, (size_t)n_fill * row);
     float scale = (float)(1 / sqrt(hd));
-    kvb_attn_batch bc = {.geom = &gc, .n_heads = n_heads, .n_tokens = n_fill, .n_seqs = n_seqs, .seqs = fill_seqs,
-                         .layer_blocks = pc, .scale = scale};
+    kvb_attn_batch bc = {.geom = &P.gc, .n_heads = n_heads, .n_tokens = n_fill, .n_seqs = n_seqs, .seqs = P.fill,
+                         .layer_blocks = P.pc, .scale = scale};
     kvb_attn_batch bg = bc;
-    bg.geom = &gg;
-    bg.layer_blocks = pg;
+    bg.geom = &P.gg;
+    bg.layer_blocks = P.pg;
     ck_assert_int_eq(cpu->iface->kv_write(cpu->ctx, &bc, kf, vf), KVB_OK);
     ck_assert_int_eq(gpu->iface->kv_write(gpu->ctx, &bg, kfg, vfg), KVB_OK);
     /* kv_write moves bytes: every written slot is identical */
-    char *raw = malloc((size_t)n_blk * blk_elems * es);
-    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, raw, pool_g, (size_t)n_blk * blk_elems * es), KVB_OK);
-    float *slot = malloc(sizeof(float) * row);
-    for (int s = 0; s < n_seqs; s++)
-        for (int p = 0; p < specs[s].ctx_len; p++)
-            for (int kv = 0; kv < 2; kv++) {
-                size_t off = (size_t)kv * bs * row + (size_t)(p % bs) * row;
-                const float *want = (const float *)pc[fill_seqs[s].blk_first + p / bs] + off;
-                decode_dt(raw + ((char *)pg[fill_seqs[s].blk_first + p / bs] - (char *)pool_g) + off * es, row, dt,
-                          slot);
-                ck_assert_msg(!memcmp(slot, want, sizeof(float) * row), "%s: kv_write seq %d pos %d %s differs",
-                              V->name, s, p, kv ? "V" : "K");
-            }
+    float *want = malloc(sizeof(float) * 2 * n_fill * row), *got_kv = malloc(sizeof(float) * 2 * n_fill * row);
+    size_t m = pools_rows(gpu, &P, specs, P.fill, want, got_kv);
+    for (size_t i = 0; i < m; i++)
+        ck_assert_msg(want[i] == got_kv[i], "%s: kv_write: element %zu of K/V row %zu differs (%g, CPU %g)", V->name,
+                      i % row, i / row, got_kv[i], want[i]);
+    free(want);
+    free(got_kv);
     /* one step */
     float *q = rand_vec((size_t)n_tok * n_heads * hd, 1.0f, dt), *oc = malloc(sizeof(float) * n_tok * n_heads * hd);
     void *qg = upload(gpu, q, (size_t)n_tok * n_heads * hd), *og = NULL;
@@ -596,20 +648,13 @@ static void check_attention_w(kvb_backend *cpu, kvb_backend *gpu, const variant 
     float *again = download(gpu, og, (size_t)n_tok * n_heads * hd);
     ck_assert_int_eq(memcmp(got, again, sizeof(float) * n_tok * n_heads * hd), 0);
 
-    kvb_mem_free(gpu->mem, pool_g);
     kvb_mem_free(gpu->mem, kfg);
     kvb_mem_free(gpu->mem, vfg);
     kvb_mem_free(gpu->mem, qg);
     kvb_mem_free(gpu->mem, og);
-    free(fill_seqs);
-    free(step);
-    free(pool_c);
-    free(pc);
-    free(pg);
+    pools_free(gpu, &P);
     free(kf);
     free(vf);
-    free(raw);
-    free(slot);
     free(q);
     free(oc);
     free(got);
@@ -627,29 +672,10 @@ static void check_qkv_finish(kvb_backend *cpu, kvb_backend *gpu, const variant *
                              int n_heads, int n_kv, int hd, int bs, int with_bias, int with_norm) {
     kvb_dtype dt = V->dt;
     size_t es = kvb_dtype_size(dt);
-    kvb_kv_geom gc = {.n_layers = 2, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
-    kvb_kv_geom gg = gc;
-    gg.elem_size = (int)es;
-    kvb_attn_seq *seqs = calloc((size_t)n_seqs, sizeof *seqs);
-    int n_tok = 0, n_blk = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        int nb = KVB_DIV_CEIL(specs[s].ctx_len, bs);
-        seqs[s] = (kvb_attn_seq){.q_start = n_tok, .q_len = specs[s].q_len, .ctx_len = specs[s].ctx_len, .n_blocks = nb,
-                                 .blk_first = n_blk};
-        n_tok += specs[s].q_len;
-        n_blk += nb;
-    }
-    size_t row = (size_t)n_kv * hd, layer_elems = 2 * (size_t)bs * row, blk_elems = 2 * layer_elems;
-    float *pool_c = calloc((size_t)n_blk * blk_elems, sizeof(float));
-    void *pool_g = NULL;
-    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n_blk * blk_elems * es, &pool_g), KVB_OK);
-    void **pc = malloc(sizeof(void *) * n_blk), **pg = malloc(sizeof(void *) * n_blk);
-    int mul = kvb_test_scramble_mul(n_blk);
-    for (int j = 0; j < n_blk; j++) {
-        size_t at = (size_t)((j * (size_t)mul + 3) % (size_t)n_blk) * blk_elems + layer_elems;
-        pc[j] = pool_c + at;
-        pg[j] = (char *)pool_g + at * es;
-    }
+    kv_pools P;
+    pools_make(gpu, V, specs, n_seqs, n_kv, hd, bs, &P);
+    int n_tok = P.n_tok;
+    size_t row = P.row;
     int heads = n_heads + 2 * n_kv;
     size_t width = (size_t)heads * hd;
     float *qkv = rand_vec((size_t)n_tok * width, 2.0f, dt), *bias = rand_vec(width, 0.5f, KVB_DTYPE_F32);
@@ -660,11 +686,11 @@ static void check_qkv_finish(kvb_backend *cpu, kvb_backend *gpu, const variant *
     for (int i = 0; i < hd / 2; i++) inv[i] = (float)pow(10000.0, -2.0 * i / hd);
     kvb_rope rope = {.head_dim = hd, .inv_freq = inv};
     float scale = (float)(1 / sqrt(hd));
-    kvb_attn_batch bc = {.geom = &gc, .n_heads = n_heads, .n_tokens = n_tok, .n_seqs = n_seqs, .seqs = seqs,
-                         .layer_blocks = pc, .scale = scale};
+    kvb_attn_batch bc = {.geom = &P.gc, .n_heads = n_heads, .n_tokens = n_tok, .n_seqs = n_seqs, .seqs = P.seqs,
+                         .layer_blocks = P.pc, .scale = scale};
     kvb_attn_batch bg = bc;
-    bg.geom = &gg;
-    bg.layer_blocks = pg;
+    bg.geom = &P.gg;
+    bg.layer_blocks = P.pg;
     /* the CPU: split, bias, norm, rope, kv_write */
     float *q = malloc(sizeof(float) * n_tok * n_heads * hd), *k = malloc(sizeof(float) * n_tok * row),
           *v = malloc(sizeof(float) * n_tok * row);
@@ -702,19 +728,8 @@ static void check_qkv_finish(kvb_backend *cpu, kvb_backend *gpu, const variant *
     CHECK_CLOSE(gq, q, (size_t)n_tok * n_heads * hd, V, "qkv_finish q: heads %d/%d hd %d bias %d norm %d", n_heads, n_kv,
                 hd, with_bias, with_norm);
     /* the K and V rows written, gathered from both pools */
-    char *raw = malloc((size_t)n_blk * blk_elems * es);
-    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, raw, pool_g, (size_t)n_blk * blk_elems * es), KVB_OK);
     float *want = malloc(sizeof(float) * 2 * n_tok * row), *got = malloc(sizeof(float) * 2 * n_tok * row);
-    size_t m = 0;
-    for (int s = 0; s < n_seqs; s++)
-        for (int p = specs[s].ctx_len - specs[s].q_len; p < specs[s].ctx_len; p++)
-            for (int kv = 0; kv < 2; kv++) {
-                size_t off = (size_t)kv * bs * row + (size_t)(p % bs) * row;
-                int j = seqs[s].blk_first + p / bs;
-                memcpy(want + m, (const float *)pc[j] + off, sizeof(float) * row);
-                decode_dt(raw + ((char *)pg[j] - (char *)pool_g) + off * es, row, dt, got + m);
-                m += row;
-            }
+    size_t m = pools_rows(gpu, &P, specs, P.seqs, want, got);
     CHECK_CLOSE(got, want, m, V, "qkv_finish K/V rows: heads %d/%d hd %d bias %d norm %d", n_heads, n_kv, hd, with_bias,
                 with_norm);
     if (with_bias) gpu->iface->weight_free(gpu->ctx, &gb);
@@ -724,13 +739,9 @@ static void check_qkv_finish(kvb_backend *cpu, kvb_backend *gpu, const variant *
         gpu->iface->weight_free(gpu->ctx, &gqn);
         gpu->iface->weight_free(gpu->ctx, &gkn);
     }
-    kvb_mem_free(gpu->mem, pool_g);
     kvb_mem_free(gpu->mem, qkvg);
     kvb_mem_free(gpu->mem, qo);
-    free(seqs);
-    free(pool_c);
-    free(pc);
-    free(pg);
+    pools_free(gpu, &P);
     free(qkv);
     free(bias);
     free(qn);
@@ -741,7 +752,6 @@ static void check_qkv_finish(kvb_backend *cpu, kvb_backend *gpu, const variant *
     free(k);
     free(v);
     free(gq);
-    free(raw);
     free(want);
     free(got);
 }

@@ -1,7 +1,7 @@
 /* kvbank — CUDA: bias, q/k norm, RoPE and the KV write after the stacked q/k/v product (qkv.h).
  *
- * A block per (token, group of HEADS heads): the token's cos/sin table goes to shared memory (double
- * precision, the angle reduced to [-pi, pi] first, as rope.cu), then each warp takes a head: its row
+ * A block per (token, group of HEADS heads): the token's cos/sin table goes to shared memory
+ * (kvb::rope_table, as rope.cu), then each warp takes a head: its row
  * (plus bias) into shared memory as f32, the warp's sum of squares for the norm, and each lane writes
  * rotated pairs (i, i + half) to the head's destination. Nothing is rounded to the storage type between
  * the steps: the unfused kernels round after each. */
@@ -24,16 +24,7 @@ __global__ void __launch_bounds__(THREADS)
     const int t = blockIdx.x / groups, group = blockIdx.x % groups, half = hd / 2;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int heads = n_heads + 2 * n_kv_heads;
-    const double p = (double)pos[t];
-    for (int i = threadIdx.x; i < half; i += THREADS) {
-        double x = p * (double)inv_freq[i], r = rint(x * 0.15915494309189535);
-        x = fma(-r, 6.283185307179586, x);
-        x = fma(-r, 2.4492935982947064e-16, x);
-        double sn, c;
-        sincos(x, &sn, &c);
-        cs[i] = (float)c;
-        cs[half + i] = (float)sn;
-    }
+    kvb::rope_table(pos[t], inv_freq, half, cs);
     __syncthreads();
     const int64_t slot = slots[t];
     const size_t kv_row = (size_t)n_kv_heads * hd;
