@@ -18,9 +18,11 @@ without torch, transformers or a CUDA device. Compilation takes about a minute p
 import argparse
 import inspect
 import os
-import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sdpa_peer import time_cuda  # noqa: E402  (the same event timing as the attention peer)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -75,15 +77,7 @@ def main():
         return StaticCache(**kw)
 
     def timed(fn):
-        times = []
-        for _ in range(args.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times), min(times), max(times)
+        return time_cuda(fn, args.reps)
 
     def compiled(fn, **kw):
         return fn if args.no_compile else torch.compile(fn, fullgraph=True, **kw)
