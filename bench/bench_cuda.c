@@ -183,8 +183,9 @@ static void model_free(kvb_backend *be, model *md) {
     kvb_model *m = &md->m;
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
-            kvb_tensor *all[] = KVB_LAYER_TENSORS(&m->layers[l]);
+            kvb_tensor *all[] = KVB_LAYER_TENSORS(&m->layers[l]), *stacked[] = KVB_LAYER_STACKED(&m->layers[l]);
             for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) kvb_mem_free(be->mem, all[i]->data);
+            for (size_t i = 0; i < KVB_ARRAY_LEN(stacked); i++) kvb_mem_free(be->mem, stacked[i]->data);
         }
     }
     kvb_mem_free(be->mem, m->embed.data);

@@ -206,17 +206,20 @@ with open(sys.argv[1], "w") as f:
         ids = [1000 * s + k for k in range(4 + 4 * turn)]
         f.write(json.dumps({"timestamp": i * 200, "input_length": 512 * len(ids), "output_length": 4, "hash_ids": ids}) + "\n")
 PYEOF
-"$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --link off --rate 1 --skip 0 --warmup 2 \
-    --duration 10 --reps 2 --reclaim-every 0.5 --len-scale 0.03125 >"$T/mt.out" 2>&1 || fail "kvbank-bench multiturn: $(cat "$T/mt.out")"
+"$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --link off --rate 1 --requests 40 \
+    --reps 2 --reclaim-every 0.5 --len-scale 0.03125 >"$T/mt.out" 2>&1 || fail "kvbank-bench multiturn: $(cat "$T/mt.out")"
 grep -q "^  link preset: off" "$T/mt.out" &&
-    grep -q "host-tier baseline: the same bytes, its hits loaded layer by layer behind the compute" "$T/mt.out" &&
-    grep -qE "^  reusable share of the measured prompt tokens .*: [0-9.]+% " "$T/mt.out" &&
-    grep -q "NOTE: 50 requests behind each P99, fewer than 1,000" "$T/mt.out" &&
-    grep -qE "^lending \(in place\) +2 +50 +50 .* [0-9]+ reclaims \([0-9]+ blocks\)" "$T/mt.out" &&
-    grep -qE "^host-tier \(copies\) +2 +50 +50 " "$T/mt.out" &&
-    grep -q "^over 2 repetitions (median \[min-max\])" "$T/mt.out" &&
-    grep -qE "^P99 TTFT host tier / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
-    grep -qE "^achieved reuse \(hit tokens / measured prompt tokens\): lending [0-9.]+ \[[0-9.]+-[0-9.]+\]%, host tier [0-9.]+ \[[0-9.]+-[0-9.]+\]% \(the trace offers [0-9.]+%\)" "$T/mt.out" ||
+    grep -q "the host-tier arm: the same bytes, its hits loaded layer by layer behind the compute" "$T/mt.out" &&
+    grep -q "warm-up: the 20 earlier turns of their sessions" "$T/mt.out" &&
+    grep -qE "^  offered reuse \(measured prompt tokens .*\): [0-9.]+% " "$T/mt.out" &&
+    grep -q "NOTE: 40 requests behind each P99, fewer than 1,000" "$T/mt.out" &&
+    grep -qE "^lending \(in place\) +2 +40 +40 .* [0-9]+ reclaims \([0-9]+ blocks\)" "$T/mt.out" &&
+    grep -qE "^host tier \(copies\) +2 +40 +40 " "$T/mt.out" &&
+    grep -qE "^master alone +2 +40 +40 " "$T/mt.out" &&
+    grep -q "^over 2 repetitions, median \[min-max\]" "$T/mt.out" &&
+    grep -qE "^P99 TTFT host tier \(copies\) / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
+    grep -qE "^P99 TTFT master alone / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
+    grep -qE "^lending achieved [0-9.]+ \[[0-9.]+-[0-9.]+\]% of the reuse the trace offers \([0-9.]+% of the measured" "$T/mt.out" ||
     fail "multiturn tables: $(cat "$T/mt.out")"
 rc=0
 "$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --host-load sideways >"$T/mtb.out" 2>&1 || rc=$?
@@ -229,12 +232,13 @@ assert m, "no lost-per-reclaimed line"
 lost, rec = int(m.group(2)), int(m.group(3))
 assert rec > 0 and 0 <= lost <= rec, (lost, rec)
 PYEOF
-ok "kvbank-bench maxctx's stream row and Eq. 1-5 note; multiturn's link preset, reusable share, reps and lost per reclaimed block"
+ok "kvbank-bench maxctx's stream row and Eq. 1-5 note; multiturn's link preset, warm-up, offered reuse, three arms, reps and lost per reclaimed block"
 
 # --------------------------------------------------------------------------------- --check-config
 # mkcfg OUT: the demo node with every path inside $T, short timings, any free gateway port, and the
 # python statements of $2 applied to the dict c
 mkcfg() {
+    cp -r "$SRC/deploy/examples/tokenizer" "$(dirname "$1")/" # chat's mkmodel takes it relative to the config
     "$PY" - "$SRC/deploy/examples/node-cpu.json" "$1" "$NODE" "$RUN" "$T/models" "${2:-pass}" <<'PYEOF'
 import json, sys
 src, dst, node, run, models, edit = sys.argv[1:]
@@ -352,6 +356,25 @@ grep -qE '^gateway +- +running' <<<"$out" || fail "status: no gateway line: $out
 n=$(grep -c 'unknown field "thread" ignored (did you mean "threads"?)' "$T/kvbankd.log" || true)
 [ "$n" -eq 1 ] || fail "the \"thread\" warning is in the node's log $n times, want once"
 ok "status: STATUS running, RESTARTS 0, AGE for the 3 models, the coordinator and the gateway; \"did you mean\" once in the node's log"
+
+# the config kvbankctl reads without --config: $KVBANK_CONFIG, else /etc/kvbank/node.json when it exists
+out=$(KVBANK_CONFIG=$CFG "$B/kvbankctl" --timeout-ms 3000 status 2>&1) || fail "KVBANK_CONFIG=... kvbankctl status: $out"
+grep -qE "^chat +master +running" <<<"$out" || fail "kvbankctl status with KVBANK_CONFIG: $out"
+out=$(KVBANK_CONFIG=$CFG "$B/kvbankctl" plan 2>&1) || fail "KVBANK_CONFIG=... kvbankctl plan: $out"
+grep -q "longest request" <<<"$out" || fail "kvbankctl plan with KVBANK_CONFIG: $out"
+if [ ! -e /etc/kvbank/node.json ]; then
+    rc=0
+    out=$(env -u KVBANK_CONFIG "$B/kvbankctl" status 2>&1) || rc=$?
+    [ "$rc" -eq 2 ] && grep -qF "KVBANK_CONFIG; /etc/kvbank/node.json does not exist" <<<"$out" ||
+        fail "kvbankctl status without a config: exit $rc, $out"
+fi
+# an unknown model is named, with the ones that are registered
+rc=0
+out=$(ctl generate --model nope --prompt-ids 1,2 --max-tokens 2 2>&1) || rc=$?
+[ "$rc" -eq 1 ] && grep -qF "no such model registered: 'nope' (the coordinator has: " <<<"$out" ||
+    fail "generate on an unknown model: exit $rc, $out"
+for m in chat code summ; do grep -qE "has: .*\b$m\b" <<<"$out" || fail "generate on an unknown model: $m not listed: $out"; done
+ok "kvbankctl reads \$KVBANK_CONFIG (status, plan), says where it looked without one, and names an unknown model"
 
 # a worker whose checkpoint vanishes under the running node: restarting, crash-looping, why; back
 mv "$T/models/summ/model.safetensors" "$T/summ.st"

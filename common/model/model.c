@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/model/check.h"
 #include "common/model/safetensors.h"
 #include "common/util/progress.h"
 
@@ -14,44 +15,11 @@ static void weight_free(kvb_backend *be, kvb_tensor *t) {
     memset(t, 0, sizeof *t);
 }
 
-static void format_shape(char *buf, size_t cap, int n_dims, const int64_t *shape) {
-    int o = snprintf(buf, cap, "[");
-    for (int i = 0; i < n_dims && o > 0 && (size_t)o < cap; i++)
-        o += snprintf(buf + o, cap - (size_t)o, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (o > 0 && (size_t)o < cap) snprintf(buf + o, cap - (size_t)o, "]");
-}
-
-/* Finds `name`, checks it is exactly [rows] (cols == 0: a vector) or [rows][cols], and loads it onto the
- * backend as a [rows][cols or 1] weight, in place where the backend can (*viewed = 1: `set` must stay
- * open while the weight lives). Errors name the tensor and both shapes. */
-/* Finds `name` and checks it is exactly [rows] (cols == 0: a vector) or [rows][cols]; errors name the
- * tensor and both shapes. Reads only the header (nothing of the tensor's data). */
-static kvb_status find_weight(const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
-                              const kvb_st_tensor **out) {
-    const kvb_st_tensor *t = kvb_st_find(set, name);
-    if (!t) {
-        KVB_LOG_E("model: tensor \"%s\" is missing", name);
-        return KVB_ERR_NOT_FOUND;
-    }
-    const int want_dims = cols ? 2 : 1;
-    const int64_t want[2] = {rows, cols};
-    int ok = t->n_dims == want_dims && t->shape[0] == rows && (!cols || t->shape[1] == cols);
-    if (!ok) {
-        char e[64], a[128];
-        format_shape(e, sizeof e, want_dims, want);
-        format_shape(a, sizeof a, t->n_dims, t->shape);
-        KVB_LOG_E("model: tensor \"%s\" has shape %s, expected %s", name, a, e);
-        return KVB_ERR_INVALID;
-    }
-    *out = t;
-    return KVB_OK;
-}
-
 /* Loads one weight; adds its file bytes to the load's progress line. */
 static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
                               kvb_tensor *dst, int *viewed, kvb_progress *pg) {
     const kvb_st_tensor *t = NULL;
-    KVB_TRY(find_weight(set, name, rows, cols, &t));
+    KVB_TRY(kvb_model_find_weight(set, name, rows, cols, &t));
     kvb_progress_update(pg, pg->done + t->nbytes);
     /* Where the backend can compute on the mapped bytes as they are, they are the weight (one copy in
      * memory: the file's page cache); otherwise the backend copies and converts them, and the mapped
@@ -75,50 +43,9 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
     return KVB_OK;
 }
 
-/* The tensors of layer l that this architecture has: suffix under model.layers.l., destination and
- * shape (cols 0: a vector). Returns the count written to spec. */
-typedef struct layer_tensor {
-    const char *suffix;
-    kvb_tensor *dst;
-    int64_t rows, cols;
-} layer_tensor;
-
-static int layer_spec(const kvb_model_config *c, kvb_layer_weights *w, layer_tensor spec[18]) {
-    const int64_t h = c->hidden, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
-    const int64_t ff = c->intermediate;
-    int n = 0;
-#define T(s, d, r, cl) (spec[n++] = (layer_tensor){(s), (d), (r), (cl)})
-    T("input_layernorm.weight", &w->attn_norm, h, 0);
-    T("self_attn.q_proj.weight", &w->wq, q, h);
-    T("self_attn.k_proj.weight", &w->wk, kv, h);
-    T("self_attn.v_proj.weight", &w->wv, kv, h);
-    T("self_attn.o_proj.weight", &w->wo, h, q);
-    if (c->qkv_bias) {
-        T("self_attn.q_proj.bias", &w->bq, q, 0);
-        T("self_attn.k_proj.bias", &w->bk, kv, 0);
-        T("self_attn.v_proj.bias", &w->bv, kv, 0);
-    }
-    if (c->o_bias) T("self_attn.o_proj.bias", &w->bo, h, 0);
-    if (c->arch == KVB_ARCH_QWEN3) {
-        T("self_attn.q_norm.weight", &w->q_norm, c->head_dim, 0);
-        T("self_attn.k_norm.weight", &w->k_norm, c->head_dim, 0);
-    }
-    T("post_attention_layernorm.weight", &w->ffn_norm, h, 0);
-    T("mlp.gate_proj.weight", &w->w_gate, ff, h);
-    T("mlp.up_proj.weight", &w->w_up, ff, h);
-    T("mlp.down_proj.weight", &w->w_down, h, ff);
-    if (c->mlp_bias) {
-        T("mlp.gate_proj.bias", &w->b_gate, ff, 0);
-        T("mlp.up_proj.bias", &w->b_up, ff, 0);
-        T("mlp.down_proj.bias", &w->b_down, h, 0);
-    }
-#undef T
-    return n;
-}
-
-/* Loads spec entries `idx` (same cols) of layer l stacked into one weight `dst` (weight_load_stacked). */
-static kvb_status load_stacked(kvb_model *m, const kvb_st_set *set, int l, const layer_tensor *spec, const int *idx,
-                               int n, kvb_tensor *dst, kvb_progress *pg) {
+/* Loads the spec entries `idx` (same cols) of layer l stacked into one weight `dst` (weight_load_stacked). */
+static kvb_status load_stacked(kvb_model *m, const kvb_st_set *set, int l, const kvb_layer_tensor_spec *spec,
+                               const int *idx, int n, kvb_tensor *dst, kvb_progress *pg) {
     const kvb_st_tensor *t[3];
     const void *src[3];
     kvb_dtype dt[3];
@@ -126,7 +53,7 @@ static kvb_status load_stacked(kvb_model *m, const kvb_st_set *set, int l, const
     for (int i = 0; i < n; i++) {
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[idx[i]].suffix);
-        KVB_TRY(find_weight(set, name, spec[idx[i]].rows, spec[idx[i]].cols, &t[i]));
+        KVB_TRY(kvb_model_find_weight(set, name, spec[idx[i]].rows, spec[idx[i]].cols, &t[i]));
         kvb_progress_update(pg, pg->done + t[i]->nbytes);
         src[i] = t[i]->data;
         dt[i] = t[i]->dtype;
@@ -144,24 +71,27 @@ static kvb_status load_stacked(kvb_model *m, const kvb_st_set *set, int l, const
 }
 
 static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_progress *pg) {
-    layer_tensor spec[18];
+    kvb_layer_tensor_spec spec[KVB_LT_COUNT];
     kvb_layer_weights *w = &m->layers[l];
-    int n = layer_spec(&m->cfg, w, spec);
+    kvb_tensor *dst[] = KVB_LAYER_TENSORS(w); /* indexed by kvb_layer_tensor_id */
+    _Static_assert(KVB_ARRAY_LEN(dst) == KVB_LT_COUNT, "KVB_LAYER_TENSORS and kvb_layer_tensor_id differ");
+    int n = kvb_model_layer_spec(&m->cfg, spec);
     /* a backend that runs the projections sharing an input as one product gets them stacked: q/k/v,
      * their biases, and gate/up (unless they have biases, which the fused SiLU-mul does not add) */
     struct {
-        kvb_tensor *part[3], *dst;
+        kvb_layer_tensor_id part[3];
+        kvb_tensor *dst;
         int n;
-    } stacks[] = {{{&w->wq, &w->wk, &w->wv}, &w->wqkv, 3},
-                  {{&w->bq, &w->bk, &w->bv}, &w->bqkv, 3},
-                  {{&w->w_gate, &w->w_up}, &w->w_gu, m->cfg.mlp_bias ? 0 : 2}};
+    } stacks[] = {{{KVB_LT_WQ, KVB_LT_WK, KVB_LT_WV}, &w->wqkv, 3},
+                  {{KVB_LT_BQ, KVB_LT_BK, KVB_LT_BV}, &w->bqkv, 3},
+                  {{KVB_LT_W_GATE, KVB_LT_W_UP}, &w->w_gu, m->cfg.mlp_bias ? 0 : 2}};
     int fused = m->be->iface->weight_load_stacked != NULL;
     int idx[3][3], found[3] = {0, 0, 0};
     for (int i = 0; i < n; i++) {
         int in_stack = 0;
         for (int s = 0; fused && s < 3; s++)
             for (int j = 0; j < stacks[s].n; j++)
-                if (spec[i].dst == stacks[s].part[j]) {
+                if (spec[i].id == stacks[s].part[j]) {
                     idx[s][j] = i;
                     found[s]++;
                     in_stack = 1;
@@ -169,7 +99,7 @@ static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_pro
         if (in_stack) continue;
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst, &m->weights_mapped, pg));
+        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, dst[spec[i].id], &m->weights_mapped, pg));
     }
     for (int s = 0; fused && s < 3; s++)
         if (stacks[s].n && found[s] == stacks[s].n)
@@ -179,9 +109,8 @@ static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_pro
 
 /* The tensors a checkpoint of this architecture holds (for the "unused tensor" warning). */
 static int64_t expected_tensor_count(const kvb_model_config *c) {
-    kvb_layer_weights w;
-    layer_tensor spec[18];
-    return (int64_t)c->n_layers * layer_spec(c, &w, spec) + 2 + (c->tie_embeddings ? 0 : 1);
+    kvb_layer_tensor_spec spec[KVB_LT_COUNT];
+    return (int64_t)c->n_layers * kvb_model_layer_spec(c, spec) + 2 + (c->tie_embeddings ? 0 : 1);
 }
 
 static void free_weights(kvb_model *m) {
@@ -189,8 +118,9 @@ static void free_weights(kvb_model *m) {
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
             kvb_layer_weights *w = &m->layers[l];
-            kvb_tensor *all[] = KVB_LAYER_TENSORS(w);
+            kvb_tensor *all[] = KVB_LAYER_TENSORS(w), *stacked[] = KVB_LAYER_STACKED(w);
             for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) weight_free(be, all[i]);
+            for (size_t i = 0; i < KVB_ARRAY_LEN(stacked); i++) weight_free(be, stacked[i]);
         }
     }
     if (!m->lm_head_tied) weight_free(be, &m->lm_head);
@@ -261,38 +191,6 @@ fail_model:
     return st;
 }
 
-kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg_out) {
-    if (!dir) return KVB_ERR_INVALID;
-    kvb_model_config c;
-    kvb_st_set *set = NULL;
-    const kvb_st_tensor *t = NULL;
-    kvb_status st;
-    KVB_TRY_GOTO(kvb_model_config_load(dir, &c), fail);
-    KVB_TRY_GOTO(kvb_st_open_dir(dir, &set), fail);
-    KVB_TRY_GOTO(find_weight(set, "model.embed_tokens.weight", c.vocab, c.hidden, &t), fail_set);
-    for (int l = 0; l < c.n_layers; l++) {
-        kvb_layer_weights w;
-        layer_tensor spec[18];
-        int n = layer_spec(&c, &w, spec);
-        for (int i = 0; i < n; i++) {
-            char name[128];
-            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-            KVB_TRY_GOTO(find_weight(set, name, spec[i].rows, spec[i].cols, &t), fail_set);
-        }
-    }
-    KVB_TRY_GOTO(find_weight(set, "model.norm.weight", c.hidden, 0, &t), fail_set);
-    if (!c.tie_embeddings) KVB_TRY_GOTO(find_weight(set, "lm_head.weight", c.vocab, c.hidden, &t), fail_set);
-    kvb_st_close(set);
-    if (cfg_out) *cfg_out = c;
-    return KVB_OK;
-
-fail_set:
-    kvb_st_close(set);
-fail:
-    KVB_LOG_E("%s: not a loadable model (%s)", dir, kvb_status_str(st));
-    return st;
-}
-
 void kvb_model_destroy(kvb_model *m) {
     if (!m) return;
     free_weights(m);
@@ -320,9 +218,8 @@ kvb_kv_geom kvb_model_kv_geom(const kvb_model *m, int block_size) {
 }
 
 static int64_t layer_params(const kvb_model_config *c) {
-    kvb_layer_weights w;
-    layer_tensor spec[18];
-    int n = layer_spec(c, &w, spec);
+    kvb_layer_tensor_spec spec[KVB_LT_COUNT];
+    int n = kvb_model_layer_spec(c, spec);
     int64_t p = 0;
     for (int i = 0; i < n; i++) p += spec[i].rows * (spec[i].cols ? spec[i].cols : 1);
     return p;
@@ -346,8 +243,9 @@ int64_t kvb_model_weight_bytes_per_token(const kvb_model *m) {
     int64_t b = tensor_bytes(&m->final_norm) + tensor_bytes(&m->lm_head);
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const kvb_layer_weights *w = &m->layers[l];
-        const kvb_tensor *all[] = KVB_LAYER_TENSORS(w);
+        const kvb_tensor *all[] = KVB_LAYER_TENSORS(w), *stacked[] = KVB_LAYER_STACKED(w);
         for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) b += tensor_bytes(all[i]);
+        for (size_t i = 0; i < KVB_ARRAY_LEN(stacked); i++) b += tensor_bytes(stacked[i]);
     }
     return b;
 }

@@ -36,7 +36,9 @@ typedef struct kvb_layer_weights {
 #define KVB_LAYER_TENSORS(w)                                                                           \
     {&(w)->attn_norm, &(w)->wq, &(w)->wk, &(w)->wv, &(w)->wo, &(w)->bq, &(w)->bk, &(w)->bv, &(w)->bo,       \
      &(w)->q_norm, &(w)->k_norm, &(w)->ffn_norm, &(w)->w_gate, &(w)->w_up, &(w)->w_down, &(w)->b_gate,     \
-     &(w)->b_up, &(w)->b_down, &(w)->wqkv, &(w)->bqkv, &(w)->w_gu}
+     &(w)->b_up, &(w)->b_down}
+/* The stacked weights, which no checkpoint names; a walk over every tensor a layer holds takes both lists. */
+#define KVB_LAYER_STACKED(w) {&(w)->wqkv, &(w)->bqkv, &(w)->w_gu}
 
 struct kvb_model {
     kvb_model_config cfg;

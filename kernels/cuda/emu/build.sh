@@ -4,8 +4,9 @@
 # kvbank-bench's cuda subcommand against it (`make check` runs it in a CUDA build tree: Makefile.am):
 #
 #   kernels/cuda/emu/build.sh BUILD_DIR OUT_DIR
-#     BUILD_DIR  a configured build tree of this checkout (with or without CUDA) in which
-#                libkvb_util.a libkvb_kv.a libkvb_model.a libkvb_sched.a libkvb_policy.a are built
+#     BUILD_DIR  a configured build tree of this checkout (with or without CUDA) in which libkvb_util.a
+#                libkvb_mem.a libkvb_text.a libkvb_kv.a libkvb_model.a libkvb_modelcheck.a libkvb_sched.a
+#                libkvb_policy.a are built
 #     OUT_DIR    where the emulated programs go: OUT_DIR/test_backend_consistency, OUT_DIR/test_tensor_core,
 #                OUT_DIR/kvbank-generate, OUT_DIR/kvbank-bench (its `cuda` subcommand only); a second run
 #                recompiles only what changed (KVB_JOBS compilers at a time, default 2)
@@ -136,6 +137,9 @@ done
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
 
 LIBS="$(pkg-config --libs check openblas jansson libxxhash libzmq libprotobuf-c libuv) -fopenmp -lstdc++ -lrt -lm -lpthread"
+# the model's loader and forward pass, then the config / safetensors / checks layer they stand on
+MODEL_LIBS="$BUILD/libkvb_model.a"
+[ -f "$BUILD/libkvb_modelcheck.a" ] && MODEL_LIBS="$MODEL_LIBS $BUILD/libkvb_modelcheck.a"
 link() { # OUT SOURCE... : one program of the emulated objects, the tree's libraries and LIBS
     local out=$1
     shift
@@ -150,14 +154,14 @@ link "$OUT/test_tensor_core" -DKVB_CUDA_EMU "$ROOT/tests/test_tensor_core.c" "${
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
 pids=()
 link "$OUT/kvbank-generate" "$ROOT/tools/generate.c" "${OBJS[@]}" "$BUILD/libkvb_policy.a" "$BUILD/libkvb_sched.a" \
-    "$BUILD/libkvb_model.a" "$BUILD/libkvb_kv.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_text.a" "$BUILD/libkvb_util.a" \
+    $MODEL_LIBS "$BUILD/libkvb_kv.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_text.a" "$BUILD/libkvb_util.a" \
     $LIBS $(pkg-config --libs libpcre2-8 nlopt)
 # kvbank-bench's cuda subcommand alone (run it with --shape tiny: emulated time is not time)
 printf '%s\n' '#include <string.h>' '#include "bench/bench.h"' \
     'int main(int argc, char **argv) {' \
     '    if (argc > 1 && !strcmp(argv[1], "cuda")) return kvb_bench_cuda(argc - 1, argv + 1);' \
     '    return 2;' '}' >"$OUT/src/bench_main.c"
-link "$OUT/kvbank-bench" "$OUT/src/bench_main.c" "$ROOT/bench/bench_cuda.c" "${OBJS[@]}" "$BUILD/libkvb_model.a" \
-    "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS
+link "$OUT/kvbank-bench" "$OUT/src/bench_main.c" "$ROOT/bench/bench_cuda.c" "${OBJS[@]}" $MODEL_LIBS \
+    "$BUILD/libkvb_text.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS $(pkg-config --libs libpcre2-8)
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
 echo "emulated: $OUT/test_backend_consistency $OUT/test_tensor_core $OUT/kvbank-generate $OUT/kvbank-bench (cuda only)"
