@@ -307,8 +307,8 @@ static int run_kvbank(const bench_cfg *cfg, const job *jb, job_result *r) {
         const kvb_model_config *c = kvb_model_cfg(m);
         r->w_step = kvb_model_weight_bytes_per_token(m);
         r->lm_params = (int64_t)c->vocab * c->hidden;
-        r->layer_params = r->w_step / 4 - r->lm_params - c->hidden; /* f32 weights on the CPU backend */
-        r->w_all = 4 * kvb_model_n_params(m);
+        r->layer_params = kvb_model_n_params(m) - r->lm_params * (c->tie_embeddings ? 1 : 2) - c->hidden;
+        r->w_all = kvb_model_weight_bytes(m); /* as the backend holds them: bf16 in place stays bf16 */
         if (jb->kind == JOB_DECODE) ok = kvbank_decode(m, cfg, jb->batch, jb->ctx, r);
         else if (jb->kind == JOB_PREFILL) ok = kvbank_prefill(m, cfg, jb->ctx, r);
         else ok = kvbank_greedy(m, jb->ctx, r);

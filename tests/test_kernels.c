@@ -100,10 +100,11 @@ static int have_avx2(void) {
 #endif
 }
 
-/* A row's products do not depend on the batch it is in (decode batches up to 32 on AVX2): greedy
- * tokens then do not change when a policy batches, preempts or swaps other sequences. */
+/* A row's products do not depend on the batch it is in (decode batches and prefill chunks alike on
+ * AVX2): greedy tokens then do not change when a policy batches, preempts or swaps other sequences, and a
+ * token's KV is the same bits whether a prefill or a decode step computed it (recomputation). */
 static void check_batch_invariant(int rows, int cols) {
-    int nmax = 32;
+    int nmax = 140;
     kvb_backend *be = make_backend(2);
     float *w = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * nmax * cols);
     float *y = malloc(sizeof(float) * nmax * rows), *y1 = malloc(sizeof(float) * rows);
@@ -111,8 +112,8 @@ static void check_batch_invariant(int rows, int cols) {
     fill(x, (size_t)nmax * cols);
     kvb_tensor t;
     ck_assert_int_eq(be->iface->weight_load(be->ctx, w, KVB_DTYPE_F32, rows, cols, &t), KVB_OK);
-    for (int n = 2; n <= nmax; n += 5)
-        for (int i = 0; i < n; i += 3) {
+    for (int n = 2; n <= nmax; n += n < 40 ? 5 : 31)
+        for (int i = 0; i < n; i += n < 40 ? 3 : 17) {
             ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &t, 0.0f, y), KVB_OK);
             ck_assert_int_eq(be->iface->matmul(be->ctx, x + (size_t)i * cols, 1, &t, 0.0f, y1), KVB_OK);
             ck_assert_msg(!memcmp(y + (size_t)i * rows, y1, sizeof(float) * rows),
@@ -138,9 +139,9 @@ KVB_TEST(matmul_batch_invariant) {
 }
 KVB_TEST_END
 
-/* matmul_n over q/k/v-like weights gives each product as matmul does — bit for bit at decode sizes
- * (the streaming kernel), within rounding at prefill sizes — on 1 to 3 threads (the team's row split
- * crosses the weights' boundaries), and refuses weights of different widths. */
+/* matmul_n over q/k/v-like weights gives each product as matmul does — bit for bit with AVX2 (the
+ * streaming kernel, decode and prefill sizes), within rounding on OpenBLAS — on 1 to 3 threads (the
+ * team's row split crosses the weights' boundaries), and refuses weights of different widths. */
 KVB_TEST(matmul_n_matches_matmul) {
     rng_state = 11;
     int avx2 = have_avx2();
@@ -165,10 +166,10 @@ KVB_TEST(matmul_n_matches_matmul) {
             for (int i = 0; i < 3; i++) {
                 ck_assert_int_eq(be->iface->matmul(be->ctx, x, ns[k], &t[i], 0.0f, y1), KVB_OK);
                 size_t m = (size_t)ns[k] * rows[i];
-                if (ns[k] <= 32 && avx2) {
+                if (avx2) {
                     ck_assert_msg(!memcmp(y[i], y1, sizeof(float) * m), "weight %d, n=%d, %d threads, simd %s", i, ns[k], th,
                                   simd_levels[run / 3] ? simd_levels[run / 3] : "widest");
-                } else { /* sgemm's results depend on the width of the slice it gets */
+                } else { /* OpenBLAS's results depend on the width of the slice it gets */
                     double e = 0;
                     for (size_t j = 0; j < m; j++) e = fmax(e, fabs((double)y[i][j] - y1[j]));
                     ck_assert_msg(e < 1e-5, "weight %d, n=%d, %d threads: %g", i, ns[k], th, e);
@@ -209,6 +210,91 @@ KVB_TEST(weight_load_half) {
     ck_assert_int_eq(t2.ne[1], 1);
     be->iface->weight_free(be->ctx, &t1);
     be->iface->weight_free(be->ctx, &t2);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+/* A weight of dtype dt ([rows][cols], random values rounded to dt) in place (weight_view) against the same
+ * values widened to f32 (weight_load): with the SIMD kernels the products are the same bits, decode and
+ * prefill sizes, beta 0 and 1; without them (OpenBLAS on widened panels) within rounding. */
+static void check_half_matmul(kvb_backend *be, kvb_dtype dt, int n, int rows, int cols, int exact) {
+    uint16_t *h = malloc(sizeof(uint16_t) * rows * cols);
+    float *wide = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * n * cols);
+    float *y0 = malloc(sizeof(float) * n * rows), *y1 = malloc(sizeof(float) * n * rows);
+    for (int i = 0; i < rows * cols; i++) {
+        float v = frand() * 2.0f;
+        h[i] = dt == KVB_DTYPE_BF16 ? kvb_f32_to_bf16(v) : kvb_f32_to_f16(v);
+        wide[i] = dt == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(h[i]) : kvb_f16_to_f32(h[i]);
+    }
+    fill(x, (size_t)n * cols);
+    kvb_tensor tv, tw;
+    ck_assert_int_eq(be->iface->weight_view(be->ctx, h, dt, rows, cols, &tv), KVB_OK);
+    ck_assert_int_eq(tv.dtype, dt);
+    ck_assert_int_eq(tv.view, 1);
+    ck_assert_int_eq(be->iface->weight_load(be->ctx, wide, KVB_DTYPE_F32, rows, cols, &tw), KVB_OK);
+    for (int beta = 0; beta <= 1; beta++) {
+        fill(y0, (size_t)n * rows);
+        memcpy(y1, y0, sizeof(float) * n * rows);
+        ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &tv, (float)beta, y0), KVB_OK);
+        ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &tw, (float)beta, y1), KVB_OK);
+        if (exact) {
+            ck_assert_msg(!memcmp(y0, y1, sizeof(float) * n * rows), "%s n=%d %dx%d beta %d: not the f32 bits",
+                          kvb_dtype_name(dt), n, rows, cols, beta);
+        } else {
+            double e = 0, m = 0;
+            for (int i = 0; i < n * rows; i++) e = fmax(e, fabs((double)y0[i] - y1[i])), m = fmax(m, fabs(y1[i]));
+            ck_assert_msg(e <= 1e-5 * m, "%s n=%d %dx%d: %g", kvb_dtype_name(dt), n, rows, cols, e / m);
+        }
+    }
+    be->iface->weight_free(be->ctx, &tv);
+    be->iface->weight_free(be->ctx, &tw);
+    free(h);
+    free(wide);
+    free(x);
+    free(y0);
+    free(y1);
+}
+
+KVB_TEST(matmul_half_weights_exact) {
+    rng_state = 21;
+    /* decode batches (widened in registers) and prefill chunks (blocks widened once, x in chunks of 64),
+     * 16-lane and 8-lane column counts, rows not a multiple of the tiles */
+    int shapes[][3] = {{1, 301, 512}, {5, 257, 64}, {32, 190, 96}, {33, 301, 128}, {100, 97, 520}, {200, 64, 256},
+                       {7, 100, 40}, {40, 50, 8}};
+    const char *levels[] = {NULL, "avx2", "0"};
+    int avx2 = have_avx2();
+    for (size_t l = 0; l < KVB_ARRAY_LEN(levels); l++) {
+        use_simd(levels[l]);
+        for (int th = 1; th <= 3; th += 2) {
+            kvb_backend *be = make_backend(th);
+            for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
+                for (int d = 0; d < 2; d++)
+                    check_half_matmul(be, d ? KVB_DTYPE_F16 : KVB_DTYPE_BF16, shapes[i][0], shapes[i][1], shapes[i][2],
+                                      avx2 && l < 2);
+            kvb_backend_destroy(be);
+        }
+    }
+    use_simd(NULL);
+}
+KVB_TEST_END
+
+/* The embedding of a bf16 or f16 table in place gives the widened rows; vectors of half types and
+ * misaligned data are not viewed (the caller converts a copy). */
+KVB_TEST(weight_view_half) {
+    kvb_backend *be = make_backend(1);
+    enum { V = 5, D = 24 };
+    uint16_t tab[V * D + 1];
+    for (int i = 0; i < V * D + 1; i++) tab[i] = kvb_f32_to_bf16((float)i / 7.0f - 3.0f);
+    kvb_tensor t;
+    ck_assert_int_eq(be->iface->weight_view(be->ctx, tab, KVB_DTYPE_BF16, V, D, &t), KVB_OK);
+    int32_t ids[3] = {4, 0, 2};
+    float out[3 * D];
+    ck_assert_int_eq(be->iface->embed(be->ctx, &t, ids, 3, out), KVB_OK);
+    for (int i = 0; i < 3; i++)
+        for (int c = 0; c < D; c++) ck_assert_float_eq(out[i * D + c], kvb_bf16_to_f32(tab[ids[i] * D + c]));
+    be->iface->weight_free(be->ctx, &t);
+    ck_assert_int_eq(be->iface->weight_view(be->ctx, tab, KVB_DTYPE_F16, D, 1, &t), KVB_ERR_UNSUPPORTED);
+    ck_assert_int_eq(be->iface->weight_view(be->ctx, (char *)tab + 1, KVB_DTYPE_BF16, V, D, &t), KVB_ERR_UNSUPPORTED);
     kvb_backend_destroy(be);
 }
 KVB_TEST_END
@@ -523,5 +609,6 @@ KVB_TEST(bias_add_rows) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(matmul_batch_invariant, 30), KVB_T(matmul_n_matches_matmul, 30), KVB_T(weight_load_half, 10),
+              KVB_T(matmul_half_weights_exact, 120), KVB_T(weight_view_half, 10),
               KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T(attention_decode_widths, 60), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
               KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))

@@ -954,16 +954,32 @@ static int64_t expect_layer_params(int qwen3) {
     return 2 * T_HIDDEN + T_HIDDEN * q + 2 * T_HIDDEN * kv + q * T_HIDDEN + 3 * T_HIDDEN * T_FF + (qwen3 ? 2 * T_HD : 0);
 }
 
-/* The backend copy of weight `t` equals what the test wrote for tensor number `ti`. */
-static void check_weight(kvb_backend *be, const kvb_tensor *t, int ti, int64_t rows, int64_t cols) {
+/* Bytes a decode step reads of the layers' weights on the CPU backend, matrices stored in `dt` (in place)
+ * and norm vectors in f32. */
+static int64_t expect_layer_bytes(int qwen3, kvb_dtype dt) {
+    int64_t norms = 2 * T_HIDDEN + (qwen3 ? 2 * T_HD : 0);
+    return 4 * norms + (int64_t)kvb_dtype_size(dt) * (expect_layer_params(qwen3) - norms);
+}
+
+/* The backend's weight `t` equals what the test wrote for tensor number `ti`: a matrix in the file's
+ * dtype `dt` (the CPU backend uses it in place), a vector converted to f32. */
+static void check_weight(kvb_backend *be, const kvb_tensor *t, int ti, int64_t rows, int64_t cols, kvb_dtype dt) {
     ck_assert_ptr_nonnull(t->data);
     ck_assert_int_eq(t->ne[0], rows);
     ck_assert_int_eq(t->ne[1], cols);
-    ck_assert_int_eq(t->dtype, KVB_DTYPE_F32); /* the CPU backend keeps f32 weights */
-    float host[256];
+    ck_assert_int_eq(t->dtype, cols == 1 ? KVB_DTYPE_F32 : dt);
+    ck_assert_int_eq(t->view, cols > 1 || dt == KVB_DTYPE_F32);
+    union {
+        float f[256];
+        uint16_t h[256];
+    } host;
     ck_assert_int_le(rows * cols, 256);
-    ck_assert_int_eq(be->iface->to_host(be->ctx, host, t->data, (size_t)(rows * cols) * sizeof(float)), KVB_OK);
-    for (int64_t k = 0; k < rows * cols; k++) ck_assert_float_eq(host[k], tval(ti, k));
+    ck_assert_int_eq(be->iface->to_host(be->ctx, &host, t->data, (size_t)(rows * cols) * kvb_dtype_size(t->dtype)), KVB_OK);
+    for (int64_t k = 0; k < rows * cols; k++) {
+        float v = t->dtype == KVB_DTYPE_F32 ? host.f[k] : t->dtype == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(host.h[k])
+                                                                                        : kvb_f16_to_f32(host.h[k]);
+        ck_assert_float_eq(v, tval(ti, k));
+    }
 }
 
 static kvb_status load_logged(const char *dirname, kvb_backend *be, kvb_model **m) {
@@ -995,12 +1011,12 @@ KVB_TEST(model_load_llama) {
     /* per decode step: all layers, final norm, lm_head; not the embedding table */
     ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
     /* weights reached the backend unchanged, in the right slots (tensor numbers as written) */
-    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN);
-    check_weight(be, &m->layers[0].attn_norm, 1, T_HIDDEN, 1);
-    check_weight(be, &m->layers[0].wk, 3, T_KV * T_HD, T_HIDDEN);
-    check_weight(be, &m->layers[1].w_down, 9 + 9, T_HIDDEN, T_FF);
-    check_weight(be, &m->final_norm, 19, T_HIDDEN, 1);
-    check_weight(be, &m->lm_head, 20, T_VOCAB, T_HIDDEN);
+    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN, KVB_DTYPE_F32);
+    check_weight(be, &m->layers[0].attn_norm, 1, T_HIDDEN, 1, KVB_DTYPE_F32);
+    check_weight(be, &m->layers[0].wk, 3, T_KV * T_HD, T_HIDDEN, KVB_DTYPE_F32);
+    check_weight(be, &m->layers[1].w_down, 9 + 9, T_HIDDEN, T_FF, KVB_DTYPE_F32);
+    check_weight(be, &m->final_norm, 19, T_HIDDEN, 1, KVB_DTYPE_F32);
+    check_weight(be, &m->lm_head, 20, T_VOCAB, T_HIDDEN, KVB_DTYPE_F32);
     ck_assert_int_eq(m->lm_head_tied, 0);
     ck_assert_ptr_null(m->layers[0].q_norm.data);
     ck_assert_int_eq(m->rope.head_dim, T_HD);
@@ -1054,15 +1070,16 @@ KVB_TEST(model_load_tied_llama3_f16) {
     ck_assert_int_eq(load_logged("tied", be, &m), KVB_OK);
     ck_assert_int_eq(m->lm_head_tied, 1);
     ck_assert_ptr_eq(m->lm_head.data, m->embed.data);
-    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN); /* f16 values converted exactly */
-    /* converted weights are the backend's copies; the mapping is closed after loading */
-    ck_assert_int_eq(m->weights_mapped, 0);
-    ck_assert_ptr_null(m->weights_file);
-    ck_assert_int_eq(m->embed.view, 0);
+    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN, KVB_DTYPE_F16); /* f16 in place */
+    check_weight(be, &m->final_norm, 1 + T_LAYERS * 9, T_HIDDEN, 1, KVB_DTYPE_F16); /* a vector: converted exactly */
+    /* f16 matrices are used in place: the mapping lives with the model */
+    ck_assert_int_eq(m->weights_mapped, 1);
+    ck_assert_ptr_nonnull(m->weights_file);
     int64_t layer = expect_layer_params(0);
     ck_assert_int_eq(kvb_model_n_params(m), T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
-    /* tied: the LM head reads the whole embedding table every step (in the backend's f32) */
-    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
+    /* tied: the LM head reads the whole embedding table every step (f16 as stored) */
+    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m),
+                     T_LAYERS * expect_layer_bytes(0, KVB_DTYPE_F16) + 4 * T_HIDDEN + 2 * T_VOCAB * T_HIDDEN);
     /* llama3 with original context 1: every wavelength > low_freq_wavelen, so all divided by 8 */
     ck_assert_float_eq(m->inv_freq[0], 1.0f / 8.0f);
     ck_assert_float_eq(m->inv_freq[1], 0.01f / 8.0f);
@@ -1080,12 +1097,14 @@ KVB_TEST(model_load_qwen3_bf16_sharded) {
     ck_assert_int_eq(load_logged("qwen3", be, &m), KVB_OK);
     ck_assert_int_eq(kvb_model_cfg(m)->arch, KVB_ARCH_QWEN3);
     /* tensor numbers: embed 0; layer 0: norm 1, q 2, k 3, v 4, o 5, q_norm 6, k_norm 7, ... (11 per layer) */
-    check_weight(be, &m->layers[0].q_norm, 6, T_HD, 1);
-    check_weight(be, &m->layers[1].k_norm, 7 + 11, T_HD, 1);
-    check_weight(be, &m->lm_head, 1 + 2 * 11 + 1, T_VOCAB, T_HIDDEN);
+    check_weight(be, &m->layers[0].q_norm, 6, T_HD, 1, KVB_DTYPE_BF16);
+    check_weight(be, &m->layers[1].k_norm, 7 + 11, T_HD, 1, KVB_DTYPE_BF16);
+    check_weight(be, &m->layers[1].wv, 4 + 11, T_KV * T_HD, T_HIDDEN, KVB_DTYPE_BF16);
+    check_weight(be, &m->lm_head, 1 + 2 * 11 + 1, T_VOCAB, T_HIDDEN, KVB_DTYPE_BF16);
     int64_t layer = expect_layer_params(1);
     ck_assert_int_eq(kvb_model_n_params(m), 2 * T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
-    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
+    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m),
+                     T_LAYERS * expect_layer_bytes(1, KVB_DTYPE_BF16) + 4 * T_HIDDEN + 2 * T_VOCAB * T_HIDDEN);
     kvb_model_destroy(m);
     kvb_backend_destroy(be);
 }

@@ -235,6 +235,7 @@ static kvb_status fill(const opts *o, tensor_list *l) {
             case KVB_DTYPE_F32: ((float *)t->data)[k] = v; break;
             case KVB_DTYPE_F16: ((uint16_t *)t->data)[k] = kvb_f32_to_f16(v); break;
             case KVB_DTYPE_BF16: ((uint16_t *)t->data)[k] = kvb_f32_to_bf16(v); break;
+            case KVB_DTYPE_F8_E4M3: break; /* not a --dtype */
             }
             if ((k & 0xfffff) == 0xfffff) kvb_progress_update(&pg, done + (uint64_t)(k + 1) * kvb_dtype_size(o->dtype));
         }

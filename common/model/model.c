@@ -287,7 +287,11 @@ int64_t kvb_model_n_params(const kvb_model *m) {
 }
 
 static int64_t tensor_bytes(const kvb_tensor *t) {
-    return t->data ? t->ne[0] * t->ne[1] * (int64_t)kvb_dtype_size(t->dtype) : 0;
+    return t->data ? t->ne[0] * t->ne[1] * (int64_t)kvb_dtype_size(t->dtype) + t->n_scale * (int64_t)sizeof(float) : 0;
+}
+
+int64_t kvb_model_weight_bytes(const kvb_model *m) {
+    return kvb_model_weight_bytes_per_token(m) + (m->lm_head_tied ? 0 : tensor_bytes(&m->embed));
 }
 
 /* Everything one decode step reads: every layer's matrices and norms, the final norm and the LM head
