@@ -389,6 +389,10 @@ kvb_status kvb_llamacpp_open(const char *libdir, const char *model_dir, int thre
         fprintf(stderr, "llama.cpp comparison: only plain Llama models (no rope scaling, window or biases)\n");
         return KVB_ERR_UNSUPPORTED;
     }
+    if (c.quant.fp8) {
+        fprintf(stderr, "llama.cpp comparison: FP8 checkpoints have no GGUF type to write them in (f32, f16, bf16 only)\n");
+        return KVB_ERR_UNSUPPORTED;
+    }
     kvb_llamacpp *l = calloc(1, sizeof *l);
     if (!l) return KVB_ERR_NOMEM;
     l->threads = threads;

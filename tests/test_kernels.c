@@ -1,10 +1,12 @@
 /* Tests of the CPU backend's kernels against naive double-precision loops, on fresh random inputs.
  * Attention is checked on ragged batches mixing decode-like and prefill-like sequences (both code
  * paths), with GQA and MHA, block sizes 1, 7, 16, and blocks scattered out of order in the pool. */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/ops.h"
 #include "tests/harness.h"
 
 static uint64_t rng_state;
@@ -295,6 +297,146 @@ KVB_TEST(weight_view_half) {
     be->iface->weight_free(be->ctx, &t);
     ck_assert_int_eq(be->iface->weight_view(be->ctx, tab, KVB_DTYPE_F16, D, 1, &t), KVB_ERR_UNSUPPORTED);
     ck_assert_int_eq(be->iface->weight_view(be->ctx, (char *)tab + 1, KVB_DTYPE_BF16, V, D, &t), KVB_ERR_UNSUPPORTED);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+/* E4M3 conversions: every byte's value (bias 7, subnormals m * 2^-9, 0x7f / 0xff NaN), the round trip,
+ * and rounding to nearest with ties to even at every midpoint between neighbours. */
+KVB_TEST(e4m3_conversions) {
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        float v = kvb_e4m3_to_f32((uint8_t)b);
+        if (e == 15 && m == 7) {
+            ck_assert(isnan(v));
+            continue;
+        }
+        double want = (e ? (1.0 + m / 8.0) * ldexp(1.0, e - 7) : m * ldexp(1.0, -9)) * (b & 0x80 ? -1 : 1);
+        ck_assert_msg(v == (float)want, "byte 0x%02x: %g, expected %g", b, v, want);
+        ck_assert_msg(kvb_f32_to_e4m3(v) == b || (v == 0.0f && (kvb_f32_to_e4m3(v) & 0x7f) == 0), "round trip 0x%02x", b);
+        ck_assert_float_eq(kvb_e4m3_round(v), v);
+    }
+    /* midpoints between consecutive positive values: ties go to the even mantissa */
+    for (int b = 0; b < 0x7e; b++) {
+        float lo = kvb_e4m3_to_f32((uint8_t)b), hi = kvb_e4m3_to_f32((uint8_t)(b + 1));
+        float mid = 0.5f * (lo + hi), even = b % 2 == 0 ? lo : hi;
+        ck_assert_msg(kvb_e4m3_round(mid) == even, "tie between 0x%02x and 0x%02x: %g", b, b + 1, kvb_e4m3_round(mid));
+        ck_assert_float_eq(kvb_e4m3_round(-mid), -even);
+        ck_assert_float_eq(kvb_e4m3_round(nextafterf(mid, 0.0f)), lo);
+        ck_assert_float_eq(kvb_e4m3_round(nextafterf(mid, 1e9f)), hi);
+    }
+    ck_assert_float_eq(kvb_e4m3_round(448.0f), 448.0f);
+    ck_assert_float_eq(kvb_e4m3_round(1e-30f), 0.0f);
+}
+KVB_TEST_END
+
+/* Per-token FP8 quantization: the AVX2 rows are the bits of the scalar rows (KVB_CPU_SIMD=0), every q an
+ * E4M3 value, the scale max|x| / 448 and the epsilon for a zero row. */
+KVB_TEST(fp8_quant_rows) {
+    rng_state = 23;
+    enum { N = 7, C = 72 };
+    static float x[N * C], q0[N * C], q1[N * C], s0[N], s1[N];
+    for (int i = 0; i < N * C; i++) x[i] = frand() * (i % 5 == 0 ? 30.0f : 0.5f);
+    memset(x + 3 * C, 0, C * sizeof(float)); /* a zero row */
+    x[5 * C + 7] = 1e-30f;                    /* a tiny one */
+    kvb_backend *be = make_backend(1);        /* sets the SIMD flags */
+    use_simd("0");
+    kvb_backend *be0 = make_backend(1);
+    kvb__cpu_quant_fp8_rows(x, N, C, q0, s0);
+    kvb_backend_destroy(be0);
+    use_simd(NULL);
+    kvb_backend_destroy(be);
+    be = make_backend(1);
+    kvb__cpu_quant_fp8_rows(x, N, C, q1, s1);
+    kvb_backend_destroy(be);
+    ck_assert(!memcmp(q0, q1, sizeof q0));
+    ck_assert(!memcmp(s0, s1, sizeof s0));
+    for (int i = 0; i < N; i++) {
+        float m = 0;
+        for (int c = 0; c < C; c++) m = fmaxf(m, fabsf(x[i * C + c]));
+        ck_assert_float_eq(s0[i], m == 0.0f ? FLT_EPSILON : m / 448.0f);
+        for (int c = 0; c < C; c++) {
+            float v = fminf(fmaxf(x[i * C + c] / s0[i], -448.0f), 448.0f);
+            ck_assert_float_eq(q0[i * C + c], kvb_e4m3_round(v));
+        }
+    }
+}
+KVB_TEST_END
+
+/* An FP8 weight (E4M3 bytes, a scale per row or one per tensor) against a double reference of the same
+ * arithmetic: weight-only, y = x . (w * scale)^T; W8A8, x quantized per token (its E4M3 values computed
+ * here with kvb_e4m3_round), y = (q . w^T) * scale * s_x. Decode and prefill sizes, both widths and the
+ * OpenBLAS path, beta 0 and 1; and a row alone is the bits it has in a batch. NaN bytes are refused. */
+static void check_fp8_matmul(kvb_backend *be, int n, int rows, int cols, int per_row, kvb_act_quant act, int exact) {
+    uint8_t *w = malloc((size_t)rows * cols);
+    float *sc = malloc(sizeof(float) * rows), *x = malloc(sizeof(float) * n * cols);
+    float *y = malloc(sizeof(float) * n * rows), *y1 = malloc(sizeof(float) * rows);
+    double *ref = malloc(sizeof(double) * n * rows);
+    for (int i = 0; i < rows * cols; i++) {
+        w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull) >> 56);
+        if ((w[i] & 0x7f) == 0x7f) w[i] ^= 1;
+    }
+    for (int r = 0; r < rows; r++) sc[r] = (0.5f + 0.25f * frand()) / 64.0f;
+    fill(x, (size_t)n * cols);
+    fill(y, (size_t)n * rows);
+    kvb_fp8_weight src = {w, rows, cols, sc, per_row ? rows : 1, act};
+    kvb_tensor t;
+    ck_assert_int_eq(be->iface->weight_fp8(be->ctx, &src, &t), KVB_OK);
+    ck_assert_int_eq(t.dtype, KVB_DTYPE_F8_E4M3);
+    for (int i = 0; i < n; i++) {
+        float m = 0, sx = 1;
+        for (int c = 0; c < cols; c++) m = fmaxf(m, fabsf(x[i * cols + c]));
+        if (act == KVB_ACT_FP8_TOKEN) sx = m / 448.0f;
+        for (int r = 0; r < rows; r++) {
+            double s = 0;
+            for (int c = 0; c < cols; c++) {
+                float xv = x[i * cols + c];
+                if (act == KVB_ACT_FP8_TOKEN) xv = kvb_e4m3_round(fminf(fmaxf(xv / sx, -448.0f), 448.0f));
+                s += (double)xv * kvb_e4m3_to_f32(w[r * cols + c]);
+            }
+            ref[i * rows + r] = s * sc[per_row ? r : 0] * sx + y[i * rows + r];
+        }
+    }
+    ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &t, 1.0f, y), KVB_OK);
+    double e = rel_err(y, ref, (size_t)n * rows);
+    ck_assert_msg(e < 1e-5, "fp8 n=%d %dx%d per_row %d act %d: rel err %g", n, rows, cols, per_row, act, e);
+    for (int i = 0; i < n; i += 5) {
+        ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &t, 0.0f, y), KVB_OK);
+        ck_assert_int_eq(be->iface->matmul(be->ctx, x + (size_t)i * cols, 1, &t, 0.0f, y1), KVB_OK);
+        if (exact)
+            ck_assert_msg(!memcmp(y + (size_t)i * rows, y1, sizeof(float) * rows), "fp8 row %d of %d alone differs", i, n);
+    }
+    be->iface->weight_free(be->ctx, &t);
+    free(w);
+    free(sc);
+    free(x);
+    free(y);
+    free(y1);
+    free(ref);
+}
+
+KVB_TEST(matmul_fp8) {
+    rng_state = 31;
+    int shapes[][3] = {{1, 301, 512}, {5, 97, 64}, {32, 190, 96}, {45, 301, 128}, {100, 64, 520}, {7, 50, 40}};
+    const char *levels[] = {NULL, "avx2", "0"};
+    for (size_t l = 0; l < KVB_ARRAY_LEN(levels); l++) {
+        use_simd(levels[l]);
+        kvb_backend *be = make_backend(l == 1 ? 3 : 2);
+        for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
+            for (int k = 0; k < 4; k++) /* the OpenBLAS path (l == 2) makes no bit-for-bit claim */
+                check_fp8_matmul(be, shapes[i][0], shapes[i][1], shapes[i][2], k & 1, k & 2 ? KVB_ACT_FP8_TOKEN : KVB_ACT_NONE,
+                                 have_avx2() && l < 2);
+        kvb_backend_destroy(be);
+    }
+    use_simd(NULL);
+    /* a NaN byte is refused */
+    kvb_backend *be = make_backend(1);
+    uint8_t w[4 * 8] = {0};
+    float sc = 1.0f;
+    w[13] = 0xff;
+    kvb_fp8_weight src = {w, 4, 8, &sc, 1, KVB_ACT_NONE};
+    kvb_tensor t;
+    ck_assert_int_eq(be->iface->weight_fp8(be->ctx, &src, &t), KVB_ERR_INVALID);
     kvb_backend_destroy(be);
 }
 KVB_TEST_END
@@ -609,6 +751,7 @@ KVB_TEST(bias_add_rows) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T(matmul_batch_invariant, 30), KVB_T(matmul_n_matches_matmul, 30), KVB_T(weight_load_half, 10),
-              KVB_T(matmul_half_weights_exact, 120), KVB_T(weight_view_half, 10),
+              KVB_T(matmul_half_weights_exact, 120), KVB_T(weight_view_half, 10), KVB_T(e4m3_conversions, 10),
+              KVB_T(fp8_quant_rows, 10), KVB_T(matmul_fp8, 120),
               KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T(attention_decode_widths, 60), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
               KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))

@@ -1,6 +1,7 @@
 /* kvbank — loading a Hugging Face model directory onto a backend (the forward pass is forward.c). */
 #include "common/model/model_impl.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,12 +48,106 @@ static kvb_status find_weight(const kvb_st_set *set, const char *name, int64_t r
     return KVB_OK;
 }
 
-/* Loads one weight; adds its file bytes to the load's progress line. */
+/* The checks of an FP8 weight `t` called `wname` ("X.weight") without reading its data: F8_E4M3, and its
+ * scale "X.weight_scale" there with one value ([], [1], [1, 1]) or one per output row ([rows], [rows, 1])
+ * as `per_channel` says, in f32, bf16 or f16 (*scale_out). Errors name the tensor. */
+static kvb_status find_fp8(const kvb_st_set *set, const char *wname, const kvb_st_tensor *t, int per_channel,
+                           const kvb_st_tensor **scale_out) {
+    if (t->dtype != KVB_DTYPE_F8_E4M3) {
+        KVB_LOG_E("model: tensor \"%s\" is %s, but quantization_config makes it an FP8 (F8_E4M3) weight", wname,
+                  kvb_dtype_name(t->dtype));
+        return KVB_ERR_INVALID;
+    }
+    char name[160];
+    snprintf(name, sizeof name, "%s_scale", wname);
+    const kvb_st_tensor *sc = kvb_st_find(set, name);
+    if (!sc) {
+        KVB_LOG_E("model: tensor \"%s\" is missing (the scale of FP8 weight \"%s\")", name, wname);
+        return KVB_ERR_NOT_FOUND;
+    }
+    int64_t n = 1, want = per_channel ? t->shape[0] : 1;
+    for (int i = 0; i < sc->n_dims; i++) n *= sc->shape[i];
+    int ok = n == want && sc->n_dims <= 2 && (sc->n_dims < 1 || sc->shape[0] == want) && sc->dtype != KVB_DTYPE_F8_E4M3;
+    if (!ok) {
+        char a[128];
+        format_shape(a, sizeof a, sc->n_dims, sc->shape);
+        KVB_LOG_E("model: tensor \"%s\" is %s %s, expected %lld f32/bf16/f16 values (a scale per %s)", name,
+                  kvb_dtype_name(sc->dtype), a, (long long)want, per_channel ? "output channel" : "tensor");
+        return KVB_ERR_INVALID;
+    }
+    *scale_out = sc;
+    return KVB_OK;
+}
+
+/* Tensor `t`'s n values widened to f32 into *out (caller frees): positive and finite, else an error
+ * naming `name`. */
+static kvb_status read_scales(const kvb_st_tensor *t, const char *name, int64_t n, float **out) {
+    KVB_TRY(kvb_malloc((size_t)n * sizeof(float), (void **)out));
+    for (int64_t i = 0; i < n; i++) {
+        float v;
+        if (t->dtype == KVB_DTYPE_F32) {
+            memcpy(&v, (const char *)t->data + 4 * i, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, (const char *)t->data + 2 * i, 2);
+            v = t->dtype == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(h) : kvb_f16_to_f32(h);
+        }
+        if (!(v > 0.0f) || !isfinite(v)) {
+            KVB_LOG_E("model: %s_scale[%lld] = %g is not a positive finite scale", name, (long long)i, v);
+            free(*out);
+            *out = NULL;
+            return KVB_ERR_INVALID;
+        }
+        (*out)[i] = v;
+    }
+    return KVB_OK;
+}
+
+/* Loads the FP8 weight `t` (named `name`) with its scale onto the backend (quant.h's scheme `q`). */
+static kvb_status load_fp8(kvb_backend *be, const kvb_st_set *set, const kvb_quant_config *q, const char *name,
+                           const kvb_st_tensor *t, kvb_tensor *dst) {
+    const kvb_st_tensor *sc = NULL;
+    KVB_TRY(find_fp8(set, name, t, q->per_channel, &sc));
+    if (!be->iface->weight_fp8) {
+        KVB_LOG_E("model: backend %s does not run FP8 checkpoints (tensor \"%s\")", be->iface->name, name);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    float *scale = NULL;
+    int64_t n_scale = q->per_channel ? t->shape[0] : 1;
+    KVB_TRY(read_scales(sc, name, n_scale, &scale));
+    kvb_fp8_weight src = {.data = t->data, .rows = t->shape[0], .cols = t->shape[1], .scale = scale,
+                          .n_scale = n_scale, .act = q->act_token ? KVB_ACT_FP8_TOKEN : KVB_ACT_NONE};
+    kvb_status st = be->iface->weight_fp8(be->ctx, &src, dst);
+    free(scale);
+    return st;
+}
+
+/* Loads one weight (`fp8`: a linear layer quantization_config quantizes); adds its file bytes to the
+ * load's progress line. */
 static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
-                              kvb_tensor *dst, int *viewed, kvb_progress *pg) {
+                              int fp8, const kvb_quant_config *q, kvb_tensor *dst, int *viewed, kvb_progress *pg) {
     const kvb_st_tensor *t = NULL;
     KVB_TRY(find_weight(set, name, rows, cols, &t));
     kvb_progress_update(pg, pg->done + t->nbytes);
+    if (!fp8 && t->dtype == KVB_DTYPE_F8_E4M3) {
+        KVB_LOG_E("model: tensor \"%s\" is F8_E4M3, but quantization_config does not quantize it", name);
+        return KVB_ERR_INVALID;
+    }
+    if (fp8) {
+        kvb_status st = load_fp8(be, set, q, name, t, dst);
+        if (st != KVB_OK) {
+            KVB_LOG_E("model: FP8 tensor \"%s\" not loaded (%s)", name, kvb_status_str(st));
+            memset(dst, 0, sizeof *dst);
+            return st;
+        }
+        if (dst->view) {
+            kvb_st_prefault(t);
+            *viewed = 1;
+        } else {
+            kvb_st_release(t);
+        }
+        return KVB_OK;
+    }
     /* Where the backend can compute on the mapped bytes as they are, they are the weight (one copy in
      * memory: the file's page cache); otherwise the backend copies and converts them, and the mapped
      * pages are dropped at once so the mapping does not stay resident beside the copy. */
@@ -81,18 +176,20 @@ typedef struct layer_tensor {
     const char *suffix;
     kvb_tensor *dst;
     int64_t rows, cols;
+    int proj; /* kvb_proj of a linear layer's weight, -1 for the rest */
 } layer_tensor;
 
 static int layer_spec(const kvb_model_config *c, kvb_layer_weights *w, layer_tensor spec[18]) {
     const int64_t h = c->hidden, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
     const int64_t ff = c->intermediate;
     int n = 0;
-#define T(s, d, r, cl) (spec[n++] = (layer_tensor){(s), (d), (r), (cl)})
+#define T(s, d, r, cl) (spec[n++] = (layer_tensor){(s), (d), (r), (cl), -1})
+#define P(s, d, r, cl, p) (spec[n++] = (layer_tensor){(s), (d), (r), (cl), (p)})
     T("input_layernorm.weight", &w->attn_norm, h, 0);
-    T("self_attn.q_proj.weight", &w->wq, q, h);
-    T("self_attn.k_proj.weight", &w->wk, kv, h);
-    T("self_attn.v_proj.weight", &w->wv, kv, h);
-    T("self_attn.o_proj.weight", &w->wo, h, q);
+    P("self_attn.q_proj.weight", &w->wq, q, h, KVB_PROJ_Q);
+    P("self_attn.k_proj.weight", &w->wk, kv, h, KVB_PROJ_K);
+    P("self_attn.v_proj.weight", &w->wv, kv, h, KVB_PROJ_V);
+    P("self_attn.o_proj.weight", &w->wo, h, q, KVB_PROJ_O);
     if (c->qkv_bias) {
         T("self_attn.q_proj.bias", &w->bq, q, 0);
         T("self_attn.k_proj.bias", &w->bk, kv, 0);
@@ -104,15 +201,16 @@ static int layer_spec(const kvb_model_config *c, kvb_layer_weights *w, layer_ten
         T("self_attn.k_norm.weight", &w->k_norm, c->head_dim, 0);
     }
     T("post_attention_layernorm.weight", &w->ffn_norm, h, 0);
-    T("mlp.gate_proj.weight", &w->w_gate, ff, h);
-    T("mlp.up_proj.weight", &w->w_up, ff, h);
-    T("mlp.down_proj.weight", &w->w_down, h, ff);
+    P("mlp.gate_proj.weight", &w->w_gate, ff, h, KVB_PROJ_GATE);
+    P("mlp.up_proj.weight", &w->w_up, ff, h, KVB_PROJ_UP);
+    P("mlp.down_proj.weight", &w->w_down, h, ff, KVB_PROJ_DOWN);
     if (c->mlp_bias) {
         T("mlp.gate_proj.bias", &w->b_gate, ff, 0);
         T("mlp.up_proj.bias", &w->b_up, ff, 0);
         T("mlp.down_proj.bias", &w->b_down, h, 0);
     }
 #undef T
+#undef P
     return n;
 }
 
@@ -122,16 +220,25 @@ static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_pro
     for (int i = 0; i < n; i++) {
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, spec[i].dst, &m->weights_mapped, pg));
+        int fp8 = spec[i].proj >= 0 && kvb_quant_is_quantized(&m->cfg.quant, l, spec[i].proj);
+        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, fp8, &m->cfg.quant, spec[i].dst,
+                            &m->weights_mapped, pg));
     }
     return KVB_OK;
 }
 
-/* The tensors a checkpoint of this architecture holds (for the "unused tensor" warning). */
+/* The tensors a checkpoint of this architecture holds (for the "unused tensor" warning): the weights and
+ * the scales of the FP8 ones. */
 static int64_t expected_tensor_count(const kvb_model_config *c) {
     kvb_layer_weights w;
     layer_tensor spec[18];
-    return (int64_t)c->n_layers * layer_spec(c, &w, spec) + 2 + (c->tie_embeddings ? 0 : 1);
+    int64_t n = 2 + (c->tie_embeddings ? 0 : 1) + kvb_quant_is_quantized(&c->quant, 0, KVB_PROJ_COUNT);
+    for (int l = 0; l < c->n_layers; l++) {
+        int k = layer_spec(c, &w, spec);
+        n += k;
+        for (int i = 0; i < k; i++) n += spec[i].proj >= 0 && kvb_quant_is_quantized(&c->quant, l, spec[i].proj);
+    }
+    return n;
 }
 
 static void free_weights(kvb_model *m) {
@@ -169,16 +276,20 @@ kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
     char what[128];
     snprintf(what, sizeof what, "loading %s", dir);
     kvb_progress_begin(&pg, what, total, KVB_PROGRESS_BYTES);
-    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed, &m->weights_mapped, &pg), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, 0, &c->quant, &m->embed,
+                             &m->weights_mapped, &pg), fail_weights);
     for (int l = 0; l < c->n_layers; l++) KVB_TRY_GOTO(load_layer(m, set, l, &pg), fail_weights);
-    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm, &m->weights_mapped, &pg), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, 0, &c->quant, &m->final_norm,
+                             &m->weights_mapped, &pg), fail_weights);
     if (c->tie_embeddings) {
         if (kvb_st_find(set, "lm_head.weight"))
             KVB_LOG_W("%s: tie_word_embeddings is true; lm_head.weight is ignored (the embedding is used)", dir);
         m->lm_head = m->embed;
         m->lm_head_tied = 1;
     } else {
-        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head, &m->weights_mapped, &pg), fail_weights);
+        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden,
+                                 kvb_quant_is_quantized(&c->quant, 0, KVB_PROJ_COUNT), &c->quant, &m->lm_head,
+                                 &m->weights_mapped, &pg), fail_weights);
     }
     kvb_progress_end(&pg);
     int64_t expected = expected_tensor_count(c) + (c->tie_embeddings && kvb_st_find(set, "lm_head.weight"));
@@ -211,6 +322,18 @@ fail_model:
     return st;
 }
 
+/* Tensor `t` is FP8 (with its scale) exactly when quantization_config quantizes it (`fp8`). */
+static kvb_status check_dtype(const kvb_st_set *set, const kvb_model_config *c, const char *name,
+                              const kvb_st_tensor *t, int fp8) {
+    const kvb_st_tensor *sc;
+    if (fp8) return find_fp8(set, name, t, c->quant.per_channel, &sc);
+    if (t->dtype == KVB_DTYPE_F8_E4M3) {
+        KVB_LOG_E("model: tensor \"%s\" is F8_E4M3, but quantization_config does not quantize it", name);
+        return KVB_ERR_INVALID;
+    }
+    return KVB_OK;
+}
+
 kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg_out) {
     if (!dir) return KVB_ERR_INVALID;
     kvb_model_config c;
@@ -228,10 +351,14 @@ kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg_out) {
             char name[128];
             snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
             KVB_TRY_GOTO(find_weight(set, name, spec[i].rows, spec[i].cols, &t), fail_set);
+            KVB_TRY_GOTO(check_dtype(set, &c, name, t, spec[i].proj >= 0 && kvb_quant_is_quantized(&c.quant, l, spec[i].proj)), fail_set);
         }
     }
     KVB_TRY_GOTO(find_weight(set, "model.norm.weight", c.hidden, 0, &t), fail_set);
-    if (!c.tie_embeddings) KVB_TRY_GOTO(find_weight(set, "lm_head.weight", c.vocab, c.hidden, &t), fail_set);
+    if (!c.tie_embeddings) {
+        KVB_TRY_GOTO(find_weight(set, "lm_head.weight", c.vocab, c.hidden, &t), fail_set);
+        KVB_TRY_GOTO(check_dtype(set, &c, "lm_head.weight", t, kvb_quant_is_quantized(&c.quant, 0, KVB_PROJ_COUNT)), fail_set);
+    }
     kvb_st_close(set);
     if (cfg_out) *cfg_out = c;
     return KVB_OK;
