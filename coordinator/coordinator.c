@@ -144,32 +144,14 @@ static void count_drop(kvb_coord *c, kvb_drop_reason r, const char *from, const 
 }
 
 kvb_status kvb_coord_decode(const uint8_t *buf, size_t len, Kvbank__Envelope **out, kvb_drop_reason *reason) {
-    if (!out) return KVB_ERR_INVALID;
-    *out = NULL;
-    kvb_drop_reason r = KVB_DROP_MALFORMED;
-    if (len > KVB_WIRE_MAX_FRAME) {
-        r = KVB_DROP_OVERSIZED;
-        goto fail;
-    }
-    static const uint8_t empty[1] = {0};
-    Kvbank__Envelope *env = kvbank__envelope__unpack(NULL, len, buf && len ? buf : empty);
-    if (!env) goto fail;
-    if (env->version != KVB_PROTO_VERSION) {
-        kvbank__envelope__free_unpacked(env, NULL);
-        r = KVB_DROP_VERSION;
-        goto fail;
-    }
-    /* protobuf-c sets the pointer of the body it parsed; an unknown field number leaves NOT_SET */
-    if (env->body_case == KVBANK__ENVELOPE__BODY__NOT_SET || !env->register_) {
-        kvbank__envelope__free_unpacked(env, NULL);
-        r = KVB_DROP_BODY;
-        goto fail;
-    }
-    *out = env;
-    return KVB_OK;
-fail:
-    if (reason) *reason = r;
-    return KVB_ERR_PROTOCOL;
+    kvb_wire_fault f = KVB_WIRE_OK;
+    kvb_status st = kvb_wire_decode(buf, len, out, &f);
+    if (st == KVB_OK || !reason) return st;
+    *reason = f == KVB_WIRE_OVERSIZED ? KVB_DROP_OVERSIZED
+              : f == KVB_WIRE_VERSION ? KVB_DROP_VERSION
+              : f == KVB_WIRE_NO_BODY ? KVB_DROP_BODY
+                                      : KVB_DROP_MALFORMED;
+    return st;
 }
 
 /* Sends `env` to the peer `to` (a routing id). Returns KVB_ERR_IO with errno set when the peer is not
@@ -1067,18 +1049,6 @@ static kvb_status make_parent_dirs(const char *path) {
     return KVB_OK;
 }
 
-/* 1 if a process accepts connections on the unix socket file `path`. */
-static int unix_socket_live(const char *path) {
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    if (strlen(path) >= sizeof sa.sun_path) return 0;
-    memcpy(sa.sun_path, path, strlen(path) + 1);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return 0;
-    int live = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-    close(fd);
-    return live;
-}
-
 kvb_status kvb_coord_endpoint_dir(const char *endpoint) {
     if (!endpoint || strncmp(endpoint, "ipc://", 6) != 0 || endpoint[6] == '@' || endpoint[6] == '\0' ||
         !strcmp(endpoint + 6, "*"))
@@ -1116,7 +1086,7 @@ kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out) {
     int is_ipc_file = !strncmp(ep, "ipc://", 6) && ep[6] != '@' && ep[6] != '\0' && strcmp(ep + 6, "*");
     if (is_ipc_file) {
         KVB_TRY_GOTO(make_parent_dirs(ep + 6), fail);
-        if (access(ep + 6, F_OK) == 0 && unix_socket_live(ep + 6)) {
+        if (access(ep + 6, F_OK) == 0 && kvb_wire_unix_live(ep + 6)) {
             KVB_LOG_E("%s: another process is listening there (a coordinator already runs?)", ep);
             st = KVB_ERR_STATE;
             goto fail;
@@ -1142,7 +1112,7 @@ kvb_status kvb_coord_create(const kvb_coord_opts *opts, kvb_coord **out) {
     }
     char ctl_ep[PATH_MAX + 16];
     KVB_TRY_GOTO(kvb_auth_ctl_endpoint(ep, ctl_ep, sizeof ctl_ep), fail);
-    if (is_ipc_file && access(ctl_ep + 6, F_OK) == 0 && unix_socket_live(ctl_ep + 6)) {
+    if (is_ipc_file && access(ctl_ep + 6, F_OK) == 0 && kvb_wire_unix_live(ctl_ep + 6)) {
         KVB_LOG_E("%s: another process is listening there (a coordinator already runs?)", ctl_ep);
         st = KVB_ERR_STATE;
         goto fail;

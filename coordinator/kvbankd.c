@@ -62,9 +62,10 @@ typedef enum phase {
     PHASE_MKMODEL = 0,     /* generating missing model directories, one at a time */
     PHASE_COORD_WAIT = 1,  /* coordinator started, waiting for its StatusReply */
     PHASE_RUNNING = 2,     /* everything started; children that die are restarted */
-    PHASE_DRAIN_MODELS = 3,
-    PHASE_DRAIN_COORD = 4,
-    PHASE_DONE = 5,
+    PHASE_DRAIN_GATEWAY = 3, /* the gateway lets its requests finish (drain_timeout_s), then exits */
+    PHASE_DRAIN_MODELS = 4,
+    PHASE_DRAIN_COORD = 5,
+    PHASE_DONE = 6,
 } phase;
 
 struct kvbankd {
@@ -305,7 +306,7 @@ static void spawn_child(child *c);
 
 /* The state kvbankd knows of `c` (proto ChildState.state). */
 static const char *child_state_str(const kvbankd *d, const child *c, int index) {
-    if (d->phase >= PHASE_DRAIN_MODELS) return c->running ? "stopping" : "stopped";
+    if (d->phase >= PHASE_DRAIN_GATEWAY) return c->running ? "stopping" : "stopped";
     if (c->running) return "running";
     if (c->proc_open || uv_is_active((const uv_handle_t *)&c->restart_timer)) return "restarting";
     if (index >= 0 && d->mk_running && d->mk_index == index) return "generating";
@@ -378,7 +379,7 @@ static void report_close(kvbankd *d) {
 
 static void restart_timer_cb(uv_timer_t *t) {
     child *c = t->data;
-    if (c->d->phase >= PHASE_DRAIN_MODELS) return;
+    if (c->d->phase >= PHASE_DRAIN_GATEWAY) return;
     spawn_child(c);
 }
 
@@ -387,7 +388,7 @@ static void child_closed_cb(uv_handle_t *h) {
     child *c = h->data;
     kvbankd *d = c->d;
     c->proc_open = 0;
-    if (d->phase >= PHASE_DRAIN_MODELS) {
+    if (d->phase >= PHASE_DRAIN_GATEWAY) {
         drain_step(d);
         return;
     }
@@ -469,7 +470,7 @@ static void child_exit_cb(uv_process_t *p, int64_t status, int term_signal) {
     c->running = 0;
     describe_exit(status, term_signal, c->last_exit, sizeof c->last_exit);
     double ran = kvb_now_s() - c->started_s;
-    if (d->phase >= PHASE_DRAIN_MODELS) KVB_LOG_I("%s (pid %d) stopped: %s", c->name, c->pid, c->last_exit);
+    if (d->phase >= PHASE_DRAIN_GATEWAY) KVB_LOG_I("%s (pid %d) stopped: %s", c->name, c->pid, c->last_exit);
     else KVB_LOG_W("%s (pid %d) died after %.1f s: %s", c->name, c->pid, ran, c->last_exit);
     if (c->model) {
         int n = 0;
@@ -616,7 +617,7 @@ static void mk_closed_cb(uv_handle_t *h) {
     kvbankd *d = h->data;
     d->mk_open = 0;
     const kvb_node_model *m = &d->cfg->models[d->mk_index];
-    if (d->phase >= PHASE_DRAIN_MODELS) {
+    if (d->phase >= PHASE_DRAIN_GATEWAY) {
         remove_tree(d->mk_tmp);
         mk_free(d);
         drain_step(d);
@@ -638,7 +639,7 @@ static void mk_closed_cb(uv_handle_t *h) {
 static void mk_exit_cb(uv_process_t *p, int64_t status, int term_signal) {
     kvbankd *d = p->data;
     d->mk_running = 0;
-    if ((status != 0 || term_signal != 0) && d->phase < PHASE_DRAIN_MODELS) {
+    if ((status != 0 || term_signal != 0) && d->phase < PHASE_DRAIN_GATEWAY) {
         char why[96];
         describe_exit(status, term_signal, why, sizeof why);
         KVB_LOG_E("%s: kvbank-mkmodel %s %s failed (%s)", d->cfg->models[d->mk_index].name,
@@ -753,7 +754,25 @@ static void stop_coordinator(kvbankd *d, int sig) {
     kill_child(&d->coord, sig);
 }
 
+/* SIGTERMs the models (the coordinator follows once they are gone). */
+static void drain_models(kvbankd *d) {
+    d->phase = PHASE_DRAIN_MODELS;
+    uv_timer_stop(&d->drain_timer);
+    if (d->mk_running) uv_process_kill(&d->mk_proc, SIGTERM);
+    for (int i = 0; i < d->cfg->n_models; i++) {
+        child *c = &d->models[i];
+        if (!c->running) continue;
+        KVB_LOG_I("stopping %s (pid %d, SIGTERM)", c->name, c->pid);
+        kill_child(c, d->signals > 1 ? SIGKILL : SIGTERM);
+    }
+    uv_timer_start(&d->drain_timer, drain_timeout_cb, STOP_GRACE_MS, 0);
+}
+
 static void drain_step(kvbankd *d) {
+    if (d->phase == PHASE_DRAIN_GATEWAY) {
+        if (d->gw.proc_open) return;
+        drain_models(d);
+    }
     if (d->phase == PHASE_DRAIN_MODELS) {
         if (d->mk_open || d->gw.proc_open) return;
         for (int i = 0; i < d->cfg->n_models; i++)
@@ -770,7 +789,10 @@ static void drain_step(kvbankd *d) {
 
 /* SIGKILL whatever the current drain phase is still waiting for. */
 static void drain_kill(kvbankd *d) {
-    if (d->phase == PHASE_DRAIN_MODELS) {
+    if (d->phase == PHASE_DRAIN_GATEWAY) {
+        if (d->gw.running) KVB_LOG_W("the gateway (pid %d) did not stop: SIGKILL", d->gw.pid);
+        kill_child(&d->gw, SIGKILL);
+    } else if (d->phase == PHASE_DRAIN_MODELS) {
         if (d->mk_running) uv_process_kill(&d->mk_proc, SIGKILL);
         if (d->gw.running) KVB_LOG_W("the gateway (pid %d) did not stop: SIGKILL", d->gw.pid);
         kill_child(&d->gw, SIGKILL);
@@ -788,32 +810,32 @@ static void drain_kill(kvbankd *d) {
 
 static void drain_timeout_cb(uv_timer_t *t) { drain_kill(t->data); }
 
-/* Stops restarting, SIGTERMs the models (the coordinator follows once they are gone). */
+/* Stops restarting and drains in order (docs/gateway.md): the gateway first (it fails readiness, stops
+ * accepting and lets the requests in flight finish for drain_timeout_s), then the models, then the
+ * coordinator, so that no request in flight loses its model before the gateway let it finish. */
 static void begin_drain(kvbankd *d, int code) {
-    if (d->phase >= PHASE_DRAIN_MODELS) return;
+    if (d->phase >= PHASE_DRAIN_GATEWAY) return;
     if (code > d->exit_code) d->exit_code = code;
     probe_stop(d);
     uv_timer_stop(&d->coord.restart_timer);
     uv_timer_stop(&d->gw.restart_timer);
     for (int i = 0; i < d->cfg->n_models; i++) uv_timer_stop(&d->models[i].restart_timer);
-    d->phase = PHASE_DRAIN_MODELS;
+    d->phase = PHASE_DRAIN_GATEWAY;
     if (d->mk_running) uv_process_kill(&d->mk_proc, SIGTERM);
-    if (d->gw.running) KVB_LOG_I("stopping the gateway (pid %d, SIGTERM)", d->gw.pid);
-    kill_child(&d->gw, SIGTERM);
-    for (int i = 0; i < d->cfg->n_models; i++) {
-        child *c = &d->models[i];
-        if (!c->running) continue;
-        KVB_LOG_I("stopping %s (pid %d, SIGTERM)", c->name, c->pid);
-        kill_child(c, SIGTERM);
+    if (d->gw.running) {
+        KVB_LOG_I("stopping the gateway (pid %d, SIGTERM; requests in flight may finish within %.0f s)", d->gw.pid,
+                  d->cfg->gateway.drain_timeout_s);
+        kill_child(&d->gw, SIGTERM);
+        uv_timer_start(&d->drain_timer, drain_timeout_cb,
+                       (uint64_t)(d->cfg->gateway.drain_timeout_s * 1000.0) + STOP_GRACE_MS, 0);
     }
-    uv_timer_start(&d->drain_timer, drain_timeout_cb, STOP_GRACE_MS, 0);
     drain_step(d);
 }
 
 static void on_stop_signal(uv_signal_t *s, int signum) {
     kvbankd *d = s->data;
     d->signals++;
-    if (d->phase < PHASE_DRAIN_MODELS) {
+    if (d->phase < PHASE_DRAIN_GATEWAY) {
         KVB_LOG_I("%s: draining node %s", strsignal(signum), d->cfg->node);
         begin_drain(d, 0);
     } else if (d->phase < PHASE_DONE) {
@@ -855,8 +877,10 @@ static void usage(FILE *f) {
             "without being asked to is restarted after %.1f s, doubling per attempt up to %.0f s; the delay\n"
             "starts over once a run lasted %.0f s. A dead model's shared-memory segments are removed\n"
             "before it restarts.\n"
-            "SIGTERM or SIGINT drains the node: SIGTERM to the models, SIGKILL to those still running\n"
-            "after %d s, then the same for the coordinator; then the node's shared-memory segments left\n"
+            "SIGTERM or SIGINT drains the node: SIGTERM to the gateway, which fails /health, stops\n"
+            "accepting and lets requests in flight finish (gateway.drain_timeout_s, default 30); once it\n"
+            "exited, SIGTERM to the models, SIGKILL to those still running after %d s, then the same for\n"
+            "the coordinator; then the node's shared-memory segments left\n"
             "by dead processes, its socket files, the pid file and the lock are removed and kvbankd exits\n"
             "0. A second signal kills at once.\n"
             "SIGHUP is logged and ignored: reloading the config is not supported.\n"

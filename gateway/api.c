@@ -9,21 +9,47 @@
 
 #define MAX_IDS (1 << 20) /* token ids in one prompt (the wire's frame limit is reached before) */
 
+/* Length of the longest prefix of s[0..n) that ends on a UTF-8 character boundary. */
+static size_t utf8_cut(const char *s, size_t n) {
+    size_t k = n;
+    while (k > 0 && ((unsigned char)s[k - 1] & 0xC0) == 0x80) k--; /* continuation bytes of the last char */
+    if (k == 0) return 0;
+    unsigned char lead = (unsigned char)s[k - 1];
+    size_t need = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 1;
+    return n - (k - 1) >= need ? n : k - 1;
+}
+
+const char *gw_clip(const char *s, char *buf, size_t n) {
+    size_t len = strlen(s);
+    if (len < n) {
+        memcpy(buf, s, len + 1);
+        return buf;
+    }
+    size_t k = utf8_cut(s, n - 4);
+    memcpy(buf, s, k);
+    memcpy(buf + k, "...", 4);
+    return buf;
+}
+
 void gw_error_set(gw_error *e, int status, const char *type, const char *param, const char *fmt, ...) {
     if (!e) return;
     e->status = status;
     e->type = type;
+    e->code = NULL;
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    int n = vsnprintf(e->message, sizeof e->message, fmt, ap);
     va_end(ap);
+    /* a message cut short must not end inside a character (the error body is JSON, UTF-8) */
+    if (n >= (int)sizeof e->message) e->message[utf8_cut(e->message, sizeof e->message - 1)] = '\0';
 }
 
 char *gw_error_body(const gw_error *e, size_t *len) {
-    json_t *o = json_pack("{s:{s:s, s:s, s:o, s:n}}", "error", "message", e->message, "type",
+    json_t *o = json_pack("{s:{s:s, s:s, s:o, s:o}}", "error", "message", e->message, "type",
                           e->type ? e->type : "invalid_request_error", "param",
-                          e->param[0] ? json_string(e->param) : json_null(), "code");
+                          e->param[0] ? json_string(e->param) : json_null(), "code",
+                          e->code ? json_string(e->code) : json_null());
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     if (len) *len = s ? strlen(s) : 0;

@@ -63,10 +63,14 @@ typedef struct gw_error {
     const char *type;         /* "invalid_request_error", "not_found_error", "server_error", ... */
     char param[64];
     char message[512];
+    const char *code;         /* OpenAI's "code" ("invalid_api_key"), or NULL (null) */
 } gw_error;
 
 void gw_error_set(gw_error *e, int status, const char *type, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
+/* `s` cut to at most n - 4 bytes on a UTF-8 character boundary, "..." added when cut, into buf[n];
+ * returns buf. For names a client sent that an error message repeats. */
+const char *gw_clip(const char *s, char *buf, size_t n);
 /* The OpenAI error body {"error": {"message", "type", "param", "code"}}; caller frees. */
 char *gw_error_body(const gw_error *e, size_t *len);
 

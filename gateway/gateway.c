@@ -23,6 +23,9 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <h2o.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <strings.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
@@ -41,8 +44,8 @@
 #include "common/model/config.h"
 #include "common/text/chat.h"
 #include "common/text/tokenizer.h"
+#include "common/util/sha256.h"
 #include "common/util/token_deposit.h"
-#include "coordinator/coordinator.h"
 #include "gateway/api.h"
 #include "gateway/metrics.h"
 #include "gateway/stop.h"
@@ -51,12 +54,37 @@
 #define KVB_NAME_MAX_GW 65        /* model names: up to 64 bytes */
 #define HOUSEKEEP_MS 100          /* disconnect peeks and the dispatch safety net */
 #define STALE_FACTOR 3            /* a coordinator / model silent for 3 status periods does not "answer" */
+#define SILENT_FACTOR 10          /* a request whose model is silent for 10 status periods fails (503) */
 #define DEFAULT_MAX_TOKENS 16     /* completions without max_tokens (OpenAI's default) */
 #define SUBMIT_TIMEOUT_MS 1000    /* how long a send to a model may wait for queue room */
-#define SHUTDOWN_MS 2000          /* how long a stopping gateway waits for its connections to close */
+#define SHUTDOWN_MS 2000          /* after the drain: how long the gateway waits for its connections to close */
+#define NAME_ECHO 64              /* bytes of a client-given name that an error message repeats */
+/* Resets: an HTTP/2 client that cancels its requests faster than this bucket refills is closed
+ * (GOAWAY ENHANCE_YOUR_CALM): CVE-2023-44487, which Debian's h2o 2.2.5 does not handle itself. */
+#define RESET_BURST 200.0         /* cancelled requests a connection may have in a burst */
+#define RESET_RATE 20.0           /* ... and per second after it */
 
 typedef struct gw gw;
 typedef struct gw_stream gw_stream;
+
+/* ------------------------------------------------------------------------------------- connections */
+
+/* An accepted TCP connection. h2o owns the socket; the gateway keeps this record until h2o's close
+ * callback (on_conn_closed) so that a drain can end idle keep-alive connections (h2o 2.2 has no call
+ * for that) and a connection that resets too much can be closed. */
+typedef struct gw_conn {
+    uv_tcp_t tcp;                 /* first: h2o's close callback gets &tcp */
+    gw *g;
+    struct gw_conn *prev, *next;
+    int fd;
+    h2o_socket_t *sock;           /* h2o's socket (valid until on_conn_closed) */
+    int http2;                    /* a request came over HTTP/2 */
+    int n_streams;                /* gw_streams of this connection in flight */
+    int closing;                  /* shut down by the gateway (drain or abuse) */
+    double reset_tokens;          /* RESET_BURST bucket */
+    uint64_t reset_ns;            /* when the bucket was last refilled (kvb_now_ns) */
+    uint64_t resets;              /* requests the client cancelled */
+} gw_conn;
 
 /* ------------------------------------------------------------------------------------------ models */
 
@@ -80,6 +108,9 @@ typedef struct gw_model {
     /* the model's numbers: last Pong and last coordinator status */
     kvb_client_pong pong;
     uint64_t pong_ns;             /* when the last Pong arrived (kvb_now_ns), 0: never */
+    int verified;                 /* a Pong came from the registered process (nothing is routed before) */
+    int impostor;                 /* the last Pong came from another process than the one the coordinator
+                                   * registered under this name (its pid, checked by the kernel) */
     uint32_t n_own, n_lent, n_borrowed, capacity;
     uint64_t lends, reclaims, lend_ms_total, reclaim_ms_total;
     /* what the gateway measured (delivery side) */
@@ -93,8 +124,19 @@ struct gw {
     const gw_opts *o;
     uv_loop_t *loop;
     volatile sig_atomic_t *stop;  /* polled by the housekeeping timer */
-    int stopping;                 /* begin_shutdown ran */
-    uint64_t stop_deadline_ns;
+    int draining;                 /* the stop was asked: /health fails, no new connection is accepted */
+    int stopping;                 /* the drain ended: what is left is cancelled */
+    uint64_t drain_deadline_ns, stop_deadline_ns;
+    gw_conn *conns;               /* open connections (doubly linked) */
+    int n_conns;
+    gw_conn **conn_by_fd;         /* [n_conn_by_fd] */
+    int n_conn_by_fd;
+    uint64_t resets_closed;       /* connections closed for resetting too much */
+    uint8_t (*key_digest)[KVB_SHA256_BYTES]; /* [o->n_api_keys] SHA-256 of each API key */
+    uint64_t unauthorized;        /* requests refused with 401 */
+    SSL_CTX *ssl;                 /* TLS (tls_cert / tls_key), or NULL */
+    struct gw_job *jobs;          /* text jobs on the thread pool (doubly linked) */
+    int n_jobs;
     uv_timer_t housekeep, status_timer;
     /* HTTP */
     h2o_globalconf_t h2o_conf;
@@ -140,6 +182,7 @@ struct gw_stream {
     h2o_req_t *req;               /* NULL once h2o is done with it */
     req_link *link;
     int ep;                       /* EP_COMPLETIONS / EP_CHAT */
+    gw_conn *conn;                /* its connection (NULL once closed) */
     int http1;
     int h2o_done;                 /* final response sent, or the request was disposed */
     int upstream_live;
@@ -154,6 +197,7 @@ struct gw_stream {
     int32_t *prompt_ids;          /* [n_prompt] when return_token_ids */
     uint64_t slo_ns;              /* Token-Deposit target; 0: off */
     uint64_t t_arrival;           /* kvb_wall_ns when the HTTP request was handled */
+    uint64_t submit_ns;           /* kvb_now_ns of the submit */
     /* tokens: [n_tok] of [cap_tok] */
     int32_t *tok;
     uint64_t *t_gen;              /* the model's sampling time (wall ns) */
@@ -192,9 +236,48 @@ static void count_http(gw *g, int ep, int status) {
     g->http[ep][cls]++;
 }
 
+/* The connection a request came on, or NULL. */
+static gw_conn *conn_of(gw *g, h2o_req_t *req) {
+    if (!req || !req->conn->callbacks->get_socket) return NULL;
+    h2o_socket_t *sock = req->conn->callbacks->get_socket(req->conn);
+    int fd = sock ? h2o_socket_get_fd(sock) : -1;
+    return fd >= 0 && fd < g->n_conn_by_fd ? g->conn_by_fd[fd] : NULL;
+}
+
+/* Ends a connection: its reading side is shut, so h2o reads EOF, finishes what it is writing and
+ * closes it (and disposes its requests) the way it does when a client leaves. */
+static void conn_shut(gw_conn *c) {
+    if (c->closing) return;
+    c->closing = 1;
+    shutdown(c->fd, SHUT_RD);
+}
+
+/* A request of `c` was cancelled by its client: an HTTP/2 connection that does this faster than the
+ * bucket allows gets GOAWAY (ENHANCE_YOUR_CALM) and is closed. */
+static void conn_count_reset(gw *g, gw_conn *c) {
+    if (!c) return;
+    c->resets++;
+    uint64_t now = kvb_now_ns();
+    if (!c->reset_ns) c->reset_tokens = RESET_BURST;
+    else c->reset_tokens = KVB_MIN(RESET_BURST, c->reset_tokens + (double)(now - c->reset_ns) / 1e9 * RESET_RATE);
+    c->reset_ns = now;
+    c->reset_tokens -= 1.0;
+    if (c->reset_tokens >= 0 || c->closing || !c->http2) return;
+    g->resets_closed++;
+    KVB_LOG_W("gateway: a client cancelled %" PRIu64 " requests on one HTTP/2 connection, faster than %.0f a second: "
+              "closing it (GOAWAY ENHANCE_YOUR_CALM)", c->resets, RESET_RATE);
+    /* h2o 2.2 has no call to send a GOAWAY on one connection: the frame is written here, between h2o's
+     * writes (which are whole frames), when none is under way; the connection ends either way */
+    static const uint8_t goaway[17] = {0, 0, 8, 7 /* GOAWAY */, 0, 0, 0, 0, 0, /* last stream: */ 0x7f, 0xff, 0xff, 0xff,
+                                       0, 0, 0, 11 /* ENHANCE_YOUR_CALM */};
+    if (!h2o_socket_is_writing(c->sock) && send(c->fd, goaway, sizeof goaway, MSG_DONTWAIT | MSG_NOSIGNAL) < 0)
+        KVB_LOG_D("gateway: GOAWAY not sent: %s", strerror(errno));
+    conn_shut(c);
+}
+
 /* Sends a complete response (status, JSON or text body). The request is done afterwards. */
 static void send_body(gw *g, h2o_req_t *req, int ep, int status, const char *ctype, const char *body, size_t len) {
-    static const char *const reasons[] = {[200] = "OK", [400] = "Bad Request", [404] = "Not Found",
+    static const char *const reasons[] = {[200] = "OK", [400] = "Bad Request", [401] = "Unauthorized", [404] = "Not Found",
                                           [405] = "Method Not Allowed", [413] = "Payload Too Large",
                                           [429] = "Too Many Requests", [500] = "Internal Server Error",
                                           [503] = "Service Unavailable"};
@@ -244,6 +327,8 @@ static void on_stream_timer_closed(uv_handle_t *h) {
 
 static void stream_unlink(gw_stream *s) {
     gw *g = s->g;
+    if (s->conn) s->conn->n_streams--;
+    s->conn = NULL;
     if (s->prev) s->prev->next = s->next;
     else if (g->streams == s) g->streams = s->next;
     if (s->next) s->next->prev = s->prev;
@@ -284,6 +369,7 @@ static void on_req_dispose(void *p) {
         s->g->disconnects++;
         KVB_LOG_I("gateway: %s: the client went away; cancelling its request", s->id);
         record_metrics(s, KVB_FINISH_CANCELLED);
+        conn_count_reset(s->g, s->conn);
     }
     s->h2o_done = 1;
     stream_abandon_upstream(s);
@@ -407,11 +493,14 @@ static void stream_start_response(gw_stream *s) {
     count_http(s->g, s->ep, 200);
 }
 
-/* Hands `out` to h2o (the last thing a pump does: h2o may call back at once). */
+/* Hands `out` to h2o (the last thing a pump does: h2o may call back at once). h2o keeps the buffer
+ * until it calls proceed; HTTP/2 copies it into a frame only when the connection next flushes and
+ * HTTP/1 hands it to uv_write. A final send gets no proceed, and the stream is freed right after it,
+ * so its buffer is a copy in the request's pool, which h2o frees once it is done with the request. */
 static void stream_write(gw_stream *s, int final) {
-    h2o_iovec_t iov = h2o_iovec_init(s->out, s->out_len);
-    s->sending = 1;
     h2o_req_t *req = s->req;
+    h2o_iovec_t iov = final ? h2o_strdup(&req->pool, s->out ? s->out : "", s->out_len) : h2o_iovec_init(s->out, s->out_len);
+    s->sending = 1;
     if (final) {
         s->h2o_done = 1; /* h2o calls neither proceed nor stop after a final send */
         if (s->link) s->link->s = NULL;
@@ -635,8 +724,18 @@ static void on_model_readable(uv_poll_t *p, int status, int events) {
     if (m->client && kvb_client_dispatch(m->client) != KVB_OK) KVB_LOG_W("gateway: model %s: socket error", m->name);
 }
 
+/* A Pong counts only from the process the coordinator registered under the model's name: the
+ * coordinator checked that pid at registration (SO_PEERCRED), the client reads the sender's pid from
+ * the kernel too, so another process that took over the endpoint's path is not trusted. */
 static void on_pong(void *ud, const kvb_client_pong *p) {
     gw_model *m = ud;
+    int impostor = p->peer_pid > 0 && m->pid && (uint32_t)p->peer_pid != m->pid;
+    if (impostor && !m->impostor)
+        KVB_LOG_E("gateway: model %s: its endpoint %s is served by pid %d, but the coordinator registered pid %u: "
+                  "not routing to it", m->name, m->endpoint, (int)p->peer_pid, m->pid);
+    m->impostor = impostor;
+    if (impostor) return;
+    m->verified = 1;
     m->pong = *p;
     m->pong_ns = kvb_now_ns();
 }
@@ -661,6 +760,7 @@ static void on_poll_closed(uv_handle_t *h) {
 }
 
 static void model_disconnect(gw_model *m) {
+    m->verified = 0;
     if (!m->client) return;
     fail_model_streams(m->g, m, "the model's endpoint changed; the request was lost");
     if (m->poll_open) {
@@ -747,6 +847,7 @@ static void status_apply(gw *g, const Kvbank__StatusReply *r) {
         gw_model *m = model_find(g, ms->name);
         if (!m && !(m = model_add(g, ms->name))) continue;
         m->alive = ms->alive;
+        if (m->pid != ms->pid) m->verified = 0; /* a new process: trusted once it answers as itself */
         m->pid = ms->pid;
         m->role = (int)ms->role;
         m->n_own = ms->n_own;
@@ -782,7 +883,7 @@ static void on_coord_readable(uv_poll_t *p, int status, int events) {
         }
         Kvbank__Envelope *env = NULL;
         if (!zmq_msg_more(&msg) &&
-            kvb_coord_decode(zmq_msg_data(&msg), zmq_msg_size(&msg), &env, NULL) == KVB_OK) {
+            kvb_wire_decode(zmq_msg_data(&msg), zmq_msg_size(&msg), &env, NULL) == KVB_OK) {
             if (env->body_case == KVBANK__ENVELOPE__BODY_STATUS_REPLY) status_apply(g, env->status_reply);
             kvbank__envelope__free_unpacked(env, NULL);
         }
@@ -819,16 +920,27 @@ static int peer_closed(gw_stream *s) {
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
-/* Stop: no new connections, every request in flight ends (its model request cancelled), then the loop
- * runs until h2o has closed its connections (at most SHUTDOWN_MS) so that everything is freed. */
+/* The drain (docs/gateway.md): /health fails at once (readiness), no new connection is accepted,
+ * HTTP/2 clients get GOAWAY and HTTP/1 responses end their connections; requests in flight finish
+ * until drain_timeout_ms; idle connections are closed as they become idle. */
+static void begin_drain(gw *g) {
+    g->draining = 1;
+    g->drain_deadline_ns = kvb_now_ns() + (uint64_t)g->o->drain_timeout_ms * 1000000u;
+    KVB_LOG_I("gateway: draining: %d requests in flight may finish within %d ms; no new connections", g->n_streams,
+              g->o->drain_timeout_ms);
+    uv_close((uv_handle_t *)&g->listener, NULL);
+    h2o_context_request_shutdown(&g->h2o_ctx);
+}
+
+/* The drain is over: every request still in flight ends (its model request cancelled), every
+ * connection is shut, and the loop runs until h2o has closed them (at most SHUTDOWN_MS) so that
+ * everything is freed. */
 static void begin_shutdown(gw *g) {
     g->stopping = 1;
     g->stop_deadline_ns = kvb_now_ns() + (uint64_t)SHUTDOWN_MS * 1000000u;
-    KVB_LOG_I("gateway: stopping (%d requests in flight are cancelled)", g->n_streams);
-    uv_close((uv_handle_t *)&g->listener, NULL);
+    if (g->n_streams) KVB_LOG_W("gateway: stopping: %d requests still in flight are cancelled", g->n_streams);
+    else KVB_LOG_I("gateway: stopping: every request finished");
     uv_timer_stop(&g->status_timer);
-    /* (not h2o_context_request_shutdown: in h2o 2.2 its HTTP/2 graceful-shutdown timer outlives the
-     * connections and h2o_context_dispose then asserts; the requests are ended here instead) */
     for (gw_stream *s = g->streams, *nx; s; s = nx) {
         nx = s->next;
         stream_abandon_upstream(s);
@@ -841,12 +953,14 @@ static void begin_shutdown(gw *g) {
 
 static void on_housekeep(uv_timer_t *t) {
     gw *g = t->data;
-    if (*g->stop && !g->stopping) begin_shutdown(g);
+    if (*g->stop && !g->draining) begin_drain(g);
+    if (g->draining && !g->stopping && ((!g->streams && !g->jobs) || kvb_now_ns() > g->drain_deadline_ns))
+        begin_shutdown(g);
+    if (g->draining) /* idle connections end now, busy ones once their requests are answered */
+        for (gw_conn *c = g->conns; c; c = c->next)
+            if (!c->n_streams || g->stopping) conn_shut(c);
     if (g->stopping) {
-        if ((h2o_linklist_is_empty(&g->h2o_ctx.http1._conns) && h2o_linklist_is_empty(&g->h2o_ctx.http2._conns) &&
-             !g->streams) ||
-            kvb_now_ns() > g->stop_deadline_ns)
-            uv_stop(g->loop);
+        if ((!g->conns && !g->streams) || kvb_now_ns() > g->stop_deadline_ns) uv_stop(g->loop);
         return;
     }
     for (gw_stream *s = g->streams, *nx; s; s = nx) {
@@ -866,6 +980,21 @@ static void on_housekeep(uv_timer_t *t) {
         if (s->head_sent) h2o_send(req, NULL, 0, H2O_SEND_STATE_ERROR);
         else send_body(g, req, s->ep, 499, "text/plain", "", 0);
         stream_maybe_free(s);
+    }
+    /* A request's deadline: its model must keep answering pings. A model whose endpoint vanished (or
+     * went to an impostor) would otherwise leave its requests waiting with no headers for good. */
+    uint64_t now = kvb_now_ns(), silent = (uint64_t)SILENT_FACTOR * (uint64_t)g->o->status_ms * 1000000u;
+    for (gw_stream *s = g->streams, *nx; s; s = nx) {
+        nx = s->next;
+        uint64_t heard = KVB_MAX(s->m->pong_ns, s->submit_ns);
+        if (!s->upstream_live || s->finished || now - heard < silent) continue;
+        KVB_LOG_W("gateway: %s: model %s has not answered for %.0f s; failing the request", s->id, s->m->name,
+                  (double)(now - heard) / 1e9);
+        stream_abandon_upstream(s);
+        stream_fail(s, 503, "server_error", "%s", "the model stopped answering");
+        s->n_released = s->n_tok;
+        if (s->h2o_done) stream_maybe_free(s);
+        else if (!s->sending) stream_pump(s);
     }
     for (int i = 0; i < g->n_models; i++)
         if (g->models[i]->client) kvb_client_dispatch(g->models[i]->client);
@@ -907,21 +1036,26 @@ static int coordinator_answers(const gw *g) {
 }
 
 static int model_answers(const gw *g, const gw_model *m) {
-    return m->alive && m->pong_ns &&
+    return m->alive && m->pong_ns && !m->impostor &&
            kvb_now_ns() - m->pong_ns < (uint64_t)STALE_FACTOR * (uint64_t)g->o->status_ms * 1000000u;
 }
 
+/* Readiness. /health?model=NAME: that model answers (per-model readiness); /health: the node can
+ * serve, i.e. the coordinator and at least one model answer, so that one model that crash-loops does
+ * not take the others out of a load balancer. Both fail as soon as a drain starts. */
 static void handle_health(gw *g, h2o_req_t *req) {
-    char name[128];
+    char name[KVB_NAME_MAX_GW + 1];
     int ok = coordinator_answers(g);
-    const char *why = ok ? NULL : "the coordinator does not answer";
+    const char *why = ok ? NULL : "the coordinator does not answer\n";
+    if (g->draining) ok = 0, why = "draining\n";
     if (query_param(req, "model", name, sizeof name)) {
         gw_model *m = model_find(g, name);
-        if (!m) ok = 0, why = "no such model";
-        else if (!model_answers(g, m)) ok = 0, why = "the model does not answer";
-    } else {
-        for (int i = 0; i < g->n_models && ok; i++)
-            if (g->models[i]->alive && !model_answers(g, g->models[i])) ok = 0, why = "a model does not answer";
+        if (!m) ok = 0, why = "no such model\n";
+        else if (ok && !model_answers(g, m)) ok = 0, why = "the model does not answer\n";
+    } else if (ok) {
+        int any = 0;
+        for (int i = 0; i < g->n_models; i++) any |= model_answers(g, g->models[i]);
+        if (!any) ok = 0, why = "no model answers\n";
     }
     if (ok) send_body(g, req, EP_HEALTH, 200, "text/plain", "ok\n", 3);
     else send_body(g, req, EP_HEALTH, 503, "text/plain", why, strlen(why));
@@ -944,14 +1078,215 @@ static void handle_models(gw *g, h2o_req_t *req) {
 static gw_model *model_for(gw *g, const char *name, gw_error *err) {
     gw_model *m = model_find(g, name);
     if (!m || (!m->alive && !m->client)) {
-        gw_error_set(err, 404, "not_found_error", "model", "The model '%s' does not exist on this node", name);
+        char clip[NAME_ECHO + 8];
+        gw_error_set(err, 404, "not_found_error", "model", "The model '%s' does not exist on this node",
+                     gw_clip(name, clip, sizeof clip));
         return NULL;
     }
     if (!m->alive || !m->client) {
         gw_error_set(err, 503, "server_error", "model", "The model '%s' is not running now", name);
         return NULL;
     }
+    if (m->impostor) {
+        gw_error_set(err, 503, "server_error", "model",
+                     "The endpoint of model '%s' is served by another process than the one registered", name);
+        return NULL;
+    }
+    if (!m->verified) {
+        gw_error_set(err, 503, "server_error", "model", "The model '%s' has not answered yet", name);
+        return NULL;
+    }
     return m;
+}
+
+/* ------------------------------------------------------------------------------- text off the loop
+ *
+ * Rendering a chat template and tokenizing a prompt cost what the client sends (a 320 KB prompt of
+ * combining marks, a template loop): they run on libuv's thread pool (text_workers threads), never
+ * on the loop, so no request can hold up another. A job holds the parsed body (which only its worker
+ * touches while it runs) and the model's tokenizer and template (immutable while the gateway runs);
+ * its result comes back on the loop in job_done. A client that leaves meanwhile disposes its request:
+ * the job's link in the request's pool clears job->req and the result is dropped (a job not started
+ * yet is cancelled). */
+
+typedef enum gw_job_kind { JOB_GENERATE, JOB_TOKENIZE, JOB_DETOKENIZE } gw_job_kind;
+
+typedef struct gw_job gw_job;
+typedef struct job_link {
+    gw_job *j;
+} job_link;
+
+struct gw_job {
+    uv_work_t work;               /* work.data: the job */
+    gw *g;
+    gw_job *prev, *next;          /* gw.jobs */
+    gw_job_kind kind;
+    int ep;
+    h2o_req_t *req;               /* NULL once h2o disposed it */
+    job_link *link;               /* in req's pool */
+    gw_conn *conn;                /* NULL once closed */
+    gw_model *m;
+    json_t *doc;                  /* the parsed body (owned) */
+    gw_params p;                  /* JOB_GENERATE (borrows doc); the worker fills p.prompt_ids */
+    gw_tok_params tp;             /* JOB_TOKENIZE / JOB_DETOKENIZE (borrows doc) */
+    int failed;
+    gw_error err;
+    char *body;                   /* JOB_TOKENIZE / JOB_DETOKENIZE: the response JSON (malloc'd) */
+};
+
+static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_model *m);
+
+static void job_fail(gw_job *j, int status, const char *param, const char *fmt, const char *detail) {
+    j->failed = 1;
+    gw_error_set(&j->err, status, status >= 500 ? "server_error" : "invalid_request_error", param, fmt, detail);
+}
+
+/* The text of a prompt: `text`, or the chat template rendered over `messages`; *owned is set when the
+ * result is a new buffer. On the worker. */
+static int job_text(gw_job *j, const char *text, size_t len, json_t *messages, int add_gen, json_t *kwargs,
+                    const char **out, size_t *out_len, char **owned) {
+    char terr[256] = "";
+    *owned = NULL;
+    if (messages) {
+        if (kvb_chat_render(j->m->tmpl, messages, add_gen, kwargs, owned, terr, sizeof terr) != KVB_OK) {
+            job_fail(j, 400, "messages", "the chat template failed: %s", terr);
+            return 0;
+        }
+        text = *owned;
+        len = strlen(*owned);
+    }
+    size_t max = j->g->o->max_text ? j->g->o->max_text : j->g->o->max_body;
+    if (len > max) {
+        char what[96];
+        snprintf(what, sizeof what, "%zu bytes, more than the %zu", len, max);
+        job_fail(j, 413, messages ? "messages" : "prompt", "the text to tokenize is %s this gateway takes", what);
+        return 0;
+    }
+    *out = text;
+    *out_len = len;
+    return 1;
+}
+
+static void job_run(uv_work_t *w) {
+    gw_job *j = w->data;
+    const char *text = NULL;
+    size_t len = 0;
+    char *owned = NULL;
+    if (j->kind == JOB_GENERATE) {
+        gw_params *p = &j->p;
+        int chat = j->ep == EP_CHAT;
+        if (job_text(j, p->prompt_text, p->prompt_len, chat ? p->messages : NULL, p->add_generation_prompt,
+                     p->template_kwargs, &text, &len, &owned)) {
+            kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, p->add_special_tokens, &p->prompt_ids,
+                                                 &p->n_prompt_ids);
+            if (es != KVB_OK || p->n_prompt_ids == 0)
+                job_fail(j, 400, chat ? "messages" : "prompt", "%s",
+                         es != KVB_OK ? "the prompt is not valid UTF-8 text" : "the prompt is empty");
+        }
+    } else if (j->kind == JOB_DETOKENIZE) {
+        char *out = NULL;
+        size_t n = 0;
+        if (kvb_tokenizer_decode(j->m->tok, j->tp.ids, j->tp.n_ids, 0, &out, &n) != KVB_OK) {
+            job_fail(j, 400, "tokens", "a token id is outside the vocabulary of '%s'", j->m->name);
+        } else {
+            json_t *o = json_pack("{s:s%}", "prompt", out, n);
+            j->body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+            json_decref(o);
+        }
+        free(out);
+    } else {
+        gw_tok_params *tp = &j->tp;
+        if (job_text(j, tp->prompt, tp->prompt_len, tp->messages, tp->add_generation_prompt, NULL, &text, &len,
+                     &owned)) {
+            int32_t *ids = NULL;
+            int n = 0;
+            if (kvb_tokenizer_encode(j->m->tok, text, len, tp->add_special_tokens, &ids, &n) != KVB_OK) {
+                job_fail(j, 400, "prompt", "%s", "the prompt is not valid UTF-8 text");
+            } else {
+                json_t *o = json_pack("{s:i, s:i, s:o}", "count", n, "max_model_len",
+                                      j->m->have_cfg ? j->m->cfg.max_pos : 0, "tokens", ids_json(ids, n));
+                j->body = o ? json_dumps(o, JSON_COMPACT) : NULL;
+                json_decref(o);
+            }
+            free(ids);
+        }
+    }
+    free(owned);
+    if (!j->failed && j->kind != JOB_GENERATE && !j->body) job_fail(j, 500, NULL, "%s", "out of memory");
+}
+
+static void job_free(gw_job *j) {
+    gw *g = j->g;
+    if (j->prev) j->prev->next = j->next;
+    else if (g->jobs == j) g->jobs = j->next;
+    if (j->next) j->next->prev = j->prev;
+    g->n_jobs--;
+    if (j->conn) j->conn->n_streams--;
+    if (j->link) j->link->j = NULL;
+    gw_params_free(&j->p);
+    gw_tok_params_free(&j->tp);
+    json_decref(j->doc);
+    free(j->body);
+    free(j);
+}
+
+static void job_done(uv_work_t *w, int status) {
+    gw_job *j = w->data;
+    gw *g = j->g;
+    h2o_req_t *req = j->req;
+    if (status == 0 && req) {
+        if (j->failed) send_error(g, req, j->ep, &j->err);
+        else if (j->kind == JOB_GENERATE) generate_submit(g, req, j->ep, &j->p, j->m);
+        else send_body(g, req, j->ep, 200, "application/json", j->body, strlen(j->body));
+    }
+    job_free(j);
+}
+
+/* The client of a job's request left (h2o disposes the request). */
+static void on_job_req_dispose(void *p) {
+    job_link *l = p;
+    if (!l->j) return;
+    l->j->req = NULL;
+    l->j->link = NULL;
+    l->j->g->disconnects++;
+    conn_count_reset(l->j->g, l->j->conn);
+    uv_cancel((uv_req_t *)&l->j->work); /* a job not started yet ends now (job_done with UV_ECANCELED) */
+    l->j = NULL;
+}
+
+/* Queues a job for `req`; takes doc (and the params borrowing it). On failure answers 500. */
+static void job_start(gw *g, h2o_req_t *req, int ep, gw_job_kind kind, gw_model *m, json_t *doc, const gw_params *p,
+                      const gw_tok_params *tp) {
+    gw_job *j = calloc(1, sizeof *j);
+    if (!j) {
+        json_decref(doc);
+        if (p) gw_params_free((gw_params *)p);
+        if (tp) gw_tok_params_free((gw_tok_params *)tp);
+        send_body(g, req, ep, 500, "text/plain", "out of memory\n", 14);
+        return;
+    }
+    j->g = g;
+    j->kind = kind;
+    j->ep = ep;
+    j->req = req;
+    j->m = m;
+    j->doc = doc;
+    if (p) j->p = *p;
+    if (tp) j->tp = *tp;
+    j->work.data = j;
+    j->link = h2o_mem_alloc_shared(&req->pool, sizeof *j->link, on_job_req_dispose);
+    j->link->j = j;
+    j->conn = conn_of(g, req);
+    if (j->conn) j->conn->n_streams++;
+    j->next = g->jobs;
+    if (g->jobs) g->jobs->prev = j;
+    g->jobs = j;
+    g->n_jobs++;
+    if (uv_queue_work(g->loop, &j->work, job_run, job_done) != 0) {
+        j->req = NULL;
+        send_body(g, req, ep, 500, "text/plain", "cannot queue the request\n", 25);
+        job_free(j);
+    }
 }
 
 static void handle_generate(gw *g, h2o_req_t *req, int ep) {
@@ -963,76 +1298,78 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         send_error(g, req, ep, &err);
         return;
     }
-    gw_stream *s = NULL;
     gw_model *m = model_for(g, p.model, &err);
     if (!m) goto reject;
-    if (g->n_streams >= g->o->max_streams) {
+    if (g->n_streams + g->n_jobs >= g->o->max_streams) {
         g->rejected_busy++;
-        gw_error_set(&err, 429, "rate_limit_error", NULL, "the gateway has %d requests in flight, its limit", g->n_streams);
+        gw_error_set(&err, 429, "rate_limit_error", NULL, "the gateway has %d requests in flight, its limit",
+                     g->n_streams + g->n_jobs);
         goto reject;
     }
-    /* The prompt as token ids: given, or the text (a chat rendered with the model's template) encoded. */
     if ((ep == EP_CHAT || p.prompt_text || p.n_stop) && !m->tok) {
         gw_error_set(&err, 400, "invalid_request_error", ep == EP_CHAT ? "messages" : p.n_stop ? "stop" : "prompt",
                      "model '%s' has no tokenizer (tokenizer.json): send the prompt as token ids, without stop strings",
                      m->name);
         goto reject;
     }
-    if (ep == EP_CHAT || p.prompt_text) {
-        char *rendered = NULL, terr[256] = "";
-        const char *text = p.prompt_text;
-        size_t tlen = p.prompt_len;
-        if (ep == EP_CHAT) {
-            if (!m->tmpl) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
-                goto reject;
-            }
-            if (kvb_chat_render(m->tmpl, p.messages, p.add_generation_prompt, p.template_kwargs, &rendered, terr,
-                                sizeof terr) != KVB_OK) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "the chat template failed: %s", terr);
-                goto reject;
-            }
-            text = rendered;
-            tlen = strlen(rendered);
-        }
-        kvb_status es = kvb_tokenizer_encode(m->tok, text, tlen, p.add_special_tokens, &p.prompt_ids, &p.n_prompt_ids);
-        free(rendered);
-        if (es != KVB_OK || p.n_prompt_ids == 0) {
-            gw_error_set(&err, 400, "invalid_request_error", ep == EP_CHAT ? "messages" : "prompt",
-                         es != KVB_OK ? "the prompt is not valid UTF-8 text" : "the prompt is empty");
-            goto reject;
-        }
+    if (ep == EP_CHAT && !m->tmpl) {
+        gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+        goto reject;
+    }
+    if (ep == EP_CHAT || p.prompt_text) { /* the prompt as token ids: on the thread pool */
+        job_start(g, req, ep, JOB_GENERATE, m, doc, &p, NULL);
+        return;
+    }
+    generate_submit(g, req, ep, &p, m);
+    gw_params_free(&p);
+    json_decref(doc);
+    return;
+reject:
+    gw_params_free(&p);
+    json_decref(doc);
+    send_error(g, req, ep, &err);
+}
+
+/* The rest of a completion once its prompt is token ids (on the loop): checks against the model,
+ * the stream, the submit. Borrows p (the caller frees it; the stream takes p->prompt_ids when it
+ * returns them). */
+static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_model *m) {
+    gw_error err;
+    gw_stream *s = NULL;
+    if (!m->alive || !m->client || m->impostor) {
+        gw_error_set(&err, 503, "server_error", "model", "The model '%s' is not running now", m->name);
+        goto reject;
     }
     if (m->have_cfg)
-        for (int i = 0; i < p.n_prompt_ids; i++)
-            if (p.prompt_ids[i] >= m->cfg.vocab) {
+        for (int i = 0; i < p->n_prompt_ids; i++)
+            if (p->prompt_ids[i] >= m->cfg.vocab) {
                 gw_error_set(&err, 400, "invalid_request_error", "prompt",
-                             "prompt token %d is %d, outside the vocabulary of model '%s' [0, %d)", i, p.prompt_ids[i],
+                             "prompt token %d is %d, outside the vocabulary of model '%s' [0, %d)", i, p->prompt_ids[i],
                              m->name, m->cfg.vocab);
                 goto reject;
             }
     int max_pos = m->have_cfg ? m->cfg.max_pos : 0;
-    if (max_pos && p.n_prompt_ids >= max_pos) {
+    if (max_pos && p->n_prompt_ids >= max_pos) {
         gw_error_set(&err, 400, "invalid_request_error", "prompt",
                      "the prompt has %d tokens; model '%s' takes at most %d (prompt and completion together)",
-                     p.n_prompt_ids, m->name, max_pos);
+                     p->n_prompt_ids, m->name, max_pos);
         goto reject;
     }
-    int max_tokens = p.max_tokens;
-    if (!max_tokens) max_tokens = ep == EP_CHAT && max_pos ? max_pos - p.n_prompt_ids : DEFAULT_MAX_TOKENS;
-    if (max_pos && p.n_prompt_ids + max_tokens > max_pos) {
-        if (p.max_tokens) {
+    int max_tokens = p->max_tokens;
+    if (!max_tokens) max_tokens = ep == EP_CHAT && max_pos ? max_pos - p->n_prompt_ids : DEFAULT_MAX_TOKENS;
+    if (max_pos && p->n_prompt_ids + max_tokens > max_pos) {
+        if (p->max_tokens) {
             gw_error_set(&err, 400, "invalid_request_error", "max_tokens",
-                         "max_tokens is %d, but the prompt has %d tokens and model '%s' takes %d in all", p.max_tokens,
-                         p.n_prompt_ids, m->name, max_pos);
+                         "max_tokens is %d, but the prompt has %d tokens and model '%s' takes %d in all", p->max_tokens,
+                         p->n_prompt_ids, m->name, max_pos);
             goto reject;
         }
-        max_tokens = max_pos - p.n_prompt_ids;
+        max_tokens = max_pos - p->n_prompt_ids;
     }
     int32_t stop_ids[GW_MAX_STOP_IDS + 8];
     int n_stop_ids = 0;
-    for (int i = 0; i < p.n_stop_ids; i++) stop_ids[n_stop_ids++] = p.stop_ids[i];
-    if (!p.ignore_eos) {
+    for (int i = 0; i < p->n_stop_ids; i++) stop_ids[n_stop_ids++] = p->stop_ids[i];
+    if (!p->ignore_eos) {
         const int32_t *eos = NULL;
         int n_eos = m->tok ? kvb_tokenizer_eos_ids(m->tok, &eos) : 0;
         for (int i = 0; i < n_eos && n_stop_ids < (int)KVB_ARRAY_LEN(stop_ids); i++) stop_ids[n_stop_ids++] = eos[i];
@@ -1053,20 +1390,20 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     s->created = (int64_t)time(NULL);
     snprintf(s->id, sizeof s->id, "%s-%016" PRIx64 "%08x", ep == EP_CHAT ? "chatcmpl" : "cmpl", ++g->next_id,
              (unsigned)(kvb_wall_ns() & 0xffffffffu));
-    s->stream = p.stream;
-    s->include_usage = p.include_usage;
-    s->return_token_ids = p.return_token_ids;
-    s->timings = p.timings;
-    s->n_prompt = p.n_prompt_ids;
-    double slo = p.tbt_slo_ms >= 0 ? p.tbt_slo_ms : m->tbt_slo_ms >= 0 ? m->tbt_slo_ms : g->o->tbt_slo_ms;
-    s->slo_ns = p.stream ? (uint64_t)(slo * 1e6) : 0; /* pacing is for what a user watches arrive */
+    s->stream = p->stream;
+    s->include_usage = p->include_usage;
+    s->return_token_ids = p->return_token_ids;
+    s->timings = p->timings;
+    s->n_prompt = p->n_prompt_ids;
+    double slo = p->tbt_slo_ms >= 0 ? p->tbt_slo_ms : m->tbt_slo_ms >= 0 ? m->tbt_slo_ms : g->o->tbt_slo_ms;
+    s->slo_ns = p->stream ? (uint64_t)(slo * 1e6) : 0; /* pacing is for what a user watches arrive */
     s->t_arrival = kvb_wall_ns();
-    if (p.return_token_ids) {
-        s->prompt_ids = p.prompt_ids;
-        p.prompt_ids = NULL;
+    if (p->return_token_ids) {
+        s->prompt_ids = p->prompt_ids;
+        p->prompt_ids = NULL;
     }
-    if (m->tok && (kvb_detok_create(m->tok, p.skip_special_tokens, &s->detok) != KVB_OK ||
-                   gw_stop_create(p.stop, p.stop_len, p.n_stop, &s->stopper) != KVB_OK)) {
+    if (m->tok && (kvb_detok_create(m->tok, p->skip_special_tokens, &s->detok) != KVB_OK ||
+                   gw_stop_create(p->stop, p->stop_len, p->n_stop, &s->stopper) != KVB_OK)) {
         kvb_detok_destroy(s->detok);
         gw_stop_destroy(s->stopper);
         free(s->prompt_ids);
@@ -1079,19 +1416,21 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     s->timer.data = s;
     kvb_request r = {
         .tbt_slo_ms = slo, /* the model's planner sees the target too (OrbitFlow) */
-        .prompt = s->prompt_ids ? s->prompt_ids : p.prompt_ids,
+        .prompt = s->prompt_ids ? s->prompt_ids : p->prompt_ids,
         .n_prompt = s->n_prompt,
         .max_tokens = max_tokens,
         .stop_ids = stop_ids,
         .n_stop = n_stop_ids,
-        .sampling = {.temperature = (float)p.temperature,
-                     .top_k = p.top_k,
-                     .top_p = (float)p.top_p,
-                     .seed = p.has_seed ? p.seed : (kvb_wall_ns() ^ (g->next_id * 0x9e3779b97f4a7c15ull))},
+        .sampling = {.temperature = (float)p->temperature,
+                     .top_k = p->top_k,
+                     .top_p = (float)p->top_p,
+                     .seed = p->has_seed ? p->seed : (kvb_wall_ns() ^ (g->next_id * 0x9e3779b97f4a7c15ull))},
     };
     /* Everything in place before the submit: the model's answer may come within the dispatch below. */
     s->link = h2o_mem_alloc_shared(&req->pool, sizeof *s->link, on_req_dispose);
     s->link->s = s;
+    s->conn = conn_of(g, req);
+    if (s->conn) s->conn->n_streams++;
     s->next = g->streams;
     if (g->streams) g->streams->prev = s;
     g->streams = s;
@@ -1110,18 +1449,16 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         goto reject;
     }
     s->upstream_live = 1;
-    gw_params_free(&p);
-    json_decref(doc);
+    s->submit_ns = kvb_now_ns();
     if (s->stream) stream_pump(s); /* the response head goes out at once */
     kvb_client_dispatch(m->client); /* the send may have consumed the fd's edge */
     return;
 reject:
-    gw_params_free(&p);
-    json_decref(doc);
     send_error(g, req, ep, &err);
 }
 
-/* vLLM's POST /tokenize (prompt or messages -> ids) and POST /detokenize (ids -> text). */
+/* vLLM's POST /tokenize (prompt or messages -> ids) and POST /detokenize (ids -> text): on the thread
+ * pool. */
 static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
     gw_error err;
     gw_tok_params p;
@@ -1132,59 +1469,68 @@ static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
         return;
     }
     gw_model *m = model_find(g, p.model);
-    json_t *out = NULL;
     if (!m) {
-        gw_error_set(&err, 404, "not_found_error", "model", "The model '%s' does not exist on this node", p.model);
+        char clip[NAME_ECHO + 8];
+        gw_error_set(&err, 404, "not_found_error", "model", "The model '%s' does not exist on this node",
+                     gw_clip(p.model, clip, sizeof clip));
     } else if (!m->tok) {
         gw_error_set(&err, 400, "invalid_request_error", "model", "model '%s' has no tokenizer", m->name);
-    } else if (ep == EP_DETOKENIZE) {
-        char *text = NULL;
-        size_t len = 0;
-        if (kvb_tokenizer_decode(m->tok, p.ids, p.n_ids, 0, &text, &len) != KVB_OK)
-            gw_error_set(&err, 400, "invalid_request_error", "tokens", "a token id is outside the vocabulary of '%s'",
-                         m->name);
-        else out = json_pack("{s:s%}", "prompt", text, len);
-        free(text);
+    } else if (p.messages && !m->tmpl) {
+        gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+    } else if (g->n_streams + g->n_jobs >= g->o->max_streams) {
+        g->rejected_busy++;
+        gw_error_set(&err, 429, "rate_limit_error", NULL, "the gateway has %d requests in flight, its limit",
+                     g->n_streams + g->n_jobs);
     } else {
-        char *rendered = NULL, terr[256] = "";
-        const char *text = p.prompt;
-        size_t len = p.prompt_len;
-        int ok = 1;
-        if (p.messages) {
-            if (!m->tmpl) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
-                ok = 0;
-            } else if (kvb_chat_render(m->tmpl, p.messages, p.add_generation_prompt, NULL, &rendered, terr, sizeof terr) !=
-                       KVB_OK) {
-                gw_error_set(&err, 400, "invalid_request_error", "messages", "the chat template failed: %s", terr);
-                ok = 0;
-            } else {
-                text = rendered;
-                len = strlen(rendered);
-            }
-        }
-        int32_t *ids = NULL;
-        int n = 0;
-        if (ok && kvb_tokenizer_encode(m->tok, text, len, p.add_special_tokens, &ids, &n) != KVB_OK)
-            gw_error_set(&err, 400, "invalid_request_error", "prompt", "the prompt is not valid UTF-8 text"), ok = 0;
-        if (ok)
-            out = json_pack("{s:i, s:i, s:o}", "count", n, "max_model_len", m->have_cfg ? m->cfg.max_pos : 0, "tokens",
-                            ids_json(ids, n));
-        free(ids);
-        free(rendered);
+        job_start(g, req, ep, ep == EP_DETOKENIZE ? JOB_DETOKENIZE : JOB_TOKENIZE, m, doc, NULL, &p);
+        return;
     }
     gw_tok_params_free(&p);
     json_decref(doc);
-    if (out) send_json(g, req, ep, 200, out);
-    else send_error(g, req, ep, &err);
+    send_error(g, req, ep, &err);
 }
 
 /* /metrics: the whole node in Prometheus' text format. */
 static void handle_metrics(gw *g, h2o_req_t *req);
 
+/* Whether the request may pass: no keys configured, an open /health or /metrics, or a Bearer key that
+ * is one of the keys. Keys are compared by their SHA-256 in constant time (neither a key's bytes nor
+ * its length shows in the time an answer takes). */
+static int authorized(gw *g, h2o_req_t *req) {
+    if (!g->o->n_api_keys) return 1;
+    if ((g->o->health_open && path_is(req, "/health")) || (g->o->metrics_open && path_is(req, "/metrics"))) return 1;
+    ssize_t i = h2o_find_header(&req->headers, H2O_TOKEN_AUTHORIZATION, -1);
+    if (i < 0) return 0;
+    h2o_iovec_t v = req->headers.entries[i].value;
+    if (v.len < 7 || strncasecmp(v.base, "Bearer ", 7) != 0) return 0;
+    uint8_t d[KVB_SHA256_BYTES];
+    kvb_sha256_digest(v.base + 7, v.len - 7, d);
+    int ok = 0;
+    for (int k = 0; k < g->o->n_api_keys; k++) ok |= kvb_memcmp_ct(d, g->key_digest[k], sizeof d) == 0;
+    return ok;
+}
+
 static int on_req(h2o_handler_t *self, h2o_req_t *req) {
     gw *g = *(gw **)(self + 1);
+    gw_conn *c = conn_of(g, req);
+    if (c && req->version >= 0x200) c->http2 = 1;
+    if (g->draining) req->http1_is_persistent = 0; /* the connection ends with this response */
+    if (c && c->closing) { /* closed for abuse: what it still had buffered gets no work done */
+        req->http1_is_persistent = 0;
+        send_body(g, req, EP_OTHER, 503, "text/plain", "closing\n", 8);
+        return 0;
+    }
     int ep = EP_OTHER;
+    if (!authorized(g, req)) {
+        gw_error e;
+        gw_error_set(&e, 401, "invalid_request_error", NULL, "%s",
+                     "a valid API key is required: send it as 'Authorization: Bearer KEY'");
+        e.code = "invalid_api_key";
+        g->unauthorized++;
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_WWW_AUTHENTICATE, NULL, H2O_STRLIT("Bearer"));
+        send_error(g, req, EP_OTHER, &e);
+        return 0;
+    }
     if (path_is(req, "/v1/completions")) ep = EP_COMPLETIONS;
     else if (path_is(req, "/v1/chat/completions")) ep = EP_CHAT;
     else if (path_is(req, "/v1/models")) ep = EP_MODELS;
@@ -1195,8 +1541,9 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
     int post = ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_TOKENIZE || ep == EP_DETOKENIZE;
     gw_error err;
     if (ep == EP_OTHER) {
-        gw_error_set(&err, 404, "not_found_error", NULL, "no endpoint %.*s", (int)KVB_MIN(req->path.len, (size_t)200),
-                     req->path.base);
+        char clip[NAME_ECHO + 8], path[NAME_ECHO + 8];
+        snprintf(path, sizeof path, "%.*s", (int)KVB_MIN(req->path.len, sizeof path - 1), req->path.base);
+        gw_error_set(&err, 404, "not_found_error", NULL, "no endpoint %s", gw_clip(path, clip, NAME_ECHO));
         send_error(g, req, ep, &err);
         return 0;
     }
@@ -1342,6 +1689,16 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     gw_metric_head(&t, "kvbank_gateway_client_disconnects_total", "counter",
                    "Requests cancelled in their model because the HTTP client went away");
     gw_metric_sample(&t, "kvbank_gateway_client_disconnects_total", "", (double)g->disconnects);
+    gw_metric_head(&t, "kvbank_gateway_reset_connections_closed_total", "counter",
+                   "HTTP/2 connections closed because their client cancelled requests too fast (rapid reset)");
+    gw_metric_sample(&t, "kvbank_gateway_reset_connections_closed_total", "", (double)g->resets_closed);
+    gw_metric_head(&t, "kvbank_gateway_text_jobs", "gauge",
+                   "Requests whose text is being rendered, tokenized or detokenized on the thread pool (or waiting for it)");
+    gw_metric_sample(&t, "kvbank_gateway_text_jobs", "", g->n_jobs);
+    gw_metric_head(&t, "kvbank_gateway_unauthorized_total", "counter", "Requests refused with 401 (no or a wrong API key)");
+    gw_metric_sample(&t, "kvbank_gateway_unauthorized_total", "", (double)g->unauthorized);
+    gw_metric_head(&t, "kvbank_gateway_connections", "gauge", "Open client connections");
+    gw_metric_sample(&t, "kvbank_gateway_connections", "", g->n_conns);
     gw_metric_head(&t, "kvbank_gateway_rejected_busy_total", "counter", "Requests refused with 429 (max_streams)");
     gw_metric_sample(&t, "kvbank_gateway_rejected_busy_total", "", (double)g->rejected_busy);
     gw_metric_head(&t, "kvbank_gateway_streams_active", "gauge", "Requests in flight at the gateway");
@@ -1353,19 +1710,71 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
 
 /* --------------------------------------------------------------------------------------- server */
 
+/* h2o closed the socket of a connection. */
+static void on_conn_closed(uv_handle_t *h) {
+    gw_conn *c = (gw_conn *)h;
+    gw *g = c->g;
+    if (c->prev) c->prev->next = c->next;
+    else if (g->conns == c) g->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    g->n_conns--;
+    if (c->fd >= 0 && c->fd < g->n_conn_by_fd && g->conn_by_fd[c->fd] == c) g->conn_by_fd[c->fd] = NULL;
+    for (gw_stream *s = g->streams; s; s = s->next)
+        if (s->conn == c) s->conn = NULL;
+    for (struct gw_job *j = g->jobs; j; j = j->next)
+        if (j->conn == c) j->conn = NULL;
+    free(c);
+}
+
 static void on_accept(uv_stream_t *listener, int status) {
     gw *g = listener->data;
     if (status != 0) return;
-    uv_tcp_t *conn = malloc(sizeof *conn);
-    if (!conn) return;
-    uv_tcp_init(g->loop, conn);
-    if (uv_accept(listener, (uv_stream_t *)conn) != 0) {
-        uv_close((uv_handle_t *)conn, (uv_close_cb)free);
+    gw_conn *c = calloc(1, sizeof *c);
+    if (!c) return;
+    c->g = g;
+    c->fd = -1;
+    uv_tcp_init(g->loop, &c->tcp);
+    uv_os_fd_t fd = -1;
+    if (uv_accept(listener, (uv_stream_t *)&c->tcp) != 0 || uv_fileno((uv_handle_t *)&c->tcp, &fd) != 0) {
+        uv_close((uv_handle_t *)&c->tcp, (uv_close_cb)free);
         return;
     }
-    uv_tcp_nodelay(conn, 1);
-    h2o_socket_t *sock = h2o_uv_socket_create((uv_stream_t *)conn, (uv_close_cb)free);
-    h2o_accept(&g->accept_ctx, sock);
+    if (fd >= g->n_conn_by_fd) {
+        int n = fd + 64;
+        if (kvb_realloc_array((void **)&g->conn_by_fd, (size_t)n, sizeof *g->conn_by_fd) != KVB_OK) {
+            uv_close((uv_handle_t *)&c->tcp, (uv_close_cb)free);
+            return;
+        }
+        for (int i = g->n_conn_by_fd; i < n; i++) g->conn_by_fd[i] = NULL;
+        g->n_conn_by_fd = n;
+    }
+    c->fd = fd;
+    g->conn_by_fd[fd] = c;
+    c->next = g->conns;
+    if (g->conns) g->conns->prev = c;
+    g->conns = c;
+    g->n_conns++;
+    uv_tcp_nodelay(&c->tcp, 1);
+    c->sock = h2o_uv_socket_create((uv_stream_t *)&c->tcp, on_conn_closed);
+    h2o_accept(&g->accept_ctx, c->sock);
+}
+
+/* HTTPS: OpenSSL with the PEM chain and key of the config; HTTP/2 by ALPN, else HTTP/1.1. */
+static kvb_status tls_setup(gw *g) {
+    g->ssl = SSL_CTX_new(TLS_server_method());
+    if (!g->ssl) return KVB_ERR_NOMEM;
+    SSL_CTX_set_min_proto_version(g->ssl, TLS1_2_VERSION);
+    SSL_CTX_set_options(g->ssl, SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION);
+    if (SSL_CTX_use_certificate_chain_file(g->ssl, g->o->tls_cert) != 1 ||
+        SSL_CTX_use_PrivateKey_file(g->ssl, g->o->tls_key, SSL_FILETYPE_PEM) != 1 || SSL_CTX_check_private_key(g->ssl) != 1) {
+        char why[256];
+        ERR_error_string_n(ERR_get_error(), why, sizeof why);
+        KVB_LOG_E("gateway: TLS certificate %s / key %s: %s", g->o->tls_cert, g->o->tls_key, why);
+        return KVB_ERR_INVALID;
+    }
+    h2o_ssl_register_alpn_protocols(g->ssl, h2o_http2_alpn_protocols);
+    g->accept_ctx.ssl_ctx = g->ssl;
+    return KVB_OK;
 }
 
 static kvb_status listen_on(gw *g) {
@@ -1400,6 +1809,9 @@ void gw_opts_default(gw_opts *o) {
     o->max_body = 1 << 20;
     o->max_streams = 256;
     o->status_ms = 1000;
+    o->drain_timeout_ms = 30000;
+    o->text_workers = 2;
+    o->health_open = o->metrics_open = 1;
 }
 
 kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts *models, int max_models) {
@@ -1410,6 +1822,15 @@ kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts
         o->max_body = (size_t)c->gateway.max_body;
         o->max_streams = c->gateway.max_streams;
         o->tbt_slo_ms = c->gateway.tbt_slo_ms;
+        o->drain_timeout_ms = (int)(c->gateway.drain_timeout_s * 1000.0 + 0.5);
+        o->max_text = (size_t)c->gateway.max_text;
+        o->text_workers = c->gateway.text_workers;
+        o->api_keys = (const char *const *)c->gateway.api_keys;
+        o->n_api_keys = c->gateway.n_api_keys;
+        o->health_open = c->gateway.health_open;
+        o->metrics_open = c->gateway.metrics_open;
+        o->tls_cert = c->gateway.tls_cert;
+        o->tls_key = c->gateway.tls_key;
     }
     if (c->n_models > max_models) return KVB_ERR_INVALID;
     for (int i = 0; i < c->n_models; i++) {
@@ -1434,6 +1855,10 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     KVB_TRY(kvb_calloc(1, sizeof *g, (void **)&g));
     g->o = o;
     g->stop = stop;
+    /* the text jobs' threads: libuv sizes its pool from this at the first uv_queue_work */
+    char nthreads[16];
+    snprintf(nthreads, sizeof nthreads, "%d", o->text_workers > 0 ? o->text_workers : 2);
+    setenv("UV_THREADPOOL_SIZE", nthreads, 1);
     g->loop = uv_default_loop();
     for (int i = 0; i < o->n_models; i++) {
         gw_model *m = model_add(g, o->models[i].name);
@@ -1454,6 +1879,11 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     h2o_context_init(&g->h2o_ctx, g->loop, &g->h2o_conf);
     g->accept_ctx.ctx = &g->h2o_ctx;
     g->accept_ctx.hosts = g->h2o_conf.hosts;
+    if (o->n_api_keys) {
+        KVB_TRY_GOTO(kvb_calloc((size_t)o->n_api_keys, sizeof *g->key_digest, (void **)&g->key_digest), done);
+        for (int k = 0; k < o->n_api_keys; k++) kvb_sha256_digest(o->api_keys[k], strlen(o->api_keys[k]), g->key_digest[k]);
+    }
+    if (o->tls_cert) KVB_TRY_GOTO(tls_setup(g), done);
     KVB_TRY_GOTO(listen_on(g), done);
 
     /* The gateway is a control client of the coordinator: it logs in on EP.ctl (common/ipc/auth.h) and
@@ -1481,7 +1911,7 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     uv_timer_start(&g->housekeep, on_housekeep, HOUSEKEEP_MS, HOUSEKEEP_MS);
 
     KVB_LOG_I("gateway: listening on %s port %d (coordinator %s)", o->host, g->port, o->coordinator);
-    printf("kvbank-gateway: listening on http://%s%s%s:%d\n", strchr(o->host, ':') ? "[" : "", o->host,
+    printf("kvbank-gateway: listening on %s://%s%s%s:%d\n", g->ssl ? "https" : "http", strchr(o->host, ':') ? "[" : "", o->host,
            strchr(o->host, ':') ? "]" : "", g->port);
     fflush(stdout);
     if (o->port_file) {
@@ -1495,12 +1925,21 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
 done:
     for (gw_stream *s = g->streams; s; s = s->next)
         if (s->upstream_live && s->m->client) kvb_client_abandon(s->m->client, s->rid), s->upstream_live = 0;
-    /* h2o's closing connections leave deferred work on its zero timeout: let it run, then dispose */
-    for (int k = 0; k < 10; k++) uv_run(g->loop, UV_RUN_NOWAIT);
-    h2o_context_dispose(&g->h2o_ctx);
+    /* Connections still open (a client that would not let go): reset them, and let h2o close them and
+     * run the deferred work on its zero timeout. h2o_context_dispose asserts that none of its timeouts
+     * holds an entry: the graceful-shutdown one is ours to unlink (h2o 2.2 keeps it a second). */
+    for (gw_conn *c = g->conns; c; c = c->next) shutdown(c->fd, SHUT_RDWR);
+    for (int k = 0; k < 200 && (g->conns || k < 10); k++) uv_run(g->loop, UV_RUN_NOWAIT);
+    h2o_timeout_unlink(&g->h2o_ctx.http2._graceful_shutdown_timeout);
+    int disposed = !g->conns;
+    if (disposed) h2o_context_dispose(&g->h2o_ctx);
+    else KVB_LOG_W("gateway: %d connections did not close; exiting without freeing them", g->n_conns);
     uv_walk(g->loop, close_walk, NULL);
     uv_run(g->loop, UV_RUN_DEFAULT);
-    h2o_config_dispose(&g->h2o_conf);
+    if (disposed) h2o_config_dispose(&g->h2o_conf);
+    free(g->conn_by_fd);
+    free(g->key_digest);
+    if (g->ssl) SSL_CTX_free(g->ssl);
     for (int i = 0; i < g->n_models; i++) {
         kvb_client_destroy(g->models[i]->client);
         kvb_tokenizer_destroy(g->models[i]->tok);

@@ -37,6 +37,15 @@ typedef struct gw_opts {
     const gw_model_opts *models; /* per-model settings from the node config (may be NULL) */
     int n_models;
     const char *port_file;    /* when set, the bound port is written there once listening */
+    int drain_timeout_ms;     /* on stop: how long requests in flight may finish (default 30000) */
+    size_t max_text;          /* bytes of text one request may have tokenized (0: max_body) */
+    int text_workers;         /* threads that tokenize, render and detokenize (default 2) */
+    const char *const *api_keys; /* [n_api_keys] accepted "Authorization: Bearer" keys; none: no auth */
+    int n_api_keys;
+    int health_open;          /* /health without a key (default 1) */
+    int metrics_open;         /* /metrics without a key (default 1) */
+    const char *tls_cert;     /* PEM files: serve HTTPS (HTTP/2 by ALPN); NULL: plain HTTP */
+    const char *tls_key;
 } gw_opts;
 
 void gw_opts_default(gw_opts *o);

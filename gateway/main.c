@@ -32,6 +32,8 @@ static void usage(FILE *f) {
             "  --max-streams N       requests in flight at once, more get 429 (default 256)\n"
             "  --tbt-slo-ms X        Token-Deposit target between tokens of a stream (default 0: off)\n"
             "  --status-ms N         how often the coordinator and the models are asked (default 1000)\n"
+            "  --drain-timeout-ms N  on SIGTERM: /health fails, no new connection is accepted and the requests\n"
+            "                        in flight may finish for N ms before they are cancelled (default 30000)\n"
             "  --port-file FILE      write the bound port there once listening (default with --config:\n"
             "                        RUN_DIR/gateway.port; removed at exit)\n");
 }
@@ -62,12 +64,13 @@ int main(int argc, char **argv) {
     gw_opts o;
     gw_opts_default(&o);
     const char *config = NULL, *listen = NULL;
-    long max_body_kb = -1, max_streams = -1, status_ms = -1;
+    long max_body_kb = -1, max_streams = -1, status_ms = -1, drain_ms = -1;
     double slo = -1;
     static const struct option opts[] = {{"config", required_argument, 0, 'c'},      {"coordinator", required_argument, 0, 'C'},
                                          {"listen", required_argument, 0, 'l'},      {"max-body-kb", required_argument, 0, 'b'},
                                          {"max-streams", required_argument, 0, 's'}, {"tbt-slo-ms", required_argument, 0, 't'},
                                          {"status-ms", required_argument, 0, 'S'},   {"port-file", required_argument, 0, 'p'},
+                                         {"drain-timeout-ms", required_argument, 0, 'D'},
                                          {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
     int c;
     char *end;
@@ -81,6 +84,7 @@ int main(int argc, char **argv) {
         case 'S': status_ms = strtol(optarg, &end, 10); if (*end || status_ms < 10) goto bad; break;
         case 't': slo = strtod(optarg, &end); if (*end || slo < 0) goto bad; break;
         case 'p': o.port_file = optarg; break;
+        case 'D': drain_ms = strtol(optarg, &end, 10); if (*end || drain_ms < 0 || drain_ms > 3600000) goto bad; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -112,6 +116,7 @@ int main(int argc, char **argv) {
     if (max_streams > 0) o.max_streams = (int)max_streams;
     if (status_ms > 0) o.status_ms = (int)status_ms;
     if (slo >= 0) o.tbt_slo_ms = slo;
+    if (drain_ms >= 0) o.drain_timeout_ms = (int)drain_ms;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;

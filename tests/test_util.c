@@ -511,6 +511,41 @@ KVB_TEST(sha256_vectors) {
 }
 KVB_TEST_END
 
+/* Repeated log lines: a call site prints `burst` lines per window, then one line saying how many it
+ * did not print; another site is counted apart. */
+static void log_site_a(int i) { KVB_LOG_W("site a says %d", i); }
+static void log_site_b(int i) { KVB_LOG_W("site b says %d", i); }
+KVB_TEST(log_rate_limit) {
+    char path[] = "/tmp/kvb-log-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    int saved = dup(2);
+    dup2(fd, 2);
+    kvb_log_set_rate(3, 300);
+    for (int i = 0; i < 10; i++) log_site_a(i);
+    log_site_b(0);
+    usleep(400 * 1000);
+    log_site_a(10);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    kvb_log_set_rate(20, 10000);
+    char buf[4096] = "";
+    ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    close(fd);
+    unlink(path);
+    ck_assert_int_gt(n, 0);
+    int a = 0;
+    for (const char *p = buf; (p = strstr(p, "] site a says")); p++) a++;
+    ck_assert_msg(a == 4, "site a printed %d lines (3, then 1 in the next window):\n%s", a, buf);
+    ck_assert_ptr_nonnull(strstr(buf, "site a says 2"));
+    ck_assert_ptr_null(strstr(buf, "site a says 3\n"));
+    ck_assert_ptr_nonnull(strstr(buf, "site a says 10"));
+    ck_assert_ptr_nonnull(strstr(buf, "(7 more lines like \"site a says %d\" were not logged"));
+    ck_assert_ptr_nonnull(strstr(buf, "site b says 0"));
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("util", KVB_T(status_strings, 10), KVB_T(parse_id_list, 10), KVB_T(half_roundtrip, 30),
               KVB_T(npy_header, 10), KVB_T(json_fields, 10), KVB_T(node_config_defaults, 10),
-              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(node_config_policy_params, 10), KVB_T(token_deposit, 10), KVB_T(sha256_vectors, 10))
+              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(node_config_policy_params, 10), KVB_T(token_deposit, 10), KVB_T(sha256_vectors, 10), KVB_T(log_rate_limit, 10))

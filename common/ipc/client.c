@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -508,7 +509,7 @@ static void on_error(kvb_client *c, const Kvbank__ErrorReply *er) {
     finish_req(e, KVB_FINISH_ERROR, st, msg);
 }
 
-static void on_pong(kvb_client *c, const Kvbank__Pong *p) {
+static void on_pong(kvb_client *c, const Kvbank__Pong *p, int32_t peer_pid) {
     if (c->want_nonce && p->nonce == c->want_nonce) {
         c->got_pong = 1;
         c->pong_live = p->live_requests;
@@ -531,6 +532,7 @@ static void on_pong(kvb_client *c, const Kvbank__Pong *p) {
         .rejected = p->rejected,
         .completed = p->completed,
         .disconnects = p->disconnects,
+        .peer_pid = peer_pid,
     };
     snprintf(o.model, sizeof o.model, "%s", p->model ? p->model : "");
     c->pong_fn(c->pong_ud, &o);
@@ -561,6 +563,12 @@ static int recv_one(kvb_client *c) {
         zmq_msg_close(&m);
         return 1;
     }
+    /* who sent it: the kernel's credentials of the connection it came on (ipc://) */
+    int32_t peer_pid = -1;
+    int fd = zmq_msg_get(&m, ZMQ_SRCFD);
+    struct ucred cred;
+    socklen_t cl = sizeof cred;
+    if (fd >= 0 && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0 && cred.pid > 0) peer_pid = cred.pid;
     Kvbank__Envelope *env = NULL;
     kvb_status st = kvb_wire_unpack(zmq_msg_data(&m), zmq_msg_size(&m), &env, NULL, 0);
     zmq_msg_close(&m);
@@ -568,7 +576,7 @@ static int recv_one(kvb_client *c) {
     switch (env->body_case) {
     case KVBANK__ENVELOPE__BODY_TOKENS: on_tokens(c, env->tokens); break;
     case KVBANK__ENVELOPE__BODY_ERROR: on_error(c, env->error); break;
-    case KVBANK__ENVELOPE__BODY_PONG: on_pong(c, env->pong); break;
+    case KVBANK__ENVELOPE__BODY_PONG: on_pong(c, env->pong, peer_pid); break;
     default: KVB_LOG_D("client: skipping a message of type %d", (int)env->body_case); break;
     }
     kvbank__envelope__free_unpacked(env, NULL);

@@ -127,6 +127,8 @@ typedef struct kvb_client_pong {
     uint64_t prefix_hit_tokens;    /* prompt tokens served from the prefix cache */
     uint32_t blocks_total, blocks_free, blocks_own, blocks_borrowed;
     uint64_t accepted, rejected, completed, disconnects; /* the server's request counters */
+    int32_t peer_pid;              /* the process that sent it, as the kernel says (SO_PEERCRED of its
+                                    * ipc:// connection); -1 when unknown (tcp://) */
 } kvb_client_pong;
 /* Called from kvb_client_dispatch for every Pong (`p` valid during the call only). */
 typedef void (*kvb_client_pong_fn)(void *ud, const kvb_client_pong *p);

@@ -7,7 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -45,24 +47,42 @@ kvb_status kvb_wire_pack(Kvbank__Envelope *env, uint8_t **buf, size_t *len) {
     return KVB_OK;
 }
 
+kvb_status kvb_wire_decode(const uint8_t *buf, size_t len, Kvbank__Envelope **out, kvb_wire_fault *fault) {
+    if (!out) return KVB_ERR_INVALID;
+    *out = NULL;
+    kvb_wire_fault f = KVB_WIRE_MALFORMED;
+    Kvbank__Envelope *env = NULL;
+    static const uint8_t empty[1] = {0};
+    if (len > KVB_WIRE_MAX_FRAME) f = KVB_WIRE_OVERSIZED;
+    else if ((buf || !len) && (env = kvbank__envelope__unpack(NULL, len, buf && len ? buf : empty)) != NULL) {
+        /* protobuf-c sets the pointer of the body it parsed; an unknown field number leaves NOT_SET */
+        if (env->version != KVB_PROTO_VERSION) f = KVB_WIRE_VERSION;
+        else if (env->body_case == KVBANK__ENVELOPE__BODY__NOT_SET || !env->register_) f = KVB_WIRE_NO_BODY;
+        else f = KVB_WIRE_OK;
+    }
+    if (fault) *fault = f;
+    if (f != KVB_WIRE_OK) {
+        if (env) kvbank__envelope__free_unpacked(env, NULL);
+        return KVB_ERR_PROTOCOL;
+    }
+    *out = env;
+    return KVB_OK;
+}
+
 kvb_status kvb_wire_unpack(const uint8_t *buf, size_t len, Kvbank__Envelope **out, char *why, size_t why_len) {
     if (!out) return KVB_ERR_INVALID;
     *out = NULL;
     if (why && why_len) why[0] = '\0';
-    if (len > KVB_WIRE_MAX_FRAME) {
-        set_why(why, why_len, "frame of %zu bytes exceeds the %u-byte limit", len, KVB_WIRE_MAX_FRAME);
-        return KVB_ERR_PROTOCOL;
-    }
     if (!buf && len) return KVB_ERR_INVALID;
-    static const uint8_t empty[1] = {0};
-    Kvbank__Envelope *env = kvbank__envelope__unpack(NULL, len, buf ? buf : empty);
-    if (!env) {
-        set_why(why, why_len, "frame of %zu bytes is not a valid kvbank.Envelope", len);
-        return KVB_ERR_PROTOCOL;
-    }
-    if (env->version != KVB_PROTO_VERSION) {
-        set_why(why, why_len, "unsupported protocol version %u (expected %u)", env->version, KVB_PROTO_VERSION);
-        kvbank__envelope__free_unpacked(env, NULL);
+    kvb_wire_fault f;
+    Kvbank__Envelope *env = NULL;
+    if (kvb_wire_decode(buf, len, &env, &f) != KVB_OK) {
+        if (f == KVB_WIRE_OVERSIZED)
+            set_why(why, why_len, "frame of %zu bytes exceeds the %u-byte limit", len, KVB_WIRE_MAX_FRAME);
+        else if (f == KVB_WIRE_VERSION)
+            set_why(why, why_len, "unsupported protocol version (expected %u)", KVB_PROTO_VERSION);
+        else if (f == KVB_WIRE_NO_BODY) set_why(why, why_len, "envelope has no known body");
+        else set_why(why, why_len, "frame of %zu bytes is not a valid kvbank.Envelope", len);
         return KVB_ERR_PROTOCOL;
     }
     int known = 0;
@@ -106,9 +126,26 @@ kvb_status kvb_wire_send(void *sock, const void *ident, size_t ident_len, Kvbank
     return KVB_OK;
 }
 
+int kvb_wire_unix_live(const char *path) {
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof sa.sun_path) return 0;
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    int live = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    close(fd);
+    return live;
+}
+
 kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, const char *zap_domain, int sndhwm,
                                 int64_t maxmsg, kvb_wire_router *out) {
     memset(out, 0, sizeof *out);
+    if (!strncmp(endpoint, "ipc://", 6) && endpoint[6] != '@' && endpoint[6] != '\0' && strcmp(endpoint + 6, "*") &&
+        kvb_wire_unix_live(endpoint + 6)) {
+        KVB_LOG_E("cannot bind %s: another process is listening there (it keeps its endpoint; stop it first)",
+                  endpoint);
+        return KVB_ERR_STATE;
+    }
     void *sock = zmq_socket(zctx, ZMQ_ROUTER);
     if (!sock) {
         KVB_LOG_E("zmq_socket: %s", zmq_strerror(errno));

@@ -15,6 +15,20 @@
 
 /* Packs `env` (version is set here) into a new buffer; caller frees *buf. */
 kvb_status kvb_wire_pack(Kvbank__Envelope *env, uint8_t **buf, size_t *len);
+/* Which check a frame failed (kvb_wire_decode). */
+typedef enum kvb_wire_fault {
+    KVB_WIRE_OK = 0,
+    KVB_WIRE_OVERSIZED = 1,   /* larger than KVB_WIRE_MAX_FRAME */
+    KVB_WIRE_MALFORMED = 2,   /* not a protobuf Envelope */
+    KVB_WIRE_VERSION = 3,     /* Envelope.version != KVB_PROTO_VERSION */
+    KVB_WIRE_NO_BODY = 4,     /* no body (or one of a field number this build does not know) */
+} kvb_wire_fault;
+
+/* Decodes a frame of any body (model server and coordinator messages alike): size limit, protobuf,
+ * version, a body present. Logs nothing; *fault (may be NULL) says which check failed. On success the
+ * caller frees *out with kvbank__envelope__free_unpacked(*out, NULL). */
+kvb_status kvb_wire_decode(const uint8_t *buf, size_t len, Kvbank__Envelope **out, kvb_wire_fault *fault);
+
 /* Unpacks and validates a frame: size limit, protobuf well-formed, version, a known body. On success
  * the caller frees *out with kvbank__envelope__free_unpacked(*out, NULL). On failure logs why and
  * writes a one-line reason into `why` (may be NULL). */
@@ -33,12 +47,17 @@ typedef struct kvb_wire_router {
     ino_t ipc_ino;
 } kvb_wire_router;
 
+/* 1 if a process accepts connections on the unix socket file `path`. */
+int kvb_wire_unix_live(const char *path);
+
 /* Creates a ROUTER on `zctx` with ROUTER_MANDATORY (a send to a departed peer fails with
  * EHOSTUNREACH), ROUTER_HANDOVER when `handover` (a reconnecting peer takes its routing id back), a
  * PLAIN server whose handshakes the ZAP handler of `zap_domain` judges when that is not NULL,
  * LINGER 0, send high-water mark `sndhwm` and receive cap `maxmsg`, and binds it to `endpoint`; the
  * socket file of an ipc:// endpoint is created under umask 0077 and made 0600 (only this user may
- * connect). Logs and returns KVB_ERR_IO on failure, leaving nothing open. */
+ * connect). An ipc:// socket file on which a process already listens is never taken over (ZeroMQ would
+ * unlink it and bind anew, and that process's clients would talk to this one): KVB_ERR_STATE. Logs and
+ * returns KVB_ERR_IO on other failures, leaving nothing open. */
 kvb_status kvb_wire_router_bind(void *zctx, const char *endpoint, int handover, const char *zap_domain, int sndhwm,
                                 int64_t maxmsg, kvb_wire_router *out);
 

@@ -23,6 +23,11 @@ void kvb_log_set_tag(const char *tag);
  * when it is set to something else (kvb_prog_init makes that a usage error). */
 kvb_status kvb_log_level_from_env(char *why, size_t len);
 
+/* Repeated lines: each call site (format string) prints at most `burst` lines per `window_ms`; the
+ * rest are counted and reported in one line when the site's next window starts (default 20 per 10 s;
+ * burst 0: no limit). */
+void kvb_log_set_rate(unsigned burst, unsigned window_ms);
+
 void kvb_log(kvb_log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 #define KVB_LOG_E(...) kvb_log(KVB_LOG_ERROR, __VA_ARGS__)

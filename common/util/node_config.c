@@ -204,12 +204,73 @@ static kvb_status load_coordinator(kvb_node_config *c, const json_t *root) {
     return KVB_OK;
 }
 
-/* "gateway": {"listen": "HOST:PORT", "max_body_kb", "max_streams", "tbt_slo_ms"} (optional). */
-static kvb_status load_gateway(kvb_node_config *c, const json_t *root) {
+static kvb_status add_api_key(kvb_node_gateway *g, const char *key, size_t len, const char *what) {
+    if (len < 8) {
+        KVB_LOG_E("%s: an API key is %zu characters; at least 8 are required", what, len);
+        return KVB_ERR_INVALID;
+    }
+    KVB_TRY(kvb_realloc_array((void **)&g->api_keys, (size_t)g->n_api_keys + 1, sizeof *g->api_keys));
+    char *k = NULL;
+    KVB_TRY(kvb_malloc(len + 1, (void **)&k));
+    memcpy(k, key, len);
+    k[len] = '\0';
+    g->api_keys[g->n_api_keys++] = k;
+    return KVB_OK;
+}
+
+/* "api_keys": ["KEY", ...] and "api_keys_file": a file of keys, one a line (blank lines and lines
+ * starting with '#' skipped, surrounding white space trimmed). */
+static kvb_status load_api_keys(kvb_node_config *c, const char *dir, const json_t *go, const char *what) {
+    kvb_node_gateway *g = &c->gateway;
+    const json_t *a = json_object_get(go, "api_keys");
+    if (a && !json_is_null(a)) {
+        if (!json_is_array(a)) {
+            KVB_LOG_E("%s: field \"api_keys\" must be an array of strings", what);
+            return KVB_ERR_INVALID;
+        }
+        for (size_t i = 0; i < json_array_size(a); i++) {
+            const json_t *k = json_array_get(a, i);
+            if (!json_is_string(k)) {
+                KVB_LOG_E("%s: field \"api_keys\"[%zu] must be a string", what, i);
+                return KVB_ERR_INVALID;
+            }
+            KVB_TRY(add_api_key(g, json_string_value(k), json_string_length(k), what));
+        }
+    }
+    char *rel = NULL, *path = NULL;
+    KVB_TRY(dup_str(go, "api_keys_file", 0, what, NULL, &rel));
+    if (!rel) return KVB_OK;
+    kvb_status st = resolve_path(dir, rel, &path);
+    free(rel);
+    KVB_TRY(st);
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        KVB_LOG_E("%s: field \"api_keys_file\": cannot open %s: %s", what, path, strerror(errno));
+        free(path);
+        return KVB_ERR_INVALID;
+    }
+    char line[4096];
+    while (st == KVB_OK && fgets(line, sizeof line, f)) {
+        char *b = line, *e = line + strlen(line);
+        while (*b == ' ' || *b == '\t') b++;
+        while (e > b && (e[-1] == '\n' || e[-1] == '\r' || e[-1] == ' ' || e[-1] == '\t')) e--;
+        if (e == b || *b == '#') continue;
+        st = add_api_key(g, b, (size_t)(e - b), what);
+    }
+    fclose(f);
+    free(path);
+    return st;
+}
+
+/* "gateway": {"listen": "HOST:PORT", "max_body_kb", "max_streams", "tbt_slo_ms", ...} (optional). */
+static kvb_status load_gateway(kvb_node_config *c, const char *dir, const json_t *root) {
     kvb_node_gateway *g = &c->gateway;
     g->port = 8000;
     g->max_body = 1 << 20;
     g->max_streams = 256;
+    g->drain_timeout_s = 30;
+    g->text_workers = 2;
+    g->health_open = g->metrics_open = 1;
     const json_t *go = json_object_get(root, "gateway");
     if (!go || json_is_null(go)) return KVB_OK;
     char what[PATH_MAX + 32];
@@ -247,7 +308,36 @@ static kvb_status load_gateway(kvb_node_config *c, const json_t *root) {
     KVB_TRY(kvb_json_get_int(go, "max_streams", 0, 1, 100000, what, &v));
     g->max_streams = (int)v;
     KVB_TRY(kvb_json_get_real(go, "tbt_slo_ms", 0, 0, 60000, what, &g->tbt_slo_ms));
-    static const char *const known[] = {"listen", "max_body_kb", "max_streams", "tbt_slo_ms", NULL};
+    KVB_TRY(kvb_json_get_real(go, "drain_timeout_s", 0, 0, 3600, what, &g->drain_timeout_s));
+    v = g->max_body / 1024;
+    KVB_TRY(kvb_json_get_int(go, "max_text_kb", 0, 1, 1 << 20, what, &v));
+    g->max_text = v * 1024;
+    v = g->text_workers;
+    KVB_TRY(kvb_json_get_int(go, "text_workers", 0, 1, 64, what, &v));
+    g->text_workers = (int)v;
+    KVB_TRY(kvb_json_get_bool(go, "health_open", 0, what, &g->health_open));
+    KVB_TRY(kvb_json_get_bool(go, "metrics_open", 0, what, &g->metrics_open));
+    KVB_TRY(load_api_keys(c, dir, go, what));
+    char *rel = NULL;
+    KVB_TRY(dup_str(go, "tls_cert", 0, what, NULL, &rel));
+    if (rel) {
+        st = resolve_path(dir, rel, &g->tls_cert);
+        free(rel);
+        KVB_TRY(st);
+    }
+    KVB_TRY(dup_str(go, "tls_key", 0, what, NULL, &rel));
+    if (rel) {
+        st = resolve_path(dir, rel, &g->tls_key);
+        free(rel);
+        KVB_TRY(st);
+    }
+    if (!g->tls_cert != !g->tls_key) {
+        KVB_LOG_E("%s: fields \"tls_cert\" and \"tls_key\" go together", what);
+        return KVB_ERR_INVALID;
+    }
+    static const char *const known[] = {"listen", "max_body_kb", "max_streams", "tbt_slo_ms", "drain_timeout_s",
+                                        "max_text_kb", "text_workers", "api_keys", "api_keys_file", "health_open",
+                                        "metrics_open", "tls_cert", "tls_key", NULL};
     warn_unknown(go, known, what);
     return KVB_OK;
 }
@@ -526,7 +616,7 @@ kvb_status kvb_node_config_load(const char *path, kvb_node_config **out) {
     static const char *const known[] = {"node", "run_dir", "bin_dir", "coordinator", "models", "gateway", NULL};
     warn_unknown(root, known, c->path);
     KVB_TRY_GOTO(load_coordinator(c, root), fail);
-    KVB_TRY_GOTO(load_gateway(c, root), fail);
+    KVB_TRY_GOTO(load_gateway(c, dir, root), fail);
 
     const json_t *models = json_object_get(root, "models");
     if (!json_is_array(models) || json_array_size(models) == 0) {
@@ -584,6 +674,10 @@ void kvb_node_config_free(kvb_node_config *c) {
     free(c->bin_dir);
     free(c->coordinator);
     free(c->gateway.host);
+    for (int i = 0; i < c->gateway.n_api_keys; i++) free(c->gateway.api_keys[i]);
+    free(c->gateway.api_keys);
+    free(c->gateway.tls_cert);
+    free(c->gateway.tls_key);
     free(c);
 }
 

@@ -39,7 +39,14 @@
  *     "listen": "127.0.0.1:8000",             HOST:PORT ("[::1]:8000" for IPv6); port 0: any free port
  *     "max_body_kb": 1024,                    larger request bodies get 413
  *     "max_streams": 256,                     requests in flight at once; more get 429
- *     "tbt_slo_ms": 0                         Token-Deposit default of every model (0: off)
+ *     "tbt_slo_ms": 0,                        Token-Deposit default of every model (0: off)
+ *     "drain_timeout_s": 30,                  on SIGTERM: requests in flight may finish for this long
+ *     "max_text_kb": 1024,                    text one request may have tokenized (prompt or rendered chat)
+ *     "text_workers": 2,                      threads that tokenize / render / detokenize off the loop
+ *     "api_keys": ["KEY", ...],               clients send "Authorization: Bearer KEY" (401 otherwise)
+ *     "api_keys_file": "keys.txt",            more keys, one a line ('#' comments), relative to the config
+ *     "health_open": true, "metrics_open": true   /health, /metrics without a key
+ *     "tls_cert": "cert.pem", "tls_key": "key.pem"  HTTPS (HTTP/2 by ALPN) with this PEM chain and key
  *   }
  * }
  * Exactly one master; names unique. The master and every worker that lends need backends of one family
@@ -94,6 +101,17 @@ typedef struct kvb_node_gateway {
     int64_t max_body;       /* bytes (max_body_kb * 1024, default 1 MiB) */
     int max_streams;        /* default 256 */
     double tbt_slo_ms;      /* default 0 */
+    double drain_timeout_s; /* how long a stopping gateway lets requests in flight finish (default 30) */
+    int64_t max_text;       /* bytes of text one request may have tokenized (max_text_kb * 1024, default
+                             * the body limit) */
+    int text_workers;       /* threads that tokenize, render and detokenize off the loop (default 2) */
+    char **api_keys;        /* [n_api_keys] keys a client must send as "Authorization: Bearer KEY" (none:
+                             * no authentication); from "api_keys" and the lines of "api_keys_file" */
+    int n_api_keys;
+    int health_open;        /* /health answers without a key (default 1) */
+    int metrics_open;       /* /metrics answers without a key (default 1) */
+    char *tls_cert;         /* PEM certificate chain and key: HTTPS (h2 by ALPN) instead of HTTP; NULL: none */
+    char *tls_key;
 } kvb_node_gateway;
 
 typedef struct kvb_node_config {
