@@ -6,8 +6,8 @@
 #   kernels/cuda/emu/build.sh BUILD_DIR OUT_DIR
 #     BUILD_DIR  a configured build tree of this checkout (with or without CUDA) in which
 #                libkvb_util.a libkvb_kv.a libkvb_model.a libkvb_sched.a libkvb_policy.a are built
-#     OUT_DIR    where the emulated programs go: OUT_DIR/test_backend_consistency, OUT_DIR/kvbank-generate,
-#                OUT_DIR/kvbank-bench (its `cuda` subcommand only)
+#     OUT_DIR    where the emulated programs go: OUT_DIR/test_backend_consistency, OUT_DIR/test_cuda_fp8,
+#                OUT_DIR/kvbank-generate, OUT_DIR/kvbank-bench (its `cuda` subcommand only)
 #
 # Then, for example:
 #   OUT_DIR/test_backend_consistency --test attention_decode
@@ -103,7 +103,7 @@ done
 g++ $CXXFLAGS -c "$ROOT/kernels/cuda/emu/emu.cc" -o "$OUT/obj/emu.o"
 OBJS+=("$OUT/obj/emu.o")
 for c in kernels/registry.c kernels/cuda/backend_cuda.c kernels/cpu/backend_cpu.c kernels/cpu/ops.c \
-    kernels/cpu/attention.c common/mem/region.c common/mem/region_cuda.c; do
+    kernels/cpu/attention.c kernels/cpu/matmul.c common/mem/region.c common/mem/region_cuda.c; do
     o="$OUT/obj/$(echo "$c" | tr / _ | sed 's/\.c$/.o/')"
     gcc $CFLAGS -c "$ROOT/$c" -o "$o"
     OBJS+=("$o")
@@ -111,6 +111,8 @@ done
 LIBS="$(pkg-config --libs check openblas jansson libxxhash libzmq libprotobuf-c libuv) -fopenmp -lstdc++ -lrt -lm -lpthread"
 gcc $CFLAGS $(pkg-config --cflags check) "$ROOT/tests/test_backend_consistency.c" "${OBJS[@]}" \
     "$BUILD/libkvb_sched.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/test_backend_consistency"
+gcc $CFLAGS $(pkg-config --cflags check) "$ROOT/tests/test_cuda_fp8.c" "${OBJS[@]}" \
+    "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS -o "$OUT/test_cuda_fp8"
 gcc $CFLAGS "$ROOT/tools/generate.c" "${OBJS[@]}" "$BUILD/libkvb_policy.a" "$BUILD/libkvb_sched.a" \
     "$BUILD/libkvb_model.a" "$BUILD/libkvb_kv.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_text.a" "$BUILD/libkvb_util.a" \
     $LIBS $(pkg-config --libs libpcre2-8 nlopt) -o "$OUT/kvbank-generate"
@@ -121,4 +123,4 @@ printf '%s\n' '#include <string.h>' '#include "bench/bench.h"' \
     '    return 2;' '}' >"$OUT/src/bench_main.c"
 gcc $CFLAGS "$OUT/src/bench_main.c" "$ROOT/bench/bench_cuda.c" "${OBJS[@]}" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS \
     -o "$OUT/kvbank-bench"
-echo "emulated: $OUT/test_backend_consistency $OUT/kvbank-generate $OUT/kvbank-bench (cuda only)"
+echo "emulated: $OUT/test_backend_consistency $OUT/test_cuda_fp8 $OUT/kvbank-generate $OUT/kvbank-bench (cuda only)"
