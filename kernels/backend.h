@@ -82,9 +82,10 @@ typedef struct kvb_attn_seq {
  * each piece's attention seeing the keys up to its last row (kvb_attn_batch.row0 = c0). Cuts are at
  * rows that are multiples of this, with at least 32 rows of a sequence on each side of a cut inside
  * it, and a piece holds more than 32 rows. A backend's result for a row must not depend on the cuts:
- * the CPU backend's sgemm (OpenBLAS) handles the rows of its operand in groups counted from the
- * first (12 for the Zen / Haswell kernels, the tail by narrower kernels that sum in another order), so
- * pieces starting at multiples of 192 are grouped as in one piece; its attention tiles a sequence's
+ * the CPU backend's OpenBLAS path (no AVX2; the streaming kernel's products do not depend on the rows at
+ * all) handles the rows of its operand in groups counted from the first (12 for the Zen / Haswell
+ * kernels, the tail by narrower kernels that sum in another order), so pieces starting at multiples of
+ * 192 are grouped as in one piece; its attention tiles a sequence's
  * rows at step rows that are multiples of its tile, which divides this. */
 #define KVB_CHUNK_ALIGN_ROWS 192
 
