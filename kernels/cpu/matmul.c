@@ -465,6 +465,11 @@ static mm_args args_for(const kvb_cpu_ctx *c, const float *x, int n, const kvb_t
     return (mm_args){q ? c->xq : x, q ? c->xs : NULL, n, w, beta, y};
 }
 
+/* Thread t's slab of the products' buffer (NULL when no product has needed one). */
+static float *thread_buf(const kvb_cpu_ctx *c, int t) {
+    return c->mm_buf ? c->mm_buf + (size_t)t * c->mm_buf_floats : NULL;
+}
+
 kvb_status kvb__cpu_matmul(kvb_cpu_ctx *c, const float *x, int n, const kvb_tensor *w, float beta, float *y) {
     /* w is [rows][cols] (HF Linear layout), so y = x . w^T. OpenBLAS runs single-threaded inside one
      * OpenMP team (one thread pool for the whole backend); each thread takes a slice of w's rows, so
@@ -478,7 +483,7 @@ kvb_status kvb__cpu_matmul(kvb_cpu_ctx *c, const float *x, int n, const kvb_tens
         int64_t r0, r1;
         int t = omp_get_thread_num();
         row_share(rows, t, omp_get_num_threads(), &r0, &r1);
-        if (r1 > r0) matmul_rows(&a, r0, r1, c->mm_buf + (size_t)t * c->mm_buf_floats);
+        if (r1 > r0) matmul_rows(&a, r0, r1, thread_buf(c, t));
     }
     return KVB_OK;
 }
@@ -498,7 +503,7 @@ kvb_status kvb__cpu_matmul_n(kvb_cpu_ctx *c, const float *x, int n, const kvb_te
         for (int i = 0; i < nw; base += w[i++]->ne[0]) {
             int64_t lo = KVB_MAX(r0, base) - base, hi = KVB_MIN(r1, base + w[i]->ne[0]) - base;
             mm_args a = args_for(c, x, n, w[i], 0.0f, y[i]);
-            if (hi > lo) matmul_rows(&a, lo, hi, c->mm_buf + (size_t)t * c->mm_buf_floats);
+            if (hi > lo) matmul_rows(&a, lo, hi, thread_buf(c, t));
         }
     }
     return KVB_OK;
