@@ -16,8 +16,9 @@
  *    never sleeps and the neighbours on this shared machine do not stretch it; one compute thread
  *    (--threads) so that the correction is exact;
  *  - TPOT SLO: a multiple of the TPOT one request alone sees (measured first);
- *  - links: the stager's link model under a named preset (default h100-pcie5-scaled: the host link as
- *    fast, relative to this CPU's compute, as PCIe 5 is to an H100), printed in the output.
+ *  - links: the stager's link model under a named preset (default a100-pcie4-scaled: eLLM's A100 over
+ *    PCIe 4.0 serving Llama-2-13B, its time scale measured on each model at the paper's ShareGPT context),
+ *    printed in the output with the regime it gives; off on a GPU (--backend), whose copies are real.
  * Every run is repeated (--trials) and each figure is printed as the median and the spread (min..max)
  * over the repetitions; ratios between policies are ratios of medians. */
 #include <getopt.h>
@@ -28,6 +29,7 @@
 #include <time.h>
 
 #include "bench/bench.h"
+#include "bench/bench_link.h"
 #include "common/model/model.h"
 #include "common/policy/ellm_tw.h"
 #include "common/policy/ellm_tw_map.h"
@@ -693,7 +695,8 @@ static void cell_add(cell *c, const run_res *r) {
 
 typedef struct bench_cfg {
     const char *traces_dir, *model_dir, *link_preset, *parts;
-    int threads, n_req, trials, block_size, max_batch_tokens, max_seqs;
+    kvb_bench_dev dev;
+    int n_req, trials, block_size, max_batch_tokens, max_seqs;
     double budget_frac, slo_x, loads[16];
     int n_loads;
     int workloads[WL_COUNT];
@@ -729,6 +732,7 @@ typedef struct model_ctx {
     const char *label;
     kvb_backend *be;
     kvb_model *m;
+    kvb_link_model links; /* calibrated on this model */
 } model_ctx;
 
 static void fill_params(run_opts *o, const char *pol, double slo_s, char storage[4][64]) {
@@ -763,8 +767,8 @@ typedef struct prep {
     double ctx; /* the workload's mean context while decoding: mean in + mean out / 2 */
 } prep;
 
-static kvb_status prepare(const bench_cfg *c, const traces *tr, const model_ctx *mc, wl_kind k,
-                          const kvb_link_model *links, prep *pr) {
+static kvb_status prepare(const bench_cfg *c, const traces *tr, const model_ctx *mc, wl_kind k, prep *pr) {
+    const kvb_link_model *links = &mc->links;
     workload w0;
     KVB_TRY(wl_make(tr, k, c->n_req, 1, c->in_scale[k], c->out_scale[k], c->max_len, &w0));
     /* the budget: a fraction of the blocks all requests of the run would hold together, at least what
@@ -905,12 +909,12 @@ static kvb_status run_variants(const bench_cfg *c, const traces *tr, const model
 }
 
 /* A part of variants on the first workload at 2x, per model, under `title`. */
-static kvb_status run_part(const bench_cfg *c, const traces *tr, const model_ctx *mods, const kvb_link_model *links,
-                           const char *title, const variant *vs, int nv) {
+static kvb_status run_part(const bench_cfg *c, const traces *tr, const model_ctx *mods, const char *title,
+                           const variant *vs, int nv) {
     wl_kind k = c->n_wl ? (wl_kind)c->workloads[0] : WL_SHAREGPT;
     for (int mi = 0; mi < 2; mi++) {
         prep pr;
-        KVB_TRY(prepare(c, tr, &mods[mi], k, links, &pr));
+        KVB_TRY(prepare(c, tr, &mods[mi], k, &pr));
         double l2[1] = {2.0};
         printf("%s\n", title);
         KVB_TRY(run_variants(c, tr, &mods[mi], k, &pr, vs, nv, l2, 1, 0));
@@ -920,8 +924,8 @@ static kvb_status run_part(const bench_cfg *c, const traces *tr, const model_ctx
 
 int kvb_bench_ellm_tw(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0); /* long runs: show each table as it is done */
-    bench_cfg c = {.traces_dir = "../shared/traces", .model_dir = "/tmp/kvb-bench-ellm-tw", .link_preset =
-                   "h100-pcie5-scaled", .parts = "main,sweep,ablate,layers,solver", .threads = 1, .n_req = 60,
+    bench_cfg c = {.traces_dir = "../shared/traces", .model_dir = "/tmp/kvb-bench-ellm-tw", .link_preset = NULL,
+                   .parts = "main,sweep,ablate,layers,solver", .dev = {.backend = "cpu", .device = -1, .threads = 1}, .n_req = 60,
                    .trials = 3, .block_size = 16, .max_batch_tokens = 512, .max_seqs = 64, .budget_frac = 0.1,
                    .slo_x = 4, .max_len = 1024};
     double def_loads[] = {0.5, 1, 2, 3};
@@ -941,17 +945,20 @@ int kvb_bench_ellm_tw(int argc, char **argv) {
         {"traces", 1, 0, 'T'},  {"models", 1, 0, 'M'},   {"links", 1, 0, 'L'},  {"parts", 1, 0, 'P'},
         {"threads", 1, 0, 't'}, {"requests", 1, 0, 'n'}, {"trials", 1, 0, 'r'}, {"budget", 1, 0, 'b'},
         {"slo-x", 1, 0, 's'},   {"loads", 1, 0, 'l'},    {"workloads", 1, 0, 'w'}, {"help", 0, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"backend", 1, 0, 'B'}, {"device", 1, 0, 'D'},  {0, 0, 0, 0}};
     int ch;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         kvb_status st = KVB_OK;
+        int d = kvb_bench_dev_opt(&c.dev, ch, optarg, "kvbank-bench ellm-tw");
+        if (d == 2) return 2;
+        if (d) continue;
         switch (ch) {
         case 'T': c.traces_dir = optarg; break;
         case 'M': c.model_dir = optarg; break;
         case 'L': c.link_preset = optarg; break;
         case 'P': c.parts = optarg; break;
-        case 't': st = kvb_parse_i64(optarg, 1, 64, &v); c.threads = (int)v; break;
+        case 't': st = kvb_parse_i64(optarg, 1, 64, &v); c.dev.threads = (int)v; break;
         case 'n': st = kvb_parse_i64(optarg, 4, 100000, &v); c.n_req = (int)v; break;
         case 'r': st = kvb_parse_i64(optarg, 1, 100, &v); c.trials = (int)v; break;
         case 'b': st = kvb_parse_f64(optarg, &c.budget_frac); break;
@@ -980,12 +987,13 @@ int kvb_bench_ellm_tw(int argc, char **argv) {
             fprintf(ch == 'h' ? stdout : stderr,
                     "usage: kvbank-bench ellm-tw [--parts main,sweep,ablate,layers,solver|all] [--workloads W,..] [--loads X,..]\n"
                     "                            [--trials N] [--requests N] [--budget FRAC] [--slo-x X] [--links PRESET]\n"
-                    "                            [--traces DIR] [--models DIR] [--threads N]\n"
+                    "                            [--traces DIR] [--models DIR] [--threads N] [--backend NAME] [--device N]\n"
                     "  eLLM token-wise against vllm-recompute, vllm-swap and hcache (paper §6) on an MHA and a GQA\n"
                     "  tiny model. Workloads: sharegpt, sharegpt-paper, mooncake, mooncake-paper, azure (the -paper\n"
                     "  ones resample outputs to the paper's in/out ratio). Defaults: all parts, all workloads, loads\n"
                     "  0.5,1,2,3, 3 trials of 60 requests, a KV budget of 0.1 of the run's total KV, SLO = 4x the\n"
-                    "  unloaded TPOT, links h100-pcie5-scaled, traces ../shared/traces.\n");
+                    "  unloaded TPOT, links a100-pcie4-scaled on the CPU (off on a GPU), traces ../shared/traces.\n"
+                    KVB_BENCH_DEV_USAGE);
             return ch == 'h' ? 0 : 2;
         }
         if (st != KVB_OK || c.budget_frac <= 0 || c.slo_x <= 0) {
@@ -1008,13 +1016,22 @@ int kvb_bench_ellm_tw(int argc, char **argv) {
         char dir[700];
         snprintf(dir, sizeof dir, "%s/%s", c.model_dir, k ? "gqa" : "mha");
         if (ensure_model(dir, k ? 2 : 6) != KVB_OK) goto out;
-        if (kvb_backend_create("cpu", c.threads, &mods[k].be) != KVB_OK || kvb_model_load(dir, mods[k].be, &mods[k].m) != KVB_OK)
+        if (kvb_bench_backend(&c.dev, &mods[k].be) != KVB_OK || kvb_model_load(dir, mods[k].be, &mods[k].m) != KVB_OK)
             goto out;
     }
-    kvb_link_model links;
-    if (kvb_link_preset(c.link_preset, mods[0].be, &links) != KVB_OK) goto out;
-    printf("kvbank-bench ellm-tw: eLLM token-wise against its baselines (paper §6), CPU backend, %d threads\n", c.threads);
-    kvb_link_model_print(stdout, &links);
+    printf("kvbank-bench ellm-tw: eLLM token-wise against its baselines (paper §6), %s backend, %d threads\n",
+           mods[0].be->iface->name, c.dev.threads);
+    /* each model's time scale at the paper's ShareGPT operating point: 16 requests decoding over 900 tokens
+     * (222 in + half of 1,346 out), the lengths scaled as the ShareGPT workload's prompts */
+    kvb_link_point pt = {.batch = 16, .q = 1, .ctx = 900 * c.in_scale[WL_SHAREGPT], .target_ctx = 900};
+    for (int k = 0; k < 2; k++) {
+        printf("%s model:\n", mods[k].label);
+        if (kvb_bench_links(mods[k].m, &c.dev, c.link_preset, "a100-pcie4-scaled", &pt, &mods[k].links) != KVB_OK)
+            goto out;
+        printf("  ");
+        kvb_link_regime_print(stdout, &mods[k].links, KVB_LINK_HOST, 0, NULL);
+    }
+    printf("(the paper gives no transfer / compute figure: its testbed is an A100 over PCIe 4.0 x16 without NVLink, §6.1)\n");
     printf("models: small Llama, 8 layers, hidden 384, 6 heads of 64, SwiGLU 1024, vocab 2048, f32 (57 MB of weights: "
            "more than the last-level cache, so that a decode step reads its weights from memory and batching pays, "
            "as on a GPU): MHA (6 KV heads) and GQA (2 KV heads); block size %d, %d forward rows per step for every "
@@ -1029,7 +1046,7 @@ int kvb_bench_ellm_tw(int argc, char **argv) {
             for (int wi = 0; wi < c.n_wl; wi++) {
                 prep pr;
                 wl_kind k = (wl_kind)c.workloads[wi];
-                if (prepare(&c, &tr, &mods[mi], k, &links, &pr) != KVB_OK) goto out;
+                if (prepare(&c, &tr, &mods[mi], k, &pr) != KVB_OK) goto out;
                 variant vs[N_POL];
                 int nv = 0;
                 for (int p = 0; p < N_POL; p++)
@@ -1054,7 +1071,7 @@ int kvb_bench_ellm_tw(int argc, char **argv) {
             {"fixed r = 0.36", "ellm-tokenwise", {"r=0.36", NULL}},
             {"vllm-recompute", "vllm-recompute", {NULL}},
         };
-        if (run_part(&c, &tr, mods, &links, "-- ablations (the optimizer's FLOPS / bandwidth off by 20% as §6.6; r fixed at "
+        if (run_part(&c, &tr, mods, "-- ablations (the optimizer's FLOPS / bandwidth off by 20% as §6.6; r fixed at "
                      "0.1 and at the paper's average uncached ratio 0.36 on ShareGPT)", vs, (int)KVB_ARRAY_LEN(vs)) != KVB_OK)
             goto out;
     }
@@ -1070,7 +1087,7 @@ int kvb_bench_ellm_tw(int argc, char **argv) {
             {"swap, layer level", "ellm-tokenwise", {"swap=1", NULL}},
             {"vllm-recompute", "vllm-recompute", {NULL}},
         };
-        if (run_part(&c, &tr, mods, &links, "-- prefix layers (§4.3, §6.3) at r = 0.36: every layer recomputed (fused into "
+        if (run_part(&c, &tr, mods, "-- prefix layers (§4.3, §6.3) at r = 0.36: every layer recomputed (fused into "
                      "the decode's GEMMs), \"without fusion\" (the recomputed rows' GEMMs apart), the top 4 of 8 layers of "
                      "the released blocks loaded from the host tier two layers ahead, \"without overlap\" (each layer's "
                      "loads when it is due), and swapping with the optimizers' own choices, under the link preset above",

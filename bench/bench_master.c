@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "bench/bench.h"
+#include "bench/bench_link.h"
 #include "bench/plot.h"
 #include "bench/trace.h"
 #include "common/util/progress.h"
@@ -81,20 +82,22 @@ static kvb_status ensure_models(const kvb_node_config *c) {
     return KVB_OK;
 }
 
-/* Loads the master model and makes one shm region per worker, sized like the worker's budget, of
+/* Loads the master model (on `dev`'s backend when one was named, else the config's) with the run's link
+ * model (`link`, calibrated at `pt`), and makes one region per worker, sized like the worker's budget, of
  * which the whole MEU-aligned part is lent (an idle worker's Alg. 1 SCALEDOWN lends everything). */
-static kvb_status setup(const char *cfg_path, int threads, const char *link, master_setup *s) {
+static kvb_status setup(const char *cfg_path, const kvb_bench_dev *dev, const char *link, const char *cpu_link,
+                        const kvb_link_point *pt, master_setup *s) {
     memset(s, 0, sizeof *s);
     KVB_TRY(kvb_node_config_load(cfg_path, &s->cfg));
     KVB_TRY(ensure_models(s->cfg));
     s->nm = kvb_node_config_master(s->cfg);
     if (!s->nm) return KVB_ERR_INVALID;
-    KVB_TRY(kvb_backend_create(s->nm->backend, threads, &s->be));
+    kvb_bench_dev d = *dev;
+    if (!d.backend) d.backend = s->nm->backend;
+    KVB_TRY(kvb_bench_backend(&d, &s->be));
     KVB_TRY(kvb_model_load(s->nm->model_dir, s->be, &s->m));
     s->geom = kvb_model_kv_geom(s->m, s->nm->block_size);
-    KVB_TRY(kvb_link_preset(link, s->be, &s->links));
-    printf("  ");
-    kvb_link_model_print(stdout, &s->links);
+    KVB_TRY(kvb_bench_links(s->m, &d, link, cpu_link, pt, &s->links));
     for (int i = 0; i < s->cfg->n_models && s->n_lenders < 16; i++) {
         const kvb_node_model *w = &s->cfg->models[i];
         if (w->role != KVB_ROLE_WORKER) continue;
@@ -211,30 +214,38 @@ static void usage_maxctx(FILE *f) {
     fprintf(f, "usage: kvbank-bench maxctx --config NODE.json [--link PRESET] [--threads N] [--plot FILE.svg]\n"
                "  the longest context of the master alone, with every lent block in place, and with SwiftCache's\n"
                "  LSC + RC inside its budget (stream mode), each measured by running it; beside them Eq. 1-5\n"
-               "  --link PRESET     the stager's link model (default h100-pcie5-scaled; 'list' names them)\n"
+               "  --link PRESET     the stager's link model (default h20-nvlink-scaled on the CPU, off on a GPU;\n"
+               "                    'list' names them)\n"
+               KVB_BENCH_DEV_USAGE
+               "                    (default: the master's backend in the node config)\n"
                "  --plot FILE.svg   draw a bar chart with gnuplot: the longest context of every configuration\n"
                "  the master's and workers' models and KV budgets come from the node config; give the master\n"
                "  model a max_position_embeddings above what its memory holds (kvbank-mkmodel --max-pos)\n");
 }
 
 int kvb_bench_maxctx(int argc, char **argv) {
-    const char *cfg = NULL, *plot_path = NULL, *link = "h100-pcie5-scaled";
-    int threads = 2;
+    const char *cfg = NULL, *plot_path = NULL, *link = NULL;
+    kvb_bench_dev dev = KVB_BENCH_DEV_DEFAULT;
+    dev.backend = NULL;
     static const struct option opts[] = {{"config", 1, 0, 'c'}, {"threads", 1, 0, 't'}, {"plot", 1, 0, 'P'},
-                                         {"link", 1, 0, 'l'},   {"help", 0, 0, 'h'},    {0, 0, 0, 0}};
+                                         {"link", 1, 0, 'l'},   {"help", 0, 0, 'h'},    {"backend", 1, 0, 'B'},
+                                         {"device", 1, 0, 'D'}, {0, 0, 0, 0}};
     int ch;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        int d = kvb_bench_dev_opt(&dev, ch, optarg, "kvbank-bench maxctx");
+        if (d == 2) return 2;
+        if (d) continue;
         if (ch == 'c') cfg = optarg;
         else if (ch == 'P') plot_path = optarg;
         else if (ch == 'l') link = optarg;
-        else if (ch == 't' && kvb_parse_i64(optarg, 1, 256, &v) == KVB_OK) threads = (int)v;
+        else if (ch == 't' && kvb_parse_i64(optarg, 1, 256, &v) == KVB_OK) dev.threads = (int)v;
         else {
             usage_maxctx(ch == 'h' ? stdout : stderr);
             return ch == 'h' ? 0 : 2;
         }
     }
-    if (!strcmp(link, "list")) {
+    if (link && !strcmp(link, "list")) {
         kvb_link_preset_list(stdout);
         return 0;
     }
@@ -245,7 +256,7 @@ int kvb_bench_maxctx(int argc, char **argv) {
     master_setup s;
     int rc = 1;
     printf("kvbank-bench maxctx: %s\n", cfg);
-    if (setup(cfg, threads, link, &s) != KVB_OK) goto out;
+    if (setup(cfg, &dev, link, "h20-nvlink-scaled", NULL, &s) != KVB_OK) goto out;
     int bs = s.nm->block_size, vocab = kvb_model_cfg(s.m)->vocab;
     /* three configurations of the same budget: own memory only, every lent block in place, and
      * SwiftCache's LSC + RC inside the budget (stream mode: Eq. 1-5 as kvbank streams) */
@@ -302,6 +313,16 @@ int kvb_bench_maxctx(int argc, char **argv) {
            s.nm->name, s.geom.n_layers, s.geom.n_kv_heads, s.geom.head_dim, s.geom.block_size, s.geom.elem_size,
            (unsigned long long)p.m_block, (long long)p.n_lsc, (long long)p.n_rc, (long long)p.k_master,
            (long long)p.k_workers, (long long)p.n_stream, (long long)p.lsc_own_blocks, (long long)p.n_rc_stream);
+    /* the headline side by side: what the paper's stream layout gives here against what its equations say */
+    printf("\nside by side (x the master alone): stream layout measured %.2fx, its plan %.2fx, Eq. 1-5 %.2fx; the paper's\n"
+           " Fig. 9: 1.58-3.98x over vLLM with 8K chunked prefill. In-place lending (%.2fx) is the budgets' ratio (own +\n"
+           " lent) / own, not a gain of the layer stream cache\n",
+           got[0] ? (double)got[2] / got[0] : 0, p.no_lending_tokens ? (double)p.stream_tokens / p.no_lending_tokens : 0,
+           p.no_lending_tokens ? (double)p.max_ctx_tokens / p.no_lending_tokens : 0, got[0] ? (double)got[1] / got[0] : 0);
+    if (p.max_ctx_tokens > p.stream_tokens)
+        printf("(the stream layout falls short of Eq. 1-5 because kvbank double-buffers each streamed block (2 single-\n"
+               " layer buffers, so that layer l+1 loads while l computes) and the buffers come out of the master's own\n"
+               " budget; Eq. 1-5 count one buffer per block, the paper's LSC)\n");
     if (s.geom.n_layers <= 2)
         printf("(with L = %d the layer stream cache gains nothing: N_LSC <= K_master, so Eq. 1-5 give at most L times\n"
                " the master alone, and a streamed block costs 2/L >= 1 own blocks; only in-place lending adds blocks)\n",
@@ -340,22 +361,85 @@ static void mt_token(void *ud, uint64_t id, int index, int32_t tok, uint64_t t_n
 }
 static void mt_finish(void *ud, uint64_t id, kvb_finish why, kvb_status err) { ((mt_state *)ud)->done++; }
 
+/* The three arms, each on the same budget: the workers' memory attached and read in place (SwiftCache's
+ * lending; same-GPU lending is the degenerate case of the paper's NVLink setup: no copy at all), the same
+ * bytes as a host tier behind the prefix cache (HiCache / LMCache: copies over the host link), and the
+ * master's own memory alone (no lending, no host tier). */
+enum { ARM_LEND, ARM_HOST, ARM_ALONE, N_ARMS };
+static const char *const arm_names[N_ARMS] = {"lending (in place)", "host tier (copies)", "master alone"};
+
 typedef struct mt_opts {
     kvb_trace_opts to;
-    double skip_s;        /* requests arriving before are not replayed (the trace's reuse still counts them) */
-    double warmup_s;      /* requests arriving before are replayed but not counted */
+    int n_meas;           /* requests in the measured window */
+    double start_s;       /* < 0: the window is the trace's last n_meas requests; else its first arrives at
+                           * or after this trace time (after --rate) */
     double reclaim_every; /* lending: a lender reclaims (or lends back) every this many wall seconds; 0: never */
     double reclaim_frac;  /* of the lender's loan, rounded to whole MEUs (at least one) */
     int reps;
 } mt_opts;
 
-/* One replay's figures (over the requests arriving after the warm-up). */
+/* The measured window and its warm-up: the earlier turns of the sessions it measures. A measured request
+ * that reuses a prefix continues the latest earlier request sharing the longest prefix with it (a
+ * session's previous turn, or the request that brought the shared document); the warm-up replays those
+ * that arrive before the window, so that the caches hold what the window's requests reuse as they
+ * would in the trace's own run. */
+typedef struct mt_window {
+    int w0, w1;  /* measured: requests [w0, w1) */
+    int *warm;   /* [n_warm] indices below w0, ascending */
+    int n_warm;
+} mt_window;
+
+static int common_prefix(const kvb_trace_req *a, const kvb_trace_req *b) {
+    int n = KVB_MIN(a->n_prompt, b->n_prompt), k = 0;
+    while (k < n && a->prompt[k] == b->prompt[k]) k++;
+    return k;
+}
+
+static kvb_status mt_window_make(const kvb_trace *tr, const mt_opts *mo, mt_window *w) {
+    memset(w, 0, sizeof *w);
+    int n = tr->n;
+    if (mo->start_s < 0) {
+        w->w1 = n;
+        w->w0 = KVB_MAX(0, n - mo->n_meas);
+    } else {
+        while (w->w0 < n && tr->reqs[w->w0].t_s < mo->start_s) w->w0++;
+        w->w1 = KVB_MIN(n, w->w0 + mo->n_meas);
+    }
+    if (w->w1 <= w->w0) {
+        fprintf(stderr, "kvbank-bench multiturn: no request of the trace arrives after --start %g s\n", mo->start_s);
+        return KVB_ERR_INVALID;
+    }
+    char *mark = NULL;
+    KVB_TRY(kvb_calloc((size_t)n, 1, (void **)&mark));
+    for (int i = w->w0; i < w->w1; i++) {
+        const kvb_trace_req *q = &tr->reqs[i];
+        if (q->reused_tokens <= 0) continue;
+        int best = -1, len = 0;
+        for (int j = i - 1; j >= 0 && len < q->reused_tokens; j--) {
+            int c = common_prefix(q, &tr->reqs[j]);
+            if (c > len) len = c, best = j;
+        }
+        if (best >= 0 && best < w->w0) mark[best] = 1;
+    }
+    for (int j = 0; j < w->w0; j++) w->n_warm += mark[j];
+    kvb_status st = kvb_calloc((size_t)KVB_MAX(w->n_warm, 1), sizeof *w->warm, (void **)&w->warm);
+    if (st == KVB_OK) {
+        int k = 0;
+        for (int j = 0; j < w->w0; j++)
+            if (mark[j]) w->warm[k++] = j;
+    }
+    free(mark);
+    return st;
+}
+
+/* One replay's figures (over the measured requests). */
 typedef struct mt_result {
     int n, served, rejected;
     double ttft[3];      /* p50, p95, p99 in ms */
     uint64_t prefilled, hit, host_loads, preempted, stalled; /* hit: prompt tokens from the prefix caches */
     int reclaims, relends;
     int64_t reclaimed, lost, kept, demoted, moved; /* blocks; lost = cached blocks dropped by reclaims */
+    double wall_s;       /* the measured window's replay */
 } mt_result;
 
 /* The lenders' churn in the lending replay: lender i's loan starts whole (tag i+1); its first reclaim
@@ -398,11 +482,17 @@ static kvb_status churn_event(master_setup *s, kvb_engine *e, churn *c, int i, u
     return KVB_OK;
 }
 
-/* Replays `tr` once on a fresh engine: lending (mode 0: the workers' memory attached, in place, with
- * churn) or the host-tier baseline of `lent_blocks` (mode 1). The measured requests' TTFTs (ms) go to
- * ttft_ms[0..out->served), sorted. */
-static kvb_status mt_run(master_setup *s, const kvb_trace *tr, const mt_opts *mo, int mode, int lent_blocks,
-                         double *ttft_ms, mt_result *out) {
+static void mt_add(kvb_engine *e, const kvb_trace *tr, int i, int *rejected) {
+    const kvb_trace_req *q = &tr->reqs[i];
+    kvb_request r = {.id = (uint64_t)i, .prompt = q->prompt, .n_prompt = q->n_prompt, .max_tokens = q->max_tokens};
+    if (kvb_engine_add(e, &r) != KVB_OK) (*rejected)++;
+}
+
+/* Replays the window of `tr` once on a fresh engine of `arm` (ARM_HOST: a host tier of `lent_blocks`):
+ * the warm-up queued at once and run to the end, then the window open loop on the wall clock. The
+ * measured requests' TTFTs (ms) go to ttft_ms[0..out->served), sorted. */
+static kvb_status mt_run(master_setup *s, const kvb_trace *tr, const mt_opts *mo, const mt_window *w, int arm,
+                         int lent_blocks, double *ttft_ms, mt_result *out) {
     int n = tr->n;
     mt_state ms = {0};
     kvb_engine_stats s0 = {0}; /* at the end of the warm-up */
@@ -414,7 +504,7 @@ static kvb_status mt_run(master_setup *s, const kvb_trace *tr, const mt_opts *mo
         goto out;
     for (int i = 0; i < n; i++) ms.ttft[i] = NAN;
     kvb_engine_events ev = {.ud = &ms, .on_token = mt_token, .on_finish = mt_finish};
-    KVB_TRY_GOTO(make_engine(s, mode == 0, mode == 1 ? lent_blocks : 0, 0, &ev, &e), out);
+    KVB_TRY_GOTO(make_engine(s, arm == ARM_LEND, arm == ARM_HOST ? lent_blocks : 0, 0, &ev, &e), out);
     churn ch[16] = {{0}};
     for (int i = 0; i < s->n_lenders; i++) {
         const lender *l = &s->lenders[i];
@@ -425,41 +515,33 @@ static kvb_status mt_run(master_setup *s, const kvb_trace *tr, const mt_opts *mo
     uint64_t next_tag = (uint64_t)s->n_lenders + 1;
     int churn_on = 0, who = 0; /* churn only lenders whose loan has more than one MEU */
     for (int i = 0; i < s->n_lenders; i++) churn_on |= ch[i].front > 0;
-    churn_on = churn_on && mode == 0 && mo->reclaim_every > 0;
-    int next = 0, rejected_warm = 0;
-    while (next < n && tr->reqs[next].t_s < mo->skip_s) next++;
-    rejected_warm = next; /* skipped: never replayed */
+    churn_on = churn_on && arm == ARM_LEND && mo->reclaim_every > 0;
+    int n_meas = w->w1 - w->w0, rejected_warm = 0;
     kvb_progress pg; /* a progress line on a terminal (common/util/progress.h) */
     char what[96];
-    snprintf(what, sizeof what, "multiturn, %s", mode ? "host tier" : "lending");
-    kvb_progress_begin(&pg, what, (uint64_t)n, KVB_PROGRESS_COUNT);
-    /* the warm-up: the requests arriving before warmup_s, queued at once in arrival order (FCFS serves
-     * them in that order) and run to the end: it fills the caches as the trace's earlier part would */
-    const double t_meas = mo->skip_s + mo->warmup_s; /* trace time the measured window starts */
-    for (; next < n && tr->reqs[next].t_s < t_meas; next++) {
-        const kvb_trace_req *q = &tr->reqs[next];
-        kvb_request r = {.id = (uint64_t)next, .prompt = q->prompt, .n_prompt = q->n_prompt, .max_tokens = q->max_tokens};
-        if (kvb_engine_add(e, &r) != KVB_OK) rejected_warm++;
-    }
+    snprintf(what, sizeof what, "multiturn, %s", arm_names[arm]);
+    kvb_progress_begin(&pg, what, (uint64_t)(w->n_warm + n_meas), KVB_PROGRESS_COUNT);
+    /* the warm-up: queued at once in arrival order (FCFS serves them in that order), run to the end */
+    for (int k = 0; k < w->n_warm; k++) mt_add(e, tr, w->warm[k], &rejected_warm);
     while (kvb_engine_n_live(e) > 0) {
         kvb_progress_update(&pg, (uint64_t)(ms.done + rejected_warm));
         KVB_TRY_GOTO(kvb_engine_step(e), out_pg);
     }
     kvb_engine_get_stats(e, &s0);
-    /* the measured window, open loop on the wall clock: trace time t_meas is now */
+    int done0 = ms.done + rejected_warm;
+    /* the measured window, open loop on the wall clock: the first measured arrival is now */
+    const double t_meas = tr->reqs[w->w0].t_s;
     double t0 = kvb_now_s() - t_meas, next_churn = t_meas + mo->reclaim_every;
-    while (ms.done + out->rejected + rejected_warm < n) {
-        kvb_progress_update(&pg, (uint64_t)(ms.done + out->rejected + rejected_warm));
+    int next = w->w0;
+    while (ms.done + rejected_warm - done0 + out->rejected < n_meas) {
+        kvb_progress_update(&pg, (uint64_t)(ms.done + rejected_warm + out->rejected));
         double now = kvb_now_s() - t0;
-        while (next < n && tr->reqs[next].t_s <= now) {
-            const kvb_trace_req *q = &tr->reqs[next];
-            ms.arrival[next] = t0 + q->t_s;
-            kvb_request r = {.id = (uint64_t)next, .prompt = q->prompt, .n_prompt = q->n_prompt,
-                             .max_tokens = q->max_tokens};
-            if (kvb_engine_add(e, &r) != KVB_OK) out->rejected++;
+        while (next < w->w1 && tr->reqs[next].t_s <= now) {
+            ms.arrival[next] = t0 + tr->reqs[next].t_s;
+            mt_add(e, tr, next, &out->rejected);
             next++;
         }
-        if (churn_on && now >= next_churn && next < n) { /* lenders reclaim while requests still arrive */
+        if (churn_on && now >= next_churn && next < w->w1) { /* lenders reclaim while requests still arrive */
             while (ch[who].front <= 0) who = (who + 1) % s->n_lenders;
             KVB_TRY_GOTO(churn_event(s, e, &ch[who], who, &next_tag, out), out_pg);
             who = (who + 1) % s->n_lenders;
@@ -467,7 +549,7 @@ static kvb_status mt_run(master_setup *s, const kvb_trace *tr, const mt_opts *mo
         }
         if (kvb_engine_n_live(e) > 0) {
             KVB_TRY_GOTO(kvb_engine_step(e), out_pg);
-        } else if (next < n) {
+        } else if (next < w->w1) {
             double wait = KVB_MIN(tr->reqs[next].t_s, churn_on ? next_churn : 1e300) - (kvb_now_s() - t0);
             if (wait > 0) {
                 struct timespec ts = {.tv_sec = (time_t)wait, .tv_nsec = (long)((wait - (time_t)wait) * 1e9)};
@@ -475,6 +557,7 @@ static kvb_status mt_run(master_setup *s, const kvb_trace *tr, const mt_opts *mo
             }
         }
     }
+    out->wall_s = kvb_now_s() - t0 - t_meas;
     st = KVB_OK;
 out_pg:
     if (st != KVB_OK) kvb_progress_cancel(&pg);
@@ -487,8 +570,7 @@ out_pg:
         out->hit = s1.prefix_hit_tokens - s0.prefix_hit_tokens;
         out->preempted = s1.preemptions - s0.preemptions;
         out->stalled = s1.stalled_failed - s0.stalled_failed;
-        for (int i = 0; i < n; i++) {
-            if (tr->reqs[i].t_s < t_meas) continue;
+        for (int i = w->w0; i < w->w1; i++) {
             out->n++;
             if (!isnan(ms.ttft[i])) ttft_ms[out->served++] = ms.ttft[i] * 1e3;
         }
@@ -502,10 +584,11 @@ out:
     return st;
 }
 
-static void mt_print_run(const char *name, int rep, const mt_result *r) {
-    printf("%-20s %3d %6d %6d %9.1f %9.1f %9.1f %10llu %9llu %8llu %8llu", name, rep + 1, r->n, r->served, r->ttft[0],
-           r->ttft[1], r->ttft[2], (unsigned long long)r->prefilled, (unsigned long long)r->hit,
-           (unsigned long long)r->host_loads, (unsigned long long)r->preempted);
+static void mt_print_run(const char *name, int rep, const mt_result *r, int64_t prompt) {
+    printf("%-20s %3d %6d %6d %9.1f %9.1f %9.1f %10llu %8.1f %8llu %8llu %7.1f", name, rep + 1, r->n, r->served,
+           r->ttft[0], r->ttft[1], r->ttft[2], (unsigned long long)r->prefilled,
+           prompt ? 100.0 * (double)r->hit / (double)prompt : 0, (unsigned long long)r->host_loads,
+           (unsigned long long)r->preempted, r->wall_s);
     if (r->reclaims)
         printf("  %d reclaims (%lld blocks): %lld cached lost, %lld kept, %lld moved live", r->reclaims,
                (long long)r->reclaimed, (long long)r->lost, (long long)r->kept, (long long)r->moved);
@@ -516,53 +599,59 @@ static void mt_print_run(const char *name, int rep, const mt_result *r) {
 static void usage_multiturn(FILE *f) {
     fprintf(f,
             "usage: kvbank-bench multiturn --config NODE.json --trace MOONCAKE.jsonl [options]\n"
-            "  open-loop replay of the trace's multi-turn sessions on the master: lending (the workers' memory\n"
-            "  attached, read in place, lenders reclaiming and lending back during the run) against a host-tier\n"
-            "  prefix cache of the same bytes (copies over the host link), side by side in every repetition\n"
-            "  --link PRESET       the stager's link model (default h100-pcie5-scaled; 'list' names them)\n"
+            "  open-loop replay of the trace's multi-turn sessions on the master, three arms of the same budget side by\n"
+            "  side in every repetition (in turn, the order rotating): lending (the workers' memory attached, read in\n"
+            "  place, lenders reclaiming and lending back during the run), a host-tier prefix cache of the same bytes\n"
+            "  (copies over the host link), and the master's own memory alone\n"
+            "  --link PRESET       the stager's link model (default h20-nvlink-scaled, SwiftCache's testbed, on the CPU;\n"
+            "                      off on a GPU; 'list' names them)\n"
+            KVB_BENCH_DEV_USAGE
+            "                      (default: the master's backend in the node config)\n"
+            "  --requests N        measured requests, each P99 over them (default 1000)\n"
+            "  --start S           the window starts at trace time S (after --rate); default: it ends with the trace,\n"
+            "                      where the trace reuses most. The warm-up replays the earlier turns of the sessions\n"
+            "                      measured (queued at once, not counted)\n"
             "  --rate X            arrival rate multiplier (default 5)\n"
-            "  --len-scale S       prompt tokens per trace token (default 1/128)\n"
-            "  --skip S            the requests of the first S s (after --rate) are not replayed; the reusable share\n"
-            "                      still counts what they had (default 30: the window sits where the trace reuses most)\n"
-            "  --warmup S          the next S s of requests run first, queued at once in arrival order, not counted:\n"
-            "                      they fill the caches (default 5)\n"
-            "  --duration S        the measured window after the warm-up, s (default 60)\n"
+            "  --len-scale S       prompt tokens per trace token (default 1/32: a 512-token hash block of the trace is\n"
+            "                      one 16-token block)\n"
             "  --max-output N      cap on output tokens (default 32)\n"
             "  --reclaim-every S   a lender reclaims or lends back every S s, round robin (default 2; 0: never)\n"
             "  --reclaim-frac F    share of a lender's loan each reclaim takes, whole MEUs (default 0.5)\n"
             "  --reps N            repetitions, medians and min-max printed (default 3)\n"
-            "  --host-load MODE    how the host-tier baseline loads its hits: layered (default: layer by layer\n"
-            "                      behind the compute, as the paper's baseline) or whole (all of them before the step)\n"
+            "  --host-load MODE    how the host-tier arm loads its hits: layered (default: layer by layer behind the\n"
+            "                      compute, as HiCache and LMCache do) or whole (all of them before the step)\n"
             "  --threads N  --plot FILE.svg (the TTFT CDFs of the last repetition, gnuplot)\n");
 }
 
 int kvb_bench_multiturn(int argc, char **argv) {
-    const char *cfg = NULL, *trace = NULL, *plot_path = NULL, *link = "h100-pcie5-scaled", *host_load = "layered";
-    int threads = 2;
-    double duration = 60;
-    mt_opts mo = {.to = {.rate_scale = 5, .len_scale = 1.0 / 128, .min_output = 1, .max_output = 32},
-                  .skip_s = 30, .warmup_s = 5, .reclaim_every = 2, .reclaim_frac = 0.5, .reps = 3};
+    const char *cfg = NULL, *trace = NULL, *plot_path = NULL, *link = NULL, *host_load = "layered";
+    kvb_bench_dev dev = KVB_BENCH_DEV_DEFAULT;
+    dev.backend = NULL;
+    mt_opts mo = {.to = {.rate_scale = 5, .len_scale = 1.0 / 32, .min_output = 1, .max_output = 32},
+                  .n_meas = 1000, .start_s = -1, .reclaim_every = 2, .reclaim_frac = 0.5, .reps = 3};
     static const struct option opts[] = {{"config", 1, 0, 'c'},   {"trace", 1, 0, 'T'},     {"threads", 1, 0, 't'},
-                                         {"rate", 1, 0, 'r'},     {"len-scale", 1, 0, 's'}, {"duration", 1, 0, 'd'},
+                                         {"rate", 1, 0, 'r'},     {"len-scale", 1, 0, 's'}, {"requests", 1, 0, 'n'},
                                          {"max-output", 1, 0, 'o'}, {"help", 0, 0, 'h'},    {"plot", 1, 0, 'P'},
-                                         {"link", 1, 0, 'l'},     {"warmup", 1, 0, 'w'},    {"reclaim-every", 1, 0, 'e'},
-                                         {"reclaim-frac", 1, 0, 'f'}, {"reps", 1, 0, 'R'}, {"skip", 1, 0, 'S'},
-                                         {"host-load", 1, 0, 'H'}, {0, 0, 0, 0}};
+                                         {"link", 1, 0, 'l'},     {"start", 1, 0, 'S'},     {"reclaim-every", 1, 0, 'e'},
+                                         {"reclaim-frac", 1, 0, 'f'}, {"reps", 1, 0, 'R'}, {"backend", 1, 0, 'B'},
+                                         {"host-load", 1, 0, 'H'}, {"device", 1, 0, 'D'},  {0, 0, 0, 0}};
     int ch;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+        int d = kvb_bench_dev_opt(&dev, ch, optarg, "kvbank-bench multiturn");
+        if (d == 2) return 2;
+        if (d) continue;
         kvb_status st = KVB_OK;
         if (ch == 'c') cfg = optarg;
         else if (ch == 'T') trace = optarg;
         else if (ch == 'P') plot_path = optarg;
         else if (ch == 'l') link = optarg;
         else if (ch == 'H') { host_load = optarg; st = strcmp(optarg, "layered") && strcmp(optarg, "whole") ? KVB_ERR_INVALID : KVB_OK; }
-        else if (ch == 't') { st = kvb_parse_i64(optarg, 1, 256, &v); threads = (int)v; }
+        else if (ch == 't') { st = kvb_parse_i64(optarg, 1, 256, &v); dev.threads = (int)v; }
         else if (ch == 'r') st = kvb_parse_f64(optarg, &mo.to.rate_scale);
         else if (ch == 's') st = kvb_parse_f64(optarg, &mo.to.len_scale);
-        else if (ch == 'd') st = kvb_parse_f64(optarg, &duration);
-        else if (ch == 'w') st = kvb_parse_f64(optarg, &mo.warmup_s);
-        else if (ch == 'S') st = kvb_parse_f64(optarg, &mo.skip_s);
+        else if (ch == 'n') { st = kvb_parse_i64(optarg, 1, 1 << 24, &v); mo.n_meas = (int)v; }
+        else if (ch == 'S') { st = kvb_parse_f64(optarg, &mo.start_s); if (mo.start_s < 0) st = KVB_ERR_INVALID; }
         else if (ch == 'e') st = kvb_parse_f64(optarg, &mo.reclaim_every);
         else if (ch == 'f') st = kvb_parse_f64(optarg, &mo.reclaim_frac);
         else if (ch == 'o') { st = kvb_parse_i64(optarg, 1, 1 << 20, &v); mo.to.max_output = (int)v; }
@@ -571,13 +660,13 @@ int kvb_bench_multiturn(int argc, char **argv) {
             usage_multiturn(ch == 'h' ? stdout : stderr);
             return ch == 'h' ? 0 : 2;
         }
-        if (st != KVB_OK || mo.to.rate_scale <= 0 || mo.to.len_scale <= 0 || duration <= 0 || mo.warmup_s < 0 || mo.skip_s < 0 ||
-            mo.reclaim_every < 0 || mo.reclaim_frac <= 0 || mo.reclaim_frac >= 1) {
+        if (st != KVB_OK || mo.to.rate_scale <= 0 || mo.to.len_scale <= 0 || mo.reclaim_every < 0 ||
+            mo.reclaim_frac <= 0 || mo.reclaim_frac >= 1) {
             fprintf(stderr, "kvbank-bench multiturn: bad value '%s'\n", optarg);
             return 2;
         }
     }
-    if (!strcmp(link, "list")) {
+    if (link && !strcmp(link, "list")) {
         kvb_link_preset_list(stdout);
         return 0;
     }
@@ -587,123 +676,143 @@ int kvb_bench_multiturn(int argc, char **argv) {
     }
     master_setup s;
     kvb_trace *tr = NULL;
+    mt_window w = {0};
     int rc = 1;
-    double *keep[2] = {0}; /* the served TTFTs of each arm's latest replay, ms */
-    mt_result res[64][2];
+    double *keep[N_ARMS] = {0}; /* the served TTFTs of each arm's latest replay, ms */
+    static mt_result res[64][N_ARMS];
+    double t_start = kvb_now_s();
     printf("kvbank-bench multiturn: %s on the master of %s\n", trace, cfg);
-    if (setup(cfg, threads, link, &s) != KVB_OK) goto out;
+    /* the link model's point: SwiftCache's Fig. 1 (256 new tokens over 5K of history), scaled like the trace */
+    const double paper_ctx = 5000, paper_q = 256;
+    kvb_link_point pt = {.batch = 1, .q = (int)KVB_MAX(1, lround(paper_q * mo.to.len_scale)),
+                         .ctx = paper_ctx * mo.to.len_scale, .target_ctx = paper_ctx, .target_q = paper_q};
+    if (setup(cfg, &dev, link, "h20-nvlink-scaled", &pt, &s) != KVB_OK) goto out;
+    /* Fig. 1: PCIe loading about 75 ms against 27 ms of compute at 5K history */
+    const double paper_regime = 75.0 / 27.0;
+    double regime = kvb_link_regime(&s.links, KVB_LINK_HOST, 1);
+    int far = s.links.target_layers && kvb_link_regime_far(regime, paper_regime);
+    printf("  ");
+    kvb_link_regime_print(stdout, &s.links, KVB_LINK_HOST, paper_regime,
+                          "Fig. 1: LWM-1M-Text on an H20, 256 new tokens over 5K, PCIe 4.0 75 ms / compute 27 ms");
     s.host_whole = !strcmp(host_load, "whole");
     mo.to.vocab = kvb_model_cfg(s.m)->vocab;
-    mo.to.max_time_s = mo.skip_s + mo.warmup_s + duration;
     int lent_blocks = 0;
     for (int i = 0; i < s.n_lenders; i++) lent_blocks += s.lenders[i].n_master_blocks;
     int own_blocks = (int)(s.nm->kv_bytes / (int64_t)kvb_kv_block_bytes(&s.geom));
     mo.to.max_len = (int)KVB_MIN((int64_t)kvb_model_cfg(s.m)->max_pos, (int64_t)own_blocks * s.nm->block_size);
     if (kvb_trace_load(trace, &mo.to, &tr) != KVB_OK) goto out;
-    int n = tr->n;
-    if (kvb_calloc((size_t)n, sizeof(double), (void **)&keep[0]) ||
-        kvb_calloc((size_t)n, sizeof(double), (void **)&keep[1]))
-        goto out;
-    /* the measured window: its reusable share (prompt tokens an earlier request of the trace had) and its
-     * working set (prompt blocks no earlier request had), against the master's own memory */
-    int64_t prompt = 0, reused = 0, n_meas = 0;
-    for (int i = 0; i < n; i++) {
-        if (tr->reqs[i].t_s < mo.skip_s + mo.warmup_s) continue;
-        n_meas++;
+    if (mt_window_make(tr, &mo, &w) != KVB_OK) goto out;
+    int n = tr->n, n_meas = w.w1 - w.w0;
+    for (int k = 0; k < N_ARMS; k++)
+        if (kvb_calloc((size_t)n, sizeof(double), (void **)&keep[k]) != KVB_OK) goto out;
+    /* the window: its reusable share (prompt tokens an earlier request of the trace had: what a cache that
+     * never forgets would hit) and its working set, against the master's own memory */
+    int64_t prompt = 0, reused = 0, warm_prompt = 0;
+    for (int i = w.w0; i < w.w1; i++) {
         prompt += tr->reqs[i].n_prompt;
         reused += tr->reqs[i].reused_tokens;
     }
-    printf("  %d requests in %d sessions over %.1f s (rate x%g, len-scale %g): the first %.0f s skipped, %.0f s of warm-up, "
-           "then %lld requests in %.0f s measured\n",
-           n, tr->n_sessions, tr->reqs[n - 1].t_s, mo.to.rate_scale, mo.to.len_scale, mo.skip_s, mo.warmup_s,
-           (long long)n_meas, duration);
-    printf("  reusable share of the measured prompt tokens (their blocks were in an earlier request of the trace): %.1f%% "
-           "(%lld of %lld); new prompt tokens %lld = %lld blocks against the master's own %d blocks\n",
+    for (int k = 0; k < w.n_warm; k++) warm_prompt += tr->reqs[w.warm[k]].n_prompt;
+    printf("  %d requests in %d sessions over %.1f s (rate x%g, len-scale %g); measured: requests %d..%d (%d, arriving "
+           "over %.1f s from trace time %.1f s); warm-up: the %d earlier turns of their sessions (%lld prompt tokens)\n",
+           n, tr->n_sessions, tr->reqs[n - 1].t_s, mo.to.rate_scale, mo.to.len_scale, w.w0, w.w1 - 1, n_meas,
+           tr->reqs[w.w1 - 1].t_s - tr->reqs[w.w0].t_s, tr->reqs[w.w0].t_s, w.n_warm, (long long)warm_prompt);
+    printf("  offered reuse (measured prompt tokens whose blocks an earlier request of the trace had): %.1f%% (%lld of "
+           "%lld); new prompt tokens %lld = %lld blocks, against the master's own %d blocks and own + lent %d\n",
            prompt ? 100.0 * (double)reused / (double)prompt : 0, (long long)reused, (long long)prompt,
-           (long long)(prompt - reused), (long long)((prompt - reused) / s.nm->block_size), own_blocks);
-    printf("  lenders give %d master blocks (host-tier baseline: the same bytes, its hits loaded %s); ", lent_blocks,
+           (long long)(prompt - reused), (long long)((prompt - reused) / s.nm->block_size), own_blocks,
+           own_blocks + lent_blocks);
+    printf("  lenders give %d master blocks (the host-tier arm: the same bytes, its hits loaded %s); ", lent_blocks,
            s.host_whole ? "whole before the step" : "layer by layer behind the compute");
     if (mo.reclaim_every > 0)
         printf("each %.1f s a lender (round robin) reclaims %.0f%% of its loan or lends it back\n", mo.reclaim_every,
                mo.reclaim_frac * 100);
     else
         printf("lenders never reclaim\n");
-    if (n_meas < 1000)
-        printf("  NOTE: %lld requests behind each P99, fewer than 1,000 (a reduced run)\n", (long long)n_meas);
-    printf("\n%-20s %3s %6s %6s %9s %9s %9s %10s %9s %8s %8s\n", "TTFT (ms)", "rep", "n", "served", "p50", "p95", "p99",
-           "prefilled", "hit tok", "h-loads", "preempt");
+    if (n_meas < 1000) printf("  NOTE: %d requests behind each P99, fewer than 1,000 (a reduced run)\n", n_meas);
+    printf("\nTTFT (ms) per replay%s\n", far ? " -- THE LINK MODEL'S REGIME IS MORE THAN 2x AWAY FROM THE PAPER'S" : "");
+    printf("%-20s %3s %6s %6s %9s %9s %9s %10s %8s %8s %8s %7s\n", "arm", "rep", "n", "served", "p50", "p95", "p99",
+           "prefilled", "reuse %", "h-loads", "preempt", "wall s");
     fflush(stdout);
-    static const char *const names[2] = {"lending (in place)", "host-tier (copies)"};
     for (int rep = 0; rep < mo.reps; rep++)
-        for (int mode = 0; mode < 2; mode++) {
-            if (mt_run(&s, tr, &mo, mode, lent_blocks, keep[mode], &res[rep][mode]) != KVB_OK) {
-                fprintf(stderr, "kvbank-bench multiturn: the %s replay failed\n", names[mode]);
+        for (int k = 0; k < N_ARMS; k++) {
+            int arm = (rep + k) % N_ARMS; /* the order rotates: no arm always runs first on a drifting machine */
+            if (mt_run(&s, tr, &mo, &w, arm, lent_blocks, keep[arm], &res[rep][arm]) != KVB_OK) {
+                fprintf(stderr, "kvbank-bench multiturn: the %s replay failed\n", arm_names[arm]);
                 goto out;
             }
-            mt_print_run(names[mode], rep, &res[rep][mode]);
+            mt_print_run(arm_names[arm], rep, &res[rep][arm], prompt);
             fflush(stdout);
         }
     /* the summary: medians and min-max over the repetitions */
-    double a[64], b[64];
-    char t1[64], t2[64], t3[64];
-    printf("\nover %d repetitions (median [min-max]); wall-clock figures on a loaded shared CPU under the link model\n",
-           mo.reps);
-    printf("(n: requests behind each percentile; prefilled: prompt tokens computed in the window, recomputation included;\n"
-           " hit tok: prompt tokens served from the prefix caches, host tier included; h-loads: host-tier blocks loaded)\n");
-    printf("%-20s %24s %24s %24s\n", "", "TTFT p50 (ms)", "TTFT p99 (ms)", "prefilled tokens");
-    for (int mode = 0; mode < 2; mode++) {
-        for (int r = 0; r < mo.reps; r++) a[r] = res[r][mode].ttft[0], b[r] = res[r][mode].ttft[2];
-        double c[64];
-        for (int r = 0; r < mo.reps; r++) c[r] = (double)res[r][mode].prefilled;
-        printf("%-20s %24s %24s %24s\n", names[mode], kvb_bench_spread_str(a, mo.reps, 1, t1, sizeof t1),
-               kvb_bench_spread_str(b, mo.reps, 1, t2, sizeof t2), kvb_bench_spread_str(c, mo.reps, 0, t3, sizeof t3));
+    double a[64], b[64], c[64], d[64];
+    char t1[64], t2[64], t3[64], t4[64];
+    printf("\nover %d repetitions, median [min-max]; wall-clock on a loaded shared CPU under the link model%s\n", mo.reps,
+           far ? " -- THE REGIME IS MORE THAN 2x AWAY FROM THE PAPER'S" : "");
+    printf("(n: %d requests behind each percentile; prefilled: prompt tokens computed in the window, recomputation\n"
+           " included; reuse: prompt tokens served from the prefix caches, host tier included / measured prompt tokens,\n"
+           " the trace offering %.1f%%; h-loads: host-tier blocks loaded)\n",
+           n_meas, prompt ? 100.0 * (double)reused / (double)prompt : 0);
+    printf("%-20s %24s %24s %24s %24s\n", "", "TTFT p50 (ms)", "TTFT p99 (ms)", "prefilled tokens", "reuse %");
+    for (int arm = 0; arm < N_ARMS; arm++) {
+        for (int r = 0; r < mo.reps; r++) {
+            a[r] = res[r][arm].ttft[0];
+            b[r] = res[r][arm].ttft[2];
+            c[r] = (double)res[r][arm].prefilled;
+            d[r] = prompt ? 100.0 * (double)res[r][arm].hit / (double)prompt : 0;
+        }
+        printf("%-20s %24s %24s %24s %24s\n", arm_names[arm], kvb_bench_spread_str(a, mo.reps, 1, t1, sizeof t1),
+               kvb_bench_spread_str(b, mo.reps, 1, t2, sizeof t2), kvb_bench_spread_str(c, mo.reps, 0, t3, sizeof t3),
+               kvb_bench_spread_str(d, mo.reps, 1, t4, sizeof t4));
     }
-    for (int r = 0; r < mo.reps; r++) a[r] = res[r][1].ttft[2] / res[r][0].ttft[2];
-    for (int r = 0; r < mo.reps; r++) b[r] = 100.0 * (1 - res[r][0].ttft[2] / res[r][1].ttft[2]);
-    printf("P99 TTFT host tier / lending: %s (lending's P99 %s%% lower; the paper's target: >= 54%%)\n",
-           kvb_bench_spread_str(a, mo.reps, 2, t1, sizeof t1), kvb_bench_spread_str(b, mo.reps, 1, t2, sizeof t2));
-    /* the reuse the arms achieved, against what the trace offers (issue 10: SwiftCache's regime is high reuse) */
-    for (int r = 0; r < mo.reps; r++) {
-        a[r] = prompt ? 100.0 * (double)res[r][0].hit / (double)prompt : 0;
-        b[r] = prompt ? 100.0 * (double)res[r][1].hit / (double)prompt : 0;
+    for (int other = ARM_HOST; other <= ARM_ALONE; other++) {
+        for (int r = 0; r < mo.reps; r++) {
+            a[r] = res[r][other].ttft[2] / res[r][ARM_LEND].ttft[2];
+            b[r] = 100.0 * (1 - res[r][ARM_LEND].ttft[2] / res[r][other].ttft[2]);
+        }
+        printf("P99 TTFT %s / lending: %s (lending's P99 %s%% lower; the paper: %s)\n", arm_names[other],
+               kvb_bench_spread_str(a, mo.reps, 2, t1, sizeof t1), kvb_bench_spread_str(b, mo.reps, 1, t2, sizeof t2),
+               other == ARM_HOST ? "54-58% lower than vLLM + LMCache, 67-69% than SGLang + HiCache (Fig. 7)"
+                                 : "not measured; its baselines all offload to host memory");
     }
-    printf("achieved reuse (hit tokens / measured prompt tokens): lending %s%%, host tier %s%% (the trace offers %.1f%%)\n",
-           kvb_bench_spread_str(a, mo.reps, 1, t1, sizeof t1), kvb_bench_spread_str(b, mo.reps, 1, t2, sizeof t2),
-           prompt ? 100.0 * (double)reused / (double)prompt : 0);
+    for (int r = 0; r < mo.reps; r++) a[r] = reused ? 100.0 * (double)res[r][ARM_LEND].hit / (double)reused : 0;
+    printf("lending achieved %s%% of the reuse the trace offers (%.1f%% of the measured prompt tokens)\n",
+           kvb_bench_spread_str(a, mo.reps, 1, t1, sizeof t1), prompt ? 100.0 * (double)reused / (double)prompt : 0);
     if (mo.reclaim_every > 0) {
         int64_t rb = 0, lost = 0;
         for (int r = 0; r < mo.reps; r++) {
-            a[r] = res[r][0].reclaimed ? (double)res[r][0].lost / (double)res[r][0].reclaimed : 0;
-            rb += res[r][0].reclaimed;
-            lost += res[r][0].lost;
+            a[r] = res[r][ARM_LEND].reclaimed ? (double)res[r][ARM_LEND].lost / (double)res[r][ARM_LEND].reclaimed : 0;
+            rb += res[r][ARM_LEND].reclaimed;
+            lost += res[r][ARM_LEND].lost;
         }
         printf("cached blocks lost per reclaimed block (lending): %s (%lld lost of %lld reclaimed in all)\n",
                kvb_bench_spread_str(a, mo.reps, 3, t1, sizeof t1), (long long)lost, (long long)rb);
     }
+    printf("run time: %.0f s\n", kvb_now_s() - t_start);
     rc = 0;
     if (plot_path) { /* the TTFT CDFs of the last repetition (keep[] holds them, sorted) */
-        const int m0 = res[mo.reps - 1][0].served, m1 = res[mo.reps - 1][1].served;
-        double *xy = NULL;
-        if (kvb_calloc((size_t)(2 * (m0 + m1)) + 1, sizeof(double), (void **)&xy) == KVB_OK) {
-            double *ax = xy, *ay = xy + m0, *bx = xy + 2 * m0, *by = xy + 2 * m0 + m1;
-            kvb_plot_cdf(keep[0], (size_t)m0, ax, ay);
-            kvb_plot_cdf(keep[1], (size_t)m1, bx, by);
-            const kvb_plot_series ser[2] = {
-                {.name = "lending (workers' blocks in place)", .x = ax, .y = ay, .n = (size_t)m0, .steps = 1},
-                {.name = "host-tier prefix cache (copies)", .x = bx, .y = by, .n = (size_t)m1, .steps = 1},
-            };
-            const kvb_plot pl = {.title = "multi-turn TTFT on the master: lending against a host tier of the same size",
-                                 .xlabel = "TTFT (ms)", .ylabel = "fraction of requests", .logx = 1, .series = ser,
-                                 .n_series = 2};
-            if (kvb_plot_svg(plot_path, &pl) != 0) rc = 1;
-        } else {
-            rc = 1;
+        kvb_plot_series ser[N_ARMS];
+        double *xy[N_ARMS] = {0};
+        static const char *const labels[N_ARMS] = {"lending (workers' blocks in place)", "host-tier prefix cache (copies)",
+                                                   "master alone (own memory)"};
+        for (int arm = 0; arm < N_ARMS; arm++) {
+            int m = res[mo.reps - 1][arm].served;
+            if (kvb_calloc((size_t)(2 * m) + 1, sizeof(double), (void **)&xy[arm]) != KVB_OK) {
+                rc = 1;
+                break;
+            }
+            kvb_plot_cdf(keep[arm], (size_t)m, xy[arm], xy[arm] + m);
+            ser[arm] = (kvb_plot_series){.name = labels[arm], .x = xy[arm], .y = xy[arm] + m, .n = (size_t)m, .steps = 1};
         }
-        free(xy);
+        const kvb_plot pl = {.title = "multi-turn TTFT on the master: lending, a host tier of the same size, own memory",
+                             .xlabel = "TTFT (ms)", .ylabel = "fraction of requests", .logx = 1, .series = ser,
+                             .n_series = N_ARMS};
+        if (rc == 0 && kvb_plot_svg(plot_path, &pl) != 0) rc = 1;
+        for (int arm = 0; arm < N_ARMS; arm++) free(xy[arm]);
     }
 out:
-    free(keep[0]);
-    free(keep[1]);
+    for (int k = 0; k < N_ARMS; k++) free(keep[k]);
+    free(w.warm);
     kvb_trace_free(tr);
     setup_free(&s);
     return rc;

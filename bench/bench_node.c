@@ -227,6 +227,8 @@ typedef struct replay_params {
     const char *link; /* interference: every model's "link_preset" (NULL: the default below) */
     double warmup_s;  /* requests arriving before are replayed but not counted (< 0: the default) */
     int reps;         /* interference: repetitions (0: the default) */
+    const char *traces_dir; /* interference without --target: where every model's own trace is */
+    int rate_given;   /* --rate was given */
 } replay_params;
 
 /* One target's results. */
@@ -421,15 +423,21 @@ static const char *const REPLAY_OPTIONS =
     "  --slo-ttft-ms N   TTFT SLO (default 2000);  --slo-tpot-ms N  TPOT SLO (default 200)\n"
     "  --warmup S        requests arriving in the first S s are replayed but not counted (replay: default 0;\n"
     "                    interference: 10)\n"
-    "  --link PRESET     interference: every model's stager link model (default h100-pcie5-scaled)\n"
+    "  --link PRESET     interference: every model's stager link model (default h20-nvlink-scaled, SwiftCache's\n"
+    "                    testbed, each model's time scale measured by its engine)\n"
+    "  --traces DIR      interference without --target: every model replays its own trace from DIR (default\n"
+    "                    ../shared/traces): the master the Mooncake multi-turn trace, the workers Azure 2023 conv\n"
+    "                    and code in turn, at --rate 4 for 110 s (the first 10 s the warm-up): each worker's\n"
+    "                    P99 over about 1,000 requests or more\n"
     "  --reps N          interference: repetitions, each starting the node with lending off and on (default 3)\n"
     "  --json FILE       also write the results as JSON\n"
     "  --plot FILE.svg   draw a figure with gnuplot: replay, every model's blocks own / lent / borrowed\n"
     "                    over time; interference, each model's TTFT CDF with lending on against off\n";
 
 /* Parses the options shared by replay and interference. Returns -1 to go on, else an exit status. */
-static int parse_replay_args(int argc, char **argv, const char *prog, const char *usage, const char **cfg_path,
-                             const char **json_path, const char **plot_path, replay *rp, replay_params *p) {
+static int parse_replay_args(int argc, char **argv, const char *prog, const char *usage, int need_targets,
+                             const char **cfg_path, const char **json_path, const char **plot_path, replay *rp,
+                             replay_params *p) {
     *p = (replay_params){.to = {.rate_scale = 1, .len_scale = 1.0 / 64, .min_output = 1, .max_output = 64},
                          .concurrency = 64, .timeout_ms = 60000, .slo_ttft = 2000, .slo_tpot = 200,
                          .warmup_s = -1};
@@ -440,7 +448,7 @@ static int parse_replay_args(int argc, char **argv, const char *prog, const char
         {"timeout-ms", 1, 0, 'T'},   {"slo-ttft-ms", 1, 0, 'f'}, {"slo-tpot-ms", 1, 0, 'p'},
         {"json", 1, 0, 'j'},         {"out-scale", 1, 0, 'o'},   {"help", 0, 0, 'h'},
         {"plot", 1, 0, 'P'},         {"link", 1, 0, 'k'},        {"warmup", 1, 0, 'w'},
-        {"reps", 1, 0, 'R'},
+        {"reps", 1, 0, 'R'},         {"traces", 1, 0, 'D'},
         {0, 0, 0, 0}};
     int ch;
     int64_t v;
@@ -451,6 +459,7 @@ static int parse_replay_args(int argc, char **argv, const char *prog, const char
         case 'k': p->link = optarg; break;
         case 'w': st = kvb_parse_f64(optarg, &p->warmup_s); if (p->warmup_s < 0) st = KVB_ERR_INVALID; break;
         case 'R': st = kvb_parse_i64(optarg, 1, 64, &v); p->reps = (int)v; break;
+        case 'D': p->traces_dir = optarg; break;
         case 'c': *cfg_path = optarg; break;
         case 'j': *json_path = optarg; break;
         case 'P': *plot_path = optarg; break;
@@ -465,7 +474,7 @@ static int parse_replay_args(int argc, char **argv, const char *prog, const char
             rp->tg[rp->n_targets++].trace_path = eq + 1;
             break;
         }
-        case 'r': st = kvb_parse_f64(optarg, &p->to.rate_scale); break;
+        case 'r': st = kvb_parse_f64(optarg, &p->to.rate_scale); p->rate_given = 1; break;
         case 's': st = kvb_parse_f64(optarg, &p->to.len_scale); break;
         case 'd': st = kvb_parse_f64(optarg, &p->to.max_time_s); break;
         case 'f': st = kvb_parse_f64(optarg, &p->slo_ttft); break;
@@ -483,7 +492,7 @@ static int parse_replay_args(int argc, char **argv, const char *prog, const char
             return 2;
         }
     }
-    if (!*cfg_path || rp->n_targets == 0) {
+    if (!*cfg_path || (need_targets && rp->n_targets == 0)) {
         fprintf(stderr, "%s%s", usage, REPLAY_OPTIONS);
         return 2;
     }
@@ -510,7 +519,7 @@ int kvb_bench_replay(int argc, char **argv) {
                               "[options]\n\n"
                               "Replays real traces against a running node (start it with kvbankd first) and reports\n"
                               "TTFT, TPOT and TBT percentiles, throughput and SLO attainment per model.\n\n",
-                              &cfg_path, &json_path, &plot_path, &rp, &p);
+                              1, &cfg_path, &json_path, &plot_path, &rp, &p);
     if (r >= 0) return r;
     replay_stats st[MAX_TARGETS];
     if (plot_path) {
@@ -621,21 +630,49 @@ out:
     return rc;
 }
 
+/* interference without --target: every model replays a trace of its own (SwiftCache §5.2 loads the
+ * workers with their own requests while the master serves its long multi-turn ones). */
+static int default_targets(const char *cfg_path, replay *rp, replay_params *p) {
+    static char names[MAX_TARGETS][64], paths[MAX_TARGETS][4200];
+    static const char *const worker_traces[2] = {"AzureLLMInferenceTrace_conv.csv", "AzureLLMInferenceTrace_code.csv"};
+    const char *dir = p->traces_dir ? p->traces_dir : "../shared/traces";
+    kvb_node_config *c = NULL;
+    if (kvb_node_config_load(cfg_path, &c) != KVB_OK) return -1;
+    int w = 0;
+    for (int i = 0; i < c->n_models && rp->n_targets < MAX_TARGETS; i++) {
+        const kvb_node_model *m = &c->models[i];
+        int k = rp->n_targets++;
+        snprintf(names[k], sizeof names[k], "%s", m->name);
+        snprintf(paths[k], sizeof paths[k], "%s/%s", dir,
+                 m->role == KVB_ROLE_MASTER ? "synthetic_trace.jsonl" : worker_traces[w++ % 2]);
+        rp->tg[k].model = names[k];
+        rp->tg[k].trace_path = paths[k];
+    }
+    kvb_node_config_free(c);
+    if (!p->rate_given) p->to.rate_scale = 4;
+    if (!(p->to.max_time_s > 0)) p->to.max_time_s = 110;
+    printf("every model replays its own trace (rate x%g, the first %.0f s):", p->to.rate_scale, p->to.max_time_s);
+    for (int i = 0; i < rp->n_targets; i++) printf(" %s=%s", rp->tg[i].model, rp->tg[i].trace_path);
+    printf("\n");
+    return 0;
+}
+
 int kvb_bench_interference(int argc, char **argv) {
     const char *cfg_path = NULL, *json_path = NULL, *plot_path = NULL;
     replay rp = {0};
     replay_params p;
     int r = parse_replay_args(argc, argv, "kvbank-bench interference",
-                              "usage: kvbank-bench interference --config NODE.json --target MODEL=TRACE [--target ...] "
+                              "usage: kvbank-bench interference --config NODE.json [--target MODEL=TRACE ...] "
                               "[options]\n\n"
                               "Starts the node of NODE.json with kvbankd (the programs next to this one) twice per\n"
                               "repetition: with lending off (\"lend\": false on every worker) and on, every model under\n"
                               "the same stager link preset; replays the same traces each time (the warm-up not counted)\n"
                               "and prints every model's TTFT and TPOT with lending on against off, median and min-max\n"
                               "over the repetitions (SwiftCache's targets: within 5% at p50, 10% at p99).\n\n",
-                              &cfg_path, &json_path, &plot_path, &rp, &p);
+                              0, &cfg_path, &json_path, &plot_path, &rp, &p);
     if (r >= 0) return r;
-    if (!p.link) p.link = "h100-pcie5-scaled";
+    if (rp.n_targets == 0 && default_targets(cfg_path, &rp, &p) != 0) return 2;
+    if (!p.link) p.link = "h20-nvlink-scaled";
     if (p.warmup_s < 0) p.warmup_s = 10;
     if (p.reps == 0) p.reps = 3;
     char bin_dir[4096];

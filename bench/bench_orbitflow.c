@@ -18,11 +18,13 @@
 #include <time.h>
 
 #include "bench/bench.h"
+#include "bench/bench_link.h"
 #include "common/kv/block_pool.h"
 #include "common/model/model.h"
 #include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/sched/link_calib.h"
 #include "common/sched/scheduler.h"
 #include "common/util/progress.h"
 #include "common/util/token_deposit.h"
@@ -418,9 +420,10 @@ static const char *cell_str(const cell *c, int digits, char *buf, size_t len) {
 typedef struct bench_opts {
     const char *model;
     const char *trace;
-    const char *link;
+    const char *link;     /* NULL: pcie3-scaled on the CPU, off on a GPU */
     const char *sections;
-    int threads;
+    const char *planners; /* NULL: all of k_main; else a comma-separated list of their labels */
+    kvb_bench_dev dev;
     int post_order;       /* the link runs transfers one after the other (else they share it) */
     int64_t batch_tokens;
     int batch;
@@ -449,6 +452,15 @@ static const policy_case k_main[] = {
     {"slo-aware-offload", "slo-aware-offload", "slo_ms=%g,batch_tokens=%lld", 0, 1},
     {"dynamic-heuristic", "dynamic-heuristic", "", 0, 0},
 };
+
+/* --planners: the label as a whole item of the list */
+static int planner_on(const bench_opts *o, const char *label) {
+    if (!o->planners) return 1;
+    size_t n = strlen(label);
+    for (const char *p = o->planners; (p = strstr(p, label)) != NULL; p += n)
+        if ((p == o->planners || p[-1] == ',') && (p[n] == 0 || p[n] == ',')) return 1;
+    return 0;
+}
 
 static int section_on(const bench_opts *o, const char *s) {
     return !o->sections || strstr(o->sections, s) != NULL || strstr(o->sections, "all") != NULL;
@@ -584,20 +596,22 @@ static int run_bench(const bench_opts *o) {
     sharegpt sg = {0};
     int rc = 1;
     double t_start = kvb_now_s();
-    if (kvb_backend_create("cpu", o->threads, &be) != KVB_OK || kvb_model_load(o->model, be, &m) != KVB_OK) goto out;
+    if (kvb_bench_backend(&o->dev, &be) != KVB_OK || kvb_model_load(o->model, be, &m) != KVB_OK) goto out;
     if (sharegpt_load(o->trace, &sg) != KVB_OK) goto out;
     const kvb_model_config *mc = kvb_model_cfg(m);
     regime g = {.m = m, .L = mc->n_layers, .bs = 16, .batch = o->batch, .batch_tokens = o->batch_tokens, .chunk = 256};
     g.budget_blocks = (int)(o->batch_tokens / 2 / g.bs);
-    if (kvb_link_preset(o->link, be, &g.links) != KVB_OK) goto out;
-    g.links.share = !o->post_order; /* §3.3.1's rule, the one OrbitFlow's latency model simulates */
     kvb_kv_geom geom = kvb_model_kv_geom(m, g.bs);
     size_t layer_bytes = kvb_kv_layer_bytes(&geom);
 
     printf("kvbank-bench orbitflow: OrbitFlow against its baselines (../shared/papers/orbitflow.txt §5), in process\n");
-    kvb_link_model_print(stdout, &g.links);
-    printf("model: %s, %d layers, %d KV heads x %d, one (block, layer) slice = %zu bytes; cpu, %d threads\n",
-           o->model, g.L, mc->n_kv_heads, mc->head_dim, layer_bytes, o->threads);
+    /* the time scale at Fig. 2b's first point: one request decoding over 2K tokens (scaled like the lengths) */
+    kvb_link_point pt = {.batch = 1, .q = 1, .ctx = KVB_MAX(2 * g.bs, 2048.0 * (double)g.batch_tokens / 32768),
+                         .target_ctx = 2048};
+    if (kvb_bench_links(m, &o->dev, o->link, "pcie3-scaled", &pt, &g.links) != KVB_OK) goto out;
+    g.links.share = !o->post_order; /* §3.3.1's rule, the one OrbitFlow's latency model simulates */
+    printf("model: %s, %d layers, %d KV heads x %d, one (block, layer) slice = %zu bytes; %s, %d threads\n",
+           o->model, g.L, mc->n_kv_heads, mc->head_dim, layer_bytes, be->iface->name, o->dev.threads);
     printf("regime (§5.1 scaled): batch %d, per-batch token limit T = %lld (the paper's 32768), device KV = T/2 = %d "
            "blocks x %d layers = %d slices, 16-token blocks, step budget %d tokens\n",
            g.batch, (long long)g.batch_tokens, g.budget_blocks, g.L, g.budget_blocks * g.L, g.chunk);
@@ -612,19 +626,46 @@ static int run_bench(const bench_opts *o) {
            (long long)(g.batch_tokens / 2 - g.bs), base_step * 1e3);
 
     /* transfer / compute per layer at the paper's 2K and 16K tokens (Fig. 2b), scaled like the lengths */
-    printf("\ntransfer / compute of one layer (Fig. 2b; the paper: LLaMA3-8B on an A6000 over PCIe 3.0)\n");
-    printf("  %-22s %12s %14s %14s %10s %10s\n", "paper tokens", "tokens here", "transfer ms", "compute ms", "ratio",
-           "paper");
+    printf("\ntransfer / compute of one layer of one request (Fig. 2b; the paper: LLaMA3-8B on an A6000 over PCIe 3.0;\n"
+           " the target's column is the link model's roofline of %s)\n", g.links.model[0] ? g.links.model : "-");
+    printf("  %-14s %12s %14s %14s %10s %10s %10s\n", "paper tokens", "tokens here", "transfer ms", "compute ms", "ratio",
+           "target", "paper");
     const int paper_tok[2] = {2048, 16384};
     const double paper_ratio[2] = {1.9, 6.1};
+    int far = 0, tok_here[2];
+    /* this model's step at both lengths, measured back to back in turns (3 rounds of the median of 7,
+     * run-queue waits out): on a shared machine the load moves between minutes, so the 16K point is the
+     * 2K point's compute (the time scale's own measurement when scaled) times the growth measured here */
+    double c[2][3];
+    for (int k = 0; k < 2; k++) tok_here[k] = (int)KVB_MAX(2 * g.bs, paper_tok[k] * g.batch_tokens / 32768);
+    for (int round = 0; round < 3; round++)
+        for (int k = 0; k < 2; k++)
+            if (kvb_link_measure_step(m, &(kvb_link_point){.batch = 1, .q = 1, .ctx = tok_here[k]}, 7, &c[k][round]) !=
+                KVB_OK)
+                goto out;
+    double c_med[2];
+    for (int k = 0; k < 2; k++) c_med[k] = pct(c[k], 3, 0.5);
+    double layer0 = g.links.measured_step_s > 0 ? g.links.measured_step_s / g.L : c_med[0] / g.L;
     for (int k = 0; k < 2; k++) {
-        int tok = (int)KVB_MAX(2 * g.bs, paper_tok[k] * g.batch_tokens / 32768);
-        double step_s, layer_s;
-        if (decode_latency(&g, tok, 16, &step_s, &layer_s) != KVB_OK) goto out;
+        int tok = tok_here[k];
+        double layer_s = layer0 * c_med[k] / c_med[0];
         double xfer = kvb_link_seconds(&g.links, KVB_LINK_HOST, (size_t)KVB_DIV_CEIL(tok, g.bs) * layer_bytes);
-        printf("  %-22d %12d %14.4f %14.4f %9.2fx %9.1fx\n", paper_tok[k], tok, xfer * 1e3, layer_s * 1e3,
-               layer_s > 0 ? xfer / layer_s : 0, paper_ratio[k]);
+        double ratio = layer_s > 0 ? xfer / layer_s : 0, target = 0;
+        if (g.links.gpu.peak_flops > 0) { /* the target's roofline at the paper's length */
+            const kvb_target_model *tm = &g.links.tm;
+            double t_layer = kvb_target_step_s(&g.links.gpu, tm, 1, 1, paper_tok[k]) / tm->n_layers;
+            const kvb_link *l = &g.links.target_links[KVB_LINK_HOST];
+            target = (l->latency_s + paper_tok[k] * kvb_target_kv_bytes(tm) / l->bytes_per_s) / t_layer;
+        }
+        int f = g.links.target_flops > 0 && kvb_link_regime_far(ratio, paper_ratio[k]);
+        far |= f;
+        printf("  %-14d %12d %14.4f %14.4f %9.2fx %9.2fx %9.1fx%s\n", paper_tok[k], tok, xfer * 1e3, layer_s * 1e3, ratio,
+               target, paper_ratio[k], f ? "  MORE THAN 2x AWAY" : "");
     }
+    printf("  (compute: the time scale's measurement at the first length, times this model's step growth %.2fx to the\n"
+           "   second, measured back to back in 3 rounds: %.2f-%.2f ms and %.2f-%.2f ms per step)\n",
+           c_med[1] / c_med[0], c[0][0] * 1e3, c[0][2] * 1e3, c[1][0] * 1e3, c[1][2] * 1e3);
+    const char *far_note = far ? " -- THE REGIME IS MORE THAN 2x AWAY FROM FIG. 2b'S" : "";
 
     /* capacity: everything arrives at once; completed requests per second under orbitflow */
     double capacity = 0;
@@ -647,6 +688,7 @@ static int run_bench(const bench_opts *o) {
     int n_pc = (int)KVB_ARRAY_LEN(k_main);
     static pol_cells main_cells[8][KVB_ARRAY_LEN(k_main)]; /* [rate][policy] */
     static cell solver[8][8];                              /* [rate][quantity] */
+    static cell diag[8][10];                               /* [rate][quantity]: why it wins or loses */
     if (section_on(o, "main")) {
         for (int ri = 0; ri < o->n_rates; ri++) {
             for (int run = 0; run < o->runs; run++) {
@@ -655,6 +697,7 @@ static int run_bench(const bench_opts *o) {
                     goto out;
                 for (int p = 0; p < n_pc; p++) {
                     const policy_case *pc = &k_main[p];
+                    if (!planner_on(o, pc->label)) continue;
                     for (int si = 0; si < o->n_scales; si++) {
                         if (!pc->slo_dependent && si > 0) break;
                         double slo_ms = o->scales[si] * base_step * 1e3;
@@ -685,6 +728,22 @@ static int run_bench(const bench_opts *o) {
                             cell_add(&solver[ri][5], r.step_s_mean > 0 ? 100 * ps->solve_us_max * 1e-6 / r.step_s_mean : 0);
                             cell_add(&solver[ri][6], ps->pred_steps ? 100.0 * (double)ps->pred_within[1] / (double)ps->pred_steps : 0);
                             cell_add(&solver[ri][7], (double)ps->pauses);
+                            double per = 1.0 / w.n, fd = ps->feasible_decisions ? (double)ps->feasible_decisions : 1;
+                            cell_add(&diag[ri][0], ps->trig_batch * per);
+                            cell_add(&diag[ri][1], ps->trig_window * per);
+                            cell_add(&diag[ri][2], ps->trig_memory * per);
+                            cell_add(&diag[ri][3], ps->trig_mismatch * per);
+                            cell_add(&diag[ri][4], (double)ps->solver_late * per);
+                            cell_add(&diag[ri][5], ps->decisions ? 100.0 * (double)(ps->infeasible + ps->best_effort) /
+                                                                       (double)ps->decisions
+                                                                 : 0);
+                            cell_add(&diag[ri][6], 100.0 * (double)ps->trimmed / (double)KVB_MAX(r.steps, 1));
+                            cell_add(&diag[ri][7], (double)ps->emergency_pauses);
+                            cell_add(&diag[ri][8], ps->budget_slices_sum > 0
+                                                       ? 100 * ps->buffer_slices_sum / ps->budget_slices_sum : 0);
+                            cell_add(&diag[ri][9], ps->budget_slices_sum > 0
+                                                       ? 100 * ps->eq1_buffer_slices_sum / ps->budget_slices_sum : 0);
+                            (void)fd;
                         }
                         run_free(&r);
                     }
@@ -697,21 +756,22 @@ static int run_bench(const bench_opts *o) {
             if (fabs(o->scales[si] - 1.5) < 1e-9) scale15 = si;
         const int all_cols[] = {M_TBT, M_TPOT, M_P95, M_P99, M_P99TPOT, M_E2E, M_RPM, M_MEM};
         for (int ri = 0; ri < o->n_rates; ri++) {
-            printf("\nSLO scale %.2g, arrival rate %.2g x capacity (%.2f req/s), %d requests x %d runs: median (min-max)\n",
-                   o->scales[scale15], o->rates[ri], o->rates[ri] * capacity, o->n_req, o->runs);
+            printf("\nSLO scale %.2g, arrival rate %.2g x capacity (%.2f req/s), %d requests x %d runs: median (min-max)%s\n",
+                   o->scales[scale15], o->rates[ri], o->rates[ri] * capacity, o->n_req, o->runs, far_note);
             print_head("planner", all_cols, 8);
-            for (int p = 0; p < n_pc; p++) print_row(k_main[p].label, main_cells[ri][p].m[scale15], all_cols, 8);
+            for (int p = 0; p < n_pc; p++)
+                if (planner_on(o, k_main[p].label)) print_row(k_main[p].label, main_cells[ri][p].m[scale15], all_cols, 8);
             char b1[64], b2[64];
             printf("  behind the percentiles, per run: %s token gaps (TBT), %s requests (TPOT) (orbitflow's)\n",
                    cell_str(&main_cells[ri][0].m[scale15][M_NTOK], 0, b1, sizeof b1),
                    cell_str(&main_cells[ri][0].m[scale15][M_NREQ], 0, b2, sizeof b2));
         }
-        printf("\nTBT / TPOT attainment %% by SLO scale (columns) and arrival rate, median (min-max) over runs\n");
+        printf("\nTBT / TPOT attainment %% by SLO scale (columns) and arrival rate, median (min-max) over runs%s\n", far_note);
         printf("  %-24s %6s", "planner", "rate");
         for (int si = 0; si < o->n_scales; si++) printf("   TBT@%-4.2g TPOT@%-4.2g", o->scales[si], o->scales[si]);
         printf("\n");
         for (int p = 0; p < n_pc; p++)
-            for (int ri = 0; ri < o->n_rates; ri++) {
+            for (int ri = 0; ri < o->n_rates && planner_on(o, k_main[p].label); ri++) {
                 printf("  %-24s %6.2g", k_main[p].label, o->rates[ri]);
                 for (int si = 0; si < o->n_scales; si++) {
                     char a[64], b[64];
@@ -731,6 +791,23 @@ static int run_bench(const bench_opts *o) {
                    cell_str(&solver[ri][3], 0, b[3], 64), cell_str(&solver[ri][4], 1, b[4], 64),
                    cell_str(&solver[ri][5], 1, b[5], 64), cell_str(&solver[ri][6], 1, b[6], 64),
                    cell_str(&solver[ri][7], 0, b[7], 64));
+        }
+    }
+    if (section_on(o, "main") && planner_on(o, "orbitflow")) {
+        printf("\nwhy (orbitflow, SLO scale 1.5), per rate, median (min-max) over runs: the controller's triggers per\n"
+               "request (batch change, window end, memory, latency mismatch), steps a trigger waited on a busy solver per\n"
+               "request, decisions infeasible or best-effort %%, steps whose plan fell back to the most offloaded placement\n"
+               "for all %% (trimmed), emergency pauses, and the prefetch buffer of feasible decisions as %% of the device\n"
+               "budget: kvbank's (the sum over requests: every request's next layer in flight at once) and Eq. 1's (the\n"
+               "max over layers) for the same placement\n");
+        printf("  %6s %10s %10s %10s %10s %10s %12s %12s %10s %14s %14s\n", "rate", "batch", "window", "memory",
+               "mismatch", "late", "infeas %", "trimmed %", "e-pauses", "buffer %", "Eq. 1 %");
+        for (int ri = 0; ri < o->n_rates; ri++) {
+            char b[10][64];
+            printf("  %6.2g", o->rates[ri]);
+            for (int k = 0; k < 10; k++)
+                printf(" %*s", k >= 8 ? 14 : k >= 5 && k <= 6 ? 12 : 10, cell_str(&diag[ri][k], k < 5 ? 2 : 1, b[k], 64));
+            printf("\n");
         }
     }
     /* ---------------------------------------------------------------- ablations (Fig. 14) */
@@ -949,24 +1026,28 @@ out:
 }
 
 int kvb_bench_orbitflow(int argc, char **argv) {
-    bench_opts o = {.trace = "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", .link = "pcie3-scaled",
-                    .threads = 2, .batch_tokens = 2048, .batch = 4, .n_req = 48, .runs = 3, .seed = 1};
+    bench_opts o = {.trace = "../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", .link = NULL,
+                    .dev = KVB_BENCH_DEV_DEFAULT, .batch_tokens = 2048, .batch = 4, .n_req = 48, .runs = 3, .seed = 1};
     static const struct option longopts[] = {
         {"model", 1, 0, 'm'}, {"trace", 1, 0, 't'}, {"link", 1, 0, 'l'}, {"sections", 1, 0, 's'},
         {"threads", 1, 0, 'j'}, {"batch-tokens", 1, 0, 'T'}, {"batch", 1, 0, 'b'}, {"requests", 1, 0, 'n'},
         {"runs", 1, 0, 'r'}, {"rates", 1, 0, 'R'}, {"slo-scales", 1, 0, 'S'}, {"seed", 1, 0, 'x'},
-        {"post-order", 0, 0, 'P'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+        {"post-order", 0, 0, 'P'}, {"help", 0, 0, 'h'}, {"backend", 1, 0, 'B'}, {"device", 1, 0, 'D'},
+        {"planners", 1, 0, 'p'}, {0, 0, 0, 0}};
     const char *rates = "0.5,1,1.5", *scales = "1,1.5,2.5";
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         int64_t v;
+        int d = kvb_bench_dev_opt(&o.dev, c, optarg, "kvbank-bench orbitflow");
+        if (d == 2) return 2;
+        if (d) continue;
         switch (c) {
         case 'm': o.model = optarg; break;
         case 't': o.trace = optarg; break;
         case 'l': o.link = optarg; break;
         case 's': o.sections = optarg; break;
-        case 'j': if (kvb_parse_i64(optarg, 1, 256, &v)) goto usage; o.threads = (int)v; break;
+        case 'j': if (kvb_parse_i64(optarg, 1, 256, &v)) goto usage; o.dev.threads = (int)v; break;
         case 'T': if (kvb_parse_i64(optarg, 64, 1 << 22, &o.batch_tokens)) goto usage; break;
         case 'b': if (kvb_parse_i64(optarg, 1, KVB_OF_MAX_REQS, &v)) goto usage; o.batch = (int)v; break;
         case 'n': if (kvb_parse_i64(optarg, 1, 1 << 20, &v)) goto usage; o.n_req = (int)v; break;
@@ -974,12 +1055,17 @@ int kvb_bench_orbitflow(int argc, char **argv) {
         case 'R': rates = optarg; break;
         case 'S': scales = optarg; break;
         case 'P': o.post_order = 1; break;
+        case 'p': o.planners = optarg; break;
         case 'x': if (kvb_parse_i64(optarg, 0, INT64_MAX, &v)) goto usage; o.seed = (uint64_t)v; break;
         case 'h':
             printf("usage: kvbank-bench orbitflow --model DIR [--link PRESET] [--batch-tokens T] [--batch N]\n"
                    "         [--requests N] [--runs N] [--rates 0.5,1,1.5] [--slo-scales 1,1.5,2.5] [--seed N]\n"
                    "         [--trace sharegpt.csv] [--sections main,ablation,solver,sensitivity] [--threads N]\n"
-                   "         [--post-order]  (the link runs transfers in post order; default: they share it, §3.3.1)\n");
+                   "         [--planners orbitflow,deepspeed,flexgen,flexgen-plus,slo-aware-offload,dynamic-heuristic]\n"
+                   "         [--post-order]  (the link runs transfers in post order; default: they share it, §3.3.1)\n"
+                   "  --link PRESET  default pcie3-scaled on the CPU (OrbitFlow's RTX A5000 over PCIe 3.0 serving\n"
+                   "                 Llama-3-8B, its time scale measured at Fig. 2b's 2K tokens), off on a GPU\n"
+                   KVB_BENCH_DEV_USAGE);
             return 0;
         default: goto usage;
         }

@@ -105,6 +105,7 @@ typedef struct gw_model {
     kvb_model_config cfg;         /* vocab, max_pos, eos ids */
     kvb_tokenizer *tok;           /* tokenizer.json, or NULL (the model then takes token ids only) */
     kvb_chat_template *tmpl;      /* its chat template, or NULL */
+    char tmpl_why[320];           /* why a template it has cannot be used (chat requests are told), or "" */
     /* the model's numbers: last Pong and last coordinator status */
     kvb_client_pong pong;
     uint64_t pong_ns;             /* when the last Pong arrived (kvb_now_ns), 0: never */
@@ -811,6 +812,14 @@ static gw_model *model_add(gw *g, const char *name) {
     return m;
 }
 
+/* A chat request to a model without a usable chat template: why, when it has one that does not parse. */
+static void no_chat_error(gw_error *err, const gw_model *m) {
+    if (m->tmpl_why[0])
+        gw_error_set(err, 400, "invalid_request_error", "messages",
+                     "model '%s' is served without chat: its chat template cannot be used (%s)", m->name, m->tmpl_why);
+    else gw_error_set(err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+}
+
 /* Reads config.json of the model directory (vocabulary, context length, EOS ids) once it is known. */
 static void model_load_dir(gw_model *m) {
     if (m->have_cfg || !m->model_dir[0]) return;
@@ -821,9 +830,10 @@ static void model_load_dir(gw_model *m) {
             KVB_LOG_W("gateway: model %s: its tokenizer cannot be used (%s); it takes token ids only", m->name,
                       kvb_status_str(ts));
         if (m->tok) {
-            ts = kvb_chat_template_load(m->model_dir, &m->tmpl);
+            ts = kvb_chat_template_load_why(m->model_dir, &m->tmpl, m->tmpl_why, sizeof m->tmpl_why);
             if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
-                KVB_LOG_W("gateway: model %s: its chat template cannot be used (%s)", m->name, kvb_status_str(ts));
+                KVB_LOG_W("gateway: model %s: served without chat: its chat template cannot be used (%s)", m->name,
+                          m->tmpl_why);
         }
         KVB_LOG_I("gateway: model %s: %s, %s", m->name, m->tok ? "tokenizer" : "no tokenizer (token ids only)",
                   m->tmpl ? "chat template" : "no chat template");
@@ -1313,7 +1323,7 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         goto reject;
     }
     if (ep == EP_CHAT && !m->tmpl) {
-        gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+        no_chat_error(&err, m);
         goto reject;
     }
     if (ep == EP_CHAT || p.prompt_text) { /* the prompt as token ids: on the thread pool */
@@ -1476,7 +1486,7 @@ static void handle_tokens(gw *g, h2o_req_t *req, int ep) {
     } else if (!m->tok) {
         gw_error_set(&err, 400, "invalid_request_error", "model", "model '%s' has no tokenizer", m->name);
     } else if (p.messages && !m->tmpl) {
-        gw_error_set(&err, 400, "invalid_request_error", "messages", "model '%s' has no chat template", m->name);
+        no_chat_error(&err, m);
     } else if (g->n_streams + g->n_jobs >= g->o->max_streams) {
         g->rejected_busy++;
         gw_error_set(&err, 429, "rate_limit_error", NULL, "the gateway has %d requests in flight, its limit",

@@ -533,14 +533,16 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
                     a->link_preset);
             goto fail;
         }
-        fprintf(stderr, "%s: ", prog);
-        kvb_link_model_print(stderr, &eo.links);
     }
     kvb_engine_events ev = kvb_server_engine_events(p->srv);
     planner_owned = 0; /* kvb_engine_create takes the planner, also when it fails */
     if ((st = kvb_engine_create(p->model, &eo, &planner, &ev, &p->eng)) != KVB_OK) {
         fprintf(stderr, "%s: cannot create the engine: %s\n", prog, kvb_status_str(st));
         goto fail;
+    }
+    if (a->link_preset) { /* as calibrated by the engine (a scaled preset) */
+        fprintf(stderr, "%s: ", prog);
+        kvb_link_model_print(stderr, kvb_engine_links(p->eng));
     }
     if (a->role == KVB_ROLE_WORKER && (st = make_pool_planner(a, &p->pool_planner)) != KVB_OK) {
         fprintf(stderr, "%s: cannot create the lending planner (swiftcache): %s\n", prog, kvb_status_str(st));

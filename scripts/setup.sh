@@ -9,7 +9,7 @@ KVB_JOBS=${KVB_JOBS:-$(nproc)}
 # Debian packages kvbank builds and tests with (see README "Dependencies").
 KVB_PACKAGES="build-essential autoconf automake pkg-config libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
 libuv1-dev libjansson-dev libopenblas-dev libxxhash-dev libnlopt-dev libpcre2-dev check python3-numpy procps libh2o-dev libssl-dev
-libcurl4-openssl-dev curl libncurses-dev tmux python3-yaml gnuplot-nox nghttp2-client"
+libcurl4-openssl-dev curl libncurses-dev tmux python3-yaml gnuplot-nox nghttp2-client clang libclang-rt-14-dev psmisc"
 
 kvb_install_packages() {
     local missing=()

@@ -68,6 +68,69 @@ grep -qE "^chat +master cuda:0 " <<<"$out" || fail "--check-config plan: $out"
 grep -q "gateway on 0.0.0.0:8000" <<<"$out" || fail "--check-config plan: $out"
 ok "daemonset.yaml parses: GPU request, non-root, containerPort + Service on the gateway port, readiness /health, liveness kvbankctl status; its node config passes kvbankd --check-config"
 
+# Pod Security: the pod passes the "baseline" and "restricted" profiles (the rules of
+# kubernetes.io/docs/concepts/security/pod-security-standards that a manifest shows); the models' KV
+# regions are in the pod's own memory-backed /dev/shm (hostIPC and a hostPath /dev/shm exposed every
+# model's KV to the host, and "baseline" rejects both), large enough for every model's kv_mb.
+check_pss() { # check_pss MANIFEST
+    "$PY" - "$1" <<'PYEOF'
+import json, re, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+kinds = {d["kind"]: d for d in docs}
+cfg = json.loads(kinds["ConfigMap"]["data"]["node.json"])
+pod = kinds["DaemonSet"]["spec"]["template"]["spec"]
+bad = []
+# baseline
+for k in ("hostNetwork", "hostPID", "hostIPC"):
+    if pod.get(k): bad.append("%s: true" % k)
+for v in pod.get("volumes", []):
+    if "hostPath" in v: bad.append("hostPath volume %s" % v["name"])
+baseline_caps = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
+                 "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+psc = pod.get("securityContext", {})
+for c in pod.get("initContainers", []) + pod["containers"]:
+    sc = c.get("securityContext", {})
+    if sc.get("privileged"): bad.append("%s: privileged" % c["name"])
+    for cap in sc.get("capabilities", {}).get("add", []):
+        if cap not in baseline_caps: bad.append("%s: adds %s" % (c["name"], cap))
+    for p in c.get("ports", []):
+        if p.get("hostPort"): bad.append("%s: hostPort %s" % (c["name"], p["hostPort"]))
+    if sc.get("procMount", "Default") != "Default": bad.append("%s: procMount" % c["name"])
+    # restricted
+    if sc.get("allowPrivilegeEscalation") is not False: bad.append("%s: allowPrivilegeEscalation not false" % c["name"])
+    if "ALL" not in sc.get("capabilities", {}).get("drop", []): bad.append("%s: capabilities not dropped" % c["name"])
+    if set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}: bad.append("%s: adds capabilities" % c["name"])
+    seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+    if seccomp not in ("RuntimeDefault", "Localhost"): bad.append("%s: seccompProfile %s" % (c["name"], seccomp))
+    if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")): bad.append("%s: runAsNonRoot" % c["name"])
+    if sc.get("runAsUser", psc.get("runAsUser")) == 0: bad.append("%s: runAsUser 0" % c["name"])
+for sysctl in psc.get("sysctls", []): bad.append("sysctl %s" % sysctl["name"])
+allowed = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+for v in pod.get("volumes", []):
+    kind = [k for k in v if k != "name"]
+    if not set(kind) <= allowed: bad.append("volume %s of type %s" % (v["name"], kind))
+assert not bad, "Pod Security baseline/restricted: " + "; ".join(bad)
+# the KV regions: the pod's /dev/shm, an emptyDir in memory holding every model's kv_mb
+(c,) = pod["containers"]
+mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+shm = next(v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"])
+ed = shm.get("emptyDir")
+assert ed and ed.get("medium") == "Memory", "/dev/shm is not an emptyDir in memory: %s" % shm
+m = re.fullmatch(r"(\d+)(Mi|Gi)", ed["sizeLimit"])
+size_mb = int(m.group(1)) * (1024 if m.group(2) == "Gi" else 1)
+need = sum(x["kv_mb"] for x in cfg["models"])
+assert size_mb >= need, "/dev/shm sizeLimit %d MiB < the models' kv_mb %d MiB" % (size_mb, need)
+print("Pod Security baseline and restricted pass; /dev/shm: emptyDir (Memory) of %d MiB for %d MiB of KV" % (size_mb, need))
+PYEOF
+}
+check_pss "$SRC/deploy/kubernetes/daemonset.yaml" || fail "daemonset.yaml and Pod Security"
+# the check can fail: the host layout (hostIPC and the host's /dev/shm) is refused
+sed -e 's/^    spec:$/    spec:\n      hostIPC: true/' -e 's/^          emptyDir:$/          hostPath: {path: \/dev\/shm}/' \
+    -e '/^            medium: Memory$/d' -e '/^            sizeLimit: 1Gi$/d' "$SRC/deploy/kubernetes/daemonset.yaml" >"$T/host.yaml"
+out=$(check_pss "$T/host.yaml" 2>&1) && fail "the host layout passed the Pod Security check: $out"
+grep -q "hostIPC: true" <<<"$out" && grep -q "hostPath volume shm" <<<"$out" || fail "the host layout: $out"
+ok "the DaemonSet passes Pod Security baseline and restricted; KV in the pod's own /dev/shm; the host layout is caught"
+
 # The check can fail: a ConfigMap whose config has a misspelt required key is refused.
 sed 's/"kv_mb": 64/"kv_mbb": 64/' "$T/node.json" >"$T/bad.json"
 out=$("$B/kvbankd" --config "$T/bad.json" --check-config --no-device-check 2>&1) && fail "--check-config accepted kv_mbb"

@@ -329,7 +329,7 @@ left=$(ps -e -o pgid=,pid=,args= | awk -v g="$KPID" '$1 == g')
 [ -z "$left" ] || fail "processes left in kvbankd's group: $left"
 KPID=
 ls /dev/shm/kvb-"${NODE}"_* >/dev/null 2>&1 && fail "segments left: $(ls /dev/shm/kvb-"${NODE}"_*)"
-for s in "${SOCKS[@]}" "$RUN/kvbankd.pid" "$RUN/gateway.port" "/dev/shm/kvbankd-$(id -u)-$NODE.lock"; do
+for s in "${SOCKS[@]}" "$RUN/kvbankd.pid" "$RUN/kvbankd.lock" "$RUN/gateway.port"; do
     [ -e "$s" ] && fail "$s was not removed"
 done
 ok "no child process, shm segment, socket or pid file left"

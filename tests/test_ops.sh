@@ -206,17 +206,20 @@ with open(sys.argv[1], "w") as f:
         ids = [1000 * s + k for k in range(4 + 4 * turn)]
         f.write(json.dumps({"timestamp": i * 200, "input_length": 512 * len(ids), "output_length": 4, "hash_ids": ids}) + "\n")
 PYEOF
-"$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --link off --rate 1 --skip 0 --warmup 2 \
-    --duration 10 --reps 2 --reclaim-every 0.5 --len-scale 0.03125 >"$T/mt.out" 2>&1 || fail "kvbank-bench multiturn: $(cat "$T/mt.out")"
+"$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --link off --rate 1 --requests 40 \
+    --reps 2 --reclaim-every 0.5 --len-scale 0.03125 >"$T/mt.out" 2>&1 || fail "kvbank-bench multiturn: $(cat "$T/mt.out")"
 grep -q "^  link preset: off" "$T/mt.out" &&
-    grep -q "host-tier baseline: the same bytes, its hits loaded layer by layer behind the compute" "$T/mt.out" &&
-    grep -qE "^  reusable share of the measured prompt tokens .*: [0-9.]+% " "$T/mt.out" &&
-    grep -q "NOTE: 50 requests behind each P99, fewer than 1,000" "$T/mt.out" &&
-    grep -qE "^lending \(in place\) +2 +50 +50 .* [0-9]+ reclaims \([0-9]+ blocks\)" "$T/mt.out" &&
-    grep -qE "^host-tier \(copies\) +2 +50 +50 " "$T/mt.out" &&
-    grep -q "^over 2 repetitions (median \[min-max\])" "$T/mt.out" &&
-    grep -qE "^P99 TTFT host tier / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
-    grep -qE "^achieved reuse \(hit tokens / measured prompt tokens\): lending [0-9.]+ \[[0-9.]+-[0-9.]+\]%, host tier [0-9.]+ \[[0-9.]+-[0-9.]+\]% \(the trace offers [0-9.]+%\)" "$T/mt.out" ||
+    grep -q "the host-tier arm: the same bytes, its hits loaded layer by layer behind the compute" "$T/mt.out" &&
+    grep -q "warm-up: the 20 earlier turns of their sessions" "$T/mt.out" &&
+    grep -qE "^  offered reuse \(measured prompt tokens .*\): [0-9.]+% " "$T/mt.out" &&
+    grep -q "NOTE: 40 requests behind each P99, fewer than 1,000" "$T/mt.out" &&
+    grep -qE "^lending \(in place\) +2 +40 +40 .* [0-9]+ reclaims \([0-9]+ blocks\)" "$T/mt.out" &&
+    grep -qE "^host tier \(copies\) +2 +40 +40 " "$T/mt.out" &&
+    grep -qE "^master alone +2 +40 +40 " "$T/mt.out" &&
+    grep -q "^over 2 repetitions, median \[min-max\]" "$T/mt.out" &&
+    grep -qE "^P99 TTFT host tier \(copies\) / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
+    grep -qE "^P99 TTFT master alone / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
+    grep -qE "^lending achieved [0-9.]+ \[[0-9.]+-[0-9.]+\]% of the reuse the trace offers \([0-9.]+% of the measured" "$T/mt.out" ||
     fail "multiturn tables: $(cat "$T/mt.out")"
 rc=0
 "$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --host-load sideways >"$T/mtb.out" 2>&1 || rc=$?
@@ -229,7 +232,7 @@ assert m, "no lost-per-reclaimed line"
 lost, rec = int(m.group(2)), int(m.group(3))
 assert rec > 0 and 0 <= lost <= rec, (lost, rec)
 PYEOF
-ok "kvbank-bench maxctx's stream row and Eq. 1-5 note; multiturn's link preset, reusable share, reps and lost per reclaimed block"
+ok "kvbank-bench maxctx's stream row and Eq. 1-5 note; multiturn's link preset, warm-up, offered reuse, three arms, reps and lost per reclaimed block"
 
 # --------------------------------------------------------------------------------- --check-config
 # mkcfg OUT: the demo node with every path inside $T, short timings, any free gateway port, and the

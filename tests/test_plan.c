@@ -13,6 +13,7 @@
 #include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/sched/link_calib.h"
 #include "common/sched/scheduler.h"
 #include "tests/harness.h"
 #include "tests/testmodel.h"
@@ -766,6 +767,55 @@ KVB_TEST(ellm_tokenwise_lossless) {
 }
 KVB_TEST_END
 
+/* eLLM's step has the baselines' token budget (chunk + b): with two requests decoding and a long prompt
+ * queued, ellm-tokenwise at r = 0 prefills as many of the prompt's tokens in a step as vllm-recompute
+ * (both under b_max = 4 and an SLO that does not bind). */
+KVB_TEST(ellm_prefill_budget_as_baselines) {
+    setup_model();
+    uint64_t got[2] = {0, 0};
+    static const char *const pols[2] = {"ellm-tokenwise", "vllm-recompute"};
+    int32_t prompt[200];
+    for (int i = 0; i < 200; i++) prompt[i] = 3 + (i * 37) % 190;
+    for (int k = 0; k < 2; k++) {
+        kvb_policy_params pp = {0};
+        ck_assert_int_eq(kvb_policy_params_set(&pp, "slo_ms", "100000"), KVB_OK);
+        ck_assert_int_eq(kvb_policy_params_set(&pp, "b_max", "4"), KVB_OK);
+        ck_assert_int_eq(kvb_policy_params_set(&pp, "chunk", "64"), KVB_OK);
+        ck_assert_int_eq(kvb_policy_params_set(&pp, "async", "0"), KVB_OK);
+        if (k == 0) ck_assert_int_eq(kvb_policy_params_set(&pp, "r", "0"), KVB_OK);
+        kvb_planner pl;
+        ck_assert_int_eq(kvb_policy_create(pols[k], &pp, &pl), KVB_OK);
+        kvb_policy_params_free(&pp);
+        kvb_engine_opts o;
+        kvb_engine_opts_default(&o);
+        o.n_blocks = 128;
+        o.max_batch_tokens = 512;
+        o.max_seqs = 8;
+        o.enable_prefix_cache = 0;
+        kvb_engine *e;
+        ck_assert_int_eq(kvb_engine_create(model, &o, &pl, NULL, &e), KVB_OK);
+        for (int i = 0; i < 2; i++) {
+            kvb_request r = {.id = (uint64_t)i + 1, .prompt = prompt + 100 + 8 * i, .n_prompt = 8, .max_tokens = 60};
+            ck_assert_int_eq(kvb_engine_add(e, &r), KVB_OK);
+        }
+        kvb_engine_stats s0, s1;
+        for (int t = 0; t < 4; t++) ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+        kvb_engine_get_stats(e, &s0);
+        ck_assert_int_eq(s0.n_running, 2);
+        kvb_request r = {.id = 9, .prompt = prompt, .n_prompt = 200, .max_tokens = 2};
+        ck_assert_int_eq(kvb_engine_add(e, &r), KVB_OK);
+        ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+        kvb_engine_get_stats(e, &s1);
+        got[k] = s1.prompt_tokens - s0.prompt_tokens;
+        printf("%s: %llu prompt tokens in the step with 2 decoding\n", pols[k], (unsigned long long)got[k]);
+        kvb_engine_destroy(e);
+    }
+    ck_assert_uint_gt(got[1], 0);
+    ck_assert_uint_eq(got[0], got[1]);
+    teardown_model();
+}
+KVB_TEST_END
+
 /* HCache: preempted requests leave their first layers as saved hidden states, rebuilt at swap-in by the
  * layer's norm, K/V projections and RoPE: the reference's tokens whatever the split. */
 KVB_TEST(hcache_lossless) {
@@ -832,6 +882,74 @@ KVB_TEST_END
 
 /* ---------------------------------------------------------------- the stager and its link model */
 
+/* The time scale from a fake measurement, against figures worked out by hand for Llama-3-8B bf16 on an
+ * H100 SXM (989 TFLOP/s, 3.35 TB/s): a decode step of 4 requests over 512 tokens reads 15,009,316,864
+ * bytes of weights (32 layers x 218,103,808 parameters + the 525,336,576 of the LM head, 2 bytes each)
+ * and 4 x 514 x 32 x 4,096 bytes of KV, 61 GFLOP: memory-bound, 4.561 ms, 142.5 us a layer. A bench model
+ * of 2 layers, 64 bytes of KV per token and layer, whose step took 10 ms (5 ms a layer), runs 35.08x
+ * slower than the target: PCIe 5's 10 us become 350.8 us, and its 50 GB/s carry 64x fewer bytes in
+ * 35.08x more time: 22.27 MB/s. One layer's KV of the batch then takes as many layers' compute here as
+ * on the target. */
+KVB_TEST(link_time_scale) {
+    kvb_link_model lm;
+    ck_assert_int_eq(kvb_link_preset_find("h100-pcie5-scaled", &lm), KVB_OK);
+    ck_assert_int_eq(lm.calibrate, 1);
+    const double weights = (32.0 * 218103808 + 525336576) * 2, kv = 4.0 * 514 * 32 * 4096;
+    const double target_step = (weights + kv) / 3.35e12, per_layer = target_step / 32;
+    ck_assert_double_eq_tol(kvb_target_weight_bytes(&lm.tm), weights, 1);
+    ck_assert_double_eq_tol(kvb_target_step_s(&lm.gpu, &lm.tm, 4, 1, 512), target_step, 1e-12);
+    kvb_link_point pt = {.batch = 4, .q = 1, .ctx = 512};
+    ck_assert_int_eq(kvb_link_scale(&lm, &pt, 10e-3, 2, 64), KVB_OK);
+    ck_assert_int_eq(lm.calibrate, 0);
+    const double scale = 5e-3 / per_layer;
+    ck_assert_double_eq_tol(scale, 35.08, 0.01);
+    ck_assert_double_eq_tol(lm.scale, scale, 1e-9);
+    ck_assert_double_eq_tol(lm.kv_ratio, 1.0 / 64, 1e-15);
+    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].latency_s, 10e-6 * scale, 1e-12);
+    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].bytes_per_s, 50e9 / 64 / scale, 1e-3);
+    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].bytes_per_s, 22.27e6, 0.01e6);
+    ck_assert_double_eq_tol(lm.links[KVB_LINK_PEER].bytes_per_s, 1500e9 / 64 / scale, 1e-3);
+    /* the regime: one layer's KV of the batch (4 x 512 x 4,096 bytes on the target) over PCIe, against
+     * one layer's compute; the same here */
+    double regime = (10e-6 + 4.0 * 512 * 4096 / 50e9) / per_layer;
+    ck_assert_double_eq_tol(kvb_link_regime(&lm, KVB_LINK_HOST, 0), regime, 1e-9);
+    ck_assert_double_eq_tol(kvb_link_regime(&lm, KVB_LINK_HOST, 1), regime, 1e-9);
+    ck_assert_int_eq(kvb_link_regime_far(regime, regime * 2.5), 1);
+    ck_assert_int_eq(kvb_link_regime_far(regime, regime * 1.5), 0);
+    /* the bench's lengths scaled down 128x: the target's requests are 128x longer, the KV ratio with them */
+    ck_assert_int_eq(kvb_link_preset_find("h100-pcie5-scaled", &lm), KVB_OK);
+    kvb_link_point pl = {.batch = 1, .q = 2, .ctx = 40, .target_ctx = 5120, .target_q = 256};
+    ck_assert_int_eq(kvb_link_scale(&lm, &pl, 1e-3, 2, 64), KVB_OK);
+    ck_assert_double_eq_tol(lm.kv_ratio, 40.0 * 64 / (5120.0 * 4096), 1e-15);
+    /* nothing to scale without a point or a measurement, and "off" has no target */
+    ck_assert_int_eq(kvb_link_scale(&lm, &(kvb_link_point){0}, 1e-3, 2, 64), KVB_ERR_INVALID);
+    ck_assert_int_eq(kvb_link_preset_find("off", &lm), KVB_OK);
+    ck_assert_int_eq(kvb_link_scale(&lm, &pt, 1e-3, 2, 64), KVB_ERR_INVALID);
+    ck_assert_double_eq(kvb_link_regime(&lm, KVB_LINK_HOST, 1), 0);
+}
+KVB_TEST_END
+
+/* An engine given a scaled preset nobody calibrated measures its time scale itself (at the default
+ * point) before any transfer: its stager charges the scaled figures. */
+KVB_TEST(engine_calibrates_link_model) {
+    setup_model();
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.n_blocks = 64;
+    ck_assert_int_eq(kvb_link_preset("pcie3-scaled", NULL, &o.links), KVB_OK);
+    kvb_engine *e;
+    ck_assert_int_eq(kvb_engine_create(model, &o, NULL, NULL, &e), KVB_OK);
+    const kvb_link_model *lm = kvb_engine_links(e);
+    ck_assert_int_eq(lm->calibrate, 0);
+    ck_assert_double_gt(lm->measured_step_s, 0);
+    ck_assert_int_eq(lm->point.batch, 4);
+    ck_assert_double_eq_tol(lm->links[KVB_LINK_HOST].latency_s, 10e-6 * lm->scale, 1e-12);
+    kvb_engine_destroy(e);
+    teardown_model();
+}
+KVB_TEST_END
+
+
 KVB_TEST(stager_link_model) {
     setup_model();
     kvb_link_model lm;
@@ -839,18 +957,28 @@ KVB_TEST(stager_link_model) {
     ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].bytes_per_s, 50e9, 1);
     ck_assert_double_eq_tol(kvb_link_seconds(&lm, KVB_LINK_HOST, 50000000), 1e-3 + 10e-6, 1e-9);
     ck_assert_int_eq(kvb_link_preset("no-such", NULL, &lm), KVB_ERR_NOT_FOUND);
-    ck_assert_int_eq(kvb_link_preset("h100-pcie5-scaled", NULL, &lm), KVB_ERR_INVALID); /* needs a backend */
+    /* a scaled preset keeps the target's figures until its time scale is measured */
     ck_assert_int_eq(kvb_link_preset("h100-pcie5-scaled", tm.be, &lm), KVB_OK);
+    ck_assert_int_eq(lm.calibrate, 1);
     ck_assert_double_gt(lm.measured_flops, 1e6);
-    ck_assert_double_eq_tol(lm.scale, lm.measured_flops / 800e12, 1e-18);
-    /* transfer time / compute time equals the target's: bandwidth x scale, latency / scale */
-    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].bytes_per_s, 50e9 * lm.scale, 1e-6);
-    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].latency_s, 10e-6 / lm.scale, 1e-9);
+    ck_assert_double_eq_tol(lm.links[KVB_LINK_HOST].latency_s, 10e-6, 1e-12);
+    /* measured on this model: the regime here is the target's, on every link */
+    kvb_link_point pt = {.batch = 2, .q = 1, .ctx = 64, .target_ctx = 4096};
+    ck_assert_int_eq(kvb_link_calibrate(model, &pt, &lm), KVB_OK);
+    ck_assert_int_eq(lm.calibrate, 0);
+    ck_assert_double_gt(lm.measured_step_s, 0);
+    ck_assert_double_eq_tol(lm.point.target_ctx, 4096, 1e-9);
+    for (int k = 0; k < KVB_LINK_COUNT; k++) {
+        double here = kvb_link_regime(&lm, (kvb_link_kind)k, 1), there = kvb_link_regime(&lm, (kvb_link_kind)k, 0);
+        ck_assert_double_gt(there, 0);
+        ck_assert_double_eq_tol(here / there, 1, 1e-9);
+    }
     char line[1024];
     FILE *f = fmemopen(line, sizeof line, "w");
     kvb_link_model_print(f, &lm);
     fclose(f);
     ck_assert_msg(!strncmp(line, "link preset: h100-pcie5-scaled (H100", 36), "%s", line);
+    ck_assert_msg(strstr(line, "Llama-3-8B") && strstr(line, "time x"), "%s", line);
     printf("%s", line);
 
     /* a slow link: every transfer takes at least latency + bytes / bandwidth, in post order */
@@ -1028,5 +1156,6 @@ KVB_TEST_END
 KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(orbitflow_late_decisions, 240), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
               KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240), KVB_T(drop_blocks_swapped_layers_lossless, 240),
-              KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240),
-              KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60))
+              KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240), KVB_T(ellm_prefill_budget_as_baselines, 60),
+              KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60), KVB_T(link_time_scale, 10),
+              KVB_T(engine_calibrates_link_model, 60))

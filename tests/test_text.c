@@ -5,6 +5,7 @@
  * plus errors with line and column). The real Llama-3 and Qwen3 tokenizers and templates are compared
  * with reference implementations in tests/test_text_oracle.sh. */
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -39,6 +40,84 @@ KVB_TEST(nfc_forms) {
         ck_assert_str_eq(got, cases[i][1]);
         free(got);
     }
+}
+KVB_TEST_END
+
+/* Code points -> UTF-8 (a test helper independent of the library's encoder). */
+static size_t put_cps(char *out, const uint32_t *cp, size_t n) {
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t c = cp[i];
+        if (c < 0x80) out[k++] = (char)c;
+        else if (c < 0x800) {
+            out[k++] = (char)(0xC0 | c >> 6);
+            out[k++] = (char)(0x80 | (c & 0x3F));
+        } else {
+            out[k++] = (char)(0xE0 | c >> 12);
+            out[k++] = (char)(0x80 | (c >> 6 & 0x3F));
+            out[k++] = (char)(0x80 | (c & 0x3F));
+        }
+    }
+    out[k] = 0;
+    return k;
+}
+
+/* Runs of non-starters longer than the short-run path (16): expected values from Python's
+ * unicodedata.normalize('NFC', ...) (classes 1, 202, 216, 220, 230, 233, 240 interleaved). */
+KVB_TEST(nfc_long_runs) {
+    static const uint32_t in1[] = {0x71, 0x35c, 0x327, 0x345, 0x301, 0x300, 0x323, 0x300, 0x35c, 0x31b, 0x301, 0x323,
+                                   0x316, 0x301, 0x300, 0x345, 0x345, 0x300, 0x316, 0x300, 0x323, 0x345, 0x301, 0x31b,
+                                   0x300, 0x316, 0x31b, 0x301, 0x31b, 0x31b, 0x345, 0x301, 0x316, 0x301, 0x323, 0x327,
+                                   0x334, 0x345, 0x327, 0x323, 0x300};
+    static const uint32_t out1[] = {0x71, 0x334, 0x327, 0x327, 0x327, 0x31b, 0x31b, 0x31b, 0x31b, 0x31b, 0x323, 0x323,
+                                    0x316, 0x316, 0x323, 0x316, 0x316, 0x323, 0x323, 0x301, 0x300, 0x300, 0x301, 0x301,
+                                    0x300, 0x300, 0x300, 0x301, 0x300, 0x301, 0x301, 0x301, 0x300, 0x35c, 0x35c, 0x345,
+                                    0x345, 0x345, 0x345, 0x345, 0x345};
+    static const uint32_t in2[] = {0x6f, 0x31b, 0x334, 0x323, 0x327, 0x300, 0x31b, 0x31b, 0x316, 0x35c, 0x300,
+                                   0x323, 0x300, 0x31b, 0x301, 0x31b, 0x316, 0x308, 0x323, 0x345, 0x35c, 0x308,
+                                   0x31b, 0x308, 0x35c, 0x334, 0x316, 0x327, 0x316, 0x300, 0x31b};
+    static const uint32_t out2[] = {0x1ee3, 0x334, 0x334, 0x327, 0x327, 0x31b, 0x31b, 0x31b, 0x31b, 0x31b,
+                                    0x31b, 0x316, 0x323, 0x316, 0x323, 0x316, 0x316, 0x300, 0x300, 0x300,
+                                    0x301, 0x308, 0x308, 0x308, 0x300, 0x35c, 0x35c, 0x35c, 0x345};
+    char a[256], b[256];
+    put_cps(a, in1, KVB_ARRAY_LEN(in1));
+    put_cps(b, out1, KVB_ARRAY_LEN(out1));
+    char *got = nfc(a);
+    ck_assert_str_eq(got, b);
+    free(got);
+    put_cps(a, in2, KVB_ARRAY_LEN(in2));
+    put_cps(b, out2, KVB_ARRAY_LEN(out2));
+    got = nfc(a);
+    ck_assert_str_eq(got, b);
+    free(got);
+}
+KVB_TEST_END
+
+/* "e" + (U+0301 U+0327) x 80,000: one run of 160,000 marks of two classes. The insertion sort took
+ * 17 s on it (quadratic; this test's hang limit fails it), the merge sort milliseconds. Expected
+ * (Python): U+0229 (e + cedilla), U+0327 x 79,999, U+0301 x 80,000. */
+KVB_TEST(nfc_hostile_run) {
+    enum { PAIRS = 80000 };
+    char *in = malloc(1 + 4 * PAIRS + 1), *want = malloc(2 + 4 * PAIRS + 1);
+    size_t n = 0, w = 0;
+    in[n++] = 'e';
+    for (int i = 0; i < PAIRS; i++) {
+        memcpy(in + n, "\xcc\x81\xcc\xa7", 4);
+        n += 4;
+    }
+    in[n] = 0;
+    memcpy(want + w, "\xc8\xa9", 2);
+    w += 2;
+    for (int i = 0; i < PAIRS - 1; i++, w += 2) memcpy(want + w, "\xcc\xa7", 2);
+    for (int i = 0; i < PAIRS; i++, w += 2) memcpy(want + w, "\xcc\x81", 2);
+    want[w] = 0;
+    kvb_buf b = {0};
+    ck_assert_int_eq(kvb__nfc((const uint8_t *)in, n, &b), KVB_OK);
+    ck_assert_uint_eq(b.len, w);
+    ck_assert(!memcmp(b.p, want, w));
+    kvb__buf_free(&b);
+    free(in);
+    free(want);
 }
 KVB_TEST_END
 
@@ -132,6 +211,11 @@ static void write_model(const char *dir, const char *normalizer, int with_gen) {
                             "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}");
     ck_assert_int_eq(json_dump_file(cfg, path, 0), 0);
     json_decref(cfg);
+    /* ids 263..299 are unused: config.json's vocab_size says the ids up to 319 exist */
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *cf = fopen(path, "w");
+    fprintf(cf, "{\"vocab_size\": 320}\n");
+    fclose(cf);
     if (with_gen) {
         snprintf(path, sizeof path, "%s/generation_config.json", dir);
         FILE *f = fopen(path, "w");
@@ -255,6 +339,171 @@ KVB_TEST(load_errors) {
 }
 KVB_TEST_END
 
+/* A minimal byte-level tokenizer: the 256 byte tokens, the merge "b b" -> "bb" (id 256), one Split
+ * regex `pattern` and the added tokens `added` (a JSON array, may be NULL); config.json's vocab_size
+ * when vocab_size > 0. */
+static void write_tok(const char *dir, const char *pattern, json_t *added, int vocab_size) {
+    mkdir(dir, 0700);
+    json_t *vocab = json_object();
+    for (int b = 0; b < 256; b++) {
+        char c[4];
+        byte_char(b, c);
+        json_object_set_new(vocab, c, json_integer(b));
+    }
+    json_object_set_new(vocab, "bb", json_integer(256));
+    json_t *tj = json_pack("{s:o, s:{s:s, s:{s:s}, s:s}, s:{s:s, s:o, s:[[s,s]]}}", "added_tokens",
+                           added ? added : json_array(), "pre_tokenizer", "type", "Split", "pattern", "Regex",
+                           pattern, "behavior", "Isolated", "model", "type", "BPE", "vocab", vocab, "merges", "b",
+                           "b");
+    ck_assert_ptr_nonnull(tj);
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    ck_assert_int_eq(json_dump_file(tj, path, 0), 0);
+    json_decref(tj);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    unlink(path);
+    if (vocab_size > 0) {
+        FILE *f = fopen(path, "w");
+        fprintf(f, "{\"vocab_size\": %d}\n", vocab_size);
+        fclose(f);
+    }
+}
+
+/* A pre-tokenizer regex that matches the empty string (x* on text without x) splits at every position
+ * into one-character pieces, as Hugging Face does; the gap before each empty match was emitted again
+ * at every position, growing (1,000 characters -> 63,375 tokens before the fix; 250,500 here). */
+KVB_TEST(tok_empty_match_regex) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    write_tok(dir, "x*", NULL, 0);
+    kvb_tokenizer *t;
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    char text[1001];
+    memset(text, 'b', 1000);
+    text[1000] = 0;
+    int32_t *ids;
+    int n;
+    ck_assert_int_eq(kvb_tokenizer_encode(t, text, 1000, 0, &ids, &n), KVB_OK);
+    ck_assert_int_eq(n, 1000); /* one piece per character: "b" each, never merged */
+    for (int i = 0; i < n; i++) ck_assert_int_eq(ids[i], 'b');
+    free(ids);
+    /* matches between gaps: "bbxbb" -> "b" "b" "x" "b" "b" */
+    expect_ids(t, "bbxbb", 0, (int32_t[]){'b', 'b', 'x', 'b', 'b'}, 5);
+    kvb_tokenizer_destroy(t);
+    write_tok(dir, "b+", NULL, 0); /* a regex without empty matches still merges its pieces */
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "bbbbab", 0, (int32_t[]){256, 256, 'a', 'b'}, 4);
+    kvb_tokenizer_destroy(t);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+/* An added token's id sized the id-indexed tables (id 1e8: 1.66 GB); ids beyond the vocabulary are
+ * refused at load, naming the token. config.json's vocab_size widens the range (gaps are real: an
+ * embedding padded to a multiple of 64). */
+KVB_TEST(tok_added_id_bounds) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    kvb_tokenizer *t = NULL;
+    write_tok(dir, "\\p{L}+", json_pack("[{s:i, s:s}]", "id", 100000000, "content", "<big>"), 0);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_FORMAT);
+    ck_assert_ptr_null(t);
+    write_tok(dir, "\\p{L}+", json_pack("[{s:i, s:s}]", "id", 100000000, "content", "<big>"), 1 << 30);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_FORMAT); /* a vocab_size that large does not count */
+    write_tok(dir, "\\p{L}+", json_pack("[{s:i, s:s}]", "id", 300, "content", "<gap>"), 0);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_FORMAT); /* 258 tokens: ids below 258 */
+    write_tok(dir, "\\p{L}+", json_pack("[{s:i, s:s}]", "id", 300, "content", "<gap>"), 320);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    ck_assert_int_eq(kvb_tokenizer_vocab_size(t), 301);
+    expect_ids(t, "a<gap>", 0, (int32_t[]){'a', 300}, 2);
+    kvb_tokenizer_destroy(t);
+    write_tok(dir, "\\p{L}+", json_pack("[{s:i, s:s}]", "id", 257, "content", "<next>"), 0);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK); /* the next free id */
+    kvb_tokenizer_destroy(t);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+/* Added tokens are matched leftmost-longest by a trie walk; the linear scan of every token at every
+ * byte took 13 s for 100K characters against 50,000 added tokens that share their first byte (this
+ * test's hang limit fails it: 1M characters, over 100 s). */
+KVB_TEST(tok_many_added) {
+    enum { N_ADDED = 50000, REPS = 500000 };
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    json_t *added = json_array();
+    for (int i = 0; i < N_ADDED; i++) {
+        char c[32];
+        snprintf(c, sizeof c, "<|t%05d|>", i);
+        json_array_append_new(added, json_pack("{s:i, s:s, s:b}", "id", 257 + i, "content", c, "special", 1));
+    }
+    /* overlapping contents: leftmost, then longest */
+    static const char *const ov[] = {"ab", "abc", "abcd", "bc"};
+    for (int i = 0; i < 4; i++) json_array_append_new(added, json_pack("{s:i, s:s}", "id", 257 + N_ADDED + i, "content", ov[i]));
+    write_tok(dir, "[^<]+|<", added, 0);
+    kvb_tokenizer *t;
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    const int AB = 257 + N_ADDED, ABC = AB + 1, ABCD = AB + 2, BC = AB + 3;
+    expect_ids(t, "abcabcdxbcb", 0, (int32_t[]){ABC, ABCD, 'x', BC, 'b'}, 5);
+    expect_ids(t, "<|t00042|><|t4999", 0, (int32_t[]){257 + 42, '<', '|', 't', '4', '9', '9', '9'}, 8);
+    ck_assert_int_eq(kvb_tokenizer_token_id(t, "<|t49999|>"), 257 + 49999);
+    ck_assert_int_eq(kvb_tokenizer_token_id(t, "<|t4999"), -1);
+    char *text = malloc(2 * REPS + 16);
+    for (int i = 0; i < REPS; i++) memcpy(text + 2 * i, "<|", 2);
+    strcpy(text + 2 * REPS, "<|t00007|>");
+    int32_t *ids;
+    int n;
+    ck_assert_int_eq(kvb_tokenizer_encode(t, text, strlen(text), 0, &ids, &n), KVB_OK);
+    ck_assert_int_eq(n, 2 * REPS + 1);
+    ck_assert_int_eq(ids[0], '<');
+    ck_assert_int_eq(ids[1], '|');
+    ck_assert_int_eq(ids[n - 1], 257 + 7);
+    free(ids);
+    free(text);
+    kvb_tokenizer_destroy(t);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+/* The encode and decode budgets: one byte or id over is KVB_ERR_EXHAUSTED, not a long call. */
+KVB_TEST(tok_budgets) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    write_tok(dir, "\\p{L}+", NULL, 0);
+    kvb_tokenizer *t;
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    kvb_text_limits lim;
+    kvb_text_limits_default(&lim);
+    ck_assert_uint_eq(lim.encode_bytes, 8u << 20);
+    char *big = malloc(lim.encode_bytes + 1);
+    memset(big, 'a', lim.encode_bytes + 1);
+    int32_t *ids;
+    int n;
+    ck_assert_int_eq(kvb_tokenizer_encode(t, big, lim.encode_bytes + 1, 0, &ids, &n), KVB_ERR_EXHAUSTED);
+    free(big);
+    lim.encode_bytes = 100;
+    lim.decode_ids = 10;
+    kvb_tokenizer_set_limits(t, &lim);
+    char text[101];
+    memset(text, 'a', 101);
+    ck_assert_int_eq(kvb_tokenizer_encode(t, text, 101, 0, &ids, &n), KVB_ERR_EXHAUSTED);
+    ck_assert_int_eq(kvb_tokenizer_encode(t, text, 100, 0, &ids, &n), KVB_OK);
+    ck_assert_int_eq(n, 100);
+    char *out;
+    size_t len;
+    ck_assert_int_eq(kvb_tokenizer_decode(t, ids, 11, 0, &out, &len), KVB_ERR_EXHAUSTED);
+    ck_assert_int_eq(kvb_tokenizer_decode(t, ids, 10, 0, &out, &len), KVB_OK);
+    ck_assert_str_eq(out, "aaaaaaaaaa");
+    free(out);
+    ck_assert_int_eq(kvb_tokenizer_decode(t, NULL, 0, 0, &out, &len), KVB_OK); /* UBSan: NULL + 0 before */
+    ck_assert_str_eq(out, "");
+    free(out);
+    free(ids);
+    kvb_tokenizer_destroy(t);
+    rm_model(dir);
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------------------------- chat templates */
 
 static kvb_status render(const char *tpl, const char *vars, char **out, char *err, size_t err_len) {
@@ -302,7 +551,7 @@ KVB_TEST(jinja_errors) {
         {"{{ 'a' + 1 }}", KVB_ERR_INVALID, "unsupported operand types for +: string and int"},
         {"{% set xs = [1] %}{{ xs.append(2) }}", KVB_ERR_INVALID, "immutable"},
         {"{{ 'unterminated }}", KVB_ERR_FORMAT, "unterminated string"},
-        {"{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", KVB_ERR_INVALID, "nest deeper"},
+        {"{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", KVB_ERR_EXHAUSTED, "nests deeper than"},
     };
     for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
         char *out = NULL, err[256] = "";
@@ -312,6 +561,237 @@ KVB_TEST(jinja_errors) {
         ck_assert_ptr_nonnull(strstr(err, cases[i].msg));
         ck_assert_ptr_null(out);
     }
+}
+KVB_TEST_END
+
+/* What the fuzz targets (tests/fuzz) found: 64-bit overflow in integer arithmetic (undefined behaviour;
+ * Python's ints have no bound, so a result beyond 64 bits is an error here), ** capped at 64 factors
+ * ((-1) ** 65 gave 1), huge slice steps overflowing the index, a float beyond int's range, a string
+ * literal's buffer leaked when an escape is refused, decode of no ids handing NULL to the UTF-8 pass. */
+KVB_TEST(jinja_fuzz_findings) {
+    static const char *const ok[][2] = {
+        {"{{ (-1) ** 65 }}|{{ 2 ** 62 }}|{{ 3 ** 0 }}|{{ 2 ** -1 }}", "-1|4611686018427387904|1|0.5"},
+        {"{{ [1, 2, 3][2::9223372036854775807] }}|{{ [1, 2, 3][::-9223372036854775807] }}", "[3]|[3]"},
+        {"{{ 'abc'[1::9223372036854775807] }}|{{ 9223372036854775807 - 1 }}", "b|9223372036854775806"},
+        {"{% for i in range(9223372036854775800, 9223372036854775807, 4) %}{{ i }},{% endfor %}",
+         "9223372036854775800,9223372036854775804,"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(ok); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render(ok[i][0], "{}", &out, err, sizeof err);
+        if (st != KVB_OK) fprintf(stderr, "ok case %zu: %s\n", i, err);
+        ck_assert_int_eq(st, KVB_OK);
+        ck_assert_str_eq(out, ok[i][1]);
+        free(out);
+    }
+    static const char *const overflow[] = {
+        "{{ 2 ** 69 }}", "{{ 9223372036854775807 + 1 }}", "{{ -9223372036854775807 - 2 }}",
+        "{{ 4611686018427387904 * 2 }}", "{{ -(-9223372036854775807 - 1) }}", "{{ (-9223372036854775807 - 1) // -1 }}",
+        "{{ (-9223372036854775807 - 1)|abs }}", "{{ [9223372036854775807, 1]|sum }}", "{{ 1e300|int }}",
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(overflow); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render(overflow[i], "{}", &out, err, sizeof err);
+        if (st != KVB_ERR_INVALID) fprintf(stderr, "overflow case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, KVB_ERR_INVALID);
+        ck_assert(strstr(err, "overflow") || strstr(err, "does not fit"));
+        ck_assert_ptr_null(out);
+    }
+    char *out = NULL, err[256] = "";
+    ck_assert_int_eq(render("{{ 'a\\u12' }}", "{}", &out, err, sizeof err), KVB_ERR_FORMAT); /* leaked its buffer */
+    ck_assert_ptr_nonnull(strstr(err, "bad \\u escape"));
+}
+KVB_TEST_END
+
+/* A template of `reps` copies of `open` then `reps` copies of `close` (caller frees). */
+static char *nest(const char *pre, const char *open, const char *mid, const char *close, const char *post, int reps) {
+    size_t n = strlen(pre) + strlen(mid) + strlen(post) + (size_t)reps * (strlen(open) + strlen(close)) + 1;
+    char *s = malloc(n), *p = s;
+    p += sprintf(p, "%s", pre);
+    for (int i = 0; i < reps; i++) p += sprintf(p, "%s", open);
+    p += sprintf(p, "%s", mid);
+    for (int i = 0; i < reps; i++) p += sprintf(p, "%s", close);
+    sprintf(p, "%s", post);
+    return s;
+}
+
+/* Templates nested 20,000 levels deep (40 KB; the parser overflowed the stack: SIGSEGV) and chains the
+ * parser builds in loops (a.b.c..., a + b + ..., x|f|f...) whose tree the evaluator would recurse over
+ * are refused at parse with KVB_ERR_UNSUPPORTED naming the bound; nesting up to the bound parses and
+ * renders. */
+KVB_TEST(jinja_parse_depth) {
+    enum { DEEP = 20000 };
+    char *deep[] = {
+        nest("", "{% if x %}", "", "{% endif %}", "", DEEP),
+        nest("", "{% for x in y %}", "", "{% endfor %}", "", DEEP),
+        nest("{{ ", "(", "x", ")", " }}", DEEP),
+        nest("{{ ", "[", "x", "]", " }}", DEEP),
+        nest("{{ ", "{'k': ", "x", "}", " }}", DEEP),
+        nest("{{ ", "f(", "x", ")", " }}", DEEP),
+        nest("{{ ", "-", "x", "", " }}", DEEP),
+        nest("{{ ", "not ", "x", "", " }}", DEEP),
+        nest("{{ x", ".a", "", "", " }}", DEEP),
+        nest("{{ x", "[0]", "", "", " }}", DEEP),
+        nest("{{ x", " + 1", "", "", " }}", DEEP),
+        nest("{{ x", " ~ 'a'", "", "", " }}", DEEP),
+        nest("{{ x", "|trim", "", "", " }}", DEEP),
+        nest("{{ x", " if y else x", "", "", " }}", DEEP),
+        nest("{% if x %}", "{% elif y %}", "", "", "{% endif %}", DEEP),
+        nest("{{ ", "x if y else (", "x", ")", " }}", DEEP),
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(deep); i++) {
+        kvb_chat_template *ct = NULL;
+        char err[256] = "";
+        kvb_status st = kvb_chat_template_parse(deep[i], NULL, NULL, &ct, err, sizeof err);
+        if (st != KVB_ERR_UNSUPPORTED) fprintf(stderr, "case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, KVB_ERR_UNSUPPORTED);
+        ck_assert_ptr_nonnull(strstr(err, "nest deeper than 64 levels"));
+        ck_assert_ptr_null(ct);
+        free(deep[i]);
+    }
+    /* within the bound: 30 nested ifs, 30 parentheses, a chain of 30 */
+    char *ok[] = {
+        nest("{% set x = 1 %}", "{% if x %}", "y", "{% endif %}", "", 30),
+        nest("{{ ", "(", "7", ")", " }}", 30),
+        nest("{{ 'a'", " ~ 'b'", "", "", " }}", 30),
+    };
+    const char *want[] = {"y", "7", "abbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(ok); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render(ok[i], "{}", &out, err, sizeof err);
+        if (st != KVB_OK) fprintf(stderr, "ok case %zu: %s\n", i, err);
+        ck_assert_int_eq(st, KVB_OK);
+        ck_assert_str_eq(out, want[i]);
+        free(out);
+        free(ok[i]);
+    }
+}
+KVB_TEST_END
+
+/* Renders `tpl` with `vars` under `lim` (NULL: the defaults). */
+static kvb_status render_lim(const char *tpl, const char *vars, const kvb_text_limits *lim, char **out, char *err,
+                             size_t err_len) {
+    kvb_chat_template *ct;
+    kvb_status st = kvb_chat_template_parse(tpl, "<s>", "</s>", &ct, err, err_len);
+    ck_assert_int_eq(st, KVB_OK);
+    if (lim) kvb_chat_template_set_limits(ct, lim);
+    json_error_t je;
+    json_t *extra = json_loads(vars, 0, &je);
+    ck_assert_ptr_nonnull(extra);
+    json_t *msgs = json_array();
+    *out = NULL;
+    st = kvb_chat_render(ct, msgs, 0, extra, out, err, err_len);
+    json_decref(msgs);
+    json_decref(extra);
+    kvb_chat_template_destroy(ct);
+    return st;
+}
+
+/* Renders ran without a budget: two nested range(1000000) loops grew ~0.8 GB/s until memory ran out
+ * (this test's hang limit fails it). Each budget (steps, output bytes, memory, recursion) ends a render
+ * with KVB_ERR_EXHAUSTED naming it, and the same template renders under a budget large enough. */
+KVB_TEST(jinja_render_budgets) {
+    static const struct { const char *tpl; const char *msg; } cases[] = {
+        /* the loops: every iteration made a loop dict that lived to the end */
+        {"{% for i in range(1000000) %}{% for j in range(1000000) %}{{ '' }}{% endfor %}{% endfor %}", "budget of 20000000 steps"},
+        {"{% for i in range(1000000) %}{% for j in range(1000000) %}{% set x = [i, j] %}{% endfor %}{% endfor %}", "budget"},
+        /* string work that allocates nothing: 'in' over a long string */
+        {"{% set s = 'a' * 1000000 %}{% for i in range(1000000) %}{% if 'b' in s %}{% endif %}{% endfor %}", "steps"},
+        /* output */
+        {"{% for i in range(1000000) %}0123456789{% endfor %}", "output budget of 8388608 bytes"},
+        {"{{ 'a' * 1000000000 }}", "output budget"},
+        /* memory: a string grown by concatenation keeps every intermediate copy until the end */
+        {"{% set ns = namespace(s='') %}{% for i in range(100000) %}{% set ns.s = ns.s ~ 'abcdefghij' %}{% endfor %}",
+         "memory budget of 268435456 bytes"},
+        /* recursion: a recursive macro, and values nested deeper than the bound */
+        {"{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}", "nests deeper than 256 levels"},
+        {"{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x|tojson }}",
+         "nests deeper"},
+        {"{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}",
+         "nests deeper"},
+        {"{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x == ns.x }}",
+         "nests deeper"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render_lim(cases[i].tpl, "{}", NULL, &out, err, sizeof err);
+        if (st != KVB_ERR_EXHAUSTED || !strstr(err, cases[i].msg)) fprintf(stderr, "case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, KVB_ERR_EXHAUSTED);
+        ck_assert_ptr_nonnull(strstr(err, cases[i].msg));
+        ck_assert_ptr_null(out);
+    }
+    /* deep input: messages nested beyond the bound are refused, not recursed into */
+    char *deep = nest("{\"x\": ", "[", "1", "]", "}", 1000);
+    char *out = NULL, err[256] = "";
+    ck_assert_int_eq(render_lim("{{ x|length }}", deep, NULL, &out, err, sizeof err), KVB_ERR_EXHAUSTED);
+    ck_assert_ptr_nonnull(strstr(err, "nests deeper"));
+    free(deep);
+    /* per template: tiny budgets refuse what the defaults allow, and a budget that suffices passes */
+    kvb_text_limits lim;
+    kvb_text_limits_default(&lim);
+    const char *tpl = "{% for i in range(100) %}{{ i }},{% endfor %}";
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_OK);
+    ck_assert_uint_eq(strlen(out), 290);
+    free(out);
+    lim.render_steps = 200;
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_ERR_EXHAUSTED);
+    ck_assert_ptr_nonnull(strstr(err, "budget of 200 steps"));
+    kvb_text_limits_default(&lim);
+    lim.render_output = 289;
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_ERR_EXHAUSTED);
+    ck_assert_ptr_nonnull(strstr(err, "output budget of 289 bytes"));
+    lim.render_output = 290;
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_OK);
+    free(out);
+    kvb_text_limits_default(&lim);
+    lim.render_memory = 32 << 10; /* less than one arena chunk */
+    ck_assert_int_eq(render_lim(tpl, "{}", &lim, &out, err, sizeof err), KVB_ERR_EXHAUSTED);
+    ck_assert_ptr_nonnull(strstr(err, "memory budget of 32768 bytes"));
+}
+KVB_TEST_END
+
+/* The worst cases of both recursions run within KVB_TEXT_STACK_BYTES of stack (limits.h), what a
+ * server's worker thread must have: templates at the nesting bound parse, renders at the call-depth
+ * bound end with KVB_ERR_EXHAUSTED; a stack overflow would kill this test. */
+static void *deep_in_thread(void *arg) {
+    (void)arg;
+    char *tpls[] = {
+        nest("{% macro m(n) %}{{ ", "(", "m(n + 1)", ")", " }}{% endmacro %}{{ m(0) }}", 55),
+        nest("{% macro m(n) %}", "{% for i in [1] %}", "{{ m(n + 1) }}", "{% endfor %}", "{% endmacro %}{{ m(0) }}", 55),
+        strdup("{% set ns = namespace(x=[]) %}{% for i in range(1000) %}{% set ns.x = [ns.x, {'k': ns.x}] %}{% endfor %}"
+               "{{ ns.x|tojson(indent=2) }}{{ ns.x }}{{ ns.x == ns.x }}{{ [ns.x] < [ns.x] }}"),
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(tpls); i++) {
+        char *out = NULL, err[256] = "";
+        kvb_status st = render_lim(tpls[i], "{}", NULL, &out, err, sizeof err);
+        if (st != KVB_ERR_EXHAUSTED) fprintf(stderr, "case %zu: %d %s\n", i, st, err);
+        ck_assert_int_eq(st, KVB_ERR_EXHAUSTED);
+        free(tpls[i]);
+    }
+    /* 30 blocks and 31 lists deep: the deepest template that parses */
+    char *lists = nest("{{ ", "[", "x", "]", "|length }}", 31);
+    char *at_bound = nest("{% set x = 1 %}", "{% if x %}", lists, "{% endif %}", "", 30);
+    free(lists);
+    kvb_chat_template *ct;
+    char err[256] = "";
+    ck_assert_int_eq(kvb_chat_template_parse(at_bound, NULL, NULL, &ct, err, sizeof err), KVB_OK);
+    kvb_chat_template_destroy(ct);
+    char *out = NULL;
+    ck_assert_int_eq(render_lim(at_bound, "{}", NULL, &out, err, sizeof err), KVB_OK);
+    ck_assert_str_eq(out, "1");
+    free(out);
+    free(at_bound);
+    return NULL;
+}
+
+KVB_TEST(jinja_stack_bound) {
+    pthread_attr_t a;
+    pthread_t th;
+    pthread_attr_init(&a);
+    ck_assert_int_eq(pthread_attr_setstacksize(&a, KVB_TEXT_STACK_BYTES), 0);
+    ck_assert_int_eq(pthread_create(&th, &a, deep_in_thread, NULL), 0);
+    ck_assert_int_eq(pthread_join(th, NULL), 0);
+    pthread_attr_destroy(&a);
 }
 KVB_TEST_END
 
@@ -363,5 +843,8 @@ KVB_TEST(chat_template_files) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
-              KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(chat_template_files, 20))
+KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(nfc_long_runs, 10), KVB_T(nfc_hostile_run, 10), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
+              KVB_T(tok_empty_match_regex, 10), KVB_T(tok_added_id_bounds, 10), KVB_T(tok_many_added, 30),
+              KVB_T(tok_budgets, 10),
+              KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(jinja_parse_depth, 20), KVB_T(jinja_fuzz_findings, 10),
+              KVB_T(jinja_render_budgets, 60), KVB_T(jinja_stack_bound, 20), KVB_T(chat_template_files, 20))

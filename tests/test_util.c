@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/util/json.h"
@@ -511,6 +512,51 @@ KVB_TEST(sha256_vectors) {
 }
 KVB_TEST_END
 
+/* Files a model directory holds must be regular files: a FIFO named config.json, model.safetensors or
+ * tokenizer.json blocked open() forever (kvbankd --check-config and the loader hung; this test's hang
+ * limit fails that). A FIFO, a directory and /dev/null are refused at once; a symbolic link to a
+ * regular file (Hugging Face's cache layout) is followed. */
+KVB_TEST(open_regular_only) {
+    char dir[] = "/tmp/kvb-reg-XXXXXX", path[512], link[512];
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/fifo.json", dir);
+    ck_assert_int_eq(mkfifo(path, 0600), 0);
+    int fd = -1;
+    ck_assert_int_eq(kvb_open_regular(path, &fd), KVB_ERR_FORMAT);
+    ck_assert_int_eq(fd, -1);
+    json_t *j = NULL;
+    ck_assert_int_eq(kvb_json_load_file(path, &j), KVB_ERR_FORMAT);
+    char *buf = NULL;
+    size_t len = 0;
+    ck_assert_int_eq(kvb_read_file(path, 1 << 20, &buf, &len), KVB_ERR_FORMAT);
+    unlink(path);
+    ck_assert_int_eq(kvb_open_regular(dir, &fd), KVB_ERR_FORMAT);
+    ck_assert_int_eq(kvb_open_regular("/dev/null", &fd), KVB_ERR_FORMAT);
+    ck_assert_int_eq(kvb_open_regular(path, &fd), KVB_ERR_NOT_FOUND);
+    /* a regular file, directly and through a symbolic link; blocking reads after the open */
+    snprintf(path, sizeof path, "%s/real.json", dir);
+    FILE *f = fopen(path, "w");
+    fputs("{\"a\": [1, 2]}", f);
+    fclose(f);
+    snprintf(link, sizeof link, "%s/link.json", dir);
+    ck_assert_int_eq(symlink(path, link), 0);
+    ck_assert_int_eq(kvb_open_regular(link, &fd), KVB_OK);
+    ck_assert_int_eq(fcntl(fd, F_GETFL) & O_NONBLOCK, 0);
+    close(fd);
+    ck_assert_int_eq(kvb_json_load_file(link, &j), KVB_OK);
+    ck_assert_int_eq(json_array_size(json_object_get(j, "a")), 2);
+    json_decref(j);
+    ck_assert_int_eq(kvb_read_file(link, 1 << 20, &buf, &len), KVB_OK);
+    ck_assert_uint_eq(len, 13);
+    ck_assert_str_eq(buf, "{\"a\": [1, 2]}");
+    free(buf);
+    ck_assert_int_eq(kvb_read_file(link, 12, &buf, &len), KVB_ERR_FORMAT); /* larger than max */
+    unlink(link);
+    unlink(path);
+    rmdir(dir);
+}
+KVB_TEST_END
+
 /* Repeated log lines: a call site prints `burst` lines per window, then one line saying how many it
  * did not print; another site is counted apart. */
 static void log_site_a(int i) { KVB_LOG_W("site a says %d", i); }
@@ -548,4 +594,5 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("util", KVB_T(status_strings, 10), KVB_T(parse_id_list, 10), KVB_T(half_roundtrip, 30),
               KVB_T(npy_header, 10), KVB_T(json_fields, 10), KVB_T(node_config_defaults, 10),
-              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(node_config_policy_params, 10), KVB_T(token_deposit, 10), KVB_T(sha256_vectors, 10), KVB_T(log_rate_limit, 10))
+              KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(node_config_policy_params, 10), KVB_T(token_deposit, 10), KVB_T(sha256_vectors, 10), KVB_T(log_rate_limit, 10),
+              KVB_T(open_regular_only, 10))

@@ -345,7 +345,6 @@ int main(int argc, char **argv) {
         fprintf(stderr, "kvbank-generate: unknown --link-preset '%s' (--link-preset list names them)\n", links);
         goto bad_args;
     }
-    if (show_stats) kvb_link_model_print(stderr, &o.links);
     kvb_planner planner;
     if (kvb_policy_create(policy, &pparams, &planner) != KVB_OK) {
         fprintf(stderr, "kvbank-generate: cannot create policy '%s' (see the log above; --policy list names them)\n",
@@ -353,6 +352,7 @@ int main(int argc, char **argv) {
         goto bad_args;
     }
     if (kvb_engine_create(m, &o, &planner, &ev, &e) != KVB_OK) goto out; /* the engine took the planner */
+    if (show_stats) kvb_link_model_print(stderr, kvb_engine_links(e)); /* a scaled preset calibrated */
 
     for (int i = 0; i < n_req; i++) {
         kvb_request r = {.id = (uint64_t)i, .prompt = prompts[i], .n_prompt = n_prompt[i], .max_tokens = max_tokens,

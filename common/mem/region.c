@@ -226,8 +226,9 @@ static long parse_pid_seq(const char *s) {
     return *p || pid <= 0 ? -1 : pid;
 }
 
-kvb_status kvb_region_unlink_stale(const char *tag, int *n_removed) {
-    if (n_removed) *n_removed = 0;
+/* Calls fn(name, pid, arg) for every shared-memory object "kvb-<tag>-<pid>-<seq>" (name without the
+ * leading '/'), in readdir order. */
+static kvb_status for_each_segment(const char *tag, void (*fn)(const char *name, long pid, void *arg), void *arg) {
     if (!kvb_region_tag_valid(tag)) {
         char buf[44];
         KVB_LOG_E("region: invalid tag '%s' (1..%d of [A-Za-z0-9_-])", printable(tag, buf), TAG_MAX);
@@ -241,7 +242,6 @@ kvb_status kvb_region_unlink_stale(const char *tag, int *n_removed) {
         return KVB_ERR_IO;
     }
     kvb_status st = KVB_OK;
-    int removed = 0;
     for (;;) {
         errno = 0;
         struct dirent *de = readdir(d);
@@ -255,20 +255,58 @@ kvb_status kvb_region_unlink_stale(const char *tag, int *n_removed) {
         /* Exactly "kvb-<tag>-<pid>-<seq>": a tag that merely starts with ours ("<tag>-x") is not ours. */
         if (strncmp(de->d_name, prefix, (size_t)plen) != 0) continue;
         long pid = parse_pid_seq(de->d_name + plen);
-        if (pid < 0 || kvb_pid_alive(pid)) continue; /* its creator runs: not stale, whoever it is */
-        char name[KVB_REGION_HANDLE_MAX + 8];
-        int n = snprintf(name, sizeof name, "/%s", de->d_name);
-        if (n < 0 || (size_t)n >= sizeof name) continue;
-        if (shm_unlink(name) == 0) {
-            removed++;
-            KVB_LOG_I("region %s: unlinked (its process %ld is gone)", name, pid);
-        } else if (errno != ENOENT) { /* ENOENT: someone else cleaned it up since readdir */
-            KVB_LOG_E("region %s: shm_unlink failed: %s", name, strerror(errno));
-            st = KVB_ERR_IO;
-        }
+        if (pid > 0) fn(de->d_name, pid, arg);
     }
     if (closedir(d) != 0) KVB_LOG_W("region: closedir %s failed: %s", SHM_DIR, strerror(errno));
-    if (n_removed) *n_removed = removed;
+    return st;
+}
+
+typedef struct unlink_acc {
+    int removed;
+    kvb_status st;
+} unlink_acc;
+
+static void unlink_if_stale(const char *d_name, long pid, void *arg) {
+    unlink_acc *acc = arg;
+    if (kvb_pid_alive(pid)) return; /* its creator runs: not stale, whoever it is */
+    char name[KVB_REGION_HANDLE_MAX + 8];
+    int n = snprintf(name, sizeof name, "/%s", d_name);
+    if (n < 0 || (size_t)n >= sizeof name) return;
+    if (shm_unlink(name) == 0) {
+        acc->removed++;
+        KVB_LOG_I("region %s: unlinked (its process %ld is gone)", name, pid);
+    } else if (errno != ENOENT) { /* ENOENT: someone else cleaned it up since readdir */
+        KVB_LOG_E("region %s: shm_unlink failed: %s", name, strerror(errno));
+        acc->st = KVB_ERR_IO;
+    }
+}
+
+kvb_status kvb_region_unlink_stale(const char *tag, int *n_removed) {
+    if (n_removed) *n_removed = 0;
+    unlink_acc acc = {0, KVB_OK};
+    kvb_status st = for_each_segment(tag, unlink_if_stale, &acc);
+    if (n_removed) *n_removed = acc.removed;
+    return st != KVB_OK ? st : acc.st;
+}
+
+typedef struct owner_acc {
+    long *pids;
+    int max, n;
+} owner_acc;
+
+static void add_live_owner(const char *d_name, long pid, void *arg) {
+    owner_acc *acc = arg;
+    (void)d_name;
+    if (!kvb_pid_alive(pid)) return;
+    for (int i = 0; i < acc->n; i++)
+        if (acc->pids[i] == pid) return;
+    if (acc->n < acc->max) acc->pids[acc->n++] = pid;
+}
+
+kvb_status kvb_region_live_owners(const char *tag, long *pids, int max, int *n) {
+    owner_acc acc = {pids, max, 0};
+    kvb_status st = for_each_segment(tag, add_live_owner, &acc);
+    *n = acc.n;
     return st;
 }
 

@@ -53,5 +53,9 @@ kvb_status kvb_region_check(const char *handle, long pid, uint64_t bytes, char *
  * form match, so the objects of a longer tag that starts with this one ("<tag>-x") are left alone.
  * KVB_ERR_INVALID for a bad tag. Returns the number removed in *n_removed (may be NULL). */
 kvb_status kvb_region_unlink_stale(const char *tag, int *n_removed);
+/* The live processes that created objects "/kvb-<tag>-<pid>-<seq>" (each once, at most `max` of them in
+ * pids[], how many in *n): whoever runs a model of that tag now (kvbankd's check for another node of
+ * its name). KVB_ERR_INVALID for a bad tag. */
+kvb_status kvb_region_live_owners(const char *tag, long *pids, int max, int *n);
 
 #endif

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/model/check.h"
 #include "common/model/safetensors.h"
 #include "common/util/progress.h"
 
@@ -13,70 +14,6 @@
 static void weight_free(kvb_backend *be, kvb_tensor *t) {
     if (t->data) be->iface->weight_free(be->ctx, t);
     memset(t, 0, sizeof *t);
-}
-
-static void format_shape(char *buf, size_t cap, int n_dims, const int64_t *shape) {
-    int o = snprintf(buf, cap, "[");
-    for (int i = 0; i < n_dims && o > 0 && (size_t)o < cap; i++)
-        o += snprintf(buf + o, cap - (size_t)o, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (o > 0 && (size_t)o < cap) snprintf(buf + o, cap - (size_t)o, "]");
-}
-
-/* Finds `name`, checks it is exactly [rows] (cols == 0: a vector) or [rows][cols], and loads it onto the
- * backend as a [rows][cols or 1] weight, in place where the backend can (*viewed = 1: `set` must stay
- * open while the weight lives). Errors name the tensor and both shapes. */
-/* Finds `name` and checks it is exactly [rows] (cols == 0: a vector) or [rows][cols]; errors name the
- * tensor and both shapes. Reads only the header (nothing of the tensor's data). */
-static kvb_status find_weight(const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
-                              const kvb_st_tensor **out) {
-    const kvb_st_tensor *t = kvb_st_find(set, name);
-    if (!t) {
-        KVB_LOG_E("model: tensor \"%s\" is missing", name);
-        return KVB_ERR_NOT_FOUND;
-    }
-    const int want_dims = cols ? 2 : 1;
-    const int64_t want[2] = {rows, cols};
-    int ok = t->n_dims == want_dims && t->shape[0] == rows && (!cols || t->shape[1] == cols);
-    if (!ok) {
-        char e[64], a[128];
-        format_shape(e, sizeof e, want_dims, want);
-        format_shape(a, sizeof a, t->n_dims, t->shape);
-        KVB_LOG_E("model: tensor \"%s\" has shape %s, expected %s", name, a, e);
-        return KVB_ERR_INVALID;
-    }
-    *out = t;
-    return KVB_OK;
-}
-
-/* The checks of an FP8 weight `t` called `wname` ("X.weight") without reading its data: F8_E4M3, and its
- * scale "X.weight_scale" there with one value ([], [1], [1, 1]) or one per output row ([rows], [rows, 1])
- * as `per_channel` says, in f32, bf16 or f16 (*scale_out). Errors name the tensor. */
-static kvb_status find_fp8(const kvb_st_set *set, const char *wname, const kvb_st_tensor *t, int per_channel,
-                           const kvb_st_tensor **scale_out) {
-    if (t->dtype != KVB_DTYPE_F8_E4M3) {
-        KVB_LOG_E("model: tensor \"%s\" is %s, but quantization_config makes it an FP8 (F8_E4M3) weight", wname,
-                  kvb_dtype_name(t->dtype));
-        return KVB_ERR_INVALID;
-    }
-    char name[160];
-    snprintf(name, sizeof name, "%s_scale", wname);
-    const kvb_st_tensor *sc = kvb_st_find(set, name);
-    if (!sc) {
-        KVB_LOG_E("model: tensor \"%s\" is missing (the scale of FP8 weight \"%s\")", name, wname);
-        return KVB_ERR_NOT_FOUND;
-    }
-    int64_t n = 1, want = per_channel ? t->shape[0] : 1;
-    for (int i = 0; i < sc->n_dims; i++) n *= sc->shape[i];
-    int ok = n == want && sc->n_dims <= 2 && (sc->n_dims < 1 || sc->shape[0] == want) && sc->dtype != KVB_DTYPE_F8_E4M3;
-    if (!ok) {
-        char a[128];
-        format_shape(a, sizeof a, sc->n_dims, sc->shape);
-        KVB_LOG_E("model: tensor \"%s\" is %s %s, expected %lld f32/bf16/f16 values (a scale per %s)", name,
-                  kvb_dtype_name(sc->dtype), a, (long long)want, per_channel ? "output channel" : "tensor");
-        return KVB_ERR_INVALID;
-    }
-    *scale_out = sc;
-    return KVB_OK;
 }
 
 /* Tensor `t`'s n values widened to f32 into *out (caller frees): positive and finite, else an error
@@ -107,7 +44,7 @@ static kvb_status read_scales(const kvb_st_tensor *t, const char *name, int64_t 
 static kvb_status load_fp8(kvb_backend *be, const kvb_st_set *set, const kvb_quant_config *q, const char *name,
                            const kvb_st_tensor *t, kvb_tensor *dst) {
     const kvb_st_tensor *sc = NULL;
-    KVB_TRY(find_fp8(set, name, t, q->per_channel, &sc));
+    KVB_TRY(kvb_model_find_fp8(set, name, t, q->per_channel, &sc));
     if (!be->iface->weight_fp8) {
         KVB_LOG_E("model: backend %s does not run FP8 checkpoints (tensor \"%s\")", be->iface->name, name);
         return KVB_ERR_UNSUPPORTED;
@@ -127,7 +64,7 @@ static kvb_status load_fp8(kvb_backend *be, const kvb_st_set *set, const kvb_qua
 static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
                               int fp8, const kvb_quant_config *q, kvb_tensor *dst, int *viewed, kvb_progress *pg) {
     const kvb_st_tensor *t = NULL;
-    KVB_TRY(find_weight(set, name, rows, cols, &t));
+    KVB_TRY(kvb_model_find_weight(set, name, rows, cols, &t));
     kvb_progress_update(pg, pg->done + t->nbytes);
     if (!fp8 && t->dtype == KVB_DTYPE_F8_E4M3) {
         KVB_LOG_E("model: tensor \"%s\" is F8_E4M3, but quantization_config does not quantize it", name);
@@ -170,58 +107,17 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
     return KVB_OK;
 }
 
-/* The tensors of layer l that this architecture has: suffix under model.layers.l., destination and
- * shape (cols 0: a vector). Returns the count written to spec. */
-typedef struct layer_tensor {
-    const char *suffix;
-    kvb_tensor *dst;
-    int64_t rows, cols;
-    int proj; /* kvb_proj of a linear layer's weight, -1 for the rest */
-} layer_tensor;
-
-static int layer_spec(const kvb_model_config *c, kvb_layer_weights *w, layer_tensor spec[18]) {
-    const int64_t h = c->hidden, q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv_heads * c->head_dim;
-    const int64_t ff = c->intermediate;
-    int n = 0;
-#define T(s, d, r, cl) (spec[n++] = (layer_tensor){(s), (d), (r), (cl), -1})
-#define P(s, d, r, cl, p) (spec[n++] = (layer_tensor){(s), (d), (r), (cl), (p)})
-    T("input_layernorm.weight", &w->attn_norm, h, 0);
-    P("self_attn.q_proj.weight", &w->wq, q, h, KVB_PROJ_Q);
-    P("self_attn.k_proj.weight", &w->wk, kv, h, KVB_PROJ_K);
-    P("self_attn.v_proj.weight", &w->wv, kv, h, KVB_PROJ_V);
-    P("self_attn.o_proj.weight", &w->wo, h, q, KVB_PROJ_O);
-    if (c->qkv_bias) {
-        T("self_attn.q_proj.bias", &w->bq, q, 0);
-        T("self_attn.k_proj.bias", &w->bk, kv, 0);
-        T("self_attn.v_proj.bias", &w->bv, kv, 0);
-    }
-    if (c->o_bias) T("self_attn.o_proj.bias", &w->bo, h, 0);
-    if (c->arch == KVB_ARCH_QWEN3) {
-        T("self_attn.q_norm.weight", &w->q_norm, c->head_dim, 0);
-        T("self_attn.k_norm.weight", &w->k_norm, c->head_dim, 0);
-    }
-    T("post_attention_layernorm.weight", &w->ffn_norm, h, 0);
-    P("mlp.gate_proj.weight", &w->w_gate, ff, h, KVB_PROJ_GATE);
-    P("mlp.up_proj.weight", &w->w_up, ff, h, KVB_PROJ_UP);
-    P("mlp.down_proj.weight", &w->w_down, h, ff, KVB_PROJ_DOWN);
-    if (c->mlp_bias) {
-        T("mlp.gate_proj.bias", &w->b_gate, ff, 0);
-        T("mlp.up_proj.bias", &w->b_up, ff, 0);
-        T("mlp.down_proj.bias", &w->b_down, h, 0);
-    }
-#undef T
-#undef P
-    return n;
-}
-
 static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_progress *pg) {
-    layer_tensor spec[18];
-    int n = layer_spec(&m->cfg, &m->layers[l], spec);
+    kvb_layer_tensor_spec spec[KVB_LT_COUNT];
+    kvb_tensor *dst[] = KVB_LAYER_TENSORS(&m->layers[l]); /* indexed by kvb_layer_tensor_id */
+    _Static_assert(KVB_ARRAY_LEN(dst) == KVB_LT_COUNT, "KVB_LAYER_TENSORS and kvb_layer_tensor_id differ");
+    int n = kvb_model_layer_spec(&m->cfg, spec);
     for (int i = 0; i < n; i++) {
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-        int fp8 = spec[i].proj >= 0 && kvb_quant_is_quantized(&m->cfg.quant, l, spec[i].proj);
-        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, fp8, &m->cfg.quant, spec[i].dst,
+        int p = kvb_model_layer_proj(spec[i].id);
+        int fp8 = p >= 0 && kvb_quant_is_quantized(&m->cfg.quant, l, p);
+        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, fp8, &m->cfg.quant, dst[spec[i].id],
                             &m->weights_mapped, pg));
     }
     return KVB_OK;
@@ -230,13 +126,15 @@ static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_pro
 /* The tensors a checkpoint of this architecture holds (for the "unused tensor" warning): the weights and
  * the scales of the FP8 ones. */
 static int64_t expected_tensor_count(const kvb_model_config *c) {
-    kvb_layer_weights w;
-    layer_tensor spec[18];
+    kvb_layer_tensor_spec spec[KVB_LT_COUNT];
     int64_t n = 2 + (c->tie_embeddings ? 0 : 1) + kvb_quant_is_quantized(&c->quant, 0, KVB_PROJ_COUNT);
     for (int l = 0; l < c->n_layers; l++) {
-        int k = layer_spec(c, &w, spec);
+        int k = kvb_model_layer_spec(c, spec);
         n += k;
-        for (int i = 0; i < k; i++) n += spec[i].proj >= 0 && kvb_quant_is_quantized(&c->quant, l, spec[i].proj);
+        for (int i = 0; i < k; i++) {
+            int p = kvb_model_layer_proj(spec[i].id);
+            n += p >= 0 && kvb_quant_is_quantized(&c->quant, l, p);
+        }
     }
     return n;
 }
@@ -322,54 +220,6 @@ fail_model:
     return st;
 }
 
-/* Tensor `t` is FP8 (with its scale) exactly when quantization_config quantizes it (`fp8`). */
-static kvb_status check_dtype(const kvb_st_set *set, const kvb_model_config *c, const char *name,
-                              const kvb_st_tensor *t, int fp8) {
-    const kvb_st_tensor *sc;
-    if (fp8) return find_fp8(set, name, t, c->quant.per_channel, &sc);
-    if (t->dtype == KVB_DTYPE_F8_E4M3) {
-        KVB_LOG_E("model: tensor \"%s\" is F8_E4M3, but quantization_config does not quantize it", name);
-        return KVB_ERR_INVALID;
-    }
-    return KVB_OK;
-}
-
-kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg_out) {
-    if (!dir) return KVB_ERR_INVALID;
-    kvb_model_config c;
-    kvb_st_set *set = NULL;
-    const kvb_st_tensor *t = NULL;
-    kvb_status st;
-    KVB_TRY_GOTO(kvb_model_config_load(dir, &c), fail);
-    KVB_TRY_GOTO(kvb_st_open_dir(dir, &set), fail);
-    KVB_TRY_GOTO(find_weight(set, "model.embed_tokens.weight", c.vocab, c.hidden, &t), fail_set);
-    for (int l = 0; l < c.n_layers; l++) {
-        kvb_layer_weights w;
-        layer_tensor spec[18];
-        int n = layer_spec(&c, &w, spec);
-        for (int i = 0; i < n; i++) {
-            char name[128];
-            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-            KVB_TRY_GOTO(find_weight(set, name, spec[i].rows, spec[i].cols, &t), fail_set);
-            KVB_TRY_GOTO(check_dtype(set, &c, name, t, spec[i].proj >= 0 && kvb_quant_is_quantized(&c.quant, l, spec[i].proj)), fail_set);
-        }
-    }
-    KVB_TRY_GOTO(find_weight(set, "model.norm.weight", c.hidden, 0, &t), fail_set);
-    if (!c.tie_embeddings) {
-        KVB_TRY_GOTO(find_weight(set, "lm_head.weight", c.vocab, c.hidden, &t), fail_set);
-        KVB_TRY_GOTO(check_dtype(set, &c, "lm_head.weight", t, kvb_quant_is_quantized(&c.quant, 0, KVB_PROJ_COUNT)), fail_set);
-    }
-    kvb_st_close(set);
-    if (cfg_out) *cfg_out = c;
-    return KVB_OK;
-
-fail_set:
-    kvb_st_close(set);
-fail:
-    KVB_LOG_E("%s: not a loadable model (%s)", dir, kvb_status_str(st));
-    return st;
-}
-
 void kvb_model_destroy(kvb_model *m) {
     if (!m) return;
     free_weights(m);
@@ -397,9 +247,8 @@ kvb_kv_geom kvb_model_kv_geom(const kvb_model *m, int block_size) {
 }
 
 static int64_t layer_params(const kvb_model_config *c) {
-    kvb_layer_weights w;
-    layer_tensor spec[18];
-    int n = layer_spec(c, &w, spec);
+    kvb_layer_tensor_spec spec[KVB_LT_COUNT];
+    int n = kvb_model_layer_spec(c, spec);
     int64_t p = 0;
     for (int i = 0; i < n; i++) p += spec[i].rows * (spec[i].cols ? spec[i].cols : 1);
     return p;

@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "common/mem/mem.h"
+#include "common/model/check.h"
 #include "common/model/config.h"
 #include "kernels/backend.h"
 
@@ -28,11 +29,6 @@ typedef struct kvb_model kvb_model;
  * lifetime). Weights are checked by name and shape; errors name the tensor. Caller owns the result. */
 kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out);
 void kvb_model_destroy(kvb_model *m);
-/* The checks of kvb_model_load without loading anything: config.json, the safetensors headers and
- * every tensor the architecture needs, by name and shape; no weight is read (kvbankd checks every
- * model directory before it starts a process). Errors name the file, field or tensor. Fills *cfg when
- * not NULL. */
-kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg);
 
 const kvb_model_config *kvb_model_cfg(const kvb_model *m);
 kvb_backend *kvb_model_backend(const kvb_model *m);

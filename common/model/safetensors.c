@@ -142,21 +142,15 @@ static kvb_status push_entry(kvb_st_set *s, const kvb_st_tensor *t, int file) {
 /* Maps `path` and appends its tensors to `s` (not yet sorted). */
 static kvb_status add_file(kvb_st_set *s, const char *path) {
     kvb_status st;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        KVB_LOG_E("%s: cannot open: %s", path, strerror(errno));
-        return errno == ENOENT ? KVB_ERR_NOT_FOUND : KVB_ERR_IO;
-    }
+    int fd;
+    st = kvb_open_regular(path, &fd); /* a FIFO named *.safetensors would block open() forever */
+    if (st == KVB_ERR_NOT_FOUND) KVB_LOG_E("%s: cannot open: it does not exist", path);
+    if (st != KVB_OK) return st;
     struct stat sb;
     if (fstat(fd, &sb) != 0) {
         KVB_LOG_E("%s: cannot stat: %s", path, strerror(errno));
         close(fd);
         return KVB_ERR_IO;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        KVB_LOG_E("%s: not a regular file", path);
-        close(fd);
-        return KVB_ERR_FORMAT;
     }
     uint64_t size = (uint64_t)sb.st_size;
     if (size < 8) {

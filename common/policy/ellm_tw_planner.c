@@ -404,10 +404,11 @@ static void plan_work(etw *p, const kvb_view *v, const kvb_plan *out) {
 }
 
 /* ellm-tokenwise's own part of the plan: DROP and RUN entries for the running requests at ratio r
- * (prefilling ones run their next chunk with nothing absent), then FCFS admission up to b. */
+ * (prefilling ones run their next chunk with nothing absent), then FCFS admission up to b. The step's
+ * token budget is the baselines' (chunk + b): the same prefill room under the same batch bound. */
 static kvb_status ellm_plan(etw *p, const kvb_view *v, int n_keep, double r, int b, kvb_plan *out) {
     const int bs = v->geom->block_size;
-    int budget = (int)KVB_MIN((int64_t)v->max_batch_tokens, (int64_t)p->chunk_now + n_keep);
+    int budget = (int)KVB_MIN((int64_t)v->max_batch_tokens, (int64_t)p->chunk_now + b);
     int used = 0;
     /* swapped layers (§4.3): the released blocks keep host copies of layers [n_rec, L), read each step */
     int n_host = p->swap_layers ? p->layer.n_swap : 0;

@@ -67,6 +67,7 @@ typedef struct of_dec {
     int cand[OF_MAX];     /* -1: paused */
     uint8_t pause[OF_MAX], resume[OF_MAX];
     kvb_of_solution sol;
+    int64_t eq1_buffer;   /* Eq. 1's prefetch buffer for the same placement (max over layers) */
     int best_effort;
     double solve_s;
 } of_dec;
@@ -354,6 +355,10 @@ static void decide(const kvb_of_planner *P, const of_snap *s, of_dec *d) {
     }
     d->sol = po.sol;
     d->best_effort = po.best_effort;
+    if (po.sol.feasible) { /* what Eq. 1 would reserve for the same placement (kvbank reserves sol.buffer) */
+        for (int r = 0; r < s->n; r++) excl[r] |= po.paused[r];
+        d->eq1_buffer = kvb_of_eq1_buffer(&q, po.sol.cand, 0);
+    }
     for (int r = 0; r < s->n; r++) { /* infeasible: nothing changes (the plan's check trims) */
         d->pause[r] = po.paused[r];
         d->cand[r] = excl[r] || po.paused[r] || !po.sol.feasible ? -1 : po.sol.cand[r];
@@ -622,7 +627,14 @@ static void install(kvb_of_planner *P, const kvb_view *v, const of_dec *d, of_at
             a->pause[a->n_pause++] = d->id[x];
         if (d->resume[x] && v->reqs[i].state == KVB_REQ_PAUSED) a->resume[a->n_resume++] = d->id[x];
     }
-    if (d->sol.feasible) kvb_of_ctl_install(&P->ctl, P->step, &d->sol);
+    if (d->sol.feasible) {
+        kvb_of_ctl_install(&P->ctl, P->step, &d->sol);
+        P->st.feasible_decisions++;
+        P->st.mem_slices_sum += (double)d->sol.mem;
+        P->st.buffer_slices_sum += (double)d->sol.buffer;
+        P->st.eq1_buffer_slices_sum += (double)d->eq1_buffer;
+        P->st.budget_slices_sum += (double)v->pool.n_slices;
+    }
     P->st.solve_us_total += d->solve_s * 1e6;
     if (d->solve_s * 1e6 > P->st.solve_us_max) P->st.solve_us_max = d->solve_s * 1e6;
     P->st.decisions++;

@@ -73,6 +73,10 @@ typedef struct kvb_of_planner_stats {
     uint64_t pred_steps;        /* decode steps with a prediction */
     double pred_err_sum, pred_err_max; /* |observed - predicted| / predicted */
     uint64_t pred_within[3];    /* of those, steps with that error within 10 %, 25 %, 50 % */
+    /* feasible decisions: sums of their device slices (buffer included), their prefetch buffer (the sum over
+     * requests kvbank reserves), Eq. 1's buffer for the same placement (the max over layers) and the budget */
+    uint64_t feasible_decisions;
+    double mem_slices_sum, buffer_slices_sum, eq1_buffer_slices_sum, budget_slices_sum;
 } kvb_of_planner_stats;
 
 kvb_status kvb_of_planner_create(kvb_of_kind kind, const kvb_of_params *p, kvb_planner *out);

@@ -2,6 +2,7 @@
  * scheduler.c (queue, view, FCFS), executor.c (plans, the forward pass), stager.c (copies),
  * host_tier.c and lending.c (see state.h). */
 #include "common/sched/engine.h"
+#include "common/sched/link_calib.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -109,6 +110,10 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     e->o = o;
     e->planner = pl; /* from here on kvb_engine_destroy destroys it */
     if (ev) e->ev = *ev;
+    if (o.links.calibrate) { /* a scaled link preset no caller calibrated: at the default point */
+        KVB_TRY_GOTO(kvb_link_calibrate(m, NULL, &o.links), fail);
+        e->o.links = o.links;
+    }
     e->geom = kvb_model_kv_geom(m, o.block_size);
     kvb_backend *be = kvb_model_backend(m);
     e->model_info = (kvb_model_info){.cfg = c, .weight_bytes = kvb_model_weight_bytes_per_token(m),
@@ -214,6 +219,8 @@ kvb_status kvb_engine_add(kvb_engine *e, const kvb_request *r) { return kvb__sch
 const char *kvb_engine_last_error(const kvb_engine *e) { return e->last_error; }
 
 kvb_model *kvb_engine_model(const kvb_engine *e) { return e->m; }
+
+const kvb_link_model *kvb_engine_links(const kvb_engine *e) { return kvb_stager_links(e->stager); }
 
 kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
     seq_list *lists[] = {&e->waiting, &e->running, &e->swapped}, *l = NULL;

@@ -104,6 +104,8 @@ const char *kvb_engine_last_error(const kvb_engine *e);
 const char *kvb_engine_planner_name(const kvb_engine *e);
 /* The model the engine serves (borrowed). */
 kvb_model *kvb_engine_model(const kvb_engine *e);
+/* The link model its stager charges (a scaled preset calibrated; borrowed). */
+const kvb_link_model *kvb_engine_links(const kvb_engine *e);
 /* Cancels a queued or running request: on_finish(CANCELLED) is called at once. KVB_ERR_NOT_FOUND if
  * the id is unknown. Not to be called from inside an event callback (the engine is mid-step there):
  * defer it until kvb_engine_step returns. */

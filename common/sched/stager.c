@@ -1,5 +1,5 @@
 /* kvbank — the stager (stager.h): one copy thread per link, transfers in post order per link, tickets,
- * the link model's delays, and the presets that model target machines. */
+ * and the link model's delays (the model's arithmetic is link_model.c). */
 #include "common/sched/stager.h"
 
 #include <errno.h>
@@ -8,41 +8,6 @@
 #include <time.h>
 
 /* ------------------------------------------------------------------------------------ link model */
-
-/* A target machine: compute rate and its three links. Numbers are the vendors' figures rounded to what
- * a copy achieves (PCIe 5.0 x16 about 50 GB/s of its 64, NVLink 4 about 450 GB/s one way); latency is
- * the cost of one transfer (a copy call or a gather kernel launch), about 10 us over PCIe or NVLink,
- * 5 us on the device. */
-typedef struct preset {
-    const char *name;
-    const char *target;
-    double tflops;                  /* dense bf16 tensor rate */
-    double gbps[KVB_LINK_COUNT];    /* host, peer, local */
-    double lat_us[KVB_LINK_COUNT];
-} preset;
-
-static const preset presets[] = {
-    {"h100-pcie5", "H100 SXM, bf16 800 TFLOP/s; host tier over PCIe 5.0 x16; lenders on the same GPU (in place)",
-     800, {50, 1500, 1500}, {10, 5, 5}},
-    {"h100-nvlink", "H100 SXM, bf16 800 TFLOP/s; host tier over PCIe 5.0 x16; lenders on other GPUs over NVLink 4",
-     800, {50, 450, 1500}, {10, 10, 5}},
-    {"a100-pcie4", "A100 80GB, bf16 312 TFLOP/s; host and peers over PCIe 4.0 x16 (eLLM's testbeds)", 312,
-     {25, 25, 1300}, {10, 10, 5}},
-    {"pcie3", "RTX A5000, bf16 111 TFLOP/s; host and peers over PCIe 3.0 x16 (OrbitFlow's testbed)", 111,
-     {12, 12, 380}, {10, 10, 5}},
-    {"h20-nvlink", "H20 96GB, bf16 148 TFLOP/s; host over PCIe 4.0 (32 GB/s shared); peers over NVLink 200 GB/s one "
-                   "way (SwiftCache's testbed)", 148, {32, 200, 2000}, {10, 10, 5}},
-};
-
-void kvb_link_preset_list(FILE *f) {
-    fprintf(f, "%-18s %s\n", "off", "no link model: copies run at memory speed (default)");
-    for (size_t i = 0; i < KVB_ARRAY_LEN(presets); i++) {
-        const preset *p = &presets[i];
-        fprintf(f, "%-18s %s: host %g GB/s, peer %g GB/s, local %g GB/s\n", p->name, p->target, p->gbps[0], p->gbps[1],
-                p->gbps[2]);
-    }
-    fprintf(f, "%-18s the same links scaled by this machine's measured compute rate / the target's\n", "NAME-scaled");
-}
 
 static pthread_mutex_t flops_mu = PTHREAD_MUTEX_INITIALIZER;
 static char flops_backend[32];
@@ -95,80 +60,9 @@ out:
 }
 
 kvb_status kvb_link_preset(const char *name, kvb_backend *be, kvb_link_model *out) {
-    memset(out, 0, sizeof *out);
-    out->scale = 1;
-    if (!name || !strcmp(name, "off")) {
-        snprintf(out->name, sizeof out->name, "off");
-        snprintf(out->target, sizeof out->target, "copies at memory speed");
-        return KVB_OK;
-    }
-    size_t len = strlen(name);
-    const char *suffix = "-scaled";
-    int scaled = len > strlen(suffix) && !strcmp(name + len - strlen(suffix), suffix);
-    size_t base = scaled ? len - strlen(suffix) : len;
-    for (size_t i = 0; i < KVB_ARRAY_LEN(presets); i++) {
-        const preset *p = &presets[i];
-        if (strlen(p->name) != base || strncmp(p->name, name, base)) continue;
-        snprintf(out->name, sizeof out->name, "%s", name);
-        snprintf(out->target, sizeof out->target, "%s", p->target);
-        out->target_flops = p->tflops * 1e12;
-        if (scaled) {
-            if (!be) {
-                KVB_LOG_E("link preset %s: measuring this machine's compute rate needs a backend", name);
-                return KVB_ERR_INVALID;
-            }
-            KVB_TRY(kvb_link_measure_flops(be, &out->measured_flops));
-            out->scale = out->measured_flops / out->target_flops;
-        }
-        for (int k = 0; k < KVB_LINK_COUNT; k++) {
-            out->links[k].bytes_per_s = p->gbps[k] * 1e9 * out->scale;
-            out->links[k].latency_s = p->lat_us[k] * 1e-6 / out->scale;
-        }
-        return KVB_OK;
-    }
-    char names[512];
-    size_t at = (size_t)snprintf(names, sizeof names, "off");
-    for (size_t i = 0; i < KVB_ARRAY_LEN(presets) && at < sizeof names; i++)
-        at += (size_t)snprintf(names + at, sizeof names - at, ", %s", presets[i].name);
-    KVB_LOG_E("unknown link preset \"%s\" (available: %s, each also as NAME-scaled)", name, names);
-    return KVB_ERR_NOT_FOUND;
-}
-
-/* "12.5 GB/s", "9.6 MB/s". */
-static void fmt_rate(char *buf, size_t len, double bps) {
-    if (bps >= 1e9) snprintf(buf, len, "%.3g GB/s", bps / 1e9);
-    else if (bps >= 1e6) snprintf(buf, len, "%.3g MB/s", bps / 1e6);
-    else snprintf(buf, len, "%.3g kB/s", bps / 1e3);
-}
-
-static void fmt_time(char *buf, size_t len, double s) {
-    if (s >= 1) snprintf(buf, len, "%.3g s", s);
-    else if (s >= 1e-3) snprintf(buf, len, "%.3g ms", s * 1e3);
-    else snprintf(buf, len, "%.3g us", s * 1e6);
-}
-
-void kvb_link_model_print(FILE *f, const kvb_link_model *m) {
-    if (!m->target_flops) {
-        fprintf(f, "link preset: off (copies at memory speed)\n");
-        return;
-    }
-    fprintf(f, "link preset: %s%s (%s", m->name, m->share ? ", transfers share each link equally" : "", m->target);
-    if (m->measured_flops > 0)
-        fprintf(f, "; scaled by %.3g = this machine's %.3g GFLOP/s measured / the target's %.3g TFLOP/s", m->scale,
-                m->measured_flops / 1e9, m->target_flops / 1e12);
-    for (int k = 0; k < KVB_LINK_COUNT; k++) {
-        char r[32], t[32];
-        fmt_rate(r, sizeof r, m->links[k].bytes_per_s);
-        fmt_time(t, sizeof t, m->links[k].latency_s);
-        fprintf(f, "%s %s %s + %s", k ? "," : ";", kvb_link_kind_str((kvb_link_kind)k), r, t);
-    }
-    fprintf(f, ")\n");
-}
-
-double kvb_link_seconds(const kvb_link_model *m, kvb_link_kind link, size_t bytes) {
-    if (!m || link < 0 || link >= KVB_LINK_COUNT) return 0;
-    const kvb_link *l = &m->links[link];
-    return l->latency_s + (l->bytes_per_s > 0 ? (double)bytes / l->bytes_per_s : 0);
+    KVB_TRY(kvb_link_preset_find(name, out));
+    if (out->calibrate && be) KVB_TRY(kvb_link_measure_flops(be, &out->measured_flops));
+    return KVB_OK;
 }
 
 /* ---------------------------------------------------------------------------------------- stager */

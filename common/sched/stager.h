@@ -7,55 +7,26 @@
  * the layer that reads what it loads, before the step ends for stores). Stage buffers (single-layer
  * slices) are the stager's memory.
  *
- * The link model: a transfer (one post: any number of pieces) on link k takes at least
- *     latency_s[k] + bytes / bytes_per_s[k]
- * and the copy thread sleeps out what the real copy did not take. Off (the default, every test) means
- * memory speed. Presets (kvb_link_preset) name a target machine; "NAME-scaled" multiplies every
- * bandwidth by, and divides every latency by, scale = this machine's measured compute rate / the
- * target's, so that transfer time / compute time on this CPU equals the target's (an H100 computes
- * about 5,000 times faster than this CPU; its 50 GB/s PCIe becomes about 10 MB/s here). */
+ * The link model (link_model.h): a transfer on link k takes at least latency_s[k] + bytes /
+ * bytes_per_s[k], and the copy thread sleeps out what the real copy did not take. Off (the default,
+ * every test) means memory speed. */
 #ifndef KVB_SCHED_STAGER_H
 #define KVB_SCHED_STAGER_H
 
 #include <stdio.h>
 
+#include "common/sched/link_model.h"
 #include "common/sched/plan.h"
 
 /* ------------------------------------------------------------------------------------ link model */
 
-typedef struct kvb_link {
-    double bytes_per_s; /* 0: unlimited */
-    double latency_s;   /* per transfer (post) */
-} kvb_link;
-
-typedef struct kvb_link_model {
-    char name[48];                 /* the preset's name ("off" when zeroed) */
-    char target[96];               /* the machine it models, in words */
-    kvb_link links[KVB_LINK_COUNT];
-    double target_flops;           /* the target's compute rate (FLOP/s), 0 for "off" */
-    double measured_flops;         /* this machine's (scaled presets), else 0 */
-    double scale;                  /* 1, or measured / target */
-    int share;                     /* 0: a link's transfers run one after the other in post order; 1: the
-                                    * transfers in flight on a link share its bandwidth equally, each
-                                    * direction apart (to and from the device: full duplex), a transfer
-                                    * moving data from post + latency on (processor sharing: OrbitFlow
-                                    * §3.3.1's rule, and how DMA engines share a PCIe link) */
-} kvb_link_model;
-
-/* The preset `name` (kvb_link_preset_list prints them): "off", "h100-pcie5", "h100-nvlink",
- * "a100-pcie4", "pcie3", "h20-nvlink", each also as "NAME-scaled", which measures this machine's
- * compute rate on `be` (kvb_link_measure_flops; be may be NULL for unscaled presets).
- * KVB_ERR_NOT_FOUND (logged with the names) for an unknown name. */
+/* kvb_link_preset_find (link_model.h), and for a scaled preset this machine's compute rate on `be` as
+ * well (kvb_link_measure_flops, for the planners' cost models; be may be NULL). The time scale is set
+ * by kvb_link_calibrate (link_calib.h) or, failing that, by kvb_engine_create. */
 kvb_status kvb_link_preset(const char *name, kvb_backend *be, kvb_link_model *out);
-void kvb_link_preset_list(FILE *f);
 /* This machine's compute rate on `be`: the best of a few [256 x 1024] x [1024 x 1024] matmuls, in
  * FLOP/s. Measured once per process and backend name, then remembered. */
 kvb_status kvb_link_measure_flops(kvb_backend *be, double *flops);
-/* The line every benchmark prints: "link preset: NAME (target ...; host X GB/s + Y us, ...)". */
-void kvb_link_model_print(FILE *f, const kvb_link_model *m);
-/* Seconds the model charges for one transfer of `bytes` on `link` (0 when off): what planners that
- * predict stalls (OrbitFlow's latency model, eLLM's swap cost) should use. */
-double kvb_link_seconds(const kvb_link_model *m, kvb_link_kind link, size_t bytes);
 
 /* --------------------------------------------------------------------------------------- stager */
 

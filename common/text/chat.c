@@ -9,9 +9,12 @@
 #include "common/text/text_impl.h"
 #include "common/util/util.h"
 
+#define MAX_TEMPLATE_FILE (4u << 20) /* chat_template.jinja: real ones are tens of KB */
+
 struct kvb_chat_template {
     kvb_jinja *jinja;
-    char *bos, *eos; /* the tokens' text, or NULL */
+    char *bos, *eos;     /* the tokens' text, or NULL */
+    kvb_text_limits lim; /* the budgets every render runs under */
 };
 
 kvb_status kvb_chat_template_parse(const char *source, const char *bos_token, const char *eos_token,
@@ -19,6 +22,7 @@ kvb_status kvb_chat_template_parse(const char *source, const char *bos_token, co
     kvb_chat_template *t;
     *out = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *t, (void **)&t));
+    kvb_text_limits_default(&t->lim);
     kvb_status st = kvb_jinja_parse(source, strlen(source), &t->jinja, err, err_len);
     if (st == KVB_OK && bos_token) st = kvb_strdup(bos_token, &t->bos);
     if (st == KVB_OK && eos_token) st = kvb_strdup(eos_token, &t->eos);
@@ -37,35 +41,29 @@ static const char *token_text(const json_t *cfg, const char *key) {
     return json_is_string(v) ? json_string_value(v) : NULL;
 }
 
-kvb_status kvb_chat_template_load(const char *model_dir, kvb_chat_template **out) {
+kvb_status kvb_chat_template_load_why(const char *model_dir, kvb_chat_template **out, char *why, size_t why_len) {
     json_t *cfg = NULL;
-    char *file_src = NULL, err[512];
+    char *file_src = NULL, err[512] = "";
     const char *src = NULL, *where = "tokenizer_config.json";
     *out = NULL;
-    KVB_TRY(kvb__model_json(model_dir, "tokenizer_config.json", 1, 1, &cfg));
+    if (why_len) why[0] = '\0';
+    kvb_status st = kvb__model_json(model_dir, "tokenizer_config.json", 1, 1, &cfg);
+    if (st != KVB_OK) {
+        snprintf(why, why_len, "tokenizer_config.json cannot be read (%s)", kvb_status_str(st));
+        return st;
+    }
     char path[4096];
     snprintf(path, sizeof path, "%s/chat_template.jinja", model_dir);
-    FILE *f = fopen(path, "rb");
-    kvb_status st = KVB_OK;
-    if (f) {
+    size_t n = 0;
+    st = kvb_read_file(path, MAX_TEMPLATE_FILE, &file_src, &n);
+    if (st == KVB_OK) {
         where = "chat_template.jinja";
-        size_t cap = 1 << 16, n = 0;
-        file_src = malloc(cap);
-        while (file_src) {
-            n += fread(file_src + n, 1, cap - n - 1, f);
-            if (n < cap - 1) break;
-            char *p = realloc(file_src, cap *= 2);
-            if (!p) free(file_src);
-            file_src = p;
-        }
-        fclose(f);
-        if (!file_src) {
-            json_decref(cfg);
-            return KVB_ERR_NOMEM;
-        }
-        file_src[n] = 0;
         src = file_src;
+    } else if (st != KVB_ERR_NOT_FOUND) {
+        snprintf(err, sizeof err, "cannot be read (%s)", kvb_status_str(st));
+        where = "chat_template.jinja";
     } else {
+        st = KVB_OK;
         const json_t *ct = json_object_get(cfg, "chat_template");
         if (json_is_string(ct)) src = json_string_value(ct);
         else if (json_is_array(ct)) { /* [{"name": "default", "template": ...}, {"name": "tool_use", ...}] */
@@ -77,23 +75,32 @@ kvb_status kvb_chat_template_load(const char *model_dir, kvb_chat_template **out
                     src = json_string_value(json_object_get(e, "template"));
             }
             if (!src) {
-                KVB_LOG_E("%s: tokenizer_config.json: chat_template is a list without a \"default\" template", model_dir);
+                snprintf(err, sizeof err, "chat_template is a list without a \"default\" template");
                 st = KVB_ERR_UNSUPPORTED;
             }
         } else if (ct && !json_is_null(ct)) {
-            KVB_LOG_E("%s: tokenizer_config.json: chat_template must be a string or a list", model_dir);
+            snprintf(err, sizeof err, "chat_template must be a string or a list");
             st = KVB_ERR_FORMAT;
         }
     }
     if (st == KVB_OK && !src) st = KVB_ERR_NOT_FOUND;
-    if (st == KVB_OK) {
+    if (st == KVB_OK)
         st = kvb_chat_template_parse(src, token_text(cfg, "bos_token"), token_text(cfg, "eos_token"), out, err, sizeof err);
-        if (st != KVB_OK) KVB_LOG_E("%s: %s: %s", model_dir, where, err);
+    if (st != KVB_OK && st != KVB_ERR_NOT_FOUND) {
+        KVB_LOG_E("%s: %s: %s", model_dir, where, err);
+        snprintf(why, why_len, "%s: %s", where, err);
     }
     free(file_src);
     json_decref(cfg);
     return st;
 }
+
+kvb_status kvb_chat_template_load(const char *model_dir, kvb_chat_template **out) {
+    char why[8];
+    return kvb_chat_template_load_why(model_dir, out, why, sizeof why);
+}
+
+void kvb_chat_template_set_limits(kvb_chat_template *t, const kvb_text_limits *l) { t->lim = *l; }
 
 void kvb_chat_template_destroy(kvb_chat_template *t) {
     if (!t) return;
@@ -174,7 +181,7 @@ kvb_status kvb_chat_render(const kvb_chat_template *t, const json_t *messages, i
               json_object_set_new(vars, "eos_token", json_string(t->eos ? t->eos : ""));
     if (extra) bad |= json_object_update(vars, (json_t *)extra);
     size_t len;
-    kvb_status st = bad ? KVB_ERR_NOMEM : kvb_jinja_render(t->jinja, vars, out, &len, err, err_len);
+    kvb_status st = bad ? KVB_ERR_NOMEM : kvb_jinja_render(t->jinja, vars, &t->lim, out, &len, err, err_len);
     json_decref(vars);
     return st;
 }

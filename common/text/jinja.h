@@ -9,19 +9,23 @@
 #include <jansson.h>
 #include <stddef.h>
 
+#include "common/text/limits.h"
 #include "common/util/status.h"
 
 typedef struct kvb_jinja kvb_jinja;
 
 /* Parses src[0..len). KVB_ERR_FORMAT (a syntax error) or KVB_ERR_UNSUPPORTED (a construct outside
- * the subset) with "line L, column C: what" in err. Caller owns *out. */
+ * the subset, or blocks and expressions nested deeper than KVB_JINJA_MAX_NESTING) with "line L,
+ * column C: what" in err. Caller owns *out. */
 kvb_status kvb_jinja_parse(const char *src, size_t len, kvb_jinja **out, char *err, size_t err_len);
 void kvb_jinja_destroy(kvb_jinja *j);
 
-/* Renders with the variables of the JSON object `vars`. KVB_ERR_INVALID for raise_exception (its
- * message in err) and for run-time errors (a type error, an undefined attribute; with the line and
- * column). Caller frees *out (NUL-terminated, *len without the NUL). */
-kvb_status kvb_jinja_render(const kvb_jinja *j, const json_t *vars, char **out, size_t *len, char *err,
-                            size_t err_len);
+/* Renders with the variables of the JSON object `vars` under the budgets `lim` (NULL: the defaults).
+ * KVB_ERR_INVALID for raise_exception (its message in err) and for run-time errors (a type error, an
+ * undefined attribute; with the line and column); KVB_ERR_EXHAUSTED when a budget is spent (steps,
+ * output bytes, memory, or recursion deeper than KVB_JINJA_MAX_CALL_DEPTH). Caller frees *out
+ * (NUL-terminated, *len without the NUL). */
+kvb_status kvb_jinja_render(const kvb_jinja *j, const json_t *vars, const kvb_text_limits *lim, char **out,
+                            size_t *len, char *err, size_t err_len);
 
 #endif

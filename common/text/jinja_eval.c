@@ -13,9 +13,9 @@
 #include "common/text/jinja_impl.h"
 #include "common/util/util.h"
 
-#define MAX_DEPTH 64            /* macro calls within macro calls */
-#define MAX_OUTPUT (64u << 20)  /* bytes one render may produce */
 #define MAX_RANGE 1000000       /* items range() may make */
+/* Helpers with large frames stay out of eval_node and exec_body, which recurse (limits.h's stack bound). */
+#define NOINLINE __attribute__((noinline))
 
 /* A string builder in the arena: an error may longjmp past it without leaking. */
 typedef struct sbuf {
@@ -37,20 +37,52 @@ typedef struct rstate {
     sbuf *out;    /* where output goes (a macro call or {% set %} block redirects it) */
     scope *globals;  /* the render's variables */
     int ctl;         /* 1: break, 2: continue pending */
-    int depth;
+    int depth;       /* recursion: evaluations, statements, macro calls and nested values in progress */
+    uint64_t steps;  /* work done (see kvb_text_limits.render_steps) */
+    kvb_text_limits lim;
 } rstate;
 
-static void fail(rstate *r, const jnode *at, const char *fmt, ...) __attribute__((format(printf, 3, 4), noreturn));
-static void fail(rstate *r, const jnode *at, const char *fmt, ...) {
+/* Ends the render with status st and the message in r->err ("chat template line L, column C: ..."). */
+static void fail_v(rstate *r, kvb_status st, const jnode *at, const char *fmt, va_list ap)
+    __attribute__((format(printf, 4, 0), noreturn, noinline, cold));
+static void fail_v(rstate *r, kvb_status st, const jnode *at, const char *fmt, va_list ap) {
     char msg[384];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     if (at) snprintf(r->err, r->err_len, "chat template line %d, column %d: %s", at->line, at->col, msg);
     else snprintf(r->err, r->err_len, "chat template: %s", msg);
-    r->st = KVB_ERR_INVALID;
+    r->st = st;
     longjmp(r->jb, 1);
+}
+
+/* A run-time error of the template (a type error, an undefined attribute): KVB_ERR_INVALID. */
+static void fail(rstate *r, const jnode *at, const char *fmt, ...) __attribute__((format(printf, 3, 4), noreturn, cold));
+static void fail(rstate *r, const jnode *at, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fail_v(r, KVB_ERR_INVALID, at, fmt, ap);
+}
+
+/* A budget of kvb_text_limits is spent: KVB_ERR_EXHAUSTED (the template is not wrong, the input or the
+ * template's loops are too large for this server). */
+static void fail_budget(rstate *r, const jnode *at, const char *fmt, ...) __attribute__((format(printf, 3, 4), noreturn, cold));
+static void fail_budget(rstate *r, const jnode *at, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fail_v(r, KVB_ERR_EXHAUSTED, at, fmt, ap);
+}
+
+/* Counts k units of work against the step budget. */
+static void charge(rstate *r, const jnode *at, uint64_t k) {
+    r->steps += k;
+    if (r->steps > r->lim.render_steps)
+        fail_budget(r, at, "the render ran over its budget of %llu steps", (unsigned long long)r->lim.render_steps);
+}
+
+/* One more level of recursion (an evaluation, a statement list, a macro call, a nested value). */
+static void enter(rstate *r, const jnode *at) {
+    if (++r->depth > KVB_JINJA_MAX_CALL_DEPTH)
+        fail_budget(r, at, "the render nests deeper than %d levels (expressions, macro calls or values)",
+                    KVB_JINJA_MAX_CALL_DEPTH);
 }
 
 static void oom(rstate *r) {
@@ -60,10 +92,11 @@ static void oom(rstate *r) {
 }
 
 static void bput(rstate *r, sbuf *b, const void *p, size_t n) {
+    if (b->len + n > r->lim.render_output)
+        fail_budget(r, NULL, "a string would exceed the output budget of %zu bytes", r->lim.render_output);
     if (b->len + n + 1 > b->cap) { /* grow in the arena: the old copy is released with it */
         size_t cap = b->cap ? 2 * b->cap : 64;
         while (cap < b->len + n + 1) cap *= 2;
-        if (cap > 2 * (size_t)MAX_OUTPUT) fail(r, NULL, "a string exceeds %u bytes", MAX_OUTPUT);
         char *np = kvb__ja_alloc(&r->a, cap);
         if (b->len) memcpy(np, b->p, b->len);
         b->p = np;
@@ -83,6 +116,13 @@ static const jv NONE = {.kind = JV_NONE};
 
 static jv mk_bool(int b) { return (jv){.kind = JV_BOOL, .u.b = !!b}; }
 static jv mk_int(int64_t i) { return (jv){.kind = JV_INT, .u.i = i}; }
+
+/* a + b, saturated at the int64 range: loop indices step with it without overflowing */
+static int64_t sat_add(int64_t a, int64_t b) {
+    int64_t c;
+    if (!__builtin_add_overflow(a, b, &c)) return c;
+    return b > 0 ? INT64_MAX : INT64_MIN;
+}
 static jv mk_float(double f) { return (jv){.kind = JV_FLOAT, .u.f = f}; }
 
 static jv mk_str(rstate *r, const char *p, size_t n) {
@@ -96,6 +136,7 @@ static jv mk_list(rstate *r) { return (jv){.kind = JV_LIST, .u.l = kvb__ja_alloc
 static jv mk_dict(rstate *r, jv_kind kind) { return (jv){.kind = kind, .u.d = kvb__ja_alloc(&r->a, sizeof(jdict))}; }
 
 static void list_push(rstate *r, jlist *l, jv v) {
+    charge(r, NULL, 1);
     if (l->n == l->cap) {
         size_t cap = l->cap ? 2 * l->cap : 8;
         jv *nv = kvb__ja_alloc(&r->a, cap * sizeof *nv);
@@ -108,22 +149,24 @@ static void list_push(rstate *r, jlist *l, jv v) {
 
 static int str_eq(jv a, const char *s) { return a.kind == JV_STR && a.u.s.n == strlen(s) && !memcmp(a.u.s.p, s, a.u.s.n); }
 
-static int val_eq(jv a, jv b);
+static int val_eq(rstate *r, jv a, jv b);
 
-static jv *dict_find(jdict *d, jv key) {
+static jv *dict_find(rstate *r, jdict *d, jv key) {
+    charge(r, NULL, 1 + d->n / 16);
     for (size_t i = 0; i < d->n; i++)
-        if (val_eq(d->keys[i], key)) return &d->vals[i];
+        if (val_eq(r, d->keys[i], key)) return &d->vals[i];
     return NULL;
 }
 
-static jv *dict_find_s(jdict *d, const char *key) {
+static jv *dict_find_s(rstate *r, jdict *d, const char *key) {
+    charge(r, NULL, 1 + d->n / 16);
     for (size_t i = 0; i < d->n; i++)
         if (str_eq(d->keys[i], key)) return &d->vals[i];
     return NULL;
 }
 
 static void dict_set(rstate *r, jdict *d, jv key, jv val) {
-    jv *slot = dict_find(d, key);
+    jv *slot = dict_find(r, d, key);
     if (slot) {
         *slot = val;
         return;
@@ -143,7 +186,11 @@ static void dict_set(rstate *r, jdict *d, jv key, jv val) {
     d->vals[d->n++] = val;
 }
 
-static void dict_set_s(rstate *r, jdict *d, const char *key, jv val) { dict_set(r, d, mk_str(r, key, strlen(key)), val); }
+static void dict_set_s(rstate *r, jdict *d, const char *key, jv val) {
+    jv *slot = dict_find_s(r, d, key); /* an existing key is not copied again (loop variables) */
+    if (slot) *slot = val;
+    else dict_set(r, d, mk_str(r, key, strlen(key)), val);
+}
 
 static jv from_json(rstate *r, const json_t *j) {
     switch (json_typeof(j)) {
@@ -151,14 +198,18 @@ static jv from_json(rstate *r, const json_t *j) {
         jv d = mk_dict(r, JV_DICT);
         const char *k;
         json_t *v;
+        enter(r, NULL);
         json_object_foreach((json_t *)j, k, v) dict_set_s(r, d.u.d, k, from_json(r, v));
+        r->depth--;
         return d;
     }
     case JSON_ARRAY: {
         jv l = mk_list(r);
         size_t i;
         json_t *v;
+        enter(r, NULL);
         json_array_foreach(j, i, v) list_push(r, l.u.l, from_json(r, v));
+        r->depth--;
         return l;
     }
     case JSON_STRING: return mk_str(r, json_string_value(j), json_string_length(j));
@@ -196,45 +247,55 @@ static double num(jv v) { return v.kind == JV_FLOAT ? v.u.f : v.kind == JV_INT ?
 static int is_intlike(jv v) { return v.kind == JV_INT || v.kind == JV_BOOL; }
 static int64_t ival(jv v) { return v.kind == JV_INT ? v.u.i : v.u.b; }
 
-static int val_eq(jv a, jv b) {
+static int val_eq(rstate *r, jv a, jv b) {
     if (is_num(a) && is_num(b)) return is_intlike(a) && is_intlike(b) ? ival(a) == ival(b) : num(a) == num(b);
     if (a.kind != b.kind) return 0;
     switch (a.kind) {
     case JV_UNDEF:
     case JV_NONE: return 1;
-    case JV_STR: return a.u.s.n == b.u.s.n && !memcmp(a.u.s.p, b.u.s.p, a.u.s.n);
+    case JV_STR:
+        charge(r, NULL, 1 + a.u.s.n / 64);
+        return a.u.s.n == b.u.s.n && !memcmp(a.u.s.p, b.u.s.p, a.u.s.n);
     case JV_LIST:
         if (a.u.l->n != b.u.l->n) return 0;
+        enter(r, NULL);
         for (size_t i = 0; i < a.u.l->n; i++)
-            if (!val_eq(a.u.l->v[i], b.u.l->v[i])) return 0;
+            if (!val_eq(r, a.u.l->v[i], b.u.l->v[i])) return r->depth--, 0;
+        r->depth--;
         return 1;
     case JV_DICT:
     case JV_NS:
         if (a.u.d->n != b.u.d->n) return 0;
+        enter(r, NULL);
         for (size_t i = 0; i < a.u.d->n; i++) {
-            jv *o = dict_find(b.u.d, a.u.d->keys[i]);
-            if (!o || !val_eq(a.u.d->vals[i], *o)) return 0;
+            jv *o = dict_find(r, b.u.d, a.u.d->keys[i]);
+            if (!o || !val_eq(r, a.u.d->vals[i], *o)) return r->depth--, 0;
         }
+        r->depth--;
         return 1;
     default: return a.u.fn == b.u.fn;
     }
 }
 
 /* <0, 0, >0; an error for values Python cannot order. */
-static int val_cmp(rstate *r, const jnode *at, jv a, jv b) {
+static NOINLINE int val_cmp(rstate *r, const jnode *at, jv a, jv b) {
+    charge(r, at, 1);
     if (is_num(a) && is_num(b)) {
         if (is_intlike(a) && is_intlike(b)) return (ival(a) > ival(b)) - (ival(a) < ival(b));
         return (num(a) > num(b)) - (num(a) < num(b));
     }
     if (a.kind == JV_STR && b.kind == JV_STR) { /* UTF-8 byte order is code point order */
+        charge(r, at, KVB_MIN(a.u.s.n, b.u.s.n) / 64);
         int c = memcmp(a.u.s.p, b.u.s.p, KVB_MIN(a.u.s.n, b.u.s.n));
         return c ? c : (a.u.s.n > b.u.s.n) - (a.u.s.n < b.u.s.n);
     }
     if (a.kind == JV_LIST && b.kind == JV_LIST) {
+        enter(r, at);
         for (size_t i = 0; i < a.u.l->n && i < b.u.l->n; i++) {
             int c = val_cmp(r, at, a.u.l->v[i], b.u.l->v[i]);
-            if (c) return c;
+            if (c) return r->depth--, c;
         }
+        r->depth--;
         return (a.u.l->n > b.u.l->n) - (a.u.l->n < b.u.l->n);
     }
     fail(r, at, "cannot compare %s with %s", kind_name(a), kind_name(b));
@@ -272,7 +333,7 @@ static void repr(rstate *r, sbuf *b, jv v) {
 }
 
 /* Python's str(). */
-static void to_str(rstate *r, sbuf *b, jv v) {
+static NOINLINE void to_str(rstate *r, sbuf *b, jv v) {
     char tmp[64];
     switch (v.kind) {
     case JV_UNDEF: return;
@@ -282,15 +343,18 @@ static void to_str(rstate *r, sbuf *b, jv v) {
     case JV_FLOAT: kvb_fmt_py_float(v.u.f, tmp, sizeof tmp); bputs(r, b, tmp); return;
     case JV_STR: bput(r, b, v.u.s.p, v.u.s.n); return;
     case JV_LIST:
+        enter(r, NULL);
         bputs(r, b, "[");
         for (size_t i = 0; i < v.u.l->n; i++) {
             if (i) bputs(r, b, ", ");
             repr(r, b, v.u.l->v[i]);
         }
         bputs(r, b, "]");
+        r->depth--;
         return;
     case JV_DICT:
     case JV_NS:
+        enter(r, NULL);
         bputs(r, b, v.kind == JV_NS ? "<Namespace {" : "{");
         for (size_t i = 0; i < v.u.d->n; i++) {
             if (i) bputs(r, b, ", ");
@@ -299,6 +363,7 @@ static void to_str(rstate *r, sbuf *b, jv v) {
             repr(r, b, v.u.d->vals[i]);
         }
         bputs(r, b, v.kind == JV_NS ? "}>" : "}");
+        r->depth--;
         return;
     default: bputs(r, b, "<"); bputs(r, b, kind_name(v)); bputs(r, b, ">"); return;
     }
@@ -313,7 +378,7 @@ static jv str_of(rstate *r, jv v) {
 }
 
 /* json.dumps(v, ensure_ascii=False, indent=indent, sort_keys=sort_keys) (indent < 0: None). */
-static void to_json(rstate *r, const jnode *at, sbuf *b, jv v, int indent, int sort_keys, int level) {
+static NOINLINE void to_json(rstate *r, const jnode *at, sbuf *b, jv v, int indent, int sort_keys, int level) {
     char tmp[64];
     switch (v.kind) {
     case JV_NONE: bputs(r, b, "null"); return;
@@ -355,6 +420,7 @@ static void to_json(rstate *r, const jnode *at, sbuf *b, jv v, int indent, int s
             bputs(r, b, is_list ? "]" : "}");
             return;
         }
+        enter(r, at);
         size_t *order = kvb__ja_alloc(&r->a, n * sizeof *order);
         for (size_t i = 0; i < n; i++) order[i] = i;
         if (!is_list && sort_keys) /* insertion sort by key: chat data are small */
@@ -368,6 +434,7 @@ static void to_json(rstate *r, const jnode *at, sbuf *b, jv v, int indent, int s
             if (i) bputs(r, b, indent >= 0 ? "," : ", ");
             if (indent >= 0) {
                 bputs(r, b, "\n");
+                charge(r, at, 1 + (uint64_t)indent * (level + 1) / 64);
                 for (int k = 0; k < indent * (level + 1); k++) bputs(r, b, " ");
             }
             if (is_list) to_json(r, at, b, v.u.l->v[i], indent, sort_keys, level + 1);
@@ -389,6 +456,7 @@ static void to_json(rstate *r, const jnode *at, sbuf *b, jv v, int indent, int s
             for (int k = 0; k < indent * level; k++) bputs(r, b, " ");
         }
         bputs(r, b, is_list ? "]" : "}");
+        r->depth--;
         return;
     }
     default: fail(r, at, "tojson: a %s is not JSON serializable", kind_name(v));
@@ -413,8 +481,9 @@ static uint32_t cp_at(const char *s, size_t n, size_t i, int *len) {
     return cp;
 }
 
-static int in_chars(uint32_t c, jv chars) {
+static int in_chars(rstate *r, uint32_t c, jv chars) {
     if (chars.kind != JV_STR) return py_space(c);
+    charge(r, NULL, 1 + chars.u.s.n / 64);
     for (size_t i = 0; i < chars.u.s.n;) {
         int l;
         if (cp_at(chars.u.s.p, chars.u.s.n, i, &l) == c) return 1;
@@ -428,22 +497,25 @@ static jv py_strip(rstate *r, jv s, jv chars, int which) {
     size_t a = 0, e = s.u.s.n;
     while ((which & 1) && a < e) {
         int l;
-        if (!in_chars(cp_at(s.u.s.p, e, a, &l), chars)) break;
+        if (!in_chars(r, cp_at(s.u.s.p, e, a, &l), chars)) break;
         a += (size_t)l;
     }
     while ((which & 2) && e > a) {
         size_t k = e - 1;
         while (k > a && ((unsigned char)s.u.s.p[k] & 0xC0) == 0x80) k--;
         int l;
-        if (!in_chars(cp_at(s.u.s.p, e, k, &l), chars)) break;
+        if (!in_chars(r, cp_at(s.u.s.p, e, k, &l), chars)) break;
         e = k;
     }
     return (jv){.kind = JV_STR, .u.s = {s.u.s.p + a, e - a}};
 }
 
-static const char *memmem_s(const char *h, size_t hn, const char *n, size_t nn) {
+/* memmem, counted against the step budget by the bytes it may scan. */
+static const char *memmem_s(rstate *r, const char *h, size_t hn, const char *n, size_t nn) {
     if (!nn) return h;
-    return memmem(h, hn, n, nn);
+    const char *f = memmem(h, hn, n, nn);
+    charge(r, NULL, 1 + (f ? (size_t)(f - h) + nn : hn) / 64);
+    return f;
 }
 
 /* str.split(sep=None, maxsplit=-1). */
@@ -476,7 +548,7 @@ static jv py_split(rstate *r, jv s, jv sep, int64_t maxsplit) {
     if (!sep.u.s.n) fail(r, NULL, "split: empty separator");
     for (;;) {
         const char *f = maxsplit >= 0 && (int64_t)out.u.l->n == maxsplit ? NULL
-                                                                          : memmem_s(p, (size_t)(e - p), sep.u.s.p, sep.u.s.n);
+                                                                          : memmem_s(r, p, (size_t)(e - p), sep.u.s.p, sep.u.s.n);
         if (!f) {
             list_push(r, out.u.l, (jv){.kind = JV_STR, .u.s = {p, (size_t)(e - p)}});
             return out;
@@ -508,7 +580,7 @@ static jv py_replace(rstate *r, jv s, jv old, jv new, int64_t count) {
         if (p < e) bput(r, &b, p, (size_t)(e - p));
     } else {
         for (;;) {
-            const char *f = count >= 0 && done == count ? NULL : memmem(p, (size_t)(e - p), old.u.s.p, old.u.s.n);
+            const char *f = count >= 0 && done == count ? NULL : memmem_s(r, p, (size_t)(e - p), old.u.s.p, old.u.s.n);
             if (!f) break;
             bput(r, &b, p, (size_t)(f - p));
             bput(r, &b, new.u.s.p, new.u.s.n);
@@ -541,14 +613,16 @@ static jv py_case(rstate *r, jv s, char how) {
     return o;
 }
 
-static size_t cp_count(const char *s, size_t n) {
+static size_t cp_count(rstate *r, const char *s, size_t n) {
+    charge(r, NULL, 1 + n / 64);
     size_t k = 0;
     for (size_t i = 0; i < n; i++) k += ((unsigned char)s[i] & 0xC0) != 0x80;
     return k;
 }
 
 /* Byte offset of code point index `idx` (clamped to the end). */
-static size_t cp_offset(const char *s, size_t n, int64_t idx) {
+static size_t cp_offset(rstate *r, const char *s, size_t n, int64_t idx) {
+    charge(r, NULL, 1 + (idx > 0 ? (uint64_t)idx : 0) / 64);
     size_t i = 0;
     for (int64_t k = 0; k < idx && i < n; k++) {
         i++;
@@ -561,7 +635,7 @@ static size_t cp_offset(const char *s, size_t n, int64_t idx) {
 
 static jv *lookup(rstate *r, scope *sc, const char *name) {
     for (; sc; sc = sc->parent) {
-        jv *v = dict_find_s(sc->vars, name);
+        jv *v = dict_find_s(r, sc->vars, name);
         if (v) return v;
     }
     return NULL;
@@ -594,7 +668,7 @@ static int is_one_of(const char *name, const char *const *list, size_t n) {
     return 0;
 }
 
-static jv get_attr(rstate *r, const jnode *at, jv obj, const char *name) {
+static NOINLINE jv get_attr(rstate *r, const jnode *at, jv obj, const char *name) {
     static const char *const str_methods[] = {"startswith", "endswith", "split", "strip", "lstrip", "rstrip", "upper",
                                                "lower", "title", "capitalize", "replace", "find", "count", "join",
                                                "splitlines", "format", "isdigit", "isalpha", "isspace"};
@@ -609,7 +683,7 @@ static jv get_attr(rstate *r, const jnode *at, jv obj, const char *name) {
         if (is_one_of(name, dict_methods, KVB_ARRAY_LEN(dict_methods))) return mk_method(r, obj, name);
         /* fall through */
     case JV_NS: {
-        jv *v = dict_find_s(obj.u.d, name);
+        jv *v = dict_find_s(r, obj.u.d, name);
         if (v) return *v;
         break;
     }
@@ -622,7 +696,7 @@ static jv get_attr(rstate *r, const jnode *at, jv obj, const char *name) {
     return (jv){.kind = JV_UNDEF, .undef_name = name};
 }
 
-static jv get_item(rstate *r, const jnode *at, jv obj, jv key) {
+static NOINLINE jv get_item(rstate *r, const jnode *at, jv obj, jv key) {
     switch (obj.kind) {
     case JV_UNDEF: fail(r, at, "'%s' is undefined (indexing it)", obj.undef_name ? obj.undef_name : "value");
     case JV_LIST:
@@ -638,15 +712,15 @@ static jv get_item(rstate *r, const jnode *at, jv obj, jv key) {
             if (i < 0 || i >= n) return UNDEF;
             return obj.u.l->v[i];
         }
-        int64_t n = (int64_t)cp_count(obj.u.s.p, obj.u.s.n);
+        int64_t n = (int64_t)cp_count(r, obj.u.s.p, obj.u.s.n);
         if (i < 0) i += n;
         if (i < 0 || i >= n) return UNDEF;
-        size_t a = cp_offset(obj.u.s.p, obj.u.s.n, i), e = cp_offset(obj.u.s.p, obj.u.s.n, i + 1);
+        size_t a = cp_offset(r, obj.u.s.p, obj.u.s.n, i), e = cp_offset(r, obj.u.s.p, obj.u.s.n, i + 1);
         return (jv){.kind = JV_STR, .u.s = {obj.u.s.p + a, e - a}};
     }
     case JV_DICT:
     case JV_NS: {
-        jv *v = dict_find(obj.u.d, key);
+        jv *v = dict_find(r, obj.u.d, key);
         if (v) return *v;
         break;
     }
@@ -666,23 +740,30 @@ static int64_t slice_bound(rstate *r, const jnode *at, jv v, int64_t dflt, int64
     return i < 0 ? -1 : i >= n ? n - 1 : i;
 }
 
-static jv do_slice(rstate *r, const jnode *at, jv obj, jv a, jv b, jv c) {
+static NOINLINE jv do_slice(rstate *r, const jnode *at, jv obj, jv a, jv b, jv c) {
     int64_t step = c.kind == JV_UNDEF || c.kind == JV_NONE ? 1 : is_intlike(c) ? ival(c) : 0;
     if (!step) fail(r, at, "slice step must be a non-zero integer");
     if (obj.kind != JV_LIST && obj.kind != JV_STR) fail(r, at, "cannot slice a %s", kind_name(obj));
-    int64_t n = obj.kind == JV_LIST ? (int64_t)obj.u.l->n : (int64_t)cp_count(obj.u.s.p, obj.u.s.n);
+    int64_t n = obj.kind == JV_LIST ? (int64_t)obj.u.l->n : (int64_t)cp_count(r, obj.u.s.p, obj.u.s.n);
     int64_t lo = slice_bound(r, at, a, step > 0 ? 0 : n - 1, n, step);
     int64_t hi = slice_bound(r, at, b, step > 0 ? n : -1, n, step);
     if (obj.kind == JV_LIST) {
         jv out = mk_list(r);
-        for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) list_push(r, out.u.l, obj.u.l->v[i]);
+        for (int64_t i = lo; step > 0 ? i < hi : i > hi; i = sat_add(i, step)) list_push(r, out.u.l, obj.u.l->v[i]);
         return out;
     }
-    sbuf b2 = {0};
-    for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) {
-        size_t x = cp_offset(obj.u.s.p, obj.u.s.n, i), y = cp_offset(obj.u.s.p, obj.u.s.n, i + 1);
-        bput(r, &b2, obj.u.s.p + x, y - x);
+    if (step == 1) {
+        if (hi <= lo) return mk_str(r, "", 0);
+        size_t x = cp_offset(r, obj.u.s.p, obj.u.s.n, lo), y = cp_offset(r, obj.u.s.p, obj.u.s.n, hi);
+        return (jv){.kind = JV_STR, .u.s = {obj.u.s.p + x, y - x}};
     }
+    /* other steps: every character's offset once ([n + 1]), then the picked characters */
+    size_t *off = kvb__ja_alloc(&r->a, ((size_t)n + 1) * sizeof *off);
+    charge(r, at, 1 + obj.u.s.n / 64);
+    for (size_t i = 0, k = 0; i <= obj.u.s.n; i++)
+        if (i == obj.u.s.n || ((unsigned char)obj.u.s.p[i] & 0xC0) != 0x80) off[k++] = i;
+    sbuf b2 = {0};
+    for (int64_t i = lo; step > 0 ? i < hi : i > hi; i = sat_add(i, step)) bput(r, &b2, obj.u.s.p + off[i], off[i + 1] - off[i]);
     jv out = mk_buf_str(r, &b2);
     return out;
 }
@@ -732,7 +813,7 @@ typedef struct jargs {
     int n_kw;
 } jargs;
 
-static jargs eval_args(rstate *r, scope *sc, const jnode *n) {
+static NOINLINE jargs eval_args(rstate *r, scope *sc, const jnode *n) {
     jargs a = {0};
     a.pos = kvb__ja_alloc(&r->a, (size_t)(n->n_args + 1) * sizeof *a.pos);
     a.kw = kvb__ja_alloc(&r->a, (size_t)(n->n_args + 1) * sizeof *a.kw);
@@ -767,8 +848,8 @@ static jv need_str(rstate *r, const jnode *at, jv v, const char *what) {
     return v;
 }
 
-static jv call_macro(rstate *r, const jnode *at, const jnode *m, const jargs *a) {
-    if (++r->depth > MAX_DEPTH) fail(r, at, "macros nest deeper than %d", MAX_DEPTH);
+static NOINLINE jv call_macro(rstate *r, const jnode *at, const jnode *m, const jargs *a) {
+    enter(r, at);
     scope *sc = push_scope(r, r->globals);
     for (int i = 0; i < m->n_params; i++) {
         jv v = arg(a, i, m->params[i]);
@@ -784,7 +865,7 @@ static jv call_macro(rstate *r, const jnode *at, const jnode *m, const jargs *a)
     return s;
 }
 
-static jv call_global(rstate *r, const jnode *at, const char *fn, const jargs *a) {
+static NOINLINE jv call_global(rstate *r, const jnode *at, const char *fn, const jargs *a) {
     if (!strcmp(fn, "raise_exception")) {
         jv msg = str_of(r, arg(a, 0, "message"));
         snprintf(r->err, r->err_len, "%.*s", (int)msg.u.s.n, msg.u.s.p);
@@ -808,7 +889,7 @@ static jv call_global(rstate *r, const jnode *at, const char *fn, const jargs *a
         }
         if (!step) fail(r, at, "range() step must not be zero");
         jv l = mk_list(r);
-        for (int64_t i = lo; step > 0 ? i < hi : i > hi; i += step) {
+        for (int64_t i = lo; step > 0 ? i < hi : i > hi; i = sat_add(i, step)) {
             if (l.u.l->n >= MAX_RANGE) fail(r, at, "range() larger than %d", MAX_RANGE);
             list_push(r, l.u.l, mk_int(i));
         }
@@ -827,7 +908,7 @@ static jv call_global(rstate *r, const jnode *at, const char *fn, const jargs *a
     fail(r, at, "unknown function %s", fn);
 }
 
-static jv call_method(rstate *r, const jnode *at, struct jmethod *m, const jargs *a) {
+static NOINLINE jv call_method(rstate *r, const jnode *at, struct jmethod *m, const jargs *a) {
     jv s = m->self;
     const char *name = m->name;
     if (s.kind == JV_DICT) {
@@ -837,7 +918,7 @@ static jv call_method(rstate *r, const jnode *at, struct jmethod *m, const jargs
             for (size_t i = 0; i < s.u.d->n; i++) list_push(r, l.u.l, name[0] == 'k' ? s.u.d->keys[i] : s.u.d->vals[i]);
             return l;
         }
-        jv *v = dict_find(s.u.d, arg(a, 0, "key")); /* get */
+        jv *v = dict_find(r, s.u.d, arg(a, 0, "key")); /* get */
         if (v) return *v;
         jv d = arg(a, 1, "default");
         return d.kind == JV_UNDEF ? NONE : d;
@@ -865,12 +946,12 @@ static jv call_method(rstate *r, const jnode *at, struct jmethod *m, const jargs
     if (!strcmp(name, "find") || !strcmp(name, "count")) {
         jv sub = need_str(r, at, arg(a, 0, "sub"), name);
         if (name[0] == 'f') {
-            const char *f = memmem_s(s.u.s.p, s.u.s.n, sub.u.s.p, sub.u.s.n);
-            return mk_int(f ? (int64_t)cp_count(s.u.s.p, (size_t)(f - s.u.s.p)) : -1);
+            const char *f = memmem_s(r, s.u.s.p, s.u.s.n, sub.u.s.p, sub.u.s.n);
+            return mk_int(f ? (int64_t)cp_count(r, s.u.s.p, (size_t)(f - s.u.s.p)) : -1);
         }
-        if (!sub.u.s.n) return mk_int((int64_t)cp_count(s.u.s.p, s.u.s.n) + 1);
+        if (!sub.u.s.n) return mk_int((int64_t)cp_count(r, s.u.s.p, s.u.s.n) + 1);
         int64_t k = 0;
-        for (const char *p = s.u.s.p, *e = p + s.u.s.n; (p = memmem(p, (size_t)(e - p), sub.u.s.p, sub.u.s.n)); p += sub.u.s.n) k++;
+        for (const char *p = s.u.s.p, *e = p + s.u.s.n; (p = memmem_s(r, p, (size_t)(e - p), sub.u.s.p, sub.u.s.n)); p += sub.u.s.n) k++;
         return mk_int(k);
     }
     if (!strcmp(name, "join")) {
@@ -943,7 +1024,7 @@ static jv call_value(rstate *r, const jnode *at, jv f, const jargs *a) {
 
 /* ---------------------------------------------------------------------------------- tests, filters */
 
-static int apply_test(rstate *r, const jnode *at, const char *name, jv v, const jargs *a) {
+static NOINLINE int apply_test(rstate *r, const jnode *at, const char *name, jv v, const jargs *a) {
     jv x = arg(a, 0, NULL);
     if (!strcmp(name, "defined")) return v.kind != JV_UNDEF;
     if (!strcmp(name, "undefined")) return v.kind == JV_UNDEF;
@@ -959,9 +1040,9 @@ static int apply_test(rstate *r, const jnode *at, const char *name, jv v, const 
     if (!strcmp(name, "iterable")) return v.kind == JV_LIST || v.kind == JV_DICT || v.kind == JV_STR || v.kind == JV_UNDEF;
     if (!strcmp(name, "sequence")) return v.kind == JV_LIST || v.kind == JV_DICT || v.kind == JV_STR;
     if (!strcmp(name, "callable")) return v.kind == JV_FUNC || v.kind == JV_METHOD || v.kind == JV_MACRO;
-    if (!strcmp(name, "sameas")) return v.kind == x.kind && (v.kind <= JV_NONE || val_eq(v, x));
-    if (!strcmp(name, "equalto") || !strcmp(name, "eq") || !strcmp(name, "==")) return val_eq(v, x);
-    if (!strcmp(name, "ne") || !strcmp(name, "!=")) return !val_eq(v, x);
+    if (!strcmp(name, "sameas")) return v.kind == x.kind && (v.kind <= JV_NONE || val_eq(r, v, x));
+    if (!strcmp(name, "equalto") || !strcmp(name, "eq") || !strcmp(name, "==")) return val_eq(r, v, x);
+    if (!strcmp(name, "ne") || !strcmp(name, "!=")) return !val_eq(r, v, x);
     if (!strcmp(name, "lt") || !strcmp(name, "lessthan")) return val_cmp(r, at, v, x) < 0;
     if (!strcmp(name, "le")) return val_cmp(r, at, v, x) <= 0;
     if (!strcmp(name, "gt") || !strcmp(name, "greaterthan")) return val_cmp(r, at, v, x) > 0;
@@ -976,13 +1057,13 @@ static int apply_test(rstate *r, const jnode *at, const char *name, jv v, const 
     }
     if (!strcmp(name, "lower") || !strcmp(name, "upper")) {
         jv s = need_str(r, at, v, name);
-        return val_eq(py_case(r, s, name[0]), s);
+        return val_eq(r, py_case(r, s, name[0]), s);
     }
     if (!strcmp(name, "in")) {
-        if (x.kind == JV_STR && v.kind == JV_STR) return memmem_s(x.u.s.p, x.u.s.n, v.u.s.p, v.u.s.n) != NULL;
+        if (x.kind == JV_STR && v.kind == JV_STR) return memmem_s(r, x.u.s.p, x.u.s.n, v.u.s.p, v.u.s.n) != NULL;
         jlist *items = iter_items(r, at, x);
         for (size_t i = 0; i < items->n; i++)
-            if (val_eq(items->v[i], v)) return 1;
+            if (val_eq(r, items->v[i], v)) return 1;
         return 0;
     }
     fail(r, at, "unknown test '%s'", name);
@@ -990,7 +1071,7 @@ static int apply_test(rstate *r, const jnode *at, const char *name, jv v, const 
 
 static int64_t length_of(rstate *r, const jnode *at, jv v) {
     switch (v.kind) {
-    case JV_STR: return (int64_t)cp_count(v.u.s.p, v.u.s.n);
+    case JV_STR: return (int64_t)cp_count(r, v.u.s.p, v.u.s.n);
     case JV_LIST: return (int64_t)v.u.l->n;
     case JV_DICT:
     case JV_NS: return (int64_t)v.u.d->n;
@@ -1017,7 +1098,7 @@ static jv attr_path(rstate *r, const jnode *at, jv v, jv path) {
 static jv apply_filter(rstate *r, scope *sc, const jnode *at, const char *name, jv v, const jargs *a);
 
 /* select / reject / selectattr / rejectattr: keep items whose test result equals `keep`. */
-static jv filter_select(rstate *r, const jnode *at, jv v, const jargs *a, int by_attr, int keep) {
+static NOINLINE jv filter_select(rstate *r, const jnode *at, jv v, const jargs *a, int by_attr, int keep) {
     jlist *items = iter_items(r, at, v);
     jv out = mk_list(r);
     int first = by_attr ? 1 : 0;
@@ -1049,7 +1130,7 @@ static void sort_list(rstate *r, const jnode *at, jv *keys, jv *vals, size_t n, 
         }
 }
 
-static jv apply_filter(rstate *r, scope *sc, const jnode *at, const char *name, jv v, const jargs *a) {
+static NOINLINE jv apply_filter(rstate *r, scope *sc, const jnode *at, const char *name, jv v, const jargs *a) {
     if (!strcmp(name, "trim")) return py_strip(r, need_str(r, at, v.kind == JV_STR ? v : str_of(r, v), "trim"), arg(a, 0, "chars"), 3);
     if (!strcmp(name, "tojson")) {
         sbuf b = {0};
@@ -1062,6 +1143,8 @@ static jv apply_filter(rstate *r, scope *sc, const jnode *at, const char *name, 
     if (!strcmp(name, "string")) return str_of(r, v);
     if (!strcmp(name, "safe")) return v;
     if (!strcmp(name, "int")) {
+        if (v.kind == JV_FLOAT && !(v.u.f > -9223372036854775808.0 && v.u.f < 9223372036854775808.0))
+            fail(r, at, "int: %g does not fit in 64 bits", v.u.f);
         if (is_num(v)) return mk_int(v.kind == JV_FLOAT ? (int64_t)v.u.f : ival(v));
         if (v.kind == JV_STR) {
             char *end, *s = kvb__ja_strdup(&r->a, v.u.s.p, v.u.s.n);
@@ -1157,14 +1240,17 @@ static jv apply_filter(rstate *r, scope *sc, const jnode *at, const char *name, 
         jv out = mk_list(r);
         for (size_t i = 0; i < items->n; i++) {
             size_t k;
-            for (k = 0; k < out.u.l->n && !val_eq(out.u.l->v[k], items->v[i]); k++) {}
+            for (k = 0; k < out.u.l->n && !val_eq(r, out.u.l->v[k], items->v[i]); k++) {}
             if (k == out.u.l->n) list_push(r, out.u.l, items->v[i]);
         }
         return out;
     }
     if (!strcmp(name, "abs")) {
         if (v.kind == JV_FLOAT) return mk_float(fabs(v.u.f));
-        if (is_intlike(v)) return mk_int(ival(v) < 0 ? -ival(v) : ival(v));
+        if (is_intlike(v)) {
+            if (ival(v) == INT64_MIN) fail(r, at, "integer overflow: abs(%lld)", (long long)ival(v));
+            return mk_int(ival(v) < 0 ? -ival(v) : ival(v));
+        }
         fail(r, at, "abs needs a number");
     }
     if (!strcmp(name, "round")) {
@@ -1199,8 +1285,10 @@ static jv apply_filter(rstate *r, scope *sc, const jnode *at, const char *name, 
             if (acc.kind == JV_UNDEF) acc = mk_int(0);
             for (size_t i = 0; i < items->n; i++) {
                 if (!is_num(items->v[i]) || !is_num(acc)) fail(r, at, "sum needs numbers");
-                acc = is_intlike(acc) && is_intlike(items->v[i]) ? mk_int(ival(acc) + ival(items->v[i]))
-                                                                 : mk_float(num(acc) + num(items->v[i]));
+                int64_t x;
+                if (is_intlike(acc) && is_intlike(items->v[i]) && __builtin_add_overflow(ival(acc), ival(items->v[i]), &x))
+                    fail(r, at, "integer overflow: sum exceeds 64 bits");
+                acc = is_intlike(acc) && is_intlike(items->v[i]) ? mk_int(x) : mk_float(num(acc) + num(items->v[i]));
             }
             return acc;
         }
@@ -1236,7 +1324,7 @@ static jv apply_filter(rstate *r, scope *sc, const jnode *at, const char *name, 
 
 /* ---------------------------------------------------------------------------------- expressions */
 
-static jv binop(rstate *r, const jnode *at, jop op, jv x, jv y) {
+static NOINLINE jv binop(rstate *r, const jnode *at, jop op, jv x, jv y) {
     if (op == OP_CONCAT) {
         sbuf b = {0};
         to_str(r, &b, x);
@@ -1263,7 +1351,8 @@ static jv binop(rstate *r, const jnode *at, jop op, jv x, jv y) {
             if (x.kind == JV_STR) bput(r, &b, x.u.s.p, x.u.s.n);
             else
                 for (size_t i = 0; i < x.u.l->n; i++) list_push(r, l.u.l, x.u.l->v[i]);
-            if (b.len > MAX_OUTPUT || l.u.l->n > MAX_RANGE) fail(r, at, "repetition too large");
+            charge(r, at, 1 + x.u.s.n / 64);
+            if (l.u.l->n > MAX_RANGE) fail(r, at, "repetition too large");
         }
         if (x.kind == JV_LIST) return l;
         jv o = mk_buf_str(r, &b);
@@ -1274,12 +1363,19 @@ static jv binop(rstate *r, const jnode *at, jop op, jv x, jv y) {
         fail(r, at, "unsupported operand types for %s: %s and %s", ops[op], kind_name(x), kind_name(y));
     }
     int ints = is_intlike(x) && is_intlike(y);
-    int64_t a = ival(x), b = ival(y);
+    int64_t a = ival(x), b = ival(y), c = 0;
     double fa = num(x), fb = num(y);
+    static const char *const sym[] = {"+", "-", "*", "/", "//", "%", "**"};
+    /* Python's ints have no bound; ours are 64 bits: a result beyond them is an error, not a wrap */
+    int over = ints && ((op == OP_ADD && __builtin_add_overflow(a, b, &c)) ||
+                        (op == OP_SUB && __builtin_sub_overflow(a, b, &c)) ||
+                        (op == OP_MUL && __builtin_mul_overflow(a, b, &c)) ||
+                        ((op == OP_FLOORDIV || op == OP_MOD) && a == INT64_MIN && b == -1));
+    if (over) fail(r, at, "integer overflow: %lld %s %lld does not fit in 64 bits", (long long)a, sym[op], (long long)b);
     switch (op) {
-    case OP_ADD: return ints ? mk_int(a + b) : mk_float(fa + fb);
-    case OP_SUB: return ints ? mk_int(a - b) : mk_float(fa - fb);
-    case OP_MUL: return ints ? mk_int(a * b) : mk_float(fa * fb);
+    case OP_ADD: return ints ? mk_int(c) : mk_float(fa + fb);
+    case OP_SUB: return ints ? mk_int(c) : mk_float(fa - fb);
+    case OP_MUL: return ints ? mk_int(c) : mk_float(fa * fb);
     case OP_DIV:
         if (fb == 0) fail(r, at, "division by zero");
         return mk_float(fa / fb);
@@ -1298,9 +1394,12 @@ static jv binop(rstate *r, const jnode *at, jop op, jv x, jv y) {
             return op == OP_MOD ? mk_float(m) : mk_float(q);
         }
     case OP_POW:
-        if (ints && b >= 0) {
-            int64_t p = 1;
-            for (int64_t k = 0; k < b && k < 64; k++) p *= a;
+        if (ints && b >= 0) { /* by squaring: O(log b) */
+            int64_t p = 1, base = a;
+            /* the square is used later whenever a higher bit of e is left: its overflow is the result's */
+            for (int64_t e = b; e; e >>= 1)
+                if (((e & 1) && __builtin_mul_overflow(p, base, &p)) || ((e >> 1) && __builtin_mul_overflow(base, base, &base)))
+                    fail(r, at, "integer overflow: %lld ** %lld does not fit in 64 bits", (long long)a, (long long)b);
             return mk_int(p);
         }
         return mk_float(pow(fa, fb));
@@ -1308,22 +1407,72 @@ static jv binop(rstate *r, const jnode *at, jop op, jv x, jv y) {
     }
 }
 
-static int contains(rstate *r, const jnode *at, jv hay, jv needle) {
+static NOINLINE int contains(rstate *r, const jnode *at, jv hay, jv needle) {
     if (hay.kind == JV_STR) {
         if (needle.kind != JV_STR) fail(r, at, "'in <string>' needs a string on the left, not %s", kind_name(needle));
-        return memmem_s(hay.u.s.p, hay.u.s.n, needle.u.s.p, needle.u.s.n) != NULL;
+        return memmem_s(r, hay.u.s.p, hay.u.s.n, needle.u.s.p, needle.u.s.n) != NULL;
     }
-    if (hay.kind == JV_DICT || hay.kind == JV_NS) return dict_find(hay.u.d, needle) != NULL;
+    if (hay.kind == JV_DICT || hay.kind == JV_NS) return dict_find(r, hay.u.d, needle) != NULL;
     if (hay.kind == JV_LIST) {
         for (size_t i = 0; i < hay.u.l->n; i++)
-            if (val_eq(hay.u.l->v[i], needle)) return 1;
+            if (val_eq(r, hay.u.l->v[i], needle)) return 1;
         return 0;
     }
     if (hay.kind == JV_UNDEF) return 0;
     fail(r, at, "'in' needs a string, list or mapping on the right, not %s", kind_name(hay));
 }
 
+static jv eval_node(rstate *r, scope *sc, const jnode *n);
+
+/* The cases of eval_node with larger frames, apart: eval_node recurses (limits.h's stack bound). */
+static NOINLINE jv eval_call(rstate *r, scope *sc, const jnode *n) {
+    if (n->kind == JN_SLICE)
+        return do_slice(r, n, eval(r, sc, n->a), n->b ? eval(r, sc, n->b) : UNDEF, n->c ? eval(r, sc, n->c) : UNDEF,
+                        n->d ? eval(r, sc, n->d) : UNDEF);
+    jv v = eval(r, sc, n->a);
+    jargs a = eval_args(r, sc, n);
+    if (n->kind == JN_CALL) return call_value(r, n, v, &a);
+    if (n->kind == JN_FILTER) return apply_filter(r, sc, n, n->name, v, &a);
+    int t = apply_test(r, n, n->name, v, &a);
+    return mk_bool(n->op == OP_NE ? !t : t);
+}
+
+static NOINLINE jv eval_cmp(rstate *r, scope *sc, const jnode *n) {
+    jv x = eval(r, sc, n->a), y = eval(r, sc, n->b);
+    switch (n->op) {
+    case OP_EQ: return mk_bool(val_eq(r, x, y));
+    case OP_NE: return mk_bool(!val_eq(r, x, y));
+    case OP_LT: return mk_bool(val_cmp(r, n, x, y) < 0);
+    case OP_LE: return mk_bool(val_cmp(r, n, x, y) <= 0);
+    case OP_GT: return mk_bool(val_cmp(r, n, x, y) > 0);
+    default: return mk_bool(val_cmp(r, n, x, y) >= 0);
+    }
+}
+
+static NOINLINE jv eval_literal(rstate *r, scope *sc, const jnode *n) {
+    if (n->kind == JN_DICT) {
+        jv d = mk_dict(r, JV_DICT);
+        for (int i = 0; i + 1 < n->n_args; i += 2) {
+            jv k = eval(r, sc, n->args[i]);
+            dict_set(r, d.u.d, k, eval(r, sc, n->args[i + 1]));
+        }
+        return d;
+    }
+    jv l = mk_list(r);
+    for (int i = 0; i < n->n_args; i++) list_push(r, l.u.l, eval(r, sc, n->args[i]));
+    return l;
+}
+
+/* Every evaluation is a step and a level of recursion. */
 static jv eval(rstate *r, scope *sc, const jnode *n) {
+    charge(r, n, 1);
+    enter(r, n);
+    jv v = eval_node(r, sc, n);
+    r->depth--;
+    return v;
+}
+
+static jv eval_node(rstate *r, scope *sc, const jnode *n) {
     switch (n->kind) {
     case JN_LIT: return n->lit;
     case JN_NAME: {
@@ -1335,29 +1484,15 @@ static jv eval(rstate *r, scope *sc, const jnode *n) {
     case JN_ATTR: return get_attr(r, n, eval(r, sc, n->a), n->name);
     case JN_ITEM: return get_item(r, n, eval(r, sc, n->a), eval(r, sc, n->b));
     case JN_SLICE:
-        return do_slice(r, n, eval(r, sc, n->a), n->b ? eval(r, sc, n->b) : UNDEF, n->c ? eval(r, sc, n->c) : UNDEF,
-                        n->d ? eval(r, sc, n->d) : UNDEF);
-    case JN_CALL: {
-        jv f = eval(r, sc, n->a);
-        jargs a = eval_args(r, sc, n);
-        return call_value(r, n, f, &a);
-    }
-    case JN_FILTER: {
-        jv v = eval(r, sc, n->a);
-        jargs a = eval_args(r, sc, n);
-        return apply_filter(r, sc, n, n->name, v, &a);
-    }
-    case JN_TEST: {
-        jv v = eval(r, sc, n->a);
-        jargs a = eval_args(r, sc, n);
-        int t = apply_test(r, n, n->name, v, &a);
-        return mk_bool(n->op == OP_NE ? !t : t);
-    }
+    case JN_CALL:
+    case JN_FILTER:
+    case JN_TEST: return eval_call(r, sc, n);
     case JN_NEG:
     case JN_POS: {
         jv v = eval(r, sc, n->a);
         if (!is_num(v)) fail(r, n, "bad operand type for unary %s: %s", n->kind == JN_NEG ? "-" : "+", kind_name(v));
         if (n->kind == JN_POS) return v;
+        if (v.kind != JV_FLOAT && ival(v) == INT64_MIN) fail(r, n, "integer overflow: -(%lld)", (long long)ival(v));
         return v.kind == JV_FLOAT ? mk_float(-v.u.f) : mk_int(-ival(v));
     }
     case JN_NOT: return mk_bool(!truthy(eval(r, sc, n->a)));
@@ -1370,40 +1505,22 @@ static jv eval(rstate *r, scope *sc, const jnode *n) {
         return truthy(x) ? x : eval(r, sc, n->b);
     }
     case JN_BIN: return binop(r, n, n->op, eval(r, sc, n->a), eval(r, sc, n->b));
-    case JN_CMP: {
-        jv x = eval(r, sc, n->a), y = eval(r, sc, n->b);
-        switch (n->op) {
-        case OP_EQ: return mk_bool(val_eq(x, y));
-        case OP_NE: return mk_bool(!val_eq(x, y));
-        case OP_LT: return mk_bool(val_cmp(r, n, x, y) < 0);
-        case OP_LE: return mk_bool(val_cmp(r, n, x, y) <= 0);
-        case OP_GT: return mk_bool(val_cmp(r, n, x, y) > 0);
-        default: return mk_bool(val_cmp(r, n, x, y) >= 0);
-        }
-    }
+    case JN_CMP: return eval_cmp(r, sc, n);
     case JN_IN: return mk_bool(contains(r, n, eval(r, sc, n->b), eval(r, sc, n->a)));
     case JN_NOT_IN: return mk_bool(!contains(r, n, eval(r, sc, n->b), eval(r, sc, n->a)));
     case JN_COND:
         if (truthy(eval(r, sc, n->a))) return eval(r, sc, n->b);
         return n->c ? eval(r, sc, n->c) : UNDEF;
     case JN_LIST:
-    case JN_TUPLE: {
-        jv l = mk_list(r);
-        for (int i = 0; i < n->n_args; i++) list_push(r, l.u.l, eval(r, sc, n->args[i]));
-        return l;
-    }
-    case JN_DICT: {
-        jv d = mk_dict(r, JV_DICT);
-        for (int i = 0; i + 1 < n->n_args; i += 2) dict_set(r, d.u.d, eval(r, sc, n->args[i]), eval(r, sc, n->args[i + 1]));
-        return d;
-    }
+    case JN_TUPLE:
+    case JN_DICT: return eval_literal(r, sc, n);
     default: fail(r, n, "not an expression");
     }
 }
 
 /* ---------------------------------------------------------------------------------- statements */
 
-static void assign(rstate *r, scope *sc, const jnode *at, const char *name, const char *name2, jv v) {
+static NOINLINE void assign(rstate *r, scope *sc, const jnode *at, const char *name, const char *name2, jv v) {
     if (!name2) {
         dict_set_s(r, sc->vars, name, v);
         return;
@@ -1413,7 +1530,7 @@ static void assign(rstate *r, scope *sc, const jnode *at, const char *name, cons
     dict_set_s(r, sc->vars, name2, v.u.l->v[1]);
 }
 
-static void exec_for(rstate *r, scope *sc, const jnode *n) {
+static NOINLINE void exec_for(rstate *r, scope *sc, const jnode *n) {
     jv it = eval(r, sc, n->a);
     if (it.kind == JV_NONE) fail(r, n, "cannot loop over none");
     jlist *all = iter_items(r, n, it);
@@ -1427,8 +1544,8 @@ static void exec_for(rstate *r, scope *sc, const jnode *n) {
         }
     }
     size_t len = items->n;
+    jv loop = mk_dict(r, JV_DICT); /* one per loop, as Jinja's LoopContext: iterations update it in place */
     for (size_t i = 0; i < len; i++) {
-        jv loop = mk_dict(r, JV_DICT);
         dict_set_s(r, loop.u.d, "index", mk_int((int64_t)i + 1));
         dict_set_s(r, loop.u.d, "index0", mk_int((int64_t)i));
         dict_set_s(r, loop.u.d, "revindex", mk_int((int64_t)(len - i)));
@@ -1453,8 +1570,10 @@ static void exec_for(rstate *r, scope *sc, const jnode *n) {
 }
 
 static void exec_body(rstate *r, scope *sc, jnode *const *body, int nb) {
+    enter(r, nb ? body[0] : NULL);
     for (int i = 0; i < nb && !r->ctl; i++) {
         const jnode *n = body[i];
+        charge(r, n, 1);
         switch (n->kind) {
         case JN_TEXT: bput(r, r->out, n->name, n->name_len); break;
         case JN_OUTPUT: to_str(r, r->out, eval(r, sc, n->a)); break;
@@ -1487,21 +1606,30 @@ static void exec_body(rstate *r, scope *sc, jnode *const *body, int nb) {
         default: fail(r, n, "not a statement");
         }
     }
+    r->depth--;
 }
 
-kvb_status kvb_jinja_render(const kvb_jinja *j, const json_t *vars, char **out, size_t *len, char *err,
-                            size_t err_len) {
+kvb_status kvb_jinja_render(const kvb_jinja *j, const json_t *vars, const kvb_text_limits *lim, char **out,
+                            size_t *len, char *err, size_t err_len) {
     rstate r = {.err = err, .err_len = err_len, .st = KVB_OK};
     sbuf b = {0};
     jmp_buf oomjb;
     *out = NULL;
     *len = 0;
     if (err_len) err[0] = 0;
+    if (lim) r.lim = *lim;
+    else kvb_text_limits_default(&r.lim);
     r.a.oom = &oomjb;
+    r.a.budget = r.lim.render_memory;
     r.out = &b;
     if (setjmp(oomjb)) {
-        snprintf(err, err_len, "out of memory rendering the chat template");
-        r.st = KVB_ERR_NOMEM;
+        if (r.a.over) {
+            snprintf(err, err_len, "chat template: the render ran over its memory budget of %zu bytes", r.lim.render_memory);
+            r.st = KVB_ERR_EXHAUSTED;
+        } else {
+            snprintf(err, err_len, "out of memory rendering the chat template");
+            r.st = KVB_ERR_NOMEM;
+        }
         goto done;
     }
     if (setjmp(r.jb)) goto done;
@@ -1510,7 +1638,6 @@ kvb_status kvb_jinja_render(const kvb_jinja *j, const json_t *vars, char **out, 
     json_t *v;
     json_object_foreach((json_t *)vars, k, v) dict_set_s(&r, r.globals->vars, k, from_json(&r, v));
     exec_body(&r, r.globals, j->body, j->n_body);
-    if (b.len > MAX_OUTPUT) fail(&r, NULL, "the output exceeds %u bytes", MAX_OUTPUT);
     if (kvb_malloc(b.len + 1, (void **)out) != KVB_OK) oom(&r);
     if (b.len) memcpy(*out, b.p, b.len);
     (*out)[b.len] = 0;

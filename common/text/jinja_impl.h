@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "common/text/jinja.h"
+#include "common/text/limits.h"
 #include "common/text/unicode.h"
 
 /* ---------------------------------------------------------------------------------- arena */
@@ -16,6 +17,9 @@
 typedef struct jarena {
     struct jchunk *head;
     jmp_buf *oom;
+    size_t budget;  /* bytes the arena may hold (0: no bound); past it an allocation fails with `over` set */
+    size_t used;    /* bytes of its chunks */
+    int over;       /* the failed allocation was over the budget (not a malloc failure) */
 } jarena;
 
 void *kvb__ja_alloc(jarena *a, size_t n); /* zeroed, 16-byte aligned */

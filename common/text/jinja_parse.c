@@ -28,8 +28,13 @@ void *kvb__ja_alloc(jarena *a, size_t n) {
     struct jchunk *c = a->head;
     if (!c || c->used + n > c->cap) {
         size_t cap = KVB_MAX(n, (size_t)64 << 10);
+        if (a->budget && (cap > a->budget || a->used > a->budget - cap)) {
+            a->over = 1;
+            longjmp(*a->oom, 1);
+        }
         c = malloc(sizeof *c + cap);
         if (!c) longjmp(*a->oom, 1);
+        a->used += cap;
         c->next = a->head;
         c->used = 0;
         c->cap = cap;
@@ -76,6 +81,8 @@ typedef struct parser {
     tok *t;
     int n, cap, i;
     jarena *a;
+    int depth;              /* nested parse_* calls that recurse (bounded: KVB_JINJA_MAX_NESTING) */
+    kvb_buf str;            /* a string literal being decoded (freed by kvb_jinja_parse on every path) */
     jmp_buf jb;
     kvb_status st;
     char *err;
@@ -131,7 +138,8 @@ static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r
 static void lex_string(parser *p, int line, int col) {
     char q = p->src[p->pos];
     advance(p, 1);
-    kvb_buf b = {0};
+    kvb_buf *b = &p->str; /* the parser's own: a failure below longjmps past this function */
+    b->len = 0;
     while (p->pos < p->len && p->src[p->pos] != q) {
         char c = p->src[p->pos];
         if (c == '\\' && p->pos + 1 < p->len) {
@@ -161,28 +169,24 @@ static void lex_string(parser *p, int line, int col) {
                 if (*end || cp >= 0x110000 || (cp >= 0xD800 && cp < 0xE000))
                     fail_at(p, KVB_ERR_FORMAT, line, col, "bad \\%c escape in string", e);
                 uint8_t u[4];
-                bst = kvb__buf_append(&b, u, (size_t)kvb__utf8_encode((uint32_t)cp, u));
+                bst = kvb__buf_append(b, u, (size_t)kvb__utf8_encode((uint32_t)cp, u));
                 advance(p, 2 + (size_t)digits);
             } else {
-                if (lit || digits < 0) bst = kvb__buf_putc(&b, lit);
-                else bst = kvb__buf_append(&b, p->src + p->pos, 2); /* an unknown escape stays as written */
+                if (lit || digits < 0) bst = kvb__buf_putc(b, lit);
+                else bst = kvb__buf_append(b, p->src + p->pos, 2); /* an unknown escape stays as written */
                 advance(p, 2);
             }
             if (bst != KVB_OK) longjmp(*p->a->oom, 1);
             continue;
         }
-        if (kvb__buf_putc(&b, c) != KVB_OK) longjmp(*p->a->oom, 1);
+        if (kvb__buf_putc(b, c) != KVB_OK) longjmp(*p->a->oom, 1);
         advance(p, 1);
     }
-    if (p->pos >= p->len) {
-        kvb__buf_free(&b);
-        fail_at(p, KVB_ERR_FORMAT, line, col, "unterminated string");
-    }
+    if (p->pos >= p->len) fail_at(p, KVB_ERR_FORMAT, line, col, "unterminated string");
     advance(p, 1);
     tok *t = push_tok(p, TK_STR, line, col);
-    t->s = kvb__ja_strdup(p->a, b.p ? b.p : "", b.len);
-    t->n = b.len;
-    kvb__buf_free(&b);
+    t->s = kvb__ja_strdup(p->a, b->p ? b->p : "", b->len);
+    t->n = b->len;
 }
 
 /* The tokens of one {{ }} or {% %} tag, up to and including its end; returns the end's modifier. */
@@ -336,6 +340,13 @@ static void expect_kind(parser *p, tk_kind k) {
     }
 }
 
+/* Bounds the parser's recursion (a template nested 20,000 levels deep overflowed the stack). */
+static void enter(parser *p, const tok *at) {
+    if (++p->depth > KVB_JINJA_MAX_NESTING)
+        fail_at(p, KVB_ERR_UNSUPPORTED, at->line, at->col, "blocks and expressions nest deeper than %d levels",
+                KVB_JINJA_MAX_NESTING);
+}
+
 static jnode *node(parser *p, jn_kind kind, const tok *at) {
     jnode *n = kvb__ja_alloc(p->a, sizeof *n);
     n->kind = kind;
@@ -406,7 +417,10 @@ static jnode *parse_primary(parser *p) {
             tok *u = next(p);
             ok = ok && kvb__buf_append(&b, u->s, u->n) == KVB_OK;
         }
-        if (!ok) longjmp(*p->a->oom, 1);
+        if (!ok) {
+            kvb__buf_free(&b);
+            longjmp(*p->a->oom, 1);
+        }
         n->lit = (jv){.kind = JV_STR, .u.s = {kvb__ja_strdup(p->a, b.p ? b.p : "", b.len), b.len}};
         kvb__buf_free(&b);
         return n;
@@ -587,7 +601,9 @@ static jnode *parse_unary(parser *p) {
     if (is_op(t, "-") || is_op(t, "+")) {
         next(p);
         jnode *n = node(p, is_op(t, "-") ? JN_NEG : JN_POS, t);
+        enter(p, t);
         n->a = parse_unary(p);
+        p->depth--;
         return parse_filters(p, n);
     }
     return parse_filters(p, parse_postfix(p, parse_primary(p)));
@@ -671,7 +687,9 @@ static jnode *parse_not(parser *p) {
     if (is_name(t, "not")) {
         next(p);
         jnode *n = node(p, JN_NOT, t);
+        enter(p, t);
         n->a = parse_not(p);
+        p->depth--;
         return n;
     }
     return parse_cmp(p);
@@ -696,7 +714,15 @@ static jnode *parse_or(parser *p) {
 }
 
 /* `a if cond else b` (without else: undefined when cond is false). */
+static jnode *parse_cond(parser *p);
 static jnode *parse_expr(parser *p) {
+    enter(p, peek(p));
+    jnode *n = parse_cond(p);
+    p->depth--;
+    return n;
+}
+
+static jnode *parse_cond(parser *p) {
     jnode *n = parse_or(p);
     while (is_name(peek(p), "if")) {
         tok *t = next(p);
@@ -728,7 +754,9 @@ static jnode *parse_if_rest(parser *p, const tok *at) {
     n->n_body = body.n;
     if (!strcmp(stop, "elif")) {
         n->orelse = kvb__ja_alloc(p->a, sizeof *n->orelse);
+        enter(p, &p->t[p->i - 1]);
         n->orelse[0] = parse_if_rest(p, &p->t[p->i - 1]);
+        p->depth--;
         n->n_orelse = 1;
         return n; /* the nested if consumed endif */
     }
@@ -904,9 +932,29 @@ static void parse_body(parser *p, nvec *body, const char *const *ends, const cha
                 if (is_name(name, closers[k]))
                     fail_at(p, KVB_ERR_FORMAT, name->line, name->col, "unexpected {%% %s %%}", closers[k]);
             next(p);
+            enter(p, t);
             nvec_push(p, body, parse_statement(p));
+            p->depth--;
         } else fail_at(p, KVB_ERR_FORMAT, t->line, t->col, "unexpected %s", tok_desc(t));
     }
+}
+
+/* The first node deeper than `limit` below n, or NULL. Chains the parser builds in loops (a.b.c...,
+ * a + b + c ..., x|f|g...) nest without recursing, and the evaluator recurses over the tree: it is
+ * bounded here, with a recursion no deeper than the bound itself. */
+static const jnode *too_deep(const jnode *n, int depth, int limit) {
+    if (!n) return NULL;
+    if (depth > limit) return n;
+    const jnode *kids[] = {n->a, n->b, n->c, n->d}, *bad;
+    for (size_t k = 0; k < KVB_ARRAY_LEN(kids); k++)
+        if ((bad = too_deep(kids[k], depth + 1, limit))) return bad;
+    for (int k = 0; k < n->n_args; k++)
+        if ((bad = too_deep(n->args[k], depth + 1, limit))) return bad;
+    for (int k = 0; k < n->n_body; k++)
+        if ((bad = too_deep(n->body[k], depth + 1, limit))) return bad;
+    for (int k = 0; k < n->n_orelse; k++)
+        if ((bad = too_deep(n->orelse[k], depth + 1, limit))) return bad;
+    return NULL;
 }
 
 kvb_status kvb_jinja_parse(const char *src, size_t len, kvb_jinja **out, char *err, size_t err_len) {
@@ -925,14 +973,22 @@ kvb_status kvb_jinja_parse(const char *src, size_t len, kvb_jinja **out, char *e
     lex(&p);
     nvec body = {0};
     parse_body(&p, &body, NULL, NULL);
+    for (int k = 0; k < body.n; k++) {
+        const jnode *bad = too_deep(body.v[k], 1, KVB_JINJA_MAX_NESTING);
+        if (bad)
+            fail_at(&p, KVB_ERR_UNSUPPORTED, bad->line, bad->col, "blocks and expressions nest deeper than %d levels",
+                    KVB_JINJA_MAX_NESTING);
+    }
     j->body = body.v;
     j->n_body = body.n;
     free(p.t);
+    kvb__buf_free(&p.str);
     j->arena.oom = NULL;
     *out = j;
     return KVB_OK;
 fail:
     free(p.t);
+    kvb__buf_free(&p.str);
     kvb__ja_free(&j->arena);
     free(j);
     *out = NULL;

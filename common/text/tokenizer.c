@@ -29,6 +29,7 @@
 #define MAX_REGEX 4
 #define CACHE_SLOTS (1u << 15) /* word cache: open addressing; cleared when 3/4 full */
 #define CACHE_MAX_WORD 256     /* longer pieces are not cached */
+#define MAX_VOCAB (1 << 24)    /* config.json's vocab_size above this does not widen the id range */
 
 typedef struct added_token {
     const char *content; /* into t->strings */
@@ -62,7 +63,17 @@ struct kvb_tokenizer {
     int nfc;                /* normalizer: NFC */
     added_token *added;     /* [n_added], by length descending */
     int n_added;
-    int first_added[256];   /* index into added of the first token starting with this byte, or -1 */
+    /* The added tokens' contents as a trie (leftmost-longest matching costs one walk per position, not
+     * a scan of every token): node 0 is the root; the child of `node` by `byte` is found by key
+     * (node << 8 | byte) + 1 in an open-addressing table. */
+    uint64_t *trie_key;     /* [trie_mask + 1]; 0: an empty slot */
+    uint32_t *trie_child;   /* [trie_mask + 1] the child's node number */
+    uint32_t trie_mask;
+    int32_t *trie_tok;      /* [n_trie] index into added of the token that ends at the node, or -1 */
+    uint32_t n_trie;
+    uint8_t added_first[256]; /* 1: some added token starts with this byte */
+    size_t max_encode;      /* budgets (kvb_tokenizer_set_limits) */
+    size_t max_decode;
     pcre2_code *regex[MAX_REGEX];
     int n_regex;
     int32_t prefix[4], suffix[4]; /* ids the post-processor puts around a sequence */
@@ -127,6 +138,49 @@ static const struct merge_slot *merge_find(const kvb_tokenizer *t, int32_t a, in
         if (m->a < 0) return NULL;
         if (m->a == a && m->b == b) return m;
     }
+}
+
+/* The child of trie node `node` by `byte`, or 0 (the root is nobody's child). */
+static uint32_t trie_next(const kvb_tokenizer *t, uint32_t node, uint8_t byte) {
+    uint64_t key = ((uint64_t)node << 8 | byte) + 1;
+    for (uint32_t i = (uint32_t)hash_pair((int32_t)node, byte) & t->trie_mask;; i = (i + 1) & t->trie_mask) {
+        if (t->trie_key[i] == key) return t->trie_child[i];
+        if (!t->trie_key[i]) return 0;
+    }
+}
+
+/* Builds the trie of t->added (sorted: among equal contents the first, the lowest id, is kept). */
+static kvb_status trie_build(kvb_tokenizer *t) {
+    size_t bytes = 0;
+    for (int k = 0; k < t->n_added; k++) bytes += t->added[k].len;
+    if (bytes >= UINT32_MAX / 4) return KVB_ERR_INVALID;
+    uint32_t slots = pow2_at_least(2 * bytes + 2);
+    t->trie_mask = slots - 1;
+    KVB_TRY(kvb_calloc(slots, sizeof *t->trie_key, (void **)&t->trie_key));
+    KVB_TRY(kvb_malloc(slots * sizeof *t->trie_child, (void **)&t->trie_child));
+    KVB_TRY(kvb_malloc((bytes + 1) * sizeof *t->trie_tok, (void **)&t->trie_tok));
+    t->trie_tok[0] = -1;
+    t->n_trie = 1;
+    for (int k = 0; k < t->n_added; k++) {
+        const uint8_t *c = (const uint8_t *)t->added[k].content;
+        uint32_t node = 0;
+        t->added_first[c[0]] = 1;
+        for (size_t i = 0; i < t->added[k].len; i++) {
+            uint32_t child = trie_next(t, node, c[i]);
+            if (!child) {
+                uint64_t key = ((uint64_t)node << 8 | c[i]) + 1;
+                uint32_t s = (uint32_t)hash_pair((int32_t)node, c[i]) & t->trie_mask;
+                while (t->trie_key[s]) s = (s + 1) & t->trie_mask;
+                child = t->n_trie++;
+                t->trie_key[s] = key;
+                t->trie_child[s] = child;
+                t->trie_tok[child] = -1;
+            }
+            node = child;
+        }
+        if (t->trie_tok[node] < 0) t->trie_tok[node] = k;
+    }
+    return KVB_OK;
 }
 
 /* ------------------------------------------------------------------------------------- loading */
@@ -338,7 +392,7 @@ static int cmp_added_len(const void *a, const void *b) {
 }
 
 /* The vocabulary, merges and added tokens of tokenizer.json's "model" and "added_tokens". */
-static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj) {
+static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj, const json_t *mcfg) {
     const json_t *model = json_object_get(tj, "model"), *added = json_object_get(tj, "added_tokens");
     const char *type = str_field(model, "type");
     if (!type || strcmp(type, "BPE")) UNSUPPORTED("tokenizer.json", "model.type \"%s\" (only BPE)", dir, type ? type : "?");
@@ -354,13 +408,22 @@ static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj
         KVB_LOG_E("%s: tokenizer.json: model.vocab (object) and model.merges (array) are required", dir);
         return KVB_ERR_FORMAT;
     }
-    /* ids: the largest of the vocabulary and the added tokens */
-    int64_t max_id = -1;
+    /* ids: the largest of the vocabulary and the added tokens. Every id sizes the id-indexed tables, so
+     * an id must lie within the vocabulary: below the number of tokens the file defines, or below
+     * config.json's vocab_size (the embedding's rows) when that is larger. */
+    int64_t max_id = -1, limit = (int64_t)json_object_size(vocab) + (int64_t)json_array_size(added);
+    const json_t *vs = json_object_get(mcfg, "vocab_size");
+    const char *limit_why = "the tokens tokenizer.json defines";
+    if (json_is_integer(vs) && json_integer_value(vs) > limit && json_integer_value(vs) <= MAX_VOCAB) {
+        limit = json_integer_value(vs);
+        limit_why = "config.json's vocab_size";
+    }
     const char *key;
     const json_t *v;
     json_object_foreach((json_t *)vocab, key, v) {
-        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= INT32_MAX / 2) {
-            KVB_LOG_E("%s: tokenizer.json: model.vocab[\"%s\"] is not a valid id", dir, key);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= limit) {
+            KVB_LOG_E("%s: tokenizer.json: model.vocab[\"%s\"] is not an id below %lld (%s)", dir, key,
+                      (long long)limit, limit_why);
             return KVB_ERR_FORMAT;
         }
         max_id = KVB_MAX(max_id, json_integer_value(v));
@@ -368,9 +431,13 @@ static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj
     size_t i;
     json_array_foreach(added, i, v) {
         const json_t *id = json_object_get(v, "id");
-        if (!json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) >= INT32_MAX / 2 ||
-            !json_is_string(json_object_get(v, "content"))) {
+        if (!json_is_integer(id) || json_integer_value(id) < 0 || !json_is_string(json_object_get(v, "content"))) {
             KVB_LOG_E("%s: tokenizer.json: added_tokens[%zu] needs an \"id\" and a \"content\"", dir, i);
+            return KVB_ERR_FORMAT;
+        }
+        if (json_integer_value(id) >= limit) {
+            KVB_LOG_E("%s: tokenizer.json: added_tokens[%zu] has id %lld, beyond the vocabulary (ids below %lld: %s)",
+                      dir, i, (long long)json_integer_value(id), (long long)limit, limit_why);
             return KVB_ERR_FORMAT;
         }
         max_id = KVB_MAX(max_id, json_integer_value(id));
@@ -482,8 +549,7 @@ static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj
     }
     for (int k = 0; k < t->n_added; k++) t->added[k].content = t->strings + t->tok_bytes[t->added[k].id];
     qsort(t->added, (size_t)t->n_added, sizeof *t->added, cmp_added_len);
-    for (int b = 0; b < 256; b++) t->first_added[b] = -1;
-    return KVB_OK;
+    return trie_build(t);
 }
 
 /* tokenizer_config.json's bos_token etc.: a string, an AddedToken object {"content": ...}, or null. */
@@ -502,13 +568,7 @@ kvb_status kvb__model_json(const char *dir, const char *name, int optional, int 
         KVB_LOG_E("%s: not found", path);
         return KVB_ERR_NOT_FOUND;
     }
-    json_error_t err;
-    *out = json_load_file(path, int_as_real ? JSON_DECODE_INT_AS_REAL : 0, &err);
-    if (!*out) {
-        KVB_LOG_E("%s:%d:%d: invalid JSON: %s", path, err.line, err.column, err.text);
-        return err.line < 0 ? KVB_ERR_IO : KVB_ERR_FORMAT;
-    }
-    return KVB_OK;
+    return kvb_json_load_file_flags(path, int_as_real ? JSON_DECODE_INT_AS_REAL : 0, out);
 }
 
 /* eos_token_id of generation_config.json or config.json: an int or a list; 0 when absent. */
@@ -545,8 +605,12 @@ kvb_status kvb_tokenizer_load(const char *model_dir, kvb_tokenizer **out) {
     KVB_TRY(kvb_calloc(1, sizeof *t, (void **)&t));
     pthread_mutex_init(&t->cache_lock, NULL);
     t->bos_id = -1;
+    kvb_text_limits lim;
+    kvb_text_limits_default(&lim);
+    kvb_tokenizer_set_limits(t, &lim);
     KVB_TRY_GOTO(kvb__model_json(model_dir, "tokenizer.json", 0, 0, &tj), fail);
-    KVB_TRY_GOTO(load_model(t, model_dir, tj), fail);
+    KVB_TRY_GOTO(kvb__model_json(model_dir, "config.json", 1, 0, &mcfg), fail);
+    KVB_TRY_GOTO(load_model(t, model_dir, tj, mcfg), fail);
     KVB_TRY_GOTO(load_normalizer(t, model_dir, json_object_get(tj, "normalizer")), fail);
     KVB_TRY_GOTO(load_pre_tokenizer(t, model_dir, json_object_get(tj, "pre_tokenizer")), fail);
     KVB_TRY_GOTO(load_post_processor(t, model_dir, json_object_get(tj, "post_processor")), fail);
@@ -557,11 +621,9 @@ kvb_status kvb_tokenizer_load(const char *model_dir, kvb_tokenizer **out) {
         st = KVB_ERR_UNSUPPORTED;
         goto fail;
     }
-    for (int k = t->n_added - 1; k >= 0; k--) t->first_added[(uint8_t)t->added[k].content[0]] = k;
 
     KVB_TRY_GOTO(kvb__model_json(model_dir, "tokenizer_config.json", 1, 1, &cfg), fail);
     KVB_TRY_GOTO(kvb__model_json(model_dir, "generation_config.json", 1, 0, &gen), fail);
-    KVB_TRY_GOTO(kvb__model_json(model_dir, "config.json", 1, 0, &mcfg), fail);
     KVB_TRY_GOTO(config_token(cfg, "bos_token", &t->bos_str), fail);
     KVB_TRY_GOTO(config_token(cfg, "eos_token", &t->eos_str), fail);
     KVB_TRY_GOTO(config_token(cfg, "pad_token", &t->pad_str), fail);
@@ -618,6 +680,9 @@ void kvb_tokenizer_destroy(kvb_tokenizer *t) {
     free(t->vocab_slots);
     free(t->merges);
     free(t->added);
+    free(t->trie_key);
+    free(t->trie_child);
+    free(t->trie_tok);
     free(t->bos_str);
     free(t->eos_str);
     free(t->pad_str);
@@ -626,6 +691,11 @@ void kvb_tokenizer_destroy(kvb_tokenizer *t) {
 }
 
 /* ------------------------------------------------------------------------------------- queries */
+
+void kvb_tokenizer_set_limits(kvb_tokenizer *t, const kvb_text_limits *l) {
+    t->max_encode = l->encode_bytes;
+    t->max_decode = l->decode_ids;
+}
 
 int kvb_tokenizer_vocab_size(const kvb_tokenizer *t) { return t->n_vocab; }
 
@@ -646,13 +716,22 @@ const char *kvb_tokenizer_token_str(const kvb_tokenizer *t, const char *which) {
 
 int32_t kvb_tokenizer_token_id(const kvb_tokenizer *t, const char *token) {
     size_t n = strlen(token);
-    for (int k = 0; k < t->n_added; k++)
-        if (t->added[k].len == n && !memcmp(t->added[k].content, token, n)) return t->added[k].id;
+    uint32_t node = 0;
+    for (size_t i = 0; i < n && t->n_trie; i++)
+        if (!(node = trie_next(t, node, (uint8_t)token[i]))) break;
+    if (n && node && t->trie_tok[node] >= 0) return t->added[t->trie_tok[node]].id;
     return vocab_find(t, token, n);
 }
 
 int kvb_tokenizer_is_special(const kvb_tokenizer *t, int32_t id) {
     return id >= 0 && id < t->n_vocab && t->special[id];
+}
+
+const char *kvb_tokenizer_token_bytes(const kvb_tokenizer *t, int32_t id, size_t *len) {
+    *len = 0;
+    if (id < 0 || id >= t->n_vocab || t->tok_bytes[id] == SIZE_MAX) return NULL;
+    *len = t->tok_bytes_len[id];
+    return t->strings + t->tok_bytes[id];
 }
 
 /* ------------------------------------------------------------------------------------- encoding */
@@ -836,7 +915,8 @@ static kvb_status split_piece(const kvb_tokenizer *t, int level, const uint8_t *
         if (ov[1] > ov[0]) {
             KVB_TRY(split_piece(t, level + 1, s + ov[0], ov[1] - ov[0], md, out));
             pos = start = ov[1];
-        } else { /* an empty match: step over one character */
+        } else { /* an empty match: the gap before it is done; step over one character */
+            pos = ov[1];
             start = ov[1] + 1;
             while (start < n && (s[start] & 0xC0) == 0x80) start++;
         }
@@ -859,13 +939,12 @@ static kvb_status encode_section(const kvb_tokenizer *t, const uint8_t *s, size_
 
 /* The added token that matches at s[0..n) (the longest), or NULL. */
 static const added_token *added_at(const kvb_tokenizer *t, const uint8_t *s, size_t n) {
-    int k = t->first_added[s[0]];
-    if (k < 0) return NULL;
-    for (; k < t->n_added; k++) {
-        const added_token *a = &t->added[k];
-        if (a->len <= n && (uint8_t)a->content[0] == s[0] && !memcmp(a->content, s, a->len)) return a;
-    }
-    return NULL;
+    if (!t->added_first[s[0]]) return NULL;
+    int32_t best = -1;
+    uint32_t node = 0;
+    for (size_t i = 0; i < n && (node = trie_next(t, node, s[i])); i++)
+        if (t->trie_tok[node] >= 0) best = t->trie_tok[node];
+    return best >= 0 ? &t->added[best] : NULL;
 }
 
 static int is_space_at(const uint8_t *s, size_t n, int *len) {
@@ -882,6 +961,10 @@ kvb_status kvb_tokenizer_encode(const kvb_tokenizer *t, const char *text, size_t
     const uint8_t *s = (const uint8_t *)text;
     *ids = NULL;
     *n = 0;
+    if (len > t->max_encode) {
+        KVB_LOG_W("tokenizer: %zu bytes of text exceed the encode budget of %zu bytes", len, t->max_encode);
+        return KVB_ERR_EXHAUSTED;
+    }
     size_t bad = kvb__utf8_validate(s, len);
     if (bad != len) {
         KVB_LOG_W("tokenizer: the text is not valid UTF-8 at byte %zu", bad);
@@ -948,6 +1031,10 @@ kvb_status kvb_tokenizer_decode(const kvb_tokenizer *t, const int32_t *ids, int 
     size_t used;
     *out = NULL;
     *len = 0;
+    if (n < 0 || (size_t)n > t->max_decode) {
+        KVB_LOG_W("tokenizer: %d ids to decode exceed the decode budget of %zu ids", n, t->max_decode);
+        return KVB_ERR_EXHAUSTED;
+    }
     for (int i = 0; i < n; i++) KVB_TRY_GOTO(token_bytes(t, ids[i], skip_special, &raw), fail);
     KVB_TRY_GOTO(kvb__buf_reserve(&txt, 0), fail);
     KVB_TRY_GOTO(kvb__utf8_lossy((const uint8_t *)raw.p, raw.len, 1, &txt, &used), fail);

@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/text/limits.h"
 #include "common/util/status.h"
 
 typedef struct kvb_tokenizer kvb_tokenizer;
@@ -21,14 +22,20 @@ typedef struct kvb_tokenizer kvb_tokenizer;
 /* Loads tokenizer.json (+ tokenizer_config.json, generation_config.json, config.json for EOS/BOS) of
  * a Hugging Face model directory. Caller owns *out (kvb_tokenizer_destroy). KVB_ERR_NOT_FOUND when
  * the directory has no tokenizer.json; KVB_ERR_UNSUPPORTED / KVB_ERR_FORMAT with the file and field
- * logged for anything else. */
+ * logged for anything else (an id beyond the vocabulary: ids must lie below the number of tokens
+ * tokenizer.json defines, or below config.json's vocab_size when that is larger). */
 kvb_status kvb_tokenizer_load(const char *model_dir, kvb_tokenizer **out);
 void kvb_tokenizer_destroy(kvb_tokenizer *t);
+
+/* Sets the budgets encode and decode run under (limits.h; the load sets the defaults): text longer than
+ * l->encode_bytes, or more than l->decode_ids ids, is KVB_ERR_EXHAUSTED (logged). Not while other
+ * threads use t. */
+void kvb_tokenizer_set_limits(kvb_tokenizer *t, const kvb_text_limits *l);
 
 /* One more than the largest token id (vocabulary and added tokens). */
 int kvb_tokenizer_vocab_size(const kvb_tokenizer *t);
 
-/* text[0..len) (UTF-8; KVB_ERR_INVALID if it is not) -> token ids. Special tokens written in the text
+/* text[0..len) (UTF-8; KVB_ERR_INVALID if it is not; KVB_ERR_EXHAUSTED above the encode budget) -> token ids. Special tokens written in the text
  * are recognised as special tokens (as Hugging Face does by default). add_special: add what the
  * tokenizer's post-processor adds (Llama-3's BOS) or, without one, what tokenizer_config.json's
  * add_bos_token / add_eos_token ask for. A rendered chat template already holds its BOS: encode it
@@ -37,7 +44,7 @@ kvb_status kvb_tokenizer_encode(const kvb_tokenizer *t, const char *text, size_t
                                 int *n);
 
 /* ids -> text. Caller frees *out (NUL-terminated; *len without the NUL). skip_special drops special
- * tokens. Ids outside [0, vocab_size) or unassigned give KVB_ERR_INVALID. No clean-up of spaces is
+ * tokens. More ids than the decode budget: KVB_ERR_EXHAUSTED. Ids outside [0, vocab_size) or unassigned give KVB_ERR_INVALID. No clean-up of spaces is
  * applied (clean_up_tokenization_spaces is ignored: decoding stays lossless, as streamed text must). */
 kvb_status kvb_tokenizer_decode(const kvb_tokenizer *t, const int32_t *ids, int n, int skip_special, char **out,
                                 size_t *len);
@@ -59,6 +66,11 @@ int32_t kvb_tokenizer_token_id(const kvb_tokenizer *t, const char *token);
 
 /* 1 when `id` is a special token (added with "special": true). */
 int kvb_tokenizer_is_special(const kvb_tokenizer *t, int32_t id);
+
+/* The bytes token `id` decodes to (a vocabulary token's byte-level characters mapped back, an added
+ * token's content), borrowed from t; NULL with *len 0 for an id without a token. Unlike a decode, a
+ * token holding part of a UTF-8 character gives its raw bytes (grammars match tokens byte by byte). */
+const char *kvb_tokenizer_token_bytes(const kvb_tokenizer *t, int32_t id, size_t *len);
 
 /* Incremental detokenization for streaming: push one id, get the newly completed text (never half a
  * UTF-8 character); the concatenation of all outputs + flush equals kvb_tokenizer_decode of all ids

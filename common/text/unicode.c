@@ -151,6 +151,11 @@ kvb_status kvb__utf8_lossy(const uint8_t *s, size_t n, int final, kvb_buf *out, 
     static const char repl[3] = {(char)0xEF, (char)0xBF, (char)0xBD};
     size_t i = 0, run = 0; /* s[run..i) is valid and not yet appended */
     KVB_TRY(kvb__buf_reserve(out, n));
+    *consumed = 0;
+    if (!n) { /* s may be NULL */
+        out->p[out->len] = 0;
+        return KVB_OK;
+    }
     while (i < n) {
         if (s[i] < 0x80) {
             i++;
@@ -256,6 +261,47 @@ static kvb_status decompose_into(uint32_t cp, cp_vec *c) {
     return KVB_OK;
 }
 
+/* Sorts c->v[lo..hi) stably by combining class: insertion sort for the short runs real text has, a
+ * merge sort (O(n log n)) for the long runs a hostile prompt can send (one base and 10^5 marks). */
+static kvb_status sort_by_ccc(cp_vec *c, size_t lo, size_t hi) {
+    size_t n = hi - lo;
+    uint32_t *v = c->v + lo;
+    if (n <= 16) {
+        for (size_t k = 1; k < n; k++) {
+            uint32_t x = v[k];
+            int cc = ccc_of(x);
+            size_t j = k;
+            for (; j > 0 && ccc_of(v[j - 1]) > cc; j--) v[j] = v[j - 1];
+            v[j] = x;
+        }
+        return KVB_OK;
+    }
+    /* (class << 24 | index) keys make the sort stable; code points go along in a second array */
+    uint64_t *key = NULL, *tmp = NULL;
+    KVB_TRY(kvb_malloc(n * sizeof *key, (void **)&key));
+    kvb_status st = kvb_malloc(n * sizeof *tmp, (void **)&tmp);
+    if (st != KVB_OK) {
+        free(key);
+        return st;
+    }
+    for (size_t k = 0; k < n; k++) key[k] = (uint64_t)ccc_of(v[k]) << 56 | (uint64_t)k << 21 | v[k];
+    for (size_t w = 1; w < n; w *= 2) { /* bottom-up merge: runs of w, then 2w, ... */
+        for (size_t a = 0; a < n; a += 2 * w) {
+            size_t m = KVB_MIN(a + w, n), b = KVB_MIN(a + 2 * w, n), i = a, j = m, o = a;
+            while (i < m && j < b) tmp[o++] = key[j] < key[i] ? key[j++] : key[i++];
+            while (i < m) tmp[o++] = key[i++];
+            while (j < b) tmp[o++] = key[j++];
+        }
+        uint64_t *t = key;
+        key = tmp;
+        tmp = t;
+    }
+    for (size_t k = 0; k < n; k++) v[k] = (uint32_t)(key[k] & 0x1FFFFF);
+    free(key);
+    free(tmp);
+    return KVB_OK;
+}
+
 /* NFC of one segment (see kvb__nfc). */
 static kvb_status nfc_segment(const uint8_t *s, size_t n, cp_vec *c, kvb_buf *out) {
     c->n = 0;
@@ -266,17 +312,16 @@ static kvb_status nfc_segment(const uint8_t *s, size_t n, cp_vec *c, kvb_buf *ou
         KVB_TRY(decompose_into(cp, c));
         i += (size_t)len;
     }
-    /* canonical ordering: a stable sort of every run of non-starters by combining class */
-    for (size_t k = 1; k < c->n; k++) {
-        int cc = ccc_of(c->v[k]);
-        if (!cc) continue;
-        size_t j = k;
-        uint32_t x = c->v[k];
-        while (j > 0 && ccc_of(c->v[j - 1]) > cc) {
-            c->v[j] = c->v[j - 1];
-            j--;
+    /* canonical ordering: a stable sort of every run of non-starters by combining class (UAX #15 D108) */
+    for (size_t k = 0; k < c->n;) {
+        if (!ccc_of(c->v[k])) {
+            k++;
+            continue;
         }
-        c->v[j] = x;
+        size_t e = k + 1;
+        while (e < c->n && ccc_of(c->v[e])) e++;
+        KVB_TRY(sort_by_ccc(c, k, e));
+        k = e;
     }
     /* composition: each character joins the last starter unless a character between them blocks it */
     size_t w = 0;

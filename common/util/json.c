@@ -3,20 +3,31 @@
 #include <errno.h>
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 
-kvb_status kvb_json_load_file(const char *path, json_t **out) {
+#include "common/util/util.h"
+
+kvb_status kvb_json_load_file_flags(const char *path, size_t flags, json_t **out) {
     json_error_t err;
-    json_t *j = json_load_file(path, JSON_REJECT_DUPLICATES, &err);
+    char *text = NULL;
+    size_t len = 0;
+    *out = NULL;
+    /* read whole (jansson's json_loadfd reads a byte per system call: 10 M of them for a tokenizer.json) */
+    kvb_status st = kvb_read_file(path, KVB_JSON_MAX_FILE, &text, &len);
+    if (st == KVB_ERR_NOT_FOUND) KVB_LOG_E("%s: cannot read: it does not exist", path);
+    if (st != KVB_OK) return st;
+    json_t *j = json_loadb(text, len, flags, &err);
+    free(text);
     if (!j) {
-        if (err.line == -1 || strstr(err.text, "unable to open")) {
-            KVB_LOG_E("%s: cannot read: %s", path, err.text);
-            return errno == ENOENT ? KVB_ERR_NOT_FOUND : KVB_ERR_IO;
-        }
         KVB_LOG_E("%s:%d:%d: invalid JSON: %s", path, err.line, err.column, err.text);
         return KVB_ERR_FORMAT;
     }
     *out = j;
     return KVB_OK;
+}
+
+kvb_status kvb_json_load_file(const char *path, json_t **out) {
+    return kvb_json_load_file_flags(path, JSON_REJECT_DUPLICATES, out);
 }
 
 kvb_status kvb_json_load_text(const char *text, size_t len, const char *what, json_t **out) {

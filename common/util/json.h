@@ -11,6 +11,11 @@
 /* Parses `path` into a new reference (caller json_decref's it). KVB_ERR_NOT_FOUND / KVB_ERR_IO /
  * KVB_ERR_FORMAT with the parse position logged. */
 kvb_status kvb_json_load_file(const char *path, json_t **out);
+/* The same with jansson's decoding flags (kvb_json_load_file: JSON_REJECT_DUPLICATES). The file must be
+ * a regular file (kvb_open_regular): a FIFO at the path is refused instead of blocking; files above
+ * KVB_JSON_MAX_FILE are refused (the largest real tokenizer.json files are tens of MB). */
+#define KVB_JSON_MAX_FILE (1u << 30)
+kvb_status kvb_json_load_file_flags(const char *path, size_t flags, json_t **out);
 kvb_status kvb_json_load_text(const char *text, size_t len, const char *what, json_t **out);
 
 /* Reads an integer field `key` of `obj` into *out, which must lie in [min, max]. If the field is absent

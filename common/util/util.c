@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -286,6 +287,70 @@ uint8_t kvb_f32_to_e4m3(float f) {
         b = (uint8_t)(r * 512.0f); /* subnormal: r = m * 2^-9 */
     }
     return (uint8_t)(b | (signbit(f) ? 0x80 : 0));
+}
+
+kvb_status kvb_open_regular(const char *path, int *fd) {
+    *fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (*fd < 0) {
+        if (errno == ENOENT) return KVB_ERR_NOT_FOUND;
+        KVB_LOG_E("%s: cannot open: %s", path, strerror(errno));
+        return KVB_ERR_IO;
+    }
+    struct stat sb;
+    kvb_status st = KVB_OK;
+    if (fstat(*fd, &sb) != 0) {
+        KVB_LOG_E("%s: cannot stat: %s", path, strerror(errno));
+        st = KVB_ERR_IO;
+    } else if (!S_ISREG(sb.st_mode)) {
+        KVB_LOG_E("%s: not a regular file (%s)", path,
+                  S_ISFIFO(sb.st_mode) ? "a FIFO" : S_ISDIR(sb.st_mode) ? "a directory" : S_ISSOCK(sb.st_mode) ? "a socket"
+                                                                                                     : "a device");
+        st = KVB_ERR_FORMAT;
+    } else if (fcntl(*fd, F_SETFL, 0) != 0) { /* a regular file: back to blocking reads */
+        KVB_LOG_E("%s: fcntl: %s", path, strerror(errno));
+        st = KVB_ERR_IO;
+    }
+    if (st != KVB_OK) {
+        close(*fd);
+        *fd = -1;
+    }
+    return st;
+}
+
+kvb_status kvb_read_file(const char *path, size_t max, char **out, size_t *len) {
+    int fd;
+    *out = NULL;
+    *len = 0;
+    KVB_TRY(kvb_open_regular(path, &fd));
+    struct stat sb;
+    kvb_status st = KVB_OK;
+    char *buf = NULL;
+    if (fstat(fd, &sb) != 0 || (uint64_t)sb.st_size > max) {
+        KVB_LOG_E("%s: larger than %zu bytes", path, max);
+        st = KVB_ERR_FORMAT;
+        goto done;
+    }
+    size_t cap = (size_t)sb.st_size + 1, n = 0; /* a file that grows meanwhile is read up to its size then */
+    KVB_TRY_GOTO(kvb_malloc(cap, (void **)&buf), done);
+    while (n < cap - 1) {
+        ssize_t r = read(fd, buf + n, cap - 1 - n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            KVB_LOG_E("%s: cannot read: %s", path, strerror(errno));
+            st = KVB_ERR_IO;
+            goto done;
+        }
+        if (r == 0) break;
+        n += (size_t)r;
+    }
+    buf[n] = '\0';
+    *out = buf;
+    *len = n;
+    buf = NULL;
+done:
+    free(buf);
+    close(fd);
+    return st;
 }
 
 kvb_status kvb_proc_stat(long pid, char *state, long *ppid) {

@@ -59,6 +59,15 @@ kvb_status kvb_parse_id_list(const char *s, int32_t **out, int *n_out);
 kvb_status kvb_proc_stat(long pid, char *state, long *ppid);
 int kvb_pid_alive(long pid);
 
+/* Files a process is handed (a model directory's, a config): opens `path` for reading without blocking
+ * (a FIFO or a device at that path would block open() or read() forever) and requires a regular file;
+ * symbolic links are followed. KVB_ERR_NOT_FOUND when nothing is there (not logged), KVB_ERR_FORMAT
+ * when it is not a regular file, KVB_ERR_IO otherwise (both logged with the path). Caller closes *fd. */
+kvb_status kvb_open_regular(const char *path, int *fd);
+/* The whole of such a file, of at most `max` bytes (KVB_ERR_FORMAT, logged, when larger),
+ * NUL-terminated. Caller frees *out. */
+kvb_status kvb_read_file(const char *path, size_t max, char **out, size_t *len);
+
 /* A name from the last component of `path` (a model directory): characters outside [A-Za-z0-9_-]
  * become '_', at most `max` characters, "m" when empty. `out` holds max + 1 bytes. */
 void kvb_name_from_path(const char *path, char *out, size_t max);
