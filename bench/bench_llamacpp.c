@@ -449,7 +449,7 @@ double kvb_llamacpp_prefill(kvb_llamacpp *l, const int32_t *prompt, int n) {
 }
 
 double kvb_llamacpp_decode(kvb_llamacpp *l, int batch, const int32_t *const *prompts, int ctx, int steps, double *win,
-                           int n_win) {
+                           int n_win, void (*before)(int w)) {
     if (make_context(l, batch, ctx + steps * n_win + 1)) return -1;
     int32_t *next = malloc((size_t)batch * sizeof *next);
     if (!next) return -1;
@@ -460,6 +460,7 @@ double kvb_llamacpp_decode(kvb_llamacpp *l, int batch, const int32_t *const *pro
     }
     rc = rc || ensure_batch(l, batch);
     for (int w = 0; w < n_win && !rc; w++) {
+        if (before) before(w);
         double t0 = kvb_now_s();
         for (int st = 0; st < steps && !rc; st++) {
             int pos = ctx + w * steps + st;
