@@ -272,7 +272,8 @@ static int kvbank_prefill(kvb_model *m, const bench_cfg *cfg, int tokens, job_re
     int32_t *prompt = malloc((size_t)tokens * sizeof(int32_t));
     kvb_engine_events ev = {.ud = cnt, .on_token = count_token};
     kvb_engine *e = NULL;
-    int ok = cnt && prompt && kvb_engine_create(m, &o, NULL, &ev, &e) == KVB_OK;
+    kvb_planner pl = kvb_policy_recompute();
+    int ok = cnt && prompt && kvb_engine_create(m, &o, &pl, &ev, &e) == KVB_OK;
     for (int rep = 0; rep < cfg->reps && ok; rep++) {
         before_window(rep);
         for (int i = 0; i < tokens; i++) prompt[i] = prompt_token(i, rep + 1000, c->vocab);
@@ -297,7 +298,8 @@ static int kvbank_greedy(kvb_model *m, int n_prompt, job_result *r) {
     int32_t prompt[256];
     kvb_engine_events ev = {.ud = cnt, .on_token = count_token};
     kvb_engine *e = NULL;
-    int ok = cnt && kvb_engine_create(m, &o, NULL, &ev, &e) == KVB_OK;
+    kvb_planner pl = kvb_policy_recompute();
+    int ok = cnt && kvb_engine_create(m, &o, &pl, &ev, &e) == KVB_OK;
     for (int i = 0; i < n_prompt; i++) prompt[i] = prompt_token(i, 0, c->vocab);
     kvb_request req = {.id = 0, .prompt = prompt, .n_prompt = n_prompt, .max_tokens = N_GREEDY};
     ok = ok && kvb_engine_add(e, &req) == KVB_OK;

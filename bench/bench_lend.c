@@ -15,6 +15,7 @@
 #include "common/kv/block_pool.h"
 #include "common/mem/mem.h"
 #include "common/model/model.h"
+#include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "common/util/progress.h"
 
@@ -122,12 +123,13 @@ int kvb_bench_lend(int argc, char **argv) {
         o.n_blocks = n;
         o.kv_mem = kvb_mem_region_base(wr);
         o.kv_mem_bytes = kvb_mem_region_size(wr);
-        if (kvb_engine_create(m, &o, NULL, NULL, &w) != KVB_OK) goto size_fail;
+        kvb_planner wpl = kvb_policy_recompute(), mpl = kvb_policy_recompute();
+        if (kvb_engine_create(m, &o, &wpl, NULL, &w) != KVB_OK) goto size_fail;
         kvb_engine_opts mo = o;
         mo.kv_mem = NULL;
         mo.kv_mem_bytes = 0;
         mo.n_blocks = 64;
-        if (kvb_engine_create(m, &mo, NULL, NULL, &ms) != KVB_OK) goto size_fail;
+        if (kvb_engine_create(m, &mo, &mpl, NULL, &ms) != KVB_OK) goto size_fail;
         size_t lm_bytes = bb * (size_t)n;
         /* a progress line per pool size on a terminal (common/util/progress.h): both loops' repetitions */
         char what[64];

@@ -158,7 +158,8 @@ static kvb_status make_engine(master_setup *s, int lend, int host_tier_blocks, i
         kvb_policy_params_free(&pp);
         KVB_TRY(st);
     }
-    KVB_TRY(kvb_engine_create(s->m, &o, policy ? &pl : NULL, ev, out));
+    if (!policy) pl = kvb_policy_recompute();
+    KVB_TRY(kvb_engine_create(s->m, &o, &pl, ev, out));
     kvb_engine_stats es;
     kvb_engine_get_stats(*out, &es);
     int room = stream ? es.stage_slots : INT32_MAX; /* stream: lent blocks the LSC streams */

@@ -24,8 +24,8 @@
 #include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/policy/fcfs.h"
 #include "common/sched/link_calib.h"
-#include "common/sched/scheduler.h"
 #include "common/util/progress.h"
 #include "common/util/token_deposit.h"
 
@@ -484,7 +484,7 @@ typedef struct probe {
     double layer[512];
 } probe;
 
-static kvb_status probe_plan(void *ctx, const kvb_view *v, kvb_plan *out) { return kvb_sched_fcfs(v, NULL, out); }
+static kvb_status probe_plan(void *ctx, const kvb_view *v, kvb_plan *out) { return kvb_fcfs(v, NULL, out); }
 
 static void probe_observe(void *ctx, const kvb_step_report *r) {
     probe *p = ctx;

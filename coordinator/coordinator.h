@@ -1,4 +1,4 @@
-/* kvbank — kvbank-coordinator: the node's ledger behind one ZeroMQ ROUTER (docs/design.md, "The node:
+/* kvbank — kvbank-coordinator: the node's ledger behind one ZeroMQ ROUTER (docs/lending.md, "The
  * coordinator protocol").
  *
  * Model processes (kvbank-master, kvbank-worker) connect DEALER sockets whose routing id is the

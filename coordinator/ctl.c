@@ -25,6 +25,7 @@
 #include "common/util/prog.h"
 
 #define PROG "kvbankctl"
+#define KVB_DEFAULT_CONFIG "/etc/kvbank/node.json" /* where deploy/ puts a node's config */
 #define DEFAULT_TIMEOUT_MS 5000
 
 static const char *role_name(Kvbank__Role r) {
@@ -487,17 +488,25 @@ static int cmd_generate(ctl *c, const char *model, const int32_t *prompt, int n_
     if (!r) return 1;
     char *ep = NULL;
     int found = 0, alive = 0;
+    char names[512] = "";
+    size_t nl = 0;
     for (size_t i = 0; i < r->status_reply->n_models; i++) {
         const Kvbank__ModelStatus *m = r->status_reply->models[i];
+        if (m->name && nl < sizeof names)
+            nl += (size_t)snprintf(names + nl, sizeof names - nl, "%s%s", nl ? ", " : "", m->name);
         if (!m->name || strcmp(m->name, model)) continue;
         found = 1;
         alive = m->alive;
         if (m->endpoint && m->endpoint[0] && kvb_strdup(m->endpoint, &ep) != KVB_OK) ep = NULL;
     }
     kvbank__envelope__free_unpacked(r, NULL);
-    if (!found || !ep) {
-        fprintf(stderr, PROG ": %s\n", found ? "the model has no endpoint" : "no such model registered");
-        free(ep);
+    if (!found) {
+        fprintf(stderr, PROG ": no such model registered: '%s' (the coordinator has: %s)\n", model,
+                names[0] ? names : "none");
+        return 1;
+    }
+    if (!ep) {
+        fprintf(stderr, PROG ": model '%s' has no endpoint\n", model);
         return 1;
     }
     if (!alive) fprintf(stderr, PROG ": warning: the coordinator counts %s as dead; trying %s anyway\n", model, ep);
@@ -542,12 +551,13 @@ out:
 /* The KV geometry a model of the node config will register with: layers, KV heads and head dim from
  * its config.json, block size from the node config, the element size of its backend
  * (kvb_model_kv_elem_size, the rule the model itself uses; no weights are read). */
-static int model_geom(const kvb_node_model *m, kvb_kv_geom *g) {
+static int model_geom(const kvb_node_model *m, kvb_kv_geom *g, int *max_pos) {
     kvb_model_config mc;
     if (kvb_model_config_load(m->model_dir, &mc) != KVB_OK) {
         fprintf(stderr, PROG ": model %s: cannot read %s/config.json\n", m->name, m->model_dir);
         return -1;
     }
+    if (max_pos) *max_pos = mc.max_pos;
     g->n_layers = mc.n_layers;
     g->n_kv_heads = mc.n_kv_heads;
     g->head_dim = mc.head_dim;
@@ -582,7 +592,8 @@ static int cmd_plan(const char *path, int json) {
     if (kvb_calloc((size_t)KVB_MAX(n_workers, 1), sizeof *wg, (void **)&wg) != KVB_OK ||
         kvb_calloc((size_t)KVB_MAX(n_workers, 1), sizeof *c_workers, (void **)&c_workers) != KVB_OK)
         goto out;
-    if (model_geom(master, &mg) != 0) goto out;
+    int max_pos = 0; /* the master's context: what the gateway's /v1/models advertises as max_model_len */
+    if (model_geom(master, &mg, &max_pos) != 0) goto out;
     const kvb_node_model **workers = NULL;
     if (kvb_calloc((size_t)KVB_MAX(n_workers, 1), sizeof *workers, (void **)&workers) != KVB_OK) goto out;
     int k = 0;
@@ -591,7 +602,7 @@ static int cmd_plan(const char *path, int json) {
         if (m == master) continue;
         workers[k] = m;
         c_workers[k] = (uint64_t)m->kv_bytes;
-        if (model_geom(m, &wg[k]) != 0) {
+        if (model_geom(m, &wg[k], NULL) != 0) {
             free(workers);
             goto out;
         }
@@ -654,6 +665,10 @@ static int cmd_plan(const char *path, int json) {
                               (json_int_t)p.k_master, "n_lsc", (json_int_t)p.n_lsc, "n_rc", (json_int_t)p.n_rc,
                               "no_lending_tokens", (json_int_t)p.no_lending_tokens, "paper_max_ctx_tokens",
                               (json_int_t)p.max_ctx_tokens, "inplace_tokens", (json_int_t)p.inplace_tokens);
+        if (j) {
+            json_object_set_new(j, "max_model_len", json_integer(max_pos));
+            json_object_set_new(j, "longest_context_tokens", json_integer(KVB_MIN((int64_t)max_pos, p.inplace_tokens)));
+        }
         jw = NULL;
         rc = print_json(j);
         goto out;
@@ -668,6 +683,10 @@ static int cmd_plan(const char *path, int json) {
     printf("  without lending                          %10" PRId64 " tokens\n", p.no_lending_tokens);
     printf("  with lending, paper (N_LSC + N_RC) * B   %10" PRId64 " tokens\n", p.max_ctx_tokens);
     printf("  with lending, kvbank in place            %10" PRId64 " tokens\n", p.inplace_tokens);
+    printf("  the model's context (max_model_len)      %10d tokens (config.json max_position_embeddings; /v1/models)\n",
+           max_pos);
+    printf("  longest request (prompt + completion)    %10" PRId64 " tokens%s\n", KVB_MIN((int64_t)max_pos, p.inplace_tokens),
+           max_pos < p.inplace_tokens ? " (the model's context: the memory would hold more)" : " (its KV memory)");
     rc = 0;
 out:
     json_decref(jw);
@@ -727,7 +746,8 @@ static const command g_commands[] = {
     {"plan", "plan [--config NODE.json] [--json]",
      "Offline, no coordinator: for each worker its MEU with the master, the master's layer stream\n"
      "cache and regular cache sizes (SwiftCache Eq. 1-5) from the kv budgets, and its longest context\n"
-     "without lending, with lending as in the paper ((N_LSC + N_RC) * B) and in place (kvbank).\n"
+     "without lending, with lending as in the paper ((N_LSC + N_RC) * B) and in place (kvbank), and the\n"
+     "longest request it serves: that, at most its context (max_model_len, as the gateway's /v1/models says).\n"
      "  --config NODE.json  the node config (default: kvbankctl's --config)\n"
      "  --json              as JSON\n"},
 };
@@ -750,7 +770,8 @@ static void usage(FILE *f) {
             "\n"
             "options:\n"
             "  --coordinator EP       the coordinator's endpoint\n"
-            "  --config NODE.json     node config (coordinator endpoint; the default config of `plan`)\n"
+            "  --config NODE.json     node config (coordinator endpoint; the default config of `plan`);\n"
+            "                         default: $KVBANK_CONFIG, else " KVB_DEFAULT_CONFIG " when it exists\n"
             "  --timeout-ms N         give up when the coordinator (or the model) is silent this long\n"
             "                         (default %d)\n"
             "  -h, --help             this text\n"
@@ -877,6 +898,13 @@ static int parse_command(const command *cmd, int argc, char **argv, cmd_args *a)
     return 0;
 }
 
+/* The node config when none was given: $KVBANK_CONFIG, else KVB_DEFAULT_CONFIG when it exists. */
+static const char *default_config(void) {
+    const char *env = getenv("KVBANK_CONFIG");
+    if (env && *env) return env;
+    return access(KVB_DEFAULT_CONFIG, F_OK) == 0 ? KVB_DEFAULT_CONFIG : NULL;
+}
+
 int main(int argc, char **argv) {
     kvb_prog_init(argc, argv, "kvbankctl");
     const char *endpoint = NULL, *config = NULL;
@@ -920,10 +948,12 @@ int main(int argc, char **argv) {
         free(a.stop);
         return pr == 1 ? 0 : 2;
     }
+    if (!endpoint && !config) config = default_config();
     if (!strcmp(cmd->name, "plan")) {
         const char *path = a.config ? a.config : config;
         if (!path) {
-            fprintf(stderr, PROG " plan: --config NODE.json is required\n");
+            fprintf(stderr, PROG " plan: --config NODE.json is required (or KVBANK_CONFIG; " KVB_DEFAULT_CONFIG
+                            " does not exist)\n");
             return 2;
         }
         return cmd_plan(path, a.json);
@@ -941,7 +971,8 @@ int main(int argc, char **argv) {
         endpoint = nc->coordinator;
     }
     if (!endpoint) {
-        fprintf(stderr, PROG ": give --coordinator EP or --config NODE.json\n");
+        fprintf(stderr, PROG ": give --coordinator EP or --config NODE.json (or set KVBANK_CONFIG; " KVB_DEFAULT_CONFIG
+                        " does not exist)\n");
         rc = 2;
         goto done;
     }

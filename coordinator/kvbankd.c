@@ -668,8 +668,14 @@ static kvb_status mk_start(kvbankd *d, int i) {
         {.flags = UV_INHERIT_FD, .data.fd = 1},
         {.flags = UV_INHERIT_FD, .data.fd = 2},
     };
-    uv_process_options_t o = {
-        .exit_cb = mk_exit_cb, .file = d->mk_argv[0], .args = d->mk_argv, .stdio_count = 3, .stdio = stdio};
+    /* in the config file's directory: relative paths among the arguments (--tokenizer DIR) are relative
+     * to the config, like model_dir */
+    char cwd[PATH_MAX];
+    snprintf(cwd, sizeof cwd, "%s", d->cfg->path);
+    char *cs = strrchr(cwd, '/');
+    if (cs) cs[cs == cwd] = '\0';
+    uv_process_options_t o = {.exit_cb = mk_exit_cb, .file = d->mk_argv[0], .args = d->mk_argv, .stdio_count = 3,
+                              .stdio = stdio, .cwd = cwd};
     d->mk_index = i;
     d->mk_proc.data = d;
     d->mk_open = 1;
@@ -855,7 +861,8 @@ static void usage(FILE *f) {
             "     any error ends kvbankd with status 1. A tokenizer or chat template that does not load\n"
             "     is a warning: the model is served without chat (or takes token ids only);\n"
             "  3. for a model whose model_dir is missing and that has \"mkmodel\" arguments, runs\n"
-            "     kvbank-mkmodel ARGS into a temporary directory renamed to model_dir when it succeeded\n"
+            "     kvbank-mkmodel ARGS (in the config file's directory) into a temporary directory renamed to\n"
+            "     model_dir when it succeeded\n"
             "     (a model_dir missing without \"mkmodel\" is an error);\n"
             "  4. starts kvbank-coordinator --config FILE and waits until it answers a StatusRequest\n"
             "     (at most %.0f s), then kvbank-master --config FILE --name NAME for the master and\n"

@@ -1,5 +1,5 @@
 /* kvbank — the coordinator's ledger: which models are registered, which blocks of which worker are lent
- * to the master, and what must be said to whom when that changes (docs/design.md, "The node:
+ * to the master, and what must be said to whom when that changes (docs/lending.md, "The
  * coordinator protocol"; SwiftCache §3.4-3.5).
  *
  * Pure logic: no sockets, no clocks, no signals. Every call takes the time (`now_ms`, any monotonic

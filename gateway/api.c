@@ -129,38 +129,6 @@ static kvb_status get_ids(json_t *v, const char *name, int32_t **ids, int *n, gw
     return KVB_OK;
 }
 
-/* Accepts only a neutral value of a field the node does not implement. */
-static int neutral(json_t *v, const char *name) {
-    if (json_is_null(v)) return 1;
-    if (!strcmp(name, "n") || !strcmp(name, "best_of")) return json_is_integer(v) && json_integer_value(v) == 1;
-    if (!strcmp(name, "logprobs") || !strcmp(name, "echo")) return json_is_false(v);
-    if (!strcmp(name, "top_logprobs") || !strcmp(name, "min_tokens")) return json_is_integer(v) && json_integer_value(v) == 0;
-    if (!strcmp(name, "presence_penalty") || !strcmp(name, "frequency_penalty"))
-        return json_is_number(v) && json_number_value(v) == 0;
-    if (!strcmp(name, "repetition_penalty")) return json_is_number(v) && json_number_value(v) == 1;
-    if (!strcmp(name, "logit_bias")) return json_is_object(v) && json_object_size(v) == 0;
-    if (!strcmp(name, "parallel_tool_calls")) return json_is_boolean(v);
-    if (!strcmp(name, "tools")) return json_is_array(v) && json_array_size(v) == 0;
-    if (!strcmp(name, "tool_choice")) return json_is_string(v) && !strcmp(json_string_value(v), "none");
-    if (!strcmp(name, "response_format")) {
-        json_t *t = json_object_get(v, "type");
-        return json_is_object(v) && json_is_string(t) && !strcmp(json_string_value(t), "text");
-    }
-    return 0; /* suffix and anything else: only null */
-}
-
-static const char *const UNSUPPORTED[] = {"n", "best_of", "logprobs", "top_logprobs", "echo", "min_tokens",
-                                          "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                          "logit_bias", "suffix", "tools", "tool_choice", "parallel_tool_calls",
-                                          "response_format", "functions", "function_call", "audio", "modalities",
-                                          "prediction", "guided_json", "guided_regex", "guided_choice"};
-
-static int is_unsupported(const char *k) {
-    for (size_t i = 0; i < KVB_ARRAY_LEN(UNSUPPORTED); i++)
-        if (!strcmp(k, UNSUPPORTED[i])) return 1;
-    return 0;
-}
-
 static kvb_status get_stop(json_t *v, gw_params *p, gw_error *err) {
     if (json_is_null(v)) return KVB_OK;
     json_t *one = json_is_string(v) ? v : NULL;
@@ -243,6 +211,294 @@ static kvb_status get_model(json_t *o, const char **model, gw_error *err) {
     return KVB_OK;
 }
 
+/* ------------------------------------------------------------------------------------- readers
+ * One per handled field: `v` is not null. */
+
+static kvb_status rd_prompt(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    (void)name;
+    return get_prompt(v, p, err);
+}
+
+static kvb_status rd_messages(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    (void)name;
+    p->messages = v;
+    return check_messages(v, err);
+}
+
+static kvb_status rd_max_tokens(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    int64_t x = 0;
+    KVB_TRY(get_int(v, name, 1, INT32_MAX, &x, err));
+    p->max_tokens = (int)x;
+    return KVB_OK;
+}
+
+static kvb_status rd_temperature(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    return get_number(v, name, 0, 2, &p->temperature, err);
+}
+
+static kvb_status rd_top_p(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    return get_number(v, name, 1e-9, 1, &p->top_p, err);
+}
+
+static kvb_status rd_top_k(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    int64_t x = 0;
+    KVB_TRY(get_int(v, name, -1, INT32_MAX, &x, err));
+    p->top_k = x < 0 ? 0 : (int)x;
+    return KVB_OK;
+}
+
+static kvb_status rd_seed(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    int64_t x = 0;
+    KVB_TRY(get_int(v, name, INT64_MIN, INT64_MAX, &x, err));
+    p->has_seed = 1;
+    p->seed = (uint64_t)x;
+    return KVB_OK;
+}
+
+static kvb_status rd_stop(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    (void)name;
+    return get_stop(v, p, err);
+}
+
+static kvb_status rd_stop_ids(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    if (!json_is_array(v) || json_array_size(v) > GW_MAX_STOP_IDS)
+        return bad(err, name, "'%s' must be an array of at most %d token ids", name, GW_MAX_STOP_IDS);
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        json_t *t = json_array_get(v, i);
+        if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) > INT32_MAX)
+            return bad(err, name, "'%s'[%zu] must be a token id", name, i);
+        p->stop_ids[p->n_stop_ids++] = (int32_t)json_integer_value(t);
+    }
+    return KVB_OK;
+}
+
+static kvb_status rd_stream_options(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    if (!json_is_object(v)) return bad(err, name, "'%s' must be an object", name);
+    const char *k;
+    json_t *x;
+    json_object_foreach(v, k, x) {
+        if (!strcmp(k, "include_usage")) KVB_TRY(get_bool(x, "stream_options.include_usage", &p->include_usage, err));
+        else if (!strcmp(k, "continuous_usage_stats") && (json_is_false(x) || json_is_null(x))) continue;
+        else return bad(err, name, "unknown field 'stream_options.%s'", k);
+    }
+    return KVB_OK;
+}
+
+static kvb_status rd_template_kwargs(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    if (!json_is_object(v)) return bad(err, name, "'%s' must be an object", name);
+    p->template_kwargs = v;
+    return KVB_OK;
+}
+
+static kvb_status rd_tbt_slo(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    return get_number(v, name, 0, 60000, &p->tbt_slo_ms, err);
+}
+
+/* The boolean members, by field name. */
+#define RD_BOOL(fn, member)                                                                                            \
+    static kvb_status fn(json_t *v, const char *name, gw_params *p, gw_error *err) {                                   \
+        return get_bool(v, name, &p->member, err);                                                                     \
+    }
+RD_BOOL(rd_ignore_eos, ignore_eos)
+RD_BOOL(rd_stream, stream)
+RD_BOOL(rd_return_token_ids, return_token_ids)
+RD_BOOL(rd_skip_special, skip_special_tokens)
+RD_BOOL(rd_add_special, add_special_tokens)
+RD_BOOL(rd_add_gen_prompt, add_generation_prompt)
+RD_BOOL(rd_timings, timings)
+RD_BOOL(rd_include_stop_str, include_stop_str)
+#undef RD_BOOL
+
+/* ---------------------------------------------------------------------------- neutral values
+ * What an unsupported field may say: the value that asks for nothing beyond what the node does. */
+
+static int nt_false(json_t *v) { return json_is_false(v); }
+static int nt_true(json_t *v) { return json_is_true(v); }
+static int nt_zero(json_t *v) { return json_number_value(v) == 0; }
+static int nt_one(json_t *v) { return json_number_value(v) == 1; }
+static int nt_empty(json_t *v) { return json_is_object(v) ? json_object_size(v) == 0 : json_array_size(v) == 0; }
+static int nt_none(json_t *v) { return json_is_string(v) && !strcmp(json_string_value(v), "none"); }
+
+static int nt_text_format(json_t *v) {
+    json_t *t = json_object_get(v, "type");
+    return json_object_size(v) == 1 && json_is_string(t) && !strcmp(json_string_value(t), "text");
+}
+
+static int nt_text_modality(json_t *v) {
+    json_t *m = json_array_get(v, 0);
+    return json_array_size(v) == 1 && json_is_string(m) && !strcmp(json_string_value(m), "text");
+}
+
+/* ------------------------------------------------------------------------------------- the table
+ * The fields of vLLM's CompletionRequest and ChatCompletionRequest (vllm/entrypoints/openai/
+ * protocol.py) and OpenAI's, plus kvbank's own. vLLM accepts any field and ignores those it does not
+ * know; kvbank keeps refusing a name no row has, so that a misspelt parameter ("temprature") is an
+ * error rather than a silently different request. */
+
+#define H(name, eps, types, fn) {name, eps, GW_FIELD_HANDLED, types, fn, NULL}
+#define I(name, eps, types) {name, eps, GW_FIELD_IGNORED, types, NULL, NULL}
+#define U(name, eps, types, fn) {name, eps, GW_FIELD_UNSUPPORTED, types, NULL, fn}
+#define C GW_EP_COMPLETIONS
+#define T GW_EP_CHAT
+#define B GW_EP_BOTH
+#define NUM (GW_J_INT | GW_J_NUM)
+static const gw_field FIELDS[] = {
+    /* handled */
+    H("prompt", C, GW_J_STR | GW_J_ARR, rd_prompt),
+    H("messages", T, GW_J_ARR, rd_messages),
+    H("max_tokens", B, GW_J_INT, rd_max_tokens),
+    H("max_completion_tokens", T, GW_J_INT, rd_max_tokens),
+    H("temperature", B, NUM, rd_temperature),
+    H("top_p", B, NUM, rd_top_p),
+    H("top_k", B, GW_J_INT, rd_top_k),
+    H("seed", B, GW_J_INT, rd_seed),
+    H("stop", B, GW_J_STR | GW_J_ARR, rd_stop),
+    H("stop_token_ids", B, GW_J_ARR, rd_stop_ids),
+    H("ignore_eos", B, GW_J_BOOL, rd_ignore_eos),
+    H("stream", B, GW_J_BOOL, rd_stream),
+    H("stream_options", B, GW_J_OBJ, rd_stream_options),
+    H("return_token_ids", B, GW_J_BOOL, rd_return_token_ids),
+    H("skip_special_tokens", B, GW_J_BOOL, rd_skip_special),
+    H("add_special_tokens", B, GW_J_BOOL, rd_add_special),
+    H("add_generation_prompt", T, GW_J_BOOL, rd_add_gen_prompt),
+    H("chat_template_kwargs", T, GW_J_OBJ, rd_template_kwargs),
+    H("include_stop_str_in_output", B, GW_J_BOOL, rd_include_stop_str),
+    H("kvbank_tbt_slo_ms", B, NUM, rd_tbt_slo),
+    H("kvbank_timings", B, GW_J_BOOL, rd_timings),
+    /* ignored: bookkeeping for OpenAI's platform, hints that change no token, options of features
+     * that are off (beam search, guided decoding, logprobs) */
+    I("user", B, GW_J_STR),
+    I("store", B, GW_J_BOOL),
+    I("metadata", B, GW_J_OBJ),
+    I("service_tier", B, GW_J_STR),
+    I("reasoning_effort", T, GW_J_STR),
+    I("include_reasoning", T, GW_J_BOOL),
+    I("parallel_tool_calls", T, GW_J_BOOL),
+    I("prompt_cache_key", B, GW_J_STR),
+    I("safety_identifier", B, GW_J_STR),
+    I("verbosity", T, GW_J_STR),
+    I("prediction", T, GW_J_OBJ),
+    I("request_id", B, GW_J_STR),
+    I("length_penalty", B, NUM),
+    I("guided_decoding_backend", B, GW_J_STR),
+    I("guided_whitespace_pattern", B, GW_J_STR),
+    I("return_tokens_as_token_ids", B, GW_J_BOOL),
+    I("mm_processor_kwargs", B, GW_J_OBJ),
+    I("vllm_xargs", B, GW_J_OBJ),
+    /* unsupported: features the node does not have yet */
+    U("n", B, GW_J_INT, nt_one),
+    U("best_of", B, GW_J_INT, nt_one),
+    U("use_beam_search", B, GW_J_BOOL, nt_false),
+    U("logprobs", T, GW_J_BOOL, nt_false),
+    U("logprobs", C, GW_J_INT | GW_J_BOOL, nt_false),
+    U("top_logprobs", T, GW_J_INT, nt_zero),
+    U("prompt_logprobs", B, GW_J_INT, NULL),
+    U("echo", B, GW_J_BOOL, nt_false),
+    U("suffix", C, GW_J_STR, NULL),
+    U("min_tokens", B, GW_J_INT, nt_zero),
+    U("presence_penalty", B, NUM, nt_zero),
+    U("frequency_penalty", B, NUM, nt_zero),
+    U("repetition_penalty", B, NUM, nt_one),
+    U("min_p", B, NUM, nt_zero),
+    U("logit_bias", B, GW_J_OBJ, nt_empty),
+    U("allowed_token_ids", B, GW_J_ARR, NULL),
+    U("bad_words", B, GW_J_ARR, nt_empty),
+    U("logits_processors", B, GW_J_ARR, nt_empty),
+    U("truncate_prompt_tokens", B, GW_J_INT, NULL),
+    U("spaces_between_special_tokens", B, GW_J_BOOL, nt_true),
+    U("priority", B, GW_J_INT, nt_zero),
+    U("cache_salt", B, GW_J_STR, NULL),
+    U("kv_transfer_params", B, GW_J_OBJ, NULL),
+    U("prompt_embeds", C, GW_J_STR | GW_J_ARR, NULL),
+    U("tools", T, GW_J_ARR, nt_empty),
+    U("tool_choice", T, GW_J_STR | GW_J_OBJ, nt_none),
+    U("functions", T, GW_J_ARR, nt_empty),
+    U("function_call", T, GW_J_STR | GW_J_OBJ, nt_none),
+    U("response_format", B, GW_J_OBJ, nt_text_format),
+    U("guided_json", B, GW_J_STR | GW_J_OBJ, NULL),
+    U("guided_regex", B, GW_J_STR, NULL),
+    U("guided_choice", B, GW_J_ARR, NULL),
+    U("guided_grammar", B, GW_J_STR, NULL),
+    U("structural_tag", T, GW_J_STR, NULL),
+    U("documents", T, GW_J_ARR, nt_empty),
+    U("chat_template", T, GW_J_STR, NULL),
+    U("continue_final_message", T, GW_J_BOOL, nt_false),
+    U("modalities", T, GW_J_ARR, nt_text_modality),
+    U("audio", T, GW_J_OBJ, NULL),
+    U("web_search_options", T, GW_J_OBJ, NULL),
+};
+#undef H
+#undef I
+#undef U
+#undef C
+#undef T
+#undef B
+#undef NUM
+
+const gw_field *gw_fields(int *n) {
+    if (n) *n = (int)KVB_ARRAY_LEN(FIELDS);
+    return FIELDS;
+}
+
+/* The row of `name` for endpoint `ep`; NULL when none. */
+static const gw_field *field_find(const char *name, gw_endpoint ep) {
+    for (size_t i = 0; i < KVB_ARRAY_LEN(FIELDS); i++)
+        if ((FIELDS[i].eps & (1u << ep)) && !strcmp(FIELDS[i].name, name)) return &FIELDS[i];
+    return NULL;
+}
+
+static int type_ok(json_t *v, unsigned types) {
+    if ((types & GW_J_BOOL) && json_is_boolean(v)) return 1;
+    if ((types & GW_J_NUM) && json_is_number(v) && isfinite(json_number_value(v))) return 1;
+    if ((types & GW_J_INT) && (json_is_integer(v) || (json_is_real(v) && json_real_value(v) == floor(json_real_value(v)) &&
+                                                      fabs(json_real_value(v)) < 9e15)))
+        return 1;
+    if ((types & GW_J_STR) && json_is_string(v)) return 1;
+    if ((types & GW_J_OBJ) && json_is_object(v)) return 1;
+    if ((types & GW_J_ARR) && json_is_array(v)) return 1;
+    return 0;
+}
+
+/* "a boolean", "a string or an object", ... */
+static const char *type_words(unsigned types, char *buf, size_t n) {
+    static const struct {
+        unsigned t;
+        const char *w;
+    } words[] = {{GW_J_BOOL, "a boolean"}, {GW_J_NUM, "a number"}, {GW_J_INT, "an integer"},
+                 {GW_J_STR, "a string"},   {GW_J_OBJ, "an object"}, {GW_J_ARR, "an array"}};
+    size_t k = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i < KVB_ARRAY_LEN(words); i++) {
+        if (!(types & words[i].t) || (words[i].t == GW_J_INT && (types & GW_J_NUM))) continue;
+        k += (size_t)snprintf(buf + k, k < n ? n - k : 0, "%s%s", k ? " or " : "", words[i].w);
+    }
+    return buf;
+}
+
+/* One field of a request body. */
+static kvb_status field_apply(gw_endpoint ep, const char *key, json_t *v, gw_params *p, gw_error *err) {
+    const gw_field *f = field_find(key, ep);
+    if (!f) {
+        char clip[72];
+        if (field_find(key, ep == GW_CHAT ? GW_COMPLETIONS : GW_CHAT))
+            return bad(err, key, "'%s' is a field of %s, not of this endpoint", key,
+                       ep == GW_CHAT ? "/v1/completions" : "/v1/chat/completions");
+        return bad(err, key, "unknown field '%s'", gw_clip(key, clip, sizeof clip));
+    }
+    if (json_is_null(v)) return KVB_OK; /* not given */
+    if (f->kind == GW_FIELD_HANDLED) return f->read(v, key, p, err);
+    if (!type_ok(v, f->types)) {
+        char words[96];
+        return bad(err, key, "'%s' must be %s", key, type_words(f->types, words, sizeof words));
+    }
+    if (f->kind == GW_FIELD_UNSUPPORTED) {
+        if (f->neutral && f->neutral(v)) return KVB_OK;
+        return bad(err, key, "'%s' is not supported by this server", key);
+    }
+    if (p->n_ignored < GW_MAX_IGNORED) p->ignored[p->n_ignored++] = (short)(f - FIELDS);
+    return KVB_OK;
+}
+
 kvb_status gw_params_parse(gw_endpoint ep, const char *body, size_t len, gw_params *p, json_t **doc, gw_error *err) {
     memset(p, 0, sizeof *p);
     *doc = NULL;
@@ -258,89 +514,9 @@ kvb_status gw_params_parse(gw_endpoint ep, const char *body, size_t len, gw_para
     kvb_status st = get_model(o, &p->model, err);
     const char *key;
     json_t *v;
-    int64_t x = 0;
     json_object_foreach(o, key, v) {
         if (st != KVB_OK) break;
-        if (!strcmp(key, "model")) continue;
-        if (!strcmp(key, "prompt") && ep == GW_COMPLETIONS) {
-            st = get_prompt(v, p, err);
-        } else if (!strcmp(key, "messages") && ep == GW_CHAT) {
-            st = check_messages(v, err);
-            p->messages = v;
-        } else if (!strcmp(key, "max_tokens") || (!strcmp(key, "max_completion_tokens") && ep == GW_CHAT)) {
-            x = 0;
-            st = get_int(v, key, 1, INT32_MAX, &x, err);
-            if (st == KVB_OK && x) p->max_tokens = (int)x;
-        } else if (!strcmp(key, "temperature")) {
-            st = get_number(v, key, 0, 2, &p->temperature, err);
-        } else if (!strcmp(key, "top_p")) {
-            st = get_number(v, key, 1e-9, 1, &p->top_p, err);
-        } else if (!strcmp(key, "top_k")) {
-            x = 0;
-            st = get_int(v, key, -1, INT32_MAX, &x, err);
-            p->top_k = x < 0 ? 0 : (int)x;
-        } else if (!strcmp(key, "seed")) {
-            x = 0;
-            st = get_int(v, key, INT64_MIN, INT64_MAX, &x, err);
-            if (st == KVB_OK && !json_is_null(v)) {
-                p->has_seed = 1;
-                p->seed = (uint64_t)x;
-            }
-        } else if (!strcmp(key, "stop")) {
-            st = get_stop(v, p, err);
-        } else if (!strcmp(key, "stop_token_ids")) {
-            if (json_is_null(v)) continue;
-            if (!json_is_array(v) || json_array_size(v) > GW_MAX_STOP_IDS) {
-                st = bad(err, key, "'stop_token_ids' must be an array of at most %d token ids", GW_MAX_STOP_IDS);
-                continue;
-            }
-            for (size_t i = 0; i < json_array_size(v) && st == KVB_OK; i++) {
-                json_t *t = json_array_get(v, i);
-                if (!json_is_integer(t) || json_integer_value(t) < 0 || json_integer_value(t) > INT32_MAX)
-                    st = bad(err, key, "'stop_token_ids'[%zu] must be a token id", i);
-                else p->stop_ids[p->n_stop_ids++] = (int32_t)json_integer_value(t);
-            }
-        } else if (!strcmp(key, "ignore_eos")) {
-            st = get_bool(v, key, &p->ignore_eos, err);
-        } else if (!strcmp(key, "stream")) {
-            st = get_bool(v, key, &p->stream, err);
-        } else if (!strcmp(key, "stream_options")) {
-            if (json_is_null(v)) continue;
-            if (!json_is_object(v)) {
-                st = bad(err, key, "'stream_options' must be an object");
-                continue;
-            }
-            const char *k2;
-            json_t *v2;
-            json_object_foreach(v, k2, v2) {
-                if (st != KVB_OK) break;
-                if (!strcmp(k2, "include_usage")) st = get_bool(v2, "stream_options.include_usage", &p->include_usage, err);
-                else if (!strcmp(k2, "continuous_usage_stats") && (json_is_false(v2) || json_is_null(v2))) continue;
-                else st = bad(err, "stream_options", "unknown field 'stream_options.%s'", k2);
-            }
-        } else if (!strcmp(key, "return_token_ids")) {
-            st = get_bool(v, key, &p->return_token_ids, err);
-        } else if (!strcmp(key, "skip_special_tokens")) {
-            st = get_bool(v, key, &p->skip_special_tokens, err);
-        } else if (!strcmp(key, "add_special_tokens")) {
-            st = get_bool(v, key, &p->add_special_tokens, err);
-        } else if (!strcmp(key, "add_generation_prompt") && ep == GW_CHAT) {
-            st = get_bool(v, key, &p->add_generation_prompt, err);
-        } else if (!strcmp(key, "chat_template_kwargs") && ep == GW_CHAT) {
-            if (json_is_null(v)) continue;
-            if (!json_is_object(v)) st = bad(err, key, "'chat_template_kwargs' must be an object");
-            else p->template_kwargs = v;
-        } else if (!strcmp(key, "kvbank_tbt_slo_ms")) {
-            st = get_number(v, key, 0, 60000, &p->tbt_slo_ms, err);
-        } else if (!strcmp(key, "kvbank_timings")) {
-            st = get_bool(v, key, &p->timings, err);
-        } else if (!strcmp(key, "user")) {
-            if (!json_is_string(v) && !json_is_null(v)) st = bad(err, key, "'user' must be a string");
-        } else if (is_unsupported(key)) {
-            if (!neutral(v, key)) st = bad(err, key, "'%s' is not supported by this server", key);
-        } else {
-            st = bad(err, key, "unknown field '%s'", key);
-        }
+        if (strcmp(key, "model")) st = field_apply(ep, key, v, p, err);
     }
     if (st == KVB_OK && ep == GW_COMPLETIONS && !p->prompt_text && !p->prompt_ids)
         st = bad(err, "prompt", "'prompt' is required");

@@ -1,10 +1,17 @@
 /* kvbank-gateway — the OpenAI request bodies: reading and validating them, and the error bodies.
  *
  * Pure functions over jansson values (no sockets, no models), so the unit tests cover every field.
- * A request is validated completely before anything is sent to a model: a wrong type, a value out of
- * range, an unknown field or a feature the node does not have (n > 1, logprobs, penalties, tools)
- * gets a 400 whose OpenAI-shaped body names the field (`param`). Neutral values of unsupported fields
- * (n: 1, logprobs: null, presence_penalty: 0, ...) are accepted, since common clients send them. */
+ * Every field a request may carry is a row of one table (api.c, `gw_fields`): its name, the endpoints
+ * that take it, its JSON types and what the gateway does with it:
+ *   handled      read into gw_params;
+ *   ignored      accepted and ignored, as vLLM does (store, metadata, user, reasoning_effort, ...): a
+ *                wrong type is still refused, and the gateway logs each such field name once;
+ *   unsupported  needs a feature the node does not have yet (n > 1, logprobs, penalties, tools,
+ *                structured output): its neutral value (n: 1, logprobs: false, presence_penalty: 0,
+ *                tools: [], ...) passes since common clients send it, anything else gets a 400.
+ * Supporting a field is a change of its row (a reader, a gw_params member). A request is validated
+ * completely before anything is sent to a model: a wrong type, a value out of range, a field no row
+ * names or an unsupported value gets a 400 whose OpenAI-shaped body names the field (`param`). */
 #ifndef KVB_GATEWAY_API_H
 #define KVB_GATEWAY_API_H
 
@@ -22,8 +29,48 @@ typedef enum gw_endpoint {
     GW_CHAT = 1,              /* POST /v1/chat/completions */
 } gw_endpoint;
 
+typedef enum gw_field_kind {
+    GW_FIELD_HANDLED = 0,     /* read into gw_params */
+    GW_FIELD_IGNORED = 1,     /* accepted (its type checked) and ignored */
+    GW_FIELD_UNSUPPORTED = 2, /* only its neutral value passes */
+} gw_field_kind;
+
+/* JSON types of a field (a mask); null always means "not given". */
+enum {
+    GW_J_BOOL = 1 << 0,
+    GW_J_INT = 1 << 1,        /* an integer (4.0 counts) */
+    GW_J_NUM = 1 << 2,        /* any finite number */
+    GW_J_STR = 1 << 3,
+    GW_J_OBJ = 1 << 4,
+    GW_J_ARR = 1 << 5,
+};
+
+#define GW_EP_COMPLETIONS (1u << GW_COMPLETIONS)
+#define GW_EP_CHAT (1u << GW_CHAT)
+#define GW_EP_BOTH (GW_EP_COMPLETIONS | GW_EP_CHAT)
+
+typedef struct gw_params gw_params;
+typedef struct gw_error gw_error;
+
+/* One row of the field table. */
+typedef struct gw_field {
+    const char *name;
+    unsigned eps;             /* GW_EP_*: the endpoints that take it */
+    gw_field_kind kind;
+    unsigned types;           /* GW_J_* the value may have (handled rows: what `read` takes) */
+    /* handled: checks `v` (not null) and stores it into p; fills err and fails otherwise */
+    kvb_status (*read)(json_t *v, const char *name, gw_params *p, gw_error *err);
+    /* unsupported: 1 when `v` (not null, of the right type) asks for nothing; NULL: only null */
+    int (*neutral)(json_t *v);
+} gw_field;
+
+/* The table: *n rows; a name may have one row per endpoint (logprobs: a boolean in chat, an integer
+ * in completions). Static, never freed. */
+const gw_field *gw_fields(int *n);
+#define GW_MAX_IGNORED 32     /* ignored fields one request reports (gw_params.ignored): at least the ignored rows */
+
 /* A validated request. Pointers borrow from the JSON document it was read from. */
-typedef struct gw_params {
+struct gw_params {
     gw_endpoint ep;
     const char *model;
     /* completions: the prompt, either text or token ids (exactly one is set) */
@@ -55,16 +102,20 @@ typedef struct gw_params {
     double tbt_slo_ms;        /* kvbank_tbt_slo_ms: Token-Deposit target; < 0: not given */
     int timings;              /* kvbank_timings: the response carries every token's generation, arrival
                                * and delivery time */
-} gw_params;
+    int include_stop_str;     /* include_stop_str_in_output (vLLM): the stop string ends the text */
+    /* ignored fields the request had: indices into gw_fields() [n_ignored] (the gateway logs them) */
+    short ignored[GW_MAX_IGNORED];
+    int n_ignored;
+};
 
 /* An error to return: HTTP status, OpenAI error type, the field it is about ("" for none), message. */
-typedef struct gw_error {
+struct gw_error {
     int status;
     const char *type;         /* "invalid_request_error", "not_found_error", "server_error", ... */
     char param[64];
     char message[512];
     const char *code;         /* OpenAI's "code" ("invalid_api_key"), or NULL (null) */
-} gw_error;
+};
 
 void gw_error_set(gw_error *e, int status, const char *type, const char *param, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));

@@ -45,6 +45,7 @@
 #include "common/text/chat.h"
 #include "common/text/tokenizer.h"
 #include "common/util/sha256.h"
+#include "common/util/prog.h"
 #include "common/util/token_deposit.h"
 #include "gateway/api.h"
 #include "gateway/metrics.h"
@@ -66,6 +67,15 @@
 
 typedef struct gw gw;
 typedef struct gw_stream gw_stream;
+
+/* The endpoints (the label of kvbank_gateway_http_requests_total). */
+enum {
+    EP_COMPLETIONS, EP_CHAT, EP_MODELS, EP_MODEL, EP_HEALTH, EP_PING, EP_METRICS, EP_VERSION, EP_TOKENIZE,
+    EP_DETOKENIZE, EP_OTHER, EP_COUNT
+};
+static const char *const EP_NAMES[EP_COUNT] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                               "/v1/models/{model}", "/health", "/ping", "/metrics", "/version",
+                                               "/tokenize", "/detokenize", "other"};
 
 /* ------------------------------------------------------------------------------------- connections */
 
@@ -116,6 +126,8 @@ typedef struct gw_model {
     uint64_t lends, reclaims, lend_ms_total, reclaim_ms_total;
     /* what the gateway measured (delivery side) */
     gw_hist ttft, tpot, itl, gen_itl, e2e;
+    gw_hist decode;               /* first to last token, as the model sampled them */
+    gw_hist req_prompt, req_gen, req_max_tokens; /* per request: prompt and generated tokens, max_tokens */
     uint64_t finished[5];         /* by kvb_finish */
     uint64_t prompt_tokens, completion_tokens, deposit_held;
     int n_streams;
@@ -159,14 +171,14 @@ struct gw {
     int n_streams;
     uint64_t next_id;
     /* HTTP counters: by endpoint and status class */
-    uint64_t http[8][6];          /* [endpoint][status / 100] */
+    uint64_t http[EP_COUNT][6];   /* [endpoint][status / 100] */
     uint64_t disconnects;         /* requests cancelled because their HTTP client went away */
     uint64_t rejected_busy;
+    uint64_t *ignored;            /* [n_fields] requests that carried each ignored field (gw_fields) */
+    int n_fields;
 };
 
-enum { EP_COMPLETIONS, EP_CHAT, EP_MODELS, EP_HEALTH, EP_METRICS, EP_TOKENIZE, EP_DETOKENIZE, EP_OTHER };
-static const char *const EP_NAMES[] = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                       "/metrics", "/tokenize", "/detokenize", "other"};
+
 
 /* ----------------------------------------------------------------------------------------- streams */
 
@@ -195,6 +207,7 @@ struct gw_stream {
     int64_t created;
     int stream, include_usage, return_token_ids, timings;
     int n_prompt;
+    int max_tokens;               /* what the model was asked for (the request's, or the default) */
     int32_t *prompt_ids;          /* [n_prompt] when return_token_ids */
     uint64_t slo_ns;              /* Token-Deposit target; 0: off */
     uint64_t t_arrival;           /* kvb_wall_ns when the HTTP request was handled */
@@ -285,6 +298,12 @@ static void send_body(gw *g, h2o_req_t *req, int ep, int status, const char *cty
     req->res.status = status;
     req->res.reason = status < (int)KVB_ARRAY_LEN(reasons) && reasons[status] ? reasons[status] : "Error";
     h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_TYPE, NULL, ctype, strlen(ctype));
+    if (req->method.len == 4 && !memcmp(req->method.base, "HEAD", 4)) {
+        /* h2o sends no body for HEAD and no length either: the length GET would have (RFC 9110 §9.3.2) */
+        char *cl = h2o_mem_alloc_pool(&req->pool, 24);
+        int n = snprintf(cl, 24, "%zu", len);
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_CONTENT_LENGTH, NULL, cl, (size_t)n);
+    }
     count_http(g, ep, status);
     h2o_send_inline(req, body, len);
 }
@@ -468,9 +487,13 @@ static void record_metrics(gw_stream *s, kvb_finish f) {
     if (f >= 0 && f < 5) m->finished[f]++;
     m->prompt_tokens += (uint64_t)s->n_prompt;
     m->completion_tokens += (uint64_t)s->n_tok;
+    gw_hist_observe(&m->req_prompt, s->n_prompt);
+    gw_hist_observe(&m->req_gen, s->n_tok);
+    gw_hist_observe(&m->req_max_tokens, s->max_tokens);
     double now = (double)kvb_wall_ns();
     gw_hist_observe(&m->e2e, (now - (double)s->t_arrival) / 1e9);
     if (s->n_tok == 0) return;
+    gw_hist_observe(&m->decode, (double)(int64_t)(s->t_gen[s->n_tok - 1] - s->t_gen[0]) / 1e9);
     gw_hist_observe(&m->ttft, (double)(int64_t)(s->t_deliv[0] - s->t_arrival) / 1e9);
     if (s->n_tok > 1)
         gw_hist_observe(&m->tpot, (double)(s->t_deliv[s->n_tok - 1] - s->t_deliv[0]) / 1e9 / (s->n_tok - 1));
@@ -808,6 +831,10 @@ static gw_model *model_add(gw *g, const char *name) {
     gw_hist_init(&m->itl, &GW_HIST_TOKEN);
     gw_hist_init(&m->gen_itl, &GW_HIST_TOKEN);
     gw_hist_init(&m->e2e, &GW_HIST_REQUEST);
+    gw_hist_init(&m->decode, &GW_HIST_REQUEST);
+    gw_hist_init(&m->req_prompt, &GW_HIST_COUNT);
+    gw_hist_init(&m->req_gen, &GW_HIST_COUNT);
+    gw_hist_init(&m->req_max_tokens, &GW_HIST_COUNT);
     g->models[g->n_models++] = m;
     return m;
 }
@@ -825,7 +852,10 @@ static void model_load_dir(gw_model *m) {
     if (m->have_cfg || !m->model_dir[0]) return;
     if (kvb_model_config_load(m->model_dir, &m->cfg) == KVB_OK) {
         m->have_cfg = 1;
-        kvb_status ts = kvb_tokenizer_load(m->model_dir, &m->tok);
+        /* a model without tokenizer.json is a normal case (it takes token ids): said at info below */
+        char tj[sizeof m->model_dir + 16];
+        snprintf(tj, sizeof tj, "%s/tokenizer.json", m->model_dir);
+        kvb_status ts = access(tj, F_OK) == 0 ? kvb_tokenizer_load(m->model_dir, &m->tok) : KVB_ERR_NOT_FOUND;
         if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
             KVB_LOG_W("gateway: model %s: its tokenizer cannot be used (%s); it takes token ids only", m->name,
                       kvb_status_str(ts));
@@ -1053,7 +1083,7 @@ static int model_answers(const gw *g, const gw_model *m) {
 /* Readiness. /health?model=NAME: that model answers (per-model readiness); /health: the node can
  * serve, i.e. the coordinator and at least one model answer, so that one model that crash-loops does
  * not take the others out of a load balancer. Both fail as soon as a drain starts. */
-static void handle_health(gw *g, h2o_req_t *req) {
+static void handle_health(gw *g, h2o_req_t *req, int ep) {
     char name[KVB_NAME_MAX_GW + 1];
     int ok = coordinator_answers(g);
     const char *why = ok ? NULL : "the coordinator does not answer\n";
@@ -1067,21 +1097,39 @@ static void handle_health(gw *g, h2o_req_t *req) {
         for (int i = 0; i < g->n_models; i++) any |= model_answers(g, g->models[i]);
         if (!any) ok = 0, why = "no model answers\n";
     }
-    if (ok) send_body(g, req, EP_HEALTH, 200, "text/plain", "ok\n", 3);
-    else send_body(g, req, EP_HEALTH, 503, "text/plain", why, strlen(why));
+    if (ok) send_body(g, req, ep, 200, "text/plain", "ok\n", 3);
+    else send_body(g, req, ep, 503, "text/plain", why, strlen(why));
+}
+
+/* A model's card (OpenAI's Model object, with vLLM's root and max_model_len). */
+static json_t *model_card(const gw_model *m) {
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", m->name, "object", "model", "created", (json_int_t)0,
+                          "owned_by", "kvbank", "root", m->model_dir);
+    if (o && m->have_cfg) json_object_set_new(o, "max_model_len", json_integer(m->cfg.max_pos));
+    return o;
 }
 
 static void handle_models(gw *g, h2o_req_t *req) {
     json_t *data = json_array();
-    for (int i = 0; i < g->n_models; i++) {
-        gw_model *m = g->models[i];
-        if (!m->alive) continue;
-        json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", m->name, "object", "model", "created", (json_int_t)0,
-                              "owned_by", "kvbank", "root", m->model_dir);
-        if (m->have_cfg) json_object_set_new(o, "max_model_len", json_integer(m->cfg.max_pos));
-        json_array_append_new(data, o);
-    }
+    for (int i = 0; i < g->n_models; i++)
+        if (g->models[i]->alive) json_array_append_new(data, model_card(g->models[i]));
     send_json(g, req, EP_MODELS, 200, json_pack("{s:s, s:o}", "object", "list", "data", data));
+}
+
+/* GET /v1/models/{model}: the card of a model that /v1/models lists, else 404. */
+static void handle_model(gw *g, h2o_req_t *req, size_t prefix) {
+    char name[KVB_NAME_MAX_GW + 1], clip[NAME_ECHO + 8];
+    size_t n = req->path_normalized.len - prefix;
+    snprintf(name, sizeof name, "%.*s", (int)KVB_MIN(n, sizeof name - 1), req->path_normalized.base + prefix);
+    gw_model *m = n < sizeof name ? model_find(g, name) : NULL;
+    if (m && m->alive) {
+        send_json(g, req, EP_MODEL, 200, model_card(m));
+        return;
+    }
+    gw_error err;
+    gw_error_set(&err, 404, "not_found_error", "model", "The model '%s' does not exist on this node",
+                 gw_clip(name, clip, sizeof clip));
+    send_error(g, req, EP_MODEL, &err);
 }
 
 /* The model a request names, alive and connected; fills *err otherwise. */
@@ -1299,6 +1347,19 @@ static void job_start(gw *g, h2o_req_t *req, int ep, gw_job_kind kind, gw_model 
     }
 }
 
+/* Counts the ignored fields of a request; the first request with a field logs its name, once per
+ * field for the gateway's life (a client sending them on every request fills no log). */
+static void note_ignored(gw *g, const gw_params *p) {
+    const gw_field *fields = gw_fields(NULL);
+    for (int i = 0; i < p->n_ignored; i++) {
+        int k = p->ignored[i];
+        if (k < 0 || k >= g->n_fields) continue;
+        if (!g->ignored[k]++)
+            KVB_LOG_I("gateway: requests carry '%s', which this server accepts and ignores (as vLLM does); "
+                      "logged once", fields[k].name);
+    }
+}
+
 static void handle_generate(gw *g, h2o_req_t *req, int ep) {
     gw_error err;
     gw_params p;
@@ -1308,6 +1369,7 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         send_error(g, req, ep, &err);
         return;
     }
+    note_ignored(g, &p);
     gw_model *m = model_for(g, p.model, &err);
     if (!m) goto reject;
     if (g->n_streams + g->n_jobs >= g->o->max_streams) {
@@ -1405,6 +1467,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     s->return_token_ids = p->return_token_ids;
     s->timings = p->timings;
     s->n_prompt = p->n_prompt_ids;
+    s->max_tokens = max_tokens;
     double slo = p->tbt_slo_ms >= 0 ? p->tbt_slo_ms : m->tbt_slo_ms >= 0 ? m->tbt_slo_ms : g->o->tbt_slo_ms;
     s->slo_ns = p->stream ? (uint64_t)(slo * 1e6) : 0; /* pacing is for what a user watches arrive */
     s->t_arrival = kvb_wall_ns();
@@ -1413,7 +1476,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
         p->prompt_ids = NULL;
     }
     if (m->tok && (kvb_detok_create(m->tok, p->skip_special_tokens, &s->detok) != KVB_OK ||
-                   gw_stop_create(p->stop, p->stop_len, p->n_stop, &s->stopper) != KVB_OK)) {
+                   gw_stop_create(p->stop, p->stop_len, p->n_stop, p->include_stop_str, &s->stopper) != KVB_OK)) {
         kvb_detok_destroy(s->detok);
         gw_stop_destroy(s->stopper);
         free(s->prompt_ids);
@@ -1508,7 +1571,9 @@ static void handle_metrics(gw *g, h2o_req_t *req);
  * its length shows in the time an answer takes). */
 static int authorized(gw *g, h2o_req_t *req) {
     if (!g->o->n_api_keys) return 1;
-    if ((g->o->health_open && path_is(req, "/health")) || (g->o->metrics_open && path_is(req, "/metrics"))) return 1;
+    if ((g->o->health_open && (path_is(req, "/health") || path_is(req, "/ping"))) ||
+        (g->o->metrics_open && path_is(req, "/metrics")))
+        return 1;
     ssize_t i = h2o_find_header(&req->headers, H2O_TOKEN_AUTHORIZATION, -1);
     if (i < 0) return 0;
     h2o_iovec_t v = req->headers.entries[i].value;
@@ -1541,14 +1606,15 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
         send_error(g, req, EP_OTHER, &e);
         return 0;
     }
-    if (path_is(req, "/v1/completions")) ep = EP_COMPLETIONS;
-    else if (path_is(req, "/v1/chat/completions")) ep = EP_CHAT;
-    else if (path_is(req, "/v1/models")) ep = EP_MODELS;
-    else if (path_is(req, "/health")) ep = EP_HEALTH;
-    else if (path_is(req, "/metrics")) ep = EP_METRICS;
-    else if (path_is(req, "/tokenize")) ep = EP_TOKENIZE;
-    else if (path_is(req, "/detokenize")) ep = EP_DETOKENIZE;
+    static const size_t models_len = sizeof "/v1/models/" - 1;
+    for (int e = 0; e < EP_OTHER; e++)
+        if (e != EP_MODEL && path_is(req, EP_NAMES[e])) ep = e;
+    if (req->path_normalized.len > models_len && !memcmp(req->path_normalized.base, "/v1/models/", models_len))
+        ep = EP_MODEL;
+    /* what each endpoint answers: POST for work, GET and HEAD for what is read, all three for /ping
+     * (vLLM's, which load balancers probe with either) */
     int post = ep == EP_COMPLETIONS || ep == EP_CHAT || ep == EP_TOKENIZE || ep == EP_DETOKENIZE;
+    int get = !post || ep == EP_PING;
     gw_error err;
     if (ep == EP_OTHER) {
         char clip[NAME_ECHO + 8], path[NAME_ECHO + 8];
@@ -1557,8 +1623,10 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
         send_error(g, req, ep, &err);
         return 0;
     }
-    if (!method_is(req, post ? "POST" : "GET")) {
-        gw_error_set(&err, 405, "invalid_request_error", NULL, "%s takes %s", EP_NAMES[ep], post ? "POST" : "GET");
+    if (!((post || ep == EP_PING) && method_is(req, "POST")) && !(get && (method_is(req, "GET") || method_is(req, "HEAD")))) {
+        const char *allow = ep == EP_PING ? "GET, HEAD, POST" : post ? "POST" : "GET, HEAD";
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_ALLOW, NULL, allow, strlen(allow));
+        gw_error_set(&err, 405, "invalid_request_error", NULL, "%s takes %s", EP_NAMES[ep], allow);
         send_error(g, req, ep, &err);
         return 0;
     }
@@ -1566,14 +1634,39 @@ static int on_req(h2o_handler_t *self, h2o_req_t *req) {
     case EP_COMPLETIONS:
     case EP_CHAT: handle_generate(g, req, ep); break;
     case EP_MODELS: handle_models(g, req); break;
-    case EP_HEALTH: handle_health(g, req); break;
+    case EP_MODEL: handle_model(g, req, models_len); break;
+    case EP_HEALTH:
+    case EP_PING: handle_health(g, req, ep); break;
     case EP_METRICS: handle_metrics(g, req); break;
+    case EP_VERSION:
+        send_json(g, req, ep, 200, json_pack("{s:s}", "version", kvb_version()));
+        break;
     default: handle_tokens(g, req, ep); break;
     }
     return 0;
 }
 
 /* ------------------------------------------------------------------------------------- /metrics */
+
+/* A histogram of every model: its name, help and where it is in gw_model. */
+typedef struct hist_family {
+    const char *name, *help;
+    size_t off;
+} hist_family;
+
+/* The families `f[n]`, one series per model labelled `key`="<model name>". */
+static void hist_families(gw_text *t, const gw *g, const hist_family *f, size_t n, const char *key) {
+    char lab[256], esc[160];
+    for (size_t h = 0; h < n; h++) {
+        gw_metric_head(t, f[h].name, "histogram", f[h].help);
+        for (int i = 0; i < g->n_models; i++) {
+            const gw_model *m = g->models[i];
+            gw_label_escape(m->name, esc, sizeof esc);
+            snprintf(lab, sizeof lab, "%s=\"%s\"", key, esc);
+            gw_metric_hist(t, f[h].name, lab, (const gw_hist *)((const char *)m + f[h].off));
+        }
+    }
+}
 
 static void handle_metrics(gw *g, h2o_req_t *req) {
     gw_text t = {0};
@@ -1615,7 +1708,7 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     COUNTER("kvbank_preemptions_total", "Sequences the model preempted (recompute)", m->pong.preemptions);
     COUNTER("kvbank_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache",
             m->pong.prefix_hit_tokens);
-    GAUGE("kvbank_kv_blocks_total", "KV blocks in the model's pool (own and borrowed)", m->pong.blocks_total);
+    GAUGE("kvbank_kv_blocks_capacity", "KV blocks in the model's pool (own and borrowed)", m->pong.blocks_total);
     GAUGE("kvbank_kv_blocks_free", "KV blocks free or evictable", m->pong.blocks_free);
     GAUGE("kvbank_kv_blocks_own", "KV blocks of the model's own memory in use by its pool", m->n_own);
     GAUGE("kvbank_kv_blocks_lent", "KV blocks this worker has lent to the master", m->n_lent);
@@ -1641,10 +1734,7 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     COUNTER("kvbank_server_disconnects_total", "Requests the model cancelled because their client went away",
             m->pong.disconnects);
     /* measured at the gateway, as delivered to the HTTP clients */
-    struct {
-        const char *name, *help;
-        size_t off;
-    } hists[] = {
+    static const hist_family hists[] = {
         {"kvbank_time_to_first_token_seconds", "Arrival at the gateway to the first token delivered", offsetof(gw_model, ttft)},
         {"kvbank_time_per_output_token_seconds", "(last - first delivery) / (tokens - 1) per request", offsetof(gw_model, tpot)},
         {"kvbank_inter_token_latency_seconds", "Gap between two tokens delivered (after Token-Deposit)", offsetof(gw_model, itl)},
@@ -1652,13 +1742,7 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
          offsetof(gw_model, gen_itl)},
         {"kvbank_e2e_request_latency_seconds", "Arrival at the gateway to the request's end", offsetof(gw_model, e2e)},
     };
-    for (size_t h = 0; h < KVB_ARRAY_LEN(hists); h++) {
-        gw_metric_head(&t, hists[h].name, "histogram", hists[h].help);
-        FOR_MODELS {
-            gw_model *m = g->models[i];
-            gw_metric_hist(&t, hists[h].name, LAB(m), (const gw_hist *)((const char *)m + hists[h].off));
-        }
-    }
+    hist_families(&t, g, hists, KVB_ARRAY_LEN(hists), "model");
     gw_metric_head(&t, "kvbank_gateway_requests_total", "counter", "Requests the gateway finished, by finish reason");
     static const char *const reasons[] = {"none", "length", "stop", "cancelled", "error"};
     FOR_MODELS {
@@ -1674,16 +1758,58 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     COUNTER("kvbank_gateway_deposit_burst_tokens_total",
             "Tokens still held by Token-Deposit when their request finished (delivered at once)", m->deposit_held);
     GAUGE("kvbank_gateway_streams", "Requests of this model in flight at the gateway", m->n_streams);
-    /* The Gateway API Inference Extension's model-server protocol, vLLM profile (its endpoint picker
-     * scrapes these names). */
+    /* vLLM's names (labelled model_name), for the dashboards written for vLLM and for the Gateway API
+     * Inference Extension's endpoint picker (its vLLM model-server profile scrapes the gauges).
+     * `?names=kvbank` leaves them out: a colon in a metric name is reserved for recording rules, and
+     * `promtool check metrics` says so about each of them, as it does about vLLM's own. */
+    char which[16];
+    if (!query_param(req, "names", which, sizeof which) || strcmp(which, "kvbank")) {
 #undef LAB
 #define LAB(m) (gw_label_escape((m)->name, esc, sizeof esc), snprintf(lab, sizeof lab, "model_name=\"%s\"", esc), lab)
-    GAUGE("vllm:num_requests_running", "Requests running on the model (vLLM profile)", m->pong.running);
-    GAUGE("vllm:num_requests_waiting", "Requests waiting for the model (vLLM profile)", m->pong.waiting);
-    GAUGE("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (vLLM profile)",
-          m->pong.blocks_total ? 1.0 - (double)m->pong.blocks_free / m->pong.blocks_total : 0.0);
-    GAUGE("vllm:gpu_cache_usage_perc", "KV-cache usage, 0..1 (vLLM's older name)",
-          m->pong.blocks_total ? 1.0 - (double)m->pong.blocks_free / m->pong.blocks_total : 0.0);
+        GAUGE("vllm:num_requests_running", "Requests running on the model (vLLM profile)", m->pong.running);
+        GAUGE("vllm:num_requests_waiting", "Requests waiting for the model (vLLM profile)", m->pong.waiting);
+        GAUGE("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1 (vLLM profile)",
+              m->pong.blocks_total ? 1.0 - (double)m->pong.blocks_free / m->pong.blocks_total : 0.0);
+        GAUGE("vllm:gpu_cache_usage_perc", "KV-cache usage, 0..1 (vLLM's older name)",
+              m->pong.blocks_total ? 1.0 - (double)m->pong.blocks_free / m->pong.blocks_total : 0.0);
+        COUNTER("vllm:num_preemptions_total", "Sequences the model preempted (recompute)", m->pong.preemptions);
+        /* every prompt token the engine placed came from the prefix cache or was computed */
+        COUNTER("vllm:prefix_cache_queries_total",
+                "Prompt tokens the engine placed: served from the prefix cache or computed (recomputed ones included)",
+                m->pong.prompt_tokens + m->pong.prefix_hit_tokens);
+        COUNTER("vllm:prefix_cache_hits_total", "Prompt tokens served from the prefix cache", m->pong.prefix_hit_tokens);
+        COUNTER("vllm:prompt_tokens_total", "Prompt tokens of the requests the gateway finished", m->prompt_tokens);
+        COUNTER("vllm:generation_tokens_total", "Tokens the gateway delivered", m->completion_tokens);
+        gw_metric_head(&t, "vllm:request_success_total", "counter",
+                       "Requests the gateway finished, by finish reason (abort: cancelled or failed)");
+        FOR_MODELS {
+            gw_model *m = g->models[i];
+            static const struct {
+                const char *reason;
+                int a, b; /* kvb_finish values counted under the reason */
+            } vr[] = {{"stop", KVB_FINISH_STOP, -1}, {"length", KVB_FINISH_LENGTH, -1},
+                      {"abort", KVB_FINISH_CANCELLED, KVB_FINISH_ERROR}};
+            for (size_t r = 0; r < KVB_ARRAY_LEN(vr); r++) {
+                gw_label_escape(m->name, esc, sizeof esc);
+                snprintf(lab, sizeof lab, "model_name=\"%s\",finished_reason=\"%s\"", esc, vr[r].reason);
+                gw_metric_sample(&t, "vllm:request_success_total", lab,
+                                 (double)(m->finished[vr[r].a] + (vr[r].b >= 0 ? m->finished[vr[r].b] : 0)));
+            }
+        }
+        static const hist_family vh[] = {
+            {"vllm:time_to_first_token_seconds", "Arrival at the gateway to the first token delivered", offsetof(gw_model, ttft)},
+            {"vllm:time_per_output_token_seconds", "(last - first delivery) / (tokens - 1) per request", offsetof(gw_model, tpot)},
+            {"vllm:inter_token_latency_seconds", "Gap between two tokens delivered", offsetof(gw_model, itl)},
+            {"vllm:e2e_request_latency_seconds", "Arrival at the gateway to the request's end", offsetof(gw_model, e2e)},
+            {"vllm:request_decode_time_seconds", "First to last token of a request, as the model sampled them",
+             offsetof(gw_model, decode)},
+            {"vllm:request_prompt_tokens", "Prompt tokens per request", offsetof(gw_model, req_prompt)},
+            {"vllm:request_generation_tokens", "Generated tokens per request", offsetof(gw_model, req_gen)},
+            {"vllm:request_params_max_tokens", "max_tokens per request (the default where none was given)",
+             offsetof(gw_model, req_max_tokens)},
+        };
+        hist_families(&t, g, vh, KVB_ARRAY_LEN(vh), "model_name");
+    }
 #undef LAB
 #undef GAUGE
 #undef COUNTER
@@ -1711,6 +1837,14 @@ static void handle_metrics(gw *g, h2o_req_t *req) {
     gw_metric_sample(&t, "kvbank_gateway_connections", "", g->n_conns);
     gw_metric_head(&t, "kvbank_gateway_rejected_busy_total", "counter", "Requests refused with 429 (max_streams)");
     gw_metric_sample(&t, "kvbank_gateway_rejected_busy_total", "", (double)g->rejected_busy);
+    gw_metric_head(&t, "kvbank_gateway_ignored_fields_total", "counter",
+                   "Requests that carried a field this server accepts and ignores (as vLLM does), by field");
+    const gw_field *fields = gw_fields(NULL);
+    for (int k = 0; k < g->n_fields; k++) {
+        if (fields[k].kind != GW_FIELD_IGNORED || (k && !strcmp(fields[k].name, fields[k - 1].name))) continue;
+        snprintf(lab, sizeof lab, "field=\"%s\"", fields[k].name);
+        gw_metric_sample(&t, "kvbank_gateway_ignored_fields_total", lab, (double)g->ignored[k]);
+    }
     gw_metric_head(&t, "kvbank_gateway_streams_active", "gauge", "Requests in flight at the gateway");
     gw_metric_sample(&t, "kvbank_gateway_streams_active", "", g->n_streams);
     if (t.failed) send_body(g, req, EP_METRICS, 500, "text/plain", "out of memory\n", 14);
@@ -1865,6 +1999,11 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     KVB_TRY(kvb_calloc(1, sizeof *g, (void **)&g));
     g->o = o;
     g->stop = stop;
+    gw_fields(&g->n_fields);
+    if (kvb_calloc((size_t)g->n_fields, sizeof *g->ignored, (void **)&g->ignored) != KVB_OK) {
+        free(g);
+        return KVB_ERR_NOMEM;
+    }
     /* the text jobs' threads: libuv sizes its pool from this at the first uv_queue_work */
     char nthreads[16];
     snprintf(nthreads, sizeof nthreads, "%d", o->text_workers > 0 ? o->text_workers : 2);
@@ -1949,6 +2088,7 @@ done:
     if (disposed) h2o_config_dispose(&g->h2o_conf);
     free(g->conn_by_fd);
     free(g->key_digest);
+    free(g->ignored);
     if (g->ssl) SSL_CTX_free(g->ssl);
     for (int i = 0; i < g->n_models; i++) {
         kvb_client_destroy(g->models[i]->client);

@@ -8,6 +8,7 @@
 
 #include "common/util/log.h"
 #include "common/util/node_config.h"
+#include "gateway/api.h"
 #include "gateway/gateway.h"
 #include "common/util/prog.h"
 
@@ -35,7 +36,26 @@ static void usage(FILE *f) {
             "  --drain-timeout-ms N  on SIGTERM: /health fails, no new connection is accepted and the requests\n"
             "                        in flight may finish for N ms before they are cancelled (default 30000)\n"
             "  --port-file FILE      write the bound port there once listening (default with --config:\n"
-            "                        RUN_DIR/gateway.port; removed at exit)\n");
+            "                        RUN_DIR/gateway.port; removed at exit)\n"
+            "  --fields              print every request field the gateway knows (endpoints, JSON types, and\n"
+            "                        whether it is handled, accepted and ignored, or unsupported) and exit\n");
+}
+
+/* --fields: the request field table (gateway/api.c), one line each. */
+static void print_fields(void) {
+    int n = 0;
+    const gw_field *f = gw_fields(&n);
+    static const char *const kinds[] = {"handled", "ignored", "unsupported"};
+    static const char *const types[] = {"boolean", "integer", "number", "string", "object", "array"};
+    printf("%-30s %-17s %-12s %s\n", "FIELD", "ENDPOINTS", "KIND", "TYPES");
+    for (int i = 0; i < n; i++) {
+        char t[96] = "";
+        size_t k = 0;
+        for (int b = 0; b < 6; b++)
+            if ((f[i].types & (1u << b)) && !((1u << b) == GW_J_INT && (f[i].types & GW_J_NUM))) k += (size_t)snprintf(t + k, sizeof t - k, "%s%s", k ? "|" : "", types[b]);
+        const char *eps = f[i].eps == GW_EP_BOTH ? "chat,completions" : f[i].eps == GW_EP_CHAT ? "chat" : "completions";
+        printf("%-30s %-17s %-12s %s\n", f[i].name, eps, kinds[f[i].kind], t);
+    }
 }
 
 /* HOST:PORT or [V6]:PORT into host (copied into buf) and port. */
@@ -71,6 +91,7 @@ int main(int argc, char **argv) {
                                          {"max-streams", required_argument, 0, 's'}, {"tbt-slo-ms", required_argument, 0, 't'},
                                          {"status-ms", required_argument, 0, 'S'},   {"port-file", required_argument, 0, 'p'},
                                          {"drain-timeout-ms", required_argument, 0, 'D'},
+                                         {"fields", no_argument, 0, 'F'},
                                          {"help", no_argument, 0, 'h'},              {0, 0, 0, 0}};
     int c;
     char *end;
@@ -86,6 +107,7 @@ int main(int argc, char **argv) {
         case 'p': o.port_file = optarg; break;
         case 'D': drain_ms = strtol(optarg, &end, 10); if (*end || drain_ms < 0 || drain_ms > 3600000) goto bad; break;
         case 'h': usage(stdout); return 0;
+        case 'F': print_fields(); return 0;
         default: usage(stderr); return 2;
         }
     }

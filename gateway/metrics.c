@@ -14,6 +14,10 @@ static const double LE_TOKEN[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075
                                   0.2,   0.3,    0.4,   0.5,  0.75,  1.0,  2.5,   5.0, 10.0};
 static const double LE_REQUEST[] = {0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0};
+/* vLLM's build_1_2_5_buckets, to a million tokens (its bound is the model's context) */
+static const double LE_COUNT[] = {1,    2,    5,     10,    20,    50,     100,    200,    500,    1000,
+                                  2000, 5000, 10000, 20000, 50000, 100000, 200000, 500000, 1000000};
+const gw_hist_spec GW_HIST_COUNT = {LE_COUNT, (int)KVB_ARRAY_LEN(LE_COUNT)};
 const gw_hist_spec GW_HIST_TTFT = {LE_TTFT, (int)KVB_ARRAY_LEN(LE_TTFT)};
 const gw_hist_spec GW_HIST_TOKEN = {LE_TOKEN, (int)KVB_ARRAY_LEN(LE_TOKEN)};
 const gw_hist_spec GW_HIST_REQUEST = {LE_REQUEST, (int)KVB_ARRAY_LEN(LE_REQUEST)};

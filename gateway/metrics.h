@@ -2,7 +2,8 @@
  *
  * Names follow Prometheus conventions: a `kvbank_` prefix, base units in the name (`_seconds`),
  * counters end in `_total`. Each family is written once with its HELP and TYPE lines, its samples
- * labelled by model. */
+ * labelled by model. vLLM's names (`vllm:...`, labelled `model_name`) are exported beside them for the
+ * dashboards and routers written for vLLM (docs/gateway.md, "Metrics"). */
 #ifndef KVB_GATEWAY_METRICS_H
 #define KVB_GATEWAY_METRICS_H
 
@@ -22,6 +23,7 @@ typedef struct gw_hist_spec {
 extern const gw_hist_spec GW_HIST_TTFT;    /* time to first token */
 extern const gw_hist_spec GW_HIST_TOKEN;   /* time per output token, inter-token latency */
 extern const gw_hist_spec GW_HIST_REQUEST; /* end-to-end request latency */
+extern const gw_hist_spec GW_HIST_COUNT;   /* token counts per request: 1, 2, 5, 10, ... 10^6 (vLLM's 1-2-5) */
 
 typedef struct gw_hist {
     const gw_hist_spec *spec;

@@ -12,6 +12,7 @@ struct gw_stop {
     char *held;      /* text not yet released: a proper prefix of some stop string, [n_held] */
     size_t n_held, cap_held;
     int stopped;
+    int include;     /* the stop string found is part of the output */
 };
 
 kvb_status gw_buf_append(char **buf, size_t *len, size_t *cap, const char *data, size_t n) {
@@ -30,10 +31,11 @@ kvb_status gw_buf_append(char **buf, size_t *len, size_t *cap, const char *data,
     return KVB_OK;
 }
 
-kvb_status gw_stop_create(const char *const *stops, const size_t *len, int n, gw_stop **out) {
+kvb_status gw_stop_create(const char *const *stops, const size_t *len, int n, int include, gw_stop **out) {
     if (n < 0 || (n && (!stops || !len)) || !out) return KVB_ERR_INVALID;
     gw_stop *s = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *s, (void **)&s));
+    s->include = include;
     kvb_status st = KVB_OK;
     if (n) {
         KVB_TRY_GOTO(kvb_calloc((size_t)n, sizeof *s->s, (void **)&s->s), fail);
@@ -98,7 +100,8 @@ int gw_stop_push(gw_stop *s, const char *piece, size_t len, char **out, size_t *
         }
     }
     if (best >= 0) {
-        if (gw_buf_append(out, out_len, out_cap, s->held, best_pos) != KVB_OK) return -1;
+        size_t upto = best_pos + (s->include ? s->len[best] : 0);
+        if (gw_buf_append(out, out_len, out_cap, s->held, upto) != KVB_OK) return -1;
         s->n_held = 0;
         s->stopped = 1;
         if (which) *which = best;

@@ -4,7 +4,7 @@
  * text only once no stop string can begin inside it: it holds back the longest tail of the text seen
  * so far that is a proper prefix of a stop string. When a stop string appears, the text before it is
  * released, the stop string and everything after it are dropped (OpenAI's behaviour: the stop
- * sequence is not part of the output), and the matcher reports the stop. At the natural end of a
+ * sequence is not part of the output; vLLM's include_stop_str_in_output keeps the stop string), and the matcher reports the stop. At the natural end of a
  * request the held-back tail is released (kvb_stop_flush). A held-back tail starts with a stop
  * string's first byte, so released text always ends on a UTF-8 character boundary. */
 #ifndef KVB_GATEWAY_STOP_H
@@ -16,8 +16,9 @@
 
 typedef struct gw_stop gw_stop;
 
-/* Borrows nothing: the `n` strings (lengths len[i] > 0) are copied. Caller owns the result. */
-kvb_status gw_stop_create(const char *const *stops, const size_t *len, int n, gw_stop **out);
+/* Borrows nothing: the `n` strings (lengths len[i] > 0) are copied. `include`: the stop string found
+ * is released too, as the text's end (vLLM's include_stop_str_in_output). Caller owns the result. */
+kvb_status gw_stop_create(const char *const *stops, const size_t *len, int n, int include, gw_stop **out);
 void gw_stop_destroy(gw_stop *s);
 
 /* Feeds `piece`; appends the text now safe to release to `out` (a growing buffer owned by the caller:

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "common/mem/mem.h"
+#include "common/util/kv_geom.h"
 #include "common/util/util.h"
 
 /* How a product quantizes its input rows before it multiplies (compressed-tensors' input_activations;
@@ -55,16 +56,6 @@ typedef struct kvb_rope {
     const float *inv_freq; /* [head_dim/2] host array, owned by the model */
 } kvb_rope;
 
-/* KV geometry of one model's cache, shared by every layer that reads blocks.
- * One block holds `block_size` tokens of every layer: [n_layers][2 (K,V)][block_size][n_kv_heads][head_dim]
- * (SwiftCache §3.4 block-major). A block's slice for one layer is [2][block_size][n_kv_heads][head_dim]. */
-typedef struct kvb_kv_geom {
-    int n_layers;
-    int n_kv_heads;
-    int head_dim;
-    int block_size; /* tokens per block */
-    int elem_size;  /* bytes per K/V element (4 on the CPU backend) */
-} kvb_kv_geom;
 
 /* One sequence of a flattened attention batch. Its new tokens are rows [q_start, q_start+q_len) of
  * the batch and sit at positions [ctx_len-q_len, ctx_len) of the sequence; attention is causal over
@@ -214,7 +205,7 @@ typedef enum kvb_cpu_cores {
                            * design: a waiting thread sleeps at once */
 } kvb_cpu_cores;
 
-/* The bounded spin of KVB_CPU_CORES_OWN, in libgomp's spin iterations (docs/design.md, "Waiting threads sleep"). */
+/* The bounded spin of KVB_CPU_CORES_OWN, in libgomp's spin iterations (docs/perf.md, "Waiting threads sleep"). */
 #define KVB_CPU_SPIN "3000"
 
 /* Called first in the main of a program that may compute on the CPU backend, before it has any other

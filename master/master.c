@@ -1,5 +1,5 @@
 /* kvbank-master — the node's model with the long contexts: it borrows KV blocks that idle workers lend
- * (SwiftCache §3.2-3.5; docs/design.md "The node: coordinator protocol", flows 3-6).
+ * (SwiftCache §3.2-3.5; docs/lending.md "The coordinator protocol", flows 3-6).
  *
  * Grant: import the lender's region (once per region handle; unmapped when its last loan is gone),
  * attach the loan's range to the engine as extra blocks, GrantAck. Revoke: detach (live blocks move to

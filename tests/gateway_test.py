@@ -85,6 +85,20 @@ def sse(body, path="/v1/completions"):
     return 200, events, done
 
 
+def recv_all(sock, size=65536, pause=0.0):
+    """Everything `sock` sends until it closes (read `size` bytes at a time, `pause` s between reads);
+    closes it."""
+    data = b""
+    while True:
+        chunk = sock.recv(size)
+        if not chunk:
+            break
+        data += chunk
+        time.sleep(pause)
+    sock.close()
+    return data
+
+
 def generate_ref(model_dir, prompts, max_tokens):
     """kvbank-generate's greedy ids for each prompt (lists of ints)."""
     args = [B + "/kvbank-generate", "--model", model_dir, "--max-tokens", str(max_tokens)]
@@ -254,6 +268,13 @@ def test_errors():
         ({"model": "code", "prompt": "the worker has no tokenizer"}, 400, "prompt"),
         ({"model": "code", "prompt": [1, 2], "stop": ["x"]}, 400, "stop"),
         ({"model": "chat", "prompt": "x", "stop": [""]}, 400, "stop"),
+        # ignored fields keep their type; a misspelt field is no ignored one
+        ({"model": "chat", "prompt": [1, 2], "store": "yes"}, 400, "store"),
+        ({"model": "chat", "prompt": [1, 2], "metadata": ["x"]}, 400, "metadata"),
+        ({"model": "chat", "prompt": [1, 2], "temprature": 0}, 400, "temprature"),
+        ({"model": "chat", "prompt": [1, 2], "reasoning_effort": "low"}, 400, "reasoning_effort"),  # chat's field
+        ({"model": "chat", "prompt": [1, 2], "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": "chat", "prompt": [1, 2], "cache_salt": "s"}, 400, "cache_salt"),
     ]
     for body, status, param in cases:
         st, j, raw = post("/v1/completions", body)
@@ -280,6 +301,85 @@ def test_errors():
     check(r.stdout.decode() == "413", "oversized body -> 413 (curl got %s)" % r.stdout)
     ok("errors: wrong types, ranges, unknown and unsupported fields, unknown model, bad JSON, 405, 404, 413 "
        "(%d cases, each naming its field)" % (len(cases) + 4))
+
+
+def test_leniency():
+    """Fields vLLM accepts and does not use are accepted and ignored: the output is the same as without
+    them, each name is logged once however many requests carry it, and /metrics counts them."""
+    base = {"model": "chat", "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    extra = {"user": "u-1", "store": False, "metadata": {"team": "a"}, "service_tier": "auto",
+             "request_id": "r-1", "prompt_cache_key": "k", "length_penalty": 1.0, "vllm_xargs": {},
+             "n": 1, "presence_penalty": 0, "echo": False}
+    s0, _ = metrics()
+    plain = post("/v1/completions", base)[1]["choices"][0]["token_ids"]
+    for _ in range(3):
+        st, j, raw = post("/v1/completions", dict(base, **extra))
+        check(st == 200, "completions with ignored fields: %d %s" % (st, raw[:300]))
+        check(j["choices"][0]["token_ids"] == plain, "ignored fields change nothing: %s" % j["choices"][0]["token_ids"])
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = {"model": "chat", "messages": msgs, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = post("/v1/chat/completions", chat)[1]["choices"][0]["message"]["content"]
+    st, j, raw = post("/v1/chat/completions", dict(chat, reasoning_effort="low", parallel_tool_calls=False,
+                                                   include_reasoning=True, store=True, tool_choice="none", tools=[],
+                                                   response_format={"type": "text"}, modalities=["text"]))
+    check(st == 200 and j["choices"][0]["message"]["content"] == plain, "chat with ignored fields: %s" % raw[:300])
+    s1, _ = metrics()
+    for f, k in (("store", 4), ("metadata", 3), ("user", 3), ("reasoning_effort", 1)):
+        got = metric(s1, "kvbank_gateway_ignored_fields_total", field=f) - (metric(s0, "kvbank_gateway_ignored_fields_total",
+                                                                                   field=f) or 0)
+        check(got == k, "kvbank_gateway_ignored_fields_total{field=%s} moved by %s, want %d" % (f, got, k))
+    log = open(A.dir + "/kvbankd.log").read()
+    for f in ("store", "metadata", "user", "service_tier", "reasoning_effort", "parallel_tool_calls"):
+        n = log.count("requests carry '%s', which this server accepts and ignores" % f)
+        check(n == 1, "'%s' logged once (%d times)" % (f, n))
+    ok("leniency: vLLM's unused fields accepted and ignored (same tokens), each logged once, counted in /metrics")
+
+
+def test_endpoints():
+    st, ct, raw = request("GET", "/v1/models")
+    cards = {m["id"]: m for m in json.loads(raw)["data"]}
+    st, ct, raw = request("GET", "/v1/models/chat")
+    check(st == 200 and json.loads(raw) == cards["chat"], "GET /v1/models/chat is its card: %s" % raw[:300])
+    check(json.loads(raw)["max_model_len"] == 4096, "max_model_len: %s" % raw[:300])
+    st, ct, raw = request("GET", "/v1/models/nope")
+    j = json.loads(raw)
+    check(st == 404 and j["error"]["type"] == "not_found_error" and "nope" in j["error"]["message"],
+          "GET /v1/models/nope: %d %s" % (st, raw[:200]))
+    st, ct, raw = request("GET", "/version")
+    version = re.search(r"AC_INIT\(\[kvbank\], \[([^]]*)\]", open(os.path.join(os.path.dirname(__file__), "..",
+                                                                              "configure.ac")).read()).group(1)
+    check(st == 200 and json.loads(raw) == {"version": version}, "/version: %s (configure.ac says %s)" % (raw, version))
+    for method in ("GET", "POST"):
+        st, ct, raw = request(method, "/ping", body=b"" if method == "POST" else None)
+        check(st == 200 and raw == b"ok\n", "%s /ping: %d %r" % (method, st, raw))
+    def head(path):
+        """HEAD over a raw socket (http.client would not read a body a HEAD response must not have):
+        (status, headers, the bytes after the head)."""
+        sock = socket.create_connection(("127.0.0.1", A.port), timeout=30)
+        sock.sendall(("HEAD %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path).encode())
+        data = recv_all(sock)
+        hd, _, rest = data.partition(b"\r\n\r\n")
+        lines = hd.decode().split("\r\n")
+        hdrs = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        return int(lines[0].split()[1]), hdrs, rest
+    for path in ("/health", "/health?model=chat", "/ping", "/v1/models", "/v1/models/chat", "/version", "/metrics"):
+        st, hdrs, rest = head(path)
+        check(st == 200 and rest == b"", "HEAD %s: %d, %d bytes of body" % (path, st, len(rest)))
+        check(path == "/metrics" or int(hdrs.get("content-length", -1)) == len(request("GET", path)[2]),
+              "HEAD %s: Content-Length %s" % (path, hdrs.get("content-length")))
+    st, hdrs, rest = head("/health?model=nope")
+    check(st == 503 and rest == b"", "HEAD /health of an unknown model: %d" % st)
+    c = conn()
+    c.request("DELETE", "/health")
+    r = c.getresponse()
+    r.read()
+    c.close()
+    check(r.status == 405 and r.getheader("Allow") == "GET, HEAD", "DELETE /health: %d, Allow %s" % (r.status, r.getheader("Allow")))
+    st, ct, raw = request("GET", "/v1/chat/completions")
+    check(st == 405, "GET /v1/chat/completions: %d" % st)
+    ok("endpoints: GET /v1/models/{id} (its card; 404 naming an unknown one), /version, /ping (GET, POST, HEAD), "
+       "HEAD on every GET endpoint (no body, GET's length), 405 with Allow")
 
 
 SPECIAL = {300, 302}  # <|s|> and <|e|> of the test tokenizer (test_gateway.sh); <x> (301) is not special
@@ -338,6 +438,12 @@ def test_text():
           "stop %r: %r (want %r)" % (stop, j["choices"][0]["text"], full[:k]))
     st, evs, done = sse(dict(body, stop=[stop], stream=True))
     check(done and stream_text(evs) == full[:k], "streamed stop %r: %r" % (stop, stream_text(evs)))
+    # vLLM's include_stop_str_in_output: the stop string ends the text
+    st, j, _ = post("/v1/completions", dict(body, stop=[stop], include_stop_str_in_output=True))
+    check(j["choices"][0]["text"] == full[:k + len(stop)] and j["choices"][0]["finish_reason"] == "stop",
+          "include_stop_str_in_output: %r (want %r)" % (j["choices"][0]["text"], full[:k + len(stop)]))
+    st, evs, done = sse(dict(body, stop=[stop], stream=True, include_stop_str_in_output=True))
+    check(done and stream_text(evs) == full[:k + len(stop)], "streamed include_stop_str_in_output: %r" % stream_text(evs))
     check([e for e in evs if e["choices"]][-1]["choices"][0]["finish_reason"] == "stop", "streamed stop reason")
     # chat: the template renders the messages; the deltas add up to the message
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
@@ -428,14 +534,7 @@ def test_slow_client():
                     timeout=30)
     check(st == 200, "another request completes while a client does not read")
     time.sleep(1.0)
-    data = b""
-    while True:
-        chunk = sock.recv(1024)
-        if not chunk:
-            break
-        data += chunk
-        time.sleep(0.001)
-    sock.close()
+    data = recv_all(sock, 1024, 0.001)
     head, _, body = data.partition(b"\r\n\r\n")
     # chunked transfer encoding: undo it
     out, rest = b"", body
@@ -490,41 +589,79 @@ def test_concurrent_streams():
        % (time.time() - t0))
 
 
+# vLLM's metric names the gateway exports (labelled model_name), and their types
+VLLM = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:gpu_cache_usage_perc": "gauge", "vllm:num_preemptions_total": "counter",
+        "vllm:prefix_cache_queries_total": "counter", "vllm:prefix_cache_hits_total": "counter",
+        "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter",
+        "vllm:request_success_total": "counter", "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:time_per_output_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+        "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+        "vllm:request_params_max_tokens": "histogram"}
+
+
+def promtool_check(raw):
+    r = subprocess.run(["promtool", "check", "metrics"], input=raw, capture_output=True)
+    return r.returncode, [ln for ln in (r.stdout.decode() + r.stderr.decode()).splitlines() if ln.strip()]
+
+
 def test_metrics_move():
     s0, types = metrics()
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+    for name, typ in VLLM.items():
+        check(types.get(name) == typ, "%s is a %s (got %s)" % (name, typ, types.get(name)))
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"):
         check(metric(s0, name, model_name="chat") is not None, "%s{model_name=chat}" % name)
     for name in ("kvbank_time_to_first_token_seconds", "kvbank_time_per_output_token_seconds",
                  "kvbank_inter_token_latency_seconds"):
         check(types.get(name) == "histogram", name)
     for name in ("kvbank_kv_blocks_own", "kvbank_kv_blocks_lent", "kvbank_kv_blocks_borrowed", "kvbank_lends_total",
-                 "kvbank_reclaims_total", "kvbank_preemptions_total", "kvbank_prefix_cache_hit_tokens_total"):
+                 "kvbank_reclaims_total", "kvbank_preemptions_total", "kvbank_prefix_cache_hit_tokens_total",
+                 "kvbank_kv_blocks_capacity"):
         check(metric(s0, name, model="chat") is not None, "%s{model=chat}" % name)
+    check("kvbank_kv_blocks_total" not in types, "the gauge kvbank_kv_blocks_total is renamed kvbank_kv_blocks_capacity")
     check(metric(s0, "kvbank_coordinator_up") == 1, "coordinator up")
-    before = {k: metric(s0, k, model="chat") for k in ("kvbank_gateway_completion_tokens_total",
-                                                        "kvbank_generation_tokens_total",
-                                                        "kvbank_time_to_first_token_seconds_count")}
+    moving = {("kvbank_gateway_completion_tokens_total", "model"): 7, ("kvbank_time_to_first_token_seconds_count", "model"): 1,
+              ("vllm:generation_tokens_total", "model_name"): 7, ("vllm:prompt_tokens_total", "model_name"): 3,
+              ("vllm:e2e_request_latency_seconds_count", "model_name"): 1,
+              ("vllm:time_to_first_token_seconds_count", "model_name"): 1,
+              ("vllm:request_prompt_tokens_sum", "model_name"): 3, ("vllm:request_generation_tokens_sum", "model_name"): 7,
+              ("vllm:request_params_max_tokens_sum", "model_name"): 7,
+              ("vllm:request_decode_time_seconds_count", "model_name"): 1}
+
+    def value(s, key):
+        return metric(s, key[0], **{key[1]: "chat"}) or 0
+    before = {k: value(s0, k) for k in moving}
+    ok0 = metric(s0, "vllm:request_success_total", model_name="chat", finished_reason="length")
     h0 = metric(s0, "kvbank_gateway_http_requests_total", endpoint="/v1/completions", code="2xx")
+    g0 = metric(s0, "kvbank_generation_tokens_total", model="chat")
     post("/v1/completions", {"model": "chat", "prompt": [3, 3, 3], "max_tokens": 7, "temperature": 0,
                              "ignore_eos": True})
 
     def moved():
         s, _ = metrics()
-        return (metric(s, "kvbank_gateway_completion_tokens_total", model="chat") ==
-                before["kvbank_gateway_completion_tokens_total"] + 7 and
-                metric(s, "kvbank_generation_tokens_total", model="chat") >=
-                before["kvbank_generation_tokens_total"] + 7 and
-                metric(s, "kvbank_time_to_first_token_seconds_count", model="chat") ==
-                before["kvbank_time_to_first_token_seconds_count"] + 1 and
+        return (all(value(s, k) == before[k] + d for k, d in moving.items()) and
+                metric(s, "kvbank_generation_tokens_total", model="chat") >= g0 + 7 and
+                metric(s, "vllm:request_success_total", model_name="chat", finished_reason="length") == ok0 + 1 and
                 metric(s, "kvbank_gateway_http_requests_total", endpoint="/v1/completions", code="2xx") == h0 + 1)
     wait_for("metrics to move", moved, 10)
-    promtool = "/usr/bin/promtool"
-    if os.path.exists(promtool):
-        raw = request("GET", "/metrics")[2]
-        r = subprocess.run([promtool, "check", "metrics"], input=raw, capture_output=True)
-        check(r.returncode == 0, "promtool check metrics: %s" % r.stdout.decode() + r.stderr.decode())
-        ok("promtool check metrics passes")
-    ok("/metrics parses (%d families) and its counters move with a request" % len(types))
+    s1, _ = metrics()
+    check(metric(s1, "vllm:prefix_cache_queries_total", model_name="chat") ==
+          metric(s1, "kvbank_prompt_tokens_total", model="chat") + metric(s1, "kvbank_prefix_cache_hit_tokens_total", model="chat"),
+          "prefix cache queries = tokens prefilled + tokens hit")
+    # promtool: the kvbank names are clean; each vLLM name trips exactly the reserved-colon lint
+    raw = request("GET", "/metrics")[2]
+    rc, lines = promtool_check(raw)
+    colon = sorted(ln.split()[0] for ln in lines if ln.endswith("metric names should not contain ':'"))
+    check(colon == sorted(VLLM), "promtool: the colon lint, once per vLLM name: %s" % colon)
+    check(len(lines) == len(colon), "promtool check metrics finds nothing else: %s" % [ln for ln in lines if "':'" not in ln])
+    st, ct, raw = request("GET", "/metrics?names=kvbank")
+    check(st == 200 and b"vllm:" not in raw, "/metrics?names=kvbank has no vllm: names")
+    rc, lines = promtool_check(raw)
+    check(rc == 0 and not lines, "promtool check metrics on /metrics?names=kvbank: exit %d %s" % (rc, lines))
+    ok("/metrics parses (%d families, %d of them vLLM's) and its counters move with a request; promtool check metrics: "
+       "clean on the kvbank names, the reserved-colon lint only on vLLM's" % (len(types), len(VLLM)))
 
 
 def test_deposit():
@@ -580,6 +717,8 @@ def main():
     test_discovery()
     test_completions(A.eos)
     test_errors()
+    test_leniency()
+    test_endpoints()
     test_text()
     test_vanishing_clients()
     test_slow_client()

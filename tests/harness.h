@@ -3,9 +3,13 @@
  *   KVB_TEST(example) { ... ck_assert_int_eq(a, b); ... } KVB_TEST_END
  *   KVB_TEST_MAIN("suite", KVB_T(example, 10), ...)     (name, timeout in seconds)
  *
+ *   KVB_T_NEED(example, 10, need)   (need() returns NULL when this machine can run the test, else why not)
+ *
  * Every test runs in its own forked process (check's CK_FORK) with its own timeout in seconds.
- * `--list` prints the names, `--test NAME` runs one, no argument runs all; the exit code is 0 only if
- * every selected test passed. check's assertions print both values on failure. */
+ * `--list` prints the names, `--test NAME` runs one, no argument runs all. A test whose need is not met
+ * is not run: it prints "SKIP: NAME: why". The exit code is 1 if a selected test failed, else 77 (the
+ * test suite's SKIP) if one was skipped, else 0: a suite passes only when it checked everything it names.
+ * check's assertions print both values on failure. */
 #ifndef KVB_TESTS_HARNESS_H
 #define KVB_TESTS_HARNESS_H
 
@@ -20,11 +24,13 @@ typedef struct kvb_test {
     const char *name;
     const TTest *fn;
     double timeout_s;
+    const char *(*need)(void); /* NULL, or: NULL when the test can check what it names here, else why not */
 } kvb_test;
 
 #define KVB_TEST(name) START_TEST(t_##name)
 #define KVB_TEST_END END_TEST
-#define KVB_T(name, timeout) {#name, t_##name, (timeout)}
+#define KVB_T(name, timeout) {#name, t_##name, (timeout), NULL}
+#define KVB_T_NEED(name, timeout, need) {#name, t_##name, (timeout), (need)}
 
 static inline int kvb_test_main(int argc, char **argv, const char *suite_name, const kvb_test *tests, int n) {
     const char *only = NULL;
@@ -40,25 +46,37 @@ static inline int kvb_test_main(int argc, char **argv, const char *suite_name, c
         }
     }
     Suite *s = suite_create(suite_name);
-    int selected = 0;
+    int selected = 0, skipped = 0, run = 0;
     for (int k = 0; k < n; k++) {
         if (only && strcmp(only, tests[k].name)) continue;
+        selected++;
+        const char *why = tests[k].need ? tests[k].need() : NULL;
+        if (why) {
+            printf("SKIP: %s: %s\n", tests[k].name, why);
+            skipped++;
+            continue;
+        }
         TCase *tc = tcase_create(tests[k].name);
         tcase_set_timeout(tc, tests[k].timeout_s);
         tcase_add_test(tc, tests[k].fn);
         suite_add_tcase(s, tc);
-        selected++;
+        run++;
     }
+    SRunner *sr = srunner_create(s); /* frees the suite with it */
     if (!selected) {
+        srunner_free(sr);
         fprintf(stderr, "no test named '%s' (see --list)\n", only ? only : "");
         return 2;
     }
-    SRunner *sr = srunner_create(s);
-    srunner_set_fork_status(sr, CK_FORK);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
+    int failed = 0;
+    if (run) {
+        srunner_set_fork_status(sr, CK_FORK);
+        srunner_run_all(sr, CK_NORMAL);
+        failed = srunner_ntests_failed(sr);
+    }
     srunner_free(sr);
-    return failed ? 1 : 0;
+    fflush(stdout);
+    return failed ? 1 : skipped ? 77 : 0;
 }
 
 /* A multiplier m for scrambling n blocks as j -> (m*j + 3) mod n: a permutation only when m is prime to

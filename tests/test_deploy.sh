@@ -153,6 +153,33 @@ grep -qE '^FROM nvidia/cuda:\$\{CUDA_VERSION\}-runtime-\$\{UBUNTU\}$' "$SRC/depl
 grep -q -- '--with-cuda=/usr/local/cuda' "$SRC/deploy/container/Dockerfile.cuda" || fail "Dockerfile.cuda does not configure --with-cuda"
 ok "Dockerfiles: non-root USER, packages from scripts/setup.sh; the CUDA one from the devel to the runtime image, --with-cuda"
 
+# The runtime packages the Dockerfiles list: every library a built program links (NEEDED) is in a
+# package of Debian's list (CUDA's own libraries aside); Ubuntu's list is Debian's under its t64 names.
+# (The step they replace, `ldd | dpkg -S`, found nothing on merged-/usr Debian 12.)
+list() { sed -n '/^ARG KVB_RUNTIME_PACKAGES="/,/"$/p' "$1" | sed 's/^ARG KVB_RUNTIME_PACKAGES="//; s/["\\]//g' | tr ' ' '\n' | grep -v '^$' | sort; }
+deb=$(list "$SRC/deploy/container/Dockerfile")
+ubu=$(list "$SRC/deploy/container/Dockerfile.cuda")
+[ -n "$deb" ] && [ -n "$ubu" ] || fail "no KVB_RUNTIME_PACKAGES in the Dockerfiles"
+[ "$(sed 's/t64$//' <<<"$ubu" | sort)" = "$deb" ] || fail "Dockerfile.cuda's runtime packages are not Dockerfile's (t64 aside): $ubu"
+n=0
+for f in "$B"/kvbank*; do
+    [ -f "$f" ] && [ -x "$f" ] || continue
+    for lib in $(objdump -p "$f" | awk '/NEEDED/ { print $2 }'); do
+        path=$(ldconfig -p | awk -v l="$lib" '$1 == l && !p { p = $NF } END { print p }')
+        [ -n "$path" ] || continue # not on this machine's library path: CUDA's (the runtime image has them)
+        real=$(readlink -f "$path")
+        pkg=$(dpkg -S "$real" 2>/dev/null || dpkg -S "${real#/usr}" 2>/dev/null || true)
+        pkg=${pkg%%:*}
+        [ -n "$pkg" ] || continue   # not from a Debian package (a CUDA toolkit under /usr/local)
+        case $pkg in libasan* | libubsan* | liblsan* | libtsan*) continue ;; esac # a sanitizer build's runtime
+        grep -qx "$pkg" <<<"$deb" || fail "$(basename "$f") links $lib of $pkg, which Dockerfile's KVB_RUNTIME_PACKAGES lacks"
+        n=$((n + 1))
+    done
+done
+[ "$n" -gt 20 ] || fail "only $n libraries checked"
+grep -q "ldd /usr/local/bin/\* | grep 'not found'" "$SRC/deploy/container/Dockerfile" || fail "Dockerfile does not check ldd"
+ok "runtime packages: the $n libraries the built programs link are in Dockerfile's $(wc -l <<<"$deb") packages; Dockerfile.cuda's are the same under Ubuntu's t64 names; both images check ldd"
+
 # ------------------------------------------------------------------------------------------ systemd
 if ! command -v systemd-analyze >/dev/null; then
     echo "SKIP - systemd-analyze verify (no systemd-analyze on this machine)"

@@ -44,7 +44,9 @@ KVB_TEST(params_valid) {
     const char *b = "{\"model\": \"m\", \"prompt\": [1, 2, 3], \"max_tokens\": 7, \"temperature\": 0, \"top_p\": 0.5,"
                     " \"top_k\": -1, \"seed\": 9, \"stop\": [\"ab\", \"\\u00e9\"], \"ignore_eos\": true, \"stream\": true,"
                     " \"stream_options\": {\"include_usage\": true}, \"kvbank_tbt_slo_ms\": 25, \"n\": 1,"
-                    " \"logprobs\": null, \"presence_penalty\": 0, \"stop_token_ids\": [5], \"user\": \"x\"}";
+                    " \"logprobs\": null, \"presence_penalty\": 0, \"stop_token_ids\": [5], \"user\": \"x\","
+                    " \"store\": false, \"metadata\": {\"k\": \"v\"}, \"service_tier\": \"auto\","
+                    " \"include_stop_str_in_output\": true}";
     ck_assert_int_eq(parse(GW_COMPLETIONS, b, &p, &doc, &e), KVB_OK);
     ck_assert_str_eq(p.model, "m");
     ck_assert_int_eq(p.n_prompt_ids, 3);
@@ -58,6 +60,12 @@ KVB_TEST(params_valid) {
     ck_assert(p.tbt_slo_ms == 25);
     ck_assert_int_eq(p.n_stop_ids, 1);
     ck_assert_int_eq(p.add_special_tokens, 1);
+    ck_assert(p.include_stop_str);
+    /* the ignored fields, reported by name for the gateway's log */
+    ck_assert_int_eq(p.n_ignored, 4);
+    const gw_field *fields = gw_fields(NULL);
+    const char *want[] = {"user", "store", "metadata", "service_tier"};
+    for (int i = 0; i < 4; i++) ck_assert_str_eq(fields[p.ignored[i]].name, want[i]);
     gw_params_free(&p);
     json_decref(doc);
     /* defaults; a text prompt; a one-element prompt list */
@@ -130,6 +138,126 @@ KVB_TEST(params_invalid) {
 }
 KVB_TEST_END
 
+/* A JSON value of one type of the mask `types` (want 1) or of none of them (want 0). */
+static json_t *sample(unsigned types, int want) {
+    static const unsigned order[] = {GW_J_BOOL, GW_J_INT, GW_J_NUM, GW_J_STR, GW_J_OBJ, GW_J_ARR};
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+        unsigned t = order[i];
+        int has = (types & t) || (t == GW_J_INT && (types & GW_J_NUM));
+        if (t == GW_J_NUM && (types & GW_J_INT) && !(types & GW_J_NUM) && !want) continue; /* 0.5 is no int */
+        if (has != want) continue;
+        switch (t) {
+        case GW_J_BOOL: return json_true();
+        case GW_J_INT: return json_integer(7);
+        case GW_J_NUM: return json_real(0.5);
+        case GW_J_STR: return json_string("x");
+        case GW_J_OBJ: return json_pack("{s:i}", "a", 1);
+        default: return json_pack("[i]", 1);
+        }
+    }
+    return NULL;
+}
+
+/* A body of endpoint `ep` with field `name` = v (consumed) beside a valid prompt or messages. */
+static char *body_with(gw_endpoint ep, const char *name, json_t *v) {
+    json_t *o = ep == GW_CHAT ? json_pack("{s:s, s:[{s:s, s:s}]}", "model", "m", "messages", "role", "user", "content", "x")
+                              : json_pack("{s:s, s:[i]}", "model", "m", "prompt", 1);
+    json_object_set_new(o, name, v);
+    char *b = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return b;
+}
+
+/* Every row of the field table: null is "not given"; a value of another type gets a 400 naming the
+ * field; an ignored field's value of its type passes (and is reported); an unsupported field's
+ * non-neutral value gets "not supported". */
+KVB_TEST(field_table) {
+    int n = 0;
+    const gw_field *f = gw_fields(&n);
+    int n_ignored = 0, n_unsupported = 0;
+    for (int i = 0; i < n; i++) {
+        ck_assert_msg(f[i].kind != GW_FIELD_HANDLED || f[i].read, "%s: handled without a reader", f[i].name);
+        for (int e = 0; e < 2; e++) {
+            if (!(f[i].eps & (1u << e))) continue;
+            gw_params p;
+            json_t *doc = NULL;
+            gw_error err;
+            char *b = body_with((gw_endpoint)e, f[i].name, json_null());
+            if (strcmp(f[i].name, "prompt") && strcmp(f[i].name, "messages")) {
+                ck_assert_msg(parse((gw_endpoint)e, b, &p, &doc, &err) == KVB_OK, "%s: null refused: %s", f[i].name, err.message);
+                gw_params_free(&p);
+                json_decref(doc);
+            }
+            free(b);
+            json_t *wrong = sample(f[i].types, 0);
+            ck_assert_ptr_nonnull(wrong);
+            b = body_with((gw_endpoint)e, f[i].name, wrong);
+            expect_bad((gw_endpoint)e, b, 400, f[i].name);
+            free(b);
+            if (f[i].kind == GW_FIELD_HANDLED) continue;
+            json_t *right = sample(f[i].types, 1);
+            b = body_with((gw_endpoint)e, f[i].name, right);
+            if (f[i].kind == GW_FIELD_IGNORED) {
+                n_ignored++;
+                ck_assert_msg(parse((gw_endpoint)e, b, &p, &doc, &err) == KVB_OK, "%s: %s", b, err.message);
+                ck_assert_int_eq(p.n_ignored, 1);
+                ck_assert_str_eq(f[p.ignored[0]].name, f[i].name);
+                gw_params_free(&p);
+                json_decref(doc);
+            } else {
+                n_unsupported++;
+                json_t *j = json_loads(b, 0, NULL);
+                int neutral = f[i].neutral && f[i].neutral(json_object_get(j, f[i].name));
+                json_decref(j);
+                if (neutral) {
+                    ck_assert_int_eq(parse((gw_endpoint)e, b, &p, &doc, &err), KVB_OK);
+                    gw_params_free(&p);
+                    json_decref(doc);
+                } else {
+                    expect_bad((gw_endpoint)e, b, 400, f[i].name);
+                }
+            }
+            free(b);
+        }
+    }
+    ck_assert_int_ge(n_ignored, 10);
+    int ignored_rows = 0;
+    for (int i = 0; i < n; i++) ignored_rows += f[i].kind == GW_FIELD_IGNORED;
+    ck_assert_int_le(ignored_rows, GW_MAX_IGNORED); /* a request carrying all of them reports each */
+    ck_assert_int_ge(n_unsupported, 20);
+    /* the neutral values common clients send pass; anything more is refused by name */
+    const char *neutral[] = {"\"n\": 1", "\"logprobs\": false", "\"top_logprobs\": 0", "\"presence_penalty\": 0.0",
+                             "\"frequency_penalty\": 0", "\"repetition_penalty\": 1", "\"tools\": []",
+                             "\"tool_choice\": \"none\"", "\"response_format\": {\"type\": \"text\"}",
+                             "\"modalities\": [\"text\"]", "\"logit_bias\": {}", "\"echo\": false",
+                             "\"parallel_tool_calls\": false", "\"reasoning_effort\": \"low\""};
+    for (size_t i = 0; i < sizeof neutral / sizeof neutral[0]; i++) {
+        char b[256];
+        snprintf(b, sizeof b, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], %s}", neutral[i]);
+        gw_params p;
+        json_t *doc = NULL;
+        gw_error err;
+        ck_assert_msg(parse(GW_CHAT, b, &p, &doc, &err) == KVB_OK, "%s: %s", b, err.message);
+        gw_params_free(&p);
+        json_decref(doc);
+    }
+    expect_bad(GW_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
+               "{\"type\": \"json_object\"}}",
+               400, "response_format");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"store\": \"yes\"}",
+               400, "store");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"temprature\": 0}",
+               400, "temprature");
+    /* a field of the other endpoint says so */
+    gw_params p;
+    json_t *doc = NULL;
+    gw_error err;
+    ck_assert_int_ne(parse(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"tools\": []}", &p, &doc, &err), KVB_OK);
+    ck_assert_ptr_nonnull(strstr(err.message, "/v1/chat/completions"));
+}
+KVB_TEST_END
+
 KVB_TEST(tok_params) {
     gw_tok_params p;
     json_t *doc = NULL;
@@ -153,12 +281,12 @@ KVB_TEST(tok_params) {
 KVB_TEST_END
 
 /* Feeds `pieces` through a matcher; returns the released text, *stopped and *which. */
-static char *run_stop(const char *const *stops, int n_stops, const char *const *pieces, int n_pieces, int *stopped,
-                      int *which, int *at_piece) {
+static char *run_stop_inc(const char *const *stops, int n_stops, const char *const *pieces, int n_pieces, int include,
+                          int *stopped, int *which, int *at_piece) {
     size_t len[8];
     for (int i = 0; i < n_stops; i++) len[i] = strlen(stops[i]);
     gw_stop *s = NULL;
-    ck_assert_int_eq(gw_stop_create(stops, len, n_stops, &s), KVB_OK);
+    ck_assert_int_eq(gw_stop_create(stops, len, n_stops, include, &s), KVB_OK);
     char *out = NULL;
     size_t out_len = 0, out_cap = 0;
     *stopped = 0;
@@ -172,6 +300,11 @@ static char *run_stop(const char *const *stops, int n_stops, const char *const *
     gw_stop_destroy(s);
     if (!out) out = strdup("");
     return out;
+}
+
+static char *run_stop(const char *const *stops, int n_stops, const char *const *pieces, int n_pieces, int *stopped,
+                      int *which, int *at_piece) {
+    return run_stop_inc(stops, n_stops, pieces, n_pieces, 0, stopped, which, at_piece);
 }
 
 KVB_TEST(stop_strings) {
@@ -189,6 +322,11 @@ KVB_TEST(stop_strings) {
     o = run_stop(s1, 1, p2, 3, &stopped, &which, &at);
     ck_assert(!stopped);
     ck_assert_str_eq(o, "a ENxy");
+    free(o);
+    /* include_stop_str_in_output: the stop string ends the text, what follows it is dropped */
+    o = run_stop_inc(s1, 1, p1, 3, 1, &stopped, &which, &at);
+    ck_assert(stopped);
+    ck_assert_str_eq(o, "hello END");
     free(o);
     /* the earliest of several stops wins; overlapping prefixes */
     const char *s3[] = {"bcd", "abcx", "\n\n"};
@@ -220,7 +358,7 @@ KVB_TEST(stop_strings) {
     size_t l = 3;
     const char *stop = "abc";
     gw_stop *s = NULL;
-    ck_assert_int_eq(gw_stop_create(&stop, &l, 1, &s), KVB_OK);
+    ck_assert_int_eq(gw_stop_create(&stop, &l, 1, 0, &s), KVB_OK);
     char *out = NULL;
     size_t out_len = 0, out_cap = 0;
     ck_assert_int_eq(gw_stop_push(s, "xxab", 4, &out, &out_len, &out_cap, NULL), 0);
@@ -256,5 +394,6 @@ KVB_TEST(metrics_text) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(tok_params, 10),
+KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(field_table, 10),
+              KVB_T(tok_params, 10),
               KVB_T(stop_strings, 10), KVB_T(metrics_text, 10))

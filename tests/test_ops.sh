@@ -238,6 +238,7 @@ ok "kvbank-bench maxctx's stream row and Eq. 1-5 note; multiturn's link preset, 
 # mkcfg OUT: the demo node with every path inside $T, short timings, any free gateway port, and the
 # python statements of $2 applied to the dict c
 mkcfg() {
+    cp -r "$SRC/deploy/examples/tokenizer" "$(dirname "$1")/" # chat's mkmodel takes it relative to the config
     "$PY" - "$SRC/deploy/examples/node-cpu.json" "$1" "$NODE" "$RUN" "$T/models" "${2:-pass}" <<'PYEOF'
 import json, sys
 src, dst, node, run, models, edit = sys.argv[1:]
@@ -355,6 +356,25 @@ grep -qE '^gateway +- +running' <<<"$out" || fail "status: no gateway line: $out
 n=$(grep -c 'unknown field "thread" ignored (did you mean "threads"?)' "$T/kvbankd.log" || true)
 [ "$n" -eq 1 ] || fail "the \"thread\" warning is in the node's log $n times, want once"
 ok "status: STATUS running, RESTARTS 0, AGE for the 3 models, the coordinator and the gateway; \"did you mean\" once in the node's log"
+
+# the config kvbankctl reads without --config: $KVBANK_CONFIG, else /etc/kvbank/node.json when it exists
+out=$(KVBANK_CONFIG=$CFG "$B/kvbankctl" --timeout-ms 3000 status 2>&1) || fail "KVBANK_CONFIG=... kvbankctl status: $out"
+grep -qE "^chat +master +running" <<<"$out" || fail "kvbankctl status with KVBANK_CONFIG: $out"
+out=$(KVBANK_CONFIG=$CFG "$B/kvbankctl" plan 2>&1) || fail "KVBANK_CONFIG=... kvbankctl plan: $out"
+grep -q "longest request" <<<"$out" || fail "kvbankctl plan with KVBANK_CONFIG: $out"
+if [ ! -e /etc/kvbank/node.json ]; then
+    rc=0
+    out=$(env -u KVBANK_CONFIG "$B/kvbankctl" status 2>&1) || rc=$?
+    [ "$rc" -eq 2 ] && grep -qF "KVBANK_CONFIG; /etc/kvbank/node.json does not exist" <<<"$out" ||
+        fail "kvbankctl status without a config: exit $rc, $out"
+fi
+# an unknown model is named, with the ones that are registered
+rc=0
+out=$(ctl generate --model nope --prompt-ids 1,2 --max-tokens 2 2>&1) || rc=$?
+[ "$rc" -eq 1 ] && grep -qF "no such model registered: 'nope' (the coordinator has: " <<<"$out" ||
+    fail "generate on an unknown model: exit $rc, $out"
+for m in chat code summ; do grep -qE "has: .*\b$m\b" <<<"$out" || fail "generate on an unknown model: $m not listed: $out"; done
+ok "kvbankctl reads \$KVBANK_CONFIG (status, plan), says where it looked without one, and names an unknown model"
 
 # a worker whose checkpoint vanishes under the running node: restarting, crash-looping, why; back
 mv "$T/models/summ/model.safetensors" "$T/summ.st"

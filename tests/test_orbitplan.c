@@ -55,6 +55,8 @@ static kvb_engine *engine(out *o, kvb_planner *pl, int n_blocks, int budget, int
     op.max_seqs = max_seqs;
     kvb_engine_events ev = {.ud = o, .on_token = on_token, .on_finish = on_finish};
     kvb_engine *e = NULL;
+    kvb_planner fcfs = kvb_policy_recompute(); /* NULL: vLLM scheduling */
+    if (!pl) pl = &fcfs;
     ck_assert_int_eq(kvb_engine_create(tm.m, &op, pl, &ev, &e), KVB_OK);
     return e;
 }

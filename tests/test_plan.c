@@ -4,6 +4,7 @@
  * lossless; the view says what the engine holds; the engine destroys its planner exactly once
  * whether or not kvb_engine_create succeeds. The model is a real safetensors directory written by
  * kvbank-mkmodel. */
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -13,8 +14,8 @@
 #include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
+#include "common/policy/fcfs.h"
 #include "common/sched/link_calib.h"
-#include "common/sched/scheduler.h"
 #include "tests/harness.h"
 #include "tests/testmodel.h"
 
@@ -73,6 +74,8 @@ static kvb_engine *make_engine(rec *r, kvb_planner *pl, int bs, int n_blocks, in
     o.max_batch_tokens = budget;
     kvb_engine_events ev = {.ud = r, .on_token = on_token, .on_finish = on_finish};
     kvb_engine *e = NULL;
+    kvb_planner fcfs = kvb_policy_recompute(); /* NULL: vLLM scheduling */
+    if (!pl) pl = &fcfs;
     ck_assert_int_eq(kvb_engine_create(model, &o, pl, &ev, &e), KVB_OK);
     return e;
 }
@@ -220,7 +223,7 @@ typedef struct counting {
 
 static kvb_status counting_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     ((counting *)ctx)->steps++;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static void counting_destroy(void *ctx) { ((counting *)ctx)->destroyed++; }
@@ -342,7 +345,7 @@ static kvb_status scripted_residency(const scripted *s, const kvb_view *v, kvb_p
 /* A valid FCFS plan, then broken as asked. */
 static kvb_status scripted_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     scripted *s = ctx;
-    KVB_TRY(kvb_sched_fcfs(v, NULL, out));
+    KVB_TRY(kvb_fcfs(v, NULL, out));
     const kvb_plan_op *run = find_op(out, KVB_OP_RUN);
     int waiting = -1;
     for (int i = 0; i < v->n_reqs; i++)
@@ -536,7 +539,7 @@ static kvb_status mech_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     kvb_fcfs_opts o = {.preempt_op = m->m == MECH_SWAP ? KVB_OP_SWAP_OUT : KVB_OP_PREEMPT};
     m->host_free = v->pool.host_free + v->pool.host_evictable;
     m->host_capacity = v->pool.host_capacity;
-    KVB_TRY(kvb_sched_fcfs(v, &o, out));
+    KVB_TRY(kvb_fcfs(v, &o, out));
     if (m->m == MECH_DROP_HOST) out->prefix_serial = (int)(rng_next(&m->rng) % 4); /* the ablations' paths too */
     for (int i = 0; i < v->n_reqs; i++)
         if (v->reqs[i].state != KVB_REQ_RUNNING) forget(m, v->reqs[i].id);
@@ -938,7 +941,8 @@ KVB_TEST(engine_calibrates_link_model) {
     o.n_blocks = 64;
     ck_assert_int_eq(kvb_link_preset("pcie3-scaled", NULL, &o.links), KVB_OK);
     kvb_engine *e;
-    ck_assert_int_eq(kvb_engine_create(model, &o, NULL, NULL, &e), KVB_OK);
+    kvb_planner pl = kvb_policy_recompute();
+    ck_assert_int_eq(kvb_engine_create(model, &o, &pl, NULL, &e), KVB_OK);
     const kvb_link_model *lm = kvb_engine_links(e);
     ck_assert_int_eq(lm->calibrate, 0);
     ck_assert_double_gt(lm->measured_step_s, 0);
@@ -1043,7 +1047,7 @@ static kvb_status pauser_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
         if (p->step == 9) KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = KVB_OP_RESUME, .id = 0}));
     }
     p->step++;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static const kvb_planner_i pauser_iface = {.name = "pauser", .plan_step = pauser_plan};
@@ -1101,7 +1105,7 @@ static kvb_status viewer_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     ck_assert_int_le(blocks + v->pool.n_free + v->pool.n_evictable, v->pool.n_blocks);
     ck_assert_int_eq(kvb_view_find(v, 12345), -1);
     w->checked++;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static const kvb_planner_i viewer_iface = {.name = "viewer", .plan_step = viewer_plan};
@@ -1116,6 +1120,140 @@ KVB_TEST(view_is_the_engine) {
     kvb_engine_stats s;
     pressure(&got, &pl, 4, 18, 9, &s);
     ck_assert_int_gt(w.checked, 10);
+    assert_same(&ref, &got);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* Two threads check two plans of one view at once, while plan_step waits for them: the check owns its
+ * memory and the view's probe is safe to call from any thread, so each sees the answer it got alone
+ * (a solver thread may check its plans). */
+typedef struct checker {
+    const kvb_view *v;
+    const kvb_plan *p;
+    pthread_barrier_t *go;
+    kvb_status want;
+    kvb_plan_cost cost;
+    int wrong;
+} checker;
+
+static void *check_loop(void *arg) {
+    checker *c = arg;
+    pthread_barrier_wait(c->go); /* both at once */
+    for (int k = 0; k < 20000; k++) {
+        kvb_plan_cost got;
+        char err[256];
+        kvb_status st = kvb_sched_cost(c->v, c->p, &got, err, sizeof err);
+        const kvb_plan_cost *w = &c->cost; /* field by field: the struct has padding */
+        if (st != c->want || (st == KVB_OK && (got.blocks_left != w->blocks_left || got.tokens != w->tokens ||
+                                               got.rows != w->rows || got.n_sched != w->n_sched ||
+                                               got.n_running != w->n_running || got.host_left != w->host_left)))
+            c->wrong++;
+    }
+    return NULL;
+}
+
+typedef struct threaded {
+    int rounds, wrong;
+} threaded;
+
+static kvb_status threaded_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    threaded *t = ctx;
+    kvb_plan a = {0}, b = {0};
+    kvb_plan_reset(&a);
+    kvb_plan_reset(&b);
+    /* a: vLLM's plan; b: its admissions alone, within a budget that leaves some behind */
+    kvb_status st = kvb_fcfs(v, NULL, &a);
+    kvb_fcfs_opts o = {.budget = 3};
+    if (st == KVB_OK) st = kvb_fcfs_admit(v, &o, &b);
+    pthread_barrier_t go;
+    pthread_barrier_init(&go, NULL, 2);
+    checker c[2] = {{.v = v, .p = &a, .go = &go}, {.v = v, .p = &b, .go = &go}};
+    for (int i = 0; i < 2 && st == KVB_OK; i++) c[i].want = kvb_sched_cost(v, c[i].p, &c[i].cost, NULL, 0);
+    pthread_t th[2];
+    for (int i = 0; i < 2 && st == KVB_OK; i++) ck_assert_int_eq(pthread_create(&th[i], NULL, check_loop, &c[i]), 0);
+    for (int i = 0; i < 2 && st == KVB_OK; i++) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&go);
+    t->wrong += c[0].wrong + c[1].wrong;
+    t->rounds++;
+    if (st == KVB_OK) st = kvb_plan_copy_from(out, &a);
+    kvb_plan_free(&a);
+    kvb_plan_free(&b);
+    return st;
+}
+
+static const kvb_planner_i threaded_iface = {.name = "threaded", .plan_step = threaded_plan};
+
+KVB_TEST(check_from_threads) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    threaded t = {0};
+    kvb_planner pl = {&threaded_iface, &t};
+    kvb_engine_stats s;
+    pressure(&got, &pl, 4, 18, 9, &s);
+    ck_assert_int_gt(t.rounds, 10);
+    ck_assert_msg(t.wrong == 0, "%d of %d concurrent checks disagreed with the same check alone", t.wrong, t.rounds * 40000);
+    assert_same(&ref, &got);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* A check in the middle of the scheduler's own accounting (its pick_victim callback) changes nothing of
+ * the plan the scheduler makes: every accounting owns its memory. */
+typedef struct nester {
+    kvb_plan other;
+    int nested, differ, failed;
+} nester;
+
+static int plain_victim(void *ud, const kvb_view *v, const int *cand, int n) {
+    (void)ud, (void)v, (void)cand;
+    return n - 1;
+}
+
+static int nest_victim(void *ud, const kvb_view *v, const int *cand, int n) {
+    nester *t = ud;
+    kvb_plan_cost c;
+    (void)kvb_sched_cost(v, &t->other, &c, NULL, 0);
+    t->nested++;
+    return plain_victim(ud, v, cand, n);
+}
+
+static kvb_status nester_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    nester *t = ctx;
+    kvb_plan a = {0};
+    kvb_plan_reset(&a);
+    kvb_plan_reset(&t->other);
+    kvb_status st = KVB_OK; /* the other plan preempts every running request */
+    for (int i = 0; i < v->n_running && st == KVB_OK; i++)
+        if (v->reqs[i].state == KVB_REQ_RUNNING)
+            st = kvb_plan_push_op(&t->other, (kvb_plan_op){.kind = KVB_OP_PREEMPT, .id = v->reqs[i].id});
+    kvb_fcfs_opts plain = {.pick_victim = plain_victim}, nest = {.pick_victim = nest_victim, .ud = t};
+    if (st == KVB_OK) st = kvb_fcfs(v, &plain, &a);
+    if (st == KVB_OK) st = kvb_fcfs(v, &nest, out);
+    t->failed += st != KVB_OK;
+    if (st == KVB_OK && (a.n_ops != out->n_ops || memcmp(a.ops, out->ops, sizeof *a.ops * (size_t)a.n_ops)))
+        t->differ++;
+    kvb_plan_free(&a);
+    return st;
+}
+
+static const kvb_planner_i nester_iface = {.name = "nester", .plan_step = nester_plan};
+
+KVB_TEST(check_inside_check) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    nester t = {0};
+    kvb_planner pl = {&nester_iface, &t};
+    kvb_engine_stats s;
+    pressure(&got, &pl, 4, 18, 9, &s);
+    kvb_plan_free(&t.other);
+    ck_assert_int_gt(t.nested, 0);
+    ck_assert_int_eq(t.failed, 0);
+    ck_assert_msg(t.differ == 0, "%d plans changed by a check made while they were built", t.differ);
     assert_same(&ref, &got);
     teardown_model();
 }
@@ -1155,6 +1293,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(orbitflow_late_decisions, 240), KVB_T(destroy_contract, 60),
               KVB_T(violating_plan_refused, 60), KVB_T(pause_resume_lossless, 60), KVB_T(view_is_the_engine, 60),
+              KVB_T(check_from_threads, 120), KVB_T(check_inside_check, 120),
               KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240), KVB_T(drop_blocks_swapped_layers_lossless, 240),
               KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240), KVB_T(ellm_prefill_budget_as_baselines, 60),
               KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60), KVB_T(link_time_scale, 10),

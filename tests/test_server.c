@@ -34,10 +34,10 @@
 #include "common/model/config.h"
 #include "tests/harness.h"
 #include "tests/testfiles.h"
+#include "tests/testproc.h"
 
 #define MAX_TOK 4096
 
-static char g_builddir[PATH_MAX];
 static char g_dir[64];       /* this test's scratch directory */
 static char g_model[96];     /* model directory made by kvbank-mkmodel, inside g_dir */
 static char g_name[32];      /* --name of the server: also its shared-memory tag */
@@ -50,70 +50,14 @@ static int g_vocab;
 
 /* ------------------------------------------------------------------------------------- processes */
 
-static const char *builddir(void) {
-    if (g_builddir[0]) return g_builddir;
-    const char *env = getenv("KVB_BUILDDIR");
-    if (env && *env) {
-        snprintf(g_builddir, sizeof g_builddir, "%s", env);
-    } else {
-        char exe[PATH_MAX];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        ck_assert_int_gt(n, 0);
-        exe[n] = '\0';
-        for (int up = 0; up < 2; up++) { /* .../build/tests/test_server -> .../build */
-            char *slash = strrchr(exe, '/');
-            ck_assert_ptr_nonnull(slash);
-            *slash = '\0';
-        }
-        memcpy(g_builddir, exe, strlen(exe) + 1);
-    }
-    return g_builddir;
-}
-
-static void tool_path(const char *name, char *out, size_t len) { snprintf(out, len, "%s/%s", builddir(), name); }
+static void tool_path(const char *name, char *out, size_t len) { snprintf(out, len, "%s/%s", kvb_t_builddir(), name); }
 
 /* Runs argv[0] from the build directory with stdout into out[out_len] (NUL-terminated; may be NULL)
- * and stderr into the test's stderr. Returns the exit status, or -1 if it did not exit normally. */
+ * and stderr into the test's stderr (g_quiet: nowhere). Returns the exit status, or -1 if it did not
+ * exit normally. */
 static int run_tool(const char *const *argv, char *out, size_t out_len) {
-    char path[PATH_MAX];
-    tool_path(argv[0], path, sizeof path);
-    int fds[2];
-    ck_assert_int_eq(pipe(fds), 0);
-    fflush(NULL);
-    pid_t pid = fork();
-    ck_assert_int_ge(pid, 0);
-    if (pid == 0) {
-        dup2(fds[1], 1);
-        close(fds[0]);
-        close(fds[1]);
-        if (g_quiet) {
-            int devnull = open("/dev/null", O_WRONLY);
-            if (devnull >= 0) dup2(devnull, 2);
-        }
-        setenv("KVB_LOG_LEVEL", "warn", 1);
-        execv(path, (char *const *)argv);
-        fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
-        _exit(127);
-    }
-    close(fds[1]);
-    size_t n = 0;
-    char sink[4096];
-    for (;;) {
-        char *dst = out && n + 1 < out_len ? out + n : sink;
-        size_t room = out && n + 1 < out_len ? out_len - 1 - n : sizeof sink;
-        ssize_t r = read(fds[0], dst, room);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) break;
-        if (dst != sink) n += (size_t)r;
-    }
-    close(fds[0]);
-    if (out && out_len) out[n] = '\0';
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return kvb_t_run_tool(argv, &(kvb_t_run){.out = out, .out_len = out_len, .quiet = g_quiet});
 }
-
 
 /* Number of /dev/shm objects of our server's tag ("kvb-<name>-..."); the newest's mode into *mode. */
 static int count_shm(mode_t *mode) {

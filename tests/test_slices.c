@@ -9,7 +9,7 @@
 #include "common/model/model.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
-#include "common/sched/scheduler.h"
+#include "common/policy/fcfs.h"
 #include "common/sched/stager.h"
 #include "tests/harness.h"
 #include "tests/testmodel.h"
@@ -109,11 +109,11 @@ static kvb_status attempt(placer *p, const kvb_view *v, kvb_plan *out, int n_pre
         n_preempt--;
     }
     kvb_fcfs_opts o = {0};
-    KVB_TRY(kvb_sched_fcfs_running(v, &o, out));
+    KVB_TRY(kvb_fcfs_running(v, &o, out));
     int n_run = 0;
     for (int k = 0; k < out->n_ops; k++) n_run += out->ops[k].kind == KVB_OP_RUN;
     o.batch_limit = KVB_MIN(n_run + n_admit, v->max_seqs);
-    if (o.batch_limit > 0) KVB_TRY(kvb_sched_fcfs_admit(v, &o, out));
+    if (o.batch_limit > 0) KVB_TRY(kvb_fcfs_admit(v, &o, out));
     int n_ops = out->n_ops;
     for (int i = 0; i < v->n_reqs; i++) {
         int state = v->reqs[i].state, paused_now = 0, gone = 0, admitted = 0;
@@ -175,6 +175,8 @@ static kvb_engine *engine(tokens *t, kvb_planner *pl, int bs, int n_blocks, int 
     o.max_seqs = max_seqs;
     kvb_engine_events ev = {.ud = t, .on_token = on_token, .on_finish = on_finish};
     kvb_engine *e = NULL;
+    kvb_planner fcfs = kvb_policy_recompute(); /* NULL: vLLM scheduling */
+    if (!pl) pl = &fcfs;
     ck_assert_int_eq(kvb_engine_create(tm.m, &o, pl, &ev, &e), KVB_OK);
     return e;
 }
@@ -275,7 +277,7 @@ typedef struct fixed {
 
 static kvb_status fixed_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     fixed *f = ctx;
-    KVB_TRY(kvb_sched_fcfs(v, NULL, out));
+    KVB_TRY(kvb_fcfs(v, NULL, out));
     for (int k = 0; k < f->n; k++) KVB_TRY(kvb_plan_push_place(out, f->pl[k]));
     return KVB_OK;
 }
@@ -471,7 +473,7 @@ KVB_TEST_END
 static kvb_status slo_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
     uint64_t *seen = ctx;
     for (int i = 0; i < v->n_reqs; i++) seen[v->reqs[i].id] = v->reqs[i].tbt_slo_ns;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static const kvb_planner_i slo_iface = {.name = "slo", .plan_step = slo_plan};

@@ -153,5 +153,25 @@ PYEOF
         bad "$m: EOS stop: got '$n2', want '$first stop'"
     rm -rf "$T/$m-eos"
 done
+# 4. the example node's tokenizer (deploy/examples/tokenizer: Qwen3's cut to 2048 tokens): the corpus and the
+# Qwen3 conversations, ours against the reference
+X=$S/deploy/examples/tokenizer
+"$B/tests/text_cli" encode "$X" < "$S/tests/text/corpus.json" > "$T/x-ours.json" 2>"$T/err" || bad "text_cli encode example: $(tail -2 "$T/err")"
+node "$NPM_DIR/oracle.mjs" encode "$X" < "$S/tests/text/corpus.json" > "$T/x-ref.json" || bad "oracle encode example"
+"$B/tests/text_cli" render "$X" < "$T/conv-qwen3.json" > "$T/x-rours.json" 2>"$T/err" || bad "text_cli render example: $(tail -2 "$T/err")"
+node "$NPM_DIR/oracle.mjs" render "$X" < "$T/conv-qwen3.json" > "$T/x-rref.json" || bad "oracle render example"
+if out=$("$PY" - "$T" <<'PYEOF'
+import json, sys
+T = sys.argv[1]
+o, r = json.load(open(T + "/x-ours.json")), json.load(open(T + "/x-ref.json"))
+same = [a.get(k) == b[k] for a, b in zip(o, r) for k in ("ids", "decoded", "decoded_skip")]
+ro, rr = json.load(open(T + "/x-rours.json")), json.load(open(T + "/x-rref.json"))
+renders = [a.get("text") == b.get("text") and ("text" in b) == ("text" in a) for a, b in zip(ro, rr)]
+assert len(o) == len(r) > 100 and all(same), [(i, a, b) for i, (a, b) in enumerate(zip(o, r)) if a.get("ids") != b["ids"]][:2]
+assert len(ro) == len(rr) > 10 and all(renders), [(a, b) for a, b in zip(ro, rr) if a.get("text") != b.get("text")][:2]
+print("%d corpus strings, %d conversations" % (len(o), len(ro)))
+PYEOF
+); then ok "deploy/examples/tokenizer: $out identical to the reference"
+else bad "deploy/examples/tokenizer differs from the reference: $out"; fi
 [ $fails -eq 0 ] && echo "all text oracle checks passed" || echo "$fails text oracle check(s) failed"
 exit $((fails > 0))

@@ -592,7 +592,29 @@ KVB_TEST(log_rate_limit) {
 }
 KVB_TEST_END
 
+/* The runner (tests/harness.h): a test that cannot run here is skipped, and a suite that skipped one
+ * reports SKIP (77), never a pass; a failure still fails the suite. */
+KVB_TEST(harness_inner_pass) { ck_assert_int_eq(1, 1); }
+KVB_TEST_END
+
+KVB_TEST(harness_inner_fail) { ck_assert_int_eq(1, 2); }
+KVB_TEST_END
+
+static const char *never_here(void) { return "this machine never has it"; }
+static const char *always_here(void) { return NULL; }
+
+KVB_TEST(harness_skip) {
+    char *argv[] = {"inner", NULL};
+    const kvb_test pass[] = {KVB_T(harness_inner_pass, 10), KVB_T_NEED(harness_inner_pass, 10, always_here)};
+    const kvb_test skip[] = {KVB_T(harness_inner_pass, 10), KVB_T_NEED(harness_inner_fail, 10, never_here)};
+    const kvb_test fail[] = {KVB_T(harness_inner_fail, 10), KVB_T_NEED(harness_inner_pass, 10, never_here)};
+    ck_assert_int_eq(kvb_test_main(1, argv, "inner", pass, 2), 0);
+    ck_assert_int_eq(kvb_test_main(1, argv, "inner", skip, 2), 77);
+    ck_assert_int_eq(kvb_test_main(1, argv, "inner", fail, 2), 1);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("util", KVB_T(status_strings, 10), KVB_T(parse_id_list, 10), KVB_T(half_roundtrip, 30),
               KVB_T(npy_header, 10), KVB_T(json_fields, 10), KVB_T(node_config_defaults, 10),
               KVB_T(node_config_explicit, 10), KVB_T(node_config_invalid, 20), KVB_T(node_config_policy_params, 10), KVB_T(token_deposit, 10), KVB_T(sha256_vectors, 10), KVB_T(log_rate_limit, 10),
-              KVB_T(open_regular_only, 10))
+              KVB_T(harness_skip, 30), KVB_T(open_regular_only, 10))

@@ -1,5 +1,5 @@
 /* kvbank-worker — a model of the node that lends the free tail of its KV cache to the master
- * (SwiftCache §3.4-3.5, Alg. 1; docs/design.md "The node: coordinator protocol", flows 3-6).
+ * (SwiftCache §3.4-3.5, Alg. 1; docs/lending.md "The coordinator protocol", flows 3-6).
  *
  * The engine's own blocks are [0, n_own) of the region; everything above, [n_own, capacity), is
  * described by `ranges`, lowest first, which tile it exactly:

@@ -1,4 +1,4 @@
-/* kvbank — who may talk to the coordinator, and how they prove it (docs/design.md "Threat model of the
+/* kvbank — who may talk to the coordinator, and how they prove it (docs/lending.md "Threat model of the
  * node").
  *
  * The coordinator listens on two ipc:// endpoints (nothing else): the models' EP and the control

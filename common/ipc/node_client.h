@@ -1,4 +1,4 @@
-/* kvbank — the model side of the coordinator protocol (docs/design.md "The node: coordinator
+/* kvbank — the model side of the coordinator protocol (docs/lending.md "The coordinator
  * protocol"), shared by kvbank-master and kvbank-worker.
  *
  * One DEALER socket whose routing id is the model's name, connected to kvbank-coordinator. The client

@@ -23,7 +23,7 @@
 #include <stdint.h>
 
 #include "common/util/util.h"
-#include "kernels/backend.h"
+#include "common/util/kv_geom.h"
 
 typedef struct kvb_block_pool kvb_block_pool;
 

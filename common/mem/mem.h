@@ -1,5 +1,5 @@
 /* kvbank — the one memory interface: every byte of KV pool, host tier, stage buffer and activation
- * memory kvbank uses comes from a kvb_mem (docs/design.md "Memory layer").
+ * memory kvbank uses comes from a kvb_mem (docs/engine.md "Memory layer").
  *
  * A kvb_mem is one memory backend on one device, chosen by name in common/mem/registry.c (the only
  * file that knows which backends exist): "host" for the cpu compute backend, a device backend for a

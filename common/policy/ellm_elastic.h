@@ -16,7 +16,7 @@
  * s * blocks_per_slot + j, holding [n_layers][2][block_size][n_kv_heads][head_dim]; a chunk holds
  * chunk_tokens / block_size whole blocks (every layer of chunk_tokens tokens).
  *
- * Parameters (kvbank's values where the paper is silent; docs/design.md says why):
+ * Parameters (kvbank's values where the paper is silent; docs/papers/ellm-elastic-memory.md says why):
  *   budget_mb      memory for KV + activations (default: the engine's KV blocks plus a model-length
  *                  step's activations: what static-split needs to keep those blocks)
  *   chunk_tokens   tokens per physical chunk (16: Llama3-8B's 128 KiB of KV per token in a 2 MiB chunk)

@@ -3,7 +3,7 @@
  * 5) and the layer-level optimizer (§4.3, Eq. 6-9). Names carry `etw` (eLLM token-wise). No engine
  * state: the planner (ellm_tw.c) feeds these functions the batch it sees and applies what they return.
  *
- * Where kvbank departs from the paper (each also in docs/design.md, "eLLM token-wise"):
+ * Where kvbank departs from the paper (each also in docs/papers/ellm-adaptive-kv-caching.md):
  *  - FLOPs and KV bytes come from the model's config: Q/O projections 2·h·q_dim each, K/V projections
  *    2·h·kv_dim each (GQA), SwiGLU 3·2·h·I, KV bytes 2·kv_dim·elem per token and layer. The paper's
  *    24h² and 4h assume MHA, a 4h two-matrix MLP and fp16.

@@ -28,7 +28,7 @@
 
 #include "common/policy/ellm_tw_planner.h"
 #include "common/policy/policy.h"
-#include "common/sched/scheduler.h"
+#include "common/policy/fcfs.h"
 
 typedef enum etw_kind { ETW_ELLM = 0, ETW_RECOMPUTE = 1, ETW_SWAP = 2, ETW_HCACHE = 3 } etw_kind;
 
@@ -452,7 +452,7 @@ static kvb_status ellm_plan(etw *p, const kvb_view *v, int n_keep, double r, int
     if (cst == KVB_ERR_INVALID) return KVB_ERR_EXHAUSTED;
     KVB_TRY(cst);
     kvb_fcfs_opts o = {.budget = budget, .batch_limit = b};
-    return kvb_sched_fcfs_admit(v, &o, out);
+    return kvb_fcfs_admit(v, &o, out);
 }
 
 static kvb_status plan_step_inner(etw *p, const kvb_view *v, kvb_plan *out);
@@ -578,7 +578,7 @@ static kvb_status plan_step_inner(etw *p, const kvb_view *v, kvb_plan *out) {
 
     kvb_fcfs_opts o = {.batch_limit = b, .preempt_op = p->kind == ETW_RECOMPUTE ? KVB_OP_PREEMPT : KVB_OP_SWAP_OUT,
                        .budget = (int)KVB_MIN((int64_t)v->max_batch_tokens, (int64_t)p->chunk_now + b)};
-    KVB_TRY(kvb_sched_fcfs(v, &o, out));
+    KVB_TRY(kvb_fcfs(v, &o, out));
     if (p->kind == ETW_HCACHE)
         for (int k = 0; k < out->n_ops; k++) {
             kvb_plan_op *op = &out->ops[k];
@@ -733,7 +733,7 @@ static kvb_status create(etw_kind kind, const kvb_policy_params *params, kvb_pla
     }
     p->async = (int)async;
     p->swap_layers = (int)swap;
-    p->serial = (overlap ? 0 : 1) | (fuse ? 0 : 2);
+    p->serial = (overlap ? 0 : KVB_PLAN_SERIAL_LOADS) | (fuse ? 0 : KVB_PLAN_SERIAL_GEMMS);
     if (p->r_fixed >= 0 && p->r_fixed > p->r_max) p->r_max = p->r_fixed;
     *out = (kvb_planner){.iface = iface_of(kind), .ctx = p};
     return KVB_OK;

@@ -5,9 +5,9 @@
  * issue 10) layer by layer behind the compute, one transfer per layer for the step's hits, each layer
  * waiting only for its own, as the paper's baseline loads; layered=0 copies each admission's hits whole
  * before the step (the earlier behaviour, kept to measure the difference). Scheduling is vLLM's
- * (kvb_sched_fcfs). */
+ * (kvb_fcfs). */
 #include "common/policy/policy.h"
-#include "common/sched/scheduler.h"
+#include "common/policy/fcfs.h"
 
 typedef struct host_tier {
     int64_t blocks;  /* 0: as many as the pool's own memory holds */
@@ -16,7 +16,7 @@ typedef struct host_tier {
 
 static kvb_status ht_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
     (void)ctx;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static kvb_status ht_plan_pool(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out) {

@@ -8,7 +8,7 @@
  * block of block_size tokens (the allocation unit of §4's flattened layout and the "block" of Fig. 3).
  * Bandwidth in slices per second. Layers are 0-based here (the paper counts from 1).
  *
- * kvbank's readings where the paper is silent or contradicts itself (docs/design.md, "OrbitFlow"):
+ * kvbank's readings where the paper is silent or contradicts itself (docs/papers/orbitflow.md):
  * - Latency model: the text of §3.3.1 (greedy launch, equal bandwidth share among active transfers,
  *   progress kept across layers), not the printed Alg. 1 (which restarts its clock at each boundary and
  *   gives Fig. 3's placement B 3 layer-times of stall at step 1 where the text says 0). A request holds

@@ -18,7 +18,7 @@
 #include "common/kv/block_pool.h"
 #include "common/policy/orbitflow_planner.h"
 #include "common/policy/policy.h"
-#include "common/sched/scheduler.h"
+#include "common/policy/fcfs.h"
 #include "common/sched/stager.h"
 #include "common/util/token_deposit.h"
 
@@ -113,6 +113,9 @@ struct kvb_of_planner {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     of_snap in;            /* the snapshot waiting for the thread (in_ready) */
+    of_snap solver_in;     /* the solver thread's own copy of the snapshot it solves */
+    of_dec solver_out;     /* the decision the solver thread is making */
+    of_snap snap;          /* the snapshot the planner's thread takes (handed to solve_post) */
     int in_ready, busy;
     of_dec out;            /* the latest decision (out_ready: not yet taken) */
     int out_ready;
@@ -368,19 +371,19 @@ static void decide(const kvb_of_planner *P, const of_snap *s, of_dec *d) {
 
 static void *solver_thread(void *arg) {
     kvb_of_planner *P = arg;
-    static __thread of_snap in;
-    static __thread of_dec out;
+    of_snap *in = &P->solver_in;
+    of_dec *out = &P->solver_out;
     pthread_mutex_lock(&P->mu);
     for (;;) {
         while (!P->quit && !P->in_ready) pthread_cond_wait(&P->cv, &P->mu);
         if (P->quit) break;
-        in = P->in;
+        *in = P->in;
         P->in_ready = 0;
         P->busy = 1;
         pthread_mutex_unlock(&P->mu);
-        decide(P, &in, &out);
+        decide(P, in, out);
         pthread_mutex_lock(&P->mu);
-        P->out = out;
+        P->out = *out;
         P->out_ready = 1;
         P->busy = 0;
     }
@@ -455,7 +458,7 @@ static kvb_status build(kvb_of_planner *P, const kvb_view *v, const of_attempt *
     for (int k = 0; k < a->n_victim; k++)
         KVB_TRY(kvb_plan_push_op(out, (kvb_plan_op){.kind = (kvb_op_kind)victim_op, .id = a->victim[k]}));
     kvb_fcfs_opts o = {0};
-    KVB_TRY(kvb_sched_fcfs_running(v, &o, out));
+    KVB_TRY(kvb_fcfs_running(v, &o, out));
     int n_run = 0, any_paused = 0;
     for (int k = 0; k < out->n_ops; k++) n_run += out->ops[k].kind == KVB_OP_RUN;
     for (int i = 0; i < v->n_running; i++) {
@@ -473,7 +476,7 @@ static kvb_status build(kvb_of_planner *P, const kvb_view *v, const of_attempt *
         int room = KVB_MIN(a->n_admit, limit - running);
         if (room > 0) {
             o.batch_limit = KVB_MIN(n_run + room, v->max_seqs);
-            KVB_TRY(kvb_sched_fcfs_admit(v, &o, out));
+            KVB_TRY(kvb_fcfs_admit(v, &o, out));
         }
     }
     /* placements of every request running after the plan */
@@ -761,14 +764,14 @@ static kvb_status plan_step(kvb_of_planner *P, const kvb_view *v, kvb_plan *out)
         if (P->ctl.plan_step >= 0 && P->step + 1 - P->ctl.plan_step >= P->ctl.delta) t |= KVB_OF_TRIG_WINDOW;
         P->trig |= t;
         if (P->trig && b.n + (v->n_running - b.n) > 0 && !solve_busy(P)) {
-            static __thread of_snap s;
-            KVB_TRY(snapshot(P, v, &s));
+            of_snap *s = &P->snap;
+            KVB_TRY(snapshot(P, v, s));
             if (P->trig & KVB_OF_TRIG_BATCH) P->st.trig_batch++;
             if (P->trig & KVB_OF_TRIG_WINDOW) P->st.trig_window++;
             if (P->trig & KVB_OF_TRIG_MEMORY) P->st.trig_memory++;
             if (P->trig & KVB_OF_TRIG_MISMATCH) P->st.trig_mismatch++;
             P->trig = 0;
-            solve_post(P, &s);
+            solve_post(P, s);
             if (!P->p.threaded && solve_take(P, &d)) install(P, v, &d, &a);
         } else if (P->trig && solve_busy(P)) {
             P->st.solver_late++;

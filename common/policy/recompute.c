@@ -1,11 +1,11 @@
-/* kvbank — `recompute`, the baseline planner: vLLM's scheduler (kvb_sched_fcfs) with preemption of the
+/* kvbank — `recompute`, the baseline planner: vLLM's scheduler (kvb_fcfs) with preemption of the
  * most recently admitted request by recompute (its KV is dropped, its tokens are kept). */
 #include "common/policy/policy.h"
-#include "common/sched/scheduler.h"
+#include "common/policy/fcfs.h"
 
 static kvb_status recompute_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
     (void)ctx;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 static const kvb_planner_i recompute_iface = {

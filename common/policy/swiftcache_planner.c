@@ -1,7 +1,7 @@
 /* kvbank — `swiftcache`: SwiftCache's decisions as a planner (../shared/papers/swiftcache.txt).
  *
  * Master side (§3.2-3.3): borrowed blocks are read in place by default (lent memory addressable, as on
- * one GPU or the host backend: docs/design.md); with lsc=stream they go through the layer stream cache
+ * one GPU or the host backend: docs/papers/swiftcache.md); with lsc=stream they go through the layer stream cache
  * instead: every borrowed block of a step is read through stage buffers, its layer slice loaded before
  * the layer and the rows the step wrote stored back after it (residency STREAM). The LSC holds two
  * single-layer buffers per streamed block. With lenders_bytes (the KV bytes the node's workers can
@@ -9,7 +9,7 @@
  * block (kvb_swift_plan_lsc: n_stream blocks, the pool the rest), and an attach beyond n_stream is
  * refused (the engine says so: kvb_engine_max_borrowed; the node master registers it with the
  * coordinator, which caps the workers' offers); without it the LSC holds two buffers per attached block
- * beside the budget (in-process use only: the node master passes lenders_bytes, docs/design.md). Scheduling is vLLM's (kvb_sched_fcfs).
+ * beside the budget (in-process use only: the node master passes lenders_bytes, docs/lending.md). Scheduling is vLLM's (kvb_fcfs).
  *
  * Worker side (§3.5 Alg. 1, plan_pool): the window of the last window_s seconds' request lengths
  * (line 22); on a request SCALEUP asks back what the longest request needs (line 6-12); every tick
@@ -24,7 +24,7 @@
 #include "common/kv/block_pool.h"
 #include "common/policy/policy.h"
 #include "common/policy/swiftcache.h"
-#include "common/sched/scheduler.h"
+#include "common/policy/fcfs.h"
 
 #define WINDOW_CAP0 64 /* initial samples of Alg. 1's window */
 
@@ -39,7 +39,7 @@ typedef struct swift {
 static kvb_status swift_plan_step(void *ctx, const kvb_view *v, kvb_plan *out) {
     const swift *s = ctx;
     if (s->stream && v->pool.n_borrowed > 0) out->lent_default = KVB_RES_STREAM;
-    return kvb_sched_fcfs(v, NULL, out);
+    return kvb_fcfs(v, NULL, out);
 }
 
 /* Alg. 1 SCALEUP for `tokens`, at least one MEU when `starved`. */

@@ -1,10 +1,11 @@
-/* kvbank — the engine's public API: create and destroy, requests, the step, statistics. The work is in
- * scheduler.c (queue, view, FCFS), executor.c (plans, the forward pass), stager.c (copies),
- * host_tier.c and lending.c (see state.h). */
+/* kvbank — the engine's public API: create and destroy, requests, the step, statistics. The work is in the
+ * files state.h lists. */
 #include "common/sched/engine.h"
 #include "common/sched/link_calib.h"
 
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/sched/state.h"
@@ -42,7 +43,7 @@ static kvb_status setup_pool_plan(kvb_engine *e, kvb_pool_plan *pp) {
                   .prefix_cache = e->o.enable_prefix_cache, .now_ns = kvb_wall_ns(),
                   .pool = {.capacity = e->o.n_blocks, .n_own = e->o.n_blocks, .n_blocks = e->o.n_blocks,
                            .n_free = e->o.n_blocks},
-                  .engine = e, .links = &e->o.links};
+                  .links = &e->o.links};
     kvb_status st = e->planner.iface->plan_pool(e->planner.ctx, &ev, &v, pp);
     if (st != KVB_OK) {
         KVB_LOG_E("engine: planner %s cannot set up: %s", e->planner.iface->name, kvb_status_str(st));
@@ -87,8 +88,9 @@ static kvb_status make_sliced(kvb_engine *e, const kvb_pool_plan *pp) {
 kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kvb_planner *planner,
                              const kvb_engine_events *ev, kvb_engine **out) {
     kvb_planner pl = planner && planner->iface ? *planner : (kvb_planner){0};
-    if (pl.iface && !pl.iface->plan_step) {
-        KVB_LOG_E("engine: planner %s has no plan_step", pl.iface->name ? pl.iface->name : "?");
+    if (!pl.iface || !pl.iface->plan_step) {
+        KVB_LOG_E("engine: %s", pl.iface ? "the planner has no plan_step"
+                                         : "no planner (kvb_policy_recompute schedules as vLLM does)");
         kvb_planner_destroy(&pl);
         return KVB_ERR_INVALID;
     }
@@ -106,6 +108,7 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
         kvb_planner_destroy(&pl);
         return st;
     }
+    pthread_mutex_init(&e->memo_mu, NULL);
     e->m = m;
     e->o = o;
     e->planner = pl; /* from here on kvb_engine_destroy destroys it */
@@ -120,6 +123,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
                                      .act_elem = (int)kvb_dtype_size(be->iface->act_dtype),
                                      .flops = o.links.measured_flops};
     KVB_TRY_GOTO(kvb_kv_geom_check(&e->geom), fail);
+    KVB_TRY_GOTO(kvb__hcache_init(e), fail); /* the mechanisms that check plans on every engine */
+    KVB_TRY_GOTO(kvb__prefix_init(e), fail);
+    KVB_TRY_GOTO(kvb__offload_init(e), fail);
     kvb_pool_plan pp;
     KVB_TRY_GOTO(setup_pool_plan(e, &pp), fail);
     if (pp.kv_mem) { /* the planner's memory replaces the options' */
@@ -161,21 +167,8 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     if (pp.act_alloc.iface) e->act_alloc = pp.act_alloc;
     KVB_TRY_GOTO(kvb_forward_create_with(m, e->max_rows, e->act_alloc.iface ? &e->act_alloc : o.act_alloc, &e->fw),
                  fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->sched, (void **)&e->sched), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_tokens, (void **)&e->b_tokens), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)e->max_rows, sizeof *e->b_pos, (void **)&e->b_pos), fail);
-    /* two attention sequences per request: its recomputed prefix (n_absent) and its new tokens */
-    KVB_TRY_GOTO(kvb_calloc(2 * (size_t)o.max_seqs, sizeof *e->b_seqs, (void **)&e->b_seqs), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs, sizeof *e->b_logit_rows, (void **)&e->b_logit_rows), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)o.max_seqs * c->vocab, sizeof(float), (void **)&e->logits), fail);
-    KVB_TRY_GOTO(kvb_calloc(2 * (size_t)c->vocab, sizeof(float), (void **)&e->sample_scratch), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_layer, (void **)&e->t_layer), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_wait, (void **)&e->t_wait), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_copy, (void **)&e->t_copy), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->t_pfx, (void **)&e->t_pfx), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->l_rows, (void **)&e->l_rows), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)c->n_layers, sizeof *e->l_seqs, (void **)&e->l_seqs), fail);
-    KVB_TRY_GOTO(kvb_calloc((size_t)e->o.max_seqs, sizeof *e->pfx_ord, (void **)&e->pfx_ord), fail);
+    KVB_TRY_GOTO(kvb__step_init(e), fail);
+    KVB_TRY_GOTO(kvb__residency_init(e), fail);
     if (pp.stage_slots > 0) KVB_TRY_GOTO(kvb__stage_reserve(e, pp.stage_slots), fail);
     e->max_borrowed = pp.limit_borrowed ? pp.max_borrowed : -1;
     if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix,
@@ -191,14 +184,16 @@ void kvb_engine_destroy(kvb_engine *e) {
     if (!e) return;
     kvb_stager_destroy(e->stager); /* no copy runs on */
     e->stager = NULL;
-    seq_list *lists[] = {&e->waiting, &e->running, &e->swapped};
+    kvb__seq_list *lists[] = {&e->waiting, &e->running, &e->swapped};
     for (int i = 0; i < 3; i++) {
         while (lists[i]->head) {
-            seq *s = lists[i]->head;
+            kvb__seq *s = lists[i]->head;
             kvb__list_remove(lists[i], s);
             if (e->pool) kvb__seq_free(e, s);
         }
     }
+    for (int k = 0; k < KVB__MECH_COUNT; k++)
+        if (e->mech[k].iface && e->mech[k].iface->destroy) e->mech[k].iface->destroy(e->mech[k].ctx, e);
     kvb_forward_destroy(e->fw);
     kvb__exec_free(e);
     kvb_prefix_cache_destroy(e->pc);
@@ -207,10 +202,9 @@ void kvb_engine_destroy(kvb_engine *e) {
         kvb_mem_free(kvb_model_backend(e->m)->mem, e->kv_mem);
     }
     kvb_planner_destroy(&e->planner);
-    kvb__sched_free(e);
+    kvb__view_free(e);
     free(e->loans);
     kvb__host_tier_free(e);
-    kvb__slices_free(e);
     free(e);
 }
 
@@ -223,8 +217,8 @@ kvb_model *kvb_engine_model(const kvb_engine *e) { return e->m; }
 const kvb_link_model *kvb_engine_links(const kvb_engine *e) { return kvb_stager_links(e->stager); }
 
 kvb_status kvb_engine_cancel(kvb_engine *e, uint64_t id) {
-    seq_list *lists[] = {&e->waiting, &e->running, &e->swapped}, *l = NULL;
-    seq *s = NULL;
+    kvb__seq_list *lists[] = {&e->waiting, &e->running, &e->swapped}, *l = NULL;
+    kvb__seq *s = NULL;
     for (int i = 0; i < 3 && !s; i++) s = kvb__find_seq(l = lists[i], id);
     if (!s) return KVB_ERR_NOT_FOUND;
     kvb__finish(e, l, s, KVB_FINISH_CANCELLED, KVB_OK);
@@ -248,15 +242,13 @@ int kvb_engine_max_borrowed(const kvb_engine *e) { return e ? e->max_borrowed : 
 
 struct kvb_block_pool *kvb_engine_pool(kvb_engine *e) { return e->pool; }
 
-const char *kvb_engine_planner_name(const kvb_engine *e) {
-    return e->planner.iface && e->planner.iface->name ? e->planner.iface->name : "fcfs";
-}
+const char *kvb_engine_planner_name(const kvb_engine *e) { return kvb__planner_name(e); }
 
 void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     *out = e->stats;
     out->blocks_total = kvb_block_pool_n_blocks(e->pool);
     out->blocks_free = kvb_prefix_cache_n_available(e->pc);
-    if (e->sl) /* sliced: whole blocks' worth of slices not held by live requests (free or cached) */
+    if (kvb__sliced(e)) /* sliced: whole blocks' worth of slices not held by live requests (free or cached) */
         out->blocks_free = (int)((kvb_block_pool_n_slices(e->pool) - kvb_block_pool_referenced_slices(e->pool)) /
                                  e->geom.n_layers);
     out->stage_slots = kvb_stager_n_buffers(e->stager) / 2;
@@ -291,4 +283,132 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              (unsigned long long)s.hidden_restores,
              (unsigned long long)s.hidden_saved_bytes, (unsigned long long)s.links[KVB_LINK_HOST].bytes,
              (unsigned long long)s.links[KVB_LINK_PEER].bytes);
+}
+
+/* ---------------------------------------------------------------- the link model's time scale (link_calib.h)
+ * Measured by running the model on an engine of its own; here, in the engine's own file, because an
+ * engine made with a scaled preset no caller calibrated calibrates it first (kvb_engine_create). */
+
+enum { CAL_BS = 16 };
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Token `i` of request `r`'s prompt: the first ctx are its history, the rest differ per repetition. */
+static int32_t tok_of(int r, int rep, int i, int ctx, int vocab) {
+    uint64_t z = (uint64_t)r * 1000003u + (uint64_t)i * 7919u + (i >= ctx ? (uint64_t)(rep + 1) * 104729u : 0);
+    z ^= z >> 17;
+    z *= 0xed5ad4bbu;
+    z ^= z >> 11;
+    return (int32_t)(3 + z % (uint64_t)(vocab - 3));
+}
+
+/* The measurement's own plan (the engine needs a planner, and the policies that hold vLLM's sit above
+ * this layer): running requests compute what is left of their prompt, then waiting ones are admitted in
+ * arrival order, each taking its prefix hits, as far as the step's budget and max_seqs go. */
+static kvb_status cal_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    (void)ctx;
+    int left = v->max_batch_tokens, n = 0, bs = v->geom->block_size;
+    for (int i = 0; i < v->n_reqs && left > 0 && n < v->max_seqs; i++) {
+        const kvb_req_view *r = &v->reqs[i];
+        kvb_plan_op op = {.id = r->id};
+        if (r->state == KVB_REQ_RUNNING) {
+            op.kind = KVB_OP_RUN;
+            op.q_len = KVB_MIN(r->n_tokens - r->n_computed, left);
+        } else if (r->state == KVB_REQ_WAITING) {
+            kvb_prefix_probe pr;
+            KVB_TRY(kvb_sched_probe(v, i, out, &pr));
+            op.kind = KVB_OP_ADMIT;
+            op.q_len = KVB_MIN(r->n_tokens - (pr.n_hit + pr.n_host_hit) * bs, left);
+        } else {
+            continue;
+        }
+        KVB_TRY(kvb_plan_push_op(out, op));
+        left -= op.q_len;
+        n++;
+    }
+    return KVB_OK;
+}
+
+static const kvb_planner_i cal_planner = {.name = "link-calibration", .plan_step = cal_plan};
+
+/* Runs the engine until it has no live request; the steps' time less run-queue waits, seconds. */
+static kvb_status run_out(kvb_engine *e, double *t_s) {
+    double t = 0;
+    while (kvb_engine_n_live(e) > 0) {
+        uint64_t t0 = kvb_now_ns(), q0 = kvb_thread_runq_ns();
+        KVB_TRY(kvb_engine_step(e));
+        uint64_t dt = kvb_now_ns() - t0, dq = kvb_thread_runq_ns() - q0;
+        t += (double)(dq < dt ? dt - dq : dt) * 1e-9;
+    }
+    if (t_s) *t_s = t;
+    return KVB_OK;
+}
+
+kvb_status kvb_link_measure_step(kvb_model *m, const kvb_link_point *p, int reps, double *step_s) {
+    const kvb_model_config *c = kvb_model_cfg(m);
+    int ctx = KVB_MAX(CAL_BS, (int)lround(p->ctx / CAL_BS) * CAL_BS);
+    if (p->batch < 1 || p->q < 1 || reps < 1 || ctx + p->q + 1 > c->max_pos || c->vocab < 4) {
+        KVB_LOG_E("link calibration: a step of %d x %d tokens over %d does not fit the model (context %d)", p->batch,
+                  p->q, ctx, c->max_pos);
+        return KVB_ERR_INVALID;
+    }
+    int len = ctx + p->q, per_req = (len + CAL_BS - 1) / CAL_BS + 1;
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.block_size = CAL_BS;
+    o.n_blocks = 2 * p->batch * per_req + 4; /* the histories stay cached while a repetition runs */
+    o.max_seqs = p->batch;
+    o.max_batch_tokens = KVB_MAX(p->batch * p->q, 256);
+    o.enable_prefix_cache = 1;
+    kvb_engine *e = NULL;
+    int32_t *prompt = NULL;
+    double *t = NULL;
+    kvb_status st;
+    KVB_TRY_GOTO(kvb_malloc((size_t)len * sizeof *prompt, (void **)&prompt), out);
+    KVB_TRY_GOTO(kvb_calloc((size_t)reps + 1, sizeof *t, (void **)&t), out);
+    KVB_TRY_GOTO(kvb_engine_create(m, &o, &(kvb_planner){.iface = &cal_planner}, NULL, &e), out);
+    uint64_t id = 1;
+    /* the histories, prefilled once and left in the prefix cache */
+    for (int r = 0; r < p->batch; r++) {
+        for (int i = 0; i < ctx; i++) prompt[i] = tok_of(r, 0, i, ctx, c->vocab);
+        kvb_request rq = {.id = id++, .prompt = prompt, .n_prompt = ctx, .max_tokens = 1};
+        KVB_TRY_GOTO(kvb_engine_add(e, &rq), out);
+    }
+    KVB_TRY_GOTO(run_out(e, NULL), out);
+    /* each repetition: every request's q new tokens over its cached history, in one step (the budget
+     * holds them all), and its first token sampled there */
+    for (int rep = 0; rep <= reps; rep++) {
+        for (int r = 0; r < p->batch; r++) {
+            for (int i = 0; i < len; i++) prompt[i] = tok_of(r, rep, i, ctx, c->vocab);
+            kvb_request rq = {.id = id++, .prompt = prompt, .n_prompt = len, .max_tokens = 1};
+            KVB_TRY_GOTO(kvb_engine_add(e, &rq), out);
+        }
+        KVB_TRY_GOTO(run_out(e, &t[rep]), out);
+    }
+    qsort(t + 1, (size_t)reps, sizeof *t, cmp_d); /* the first repetition warms the caches */
+    *step_s = reps % 2 ? t[1 + reps / 2] : 0.5 * (t[reps / 2] + t[1 + reps / 2]);
+    st = KVB_OK;
+out:
+    kvb_engine_destroy(e);
+    free(prompt);
+    free(t);
+    return st;
+}
+
+kvb_status kvb_link_calibrate(kvb_model *m, const kvb_link_point *p, kvb_link_model *lm) {
+    if (!lm->calibrate) return KVB_OK;
+    const kvb_model_config *c = kvb_model_cfg(m);
+    kvb_link_point def = {.batch = 4, .q = 1, .ctx = KVB_MIN(512, (c->max_pos - 2) / CAL_BS * CAL_BS)};
+    if (!p) p = &def;
+    kvb_link_point pt = *p;
+    pt.ctx = KVB_MAX(CAL_BS, (int)lround(pt.ctx / CAL_BS) * CAL_BS); /* what kvb_link_measure_step runs */
+    double step;
+    KVB_TRY(kvb_link_measure_step(m, &pt, 7, &step));
+    kvb_kv_geom g = kvb_model_kv_geom(m, 1);
+    double kv_bytes = (double)kvb_kv_layer_bytes(&g); /* one token, one layer: K and V */
+    if (p->target_ctx > 0 && p->ctx > 0) pt.target_ctx = p->target_ctx * pt.ctx / p->ctx; /* the rounding, on both sides */
+    return kvb_link_scale(lm, &pt, step, c->n_layers, kv_bytes);
 }

@@ -3,8 +3,8 @@
  * Every step the planner (common/sched/plan.h; the policies live in common/policy) plans from a view
  * of the engine: which requests run with how many tokens, which are admitted, preempted, paused or
  * swapped, where each block's KV is read from. The executor checks the plan, carries it out and runs
- * the layer-stepped forward pass; one token is sampled for each sequence whose prompt is done. Without
- * a planner the engine schedules as vLLM does (kvb_sched_fcfs, common/sched/scheduler.h): FCFS,
+ * the layer-stepped forward pass; one token is sampled for each sequence whose prompt is done. The
+ * `recompute` planner (kvb_policy_recompute) schedules as vLLM does (common/policy/fcfs.h): FCFS,
  * chunked prefill, prefix caching, preemption of the newest request by recompute (its blocks are freed
  * and it re-enters the queue with its prompt plus the tokens it already generated).
  *
@@ -84,7 +84,7 @@ typedef struct kvb_request {
                              * 0: the planner's default for the model */
 } kvb_request;
 
-/* Creates an engine over `m` (borrowed). `planner` may be NULL (vLLM scheduling, kvb_sched_fcfs).
+/* Creates an engine over `m` (borrowed) that `planner` plans (required: KVB_ERR_INVALID without one).
  * The engine takes the planner in every case: on success destroying the engine destroys it, on
  * failure it is destroyed before kvb_engine_create returns. The caller never destroys it after the
  * call. */

@@ -24,6 +24,38 @@ kvb_status kvb__host_flush(kvb_engine *e) {
     return st == KVB_OK ? kvb_stager_wait(e->stager, t) : st;
 }
 
+kvb_status kvb__host_move(kvb_engine *e, kvb_xfer_dir dir, const int32_t *pool, const int32_t *host, int n, int layer0) {
+    kvb_xfer *x = NULL;
+    if (n == 0 || layer0 >= e->geom.n_layers) return KVB_OK;
+    KVB_TRY(kvb__host_flush(e)); /* demotions first: they may read the blocks written here */
+    KVB_TRY(kvb__host_tier_finish_loads(e)); /* and the layered loads of hits (host_layered) */
+    KVB_TRY(kvb_malloc((size_t)n * sizeof *x, (void **)&x));
+    size_t off = (size_t)layer0 * kvb_kv_layer_bytes(&e->geom), bb = kvb_kv_block_bytes(&e->geom) - off;
+    for (int i = 0; i < n; i++) {
+        char *p = (char *)kvb_block_pool_block(e->pool, pool[i]) + off;
+        char *h = (char *)kvb_block_pool_block(e->ht_pool, host[i]) + off;
+        x[i] = dir == KVB_XFER_D2H ? (kvb_xfer){h, p, bb} : (kvb_xfer){p, h, bb};
+    }
+    uint64_t t;
+    kvb_status st = kvb_stager_post(e->stager, KVB_LINK_HOST, dir, x, n, &t);
+    if (st == KVB_OK) st = kvb_stager_wait(e->stager, t);
+    free(x);
+    return st;
+}
+
+kvb_status kvb__host_blocks_push(kvb_engine *e, kvb_block_table *t, int n) {
+    for (int j = 0; j < n; j++) {
+        int32_t h;
+        KVB_TRY(kvb__host_alloc(e, &h));
+        kvb_status st = kvb_block_table_push(t, h);
+        if (st != KVB_OK) {
+            kvb_block_pool_unref(e->ht_pool, h);
+            return st;
+        }
+    }
+    return KVB_OK;
+}
+
 /* Queues the copy of pool block `idx` into host block `h` (ht_batch), else copies it now. */
 static kvb_status store_block(kvb_engine *e, int32_t h, int32_t idx) {
     kvb_xfer x = {kvb_block_pool_block(e->ht_pool, h), kvb_block_pool_block(e->pool, idx), kvb_kv_block_bytes(&e->geom)};
@@ -56,6 +88,111 @@ static void host_tier_store(void *ud, uint64_t parent, const int32_t *tokens, in
     kvb_block_pool_unref(e->ht_pool, h);
 }
 
+/* ---------------------------------------------------------------- layered loads (host_layered)
+ * The step's host-tier hits load layer by layer behind the compute (the paper's baseline): one transfer
+ * per layer for all of them, posted before the forward pass, each layer waiting for its own; the pool
+ * and host blocks stay referenced until every layer is in. A mechanism (mech.h) set up with the tier. */
+
+typedef struct host_loads {
+    int32_t *hd;       /* [2 n]: host block, pool block of each pending hit */
+    int n, cap;
+    kvb_xfer *x;       /* [n_layers * cap] the posted pieces (kept until the transfers are done) */
+    uint64_t *t;       /* [n_layers] tickets, 0: not posted */
+    int posted;
+} host_loads;
+
+static host_loads *loads(const kvb_engine *e) { return e->mech[KVB__MECH_HOST_LOADS].ctx; }
+
+/* Hit (host block h -> pool block d) joins the step's layered loads; both stay referenced until they
+ * are in. */
+static kvb_status loads_add(kvb_engine *e, host_loads *hl, int32_t h, int32_t d) {
+    if (hl->n == hl->cap) {
+        int cap = hl->cap ? 2 * hl->cap : 64;
+        KVB_TRY(kvb_realloc_array((void **)&hl->hd, (size_t)cap * 2, sizeof *hl->hd));
+        KVB_TRY(kvb_realloc_array((void **)&hl->x, (size_t)cap * (size_t)e->geom.n_layers, sizeof *hl->x));
+        hl->cap = cap;
+    }
+    kvb_block_pool_ref(e->ht_pool, h);
+    kvb_block_pool_ref(e->pool, d);
+    hl->hd[2 * hl->n] = h;
+    hl->hd[2 * hl->n + 1] = d;
+    hl->n++;
+    return KVB_OK;
+}
+
+/* Posts the pending hits' loads, one transfer per layer (after the pending demotions). */
+static kvb_status loads_post(kvb_engine *e, host_loads *hl) {
+    if (hl->n == 0 || hl->posted) return KVB_OK;
+    KVB_TRY(kvb__host_flush(e)); /* demotions first: they may read the blocks written here */
+    int L = e->geom.n_layers, n = hl->n;
+    size_t lb = kvb_kv_layer_bytes(&e->geom);
+    hl->posted = 1;
+    for (int l = 0; l < L; l++) { /* block-major: layer l of a block at l * lb */
+        kvb_xfer *x = hl->x + (size_t)l * (size_t)n;
+        for (int i = 0; i < n; i++)
+            x[i] = (kvb_xfer){(char *)kvb_block_pool_block(e->pool, hl->hd[2 * i + 1]) + (size_t)l * lb,
+                              (const char *)kvb_block_pool_block(e->ht_pool, hl->hd[2 * i]) + (size_t)l * lb, lb};
+        KVB_TRY(kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, x, n, &hl->t[l]));
+    }
+    return KVB_OK;
+}
+
+kvb_status kvb__host_tier_finish_loads(kvb_engine *e) {
+    host_loads *hl = loads(e);
+    if (!hl || hl->n == 0) return KVB_OK;
+    kvb_status st = loads_post(e, hl);
+    for (int l = 0; l < e->geom.n_layers; l++) {
+        if (st == KVB_OK && hl->t[l]) st = kvb_stager_wait(e->stager, hl->t[l]);
+        hl->t[l] = 0;
+    }
+    if (st != KVB_OK) (void)kvb_stager_drain(e->stager); /* nothing may land after the blocks go back */
+    for (int i = 0; i < hl->n; i++) {
+        kvb_block_pool_unref(e->ht_pool, hl->hd[2 * i]);
+        kvb_block_pool_unref(e->pool, hl->hd[2 * i + 1]);
+    }
+    hl->n = 0;
+    hl->posted = 0;
+    return st;
+}
+
+static kvb_status hl_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
+    host_loads *hl = ctx;
+    *flags = 0;
+    if (hl->n == 0) return KVB_OK;
+    KVB_TRY(loads_post(e, hl));
+    *flags = KVB__STEP_ACTIVE;
+    return KVB_OK;
+}
+
+static kvb_status hl_layer_in(void *ctx, kvb_engine *e, int l) {
+    host_loads *hl = ctx;
+    return hl->t[l] ? kvb_stager_wait(e->stager, hl->t[l]) : KVB_OK;
+}
+
+/* Every layer is in (or the step failed): no load runs on after the step. */
+static void hl_step_end(void *ctx, kvb_engine *e, int ok) {
+    (void)ctx;
+    (void)ok;
+    (void)kvb__host_tier_finish_loads(e);
+}
+
+static void hl_destroy(void *ctx, kvb_engine *e) {
+    (void)e;
+    host_loads *hl = ctx; /* no load is pending: each step finishes its own */
+    free(hl->hd);
+    free(hl->x);
+    free(hl->t);
+    free(hl);
+}
+
+static const kvb__mech_i host_loads_iface = {
+    .name = "host-tier layered loads",
+    .step_begin = hl_step_begin,
+    .layer_in = hl_layer_in,
+    .step_end = hl_step_end,
+    .destroy = hl_destroy,
+};
+
 kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix, int layered) {
     size_t bytes = kvb_kv_block_bytes(&e->geom) * (size_t)blocks;
     /* pinned host memory: on a device, copies between the pool and the tier run asynchronously */
@@ -63,60 +200,12 @@ kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix, int layere
     KVB_TRY(kvb_block_pool_create(&e->geom, e->ht_mem, bytes, blocks, &e->ht_pool));
     KVB_TRY(kvb_prefix_cache_create(e->ht_pool, &e->ht_pc));
     e->host_prefix = prefix;
-    e->host_layered = prefix && layered;
-    if (e->host_layered) KVB_TRY(kvb_calloc((size_t)e->geom.n_layers, sizeof *e->t_htl, (void **)&e->t_htl));
     if (prefix) kvb_prefix_cache_set_evict_hook(e->pc, host_tier_store, e);
-    return KVB_OK;
-}
-
-/* host_layered: hit (host block h -> pool block d) joins the step's layered loads; both stay referenced
- * until they are in. */
-static kvb_status htl_add(kvb_engine *e, int32_t h, int32_t d) {
-    if (e->n_htl == e->cap_htl) {
-        int cap = e->cap_htl ? 2 * e->cap_htl : 64;
-        KVB_TRY(kvb_realloc_array((void **)&e->htl, (size_t)cap * 2, sizeof *e->htl));
-        KVB_TRY(kvb_realloc_array((void **)&e->htl_x, (size_t)cap * (size_t)e->geom.n_layers, sizeof *e->htl_x));
-        e->cap_htl = cap;
-    }
-    kvb_block_pool_ref(e->ht_pool, h);
-    kvb_block_pool_ref(e->pool, d);
-    e->htl[2 * e->n_htl] = h;
-    e->htl[2 * e->n_htl + 1] = d;
-    e->n_htl++;
-    return KVB_OK;
-}
-
-kvb_status kvb__host_tier_post_loads(kvb_engine *e) {
-    if (e->n_htl == 0 || e->htl_posted) return KVB_OK;
-    KVB_TRY(kvb__host_flush(e)); /* demotions first: they may read the blocks written here */
-    int L = e->geom.n_layers, n = e->n_htl;
-    size_t lb = kvb_kv_block_bytes(&e->geom) / (size_t)L;
-    e->htl_posted = 1;
-    for (int l = 0; l < L; l++) { /* block-major: layer l of a block at l * lb */
-        kvb_xfer *x = e->htl_x + (size_t)l * (size_t)n;
-        for (int i = 0; i < n; i++)
-            x[i] = (kvb_xfer){(char *)kvb_block_pool_block(e->pool, e->htl[2 * i + 1]) + (size_t)l * lb,
-                              (const char *)kvb_block_pool_block(e->ht_pool, e->htl[2 * i]) + (size_t)l * lb, lb};
-        KVB_TRY(kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, x, n, &e->t_htl[l]));
-    }
-    return KVB_OK;
-}
-
-kvb_status kvb__host_tier_finish_loads(kvb_engine *e) {
-    if (e->n_htl == 0) return KVB_OK;
-    kvb_status st = kvb__host_tier_post_loads(e);
-    for (int l = 0; l < e->geom.n_layers; l++) {
-        if (st == KVB_OK && e->t_htl[l]) st = kvb_stager_wait(e->stager, e->t_htl[l]);
-        e->t_htl[l] = 0;
-    }
-    if (st != KVB_OK) (void)kvb_stager_drain(e->stager); /* nothing may land after the blocks go back */
-    for (int i = 0; i < e->n_htl; i++) {
-        kvb_block_pool_unref(e->ht_pool, e->htl[2 * i]);
-        kvb_block_pool_unref(e->pool, e->htl[2 * i + 1]);
-    }
-    e->n_htl = 0;
-    e->htl_posted = 0;
-    return st;
+    if (!(prefix && layered)) return KVB_OK;
+    host_loads *hl = NULL;
+    KVB_TRY(kvb_calloc(1, sizeof *hl, (void **)&hl));
+    e->mech[KVB__MECH_HOST_LOADS] = (kvb__mech){.iface = &host_loads_iface, .ctx = hl};
+    return kvb_calloc((size_t)e->geom.n_layers, sizeof *hl->t, (void **)&hl->t);
 }
 
 /* Continues a prefix match of `s` in the host tier: the hits are copied into new pool blocks in one
@@ -124,7 +213,7 @@ kvb_status kvb__host_tier_finish_loads(kvb_engine *e) {
  * the sequence; with host_layered they join the step's layer-by-layer loads instead (the blocks are
  * published now: whatever reads them in this step waits for each layer in the forward pass). Returns
  * the blocks loaded. */
-int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
+int kvb__host_tier_load(kvb_engine *e, kvb__seq *s, int max_blocks) {
     int bs = e->o.block_size, n = 0, loaded = 0, cap = max_blocks - s->n_published;
     if (cap <= 0) return 0;
     int32_t *hd = NULL;   /* [2 cap]: host block, pool block */
@@ -149,8 +238,9 @@ int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks) {
     }
     uint64_t t;
     kvb_status st = KVB_OK;
-    if (e->host_layered) {
-        for (int i = 0; i < n && st == KVB_OK; i++) st = htl_add(e, hd[2 * i], hd[2 * i + 1]);
+    host_loads *hl = loads(e);
+    if (hl) {
+        for (int i = 0; i < n && st == KVB_OK; i++) st = loads_add(e, hl, hd[2 * i], hd[2 * i + 1]);
     } else {
         st = n ? kvb__host_flush(e) : KVB_OK;
         if (st == KVB_OK && n) st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_H2D, x, n, &t);
@@ -184,13 +274,6 @@ int kvb__host_tier_peek(const kvb_engine *e, uint64_t parent, const int32_t *tok
 }
 
 void kvb__host_tier_free(kvb_engine *e) {
-    free(e->htl); /* no load is pending: each step finishes its own */
-    free(e->htl_x);
-    free(e->t_htl);
-    e->htl = NULL;
-    e->htl_x = NULL;
-    e->t_htl = NULL;
-    e->n_htl = e->cap_htl = 0;
     free(e->ht_pend);
     e->ht_pend = NULL;
     e->n_ht_pend = e->cap_ht_pend = 0;

@@ -11,7 +11,7 @@ int kvb_engine_n_own(const kvb_engine *e) { return kvb_block_pool_n_own(e->pool)
 int kvb_engine_capacity(const kvb_engine *e) { return kvb_block_pool_capacity(e->pool); }
 
 int kvb_engine_free_tail(const kvb_engine *e) {
-    if (e->sl) return kvb_block_pool_free_tail(e->pool); /* physical blocks whose slices are all free */
+    if (kvb__sliced(e)) return kvb_block_pool_free_tail(e->pool); /* physical blocks whose slices are all free */
     int n = 0;
     /* refcount 0 is free or an unreferenced prefix-cache entry (the only holder of such blocks) */
     for (int32_t i = kvb_block_pool_n_own(e->pool) - 1; i >= 0 && kvb_block_pool_refcount(e->pool, i) == 0; i--) n++;
@@ -24,7 +24,7 @@ kvb_status kvb_engine_shrink(kvb_engine *e, int n_own_new) {
         KVB_LOG_E("engine: shrink to %d own blocks, %d owned now", n_own_new, n_own);
         return KVB_ERR_INVALID;
     }
-    if (e->sl) { /* a sliced pool: the tail's slices must be free (ids are virtual); cached blocks go */
+    if (kvb__sliced(e)) { /* a sliced pool: the tail's slices must be free (ids are virtual); cached blocks go */
         int L = e->geom.n_layers;
         for (int32_t k = n_own_new * L; k < n_own * L; k++) {
             int32_t o = kvb_block_pool_slice_owner(e->pool, k);
@@ -66,16 +66,16 @@ kvb_status kvb_engine_grow(kvb_engine *e, int n_own_new) {
 
 int64_t kvb_engine_max_request_tokens(const kvb_engine *e) {
     int64_t most = 0;
-    const seq_list *lists[] = {&e->waiting, &e->running, &e->swapped};
+    const kvb__seq_list *lists[] = {&e->waiting, &e->running, &e->swapped};
     for (int i = 0; i < 3; i++)
-        for (const seq *s = lists[i]->head; s; s = s->next) most = KVB_MAX(most, (int64_t)s->cap);
+        for (const kvb__seq *s = lists[i]->head; s; s = s->next) most = KVB_MAX(most, (int64_t)s->cap);
     return most;
 }
 
 int kvb_engine_starved(const kvb_engine *e) {
     if (e->starved) return 1;
     if (!e->waiting.head) return 0;
-    if (e->sl)
+    if (kvb__sliced(e))
         return kvb__seq_need_blocks(e, e->waiting.head) * kvb__slices_min_layers(e) > kvb_block_pool_n_slices(e->pool);
     return kvb__seq_need_blocks(e, e->waiting.head) > kvb_block_pool_n_blocks(e->pool);
 }
@@ -115,7 +115,7 @@ kvb_status kvb_engine_attach(kvb_engine *e, uint64_t tag, void *mem, size_t byte
     }
     int32_t first;
     KVB_TRY(kvb_block_pool_attach(e->pool, mem, n_blocks, &first));
-    e->loans[e->n_loans++] = (loan){.tag = tag, .first = first, .n = n_blocks};
+    e->loans[e->n_loans++] = (kvb__loan){.tag = tag, .first = first, .n = n_blocks};
     e->n_borrowed += n_blocks;
     kvb_status st = stage_for_loans(e, KVB_POOL_ATTACH, n_blocks);
     if (st != KVB_OK) {
@@ -162,21 +162,21 @@ static void fence_block(kvb_engine *e, detach_ctx *d, int32_t id) {
     int off = id - d->first;
     if (d->taken[off] || kvb_block_pool_refcount(e->pool, id) > 0) return;
     if (!kvb_block_pool_is_free(e->pool, id)) d->st.dropped += kvb_prefix_cache_drop_range(e->pc, id, 1);
-    kvb__shadow_drop(e, id);
+    kvb__block_forget(e, id);
     kvb_status st = kvb_block_pool_take(e->pool, id);
     assert(st == KVB_OK); /* refcount 0 and no cache entry: on the free list */
     (void)st;
     d->taken[off] = 1;
 }
 
-static int seq_uses_range(const seq *s, const detach_ctx *d) {
+static int seq_uses_range(const kvb__seq *s, const detach_ctx *d) {
     for (int j = 0; j < s->bt.n; j++)
         if (in_range(d, s->bt.ids[j])) return 1;
     return 0;
 }
 
 /* Preempts `s` by recompute and fences the range blocks it released. */
-static void preempt_in_range(kvb_engine *e, detach_ctx *d, seq *s) {
+static void preempt_in_range(kvb_engine *e, detach_ctx *d, kvb__seq *s) {
     int m = 0;
     for (int j = 0; j < s->bt.n; j++)
         if (in_range(d, s->bt.ids[j])) d->scratch[m++] = s->bt.ids[j]; /* a table holds a block once */
@@ -186,15 +186,15 @@ static void preempt_in_range(kvb_engine *e, detach_ctx *d, seq *s) {
 }
 
 /* The newest running sequence that still references the range (NULL if none). */
-static seq *newest_on_range(kvb_engine *e, const detach_ctx *d) {
-    for (seq *s = e->running.tail; s; s = s->prev)
+static kvb__seq *newest_on_range(kvb_engine *e, const detach_ctx *d) {
+    for (kvb__seq *s = e->running.tail; s; s = s->prev)
         if (seq_uses_range(s, d)) return s;
     return NULL;
 }
 
 /* Moves every range block of `s` to a block outside the range (or preempts `s`, or newer sequences
  * to make room). Returns the running sequence to visit next. */
-static seq *move_seq(kvb_engine *e, detach_ctx *d, seq *s) {
+static kvb__seq *move_seq(kvb_engine *e, detach_ctx *d, kvb__seq *s) {
     kvb_backend *be = kvb_model_backend(e->m);
     size_t bb = kvb_kv_block_bytes(&e->geom);
     for (int j = 0; j < s->bt.n; j++) {
@@ -205,10 +205,10 @@ static seq *move_seq(kvb_engine *e, detach_ctx *d, seq *s) {
             int32_t nid;
             /* the range's idle blocks are fenced, so whatever comes back lies outside it */
             while (kvb_prefix_cache_alloc(e->pc, &nid) != KVB_OK) {
-                seq *victim = newest_on_range(e, d);
+                kvb__seq *victim = newest_on_range(e, d);
                 assert(victim); /* s itself is still on the range */
                 if (victim == s) {
-                    seq *next = s->next;
+                    kvb__seq *next = s->next;
                     preempt_in_range(e, d, s);
                     return next;
                 }
@@ -221,7 +221,7 @@ static seq *move_seq(kvb_engine *e, detach_ctx *d, seq *s) {
                 KVB_LOG_W("engine: copying block %d failed (%s); preempting request %llu instead", (int)id,
                           kvb_status_str(st), (unsigned long long)s->id);
                 kvb_block_pool_unref(e->pool, nid);
-                seq *next = s->next;
+                kvb__seq *next = s->next;
                 preempt_in_range(e, d, s);
                 return next;
             }
@@ -278,7 +278,7 @@ static void keep_cached(kvb_engine *e, detach_ctx *d) {
             if (be->iface->copy(be->ctx, kvb_block_pool_block(e->pool, nid), kvb_block_pool_block(e->pool, h), bb) ==
                     KVB_OK &&
                 kvb_prefix_cache_rehome(e->pc, h, nid) == KVB_OK) {
-                kvb__shadow_drop(e, h);
+                kvb__block_forget(e, h);
                 fence_block(e, d, h);
                 d->st.kept++;
                 continue;
@@ -326,11 +326,11 @@ kvb_status kvb_engine_detach_front(kvb_engine *e, uint64_t tag, int n_blocks, in
     if (can_move) keep_cached(e, &d);
     for (int i = 0; i < d.n; i++) fence_block(e, &d, d.first + i);
     /* 2. live blocks: only running sequences hold blocks (a waiting one holds none) */
-    for (seq *s = e->running.head; s;) {
+    for (kvb__seq *s = e->running.head; s;) {
         if (!seq_uses_range(s, &d)) {
             s = s->next;
         } else if (!can_move) {
-            seq *next = s->next;
+            kvb__seq *next = s->next;
             preempt_in_range(e, &d, s); /* nothing is read from the range */
             s = next;
         } else {

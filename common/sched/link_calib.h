@@ -1,5 +1,5 @@
 /* kvbank — the link model's time scale measured (link_model.h): the step of this machine's model at an
- * operating point, timed on an engine of its own, and kvb_link_scale applied. */
+ * operating point, timed on an engine of its own, and kvb_link_scale applied (common/sched/engine.c). */
 #ifndef KVB_SCHED_LINK_CALIB_H
 #define KVB_SCHED_LINK_CALIB_H
 

@@ -124,3 +124,14 @@ void kvb_planner_destroy(kvb_planner *p) {
     p->iface = NULL;
     p->ctx = NULL;
 }
+
+uint32_t kvb_view_hash(uint64_t id) { return (uint32_t)((id * 0x9E3779B97F4A7C15ull) >> 32); }
+
+int kvb_view_find(const kvb_view *v, uint64_t id) {
+    if (!v->index) return -1;
+    for (uint32_t h = kvb_view_hash(id) & v->index_mask;; h = (h + 1) & v->index_mask) {
+        int i = v->index[h];
+        if (i < 0) return -1;
+        if (v->reqs[i].id == id) return i;
+    }
+}

@@ -65,6 +65,9 @@ typedef struct kvb_req_view {
     int hidden_layers;     /* HCache: leading layers whose input hidden states of all its computed tokens
                             * are saved in host memory (RUNNING: what a SWAP_OUT may leave as hidden
                             * states; SWAPPED: the layers it left so) */
+    const int32_t *tokens; /* [n_tokens] its prompt and generated tokens (borrowed, valid during the call) */
+    int n_cached;          /* RUNNING, PAUSED: its first full blocks offered to the prefix cache */
+    uint64_t cache_hash;   /* the prefix cache's chained hash after those blocks */
 } kvb_req_view;
 
 /* What a planner may know about the model and the machine (cost models). */
@@ -85,6 +88,7 @@ typedef struct kvb_pool_view {
     int n_free;        /* blocks on the free list (sliced pool: blocks allocatable with every layer) */
     int n_slices;      /* sliced pool: (block, layer) slices of device memory; else 0 */
     int n_free_slices; /* sliced pool: of those, free */
+    int n_free_ids;    /* sliced pool: block ids allocation can give (their slices come at the install) */
     int n_evictable;   /* cached prefix blocks nobody references (allocation evicts them, LRU first) */
     int stage_slots;   /* blocks a step may read through stage buffers (STREAM / HOST), two
                         * single-layer buffers each (double buffering: layer l+1 loads while l runs) */
@@ -93,7 +97,35 @@ typedef struct kvb_pool_view {
     int host_evictable;
 } kvb_pool_view;
 
-struct kvb_engine;
+struct kvb_acct;
+struct kvb_plan;
+struct kvb_plan_op;
+
+/* What admitting a request would reuse (kvb_view_ops.probe). */
+typedef struct kvb_view_hits {
+    int n_hit;             /* full prompt blocks in the pool's prefix cache (at least one token left to compute) */
+    const int32_t *ids;    /* [n_hit] their block ids (valid while the view is) */
+    int n_host_hit;        /* further blocks in the host tier's prefix cache */
+    uint64_t last_hash;    /* the chained hash after all of them */
+} kvb_view_hits;
+
+/* The engine's side of a view: queries over the state the view shows and the checks of the engine's
+ * mechanisms, valid while the view is. They change nothing the view shows (the probe keeps what it
+ * found), so the scheduler's routines (common/sched/check.h) may run on any thread while the engine
+ * waits in plan_step. */
+typedef struct kvb_view_ops {
+    /* References to pool block `id` now (0: free, or cached and idle). */
+    int (*block_ref)(void *ctx, int32_t id);
+    /* 1 if pool block `id` is on the free list now. */
+    int (*block_free)(void *ctx, int32_t id);
+    /* What admitting waiting request `req` would reuse; computed on first use. KVB_ERR_NOMEM. */
+    kvb_status (*probe)(void *ctx, int req, kvb_view_hits *out);
+    /* The mechanisms' checks of the fields of operation k they own, after its generic checks, against the
+     * accounting so far (which they may charge); of the plan's other parts once every operation is
+     * accounted. KVB_ERR_INVALID with a sentence in err[len]. */
+    kvb_status (*check_op)(void *ctx, struct kvb_acct *a, const struct kvb_plan_op *op, int k, char *err, size_t len);
+    kvb_status (*check_plan)(void *ctx, struct kvb_acct *a, const struct kvb_plan *p, char *err, size_t len);
+} kvb_view_ops;
 
 typedef struct kvb_view {
     const kvb_kv_geom *geom;  /* block geometry */
@@ -118,10 +150,18 @@ typedef struct kvb_view {
     /* The stager's link model (common/sched/stager.h; "off" when copies run at memory speed), for
      * planners that predict transfer times. */
     const struct kvb_link_model *links;
-    /* The engine, for the scheduler's routines (common/sched/scheduler.h) that probe the prefix cache;
-     * planners pass the view to them and never use this themselves. */
-    const struct kvb_engine *engine;
+    /* kvb_view_find's index: an open-addressing table of request indices (-1: empty) by id. */
+    const int32_t *index;
+    uint32_t index_mask;      /* its size - 1 (a power of two) */
+    /* The engine's side (NULL at SETUP, when no request exists). */
+    const kvb_view_ops *ops;
+    void *ops_ctx;
 } kvb_view;
+
+/* Index of request `id` in v->reqs, or -1. O(1). */
+int kvb_view_find(const kvb_view *v, uint64_t id);
+/* The slot where kvb_view_find starts looking for `id` (before masking). */
+uint32_t kvb_view_hash(uint64_t id);
 
 /* ------------------------------------------------------------------------------------------ plan */
 
@@ -268,15 +308,19 @@ typedef struct kvb_plan {
     int n_copies, cap_copies;
     int batch_limit;            /* most RUN + ADMIT entries this step (0: max_seqs) */
     kvb_residency lent_default; /* LENT (0 means LENT) or STREAM: borrowed blocks without an exception */
-    int prefix_serial;          /* ablations of eLLM §6.3 for RUNs with n_host: bit 0 ("without overlap"):
-                                 * a layer's prefix loads start when the layer is due and are waited for at
-                                 * once, instead of two layers ahead behind the compute; bit 1 ("without
-                                 * fusion"): the recomputed rows' projections and MLP run as GEMMs of their
-                                 * own after the new tokens', instead of in the same GEMMs */
+    int prefix_serial;          /* ablations of eLLM §6.3 for RUNs with n_host, KVB_PLAN_SERIAL_* flags */
     /* Outcome the planner reports along with the plan (statistics and the worker's Alg. 1 signal). */
     int starved;                /* the queue's head waits for blocks the pool does not have now */
     int n_deferred;             /* admissions put off to reuse a prefix a running request computes */
 } kvb_plan;
+
+/* kvb_plan.prefix_serial: the ablations of eLLM §6.3. */
+enum {
+    KVB_PLAN_SERIAL_LOADS = 1 << 0, /* "without overlap": a layer's prefix loads start when the layer is due and
+                                     * are waited for at once, instead of two layers ahead behind the compute */
+    KVB_PLAN_SERIAL_GEMMS = 1 << 1, /* "without fusion": the recomputed rows' projections and MLP run as GEMMs
+                                     * of their own after the new tokens', instead of in the same GEMMs */
+};
 
 /* Empties the plan for a new step (keeps its arrays; lent_default back to LENT). */
 void kvb_plan_reset(kvb_plan *p);
@@ -391,7 +435,8 @@ typedef struct kvb_step_report {
     uint64_t t_plan_ns;        /* in plan_step */
     int n_layers;
     const uint64_t *t_layer_ns;/* [n_layers] wall time of each layer, waits for its loads included */
-    const uint64_t *t_wait_ns; /* [n_layers] of which waiting for the stager before the layer */
+    const uint64_t *t_wait_ns; /* [n_layers] of which before the layer's kernels (the mechanisms' layer_in: waits for
+                                * loads, saved inputs) */
     int n_seqs;                /* RUN + ADMIT entries */
     int n_tokens;              /* sum of q_len */
     int n_absent_rows;         /* sum of n_absent */

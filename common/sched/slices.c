@@ -8,7 +8,7 @@
  * on the device has a slice of the pool with rows [0, fill); a layer not on the device has
  * host_rows == fill.
  *
- * Between the plan and the forward pass (kvb__slices_install):
+ * Before the forward pass (its step_begin, mech.h):
  *  1. want: (block, layer) stays or comes on the device iff a running, not paused request holding the
  *     block keeps the layer (shared prefix blocks: any owner; counted once);
  *  2. every slice that is not wanted any more is stored (rows [host_rows, fill) only) and freed, before
@@ -18,7 +18,7 @@
  * When a slice is needed and none is free, room is made lazily: cached prefix blocks nobody references
  * are dropped (LRU), then the layers of paused requests leave, one layer of one request at a time,
  * deepest first, stored before their slice is reused (Pause-Resume, §3.4: never dropped).
- * During the step (kvb__slices_layer / _layer_done) a host layer's blocks are read from the request's
+ * During the step (its layer_in / layer_out) a host layer's blocks are read from the request's
  * prefetch slot and the rows the step wrote there are stored to the host tier after the layer.
  *
  * All copies go through the backend (to_device / to_host). */
@@ -26,69 +26,17 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "common/sched/state.h"
-
-#define SL_WORDS (KVB_MAX_LAYERS / 64)
-
-typedef struct sl_mask {
-    uint64_t w[SL_WORDS];
-} sl_mask;
-
-static int mask_has(const sl_mask *m, int l) { return (int)((m->w[l >> 6] >> (l & 63)) & 1u); }
-static int mask_any(const sl_mask *m) {
-    for (int i = 0; i < SL_WORDS; i++)
-        if (m->w[i]) return 1;
-    return 0;
-}
-
-/* Transfer pieces the stager borrows (see px_reserve). */
-typedef struct px_list {
-    kvb_xfer *x;
-    int n, cap;
-    int posted; /* pieces of it were posted and not yet waited for */
-} px_list;
-
-#define LAUNCHED (1ull << 63) /* s_ticket: the layer's load was posted (the rest is its ticket, 0: none) */
-
-struct kvb_slices {
-    int L, bs;
-    int n_ids;
-    int min_layers;
-    size_t layer_bytes, row_bytes, half_bytes, block_bytes;
-    unsigned char *host;  /* [n_ids][L][layer_bytes] */
-    uint16_t *fill;       /* [n_ids] */
-    uint16_t *host_rows;  /* [n_ids * L] */
-    uint8_t *want;        /* [n_ids * L] during a step (0 outside the touched ids) */
-    uint8_t *touched;     /* [n_ids] */
-    int32_t *tlist;       /* [n_ids] the touched ids */
-    int n_touched;
-    /* the plan's placements by view index */
-    sl_mask *vmask;       /* [vcap] host layers */
-    int *vdepth;          /* [vcap] */
-    int vcap;
-    /* the step's prefetch slices, by position in e->sched */
-    int32_t *scratch;     /* slices */
-    int n_scratch, cap_scratch;
-    int *s_first;         /* [max_seqs] first scratch index of sched[i] */
-    int *s_per;           /* [max_seqs] slices per slot (0: no host layer read) */
-    int32_t *entry_scratch; /* [blk_cap] the scratch slice a layer_blocks entry reads, -1: in place */
-    int entry_cap;
-    int n_sched_step;     /* sequences of this step */
-    uint64_t *s_ticket;   /* [max_seqs][L] per sequence and host layer: LAUNCHED | its load's ticket */
-    uint64_t *onload_t;   /* [L] the install's loads due before each layer (0: none) */
-    px_list ev, on, step; /* pieces: moves off the device, moves onto it, the step's prefetches and stores */
-    int32_t *mv_id;       /* [mv_cap] (block, layer) pairs of one move */
-    int *mv_layer;
-    int mv_cap;
-    kvb_slices_stats st;
-};
+#include "common/sched/sliced.h"
 
 /* ---------------------------------------------------------------- setup */
 
+static const kvb__mech_i slices_iface;
+
 kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
-    kvb_slices *sl = NULL;
+    kvb__slices *sl = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *sl, (void **)&sl));
-    e->sl = sl;
+    pthread_mutex_init(&sl->mu, NULL);
+    e->mech[KVB__MECH_SLICES] = (kvb__mech){.iface = &slices_iface, .ctx = sl};
     sl->L = e->geom.n_layers;
     sl->bs = e->geom.block_size;
     sl->n_ids = n_ids;
@@ -118,9 +66,8 @@ kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers) {
     return KVB_OK;
 }
 
-void kvb__slices_free(kvb_engine *e) {
-    kvb_slices *sl = e->sl;
-    if (!sl) return;
+static void sl_destroy(void *ctx, kvb_engine *e) {
+    kvb__slices *sl = ctx;
     kvb_mem_pinned_free(kvb_model_backend(e->m)->mem, sl->host);
     free(sl->fill);
     free(sl->host_rows);
@@ -140,158 +87,22 @@ void kvb__slices_free(kvb_engine *e) {
     free(sl->step.x);
     free(sl->mv_id);
     free(sl->mv_layer);
+    pthread_mutex_destroy(&sl->mu);
     free(sl);
-    e->sl = NULL;
 }
 
-int kvb__slices_min_layers(const kvb_engine *e) { return e->sl ? e->sl->min_layers : e->geom.n_layers; }
+int kvb__slices_min_layers(const kvb_engine *e) {
+    return kvb__sliced(e) ? kvb__sliced(e)->min_layers : e->geom.n_layers;
+}
 
 void kvb_engine_slices_stats(const kvb_engine *e, kvb_slices_stats *out) {
-    if (e->sl) *out = e->sl->st;
+    if (kvb__sliced(e)) *out = kvb__sliced(e)->st;
     else memset(out, 0, sizeof *out);
-}
-
-/* ---------------------------------------------------------------- placements of the plan */
-
-static kvb_status vreserve(kvb_slices *sl, int n) {
-    if (n <= sl->vcap) return KVB_OK;
-    int cap = KVB_MAX(n, 2 * sl->vcap);
-    KVB_TRY(kvb_realloc_array((void **)&sl->vmask, (size_t)cap, sizeof *sl->vmask));
-    KVB_TRY(kvb_realloc_array((void **)&sl->vdepth, (size_t)cap, sizeof *sl->vdepth));
-    sl->vcap = cap;
-    return KVB_OK;
-}
-
-
-/* Reads p->places into vmask / vdepth by view index, checking them. */
-static kvb_status read_places(kvb_engine *e, const kvb_view *v, const kvb_plan *p, char *err, size_t len) {
-    kvb_slices *sl = e->sl;
-    if (p->n_places > 0 && !sl)
-        return kvb__refuse(err, len, "%d request placement(s): the pool is not sliced (the planner asks for one at setup)",
-                      p->n_places);
-    if (!sl) return KVB_OK;
-    KVB_TRY(vreserve(sl, v->n_reqs));
-    memset(sl->vmask, 0, (size_t)v->n_reqs * sizeof *sl->vmask);
-    for (int i = 0; i < v->n_reqs; i++) sl->vdepth[i] = 0;
-    for (int k = 0; k < p->n_places; k++) {
-        const kvb_plan_place *pl = &p->places[k];
-        unsigned long long id = (unsigned long long)pl->id;
-        int i = kvb_view_find(v, pl->id);
-        if (i < 0) return kvb__refuse(err, len, "placement %d: no live request has id %llu", k, id);
-        if (pl->where != KVB_RES_HOST)
-            return kvb__refuse(err, len, "placement %d (request %llu): %s, only HOST is a request-level placement", k, id,
-                          kvb_residency_str(pl->where));
-        if (pl->layer0 < 0 || pl->layer1 > sl->L || pl->layer0 >= pl->layer1)
-            return kvb__refuse(err, len, "placement %d (request %llu): layers [%d, %d) outside [0, %d)", k, id, pl->layer0,
-                          pl->layer1, sl->L);
-        if (pl->depth < 1 || pl->depth > 2 || (sl->vdepth[i] && sl->vdepth[i] != pl->depth))
-            return kvb__refuse(err, len, "placement %d (request %llu): depth %d (1 or 2, the same in all its entries)", k, id,
-                          pl->depth);
-        sl->vdepth[i] = pl->depth;
-        for (int l = pl->layer0; l < pl->layer1; l++) {
-            if (mask_has(&sl->vmask[i], l))
-                return kvb__refuse(err, len, "placement %d (request %llu): layer %d is placed twice", k, id, l);
-            sl->vmask[i].w[l >> 6] |= (uint64_t)1 << (l & 63);
-        }
-    }
-    return KVB_OK;
-}
-
-/* ---------------------------------------------------------------- want */
-
-static void touch(kvb_slices *sl, int32_t id) {
-    if (sl->touched[id]) return;
-    sl->touched[id] = 1;
-    sl->tlist[sl->n_touched++] = id;
-}
-
-static void want_clear(kvb_slices *sl) {
-    for (int t = 0; t < sl->n_touched; t++) {
-        int32_t id = sl->tlist[t];
-        sl->touched[id] = 0;
-        memset(sl->want + (size_t)id * sl->L, 0, (size_t)sl->L);
-    }
-    sl->n_touched = 0;
-}
-
-/* Marks the layers a holder of ids[0..n) with host layers `m` keeps. */
-static void want_mark(kvb_slices *sl, const int32_t *ids, int n, const sl_mask *m) {
-    for (int j = 0; j < n; j++) {
-        touch(sl, ids[j]);
-        uint8_t *w = sl->want + (size_t)ids[j] * sl->L;
-        for (int l = 0; l < sl->L; l++)
-            if (!mask_has(m, l)) w[l] = 1;
-    }
-}
-
-static int popcount_not(const sl_mask *m, int L) {
-    int n = 0;
-    for (int l = 0; l < L; l++) n += !mask_has(m, l);
-    return n;
-}
-
-/* Prefetch slices request `m`, `depth` needs for blocks ids[0..n) (already marked) plus n_new new blocks
- * (exclusive: not kept at its host layers). `resident(l, id)` is whether the block is on the device at
- * the layer when the step runs. */
-static int64_t scratch_need(const kvb_slices *sl, const kvb_block_pool *pool, const int32_t *ids, int n, int64_t n_new,
-                            const sl_mask *m, int depth, int installed) {
-    if (!mask_any(m)) return 0;
-    int64_t per = 0;
-    for (int l = 0; l < sl->L; l++) {
-        if (!mask_has(m, l)) continue;
-        int64_t c = n_new;
-        for (int j = 0; j < n; j++) {
-            int on = installed ? kvb_block_pool_slice_resident(pool, ids[j], l) : sl->want[(size_t)ids[j] * sl->L + l];
-            c += !on;
-        }
-        if (c > per) per = c;
-    }
-    return per * depth;
-}
-
-kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p, const kvb_req_state *astate,
-                             const uint8_t *asched, const int64_t *anew, char *err, size_t len) {
-    KVB_TRY(read_places(e, v, p, err, len));
-    kvb_slices *sl = e->sl;
-    if (!sl) return KVB_OK;
-    /* the blocks each running request holds after the plan: its own now, an admission's prefix hits */
-    int64_t need = 0;
-    want_clear(sl);
-    for (int pass = 0; pass < 2; pass++) {
-        for (int i = 0; i < v->n_reqs; i++) {
-            if (astate[i] != KVB_REQ_RUNNING) continue;
-            const int32_t *ids = v->reqs[i].blocks;
-            int n = v->reqs[i].n_blocks;
-            if (v->reqs[i].state == KVB_REQ_WAITING) { /* admitted by this plan: its hits */
-                const probe_memo *mm;
-                KVB_TRY(kvb__probe_memo(e, i, &mm));
-                ids = e->memo_ids + mm->hit_off;
-                n = mm->n_hit;
-            }
-            if (pass == 0) {
-                want_mark(sl, ids, n, &sl->vmask[i]);
-                need += anew[i] * popcount_not(&sl->vmask[i], sl->L);
-            } else if (asched[i]) {
-                need += scratch_need(sl, e->pool, ids, n, anew[i], &sl->vmask[i], sl->vdepth[i], 0);
-            }
-        }
-    }
-    for (int t = 0; t < sl->n_touched; t++) {
-        const uint8_t *w = sl->want + (size_t)sl->tlist[t] * sl->L;
-        for (int l = 0; l < sl->L; l++) need += w[l];
-    }
-    want_clear(sl);
-    int have = kvb_block_pool_n_slices(e->pool);
-    if (need > have)
-        return kvb__refuse(err, len,
-                      "the plan needs %lld (block, layer) slices on the device (kept layers and prefetch slots), the "
-                      "pool has %d", (long long)need, have);
-    return KVB_OK;
 }
 
 /* ---------------------------------------------------------------- moving layers */
 
-static kvb_status ids_reserve(kvb_slices *sl, int n) {
+static kvb_status ids_reserve(kvb__slices *sl, int n) {
     if (n <= sl->mv_cap) return KVB_OK;
     int cap = KVB_MAX(n, 2 * sl->mv_cap);
     KVB_TRY(kvb_realloc_array((void **)&sl->mv_id, (size_t)cap, sizeof *sl->mv_id));
@@ -312,8 +123,7 @@ static kvb_status px_reserve(px_list *l, int n) {
 }
 
 /* Appends the pieces that copy rows [r0, r1) of K and of V between a slice and the host home of (id, l). */
-static void add_rows(kvb_engine *e, px_list *pl, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
-    kvb_slices *sl = e->sl;
+static void add_rows(kvb__slices *sl, px_list *pl, int to_host, void *slice, int32_t id, int l, int r0, int r1) {
     if (r1 <= r0) return;
     unsigned char *h = sl->host + (size_t)id * sl->block_bytes + (size_t)l * sl->layer_bytes;
     unsigned char *d = slice;
@@ -338,14 +148,14 @@ static kvb_status post(kvb_engine *e, px_list *pl, int from, int to_host, uint64
 
 /* Moves layers off the device: stores what each host copy lacks (one transfer), waits for it, then
  * frees the slices. ids[k], layers[k] for k < n. */
-static kvb_status offload(kvb_engine *e, const int32_t *ids, const int *layers, int n) {
-    kvb_slices *sl = e->sl;
+static kvb_status evict_layers(kvb_engine *e, const int32_t *ids, const int *layers, int n) {
+    kvb__slices *sl = kvb__sliced(e);
     px_list *pl = &sl->ev;
     pl->n = pl->posted = 0;
     KVB_TRY(px_reserve(pl, 2 * n));
     for (int k = 0; k < n; k++) {
         uint16_t *hr = &sl->host_rows[(size_t)ids[k] * sl->L + layers[k]];
-        add_rows(e, pl, 1, kvb_block_pool_block_layer(e->pool, ids[k], layers[k]), ids[k], layers[k], *hr,
+        add_rows(sl, pl, 1, kvb_block_pool_block_layer(e->pool, ids[k], layers[k]), ids[k], layers[k], *hr,
                  sl->fill[ids[k]]);
     }
     uint64_t t;
@@ -363,13 +173,13 @@ static kvb_status offload(kvb_engine *e, const int32_t *ids, const int *layers, 
 /* Frees lazily held slices: an unreferenced cached block is dropped, else a layer of a paused request
  * leaves (deepest layer first, all its blocks there at once). KVB_ERR_EXHAUSTED if nothing is left. */
 static kvb_status make_room_once(kvb_engine *e) {
-    kvb_slices *sl = e->sl;
+    kvb__slices *sl = kvb__sliced(e);
     int before = kvb_block_pool_n_free_slices(e->pool);
     while (kvb_prefix_cache_evict(e->pc) == KVB_OK) {
         sl->st.cached_dropped++;
         if (kvb_block_pool_n_free_slices(e->pool) > before) return KVB_OK;
     }
-    for (seq *s = e->running.head; s; s = s->next) {
+    for (kvb__seq *s = e->running.head; s; s = s->next) {
         if (!s->paused) continue;
         for (int l = sl->L - 1; l >= 0; l--) {
             int n = 0;
@@ -381,7 +191,7 @@ static kvb_status make_room_once(kvb_engine *e) {
                 sl->mv_layer[n++] = l;
             }
             if (n) {
-                KVB_TRY(offload(e, sl->mv_id, sl->mv_layer, n));
+                KVB_TRY(evict_layers(e, sl->mv_id, sl->mv_layer, n));
                 sl->st.paused_layers_moved++;
                 return KVB_OK;
             }
@@ -403,7 +213,7 @@ static kvb_status make_room(kvb_engine *e, int n) {
 }
 
 kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out) {
-    kvb_slices *sl = e->sl;
+    kvb__slices *sl = kvb__sliced(e);
     kvb_status st = kvb_block_pool_alloc_bare(e->pool, out);
     while (st == KVB_ERR_EXHAUSTED && kvb_prefix_cache_evict(e->pc) == KVB_OK) {
         sl->st.cached_dropped++;
@@ -415,34 +225,25 @@ kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out) {
     return KVB_OK;
 }
 
-static kvb_status entries_reserve(kvb_slices *sl, int n) {
+static kvb_status entries_reserve(kvb__slices *sl, int n) {
     if (n <= sl->entry_cap) return KVB_OK;
     KVB_TRY(kvb_realloc_array((void **)&sl->entry_scratch, (size_t)n, sizeof *sl->entry_scratch));
     sl->entry_cap = n;
     return KVB_OK;
 }
 
-static kvb_status install(kvb_engine *e, int n_sched);
-
-kvb_status kvb__slices_install(kvb_engine *e, int n_sched) {
-    if (!e->sl) return KVB_OK;
-    uint64_t t0 = kvb_now_ns();
-    kvb_status st = install(e, n_sched);
-    e->sl->st.install_ns += kvb_now_ns() - t0;
-    return st;
-}
-
 /* Blocks sequence sched[i] reads in this step. */
-static int step_blocks(const kvb_slices *sl, const seq *s) { return KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs); }
+static int step_blocks(const kvb__slices *sl, const kvb__seq *s) { return KVB_DIV_CEIL(s->n_computed + s->q_len, sl->bs); }
 
-static int depth_of(const kvb_slices *sl, const seq *s) { return sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1; }
+static int depth_of(const kvb__slices *sl, const kvb__seq *s) { return sl->vdepth[s->vidx] ? sl->vdepth[s->vidx] : 1; }
 
-static kvb_status install(kvb_engine *e, int n_sched) {
-    kvb_slices *sl = e->sl;
-    sl->n_sched_step = n_sched;
-    want_clear(sl);
-    for (seq *s = e->running.head; s; s = s->next)
-        if (!s->paused) want_mark(sl, s->bt.ids, s->bt.n, &sl->vmask[s->vidx]);
+static kvb_status install(kvb__slices *sl, kvb_engine *e) {
+    char err[256];
+    int n_sched = e->step.n_sched;
+    KVB_TRY(kvb__slices_read_places(sl, &e->view, &e->plan, err, sizeof err)); /* the plan was checked: this reads them */
+    kvb__slices_want_clear(sl);
+    for (kvb__seq *s = e->running.head; s; s = s->next)
+        if (!s->paused) kvb__slices_want_mark(sl, s->bt.ids, s->bt.n, &sl->vmask[s->vidx]);
     /* layers leaving first, all in one transfer (their slices become free once it has landed) */
     int n = 0, n_on = 0;
     for (int t = 0; t < sl->n_touched; t++) {
@@ -457,20 +258,20 @@ static kvb_status install(kvb_engine *e, int n_sched) {
             n_on += want && !res;
         }
     }
-    if (n) KVB_TRY(offload(e, sl->mv_id, sl->mv_layer, n));
+    if (n) KVB_TRY(evict_layers(e, sl->mv_id, sl->mv_layer, n));
     /* the step's prefetch slots: depth x the largest host layer's non-resident blocks, per sequence
      * (counted as the install leaves residency) */
     int n_scratch = 0;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
-        int64_t need = scratch_need(sl, e->pool, s->bt.ids, step_blocks(sl, s), 0, &sl->vmask[s->vidx], depth_of(sl, s),
+        kvb__seq *s = e->step.sched[i];
+        int64_t need = kvb__slices_scratch_need(sl, e->pool, s->bt.ids, step_blocks(sl, s), 0, &sl->vmask[s->vidx], depth_of(sl, s),
                                     0 /* as wanted */);
         sl->s_first[i] = n_scratch;
         sl->s_per[i] = (int)(need / depth_of(sl, s));
         n_scratch += (int)need;
     }
     /* room for the arriving layers and the slots, then the arriving layers, one transfer per layer;
-     * a layer counts as on the device once its transfer has landed (kvb__slices_layer waits) */
+     * a layer counts as on the device once its transfer has landed (layer_in waits) */
     KVB_TRY(make_room(e, n_on + n_scratch));
     px_list *pl = &sl->on;
     pl->n = pl->posted = 0;
@@ -481,7 +282,7 @@ static kvb_status install(kvb_engine *e, int n_sched) {
             int32_t id = sl->tlist[t];
             if (!sl->want[(size_t)id * sl->L + l] || kvb_block_pool_slice_resident(e->pool, id, l)) continue;
             KVB_TRY(kvb_block_pool_slice_alloc(e->pool, id, l)); /* make_room left enough */
-            add_rows(e, pl, 0, kvb_block_pool_block_layer(e->pool, id, l), id, l, 0, sl->fill[id]);
+            add_rows(sl, pl, 0, kvb_block_pool_block_layer(e->pool, id, l), id, l, 0, sl->fill[id]);
             sl->st.slices_onloaded++;
         }
         KVB_TRY(post(e, pl, from, 0, &sl->onload_t[l]));
@@ -507,8 +308,8 @@ static kvb_status install(kvb_engine *e, int n_sched) {
 /* Loads sched[i]'s host layer l into its slot (slot = rank of l among its host layers, modulo depth):
  * one transfer of every block of the sequence that is not on the device at l. */
 static kvb_status launch(kvb_engine *e, int i, int l) {
-    kvb_slices *sl = e->sl;
-    seq *s = e->sched[i];
+    kvb__slices *sl = kvb__sliced(e);
+    kvb__seq *s = e->step.sched[i];
     const sl_mask *m = &sl->vmask[s->vidx];
     int rank = 0;
     for (int k = 0; k < l; k++) rank += mask_has(m, k);
@@ -517,7 +318,7 @@ static kvb_status launch(kvb_engine *e, int i, int l) {
     for (int j = 0; j < nb; j++) {
         int32_t id = s->bt.ids[j];
         if (kvb_block_pool_slice_resident(e->pool, id, l)) continue;
-        add_rows(e, &sl->step, 0, kvb_block_pool_slice_addr(e->pool, sl->scratch[pos++]), id, l, 0, sl->fill[id]);
+        add_rows(sl, &sl->step, 0, kvb_block_pool_slice_addr(e->pool, sl->scratch[pos++]), id, l, 0, sl->fill[id]);
         sl->st.slices_prefetched++;
     }
     uint64_t t;
@@ -530,7 +331,7 @@ static kvb_status launch(kvb_engine *e, int i, int l) {
 }
 
 /* The next host layer of sched[i] from layer `l0` on that is not launched yet (-1 if none). */
-static int next_host(const kvb_slices *sl, int i, const seq *s, int l0) {
+static int next_host(const kvb__slices *sl, int i, const kvb__seq *s, int l0) {
     const sl_mask *m = &sl->vmask[s->vidx];
     for (int l = l0; l < sl->L; l++)
         if (mask_has(m, l) && !sl->s_ticket[(size_t)i * sl->L + l]) return l;
@@ -540,13 +341,11 @@ static int next_host(const kvb_slices *sl, int i, const seq *s, int l0) {
 /* Before the forward pass: the transfer pieces of the step (prefetches and the stores of the rows the
  * step writes into host layers), then each sequence loads its first `depth` host layers at once (the
  * greedy rule of §3.3.1 that the latency model simulates). */
-kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
-    kvb_slices *sl = e->sl;
-    if (!sl) return KVB_OK;
-    KVB_TRY(entries_reserve(sl, n_blk));
-    int n_sched = sl->n_sched_step, pieces = 0;
+static kvb_status prefetch_begin(kvb__slices *sl, kvb_engine *e) {
+    KVB_TRY(entries_reserve(sl, e->step.n_ent));
+    int n_sched = e->step.n_sched, pieces = 0;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->step.sched[i];
         const sl_mask *m = &sl->vmask[s->vidx];
         int host = 0, nb = step_blocks(sl, s);
         for (int l = 0; l < sl->L; l++) host += mask_has(m, l);
@@ -557,7 +356,7 @@ kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
     sl->step.n = sl->step.posted = 0;
     KVB_TRY(px_reserve(&sl->step, pieces));
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->step.sched[i];
         for (int k = 0; k < depth_of(sl, s); k++) {
             int l = next_host(sl, i, s, 0);
             if (l >= 0) KVB_TRY(launch(e, i, l));
@@ -566,15 +365,31 @@ kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk) {
     return KVB_OK;
 }
 
+/* After the plan's operations: installs the placements and the step's prefetch slots, and launches the
+ * first prefetches. */
+static kvb_status sl_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
+    kvb__slices *sl = ctx;
+    uint64_t t0 = kvb_now_ns();
+    pthread_mutex_lock(&sl->mu);
+    kvb_status st = install(sl, e);
+    pthread_mutex_unlock(&sl->mu);
+    sl->st.install_ns += kvb_now_ns() - t0;
+    KVB_TRY(st);
+    KVB_TRY(prefetch_begin(sl, e));
+    *flags = KVB__STEP_ACTIVE | KVB__STEP_SYNC | KVB__STEP_LAYOUT;
+    return KVB_OK;
+}
+
 /* Layer l's pointers for the scheduled sequences: resident slices in place, the others from the
  * sequence's prefetch slot once its transfer (and any install load of the layer) has landed. */
-kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
-    kvb_slices *sl = e->sl;
+static kvb_status sl_layer_in(void *ctx, kvb_engine *e, int l) {
+    kvb__slices *sl = ctx;
+    int n_sched = e->step.n_sched;
     uint64_t t0 = kvb_now_ns();
     if (sl->onload_t[l]) KVB_TRY(kvb_stager_wait(e->stager, sl->onload_t[l]));
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
-        const kvb_attn_seq *as = &e->b_seqs[i];
+        kvb__seq *s = e->step.sched[i];
+        const kvb_attn_seq *as = &e->step.seqs[i];
         const sl_mask *m = &sl->vmask[s->vidx];
         int in_host = mask_has(m, l), rank = 0;
         if (in_host) {
@@ -589,13 +404,13 @@ kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
             int32_t id = s->bt.ids[j];
             sl->entry_scratch[ent] = -1;
             if (kvb_block_pool_slice_resident(e->pool, id, l)) {
-                e->blk_layer[ent] = kvb_block_pool_block_layer(e->pool, id, l);
+                e->step.layer[ent] = kvb_block_pool_block_layer(e->pool, id, l);
                 continue;
             }
             assert(in_host); /* the install gave every other layer a slice */
             int32_t k = sl->scratch[pos++];
             sl->entry_scratch[ent] = k;
-            e->blk_layer[ent] = kvb_block_pool_slice_addr(e->pool, k);
+            e->step.layer[ent] = kvb_block_pool_slice_addr(e->pool, k);
         }
     }
     sl->st.layer_ns += kvb_now_ns() - t0;
@@ -605,13 +420,14 @@ kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l) {
 /* After layer l (the backend is idle): the rows the step wrote into prefetch slots go to their host
  * homes (in one transfer, waited for at the end of the step), and every sequence whose slot layer l
  * used launches its next host layer into it. */
-kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
-    kvb_slices *sl = e->sl;
+static kvb_status sl_layer_out(void *ctx, kvb_engine *e, int l) {
+    kvb__slices *sl = ctx;
+    int n_sched = e->step.n_sched;
     uint64_t t0 = kvb_now_ns();
     int from = sl->step.n;
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
-        const kvb_attn_seq *as = &e->b_seqs[i];
+        kvb__seq *s = e->step.sched[i];
+        const kvb_attn_seq *as = &e->step.seqs[i];
         int p0 = as->ctx_len - as->q_len, p1 = as->ctx_len;
         for (int j = p0 / sl->bs; j <= (p1 - 1) / sl->bs; j++) {
             int32_t k = sl->entry_scratch[as->blk_first + j];
@@ -620,14 +436,14 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
             int r0 = KVB_MAX(p0 - j * sl->bs, 0), r1 = KVB_MIN(p1 - j * sl->bs, sl->bs);
             uint16_t *hr = &sl->host_rows[(size_t)id * sl->L + l];
             assert(*hr == sl->fill[id] && r0 == *hr); /* appending right after the stored rows */
-            add_rows(e, &sl->step, 1, kvb_block_pool_slice_addr(e->pool, k), id, l, r0, r1);
-            *hr = (uint16_t)r1; /* landed by the end of the step (kvb__slices_step_end drains) */
+            add_rows(sl, &sl->step, 1, kvb_block_pool_slice_addr(e->pool, k), id, l, r0, r1);
+            *hr = (uint16_t)r1; /* landed by the end of the step (step_end drains) */
         }
     }
     uint64_t t;
     KVB_TRY(post(e, &sl->step, from, 1, &t));
     for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
+        kvb__seq *s = e->step.sched[i];
         if (!mask_has(&sl->vmask[s->vidx], l)) continue;
         int nl = next_host(sl, i, s, l + 1);
         if (nl >= 0) KVB_TRY(launch(e, i, nl));
@@ -636,25 +452,40 @@ kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l) {
     return KVB_OK;
 }
 
-/* After the step: every transfer has landed, the blocks' fill grows by the rows written, prefetch
- * slots go back. */
-void kvb__slices_step_end(kvb_engine *e, int n_sched) {
-    kvb_slices *sl = e->sl;
-    if (!sl) return;
+/* After the step, ok or not: every transfer has landed, prefetch slots go back. */
+static void sl_step_end(void *ctx, kvb_engine *e, int ok) {
+    kvb__slices *sl = ctx;
+    (void)ok;
     if (sl->step.posted || sl->on.posted) (void)kvb_stager_drain(e->stager);
-
     sl->step.n = sl->step.posted = 0;
     sl->on.n = sl->on.posted = 0;
     for (int l = 0; l < sl->L; l++) sl->onload_t[l] = 0;
-    for (int i = 0; i < n_sched; i++) {
-        seq *s = e->sched[i];
-        const kvb_attn_seq *as = &e->b_seqs[i];
+    for (int k = 0; k < sl->n_scratch; k++) kvb_block_pool_scratch_free(e->pool, sl->scratch[k]);
+    sl->n_scratch = 0;
+}
+
+/* The step succeeded: the blocks' fill grows by the rows written. */
+static void sl_step_done(void *ctx, kvb_engine *e) {
+    kvb__slices *sl = ctx;
+    for (int i = 0; i < e->step.n_sched; i++) {
+        kvb__seq *s = e->step.sched[i];
+        const kvb_attn_seq *as = &e->step.seqs[i];
         int p0 = as->ctx_len - as->q_len;
         for (int j = p0 / sl->bs; j < as->n_blocks; j++) {
             int rows = KVB_MIN(as->ctx_len - j * sl->bs, sl->bs);
             if (rows > sl->fill[s->bt.ids[j]]) sl->fill[s->bt.ids[j]] = (uint16_t)rows;
         }
     }
-    for (int k = 0; k < sl->n_scratch; k++) kvb_block_pool_scratch_free(e->pool, sl->scratch[k]);
-    sl->n_scratch = 0;
 }
+
+static const kvb__mech_i slices_iface = {
+    .name = "sliced pool",
+    .check_op = kvb__slices_check_op,
+    .check_plan = kvb__slices_check_plan,
+    .step_begin = sl_step_begin,
+    .layer_in = sl_layer_in,
+    .layer_out = sl_layer_out,
+    .step_end = sl_step_end,
+    .step_done = sl_step_done,
+    .destroy = sl_destroy,
+};

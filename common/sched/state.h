@@ -1,10 +1,17 @@
-/* kvbank — the engine's state, shared by the files of common/sched (not a public interface):
+/* kvbank — the engine's state, shared by the files of common/sched (not a public interface). By job:
  *   engine.c     the public API: create, destroy, requests, step, statistics
- *   scheduler.c  the queue (requests and their lists), the planner's view, plan accounting, FCFS
- *   executor.c   plan validation and application, per-layer block pointers, the forward pass, results
- *   stager.c     the copy thread (layer stream cache) between tiers
- *   host_tier.c  the host tier behind the prefix cache
- *   lending.c    shrink / grow (worker), attach / detach (master) */
+ *   lending.c    shrink / grow (worker), attach / detach (master)
+ *   executor.c   plan making, the generic apply of a plan, the layer loop over the mechanisms, sampling
+ *   layout.c     the step's batch: attention entries, recomputed prefixes over scratch slices
+ *   step.c       the step's memory
+ *   view.c       the planner's view and its functions (probe, the mechanisms' checks)
+ *   check.c      the plan check's generic accounting (check.h, also for planners)
+ *   queue.c      requests and their lists, release, preemption, end
+ *   host_tier.c  the host tier behind the pool (and its layered loads), swap.c the swaps over it
+ *   mechanisms (mech.h): slices.c, prefix.c, offload.c, residency.c, hcache.c
+ *   stager.c     the copy threads between tiers and the link model
+ * Calls go down that list (engine.c and lending.c call the rest; the mechanisms call queue.c, layout.c,
+ * host_tier.c); what calls up goes through kvb__mech_i or kvb_view_ops. */
 #ifndef KVB_SCHED_STATE_H
 #define KVB_SCHED_STATE_H
 
@@ -14,14 +21,15 @@
 #include "common/kv/block_table.h"
 #include "common/kv/prefix_cache.h"
 #include "common/sched/engine.h"
-#include "common/sched/scheduler.h"
+#include "common/sched/mech.h"
+#include "common/sched/check.h"
 #include "common/sched/stager.h"
 
 #define KVB_MAX_LAYERS 256 /* layers a sliced pool's placements can name */
 
-typedef struct kvb_slices kvb_slices; /* slices.c */
+typedef struct kvb__slices kvb__slices; /* slices.c */
 
-typedef struct seq {
+typedef struct kvb__seq {
     uint64_t id;
     uint64_t arrival;  /* admission order */
     uint64_t t_add_ns; /* wall clock at kvb_engine_add */
@@ -37,7 +45,7 @@ typedef struct seq {
     kvb_sampling samp;
     kvb_rng rng;
     kvb_block_table bt;
-    int n_computed;    /* tokens whose KV is in the sequence's blocks */
+    int n_computed;    /* tokens whose KV is in the request's blocks */
     int n_published;   /* full blocks offered to the prefix cache */
     uint64_t last_hash;/* chained hash of block n_published-1 */
     int q_len;         /* tokens scheduled in the current step */
@@ -47,64 +55,74 @@ typedef struct seq {
     int n_dropped;     /* leading blocks released (KVB_OP_DROP): bt.ids[j] is block n_dropped + j */
     int restore_hi;    /* during a step: blocks [n_dropped, restore_hi) came back by a DROP and are
                         * filled by this step's recompute (restore_hi <= n_dropped: none) */
-    kvb_block_table pfx_bt; /* host-tier copies of its released blocks, pfx_bt.ids[j] of block j (KVB_OP_DROP
-                        * n_host): layers [L - pfx_layers, L) of each; pfx_bt.n == n_dropped when it has them */
-    int pfx_layers;    /* 0: no copies */
-    int n_swapl;       /* during a step: layers [L - n_swapl, L) of its released blocks are read from pfx_bt and
-                        * its recomputed rows leave the forward pass above layer L - n_swapl - 1 */
-    /* HCache: hidden states entering layers [0, hid_layers) of tokens [0, hid_tokens), host memory
-     * [hid_cap_layers][hid_cap_tokens][hidden] of act_dtype elements */
-    unsigned char *hid;
-    int hid_cap_layers, hid_cap_tokens;
-    int hid_layers, hid_tokens;
-    int hid_save;      /* during a step: layers whose inputs this step saves (op n_hidden) */
-    int swap_hidden;   /* SWAPPED: layers left as hidden states (their KV is rebuilt at SWAP_IN) */
     int row0;          /* during a step: the batch row of its first new token */
     int scr0;          /* during a step: its first scratch slice (recomputed whole blocks) */
-    int offload;       /* during a step: an ADMIT offload (its KV goes to host_bt through the staging area) */
     kvb_block_table host_bt; /* SWAPPED: its blocks in the host tier, in token order */
     int vidx;          /* index in the current view, -1 when not in it */
     uint64_t t_stall_ns; /* WAITING: wall clock since which it no longer fits the pool (0: it fits) */
     int n_overtaken;   /* WAITING: later requests admitted past it while it stalled */
-    struct seq *prev, *next;
-} seq;
+    void *mx[KVB__MECH_COUNT]; /* each mechanism's state for this request (NULL: none; mech.h) */
+    struct kvb__seq *prev, *next;
+} kvb__seq;
 
-typedef struct seq_list {
-    seq *head, *tail;
+typedef struct kvb__seq_list {
+    kvb__seq *head, *tail;
     int n;
-} seq_list;
+} kvb__seq_list;
 
 /* One attached loan: a segment of the pool. */
-typedef struct loan {
+typedef struct kvb__loan {
     uint64_t tag;      /* the caller's loan id */
     int32_t first;     /* first block id of the segment */
     int n;             /* blocks */
-} loan;
+} kvb__loan;
 
-/* A block whose layer slices pass through stage buffers in this step (STREAM: from its borrowed
- * memory over the peer link; HOST: from its host copy over the host link). */
-typedef struct stage_unit {
-    int32_t block;          /* pool id */
-    kvb_residency kind;     /* KVB_RES_STREAM or KVB_RES_HOST */
-    int buf;                /* its stage buffers: 2 * buf + (layer & 1) */
-    unsigned char *src;     /* where its slices live (all layers): borrowed block or host-tier block */
-    int dirty_lo, dirty_hi; /* rows [lo, hi) of the block this step writes; lo >= hi: none */
-} stage_unit;
+/* What one entry of the step's attention blocks (kvb_attn_seq.blk_first + j) reads. */
+typedef enum kvb__ent_kind {
+    KVB__ENT_BLOCK = 0,   /* a pool block (`block`), in place unless a mechanism points it elsewhere */
+    KVB__ENT_SCRATCH = 1, /* scratch slice `slice` (recomputed tokens), or from layer `rec` on the
+                           * request's own block `block` in place (when block >= 0) */
+    KVB__ENT_OFFLOAD = 2, /* an offloaded admission's block: staging slice `slice` of the offload
+                           * mechanism, stored to the host-tier block at `base` */
+} kvb__ent_kind;
 
-/* Per-step transfer lists of the stager, one run per (layer, load/store, link). */
-typedef struct xfer_list {
-    kvb_xfer *x;  /* [cap] */
-    int n, cap;
-} xfer_list;
+typedef struct kvb__entry {
+    kvb__ent_kind kind;
+    int32_t block;     /* a pool block id, or -1 */
+    int32_t slice;     /* SCRATCH, OFFLOAD: its slice */
+    int rec;           /* SCRATCH with a block: the first layer read from the block */
+    void *base;        /* BLOCK: the block (all layers; NULL in a sliced pool); OFFLOAD: its host-tier block */
+} kvb__entry;
 
-/* What the scheduler's probe found for one request of the view (valid while the view is). */
-typedef struct probe_memo {
-    int done;            /* probed in this view */
-    int n_hit;           /* pool blocks */
-    int hit_off;         /* their ids: e->memo_ids[hit_off .. hit_off + n_hit) */
-    int n_host_hit;      /* host-tier blocks after them */
-    uint64_t last_hash;  /* chained hash after all the hits (pool and host) */
-} probe_memo;
+/* A recomputed prefix of the step, in layout order. */
+typedef struct kvb__pfx {
+    struct kvb__seq *s;
+    int kept;          /* layers [L - kept, L) read from host copies (prefix.c), not recomputed */
+} kvb__pfx;
+
+/* The step as the executor laid it out (layout.c); mechanisms read it and point entries. */
+typedef struct kvb__step {
+    kvb__seq **sched;        /* [max_seqs] the requests that compute, in plan order */
+    int n_sched;
+    int32_t *tokens, *pos;   /* [max_rows] */
+    kvb_attn_seq *seqs;      /* [2 max_seqs] seqs[i] is sched[i]'s new tokens, the recomputed prefixes after */
+    int n_attn;
+    int32_t *logit_rows;     /* [max_seqs] */
+    kvb__entry *ent;         /* [cap] what each attention block entry reads */
+    void **layer;            /* [cap] each entry's slice of the current layer (the attention's layer_blocks) */
+    int n_ent, cap;
+    kvb__pfx *pfx;           /* [max_seqs] recomputed prefixes in layout order */
+    int *l_rows, *l_seqs;    /* [n_layers] rows and attention sequences computing each layer */
+    int main_rows;           /* rows of the new tokens (the recomputed prefixes' come after) */
+    void *scratch;           /* single-layer slices for recomputed tokens: [n_scratch][layer] */
+    int n_scratch;
+    int scr_par;             /* slices per parity when the step loads prefix layers (layer l uses parity l & 1),
+                              * else 0 */
+    float *logits;           /* [max_seqs][vocab] */
+    float *sample_scratch;   /* [2*vocab] */
+    uint64_t *t_layer;       /* [n_layers] this step's layer times */
+    uint64_t *t_wait;        /* [n_layers] of which before the layer's kernels */
+} kvb__step;
 
 struct kvb_engine {
     kvb_model *m;
@@ -121,90 +139,39 @@ struct kvb_engine {
     int planner_kv;          /* the planner brought the KV memory (SETUP) */
     int max_borrowed;        /* >= 0: the planner attaches at most this many blocks (SETUP); -1: no limit */
     int max_rows;            /* rows the forward pass holds: max_batch_tokens + extra rows */
-    seq_list waiting;        /* by arrival; preempted sequences go back in arrival order */
-    seq_list running;        /* by arrival (paused ones included) */
+    /* the queues (queue.c) */
+    kvb__seq_list waiting;   /* by arrival; preempted requests go back in arrival order */
+    kvb__seq_list running;   /* by arrival (paused ones included) */
+    kvb__seq_list swapped;   /* by arrival: KV in the host tier (seq.host_bt) */
     uint64_t next_arrival;
     kvb_engine_stats stats;
-    /* per-step scratch */
-    seq **sched;             /* [max_seqs] sequences of this step */
-    int32_t *b_tokens;       /* [max_rows] */
-    int32_t *b_pos;          /* [max_rows] */
-    kvb_attn_seq *b_seqs;    /* [max_seqs] */
-    int32_t *b_logit_rows;   /* [max_seqs] */
-    void **blk_base;         /* [blk_cap] block base addresses of the step (all layers) */
-    void **blk_layer;        /* [blk_cap] the same blocks' slices for the current layer */
-    int blk_cap;
-    int32_t *blk_id;         /* [blk_cap] the same blocks' ids */
-    int32_t *blk_real;       /* [blk_cap] a scratch entry of a new-token sequence standing for one of its own
-                              * (not released) blocks: that block's id, read in place from layer blk_rec on;
-                              * else -1 */
-    int16_t *blk_rec;        /* [blk_cap] */
-    seq **pfx_ord;           /* [max_seqs] the step's recomputed prefixes in layout order */
-    int *l_rows, *l_seqs;    /* [n_layers] rows and attention sequences computing each layer */
-    int main_rows;           /* rows of the step's new tokens (the recomputed prefixes' come after) */
-    int scr_par;             /* scratch slices per parity when the step reads prefix layers from the host tier
-                              * (layer l uses parity l & 1), else 0 */
-    uint64_t *t_pfx;         /* [n_layers] ticket of the prefix loads due before each layer (0: none) */
-    float *logits;           /* [max_seqs][vocab] */
-    float *sample_scratch;   /* [2*vocab] */
     char last_error[256];    /* why the last kvb_engine_add failed, or the last plan was refused */
-    /* the planner's view and plan (scheduler.c, executor.c) */
+    /* the planner's view (view.c) and plan (executor.c) */
     kvb_view view;
     kvb_req_view *vreqs;     /* [vcap] */
-    seq **vseq;              /* [vcap] the sequence behind each view entry */
+    kvb__seq **vseq;         /* [vcap] the request behind each view entry */
     int vcap;
     int32_t *vhash;          /* [vhash_cap] open-addressing map id -> view index, -1 empty */
     int vhash_cap;           /* power of two >= 2 * n_reqs */
-    probe_memo *memo;        /* [vcap] */
-    int32_t *memo_ids;       /* hit ids of all probes of this view */
+    struct kvb__memo *memo;  /* [vcap] what each request's prefix probe found (view.c) */
+    int32_t *memo_ids;       /* [memo_cap] the probes' hit ids, memo_n of them reserved for this view */
     int memo_n, memo_cap;
-    int32_t *adj;            /* [adj_cap] per block id: refcount change the plan makes (accounting) */
-    int adj_cap;
-    int32_t *adj_touched;    /* ids with adj != 0, to reset */
-    int adj_n, adj_touched_cap;
-    kvb_req_state *astate;   /* [vcap] state of each request after the plan's operations so far */
-    uint8_t *asched;         /* [vcap] 1 once the request has a RUN or ADMIT in the plan */
-    int32_t *adrop;          /* [vcap] its released leading blocks after the plan's DROPs so far */
+    pthread_mutex_t memo_mu; /* probes may run on a planner's thread */
     kvb_plan plan;
     kvb_model_info model_info; /* what the view tells planners about the model (view.model) */
-    void *hid_stage;           /* HCache: backend memory staging saved / restored hidden states */
-    size_t hid_stage_bytes;
-    uint64_t *t_layer;       /* [n_layers] this step's layer times */
-    uint64_t *t_wait;        /* [n_layers] */
-    uint64_t *t_copy;        /* [n_layers] ticket of the last LOAD copy order due before each layer */
+    /* the step (executor.c, layout.c) and the mechanisms that carry it out (mech.h) */
+    kvb__step step;
+    kvb__mech mech[KVB__MECH_COUNT]; /* iface NULL where not set up */
+    kvb_stager *stager;
     /* lending */
-    loan *loans;             /* [n_loans] attached segments, in attach order */
+    kvb__loan *loans;        /* [n_loans] attached segments, in attach order */
     int n_loans;
     int loans_cap;
     int n_borrowed;          /* blocks of all loans */
     int starved;             /* the last schedule left the queue's head waiting for blocks */
-    /* the stager and the step's residency (executor.c) */
-    kvb_stager *stager;
-    stage_unit *units;       /* [units_cap] this step's staged blocks */
-    int n_units, units_cap;
-    int32_t *unit_of;        /* [2][unit_of_cap] per block id: its STREAM / HOST unit in this step, -1 */
-    int unit_of_cap;
-    int32_t *res_first;      /* [res_first_cap] per block id: its first residency exception, -1 */
-    int32_t *res_next;       /* [plan.n_res] the next exception of the same block, -1 */
-    int res_first_cap, res_next_cap;
-    xfer_list xl;            /* every transfer of the step (the stager borrows them until the drain) */
-    void *scratch;           /* single-layer slices for recomputed (absent) tokens: [n_scratch][layer] */
-    int n_scratch;
-    /* ADMIT offload (eLLM's CPU buffer): this step's staging area, [2 parities][n_off][layer slice] from the
-     * activation allocator (else backend memory kept across steps), and per step entry its staging
-     * block (-1: none) */
-    void *off_stage;
-    size_t off_stage_bytes;  /* kept backend memory's size (0 when the activation allocator lends it) */
-    int n_off;               /* staging blocks of this step */
-    int32_t *blk_off;        /* [blk_cap] */
-    int32_t *shadow;         /* [shadow_cap] per block id: its host-tier copy, -1 */
-    uint8_t *shadow_ok;      /* [shadow_cap][n_layers] 1 where the host copy holds the layer */
-    int shadow_cap;
-    seq_list swapped;        /* by arrival: KV in the host tier (seq.host_bt) */
-    void *ht_mem;            /* host tier: [host_tier_blocks][block_bytes] host memory, or NULL */
+    /* the host tier (host_tier.c) */
+    void *ht_mem;            /* [host_tier_blocks][block_bytes] host memory, or NULL */
     kvb_block_pool *ht_pool; /* its blocks */
-    kvb_slices *sl;          /* the layer-sliced KV manager when the pool is sliced, else NULL */
-    int64_t *anew;           /* [vcap] per request: new blocks the plan being checked gives it */
     kvb_prefix_cache *ht_pc; /* its prefix cache: blocks keyed like the pool's */
     int host_prefix;         /* evicted cached blocks are demoted to the host tier, matches continue there */
     /* demotions while a plan is applied are batched: one transfer for all of them, posted (and waited
@@ -212,93 +179,117 @@ struct kvb_engine {
     int ht_batch;            /* 1 while apply_plan runs */
     kvb_xfer *ht_pend;       /* [n_ht_pend] pool block -> host block copies not posted yet */
     int n_ht_pend, cap_ht_pend;
-    /* host_layered (issue 10; the paper's baseline): the step's host-tier hits load layer by layer behind
-     * the compute: one transfer per layer for all of them, posted before the forward pass, each layer
-     * waiting for its own (kvb__host_tier_post_loads); the pool and host blocks stay referenced until
-     * every layer is in (kvb__host_tier_finish_loads). 0: each admission's hits in one transfer first. */
-    int host_layered;
-    int32_t *htl;            /* [2 n_htl]: host block, pool block of each pending hit */
-    int n_htl, cap_htl;
-    kvb_xfer *htl_x;         /* [n_layers * n_htl] the posted pieces (kept until the transfers are done) */
-    uint64_t *t_htl;         /* [n_layers] tickets, 0: not posted */
-    int htl_posted;
 };
 
-/* ---------------------------------------------------------------- scheduler.c */
-void kvb__list_remove(seq_list *l, seq *s);
-void kvb__list_insert_ordered(seq_list *l, seq *s);
-seq *kvb__find_seq(const seq_list *l, uint64_t id);
-void kvb__seq_free(kvb_engine *e, seq *s);
-void kvb__seq_drop_kv(kvb_engine *e, seq *s);
-/* Releases the host-tier copies of a sequence's released blocks (KVB_OP_DROP n_host). */
-void kvb__prefix_copies_release(kvb_engine *e, seq *s);
+/* The sliced pool's manager, NULL when the pool is block-major. */
+static inline kvb__slices *kvb__sliced(const kvb_engine *e) { return e->mech[KVB__MECH_SLICES].ctx; }
+
+/* ---------------------------------------------------------------- queue.c */
+void kvb__list_remove(kvb__seq_list *l, kvb__seq *s);
+void kvb__list_insert_ordered(kvb__seq_list *l, kvb__seq *s);
+kvb__seq *kvb__find_seq(const kvb__seq_list *l, uint64_t id);
+void kvb__seq_free(kvb_engine *e, kvb__seq *s);
+void kvb__seq_drop_kv(kvb_engine *e, kvb__seq *s);
+/* Tells the mechanisms that pool block `id` loses its last reference or leaves (block_free). */
+void kvb__block_forget(kvb_engine *e, int32_t id);
+/* Drops one reference of pool block `id`; the mechanisms hear of its last (block_free). */
+void kvb__block_unref(kvb_engine *e, int32_t id);
+/* Releases the request's pool blocks (published ones stay cached); the mechanisms hear of each last
+ * reference. */
+void kvb__seq_release_blocks(kvb_engine *e, kvb__seq *s);
 /* Removes `s` from `l`, frees it and reports on_finish. */
-void kvb__finish(kvb_engine *e, seq_list *l, seq *s, kvb_finish why, kvb_status err);
-/* Preemption by recompute: releases the running sequence's blocks (published ones stay cached) and
+void kvb__finish(kvb_engine *e, kvb__seq_list *l, kvb__seq *s, kvb_finish why, kvb_status err);
+/* Preemption by recompute: releases the running request's blocks (published ones stay cached) and
  * puts it back in the queue in arrival order with its prompt plus the tokens it generated. */
-void kvb__preempt_seq(kvb_engine *e, seq *victim);
+void kvb__preempt_seq(kvb_engine *e, kvb__seq *victim);
 /* Blocks `s` needs at most over its life (prompt + max_tokens). */
-int64_t kvb__seq_need_blocks(const kvb_engine *e, const seq *s);
+int64_t kvb__seq_need_blocks(const kvb_engine *e, const kvb__seq *s);
 /* The body of kvb_engine_add. */
 kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r);
+
+/* ---------------------------------------------------------------- view.c */
 /* Rebuilds e->view from the engine's state. KVB_ERR_NOMEM. */
 kvb_status kvb__view_build(kvb_engine *e);
 /* Checks e->plan against e->view; the sentence goes to e->last_error. */
 kvb_status kvb__plan_check(kvb_engine *e, kvb_plan_cost *cost);
 /* Calls the planner's plan_pool (if any) with a fresh view; `out` holds the current values. */
 kvb_status kvb__plan_pool(kvb_engine *e, const kvb_pool_event *ev, kvb_pool_plan *out);
-/* The probe results of request vidx (computed on first use). */
-kvb_status kvb__probe_memo(kvb_engine *e, int vidx, const probe_memo **out);
-void kvb__sched_free(kvb_engine *e);
-
-/* Writes a plan's refusal (printf format) to err[len] (may be NULL) and returns KVB_ERR_INVALID. */
-__attribute__((format(printf, 3, 4))) kvb_status kvb__refuse(char *err, size_t len, const char *fmt, ...);
+void kvb__view_free(kvb_engine *e);
 
 /* ---------------------------------------------------------------- executor.c */
 kvb_status kvb__exec_step(kvb_engine *e);
 void kvb__exec_free(kvb_engine *e);
+const char *kvb__planner_name(const kvb_engine *e);
+
+/* ---------------------------------------------------------------- step.c */
+kvb_status kvb__step_init(kvb_engine *e);
+void kvb__step_free(kvb_engine *e);
+/* Scratch slice k of layer l (its parity when the step loads prefix layers). */
+void *kvb__scratch_slice(const kvb_engine *e, int k, int l);
+/* Backend memory of at least `bytes` at *mem (of *have bytes), kept across steps: grown, never shrunk. */
+kvb_status kvb__backend_reserve(kvb_engine *e, size_t bytes, void **mem, size_t *have);
+
+/* ---------------------------------------------------------------- layout.c */
+/* Lays out e->step.sched's batch into e->step and *b. KVB_ERR_NOMEM. */
+kvb_status kvb__layout(kvb_engine *e, kvb_batch *b);
+/* Every entry's slice of layer l from the pool or the scratch (e->step.layer). */
+void kvb__layout_layer(kvb_engine *e, int l);
+
+/* ---------------------------------------------------------------- the mechanisms' own entry points */
+/* offload.c: ADMIT offload of s (host-tier blocks for its whole prompt, no pool block). */
+kvb_status kvb__offload_init(kvb_engine *e);
+kvb_status kvb__offload_admit(kvb_engine *e, kvb__seq *s);
+/* Fills *x when s's block j is an offloaded admission's (returns 1), else returns 0. */
+int kvb__offload_entry(kvb_engine *e, const kvb__seq *s, int j, kvb__entry *x);
+/* prefix.c */
+kvb_status kvb__prefix_init(kvb_engine *e);
+/* During a step: layers [L - n, L) of s's released blocks are read from their host copies. */
+int kvb__prefix_kept_layers(const kvb_engine *e, const kvb__seq *s);
+/* residency.c */
+kvb_status kvb__residency_init(kvb_engine *e);
 /* Stage buffers for `slots` staged blocks (2 single-layer buffers each). */
 kvb_status kvb__stage_reserve(kvb_engine *e, int slots);
-/* Drops the host copy of block `id` if it has one (its last reference is going). */
-void kvb__shadow_drop(kvb_engine *e, int32_t id);
+/* swap.c: KVB_OP_SWAP_OUT (n_hidden layers left as hidden states) and KVB_OP_SWAP_IN. */
+kvb_status kvb__swap_out(kvb_engine *e, kvb__seq *s, int n_hidden);
+kvb_status kvb__swap_in(kvb_engine *e, kvb__seq *s, const kvb_plan_op *op);
+
+/* ---------------------------------------------------------------- hcache.c */
+kvb_status kvb__hcache_init(kvb_engine *e);
+/* SWAP_OUT: layers [0, n_hidden) of s leave as its saved hidden states; returns how many do. */
+int kvb__hcache_swap_out(kvb_engine *e, kvb__seq *s, int n_hidden);
+/* SWAPPED: the layers s left as hidden states. */
+int kvb__hcache_swapped_layers(const kvb__seq *s);
+/* SWAP_IN: rebuilds the K and V of the layers s left as hidden states into its (new) blocks. */
+kvb_status kvb__hcache_restore(kvb_engine *e, kvb__seq *s);
 
 /* ---------------------------------------------------------------- slices.c (sliced pools) */
 /* Sets up the manager for a sliced pool of n_ids ids (host homes included); min_layers: see
  * kvb_pool_plan.sliced_min_layers. */
 kvb_status kvb__slices_init(kvb_engine *e, int n_ids, int min_layers);
-void kvb__slices_free(kvb_engine *e);
 int kvb__slices_min_layers(const kvb_engine *e);
-/* Reads the plan's placements (refusing bad ones; any placement without a sliced pool) and, for a
- * sliced pool, checks the device slices the plan needs: astate / asched / anew per view index are the
- * accounting's state after the operations (anew: new blocks each request gets). */
-kvb_status kvb__slices_check(kvb_engine *e, const kvb_view *v, const kvb_plan *p, const kvb_req_state *astate,
-                             const uint8_t *asched, const int64_t *anew, char *err, size_t len);
 /* A new block id for a sequence (no slice yet; its layers get slices at the install). */
 kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out);
-/* After the plan's operations: installs the placements and the step's prefetch slots. */
-kvb_status kvb__slices_install(kvb_engine *e, int n_sched);
-kvb_status kvb__slices_step_begin(kvb_engine *e, int n_blk);
-/* Fills e->blk_layer for layer l (prefetching host layers) / stores the rows written into host layers. */
-kvb_status kvb__slices_layer(kvb_engine *e, int n_sched, int l);
-kvb_status kvb__slices_layer_done(kvb_engine *e, int n_sched, int l);
-void kvb__slices_step_end(kvb_engine *e, int n_sched);
 
 /* ---------------------------------------------------------------- host_tier.c */
 /* Creates the host tier of `blocks` blocks; `prefix`: demote evicted cached blocks into it. */
 kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix, int layered);
-/* host_layered: posts the pending hits' loads, one transfer per layer (after the pending demotions) */
-kvb_status kvb__host_tier_post_loads(kvb_engine *e);
-/* Posts what is not posted yet, waits for every layer, releases the blocks: no load runs on after it. */
+/* host_layered: posts the step's layered loads not posted yet, waits for every layer, releases the blocks:
+ * no load runs on after it. */
 kvb_status kvb__host_tier_finish_loads(kvb_engine *e);
 void kvb__host_tier_free(kvb_engine *e);
 /* Continues the prefix match of `s` in the host tier, loading each hit into a new pool block. Returns
  * the blocks loaded. */
-int kvb__host_tier_load(kvb_engine *e, seq *s, int max_blocks);
+int kvb__host_tier_load(kvb_engine *e, kvb__seq *s, int max_blocks);
 /* A host-tier block for writing (free, or the least recently used cached one). KVB_ERR_EXHAUSTED. */
 kvb_status kvb__host_alloc(kvb_engine *e, int32_t *out);
 /* Posts the batched demotions (one transfer) and waits for them; a no-op when none are pending. Called
  * before anything else goes over the host link and before the pool's blocks are written. */
 kvb_status kvb__host_flush(kvb_engine *e);
+/* Copies layers [layer0, L) of blocks pool[i] <-> host[i] (i < n) over the host link and waits (dir D2H: to
+ * the host tier). */
+kvb_status kvb__host_move(kvb_engine *e, kvb_xfer_dir dir, const int32_t *pool, const int32_t *host, int n, int layer0);
+/* Appends n new host-tier blocks (counted by the plan's check) to table t. */
+kvb_status kvb__host_blocks_push(kvb_engine *e, kvb_block_table *t, int n);
 /* Copies `bytes` between the pool and the host tier over the host link and waits (dir D2H or H2D). */
 kvb_status kvb__host_copy(kvb_engine *e, kvb_xfer_dir dir, void *dst, const void *src, size_t bytes);
 /* How many blocks after `parent` the host tier holds for tokens[0..max_blocks*bs), without loading. */

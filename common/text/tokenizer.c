@@ -742,6 +742,7 @@ typedef struct id_vec {
 } id_vec;
 
 static kvb_status ids_push(id_vec *o, const int32_t *ids, int n) {
+    if (n <= 0) return KVB_OK; /* an empty push may come with a NULL vector: memcpy must not see it */
     if (o->n + n > o->cap) {
         int cap = o->cap ? o->cap : 64;
         while (cap < o->n + n) cap *= 2;

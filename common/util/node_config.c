@@ -178,7 +178,7 @@ static kvb_status load_coordinator(kvb_node_config *c, const json_t *root) {
     free(dflt);
     KVB_TRY(st);
     KVB_TRY(check_endpoint(c->coordinator, what, "endpoint"));
-    /* The coordinator serves this node's processes: ipc:// only (docs/design.md, threat model), and its
+    /* The coordinator serves this node's processes: ipc:// only (docs/lending.md, threat model), and its
      * control endpoint "<path>.ctl" must fit a Unix socket address too. */
     if (strncmp(c->coordinator, "ipc://", 6) != 0) {
         KVB_LOG_E("%s: field \"endpoint\" = \"%s\": the coordinator listens on ipc:// only (it serves the processes "

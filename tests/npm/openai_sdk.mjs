@@ -1,0 +1,198 @@
+// kvbank-gateway driven by the official OpenAI Node SDK (the `openai` package pinned in package.json),
+// as an application written for OpenAI or vLLM would: tests/test_openai_sdk.sh starts a node with a
+// random-weight model carrying Qwen3's real tokenizer and chat template, then runs
+//   node openai_sdk.mjs --base-url http://127.0.0.1:PORT/v1 --model NAME [--only CASE]
+// Each case is one entry of CASES (name, async function); a case that throws fails the run. Cases for
+// features the gateway adds later (logprobs, n, penalties, json_schema, tools) go in the same table.
+import assert from "node:assert/strict";
+import OpenAI from "openai";
+
+const args = Object.fromEntries(
+  process.argv.slice(2).reduce((acc, a, i, all) => (a.startsWith("--") ? [...acc, [a.slice(2), all[i + 1]]] : acc), []),
+);
+const MODEL = args.model;
+const BASE = args["base-url"];
+// no retries: a 429 or 5xx must show, not be retried away
+const client = new OpenAI({ baseURL: BASE, apiKey: "sk-unused", maxRetries: 0, timeout: 120000 });
+const GATEWAY = BASE.replace(/\/v1$/, "");
+
+const messages = [
+  { role: "system", content: "You are a terse assistant." },
+  { role: "user", content: "Name three uses of a KV cache." },
+];
+// greedy and long enough to be worth comparing; ignore_eos (vLLM's) keeps the length fixed
+const greedy = { model: MODEL, temperature: 0, max_tokens: 12, ignore_eos: true };
+
+async function gatewayJson(path, body) {
+  const r = await fetch(GATEWAY + path, body ? { method: "POST", body: JSON.stringify(body) } : {});
+  assert.equal(r.status, 200, `${path}: ${r.status}`);
+  return r.json();
+}
+
+async function metric(name, labels) {
+  const text = await (await fetch(GATEWAY + "/metrics")).text();
+  const want = Object.entries(labels).map(([k, v]) => `${k}="${v}"`).join(",");
+  const line = text.split("\n").find((l) => l.startsWith(want ? `${name}{${want}} ` : `${name} `));
+  return line === undefined ? undefined : Number(line.split(" ").pop());
+}
+
+// Expects `promise` to be refused with `status` (the SDK's error class for it) naming `param`.
+async function refused(promise, status, param, cls) {
+  try {
+    await promise;
+  } catch (e) {
+    assert.ok(e instanceof OpenAI.APIError, `not an APIError: ${e}`);
+    assert.equal(e.status, status, `status ${e.status}: ${e.message}`);
+    if (cls) assert.ok(e instanceof cls, `${e.constructor.name}, want ${cls.name}`);
+    if (param !== undefined) assert.equal(e.param, param, `param ${e.param}: ${e.message}`);
+    assert.ok(e.message.length > 4 && e.type, `an OpenAI-shaped error: ${JSON.stringify(e.error)}`);
+    return e;
+  }
+  assert.fail(`accepted; want ${status} on ${param}`);
+}
+
+async function collect(stream) {
+  let text = "";
+  const chunks = [];
+  for await (const chunk of stream) {
+    chunks.push(chunk);
+    const c = chunk.choices[0];
+    if (c) text += (c.delta ? c.delta.content : c.text) ?? "";
+  }
+  return { text, chunks };
+}
+
+const CASES = [
+  ["models", async () => {
+    const ids = [];
+    for await (const m of client.models.list()) ids.push(m.id);
+    assert.ok(ids.includes(MODEL), `models.list: ${ids}`);
+    const m = await client.models.retrieve(MODEL);
+    assert.equal(m.id, MODEL);
+    assert.equal(m.object, "model");
+    assert.ok(m.max_model_len > 0, `max_model_len ${m.max_model_len}`);
+    await refused(client.models.retrieve("no-such-model"), 404, "model", OpenAI.NotFoundError);
+    return `models.list has ${MODEL}; models.retrieve (max_model_len ${m.max_model_len}); 404 for another`;
+  }],
+
+  ["chat", async () => {
+    const r = await client.chat.completions.create({ ...greedy, messages, return_token_ids: true });
+    assert.equal(r.object, "chat.completion");
+    assert.ok(r.id.startsWith("chatcmpl-"), r.id);
+    assert.equal(r.model, MODEL);
+    const c = r.choices[0];
+    assert.equal(c.message.role, "assistant");
+    assert.equal(c.finish_reason, "length");
+    assert.equal(r.usage.completion_tokens, 12);
+    assert.equal(r.usage.total_tokens, r.usage.prompt_tokens + 12);
+    // the prompt is the chat template rendered and tokenized; the text is the decode of the tokens
+    const t = await gatewayJson("/tokenize", { model: MODEL, messages });
+    assert.equal(r.usage.prompt_tokens, t.count);
+    const d = await gatewayJson("/detokenize", { model: MODEL, tokens: c.token_ids });
+    assert.equal(c.message.content, d.prompt);
+    const again = await client.chat.completions.create({ ...greedy, messages });
+    assert.equal(again.choices[0].message.content, c.message.content, "greedy is repeatable");
+    return `${r.usage.prompt_tokens} prompt tokens (the template's), 12 generated: ${JSON.stringify(c.message.content)}`;
+  }],
+
+  ["chat-stream", async () => {
+    const whole = (await client.chat.completions.create({ ...greedy, messages })).choices[0].message.content;
+    const stream = await client.chat.completions.create({
+      ...greedy, messages, stream: true, stream_options: { include_usage: true },
+    });
+    const { text, chunks } = await collect(stream);
+    assert.equal(text, whole, "the deltas add up to the message");
+    assert.equal(chunks[0].choices[0].delta.role, "assistant");
+    assert.ok(chunks.every((k) => k.object === "chat.completion.chunk" && k.id === chunks[0].id));
+    const last = chunks.at(-1);
+    assert.deepEqual(last.choices, []);
+    assert.equal(last.usage.completion_tokens, 12);
+    const fins = chunks.filter((k) => k.choices.length).map((k) => k.choices[0].finish_reason);
+    assert.equal(fins.at(-1), "length");
+    assert.ok(fins.slice(0, -1).every((f) => f === null));
+    // the SDK's own accumulator agrees
+    const acc = await client.chat.completions.stream({ ...greedy, messages }).finalChatCompletion();
+    assert.equal(acc.choices[0].message.content, whole);
+    return `${chunks.length} chunks, text == the non-streamed message, usage last; the SDK's stream helper agrees`;
+  }],
+
+  ["completions", async () => {
+    const prompt = "The capital of France is";
+    const r = await client.completions.create({ ...greedy, prompt, max_tokens: 16 });
+    assert.equal(r.object, "text_completion");
+    assert.equal(r.choices[0].finish_reason, "length");
+    assert.equal(r.usage.completion_tokens, 16);
+    const full = r.choices[0].text;
+    const { text, chunks } = await collect(await client.completions.create({ ...greedy, prompt, max_tokens: 16, stream: true }));
+    assert.equal(text, full, "streamed text == the text");
+    assert.equal(chunks.at(-1).choices[0].finish_reason, "length");
+    // a stop string inside the text ends it there (taken from the middle of what the model wrote)
+    const chars = [...full];
+    const at = chars.findIndex((ch, i) => i >= 2 && ch.trim() && ch !== "\ufffd");
+    if (at >= 0) {
+      const stop = chars[at];
+      const cut = full.indexOf(stop);
+      const s = await client.completions.create({ ...greedy, prompt, max_tokens: 16, stop: [stop] });
+      assert.equal(s.choices[0].text, full.slice(0, cut));
+      assert.equal(s.choices[0].finish_reason, "stop");
+    }
+    return `text and streamed text agree (${JSON.stringify(full)}); stop strings cut it`;
+  }],
+
+  ["errors", async () => {
+    const BadRequest = OpenAI.BadRequestError;
+    await refused(client.chat.completions.create({ ...greedy, messages, n: 2 }), 400, "n", BadRequest);
+    await refused(client.chat.completions.create({ ...greedy, messages, temperature: "hot" }), 400, "temperature", BadRequest);
+    await refused(client.chat.completions.create({ ...greedy, messages, temprature: 0 }), 400, "temprature", BadRequest);
+    await refused(client.chat.completions.create({ ...greedy, messages, store: "yes" }), 400, "store", BadRequest);
+    await refused(client.chat.completions.create({ ...greedy, model: "no-such-model", messages }), 404, "model", OpenAI.NotFoundError);
+    await refused(client.completions.create({ ...greedy, prompt: "x", max_tokens: 1 << 20 }), 400, "max_tokens", BadRequest);
+    // streamed requests are refused the same way, before any event
+    await refused(client.chat.completions.create({ ...greedy, messages, stream: true, frequency_penalty: 0.5 }),
+      400, "frequency_penalty", BadRequest);
+    return "n, wrong types, a misspelt field, an unknown model, max_tokens, a streamed request: SDK error classes with status and param";
+  }],
+
+  ["ignored-fields", async () => {
+    const plain = (await client.chat.completions.create({ ...greedy, messages })).choices[0].message.content;
+    // what agent frameworks and the SDK's users send, which vLLM accepts and does not use
+    const r = await client.chat.completions.create({
+      ...greedy, messages, store: true, metadata: { app: "sdk-test" }, user: "u-42", service_tier: "auto",
+      reasoning_effort: "low", parallel_tool_calls: false, prompt_cache_key: "k1", safety_identifier: "s1",
+      n: 1, presence_penalty: 0, frequency_penalty: 0, logprobs: false, tool_choice: "none", tools: [],
+      response_format: { type: "text" },
+    });
+    assert.equal(r.choices[0].message.content, plain, "ignored fields change nothing");
+    const c = await client.completions.create({ ...greedy, prompt: "Hi", user: "u-42", metadata: { a: "b" }, echo: false });
+    assert.equal(c.choices[0].finish_reason, "length");
+    assert.ok((await metric("kvbank_gateway_ignored_fields_total", { field: "reasoning_effort" })) >= 1);
+    return "store, metadata, user, service_tier, reasoning_effort, parallel_tool_calls, ... accepted; same text";
+  }],
+
+  ["stream-abort", async () => {
+    const before = (await metric("kvbank_gateway_client_disconnects_total", {})) ?? 0;
+    const stream = await client.chat.completions.create({ ...greedy, messages, max_tokens: 4000, stream: true });
+    let n = 0;
+    for await (const chunk of stream) if (chunk.choices.length && ++n === 3) break; // the SDK aborts the request
+    for (let i = 0; i < 100; i++) {
+      if ((await metric("kvbank_gateway_client_disconnects_total", {})) > before) {
+        return "breaking out of a stream cancels the request at the gateway";
+      }
+      await new Promise((res) => setTimeout(res, 100));
+    }
+    assert.fail("the gateway did not see the client leave");
+  }],
+];
+
+let failed = 0;
+for (const [name, fn] of CASES) {
+  if (args.only && args.only !== name) continue;
+  try {
+    const what = await fn();
+    console.log(`ok   - ${name}: ${what}`);
+  } catch (e) {
+    failed++;
+    console.log(`FAIL - ${name}: ${e.stack || e}`);
+  }
+}
+process.exit(failed ? 1 : 0);
