@@ -384,6 +384,22 @@ kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket) {
     return st;
 }
 
+int kvb_stager_done(kvb_stager *s, uint64_t ticket) {
+    int link = (int)(ticket >> 56);
+    if (link >= KVB_LINK_COUNT) return 1;
+    uint64_t t = ticket & ((1ull << 56) - 1);
+    lane *ln = &s->lanes[link];
+    pthread_mutex_lock(&s->mu);
+    int done = ln->done >= t;
+    if (done && s->lm.share) { /* the model's record of it, if it was posted since the last drain */
+        share_advance(s, ln, mono_s());
+        for (int i = 0; i < ln->nv; i++)
+            if (ln->v[i].t == t) done = ln->v[i].done;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return done;
+}
+
 kvb_status kvb_stager_drain(kvb_stager *s) {
     kvb_status st = KVB_OK;
     pthread_mutex_lock(&s->mu);

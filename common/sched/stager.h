@@ -62,6 +62,9 @@ kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, 
  * transfer's share of the link has carried its bytes: every earlier transfer has landed in memory (the
  * copies themselves run in post order) but may still be charged by the model. */
 kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket);
+/* 1 when kvb_stager_wait(ticket) would return at once (the transfer is done, as wait defines it), else 0;
+ * never blocks. For a write-back nobody waits for until its memory is needed. */
+int kvb_stager_done(kvb_stager *s, uint64_t ticket);
 /* Waits for every posted transfer; returns the first error of any link and clears the errors. */
 kvb_status kvb_stager_drain(kvb_stager *s);
 /* What each link did since the last call (bytes, transfers, busy time, achieved bandwidth). */
