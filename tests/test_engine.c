@@ -477,6 +477,88 @@ KVB_TEST(host_tier_async_writeback) {
 }
 KVB_TEST_END
 
+/* Prints the host tier's counters (the test's record when it fails). */
+static void wb_line(const char *when, const kvb_engine_stats *s) {
+    fprintf(stderr, "%-8s stores %llu (%llu ahead), waits %llu, in flight %d, loads %llu, host link %llu bytes\n", when,
+            (unsigned long long)s->host_tier_stores, (unsigned long long)s->host_tier_stores_ahead,
+            (unsigned long long)s->host_tier_wb_waits, s->host_tier_wb_in_flight, (unsigned long long)s->host_tier_loads,
+            (unsigned long long)s->links[KVB_LINK_HOST].bytes);
+}
+
+KVB_TEST(host_tier_writeback_beside_loads) {
+    /* The write-back runs on the host link's from-device queue, beside the loads (PCIe is full duplex: a
+     * GPU's D2H and H2D copy engines run side by side, and HiCache / LMCache write back on a stream of
+     * their own). The host link carries one block in 0.5 s; a 20-block pool; a request's blocks go back
+     * to the LRU last block first. X (5 blocks) is written back ahead while Y runs; Z's prefill evicts X4
+     * and X3 (waiting for that write-back) and writes Y's 7 blocks back ahead; E's prefill evicts X2..X0
+     * and Y6 (waiting) and writes Z's 9 blocks back ahead (4.5 s in flight). D, X's first 17 tokens, finds
+     * X0 and X1 in the host tier only: it loads them layer by layer (two transfers, 1 s together) and
+     * evicts Y5 and Y4, whose copies have landed. D's step returns with Z's write-back still in flight: its
+     * loads did not queue behind it
+     * (on one queue per link they would have, and the write-back would have landed first). Every copy
+     * counts on the host link, and every request gives the tokens of a plain run. */
+    setup_model("llama");
+    make_prompts();
+    static rec got, plain;
+    memset(&got, 0, sizeof got);
+    kvb_kv_geom g = kvb_model_kv_geom(model, 8);
+    const uint64_t bb = kvb_kv_block_bytes(&g);
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.block_size = 8;
+    o.n_blocks = 20;
+    ck_assert_int_eq(kvb_link_preset_find("off", &o.links), KVB_OK);
+    o.links.links[KVB_LINK_HOST] = (kvb_link){.bytes_per_s = (double)bb / 0.5, .latency_s = 0};
+    wb_probe probe = {0};
+    kvb_planner pl = {.iface = &probe_iface, .ctx = &probe};
+    kvb_engine_events ev = {.ud = &got, .on_token = on_token, .on_finish = on_finish};
+    kvb_engine *e = NULL;
+    ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
+    enum { NR = 5 };
+    int32_t pr[NR][80];
+    const int pn[NR] = {PL[0], 60, 73, 33, 17}, mt[NR] = {4, 4, 1, 1, 1}; /* X, Y, Z, E, D */
+    memcpy(pr[0], P[0], sizeof(int32_t) * PL[0]);
+    memcpy(pr[4], P[0], sizeof(int32_t) * PL[0]);
+    for (int r = 1; r < 4; r++)
+        for (int i = 0; i < pn[r]; i++) pr[r][i] = (i * (29 + 2 * r) + 5 * r) % 200;
+    kvb_engine_stats s;
+    for (int r = 0; r < 4; r++) { /* X, Y, Z, E, each to its end */
+        add(e, (uint64_t)r, pr[r], pn[r], mt[r]);
+        run(e);
+        s = stats_of(e);
+        wb_line((const char *[]){"X", "Y", "Z", "E"}[r], &s);
+    }
+    ck_assert_uint_eq(s.host_tier_wb_waits, 2);   /* Z for X's write-back, E for Y's */
+    ck_assert_int_eq(s.host_tier_wb_in_flight, 9); /* Z's blocks */
+    ck_assert_uint_eq(s.links[KVB_LINK_HOST].bytes, (s.host_tier_stores - 9) * bb); /* what landed */
+
+    add(e, 4, pr[4], pn[4], mt[4]);
+    ck_assert_int_eq(kvb_engine_step(e), KVB_OK); /* D: X3 from the host tier, layer by layer */
+    kvb_engine_stats d = stats_of(e);
+    wb_line("D", &d);
+    ck_assert_uint_eq(d.host_tier_loads - s.host_tier_loads, 2);
+    ck_assert_uint_eq(d.prefix_hit_tokens - s.prefix_hit_tokens, 16);
+    ck_assert_uint_eq(d.links[KVB_LINK_HOST].copies - s.links[KVB_LINK_HOST].copies, 2); /* one per layer, landed */
+    ck_assert_uint_eq(d.host_tier_wb_waits, 2);    /* it evicted no block in flight */
+    ck_assert_int_ge(d.host_tier_wb_in_flight, 9); /* Z's write-back did not land before D's loads */
+    ck_assert_uint_eq(d.links[KVB_LINK_HOST].bytes, /* the load landed; what is in flight has not */
+                      (d.host_tier_stores - (uint64_t)d.host_tier_wb_in_flight + d.host_tier_loads) * bb);
+    ck_assert_int_eq(got.fin[4], KVB_FINISH_LENGTH);
+    assert_no_leak(e);
+    kvb_engine_destroy(e); /* waits for the write-back in flight */
+
+    memset(&plain, 0, sizeof plain);
+    for (int r = 0; r < NR; r++) {
+        e = make_engine(&plain, 8, 64, 512, 0);
+        add(e, (uint64_t)r, pr[r], pn[r], mt[r]);
+        run(e);
+        kvb_engine_destroy(e);
+    }
+    assert_same(&got, &plain, NR);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST(host_tier_async_lossless) {
     /* Memory pressure: four two-turn sessions on a 12-block pool (preemptions, evictions, write-backs ahead
      * of them, host-tier hits) under the host-tier planner with asynchronous write-back and a host link
@@ -607,5 +689,5 @@ KVB_TEST(greedy_argmax) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("engine", KVB_T(greedy_argmax, 30), KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
-              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(host_tier_async_writeback, 90),
+              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(host_tier_async_writeback, 90), KVB_T(host_tier_writeback_beside_loads, 90),
               KVB_T(host_tier_async_lossless, 90), KVB_T(inflight_prefix_deferred, 60))

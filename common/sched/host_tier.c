@@ -22,7 +22,8 @@ kvb_status kvb__host_copy(kvb_engine *e, kvb_xfer_dir dir, void *dst, const void
 kvb_status kvb__host_flush(kvb_engine *e) {
     if (e->n_ht_pend == 0) return KVB_OK;
     uint64_t t;
-    kvb_status st = kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_D2H, e->ht_pend, e->n_ht_pend, &t);
+    /* the host tier's copies out share the link's from-device queue with its write-backs ahead */
+    kvb_status st = kvb_stager_post_out(e->stager, KVB_LINK_HOST, e->ht_pend, e->n_ht_pend, &t);
     e->n_ht_pend = 0;
     return st == KVB_OK ? kvb_stager_wait(e->stager, t) : st;
 }
@@ -67,11 +68,13 @@ kvb_status kvb__host_blocks_push(kvb_engine *e, kvb_block_table *t, int n) {
  * Write-back ahead of eviction (host_async_writeback), as HiCache's write-through and LMCache's store
  * run on a copy stream of their own: at each step's start the idle cached blocks the next step may evict
  * (the LRU tail: a step's budget in blocks plus the most recent steps evicted, less the free blocks) are
- * copied to new host-tier blocks in one transfer, posted after the step's loads and waited for by
+ * copied to new host-tier blocks in one transfer on the host link's from-device queue (full duplex, as
+ * a GPU's D2H copy engine runs beside its H2D one: no later step's loads queue behind it), waited for by
  * nobody. Tickets order the rest: a host copy is published (readable) only once its transfer has
  * landed, and a pool block whose write-back is in flight is handed out again only after it landed (the
  * evict hook waits for it). A block the pool evicts before it was written back is copied as before:
- * batched, waited for before the step's forward pass. Cached blocks are immutable, so a block read by a
+ * batched on the same queue (behind the write-backs in flight), waited for before the step's forward
+ * pass. Cached blocks are immutable, so a block read by a
  * write-back while a step runs is never written by it. */
 
 typedef struct wb_batch {
@@ -182,7 +185,7 @@ static kvb_status wb_post(kvb_engine *e, host_mech *h) {
                               kvb_kv_block_bytes(&e->geom)};
         w.n++;
     }
-    kvb_status st = w.n ? kvb_stager_post(e->stager, KVB_LINK_HOST, KVB_XFER_D2H, w.x, w.n, &w.ticket) : KVB_OK;
+    kvb_status st = w.n ? kvb_stager_post_out(e->stager, KVB_LINK_HOST, w.x, w.n, &w.ticket) : KVB_OK;
     if (st != KVB_OK || w.n == 0) {
         for (int i = 0; i < w.n; i++) kvb_block_pool_unref(e->ht_pool, w.host[i]);
         free(w.x);
@@ -309,8 +312,8 @@ static kvb_status hm_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
         KVB_TRY(loads_post(e, h));
         *flags = KVB__STEP_ACTIVE;
     }
-    /* after the loads: on the link's queue a write-back never delays the loads of the step it is posted in;
-     * no DRAIN: nothing waits for it but a reuse of its blocks */
+    /* on the link's from-device queue: it never delays a step's loads; no DRAIN: nothing waits for it but
+     * a reuse of its blocks */
     return h->async_wb ? wb_post(e, h) : KVB_OK;
 }
 
