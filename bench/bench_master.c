@@ -444,6 +444,8 @@ typedef struct mt_result {
     int64_t reclaimed, lost, kept, demoted, moved; /* blocks; lost = cached blocks dropped by reclaims */
     uint64_t h_stores, h_ahead, h_waits; /* host-tier copies out, of which written back ahead, evictions waiting */
     kvb_link_report host;                /* what the host link carried (both directions) */
+    uint64_t steps;                      /* engine steps in the window */
+    int max_running;                     /* most requests running at once (warm-up included) */
     double wall_s;       /* the measured window's replay */
 } mt_result;
 
@@ -575,6 +577,8 @@ out_pg:
         out->hit = s1.prefix_hit_tokens - s0.prefix_hit_tokens;
         out->preempted = s1.preemptions - s0.preemptions;
         out->stalled = s1.stalled_failed - s0.stalled_failed;
+        out->steps = s1.steps - s0.steps;
+        out->max_running = s1.max_running;
         out->h_stores = s1.host_tier_stores - s0.host_tier_stores;
         out->h_ahead = s1.host_tier_stores_ahead - s0.host_tier_stores_ahead;
         out->h_waits = s1.host_tier_wb_waits - s0.host_tier_wb_waits;
@@ -603,6 +607,8 @@ static void mt_print_run(const char *name, int rep, const mt_result *r, int64_t 
     if (r->reclaims)
         printf("  %d reclaims (%lld blocks): %lld cached lost, %lld kept, %lld moved live", r->reclaims,
                (long long)r->reclaimed, (long long)r->lost, (long long)r->kept, (long long)r->moved);
+    printf("  %llu steps (window / steps: %.2f ms), at most %d running", (unsigned long long)r->steps,
+           r->steps ? r->wall_s * 1e3 / (double)r->steps : 0, r->max_running);
     if (r->h_stores || r->host.copies)
         printf("  host link: %.1f MB in %llu copies, busy %.2f s; %llu blocks copied out (%llu written back ahead, %llu "
                "evictions waited for one)", (double)r->host.bytes / 1e6, (unsigned long long)r->host.copies,
