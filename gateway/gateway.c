@@ -123,6 +123,7 @@ typedef struct gw_model {
     int impostor;                 /* the last Pong came from another process than the one the coordinator
                                    * registered under this name (its pid, checked by the kernel) */
     uint32_t n_own, n_lent, n_borrowed, capacity;
+    int block_size;               /* tokens per KV block (its registered geometry; 0: not known yet) */
     uint64_t lends, reclaims, lend_ms_total, reclaim_ms_total;
     /* what the gateway measured (delivery side) */
     gw_hist ttft, tpot, itl, gen_itl, e2e;
@@ -325,6 +326,11 @@ static void send_error(gw *g, h2o_req_t *req, int ep, const gw_error *e) {
     if (!b) {
         send_body(g, req, ep, 500, "text/plain", "out of memory\n", 14);
         return;
+    }
+    if (e->retry_after_s > 0) {
+        char *v = h2o_mem_alloc_pool(&req->pool, 16);
+        int len = snprintf(v, 16, "%d", e->retry_after_s);
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_RETRY_AFTER, NULL, v, (size_t)len);
     }
     send_body(g, req, ep, e->status, "application/json", b, n);
     free(b);
@@ -670,7 +676,23 @@ static int status_for(kvb_status st) {
     case KVB_ERR_INVALID: return 400;
     case KVB_ERR_EXHAUSTED: return 429;
     case KVB_ERR_TIMEOUT: return 503;
+    case KVB_ERR_BUSY: return 503;
     default: return 500;
+    }
+}
+
+/* A model's failure as the stream's error: the status the code maps to; capacity the model lacks now
+ * (KVB_ERR_BUSY: KV blocks lent, not borrowed yet) is a 503 the client may retry after a while. */
+static void stream_fail_upstream(gw_stream *s, kvb_status st, const char *err) {
+    stream_fail(s, status_for(st), st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error", "%s",
+                err && *err ? err : kvb_status_str(st));
+    if (st == KVB_ERR_BUSY) {
+        s->err.retry_after_s = s->g->o->retry_after_s;
+        char more[KVB_NAME_MAX_GW + 96];
+        snprintf(more, sizeof more, " (model '%s' lacks the KV memory for this request now; retry after %d s)",
+                 s->m->name, s->err.retry_after_s);
+        size_t n = strlen(s->err.message);
+        snprintf(s->err.message + n, sizeof s->err.message - n, "%s", more);
     }
 }
 
@@ -710,8 +732,7 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
     } else if (finish != KVB_FINISH_NONE && !s->finished) {
         s->upstream_live = 0;
         if (st != KVB_OK) {
-            stream_fail(s, status_for(st), st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error", "%s",
-                        err && *err ? err : kvb_status_str(st));
+            stream_fail_upstream(s, st, err);
         } else {
             s->finished = 1;
             int tail_stop = 0;
@@ -894,6 +915,7 @@ static void status_apply(gw *g, const Kvbank__StatusReply *r) {
         m->n_lent = ms->n_lent;
         m->n_borrowed = ms->n_borrowed;
         m->capacity = ms->capacity;
+        if (ms->geom) m->block_size = (int)ms->geom->block_size;
         m->lends = ms->lends;
         m->reclaims = ms->reclaims;
         m->lend_ms_total = ms->lend_ms_total;
@@ -1101,11 +1123,30 @@ static void handle_health(gw *g, h2o_req_t *req, int ep) {
     else send_body(g, req, ep, 503, "text/plain", why, strlen(why));
 }
 
+/* The longest request (prompt and completion) model m serves, what /v1/models advertises and the only
+ * length the gateway refuses by (0: not known): its context (config.json), for a worker at most what
+ * its KV memory holds (a worker never borrows). A master's own memory is no bound: it borrows, and a
+ * request that does not fit what it holds now waits for loans (kvb_engine_opts.borrows). */
+static int model_context(const gw_model *m) {
+    int n = m->have_cfg ? m->cfg.max_pos : 0;
+    if (m->role == KVB_ROLE_WORKER && m->capacity > 0 && m->block_size > 0) {
+        int64_t mem = (int64_t)m->capacity * m->block_size;
+        if (!n || mem < n) n = (int)KVB_MIN(mem, (int64_t)INT32_MAX);
+    }
+    return n;
+}
+
+/* 1 when a request of `tokens` (prompt and completion) needs more KV blocks than model m's pool held
+ * at its last Pong: it will wait for blocks (or fail with 503 after the model's stall wait). */
+static int model_short_of_blocks(const gw_model *m, int64_t tokens) {
+    return m->block_size > 0 && m->pong_ns && KVB_DIV_CEIL(tokens, m->block_size) > (int64_t)m->pong.blocks_total;
+}
+
 /* A model's card (OpenAI's Model object, with vLLM's root and max_model_len). */
 static json_t *model_card(const gw_model *m) {
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", m->name, "object", "model", "created", (json_int_t)0,
                           "owned_by", "kvbank", "root", m->model_dir);
-    if (o && m->have_cfg) json_object_set_new(o, "max_model_len", json_integer(m->cfg.max_pos));
+    if (o && model_context(m)) json_object_set_new(o, "max_model_len", json_integer(model_context(m)));
     return o;
 }
 
@@ -1262,7 +1303,7 @@ static void job_run(uv_work_t *w) {
                 job_fail(j, 400, "prompt", "%s", "the prompt is not valid UTF-8 text");
             } else {
                 json_t *o = json_pack("{s:i, s:i, s:o}", "count", n, "max_model_len",
-                                      j->m->have_cfg ? j->m->cfg.max_pos : 0, "tokens", ids_json(ids, n));
+                                      model_context(j->m), "tokens", ids_json(ids, n));
                 j->body = o ? json_dumps(o, JSON_COMPACT) : NULL;
                 json_decref(o);
             }
@@ -1420,7 +1461,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
                              m->name, m->cfg.vocab);
                 goto reject;
             }
-    int max_pos = m->have_cfg ? m->cfg.max_pos : 0;
+    int max_pos = model_context(m);
     if (max_pos && p->n_prompt_ids >= max_pos) {
         gw_error_set(&err, 400, "invalid_request_error", "prompt",
                      "the prompt has %d tokens; model '%s' takes at most %d (prompt and completion together)",
@@ -1523,7 +1564,9 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     }
     s->upstream_live = 1;
     s->submit_ns = kvb_now_ns();
-    if (s->stream) stream_pump(s); /* the response head goes out at once */
+    /* The response head goes out at once, unless the request waits for KV blocks the model lacks now:
+     * then it goes with the first token, so that running out of time is still a 503 with Retry-After. */
+    if (s->stream && !model_short_of_blocks(m, (int64_t)s->n_prompt + max_tokens)) stream_pump(s);
     kvb_client_dispatch(m->client); /* the send may have consumed the fd's edge */
     return;
 reject:
@@ -1956,6 +1999,7 @@ void gw_opts_default(gw_opts *o) {
     o->drain_timeout_ms = 30000;
     o->text_workers = 2;
     o->health_open = o->metrics_open = 1;
+    o->retry_after_s = 5;
 }
 
 kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts *models, int max_models) {
@@ -1975,6 +2019,7 @@ kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts
         o->metrics_open = c->gateway.metrics_open;
         o->tls_cert = c->gateway.tls_cert;
         o->tls_key = c->gateway.tls_key;
+        o->retry_after_s = c->gateway.retry_after_s;
     }
     if (c->n_models > max_models) return KVB_ERR_INVALID;
     for (int i = 0; i < c->n_models; i++) {

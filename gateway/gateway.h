@@ -46,6 +46,7 @@ typedef struct gw_opts {
     int metrics_open;         /* /metrics without a key (default 1) */
     const char *tls_cert;     /* PEM files: serve HTTPS (HTTP/2 by ALPN); NULL: plain HTTP */
     const char *tls_key;
+    int retry_after_s;        /* the Retry-After of a 503 for capacity a model lacks now (default 5) */
 } gw_opts;
 
 void gw_opts_default(gw_opts *o);
