@@ -880,8 +880,10 @@ static void model_load_dir(gw_model *m) {
         if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
             KVB_LOG_W("gateway: model %s: its tokenizer cannot be used (%s); it takes token ids only", m->name,
                       kvb_status_str(ts));
-        if (m->tok) {
+        if (m->tok) { /* the budgets are set before any worker thread uses them */
+            kvb_tokenizer_set_limits(m->tok, &m->g->o->text_limits);
             ts = kvb_chat_template_load_why(m->model_dir, &m->tmpl, m->tmpl_why, sizeof m->tmpl_why);
+            if (m->tmpl) kvb_chat_template_set_limits(m->tmpl, &m->g->o->text_limits);
             if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
                 KVB_LOG_W("gateway: model %s: served without chat: its chat template cannot be used (%s)", m->name,
                           m->tmpl_why);
@@ -1240,6 +1242,48 @@ static void job_fail(gw_job *j, int status, const char *param, const char *fmt, 
     gw_error_set(&j->err, status, status >= 500 ? "server_error" : "invalid_request_error", param, fmt, detail);
 }
 
+/* The gateway setting of the render budget a failed render's message names (the text layer's words:
+ * common/text/jinja_eval.c), or NULL for the nesting bound, which is the template language's. */
+static const char *render_budget_field(const char *terr) {
+    if (strstr(terr, "memory budget")) return "render_memory_mb";
+    if (strstr(terr, "output budget")) return "render_output_kb";
+    if (strstr(terr, "budget of") && strstr(terr, "steps")) return "render_steps";
+    return NULL;
+}
+
+/* A render that failed: the template's own error (raise_exception, a bad expression) is 400 "the chat
+ * template failed"; a budget spent is 413 for the output and memory budgets (the request asked for
+ * more text than the gateway renders), 400 for the step budget and the nesting bound, naming the
+ * gateway's setting. */
+static void job_render_failed(gw_job *j, kvb_status st, const char *terr) {
+    char msg[400];
+    if (st == KVB_ERR_EXHAUSTED) {
+        const char *field = render_budget_field(terr);
+        if (field) snprintf(msg, sizeof msg, "%s (the gateway's \"%s\")", terr, field);
+        else snprintf(msg, sizeof msg, "%s", terr);
+        job_fail(j, field && strcmp(field, "render_steps") ? 413 : 400, "messages",
+                 "rendering the chat template ran over a budget: %s", msg);
+    } else if (st == KVB_ERR_NOMEM) {
+        job_fail(j, 500, NULL, "%s", "out of memory");
+    } else {
+        job_fail(j, 400, "messages", "the chat template failed: %s", terr);
+    }
+}
+
+/* A tokenization that failed: invalid UTF-8 is 400, the encode budget spent 413 naming it. */
+static void job_encode_failed(gw_job *j, kvb_status st, const char *param, size_t len) {
+    char msg[160];
+    if (st == KVB_ERR_EXHAUSTED) {
+        snprintf(msg, sizeof msg, "%zu bytes, more than the tokenizer's budget of %zu (the gateway's \"encode_kb\")", len,
+                 j->g->o->text_limits.encode_bytes);
+        job_fail(j, 413, param, "the text to tokenize is %s", msg);
+    } else if (st == KVB_ERR_INVALID) {
+        job_fail(j, 400, param, "%s", "the prompt is not valid UTF-8 text");
+    } else {
+        job_fail(j, 500, NULL, "tokenizing failed: %s", kvb_status_str(st));
+    }
+}
+
 /* The text of a prompt: `text`, or the chat template rendered over `messages`; *owned is set when the
  * result is a new buffer. On the worker. */
 static int job_text(gw_job *j, const char *text, size_t len, json_t *messages, int add_gen, json_t *kwargs,
@@ -1247,8 +1291,9 @@ static int job_text(gw_job *j, const char *text, size_t len, json_t *messages, i
     char terr[256] = "";
     *owned = NULL;
     if (messages) {
-        if (kvb_chat_render(j->m->tmpl, messages, add_gen, kwargs, owned, terr, sizeof terr) != KVB_OK) {
-            job_fail(j, 400, "messages", "the chat template failed: %s", terr);
+        kvb_status rs = kvb_chat_render(j->m->tmpl, messages, add_gen, kwargs, owned, terr, sizeof terr);
+        if (rs != KVB_OK) {
+            job_render_failed(j, rs, terr);
             return 0;
         }
         text = *owned;
@@ -1278,15 +1323,22 @@ static void job_run(uv_work_t *w) {
                      p->template_kwargs, &text, &len, &owned)) {
             kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, p->add_special_tokens, &p->prompt_ids,
                                                  &p->n_prompt_ids);
-            if (es != KVB_OK || p->n_prompt_ids == 0)
-                job_fail(j, 400, chat ? "messages" : "prompt", "%s",
-                         es != KVB_OK ? "the prompt is not valid UTF-8 text" : "the prompt is empty");
+            if (es != KVB_OK) job_encode_failed(j, es, chat ? "messages" : "prompt", len);
+            else if (p->n_prompt_ids == 0) job_fail(j, 400, chat ? "messages" : "prompt", "%s", "the prompt is empty");
         }
     } else if (j->kind == JOB_DETOKENIZE) {
         char *out = NULL;
         size_t n = 0;
-        if (kvb_tokenizer_decode(j->m->tok, j->tp.ids, j->tp.n_ids, 0, &out, &n) != KVB_OK) {
+        kvb_status ds = kvb_tokenizer_decode(j->m->tok, j->tp.ids, j->tp.n_ids, 0, &out, &n);
+        if (ds == KVB_ERR_EXHAUSTED) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "%d token ids, more than the detokenizer's budget of %zu (the gateway's \"decode_ids\")",
+                     j->tp.n_ids, j->g->o->text_limits.decode_ids);
+            job_fail(j, 413, "tokens", "%s", msg);
+        } else if (ds == KVB_ERR_INVALID) {
             job_fail(j, 400, "tokens", "a token id is outside the vocabulary of '%s'", j->m->name);
+        } else if (ds != KVB_OK) {
+            job_fail(j, 500, NULL, "detokenizing failed: %s", kvb_status_str(ds));
         } else {
             json_t *o = json_pack("{s:s%}", "prompt", out, n);
             j->body = o ? json_dumps(o, JSON_COMPACT) : NULL;
@@ -1299,8 +1351,9 @@ static void job_run(uv_work_t *w) {
                      &owned)) {
             int32_t *ids = NULL;
             int n = 0;
-            if (kvb_tokenizer_encode(j->m->tok, text, len, tp->add_special_tokens, &ids, &n) != KVB_OK) {
-                job_fail(j, 400, "prompt", "%s", "the prompt is not valid UTF-8 text");
+            kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, tp->add_special_tokens, &ids, &n);
+            if (es != KVB_OK) {
+                job_encode_failed(j, es, tp->messages ? "messages" : "prompt", len);
             } else {
                 json_t *o = json_pack("{s:i, s:i, s:o}", "count", n, "max_model_len",
                                       model_context(j->m), "tokens", ids_json(ids, n));
@@ -2000,6 +2053,7 @@ void gw_opts_default(gw_opts *o) {
     o->text_workers = 2;
     o->health_open = o->metrics_open = 1;
     o->retry_after_s = 5;
+    kvb_text_limits_default(&o->text_limits);
 }
 
 kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts *models, int max_models) {
@@ -2020,6 +2074,13 @@ kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts
         o->tls_cert = c->gateway.tls_cert;
         o->tls_key = c->gateway.tls_key;
         o->retry_after_s = c->gateway.retry_after_s;
+        const kvb_node_gateway *cg = &c->gateway;
+        kvb_text_limits *l = &o->text_limits;
+        if (cg->encode_bytes > 0) l->encode_bytes = (size_t)cg->encode_bytes;
+        if (cg->decode_ids > 0) l->decode_ids = (size_t)cg->decode_ids;
+        if (cg->render_steps > 0) l->render_steps = (uint64_t)cg->render_steps;
+        if (cg->render_output > 0) l->render_output = (size_t)cg->render_output;
+        if (cg->render_memory > 0) l->render_memory = (size_t)cg->render_memory;
     }
     if (c->n_models > max_models) return KVB_ERR_INVALID;
     for (int i = 0; i < c->n_models; i++) {

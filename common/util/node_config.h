@@ -50,6 +50,9 @@
  *     "tls_cert": "cert.pem", "tls_key": "key.pem"  HTTPS (HTTP/2 by ALPN) with this PEM chain and key
  *     "retry_after_s": 5,                     Retry-After of a 503 when a model lacks the KV memory for
  *                                             a request now (it waited the model's stall_wait_s)
+ *     "encode_kb": 8192, "decode_ids": 4194304,   the text layer's budgets per request (413 / 400 naming
+ *     "render_steps": 20000000,               the field when spent; defaults: the text layer's,
+ *     "render_output_kb": 8192, "render_memory_mb": 256   common/text/limits.h, docs/text.md)
  *   }
  * }
  * Exactly one master; names unique. The master and every worker that lends need backends of one family
@@ -116,6 +119,12 @@ typedef struct kvb_node_gateway {
     char *tls_cert;         /* PEM certificate chain and key: HTTPS (h2 by ALPN) instead of HTTP; NULL: none */
     char *tls_key;
     int retry_after_s;      /* Retry-After of a 503 for KV memory a model lacks now (default 5) */
+    /* the text layer's budgets per request (common/text/limits.h); 0: the text layer's default */
+    int64_t encode_bytes;   /* "encode_kb" * 1024: text one tokenization takes */
+    int64_t decode_ids;     /* "decode_ids": ids one /detokenize takes */
+    int64_t render_steps;   /* "render_steps": work one chat-template render may do */
+    int64_t render_output;  /* "render_output_kb" * 1024: text one render may produce */
+    int64_t render_memory;  /* "render_memory_mb" * 2^20: memory one render may allocate */
 } kvb_node_gateway;
 
 typedef struct kvb_node_config {
