@@ -58,17 +58,7 @@ def stream_events(c):
     """Reads a streamed response's events as they come (a generator of parsed events)."""
     r = c.getresponse()
     check(r.status == 200, "stream: 200 (got %d %r)" % (r.status, r.read()[:300] if r.status != 200 else b""))
-    buf = b""
-    while True:
-        chunk = r.read1(65536)
-        if not chunk:
-            return
-        buf += chunk
-        while b"\n\n" in buf:
-            ev, buf = buf.split(b"\n\n", 1)
-            check(ev.startswith(b"data: "), "an SSE data event: %r" % ev[:120])
-            if ev[6:] != b"[DONE]":
-                yield json.loads(ev[6:])
+    return (ev for ev in gateway_test.sse_iter(r) if ev is not None)
 
 
 def test_resume_after_master_restart():
