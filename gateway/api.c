@@ -36,6 +36,7 @@ void gw_error_set(gw_error *e, int status, const char *type, const char *param, 
     e->status = status;
     e->type = type;
     e->code = NULL;
+    e->retry_after_s = 0;
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
     va_list ap;
     va_start(ap, fmt);

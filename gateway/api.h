@@ -115,6 +115,7 @@ struct gw_error {
     char param[64];
     char message[512];
     const char *code;         /* OpenAI's "code" ("invalid_api_key"), or NULL (null) */
+    int retry_after_s;        /* > 0: the response says Retry-After (a 503 for capacity that may come back) */
 };
 
 void gw_error_set(gw_error *e, int status, const char *type, const char *param, const char *fmt, ...)

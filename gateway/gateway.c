@@ -123,6 +123,7 @@ typedef struct gw_model {
     int impostor;                 /* the last Pong came from another process than the one the coordinator
                                    * registered under this name (its pid, checked by the kernel) */
     uint32_t n_own, n_lent, n_borrowed, capacity;
+    int block_size;               /* tokens per KV block (its registered geometry; 0: not known yet) */
     uint64_t lends, reclaims, lend_ms_total, reclaim_ms_total;
     /* what the gateway measured (delivery side) */
     gw_hist ttft, tpot, itl, gen_itl, e2e;
@@ -325,6 +326,11 @@ static void send_error(gw *g, h2o_req_t *req, int ep, const gw_error *e) {
     if (!b) {
         send_body(g, req, ep, 500, "text/plain", "out of memory\n", 14);
         return;
+    }
+    if (e->retry_after_s > 0) {
+        char *v = h2o_mem_alloc_pool(&req->pool, 16);
+        int len = snprintf(v, 16, "%d", e->retry_after_s);
+        h2o_add_header(&req->pool, &req->res.headers, H2O_TOKEN_RETRY_AFTER, NULL, v, (size_t)len);
     }
     send_body(g, req, ep, e->status, "application/json", b, n);
     free(b);
@@ -670,7 +676,23 @@ static int status_for(kvb_status st) {
     case KVB_ERR_INVALID: return 400;
     case KVB_ERR_EXHAUSTED: return 429;
     case KVB_ERR_TIMEOUT: return 503;
+    case KVB_ERR_BUSY: return 503;
     default: return 500;
+    }
+}
+
+/* A model's failure as the stream's error: the status the code maps to; capacity the model lacks now
+ * (KVB_ERR_BUSY: KV blocks lent, not borrowed yet) is a 503 the client may retry after a while. */
+static void stream_fail_upstream(gw_stream *s, kvb_status st, const char *err) {
+    stream_fail(s, status_for(st), st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error", "%s",
+                err && *err ? err : kvb_status_str(st));
+    if (st == KVB_ERR_BUSY) {
+        s->err.retry_after_s = s->g->o->retry_after_s;
+        char more[KVB_NAME_MAX_GW + 96];
+        snprintf(more, sizeof more, " (model '%s' lacks the KV memory for this request now; retry after %d s)",
+                 s->m->name, s->err.retry_after_s);
+        size_t n = strlen(s->err.message);
+        snprintf(s->err.message + n, sizeof s->err.message - n, "%s", more);
     }
 }
 
@@ -710,8 +732,7 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
     } else if (finish != KVB_FINISH_NONE && !s->finished) {
         s->upstream_live = 0;
         if (st != KVB_OK) {
-            stream_fail(s, status_for(st), st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error", "%s",
-                        err && *err ? err : kvb_status_str(st));
+            stream_fail_upstream(s, st, err);
         } else {
             s->finished = 1;
             int tail_stop = 0;
@@ -859,8 +880,10 @@ static void model_load_dir(gw_model *m) {
         if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
             KVB_LOG_W("gateway: model %s: its tokenizer cannot be used (%s); it takes token ids only", m->name,
                       kvb_status_str(ts));
-        if (m->tok) {
+        if (m->tok) { /* the budgets are set before any worker thread uses them */
+            kvb_tokenizer_set_limits(m->tok, &m->g->o->text_limits);
             ts = kvb_chat_template_load_why(m->model_dir, &m->tmpl, m->tmpl_why, sizeof m->tmpl_why);
+            if (m->tmpl) kvb_chat_template_set_limits(m->tmpl, &m->g->o->text_limits);
             if (ts != KVB_OK && ts != KVB_ERR_NOT_FOUND)
                 KVB_LOG_W("gateway: model %s: served without chat: its chat template cannot be used (%s)", m->name,
                           m->tmpl_why);
@@ -894,6 +917,7 @@ static void status_apply(gw *g, const Kvbank__StatusReply *r) {
         m->n_lent = ms->n_lent;
         m->n_borrowed = ms->n_borrowed;
         m->capacity = ms->capacity;
+        if (ms->geom) m->block_size = (int)ms->geom->block_size;
         m->lends = ms->lends;
         m->reclaims = ms->reclaims;
         m->lend_ms_total = ms->lend_ms_total;
@@ -1101,11 +1125,30 @@ static void handle_health(gw *g, h2o_req_t *req, int ep) {
     else send_body(g, req, ep, 503, "text/plain", why, strlen(why));
 }
 
+/* The longest request (prompt and completion) model m serves, what /v1/models advertises and the only
+ * length the gateway refuses by (0: not known): its context (config.json), for a worker at most what
+ * its KV memory holds (a worker never borrows). A master's own memory is no bound: it borrows, and a
+ * request that does not fit what it holds now waits for loans (kvb_engine_opts.borrows). */
+static int model_context(const gw_model *m) {
+    int n = m->have_cfg ? m->cfg.max_pos : 0;
+    if (m->role == KVB_ROLE_WORKER && m->capacity > 0 && m->block_size > 0) {
+        int64_t mem = (int64_t)m->capacity * m->block_size;
+        if (!n || mem < n) n = (int)KVB_MIN(mem, (int64_t)INT32_MAX);
+    }
+    return n;
+}
+
+/* 1 when a request of `tokens` (prompt and completion) needs more KV blocks than model m's pool held
+ * at its last Pong: it will wait for blocks (or fail with 503 after the model's stall wait). */
+static int model_short_of_blocks(const gw_model *m, int64_t tokens) {
+    return m->block_size > 0 && m->pong_ns && KVB_DIV_CEIL(tokens, m->block_size) > (int64_t)m->pong.blocks_total;
+}
+
 /* A model's card (OpenAI's Model object, with vLLM's root and max_model_len). */
 static json_t *model_card(const gw_model *m) {
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", m->name, "object", "model", "created", (json_int_t)0,
                           "owned_by", "kvbank", "root", m->model_dir);
-    if (o && m->have_cfg) json_object_set_new(o, "max_model_len", json_integer(m->cfg.max_pos));
+    if (o && model_context(m)) json_object_set_new(o, "max_model_len", json_integer(model_context(m)));
     return o;
 }
 
@@ -1199,6 +1242,48 @@ static void job_fail(gw_job *j, int status, const char *param, const char *fmt, 
     gw_error_set(&j->err, status, status >= 500 ? "server_error" : "invalid_request_error", param, fmt, detail);
 }
 
+/* The gateway setting of the render budget a failed render's message names (the text layer's words:
+ * common/text/jinja_eval.c), or NULL for the nesting bound, which is the template language's. */
+static const char *render_budget_field(const char *terr) {
+    if (strstr(terr, "memory budget")) return "render_memory_mb";
+    if (strstr(terr, "output budget")) return "render_output_kb";
+    if (strstr(terr, "budget of") && strstr(terr, "steps")) return "render_steps";
+    return NULL;
+}
+
+/* A render that failed: the template's own error (raise_exception, a bad expression) is 400 "the chat
+ * template failed"; a budget spent is 413 for the output and memory budgets (the request asked for
+ * more text than the gateway renders), 400 for the step budget and the nesting bound, naming the
+ * gateway's setting. */
+static void job_render_failed(gw_job *j, kvb_status st, const char *terr) {
+    char msg[400];
+    if (st == KVB_ERR_EXHAUSTED) {
+        const char *field = render_budget_field(terr);
+        if (field) snprintf(msg, sizeof msg, "%s (the gateway's \"%s\")", terr, field);
+        else snprintf(msg, sizeof msg, "%s", terr);
+        job_fail(j, field && strcmp(field, "render_steps") ? 413 : 400, "messages",
+                 "rendering the chat template ran over a budget: %s", msg);
+    } else if (st == KVB_ERR_NOMEM) {
+        job_fail(j, 500, NULL, "%s", "out of memory");
+    } else {
+        job_fail(j, 400, "messages", "the chat template failed: %s", terr);
+    }
+}
+
+/* A tokenization that failed: invalid UTF-8 is 400, the encode budget spent 413 naming it. */
+static void job_encode_failed(gw_job *j, kvb_status st, const char *param, size_t len) {
+    char msg[160];
+    if (st == KVB_ERR_EXHAUSTED) {
+        snprintf(msg, sizeof msg, "%zu bytes, more than the tokenizer's budget of %zu (the gateway's \"encode_kb\")", len,
+                 j->g->o->text_limits.encode_bytes);
+        job_fail(j, 413, param, "the text to tokenize is %s", msg);
+    } else if (st == KVB_ERR_INVALID) {
+        job_fail(j, 400, param, "%s", "the prompt is not valid UTF-8 text");
+    } else {
+        job_fail(j, 500, NULL, "tokenizing failed: %s", kvb_status_str(st));
+    }
+}
+
 /* The text of a prompt: `text`, or the chat template rendered over `messages`; *owned is set when the
  * result is a new buffer. On the worker. */
 static int job_text(gw_job *j, const char *text, size_t len, json_t *messages, int add_gen, json_t *kwargs,
@@ -1206,8 +1291,9 @@ static int job_text(gw_job *j, const char *text, size_t len, json_t *messages, i
     char terr[256] = "";
     *owned = NULL;
     if (messages) {
-        if (kvb_chat_render(j->m->tmpl, messages, add_gen, kwargs, owned, terr, sizeof terr) != KVB_OK) {
-            job_fail(j, 400, "messages", "the chat template failed: %s", terr);
+        kvb_status rs = kvb_chat_render(j->m->tmpl, messages, add_gen, kwargs, owned, terr, sizeof terr);
+        if (rs != KVB_OK) {
+            job_render_failed(j, rs, terr);
             return 0;
         }
         text = *owned;
@@ -1237,15 +1323,22 @@ static void job_run(uv_work_t *w) {
                      p->template_kwargs, &text, &len, &owned)) {
             kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, p->add_special_tokens, &p->prompt_ids,
                                                  &p->n_prompt_ids);
-            if (es != KVB_OK || p->n_prompt_ids == 0)
-                job_fail(j, 400, chat ? "messages" : "prompt", "%s",
-                         es != KVB_OK ? "the prompt is not valid UTF-8 text" : "the prompt is empty");
+            if (es != KVB_OK) job_encode_failed(j, es, chat ? "messages" : "prompt", len);
+            else if (p->n_prompt_ids == 0) job_fail(j, 400, chat ? "messages" : "prompt", "%s", "the prompt is empty");
         }
     } else if (j->kind == JOB_DETOKENIZE) {
         char *out = NULL;
         size_t n = 0;
-        if (kvb_tokenizer_decode(j->m->tok, j->tp.ids, j->tp.n_ids, 0, &out, &n) != KVB_OK) {
+        kvb_status ds = kvb_tokenizer_decode(j->m->tok, j->tp.ids, j->tp.n_ids, 0, &out, &n);
+        if (ds == KVB_ERR_EXHAUSTED) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "%d token ids, more than the detokenizer's budget of %zu (the gateway's \"decode_ids\")",
+                     j->tp.n_ids, j->g->o->text_limits.decode_ids);
+            job_fail(j, 413, "tokens", "%s", msg);
+        } else if (ds == KVB_ERR_INVALID) {
             job_fail(j, 400, "tokens", "a token id is outside the vocabulary of '%s'", j->m->name);
+        } else if (ds != KVB_OK) {
+            job_fail(j, 500, NULL, "detokenizing failed: %s", kvb_status_str(ds));
         } else {
             json_t *o = json_pack("{s:s%}", "prompt", out, n);
             j->body = o ? json_dumps(o, JSON_COMPACT) : NULL;
@@ -1258,11 +1351,12 @@ static void job_run(uv_work_t *w) {
                      &owned)) {
             int32_t *ids = NULL;
             int n = 0;
-            if (kvb_tokenizer_encode(j->m->tok, text, len, tp->add_special_tokens, &ids, &n) != KVB_OK) {
-                job_fail(j, 400, "prompt", "%s", "the prompt is not valid UTF-8 text");
+            kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, tp->add_special_tokens, &ids, &n);
+            if (es != KVB_OK) {
+                job_encode_failed(j, es, tp->messages ? "messages" : "prompt", len);
             } else {
                 json_t *o = json_pack("{s:i, s:i, s:o}", "count", n, "max_model_len",
-                                      j->m->have_cfg ? j->m->cfg.max_pos : 0, "tokens", ids_json(ids, n));
+                                      model_context(j->m), "tokens", ids_json(ids, n));
                 j->body = o ? json_dumps(o, JSON_COMPACT) : NULL;
                 json_decref(o);
             }
@@ -1420,7 +1514,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
                              m->name, m->cfg.vocab);
                 goto reject;
             }
-    int max_pos = m->have_cfg ? m->cfg.max_pos : 0;
+    int max_pos = model_context(m);
     if (max_pos && p->n_prompt_ids >= max_pos) {
         gw_error_set(&err, 400, "invalid_request_error", "prompt",
                      "the prompt has %d tokens; model '%s' takes at most %d (prompt and completion together)",
@@ -1523,7 +1617,9 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     }
     s->upstream_live = 1;
     s->submit_ns = kvb_now_ns();
-    if (s->stream) stream_pump(s); /* the response head goes out at once */
+    /* The response head goes out at once, unless the request waits for KV blocks the model lacks now:
+     * then it goes with the first token, so that running out of time is still a 503 with Retry-After. */
+    if (s->stream && !model_short_of_blocks(m, (int64_t)s->n_prompt + max_tokens)) stream_pump(s);
     kvb_client_dispatch(m->client); /* the send may have consumed the fd's edge */
     return;
 reject:
@@ -1956,6 +2052,8 @@ void gw_opts_default(gw_opts *o) {
     o->drain_timeout_ms = 30000;
     o->text_workers = 2;
     o->health_open = o->metrics_open = 1;
+    o->retry_after_s = 5;
+    kvb_text_limits_default(&o->text_limits);
 }
 
 kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts *models, int max_models) {
@@ -1975,6 +2073,14 @@ kvb_status gw_opts_from_node(const kvb_node_config *c, gw_opts *o, gw_model_opts
         o->metrics_open = c->gateway.metrics_open;
         o->tls_cert = c->gateway.tls_cert;
         o->tls_key = c->gateway.tls_key;
+        o->retry_after_s = c->gateway.retry_after_s;
+        const kvb_node_gateway *cg = &c->gateway;
+        kvb_text_limits *l = &o->text_limits;
+        if (cg->encode_bytes > 0) l->encode_bytes = (size_t)cg->encode_bytes;
+        if (cg->decode_ids > 0) l->decode_ids = (size_t)cg->decode_ids;
+        if (cg->render_steps > 0) l->render_steps = (uint64_t)cg->render_steps;
+        if (cg->render_output > 0) l->render_output = (size_t)cg->render_output;
+        if (cg->render_memory > 0) l->render_memory = (size_t)cg->render_memory;
     }
     if (c->n_models > max_models) return KVB_ERR_INVALID;
     for (int i = 0; i < c->n_models; i++) {

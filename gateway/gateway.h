@@ -17,6 +17,7 @@
 #include <signal.h>
 #include <stdint.h>
 
+#include "common/text/limits.h"
 #include "common/util/node_config.h"
 #include "common/util/util.h"
 
@@ -46,6 +47,9 @@ typedef struct gw_opts {
     int metrics_open;         /* /metrics without a key (default 1) */
     const char *tls_cert;     /* PEM files: serve HTTPS (HTTP/2 by ALPN); NULL: plain HTTP */
     const char *tls_key;
+    int retry_after_s;        /* the Retry-After of a 503 for capacity a model lacks now (default 5) */
+    kvb_text_limits text_limits; /* what one request's tokenizing, detokenizing and rendering may cost
+                              * (default: the text layer's, kvb_text_limits_default) */
 } gw_opts;
 
 void gw_opts_default(gw_opts *o);

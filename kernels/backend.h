@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "common/mem/mem.h"
+#include "common/util/backend_name.h"
 #include "common/util/kv_geom.h"
 #include "common/util/util.h"
 
@@ -209,10 +210,7 @@ typedef struct kvb_backend {
 kvb_status kvb_backend_create_on(const char *name, int device, int n_threads, kvb_backend **out);
 kvb_status kvb_backend_create(const char *name, int n_threads, kvb_backend **out);
 void kvb_backend_destroy(kvb_backend *be);
-/* The activation dtype (which the KV cache shares) of the backend called `name` ("cpu", "cuda",
- * "cuda:f16", ...; NULL is "cpu"), known without creating it and also for backends not built into this
- * binary. KVB_ERR_UNSUPPORTED (logged) for a name no backend answers to. */
-kvb_status kvb_backend_act_dtype(const char *name, kvb_dtype *out);
+/* kvb_backend_act_dtype (a backend's activation dtype by its name): common/util/backend_name.h */
 /* Comma-separated names of the backends compiled into this binary (static string). */
 const char *kvb_backend_list(void);
 

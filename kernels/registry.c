@@ -59,21 +59,6 @@ void kvb_backend_destroy(kvb_backend *be) {
     free(be);
 }
 
-kvb_status kvb_backend_act_dtype(const char *name, kvb_dtype *out) {
-    /* every name a backend answers to, built in or not (kernels/cuda/backend_cuda.c: the variants) */
-    static const struct { const char *name; kvb_dtype dt; } names[] = {
-        {"cpu", KVB_DTYPE_F32},       {"cuda", KVB_DTYPE_BF16},     {"cuda:bf16", KVB_DTYPE_BF16},
-        {"cuda:f16", KVB_DTYPE_F16},  {"cuda:f32", KVB_DTYPE_F32},
-    };
-    for (size_t i = 0; i < KVB_ARRAY_LEN(names); i++)
-        if (!strcmp(names[i].name, name ? name : "cpu")) {
-            *out = names[i].dt;
-            return KVB_OK;
-        }
-    KVB_LOG_E("unknown backend \"%s\" (cpu, cuda, cuda:bf16, cuda:f16, cuda:f32)", name);
-    return KVB_ERR_UNSUPPORTED;
-}
-
 const char *kvb_backend_list(void) {
 #ifdef KVB_WITH_CUDA
     return "cpu,cuda";

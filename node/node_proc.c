@@ -398,6 +398,14 @@ void kvb_node_proc_load(const kvb_node_proc *p, kvb_node_load *out) {
 
 /* -------------------------------------------------------------------------------------- lifecycle */
 
+/* 1 when a worker may lend to this node's master: some worker of the config lends, or there is no
+ * config (the master run by hand cannot know its lenders). */
+static int node_lends(const kvb_node_proc_args *a) {
+    for (int i = 0; a->cfg && i < a->cfg->n_models; i++)
+        if (a->cfg->models[i].role == KVB_ROLE_WORKER && a->cfg->models[i].lend) return 1;
+    return !a->cfg;
+}
+
 /* The model's planner: its policy with its parameters. "lsc": "stream" (--lsc stream) is the swiftcache
  * planner's parameter lsc=stream; with the default policy it picks that planner. With a node config the
  * master also passes lenders_bytes, the KV budgets of the workers that lend (Eq. 2's C_i): its layer
@@ -525,6 +533,7 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
     eo.enable_prefix_cache = a->prefix_cache;
     eo.stall_wait_s = a->stall_wait_s;
     eo.stall_overtake = a->stall_overtake;
+    eo.borrows = a->role == KVB_ROLE_MASTER && node_lends(a);
     eo.kv_mem = kvb_mem_region_base(p->region);
     eo.kv_mem_bytes = kvb_mem_region_size(p->region);
     if (a->link_preset) { /* kvb_link_preset logs the known names for a bad one */

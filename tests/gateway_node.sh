@@ -67,11 +67,11 @@ tok = {"version": "1.0",
        "decoder": {"type": "ByteLevel"},
        "model": {"type": "BPE", "vocab": vocab, "merges": [list(m) for m in merges], "ignore_merges": False}}
 json.dump(tok, open(d + "/tokenizer.json", "w"))
-# chat_template_kwargs.pad repeats a loop in the template: a client-sized render (the gateway's
-# event loop must stay free while one runs)
+# chat_template_kwargs.pad runs pad x pad empty iterations over one list in the template: a client-sized
+# render of constant memory (the gateway's event loop must stay free while one runs)
 json.dump({"bos_token": "<|s|>", "eos_token": "<|e|>",
            "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}{{ eos_token }}"
-                            "{% endfor %}{% if pad is defined %}{% for i in range(pad) %}{% for j in range(pad) %}{% endfor %}{% endfor %}{% endif %}"
+                            "{% endfor %}{% if pad is defined %}{% set r = range(pad) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}{% endif %}"
                             "{% if add_generation_prompt %}[assistant] {% endif %}"},
           open(d + "/tokenizer_config.json", "w"))
 EOF

@@ -160,6 +160,9 @@ KVB_TEST(variants_and_errors) {
     for (int v = 0; v < N_VARIANTS; v++) {
         be = make(VARIANTS[v].name);
         ck_assert_int_eq(be->iface->act_dtype, VARIANTS[v].dt);
+        kvb_dtype named; /* what kvbankd sizes KV blocks by, without a backend */
+        ck_assert_int_eq(kvb_backend_act_dtype(VARIANTS[v].name, &named), KVB_OK);
+        ck_assert_int_eq(named, be->iface->act_dtype);
         ck_assert(kvb_cuda_backend_is(be));
         ck_assert_ptr_nonnull(kvb_cuda_backend_stream(be));
         kvb_cuda_device_info info;

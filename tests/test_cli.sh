@@ -111,5 +111,15 @@ open(p, 'wb').write(struct.pack('<Q', len(h)) + h + out)
 PYEOF
 expect 1 "model.norm.weight" -- "$B/kvbank-generate" --model "$D" --prompt-ids 1 --max-tokens 2
 
+# kvbankd checks configs and models without a compute backend: no kernel is linked into it (the KV
+# element size comes from the backend's name, common/util/backend_name.h)
+if ! command -v nm >/dev/null; then
+    bad "nm is not installed (binutils)"
+elif nm "$B/kvbankd" | grep -Eq " T (kvb_backend_create|kvb__backend_cpu_create|kvb_cpu_)"; then
+    bad "kvbankd links the kernels library: $(nm "$B/kvbankd" | grep -E " T (kvb_backend_create|kvb__backend_cpu_create)" | head -2)"
+else
+    ok "kvbankd links no compute backend"
+fi
+
 echo "test_cli: $fails failure(s)"
 [ "$fails" -eq 0 ]

@@ -3,8 +3,9 @@
 # tests/gateway_h2_test.py (a frame-level HTTP/2 client, curl --http2-prior-knowledge, h2load).
 set -euo pipefail
 # bodies up to 2 MiB (a 900 KB model name), a model silent for 10 s still counts as alive (a stopped
-# model must not take the others out of /health meanwhile)
-GW_MAX_BODY_KB=2048 GW_HB_MISSES=50
+# model must not take the others out of /health meanwhile), a render budget large enough for a render
+# of seconds (hostile)
+GW_MAX_BODY_KB=2048 GW_HB_MISSES=50 GW_EXTRA=', "render_steps": 20000000000'
 source "$(dirname "$0")/gateway_node.sh"
 gw_node_make
 gw_node_start

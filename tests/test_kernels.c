@@ -37,6 +37,15 @@ KVB_TEST(unknown_backend) {
     kvb_backend *be = NULL;
     ck_assert_int_eq(kvb_backend_create("tpu", 1, &be), KVB_ERR_UNSUPPORTED);
     ck_assert_ptr_null(be);
+    kvb_dtype dt;
+    ck_assert_int_eq(kvb_backend_act_dtype("tpu", &dt), KVB_ERR_UNSUPPORTED);
+    /* the name's dtype (what kvbankd sizes KV blocks by) is the created backend's */
+    be = make_backend(1);
+    ck_assert_int_eq(kvb_backend_act_dtype("cpu", &dt), KVB_OK);
+    ck_assert_int_eq(dt, be->iface->act_dtype);
+    ck_assert_int_eq(kvb_backend_act_dtype(NULL, &dt), KVB_OK);
+    ck_assert_int_eq(dt, be->iface->act_dtype);
+    kvb_backend_destroy(be);
 }
 KVB_TEST_END
 

@@ -278,6 +278,7 @@ typedef struct eopts {
     double stall_wait_s; /* > 0: kvb_engine_opts.stall_wait_s, with stall_overtake */
     long long lenders_bytes; /* stream: the swiftcache planner's lenders_bytes (LSC inside the budget) */
     int stall_overtake;
+    int borrows;        /* kvb_engine_opts.borrows (a master) */
     void *mem;
     size_t mem_bytes;
 } eopts;
@@ -291,6 +292,7 @@ static kvb_engine *mk(rec *r, eopts x) {
     o.enable_prefix_cache = x.prefix;
     o.kv_mem = x.mem;
     o.kv_mem_bytes = x.mem_bytes;
+    o.borrows = x.borrows;
     if (x.stall_wait_s > 0) {
         o.stall_wait_s = x.stall_wait_s;
         o.stall_overtake = x.stall_overtake;
@@ -775,7 +777,7 @@ KVB_TEST_END
 
 /* Issue 10: requests admitted on borrowed blocks, preempted when the loan goes and no longer fitting the
  * pool, must not hold the queue for good: a later request that fits is served past them (at most
- * stall_overtake of them), and they fail with KVB_ERR_EXHAUSTED after stall_wait_s. */
+ * stall_overtake of them), and they fail with KVB_ERR_BUSY after stall_wait_s. */
 KVB_TEST(stalled_head_overtaken_then_fails) {
     setup_model("llama", 3);
     make_prompts();
@@ -812,7 +814,7 @@ KVB_TEST(stalled_head_overtaken_then_fails) {
     ck_assert_int_eq(kvb_engine_n_live(e), 0);
     for (int k = 0; k < 3; k++) {
         ck_assert_int_eq(got.fin[rs[k].id], KVB_FINISH_ERROR);
-        ck_assert_int_eq(got.err[rs[k].id], KVB_ERR_EXHAUSTED);
+        ck_assert_int_eq(got.err[rs[k].id], KVB_ERR_BUSY);
     }
     kvb_engine_stats s;
     kvb_engine_get_stats(e, &s);
@@ -821,6 +823,66 @@ KVB_TEST(stalled_head_overtaken_then_fails) {
     assert_same(&ref, &got, done, 2);
     assert_no_leak(e);
     kvb_engine_destroy(e);
+    shm_close(&lend);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* Issue 26: a master's loans come and go (a restart, a drain), so a request within the context that
+ * its own blocks plus the loans attached now cannot hold waits for loans (stalled) instead of being
+ * refused as if it could never fit; it runs when a loan comes, with the reference's tokens. Refused
+ * still: beyond max_model_len, beyond the memory of an engine that does not borrow, and beyond what
+ * the planner lets a master borrow at most (the LSC within its budget). */
+KVB_TEST(master_waits_for_loans) {
+    setup_model("llama", 3);
+    make_prompts();
+    const req rs[] = {{0, P[0], 37, 30}}; /* 67 tokens: 17 blocks of 4 */
+    static rec ref, got;
+    reference(&ref, rs, 1);
+    size_t bb = block_bytes(4);
+    memset(&got, 0, sizeof got);
+    kvb_engine *e = mk(&got, (eopts){.bs = 4, .n_blocks = 4});
+    kvb_request q = {.id = 0, .prompt = P[0], .n_prompt = 37, .max_tokens = 30};
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_ERR_INVALID); /* it never borrows: 4 blocks is all */
+    ck_assert_msg(strstr(kvb_engine_last_error(e), "can never fit in 4 KV blocks"), "%s", kvb_engine_last_error(e));
+    kvb_engine_destroy(e);
+
+    e = mk(&got, (eopts){.bs = 4, .n_blocks = 4, .borrows = 1});
+    q.max_tokens = 512 - 37 + 1; /* the context still bounds it */
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_ERR_INVALID);
+    ck_assert_msg(strstr(kvb_engine_last_error(e), "exceeds the model length 512"), "%s", kvb_engine_last_error(e));
+    add(e, 0, P[0], 37, 30);
+    steps(e, 5);
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    ck_assert_int_eq(got.n[0], 0);
+    ck_assert_int_eq(s.n_waiting, 1);
+    ck_assert_int_eq(s.n_stalled, 1);
+    ck_assert_int_eq(kvb_engine_starved(e), 1);
+    shm lend;
+    shm_open_(&lend, 16 * bb);
+    ck_assert_int_eq(kvb_engine_attach(e, 1, lend.base, 16 * bb, 16), KVB_OK);
+    kvb_engine_get_stats(e, &s);
+    ck_assert_int_eq(s.n_stalled, 0);
+    run(e);
+    assert_same(&ref, &got, rs, 1);
+    kvb_engine_destroy(e);
+
+    /* the swiftcache planner streams at most 24 borrowed blocks (lsc_within_budget): 24 own + 24 */
+    shm own;
+    shm_open_(&own, 40 * bb);
+    e = mk(&got, (eopts){.bs = 4, .n_blocks = 40, .stream = 1, .mem = own.base, .mem_bytes = 40 * bb,
+                         .lenders_bytes = (long long)(24 * bb), .borrows = 1});
+    ck_assert_int_eq(kvb_engine_capacity(e), 24);
+    ck_assert_int_eq(kvb_engine_max_borrowed(e), 24);
+    q = (kvb_request){.id = 7, .prompt = P[0], .n_prompt = 37, .max_tokens = 48 * 4 - 37 + 1}; /* 49 blocks */
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_ERR_INVALID);
+    ck_assert_msg(strstr(kvb_engine_last_error(e), "can never fit in 48 KV blocks"), "%s", kvb_engine_last_error(e));
+    q.max_tokens--; /* 48 blocks: waits for the loans */
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    ck_assert_int_eq(kvb_engine_cancel(e, 7), KVB_OK);
+    kvb_engine_destroy(e);
+    shm_close(&own);
     shm_close(&lend);
     teardown_model();
 }
@@ -1204,7 +1266,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("lending", KVB_T(pool_segments, 20), KVB_T(prefix_on_segments, 10), KVB_T(worker_shrink_grow, 60),
               KVB_T(master_borrowed_session, 60), KVB_T(detach_moves_live_blocks, 60),
-              KVB_T(detach_preempts_without_free_blocks, 60), KVB_T(detach_lender_dead, 60), KVB_T(stalled_head_overtaken_then_fails, 60),
+              KVB_T(detach_preempts_without_free_blocks, 60), KVB_T(detach_lender_dead, 60), KVB_T(stalled_head_overtaken_then_fails, 60), KVB_T(master_waits_for_loans, 60),
               KVB_T(detach_drops_cached_prefix, 60), KVB_T(partial_detach_keeps_hot_cache, 60),
               KVB_T(partial_detach_keeps_most_recent, 60), KVB_T(lsc_stream_lossless, 120), KVB_T(lsc_within_budget, 60),
               KVB_T(attach_detach_cycles, 120))

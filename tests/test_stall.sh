@@ -6,7 +6,7 @@
 #     its loan revoked, the request preempted: it no longer fits the master's pool and stalls
 #  2. a short request sent behind it is served past it (bounded overtaking), with kvbank-generate's tokens
 #  3. no loan comes back: the stalled request ends after the master's "stall_wait_s" with an explicit
-#     error (resource exhausted), nothing hangs, and the master serves the next request exactly
+#     error (no capacity now, try again later), nothing hangs, and the master serves the next request exactly
 #     (15 s: long enough for step 2 to finish first on a loaded machine)
 #
 # Waits poll with a deadline (KVB_NODE_DEADLINE, default 30 s); KVB_NODE_KEEP=1 keeps the logs.
@@ -56,8 +56,8 @@ ok "a short request was served past the stalled one, tokens equal kvbank-generat
 # ----------------------------------------------------------- 3. the stalled one fails explicitly
 wait_exit "$R1" "$DEADLINE"
 [ "$RC" != 0 ] || fail "the stalled request succeeded without blocks: $(cat "$T/r1.out")"
-grep -q "resource exhausted" "$T/r1.out.err" || fail "the stalled request's error is not explicit: $(cat "$T/r1.out.err")"
-grep -q "none came back within 15.0 s: it fails" "$T/chat.log" || fail "the master did not say why it failed the request"
+grep -q "no capacity now, try again later" "$T/r1.out.err" || fail "the stalled request's error is not explicit: $(cat "$T/r1.out.err")"
+grep -q "none came within 15.0 s: it fails" "$T/chat.log" || fail "the master did not say why it failed the request"
 P3=$(ids 30 11 2)
 request chat "$P3" 16 "$T/r3.out"
 wait_exit "$REQ" "$DEADLINE"

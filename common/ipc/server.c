@@ -41,6 +41,8 @@
 #define SLOT_BITS 24                         /* low bits of an engine id: the slot */
 #define SLOT_MASK ((UINT64_C(1) << SLOT_BITS) - 1)
 #define POLL_IDLE_MS 100                     /* poll timeout while no request is live */
+#define POLL_STUCK_MS 10                     /* ... while the live ones ran nothing in the last step (they
+                                              * wait for KV blocks: new input or a loan wakes the poll) */
 #define SEND_HWM 100000                      /* messages queued to one client before it counts as stuck */
 #define RECV_HARD_MAX ((int64_t)64 << 20)    /* bytes: libzmq drops a peer that sends more in one message */
 #define TOK_CAP0 4                           /* initial per-slot token buffer (tokens) */
@@ -617,13 +619,15 @@ static void engine_add(kvb_server *s, int i) {
     if (s->hooks.on_request) s->hooks.on_request(s->hooks.ud, &r);
 }
 
-/* Feeds queued requests to the engine while few wait in it, each from the client with the fewest
- * requests in the engine (round-robin among equals). */
+/* Feeds queued requests to the engine while few wait in it for their turn, each from the client with
+ * the fewest requests in the engine (round-robin among equals). Requests that wait for KV blocks the
+ * pool does not hold now (stalled) do not count: the engine serves later ones past them, so a client
+ * whose requests need more memory than the model has now does not hold up the others. */
 static void feed(kvb_server *s) {
     while (s->n_queued > 0 && s->engine) {
         kvb_engine_stats es;
         kvb_engine_get_stats(s->engine, &es);
-        if (es.n_waiting >= FEED_WAITING) return;
+        if (es.n_waiting - es.n_stalled >= FEED_WAITING) return;
         int best = -1;
         for (int k = 1; k <= s->max_live; k++) {
             int ci = (s->rr + k) % s->max_live;
@@ -799,6 +803,7 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
     kvb_status result = KVB_OK;
     zmq_pollitem_t items[1 + HOOK_ITEMS_MAX]; /* [0]: the server's socket, then the role's */
     int wish_ms = -1;                         /* what on_tick asked for last time */
+    int stuck = 0;                            /* the last step ran no forward pass */
     while (!*stop) {
         int busy = kvb_engine_n_live(s->engine) > 0 || s->n_queued > 0;
         int n_items = 1 + s->hooks.n_items;
@@ -807,8 +812,9 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
             items[1 + k] = s->hooks.items[k];
             items[1 + k].revents = 0;
         }
-        long timeout = busy ? 0 : POLL_IDLE_MS;
-        if (!busy && wish_ms >= 0 && wish_ms < timeout) timeout = wish_ms;
+        /* requests that wait for blocks must not spin the loop (a stall lasts up to stall_wait_s) */
+        long timeout = !busy ? POLL_IDLE_MS : stuck ? POLL_STUCK_MS : 0;
+        if (timeout && wish_ms >= 0 && wish_ms < timeout) timeout = wish_ms;
         int rc = zmq_poll(items, n_items, timeout);
         if (rc < 0) {
             if (errno == EINTR) continue;
@@ -837,9 +843,15 @@ kvb_status kvb_server_run(kvb_server *s, volatile sig_atomic_t *stop) {
         flush(s); /* cancellations produce finish events outside of steps */
         feed(s);
         flush(s); /* a request the engine refused */
+        stuck = 0;
         if (kvb_engine_n_live(s->engine) > 0) {
+            kvb_engine_stats es;
+            kvb_engine_get_stats(s->engine, &es);
+            uint64_t steps = es.steps;
             if (s->hooks.on_step_begin) s->hooks.on_step_begin(s->hooks.ud);
             kvb_status st = kvb_engine_step(s->engine);
+            kvb_engine_get_stats(s->engine, &es);
+            stuck = es.steps == steps;
             if (s->hooks.on_step_end) s->hooks.on_step_end(s->hooks.ud);
             flush(s); /* after a failed step too: every live request finished with ERROR */
             if (st != KVB_OK) {

@@ -15,7 +15,7 @@
  * sliding attention, quantized checkpoints other than compressed-tensors FP8 (quant.h). Fields these classes do not read (e.g. a sliding_window on
  * a Llama config) are ignored, as transformers ignores them. */
 #include "common/model/config.h"
-#include "kernels/backend.h"
+#include "common/util/backend_name.h"
 
 #include <limits.h>
 #include <math.h>

@@ -255,6 +255,10 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     out->stage_slots = kvb_stager_n_buffers(e->stager) / 2;
     out->n_running = e->running.n;
     out->n_waiting = e->waiting.n;
+    out->n_stalled = 0;
+    if (!kvb__sliced(e))
+        for (const kvb__seq *s = e->waiting.head; s; s = s->next)
+            out->n_stalled += kvb__seq_need_blocks(e, s) > out->blocks_total;
     out->blocks_own = kvb_block_pool_n_own(e->pool);
     out->blocks_borrowed = e->n_borrowed;
     out->n_swapped = e->swapped.n;

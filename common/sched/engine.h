@@ -48,9 +48,14 @@ typedef struct kvb_engine_opts {
     const kvb_mem_allocator *act_alloc; /* where the forward pass takes each step's buffers, sized by
                               * that step's tokens (borrowed for the engine's lifetime); NULL: a step
                               * arena of the backend's memory (kvb_mem_arena) */
-    /* A waiting request that no longer fits the pool as it is now (it was admitted on borrowed blocks
-     * that went back, or on own blocks a worker lent) is *stalled* (issue 10): */
-    double stall_wait_s;     /* it fails with KVB_ERR_EXHAUSTED (FINISH_ERROR) after stalling this long
+    int borrows;             /* 1: a master: loans come and go (a restart, a drain, a reclaim), so a request
+                              * that its own memory plus the loans attached now cannot hold waits for more
+                              * (stalled, below); only max_model_len and the planner's cap on borrowing
+                              * (kvb_engine_max_borrowed) refuse it. 0 (default): capacity plus what is
+                              * attached now is all the memory it will have. */
+    /* A waiting request that does not fit the pool as it is now (it was admitted on borrowed blocks that
+     * went back, own blocks a worker lent, or a master has not borrowed yet) is *stalled* (issue 10): */
+    double stall_wait_s;     /* it fails with KVB_ERR_BUSY (FINISH_ERROR) after stalling this long
                               * (default 60; <= 0: it waits for blocks forever) */
     int stall_overtake;      /* later requests the FCFS scheduler admits past it while it stalls (bounded
                               * overtaking; default 64; <= 0: none, strict FCFS) */
@@ -94,8 +99,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
 void kvb_engine_destroy(kvb_engine *e);
 
 /* Queues a request. KVB_ERR_INVALID (logged, nothing queued) for an empty prompt, a token id out of
- * range, a duplicate id, max_tokens < 1, or a sequence that could never fit (max_model_len or pool);
- * kvb_engine_last_error then says which. */
+ * range, a duplicate id, max_tokens < 1, or a sequence that could never fit (max_model_len, or memory
+ * the engine can never have: opts.borrows); kvb_engine_last_error then says which. One that fits but
+ * not the pool as it is now is queued and stalls (opts.stall_wait_s). */
 kvb_status kvb_engine_add(kvb_engine *e, const kvb_request *r);
 /* Why the last kvb_engine_add failed (a sentence naming the field), or why the last plan was refused;
  * owned by the engine. */
@@ -149,6 +155,8 @@ typedef struct kvb_engine_stats {
     int blocks_free;            /* free + evictable cached */
     int n_running;
     int n_waiting;
+    int n_stalled;              /* of which need more blocks than the pool holds now (they wait for
+                                 * blocks, not for a turn: the model server does not count them as queued) */
     int blocks_own;             /* own blocks in the pool (n_own) */
     int blocks_borrowed;        /* attached blocks (all tags) */
     uint64_t lsc_loads;         /* staged reads: block-layer slices loaded into stage buffers (STREAM, HOST) */
@@ -199,10 +207,12 @@ struct kvb_block_pool *kvb_engine_pool(kvb_engine *e);
  * a block except where the comment says so. None of these may be called from inside an event
  * callback or while a step runs (they are the fence: no step is in flight between steps).
  *
- * Admission: kvb_engine_add rejects a request only when it could never fit capacity + borrowed
- * blocks. A waiting request that needs more blocks than the pool holds now (n_own + borrowed, e.g.
- * after lending or a detach) stays queued at the head (FCFS) and kvb_engine_starved reports it; it
- * is admitted once grow/attach gives the blocks back. */
+ * Admission: kvb_engine_add rejects a request only when it could never fit: capacity + borrowed
+ * blocks, or for an engine that borrows (opts.borrows) capacity + the planner's cap on borrowing (no
+ * bound without one). A waiting request that needs more blocks than the pool holds now (n_own +
+ * borrowed, e.g. after lending, a detach, or before a restarted master borrows again) stays queued
+ * at the head (FCFS) and kvb_engine_starved reports it; it is admitted once grow/attach gives the
+ * blocks, or fails with KVB_ERR_BUSY after opts.stall_wait_s. */
 
 /* 1 when the planner brought the KV memory itself (plan_pool SETUP: eLLM's slots): the engine's blocks are
  * not in the memory the caller gave (opts.kv_mem, e.g. an exportable region), so the model neither

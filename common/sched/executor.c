@@ -295,10 +295,11 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b) {
     return r;
 }
 
-/* Issue 10: a waiting request that no longer fits the pool as it is now (loans went back, own blocks
- * lent) stalls; after stall_wait_s without blocks coming back it ends with an explicit error instead of
- * holding the queue for good (the FCFS scheduler serves up to stall_overtake later requests past it
- * meanwhile). One that fits again starts over. */
+/* Issue 10: a waiting request that does not fit the pool as it is now (loans went back, own blocks
+ * lent, a master not borrowing yet) stalls; after stall_wait_s without blocks coming it ends with
+ * KVB_ERR_BUSY (capacity, not the request, is at fault: the gateway says 503 with Retry-After)
+ * instead of holding the queue for good (the FCFS scheduler serves up to stall_overtake later requests
+ * past it meanwhile). One that fits again starts over. */
 static void fail_stalled(kvb_engine *e) {
     if (kvb__sliced(e)) return; /* a sliced pool lends nothing */
     int n_blocks = kvb_block_pool_n_blocks(e->pool);
@@ -312,11 +313,11 @@ static void fail_stalled(kvb_engine *e) {
         } else if (!s->t_stall_ns) {
             s->t_stall_ns = now;
         } else if (wait && now - s->t_stall_ns >= wait) {
-            KVB_LOG_W("engine: request %llu needs %lld KV blocks, the pool holds %d since its blocks were lent or "
-                      "reclaimed, and none came back within %.1f s: it fails", (unsigned long long)s->id,
+            KVB_LOG_W("engine: request %llu needs %lld KV blocks, the pool holds %d (blocks lent, reclaimed or not "
+                      "borrowed yet), and none came within %.1f s: it fails", (unsigned long long)s->id,
                       (long long)need, n_blocks, e->o.stall_wait_s);
             e->stats.stalled_failed++;
-            kvb__finish(e, &e->waiting, s, KVB_FINISH_ERROR, KVB_ERR_EXHAUSTED);
+            kvb__finish(e, &e->waiting, s, KVB_FINISH_ERROR, KVB_ERR_BUSY);
         }
         s = next;
     }

@@ -135,8 +135,12 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     if (total > e->o.max_model_len)
         return reject(e, r->id, "prompt (%d) + max_tokens (%d) exceeds the model length %d", r->n_prompt, r->max_tokens,
                       e->o.max_model_len);
-    /* never fit: more than the own memory (lent-out part included) plus what is borrowed now */
+    /* never fit: more than the own memory (lent-out part included) plus what is borrowed now, or for a
+     * master plus what its planner lets it borrow at most: loans that are not there yet (a restart, a
+     * drain) are waited for, not refused */
     int64_t most = (int64_t)kvb_block_pool_capacity(e->pool) + e->n_borrowed;
+    if (e->o.borrows) most = e->max_borrowed >= 0 ? KVB_MAX(most, (int64_t)kvb_block_pool_capacity(e->pool) + e->max_borrowed)
+                                                   : INT64_MAX;
     int64_t blocks = KVB_DIV_CEIL(total, e->o.block_size);
     if (kvb__sliced(e)) { /* sliced: the ids (host homes), and the device slices the planner needs at least */
         int64_t slices = (int64_t)kvb_block_pool_capacity(e->pool) * c->n_layers;
@@ -146,8 +150,8 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
                           e->o.block_size, kvb_block_pool_id_limit(e->pool), (long long)slices,
                           kvb__slices_min_layers(e));
     } else if (blocks > most) {
-        return reject(e, r->id, "%lld tokens can never fit in %lld KV blocks of %d", (long long)total, (long long)most,
-                      e->o.block_size);
+        return reject(e, r->id, "%lld tokens can never fit in %lld KV blocks of %d%s", (long long)total, (long long)most,
+                      e->o.block_size, e->o.borrows ? " (its own and the most its planner borrows)" : "");
     }
     if (kvb__find_seq(&e->waiting, r->id) || kvb__find_seq(&e->running, r->id) || kvb__find_seq(&e->swapped, r->id))
         return reject(e, r->id, "duplicate id");

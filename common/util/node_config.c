@@ -271,6 +271,7 @@ static kvb_status load_gateway(kvb_node_config *c, const char *dir, const json_t
     g->drain_timeout_s = 30;
     g->text_workers = 2;
     g->health_open = g->metrics_open = 1;
+    g->retry_after_s = 5;
     const json_t *go = json_object_get(root, "gateway");
     if (!go || json_is_null(go)) return KVB_OK;
     char what[PATH_MAX + 32];
@@ -318,6 +319,21 @@ static kvb_status load_gateway(kvb_node_config *c, const char *dir, const json_t
     KVB_TRY(kvb_json_get_bool(go, "health_open", 0, what, &g->health_open));
     KVB_TRY(kvb_json_get_bool(go, "metrics_open", 0, what, &g->metrics_open));
     KVB_TRY(load_api_keys(c, dir, go, what));
+    v = g->retry_after_s;
+    KVB_TRY(kvb_json_get_int(go, "retry_after_s", 0, 1, 3600, what, &v));
+    g->retry_after_s = (int)v;
+    /* the text budgets: absent (0) leaves the text layer's defaults, which live in common/text */
+    v = 0;
+    KVB_TRY(kvb_json_get_int(go, "encode_kb", 0, 1, 1 << 20, what, &v));
+    g->encode_bytes = v * 1024;
+    KVB_TRY(kvb_json_get_int(go, "decode_ids", 0, 1, 1 << 28, what, &g->decode_ids));
+    KVB_TRY(kvb_json_get_int(go, "render_steps", 0, 1000, (int64_t)1 << 40, what, &g->render_steps));
+    v = 0;
+    KVB_TRY(kvb_json_get_int(go, "render_output_kb", 0, 1, 1 << 20, what, &v));
+    g->render_output = v * 1024;
+    v = 0;
+    KVB_TRY(kvb_json_get_int(go, "render_memory_mb", 0, 1, 1 << 16, what, &v));
+    g->render_memory = v << 20;
     char *rel = NULL;
     KVB_TRY(dup_str(go, "tls_cert", 0, what, NULL, &rel));
     if (rel) {
@@ -337,7 +353,8 @@ static kvb_status load_gateway(kvb_node_config *c, const char *dir, const json_t
     }
     static const char *const known[] = {"listen", "max_body_kb", "max_streams", "tbt_slo_ms", "drain_timeout_s",
                                         "max_text_kb", "text_workers", "api_keys", "api_keys_file", "health_open",
-                                        "metrics_open", "tls_cert", "tls_key", NULL};
+                                        "metrics_open", "tls_cert", "tls_key", "retry_after_s", "encode_kb",
+                                        "decode_ids", "render_steps", "render_output_kb", "render_memory_mb", NULL};
     warn_unknown(go, known, what);
     return KVB_OK;
 }

@@ -28,8 +28,9 @@
  *       "lsc": "inplace" | "stream"           master only: how lent blocks reach attention
  *       "lend": true                          worker only: false keeps all its blocks (a baseline)
  *       "tbt_slo_ms": 0                       the gateway's Token-Deposit target for this model (0: off)
- *       "stall_wait_s": 60,                   a request that no longer fits the KV pool (its blocks were
- *                                             lent or reclaimed) fails after this long (0: waits forever)
+ *       "stall_wait_s": 60,                   a request within the context that does not fit the KV pool
+ *                                             now (blocks lent or reclaimed, a master not borrowing yet)
+ *                                             waits this long, then fails: 503 (0: waits forever)
  *       "stall_overtake": 64                  later requests served past such a request meanwhile
  *       "link_preset": "h100-pcie5-scaled"    the stager's link model of its engine (kvb_link_preset;
  *                                             default: off, copies at memory speed; benchmarks set it)
@@ -47,6 +48,11 @@
  *     "api_keys_file": "keys.txt",            more keys, one a line ('#' comments), relative to the config
  *     "health_open": true, "metrics_open": true   /health, /metrics without a key
  *     "tls_cert": "cert.pem", "tls_key": "key.pem"  HTTPS (HTTP/2 by ALPN) with this PEM chain and key
+ *     "retry_after_s": 5,                     Retry-After of a 503 when a model lacks the KV memory for
+ *                                             a request now (it waited the model's stall_wait_s)
+ *     "encode_kb": 8192, "decode_ids": 4194304,   the text layer's budgets per request (413 / 400 naming
+ *     "render_steps": 20000000,               the field when spent; defaults: the text layer's,
+ *     "render_output_kb": 8192, "render_memory_mb": 256   common/text/limits.h, docs/text.md)
  *   }
  * }
  * Exactly one master; names unique. The master and every worker that lends need backends of one family
@@ -112,6 +118,13 @@ typedef struct kvb_node_gateway {
     int metrics_open;       /* /metrics answers without a key (default 1) */
     char *tls_cert;         /* PEM certificate chain and key: HTTPS (h2 by ALPN) instead of HTTP; NULL: none */
     char *tls_key;
+    int retry_after_s;      /* Retry-After of a 503 for KV memory a model lacks now (default 5) */
+    /* the text layer's budgets per request (common/text/limits.h); 0: the text layer's default */
+    int64_t encode_bytes;   /* "encode_kb" * 1024: text one tokenization takes */
+    int64_t decode_ids;     /* "decode_ids": ids one /detokenize takes */
+    int64_t render_steps;   /* "render_steps": work one chat-template render may do */
+    int64_t render_output;  /* "render_output_kb" * 1024: text one render may produce */
+    int64_t render_memory;  /* "render_memory_mb" * 2^20: memory one render may allocate */
 } kvb_node_gateway;
 
 typedef struct kvb_node_config {

@@ -16,6 +16,7 @@ const char *kvb_status_str(kvb_status st) {
     case KVB_ERR_BACKEND: return "backend error";
     case KVB_ERR_STATE: return "invalid state";
     case KVB_ERR_UNAVAILABLE: return "peer unavailable";
+    case KVB_ERR_BUSY: return "no capacity now, try again later";
     }
     return "unknown status";
 }

@@ -19,6 +19,8 @@ typedef enum kvb_status {
     KVB_ERR_BACKEND = -11,    /* the compute or memory backend reported an error */
     KVB_ERR_STATE = -12,      /* the call is not valid in the object's current state */
     KVB_ERR_UNAVAILABLE = -13,/* a peer went away (its connection was lost) and did not come back in time */
+    KVB_ERR_BUSY = -14,       /* no capacity now (KV memory lent, not borrowed yet): the same call may
+                               * succeed later; a client should retry (HTTP 503 with Retry-After) */
 } kvb_status;
 
 /* A static string naming the status ("ok", "out of memory", ...). Never NULL. */
