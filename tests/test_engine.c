@@ -418,5 +418,150 @@ KVB_TEST(greedy_argmax) {
 }
 KVB_TEST_END
 
+
+/* ------------------------------------------------------------------------------ structured output */
+
+/* A vocabulary for the 200-token test model: ids 0-2 special (2 is the EOS), 3-97 the printable ASCII
+ * bytes, 98-199 two-byte pieces. */
+static kvb_grammar_vocab *test_vocab(void) {
+    static char text[200][3];
+    const char *bytes[200];
+    size_t lens[200];
+    uint8_t special[200] = {1, 1, 1};
+    const char *pieces = "{\"}:\",ab12 -xyz[]09";
+    for (int i = 0; i < 200; i++) {
+        if (i < 3) {
+            snprintf(text[i], sizeof text[i], "%c", 'A' + i);
+        } else if (i < 98) {
+            text[i][0] = (char)(32 + i - 3);
+            text[i][1] = '\0';
+        } else {
+            int k = i - 98, n = (int)strlen(pieces);
+            text[i][0] = pieces[k % n];
+            text[i][1] = pieces[(k / n + k) % n];
+            text[i][2] = '\0';
+        }
+        bytes[i] = text[i];
+        lens[i] = strlen(text[i]);
+    }
+    int32_t eos = 2;
+    kvb_grammar_vocab *v = NULL;
+    ck_assert_int_eq(kvb_grammar_vocab_create(200, bytes, lens, special, &eos, 1, &v), KVB_OK);
+    return v;
+}
+
+static kvb_grammar_matcher *test_matcher(const kvb_grammar_vocab *v, const kvb_grammar_part *parts, int n) {
+    kvb_grammar *g = NULL;
+    char err[256];
+    kvb_grammar_opts o;
+    kvb_grammar_opts_default(&o);
+    o.ws_indent = -1;
+    ck_assert_msg(kvb_grammar_compile(v, parts, n, &o, &g, err, sizeof err) == KVB_OK, "%s", err);
+    kvb_grammar_matcher *m = NULL;
+    ck_assert_int_eq(kvb_grammar_matcher_create(g, &m), KVB_OK);
+    kvb_grammar_release(g);
+    return m;
+}
+
+/* A request's output under a grammar: every token is one the grammar allowed, the output is a complete
+ * match when the request stopped (STOP, no EOS needed once nothing can follow), and the tokens are the
+ * same whether the pool preempts the requests (recompute keeps the matcher where the output is), with
+ * greedy and with seeded sampling. Without the mask the same model writes other tokens. */
+KVB_TEST(grammar_masks_and_preemption) {
+    setup_model("llama");
+    make_prompts();
+    kvb_grammar_vocab *v = test_vocab();
+    static const char *const choices[] = {"alpha", "beta-12", "gamma"};
+    const char *schema = "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":99},"
+                         "\"b\":{\"enum\":[\"x\",\"yz\"]}},\"required\":[\"a\",\"b\"]}";
+    const char *regex = "[a-z]{3}-[0-9]{2}";
+    kvb_grammar_part g_schema = {.kind = KVB_GRAMMAR_JSON_SCHEMA, .text = schema, .len = strlen(schema)};
+    kvb_grammar_part g_regex = {.kind = KVB_GRAMMAR_REGEX, .text = regex, .len = strlen(regex)};
+    kvb_grammar_part g_choice = {.kind = KVB_GRAMMAR_CHOICE, .choices = choices, .n_choices = 3};
+    const kvb_grammar_part *gs[3] = {&g_schema, &g_regex, &g_choice};
+    static rec ref, got, free_run;
+    for (int temp = 0; temp < 2; temp++) {
+        struct { int bs, blocks; } cfgs[] = {{16, 64}, {4, 20}};
+        for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
+            rec *r = c == 0 ? &ref : &got;
+            memset(r, 0, sizeof *r);
+            kvb_engine *e = make_engine(r, cfgs[c].bs, cfgs[c].blocks, 512, 1);
+            for (int q = 0; q < 3; q++) {
+                kvb_request rq = {.id = (uint64_t)q, .prompt = P[q], .n_prompt = PL[q], .max_tokens = 40,
+                                  .sampling = {.temperature = temp ? 0.8f : 0, .seed = 5 + (uint64_t)q},
+                                  .matcher = test_matcher(v, gs[q], 1)};
+                ck_assert_int_eq(kvb_engine_add(e, &rq), KVB_OK);
+            }
+            run(e);
+            kvb_engine_stats s;
+            kvb_engine_get_stats(e, &s);
+            if (c == 1) ck_assert_msg(s.preemptions > 0, "the small pool did not preempt");
+            assert_no_leak(e);
+            kvb_engine_destroy(e);
+        }
+        assert_same(&ref, &got, 3);
+        for (int q = 0; q < 3; q++) {
+            /* replay: each token allowed in turn; STOP means the output is complete */
+            kvb_grammar_matcher *m = test_matcher(v, gs[q], 1);
+            for (int i = 0; i < ref.n[q]; i++)
+                ck_assert_msg(kvb_grammar_matcher_accept_token(m, ref.toks[q][i]) == KVB_OK,
+                              "request %d token %d (%d) is not allowed", q, i, ref.toks[q][i]);
+            ck_assert_int_eq(ref.fin[q], KVB_FINISH_STOP);
+            ck_assert(kvb_grammar_matcher_accepting(m));
+            kvb_grammar_matcher_destroy(m);
+        }
+        /* the regex's output is exactly 6 bytes of its language */
+        char out[64] = "";
+        for (int i = 0; i < ref.n[1]; i++) strcat(out, ref.toks[1][i] < 98 ? (char[2]){(char)(32 + ref.toks[1][i] - 3), 0} : "??");
+        ck_assert_msg(strlen(out) == 6 && out[3] == '-', "regex output '%s'", out);
+    }
+    /* the same requests without a grammar: the model's own (garbage) tokens differ */
+    memset(&free_run, 0, sizeof free_run);
+    kvb_engine *e = make_engine(&free_run, 16, 64, 512, 1);
+    add(e, 1, P[1], PL[1], 6);
+    run(e);
+    kvb_engine_destroy(e);
+    int differs = free_run.n[1] != ref.n[1];
+    for (int i = 0; i < free_run.n[1] && i < ref.n[1]; i++) differs |= free_run.toks[1][i] != ref.toks[1][i];
+    ck_assert_msg(differs, "the grammar changed nothing");
+    kvb_grammar_vocab_destroy(v);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* A grammar whose next tokens all lie beyond the model's logits fails its request with an error
+ * instead of sampling a forbidden token; a rejected request leaves its matcher to the caller. */
+KVB_TEST(grammar_no_token_fails) {
+    setup_model("llama");
+    make_prompts();
+    /* a vocabulary wider than the model's 200 logits, where only id 250 can start the output */
+    static const char *bytes[300];
+    size_t lens[300] = {0};
+    for (int i = 0; i < 300; i++) bytes[i] = "";
+    bytes[250] = "Q";
+    lens[250] = 1;
+    int32_t eos = 2;
+    kvb_grammar_vocab *v = NULL;
+    ck_assert_int_eq(kvb_grammar_vocab_create(300, bytes, lens, NULL, &eos, 1, &v), KVB_OK);
+    kvb_grammar_part lit = {.kind = KVB_GRAMMAR_LITERAL, .text = "Q", .len = 1};
+    static rec r;
+    memset(&r, 0, sizeof r);
+    kvb_engine *e = make_engine(&r, 16, 64, 512, 1);
+    kvb_request rq = {.id = 0, .prompt = P[0], .n_prompt = PL[0], .max_tokens = 5, .matcher = test_matcher(v, &lit, 1)};
+    ck_assert_int_eq(kvb_engine_add(e, &rq), KVB_OK);
+    run(e);
+    ck_assert_int_eq(r.fin[0], KVB_FINISH_ERROR);
+    ck_assert_int_eq(r.n[0], 0);
+    kvb_request bad = {.id = 1, .prompt = P[0], .n_prompt = 0, .max_tokens = 5, .matcher = test_matcher(v, &lit, 1)};
+    ck_assert_int_eq(kvb_engine_add(e, &bad), KVB_ERR_INVALID);
+    kvb_grammar_matcher_destroy(bad.matcher); /* still ours */
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    kvb_grammar_vocab_destroy(v);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("engine", KVB_T(greedy_argmax, 30), KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
-              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(inflight_prefix_deferred, 60))
+              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(inflight_prefix_deferred, 60),
+              KVB_T(grammar_masks_and_preemption, 120), KVB_T(grammar_no_token_fails, 60))

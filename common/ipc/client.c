@@ -33,6 +33,15 @@
 #define MONITOR_EP "inproc://kvb-client-monitor" /* one per client: each client has its own context */
 #define RECONNECT_IVL_MS 100 /* ZeroMQ reconnect period, constant */
 
+/* A request's grammar as the wire carries it, copied: a resumption sends it again. */
+typedef struct req_grammar {
+    Kvbank__Grammar g;
+    Kvbank__GrammarPart *parts;   /* [g.n_parts] */
+    Kvbank__GrammarPart **pp;     /* [g.n_parts] g.parts */
+    ProtobufCBinaryData *choices; /* every part's choices, back to back */
+    uint8_t *bytes;               /* every text and choice, back to back */
+} req_grammar;
+
 typedef struct live_req {
     uint64_t rid;          /* the id the caller knows */
     uint32_t attempt;      /* resumptions so far: the wire id is rid | attempt << ATTEMPT_SHIFT */
@@ -48,6 +57,7 @@ typedef struct live_req {
     int max_tokens;
     kvb_sampling sampling;
     double tbt_slo_ms;
+    req_grammar *grammar;  /* structured output, or NULL */
     uint64_t conn;         /* the connection its current attempt goes out on (kvb_client.conn numbering) */
     int lost;              /* that connection is gone: waiting for the next one */
     uint64_t lost_ns;      /* since when (kvb_now_ns) */
@@ -166,8 +176,84 @@ fail:
     return st;
 }
 
+static void set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void grammar_free(req_grammar *q) {
+    if (!q) return;
+    free(q->parts);
+    free(q->pp);
+    free(q->choices);
+    free(q->bytes);
+    free(q);
+}
+
+/* The wire form of r's grammar (r->n_grammar > 0). */
+static kvb_status grammar_copy(const kvb_request *r, req_grammar **out, char *err, size_t err_len) {
+    if (r->n_grammar > KVB_WIRE_MAX_GRAMMAR_PARTS || !r->grammar) {
+        set_err(err, err_len, "a grammar has 1 to %d parts, not %d", KVB_WIRE_MAX_GRAMMAR_PARTS, r->n_grammar);
+        return KVB_ERR_INVALID;
+    }
+    size_t bytes = 0, n_choices = 0;
+    for (int k = 0; k < r->n_grammar; k++) {
+        const kvb_grammar_part *p = &r->grammar[k];
+        if (p->kind < KVB_GRAMMAR_LITERAL || p->kind > KVB_GRAMMAR_CHOICE || (p->len && !p->text) ||
+            (p->kind == KVB_GRAMMAR_CHOICE && (p->n_choices < 1 || !p->choices))) {
+            set_err(err, err_len, "grammar part %d is malformed", k);
+            return KVB_ERR_INVALID;
+        }
+        bytes += p->len;
+        for (int c = 0; p->kind == KVB_GRAMMAR_CHOICE && c < p->n_choices; c++) bytes += strlen(p->choices[c]);
+        if (p->kind == KVB_GRAMMAR_CHOICE) n_choices += (size_t)p->n_choices;
+    }
+    static const Kvbank__GrammarPart__Kind kinds[] = {
+        [KVB_GRAMMAR_LITERAL] = KVBANK__GRAMMAR_PART__KIND__LITERAL, [KVB_GRAMMAR_JSON] = KVBANK__GRAMMAR_PART__KIND__JSON,
+        [KVB_GRAMMAR_JSON_OBJECT] = KVBANK__GRAMMAR_PART__KIND__JSON_OBJECT,
+        [KVB_GRAMMAR_JSON_SCHEMA] = KVBANK__GRAMMAR_PART__KIND__JSON_SCHEMA,
+        [KVB_GRAMMAR_REGEX] = KVBANK__GRAMMAR_PART__KIND__REGEX, [KVB_GRAMMAR_CHOICE] = KVBANK__GRAMMAR_PART__KIND__CHOICE};
+    req_grammar *q = NULL;
+    kvb_status st = kvb_calloc(1, sizeof *q, (void **)&q);
+    if (st == KVB_OK) st = kvb_calloc((size_t)r->n_grammar, sizeof *q->parts, (void **)&q->parts);
+    if (st == KVB_OK) st = kvb_calloc((size_t)r->n_grammar, sizeof *q->pp, (void **)&q->pp);
+    if (st == KVB_OK) st = kvb_calloc(KVB_MAX(n_choices, 1), sizeof *q->choices, (void **)&q->choices);
+    if (st == KVB_OK) st = kvb_malloc(KVB_MAX(bytes, 1), (void **)&q->bytes);
+    if (st != KVB_OK) {
+        grammar_free(q);
+        set_err(err, err_len, "out of memory");
+        return st;
+    }
+    kvbank__grammar__init(&q->g);
+    q->g.n_parts = (size_t)r->n_grammar;
+    q->g.parts = q->pp;
+    q->g.lax = (r->grammar_flags & KVB_GRAMMAR_REQ_LAX) != 0;
+    q->g.compact = (r->grammar_flags & KVB_GRAMMAR_REQ_COMPACT) != 0;
+    uint8_t *b = q->bytes;
+    ProtobufCBinaryData *ch = q->choices;
+    for (int k = 0; k < r->n_grammar; k++) {
+        const kvb_grammar_part *p = &r->grammar[k];
+        Kvbank__GrammarPart *w = &q->parts[k];
+        kvbank__grammar_part__init(w);
+        q->pp[k] = w;
+        w->kind = kinds[p->kind];
+        w->text = (ProtobufCBinaryData){.len = p->len, .data = b};
+        if (p->len) memcpy(b, p->text, p->len);
+        b += p->len;
+        if (p->kind != KVB_GRAMMAR_CHOICE) continue;
+        w->n_choices = (size_t)p->n_choices;
+        w->choices = ch;
+        for (int c = 0; c < p->n_choices; c++) {
+            size_t n = strlen(p->choices[c]);
+            *ch++ = (ProtobufCBinaryData){.len = n, .data = b};
+            if (n) memcpy(b, p->choices[c], n);
+            b += n;
+        }
+    }
+    *out = q;
+    return KVB_OK;
+}
+
 static void req_free(live_req *e) {
     if (!e) return;
+    grammar_free(e->grammar);
     free(e->seq);
     free(e->stop);
     free(e);
@@ -287,6 +373,7 @@ static void build_request(const live_req *e, Kvbank__GenerateRequest *g, Kvbank_
     g->seed = e->sampling.seed;
     g->resume_index = e->next_index;
     g->tbt_slo_ms = (float)e->tbt_slo_ms;
+    g->grammar = e->grammar ? &e->grammar->g : NULL;
     kvbank__envelope__init(env);
     env->body_case = KVBANK__ENVELOPE__BODY_GENERATE;
     env->generate = g;
@@ -327,6 +414,10 @@ kvb_status kvb_client_submit(kvb_client *c, const kvb_request *r, kvb_client_eve
     if (st != KVB_OK) {
         req_free(e);
         set_err(err, err_len, "out of memory");
+        return st;
+    }
+    if (st == KVB_OK && r->n_grammar > 0 && (st = grammar_copy(r, &e->grammar, err, err_len)) != KVB_OK) {
+        req_free(e);
         return st;
     }
     if (r->n_prompt) memcpy(e->seq, r->prompt, (size_t)r->n_prompt * sizeof *e->seq);

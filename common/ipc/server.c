@@ -36,6 +36,7 @@
 #include <zmq.h>
 
 #include "common/ipc/wire.h"
+#include "common/text/grammar.h"
 
 #define IDENT_MAX 255                        /* ZeroMQ routing ids are 1..255 bytes */
 #define SLOT_BITS 24                         /* low bits of an engine id: the slot */
@@ -48,6 +49,7 @@
 #define HOOK_ITEMS_MAX 15                    /* extra poll items a role may add */
 #define FEED_WAITING 8                       /* feed the engine while fewer requests than this wait in it */
 #define REQ_KEEP_IDS 4096                    /* a slot keeps a request buffer up to this many ids for reuse */
+#define GRAMMAR_CACHE 64                     /* compiled grammars kept (least recently used dropped) */
 
 typedef struct slot {
     int in_use;
@@ -77,6 +79,7 @@ typedef struct slot {
     int cap_req, n_prompt, n_stop, max_tokens, resume_index;
     double tbt_slo_ms;
     kvb_sampling sampling;
+    kvb_grammar_matcher *matcher; /* structured output, compiled at arrival; the engine's once added */
 } slot;
 
 /* A client: one routing id with at least one live request. */
@@ -122,6 +125,13 @@ struct kvb_server {
     uint64_t seq;                 /* last sequence number given to an engine id */
     kvb_server_stats stats;
     kvb_server_hooks hooks;       /* the role's sockets and callbacks (all zero: none) */
+    /* structured output: the tokenizer's vocabulary and one cache of compiled grammars, loaded at the
+     * first request that carries a grammar */
+    char *model_dir;              /* NULL: grammars are refused */
+    int gr_state;                 /* 0: not loaded yet, 1: loaded, -1: cannot be (gr_why says why) */
+    char gr_why[384];
+    kvb_grammar_vocab *gvocab;
+    kvb_grammar_cache *gcache;
 };
 
 /* ------------------------------------------------------------------------------------------ helpers */
@@ -287,6 +297,8 @@ static void slot_free(kvb_server *s, int i) {
     sl->in_engine = 0;
     sl->eid = 0;
     sl->n_tok = 0;
+    kvb_grammar_matcher_destroy(sl->matcher); /* still the slot's when the engine never took it */
+    sl->matcher = NULL;
     if (sl->cap_req > REQ_KEEP_IDS) { /* a huge prompt's buffer is not kept around */
         free(sl->req);
         sl->req = NULL;
@@ -480,6 +492,126 @@ static void flush(kvb_server *s) {
     }
 }
 
+/* ------------------------------------------------------------------------------- structured output */
+
+/* The vocabulary and the grammar cache, made at the first request with a grammar (a model that never
+ * gets one never pays for its tokenizer here). The outcome is kept: a model without a tokenizer says
+ * so to every such request. */
+static kvb_status grammar_setup(kvb_server *s) {
+    if (s->gr_state) return s->gr_state > 0 ? KVB_OK : KVB_ERR_UNSUPPORTED;
+    s->gr_state = -1;
+    if (!s->model_dir) {
+        snprintf(s->gr_why, sizeof s->gr_why, "model '%s' has no tokenizer here: structured output needs one",
+                 s->model_name);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    uint64_t t0 = kvb_now_ns();
+    kvb_tokenizer *tok = NULL;
+    kvb_status st = kvb_tokenizer_load(s->model_dir, &tok);
+    if (st == KVB_ERR_NOT_FOUND) {
+        snprintf(s->gr_why, sizeof s->gr_why, "model '%s' has no tokenizer (no tokenizer.json in %s): structured "
+                 "output needs one", s->model_name, s->model_dir);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    if (st == KVB_OK) st = kvb_grammar_vocab_from_tokenizer(tok, &s->gvocab);
+    kvb_tokenizer_destroy(tok);
+    if (st == KVB_OK) st = kvb_grammar_cache_create(s->gvocab, GRAMMAR_CACHE, &s->gcache);
+    if (st != KVB_OK) {
+        snprintf(s->gr_why, sizeof s->gr_why, "the tokenizer of model '%s' cannot be used for structured output: %s",
+                 s->model_name, kvb_status_str(st));
+        KVB_LOG_E("%s", s->gr_why);
+        return st;
+    }
+    s->gr_state = 1;
+    KVB_LOG_I("structured output: %d tokens of %s's tokenizer ready in %.0f ms", kvb_grammar_vocab_size(s->gvocab),
+              s->model_name, (double)(kvb_now_ns() - t0) / 1e6);
+    return KVB_OK;
+}
+
+/* Compiles g's grammar (through the cache) into a matcher at the start of the output, replayed over the
+ * tokens a resumed request already delivered. Why it cannot, in why[n]. */
+static kvb_status grammar_matcher(kvb_server *s, const Kvbank__GenerateRequest *g, kvb_grammar_matcher **out,
+                                  char *why, size_t n) {
+    const Kvbank__Grammar *gr = g->grammar;
+    if (grammar_setup(s) != KVB_OK) {
+        snprintf(why, n, "%s", s->gr_why);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    if (gr->n_parts == 0 || gr->n_parts > KVB_WIRE_MAX_GRAMMAR_PARTS) {
+        snprintf(why, n, "a grammar has 1 to %d parts, not %zu", KVB_WIRE_MAX_GRAMMAR_PARTS, gr->n_parts);
+        return KVB_ERR_INVALID;
+    }
+    kvb_grammar_part parts[KVB_WIRE_MAX_GRAMMAR_PARTS];
+    char **choices[KVB_WIRE_MAX_GRAMMAR_PARTS] = {0};
+    kvb_status st = KVB_OK;
+    for (size_t k = 0; k < gr->n_parts && st == KVB_OK; k++) {
+        const Kvbank__GrammarPart *p = gr->parts[k];
+        parts[k] = (kvb_grammar_part){.text = (const char *)p->text.data, .len = p->text.len};
+        switch (p->kind) {
+        case KVBANK__GRAMMAR_PART__KIND__LITERAL: parts[k].kind = KVB_GRAMMAR_LITERAL; break;
+        case KVBANK__GRAMMAR_PART__KIND__JSON: parts[k].kind = KVB_GRAMMAR_JSON; break;
+        case KVBANK__GRAMMAR_PART__KIND__JSON_OBJECT: parts[k].kind = KVB_GRAMMAR_JSON_OBJECT; break;
+        case KVBANK__GRAMMAR_PART__KIND__JSON_SCHEMA: parts[k].kind = KVB_GRAMMAR_JSON_SCHEMA; break;
+        case KVBANK__GRAMMAR_PART__KIND__REGEX: parts[k].kind = KVB_GRAMMAR_REGEX; break;
+        case KVBANK__GRAMMAR_PART__KIND__CHOICE: parts[k].kind = KVB_GRAMMAR_CHOICE; break;
+        default:
+            snprintf(why, n, "grammar part %zu has an unknown kind %d", k, (int)p->kind);
+            st = KVB_ERR_INVALID;
+            continue;
+        }
+        if (parts[k].kind != KVB_GRAMMAR_CHOICE) continue;
+        /* choices travel as bytes; the compiler takes NUL-terminated strings */
+        if (p->n_choices == 0 || p->n_choices > INT_MAX ||
+            kvb_calloc(p->n_choices, sizeof *choices[k], (void **)&choices[k]) != KVB_OK) {
+            snprintf(why, n, "grammar part %zu: a choice needs at least one string", k);
+            st = p->n_choices ? KVB_ERR_NOMEM : KVB_ERR_INVALID;
+            continue;
+        }
+        for (size_t c = 0; c < p->n_choices && st == KVB_OK; c++) {
+            const ProtobufCBinaryData *b = &p->choices[c];
+            if (memchr(b->data, 0, b->len)) {
+                snprintf(why, n, "grammar part %zu: choice %zu holds a NUL byte", k, c);
+                st = KVB_ERR_INVALID;
+            } else if ((st = kvb_malloc(b->len + 1, (void **)&choices[k][c])) == KVB_OK) {
+                if (b->len) memcpy(choices[k][c], b->data, b->len);
+                choices[k][c][b->len] = '\0';
+            }
+        }
+        parts[k].choices = (const char *const *)choices[k];
+        parts[k].n_choices = (int)p->n_choices;
+    }
+    kvb_grammar *gm = NULL;
+    if (st == KVB_OK) {
+        kvb_grammar_opts o;
+        kvb_grammar_opts_default(&o);
+        o.strict = !gr->lax;
+        if (gr->compact) o.ws_indent = -1;
+        st = kvb_grammar_cache_get(s->gcache, parts, (int)gr->n_parts, &o, &gm, why, n);
+    }
+    for (size_t k = 0; k < gr->n_parts; k++) {
+        for (size_t c = 0; choices[k] && c < gr->parts[k]->n_choices; c++) free(choices[k][c]);
+        free(choices[k]);
+    }
+    if (st != KVB_OK) return st;
+    st = kvb_grammar_matcher_create(gm, out);
+    kvb_grammar_release(gm);
+    if (st != KVB_OK) {
+        snprintf(why, n, "out of memory");
+        return st;
+    }
+    /* a resumed request: the tokens already delivered are the prompt's last resume_index */
+    for (size_t k = g->n_prompt_ids - g->resume_index; k < g->n_prompt_ids; k++) {
+        if (kvb_grammar_matcher_accept_token(*out, g->prompt_ids[k]) != KVB_OK) {
+            snprintf(why, n, "resumed token %zu (%d) does not continue the grammar's output",
+                     k - (g->n_prompt_ids - g->resume_index), (int)g->prompt_ids[k]);
+            kvb_grammar_matcher_destroy(*out);
+            *out = NULL;
+            return KVB_ERR_INVALID;
+        }
+    }
+    return KVB_OK;
+}
+
 /* -------------------------------------------------------------------------------------------- input */
 
 static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, const Kvbank__GenerateRequest *g) {
@@ -551,10 +683,19 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         reply_error(s, ident, len, rid, KVB_ERR_EXHAUSTED, "the server has %d live requests, its limit", s->max_live);
         return;
     }
+    kvb_grammar_matcher *matcher = NULL;
+    if (g->grammar) {
+        char why[512];
+        if (grammar_matcher(s, g, &matcher, why, sizeof why) != KVB_OK) {
+            reply_error(s, ident, len, rid, KVB_ERR_INVALID, KVB_WIRE_GRAMMAR_ERROR "%s", why);
+            return;
+        }
+    }
     size_t n_ids = g->n_prompt_ids + g->n_stop_ids;
     ci = client_get(s, ident, len);
     int i = slot_alloc(s, ident, len, rid, ci);
     slot *sl = &s->slots[i];
+    sl->matcher = matcher; /* slot_free destroys it from here on */
     if (sl->cap_tok == 0) {
         if (kvb_realloc_array((void **)&sl->tok, TOK_CAP0, sizeof *sl->tok) != KVB_OK ||
             kvb_realloc_array((void **)&sl->t_ns, TOK_CAP0, sizeof *sl->t_ns) != KVB_OK) {
@@ -600,8 +741,10 @@ static void engine_add(kvb_server *s, int i) {
         .sampling = sl->sampling,
         .resume_index = sl->resume_index,
         .tbt_slo_ms = sl->tbt_slo_ms,
+        .matcher = sl->matcher,
     };
     kvb_status st = kvb_engine_add(s->engine, &r);
+    if (st == KVB_OK) sl->matcher = NULL; /* the engine's now */
     if (st != KVB_OK) {
         uint8_t ident[IDENT_MAX];
         size_t len = sl->ident_len;
@@ -755,6 +898,7 @@ kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out) {
     s->n_buckets = 1;
     while (s->n_buckets < 2 * max_live) s->n_buckets *= 2;
     KVB_TRY_GOTO(kvb_strdup(opts->model_name ? opts->model_name : "", &s->model_name), fail);
+    if (opts->model_dir) KVB_TRY_GOTO(kvb_strdup(opts->model_dir, &s->model_dir), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->slots, (void **)&s->slots), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->free_idx, (void **)&s->free_idx), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->dirty, (void **)&s->dirty), fail);
@@ -875,6 +1019,7 @@ void kvb_server_destroy(kvb_server *s) {
     free(s->ipc_path);
     if (s->slots) {
         for (int i = 0; i < s->max_live; i++) {
+            kvb_grammar_matcher_destroy(s->slots[i].matcher);
             free(s->slots[i].tok);
             free(s->slots[i].t_ns);
             free(s->slots[i].req);
@@ -888,6 +1033,9 @@ void kvb_server_destroy(kvb_server *s) {
     free(s->clients);
     free(s->cl_free);
     free(s->cl_buckets);
+    kvb_grammar_cache_destroy(s->gcache);
+    kvb_grammar_vocab_destroy(s->gvocab);
+    free(s->model_dir);
     free(s->model_name);
     free(s->endpoint);
     free(s);

@@ -358,16 +358,25 @@ static void advance(kvb_engine *e) {
         s->restore_hi = 0;
         if (e->o.enable_prefix_cache) publish_full_blocks(e, s);
         if (s->n_computed != s->n_tokens) continue; /* prefill chunk: no token yet */
-        const float *lg = st->logits + (size_t)li++ * c->vocab;
+        float *lg = st->logits + (size_t)li++ * c->vocab;
+        kvb__seq_list *in = s->host_bt.n > 0 && s->bt.n == 0 ? &e->swapped : &e->running; /* offloaded: swapped */
+        kvb_status cst = s->matcher ? kvb__constrain_logits(e, s, lg, c->vocab) : KVB_OK; /* the first stage */
+        if (cst != KVB_OK) {
+            kvb__finish(e, in, s, KVB_FINISH_ERROR, cst);
+            continue;
+        }
         int32_t tok = kvb_sample(&s->samp, &s->rng, lg, c->vocab, st->sample_scratch);
-        int index = s->n_generated;
+        int index = s->n_generated, done = 0;
+        if (s->matcher && (cst = kvb__constrain_accept(s, tok, &done)) != KVB_OK) { /* the mask allowed it: never */
+            kvb__finish(e, in, s, KVB_FINISH_ERROR, cst);
+            continue;
+        }
         if (e->ev.on_logits) e->ev.on_logits(e->ev.ud, s->id, index, lg, c->vocab);
         s->tokens[s->n_tokens++] = tok;
         s->n_generated++;
         e->stats.generated_tokens++;
         if (e->ev.on_token) e->ev.on_token(e->ev.ud, s->id, index, tok, now);
-        kvb__seq_list *in = s->host_bt.n > 0 && s->bt.n == 0 ? &e->swapped : &e->running; /* offloaded: swapped */
-        if (is_stop(s, tok)) kvb__finish(e, in, s, KVB_FINISH_STOP, KVB_OK);
+        if (is_stop(s, tok) || done) kvb__finish(e, in, s, KVB_FINISH_STOP, KVB_OK);
         else if (s->n_generated >= s->max_tokens) kvb__finish(e, in, s, KVB_FINISH_LENGTH, KVB_OK);
     }
 }

@@ -68,6 +68,7 @@ void kvb__seq_free(kvb_engine *e, kvb__seq *s) {
     kvb_block_table_free(&s->bt);
     if (e->ht_pool) kvb_block_table_release(&s->host_bt, e->ht_pool);
     kvb_block_table_free(&s->host_bt);
+    kvb_grammar_matcher_destroy(s->matcher);
     free(s->tokens);
     free(s->stop);
     free(s);
@@ -175,6 +176,7 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     for (int k = 0; r->sampling.temperature > 0 && k < r->resume_index; k++) kvb_rng_uniform(&s->rng);
     s->last_hash = KVB_PREFIX_ROOT;
     s->vidx = -1;
+    s->matcher = r->matcher; /* taken: nothing fails after this */
     kvb__list_insert_ordered(&e->waiting, s);
     return KVB_OK;
 fail:

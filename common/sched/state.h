@@ -7,6 +7,7 @@
  *   view.c       the planner's view and its functions (probe, the mechanisms' checks)
  *   check.c      the plan check's generic accounting (check.h, also for planners)
  *   queue.c      requests and their lists, release, preemption, end
+ *   constrain.c  structured output: the grammar mask on a request's logits, the matcher's advance
  *   host_tier.c  the host tier behind the pool (and its layered loads), swap.c the swaps over it
  *   mechanisms (mech.h): slices.c, prefix.c, offload.c, residency.c, hcache.c
  *   stager.c     the copy threads between tiers and the link model
@@ -44,6 +45,7 @@ typedef struct kvb__seq {
     int n_stop;
     kvb_sampling samp;
     kvb_rng rng;
+    kvb_grammar_matcher *matcher; /* structured output (constrain.c), NULL: unconstrained; owned */
     kvb_block_table bt;
     int n_computed;    /* tokens whose KV is in the request's blocks */
     int n_published;   /* full blocks offered to the prefix cache */
@@ -120,6 +122,8 @@ typedef struct kvb__step {
                               * else 0 */
     float *logits;           /* [max_seqs][vocab] */
     float *sample_scratch;   /* [2*vocab] */
+    uint32_t *gmask;         /* [gmask_words] the grammar mask of one request (constrain.c), grown on use */
+    size_t gmask_words;
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] of which before the layer's kernels */
 } kvb__step;
@@ -220,6 +224,13 @@ void kvb__view_free(kvb_engine *e);
 kvb_status kvb__exec_step(kvb_engine *e);
 void kvb__exec_free(kvb_engine *e);
 const char *kvb__planner_name(const kvb_engine *e);
+
+/* ---------------------------------------------------------------- constrain.c (structured output) */
+/* Sets to -inf the logits[n_logits] of every token s's matcher does not allow now. KVB_ERR_INVALID
+ * when it allows none of them (a grammar whose next tokens lie beyond the model's logits), KVB_ERR_NOMEM. */
+kvb_status kvb__constrain_logits(kvb_engine *e, kvb__seq *s, float *logits, int n_logits);
+/* Advances s's matcher by the sampled token; *done = 1 when the output is complete and must stop. */
+kvb_status kvb__constrain_accept(kvb__seq *s, int32_t tok, int *done);
 
 /* ---------------------------------------------------------------- step.c */
 kvb_status kvb__step_init(kvb_engine *e);

@@ -55,6 +55,7 @@ void kvb__step_free(kvb_engine *e) {
     free(st->l_seqs);
     free(st->logits);
     free(st->sample_scratch);
+    free(st->gmask);
     free(st->t_layer);
     free(st->t_wait);
     if (st->scratch) kvb_mem_free(kvb_model_backend(e->m)->mem, st->scratch);
