@@ -8,6 +8,7 @@
 #include "gateway/api.h"
 #include "gateway/metrics.h"
 #include "gateway/stop.h"
+#include "gateway/tools.h"
 #include "tests/harness.h"
 
 static kvb_status parse(gw_endpoint ep, const char *body, gw_params *p, json_t **doc, gw_error *e) {
@@ -394,6 +395,163 @@ KVB_TEST(metrics_text) {
 }
 KVB_TEST_END
 
+
+/* ------------------------------------------------------------------------------------ tool calls */
+
+typedef struct tool_out {
+    char content[2048];
+    char names[4][64];
+    char args[4][512];
+    int n_calls;
+    int events;
+} tool_out;
+
+static void on_tool_ev(void *ud, gw_tool_ev_kind kind, int index, const char *text, size_t len) {
+    tool_out *o = ud;
+    o->events++;
+    if (kind == GW_TOOL_EV_CONTENT) {
+        strncat(o->content, text, len);
+        return;
+    }
+    ck_assert_int_lt(index, 4);
+    if (kind == GW_TOOL_EV_CALL) {
+        ck_assert_int_eq(index, o->n_calls); /* calls begin in order, once */
+        snprintf(o->names[index], sizeof o->names[index], "%.*s", (int)len, text);
+        o->n_calls++;
+    } else {
+        ck_assert_int_eq(index, o->n_calls - 1); /* arguments of the call that began last */
+        strncat(o->args[index], text, len);
+    }
+}
+
+/* Parses `text` in format f: all at once (whole) or one byte at a time (streaming). */
+static void parse_tools(gw_tool_format f, int whole, int parallel, const char *text, tool_out *o) {
+    memset(o, 0, sizeof *o);
+    gw_tool_parser *p = NULL;
+    ck_assert_int_eq(gw_tool_parser_create(f, whole, parallel, &p), KVB_OK);
+    size_t n = strlen(text);
+    for (size_t i = 0; i < n; i += whole ? n : 1)
+        ck_assert_int_eq(gw_tool_parser_push(p, text + i, whole ? n : 1, on_tool_ev, o), KVB_OK);
+    ck_assert_int_eq(gw_tool_parser_finish(p, on_tool_ev, o), KVB_OK);
+    ck_assert_int_eq(gw_tool_parser_n_calls(p), o->n_calls);
+    gw_tool_parser_destroy(p);
+}
+
+/* Both ways give the same calls and content. */
+static void expect_tools(gw_tool_format f, const char *text, const char *content, int n_calls, const char *const *names,
+                         const char *const *args) {
+    for (int whole = 0; whole < 2; whole++) {
+        tool_out o;
+        parse_tools(f, whole, 1, text, &o);
+        ck_assert_msg(!strcmp(o.content, content), "%s (%s): content '%s', want '%s'", text, whole ? "whole" : "streamed",
+                      o.content, content);
+        ck_assert_msg(o.n_calls == n_calls, "%s (%s): %d calls, want %d", text, whole ? "whole" : "streamed", o.n_calls,
+                      n_calls);
+        for (int i = 0; i < n_calls; i++) {
+            ck_assert_str_eq(o.names[i], names[i]);
+            ck_assert_msg(!strcmp(o.args[i], args[i]), "%s: call %d arguments '%s', want '%s'", text, i, o.args[i], args[i]);
+        }
+    }
+}
+
+KVB_TEST(tool_parsers) {
+    const char *w[] = {"get_weather", "get_time"};
+    const char *a1[] = {"{\"city\": \"Paris\", \"days\": [1, {\"x\": \"}\"}]}"};
+    /* Qwen (hermes) */
+    expect_tools(GW_TOOLS_HERMES,
+                 "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": [1, {\"x\": \"}\"}]}}\n</tool_call>",
+                 "Let me check.\n", 1, w, a1);
+    const char *a2[] = {"{\"city\":\"Oslo\"}", "{}"};
+    expect_tools(GW_TOOLS_HERMES,
+                 "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Oslo\"}}\n</tool_call>\n<tool_call>\n"
+                 "{\"arguments\": {}, \"name\": \"get_time\"}\n</tool_call>",
+                 "", 2, w, a2);
+    /* no call: all content, including a marker-like tail and a '<' */
+    expect_tools(GW_TOOLS_HERMES, "a < b and <tool_c", "a < b and <tool_c", 0, NULL, NULL);
+    /* malformed: not an object after the marker, a name that is not a string, a call cut short: content */
+    expect_tools(GW_TOOLS_HERMES, "x<tool_call>\nnot json</tool_call>", "x<tool_call>\nnot json</tool_call>", 0, NULL, NULL);
+    expect_tools(GW_TOOLS_HERMES, "<tool_call>{\"name\": 5, \"arguments\": {}}</tool_call>",
+                 "<tool_call>{\"name\": 5, \"arguments\": {}}", 0, NULL, NULL);
+    /* Llama 3.x JSON: the whole output is the call (parameters), ';' between several */
+    const char *a3[] = {"{\"city\": \"Rome\"}", "{\"tz\": \"UTC\"}"};
+    expect_tools(GW_TOOLS_LLAMA3, " {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}; "
+                 "{\"name\": \"get_time\", \"parameters\": {\"tz\": \"UTC\"}}", "", 2, w, a3);
+    expect_tools(GW_TOOLS_LLAMA3, "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}", "", 1, w, a3);
+    expect_tools(GW_TOOLS_LLAMA3, "The answer is {\"name\": 1}", "The answer is {\"name\": 1}", 0, NULL, NULL);
+    expect_tools(GW_TOOLS_LLAMA3, "{\"answer\": 42}", "{\"answer\": 42}", 0, NULL, NULL);
+    /* Mistral: a list after [TOOL_CALLS] */
+    const char *a4[] = {"{\"city\": \"Nice\"}", "{\"tz\": \"CET\"}"};
+    expect_tools(GW_TOOLS_MISTRAL, "Sure. [TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Nice\"}, \"id\": \"a1b2c3d4e\"},"
+                 " {\"name\": \"get_time\", \"arguments\": {\"tz\": \"CET\"}}]", "Sure. ", 2, w, a4);
+    expect_tools(GW_TOOLS_MISTRAL, "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", 0, NULL, NULL);
+    /* arguments written as a JSON string: the object inside (whole) */
+    tool_out o;
+    parse_tools(GW_TOOLS_HERMES, 1, 1, "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>", &o);
+    ck_assert_int_eq(o.n_calls, 1);
+    ck_assert_str_eq(o.args[0], "{\"a\":1}");
+    /* a call cut short (max_tokens): whole gives it back as content; a stream already began it */
+    const char *cut = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2";
+    parse_tools(GW_TOOLS_HERMES, 1, 1, cut, &o);
+    ck_assert_int_eq(o.n_calls, 0);
+    ck_assert_str_eq(o.content, cut);
+    parse_tools(GW_TOOLS_HERMES, 0, 1, cut, &o);
+    ck_assert_int_eq(o.n_calls, 1);
+    ck_assert_str_eq(o.names[0], "f");
+    ck_assert_str_eq(o.args[0], "{\"a\": [1, 2");
+    /* parallel_tool_calls false: the first call only */
+    parse_tools(GW_TOOLS_HERMES, 0, 0, "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>", &o);
+    ck_assert_int_eq(o.n_calls, 1);
+    ck_assert_str_eq(o.names[0], "a");
+    /* streaming: the arguments arrive in several pieces, before the call closes */
+    parse_tools(GW_TOOLS_HERMES, 0, 1, "<tool_call>{\"name\": \"f\", \"arguments\": {\"long\": \"abcdefghij\"}}</tool_call>", &o);
+    ck_assert_int_gt(o.events, 10);
+    ck_assert_str_eq(o.args[0], "{\"long\": \"abcdefghij\"}");
+}
+KVB_TEST_END
+
+/* A forced call's grammar: the model's prefix and suffix as literals around a schema of {name,
+ * arguments}; "required" over several functions is an anyOf; $defs are hoisted and foreign $refs
+ * refused. */
+KVB_TEST(tool_grammars) {
+    json_t *tools = json_loads("[{\"type\": \"function\", \"function\": {\"name\": \"a\", \"parameters\": {\"type\": \"object\","
+                               " \"properties\": {\"x\": {\"$ref\": \"#/$defs/X\"}}, \"$defs\": {\"X\": {\"type\": \"integer\"}}}}},"
+                               " {\"type\": \"function\", \"function\": {\"name\": \"b\"}}]", 0, NULL);
+    ck_assert_ptr_nonnull(tools);
+    gw_tool_grammar g;
+    char err[256];
+    ck_assert_int_eq(gw_tool_grammar_build(GW_TOOLS_HERMES, tools, "a", 1, &g, err, sizeof err), KVB_OK);
+    ck_assert_int_eq(g.n_parts, 3);
+    ck_assert_str_eq(g.owned[0], "<tool_call>\n");
+    ck_assert_str_eq(g.owned[2], "\n</tool_call>");
+    json_t *sc = json_loads(g.owned[1], 0, NULL);
+    ck_assert_str_eq(json_string_value(json_object_get(json_object_get(json_object_get(sc, "properties"), "name"), "const")), "a");
+    ck_assert_ptr_nonnull(json_object_get(json_object_get(sc, "$defs"), "X"));
+    json_decref(sc);
+    gw_tool_grammar_free(&g);
+    ck_assert_int_eq(gw_tool_grammar_build(GW_TOOLS_LLAMA3, tools, NULL, 1, &g, err, sizeof err), KVB_OK);
+    ck_assert_int_eq(g.n_parts, 1);
+    sc = json_loads(g.owned[0], 0, NULL);
+    ck_assert_int_eq(json_array_size(json_object_get(sc, "anyOf")), 2);
+    ck_assert_ptr_nonnull(strstr(g.owned[0], "\"parameters\""));
+    json_decref(sc);
+    gw_tool_grammar_free(&g);
+    ck_assert_int_eq(gw_tool_grammar_build(GW_TOOLS_MISTRAL, tools, "b", 0, &g, err, sizeof err), KVB_OK);
+    ck_assert_int_eq(g.n_parts, 2);
+    ck_assert_str_eq(g.owned[0], "[TOOL_CALLS]");
+    sc = json_loads(g.owned[1], 0, NULL);
+    ck_assert_str_eq(json_string_value(json_object_get(sc, "type")), "array");
+    ck_assert_int_eq(json_integer_value(json_object_get(sc, "maxItems")), 1);
+    json_decref(sc);
+    gw_tool_grammar_free(&g);
+    json_decref(tools);
+    tools = json_loads("[{\"type\": \"function\", \"function\": {\"name\": \"r\", \"parameters\": {\"type\": \"object\","
+                       " \"properties\": {\"self\": {\"$ref\": \"#\"}}}}}]", 0, NULL);
+    ck_assert_int_eq(gw_tool_grammar_build(GW_TOOLS_HERMES, tools, NULL, 1, &g, err, sizeof err), KVB_ERR_INVALID);
+    ck_assert_msg(strstr(err, "'#'") != NULL, "%s", err);
+    json_decref(tools);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(field_table, 10),
               KVB_T(tok_params, 10),
-              KVB_T(stop_strings, 10), KVB_T(metrics_text, 10))
+              KVB_T(stop_strings, 10), KVB_T(metrics_text, 10), KVB_T(tool_parsers, 10), KVB_T(tool_grammars, 10))
