@@ -18,11 +18,26 @@
 #include <jansson.h>
 #include <stdint.h>
 
+#include "common/text/grammar.h"
 #include "common/util/util.h"
 
 #define GW_MAX_STOP 16        /* stop strings per request */
 #define GW_MAX_STOP_LEN 256   /* bytes per stop string */
 #define GW_MAX_STOP_IDS 64    /* stop_token_ids per request */
+#define GW_MAX_TOOLS 128      /* tools per request (OpenAI's limit) */
+#define GW_MAX_GRAMMAR_PARTS 3 /* a forced tool call: prefix, schema, suffix */
+
+/* gw_params.tool_choice */
+typedef enum gw_tool_choice {
+    GW_TOOL_NONE = 0,         /* no call: tools (if any) are only shown to the template */
+    GW_TOOL_AUTO = 1,         /* the model decides; what it writes in its call format is parsed */
+    GW_TOOL_REQUIRED = 2,     /* one call of any tool, forced by a grammar */
+    GW_TOOL_NAMED = 3,        /* one call of tool_name, forced by a grammar */
+} gw_tool_choice;
+
+/* gw_params.grammar_flags (the same bits as kvb_request.grammar_flags) */
+#define GW_GRAMMAR_LAX 1u     /* json_schema strict false: objects allow keys the schema does not name */
+#define GW_GRAMMAR_COMPACT 2u /* structured_outputs.disable_any_whitespace: no whitespace in JSON */
 
 typedef enum gw_endpoint {
     GW_COMPLETIONS = 0,       /* POST /v1/completions */
@@ -103,6 +118,19 @@ struct gw_params {
     int timings;              /* kvbank_timings: the response carries every token's generation, arrival
                                * and delivery time */
     int include_stop_str;     /* include_stop_str_in_output (vLLM): the stop string ends the text */
+    /* ---- structured output and tools (docs/gateway.md "Structured output and tool calling") */
+    kvb_grammar_part grammar[GW_MAX_GRAMMAR_PARTS]; /* the grammar the output must match: response_format,
+                               * guided_json / _regex / _choice, structured_outputs (texts owned) */
+    int n_grammar;
+    unsigned grammar_flags;   /* GW_GRAMMAR_* */
+    const char *grammar_field;/* the field that asked for it ("response_format", ...), NULL: none */
+    char *grammar_text;       /* owned text of grammar[0] (a schema dumped compact) */
+    const char **grammar_choices; /* owned array of borrowed strings (guided_choice) */
+    json_t *tools;            /* borrowed, validated array of {type: function, function: {name, ...}}; NULL: none */
+    int tool_choice;          /* gw_tool_choice (default AUTO with tools, NONE without) */
+    const char *tool_name;    /* GW_TOOL_NAMED: the function (borrowed) */
+    int parallel_tool_calls;  /* default 1 */
+    int has_tool_messages;    /* messages carry assistant tool_calls (their arguments are parsed for the template) */
     /* ignored fields the request had: indices into gw_fields() [n_ignored] (the gateway logs them) */
     short ignored[GW_MAX_IGNORED];
     int n_ignored;

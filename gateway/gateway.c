@@ -50,6 +50,10 @@
 #include "gateway/api.h"
 #include "gateway/metrics.h"
 #include "gateway/stop.h"
+#include "gateway/tools.h"
+
+_Static_assert(GW_GRAMMAR_LAX == KVB_GRAMMAR_REQ_LAX && GW_GRAMMAR_COMPACT == KVB_GRAMMAR_REQ_COMPACT,
+               "gw_params.grammar_flags are kvb_request.grammar_flags");
 
 #define GW_MAX_MODELS 64
 #define KVB_NAME_MAX_GW 65        /* model names: up to 64 bytes */
@@ -116,6 +120,9 @@ typedef struct gw_model {
     kvb_tokenizer *tok;           /* tokenizer.json, or NULL (the model then takes token ids only) */
     kvb_chat_template *tmpl;      /* its chat template, or NULL */
     char tmpl_why[320];           /* why a template it has cannot be used (chat requests are told), or "" */
+    gw_tool_format tool_fmt;      /* the format its template writes tool calls in (tools.h) */
+    int32_t tool_marker;          /* the token starting a call when it is a special token (a decode that skips
+                                   * special tokens drops it, so the parser is given its text), else -1 */
     /* the model's numbers: last Pong and last coordinator status */
     kvb_client_pong pong;
     uint64_t pong_ns;             /* when the last Pong arrived (kvb_now_ns), 0: never */
@@ -238,6 +245,15 @@ struct gw_stream {
     int sending;                  /* h2o has `out`, proceed not yet called */
     int head_sent;                /* h2o_start_response was called */
     int role_sent;                /* chat: the first delta with the role went out */
+    /* structured output and tools */
+    const char *grammar_field;    /* the request field its grammar came from (a 400 names it), or NULL */
+    gw_tool_parser *tp;           /* chat with tools: the model's text -> content and tool_calls */
+    gw_tool_format tool_fmt;
+    int32_t tool_marker;          /* as gw_model.tool_marker when the detokenizer skips special tokens, else -1 */
+    char *d_content;              /* what the parser emitted since the last event: content [d_len] */
+    size_t d_len, d_cap;
+    json_t *d_calls;              /* ... and tool_calls deltas (stream) or the whole calls (not streamed) */
+    int n_calls;                  /* calls begun */
 };
 
 static void stream_pump(gw_stream *s);
@@ -342,6 +358,9 @@ static void on_stream_timer_closed(uv_handle_t *h) {
     free(s->text);
     free(s->out);
     free(s->prompt_ids);
+    gw_tool_parser_destroy(s->tp);
+    free(s->d_content);
+    json_decref(s->d_calls);
     free(s);
 }
 
@@ -437,6 +456,80 @@ static json_t *timings_json(const gw_stream *s) {
     }
     return json_pack("{s:o, s:o, s:o, s:f}", "generated_ns", g, "received_ns", r, "delivered_ns", d, "tbt_slo_ms",
                      (double)s->slo_ns / 1e6);
+}
+
+/* ------------------------------------------------------------------------- tool calls in responses */
+
+/* A tool call's id: "call_" and 24 letters and digits, or the 9 Mistral's template insists on. */
+static void tool_call_id(const gw_stream *s, int index, char *out, size_t n) {
+    static const char an[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    uint64_t x = kvb_wall_ns() ^ ((uint64_t)(uintptr_t)s * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)index << 32);
+    int len = s->tool_fmt == GW_TOOLS_MISTRAL ? 9 : 24, k = 0;
+    if (len != 9) k = snprintf(out, n, "call_");
+    for (int i = 0; i < len && k + 1 < (int)n; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        out[k++] = an[x % (sizeof an - 1)];
+    }
+    out[k] = '\0';
+}
+
+/* What the tool parser decided: content goes to d_content; a call's start and its arguments become
+ * tool_calls entries (a stream: deltas since the last event; otherwise the whole calls). */
+static void on_tool_event(void *ud, gw_tool_ev_kind kind, int index, const char *text, size_t len) {
+    gw_stream *s = ud;
+    if (kind == GW_TOOL_EV_CONTENT) {
+        gw_buf_append(&s->d_content, &s->d_len, &s->d_cap, text, len);
+        return;
+    }
+    if (!s->d_calls) s->d_calls = json_array();
+    json_t *last = json_array_get(s->d_calls, json_array_size(s->d_calls) - 1);
+    if (kind == GW_TOOL_EV_CALL) {
+        char id[40];
+        tool_call_id(s, index, id, sizeof id);
+        json_array_append_new(s->d_calls, json_pack("{s:i, s:s, s:s, s:{s:s%, s:s}}", "index", index, "id", id, "type",
+                                                    "function", "function", "name", text, len, "arguments", ""));
+        s->n_calls = index + 1;
+        return;
+    }
+    json_t *fn = last && json_integer_value(json_object_get(last, "index")) == index ? json_object_get(last, "function") : NULL;
+    if (!fn) { /* a stream's later piece of a call already announced */
+        json_array_append_new(s->d_calls, json_pack("{s:i, s:{s:s%}}", "index", index, "function", "arguments", text, len));
+        return;
+    }
+    json_t *a = json_object_get(fn, "arguments");
+    size_t have = json_string_length(a);
+    char *cat = malloc(have + len + 1);
+    if (!cat) return;
+    memcpy(cat, json_string_value(a), have);
+    memcpy(cat + have, text, len);
+    json_object_set_new(fn, "arguments", json_stringn(cat, have + len));
+    free(cat);
+}
+
+/* finish_reason: "tool_calls" when the model called a tool and stopped on its own. */
+static const char *finish_word(const gw_stream *s) {
+    if (s->n_calls > 0 && s->finish_reason && !strcmp(s->finish_reason, "stop")) return "tool_calls";
+    return s->finish_reason;
+}
+
+/* A chat choice of a request with tools: the parsed content (null when there is none but calls) and
+ * the calls; the whole message, or a delta (role only on the first). Takes what d_content / d_calls
+ * hold. */
+static json_t *tool_choice_json(gw_stream *s, const int32_t *ids, int n_ids, const char *finish) {
+    json_t *c = json_pack("{s:i}", "index", 0), *msg = json_object();
+    if (!s->stream || !s->role_sent) json_object_set_new(msg, "role", json_string("assistant"));
+    if (s->d_len || !s->stream)
+        json_object_set_new(msg, "content", s->d_len || !s->n_calls ? json_stringn(s->d_content ? s->d_content : "", s->d_len)
+                                                                    : json_null());
+    if (s->d_calls && json_array_size(s->d_calls)) json_object_set(msg, "tool_calls", s->d_calls);
+    json_object_set_new(c, s->stream ? "delta" : "message", msg);
+    json_object_set_new(c, "logprobs", json_null());
+    json_object_set_new(c, "finish_reason", finish ? json_string(finish) : json_null());
+    if (s->return_token_ids && (n_ids || !s->stream)) json_object_set_new(c, "token_ids", ids_json(ids, n_ids));
+    s->d_len = 0;
+    json_decref(s->d_calls);
+    s->d_calls = NULL;
+    return c;
 }
 
 /* One choice: text (completions) or message / delta (chat). */
@@ -551,7 +644,13 @@ static void stream_pump(gw_stream *s) {
             send_error(s->g, req, s->ep, &s->err);
         } else {
             json_t *choices = json_array();
-            json_array_append_new(choices, choice_json(s, s->text, s->text_len, s->tok, s->n_tok, s->finish_reason, 1));
+            if (s->tp) { /* the whole text through the parser: calls only where they parse */
+                gw_tool_parser_push(s->tp, s->text ? s->text : "", s->text_len, on_tool_event, s);
+                gw_tool_parser_finish(s->tp, on_tool_event, s);
+                json_array_append_new(choices, tool_choice_json(s, s->tok, s->n_tok, finish_word(s)));
+            } else {
+                json_array_append_new(choices, choice_json(s, s->text, s->text_len, s->tok, s->n_tok, s->finish_reason, 1));
+            }
             json_t *r = envelope_json(s, choices);
             json_object_set_new(r, "usage", usage_json(s));
             if (s->return_token_ids) json_object_set_new(r, "prompt_token_ids", ids_json(s->prompt_ids, s->n_prompt));
@@ -579,7 +678,18 @@ static void stream_pump(gw_stream *s) {
     s->out_len = 0;
     size_t upto = released_text(s);
     int new_tok = s->n_released - s->sent_tok;
-    if (upto > s->sent_text || new_tok > 0 || (s->ep == EP_CHAT && !s->role_sent)) {
+    if (s->tp) { /* the new text through the parser: content and tool_calls deltas */
+        gw_tool_parser_push(s->tp, s->text + s->sent_text, upto - s->sent_text, on_tool_event, s);
+        if (all_released && !s->failed) gw_tool_parser_finish(s->tp, on_tool_event, s);
+        s->sent_text = upto;
+        if (s->d_len || (s->d_calls && json_array_size(s->d_calls)) || new_tok > 0 || !s->role_sent) {
+            json_t *choices = json_array();
+            json_array_append_new(choices, tool_choice_json(s, s->tok + s->sent_tok, new_tok, NULL));
+            out_event(s, envelope_json(s, choices));
+            s->role_sent = 1;
+            s->sent_tok = s->n_released;
+        }
+    } else if (upto > s->sent_text || new_tok > 0 || (s->ep == EP_CHAT && !s->role_sent)) {
         json_t *choices = json_array();
         json_array_append_new(choices, choice_json(s, s->text + s->sent_text, upto - s->sent_text, s->tok + s->sent_tok,
                                                    new_tok, NULL, 0));
@@ -601,7 +711,7 @@ static void stream_pump(gw_stream *s) {
             }
         } else {
             json_t *choices = json_array();
-            json_array_append_new(choices, choice_json(s, "", 0, NULL, 0, s->finish_reason, 1));
+            json_array_append_new(choices, choice_json(s, "", 0, NULL, 0, finish_word(s), 1));
             json_t *last = envelope_json(s, choices);
             if (s->timings) json_object_set_new(last, "kvbank_timings", timings_json(s));
             out_event(s, last);
@@ -696,6 +806,10 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
             const char *piece = "";
             size_t plen = 0;
             if (kvb_detok_push(s->detok, tokens[k], &piece, &plen) != KVB_OK) plen = 0;
+            if (tokens[k] == s->tool_marker) { /* a special token starting a call: the parser needs its text */
+                piece = gw_tool_format_marker(s->tool_fmt);
+                plen = strlen(piece);
+            }
             int r = gw_stop_push(s->stopper, piece, plen, &s->text, &s->text_len, &s->text_cap, NULL);
             if (r > 0) stop_hit = 1;
         }
@@ -709,7 +823,13 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
         s->fin = KVB_FINISH_STOP;
     } else if (finish != KVB_FINISH_NONE && !s->finished) {
         s->upstream_live = 0;
-        if (st != KVB_OK) {
+        size_t gl = strlen(KVB_WIRE_GRAMMAR_ERROR);
+        if (st != KVB_OK && s->grammar_field && err && !strncmp(err, KVB_WIRE_GRAMMAR_ERROR, gl)) {
+            /* the model could not compile the request's grammar: the request's fault, named */
+            stream_fail(s, 400, "invalid_request_error", "%s", "");
+            gw_error_set(&s->err, 400, "invalid_request_error", s->grammar_field, "'%s' cannot be used: %s",
+                         s->grammar_field, err + gl);
+        } else if (st != KVB_OK) {
             stream_fail(s, status_for(st), st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error", "%s",
                         err && *err ? err : kvb_status_str(st));
         } else {
@@ -865,8 +985,14 @@ static void model_load_dir(gw_model *m) {
                 KVB_LOG_W("gateway: model %s: served without chat: its chat template cannot be used (%s)", m->name,
                           m->tmpl_why);
         }
-        KVB_LOG_I("gateway: model %s: %s, %s", m->name, m->tok ? "tokenizer" : "no tokenizer (token ids only)",
-                  m->tmpl ? "chat template" : "no chat template");
+        m->tool_marker = -1;
+        m->tool_fmt = m->tmpl ? gw_tool_format_detect(m->tmpl, m->tok) : GW_TOOLS_NONE;
+        if (m->tool_fmt != GW_TOOLS_NONE) {
+            int32_t id = kvb_tokenizer_token_id(m->tok, gw_tool_format_marker(m->tool_fmt));
+            if (id >= 0 && kvb_tokenizer_is_special(m->tok, id)) m->tool_marker = id;
+        }
+        KVB_LOG_I("gateway: model %s: %s, %s, tool calls: %s", m->name, m->tok ? "tokenizer" : "no tokenizer (token ids only)",
+                  m->tmpl ? "chat template" : "no chat template", gw_tool_format_name(m->tool_fmt));
         KVB_LOG_I("gateway: model %s: %s (vocab %d, context %d, %d EOS ids)", m->name, m->model_dir, m->cfg.vocab,
                   m->cfg.max_pos, m->cfg.n_eos);
     } else {
@@ -1225,6 +1351,29 @@ static int job_text(gw_job *j, const char *text, size_t len, json_t *messages, i
     return 1;
 }
 
+/* The template's variables for a chat request: chat_template_kwargs with the request's `tools` added,
+ * and messages whose assistant tool_calls carry their arguments as objects and whose null content is ""
+ * (what vLLM's rendering passes: templates `tojson` the arguments and test `'x' in content`). New
+ * references, NULL where nothing changes. */
+static void chat_vars(const gw_params *p, json_t **msgs, json_t **extra) {
+    *msgs = *extra = NULL;
+    if (p->tools) {
+        *extra = p->template_kwargs ? json_copy(p->template_kwargs) : json_object();
+        if (*extra && !json_object_get(*extra, "tools")) json_object_set(*extra, "tools", p->tools);
+    }
+    if (!p->has_tool_messages || !(*msgs = json_deep_copy(p->messages))) return;
+    for (size_t i = 0; i < json_array_size(*msgs); i++) {
+        json_t *m = json_array_get(*msgs, i), *tc = json_object_get(m, "tool_calls");
+        json_t *c = json_object_get(m, "content");
+        if (!c || json_is_null(c)) json_object_set_new(m, "content", json_string("")); /* as vLLM renders a call's null content */
+        for (size_t k = 0; k < json_array_size(tc); k++) {
+            json_t *fn = json_object_get(json_array_get(tc, k), "function"), *a = json_object_get(fn, "arguments");
+            json_t *o = json_is_string(a) ? json_loads(json_string_value(a), JSON_DECODE_ANY, NULL) : NULL;
+            if (o) json_object_set_new(fn, "arguments", o);
+        }
+    }
+}
+
 static void job_run(uv_work_t *w) {
     gw_job *j = w->data;
     const char *text = NULL;
@@ -1233,8 +1382,13 @@ static void job_run(uv_work_t *w) {
     if (j->kind == JOB_GENERATE) {
         gw_params *p = &j->p;
         int chat = j->ep == EP_CHAT;
-        if (job_text(j, p->prompt_text, p->prompt_len, chat ? p->messages : NULL, p->add_generation_prompt,
-                     p->template_kwargs, &text, &len, &owned)) {
+        json_t *msgs = NULL, *extra = NULL;
+        if (chat) chat_vars(p, &msgs, &extra);
+        int ok = job_text(j, p->prompt_text, p->prompt_len, chat ? (msgs ? msgs : p->messages) : NULL,
+                          p->add_generation_prompt, extra ? extra : p->template_kwargs, &text, &len, &owned);
+        json_decref(msgs);
+        json_decref(extra);
+        if (ok) {
             kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, p->add_special_tokens, &p->prompt_ids,
                                                  &p->n_prompt_ids);
             if (es != KVB_OK || p->n_prompt_ids == 0)
@@ -1388,6 +1542,17 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         no_chat_error(&err, m);
         goto reject;
     }
+    if ((p.n_grammar || p.tool_choice >= GW_TOOL_REQUIRED) && !m->tok) {
+        gw_error_set(&err, 400, "invalid_request_error", p.grammar_field ? p.grammar_field : "tool_choice",
+                     "model '%s' has no tokenizer (tokenizer.json): structured output needs one", m->name);
+        goto reject;
+    }
+    if (p.tools && p.tool_choice != GW_TOOL_NONE && m->tool_fmt == GW_TOOLS_NONE) {
+        gw_error_set(&err, 400, "invalid_request_error", "tools",
+                     "model '%s': its chat template writes tool calls in no format this server parses (Llama 3.x JSON, "
+                     "<tool_call> as Qwen, [TOOL_CALLS] as Mistral)", m->name);
+        goto reject;
+    }
     if (ep == EP_CHAT || p.prompt_text) { /* the prompt as token ids: on the thread pool */
         job_start(g, req, ep, JOB_GENERATE, m, doc, &p, NULL);
         return;
@@ -1487,6 +1652,27 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     }
     uv_timer_init(g->loop, &s->timer);
     s->timer.data = s;
+    /* structured output: the request's own grammar, or a forced tool call in the model's format */
+    gw_tool_grammar tg = {0};
+    s->tool_marker = -1;
+    s->grammar_field = p->grammar_field;
+    if (p->tool_choice == GW_TOOL_REQUIRED || p->tool_choice == GW_TOOL_NAMED) {
+        char why[384];
+        if (gw_tool_grammar_build(m->tool_fmt, p->tools, p->tool_choice == GW_TOOL_NAMED ? p->tool_name : NULL,
+                                  p->parallel_tool_calls, &tg, why, sizeof why) != KVB_OK) {
+            gw_error_set(&err, 400, "invalid_request_error", "tools", "%s", why);
+            goto reject_stream;
+        }
+        s->grammar_field = "tools";
+    }
+    if (p->tools && p->tool_choice != GW_TOOL_NONE) {
+        s->tool_fmt = m->tool_fmt;
+        if (p->skip_special_tokens) s->tool_marker = m->tool_marker;
+        if (gw_tool_parser_create(m->tool_fmt, !p->stream, p->parallel_tool_calls, &s->tp) != KVB_OK) {
+            gw_error_set(&err, 500, "server_error", NULL, "out of memory");
+            goto reject_stream;
+        }
+    }
     kvb_request r = {
         .tbt_slo_ms = slo, /* the model's planner sees the target too (OrbitFlow) */
         .prompt = s->prompt_ids ? s->prompt_ids : p->prompt_ids,
@@ -1498,6 +1684,9 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
                      .top_k = p->top_k,
                      .top_p = (float)p->top_p,
                      .seed = p->has_seed ? p->seed : (kvb_wall_ns() ^ (g->next_id * 0x9e3779b97f4a7c15ull))},
+        .grammar = tg.n_parts ? tg.parts : p->grammar,
+        .n_grammar = tg.n_parts ? tg.n_parts : p->n_grammar,
+        .grammar_flags = tg.n_parts ? 0 : p->grammar_flags,
     };
     /* Everything in place before the submit: the model's answer may come within the dispatch below. */
     s->link = h2o_mem_alloc_shared(&req->pool, sizeof *s->link, on_req_dispose);
@@ -1511,6 +1700,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     m->n_streams++;
     char msg[256];
     kvb_status st = kvb_client_submit(m->client, &r, on_upstream, s, SUBMIT_TIMEOUT_MS, &s->rid, msg, sizeof msg);
+    gw_tool_grammar_free(&tg); /* the client keeps its own copy */
     if (st != KVB_OK) {
         gw_error_set(&err, st == KVB_ERR_INVALID ? 400 : 503, st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error",
                      "prompt", "%s", msg);
@@ -1523,9 +1713,13 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     }
     s->upstream_live = 1;
     s->submit_ns = kvb_now_ns();
-    if (s->stream) stream_pump(s); /* the response head goes out at once */
+    /* the response head goes out at once, unless the model may still refuse the grammar (a 400) */
+    if (s->stream && !r.n_grammar) stream_pump(s);
     kvb_client_dispatch(m->client); /* the send may have consumed the fd's edge */
     return;
+reject_stream: /* nothing sent: the stream goes as it came */
+    gw_tool_grammar_free(&tg);
+    uv_close((uv_handle_t *)&s->timer, on_stream_timer_closed);
 reject:
     send_error(g, req, ep, &err);
 }

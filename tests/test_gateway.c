@@ -244,7 +244,7 @@ KVB_TEST(field_table) {
     }
     expect_bad(GW_CHAT,
                "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": "
-               "{\"type\": \"json_object\"}}",
+               "{\"type\": \"structural_tag\"}}",
                400, "response_format");
     expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"store\": \"yes\"}",
                400, "store");

@@ -23,6 +23,51 @@ const messages = [
 // greedy and long enough to be worth comparing; ignore_eos (vLLM's) keeps the length fixed
 const greedy = { model: MODEL, temperature: 0, max_tokens: 12, ignore_eos: true };
 
+// structured output: a schema, and a checker of what the tests use of JSON Schema
+const PERSON = {
+  type: "object",
+  properties: {
+    name: { type: "string", maxLength: 12 },
+    age: { type: "integer", minimum: 0, maximum: 150 },
+    tags: { type: "array", items: { enum: ["a", "b", "c"] }, minItems: 1, maxItems: 3 },
+    email: { type: "string", format: "email" },
+  },
+  required: ["name", "age", "tags"],
+  additionalProperties: false,
+};
+const WEATHER = { type: "function", function: { name: "get_weather", description: "Weather in a city", parameters: {
+  type: "object",
+  properties: { city: { type: "string", maxLength: 20 }, unit: { enum: ["celsius", "fahrenheit"] },
+                days: { type: "integer", minimum: 1, maximum: 7 } },
+  required: ["city", "unit"],
+} } };
+const TIME = { type: "function", function: { name: "get_time", parameters: {
+  type: "object", properties: { zone: { type: "string", pattern: "^[A-Z]{3}$" } }, required: ["zone"],
+} } };
+const toolMessages = [{ role: "user", content: "What is the weather in Paris?" }];
+
+function fits(v, s, at) {
+  if (s.enum) return assert.ok(s.enum.includes(v), `${at}: ${JSON.stringify(v)} not in ${s.enum}`);
+  if (s.type === "object") {
+    assert.ok(v && typeof v === "object" && !Array.isArray(v), `${at}: not an object`);
+    for (const k of s.required ?? []) assert.ok(k in v, `${at}: '${k}' missing`);
+    for (const [k, x] of Object.entries(v)) {
+      assert.ok(k in (s.properties ?? {}), `${at}: '${k}' is not in the schema`);
+      fits(x, s.properties[k], `${at}.${k}`);
+    }
+  } else if (s.type === "array") {
+    assert.ok(Array.isArray(v) && v.length >= (s.minItems ?? 0) && v.length <= (s.maxItems ?? Infinity), `${at}: ${JSON.stringify(v)}`);
+    v.forEach((x, i) => fits(x, s.items, `${at}[${i}]`));
+  } else if (s.type === "integer") {
+    assert.ok(Number.isInteger(v) && v >= (s.minimum ?? -Infinity) && v <= (s.maximum ?? Infinity), `${at}: ${v}`);
+  } else if (s.type === "string") {
+    assert.equal(typeof v, "string", `${at}: ${JSON.stringify(v)}`);
+    assert.ok([...v].length <= (s.maxLength ?? Infinity), `${at}: longer than ${s.maxLength}`);
+    if (s.pattern) assert.match(v, new RegExp(s.pattern), `${at}`);
+    if (s.format === "email") assert.match(v, /^[^@\s]+@[^@\s]+$/, `${at}: ${v}`);
+  }
+}
+
 async function gatewayJson(path, body) {
   const r = await fetch(GATEWAY + path, body ? { method: "POST", body: JSON.stringify(body) } : {});
   assert.equal(r.status, 200, `${path}: ${r.status}`);
@@ -167,6 +212,105 @@ const CASES = [
     assert.equal(c.choices[0].finish_reason, "length");
     assert.ok((await metric("kvbank_gateway_ignored_fields_total", { field: "reasoning_effort" })) >= 1);
     return "store, metadata, user, service_tier, reasoning_effort, parallel_tool_calls, ... accepted; same text";
+  }],
+
+  ["json-schema", async () => {
+    const r = await client.chat.completions.create({
+      model: MODEL, messages, temperature: 0.8, seed: 11, max_tokens: 400,
+      response_format: { type: "json_schema", json_schema: { name: "person", strict: true, schema: PERSON } },
+    });
+    const c = r.choices[0];
+    assert.equal(c.finish_reason, "stop", `finish ${c.finish_reason}: ${c.message.content}`);
+    const v = JSON.parse(c.message.content);
+    fits(v, PERSON, "$");
+    // streamed: the deltas add up to a document that fits too
+    const { text, chunks } = await collect(await client.chat.completions.create({
+      model: MODEL, messages, temperature: 0.8, seed: 12, max_tokens: 400, stream: true,
+      response_format: { type: "json_schema", json_schema: { name: "person", schema: PERSON } },
+    }));
+    fits(JSON.parse(text), PERSON, "$");
+    assert.equal(chunks.at(-1).choices[0].finish_reason, "stop");
+    // vLLM's fields: a choice, a regex (structured_outputs), any JSON object
+    const ch = await client.chat.completions.create({ ...greedy, max_tokens: 20, messages, guided_choice: ["red", "green", "blue"] });
+    assert.ok(["red", "green", "blue"].includes(ch.choices[0].message.content), ch.choices[0].message.content);
+    const rx = await client.completions.create({ ...greedy, prompt: "Code:", max_tokens: 20, structured_outputs: { regex: "[A-Z]{3}-[0-9]{4}" } });
+    assert.match(rx.choices[0].text, /^[A-Z]{3}-[0-9]{4}$/);
+    assert.equal(rx.choices[0].finish_reason, "stop");
+    const jo = await client.chat.completions.create({ model: MODEL, messages, max_tokens: 300, temperature: 0.5, seed: 3,
+                                                      response_format: { type: "json_object" } });
+    if (jo.choices[0].finish_reason === "stop") assert.equal(typeof JSON.parse(jo.choices[0].message.content), "object");
+    else assert.equal(jo.choices[0].finish_reason, "length");
+    return `json_schema output parses and fits (${c.message.content.length} bytes, streamed too); guided_choice ` +
+           `${JSON.stringify(ch.choices[0].message.content)}, regex ${JSON.stringify(rx.choices[0].text)}`;
+  }],
+
+  ["structured-errors", async () => {
+    const e = await refused(client.chat.completions.create({
+      ...greedy, messages, response_format: { type: "json_schema", json_schema: { name: "x", schema: { type: "object", not: {} } } },
+    }), 400, "response_format", OpenAI.BadRequestError);
+    assert.match(e.message, /'not' is not supported/);
+    await refused(client.chat.completions.create({ ...greedy, messages, guided_regex: "a(?=b)" }), 400, "guided_regex");
+    await refused(client.chat.completions.create({ ...greedy, messages, stream: true,
+                                                   guided_json: { type: "object", properties: { a: { $ref: "#/nowhere" } } } }),
+                  400, "guided_json");
+    await refused(client.chat.completions.create({ ...greedy, messages, guided_choice: ["a"], guided_regex: "b" }), 400, undefined);
+    await refused(client.chat.completions.create({ ...greedy, messages, tools: [WEATHER],
+                                                   tool_choice: { type: "function", function: { name: "nope" } } }), 400, "tool_choice");
+    await refused(client.chat.completions.create({ ...greedy, messages, tool_choice: "required" }), 400, "tool_choice");
+    return `a schema the engine refuses is a 400 with its message (${JSON.stringify(e.message)}); regex, $ref, two grammars, tool_choice`;
+  }],
+
+  ["tool-forced", async () => {
+    const r = await client.chat.completions.create({
+      model: MODEL, messages: toolMessages, temperature: 0.9, seed: 5, max_tokens: 400, tools: [WEATHER, TIME],
+      tool_choice: { type: "function", function: { name: "get_weather" } },
+    });
+    const c = r.choices[0];
+    assert.equal(c.finish_reason, "tool_calls", JSON.stringify(c));
+    assert.equal(c.message.role, "assistant");
+    assert.equal(c.message.tool_calls.length, 1);
+    const call = c.message.tool_calls[0];
+    assert.equal(call.type, "function");
+    assert.match(call.id, /^call_[A-Za-z0-9]{24}$/);
+    assert.equal(call.function.name, "get_weather");
+    fits(JSON.parse(call.function.arguments), WEATHER.function.parameters, "arguments");
+    // required over two tools: one call of either, whose arguments fit that tool
+    const q = await client.chat.completions.create({
+      model: MODEL, messages: toolMessages, temperature: 0.9, seed: 6, max_tokens: 400, tools: [WEATHER, TIME], tool_choice: "required",
+    });
+    const qc = q.choices[0].message.tool_calls[0];
+    const tool = [WEATHER, TIME].find((t) => t.function.name === qc.function.name);
+    assert.ok(tool, qc.function.name);
+    fits(JSON.parse(qc.function.arguments), tool.function.parameters, "arguments");
+    // the conversation goes on: the call and the tool's answer rendered by the template
+    const next = await client.chat.completions.create({
+      ...greedy, tools: [WEATHER, TIME],
+      messages: [...toolMessages, c.message, { role: "tool", tool_call_id: call.id, content: "{\"temp\": 21}" }],
+    });
+    assert.ok(next.usage.prompt_tokens > r.usage.prompt_tokens, "the call and its result are in the prompt");
+    return `get_weather(${call.function.arguments}) fits its schema; required chose ${qc.function.name}; the tool's answer goes back`;
+  }],
+
+  ["tool-stream", async () => {
+    const req = { model: MODEL, messages: toolMessages, temperature: 0.9, seed: 8, max_tokens: 400, tools: [WEATHER, TIME],
+                  tool_choice: { type: "function", function: { name: "get_weather" } } };
+    const { chunks } = await collect(await client.chat.completions.create({ ...req, stream: true }));
+    const deltas = chunks.filter((k) => k.choices.length && k.choices[0].delta.tool_calls).map((k) => k.choices[0].delta.tool_calls[0]);
+    assert.ok(deltas.length >= 2, `${deltas.length} tool_calls deltas`);
+    assert.equal(deltas[0].index, 0);
+    assert.match(deltas[0].id, /^call_/);
+    assert.equal(deltas[0].type, "function");
+    assert.equal(deltas[0].function.name, "get_weather");
+    assert.ok(deltas.slice(1).every((d) => d.index === 0 && d.id === undefined && d.function.name === undefined));
+    const args = deltas.map((d) => d.function.arguments).join("");
+    fits(JSON.parse(args), WEATHER.function.parameters, "arguments");
+    assert.equal(chunks.filter((k) => k.choices.length).at(-1).choices[0].finish_reason, "tool_calls");
+    // the SDK's own accumulator puts the deltas together the same way
+    const acc = await client.chat.completions.stream({ ...req }).finalChatCompletion();
+    const ac = acc.choices[0].message.tool_calls[0];
+    assert.equal(ac.function.name, "get_weather");
+    assert.equal(ac.function.arguments, args, "same seed, same call");
+    return `${deltas.length} tool_calls deltas (id, type, name, then ${deltas.length - 1} argument pieces) reassemble to ${args}`;
   }],
 
   ["stream-abort", async () => {
