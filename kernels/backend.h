@@ -136,6 +136,28 @@ typedef struct kvb_backend_i {
     /* out[i][:] = x[rows[i]][:] for i < n (rows: host array). */
     kvb_status (*gather_rows)(void *ctx, const void *x, const int32_t *rows, int n, int dim, void *out);
 
+    /* Fused forms of the operators above, for the model's layers (common/model/forward.c). Optional
+     * together: a backend with weight_load_stacked has the other three. */
+    /* Creates `dst` [sum of rows[i]][cols] from n host matrices of the same cols stacked in order (each
+     * from its own dtype; cols 1: vectors, the stacked biases). The model then loads q/k/v and gate/up
+     * stacked and runs each as one product through the operators below; NULL: it keeps them apart. */
+    kvb_status (*weight_load_stacked)(void *ctx, const void *const *src, const kvb_dtype *src_dtype, const int64_t *rows,
+                                      int n, int64_t cols, kvb_tensor *dst);
+    /* y[n][rows(w)] = RMSNorm(x; norm, eps) . w^T, x [n][cols(w)] unchanged: a layer's norm folded into the
+     * product after it. */
+    kvb_status (*matmul_norm)(void *ctx, const void *x, int n, const kvb_tensor *norm, float eps, const kvb_tensor *w,
+                              void *y);
+    /* y[n][rows(w)] = (silu(gu[:, 0:c]) * gu[:, c:2c]) . w^T + beta * y, c = cols(w): gu [n][2c] is the
+     * stacked gate/up product, the SiLU-mul folded into the down product's input. */
+    kvb_status (*matmul_swiglu)(void *ctx, const void *gu, int n, const kvb_tensor *w, float beta, void *y);
+    /* What follows the stacked q/k/v product qkv [n_tokens][(n_heads + 2 n_kv_heads) hd] of batch b: adds
+     * `bias` (the stacked q/k/v biases; NULL: none), applies RMSNorm with q_norm / k_norm to every q / k
+     * head (NULL: none), rotates q and k at pos[n_tokens] (host array), writes q to q_out
+     * [n_tokens][n_heads][hd] and K, V into the current layer's blocks as kv_write does. */
+    kvb_status (*qkv_finish)(void *ctx, const kvb_attn_batch *b, const void *qkv, const kvb_tensor *bias,
+                             const kvb_tensor *q_norm, const kvb_tensor *k_norm, float eps, const int32_t *pos,
+                             const kvb_rope *rope, void *q_out);
+
     /* Sets the number of CPU threads the backend may use (CPU backend: OpenBLAS and OpenMP). */
     void (*set_threads)(void *ctx, int n_threads);
     /* Releases the backend context. */

@@ -262,7 +262,7 @@ def top2_gap(row):
     return float(top[1] - top[0])
 
 
-def compare(model, prompt, tokens, logits_path, rtol):
+def compare(model, prompt, tokens, logits_path, rtol, tie_rtol=None):
     got = np.load(logits_path)
     n, vocab = len(tokens), model.c.vocab
     failures = []
@@ -288,7 +288,8 @@ def compare(model, prompt, tokens, logits_path, rtol):
         ref_top = int(np.argmax(b))
         if tokens[i] != ref_top:
             gap = top2_gap(b)
-            if gap < TIE_GAP:
+            tie = TIE_GAP if tie_rtol is None else tie_rtol * float(np.max(np.abs(b)))
+            if gap < tie:
                 ties += 1
                 print("note: row %d: engine token %d, reference argmax %d, reference top-2 gap %.3g (near-tie)"
                       % (i, tokens[i], ref_top, gap))
@@ -310,6 +311,8 @@ def main():
     ap.add_argument("--tokens", help="comma-separated generated token ids to check")
     ap.add_argument("--logits", help=".npy of the engine's logits, [n_tokens, vocab] float32")
     ap.add_argument("--rtol", type=float, default=1e-4, help="max |a-b|/max|b| per row (default 1e-4)")
+    ap.add_argument("--tie-rtol", type=float, help="a divergence from the reference's argmax at a top-2 gap below "
+                    "this times the row's max |logit| is a near-tie (default: an absolute gap of %g)" % TIE_GAP)
     ap.add_argument("--greedy", type=int, metavar="N", help="print N greedily generated ids instead")
     a = ap.parse_args()
     model = Model(a.model)
@@ -327,7 +330,7 @@ def main():
     tokens = parse_ids(a.tokens, "--tokens")
     if not tokens or any(t < 0 or t >= model.c.vocab for t in tokens):
         raise SystemExit("reference.py: --tokens must be non-empty ids below vocab %d" % model.c.vocab)
-    return compare(model, prompt, tokens, a.logits, a.rtol)
+    return compare(model, prompt, tokens, a.logits, a.rtol, a.tie_rtol)
 
 
 if __name__ == "__main__":

@@ -43,16 +43,67 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
     return KVB_OK;
 }
 
+/* Loads the spec entries `idx` (same cols) of layer l stacked into one weight `dst` (weight_load_stacked). */
+static kvb_status load_stacked(kvb_model *m, const kvb_st_set *set, int l, const kvb_layer_tensor_spec *spec,
+                               const int *idx, int n, kvb_tensor *dst, kvb_progress *pg) {
+    const kvb_st_tensor *t[3];
+    const void *src[3];
+    kvb_dtype dt[3];
+    int64_t rows[3];
+    for (int i = 0; i < n; i++) {
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[idx[i]].suffix);
+        KVB_TRY(kvb_model_find_weight(set, name, spec[idx[i]].rows, spec[idx[i]].cols, &t[i]));
+        kvb_progress_update(pg, pg->done + t[i]->nbytes);
+        src[i] = t[i]->data;
+        dt[i] = t[i]->dtype;
+        rows[i] = spec[idx[i]].rows;
+    }
+    int64_t cols = spec[idx[0]].cols ? spec[idx[0]].cols : 1;
+    kvb_status st = m->be->iface->weight_load_stacked(m->be->ctx, src, dt, rows, n, cols, dst);
+    for (int i = 0; i < n; i++) kvb_st_release(t[i]);
+    if (st != KVB_OK) {
+        KVB_LOG_E("model: backend %s could not load layer %d's %s and the %d after it stacked (%s)", m->be->iface->name,
+                  l, spec[idx[0]].suffix, n - 1, kvb_status_str(st));
+        memset(dst, 0, sizeof *dst);
+    }
+    return st;
+}
+
 static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_progress *pg) {
     kvb_layer_tensor_spec spec[KVB_LT_COUNT];
-    kvb_tensor *dst[] = KVB_LAYER_TENSORS(&m->layers[l]); /* indexed by kvb_layer_tensor_id */
+    kvb_layer_weights *w = &m->layers[l];
+    kvb_tensor *dst[] = KVB_LAYER_TENSORS(w); /* indexed by kvb_layer_tensor_id */
     _Static_assert(KVB_ARRAY_LEN(dst) == KVB_LT_COUNT, "KVB_LAYER_TENSORS and kvb_layer_tensor_id differ");
     int n = kvb_model_layer_spec(&m->cfg, spec);
+    /* a backend that runs the projections sharing an input as one product gets them stacked: q/k/v,
+     * their biases, and gate/up (unless they have biases, which the fused SiLU-mul does not add) */
+    struct {
+        kvb_layer_tensor_id part[3];
+        kvb_tensor *dst;
+        int n;
+    } stacks[] = {{{KVB_LT_WQ, KVB_LT_WK, KVB_LT_WV}, &w->wqkv, 3},
+                  {{KVB_LT_BQ, KVB_LT_BK, KVB_LT_BV}, &w->bqkv, 3},
+                  {{KVB_LT_W_GATE, KVB_LT_W_UP}, &w->w_gu, m->cfg.mlp_bias ? 0 : 2}};
+    int fused = m->be->iface->weight_load_stacked != NULL;
+    int idx[3][3], found[3] = {0, 0, 0};
     for (int i = 0; i < n; i++) {
+        int in_stack = 0;
+        for (int s = 0; fused && s < 3; s++)
+            for (int j = 0; j < stacks[s].n; j++)
+                if (spec[i].id == stacks[s].part[j]) {
+                    idx[s][j] = i;
+                    found[s]++;
+                    in_stack = 1;
+                }
+        if (in_stack) continue;
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
         KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, dst[spec[i].id], &m->weights_mapped, pg));
     }
+    for (int s = 0; fused && s < 3; s++)
+        if (stacks[s].n && found[s] == stacks[s].n)
+            KVB_TRY(load_stacked(m, set, l, spec, idx[s], stacks[s].n, stacks[s].dst, pg));
     return KVB_OK;
 }
 
@@ -67,8 +118,9 @@ static void free_weights(kvb_model *m) {
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
             kvb_layer_weights *w = &m->layers[l];
-            kvb_tensor *all[] = KVB_LAYER_TENSORS(w);
+            kvb_tensor *all[] = KVB_LAYER_TENSORS(w), *stacked[] = KVB_LAYER_STACKED(w);
             for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) weight_free(be, all[i]);
+            for (size_t i = 0; i < KVB_ARRAY_LEN(stacked); i++) weight_free(be, stacked[i]);
         }
     }
     if (!m->lm_head_tied) weight_free(be, &m->lm_head);
@@ -191,8 +243,9 @@ int64_t kvb_model_weight_bytes_per_token(const kvb_model *m) {
     int64_t b = tensor_bytes(&m->final_norm) + tensor_bytes(&m->lm_head);
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const kvb_layer_weights *w = &m->layers[l];
-        const kvb_tensor *all[] = KVB_LAYER_TENSORS(w);
+        const kvb_tensor *all[] = KVB_LAYER_TENSORS(w), *stacked[] = KVB_LAYER_STACKED(w);
         for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) b += tensor_bytes(all[i]);
+        for (size_t i = 0; i < KVB_ARRAY_LEN(stacked); i++) b += tensor_bytes(stacked[i]);
     }
     return b;
 }
