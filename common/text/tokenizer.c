@@ -1,14 +1,21 @@
-/* kvbank — byte-level BPE tokenizer from a Hugging Face tokenizer.json (see tokenizer.h).
+/* kvbank — BPE tokenizer from a Hugging Face tokenizer.json (see tokenizer.h).
  *
  * Pipeline of an encode, as Hugging Face's tokenizers run it:
  *   1. split the text on added tokens (leftmost, longest match; special and not), which pass as they are;
- *   2. normalize every other section (NFC for Qwen2/Qwen3, nothing for Llama-3);
- *   3. split it with the pre-tokenizer's regexes ("Isolated": matches and the gaps between them);
- *   4. map each piece's bytes to byte-level characters and merge adjacent symbols by merge rank
- *      (lowest rank first, leftmost first among equals), with a cache of pieces already seen;
+ *   2. normalize every other section: its steps in order (NFC for Qwen2/Qwen3; Prepend "▁" and Replace
+ *      " " -> "▁" for Llama-2 and Mistral; nothing for Llama-3);
+ *   3. split it with the pre-tokenizer: regexes ("Isolated": matches and the gaps between them), or
+ *      Metaspace (" " -> "▁", a "▁" in front as its prepend_scheme says, pieces that start at each "▁");
+ *   4. turn each piece into its first symbols and merge adjacent symbols by merge rank (lowest rank
+ *      first, leftmost first among equals), with a cache of pieces already seen. Byte-level BPE (a
+ *      ByteLevel pre-tokenizer) starts from one symbol per byte; SentencePiece-style BPE from one per
+ *      character, a character the vocabulary lacks becoming its <0xNN> byte tokens (byte_fallback) or
+ *      the unk token;
  *   5. add what the post-processor adds (BOS) when asked.
- * Decoding concatenates every token's bytes (a vocabulary token's byte-level characters mapped back;
- * an added token's content) and turns ill-formed UTF-8 into U+FFFD. */
+ * Decoding concatenates every token's bytes (a byte-level token's characters mapped back; a
+ * SentencePiece token's text with the decoder's Replace steps applied, a <0xNN> token its byte; an
+ * added token's content), turns ill-formed UTF-8 into U+FFFD and strips what a Strip decoder strips
+ * from the start of the text. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "common/text/tokenizer.h"
 
@@ -33,10 +40,38 @@
 
 typedef struct added_token {
     const char *content; /* into t->strings */
+    size_t content_off;  /* its offset there */
     size_t len;
     int32_t id;
     int special, lstrip, rstrip;
 } added_token;
+
+/* A normalizer step. */
+typedef enum norm_kind {
+    NORM_NFC,     /* Unicode NFC */
+    NORM_PREPEND, /* `to` before a non-empty text */
+    NORM_REPLACE, /* every `from` (a string, left to right, not overlapping) becomes `to` */
+} norm_kind;
+
+typedef struct norm_step {
+    norm_kind kind;
+    char *from, *to; /* owned; NULL where the kind has none */
+    size_t from_len, to_len;
+} norm_step;
+
+#define MAX_NORM 8
+/* Normalized text may grow to this many times the section plus NORM_SLACK bytes (" " -> "▁" triples a
+ * space; NFC at most triples a character): beyond it is KVB_ERR_EXHAUSTED, so that no tokenizer.json
+ * can make a request's text grow without bound. */
+#define NORM_GROWTH 4
+#define NORM_SLACK 64
+
+/* Where Metaspace puts a replacement character in front of a section (Hugging Face's PrependScheme). */
+typedef enum prepend_scheme {
+    PREPEND_ALWAYS, /* every section that does not start with one */
+    PREPEND_FIRST,  /* only the section at the start of the text */
+    PREPEND_NEVER,
+} prepend_scheme;
 
 typedef struct cache_entry {
     uint64_t hash;
@@ -60,7 +95,28 @@ struct kvb_tokenizer {
     int32_t byte_id[256];   /* the vocabulary id of each byte's byte-level character */
     uint16_t byte_char[256]; /* byte -> byte-level code point (GPT-2's bytes_to_unicode) */
     int ignore_merges;      /* a piece that is a vocabulary token is taken whole (Llama-3) */
-    int nfc;                /* normalizer: NFC */
+    int byte_level;         /* 1: byte-level BPE, every byte a first symbol; 0: SentencePiece style,
+                             * every character one (tokens are text, "▁" standing for a space) */
+    int byte_fallback;      /* a character the vocabulary lacks becomes its <0xNN> byte tokens */
+    int32_t fallback_id[256]; /* the id of "<0xNN>", or -1 */
+    int32_t unk_id;         /* model.unk_token's id, or -1: an unknown character is dropped */
+    int fuse_unk;           /* consecutive unknown characters give one unk token */
+    norm_step norm[MAX_NORM]; /* the normalizer's steps, in order */
+    int n_norm;
+    struct {
+        int on;
+        char rep[5];        /* the replacement character ("▁"), NUL-terminated */
+        size_t rep_len;
+        prepend_scheme prepend;
+        int split;          /* pieces start at each replacement character */
+    } metaspace;            /* a Metaspace pre-tokenizer */
+    char space[5];          /* SentencePiece style: the character a space becomes ("▁") */
+    size_t space_len;       /* its length; 0 unless merging word by word is exact (spm_word_split) */
+    char dec_strip[5];      /* decoder Strip (after Fuse): at most dec_strip_n of this character come */
+    size_t dec_strip_len;   /* off the start of the decoded text */
+    int dec_strip_n;
+    char dec_first_drop[5]; /* decoder Metaspace: the first token loses every one of this character */
+    size_t dec_first_drop_len;
     added_token *added;     /* [n_added], by length descending */
     int n_added;
     /* The added tokens' contents as a trie (leftmost-longest matching costs one walk per position, not
@@ -237,6 +293,25 @@ static kvb_status set_token_bytes(kvb_tokenizer *t, int32_t id, const int16_t *c
     return KVB_OK;
 }
 
+/* s[0..n) with every `from` (non-empty; left to right, not overlapping) replaced by `to`, appended to
+ * `out`. The result longer than max_out bytes: KVB_ERR_EXHAUSTED, before anything is allocated. */
+static kvb_status replace_all(const uint8_t *s, size_t n, const char *from, size_t flen, const char *to, size_t tlen,
+                              size_t max_out, kvb_buf *out) {
+    size_t hits = 0, len = n;
+    for (const uint8_t *p = s, *e = s + n; (p = memmem(p, (size_t)(e - p), from, flen)); p += flen) hits++;
+    if (tlen > flen) len += hits * (tlen - flen);
+    else len -= hits * (flen - tlen);
+    if (len > max_out) return KVB_ERR_EXHAUSTED;
+    KVB_TRY(kvb__buf_reserve(out, len));
+    const uint8_t *p = s, *e = s + n, *m;
+    while ((m = memmem(p, (size_t)(e - p), from, flen))) {
+        KVB_TRY(kvb__buf_append(out, p, (size_t)(m - p)));
+        KVB_TRY(kvb__buf_append(out, to, tlen));
+        p = m + flen;
+    }
+    return kvb__buf_append(out, p, (size_t)(e - p));
+}
+
 #define UNSUPPORTED(file, ...)                                                                          \
     do {                                                                                               \
         KVB_LOG_E("%s: " file ": " __VA_ARGS__);                                                        \
@@ -300,8 +375,36 @@ static kvb_status add_regex(kvb_tokenizer *t, const char *dir, const char *pat) 
 static const char *const GPT2_PATTERN =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
+/* o[key] when it is a string of exactly one character (a Metaspace replacement, a Strip content),
+ * copied NUL-terminated into out[5]; 0 otherwise. */
+static int one_char(const json_t *o, const char *key, char out[5], size_t *len) {
+    const char *s = str_field(o, key);
+    uint32_t cp;
+    size_t n = s ? strlen(s) : 0;
+    if (!n || n > 4 || (size_t)kvb__utf8_decode((const uint8_t *)s, n, &cp) != n) return 0;
+    memcpy(out, s, n + 1);
+    *len = n;
+    return 1;
+}
+
+/* Metaspace's prepend_scheme, or its older add_prefix_space (false: never), as Hugging Face reads them. */
+static kvb_status read_prepend_scheme(const char *dir, const char *what, const json_t *o, prepend_scheme *out) {
+    const char *ps = str_field(o, "prepend_scheme");
+    const json_t *aps = json_object_get(o, "add_prefix_space");
+    *out = PREPEND_ALWAYS;
+    if (ps && !strcmp(ps, "first")) *out = PREPEND_FIRST;
+    else if (ps && !strcmp(ps, "never")) *out = PREPEND_NEVER;
+    else if (ps && strcmp(ps, "always")) UNSUPPORTED("tokenizer.json", "%s Metaspace: prepend_scheme \"%s\"", dir, what, ps);
+    if (json_is_false(aps)) {
+        if (ps && *out != PREPEND_NEVER)
+            UNSUPPORTED("tokenizer.json", "%s Metaspace: add_prefix_space false with prepend_scheme \"%s\"", dir, what, ps);
+        *out = PREPEND_NEVER;
+    }
+    return KVB_OK;
+}
+
 static kvb_status load_pre_tokenizer(kvb_tokenizer *t, const char *dir, const json_t *pt) {
-    if (json_is_null(pt) || !pt) UNSUPPORTED("tokenizer.json", "pre_tokenizer: null (not a byte-level BPE tokenizer)", dir);
+    if (!pt || json_is_null(pt)) return KVB_OK; /* each section is one piece */
     const char *type = str_field(pt, "type");
     if (type && !strcmp(type, "Sequence")) {
         const json_t *list = json_object_get(pt, "pretokenizers");
@@ -322,20 +425,65 @@ static kvb_status load_pre_tokenizer(kvb_tokenizer *t, const char *dir, const js
     if (type && !strcmp(type, "ByteLevel")) {
         if (bool_field(pt, "add_prefix_space"))
             UNSUPPORTED("tokenizer.json", "pre_tokenizer ByteLevel: add_prefix_space true", dir);
+        t->byte_level = 1;
         const json_t *ur = json_object_get(pt, "use_regex");
         if (!ur || json_is_true(ur)) return add_regex(t, dir, GPT2_PATTERN);
         return KVB_OK;
     }
-    UNSUPPORTED("tokenizer.json", "pre_tokenizer type \"%s\" (supported: Sequence, Split, ByteLevel)", dir,
+    if (type && !strcmp(type, "Metaspace")) {
+        if (t->metaspace.on) UNSUPPORTED("tokenizer.json", "pre_tokenizer: Metaspace twice", dir);
+        if (!one_char(pt, "replacement", t->metaspace.rep, &t->metaspace.rep_len))
+            UNSUPPORTED("tokenizer.json", "pre_tokenizer Metaspace: \"replacement\" must be one character", dir);
+        KVB_TRY(read_prepend_scheme(dir, "pre_tokenizer", pt, &t->metaspace.prepend));
+        const json_t *split = json_object_get(pt, "split");
+        t->metaspace.split = !split || json_is_true(split); /* absent in files older than the field: true */
+        t->metaspace.on = 1;
+        return KVB_OK;
+    }
+    UNSUPPORTED("tokenizer.json", "pre_tokenizer type \"%s\" (supported: Sequence, Split, ByteLevel, Metaspace)", dir,
                 type ? type : "?");
+}
+
+static kvb_status add_norm(kvb_tokenizer *t, const char *dir, norm_kind kind, const char *from, const char *to) {
+    if (t->n_norm == MAX_NORM) UNSUPPORTED("tokenizer.json", "normalizer: more than %d steps", dir, MAX_NORM);
+    norm_step *st = &t->norm[t->n_norm++]; /* counted first: the destructor frees what was copied */
+    *st = (norm_step){.kind = kind};
+    if (from) {
+        KVB_TRY(kvb_strdup(from, &st->from));
+        st->from_len = strlen(from);
+    }
+    if (to) {
+        KVB_TRY(kvb_strdup(to, &st->to));
+        st->to_len = strlen(to);
+    }
+    return KVB_OK;
+}
+
+/* A Replace's {"pattern": {"String": from}, "content": to} (normalizer or decoder); a Regex pattern is
+ * not supported. */
+static kvb_status replace_strings(const char *dir, const char *what, const json_t *o, const char **from,
+                                  const char **to) {
+    *from = str_field(json_object_get(o, "pattern"), "String");
+    *to = str_field(o, "content");
+    if (!*from || !**from || !*to)
+        UNSUPPORTED("tokenizer.json", "%s Replace: only a non-empty \"pattern\": {\"String\": ...} and a \"content\"", dir,
+                    what);
+    return KVB_OK;
 }
 
 static kvb_status load_normalizer(kvb_tokenizer *t, const char *dir, const json_t *n) {
     if (!n || json_is_null(n)) return KVB_OK;
     const char *type = str_field(n, "type");
-    if (type && !strcmp(type, "NFC")) {
-        t->nfc = 1;
-        return KVB_OK;
+    if (type && !strcmp(type, "NFC")) return add_norm(t, dir, NORM_NFC, NULL, NULL);
+    if (type && !strcmp(type, "Prepend")) {
+        const char *pre = str_field(n, "prepend");
+        if (!pre) UNSUPPORTED("tokenizer.json", "normalizer Prepend: no \"prepend\" string", dir);
+        return add_norm(t, dir, NORM_PREPEND, NULL, pre);
+    }
+    if (type && !strcmp(type, "Replace")) {
+        const char *from, *to;
+        KVB_TRY(replace_strings(dir, "normalizer", n, &from, &to));
+        return add_norm(t, dir, NORM_REPLACE, from, to);
     }
     if (type && !strcmp(type, "Sequence")) {
         size_t i;
@@ -343,7 +491,76 @@ static kvb_status load_normalizer(kvb_tokenizer *t, const char *dir, const json_
         json_array_foreach(json_object_get(n, "normalizers"), i, p) KVB_TRY(load_normalizer(t, dir, p));
         return KVB_OK;
     }
-    UNSUPPORTED("tokenizer.json", "normalizer type \"%s\" (supported: NFC, Sequence)", dir, type ? type : "?");
+    UNSUPPORTED("tokenizer.json", "normalizer type \"%s\" (supported: NFC, Prepend, Replace, Sequence)", dir,
+                type ? type : "?");
+}
+
+/* What tokenizer.json's decoder does to each token, read before the vocabulary so that every token's
+ * bytes can be set once. A SentencePiece-style decoder is Replace steps, then ByteFallback, Fuse and
+ * Strip, in that order (what Llama-2 and Mistral have), or Metaspace alone. */
+typedef struct decoder_cfg {
+    int byte_level;              /* ByteLevel */
+    int byte_fallback;           /* ByteFallback: a <0xNN> token decodes to the byte */
+    const char *from[MAX_NORM];  /* Replace steps, in order (borrowed from the JSON) */
+    const char *to[MAX_NORM];
+    int n_rep;
+    int stage;                   /* 0: Replace steps; 1: after ByteFallback; 2: after Fuse; 3: after Strip */
+} decoder_cfg;
+
+static kvb_status load_decoder(kvb_tokenizer *t, const char *dir, const json_t *d, int in_seq, decoder_cfg *dc) {
+    const char *type = str_field(d, "type");
+    if (!type) UNSUPPORTED("tokenizer.json", "decoder without a type", dir);
+    if (!strcmp(type, "ByteLevel") && !in_seq) {
+        dc->byte_level = 1;
+        return KVB_OK;
+    }
+    if (!strcmp(type, "Sequence") && !in_seq) {
+        size_t i;
+        const json_t *p;
+        json_array_foreach(json_object_get(d, "decoders"), i, p) KVB_TRY(load_decoder(t, dir, p, 1, dc));
+        return KVB_OK;
+    }
+    if (!strcmp(type, "Metaspace") && !in_seq) { /* every replacement a space; the first token's dropped */
+        prepend_scheme ps;
+        if (!one_char(d, "replacement", t->dec_first_drop, &t->dec_first_drop_len))
+            UNSUPPORTED("tokenizer.json", "decoder Metaspace: \"replacement\" must be one character", dir);
+        KVB_TRY(read_prepend_scheme(dir, "decoder", d, &ps));
+        dc->from[0] = str_field(d, "replacement");
+        dc->to[0] = " ";
+        dc->n_rep = 1;
+        if (ps == PREPEND_NEVER) t->dec_first_drop_len = 0;
+        return KVB_OK;
+    }
+    if (!strcmp(type, "Replace") && in_seq && dc->stage == 0) {
+        if (dc->n_rep == MAX_NORM) UNSUPPORTED("tokenizer.json", "decoder: more than %d Replace steps", dir, MAX_NORM);
+        KVB_TRY(replace_strings(dir, "decoder", d, &dc->from[dc->n_rep], &dc->to[dc->n_rep]));
+        dc->n_rep++;
+        return KVB_OK;
+    }
+    if (!strcmp(type, "ByteFallback") && in_seq && dc->stage == 0) {
+        dc->byte_fallback = 1;
+        dc->stage = 1;
+        return KVB_OK;
+    }
+    if (!strcmp(type, "Fuse") && in_seq && dc->stage < 2) {
+        dc->stage = 2;
+        return KVB_OK;
+    }
+    if (!strcmp(type, "Strip") && in_seq && dc->stage == 2) { /* on the fused text: only its start changes */
+        const json_t *start = json_object_get(d, "start"), *stop = json_object_get(d, "stop");
+        if (!one_char(d, "content", t->dec_strip, &t->dec_strip_len) || !json_is_integer(start) ||
+            json_integer_value(start) < 0 || json_integer_value(start) > 1024 || !json_is_integer(stop) ||
+            json_integer_value(stop) != 0)
+            UNSUPPORTED("tokenizer.json", "decoder Strip: only one \"content\" character, \"start\" 0..1024, \"stop\" 0",
+                        dir);
+        t->dec_strip_n = (int)json_integer_value(start);
+        dc->stage = 3;
+        return KVB_OK;
+    }
+    UNSUPPORTED("tokenizer.json",
+                "decoder \"%s\" %s (supported: ByteLevel; Metaspace; a Sequence of Replace steps, ByteFallback, Fuse "
+                "and Strip, in that order)",
+                dir, type, in_seq ? "at this place of its Sequence" : "here");
 }
 
 static kvb_status load_post_processor(kvb_tokenizer *t, const char *dir, const json_t *pp) {
@@ -391,12 +608,44 @@ static int cmp_added_len(const void *a, const void *b) {
     return x->len != y->len ? (x->len < y->len ? 1 : -1) : (x->id > y->id) - (x->id < y->id);
 }
 
-/* The vocabulary, merges and added tokens of tokenizer.json's "model" and "added_tokens". */
-static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj, const json_t *mcfg) {
+/* The bytes a SentencePiece-style token (its text, or an added token's content) decodes to, stored in
+ * t->strings: the text after the decoder's Replace steps; the byte of a <0xNN> token when the decoder
+ * has ByteFallback (Hugging Face's ByteFallback reads the token so, after the Replace steps). */
+static kvb_status spm_token_bytes(kvb_tokenizer *t, const char *text, size_t n, const decoder_cfg *dc, size_t *off,
+                                  uint32_t *len) {
+    kvb_buf a = {0}, b = {0};
+    kvb_status st;
+    KVB_TRY_GOTO(kvb__buf_append(&a, text, n), done); /* a copy: text may lie in t->strings, which moves */
+    for (int i = 0; i < dc->n_rep; i++) {
+        b.len = 0;
+        KVB_TRY_GOTO(replace_all((const uint8_t *)a.p, a.len, dc->from[i], strlen(dc->from[i]), dc->to[i],
+                                 strlen(dc->to[i]), SIZE_MAX, &b), done);
+        kvb_buf tmp = a;
+        a = b;
+        b = tmp;
+    }
+    if (dc->byte_fallback && a.len == 6 && !memcmp(a.p, "<0x", 3) && isxdigit((uint8_t)a.p[3]) &&
+        isxdigit((uint8_t)a.p[4]) && a.p[5] == '>') {
+        a.p[0] = (char)strtol((char[]){a.p[3], a.p[4], 0}, NULL, 16);
+        a.len = 1;
+    }
+    KVB_TRY_GOTO(strings_add(t, a.p, a.len, off), done);
+    *len = (uint32_t)a.len;
+done:
+    kvb__buf_free(&a);
+    kvb__buf_free(&b);
+    return st;
+}
+
+/* The vocabulary, merges and added tokens of tokenizer.json's "model" and "added_tokens"; the
+ * normalizer, pre-tokenizer and decoder are loaded (t->byte_level, dc). */
+static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj, const json_t *mcfg,
+                             const decoder_cfg *dc) {
     const json_t *model = json_object_get(tj, "model"), *added = json_object_get(tj, "added_tokens");
     const char *type = str_field(model, "type");
     if (!type || strcmp(type, "BPE")) UNSUPPORTED("tokenizer.json", "model.type \"%s\" (only BPE)", dir, type ? type : "?");
-    if (bool_field(model, "byte_fallback")) UNSUPPORTED("tokenizer.json", "model.byte_fallback true", dir);
+    t->byte_fallback = bool_field(model, "byte_fallback");
+    t->fuse_unk = bool_field(model, "fuse_unk");
     const json_t *dropout = json_object_get(model, "dropout");
     if (dropout && !json_is_null(dropout)) UNSUPPORTED("tokenizer.json", "model.dropout set", dir);
     const char *pfx = str_field(model, "continuing_subword_prefix"), *sfx = str_field(model, "end_of_word_suffix");
@@ -465,21 +714,37 @@ static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj
         t->tok_str_len[id] = (uint32_t)len;
         vocab_insert(t, id);
     }
-    /* byte-level alphabet: every byte's character must be a token */
-    init_byte_chars(t);
-    int16_t char_byte[0x144];
-    for (int c = 0; c < 0x144; c++) char_byte[c] = -1;
-    for (int b = 0; b < 256; b++) {
-        char_byte[t->byte_char[b]] = (int16_t)b;
-        uint8_t u[4];
-        int len = kvb__utf8_encode(t->byte_char[b], u);
-        t->byte_id[b] = vocab_find(t, (const char *)u, (size_t)len);
-        if (t->byte_id[b] < 0)
-            UNSUPPORTED("tokenizer.json", "model.vocab lacks the byte-level character of byte 0x%02X (not a byte-level BPE vocabulary)",
-                        dir, b);
+    if (t->byte_level) { /* byte-level alphabet: every byte's character must be a token */
+        init_byte_chars(t);
+        int16_t char_byte[0x144];
+        for (int c = 0; c < 0x144; c++) char_byte[c] = -1;
+        for (int b = 0; b < 256; b++) {
+            char_byte[t->byte_char[b]] = (int16_t)b;
+            uint8_t u[4];
+            int len = kvb__utf8_encode(t->byte_char[b], u);
+            t->byte_id[b] = vocab_find(t, (const char *)u, (size_t)len);
+            if (t->byte_id[b] < 0)
+                UNSUPPORTED("tokenizer.json", "model.vocab lacks the byte-level character of byte 0x%02X (not a byte-level BPE vocabulary)",
+                            dir, b);
+        }
+        for (size_t k = 0; k < nv; k++)
+            if (t->tok_str[k] != SIZE_MAX) KVB_TRY(set_token_bytes(t, (int32_t)k, char_byte));
+    } else { /* SentencePiece style: the <0xNN> tokens, the unk token, every token's decoded bytes */
+        for (int b = 0; b < 256; b++) {
+            char name[8];
+            snprintf(name, sizeof name, "<0x%02X>", b);
+            t->fallback_id[b] = vocab_find(t, name, 6);
+        }
+        const char *unk = str_field(model, "unk_token");
+        if (unk && (t->unk_id = vocab_find(t, unk, strlen(unk))) < 0) {
+            KVB_LOG_E("%s: tokenizer.json: model.unk_token \"%s\" is not in model.vocab", dir, unk);
+            return KVB_ERR_FORMAT;
+        }
+        for (size_t k = 0; k < nv; k++)
+            if (t->tok_str[k] != SIZE_MAX)
+                KVB_TRY(spm_token_bytes(t, tok_text(t, (int32_t)k), t->tok_str_len[k], dc, &t->tok_bytes[k],
+                                        &t->tok_bytes_len[k]));
     }
-    for (size_t k = 0; k < nv; k++)
-        if (t->tok_str[k] != SIZE_MAX) KVB_TRY(set_token_bytes(t, (int32_t)k, char_byte));
     /* merges: "a b" strings or [a, b] pairs; rank = position */
     size_t nm = json_array_size(merges);
     slots = pow2_at_least(2 * nm + 1);
@@ -533,23 +798,77 @@ static kvb_status load_model(kvb_tokenizer *t, const char *dir, const json_t *tj
             KVB_TRY(strings_add(t, content, len, &t->tok_str[id]));
             t->tok_str_len[id] = (uint32_t)len;
         }
-        /* an added token decodes to its content (never through the byte-level map) */
-        size_t off;
-        KVB_TRY(strings_add(t, content, len, &off));
-        t->tok_bytes[id] = off;
-        t->tok_bytes_len[id] = (uint32_t)len;
+        /* an added token decodes to its content: never through the byte-level map, through a
+         * SentencePiece-style decoder as every token does */
+        size_t content_off;
+        KVB_TRY(strings_add(t, content, len, &content_off));
+        if (t->byte_level) {
+            t->tok_bytes[id] = content_off;
+            t->tok_bytes_len[id] = (uint32_t)len;
+        } else
+            KVB_TRY(spm_token_bytes(t, content, len, dc, &t->tok_bytes[id], &t->tok_bytes_len[id]));
         t->special[id] = (uint8_t)bool_field(v, "special");
         added_token *a = &t->added[t->n_added++];
         a->id = id;
         a->len = len;
+        a->content_off = content_off;
         a->content = NULL; /* set below, once strings stops moving */
         a->special = t->special[id];
         a->lstrip = bool_field(v, "lstrip");
         a->rstrip = bool_field(v, "rstrip");
     }
-    for (int k = 0; k < t->n_added; k++) t->added[k].content = t->strings + t->tok_bytes[t->added[k].id];
+    for (int k = 0; k < t->n_added; k++) t->added[k].content = t->strings + t->added[k].content_off;
     qsort(t->added, (size_t)t->n_added, sizeof *t->added, cmp_added_len);
     return trie_build(t);
+}
+
+/* Hugging Face merges a SentencePiece-style section (no pre-tokenizer, or Metaspace without split) as
+ * one piece: over a long text that is slow (every merge jumps through the whole text) and the word
+ * cache never hits. When no vocabulary token has the space character right after another character
+ * (Llama-2 and Mistral have "▁" inside a token only in runs of "▁"), no merge can join the symbols on
+ * either side of a "▁" that follows another character, since every merge makes a vocabulary token; so
+ * merging the words between such places one by one gives the same tokens. Sets t->space when so. */
+static void spm_word_split(kvb_tokenizer *t) {
+    const char *sp = NULL;
+    size_t sl = 0;
+    if (t->byte_level || t->ignore_merges || t->n_regex) return; /* ignore_merges: a whole piece may be a token */
+    if (t->metaspace.on) {
+        sp = t->metaspace.rep;
+        sl = t->metaspace.rep_len;
+    }
+    for (int i = 0; i < t->n_norm && !sp; i++) {
+        uint32_t cp;
+        const norm_step *st = &t->norm[i];
+        if (st->kind == NORM_REPLACE && st->from_len == 1 && st->from[0] == ' ' && st->to_len <= 4 &&
+            (size_t)kvb__utf8_decode((const uint8_t *)st->to, st->to_len, &cp) == st->to_len) {
+            sp = st->to;
+            sl = st->to_len;
+        }
+    }
+    if (!sp || vocab_find(t, sp, sl) < 0) return;
+    for (int32_t id = 0; id < t->n_vocab; id++) {
+        if (t->tok_str[id] == SIZE_MAX) continue;
+        const char *s = tok_text(t, id), *e = s + t->tok_str_len[id];
+        for (const char *p = s + 1; p < e && (p = memmem(p, (size_t)(e - p), sp, sl)); p += sl)
+            if ((size_t)(p - s) < sl || memcmp(p - sl, sp, sl)) return; /* after another character */
+    }
+    memcpy(t->space, sp, sl);
+    t->space_len = sl;
+}
+
+/* The pieces fit together: byte-level BPE (a ByteLevel pre-tokenizer) decodes with ByteLevel (or no
+ * decoder); SentencePiece style needs its own decoder; Metaspace splits alone. */
+static kvb_status check_pipeline(const kvb_tokenizer *t, const char *dir, int has_decoder, const decoder_cfg *dc) {
+    if (t->metaspace.on && (t->byte_level || t->n_regex))
+        UNSUPPORTED("tokenizer.json", "pre_tokenizer: Metaspace with other pre-tokenizers (only alone)", dir);
+    if (t->byte_level && has_decoder && !dc->byte_level)
+        UNSUPPORTED("tokenizer.json", "decoder: a ByteLevel pre-tokenizer needs the ByteLevel decoder", dir);
+    if (!t->byte_level && dc->byte_level)
+        UNSUPPORTED("tokenizer.json", "decoder ByteLevel without a ByteLevel pre-tokenizer", dir);
+    if (!t->byte_level && !has_decoder)
+        UNSUPPORTED("tokenizer.json", "decoder null: SentencePiece-style BPE needs a decoder (without one, Hugging Face "
+                    "joins the tokens with spaces)", dir);
+    return KVB_OK;
 }
 
 /* tokenizer_config.json's bos_token etc.: a string, an AddedToken object {"content": ...}, or null. */
@@ -605,22 +924,21 @@ kvb_status kvb_tokenizer_load(const char *model_dir, kvb_tokenizer **out) {
     KVB_TRY(kvb_calloc(1, sizeof *t, (void **)&t));
     pthread_mutex_init(&t->cache_lock, NULL);
     t->bos_id = -1;
+    t->unk_id = -1;
     kvb_text_limits lim;
     kvb_text_limits_default(&lim);
     kvb_tokenizer_set_limits(t, &lim);
     KVB_TRY_GOTO(kvb__model_json(model_dir, "tokenizer.json", 0, 0, &tj), fail);
     KVB_TRY_GOTO(kvb__model_json(model_dir, "config.json", 1, 0, &mcfg), fail);
-    KVB_TRY_GOTO(load_model(t, model_dir, tj, mcfg), fail);
     KVB_TRY_GOTO(load_normalizer(t, model_dir, json_object_get(tj, "normalizer")), fail);
     KVB_TRY_GOTO(load_pre_tokenizer(t, model_dir, json_object_get(tj, "pre_tokenizer")), fail);
-    KVB_TRY_GOTO(load_post_processor(t, model_dir, json_object_get(tj, "post_processor")), fail);
+    decoder_cfg dc = {0};
     const json_t *dec = json_object_get(tj, "decoder");
-    const char *dtype = str_field(dec, "type");
-    if (dec && !json_is_null(dec) && (!dtype || strcmp(dtype, "ByteLevel"))) {
-        KVB_LOG_E("%s: tokenizer.json: decoder type \"%s\" (only ByteLevel)", model_dir, dtype ? dtype : "?");
-        st = KVB_ERR_UNSUPPORTED;
-        goto fail;
-    }
+    if (dec && !json_is_null(dec)) KVB_TRY_GOTO(load_decoder(t, model_dir, dec, 0, &dc), fail);
+    KVB_TRY_GOTO(check_pipeline(t, model_dir, dec && !json_is_null(dec), &dc), fail);
+    KVB_TRY_GOTO(load_model(t, model_dir, tj, mcfg, &dc), fail);
+    KVB_TRY_GOTO(load_post_processor(t, model_dir, json_object_get(tj, "post_processor")), fail);
+    spm_word_split(t);
 
     KVB_TRY_GOTO(kvb__model_json(model_dir, "tokenizer_config.json", 1, 1, &cfg), fail);
     KVB_TRY_GOTO(kvb__model_json(model_dir, "generation_config.json", 1, 0, &gen), fail);
@@ -671,6 +989,10 @@ void kvb_tokenizer_destroy(kvb_tokenizer *t) {
     free(t->cache);
     pthread_mutex_destroy(&t->cache_lock);
     for (int i = 0; i < t->n_regex; i++) pcre2_code_free(t->regex[i]);
+    for (int i = 0; i < t->n_norm; i++) {
+        free(t->norm[i].from);
+        free(t->norm[i].to);
+    }
     free(t->strings);
     free(t->tok_str);
     free(t->tok_str_len);
@@ -794,40 +1116,114 @@ static void cache_put(kvb_tokenizer *t, uint64_t h, const uint8_t *s, size_t n, 
     pthread_mutex_unlock(&t->cache_lock);
 }
 
-typedef struct heap_item {
-    int32_t rank, pos; /* the merge's rank; the left symbol's index */
-    int32_t a, b;      /* the ids it merges (stale entries are skipped) */
-} heap_item;
+/* The pairs of adjacent symbols that have a merge, as an indexed min-heap: one entry per left symbol,
+ * keyed (rank << 32 | position), so the lowest rank comes first and the leftmost among equals (as
+ * Hugging Face's BPE); where[] finds a position's entry to change or remove it when a merge changes
+ * its pair. At most one entry per symbol: 12 bytes each, however many merges happen. */
+typedef struct pair_heap {
+    uint64_t *key;  /* [n symbols] heap of (rank << 32 | position) */
+    int32_t *where; /* [n symbols] index in key of the position's entry, or -1 */
+    int n;
+} pair_heap;
 
-static int heap_less(const heap_item *x, const heap_item *y) {
-    return x->rank != y->rank ? x->rank < y->rank : x->pos < y->pos;
+static void heap_place(pair_heap *h, int i, uint64_t k) {
+    h->key[i] = k;
+    h->where[(uint32_t)k] = i;
 }
 
-static void heap_push(heap_item *h, int *n, heap_item it) {
-    int i = (*n)++;
-    while (i > 0 && heap_less(&it, &h[(i - 1) / 2])) {
-        h[i] = h[(i - 1) / 2];
+static void heap_up(pair_heap *h, int i) {
+    uint64_t k = h->key[i];
+    while (i > 0 && k < h->key[(i - 1) / 2]) {
+        heap_place(h, i, h->key[(i - 1) / 2]);
         i = (i - 1) / 2;
     }
-    h[i] = it;
+    heap_place(h, i, k);
 }
 
-static heap_item heap_pop(heap_item *h, int *n) {
-    heap_item top = h[0], last = h[--(*n)];
-    int i = 0;
+static void heap_down(pair_heap *h, int i) {
+    uint64_t k = h->key[i];
     for (;;) {
         int c = 2 * i + 1;
-        if (c >= *n) break;
-        if (c + 1 < *n && heap_less(&h[c + 1], &h[c])) c++;
-        if (!heap_less(&h[c], &last)) break;
-        h[i] = h[c];
+        if (c >= h->n) break;
+        if (c + 1 < h->n && h->key[c + 1] < h->key[c]) c++;
+        if (h->key[c] >= k) break;
+        heap_place(h, i, h->key[c]);
         i = c;
     }
-    h[i] = last;
-    return top;
+    heap_place(h, i, k);
 }
 
-/* BPE of one pre-tokenized piece s[0..n) (raw bytes): one symbol per byte, then merges by rank. */
+static void heap_remove(pair_heap *h, int32_t pos) {
+    int i = h->where[pos];
+    if (i < 0) return;
+    h->where[pos] = -1;
+    if (i == --h->n) return;
+    uint64_t old = h->key[i], last = h->key[h->n];
+    heap_place(h, i, last);
+    if (last < old) heap_up(h, i);
+    else heap_down(h, i);
+}
+
+/* Sets the entry of position `pos` to its pair's merge (removed when the pair has none). */
+static void heap_set(pair_heap *h, const kvb_tokenizer *t, int32_t pos, int32_t a, int32_t b) {
+    const struct merge_slot *m = b >= 0 ? merge_find(t, a, b) : NULL;
+    if (!m) {
+        heap_remove(h, pos);
+        return;
+    }
+    uint64_t k = (uint64_t)(uint32_t)m->rank << 32 | (uint32_t)pos;
+    int i = h->where[pos];
+    if (i < 0) {
+        i = h->n++;
+        heap_place(h, i, k);
+        heap_up(h, i);
+    } else if (k != h->key[i]) {
+        uint64_t old = h->key[i];
+        heap_place(h, i, k);
+        if (k < old) heap_up(h, i);
+        else heap_down(h, i);
+    }
+}
+
+/* The first symbols of a SentencePiece-style piece s[0..n) (valid UTF-8), into sym[] (at most n): each
+ * character's token; a character the vocabulary lacks becomes its <0xNN> tokens (byte_fallback, when
+ * all of them exist), else the unk token (one for a run of them with fuse_unk), else nothing. As
+ * Hugging Face's BPE does it, a pending unk is written only when a known character or the end comes. */
+static int spm_symbols(const kvb_tokenizer *t, const uint8_t *s, size_t n, int32_t *sym) {
+    int k = 0, unk = 0;
+    for (size_t i = 0; i < n;) {
+        size_t len = s[i] < 0x80 ? 1 : s[i] < 0xE0 ? 2 : s[i] < 0xF0 ? 3 : 4;
+        int32_t id = vocab_find(t, (const char *)s + i, len);
+        int bytes = id < 0 && t->byte_fallback;
+        for (size_t b = 0; bytes && b < len; b++) bytes = t->fallback_id[s[i + b]] >= 0;
+        if (id >= 0) {
+            if (unk) sym[k++] = t->unk_id;
+            unk = 0;
+            sym[k++] = id;
+        } else if (bytes) {
+            for (size_t b = 0; b < len; b++) sym[k++] = t->fallback_id[s[i + b]];
+        } else if (t->unk_id >= 0) {
+            if (unk && !t->fuse_unk) sym[k++] = t->unk_id;
+            unk = 1;
+        }
+        i += len;
+    }
+    if (unk) sym[k++] = t->unk_id;
+    return k;
+}
+
+/* The vocabulary id of the whole piece s[0..n) (in the byte-level alphabet for byte-level BPE), or -1. */
+static int32_t whole_piece(const kvb_tokenizer *t, const uint8_t *s, size_t n) {
+    if (!t->byte_level) return vocab_find(t, (const char *)s, n);
+    char small[4 * CACHE_MAX_WORD];
+    if (2 * n > sizeof small) return -1; /* a byte-level character takes at most 2 bytes */
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) k += (size_t)kvb__utf8_encode(t->byte_char[s[i]], (uint8_t *)small + k);
+    return vocab_find(t, small, k);
+}
+
+/* BPE of one pre-tokenized piece s[0..n) (raw bytes): its first symbols (one per byte for byte-level
+ * BPE, one per character or byte token for SentencePiece style), then merges by rank. */
 static kvb_status bpe_piece(const kvb_tokenizer *tc, const uint8_t *s, size_t n, id_vec *out) {
     kvb_tokenizer *t = (kvb_tokenizer *)tc; /* only the word cache changes, under its lock */
     kvb_status st = KVB_OK;
@@ -838,50 +1234,39 @@ static kvb_status bpe_piece(const kvb_tokenizer *tc, const uint8_t *s, size_t n,
         if (cache_get(t, h, s, n, out, &st)) return st;
     }
     if (t->ignore_merges) { /* the whole piece, if the vocabulary has it */
-        char small[4 * CACHE_MAX_WORD];
-        if (2 * n <= sizeof small) {
-            size_t k = 0;
-            for (size_t i = 0; i < n; i++) k += (size_t)kvb__utf8_encode(t->byte_char[s[i]], (uint8_t *)small + k);
-            int32_t id = vocab_find(t, small, k);
-            if (id >= 0) {
-                if (cacheable) cache_put(t, h, s, n, &id, 1);
-                return ids_push(out, &id, 1);
-            }
+        int32_t id = whole_piece(t, s, n);
+        if (id >= 0) {
+            if (cacheable) cache_put(t, h, s, n, &id, 1);
+            return ids_push(out, &id, 1);
         }
     }
     int32_t *sym = NULL, *next = NULL, *prev = NULL;
-    heap_item *heap = NULL;
-    int nh = 0;
+    pair_heap heap = {0};
     KVB_TRY_GOTO(kvb_malloc(n * sizeof *sym, (void **)&sym), done);
     KVB_TRY_GOTO(kvb_malloc(n * sizeof *next, (void **)&next), done);
     KVB_TRY_GOTO(kvb_malloc(n * sizeof *prev, (void **)&prev), done);
-    KVB_TRY_GOTO(kvb_malloc(3 * n * sizeof *heap + sizeof *heap, (void **)&heap), done);
-    for (size_t i = 0; i < n; i++) {
-        sym[i] = t->byte_id[s[i]];
-        next[i] = i + 1 < n ? (int32_t)i + 1 : -1;
+    KVB_TRY_GOTO(kvb_malloc(n * sizeof *heap.key, (void **)&heap.key), done);
+    KVB_TRY_GOTO(kvb_malloc(n * sizeof *heap.where, (void **)&heap.where), done);
+    size_t nsym = n;
+    if (t->byte_level)
+        for (size_t i = 0; i < n; i++) sym[i] = t->byte_id[s[i]];
+    else if (!(nsym = (size_t)spm_symbols(t, s, n, sym)))
+        goto done; /* only unknown characters, and no unk token */
+    for (size_t i = 0; i < nsym; i++) {
+        next[i] = i + 1 < nsym ? (int32_t)i + 1 : -1;
         prev[i] = (int32_t)i - 1;
+        heap.where[i] = -1;
     }
-    for (size_t i = 0; i + 1 < n; i++) {
-        const struct merge_slot *m = merge_find(t, sym[i], sym[i + 1]);
-        if (m) heap_push(heap, &nh, (heap_item){m->rank, (int32_t)i, sym[i], sym[i + 1]});
-    }
-    /* n - 1 pairs at first, and every merge (at most n - 1) pushes at most two: the heap stays below 3n */
-    while (nh > 0) {
-        heap_item it = heap_pop(heap, &nh);
-        int32_t p = it.pos, q = next[p];
-        if (sym[p] != it.a || q < 0 || sym[q] != it.b) continue; /* stale */
-        sym[p] = merge_find(t, it.a, it.b)->id;
+    for (size_t i = 0; i + 1 < nsym; i++) heap_set(&heap, t, (int32_t)i, sym[i], sym[i + 1]);
+    while (heap.n > 0) {
+        int32_t p = (int32_t)(uint32_t)heap.key[0], q = next[p];
+        sym[p] = merge_find(t, sym[p], sym[q])->id;
+        heap_remove(&heap, p);
+        heap_remove(&heap, q); /* q's pair is gone with q */
         next[p] = next[q];
         if (next[q] >= 0) prev[next[q]] = p;
-        sym[q] = -1;
-        if (prev[p] >= 0) {
-            const struct merge_slot *m = merge_find(t, sym[prev[p]], sym[p]);
-            if (m) heap_push(heap, &nh, (heap_item){m->rank, prev[p], sym[prev[p]], sym[p]});
-        }
-        if (next[p] >= 0) {
-            const struct merge_slot *m = merge_find(t, sym[p], sym[next[p]]);
-            if (m) heap_push(heap, &nh, (heap_item){m->rank, p, sym[p], sym[next[p]]});
-        }
+        if (prev[p] >= 0) heap_set(&heap, t, prev[p], sym[prev[p]], sym[p]);
+        heap_set(&heap, t, p, sym[p], next[p] >= 0 ? sym[next[p]] : -1);
     }
     int k = 0;
     for (int32_t i = 0; i >= 0; i = next[i]) sym[k++] = sym[i];
@@ -891,7 +1276,8 @@ done:
     free(sym);
     free(next);
     free(prev);
-    free(heap);
+    free(heap.key);
+    free(heap.where);
     return st;
 }
 
@@ -926,15 +1312,97 @@ static kvb_status split_piece(const kvb_tokenizer *t, int level, const uint8_t *
     return KVB_OK;
 }
 
-static kvb_status encode_section(const kvb_tokenizer *t, const uint8_t *s, size_t n, pcre2_match_data *md,
-                                 kvb_buf *norm, id_vec *out) {
-    if (!n) return KVB_OK;
-    if (t->nfc) {
-        norm->len = 0;
-        KVB_TRY(kvb__nfc(s, n, norm));
-        s = (const uint8_t *)norm->p;
-        n = norm->len;
+/* The growth a normalizer may give a section of n bytes (NORM_GROWTH). */
+static kvb_status norm_check(const kvb_tokenizer *t, size_t n, size_t got) {
+    (void)t;
+    if (got <= NORM_GROWTH * n + NORM_SLACK) return KVB_OK;
+    KVB_LOG_W("tokenizer: normalizing %zu bytes of text gives more than %zu bytes (%d times the text, plus %d)", n,
+              (size_t)NORM_GROWTH * n + NORM_SLACK, NORM_GROWTH, NORM_SLACK);
+    return KVB_ERR_EXHAUSTED;
+}
+
+/* Scratch of an encode: two buffers the normalizer's steps write in turn. */
+typedef struct enc_scratch {
+    kvb_buf buf[2];
+    int cur; /* the buffer the next step writes */
+} enc_scratch;
+
+static kvb_buf *scratch_next(enc_scratch *sc) {
+    kvb_buf *b = &sc->buf[sc->cur];
+    sc->cur ^= 1;
+    b->len = 0;
+    return b;
+}
+
+/* Section s[0..n) -> its normalized text, in *s, *n (pointing into sc). */
+static kvb_status normalize(const kvb_tokenizer *t, const uint8_t **s, size_t *n, enc_scratch *sc) {
+    size_t n0 = *n;
+    for (int i = 0; i < t->n_norm && *n; i++) { /* an empty text stays empty (Prepend adds to none) */
+        const norm_step *st = &t->norm[i];
+        kvb_buf *o = scratch_next(sc);
+        if (st->kind == NORM_NFC) KVB_TRY(kvb__nfc(*s, *n, o));
+        else if (st->kind == NORM_PREPEND) {
+            KVB_TRY(kvb__buf_append(o, st->to, st->to_len));
+            KVB_TRY(kvb__buf_append(o, *s, *n));
+        } else {
+            kvb_status rs = replace_all(*s, *n, st->from, st->from_len, st->to, st->to_len,
+                                        NORM_GROWTH * n0 + NORM_SLACK, o);
+            if (rs == KVB_ERR_EXHAUSTED) return norm_check(t, n0, SIZE_MAX);
+            KVB_TRY(rs);
+        }
+        KVB_TRY(norm_check(t, n0, o->len));
+        *s = (const uint8_t *)o->p;
+        *n = o->len;
     }
+    return KVB_OK;
+}
+
+/* A SentencePiece-style piece merged word by word where that is exact (spm_word_split): a word starts
+ * at each space character that follows another character. */
+static kvb_status spm_words(const kvb_tokenizer *t, const uint8_t *s, size_t n, pcre2_match_data *md, id_vec *out) {
+    size_t start = 0, sl = t->space_len;
+    for (const uint8_t *p = s + 1; n > 1 && (p = memmem(p, (size_t)(s + n - p), t->space, sl)); p += sl) {
+        size_t at = (size_t)(p - s);
+        if (at >= sl && !memcmp(s + at - sl, t->space, sl)) continue; /* in a run of them */
+        KVB_TRY(split_piece(t, 0, s + start, at - start, md, out));
+        start = at;
+    }
+    return split_piece(t, 0, s + start, n - start, md, out);
+}
+
+/* Metaspace: every " " becomes the replacement character, one goes in front as prepend_scheme says
+ * (`first`: the section starts the text), and the text splits before each one (split), as Hugging
+ * Face's Metaspace pre-tokenizer does. */
+static kvb_status metaspace_split(const kvb_tokenizer *t, const uint8_t *s, size_t n, int first, enc_scratch *sc,
+                                  pcre2_match_data *md, id_vec *out) {
+    const char *rep = t->metaspace.rep;
+    size_t rl = t->metaspace.rep_len, n0 = n;
+    kvb_buf *o = scratch_next(sc);
+    int pre = t->metaspace.prepend == PREPEND_ALWAYS || (t->metaspace.prepend == PREPEND_FIRST && first);
+    /* not when the text (with its spaces replaced) starts with the character already */
+    int starts = s[0] == ' ' || (n >= rl && !memcmp(s, rep, rl));
+    if (pre && !starts) KVB_TRY(kvb__buf_append(o, rep, rl));
+    kvb_status rs = replace_all(s, n, " ", 1, rep, rl, NORM_GROWTH * n0 + NORM_SLACK, o);
+    if (rs == KVB_ERR_EXHAUSTED) return norm_check(t, n0, SIZE_MAX);
+    KVB_TRY(rs);
+    s = (const uint8_t *)o->p;
+    n = o->len;
+    if (!t->metaspace.split) return t->space_len ? spm_words(t, s, n, md, out) : split_piece(t, 0, s, n, md, out);
+    size_t start = 0;
+    for (const uint8_t *p = s + 1; n > 1 && (p = memmem(p, (size_t)(s + n - p), rep, rl)); p += rl) {
+        KVB_TRY(split_piece(t, 0, s + start, (size_t)(p - s) - start, md, out));
+        start = (size_t)(p - s);
+    }
+    return split_piece(t, 0, s + start, n - start, md, out);
+}
+
+/* One section of text between added tokens; `first`: it starts the text. */
+static kvb_status encode_section(const kvb_tokenizer *t, const uint8_t *s, size_t n, int first, pcre2_match_data *md,
+                                 enc_scratch *sc, id_vec *out) {
+    if (!n) return KVB_OK;
+    KVB_TRY(normalize(t, &s, &n, sc));
+    if (t->metaspace.on && n) return metaspace_split(t, s, n, first, sc, md, out);
+    if (t->space_len) return spm_words(t, s, n, md, out);
     return split_piece(t, 0, s, n, md, out);
 }
 
@@ -973,7 +1441,7 @@ kvb_status kvb_tokenizer_encode(const kvb_tokenizer *t, const char *text, size_t
     }
     if (len > (size_t)INT32_MAX / 2) return KVB_ERR_INVALID;
     id_vec out = {0};
-    kvb_buf norm = {0};
+    enc_scratch sc = {0};
     kvb_status st = KVB_OK;
     pcre2_match_data *md = t->n_regex ? pcre2_match_data_create_from_pattern(t->regex[0], NULL) : NULL;
     if (t->n_regex && !md) return KVB_ERR_NOMEM;
@@ -994,35 +1462,58 @@ kvb_status kvb_tokenizer_encode(const kvb_tokenizer *t, const char *text, size_t
                 if (!is_space_at(s + b, end - b, &w)) break;
                 end = b;
             }
-        KVB_TRY_GOTO(encode_section(t, s + sec, end - sec, md, &norm, &out), done);
+        KVB_TRY_GOTO(encode_section(t, s + sec, end - sec, sec == 0, md, &sc, &out), done);
         KVB_TRY_GOTO(ids_push(&out, &a->id, 1), done);
         i += a->len;
         if (a->rstrip)
             while (i < len && is_space_at(s + i, len - i, &w)) i += (size_t)w;
         sec = i;
     }
-    KVB_TRY_GOTO(encode_section(t, s + sec, len - sec, md, &norm, &out), done);
+    KVB_TRY_GOTO(encode_section(t, s + sec, len - sec, sec == 0, md, &sc, &out), done);
     if (add_special) KVB_TRY_GOTO(ids_push(&out, t->suffix, t->n_suffix), done);
     *ids = out.v;
     *n = out.n;
     out.v = NULL;
 done:
     pcre2_match_data_free(md);
-    kvb__buf_free(&norm);
+    kvb__buf_free(&sc.buf[0]);
+    kvb__buf_free(&sc.buf[1]);
     free(out.v);
     return st;
 }
 
 /* ------------------------------------------------------------------------------------- decoding */
 
-/* Appends the bytes of `id` to `raw` (nothing for ids without a token, as Hugging Face skips them). */
-static kvb_status token_bytes(const kvb_tokenizer *t, int32_t id, int skip_special, kvb_buf *raw) {
+/* Appends the bytes of `id` to `raw` (nothing for ids without a token, as Hugging Face skips them).
+ * *first: no token has been appended yet (a Metaspace decoder drops every replacement character of
+ * the first token's text); cleared once one is. */
+static kvb_status token_bytes(const kvb_tokenizer *t, int32_t id, int skip_special, int *first, kvb_buf *raw) {
     if (id < 0) {
         KVB_LOG_W("tokenizer: cannot decode the negative token id %d", id);
         return KVB_ERR_INVALID;
     }
     if (id >= t->n_vocab || t->tok_bytes[id] == SIZE_MAX || (skip_special && t->special[id])) return KVB_OK;
+    if (*first && t->dec_first_drop_len) {
+        *first = 0;
+        const char *p = tok_text(t, id), *e = p + t->tok_str_len[id], *m;
+        size_t dl = t->dec_first_drop_len;
+        for (; (m = memmem(p, (size_t)(e - p), t->dec_first_drop, dl)); p = m + dl) KVB_TRY(kvb__buf_append(raw, p, (size_t)(m - p)));
+        return kvb__buf_append(raw, p, (size_t)(e - p));
+    }
+    *first = 0;
     return kvb__buf_append(raw, t->strings + t->tok_bytes[id], t->tok_bytes_len[id]);
+}
+
+/* How many bytes of s[0..n), the start of the decoded text, a Strip decoder takes: up to *left of its
+ * character. *left counts down; it drops to 0 once anything else came (the start is over). */
+static size_t strip_start(const kvb_tokenizer *t, const char *s, size_t n, int *left) {
+    size_t k = 0, cl = t->dec_strip_len;
+    while (*left > 0 && n - k >= cl && !memcmp(s + k, t->dec_strip, cl)) {
+        k += cl;
+        (*left)--;
+    }
+    if (k < n) *left = 0;
+    return k;
 }
 
 kvb_status kvb_tokenizer_decode(const kvb_tokenizer *t, const int32_t *ids, int n, int skip_special, char **out,
@@ -1030,15 +1521,19 @@ kvb_status kvb_tokenizer_decode(const kvb_tokenizer *t, const int32_t *ids, int 
     kvb_buf raw = {0}, txt = {0};
     kvb_status st = KVB_OK;
     size_t used;
+    int first = 1, left = t->dec_strip_n;
     *out = NULL;
     *len = 0;
     if (n < 0 || (size_t)n > t->max_decode) {
         KVB_LOG_W("tokenizer: %d ids to decode exceed the decode budget of %zu ids", n, t->max_decode);
         return KVB_ERR_EXHAUSTED;
     }
-    for (int i = 0; i < n; i++) KVB_TRY_GOTO(token_bytes(t, ids[i], skip_special, &raw), fail);
+    for (int i = 0; i < n; i++) KVB_TRY_GOTO(token_bytes(t, ids[i], skip_special, &first, &raw), fail);
     KVB_TRY_GOTO(kvb__buf_reserve(&txt, 0), fail);
     KVB_TRY_GOTO(kvb__utf8_lossy((const uint8_t *)raw.p, raw.len, 1, &txt, &used), fail);
+    size_t cut = strip_start(t, txt.p, txt.len, &left);
+    memmove(txt.p, txt.p + cut, txt.len - cut + 1);
+    txt.len -= cut;
     kvb__buf_free(&raw);
     *out = txt.p;
     *len = txt.len;
@@ -1052,6 +1547,8 @@ fail:
 struct kvb_detok {
     const kvb_tokenizer *t;
     int skip_special;
+    int first;       /* no token has given bytes yet */
+    int strip_left;  /* what a Strip decoder may still take off the start */
     kvb_buf pending; /* bytes of an incomplete UTF-8 sequence at the end of the stream so far */
     kvb_buf text;    /* the text handed out by the last call */
 };
@@ -1061,6 +1558,8 @@ kvb_status kvb_detok_create(const kvb_tokenizer *t, int skip_special, kvb_detok 
     KVB_TRY(kvb_calloc(1, sizeof *d, (void **)&d));
     d->t = t;
     d->skip_special = skip_special;
+    d->first = 1;
+    d->strip_left = t->dec_strip_n;
     *out = d;
     return KVB_OK;
 }
@@ -1072,8 +1571,9 @@ static kvb_status detok_emit(kvb_detok *d, int final, const char **text, size_t 
     KVB_TRY(kvb__utf8_lossy((const uint8_t *)d->pending.p, d->pending.len, final, &d->text, &used));
     memmove(d->pending.p, d->pending.p + used, d->pending.len - used);
     d->pending.len -= used;
-    *text = d->text.p;
-    *len = d->text.len;
+    size_t cut = strip_start(d->t, d->text.p, d->text.len, &d->strip_left);
+    *text = d->text.p + cut;
+    *len = d->text.len - cut;
     return KVB_OK;
 }
 
@@ -1081,7 +1581,7 @@ kvb_status kvb_detok_push(kvb_detok *d, int32_t id, const char **text, size_t *l
     *text = "";
     *len = 0;
     KVB_TRY(kvb__buf_reserve(&d->pending, 0));
-    KVB_TRY(token_bytes(d->t, id, d->skip_special, &d->pending));
+    KVB_TRY(token_bytes(d->t, id, d->skip_special, &d->first, &d->pending));
     return detok_emit(d, 0, text, len);
 }
 
@@ -1089,7 +1589,10 @@ kvb_status kvb_detok_flush(kvb_detok *d, const char **text, size_t *len) {
     *text = "";
     *len = 0;
     KVB_TRY(kvb__buf_reserve(&d->pending, 0));
-    return detok_emit(d, 1, text, len);
+    KVB_TRY(detok_emit(d, 1, text, len));
+    d->first = 1; /* a new stream begins */
+    d->strip_left = d->t->dec_strip_n;
+    return KVB_OK;
 }
 
 void kvb_detok_destroy(kvb_detok *d) {

@@ -1,10 +1,13 @@
 /* kvbank — text in and out of a model: the tokenizer of a Hugging Face model directory.
  *
- * Byte-level BPE as in tokenizer.json (Llama-3, Qwen2/Qwen3, GPT-2 style): added and special tokens
- * are split off first, the rest is normalized (NFC where the file says so), split by the
- * pre-tokenizer's regex (PCRE2), mapped to byte-level characters and merged by rank. Decoding maps
- * back to bytes and replaces ill-formed UTF-8 with U+FFFD. Anything in the files that kvbank does not
- * implement is refused at load with an error naming the file and the field.
+ * BPE as in tokenizer.json, byte-level (Llama-3, Qwen2/Qwen3, GPT-2 style) or SentencePiece style
+ * with byte fallback (Llama-2, Mistral; docs/text.md): added and special tokens are split off first,
+ * the rest is normalized (NFC; Prepend and Replace), split by the pre-tokenizer (regexes on PCRE2, or
+ * Metaspace), turned into first symbols (bytes through the byte-level map; characters, or <0xNN>
+ * tokens for those the vocabulary lacks) and merged by rank. Decoding turns tokens back into bytes,
+ * replaces ill-formed UTF-8 with U+FFFD and strips what a Strip decoder strips from the start. Anything
+ * in the files that kvbank does not implement is refused at load with an error naming the file and
+ * the field.
  *
  * A loaded tokenizer is immutable and may be used from several threads at once (its word cache has
  * its own lock). */
@@ -67,7 +70,8 @@ int32_t kvb_tokenizer_token_id(const kvb_tokenizer *t, const char *token);
 /* 1 when `id` is a special token (added with "special": true). */
 int kvb_tokenizer_is_special(const kvb_tokenizer *t, int32_t id);
 
-/* The bytes token `id` decodes to (a vocabulary token's byte-level characters mapped back, an added
+/* The bytes token `id` decodes to (a byte-level token's characters mapped back; a SentencePiece-style
+ * token's text after the decoder's Replace steps, "▁" a space, or the byte of a <0xNN> token; an added
  * token's content), borrowed from t; NULL with *len 0 for an id without a token. Unlike a decode, a
  * token holding part of a UTF-8 character gives its raw bytes (grammars match tokens byte by byte). */
 const char *kvb_tokenizer_token_bytes(const kvb_tokenizer *t, int32_t id, size_t *len);

@@ -2,7 +2,7 @@
 // tests/text_cli, answered by @lenml/tokenizers (transformers.js's tokenizers) and @huggingface/jinja.
 //   node oracle.mjs encode MODEL_DIR < corpus.json
 //   node oracle.mjs render MODEL_DIR < conversations.json
-//   node oracle.mjs decode MODEL_DIR < [[ids...], ...]      (special tokens skipped)
+//   node oracle.mjs decode MODEL_DIR < [[ids...], ...]      (text: special tokens skipped; text_all: kept)
 import { readFileSync, existsSync } from "node:fs";
 import { TokenizerLoader } from "@lenml/tokenizers";
 import { Template } from "@huggingface/jinja";
@@ -25,9 +25,9 @@ if (cmd === "encode") {
   process.stdout.write(JSON.stringify(out) + "\n");
 } else if (cmd === "decode") {
   const tok = TokenizerLoader.fromPreTrained({ tokenizerJSON: readJson("tokenizer.json"), tokenizerConfig: config });
-  const out = input.map((ids) => ({
-    text: ids.length ? tok.decode(ids, { skip_special_tokens: true, clean_up_tokenization_spaces: false }) : "",
-  }));
+  const decode = (ids, skip) =>
+    ids.length ? tok.decode(ids, { skip_special_tokens: skip, clean_up_tokenization_spaces: false }) : "";
+  const out = input.map((ids) => ({ text: decode(ids, true), text_all: decode(ids, false) }));
   process.stdout.write(JSON.stringify(out) + "\n");
 } else if (cmd === "render") {
   let source = config.chat_template;
