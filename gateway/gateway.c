@@ -785,7 +785,9 @@ static int status_for(kvb_status st) {
 }
 
 static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
-                        kvb_finish finish, kvb_status st, const char *err) {
+                        kvb_finish finish, kvb_status st, const char *err,
+                        const kvb_client_logprobs *lp) {
+    (void)lp;
     gw_stream *s = ud;
     (void)rid;
     (void)first_index;

@@ -538,7 +538,9 @@ typedef struct astream {
 } astream;
 
 static void on_event(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
-                     kvb_finish finish, kvb_status st, const char *err) {
+                     kvb_finish finish, kvb_status st, const char *err,
+                     const kvb_client_logprobs *lp) {
+    (void)lp;
     astream *a = ud;
     for (int k = 0; k < n; k++) on_tok(&a->col, first_index + k, tokens[k], t_ns[k]);
     if (finish != KVB_FINISH_NONE) {

@@ -55,7 +55,11 @@ typedef struct live_req {
     int32_t *stop;         /* [n_stop] */
     int n_stop;
     int max_tokens;
-    kvb_sampling sampling;
+    kvb_sampling sampling; /* sampling.logit_bias points to `bias` */
+    kvb_logit_bias *bias;  /* [sampling.n_logit_bias] */
+    Kvbank__LogitBias *bias_msgs;  /* [sampling.n_logit_bias] the same as wire messages */
+    Kvbank__LogitBias **bias_ptrs; /* [sampling.n_logit_bias] pointing to them */
+    uint32_t plp_next;     /* prompt logprobs: the next prompt position to deliver (earlier ones came) */
     double tbt_slo_ms;
     req_grammar *grammar;  /* structured output, or NULL */
     uint64_t conn;         /* the connection its current attempt goes out on (kvb_client.conn numbering) */
@@ -256,6 +260,9 @@ static void req_free(live_req *e) {
     grammar_free(e->grammar);
     free(e->seq);
     free(e->stop);
+    free(e->bias);
+    free(e->bias_msgs);
+    free(e->bias_ptrs);
     free(e);
 }
 
@@ -374,6 +381,18 @@ static void build_request(const live_req *e, Kvbank__GenerateRequest *g, Kvbank_
     g->resume_index = e->next_index;
     g->tbt_slo_ms = (float)e->tbt_slo_ms;
     g->grammar = e->grammar ? &e->grammar->g : NULL;
+    const kvb_sampling *sp = &e->sampling;
+    g->min_p = sp->min_p;
+    g->presence_penalty = sp->presence_penalty;
+    g->frequency_penalty = sp->frequency_penalty;
+    g->repetition_penalty = sp->repetition_penalty;
+    g->min_tokens = (uint32_t)sp->min_tokens;
+    g->n_logit_bias = (size_t)sp->n_logit_bias;
+    g->logit_bias = e->bias_ptrs;
+    g->logprobs = sp->logprobs;
+    g->top_logprobs = (uint32_t)sp->top_logprobs;
+    /* a resumption asks again only for prompt positions not delivered yet */
+    g->prompt_logprobs = sp->prompt_logprobs && e->plp_next < (uint32_t)e->n_prompt;
     kvbank__envelope__init(env);
     env->body_case = KVBANK__ENVELOPE__BODY_GENERATE;
     env->generate = g;
@@ -407,10 +426,15 @@ kvb_status kvb_client_submit(kvb_client *c, const kvb_request *r, kvb_client_eve
     e->max_tokens = r->max_tokens;
     e->sampling = r->sampling;
     e->tbt_slo_ms = r->tbt_slo_ms;
+    e->plp_next = 1;
     /* The copies a resumption needs; the delivered tokens are appended as they arrive. */
     e->cap_seq = r->n_prompt + KVB_MIN(r->max_tokens, 64);
     kvb_status st = kvb_malloc((size_t)KVB_MAX(e->cap_seq, 1) * sizeof *e->seq, (void **)&e->seq);
     if (st == KVB_OK && r->n_stop) st = kvb_malloc((size_t)r->n_stop * sizeof *e->stop, (void **)&e->stop);
+    size_t nb = r->sampling.n_logit_bias > 0 && r->sampling.logit_bias ? (size_t)r->sampling.n_logit_bias : 0;
+    if (st == KVB_OK && nb && (st = kvb_malloc(nb * sizeof *e->bias, (void **)&e->bias)) == KVB_OK &&
+        (st = kvb_calloc(nb, sizeof *e->bias_msgs, (void **)&e->bias_msgs)) == KVB_OK)
+        st = kvb_calloc(nb, sizeof *e->bias_ptrs, (void **)&e->bias_ptrs);
     if (st != KVB_OK) {
         req_free(e);
         set_err(err, err_len, "out of memory");
@@ -422,6 +446,15 @@ kvb_status kvb_client_submit(kvb_client *c, const kvb_request *r, kvb_client_eve
     }
     if (r->n_prompt) memcpy(e->seq, r->prompt, (size_t)r->n_prompt * sizeof *e->seq);
     if (r->n_stop) memcpy(e->stop, r->stop_ids, (size_t)r->n_stop * sizeof *e->stop);
+    for (size_t k = 0; k < nb; k++) {
+        e->bias[k] = r->sampling.logit_bias[k];
+        kvbank__logit_bias__init(&e->bias_msgs[k]);
+        e->bias_msgs[k].id = e->bias[k].id;
+        e->bias_msgs[k].bias = e->bias[k].bias;
+        e->bias_ptrs[k] = &e->bias_msgs[k];
+    }
+    e->sampling.logit_bias = e->bias;
+    e->sampling.n_logit_bias = (int)nb;
     Kvbank__GenerateRequest g;
     Kvbank__Envelope env;
     build_request(e, &g, &env);
@@ -512,8 +545,36 @@ static kvb_status status_from_wire(int32_t code) { return code < 0 ? (kvb_status
 
 /* Ends request `e` (already unlinked) with a final callback and frees it. */
 static void finish_req(live_req *e, kvb_finish f, kvb_status st, const char *err) {
-    e->fn(e->ud, e->rid, NULL, NULL, 0, (int)e->next_index, f, st, err ? err : "");
+    e->fn(e->ud, e->rid, NULL, NULL, 0, (int)e->next_index, f, st, err ? err : "", NULL);
     req_free(e);
+}
+
+/* The logprobs of TokenEvent `te` for `e` into *out (pointers into te): checked for shape, prompt
+ * positions already delivered (by an earlier attempt) left out. KVB_ERR_PROTOCOL when malformed. */
+static kvb_status event_logprobs(live_req *e, const Kvbank__TokenEvent *te, kvb_client_logprobs *out) {
+    memset(out, 0, sizeof *out);
+    size_t t = te->top_n, n = te->n_tokens, np = te->n_prompt_logprobs;
+    if (t > KVB_MAX_TOP_LOGPROBS) return KVB_ERR_PROTOCOL;
+    if (te->n_logprobs) {
+        if (te->n_logprobs != n || te->n_top_ids != n * t || te->n_top_logprobs != n * t) return KVB_ERR_PROTOCOL;
+        *out = (kvb_client_logprobs){.lp = te->logprobs, .top_ids = te->top_ids, .top_lp = te->top_logprobs,
+                                     .top_n = (int)t};
+    }
+    if (!np) return KVB_OK;
+    if (te->n_prompt_top_ids != np * t || te->n_prompt_top_logprobs != np * t || te->prompt_first < 1 ||
+        np > (size_t)e->n_prompt || te->prompt_first + np > (size_t)e->n_prompt)
+        return KVB_ERR_PROTOCOL;
+    /* positions delivered before a resumption are left out */
+    size_t skip = te->prompt_first < e->plp_next ? e->plp_next - te->prompt_first : 0;
+    if (skip >= np) return KVB_OK;
+    out->top_n = (int)t;
+    out->prompt_first = (int)(te->prompt_first + skip);
+    out->n_prompt = (int)(np - skip);
+    out->prompt_lp = te->prompt_logprobs + skip;
+    out->prompt_top_ids = te->prompt_top_ids + skip * t;
+    out->prompt_top_lp = te->prompt_top_logprobs + skip * t;
+    e->plp_next = te->prompt_first + (uint32_t)np;
+    return KVB_OK;
 }
 
 /* The live request an event with wire id `wid` is about, or NULL (not live, or an earlier attempt). */
@@ -553,12 +614,25 @@ static void on_tokens(kvb_client *c, const Kvbank__TokenEvent *te) {
         finish_req(req_take(c, e->rid), KVB_FINISH_ERROR, KVB_ERR_PROTOCOL, msg);
         return;
     }
+    kvb_client_logprobs lp;
+    const kvb_client_logprobs *lpp = NULL;
+    if (event_logprobs(e, te, &lp) != KVB_OK) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "malformed logprobs: %zu for %zu tokens, %zu prompt positions, top %" PRIu32,
+                 te->n_logprobs, te->n_tokens, te->n_prompt_logprobs, te->top_n);
+        KVB_LOG_E("request %" PRIu64 ": %s", e->rid, msg);
+        send_cancel(c, wire_id(e));
+        finish_req(req_take(c, e->rid), KVB_FINISH_ERROR, KVB_ERR_PROTOCOL, msg);
+        return;
+    }
+    if (lp.lp || lp.n_prompt) lpp = &lp;
     kvb_finish f = finish_from_wire(te->finish);
     uint64_t rid = e->rid;
     e->next_index += (uint32_t)te->n_tokens;
     if (f == KVB_FINISH_NONE) {
         /* `e` may be abandoned (freed) inside the callback: it is not touched afterwards. */
-        if (te->n_tokens) e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, KVB_OK, "");
+        if (te->n_tokens || lp.n_prompt)
+            e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, KVB_OK, "", lpp);
         return;
     }
     req_take(c, rid);
@@ -567,7 +641,7 @@ static void on_tokens(kvb_client *c, const Kvbank__TokenEvent *te) {
     if (f == KVB_FINISH_ERROR)
         snprintf(why, sizeof why, "the model failed the request%s%.100s", te->error && te->error[0] ? ": " : "",
                  te->error ? te->error : "");
-    e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, st, why);
+    e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, st, why, lpp);
     req_free(e);
 }
 
@@ -845,8 +919,9 @@ typedef struct gen_wait {
 } gen_wait;
 
 static void gen_event(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
-                      kvb_finish finish, kvb_status st, const char *err) {
+                      kvb_finish finish, kvb_status st, const char *err, const kvb_client_logprobs *lp) {
     gen_wait *g = ud;
+    (void)lp;
     g->n_events++;
     for (int k = 0; k < n; k++) {
         if (g->cancelling || !g->on_token) break;

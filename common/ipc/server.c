@@ -78,8 +78,22 @@ typedef struct slot {
     int32_t *req;                 /* [cap_req] (n_prompt + n_stop valid) */
     int cap_req, n_prompt, n_stop, max_tokens, resume_index;
     double tbt_slo_ms;
-    kvb_sampling sampling;
     kvb_grammar_matcher *matcher; /* structured output, compiled at arrival; the engine's once added */
+    kvb_sampling sampling;        /* sampling.logit_bias points to `bias` */
+    kvb_logit_bias *bias;         /* [cap_bias] */
+    size_t cap_bias;
+    /* logprobs (sampling.logprobs) of the buffered tokens, parallel to tok */
+    float *lp;                    /* [cap_lp] (n_tok valid) */
+    int32_t *top_ids;             /* [cap_top] ([n_tok][sampling.top_logprobs] valid) */
+    float *top_lp;                /* [cap_top] */
+    size_t cap_lp, cap_top;
+    /* prompt logprobs computed since the last flush: positions plp_first .. plp_first + n_plp - 1 */
+    float *plp;                   /* [cap_plp] */
+    int32_t *ptop_ids;            /* [cap_ptop] ([n_plp][sampling.top_logprobs] valid) */
+    float *ptop_lp;               /* [cap_ptop] */
+    size_t cap_plp, cap_ptop;
+    int n_plp;
+    uint32_t plp_first;
 } slot;
 
 /* A client: one routing id with at least one live request. */
@@ -405,6 +419,71 @@ static void ev_token(void *ud, uint64_t id, int index, int32_t token, uint64_t t
     mark_dirty(s, (int)(sl - s->slots));
 }
 
+/* Makes room for `need` elements of `size` bytes in *p (capacity *cap, doubling). */
+static kvb_status reserve(void **p, size_t *cap, size_t need, size_t size) {
+    if (need <= *cap) return KVB_OK;
+    size_t c = KVB_MAX(need, 2 * *cap);
+    KVB_TRY(kvb_realloc_array(p, c, size));
+    *cap = c;
+    return KVB_OK;
+}
+
+/* The same for two arrays of ids and floats that share a capacity. */
+static kvb_status reserve_top(int32_t **ids, float **lp, size_t *cap, size_t need) {
+    if (need <= *cap) return KVB_OK;
+    size_t c = KVB_MAX(need, 2 * *cap);
+    KVB_TRY(kvb_realloc_array((void **)ids, c, sizeof **ids));
+    KVB_TRY(kvb_realloc_array((void **)lp, c, sizeof **lp));
+    *cap = c;
+    return KVB_OK;
+}
+
+/* The logprobs of the token ev_token buffers next (at n_tok). */
+static void ev_logprobs(void *ud, uint64_t id, int index, float lp, const int32_t *top_ids, const float *top_lp,
+                        int top_n) {
+    kvb_server *s = ud;
+    slot *sl = slot_by_eid(s, id);
+    (void)index;
+    if (!sl || sl->mute || sl->broken || sl->finish != KVB_FINISH_NONE) return;
+    size_t k = (size_t)sl->n_tok, t = (size_t)sl->sampling.top_logprobs;
+    if (top_n != (int)t || reserve((void **)&sl->lp, &sl->cap_lp, k + 1, sizeof *sl->lp) != KVB_OK ||
+        reserve_top(&sl->top_ids, &sl->top_lp, &sl->cap_top, (k + 1) * t) != KVB_OK) {
+        sl->broken = 1; /* flush() ends it with ERROR */
+        mark_dirty(s, (int)(sl - s->slots));
+        return;
+    }
+    sl->lp[k] = lp;
+    if (t) {
+        memcpy(sl->top_ids + k * t, top_ids, t * sizeof *top_ids);
+        memcpy(sl->top_lp + k * t, top_lp, t * sizeof *top_lp);
+    }
+}
+
+static void ev_prompt_logprobs(void *ud, uint64_t id, int pos0, int n, const float *lp, const int32_t *top_ids,
+                               const float *top_lp, int top_n) {
+    kvb_server *s = ud;
+    slot *sl = slot_by_eid(s, id);
+    if (!sl || sl->mute || sl->broken || sl->finish != KVB_FINISH_NONE || n <= 0) return;
+    size_t k = (size_t)sl->n_plp, t = (size_t)sl->sampling.top_logprobs;
+    if (sl->n_plp && (uint32_t)pos0 != sl->plp_first + (uint32_t)sl->n_plp)
+        KVB_LOG_W("request %" PRIu64 ": prompt logprobs of position %d, expected %u", id, pos0,
+                  sl->plp_first + (unsigned)sl->n_plp);
+    if (top_n != (int)t || reserve((void **)&sl->plp, &sl->cap_plp, k + (size_t)n, sizeof *sl->plp) != KVB_OK ||
+        reserve_top(&sl->ptop_ids, &sl->ptop_lp, &sl->cap_ptop, (k + (size_t)n) * t) != KVB_OK) {
+        sl->broken = 1;
+        mark_dirty(s, (int)(sl - s->slots));
+        return;
+    }
+    if (!sl->n_plp) sl->plp_first = (uint32_t)pos0;
+    memcpy(sl->plp + k, lp, (size_t)n * sizeof *lp);
+    if (t) {
+        memcpy(sl->ptop_ids + k * t, top_ids, (size_t)n * t * sizeof *top_ids);
+        memcpy(sl->ptop_lp + k * t, top_lp, (size_t)n * t * sizeof *top_lp);
+    }
+    sl->n_plp += n;
+    mark_dirty(s, (int)(sl - s->slots));
+}
+
 static void ev_finish(void *ud, uint64_t id, kvb_finish reason, kvb_status err) {
     kvb_server *s = ud;
     slot *sl = slot_by_eid(s, id);
@@ -420,7 +499,8 @@ static void ev_finish(void *ud, uint64_t id, kvb_finish reason, kvb_status err) 
 }
 
 kvb_engine_events kvb_server_engine_events(kvb_server *s) {
-    kvb_engine_events ev = {.ud = s, .on_token = ev_token, .on_finish = ev_finish, .on_logits = NULL};
+    kvb_engine_events ev = {.ud = s, .on_token = ev_token, .on_finish = ev_finish, .on_logits = NULL,
+                            .on_logprobs = ev_logprobs, .on_prompt_logprobs = ev_prompt_logprobs};
     return ev;
 }
 
@@ -440,7 +520,7 @@ static void flush(kvb_server *s) {
             sl->dirty = 0;
             if (!sl->in_use) continue;
             int final = sl->finish != KVB_FINISH_NONE;
-            if (!sl->mute && (sl->n_tok > 0 || final || sl->broken)) {
+            if (!sl->mute && (sl->n_tok > 0 || final || sl->broken || sl->n_plp > 0)) {
                 kvb_finish f = sl->finish;
                 if (sl->broken && !final) f = KVB_FINISH_ERROR;
                 Kvbank__TokenEvent te = KVBANK__TOKEN_EVENT__INIT;
@@ -451,6 +531,25 @@ static void flush(kvb_server *s) {
                 te.n_t_ns = (size_t)sl->n_tok;
                 te.t_ns = sl->t_ns;
                 te.finish = finish_to_wire(f);
+                if (sl->sampling.logprobs && sl->n_tok > 0) {
+                    size_t t = (size_t)sl->sampling.top_logprobs;
+                    te.n_logprobs = (size_t)sl->n_tok;
+                    te.logprobs = sl->lp;
+                    te.top_n = (uint32_t)t;
+                    te.n_top_ids = te.n_top_logprobs = (size_t)sl->n_tok * t;
+                    te.top_ids = sl->top_ids;
+                    te.top_logprobs = sl->top_lp;
+                }
+                if (sl->n_plp > 0) {
+                    size_t t = (size_t)sl->sampling.top_logprobs;
+                    te.top_n = (uint32_t)t;
+                    te.prompt_first = sl->plp_first;
+                    te.n_prompt_logprobs = (size_t)sl->n_plp;
+                    te.prompt_logprobs = sl->plp;
+                    te.n_prompt_top_ids = te.n_prompt_top_logprobs = (size_t)sl->n_plp * t;
+                    te.prompt_top_ids = sl->ptop_ids;
+                    te.prompt_top_logprobs = sl->ptop_lp;
+                }
                 if (f == KVB_FINISH_ERROR && sl->err != KVB_OK) { /* say why (a stalled request: issue 10) */
                     te.error_code = (int32_t)sl->err;
                     te.error = (char *)kvb_status_str(sl->err);
@@ -464,6 +563,7 @@ static void flush(kvb_server *s) {
                 }
             }
             sl->n_tok = 0;
+            sl->n_plp = 0;
             if (final) slot_free(s, i);
             else if (sl->mute || sl->broken) queue_cancel(s, i);
         }
@@ -662,10 +762,23 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         reply_error(s, ident, len, rid, KVB_ERR_INVALID, "top_k %" PRIu32 " is out of range", g->top_k);
         return;
     }
-    kvb_sampling sp = {.temperature = g->temperature, .top_k = (int)g->top_k, .top_p = g->top_p, .seed = g->seed};
-    if (kvb_sampling_check(&sp) != KVB_OK) {
-        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "bad sampling (temperature %g, top_k %" PRIu32 ", top_p %g)",
-                    (double)g->temperature, g->top_k, (double)g->top_p);
+    if (g->min_tokens > INT_MAX || g->top_logprobs > INT_MAX || g->n_logit_bias > KVB_MAX_LOGIT_BIAS) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "min_tokens, top_logprobs or logit_bias out of range");
+        return;
+    }
+    kvb_sampling sp = {.temperature = g->temperature, .top_k = (int)g->top_k, .top_p = g->top_p, .seed = g->seed,
+                       .min_p = g->min_p, .presence_penalty = g->presence_penalty,
+                       .frequency_penalty = g->frequency_penalty, .repetition_penalty = g->repetition_penalty,
+                       .min_tokens = (int)g->min_tokens, .n_logit_bias = (int)g->n_logit_bias,
+                       .logprobs = g->logprobs, .top_logprobs = (int)g->top_logprobs,
+                       .prompt_logprobs = g->prompt_logprobs};
+    kvb_logit_bias bias[KVB_MAX_LOGIT_BIAS];
+    for (size_t k = 0; k < g->n_logit_bias; k++)
+        bias[k] = (kvb_logit_bias){.id = g->logit_bias[k]->id, .bias = g->logit_bias[k]->bias};
+    sp.logit_bias = bias;
+    char why[160];
+    if (kvb_sampling_check(&sp, s->vocab, why, sizeof why) != KVB_OK) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "bad sampling: %s", why);
         return;
     }
     if (slot_find(s, ident, len, rid) >= 0) {
@@ -685,9 +798,9 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
     }
     kvb_grammar_matcher *matcher = NULL;
     if (g->grammar) {
-        char why[512];
-        if (grammar_matcher(s, g, &matcher, why, sizeof why) != KVB_OK) {
-            reply_error(s, ident, len, rid, KVB_ERR_INVALID, KVB_WIRE_GRAMMAR_ERROR "%s", why);
+        char gwhy[512];
+        if (grammar_matcher(s, g, &matcher, gwhy, sizeof gwhy) != KVB_OK) {
+            reply_error(s, ident, len, rid, KVB_ERR_INVALID, KVB_WIRE_GRAMMAR_ERROR "%s", gwhy);
             return;
         }
     }
@@ -720,7 +833,15 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
     sl->max_tokens = (int)g->max_tokens;
     sl->resume_index = (int)g->resume_index;
     sl->tbt_slo_ms = g->tbt_slo_ms;
+    if (reserve((void **)&sl->bias, &sl->cap_bias, (size_t)sp.n_logit_bias, sizeof *sl->bias) != KVB_OK) {
+        slot_free(s, i);
+        reply_error(s, ident, len, rid, KVB_ERR_NOMEM, "out of memory");
+        return;
+    }
+    if (sp.n_logit_bias) memcpy(sl->bias, bias, (size_t)sp.n_logit_bias * sizeof *bias);
+    sp.logit_bias = sl->bias;
     sl->sampling = sp;
+    sl->n_plp = 0;
     q_push(s, i);
     s->stats.accepted++;
     char b[36];
@@ -1023,6 +1144,13 @@ void kvb_server_destroy(kvb_server *s) {
             free(s->slots[i].tok);
             free(s->slots[i].t_ns);
             free(s->slots[i].req);
+            free(s->slots[i].bias);
+            free(s->slots[i].lp);
+            free(s->slots[i].top_ids);
+            free(s->slots[i].top_lp);
+            free(s->slots[i].plp);
+            free(s->slots[i].ptop_ids);
+            free(s->slots[i].ptop_lp);
         }
     }
     free(s->slots);

@@ -66,8 +66,18 @@ typedef struct kvb_engine_events {
     void (*on_token)(void *ud, uint64_t id, int index, int32_t token, uint64_t t_ns);
     /* The request ended; no further events for `id`. err is KVB_OK unless reason is ERROR. */
     void (*on_finish)(void *ud, uint64_t id, kvb_finish reason, kvb_status err);
-    /* Optional: the logits [vocab] from which token `index` was sampled (valid during the call). */
+    /* Optional: the logits [vocab] from which token `index` was sampled, before any processor changed
+     * them (valid during the call). */
     void (*on_logits)(void *ud, uint64_t id, int index, const float *logits, int vocab);
+    /* Optional, for requests with sampling.logprobs: token `index`'s logprob and the top_n most likely
+     * tokens with theirs (top_ids / top_lp [top_n], most likely first), just before its on_token. */
+    void (*on_logprobs)(void *ud, uint64_t id, int index, float lp, const int32_t *top_ids, const float *top_lp,
+                        int top_n);
+    /* Optional, for requests with sampling.prompt_logprobs: prompt positions pos0 .. pos0 + n - 1 (pos0 >= 1,
+     * in order, each once): lp [n], top_ids / top_lp [n][top_n]; all of them come before the first
+     * token. */
+    void (*on_prompt_logprobs)(void *ud, uint64_t id, int pos0, int n, const float *lp, const int32_t *top_ids,
+                               const float *top_lp, int top_n);
 } kvb_engine_events;
 
 typedef struct kvb_request {

@@ -43,9 +43,13 @@ typedef struct kvb__seq {
     int n_generated;
     int32_t *stop;     /* [n_stop] */
     int n_stop;
-    kvb_sampling samp;
+    kvb_sampling samp; /* samp.logit_bias points to `bias` */
+    kvb_logit_bias *bias; /* [samp.n_logit_bias] owned */
     kvb_rng rng;
     kvb_grammar_matcher *matcher; /* structured output (constrain.c), NULL: unconstrained; owned */
+    int out_start;     /* tokens[out_start..) are its output (resumed ones included: n_prompt - resume_index) */
+    int plp_next;      /* prompt logprobs: the next prompt position owed (up to out_start; 0 when none are) */
+    int plp_row0, plp_n; /* during a step: batch rows [plp_row0, plp_row0 + plp_n) give positions plp_next.. */
     kvb_block_table bt;
     int n_computed;    /* tokens whose KV is in the request's blocks */
     int n_published;   /* full blocks offered to the prefix cache */
@@ -110,6 +114,7 @@ typedef struct kvb__step {
     kvb_attn_seq *seqs;      /* [2 max_seqs] seqs[i] is sched[i]'s new tokens, the recomputed prefixes after */
     int n_attn;
     int32_t *logit_rows;     /* [max_seqs] */
+    int32_t *plp_rows;       /* [max_seqs] rows whose logits give prompt logprobs (a piece of them) */
     kvb__entry *ent;         /* [cap] what each attention block entry reads */
     void **layer;            /* [cap] each entry's slice of the current layer (the attention's layer_blocks) */
     int n_ent, cap;
@@ -121,9 +126,15 @@ typedef struct kvb__step {
     int scr_par;             /* slices per parity when the step loads prefix layers (layer l uses parity l & 1),
                               * else 0 */
     float *logits;           /* [max_seqs][vocab] */
+    int n_sample;            /* logits rows that sample a token (the first ones; the rest compute prompt logprobs) */
     float *sample_scratch;   /* [2*vocab] */
     uint32_t *gmask;         /* [gmask_words] the grammar mask of one request (constrain.c), grown on use */
     size_t gmask_words;
+    float *row_copy;         /* [vocab] a row's raw logits while the processors change it (logprobs) */
+    uint32_t *counts;        /* [vocab] zeros between uses: the penalties' token counts */
+    float *lp;               /* [max_seqs] logprobs of a step's rows */
+    int32_t *top_ids;        /* [max_seqs][KVB_MAX_TOP_LOGPROBS] */
+    float *top_lp;           /* [max_seqs][KVB_MAX_TOP_LOGPROBS] */
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] of which before the layer's kernels */
 } kvb__step;
