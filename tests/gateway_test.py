@@ -273,7 +273,11 @@ def test_errors():
         ({"model": "chat", "prompt": [1, 2], "metadata": ["x"]}, 400, "metadata"),
         ({"model": "chat", "prompt": [1, 2], "temprature": 0}, 400, "temprature"),
         ({"model": "chat", "prompt": [1, 2], "reasoning_effort": "low"}, 400, "reasoning_effort"),  # chat's field
-        ({"model": "chat", "prompt": [1, 2], "response_format": {"type": "json_object"}}, 400, "response_format"),
+        # structured output: needs the model's tokenizer; a regex the engine refuses is named
+        ({"model": "code", "prompt": [1, 2], "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": "chat", "prompt": "x", "guided_regex": "a(?=b)"}, 400, "guided_regex"),
+        ({"model": "chat", "prompt": "x", "response_format": {"type": "structural_tag"}}, 400, "response_format"),
+        ({"model": "chat", "prompt": "x", "guided_choice": ["a"], "guided_json": {}}, 400, "guided_json"),
         ({"model": "chat", "prompt": [1, 2], "cache_salt": "s"}, 400, "cache_salt"),
     ]
     for body, status, param in cases:
@@ -330,9 +334,11 @@ def test_leniency():
                                                                                    field=f) or 0)
         check(got == k, "kvbank_gateway_ignored_fields_total{field=%s} moved by %s, want %d" % (f, got, k))
     log = open(A.dir + "/kvbankd.log").read()
-    for f in ("store", "metadata", "user", "service_tier", "reasoning_effort", "parallel_tool_calls"):
+    for f in ("store", "metadata", "user", "service_tier", "reasoning_effort", "include_reasoning"):
         n = log.count("requests carry '%s', which this server accepts and ignores" % f)
         check(n == 1, "'%s' logged once (%d times)" % (f, n))
+    # tools, tool_choice and parallel_tool_calls are read now (handled), so never logged as ignored
+    check("requests carry 'parallel_tool_calls'" not in log, "parallel_tool_calls is a handled field")
     ok("leniency: vLLM's unused fields accepted and ignored (same tokens), each logged once, counted in /metrics")
 
 

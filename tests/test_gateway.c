@@ -139,6 +139,115 @@ KVB_TEST(params_invalid) {
 }
 KVB_TEST_END
 
+/* Structured output and tool fields: what each becomes in gw_params, and the 400s naming the field. */
+#define MSG "\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]"
+#define TOOL(n) "{\"type\": \"function\", \"function\": {\"name\": \"" n "\", \"parameters\": {\"type\": \"object\"}}}"
+KVB_TEST(structured_params) {
+    gw_params p;
+    json_t *doc = NULL;
+    gw_error e;
+    /* json_schema, not strict: the schema dumped compact, the lax flag */
+    ck_assert_int_eq(parse(GW_CHAT, "{\"model\": \"m\", " MSG ", \"response_format\": {\"type\": \"json_schema\", "
+                                    "\"json_schema\": {\"name\": \"p\", \"strict\": false, \"schema\": {\"type\": \"object\", "
+                                    "\"properties\": {\"a\": {\"type\": \"integer\"}}}}}}", &p, &doc, &e), KVB_OK);
+    ck_assert_int_eq(p.n_grammar, 1);
+    ck_assert_int_eq(p.grammar[0].kind, KVB_GRAMMAR_JSON_SCHEMA);
+    ck_assert_str_eq(p.grammar[0].text, "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}}}");
+    ck_assert_uint_eq(p.grammar[0].len, strlen(p.grammar[0].text));
+    ck_assert_uint_eq(p.grammar_flags, GW_GRAMMAR_LAX);
+    ck_assert_str_eq(p.grammar_field, "response_format");
+    ck_assert_int_eq(p.tool_choice, GW_TOOL_NONE);
+    gw_params_free(&p);
+    json_decref(doc);
+    /* guided_json as text, guided_choice, json_object, structured_outputs with compact whitespace */
+    ck_assert_int_eq(parse(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": \"x\", \"guided_json\": \"{\\\"type\\\": \\\"string\\\"}\"}",
+                           &p, &doc, &e), KVB_OK);
+    ck_assert_str_eq(p.grammar[0].text, "{\"type\":\"string\"}");
+    gw_params_free(&p);
+    json_decref(doc);
+    ck_assert_int_eq(parse(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": \"x\", \"guided_choice\": [\"yes\", \"no\"]}", &p,
+                           &doc, &e), KVB_OK);
+    ck_assert(p.grammar[0].kind == KVB_GRAMMAR_CHOICE && p.grammar[0].n_choices == 2);
+    ck_assert_str_eq(p.grammar[0].choices[1], "no");
+    gw_params_free(&p);
+    json_decref(doc);
+    ck_assert_int_eq(parse(GW_CHAT, "{\"model\": \"m\", " MSG ", \"response_format\": {\"type\": \"json_object\"}}", &p, &doc,
+                           &e), KVB_OK);
+    ck_assert(p.n_grammar == 1 && p.grammar[0].kind == KVB_GRAMMAR_JSON_OBJECT);
+    gw_params_free(&p);
+    json_decref(doc);
+    ck_assert_int_eq(parse(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": \"x\", \"structured_outputs\": {\"regex\": \"[a-z]+\", "
+                                           "\"disable_any_whitespace\": true}}", &p, &doc, &e), KVB_OK);
+    ck_assert(p.grammar[0].kind == KVB_GRAMMAR_REGEX && p.grammar[0].len == 6);
+    ck_assert_uint_eq(p.grammar_flags, GW_GRAMMAR_COMPACT);
+    gw_params_free(&p);
+    json_decref(doc);
+    /* response_format text: no grammar */
+    ck_assert_int_eq(parse(GW_CHAT, "{\"model\": \"m\", " MSG ", \"response_format\": {\"type\": \"text\"}}", &p, &doc, &e),
+                     KVB_OK);
+    ck_assert_int_eq(p.n_grammar, 0);
+    gw_params_free(&p);
+    json_decref(doc);
+    /* tools: auto by default, a named function, required; the conversation's calls and tool answers */
+    ck_assert_int_eq(parse(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tools\": [" TOOL("a") ", " TOOL("b") "]}", &p, &doc, &e),
+                     KVB_OK);
+    ck_assert_int_eq(p.tool_choice, GW_TOOL_AUTO);
+    ck_assert_int_eq(json_array_size(p.tools), 2);
+    ck_assert(p.parallel_tool_calls && !p.has_tool_messages);
+    gw_params_free(&p);
+    json_decref(doc);
+    ck_assert_int_eq(parse(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": "
+                                    "\"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"c1\", \"type\": \"function\", "
+                                    "\"function\": {\"name\": \"b\", \"arguments\": \"{\\\"k\\\": 1}\"}}]}, {\"role\": \"tool\", "
+                                    "\"tool_call_id\": \"c1\", \"content\": \"2\"}], \"tools\": [" TOOL("a") ", " TOOL("b")
+                                    "], \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"b\"}}, "
+                                    "\"parallel_tool_calls\": false}", &p, &doc, &e), KVB_OK);
+    ck_assert_int_eq(p.tool_choice, GW_TOOL_NAMED);
+    ck_assert_str_eq(p.tool_name, "b");
+    ck_assert(!p.parallel_tool_calls && p.has_tool_messages);
+    gw_params_free(&p);
+    json_decref(doc);
+    ck_assert_int_eq(parse(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tools\": [" TOOL("a") "], \"tool_choice\": \"required\"}", &p,
+                           &doc, &e), KVB_OK);
+    ck_assert_int_eq(p.tool_choice, GW_TOOL_REQUIRED);
+    gw_params_free(&p);
+    json_decref(doc);
+    /* refusals, each naming its field */
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"guided_regex\": \"a\", \"guided_choice\": [\"b\"]}", 400, "guided_choice");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"response_format\": {\"type\": \"json_schema\", \"json_schema\": "
+                        "{\"schema\": {}}}}", 400, "response_format"); /* no name */
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"response_format\": {\"type\": \"json_schema\", \"json_schema\": "
+                        "{\"name\": \"a b\", \"schema\": {}}}}", 400, "response_format");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"response_format\": {\"type\": \"json_object\", \"json_schema\": {}}}",
+               400, "response_format");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"guided_json\": \"{nope\"}", 400, "guided_json");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"guided_json\": [1]}", 400, "guided_json");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"guided_choice\": []}", 400, "guided_choice");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"guided_regex\": \"\"}", 400, "guided_regex");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"structured_outputs\": {\"grammar\": \"root ::= x\"}}", 400,
+               "structured_outputs");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tools\": [" TOOL("a") ", " TOOL("a") "]}", 400, "tools");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tools\": [" TOOL("a.b") "]}", 400, "tools");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"a\", "
+                        "\"parameters\": 3}}]}", 400, "tools");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tool_choice\": \"auto\"}", 400, "tool_choice");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tools\": [" TOOL("a") "], \"tool_choice\": \"sometimes\"}", 400,
+               "tool_choice");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tools\": [" TOOL("a") "], \"tool_choice\": {\"type\": \"function\", "
+                        "\"function\": {\"name\": \"z\"}}}", 400, "tool_choice");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", " MSG ", \"tools\": [" TOOL("a") "], \"tool_choice\": \"required\", "
+                        "\"response_format\": {\"type\": \"json_object\"}}", 400, "response_format");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\", \"tool_calls\": []}]}", 400,
+               "messages");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}", 400, "messages");
+    expect_bad(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"id\": \"c\", "
+                        "\"function\": {\"name\": \"a\", \"arguments\": \"{x\"}}]}]}", 400, "messages");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": \"x\", \"tools\": [" TOOL("a") "]}", 400, "tools");
+}
+KVB_TEST_END
+#undef MSG
+#undef TOOL
+
 /* A JSON value of one type of the mask `types` (want 1) or of none of them (want 0). */
 static json_t *sample(unsigned types, int want) {
     static const unsigned order[] = {GW_J_BOOL, GW_J_INT, GW_J_NUM, GW_J_STR, GW_J_OBJ, GW_J_ARR};
@@ -552,6 +661,6 @@ KVB_TEST(tool_grammars) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(field_table, 10),
+KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(structured_params, 10), KVB_T(field_table, 10),
               KVB_T(tok_params, 10),
               KVB_T(stop_strings, 10), KVB_T(metrics_text, 10), KVB_T(tool_parsers, 10), KVB_T(tool_grammars, 10))

@@ -211,7 +211,7 @@ const CASES = [
     const c = await client.completions.create({ ...greedy, prompt: "Hi", user: "u-42", metadata: { a: "b" }, echo: false });
     assert.equal(c.choices[0].finish_reason, "length");
     assert.ok((await metric("kvbank_gateway_ignored_fields_total", { field: "reasoning_effort" })) >= 1);
-    return "store, metadata, user, service_tier, reasoning_effort, parallel_tool_calls, ... accepted; same text";
+    return "store, metadata, user, service_tier, reasoning_effort, parallel_tool_calls without tools, ... accepted; same text";
   }],
 
   ["json-schema", async () => {
