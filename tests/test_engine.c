@@ -785,7 +785,59 @@ KVB_TEST(min_tokens_and_penalty) {
 }
 KVB_TEST_END
 
+/* A grammar under the logits processors and logprobs: the mask is the first stage, so a +100 bias on a
+ * token the grammar forbids never wins, a repetition penalty changes nothing the grammar cares about,
+ * and the logprobs are those of the masked row (every alternative with a finite logprob is one the
+ * grammar allowed at that step; greedy's token is the first of its list). */
+KVB_TEST(grammar_with_processors) {
+    setup_model("llama");
+    make_prompts();
+    kvb_grammar_vocab *v = test_vocab();
+    const char *regex = "[a-z]{3}-[0-9]{2}";
+    kvb_grammar_part g = {.kind = KVB_GRAMMAR_REGEX, .text = regex, .len = strlen(regex)};
+    static lprec l;
+    memset(&l, 0, sizeof l);
+    kvb_engine *e = make_lp_engine(&l, 512, 0);
+    const kvb_logit_bias bias[] = {{.id = 94, .bias = 100}}; /* '{': never in the regex's language */
+    for (int q = 0; q < 2; q++) {
+        kvb_request rq = {.id = (uint64_t)q, .prompt = P[q], .n_prompt = PL[q], .max_tokens = 40,
+                          .sampling = {.temperature = 0, .logprobs = 1, .top_logprobs = 5, .logit_bias = bias,
+                                       .n_logit_bias = 1, .repetition_penalty = q ? 1.5f : 0},
+                          .matcher = test_matcher(v, &g, 1)};
+        ck_assert_int_eq(kvb_engine_add(e, &rq), KVB_OK);
+    }
+    run(e);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    uint32_t mask[16];
+    ck_assert_uint_le(kvb_grammar_mask_words(v), KVB_ARRAY_LEN(mask));
+    for (int q = 0; q < 2; q++) {
+        ck_assert_int_eq(l.r.fin[q], KVB_FINISH_STOP);
+        ck_assert_int_eq(l.n_lp[q], l.r.n[q]);
+        kvb_grammar_matcher *m = test_matcher(v, &g, 1);
+        for (int i = 0; i < l.r.n[q]; i++) {
+            int32_t tok = l.r.toks[q][i];
+            ck_assert_int_eq(kvb_grammar_matcher_fill_mask(m, mask), KVB_OK);
+            ck_assert_int_ne(tok, 94);
+            ck_assert_msg(isfinite(l.lp[q][i]), "request %d token %d: logprob %g", q, i, (double)l.lp[q][i]);
+            if (!q) ck_assert_int_eq(l.top[q][i][0], tok); /* greedy, no processor touching allowed tokens */
+            for (int k = 0; k < l.top_n[q]; k++) {
+                int32_t t = l.top[q][i][k];
+                if (isfinite(l.top_lp[q][i][k]))
+                    ck_assert_msg((mask[t >> 5] >> (t & 31)) & 1, "request %d step %d: alternative %d is forbidden", q, i, t);
+            }
+            ck_assert_int_eq(kvb_grammar_matcher_accept_token(m, tok), KVB_OK);
+        }
+        ck_assert(kvb_grammar_matcher_accepting(m));
+        kvb_grammar_matcher_destroy(m);
+    }
+    kvb_grammar_vocab_destroy(v);
+    teardown_model();
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("engine", KVB_T(greedy_argmax, 30), KVB_T(logprobs_raw_and_top, 60), KVB_T(prompt_logprobs, 120),
               KVB_T(min_tokens_and_penalty, 60), KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
               KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(inflight_prefix_deferred, 60),
-              KVB_T(grammar_masks_and_preemption, 120), KVB_T(grammar_no_token_fails, 60))
+              KVB_T(grammar_masks_and_preemption, 120), KVB_T(grammar_no_token_fails, 60),
+              KVB_T(grammar_with_processors, 60))
