@@ -630,7 +630,7 @@ static const gw_field FIELDS[] = {
     H("tool_choice", T, GW_J_STR | GW_J_OBJ, rd_tool_choice),
     H("parallel_tool_calls", T, GW_J_BOOL, rd_parallel_tool_calls),
     /* ignored: bookkeeping for OpenAI's platform, hints that change no token, options of features
-     * that are off (beam search, guided decoding, logprobs) */
+     * that are off (beam search, logprobs) or have one choice here (the structured-output backend) */
     I("user", B, GW_J_STR),
     I("store", B, GW_J_BOOL),
     I("metadata", B, GW_J_OBJ),
@@ -644,7 +644,6 @@ static const gw_field FIELDS[] = {
     I("request_id", B, GW_J_STR),
     I("length_penalty", B, NUM),
     I("guided_decoding_backend", B, GW_J_STR),
-    I("guided_whitespace_pattern", B, GW_J_STR),
     I("return_tokens_as_token_ids", B, GW_J_BOOL),
     I("mm_processor_kwargs", B, GW_J_OBJ),
     I("vllm_xargs", B, GW_J_OBJ),
@@ -676,6 +675,7 @@ static const gw_field FIELDS[] = {
     U("functions", T, GW_J_ARR, nt_empty),
     U("function_call", T, GW_J_STR | GW_J_OBJ, nt_none),
     U("guided_grammar", B, GW_J_STR, NULL),
+    U("guided_whitespace_pattern", B, GW_J_STR, NULL), /* whitespace is bounded by the engine (docs/grammar.md) */
     U("structural_tag", T, GW_J_STR, NULL),
     U("documents", T, GW_J_ARR, nt_empty),
     U("chat_template", T, GW_J_STR, NULL),
