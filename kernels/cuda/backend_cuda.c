@@ -25,6 +25,7 @@
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embed.h"
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/qkv.h"
@@ -185,6 +186,7 @@ typedef struct cuda_ctx {
     size_t ditems_cap;
     kvb_cuda_attn_group *groups;
     size_t groups_cap;
+    kvb_cuda_fp8 *fp8;        /* FP8 weights' products (fp8.h), made at the first FP8 weight */
 } cuda_ctx;
 
 /* Makes *arr hold at least n elements of `size` bytes (contents kept). */
@@ -388,10 +390,19 @@ static kvb_status cu_weight_load(void *ctx, const void *src, kvb_dtype src_dtype
     return cu_weight_load_stacked(ctx, &src, &src_dtype, &rows, 1, cols, dst);
 }
 
+/* FP8 weights: fp8.h. */
+static kvb_status cu_weight_fp8(void *ctx, const kvb_fp8_weight *src, kvb_tensor *dst) {
+    cuda_ctx *c = ctx;
+    if (!c->fp8) KVB_TRY(kvb_cuda_fp8_create(&c->fp8));
+    return kvb_cuda_fp8_upload(src, c->stream, dst);
+}
+
 static void cu_weight_free(void *ctx, kvb_tensor *t) {
     if (!t) return;
     dev_free(ctx, t->data);
+    dev_free(ctx, t->scale);
     t->data = NULL;
+    t->scale = NULL;
 }
 
 /* ---------------------------------------------------------------- operators */
@@ -418,6 +429,7 @@ static kvb_status cu_gather_rows(void *ctx, const void *x, const int32_t *rows, 
 static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w, float beta, void *y) {
     cuda_ctx *c = ctx;
     if (n <= 0) return KVB_OK;
+    if (w->dtype == KVB_DTYPE_F8_E4M3) return kvb_cuda_fp8_matmul(c->fp8, c->stream, c->dt, x, n, w, beta, y);
     if (w->dtype != c->dt || w->ne[0] > INT32_MAX || w->ne[1] > INT32_MAX) {
         KVB_LOG_E("cuda matmul: weight of dtype %s [%lld][%lld] on a %s backend", kvb_dtype_name(w->dtype),
                   (long long)w->ne[0], (long long)w->ne[1], kvb_dtype_name(c->dt));
@@ -783,6 +795,7 @@ static void cu_destroy(void *ctx) {
     if (c->stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     if (c->copy_stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->copy_stream));
     if (c->blas) (void)KVB_CUBLAS_CHECK(blas_fn.destroy(c->blas));
+    kvb_cuda_fp8_destroy(c->fp8);
     for (int i = 0; i < STAGE_SLOTS; i++) {
         if (c->stage[i].host) cudaFreeHost(c->stage[i].host);
         if (c->stage[i].done) cudaEventDestroy(c->stage[i].done);
@@ -802,7 +815,7 @@ static void cu_destroy(void *ctx) {
 
 #define CUDA_OPS                                                                                       \
     .to_device = cu_to_device, .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .copy = cu_copy,          \
-    .sync = cu_sync, .weight_load = cu_weight_load, .weight_free = cu_weight_free, .embed = cu_embed,          \
+    .sync = cu_sync, .weight_load = cu_weight_load, .weight_fp8 = cu_weight_fp8, .weight_free = cu_weight_free, .embed = cu_embed,          \
     .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .bias_add = cu_bias_add,                      \
     .silu_mul = cu_silu_mul, .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows, \
     .set_threads = cu_set_threads, .destroy = cu_destroy

@@ -8,6 +8,7 @@
 #                libkvb_mem.a libkvb_text.a libkvb_kv.a libkvb_model.a libkvb_modelcheck.a libkvb_sched.a
 #                libkvb_policy.a are built
 #     OUT_DIR    where the emulated programs go: OUT_DIR/test_backend_consistency, OUT_DIR/test_tensor_core,
+#                OUT_DIR/test_cuda_fp8,
 #                OUT_DIR/kvbank-generate, OUT_DIR/kvbank-bench (its `cuda` subcommand only); a second run
 #                recompiles only what changed (KVB_JOBS compilers at a time, default 2)
 #
@@ -131,7 +132,7 @@ for f in "$OUT"/src/*.cc; do
 done
 compile "$OUT/obj/emu.o" g++ $CXXFLAGS "$ROOT/kernels/cuda/emu/emu.cc"
 for c in kernels/registry.c kernels/cuda/backend_cuda.c kernels/cpu/backend_cpu.c kernels/cpu/ops.c \
-    kernels/cpu/attention.c common/mem/region.c common/mem/region_cuda.c; do
+    kernels/cpu/attention.c kernels/cpu/matmul.c common/mem/region.c common/mem/region_cuda.c; do
     compile "$OUT/obj/$(echo "$c" | tr / _ | sed 's/\.c$/.o/')" gcc $CFLAGS "$ROOT/$c"
 done
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
@@ -149,6 +150,7 @@ link() { # OUT SOURCE... : one program of the emulated objects, the tree's libra
 pids=()
 link "$OUT/test_backend_consistency" "$ROOT/tests/test_backend_consistency.c" "${OBJS[@]}" \
     "$BUILD/libkvb_sched.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS
+link "$OUT/test_cuda_fp8" "$ROOT/tests/test_cuda_fp8.c" "${OBJS[@]}" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS
 link "$OUT/test_tensor_core" -DKVB_CUDA_EMU "$ROOT/tests/test_tensor_core.c" "${OBJS[@]}" \
     "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
@@ -164,4 +166,4 @@ printf '%s\n' '#include <string.h>' '#include "bench/bench.h"' \
 link "$OUT/kvbank-bench" "$OUT/src/bench_main.c" "$ROOT/bench/bench_cuda.c" "${OBJS[@]}" $MODEL_LIBS \
     "$BUILD/libkvb_text.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS $(pkg-config --libs libpcre2-8)
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
-echo "emulated: $OUT/test_backend_consistency $OUT/test_tensor_core $OUT/kvbank-generate $OUT/kvbank-bench (cuda only)"
+echo "emulated: $OUT/test_backend_consistency $OUT/test_tensor_core $OUT/test_cuda_fp8 $OUT/kvbank-generate $OUT/kvbank-bench (cuda only)"
