@@ -253,12 +253,14 @@ def test_errors():
         ({"model": "chat", "prompt": [1, 2, 3], "temperature": "hot"}, 400, "temperature"),
         ({"model": "chat", "prompt": [1, 2, 3], "temperature": 3}, 400, "temperature"),
         ({"model": "chat", "prompt": [1, 2, 3], "stream": 1}, 400, "stream"),
-        ({"model": "chat", "prompt": [1, 2, 3], "n": 2}, 400, "n"),
-        ({"model": "chat", "prompt": [1, 2, 3], "logprobs": 5}, 400, "logprobs"),
-        ({"model": "chat", "prompt": [1, 2, 3], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        ({"model": "chat", "prompt": [1, 2, 3], "n": 0}, 400, "n"),
+        ({"model": "chat", "prompt": [1, 2, 3], "logprobs": 21}, 400, "logprobs"),
+        ({"model": "chat", "prompt": [1, 2, 3], "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+        ({"model": "chat", "prompt": [1, 2, 3], "logit_bias": {"9999": 5}}, 400, "logit_bias"),  # outside the vocabulary
+        ({"model": "chat", "prompt": [1, 2, 3], "n": 2, "best_of": 3, "stream": True}, 400, "best_of"),
         ({"model": "chat", "prompt": [1, 2, 3], "bogus": 1}, 400, "bogus"),
         ({"model": "chat", "prompt": [1, "x"]}, 400, "prompt"),
-        ({"model": "chat", "prompt": [[1, 2], [3, 4]]}, 400, "prompt"),
+        ({"model": "chat", "prompt": [[1, 2], [3, 9999]]}, 400, "prompt"),  # the second prompt's token
         ({"model": "chat"}, 400, "prompt"),
         ({"prompt": [1, 2]}, 400, "model"),
         ({"model": "nope", "prompt": [1, 2]}, 404, "model"),
@@ -288,7 +290,7 @@ def test_errors():
     check(st == 405, "GET /v1/completions -> 405")
     st, _, _ = request("GET", "/nowhere")
     check(st == 404, "unknown path -> 404")
-    # neutral values of unsupported fields pass
+    # neutral values of sampling fields pass
     st, j, raw = post("/v1/completions", {"model": "chat", "prompt": [1, 2], "max_tokens": 2, "n": 1, "logprobs": None,
                                           "presence_penalty": 0, "user": "u", "echo": False})
     check(st == 200, "neutral values accepted: %s" % raw[:200])
