@@ -279,30 +279,32 @@ static kvb_status rd_seed(json_t *v, const char *name, gw_params *p, gw_error *e
     return KVB_OK;
 }
 
-static kvb_status rd_min_p(json_t *v, const char *name, gw_params *p, gw_error *err) {
-    return get_number(v, name, 0, 1, &p->min_p, err);
-}
-
-static kvb_status rd_presence(json_t *v, const char *name, gw_params *p, gw_error *err) {
-    return get_number(v, name, -2, 2, &p->presence_penalty, err);
-}
-
-static kvb_status rd_frequency(json_t *v, const char *name, gw_params *p, gw_error *err) {
-    return get_number(v, name, -2, 2, &p->frequency_penalty, err);
-}
+/* Number and integer members in [lo, hi], by field name. */
+#define RD_NUM(fn, member, lo, hi)                                                                                     \
+    static kvb_status fn(json_t *v, const char *name, gw_params *p, gw_error *err) {                                   \
+        return get_number(v, name, lo, hi, &p->member, err);                                                           \
+    }
+#define RD_INT(fn, member, lo, hi)                                                                                     \
+    static kvb_status fn(json_t *v, const char *name, gw_params *p, gw_error *err) {                                   \
+        int64_t x = p->member;                                                                                         \
+        KVB_TRY(get_int(v, name, lo, hi, &x, err));                                                                    \
+        p->member = (int)x;                                                                                            \
+        return KVB_OK;                                                                                                 \
+    }
+RD_NUM(rd_min_p, min_p, 0, 1)
+RD_NUM(rd_presence, presence_penalty, -2, 2) /* OpenAI's ranges */
+RD_NUM(rd_frequency, frequency_penalty, -2, 2)
+RD_INT(rd_min_tokens, min_tokens, 0, INT32_MAX)
+RD_INT(rd_n, n, 1, GW_MAX_CHOICES)
+RD_INT(rd_best_of, best_of, 1, GW_MAX_CHOICES)
+#undef RD_NUM
+#undef RD_INT
 
 static kvb_status rd_repetition(json_t *v, const char *name, gw_params *p, gw_error *err) {
     double x = 1;
     KVB_TRY(get_number(v, name, 0, 1e6, &x, err));
     if (x <= 0) return bad(err, name, "'%s' is %g, must be > 0 (1: off)", name, x);
     p->repetition_penalty = x;
-    return KVB_OK;
-}
-
-static kvb_status rd_min_tokens(json_t *v, const char *name, gw_params *p, gw_error *err) {
-    int64_t x = 0;
-    KVB_TRY(get_int(v, name, 0, INT32_MAX, &x, err));
-    p->min_tokens = (int)x;
     return KVB_OK;
 }
 
@@ -347,20 +349,6 @@ static kvb_status rd_top_logprobs(json_t *v, const char *name, gw_params *p, gw_
     KVB_TRY(get_int(v, name, 0, KVB_MAX_TOP_LOGPROBS, &x, err));
     p->top_logprobs = (int)x;
     p->has_top_logprobs = 1;
-    return KVB_OK;
-}
-
-static kvb_status rd_n(json_t *v, const char *name, gw_params *p, gw_error *err) {
-    int64_t x = 0;
-    KVB_TRY(get_int(v, name, 1, GW_MAX_CHOICES, &x, err));
-    p->n = (int)x;
-    return KVB_OK;
-}
-
-static kvb_status rd_best_of(json_t *v, const char *name, gw_params *p, gw_error *err) {
-    int64_t x = 0;
-    KVB_TRY(get_int(v, name, 1, GW_MAX_CHOICES, &x, err));
-    p->best_of = (int)x;
     return KVB_OK;
 }
 

@@ -563,10 +563,10 @@ static json_t *cmpl_logprobs_json(const gw_stream *q, int prompt, int a, int b) 
     const gw_stream *lead = seq_lead(q);
     const gw_prompt *pr = &q->head->prompts[q->prompt_i];
     int t = q->top_logprobs;
-    size_t poff = 0;
+    size_t poff = 0, echo_chars = prompt ? utf8_chars(q->text, q->echo_len) : 0;
     for (int i = 0; prompt && i < pr->n_ids; i++) {
         json_array_append_new(toks, token_json(q, pr->ids[i], NULL));
-        json_array_append_new(offs, json_integer((json_int_t)KVB_MIN(poff, q->n_chars)));
+        json_array_append_new(offs, json_integer((json_int_t)KVB_MIN(poff, echo_chars)));
         size_t n = 0;
         const char *bb = q->m->tok ? kvb_tokenizer_token_bytes(q->m->tok, pr->ids[i], &n) : NULL;
         poff += bb ? utf8_chars(bb, n) : 0;
@@ -718,6 +718,15 @@ static void record_metrics(gw_stream *s, kvb_finish f) {
     }
 }
 
+/* Records every sequence of a request that ends: how each finished, cancelled if it had not (another
+ * failed). */
+static void record_all(gw_stream *s) {
+    for (int k = 0; k < s->n_seqs; k++) {
+        gw_stream *q = s->seqs[k];
+        record_metrics(q, q->finished ? q->fin : KVB_FINISH_CANCELLED);
+    }
+}
+
 /* Starts the streamed response (status and headers go out with the first write). */
 static void stream_start_response(gw_stream *s) {
     h2o_req_t *req = s->req;
@@ -809,7 +818,7 @@ static void stream_pump(gw_stream *s) {
         s->link = NULL;
         s->req = NULL;
         s->h2o_done = 1;
-        for (int k = 0; k < s->n_seqs; k++) record_metrics(s->seqs[k], s->seqs[k]->fin);
+        record_all(s);
         if (bad) {
             send_error(s->g, req, s->ep, &bad->err);
         } else {
@@ -832,7 +841,7 @@ static void stream_pump(gw_stream *s) {
             s->link = NULL;
             s->req = NULL;
             s->h2o_done = 1;
-            for (int k = 0; k < s->n_seqs; k++) record_metrics(s->seqs[k], s->seqs[k]->fin);
+            record_all(s);
             send_error(s->g, req, s->ep, &bad->err);
             stream_maybe_free(s);
             return;
@@ -865,7 +874,7 @@ static void stream_pump(gw_stream *s) {
         }
         gw_buf_append(&s->out, &s->out_len, &s->out_cap, "data: [DONE]\n\n", 14);
         final = 1;
-        for (int k = 0; k < s->n_seqs; k++) record_metrics(s->seqs[k], s->seqs[k]->fin);
+        record_all(s);
     }
     if (s->out_len || final) stream_write(s, final);
 }

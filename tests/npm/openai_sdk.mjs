@@ -237,6 +237,22 @@ const CASES = [
       "equal to generating its last token";
   }],
 
+  ["chat-echo", async () => {
+    // vLLM's echo in chat: the last message, when it has the reply's role, starts the reply
+    const conv = [...messages, { role: "assistant", content: "Sure:" }];
+    const plain = (await client.chat.completions.create({ ...greedy, messages: conv, add_generation_prompt: false })).choices[0];
+    const r = (await client.chat.completions.create({ ...greedy, messages: conv, add_generation_prompt: false, echo: true })).choices[0];
+    assert.equal(r.message.content, "Sure:" + plain.message.content);
+    const { text } = await collect(await client.chat.completions.create({
+      ...greedy, messages: conv, add_generation_prompt: false, echo: true, stream: true,
+    }));
+    assert.equal(text, r.message.content);
+    const user = (await client.chat.completions.create({ ...greedy, messages, echo: true })).choices[0].message.content;
+    const none = (await client.chat.completions.create({ ...greedy, messages })).choices[0].message.content;
+    assert.equal(user, none, "a last message of another role is not echoed");
+    return "the assistant's last message starts the reply (streamed too); a user's does not";
+  }],
+
   ["n", async () => {
     const sampled = { model: MODEL, messages, max_tokens: 10, ignore_eos: true, temperature: 1, seed: 7 };
     const r = await client.chat.completions.create({ ...sampled, n: 2 });
