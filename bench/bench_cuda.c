@@ -5,8 +5,10 @@
  *                       random data)
  * Model: a Llama-3-8B-shaped network (32 layers, hidden 4096, 32 heads over 8 KV heads of 128,
  * intermediate 14336, vocabulary 128256), bf16 weights filled on the device by a random kernel (no
- * files), KV blocks of 16 tokens in the block-major layout, also filled at random. Each step issues the
- * operator sequence of common/model/forward.c through the backend's vtable.
+ * files) into a kvb_model laid out as model.c loads one onto this backend (q/k/v and gate/up stacked
+ * where the backend fuses them), KV blocks of 16 tokens in the block-major layout, also filled at
+ * random. Each step is what the engine runs: common/model/forward.c's kvb_forward_begin / _layer / _end
+ * (layers in chunks of KVB_FORWARD_CHUNK_ROWS rows, the fused operators, the logits copied to the host).
  *   decode ratio     = (weight bytes + KV bytes read) / B / step time        (1.0 = at the HBM roofline)
  *   prefill ratio    = model FLOPs / F / prefill time, with model FLOPs = 2 * tokens * matrix params +
  *                      causal attention (4 * heads * head_dim * tokens(tokens+1)/2 per layer) + LM head
@@ -14,8 +16,11 @@
  *   IPC ratio        = time of attention over blocks lent by another process through a CUDA IPC
  *                      handle / time over local blocks (1.0 = no cost for reading in place)
  * Step and operator times are medians of several repetitions timed with CUDA events on the backend's
- * stream; the decode step time also has a wall-clock column that includes copying the logits to the
- * host, which the engine pays. Without a GPU: "no CUDA device", exit status 77. */
+ * stream (the step's events enclose the logits' copy to the host, which kvb_forward_end waits for), with
+ * the spread (min-max) and a wall-clock column. --peer SCRIPT then runs bench/compiled_peer.py (a
+ * compiled transformers Llama at the same shape) after this process has given the device back, and
+ * prints each decode / prefill row's time against the peer's. Without a GPU: "no CUDA device", exit
+ * status 77. */
 #include "config.h"
 
 #include <getopt.h>
@@ -26,6 +31,7 @@
 #include <unistd.h>
 
 #include "bench/bench.h"
+#include "common/model/model_impl.h" /* the model is built here as model.c would load it */
 #include "kernels/backend.h"
 
 #ifdef KVB_WITH_CUDA
@@ -39,25 +45,16 @@ typedef struct shape {
     int n_layers, hidden, n_heads, n_kv, head_dim, inter, vocab, block_size;
 } shape;
 
-typedef struct layer_w {
-    kvb_tensor attn_norm, wq, wk, wv, wo, ffn_norm, gate, up, down;
-} layer_w;
-
 typedef struct model {
     shape s;
-    kvb_tensor embed, lm_head, final_norm;
-    layer_w *layers;
-    float *inv_freq; /* [head_dim/2] */
-    kvb_rope rope;
-    int64_t matrix_params;   /* per token: every layer's matrices + the LM head (one row's worth) */
+    kvb_model m;             /* as model.c lays it out on this backend; tensors from kvb_mem_alloc */
+    int64_t matrix_params;   /* every layer's matrices (the LM head runs for one row a sequence) */
     int64_t weight_bytes;    /* read by one decode step: every matrix and norm, the LM head */
 } model;
 
-/* Activation buffers for up to `cap` tokens (forward.c's set). */
+/* Device buffers of the attention-alone rows. */
 typedef struct acts {
-    int cap, logit_cap;
-    void *x, *h, *q, *k, *v, *att, *gate, *up, *rows, *logits;
-    float *host_logits;
+    void *q, *att; /* [cap][n_heads][head_dim] */
 } acts;
 
 static int cmp_double(const void *a, const void *b) {
@@ -73,18 +70,25 @@ static int config_fits(int64_t pool_blocks, int block_size, int batch, int ctx) 
     return 0;
 }
 
-static double median(double *v, int n) {
+/* Median, min and max of a timed series (seconds). */
+typedef struct timing {
+    double med, min, max;
+} timing;
+
+static timing summarize(double *v, int n) {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+    timing t = {n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v[0], v[n - 1]};
+    return t;
 }
 
-/* Times `fn(ud)` on the backend's stream with CUDA events: median of `reps` after one warm-up, in s. */
+/* Times `fn(ud)` on the backend's stream with CUDA events: `reps` after one warm-up, in s (med < 0:
+ * a call failed). */
 typedef kvb_status (*timed_fn)(void *ud);
-static double time_events(kvb_backend *be, timed_fn fn, void *ud, int reps) {
+static timing time_events(kvb_backend *be, timed_fn fn, void *ud, int reps) {
     kvb_cuda_stream_t s = kvb_cuda_backend_stream(be);
     kvb_cuda_event *e0 = NULL, *e1 = NULL;
     double t[REPS * 2];
-    double res = -1;
+    timing res = {-1, -1, -1};
     if (reps > REPS * 2) reps = REPS * 2;
     if (kvb_cuda_event_create(1, &e0) != KVB_OK || kvb_cuda_event_create(1, &e1) != KVB_OK) goto out;
     if (fn(ud) != KVB_OK || be->iface->sync(be->ctx) != KVB_OK) goto out;
@@ -95,7 +99,7 @@ static double time_events(kvb_backend *be, timed_fn fn, void *ud, int reps) {
             goto out;
         t[r] = ms * 1e-3;
     }
-    res = median(t, reps);
+    res = summarize(t, reps);
 out:
     kvb_cuda_event_destroy(e0);
     kvb_cuda_event_destroy(e1);
@@ -120,8 +124,8 @@ static double measure_copy_bw(kvb_backend *be, size_t bytes) {
     if (kvb_mem_alloc(be->mem, bytes, &c.a) != KVB_OK) return 0;
     if (kvb_mem_alloc(be->mem, bytes, &c.b) == KVB_OK &&
         kvb_cuda_fill_uniform(c.a, KVB_DTYPE_BF16, bytes / 2, 1, -1, 1, c.s) == 0) {
-        double t = time_events(be, do_copy, &c, REPS);
-        if (t > 0) bw = 2.0 * (double)bytes / t;
+        timing t = time_events(be, do_copy, &c, REPS);
+        if (t.med > 0) bw = 2.0 * (double)bytes / t.med;
     }
     kvb_mem_free(be->mem, c.a);
     kvb_mem_free(be->mem, c.b);
@@ -150,8 +154,8 @@ static double measure_gemm(kvb_backend *be, int n) {
         g.w.ne[0] = g.w.ne[1] = n;
         if (kvb_cuda_fill_uniform(g.x, KVB_DTYPE_BF16, (size_t)n * n, 2, -1, 1, s) == 0 &&
             kvb_cuda_fill_uniform(g.w.data, KVB_DTYPE_BF16, (size_t)n * n, 3, -1, 1, s) == 0) {
-            double t = time_events(be, do_gemm, &g, REPS);
-            if (t > 0) rate = 2.0 * n * (double)n * n / t;
+            timing t = time_events(be, do_gemm, &g, REPS);
+            if (t.med > 0) rate = 2.0 * n * (double)n * n / t.med;
         }
     }
     kvb_mem_free(be->mem, g.x);
@@ -163,7 +167,7 @@ static double measure_gemm(kvb_backend *be, int n) {
 /* ---------------------------------------------------------------- the model */
 
 static kvb_status rand_tensor(kvb_backend *be, int64_t rows, int64_t cols, uint64_t seed, kvb_tensor *t) {
-    kvb_dtype dt = cols == 1 ? KVB_DTYPE_F32 : KVB_DTYPE_BF16;
+    kvb_dtype dt = cols == 1 ? KVB_DTYPE_F32 : be->iface->act_dtype;
     size_t n = (size_t)rows * (size_t)cols;
     KVB_TRY(kvb_mem_alloc(be->mem, n * kvb_dtype_size(dt), &t->data));
     t->dtype = dt;
@@ -175,15 +179,13 @@ static kvb_status rand_tensor(kvb_backend *be, int64_t rows, int64_t cols, uint6
                                                 kvb_cuda_backend_stream(be)));
 }
 
-static int64_t tbytes(const kvb_tensor *t) { return t->ne[0] * t->ne[1] * (int64_t)kvb_dtype_size(t->dtype); }
-
-static void model_free(kvb_backend *be, model *m) {
+static void model_free(kvb_backend *be, model *md) {
+    kvb_model *m = &md->m;
     if (m->layers) {
-        for (int l = 0; l < m->s.n_layers; l++) {
-            kvb_tensor *all[] = {&m->layers[l].attn_norm, &m->layers[l].wq,       &m->layers[l].wk,
-                                 &m->layers[l].wv,        &m->layers[l].wo,       &m->layers[l].ffn_norm,
-                                 &m->layers[l].gate,      &m->layers[l].up,       &m->layers[l].down};
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            kvb_tensor *all[] = KVB_LAYER_TENSORS(&m->layers[l]), *stacked[] = KVB_LAYER_STACKED(&m->layers[l]);
             for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) kvb_mem_free(be->mem, all[i]->data);
+            for (size_t i = 0; i < KVB_ARRAY_LEN(stacked); i++) kvb_mem_free(be->mem, stacked[i]->data);
         }
     }
     kvb_mem_free(be->mem, m->embed.data);
@@ -191,129 +193,108 @@ static void model_free(kvb_backend *be, model *m) {
     kvb_mem_free(be->mem, m->final_norm.data);
     free(m->layers);
     free(m->inv_freq);
+    memset(md, 0, sizeof *md);
 }
 
-static kvb_status model_build(kvb_backend *be, const shape *s, model *m) {
-    memset(m, 0, sizeof *m);
-    m->s = *s;
+/* The shape as a Llama config.json (rope_theta 500000, rms_norm_eps 1e-5, as Llama 3). */
+static kvb_status model_config(const shape *s, kvb_model_config *c) {
+    char json[512];
+    int n = snprintf(json, sizeof json,
+                     "{\"architectures\": [\"LlamaForCausalLM\"], \"num_hidden_layers\": %d, \"hidden_size\": %d, "
+                     "\"num_attention_heads\": %d, \"num_key_value_heads\": %d, \"head_dim\": %d, "
+                     "\"intermediate_size\": %d, \"vocab_size\": %d, \"max_position_embeddings\": 131072, "
+                     "\"rope_theta\": 500000.0, \"rms_norm_eps\": 1e-5, \"hidden_act\": \"silu\"}",
+                     s->n_layers, s->hidden, s->n_heads, s->n_kv, s->head_dim, s->inter, s->vocab);
+    return kvb_model_config_parse(json, (size_t)n, c);
+}
+
+static kvb_status model_build(kvb_backend *be, const shape *s, model *md) {
+    memset(md, 0, sizeof *md);
+    md->s = *s;
+    kvb_model *m = &md->m;
+    m->be = be;
+    KVB_TRY(model_config(s, &m->cfg));
     int q = s->n_heads * s->head_dim, kv = s->n_kv * s->head_dim;
     KVB_TRY(kvb_calloc((size_t)s->n_layers, sizeof *m->layers, (void **)&m->layers));
     KVB_TRY(kvb_calloc((size_t)s->head_dim / 2, sizeof(float), (void **)&m->inv_freq));
-    for (int i = 0; i < s->head_dim / 2; i++) m->inv_freq[i] = (float)pow(500000.0, -2.0 * i / s->head_dim);
+    kvb_model_config_rope_inv_freq(&m->cfg, m->inv_freq);
     m->rope = (kvb_rope){.head_dim = s->head_dim, .inv_freq = m->inv_freq};
     uint64_t seed = 100;
     KVB_TRY(rand_tensor(be, s->vocab, s->hidden, seed++, &m->embed));
     KVB_TRY(rand_tensor(be, s->vocab, s->hidden, seed++, &m->lm_head));
     KVB_TRY(rand_tensor(be, s->hidden, 1, seed++, &m->final_norm));
-    m->weight_bytes = tbytes(&m->lm_head) + tbytes(&m->final_norm);
-    m->matrix_params = 0;
+    /* as model.c loads the layers onto this backend: stacked where it fuses (random either way) */
+    int fused = be->iface->weight_load_stacked != NULL;
     for (int l = 0; l < s->n_layers; l++) {
-        layer_w *w = &m->layers[l];
+        kvb_layer_weights *w = &m->layers[l];
         KVB_TRY(rand_tensor(be, s->hidden, 1, seed++, &w->attn_norm));
-        KVB_TRY(rand_tensor(be, q, s->hidden, seed++, &w->wq));
-        KVB_TRY(rand_tensor(be, kv, s->hidden, seed++, &w->wk));
-        KVB_TRY(rand_tensor(be, kv, s->hidden, seed++, &w->wv));
-        KVB_TRY(rand_tensor(be, s->hidden, q, seed++, &w->wo));
         KVB_TRY(rand_tensor(be, s->hidden, 1, seed++, &w->ffn_norm));
-        KVB_TRY(rand_tensor(be, s->inter, s->hidden, seed++, &w->gate));
-        KVB_TRY(rand_tensor(be, s->inter, s->hidden, seed++, &w->up));
-        KVB_TRY(rand_tensor(be, s->hidden, s->inter, seed++, &w->down));
-        kvb_tensor *all[] = {&w->attn_norm, &w->wq, &w->wk, &w->wv, &w->wo, &w->ffn_norm, &w->gate, &w->up, &w->down};
-        for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) {
-            m->weight_bytes += tbytes(all[i]);
-            if (all[i]->ne[1] > 1) m->matrix_params += all[i]->ne[0] * all[i]->ne[1];
+        KVB_TRY(rand_tensor(be, s->hidden, q, seed++, &w->wo));
+        KVB_TRY(rand_tensor(be, s->hidden, s->inter, seed++, &w->w_down));
+        if (fused) {
+            KVB_TRY(rand_tensor(be, q + 2 * kv, s->hidden, seed++, &w->wqkv));
+            KVB_TRY(rand_tensor(be, 2 * (int64_t)s->inter, s->hidden, seed++, &w->w_gu));
+        } else {
+            KVB_TRY(rand_tensor(be, q, s->hidden, seed++, &w->wq));
+            KVB_TRY(rand_tensor(be, kv, s->hidden, seed++, &w->wk));
+            KVB_TRY(rand_tensor(be, kv, s->hidden, seed++, &w->wv));
+            KVB_TRY(rand_tensor(be, s->inter, s->hidden, seed++, &w->w_gate));
+            KVB_TRY(rand_tensor(be, s->inter, s->hidden, seed++, &w->w_up));
         }
     }
+    md->weight_bytes = kvb_model_weight_bytes_per_token(m);
+    md->matrix_params = (int64_t)s->n_layers * ((int64_t)(2 * q + 2 * kv) * s->hidden + 3 * (int64_t)s->inter * s->hidden);
     return be->iface->sync(be->ctx);
 }
 
 static void acts_free(kvb_backend *be, acts *a) {
-    void *bufs[] = {a->x, a->h, a->q, a->k, a->v, a->att, a->gate, a->up, a->rows, a->logits};
-    for (size_t i = 0; i < KVB_ARRAY_LEN(bufs); i++) kvb_mem_free(be->mem, bufs[i]);
-    free(a->host_logits);
+    kvb_mem_free(be->mem, a->q);
+    kvb_mem_free(be->mem, a->att);
     memset(a, 0, sizeof *a);
 }
 
-static kvb_status acts_alloc(kvb_backend *be, const shape *s, int cap, int logit_cap, acts *a) {
+static kvb_status acts_alloc(kvb_backend *be, const shape *s, int cap, acts *a) {
     memset(a, 0, sizeof *a);
-    a->cap = cap;
-    a->logit_cap = logit_cap;
-    size_t n = (size_t)cap, e = 2; /* bf16 */
-    KVB_TRY(kvb_mem_alloc(be->mem, n * s->hidden * e, &a->x));
-    KVB_TRY(kvb_mem_alloc(be->mem, n * s->hidden * e, &a->h));
-    KVB_TRY(kvb_mem_alloc(be->mem, n * s->n_heads * s->head_dim * e, &a->q));
-    KVB_TRY(kvb_mem_alloc(be->mem, n * s->n_kv * s->head_dim * e, &a->k));
-    KVB_TRY(kvb_mem_alloc(be->mem, n * s->n_kv * s->head_dim * e, &a->v));
-    KVB_TRY(kvb_mem_alloc(be->mem, n * s->n_heads * s->head_dim * e, &a->att));
-    KVB_TRY(kvb_mem_alloc(be->mem, n * s->inter * e, &a->gate));
-    KVB_TRY(kvb_mem_alloc(be->mem, n * s->inter * e, &a->up));
-    KVB_TRY(kvb_mem_alloc(be->mem, (size_t)logit_cap * s->hidden * e, &a->rows));
-    KVB_TRY(kvb_mem_alloc(be->mem, (size_t)logit_cap * s->vocab * e, &a->logits));
-    KVB_TRY(kvb_malloc((size_t)logit_cap * s->vocab * sizeof(float), (void **)&a->host_logits));
-    return KVB_OK;
+    size_t bytes = (size_t)cap * s->n_heads * s->head_dim * kvb_dtype_size(be->iface->act_dtype);
+    KVB_TRY(kvb_mem_alloc(be->mem, bytes, &a->q));
+    return kvb_mem_alloc(be->mem, bytes, &a->att);
 }
 
-/* One step of a batch whose KV lives in `pool` (block-major): tokens, positions and the attention
- * view (seqs and per-layer block addresses) are prepared by the caller. */
+/* One step of a batch whose KV lives in `pool` (block-major), through the engine's forward pass. */
 typedef struct step {
     kvb_backend *be;
-    model *m;
+    model *md;
+    kvb_forward *fw;
     acts *a;
-    int n;                 /* tokens */
-    int32_t *tokens, *pos; /* [n] */
-    kvb_attn_batch attn;   /* layer_blocks filled per layer from `blocks` */
-    void ***blocks;        /* [n_layers][entries] */
-    int32_t *logit_rows;   /* [n_logits] */
-    int n_logits;
-    int logits_to_host;    /* copy the logits out (the engine does) */
-    int only_attention;    /* time the attention operator alone, every layer */
+    kvb_batch batch;     /* attn.layer_blocks set per layer from `blocks` */
+    void ***blocks;      /* [n_layers][entries] */
+    float *logits;       /* [n_logits][vocab] host */
+    int only_attention;  /* time the attention operator alone, every layer */
 } step;
 
 static kvb_status run_step(void *ud) {
     step *st = ud;
-    kvb_backend *be = st->be;
-    const kvb_backend_i *f = be->iface;
-    void *c = be->ctx;
-    model *m = st->m;
-    acts *a = st->a;
-    const shape *s = &m->s;
-    int n = st->n;
-    float eps = 1e-5f;
+    int n_layers = st->md->s.n_layers;
     if (st->only_attention) {
-        for (int l = 0; l < s->n_layers; l++) {
-            st->attn.layer_blocks = st->blocks[l];
-            KVB_TRY(f->attention(c, &st->attn, a->q, a->att));
+        kvb_attn_batch attn = st->batch.attn;
+        attn.n_heads = st->md->s.n_heads;
+        attn.scale = (float)(1.0 / sqrt((double)st->md->s.head_dim));
+        for (int l = 0; l < n_layers; l++) {
+            attn.layer_blocks = st->blocks[l];
+            KVB_TRY(st->be->iface->attention(st->be->ctx, &attn, st->a->q, st->a->att));
         }
         return KVB_OK;
     }
-    KVB_TRY(f->embed(c, &m->embed, st->tokens, n, a->x));
-    for (int l = 0; l < s->n_layers; l++) {
-        const layer_w *w = &m->layers[l];
-        st->attn.layer_blocks = st->blocks[l];
-        KVB_TRY(f->rmsnorm(c, a->x, n, s->hidden, &w->attn_norm, eps, a->h));
-        KVB_TRY(f->matmul(c, a->h, n, &w->wq, 0.0f, a->q));
-        KVB_TRY(f->matmul(c, a->h, n, &w->wk, 0.0f, a->k));
-        KVB_TRY(f->matmul(c, a->h, n, &w->wv, 0.0f, a->v));
-        KVB_TRY(f->rope(c, a->q, s->n_heads, a->k, s->n_kv, n, st->pos, &m->rope));
-        KVB_TRY(f->kv_write(c, &st->attn, a->k, a->v));
-        KVB_TRY(f->attention(c, &st->attn, a->q, a->att));
-        KVB_TRY(f->matmul(c, a->att, n, &w->wo, 1.0f, a->x));
-        KVB_TRY(f->rmsnorm(c, a->x, n, s->hidden, &w->ffn_norm, eps, a->h));
-        KVB_TRY(f->matmul(c, a->h, n, &w->gate, 0.0f, a->gate));
-        KVB_TRY(f->matmul(c, a->h, n, &w->up, 0.0f, a->up));
-        KVB_TRY(f->silu_mul(c, a->gate, a->up, (size_t)n * s->inter, a->gate));
-        KVB_TRY(f->matmul(c, a->gate, n, &w->down, 1.0f, a->x));
+    KVB_TRY(kvb_forward_begin(st->fw, &st->batch));
+    for (int l = 0; l < n_layers; l++) {
+        st->batch.attn.layer_blocks = st->blocks[l];
+        KVB_TRY(kvb_forward_layer(st->fw, l));
     }
-    KVB_TRY(f->gather_rows(c, a->x, st->logit_rows, st->n_logits, s->hidden, a->rows));
-    KVB_TRY(f->rmsnorm(c, a->rows, st->n_logits, s->hidden, &m->final_norm, eps, a->rows));
-    KVB_TRY(f->matmul(c, a->rows, st->n_logits, &m->lm_head, 0.0f, a->logits));
-    if (st->logits_to_host)
-        KVB_TRY(f->to_host_f32(c, a->host_logits, a->logits, (size_t)st->n_logits * s->vocab));
-    return KVB_OK;
+    return kvb_forward_end(st->fw, st->logits); /* waits for the step's kernels and the logits' copy */
 }
 
 /* A batch of `batch` sequences, each with `ctx` tokens of context of which the last `q_len` are new,
- * over blocks [seq * blocks_per_seq, ...) of `pool` (or of `pool2` for odd entries when given). */
+ * over blocks [seq * blocks_per_seq, ...) of `pool`. */
 typedef struct batch_view {
     kvb_attn_seq *seqs;
     void ***blocks;
@@ -332,9 +313,9 @@ static void view_free(batch_view *v, int n_layers) {
     memset(v, 0, sizeof *v);
 }
 
-static kvb_status view_make(const model *m, const kvb_kv_geom *g, char *pool, int blocks_per_seq, int batch, int ctx,
+static kvb_status view_make(const model *md, const kvb_kv_geom *g, char *pool, int blocks_per_seq, int batch, int ctx,
                             int q_len, batch_view *v) {
-    const shape *s = &m->s;
+    const shape *s = &md->s;
     memset(v, 0, sizeof *v);
     int nb = KVB_DIV_CEIL(ctx, g->block_size);
     size_t block_bytes = (size_t)s->n_layers * 2 * g->block_size * s->n_kv * s->head_dim * 2;
@@ -363,20 +344,24 @@ static kvb_status view_make(const model *m, const kvb_kv_geom *g, char *pool, in
     return KVB_OK;
 }
 
-static void step_init(step *st, kvb_backend *be, model *m, acts *a, const kvb_kv_geom *g, batch_view *v, int batch) {
+static void step_init(step *st, kvb_backend *be, model *md, kvb_forward *fw, acts *a, float *logits,
+                      const kvb_kv_geom *g, batch_view *v, int batch) {
     memset(st, 0, sizeof *st);
     st->be = be;
-    st->m = m;
+    st->md = md;
+    st->fw = fw;
     st->a = a;
-    st->n = v->n_tok;
-    st->tokens = v->tokens;
-    st->pos = v->pos;
     st->blocks = v->blocks;
-    st->logit_rows = v->logit_rows;
-    st->n_logits = batch;
-    st->attn = (kvb_attn_batch){.geom = g, .n_heads = m->s.n_heads, .n_tokens = v->n_tok, .n_seqs = batch,
-                                .seqs = v->seqs, .layer_blocks = v->blocks[0],
-                                .scale = (float)(1.0 / sqrt((double)m->s.head_dim))};
+    st->logits = logits;
+    st->batch = (kvb_batch){
+        .n_tokens = v->n_tok,
+        .tokens = v->tokens,
+        .pos = v->pos,
+        .attn = {.geom = g, .n_heads = md->s.n_heads, .n_tokens = v->n_tok, .n_seqs = batch, .seqs = v->seqs,
+                 .layer_blocks = v->blocks[0]},
+        .n_logits = batch,
+        .logit_rows = v->logit_rows,
+    };
 }
 
 /* ---------------------------------------------------------------- IPC: a lending process */
@@ -432,11 +417,12 @@ static int parse_list(const char *s, int32_t *out, int *n) {
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench cuda [--batches 1,16,64] [--contexts 1024,8192] [--prefill-tokens N]\n"
                "                         [--layers N] [--attn-batch N] [--ipc-batch N] [--no-prefill] [--no-ipc]\n"
-               "                         [--shape llama3-8b|tiny]\n"
+               "                         [--shape llama3-8b|tiny] [--peer SCRIPT [--peer-decode LIST]]\n"
                "\n"
                "Decode steps, an 8K prefill, paged attention and reading lent blocks through CUDA IPC, on a\n"
-               "Llama-3-8B-shaped bf16 model built on the device, against the copy bandwidth and cuBLAS GEMM rate\n"
-               "measured in the same run. Exit status 77 when there is no CUDA device.\n"
+               "Llama-3-8B-shaped bf16 model built on the device and run through the engine's forward pass, against\n"
+               "the copy bandwidth and cuBLAS GEMM rate measured in the same run. Exit status 77 when there is no\n"
+               "CUDA device.\n"
                "  --batches LIST       decode batch sizes (default 1,16,64)\n"
                "  --contexts LIST      decode context lengths (default 1024,8192)\n"
                "  --prefill-tokens N   prompt of the prefill measurement (default 8192)\n"
@@ -444,7 +430,57 @@ static void usage(FILE *f) {
                "  --attn-batch N       batch of the attention-alone measurement at the longest context (default 64)\n"
                "  --ipc-batch N        sequences of 4096 tokens read through the IPC region (default 16)\n"
                "  --shape S            llama3-8b (default) or tiny (hidden 256, 8 heads over 2 KV heads of 32,\n"
-               "                       vocabulary 1000, small ceilings: a smoke run of the code paths, not a measurement)\n");
+               "                       vocabulary 1000, small ceilings: a smoke run of the code paths, not a measurement)\n"
+               "  --peer SCRIPT        then run SCRIPT (bench/compiled_peer.py) with python3 at the same shape, once\n"
+               "                       this process has let go of the device, and compare its rows with these\n"
+               "  --peer-decode LIST   the peer's decode rows, BxC pairs (default 1x1024: the batch-1 target)\n");
+}
+
+/* kvbank's time of a row the peer also runs, for the comparison at the end. */
+typedef struct peer_row {
+    int prefill, batch, ctx; /* prefill: ctx = tokens */
+    double ms;
+} peer_row;
+
+/* Runs the peer script and prints each of its rows beside kvbank's time for the same shape. */
+static int run_peer(const char *script, const char *decode, int prefill, const shape *s, const peer_row *rows,
+                    int n_rows) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             "python3 '%s' --layers %d --hidden %d --heads %d --kv-heads %d --head-dim %d --intermediate %d "
+             "--vocab %d --decode '%s' --prefill %d 2>&1",
+             script, s->n_layers, s->hidden, s->n_heads, s->n_kv, s->head_dim, s->inter, s->vocab, decode, prefill);
+    printf("\n%s\n", cmd);
+    fflush(stdout);
+    FILE *p = popen(cmd, "r");
+    if (!p) return 1;
+    char line[512];
+    peer_row got[2 * MAX_LIST];
+    int n_got = 0;
+    while (fgets(line, sizeof line, p)) {
+        fputs(line, stdout);
+        peer_row r = {0};
+        if (sscanf(line, "  peer decode batch %d ctx %d %lf", &r.batch, &r.ctx, &r.ms) == 3 ||
+            sscanf(line, "  peer decode  batch %d ctx %d %lf", &r.batch, &r.ctx, &r.ms) == 3) {
+            if (n_got < 2 * MAX_LIST) got[n_got++] = r;
+        } else if (sscanf(line, "  peer prefill %d tokens %lf", &r.ctx, &r.ms) == 2) {
+            r.prefill = 1;
+            if (n_got < 2 * MAX_LIST) got[n_got++] = r;
+        }
+    }
+    int st = pclose(p);
+    int rc = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+    printf("\nkvbank against the compiled peer   kvbank ms   peer ms   peer / kvbank (> 1: kvbank faster)\n");
+    for (int i = 0; i < n_got; i++)
+        for (int j = 0; j < n_rows; j++)
+            if (rows[j].prefill == got[i].prefill && rows[j].ctx == got[i].ctx &&
+                (got[i].prefill || rows[j].batch == got[i].batch)) {
+                if (got[i].prefill) printf("  prefill %5d tokens          ", got[i].ctx);
+                else printf("  decode batch %3d ctx %5d    ", got[i].batch, got[i].ctx);
+                printf("%9.3f %9.3f %9.2f\n", rows[j].ms, got[i].ms, got[i].ms / rows[j].ms);
+            }
+    if (rc) printf("  the peer exited with %d\n", rc);
+    return rc == 77 ? 0 : rc; /* no torch there: said so above, not a failure of kvbank's rows */
 }
 
 int kvb_bench_cuda(int argc, char **argv) {
@@ -453,10 +489,12 @@ int kvb_bench_cuda(int argc, char **argv) {
                .vocab = 128256, .block_size = 16};
     int32_t batches[MAX_LIST] = {1, 16, 64}, ctxs[MAX_LIST] = {1024, 8192};
     int n_batches = 3, n_ctxs = 2, prefill = 8192, attn_batch = 64, ipc_batch = 16, do_prefill = 1, do_ipc = 1;
+    const char *peer = NULL, *peer_decode = "1x1024";
     static const struct option opts[] = {
         {"batches", 1, 0, 'b'},    {"contexts", 1, 0, 'c'},  {"prefill-tokens", 1, 0, 'p'}, {"layers", 1, 0, 'l'},
         {"attn-batch", 1, 0, 'a'}, {"ipc-batch", 1, 0, 'i'}, {"no-prefill", 0, 0, 'P'},     {"no-ipc", 0, 0, 'I'},
-        {"shape", 1, 0, 's'},      {"help", 0, 0, 'h'},      {0, 0, 0, 0}};
+        {"shape", 1, 0, 's'},      {"peer", 1, 0, 'e'},      {"peer-decode", 1, 0, 'd'},    {"help", 0, 0, 'h'},
+        {0, 0, 0, 0}};
     int tiny = 0;
     optind = 1;
     int o;
@@ -483,6 +521,11 @@ int kvb_bench_cuda(int argc, char **argv) {
             if (!strcmp(optarg, "tiny")) tiny = 1;
             else if (strcmp(optarg, "llama3-8b")) goto bad;
             break;
+        case 'e': peer = optarg; break;
+        case 'd':
+            if (strspn(optarg, "0123456789x,") != strlen(optarg)) goto bad; /* it goes into a shell command */
+            peer_decode = optarg;
+            break;
         case 'P': do_prefill = 0; break;
         case 'I': do_ipc = 0; break;
         case 'h': usage(stdout); return 0;
@@ -490,6 +533,10 @@ int kvb_bench_cuda(int argc, char **argv) {
         }
     }
     if (optind != argc) goto bad;
+    if (peer && (strchr(peer, '\'') || access(peer, R_OK))) {
+        fprintf(stderr, "kvbank-bench cuda: --peer %s: not a readable script\n", peer);
+        return 2;
+    }
     if (tiny) {
         int layers = s.n_layers == 32 ? 2 : s.n_layers;
         s = (shape){.n_layers = layers, .hidden = 256, .n_heads = 8, .n_kv = 2, .head_dim = 32, .inter = 512,
@@ -509,16 +556,22 @@ int kvb_bench_cuda(int argc, char **argv) {
     if (kvb_backend_create("cuda", 1, &be) != KVB_OK) return 1;
     kvb_cuda_device_info info;
     if (kvb_cuda_backend_info(be, &info) != KVB_OK) return 1;
-    printf("kvbank-bench cuda: %s (sm_%d%d, %d SMs, %.1f GiB, %.0f MiB L2), bf16, %s shape, %d layers\n",
+    printf("kvbank-bench cuda: %s (sm_%d%d, %d SMs, %.1f GiB, %.0f MiB L2), bf16, %s shape, %d layers, "
+           "the engine's forward pass (%s layer)\n",
            info.name, info.cc_major, info.cc_minor, info.n_sm, info.mem_total / 1073741824.0,
-           info.l2_bytes / 1048576.0, tiny ? "tiny" : "Llama-3-8B", s.n_layers);
+           info.l2_bytes / 1048576.0, tiny ? "tiny" : "Llama-3-8B", s.n_layers,
+           be->iface->weight_load_stacked ? "fused" : "unfused");
     fflush(stdout);
 
     int rc = 1, rc_ipc = 0;
     model m = {0};
     acts a = {0};
     void *pool = NULL;
+    kvb_forward *fw = NULL;
+    float *logits = NULL;
     int64_t pool_blocks = 0;
+    peer_row prow[2 * MAX_LIST];
+    int n_prow = 0;
     double B = measure_copy_bw(be, copy_bytes);
     double F = measure_gemm(be, gemm_n);
     printf("ceilings: copy %.2f TB/s (read + written), cuBLAS bf16 GEMM %.1f TFLOP/s\n", B / 1e12, F / 1e12);
@@ -534,11 +587,13 @@ int kvb_bench_cuda(int argc, char **argv) {
                      .elem_size = 2};
     size_t block_bytes = (size_t)s.n_layers * 2 * s.block_size * s.n_kv * s.head_dim * 2;
     int act_cap = KVB_MAX(max_batch, do_prefill ? prefill : 1);
-    if (acts_alloc(be, &s, act_cap, max_batch, &a) != KVB_OK) goto out;
+    if (acts_alloc(be, &s, act_cap, &a) != KVB_OK) goto out;
+    if (kvb_forward_create(&m.m, act_cap, &fw) != KVB_OK) goto out;
+    if (kvb_malloc((size_t)max_batch * s.vocab * sizeof(float), (void **)&logits) != KVB_OK) goto out;
     /* The pool holds the largest configuration that fits the device's free memory (after the weights
-     * and activations, less a reserve for cuBLAS and the IPC import); each configuration takes
-     * batch * ceil(ctx / block) blocks of it, and one that does not fit is skipped and said so. On an
-     * H100 (80 GB) with Llama-3-8B that skips batch 64 at 8K (64 GiB of KV beside 15 GiB of weights). */
+     * and activations, less a reserve for cuBLAS, a step's activations and the IPC import); each
+     * configuration takes batch * ceil(ctx / block) blocks of it, and one that does not fit is skipped
+     * and said so. On an H100 (80 GB) with Llama-3-8B that skips batch 64 at 8K. */
     int64_t want_blocks = 0;
     for (int ci = 0; ci < n_ctxs; ci++)
         for (int bi = 0; bi < n_batches; bi++)
@@ -547,7 +602,9 @@ int kvb_bench_cuda(int argc, char **argv) {
     if (do_prefill) want_blocks = KVB_MAX(want_blocks, (int64_t)KVB_DIV_CEIL(prefill, s.block_size));
     if (do_ipc) want_blocks = KVB_MAX(want_blocks, (int64_t)ipc_batch * KVB_DIV_CEIL(ipc_ctx, s.block_size));
     if (kvb_cuda_backend_info(be, &info) != KVB_OK) goto out;
-    size_t reserve = (size_t)2 << 30; /* cuBLAS workspaces, the IPC import's own copy, fragmentation */
+    /* cuBLAS workspaces, a prefill step's residual stream and 512-row chunk buffers, fragmentation */
+    size_t reserve = (tiny ? (size_t)64 << 20 : (size_t)2 << 30) + (size_t)act_cap * s.hidden * 2 +
+                     (size_t)KVB_FORWARD_CHUNK_ROWS * (3 * (size_t)s.hidden + 4 * (size_t)s.inter) * 2 * 2;
     if (do_ipc) reserve += block_bytes * (size_t)ipc_batch * (size_t)KVB_DIV_CEIL(ipc_ctx, s.block_size);
     int64_t fit_blocks = info.mem_free > reserve ? (int64_t)((info.mem_free - reserve) / block_bytes) : 0;
     pool_blocks = KVB_MIN(want_blocks, fit_blocks);
@@ -572,7 +629,7 @@ int kvb_bench_cuda(int argc, char **argv) {
            pool_blocks < want_blocks ? ", sized to the free device memory" : "");
 
     /* decode steps */
-    printf("decode step                 step ms  +logits  bytes GB  roofline ms   ratio\n");
+    printf("decode step (the engine's)  step ms (min-max)        wall ms  bytes GB  roofline ms   ratio\n");
     for (int ci = 0; ci < n_ctxs; ci++)
         for (int bi = 0; bi < n_batches; bi++) {
             int batch = batches[bi], ctx = ctxs[ci];
@@ -580,26 +637,26 @@ int kvb_bench_cuda(int argc, char **argv) {
             step st;
             if (!config_fits(pool_blocks, s.block_size, batch, ctx)) continue;
             if (view_make(&m, &g, pool, KVB_DIV_CEIL(ctx, s.block_size), batch, ctx, 1, &v) != KVB_OK) goto out;
-            step_init(&st, be, &m, &a, &g, &v, batch);
-            double t_dev = time_events(be, run_step, &st, REPS);
-            st.logits_to_host = 1;
+            step_init(&st, be, &m, fw, &a, logits, &g, &v, batch);
+            timing t = time_events(be, run_step, &st, REPS);
             double walls[REPS];
             for (int r = 0; r < REPS; r++) {
                 double t0 = kvb_now_s();
                 if (run_step(&st) != KVB_OK) t0 = -1e30;
                 walls[r] = kvb_now_s() - t0;
             }
-            double t_wall = median(walls, REPS);
+            timing tw = summarize(walls, REPS);
             double kv_bytes = (double)batch * ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
             double bytes = (double)m.weight_bytes + kv_bytes, ideal = bytes / B;
-            printf("  batch %3d ctx %5d     %9.3f %8.3f %9.2f %12.3f %7.2f\n", batch, ctx, t_dev * 1e3, t_wall * 1e3,
-                   bytes / 1e9, ideal * 1e3, t_dev > 0 ? ideal / t_dev : 0);
+            printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8.3f %9.2f %12.3f %7.2f\n", batch, ctx, t.med * 1e3,
+                   t.min * 1e3, t.max * 1e3, tw.med * 1e3, bytes / 1e9, ideal * 1e3, t.med > 0 ? ideal / t.med : 0);
             fflush(stdout);
+            if (n_prow < 2 * MAX_LIST) prow[n_prow++] = (peer_row){0, batch, ctx, t.med * 1e3};
             view_free(&v, s.n_layers);
         }
 
     /* attention alone at the longest context */
-    printf("\npaged attention (decode)    time ms  KV GB    GB/s   ratio to copy\n");
+    printf("\npaged attention (decode)    time ms (min-max)      KV GB    GB/s   ratio to copy\n");
     int attn_batches[2] = {1, attn_batch};
     for (int i = 0; i < 2; i++) {
         batch_view v;
@@ -607,12 +664,12 @@ int kvb_bench_cuda(int argc, char **argv) {
         if (!config_fits(pool_blocks, s.block_size, attn_batches[i], max_ctx)) continue;
         if (view_make(&m, &g, pool, KVB_DIV_CEIL(max_ctx, s.block_size), attn_batches[i], max_ctx, 1, &v) != KVB_OK)
             goto out;
-        step_init(&st, be, &m, &a, &g, &v, attn_batches[i]);
+        step_init(&st, be, &m, fw, &a, logits, &g, &v, attn_batches[i]);
         st.only_attention = 1;
-        double t = time_events(be, run_step, &st, REPS);
+        timing t = time_events(be, run_step, &st, REPS);
         double kv = (double)attn_batches[i] * max_ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
-        printf("  batch %3d ctx %5d     %8.3f %6.2f %8.0f %10.2f\n", attn_batches[i], max_ctx, t * 1e3, kv / 1e9,
-               t > 0 ? kv / t / 1e9 : 0, t > 0 ? kv / t / B : 0);
+        printf("  batch %3d ctx %5d     %8.3f (%.3f-%.3f) %6.2f %8.0f %10.2f\n", attn_batches[i], max_ctx, t.med * 1e3,
+               t.min * 1e3, t.max * 1e3, kv / 1e9, t.med > 0 ? kv / t.med / 1e9 : 0, t.med > 0 ? kv / t.med / B : 0);
         view_free(&v, s.n_layers);
     }
 
@@ -620,20 +677,23 @@ int kvb_bench_cuda(int argc, char **argv) {
         batch_view v;
         step st;
         if (view_make(&m, &g, pool, KVB_DIV_CEIL(prefill, s.block_size), 1, prefill, prefill, &v) != KVB_OK) goto out;
-        step_init(&st, be, &m, &a, &g, &v, 1);
-        double t = time_events(be, run_step, &st, 3);
+        step_init(&st, be, &m, fw, &a, logits, &g, &v, 1);
+        timing t = time_events(be, run_step, &st, 3);
         st.only_attention = 1;
-        double ta = time_events(be, run_step, &st, 3);
+        timing ta = time_events(be, run_step, &st, 3);
         double attn_flops = 4.0 * s.n_heads * s.head_dim * ((double)prefill * (prefill + 1) / 2) * s.n_layers;
         double gemm_flops = 2.0 * prefill * (double)m.matrix_params + 2.0 * s.vocab * (double)s.hidden;
         double flops = gemm_flops + attn_flops;
-        printf("\nprefill %d tokens          time ms  TFLOP  TFLOP/s  ratio to GEMM\n", prefill);
-        printf("  whole step                %8.1f %6.1f %8.1f %10.2f\n", t * 1e3, flops / 1e12,
-               t > 0 ? flops / t / 1e12 : 0, t > 0 ? flops / t / F : 0);
-        printf("  attention alone           %8.1f %6.1f %8.1f %10.2f\n", ta * 1e3, attn_flops / 1e12,
-               ta > 0 ? attn_flops / ta / 1e12 : 0, ta > 0 ? attn_flops / ta / F : 0);
-        printf("  the rest (GEMMs, norms)   %8.1f %6.1f %8.1f %10.2f\n", (t - ta) * 1e3, gemm_flops / 1e12,
-               t > ta ? gemm_flops / (t - ta) / 1e12 : 0, t > ta ? gemm_flops / (t - ta) / F : 0);
+        printf("\nprefill %d tokens, one step  time ms (min-max)       TFLOP  TFLOP/s  ratio to GEMM\n", prefill);
+        printf("  whole step (the engine's)  %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", t.med * 1e3, t.min * 1e3,
+               t.max * 1e3, flops / 1e12, t.med > 0 ? flops / t.med / 1e12 : 0, t.med > 0 ? flops / t.med / F : 0);
+        printf("  attention alone (1 call)   %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", ta.med * 1e3, ta.min * 1e3,
+               ta.max * 1e3, attn_flops / 1e12, ta.med > 0 ? attn_flops / ta.med / 1e12 : 0,
+               ta.med > 0 ? attn_flops / ta.med / F : 0);
+        printf("  the rest (GEMMs, norms)    %8.1f %20.1f %8.1f %10.2f\n", (t.med - ta.med) * 1e3, gemm_flops / 1e12,
+               t.med > ta.med ? gemm_flops / (t.med - ta.med) / 1e12 : 0,
+               t.med > ta.med ? gemm_flops / (t.med - ta.med) / F : 0);
+        if (n_prow < 2 * MAX_LIST) prow[n_prow++] = (peer_row){1, 1, prefill, t.med * 1e3};
         view_free(&v, s.n_layers);
     }
 
@@ -662,16 +722,16 @@ int kvb_bench_cuda(int argc, char **argv) {
         while (got < sizeof handle - 1 && read(from[0], &ch, 1) == 1 && ch != '\n') handle[got++] = ch;
         handle[got] = 0;
         kvb_mem_region *lent = NULL;
-        double t_local = -1, t_lent = -1;
+        timing t_local = {-1, -1, -1}, t_lent = {-1, -1, -1};
         if (pid > 0 && kvb_mem_region_import(be->mem, handle, bytes, &lent) == KVB_OK) {
             batch_view vl, vr;
             step st;
             if (view_make(&m, &g, pool, nb, ipc_batch, ctx, 1, &vl) == KVB_OK &&
                 view_make(&m, &g, kvb_mem_region_base(lent), nb, ipc_batch, ctx, 1, &vr) == KVB_OK) {
-                step_init(&st, be, &m, &a, &g, &vl, ipc_batch);
+                step_init(&st, be, &m, fw, &a, logits, &g, &vl, ipc_batch);
                 st.only_attention = 1;
                 t_local = time_events(be, run_step, &st, REPS);
-                step_init(&st, be, &m, &a, &g, &vr, ipc_batch);
+                step_init(&st, be, &m, fw, &a, logits, &g, &vr, ipc_batch);
                 st.only_attention = 1;
                 t_lent = time_events(be, run_step, &st, REPS);
             }
@@ -679,7 +739,7 @@ int kvb_bench_cuda(int argc, char **argv) {
             view_free(&vr, s.n_layers);
             kvb_mem_region_destroy(lent);
         }
-        if (write(to[1], "DONE\n", 5) != 5) t_lent = -1;
+        if (write(to[1], "DONE\n", 5) != 5) t_lent.med = -1;
         close(to[1]);
         close(from[0]);
         int wst = 0;
@@ -688,10 +748,10 @@ int kvb_bench_cuda(int argc, char **argv) {
         printf("\nattention over lent blocks  time ms  GB/s   (batch %d, ctx %d, %.1f GB of KV)\n", ipc_batch, ctx,
                kv / 1e9);
         int worker_ok = WIFEXITED(wst) && WEXITSTATUS(wst) == 0;
-        if (t_local > 0 && t_lent > 0 && worker_ok) {
-            printf("  local blocks              %8.3f %6.0f\n", t_local * 1e3, kv / t_local / 1e9);
-            printf("  lent (CUDA IPC import)    %8.3f %6.0f\n", t_lent * 1e3, kv / t_lent / 1e9);
-            printf("  ratio lent / local        %8.3f\n", t_lent / t_local);
+        if (t_local.med > 0 && t_lent.med > 0 && worker_ok) {
+            printf("  local blocks              %8.3f %6.0f\n", t_local.med * 1e3, kv / t_local.med / 1e9);
+            printf("  lent (CUDA IPC import)    %8.3f %6.0f\n", t_lent.med * 1e3, kv / t_lent.med / 1e9);
+            printf("  ratio lent / local        %8.3f\n", t_lent.med / t_local.med);
         } else {
             printf("  not measured: %s\n", !worker_ok ? "the lending process failed" : "the import failed (see the log)");
             rc_ipc = 1;
@@ -700,9 +760,15 @@ int kvb_bench_cuda(int argc, char **argv) {
     rc = rc_ipc;
 out:
     if (pool) kvb_mem_free(be->mem, pool);
+    kvb_forward_destroy(fw);
+    free(logits);
     acts_free(be, &a);
     model_free(be, &m);
     kvb_backend_destroy(be);
+    if (rc == 0 && peer) {
+        fflush(stdout);
+        rc = run_peer(peer, peer_decode, do_prefill ? prefill : 0, &s, prow, n_prow);
+    }
     return rc;
 bad:
     usage(stderr);

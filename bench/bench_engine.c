@@ -4,8 +4,10 @@
  * Every measurement (one prefill length or one decode point batch x context, for one engine) runs in a
  * fresh child process, so its peak RSS is that engine's alone: the child resets its peak-RSS mark
  * (/proc/self/clear_refs), loads the model, measures, reads VmHWM and reports through a pipe; the
- * ceilings are sampled in a child of their own just before and just after it. kvbank and llama.cpp alternate point by point, so a
- * neighbour's load falls on both.
+ * ceilings are sampled in a child of their own just before and just after it. With --llama-cpp both engines
+ * run each point in children of their own, their timed windows in turn (kvbank's window w, then
+ * llama.cpp's window w, ...; run_pair), so a neighbour's load falls on both and the speedup is taken
+ * window pair by window pair.
  *
  *   read bandwidth  B = bytes / time of a multi-threaded sum over 512 MiB (best of 3)
  *   sgemm rate      F = 2 n^3 / time of an n x n x n cblas_sgemm on the same threads (best of 2)
@@ -198,8 +200,10 @@ static int32_t prompt_token(int i, int r, int vocab) { return (int32_t)((i * 31 
 
 /* The measurement child's end of its pipes to the parent (-1 elsewhere): between two timed windows it
  * asks the parent to sample the ceilings in another child and waits until that is done, so that each
- * window has a sample just before and just after it (see run_job). */
-static int g_between_ask = -1, g_between_done = -1;
+ * window has a sample just before and just after it (see run_job). Paired with the other engine
+ * (g_paired, run_pair), it asks before every window, the first too, and the parent runs the two
+ * engines' windows in turn. */
+static int g_between_ask = -1, g_between_done = -1, g_paired = 0;
 
 static void between_windows(void) {
     if (g_between_ask < 0) return;
@@ -208,6 +212,11 @@ static void between_windows(void) {
     }
     while (read(g_between_done, &b, 1) < 0 && errno == EINTR) {
     }
+}
+
+/* Before timed window w: the barrier of the windows (w > 0 always, the first too when paired). */
+static void before_window(int w) {
+    if (w > 0 || g_paired) between_windows();
 }
 
 /* kvbank: `batch` requests with prompts of `ctx` tokens until all decode, then n_win windows of
@@ -238,7 +247,7 @@ static int kvbank_decode(kvb_model *m, const bench_cfg *cfg, int batch, int ctx,
     while (ok && cnt->n_started < batch) ok = kvb_engine_step(e) == KVB_OK;
     int64_t before = ok ? cnt->tokens : 0;
     for (int w = 0; w < cfg->reps && ok; w++) {
-        if (w > 0) between_windows();
+        before_window(w);
         double t0 = kvb_now_s();
         for (int s = 0; s < cfg->steps && ok; s++) ok = kvb_engine_step(e) == KVB_OK;
         r->win[w] = (kvb_now_s() - t0) / cfg->steps;
@@ -266,7 +275,7 @@ static int kvbank_prefill(kvb_model *m, const bench_cfg *cfg, int tokens, job_re
     kvb_planner pl = kvb_policy_recompute();
     int ok = cnt && prompt && kvb_engine_create(m, &o, &pl, &ev, &e) == KVB_OK;
     for (int rep = 0; rep < cfg->reps && ok; rep++) {
-        if (rep > 0) between_windows();
+        before_window(rep);
         for (int i = 0; i < tokens; i++) prompt[i] = prompt_token(i, rep + 1000, c->vocab);
         kvb_request req = {.id = (uint64_t)rep + 1, .prompt = prompt, .n_prompt = tokens, .max_tokens = 1};
         ok = kvb_engine_add(e, &req) == KVB_OK;
@@ -309,8 +318,8 @@ static int run_kvbank(const bench_cfg *cfg, const job *jb, job_result *r) {
         const kvb_model_config *c = kvb_model_cfg(m);
         r->w_step = kvb_model_weight_bytes_per_token(m);
         r->lm_params = (int64_t)c->vocab * c->hidden;
-        r->layer_params = r->w_step / 4 - r->lm_params - c->hidden; /* f32 weights on the CPU backend */
-        r->w_all = 4 * kvb_model_n_params(m);
+        r->layer_params = kvb_model_n_params(m) - r->lm_params * (c->tie_embeddings ? 1 : 2) - c->hidden;
+        r->w_all = kvb_model_weight_bytes(m); /* as the backend holds them: bf16 in place stays bf16 */
         if (jb->kind == JOB_DECODE) ok = kvbank_decode(m, cfg, jb->batch, jb->ctx, r);
         else if (jb->kind == JOB_PREFILL) ok = kvbank_prefill(m, cfg, jb->ctx, r);
         else ok = kvbank_greedy(m, jb->ctx, r);
@@ -333,10 +342,14 @@ static int run_llamacpp(const bench_cfg *cfg, const job *jb, job_result *r) {
         for (int i = 0; ok && i < jb->ctx; i++) prompts[s][i] = prompt_token(i, jb->kind == JOB_PREFILL ? 1000 : s, c.vocab);
     }
     if (ok && jb->kind == JOB_DECODE) {
-        ok = kvb_llamacpp_decode(l, jb->batch, (const int32_t *const *)prompts, jb->ctx, cfg->steps, r->win, cfg->reps) == 0;
+        ok = kvb_llamacpp_decode(l, jb->batch, (const int32_t *const *)prompts, jb->ctx, cfg->steps, r->win, cfg->reps,
+                                 before_window) == 0;
         r->n_win = cfg->reps;
     } else if (ok && jb->kind == JOB_PREFILL) {
-        for (int rep = 0; rep < cfg->reps && ok; rep++) ok = (r->win[rep] = kvb_llamacpp_prefill(l, prompts[0], jb->ctx)) > 0;
+        for (int rep = 0; rep < cfg->reps && ok; rep++) {
+            before_window(rep);
+            ok = (r->win[rep] = kvb_llamacpp_prefill(l, prompts[0], jb->ctx)) > 0;
+        }
         r->n_win = cfg->reps;
     } else if (ok) {
         ok = kvb_llamacpp_greedy(l, prompts[0], jb->ctx, N_GREEDY, r->greedy) == 0;
@@ -364,39 +377,33 @@ static void measure(const bench_cfg *cfg, const job *jb, job_result *r) {
     r->peak_kb = status_kb("VmHWM:");
 }
 
-/* Closes the ends of in_child's pipes that are open (-1: never made). */
-static void close_pipes(const int fd[2], const int ask[2], const int done[2]) {
-    for (int i = 0; i < 2; i++) {
-        close(fd[i]);
-        if (ask[i] >= 0) close(ask[i]);
-        if (done[i] >= 0) close(done[i]);
-    }
-}
+/* A child running one job, and the parent's ends of its pipes (-1: none). */
+typedef struct proc {
+    pid_t pid;
+    int res;        /* the job_result comes back here */
+    int ask, done;  /* the child's requests at window boundaries, and the parent's answers */
+} proc;
 
-/* Runs fn in a fresh child process, its result coming back through a pipe; returns 1 when the child
- * reported success. With `between` (a measurement), the child may ask between its windows for the
- * ceilings to be sampled: each time, they are, in a child of their own while it waits, into between's
- * mid_bw / mid_fl. */
-static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result *r, job_result *between) {
-    memset(r, 0, sizeof *r);
+/* Forks a child that runs fn and writes its job_result to p->res; with `windows`, the child asks at its
+ * window boundaries (between_windows; before every window when `paired`). Returns 1 when it started. */
+static int spawn(child_fn fn, const bench_cfg *cfg, const job *jb, int windows, int paired, proc *p) {
     int fd[2], ask[2] = {-1, -1}, done[2] = {-1, -1};
+    *p = (proc){-1, -1, -1, -1};
     if (pipe(fd) != 0) return 0;
-    if (between && (pipe(ask) != 0 || pipe(done) != 0)) {
-        close_pipes(fd, ask, done);
+    if (windows && (pipe(ask) != 0 || pipe(done) != 0)) {
+        int all[] = {fd[0], fd[1], ask[0], ask[1], done[0], done[1]};
+        for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++)
+            if (all[i] >= 0) close(all[i]);
         return 0;
     }
     fflush(NULL);
     pid_t pid = fork();
-    if (pid < 0) {
-        close_pipes(fd, ask, done);
-        return 0;
-    }
     if (pid == 0) {
         close(fd[0]);
-        if (between) {
+        if (windows) {
             close(ask[0]);
             close(done[1]);
-            g_between_ask = ask[1], g_between_done = done[0];
+            g_between_ask = ask[1], g_between_done = done[0], g_paired = paired;
         }
         kvb_log_set_level(KVB_LOG_WARN); /* the table is the output */
         job_result cr = {0};
@@ -405,44 +412,83 @@ static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result
         _exit(n == (ssize_t)sizeof cr ? 0 : 1);
     }
     close(fd[1]);
-    if (between) {
-        close(ask[1]);
-        close(done[0]);
-        between->n_mid = 0;
-        char b;
-        ssize_t n;
-        /* until the child closes its end (it exits): a request per window boundary */
-        while ((n = read(ask[0], &b, 1)) != 0) {
-            if (n < 0) {
-                if (errno == EINTR) continue;
-                break;
-            }
-            job_result c;
-            if (in_child(sample_ceilings, cfg, jb, &c, NULL) && between->n_mid < MAX_WIN) {
-                between->mid_bw[between->n_mid] = c.bw[0];
-                between->mid_fl[between->n_mid] = c.fl[0];
-                between->n_mid++;
-            }
-            b = 'd';
-            while (write(done[1], &b, 1) < 0 && errno == EINTR) {
-            }
-        }
-        close(ask[0]);
-        close(done[1]);
+    if (windows) close(ask[1]), close(done[0]);
+    if (pid < 0) {
+        close(fd[0]);
+        if (windows) close(ask[0]), close(done[1]);
+        return 0;
     }
+    *p = (proc){pid, fd[0], windows ? ask[0] : -1, windows ? done[1] : -1};
+    return 1;
+}
+
+/* Waits for p's next request at a window boundary; 0 when it has none (it finished or died). */
+static int next_request(proc *p) {
+    char b;
+    ssize_t n;
+    while (p->ask >= 0 && (n = read(p->ask, &b, 1)) != 0) {
+        if (n > 0) return 1;
+        if (errno != EINTR) break;
+    }
+    return 0;
+}
+
+static void answer(proc *p) {
+    char b = 'd';
+    while (p->done >= 0 && write(p->done, &b, 1) < 0 && errno == EINTR) {
+    }
+}
+
+/* The child's job_result, once it exits; returns 1 when it reported success. */
+static int collect(proc *p, job_result *r) {
+    memset(r, 0, sizeof *r);
+    if (p->ask >= 0) close(p->ask);
+    if (p->done >= 0) close(p->done);
     size_t got = 0;
     while (got < sizeof *r) {
-        ssize_t n = read(fd[0], (char *)r + got, sizeof *r - got);
+        ssize_t n = read(p->res, (char *)r + got, sizeof *r - got);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) break;
         got += (size_t)n;
     }
-    close(fd[0]);
+    close(p->res);
     int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    while (waitpid(p->pid, &status, 0) < 0 && errno == EINTR) {
     }
     if (got != sizeof *r) memset(r, 0, sizeof *r);
     return r->ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* The ceilings sampled in a child of their own into (*bw, *fl); 0 when that failed. */
+static int sample_into(const bench_cfg *cfg, const job *jb, double *bw, double *fl) {
+    proc p;
+    job_result c;
+    if (!spawn(sample_ceilings, cfg, jb, 0, 0, &p) || !collect(&p, &c)) return 0;
+    *bw = c.bw[0], *fl = c.fl[0];
+    return 1;
+}
+
+/* Runs fn in a fresh child process, its result coming back through a pipe; returns 1 when the child
+ * reported success. With `between` (a measurement), the child may ask between its windows for the
+ * ceilings to be sampled: each time, they are, in a child of their own while it waits, into between's
+ * mid_bw / mid_fl. */
+static int in_child(child_fn fn, const bench_cfg *cfg, const job *jb, job_result *r, job_result *between) {
+    proc p;
+    if (!spawn(fn, cfg, jb, between != NULL, 0, &p)) {
+        memset(r, 0, sizeof *r);
+        return 0;
+    }
+    if (between) {
+        between->n_mid = 0;
+        /* until the child closes its end (it exits): a request per window boundary */
+        while (next_request(&p)) {
+            if (between->n_mid < MAX_WIN &&
+                sample_into(cfg, jb, &between->mid_bw[between->n_mid], &between->mid_fl[between->n_mid]))
+                between->n_mid++;
+            answer(&p);
+        }
+    }
+    return collect(&p, r);
 }
 
 /* One job: the ceilings in a child of their own just before and just after the measurement's child,
@@ -460,6 +506,46 @@ static int run_job(const bench_cfg *cfg, const job *jb, job_result *r) {
     memcpy(r->mid_bw, mid.mid_bw, sizeof r->mid_bw);
     memcpy(r->mid_fl, mid.mid_fl, sizeof r->mid_fl);
     return ok;
+}
+
+/* One point on both engines, their windows in turn: a child for each (both set up before either is timed:
+ * model load, prompts), then kvbank's window w, llama.cpp's window w, and so on, the ceilings sampled
+ * before each pair and after the last. A neighbour's load then falls on both engines' windows alike, where
+ * running one engine's windows and then the other's put minutes between them (on this shared machine
+ * a point's speedup moved by 3x that way). Each engine's job_result gets the ceilings around its windows
+ * as run_job gives them. Returns 1 when both reported. */
+static int run_pair(const bench_cfg *cfg, const job *jb, job_result *kv, job_result *lc) {
+    job lj = *jb;
+    lj.engine = ENGINE_LLAMACPP;
+    proc a, b;
+    int ok_a = spawn(measure, cfg, jb, 1, 1, &a);
+    int ok_b = ok_a && spawn(measure, cfg, &lj, 1, 1, &b);
+    if (!ok_b) {
+        if (ok_a) collect(&a, kv);
+        return 0;
+    }
+    double bw[MAX_WIN + 1], fl[MAX_WIN + 1];
+    int live_a = next_request(&a), live_b = next_request(&b), n = 0, sampled = 1;
+    for (int w = 0; w < cfg->reps && live_a && live_b; w++) {
+        sampled = sample_into(cfg, jb, &bw[n], &fl[n]) && sampled;
+        n++;
+        answer(&a);
+        live_a = next_request(&a) || w == cfg->reps - 1;
+        answer(&b);
+        live_b = next_request(&b) || w == cfg->reps - 1;
+    }
+    sampled = sample_into(cfg, jb, &bw[n], &fl[n]) && sampled;
+    n++;
+    int ok = collect(&a, kv) & collect(&b, lc);
+    job_result *both[] = {kv, lc};
+    for (int e = 0; e < 2 && n >= 2; e++) {
+        job_result *r = both[e];
+        r->bw[0] = bw[0], r->fl[0] = fl[0];
+        r->bw[1] = bw[n - 1], r->fl[1] = fl[n - 1];
+        r->n_mid = n - 2;
+        for (int k = 0; k < n - 2; k++) r->mid_bw[k] = bw[k + 1], r->mid_fl[k] = fl[k + 1];
+    }
+    return ok && sampled;
 }
 
 /* ------------------------------------------------------------------------------------ the report */
@@ -521,10 +607,12 @@ typedef struct ceiling_log {
     int n;
 } ceiling_log;
 
-/* Runs `jb` on kvbank; logs its ceiling samples. Prints "failed" and returns 0 when it failed. */
-static int kvbank_point(const bench_cfg *cfg, const job *jb, const char *label, job_result *r, ceiling_log *ce) {
-    if (!run_job(cfg, jb, r)) {
-        printf("%-20s failed\n", label);
+/* Runs `jb` on kvbank, and with `lc` on llama.cpp too, their windows in turn (run_pair); logs the ceiling
+ * samples. Prints "failed" and returns 0 when it failed. */
+static int kvbank_point(const bench_cfg *cfg, const job *jb, const char *label, job_result *r, job_result *lc,
+                        ceiling_log *ce) {
+    if (!(lc ? run_pair(cfg, jb, r, lc) : run_job(cfg, jb, r))) {
+        printf("%-20s failed%s\n", label, lc && !lc->ok ? " (llama.cpp)" : "");
         return 0;
     }
     for (int i = 0; i < 2 && ce->n < (int)KVB_ARRAY_LEN(ce->bw); i++, ce->n++) ce->bw[ce->n] = r->bw[i], ce->fl[ce->n] = r->fl[i];
@@ -533,20 +621,16 @@ static int kvbank_point(const bench_cfg *cfg, const job *jb, const char *label, 
     return 1;
 }
 
-/* Runs `jb` on llama.cpp and prints its columns: time per window, tokens per second (`tokens` per
- * window), kvbank's speedup (against kvbank's median `kvb_med`), peak RSS. Returns 1 on failure. */
-static int llamacpp_column(const bench_cfg *cfg, const job *kv_jb, double tokens, double kvb_med) {
-    job jb = *kv_jb;
-    job_result r;
-    jb.engine = ENGINE_LLAMACPP;
-    if (!run_job(cfg, &jb, &r)) {
-        printf(" llama.cpp failed");
-        return 1;
-    }
-    point_stats s = stats_of(&r);
-    printf(" %8.2fms (%.2f-%.2f) %6.1f tok/s %6.2fx %6.0f MB", s.med * 1e3, s.lo * 1e3, s.hi * 1e3, tokens / s.med,
-           s.med / kvb_med, r.peak_kb / 1e3);
-    return 0;
+/* Prints llama.cpp's columns for a point run_pair measured: time per window, tokens per second (`tokens`
+ * per window), kvbank's speedup window by window (llama.cpp's window w over kvbank's window w, the two
+ * run one after the other: median (min-max)), peak RSS. */
+static void llamacpp_column(const job_result *r, const job_result *kv, double tokens) {
+    point_stats s = stats_of(r);
+    double sp[MAX_WIN];
+    int n = KVB_MIN(r->n_win, kv->n_win);
+    for (int w = 0; w < n; w++) sp[w] = r->win[w] / kv->win[w];
+    printf(" %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fx (%.2f-%.2f) %6.0f MB", s.med * 1e3, s.lo * 1e3, s.hi * 1e3,
+           tokens / s.med, median_of(sp, n), min_of(sp, n), max_of(sp, n), r->peak_kb / 1e3);
 }
 
 int kvb_bench_engine(int argc, char **argv) {
@@ -634,7 +718,7 @@ int kvb_bench_engine(int argc, char **argv) {
     }
 
     printf("%-20s %22s %10s %9s %7s %27s", "point", "kvbank", "rate", "ceiling", "ratio", "peak RSS / limit (base)");
-    if (cmp) printf(" %22s %10s %8s %9s", "llama.cpp", "rate", "speedup", "peak RSS");
+    if (cmp) printf(" %22s %10s %18s %9s", "llama.cpp", "rate", "speedup", "peak RSS");
     printf("\n");
     fflush(stdout);
     /* one progress line over every point on a terminal (common/util/progress.h), taken off while a row prints */
@@ -650,7 +734,7 @@ int kvb_bench_engine(int argc, char **argv) {
         char label[48];
         snprintf(label, sizeof label, "prefill %d", prefill[i]);
         kvb_progress_update(&pg, (uint64_t)n_done); /* drawn while the point runs */
-        int got = kvbank_point(&cfg, &jb, label, &r, &ce);
+        int got = kvbank_point(&cfg, &jb, label, &r, cmp ? &rl : NULL, &ce);
         kvb_progress_clear(&pg);
         n_done++;
         if (!got) {
@@ -672,7 +756,7 @@ int kvb_bench_engine(int argc, char **argv) {
         printf("%-20s %8.1fms (%.1f-%.1f) %6.1f GF/s %5.1f GF/s %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
                s.lo * 1e3, s.hi * 1e3, flops / s.med / 1e9, median_of(rate, r.n_win) / 1e9, median_of(ratio, r.n_win),
                min_of(ratio, r.n_win), max_of(ratio, r.n_win), r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
-        if (cmp) failures += llamacpp_column(&cfg, &jb, T, s.med);
+        if (cmp) llamacpp_column(&rl, &r, T);
         printf("\n");
     }
     for (int bi = 0; bi < n_batch; bi++) {
@@ -686,7 +770,7 @@ int kvb_bench_engine(int argc, char **argv) {
             }
             job jb = {.engine = ENGINE_KVBANK, .kind = JOB_DECODE, .batch = b, .ctx = ctx};
             kvb_progress_update(&pg, (uint64_t)n_done);
-            int got = kvbank_point(&cfg, &jb, label, &r, &ce);
+            int got = kvbank_point(&cfg, &jb, label, &r, cmp ? &rl : NULL, &ce);
             kvb_progress_clear(&pg);
             n_done++;
             if (!got) {
@@ -710,7 +794,7 @@ int kvb_bench_engine(int argc, char **argv) {
             printf("%-20s %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fms %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
                    s.lo * 1e3, s.hi * 1e3, b / s.med, median_of(roof, r.n_win) * 1e3, median_of(ratio, r.n_win),
                    min_of(ratio, r.n_win), max_of(ratio, r.n_win), r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
-            if (cmp) failures += llamacpp_column(&cfg, &jb, b, s.med);
+            if (cmp) llamacpp_column(&rl, &r, b);
             printf("   [%s-bound]\n", bytes / s.bw >= flops / s.fl ? "memory" : "compute");
         }
     }
@@ -723,8 +807,8 @@ int kvb_bench_engine(int argc, char **argv) {
     printf("ratio: prefill = model FLOPs / time / sgemm rate; decode = roofline / time, roofline = max((weights + KV "
            "read) / read bandwidth, FLOPs / sgemm rate); ratios window by window, each against the ceilings sampled just "
            "before and just after it (before the point, between its windows, after it), median (min-max); ceiling: "
-           "the median window's; speedup = llama.cpp time / "
-           "kvbank time; peak RSS: the measurement's own (reset when it starts), base: what it held then (the bench's "
+           "the median window's; speedup = llama.cpp time / kvbank time of the windows run one after the other "
+           "(kvbank's window w, llama.cpp's window w, ...), median (min-max); peak RSS: the measurement's own (reset when it starts), base: what it held then (the bench's "
            "code and libraries), limit: (all weights + the point's KV) x 1.15\n");
     rc = failures ? 1 : 0;
 out:

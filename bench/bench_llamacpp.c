@@ -4,8 +4,9 @@
  * Nothing of llama.cpp is built or shipped with kvbank: DIR is a directory holding a prebuilt
  * libllama and its ggml libraries (for example the `bins/linux-x64` folder of the npm package
  * @node-llama-cpp/linux-x64, whose build metadata names the llama.cpp release). The library is opened
- * with dlopen, and the model directory is written out as a GGUF v3 file of f32 tensors (the format
- * published with ggml: header, key/value metadata, tensor infos, 32-byte aligned data). Llama's q and k
+ * with dlopen, and the model directory is written out as a GGUF v3 file (the format published with ggml:
+ * header, key/value metadata, tensor infos, 32-byte aligned data) whose matrices keep the checkpoint's
+ * dtype (f32, f16 or bf16: llama.cpp then runs the bytes kvbank runs) and whose norms are f32. Llama's q and k
  * projections are stored for llama.cpp's interleaved RoPE: within a head, row i of the first half and
  * row i of the second half become rows 2i and 2i+1, the reordering every Llama conversion applies.
  *
@@ -107,27 +108,41 @@ typedef struct gg_tensor {
     int rope_heads; /* > 0: q or k projection with this many heads */
 } gg_tensor;
 
-static float elem_f32(const kvb_st_tensor *t, size_t i) {
-    uint16_t h;
-    float f;
-    switch (t->dtype) {
-    case KVB_DTYPE_F16: memcpy(&h, (const char *)t->data + 2 * i, 2); return kvb_f16_to_f32(h);
-    case KVB_DTYPE_BF16: memcpy(&h, (const char *)t->data + 2 * i, 2); return kvb_bf16_to_f32(h);
-    default: memcpy(&f, (const char *)t->data + 4 * i, 4); return f;
-    }
+/* GGUF tensor types (ggml.h: GGML_TYPE_F32, _F16, _BF16) and the matching general.file_type
+ * (LLAMA_FTYPE_ALL_F32, _MOSTLY_F16, _MOSTLY_BF16). */
+enum { GG_F32 = 0, GG_F16 = 1, GG_BF16 = 30 };
+
+/* A tensor keeps the checkpoint's dtype when it is a matrix (llama.cpp then runs the same bytes as
+ * kvbank does); vectors (norms) are f32, as llama.cpp's converters write them. */
+static int gg_type(const kvb_st_tensor *t) {
+    if (t->n_dims < 2) return GG_F32;
+    return t->dtype == KVB_DTYPE_BF16 ? GG_BF16 : t->dtype == KVB_DTYPE_F16 ? GG_F16 : GG_F32;
 }
 
-/* Writes the tensor's data as f32, rows reordered for interleaved RoPE where asked. */
+static size_t gg_size(int type) { return type == GG_F32 ? 4 : 2; }
+
+/* Writes the tensor's data in its GGUF type, rows reordered for interleaved RoPE where asked. */
 static int write_tensor_data(FILE *f, const gg_tensor *g, int head_dim, float *row) {
     const kvb_st_tensor *t = g->src;
     int64_t rows = t->shape[0], cols = t->n_dims > 1 ? t->shape[1] : 1;
+    int type = gg_type(t);
+    size_t es = kvb_dtype_size(t->dtype);
     for (int64_t r = 0; r < rows; r++) {
         int64_t src = r;
         if (g->rope_heads) { /* destination row r = head h, pair i, half p */
             int64_t h = r / head_dim, j = r % head_dim, i = j / 2, p = j % 2;
             src = h * head_dim + p * (head_dim / 2) + i;
         }
-        for (int64_t c = 0; c < cols; c++) row[c] = elem_f32(t, (size_t)(src * cols + c));
+        const char *in = (const char *)t->data + (size_t)(src * cols) * es;
+        if (type != GG_F32 || t->dtype == KVB_DTYPE_F32) { /* the stored bytes as they are */
+            if (w_bytes(f, in, (size_t)cols * es)) return -1;
+            continue;
+        }
+        for (int64_t c = 0; c < cols; c++) {
+            uint16_t h;
+            memcpy(&h, in + 2 * c, 2);
+            row[c] = t->dtype == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(h) : kvb_f16_to_f32(h);
+        }
         if (w_bytes(f, row, (size_t)cols * 4)) return -1;
     }
     return 0;
@@ -177,8 +192,10 @@ static int write_gguf(const char *path, const kvb_model_config *c, const kvb_st_
     if (!(row = malloc(max_cols * 4)) || !(f = fopen(path, "wb"))) goto out;
 
     const int n_kv = 16;
+    kvb_dtype wdt = ts[0].src->dtype; /* the embedding's: the checkpoint's dtype */
+    uint32_t ftype = wdt == KVB_DTYPE_BF16 ? 32 : wdt == KVB_DTYPE_F16 ? 1 : 0;
     int bad = w_u32(f, 0x46554747u) || w_u32(f, 3) || w_u64(f, (uint64_t)n_t) || w_u64(f, (uint64_t)n_kv);
-    bad = bad || kv_str(f, "general.architecture", "llama") || kv_u32(f, "general.file_type", 0) ||
+    bad = bad || kv_str(f, "general.architecture", "llama") || kv_u32(f, "general.file_type", ftype) ||
           kv_u32(f, "llama.context_length", (uint32_t)c->max_pos) ||
           kv_u32(f, "llama.embedding_length", (uint32_t)c->hidden) ||
           kv_u32(f, "llama.block_count", (uint32_t)c->n_layers) ||
@@ -201,22 +218,22 @@ static int write_gguf(const char *path, const kvb_model_config *c, const kvb_st_
     }
     bad = bad || kv_array(f, "tokenizer.ggml.token_type", GGUF_I32, (uint64_t)c->vocab);
     for (int i = 0; i < c->vocab && !bad; i++) bad = w_u32(f, i == 0 ? 2 : i < 3 ? 3 : 1);
-    /* tensor infos: dims innermost first, f32 (type 0), offsets aligned */
+    /* tensor infos: dims innermost first, the type, offsets aligned */
     uint64_t off = 0;
     for (int i = 0; i < n_t && !bad; i++) {
         const kvb_st_tensor *t = ts[i].src;
         uint64_t rows = (uint64_t)t->shape[0], cols = t->n_dims > 1 ? (uint64_t)t->shape[1] : 1;
         bad = w_str(f, ts[i].name) || w_u32(f, (uint32_t)t->n_dims);
         if (t->n_dims > 1) bad = bad || w_u64(f, cols);
-        bad = bad || w_u64(f, rows) || w_u32(f, 0) || w_u64(f, off);
-        off += (rows * cols * 4 + GGUF_ALIGN - 1) / GGUF_ALIGN * GGUF_ALIGN;
+        bad = bad || w_u64(f, rows) || w_u32(f, (uint32_t)gg_type(t)) || w_u64(f, off);
+        off += (rows * cols * gg_size(gg_type(t)) + GGUF_ALIGN - 1) / GGUF_ALIGN * GGUF_ALIGN;
     }
     static const char zeros[GGUF_ALIGN];
     long pos = ftell(f);
     bad = bad || pos < 0 || w_bytes(f, zeros, (size_t)((GGUF_ALIGN - pos % GGUF_ALIGN) % GGUF_ALIGN));
     for (int i = 0; i < n_t && !bad; i++) {
         const kvb_st_tensor *t = ts[i].src;
-        size_t bytes = (size_t)t->shape[0] * (size_t)(t->n_dims > 1 ? t->shape[1] : 1) * 4;
+        size_t bytes = (size_t)t->shape[0] * (size_t)(t->n_dims > 1 ? t->shape[1] : 1) * gg_size(gg_type(t));
         bad = write_tensor_data(f, &ts[i], c->head_dim, row) || w_bytes(f, zeros, (GGUF_ALIGN - bytes % GGUF_ALIGN) % GGUF_ALIGN);
     }
     rc = bad ? -1 : 0;
@@ -372,6 +389,10 @@ kvb_status kvb_llamacpp_open(const char *libdir, const char *model_dir, int thre
         fprintf(stderr, "llama.cpp comparison: only plain Llama models (no rope scaling, window or biases)\n");
         return KVB_ERR_UNSUPPORTED;
     }
+    if (c.quant.fp8) {
+        fprintf(stderr, "llama.cpp comparison: FP8 checkpoints have no GGUF type to write them in (f32, f16, bf16 only)\n");
+        return KVB_ERR_UNSUPPORTED;
+    }
     kvb_llamacpp *l = calloc(1, sizeof *l);
     if (!l) return KVB_ERR_NOMEM;
     l->threads = threads;
@@ -428,7 +449,7 @@ double kvb_llamacpp_prefill(kvb_llamacpp *l, const int32_t *prompt, int n) {
 }
 
 double kvb_llamacpp_decode(kvb_llamacpp *l, int batch, const int32_t *const *prompts, int ctx, int steps, double *win,
-                           int n_win) {
+                           int n_win, void (*before)(int w)) {
     if (make_context(l, batch, ctx + steps * n_win + 1)) return -1;
     int32_t *next = malloc((size_t)batch * sizeof *next);
     if (!next) return -1;
@@ -439,6 +460,7 @@ double kvb_llamacpp_decode(kvb_llamacpp *l, int batch, const int32_t *const *pro
     }
     rc = rc || ensure_batch(l, batch);
     for (int w = 0; w < n_win && !rc; w++) {
+        if (before) before(w);
         double t0 = kvb_now_s();
         for (int st = 0; st < steps && !rc; st++) {
             int pos = ctx + w * steps + st;

@@ -20,8 +20,9 @@ int kvb_llamacpp_greedy(kvb_llamacpp *l, const int32_t *prompt, int n_prompt, in
 /* Seconds to prefill `n` tokens (one sequence, fresh cache), or < 0 on error. */
 double kvb_llamacpp_prefill(kvb_llamacpp *l, const int32_t *prompt, int n);
 /* Prefills `batch` sequences of `ctx` tokens (prompts[s]), then times `n_win` windows of `steps`
- * decode steps (one token per sequence, greedy): win[w] = seconds per step. 0 on success. */
+ * decode steps (one token per sequence, greedy): win[w] = seconds per step; `before(w)` (may be NULL) is
+ * called before each window, outside its time. 0 on success. */
 double kvb_llamacpp_decode(kvb_llamacpp *l, int batch, const int32_t *const *prompts, int ctx, int steps, double *win,
-                           int n_win);
+                           int n_win, void (*before)(int w));
 
 #endif

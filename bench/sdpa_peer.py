@@ -13,6 +13,20 @@ import statistics
 import sys
 
 
+def time_cuda(fn, reps):
+    """ms of fn() timed with CUDA events, reps times: (median, min, max). Also bench/compiled_peer.py's."""
+    import torch
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), min(times), max(times)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -36,15 +50,7 @@ def main():
     def timed(fn):
         for _ in range(2):
             fn()
-        times = []
-        for _ in range(args.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times), min(times), max(times)
+        return time_cuda(fn, args.reps)
 
     def run(q, k, v, causal):
         """SDPA with the flash backend where it takes the shape, else the best other; returns its name."""

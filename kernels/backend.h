@@ -18,6 +18,14 @@
 #include "common/util/kv_geom.h"
 #include "common/util/util.h"
 
+/* How a product quantizes its input rows before it multiplies (compressed-tensors' input_activations;
+ * docs/weights.md). */
+typedef enum kvb_act_quant {
+    KVB_ACT_NONE = 0,      /* x as it is */
+    KVB_ACT_FP8_TOKEN = 1, /* dynamic, per token: s = max|x| / 448 (the float32 epsilon when 0), q = x / s
+                            * clamped to [-448, 448] and rounded to E4M3, ties to even; y = (q . w^T) * s */
+} kvb_act_quant;
+
 /* A weight matrix or vector on a backend. ne[0] = rows (output features), ne[1] = columns (input
  * features; 1 for a vector). `data` is backend memory owned by the backend (free with weight_free). */
 typedef struct kvb_tensor {
@@ -25,7 +33,21 @@ typedef struct kvb_tensor {
     kvb_dtype dtype;
     int64_t ne[2];
     int view; /* 1: data is the caller's memory, used in place (weight_view); weight_free frees nothing */
+    /* FP8 weights (weight_fp8): element [r][c] stands for data[r][c] * scale[r] (n_scale == ne[0]) or
+     * data[r][c] * scale[0] (n_scale == 1); f32 in backend memory, owned by the tensor. NULL otherwise. */
+    float *scale;
+    int64_t n_scale;
+    kvb_act_quant act; /* how matmul quantizes x for this weight */
 } kvb_tensor;
+
+/* An FP8 weight as a checkpoint holds it (compressed-tensors float-quantized; common/model/quant.h). */
+typedef struct kvb_fp8_weight {
+    const void *data;   /* [rows][cols] E4M3 bytes, host memory (the mapped file) */
+    int64_t rows, cols;
+    const float *scale; /* [n_scale] host f32: one per tensor (n_scale 1) or one per output row (rows) */
+    int64_t n_scale;
+    kvb_act_quant act;
+} kvb_fp8_weight;
 
 /* RoPE parameters precomputed from the model config (HF `rotary_emb`, incl. rope_scaling llama3).
  * The rotation is the "rotate_half" (NeoX) form used by Llama and Qwen3 in transformers. */
@@ -51,9 +73,10 @@ typedef struct kvb_attn_seq {
  * each piece's attention seeing the keys up to its last row (kvb_attn_batch.row0 = c0). Cuts are at
  * rows that are multiples of this, with at least 32 rows of a sequence on each side of a cut inside
  * it, and a piece holds more than 32 rows. A backend's result for a row must not depend on the cuts:
- * the CPU backend's sgemm (OpenBLAS) handles the rows of its operand in groups counted from the
- * first (12 for the Zen / Haswell kernels, the tail by narrower kernels that sum in another order), so
- * pieces starting at multiples of 192 are grouped as in one piece; its attention tiles a sequence's
+ * the CPU backend's OpenBLAS path (no AVX2; the streaming kernel's products do not depend on the rows at
+ * all) handles the rows of its operand in groups counted from the first (12 for the Zen / Haswell
+ * kernels, the tail by narrower kernels that sum in another order), so pieces starting at multiples of
+ * 192 are grouped as in one piece; its attention tiles a sequence's
  * rows at step rows that are multiples of its tile, which divides this. */
 #define KVB_CHUNK_ALIGN_ROWS 192
 
@@ -101,15 +124,21 @@ typedef struct kvb_backend_i {
                               kvb_tensor *dst);
     /* Optional (NULL: every weight goes through weight_load). Makes `dst` use host memory `src` of
      * shape [rows][cols] in place, without a copy, when the backend computes on it as it lies (the CPU
-     * backend: f32, 4-byte aligned); KVB_ERR_UNSUPPORTED otherwise, and the caller loads a copy. The
-     * caller keeps `src` readable until weight_free (the model keeps its safetensors mapping open). */
+     * backend: f32 anything, bf16 and f16 matrices); KVB_ERR_UNSUPPORTED otherwise, and the caller loads a
+     * copy. The caller keeps `src` readable until weight_free (the model keeps its safetensors mapping open). */
     kvb_status (*weight_view)(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
                               kvb_tensor *dst);
+    /* Optional (NULL: FP8 checkpoints are refused on this backend). Creates `dst` from an FP8 weight: the
+     * E4M3 data in place where the backend computes on it as it lies (dst->view = 1: the caller keeps
+     * src->data readable until weight_free, as for weight_view), else copied; the scales copied.
+     * KVB_ERR_INVALID for a NaN byte (0x7f / 0xff) in the data. */
+    kvb_status (*weight_fp8)(void *ctx, const kvb_fp8_weight *src, kvb_tensor *dst);
     void (*weight_free)(void *ctx, kvb_tensor *t);
 
     /* out[i][:] = table[ids[i]][:] for i < n; ids is a host array already validated (< rows). */
     kvb_status (*embed)(void *ctx, const kvb_tensor *table, const int32_t *ids, int n, void *out);
-    /* y[n][rows(w)] = x[n][cols(w)] . w^T + beta * y   (beta 0 or 1: 1 fuses the residual add). */
+    /* y[n][rows(w)] = x[n][cols(w)] . w^T + beta * y   (beta 0 or 1: 1 fuses the residual add); for an FP8
+     * weight, w^T's dequantized values and x quantized as w->act says. */
     kvb_status (*matmul)(void *ctx, const void *x, int n, const kvb_tensor *w, float beta, void *y);
     /* Optional (NULL: the caller runs `matmul` with beta 0 per weight). y[i] = x . w[i]^T for i < nw,
      * weights of the same cols sharing one input (q/k/v, gate/up): one pass of the backend's threads
@@ -135,6 +164,28 @@ typedef struct kvb_backend_i {
     kvb_status (*attention)(void *ctx, const kvb_attn_batch *b, const void *q, void *out);
     /* out[i][:] = x[rows[i]][:] for i < n (rows: host array). */
     kvb_status (*gather_rows)(void *ctx, const void *x, const int32_t *rows, int n, int dim, void *out);
+
+    /* Fused forms of the operators above, for the model's layers (common/model/forward.c). Optional
+     * together: a backend with weight_load_stacked has the other three. */
+    /* Creates `dst` [sum of rows[i]][cols] from n host matrices of the same cols stacked in order (each
+     * from its own dtype; cols 1: vectors, the stacked biases). The model then loads q/k/v and gate/up
+     * stacked and runs each as one product through the operators below; NULL: it keeps them apart. */
+    kvb_status (*weight_load_stacked)(void *ctx, const void *const *src, const kvb_dtype *src_dtype, const int64_t *rows,
+                                      int n, int64_t cols, kvb_tensor *dst);
+    /* y[n][rows(w)] = RMSNorm(x; norm, eps) . w^T, x [n][cols(w)] unchanged: a layer's norm folded into the
+     * product after it. */
+    kvb_status (*matmul_norm)(void *ctx, const void *x, int n, const kvb_tensor *norm, float eps, const kvb_tensor *w,
+                              void *y);
+    /* y[n][rows(w)] = (silu(gu[:, 0:c]) * gu[:, c:2c]) . w^T + beta * y, c = cols(w): gu [n][2c] is the
+     * stacked gate/up product, the SiLU-mul folded into the down product's input. */
+    kvb_status (*matmul_swiglu)(void *ctx, const void *gu, int n, const kvb_tensor *w, float beta, void *y);
+    /* What follows the stacked q/k/v product qkv [n_tokens][(n_heads + 2 n_kv_heads) hd] of batch b: adds
+     * `bias` (the stacked q/k/v biases; NULL: none), applies RMSNorm with q_norm / k_norm to every q / k
+     * head (NULL: none), rotates q and k at pos[n_tokens] (host array), writes q to q_out
+     * [n_tokens][n_heads][hd] and K, V into the current layer's blocks as kv_write does. */
+    kvb_status (*qkv_finish)(void *ctx, const kvb_attn_batch *b, const void *qkv, const kvb_tensor *bias,
+                             const kvb_tensor *q_norm, const kvb_tensor *k_norm, float eps, const int32_t *pos,
+                             const kvb_rope *rope, void *q_out);
 
     /* Sets the number of CPU threads the backend may use (CPU backend: OpenBLAS and OpenMP). */
     void (*set_threads)(void *ctx, int n_threads);

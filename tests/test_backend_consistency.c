@@ -6,8 +6,9 @@
  * The CUDA backend is checked in its three variants (cuda:f32, cuda:f16, cuda = bf16): embedding and
  * row gather, matmul (beta 0 and 1, weights uploaded from f32/f16/bf16), RMSNorm (rows and per-head),
  * RoPE, SiLU.mul, residual add, bias add, KV write (exact), paged attention (decode with and without
- * context splits, prefill tiles, chunked prefill after a past, GQA/MHA/MQA, head sizes 6..256, block
- * sizes 1..32, contexts up to 9000, sliding windows), block copy/gather/scatter (exact), the backend's device-to-device copy
+ * context splits, prefill tiles on tensor cores (bf16, f16) and CUDA cores (f32, odd head sizes),
+ * chunked prefill after a past with key splits, GQA/MHA/MQA, head sizes 6..256, block sizes 1..32,
+ * contexts up to 9000, sliding windows), block copy/gather/scatter (exact), the backend's device-to-device copy
  * from a second thread while operators run (the LSC copy thread), greedy/top-k/top-p sampling against
  * kvb_sample, and the memory pieces (device region handle, pinned buffers, events, VMM chunks).
  *
@@ -226,9 +227,10 @@ KVB_TEST_END
 KVB_TEST(matmul) {
     rng_state = 12;
     kvb_backend *cpu = make("cpu");
-    /* n <= 8 with 16-byte rows take the gemv kernel, the others cuBLAS */
-    int shapes[][3] = {{1, 300, 200}, {5, 257, 64},     {33, 512, 128},   {2, 17, 9},
-                       {64, 1024, 4096}, {1, 4096, 1024}, {8, 96, 136}, {3, 40, 2056}};
+    /* n <= 8 with 16-byte rows take the gemv kernel; 9..64 rows of bf16/f16 with 32-column chunks the
+     * tensor-core kernel (rows not a multiple of its 16 included); the others cuBLAS */
+    int shapes[][3] = {{1, 300, 200},  {5, 257, 64},  {33, 512, 128}, {2, 17, 9},   {64, 1024, 4096}, {1, 4096, 1024},
+                       {8, 96, 136},   {3, 40, 2056}, {9, 200, 96},   {16, 77, 64}, {40, 48, 320},    {65, 64, 128}};
     kvb_dtype srcs[] = {KVB_DTYPE_F32, KVB_DTYPE_F16, KVB_DTYPE_BF16};
     for (int v = 0; v < N_VARIANTS; v++) {
         const variant *V = &VARIANTS[v];
@@ -262,6 +264,120 @@ KVB_TEST(matmul) {
             free(w);
             free(x);
             free(y0);
+        }
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* Weights loaded stacked are the separate loads one after another, bit for bit. */
+static void check_stacked_load(kvb_backend *gpu, const variant *V, const float *w, const int64_t *rows, int n,
+                               int64_t cols) {
+    size_t es = kvb_dtype_size(cols == 1 ? KVB_DTYPE_F32 : V->dt);
+    const void *src[3];
+    kvb_dtype sdt[3] = {KVB_DTYPE_F32, KVB_DTYPE_BF16, KVB_DTYPE_F16};
+    void *enc[3];
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        enc[i] = encode(w + total * cols, (size_t)(rows[i] * cols), sdt[i]);
+        src[i] = enc[i];
+        total += rows[i];
+    }
+    kvb_tensor st;
+    ck_assert_int_eq(gpu->iface->weight_load_stacked(gpu->ctx, src, sdt, rows, n, cols, &st), KVB_OK);
+    ck_assert_int_eq(st.ne[0], total);
+    ck_assert_int_eq(st.ne[1], cols);
+    char *all = malloc((size_t)(total * cols) * es), *one = malloc((size_t)(total * cols) * es);
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, all, st.data, (size_t)(total * cols) * es), KVB_OK);
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        kvb_tensor t;
+        ck_assert_int_eq(gpu->iface->weight_load(gpu->ctx, src[i], sdt[i], rows[i], cols, &t), KVB_OK);
+        ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, one, t.data, (size_t)(rows[i] * cols) * es), KVB_OK);
+        ck_assert_msg(!memcmp(all + (size_t)(off * cols) * es, one, (size_t)(rows[i] * cols) * es),
+                      "%s: stacked part %d differs from its own load", V->name, i);
+        gpu->iface->weight_free(gpu->ctx, &t);
+        off += rows[i];
+        free(enc[i]);
+    }
+    gpu->iface->weight_free(gpu->ctx, &st);
+    free(all);
+    free(one);
+}
+
+/* The fused operators of the bf16/f16 variants (the model's stacked layer) against the CPU backend's
+ * unfused sequence: RMSNorm then matmul; SiLU-mul of the two halves then matmul (beta 0 and 1), over
+ * the gemv (1-8 rows), tensor-core (9-64) and cuBLAS (65+) paths; and stacked weight loads. */
+KVB_TEST(matmul_fused) {
+    rng_state = 24;
+    kvb_backend *cpu = make("cpu");
+    int shapes[][3] = {{1, 300, 256}, {6, 64, 512}, {8, 96, 64}, {9, 200, 96}, {33, 128, 256}, {64, 48, 128}, {70, 64, 192}};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        if (!gpu->iface->weight_load_stacked) { /* f32 keeps the CPU backend's order of operations */
+            ck_assert_ptr_null(gpu->iface->matmul_norm);
+            kvb_backend_destroy(gpu);
+            continue;
+        }
+        float *wst = rand_vec(3 * 40 * 64, 1.0f, V->dt);
+        int64_t rows3[] = {40, 16, 16}, vrows[] = {40, 16, 16};
+        check_stacked_load(gpu, V, wst, rows3, 3, 64);
+        check_stacked_load(gpu, V, wst, vrows, 3, 1);
+        free(wst);
+        for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
+            int n = shapes[si][0], rows = shapes[si][1], cols = shapes[si][2];
+            float *w = rand_vec((size_t)rows * cols, 0.1f, V->dt), *g = rand_vec((size_t)cols, 1.0f, KVB_DTYPE_F32);
+            float *x = rand_vec((size_t)n * cols, 2.0f, V->dt), *gu = rand_vec((size_t)n * 2 * cols, 2.0f, V->dt);
+            float *y0 = rand_vec((size_t)n * rows, 1.0f, V->dt);
+            kvb_tensor wc, wg, gc, gg;
+            load_both(cpu, gpu, w, rows, cols, KVB_DTYPE_F32, &wc, &wg);
+            load_both(cpu, gpu, g, cols, 1, KVB_DTYPE_F32, &gc, &gg);
+            void *xg = upload(gpu, x, (size_t)n * cols), *gug = upload(gpu, gu, (size_t)n * 2 * cols);
+            /* RMSNorm folded into the product */
+            float *h = malloc(sizeof(float) * n * cols), *yc = malloc(sizeof(float) * n * rows);
+            ck_assert_int_eq(cpu->iface->rmsnorm(cpu->ctx, x, n, cols, &gc, 1e-5f, h), KVB_OK);
+            ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, h, n, &wc, 0.0f, yc), KVB_OK);
+            void *yg = upload(gpu, y0, (size_t)n * rows);
+            ck_assert_int_eq(gpu->iface->matmul_norm(gpu->ctx, xg, n, &gg, 1e-5f, &wg, yg), KVB_OK);
+            float *got = download(gpu, yg, (size_t)n * rows);
+            CHECK_CLOSE(got, yc, (size_t)n * rows, V, "matmul_norm n=%d %dx%d", n, rows, cols);
+            free(got);
+            float *x2 = download(gpu, xg, (size_t)n * cols); /* x is not changed */
+            ck_assert_int_eq(memcmp(x2, x, sizeof(float) * n * cols), 0);
+            free(x2);
+            /* SiLU-mul of the stacked gate/up product folded into the product */
+            for (int beta = 0; beta <= 1; beta++) {
+                float *act = malloc(sizeof(float) * n * cols);
+                for (int t = 0; t < n; t++)
+                    ck_assert_int_eq(cpu->iface->silu_mul(cpu->ctx, gu + (size_t)t * 2 * cols, gu + (size_t)t * 2 * cols + cols,
+                                                          (size_t)cols, act + (size_t)t * cols),
+                                     KVB_OK);
+                memcpy(yc, y0, sizeof(float) * n * rows);
+                ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, act, n, &wc, (float)beta, yc), KVB_OK);
+                void *yg2 = upload(gpu, y0, (size_t)n * rows);
+                ck_assert_int_eq(gpu->iface->matmul_swiglu(gpu->ctx, gug, n, &wg, (float)beta, yg2), KVB_OK);
+                float *got2 = download(gpu, yg2, (size_t)n * rows);
+                CHECK_CLOSE(got2, yc, (size_t)n * rows, V, "matmul_swiglu n=%d %dx%d beta %d", n, rows, cols, beta);
+                kvb_mem_free(gpu->mem, yg2);
+                free(got2);
+                free(act);
+            }
+            kvb_mem_free(gpu->mem, xg);
+            kvb_mem_free(gpu->mem, gug);
+            kvb_mem_free(gpu->mem, yg);
+            cpu->iface->weight_free(cpu->ctx, &wc);
+            gpu->iface->weight_free(gpu->ctx, &wg);
+            cpu->iface->weight_free(cpu->ctx, &gc);
+            gpu->iface->weight_free(gpu->ctx, &gg);
+            free(w);
+            free(g);
+            free(x);
+            free(gu);
+            free(y0);
+            free(h);
+            free(yc);
         }
         kvb_backend_destroy(gpu);
     }
@@ -404,6 +520,85 @@ typedef struct seq_spec {
     int q_len, ctx_len;
 } seq_spec;
 
+/* KV blocks for the same sequences on both backends: the sequences' blocks live in layer 1 of a 2-layer
+ * block-major pool, handed out in a scrambled order. seqs[s] covers sequence s's last q_len tokens
+ * (rows [q_start, q_start + q_len) of a batch), fill[s] its whole context. */
+typedef struct kv_pools {
+    kvb_kv_geom gc, gg;       /* geometry on the CPU (f32) and the GPU (its dtype) */
+    kvb_attn_seq *seqs, *fill; /* [n_seqs] */
+    int n_seqs, n_tok, n_fill, n_blk, bs;
+    size_t row, blk_elems, es; /* K or V row elements, elements of a block, GPU element size */
+    float *pool_c;
+    void *pool_g;
+    void **pc, **pg;           /* [n_blk] layer-1 slice of each block entry */
+} kv_pools;
+
+static void pools_make(kvb_backend *gpu, const variant *V, const seq_spec *specs, int n_seqs, int n_kv, int hd, int bs,
+                       kv_pools *p) {
+    memset(p, 0, sizeof *p);
+    p->es = kvb_dtype_size(V->dt);
+    p->bs = bs;
+    p->n_seqs = n_seqs;
+    p->gc = (kvb_kv_geom){.n_layers = 2, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
+    p->gg = p->gc;
+    p->gg.elem_size = (int)p->es;
+    p->fill = calloc((size_t)n_seqs, sizeof *p->fill);
+    p->seqs = calloc((size_t)n_seqs, sizeof *p->seqs);
+    for (int s = 0; s < n_seqs; s++) {
+        int nb = KVB_DIV_CEIL(specs[s].ctx_len, bs);
+        p->fill[s] = (kvb_attn_seq){.q_start = p->n_fill, .q_len = specs[s].ctx_len, .ctx_len = specs[s].ctx_len,
+                                    .n_blocks = nb, .blk_first = p->n_blk};
+        p->seqs[s] = (kvb_attn_seq){.q_start = p->n_tok, .q_len = specs[s].q_len, .ctx_len = specs[s].ctx_len,
+                                    .n_blocks = nb, .blk_first = p->n_blk};
+        p->n_fill += specs[s].ctx_len;
+        p->n_tok += specs[s].q_len;
+        p->n_blk += nb;
+    }
+    p->row = (size_t)n_kv * hd;
+    size_t layer_elems = 2 * (size_t)bs * p->row;
+    p->blk_elems = 2 * layer_elems;
+    p->pool_c = calloc((size_t)p->n_blk * p->blk_elems, sizeof(float));
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)p->n_blk * p->blk_elems * p->es, &p->pool_g), KVB_OK);
+    p->pc = malloc(sizeof(void *) * p->n_blk);
+    p->pg = malloc(sizeof(void *) * p->n_blk);
+    int mul = kvb_test_scramble_mul(p->n_blk);
+    for (int j = 0; j < p->n_blk; j++) {
+        size_t at = (size_t)((j * (size_t)mul + 3) % (size_t)p->n_blk) * p->blk_elems + layer_elems; /* layer 1 */
+        p->pc[j] = p->pool_c + at;
+        p->pg[j] = (char *)p->pool_g + at * p->es;
+    }
+}
+
+static void pools_free(kvb_backend *gpu, kv_pools *p) {
+    kvb_mem_free(gpu->mem, p->pool_g);
+    free(p->seqs);
+    free(p->fill);
+    free(p->pool_c);
+    free(p->pc);
+    free(p->pg);
+}
+
+/* The K and V rows of the positions [ctx_len - q_len, ctx_len) of every sequence, as written in each
+ * pool, into want (CPU) and got (GPU, decoded), [rows][row]; returns the element count. */
+static size_t pools_rows(kvb_backend *gpu, const kv_pools *p, const seq_spec *specs, const kvb_attn_seq *which,
+                         float *want, float *got) {
+    char *raw = malloc((size_t)p->n_blk * p->blk_elems * p->es);
+    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, raw, p->pool_g, (size_t)p->n_blk * p->blk_elems * p->es), KVB_OK);
+    size_t m = 0;
+    for (int s = 0; s < p->n_seqs; s++)
+        for (int pos = specs[s].ctx_len - which[s].q_len; pos < specs[s].ctx_len; pos++)
+            for (int kv = 0; kv < 2; kv++) {
+                size_t off = (size_t)kv * p->bs * p->row + (size_t)(pos % p->bs) * p->row;
+                int j = which[s].blk_first + pos / p->bs;
+                memcpy(want + m, (const float *)p->pc[j] + off, sizeof(float) * p->row);
+                decode_dt(raw + ((char *)p->pg[j] - (char *)p->pool_g) + off * p->es, p->row, gpu->iface->act_dtype,
+                          got + m);
+                m += p->row;
+            }
+    free(raw);
+    return m;
+}
+
 /* Fills every sequence's whole context with kv_write (one prefill-like batch), checks the blocks are
  * identical, then runs one attention step with the given q_len per sequence on both backends. The
  * blocks live in layer 1 of a 2-layer block-major pool, handed out in a scrambled order. */
@@ -411,57 +606,30 @@ static void check_attention_w(kvb_backend *cpu, kvb_backend *gpu, const variant 
                               int n_seqs, int n_heads, int n_kv, int hd, int bs, int window) {
     kvb_dtype dt = V->dt;
     size_t es = kvb_dtype_size(dt);
-    kvb_kv_geom gc = {.n_layers = 2, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
-    kvb_kv_geom gg = gc;
-    gg.elem_size = (int)es;
-    kvb_attn_seq *fill_seqs = calloc((size_t)n_seqs, sizeof *fill_seqs), *step = calloc((size_t)n_seqs, sizeof *step);
-    int n_fill = 0, n_tok = 0, n_blk = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        int nb = KVB_DIV_CEIL(specs[s].ctx_len, bs);
-        fill_seqs[s] = (kvb_attn_seq){.q_start = n_fill, .q_len = specs[s].ctx_len, .ctx_len = specs[s].ctx_len,
-                                      .n_blocks = nb, .blk_first = n_blk};
-        step[s] = (kvb_attn_seq){.q_start = n_tok, .q_len = specs[s].q_len, .ctx_len = specs[s].ctx_len,
-                                 .n_blocks = nb, .blk_first = n_blk};
-        n_fill += specs[s].ctx_len;
-        n_tok += specs[s].q_len;
-        n_blk += nb;
-    }
-    size_t row = (size_t)n_kv * hd, layer_elems = 2 * (size_t)bs * row, blk_elems = 2 * layer_elems;
-    float *pool_c = calloc((size_t)n_blk * blk_elems, sizeof(float));
-    void *pool_g = NULL;
-    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n_blk * blk_elems * es, &pool_g), KVB_OK);
-    void **pc = malloc(sizeof(void *) * n_blk), **pg = malloc(sizeof(void *) * n_blk);
-    int mul = kvb_test_scramble_mul(n_blk);
-    for (int j = 0; j < n_blk; j++) {
-        size_t at = (size_t)((j * (size_t)mul + 3) % (size_t)n_blk) * blk_elems + layer_elems; /* layer 1 */
-        pc[j] = pool_c + at;
-        pg[j] = (char *)pool_g + at * es;
-    }
+    kv_pools P;
+    pools_make(gpu, V, specs, n_seqs, n_kv, hd, bs, &P);
+    int n_fill = P.n_fill, n_tok = P.n_tok;
+    size_t row = P.row;
+    kvb_attn_seq *step = P.seqs;
     /* the whole context of every sequence through kv_write */
     float *kf = rand_vec((size_t)n_fill * row, 1.0f, dt), *vf = rand_vec((size_t)n_fill * row, 1.0f, dt);
     void *kfg = upload(gpu, kf, (size_t)n_fill * row), *vfg = upload(gpu, vf, (size_t)n_fill * row);
     float scale = (float)(1 / sqrt(hd));
-    kvb_attn_batch bc = {.geom = &gc, .n_heads = n_heads, .n_tokens = n_fill, .n_seqs = n_seqs, .seqs = fill_seqs,
-                         .layer_blocks = pc, .scale = scale};
+    kvb_attn_batch bc = {.geom = &P.gc, .n_heads = n_heads, .n_tokens = n_fill, .n_seqs = n_seqs, .seqs = P.fill,
+                         .layer_blocks = P.pc, .scale = scale};
     kvb_attn_batch bg = bc;
-    bg.geom = &gg;
-    bg.layer_blocks = pg;
+    bg.geom = &P.gg;
+    bg.layer_blocks = P.pg;
     ck_assert_int_eq(cpu->iface->kv_write(cpu->ctx, &bc, kf, vf), KVB_OK);
     ck_assert_int_eq(gpu->iface->kv_write(gpu->ctx, &bg, kfg, vfg), KVB_OK);
     /* kv_write moves bytes: every written slot is identical */
-    char *raw = malloc((size_t)n_blk * blk_elems * es);
-    ck_assert_int_eq(gpu->iface->to_host(gpu->ctx, raw, pool_g, (size_t)n_blk * blk_elems * es), KVB_OK);
-    float *slot = malloc(sizeof(float) * row);
-    for (int s = 0; s < n_seqs; s++)
-        for (int p = 0; p < specs[s].ctx_len; p++)
-            for (int kv = 0; kv < 2; kv++) {
-                size_t off = (size_t)kv * bs * row + (size_t)(p % bs) * row;
-                const float *want = (const float *)pc[fill_seqs[s].blk_first + p / bs] + off;
-                decode_dt(raw + ((char *)pg[fill_seqs[s].blk_first + p / bs] - (char *)pool_g) + off * es, row, dt,
-                          slot);
-                ck_assert_msg(!memcmp(slot, want, sizeof(float) * row), "%s: kv_write seq %d pos %d %s differs",
-                              V->name, s, p, kv ? "V" : "K");
-            }
+    float *want = malloc(sizeof(float) * 2 * n_fill * row), *got_kv = malloc(sizeof(float) * 2 * n_fill * row);
+    size_t m = pools_rows(gpu, &P, specs, P.fill, want, got_kv);
+    for (size_t i = 0; i < m; i++)
+        ck_assert_msg(want[i] == got_kv[i], "%s: kv_write: element %zu of K/V row %zu differs (%g, CPU %g)", V->name,
+                      i % row, i / row, got_kv[i], want[i]);
+    free(want);
+    free(got_kv);
     /* one step */
     float *q = rand_vec((size_t)n_tok * n_heads * hd, 1.0f, dt), *oc = malloc(sizeof(float) * n_tok * n_heads * hd);
     void *qg = upload(gpu, q, (size_t)n_tok * n_heads * hd), *og = NULL;
@@ -480,20 +648,13 @@ static void check_attention_w(kvb_backend *cpu, kvb_backend *gpu, const variant 
     float *again = download(gpu, og, (size_t)n_tok * n_heads * hd);
     ck_assert_int_eq(memcmp(got, again, sizeof(float) * n_tok * n_heads * hd), 0);
 
-    kvb_mem_free(gpu->mem, pool_g);
     kvb_mem_free(gpu->mem, kfg);
     kvb_mem_free(gpu->mem, vfg);
     kvb_mem_free(gpu->mem, qg);
     kvb_mem_free(gpu->mem, og);
-    free(fill_seqs);
-    free(step);
-    free(pool_c);
-    free(pc);
-    free(pg);
+    pools_free(gpu, &P);
     free(kf);
     free(vf);
-    free(raw);
-    free(slot);
     free(q);
     free(oc);
     free(got);
@@ -504,6 +665,117 @@ static void check_attention(kvb_backend *cpu, kvb_backend *gpu, const variant *V
                             int n_heads, int n_kv, int hd, int bs) {
     check_attention_w(cpu, gpu, V, specs, n_seqs, n_heads, n_kv, hd, bs, 0);
 }
+
+/* qkv_finish (bf16/f16: bias, q/k norm, RoPE and KV write after the stacked q/k/v product) against
+ * the CPU backend's bias_add, per-head rmsnorm, rope and kv_write on the split product. */
+static void check_qkv_finish(kvb_backend *cpu, kvb_backend *gpu, const variant *V, const seq_spec *specs, int n_seqs,
+                             int n_heads, int n_kv, int hd, int bs, int with_bias, int with_norm) {
+    kvb_dtype dt = V->dt;
+    size_t es = kvb_dtype_size(dt);
+    kv_pools P;
+    pools_make(gpu, V, specs, n_seqs, n_kv, hd, bs, &P);
+    int n_tok = P.n_tok;
+    size_t row = P.row;
+    int heads = n_heads + 2 * n_kv;
+    size_t width = (size_t)heads * hd;
+    float *qkv = rand_vec((size_t)n_tok * width, 2.0f, dt), *bias = rand_vec(width, 0.5f, KVB_DTYPE_F32);
+    float *qn = rand_vec((size_t)hd, 1.0f, KVB_DTYPE_F32), *kn = rand_vec((size_t)hd, 1.0f, KVB_DTYPE_F32);
+    int32_t *pos = malloc(sizeof(int32_t) * n_tok);
+    for (int t = 0; t < n_tok; t++) pos[t] = (int32_t)(t * 37 + 5);
+    float *inv = malloc(sizeof(float) * hd / 2);
+    for (int i = 0; i < hd / 2; i++) inv[i] = (float)pow(10000.0, -2.0 * i / hd);
+    kvb_rope rope = {.head_dim = hd, .inv_freq = inv};
+    float scale = (float)(1 / sqrt(hd));
+    kvb_attn_batch bc = {.geom = &P.gc, .n_heads = n_heads, .n_tokens = n_tok, .n_seqs = n_seqs, .seqs = P.seqs,
+                         .layer_blocks = P.pc, .scale = scale};
+    kvb_attn_batch bg = bc;
+    bg.geom = &P.gg;
+    bg.layer_blocks = P.pg;
+    /* the CPU: split, bias, norm, rope, kv_write */
+    float *q = malloc(sizeof(float) * n_tok * n_heads * hd), *k = malloc(sizeof(float) * n_tok * row),
+          *v = malloc(sizeof(float) * n_tok * row);
+    for (int t = 0; t < n_tok; t++) {
+        memcpy(q + (size_t)t * n_heads * hd, qkv + t * width, sizeof(float) * n_heads * hd);
+        memcpy(k + (size_t)t * row, qkv + t * width + (size_t)n_heads * hd, sizeof(float) * row);
+        memcpy(v + (size_t)t * row, qkv + t * width + (size_t)(n_heads + n_kv) * hd, sizeof(float) * row);
+    }
+    kvb_tensor tb[3], tqn, tkn, gb, gqn, gkn;
+    if (with_bias) {
+        int64_t off[3] = {0, (int64_t)n_heads * hd, (int64_t)(n_heads + n_kv) * hd}, len[3] = {off[1], (int64_t)row, (int64_t)row};
+        float *dst[3] = {q, k, v};
+        for (int i = 0; i < 3; i++) {
+            ck_assert_int_eq(cpu->iface->weight_load(cpu->ctx, bias + off[i], KVB_DTYPE_F32, len[i], 1, &tb[i]), KVB_OK);
+            ck_assert_int_eq(cpu->iface->bias_add(cpu->ctx, dst[i], n_tok, &tb[i]), KVB_OK);
+            cpu->iface->weight_free(cpu->ctx, &tb[i]);
+        }
+        ck_assert_int_eq(gpu->iface->weight_load(gpu->ctx, bias, KVB_DTYPE_F32, (int64_t)width, 1, &gb), KVB_OK);
+    }
+    if (with_norm) {
+        load_both(cpu, gpu, qn, hd, 1, KVB_DTYPE_F32, &tqn, &gqn);
+        load_both(cpu, gpu, kn, hd, 1, KVB_DTYPE_F32, &tkn, &gkn);
+        ck_assert_int_eq(cpu->iface->rmsnorm(cpu->ctx, q, n_tok * n_heads, hd, &tqn, 1e-6f, q), KVB_OK);
+        ck_assert_int_eq(cpu->iface->rmsnorm(cpu->ctx, k, n_tok * n_kv, hd, &tkn, 1e-6f, k), KVB_OK);
+    }
+    ck_assert_int_eq(cpu->iface->rope(cpu->ctx, q, n_heads, k, n_kv, n_tok, pos, &rope), KVB_OK);
+    ck_assert_int_eq(cpu->iface->kv_write(cpu->ctx, &bc, k, v), KVB_OK);
+    /* the GPU in one call */
+    void *qkvg = upload(gpu, qkv, (size_t)n_tok * width), *qo = NULL;
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, (size_t)n_tok * n_heads * hd * es, &qo), KVB_OK);
+    ck_assert_int_eq(gpu->iface->qkv_finish(gpu->ctx, &bg, qkvg, with_bias ? &gb : NULL, with_norm ? &gqn : NULL,
+                                            with_norm ? &gkn : NULL, 1e-6f, pos, &rope, qo),
+                     KVB_OK);
+    float *gq = download(gpu, qo, (size_t)n_tok * n_heads * hd);
+    CHECK_CLOSE(gq, q, (size_t)n_tok * n_heads * hd, V, "qkv_finish q: heads %d/%d hd %d bias %d norm %d", n_heads, n_kv,
+                hd, with_bias, with_norm);
+    /* the K and V rows written, gathered from both pools */
+    float *want = malloc(sizeof(float) * 2 * n_tok * row), *got = malloc(sizeof(float) * 2 * n_tok * row);
+    size_t m = pools_rows(gpu, &P, specs, P.seqs, want, got);
+    CHECK_CLOSE(got, want, m, V, "qkv_finish K/V rows: heads %d/%d hd %d bias %d norm %d", n_heads, n_kv, hd, with_bias,
+                with_norm);
+    if (with_bias) gpu->iface->weight_free(gpu->ctx, &gb);
+    if (with_norm) {
+        cpu->iface->weight_free(cpu->ctx, &tqn);
+        cpu->iface->weight_free(cpu->ctx, &tkn);
+        gpu->iface->weight_free(gpu->ctx, &gqn);
+        gpu->iface->weight_free(gpu->ctx, &gkn);
+    }
+    kvb_mem_free(gpu->mem, qkvg);
+    kvb_mem_free(gpu->mem, qo);
+    pools_free(gpu, &P);
+    free(qkv);
+    free(bias);
+    free(qn);
+    free(kn);
+    free(pos);
+    free(inv);
+    free(q);
+    free(k);
+    free(v);
+    free(gq);
+    free(want);
+    free(got);
+}
+
+KVB_TEST(qkv_finish) {
+    rng_state = 25;
+    kvb_backend *cpu = make("cpu");
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        if (!gpu->iface->qkv_finish) {
+            kvb_backend_destroy(gpu);
+            continue;
+        }
+        seq_spec mix[] = {{5, 5}, {1, 40}, {17, 50}, {3, 16}};
+        check_qkv_finish(cpu, gpu, &VARIANTS[v], mix, 4, 8, 2, 64, 16, 0, 0);
+        check_qkv_finish(cpu, gpu, &VARIANTS[v], mix, 4, 8, 2, 64, 7, 1, 0);  /* Qwen2: biases */
+        check_qkv_finish(cpu, gpu, &VARIANTS[v], mix, 4, 4, 1, 128, 16, 0, 1); /* Qwen3: q/k norms */
+        check_qkv_finish(cpu, gpu, &VARIANTS[v], mix, 4, 2, 2, 256, 1, 1, 1);
+        check_qkv_finish(cpu, gpu, &VARIANTS[v], mix, 4, 3, 1, 6, 32, 1, 1); /* heads narrower than a warp */
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
 
 KVB_TEST(attention_decode) {
     rng_state = 16;
@@ -553,6 +825,23 @@ KVB_TEST(attention_prefill) {
         int bss[] = {1, 7, 16, 32};
         for (size_t i = 0; i < KVB_ARRAY_LEN(bss); i++) check_attention(cpu, gpu, &VARIANTS[v], mix, 6, 8, 2, 64, bss[i]);
         check_attention(cpu, gpu, &VARIANTS[v], mix, 6, 32, 8, 128, 16);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* A short chunk over a long past (chunked prefill of a long prompt, a turn after a long history): on
+ * the tensor-core prefill too few tiles to fill the device, so each tile's keys are split and the
+ * group's last split merges them; with and without a sliding window, and beside decode rows. */
+KVB_TEST(attention_chunk_over_past) {
+    rng_state = 23;
+    kvb_backend *cpu = make("cpu");
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        seq_spec mix[] = {{48, 3000}, {1, 1500}, {20, 2100}};
+        check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 16, 4, 128, 16);
+        check_attention_w(cpu, gpu, &VARIANTS[v], mix, 3, 8, 2, 64, 32, 700);
         kvb_backend_destroy(gpu);
     }
     kvb_backend_destroy(cpu);
@@ -880,11 +1169,13 @@ static int probe(char *why, size_t len) { return kvb_mem_probe("cuda", 0, why, l
 int main(int argc, char **argv) {
     const kvb_test table[] = {
         KVB_T(variants_and_errors, 60),  KVB_T(embed_gather_rows, 60),
-        KVB_T(matmul, 120),              KVB_T(rmsnorm, 60),
+        KVB_T(matmul, 120),              KVB_T(matmul_fused, 120),
+        KVB_T(qkv_finish, 60),           KVB_T(rmsnorm, 60),
         KVB_T(rope, 60),                 KVB_T(silu_mul_add, 60),
         KVB_T(attention_decode, 300),    KVB_T(attention_long_context_split, 300),
         KVB_T(attention_prefill, 300),   KVB_T(attention_head_shapes, 300),
-        KVB_T(attention_sliding_window, 300), KVB_T(bias_add, 60),
+        KVB_T(attention_sliding_window, 300), KVB_T(attention_chunk_over_past, 300),
+        KVB_T(bias_add, 60),
         KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120),
         KVB_T(sampling, 120),
         KVB_T(cuda_memory, 60),

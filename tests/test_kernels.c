@@ -1,10 +1,12 @@
 /* Tests of the CPU backend's kernels against naive double-precision loops, on fresh random inputs.
  * Attention is checked on ragged batches mixing decode-like and prefill-like sequences (both code
  * paths), with GQA and MHA, block sizes 1, 7, 16, and blocks scattered out of order in the pool. */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/ops.h"
 #include "tests/harness.h"
 
 static uint64_t rng_state;
@@ -110,10 +112,11 @@ static const char *need_avx512(void) {
     return "the processor has no AVX-512 (both runs would take the AVX2 kernels)";
 }
 
-/* A row's products do not depend on the batch it is in (decode batches up to 32 on AVX2): greedy
- * tokens then do not change when a policy batches, preempts or swaps other sequences. */
+/* A row's products do not depend on the batch it is in (decode batches and prefill chunks alike on
+ * AVX2): greedy tokens then do not change when a policy batches, preempts or swaps other sequences, and a
+ * token's KV is the same bits whether a prefill or a decode step computed it (recomputation). */
 static void check_batch_invariant(int rows, int cols) {
-    int nmax = 32;
+    int nmax = 140;
     kvb_backend *be = make_backend(2);
     float *w = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * nmax * cols);
     float *y = malloc(sizeof(float) * nmax * rows), *y1 = malloc(sizeof(float) * rows);
@@ -121,8 +124,8 @@ static void check_batch_invariant(int rows, int cols) {
     fill(x, (size_t)nmax * cols);
     kvb_tensor t;
     ck_assert_int_eq(be->iface->weight_load(be->ctx, w, KVB_DTYPE_F32, rows, cols, &t), KVB_OK);
-    for (int n = 2; n <= nmax; n += 5)
-        for (int i = 0; i < n; i += 3) {
+    for (int n = 2; n <= nmax; n += n < 40 ? 5 : 31)
+        for (int i = 0; i < n; i += n < 40 ? 3 : 17) {
             ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &t, 0.0f, y), KVB_OK);
             ck_assert_int_eq(be->iface->matmul(be->ctx, x + (size_t)i * cols, 1, &t, 0.0f, y1), KVB_OK);
             ck_assert_msg(!memcmp(y + (size_t)i * rows, y1, sizeof(float) * rows),
@@ -147,9 +150,9 @@ KVB_TEST(matmul_batch_invariant) {
 }
 KVB_TEST_END
 
-/* matmul_n over q/k/v-like weights gives each product as matmul does — bit for bit at decode sizes
- * (the streaming kernel), within rounding at prefill sizes — on 1 to 3 threads (the team's row split
- * crosses the weights' boundaries), and refuses weights of different widths. */
+/* matmul_n over q/k/v-like weights gives each product as matmul does — bit for bit with AVX2 (the
+ * streaming kernel, decode and prefill sizes), within rounding on OpenBLAS — on 1 to 3 threads (the
+ * team's row split crosses the weights' boundaries), and refuses weights of different widths. */
 KVB_TEST(matmul_n_matches_matmul) {
     rng_state = 11;
     int avx2 = have_avx2();
@@ -174,10 +177,10 @@ KVB_TEST(matmul_n_matches_matmul) {
             for (int i = 0; i < 3; i++) {
                 ck_assert_int_eq(be->iface->matmul(be->ctx, x, ns[k], &t[i], 0.0f, y1), KVB_OK);
                 size_t m = (size_t)ns[k] * rows[i];
-                if (ns[k] <= 32 && avx2) {
+                if (avx2) {
                     ck_assert_msg(!memcmp(y[i], y1, sizeof(float) * m), "weight %d, n=%d, %d threads, simd %s", i, ns[k], th,
                                   simd_levels[run / 3] ? simd_levels[run / 3] : "widest");
-                } else { /* sgemm's results depend on the width of the slice it gets */
+                } else { /* OpenBLAS's results depend on the width of the slice it gets */
                     double e = 0;
                     for (size_t j = 0; j < m; j++) e = fmax(e, fabs((double)y[i][j] - y1[j]));
                     ck_assert_msg(e < 1e-5, "weight %d, n=%d, %d threads: %g", i, ns[k], th, e);
@@ -218,6 +221,231 @@ KVB_TEST(weight_load_half) {
     ck_assert_int_eq(t2.ne[1], 1);
     be->iface->weight_free(be->ctx, &t1);
     be->iface->weight_free(be->ctx, &t2);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+/* A weight of dtype dt ([rows][cols], random values rounded to dt) in place (weight_view) against the same
+ * values widened to f32 (weight_load): with the SIMD kernels the products are the same bits, decode and
+ * prefill sizes, beta 0 and 1; without them (OpenBLAS on widened panels) within rounding. */
+static void check_half_matmul(kvb_backend *be, kvb_dtype dt, int n, int rows, int cols, int exact) {
+    uint16_t *h = malloc(sizeof(uint16_t) * rows * cols);
+    float *wide = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * n * cols);
+    float *y0 = malloc(sizeof(float) * n * rows), *y1 = malloc(sizeof(float) * n * rows);
+    for (int i = 0; i < rows * cols; i++) {
+        float v = frand() * 2.0f;
+        h[i] = dt == KVB_DTYPE_BF16 ? kvb_f32_to_bf16(v) : kvb_f32_to_f16(v);
+        wide[i] = dt == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(h[i]) : kvb_f16_to_f32(h[i]);
+    }
+    fill(x, (size_t)n * cols);
+    kvb_tensor tv, tw;
+    ck_assert_int_eq(be->iface->weight_view(be->ctx, h, dt, rows, cols, &tv), KVB_OK);
+    ck_assert_int_eq(tv.dtype, dt);
+    ck_assert_int_eq(tv.view, 1);
+    ck_assert_int_eq(be->iface->weight_load(be->ctx, wide, KVB_DTYPE_F32, rows, cols, &tw), KVB_OK);
+    for (int beta = 0; beta <= 1; beta++) {
+        fill(y0, (size_t)n * rows);
+        memcpy(y1, y0, sizeof(float) * n * rows);
+        ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &tv, (float)beta, y0), KVB_OK);
+        ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &tw, (float)beta, y1), KVB_OK);
+        if (exact) {
+            ck_assert_msg(!memcmp(y0, y1, sizeof(float) * n * rows), "%s n=%d %dx%d beta %d: not the f32 bits",
+                          kvb_dtype_name(dt), n, rows, cols, beta);
+        } else {
+            double e = 0, m = 0;
+            for (int i = 0; i < n * rows; i++) e = fmax(e, fabs((double)y0[i] - y1[i])), m = fmax(m, fabs(y1[i]));
+            ck_assert_msg(e <= 1e-5 * m, "%s n=%d %dx%d: %g", kvb_dtype_name(dt), n, rows, cols, e / m);
+        }
+    }
+    be->iface->weight_free(be->ctx, &tv);
+    be->iface->weight_free(be->ctx, &tw);
+    free(h);
+    free(wide);
+    free(x);
+    free(y0);
+    free(y1);
+}
+
+KVB_TEST(matmul_half_weights_exact) {
+    rng_state = 21;
+    /* decode batches (widened in registers) and prefill chunks (blocks widened once, x in chunks of 64),
+     * 16-lane and 8-lane column counts, rows not a multiple of the tiles */
+    int shapes[][3] = {{1, 301, 512}, {5, 257, 64}, {32, 190, 96}, {33, 301, 128}, {100, 97, 520}, {200, 64, 256},
+                       {7, 100, 40}, {40, 50, 8}};
+    const char *levels[] = {NULL, "avx2", "0"};
+    int avx2 = have_avx2();
+    for (size_t l = 0; l < KVB_ARRAY_LEN(levels); l++) {
+        use_simd(levels[l]);
+        for (int th = 1; th <= 3; th += 2) {
+            kvb_backend *be = make_backend(th);
+            for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
+                for (int d = 0; d < 2; d++)
+                    check_half_matmul(be, d ? KVB_DTYPE_F16 : KVB_DTYPE_BF16, shapes[i][0], shapes[i][1], shapes[i][2],
+                                      avx2 && l < 2);
+            kvb_backend_destroy(be);
+        }
+    }
+    use_simd(NULL);
+}
+KVB_TEST_END
+
+/* The embedding of a bf16 or f16 table in place gives the widened rows; vectors of half types and
+ * misaligned data are not viewed (the caller converts a copy). */
+KVB_TEST(weight_view_half) {
+    kvb_backend *be = make_backend(1);
+    enum { V = 5, D = 24 };
+    uint16_t tab[V * D + 1];
+    for (int i = 0; i < V * D + 1; i++) tab[i] = kvb_f32_to_bf16((float)i / 7.0f - 3.0f);
+    kvb_tensor t;
+    ck_assert_int_eq(be->iface->weight_view(be->ctx, tab, KVB_DTYPE_BF16, V, D, &t), KVB_OK);
+    int32_t ids[3] = {4, 0, 2};
+    float out[3 * D];
+    ck_assert_int_eq(be->iface->embed(be->ctx, &t, ids, 3, out), KVB_OK);
+    for (int i = 0; i < 3; i++)
+        for (int c = 0; c < D; c++) ck_assert_float_eq(out[i * D + c], kvb_bf16_to_f32(tab[ids[i] * D + c]));
+    be->iface->weight_free(be->ctx, &t);
+    ck_assert_int_eq(be->iface->weight_view(be->ctx, tab, KVB_DTYPE_F16, D, 1, &t), KVB_ERR_UNSUPPORTED);
+    ck_assert_int_eq(be->iface->weight_view(be->ctx, (char *)tab + 1, KVB_DTYPE_BF16, V, D, &t), KVB_ERR_UNSUPPORTED);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+/* E4M3 conversions: every byte's value (bias 7, subnormals m * 2^-9, 0x7f / 0xff NaN), the round trip,
+ * and rounding to nearest with ties to even at every midpoint between neighbours. */
+KVB_TEST(e4m3_conversions) {
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        float v = kvb_e4m3_to_f32((uint8_t)b);
+        if (e == 15 && m == 7) {
+            ck_assert(isnan(v));
+            continue;
+        }
+        double want = (e ? (1.0 + m / 8.0) * ldexp(1.0, e - 7) : m * ldexp(1.0, -9)) * (b & 0x80 ? -1 : 1);
+        ck_assert_msg(v == (float)want, "byte 0x%02x: %g, expected %g", b, v, want);
+        ck_assert_msg(kvb_f32_to_e4m3(v) == b || (v == 0.0f && (kvb_f32_to_e4m3(v) & 0x7f) == 0), "round trip 0x%02x", b);
+        ck_assert_float_eq(kvb_e4m3_round(v), v);
+    }
+    /* midpoints between consecutive positive values: ties go to the even mantissa */
+    for (int b = 0; b < 0x7e; b++) {
+        float lo = kvb_e4m3_to_f32((uint8_t)b), hi = kvb_e4m3_to_f32((uint8_t)(b + 1));
+        float mid = 0.5f * (lo + hi), even = b % 2 == 0 ? lo : hi;
+        ck_assert_msg(kvb_e4m3_round(mid) == even, "tie between 0x%02x and 0x%02x: %g", b, b + 1, kvb_e4m3_round(mid));
+        ck_assert_float_eq(kvb_e4m3_round(-mid), -even);
+        ck_assert_float_eq(kvb_e4m3_round(nextafterf(mid, 0.0f)), lo);
+        ck_assert_float_eq(kvb_e4m3_round(nextafterf(mid, 1e9f)), hi);
+    }
+    ck_assert_float_eq(kvb_e4m3_round(448.0f), 448.0f);
+    ck_assert_float_eq(kvb_e4m3_round(1e-30f), 0.0f);
+}
+KVB_TEST_END
+
+/* Per-token FP8 quantization: the AVX2 rows are the bits of the scalar rows (KVB_CPU_SIMD=0), every q an
+ * E4M3 value, the scale max|x| / 448 and the epsilon for a zero row. */
+KVB_TEST(fp8_quant_rows) {
+    rng_state = 23;
+    enum { N = 7, C = 72 };
+    static float x[N * C], q0[N * C], q1[N * C], s0[N], s1[N];
+    for (int i = 0; i < N * C; i++) x[i] = frand() * (i % 5 == 0 ? 30.0f : 0.5f);
+    memset(x + 3 * C, 0, C * sizeof(float)); /* a zero row */
+    x[5 * C + 7] = 1e-30f;                    /* a tiny one */
+    kvb_backend *be = make_backend(1);        /* sets the SIMD flags */
+    use_simd("0");
+    kvb_backend *be0 = make_backend(1);
+    kvb__cpu_quant_fp8_rows(x, N, C, q0, s0);
+    kvb_backend_destroy(be0);
+    use_simd(NULL);
+    kvb_backend_destroy(be);
+    be = make_backend(1);
+    kvb__cpu_quant_fp8_rows(x, N, C, q1, s1);
+    kvb_backend_destroy(be);
+    ck_assert(!memcmp(q0, q1, sizeof q0));
+    ck_assert(!memcmp(s0, s1, sizeof s0));
+    for (int i = 0; i < N; i++) {
+        float m = 0;
+        for (int c = 0; c < C; c++) m = fmaxf(m, fabsf(x[i * C + c]));
+        ck_assert_float_eq(s0[i], m == 0.0f ? FLT_EPSILON : m / 448.0f);
+        for (int c = 0; c < C; c++) {
+            float v = fminf(fmaxf(x[i * C + c] / s0[i], -448.0f), 448.0f);
+            ck_assert_float_eq(q0[i * C + c], kvb_e4m3_round(v));
+        }
+    }
+}
+KVB_TEST_END
+
+/* An FP8 weight (E4M3 bytes, a scale per row or one per tensor) against a double reference of the same
+ * arithmetic: weight-only, y = x . (w * scale)^T; W8A8, x quantized per token (its E4M3 values computed
+ * here with kvb_e4m3_round), y = (q . w^T) * scale * s_x. Decode and prefill sizes, both widths and the
+ * OpenBLAS path, beta 0 and 1; and a row alone is the bits it has in a batch. NaN bytes are refused. */
+static void check_fp8_matmul(kvb_backend *be, int n, int rows, int cols, int per_row, kvb_act_quant act, int exact) {
+    uint8_t *w = malloc((size_t)rows * cols);
+    float *sc = malloc(sizeof(float) * rows), *x = malloc(sizeof(float) * n * cols);
+    float *y = malloc(sizeof(float) * n * rows), *y1 = malloc(sizeof(float) * rows);
+    double *ref = malloc(sizeof(double) * n * rows);
+    for (int i = 0; i < rows * cols; i++) {
+        w[i] = (uint8_t)((rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull) >> 56);
+        if ((w[i] & 0x7f) == 0x7f) w[i] ^= 1;
+    }
+    for (int r = 0; r < rows; r++) sc[r] = (0.5f + 0.25f * frand()) / 64.0f;
+    fill(x, (size_t)n * cols);
+    fill(y, (size_t)n * rows);
+    kvb_fp8_weight src = {w, rows, cols, sc, per_row ? rows : 1, act};
+    kvb_tensor t;
+    ck_assert_int_eq(be->iface->weight_fp8(be->ctx, &src, &t), KVB_OK);
+    ck_assert_int_eq(t.dtype, KVB_DTYPE_F8_E4M3);
+    for (int i = 0; i < n; i++) {
+        float m = 0, sx = 1;
+        for (int c = 0; c < cols; c++) m = fmaxf(m, fabsf(x[i * cols + c]));
+        if (act == KVB_ACT_FP8_TOKEN) sx = m / 448.0f;
+        for (int r = 0; r < rows; r++) {
+            double s = 0;
+            for (int c = 0; c < cols; c++) {
+                float xv = x[i * cols + c];
+                if (act == KVB_ACT_FP8_TOKEN) xv = kvb_e4m3_round(fminf(fmaxf(xv / sx, -448.0f), 448.0f));
+                s += (double)xv * kvb_e4m3_to_f32(w[r * cols + c]);
+            }
+            ref[i * rows + r] = s * sc[per_row ? r : 0] * sx + y[i * rows + r];
+        }
+    }
+    ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &t, 1.0f, y), KVB_OK);
+    double e = rel_err(y, ref, (size_t)n * rows);
+    ck_assert_msg(e < 1e-5, "fp8 n=%d %dx%d per_row %d act %d: rel err %g", n, rows, cols, per_row, act, e);
+    for (int i = 0; i < n; i += 5) {
+        ck_assert_int_eq(be->iface->matmul(be->ctx, x, n, &t, 0.0f, y), KVB_OK);
+        ck_assert_int_eq(be->iface->matmul(be->ctx, x + (size_t)i * cols, 1, &t, 0.0f, y1), KVB_OK);
+        if (exact)
+            ck_assert_msg(!memcmp(y + (size_t)i * rows, y1, sizeof(float) * rows), "fp8 row %d of %d alone differs", i, n);
+    }
+    be->iface->weight_free(be->ctx, &t);
+    free(w);
+    free(sc);
+    free(x);
+    free(y);
+    free(y1);
+    free(ref);
+}
+
+KVB_TEST(matmul_fp8) {
+    rng_state = 31;
+    int shapes[][3] = {{1, 301, 512}, {5, 97, 64}, {32, 190, 96}, {45, 301, 128}, {100, 64, 520}, {7, 50, 40}};
+    const char *levels[] = {NULL, "avx2", "0"};
+    for (size_t l = 0; l < KVB_ARRAY_LEN(levels); l++) {
+        use_simd(levels[l]);
+        kvb_backend *be = make_backend(l == 1 ? 3 : 2);
+        for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
+            for (int k = 0; k < 4; k++) /* the OpenBLAS path (l == 2) makes no bit-for-bit claim */
+                check_fp8_matmul(be, shapes[i][0], shapes[i][1], shapes[i][2], k & 1, k & 2 ? KVB_ACT_FP8_TOKEN : KVB_ACT_NONE,
+                                 have_avx2() && l < 2);
+        kvb_backend_destroy(be);
+    }
+    use_simd(NULL);
+    /* a NaN byte is refused */
+    kvb_backend *be = make_backend(1);
+    uint8_t w[4 * 8] = {0};
+    float sc = 1.0f;
+    w[13] = 0xff;
+    kvb_fp8_weight src = {w, 4, 8, &sc, 1, KVB_ACT_NONE};
+    kvb_tensor t;
+    ck_assert_int_eq(be->iface->weight_fp8(be->ctx, &src, &t), KVB_ERR_INVALID);
     kvb_backend_destroy(be);
 }
 KVB_TEST_END
@@ -532,5 +760,7 @@ KVB_TEST(bias_add_rows) {
 KVB_TEST_END
 
 KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T_NEED(matmul_batch_invariant, 30, need_avx2), KVB_T(matmul_n_matches_matmul, 30), KVB_T(weight_load_half, 10),
+              KVB_T(matmul_half_weights_exact, 120), KVB_T(weight_view_half, 10), KVB_T(e4m3_conversions, 10),
+              KVB_T_NEED(fp8_quant_rows, 10, need_avx2), KVB_T(matmul_fp8, 120),
               KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T_NEED(attention_decode_widths, 60, need_avx512), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
               KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))

@@ -362,7 +362,7 @@ KVB_TEST(config_errors) {
         {NULL, ", \"rope_scaling\": {\"rope_type\": \"linear\"}", KVB_ERR_INVALID, "factor"},
         {NULL, ", \"partial_rotary_factor\": 0.5", KVB_ERR_UNSUPPORTED, "partial_rotary_factor"},
         {NULL, ", \"quantization_config\": {\"quant_method\": \"awq\", \"bits\": 4}", KVB_ERR_UNSUPPORTED,
-         "quantization_config\" (awq)"},
+         "quant_method \"awq\" is not supported"},
         {NULL, ", \"attention_bias\": \"yes\"", KVB_ERR_INVALID, "attention_bias"},
         {"{\"model_type\": \"qwen2\", \"hidden_size\": 64, \"intermediate_size\": 128, \"num_attention_heads\": 4,"
          " \"num_hidden_layers\": 2, \"vocab_size\": 256, \"layer_types\": [\"full_attention\", \"chunked_attention\"]}",
@@ -412,6 +412,120 @@ KVB_TEST(config_errors) {
     capture_end();
     ck_assert_int_eq(st, KVB_ERR_NOT_FOUND);
     ck_assert_log_has("config.json");
+}
+KVB_TEST_END
+
+/* compressed-tensors FP8 configs as llm-compressor writes them: one group targeting Linear, lm_head
+ * ignored (quant.h). */
+#define CT_WEIGHTS(strategy) \
+    "\"weights\": {\"actorder\": null, \"block_structure\": null, \"dynamic\": false, \"group_size\": null, " \
+    "\"num_bits\": 8, \"observer\": \"minmax\", \"observer_kwargs\": {}, \"strategy\": \"" strategy "\", " \
+    "\"symmetric\": true, \"type\": \"float\"}"
+#define CT_ACT_TOKEN \
+    "{\"actorder\": null, \"block_structure\": null, \"dynamic\": true, \"group_size\": null, \"num_bits\": 8, " \
+    "\"observer\": null, \"observer_kwargs\": {}, \"strategy\": \"token\", \"symmetric\": true, \"type\": \"float\"}"
+#define CT_CONFIG(act, weights, ignore, targets, extra) \
+    ", \"quantization_config\": {\"config_groups\": {\"group_0\": {\"format\": \"float-quantized\", " \
+    "\"input_activations\": " act ", \"output_activations\": null, \"targets\": " targets ", " weights "}}, " \
+    "\"format\": \"float-quantized\", \"global_compression_ratio\": null, \"ignore\": " ignore ", " \
+    "\"kv_cache_scheme\": null, \"quant_method\": \"compressed-tensors\", \"quantization_status\": \"compressed\"" extra "}"
+#define CT_DYNAMIC CT_CONFIG(CT_ACT_TOKEN, CT_WEIGHTS("channel"), "[\"lm_head\"]", "[\"Linear\"]", "")
+#define CT_W8A16 CT_CONFIG("null", CT_WEIGHTS("channel"), "[\"lm_head\"]", "[\"Linear\"]", "")
+
+KVB_TEST(config_fp8) {
+    const char *base = "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"intermediate_size\": 128,"
+                       " \"num_attention_heads\": 4, \"num_hidden_layers\": 2, \"vocab_size\": 256%s}";
+    char buf[4096];
+    kvb_model_config c;
+    snprintf(buf, sizeof buf, base, CT_DYNAMIC);
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.quant.fp8, 1);
+    ck_assert_int_eq(c.quant.per_channel, 1);
+    ck_assert_int_eq(c.quant.act_token, 1);
+    ck_assert_int_eq(c.quant.lm_head, 0);
+    ck_assert_int_eq(c.quant.layers[0], 0x7f);
+    ck_assert_int_eq(c.quant.layers[1], 0x7f);
+    snprintf(buf, sizeof buf, base, CT_CONFIG("null", CT_WEIGHTS("tensor"), "[]", "[\"Linear\"]", ""));
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.quant.per_channel, 0);
+    ck_assert_int_eq(c.quant.act_token, 0);
+    ck_assert_int_eq(c.quant.lm_head, 1); /* not ignored */
+    /* ignore: a regex matched from the start of the name, an exact module name */
+    snprintf(buf, sizeof buf, base,
+             CT_CONFIG("null", CT_WEIGHTS("channel"),
+                       "[\"lm_head\", \"re:.*mlp\\\\.down_proj$\", \"model.layers.1.self_attn.o_proj\", \"re:proj\"]",
+                       "[\"Linear\"]", ""));
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.quant.layers[0], 0x7f & ~(1 << KVB_PROJ_DOWN));
+    ck_assert_int_eq(c.quant.layers[1], 0x7f & ~(1 << KVB_PROJ_DOWN) & ~(1 << KVB_PROJ_O));
+    /* targets by regex: the attention projections only */
+    snprintf(buf, sizeof buf, base, CT_CONFIG("null", CT_WEIGHTS("channel"), "[\"lm_head\"]", "[\"re:.*self_attn\"]", ""));
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.quant.layers[0], 0x0f);
+    /* none: no quantization */
+    snprintf(buf, sizeof buf, base, ", \"quantization_config\": null");
+    ck_assert_int_eq(parse_cfg(buf, &c), KVB_OK);
+    ck_assert_int_eq(c.quant.fp8, 0);
+
+    /* everything else is refused, naming what */
+    static const struct {
+        const char *extra;
+        kvb_status want;
+        const char *logged;
+    } cases[] = {
+        {", \"quantization_config\": {\"quant_method\": \"fp8\", \"activation_scheme\": \"dynamic\"}", KVB_ERR_UNSUPPORTED,
+         "quant_method \"fp8\""},
+        {", \"quantization_config\": {\"quant_method\": \"gptq\", \"bits\": 4}", KVB_ERR_UNSUPPORTED, "\"gptq\""},
+        {CT_CONFIG("null", CT_WEIGHTS("channel"), "[]", "[\"Linear\"]", ", \"format\": \"pack-quantized\""),
+         KVB_ERR_FORMAT, "duplicate"},
+        {", \"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"format\": \"int-quantized\", "
+         "\"config_groups\": {\"g\": {\"targets\": [\"Linear\"], " CT_WEIGHTS("channel") "}}}",
+         KVB_ERR_UNSUPPORTED, "\"format\": \"int-quantized\""},
+        {CT_CONFIG("{\"dynamic\": false, \"num_bits\": 8, \"strategy\": \"tensor\", \"type\": \"float\"}",
+                   CT_WEIGHTS("channel"), "[]", "[\"Linear\"]", ""),
+         KVB_ERR_UNSUPPORTED, "only dynamic per-token activation quantization"},
+        {CT_CONFIG("{\"dynamic\": true, \"num_bits\": 8, \"strategy\": \"tensor\", \"type\": \"float\"}",
+                   CT_WEIGHTS("channel"), "[]", "[\"Linear\"]", ""),
+         KVB_ERR_UNSUPPORTED, "\"strategy\": \"tensor\""},
+        {CT_CONFIG("null", CT_WEIGHTS("group"), "[]", "[\"Linear\"]", ""), KVB_ERR_UNSUPPORTED, "\"strategy\": \"group\""},
+        {CT_CONFIG("null", CT_WEIGHTS("block"), "[]", "[\"Linear\"]", ""), KVB_ERR_UNSUPPORTED, "\"strategy\": \"block\""},
+        {CT_CONFIG("null", "\"weights\": {\"num_bits\": 4, \"type\": \"float\", \"strategy\": \"channel\"}", "[]",
+                   "[\"Linear\"]", ""),
+         KVB_ERR_UNSUPPORTED, "\"num_bits\": 4"},
+        {CT_CONFIG("null", "\"weights\": {\"num_bits\": 8, \"type\": \"int\", \"strategy\": \"channel\"}", "[]",
+                   "[\"Linear\"]", ""),
+         KVB_ERR_UNSUPPORTED, "\"type\": \"int\""},
+        {CT_CONFIG("null", "\"weights\": {\"num_bits\": 8, \"type\": \"float\", \"strategy\": \"channel\", "
+                           "\"block_structure\": [128, 128]}",
+                   "[]", "[\"Linear\"]", ""),
+         KVB_ERR_UNSUPPORTED, "block quantization"},
+        {", \"quantization_config\": {\"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], " CT_WEIGHTS("channel")
+         "}}, \"kv_cache_scheme\": {\"num_bits\": 8, \"type\": \"float\"}, \"quant_method\": \"compressed-tensors\"}",
+         KVB_ERR_UNSUPPORTED, "FP8 KV cache"},
+        {", \"quantization_config\": {\"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], " CT_WEIGHTS("channel")
+         ", \"output_activations\": {\"num_bits\": 8}}}, \"quant_method\": \"compressed-tensors\"}",
+         KVB_ERR_UNSUPPORTED, "output activation"},
+        {", \"quantization_config\": {\"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], " CT_WEIGHTS("channel")
+         "}, \"group_1\": {\"targets\": [\"re:.*mlp.*\"], \"input_activations\": " CT_ACT_TOKEN ", " CT_WEIGHTS("channel")
+         "}}, \"quant_method\": \"compressed-tensors\"}",
+         KVB_ERR_UNSUPPORTED, "one scheme per model"},
+        {", \"quantization_config\": {\"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], " CT_WEIGHTS("channel")
+         "}}, \"ignore\": [\"re:(unclosed\"], \"quant_method\": \"compressed-tensors\"}",
+         KVB_ERR_INVALID, "re:(unclosed"},
+        {", \"quantization_config\": {\"config_groups\": {}, \"quant_method\": \"compressed-tensors\"}", KVB_ERR_INVALID,
+         "config_groups"},
+        {", \"tie_word_embeddings\": true" CT_CONFIG("null", CT_WEIGHTS("channel"), "[]", "[\"Linear\"]", ""),
+         KVB_ERR_UNSUPPORTED, "tied"},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        snprintf(buf, sizeof buf, base, cases[i].extra);
+        capture_begin();
+        kvb_status st = parse_cfg(buf, &c);
+        capture_end();
+        ck_assert_msg(st == cases[i].want, "case %zu (%s): status %d (%s), want %d", i, cases[i].extra, st,
+                      kvb_status_str(st), cases[i].want);
+        ck_assert_log_has(cases[i].logged);
+    }
 }
 KVB_TEST_END
 
@@ -859,7 +973,16 @@ typedef struct mk_spec {
     const char *omit;      /* tensor to leave out */
     const char *bad_shape; /* tensor written with one extra row */
     const char *extra_cfg; /* spliced into config.json */
+    int fp8;               /* linear layers' weights F8_E4M3 holding 2 x the values, X.weight_scale 0.5 (bf16,
+                            * [rows][1]) after all the others: the same dequantized weights */
+    const char *dense;     /* with fp8: a linear weight left in `dtype` (and without a scale) */
+    uint8_t nan_byte;      /* with fp8: the first weight's first byte, when not 0 */
 } mk_spec;
+
+static int is_linear_weight(const char *name) {
+    size_t n = strlen(name);
+    return n > 12 && !strcmp(name + n - 12, "_proj.weight");
+}
 
 /* Value of element k of tensor number `ti`: deterministic, exact in bf16 and f16. */
 static float tval(int ti, int64_t k) { return (float)((ti * 7 + k * 3) % 17 - 8) / 8.0f; }
@@ -880,7 +1003,7 @@ static void make_model(const char *dirname, const mk_spec *sp) {
     static char names[64][96];
     static uint16_t buf16[64][T_VOCAB * T_HIDDEN * 2];
     static float buf32[64][T_VOCAB * T_HIDDEN * 2];
-    kvb_st_write_tensor w[64];
+    kvb_st_write_tensor w[96];
     int n = 0;
 #define T(nm, r, c)                                                                                    \
     do {                                                                                               \
@@ -915,6 +1038,11 @@ static void make_model(const char *dirname, const mk_spec *sp) {
     T("model.norm.weight", T_HIDDEN, 0);
     if (!sp->tie) T("lm_head.weight", T_VOCAB, T_HIDDEN);
 #undef T
+    static uint8_t buf8[64][T_VOCAB * T_HIDDEN * 2];
+    static uint16_t scales[T_VOCAB * 2];
+    static char scale_names[64][104];
+    int n_scales = 0, first_fp8 = 1;
+    for (int k = 0; k < T_VOCAB * 2; k++) scales[k] = kvb_f32_to_bf16(0.5f);
     int m = 0;
     for (int i = 0; i < n; i++) {
         if (sp->omit && !strcmp(w[i].name, sp->omit)) continue;
@@ -925,9 +1053,27 @@ static void make_model(const char *dirname, const mk_spec *sp) {
             float v = tval(i, k);
             buf32[i][k] = v;
             buf16[i][k] = sp->dtype == KVB_DTYPE_BF16 ? kvb_f32_to_bf16(v) : kvb_f32_to_f16(v);
+            buf8[i][k] = kvb_f32_to_e4m3(2.0f * v);
         }
         w[i].data = sp->dtype == KVB_DTYPE_F32 ? (const void *)buf32[i] : (const void *)buf16[i];
+        if (sp->fp8 && is_linear_weight(w[i].name) && !(sp->dense && !strcmp(w[i].name, sp->dense))) {
+            w[i].dtype = KVB_DTYPE_F8_E4M3;
+            w[i].data = buf8[i];
+            if (first_fp8 && sp->nan_byte) buf8[i][0] = sp->nan_byte;
+            first_fp8 = 0;
+            snprintf(scale_names[n_scales++], sizeof scale_names[0], "%s_scale", w[i].name);
+        }
         w[m++] = w[i];
+    }
+    for (int i = 0; i < n_scales; i++) { /* the scales last: the other tensors keep their values */
+        int64_t rows = 0;
+        for (int j = 0; j < m; j++)
+            if (!strncmp(w[j].name, scale_names[i], strlen(w[j].name)) && strlen(w[j].name) + 6 == strlen(scale_names[i]))
+                rows = w[j].shape[0];
+        if (sp->omit && !strcmp(scale_names[i], sp->omit)) continue;
+        w[m++] = (kvb_st_write_tensor){.name = scale_names[i], .dtype = KVB_DTYPE_BF16, .n_dims = 2,
+                                       .shape = {rows + (sp->bad_shape && !strcmp(scale_names[i], sp->bad_shape)), 1},
+                                       .data = scales};
     }
     if (sp->shards <= 1) {
         snprintf(path, sizeof path, "%s/model.safetensors", tmp_path(dirname));
@@ -954,16 +1100,32 @@ static int64_t expect_layer_params(int qwen3) {
     return 2 * T_HIDDEN + T_HIDDEN * q + 2 * T_HIDDEN * kv + q * T_HIDDEN + 3 * T_HIDDEN * T_FF + (qwen3 ? 2 * T_HD : 0);
 }
 
-/* The backend copy of weight `t` equals what the test wrote for tensor number `ti`. */
-static void check_weight(kvb_backend *be, const kvb_tensor *t, int ti, int64_t rows, int64_t cols) {
+/* Bytes a decode step reads of the layers' weights on the CPU backend, matrices stored in `dt` (in place)
+ * and norm vectors in f32. */
+static int64_t expect_layer_bytes(int qwen3, kvb_dtype dt) {
+    int64_t norms = 2 * T_HIDDEN + (qwen3 ? 2 * T_HD : 0);
+    return 4 * norms + (int64_t)kvb_dtype_size(dt) * (expect_layer_params(qwen3) - norms);
+}
+
+/* The backend's weight `t` equals what the test wrote for tensor number `ti`: a matrix in the file's
+ * dtype `dt` (the CPU backend uses it in place), a vector converted to f32. */
+static void check_weight(kvb_backend *be, const kvb_tensor *t, int ti, int64_t rows, int64_t cols, kvb_dtype dt) {
     ck_assert_ptr_nonnull(t->data);
     ck_assert_int_eq(t->ne[0], rows);
     ck_assert_int_eq(t->ne[1], cols);
-    ck_assert_int_eq(t->dtype, KVB_DTYPE_F32); /* the CPU backend keeps f32 weights */
-    float host[256];
+    ck_assert_int_eq(t->dtype, cols == 1 ? KVB_DTYPE_F32 : dt);
+    ck_assert_int_eq(t->view, cols > 1 || dt == KVB_DTYPE_F32);
+    union {
+        float f[256];
+        uint16_t h[256];
+    } host;
     ck_assert_int_le(rows * cols, 256);
-    ck_assert_int_eq(be->iface->to_host(be->ctx, host, t->data, (size_t)(rows * cols) * sizeof(float)), KVB_OK);
-    for (int64_t k = 0; k < rows * cols; k++) ck_assert_float_eq(host[k], tval(ti, k));
+    ck_assert_int_eq(be->iface->to_host(be->ctx, &host, t->data, (size_t)(rows * cols) * kvb_dtype_size(t->dtype)), KVB_OK);
+    for (int64_t k = 0; k < rows * cols; k++) {
+        float v = t->dtype == KVB_DTYPE_F32 ? host.f[k] : t->dtype == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(host.h[k])
+                                                                                        : kvb_f16_to_f32(host.h[k]);
+        ck_assert_float_eq(v, tval(ti, k));
+    }
 }
 
 static kvb_status load_logged(const char *dirname, kvb_backend *be, kvb_model **m) {
@@ -995,12 +1157,12 @@ KVB_TEST(model_load_llama) {
     /* per decode step: all layers, final norm, lm_head; not the embedding table */
     ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
     /* weights reached the backend unchanged, in the right slots (tensor numbers as written) */
-    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN);
-    check_weight(be, &m->layers[0].attn_norm, 1, T_HIDDEN, 1);
-    check_weight(be, &m->layers[0].wk, 3, T_KV * T_HD, T_HIDDEN);
-    check_weight(be, &m->layers[1].w_down, 9 + 9, T_HIDDEN, T_FF);
-    check_weight(be, &m->final_norm, 19, T_HIDDEN, 1);
-    check_weight(be, &m->lm_head, 20, T_VOCAB, T_HIDDEN);
+    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN, KVB_DTYPE_F32);
+    check_weight(be, &m->layers[0].attn_norm, 1, T_HIDDEN, 1, KVB_DTYPE_F32);
+    check_weight(be, &m->layers[0].wk, 3, T_KV * T_HD, T_HIDDEN, KVB_DTYPE_F32);
+    check_weight(be, &m->layers[1].w_down, 9 + 9, T_HIDDEN, T_FF, KVB_DTYPE_F32);
+    check_weight(be, &m->final_norm, 19, T_HIDDEN, 1, KVB_DTYPE_F32);
+    check_weight(be, &m->lm_head, 20, T_VOCAB, T_HIDDEN, KVB_DTYPE_F32);
     ck_assert_int_eq(m->lm_head_tied, 0);
     ck_assert_ptr_null(m->layers[0].q_norm.data);
     ck_assert_int_eq(m->rope.head_dim, T_HD);
@@ -1054,15 +1216,16 @@ KVB_TEST(model_load_tied_llama3_f16) {
     ck_assert_int_eq(load_logged("tied", be, &m), KVB_OK);
     ck_assert_int_eq(m->lm_head_tied, 1);
     ck_assert_ptr_eq(m->lm_head.data, m->embed.data);
-    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN); /* f16 values converted exactly */
-    /* converted weights are the backend's copies; the mapping is closed after loading */
-    ck_assert_int_eq(m->weights_mapped, 0);
-    ck_assert_ptr_null(m->weights_file);
-    ck_assert_int_eq(m->embed.view, 0);
+    check_weight(be, &m->embed, 0, T_VOCAB, T_HIDDEN, KVB_DTYPE_F16); /* f16 in place */
+    check_weight(be, &m->final_norm, 1 + T_LAYERS * 9, T_HIDDEN, 1, KVB_DTYPE_F16); /* a vector: converted exactly */
+    /* f16 matrices are used in place: the mapping lives with the model */
+    ck_assert_int_eq(m->weights_mapped, 1);
+    ck_assert_ptr_nonnull(m->weights_file);
     int64_t layer = expect_layer_params(0);
     ck_assert_int_eq(kvb_model_n_params(m), T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
-    /* tied: the LM head reads the whole embedding table every step (in the backend's f32) */
-    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
+    /* tied: the LM head reads the whole embedding table every step (f16 as stored) */
+    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m),
+                     T_LAYERS * expect_layer_bytes(0, KVB_DTYPE_F16) + 4 * T_HIDDEN + 2 * T_VOCAB * T_HIDDEN);
     /* llama3 with original context 1: every wavelength > low_freq_wavelen, so all divided by 8 */
     ck_assert_float_eq(m->inv_freq[0], 1.0f / 8.0f);
     ck_assert_float_eq(m->inv_freq[1], 0.01f / 8.0f);
@@ -1080,12 +1243,14 @@ KVB_TEST(model_load_qwen3_bf16_sharded) {
     ck_assert_int_eq(load_logged("qwen3", be, &m), KVB_OK);
     ck_assert_int_eq(kvb_model_cfg(m)->arch, KVB_ARCH_QWEN3);
     /* tensor numbers: embed 0; layer 0: norm 1, q 2, k 3, v 4, o 5, q_norm 6, k_norm 7, ... (11 per layer) */
-    check_weight(be, &m->layers[0].q_norm, 6, T_HD, 1);
-    check_weight(be, &m->layers[1].k_norm, 7 + 11, T_HD, 1);
-    check_weight(be, &m->lm_head, 1 + 2 * 11 + 1, T_VOCAB, T_HIDDEN);
+    check_weight(be, &m->layers[0].q_norm, 6, T_HD, 1, KVB_DTYPE_BF16);
+    check_weight(be, &m->layers[1].k_norm, 7 + 11, T_HD, 1, KVB_DTYPE_BF16);
+    check_weight(be, &m->layers[1].wv, 4 + 11, T_KV * T_HD, T_HIDDEN, KVB_DTYPE_BF16);
+    check_weight(be, &m->lm_head, 1 + 2 * 11 + 1, T_VOCAB, T_HIDDEN, KVB_DTYPE_BF16);
     int64_t layer = expect_layer_params(1);
     ck_assert_int_eq(kvb_model_n_params(m), 2 * T_VOCAB * T_HIDDEN + T_LAYERS * layer + T_HIDDEN);
-    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m), 4 * (T_LAYERS * layer + T_HIDDEN + T_VOCAB * T_HIDDEN));
+    ck_assert_int_eq(kvb_model_weight_bytes_per_token(m),
+                     T_LAYERS * expect_layer_bytes(1, KVB_DTYPE_BF16) + 4 * T_HIDDEN + 2 * T_VOCAB * T_HIDDEN);
     kvb_model_destroy(m);
     kvb_backend_destroy(be);
 }
@@ -1273,6 +1438,121 @@ KVB_TEST(forward_allocator_seam) {
 }
 KVB_TEST_END
 
+/* Logits of two steps (run_two_steps) of the model in `dir`. */
+static void two_step_logits(kvb_backend *be, const char *dir, float *logits) {
+    kvb_model *m = NULL;
+    ck_assert_int_eq(load_logged(dir, be, &m), KVB_OK);
+    kvb_kv_geom g = kvb_model_kv_geom(m, 16);
+    void *blk = NULL;
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, (size_t)g.n_layers * 2 * g.block_size * g.n_kv_heads * g.head_dim * g.elem_size,
+                                   &blk), KVB_OK);
+    kvb_forward *fw = NULL;
+    ck_assert_int_eq(kvb_forward_create(m, 8, &fw), KVB_OK);
+    run_two_steps(m, fw, blk, logits);
+    kvb_forward_destroy(fw);
+    kvb_mem_free(be->mem, blk);
+    kvb_model_destroy(m);
+}
+
+/* An FP8 checkpoint (compressed-tensors, weights per channel): the linear layers are E4M3 in place with
+ * their scales, and weight-only, with power-of-two scales that make the dequantized weights the f32
+ * model's, its logits are that model's within rounding (bit for bit where the products take the SIMD
+ * kernels; this model's 12 intermediate columns send down_proj to OpenBLAS, whose sgemv adds y into its
+ * sums where the FP8 path adds it after); the W8A8 config marks every quantized layer's input for
+ * quantization. */
+KVB_TEST(model_load_fp8) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
+    make_model("f32ref", &(mk_spec){.dtype = KVB_DTYPE_F32});
+    make_model("fp8wo", &(mk_spec){.dtype = KVB_DTYPE_F32, .fp8 = 1, .extra_cfg = CT_W8A16});
+    make_model("fp8dyn", &(mk_spec){.dtype = KVB_DTYPE_BF16, .fp8 = 1, .extra_cfg = CT_DYNAMIC});
+    kvb_model *m = NULL;
+    ck_assert_int_eq(load_logged("fp8wo", be, &m), KVB_OK);
+    const kvb_layer_weights *w = &m->layers[1];
+    const kvb_tensor *lin[] = {&w->wq, &w->wk, &w->wv, &w->wo, &w->w_gate, &w->w_up, &w->w_down};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(lin); i++) {
+        ck_assert_int_eq(lin[i]->dtype, KVB_DTYPE_F8_E4M3);
+        ck_assert_int_eq(lin[i]->view, 1);
+        ck_assert_int_eq(lin[i]->n_scale, lin[i]->ne[0]);
+        ck_assert_float_eq(lin[i]->scale[lin[i]->ne[0] - 1], 0.5f);
+        ck_assert_int_eq(lin[i]->act, KVB_ACT_NONE);
+    }
+    ck_assert_int_eq(m->lm_head.dtype, KVB_DTYPE_F32); /* ignored */
+    ck_assert_int_eq(kvb_model_n_params(m), 2 * T_VOCAB * T_HIDDEN + T_LAYERS * expect_layer_params(0) + T_HIDDEN);
+    kvb_model_destroy(m);
+    float want[2 * T_VOCAB], got[2 * T_VOCAB];
+    two_step_logits(be, "f32ref", want);
+    two_step_logits(be, "fp8wo", got);
+    double e = 0, mx = 0;
+    for (int i = 0; i < 2 * T_VOCAB; i++) e = fmax(e, fabs((double)got[i] - want[i])), mx = fmax(mx, fabs(want[i]));
+    ck_assert_msg(e <= 1e-6 * mx, "FP8 weight-only logits differ from the f32 model's by %g of the largest", e / mx);
+    ck_assert_int_eq(load_logged("fp8dyn", be, &m), KVB_OK);
+    ck_assert_int_eq(m->layers[0].w_down.act, KVB_ACT_FP8_TOKEN);
+    ck_assert_int_eq(m->embed.dtype, KVB_DTYPE_BF16);
+    kvb_model_destroy(m);
+    two_step_logits(be, "fp8dyn", got);
+    for (int i = 0; i < 2 * T_VOCAB; i++) ck_assert(isfinite(got[i]));
+    kvb_model_config c;
+    ck_assert_int_eq(kvb_model_check(tmp_path("fp8dyn"), &c), KVB_OK);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
+/* An FP8 checkpoint whose tensors and config disagree is refused by kvb_model_load and kvb_model_check,
+ * naming the tensor. */
+KVB_TEST(model_load_fp8_errors) {
+    kvb_backend *be = NULL;
+    ck_assert_int_eq(kvb_backend_create("cpu", 1, &be), KVB_OK);
+    struct {
+        const char *dir;
+        mk_spec sp;
+        kvb_status want;
+        const char *logged[2];
+        int checked; /* kvb_model_check (headers only) sees it too */
+    } cases[] = {
+        {"no_scale", {.fp8 = 1, .extra_cfg = CT_W8A16, .omit = "model.layers.1.mlp.up_proj.weight_scale"},
+         KVB_ERR_NOT_FOUND, {"model.layers.1.mlp.up_proj.weight_scale", "missing"}, 1},
+        {"scale_shape", {.fp8 = 1, .extra_cfg = CT_W8A16, .bad_shape = "model.layers.0.self_attn.v_proj.weight_scale"},
+         KVB_ERR_INVALID, {"model.layers.0.self_attn.v_proj.weight_scale", "a scale per output channel"}, 1},
+        {"per_tensor", {.fp8 = 1, .extra_cfg = CT_CONFIG("null", CT_WEIGHTS("tensor"), "[\"lm_head\"]", "[\"Linear\"]", "")},
+         KVB_ERR_INVALID, {"weight_scale", "a scale per tensor"}, 1},
+        {"no_config", {.fp8 = 1}, KVB_ERR_INVALID, {"model.layers.0.self_attn.q_proj.weight", "does not quantize it"}, 1},
+        {"dense", {.fp8 = 1, .extra_cfg = CT_W8A16, .dense = "model.layers.0.mlp.gate_proj.weight"}, KVB_ERR_INVALID,
+         {"model.layers.0.mlp.gate_proj.weight", "makes it an FP8"}, 1},
+        {"ignored", {.fp8 = 1, .extra_cfg = CT_CONFIG("null", CT_WEIGHTS("channel"), "[\"lm_head\", \"re:.*o_proj\"]",
+                                                      "[\"Linear\"]", "")},
+         KVB_ERR_INVALID, {"model.layers.0.self_attn.o_proj.weight", "does not quantize it"}, 1},
+        {"nan", {.fp8 = 1, .extra_cfg = CT_W8A16, .nan_byte = 0x7f}, KVB_ERR_INVALID, {"NaN", "q_proj"}, 0},
+    };
+    for (size_t i = 0; i < KVB_ARRAY_LEN(cases); i++) {
+        cases[i].sp.dtype = KVB_DTYPE_BF16;
+        make_model(cases[i].dir, &cases[i].sp);
+        kvb_model *m = NULL;
+        kvb_status st = load_logged(cases[i].dir, be, &m);
+        ck_assert_msg(st == cases[i].want, "%s: status %d (%s), want %d", cases[i].dir, st, kvb_status_str(st),
+                      cases[i].want);
+        for (int k = 0; k < 2; k++) ck_assert_log_has(cases[i].logged[k]);
+        kvb_model_config c;
+        capture_begin();
+        st = kvb_model_check(tmp_path(cases[i].dir), &c);
+        capture_end();
+        ck_assert_int_eq(st, cases[i].checked ? cases[i].want : KVB_OK);
+        if (cases[i].checked) ck_assert_log_has(cases[i].logged[0]);
+    }
+    /* a weight the ignore list keeps dense loads as it is */
+    make_model("dense_ok", &(mk_spec){.dtype = KVB_DTYPE_BF16, .fp8 = 1, .dense = "model.layers.1.mlp.down_proj.weight",
+                                      .extra_cfg = CT_CONFIG("null", CT_WEIGHTS("channel"),
+                                                             "[\"lm_head\", \"model.layers.1.mlp.down_proj\"]",
+                                                             "[\"Linear\"]", "")});
+    kvb_model *m = NULL;
+    ck_assert_int_eq(load_logged("dense_ok", be, &m), KVB_OK);
+    ck_assert_int_eq(m->layers[1].w_down.dtype, KVB_DTYPE_BF16);
+    ck_assert_int_eq(m->layers[0].w_down.dtype, KVB_DTYPE_F8_E4M3);
+    kvb_model_destroy(m);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
 /* One step of three sequences (1,105 rows) against KV of blocks that `kv` holds (a copy of `kv0`, the
  * KV before the step): C's 5-token prompt (the attention's walk path), A's rows 100..899 (its first 100
  * keys already there), B's 300-token prompt, in that order (A starts off every tile boundary). Every
@@ -1372,4 +1652,5 @@ KVB_TEST_MAIN("model", KVB_T(config_llama_defaults, 10), KVB_T(config_qwen3, 10)
               KVB_T(rope_inv_freq_default, 10), KVB_T(rope_inv_freq_llama3, 10), KVB_T(rope_inv_freq_linear_yarn, 10), KVB_T(st_roundtrip, 10), KVB_T(st_malformed, 10),
               KVB_T(st_truncation_and_corruption, 60), KVB_T(st_release_keeps_data, 10), KVB_T(st_dir_and_shards, 10), KVB_T(model_load_llama, 10),
               KVB_T(model_load_tied_llama3_f16, 10), KVB_T(model_load_qwen3_bf16_sharded, 10),
-              KVB_T(model_load_errors, 20), KVB_T(forward_allocator_seam, 30), KVB_T(forward_chunks_exact, 120), KVB_T(kv_elem_size_rule, 10))
+              KVB_T(model_load_errors, 20), KVB_T(config_fp8, 10), KVB_T(model_load_fp8, 20),
+              KVB_T(model_load_fp8_errors, 20), KVB_T(forward_allocator_seam, 30), KVB_T(forward_chunks_exact, 120), KVB_T(kv_elem_size_rule, 10))

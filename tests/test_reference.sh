@@ -6,7 +6,10 @@
 # boundaries) and dumps the logits; reference.py teacher-forces the same tokens and compares. A ragged
 # batch of prompts of 37, 5 and 20 tokens in one run must give each request the tokens it gets alone.
 # The variants cover Llama, Mistral (sliding window), Qwen2 (q/k/v biases, a window on the upper
-# layers), Qwen3 (YaRN, attention bias, window), linear RoPE and Llama's attention/MLP biases. For the
+# layers), Qwen3 (YaRN, attention bias, window), linear RoPE, Llama's attention/MLP biases, and FP8
+# checkpoints (compressed-tensors as llm-compressor writes them: weight-only and with inputs quantized per
+# token, scales per channel and per tensor, an ignore list; reference.py derives the tolerance the
+# inputs' rounding allows). For the
 # features that change the math, the engine's logits must also FAIL against the reference of the same
 # model with the feature edited out of its config.json (so the check cannot pass by ignoring it).
 #
@@ -57,6 +60,9 @@ variants=(
     "qwen2-swa      --arch qwen2 --layers 4 --sliding-window 12 --max-window-layers 2 --seed 10"
     "qwen3-yarn-swa --arch qwen3 --rope-scaling yarn --rope-theta 10000 --max-pos 4096 --attention-bias --sliding-window 24 --max-window-layers 1 --seed 11"
     "llama-bias-lin --arch llama --attention-bias --mlp-bias --rope-scaling linear --seed 12"
+    "llama-fp8-w8a16 --arch llama --dtype bf16 --fp8 w8a16 --seed 13"
+    "qwen3-fp8-w8a8 --arch qwen3 --heads 4 --kv-heads 2 --dtype bf16 --fp8 w8a8 --seed 14"
+    "llama-fp8-ignore --arch llama --fp8 w8a8 --fp8-scale tensor --fp8-ignore re:.+down_proj --fp8-ignore model.layers.0.self_attn.o_proj --seed 15"
 )
 
 # Edits (python3 statements on the dict `c` of config.json) that remove a feature a variant has: the
@@ -66,6 +72,8 @@ declare -A without=(
     [qwen2-swa]='c["use_sliding_window"] = False'
     [qwen3-yarn-swa]='c["rope_scaling"]["attention_factor"] = 1.0'
     [llama-bias-lin]='c["attention_bias"] = False'
+    [llama-fp8-w8a16]='c["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {"dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "float"}'
+    [qwen3-fp8-w8a8]='c["quantization_config"]["config_groups"]["group_0"]["input_activations"] = None'
 )
 
 failures=0

@@ -1,6 +1,8 @@
 /* kvbank-mkmodel — writes a random-weight Llama, Mistral, Qwen2 or Qwen3 model in the Hugging Face layout
  * (config.json as transformers writes it, model.safetensors or shards + model.safetensors.index.json).
- * Weights are deterministic from --seed: splitmix64 uniforms, Box-Muller normals. */
+ * Weights are deterministic from --seed: splitmix64 uniforms, Box-Muller normals. With --fp8 the linear
+ * layers are then quantized to FP8 E4M3 as llm-compressor's FP8 schemes store them (compressed-tensors
+ * float-quantized: X.weight F8_E4M3, X.weight_scale, a quantization_config in config.json). */
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
@@ -9,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
+#include <jansson.h>
 
 #include "common/model/config.h"
 #include "common/model/safetensors.h"
@@ -39,7 +43,13 @@ typedef struct opts {
     int32_t bos_id;         /* config.json's bos_token_id (-1: null) */
     int32_t *eos;           /* [n_eos] config.json / generation_config.json eos_token_id */
     int n_eos;
+    int fp8;                /* --fp8: 0 none, FP8_W8A16 or FP8_W8A8 */
+    int fp8_tensor;         /* --fp8-scale tensor: one scale per weight (else one per output channel) */
+    const char *fp8_ignore[8]; /* --fp8-ignore ENTRY: more `ignore` entries after "lm_head" */
+    int n_fp8_ignore;
 } opts;
+
+enum { FP8_W8A16 = 1, FP8_W8A8 = 2 };
 
 static void usage(FILE *f, const char *prog) {
     fprintf(f,
@@ -81,6 +91,12 @@ static void usage(FILE *f, const char *prog) {
             "  --eos-ids IDS       EOS ids for config.json and generation_config.json (default: 2, or with\n"
             "                      --tokenizer its EOS ids plus the end-of-turn tokens it has:\n"
             "                      <|eot_id|>, <|eom_id|>, <|end_of_text|>, <|im_end|>, <|endoftext|>)\n"
+            "  --fp8 S             quantize the linear layers to FP8 E4M3 as llm-compressor stores them\n"
+            "                      (compressed-tensors, float-quantized): S = w8a16 (weights only) or\n"
+            "                      w8a8 (inputs quantized dynamically per token); lm_head is ignored\n"
+            "  --fp8-scale K       channel (a scale per output row, default) or tensor (one per weight)\n"
+            "  --fp8-ignore ENTRY  another `ignore` entry: a module name (model.layers.0.mlp.down_proj) or\n"
+            "                      re:REGEX; repeatable, up to 7\n"
             "  --help              this text\n"
             "\n"
             "Weights: linear layers N(0, 1/sqrt(in_features)), embeddings N(0, 1) (with --tie\n"
@@ -123,6 +139,7 @@ static double normal(rng *r) {
 
 typedef struct wtensor {
     char name[96];
+    kvb_dtype dtype;  /* --dtype; F8_E4M3 for a quantized weight */
     int n_dims;
     int64_t shape[2];
     double mean, std; /* N(mean, std) */
@@ -224,6 +241,7 @@ static kvb_status fill(const opts *o, tensor_list *l) {
     for (int i = 0; i < l->n; i++) {
         wtensor *t = &l->t[i];
         int64_t n = elems(t);
+        t->dtype = o->dtype;
         kvb_status st = kvb_malloc((size_t)n * kvb_dtype_size(o->dtype), &t->data);
         if (st != KVB_OK) {
             kvb_progress_cancel(&pg);
@@ -235,6 +253,7 @@ static kvb_status fill(const opts *o, tensor_list *l) {
             case KVB_DTYPE_F32: ((float *)t->data)[k] = v; break;
             case KVB_DTYPE_F16: ((uint16_t *)t->data)[k] = kvb_f32_to_f16(v); break;
             case KVB_DTYPE_BF16: ((uint16_t *)t->data)[k] = kvb_f32_to_bf16(v); break;
+            case KVB_DTYPE_F8_E4M3: break; /* not a --dtype */
             }
             if ((k & 0xfffff) == 0xfffff) kvb_progress_update(&pg, done + (uint64_t)(k + 1) * kvb_dtype_size(o->dtype));
         }
@@ -242,6 +261,140 @@ static kvb_status fill(const opts *o, tensor_list *l) {
         kvb_progress_update(&pg, done);
     }
     kvb_progress_end(&pg);
+    return KVB_OK;
+}
+
+/* ------------------------------------------------------------------------------------- FP8 */
+
+/* config.json's quantization_config (without the leading key), as compressed-tensors writes it for
+ * llm-compressor's FP8_DYNAMIC / FP8 weight-only schemes: json.dumps(indent=2, sort_keys=True), nested
+ * one level. */
+static void fp8_config_json(const opts *o, char *buf, size_t cap) {
+    const char *act = o->fp8 == FP8_W8A8
+                          ? "{\n          \"actorder\": null,\n          \"block_structure\": null,\n"
+                            "          \"dynamic\": true,\n          \"group_size\": null,\n          \"num_bits\": 8,\n"
+                            "          \"observer\": null,\n          \"observer_kwargs\": {},\n"
+                            "          \"strategy\": \"token\",\n          \"symmetric\": true,\n"
+                            "          \"type\": \"float\"\n        }"
+                          : "null";
+    char ignore[1024];
+    size_t k = (size_t)snprintf(ignore, sizeof ignore, "\n      \"lm_head\"");
+    for (int i = 0; i < o->n_fp8_ignore && k < sizeof ignore; i++)
+        k += (size_t)snprintf(ignore + k, sizeof ignore - k, ",\n      \"%s\"", o->fp8_ignore[i]);
+    snprintf(buf, cap,
+             "{\n    \"config_groups\": {\n      \"group_0\": {\n        \"format\": \"float-quantized\",\n"
+             "        \"input_activations\": %s,\n        \"output_activations\": null,\n"
+             "        \"targets\": [\n          \"Linear\"\n        ],\n        \"weights\": {\n"
+             "          \"actorder\": null,\n          \"block_structure\": null,\n          \"dynamic\": false,\n"
+             "          \"group_size\": null,\n          \"num_bits\": 8,\n          \"observer\": \"minmax\",\n"
+             "          \"observer_kwargs\": {},\n          \"strategy\": \"%s\",\n          \"symmetric\": true,\n"
+             "          \"type\": \"float\"\n        }\n      }\n    },\n    \"format\": \"float-quantized\",\n"
+             "    \"global_compression_ratio\": null,\n    \"ignore\": [%s\n    ],\n    \"kv_cache_scheme\": null,\n"
+             "    \"quant_method\": \"compressed-tensors\",\n    \"quantization_status\": \"compressed\"\n  }",
+             act, o->fp8_tensor ? "tensor" : "channel", ignore);
+}
+
+/* The weight quantization of llm-compressor's minmax observer: scale = max|w| / 448 over the output row
+ * (channel) or the weight (tensor), stored in the model's dtype, and each element w / scale clamped to
+ * [-448, 448] and rounded to E4M3, ties to even (compressed-tensors' quantize). Returns the scale as
+ * stored. */
+static float fp8_scale(const opts *o, float amax) {
+    float s = amax / 448.0f;
+    if (s == 0.0f) s = 1.1920929e-07f; /* float32 epsilon, as compressed-tensors replaces a zero scale */
+    return o->dtype == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(kvb_f32_to_bf16(s))
+           : o->dtype == KVB_DTYPE_F16 ? kvb_f16_to_f32(kvb_f32_to_f16(s)) : s;
+}
+
+static float elem(const wtensor *t, int64_t k) {
+    switch (t->dtype) {
+    case KVB_DTYPE_F16: return kvb_f16_to_f32(((const uint16_t *)t->data)[k]);
+    case KVB_DTYPE_BF16: return kvb_bf16_to_f32(((const uint16_t *)t->data)[k]);
+    default: return ((const float *)t->data)[k];
+    }
+}
+
+/* Quantizes tensor *t in place (its data becomes E4M3 bytes) into `scale` ([rows] or [1] floats). */
+static kvb_status quantize_tensor(const opts *o, wtensor *t, float *scale) {
+    int64_t rows = t->shape[0], cols = t->shape[1];
+    uint8_t *q = NULL;
+    KVB_TRY(kvb_malloc((size_t)(rows * cols), (void **)&q));
+    float amax = 0.0f;
+    for (int64_t k = 0; k < rows * cols && o->fp8_tensor; k++) amax = fmaxf(amax, fabsf(elem(t, k)));
+    if (o->fp8_tensor) scale[0] = fp8_scale(o, amax);
+    for (int64_t r = 0; r < rows; r++) {
+        if (!o->fp8_tensor) {
+            amax = 0.0f;
+            for (int64_t c = 0; c < cols; c++) amax = fmaxf(amax, fabsf(elem(t, r * cols + c)));
+            scale[r] = fp8_scale(o, amax);
+        }
+        float s = scale[o->fp8_tensor ? 0 : r];
+        for (int64_t c = 0; c < cols; c++)
+            q[r * cols + c] = kvb_f32_to_e4m3(fminf(fmaxf(elem(t, r * cols + c) / s, -448.0f), 448.0f));
+    }
+    free(t->data);
+    t->data = q;
+    t->dtype = KVB_DTYPE_F8_E4M3;
+    return KVB_OK;
+}
+
+/* Which projection (kvb_proj; KVB_PROJ_COUNT for lm_head) the weight called `name` is, and of which layer;
+ * -1 for a tensor that is no linear layer's weight. */
+static int linear_of(const char *name, int *layer) {
+    *layer = 0;
+    if (!strcmp(name, "lm_head.weight")) return KVB_PROJ_COUNT;
+    int l, end = 0;
+    if (sscanf(name, "model.layers.%d.%n", &l, &end) != 1 || !end) return -1;
+    for (int p = 0; p < KVB_PROJ_COUNT; p++) {
+        size_t n = strlen(kvb_proj_name(p));
+        if (!strncmp(name + end, kvb_proj_name(p), n) && !strcmp(name + end + n, ".weight")) {
+            *layer = l;
+            return p;
+        }
+    }
+    return -1;
+}
+
+/* Quantizes the linear layers the quantization_config of `o` covers (kvbank's own reading of it, so the
+ * file and the config agree), each followed in the list by its X.weight_scale. */
+static kvb_status quantize_fp8(const opts *o, tensor_list *l) {
+    char text[4096];
+    fp8_config_json(o, text, sizeof text);
+    json_error_t jerr;
+    json_t *j = json_loads(text, 0, &jerr);
+    if (!j) {
+        KVB_LOG_E("quantization_config: %s", jerr.text);
+        return KVB_ERR_INVALID;
+    }
+    kvb_quant_config q;
+    kvb_status st = kvb_quant_config_parse(j, o->layers, o->tie, &q);
+    json_decref(j);
+    KVB_TRY(st);
+    for (int i = 0; i < l->n; i++) {
+        int layer, p = linear_of(l->t[i].name, &layer);
+        if (p < 0 || !kvb_quant_is_quantized(&q, layer, p)) continue;
+        int64_t n = o->fp8_tensor ? 1 : l->t[i].shape[0];
+        char sname[128];
+        snprintf(sname, sizeof sname, "%s_scale", l->t[i].name);
+        KVB_TRY(add(l, sname, o->fp8_tensor ? 1 : 2, n, o->fp8_tensor ? 0 : 1, 0.0, 0.0));
+        wtensor sc = l->t[--l->n]; /* the new entry goes right after its weight */
+        memmove(&l->t[i + 2], &l->t[i + 1], (size_t)(l->n - i - 1) * sizeof *l->t);
+        l->n++;
+        sc.dtype = o->dtype;
+        sc.data = NULL;
+        l->t[i + 1] = sc;
+        float *scale = NULL;
+        KVB_TRY(kvb_malloc((size_t)n * sizeof(float), (void **)&scale));
+        st = quantize_tensor(o, &l->t[i], scale);
+        if (st == KVB_OK) st = kvb_malloc((size_t)n * kvb_dtype_size(o->dtype), &l->t[i + 1].data);
+        for (int64_t k = 0; st == KVB_OK && k < n; k++) {
+            void *d = l->t[i + 1].data;
+            if (o->dtype == KVB_DTYPE_F32) ((float *)d)[k] = scale[k];
+            else ((uint16_t *)d)[k] = o->dtype == KVB_DTYPE_BF16 ? kvb_f32_to_bf16(scale[k]) : kvb_f32_to_f16(scale[k]);
+        }
+        free(scale);
+        KVB_TRY(st);
+        i++;
+    }
     return KVB_OK;
 }
 
@@ -254,14 +407,14 @@ static kvb_status write_file(const opts *o, const char *fname, wtensor *ts, int 
     KVB_TRY(kvb_calloc((size_t)n, sizeof *w, (void **)&w));
     for (int i = 0; i < n; i++) {
         w[i].name = ts[i].name;
-        w[i].dtype = o->dtype;
+        w[i].dtype = ts[i].dtype;
         w[i].n_dims = ts[i].n_dims;
         w[i].shape[0] = ts[i].shape[0];
         w[i].shape[1] = ts[i].shape[1];
         w[i].data = ts[i].data;
     }
     uint64_t bytes = 0;
-    for (int i = 0; i < n; i++) bytes += (uint64_t)elems(&ts[i]) * kvb_dtype_size(o->dtype);
+    for (int i = 0; i < n; i++) bytes += (uint64_t)elems(&ts[i]) * kvb_dtype_size(ts[i].dtype);
     kvb_progress pg; /* one line for the file (kvb_st_write writes it in one go) */
     char what[PATH_MAX + 16];
     snprintf(what, sizeof what, "writing %s", path);
@@ -319,7 +472,7 @@ static kvb_status write_weights(const opts *o, tensor_list *l) {
         snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", s + 1, o->shards);
         for (int i = first; i < last; i++) {
             map[i] = (name_shard){l->t[i].name, s + 1};
-            total += elems(&l->t[i]) * (int64_t)kvb_dtype_size(o->dtype);
+            total += elems(&l->t[i]) * (int64_t)kvb_dtype_size(l->t[i].dtype);
         }
         KVB_TRY_GOTO(write_file(o, fname, l->t + first, last - first), fail_map);
         first = last;
@@ -341,7 +494,7 @@ static void eos_json(const opts *o, char *buf, size_t cap) {
 
 typedef struct kv_line {
     const char *key;
-    char value[256]; /* JSON text, already indented for a nested value */
+    char value[4096]; /* JSON text, already indented for a nested value */
 } kv_line;
 
 static int cmp_kv_line(const void *a, const void *b) {
@@ -419,6 +572,11 @@ static kvb_status write_config(const opts *o) {
         SET("mlp_bias", "%s", o->mlp_bias ? "true" : "false");
         SET("pretraining_tp", "1");
     }
+    if (o->fp8) {
+        L[n].key = "quantization_config";
+        fp8_config_json(o, L[n].value, sizeof L[n].value);
+        n++;
+    }
 #undef SET
     qsort(L, (size_t)n, sizeof *L, cmp_kv_line);
     char path[PATH_MAX];
@@ -455,7 +613,7 @@ static int parse_int_opt(const char *prog, const char *flag, const char *arg, in
 static int parse_args(int argc, char **argv, opts *o) {
     enum { O_ARCH = 256, O_LAYERS, O_HIDDEN, O_HEADS, O_KV, O_HD, O_FF, O_VOCAB, O_MAXPOS, O_DTYPE, O_SEED,
            O_TIE, O_SCALING, O_THETA, O_SHARDS, O_TOKENIZER, O_EOS, O_WINDOW, O_WINDOW_LAYERS, O_ATTN_BIAS,
-           O_MLP_BIAS, O_HELP };
+           O_MLP_BIAS, O_FP8, O_FP8_SCALE, O_FP8_IGNORE, O_HELP };
     static const struct option lo[] = {
         {"arch", required_argument, 0, O_ARCH}, {"layers", required_argument, 0, O_LAYERS},
         {"hidden", required_argument, 0, O_HIDDEN}, {"heads", required_argument, 0, O_HEADS},
@@ -467,7 +625,9 @@ static int parse_args(int argc, char **argv, opts *o) {
         {"shards", required_argument, 0, O_SHARDS}, {"tokenizer", required_argument, 0, O_TOKENIZER},
         {"eos-ids", required_argument, 0, O_EOS}, {"sliding-window", required_argument, 0, O_WINDOW},
         {"max-window-layers", required_argument, 0, O_WINDOW_LAYERS}, {"attention-bias", no_argument, 0, O_ATTN_BIAS},
-        {"mlp-bias", no_argument, 0, O_MLP_BIAS}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+        {"mlp-bias", no_argument, 0, O_MLP_BIAS}, {"fp8", required_argument, 0, O_FP8},
+        {"fp8-scale", required_argument, 0, O_FP8_SCALE}, {"fp8-ignore", required_argument, 0, O_FP8_IGNORE},
+        {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *prog = argv[0];
     int have_arch = 0;
     *o = (opts){.layers = 2, .hidden = 64, .heads = 4, .kv_heads = 2, .head_dim = 0, .intermediate = 128,
@@ -535,6 +695,28 @@ static int parse_args(int argc, char **argv, opts *o) {
             break;
         }
         case O_TIE: o->tie = 1; break;
+        case O_FP8:
+            if (strcmp(optarg, "w8a16") && strcmp(optarg, "w8a8")) {
+                fprintf(stderr, "%s: --fp8 must be w8a16 or w8a8, got \"%s\"\n", prog, optarg);
+                return -1;
+            }
+            o->fp8 = strcmp(optarg, "w8a8") ? FP8_W8A16 : FP8_W8A8;
+            break;
+        case O_FP8_SCALE:
+            if (strcmp(optarg, "channel") && strcmp(optarg, "tensor")) {
+                fprintf(stderr, "%s: --fp8-scale must be channel or tensor, got \"%s\"\n", prog, optarg);
+                return -1;
+            }
+            o->fp8_tensor = !strcmp(optarg, "tensor");
+            break;
+        case O_FP8_IGNORE:
+            if (o->n_fp8_ignore == (int)KVB_ARRAY_LEN(o->fp8_ignore) - 1 || strlen(optarg) > 100 || strchr(optarg, '"') ||
+                strchr(optarg, '\\')) {
+                fprintf(stderr, "%s: --fp8-ignore: at most 7 entries of 100 characters, no quotes or backslashes\n", prog);
+                return -1;
+            }
+            o->fp8_ignore[o->n_fp8_ignore++] = optarg;
+            break;
         case O_SCALING:
             if (!strcmp(optarg, "llama3")) o->rope = ROPE_LLAMA3;
             else if (!strcmp(optarg, "linear")) o->rope = ROPE_LINEAR;
@@ -599,6 +781,10 @@ static int parse_args(int argc, char **argv, opts *o) {
     }
     if (o->max_window_layers >= 0 && (!o->sliding_window || (o->arch != KVB_ARCH_QWEN2 && !o->qwen3))) {
         fprintf(stderr, "%s: --max-window-layers goes with --sliding-window on qwen2 / qwen3\n", prog);
+        return -1;
+    }
+    if ((o->fp8_tensor || o->n_fp8_ignore) && !o->fp8) {
+        fprintf(stderr, "%s: --fp8-scale and --fp8-ignore go with --fp8\n", prog);
         return -1;
     }
     if (!o->rope_theta) o->rope_theta = o->arch == KVB_ARCH_LLAMA ? 10000.0 : 1000000.0;
@@ -738,6 +924,7 @@ int main(int argc, char **argv) {
         }
     KVB_TRY_GOTO(build_list(&o, &l), fail_list);
     KVB_TRY_GOTO(fill(&o, &l), fail_list);
+    if (o.fp8) KVB_TRY_GOTO(quantize_fp8(&o, &l), fail_list);
     KVB_TRY_GOTO(write_weights(&o, &l), fail_list);
     KVB_TRY_GOTO(write_config(&o), fail_list);
     list_free(&l);

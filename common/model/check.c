@@ -70,6 +70,58 @@ kvb_status kvb_model_find_weight(const kvb_st_set *set, const char *name, int64_
     return KVB_OK;
 }
 
+int kvb_model_layer_proj(kvb_layer_tensor_id id) {
+    switch (id) {
+    case KVB_LT_WQ: return KVB_PROJ_Q;
+    case KVB_LT_WK: return KVB_PROJ_K;
+    case KVB_LT_WV: return KVB_PROJ_V;
+    case KVB_LT_WO: return KVB_PROJ_O;
+    case KVB_LT_W_GATE: return KVB_PROJ_GATE;
+    case KVB_LT_W_UP: return KVB_PROJ_UP;
+    case KVB_LT_W_DOWN: return KVB_PROJ_DOWN;
+    default: return -1;
+    }
+}
+
+kvb_status kvb_model_find_fp8(const kvb_st_set *set, const char *wname, const kvb_st_tensor *t, int per_channel,
+                              const kvb_st_tensor **scale_out) {
+    if (t->dtype != KVB_DTYPE_F8_E4M3) {
+        KVB_LOG_E("model: tensor \"%s\" is %s, but quantization_config makes it an FP8 (F8_E4M3) weight", wname,
+                  kvb_dtype_name(t->dtype));
+        return KVB_ERR_INVALID;
+    }
+    char name[160];
+    snprintf(name, sizeof name, "%s_scale", wname);
+    const kvb_st_tensor *sc = kvb_st_find(set, name);
+    if (!sc) {
+        KVB_LOG_E("model: tensor \"%s\" is missing (the scale of FP8 weight \"%s\")", name, wname);
+        return KVB_ERR_NOT_FOUND;
+    }
+    int64_t n = 1, want = per_channel ? t->shape[0] : 1;
+    for (int i = 0; i < sc->n_dims; i++) n *= sc->shape[i];
+    int ok = n == want && sc->n_dims <= 2 && (sc->n_dims < 1 || sc->shape[0] == want) && sc->dtype != KVB_DTYPE_F8_E4M3;
+    if (!ok) {
+        char a[128];
+        format_shape(a, sizeof a, sc->n_dims, sc->shape);
+        KVB_LOG_E("model: tensor \"%s\" is %s %s, expected %lld f32/bf16/f16 values (a scale per %s)", name,
+                  kvb_dtype_name(sc->dtype), a, (long long)want, per_channel ? "output channel" : "tensor");
+        return KVB_ERR_INVALID;
+    }
+    *scale_out = sc;
+    return KVB_OK;
+}
+
+kvb_status kvb_model_check_dtype(const kvb_st_set *set, const kvb_model_config *c, const char *name,
+                                 const kvb_st_tensor *t, int fp8) {
+    const kvb_st_tensor *sc;
+    if (fp8) return kvb_model_find_fp8(set, name, t, c->quant.per_channel, &sc);
+    if (t->dtype == KVB_DTYPE_F8_E4M3) {
+        KVB_LOG_E("model: tensor \"%s\" is F8_E4M3, but quantization_config does not quantize it", name);
+        return KVB_ERR_INVALID;
+    }
+    return KVB_OK;
+}
+
 kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg_out) {
     if (!dir) return KVB_ERR_INVALID;
     kvb_model_config c;
@@ -86,10 +138,16 @@ kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg_out) {
             char name[128];
             snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
             KVB_TRY_GOTO(kvb_model_find_weight(set, name, spec[i].rows, spec[i].cols, &t), fail_set);
+            int p = kvb_model_layer_proj(spec[i].id);
+            KVB_TRY_GOTO(kvb_model_check_dtype(set, &c, name, t, p >= 0 && kvb_quant_is_quantized(&c.quant, l, p)), fail_set);
         }
     }
     KVB_TRY_GOTO(kvb_model_find_weight(set, "model.norm.weight", c.hidden, 0, &t), fail_set);
-    if (!c.tie_embeddings) KVB_TRY_GOTO(kvb_model_find_weight(set, "lm_head.weight", c.vocab, c.hidden, &t), fail_set);
+    if (!c.tie_embeddings) {
+        KVB_TRY_GOTO(kvb_model_find_weight(set, "lm_head.weight", c.vocab, c.hidden, &t), fail_set);
+        KVB_TRY_GOTO(kvb_model_check_dtype(set, &c, "lm_head.weight", t,
+                                           kvb_quant_is_quantized(&c.quant, 0, KVB_PROJ_COUNT)), fail_set);
+    }
     kvb_st_close(set);
     if (cfg_out) *cfg_out = c;
     return KVB_OK;

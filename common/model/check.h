@@ -35,9 +35,22 @@ int kvb_model_layer_spec(const kvb_model_config *c, kvb_layer_tensor_spec spec[K
 kvb_status kvb_model_find_weight(const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
                                  const kvb_st_tensor **out);
 
+/* The linear layer (kvb_proj, common/model/quant.h) whose weight layer tensor `id` is; -1 for the others. */
+int kvb_model_layer_proj(kvb_layer_tensor_id id);
+
+/* The checks of an FP8 weight `t` called `wname` ("X.weight") without reading its data: F8_E4M3, and its
+ * scale "X.weight_scale" there with one value ([], [1], [1, 1]) or one per output row ([rows], [rows, 1])
+ * as `per_channel` says, in f32, bf16 or f16 (*scale_out). Errors name the tensor (logged). */
+kvb_status kvb_model_find_fp8(const kvb_st_set *set, const char *wname, const kvb_st_tensor *t, int per_channel,
+                              const kvb_st_tensor **scale_out);
+
+/* Tensor `t` called `name` is FP8 (with its scale) exactly when the config quantizes it (`fp8`). */
+kvb_status kvb_model_check_dtype(const kvb_st_set *set, const kvb_model_config *c, const char *name,
+                                 const kvb_st_tensor *t, int fp8);
+
 /* The checks of kvb_model_load without loading anything: config.json, the safetensors headers and
- * every tensor the architecture needs, by name and shape; no weight is read. Errors name the file,
- * field or tensor (logged). Fills *cfg when not NULL. */
+ * every tensor the architecture needs, by name, shape and (FP8 checkpoints) dtype and scale; no weight is
+ * read. Errors name the file, field or tensor (logged). Fills *cfg when not NULL. */
 kvb_status kvb_model_check(const char *dir, kvb_model_config *cfg);
 
 /* What a model directory offers for text: has_tokenizer (tokenizer.json loads), has_chat (its chat

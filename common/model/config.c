@@ -12,7 +12,7 @@
  * Every field the transformers classes of these architectures read that changes the computation is
  * either implemented or refused by name (KVB_ERR_UNSUPPORTED): hidden_act other than silu,
  * partial_rotary_factor below 1, rope types dynamic / longrope / others, layer types other than full and
- * sliding attention, quantized checkpoints. Fields these classes do not read (e.g. a sliding_window on
+ * sliding attention, quantized checkpoints other than compressed-tensors FP8 (quant.h). Fields these classes do not read (e.g. a sliding_window on
  * a Llama config) are ignored, as transformers ignores them. */
 #include "common/model/config.h"
 #include "kernels/backend.h"
@@ -222,14 +222,6 @@ static kvb_status check_unsupported(const json_t *j) {
         KVB_LOG_E(WHAT ": partial_rotary_factor %g is not supported (1.0)", prf);
         return KVB_ERR_UNSUPPORTED;
     }
-    const json_t *q = json_object_get(j, "quantization_config");
-    if (q && !json_is_null(q)) {
-        const json_t *m = json_is_object(q) ? json_object_get(q, "quant_method") : NULL;
-        KVB_LOG_E(WHAT ": \"quantization_config\"%s%s%s: quantized checkpoints are not supported (f32, f16 or "
-                  "bf16 weights)", json_is_string(m) ? " (" : "", json_is_string(m) ? json_string_value(m) : "",
-                  json_is_string(m) ? ")" : "");
-        return KVB_ERR_UNSUPPORTED;
-    }
     return KVB_OK;
 }
 
@@ -373,6 +365,8 @@ static kvb_status parse_obj(const json_t *j, kvb_model_config *c) {
     }
 
     KVB_TRY(parse_token_ids(j, c));
+    _Static_assert(KVB_QUANT_MAX_LAYERS >= MAX_LAYERS, "a quantization bit field per layer");
+    KVB_TRY(kvb_quant_config_parse(json_object_get(j, "quantization_config"), c->n_layers, c->tie_embeddings, &c->quant));
 
     c->torch_dtype = KVB_DTYPE_F32;
     const char *dt = NULL;

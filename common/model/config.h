@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/model/quant.h"
 #include "common/util/util.h"
 
 typedef enum kvb_arch {
@@ -61,6 +62,7 @@ typedef struct kvb_model_config {
     int eos_ids[KVB_MAX_EOS];
     int n_eos;
     kvb_dtype torch_dtype; /* informational */
+    kvb_quant_config quant; /* quantization_config: which linear layers hold FP8 weights, and how */
 } kvb_model_config;
 
 /* Parses config.json text. On error returns KVB_ERR_FORMAT (bad JSON), KVB_ERR_UNSUPPORTED (an unknown

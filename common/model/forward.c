@@ -19,7 +19,13 @@
  * the step has fewer: so the backend takes the same path for every row (sgemm above 32 rows, the
  * attention's product path above 32 query rows of a head group) with the same grouping of rows
  * (kernels/backend.h), and its results are the same bits as in one piece (tests/test_model
- * forward_chunks_exact). */
+ * forward_chunks_exact).
+ *
+ * On a backend with the fused operators (kvb_backend_i.weight_load_stacked: the CUDA backend in bf16 and
+ * f16) the model is loaded with q/k/v and gate/up stacked (model.c), and a layer runs as: q/k/v as one
+ * product with the attention norm folded in (matmul_norm), bias, q/k norm, RoPE and KV write in one
+ * operator (qkv_finish), attention, o_proj, gate/up as one product with the FFN norm folded in, and down
+ * with the SiLU-mul folded into its input (matmul_swiglu): 6 operators where the sequence above has 13. */
 #include <math.h>
 #include <string.h>
 
@@ -47,6 +53,9 @@ struct kvb_forward {
     void *att;  /* [cap][n_heads][head_dim] attention output */
     void *gate; /* [cap][intermediate] */
     void *up;   /* [cap][intermediate] */
+    /* a model loaded stacked (model_impl.h) has qkv in place of h, k, v, and gu in place of gate, up */
+    void *qkv;  /* [cap][(n_heads + 2 n_kv_heads) head_dim] the stacked q/k/v product */
+    void *gu;   /* [cap][2 intermediate] the stacked gate/up product */
     void *rows;     /* [r][hidden] rows that want logits */
     void *logits;   /* [r][vocab] */
     const kvb_batch *b; /* the step in flight (borrowed) */
@@ -61,9 +70,9 @@ struct kvb_forward {
 };
 
 /* The step's buffers, in one array for giving them back; the chunk buffers first. */
-#define FW_N_CHUNK_BUFS 7
-#define FW_BUFS(fw) {&(fw)->h, &(fw)->q, &(fw)->k, &(fw)->v, &(fw)->att, &(fw)->gate, &(fw)->up, &(fw)->x, \
-                     &(fw)->rows, &(fw)->logits}
+#define FW_N_CHUNK_BUFS 9
+#define FW_BUFS(fw) {&(fw)->h, &(fw)->q, &(fw)->k, &(fw)->v, &(fw)->att, &(fw)->gate, &(fw)->up, &(fw)->qkv, \
+                     &(fw)->gu, &(fw)->x, &(fw)->rows, &(fw)->logits}
 
 static kvb_status fw_alloc(kvb_forward *fw, size_t elems, void **out) {
     size_t es = kvb_dtype_size(fw->be->iface->act_dtype);
@@ -74,7 +83,7 @@ static kvb_status fw_alloc(kvb_forward *fw, size_t elems, void **out) {
 static void fw_release_n(kvb_forward *fw, size_t n) {
     void **bufs[] = FW_BUFS(fw);
     for (size_t i = 0; i < n && i < KVB_ARRAY_LEN(bufs); i++) {
-        fw->alloc.iface->free(fw->alloc.ctx, *bufs[i]);
+        if (*bufs[i]) fw->alloc.iface->free(fw->alloc.ctx, *bufs[i]);
         *bufs[i] = NULL;
     }
 }
@@ -91,13 +100,22 @@ static kvb_status fw_chunk_bufs(kvb_forward *fw, int rows) {
     fw_release_n(fw, FW_N_CHUNK_BUFS);
     fw->cap = 0;
     size_t n = (size_t)rows;
-    KVB_TRY(fw_alloc(fw, n * c->hidden, &fw->h));
+    const kvb_layer_weights *w = &fw->m->layers[0]; /* every layer is loaded alike */
+    if (!w->wqkv.data || !w->w_gu.data) KVB_TRY(fw_alloc(fw, n * c->hidden, &fw->h));
     KVB_TRY(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->q));
-    KVB_TRY(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->k));
-    KVB_TRY(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->v));
+    if (w->wqkv.data) {
+        KVB_TRY(fw_alloc(fw, n * (size_t)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim, &fw->qkv));
+    } else {
+        KVB_TRY(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->k));
+        KVB_TRY(fw_alloc(fw, n * c->n_kv_heads * c->head_dim, &fw->v));
+    }
     KVB_TRY(fw_alloc(fw, n * c->n_heads * c->head_dim, &fw->att));
-    KVB_TRY(fw_alloc(fw, n * c->intermediate, &fw->gate));
-    KVB_TRY(fw_alloc(fw, n * c->intermediate, &fw->up));
+    if (w->w_gu.data) {
+        KVB_TRY(fw_alloc(fw, n * 2 * (size_t)c->intermediate, &fw->gu));
+    } else {
+        KVB_TRY(fw_alloc(fw, n * c->intermediate, &fw->gate));
+        KVB_TRY(fw_alloc(fw, n * c->intermediate, &fw->up));
+    }
     fw->cap = rows;
     return KVB_OK;
 }
@@ -286,6 +304,26 @@ static kvb_status matmul1(kvb_forward *fw, int r0, const void *x, int n, const k
     return matmuls(fw, r0, x, n, &w, &y, 1, beta);
 }
 
+/* The fused products of a model loaded stacked: y = RMSNorm(x; norm) . w^T (norm != NULL) or y =
+ * SwiGLU(x) . w^T + beta y (x the stacked gate/up product), n rows of a chunk whose first is the layer's
+ * row row0, once per row range of a split (kvb_forward_split) as matmuls does. */
+static kvb_status fused_matmul(kvb_forward *fw, int row0, const void *x, int n, const kvb_tensor *norm,
+                               const kvb_tensor *w, float beta, void *y) {
+    const kvb_backend_i *be = fw->be->iface;
+    size_t es = kvb_dtype_size(be->act_dtype), xw = norm ? (size_t)w->ne[1] : 2 * (size_t)w->ne[1];
+    int sp = fw->split - row0;
+    int cut[3] = {0, sp > 0 && sp < n ? sp : n, n};
+    for (int part = 0; part < 2; part++) {
+        int r0 = cut[part], rn = cut[part + 1] - r0;
+        if (rn <= 0) continue;
+        const void *xp = (const char *)x + (size_t)r0 * xw * es;
+        void *yp = (char *)y + (size_t)r0 * (size_t)w->ne[0] * es;
+        if (norm) KVB_TRY(be->matmul_norm(fw->be->ctx, xp, rn, norm, fw->m->cfg.rms_eps, w, yp));
+        else KVB_TRY(be->matmul_swiglu(fw->be->ctx, xp, rn, w, beta, yp));
+    }
+    return KVB_OK;
+}
+
 kvb_status kvb_forward_rows(kvb_forward *fw, int n_rows, int n_seqs) {
     if (!fw->b || n_rows < 1 || n_rows > fw->n_rows || n_seqs < 1 || n_seqs > fw->attn.n_seqs) return KVB_ERR_INVALID;
     for (int i = 0; i < fw->b->n_logits; i++)
@@ -315,35 +353,46 @@ static kvb_status layer_chunk(kvb_forward *fw, const kvb_layer_weights *w, int c
     kvb_attn_batch attn;
     KVB_TRY(chunk_attn(fw, c0, c1, &attn));
 
-    KVB_TRY(be->rmsnorm(ctx, x, n, c->hidden, &w->attn_norm, eps, fw->h));
-    const kvb_tensor *qkv[] = {&w->wq, &w->wk, &w->wv};
-    void *qkv_out[] = {fw->q, fw->k, fw->v};
-    KVB_TRY(matmuls(fw, c0, fw->h, n, qkv, qkv_out, 3, 0.0f));
-    if (w->bq.data) { /* Qwen2; Llama / Qwen3 with attention_bias */
-        KVB_TRY(be->bias_add(ctx, fw->q, n, &w->bq));
-        KVB_TRY(be->bias_add(ctx, fw->k, n, &w->bk));
-        KVB_TRY(be->bias_add(ctx, fw->v, n, &w->bv));
+    if (w->wqkv.data) { /* stacked: the norm folded into one q/k/v product, then bias, q/k norm, RoPE, KV write */
+        KVB_TRY(fused_matmul(fw, c0, x, n, &w->attn_norm, &w->wqkv, 0.0f, fw->qkv));
+        KVB_TRY(be->qkv_finish(ctx, &attn, fw->qkv, w->bqkv.data ? &w->bqkv : NULL, w->q_norm.data ? &w->q_norm : NULL,
+                               w->k_norm.data ? &w->k_norm : NULL, eps, fw->b->pos + c0, &fw->m->rope, fw->q));
+    } else {
+        KVB_TRY(be->rmsnorm(ctx, x, n, c->hidden, &w->attn_norm, eps, fw->h));
+        const kvb_tensor *qkv[] = {&w->wq, &w->wk, &w->wv};
+        void *qkv_out[] = {fw->q, fw->k, fw->v};
+        KVB_TRY(matmuls(fw, c0, fw->h, n, qkv, qkv_out, 3, 0.0f));
+        if (w->bq.data) { /* Qwen2; Llama / Qwen3 with attention_bias */
+            KVB_TRY(be->bias_add(ctx, fw->q, n, &w->bq));
+            KVB_TRY(be->bias_add(ctx, fw->k, n, &w->bk));
+            KVB_TRY(be->bias_add(ctx, fw->v, n, &w->bv));
+        }
+        if (w->q_norm.data) { /* Qwen3: RMSNorm over each head before RoPE */
+            KVB_TRY(be->rmsnorm(ctx, fw->q, n * c->n_heads, c->head_dim, &w->q_norm, eps, fw->q));
+            KVB_TRY(be->rmsnorm(ctx, fw->k, n * c->n_kv_heads, c->head_dim, &w->k_norm, eps, fw->k));
+        }
+        KVB_TRY(be->rope(ctx, fw->q, c->n_heads, fw->k, c->n_kv_heads, n, fw->b->pos + c0, &fw->m->rope));
+        KVB_TRY(be->kv_write(ctx, &attn, fw->k, fw->v));
     }
-    if (w->q_norm.data) { /* Qwen3: RMSNorm over each head before RoPE */
-        KVB_TRY(be->rmsnorm(ctx, fw->q, n * c->n_heads, c->head_dim, &w->q_norm, eps, fw->q));
-        KVB_TRY(be->rmsnorm(ctx, fw->k, n * c->n_kv_heads, c->head_dim, &w->k_norm, eps, fw->k));
-    }
-    KVB_TRY(be->rope(ctx, fw->q, c->n_heads, fw->k, c->n_kv_heads, n, fw->b->pos + c0, &fw->m->rope));
-    KVB_TRY(be->kv_write(ctx, &attn, fw->k, fw->v));
     KVB_TRY(be->attention(ctx, &attn, fw->q, fw->att));
     KVB_TRY(matmul1(fw, c0, fw->att, n, &w->wo, 1.0f, x)); /* x += o_proj(att) */
     if (w->bo.data) KVB_TRY(be->bias_add(ctx, x, n, &w->bo));
 
-    KVB_TRY(be->rmsnorm(ctx, x, n, c->hidden, &w->ffn_norm, eps, fw->h));
-    const kvb_tensor *gate_up[] = {&w->w_gate, &w->w_up};
-    void *gate_up_out[] = {fw->gate, fw->up};
-    KVB_TRY(matmuls(fw, c0, fw->h, n, gate_up, gate_up_out, 2, 0.0f));
-    if (w->b_gate.data) { /* Llama with mlp_bias */
-        KVB_TRY(be->bias_add(ctx, fw->gate, n, &w->b_gate));
-        KVB_TRY(be->bias_add(ctx, fw->up, n, &w->b_up));
+    if (w->w_gu.data) { /* stacked: the norm folded into one gate/up product, the SiLU-mul into down's input */
+        KVB_TRY(fused_matmul(fw, c0, x, n, &w->ffn_norm, &w->w_gu, 0.0f, fw->gu));
+        KVB_TRY(fused_matmul(fw, c0, fw->gu, n, NULL, &w->w_down, 1.0f, x)); /* x += down(...) */
+    } else {
+        KVB_TRY(be->rmsnorm(ctx, x, n, c->hidden, &w->ffn_norm, eps, fw->h));
+        const kvb_tensor *gate_up[] = {&w->w_gate, &w->w_up};
+        void *gate_up_out[] = {fw->gate, fw->up};
+        KVB_TRY(matmuls(fw, c0, fw->h, n, gate_up, gate_up_out, 2, 0.0f));
+        if (w->b_gate.data) { /* Llama with mlp_bias */
+            KVB_TRY(be->bias_add(ctx, fw->gate, n, &w->b_gate));
+            KVB_TRY(be->bias_add(ctx, fw->up, n, &w->b_up));
+        }
+        KVB_TRY(be->silu_mul(ctx, fw->gate, fw->up, (size_t)n * c->intermediate, fw->gate));
+        KVB_TRY(matmul1(fw, c0, fw->gate, n, &w->w_down, 1.0f, x)); /* x += down(...) */
     }
-    KVB_TRY(be->silu_mul(ctx, fw->gate, fw->up, (size_t)n * c->intermediate, fw->gate));
-    KVB_TRY(matmul1(fw, c0, fw->gate, n, &w->w_down, 1.0f, x)); /* x += down(...) */
     if (w->b_down.data) KVB_TRY(be->bias_add(ctx, x, n, &w->b_down));
     return KVB_OK;
 }
@@ -414,6 +463,16 @@ kvb_status kvb_forward_kv_from_hidden(kvb_forward *fw, int layer, const void *x,
     void *h = NULL, *q = NULL, *k = NULL, *v = NULL;
     size_t nn = (size_t)n;
     kvb_status st;
+    if (w->wqkv.data) { /* stacked: the layer's own path up to the KV write; q is computed and dropped */
+        KVB_TRY_GOTO(fw_alloc(fw, nn * (size_t)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim, &h), out);
+        KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_heads * c->head_dim, &q), out);
+        KVB_TRY_GOTO(be->matmul_norm(ctx, x, n, &w->attn_norm, c->rms_eps, &w->wqkv, h), out);
+        KVB_TRY_GOTO(be->qkv_finish(ctx, a, h, w->bqkv.data ? &w->bqkv : NULL, w->q_norm.data ? &w->q_norm : NULL,
+                                    w->k_norm.data ? &w->k_norm : NULL, c->rms_eps, pos, &fw->m->rope, q),
+                     out);
+        st = be->sync(ctx);
+        goto out;
+    }
     KVB_TRY_GOTO(fw_alloc(fw, nn * c->hidden, &h), out);
     KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_heads * c->head_dim, &q), out);
     KVB_TRY_GOTO(fw_alloc(fw, nn * c->n_kv_heads * c->head_dim, &k), out);

@@ -1,6 +1,7 @@
 /* kvbank — loading a Hugging Face model directory onto a backend (the forward pass is forward.c). */
 #include "common/model/model_impl.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,12 +16,75 @@ static void weight_free(kvb_backend *be, kvb_tensor *t) {
     memset(t, 0, sizeof *t);
 }
 
-/* Loads one weight; adds its file bytes to the load's progress line. */
+/* Tensor `t`'s n values widened to f32 into *out (caller frees): positive and finite, else an error
+ * naming `name`. */
+static kvb_status read_scales(const kvb_st_tensor *t, const char *name, int64_t n, float **out) {
+    KVB_TRY(kvb_malloc((size_t)n * sizeof(float), (void **)out));
+    for (int64_t i = 0; i < n; i++) {
+        float v;
+        if (t->dtype == KVB_DTYPE_F32) {
+            memcpy(&v, (const char *)t->data + 4 * i, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, (const char *)t->data + 2 * i, 2);
+            v = t->dtype == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(h) : kvb_f16_to_f32(h);
+        }
+        if (!(v > 0.0f) || !isfinite(v)) {
+            KVB_LOG_E("model: %s_scale[%lld] = %g is not a positive finite scale", name, (long long)i, v);
+            free(*out);
+            *out = NULL;
+            return KVB_ERR_INVALID;
+        }
+        (*out)[i] = v;
+    }
+    return KVB_OK;
+}
+
+/* Loads the FP8 weight `t` (named `name`) with its scale onto the backend (quant.h's scheme `q`). */
+static kvb_status load_fp8(kvb_backend *be, const kvb_st_set *set, const kvb_quant_config *q, const char *name,
+                           const kvb_st_tensor *t, kvb_tensor *dst) {
+    const kvb_st_tensor *sc = NULL;
+    KVB_TRY(kvb_model_find_fp8(set, name, t, q->per_channel, &sc));
+    if (!be->iface->weight_fp8) {
+        KVB_LOG_E("model: backend %s does not run FP8 checkpoints (tensor \"%s\")", be->iface->name, name);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    float *scale = NULL;
+    int64_t n_scale = q->per_channel ? t->shape[0] : 1;
+    KVB_TRY(read_scales(sc, name, n_scale, &scale));
+    kvb_fp8_weight src = {.data = t->data, .rows = t->shape[0], .cols = t->shape[1], .scale = scale,
+                          .n_scale = n_scale, .act = q->act_token ? KVB_ACT_FP8_TOKEN : KVB_ACT_NONE};
+    kvb_status st = be->iface->weight_fp8(be->ctx, &src, dst);
+    free(scale);
+    return st;
+}
+
+/* Loads one weight (`fp8`: a linear layer quantization_config quantizes); adds its file bytes to the
+ * load's progress line. */
 static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char *name, int64_t rows, int64_t cols,
-                              kvb_tensor *dst, int *viewed, kvb_progress *pg) {
+                              int fp8, const kvb_quant_config *q, kvb_tensor *dst, int *viewed, kvb_progress *pg) {
     const kvb_st_tensor *t = NULL;
     KVB_TRY(kvb_model_find_weight(set, name, rows, cols, &t));
     kvb_progress_update(pg, pg->done + t->nbytes);
+    if (!fp8 && t->dtype == KVB_DTYPE_F8_E4M3) {
+        KVB_LOG_E("model: tensor \"%s\" is F8_E4M3, but quantization_config does not quantize it", name);
+        return KVB_ERR_INVALID;
+    }
+    if (fp8) {
+        kvb_status st = load_fp8(be, set, q, name, t, dst);
+        if (st != KVB_OK) {
+            KVB_LOG_E("model: FP8 tensor \"%s\" not loaded (%s)", name, kvb_status_str(st));
+            memset(dst, 0, sizeof *dst);
+            return st;
+        }
+        if (dst->view) {
+            kvb_st_prefault(t);
+            *viewed = 1;
+        } else {
+            kvb_st_release(t);
+        }
+        return KVB_OK;
+    }
     /* Where the backend can compute on the mapped bytes as they are, they are the weight (one copy in
      * memory: the file's page cache); otherwise the backend copies and converts them, and the mapped
      * pages are dropped at once so the mapping does not stay resident beside the copy. */
@@ -43,23 +107,95 @@ static kvb_status load_weight(kvb_backend *be, const kvb_st_set *set, const char
     return KVB_OK;
 }
 
-static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_progress *pg) {
-    kvb_layer_tensor_spec spec[KVB_LT_COUNT];
-    kvb_tensor *dst[] = KVB_LAYER_TENSORS(&m->layers[l]); /* indexed by kvb_layer_tensor_id */
-    _Static_assert(KVB_ARRAY_LEN(dst) == KVB_LT_COUNT, "KVB_LAYER_TENSORS and kvb_layer_tensor_id differ");
-    int n = kvb_model_layer_spec(&m->cfg, spec);
+/* Loads the spec entries `idx` (same cols) of layer l stacked into one weight `dst` (weight_load_stacked). */
+static kvb_status load_stacked(kvb_model *m, const kvb_st_set *set, int l, const kvb_layer_tensor_spec *spec,
+                               const int *idx, int n, kvb_tensor *dst, kvb_progress *pg) {
+    const kvb_st_tensor *t[3];
+    const void *src[3];
+    kvb_dtype dt[3];
+    int64_t rows[3];
     for (int i = 0; i < n; i++) {
         char name[128];
-        snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, dst[spec[i].id], &m->weights_mapped, pg));
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[idx[i]].suffix);
+        KVB_TRY(kvb_model_find_weight(set, name, spec[idx[i]].rows, spec[idx[i]].cols, &t[i]));
+        kvb_progress_update(pg, pg->done + t[i]->nbytes);
+        src[i] = t[i]->data;
+        dt[i] = t[i]->dtype;
+        rows[i] = spec[idx[i]].rows;
     }
+    int64_t cols = spec[idx[0]].cols ? spec[idx[0]].cols : 1;
+    kvb_status st = m->be->iface->weight_load_stacked(m->be->ctx, src, dt, rows, n, cols, dst);
+    for (int i = 0; i < n; i++) kvb_st_release(t[i]);
+    if (st != KVB_OK) {
+        KVB_LOG_E("model: backend %s could not load layer %d's %s and the %d after it stacked (%s)", m->be->iface->name,
+                  l, spec[idx[0]].suffix, n - 1, kvb_status_str(st));
+        memset(dst, 0, sizeof *dst);
+    }
+    return st;
+}
+
+static kvb_status load_layer(kvb_model *m, const kvb_st_set *set, int l, kvb_progress *pg) {
+    kvb_layer_tensor_spec spec[KVB_LT_COUNT];
+    kvb_layer_weights *w = &m->layers[l];
+    kvb_tensor *dst[] = KVB_LAYER_TENSORS(w); /* indexed by kvb_layer_tensor_id */
+    _Static_assert(KVB_ARRAY_LEN(dst) == KVB_LT_COUNT, "KVB_LAYER_TENSORS and kvb_layer_tensor_id differ");
+    int n = kvb_model_layer_spec(&m->cfg, spec);
+    /* a backend that runs the projections sharing an input as one product gets them stacked: q/k/v,
+     * their biases, and gate/up (unless they have biases, which the fused SiLU-mul does not add) */
+    struct {
+        kvb_layer_tensor_id part[3];
+        kvb_tensor *dst;
+        int n;
+    } stacks[] = {{{KVB_LT_WQ, KVB_LT_WK, KVB_LT_WV}, &w->wqkv, 3},
+                  {{KVB_LT_BQ, KVB_LT_BK, KVB_LT_BV}, &w->bqkv, 3},
+                  {{KVB_LT_W_GATE, KVB_LT_W_UP}, &w->w_gu, m->cfg.mlp_bias ? 0 : 2}};
+    int fused = m->be->iface->weight_load_stacked != NULL;
+    /* FP8 weights load one by one (weight_fp8): a stack with an FP8 part stays separate, and the q/k/v
+     * biases with their products */
+    for (int s = 0; fused && s < 3; s++)
+        for (int j = 0; j < stacks[s].n; j++) {
+            int p = kvb_model_layer_proj(stacks[s].part[j]);
+            if (p >= 0 && kvb_quant_is_quantized(&m->cfg.quant, l, p)) stacks[s].n = 0;
+        }
+    if (!stacks[0].n) stacks[1].n = 0;
+    int idx[3][3], found[3] = {0, 0, 0};
+    for (int i = 0; i < n; i++) {
+        int in_stack = 0;
+        for (int s = 0; fused && s < 3; s++)
+            for (int j = 0; j < stacks[s].n; j++)
+                if (spec[i].id == stacks[s].part[j]) {
+                    idx[s][j] = i;
+                    found[s]++;
+                    in_stack = 1;
+                }
+        if (in_stack) continue;
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
+        int p = kvb_model_layer_proj(spec[i].id);
+        int fp8 = p >= 0 && kvb_quant_is_quantized(&m->cfg.quant, l, p);
+        KVB_TRY(load_weight(m->be, set, name, spec[i].rows, spec[i].cols, fp8, &m->cfg.quant, dst[spec[i].id],
+                            &m->weights_mapped, pg));
+    }
+    for (int s = 0; fused && s < 3; s++)
+        if (stacks[s].n && found[s] == stacks[s].n)
+            KVB_TRY(load_stacked(m, set, l, spec, idx[s], stacks[s].n, stacks[s].dst, pg));
     return KVB_OK;
 }
 
-/* The tensors a checkpoint of this architecture holds (for the "unused tensor" warning). */
+/* The tensors a checkpoint of this architecture holds (for the "unused tensor" warning): the weights and
+ * the scales of the FP8 ones. */
 static int64_t expected_tensor_count(const kvb_model_config *c) {
     kvb_layer_tensor_spec spec[KVB_LT_COUNT];
-    return (int64_t)c->n_layers * kvb_model_layer_spec(c, spec) + 2 + (c->tie_embeddings ? 0 : 1);
+    int64_t n = 2 + (c->tie_embeddings ? 0 : 1) + kvb_quant_is_quantized(&c->quant, 0, KVB_PROJ_COUNT);
+    for (int l = 0; l < c->n_layers; l++) {
+        int k = kvb_model_layer_spec(c, spec);
+        n += k;
+        for (int i = 0; i < k; i++) {
+            int p = kvb_model_layer_proj(spec[i].id);
+            n += p >= 0 && kvb_quant_is_quantized(&c->quant, l, p);
+        }
+    }
+    return n;
 }
 
 static void free_weights(kvb_model *m) {
@@ -67,8 +203,9 @@ static void free_weights(kvb_model *m) {
     if (m->layers) {
         for (int l = 0; l < m->cfg.n_layers; l++) {
             kvb_layer_weights *w = &m->layers[l];
-            kvb_tensor *all[] = KVB_LAYER_TENSORS(w);
+            kvb_tensor *all[] = KVB_LAYER_TENSORS(w), *stacked[] = KVB_LAYER_STACKED(w);
             for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) weight_free(be, all[i]);
+            for (size_t i = 0; i < KVB_ARRAY_LEN(stacked); i++) weight_free(be, stacked[i]);
         }
     }
     if (!m->lm_head_tied) weight_free(be, &m->lm_head);
@@ -97,16 +234,20 @@ kvb_status kvb_model_load(const char *dir, kvb_backend *be, kvb_model **out) {
     char what[128];
     snprintf(what, sizeof what, "loading %s", dir);
     kvb_progress_begin(&pg, what, total, KVB_PROGRESS_BYTES);
-    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, &m->embed, &m->weights_mapped, &pg), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.embed_tokens.weight", c->vocab, c->hidden, 0, &c->quant, &m->embed,
+                             &m->weights_mapped, &pg), fail_weights);
     for (int l = 0; l < c->n_layers; l++) KVB_TRY_GOTO(load_layer(m, set, l, &pg), fail_weights);
-    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, &m->final_norm, &m->weights_mapped, &pg), fail_weights);
+    KVB_TRY_GOTO(load_weight(be, set, "model.norm.weight", c->hidden, 0, 0, &c->quant, &m->final_norm,
+                             &m->weights_mapped, &pg), fail_weights);
     if (c->tie_embeddings) {
         if (kvb_st_find(set, "lm_head.weight"))
             KVB_LOG_W("%s: tie_word_embeddings is true; lm_head.weight is ignored (the embedding is used)", dir);
         m->lm_head = m->embed;
         m->lm_head_tied = 1;
     } else {
-        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden, &m->lm_head, &m->weights_mapped, &pg), fail_weights);
+        KVB_TRY_GOTO(load_weight(be, set, "lm_head.weight", c->vocab, c->hidden,
+                                 kvb_quant_is_quantized(&c->quant, 0, KVB_PROJ_COUNT), &c->quant, &m->lm_head,
+                                 &m->weights_mapped, &pg), fail_weights);
     }
     kvb_progress_end(&pg);
     int64_t expected = expected_tensor_count(c) + (c->tie_embeddings && kvb_st_find(set, "lm_head.weight"));
@@ -182,7 +323,11 @@ int64_t kvb_model_n_params(const kvb_model *m) {
 }
 
 static int64_t tensor_bytes(const kvb_tensor *t) {
-    return t->data ? t->ne[0] * t->ne[1] * (int64_t)kvb_dtype_size(t->dtype) : 0;
+    return t->data ? t->ne[0] * t->ne[1] * (int64_t)kvb_dtype_size(t->dtype) + t->n_scale * (int64_t)sizeof(float) : 0;
+}
+
+int64_t kvb_model_weight_bytes(const kvb_model *m) {
+    return kvb_model_weight_bytes_per_token(m) + (m->lm_head_tied ? 0 : tensor_bytes(&m->embed));
 }
 
 /* Everything one decode step reads: every layer's matrices and norms, the final norm and the LM head
@@ -191,8 +336,9 @@ int64_t kvb_model_weight_bytes_per_token(const kvb_model *m) {
     int64_t b = tensor_bytes(&m->final_norm) + tensor_bytes(&m->lm_head);
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const kvb_layer_weights *w = &m->layers[l];
-        const kvb_tensor *all[] = KVB_LAYER_TENSORS(w);
+        const kvb_tensor *all[] = KVB_LAYER_TENSORS(w), *stacked[] = KVB_LAYER_STACKED(w);
         for (size_t i = 0; i < KVB_ARRAY_LEN(all); i++) b += tensor_bytes(all[i]);
+        for (size_t i = 0; i < KVB_ARRAY_LEN(stacked); i++) b += tensor_bytes(stacked[i]);
     }
     return b;
 }

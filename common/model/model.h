@@ -38,6 +38,9 @@ kvb_kv_geom kvb_model_kv_geom(const kvb_model *m, int block_size);
  * the LM head counts even when tied). */
 int64_t kvb_model_n_params(const kvb_model *m);
 int64_t kvb_model_weight_bytes_per_token(const kvb_model *m);
+/* Bytes of all the model's weights as the backend holds them (the embedding table included, once when
+ * tied): on the CPU backend the checkpoint's own bytes for matrices used in place. */
+int64_t kvb_model_weight_bytes(const kvb_model *m);
 
 /* One step's batch. Host arrays, borrowed for the duration of the step. */
 typedef struct kvb_batch {

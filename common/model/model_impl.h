@@ -25,6 +25,11 @@ typedef struct kvb_layer_weights {
     kvb_tensor b_gate;    /* mlp.gate_proj.bias (mlp_bias)     [intermediate] */
     kvb_tensor b_up;      /* mlp.up_proj.bias (mlp_bias)       [intermediate] */
     kvb_tensor b_down;    /* mlp.down_proj.bias (mlp_bias)     [hidden] */
+    /* On a backend with weight_load_stacked (kernels/backend.h) the projections that share an input
+     * are loaded as one weight each, and the separate ones above hold no data: */
+    kvb_tensor wqkv;      /* wq, wk, wv stacked                [(n_heads + 2 n_kv_heads) head_dim][hidden] */
+    kvb_tensor bqkv;      /* bq, bk, bv stacked (qkv_bias)     [(n_heads + 2 n_kv_heads) head_dim] */
+    kvb_tensor w_gu;      /* w_gate, w_up stacked, without mlp_bias [2 intermediate][hidden] */
 } kvb_layer_weights;
 
 /* Every tensor of a layer, for walking them all (freeing, counting bytes). */
@@ -32,6 +37,8 @@ typedef struct kvb_layer_weights {
     {&(w)->attn_norm, &(w)->wq, &(w)->wk, &(w)->wv, &(w)->wo, &(w)->bq, &(w)->bk, &(w)->bv, &(w)->bo,       \
      &(w)->q_norm, &(w)->k_norm, &(w)->ffn_norm, &(w)->w_gate, &(w)->w_up, &(w)->w_down, &(w)->b_gate,     \
      &(w)->b_up, &(w)->b_down}
+/* The stacked weights, which no checkpoint names; a walk over every tensor a layer holds takes both lists. */
+#define KVB_LAYER_STACKED(w) {&(w)->wqkv, &(w)->bqkv, &(w)->w_gu}
 
 struct kvb_model {
     kvb_model_config cfg;

@@ -43,8 +43,9 @@ static kvb_status parse_dtype(const char *path, const char *name, const char *s,
     if (!strcmp(s, "F32")) *out = KVB_DTYPE_F32;
     else if (!strcmp(s, "F16")) *out = KVB_DTYPE_F16;
     else if (!strcmp(s, "BF16")) *out = KVB_DTYPE_BF16;
+    else if (!strcmp(s, "F8_E4M3")) *out = KVB_DTYPE_F8_E4M3;
     else {
-        KVB_LOG_E("%s: tensor \"%s\": dtype \"%s\" is not supported (F32, F16, BF16)", path, name, s);
+        KVB_LOG_E("%s: tensor \"%s\": dtype \"%s\" is not supported (F32, F16, BF16, F8_E4M3)", path, name, s);
         return KVB_ERR_UNSUPPORTED;
     }
     return KVB_OK;
@@ -476,6 +477,7 @@ static const char *st_dtype_name(kvb_dtype dt) {
     case KVB_DTYPE_F32: return "F32";
     case KVB_DTYPE_F16: return "F16";
     case KVB_DTYPE_BF16: return "BF16";
+    case KVB_DTYPE_F8_E4M3: return "F8_E4M3";
     }
     return NULL;
 }

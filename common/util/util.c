@@ -13,13 +13,14 @@
 #include <time.h>
 #include <unistd.h>
 
-size_t kvb_dtype_size(kvb_dtype dt) { return dt == KVB_DTYPE_F32 ? 4 : 2; }
+size_t kvb_dtype_size(kvb_dtype dt) { return dt == KVB_DTYPE_F32 ? 4 : dt == KVB_DTYPE_F8_E4M3 ? 1 : 2; }
 
 const char *kvb_dtype_name(kvb_dtype dt) {
     switch (dt) {
     case KVB_DTYPE_F32: return "f32";
     case KVB_DTYPE_F16: return "f16";
     case KVB_DTYPE_BF16: return "bf16";
+    case KVB_DTYPE_F8_E4M3: return "f8_e4m3";
     }
     return "?";
 }
@@ -29,6 +30,7 @@ kvb_status kvb_dtype_parse(const char *name, kvb_dtype *out) {
     if (!strcasecmp(name, "f32") || !strcmp(name, "F32") || !strcmp(name, "float32")) *out = KVB_DTYPE_F32;
     else if (!strcasecmp(name, "f16") || !strcmp(name, "float16")) *out = KVB_DTYPE_F16;
     else if (!strcasecmp(name, "bf16") || !strcmp(name, "bfloat16")) *out = KVB_DTYPE_BF16;
+    else if (!strcasecmp(name, "f8_e4m3") || !strcmp(name, "float8_e4m3fn")) *out = KVB_DTYPE_F8_E4M3;
     else return KVB_ERR_INVALID;
     return KVB_OK;
 }
@@ -246,6 +248,45 @@ uint16_t kvb_f32_to_bf16(float f) {
     if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
     x += 0x7fff + ((x >> 16) & 1);
     return (uint16_t)(x >> 16);
+}
+
+float kvb_e4m3_to_f32(uint8_t b) {
+    if ((b & 0x7f) == 0x7f) return NAN;
+    /* the 7 bits of exponent and mantissa as a float32's low exponent bits and high mantissa bits,
+     * then 2^(127 - 7): exact for normal and subnormal E4M3 values alike */
+    uint32_t bits = (uint32_t)(b & 0x7f) << 20;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    f *= 0x1p120f;
+    return b & 0x80 ? -f : f;
+}
+
+float kvb_e4m3_round(float f) {
+    float a = fabsf(f);
+    uint32_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    /* E4M3 keeps 3 mantissa bits, and its subnormals step by 2^-9: the quantum q of a's binade. Adding
+     * m = q * 2^23 rounds a to a multiple of q, ties to even (the float32 addition's own rounding),
+     * subtracting it again is exact. */
+    int e = (int)(bits >> 23) - 3;
+    if (e < 127 - 9) e = 127 - 9;
+    uint32_t mbits = (uint32_t)(e + 23) << 23;
+    float m;
+    memcpy(&m, &mbits, sizeof m);
+    return copysignf((a + m) - m, f);
+}
+
+uint8_t kvb_f32_to_e4m3(float f) {
+    float r = fabsf(kvb_e4m3_round(f));
+    uint8_t b = 0;
+    if (r >= 0x1p-6f) { /* normal: exponent field 1..15 */
+        int e;
+        float mant = frexpf(r, &e); /* r = mant * 2^e, mant in [0.5, 1) */
+        b = (uint8_t)(((e - 1 + 7) << 3) | ((int)(mant * 16.0f) - 8));
+    } else {
+        b = (uint8_t)(r * 512.0f); /* subnormal: r = m * 2^-9 */
+    }
+    return (uint8_t)(b | (signbit(f) ? 0x80 : 0));
 }
 
 kvb_status kvb_open_regular(const char *path, int *fd) {

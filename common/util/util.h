@@ -9,14 +9,15 @@
 #include "common/util/log.h"
 #include "common/util/status.h"
 
-/* Element types of weights and KV (safetensors names: F32, F16, BF16). */
+/* Element types of weights and KV (safetensors names: F32, F16, BF16, F8_E4M3). */
 typedef enum kvb_dtype {
     KVB_DTYPE_F32 = 0,
     KVB_DTYPE_F16 = 1,
     KVB_DTYPE_BF16 = 2,
+    KVB_DTYPE_F8_E4M3 = 3, /* OCP FP8 E4M3 ("e4m3fn": no infinities, 0x7f/0xff NaN, largest 448); weights only */
 } kvb_dtype;
 
-/* Bytes per element; "f32"/"f16"/"bf16" names and their inverse (KVB_ERR_INVALID if unknown). */
+/* Bytes per element; "f32"/"f16"/"bf16"/"f8_e4m3" names and their inverse (KVB_ERR_INVALID if unknown). */
 size_t kvb_dtype_size(kvb_dtype dt);
 const char *kvb_dtype_name(kvb_dtype dt);
 kvb_status kvb_dtype_parse(const char *name, kvb_dtype *out);
@@ -81,5 +82,12 @@ float kvb_f16_to_f32(uint16_t h);
 uint16_t kvb_f32_to_f16(float f);
 float kvb_bf16_to_f32(uint16_t h);
 uint16_t kvb_f32_to_bf16(float f); /* round to nearest even */
+/* FP8 E4M3 (e4m3fn) to float32, exact (NaN for 0x7f / 0xff). */
+float kvb_e4m3_to_f32(uint8_t b);
+/* float32 to the nearest E4M3 value, ties to even, as a float32 (exact in E4M3): `f` must lie in
+ * [-448, 448] (callers clamp first, as the quantization schemes do). */
+float kvb_e4m3_round(float f);
+/* float32 in [-448, 448] to its E4M3 bits, ties to even. */
+uint8_t kvb_f32_to_e4m3(float f);
 
 #endif

@@ -27,78 +27,73 @@ static kvb_status cpu_sync(void *ctx) { return KVB_OK; }
 static kvb_status cpu_weight_load(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
                                   kvb_tensor *dst) {
     if (rows <= 0 || cols <= 0) return KVB_ERR_INVALID;
+    if (src_dtype == KVB_DTYPE_F8_E4M3) return KVB_ERR_UNSUPPORTED; /* needs its scales: weight_fp8 */
     size_t n = (size_t)rows * (size_t)cols;
     float *w = NULL;
     KVB_TRY(kvb_aligned_alloc(n * sizeof(float), (void **)&w));
     /* safetensors data is little-endian and may be unaligned inside the mmapped file */
-    switch (src_dtype) {
-    case KVB_DTYPE_F32: memcpy(w, src, n * sizeof(float)); break;
-    case KVB_DTYPE_F16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, (const char *)src + 2 * i, 2);
-            w[i] = kvb_f16_to_f32(h);
-        }
-        break;
-    case KVB_DTYPE_BF16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, (const char *)src + 2 * i, 2);
-            w[i] = kvb_bf16_to_f32(h);
-        }
-        break;
-    }
-    dst->data = w;
-    dst->dtype = KVB_DTYPE_F32;
-    dst->ne[0] = rows;
-    dst->ne[1] = cols;
-    dst->view = 0;
+    kvb__cpu_widen(src, src_dtype, (int64_t)n, w);
+    *dst = (kvb_tensor){.data = w, .dtype = KVB_DTYPE_F32, .ne = {rows, cols}};
     return KVB_OK;
 }
 
-/* f32 weights are used where they lie (the safetensors mapping): the file's page cache is the only
- * copy, so the process holds the weights once. */
+/* Weights are used where they lie (the safetensors mapping): the file's page cache is the only copy, so
+ * the process holds the weights once, in the bytes they are stored in. Matrices of bf16 and f16 too: the
+ * products widen them as they read them (matmul.c), the embedding row by row. Vectors of half types (norms,
+ * biases: a few KB) are converted by weight_load, the kernels that read them taking f32. */
 static kvb_status cpu_weight_view(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
                                   kvb_tensor *dst) {
     if (rows <= 0 || cols <= 0) return KVB_ERR_INVALID;
-    if (src_dtype != KVB_DTYPE_F32 || (uintptr_t)src % sizeof(float)) return KVB_ERR_UNSUPPORTED;
-    dst->data = (void *)src;
-    dst->dtype = KVB_DTYPE_F32;
-    dst->ne[0] = rows;
-    dst->ne[1] = cols;
-    dst->view = 1;
+    int half = src_dtype == KVB_DTYPE_BF16 || src_dtype == KVB_DTYPE_F16;
+    if (src_dtype == KVB_DTYPE_F32 ? (uintptr_t)src % sizeof(float) != 0 : !half || cols == 1 || (uintptr_t)src % 2)
+        return KVB_ERR_UNSUPPORTED;
+    *dst = (kvb_tensor){.data = (void *)src, .dtype = src_dtype, .ne = {rows, cols}, .view = 1};
+    return KVB_OK;
+}
+
+/* E4M3 bytes in place; the scales copied, one per row (a per-tensor scale repeated), so that the
+ * products read scale[r] whatever the scheme. */
+static kvb_status cpu_weight_fp8(void *ctx, const kvb_fp8_weight *src, kvb_tensor *dst) {
+    if (src->rows <= 0 || src->cols <= 1 || (src->n_scale != 1 && src->n_scale != src->rows)) return KVB_ERR_INVALID;
+    const uint8_t *b = src->data;
+    for (size_t i = 0; i < (size_t)src->rows * (size_t)src->cols; i++)
+        if ((b[i] & 0x7f) == 0x7f) {
+            KVB_LOG_E("cpu backend: FP8 weight [%lld][%lld] holds a NaN (byte 0x%02x at element %zu)",
+                      (long long)src->rows, (long long)src->cols, b[i], i);
+            return KVB_ERR_INVALID;
+        }
+    float *scale = NULL;
+    KVB_TRY(kvb_aligned_alloc((size_t)src->rows * sizeof(float), (void **)&scale));
+    for (int64_t r = 0; r < src->rows; r++) scale[r] = src->scale[src->n_scale == 1 ? 0 : r];
+    *dst = (kvb_tensor){.data = (void *)src->data, .dtype = KVB_DTYPE_F8_E4M3, .ne = {src->rows, src->cols},
+                        .view = 1, .scale = scale, .n_scale = src->rows, .act = src->act};
     return KVB_OK;
 }
 
 static void cpu_weight_free(void *ctx, kvb_tensor *t) {
     if (!t) return;
     if (!t->view) free(t->data);
+    free(t->scale);
     t->data = NULL;
+    t->scale = NULL;
 }
 
 static kvb_status cpu_embed(void *ctx, const kvb_tensor *table, const int32_t *ids, int n, void *out) {
-    kvb__cpu_embed(table->data, table->ne[1], ids, n, out);
+    kvb__cpu_embed(table, ids, n, out);
     return KVB_OK;
 }
 
 static kvb_status cpu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w, float beta, void *y) {
-    kvb__cpu_matmul(x, n, w->data, w->ne[0], w->ne[1], beta, y);
-    return KVB_OK;
+    return kvb__cpu_matmul(ctx, x, n, w, beta, y);
 }
 
 #define MATMUL_N_MAX 4
 
 static kvb_status cpu_matmul_n(void *ctx, const void *x, int n, const kvb_tensor *const *w, int nw, void *const *y) {
     if (nw < 1 || nw > MATMUL_N_MAX) return KVB_ERR_INVALID;
-    const float *ws[MATMUL_N_MAX];
-    int64_t rows[MATMUL_N_MAX];
-    for (int i = 0; i < nw; i++) {
+    for (int i = 0; i < nw; i++)
         if (w[i]->ne[1] != w[0]->ne[1]) return KVB_ERR_INVALID;
-        ws[i] = w[i]->data;
-        rows[i] = w[i]->ne[0];
-    }
-    kvb__cpu_matmul_n(x, n, ws, rows, nw, w[0]->ne[1], (float *const *)y);
-    return KVB_OK;
+    return kvb__cpu_matmul_n(ctx, x, n, w, nw, (float *const *)y);
 }
 
 static kvb_status cpu_rmsnorm(void *ctx, const void *x, int rows, int dim, const kvb_tensor *w, float eps, void *y) {
@@ -140,10 +135,14 @@ static kvb_status cpu_gather_rows(void *ctx, const void *x, const int32_t *rows,
 static void cpu_set_threads(void *ctx, int n_threads) {
     kvb_cpu_ctx *c = ctx;
     if (n_threads < 1) n_threads = 1;
-    /* scratch is per thread: drop it so the next reserve sizes it for the new count */
+    /* scratch and the products' buffers are per thread: drop them so the next reserve sizes them for the
+     * new count */
     free(c->scratch);
     c->scratch = NULL;
     c->scratch_floats = 0;
+    free(c->mm_buf);
+    c->mm_buf = NULL;
+    c->mm_buf_floats = 0;
     c->n_threads = n_threads;
     /* one pool: OpenMP splits the work, OpenBLAS runs inside it single-threaded */
     openblas_set_num_threads(1);
@@ -158,6 +157,9 @@ static void cpu_destroy(void *ctx) {
     free(c->items);
     free(c->part);
     free(c->gath);
+    free(c->mm_buf);
+    free(c->xq);
+    free(c->xs);
     free(c);
 }
 
@@ -171,6 +173,7 @@ static const kvb_backend_i cpu_iface = {
     .sync = cpu_sync,
     .weight_load = cpu_weight_load,
     .weight_view = cpu_weight_view,
+    .weight_fp8 = cpu_weight_fp8,
     .weight_free = cpu_weight_free,
     .embed = cpu_embed,
     .matmul = cpu_matmul,
@@ -191,7 +194,7 @@ kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out) {
     KVB_TRY(kvb_calloc(1, sizeof *c, (void **)&c));
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    kvb__cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    kvb__cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     kvb__cpu_avx512 = kvb__cpu_avx2 && __builtin_cpu_supports("avx512f");
     /* KVB_CPU_SIMD=0: the generic loops and OpenBLAS only (how a processor without AVX2 runs);
      * KVB_CPU_SIMD=avx2: no AVX-512 (how an AVX2-only processor runs). Tests cover those paths with it. */

@@ -1,4 +1,5 @@
-/* kvbank — CUDA paged attention: prefill tiles, decode splits and the split reduce (see attention.h).
+/* kvbank — CUDA paged attention: decode splits with their merge, and the CUDA-core prefill (see
+ * attention.h; the tensor-core prefill is attention_tc.cu).
  *
  * Keys and values are read through the block-address array: key `k` of a sequence lives in entry
  * blk_first + k / block_size, row k % block_size; its K row for KV head g starts at
@@ -10,13 +11,13 @@
  * multiple of 16; block addresses 16-byte aligned by contract) or element by element. */
 #include <math.h>
 
-#include "kernels/cuda/attention.h"
-#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/attention_impl.cuh"
 
 namespace {
 
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr int DR = KVB_CUDA_ATTN_DECODE_ROWS;
+using kvb::attn::DR;
+using kvb::attn::key_row;
+using kvb::attn::LOG2E;
 constexpr int TK = KVB_CUDA_ATTN_KEY_TILE;
 constexpr int DEC_THREADS = 128;
 constexpr int DEC_WARPS = DEC_THREADS / 32;
@@ -26,14 +27,6 @@ constexpr int PRE_THREADS = 256;
 constexpr int U = 4; /* loads in flight per thread before their first use */
 
 static_assert(PM == 64 && PRE_THREADS == 256, "the prefill thread layout assumes 64 rows x 32 keys on 256 threads");
-
-/* The K row of key `key` of a sequence for KV head `kvh` (its V row is `v_off` elements further). */
-template <typename T>
-__device__ __forceinline__ const T *key_row(const kvb_cuda_attn_args &a, int blk_first, int key, int kvh,
-                                            size_t row_elems) {
-    const T *blk = (const T *)a.blocks[blk_first + key / a.block_size];
-    return blk + (size_t)(key % a.block_size) * row_elems + (size_t)kvh * a.head_dim;
-}
 
 /* One slot of a row: W = VEC<T> elements (VP) or one element. */
 template <typename T, bool VP> __device__ __forceinline__ void load_slot(const T *p, float *f) {
@@ -248,6 +241,7 @@ __global__ void __launch_bounds__(DEC_THREADS, 4)
         __syncthreads();
     }
 
+    const size_t prow = it.part < 0 ? 0 : (size_t)a.groups[it.group].prow + (size_t)it.part * DR;
     for (int i = tid; i < rows * hd; i += DEC_THREADS) {
         int r = i / hd, d = i % hd;
         float l = l_s[r], v = l > 0.0f ? Ored[r][d] / l : 0.0f;
@@ -255,11 +249,13 @@ __global__ void __launch_bounds__(DEC_THREADS, 4)
             int t = r / gq, h = it.kvh * gq + r % gq;
             ((T *)a.out)[((size_t)(sq.q_start + t) * a.n_heads + h) * hd + d] = kvb::from_f<T>(v);
         } else {
-            a.part_o[((size_t)it.part * DR + r) * hd + d] = v;
+            a.part_o[(prow + r) * hd + d] = v;
         }
     }
-    if (it.part >= 0 && tid < rows)
-        a.part_lse[(size_t)it.part * DR + tid] = l_s[tid] > 0.0f ? m_s[tid] + log2f(l_s[tid]) : -INFINITY;
+    if (it.part >= 0) {
+        if (tid < rows) a.part_lse[prow + tid] = l_s[tid] > 0.0f ? m_s[tid] + log2f(l_s[tid]) : -INFINITY;
+        if (kvb::attn::split_done(a, it.group)) kvb::attn::merge_split<T>(a, sq, it.kvh, 0, 0, gq, rows, it.group, DR);
+    }
 }
 
 /* The decode kernel for the shapes real models have: head_dim HD exactly 32, 64, 128 or 256 with rows
@@ -394,51 +390,13 @@ __global__ void __launch_bounds__(DEC_THREADS)
             int t = r / gq, h = it.kvh * gq + r % gq;
             ((T *)a.out)[((size_t)(sq.q_start + t) * a.n_heads + h) * HD + d] = kvb::from_f<T>(v);
         } else {
-            a.part_o[((size_t)it.part * DR + r) * HD + d] = v;
-            if (d == 0) a.part_lse[(size_t)it.part * DR + r] = L > 0.0f ? M + log2f(L) : -INFINITY;
+            size_t prow = (size_t)a.groups[it.group].prow + (size_t)it.part * DR;
+            a.part_o[(prow + r) * HD + d] = v;
+            if (d == 0) a.part_lse[prow + r] = L > 0.0f ? M + log2f(L) : -INFINITY;
         }
     }
-}
-
-/* One block per (sequence, KV head): warp r finds row r's largest log-sum-exp M and the weight sum over
- * the splits once, then every (row, dim) sums its splits' outputs weighted by exp2(lse - M). */
-template <typename T>
-__global__ void reduce_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_reduce_item *__restrict__ items) {
-    __shared__ float M_s[DR], den_s[DR];
-    const kvb_cuda_attn_reduce_item it = items[blockIdx.x];
-    const kvb_attn_seq sq = a.seqs[it.seq];
-    const int hd = a.head_dim, gq = a.n_heads / a.n_kv_heads, rows = sq.q_len * gq;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    const float *lse = a.part_lse + (size_t)it.part_first * DR;
-    for (int r = warp; r < rows; r += n_warps) {
-        float M = -INFINITY, den = 0.0f;
-        for (int p = lane; p < it.n_parts; p += 32) M = fmaxf(M, lse[(size_t)p * DR + r]);
-        M = kvb::warp_max(M);
-        if (M != -INFINITY)
-            for (int p = lane; p < it.n_parts; p += 32) {
-                float x = lse[(size_t)p * DR + r];
-                if (x != -INFINITY) den += exp2f(x - M);
-            }
-        den = kvb::warp_sum(den);
-        if (lane == 0) {
-            M_s[r] = M;
-            den_s[r] = den;
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * hd; i += blockDim.x) {
-        int r = i / hd, d = i % hd;
-        float M = M_s[r], den = den_s[r], num = 0.0f;
-        if (M != -INFINITY) {
-#pragma unroll 8
-            for (int p = 0; p < it.n_parts; p++) {
-                float x = lse[(size_t)p * DR + r];
-                if (x != -INFINITY) num += exp2f(x - M) * a.part_o[((size_t)(it.part_first + p) * DR + r) * hd + d];
-            }
-        }
-        int t = r / gq, h = it.kvh * gq + r % gq;
-        ((T *)a.out)[((size_t)(sq.q_start + t) * a.n_heads + h) * hd + d] = kvb::from_f<T>(den > 0.0f ? num / den : 0.0f);
-    }
+    if (it.part >= 0 && kvb::attn::split_done(a, it.group))
+        kvb::attn::merge_split<T>(a, sq, it.kvh, 0, 0, gq, rows, it.group, DR);
 }
 
 /* ---------------------------------------------------------------- prefill */
@@ -670,6 +628,7 @@ extern "C" int kvb_cuda_attention_prefill(const kvb_cuda_attn_args *a, const kvb
                                           int n_items, kvb_cuda_stream_t s) {
     int e = check_args(a, s);
     if (e || n_items <= 0) return e;
+    if (kvb_cuda_attention_prefill_tc(a->dtype, a->head_dim)) return kvb::attn::prefill_tc(*a, items, n_items, s);
     KVB_ATTN_DISPATCH(*a, launch_prefill, *a, items, n_items, s);
     return (int)cudaErrorInvalidValue;
 }
@@ -680,13 +639,4 @@ extern "C" int kvb_cuda_attention_decode(const kvb_cuda_attn_args *a, const kvb_
     if (e || n_items <= 0) return e;
     KVB_ATTN_DISPATCH(*a, launch_decode, *a, items, n_items, s);
     return (int)cudaErrorInvalidValue;
-}
-
-extern "C" int kvb_cuda_attention_reduce(const kvb_cuda_attn_args *a, const kvb_cuda_attn_reduce_item *items,
-                                         int n_items, kvb_cuda_stream_t s) {
-    int e = check_args(a, s);
-    if (e || n_items <= 0) return e;
-    /* a thread per (row, dim) of a Llama-shaped group (4 x 128): each has its splits' loads in flight */
-    KVB_CUDA_DISPATCH(a->dtype, T, reduce_kernel<T><<<n_items, 512, 0, s>>>(*a, items));
-    return (int)cudaGetLastError();
 }

@@ -3,18 +3,25 @@
  * Two kernels share one batch: a sequence whose query rows per KV head (q_len * n_heads/n_kv_heads) fit
  * in KVB_CUDA_ATTN_DECODE_ROWS takes the decode kernel, every other one the prefill kernel.
  *  - prefill: one CUDA block per tile of KVB_CUDA_ATTN_PREFILL_ROWS query rows (tokens x heads of one
- *    KV group), walking the visible keys in shared-memory tiles with an online softmax;
+ *    KV group), walking the visible keys with an online softmax. bf16 and f16 with head sizes that are
+ *    multiples of 8 up to 256 run FlashAttention-2 style on tensor cores (attention_tc.cu: the tile's
+ *    queries in registers, K/V tiles double-buffered in shared memory by cp.async, QK^T and PV as
+ *    mma.m16n8k16 with f32 accumulators, the softmax in f32); f32 (the variant that must give the CPU
+ *    backend's tokens) and other head sizes take the CUDA-core kernel, keys staged in shared memory as
+ *    f32. A tile's keys may be cut into splits (a short chunk over a long past: too few tiles to fill
+ *    the device), each split an item of its own;
  *  - decode: one CUDA block per (sequence, KV head, split of the context). A long context is cut into
- *    splits of a length the caller picks so that enough blocks
- *    run; each split writes a normalised partial output and its log-sum-exp, and the reduce kernel
- *    merges the splits of each (sequence, KV head). A single split writes the output directly. Where
- *    the head dimension is 32/64/128/256 and a row moves in 16-byte slots, each group of lanes that
- *    holds one key row walks its own keys with its own online softmax (no barrier in the key loop) and
- *    the groups merge at the end; other shapes take a tiled kernel with shared-memory score tiles.
- * Both accumulate in f32 with exp2 of log2e-prescaled scores and never use atomics: results are
- * deterministic for a given plan. With a sliding window each row masks the keys before its window;
- * prefill tiles start at their first row's window, decode items cover only the keys some row sees
- * (the host picks k_begin). The CPU twin is kvb__cpu_attention. */
+ *    splits of a length the caller picks so that enough blocks run. Where the head dimension is
+ *    32/64/128/256 and a row moves in 16-byte slots, each group of lanes that holds one key row walks
+ *    its own keys with its own online softmax (no barrier in the key loop) and the groups merge at the
+ *    end; other shapes take a tiled kernel with shared-memory score tiles.
+ * A split writes its normalised partial output and its log-sum-exp; the last split of a group to finish
+ * (an atomic counter per group, reset by that block) merges the group's partials into `out`, reading
+ * them in split order: one launch per kernel, no atomics on the results, and the same bits for a given
+ * plan whichever block finishes last. Everything accumulates in f32 with exp2 of log2e-prescaled
+ * scores. With a sliding window each row masks the keys before its window; prefill tiles start at
+ * their first row's window, decode items cover only the keys some row sees (the host picks k_begin).
+ * The CPU twin is kvb__cpu_attention. */
 #ifndef KVB_KERNELS_CUDA_ATTENTION_H
 #define KVB_KERNELS_CUDA_ATTENTION_H
 
@@ -38,6 +45,13 @@ KVB_CUDA_EXTERN_C_BEGIN
 /* Keys per inner tile of the tiled decode kernel. */
 #define KVB_CUDA_ATTN_KEY_TILE 128
 
+/* The splits of one row set (a decode item's rows, a prefill tile): split p's partial rows are
+ * [prow + p * stride, + stride) of part_o / part_lse, stride = KVB_CUDA_ATTN_DECODE_ROWS (decode) or
+ * KVB_CUDA_ATTN_PREFILL_ROWS (prefill). */
+typedef struct kvb_cuda_attn_group {
+    int32_t prow, n_parts;
+} kvb_cuda_attn_group;
+
 /* What every attention launch of one batch shares. All pointers are device memory. */
 typedef struct kvb_cuda_attn_args {
     kvb_dtype dtype;          /* of q, out and the KV blocks */
@@ -53,35 +67,36 @@ typedef struct kvb_cuda_attn_args {
                                  [2][block_size][n_kv_heads][head_dim], 16-byte aligned */
     const void *q;            /* [n_tokens][n_heads][head_dim] */
     void *out;                /* [n_tokens][n_heads][head_dim] */
-    float *part_o;            /* [n_parts][KVB_CUDA_ATTN_DECODE_ROWS][head_dim] normalised split outputs */
-    float *part_lse;          /* [n_parts][KVB_CUDA_ATTN_DECODE_ROWS] log2(sum exp2) of each split row */
+    float *part_o;            /* [part rows][head_dim] normalised split outputs (kvb_cuda_attn_group) */
+    float *part_lse;          /* [part rows] log2(sum exp2) of each split row */
+    const kvb_cuda_attn_group *groups;       /* [groups] the split groups of the launch's items */
+    int32_t *counters;        /* [groups] splits of each group finished so far; 0 between launches (the
+                                 merging block resets its group's) */
     int decode_rows;          /* most query rows (q_len x group) of any decode item of the launch: sizes
                                  the decode kernel's register tile (1..KVB_CUDA_ATTN_DECODE_ROWS) */
 } kvb_cuda_attn_args;
 
 /* A prefill tile: heads [h0, h0 + nh) of KV group kvh, nh = min(group size, PREFILL_ROWS), and the
- * sequence's query tokens [t0, t0 + PREFILL_ROWS / nh). */
+ * sequence's query tokens [t0, t0 + PREFILL_ROWS / nh), over keys [k_begin, k_end) (k_end 0: every key
+ * the tile sees). part < 0: the tile's only split, writes `out`; else split `part` of `group`. */
 typedef struct kvb_cuda_attn_prefill_item {
-    int32_t seq, kvh, t0, h0;
+    int32_t seq, kvh, t0, h0, k_begin, k_end, part, group;
 } kvb_cuda_attn_prefill_item;
 
 /* A decode split: keys [k_begin, k_end) of sequence seq, KV group kvh, for all of its q_len x group
- * rows. part < 0: the only split, writes `out`; else writes partial `part` for the reduce. */
+ * rows. part < 0: the only split, writes `out`; else split `part` of `group`. */
 typedef struct kvb_cuda_attn_decode_item {
-    int32_t seq, kvh, k_begin, k_end, part;
+    int32_t seq, kvh, k_begin, k_end, part, group;
 } kvb_cuda_attn_decode_item;
 
-/* Merges partials [part_first, part_first + n_parts) of (seq, kvh) into `out`. */
-typedef struct kvb_cuda_attn_reduce_item {
-    int32_t seq, kvh, part_first, n_parts;
-} kvb_cuda_attn_reduce_item;
+/* Whether the prefill kernel of this batch runs on tensor cores and may take key splits (bf16/f16,
+ * head_dim a multiple of 8 up to 256). */
+int kvb_cuda_attention_prefill_tc(kvb_dtype dt, int head_dim);
 
 /* Each launcher runs its items (device arrays of n_items) on stream s. */
 int kvb_cuda_attention_prefill(const kvb_cuda_attn_args *a, const kvb_cuda_attn_prefill_item *items, int n_items,
                                kvb_cuda_stream_t s);
 int kvb_cuda_attention_decode(const kvb_cuda_attn_args *a, const kvb_cuda_attn_decode_item *items, int n_items,
-                              kvb_cuda_stream_t s);
-int kvb_cuda_attention_reduce(const kvb_cuda_attn_args *a, const kvb_cuda_attn_reduce_item *items, int n_items,
                               kvb_cuda_stream_t s);
 
 KVB_CUDA_EXTERN_C_END

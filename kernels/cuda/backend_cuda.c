@@ -25,8 +25,10 @@
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embed.h"
+#include "kernels/cuda/fp8.h"
 #include "kernels/cuda/gemv.h"
 #include "kernels/cuda/kv_write.h"
+#include "kernels/cuda/qkv.h"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/rope.h"
 
@@ -40,6 +42,11 @@
 /* 64 keys: 8 per lane group of the fast kernel, two steps; a batch of one sequence then still fills the
  * device at a 1K context (8 KV heads x 16 splits) */
 #define DECODE_MIN_SPLIT 64
+/* Tensor-core prefill tiles (87 KB of shared memory at head size 128) run about 2 per multiprocessor;
+ * when a batch has fewer tiles, their keys are split, never below this many keys a split (a multiple of
+ * the kernel's 64-key tile) */
+#define PREFILL_BLOCKS_PER_SM 2
+#define PREFILL_MIN_SPLIT 512
 
 /* ---------------------------------------------------------------- cuBLAS, loaded on first use */
 
@@ -160,10 +167,14 @@ typedef struct cuda_ctx {
     size_t meta_cap;
     float *part;              /* [part_cap] floats: attention split partials (outputs, then lse) */
     size_t part_cap;
+    int32_t *counters;        /* [counters_cap / 4] attention split groups' counters, zero between launches */
+    size_t counters_cap;
     float *f32buf;            /* [f32_cap] floats: to_host_f32 conversion */
     size_t f32_cap;
     void *wtmp;               /* [wtmp_cap] bytes: weight upload before conversion */
     size_t wtmp_cap;
+    void *scratch;            /* [scratch_cap] bytes: activations of matmul_norm / matmul_swiglu's fallbacks */
+    size_t scratch_cap;
     /* host scratch for operator plans, grown on demand */
     int64_t *slots;           /* [slots_cap] kv_write slot per batch row */
     size_t slots_cap;
@@ -173,8 +184,9 @@ typedef struct cuda_ctx {
     size_t pitems_cap;
     kvb_cuda_attn_decode_item *ditems;
     size_t ditems_cap;
-    kvb_cuda_attn_reduce_item *ritems;
-    size_t ritems_cap;
+    kvb_cuda_attn_group *groups;
+    size_t groups_cap;
+    kvb_cuda_fp8 *fp8;        /* FP8 weights' products (fp8.h), made at the first FP8 weight */
 } cuda_ctx;
 
 /* Makes *arr hold at least n elements of `size` bytes (contents kept). */
@@ -322,37 +334,50 @@ static kvb_status cu_sync(void *ctx) {
 
 /* ---------------------------------------------------------------- weights */
 
-static kvb_status cu_weight_load(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
-                                 kvb_tensor *dst) {
-    cuda_ctx *c = ctx;
-    if (rows <= 0 || cols <= 0 || kvb_dtype_size(src_dtype) == 0) return KVB_ERR_INVALID;
-    size_t n = (size_t)rows * (size_t)cols;
-    kvb_dtype dd = cols == 1 ? KVB_DTYPE_F32 : c->dt; /* norm weights stay f32 */
+/* Copies n host elements of src_dtype to device memory w as dd elements (converted on the device), on
+ * the stream; the caller synchronises before `src` may go. */
+static kvb_status upload_elems(cuda_ctx *c, void *w, kvb_dtype dd, const void *src, kvb_dtype src_dtype, size_t n) {
     size_t ss = kvb_dtype_size(src_dtype), ds = kvb_dtype_size(dd);
+    if (src_dtype == dd) return KVB_CUDA_CHECK(cudaMemcpyAsync(w, src, n * ds, cudaMemcpyHostToDevice, c->stream));
+    size_t chunk = KVB_MIN(n, UPLOAD_CHUNK_ELEMS);
+    KVB_TRY(dev_reserve(c, &c->wtmp, &c->wtmp_cap, chunk * ss));
+    for (size_t off = 0; off < n; off += chunk) {
+        size_t len = KVB_MIN(chunk, n - off);
+        /* stream order: this copy into wtmp runs after the previous chunk's conversion */
+        KVB_TRY(KVB_CUDA_CHECK(
+            cudaMemcpyAsync(c->wtmp, (const char *)src + off * ss, len * ss, cudaMemcpyHostToDevice, c->stream)));
+        KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_convert(c->wtmp, src_dtype, (char *)w + off * ds, dd, len, c->stream)));
+    }
+    return KVB_OK;
+}
+
+static kvb_status cu_weight_load_stacked(void *ctx, const void *const *src, const kvb_dtype *src_dtype,
+                                         const int64_t *rows, int n, int64_t cols, kvb_tensor *dst) {
+    cuda_ctx *c = ctx;
+    if (n <= 0 || cols <= 0) return KVB_ERR_INVALID;
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (rows[i] <= 0 || kvb_dtype_size(src_dtype[i]) == 0) return KVB_ERR_INVALID;
+        total += rows[i];
+    }
+    kvb_dtype dd = cols == 1 ? KVB_DTYPE_F32 : c->dt; /* vectors stay f32 */
+    size_t ds = kvb_dtype_size(dd);
     void *w = NULL;
-    KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(&w, n * ds)));
+    KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(&w, (size_t)total * (size_t)cols * ds)));
     kvb_status st;
-    if (src_dtype == dd) {
-        KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaMemcpyAsync(w, src, n * ds, cudaMemcpyHostToDevice, c->stream)), fail);
-    } else {
-        size_t chunk = KVB_MIN(n, UPLOAD_CHUNK_ELEMS);
-        KVB_TRY_GOTO(dev_reserve(c, &c->wtmp, &c->wtmp_cap, chunk * ss), fail);
-        for (size_t off = 0; off < n; off += chunk) {
-            size_t len = KVB_MIN(chunk, n - off);
-            /* stream order: this copy into wtmp runs after the previous chunk's conversion */
-            KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaMemcpyAsync(c->wtmp, (const char *)src + off * ss, len * ss,
-                                                        cudaMemcpyHostToDevice, c->stream)),
-                         fail);
-            KVB_TRY_GOTO(KVB_CUDA_CHECK(kvb_cuda_convert(c->wtmp, src_dtype, (char *)w + off * ds, dd, len, c->stream)),
-                         fail);
-        }
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        size_t elems = (size_t)rows[i] * (size_t)cols;
+        KVB_TRY_GOTO(upload_elems(c, (char *)w + off * ds, dd, src[i], src_dtype[i], elems), fail);
+        off += elems;
     }
     /* the caller unmaps `src` after we return */
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream)), fail);
     dst->data = w;
     dst->dtype = dd;
-    dst->ne[0] = rows;
+    dst->ne[0] = total;
     dst->ne[1] = cols;
+    dst->view = 0;
     return KVB_OK;
 fail:
     cudaStreamSynchronize(c->stream);
@@ -360,10 +385,24 @@ fail:
     return st;
 }
 
+static kvb_status cu_weight_load(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
+                                 kvb_tensor *dst) {
+    return cu_weight_load_stacked(ctx, &src, &src_dtype, &rows, 1, cols, dst);
+}
+
+/* FP8 weights: fp8.h. */
+static kvb_status cu_weight_fp8(void *ctx, const kvb_fp8_weight *src, kvb_tensor *dst) {
+    cuda_ctx *c = ctx;
+    if (!c->fp8) KVB_TRY(kvb_cuda_fp8_create(&c->fp8));
+    return kvb_cuda_fp8_upload(src, c->stream, dst);
+}
+
 static void cu_weight_free(void *ctx, kvb_tensor *t) {
     if (!t) return;
     dev_free(ctx, t->data);
+    dev_free(ctx, t->scale);
     t->data = NULL;
+    t->scale = NULL;
 }
 
 /* ---------------------------------------------------------------- operators */
@@ -390,6 +429,7 @@ static kvb_status cu_gather_rows(void *ctx, const void *x, const int32_t *rows, 
 static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w, float beta, void *y) {
     cuda_ctx *c = ctx;
     if (n <= 0) return KVB_OK;
+    if (w->dtype == KVB_DTYPE_F8_E4M3) return kvb_cuda_fp8_matmul(c->fp8, c->stream, c->dt, x, n, w, beta, y);
     if (w->dtype != c->dt || w->ne[0] > INT32_MAX || w->ne[1] > INT32_MAX) {
         KVB_LOG_E("cuda matmul: weight of dtype %s [%lld][%lld] on a %s backend", kvb_dtype_name(w->dtype),
                   (long long)w->ne[0], (long long)w->ne[1], kvb_dtype_name(c->dt));
@@ -403,6 +443,51 @@ static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w
     /* column-major view: Y^T[rows][n] = W[rows][cols] (stored as cols x rows, so op T) . X^T[cols][n] */
     return KVB_CUBLAS_CHECK(blas_fn.gemm_ex(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w->data, t, cols, x, t,
                                          cols, &beta, y, t, rows, c->compute, CUBLAS_GEMM_DEFAULT));
+}
+
+/* A scratch activation buffer of at least `bytes` (the unfused fallbacks of matmul_norm / _swiglu). */
+static kvb_status scratch(cuda_ctx *c, size_t bytes, void **out) {
+    KVB_TRY(dev_reserve(c, &c->scratch, &c->scratch_cap, bytes));
+    *out = c->scratch;
+    return KVB_OK;
+}
+
+static kvb_status check_weight(const cuda_ctx *c, const kvb_tensor *w, const char *op) {
+    if (w->dtype == c->dt && w->ne[0] <= INT32_MAX && w->ne[1] <= INT32_MAX) return KVB_OK;
+    KVB_LOG_E("cuda %s: weight of dtype %s [%lld][%lld] on a %s backend", op, kvb_dtype_name(w->dtype),
+              (long long)w->ne[0], (long long)w->ne[1], kvb_dtype_name(c->dt));
+    return KVB_ERR_INVALID;
+}
+
+static kvb_status cu_matmul_norm(void *ctx, const void *x, int n, const kvb_tensor *norm, float eps,
+                                 const kvb_tensor *w, void *y) {
+    cuda_ctx *c = ctx;
+    if (n <= 0) return KVB_OK;
+    KVB_TRY(check_weight(c, w, "matmul_norm"));
+    int rows = (int)w->ne[0], cols = (int)w->ne[1];
+    if (norm->dtype != KVB_DTYPE_F32 || norm->ne[0] * norm->ne[1] != cols) {
+        KVB_LOG_E("cuda matmul_norm: the norm weight must be %d f32 values", cols);
+        return KVB_ERR_INVALID;
+    }
+    if (kvb_cuda_gemv_fits(c->dt, w->data, x, cols, n) && cols % 8 == 0)
+        return KVB_CUDA_CHECK(kvb_cuda_gemv_norm(w->data, x, norm->data, eps, y, c->dt, rows, cols, n, 0.0f, c->stream));
+    void *h = NULL;
+    KVB_TRY(scratch(c, (size_t)n * cols * kvb_dtype_size(c->dt), &h));
+    KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_rmsnorm(x, h, c->dt, n, cols, norm->data, eps, c->stream)));
+    return cu_matmul(ctx, h, n, w, 0.0f, y);
+}
+
+static kvb_status cu_matmul_swiglu(void *ctx, const void *gu, int n, const kvb_tensor *w, float beta, void *y) {
+    cuda_ctx *c = ctx;
+    if (n <= 0) return KVB_OK;
+    KVB_TRY(check_weight(c, w, "matmul_swiglu"));
+    int rows = (int)w->ne[0], cols = (int)w->ne[1];
+    if (kvb_cuda_gemv_fits(c->dt, w->data, gu, cols, n) && ((size_t)cols * kvb_dtype_size(c->dt)) % 16 == 0)
+        return KVB_CUDA_CHECK(kvb_cuda_gemv_swiglu(w->data, gu, y, c->dt, rows, cols, n, beta, c->stream));
+    void *act = NULL;
+    KVB_TRY(scratch(c, (size_t)n * cols * kvb_dtype_size(c->dt), &act));
+    KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_swiglu(gu, act, c->dt, n, cols, c->stream)));
+    return cu_matmul(ctx, act, n, w, beta, y);
 }
 
 static kvb_status cu_rmsnorm(void *ctx, const void *x, int rows, int dim, const kvb_tensor *w, float eps, void *y) {
@@ -455,13 +540,11 @@ static kvb_status check_batch(cuda_ctx *c, const kvb_attn_batch *b) {
     return KVB_OK;
 }
 
-static kvb_status cu_kv_write(void *ctx, const kvb_attn_batch *b, const void *k, const void *v) {
-    cuda_ctx *c = ctx;
-    KVB_TRY(check_batch(c, b));
-    const kvb_kv_geom *g = b->geom;
-    int bs = g->block_size;
-    if (b->n_tokens <= 0) return KVB_OK;
-    /* only the blocks that receive rows travel: per sequence a contiguous run of its entries */
+/* The KV write's plan for batch b: c->slots[t] (compact slot of row t, -1: none) and c->blk[0..*nb)
+ * the addresses of the blocks that receive rows (per sequence a contiguous run of its entries: only
+ * they travel), checked for alignment. */
+static kvb_status kv_plan(cuda_ctx *c, const kvb_attn_batch *b, size_t *nb_out) {
+    int bs = b->geom->block_size;
     size_t n_blk = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
@@ -482,13 +565,52 @@ static kvb_status cu_kv_write(void *ctx, const kvb_attn_batch *b, const void *k,
         }
         nb += (size_t)(j1 - j0 + 1);
     }
-    KVB_TRY(check_blocks_aligned(c->blk, nb, "kv_write"));
+    *nb_out = nb;
+    return check_blocks_aligned(c->blk, nb, "kv_write");
+}
+
+static kvb_status cu_kv_write(void *ctx, const kvb_attn_batch *b, const void *k, const void *v) {
+    cuda_ctx *c = ctx;
+    KVB_TRY(check_batch(c, b));
+    const kvb_kv_geom *g = b->geom;
+    if (b->n_tokens <= 0) return KVB_OK;
+    size_t nb = 0;
+    KVB_TRY(kv_plan(c, b, &nb));
     const void *d_slots = NULL, *d_blk = NULL;
     meta_part parts[] = {{c->slots, (size_t)b->n_tokens * sizeof(int64_t), &d_slots},
                          {c->blk, nb * sizeof(void *), &d_blk}};
     KVB_TRY(upload(c, parts, 2));
-    return KVB_CUDA_CHECK(kvb_cuda_kv_write(c->dt, (void *const *)d_blk, d_slots, b->n_tokens, bs,
+    return KVB_CUDA_CHECK(kvb_cuda_kv_write(c->dt, (void *const *)d_blk, d_slots, b->n_tokens, g->block_size,
                                             g->n_kv_heads * g->head_dim, k, v, c->stream));
+}
+
+static kvb_status cu_qkv_finish(void *ctx, const kvb_attn_batch *b, const void *qkv, const kvb_tensor *bias,
+                                const kvb_tensor *q_norm, const kvb_tensor *k_norm, float eps, const int32_t *pos,
+                                const kvb_rope *rope, void *q_out) {
+    cuda_ctx *c = ctx;
+    KVB_TRY(check_batch(c, b));
+    const kvb_kv_geom *g = b->geom;
+    int hd = g->head_dim, nkv = g->n_kv_heads;
+    if (b->n_tokens <= 0) return KVB_OK;
+    if (rope->head_dim != hd) return KVB_ERR_INVALID;
+    const kvb_tensor *vecs[] = {bias, q_norm, k_norm};
+    int64_t want[] = {(int64_t)(b->n_heads + 2 * nkv) * hd, hd, hd};
+    for (int i = 0; i < 3; i++)
+        if (vecs[i] && (vecs[i]->dtype != KVB_DTYPE_F32 || vecs[i]->ne[0] * vecs[i]->ne[1] != want[i])) {
+            KVB_LOG_E("cuda qkv_finish: vector %d must be %lld f32 values", i, (long long)want[i]);
+            return KVB_ERR_INVALID;
+        }
+    size_t nb = 0;
+    KVB_TRY(kv_plan(c, b, &nb));
+    const void *d_slots = NULL, *d_blk = NULL, *d_pos = NULL, *d_freq = NULL;
+    meta_part parts[] = {{c->slots, (size_t)b->n_tokens * sizeof(int64_t), &d_slots},
+                         {c->blk, nb * sizeof(void *), &d_blk},
+                         {pos, (size_t)b->n_tokens * sizeof(int32_t), &d_pos},
+                         {rope->inv_freq, (size_t)(hd / 2) * sizeof(float), &d_freq}};
+    KVB_TRY(upload(c, parts, 4));
+    return KVB_CUDA_CHECK(kvb_cuda_qkv_rope_write(
+        c->dt, qkv, b->n_tokens, b->n_heads, nkv, hd, bias ? bias->data : NULL, q_norm ? q_norm->data : NULL,
+        k_norm ? k_norm->data : NULL, eps, d_pos, d_freq, q_out, (void *const *)d_blk, d_slots, g->block_size, c->stream));
 }
 
 /* The first key any query row of a decode-like sequence sees: 0, or with a sliding window the start of
@@ -505,67 +627,128 @@ static int decode_split_len(int n_keys, int splits_wanted) {
     return KVB_DIV_CEIL(len, DECODE_MIN_SPLIT) * DECODE_MIN_SPLIT;
 }
 
+/* Makes the split counters hold at least n groups, every one zero (new memory is cleared on the stream;
+ * counters in use are zero between launches, the merging block resets its group's). */
+static kvb_status counters_reserve(cuda_ctx *c, size_t n) {
+    size_t bytes = n * sizeof(int32_t);
+    if (bytes <= c->counters_cap) return KVB_OK;
+    KVB_TRY(dev_reserve(c, (void **)&c->counters, &c->counters_cap, bytes));
+    return KVB_CUDA_CHECK(cudaMemsetAsync(c->counters, 0, c->counters_cap, c->stream));
+}
+
+/* The keys [*k0, *k1) a prefill tile of sequence sq whose first token is t0 sees (as the kernel does). */
+static void prefill_tile_keys(const kvb_attn_batch *b, const kvb_attn_seq *sq, int t0, int tt, int *k0, int *k1) {
+    int past = sq->ctx_len - sq->q_len;
+    *k1 = past + KVB_MIN(t0 + tt, sq->q_len);
+    *k0 = b->window > 0 && past + t0 + 1 > b->window ? past + t0 + 1 - b->window : 0;
+}
+
 static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q, void *out) {
     cuda_ctx *c = ctx;
     KVB_TRY(check_batch(c, b));
     const kvb_kv_geom *g = b->geom;
     int nkv = g->n_kv_heads, gq = b->n_heads / nkv, hd = g->head_dim;
     int nh = KVB_MIN(gq, KVB_CUDA_ATTN_PREFILL_ROWS), tt = KVB_CUDA_ATTN_PREFILL_ROWS / nh;
+    int pre_tc = kvb_cuda_attention_prefill_tc(c->dt, hd);
 
     /* count the work: prefill tiles, and decode (sequence, KV head) pairs */
-    size_t n_pre = 0, n_dec_pairs = 0, n_blocks = 0;
+    size_t n_tiles = 0, n_dec_pairs = 0, n_blocks = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         n_blocks = KVB_MAX(n_blocks, (size_t)sq->blk_first + (size_t)sq->n_blocks);
         if (sq->q_len <= 0) continue;
         if (sq->q_len * gq <= KVB_CUDA_ATTN_DECODE_ROWS) n_dec_pairs += (size_t)nkv;
-        else n_pre += (size_t)nkv * (size_t)KVB_DIV_CEIL(gq, nh) * (size_t)KVB_DIV_CEIL(sq->q_len, tt);
+        else n_tiles += (size_t)nkv * (size_t)KVB_DIV_CEIL(gq, nh) * (size_t)KVB_DIV_CEIL(sq->q_len, tt);
     }
-    /* split decode contexts until about DECODE_BLOCKS_PER_SM blocks per multiprocessor run */
+    /* split decode contexts until about DECODE_BLOCKS_PER_SM blocks per multiprocessor run, and (tensor
+     * cores) prefill tiles' keys until about PREFILL_BLOCKS_PER_SM do */
     size_t want_blocks = (size_t)DECODE_BLOCKS_PER_SM * (size_t)c->n_sm;
     int splits_wanted = n_dec_pairs ? (int)KVB_MAX((size_t)1, KVB_DIV_CEIL(want_blocks, n_dec_pairs)) : 1;
-    size_t n_dec = 0, n_red = 0, n_parts = 0;
+    size_t want_tiles = (size_t)PREFILL_BLOCKS_PER_SM * (size_t)c->n_sm;
+    int pre_splits = pre_tc && n_tiles && n_tiles < want_tiles ? (int)KVB_DIV_CEIL(want_tiles, n_tiles) : 1;
+    size_t n_pre = 0, n_dec = 0, n_groups = 0, part_rows = 0;
     int decode_rows = 1;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
-        if (sq->q_len <= 0 || sq->q_len * gq > KVB_CUDA_ATTN_DECODE_ROWS) continue;
+        if (sq->q_len <= 0) continue;
+        if (sq->q_len * gq > KVB_CUDA_ATTN_DECODE_ROWS) {
+            size_t per_t = (size_t)nkv * (size_t)KVB_DIV_CEIL(gq, nh);
+            for (int t0 = 0; t0 < sq->q_len; t0 += tt) {
+                int k0, k1, ns = 1;
+                prefill_tile_keys(b, sq, t0, tt, &k0, &k1);
+                if (pre_splits > 1) {
+                    int len = KVB_MAX(PREFILL_MIN_SPLIT, KVB_DIV_CEIL(k1 - k0, pre_splits));
+                    ns = KVB_DIV_CEIL(k1 - k0, KVB_DIV_CEIL(len, 64) * 64);
+                }
+                n_pre += per_t * (size_t)ns;
+                if (ns > 1) {
+                    n_groups += per_t;
+                    part_rows += per_t * (size_t)ns * KVB_CUDA_ATTN_PREFILL_ROWS;
+                }
+            }
+            continue;
+        }
         decode_rows = KVB_MAX(decode_rows, sq->q_len * gq);
         int k0 = decode_first_key(b, sq), len = decode_split_len(sq->ctx_len - k0, splits_wanted);
         int ns = KVB_DIV_CEIL(sq->ctx_len - k0, len);
         n_dec += (size_t)nkv * (size_t)ns;
         if (ns > 1) {
-            n_red += (size_t)nkv;
-            n_parts += (size_t)nkv * (size_t)ns;
+            n_groups += (size_t)nkv;
+            part_rows += (size_t)nkv * (size_t)ns * KVB_CUDA_ATTN_DECODE_ROWS;
         }
     }
     KVB_TRY(host_reserve((void **)&c->pitems, &c->pitems_cap, KVB_MAX(n_pre, 1), sizeof *c->pitems));
     KVB_TRY(host_reserve((void **)&c->ditems, &c->ditems_cap, KVB_MAX(n_dec, 1), sizeof *c->ditems));
-    KVB_TRY(host_reserve((void **)&c->ritems, &c->ritems_cap, KVB_MAX(n_red, 1), sizeof *c->ritems));
-    size_t ip = 0, id = 0, ir = 0;
-    int part = 0;
+    KVB_TRY(host_reserve((void **)&c->groups, &c->groups_cap, KVB_MAX(n_groups, 1), sizeof *c->groups));
+    size_t ip = 0, id = 0, ig = 0;
+    int32_t prow = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         if (sq->q_len <= 0) continue;
         if (sq->q_len * gq > KVB_CUDA_ATTN_DECODE_ROWS) {
             /* longest tiles (latest tokens, most keys) first: they finish last otherwise */
             int n_t = KVB_DIV_CEIL(sq->q_len, tt);
-            for (int ti = n_t - 1; ti >= 0; ti--)
+            for (int ti = n_t - 1; ti >= 0; ti--) {
+                int k0, k1, len = 0, ns = 1;
+                prefill_tile_keys(b, sq, ti * tt, tt, &k0, &k1);
+                if (pre_splits > 1) {
+                    len = KVB_DIV_CEIL(KVB_MAX(PREFILL_MIN_SPLIT, KVB_DIV_CEIL(k1 - k0, pre_splits)), 64) * 64;
+                    ns = KVB_DIV_CEIL(k1 - k0, len);
+                }
                 for (int kvh = 0; kvh < nkv; kvh++)
-                    for (int h0 = 0; h0 < gq; h0 += nh)
-                        c->pitems[ip++] = (kvb_cuda_attn_prefill_item){.seq = s, .kvh = kvh, .t0 = ti * tt, .h0 = h0};
+                    for (int h0 = 0; h0 < gq; h0 += nh) {
+                        kvb_cuda_attn_prefill_item it = {.seq = s, .kvh = kvh, .t0 = ti * tt, .h0 = h0, .part = -1};
+                        if (ns == 1) {
+                            c->pitems[ip++] = it;
+                            continue;
+                        }
+                        c->groups[ig] = (kvb_cuda_attn_group){.prow = prow, .n_parts = ns};
+                        for (int p = 0; p < ns; p++) {
+                            it.k_begin = k0 + p * len;
+                            it.k_end = KVB_MIN(k1, k0 + (p + 1) * len);
+                            it.part = p;
+                            it.group = (int32_t)ig;
+                            c->pitems[ip++] = it;
+                        }
+                        ig++;
+                        prow += ns * KVB_CUDA_ATTN_PREFILL_ROWS;
+                    }
+            }
             continue;
         }
         int k0 = decode_first_key(b, sq), len = decode_split_len(sq->ctx_len - k0, splits_wanted);
         int ns = KVB_DIV_CEIL(sq->ctx_len - k0, len);
         for (int kvh = 0; kvh < nkv; kvh++) {
             if (ns == 1) {
-                c->ditems[id++] = (kvb_cuda_attn_decode_item){s, kvh, k0, sq->ctx_len, -1};
+                c->ditems[id++] = (kvb_cuda_attn_decode_item){s, kvh, k0, sq->ctx_len, -1, 0};
                 continue;
             }
-            c->ritems[ir++] = (kvb_cuda_attn_reduce_item){s, kvh, part, ns};
+            c->groups[ig] = (kvb_cuda_attn_group){.prow = prow, .n_parts = ns};
             for (int i = 0; i < ns; i++)
-                c->ditems[id++] = (kvb_cuda_attn_decode_item){s, kvh, k0 + i * len,
-                                                              KVB_MIN(sq->ctx_len, k0 + (i + 1) * len), part++};
+                c->ditems[id++] = (kvb_cuda_attn_decode_item){s, kvh, k0 + i * len, KVB_MIN(sq->ctx_len, k0 + (i + 1) * len),
+                                                              i, (int32_t)ig};
+            ig++;
+            prow += ns * KVB_CUDA_ATTN_DECODE_ROWS;
         }
     }
 
@@ -581,25 +764,26 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
         .q = q,
         .out = out,
     };
-    if (n_parts) {
-        size_t floats = n_parts * KVB_CUDA_ATTN_DECODE_ROWS * ((size_t)hd + 1);
-        KVB_TRY(dev_reserve(c, (void **)&c->part, &c->part_cap, floats * sizeof(float)));
+    if (part_rows) {
+        KVB_TRY(dev_reserve(c, (void **)&c->part, &c->part_cap, part_rows * ((size_t)hd + 1) * sizeof(float)));
+        KVB_TRY(counters_reserve(c, n_groups));
         a.part_o = c->part;
-        a.part_lse = c->part + n_parts * KVB_CUDA_ATTN_DECODE_ROWS * (size_t)hd;
+        a.part_lse = c->part + part_rows * (size_t)hd;
+        a.counters = c->counters;
     }
     KVB_TRY(check_blocks_aligned((const void *const *)b->layer_blocks, n_blocks, "attention"));
-    const void *d_seqs = NULL, *d_blocks = NULL, *d_pre = NULL, *d_dec = NULL, *d_red = NULL;
+    const void *d_seqs = NULL, *d_blocks = NULL, *d_pre = NULL, *d_dec = NULL, *d_grp = NULL;
     meta_part parts[] = {{b->seqs, (size_t)b->n_seqs * sizeof(kvb_attn_seq), &d_seqs},
                          {b->layer_blocks, n_blocks * sizeof(void *), &d_blocks},
                          {c->pitems, ip * sizeof *c->pitems, &d_pre},
                          {c->ditems, id * sizeof *c->ditems, &d_dec},
-                         {c->ritems, ir * sizeof *c->ritems, &d_red}};
+                         {c->groups, ig * sizeof *c->groups, &d_grp}};
     KVB_TRY(upload(c, parts, (int)KVB_ARRAY_LEN(parts)));
     a.seqs = d_seqs;
     a.blocks = d_blocks;
+    a.groups = d_grp;
     if (ip) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_prefill(&a, d_pre, (int)ip, c->stream)));
     if (id) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_decode(&a, d_dec, (int)id, c->stream)));
-    if (ir) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_reduce(&a, d_red, (int)ir, c->stream)));
     return KVB_OK;
 }
 
@@ -611,11 +795,12 @@ static void cu_destroy(void *ctx) {
     if (c->stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     if (c->copy_stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->copy_stream));
     if (c->blas) (void)KVB_CUBLAS_CHECK(blas_fn.destroy(c->blas));
+    kvb_cuda_fp8_destroy(c->fp8);
     for (int i = 0; i < STAGE_SLOTS; i++) {
         if (c->stage[i].host) cudaFreeHost(c->stage[i].host);
         if (c->stage[i].done) cudaEventDestroy(c->stage[i].done);
     }
-    void *dev[] = {c->blas_ws, c->meta, c->part, c->f32buf, c->wtmp};
+    void *dev[] = {c->blas_ws, c->meta, c->part, c->counters, c->f32buf, c->wtmp, c->scratch};
     for (size_t i = 0; i < KVB_ARRAY_LEN(dev); i++)
         if (dev[i]) cudaFree(dev[i]);
     if (c->stream) cudaStreamDestroy(c->stream);
@@ -624,23 +809,25 @@ static void cu_destroy(void *ctx) {
     free(c->blk);
     free(c->pitems);
     free(c->ditems);
-    free(c->ritems);
+    free(c->groups);
     free(c);
 }
 
-#define CUDA_IFACE(NAME, DT)                                                                           \
-    {                                                                                                  \
-        .name = NAME, .act_dtype = DT, .to_device = cu_to_device,  \
-        .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .copy = cu_copy, .sync = cu_sync,        \
-        .weight_load = cu_weight_load, .weight_free = cu_weight_free, .embed = cu_embed,               \
-        .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .bias_add = cu_bias_add,          \
-        .silu_mul = cu_silu_mul, .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows,             \
-        .set_threads = cu_set_threads, .destroy = cu_destroy,                                          \
-    }
+#define CUDA_OPS                                                                                       \
+    .to_device = cu_to_device, .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .copy = cu_copy,          \
+    .sync = cu_sync, .weight_load = cu_weight_load, .weight_fp8 = cu_weight_fp8, .weight_free = cu_weight_free, .embed = cu_embed,          \
+    .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .bias_add = cu_bias_add,                      \
+    .silu_mul = cu_silu_mul, .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows, \
+    .set_threads = cu_set_threads, .destroy = cu_destroy
+/* bf16 and f16 run the fused layer (stacked q/k/v and gate/up, folded norm and SiLU-mul); f32, the
+ * variant that must give the CPU backend's tokens, keeps its order of operations */
+#define CUDA_FUSED                                                                                     \
+    .weight_load_stacked = cu_weight_load_stacked, .matmul_norm = cu_matmul_norm,                      \
+    .matmul_swiglu = cu_matmul_swiglu, .qkv_finish = cu_qkv_finish
 
-static const kvb_backend_i cuda_bf16_iface = CUDA_IFACE("cuda", KVB_DTYPE_BF16);
-static const kvb_backend_i cuda_f16_iface = CUDA_IFACE("cuda:f16", KVB_DTYPE_F16);
-static const kvb_backend_i cuda_f32_iface = CUDA_IFACE("cuda:f32", KVB_DTYPE_F32);
+static const kvb_backend_i cuda_bf16_iface = {.name = "cuda", .act_dtype = KVB_DTYPE_BF16, CUDA_OPS, CUDA_FUSED};
+static const kvb_backend_i cuda_f16_iface = {.name = "cuda:f16", .act_dtype = KVB_DTYPE_F16, CUDA_OPS, CUDA_FUSED};
+static const kvb_backend_i cuda_f32_iface = {.name = "cuda:f32", .act_dtype = KVB_DTYPE_F32, CUDA_OPS};
 
 int kvb_cuda_backend_is(const kvb_backend *be) {
     return be && (be->iface == &cuda_bf16_iface || be->iface == &cuda_f16_iface || be->iface == &cuda_f32_iface);

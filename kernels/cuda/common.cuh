@@ -73,6 +73,23 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
     return warp_sum(v);
 }
 
+/* The rotation table of RoPE at position pos: cs[i] = cos, cs[half + i] = sin of pos * inv_freq[i] for
+ * i < half, the block's threads taking every blockDim.x-th i. In double, with the angle reduced to
+ * [-pi, pi] first: sincos of a large double argument takes the slow reduction path (13 us for one
+ * token on an H100); 2 pi in two parts keeps the reduced angle exact to ~1e-15. */
+__device__ __forceinline__ void rope_table(int32_t pos, const float *inv_freq, int half, float *cs) {
+    double p = (double)pos;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double x = p * (double)inv_freq[i], n = rint(x * 0.15915494309189535);
+        x = fma(-n, 6.283185307179586, x);
+        x = fma(-n, 2.4492935982947064e-16, x);
+        double sn, c;
+        sincos(x, &sn, &c);
+        cs[i] = (float)c;
+        cs[half + i] = (float)sn;
+    }
+}
+
 } // namespace kvb
 
 /* Runs the statement with T bound to the storage type of `dt`; an unknown dtype returns

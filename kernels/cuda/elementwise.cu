@@ -57,7 +57,25 @@ template <typename T> __global__ void bias_add_kernel(T *y, size_t n, int dim, c
         y[i] = kvb::from_f<T>(kvb::to_f(y[i]) + bias[i % (size_t)dim]);
 }
 
+template <typename T> __global__ void swiglu_kernel(const T *gu, T *out, size_t n, int cols) {
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        size_t t = i / (size_t)cols, c = i % (size_t)cols;
+        const T *row = gu + t * 2 * (size_t)cols;
+        out[i] = kvb::from_f<T>(silu_mul_op()(kvb::to_f(row[c]), kvb::to_f(row[cols + c])));
+    }
+}
+
 } // namespace
+
+extern "C" int kvb_cuda_swiglu(const void *gu, void *out, kvb_dtype dt, int rows, int cols, kvb_cuda_stream_t s) {
+    KVB_CUDA_REQUIRE_STREAM(s);
+    if (rows <= 0 || cols <= 0) return (int)cudaSuccess;
+    const int threads = 256;
+    size_t n = (size_t)rows * (size_t)cols;
+    KVB_CUDA_DISPATCH(dt, T, swiglu_kernel<T><<<kvb_cuda_grid(n, threads), threads, 0, s>>>((const T *)gu, (T *)out, n, cols));
+    return (int)cudaGetLastError();
+}
 
 extern "C" int kvb_cuda_silu_mul(const void *gate, const void *up, void *out, kvb_dtype dt, size_t n,
                                  kvb_cuda_stream_t s) {

@@ -1,10 +1,27 @@
-/* kvbank — CUDA matrix-vector products for decode (gemv.h).
+/* kvbank — CUDA products of a weight matrix and a few activation rows for decode (gemv.h).
  *
- * One warp per weight row: its lanes walk the row in 16-byte slots (VEC<T> elements), U slots in
- * flight per lane, each slot multiplied into the N activation rows' accumulators; a warp reduction
- * finishes the row. N is a template parameter (the accumulators live in registers). */
+ * 1 to 8 rows (gemv_kernel): one warp per weight row: its lanes walk the row in 16-byte slots (VEC<T>
+ * elements), U slots in flight per lane, each slot multiplied into the N activation rows' accumulators;
+ * a warp reduction finishes the row. N is a template parameter (the accumulators live in registers).
+ *
+ * 9 to 64 rows (skinny_kernel, bf16/f16): tensor cores, with the weights as the MMA's A operand: a
+ * block of 4 warps owns 16 weight rows, its warps take the 32-column chunks of the rows in turn
+ * (split-K) and sum in shared memory in warp order at the end. Lane (g, t) = (lane / 4, lane % 4) loads
+ * 16 bytes of weight rows g and g + 8 at columns 8t.. of a chunk, and 16 bytes of activation row g of
+ * each 8-row tile at the same columns: the k order inside a chunk is permuted (logical column 2t + j of
+ * a 16-wide MMA step is physical column 8t + 4s + j, 8t + 4s + 2 + j for the upper half), which the
+ * sum does not see, so both operands come straight from global memory in mma.m16n8k16's fragment
+ * layout (mma.cuh) with no shared-memory staging and no ldmatrix; 4 chunks are in flight per lane.
+ *
+ * The input of either kernel is one of (gemv_in):
+ *  - plain: x [n][cols];
+ *  - norm: RMSNorm(x) with weight g folded in: the product runs on x * g in f32 and each row's sum of
+ *    squares is gathered from the same loads, so y = (W . (x * g)) / rms(x) needs no normalised copy
+ *    of x and no launch of its own;
+ *  - swiglu: silu(gate) * up computed on the load from gu [n][2 cols] (the stacked gate/up product). */
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemv.h"
+#include "kernels/cuda/mma.cuh"
 
 namespace {
 
@@ -12,18 +29,54 @@ constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int U = 4;
 
-template <typename T, int N>
+enum { IN_PLAIN = 0, IN_NORM = 1, IN_SWIGLU = 2 };
+
+struct gemv_in {
+    const void *x;  /* [n][x_stride] */
+    size_t x_stride;
+    const float *g; /* IN_NORM: [cols] norm weight */
+    float eps;      /* IN_NORM */
+};
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* Slot s (VEC<T> columns) of input row t as floats; IN_NORM adds the raw values' squares to ss. */
+template <typename T, int MODE>
+__device__ __forceinline__ void load_in(const gemv_in &in, int t, int s, int cols, float *f, float &ss) {
+    constexpr int V = kvb::VEC<T>;
+    const T *row = (const T *)in.x + (size_t)t * in.x_stride + (size_t)s * V;
+    kvb::load_vec(row, f);
+    if constexpr (MODE == IN_NORM) {
+        const float4 *gv = reinterpret_cast<const float4 *>(in.g + (size_t)s * V);
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+            float4 w = gv[j / 4];
+            ss += f[j] * f[j] + f[j + 1] * f[j + 1] + f[j + 2] * f[j + 2] + f[j + 3] * f[j + 3];
+            f[j] *= w.x;
+            f[j + 1] *= w.y;
+            f[j + 2] *= w.z;
+            f[j + 3] *= w.w;
+        }
+    } else if constexpr (MODE == IN_SWIGLU) {
+        float up[V];
+        kvb::load_vec(row + cols, up);
+#pragma unroll
+        for (int j = 0; j < V; j++) f[j] = silu(f[j]) * up[j];
+    }
+}
+
+template <typename T, int N, int MODE>
 __global__ void __launch_bounds__(THREADS)
-    gemv_kernel(const T *__restrict__ w, const T *__restrict__ x, T *__restrict__ y, int rows, int cols, float beta) {
+    gemv_kernel(const T *__restrict__ w, const gemv_in in, T *__restrict__ y, int rows, int cols, float beta) {
     constexpr int V = kvb::VEC<T>;
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (r >= rows) return; /* warp-uniform */
     const int slots = cols / V;
     const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)r * cols);
-    float acc[N];
+    float acc[N], ss[N];
 #pragma unroll
-    for (int t = 0; t < N; t++) acc[t] = 0.0f;
+    for (int t = 0; t < N; t++) acc[t] = ss[t] = 0.0f;
     for (int s0 = lane; s0 < slots; s0 += 32 * U) {
         uint4 wv[U];
 #pragma unroll
@@ -40,14 +93,17 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int t = 0; t < N; t++) {
                 float xf[V];
-                kvb::load_vec(x + (size_t)t * cols + (size_t)s * V, xf);
+                load_in<T, MODE>(in, t, s, cols, xf, ss[t]);
 #pragma unroll
                 for (int j = 0; j < V; j++) acc[t] += wf[j] * xf[j];
             }
         }
     }
 #pragma unroll
-    for (int t = 0; t < N; t++) acc[t] = kvb::warp_sum(acc[t]);
+    for (int t = 0; t < N; t++) {
+        acc[t] = kvb::warp_sum(acc[t]);
+        if (MODE == IN_NORM) acc[t] *= rsqrtf(kvb::warp_sum(ss[t]) / (float)cols + in.eps);
+    }
     if (lane < N) {
         float v = acc[0];
 #pragma unroll
@@ -58,36 +114,184 @@ __global__ void __launch_bounds__(THREADS)
     }
 }
 
-template <typename T, int N>
-int launch(const void *w, const void *x, void *y, int rows, int cols, float beta, cudaStream_t s) {
-    gemv_kernel<T, N><<<(rows + WARPS - 1) / WARPS, THREADS, 0, s>>>((const T *)w, (const T *)x, (T *)y, rows, cols,
-                                                                     beta);
+/* ---------------------------------------------------------------- 9 to 64 rows on tensor cores */
+
+constexpr int SK_WARPS = 4, SK_THREADS = 32 * SK_WARPS, SK_U = 4;
+
+/* Activation row `tok`'s 8 columns [c, c + 8) as the MMA's B words (two k steps), 0 past the rows. */
+template <typename T, int MODE>
+__device__ __forceinline__ uint4 load_b(const gemv_in &in, int tok, int n, int c, int cols, float &ss) {
+    if (tok >= n) return make_uint4(0, 0, 0, 0);
+    if constexpr (MODE == IN_PLAIN) {
+        return *reinterpret_cast<const uint4 *>((const T *)in.x + (size_t)tok * in.x_stride + c);
+    } else {
+        float f[8];
+        load_in<T, MODE>(in, tok, c / 8, cols, f, ss);
+        uint4 u;
+        u.x = kvb::pack2<T>(f[0], f[1]);
+        u.y = kvb::pack2<T>(f[2], f[3]);
+        u.z = kvb::pack2<T>(f[4], f[5]);
+        u.w = kvb::pack2<T>(f[6], f[7]);
+        return u;
+    }
+}
+
+template <typename T, int NT, int MODE>
+__global__ void __launch_bounds__(SK_THREADS)
+    skinny_kernel(const T *__restrict__ w, const gemv_in in, T *__restrict__ y, int rows, int cols, int n, float beta) {
+    __shared__ float red[SK_WARPS][16][NT * 8 + 1]; /* each warp's partial tile, [weight row][token] */
+    __shared__ float ssred[SK_WARPS][NT * 8];
+    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * 16, chunks = cols / 32;
+    const bool ok0 = r0 + g < rows, ok1 = r0 + g + 8 < rows;
+    const uint4 *w0 = reinterpret_cast<const uint4 *>(w + (size_t)(ok0 ? r0 + g : 0) * cols) + t;
+    const uint4 *w1 = reinterpret_cast<const uint4 *>(w + (size_t)(ok1 ? r0 + g + 8 : 0) * cols) + t;
+    float acc[NT][4], ss[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = ss[j] = 0.0f;
+    for (int c0 = wp; c0 < chunks; c0 += SK_WARPS * SK_U) {
+        uint4 wa[SK_U], wb[SK_U];
+#pragma unroll
+        for (int u = 0; u < SK_U; u++) {
+            int c = c0 + u * SK_WARPS;
+            bool in_range = c < chunks;
+            wa[u] = in_range && ok0 ? __ldcs(w0 + (size_t)c * 4) : make_uint4(0, 0, 0, 0);
+            wb[u] = in_range && ok1 ? __ldcs(w1 + (size_t)c * 4) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < SK_U; u++) {
+            int c = c0 + u * SK_WARPS;
+            if (c >= chunks) break; /* warp-uniform */
+            const uint32_t *a0 = reinterpret_cast<const uint32_t *>(&wa[u]), *a1 = reinterpret_cast<const uint32_t *>(&wb[u]);
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                uint4 xb = load_b<T, MODE>(in, j * 8 + g, n, c * 32 + 8 * t, cols, ss[j]);
+                const uint32_t *bw = reinterpret_cast<const uint32_t *>(&xb);
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    const uint32_t af[4] = {a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1]};
+                    const uint32_t bf[2] = {bw[2 * s], bw[2 * s + 1]};
+                    kvb::mma_16816<T>(acc[j], af, bf, acc[j]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        red[wp][g][j * 8 + 2 * t] = acc[j][0];
+        red[wp][g][j * 8 + 2 * t + 1] = acc[j][1];
+        red[wp][g + 8][j * 8 + 2 * t] = acc[j][2];
+        red[wp][g + 8][j * 8 + 2 * t + 1] = acc[j][3];
+        if (MODE == IN_NORM) {
+            float v = ss[j];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (t == 0) ssred[wp][j * 8 + g] = v;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * n; i += SK_THREADS) {
+        int tok = i / 16, rr = i % 16, r = r0 + rr;
+        if (r >= rows) continue;
+        float v = 0.0f, s2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < SK_WARPS; k++) {
+            v += red[k][rr][tok];
+            if (MODE == IN_NORM) s2 += ssred[k][tok];
+        }
+        if (MODE == IN_NORM) v *= rsqrtf(s2 / (float)cols + in.eps);
+        T *yp = y + (size_t)tok * rows + r;
+        *yp = kvb::from_f<T>(beta != 0.0f ? v + beta * kvb::to_f(*yp) : v);
+    }
+}
+
+template <typename T, int N, int MODE>
+int launch(const void *w, const gemv_in &in, void *y, int rows, int cols, float beta, cudaStream_t s) {
+    gemv_kernel<T, N, MODE><<<(rows + WARPS - 1) / WARPS, THREADS, 0, s>>>((const T *)w, in, (T *)y, rows, cols, beta);
     return (int)cudaGetLastError();
+}
+
+template <typename T, int MODE>
+int launch_n(const void *w, const gemv_in &in, void *y, int rows, int cols, int n, float beta, cudaStream_t s) {
+    switch (n) {
+    case 1: return launch<T, 1, MODE>(w, in, y, rows, cols, beta, s);
+    case 2: return launch<T, 2, MODE>(w, in, y, rows, cols, beta, s);
+    case 3: return launch<T, 3, MODE>(w, in, y, rows, cols, beta, s);
+    case 4: return launch<T, 4, MODE>(w, in, y, rows, cols, beta, s);
+    case 5: return launch<T, 5, MODE>(w, in, y, rows, cols, beta, s);
+    case 6: return launch<T, 6, MODE>(w, in, y, rows, cols, beta, s);
+    case 7: return launch<T, 7, MODE>(w, in, y, rows, cols, beta, s);
+    default: return launch<T, 8, MODE>(w, in, y, rows, cols, beta, s);
+    }
+}
+
+template <typename T, int NT, int MODE>
+int launch_skinny(const void *w, const gemv_in &in, void *y, int rows, int cols, int n, float beta, cudaStream_t s) {
+    skinny_kernel<T, NT, MODE><<<(rows + 15) / 16, SK_THREADS, 0, s>>>((const T *)w, in, (T *)y, rows, cols, n, beta);
+    return (int)cudaGetLastError();
+}
+
+template <typename T, int MODE>
+int launch_skinny_n(const void *w, const gemv_in &in, void *y, int rows, int cols, int n, float beta, cudaStream_t s) {
+    switch ((n + 7) / 8) {
+    case 2: return launch_skinny<T, 2, MODE>(w, in, y, rows, cols, n, beta, s);
+    case 3: return launch_skinny<T, 3, MODE>(w, in, y, rows, cols, n, beta, s);
+    case 4: return launch_skinny<T, 4, MODE>(w, in, y, rows, cols, n, beta, s);
+    case 5: return launch_skinny<T, 5, MODE>(w, in, y, rows, cols, n, beta, s);
+    case 6: return launch_skinny<T, 6, MODE>(w, in, y, rows, cols, n, beta, s);
+    case 7: return launch_skinny<T, 7, MODE>(w, in, y, rows, cols, n, beta, s);
+    default: return launch_skinny<T, 8, MODE>(w, in, y, rows, cols, n, beta, s);
+    }
+}
+
+template <int MODE>
+int dispatch(kvb_dtype dt, const void *w, const gemv_in &in, void *y, int rows, int cols, int n, float beta,
+             cudaStream_t s) {
+    if (n <= KVB_CUDA_GEMV_MAX_ROWS) {
+        if (MODE == IN_PLAIN && dt == KVB_DTYPE_F32) return launch_n<float, IN_PLAIN>(w, in, y, rows, cols, n, beta, s);
+        if (dt == KVB_DTYPE_BF16) return launch_n<__nv_bfloat16, MODE>(w, in, y, rows, cols, n, beta, s);
+        if (dt == KVB_DTYPE_F16) return launch_n<__half, MODE>(w, in, y, rows, cols, n, beta, s);
+    } else if (dt == KVB_DTYPE_BF16) {
+        return launch_skinny_n<__nv_bfloat16, MODE>(w, in, y, rows, cols, n, beta, s);
+    } else if (dt == KVB_DTYPE_F16) {
+        return launch_skinny_n<__half, MODE>(w, in, y, rows, cols, n, beta, s);
+    }
+    return (int)cudaErrorInvalidValue;
 }
 
 } // namespace
 
 extern "C" int kvb_cuda_gemv_fits(kvb_dtype dt, const void *w, const void *x, int cols, int n) {
     size_t es = kvb_dtype_size(dt);
-    return es && n >= 1 && n <= KVB_CUDA_GEMV_MAX_ROWS && cols > 0 && ((size_t)cols * es) % 16 == 0 &&
-           ((uintptr_t)w & 15) == 0 && ((uintptr_t)x & 15) == 0;
+    if (!es || n < 1 || cols <= 0 || ((uintptr_t)w & 15) || ((uintptr_t)x & 15)) return 0;
+    if (n <= KVB_CUDA_GEMV_MAX_ROWS) return ((size_t)cols * es) % 16 == 0;
+    /* the tensor-core kernel: 16-bit types, whole 32-column chunks */
+    return n <= KVB_CUDA_SKINNY_MAX_ROWS && (dt == KVB_DTYPE_BF16 || dt == KVB_DTYPE_F16) && cols % 32 == 0;
 }
 
 extern "C" int kvb_cuda_gemv(const void *w, const void *x, void *y, kvb_dtype dt, int rows, int cols, int n, float beta,
                              kvb_cuda_stream_t s) {
     KVB_CUDA_REQUIRE_STREAM(s);
     if (!kvb_cuda_gemv_fits(dt, w, x, cols, n) || rows <= 0) return (int)cudaErrorInvalidValue;
-    KVB_CUDA_DISPATCH(dt, T, {
-        switch (n) {
-        case 1: return launch<T, 1>(w, x, y, rows, cols, beta, s);
-        case 2: return launch<T, 2>(w, x, y, rows, cols, beta, s);
-        case 3: return launch<T, 3>(w, x, y, rows, cols, beta, s);
-        case 4: return launch<T, 4>(w, x, y, rows, cols, beta, s);
-        case 5: return launch<T, 5>(w, x, y, rows, cols, beta, s);
-        case 6: return launch<T, 6>(w, x, y, rows, cols, beta, s);
-        case 7: return launch<T, 7>(w, x, y, rows, cols, beta, s);
-        default: return launch<T, 8>(w, x, y, rows, cols, beta, s);
-        }
-    });
-    return (int)cudaErrorInvalidValue;
+    gemv_in in = {x, (size_t)cols, NULL, 0.0f};
+    return dispatch<IN_PLAIN>(dt, w, in, y, rows, cols, n, beta, s);
+}
+
+extern "C" int kvb_cuda_gemv_norm(const void *w, const void *x, const float *g, float eps, void *y, kvb_dtype dt,
+                                  int rows, int cols, int n, float beta, kvb_cuda_stream_t s) {
+    KVB_CUDA_REQUIRE_STREAM(s);
+    if (!kvb_cuda_gemv_fits(dt, w, x, cols, n) || rows <= 0 || ((uintptr_t)g & 15) || cols % 8)
+        return (int)cudaErrorInvalidValue;
+    gemv_in in = {x, (size_t)cols, g, eps};
+    return dispatch<IN_NORM>(dt, w, in, y, rows, cols, n, beta, s);
+}
+
+extern "C" int kvb_cuda_gemv_swiglu(const void *w, const void *gu, void *y, kvb_dtype dt, int rows, int cols, int n,
+                                    float beta, kvb_cuda_stream_t s) {
+    KVB_CUDA_REQUIRE_STREAM(s);
+    size_t es = kvb_dtype_size(dt);
+    /* the up half starts cols elements into each row: it must stay 16-byte aligned */
+    if (!kvb_cuda_gemv_fits(dt, w, gu, cols, n) || rows <= 0 || ((size_t)cols * es) % 16) return (int)cudaErrorInvalidValue;
+    gemv_in in = {gu, 2 * (size_t)cols, NULL, 0.0f};
+    return dispatch<IN_SWIGLU>(dt, w, in, y, rows, cols, n, beta, s);
 }

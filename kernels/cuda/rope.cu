@@ -15,18 +15,7 @@ __global__ void rope_kernel(T *q, int n_heads, T *k, int n_kv_heads, int hd, int
                             const float *__restrict__ inv_freq) {
     extern __shared__ float cs[]; /* [half] cos, then [half] sin */
     int t = blockIdx.x / groups, group = blockIdx.x % groups, half = hd / 2;
-    double p = (double)pos[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        /* reduced to [-pi, pi] first: sincos of a large double argument takes the slow reduction path
-         * (13 us for one token on an H100); 2 pi in two parts keeps the reduced angle exact to ~1e-15 */
-        double x = p * (double)inv_freq[i], n = rint(x * 0.15915494309189535);
-        x = fma(-n, 6.283185307179586, x);
-        x = fma(-n, 2.4492935982947064e-16, x);
-        double sn, c;
-        sincos(x, &sn, &c);
-        cs[i] = (float)c;
-        cs[half + i] = (float)sn;
-    }
+    kvb::rope_table(pos[t], inv_freq, half, cs);
     __syncthreads();
     int pairs_q = n_heads * half, pairs = (n_heads + n_kv_heads) * half;
     int j_end = min(pairs, (group + 1) * HEADS_PER_BLOCK * half);

@@ -59,8 +59,28 @@ struct block_run {
     int cur = -1;
     int n = 0; /* threads of the running block */
     const std::function<void()> *body = nullptr;
-    std::vector<uint64_t> slots; /* [threads] warp exchange slots */
+    /* Warp collectives deposit into one of two slot sets by the parity of the collective's number (each
+     * lane counts its own; a warp's lanes run the same collectives): the set a collective reads is
+     * rewritten two collectives later, when every lane of the warp has arrived at the next one and so
+     * has read this one's, so a lane yields once per collective. */
+    std::vector<long> coll;               /* [threads] warp collectives finished */
+    std::vector<uint64_t> slots[2];       /* [threads] exchange and ballot deposits */
+    std::vector<unsigned char> gslots[2]; /* [threads][EMU_GATHER_MAX] gather deposits */
+    struct warp_mma {
+        long coll = -1;      /* the collective whose A B this holds */
+        double ab[16][8];    /* its product, every lane's D without C */
+    };
+    std::vector<warp_mma> mma; /* [warps] */
     std::vector<char> dyn;       /* dynamic shared memory */
+    /* [threads] each thread's cp.async copies not yet completed, oldest first; group -1: not committed */
+    struct cp_pending {
+        void *dst;
+        const void *src;
+        size_t bytes, src_bytes;
+        long group;
+    };
+    std::vector<std::vector<cp_pending>> cp;
+    std::vector<long> cp_groups; /* [threads] groups committed so far */
 };
 
 block_run g_run;
@@ -70,6 +90,12 @@ void yield_to_scheduler() { emu_ctx_switch(&g_run.f[g_run.cur].sp, g_run.sched_s
 
 extern "C" void emu_fiber_entry() {
     (*g_run.body)();
+    if (!g_run.cp[g_run.cur].empty()) {
+        /* on the device the copies would land after the thread is gone: a missing wait_group */
+        std::fprintf(stderr, "emu: thread %d of block %u exits with %zu cp.async copies not waited for\n", g_run.cur,
+                     emu_blockIdx.x, g_run.cp[g_run.cur].size());
+        std::abort();
+    }
     g_run.f[g_run.cur].st = DONE;
     yield_to_scheduler();
     std::abort(); /* a finished fiber is never resumed */
@@ -100,32 +126,154 @@ void emu_syncthreads() {
     yield_to_scheduler();
 }
 
-uint64_t emu_warp_exchange(uint64_t v, int src) {
-    int me = g_run.cur, base = me & ~31;
-    g_run.slots[me] = v;
+/* Deposits nothing itself: the calling lane waits until its whole warp has arrived at this collective
+ * (see block_run.coll) and returns the parity of the slot set the collective uses. */
+static int warp_arrive() {
+    int me = g_run.cur, par = (int)(g_run.coll[me] & 1);
+    g_run.coll[me]++; /* counted before the wait: a lane that ran on and exited still took part */
     g_run.f[me].st = AT_WARP;
     yield_to_scheduler();
-    int from = base + (src & 31);
-    if (from >= g_run.n || g_run.f[from].st == DONE) {
+    return par;
+}
+
+/* Whether thread t took part in the calling lane's collective number `seq` (it may have exited since;
+ * one that exited before it did not). */
+static bool took_part(int t, long seq) { return t < g_run.n && g_run.coll[t] > seq; }
+
+static void check_lane_running(int me, int from, long seq) {
+    if (!took_part(from, seq)) {
         std::fprintf(stderr, "emu: lane %d reads lane %d, which is not running\n", me, from);
         std::abort();
     }
-    uint64_t r = g_run.slots[from];
-    g_run.f[me].st = AT_WARP; /* nobody rewrites a slot before every lane has read */
-    yield_to_scheduler();
-    return r;
+}
+
+uint64_t emu_warp_exchange(uint64_t v, int src) {
+    int me = g_run.cur, base = me & ~31, par = (int)(g_run.coll[me] & 1);
+    long seq = g_run.coll[me];
+    g_run.slots[par][me] = v;
+    warp_arrive();
+    int from = base + (src & 31);
+    check_lane_running(me, from, seq);
+    return g_run.slots[par][from];
+}
+
+void emu_warp_gather(const void *mine, size_t bytes, void *all) {
+    if (bytes > EMU_GATHER_MAX) std::abort();
+    int me = g_run.cur, base = me & ~31, par = (int)(g_run.coll[me] & 1);
+    long seq = g_run.coll[me];
+    std::memcpy(&g_run.gslots[par][(size_t)me * EMU_GATHER_MAX], mine, bytes);
+    warp_arrive();
+    if (bytes == 8) { /* ldmatrix's row addresses: the common case, without a call per lane */
+        uint64_t *to = (uint64_t *)all;
+        for (int l = 0; l < 32; l++) {
+            int t = base + l;
+            to[l] = took_part(t, seq) ? *(const uint64_t *)&g_run.gslots[par][(size_t)t * EMU_GATHER_MAX] : 0;
+        }
+        return;
+    }
+    for (int l = 0; l < 32; l++) {
+        unsigned char *to = (unsigned char *)all + (size_t)l * bytes;
+        int t = base + l;
+        if (took_part(t, seq)) std::memcpy(to, &g_run.gslots[par][(size_t)t * EMU_GATHER_MAX], bytes);
+        else std::memset(to, 0, bytes);
+    }
+}
+
+/* 16-bit floats as float: bf16 is the top half of an f32; f16 through a table built on first use */
+static float f16_to_float(uint16_t h) {
+    static std::vector<float> table;
+    if (table.empty()) {
+        table.resize(65536);
+        for (unsigned i = 0; i < 65536; i++) {
+            __half x;
+            uint16_t b = (uint16_t)i;
+            std::memcpy(&x, &b, 2);
+            table[i] = __half2float(x);
+        }
+    }
+    return table[h];
+}
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+void emu_mma_16816(int bf16, float *d, const uint32_t *a, const uint32_t *b, const float *c) {
+    int me = g_run.cur, base = me & ~31, par = (int)(g_run.coll[me] & 1);
+    uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    std::memcpy(&g_run.gslots[par][(size_t)me * EMU_GATHER_MAX], mine, sizeof mine);
+    long seq = g_run.coll[me];
+    warp_arrive();
+    block_run::warp_mma &wm = g_run.mma[me >> 5];
+    if (wm.coll != seq) { /* the first lane of the warp to run computes every lane's A B */
+        float A[16][16], B[16][8];
+        for (int l = 0; l < 32; l++) {
+            check_lane_running(me, base + l, seq);
+            const uint32_t *r = (const uint32_t *)&g_run.gslots[par][(size_t)(base + l) * EMU_GATHER_MAX];
+            int g = l >> 2, t = l & 3;
+            for (int e = 0; e < 8; e++) { /* a[0..3] (two elements each) */
+                int reg = e >> 1, hi = e & 1;
+                uint16_t h = (uint16_t)(hi ? r[reg] >> 16 : r[reg] & 0xFFFFu);
+                int row = g + (reg & 1 ? 8 : 0), col = 2 * t + hi + (reg & 2 ? 8 : 0);
+                A[row][col] = bf16 ? bf16_to_float(h) : f16_to_float(h);
+            }
+            for (int e = 0; e < 4; e++) { /* b[0..1] */
+                int reg = e >> 1, hi = e & 1;
+                uint16_t h = (uint16_t)(hi ? r[4 + reg] >> 16 : r[4 + reg] & 0xFFFFu);
+                B[2 * t + hi + (reg ? 8 : 0)][g] = bf16 ? bf16_to_float(h) : f16_to_float(h);
+            }
+        }
+        for (int i = 0; i < 16; i++)
+            for (int j = 0; j < 8; j++) {
+                double s = 0;
+                for (int k = 0; k < 16; k++) s += (double)A[i][k] * (double)B[k][j];
+                wm.ab[i][j] = s;
+            }
+        wm.coll = seq;
+    }
+    int lane = me & 31, g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; i++) d[i] = (float)(wm.ab[g + (i >= 2 ? 8 : 0)][2 * t + (i & 1)] + (double)c[i]);
+}
+
+void emu_cp_async(void *dst, const void *src, size_t bytes, size_t src_bytes) {
+    std::memset(dst, 0xFF, bytes);
+    g_run.cp[g_run.cur].push_back({dst, src, bytes, src_bytes, -1});
+}
+
+void emu_cp_async_commit() {
+    int me = g_run.cur;
+    long g = g_run.cp_groups[me]++;
+    for (auto &c : g_run.cp[me])
+        if (c.group < 0) c.group = g;
+}
+
+void emu_cp_async_wait(int n) {
+    int me = g_run.cur;
+    long done_below = g_run.cp_groups[me] - n; /* groups [0, done_below) complete */
+    auto &v = g_run.cp[me];
+    size_t keep = 0;
+    for (size_t i = 0; i < v.size(); i++) {
+        auto &c = v[i];
+        if (c.group >= 0 && c.group < done_below) {
+            std::memcpy(c.dst, c.src, c.src_bytes);
+            std::memset((char *)c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+        } else {
+            v[keep++] = c;
+        }
+    }
+    v.resize(keep);
 }
 
 unsigned emu_ballot(int pred) {
-    int me = g_run.cur, base = me & ~31;
-    g_run.slots[me] = (uint64_t)pred;
-    g_run.f[me].st = AT_WARP;
-    yield_to_scheduler();
+    int me = g_run.cur, base = me & ~31, par = (int)(g_run.coll[me] & 1);
+    long seq = g_run.coll[me];
+    g_run.slots[par][me] = (uint64_t)pred;
+    warp_arrive();
     unsigned m = 0;
-    for (int l = 0; l < 32 && base + l < g_run.n; l++)
-        if (g_run.f[base + l].st != DONE && g_run.slots[base + l]) m |= 1u << l;
-    g_run.f[me].st = AT_WARP;
-    yield_to_scheduler();
+    for (int l = 0; l < 32; l++)
+        if (took_part(base + l, seq) && g_run.slots[par][base + l]) m |= 1u << l;
     return m;
 }
 
@@ -166,7 +314,14 @@ void emu_launch(unsigned grid, unsigned block, size_t smem, const std::function<
     int n = (int)block;
     if ((int)g_run.f.size() < n) g_run.f.resize(n);
     g_run.n = n;
-    g_run.slots.assign(n, 0);
+    g_run.coll.assign(n, 0);
+    for (int p = 0; p < 2; p++) {
+        g_run.slots[p].assign(n, 0);
+        g_run.gslots[p].assign((size_t)n * EMU_GATHER_MAX, 0);
+    }
+    g_run.mma.assign((size_t)(n + 31) / 32, {});
+    g_run.cp.assign(n, {});
+    g_run.cp_groups.assign(n, 0);
     g_run.dyn.assign(smem + 16, 0);
     g_run.body = &body;
     emu_blockDim = {block, 1, 1};
@@ -175,7 +330,12 @@ void emu_launch(unsigned grid, unsigned block, size_t smem, const std::function<
         emu_blockIdx = {b, 0, 0};
         /* shared memory starts with garbage on a GPU: make reads of unwritten bytes visible */
         std::memset(g_run.dyn.data(), 0xA5, g_run.dyn.size());
-        for (int t = 0; t < n; t++) fiber_init(g_run.f[t]);
+        for (int t = 0; t < n; t++) {
+            fiber_init(g_run.f[t]);
+            g_run.cp_groups[t] = 0;
+            g_run.coll[t] = 0;
+        }
+        for (auto &wm : g_run.mma) wm.coll = -1;
         for (;;) {
             bool ran = false;
             order_next(n);

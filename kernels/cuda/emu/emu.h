@@ -96,6 +96,30 @@ template <typename T> inline T atomicAdd(T *p, T v) {
 
 /* cache-hinted loads are plain loads */
 template <typename T> inline T __ldcs(const T *p) { return *p; }
+template <typename T> inline T __ldcg(const T *p) { return *p; }
+/* blocks run one after another: every write of an earlier block is visible */
+inline void __threadfence() {}
+
+/* ---------------------------------------------------------------- tensor-core instructions
+ * What kernels/cuda/mma.cuh needs in the emulation (see there): a warp collective that hands every
+ * lane the deposits of all 32 lanes (MMA fragments, ldmatrix row addresses), and cp.async as a copy
+ * deferred to the cp.async.wait_group that completes its group, its destination poisoned (0xFF bytes:
+ * NaN in f32, f16 and bf16) from the issue until then. */
+#define KVB_CUDA_EMU 1
+constexpr size_t EMU_GATHER_MAX = 32; /* bytes a lane deposits at most */
+/* Every live lane of the warp deposits `bytes` from `mine`; once the whole warp has arrived each gets
+ * all 32 deposits in `all` ([32][bytes]; lanes that are not running deposit zeros). */
+void emu_warp_gather(const void *mine, size_t bytes, void *all);
+/* mma.m16n8k16 (bf16: 1, f16: 0) of the calling lane's warp, fragments as in kernels/cuda/mma.cuh: the
+ * first lane to run after the warp arrived computes the whole A B (products summed in double), and
+ * each lane returns its D = A B + C, rounded once to f32. */
+void emu_mma_16816(int bf16, float *d, const uint32_t *a, const uint32_t *b, const float *c);
+/* cp.async of `bytes` from global `src` into shared `dst`, of which the first `src_bytes` are read
+ * and the rest zero-filled (cp.async's src-size operand). */
+void emu_cp_async(void *dst, const void *src, size_t bytes, size_t src_bytes);
+void emu_cp_async_commit();
+/* Completes the calling thread's committed groups but the newest `n`. */
+void emu_cp_async_wait(int n);
 
 inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 inline unsigned __float_as_uint(float f) { return emu_unbits<unsigned>(emu_bits(f)); }
