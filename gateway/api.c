@@ -148,23 +148,45 @@ static kvb_status get_stop(json_t *v, gw_params *p, gw_error *err) {
     return KVB_OK;
 }
 
-static kvb_status get_prompt(json_t *v, gw_params *p, gw_error *err) {
-    /* a string, token ids, or a list holding exactly one of those */
-    if (json_is_array(v) && json_array_size(v) == 1 &&
-        (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
-        v = json_array_get(v, 0);
-    else if (json_is_array(v) && json_array_size(v) > 1 &&
-             (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0))))
-        return bad(err, "prompt", "'prompt' holds %zu prompts; this server takes one prompt per request",
-                   json_array_size(v));
+/* One prompt: a non-empty string or a non-empty array of token ids. */
+static kvb_status get_one_prompt(json_t *v, const char *name, gw_prompt *out, gw_error *err) {
     if (json_is_string(v)) {
-        if (json_string_length(v) == 0) return bad(err, "prompt", "'prompt' is empty");
-        p->prompt_text = json_string_value(v);
-        p->prompt_len = json_string_length(v);
+        if (json_string_length(v) == 0) return bad(err, "prompt", "'%s' is empty", name);
+        out->text = json_string_value(v);
+        out->len = json_string_length(v);
         return KVB_OK;
     }
-    if (json_is_array(v)) return get_ids(v, "prompt", &p->prompt_ids, &p->n_prompt_ids, err);
-    return bad(err, "prompt", "'prompt' must be a string or an array of token ids");
+    if (json_is_array(v)) {
+        kvb_status st = get_ids(v, name, &out->ids, &out->n_ids, err);
+        if (st != KVB_OK) snprintf(err->param, sizeof err->param, "prompt");
+        return st;
+    }
+    return bad(err, "prompt", "'%s' must be a string or an array of token ids", name);
+}
+
+static kvb_status get_prompt(json_t *v, gw_params *p, gw_error *err) {
+    /* a string, token ids, or a list of strings or of token id lists: one prompt each */
+    json_t *first = json_array_get(v, 0);
+    int many = json_is_array(v) && (json_is_string(first) || json_is_array(first));
+    size_t n = many ? json_array_size(v) : 1, total = 0;
+    if (n > GW_MAX_CHOICES) return bad(err, "prompt", "'prompt' holds %zu prompts, at most %d", n, GW_MAX_CHOICES);
+    if (kvb_calloc(n, sizeof *p->prompts, (void **)&p->prompts) != KVB_OK) {
+        gw_error_set(err, 500, "server_error", "prompt", "out of memory");
+        return KVB_ERR_NOMEM;
+    }
+    p->n_prompts = (int)n;
+    for (size_t i = 0; i < n; i++) {
+        char name[32];
+        if (many) snprintf(name, sizeof name, "prompt[%zu]", i);
+        else snprintf(name, sizeof name, "prompt");
+        KVB_TRY(get_one_prompt(many ? json_array_get(v, i) : v, name, &p->prompts[i], err));
+        total += (size_t)p->prompts[i].n_ids;
+        if (total > MAX_IDS) {
+            gw_error_set(err, 413, "invalid_request_error", "prompt", "'prompt' has more than %d token ids", MAX_IDS);
+            return KVB_ERR_INVALID;
+        }
+    }
+    return KVB_OK;
 }
 
 /* An assistant message's tool_calls: [{id, type: "function", function: {name, arguments}}]. */
@@ -258,8 +280,10 @@ static kvb_status rd_messages(json_t *v, const char *name, gw_params *p, gw_erro
 
 static kvb_status rd_max_tokens(json_t *v, const char *name, gw_params *p, gw_error *err) {
     int64_t x = 0;
-    KVB_TRY(get_int(v, name, 1, INT32_MAX, &x, err));
+    /* 0: vLLM's echo without generation (checked with echo once every field is read) */
+    KVB_TRY(get_int(v, name, p->ep == GW_COMPLETIONS ? 0 : 1, INT32_MAX, &x, err));
     p->max_tokens = (int)x;
+    p->echo_only = x == 0;
     return KVB_OK;
 }
 
@@ -283,6 +307,79 @@ static kvb_status rd_seed(json_t *v, const char *name, gw_params *p, gw_error *e
     KVB_TRY(get_int(v, name, INT64_MIN, INT64_MAX, &x, err));
     p->has_seed = 1;
     p->seed = (uint64_t)x;
+    return KVB_OK;
+}
+
+/* Number and integer members in [lo, hi], by field name. */
+#define RD_NUM(fn, member, lo, hi)                                                                                     \
+    static kvb_status fn(json_t *v, const char *name, gw_params *p, gw_error *err) {                                   \
+        return get_number(v, name, lo, hi, &p->member, err);                                                           \
+    }
+#define RD_INT(fn, member, lo, hi)                                                                                     \
+    static kvb_status fn(json_t *v, const char *name, gw_params *p, gw_error *err) {                                   \
+        int64_t x = p->member;                                                                                         \
+        KVB_TRY(get_int(v, name, lo, hi, &x, err));                                                                    \
+        p->member = (int)x;                                                                                            \
+        return KVB_OK;                                                                                                 \
+    }
+RD_NUM(rd_min_p, min_p, 0, 1)
+RD_NUM(rd_presence, presence_penalty, -2, 2) /* OpenAI's ranges */
+RD_NUM(rd_frequency, frequency_penalty, -2, 2)
+RD_INT(rd_min_tokens, min_tokens, 0, INT32_MAX)
+RD_INT(rd_n, n, 1, GW_MAX_CHOICES)
+RD_INT(rd_best_of, best_of, 1, GW_MAX_CHOICES)
+#undef RD_NUM
+#undef RD_INT
+
+static kvb_status rd_repetition(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    double x = 1;
+    KVB_TRY(get_number(v, name, 0, 1e6, &x, err));
+    if (x <= 0) return bad(err, name, "'%s' is %g, must be > 0 (1: off)", name, x);
+    p->repetition_penalty = x;
+    return KVB_OK;
+}
+
+/* {"token id": bias}: ids as decimal strings, biases in [-100, 100] (OpenAI's range). */
+static kvb_status rd_logit_bias(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    if (!json_is_object(v)) return bad(err, name, "'%s' must be an object of token ids to biases", name);
+    size_t n = json_object_size(v);
+    if (n > KVB_MAX_LOGIT_BIAS) return bad(err, name, "'%s' has %zu entries, at most %d", name, n, KVB_MAX_LOGIT_BIAS);
+    if (!n) return KVB_OK;
+    if (kvb_calloc(n, sizeof *p->logit_bias, (void **)&p->logit_bias) != KVB_OK) {
+        gw_error_set(err, 500, "server_error", name, "out of memory");
+        return KVB_ERR_NOMEM;
+    }
+    const char *k;
+    json_t *x;
+    json_object_foreach(v, k, x) {
+        char clip[40];
+        int64_t id = -1;
+        if (kvb_parse_i64(k, 0, INT32_MAX, &id) != KVB_OK)
+            return bad(err, name, "'%s' key '%s' is not a token id", name, gw_clip(k, clip, sizeof clip));
+        if (!json_is_number(x) || !(json_number_value(x) >= -100 && json_number_value(x) <= 100))
+            return bad(err, name, "'%s' of token %lld must be a number in [-100, 100]", name, (long long)id);
+        p->logit_bias[p->n_logit_bias++] = (kvb_logit_bias){.id = (int32_t)id, .bias = (float)json_number_value(x)};
+    }
+    return KVB_OK;
+}
+
+/* completions: the number of alternatives (0-20); false: none asked */
+static kvb_status rd_logprobs_n(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    if (json_is_false(v)) return KVB_OK;
+    int64_t x = 0;
+    if (json_is_boolean(v) || get_int(v, name, 0, KVB_MAX_TOP_LOGPROBS, &x, err) != KVB_OK)
+        return bad(err, name, "'%s' is the number of alternatives per token in /v1/completions: an integer in [0, %d]",
+                   name, KVB_MAX_TOP_LOGPROBS);
+    p->logprobs = 1;
+    p->top_logprobs = (int)x;
+    return KVB_OK;
+}
+
+static kvb_status rd_top_logprobs(json_t *v, const char *name, gw_params *p, gw_error *err) {
+    int64_t x = 0;
+    KVB_TRY(get_int(v, name, 0, KVB_MAX_TOP_LOGPROBS, &x, err));
+    p->top_logprobs = (int)x;
+    p->has_top_logprobs = 1;
     return KVB_OK;
 }
 
@@ -566,6 +663,9 @@ RD_BOOL(rd_add_gen_prompt, add_generation_prompt)
 RD_BOOL(rd_timings, timings)
 RD_BOOL(rd_include_stop_str, include_stop_str)
 RD_BOOL(rd_parallel_tool_calls, parallel_tool_calls)
+RD_BOOL(rd_logprobs_bool, logprobs)
+RD_BOOL(rd_echo, echo)
+RD_BOOL(rd_tokens_as_ids, return_tokens_as_ids)
 #undef RD_BOOL
 
 /* ---------------------------------------------------------------------------- neutral values
@@ -574,7 +674,6 @@ RD_BOOL(rd_parallel_tool_calls, parallel_tool_calls)
 static int nt_false(json_t *v) { return json_is_false(v); }
 static int nt_true(json_t *v) { return json_is_true(v); }
 static int nt_zero(json_t *v) { return json_number_value(v) == 0; }
-static int nt_one(json_t *v) { return json_number_value(v) == 1; }
 static int nt_empty(json_t *v) { return json_is_object(v) ? json_object_size(v) == 0 : json_array_size(v) == 0; }
 static int nt_none(json_t *v) { return json_is_string(v) && !strcmp(json_string_value(v), "none"); }
 
@@ -629,8 +728,22 @@ static const gw_field FIELDS[] = {
     H("tools", T, GW_J_ARR, rd_tools),
     H("tool_choice", T, GW_J_STR | GW_J_OBJ, rd_tool_choice),
     H("parallel_tool_calls", T, GW_J_BOOL, rd_parallel_tool_calls),
+    /* sampling and outputs (common/sched/sampling.h; docs/gateway.md) */
+    H("n", B, GW_J_INT, rd_n),
+    H("best_of", B, GW_J_INT, rd_best_of),
+    H("logprobs", T, GW_J_BOOL, rd_logprobs_bool),
+    H("logprobs", C, GW_J_INT | GW_J_BOOL, rd_logprobs_n),
+    H("top_logprobs", T, GW_J_INT, rd_top_logprobs),
+    H("echo", B, GW_J_BOOL, rd_echo),
+    H("min_tokens", B, GW_J_INT, rd_min_tokens),
+    H("presence_penalty", B, NUM, rd_presence),
+    H("frequency_penalty", B, NUM, rd_frequency),
+    H("repetition_penalty", B, NUM, rd_repetition),
+    H("min_p", B, NUM, rd_min_p),
+    H("logit_bias", B, GW_J_OBJ, rd_logit_bias),
+    H("return_tokens_as_token_ids", B, GW_J_BOOL, rd_tokens_as_ids),
     /* ignored: bookkeeping for OpenAI's platform, hints that change no token, options of features
-     * that are off (beam search, logprobs) or have one choice here (the structured-output backend) */
+     * that are off (beam search) or have one choice here (the structured-output backend) */
     I("user", B, GW_J_STR),
     I("store", B, GW_J_BOOL),
     I("metadata", B, GW_J_OBJ),
@@ -644,25 +757,12 @@ static const gw_field FIELDS[] = {
     I("request_id", B, GW_J_STR),
     I("length_penalty", B, NUM),
     I("guided_decoding_backend", B, GW_J_STR),
-    I("return_tokens_as_token_ids", B, GW_J_BOOL),
     I("mm_processor_kwargs", B, GW_J_OBJ),
     I("vllm_xargs", B, GW_J_OBJ),
     /* unsupported: features the node does not have yet */
-    U("n", B, GW_J_INT, nt_one),
-    U("best_of", B, GW_J_INT, nt_one),
     U("use_beam_search", B, GW_J_BOOL, nt_false),
-    U("logprobs", T, GW_J_BOOL, nt_false),
-    U("logprobs", C, GW_J_INT | GW_J_BOOL, nt_false),
-    U("top_logprobs", T, GW_J_INT, nt_zero),
     U("prompt_logprobs", B, GW_J_INT, NULL),
-    U("echo", B, GW_J_BOOL, nt_false),
     U("suffix", C, GW_J_STR, NULL),
-    U("min_tokens", B, GW_J_INT, nt_zero),
-    U("presence_penalty", B, NUM, nt_zero),
-    U("frequency_penalty", B, NUM, nt_zero),
-    U("repetition_penalty", B, NUM, nt_one),
-    U("min_p", B, NUM, nt_zero),
-    U("logit_bias", B, GW_J_OBJ, nt_empty),
     U("allowed_token_ids", B, GW_J_ARR, NULL),
     U("bad_words", B, GW_J_ARR, nt_empty),
     U("logits_processors", B, GW_J_ARR, nt_empty),
@@ -756,6 +856,24 @@ static kvb_status field_apply(gw_endpoint ep, const char *key, json_t *v, gw_par
     return KVB_OK;
 }
 
+/* The rules between fields, once all are read. */
+static kvb_status check_together(gw_params *p, gw_error *err) {
+    if (p->echo_only && !p->echo) return bad(err, "max_tokens", "'max_tokens' is 0, which only 'echo' allows");
+    if (p->has_top_logprobs && !p->logprobs && p->top_logprobs > 0)
+        return bad(err, "top_logprobs", "'top_logprobs' needs 'logprobs' to be true");
+    if (p->best_of && p->best_of < p->n)
+        return bad(err, "best_of", "'best_of' is %d, must be >= n (%d)", p->best_of, p->n);
+    if (p->best_of > p->n && p->stream)
+        return bad(err, "best_of", "'best_of' above n cannot be streamed (the best are known at the end)");
+    int per = KVB_MAX(p->n, p->best_of);
+    if ((int64_t)per * p->n_prompts > GW_MAX_CHOICES)
+        return bad(err, p->best_of > p->n ? "best_of" : "n", "%d prompts x %d sequences each is more than %d", p->n_prompts,
+                   per, GW_MAX_CHOICES);
+    if (p->max_tokens && p->min_tokens > p->max_tokens)
+        return bad(err, "min_tokens", "'min_tokens' is %d, above max_tokens (%d)", p->min_tokens, p->max_tokens);
+    return KVB_OK;
+}
+
 kvb_status gw_params_parse(gw_endpoint ep, const char *body, size_t len, gw_params *p, json_t **doc, gw_error *err) {
     memset(p, 0, sizeof *p);
     *doc = NULL;
@@ -768,6 +886,8 @@ kvb_status gw_params_parse(gw_endpoint ep, const char *body, size_t len, gw_para
     p->tbt_slo_ms = -1;
     p->tool_choice = -1;
     p->parallel_tool_calls = 1;
+    p->repetition_penalty = 1;
+    p->n = 1;
     json_t *o = NULL;
     KVB_TRY(load_object(body, len, &o, err));
     kvb_status st = get_model(o, &p->model, err);
@@ -777,12 +897,15 @@ kvb_status gw_params_parse(gw_endpoint ep, const char *body, size_t len, gw_para
         if (st != KVB_OK) break;
         if (strcmp(key, "model")) st = field_apply(ep, key, v, p, err);
     }
-    if (st == KVB_OK && ep == GW_COMPLETIONS && !p->prompt_text && !p->prompt_ids)
-        st = bad(err, "prompt", "'prompt' is required");
+    if (st == KVB_OK && ep == GW_COMPLETIONS && !p->n_prompts) st = bad(err, "prompt", "'prompt' is required");
     if (st == KVB_OK && ep == GW_CHAT && !p->messages) st = bad(err, "messages", "'messages' is required");
     if (st == KVB_OK) st = tools_check(p, err);
+    if (st == KVB_OK && ep == GW_CHAT && kvb_calloc(1, sizeof *p->prompts, (void **)&p->prompts) == KVB_OK)
+        p->n_prompts = 1; /* the messages, rendered and tokenized */
+    if (st == KVB_OK && !p->n_prompts) st = KVB_ERR_NOMEM, gw_error_set(err, 500, "server_error", NULL, "out of memory");
     if (st == KVB_OK && p->include_usage && !p->stream)
         st = bad(err, "stream_options", "'stream_options' is only allowed with \"stream\": true");
+    if (st == KVB_OK) st = check_together(p, err);
     if (st != KVB_OK) {
         gw_params_free(p);
         json_decref(o);
@@ -799,9 +922,13 @@ void gw_params_free(gw_params *p) {
     free(p->grammar_choices);
     p->grammar_choices = NULL;
     p->n_grammar = 0;
-    free(p->prompt_ids);
-    p->prompt_ids = NULL;
-    p->n_prompt_ids = 0;
+    for (int i = 0; i < p->n_prompts; i++) free(p->prompts[i].ids);
+    free(p->prompts);
+    p->prompts = NULL;
+    p->n_prompts = 0;
+    free(p->logit_bias);
+    p->logit_bias = NULL;
+    p->n_logit_bias = 0;
 }
 
 kvb_status gw_tok_params_parse(int detokenize, const char *body, size_t len, gw_tok_params *p, json_t **doc,

@@ -50,8 +50,11 @@ KVB_TEST(params_valid) {
                     " \"include_stop_str_in_output\": true}";
     ck_assert_int_eq(parse(GW_COMPLETIONS, b, &p, &doc, &e), KVB_OK);
     ck_assert_str_eq(p.model, "m");
-    ck_assert_int_eq(p.n_prompt_ids, 3);
-    ck_assert_int_eq(p.prompt_ids[2], 3);
+    ck_assert_int_eq(p.n_prompts, 1);
+    ck_assert_int_eq(p.prompts[0].n_ids, 3);
+    ck_assert_int_eq(p.prompts[0].ids[2], 3);
+    ck_assert_int_eq(p.n, 1);
+    ck_assert(!p.logprobs && !p.echo && p.repetition_penalty == 1);
     ck_assert_int_eq(p.max_tokens, 7);
     ck_assert(p.temperature == 0 && p.top_p == 0.5 && p.top_k == 0);
     ck_assert(p.has_seed && p.seed == 9);
@@ -71,7 +74,8 @@ KVB_TEST(params_valid) {
     json_decref(doc);
     /* defaults; a text prompt; a one-element prompt list */
     ck_assert_int_eq(parse(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [\"hi\"]}", &p, &doc, &e), KVB_OK);
-    ck_assert_str_eq(p.prompt_text, "hi");
+    ck_assert_int_eq(p.n_prompts, 1);
+    ck_assert_str_eq(p.prompts[0].text, "hi");
     ck_assert(p.temperature == 1 && p.top_p == 1 && !p.max_tokens && p.tbt_slo_ms < 0 && !p.stream);
     gw_params_free(&p);
     json_decref(doc);
@@ -102,7 +106,6 @@ KVB_TEST(params_invalid) {
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1, -2]}", 400, "prompt");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1, 2.5]}", 400, "prompt");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": \"\"}", 400, "prompt");
-    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [\"a\", \"b\"]}", 400, "prompt");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"max_tokens\": 0}", 400, "max_tokens");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"max_tokens\": \"3\"}", 400, "max_tokens");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"max_tokens\": 2.5}", 400, "max_tokens");
@@ -112,10 +115,6 @@ KVB_TEST(params_invalid) {
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"stream\": \"yes\"}", 400, "stream");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"stop\": 3}", 400, "stop");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"stop\": [\"\"]}", 400, "stop");
-    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"n\": 3}", 400, "n");
-    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"logprobs\": 2}", 400, "logprobs");
-    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"echo\": true}", 400, "echo");
-    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"best_of\": 2}", 400, "best_of");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"suffix\": \"x\"}", 400, "suffix");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"whatever\": 1}", 400, "whatever");
     expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [1], \"messages\": []}", 400, "messages");
@@ -247,6 +246,102 @@ KVB_TEST(structured_params) {
 KVB_TEST_END
 #undef MSG
 #undef TOOL
+
+/* Sampling and outputs: n, best_of, logprobs in both formats, the penalties, min_p, min_tokens,
+ * logit_bias, echo, several prompts; the rules between them. */
+KVB_TEST(params_sampling) {
+    gw_params p;
+    json_t *doc = NULL;
+    gw_error e;
+    ck_assert_int_eq(parse(GW_COMPLETIONS,
+                           "{\"model\": \"m\", \"prompt\": [\"a\", [1, 2], \"b\"], \"n\": 2, \"best_of\": 3,"
+                           " \"logprobs\": 5, \"echo\": true, \"presence_penalty\": -0.5, \"frequency_penalty\": 1.5,"
+                           " \"repetition_penalty\": 1.3, \"min_p\": 0.1, \"min_tokens\": 2, \"max_tokens\": 4,"
+                           " \"logit_bias\": {\"7\": -100, \"9\": 2.5}, \"return_tokens_as_token_ids\": true}",
+                           &p, &doc, &e),
+                     KVB_OK);
+    ck_assert_int_eq(p.n_prompts, 3);
+    ck_assert_str_eq(p.prompts[0].text, "a");
+    ck_assert(p.prompts[1].text == NULL && p.prompts[1].n_ids == 2 && p.prompts[1].ids[1] == 2);
+    ck_assert_str_eq(p.prompts[2].text, "b");
+    ck_assert(p.n == 2 && p.best_of == 3 && p.logprobs && p.top_logprobs == 5 && p.echo && !p.echo_only);
+    ck_assert(p.presence_penalty == -0.5 && p.frequency_penalty == 1.5 && p.repetition_penalty == 1.3);
+    ck_assert(p.min_p == 0.1 && p.min_tokens == 2 && p.return_tokens_as_ids);
+    ck_assert_int_eq(p.n_logit_bias, 2);
+    ck_assert(p.logit_bias[0].id == 7 && p.logit_bias[0].bias == -100 && p.logit_bias[1].id == 9 &&
+              p.logit_bias[1].bias == 2.5f);
+    gw_params_free(&p);
+    json_decref(doc);
+    /* logprobs 0: the chosen tokens' logprobs, no alternatives; max_tokens 0 with echo: the prompt alone */
+    ck_assert_int_eq(parse(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": \"x\", \"logprobs\": 0, \"echo\": true,"
+                                           " \"max_tokens\": 0}", &p, &doc, &e), KVB_OK);
+    ck_assert(p.logprobs && p.top_logprobs == 0 && p.echo_only && p.max_tokens == 0);
+    gw_params_free(&p);
+    json_decref(doc);
+    /* chat: logprobs is a boolean, top_logprobs the alternatives */
+    ck_assert_int_eq(parse(GW_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}],"
+                                    " \"logprobs\": true, \"top_logprobs\": 3, \"n\": 4}", &p, &doc, &e), KVB_OK);
+    ck_assert(p.logprobs && p.top_logprobs == 3 && p.n == 4 && p.n_prompts == 1);
+    gw_params_free(&p);
+    json_decref(doc);
+
+#define C_(x) "{\"model\": \"m\", \"prompt\": [1], " x "}"
+#define T_(x) "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], " x "}"
+    expect_bad(GW_COMPLETIONS, C_("\"n\": 0"), 400, "n");
+    expect_bad(GW_COMPLETIONS, C_("\"n\": 129"), 400, "n");
+    expect_bad(GW_COMPLETIONS, C_("\"n\": \"2\""), 400, "n");
+    expect_bad(GW_COMPLETIONS, C_("\"n\": 3, \"best_of\": 2"), 400, "best_of");
+    expect_bad(GW_COMPLETIONS, C_("\"best_of\": 2, \"stream\": true"), 400, "best_of");
+    expect_bad(GW_COMPLETIONS, C_("\"best_of\": 1.5"), 400, "best_of");
+    expect_bad(GW_COMPLETIONS, C_("\"logprobs\": 21"), 400, "logprobs");
+    expect_bad(GW_COMPLETIONS, C_("\"logprobs\": true"), 400, "logprobs");
+    expect_bad(GW_COMPLETIONS, C_("\"logprobs\": \"5\""), 400, "logprobs");
+    expect_bad(GW_COMPLETIONS, C_("\"echo\": 1"), 400, "echo");
+    expect_bad(GW_COMPLETIONS, C_("\"max_tokens\": 0"), 400, "max_tokens");
+    expect_bad(GW_COMPLETIONS, C_("\"presence_penalty\": 2.5"), 400, "presence_penalty");
+    expect_bad(GW_COMPLETIONS, C_("\"frequency_penalty\": \"high\""), 400, "frequency_penalty");
+    expect_bad(GW_COMPLETIONS, C_("\"repetition_penalty\": 0"), 400, "repetition_penalty");
+    expect_bad(GW_COMPLETIONS, C_("\"repetition_penalty\": -1"), 400, "repetition_penalty");
+    expect_bad(GW_COMPLETIONS, C_("\"min_p\": 1.5"), 400, "min_p");
+    expect_bad(GW_COMPLETIONS, C_("\"min_tokens\": -1"), 400, "min_tokens");
+    expect_bad(GW_COMPLETIONS, C_("\"min_tokens\": 5, \"max_tokens\": 4"), 400, "min_tokens");
+    expect_bad(GW_COMPLETIONS, C_("\"logit_bias\": [1]"), 400, "logit_bias");
+    expect_bad(GW_COMPLETIONS, C_("\"logit_bias\": {\"x\": 1}"), 400, "logit_bias");
+    expect_bad(GW_COMPLETIONS, C_("\"logit_bias\": {\"-3\": 1}"), 400, "logit_bias");
+    expect_bad(GW_COMPLETIONS, C_("\"logit_bias\": {\"5\": 101}"), 400, "logit_bias");
+    expect_bad(GW_COMPLETIONS, C_("\"logit_bias\": {\"5\": \"up\"}"), 400, "logit_bias");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [\"a\", \"\"]}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [\"a\", 5]}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [[1], [2, -1]]}", 400, "prompt");
+    expect_bad(GW_COMPLETIONS, "{\"model\": \"m\", \"prompt\": [\"a\", \"b\"], \"n\": 65}", 400, "n");
+    expect_bad(GW_CHAT, T_("\"logprobs\": 3"), 400, "logprobs");
+    expect_bad(GW_CHAT, T_("\"top_logprobs\": 2"), 400, "top_logprobs");
+    expect_bad(GW_CHAT, T_("\"logprobs\": true, \"top_logprobs\": 21"), 400, "top_logprobs");
+    expect_bad(GW_CHAT, T_("\"logprobs\": true, \"top_logprobs\": true"), 400, "top_logprobs");
+    expect_bad(GW_CHAT, T_("\"max_tokens\": 0"), 400, "max_tokens");
+    expect_bad(GW_CHAT, T_("\"min_p\": -0.1"), 400, "min_p");
+#undef C_
+#undef T_
+    /* 128 prompts pass, 129 do not */
+    char *b = malloc(1024);
+    size_t len = (size_t)snprintf(b, 1024, "{\"model\": \"m\", \"prompt\": [");
+    for (int i = 0; i < 129; i++) {
+        b = realloc(b, len + 16);
+        len += (size_t)snprintf(b + len, 16, "%s[%d]", i ? "," : "", i + 1);
+    }
+    b = realloc(b, len + 4);
+    memcpy(b + len, "]}", 3);
+    expect_bad(GW_COMPLETIONS, b, 400, "prompt");
+    char *c = strrchr(b, ',');
+    memcpy(c, "]}", 3);
+    ck_assert_int_eq(parse(GW_COMPLETIONS, b, &p, &doc, &e), KVB_OK);
+    ck_assert_int_eq(p.n_prompts, 128);
+    ck_assert_int_eq(p.prompts[127].ids[0], 128);
+    gw_params_free(&p);
+    json_decref(doc);
+    free(b);
+}
+KVB_TEST_END
 
 /* A JSON value of one type of the mask `types` (want 1) or of none of them (want 0). */
 static json_t *sample(unsigned types, int want) {
@@ -661,6 +756,7 @@ KVB_TEST(tool_grammars) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(structured_params, 10), KVB_T(field_table, 10),
+KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(structured_params, 10), KVB_T(params_sampling, 10),
+              KVB_T(field_table, 10),
               KVB_T(tok_params, 10),
               KVB_T(stop_strings, 10), KVB_T(metrics_text, 10), KVB_T(tool_parsers, 10), KVB_T(tool_grammars, 10))

@@ -40,7 +40,7 @@ typedef struct kvb_sampling {
     float min_p;              /* [0, 1] */
     float presence_penalty;   /* [-2, 2] (OpenAI's range) */
     float frequency_penalty;  /* [-2, 2] */
-    float repetition_penalty; /* (0, 2]; 0 or 1: off */
+    float repetition_penalty; /* >= 0; 0 or 1: off */
     int min_tokens;           /* >= 0 */
     const kvb_logit_bias *logit_bias; /* [n_logit_bias] borrowed; ids distinct (the last one wins) */
     int n_logit_bias;         /* [0, KVB_MAX_LOGIT_BIAS] */

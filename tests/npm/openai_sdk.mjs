@@ -2,8 +2,7 @@
 // as an application written for OpenAI or vLLM would: tests/test_openai_sdk.sh starts a node with a
 // random-weight model carrying Qwen3's real tokenizer and chat template, then runs
 //   node openai_sdk.mjs --base-url http://127.0.0.1:PORT/v1 --model NAME [--only CASE]
-// Each case is one entry of CASES (name, async function); a case that throws fails the run. Cases for
-// features the gateway adds later (logprobs, n, penalties, json_schema, tools) go in the same table.
+// Each case is one entry of CASES (name, async function); a case that throws fails the run.
 import assert from "node:assert/strict";
 import OpenAI from "openai";
 
@@ -186,15 +185,20 @@ const CASES = [
 
   ["errors", async () => {
     const BadRequest = OpenAI.BadRequestError;
-    await refused(client.chat.completions.create({ ...greedy, messages, n: 2 }), 400, "n", BadRequest);
+    await refused(client.chat.completions.create({ ...greedy, messages, n: 0 }), 400, "n", BadRequest);
     await refused(client.chat.completions.create({ ...greedy, messages, temperature: "hot" }), 400, "temperature", BadRequest);
     await refused(client.chat.completions.create({ ...greedy, messages, temprature: 0 }), 400, "temprature", BadRequest);
     await refused(client.chat.completions.create({ ...greedy, messages, store: "yes" }), 400, "store", BadRequest);
     await refused(client.chat.completions.create({ ...greedy, model: "no-such-model", messages }), 404, "model", OpenAI.NotFoundError);
     await refused(client.completions.create({ ...greedy, prompt: "x", max_tokens: 1 << 20 }), 400, "max_tokens", BadRequest);
     // streamed requests are refused the same way, before any event
-    await refused(client.chat.completions.create({ ...greedy, messages, stream: true, frequency_penalty: 0.5 }),
+    await refused(client.chat.completions.create({ ...greedy, messages, stream: true, frequency_penalty: 2.5 }),
       400, "frequency_penalty", BadRequest);
+    await refused(client.completions.create({ ...greedy, prompt: "x", stream: true, n: 1, best_of: 2 }), 400, "best_of", BadRequest);
+    await refused(client.chat.completions.create({ ...greedy, messages, top_logprobs: 3 }), 400, "top_logprobs", BadRequest);
+    await refused(client.chat.completions.create({ ...greedy, messages, logprobs: true, top_logprobs: 21 }), 400, "top_logprobs", BadRequest);
+    await refused(client.completions.create({ ...greedy, prompt: "x", logit_bias: { "1000000": 5 } }), 400, "logit_bias", BadRequest);
+    await refused(client.completions.create({ ...greedy, prompt: "x", max_tokens: 0 }), 400, "max_tokens", BadRequest);
     return "n, wrong types, a misspelt field, an unknown model, max_tokens, a streamed request: SDK error classes with status and param";
   }],
 
@@ -311,6 +315,225 @@ const CASES = [
     assert.equal(ac.function.name, "get_weather");
     assert.equal(ac.function.arguments, args, "same seed, same call");
     return `${deltas.length} tool_calls deltas (id, type, name, then ${deltas.length - 1} argument pieces) reassemble to ${args}`;
+  }],
+
+  ["chat-logprobs", async () => {
+    const r = await client.chat.completions.create({ ...greedy, messages, logprobs: true, top_logprobs: 5 });
+    const content = r.choices[0].logprobs.content;
+    assert.equal(content.length, r.usage.completion_tokens);
+    for (const t of content) {
+      assert.equal(t.top_logprobs.length, 5);
+      // greedy: the chosen token is the most likely of its top list
+      assert.equal(t.token, t.top_logprobs[0].token);
+      assert.ok(Math.abs(t.logprob - t.top_logprobs[0].logprob) < 1e-6, `${t.logprob} vs ${t.top_logprobs[0].logprob}`);
+      assert.ok(t.logprob <= 0 && t.top_logprobs.every((a, i) => i === 0 || a.logprob <= t.top_logprobs[i - 1].logprob));
+      assert.ok(Array.isArray(t.bytes) && t.bytes.length > 0);
+    }
+    // the bytes of the tokens are the text (none of them special here: the message decodes every token)
+    const ids = (await client.chat.completions.create({ ...greedy, messages, return_token_ids: true })).choices[0].token_ids;
+    const d = await gatewayJson("/detokenize", { model: MODEL, tokens: ids });
+    if (d.prompt === r.choices[0].message.content) {
+      assert.equal(Buffer.from(content.flatMap((t) => t.bytes)).toString("utf8"), r.choices[0].message.content);
+    }
+    // streamed: the same tokens and logprobs, chunk by chunk
+    const { chunks } = await collect(await client.chat.completions.create({
+      ...greedy, messages, logprobs: true, top_logprobs: 5, stream: true,
+    }));
+    const streamed = chunks.flatMap((k) => (k.choices[0] && k.choices[0].logprobs ? k.choices[0].logprobs.content : []));
+    assert.deepEqual(streamed.map((t) => t.token), content.map((t) => t.token));
+    assert.deepEqual(streamed.map((t) => t.logprob), content.map((t) => t.logprob));
+    return `${content.length} tokens, each the first of its 5 alternatives (greedy); streamed the same`;
+  }],
+
+  ["completions-logprobs", async () => {
+    const prompt = "The capital of France is";
+    const r = await client.completions.create({ ...greedy, prompt, max_tokens: 8, logprobs: 3 });
+    const lp = r.choices[0].logprobs;
+    assert.equal(lp.tokens.length, 8);
+    for (let i = 0; i < 8; i++) {
+      const alts = Object.values(lp.top_logprobs[i]);
+      assert.ok(alts.length >= 3 && alts.length <= 4, `${alts.length} alternatives`);
+      // greedy: the chosen token's logprob is the highest of its position's
+      assert.ok(Math.abs(Math.max(...alts) - lp.token_logprobs[i]) < 1e-6);
+      assert.equal(lp.top_logprobs[i][lp.tokens[i]], lp.token_logprobs[i]);
+      assert.ok(i === 0 || lp.text_offset[i] >= lp.text_offset[i - 1]);
+    }
+    // echo with max_tokens 0: the prompt alone, its logprobs (the first token has none)
+    const ids = (await gatewayJson("/tokenize", { model: MODEL, prompt })).tokens;
+    const e = await client.completions.create({ model: MODEL, prompt, max_tokens: 0, echo: true, logprobs: 1 });
+    assert.equal(e.choices[0].text, prompt);
+    assert.equal(e.choices[0].logprobs.tokens.length, ids.length);
+    assert.equal(e.choices[0].logprobs.token_logprobs[0], null);
+    assert.equal(e.usage.completion_tokens, 0);
+    // a prompt's logprob is what generating that token had: the prompt and the first greedy token, echoed
+    const one = await client.completions.create({ ...greedy, prompt: ids, max_tokens: 1, logprobs: 1, return_token_ids: true });
+    const t = one.choices[0].token_ids[0];
+    const both = await client.completions.create({ model: MODEL, prompt: [...ids, t], max_tokens: 0, echo: true, logprobs: 1 });
+    const last = both.choices[0].logprobs.token_logprobs.at(-1);
+    assert.ok(Math.abs(last - one.choices[0].logprobs.token_logprobs[0]) < 1e-3, `${last} vs ${one.choices[0].logprobs.token_logprobs[0]}`);
+    // echo with generation: the prompt starts the text, streamed too
+    const g = await client.completions.create({ ...greedy, prompt, max_tokens: 8, echo: true });
+    assert.equal(g.choices[0].text, prompt + r.choices[0].text);
+    const { text } = await collect(await client.completions.create({ ...greedy, prompt, max_tokens: 8, echo: true, stream: true }));
+    assert.equal(text, g.choices[0].text);
+    return "the chosen token is the most likely of each position (greedy); echo gives the prompt and its logprobs, " +
+      "equal to generating its last token";
+  }],
+
+  ["chat-echo", async () => {
+    // vLLM's echo in chat: the last message, when it has the reply's role, starts the reply
+    const conv = [...messages, { role: "assistant", content: "Sure:" }];
+    const plain = (await client.chat.completions.create({ ...greedy, messages: conv, add_generation_prompt: false })).choices[0];
+    const r = (await client.chat.completions.create({ ...greedy, messages: conv, add_generation_prompt: false, echo: true })).choices[0];
+    assert.equal(r.message.content, "Sure:" + plain.message.content);
+    const { text } = await collect(await client.chat.completions.create({
+      ...greedy, messages: conv, add_generation_prompt: false, echo: true, stream: true,
+    }));
+    assert.equal(text, r.message.content);
+    const user = (await client.chat.completions.create({ ...greedy, messages, echo: true })).choices[0].message.content;
+    const none = (await client.chat.completions.create({ ...greedy, messages })).choices[0].message.content;
+    assert.equal(user, none, "a last message of another role is not echoed");
+    return "the assistant's last message starts the reply (streamed too); a user's does not";
+  }],
+
+  ["n", async () => {
+    const sampled = { model: MODEL, messages, max_tokens: 10, ignore_eos: true, temperature: 1, seed: 7 };
+    const r = await client.chat.completions.create({ ...sampled, n: 2 });
+    assert.deepEqual(r.choices.map((c) => c.index), [0, 1]);
+    assert.notEqual(r.choices[0].message.content, r.choices[1].message.content, "two different samples");
+    assert.equal(r.usage.completion_tokens, 20);
+    const again = await client.chat.completions.create({ ...sampled, n: 2 });
+    assert.deepEqual(again.choices.map((c) => c.message.content), r.choices.map((c) => c.message.content), "seeded");
+    // streamed: each choice's deltas under its index add up to the same messages
+    const { chunks } = await collect(await client.chat.completions.create({ ...sampled, n: 2, stream: true }));
+    const texts = ["", ""];
+    for (const k of chunks) for (const c of k.choices) texts[c.index] += c.delta.content ?? "";
+    assert.deepEqual(texts, r.choices.map((c) => c.message.content));
+    const acc = await client.chat.completions.stream({ ...sampled, n: 2 }).finalChatCompletion();
+    assert.deepEqual(acc.choices.map((c) => c.message.content), texts, "the SDK's stream helper agrees");
+    // greedy: every choice is the greedy text, and the prompt (a new one) is computed once: the other two
+    // sequences take its blocks from the prefix cache as the first prefills them
+    const long = [{ role: "user", content: "Tell me a long story about a lighthouse keeper and her cat. ".repeat(8) }];
+    const ptoks = (await gatewayJson("/tokenize", { model: MODEL, messages: long })).count;
+    const want = 2 * 16 * Math.floor((ptoks - 1) / 16); // two sequences, every whole block (block_size 16)
+    const before = (await metric("kvbank_prefix_cache_hit_tokens_total", { model: MODEL })) ?? 0;
+    const g = await client.chat.completions.create({ ...greedy, messages: long, n: 3 });
+    let hits = 0;
+    for (let i = 0; i < 50 && hits < want; i++) {
+      hits = ((await metric("kvbank_prefix_cache_hit_tokens_total", { model: MODEL })) ?? 0) - before;
+      if (hits < want) await new Promise((res) => setTimeout(res, 100));
+    }
+    assert.ok(hits >= want, `prefix cache hits ${hits}, want ${want} (a ${ptoks}-token prompt)`);
+    const one = (await client.chat.completions.create({ ...greedy, messages: long })).choices[0].message.content;
+    assert.deepEqual(g.choices.map((c) => c.message.content), [one, one, one]);
+    return `2 seeded samples (streamed the same), usage 20; n=3 greedy: 3 x the greedy text, ${hits} prompt tokens from the prefix cache`;
+  }],
+
+  ["best_of", async () => {
+    const base = { model: MODEL, prompt: "Once upon a time", max_tokens: 8, ignore_eos: true, temperature: 1, seed: 11, logprobs: 0 };
+    const all = await client.completions.create({ ...base, n: 3 });
+    const sum = (c) => c.logprobs.token_logprobs.reduce((a, b) => a + b, 0);
+    const best = all.choices.reduce((a, b) => (sum(b) > sum(a) ? b : a));
+    const r = await client.completions.create({ ...base, n: 1, best_of: 3 });
+    assert.equal(r.choices.length, 1);
+    assert.equal(r.choices[0].text, best.text, "best_of returns the sample of highest cumulative logprob");
+    assert.equal(r.usage.completion_tokens, 8);
+    return `best_of 3 returns the most likely of the 3 samples (cumulative logprob ${sum(best).toFixed(3)})`;
+  }],
+
+  ["penalties", async () => {
+    const base = { ...greedy, prompt: "The capital of France is", max_tokens: 40, return_token_ids: true };
+    const maxRepeat = (ids) => Math.max(...Object.values(ids.reduce((m, t) => ((m[t] = (m[t] ?? 0) + 1), m), {})));
+    const plain = (await client.completions.create(base)).choices[0].token_ids;
+    assert.ok(maxRepeat(plain) > 2, `the greedy text repeats itself (${maxRepeat(plain)})`);
+    const out = {};
+    for (const p of [{ presence_penalty: 2 }, { frequency_penalty: 2 }, { repetition_penalty: 2 }]) {
+      const ids = (await client.completions.create({ ...base, ...p })).choices[0].token_ids;
+      const name = Object.keys(p)[0];
+      assert.ok(maxRepeat(ids) < maxRepeat(plain), `${name}: ${maxRepeat(ids)} repeats, ${maxRepeat(plain)} without`);
+      out[name] = maxRepeat(ids);
+    }
+    // logit_bias: +100 makes a token the greedy choice everywhere; -100 bans the greedy first token
+    const x = plain[5];
+    const up = (await client.completions.create({ ...base, max_tokens: 6, logit_bias: { [x]: 100 } })).choices[0].token_ids;
+    assert.deepEqual(up, Array(6).fill(x));
+    const down = (await client.completions.create({ ...base, max_tokens: 1, logit_bias: { [plain[0]]: -100 } })).choices[0].token_ids;
+    assert.notEqual(down[0], plain[0]);
+    // min_tokens: a stop token id does not stop the output before min_tokens tokens
+    const stopAt = plain.findIndex((t, i) => i >= 1 && plain.indexOf(t) === i);
+    const stop = { ...base, max_tokens: 20, stop_token_ids: [plain[stopAt]] };
+    const short = await client.completions.create(stop);
+    assert.ok(short.usage.completion_tokens <= stopAt + 1, `stopped after ${short.usage.completion_tokens}`);
+    const long = await client.completions.create({ ...stop, min_tokens: stopAt + 5 });
+    assert.ok(long.usage.completion_tokens >= stopAt + 5, `min_tokens: ${long.usage.completion_tokens}`);
+    return `max repeats ${maxRepeat(plain)} -> ${JSON.stringify(out)}; logit_bias forces and bans; min_tokens holds the stop`;
+  }],
+
+  ["multi-prompt", async () => {
+    const prompts = ["The capital of France is", "Once upon a time"];
+    const single = [];
+    for (const prompt of prompts) single.push((await client.completions.create({ ...greedy, prompt, max_tokens: 6 })));
+    const r = await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6 });
+    assert.deepEqual(r.choices.map((c) => c.index), [0, 1]);
+    assert.deepEqual(r.choices.map((c) => c.text), single.map((s) => s.choices[0].text));
+    assert.equal(r.usage.prompt_tokens, single[0].usage.prompt_tokens + single[1].usage.prompt_tokens);
+    assert.equal(r.usage.completion_tokens, 12);
+    // two prompts x n = 2: indices prompt x n + k
+    const rn = await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6, n: 2, echo: true });
+    assert.deepEqual(rn.choices.map((c) => c.text), [0, 0, 1, 1].map((i) => prompts[i] + single[i].choices[0].text));
+    const { chunks } = await collect(await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6, stream: true }));
+    const texts = ["", ""];
+    for (const k of chunks) for (const c of k.choices) texts[c.index] += c.text;
+    assert.deepEqual(texts, single.map((s) => s.choices[0].text));
+    return "two prompts answer as each alone (streamed too); with n = 2 and echo, four choices in order";
+  }],
+
+  ["structured-sampling", async () => {
+    // logprobs under a schema are those of the masked distribution (the mask comes first): greedy's
+    // token heads its list; unmasked, a token the schema forbids would often head it instead
+    const CALL = WEATHER.function.parameters; // every value bounded: greedy ends
+    const r = await client.chat.completions.create({
+      model: MODEL, messages, temperature: 0, max_tokens: 400, logprobs: true, top_logprobs: 3,
+      response_format: { type: "json_schema", json_schema: { name: "call", schema: CALL } },
+    });
+    const c = r.choices[0];
+    assert.equal(c.finish_reason, "stop", c.message.content);
+    fits(JSON.parse(c.message.content), CALL, "$");
+    assert.equal(c.logprobs.content.length, r.usage.completion_tokens);
+    for (const t of c.logprobs.content) assert.equal(t.token, t.top_logprobs[0].token, JSON.stringify(t));
+    // n = 2 under a schema (bounded, so sampling ends too): each choice parses and fits
+    const two = await client.chat.completions.create({
+      model: MODEL, messages, temperature: 0.8, seed: 21, n: 2, max_tokens: 400,
+      response_format: { type: "json_schema", json_schema: { name: "call", schema: CALL } },
+    });
+    assert.equal(two.choices.length, 2);
+    for (const ch of two.choices) {
+      assert.equal(ch.finish_reason, "stop", `choice ${ch.index}: ${ch.message.content.slice(0, 300)}`);
+      fits(JSON.parse(ch.message.content), CALL, `choice ${ch.index}`);
+    }
+    assert.notEqual(two.choices[0].message.content, two.choices[1].message.content, "two seeds, two samples");
+    // n = 2 forced calls, streamed: each choice's deltas make one call of its own that fits
+    const { chunks } = await collect(await client.chat.completions.create({
+      model: MODEL, messages: toolMessages, temperature: 0.9, seed: 9, n: 2, max_tokens: 400, stream: true,
+      tools: [WEATHER, TIME], tool_choice: { type: "function", function: { name: "get_weather" } },
+    }));
+    const args = ["", ""], ids = [[], []], finish = [];
+    for (const k of chunks)
+      for (const ch of k.choices) {
+        for (const d of ch.delta.tool_calls ?? []) {
+          if (d.id) ids[ch.index].push(d.id);
+          args[ch.index] += d.function.arguments ?? "";
+        }
+        if (ch.finish_reason) finish[ch.index] = ch.finish_reason;
+      }
+    for (const i of [0, 1]) {
+      fits(JSON.parse(args[i]), WEATHER.function.parameters, `choice ${i}`);
+      assert.equal(ids[i].length, 1, `choice ${i}: ${ids[i]}`);
+      assert.equal(finish[i], "tool_calls");
+    }
+    assert.notEqual(ids[0][0], ids[1][0]);
+    return `greedy json_schema with logprobs: each of ${c.logprobs.content.length} tokens heads its list; n = 2 ` +
+           `schema outputs and streamed forced calls each fit (${args.map((a) => a.length).join(" and ")} bytes of arguments)`;
   }],
 
   ["stream-abort", async () => {
