@@ -488,6 +488,43 @@ const CASES = [
     return "two prompts answer as each alone (streamed too); with n = 2 and echo, four choices in order";
   }],
 
+  ["tool-auto", async () => {
+    // tool_choice auto parses what the model writes in its own format (Qwen3: <tool_call> ...); a
+    // random-weight model writes no call by itself, so a guided_choice of one text makes it write one
+    const said = "Checking.\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"UTC\"}}\n</tool_call>" +
+                 "\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\", \"unit\": \"celsius\"}}\n</tool_call>";
+    const req = { model: MODEL, messages: toolMessages, temperature: 0, max_tokens: 200, tools: [WEATHER, TIME], guided_choice: [said] };
+    const r = await client.chat.completions.create(req);
+    const m = r.choices[0].message;
+    assert.equal(r.choices[0].finish_reason, "tool_calls", JSON.stringify(r.choices[0]));
+    assert.equal(m.content.trim(), "Checking.");
+    assert.deepEqual(m.tool_calls.map((c) => [c.function.name, JSON.parse(c.function.arguments)]),
+                     [["get_time", { zone: "UTC" }], ["get_weather", { city: "Oslo", unit: "celsius" }]]);
+    assert.notEqual(m.tool_calls[0].id, m.tool_calls[1].id);
+    // streamed: content first, then each call's deltas under its index; the SDK's accumulator agrees
+    const { chunks } = await collect(await client.chat.completions.create({ ...req, stream: true }));
+    const content = chunks.map((k) => k.choices[0]?.delta.content ?? "").join("");
+    assert.equal(content.trim(), "Checking.");
+    const calls = [];
+    for (const k of chunks)
+      for (const d of k.choices[0]?.delta.tool_calls ?? []) {
+        calls[d.index] ??= { name: d.function.name, args: "" };
+        calls[d.index].args += d.function.arguments ?? "";
+      }
+    assert.deepEqual(calls.map((c) => [c.name, JSON.parse(c.args)]), m.tool_calls.map((c) => [c.function.name, JSON.parse(c.function.arguments)]));
+    const acc = await client.chat.completions.stream({ ...req }).finalChatCompletion();
+    assert.equal(acc.choices[0].message.tool_calls.length, 2);
+    // parallel_tool_calls false: the first call only; tool_choice none: the text stays content
+    const one = await client.chat.completions.create({ ...req, parallel_tool_calls: false });
+    assert.deepEqual(one.choices[0].message.tool_calls.map((c) => c.function.name), ["get_time"]);
+    const none = await client.chat.completions.create({ ...req, tool_choice: "none" });
+    assert.equal(none.choices[0].message.tool_calls, undefined);
+    assert.equal(none.choices[0].message.content, said);
+    assert.equal(none.choices[0].finish_reason, "stop");
+    return `auto: content "Checking." and 2 calls (streamed the same, the SDK's accumulator too); parallel_tool_calls ` +
+           `false keeps the first; none leaves the text as content`;
+  }],
+
   ["structured-sampling", async () => {
     // logprobs under a schema are those of the masked distribution (the mask comes first): greedy's
     // token heads its list; unmasked, a token the schema forbids would often head it instead
