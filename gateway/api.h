@@ -133,7 +133,8 @@ struct gw_params {
                                * guided_json / _regex / _choice, structured_outputs (texts owned) */
     int n_grammar;
     unsigned grammar_flags;   /* GW_GRAMMAR_* */
-    const char *grammar_field;/* the field that asked for it ("response_format", ...), NULL: none */
+    const char *grammar_field;/* the field that asked for it ("response_format", ...; borrowed from the
+                               * request's JSON like the other names), NULL: none */
     char *grammar_text;       /* owned text of grammar[0] (a schema dumped compact) */
     const char **grammar_choices; /* owned array of borrowed strings (guided_choice) */
     json_t *tools;            /* borrowed, validated array of {type: function, function: {name, ...}}; NULL: none */

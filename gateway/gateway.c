@@ -245,7 +245,8 @@ struct gw_stream {
     int head_sent;                /* h2o_start_response was called */
     int role_sent;                /* chat: the first delta with the role went out */
     /* structured output and tools */
-    const char *grammar_field;    /* the request field its grammar came from (a 400 names it), or NULL */
+    char grammar_field[32];       /* the request field its grammar came from (a 400 names it), or "": a copy,
+                                   * since gw_params' name lives in the request's JSON, freed after the submit */
     gw_tool_parser *tp;           /* chat with tools: the model's text -> content and tool_calls */
     gw_tool_format tool_fmt;
     int32_t tool_marker;          /* as gw_model.tool_marker when the detokenizer skips special tokens, else -1 */
@@ -1136,7 +1137,7 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
     } else if (finish != KVB_FINISH_NONE && !s->finished) {
         s->upstream_live = 0;
         size_t gl = strlen(KVB_WIRE_GRAMMAR_ERROR);
-        if (st != KVB_OK && s->grammar_field && err && !strncmp(err, KVB_WIRE_GRAMMAR_ERROR, gl)) {
+        if (st != KVB_OK && s->grammar_field[0] && err && !strncmp(err, KVB_WIRE_GRAMMAR_ERROR, gl)) {
             /* the model could not compile the request's grammar: the request's fault, named */
             stream_fail(s, 400, "invalid_request_error", "%s", "");
             gw_error_set(&s->err, 400, "invalid_request_error", s->grammar_field, "'%s' cannot be used: %s",
@@ -2074,7 +2075,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     int n_grammar = tg.n_parts ? tg.n_parts : p->n_grammar;
     for (int k = 0; k < s->n_seqs && st == KVB_OK; k++) {
         gw_stream *q = s->seqs[k];
-        q->grammar_field = tg.n_parts ? "tools" : p->grammar_field;
+        snprintf(q->grammar_field, sizeof q->grammar_field, "%s", tg.n_parts ? "tools" : p->grammar_field ? p->grammar_field : "");
         q->tool_marker = -1;
         if (!p->tools || p->tool_choice == GW_TOOL_NONE) continue;
         q->tool_fmt = m->tool_fmt;
