@@ -47,6 +47,7 @@ typedef struct master_setup {
     lender lenders[16];
     int n_lenders;
     int host_whole;       /* the host-tier baseline loads hits whole before the step (--host-load whole) */
+    int host_sync_wb;     /* ... and copies each block out when the pool evicts it (--host-writeback sync) */
 } master_setup;
 
 static void setup_free(master_setup *s) {
@@ -136,12 +137,13 @@ static kvb_status make_engine(master_setup *s, int lend, int host_tier_blocks, i
     o.max_seqs = s->nm->max_seqs;
     o.links = s->links;
     kvb_planner pl = {0};
-    char kv[2][64] = {"", ""};
+    char kv[3][64] = {"", "", ""};
     const char *policy = NULL;
     if (host_tier_blocks > 0) { /* the baseline: the host-tier planner with a host tier of the lent blocks' bytes */
         policy = "host-tier";
         snprintf(kv[0], sizeof kv[0], "blocks=%d", host_tier_blocks);
         snprintf(kv[1], sizeof kv[1], "layered=%d", !s->host_whole);
+        snprintf(kv[2], sizeof kv[2], "writeback=%s", s->host_sync_wb ? "sync" : "async");
     } else if (stream) {
         uint64_t lent = 0;
         for (int i = 0; i < s->n_lenders; i++) lent += s->lenders[i].bytes;
@@ -152,7 +154,7 @@ static kvb_status make_engine(master_setup *s, int lend, int host_tier_blocks, i
     if (policy) {
         kvb_policy_params pp = {0};
         kvb_status st = KVB_OK;
-        for (int k = 0; k < 2 && st == KVB_OK; k++)
+        for (int k = 0; k < 3 && st == KVB_OK; k++)
             if (kv[k][0]) st = kvb_policy_params_add(&pp, kv[k]);
         if (st == KVB_OK) st = kvb_policy_create(policy, &pp, &pl);
         kvb_policy_params_free(&pp);
@@ -440,6 +442,10 @@ typedef struct mt_result {
     uint64_t prefilled, hit, host_loads, preempted, stalled; /* hit: prompt tokens from the prefix caches */
     int reclaims, relends;
     int64_t reclaimed, lost, kept, demoted, moved; /* blocks; lost = cached blocks dropped by reclaims */
+    uint64_t h_stores, h_ahead, h_waits; /* host-tier copies out, of which written back ahead, evictions waiting */
+    kvb_link_report host;                /* what the host link carried (both directions) */
+    uint64_t steps;                      /* engine steps in the window */
+    int max_running;                     /* most requests running at once (warm-up included) */
     double wall_s;       /* the measured window's replay */
 } mt_result;
 
@@ -571,6 +577,14 @@ out_pg:
         out->hit = s1.prefix_hit_tokens - s0.prefix_hit_tokens;
         out->preempted = s1.preemptions - s0.preemptions;
         out->stalled = s1.stalled_failed - s0.stalled_failed;
+        out->steps = s1.steps - s0.steps;
+        out->max_running = s1.max_running;
+        out->h_stores = s1.host_tier_stores - s0.host_tier_stores;
+        out->h_ahead = s1.host_tier_stores_ahead - s0.host_tier_stores_ahead;
+        out->h_waits = s1.host_tier_wb_waits - s0.host_tier_wb_waits;
+        out->host.bytes = s1.links[KVB_LINK_HOST].bytes - s0.links[KVB_LINK_HOST].bytes;
+        out->host.copies = s1.links[KVB_LINK_HOST].copies - s0.links[KVB_LINK_HOST].copies;
+        out->host.busy_ns = s1.links[KVB_LINK_HOST].busy_ns - s0.links[KVB_LINK_HOST].busy_ns;
         for (int i = w->w0; i < w->w1; i++) {
             out->n++;
             if (!isnan(ms.ttft[i])) ttft_ms[out->served++] = ms.ttft[i] * 1e3;
@@ -593,6 +607,13 @@ static void mt_print_run(const char *name, int rep, const mt_result *r, int64_t 
     if (r->reclaims)
         printf("  %d reclaims (%lld blocks): %lld cached lost, %lld kept, %lld moved live", r->reclaims,
                (long long)r->reclaimed, (long long)r->lost, (long long)r->kept, (long long)r->moved);
+    printf("  %llu steps (window / steps: %.2f ms), at most %d running", (unsigned long long)r->steps,
+           r->steps ? r->wall_s * 1e3 / (double)r->steps : 0, r->max_running);
+    if (r->h_stores || r->host.copies)
+        printf("  host link: %.1f MB in %llu copies, busy %.2f s; %llu blocks copied out (%llu written back ahead, %llu "
+               "evictions waited for one)", (double)r->host.bytes / 1e6, (unsigned long long)r->host.copies,
+               (double)r->host.busy_ns / 1e9, (unsigned long long)r->h_stores, (unsigned long long)r->h_ahead,
+               (unsigned long long)r->h_waits);
     if (r->rejected || r->stalled) printf("  (%d rejected, %llu stalled)", r->rejected, (unsigned long long)r->stalled);
     printf("\n");
 }
@@ -621,11 +642,14 @@ static void usage_multiturn(FILE *f) {
             "  --reps N            repetitions, medians and min-max printed (default 3)\n"
             "  --host-load MODE    how the host-tier arm loads its hits: layered (default: layer by layer behind the\n"
             "                      compute, as HiCache and LMCache do) or whole (all of them before the step)\n"
+            "  --host-writeback M  how it copies cached blocks out: async (default: written back ahead of eviction on\n"
+            "                      the link's from-device queue, as HiCache and LMCache do) or sync (each block when\n"
+            "                      evicted, before the step computes)\n"
             "  --threads N  --plot FILE.svg (the TTFT CDFs of the last repetition, gnuplot)\n");
 }
 
 int kvb_bench_multiturn(int argc, char **argv) {
-    const char *cfg = NULL, *trace = NULL, *plot_path = NULL, *link = NULL, *host_load = "layered";
+    const char *cfg = NULL, *trace = NULL, *plot_path = NULL, *link = NULL, *host_load = "layered", *host_wb = "async";
     kvb_bench_dev dev = KVB_BENCH_DEV_DEFAULT;
     dev.backend = NULL;
     mt_opts mo = {.to = {.rate_scale = 5, .len_scale = 1.0 / 32, .min_output = 1, .max_output = 32},
@@ -635,7 +659,8 @@ int kvb_bench_multiturn(int argc, char **argv) {
                                          {"max-output", 1, 0, 'o'}, {"help", 0, 0, 'h'},    {"plot", 1, 0, 'P'},
                                          {"link", 1, 0, 'l'},     {"start", 1, 0, 'S'},     {"reclaim-every", 1, 0, 'e'},
                                          {"reclaim-frac", 1, 0, 'f'}, {"reps", 1, 0, 'R'}, {"backend", 1, 0, 'B'},
-                                         {"host-load", 1, 0, 'H'}, {"device", 1, 0, 'D'},  {0, 0, 0, 0}};
+                                         {"host-load", 1, 0, 'H'}, {"device", 1, 0, 'D'},  {"host-writeback", 1, 0, 'W'},
+                                         {0, 0, 0, 0}};
     int ch;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -648,6 +673,7 @@ int kvb_bench_multiturn(int argc, char **argv) {
         else if (ch == 'P') plot_path = optarg;
         else if (ch == 'l') link = optarg;
         else if (ch == 'H') { host_load = optarg; st = strcmp(optarg, "layered") && strcmp(optarg, "whole") ? KVB_ERR_INVALID : KVB_OK; }
+        else if (ch == 'W') { host_wb = optarg; st = strcmp(optarg, "async") && strcmp(optarg, "sync") ? KVB_ERR_INVALID : KVB_OK; }
         else if (ch == 't') { st = kvb_parse_i64(optarg, 1, 256, &v); dev.threads = (int)v; }
         else if (ch == 'r') st = kvb_parse_f64(optarg, &mo.to.rate_scale);
         else if (ch == 's') st = kvb_parse_f64(optarg, &mo.to.len_scale);
@@ -696,6 +722,7 @@ int kvb_bench_multiturn(int argc, char **argv) {
     kvb_link_regime_print(stdout, &s.links, KVB_LINK_HOST, paper_regime,
                           "Fig. 1: LWM-1M-Text on an H20, 256 new tokens over 5K, PCIe 4.0 75 ms / compute 27 ms");
     s.host_whole = !strcmp(host_load, "whole");
+    s.host_sync_wb = !strcmp(host_wb, "sync");
     mo.to.vocab = kvb_model_cfg(s.m)->vocab;
     int lent_blocks = 0;
     for (int i = 0; i < s.n_lenders; i++) lent_blocks += s.lenders[i].n_master_blocks;
@@ -723,8 +750,9 @@ int kvb_bench_multiturn(int argc, char **argv) {
            prompt ? 100.0 * (double)reused / (double)prompt : 0, (long long)reused, (long long)prompt,
            (long long)(prompt - reused), (long long)((prompt - reused) / s.nm->block_size), own_blocks,
            own_blocks + lent_blocks);
-    printf("  lenders give %d master blocks (the host-tier arm: the same bytes, its hits loaded %s); ", lent_blocks,
-           s.host_whole ? "whole before the step" : "layer by layer behind the compute");
+    printf("  lenders give %d master blocks (the host-tier arm: the same bytes, its hits loaded %s, its blocks %s); ",
+           lent_blocks, s.host_whole ? "whole before the step" : "layer by layer behind the compute",
+           s.host_sync_wb ? "copied out when evicted" : "written back ahead of eviction, asynchronously");
     if (mo.reclaim_every > 0)
         printf("each %.1f s a lender (round robin) reclaims %.0f%% of its loan or lends it back\n", mo.reclaim_every,
                mo.reclaim_frac * 100);

@@ -10,6 +10,7 @@
 
 #include "common/kv/block_pool.h"
 #include "common/model/model.h"
+#include "common/policy/fcfs.h"
 #include "common/policy/policy.h"
 #include "common/sched/engine.h"
 #include "common/sched/sampling.h"
@@ -276,19 +277,22 @@ KVB_TEST(stop_ids_and_sampling) {
 }
 KVB_TEST_END
 
-/* The host_tier_lossless scenario with the host-tier planner's `layered`; the stats and the host link's
- * transfers during turn 2 in *s and *turn2_copies, turn 2's prompt in turn2[*n2]. */
-static void host_tier_turns(int layered, rec *r, kvb_engine_stats *s, uint64_t *turn2_copies, int32_t *turn2, int *n2) {
+/* The host_tier_lossless scenario with the host-tier planner's `layered` and `writeback`; the stats and the
+ * host link's transfers during turn 2 in *s and *turn2_copies, turn 2's prompt in turn2[*n2]. */
+static void host_tier_turns(int layered, const char *writeback, rec *r, kvb_engine_stats *s, uint64_t *turn2_copies,
+                            int32_t *turn2, int *n2) {
     memset(r, 0, sizeof *r);
     kvb_engine_opts o;
     kvb_engine_opts_default(&o);
     o.block_size = 8;
     o.n_blocks = 10;
     kvb_policy_params pp = {0};
-    char lay[32];
+    char lay[32], wb[32];
     snprintf(lay, sizeof lay, "layered=%d", layered);
+    snprintf(wb, sizeof wb, "writeback=%s", writeback);
     ck_assert_int_eq(kvb_policy_params_add(&pp, "blocks=32"), KVB_OK); /* a host tier of 32 blocks */
     ck_assert_int_eq(kvb_policy_params_add(&pp, lay), KVB_OK);
+    ck_assert_int_eq(kvb_policy_params_add(&pp, wb), KVB_OK);
     kvb_planner pl;
     ck_assert_int_eq(kvb_policy_create("host-tier", &pp, &pl), KVB_OK);
     kvb_policy_params_free(&pp);
@@ -320,38 +324,304 @@ static void host_tier_turns(int layered, rec *r, kvb_engine_stats *s, uint64_t *
 KVB_TEST(host_tier_lossless) {
     /* turn 1 fills the cache, an unrelated request evicts it from a small pool, turn 2 (turn 1's prompt +
      * answer + new ids) finds its prefix in the host tier, copies it back, and gives the plain tokens;
-     * the hits whole before the step (layered=0) and layer by layer behind the compute (layered=1) */
+     * the hits whole before the step (layered=0) and layer by layer behind the compute (layered=1), the
+     * evictions written back when evicted (sync) and ahead of them (async) */
     setup_model("llama");
     make_prompts();
-    static rec r[2], plain;
-    kvb_engine_stats s[2];
-    uint64_t c[2];
+    static rec r[2][2], plain;
+    kvb_engine_stats s[2][2];
+    uint64_t c[2][2];
     int32_t turn2[128];
     int n2 = 0;
-    for (int layered = 0; layered < 2; layered++) {
-        host_tier_turns(layered, &r[layered], &s[layered], &c[layered], turn2, &n2);
-        ck_assert_uint_gt(s[layered].host_tier_loads, 0);
-        ck_assert_uint_ge(s[layered].prefix_hit_tokens, s[layered].host_tier_loads * 8);
-        /* batched (issue 10): a step's demotions go out in one transfer, a request's hits come back in one
-         * (layered: one per layer) */
-        ck_assert_uint_gt(s[layered].host_tier_stores, 1);
-        ck_assert_uint_gt(s[layered].host_tier_loads, 1);
-        ck_assert_uint_lt(s[layered].links[KVB_LINK_HOST].copies, s[layered].host_tier_stores + (uint64_t)layered);
+    static const char *const wb[2] = {"sync", "async"};
+    for (int w = 0; w < 2; w++)
+        for (int layered = 0; layered < 2; layered++) {
+            host_tier_turns(layered, wb[w], &r[w][layered], &s[w][layered], &c[w][layered], turn2, &n2);
+            kvb_engine_stats *st = &s[w][layered];
+            ck_assert_uint_gt(st->host_tier_loads, 1);
+            ck_assert_uint_ge(st->prefix_hit_tokens, st->host_tier_loads * 8);
+            ck_assert_uint_gt(st->host_tier_stores, 1);
+            /* batched (issue 10): a step's demotions go out in one transfer, a request's hits come back in
+             * one (layered: one per layer) */
+            ck_assert_uint_lt(st->links[KVB_LINK_HOST].copies, st->host_tier_stores + (uint64_t)layered);
+            if (w == 0) ck_assert_uint_eq(st->host_tier_stores_ahead, 0);
+            else ck_assert_uint_gt(st->host_tier_stores_ahead, 0);
+        }
+    for (int w = 0; w < 2; w++) {
+        /* the same work: what differs is how the loads' transfers go, one for the hits or one per layer */
+        ck_assert_uint_eq(s[w][1].host_tier_loads, s[w][0].host_tier_loads);
+        ck_assert_uint_eq(s[w][1].host_tier_stores, s[w][0].host_tier_stores);
+        /* turn 2's transfers, layered: at least its hits' L = 2 loads and the step's demotions */
+        ck_assert_uint_ge(c[w][1], 3);
+        ck_assert_uint_ge(c[w][0], 2);
     }
-    /* the same work: what differs is how the loads' transfers go, one for the hits or one per layer */
-    ck_assert_uint_eq(s[1].host_tier_loads, s[0].host_tier_loads);
-    ck_assert_uint_eq(s[1].host_tier_stores, s[0].host_tier_stores);
-    /* turn 2's transfers, layered: at least its hits' L = 2 loads and the step's demotions */
-    ck_assert_uint_ge(c[1], 3);
-    ck_assert_uint_ge(c[0], 2);
 
     memset(&plain, 0, sizeof plain);
     kvb_engine *e = make_engine(&plain, 8, 64, 512, 0);
     add(e, 2, turn2, n2, 12);
     run(e);
     kvb_engine_destroy(e);
-    for (int k = 0; k < 2; k++)
-        for (int i = 0; i < 12; i++) ck_assert_int_eq(r[k].toks[2][i], plain.toks[2][i]);
+    for (int w = 0; w < 2; w++)
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < 12; i++) ck_assert_int_eq(r[w][k].toks[2][i], plain.toks[2][i]);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* The host-tier planner's pool (32 host blocks, a prefix cache there, layered loads, write-back ahead of
+ * eviction) and FCFS, recording the host-tier blocks the last plan's view could read. */
+typedef struct wb_probe {
+    int host_cached; /* idle cached host-tier blocks: what a prefix match can load */
+} wb_probe;
+
+static kvb_status probe_plan(void *ctx, const kvb_view *v, kvb_plan *out) {
+    ((wb_probe *)ctx)->host_cached = v->pool.host_evictable;
+    return kvb_fcfs(v, NULL, out);
+}
+
+static kvb_status probe_pool(void *ctx, const kvb_pool_event *ev, const kvb_view *v, kvb_pool_plan *out) {
+    (void)ctx;
+    (void)v;
+    if (ev->kind != KVB_POOL_SETUP) return KVB_OK;
+    out->host_tier_blocks = 32;
+    out->host_prefix = 1;
+    out->host_layered = 1;
+    out->host_async_writeback = 1;
+    return KVB_OK;
+}
+
+static const kvb_planner_i probe_iface = {.name = "wb-probe", .plan_step = probe_plan, .plan_pool = probe_pool};
+
+static kvb_engine_stats stats_of(const kvb_engine *e) {
+    kvb_engine_stats s;
+    kvb_engine_get_stats(e, &s);
+    return s;
+}
+
+KVB_TEST(host_tier_async_writeback) {
+    /* The host link takes 2 s a transfer (the link model), so a write-back is in flight for 2 s while a
+     * step of this model takes milliseconds. A 10-block pool holds turn 1's 7 cached blocks; an unrelated
+     * request's prefill evicts 5 of them (copied when evicted: the step waits for those) and the step
+     * writes the 2 left back ahead, asynchronously. The decode steps after it need none of them and do
+     * not wait; their plans cannot read those host copies yet. The step that evicts one of them for the
+     * request's 9th block waits until the write-back has landed, and the copies become readable. A
+     * synchronous write-back leaves nothing in flight after a step. Turn 2 then loads its prefix from the
+     * host tier and gives the tokens of a plain run. */
+    setup_model("llama");
+    make_prompts();
+    static rec got, plain;
+    memset(&got, 0, sizeof got);
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.block_size = 8;
+    o.n_blocks = 10;
+    ck_assert_int_eq(kvb_link_preset_find("off", &o.links), KVB_OK);
+    o.links.links[KVB_LINK_HOST] = (kvb_link){.bytes_per_s = 0, .latency_s = 2.0};
+    wb_probe probe = {0};
+    kvb_planner pl = {.iface = &probe_iface, .ctx = &probe};
+    kvb_engine_events ev = {.ud = &got, .on_token = on_token, .on_finish = on_finish};
+    kvb_engine *e = NULL;
+    ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
+    add(e, 0, P[0], PL[0], 20); /* 57 tokens: 7 full blocks cached, 1 partial freed */
+    run(e);
+    kvb_engine_stats s = stats_of(e);
+    ck_assert_uint_eq(s.host_tier_stores, 0);
+    int32_t other[64];
+    for (int i = 0; i < 64; i++) other[i] = (i * 31 + 5) % 200;
+    add(e, 1, other, 60, 10); /* 8 blocks for its prompt, a 9th at token 64 */
+
+    ck_assert_int_eq(kvb_engine_step(e), KVB_OK); /* the prefill: 3 free blocks and 5 evicted */
+    s = stats_of(e);
+    ck_assert_uint_eq(s.host_tier_stores, 7);
+    ck_assert_uint_eq(s.host_tier_stores_ahead, 2);
+    ck_assert_int_eq(s.host_tier_wb_in_flight, 2); /* the step returned before its write-back landed */
+    ck_assert_uint_eq(s.host_tier_wb_waits, 0);
+    for (int k = 0; k < 4; k++) { /* decodes at positions 60..63: inside the 8 blocks */
+        ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+        s = stats_of(e);
+        ck_assert_int_eq(s.host_tier_wb_in_flight, 2);
+        ck_assert_uint_eq(s.host_tier_wb_waits, 0);
+        ck_assert_int_eq(probe.host_cached, 5); /* the copies in flight are not readable */
+    }
+    ck_assert_int_eq(kvb_engine_step(e), KVB_OK); /* position 64: a 9th block, evicting one in flight */
+    s = stats_of(e);
+    ck_assert_uint_eq(s.host_tier_wb_waits, 1);
+    ck_assert_int_eq(s.host_tier_wb_in_flight, 0); /* the reuse waited for the write-back */
+    ck_assert_uint_eq(s.host_tier_stores, 7);      /* its block was not copied again */
+    ck_assert_int_eq(kvb_engine_step(e), KVB_OK);
+    ck_assert_int_eq(probe.host_cached, 7); /* landed: readable */
+    run(e);
+
+    int32_t turn2[128];
+    int n2 = PL[0];
+    memcpy(turn2, P[0], sizeof(int32_t) * PL[0]);
+    memcpy(turn2 + n2, got.toks[0], sizeof(int32_t) * 20);
+    n2 += 20;
+    turn2[n2++] = 9;
+    uint64_t loads0 = stats_of(e).host_tier_loads;
+    add(e, 2, turn2, n2, 12);
+    run(e);
+    s = stats_of(e);
+    ck_assert_uint_ge(s.host_tier_loads - loads0, 6); /* turn 1's blocks 1..6 from the host tier */
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+
+    memset(&plain, 0, sizeof plain);
+    e = make_engine(&plain, 8, 64, 512, 0);
+    add(e, 2, turn2, n2, 12);
+    run(e);
+    kvb_engine_destroy(e);
+    assert_same(&got, &plain, 0);
+    for (int i = 0; i < 12; i++) ck_assert_int_eq(got.toks[2][i], plain.toks[2][i]);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* Prints the host tier's counters (the test's record when it fails). */
+static void wb_line(const char *when, const kvb_engine_stats *s) {
+    fprintf(stderr, "%-8s stores %llu (%llu ahead), waits %llu, in flight %d, loads %llu, host link %llu bytes\n", when,
+            (unsigned long long)s->host_tier_stores, (unsigned long long)s->host_tier_stores_ahead,
+            (unsigned long long)s->host_tier_wb_waits, s->host_tier_wb_in_flight, (unsigned long long)s->host_tier_loads,
+            (unsigned long long)s->links[KVB_LINK_HOST].bytes);
+}
+
+KVB_TEST(host_tier_writeback_beside_loads) {
+    /* The write-back runs on the host link's from-device queue, beside the loads (PCIe is full duplex: a
+     * GPU's D2H and H2D copy engines run side by side, and HiCache / LMCache write back on a stream of
+     * their own). The host link carries one block in 0.5 s; a 20-block pool; a request's blocks go back
+     * to the LRU last block first. X (5 blocks) is written back ahead while Y runs; Z's prefill evicts X4
+     * and X3 (waiting for that write-back) and writes Y's 7 blocks back ahead; E's prefill evicts X2..X0
+     * and Y6 (waiting) and writes Z's 9 blocks back ahead (4.5 s in flight). D, X's first 17 tokens, finds
+     * X0 and X1 in the host tier only: it loads them layer by layer (two transfers, 1 s together) and
+     * evicts Y5 and Y4, whose copies have landed. D's step returns with Z's write-back still in flight: its
+     * loads did not queue behind it
+     * (on one queue per link they would have, and the write-back would have landed first). Every copy
+     * counts on the host link, and every request gives the tokens of a plain run. */
+    setup_model("llama");
+    make_prompts();
+    static rec got, plain;
+    memset(&got, 0, sizeof got);
+    kvb_kv_geom g = kvb_model_kv_geom(model, 8);
+    const uint64_t bb = kvb_kv_block_bytes(&g);
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.block_size = 8;
+    o.n_blocks = 20;
+    ck_assert_int_eq(kvb_link_preset_find("off", &o.links), KVB_OK);
+    o.links.links[KVB_LINK_HOST] = (kvb_link){.bytes_per_s = (double)bb / 0.5, .latency_s = 0};
+    wb_probe probe = {0};
+    kvb_planner pl = {.iface = &probe_iface, .ctx = &probe};
+    kvb_engine_events ev = {.ud = &got, .on_token = on_token, .on_finish = on_finish};
+    kvb_engine *e = NULL;
+    ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
+    enum { NR = 5 };
+    int32_t pr[NR][80];
+    const int pn[NR] = {PL[0], 60, 73, 33, 17}, mt[NR] = {4, 4, 1, 1, 1}; /* X, Y, Z, E, D */
+    memcpy(pr[0], P[0], sizeof(int32_t) * PL[0]);
+    memcpy(pr[4], P[0], sizeof(int32_t) * PL[0]);
+    for (int r = 1; r < 4; r++)
+        for (int i = 0; i < pn[r]; i++) pr[r][i] = (i * (29 + 2 * r) + 5 * r) % 200;
+    kvb_engine_stats s;
+    for (int r = 0; r < 4; r++) { /* X, Y, Z, E, each to its end */
+        add(e, (uint64_t)r, pr[r], pn[r], mt[r]);
+        run(e);
+        s = stats_of(e);
+        wb_line((const char *[]){"X", "Y", "Z", "E"}[r], &s);
+    }
+    ck_assert_uint_eq(s.host_tier_wb_waits, 2);   /* Z for X's write-back, E for Y's */
+    ck_assert_int_eq(s.host_tier_wb_in_flight, 9); /* Z's blocks */
+    ck_assert_uint_eq(s.links[KVB_LINK_HOST].bytes, (s.host_tier_stores - 9) * bb); /* what landed */
+
+    add(e, 4, pr[4], pn[4], mt[4]);
+    ck_assert_int_eq(kvb_engine_step(e), KVB_OK); /* D: X3 from the host tier, layer by layer */
+    kvb_engine_stats d = stats_of(e);
+    wb_line("D", &d);
+    ck_assert_uint_eq(d.host_tier_loads - s.host_tier_loads, 2);
+    ck_assert_uint_eq(d.prefix_hit_tokens - s.prefix_hit_tokens, 16);
+    ck_assert_uint_eq(d.links[KVB_LINK_HOST].copies - s.links[KVB_LINK_HOST].copies, 2); /* one per layer, landed */
+    ck_assert_uint_eq(d.host_tier_wb_waits, 2);    /* it evicted no block in flight */
+    ck_assert_int_ge(d.host_tier_wb_in_flight, 9); /* Z's write-back did not land before D's loads */
+    ck_assert_uint_eq(d.links[KVB_LINK_HOST].bytes, /* the load landed; what is in flight has not */
+                      (d.host_tier_stores - (uint64_t)d.host_tier_wb_in_flight + d.host_tier_loads) * bb);
+    ck_assert_int_eq(got.fin[4], KVB_FINISH_LENGTH);
+    assert_no_leak(e);
+    kvb_engine_destroy(e); /* waits for the write-back in flight */
+
+    memset(&plain, 0, sizeof plain);
+    for (int r = 0; r < NR; r++) {
+        e = make_engine(&plain, 8, 64, 512, 0);
+        add(e, (uint64_t)r, pr[r], pn[r], mt[r]);
+        run(e);
+        kvb_engine_destroy(e);
+    }
+    assert_same(&got, &plain, NR);
+    teardown_model();
+}
+KVB_TEST_END
+
+KVB_TEST(host_tier_async_lossless) {
+    /* Memory pressure: four two-turn sessions on a 12-block pool (preemptions, evictions, write-backs ahead
+     * of them, host-tier hits) under the host-tier planner with asynchronous write-back and a host link
+     * slower than a step (3 ms a transfer), against the same requests on an ample pool without a prefix
+     * cache: the same greedy tokens. */
+    setup_model("qwen3");
+    static rec got, ref;
+    int32_t prompts[8][MAXT];
+    int lens[8];
+    for (int pass = 0; pass < 2; pass++) {
+        rec *r = pass ? &got : &ref;
+        memset(r, 0, sizeof *r);
+        kvb_engine *e = NULL;
+        if (pass == 0) {
+            e = make_engine(r, 8, 128, 512, 0);
+        } else {
+            kvb_engine_opts o;
+            kvb_engine_opts_default(&o);
+            o.block_size = 8;
+            o.n_blocks = 12;
+            o.max_batch_tokens = 48;
+            ck_assert_int_eq(kvb_link_preset_find("off", &o.links), KVB_OK);
+            o.links.links[KVB_LINK_HOST] = (kvb_link){.bytes_per_s = 0, .latency_s = 3e-3};
+            kvb_policy_params pp = {0};
+            ck_assert_int_eq(kvb_policy_params_add(&pp, "blocks=48"), KVB_OK);
+            ck_assert_int_eq(kvb_policy_params_add(&pp, "writeback=async"), KVB_OK);
+            kvb_planner pl;
+            ck_assert_int_eq(kvb_policy_create("host-tier", &pp, &pl), KVB_OK);
+            kvb_policy_params_free(&pp);
+            kvb_engine_events ev = {.ud = r, .on_token = on_token, .on_finish = on_finish};
+            ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
+        }
+        for (int t = 0; t < 2; t++) {
+            for (int k = 0; k < 4; k++) {
+                int id = t * 4 + k;
+                if (t == 0) { /* a shared head of 16 tokens, then the session's own */
+                    lens[id] = 30 + 3 * k;
+                    for (int i = 0; i < lens[id]; i++) prompts[id][i] = i < 16 ? (i * 7 + 3) % 200 : (i * 13 + k * 41 + 1) % 200;
+                } else if (pass == 0) { /* turn 2: turn 1's prompt, its answer and 5 new ids */
+                    int p = k;
+                    lens[id] = lens[p];
+                    memcpy(prompts[id], prompts[p], sizeof(int32_t) * (size_t)lens[p]);
+                    memcpy(prompts[id] + lens[id], r->toks[p], sizeof(int32_t) * 12);
+                    lens[id] += 12;
+                    for (int i = 0; i < 5; i++) prompts[id][lens[id]++] = (i * 17 + k * 5 + 2) % 200;
+                }
+                add(e, (uint64_t)id, prompts[id], lens[id], 12);
+            }
+            run(e);
+        }
+        if (pass == 1) {
+            kvb_engine_stats s = stats_of(e);
+            printf("host-tier async: %llu preemptions, %llu host stores (%llu ahead), %llu waits, %llu host loads, "
+                   "%llu prefix-hit tokens\n", (unsigned long long)s.preemptions, (unsigned long long)s.host_tier_stores,
+                   (unsigned long long)s.host_tier_stores_ahead, (unsigned long long)s.host_tier_wb_waits,
+                   (unsigned long long)s.host_tier_loads, (unsigned long long)s.prefix_hit_tokens);
+            ck_assert_uint_gt(s.host_tier_stores_ahead, 0);
+            ck_assert_uint_gt(s.host_tier_loads, 0);
+            assert_no_leak(e);
+        }
+        kvb_engine_destroy(e);
+    }
+    assert_same(&got, &ref, 8);
     teardown_model();
 }
 KVB_TEST_END
@@ -838,6 +1108,8 @@ KVB_TEST_END
 
 KVB_TEST_MAIN("engine", KVB_T(greedy_argmax, 30), KVB_T(logprobs_raw_and_top, 60), KVB_T(prompt_logprobs, 120),
               KVB_T(min_tokens_and_penalty, 60), KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
-              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(inflight_prefix_deferred, 60),
+              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60),
+              KVB_T(host_tier_async_writeback, 90), KVB_T(host_tier_writeback_beside_loads, 90), KVB_T(host_tier_async_lossless, 90),
+              KVB_T(inflight_prefix_deferred, 60),
               KVB_T(grammar_masks_and_preemption, 120), KVB_T(grammar_no_token_fails, 60),
               KVB_T(grammar_with_processors, 60))

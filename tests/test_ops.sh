@@ -215,7 +215,7 @@ grep -q "^  link preset: off" "$T/mt.out" &&
     grep -q "NOTE: 40 requests behind each P99, fewer than 1,000" "$T/mt.out" &&
     grep -qE "^lending \(in place\) +2 +40 +40 .* [0-9]+ reclaims \([0-9]+ blocks\)" "$T/mt.out" &&
     grep -qE "^host tier \(copies\) +2 +40 +40 " "$T/mt.out" &&
-    grep -qE "^master alone +2 +40 +40 " "$T/mt.out" &&
+    grep -qE "^master alone +2 +40 +40 .* [0-9]+ steps \(window / steps: [0-9.]+ ms\), at most [0-9]+ running" "$T/mt.out" &&
     grep -q "^over 2 repetitions, median \[min-max\]" "$T/mt.out" &&
     grep -qE "^P99 TTFT host tier \(copies\) / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
     grep -qE "^P99 TTFT master alone / lending: [0-9.]+ \[[0-9.]+-[0-9.]+\]" "$T/mt.out" &&
@@ -224,6 +224,9 @@ grep -q "^  link preset: off" "$T/mt.out" &&
 rc=0
 "$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --host-load sideways >"$T/mtb.out" 2>&1 || rc=$?
 [ "$rc" = 2 ] && grep -q "bad value 'sideways'" "$T/mtb.out" || fail "multiturn --host-load sideways: exit $rc: $(cat "$T/mtb.out")"
+rc=0
+"$B/kvbank-bench" multiturn --config "$T/maxctx.json" --trace "$T/mt.jsonl" --host-writeback later >"$T/mtb.out" 2>&1 || rc=$?
+[ "$rc" = 2 ] && grep -q "bad value 'later'" "$T/mtb.out" || fail "multiturn --host-writeback later: exit $rc: $(cat "$T/mtb.out")"
 "$PY" - "$T/mt.out" <<'PYEOF' || fail "multiturn lost per reclaimed: $(cat "$T/mt.out")"
 import re, sys
 m = re.search(r"^cached blocks lost per reclaimed block \(lending\): ([0-9.]+) .*\((\d+) lost of (\d+) reclaimed in all\)$",
@@ -232,7 +235,7 @@ assert m, "no lost-per-reclaimed line"
 lost, rec = int(m.group(2)), int(m.group(3))
 assert rec > 0 and 0 <= lost <= rec, (lost, rec)
 PYEOF
-ok "kvbank-bench maxctx's stream row and Eq. 1-5 note; multiturn's link preset, warm-up, offered reuse, three arms, reps and lost per reclaimed block"
+ok "kvbank-bench maxctx's stream row and Eq. 1-5 note; multiturn's link preset, warm-up, offered reuse, three arms with their steps, reps, lost per reclaimed block, bad --host-load and --host-writeback"
 
 # --------------------------------------------------------------------------------- --check-config
 # mkcfg OUT: the demo node with every path inside $T, short timings, any free gateway port, and the

@@ -1014,6 +1014,29 @@ KVB_TEST(stager_link_model) {
     ck_assert_double_le(rep[KVB_LINK_HOST].gbps, 0.1 + 1e-9); /* achieved: at most the modelled 100 MB/s */
     kvb_stager_take_report(s, rep);
     ck_assert_uint_eq(rep[KVB_LINK_HOST].bytes, 0); /* since the last report */
+
+    /* the from-device queue: a 2 MB write-back (2 s at 1 MB/s) posted first does not hold up a 1 KB load
+     * posted after it (on one queue the load would wait 2 s); write-backs land in their post order; all
+     * count on the link */
+    kvb_stager_destroy(s);
+    slow.links[KVB_LINK_HOST] = (kvb_link){1e6, 1e-3};
+    ck_assert_int_eq(kvb_stager_create(tm.be, &slow, &s), KVB_OK);
+    static unsigned char small[1024];
+    kvb_xfer wb[2] = {{dst, src, 2 * MB}, {dst + 2 * MB, src + 2 * MB, MB}}, ld = {small, src, sizeof small};
+    uint64_t tw[2], tl;
+    memset(dst, 0, 3 * MB);
+    for (int i = 0; i < 2; i++) ck_assert_int_eq(kvb_stager_post_out(s, KVB_LINK_HOST, &wb[i], 1, &tw[i]), KVB_OK);
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &ld, 1, &tl), KVB_OK);
+    ck_assert_int_eq(kvb_stager_wait(s, tl), KVB_OK);
+    ck_assert_int_eq(kvb_stager_done(s, tw[0]), 0);
+    ck_assert_int_eq(kvb_stager_wait(s, tw[1]), KVB_OK);
+    ck_assert_int_eq(kvb_stager_done(s, tw[0]), 1);
+    ck_assert_int_eq(memcmp(dst, src, 3 * MB), 0);
+    ck_assert_int_eq(memcmp(small, src, sizeof small), 0);
+    kvb_stager_take_report(s, rep);
+    ck_assert_uint_eq(rep[KVB_LINK_HOST].bytes, 3 * MB + sizeof small);
+    ck_assert_uint_eq(rep[KVB_LINK_HOST].copies, 3);
+    ck_assert_int_eq(kvb_stager_post_out(s, KVB_LINK_COUNT, wb, 1, &tw[0]), KVB_ERR_INVALID);
     uint64_t none;
     ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_PEER, KVB_XFER_D2D, x, 0, &none), KVB_OK);
     ck_assert_int_eq(kvb_stager_wait(s, none), KVB_OK);

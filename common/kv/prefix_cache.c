@@ -364,6 +364,13 @@ int kvb_prefix_cache_is_cached(const kvb_prefix_cache *c, int32_t idx) {
     return c && idx >= 0 && idx < c->n_slots && c->slots[idx].cached;
 }
 
+int kvb_prefix_cache_key(const kvb_prefix_cache *c, int32_t idx, uint64_t *parent, const int32_t **tokens) {
+    if (!kvb_prefix_cache_is_cached(c, idx)) return 0;
+    *parent = c->slots[idx].parent;
+    *tokens = &c->tokens[(size_t)idx * (size_t)c->block_size];
+    return 1;
+}
+
 kvb_status kvb_prefix_cache_move(kvb_prefix_cache *c, int32_t from, int32_t to) {
     if (!c) return KVB_ERR_INVALID;
     if (!kvb_prefix_cache_is_cached(c, from) || kvb_prefix_cache_is_cached(c, to)) return KVB_ERR_STATE;

@@ -77,6 +77,9 @@ int kvb_prefix_cache_drop_tail(kvb_prefix_cache *c, int first);
 int kvb_prefix_cache_drop_range(kvb_prefix_cache *c, int32_t first, int n);
 /* 1 if block `idx` is an entry of the cache. */
 int kvb_prefix_cache_is_cached(const kvb_prefix_cache *c, int32_t idx);
+/* The key of cached block `idx`: its parent's hash and its tokens ([block_size], valid until the cache
+ * changes). Returns 1, or 0 (nothing written) when `idx` is not an entry of the cache. */
+int kvb_prefix_cache_key(const kvb_prefix_cache *c, int32_t idx, uint64_t *parent, const int32_t **tokens);
 /* Moves the entry of block `from` (cached and referenced) to block `to` (referenced, not cached) after
  * the caller copied the KV: later matches hand out `to`, and `from` becomes an ordinary block that
  * goes to the free list with its last reference. KVB_ERR_STATE if `from` is not cached or `to` is. */

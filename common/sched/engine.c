@@ -171,8 +171,9 @@ kvb_status kvb_engine_create(kvb_model *m, const kvb_engine_opts *opts, const kv
     KVB_TRY_GOTO(kvb__residency_init(e), fail);
     if (pp.stage_slots > 0) KVB_TRY_GOTO(kvb__stage_reserve(e, pp.stage_slots), fail);
     e->max_borrowed = pp.limit_borrowed ? pp.max_borrowed : -1;
-    if (pp.host_tier_blocks > 0) KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix,
-                                                                        pp.host_layered), fail);
+    if (pp.host_tier_blocks > 0)
+        KVB_TRY_GOTO(kvb__host_tier_init(e, pp.host_tier_blocks, pp.host_prefix, pp.host_layered,
+                                         pp.host_async_writeback), fail);
     *out = e;
     return KVB_OK;
 fail:
@@ -257,6 +258,7 @@ void kvb_engine_get_stats(const kvb_engine *e, kvb_engine_stats *out) {
     out->blocks_own = kvb_block_pool_n_own(e->pool);
     out->blocks_borrowed = e->n_borrowed;
     out->n_swapped = e->swapped.n;
+    out->host_tier_wb_in_flight = kvb__host_tier_in_flight(e);
     kvb_stager_totals(e->stager, out->links);
     out->prefix_cache = e->o.enable_prefix_cache;
 }

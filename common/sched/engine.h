@@ -152,6 +152,9 @@ typedef struct kvb_engine_stats {
     uint64_t pauses;            /* PAUSE operations carried out (OrbitFlow's Pause-Resume) */
     uint64_t prefix_hit_tokens; /* prompt tokens served from the prefix cache (host tier included) */
     uint64_t host_tier_stores;  /* blocks copied pool -> host tier (prefix demotion) */
+    uint64_t host_tier_stores_ahead; /* of which written back asynchronously before the pool evicted them */
+    uint64_t host_tier_wb_waits;/* evictions that waited for their block's write-back to land */
+    int host_tier_wb_in_flight; /* blocks whose write-back is in flight now */
     uint64_t host_tier_loads;   /* blocks copied host tier -> pool on a prefix hit */
     uint64_t swap_outs;         /* requests swapped out to the host tier (KVB_OP_SWAP_OUT) */
     uint64_t swap_ins;

@@ -24,6 +24,7 @@ kvb_status kvb_engine_shrink(kvb_engine *e, int n_own_new) {
         KVB_LOG_E("engine: shrink to %d own blocks, %d owned now", n_own_new, n_own);
         return KVB_ERR_INVALID;
     }
+    KVB_TRY(kvb__host_tier_quiesce(e)); /* no write-back reads a block of the tail once it goes */
     if (kvb__sliced(e)) { /* a sliced pool: the tail's slices must be free (ids are virtual); cached blocks go */
         int L = e->geom.n_layers;
         for (int32_t k = n_own_new * L; k < n_own * L; k++) {
@@ -316,6 +317,7 @@ kvb_status kvb_engine_detach_front(kvb_engine *e, uint64_t tag, int n_blocks, in
     }
     detach_ctx d = {.first = e->loans[li].first, .n = n_blocks};
     kvb_status st;
+    KVB_TRY(kvb__host_tier_quiesce(e)); /* no write-back reads the range once it goes */
     KVB_TRY_GOTO(kvb_calloc((size_t)d.n, sizeof *d.taken, (void **)&d.taken), fail_scratch);
     KVB_TRY_GOTO(kvb_malloc((size_t)d.n * sizeof *d.moved_to, (void **)&d.moved_to), fail_scratch);
     KVB_TRY_GOTO(kvb_malloc((size_t)d.n * sizeof *d.scratch, (void **)&d.scratch), fail_scratch);

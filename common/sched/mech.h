@@ -30,7 +30,8 @@ struct kvb_acct;
 /* The mechanisms, in the order their hooks run. */
 typedef enum kvb__mech_id {
     KVB__MECH_SLICES = 0,     /* the sliced pool: request-level placements, per-layer slices (slices.c) */
-    KVB__MECH_HOST_LOADS = 1, /* the host tier's prefix hits loaded layer by layer (host_tier.c) */
+    KVB__MECH_HOST_TIER = 1,  /* the host tier's prefix hits loaded layer by layer, its write-back ahead of
+                               * eviction (host_tier.c) */
     KVB__MECH_PREFIX = 2,     /* host copies of released prefix blocks, read instead of recomputed (prefix.c) */
     KVB__MECH_OFFLOAD = 3,    /* offloaded admissions: KV to the host tier as it is computed (offload.c) */
     KVB__MECH_RESIDENCY = 4,  /* residency exceptions through stage buffers, host copies, copy orders (residency.c) */

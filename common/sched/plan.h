@@ -396,6 +396,9 @@ typedef struct kvb_pool_plan {
                             * before the step (issue 10: the paper's baseline loads per layer) */
     int host_prefix;       /* with a host tier: cached blocks the pool evicts are copied there and prefix
                             * matches continue there (the host-tier prefix cache baseline) */
+    int host_async_writeback; /* with host_prefix: the idle cached blocks the next step may evict are written
+                            * back ahead, asynchronously (HiCache's write-through, LMCache's store), instead
+                            * of copied when evicted, before the step's forward pass */
     /* SETUP (read once): a sliced pool (common/kv/block_pool.h) for request-level placements. */
     int sliced_ids;        /* > 0: the pool's memory is counted in (block, layer) slices and it has this
                             * many virtual block ids, each with a home in a host tier of as many blocks */

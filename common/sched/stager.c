@@ -100,13 +100,17 @@ typedef struct lane {
     double vt;           /* the model has been advanced to this time */
 } lane;
 
+/* Lane k < KVB_LINK_COUNT is link k; lane OUT_LANE(k) its from-device queue (kvb_stager_post_out). */
+#define N_LANES (2 * KVB_LINK_COUNT)
+#define OUT_LANE(k) (KVB_LINK_COUNT + (int)(k))
+
 struct kvb_stager {
     kvb_backend *be;
     kvb_link_model lm;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int quit;
-    lane lanes[KVB_LINK_COUNT];
+    lane lanes[N_LANES];
     void *buf_mem;       /* [n_buf][buf_bytes] backend memory (ext_mem when that is set) */
     int n_buf;
     size_t buf_bytes;
@@ -272,7 +276,7 @@ kvb_status kvb_stager_create(kvb_backend *be, const kvb_link_model *links, kvb_s
         free(s);
         return KVB_ERR_NOMEM;
     }
-    for (int k = 0; k < KVB_LINK_COUNT; k++) s->lanes[k] = (lane){.s = s, .kind = (kvb_link_kind)k};
+    for (int k = 0; k < N_LANES; k++) s->lanes[k] = (lane){.s = s, .kind = (kvb_link_kind)(k % KVB_LINK_COUNT)};
     *out = s;
     return KVB_OK;
 }
@@ -283,7 +287,7 @@ void kvb_stager_destroy(kvb_stager *s) {
     s->quit = 1;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
-    for (int k = 0; k < KVB_LINK_COUNT; k++) {
+    for (int k = 0; k < N_LANES; k++) {
         if (s->lanes[k].started) pthread_join(s->lanes[k].thread, NULL);
         free(s->lanes[k].q);
         free(s->lanes[k].v);
@@ -296,8 +300,9 @@ void kvb_stager_destroy(kvb_stager *s) {
 
 const kvb_link_model *kvb_stager_links(const kvb_stager *s) { return &s->lm; }
 
-kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, const kvb_xfer *x, int n,
-                           uint64_t *ticket) {
+/* Posts on lane `li` (of link `link`). */
+static kvb_status post_lane(kvb_stager *s, int li, kvb_link_kind link, kvb_xfer_dir dir, const kvb_xfer *x, int n,
+                            uint64_t *ticket) {
     const kvb_backend_i *bi = s->be->iface;
     if (link < 0 || link >= KVB_LINK_COUNT || n < 0) return KVB_ERR_INVALID;
     if ((dir == KVB_XFER_D2D && !bi->copy) || (dir == KVB_XFER_D2H && !bi->to_host) ||
@@ -305,11 +310,11 @@ kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, 
         KVB_LOG_E("stager: the %s backend cannot copy in this direction", bi->name);
         return KVB_ERR_UNSUPPORTED;
     }
-    lane *ln = &s->lanes[link];
+    lane *ln = &s->lanes[li];
     kvb_status st = KVB_OK;
     pthread_mutex_lock(&s->mu);
     if (n == 0) {
-        *ticket = ((uint64_t)link << 56) | ln->posted; /* done once everything before it is */
+        *ticket = ((uint64_t)li << 56) | ln->posted; /* done once everything before it is */
         goto out;
     }
     if (ln->posted - ln->done == (uint64_t)ln->cap) { /* full: grow the ring, keeping the order */
@@ -344,11 +349,22 @@ kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, 
     }
     ln->q[ln->posted % (uint64_t)ln->cap] = (task){.dir = dir, .x = x, .n = n};
     ln->posted++;
-    *ticket = ((uint64_t)link << 56) | ln->posted;
+    *ticket = ((uint64_t)li << 56) | ln->posted;
     pthread_cond_broadcast(&s->cv);
 out:
     pthread_mutex_unlock(&s->mu);
     return st;
+}
+
+kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, const kvb_xfer *x, int n,
+                           uint64_t *ticket) {
+    return post_lane(s, (int)link, link, dir, x, n, ticket);
+}
+
+kvb_status kvb_stager_post_out(kvb_stager *s, kvb_link_kind link, const kvb_xfer *x, int n, uint64_t *ticket) {
+    if (link < 0 || link >= KVB_LINK_COUNT) return KVB_ERR_INVALID;
+    /* a sharing link models each direction apart already (and the copies themselves run at once) */
+    return post_lane(s, s->lm.share ? (int)link : OUT_LANE(link), link, KVB_XFER_D2H, x, n, ticket);
 }
 
 /* Sharing links: waits (s->mu held) until the model has carried transfer t of `ln` (posted since the
@@ -373,7 +389,7 @@ static void share_wait(kvb_stager *s, lane *ln, uint64_t t) {
 
 kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket) {
     int link = (int)(ticket >> 56);
-    if (link >= KVB_LINK_COUNT) return KVB_ERR_INVALID;
+    if (link >= N_LANES) return KVB_ERR_INVALID;
     uint64_t t = ticket & ((1ull << 56) - 1);
     lane *ln = &s->lanes[link];
     pthread_mutex_lock(&s->mu);
@@ -384,10 +400,26 @@ kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket) {
     return st;
 }
 
+int kvb_stager_done(kvb_stager *s, uint64_t ticket) {
+    int link = (int)(ticket >> 56);
+    if (link >= N_LANES) return 1;
+    uint64_t t = ticket & ((1ull << 56) - 1);
+    lane *ln = &s->lanes[link];
+    pthread_mutex_lock(&s->mu);
+    int done = ln->done >= t;
+    if (done && s->lm.share) { /* the model's record of it, if it was posted since the last drain */
+        share_advance(s, ln, mono_s());
+        for (int i = 0; i < ln->nv; i++)
+            if (ln->v[i].t == t) done = ln->v[i].done;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return done;
+}
+
 kvb_status kvb_stager_drain(kvb_stager *s) {
     kvb_status st = KVB_OK;
     pthread_mutex_lock(&s->mu);
-    for (int k = 0; k < KVB_LINK_COUNT; k++) {
+    for (int k = 0; k < N_LANES; k++) {
         lane *ln = &s->lanes[k];
         while (ln->done < ln->posted) pthread_cond_wait(&s->cv, &s->mu);
         for (int i = 0; s->lm.share && i < ln->nv; i++) share_wait(s, ln, ln->v[i].t);
@@ -401,23 +433,26 @@ kvb_status kvb_stager_drain(kvb_stager *s) {
 
 static void finish_report(kvb_link_report *r) { r->gbps = r->busy_ns ? (double)r->bytes / (double)r->busy_ns : 0; }
 
+/* A link's report: its lane and its from-device lane together (busy: the time of both). */
+static kvb_link_report link_report(const kvb_link_report *a, const kvb_link_report *b) {
+    kvb_link_report r = {.bytes = a->bytes + b->bytes, .copies = a->copies + b->copies, .busy_ns = a->busy_ns + b->busy_ns};
+    finish_report(&r);
+    return r;
+}
+
 void kvb_stager_take_report(kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT]) {
     pthread_mutex_lock(&s->mu);
     for (int k = 0; k < KVB_LINK_COUNT; k++) {
         if (s->lm.share) share_advance(s, &s->lanes[k], mono_s()); /* the busy time up to now */
-        out[k] = s->lanes[k].now;
-        finish_report(&out[k]);
-        s->lanes[k].now = (kvb_link_report){0};
+        out[k] = link_report(&s->lanes[k].now, &s->lanes[OUT_LANE(k)].now);
+        s->lanes[k].now = s->lanes[OUT_LANE(k)].now = (kvb_link_report){0};
     }
     pthread_mutex_unlock(&s->mu);
 }
 
 void kvb_stager_totals(const kvb_stager *s, kvb_link_report out[KVB_LINK_COUNT]) {
     pthread_mutex_lock((pthread_mutex_t *)&s->mu);
-    for (int k = 0; k < KVB_LINK_COUNT; k++) {
-        out[k] = s->lanes[k].total;
-        finish_report(&out[k]);
-    }
+    for (int k = 0; k < KVB_LINK_COUNT; k++) out[k] = link_report(&s->lanes[k].total, &s->lanes[OUT_LANE(k)].total);
     pthread_mutex_unlock((pthread_mutex_t *)&s->mu);
 }
 

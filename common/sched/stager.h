@@ -3,7 +3,8 @@
  *
  * Links (kvb_link_kind): device <-> host tier (PCIe), device <-> another device's memory (NVLink or
  * PCIe peer), device <-> device (same GPU). Each link has its own copy thread: transfers posted to a
- * link run in post order, links run side by side, and every post returns a ticket to wait on (before
+ * link run in post order, links run side by side (and a link's from-device queue, kvb_stager_post_out,
+ * beside its link), and every post returns a ticket to wait on (before
  * the layer that reads what it loads, before the step ends for stores). Stage buffers (single-layer
  * slices) are the stager's memory.
  *
@@ -57,11 +58,22 @@ const kvb_link_model *kvb_stager_links(const kvb_stager *s);
  * needs; KVB_ERR_NOMEM. n == 0 posts nothing and gives a ticket that is already done. */
 kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, const kvb_xfer *x, int n,
                            uint64_t *ticket);
-/* Waits until the transfer `ticket` (and every earlier one on its link) is done; returns the link's
+/* Posts device -> host pieces x[0..n) as one transfer on `link`'s from-device queue: in post order with the
+ * transfers posted this way on that link, beside the link's other transfers and ordered against none of
+ * them (a GPU copies each direction of PCIe on a copy engine of its own). Under the link model it pays
+ * the link's latency and bandwidth like any transfer; its bytes count in the link's reports. Tickets,
+ * wait, done and drain as for kvb_stager_post. For write-backs nobody waits for until their memory is
+ * needed, which must not hold up the loads a step waits for. */
+kvb_status kvb_stager_post_out(kvb_stager *s, kvb_link_kind link, const kvb_xfer *x, int n, uint64_t *ticket);
+/* Waits until the transfer `ticket` (and every earlier one on its link, or on its link's from-device queue
+ * for kvb_stager_post_out) is done; returns the link's
  * first copy error since the last drain. With a sharing link model (share = 1) "done" means that
  * transfer's share of the link has carried its bytes: every earlier transfer has landed in memory (the
  * copies themselves run in post order) but may still be charged by the model. */
 kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket);
+/* 1 when kvb_stager_wait(ticket) would return at once (the transfer is done, as wait defines it), else 0;
+ * never blocks. For a write-back nobody waits for until its memory is needed. */
+int kvb_stager_done(kvb_stager *s, uint64_t ticket);
 /* Waits for every posted transfer; returns the first error of any link and clears the errors. */
 kvb_status kvb_stager_drain(kvb_stager *s);
 /* What each link did since the last call (bytes, transfers, busy time, achieved bandwidth). */

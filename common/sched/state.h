@@ -293,8 +293,14 @@ int kvb__slices_min_layers(const kvb_engine *e);
 kvb_status kvb__slices_new_block(kvb_engine *e, int32_t *out);
 
 /* ---------------------------------------------------------------- host_tier.c */
-/* Creates the host tier of `blocks` blocks; `prefix`: demote evicted cached blocks into it. */
-kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix, int layered);
+/* Creates the host tier of `blocks` blocks; `prefix`: demote evicted cached blocks into it (`async_wb`:
+ * written back ahead of eviction, asynchronously); `layered`: its hits load layer by layer. */
+kvb_status kvb__host_tier_init(kvb_engine *e, int blocks, int prefix, int layered, int async_wb);
+/* Waits for every write-back in flight and makes its host copies readable: before a pool block may
+ * leave by another way than eviction (a shrink, a detach). */
+kvb_status kvb__host_tier_quiesce(kvb_engine *e);
+/* Blocks whose write-back is in flight. */
+int kvb__host_tier_in_flight(const kvb_engine *e);
 /* host_layered: posts the step's layered loads not posted yet, waits for every layer, releases the blocks:
  * no load runs on after it. */
 kvb_status kvb__host_tier_finish_loads(kvb_engine *e);
