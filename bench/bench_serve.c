@@ -221,7 +221,9 @@ static int run_http(rec *r, const kvb_trace *tr, const serve_opts *o, uint64_t t
 /* ----------------------------------------------------------------------------------------- direct */
 
 static void on_event(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
-                     kvb_finish finish, kvb_status st, const char *err) {
+                     kvb_finish finish, kvb_status st, const char *err,
+                     const kvb_client_logprobs *lp) {
+    (void)lp;
     rec *x = ud;
     uint64_t now = kvb_wall_ns();
     (void)rid, (void)tokens, (void)t_ns, (void)first_index, (void)err;

@@ -6,10 +6,11 @@
  *   handled      read into gw_params;
  *   ignored      accepted and ignored, as vLLM does (store, metadata, user, reasoning_effort, ...): a
  *                wrong type is still refused, and the gateway logs each such field name once;
- *   unsupported  needs a feature the node does not have yet (n > 1, logprobs, penalties, tools,
- *                structured output): its neutral value (n: 1, logprobs: false, presence_penalty: 0,
- *                tools: [], ...) passes since common clients send it, anything else gets a 400.
- * Supporting a field is a change of its row (a reader, a gw_params member). A request is validated
+ *   unsupported  needs a feature the node does not have yet (tools, structured output, ...): its
+ *                neutral value (tools: [], ...) passes since common clients send it, anything else gets
+ *                a 400.
+ * Supporting a field is a change of its row (a reader, a gw_params member); docs/gateway.md lists what
+ * each handled field does. A request is validated
  * completely before anything is sent to a model: a wrong type, a value out of range, a field no row
  * names or an unsupported value gets a 400 whose OpenAI-shaped body names the field (`param`). */
 #ifndef KVB_GATEWAY_API_H
@@ -18,11 +19,28 @@
 #include <jansson.h>
 #include <stdint.h>
 
+#include "common/text/grammar.h"
+#include "common/sched/sampling.h"
 #include "common/util/util.h"
 
 #define GW_MAX_STOP 16        /* stop strings per request */
+#define GW_MAX_CHOICES 128    /* sequences one request generates: prompts x max(n, best_of) (OpenAI's n <= 128) */
 #define GW_MAX_STOP_LEN 256   /* bytes per stop string */
 #define GW_MAX_STOP_IDS 64    /* stop_token_ids per request */
+#define GW_MAX_TOOLS 128      /* tools per request (OpenAI's limit) */
+#define GW_MAX_GRAMMAR_PARTS 3 /* a forced tool call: prefix, schema, suffix */
+
+/* gw_params.tool_choice */
+typedef enum gw_tool_choice {
+    GW_TOOL_NONE = 0,         /* no call: tools (if any) are only shown to the template */
+    GW_TOOL_AUTO = 1,         /* the model decides; what it writes in its call format is parsed */
+    GW_TOOL_REQUIRED = 2,     /* one call of any tool, forced by a grammar */
+    GW_TOOL_NAMED = 3,        /* one call of tool_name, forced by a grammar */
+} gw_tool_choice;
+
+/* gw_params.grammar_flags (the same bits as kvb_request.grammar_flags) */
+#define GW_GRAMMAR_LAX 1u     /* json_schema strict false: objects allow keys the schema does not name */
+#define GW_GRAMMAR_COMPACT 2u /* structured_outputs.disable_any_whitespace: no whitespace in JSON */
 
 typedef enum gw_endpoint {
     GW_COMPLETIONS = 0,       /* POST /v1/completions */
@@ -69,20 +87,27 @@ typedef struct gw_field {
 const gw_field *gw_fields(int *n);
 #define GW_MAX_IGNORED 32     /* ignored fields one request reports (gw_params.ignored): at least the ignored rows */
 
+/* One prompt: text or token ids (chat: the rendered messages' ids). */
+typedef struct gw_prompt {
+    const char *text;         /* borrowed, or NULL for ids */
+    size_t len;
+    int32_t *ids;             /* [n_ids] owned (gw_params_free): given, or the tokenizer's */
+    int n_ids;
+} gw_prompt;
+
 /* A validated request. Pointers borrow from the JSON document it was read from. */
 struct gw_params {
     gw_endpoint ep;
     const char *model;
-    /* completions: the prompt, either text or token ids (exactly one is set) */
-    const char *prompt_text;
-    size_t prompt_len;
-    int32_t *prompt_ids;      /* [n_prompt_ids], owned (gw_params_free) */
-    int n_prompt_ids;
+    /* completions: the prompts (a string, token ids, or a list of either); chat: one, from messages */
+    gw_prompt *prompts;       /* [n_prompts] owned */
+    int n_prompts;
     /* chat */
     json_t *messages;         /* borrowed array of {role, content} objects */
     json_t *template_kwargs;  /* chat_template_kwargs (borrowed object) or NULL */
     int add_generation_prompt;/* default 1 */
     int max_tokens;           /* 0: not given (the gateway picks the default) */
+    int echo_only;            /* completions: max_tokens 0 with echo (vLLM): the prompt and its logprobs only */
     double temperature;       /* default 1 */
     double top_p;             /* default 1 */
     int top_k;                /* 0: off (-1 is accepted as off too) */
@@ -103,6 +128,37 @@ struct gw_params {
     int timings;              /* kvbank_timings: the response carries every token's generation, arrival
                                * and delivery time */
     int include_stop_str;     /* include_stop_str_in_output (vLLM): the stop string ends the text */
+    /* ---- structured output and tools (docs/gateway.md "Structured output and tool calling") */
+    kvb_grammar_part grammar[GW_MAX_GRAMMAR_PARTS]; /* the grammar the output must match: response_format,
+                               * guided_json / _regex / _choice, structured_outputs (texts owned) */
+    int n_grammar;
+    unsigned grammar_flags;   /* GW_GRAMMAR_* */
+    const char *grammar_field;/* the field that asked for it ("response_format", ...; borrowed from the
+                               * request's JSON like the other names), NULL: none */
+    char *grammar_text;       /* owned text of grammar[0] (a schema dumped compact) */
+    const char **grammar_choices; /* owned array of borrowed strings (guided_choice) */
+    json_t *tools;            /* borrowed, validated array of {type: function, function: {name, ...}}; NULL: none */
+    int tool_choice;          /* gw_tool_choice (default AUTO with tools, NONE without) */
+    const char *tool_name;    /* GW_TOOL_NAMED: the function (borrowed) */
+    int parallel_tool_calls;  /* default 1 */
+    int has_tool_messages;    /* messages carry assistant tool_calls (their arguments are parsed for the template) */
+    /* sampling beyond temperature / top_p / top_k (vLLM's SamplingParams, OpenAI's penalties) */
+    double min_p, presence_penalty, frequency_penalty;
+    double repetition_penalty;  /* default 1 (off) */
+    int min_tokens;
+    kvb_logit_bias *logit_bias; /* [n_logit_bias] owned; ids checked against the model's vocabulary at submit */
+    int n_logit_bias;
+    /* outputs */
+    int logprobs;             /* the tokens' logprobs (completions: `logprobs` given; chat: logprobs true) */
+    int top_logprobs;         /* alternatives per token (completions: logprobs' value; chat: top_logprobs) */
+    int has_top_logprobs;     /* chat: top_logprobs was given (it needs logprobs true) */
+    int echo;                 /* completions: the prompt starts the text (and its logprobs the logprobs);
+                               * chat (vLLM): the last message's content starts the reply when it has the
+                               * reply's role */
+    int n;                    /* choices per prompt (default 1) */
+    int best_of;              /* sequences generated per prompt, the n of highest cumulative logprob
+                               * returned (default n) */
+    int return_tokens_as_ids; /* logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids) */
     /* ignored fields the request had: indices into gw_fields() [n_ignored] (the gateway logs them) */
     short ignored[GW_MAX_IGNORED];
     int n_ignored;

@@ -50,6 +50,10 @@
 #include "gateway/api.h"
 #include "gateway/metrics.h"
 #include "gateway/stop.h"
+#include "gateway/tools.h"
+
+_Static_assert(GW_GRAMMAR_LAX == KVB_GRAMMAR_REQ_LAX && GW_GRAMMAR_COMPACT == KVB_GRAMMAR_REQ_COMPACT,
+               "gw_params.grammar_flags are kvb_request.grammar_flags");
 
 #define GW_MAX_MODELS 64
 #define KVB_NAME_MAX_GW 65        /* model names: up to 64 bytes */
@@ -116,6 +120,9 @@ typedef struct gw_model {
     kvb_tokenizer *tok;           /* tokenizer.json, or NULL (the model then takes token ids only) */
     kvb_chat_template *tmpl;      /* its chat template, or NULL */
     char tmpl_why[320];           /* why a template it has cannot be used (chat requests are told), or "" */
+    gw_tool_format tool_fmt;      /* the format its template writes tool calls in (tools.h) */
+    int32_t tool_marker;          /* the token starting a call when it is a special token (a decode that skips
+                                   * special tokens drops it, so the parser is given its text), else -1 */
     /* the model's numbers: last Pong and last coordinator status */
     kvb_client_pong pong;
     uint64_t pong_ns;             /* when the last Pong arrived (kvb_now_ns), 0: never */
@@ -209,7 +216,6 @@ struct gw_stream {
     int stream, include_usage, return_token_ids, timings;
     int n_prompt;
     int max_tokens;               /* what the model was asked for (the request's, or the default) */
-    int32_t *prompt_ids;          /* [n_prompt] when return_token_ids */
     uint64_t slo_ns;              /* Token-Deposit target; 0: off */
     uint64_t t_arrival;           /* kvb_wall_ns when the HTTP request was handled */
     uint64_t submit_ns;           /* kvb_now_ns of the submit */
@@ -239,6 +245,44 @@ struct gw_stream {
     int sending;                  /* h2o has `out`, proceed not yet called */
     int head_sent;                /* h2o_start_response was called */
     int role_sent;                /* chat: the first delta with the role went out */
+    /* structured output and tools */
+    char grammar_field[32];       /* the request field its grammar came from (a 400 names it), or "": a copy,
+                                   * since gw_params' name lives in the request's JSON, freed after the submit */
+    gw_tool_parser *tp;           /* chat with tools: the model's text -> content and tool_calls */
+    gw_tool_format tool_fmt;
+    int32_t tool_marker;          /* as gw_model.tool_marker when the detokenizer skips special tokens, else -1 */
+    char *d_content;              /* what the parser emitted since the last event: content [d_len] */
+    size_t d_len, d_cap;
+    json_t *d_calls;              /* ... and tool_calls deltas (stream) or the whole calls (not streamed) */
+    int n_calls;                  /* calls begun */
+    /* Several sequences (n, best_of, several prompts): each is a gw_stream; the head (seqs[0]) holds the
+     * HTTP request, the deposit timer and the prompts, and answers for all of them. */
+    gw_stream *head;              /* itself for the head */
+    gw_stream **seqs;             /* head: [n_seqs], prompt by prompt, `per` each */
+    int n_seqs, per, n_choices;   /* head: sequences per prompt (max(n, best_of)), choices per prompt (n) */
+    gw_prompt *prompts;           /* head: [n_prompts] (taken from gw_params) */
+    int n_prompts;
+    kvb_logit_bias *logit_bias;   /* head: the requests' logit_bias (taken from gw_params) */
+    int prompt_i;                 /* its prompt */
+    int index;                    /* its choice index (prompt x n + k; best_of: by rank) */
+    int fin_sent;                 /* stream: its last chunk (finish_reason) went out */
+    /* logprobs (gw_params.logprobs; best_of ranks by them too) */
+    int logprobs, top_logprobs, tokens_as_ids, echo_lp;
+    float *lp;                    /* [cap_tok] each token's logprob */
+    int32_t *top_ids;             /* [cap_tok][top_logprobs] */
+    float *top_lp;
+    size_t *off;                  /* [cap_tok] completions' text_offset: characters of the text before it */
+    size_t n_chars;               /* characters of text the detokenizer gave so far (echo included) */
+    double cum_lp;                /* the sum of its tokens' logprobs */
+    /* echo: the text starts with the prompt (completions) or the last message (chat) */
+    size_t echo_len;
+    float *plp;                   /* the first sequence of a prompt with echo and logprobs: [n_prompt] the
+                                   * prompt's logprobs (plp[0] unused: the first token has none) */
+    int32_t *ptop_ids;            /* [n_prompt][top_logprobs] */
+    float *ptop_lp;
+    int n_plp;                    /* positions 1 .. n_plp received */
+    int plp_done;                 /* the prompt's logprobs are all in (its first token or its end came) */
+    int echo_only;                /* max_tokens 0 with echo: the model's one token is dropped */
 };
 
 static void stream_pump(gw_stream *s);
@@ -336,8 +380,8 @@ static void send_error(gw *g, h2o_req_t *req, int ep, const gw_error *e) {
     free(b);
 }
 
-static void on_stream_timer_closed(uv_handle_t *h) {
-    gw_stream *s = h->data;
+/* What one sequence holds (not the gw_stream itself). */
+static void seq_free_data(gw_stream *s) {
     gw_stop_destroy(s->stopper);
     kvb_detok_destroy(s->detok);
     free(s->tok);
@@ -347,7 +391,29 @@ static void on_stream_timer_closed(uv_handle_t *h) {
     free(s->text_end);
     free(s->text);
     free(s->out);
-    free(s->prompt_ids);
+    free(s->lp);
+    free(s->top_ids);
+    free(s->top_lp);
+    free(s->off);
+    free(s->plp);
+    free(s->ptop_ids);
+    free(s->ptop_lp);
+    gw_tool_parser_destroy(s->tp);
+    free(s->d_content);
+    json_decref(s->d_calls);
+}
+
+static void on_stream_timer_closed(uv_handle_t *h) {
+    gw_stream *s = h->data;
+    for (int k = 1; k < s->n_seqs; k++) {
+        seq_free_data(s->seqs[k]);
+        free(s->seqs[k]);
+    }
+    seq_free_data(s);
+    free(s->seqs);
+    for (int i = 0; i < s->n_prompts; i++) free(s->prompts[i].ids);
+    free(s->prompts);
+    free(s->logit_bias);
     free(s);
 }
 
@@ -363,9 +429,15 @@ static void stream_unlink(gw_stream *s) {
     if (s->m) s->m->n_streams--;
 }
 
-/* Frees the stream once neither h2o nor the model will call back for it. */
+static int upstream_any(const gw_stream *s) {
+    for (int k = 0; k < s->n_seqs; k++)
+        if (s->seqs[k]->upstream_live) return 1;
+    return 0;
+}
+
+/* Frees the stream once neither h2o nor the model will call back for any of its sequences. */
 static void stream_maybe_free(gw_stream *s) {
-    if (!s->h2o_done || s->upstream_live) return;
+    if (!s->h2o_done || upstream_any(s)) return;
     if (s->link) s->link->s = NULL;
     s->link = NULL;
     stream_unlink(s);
@@ -373,14 +445,18 @@ static void stream_maybe_free(gw_stream *s) {
     uv_close((uv_handle_t *)&s->timer, on_stream_timer_closed);
 }
 
-/* The model side is no longer wanted (client gone): cancel it in the model process. */
+/* One sequence's model side is no longer wanted: cancelled in the model process (safe inside dispatch). */
+static void seq_abandon(gw_stream *q) {
+    if (!q->upstream_live) return;
+    q->upstream_live = 0;
+    if (q->m && q->m->client) kvb_client_abandon(q->m->client, q->rid);
+}
+
+/* The model side of every sequence is no longer wanted (client gone). Not from inside a dispatch. */
 static void stream_abandon_upstream(gw_stream *s) {
-    if (!s->upstream_live) return;
-    s->upstream_live = 0;
-    if (s->m && s->m->client) {
-        kvb_client_abandon(s->m->client, s->rid);
-        kvb_client_dispatch(s->m->client); /* the send may have consumed the fd's edge */
-    }
+    int any = upstream_any(s);
+    for (int k = 0; k < s->n_seqs; k++) seq_abandon(s->seqs[k]);
+    if (any && s->m && s->m->client) kvb_client_dispatch(s->m->client); /* the send may have consumed the fd's edge */
 }
 
 /* h2o let go of the request (connection closed, stream reset, or after our final send). */
@@ -394,7 +470,7 @@ static void on_req_dispose(void *p) {
     if (!s->h2o_done) {
         s->g->disconnects++;
         KVB_LOG_I("gateway: %s: the client went away; cancelling its request", s->id);
-        record_metrics(s, KVB_FINISH_CANCELLED);
+        for (int k = 0; k < s->n_seqs; k++) record_metrics(s->seqs[k], KVB_FINISH_CANCELLED);
         conn_count_reset(s->g, s->conn);
     }
     s->h2o_done = 1;
@@ -428,9 +504,13 @@ static json_t *ids_json(const int32_t *ids, int n) {
     return a;
 }
 
+/* Every prompt once, the tokens of every choice returned (best_of: not those it dropped). */
 static json_t *usage_json(const gw_stream *s) {
-    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", s->n_prompt, "completion_tokens", s->n_tok,
-                     "total_tokens", s->n_prompt + s->n_tok);
+    int prompt = 0, gen = 0;
+    for (int i = 0; i < s->n_prompts; i++) prompt += s->prompts[i].n_ids;
+    for (int k = 0; k < s->n_seqs; k++)
+        if (s->seqs[k]->index >= 0) gen += s->seqs[k]->n_tok;
+    return json_pack("{s:i, s:i, s:i}", "prompt_tokens", prompt, "completion_tokens", gen, "total_tokens", prompt + gen);
 }
 
 /* kvbank_timings: the generation and delivery time of every token (ns since the epoch). */
@@ -445,11 +525,215 @@ static json_t *timings_json(const gw_stream *s) {
                      (double)s->slo_ns / 1e6);
 }
 
-/* One choice: text (completions) or message / delta (chat). */
+/* The first sequence of the prompt of `q` (it counts the prompt's tokens and asks for its logprobs). */
+static gw_stream *seq_lead(const gw_stream *q) { return q->head->seqs[q->prompt_i * q->head->per]; }
+
+/* ------------------------------------------------------------------------------------- logprobs */
+
+/* Length of the valid UTF-8 character at s[0..n), or 0 (overlong forms and surrogates are invalid). */
+static int utf8_char(const unsigned char *s, size_t n) {
+    int len = s[0] < 0x80 ? 1 : s[0] >= 0xC2 && s[0] < 0xE0 ? 2 : s[0] >= 0xE0 && s[0] < 0xF0 ? 3 : s[0] >= 0xF0 && s[0] < 0xF5 ? 4 : 0;
+    if (!len || (size_t)len > n) return 0;
+    for (int i = 1; i < len; i++)
+        if ((s[i] & 0xC0) != 0x80) return 0;
+    if ((s[0] == 0xE0 && s[1] < 0xA0) || (s[0] == 0xED && s[1] >= 0xA0) || (s[0] == 0xF0 && s[1] < 0x90) ||
+        (s[0] == 0xF4 && s[1] >= 0x90))
+        return 0;
+    return len;
+}
+
+static size_t utf8_chars(const char *s, size_t n) {
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++) c += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return c;
+}
+
+/* A token as logprobs name it (a new JSON string): its bytes, each invalid byte as U+FFFD (a byte-level
+ * token may hold part of a character: chat's `bytes` carries its raw bytes); "token_id:N" when the
+ * request asked for ids (vLLM's return_tokens_as_token_ids) or the model has no tokenizer. */
+static json_t *token_json(const gw_stream *q, int32_t id, json_t **bytes) {
+    size_t n = 0;
+    const char *b = q->m->tok && !q->tokens_as_ids ? kvb_tokenizer_token_bytes(q->m->tok, id, &n) : NULL;
+    if (bytes) {
+        *bytes = json_array();
+        for (size_t i = 0; i < n; i++) json_array_append_new(*bytes, json_integer((unsigned char)b[i]));
+    }
+    char tmp[32];
+    if (!b) {
+        snprintf(tmp, sizeof tmp, "token_id:%d", (int)id);
+        if (bytes)
+            for (const char *c = tmp; *c; c++) json_array_append_new(*bytes, json_integer((unsigned char)*c));
+        return json_string(tmp);
+    }
+    char *out = malloc(n * 3 + 1);
+    if (!out) return json_string("");
+    size_t k = 0;
+    for (size_t i = 0; i < n;) {
+        int c = utf8_char((const unsigned char *)b + i, n - i);
+        if (c) memcpy(out + k, b + i, (size_t)c), k += (size_t)c, i += (size_t)c;
+        else memcpy(out + k, "\xEF\xBF\xBD", 3), k += 3, i++;
+    }
+    json_t *j = json_stringn(out, k);
+    free(out);
+    return j ? j : json_string("");
+}
+
+/* A logprob as JSON: -inf (a token masked out) as vLLM writes it, -9999. */
+static json_t *lp_json(float lp) { return json_real(isfinite(lp) ? lp : -9999.0); }
+
+/* The completions format (OpenAI's legacy one): tokens, token_logprobs, top_logprobs (each position's
+ * alternatives and the chosen token, as a map from token to logprob), text_offset; for the sequence's
+ * tokens [a, b), after its prompt's tokens when `prompt` (echo: the first has no logprob). */
+static json_t *cmpl_logprobs_json(const gw_stream *q, int prompt, int a, int b) {
+    json_t *toks = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
+    const gw_stream *lead = seq_lead(q);
+    const gw_prompt *pr = &q->head->prompts[q->prompt_i];
+    int t = q->top_logprobs;
+    size_t poff = 0, echo_chars = prompt ? utf8_chars(q->text, q->echo_len) : 0;
+    for (int i = 0; prompt && i < pr->n_ids; i++) {
+        json_array_append_new(toks, token_json(q, pr->ids[i], NULL));
+        json_array_append_new(offs, json_integer((json_int_t)KVB_MIN(poff, echo_chars)));
+        size_t n = 0;
+        const char *bb = q->m->tok ? kvb_tokenizer_token_bytes(q->m->tok, pr->ids[i], &n) : NULL;
+        poff += bb ? utf8_chars(bb, n) : 0;
+        if (i == 0 || i > lead->n_plp || !lead->plp) {
+            json_array_append_new(lps, json_null());
+            json_array_append_new(tops, json_null());
+            continue;
+        }
+        json_array_append_new(lps, lp_json(lead->plp[i]));
+        json_t *m = json_object();
+        for (int k = 0; k < t; k++) {
+            json_t *name = token_json(q, lead->ptop_ids[(size_t)i * t + k], NULL);
+            json_object_set_new(m, json_string_value(name), lp_json(lead->ptop_lp[(size_t)i * t + k]));
+            json_decref(name);
+        }
+        json_t *name = token_json(q, pr->ids[i], NULL);
+        json_object_set_new(m, json_string_value(name), lp_json(lead->plp[i]));
+        json_decref(name);
+        json_array_append_new(tops, m);
+    }
+    for (int i = a; i < b; i++) {
+        json_t *name = token_json(q, q->tok[i], NULL);
+        json_array_append_new(lps, lp_json(q->lp[i]));
+        json_array_append_new(offs, json_integer((json_int_t)q->off[i]));
+        json_t *m = json_object();
+        for (int k = 0; k < t; k++) {
+            json_t *alt = token_json(q, q->top_ids[(size_t)i * t + k], NULL);
+            json_object_set_new(m, json_string_value(alt), lp_json(q->top_lp[(size_t)i * t + k]));
+            json_decref(alt);
+        }
+        json_object_set_new(m, json_string_value(name), lp_json(q->lp[i])); /* the chosen one, always */
+        json_array_append_new(tops, m);
+        json_array_append_new(toks, name);
+    }
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs", tops, "text_offset", offs);
+}
+
+/* The chat format: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]} for
+ * the sequence's tokens [a, b). */
+static json_t *chat_logprobs_json(const gw_stream *q, int a, int b) {
+    json_t *content = json_array();
+    int t = q->top_logprobs;
+    for (int i = a; i < b; i++) {
+        json_t *bytes = NULL, *name = token_json(q, q->tok[i], &bytes), *top = json_array();
+        for (int k = 0; k < t; k++) {
+            json_t *ab = NULL, *alt = token_json(q, q->top_ids[(size_t)i * t + k], &ab);
+            json_array_append_new(top, json_pack("{s:o, s:o, s:o}", "token", alt, "logprob",
+                                                 lp_json(q->top_lp[(size_t)i * t + k]), "bytes", ab));
+        }
+        json_array_append_new(content, json_pack("{s:o, s:o, s:o, s:o}", "token", name, "logprob", lp_json(q->lp[i]),
+                                                 "bytes", bytes, "top_logprobs", top));
+    }
+    return json_pack("{s:o}", "content", content);
+}
+
+/* The logprobs of a choice's tokens [a, b) (with its echoed prompt's when `prompt`), or null. */
+static json_t *logprobs_json(const gw_stream *q, int prompt, int a, int b) {
+    if (!q->logprobs) return json_null();
+    if (q->ep == EP_CHAT) return b > a ? chat_logprobs_json(q, a, b) : json_null();
+    return cmpl_logprobs_json(q, prompt && q->echo_lp, a, b);
+}
+
+/* ------------------------------------------------------------------------- tool calls in responses */
+
+/* A tool call's id: "call_" and 24 letters and digits, or the 9 Mistral's template insists on. */
+static void tool_call_id(const gw_stream *s, int index, char *out, size_t n) {
+    static const char an[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    uint64_t x = kvb_wall_ns() ^ ((uint64_t)(uintptr_t)s * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)index << 32);
+    int len = s->tool_fmt == GW_TOOLS_MISTRAL ? 9 : 24, k = 0;
+    if (len != 9) k = snprintf(out, n, "call_");
+    for (int i = 0; i < len && k + 1 < (int)n; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        out[k++] = an[x % (sizeof an - 1)];
+    }
+    out[k] = '\0';
+}
+
+/* What the tool parser decided: content goes to d_content; a call's start and its arguments become
+ * tool_calls entries (a stream: deltas since the last event; otherwise the whole calls). */
+static void on_tool_event(void *ud, gw_tool_ev_kind kind, int index, const char *text, size_t len) {
+    gw_stream *s = ud;
+    if (kind == GW_TOOL_EV_CONTENT) {
+        gw_buf_append(&s->d_content, &s->d_len, &s->d_cap, text, len);
+        return;
+    }
+    if (!s->d_calls) s->d_calls = json_array();
+    json_t *last = json_array_get(s->d_calls, json_array_size(s->d_calls) - 1);
+    if (kind == GW_TOOL_EV_CALL) {
+        char id[40];
+        tool_call_id(s, index, id, sizeof id);
+        json_array_append_new(s->d_calls, json_pack("{s:i, s:s, s:s, s:{s:s%, s:s}}", "index", index, "id", id, "type",
+                                                    "function", "function", "name", text, len, "arguments", ""));
+        s->n_calls = index + 1;
+        return;
+    }
+    json_t *fn = last && json_integer_value(json_object_get(last, "index")) == index ? json_object_get(last, "function") : NULL;
+    if (!fn) { /* a stream's later piece of a call already announced */
+        json_array_append_new(s->d_calls, json_pack("{s:i, s:{s:s%}}", "index", index, "function", "arguments", text, len));
+        return;
+    }
+    json_t *a = json_object_get(fn, "arguments");
+    size_t have = json_string_length(a);
+    char *cat = malloc(have + len + 1);
+    if (!cat) return;
+    memcpy(cat, json_string_value(a), have);
+    memcpy(cat + have, text, len);
+    json_object_set_new(fn, "arguments", json_stringn(cat, have + len));
+    free(cat);
+}
+
+/* finish_reason: "tool_calls" when the model called a tool and stopped on its own. */
+static const char *finish_word(const gw_stream *s) {
+    if (s->n_calls > 0 && s->finish_reason && !strcmp(s->finish_reason, "stop")) return "tool_calls";
+    return s->finish_reason;
+}
+
+/* A chat choice of a request with tools: the parsed content (null when there is none but calls) and
+ * the calls; the whole message, or a delta (role only on the first). Takes what d_content / d_calls
+ * hold; `logprobs` consumed (NULL: null). */
+static json_t *tool_choice_json(gw_stream *s, const int32_t *ids, int n_ids, const char *finish, json_t *logprobs) {
+    json_t *c = json_pack("{s:i}", "index", s->index), *msg = json_object();
+    if (!s->stream || !s->role_sent) json_object_set_new(msg, "role", json_string("assistant"));
+    if (s->d_len || !s->stream)
+        json_object_set_new(msg, "content", s->d_len || !s->n_calls ? json_stringn(s->d_content ? s->d_content : "", s->d_len)
+                                                                    : json_null());
+    if (s->d_calls && json_array_size(s->d_calls)) json_object_set(msg, "tool_calls", s->d_calls);
+    json_object_set_new(c, s->stream ? "delta" : "message", msg);
+    json_object_set_new(c, "logprobs", logprobs ? logprobs : json_null());
+    json_object_set_new(c, "finish_reason", finish ? json_string(finish) : json_null());
+    if (s->return_token_ids && (n_ids || !s->stream)) json_object_set_new(c, "token_ids", ids_json(ids, n_ids));
+    s->d_len = 0;
+    json_decref(s->d_calls);
+    s->d_calls = NULL;
+    return c;
+}
+
+/* One choice: text (completions) or message / delta (chat), with `logprobs` (consumed; NULL: null). */
 static json_t *choice_json(const gw_stream *s, const char *text, size_t len, const int32_t *ids, int n_ids,
-                           const char *finish, int final) {
+                           const char *finish, json_t *logprobs) {
     if (!text) text = "", len = 0;
-    json_t *c = json_pack("{s:i}", "index", 0);
+    json_t *c = json_pack("{s:i}", "index", s->index);
     if (s->ep == EP_CHAT) {
         json_t *msg = json_object();
         if (!s->stream || !s->role_sent) json_object_set_new(msg, "role", json_string("assistant"));
@@ -458,10 +742,9 @@ static json_t *choice_json(const gw_stream *s, const char *text, size_t len, con
     } else {
         json_object_set_new(c, "text", json_stringn(text, len));
     }
-    json_object_set_new(c, "logprobs", json_null());
+    json_object_set_new(c, "logprobs", logprobs ? logprobs : json_null());
     json_object_set_new(c, "finish_reason", finish ? json_string(finish) : json_null());
     if (s->return_token_ids && (n_ids || !s->stream)) json_object_set_new(c, "token_ids", ids_json(ids, n_ids));
-    (void)final;
     return c;
 }
 
@@ -483,15 +766,41 @@ static void out_event(gw_stream *s, json_t *j) {
 
 /* ------------------------------------------------------------------------------------------- pump */
 
-static size_t released_text(const gw_stream *s) { return s->n_released ? s->text_end[s->n_released - 1] : 0; }
+/* The text due: up to the last released token's, or the echo alone before any. */
+static size_t released_text(const gw_stream *s) { return s->n_released ? s->text_end[s->n_released - 1] : s->echo_len; }
 
-/* Records what the gateway measured for a finished request (delivery side: what the user saw). */
+static int seq_done(const gw_stream *q) { return q->finished && q->n_released == q->n_tok; }
+
+/* The sequence of `s` that failed (the request fails with its error), or NULL. */
+static gw_stream *seq_failed(const gw_stream *s) {
+    for (int k = 0; k < s->n_seqs; k++)
+        if (s->seqs[k]->failed) return s->seqs[k];
+    return NULL;
+}
+
+/* best_of: each prompt's n sequences of highest cumulative logprob are its choices, by rank (vLLM's
+ * order; ties: the earlier sequence); the others get index -1 and are not returned. */
+static void pick_best(gw_stream *s) {
+    if (s->per == s->n_choices) return;
+    for (int i = 0; i < s->n_prompts; i++) {
+        gw_stream **q = s->seqs + (size_t)i * s->per;
+        for (int a = 0; a < s->per; a++) {
+            int rank = 0;
+            for (int b = 0; b < s->per; b++) rank += q[b]->cum_lp > q[a]->cum_lp || (q[b]->cum_lp == q[a]->cum_lp && b < a);
+            q[a]->index = rank < s->n_choices ? i * s->n_choices + rank : -1;
+        }
+    }
+}
+
+
+/* Records what the gateway measured for a finished sequence (delivery side: what the user saw); a
+ * prompt's tokens count once however many sequences it has. */
 static void record_metrics(gw_stream *s, kvb_finish f) {
     gw_model *m = s->m;
     if (s->recorded) return;
     s->recorded = 1;
     if (f >= 0 && f < 5) m->finished[f]++;
-    m->prompt_tokens += (uint64_t)s->n_prompt;
+    if (seq_lead(s) == s) m->prompt_tokens += (uint64_t)s->n_prompt;
     m->completion_tokens += (uint64_t)s->n_tok;
     gw_hist_observe(&m->req_prompt, s->n_prompt);
     gw_hist_observe(&m->req_gen, s->n_tok);
@@ -506,6 +815,15 @@ static void record_metrics(gw_stream *s, kvb_finish f) {
     for (int i = 1; i < s->n_tok; i++) {
         gw_hist_observe(&m->itl, (double)(s->t_deliv[i] - s->t_deliv[i - 1]) / 1e9);
         gw_hist_observe(&m->gen_itl, (double)(s->t_recv[i] - s->t_recv[i - 1]) / 1e9);
+    }
+}
+
+/* Records every sequence of a request that ends: how each finished, cancelled if it had not (another
+ * failed). */
+static void record_all(gw_stream *s) {
+    for (int k = 0; k < s->n_seqs; k++) {
+        gw_stream *q = s->seqs[k];
+        record_metrics(q, q->finished ? q->fin : KVB_FINISH_CANCELLED);
     }
 }
 
@@ -541,26 +859,92 @@ static void stream_write(gw_stream *s, int final) {
     if (final) stream_maybe_free(s);
 }
 
-/* Sends whatever is due: new text and tokens, the end of the response. */
+/* A whole response's choices, in index order. */
+static json_t *choices_json(gw_stream *s) {
+    json_t *choices = json_array();
+    for (int idx = 0; idx < s->n_prompts * s->n_choices; idx++)
+        for (int k = 0; k < s->n_seqs; k++) {
+            gw_stream *q = s->seqs[k];
+            if (q->index != idx) continue;
+            json_t *c;
+            if (q->tp) { /* the whole text through the tool parser: calls only where they parse */
+                gw_tool_parser_push(q->tp, q->text ? q->text : "", q->text_len, on_tool_event, q);
+                gw_tool_parser_finish(q->tp, on_tool_event, q);
+                c = tool_choice_json(q, q->tok, q->n_tok, finish_word(q), logprobs_json(q, 1, 0, q->n_tok));
+            } else {
+                c = choice_json(q, q->text, q->text_len, q->tok, q->n_tok, q->finish_reason, logprobs_json(q, 1, 0, q->n_tok));
+            }
+            if (q->return_token_ids && s->n_prompts > 1)
+                json_object_set_new(c, "prompt_token_ids", ids_json(s->prompts[q->prompt_i].ids, q->n_prompt));
+            json_array_append_new(choices, c);
+        }
+    return choices;
+}
+
+/* Streamed: what sequence `q` has due (its first chunk carries the echo and waits for the prompt's
+ * logprobs), then its last chunk once it ended. */
+static void stream_seq_events(gw_stream *s, gw_stream *q) {
+    if (q->echo_lp && !seq_lead(q)->plp_done && !q->finished) return;
+    size_t upto = released_text(q);
+    int new_tok = q->n_released - q->sent_tok, first = !q->role_sent;
+    if (q->tp) { /* the new text through the tool parser: content and tool_calls deltas */
+        gw_tool_parser_push(q->tp, q->text + q->sent_text, upto - q->sent_text, on_tool_event, q);
+        if (seq_done(q) && !q->failed) gw_tool_parser_finish(q->tp, on_tool_event, q); /* once: its last chunk follows */
+        q->sent_text = upto;
+        if (q->d_len || json_array_size(q->d_calls) || new_tok > 0 || first) {
+            json_t *choices = json_array();
+            json_array_append_new(choices, tool_choice_json(q, q->tok + q->sent_tok, new_tok, NULL,
+                                                            logprobs_json(q, first, q->sent_tok, q->n_released)));
+            out_event(s, envelope_json(s, choices));
+            q->role_sent = 1;
+            q->sent_tok = q->n_released;
+        }
+    } else if (upto > q->sent_text || new_tok > 0 || (first && s->ep == EP_CHAT)) {
+        json_t *choices = json_array();
+        json_array_append_new(choices, choice_json(q, q->text + q->sent_text, upto - q->sent_text, q->tok + q->sent_tok,
+                                                   new_tok, NULL, logprobs_json(q, first, q->sent_tok, q->n_released)));
+        out_event(s, envelope_json(s, choices));
+        q->role_sent = 1;
+        q->sent_text = upto;
+        q->sent_tok = q->n_released;
+    }
+    if (!seq_done(q) || q->failed) return;
+    json_t *choices = json_array();
+    json_array_append_new(choices, choice_json(q, "", 0, NULL, 0, finish_word(q), NULL));
+    json_t *last = envelope_json(s, choices);
+    if (q->timings) json_object_set_new(last, "kvbank_timings", timings_json(q));
+    out_event(s, last);
+    q->fin_sent = 1;
+}
+
+/* Sends whatever is due: new text and tokens of every sequence, the end of the response. A sequence
+ * that fails fails the request (the others are cancelled). */
 static void stream_pump(gw_stream *s) {
     if (s->sending || s->h2o_done || !s->req) return;
-    int all_released = s->finished && s->n_released == s->n_tok;
+    gw_stream *bad = seq_failed(s);
+    int all_done = 1, any_tok = 0;
+    for (int k = 0; k < s->n_seqs; k++) {
+        all_done &= seq_done(s->seqs[k]);
+        any_tok |= s->seqs[k]->n_tok > 0;
+    }
+    if (bad)
+        for (int k = 0; k < s->n_seqs; k++) seq_abandon(s->seqs[k]);
     if (!s->stream) {
-        if (!all_released) return;
+        if (!all_done && !bad) return;
         h2o_req_t *req = s->req;
         if (s->link) s->link->s = NULL;
         s->link = NULL;
         s->req = NULL;
         s->h2o_done = 1;
-        record_metrics(s, s->fin);
-        if (s->failed) {
-            send_error(s->g, req, s->ep, &s->err);
+        record_all(s);
+        if (bad) {
+            send_error(s->g, req, s->ep, &bad->err);
         } else {
-            json_t *choices = json_array();
-            json_array_append_new(choices, choice_json(s, s->text, s->text_len, s->tok, s->n_tok, s->finish_reason, 1));
-            json_t *r = envelope_json(s, choices);
+            pick_best(s);
+            json_t *r = envelope_json(s, choices_json(s));
             json_object_set_new(r, "usage", usage_json(s));
-            if (s->return_token_ids) json_object_set_new(r, "prompt_token_ids", ids_json(s->prompt_ids, s->n_prompt));
+            if (s->return_token_ids && s->n_prompts == 1)
+                json_object_set_new(r, "prompt_token_ids", ids_json(s->prompts[0].ids, s->n_prompt));
             if (s->timings) json_object_set_new(r, "kvbank_timings", timings_json(s));
             send_json(s->g, req, s->ep, 200, r);
         }
@@ -568,73 +952,66 @@ static void stream_pump(gw_stream *s) {
         return;
     }
     if (!s->head_sent) {
-        if (s->failed && s->n_tok == 0) {
+        if (bad && !any_tok) {
             /* nothing streamed yet: a plain error response */
             h2o_req_t *req = s->req;
             if (s->link) s->link->s = NULL;
             s->link = NULL;
             s->req = NULL;
             s->h2o_done = 1;
-            record_metrics(s, s->fin);
-            send_error(s->g, req, s->ep, &s->err);
+            record_all(s);
+            send_error(s->g, req, s->ep, &bad->err);
             stream_maybe_free(s);
             return;
         }
         stream_start_response(s);
     }
     s->out_len = 0;
-    size_t upto = released_text(s);
-    int new_tok = s->n_released - s->sent_tok;
-    if (upto > s->sent_text || new_tok > 0 || (s->ep == EP_CHAT && !s->role_sent)) {
-        json_t *choices = json_array();
-        json_array_append_new(choices, choice_json(s, s->text + s->sent_text, upto - s->sent_text, s->tok + s->sent_tok,
-                                                   new_tok, NULL, 0));
-        out_event(s, envelope_json(s, choices));
-        s->role_sent = 1;
-        s->sent_text = upto;
-        s->sent_tok = s->n_released;
-    }
     int final = 0;
-    if (all_released) {
-        if (s->failed) {
+    if (!bad) {
+        all_done = 1;
+        for (int k = 0; k < s->n_seqs; k++) {
+            if (!s->seqs[k]->fin_sent) stream_seq_events(s, s->seqs[k]);
+            all_done &= s->seqs[k]->fin_sent;
+        }
+    }
+    if (bad || all_done) {
+        if (bad) {
             size_t n = 0;
-            char *b = gw_error_body(&s->err, &n);
+            char *b = gw_error_body(&bad->err, &n);
             if (b) {
                 gw_buf_append(&s->out, &s->out_len, &s->out_cap, "data: ", 6);
                 gw_buf_append(&s->out, &s->out_len, &s->out_cap, b, n);
                 gw_buf_append(&s->out, &s->out_len, &s->out_cap, "\n\n", 2);
                 free(b);
             }
-        } else {
-            json_t *choices = json_array();
-            json_array_append_new(choices, choice_json(s, "", 0, NULL, 0, s->finish_reason, 1));
-            json_t *last = envelope_json(s, choices);
-            if (s->timings) json_object_set_new(last, "kvbank_timings", timings_json(s));
-            out_event(s, last);
-            if (s->include_usage) {
-                json_t *u = envelope_json(s, json_array());
-                json_object_set_new(u, "usage", usage_json(s));
-                out_event(s, u);
-            }
+        } else if (s->include_usage) {
+            json_t *u = envelope_json(s, json_array());
+            json_object_set_new(u, "usage", usage_json(s));
+            out_event(s, u);
         }
         gw_buf_append(&s->out, &s->out_len, &s->out_cap, "data: [DONE]\n\n", 14);
         final = 1;
-        record_metrics(s, s->fin);
+        record_all(s);
     }
     if (s->out_len || final) stream_write(s, final);
 }
 
 static void arm_deposit_timer(gw_stream *s);
 
-/* Releases every token whose delivery time has come and arms the timer for the next one. */
+/* Releases every token of every sequence whose delivery time has come and arms the timer for the
+ * next one. */
 static void stream_release(gw_stream *s) {
     uint64_t now = kvb_wall_ns();
-    while (s->n_released < s->n_tok && (s->finished || s->t_deliv[s->n_released] <= now)) {
-        if (s->finished && s->t_deliv[s->n_released] > now) {
-            s->t_deliv[s->n_released] = now; /* the rest at once on finish (OrbitFlow §3.2) */
-            s->m->deposit_held++;
+    for (int k = 0; k < s->n_seqs; k++) {
+        gw_stream *q = s->seqs[k];
+        while (q->n_released < q->n_tok && (q->finished || q->t_deliv[q->n_released] <= now)) {
+            if (q->finished && q->t_deliv[q->n_released] > now) {
+                q->t_deliv[q->n_released] = now; /* the rest at once on finish (OrbitFlow §3.2) */
+                q->m->deposit_held++;
+            }
+            q->n_released++;
         }
-        s->n_released++;
     }
     arm_deposit_timer(s);
     stream_pump(s);
@@ -643,8 +1020,12 @@ static void stream_release(gw_stream *s) {
 static void on_deposit_timer(uv_timer_t *t) { stream_release(t->data); }
 
 static void arm_deposit_timer(gw_stream *s) {
-    if (s->n_released >= s->n_tok || s->finished) return;
-    uint64_t now = kvb_wall_ns(), due = s->t_deliv[s->n_released];
+    uint64_t now = kvb_wall_ns(), due = UINT64_MAX;
+    for (int k = 0; k < s->n_seqs; k++) {
+        gw_stream *q = s->seqs[k];
+        if (q->n_released < q->n_tok && !q->finished) due = KVB_MIN(due, q->t_deliv[q->n_released]);
+    }
+    if (due == UINT64_MAX) return;
     uint64_t ms = due > now ? (due - now + 999999) / 1000000 : 0;
     uv_timer_start(&s->timer, on_deposit_timer, ms, 0);
 }
@@ -660,6 +1041,12 @@ static kvb_status grow_tokens(gw_stream *s, int need) {
     KVB_TRY(kvb_realloc_array((void **)&s->t_recv, (size_t)cap, sizeof *s->t_recv));
     KVB_TRY(kvb_realloc_array((void **)&s->t_deliv, (size_t)cap, sizeof *s->t_deliv));
     KVB_TRY(kvb_realloc_array((void **)&s->text_end, (size_t)cap, sizeof *s->text_end));
+    KVB_TRY(kvb_realloc_array((void **)&s->lp, (size_t)cap, sizeof *s->lp));
+    KVB_TRY(kvb_realloc_array((void **)&s->off, (size_t)cap, sizeof *s->off));
+    if (s->logprobs && s->top_logprobs) {
+        KVB_TRY(kvb_realloc_array((void **)&s->top_ids, (size_t)cap * s->top_logprobs, sizeof *s->top_ids));
+        KVB_TRY(kvb_realloc_array((void **)&s->top_lp, (size_t)cap * s->top_logprobs, sizeof *s->top_lp));
+    }
     s->cap_tok = cap;
     return KVB_OK;
 }
@@ -696,13 +1083,35 @@ static void stream_fail_upstream(gw_stream *s, kvb_status st, const char *err) {
     }
 }
 
+/* The prompt's logprobs an event of the prompt's first sequence carries (echo with logprobs). */
+static void take_prompt_logprobs(gw_stream *s, const kvb_client_logprobs *lp) {
+    int t = s->top_logprobs;
+    if (!s->plp || !lp || !lp->n_prompt || lp->top_n != t) return;
+    for (int j = 0; j < lp->n_prompt; j++) {
+        int pos = lp->prompt_first + j;
+        if (pos < 1 || pos >= s->n_prompt) continue;
+        s->plp[pos] = lp->prompt_lp[j];
+        if (t) {
+            memcpy(s->ptop_ids + (size_t)pos * t, lp->prompt_top_ids + (size_t)j * t, (size_t)t * sizeof *s->ptop_ids);
+            memcpy(s->ptop_lp + (size_t)pos * t, lp->prompt_top_lp + (size_t)j * t, (size_t)t * sizeof *s->ptop_lp);
+        }
+        s->n_plp = KVB_MAX(s->n_plp, pos);
+    }
+}
+
 static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
-                        kvb_finish finish, kvb_status st, const char *err) {
+                        kvb_finish finish, kvb_status st, const char *err,
+                        const kvb_client_logprobs *lp) {
     gw_stream *s = ud;
     (void)rid;
     (void)first_index;
     uint64_t now = kvb_wall_ns();
     int stop_hit = 0;
+    take_prompt_logprobs(s, lp);
+    /* prompt logprobs come with the prefill, before the first token */
+    if (n > 0 || finish != KVB_FINISH_NONE) s->plp_done = 1;
+    if (s->echo_only) n = 0; /* max_tokens 0: the one token the model was asked for is not part of the answer */
+    int lp_ok = lp && lp->lp && (!s->logprobs || lp->top_n == s->top_logprobs);
     if (!s->finished && n > 0 && grow_tokens(s, s->n_tok + n) != KVB_OK) {
         stream_fail(s, 500, "server_error", "%s", "out of memory");
         stop_hit = 1;
@@ -710,6 +1119,19 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
     for (int k = 0; k < n && !s->finished && !stop_hit; k++) {
         int i = s->n_tok++;
         s->tok[i] = tokens[k];
+        s->lp[i] = lp_ok ? lp->lp[k] : 0;
+        s->cum_lp += s->lp[i];
+        if (s->top_ids) {
+            size_t t = (size_t)s->top_logprobs;
+            if (lp_ok) {
+                memcpy(s->top_ids + (size_t)i * t, lp->top_ids + (size_t)k * t, t * sizeof *s->top_ids);
+                memcpy(s->top_lp + (size_t)i * t, lp->top_lp + (size_t)k * t, t * sizeof *s->top_lp);
+            } else {
+                memset(s->top_ids + (size_t)i * t, 0, t * sizeof *s->top_ids);
+                memset(s->top_lp + (size_t)i * t, 0, t * sizeof *s->top_lp);
+            }
+        }
+        s->off[i] = s->n_chars;
         s->t_gen[i] = t_ns[k];
         s->t_recv[i] = now;
         s->t_deliv[i] = kvb_deposit_next(i == 0, i ? s->t_deliv[i - 1] : 0, now, s->slo_ns);
@@ -718,6 +1140,11 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
             const char *piece = "";
             size_t plen = 0;
             if (kvb_detok_push(s->detok, tokens[k], &piece, &plen) != KVB_OK) plen = 0;
+            if (tokens[k] == s->tool_marker) { /* a special token starting a call: the parser needs its text */
+                piece = gw_tool_format_marker(s->tool_fmt);
+                plen = strlen(piece);
+            }
+            s->n_chars += utf8_chars(piece, plen);
             int r = gw_stop_push(s->stopper, piece, plen, &s->text, &s->text_len, &s->text_cap, NULL);
             if (r > 0) stop_hit = 1;
         }
@@ -731,7 +1158,13 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
         s->fin = KVB_FINISH_STOP;
     } else if (finish != KVB_FINISH_NONE && !s->finished) {
         s->upstream_live = 0;
-        if (st != KVB_OK) {
+        size_t gl = strlen(KVB_WIRE_GRAMMAR_ERROR);
+        if (st != KVB_OK && s->grammar_field[0] && err && !strncmp(err, KVB_WIRE_GRAMMAR_ERROR, gl)) {
+            /* the model could not compile the request's grammar: the request's fault, named */
+            stream_fail(s, 400, "invalid_request_error", "%s", "");
+            gw_error_set(&s->err, 400, "invalid_request_error", s->grammar_field, "'%s' cannot be used: %s",
+                         s->grammar_field, err + gl);
+        } else if (st != KVB_OK) {
             stream_fail_upstream(s, st, err);
         } else {
             s->finished = 1;
@@ -745,6 +1178,7 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
             if (s->stopper && !tail_stop) gw_stop_flush(s->stopper, &s->text, &s->text_len, &s->text_cap);
             if (tail_stop) finish = KVB_FINISH_STOP;
             if (s->n_tok) s->text_end[s->n_tok - 1] = s->text_len;
+            if (s->echo_only && finish == KVB_FINISH_STOP) finish = KVB_FINISH_LENGTH; /* as vLLM says of max_tokens 0 */
             s->finish_reason = finish == KVB_FINISH_LENGTH ? "length" : finish == KVB_FINISH_STOP ? "stop" : NULL;
             if (finish == KVB_FINISH_CANCELLED) stream_fail(s, 503, "server_error", "%s", "the model cancelled the request");
         }
@@ -752,12 +1186,12 @@ static void on_upstream(void *ud, uint64_t rid, const int32_t *tokens, const uin
     } else if (finish != KVB_FINISH_NONE) {
         s->upstream_live = 0;
     }
-    if (!s->upstream_live && s->h2o_done) {
-        stream_maybe_free(s);
+    gw_stream *h = s->head;
+    if (h->h2o_done) {
+        stream_maybe_free(h);
         return;
     }
-    if (s->h2o_done) return;
-    stream_release(s);
+    stream_release(h);
 }
 
 /* -------------------------------------------------------------------------------- model clients */
@@ -789,9 +1223,13 @@ static void on_pong(void *ud, const kvb_client_pong *p) {
 static void fail_model_streams(gw *g, gw_model *m, const char *why) {
     for (gw_stream *s = g->streams, *nx; s; s = nx) {
         nx = s->next;
-        if (s->m != m || !s->upstream_live) continue;
-        s->upstream_live = 0;
-        if (!s->finished) stream_fail(s, 503, "server_error", "%s", why);
+        if (s->m != m || !upstream_any(s)) continue;
+        for (int k = 0; k < s->n_seqs; k++) {
+            gw_stream *q = s->seqs[k];
+            if (!q->upstream_live) continue;
+            q->upstream_live = 0;
+            if (!q->finished) stream_fail(q, 503, "server_error", "%s", why);
+        }
         if (s->h2o_done) stream_maybe_free(s);
         else stream_release(s);
     }
@@ -888,8 +1326,14 @@ static void model_load_dir(gw_model *m) {
                 KVB_LOG_W("gateway: model %s: served without chat: its chat template cannot be used (%s)", m->name,
                           m->tmpl_why);
         }
-        KVB_LOG_I("gateway: model %s: %s, %s", m->name, m->tok ? "tokenizer" : "no tokenizer (token ids only)",
-                  m->tmpl ? "chat template" : "no chat template");
+        m->tool_marker = -1;
+        m->tool_fmt = m->tmpl ? gw_tool_format_detect(m->tmpl, m->tok) : GW_TOOLS_NONE;
+        if (m->tool_fmt != GW_TOOLS_NONE) {
+            int32_t id = kvb_tokenizer_token_id(m->tok, gw_tool_format_marker(m->tool_fmt));
+            if (id >= 0 && kvb_tokenizer_is_special(m->tok, id)) m->tool_marker = id;
+        }
+        KVB_LOG_I("gateway: model %s: %s, %s, tool calls: %s", m->name, m->tok ? "tokenizer" : "no tokenizer (token ids only)",
+                  m->tmpl ? "chat template" : "no chat template", gw_tool_format_name(m->tool_fmt));
         KVB_LOG_I("gateway: model %s: %s (vocab %d, context %d, %d EOS ids)", m->name, m->model_dir, m->cfg.vocab,
                   m->cfg.max_pos, m->cfg.n_eos);
     } else {
@@ -1008,8 +1452,11 @@ static void begin_shutdown(gw *g) {
     for (gw_stream *s = g->streams, *nx; s; s = nx) {
         nx = s->next;
         stream_abandon_upstream(s);
-        if (!s->finished) stream_fail(s, 503, "server_error", "%s", "the gateway is stopping");
-        s->n_released = s->n_tok;
+        for (int k = 0; k < s->n_seqs; k++) {
+            gw_stream *q = s->seqs[k];
+            if (!q->finished) stream_fail(q, 503, "server_error", "%s", "the gateway is stopping");
+            q->n_released = q->n_tok;
+        }
         if (s->h2o_done) stream_maybe_free(s);
         else if (!s->sending) stream_pump(s);
     }
@@ -1034,7 +1481,7 @@ static void on_housekeep(uv_timer_t *t) {
         g->disconnects++;
         KVB_LOG_I("gateway: %s: the client closed its connection; cancelling its request", s->id);
         stream_abandon_upstream(s);
-        record_metrics(s, KVB_FINISH_CANCELLED);
+        for (int k = 0; k < s->n_seqs; k++) record_metrics(s->seqs[k], KVB_FINISH_CANCELLED);
         h2o_req_t *req = s->req;
         s->req->http1_is_persistent = 0;
         if (s->link) s->link->s = NULL;
@@ -1051,12 +1498,15 @@ static void on_housekeep(uv_timer_t *t) {
     for (gw_stream *s = g->streams, *nx; s; s = nx) {
         nx = s->next;
         uint64_t heard = KVB_MAX(s->m->pong_ns, s->submit_ns);
-        if (!s->upstream_live || s->finished || now - heard < silent) continue;
+        if (!upstream_any(s) || now - heard < silent) continue;
         KVB_LOG_W("gateway: %s: model %s has not answered for %.0f s; failing the request", s->id, s->m->name,
                   (double)(now - heard) / 1e9);
         stream_abandon_upstream(s);
-        stream_fail(s, 503, "server_error", "%s", "the model stopped answering");
-        s->n_released = s->n_tok;
+        for (int k = 0; k < s->n_seqs; k++) {
+            gw_stream *q = s->seqs[k];
+            if (!q->finished) stream_fail(q, 503, "server_error", "%s", "the model stopped answering");
+            q->n_released = q->n_tok;
+        }
         if (s->h2o_done) stream_maybe_free(s);
         else if (!s->sending) stream_pump(s);
     }
@@ -1228,7 +1678,7 @@ struct gw_job {
     gw_conn *conn;                /* NULL once closed */
     gw_model *m;
     json_t *doc;                  /* the parsed body (owned) */
-    gw_params p;                  /* JOB_GENERATE (borrows doc); the worker fills p.prompt_ids */
+    gw_params p;                  /* JOB_GENERATE (borrows doc); the worker fills p.prompts[].ids */
     gw_tok_params tp;             /* JOB_TOKENIZE / JOB_DETOKENIZE (borrows doc) */
     int failed;
     gw_error err;
@@ -1311,6 +1761,29 @@ static int job_text(gw_job *j, const char *text, size_t len, json_t *messages, i
     return 1;
 }
 
+/* The template's variables for a chat request: chat_template_kwargs with the request's `tools` added,
+ * and messages whose assistant tool_calls carry their arguments as objects and whose null content is ""
+ * (what vLLM's rendering passes: templates `tojson` the arguments and test `'x' in content`). New
+ * references, NULL where nothing changes. */
+static void chat_vars(const gw_params *p, json_t **msgs, json_t **extra) {
+    *msgs = *extra = NULL;
+    if (p->tools) {
+        *extra = p->template_kwargs ? json_copy(p->template_kwargs) : json_object();
+        if (*extra && !json_object_get(*extra, "tools")) json_object_set(*extra, "tools", p->tools);
+    }
+    if (!p->has_tool_messages || !(*msgs = json_deep_copy(p->messages))) return;
+    for (size_t i = 0; i < json_array_size(*msgs); i++) {
+        json_t *m = json_array_get(*msgs, i), *tc = json_object_get(m, "tool_calls");
+        json_t *c = json_object_get(m, "content");
+        if (!c || json_is_null(c)) json_object_set_new(m, "content", json_string("")); /* as vLLM renders a call's null content */
+        for (size_t k = 0; k < json_array_size(tc); k++) {
+            json_t *fn = json_object_get(json_array_get(tc, k), "function"), *a = json_object_get(fn, "arguments");
+            json_t *o = json_is_string(a) ? json_loads(json_string_value(a), JSON_DECODE_ANY, NULL) : NULL;
+            if (o) json_object_set_new(fn, "arguments", o);
+        }
+    }
+}
+
 static void job_run(uv_work_t *w) {
     gw_job *j = w->data;
     const char *text = NULL;
@@ -1319,13 +1792,22 @@ static void job_run(uv_work_t *w) {
     if (j->kind == JOB_GENERATE) {
         gw_params *p = &j->p;
         int chat = j->ep == EP_CHAT;
-        if (job_text(j, p->prompt_text, p->prompt_len, chat ? p->messages : NULL, p->add_generation_prompt,
-                     p->template_kwargs, &text, &len, &owned)) {
-            kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, p->add_special_tokens, &p->prompt_ids,
-                                                 &p->n_prompt_ids);
-            if (es != KVB_OK) job_encode_failed(j, es, chat ? "messages" : "prompt", len);
-            else if (p->n_prompt_ids == 0) job_fail(j, 400, chat ? "messages" : "prompt", "%s", "the prompt is empty");
+        json_t *msgs = NULL, *extra = NULL; /* chat: the template's view of tools and tool calls */
+        if (chat) chat_vars(p, &msgs, &extra);
+        for (int i = 0; i < p->n_prompts && !j->failed; i++) { /* chat: one, the messages */
+            gw_prompt *pr = &p->prompts[i];
+            if (!chat && !pr->text) continue;
+            if (job_text(j, pr->text, pr->len, chat ? (msgs ? msgs : p->messages) : NULL, p->add_generation_prompt,
+                         extra ? extra : p->template_kwargs, &text, &len, &owned)) {
+                kvb_status es = kvb_tokenizer_encode(j->m->tok, text, len, p->add_special_tokens, &pr->ids, &pr->n_ids);
+                if (es != KVB_OK) job_encode_failed(j, es, chat ? "messages" : "prompt", len);
+                else if (pr->n_ids == 0) job_fail(j, 400, chat ? "messages" : "prompt", "%s", "the prompt is empty");
+            }
+            free(owned);
+            owned = NULL;
         }
+        json_decref(msgs);
+        json_decref(extra);
     } else if (j->kind == JOB_DETOKENIZE) {
         char *out = NULL;
         size_t n = 0;
@@ -1472,7 +1954,9 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
                      g->n_streams + g->n_jobs);
         goto reject;
     }
-    if ((ep == EP_CHAT || p.prompt_text || p.n_stop) && !m->tok) {
+    int text = ep == EP_CHAT;
+    for (int i = 0; i < p.n_prompts; i++) text |= p.prompts[i].text != NULL;
+    if ((text || p.n_stop) && !m->tok) {
         gw_error_set(&err, 400, "invalid_request_error", ep == EP_CHAT ? "messages" : p.n_stop ? "stop" : "prompt",
                      "model '%s' has no tokenizer (tokenizer.json): send the prompt as token ids, without stop strings",
                      m->name);
@@ -1482,7 +1966,18 @@ static void handle_generate(gw *g, h2o_req_t *req, int ep) {
         no_chat_error(&err, m);
         goto reject;
     }
-    if (ep == EP_CHAT || p.prompt_text) { /* the prompt as token ids: on the thread pool */
+    if ((p.n_grammar || p.tool_choice >= GW_TOOL_REQUIRED) && !m->tok) {
+        gw_error_set(&err, 400, "invalid_request_error", p.grammar_field ? p.grammar_field : "tool_choice",
+                     "model '%s' has no tokenizer (tokenizer.json): structured output needs one", m->name);
+        goto reject;
+    }
+    if (p.tools && p.tool_choice != GW_TOOL_NONE && m->tool_fmt == GW_TOOLS_NONE) {
+        gw_error_set(&err, 400, "invalid_request_error", "tools",
+                     "model '%s': its chat template writes tool calls in no format this server parses (Llama 3.x JSON, "
+                     "<tool_call> as Qwen, [TOOL_CALLS] as Mistral)", m->name);
+        goto reject;
+    }
+    if (text) { /* the prompts as token ids: on the thread pool */
         job_start(g, req, ep, JOB_GENERATE, m, doc, &p, NULL);
         return;
     }
@@ -1496,42 +1991,116 @@ reject:
     send_error(g, req, ep, &err);
 }
 
-/* The rest of a completion once its prompt is token ids (on the loop): checks against the model,
- * the stream, the submit. Borrows p (the caller frees it; the stream takes p->prompt_ids when it
- * returns them). */
+/* The echo of a choice (gw_params.echo): completions, the prompt (its text, or its ids decoded); chat
+ * (vLLM), the last message's content when it has the reply's role. Appended to q->text. */
+static kvb_status seq_echo(gw_stream *q, const gw_params *p, const gw_prompt *pr) {
+    char *dec = NULL;
+    const char *t = NULL;
+    size_t n = 0;
+    if (q->ep == EP_CHAT) {
+        json_t *last = json_array_get(p->messages, json_array_size(p->messages) - 1);
+        json_t *role = json_object_get(last, "role"), *c = json_object_get(last, "content");
+        if (json_is_string(role) && !strcmp(json_string_value(role), "assistant") && json_is_string(c))
+            t = json_string_value(c), n = json_string_length(c);
+    } else if (pr->text) {
+        t = pr->text, n = pr->len;
+    } else if (q->m->tok) {
+        KVB_TRY(kvb_tokenizer_decode(q->m->tok, pr->ids, pr->n_ids, 0, &dec, &n));
+        t = dec;
+    }
+    kvb_status st = n ? gw_buf_append(&q->text, &q->text_len, &q->text_cap, t, n) : KVB_OK;
+    q->echo_len = q->text_len;
+    q->n_chars = utf8_chars(q->text, q->text_len);
+    free(dec);
+    return st;
+}
+
+/* Sets up sequence `k` of stream `s` (its head, set up already): prompt, limits, outputs, echo. */
+static kvb_status seq_init(gw_stream *s, gw_stream *q, int k, const gw_params *p, const int *max_tokens) {
+    q->head = s;
+    q->g = s->g;
+    q->m = s->m;
+    q->ep = s->ep;
+    q->stream = s->stream;
+    q->return_token_ids = s->return_token_ids;
+    q->timings = s->timings;
+    q->slo_ns = s->slo_ns;
+    q->t_arrival = s->t_arrival;
+    q->prompt_i = k / s->per;
+    q->index = q->prompt_i * s->n_choices + k % s->per; /* best_of ranks them at the end */
+    q->n_prompt = s->prompts[q->prompt_i].n_ids;
+    q->max_tokens = max_tokens[q->prompt_i];
+    q->echo_only = p->echo_only;
+    q->logprobs = p->logprobs;
+    q->top_logprobs = p->logprobs ? p->top_logprobs : 0;
+    q->tokens_as_ids = p->return_tokens_as_ids;
+    q->echo_lp = p->echo && p->logprobs && q->ep == EP_COMPLETIONS;
+    if (q->echo_lp && k % s->per == 0) { /* the prompt's first sequence asks for its logprobs */
+        size_t t = (size_t)q->top_logprobs;
+        KVB_TRY(kvb_calloc((size_t)q->n_prompt, sizeof *q->plp, (void **)&q->plp));
+        if (t) {
+            KVB_TRY(kvb_calloc((size_t)q->n_prompt * t, sizeof *q->ptop_ids, (void **)&q->ptop_ids));
+            KVB_TRY(kvb_calloc((size_t)q->n_prompt * t, sizeof *q->ptop_lp, (void **)&q->ptop_lp));
+        }
+    }
+    if (s->m->tok) {
+        KVB_TRY(kvb_detok_create(s->m->tok, p->skip_special_tokens, &q->detok));
+        KVB_TRY(gw_stop_create(p->stop, p->stop_len, p->n_stop, p->include_stop_str, &q->stopper));
+    }
+    return p->echo ? seq_echo(q, p, &s->prompts[q->prompt_i]) : KVB_OK;
+}
+
+/* The rest of a completion once its prompts are token ids (on the loop): checks against the model,
+ * the stream and its sequences (prompts x max(n, best_of), all submitted at once: the engine shares a
+ * prompt's KV among them through its prefix cache), the submits. Borrows p (the caller frees it; the
+ * stream takes its prompts and logit_bias). */
 static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_model *m) {
     gw_error err;
     gw_stream *s = NULL;
+    int max_tokens[GW_MAX_CHOICES];
     if (!m->alive || !m->client || m->impostor) {
         gw_error_set(&err, 503, "server_error", "model", "The model '%s' is not running now", m->name);
         goto reject;
     }
-    if (m->have_cfg)
-        for (int i = 0; i < p->n_prompt_ids; i++)
-            if (p->prompt_ids[i] >= m->cfg.vocab) {
-                gw_error_set(&err, 400, "invalid_request_error", "prompt",
-                             "prompt token %d is %d, outside the vocabulary of model '%s' [0, %d)", i, p->prompt_ids[i],
-                             m->name, m->cfg.vocab);
-                goto reject;
-            }
     int max_pos = model_context(m);
-    if (max_pos && p->n_prompt_ids >= max_pos) {
-        gw_error_set(&err, 400, "invalid_request_error", "prompt",
-                     "the prompt has %d tokens; model '%s' takes at most %d (prompt and completion together)",
-                     p->n_prompt_ids, m->name, max_pos);
-        goto reject;
-    }
-    int max_tokens = p->max_tokens;
-    if (!max_tokens) max_tokens = ep == EP_CHAT && max_pos ? max_pos - p->n_prompt_ids : DEFAULT_MAX_TOKENS;
-    if (max_pos && p->n_prompt_ids + max_tokens > max_pos) {
-        if (p->max_tokens) {
-            gw_error_set(&err, 400, "invalid_request_error", "max_tokens",
-                         "max_tokens is %d, but the prompt has %d tokens and model '%s' takes %d in all", p->max_tokens,
-                         p->n_prompt_ids, m->name, max_pos);
+    for (int i = 0; i < p->n_prompts; i++) {
+        const gw_prompt *pr = &p->prompts[i];
+        char what[32] = "prompt";
+        if (p->n_prompts > 1) snprintf(what, sizeof what, "prompt %d", i);
+        if (m->have_cfg)
+            for (int k = 0; k < pr->n_ids; k++)
+                if (pr->ids[k] >= m->cfg.vocab) {
+                    gw_error_set(&err, 400, "invalid_request_error", "prompt",
+                                 "%s token %d is %d, outside the vocabulary of model '%s' [0, %d)", what, k, pr->ids[k],
+                                 m->name, m->cfg.vocab);
+                    goto reject;
+                }
+        if (max_pos && pr->n_ids >= max_pos) {
+            gw_error_set(&err, 400, "invalid_request_error", "prompt",
+                         "the %s has %d tokens; model '%s' takes at most %d (prompt and completion together)", what,
+                         pr->n_ids, m->name, max_pos);
             goto reject;
         }
-        max_tokens = max_pos - p->n_prompt_ids;
+        int mt = p->max_tokens;
+        if (!mt) mt = ep == EP_CHAT && max_pos ? max_pos - pr->n_ids : DEFAULT_MAX_TOKENS;
+        if (max_pos && pr->n_ids + mt > max_pos) {
+            if (p->max_tokens) {
+                gw_error_set(&err, 400, "invalid_request_error", "max_tokens",
+                             "max_tokens is %d, but the %s has %d tokens and model '%s' takes %d in all", p->max_tokens,
+                             what, pr->n_ids, m->name, max_pos);
+                goto reject;
+            }
+            mt = max_pos - pr->n_ids;
+        }
+        max_tokens[i] = p->echo_only ? 1 : mt;
     }
+    for (int i = 0; i < p->n_logit_bias; i++)
+        if (m->have_cfg && p->logit_bias[i].id >= m->cfg.vocab) {
+            gw_error_set(&err, 400, "invalid_request_error", "logit_bias",
+                         "'logit_bias' names token %d, outside the vocabulary of model '%s' [0, %d)",
+                         (int)p->logit_bias[i].id, m->name, m->cfg.vocab);
+            goto reject;
+        }
     int32_t stop_ids[GW_MAX_STOP_IDS + 8];
     int n_stop_ids = 0;
     for (int i = 0; i < p->n_stop_ids; i++) stop_ids[n_stop_ids++] = p->stop_ids[i];
@@ -1544,6 +2113,7 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
                 stop_ids[n_stop_ids++] = m->cfg.eos_ids[i];
     }
 
+    int per = KVB_MAX(p->n, p->best_of), n_seqs = per * p->n_prompts;
     if (kvb_calloc(1, sizeof *s, (void **)&s) != KVB_OK) {
         gw_error_set(&err, 500, "server_error", NULL, "out of memory");
         goto reject;
@@ -1560,40 +2130,59 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     s->include_usage = p->include_usage;
     s->return_token_ids = p->return_token_ids;
     s->timings = p->timings;
-    s->n_prompt = p->n_prompt_ids;
-    s->max_tokens = max_tokens;
     double slo = p->tbt_slo_ms >= 0 ? p->tbt_slo_ms : m->tbt_slo_ms >= 0 ? m->tbt_slo_ms : g->o->tbt_slo_ms;
     s->slo_ns = p->stream ? (uint64_t)(slo * 1e6) : 0; /* pacing is for what a user watches arrive */
     s->t_arrival = kvb_wall_ns();
-    if (p->return_token_ids) {
-        s->prompt_ids = p->prompt_ids;
-        p->prompt_ids = NULL;
-    }
-    if (m->tok && (kvb_detok_create(m->tok, p->skip_special_tokens, &s->detok) != KVB_OK ||
-                   gw_stop_create(p->stop, p->stop_len, p->n_stop, p->include_stop_str, &s->stopper) != KVB_OK)) {
-        kvb_detok_destroy(s->detok);
-        gw_stop_destroy(s->stopper);
-        free(s->prompt_ids);
-        free(s);
-        s = NULL;
+    s->prompts = p->prompts;
+    s->n_prompts = p->n_prompts;
+    p->prompts = NULL;
+    p->n_prompts = 0;
+    s->logit_bias = p->logit_bias;
+    p->logit_bias = NULL;
+    s->per = per;
+    s->n_choices = p->n;
+    uv_timer_init(g->loop, &s->timer);
+    s->timer.data = s;
+    kvb_status st = kvb_calloc((size_t)n_seqs, sizeof *s->seqs, (void **)&s->seqs);
+    if (st == KVB_OK) s->seqs[s->n_seqs++] = s;
+    while (st == KVB_OK && s->n_seqs < n_seqs && (st = kvb_calloc(1, sizeof **s->seqs, (void **)&s->seqs[s->n_seqs])) == KVB_OK)
+        s->n_seqs++;
+    for (int k = 0; k < s->n_seqs && st == KVB_OK; k++) st = seq_init(s, s->seqs[k], k, p, max_tokens);
+    if (st != KVB_OK) {
+        uv_close((uv_handle_t *)&s->timer, on_stream_timer_closed);
         gw_error_set(&err, 500, "server_error", NULL, "out of memory");
         goto reject;
     }
-    uv_timer_init(g->loop, &s->timer);
-    s->timer.data = s;
-    kvb_request r = {
-        .tbt_slo_ms = slo, /* the model's planner sees the target too (OrbitFlow) */
-        .prompt = s->prompt_ids ? s->prompt_ids : p->prompt_ids,
-        .n_prompt = s->n_prompt,
-        .max_tokens = max_tokens,
-        .stop_ids = stop_ids,
-        .n_stop = n_stop_ids,
-        .sampling = {.temperature = (float)p->temperature,
-                     .top_k = p->top_k,
-                     .top_p = (float)p->top_p,
-                     .seed = p->has_seed ? p->seed : (kvb_wall_ns() ^ (g->next_id * 0x9e3779b97f4a7c15ull))},
-    };
-    /* Everything in place before the submit: the model's answer may come within the dispatch below. */
+    /* structured output: the request's own grammar, or a forced tool call in the model's format; chat
+     * with tools: one parser per sequence turns its text into content and tool_calls */
+    gw_tool_grammar tg = {0};
+    if (p->tool_choice == GW_TOOL_REQUIRED || p->tool_choice == GW_TOOL_NAMED) {
+        char why[384];
+        if (gw_tool_grammar_build(m->tool_fmt, p->tools, p->tool_choice == GW_TOOL_NAMED ? p->tool_name : NULL,
+                                  p->parallel_tool_calls, &tg, why, sizeof why) != KVB_OK) {
+            uv_close((uv_handle_t *)&s->timer, on_stream_timer_closed);
+            gw_error_set(&err, 400, "invalid_request_error", "tools", "%s", why);
+            goto reject;
+        }
+    }
+    const kvb_grammar_part *grammar = tg.n_parts ? tg.parts : p->grammar;
+    int n_grammar = tg.n_parts ? tg.n_parts : p->n_grammar;
+    for (int k = 0; k < s->n_seqs && st == KVB_OK; k++) {
+        gw_stream *q = s->seqs[k];
+        snprintf(q->grammar_field, sizeof q->grammar_field, "%s", tg.n_parts ? "tools" : p->grammar_field ? p->grammar_field : "");
+        q->tool_marker = -1;
+        if (!p->tools || p->tool_choice == GW_TOOL_NONE) continue;
+        q->tool_fmt = m->tool_fmt;
+        if (p->skip_special_tokens) q->tool_marker = m->tool_marker;
+        st = gw_tool_parser_create(m->tool_fmt, !p->stream, p->parallel_tool_calls, &q->tp);
+    }
+    if (st != KVB_OK) {
+        gw_tool_grammar_free(&tg);
+        uv_close((uv_handle_t *)&s->timer, on_stream_timer_closed);
+        gw_error_set(&err, 500, "server_error", NULL, "out of memory");
+        goto reject;
+    }
+    /* Everything in place before the submits: the model's answer may come within the dispatch below. */
     s->link = h2o_mem_alloc_shared(&req->pool, sizeof *s->link, on_req_dispose);
     s->link->s = s;
     s->conn = conn_of(g, req);
@@ -1603,23 +2192,62 @@ static void generate_submit(gw *g, h2o_req_t *req, int ep, gw_params *p, gw_mode
     g->streams = s;
     g->n_streams++;
     m->n_streams++;
+    uint64_t seed = p->has_seed ? p->seed : (kvb_wall_ns() ^ (g->next_id * 0x9e3779b97f4a7c15ull));
     char msg[256];
-    kvb_status st = kvb_client_submit(m->client, &r, on_upstream, s, SUBMIT_TIMEOUT_MS, &s->rid, msg, sizeof msg);
+    for (int k = 0; k < s->n_seqs; k++) {
+        gw_stream *q = s->seqs[k];
+        const gw_prompt *pr = &s->prompts[q->prompt_i];
+        kvb_request r = {
+            .tbt_slo_ms = slo, /* the model's planner sees the target too (OrbitFlow) */
+            .prompt = pr->ids,
+            .n_prompt = pr->n_ids,
+            .max_tokens = q->max_tokens,
+            .stop_ids = stop_ids,
+            .n_stop = n_stop_ids,
+            .sampling = {.temperature = (float)p->temperature,
+                         .top_k = p->top_k,
+                         .top_p = (float)p->top_p,
+                         .seed = seed + (uint64_t)(k % per), /* vLLM's n: the seed plus the choice's index */
+                         .min_p = (float)p->min_p,
+                         .presence_penalty = (float)p->presence_penalty,
+                         .frequency_penalty = (float)p->frequency_penalty,
+                         .repetition_penalty = (float)p->repetition_penalty,
+                         .min_tokens = p->min_tokens,
+                         .logit_bias = s->logit_bias,
+                         .n_logit_bias = p->n_logit_bias,
+                         /* best_of ranks by the logprobs: asked for then too */
+                         .logprobs = p->logprobs || per > p->n,
+                         .top_logprobs = q->top_logprobs,
+                         .prompt_logprobs = q->plp != NULL},
+            .grammar = grammar,
+            .n_grammar = n_grammar,
+            .grammar_flags = tg.n_parts ? 0 : p->grammar_flags,
+        };
+        st = kvb_client_submit(m->client, &r, on_upstream, q, SUBMIT_TIMEOUT_MS, &q->rid, msg, sizeof msg);
+        if (st != KVB_OK) break;
+        q->upstream_live = 1;
+    }
+    gw_tool_grammar_free(&tg); /* the client keeps its own copy */
     if (st != KVB_OK) {
         gw_error_set(&err, st == KVB_ERR_INVALID ? 400 : 503, st == KVB_ERR_INVALID ? "invalid_request_error" : "server_error",
                      "prompt", "%s", msg);
+        for (int k = 0; k < s->n_seqs; k++) seq_abandon(s->seqs[k]);
         s->link->s = NULL;
         s->link = NULL;
         stream_unlink(s);
         uv_close((uv_handle_t *)&s->timer, on_stream_timer_closed);
         s = NULL;
+        kvb_client_dispatch(m->client);
         goto reject;
     }
-    s->upstream_live = 1;
     s->submit_ns = kvb_now_ns();
-    /* The response head goes out at once, unless the request waits for KV blocks the model lacks now:
-     * then it goes with the first token, so that running out of time is still a 503 with Retry-After. */
-    if (s->stream && !model_short_of_blocks(m, (int64_t)s->n_prompt + max_tokens)) stream_pump(s);
+    /* The response head goes out at once, unless the model may still refuse the grammar (a 400), or
+     * the request waits for KV blocks the model lacks now: then it goes with the first token, so that
+     * running out of time is still a 503 with Retry-After. */
+    int short_of_blocks = 0;
+    for (int i = 0; i < s->n_prompts; i++)
+        short_of_blocks |= model_short_of_blocks(m, (int64_t)s->prompts[i].n_ids + max_tokens[i]);
+    if (s->stream && !n_grammar && !short_of_blocks) stream_pump(s);
     kvb_client_dispatch(m->client); /* the send may have consumed the fd's edge */
     return;
 reject:
@@ -2179,7 +2807,7 @@ kvb_status gw_run(const gw_opts *o, volatile sig_atomic_t *stop) {
     uv_run(g->loop, UV_RUN_DEFAULT);
 done:
     for (gw_stream *s = g->streams; s; s = s->next)
-        if (s->upstream_live && s->m->client) kvb_client_abandon(s->m->client, s->rid), s->upstream_live = 0;
+        for (int k = 0; k < s->n_seqs; k++) seq_abandon(s->seqs[k]);
     /* Connections still open (a client that would not let go): reset them, and let h2o close them and
      * run the deferred work on its zero timeout. h2o_context_dispose asserts that none of its timeouts
      * holds an entry: the graceful-shutdown one is ours to unlink (h2o 2.2 keeps it a second). */

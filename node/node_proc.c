@@ -519,7 +519,8 @@ kvb_status kvb_node_proc_create(const kvb_node_proc_args *a, const kvb_node_role
         goto fail;
     }
     kvb_server_opts so = {.endpoint = a->endpoint, .model_name = a->name, .max_live = a->max_live,
-                          .max_per_client = a->max_live_per_client, .vocab = kvb_model_cfg(p->model)->vocab};
+                          .max_per_client = a->max_live_per_client, .vocab = kvb_model_cfg(p->model)->vocab,
+                          .model_dir = a->model_dir};
     if ((st = kvb_server_create(&so, &p->srv)) != KVB_OK) {
         fprintf(stderr, "%s: cannot serve on %s: %s\n", prog, a->endpoint, kvb_status_str(st));
         goto fail;

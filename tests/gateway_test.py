@@ -259,12 +259,14 @@ def test_errors():
         ({"model": "chat", "prompt": [1, 2, 3], "temperature": "hot"}, 400, "temperature"),
         ({"model": "chat", "prompt": [1, 2, 3], "temperature": 3}, 400, "temperature"),
         ({"model": "chat", "prompt": [1, 2, 3], "stream": 1}, 400, "stream"),
-        ({"model": "chat", "prompt": [1, 2, 3], "n": 2}, 400, "n"),
-        ({"model": "chat", "prompt": [1, 2, 3], "logprobs": 5}, 400, "logprobs"),
-        ({"model": "chat", "prompt": [1, 2, 3], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        ({"model": "chat", "prompt": [1, 2, 3], "n": 0}, 400, "n"),
+        ({"model": "chat", "prompt": [1, 2, 3], "logprobs": 21}, 400, "logprobs"),
+        ({"model": "chat", "prompt": [1, 2, 3], "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+        ({"model": "chat", "prompt": [1, 2, 3], "logit_bias": {"9999": 5}}, 400, "logit_bias"),  # outside the vocabulary
+        ({"model": "chat", "prompt": [1, 2, 3], "n": 2, "best_of": 3, "stream": True}, 400, "best_of"),
         ({"model": "chat", "prompt": [1, 2, 3], "bogus": 1}, 400, "bogus"),
         ({"model": "chat", "prompt": [1, "x"]}, 400, "prompt"),
-        ({"model": "chat", "prompt": [[1, 2], [3, 4]]}, 400, "prompt"),
+        ({"model": "chat", "prompt": [[1, 2], [3, 9999]]}, 400, "prompt"),  # the second prompt's token
         ({"model": "chat"}, 400, "prompt"),
         ({"prompt": [1, 2]}, 400, "model"),
         ({"model": "nope", "prompt": [1, 2]}, 404, "model"),
@@ -279,7 +281,11 @@ def test_errors():
         ({"model": "chat", "prompt": [1, 2], "metadata": ["x"]}, 400, "metadata"),
         ({"model": "chat", "prompt": [1, 2], "temprature": 0}, 400, "temprature"),
         ({"model": "chat", "prompt": [1, 2], "reasoning_effort": "low"}, 400, "reasoning_effort"),  # chat's field
-        ({"model": "chat", "prompt": [1, 2], "response_format": {"type": "json_object"}}, 400, "response_format"),
+        # structured output: needs the model's tokenizer; a regex the engine refuses is named
+        ({"model": "code", "prompt": [1, 2], "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": "chat", "prompt": "x", "guided_regex": "a(?=b)"}, 400, "guided_regex"),
+        ({"model": "chat", "prompt": "x", "response_format": {"type": "structural_tag"}}, 400, "response_format"),
+        ({"model": "chat", "prompt": "x", "guided_choice": ["a"], "guided_json": {}}, 400, "guided_json"),
         ({"model": "chat", "prompt": [1, 2], "cache_salt": "s"}, 400, "cache_salt"),
     ]
     for body, status, param in cases:
@@ -294,7 +300,7 @@ def test_errors():
     check(st == 405, "GET /v1/completions -> 405")
     st, _, _ = request("GET", "/nowhere")
     check(st == 404, "unknown path -> 404")
-    # neutral values of unsupported fields pass
+    # neutral values of sampling fields pass
     st, j, raw = post("/v1/completions", {"model": "chat", "prompt": [1, 2], "max_tokens": 2, "n": 1, "logprobs": None,
                                           "presence_penalty": 0, "user": "u", "echo": False})
     check(st == 200, "neutral values accepted: %s" % raw[:200])
@@ -336,9 +342,11 @@ def test_leniency():
                                                                                    field=f) or 0)
         check(got == k, "kvbank_gateway_ignored_fields_total{field=%s} moved by %s, want %d" % (f, got, k))
     log = open(A.dir + "/kvbankd.log").read()
-    for f in ("store", "metadata", "user", "service_tier", "reasoning_effort", "parallel_tool_calls"):
+    for f in ("store", "metadata", "user", "service_tier", "reasoning_effort", "include_reasoning"):
         n = log.count("requests carry '%s', which this server accepts and ignores" % f)
         check(n == 1, "'%s' logged once (%d times)" % (f, n))
+    # tools, tool_choice and parallel_tool_calls are read now (handled), so never logged as ignored
+    check("requests carry 'parallel_tool_calls'" not in log, "parallel_tool_calls is a handled field")
     ok("leniency: vLLM's unused fields accepted and ignored (same tokens), each logged once, counted in /metrics")
 
 
@@ -487,14 +495,15 @@ def gauge(name, **labels):
     return metric(s, name, **labels)
 
 
-def vanish(stream):
-    """A client that starts a long request, waits until the gateway has it in flight (and, streaming,
-    reads the response head), then closes its socket. The model must stop generating for it."""
+def vanish(stream, n=1):
+    """A client that starts a long request (of n sequences), waits until the gateway has it in flight
+    (and, streaming, reads the response head), then closes its socket. The model must stop generating
+    for every sequence."""
     s0, _ = metrics()
     d0 = metric(s0, "kvbank_gateway_client_disconnects_total")
     sock = socket.create_connection(("127.0.0.1", A.port))
     body = json.dumps({"model": "chat", "prompt": [4, 5, 6 + stream], "max_tokens": 3000, "temperature": 0,
-                       "ignore_eos": True, "stream": bool(stream)})
+                       "ignore_eos": True, "stream": bool(stream), "n": n})
     sock.sendall(("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   "Content-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
     if stream:
@@ -518,7 +527,7 @@ def vanish(stream):
     made = wait_for("the model's token count to settle", settled, 20) - metric(s0, "kvbank_generation_tokens_total",
                                                                                model="chat")
     check(made > 0, "the model generated for the request before it was cancelled")
-    check(made < 3000, "the model stopped generating for the vanished client (%d of 3000 tokens)" % made)
+    check(made < 3000 * n, "the model stopped generating for the vanished client (%d of %d tokens)" % (made, 3000 * n))
     return made, time.time() - t0
 
 
@@ -528,8 +537,12 @@ def test_vanishing_clients():
     made_n, t_n = vanish(0)
     check(gauge("kvbank_gateway_requests_total", model="chat", finish_reason="cancelled") == c0 + 2,
           "both counted as cancelled")
-    ok("vanishing clients cancel their requests in the model process: streaming (stopped after %d tokens) and "
-       "non-streaming, nothing being written (stopped after %d tokens)" % (made_s, made_n))
+    made_3, t_3 = vanish(1, n=3)
+    check(gauge("kvbank_gateway_requests_total", model="chat", finish_reason="cancelled") == c0 + 5,
+          "each of the three sequences counted as cancelled")
+    ok("vanishing clients cancel their requests in the model process: streaming (stopped after %d tokens), "
+       "non-streaming, nothing being written (stopped after %d tokens), n = 3 streamed (all three stopped, "
+       "%d tokens)" % (made_s, made_n, made_3))
 
 
 def test_slow_client():

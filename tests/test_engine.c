@@ -688,6 +688,428 @@ KVB_TEST(greedy_argmax) {
 }
 KVB_TEST_END
 
-KVB_TEST_MAIN("engine", KVB_T(greedy_argmax, 30), KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
-              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60), KVB_T(host_tier_async_writeback, 90), KVB_T(host_tier_writeback_beside_loads, 90),
-              KVB_T(host_tier_async_lossless, 90), KVB_T(inflight_prefix_deferred, 60))
+
+/* ------------------------------------------------------------------------------ structured output */
+
+/* A vocabulary for the 200-token test model: ids 0-2 special (2 is the EOS), 3-97 the printable ASCII
+ * bytes, 98-199 two-byte pieces. */
+static kvb_grammar_vocab *test_vocab(void) {
+    static char text[200][3];
+    const char *bytes[200];
+    size_t lens[200];
+    uint8_t special[200] = {1, 1, 1};
+    const char *pieces = "{\"}:\",ab12 -xyz[]09";
+    for (int i = 0; i < 200; i++) {
+        if (i < 3) {
+            snprintf(text[i], sizeof text[i], "%c", 'A' + i);
+        } else if (i < 98) {
+            text[i][0] = (char)(32 + i - 3);
+            text[i][1] = '\0';
+        } else {
+            int k = i - 98, n = (int)strlen(pieces);
+            text[i][0] = pieces[k % n];
+            text[i][1] = pieces[(k / n + k) % n];
+            text[i][2] = '\0';
+        }
+        bytes[i] = text[i];
+        lens[i] = strlen(text[i]);
+    }
+    int32_t eos = 2;
+    kvb_grammar_vocab *v = NULL;
+    ck_assert_int_eq(kvb_grammar_vocab_create(200, bytes, lens, special, &eos, 1, &v), KVB_OK);
+    return v;
+}
+
+static kvb_grammar_matcher *test_matcher(const kvb_grammar_vocab *v, const kvb_grammar_part *parts, int n) {
+    kvb_grammar *g = NULL;
+    char err[256];
+    kvb_grammar_opts o;
+    kvb_grammar_opts_default(&o);
+    o.ws_indent = -1;
+    ck_assert_msg(kvb_grammar_compile(v, parts, n, &o, &g, err, sizeof err) == KVB_OK, "%s", err);
+    kvb_grammar_matcher *m = NULL;
+    ck_assert_int_eq(kvb_grammar_matcher_create(g, &m), KVB_OK);
+    kvb_grammar_release(g);
+    return m;
+}
+
+/* A request's output under a grammar: every token is one the grammar allowed, the output is a complete
+ * match when the request stopped (STOP, no EOS needed once nothing can follow), and the tokens are the
+ * same whether the pool preempts the requests (recompute keeps the matcher where the output is), with
+ * greedy and with seeded sampling. Without the mask the same model writes other tokens. */
+KVB_TEST(grammar_masks_and_preemption) {
+    setup_model("llama");
+    make_prompts();
+    kvb_grammar_vocab *v = test_vocab();
+    static const char *const choices[] = {"alpha", "beta-12", "gamma"};
+    const char *schema = "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":99},"
+                         "\"b\":{\"enum\":[\"x\",\"yz\"]}},\"required\":[\"a\",\"b\"]}";
+    const char *regex = "[a-z]{3}-[0-9]{2}";
+    kvb_grammar_part g_schema = {.kind = KVB_GRAMMAR_JSON_SCHEMA, .text = schema, .len = strlen(schema)};
+    kvb_grammar_part g_regex = {.kind = KVB_GRAMMAR_REGEX, .text = regex, .len = strlen(regex)};
+    kvb_grammar_part g_choice = {.kind = KVB_GRAMMAR_CHOICE, .choices = choices, .n_choices = 3};
+    const kvb_grammar_part *gs[3] = {&g_schema, &g_regex, &g_choice};
+    static rec ref, got, free_run;
+    for (int temp = 0; temp < 2; temp++) {
+        struct { int bs, blocks; } cfgs[] = {{16, 64}, {4, 20}};
+        for (size_t c = 0; c < KVB_ARRAY_LEN(cfgs); c++) {
+            rec *r = c == 0 ? &ref : &got;
+            memset(r, 0, sizeof *r);
+            kvb_engine *e = make_engine(r, cfgs[c].bs, cfgs[c].blocks, 512, 1);
+            for (int q = 0; q < 3; q++) {
+                kvb_request rq = {.id = (uint64_t)q, .prompt = P[q], .n_prompt = PL[q], .max_tokens = 40,
+                                  .sampling = {.temperature = temp ? 0.8f : 0, .seed = 5 + (uint64_t)q},
+                                  .matcher = test_matcher(v, gs[q], 1)};
+                ck_assert_int_eq(kvb_engine_add(e, &rq), KVB_OK);
+            }
+            run(e);
+            kvb_engine_stats s;
+            kvb_engine_get_stats(e, &s);
+            if (c == 1) ck_assert_msg(s.preemptions > 0, "the small pool did not preempt");
+            assert_no_leak(e);
+            kvb_engine_destroy(e);
+        }
+        assert_same(&ref, &got, 3);
+        for (int q = 0; q < 3; q++) {
+            /* replay: each token allowed in turn; STOP means the output is complete */
+            kvb_grammar_matcher *m = test_matcher(v, gs[q], 1);
+            for (int i = 0; i < ref.n[q]; i++)
+                ck_assert_msg(kvb_grammar_matcher_accept_token(m, ref.toks[q][i]) == KVB_OK,
+                              "request %d token %d (%d) is not allowed", q, i, ref.toks[q][i]);
+            ck_assert_int_eq(ref.fin[q], KVB_FINISH_STOP);
+            ck_assert(kvb_grammar_matcher_accepting(m));
+            kvb_grammar_matcher_destroy(m);
+        }
+        /* the regex's output is exactly 6 bytes of its language */
+        char out[64] = "";
+        for (int i = 0; i < ref.n[1]; i++) strcat(out, ref.toks[1][i] < 98 ? (char[2]){(char)(32 + ref.toks[1][i] - 3), 0} : "??");
+        ck_assert_msg(strlen(out) == 6 && out[3] == '-', "regex output '%s'", out);
+    }
+    /* the same requests without a grammar: the model's own (garbage) tokens differ */
+    memset(&free_run, 0, sizeof free_run);
+    kvb_engine *e = make_engine(&free_run, 16, 64, 512, 1);
+    add(e, 1, P[1], PL[1], 6);
+    run(e);
+    kvb_engine_destroy(e);
+    int differs = free_run.n[1] != ref.n[1];
+    for (int i = 0; i < free_run.n[1] && i < ref.n[1]; i++) differs |= free_run.toks[1][i] != ref.toks[1][i];
+    ck_assert_msg(differs, "the grammar changed nothing");
+    kvb_grammar_vocab_destroy(v);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* A grammar whose next tokens all lie beyond the model's logits fails its request with an error
+ * instead of sampling a forbidden token; a rejected request leaves its matcher to the caller. */
+KVB_TEST(grammar_no_token_fails) {
+    setup_model("llama");
+    make_prompts();
+    /* a vocabulary wider than the model's 200 logits, where only id 250 can start the output */
+    static const char *bytes[300];
+    size_t lens[300] = {0};
+    for (int i = 0; i < 300; i++) bytes[i] = "";
+    bytes[250] = "Q";
+    lens[250] = 1;
+    int32_t eos = 2;
+    kvb_grammar_vocab *v = NULL;
+    ck_assert_int_eq(kvb_grammar_vocab_create(300, bytes, lens, NULL, &eos, 1, &v), KVB_OK);
+    kvb_grammar_part lit = {.kind = KVB_GRAMMAR_LITERAL, .text = "Q", .len = 1};
+    static rec r;
+    memset(&r, 0, sizeof r);
+    kvb_engine *e = make_engine(&r, 16, 64, 512, 1);
+    kvb_request rq = {.id = 0, .prompt = P[0], .n_prompt = PL[0], .max_tokens = 5, .matcher = test_matcher(v, &lit, 1)};
+    ck_assert_int_eq(kvb_engine_add(e, &rq), KVB_OK);
+    run(e);
+    ck_assert_int_eq(r.fin[0], KVB_FINISH_ERROR);
+    ck_assert_int_eq(r.n[0], 0);
+    kvb_request bad = {.id = 1, .prompt = P[0], .n_prompt = 0, .max_tokens = 5, .matcher = test_matcher(v, &lit, 1)};
+    ck_assert_int_eq(kvb_engine_add(e, &bad), KVB_ERR_INVALID);
+    kvb_grammar_matcher_destroy(bad.matcher); /* still ours */
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    kvb_grammar_vocab_destroy(v);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------- logprobs and processors */
+
+enum { LPV = 200, LPT = 64 };
+
+/* What the logprob events carried and the raw logits each token was sampled from (rec first: the
+ * token events take it). */
+typedef struct lprec {
+    rec r;
+    float logits[MAXR][LPT][LPV];
+    float lp[MAXR][LPT];
+    int32_t top[MAXR][LPT][KVB_MAX_TOP_LOGPROBS];
+    float top_lp[MAXR][LPT][KVB_MAX_TOP_LOGPROBS];
+    int n_lp[MAXR], top_n[MAXR];
+    float plp[MAXR][LPT];
+    int32_t ptop[MAXR][LPT][KVB_MAX_TOP_LOGPROBS];
+    int plp_seen[MAXR][LPT];
+} lprec;
+
+static void on_logits_rec(void *ud, uint64_t id, int index, const float *logits, int vocab) {
+    lprec *l = ud;
+    ck_assert_int_eq(vocab, LPV);
+    if (index < LPT) memcpy(l->logits[id][index], logits, sizeof l->logits[id][index]);
+}
+
+static void on_logprobs_rec(void *ud, uint64_t id, int index, float lp, const int32_t *top_ids, const float *top_lp,
+                            int top_n) {
+    lprec *l = ud;
+    ck_assert_int_eq(index, l->n_lp[id]); /* before its token, once */
+    ck_assert_int_eq(index, l->r.n[id]);
+    l->lp[id][index] = lp;
+    l->top_n[id] = top_n;
+    memcpy(l->top[id][index], top_ids, (size_t)top_n * sizeof *top_ids);
+    memcpy(l->top_lp[id][index], top_lp, (size_t)top_n * sizeof *top_lp);
+    l->n_lp[id]++;
+}
+
+static void on_prompt_lp_rec(void *ud, uint64_t id, int pos0, int n, const float *lp, const int32_t *top_ids,
+                             const float *top_lp, int top_n) {
+    lprec *l = ud;
+    (void)top_lp;
+    ck_assert_int_eq(l->r.n[id], 0); /* before the first token */
+    for (int j = 0; j < n; j++) {
+        ck_assert_int_ge(pos0 + j, 1);
+        ck_assert_int_eq(l->plp_seen[id][pos0 + j]++, 0);
+        l->plp[id][pos0 + j] = lp[j];
+        memcpy(l->ptop[id][pos0 + j], top_ids + (size_t)j * top_n, (size_t)top_n * sizeof *top_ids);
+    }
+}
+
+static kvb_engine *make_lp_engine(lprec *l, int budget, int prefix) {
+    kvb_engine_opts o;
+    kvb_engine_opts_default(&o);
+    o.block_size = 8;
+    o.n_blocks = 128;
+    o.max_batch_tokens = budget;
+    o.enable_prefix_cache = prefix;
+    kvb_engine_events ev = {.ud = l, .on_token = on_token, .on_finish = on_finish, .on_logits = on_logits_rec,
+                            .on_logprobs = on_logprobs_rec, .on_prompt_logprobs = on_prompt_lp_rec};
+    kvb_planner pl = kvb_policy_recompute();
+    kvb_engine *e = NULL;
+    ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
+    return e;
+}
+
+/* log_softmax(x)[t] in double */
+static double ref_logprob(const float *x, int n, int t) {
+    double mx = -INFINITY, sum = 0;
+    for (int i = 0; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    for (int i = 0; i < n; i++) sum += exp((double)x[i] - mx);
+    return (double)x[t] - mx - log(sum);
+}
+
+/* The token ranked `k` (0: the largest logit; ties by lower id) of x[n]. */
+static int ref_rank(const float *x, int n, int k) {
+    int used[LPV] = {0}, best = -1;
+    for (int r = 0; r <= k; r++) {
+        best = -1;
+        for (int i = 0; i < n; i++)
+            if (!used[i] && (best < 0 || x[i] > x[best])) best = i;
+        used[best] = 1;
+    }
+    return best;
+}
+
+/* logprobs are the raw log-softmax of the logits (the processors come after): greedy's token is the
+ * first of its top list; with a logit_bias that changes the choice, the list stays the raw one. */
+KVB_TEST(logprobs_raw_and_top) {
+    setup_model("llama");
+    make_prompts();
+    static lprec l;
+    memset(&l, 0, sizeof l);
+    static rec ref;
+    solo(&ref, 20);
+    kvb_engine *e = make_lp_engine(&l, 512, 1);
+    kvb_logit_bias bias = {.id = ref.toks[0][0] == 7 ? 8 : 7, .bias = 100};
+    kvb_request q = {.id = 0, .prompt = P[0], .n_prompt = PL[0], .max_tokens = 20,
+                     .sampling = {.logprobs = 1, .top_logprobs = 5}};
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    q.id = 1;
+    q.sampling = (kvb_sampling){.logprobs = 1, .top_logprobs = 3, .logit_bias = &bias, .n_logit_bias = 1};
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    q.id = 2; /* top_logprobs 0: the sampled token's logprob only */
+    q.sampling = (kvb_sampling){.temperature = 0.8f, .seed = 3, .logprobs = 1};
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    run(e);
+    for (int r = 0; r < 3; r++) {
+        ck_assert_int_eq(l.n_lp[r], 20);
+        ck_assert_int_eq(l.top_n[r], r == 0 ? 5 : r == 1 ? 3 : 0);
+        for (int i = 0; i < 20; i++) {
+            const float *x = l.logits[r][i];
+            int32_t tok = l.r.toks[r][i];
+            ck_assert_msg(fabs(l.lp[r][i] - ref_logprob(x, LPV, tok)) < 1e-5, "request %d token %d: logprob %g vs %g", r,
+                          i, l.lp[r][i], ref_logprob(x, LPV, tok));
+            for (int k = 0; k < l.top_n[r]; k++) {
+                ck_assert_int_eq(l.top[r][i][k], ref_rank(x, LPV, k));
+                ck_assert(fabs(l.top_lp[r][i][k] - ref_logprob(x, LPV, l.top[r][i][k])) < 1e-5);
+            }
+        }
+    }
+    for (int i = 0; i < 20; i++) {
+        ck_assert_int_eq(l.r.toks[0][i], ref.toks[0][i]); /* logprobs change no token */
+        ck_assert_int_eq(l.r.toks[0][i], l.top[0][i][0]);
+        ck_assert_int_eq(l.r.toks[1][i], bias.id); /* +100 wins every time... */
+    }
+    ck_assert_int_ne(l.top[1][0][0], bias.id); /* ...and the list is the raw one */
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* Prompt logprobs: every prompt position but the first, once, before the first token, equal to the
+ * logprob of that token under the logits a request of the prompt up to it samples from, whether the
+ * prefill runs in chunks and whether the prefix cache holds the prompt (its hits are not taken). */
+KVB_TEST(prompt_logprobs) {
+    setup_model("llama");
+    make_prompts();
+    static lprec l, one;
+    int n = PL[0];
+    static float row[64][LPV];
+    for (int j = 1; j < n; j++) { /* the reference: prompt[0..j) alone, the logits of its first token */
+        memset(&one, 0, sizeof one);
+        kvb_engine *e = make_lp_engine(&one, 512, 0);
+        add(e, 0, P[0], j, 1);
+        run(e);
+        memcpy(row[j], one.logits[0][0], sizeof row[j]);
+        kvb_engine_destroy(e);
+    }
+    for (int budget = 7; budget <= 512; budget += 505) {
+        memset(&l, 0, sizeof l);
+        kvb_engine *e = make_lp_engine(&l, budget, 1);
+        add(e, 0, P[0], n, 2); /* leaves the prompt's blocks in the prefix cache */
+        run(e);
+        kvb_engine_stats s0;
+        kvb_engine_get_stats(e, &s0);
+        kvb_request q = {.id = 1, .prompt = P[0], .n_prompt = n, .max_tokens = 2,
+                         .sampling = {.prompt_logprobs = 1, .top_logprobs = 2}};
+        ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+        q.id = 2; /* the same prompt without prompt logprobs takes the hits */
+        q.sampling = (kvb_sampling){0};
+        ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+        run(e);
+        kvb_engine_stats s1;
+        kvb_engine_get_stats(e, &s1);
+        ck_assert_int_eq(s1.prefix_hit_tokens - s0.prefix_hit_tokens, (uint64_t)(n - 1) / 8 * 8);
+        ck_assert_int_eq(l.plp_seen[1][0], 0);
+        for (int j = 1; j < n; j++) {
+            ck_assert_msg(l.plp_seen[1][j] == 1, "budget %d: position %d seen %d times", budget, j, l.plp_seen[1][j]);
+            double want = ref_logprob(row[j], LPV, P[0][j]);
+            ck_assert_msg(fabs(l.plp[1][j] - want) < 1e-5, "budget %d: position %d: %g vs %g", budget, j, l.plp[1][j],
+                          want);
+            ck_assert_int_eq(l.ptop[1][j][0], ref_rank(row[j], LPV, 0));
+            ck_assert_int_eq(l.ptop[1][j][1], ref_rank(row[j], LPV, 1));
+        }
+        for (int i = 0; i < 2; i++) ck_assert_int_eq(l.r.toks[1][i], l.r.toks[0][i]);
+        assert_no_leak(e);
+        kvb_engine_destroy(e);
+    }
+    teardown_model();
+}
+KVB_TEST_END
+
+/* min_tokens masks the stop ids until the output has that many tokens; a presence penalty changes
+ * greedy's choice to the argmax of the penalised logits. */
+KVB_TEST(min_tokens_and_penalty) {
+    setup_model("llama");
+    make_prompts();
+    static rec ref;
+    static lprec l;
+    solo(&ref, 30);
+    memset(&l, 0, sizeof l);
+    kvb_engine *e = make_lp_engine(&l, 512, 1);
+    int32_t stop = ref.toks[0][3];
+    int first = 0;
+    while (ref.toks[0][first] != stop) first++;
+    kvb_request q = {.id = 0, .prompt = P[0], .n_prompt = PL[0], .max_tokens = 30, .stop_ids = &stop, .n_stop = 1,
+                     .sampling = {.min_tokens = first + 5}};
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    q = (kvb_request){.id = 1, .prompt = P[1], .n_prompt = PL[1], .max_tokens = 30,
+                      .sampling = {.presence_penalty = 2.0f, .frequency_penalty = 0.5f}};
+    ck_assert_int_eq(kvb_engine_add(e, &q), KVB_OK);
+    run(e);
+    for (int i = 0; i < first; i++) ck_assert_int_eq(l.r.toks[0][i], ref.toks[0][i]);
+    for (int i = 0; i < first + 5 && i < l.r.n[0]; i++) ck_assert_int_ne(l.r.toks[0][i], stop);
+    ck_assert_int_ge(l.r.n[0], first + 5);
+    int pen_changed = 0;
+    for (int i = 0; i < 30; i++) {
+        float x[LPV];
+        memcpy(x, l.logits[1][i], sizeof x);
+        int cnt[LPV] = {0};
+        for (int k = 0; k < i; k++) cnt[l.r.toks[1][k]]++;
+        for (int t = 0; t < LPV; t++)
+            if (cnt[t]) x[t] -= 0.5f * (float)cnt[t] + 2.0f;
+        ck_assert_int_eq(l.r.toks[1][i], ref_rank(x, LPV, 0));
+        pen_changed |= l.r.toks[1][i] != ref_rank(l.logits[1][i], LPV, 0);
+    }
+    ck_assert(pen_changed); /* the penalty did something */
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    teardown_model();
+}
+KVB_TEST_END
+
+/* A grammar under the logits processors and logprobs: the mask is the first stage, so a +100 bias on a
+ * token the grammar forbids never wins, a repetition penalty changes nothing the grammar cares about,
+ * and the logprobs are those of the masked row (every alternative with a finite logprob is one the
+ * grammar allowed at that step; greedy's token is the first of its list). */
+KVB_TEST(grammar_with_processors) {
+    setup_model("llama");
+    make_prompts();
+    kvb_grammar_vocab *v = test_vocab();
+    const char *regex = "[a-z]{3}-[0-9]{2}";
+    kvb_grammar_part g = {.kind = KVB_GRAMMAR_REGEX, .text = regex, .len = strlen(regex)};
+    static lprec l;
+    memset(&l, 0, sizeof l);
+    kvb_engine *e = make_lp_engine(&l, 512, 0);
+    const kvb_logit_bias bias[] = {{.id = 94, .bias = 100}}; /* '{': never in the regex's language */
+    for (int q = 0; q < 2; q++) {
+        kvb_request rq = {.id = (uint64_t)q, .prompt = P[q], .n_prompt = PL[q], .max_tokens = 40,
+                          .sampling = {.temperature = 0, .logprobs = 1, .top_logprobs = 5, .logit_bias = bias,
+                                       .n_logit_bias = 1, .repetition_penalty = q ? 1.5f : 0},
+                          .matcher = test_matcher(v, &g, 1)};
+        ck_assert_int_eq(kvb_engine_add(e, &rq), KVB_OK);
+    }
+    run(e);
+    assert_no_leak(e);
+    kvb_engine_destroy(e);
+    uint32_t mask[16];
+    ck_assert_uint_le(kvb_grammar_mask_words(v), KVB_ARRAY_LEN(mask));
+    for (int q = 0; q < 2; q++) {
+        ck_assert_int_eq(l.r.fin[q], KVB_FINISH_STOP);
+        ck_assert_int_eq(l.n_lp[q], l.r.n[q]);
+        kvb_grammar_matcher *m = test_matcher(v, &g, 1);
+        for (int i = 0; i < l.r.n[q]; i++) {
+            int32_t tok = l.r.toks[q][i];
+            ck_assert_int_eq(kvb_grammar_matcher_fill_mask(m, mask), KVB_OK);
+            ck_assert_int_ne(tok, 94);
+            ck_assert_msg(isfinite(l.lp[q][i]), "request %d token %d: logprob %g", q, i, (double)l.lp[q][i]);
+            if (!q) ck_assert_int_eq(l.top[q][i][0], tok); /* greedy, no processor touching allowed tokens */
+            for (int k = 0; k < l.top_n[q]; k++) {
+                int32_t t = l.top[q][i][k];
+                if (isfinite(l.top_lp[q][i][k]))
+                    ck_assert_msg((mask[t >> 5] >> (t & 31)) & 1, "request %d step %d: alternative %d is forbidden", q, i, t);
+            }
+            ck_assert_int_eq(kvb_grammar_matcher_accept_token(m, tok), KVB_OK);
+        }
+        ck_assert(kvb_grammar_matcher_accepting(m));
+        kvb_grammar_matcher_destroy(m);
+    }
+    kvb_grammar_vocab_destroy(v);
+    teardown_model();
+}
+KVB_TEST_END
+
+KVB_TEST_MAIN("engine", KVB_T(greedy_argmax, 30), KVB_T(logprobs_raw_and_top, 60), KVB_T(prompt_logprobs, 120),
+              KVB_T(min_tokens_and_penalty, 60), KVB_T(batch_chunk_preempt_lossless, 120), KVB_T(prefix_hit_lossless, 60),
+              KVB_T(cancel_and_reject, 60), KVB_T(stop_ids_and_sampling, 60), KVB_T(host_tier_lossless, 60),
+              KVB_T(host_tier_async_writeback, 90), KVB_T(host_tier_writeback_beside_loads, 90), KVB_T(host_tier_async_lossless, 90),
+              KVB_T(inflight_prefix_deferred, 60),
+              KVB_T(grammar_masks_and_preemption, 120), KVB_T(grammar_no_token_fails, 60),
+              KVB_T(grammar_with_processors, 60))

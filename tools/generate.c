@@ -315,8 +315,9 @@ int main(int argc, char **argv) {
         usage(stderr);
         goto bad_args;
     }
-    if (kvb_sampling_check(&samp) != KVB_OK) {
-        fprintf(stderr, "kvbank-generate: invalid sampling parameters (temperature >= 0, top-p in [0, 1])\n");
+    char why[160];
+    if (kvb_sampling_check(&samp, 0, why, sizeof why) != KVB_OK) {
+        fprintf(stderr, "kvbank-generate: invalid sampling parameters: %s\n", why);
         goto bad_args;
     }
 

@@ -59,7 +59,9 @@ typedef struct batch {
 } batch;
 
 static void on_event(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
-                     kvb_finish finish, kvb_status st, const char *err) {
+                     kvb_finish finish, kvb_status st, const char *err,
+                     const kvb_client_logprobs *lp) {
+    (void)lp;
     (void)t_ns;
     batch *b = ud;
     batch_req *q = NULL;

@@ -229,7 +229,7 @@ int main(int argc, char **argv) {
     if (g_stop) goto stopped;
 
     kvb_server_opts so = {.endpoint = endpoint, .model_name = name, .max_live = max_live,
-                          .max_per_client = max_per_client, .vocab = cfg->vocab};
+                          .max_per_client = max_per_client, .vocab = cfg->vocab, .model_dir = model_dir};
     if ((st = kvb_server_create(&so, &srv)) != KVB_OK) {
         fprintf(stderr, "kvbank-serve: cannot serve on %s: %s\n", endpoint, kvb_status_str(st));
         goto out;

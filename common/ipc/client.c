@@ -33,6 +33,15 @@
 #define MONITOR_EP "inproc://kvb-client-monitor" /* one per client: each client has its own context */
 #define RECONNECT_IVL_MS 100 /* ZeroMQ reconnect period, constant */
 
+/* A request's grammar as the wire carries it, copied: a resumption sends it again. */
+typedef struct req_grammar {
+    Kvbank__Grammar g;
+    Kvbank__GrammarPart *parts;   /* [g.n_parts] */
+    Kvbank__GrammarPart **pp;     /* [g.n_parts] g.parts */
+    ProtobufCBinaryData *choices; /* every part's choices, back to back */
+    uint8_t *bytes;               /* every text and choice, back to back */
+} req_grammar;
+
 typedef struct live_req {
     uint64_t rid;          /* the id the caller knows */
     uint32_t attempt;      /* resumptions so far: the wire id is rid | attempt << ATTEMPT_SHIFT */
@@ -46,8 +55,13 @@ typedef struct live_req {
     int32_t *stop;         /* [n_stop] */
     int n_stop;
     int max_tokens;
-    kvb_sampling sampling;
+    kvb_sampling sampling; /* sampling.logit_bias points to `bias` */
+    kvb_logit_bias *bias;  /* [sampling.n_logit_bias] */
+    Kvbank__LogitBias *bias_msgs;  /* [sampling.n_logit_bias] the same as wire messages */
+    Kvbank__LogitBias **bias_ptrs; /* [sampling.n_logit_bias] pointing to them */
+    uint32_t plp_next;     /* prompt logprobs: the next prompt position to deliver (earlier ones came) */
     double tbt_slo_ms;
+    req_grammar *grammar;  /* structured output, or NULL */
     uint64_t conn;         /* the connection its current attempt goes out on (kvb_client.conn numbering) */
     int lost;              /* that connection is gone: waiting for the next one */
     uint64_t lost_ns;      /* since when (kvb_now_ns) */
@@ -166,10 +180,89 @@ fail:
     return st;
 }
 
+static void set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static void grammar_free(req_grammar *q) {
+    if (!q) return;
+    free(q->parts);
+    free(q->pp);
+    free(q->choices);
+    free(q->bytes);
+    free(q);
+}
+
+/* The wire form of r's grammar (r->n_grammar > 0). */
+static kvb_status grammar_copy(const kvb_request *r, req_grammar **out, char *err, size_t err_len) {
+    if (r->n_grammar > KVB_WIRE_MAX_GRAMMAR_PARTS || !r->grammar) {
+        set_err(err, err_len, "a grammar has 1 to %d parts, not %d", KVB_WIRE_MAX_GRAMMAR_PARTS, r->n_grammar);
+        return KVB_ERR_INVALID;
+    }
+    size_t bytes = 0, n_choices = 0;
+    for (int k = 0; k < r->n_grammar; k++) {
+        const kvb_grammar_part *p = &r->grammar[k];
+        if (p->kind < KVB_GRAMMAR_LITERAL || p->kind > KVB_GRAMMAR_CHOICE || (p->len && !p->text) ||
+            (p->kind == KVB_GRAMMAR_CHOICE && (p->n_choices < 1 || !p->choices))) {
+            set_err(err, err_len, "grammar part %d is malformed", k);
+            return KVB_ERR_INVALID;
+        }
+        bytes += p->len;
+        for (int c = 0; p->kind == KVB_GRAMMAR_CHOICE && c < p->n_choices; c++) bytes += strlen(p->choices[c]);
+        if (p->kind == KVB_GRAMMAR_CHOICE) n_choices += (size_t)p->n_choices;
+    }
+    static const Kvbank__GrammarPart__Kind kinds[] = {
+        [KVB_GRAMMAR_LITERAL] = KVBANK__GRAMMAR_PART__KIND__LITERAL, [KVB_GRAMMAR_JSON] = KVBANK__GRAMMAR_PART__KIND__JSON,
+        [KVB_GRAMMAR_JSON_OBJECT] = KVBANK__GRAMMAR_PART__KIND__JSON_OBJECT,
+        [KVB_GRAMMAR_JSON_SCHEMA] = KVBANK__GRAMMAR_PART__KIND__JSON_SCHEMA,
+        [KVB_GRAMMAR_REGEX] = KVBANK__GRAMMAR_PART__KIND__REGEX, [KVB_GRAMMAR_CHOICE] = KVBANK__GRAMMAR_PART__KIND__CHOICE};
+    req_grammar *q = NULL;
+    kvb_status st = kvb_calloc(1, sizeof *q, (void **)&q);
+    if (st == KVB_OK) st = kvb_calloc((size_t)r->n_grammar, sizeof *q->parts, (void **)&q->parts);
+    if (st == KVB_OK) st = kvb_calloc((size_t)r->n_grammar, sizeof *q->pp, (void **)&q->pp);
+    if (st == KVB_OK) st = kvb_calloc(KVB_MAX(n_choices, 1), sizeof *q->choices, (void **)&q->choices);
+    if (st == KVB_OK) st = kvb_malloc(KVB_MAX(bytes, 1), (void **)&q->bytes);
+    if (st != KVB_OK) {
+        grammar_free(q);
+        set_err(err, err_len, "out of memory");
+        return st;
+    }
+    kvbank__grammar__init(&q->g);
+    q->g.n_parts = (size_t)r->n_grammar;
+    q->g.parts = q->pp;
+    q->g.lax = (r->grammar_flags & KVB_GRAMMAR_REQ_LAX) != 0;
+    q->g.compact = (r->grammar_flags & KVB_GRAMMAR_REQ_COMPACT) != 0;
+    uint8_t *b = q->bytes;
+    ProtobufCBinaryData *ch = q->choices;
+    for (int k = 0; k < r->n_grammar; k++) {
+        const kvb_grammar_part *p = &r->grammar[k];
+        Kvbank__GrammarPart *w = &q->parts[k];
+        kvbank__grammar_part__init(w);
+        q->pp[k] = w;
+        w->kind = kinds[p->kind];
+        w->text = (ProtobufCBinaryData){.len = p->len, .data = b};
+        if (p->len) memcpy(b, p->text, p->len);
+        b += p->len;
+        if (p->kind != KVB_GRAMMAR_CHOICE) continue;
+        w->n_choices = (size_t)p->n_choices;
+        w->choices = ch;
+        for (int c = 0; c < p->n_choices; c++) {
+            size_t n = strlen(p->choices[c]);
+            *ch++ = (ProtobufCBinaryData){.len = n, .data = b};
+            if (n) memcpy(b, p->choices[c], n);
+            b += n;
+        }
+    }
+    *out = q;
+    return KVB_OK;
+}
+
 static void req_free(live_req *e) {
     if (!e) return;
+    grammar_free(e->grammar);
     free(e->seq);
     free(e->stop);
+    free(e->bias);
+    free(e->bias_msgs);
+    free(e->bias_ptrs);
     free(e);
 }
 
@@ -287,6 +380,19 @@ static void build_request(const live_req *e, Kvbank__GenerateRequest *g, Kvbank_
     g->seed = e->sampling.seed;
     g->resume_index = e->next_index;
     g->tbt_slo_ms = (float)e->tbt_slo_ms;
+    g->grammar = e->grammar ? &e->grammar->g : NULL;
+    const kvb_sampling *sp = &e->sampling;
+    g->min_p = sp->min_p;
+    g->presence_penalty = sp->presence_penalty;
+    g->frequency_penalty = sp->frequency_penalty;
+    g->repetition_penalty = sp->repetition_penalty;
+    g->min_tokens = (uint32_t)sp->min_tokens;
+    g->n_logit_bias = (size_t)sp->n_logit_bias;
+    g->logit_bias = e->bias_ptrs;
+    g->logprobs = sp->logprobs;
+    g->top_logprobs = (uint32_t)sp->top_logprobs;
+    /* a resumption asks again only for prompt positions not delivered yet */
+    g->prompt_logprobs = sp->prompt_logprobs && e->plp_next < (uint32_t)e->n_prompt;
     kvbank__envelope__init(env);
     env->body_case = KVBANK__ENVELOPE__BODY_GENERATE;
     env->generate = g;
@@ -320,17 +426,35 @@ kvb_status kvb_client_submit(kvb_client *c, const kvb_request *r, kvb_client_eve
     e->max_tokens = r->max_tokens;
     e->sampling = r->sampling;
     e->tbt_slo_ms = r->tbt_slo_ms;
+    e->plp_next = 1;
     /* The copies a resumption needs; the delivered tokens are appended as they arrive. */
     e->cap_seq = r->n_prompt + KVB_MIN(r->max_tokens, 64);
     kvb_status st = kvb_malloc((size_t)KVB_MAX(e->cap_seq, 1) * sizeof *e->seq, (void **)&e->seq);
     if (st == KVB_OK && r->n_stop) st = kvb_malloc((size_t)r->n_stop * sizeof *e->stop, (void **)&e->stop);
+    size_t nb = r->sampling.n_logit_bias > 0 && r->sampling.logit_bias ? (size_t)r->sampling.n_logit_bias : 0;
+    if (st == KVB_OK && nb && (st = kvb_malloc(nb * sizeof *e->bias, (void **)&e->bias)) == KVB_OK &&
+        (st = kvb_calloc(nb, sizeof *e->bias_msgs, (void **)&e->bias_msgs)) == KVB_OK)
+        st = kvb_calloc(nb, sizeof *e->bias_ptrs, (void **)&e->bias_ptrs);
     if (st != KVB_OK) {
         req_free(e);
         set_err(err, err_len, "out of memory");
         return st;
     }
+    if (st == KVB_OK && r->n_grammar > 0 && (st = grammar_copy(r, &e->grammar, err, err_len)) != KVB_OK) {
+        req_free(e);
+        return st;
+    }
     if (r->n_prompt) memcpy(e->seq, r->prompt, (size_t)r->n_prompt * sizeof *e->seq);
     if (r->n_stop) memcpy(e->stop, r->stop_ids, (size_t)r->n_stop * sizeof *e->stop);
+    for (size_t k = 0; k < nb; k++) {
+        e->bias[k] = r->sampling.logit_bias[k];
+        kvbank__logit_bias__init(&e->bias_msgs[k]);
+        e->bias_msgs[k].id = e->bias[k].id;
+        e->bias_msgs[k].bias = e->bias[k].bias;
+        e->bias_ptrs[k] = &e->bias_msgs[k];
+    }
+    e->sampling.logit_bias = e->bias;
+    e->sampling.n_logit_bias = (int)nb;
     Kvbank__GenerateRequest g;
     Kvbank__Envelope env;
     build_request(e, &g, &env);
@@ -421,8 +545,36 @@ static kvb_status status_from_wire(int32_t code) { return code < 0 ? (kvb_status
 
 /* Ends request `e` (already unlinked) with a final callback and frees it. */
 static void finish_req(live_req *e, kvb_finish f, kvb_status st, const char *err) {
-    e->fn(e->ud, e->rid, NULL, NULL, 0, (int)e->next_index, f, st, err ? err : "");
+    e->fn(e->ud, e->rid, NULL, NULL, 0, (int)e->next_index, f, st, err ? err : "", NULL);
     req_free(e);
+}
+
+/* The logprobs of TokenEvent `te` for `e` into *out (pointers into te): checked for shape, prompt
+ * positions already delivered (by an earlier attempt) left out. KVB_ERR_PROTOCOL when malformed. */
+static kvb_status event_logprobs(live_req *e, const Kvbank__TokenEvent *te, kvb_client_logprobs *out) {
+    memset(out, 0, sizeof *out);
+    size_t t = te->top_n, n = te->n_tokens, np = te->n_prompt_logprobs;
+    if (t > KVB_MAX_TOP_LOGPROBS) return KVB_ERR_PROTOCOL;
+    if (te->n_logprobs) {
+        if (te->n_logprobs != n || te->n_top_ids != n * t || te->n_top_logprobs != n * t) return KVB_ERR_PROTOCOL;
+        *out = (kvb_client_logprobs){.lp = te->logprobs, .top_ids = te->top_ids, .top_lp = te->top_logprobs,
+                                     .top_n = (int)t};
+    }
+    if (!np) return KVB_OK;
+    if (te->n_prompt_top_ids != np * t || te->n_prompt_top_logprobs != np * t || te->prompt_first < 1 ||
+        np > (size_t)e->n_prompt || te->prompt_first + np > (size_t)e->n_prompt)
+        return KVB_ERR_PROTOCOL;
+    /* positions delivered before a resumption are left out */
+    size_t skip = te->prompt_first < e->plp_next ? e->plp_next - te->prompt_first : 0;
+    if (skip >= np) return KVB_OK;
+    out->top_n = (int)t;
+    out->prompt_first = (int)(te->prompt_first + skip);
+    out->n_prompt = (int)(np - skip);
+    out->prompt_lp = te->prompt_logprobs + skip;
+    out->prompt_top_ids = te->prompt_top_ids + skip * t;
+    out->prompt_top_lp = te->prompt_top_logprobs + skip * t;
+    e->plp_next = te->prompt_first + (uint32_t)np;
+    return KVB_OK;
 }
 
 /* The live request an event with wire id `wid` is about, or NULL (not live, or an earlier attempt). */
@@ -462,12 +614,25 @@ static void on_tokens(kvb_client *c, const Kvbank__TokenEvent *te) {
         finish_req(req_take(c, e->rid), KVB_FINISH_ERROR, KVB_ERR_PROTOCOL, msg);
         return;
     }
+    kvb_client_logprobs lp;
+    const kvb_client_logprobs *lpp = NULL;
+    if (event_logprobs(e, te, &lp) != KVB_OK) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "malformed logprobs: %zu for %zu tokens, %zu prompt positions, top %" PRIu32,
+                 te->n_logprobs, te->n_tokens, te->n_prompt_logprobs, te->top_n);
+        KVB_LOG_E("request %" PRIu64 ": %s", e->rid, msg);
+        send_cancel(c, wire_id(e));
+        finish_req(req_take(c, e->rid), KVB_FINISH_ERROR, KVB_ERR_PROTOCOL, msg);
+        return;
+    }
+    if (lp.lp || lp.n_prompt) lpp = &lp;
     kvb_finish f = finish_from_wire(te->finish);
     uint64_t rid = e->rid;
     e->next_index += (uint32_t)te->n_tokens;
     if (f == KVB_FINISH_NONE) {
         /* `e` may be abandoned (freed) inside the callback: it is not touched afterwards. */
-        if (te->n_tokens) e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, KVB_OK, "");
+        if (te->n_tokens || lp.n_prompt)
+            e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, KVB_OK, "", lpp);
         return;
     }
     req_take(c, rid);
@@ -476,7 +641,7 @@ static void on_tokens(kvb_client *c, const Kvbank__TokenEvent *te) {
     if (f == KVB_FINISH_ERROR)
         snprintf(why, sizeof why, "the model failed the request%s%.100s", te->error && te->error[0] ? ": " : "",
                  te->error ? te->error : "");
-    e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, st, why);
+    e->fn(e->ud, rid, te->tokens, te->t_ns, (int)te->n_tokens, (int)at, f, st, why, lpp);
     req_free(e);
 }
 
@@ -754,8 +919,9 @@ typedef struct gen_wait {
 } gen_wait;
 
 static void gen_event(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n, int first_index,
-                      kvb_finish finish, kvb_status st, const char *err) {
+                      kvb_finish finish, kvb_status st, const char *err, const kvb_client_logprobs *lp) {
     gen_wait *g = ud;
+    (void)lp;
     g->n_events++;
     for (int k = 0; k < n; k++) {
         if (g->cancelling || !g->on_token) break;

@@ -68,15 +68,31 @@ kvb_status kvb_client_ping(kvb_client *c, int timeout_ms, uint32_t *live);
 
 /* ------------------------------------------------------------------------------- asynchronous use */
 
+/* The logprobs an event carries (sampling.logprobs, sampling.prompt_logprobs; proto TokenEvent). */
+typedef struct kvb_client_logprobs {
+    const float *lp;              /* [n] the event's tokens' logprobs, or NULL when not asked for */
+    const int32_t *top_ids;       /* [n][top_n] the most likely tokens at each, most likely first */
+    const float *top_lp;          /* [n][top_n] */
+    int top_n;
+    int prompt_first;             /* prompt positions prompt_first .. prompt_first + n_prompt - 1 */
+    int n_prompt;                 /* 0: none in this event */
+    const float *prompt_lp;       /* [n_prompt] */
+    const int32_t *prompt_top_ids;/* [n_prompt][top_n] */
+    const float *prompt_top_lp;   /* [n_prompt][top_n] */
+} kvb_client_logprobs;
+
 /* What arrived for request `rid`: `n` new tokens (indices first_index.., with their wall-clock times,
  * ns since the epoch; both arrays valid during the call only), and on the request's last call its
  * finish reason (NONE on every call before). On that last call `st` says how it ended: KVB_OK with
  * LENGTH / STOP / CANCELLED; with FINISH_ERROR, the server's ErrorReply code (its message in `err`),
  * KVB_ERR_BACKEND when the model failed the request, or KVB_ERR_PROTOCOL for a broken token stream
- * (then a CancelRequest has gone out). `err` is "" otherwise. The callback may call
- * kvb_client_submit, kvb_client_cancel and kvb_client_abandon on the same client. */
+ * (then a CancelRequest has gone out). `err` is "" otherwise. `lp` (NULL when the event has none) holds
+ * the tokens' logprobs and prompt logprobs; an event may carry prompt logprobs and no token (each
+ * prompt position comes once, across resumptions too). The callback may call kvb_client_submit,
+ * kvb_client_cancel and kvb_client_abandon on the same client. */
 typedef void (*kvb_client_event_fn)(void *ud, uint64_t rid, const int32_t *tokens, const uint64_t *t_ns, int n,
-                                    int first_index, kvb_finish finish, kvb_status st, const char *err);
+                                    int first_index, kvb_finish finish, kvb_status st, const char *err,
+                                    const kvb_client_logprobs *lp);
 
 /* Sends `r` (r->id and r->resume_index unused) and returns at once with its id in *rid (it stays the
  * request's id across resumptions). `fn(ud, ...)` is called from

@@ -36,6 +36,7 @@
 #include <zmq.h>
 
 #include "common/ipc/wire.h"
+#include "common/text/grammar.h"
 
 #define IDENT_MAX 255                        /* ZeroMQ routing ids are 1..255 bytes */
 #define SLOT_BITS 24                         /* low bits of an engine id: the slot */
@@ -50,6 +51,7 @@
 #define HOOK_ITEMS_MAX 15                    /* extra poll items a role may add */
 #define FEED_WAITING 8                       /* feed the engine while fewer requests than this wait in it */
 #define REQ_KEEP_IDS 4096                    /* a slot keeps a request buffer up to this many ids for reuse */
+#define GRAMMAR_CACHE 64                     /* compiled grammars kept (least recently used dropped) */
 
 typedef struct slot {
     int in_use;
@@ -78,7 +80,22 @@ typedef struct slot {
     int32_t *req;                 /* [cap_req] (n_prompt + n_stop valid) */
     int cap_req, n_prompt, n_stop, max_tokens, resume_index;
     double tbt_slo_ms;
-    kvb_sampling sampling;
+    kvb_grammar_matcher *matcher; /* structured output, compiled at arrival; the engine's once added */
+    kvb_sampling sampling;        /* sampling.logit_bias points to `bias` */
+    kvb_logit_bias *bias;         /* [cap_bias] */
+    size_t cap_bias;
+    /* logprobs (sampling.logprobs) of the buffered tokens, parallel to tok */
+    float *lp;                    /* [cap_lp] (n_tok valid) */
+    int32_t *top_ids;             /* [cap_top] ([n_tok][sampling.top_logprobs] valid) */
+    float *top_lp;                /* [cap_top] */
+    size_t cap_lp, cap_top;
+    /* prompt logprobs computed since the last flush: positions plp_first .. plp_first + n_plp - 1 */
+    float *plp;                   /* [cap_plp] */
+    int32_t *ptop_ids;            /* [cap_ptop] ([n_plp][sampling.top_logprobs] valid) */
+    float *ptop_lp;               /* [cap_ptop] */
+    size_t cap_plp, cap_ptop;
+    int n_plp;
+    uint32_t plp_first;
 } slot;
 
 /* A client: one routing id with at least one live request. */
@@ -124,6 +141,13 @@ struct kvb_server {
     uint64_t seq;                 /* last sequence number given to an engine id */
     kvb_server_stats stats;
     kvb_server_hooks hooks;       /* the role's sockets and callbacks (all zero: none) */
+    /* structured output: the tokenizer's vocabulary and one cache of compiled grammars, loaded at the
+     * first request that carries a grammar */
+    char *model_dir;              /* NULL: grammars are refused */
+    int gr_state;                 /* 0: not loaded yet, 1: loaded, -1: cannot be (gr_why says why) */
+    char gr_why[384];
+    kvb_grammar_vocab *gvocab;
+    kvb_grammar_cache *gcache;
 };
 
 /* ------------------------------------------------------------------------------------------ helpers */
@@ -289,6 +313,8 @@ static void slot_free(kvb_server *s, int i) {
     sl->in_engine = 0;
     sl->eid = 0;
     sl->n_tok = 0;
+    kvb_grammar_matcher_destroy(sl->matcher); /* still the slot's when the engine never took it */
+    sl->matcher = NULL;
     if (sl->cap_req > REQ_KEEP_IDS) { /* a huge prompt's buffer is not kept around */
         free(sl->req);
         sl->req = NULL;
@@ -395,6 +421,71 @@ static void ev_token(void *ud, uint64_t id, int index, int32_t token, uint64_t t
     mark_dirty(s, (int)(sl - s->slots));
 }
 
+/* Makes room for `need` elements of `size` bytes in *p (capacity *cap, doubling). */
+static kvb_status reserve(void **p, size_t *cap, size_t need, size_t size) {
+    if (need <= *cap) return KVB_OK;
+    size_t c = KVB_MAX(need, 2 * *cap);
+    KVB_TRY(kvb_realloc_array(p, c, size));
+    *cap = c;
+    return KVB_OK;
+}
+
+/* The same for two arrays of ids and floats that share a capacity. */
+static kvb_status reserve_top(int32_t **ids, float **lp, size_t *cap, size_t need) {
+    if (need <= *cap) return KVB_OK;
+    size_t c = KVB_MAX(need, 2 * *cap);
+    KVB_TRY(kvb_realloc_array((void **)ids, c, sizeof **ids));
+    KVB_TRY(kvb_realloc_array((void **)lp, c, sizeof **lp));
+    *cap = c;
+    return KVB_OK;
+}
+
+/* The logprobs of the token ev_token buffers next (at n_tok). */
+static void ev_logprobs(void *ud, uint64_t id, int index, float lp, const int32_t *top_ids, const float *top_lp,
+                        int top_n) {
+    kvb_server *s = ud;
+    slot *sl = slot_by_eid(s, id);
+    (void)index;
+    if (!sl || sl->mute || sl->broken || sl->finish != KVB_FINISH_NONE) return;
+    size_t k = (size_t)sl->n_tok, t = (size_t)sl->sampling.top_logprobs;
+    if (top_n != (int)t || reserve((void **)&sl->lp, &sl->cap_lp, k + 1, sizeof *sl->lp) != KVB_OK ||
+        reserve_top(&sl->top_ids, &sl->top_lp, &sl->cap_top, (k + 1) * t) != KVB_OK) {
+        sl->broken = 1; /* flush() ends it with ERROR */
+        mark_dirty(s, (int)(sl - s->slots));
+        return;
+    }
+    sl->lp[k] = lp;
+    if (t) {
+        memcpy(sl->top_ids + k * t, top_ids, t * sizeof *top_ids);
+        memcpy(sl->top_lp + k * t, top_lp, t * sizeof *top_lp);
+    }
+}
+
+static void ev_prompt_logprobs(void *ud, uint64_t id, int pos0, int n, const float *lp, const int32_t *top_ids,
+                               const float *top_lp, int top_n) {
+    kvb_server *s = ud;
+    slot *sl = slot_by_eid(s, id);
+    if (!sl || sl->mute || sl->broken || sl->finish != KVB_FINISH_NONE || n <= 0) return;
+    size_t k = (size_t)sl->n_plp, t = (size_t)sl->sampling.top_logprobs;
+    if (sl->n_plp && (uint32_t)pos0 != sl->plp_first + (uint32_t)sl->n_plp)
+        KVB_LOG_W("request %" PRIu64 ": prompt logprobs of position %d, expected %u", id, pos0,
+                  sl->plp_first + (unsigned)sl->n_plp);
+    if (top_n != (int)t || reserve((void **)&sl->plp, &sl->cap_plp, k + (size_t)n, sizeof *sl->plp) != KVB_OK ||
+        reserve_top(&sl->ptop_ids, &sl->ptop_lp, &sl->cap_ptop, (k + (size_t)n) * t) != KVB_OK) {
+        sl->broken = 1;
+        mark_dirty(s, (int)(sl - s->slots));
+        return;
+    }
+    if (!sl->n_plp) sl->plp_first = (uint32_t)pos0;
+    memcpy(sl->plp + k, lp, (size_t)n * sizeof *lp);
+    if (t) {
+        memcpy(sl->ptop_ids + k * t, top_ids, (size_t)n * t * sizeof *top_ids);
+        memcpy(sl->ptop_lp + k * t, top_lp, (size_t)n * t * sizeof *top_lp);
+    }
+    sl->n_plp += n;
+    mark_dirty(s, (int)(sl - s->slots));
+}
+
 static void ev_finish(void *ud, uint64_t id, kvb_finish reason, kvb_status err) {
     kvb_server *s = ud;
     slot *sl = slot_by_eid(s, id);
@@ -410,7 +501,8 @@ static void ev_finish(void *ud, uint64_t id, kvb_finish reason, kvb_status err) 
 }
 
 kvb_engine_events kvb_server_engine_events(kvb_server *s) {
-    kvb_engine_events ev = {.ud = s, .on_token = ev_token, .on_finish = ev_finish, .on_logits = NULL};
+    kvb_engine_events ev = {.ud = s, .on_token = ev_token, .on_finish = ev_finish, .on_logits = NULL,
+                            .on_logprobs = ev_logprobs, .on_prompt_logprobs = ev_prompt_logprobs};
     return ev;
 }
 
@@ -430,7 +522,7 @@ static void flush(kvb_server *s) {
             sl->dirty = 0;
             if (!sl->in_use) continue;
             int final = sl->finish != KVB_FINISH_NONE;
-            if (!sl->mute && (sl->n_tok > 0 || final || sl->broken)) {
+            if (!sl->mute && (sl->n_tok > 0 || final || sl->broken || sl->n_plp > 0)) {
                 kvb_finish f = sl->finish;
                 if (sl->broken && !final) f = KVB_FINISH_ERROR;
                 Kvbank__TokenEvent te = KVBANK__TOKEN_EVENT__INIT;
@@ -441,6 +533,25 @@ static void flush(kvb_server *s) {
                 te.n_t_ns = (size_t)sl->n_tok;
                 te.t_ns = sl->t_ns;
                 te.finish = finish_to_wire(f);
+                if (sl->sampling.logprobs && sl->n_tok > 0) {
+                    size_t t = (size_t)sl->sampling.top_logprobs;
+                    te.n_logprobs = (size_t)sl->n_tok;
+                    te.logprobs = sl->lp;
+                    te.top_n = (uint32_t)t;
+                    te.n_top_ids = te.n_top_logprobs = (size_t)sl->n_tok * t;
+                    te.top_ids = sl->top_ids;
+                    te.top_logprobs = sl->top_lp;
+                }
+                if (sl->n_plp > 0) {
+                    size_t t = (size_t)sl->sampling.top_logprobs;
+                    te.top_n = (uint32_t)t;
+                    te.prompt_first = sl->plp_first;
+                    te.n_prompt_logprobs = (size_t)sl->n_plp;
+                    te.prompt_logprobs = sl->plp;
+                    te.n_prompt_top_ids = te.n_prompt_top_logprobs = (size_t)sl->n_plp * t;
+                    te.prompt_top_ids = sl->ptop_ids;
+                    te.prompt_top_logprobs = sl->ptop_lp;
+                }
                 if (f == KVB_FINISH_ERROR && sl->err != KVB_OK) { /* say why (a stalled request: issue 10) */
                     te.error_code = (int32_t)sl->err;
                     te.error = (char *)kvb_status_str(sl->err);
@@ -454,6 +565,7 @@ static void flush(kvb_server *s) {
                 }
             }
             sl->n_tok = 0;
+            sl->n_plp = 0;
             if (final) slot_free(s, i);
             else if (sl->mute || sl->broken) queue_cancel(s, i);
         }
@@ -480,6 +592,126 @@ static void flush(kvb_server *s) {
             }
         }
     }
+}
+
+/* ------------------------------------------------------------------------------- structured output */
+
+/* The vocabulary and the grammar cache, made at the first request with a grammar (a model that never
+ * gets one never pays for its tokenizer here). The outcome is kept: a model without a tokenizer says
+ * so to every such request. */
+static kvb_status grammar_setup(kvb_server *s) {
+    if (s->gr_state) return s->gr_state > 0 ? KVB_OK : KVB_ERR_UNSUPPORTED;
+    s->gr_state = -1;
+    if (!s->model_dir) {
+        snprintf(s->gr_why, sizeof s->gr_why, "model '%s' has no tokenizer here: structured output needs one",
+                 s->model_name);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    uint64_t t0 = kvb_now_ns();
+    kvb_tokenizer *tok = NULL;
+    kvb_status st = kvb_tokenizer_load(s->model_dir, &tok);
+    if (st == KVB_ERR_NOT_FOUND) {
+        snprintf(s->gr_why, sizeof s->gr_why, "model '%s' has no tokenizer (no tokenizer.json in %s): structured "
+                 "output needs one", s->model_name, s->model_dir);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    if (st == KVB_OK) st = kvb_grammar_vocab_from_tokenizer(tok, &s->gvocab);
+    kvb_tokenizer_destroy(tok);
+    if (st == KVB_OK) st = kvb_grammar_cache_create(s->gvocab, GRAMMAR_CACHE, &s->gcache);
+    if (st != KVB_OK) {
+        snprintf(s->gr_why, sizeof s->gr_why, "the tokenizer of model '%s' cannot be used for structured output: %s",
+                 s->model_name, kvb_status_str(st));
+        KVB_LOG_E("%s", s->gr_why);
+        return st;
+    }
+    s->gr_state = 1;
+    KVB_LOG_I("structured output: %d tokens of %s's tokenizer ready in %.0f ms", kvb_grammar_vocab_size(s->gvocab),
+              s->model_name, (double)(kvb_now_ns() - t0) / 1e6);
+    return KVB_OK;
+}
+
+/* Compiles g's grammar (through the cache) into a matcher at the start of the output, replayed over the
+ * tokens a resumed request already delivered. Why it cannot, in why[n]. */
+static kvb_status grammar_matcher(kvb_server *s, const Kvbank__GenerateRequest *g, kvb_grammar_matcher **out,
+                                  char *why, size_t n) {
+    const Kvbank__Grammar *gr = g->grammar;
+    if (grammar_setup(s) != KVB_OK) {
+        snprintf(why, n, "%s", s->gr_why);
+        return KVB_ERR_UNSUPPORTED;
+    }
+    if (gr->n_parts == 0 || gr->n_parts > KVB_WIRE_MAX_GRAMMAR_PARTS) {
+        snprintf(why, n, "a grammar has 1 to %d parts, not %zu", KVB_WIRE_MAX_GRAMMAR_PARTS, gr->n_parts);
+        return KVB_ERR_INVALID;
+    }
+    kvb_grammar_part parts[KVB_WIRE_MAX_GRAMMAR_PARTS];
+    char **choices[KVB_WIRE_MAX_GRAMMAR_PARTS] = {0};
+    kvb_status st = KVB_OK;
+    for (size_t k = 0; k < gr->n_parts && st == KVB_OK; k++) {
+        const Kvbank__GrammarPart *p = gr->parts[k];
+        parts[k] = (kvb_grammar_part){.text = (const char *)p->text.data, .len = p->text.len};
+        switch (p->kind) {
+        case KVBANK__GRAMMAR_PART__KIND__LITERAL: parts[k].kind = KVB_GRAMMAR_LITERAL; break;
+        case KVBANK__GRAMMAR_PART__KIND__JSON: parts[k].kind = KVB_GRAMMAR_JSON; break;
+        case KVBANK__GRAMMAR_PART__KIND__JSON_OBJECT: parts[k].kind = KVB_GRAMMAR_JSON_OBJECT; break;
+        case KVBANK__GRAMMAR_PART__KIND__JSON_SCHEMA: parts[k].kind = KVB_GRAMMAR_JSON_SCHEMA; break;
+        case KVBANK__GRAMMAR_PART__KIND__REGEX: parts[k].kind = KVB_GRAMMAR_REGEX; break;
+        case KVBANK__GRAMMAR_PART__KIND__CHOICE: parts[k].kind = KVB_GRAMMAR_CHOICE; break;
+        default:
+            snprintf(why, n, "grammar part %zu has an unknown kind %d", k, (int)p->kind);
+            st = KVB_ERR_INVALID;
+            continue;
+        }
+        if (parts[k].kind != KVB_GRAMMAR_CHOICE) continue;
+        /* choices travel as bytes; the compiler takes NUL-terminated strings */
+        if (p->n_choices == 0 || p->n_choices > INT_MAX ||
+            kvb_calloc(p->n_choices, sizeof *choices[k], (void **)&choices[k]) != KVB_OK) {
+            snprintf(why, n, "grammar part %zu: a choice needs at least one string", k);
+            st = p->n_choices ? KVB_ERR_NOMEM : KVB_ERR_INVALID;
+            continue;
+        }
+        for (size_t c = 0; c < p->n_choices && st == KVB_OK; c++) {
+            const ProtobufCBinaryData *b = &p->choices[c];
+            if (memchr(b->data, 0, b->len)) {
+                snprintf(why, n, "grammar part %zu: choice %zu holds a NUL byte", k, c);
+                st = KVB_ERR_INVALID;
+            } else if ((st = kvb_malloc(b->len + 1, (void **)&choices[k][c])) == KVB_OK) {
+                if (b->len) memcpy(choices[k][c], b->data, b->len);
+                choices[k][c][b->len] = '\0';
+            }
+        }
+        parts[k].choices = (const char *const *)choices[k];
+        parts[k].n_choices = (int)p->n_choices;
+    }
+    kvb_grammar *gm = NULL;
+    if (st == KVB_OK) {
+        kvb_grammar_opts o;
+        kvb_grammar_opts_default(&o);
+        o.strict = !gr->lax;
+        if (gr->compact) o.ws_indent = -1;
+        st = kvb_grammar_cache_get(s->gcache, parts, (int)gr->n_parts, &o, &gm, why, n);
+    }
+    for (size_t k = 0; k < gr->n_parts; k++) {
+        for (size_t c = 0; choices[k] && c < gr->parts[k]->n_choices; c++) free(choices[k][c]);
+        free(choices[k]);
+    }
+    if (st != KVB_OK) return st;
+    st = kvb_grammar_matcher_create(gm, out);
+    kvb_grammar_release(gm);
+    if (st != KVB_OK) {
+        snprintf(why, n, "out of memory");
+        return st;
+    }
+    /* a resumed request: the tokens already delivered are the prompt's last resume_index */
+    for (size_t k = g->n_prompt_ids - g->resume_index; k < g->n_prompt_ids; k++) {
+        if (kvb_grammar_matcher_accept_token(*out, g->prompt_ids[k]) != KVB_OK) {
+            snprintf(why, n, "resumed token %zu (%d) does not continue the grammar's output",
+                     k - (g->n_prompt_ids - g->resume_index), (int)g->prompt_ids[k]);
+            kvb_grammar_matcher_destroy(*out);
+            *out = NULL;
+            return KVB_ERR_INVALID;
+        }
+    }
+    return KVB_OK;
 }
 
 /* -------------------------------------------------------------------------------------------- input */
@@ -532,10 +764,23 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         reply_error(s, ident, len, rid, KVB_ERR_INVALID, "top_k %" PRIu32 " is out of range", g->top_k);
         return;
     }
-    kvb_sampling sp = {.temperature = g->temperature, .top_k = (int)g->top_k, .top_p = g->top_p, .seed = g->seed};
-    if (kvb_sampling_check(&sp) != KVB_OK) {
-        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "bad sampling (temperature %g, top_k %" PRIu32 ", top_p %g)",
-                    (double)g->temperature, g->top_k, (double)g->top_p);
+    if (g->min_tokens > INT_MAX || g->top_logprobs > INT_MAX || g->n_logit_bias > KVB_MAX_LOGIT_BIAS) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "min_tokens, top_logprobs or logit_bias out of range");
+        return;
+    }
+    kvb_sampling sp = {.temperature = g->temperature, .top_k = (int)g->top_k, .top_p = g->top_p, .seed = g->seed,
+                       .min_p = g->min_p, .presence_penalty = g->presence_penalty,
+                       .frequency_penalty = g->frequency_penalty, .repetition_penalty = g->repetition_penalty,
+                       .min_tokens = (int)g->min_tokens, .n_logit_bias = (int)g->n_logit_bias,
+                       .logprobs = g->logprobs, .top_logprobs = (int)g->top_logprobs,
+                       .prompt_logprobs = g->prompt_logprobs};
+    kvb_logit_bias bias[KVB_MAX_LOGIT_BIAS];
+    for (size_t k = 0; k < g->n_logit_bias; k++)
+        bias[k] = (kvb_logit_bias){.id = g->logit_bias[k]->id, .bias = g->logit_bias[k]->bias};
+    sp.logit_bias = bias;
+    char why[160];
+    if (kvb_sampling_check(&sp, s->vocab, why, sizeof why) != KVB_OK) {
+        reply_error(s, ident, len, rid, KVB_ERR_INVALID, "bad sampling: %s", why);
         return;
     }
     if (slot_find(s, ident, len, rid) >= 0) {
@@ -553,10 +798,19 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
         reply_error(s, ident, len, rid, KVB_ERR_EXHAUSTED, "the server has %d live requests, its limit", s->max_live);
         return;
     }
+    kvb_grammar_matcher *matcher = NULL;
+    if (g->grammar) {
+        char gwhy[512];
+        if (grammar_matcher(s, g, &matcher, gwhy, sizeof gwhy) != KVB_OK) {
+            reply_error(s, ident, len, rid, KVB_ERR_INVALID, KVB_WIRE_GRAMMAR_ERROR "%s", gwhy);
+            return;
+        }
+    }
     size_t n_ids = g->n_prompt_ids + g->n_stop_ids;
     ci = client_get(s, ident, len);
     int i = slot_alloc(s, ident, len, rid, ci);
     slot *sl = &s->slots[i];
+    sl->matcher = matcher; /* slot_free destroys it from here on */
     if (sl->cap_tok == 0) {
         if (kvb_realloc_array((void **)&sl->tok, TOK_CAP0, sizeof *sl->tok) != KVB_OK ||
             kvb_realloc_array((void **)&sl->t_ns, TOK_CAP0, sizeof *sl->t_ns) != KVB_OK) {
@@ -581,7 +835,15 @@ static void handle_generate(kvb_server *s, const uint8_t *ident, size_t len, con
     sl->max_tokens = (int)g->max_tokens;
     sl->resume_index = (int)g->resume_index;
     sl->tbt_slo_ms = g->tbt_slo_ms;
+    if (reserve((void **)&sl->bias, &sl->cap_bias, (size_t)sp.n_logit_bias, sizeof *sl->bias) != KVB_OK) {
+        slot_free(s, i);
+        reply_error(s, ident, len, rid, KVB_ERR_NOMEM, "out of memory");
+        return;
+    }
+    if (sp.n_logit_bias) memcpy(sl->bias, bias, (size_t)sp.n_logit_bias * sizeof *bias);
+    sp.logit_bias = sl->bias;
     sl->sampling = sp;
+    sl->n_plp = 0;
     q_push(s, i);
     s->stats.accepted++;
     char b[36];
@@ -602,8 +864,10 @@ static void engine_add(kvb_server *s, int i) {
         .sampling = sl->sampling,
         .resume_index = sl->resume_index,
         .tbt_slo_ms = sl->tbt_slo_ms,
+        .matcher = sl->matcher,
     };
     kvb_status st = kvb_engine_add(s->engine, &r);
+    if (st == KVB_OK) sl->matcher = NULL; /* the engine's now */
     if (st != KVB_OK) {
         uint8_t ident[IDENT_MAX];
         size_t len = sl->ident_len;
@@ -759,6 +1023,7 @@ kvb_status kvb_server_create(const kvb_server_opts *opts, kvb_server **out) {
     s->n_buckets = 1;
     while (s->n_buckets < 2 * max_live) s->n_buckets *= 2;
     KVB_TRY_GOTO(kvb_strdup(opts->model_name ? opts->model_name : "", &s->model_name), fail);
+    if (opts->model_dir) KVB_TRY_GOTO(kvb_strdup(opts->model_dir, &s->model_dir), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->slots, (void **)&s->slots), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->free_idx, (void **)&s->free_idx), fail);
     KVB_TRY_GOTO(kvb_calloc((size_t)max_live, sizeof *s->dirty, (void **)&s->dirty), fail);
@@ -887,9 +1152,17 @@ void kvb_server_destroy(kvb_server *s) {
     free(s->ipc_path);
     if (s->slots) {
         for (int i = 0; i < s->max_live; i++) {
+            kvb_grammar_matcher_destroy(s->slots[i].matcher);
             free(s->slots[i].tok);
             free(s->slots[i].t_ns);
             free(s->slots[i].req);
+            free(s->slots[i].bias);
+            free(s->slots[i].lp);
+            free(s->slots[i].top_ids);
+            free(s->slots[i].top_lp);
+            free(s->slots[i].plp);
+            free(s->slots[i].ptop_ids);
+            free(s->slots[i].ptop_lp);
         }
     }
     free(s->slots);
@@ -900,6 +1173,9 @@ void kvb_server_destroy(kvb_server *s) {
     free(s->clients);
     free(s->cl_free);
     free(s->cl_buckets);
+    kvb_grammar_cache_destroy(s->gcache);
+    kvb_grammar_vocab_destroy(s->gvocab);
+    free(s->model_dir);
     free(s->model_name);
     free(s->endpoint);
     free(s);

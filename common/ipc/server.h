@@ -24,6 +24,9 @@ typedef struct kvb_server_opts {
                              * (the one with the fewest requests in it first) */
     int vocab;              /* > 0: prompt and stop ids must be < vocab (checked here so that the
                              * ErrorReply names the bad token; 0 leaves the check to the engine) */
+    const char *model_dir;  /* structured output: the tokenizer a request's grammar is compiled against
+                             * (its tokenizer.json, loaded at the first request with a grammar); NULL:
+                             * such requests are refused */
 } kvb_server_opts;
 
 /* Creates a server that feeds `engine` (borrowed; the server installs its event callbacks, so the

@@ -13,6 +13,11 @@
 /* Largest frame a kvbank endpoint accepts (larger ones get an ErrorReply and are discarded). */
 #define KVB_WIRE_MAX_FRAME (4u << 20)
 
+/* The start of an ErrorReply's message when a request's grammar cannot be used (it does not compile,
+ * or the model has no tokenizer): the HTTP gateway answers 400 naming the field that carried it. */
+#define KVB_WIRE_GRAMMAR_ERROR "grammar: "
+#define KVB_WIRE_MAX_GRAMMAR_PARTS 16 /* parts of one request's grammar */
+
 /* Packs `env` (version is set here) into a new buffer; caller frees *buf. */
 kvb_status kvb_wire_pack(Kvbank__Envelope *env, uint8_t **buf, size_t *len);
 /* Which check a frame failed (kvb_wire_decode). */

@@ -415,25 +415,34 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     return KVB_OK;
 }
 
+/* Final norm and LM head of rows[n] of the residual stream into logits [n][vocab] (host), through the
+ * step's logit buffers (n <= its n_logits). Waits for the device. */
+static kvb_status lm_head(kvb_forward *fw, const int32_t *rows, int n, float *logits) {
+    const kvb_model_config *c = &fw->m->cfg;
+    const kvb_backend_i *be = fw->be->iface;
+    void *ctx = fw->be->ctx;
+    kvb_status st = be->gather_rows(ctx, fw->x, rows, n, c->hidden, fw->rows);
+    if (st == KVB_OK) st = be->rmsnorm(ctx, fw->rows, n, c->hidden, &fw->m->final_norm, c->rms_eps, fw->rows);
+    if (st == KVB_OK) st = be->matmul(ctx, fw->rows, n, &fw->m->lm_head, 0.0f, fw->logits);
+    /* waits for the device: every kernel of the step is done when it returns */
+    if (st == KVB_OK) st = be->to_host_f32(ctx, logits, fw->logits, (size_t)n * c->vocab);
+    if (st != KVB_OK) (void)be->sync(ctx);
+    return st;
+}
+
+kvb_status kvb_forward_logits(kvb_forward *fw, const int32_t *rows, int n, float *logits) {
+    if (!fw->b || fw->next_layer != fw->m->cfg.n_layers || n < 1 || n > fw->b->n_logits) return KVB_ERR_INVALID;
+    for (int i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= fw->n_rows) return KVB_ERR_INVALID;
+    return lm_head(fw, rows, n, logits);
+}
+
 kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
     const kvb_model_config *c = &fw->m->cfg;
     if (!fw->b || fw->next_layer != c->n_layers) return KVB_ERR_STATE;
     const kvb_batch *b = fw->b;
-    const kvb_backend_i *be = fw->be->iface;
-    void *ctx = fw->be->ctx;
     fw->b = NULL;
-    kvb_status st;
-    if (b->n_logits == 0) {
-        st = be->sync(ctx);
-    } else {
-        st = be->gather_rows(ctx, fw->x, b->logit_rows, b->n_logits, c->hidden, fw->rows);
-        if (st == KVB_OK)
-            st = be->rmsnorm(ctx, fw->rows, b->n_logits, c->hidden, &fw->m->final_norm, c->rms_eps, fw->rows);
-        if (st == KVB_OK) st = be->matmul(ctx, fw->rows, b->n_logits, &fw->m->lm_head, 0.0f, fw->logits);
-        /* waits for the device: every kernel of the step is done when it returns */
-        if (st == KVB_OK) st = be->to_host_f32(ctx, logits, fw->logits, (size_t)b->n_logits * c->vocab);
-        if (st != KVB_OK) (void)be->sync(ctx);
-    }
+    kvb_status st = b->n_logits == 0 ? fw->be->iface->sync(fw->be->ctx) : lm_head(fw, b->logit_rows, b->n_logits, logits);
     /* The buffers go back; work already on the stream is done (sync above), and the next step's
      * kernels run after this one's on the same stream anyway. */
     fw_release(fw);

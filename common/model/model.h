@@ -85,6 +85,10 @@ kvb_status kvb_forward_split(kvb_forward *fw, int rows);
 kvb_status kvb_forward_chunk(kvb_forward *fw, int rows);
 /* Writes logits [n_logits][vocab] (f32, host) for the batch's logit_rows. */
 kvb_status kvb_forward_end(kvb_forward *fw, float *logits);
+/* After the last layer, before kvb_forward_end: logits [n][vocab] (f32, host) of any rows[n] of the step
+ * (below the rows computed), n at most the batch's n_logits (its buffers are used; prompt logprobs
+ * take every prompt row this way, a batch's worth at a time). KVB_ERR_INVALID otherwise. */
+kvb_status kvb_forward_logits(kvb_forward *fw, const int32_t *rows, int n, float *logits);
 
 /* The residual stream [n_tokens][hidden] (backend memory, act dtype) of the step in flight: between
  * kvb_forward_begin / kvb_forward_layer(l - 1) and kvb_forward_layer(l) it holds every row's hidden

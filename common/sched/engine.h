@@ -17,6 +17,7 @@
 
 #include "common/model/model.h"
 #include "common/sched/plan.h"
+#include "common/text/grammar.h"
 #include "common/sched/sampling.h"
 #include "common/sched/stager.h"
 
@@ -70,8 +71,18 @@ typedef struct kvb_engine_events {
     void (*on_token)(void *ud, uint64_t id, int index, int32_t token, uint64_t t_ns);
     /* The request ended; no further events for `id`. err is KVB_OK unless reason is ERROR. */
     void (*on_finish)(void *ud, uint64_t id, kvb_finish reason, kvb_status err);
-    /* Optional: the logits [vocab] from which token `index` was sampled (valid during the call). */
+    /* Optional: the logits [vocab] from which token `index` was sampled, before any processor changed
+     * them (valid during the call). */
     void (*on_logits)(void *ud, uint64_t id, int index, const float *logits, int vocab);
+    /* Optional, for requests with sampling.logprobs: token `index`'s logprob and the top_n most likely
+     * tokens with theirs (top_ids / top_lp [top_n], most likely first), just before its on_token. */
+    void (*on_logprobs)(void *ud, uint64_t id, int index, float lp, const int32_t *top_ids, const float *top_lp,
+                        int top_n);
+    /* Optional, for requests with sampling.prompt_logprobs: prompt positions pos0 .. pos0 + n - 1 (pos0 >= 1,
+     * in order, each once): lp [n], top_ids / top_lp [n][top_n]; all of them come before the first
+     * token. */
+    void (*on_prompt_logprobs)(void *ud, uint64_t id, int pos0, int n, const float *lp, const int32_t *top_ids,
+                               const float *top_lp, int top_n);
 } kvb_engine_events;
 
 typedef struct kvb_request {
@@ -87,7 +98,22 @@ typedef struct kvb_request {
                              * server died): seeded sampling starts after their draws */
     double tbt_slo_ms;      /* >= 0: its time-between-tokens SLO (OrbitFlow's planner and Token-Deposit);
                              * 0: the planner's default for the model */
+    /* Structured output (docs/grammar.md). What a client sends (kvb_client_*): the grammar's parts
+     * (borrowed during the call) and KVB_GRAMMAR_REQ_* flags, which the model server compiles into a
+     * matcher. The engine reads only `matcher`. */
+    const kvb_grammar_part *grammar; /* [n_grammar] */
+    int n_grammar;
+    unsigned grammar_flags;
+    /* Every step masks the request's logits to the tokens the matcher allows (before any other
+     * sampling stage), advances it by the sampled token and finishes the request with STOP once it is
+     * done. kvb_engine_add takes it on success (destroyed with the request); on failure the caller
+     * keeps it. NULL: unconstrained. */
+    kvb_grammar_matcher *matcher;
 } kvb_request;
+
+/* kvb_request.grammar_flags */
+#define KVB_GRAMMAR_REQ_LAX 1u     /* schema objects without additionalProperties allow other keys (strict 0) */
+#define KVB_GRAMMAR_REQ_COMPACT 2u /* no whitespace between JSON tokens (ws_indent -1) */
 
 /* Creates an engine over `m` (borrowed) that `planner` plans (required: KVB_ERR_INVALID without one).
  * The engine takes the planner in every case: on success destroying the engine destroys it, on

@@ -34,7 +34,7 @@ static kvb_status grow_blocks(kvb_engine *e, kvb__seq *s, int upto, const kvb_pl
 static void take_hits(kvb_engine *e, kvb__seq *s) {
     if (s->hits_taken) return;
     s->hits_taken = 1;
-    if (!e->o.enable_prefix_cache || s->n_computed != 0) return;
+    if (!e->o.enable_prefix_cache || s->n_computed != 0 || s->plp_next > 0) return; /* view.c's probe */
     int max_blocks = (s->n_tokens - 1) / e->o.block_size;
     int32_t *ids = NULL;
     if (max_blocks <= 0 || kvb_malloc((size_t)max_blocks * sizeof *ids, (void **)&ids) != KVB_OK) return;
@@ -344,6 +344,58 @@ static int is_stop(const kvb__seq *s, int32_t tok) {
     return 0;
 }
 
+/* Between the last layer and kvb_forward_end: the prompt logprobs of the step's rows that owe them
+ * (layout.c's prompt_lp_rows), a batch's worth of logit rows at a time, reported as they come. */
+static kvb_status prompt_logprobs(kvb_engine *e, int cap) {
+    kvb__step *st = &e->step;
+    int vocab = kvb_model_cfg(e->m)->vocab;
+    for (int i = 0; i < st->n_sched; i++) {
+        kvb__seq *s = st->sched[i];
+        int top = s->samp.top_logprobs;
+        for (int k = 0; k < s->plp_n; k += cap) {
+            int n = KVB_MIN(cap, s->plp_n - k);
+            int32_t *rows = st->plp_rows;
+            for (int j = 0; j < n; j++) rows[j] = s->plp_row0 + k + j;
+            KVB_TRY(kvb_forward_logits(e->fw, rows, n, st->logits));
+            for (int j = 0; j < n; j++)
+                kvb_logprobs(st->logits + (size_t)j * vocab, vocab, s->tokens[s->plp_next + k + j], top, &st->lp[j],
+                             st->top_ids + (size_t)j * top, st->top_lp + (size_t)j * top);
+            if (e->ev.on_prompt_logprobs)
+                e->ev.on_prompt_logprobs(e->ev.ud, s->id, s->plp_next + k, n, st->lp, st->top_ids, st->top_lp, top);
+        }
+        if (s->plp_n) {
+            s->plp_next += s->plp_n;
+            if (s->plp_next >= s->out_start) s->plp_next = 0;
+            s->plp_n = 0;
+        }
+    }
+    return KVB_OK;
+}
+
+/* Samples s's next token from its row of logits (sampling.h's pipeline: raw logprobs, processors,
+ * greedy or the draw) and reports its logprobs when asked. */
+static int32_t sample_one(kvb_engine *e, kvb__seq *s, float *lg, int index) {
+    kvb__step *st = &e->step;
+    int vocab = kvb_model_cfg(e->m)->vocab;
+    const float *raw = lg;
+    if (kvb_sampling_processes(&s->samp)) {
+        if (s->samp.logprobs) { /* logprobs are of the raw row: keep it */
+            memcpy(st->row_copy, lg, (size_t)vocab * sizeof *lg);
+            raw = st->row_copy;
+        }
+        kvb_sample_seq q = {.tokens = s->tokens, .n_tokens = s->n_tokens, .out_start = s->out_start,
+                            .stop_ids = s->stop, .n_stop = s->n_stop};
+        kvb_logits_process(&s->samp, &q, lg, vocab, st->counts);
+    }
+    int32_t tok = kvb_sample(&s->samp, &s->rng, lg, vocab, st->sample_scratch);
+    if (s->samp.logprobs) {
+        int top = s->samp.top_logprobs;
+        kvb_logprobs(raw, vocab, tok, top, &st->lp[0], st->top_ids, st->top_lp);
+        if (e->ev.on_logprobs) e->ev.on_logprobs(e->ev.ud, s->id, index, st->lp[0], st->top_ids, st->top_lp, top);
+    }
+    return tok;
+}
+
 /* After the step: each request advances by its new tokens; those whose prompt is done get a token. */
 static void advance(kvb_engine *e) {
     const kvb_model_config *c = kvb_model_cfg(e->m);
@@ -359,16 +411,25 @@ static void advance(kvb_engine *e) {
         s->restore_hi = 0;
         if (e->o.enable_prefix_cache) publish_full_blocks(e, s);
         if (s->n_computed != s->n_tokens) continue; /* prefill chunk: no token yet */
-        const float *lg = st->logits + (size_t)li++ * c->vocab;
-        int32_t tok = kvb_sample(&s->samp, &s->rng, lg, c->vocab, st->sample_scratch);
-        int index = s->n_generated;
+        float *lg = st->logits + (size_t)li++ * c->vocab;
+        kvb__seq_list *in = s->host_bt.n > 0 && s->bt.n == 0 ? &e->swapped : &e->running; /* offloaded: swapped */
+        kvb_status cst = s->matcher ? kvb__constrain_logits(e, s, lg, c->vocab) : KVB_OK; /* the first stage */
+        if (cst != KVB_OK) {
+            kvb__finish(e, in, s, KVB_FINISH_ERROR, cst);
+            continue;
+        }
+        int index = s->n_generated, done = 0;
         if (e->ev.on_logits) e->ev.on_logits(e->ev.ud, s->id, index, lg, c->vocab);
+        int32_t tok = sample_one(e, s, lg, index);
+        if (s->matcher && (cst = kvb__constrain_accept(s, tok, &done)) != KVB_OK) { /* the mask allowed it: never */
+            kvb__finish(e, in, s, KVB_FINISH_ERROR, cst);
+            continue;
+        }
         s->tokens[s->n_tokens++] = tok;
         s->n_generated++;
         e->stats.generated_tokens++;
         if (e->ev.on_token) e->ev.on_token(e->ev.ud, s->id, index, tok, now);
-        kvb__seq_list *in = s->host_bt.n > 0 && s->bt.n == 0 ? &e->swapped : &e->running; /* offloaded: swapped */
-        if (is_stop(s, tok)) kvb__finish(e, in, s, KVB_FINISH_STOP, KVB_OK);
+        if (is_stop(s, tok) || done) kvb__finish(e, in, s, KVB_FINISH_STOP, KVB_OK);
         else if (s->n_generated >= s->max_tokens) kvb__finish(e, in, s, KVB_FINISH_LENGTH, KVB_OK);
     }
 }
@@ -401,6 +462,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     rep.n_seqs = stp->n_sched;
     KVB_TRY_GOTO(forward(e, &b), fail);
     mechs_step_end(e, 1);
+    if (b.n_logits > stp->n_sample && (st = prompt_logprobs(e, b.n_logits)) != KVB_OK) goto fail_ended;
     st = kvb_forward_end(e->fw, stp->logits);
     if (st != KVB_OK) goto fail_ended; /* the failed step's rows are not counted */
     mechs_step_done(e);

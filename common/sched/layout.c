@@ -56,9 +56,28 @@ static int by_kept_layers(const void *a, const void *b) {
     return x->s->row0 < y->s->row0 ? -1 : x->s->row0 > y->s->row0;
 }
 
+/* The rows of s's new tokens (s->row0 set) whose logits give prompt logprobs it owes: row p predicts
+ * prompt position p + 1. Sets plp_row0 / plp_n; returns plp_n. */
+static int prompt_lp_rows(kvb__seq *s) {
+    s->plp_n = 0;
+    if (s->plp_next <= 0) return 0;
+    int lo = s->n_computed, hi = KVB_MIN(s->n_computed + s->q_len, s->out_start - 1);
+    if (s->plp_next - 1 < lo) { /* positions computed without their logits: cannot happen (no prefix hits) */
+        KVB_LOG_W("engine: request %llu: prompt logprobs of positions %d..%d are lost", (unsigned long long)s->id,
+                  s->plp_next, lo);
+        s->plp_next = lo + 1 < s->out_start ? lo + 1 : 0;
+        if (!s->plp_next) return 0;
+    }
+    if (s->plp_next - 1 >= hi) return 0; /* a recompute of rows already reported */
+    s->plp_row0 = s->row0 + (s->plp_next - 1 - lo);
+    s->plp_n = hi - (s->plp_next - 1);
+    return s->plp_n;
+}
+
 kvb_status kvb__layout(kvb_engine *e, kvb_batch *b) {
     kvb__step *st = &e->step;
     int bs = e->o.block_size, L = e->geom.n_layers, n_tok = 0, n_ent = 0, n_attn = 0, n_logits = 0, n_scr = 0;
+    int n_plp = 0;
     int total = 0, n_pfx = 0, kept = 0;
     for (int i = 0; i < st->n_sched; i++) {
         kvb__seq *s = st->sched[i];
@@ -85,8 +104,17 @@ kvb_status kvb__layout(kvb_engine *e, kvb_batch *b) {
             st->pos[n_tok] = s->n_computed + t;
         }
         if (as->ctx_len == s->n_tokens) st->logit_rows[n_logits++] = n_tok - 1;
+        n_plp += prompt_lp_rows(s);
     }
     st->main_rows = n_tok;
+    st->n_sample = n_logits;
+    if (n_plp > 0) { /* logit buffers for kvb_forward_logits: within what planners budget (a row per sequence) */
+        int cap = e->act_alloc.iface || e->o.act_alloc ? KVB_MAX(n_logits, 1)
+                                                        : KVB_MIN(e->o.max_seqs, n_logits + n_plp);
+        for (int i = 0; i < st->n_sched && n_logits < cap; i++)
+            for (int k = 0; k < st->sched[i]->plp_n && n_logits < cap; k++)
+                st->logit_rows[n_logits++] = st->sched[i]->plp_row0 + k;
+    }
     qsort(st->pfx, (size_t)n_pfx, sizeof *st->pfx, by_kept_layers);
     for (int l = 0; l < L; l++) {
         st->l_rows[l] = n_tok;

@@ -68,8 +68,10 @@ void kvb__seq_free(kvb_engine *e, kvb__seq *s) {
     kvb_block_table_free(&s->bt);
     if (e->ht_pool) kvb_block_table_release(&s->host_bt, e->ht_pool);
     kvb_block_table_free(&s->host_bt);
+    kvb_grammar_matcher_destroy(s->matcher);
     free(s->tokens);
     free(s->stop);
+    free(s->bias);
     free(s);
 }
 
@@ -129,8 +131,9 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     }
     if (!(r->tbt_slo_ms >= 0 && r->tbt_slo_ms <= 3.6e6))
         return reject(e, r->id, "tbt_slo_ms %g must be in [0, 3600000] (0: the model's default)", r->tbt_slo_ms);
-    if (kvb_sampling_check(&r->sampling) != KVB_OK)
-        return reject(e, r->id, "invalid sampling parameters (temperature >= 0, top_k >= 0, top_p in [0, 1])");
+    char why[160];
+    if (kvb_sampling_check(&r->sampling, c->vocab, why, sizeof why) != KVB_OK)
+        return reject(e, r->id, "invalid sampling parameters: %s", why);
     int64_t total = (int64_t)r->n_prompt + r->max_tokens;
     if (total > e->o.max_model_len)
         return reject(e, r->id, "prompt (%d) + max_tokens (%d) exceeds the model length %d", r->n_prompt, r->max_tokens,
@@ -165,6 +168,11 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
         memcpy(s->stop, r->stop_ids, (size_t)r->n_stop * sizeof(int32_t));
         s->n_stop = r->n_stop;
     }
+    if (r->sampling.n_logit_bias > 0) {
+        size_t nb = (size_t)r->sampling.n_logit_bias * sizeof *s->bias;
+        KVB_TRY_GOTO(kvb_malloc(nb, (void **)&s->bias), fail);
+        memcpy(s->bias, r->sampling.logit_bias, nb);
+    }
     memcpy(s->tokens, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
     s->id = r->id;
     s->arrival = e->next_arrival++;
@@ -173,16 +181,22 @@ kvb_status kvb__sched_add(kvb_engine *e, const kvb_request *r) {
     s->max_tokens = r->max_tokens;
     s->slo_ns = (uint64_t)(r->tbt_slo_ms * 1e6 + 0.5);
     s->samp = r->sampling;
+    s->samp.logit_bias = s->bias;
+    s->out_start = r->n_prompt - r->resume_index;
+    s->plp_next = r->sampling.prompt_logprobs && s->out_start > 1 ? 1 : 0;
     kvb_rng_seed(&s->rng, r->sampling.seed);
     /* A resumed request's earlier tokens each took one draw (kvb_sample draws once per token when it
      * samples at all): continue the same random stream after them. */
     for (int k = 0; r->sampling.temperature > 0 && k < r->resume_index; k++) kvb_rng_uniform(&s->rng);
     s->last_hash = KVB_PREFIX_ROOT;
     s->vidx = -1;
+    s->matcher = r->matcher; /* taken: nothing fails after this */
     kvb__list_insert_ordered(&e->waiting, s);
     return KVB_OK;
 fail:
     free(s->tokens);
+    free(s->stop);
+    free(s->bias);
     free(s);
     return st;
 }

@@ -7,6 +7,7 @@
  *   view.c       the planner's view and its functions (probe, the mechanisms' checks)
  *   check.c      the plan check's generic accounting (check.h, also for planners)
  *   queue.c      requests and their lists, release, preemption, end
+ *   constrain.c  structured output: the grammar mask on a request's logits, the matcher's advance
  *   host_tier.c  the host tier behind the pool (and its layered loads), swap.c the swaps over it
  *   mechanisms (mech.h): slices.c, prefix.c, offload.c, residency.c, hcache.c
  *   stager.c     the copy threads between tiers and the link model
@@ -42,8 +43,13 @@ typedef struct kvb__seq {
     int n_generated;
     int32_t *stop;     /* [n_stop] */
     int n_stop;
-    kvb_sampling samp;
+    kvb_sampling samp; /* samp.logit_bias points to `bias` */
+    kvb_logit_bias *bias; /* [samp.n_logit_bias] owned */
     kvb_rng rng;
+    kvb_grammar_matcher *matcher; /* structured output (constrain.c), NULL: unconstrained; owned */
+    int out_start;     /* tokens[out_start..) are its output (resumed ones included: n_prompt - resume_index) */
+    int plp_next;      /* prompt logprobs: the next prompt position owed (up to out_start; 0 when none are) */
+    int plp_row0, plp_n; /* during a step: batch rows [plp_row0, plp_row0 + plp_n) give positions plp_next.. */
     kvb_block_table bt;
     int n_computed;    /* tokens whose KV is in the request's blocks */
     int n_published;   /* full blocks offered to the prefix cache */
@@ -108,6 +114,7 @@ typedef struct kvb__step {
     kvb_attn_seq *seqs;      /* [2 max_seqs] seqs[i] is sched[i]'s new tokens, the recomputed prefixes after */
     int n_attn;
     int32_t *logit_rows;     /* [max_seqs] */
+    int32_t *plp_rows;       /* [max_seqs] rows whose logits give prompt logprobs (a piece of them) */
     kvb__entry *ent;         /* [cap] what each attention block entry reads */
     void **layer;            /* [cap] each entry's slice of the current layer (the attention's layer_blocks) */
     int n_ent, cap;
@@ -119,7 +126,15 @@ typedef struct kvb__step {
     int scr_par;             /* slices per parity when the step loads prefix layers (layer l uses parity l & 1),
                               * else 0 */
     float *logits;           /* [max_seqs][vocab] */
+    int n_sample;            /* logits rows that sample a token (the first ones; the rest compute prompt logprobs) */
     float *sample_scratch;   /* [2*vocab] */
+    uint32_t *gmask;         /* [gmask_words] the grammar mask of one request (constrain.c), grown on use */
+    size_t gmask_words;
+    float *row_copy;         /* [vocab] a row's raw logits while the processors change it (logprobs) */
+    uint32_t *counts;        /* [vocab] zeros between uses: the penalties' token counts */
+    float *lp;               /* [max_seqs] logprobs of a step's rows */
+    int32_t *top_ids;        /* [max_seqs][KVB_MAX_TOP_LOGPROBS] */
+    float *top_lp;           /* [max_seqs][KVB_MAX_TOP_LOGPROBS] */
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] of which before the layer's kernels */
 } kvb__step;
@@ -220,6 +235,13 @@ void kvb__view_free(kvb_engine *e);
 kvb_status kvb__exec_step(kvb_engine *e);
 void kvb__exec_free(kvb_engine *e);
 const char *kvb__planner_name(const kvb_engine *e);
+
+/* ---------------------------------------------------------------- constrain.c (structured output) */
+/* Sets to -inf the logits[n_logits] of every token s's matcher does not allow now. KVB_ERR_INVALID
+ * when it allows none of them (a grammar whose next tokens lie beyond the model's logits), KVB_ERR_NOMEM. */
+kvb_status kvb__constrain_logits(kvb_engine *e, kvb__seq *s, float *logits, int n_logits);
+/* Advances s's matcher by the sampled token; *done = 1 when the output is complete and must stop. */
+kvb_status kvb__constrain_accept(kvb__seq *s, int32_t tok, int *done);
 
 /* ---------------------------------------------------------------- step.c */
 kvb_status kvb__step_init(kvb_engine *e);

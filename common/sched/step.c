@@ -31,8 +31,14 @@ kvb_status kvb__step_init(kvb_engine *e) {
     /* two attention sequences per request: its recomputed prefix (n_absent) and its new tokens */
     KVB_TRY(kvb_calloc(2 * (size_t)ms, sizeof *st->seqs, (void **)&st->seqs));
     KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->logit_rows, (void **)&st->logit_rows));
+    KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->plp_rows, (void **)&st->plp_rows));
     KVB_TRY(kvb_calloc((size_t)ms * (size_t)vocab, sizeof(float), (void **)&st->logits));
     KVB_TRY(kvb_calloc(2 * (size_t)vocab, sizeof(float), (void **)&st->sample_scratch));
+    KVB_TRY(kvb_calloc((size_t)vocab, sizeof *st->row_copy, (void **)&st->row_copy));
+    KVB_TRY(kvb_calloc((size_t)vocab, sizeof *st->counts, (void **)&st->counts));
+    KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->lp, (void **)&st->lp));
+    KVB_TRY(kvb_calloc((size_t)ms * KVB_MAX_TOP_LOGPROBS, sizeof *st->top_ids, (void **)&st->top_ids));
+    KVB_TRY(kvb_calloc((size_t)ms * KVB_MAX_TOP_LOGPROBS, sizeof *st->top_lp, (void **)&st->top_lp));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->t_layer, (void **)&st->t_layer));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->t_wait, (void **)&st->t_wait));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->l_rows, (void **)&st->l_rows));
@@ -48,6 +54,7 @@ void kvb__step_free(kvb_engine *e) {
     free(st->pos);
     free(st->seqs);
     free(st->logit_rows);
+    free(st->plp_rows);
     free(st->ent);
     free(st->layer);
     free(st->pfx);
@@ -55,6 +62,12 @@ void kvb__step_free(kvb_engine *e) {
     free(st->l_seqs);
     free(st->logits);
     free(st->sample_scratch);
+    free(st->gmask);
+    free(st->row_copy);
+    free(st->counts);
+    free(st->lp);
+    free(st->top_ids);
+    free(st->top_lp);
     free(st->t_layer);
     free(st->t_wait);
     if (st->scratch) kvb_mem_free(kvb_model_backend(e->m)->mem, st->scratch);

@@ -86,7 +86,9 @@ static kvb_status view_probe(void *ctx, int req, kvb_view_hits *out) {
             st = kvb_realloc_array((void **)&e->memo_ids, (size_t)e->memo_n, sizeof *e->memo_ids);
             if (st == KVB_OK) e->memo_cap = e->memo_n;
         }
-        int max_blocks = (s->n_tokens - 1) / bs;
+        /* a request owing prompt logprobs computes its whole prompt (vLLM skips the prefix cache for
+         * them too): the logits of cached positions were never computed */
+        int max_blocks = s->plp_next > 0 ? 0 : (s->n_tokens - 1) / bs;
         if (st == KVB_OK) {
             *m = (kvb__memo){.done = 1, .last_hash = KVB_PREFIX_ROOT, .hit_off = m->hit_off};
             if (e->o.enable_prefix_cache && max_blocks > 0) {

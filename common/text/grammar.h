@@ -129,6 +129,8 @@ kvb_status kvb_grammar_matcher_rollback(kvb_grammar_matcher *m, int n);
 int kvb_grammar_matcher_accepting(const kvb_grammar_matcher *m);
 /* 1 when decoding should stop: an EOS was accepted, or the output is complete and nothing can follow. */
 int kvb_grammar_matcher_done(const kvb_grammar_matcher *m);
+/* The vocabulary m's grammar was compiled for (what kvb_grammar_mask_apply takes with m's masks). */
+const kvb_grammar_vocab *kvb_grammar_matcher_vocab(const kvb_grammar_matcher *m);
 
 /* logits[i] = -INFINITY for every token whose bit in mask (a mask of v) is clear, and for every id at or
  * past v's size (a model's logits may be wider than its tokenizer: Qwen3 151936 > 151669). */

@@ -738,6 +738,8 @@ int kvb_grammar_matcher_done(const kvb_grammar_matcher *m) {
     return (h->flags & ENDED) || ((h->flags & FL_ACCEPT) && h->n == 0);
 }
 
+const kvb_grammar_vocab *kvb_grammar_matcher_vocab(const kvb_grammar_matcher *m) { return m->g->v; }
+
 kvb_status kvb_grammar_matcher_accept_bytes(kvb_grammar_matcher *m, const void *bytes, size_t len) {
     const hist h = m->h[m->nh - 1];
     if (h.flags & ENDED) return KVB_ERR_INVALID;
