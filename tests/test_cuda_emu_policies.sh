@@ -12,13 +12,16 @@
 # and a differing token is allowed only where the CPU's top-2 logits are closer than BF16_RTOL of the
 # row's largest (bf16 rounding can swap such a pair).
 #
+# scripts/gpu-check's policies phase runs the same checks on a GPU: KVB_CUDA_GENERATE names the
+# kvbank-generate the CUDA runs use (default: the emulated one, $KVB_BUILDDIR/emu/kvbank-generate).
+#
 # SKIP (77) when the build has no CUDA (no emu/ programs) or is a sanitizer build (no emu/ either).
 set -uo pipefail
 b=${KVB_BUILDDIR:?set KVB_BUILDDIR (make check does)}
 py=${KVB_PYTHON:-/usr/bin/python3}
-emu=$b/emu
-if [[ ! -x $emu/kvbank-generate ]]; then
-    echo "SKIP: no emulated kvbank-generate in $emu (built by make check in a CUDA build tree without sanitizers)"
+gen=${KVB_CUDA_GENERATE:-$b/emu/kvbank-generate}
+if [[ ! -x $gen ]]; then
+    echo "SKIP: no emulated kvbank-generate at $gen (built by make check in a CUDA build tree without sanitizers)"
     exit 77
 fi
 "$py" -c 'import numpy' || { echo "test_cuda_emu_policies: $py has no numpy" >&2; exit 1; }
@@ -42,13 +45,13 @@ PRESSURE=(--block-size 4 --kv-blocks 22 --max-batch-tokens 9)
 
 ref=$("$b/kvbank-generate" --model "$M" "${ARGS[@]}" --max-tokens $MAXT --sequential --no-prefix-cache 2>"$tmp/ref.err") ||
     { cat "$tmp/ref.err"; echo "FAIL - the CPU reference run"; exit 1; }
-names=$("$emu/kvbank-generate" --policy list | awk '{print $1}')
+names=$("$gen" --policy list | awk '{print $1}')
 [[ $(wc -w <<<"$names") -ge 16 ]] || fail "the emulated kvbank-generate lists $(wc -w <<<"$names") planners: $names"
 [[ $names == "$("$b/kvbank-generate" --policy list | awk '{print $1}')" ]] || fail "the emulated and the tree's registries differ"
 
 for name in $names; do
     t0=$SECONDS
-    out=$("$emu/kvbank-generate" --backend cuda:f32 --model "$M" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" \
+    out=$("$gen" --backend cuda:f32 --model "$M" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" \
         --policy "$name" --stats 2>"$tmp/gen-$name.err")
     rc=$?
     stats=$(grep "^stats:" "$tmp/gen-$name.err")
@@ -77,7 +80,7 @@ for ((r = 0; r < n; r++)); do
         fail "cpu, request $r first: $(tail -2 "$tmp/cpu-$r.err")"
         continue
     fi
-    if ! "$emu/kvbank-generate" --backend cuda --model "$M" "${rot[@]}" --max-tokens $MAXT "${PRESSURE[@]}" \
+    if ! "$gen" --backend cuda --model "$M" "${rot[@]}" --max-tokens $MAXT "${PRESSURE[@]}" \
         --dump-logits "$tmp/bf16-$r.npy" >"$tmp/bf16-$r.txt" 2>"$tmp/bf16-$r.err"; then
         fail "cuda (bf16), request $r first: $(tail -2 "$tmp/bf16-$r.err")"
         continue
