@@ -98,6 +98,22 @@ typedef struct kvb_attn_batch {
                                  * KVB_CHUNK_ALIGN_ROWS); 0 for a whole step */
 } kvb_attn_batch;
 
+/* The copy engines of a device: each direction has its stream (OrbitFlow §3.3.1 models the host link as
+ * shared per direction), so loads, stores and peer copies run beside each other and beside the compute. */
+typedef enum kvb_copy_engine {
+    KVB_ENGINE_H2D = 0,  /* host -> backend memory (pinned host memory overlaps; pageable is staged) */
+    KVB_ENGINE_D2H = 1,  /* backend -> host memory */
+    KVB_ENGINE_PEER = 2, /* backend -> backend memory: this device, or a region imported from another process */
+    KVB_ENGINE_COUNT = 3,
+} kvb_copy_engine;
+
+/* One piece of an asynchronous copy: `bytes` from `src` to `dst`. */
+typedef struct kvb_copy_piece {
+    void *dst;
+    const void *src;
+    size_t bytes;
+} kvb_copy_piece;
+
 typedef struct kvb_backend_i {
     const char *name;
     kvb_dtype act_dtype; /* element type of activation buffers */
@@ -118,6 +134,24 @@ typedef struct kvb_backend_i {
     kvb_status (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
     /* Wait until every operator issued so far has finished. */
     kvb_status (*sync)(void *ctx);
+
+    /* Tickets: copies that complete on their own, so that compute and copies overlap. Optional together
+     * (NULL: the stager copies with to_device / to_host / copy, each done when it returns). A ticket is a
+     * number > 0, increasing with every copy_async of the backend object; every member may be called from
+     * any host thread (the stager's copy threads), and a device backend makes its device current there. */
+    /* Issues pieces x[0..n) in order on `dir`'s copy stream, after every operator issued before the call
+     * (a store reads what they wrote; a load may overwrite what they read), and returns the ticket of
+     * their completion. Returns without waiting for the bytes (for pageable host memory the device
+     * backend may wait; pinned memory from kvb_mem_pinned_alloc overlaps). The host must not touch the
+     * destinations, nor change the sources, before the ticket is done. */
+    kvb_status (*copy_async)(void *ctx, kvb_copy_engine dir, const kvb_copy_piece *x, int n, uint64_t *ticket);
+    /* Operators issued after this call run after copy `ticket` has landed (cudaStreamWaitEvent on the
+     * compute stream); the host does not wait. */
+    kvb_status (*wait_ticket)(void *ctx, uint64_t ticket);
+    /* 1 when copy `ticket` has landed (its buffers may be reused), 0 when not yet; never blocks. */
+    int (*ticket_done)(void *ctx, uint64_t ticket);
+    /* The host waits until copy `ticket` has landed; the copy's error, if it failed. */
+    kvb_status (*ticket_wait)(void *ctx, uint64_t ticket);
 
     /* Weights. Creates `dst` from host data in `src_dtype` of shape [rows][cols]; converts as needed. */
     kvb_status (*weight_load)(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,

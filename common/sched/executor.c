@@ -282,8 +282,9 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b) {
         if ((r = mechs_layer(e, l, 0)) != KVB_OK) break;
         st->t_wait[l] = kvb_now_ns() - tl;
         if ((r = kvb_forward_layer(e->fw, l)) != KVB_OK) break;
-        /* the layer's kernels are done with the buffers the mechanisms reuse once the backend is idle */
-        if ((flags & KVB__STEP_SYNC) && (r = be->iface->sync(be->ctx)) != KVB_OK) break;
+        /* the layer's kernels are done with the buffers the mechanisms reuse once the backend is idle; a
+         * backend with tickets orders each copy after the operators issued before it (copy_async) */
+        if ((flags & KVB__STEP_SYNC) && !be->iface->copy_async && (r = be->iface->sync(be->ctx)) != KVB_OK) break;
         if ((r = mechs_layer(e, l, 1)) != KVB_OK) break;
         st->t_layer[l] = kvb_now_ns() - tl;
     }
