@@ -467,11 +467,7 @@ static kvb_status cu_weight_load_stacked(void *ctx, const void *const *src, cons
     }
     /* the caller unmaps `src` after we return */
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream)), fail);
-    dst->data = w;
-    dst->dtype = dd;
-    dst->ne[0] = total;
-    dst->ne[1] = cols;
-    dst->view = 0;
+    *dst = (kvb_tensor){.data = w, .dtype = dd, .ne = {total, cols}}; /* no view, no FP8 scale */
     return KVB_OK;
 fail:
     cudaStreamSynchronize(c->stream);
