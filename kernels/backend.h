@@ -114,6 +114,14 @@ typedef struct kvb_copy_piece {
     size_t bytes;
 } kvb_copy_piece;
 
+/* How one logit row is sampled (common/sched/sampling.h's kvb_sampling with the row's uniform draw). */
+typedef struct kvb_sample_row {
+    float temperature; /* <= 0: greedy (argmax, lowest id on ties) */
+    int32_t top_k;     /* 0: off */
+    float top_p;       /* <= 0 or >= 1: off */
+    double u;          /* uniform in [0, 1) from the request's kvb_rng; unused when greedy */
+} kvb_sample_row;
+
 typedef struct kvb_backend_i {
     const char *name;
     kvb_dtype act_dtype; /* element type of activation buffers */
@@ -220,6 +228,13 @@ typedef struct kvb_backend_i {
     kvb_status (*qkv_finish)(void *ctx, const kvb_attn_batch *b, const void *qkv, const kvb_tensor *bias,
                              const kvb_tensor *q_norm, const kvb_tensor *k_norm, float eps, const int32_t *pos,
                              const kvb_rope *rope, void *q_out);
+
+    /* Optional (NULL: the engine copies the logit rows to the host and samples there). out[r] = the token
+     * row r of `logits` ([rows][vocab] activations) gives under p[r], chosen on the device as
+     * common/sched/sampling.c chooses it (greedy: the same token; sampled: the same token unless u falls
+     * within vocab * 2^-44 of a boundary between two tokens' masses); `out` is a host array. Waits for
+     * the device, so only the token ids cross to the host. */
+    kvb_status (*sample)(void *ctx, const void *logits, int rows, int vocab, const kvb_sample_row *p, int32_t *out);
 
     /* Sets the number of CPU threads the backend may use (CPU backend: OpenBLAS and OpenMP). */
     void (*set_threads)(void *ctx, int n_threads);

@@ -1207,6 +1207,50 @@ KVB_TEST(sampling) {
 }
 KVB_TEST_END
 
+/* The backend's `sample` (the engine's batch sampled on the device) against common/sched/sampling.c on
+ * the same logits and the same uniform draws: greedy rows (a tie among them: the lowest id) and
+ * seeded rows with temperature, top-k and top-p. */
+KVB_TEST(backend_sample) {
+    rng_state = 31;
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        ck_assert_ptr_nonnull(gpu->iface->sample);
+        enum { ROWS = 24, VOCAB = 3000 };
+        float *lg = rand_vec((size_t)ROWS * VOCAB, 6.0f, V->dt);
+        lg[(size_t)3 * VOCAB + 17] = lg[(size_t)3 * VOCAB + 900] = 50.0f; /* a tie at the top of row 3 */
+        void *d = upload(gpu, lg, (size_t)ROWS * VOCAB);
+        kvb_sample_row p[ROWS];
+        kvb_sampling samp[ROWS];
+        kvb_rng r_dev[ROWS], r_cpu[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            int mode = r % 4; /* greedy, temperature, top-k, top-p */
+            samp[r] = (kvb_sampling){.temperature = mode ? 0.7f + 0.1f * (r % 3) : 0, .top_k = mode == 2 ? 40 : 0,
+                                     .top_p = mode == 3 ? 0.9f : 0, .seed = 1000 + (uint64_t)r};
+            kvb_rng_seed(&r_dev[r], samp[r].seed);
+            kvb_rng_seed(&r_cpu[r], samp[r].seed);
+            p[r] = (kvb_sample_row){samp[r].temperature, samp[r].top_k, samp[r].top_p,
+                                    mode ? kvb_rng_uniform(&r_dev[r]) : 0};
+        }
+        int32_t got[ROWS];
+        ck_assert_int_eq(gpu->iface->sample(gpu->ctx, d, ROWS, VOCAB, p, got), KVB_OK);
+        float *scratch = malloc(2 * VOCAB * sizeof(float));
+        float *host = download(gpu, d, (size_t)ROWS * VOCAB); /* the logits as the device holds them */
+        for (int r = 0; r < ROWS; r++) {
+            int32_t want = kvb_sample(&samp[r], &r_cpu[r], host + (size_t)r * VOCAB, VOCAB, scratch);
+            ck_assert_msg(got[r] == want, "%s row %d (T %.1f, top_k %d, top_p %.1f): device %d, cpu %d", V->name, r,
+                          samp[r].temperature, samp[r].top_k, samp[r].top_p, got[r], want);
+        }
+        ck_assert_int_eq(got[3], 17);
+        free(host);
+        free(scratch);
+        free(lg);
+        kvb_mem_free(gpu->mem, d);
+        kvb_backend_destroy(gpu);
+    }
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------- memory pieces */
 
 KVB_TEST(cuda_memory) {
@@ -1273,7 +1317,7 @@ int main(int argc, char **argv) {
         KVB_T(attention_sliding_window, 300), KVB_T(attention_chunk_over_past, 300),
         KVB_T(bias_add, 60),
         KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120), KVB_T(copy_tickets, 60),
-        KVB_T(sampling, 120),
+        KVB_T(sampling, 120),              KVB_T(backend_sample, 60),
         KVB_T(cuda_memory, 60),
     };
     int skip = kvb_test_need_device(argc, argv, probe);

@@ -15,6 +15,9 @@
 # scripts/gpu-check's policies phase runs the same checks on a GPU: KVB_CUDA_GENERATE names the
 # kvbank-generate the CUDA runs use (default: the emulated one, $KVB_BUILDDIR/emu/kvbank-generate).
 #
+# Last, seeded sampling (temperature, top-k, top-p) on cuda:f32, sampled on the device, must give the
+# CPU sampler's tokens.
+#
 # SKIP (77) when the build has no CUDA (no emu/ programs) or is a sanitizer build (no emu/ either).
 set -uo pipefail
 b=${KVB_BUILDDIR:?set KVB_BUILDDIR (make check does)}
@@ -113,6 +116,19 @@ PY
         ok "cuda (bf16) recompute, request $r first: $res"
     else
         fail "cuda (bf16) recompute, request $r first: $res"
+    fi
+done
+# seeded sampling, sampled on the device (no --dump-logits: the engine's batch goes through the
+# backend's sampler, only token ids come back) against the CPU's sampler with the same seeds
+for cfg in "--temperature 0.8 --seed 5" "--temperature 1.0 --top-k 20 --seed 9" "--temperature 0.9 --top-p 0.9 --seed 3"; do
+    # shellcheck disable=SC2086
+    want=$("$b/kvbank-generate" --model "$M" "${ARGS[@]}" --max-tokens $MAXT $cfg 2>"$tmp/samp-cpu.err")
+    # shellcheck disable=SC2086
+    got=$("$gen" --backend cuda:f32 --model "$M" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" $cfg 2>"$tmp/samp.err")
+    if [[ -n $want && $got == "$want" ]]; then
+        ok "cuda:f32 sampled on the device ($cfg, under pressure): the CPU's tokens"
+    else
+        fail "cuda:f32 sampled on the device ($cfg): tokens differ from the CPU's: $(tail -1 "$tmp/samp.err")"
     fi
 done
 echo "test_cuda_emu_policies: $failures failures"

@@ -415,7 +415,9 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     return KVB_OK;
 }
 
-kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
+/* The final norm and LM head of the logit rows, then either their logits to the host (`logits`) or
+ * the tokens the backend samples from them (`p`, `tokens`). */
+static kvb_status forward_end(kvb_forward *fw, float *logits, const kvb_sample_row *p, int32_t *tokens) {
     const kvb_model_config *c = &fw->m->cfg;
     if (!fw->b || fw->next_layer != c->n_layers) return KVB_ERR_STATE;
     const kvb_batch *b = fw->b;
@@ -431,13 +433,21 @@ kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
             st = be->rmsnorm(ctx, fw->rows, b->n_logits, c->hidden, &fw->m->final_norm, c->rms_eps, fw->rows);
         if (st == KVB_OK) st = be->matmul(ctx, fw->rows, b->n_logits, &fw->m->lm_head, 0.0f, fw->logits);
         /* waits for the device: every kernel of the step is done when it returns */
-        if (st == KVB_OK) st = be->to_host_f32(ctx, logits, fw->logits, (size_t)b->n_logits * c->vocab);
+        if (st == KVB_OK && tokens) st = be->sample(ctx, fw->logits, b->n_logits, c->vocab, p, tokens);
+        else if (st == KVB_OK) st = be->to_host_f32(ctx, logits, fw->logits, (size_t)b->n_logits * c->vocab);
         if (st != KVB_OK) (void)be->sync(ctx);
     }
     /* The buffers go back; work already on the stream is done (sync above), and the next step's
      * kernels run after this one's on the same stream anyway. */
     fw_release(fw);
     return st;
+}
+
+kvb_status kvb_forward_end(kvb_forward *fw, float *logits) { return forward_end(fw, logits, NULL, NULL); }
+
+kvb_status kvb_forward_end_sample(kvb_forward *fw, const kvb_sample_row *p, int32_t *tokens) {
+    if (!fw->be->iface->sample || !p || !tokens) return KVB_ERR_UNSUPPORTED;
+    return forward_end(fw, NULL, p, tokens);
 }
 
 const void *kvb_forward_hidden(const kvb_forward *fw) { return fw->x; }

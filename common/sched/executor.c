@@ -359,10 +359,15 @@ static void advance(kvb_engine *e) {
         s->restore_hi = 0;
         if (e->o.enable_prefix_cache) publish_full_blocks(e, s);
         if (s->n_computed != s->n_tokens) continue; /* prefill chunk: no token yet */
-        const float *lg = st->logits + (size_t)li++ * c->vocab;
-        int32_t tok = kvb_sample(&s->samp, &s->rng, lg, c->vocab, st->sample_scratch);
         int index = s->n_generated;
-        if (e->ev.on_logits) e->ev.on_logits(e->ev.ud, s->id, index, lg, c->vocab);
+        int32_t tok;
+        if (st->device_sampled) {
+            tok = st->sampled[li++];
+        } else {
+            const float *lg = st->logits + (size_t)li++ * c->vocab;
+            tok = kvb_sample(&s->samp, &s->rng, lg, c->vocab, st->sample_scratch);
+            if (e->ev.on_logits) e->ev.on_logits(e->ev.ud, s->id, index, lg, c->vocab);
+        }
         s->tokens[s->n_tokens++] = tok;
         s->n_generated++;
         e->stats.generated_tokens++;
@@ -371,6 +376,26 @@ static void advance(kvb_engine *e) {
         if (is_stop(s, tok)) kvb__finish(e, in, s, KVB_FINISH_STOP, KVB_OK);
         else if (s->n_generated >= s->max_tokens) kvb__finish(e, in, s, KVB_FINISH_LENGTH, KVB_OK);
     }
+}
+
+/* Ends the forward pass: on a backend that samples (kvb_backend_i.sample) and with no one asking for the
+ * logits, the logit rows are sampled on the device and only the tokens come back; the rows are in the
+ * order advance() takes them, each drawing its uniform number as kvb_sample does (one per sampled token). */
+static kvb_status forward_end(kvb_engine *e) {
+    kvb__step *st = &e->step;
+    st->device_sampled = 0;
+    if (!kvb_model_backend(e->m)->iface->sample || e->ev.on_logits) return kvb_forward_end(e->fw, st->logits);
+    int n = 0;
+    for (int i = 0; i < st->n_sched; i++) {
+        kvb__seq *s = st->sched[i];
+        if (s->n_computed + s->q_len != s->n_tokens) continue; /* a prefill chunk: no token yet */
+        int hot = s->samp.temperature > 0;
+        st->sample_rows[n++] = (kvb_sample_row){.temperature = s->samp.temperature, .top_k = s->samp.top_k,
+                                                .top_p = s->samp.top_p, .u = hot ? kvb_rng_uniform(&s->rng) : 0};
+    }
+    KVB_TRY(kvb_forward_end_sample(e->fw, st->sample_rows, st->sampled));
+    st->device_sampled = n > 0;
+    return KVB_OK;
 }
 
 kvb_status kvb__exec_step(kvb_engine *e) {
@@ -401,7 +426,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     rep.n_seqs = stp->n_sched;
     KVB_TRY_GOTO(forward(e, &b), fail);
     mechs_step_end(e, 1);
-    st = kvb_forward_end(e->fw, stp->logits);
+    st = forward_end(e);
     if (st != KVB_OK) goto fail_ended; /* the failed step's rows are not counted */
     mechs_step_done(e);
     e->stats.steps++;

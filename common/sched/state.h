@@ -120,6 +120,9 @@ typedef struct kvb__step {
                               * else 0 */
     float *logits;           /* [max_seqs][vocab] */
     float *sample_scratch;   /* [2*vocab] */
+    kvb_sample_row *sample_rows; /* [max_seqs] how each logit row is sampled, when the backend samples */
+    int32_t *sampled;        /* [max_seqs] the tokens it sampled */
+    int device_sampled;      /* this step's tokens are in `sampled` (no logits came to the host) */
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] of which before the layer's kernels */
 } kvb__step;

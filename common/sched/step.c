@@ -33,6 +33,8 @@ kvb_status kvb__step_init(kvb_engine *e) {
     KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->logit_rows, (void **)&st->logit_rows));
     KVB_TRY(kvb_calloc((size_t)ms * (size_t)vocab, sizeof(float), (void **)&st->logits));
     KVB_TRY(kvb_calloc(2 * (size_t)vocab, sizeof(float), (void **)&st->sample_scratch));
+    KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->sample_rows, (void **)&st->sample_rows));
+    KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->sampled, (void **)&st->sampled));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->t_layer, (void **)&st->t_layer));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->t_wait, (void **)&st->t_wait));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->l_rows, (void **)&st->l_rows));
@@ -55,6 +57,8 @@ void kvb__step_free(kvb_engine *e) {
     free(st->l_seqs);
     free(st->logits);
     free(st->sample_scratch);
+    free(st->sample_rows);
+    free(st->sampled);
     free(st->t_layer);
     free(st->t_wait);
     if (st->scratch) kvb_mem_free(kvb_model_backend(e->m)->mem, st->scratch);

@@ -31,6 +31,7 @@
 #include "kernels/cuda/qkv.h"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/rope.h"
+#include "kernels/cuda/sampling.h"
 
 #define STAGE_SLOTS 8
 /* events of copy_async's tickets in flight: ticket t uses event t % TICKET_RING (a ticket that old has
@@ -180,6 +181,8 @@ typedef struct cuda_ctx {
     size_t part_cap;
     int32_t *counters;        /* [counters_cap / 4] attention split groups' counters, zero between launches */
     size_t counters_cap;
+    int32_t *tok;             /* [tok_cap / 4] the sampled tokens */
+    size_t tok_cap;
     float *f32buf;            /* [f32_cap] floats: to_host_f32 conversion */
     size_t f32_cap;
     void *wtmp;               /* [wtmp_cap] bytes: weight upload before conversion */
@@ -345,6 +348,26 @@ static kvb_status cu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
 static kvb_status cu_sync(void *ctx) {
     cuda_ctx *c = ctx;
     KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
+    return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+/* The engine's batch sampled on the device (sampling.cu): only the token ids come back. */
+static kvb_status cu_sample(void *ctx, const void *logits, int rows, int vocab, const kvb_sample_row *p, int32_t *out) {
+    cuda_ctx *c = ctx;
+    if (rows <= 0) return KVB_OK;
+    KVB_TRY(dev_reserve(c, (void **)&c->tok, &c->tok_cap, (size_t)rows * sizeof(int32_t)));
+    int greedy = 1;
+    for (int r = 0; r < rows && greedy; r++) greedy = p[r].temperature <= 0;
+    if (greedy) {
+        KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_argmax(logits, c->dt, rows, vocab, c->tok, c->stream)));
+    } else {
+        _Static_assert(sizeof(kvb_sample_row) == sizeof(kvb_cuda_sample_params), "one layout");
+        const void *d_p = NULL;
+        meta_part parts[] = {{p, (size_t)rows * sizeof *p, &d_p}};
+        KVB_TRY(upload(c, parts, 1));
+        KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_sample(logits, c->dt, rows, vocab, d_p, c->tok, c->stream)));
+    }
+    KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(out, c->tok, (size_t)rows * sizeof(int32_t), cudaMemcpyDeviceToHost, c->stream)));
     return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
 }
 
@@ -896,7 +919,7 @@ static void cu_destroy(void *ctx) {
         if (c->stage[i].host) cudaFreeHost(c->stage[i].host);
         if (c->stage[i].done) cudaEventDestroy(c->stage[i].done);
     }
-    void *dev[] = {c->blas_ws, c->meta, c->part, c->counters, c->f32buf, c->wtmp, c->scratch};
+    void *dev[] = {c->blas_ws, c->meta, c->part, c->counters, c->f32buf, c->wtmp, c->scratch, c->tok};
     for (size_t i = 0; i < KVB_ARRAY_LEN(dev); i++)
         if (dev[i]) cudaFree(dev[i]);
     if (c->stream) cudaStreamDestroy(c->stream);
@@ -917,7 +940,7 @@ static void cu_destroy(void *ctx) {
     .ticket_wait = cu_ticket_wait, .weight_load = cu_weight_load, .weight_fp8 = cu_weight_fp8, .weight_free = cu_weight_free, .embed = cu_embed,          \
     .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .bias_add = cu_bias_add,                      \
     .silu_mul = cu_silu_mul, .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows, \
-    .set_threads = cu_set_threads, .destroy = cu_destroy
+    .sample = cu_sample, .set_threads = cu_set_threads, .destroy = cu_destroy
 /* bf16 and f16 run the fused layer (stacked q/k/v and gate/up, folded norm and SiLU-mul); f32, the
  * variant that must give the CPU backend's tokens, keeps its order of operations */
 #define CUDA_FUSED                                                                                     \
