@@ -483,6 +483,84 @@ static int run_peer(const char *script, const char *decode, int prefill, const s
     return rc == 77 ? 0 : rc; /* no torch there: said so above, not a failure of kvbank's rows */
 }
 
+/* ---------------------------------------------------------------- the data path */
+
+/* Copies through the backend's tickets (backend.h): `n` pieces on engine `e`, the compute stream waiting
+ * for them, so time_events (events on the compute stream) measures the copy; with `st`, a decode step's
+ * kernels are issued while the copy runs, and the events measure both. */
+typedef struct xfer_ud {
+    kvb_backend *be;
+    kvb_copy_engine e;
+    kvb_copy_piece *x;
+    int n;
+    step *st;
+} xfer_ud;
+static kvb_status do_xfer(void *ud) {
+    xfer_ud *u = ud;
+    uint64_t t;
+    KVB_TRY(u->be->iface->copy_async(u->be->ctx, u->e, u->x, u->n, &t));
+    if (u->st) KVB_TRY(run_step(u->st));
+    return u->be->iface->wait_ticket(u->be->ctx, t);
+}
+
+/* Host <-> device bandwidth of pinned memory (one copy of `bytes`, the ceiling) against the same bytes
+ * in KV layer-slice pieces of `piece` bytes through copy_async (what the stager posts), both directions;
+ * then a decode step (`st`) alone, the H2D of `xfer_bytes` alone (the KV of its offloaded layers, in
+ * pieces) and both issued together, against max(compute, transfer). Returns 0 when measured. */
+static int bench_data_path(kvb_backend *be, step *st, size_t bytes, size_t piece, size_t xfer_bytes,
+                           const char *what) {
+    void *h = NULL, *d = NULL;
+    kvb_copy_piece *x = NULL;
+    int rc = 1;
+    size_t np = KVB_DIV_CEIL(bytes, piece);
+    if (kvb_mem_pinned_alloc(be->mem, bytes, &h) != KVB_OK || kvb_mem_alloc(be->mem, bytes, &d) != KVB_OK ||
+        !(x = calloc(np, sizeof *x)))
+        goto out;
+    memset(h, 0x3c, bytes);
+    printf("\ndata path: copies by ticket   time ms (min-max)     GB/s  ratio to one pinned copy\n");
+    for (int dir = 0; dir < 2; dir++) {
+        kvb_copy_engine e = dir ? KVB_ENGINE_D2H : KVB_ENGINE_H2D;
+        kvb_copy_piece one = dir ? (kvb_copy_piece){h, d, bytes} : (kvb_copy_piece){d, h, bytes};
+        for (size_t i = 0; i < np; i++) {
+            size_t off = i * piece, len = KVB_MIN(piece, bytes - off);
+            x[i] = dir ? (kvb_copy_piece){(char *)h + off, (char *)d + off, len}
+                       : (kvb_copy_piece){(char *)d + off, (char *)h + off, len};
+        }
+        xfer_ud u1 = {be, e, &one, 1, NULL}, un = {be, e, x, (int)np, NULL};
+        timing t1 = time_events(be, do_xfer, &u1, REPS), tn = time_events(be, do_xfer, &un, REPS);
+        if (!(t1.med > 0) || !(tn.med > 0)) goto out;
+        printf("  %s one copy of %4.0f MiB      %8.3f (%.3f-%.3f) %7.1f\n", dir ? "d2h" : "h2d", bytes / 1048576.0,
+               t1.med * 1e3, t1.min * 1e3, t1.max * 1e3, bytes / t1.med / 1e9);
+        printf("  %s %6zu pieces of %3.0f KiB %8.3f (%.3f-%.3f) %7.1f %8.2f\n", dir ? "d2h" : "h2d", np,
+               piece / 1024.0, tn.med * 1e3, tn.min * 1e3, tn.max * 1e3, bytes / tn.med / 1e9, t1.med / tn.med);
+    }
+    size_t nx = KVB_MIN(np, KVB_DIV_CEIL(xfer_bytes, piece));
+    for (size_t i = 0; i < nx; i++) {
+        size_t off = i * piece, len = KVB_MIN(piece, bytes - off);
+        x[i] = (kvb_copy_piece){(char *)d + off, (char *)h + off, len};
+    }
+    xfer_ud ux = {be, KVB_ENGINE_H2D, x, (int)nx, NULL}, ub = {be, KVB_ENGINE_H2D, x, (int)nx, st};
+    timing tc = time_events(be, run_step, st, REPS), tx = time_events(be, do_xfer, &ux, REPS),
+           tb = time_events(be, do_xfer, &ub, REPS);
+    if (!(tc.med > 0) || !(tx.med > 0) || !(tb.med > 0)) goto out;
+    double bound = KVB_MAX(tc.med, tx.med);
+    printf("\ndata path: overlap (%s)\n", what);
+    printf("                               time ms (min-max)\n");
+    printf("  decode step alone           %8.3f (%.3f-%.3f)\n", tc.med * 1e3, tc.min * 1e3, tc.max * 1e3);
+    printf("  h2d of %6.1f MiB alone     %8.3f (%.3f-%.3f)\n", nx * (double)piece / 1048576.0, tx.med * 1e3,
+           tx.min * 1e3, tx.max * 1e3);
+    printf("  both, issued together       %8.3f (%.3f-%.3f)\n", tb.med * 1e3, tb.min * 1e3, tb.max * 1e3);
+    printf("  overlap: both / max(step, h2d) %6.3f  (1.0: one hides under the other; 2.0 at equal times: none)\n",
+           tb.med / bound);
+    rc = 0;
+out:
+    if (rc) printf("  data path: not measured (pinned %.0f MiB, or a copy failed)\n", bytes / 1048576.0);
+    free(x);
+    kvb_mem_free(be->mem, d);
+    kvb_mem_pinned_free(be->mem, h);
+    return rc;
+}
+
 int kvb_bench_cuda(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--ipc-worker")) return ipc_worker(argc, argv);
     shape s = {.n_layers = 32, .hidden = 4096, .n_heads = 32, .n_kv = 8, .head_dim = 128, .inter = 14336,
@@ -563,7 +641,7 @@ int kvb_bench_cuda(int argc, char **argv) {
            be->iface->weight_load_stacked ? "fused" : "unfused");
     fflush(stdout);
 
-    int rc = 1, rc_ipc = 0;
+    int rc = 1, rc_ipc = 0, rc_dp = 0;
     model m = {0};
     acts a = {0};
     void *pool = NULL;
@@ -697,6 +775,23 @@ int kvb_bench_cuda(int argc, char **argv) {
         view_free(&v, s.n_layers);
     }
 
+    /* the data path: copies by ticket against pinned bandwidth; a decode step (the first batch at the
+     * first context) with the KV of half its layers loaded over the host link meanwhile, as OrbitFlow's
+     * offloaded layers are */
+    if (config_fits(pool_blocks, s.block_size, batches[0], ctxs[0])) {
+        batch_view v;
+        step st;
+        if (view_make(&m, &g, pool, KVB_DIV_CEIL(ctxs[0], s.block_size), batches[0], ctxs[0], 1, &v) != KVB_OK) goto out;
+        step_init(&st, be, &m, fw, &a, logits, &g, &v, batches[0]);
+        size_t slice = (size_t)2 * s.block_size * s.n_kv * s.head_dim * 2; /* a block's bf16 K and V at one layer */
+        size_t off_bytes = slice * (size_t)batches[0] * KVB_DIV_CEIL(ctxs[0], s.block_size) * (s.n_layers / 2 + 1);
+        char what[96];
+        snprintf(what, sizeof what, "batch %d ctx %d, %d of %d layers' KV loaded", batches[0], ctxs[0],
+                 s.n_layers / 2 + 1, s.n_layers);
+        if (bench_data_path(be, &st, tiny ? (size_t)8 << 20 : (size_t)1 << 30, slice, off_bytes, what)) rc_dp = 1;
+        view_free(&v, s.n_layers);
+    }
+
     if (do_ipc && config_fits(pool_blocks, s.block_size, ipc_batch, ipc_ctx)) {
         /* a second process lends ipc_batch sequences of 4096 tokens; attention reads them in place */
         int ctx = ipc_ctx, nb = KVB_DIV_CEIL(ctx, s.block_size);
@@ -757,7 +852,7 @@ int kvb_bench_cuda(int argc, char **argv) {
             rc_ipc = 1;
         }
     }
-    rc = rc_ipc;
+    rc = rc_ipc || rc_dp;
 out:
     if (pool) kvb_mem_free(be->mem, pool);
     kvb_forward_destroy(fw);

@@ -99,6 +99,30 @@ typedef struct kvb_attn_batch {
                                  * KVB_CHUNK_ALIGN_ROWS); 0 for a whole step */
 } kvb_attn_batch;
 
+/* The copy engines of a device: each direction has its stream (OrbitFlow §3.3.1 models the host link as
+ * shared per direction), so loads, stores and peer copies run beside each other and beside the compute. */
+typedef enum kvb_copy_engine {
+    KVB_ENGINE_H2D = 0,  /* host -> backend memory (pinned host memory overlaps; pageable is staged) */
+    KVB_ENGINE_D2H = 1,  /* backend -> host memory */
+    KVB_ENGINE_PEER = 2, /* backend -> backend memory: this device, or a region imported from another process */
+    KVB_ENGINE_COUNT = 3,
+} kvb_copy_engine;
+
+/* One piece of an asynchronous copy: `bytes` from `src` to `dst`. */
+typedef struct kvb_copy_piece {
+    void *dst;
+    const void *src;
+    size_t bytes;
+} kvb_copy_piece;
+
+/* How one logit row is sampled (common/sched/sampling.h's kvb_sampling with the row's uniform draw). */
+typedef struct kvb_sample_row {
+    float temperature; /* <= 0: greedy (argmax, lowest id on ties) */
+    int32_t top_k;     /* 0: off */
+    float top_p;       /* <= 0 or >= 1: off */
+    double u;          /* uniform in [0, 1) from the request's kvb_rng; unused when greedy */
+} kvb_sample_row;
+
 typedef struct kvb_backend_i {
     const char *name;
     kvb_dtype act_dtype; /* element type of activation buffers */
@@ -119,6 +143,24 @@ typedef struct kvb_backend_i {
     kvb_status (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
     /* Wait until every operator issued so far has finished. */
     kvb_status (*sync)(void *ctx);
+
+    /* Tickets: copies that complete on their own, so that compute and copies overlap. Optional together
+     * (NULL: the stager copies with to_device / to_host / copy, each done when it returns). A ticket is a
+     * number > 0, increasing with every copy_async of the backend object; every member may be called from
+     * any host thread (the stager's copy threads), and a device backend makes its device current there. */
+    /* Issues pieces x[0..n) in order on `dir`'s copy stream, after every operator issued before the call
+     * (a store reads what they wrote; a load may overwrite what they read), and returns the ticket of
+     * their completion. Returns without waiting for the bytes (for pageable host memory the device
+     * backend may wait; pinned memory from kvb_mem_pinned_alloc overlaps). The host must not touch the
+     * destinations, nor change the sources, before the ticket is done. */
+    kvb_status (*copy_async)(void *ctx, kvb_copy_engine dir, const kvb_copy_piece *x, int n, uint64_t *ticket);
+    /* Operators issued after this call run after copy `ticket` has landed (cudaStreamWaitEvent on the
+     * compute stream); the host does not wait. */
+    kvb_status (*wait_ticket)(void *ctx, uint64_t ticket);
+    /* 1 when copy `ticket` has landed (its buffers may be reused), 0 when not yet; never blocks. */
+    int (*ticket_done)(void *ctx, uint64_t ticket);
+    /* The host waits until copy `ticket` has landed; the copy's error, if it failed. */
+    kvb_status (*ticket_wait)(void *ctx, uint64_t ticket);
 
     /* Weights. Creates `dst` from host data in `src_dtype` of shape [rows][cols]; converts as needed. */
     kvb_status (*weight_load)(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
@@ -187,6 +229,13 @@ typedef struct kvb_backend_i {
     kvb_status (*qkv_finish)(void *ctx, const kvb_attn_batch *b, const void *qkv, const kvb_tensor *bias,
                              const kvb_tensor *q_norm, const kvb_tensor *k_norm, float eps, const int32_t *pos,
                              const kvb_rope *rope, void *q_out);
+
+    /* Optional (NULL: the engine copies the logit rows to the host and samples there). out[r] = the token
+     * row r of `logits` ([rows][vocab] activations) gives under p[r], chosen on the device as
+     * common/sched/sampling.c chooses it (greedy: the same token; sampled: the same token unless u falls
+     * within vocab * 2^-44 of a boundary between two tokens' masses); `out` is a host array. Waits for
+     * the device, so only the token ids cross to the host. */
+    kvb_status (*sample)(void *ctx, const void *logits, int rows, int vocab, const kvb_sample_row *p, int32_t *out);
 
     /* Sets the number of CPU threads the backend may use (CPU backend: OpenBLAS and OpenMP). */
     void (*set_threads)(void *ctx, int n_threads);

@@ -2,7 +2,7 @@
 """A whole kvbank node on one GPU (scripts/gpu-check node): kvbankd with a master and two workers whose
 KV pools are device regions lent through CUDA IPC handles.
 
-  gpu_node_check.py --build BUILD_DIR --work DIR [--backend cuda:f32] [--device 0]
+  gpu_node_check.py --build BUILD_DIR --work DIR [--backend cuda:f32] [--device 0] [--lsc inplace|stream]
 
 Checks, each printed as one line `CHECK: PASS|NEAR-TIE|FAIL details` (the last line is the verdict):
   1. lending: every model alive in `kvbankctl status`, every region in device memory, the master
@@ -83,7 +83,7 @@ class Node:
                  "backend": self.a.backend, "device": self.a.device, "kv_mb": kv_mb, "block_size": bs,
                  "threads": 2}
             if name == MASTER:
-                m["lsc"] = "inplace"
+                m["lsc"] = self.a.lsc
             models.append(m)
         cfg = {"node": self.node, "run_dir": self.run_dir, "bin_dir": self.b,
                "coordinator": {"heartbeat_ms": 100, "heartbeat_misses": 10, "lend_interval_s": 0.5, "window_s": 2.0},
@@ -237,7 +237,7 @@ def session(node):
 def mid_stream(node, what, act):
     """A long request on the master; `act(status)` runs once it decodes and returns (ok, what it did);
     returns (verdict, detail)."""
-    prompt = csv(ids(20, 700))
+    prompt = csv(ids(20, node.a.long_prompt))
     max_tokens = node.a.long_tokens
     st0 = node.status()
     base = st0[MASTER].get("tokens_generated", 0)
@@ -341,8 +341,13 @@ def main():
     ap.add_argument("--work", required=True)
     ap.add_argument("--backend", default="cuda:f32")
     ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--lsc", choices=("inplace", "stream"), default="inplace",
+                    help="how the master reads borrowed blocks: in place, or streamed through its layer stream cache")
     ap.add_argument("--near-tie", type=float, default=1e-4)
     ap.add_argument("--long-tokens", type=int, default=1200, help="tokens of the requests checks 3 and 4 act in")
+    ap.add_argument("--long-prompt", type=int, default=700,
+                    help="prompt tokens of those requests (with lsc=stream the master's own and streamed blocks "
+                    "hold about 970 tokens: prompt and tokens must fit)")
     a = ap.parse_args()
     shutil.rmtree(a.work, ignore_errors=True)
     os.makedirs(a.work)

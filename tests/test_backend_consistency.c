@@ -997,6 +997,102 @@ static void *copier_main(void *arg) {
     return NULL;
 }
 
+/* The ticket contract (backend.h): copies on the per-direction streams complete by events; an operator
+ * issued after wait_ticket reads what the copy brought, the host reads a D2H copy after ticket_wait; the
+ * CPU backend keeps the same contract. Under the emulation, an operator issued without wait_ticket reads
+ * the copy's poison (NaN): the emulation models the wait it checks. */
+static void tickets_on(kvb_backend *be) {
+    const kvb_backend_i *bi = be->iface;
+    ck_assert_ptr_nonnull(bi->copy_async);
+    const int rows = 64, dim = 96;
+    size_t n = (size_t)rows * dim, es = kvb_dtype_size(bi->act_dtype), bytes = n * es;
+    float *vals = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) vals[i] = (float)((int)(i % 251) - 125) * 0.25f; /* exact in every dtype */
+    void *enc = encode(vals, n, bi->act_dtype);
+    void *h = NULL, *h2 = NULL, *d = NULL, *d2 = NULL, *o = NULL;
+    ck_assert_int_eq(kvb_mem_pinned_alloc(be->mem, bytes, &h), KVB_OK);
+    ck_assert_int_eq(kvb_mem_pinned_alloc(be->mem, bytes, &h2), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, bytes, &d), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, bytes, &d2), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, bytes, &o), KVB_OK);
+    memcpy(h, enc, bytes);
+    int32_t ids[64];
+    for (int i = 0; i < rows; i++) ids[i] = rows - 1 - i;
+    /* host -> device in two pieces, then an operator on the compute stream after the ticket */
+    kvb_copy_piece in[2] = {{d, h, bytes / 2}, {(char *)d + bytes / 2, (char *)h + bytes / 2, bytes - bytes / 2}};
+    uint64_t t1 = 0, t2 = 0, t3 = 0;
+    ck_assert_int_eq(bi->copy_async(be->ctx, KVB_ENGINE_H2D, in, 2, &t1), KVB_OK);
+    ck_assert_uint_gt(t1, 0);
+    ck_assert_int_eq(bi->wait_ticket(be->ctx, t1), KVB_OK);
+    ck_assert_int_eq(bi->gather_rows(be->ctx, d, ids, rows, dim, o), KVB_OK);
+    float *got = download(be, o, n);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < dim; j++)
+            ck_assert_msg(got[(size_t)i * dim + j] == vals[(size_t)ids[i] * dim + j], "%s: row %d col %d: %g, want %g",
+                          bi->name, i, j, got[(size_t)i * dim + j], vals[(size_t)ids[i] * dim + j]);
+    free(got);
+    /* device -> host after the operator that wrote o; the host reads after ticket_wait */
+    kvb_copy_piece out = {h2, o, bytes};
+    ck_assert_int_eq(bi->copy_async(be->ctx, KVB_ENGINE_D2H, &out, 1, &t2), KVB_OK);
+    ck_assert_uint_gt(t2, t1);
+    ck_assert_int_eq(bi->ticket_wait(be->ctx, t2), KVB_OK);
+    ck_assert_int_eq(bi->ticket_done(be->ctx, t2), 1);
+    ck_assert_int_eq(bi->ticket_done(be->ctx, t1), 1);
+    float *back = malloc(n * sizeof(float));
+    decode_dt(h2, n, bi->act_dtype, back);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < dim; j++) ck_assert(back[(size_t)i * dim + j] == vals[(size_t)ids[i] * dim + j]);
+    free(back);
+    /* device -> device on the peer engine */
+    kvb_copy_piece peer = {d2, d, bytes};
+    ck_assert_int_eq(bi->copy_async(be->ctx, KVB_ENGINE_PEER, &peer, 1, &t3), KVB_OK);
+    ck_assert_int_eq(bi->wait_ticket(be->ctx, t3), KVB_OK);
+    got = download(be, d2, n);
+    for (size_t i = 0; i < n; i++) ck_assert(got[i] == vals[i]);
+    free(got);
+    if (kvb_cuda_backend_is(be)) { /* tickets never handed out */
+        ck_assert_int_eq(bi->wait_ticket(be->ctx, 0), KVB_ERR_INVALID);
+        ck_assert_int_eq(bi->ticket_wait(be->ctx, t3 + 1000), KVB_ERR_INVALID);
+    }
+#ifdef KVB_CUDA_EMU
+    if (kvb_cuda_backend_is(be)) {
+        /* no wait_ticket: the operator runs before the copy has landed and reads its poison */
+        uint64_t t4 = 0;
+        kvb_copy_piece again = {d2, h, bytes};
+        ck_assert_int_eq(bi->copy_async(be->ctx, KVB_ENGINE_H2D, &again, 1, &t4), KVB_OK);
+        ck_assert_int_eq(bi->gather_rows(be->ctx, d2, ids, rows, dim, o), KVB_OK);
+        got = download(be, o, n);
+        size_t nan = 0;
+        for (size_t i = 0; i < n; i++) nan += isnan(got[i]) != 0;
+        ck_assert_msg(nan == n, "%s: the operator issued without waiting read %zu NaN of %zu", bi->name, nan, n);
+        free(got);
+        ck_assert_int_eq(bi->ticket_wait(be->ctx, t4), KVB_OK);
+        got = download(be, d2, n);
+        for (size_t i = 0; i < n; i++) ck_assert(got[i] == vals[i]);
+        free(got);
+    }
+#endif
+    kvb_mem_pinned_free(be->mem, h);
+    kvb_mem_pinned_free(be->mem, h2);
+    kvb_mem_free(be->mem, d);
+    kvb_mem_free(be->mem, d2);
+    kvb_mem_free(be->mem, o);
+    free(enc);
+    free(vals);
+}
+
+KVB_TEST(copy_tickets) {
+    kvb_backend *cpu = make("cpu");
+    tickets_on(cpu);
+    kvb_backend_destroy(cpu);
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        tickets_on(gpu);
+        kvb_backend_destroy(gpu);
+    }
+}
+KVB_TEST_END
+
 KVB_TEST(copy_concurrent) {
     rng_state = 22;
     kvb_backend *cpu = make("cpu");
@@ -1114,6 +1210,50 @@ KVB_TEST(sampling) {
 }
 KVB_TEST_END
 
+/* The backend's `sample` (the engine's batch sampled on the device) against common/sched/sampling.c on
+ * the same logits and the same uniform draws: greedy rows (a tie among them: the lowest id) and
+ * seeded rows with temperature, top-k and top-p. */
+KVB_TEST(backend_sample) {
+    rng_state = 31;
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        ck_assert_ptr_nonnull(gpu->iface->sample);
+        enum { ROWS = 24, VOCAB = 3000 };
+        float *lg = rand_vec((size_t)ROWS * VOCAB, 6.0f, V->dt);
+        lg[(size_t)3 * VOCAB + 17] = lg[(size_t)3 * VOCAB + 900] = 50.0f; /* a tie at the top of row 3 */
+        void *d = upload(gpu, lg, (size_t)ROWS * VOCAB);
+        kvb_sample_row p[ROWS];
+        kvb_sampling samp[ROWS];
+        kvb_rng r_dev[ROWS], r_cpu[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            int mode = r % 4; /* greedy, temperature, top-k, top-p */
+            samp[r] = (kvb_sampling){.temperature = mode ? 0.7f + 0.1f * (r % 3) : 0, .top_k = mode == 2 ? 40 : 0,
+                                     .top_p = mode == 3 ? 0.9f : 0, .seed = 1000 + (uint64_t)r};
+            kvb_rng_seed(&r_dev[r], samp[r].seed);
+            kvb_rng_seed(&r_cpu[r], samp[r].seed);
+            p[r] = (kvb_sample_row){samp[r].temperature, samp[r].top_k, samp[r].top_p,
+                                    mode ? kvb_rng_uniform(&r_dev[r]) : 0};
+        }
+        int32_t got[ROWS];
+        ck_assert_int_eq(gpu->iface->sample(gpu->ctx, d, ROWS, VOCAB, p, got), KVB_OK);
+        float *scratch = malloc(2 * VOCAB * sizeof(float));
+        float *host = download(gpu, d, (size_t)ROWS * VOCAB); /* the logits as the device holds them */
+        for (int r = 0; r < ROWS; r++) {
+            int32_t want = kvb_sample(&samp[r], &r_cpu[r], host + (size_t)r * VOCAB, VOCAB, scratch);
+            ck_assert_msg(got[r] == want, "%s row %d (T %.1f, top_k %d, top_p %.1f): device %d, cpu %d", V->name, r,
+                          samp[r].temperature, samp[r].top_k, samp[r].top_p, got[r], want);
+        }
+        ck_assert_int_eq(got[3], 17);
+        free(host);
+        free(scratch);
+        free(lg);
+        kvb_mem_free(gpu->mem, d);
+        kvb_backend_destroy(gpu);
+    }
+}
+KVB_TEST_END
+
 /* ---------------------------------------------------------------- memory pieces */
 
 KVB_TEST(cuda_memory) {
@@ -1179,8 +1319,8 @@ int main(int argc, char **argv) {
         KVB_T(attention_prefill, 300),   KVB_T(attention_head_shapes, 300),
         KVB_T(attention_sliding_window, 300), KVB_T(attention_chunk_over_past, 300),
         KVB_T(bias_add, 60),
-        KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120),
-        KVB_T(sampling, 120),
+        KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120), KVB_T(copy_tickets, 60),
+        KVB_T(sampling, 120),              KVB_T(backend_sample, 60),
         KVB_T(cuda_memory, 60),
     };
     int skip = kvb_test_need_device(argc, argv, probe);

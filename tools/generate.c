@@ -341,7 +341,9 @@ int main(int argc, char **argv) {
         if (kvb_malloc((size_t)max_tokens * sizeof(int32_t), (void **)&g.out[i]) != KVB_OK) goto out;
     }
     if (dump_path && kvb_calloc((size_t)max_tokens * cfg->vocab, sizeof(float), (void **)&g.dump) != KVB_OK) goto out;
-    kvb_engine_events ev = {.ud = &g, .on_token = on_token, .on_finish = on_finish, .on_logits = on_logits};
+    /* without --dump-logits nobody reads the logits: a backend that samples on the device does */
+    kvb_engine_events ev = {.ud = &g, .on_token = on_token, .on_finish = on_finish,
+                            .on_logits = dump_path ? on_logits : NULL};
     if (kvb_link_preset(links, be, &o.links) != KVB_OK) {
         fprintf(stderr, "kvbank-generate: unknown --link-preset '%s' (--link-preset list names them)\n", links);
         goto bad_args;

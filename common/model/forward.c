@@ -415,18 +415,24 @@ kvb_status kvb_forward_layer(kvb_forward *fw, int layer) {
     return KVB_OK;
 }
 
-/* Final norm and LM head of rows[n] of the residual stream into logits [n][vocab] (host), through the
- * step's logit buffers (n <= its n_logits). Waits for the device. */
-static kvb_status lm_head(kvb_forward *fw, const int32_t *rows, int n, float *logits) {
+/* Final norm and LM head of rows[n] of the residual stream into the step's logit buffer (device). */
+static kvb_status lm_head_rows(kvb_forward *fw, const int32_t *rows, int n) {
     const kvb_model_config *c = &fw->m->cfg;
     const kvb_backend_i *be = fw->be->iface;
     void *ctx = fw->be->ctx;
     kvb_status st = be->gather_rows(ctx, fw->x, rows, n, c->hidden, fw->rows);
     if (st == KVB_OK) st = be->rmsnorm(ctx, fw->rows, n, c->hidden, &fw->m->final_norm, c->rms_eps, fw->rows);
     if (st == KVB_OK) st = be->matmul(ctx, fw->rows, n, &fw->m->lm_head, 0.0f, fw->logits);
+    return st;
+}
+
+/* lm_head_rows, then the logits [n][vocab] to the host. Waits for the device. */
+static kvb_status lm_head(kvb_forward *fw, const int32_t *rows, int n, float *logits) {
+    const kvb_backend_i *be = fw->be->iface;
+    kvb_status st = lm_head_rows(fw, rows, n);
     /* waits for the device: every kernel of the step is done when it returns */
-    if (st == KVB_OK) st = be->to_host_f32(ctx, logits, fw->logits, (size_t)n * c->vocab);
-    if (st != KVB_OK) (void)be->sync(ctx);
+    if (st == KVB_OK) st = be->to_host_f32(fw->be->ctx, logits, fw->logits, (size_t)n * fw->m->cfg.vocab);
+    if (st != KVB_OK) (void)be->sync(fw->be->ctx);
     return st;
 }
 
@@ -437,16 +443,35 @@ kvb_status kvb_forward_logits(kvb_forward *fw, const int32_t *rows, int n, float
     return lm_head(fw, rows, n, logits);
 }
 
-kvb_status kvb_forward_end(kvb_forward *fw, float *logits) {
+/* The final norm and LM head of the logit rows, then either their logits to the host (`logits`) or
+ * the tokens the backend samples from them (`p`, `tokens`). */
+static kvb_status forward_end(kvb_forward *fw, float *logits, const kvb_sample_row *p, int32_t *tokens) {
     const kvb_model_config *c = &fw->m->cfg;
     if (!fw->b || fw->next_layer != c->n_layers) return KVB_ERR_STATE;
     const kvb_batch *b = fw->b;
     fw->b = NULL;
-    kvb_status st = b->n_logits == 0 ? fw->be->iface->sync(fw->be->ctx) : lm_head(fw, b->logit_rows, b->n_logits, logits);
+    kvb_status st;
+    if (b->n_logits == 0) {
+        st = fw->be->iface->sync(fw->be->ctx);
+    } else if (!tokens) {
+        st = lm_head(fw, b->logit_rows, b->n_logits, logits);
+    } else {
+        /* waits for the device: every kernel of the step is done when the tokens are on the host */
+        st = lm_head_rows(fw, b->logit_rows, b->n_logits);
+        if (st == KVB_OK) st = fw->be->iface->sample(fw->be->ctx, fw->logits, b->n_logits, c->vocab, p, tokens);
+        if (st != KVB_OK) (void)fw->be->iface->sync(fw->be->ctx);
+    }
     /* The buffers go back; work already on the stream is done (sync above), and the next step's
      * kernels run after this one's on the same stream anyway. */
     fw_release(fw);
     return st;
+}
+
+kvb_status kvb_forward_end(kvb_forward *fw, float *logits) { return forward_end(fw, logits, NULL, NULL); }
+
+kvb_status kvb_forward_end_sample(kvb_forward *fw, const kvb_sample_row *p, int32_t *tokens) {
+    if (!fw->be->iface->sample || !p || !tokens) return KVB_ERR_UNSUPPORTED;
+    return forward_end(fw, NULL, p, tokens);
 }
 
 const void *kvb_forward_hidden(const kvb_forward *fw) { return fw->x; }

@@ -89,6 +89,10 @@ kvb_status kvb_forward_end(kvb_forward *fw, float *logits);
  * (below the rows computed), n at most the batch's n_logits (its buffers are used; prompt logprobs
  * take every prompt row this way, a batch's worth at a time). KVB_ERR_INVALID otherwise. */
 kvb_status kvb_forward_logits(kvb_forward *fw, const int32_t *rows, int n, float *logits);
+/* As kvb_forward_end, but the backend samples the logit rows on the device (kvb_backend_i.sample): row r
+ * under p[r] into tokens[r] (host arrays of n_logits); no logits cross to the host.
+ * KVB_ERR_UNSUPPORTED (the step stays open) when the backend cannot. */
+kvb_status kvb_forward_end_sample(kvb_forward *fw, const kvb_sample_row *p, int32_t *tokens);
 
 /* The residual stream [n_tokens][hidden] (backend memory, act dtype) of the step in flight: between
  * kvb_forward_begin / kvb_forward_layer(l - 1) and kvb_forward_layer(l) it holds every row's hidden

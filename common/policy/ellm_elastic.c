@@ -16,6 +16,7 @@ typedef struct ee {
     /* parameters */
     double budget_mb, buffer_mb, slo_ttft_ms, slo_tpot_ms;
     int64_t chunk_tokens, slots, theta, intra, inter, alpha, window, misses, premap, premap_max, mapper, prefill_chunk;
+    int chunk_given; /* chunk_tokens came from the parameters: kept as it is, or refused */
     /* set up at SETUP */
     kvb_model_config mc;
     kvb_kv_geom geom;
@@ -66,11 +67,12 @@ static int64_t act_chunks_of(ee *p, size_t chunk_bytes, int64_t n_tokens, int n_
  * activations of its own prefill (ellm-elastic) or beside the static reserve (the baselines). The same
  * rule as the core's configuration check. */
 static int len_fits(ee *p, size_t chunk, int64_t n_chunks, int theta, int len, int max_seqs) {
-    int64_t kv = KVB_DIV_CEIL(len, p->chunk_tokens);
-    int64_t kv_len = kv * p->chunk_tokens; /* a slot is whole chunks */
+    int64_t kv = KVB_DIV_CEIL(len, p->chunk_tokens); /* a slot is whole chunks */
+    /* a prefill is at most `len` tokens, however many a slot's chunks hold (a chunk can hold more tokens
+     * than the model's length) */
     if (p->mode == KVB_EE_MODE_ELASTIC && p->intra)
-        return kv + act_chunks_of(p, chunk, kv_len, 1, 0) + theta <= n_chunks;
-    int64_t step = p->mode == KVB_EE_MODE_CHUNKED ? p->prefill_chunk : kv_len;
+        return kv + act_chunks_of(p, chunk, len, 1, 0) + theta <= n_chunks;
+    int64_t step = p->mode == KVB_EE_MODE_CHUNKED ? p->prefill_chunk : len;
     return kv + theta + act_chunks_of(p, chunk, step, (int)KVB_MIN(max_seqs, step), 0) <= n_chunks;
 }
 
@@ -121,19 +123,31 @@ static kvb_status ee_setup(ee *p, const kvb_pool_event *ev, const kvb_view *v, k
     p->act_es = kvb_dtype_size(be->iface->act_dtype);
     int bs = p->geom.block_size;
     size_t block_bytes = kvb_kv_block_bytes(&p->geom), tok_bytes = block_bytes / (size_t)bs;
+    p->mem = be->mem; /* the device's memory: chunks and reservations come from it */
+    size_t gran;
+    KVB_TRY(kvb_mem_granularity(p->mem, &gran));
+    /* A chunk is whole blocks and whole mapping granules (§4.1: tensor slots align with the physical
+     * chunks): the smallest such chunk is k tokens. */
+    int64_t need = (int64_t)(gran / (size_t)gcd64((int64_t)gran, (int64_t)tok_bytes));
+    int64_t k = need / gcd64(need, bs) * bs;
+    if (!p->chunk_given) {
+        /* the default: 16 tokens rounded up to k (one 2 MiB granule at Llama-3-8B's bf16 shape, where 16
+         * tokens are exactly one; a small model's chunk is then many tokens) */
+        p->chunk_tokens = KVB_DIV_CEIL(p->chunk_tokens, k) * k;
+        if (p->chunk_tokens > (1 << 20)) {
+            KVB_LOG_E("%s: the smallest chunk of whole blocks and %zu-byte granules is %lld tokens", p->name, gran,
+                      (long long)p->chunk_tokens);
+            return KVB_ERR_INVALID;
+        }
+    }
     if (p->chunk_tokens % bs) {
         KVB_LOG_E("%s: chunk_tokens %lld must be a multiple of the block size %d", p->name, (long long)p->chunk_tokens, bs);
         return KVB_ERR_INVALID;
     }
-    p->mem = be->mem; /* the device's memory: chunks and reservations come from it */
-    size_t gran;
-    KVB_TRY(kvb_mem_granularity(p->mem, &gran));
     size_t chunk = (size_t)p->chunk_tokens * tok_bytes;
     if (chunk % gran) {
-        int64_t need = (int64_t)(gran / gcd64((int64_t)gran, (int64_t)tok_bytes)); /* tokens per granule multiple */
-        int64_t k = need * bs / gcd64(need, bs);
         KVB_LOG_E("%s: a chunk of %lld tokens is %zu bytes, not a multiple of the %zu-byte mapping granularity of %s "
-                  "memory; chunk_tokens must be a multiple of %lld",
+                  "memory; chunk_tokens must be a multiple of %lld (or left out: the default is derived)",
                   p->name, (long long)p->chunk_tokens, chunk, gran, kvb_mem_kind(p->mem), (long long)k);
         return KVB_ERR_INVALID;
     }
@@ -420,6 +434,7 @@ static kvb_status ee_create(kvb_ee_mode mode, const kvb_planner_i *iface, int in
                {"slo_tpot_ms", &p->slo_tpot_ms}};
     for (size_t i = 0; i < KVB_ARRAY_LEN(dbl) && st == KVB_OK; i++)
         st = kvb_policy_param_f64(params, name, dbl[i].key, 0, 1e12, dbl[i].v);
+    p->chunk_given = kvb_policy_params_get(params, "chunk_tokens") != NULL;
     if (st == KVB_OK && mode != KVB_EE_MODE_ELASTIC && (kvb_policy_params_get(params, "intra") ||
                                                         kvb_policy_params_get(params, "inter"))) {
         KVB_LOG_E("%s: intra and inter are ellm-elastic's switches", name);

@@ -282,8 +282,9 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b) {
         if ((r = mechs_layer(e, l, 0)) != KVB_OK) break;
         st->t_wait[l] = kvb_now_ns() - tl;
         if ((r = kvb_forward_layer(e->fw, l)) != KVB_OK) break;
-        /* the layer's kernels are done with the buffers the mechanisms reuse once the backend is idle */
-        if ((flags & KVB__STEP_SYNC) && (r = be->iface->sync(be->ctx)) != KVB_OK) break;
+        /* the layer's kernels are done with the buffers the mechanisms reuse once the backend is idle; a
+         * backend with tickets orders each copy after the operators issued before it (copy_async) */
+        if ((flags & KVB__STEP_SYNC) && !be->iface->copy_async && (r = be->iface->sync(be->ctx)) != KVB_OK) break;
         if ((r = mechs_layer(e, l, 1)) != KVB_OK) break;
         st->t_layer[l] = kvb_now_ns() - tl;
     }
@@ -411,16 +412,22 @@ static void advance(kvb_engine *e) {
         s->restore_hi = 0;
         if (e->o.enable_prefix_cache) publish_full_blocks(e, s);
         if (s->n_computed != s->n_tokens) continue; /* prefill chunk: no token yet */
-        float *lg = st->logits + (size_t)li++ * c->vocab;
         kvb__seq_list *in = s->host_bt.n > 0 && s->bt.n == 0 ? &e->swapped : &e->running; /* offloaded: swapped */
-        kvb_status cst = s->matcher ? kvb__constrain_logits(e, s, lg, c->vocab) : KVB_OK; /* the first stage */
-        if (cst != KVB_OK) {
-            kvb__finish(e, in, s, KVB_FINISH_ERROR, cst);
-            continue;
-        }
         int index = s->n_generated, done = 0;
-        if (e->ev.on_logits) e->ev.on_logits(e->ev.ud, s->id, index, lg, c->vocab);
-        int32_t tok = sample_one(e, s, lg, index);
+        int32_t tok;
+        kvb_status cst;
+        if (st->device_sampled) {
+            tok = st->sampled[li++]; /* plain sampling (forward_end): no mask, processors or logprobs */
+        } else {
+            float *lg = st->logits + (size_t)li++ * c->vocab;
+            cst = s->matcher ? kvb__constrain_logits(e, s, lg, c->vocab) : KVB_OK; /* the first stage */
+            if (cst != KVB_OK) {
+                kvb__finish(e, in, s, KVB_FINISH_ERROR, cst);
+                continue;
+            }
+            if (e->ev.on_logits) e->ev.on_logits(e->ev.ud, s->id, index, lg, c->vocab);
+            tok = sample_one(e, s, lg, index);
+        }
         if (s->matcher && (cst = kvb__constrain_accept(s, tok, &done)) != KVB_OK) { /* the mask allowed it: never */
             kvb__finish(e, in, s, KVB_FINISH_ERROR, cst);
             continue;
@@ -432,6 +439,34 @@ static void advance(kvb_engine *e) {
         if (is_stop(s, tok) || done) kvb__finish(e, in, s, KVB_FINISH_STOP, KVB_OK);
         else if (s->n_generated >= s->max_tokens) kvb__finish(e, in, s, KVB_FINISH_LENGTH, KVB_OK);
     }
+}
+
+/* Ends the forward pass: on a backend that samples (kvb_backend_i.sample), with no one asking for the
+ * logits and every row plain (no grammar, logits processor or logprobs; no prompt-logprob rows), the
+ * logit rows are sampled on the device and only the tokens come back; the rows are in the order
+ * advance() takes them, each drawing its uniform number as kvb_sample does (one per sampled token). */
+static kvb_status forward_end(kvb_engine *e, int n_logits) {
+    kvb__step *st = &e->step;
+    st->device_sampled = 0;
+    int device = kvb_model_backend(e->m)->iface->sample && !e->ev.on_logits && n_logits == st->n_sample;
+    for (int i = 0; device && i < st->n_sched; i++) {
+        const kvb__seq *s = st->sched[i];
+        if (s->n_computed + s->q_len == s->n_tokens &&
+            (s->matcher || s->samp.logprobs || kvb_sampling_processes(&s->samp)))
+            device = 0;
+    }
+    if (!device) return kvb_forward_end(e->fw, st->logits);
+    int n = 0;
+    for (int i = 0; i < st->n_sched; i++) {
+        kvb__seq *s = st->sched[i];
+        if (s->n_computed + s->q_len != s->n_tokens) continue; /* a prefill chunk: no token yet */
+        int hot = s->samp.temperature > 0;
+        st->sample_rows[n++] = (kvb_sample_row){.temperature = s->samp.temperature, .top_k = s->samp.top_k,
+                                                .top_p = s->samp.top_p, .u = hot ? kvb_rng_uniform(&s->rng) : 0};
+    }
+    KVB_TRY(kvb_forward_end_sample(e->fw, st->sample_rows, st->sampled));
+    st->device_sampled = n > 0;
+    return KVB_OK;
 }
 
 kvb_status kvb__exec_step(kvb_engine *e) {
@@ -463,7 +498,7 @@ kvb_status kvb__exec_step(kvb_engine *e) {
     KVB_TRY_GOTO(forward(e, &b), fail);
     mechs_step_end(e, 1);
     if (b.n_logits > stp->n_sample && (st = prompt_logprobs(e, b.n_logits)) != KVB_OK) goto fail_ended;
-    st = kvb_forward_end(e->fw, stp->logits);
+    st = forward_end(e, b.n_logits);
     if (st != KVB_OK) goto fail_ended; /* the failed step's rows are not counted */
     mechs_step_done(e);
     e->stats.steps++;

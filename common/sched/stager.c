@@ -120,6 +120,15 @@ struct kvb_stager {
 
 static kvb_status run_task(kvb_stager *s, const task *t) {
     const kvb_backend_i *bi = s->be->iface;
+    if (bi->copy_async) {
+        /* the pieces back to back on the direction's copy stream, one completion for all: nothing on the
+         * compute stream, which runs on meanwhile; this copy thread waits, not the engine's */
+        static const kvb_copy_engine dir[] = {[KVB_XFER_D2D] = KVB_ENGINE_PEER, [KVB_XFER_D2H] = KVB_ENGINE_D2H,
+                                           [KVB_XFER_H2D] = KVB_ENGINE_H2D};
+        uint64_t ticket;
+        KVB_TRY(bi->copy_async(s->be->ctx, dir[t->dir], t->x, t->n, &ticket));
+        return bi->ticket_wait(s->be->ctx, ticket);
+    }
     for (int i = 0; i < t->n; i++) {
         const kvb_xfer *x = &t->x[i];
         if (!x->bytes) continue;

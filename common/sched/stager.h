@@ -39,12 +39,8 @@ typedef enum kvb_xfer_dir {
     KVB_XFER_H2D = 2, /* host memory -> backend memory (backend `to_device`) */
 } kvb_xfer_dir;
 
-/* One piece of a transfer. */
-typedef struct kvb_xfer {
-    void *dst;
-    const void *src;
-    size_t bytes;
-} kvb_xfer;
+/* One piece of a transfer: the backend's copy piece (kernels/backend.h), handed to copy_async as it is. */
+typedef kvb_copy_piece kvb_xfer;
 
 /* Creates a stager for `be` (borrowed) under `links` (copied; NULL: off). Threads start on first use.
  * Caller owns the result. */

@@ -135,6 +135,9 @@ typedef struct kvb__step {
     float *lp;               /* [max_seqs] logprobs of a step's rows */
     int32_t *top_ids;        /* [max_seqs][KVB_MAX_TOP_LOGPROBS] */
     float *top_lp;           /* [max_seqs][KVB_MAX_TOP_LOGPROBS] */
+    kvb_sample_row *sample_rows; /* [max_seqs] how each logit row is sampled, when the backend samples */
+    int32_t *sampled;        /* [max_seqs] the tokens it sampled */
+    int device_sampled;      /* this step's tokens are in `sampled` (no logits came to the host) */
     uint64_t *t_layer;       /* [n_layers] this step's layer times */
     uint64_t *t_wait;        /* [n_layers] of which before the layer's kernels */
 } kvb__step;

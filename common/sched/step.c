@@ -39,6 +39,8 @@ kvb_status kvb__step_init(kvb_engine *e) {
     KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->lp, (void **)&st->lp));
     KVB_TRY(kvb_calloc((size_t)ms * KVB_MAX_TOP_LOGPROBS, sizeof *st->top_ids, (void **)&st->top_ids));
     KVB_TRY(kvb_calloc((size_t)ms * KVB_MAX_TOP_LOGPROBS, sizeof *st->top_lp, (void **)&st->top_lp));
+    KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->sample_rows, (void **)&st->sample_rows));
+    KVB_TRY(kvb_calloc((size_t)ms, sizeof *st->sampled, (void **)&st->sampled));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->t_layer, (void **)&st->t_layer));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->t_wait, (void **)&st->t_wait));
     KVB_TRY(kvb_calloc((size_t)L, sizeof *st->l_rows, (void **)&st->l_rows));
@@ -68,6 +70,8 @@ void kvb__step_free(kvb_engine *e) {
     free(st->lp);
     free(st->top_ids);
     free(st->top_lp);
+    free(st->sample_rows);
+    free(st->sampled);
     free(st->t_layer);
     free(st->t_wait);
     if (st->scratch) kvb_mem_free(kvb_model_backend(e->m)->mem, st->scratch);

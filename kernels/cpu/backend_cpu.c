@@ -24,6 +24,27 @@ static kvb_status cpu_to_host_f32(void *ctx, float *dst, const void *src, size_t
 
 static kvb_status cpu_sync(void *ctx) { return KVB_OK; }
 
+/* The ticket contract on the host: operators are done when they return, so a copy is done when
+ * copy_async returns and every ticket it handed out has landed. */
+static kvb_status cpu_copy_async(void *ctx, kvb_copy_engine dir, const kvb_copy_piece *x, int n, uint64_t *ticket) {
+    kvb_cpu_ctx *c = ctx;
+    (void)dir;
+    for (int i = 0; i < n; i++)
+        if (x[i].bytes) memmove(x[i].dst, x[i].src, x[i].bytes);
+    *ticket = __atomic_add_fetch(&c->tickets, 1, __ATOMIC_RELAXED);
+    return KVB_OK;
+}
+
+static kvb_status cpu_wait_ticket(void *ctx, uint64_t ticket) {
+    (void)ctx, (void)ticket;
+    return KVB_OK;
+}
+
+static int cpu_ticket_done(void *ctx, uint64_t ticket) {
+    (void)ctx, (void)ticket;
+    return 1;
+}
+
 static kvb_status cpu_weight_load(void *ctx, const void *src, kvb_dtype src_dtype, int64_t rows, int64_t cols,
                                   kvb_tensor *dst) {
     if (rows <= 0 || cols <= 0) return KVB_ERR_INVALID;
@@ -171,6 +192,10 @@ static const kvb_backend_i cpu_iface = {
     .to_host_f32 = cpu_to_host_f32,
     .copy = cpu_copy,
     .sync = cpu_sync,
+    .copy_async = cpu_copy_async,
+    .wait_ticket = cpu_wait_ticket,
+    .ticket_done = cpu_ticket_done,
+    .ticket_wait = cpu_wait_ticket,
     .weight_load = cpu_weight_load,
     .weight_view = cpu_weight_view,
     .weight_fp8 = cpu_weight_fp8,

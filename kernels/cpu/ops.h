@@ -27,6 +27,7 @@ typedef struct kvb_cpu_ctx {
     size_t xq_floats;
     float *xs;            /* [xs_floats] the scales of xq's rows */
     size_t xs_floats;
+    uint64_t tickets; /* copy_async's last ticket (atomic: the stager's threads copy too) */
 } kvb_cpu_ctx;
 
 /* Query heads the CPU attention takes (its per-row softmax state lives on the stack). */

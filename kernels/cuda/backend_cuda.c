@@ -31,8 +31,12 @@
 #include "kernels/cuda/qkv.h"
 #include "kernels/cuda/rmsnorm.h"
 #include "kernels/cuda/rope.h"
+#include "kernels/cuda/sampling.h"
 
 #define STAGE_SLOTS 8
+/* events of copy_async's tickets in flight: ticket t uses event t % TICKET_RING (a ticket that old has
+ * landed long ago: reusing its event waits for it first) */
+#define TICKET_RING 1024
 /* cuBLAS workspace owned by the backend (NVIDIA recommends 32 MiB on Hopper). */
 #define BLAS_WORKSPACE_BYTES ((size_t)32 << 20)
 /* Elements converted per step when a weight's dtype changes on upload. */
@@ -157,7 +161,15 @@ typedef struct cuda_ctx {
     int device;
     int n_sm;
     cudaStream_t stream;      /* non-blocking; every operator runs here */
-    cudaStream_t copy_stream; /* non-blocking; `copy` only (any host thread, ordered after nothing) */
+    cudaStream_t copy_stream; /* non-blocking; `copy` (any host thread, ordered after nothing) and
+                               * copy_async's KVB_ENGINE_PEER */
+    cudaStream_t h2d, d2h;    /* non-blocking; copy_async's host -> device and device -> host copies */
+    pthread_mutex_t tk_mu;    /* copy_async's tickets (the stager's threads post at once) */
+    cudaEvent_t fence;        /* recorded on `stream` by copy_async: its copy waits for the operators */
+    cudaEvent_t ring[TICKET_RING]; /* the event of ticket t is ring[t % TICKET_RING] ... */
+    uint64_t ring_t[TICKET_RING];  /* ... while ring_t[t % TICKET_RING] == t */
+    uint64_t last_ticket;
+    int tk_mu_init;
     cublasHandle_t blas;      /* bound to `stream` and `blas_ws` */
     cublasComputeType_t compute;
     void *blas_ws;            /* [BLAS_WORKSPACE_BYTES] */
@@ -169,6 +181,8 @@ typedef struct cuda_ctx {
     size_t part_cap;
     int32_t *counters;        /* [counters_cap / 4] attention split groups' counters, zero between launches */
     size_t counters_cap;
+    int32_t *tok;             /* [tok_cap / 4] the sampled tokens */
+    size_t tok_cap;
     float *f32buf;            /* [f32_cap] floats: to_host_f32 conversion */
     size_t f32_cap;
     void *wtmp;               /* [wtmp_cap] bytes: weight upload before conversion */
@@ -290,6 +304,8 @@ static void dev_free(void *ctx, void *p) {
 static kvb_status cu_to_device(void *ctx, void *dst, const void *src, size_t bytes) {
     cuda_ctx *c = ctx;
     if (bytes == 0) return KVB_OK;
+    /* the calling thread may be another than the one that made the backend (a stager's copy thread) */
+    KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
     KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream)));
     /* the caller may reuse `src` as soon as we return */
     return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
@@ -298,6 +314,7 @@ static kvb_status cu_to_device(void *ctx, void *dst, const void *src, size_t byt
 static kvb_status cu_to_host(void *ctx, void *dst, const void *src, size_t bytes) {
     cuda_ctx *c = ctx;
     if (bytes == 0) return KVB_OK;
+    KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
     KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream)));
     return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
 }
@@ -305,6 +322,7 @@ static kvb_status cu_to_host(void *ctx, void *dst, const void *src, size_t bytes
 static kvb_status cu_to_host_f32(void *ctx, float *dst, const void *src, size_t n) {
     cuda_ctx *c = ctx;
     if (n == 0) return KVB_OK;
+    KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
     const void *from = src;
     if (c->dt != KVB_DTYPE_F32) {
         KVB_TRY(dev_reserve(c, (void **)&c->f32buf, &c->f32_cap, n * sizeof(float)));
@@ -329,7 +347,106 @@ static kvb_status cu_copy(void *ctx, void *dst, const void *src, size_t bytes) {
 
 static kvb_status cu_sync(void *ctx) {
     cuda_ctx *c = ctx;
+    KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
     return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+/* The engine's batch sampled on the device (sampling.cu): only the token ids come back. */
+static kvb_status cu_sample(void *ctx, const void *logits, int rows, int vocab, const kvb_sample_row *p, int32_t *out) {
+    cuda_ctx *c = ctx;
+    if (rows <= 0) return KVB_OK;
+    KVB_TRY(dev_reserve(c, (void **)&c->tok, &c->tok_cap, (size_t)rows * sizeof(int32_t)));
+    int greedy = 1;
+    for (int r = 0; r < rows && greedy; r++) greedy = p[r].temperature <= 0;
+    if (greedy) {
+        KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_argmax(logits, c->dt, rows, vocab, c->tok, c->stream)));
+    } else {
+        _Static_assert(sizeof(kvb_sample_row) == sizeof(kvb_cuda_sample_params), "one layout");
+        const void *d_p = NULL;
+        meta_part parts[] = {{p, (size_t)rows * sizeof *p, &d_p}};
+        KVB_TRY(upload(c, parts, 1));
+        KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_sample(logits, c->dt, rows, vocab, d_p, c->tok, c->stream)));
+    }
+    KVB_TRY(KVB_CUDA_CHECK(cudaMemcpyAsync(out, c->tok, (size_t)rows * sizeof(int32_t), cudaMemcpyDeviceToHost, c->stream)));
+    return KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+}
+
+/* ---------------------------------------------------------------- copies with tickets (backend.h) */
+
+static cudaStream_t dir_stream(const cuda_ctx *c, kvb_copy_engine d) {
+    return d == KVB_ENGINE_H2D ? c->h2d : d == KVB_ENGINE_D2H ? c->d2h : c->copy_stream;
+}
+
+static kvb_status cu_copy_async(void *ctx, kvb_copy_engine dir, const kvb_copy_piece *x, int n, uint64_t *ticket) {
+    cuda_ctx *c = ctx;
+    static const enum cudaMemcpyKind kind[KVB_ENGINE_COUNT] = {cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost,
+                                                             cudaMemcpyDefault};
+    if ((unsigned)dir >= KVB_ENGINE_COUNT || n < 0 || (n > 0 && !x) || !ticket) return KVB_ERR_INVALID;
+    KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
+    cudaStream_t s = dir_stream(c, dir);
+    pthread_mutex_lock(&c->tk_mu);
+    /* after the operators issued so far: a store reads what they wrote, a load may overwrite what they read */
+    kvb_status st = KVB_CUDA_CHECK(cudaEventRecord(c->fence, c->stream));
+    if (st == KVB_OK) st = KVB_CUDA_CHECK(cudaStreamWaitEvent(s, c->fence, 0));
+    for (int i = 0; i < n && st == KVB_OK; i++)
+        if (x[i].bytes) st = KVB_CUDA_CHECK(cudaMemcpyAsync(x[i].dst, x[i].src, x[i].bytes, kind[dir], s));
+    if (st == KVB_OK) {
+        uint64_t t = c->last_ticket + 1;
+        size_t slot = t % TICKET_RING;
+        if (c->ring_t[slot]) st = KVB_CUDA_CHECK(cudaEventSynchronize(c->ring[slot]));
+        if (st == KVB_OK) st = KVB_CUDA_CHECK(cudaEventRecord(c->ring[slot], s));
+        if (st == KVB_OK) {
+            c->ring_t[slot] = t;
+            c->last_ticket = t;
+            *ticket = t;
+        }
+    }
+    pthread_mutex_unlock(&c->tk_mu);
+    return st;
+}
+
+/* The event of ticket t (with tk_mu held): NULL when t has landed for sure (its event serves a later
+ * ticket, which waited for it); KVB_ERR_INVALID for a ticket never handed out. */
+static kvb_status ticket_event(const cuda_ctx *c, uint64_t t, cudaEvent_t *e) {
+    if (t == 0 || t > c->last_ticket) return KVB_ERR_INVALID;
+    size_t slot = t % TICKET_RING;
+    *e = c->ring_t[slot] == t ? c->ring[slot] : NULL;
+    return KVB_OK;
+}
+
+static kvb_status cu_wait_ticket(void *ctx, uint64_t t) {
+    cuda_ctx *c = ctx;
+    cudaEvent_t e = NULL;
+    KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
+    pthread_mutex_lock(&c->tk_mu);
+    kvb_status st = ticket_event(c, t, &e);
+    if (st == KVB_OK && e) st = KVB_CUDA_CHECK(cudaStreamWaitEvent(c->stream, e, 0));
+    pthread_mutex_unlock(&c->tk_mu);
+    return st;
+}
+
+static int cu_ticket_done(void *ctx, uint64_t t) {
+    cuda_ctx *c = ctx;
+    cudaEvent_t e = NULL;
+    if (cudaSetDevice(c->device) != cudaSuccess) return 0;
+    pthread_mutex_lock(&c->tk_mu);
+    /* an error is not "not yet": ticket_wait reports it */
+    int done = ticket_event(c, t, &e) != KVB_OK || !e || cudaEventQuery(e) != cudaErrorNotReady;
+    pthread_mutex_unlock(&c->tk_mu);
+    return done;
+}
+
+static kvb_status cu_ticket_wait(void *ctx, uint64_t t) {
+    cuda_ctx *c = ctx;
+    cudaEvent_t e = NULL;
+    KVB_TRY(KVB_CUDA_CHECK(cudaSetDevice(c->device)));
+    pthread_mutex_lock(&c->tk_mu);
+    kvb_status st = ticket_event(c, t, &e);
+    pthread_mutex_unlock(&c->tk_mu);
+    /* outside the lock: the event may be recorded again for a later ticket meanwhile, and waiting for
+     * that one waits longer, never too little */
+    if (st == KVB_OK && e) st = KVB_CUDA_CHECK(cudaEventSynchronize(e));
+    return st;
 }
 
 /* ---------------------------------------------------------------- weights */
@@ -790,17 +907,25 @@ static void cu_destroy(void *ctx) {
     if (!c) return;
     if (c->stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     if (c->copy_stream) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->copy_stream));
+    if (c->h2d) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->h2d));
+    if (c->d2h) (void)KVB_CUDA_CHECK(cudaStreamSynchronize(c->d2h));
+    for (int i = 0; i < TICKET_RING; i++)
+        if (c->ring[i]) cudaEventDestroy(c->ring[i]);
+    if (c->fence) cudaEventDestroy(c->fence);
+    if (c->tk_mu_init) pthread_mutex_destroy(&c->tk_mu);
     if (c->blas) (void)KVB_CUBLAS_CHECK(blas_fn.destroy(c->blas));
     kvb_cuda_fp8_destroy(c->fp8);
     for (int i = 0; i < STAGE_SLOTS; i++) {
         if (c->stage[i].host) cudaFreeHost(c->stage[i].host);
         if (c->stage[i].done) cudaEventDestroy(c->stage[i].done);
     }
-    void *dev[] = {c->blas_ws, c->meta, c->part, c->counters, c->f32buf, c->wtmp, c->scratch};
+    void *dev[] = {c->blas_ws, c->meta, c->part, c->counters, c->f32buf, c->wtmp, c->scratch, c->tok};
     for (size_t i = 0; i < KVB_ARRAY_LEN(dev); i++)
         if (dev[i]) cudaFree(dev[i]);
     if (c->stream) cudaStreamDestroy(c->stream);
     if (c->copy_stream) cudaStreamDestroy(c->copy_stream);
+    if (c->h2d) cudaStreamDestroy(c->h2d);
+    if (c->d2h) cudaStreamDestroy(c->d2h);
     free(c->slots);
     free(c->blk);
     free(c->pitems);
@@ -811,10 +936,11 @@ static void cu_destroy(void *ctx) {
 
 #define CUDA_OPS                                                                                       \
     .to_device = cu_to_device, .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .copy = cu_copy,          \
-    .sync = cu_sync, .weight_load = cu_weight_load, .weight_fp8 = cu_weight_fp8, .weight_free = cu_weight_free, .embed = cu_embed,          \
+    .sync = cu_sync, .copy_async = cu_copy_async, .wait_ticket = cu_wait_ticket, .ticket_done = cu_ticket_done, \
+    .ticket_wait = cu_ticket_wait, .weight_load = cu_weight_load, .weight_fp8 = cu_weight_fp8, .weight_free = cu_weight_free, .embed = cu_embed,          \
     .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .bias_add = cu_bias_add,                      \
     .silu_mul = cu_silu_mul, .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows, \
-    .set_threads = cu_set_threads, .destroy = cu_destroy
+    .sample = cu_sample, .set_threads = cu_set_threads, .destroy = cu_destroy
 /* bf16 and f16 run the fused layer (stacked q/k/v and gate/up, folded norm and SiLU-mul); f32, the
  * variant that must give the CPU backend's tokens, keeps its order of operations */
 #define CUDA_FUSED                                                                                     \
@@ -875,6 +1001,16 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, c->device)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)), fail);
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->h2d, cudaStreamNonBlocking)), fail);
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->d2h, cudaStreamNonBlocking)), fail);
+    KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->fence, cudaEventDisableTiming)), fail);
+    for (int i = 0; i < TICKET_RING; i++)
+        KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->ring[i], cudaEventDisableTiming)), fail);
+    if (pthread_mutex_init(&c->tk_mu, NULL)) {
+        st = KVB_ERR_NOMEM;
+        goto fail;
+    }
+    c->tk_mu_init = 1;
     for (int i = 0; i < STAGE_SLOTS; i++)
         KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming)), fail);
     pthread_once(&blas_once, blas_load);

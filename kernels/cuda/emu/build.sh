@@ -76,12 +76,12 @@ def rewrite(s):
             else:
                 cur += ch
         cfg.append(cur.strip())
-        while len(cfg) < 3: cfg.append("0")
+        while len(cfg) < 4: cfg.append("0")
         a0 = s.find("(", j)
         a1 = balanced(s, a0, "(", ")")
         args = s[a0:a1]
         out.append(s[pos:k])
-        out.append("emu_launch((unsigned)(%s), (unsigned)(%s), (size_t)(%s), [&] { %s%s; })" % (cfg[0], cfg[1], cfg[2], kernel, args))
+        out.append("emu_launch((unsigned)(%s), (unsigned)(%s), (size_t)(%s), (cudaStream_t)(%s), [&] { %s%s; })" % (cfg[0], cfg[1], cfg[2], cfg[3], kernel, args))
         pos = a1
     s = "".join(out)
     s = re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\[\];", r"\1 *\2 = (\1 *)emu_dyn_smem();", s)
@@ -148,7 +148,7 @@ link() { # OUT SOURCE... : one program of the emulated objects, the tree's libra
     pids+=($!)
 }
 pids=()
-link "$OUT/test_backend_consistency" "$ROOT/tests/test_backend_consistency.c" "${OBJS[@]}" \
+link "$OUT/test_backend_consistency" -DKVB_CUDA_EMU "$ROOT/tests/test_backend_consistency.c" "${OBJS[@]}" \
     "$BUILD/libkvb_sched.a" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS
 link "$OUT/test_cuda_fp8" "$ROOT/tests/test_cuda_fp8.c" "${OBJS[@]}" "$BUILD/libkvb_mem.a" "$BUILD/libkvb_util.a" $LIBS
 link "$OUT/test_tensor_core" -DKVB_CUDA_EMU "$ROOT/tests/test_tensor_core.c" "${OBJS[@]}" \

@@ -1,14 +1,18 @@
 /* kvbank — the CUDA emulation's scheduler, and the subset of the CUDA runtime and cuBLAS that
  * kernels/cuda/backend_cuda.c and common/mem/region_cuda.c call, on host memory (see emu.h).
- * "Device" memory is malloc'd host memory, streams and events are bookkeeping (everything runs at
- * the call), cublasGemmEx is a plain triple loop with double accumulation, CUDA IPC and the driver
- * API (VMM) report "not supported". */
+ * "Device" memory is malloc'd host memory, kernels and cuBLAS run at the call, cublasGemmEx is a plain
+ * triple loop with double accumulation, CUDA IPC reports "not supported", the driver's VMM calls map
+ * memfd ranges. Asynchronous copies are deferred (see "Streams" below), so that work which reads a
+ * copy's destination without waiting for it reads poison. */
 #include "kernels/cuda/emu/emu.h"
 
 #include <cublas_v2.h>
 #include <cstdio>
 #include <ctime>
 #include <cstdlib>
+#include <deque>
+#include <map>
+#include <mutex>
 #include <vector>
 
 emu_dim emu_threadIdx, emu_blockIdx, emu_blockDim, emu_gridDim;
@@ -306,7 +310,10 @@ cudaError_t emu_last_error() {
     return e;
 }
 
-void emu_launch(unsigned grid, unsigned block, size_t smem, const std::function<void()> &body) {
+static void stream_begin(cudaStream_t st); /* "Streams" below */
+
+void emu_launch(unsigned grid, unsigned block, size_t smem, cudaStream_t st, const std::function<void()> &body) {
+    stream_begin(st); /* the stream's earlier copies land before its kernel runs */
     if (block == 0 || block > 1024 || grid == 0) {
         g_last = cudaErrorInvalidConfiguration;
         return;
@@ -382,6 +389,72 @@ void emu_launch(unsigned grid, unsigned block, size_t smem, const std::function<
     }
 }
 
+/* ---------------------------------------------------------------- Streams
+ *
+ * A cudaMemcpyAsync is not done at the call: its destination is filled with 0xFF (NaN in f32, f16 and
+ * bf16) and the bytes land only when something orders work after it: a kernel or cuBLAS call on the
+ * same stream, cudaStreamWaitEvent of an event recorded after it (the waiting stream's later work), a
+ * synchronisation of its stream, of an event after it or of the device, or an event query. So a kernel
+ * that reads a copy on another stream without waiting for its event reads NaN, and so does the host
+ * when it reads a destination before the copy's event. As CUDA does, a copy from pageable host memory
+ * takes its bytes at the call (staged) and a copy into pageable host memory is done when the call
+ * returns; pinned memory (cudaHostAlloc) and device memory are copied at delivery. What this does not
+ * model: a copy that overwrites memory an earlier kernel still reads (kernels have run by then). */
+
+struct emu_copy {
+    void *dst;
+    const void *src;
+    size_t n;
+    uint64_t seq;
+    std::vector<unsigned char> staged; /* a pageable source's bytes, taken at the call */
+};
+struct emu_stream {
+    std::deque<emu_copy> q;
+    uint64_t issued = 0;
+};
+struct emu_event {
+    struct timespec t; /* host time of the last record (work runs at delivery, so close enough) */
+    emu_stream *s;     /* the stream of the last record, NULL: never recorded */
+    uint64_t upto;     /* the copies of s up to this sequence number precede it */
+};
+enum emu_mem { EMU_PAGEABLE = 0, EMU_PINNED = 1, EMU_DEVICE = 2 };
+
+static std::mutex g_copy_mu;
+static std::map<uintptr_t, std::pair<size_t, emu_mem>> g_ranges; /* start -> (bytes, kind) */
+static emu_stream g_null_stream;
+static std::vector<emu_stream *> g_streams; /* every stream created and not destroyed */
+
+static emu_stream *stream_of(cudaStream_t st) { return st ? (emu_stream *)st : &g_null_stream; }
+static void range_add(const void *p, size_t n, emu_mem k) {
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    g_ranges[(uintptr_t)p] = {n, k};
+}
+static void range_del(const void *p) {
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    g_ranges.erase((uintptr_t)p);
+}
+/* with g_copy_mu held */
+static emu_mem mem_kind(const void *p) {
+    auto it = g_ranges.upper_bound((uintptr_t)p);
+    if (it == g_ranges.begin()) return EMU_PAGEABLE;
+    --it;
+    return (uintptr_t)p < it->first + it->second.first ? it->second.second : EMU_PAGEABLE;
+}
+/* Delivers the copies of s up to sequence `upto` (with g_copy_mu held). */
+static void deliver(emu_stream *s, uint64_t upto) {
+    while (!s->q.empty() && s->q.front().seq <= upto) {
+        emu_copy &c = s->q.front();
+        std::memmove(c.dst, c.staged.empty() ? c.src : c.staged.data(), c.n);
+        s->q.pop_front();
+    }
+}
+static void deliver_all(emu_stream *s) { deliver(s, UINT64_MAX); }
+/* Work on `st` starts: its earlier copies land. */
+static void stream_begin(cudaStream_t st) {
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    deliver_all(stream_of(st));
+}
+
 /* ---------------------------------------------------------------- CUDA runtime subset */
 
 extern "C" {
@@ -397,52 +470,97 @@ cudaError_t cudaGetDevice(int *d) {
     return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 cudaError_t cudaMalloc(void **p, size_t bytes) {
     *p = std::aligned_alloc(256, (bytes + 255) & ~(size_t)255);
     if (!*p) return cudaErrorMemoryAllocation;
     std::memset(*p, 0x5A, bytes); /* cudaMalloc does not zero */
+    range_add(*p, bytes, EMU_DEVICE);
     return cudaSuccess;
 }
 cudaError_t cudaFree(void *p) {
+    if (p) range_del(p);
     std::free(p);
     return cudaSuccess;
 }
-cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int) { return cudaMalloc(p, bytes); }
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int) {
+    *p = std::aligned_alloc(256, (bytes + 255) & ~(size_t)255);
+    if (!*p) return cudaErrorMemoryAllocation;
+    std::memset(*p, 0x5A, bytes);
+    range_add(*p, bytes, EMU_PINNED);
+    return cudaSuccess;
+}
 cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
-cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) {
+cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t st) {
+    stream_begin(st);
     std::memset(p, v, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind, cudaStream_t st) {
     if (!st) return cudaErrorInvalidValue; /* kvbank never uses the legacy default stream */
-    std::memmove(d, s, n);
+    if (!n) return cudaSuccess;
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    emu_stream *es = stream_of(st);
+    if (mem_kind(d) == EMU_PAGEABLE) { /* into pageable host memory: done when the call returns */
+        deliver_all(es);
+        std::memmove(d, s, n);
+        return cudaSuccess;
+    }
+    emu_copy c{d, s, n, ++es->issued, {}};
+    if (mem_kind(s) == EMU_PAGEABLE) c.staged.assign((const unsigned char *)s, (const unsigned char *)s + n);
+    es->q.push_back(std::move(c));
+    std::memset(d, 0xFF, n);
     return cudaSuccess;
 }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) {
-    *s = (cudaStream_t)std::malloc(16);
+    emu_stream *es = new emu_stream;
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    g_streams.push_back(es);
+    *s = (cudaStream_t)es;
     return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t st) {
+    stream_begin(st);
+    return cudaSuccess;
+}
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-    std::free(s);
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    emu_stream *es = (emu_stream *)s;
+    deliver_all(es);
+    g_streams.erase(std::remove(g_streams.begin(), g_streams.end(), es), g_streams.end());
+    delete es;
     return cudaSuccess;
 }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
-/* an event holds the host time of its last record (work runs at the call, so that is when the
- * stream reached it) */
+cudaError_t cudaDeviceSynchronize(void) {
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    deliver_all(&g_null_stream);
+    for (emu_stream *es : g_streams) deliver_all(es);
+    return cudaSuccess;
+}
+/* The waiting stream's later work is ordered after the event: its copies land now (work on the waiting
+ * stream runs at its calls, which come after this one). */
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t e, unsigned int) {
+    emu_event *ev = (emu_event *)e;
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    if (ev->s) deliver(ev->s, ev->upto);
+    return cudaSuccess;
+}
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int) {
-    *e = (cudaEvent_t)std::calloc(1, sizeof(struct timespec));
+    *e = (cudaEvent_t)std::calloc(1, sizeof(emu_event));
     return *e ? cudaSuccess : cudaErrorMemoryAllocation;
 }
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
-    clock_gettime(CLOCK_MONOTONIC, (struct timespec *)e);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t st) {
+    emu_event *ev = (emu_event *)e;
+    clock_gettime(CLOCK_MONOTONIC, &ev->t);
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    ev->s = stream_of(st);
+    ev->upto = ev->s->issued;
     return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t e) { return cudaStreamWaitEvent(nullptr, e, 0); }
+/* a device finishes copies on its own: a query finds the event reached */
+cudaError_t cudaEventQuery(cudaEvent_t e) { return cudaStreamWaitEvent(nullptr, e, 0); }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
-    const struct timespec *x = (const struct timespec *)a, *y = (const struct timespec *)b;
+    const struct timespec *x = &((const emu_event *)a)->t, *y = &((const emu_event *)b)->t;
     *ms = (float)((y->tv_sec - x->tv_sec) * 1e3 + (y->tv_nsec - x->tv_nsec) * 1e-6);
     return cudaSuccess;
 }
@@ -521,9 +639,11 @@ static CUresult d_MemAddressReserve(CUdeviceptr *p, size_t size, size_t, CUdevic
     void *m = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
     *p = (CUdeviceptr)(uintptr_t)m;
+    range_add(m, size, EMU_DEVICE);
     return CUDA_SUCCESS;
 }
 static CUresult d_MemAddressFree(CUdeviceptr p, size_t size) {
+    range_del((void *)(uintptr_t)p);
     return munmap((void *)(uintptr_t)p, size) ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 static CUresult d_MemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *, unsigned long long) {
@@ -580,15 +700,19 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char *sym, void **fn, unsigne
 
 /* ---------------------------------------------------------------- cuBLAS subset */
 
+/* a handle holds its stream */
 cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
-    *h = (cublasHandle_t)std::malloc(16);
-    return CUBLAS_STATUS_SUCCESS;
+    *h = (cublasHandle_t)std::calloc(1, sizeof(cudaStream_t));
+    return *h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_ALLOC_FAILED;
 }
 cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
     std::free(h);
     return CUBLAS_STATUS_SUCCESS;
 }
-cublasStatus_t cublasSetStream_v2(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t st) {
+    *(cudaStream_t *)h = st;
+    return CUBLAS_STATUS_SUCCESS;
+}
 cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t, void *, size_t) { return CUBLAS_STATUS_SUCCESS; }
 cublasStatus_t cublasSetPointerMode_v2(cublasHandle_t, cublasPointerMode_t) { return CUBLAS_STATUS_SUCCESS; }
 const char *cublasGetStatusString(cublasStatus_t) { return "emulated cublas error"; }
@@ -610,10 +734,11 @@ static void store(void *p, cudaDataType t, size_t i, float v) {
 }
 
 /* column-major C[m][n] = alpha op(A) op(B) + beta C, as cuBLAS defines it */
-cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                             const void *alpha, const void *A, cudaDataType at, int lda, const void *B, cudaDataType bt,
                             int ldb, const void *beta, void *C, cudaDataType ct, int ldc, cublasComputeType_t,
                             cublasGemmAlgo_t) {
+    stream_begin(*(cudaStream_t *)h);
     float al = *(const float *)alpha, be = *(const float *)beta;
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {

@@ -1,7 +1,7 @@
 /* kvbank — a host emulation of the CUDA execution model, for checking the LOGIC of kernels/cuda on a
  * machine without a GPU. A development tool (kernels/cuda/emu/build.sh), never part of a product
- * build and never a substitute for running on a GPU: it says nothing about speed, memory ordering
- * between streams, the memory model, or races the real hardware would expose; it only runs each kernel
+ * build and never a substitute for running on a GPU: it says nothing about speed, the memory model, or
+ * races the real hardware would expose (beyond the one below); it only runs each kernel
  * the way the programming model defines it, so that wrong indexing, wrong reductions, wrong masks and
  * wrong synchronisation structure show up as wrong numbers or as a reported deadlock.
  *
@@ -9,7 +9,10 @@
  * another. __syncthreads waits for every live thread of the block, warp operations (__shfl_*_sync,
  * __ballot_sync) for every live lane of the warp, so a barrier reached by only part of a block or warp
  * is detected as a deadlock. __shared__ variables are static storage shared by the fibers of the
- * running block; dynamic shared memory is a per-launch buffer. Launches run synchronously.
+ * running block; dynamic shared memory is a per-launch buffer. Launches run synchronously, after the
+ * launch's stream's pending copies. Asynchronous copies are deferred until work is ordered after them
+ * (emu.cc, "Streams"): a kernel, or the host, that reads a copy's destination without waiting for the
+ * copy's stream or event reads NaN.
  *
  * The .cu files are compiled by g++ with this header forced in first (-include) after build.sh has
  * rewritten each `kernel<<<grid, block, smem, stream>>>(args)` into an emu_launch call and each
@@ -56,7 +59,7 @@ void emu_syncthreads();
 uint64_t emu_warp_exchange(uint64_t v, int src_lane);
 int emu_lane();
 void *emu_dyn_smem();
-void emu_launch(unsigned grid, unsigned block, size_t smem, const std::function<void()> &body);
+void emu_launch(unsigned grid, unsigned block, size_t smem, cudaStream_t stream, const std::function<void()> &body);
 cudaError_t emu_last_error();
 
 #define __syncthreads() emu_syncthreads()
