@@ -1055,6 +1055,65 @@ KVB_TEST(min_tokens_and_penalty) {
 }
 KVB_TEST_END
 
+/* Sampling on the device (kvb_backend_i.sample) takes only plain rows: a batch with a logits processor
+ * or logprobs brings its logits to the host, or the processors would be skipped. A CPU backend with a
+ * greedy `sample` of its own stands in for a device; it counts the rows it samples. */
+static int fake_rows;
+static kvb_status fake_sample(void *ctx, const void *logits, int rows, int vocab, const kvb_sample_row *p,
+                              int32_t *out) {
+    (void)ctx;
+    for (int r = 0; r < rows; r++) {
+        ck_assert_float_eq(p[r].temperature, 0.0f);
+        const float *x = (const float *)logits + (size_t)r * vocab;
+        int best = 0;
+        for (int t = 1; t < vocab; t++) best = x[t] > x[best] ? t : best;
+        out[r] = best;
+    }
+    fake_rows += rows;
+    return KVB_OK;
+}
+
+KVB_TEST(device_sampling_only_plain_rows) {
+    setup_model("llama");
+    make_prompts();
+    static rec ref, dev, pen_host, pen_dev;
+    solo(&ref, 20);
+    static kvb_backend_i fake;
+    const kvb_backend_i *cpu = tm.be->iface;
+    fake = *cpu;
+    fake.sample = fake_sample;
+    kvb_request pen = {.id = 1, .prompt = P[1], .n_prompt = PL[1], .max_tokens = 20,
+                       .sampling = {.presence_penalty = 2.0f, .frequency_penalty = 0.5f}};
+    kvb_request lp = {.id = 2, .prompt = P[2], .n_prompt = PL[2], .max_tokens = 20, .sampling = {.logprobs = 1}};
+    for (int with_fake = 0; with_fake <= 1; with_fake++) {
+        tm.be->iface = with_fake ? &fake : cpu;
+        rec *r = with_fake ? &pen_dev : &pen_host;
+        memset(r, 0, sizeof *r);
+        kvb_engine *e = make_engine(r, 16, 64, 512, 0);
+        add(e, 0, P[0], PL[0], 20); /* plain, but in the batch of rows that are not */
+        ck_assert_int_eq(kvb_engine_add(e, &pen), KVB_OK);
+        ck_assert_int_eq(kvb_engine_add(e, &lp), KVB_OK);
+        fake_rows = 0;
+        run(e);
+        ck_assert_int_eq(fake_rows, 0);
+        kvb_engine_destroy(e);
+    }
+    assert_same(&pen_host, &pen_dev, 3);
+    /* plain rows alone are sampled by the backend, with the host's greedy tokens */
+    tm.be->iface = &fake;
+    memset(&dev, 0, sizeof dev);
+    kvb_engine *e = make_engine(&dev, 16, 64, 512, 0);
+    add(e, 0, P[0], PL[0], 20);
+    fake_rows = 0;
+    run(e);
+    ck_assert_int_eq(fake_rows, 20);
+    kvb_engine_destroy(e);
+    tm.be->iface = cpu;
+    for (int i = 0; i < 20; i++) ck_assert_int_eq(dev.toks[0][i], ref.toks[0][i]);
+    teardown_model();
+}
+KVB_TEST_END
+
 /* A grammar under the logits processors and logprobs: the mask is the first stage, so a +100 bias on a
  * token the grammar forbids never wins, a repetition penalty changes nothing the grammar cares about,
  * and the logprobs are those of the masked row (every alternative with a finite logprob is one the
@@ -1112,4 +1171,4 @@ KVB_TEST_MAIN("engine", KVB_T(greedy_argmax, 30), KVB_T(logprobs_raw_and_top, 60
               KVB_T(host_tier_async_writeback, 90), KVB_T(host_tier_writeback_beside_loads, 90), KVB_T(host_tier_async_lossless, 90),
               KVB_T(inflight_prefix_deferred, 60),
               KVB_T(grammar_masks_and_preemption, 120), KVB_T(grammar_no_token_fails, 60),
-              KVB_T(grammar_with_processors, 60))
+              KVB_T(grammar_with_processors, 60), KVB_T(device_sampling_only_plain_rows, 60))
