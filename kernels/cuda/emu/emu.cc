@@ -403,7 +403,7 @@ void emu_launch(unsigned grid, unsigned block, size_t smem, cudaStream_t st, con
  * it is poisoned. What this does not model: a copy that overwrites memory an earlier kernel still reads
  * (kernels have run by then).
  *
- * KVB_EMU_STATS=1 prints at exit what made the host-to-device copies land: a host wait (event or stream
+ * KVB_EMU_STATS=1 prints at exit what made the deferred copies land: a host wait (event or stream
  * synchronisation, event query, device synchronisation), a stream's cudaStreamWaitEvent (the compute
  * waiting on the device), or later work on their own stream. */
 
@@ -412,7 +412,6 @@ struct emu_copy {
     const void *src;
     size_t n;
     uint64_t seq;
-    int h2d; /* cudaMemcpyHostToDevice (counted by KVB_EMU_STATS) */
     std::vector<unsigned char> staged; /* a pageable source's bytes, taken at the call */
 };
 struct emu_stream {
@@ -449,14 +448,14 @@ static emu_mem mem_kind(const void *p) {
 }
 /* What made a copy land (KVB_EMU_STATS). */
 enum emu_cause { EMU_BY_HOST = 0, EMU_BY_STREAM_WAIT = 1, EMU_BY_STREAM = 2 };
-static unsigned long long g_h2d_landed[3]; /* host-to-device copies by cause (g_copy_mu) */
+static unsigned long long g_landed[3]; /* deferred copies by cause (g_copy_mu) */
 static struct emu_stats_print {
     ~emu_stats_print() {
         const char *e = std::getenv("KVB_EMU_STATS");
         if (e && *e && std::strcmp(e, "0"))
-            std::fprintf(stderr, "emu: host-to-device copies landed: %llu by a host wait, %llu by a stream's event wait, "
+            std::fprintf(stderr, "emu: asynchronous copies landed: %llu by a host wait, %llu by a stream's event wait, "
                                  "%llu by later work on their stream\n",
-                         g_h2d_landed[EMU_BY_HOST], g_h2d_landed[EMU_BY_STREAM_WAIT], g_h2d_landed[EMU_BY_STREAM]);
+                         g_landed[EMU_BY_HOST], g_landed[EMU_BY_STREAM_WAIT], g_landed[EMU_BY_STREAM]);
     }
 } g_stats_print;
 /* Delivers the copies of s up to sequence `upto` (with g_copy_mu held). */
@@ -464,7 +463,7 @@ static void deliver(emu_stream *s, uint64_t upto, emu_cause why) {
     while (!s->q.empty() && s->q.front().seq <= upto) {
         emu_copy &c = s->q.front();
         std::memmove(c.dst, c.staged.empty() ? c.src : c.staged.data(), c.n);
-        if (c.h2d) g_h2d_landed[why]++;
+        g_landed[why]++;
         s->q.pop_front();
     }
 }
@@ -518,7 +517,7 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t st) {
     std::memset(p, v, n);
     return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind kind, cudaStream_t st) {
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind, cudaStream_t st) {
     if (!st) return cudaErrorInvalidValue; /* kvbank never uses the legacy default stream */
     if (!n) return cudaSuccess;
     std::lock_guard<std::mutex> g(g_copy_mu);
@@ -533,7 +532,7 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKin
     for (const emu_copy &c : es->q)
         if (overlaps(c.dst, c.n, d, n) || overlaps(c.src, c.n, d, n)) before = c.seq;
     if (before) deliver(es, before, EMU_BY_STREAM);
-    emu_copy c{d, s, n, ++es->issued, kind == cudaMemcpyHostToDevice, {}};
+    emu_copy c{d, s, n, ++es->issued, {}};
     if (mem_kind(s) == EMU_PAGEABLE) c.staged.assign((const unsigned char *)s, (const unsigned char *)s + n);
     es->q.push_back(std::move(c));
     std::memset(d, 0xFF, n);
