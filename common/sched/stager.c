@@ -246,6 +246,17 @@ static double share_eta(kvb_stager *s, lane *ln, const vxfer *x) {
     return t + (rem - done) * active / bw;
 }
 
+/* A transfer of `bytes` the copy thread is through with (s->mu held): its error and the reports. */
+static void account(lane *ln, kvb_status st, size_t bytes, uint64_t busy) {
+    if (st != KVB_OK && ln->err == KVB_OK) ln->err = st;
+    kvb_link_report *reps[2] = {&ln->now, &ln->total};
+    for (int r = 0; r < 2; r++) {
+        reps[r]->bytes += bytes;
+        reps[r]->copies++;
+        reps[r]->busy_ns += busy;
+    }
+}
+
 static void *lane_thread(void *arg) {
     lane *ln = arg;
     kvb_stager *s = ln->s;
@@ -267,13 +278,7 @@ static void *lane_thread(void *arg) {
         if (want_s > 0 && kvb_now_ns() < until) sleep_until(until);
         uint64_t busy = s->lm.share ? 0 : kvb_now_ns() - t0;
         pthread_mutex_lock(&s->mu);
-        if (st != KVB_OK && ln->err == KVB_OK) ln->err = st;
-        kvb_link_report *reps[2] = {&ln->now, &ln->total};
-        for (int r = 0; r < 2; r++) {
-            reps[r]->bytes += bytes;
-            reps[r]->copies++;
-            reps[r]->busy_ns += busy;
-        }
+        account(ln, st, bytes, busy);
         ln->done++;
         pthread_cond_broadcast(&s->cv);
     }
@@ -340,13 +345,7 @@ static void *issue_thread(void *arg) {
         uint64_t busy = kvb_now_ns() - t0; /* issuing: the copy runs on after */
         pthread_mutex_lock(&s->mu);
         ln->q[ln->issued % (uint64_t)ln->cap].bt = st == KVB_OK ? bt : 0; /* the ring may have grown */
-        if (st != KVB_OK && ln->err == KVB_OK) ln->err = st;
-        kvb_link_report *reps[2] = {&ln->now, &ln->total};
-        for (int r = 0; r < 2; r++) {
-            reps[r]->bytes += bytes;
-            reps[r]->copies++;
-            reps[r]->busy_ns += busy;
-        }
+        account(ln, st, bytes, busy);
         ln->eng = eng;
         ln->issued++;
         pthread_cond_broadcast(&s->cv);
