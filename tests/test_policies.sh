@@ -3,7 +3,8 @@
 # ragged batch under memory pressure (a pool smaller than the batch: preemption, swapping out or dropping
 # the oldest tokens' KV), with chunked prefill
 # (a small step budget) and prefix hits (prompts sharing a prefix), in kvbank-generate and through
-# kvbank-serve with concurrent clients. Bad policy names and parameters exit 2 with a clear message.
+# kvbank-serve with concurrent clients; and on "cpu:bf16" (a bf16 KV cache) that backend's own
+# sequential tokens. Bad policy names and parameters exit 2 with a clear message.
 set -uo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
 T=$(mktemp -d /tmp/kvb-policies-XXXXXX)
@@ -118,6 +119,23 @@ for name in $names; do
         bad "generate --policy $name (sliding window): tokens differ from the sequential run"
     else
         ok "generate --policy $name (sliding window, biases): sequential tokens under pressure"
+    fi
+done
+
+# "cpu:bf16" (a bf16 KV cache): the mechanisms move, drop and recompute KV blocks whatever their element
+# size, so every planner gives that backend's own sequential tokens under the same pressure.
+ref3=$("$B/kvbank-generate" --model "$M" "${ARGS[@]}" --max-tokens $MAXT --sequential --no-prefix-cache \
+    --backend cpu:bf16 2>"$T/ref3.err") || bad "reference run on cpu:bf16: $(tail -3 "$T/ref3.err")"
+for name in $names; do
+    out=$("$B/kvbank-generate" --model "$M" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" --policy "$name" \
+        --backend cpu:bf16 2>"$T/gen3-$name.err")
+    rc=$?
+    if [ $rc -ne 0 ]; then
+        bad "generate --policy $name --backend cpu:bf16: exits $rc: $(tail -3 "$T/gen3-$name.err")"
+    elif [ "$out" != "$ref3" ]; then
+        bad "generate --policy $name --backend cpu:bf16: tokens differ from that backend's sequential run"
+    else
+        ok "generate --policy $name --backend cpu:bf16: its sequential tokens under pressure"
     fi
 done
 
