@@ -179,6 +179,7 @@ typedef struct job_result {
 
 typedef struct bench_cfg {
     const char *model_dir, *llama_dir;
+    const char *backend; /* "cpu" or "cpu:bf16" (a bf16 KV cache, as llama.cpp's f16 one is half of f32) */
     int threads, steps, reps, block_size;
 } bench_cfg;
 
@@ -313,7 +314,7 @@ static int kvbank_greedy(kvb_model *m, int n_prompt, job_result *r) {
 static int run_kvbank(const bench_cfg *cfg, const job *jb, job_result *r) {
     kvb_backend *be = NULL;
     kvb_model *m = NULL;
-    int ok = kvb_backend_create("cpu", cfg->threads, &be) == KVB_OK && kvb_model_load(cfg->model_dir, be, &m) == KVB_OK;
+    int ok = kvb_backend_create(cfg->backend, cfg->threads, &be) == KVB_OK && kvb_model_load(cfg->model_dir, be, &m) == KVB_OK;
     if (ok) {
         const kvb_model_config *c = kvb_model_cfg(m);
         r->w_step = kvb_model_weight_bytes_per_token(m);
@@ -553,7 +554,7 @@ static int run_pair(const bench_cfg *cfg, const job *jb, job_result *kv, job_res
 static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench engine --model DIR [--threads N] [--prefill LIST] [--contexts LIST]\n"
                "                           [--batches LIST] [--max-tokens N] [--decode-steps N] [--reps N]\n"
-               "                           [--block-size N] [--llama-cpp LIBDIR]\n"
+               "                           [--block-size N] [--backend cpu|cpu:bf16] [--llama-cpp LIBDIR]\n"
                "\n"
                "  --threads N        CPU threads for the engines and the ceilings (default 2)\n"
                "  --prefill LIST     prompt lengths of the prefill measurements (default 512,8192)\n"
@@ -564,6 +565,8 @@ static void usage(FILE *f) {
                "  --decode-steps N   decode steps per timed window (default 16)\n"
                "  --reps N           timed windows (decode) or prompts (prefill) per point (default 5)\n"
                "  --block-size N     KV block size in tokens (default 16)\n"
+               "  --backend NAME     kvbank's backend: cpu (f32 KV cache, the default) or cpu:bf16 (a bf16\n"
+               "                     KV cache: half the bytes a decode step reads from its context)\n"
                "  --llama-cpp DIR    also run llama.cpp's prebuilt CPU library from DIR (libllama and\n"
                "                     libggml*, e.g. the npm package @node-llama-cpp/linux-x64's\n"
                "                     bins/linux-x64) on the same weights, point by point\n");
@@ -634,14 +637,15 @@ static void llamacpp_column(const job_result *r, const job_result *kv, double to
 }
 
 int kvb_bench_engine(int argc, char **argv) {
-    bench_cfg cfg = {.threads = 2, .steps = 16, .reps = 5, .block_size = 16};
+    bench_cfg cfg = {.backend = "cpu", .threads = 2, .steps = 16, .reps = 5, .block_size = 16};
     int max_tokens = 16384;
     int32_t *prefill = NULL, *contexts = NULL, *batches = NULL;
     int n_prefill = 0, n_ctx = 0, n_batch = 0;
     static const struct option opts[] = {
         {"model", 1, 0, 'm'},    {"threads", 1, 0, 't'},      {"prefill", 1, 0, 'p'},      {"contexts", 1, 0, 'c'},
         {"batches", 1, 0, 'b'},  {"max-tokens", 1, 0, 'x'},   {"decode-steps", 1, 0, 's'}, {"reps", 1, 0, 'r'},
-        {"block-size", 1, 0, 'k'}, {"llama-cpp", 1, 0, 'l'},  {"help", 0, 0, 'h'},         {0, 0, 0, 0}};
+        {"block-size", 1, 0, 'k'}, {"llama-cpp", 1, 0, 'l'},  {"backend", 1, 0, 'B'},      {"help", 0, 0, 'h'},
+        {0, 0, 0, 0}};
     int ch, rc = 2;
     int64_t v;
     while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
@@ -657,6 +661,12 @@ int kvb_bench_engine(int argc, char **argv) {
             cfg.model_dir = optarg;
         } else if (ch == 'l') {
             cfg.llama_dir = optarg;
+        } else if (ch == 'B') {
+            if (strcmp(optarg, "cpu") != 0 && strcmp(optarg, "cpu:bf16") != 0) {
+                fprintf(stderr, "kvbank-bench engine: --backend is cpu or cpu:bf16, not '%s'\n", optarg);
+                goto out;
+            }
+            cfg.backend = optarg;
         } else if (ch == 'p' || ch == 'c' || ch == 'b') {
             int32_t **l = ch == 'p' ? &prefill : ch == 'c' ? &contexts : &batches;
             int *n = ch == 'p' ? &n_prefill : ch == 'c' ? &n_ctx : &n_batch;
@@ -687,14 +697,17 @@ int kvb_bench_engine(int argc, char **argv) {
         goto out;
     }
     int cmp = cfg.llama_dir != NULL;
+    int kv_elem = 4;
+    (void)kvb_model_kv_elem_size(cfg.backend, &kv_elem);
     printf("kvbank-bench engine: %s, %d layers, hidden %d, %d heads / %d KV heads of %d, intermediate %d, vocab %d, "
-           "%d threads%s\n",
+           "%d threads, backend %s (%s KV cache)%s\n",
            cfg.model_dir, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate, c.vocab,
-           cfg.threads, cmp ? ", against llama.cpp (prebuilt CPU library, its default f16 KV cache)" : "");
+           cfg.threads, cfg.backend, kv_elem == 2 ? "bf16" : "f32",
+           cmp ? ", against llama.cpp (prebuilt CPU library, its default f16 KV cache)" : "");
     printf("each point in a fresh process; times: median (min-max) over %d windows of %d decode steps or %d prompts\n\n",
            cfg.reps, cfg.steps, cfg.reps);
 
-    double kv_per_tok = 2.0 * c.n_layers * c.n_kv_heads * c.head_dim * 4;
+    double kv_per_tok = 2.0 * c.n_layers * c.n_kv_heads * c.head_dim * kv_elem;
     static ceiling_log ce;
     job_result r, rl;
     int failures = 0;

@@ -29,7 +29,7 @@ int kvb_bench_dev_opt(kvb_bench_dev *d, int opt, const char *arg, const char *pr
     return 0;
 }
 
-int kvb_bench_dev_is_gpu(const kvb_bench_dev *d) { return d->backend && strcmp(d->backend, "cpu") != 0; }
+int kvb_bench_dev_is_gpu(const kvb_bench_dev *d) { return d->backend && strncmp(d->backend, "cpu", 3) != 0; }
 
 kvb_status kvb_bench_backend(const kvb_bench_dev *d, kvb_backend **out) {
     kvb_status st = kvb_backend_create_on(d->backend ? d->backend : "cpu", d->device, d->threads, out);

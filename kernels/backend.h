@@ -251,7 +251,7 @@ typedef struct kvb_backend {
                    * buffer, pool and region this backend computes on comes from it */
 } kvb_backend;
 
-/* Creates the backend named `name` ("cpu"; "cuda[:variant]" when built with CUDA) on device `device`
+/* Creates the backend named `name` ("cpu", "cpu:bf16"; "cuda[:variant]" when built with CUDA) on device `device`
  * (-1: the current one; device backends make it current on the calling thread), with its memory
  * backend (kvb_mem_create). Caller owns the result and releases it with kvb_backend_destroy
  * (NULL-safe). KVB_ERR_UNSUPPORTED for a backend not built in, or, logged as "no CUDA device: ...",
@@ -263,8 +263,9 @@ void kvb_backend_destroy(kvb_backend *be);
 /* Comma-separated names of the backends compiled into this binary (static string). */
 const char *kvb_backend_list(void);
 
-/* The CPU backend (kernels/cpu). */
-kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out);
+/* The CPU backend (kernels/cpu): "cpu", or with kv_bf16 "cpu:bf16" (the same f32 arithmetic on a bf16
+ * KV cache: kv_write rounds K and V to bf16, attention widens them as it reads them). */
+kvb_status kvb__backend_cpu_create(int n_threads, int kv_bf16, kvb_backend *out);
 
 /* How the CPU backend's waiting threads wait, by who else runs on the cores (kvb_cpu_threads_wait). */
 typedef enum kvb_cpu_cores {

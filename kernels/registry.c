@@ -26,7 +26,8 @@ kvb_status kvb_backend_create_on(const char *name, int device, int n_threads, kv
 #else
     int cuda = 0;
 #endif
-    if (strcmp(name, "cpu") != 0 && !cuda) {
+    int cpu_bf16 = !strcmp(name, "cpu:bf16");
+    if (strcmp(name, "cpu") != 0 && !cpu_bf16 && !cuda) {
         KVB_LOG_E("backend \"%s\" is not built into this binary (available: %s)", name, kvb_backend_list());
         return KVB_ERR_UNSUPPORTED;
     }
@@ -35,7 +36,7 @@ kvb_status kvb_backend_create_on(const char *name, int device, int n_threads, kv
     kvb_status st;
     /* memory first: it selects the device (and says "no CUDA device" when there is none) */
     KVB_TRY_GOTO(kvb_mem_create(name, device, &be->mem), fail);
-    if (!cuda) st = kvb__backend_cpu_create(n_threads, be);
+    if (!cuda) st = kvb__backend_cpu_create(n_threads, cpu_bf16, be);
 #ifdef KVB_WITH_CUDA
     else st = kvb__backend_cuda_create(variant, n_threads, be);
 #endif
@@ -61,8 +62,8 @@ void kvb_backend_destroy(kvb_backend *be) {
 
 const char *kvb_backend_list(void) {
 #ifdef KVB_WITH_CUDA
-    return "cpu,cuda";
+    return "cpu,cpu:bf16,cuda";
 #else
-    return "cpu";
+    return "cpu,cpu:bf16";
 #endif
 }

@@ -27,11 +27,13 @@ static double rel_err(const float *a, const double *b, size_t n) {
     return num / (den > 0 ? den : 1);
 }
 
-static kvb_backend *make_backend(int threads) {
+static kvb_backend *make_backend_named(const char *name, int threads) {
     kvb_backend *be = NULL;
-    ck_assert_int_eq(kvb_backend_create("cpu", threads, &be), KVB_OK);
+    ck_assert_int_eq(kvb_backend_create(name, threads, &be), KVB_OK);
     return be;
 }
+
+static kvb_backend *make_backend(int threads) { return make_backend_named("cpu", threads); }
 
 KVB_TEST(unknown_backend) {
     kvb_backend *be = NULL;
@@ -46,6 +48,17 @@ KVB_TEST(unknown_backend) {
     ck_assert_int_eq(kvb_backend_act_dtype(NULL, &dt), KVB_OK);
     ck_assert_int_eq(dt, be->iface->act_dtype);
     kvb_backend_destroy(be);
+    /* "cpu:bf16": f32 activations, a bf16 KV cache */
+    be = make_backend_named("cpu:bf16", 1);
+    ck_assert_str_eq(be->iface->name, "cpu:bf16");
+    ck_assert_int_eq(kvb_backend_act_dtype("cpu:bf16", &dt), KVB_OK);
+    ck_assert_int_eq(dt, be->iface->act_dtype);
+    ck_assert_int_eq(kvb_backend_kv_dtype("cpu:bf16", &dt), KVB_OK);
+    ck_assert_int_eq(dt, KVB_DTYPE_BF16);
+    ck_assert_int_eq(kvb_backend_kv_dtype("cpu", &dt), KVB_OK);
+    ck_assert_int_eq(dt, KVB_DTYPE_F32);
+    kvb_backend_destroy(be);
+    ck_assert_int_eq(kvb_backend_create("cpu:f16", 1, &be), KVB_ERR_UNSUPPORTED);
 }
 KVB_TEST_END
 
@@ -543,12 +556,33 @@ typedef struct seq_spec {
     int q_len, ctx_len;
 } seq_spec;
 
+/* How check_attention_keep keeps K and V: 0, f32 values in an f32 cache; KV_ROUNDED, values a bf16 holds
+ * exactly in an f32 cache; KV_BF16, the same values in the bf16 cache of "cpu:bf16". */
+enum { KV_F32, KV_ROUNDED, KV_BF16 };
+static int attn_kv = KV_F32;
+
+static void fill_kv(float *x, size_t n) {
+    fill(x, n);
+    for (size_t i = 0; attn_kv != KV_F32 && i < n; i++) x[i] = kvb_bf16_to_f32(kvb_f32_to_bf16(x[i]));
+}
+
+/* Row p of a sequence's K (v = 0) or V (v = 1) in its block, from the dense f32 row. */
+static void put_row(void *blk, int bs, size_t row, int p, int v, const float *src) {
+    size_t at = ((size_t)v * bs + (size_t)(p % bs)) * row;
+    if (attn_kv != KV_BF16) {
+        memcpy((float *)blk + at, src, sizeof(float) * row);
+        return;
+    }
+    for (size_t i = 0; i < row; i++) ((uint16_t *)blk)[at + i] = kvb_f32_to_bf16(src[i]);
+}
+
 /* window > 0: sliding-window attention (a row sees its last `window` keys). keep: where the output goes
  * too (n_tokens x n_heads x hd floats), or NULL. */
 static void check_attention_keep(const seq_spec *specs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int threads,
                                  int window, float *keep) {
-    kvb_backend *be = make_backend(threads);
-    kvb_kv_geom g = {.n_layers = 1, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs, .elem_size = 4};
+    kvb_backend *be = make_backend_named(attn_kv == KV_BF16 ? "cpu:bf16" : "cpu", threads);
+    kvb_kv_geom g = {.n_layers = 1, .n_kv_heads = n_kv, .head_dim = hd, .block_size = bs,
+                     .elem_size = attn_kv == KV_BF16 ? 2 : 4};
     int n_tok = 0, n_blk = 0;
     kvb_attn_seq seqs[8];
     for (int s = 0; s < n_seqs; s++) {
@@ -569,22 +603,21 @@ static void check_attention_keep(const seq_spec *specs, int n_seqs, int n_heads,
     float *knew = malloc(sizeof(float) * n_tok * row), *vnew = malloc(sizeof(float) * n_tok * row);
     double *ref = malloc(sizeof(double) * n_tok * n_heads * hd);
     fill(q, (size_t)n_tok * n_heads * hd);
-    fill(knew, (size_t)n_tok * row);
-    fill(vnew, (size_t)n_tok * row);
+    fill_kv(knew, (size_t)n_tok * row);
+    fill_kv(vnew, (size_t)n_tok * row);
     float **kd = malloc(sizeof(float *) * n_seqs), **vd = malloc(sizeof(float *) * n_seqs);
     for (int s = 0; s < n_seqs; s++) {
         const kvb_attn_seq *sq = &seqs[s];
         kd[s] = malloc(sizeof(float) * sq->ctx_len * row);
         vd[s] = malloc(sizeof(float) * sq->ctx_len * row);
         int past = sq->ctx_len - sq->q_len;
-        fill(kd[s], (size_t)past * row);
-        fill(vd[s], (size_t)past * row);
+        fill_kv(kd[s], (size_t)past * row);
+        fill_kv(vd[s], (size_t)past * row);
         memcpy(kd[s] + (size_t)past * row, knew + (size_t)sq->q_start * row, sizeof(float) * sq->q_len * row);
         memcpy(vd[s] + (size_t)past * row, vnew + (size_t)sq->q_start * row, sizeof(float) * sq->q_len * row);
         for (int p = 0; p < past; p++) {
-            float *blk = ptrs[sq->blk_first + p / bs];
-            memcpy(blk + (size_t)(p % bs) * row, kd[s] + (size_t)p * row, sizeof(float) * row);
-            memcpy(blk + (size_t)bs * row + (size_t)(p % bs) * row, vd[s] + (size_t)p * row, sizeof(float) * row);
+            put_row(ptrs[sq->blk_first + p / bs], bs, row, p, 0, kd[s] + (size_t)p * row);
+            put_row(ptrs[sq->blk_first + p / bs], bs, row, p, 1, vd[s] + (size_t)p * row);
         }
     }
     kvb_attn_batch b = {.geom = &g, .n_heads = n_heads, .n_tokens = n_tok, .n_seqs = n_seqs, .seqs = seqs,
@@ -749,6 +782,70 @@ KVB_TEST(attention_sliding_window) {
 }
 KVB_TEST_END
 
+/* "cpu:bf16": attention on a bf16 cache gives the bits an f32 cache holding the same (bf16) values gives,
+ * on every path (decode walk over one and several chunks, the gemm tiles, sliding windows; AVX-512, AVX2
+ * and the generic loops), and both are within the f32 tolerance of the double reference on those values.
+ * The cache's rounding is the whole difference between "cpu" and "cpu:bf16". */
+KVB_TEST(attention_bf16_cache) {
+    seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1}, {1, 1300}, {2, 1025}};
+    int shapes[][3] = {{8, 2, 32}, {12, 4, 64}, {6, 1, 64}, {6, 3, 24}}, bss[] = {7, 16}, windows[] = {0, 17};
+    const char *simd[] = {NULL, "avx2", "0"};
+    int n_tok = 378;
+    for (size_t v = 0; v < KVB_ARRAY_LEN(simd); v++)
+        for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
+            for (size_t j = 0; j < KVB_ARRAY_LEN(bss); j++) {
+                int nh = shapes[i][0], nkv = shapes[i][1], hd = shapes[i][2], w = windows[(i + j) % 2];
+                size_t floats = (size_t)n_tok * nh * hd;
+                float *f32 = malloc(sizeof(float) * floats), *bf16 = malloc(sizeof(float) * floats);
+                if (simd[v]) setenv("KVB_CPU_SIMD", simd[v], 1);
+                attn_kv = KV_ROUNDED;
+                rng_state = 21;
+                check_attention_keep(specs, 7, nh, nkv, hd, bss[j], 1 + (int)j % 2, w, f32);
+                attn_kv = KV_BF16;
+                rng_state = 21;
+                check_attention_keep(specs, 7, nh, nkv, hd, bss[j], 1 + (int)j % 2, w, bf16);
+                attn_kv = KV_F32;
+                unsetenv("KVB_CPU_SIMD");
+                ck_assert_msg(!memcmp(f32, bf16, sizeof(float) * floats),
+                              "simd %s heads %d/%d hd %d block size %d window %d: the bf16 cache gives other bits than "
+                              "an f32 cache of the same values",
+                              simd[v] ? simd[v] : "best", nh, nkv, hd, bss[j], w);
+                free(f32);
+                free(bf16);
+            }
+}
+KVB_TEST_END
+
+/* kv_write into a bf16 cache rounds each K and V element to the nearest bf16 (ties to even), at its slot. */
+KVB_TEST(kv_write_bf16_rounds) {
+    kvb_backend *be = make_backend_named("cpu:bf16", 1);
+    enum { NKV = 2, HD = 8, BS = 4, ROW = NKV * HD };
+    kvb_kv_geom g = {.n_layers = 1, .n_kv_heads = NKV, .head_dim = HD, .block_size = BS, .elem_size = 2};
+    static uint16_t blocks[2][2 * BS * ROW];
+    void *ptrs[2] = {blocks[1], blocks[0]};
+    float k[3 * ROW], v[3 * ROW];
+    rng_state = 9;
+    fill(k, 3 * ROW);
+    fill(v, 3 * ROW);
+    k[0] = 1.0f + 0x1p-8f; /* a tie: to even (1.0) */
+    k[1] = 1.0f + 0x3p-8f; /* a tie: to even (1 + 2^-6) */
+    kvb_attn_seq sq = {.q_start = 0, .q_len = 3, .ctx_len = 6, .n_blocks = 2, .blk_first = 0};
+    kvb_attn_batch b = {.geom = &g, .n_heads = NKV, .n_tokens = 3, .n_seqs = 1, .seqs = &sq, .layer_blocks = ptrs};
+    ck_assert_int_eq(be->iface->kv_write(be->ctx, &b, k, v), KVB_OK);
+    for (int t = 0; t < 3; t++) {
+        int p = 3 + t;
+        const uint16_t *blk = ptrs[p / BS];
+        for (int i = 0; i < ROW; i++) {
+            ck_assert_uint_eq(blk[(size_t)(p % BS) * ROW + i], kvb_f32_to_bf16(k[t * ROW + i]));
+            ck_assert_uint_eq(blk[(size_t)(BS + p % BS) * ROW + i], kvb_f32_to_bf16(v[t * ROW + i]));
+        }
+    }
+    ck_assert_uint_eq(((uint16_t *)ptrs[0])[3 * ROW], 0x3f80);
+    ck_assert_uint_eq(((uint16_t *)ptrs[0])[3 * ROW + 1], 0x3f82);
+    kvb_backend_destroy(be);
+}
+KVB_TEST_END
+
 /* bias_add: y[i][:] += b[:], row by row. */
 KVB_TEST(bias_add_rows) {
     rng_state = 6;
@@ -772,4 +869,5 @@ KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60
               KVB_T(matmul_half_weights_exact, 120), KVB_T(weight_view_half, 10), KVB_T(e4m3_conversions, 10),
               KVB_T_NEED(fp8_quant_rows, 10, need_avx2), KVB_T(matmul_fp8, 120),
               KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T_NEED(attention_decode_widths, 60, need_avx512), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
-              KVB_T(attention_sliding_window, 120), KVB_T(bias_add_rows, 10))
+              KVB_T(attention_sliding_window, 120), KVB_T(attention_bf16_cache, 300), KVB_T(kv_write_bf16_rounds, 10),
+              KVB_T(bias_add_rows, 10))

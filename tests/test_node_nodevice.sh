@@ -22,7 +22,7 @@ fail() {
 }
 ok() { echo "ok   - $*"; }
 
-if "$B/kvbank-generate" --help 2>&1 | grep -q 'built in: [a-z,]*cuda'; then
+if "$B/kvbank-generate" --help 2>&1 | grep -q 'built in: [a-z0-9:,]*cuda'; then
     if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
         echo "SKIP: this machine has a GPU (scripts/gpu-check node runs the node on it)"
         exit 77

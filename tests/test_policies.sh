@@ -3,7 +3,8 @@
 # ragged batch under memory pressure (a pool smaller than the batch: preemption, swapping out or dropping
 # the oldest tokens' KV), with chunked prefill
 # (a small step budget) and prefix hits (prompts sharing a prefix), in kvbank-generate and through
-# kvbank-serve with concurrent clients. Bad policy names and parameters exit 2 with a clear message.
+# kvbank-serve with concurrent clients; and on "cpu:bf16" (a bf16 KV cache) that backend's own
+# sequential tokens. Bad policy names and parameters exit 2 with a clear message.
 set -uo pipefail
 B=${KVB_BUILDDIR:-$(cd "$(dirname "$0")/.." && pwd)/build}
 T=$(mktemp -d /tmp/kvb-policies-XXXXXX)
@@ -99,6 +100,24 @@ for name in $names; do
     fi
 done
 
+# every_planner TAG WHAT REF GENERATE-ARGS...: each planner under the pressure gives REF's tokens.
+every_planner() {
+    local tag=$1 what=$2 want=$3 name out rc
+    shift 3
+    for name in $names; do
+        out=$("$B/kvbank-generate" "$@" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" --policy "$name" \
+            2>"$T/$tag-$name.err")
+        rc=$?
+        if [ $rc -ne 0 ]; then
+            bad "generate --policy $name ($what): exits $rc: $(tail -3 "$T/$tag-$name.err")"
+        elif [ "$out" != "$want" ]; then
+            bad "generate --policy $name ($what): tokens differ from the sequential run"
+        else
+            ok "generate --policy $name ($what): sequential tokens under pressure"
+        fi
+    done
+}
+
 # A Qwen2 model (q/k/v biases) whose upper layers attend through a sliding window of 8 keys, shorter
 # than every prompt: each planner still gives the sequential tokens under the same pressure (a window
 # masks keys; which blocks hold them, or whether they were recomputed, must not matter).
@@ -108,18 +127,14 @@ M2="$T/m-swa"
 ref2=$("$B/kvbank-generate" --model "$M2" "${ARGS[@]}" --max-tokens $MAXT --sequential --no-prefix-cache \
     2>"$T/ref2.err") || bad "reference run of the windowed model: $(tail -3 "$T/ref2.err")"
 [ "$ref2" != "$ref" ] || bad "the windowed model gives the llama model's tokens"
-for name in $names; do
-    out=$("$B/kvbank-generate" --model "$M2" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" --policy "$name" \
-        2>"$T/gen2-$name.err")
-    rc=$?
-    if [ $rc -ne 0 ]; then
-        bad "generate --policy $name (sliding window): exits $rc: $(tail -3 "$T/gen2-$name.err")"
-    elif [ "$out" != "$ref2" ]; then
-        bad "generate --policy $name (sliding window): tokens differ from the sequential run"
-    else
-        ok "generate --policy $name (sliding window, biases): sequential tokens under pressure"
-    fi
-done
+every_planner gen2 "sliding window, biases" "$ref2" --model "$M2"
+
+# "cpu:bf16" (a bf16 KV cache): the mechanisms move, drop and recompute KV blocks whatever their element
+# size, so every planner gives that backend's own sequential tokens under the same pressure.
+ref3=$("$B/kvbank-generate" --model "$M" "${ARGS[@]}" --max-tokens $MAXT --sequential --no-prefix-cache \
+    --backend cpu:bf16 2>"$T/ref3.err") || bad "reference run on cpu:bf16: $(tail -3 "$T/ref3.err")"
+[ "$ref3" != "$ref" ] || echo "note - cpu:bf16 gives the f32 tokens on this model (its rounding changed no argmax)"
+every_planner gen3 "--backend cpu:bf16" "$ref3" --model "$M" --backend cpu:bf16
 
 # bad names and parameters
 out=$("$B/kvbank-generate" --model "$M" --prompt-ids 1,2 --max-tokens 2 --policy no-such 2>&1)

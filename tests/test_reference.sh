@@ -169,5 +169,56 @@ json.dump(c, open(p, "w"))' "$dir.without" "${without[$name]}"
     fi
 done
 
+# "cpu:bf16" (f32 arithmetic on a bf16 KV cache): within KV_BF16_RTOL of the reference, a divergence from
+# its argmax allowed only at a top-2 gap below that share of the row's largest logit (rounding K and V can
+# swap such a pair), at block sizes 1 and 16 and in the ragged batch. So that the bound says something, the
+# same logits must FAIL at the f32 bound (the cache is bf16) and against the windowed model without its
+# window (the bound is not loose).
+KV_BF16_RTOL=${KV_BF16_RTOL:-0.01}
+for name in llama-gqa mistral-swa qwen2-swa qwen3-yarn-swa; do
+    dir=$tmp/$name
+    [[ -d $dir ]] || { fail "$name: no model for cpu:bf16"; continue; }
+    for bs in 1 16; do
+        npy=$tmp/$name.kvbf16.bs$bs.npy
+        if ! out=$(generate "$npy" --model "$dir" --prompt-ids "$P37" --block-size "$bs" --backend cpu:bf16); then
+            fail "$name cpu:bf16 bs=$bs: kvbank-generate failed"; sed 's/^/    /' "$npy.err"; continue
+        fi
+        checks=$((checks + 1))
+        if res=$("$py" "$ref" --model "$dir" --prompt-ids "$P37" --tokens "$out" --logits "$npy" \
+            --rtol "$KV_BF16_RTOL" --tie-rtol "$KV_BF16_RTOL" 2>&1); then
+            echo "$name cpu:bf16 bs=$bs: ${res##*$'\n'}"
+        else
+            fail "$name cpu:bf16 bs=$bs: against the reference within $KV_BF16_RTOL"; sed 's/^/    /' <<<"$res"
+        fi
+        [[ $bs == 16 ]] || continue
+        checks=$((checks + 1))
+        if "$py" "$ref" --model "$dir" --prompt-ids "$P37" --tokens "$out" --logits "$npy" >"$npy.f32.log" 2>&1; then
+            fail "$name cpu:bf16: the logits match the reference within 1e-4: the KV cache is not bf16"
+        fi
+        if [[ $name == mistral-swa ]]; then
+            checks=$((checks + 1))
+            if "$py" "$ref" --model "$dir.without" --prompt-ids "$P37" --tokens "$out" --logits "$npy" \
+                --rtol "$KV_BF16_RTOL" --tie-rtol "$KV_BF16_RTOL" >"$npy.nowindow.log" 2>&1; then
+                fail "$name cpu:bf16: the logits also match the model without its window: the bound is too loose"
+            else
+                echo "$name cpu:bf16: does not match the model without its window ($(tail -1 "$npy.nowindow.log" | cut -c1-60))"
+            fi
+        fi
+    done
+    npy=$tmp/$name.kvbf16.ragged.npy
+    if out=$(generate "$npy" --model "$dir" --prompt-ids "$P37" --prompt-ids "$P5" --prompt-ids "$P20" \
+        --block-size 16 --backend cpu:bf16); then
+        checks=$((checks + 1))
+        if res=$("$py" "$ref" --model "$dir" --prompt-ids "$P37" --tokens "$(head -1 <<<"$out")" --logits "$npy" \
+            --rtol "$KV_BF16_RTOL" --tie-rtol "$KV_BF16_RTOL" 2>&1); then
+            echo "$name cpu:bf16 ragged (request 0): ${res##*$'\n'}"
+        else
+            fail "$name cpu:bf16 ragged (request 0): against the reference"; sed 's/^/    /' <<<"$res"
+        fi
+    else
+        fail "$name cpu:bf16 ragged: kvbank-generate failed"; sed 's/^/    /' "$npy.err"
+    fi
+done
+
 echo "test_reference: $checks checks, $failures failures"
 [[ $failures -eq 0 ]]

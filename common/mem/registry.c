@@ -18,7 +18,7 @@ static int is_family(const char *name, const char *family) {
 #endif
 
 const char *kvb_mem_kind_of(const char *backend) {
-    if (!backend || !strcmp(backend, "cpu") || !strcmp(backend, "host")) return "host";
+    if (!backend || !strcmp(backend, "cpu") || !strcmp(backend, "cpu:bf16") || !strcmp(backend, "host")) return "host";
 #ifdef KVB_WITH_CUDA
     if (is_family(backend, "cuda")) return "cuda";
 #endif

@@ -467,7 +467,7 @@ void kvb_model_config_rope_inv_freq(const kvb_model_config *c, float *inv_freq) 
 
 kvb_status kvb_model_kv_elem_size(const char *backend, int *out) {
     kvb_dtype dt;
-    KVB_TRY(kvb_backend_act_dtype(backend, &dt));
+    KVB_TRY(kvb_backend_kv_dtype(backend, &dt));
     *out = (int)kvb_dtype_size(dt);
     return KVB_OK;
 }

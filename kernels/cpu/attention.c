@@ -10,7 +10,9 @@
  *  - prefill-like sequences: their visible keys and values are gathered once per call (K transposed),
  *    then one item per (sequence, KV head, tile of query rows) runs Q.K^T and P.V a block of keys at a
  *    time (AVX2 register tiles; sgemm without AVX2) with the causal mask and an online softmax between.
- * Both compute exact softmax attention in f32 (max subtracted before exp). With a sliding window
+ * Both compute exact softmax attention in f32 (max subtracted before exp); a bf16 cache ("cpu:bf16") is
+ * widened to f32 as it is read (walk: a block at a time into L1; gemm: as gathered), the products
+ * unchanged. With a sliding window
  * (kvb_attn_batch.window) a row sees only its last `window` keys; keys before every row's window are
  * neither read nor gathered. */
 #include <cblas.h>
@@ -411,6 +413,49 @@ static inline void prefetch_row(const char *p, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
 }
 
+#if KVB_ATTN_AVX2
+/* 32 bf16 to f32: each 16-bit pattern zero-extended and shifted into the high half. */
+__attribute__((target("avx512f"))) static inline void widen32_512(const uint16_t *s, float *d) {
+    __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)s));
+    __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + 16)));
+    _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)));
+    _mm512_storeu_ps(d + 16, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+}
+
+__attribute__((target("avx2"))) static inline void widen32_avx2(const uint16_t *s, float *d) {
+    for (int j = 0; j < 32; j += 8) {
+        __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + j)));
+        _mm256_storeu_ps(d + j, _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)));
+    }
+}
+#endif
+
+/* A bf16 cache's rows widened to f32: n elements at src into dst (exact: a bf16 is the high half of an
+ * f32), with the next block's bf16 rows [pf, pf + pf_bytes) prefetched a line per line widened. The walk
+ * then runs its f32 kernels on dst, which stays in L1: the same products as an f32 cache holding the
+ * rounded values, so "cpu:bf16" differs from "cpu" by the rounding of K and V alone. */
+static void widen_rows(const uint16_t *src, size_t n, float *dst, const char *pf, size_t pf_bytes) {
+    size_t i = 0, line = 0;
+#if KVB_ATTN_AVX2
+    if (kvb__cpu_avx512) {
+        for (; i + 32 <= n; i += 32, line += 64) {
+            if (pf && line < pf_bytes) __builtin_prefetch(pf + line, 0, 2);
+            widen32_512(src + i, dst + i);
+        }
+    } else if (kvb__cpu_avx2) {
+        for (; i + 32 <= n; i += 32, line += 64) {
+            if (pf && line < pf_bytes) __builtin_prefetch(pf + line, 0, 2);
+            widen32_avx2(src + i, dst + i);
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        uint32_t x = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &x, sizeof x);
+    }
+    for (; pf && line < pf_bytes; line += 64) __builtin_prefetch(pf + line, 0, 2);
+}
+
 /* First key a query row with `n_vis` causally visible keys may see: 0, or with a sliding window the
  * start of the window (the row's own key is the last of `window` keys). */
 static inline int first_key(const kvb_attn_batch *b, int n_vis) {
@@ -427,6 +472,10 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
     const kvb_kv_geom *geo = b->geom;
     int hd = geo->head_dim, bs = geo->block_size, nkv = geo->n_kv_heads, nh = b->n_heads, gq = nh / nkv;
     size_t row = (size_t)nkv * hd, half = (size_t)bs * row, stride = (size_t)(k1 - k0);
+    /* a bf16 cache: each block's rows are widened into `wide_rows` (after the scores, walk_scratch_floats)
+     * and read from there */
+    int bf16 = geo->elem_size == 2;
+    float *wide_rows = scores + (size_t)sq->q_len * nh * WALK_KEYS;
 #if KVB_ATTN_AVX2
     int simd = kvb__cpu_avx2 && hd % 8 == 0;
     int wide = simd && kvb__cpu_avx512 && hd % 16 == 0 && gq <= GROUP512_MAX; /* the same bits, fewer loads */
@@ -449,6 +498,13 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
                 const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)r0 * row;
                 const char *kn = k + n_in < e ? (const char *)b->layer_blocks[sq->blk_first + j + 1] : NULL;
+                if (bf16) {
+                    size_t pf = kn ? (size_t)KVB_MIN(bs, e - k - n_in) * row * 2 : 0;
+                    widen_rows((const uint16_t *)b->layer_blocks[sq->blk_first + j] + (size_t)r0 * row, (size_t)n_in * row,
+                               wide_rows, kn, pf);
+                    kb = wide_rows;
+                    kn = NULL;
+                }
                 int r = 0;
 #if KVB_ATTN_AVX2
                 if (simd) { /* rows by fours, the next block's rows (as many as are read) prefetched meanwhile */
@@ -480,6 +536,14 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
                 const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)r0 * row;
                 const char *vn = k + n_in < e ? (const char *)((const float *)b->layer_blocks[sq->blk_first + j + 1] + half) : NULL;
+                if (bf16) {
+                    const uint16_t *vb16 = (const uint16_t *)b->layer_blocks[sq->blk_first + j] + half;
+                    const char *vn16 = k + n_in < e ? (const char *)((const uint16_t *)b->layer_blocks[sq->blk_first + j + 1] + half) : NULL;
+                    size_t pf = vn16 ? (size_t)KVB_MIN(bs, e - k - n_in) * row * 2 : 0;
+                    widen_rows(vb16 + (size_t)r0 * row, (size_t)n_in * row, wide_rows, vn16, pf);
+                    vb = wide_rows;
+                    vn = NULL;
+                }
 #if KVB_ATTN_AVX2
                 if (simd && hd % 64 == 0) { /* the block's rows at once, the next block's prefetched meanwhile */
                     size_t pf = vn ? (size_t)KVB_MIN(bs, e - k - n_in) * row * sizeof(float) : 0;
@@ -591,6 +655,20 @@ static void gather_kv(const kvb_attn_batch *b, const attn_item *it, float *gath)
     for (int k0 = it->k0; k0 < it->k1;) {
         int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, it->k1 - k0);
         const float *blk = b->layer_blocks[sq->blk_first + j];
+        if (geo->elem_size == 2) { /* a bf16 cache: widened as gathered */
+            const uint16_t *b16 = b->layer_blocks[sq->blk_first + j];
+            for (int r = 0; r < n_in; r++) {
+                size_t key = (size_t)(k0 + r - it->kbase), src = (size_t)(r0 + r) * row;
+                for (int g = 0; g < nkv; g++) {
+                    const uint16_t *kr = b16 + src + (size_t)g * hd;
+                    float *kt = kg + (size_t)g * hd * ldk + key;
+                    for (int d = 0; d < hd; d++) kt[(size_t)d * ldk] = kvb_bf16_to_f32(kr[d]);
+                    kvb__cpu_widen(b16 + half + src + (size_t)g * hd, KVB_DTYPE_BF16, hd, vg + ((size_t)g * nks + key) * hd);
+                }
+            }
+            k0 += n_in;
+            continue;
+        }
         for (int r = 0; r < n_in; r++) {
             size_t key = (size_t)(k0 + r - it->kbase), src = (size_t)(r0 + r) * row;
             for (int g = 0; g < nkv; g++) {
@@ -833,7 +911,8 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
                                      .part = c1 - c0 > 1 ? (int)part_at : -1};
             if (c1 - c0 > 1) part_at += (size_t)sq->q_len * nh * (hd + 2);
         }
-        need = KVB_MAX(need, (size_t)sq->q_len * nh * WALK_KEYS);
+        /* the scores, then a bf16 cache's widened block (attn_walk) */
+        need = KVB_MAX(need, (size_t)sq->q_len * nh * WALK_KEYS + (geo->elem_size == 2 ? (size_t)geo->block_size * nkv * hd : 0));
     }
     KVB_TRY(kvb__cpu_scratch_reserve(c, need));
     /* the gemm sequences' keys and values, per KV head, contiguous: read by all of its tiles */

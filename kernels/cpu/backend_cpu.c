@@ -184,37 +184,39 @@ static void cpu_destroy(void *ctx) {
     free(c);
 }
 
-static const kvb_backend_i cpu_iface = {
-    .name = "cpu",
-    .act_dtype = KVB_DTYPE_F32,
-    .to_device = cpu_copy,
-    .to_host = cpu_copy,
-    .to_host_f32 = cpu_to_host_f32,
-    .copy = cpu_copy,
-    .sync = cpu_sync,
-    .copy_async = cpu_copy_async,
-    .wait_ticket = cpu_wait_ticket,
-    .ticket_done = cpu_ticket_done,
-    .ticket_wait = cpu_wait_ticket,
-    .weight_load = cpu_weight_load,
-    .weight_view = cpu_weight_view,
-    .weight_fp8 = cpu_weight_fp8,
-    .weight_free = cpu_weight_free,
-    .embed = cpu_embed,
-    .matmul = cpu_matmul,
-    .matmul_n = cpu_matmul_n,
-    .rmsnorm = cpu_rmsnorm,
-    .rope = cpu_rope,
-    .bias_add = cpu_bias_add,
-    .silu_mul = cpu_silu_mul,
-    .kv_write = cpu_kv_write,
-    .attention = cpu_attention,
-    .gather_rows = cpu_gather_rows,
-    .set_threads = cpu_set_threads,
-    .destroy = cpu_destroy,
-};
+/* Both variants compute in f32; "cpu:bf16" keeps its KV cache in bf16 (the kernels go by the geometry's
+ * elem_size, which kvb_model_kv_elem_size derives from the name). */
+#define CPU_OPS \
+    .to_device = cpu_copy, \
+    .to_host = cpu_copy, \
+    .to_host_f32 = cpu_to_host_f32, \
+    .copy = cpu_copy, \
+    .sync = cpu_sync, \
+    .copy_async = cpu_copy_async, \
+    .wait_ticket = cpu_wait_ticket, \
+    .ticket_done = cpu_ticket_done, \
+    .ticket_wait = cpu_wait_ticket, \
+    .weight_load = cpu_weight_load, \
+    .weight_view = cpu_weight_view, \
+    .weight_fp8 = cpu_weight_fp8, \
+    .weight_free = cpu_weight_free, \
+    .embed = cpu_embed, \
+    .matmul = cpu_matmul, \
+    .matmul_n = cpu_matmul_n, \
+    .rmsnorm = cpu_rmsnorm, \
+    .rope = cpu_rope, \
+    .bias_add = cpu_bias_add, \
+    .silu_mul = cpu_silu_mul, \
+    .kv_write = cpu_kv_write, \
+    .attention = cpu_attention, \
+    .gather_rows = cpu_gather_rows, \
+    .set_threads = cpu_set_threads, \
+    .destroy = cpu_destroy
 
-kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out) {
+static const kvb_backend_i cpu_iface = {.name = "cpu", .act_dtype = KVB_DTYPE_F32, CPU_OPS};
+static const kvb_backend_i cpu_bf16_iface = {.name = "cpu:bf16", .act_dtype = KVB_DTYPE_F32, CPU_OPS};
+
+kvb_status kvb__backend_cpu_create(int n_threads, int kv_bf16, kvb_backend *out) {
     kvb_cpu_ctx *c = NULL;
     KVB_TRY(kvb_calloc(1, sizeof *c, (void **)&c));
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -227,7 +229,7 @@ kvb_status kvb__backend_cpu_create(int n_threads, kvb_backend *out) {
     if (simd && strcmp(simd, "0") == 0) kvb__cpu_avx2 = kvb__cpu_avx512 = 0;
     if (simd && strcmp(simd, "avx2") == 0) kvb__cpu_avx512 = 0;
 #endif
-    out->iface = &cpu_iface;
+    out->iface = kv_bf16 ? &cpu_bf16_iface : &cpu_iface;
     out->ctx = c;
     cpu_set_threads(c, n_threads);
     return KVB_OK;

@@ -166,18 +166,29 @@ void kvb__cpu_bias_add(float *y, int n, int dim, const float *b) {
     }
 }
 
+/* One K or V row into the cache: as it is (f32), or rounded to the nearest bf16 (a "cpu:bf16" cache). */
+static void kv_row(void *dst, const float *src, size_t n, int elem_size) {
+    if (elem_size != 2) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    for (size_t i = 0; i < n; i++) d[i] = kvb_f32_to_bf16(src[i]);
+}
+
 void kvb__cpu_kv_write(const kvb_attn_batch *b, const float *k, const float *v) {
     const kvb_kv_geom *g = b->geom;
-    size_t row = (size_t)g->n_kv_heads * g->head_dim; /* floats per token per K or V */
-    size_t half = (size_t)g->block_size * row;        /* floats of K (or V) in a layer slice */
+    size_t row = (size_t)g->n_kv_heads * g->head_dim; /* elements per token per K or V */
+    size_t half = (size_t)g->block_size * row;        /* elements of K (or V) in a layer slice */
+    size_t es = g->elem_size == 2 ? 2 : sizeof(float);
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         for (int t = 0; t < sq->q_len; t++) {
             int p = sq->ctx_len - sq->q_len + t;
-            float *blk = b->layer_blocks[sq->blk_first + p / g->block_size];
+            char *blk = b->layer_blocks[sq->blk_first + p / g->block_size];
             size_t off = (size_t)(p % g->block_size) * row;
-            memcpy(blk + off, k + (size_t)(sq->q_start + t) * row, row * sizeof(float));
-            memcpy(blk + half + off, v + (size_t)(sq->q_start + t) * row, row * sizeof(float));
+            kv_row(blk + off * es, k + (size_t)(sq->q_start + t) * row, row, g->elem_size);
+            kv_row(blk + (half + off) * es, v + (size_t)(sq->q_start + t) * row, row, g->elem_size);
         }
     }
 }
