@@ -15,6 +15,14 @@
 # scripts/gpu-check's policies phase runs the same checks on a GPU: KVB_CUDA_GENERATE names the
 # kvbank-generate the CUDA runs use (default: the emulated one, $KVB_BUILDDIR/emu/kvbank-generate).
 #
+# Device waits (issue 30): with the link model off, no planner's layer_in waits on the host for a copy
+# (stats layer_in_host_waits=0); the planners whose layers load KV (orbitflow, deepspeed, flexgen, ...)
+# order the layer's kernels after the loads on the device (layer_in_device_waits > 0), and the emulation
+# (KVB_EMU_STATS) confirms that copies then landed by the compute stream's event wait, the only thing
+# that orders a load before the kernels that read it (a missing wait reads NaN). Against
+# that, orbitflow under a link model that paces copies (h100-pcie5) waits on the host, as before: same
+# tokens, no device wait, no copy landed by an event wait.
+#
 # Last, seeded sampling (temperature, top-k, top-p) on cuda:f32, sampled on the device, must give the
 # CPU sampler's tokens.
 #
@@ -52,6 +60,17 @@ names=$("$gen" --policy list | awk '{print $1}')
 [[ $(wc -w <<<"$names") -ge 16 ]] || fail "the emulated kvbank-generate lists $(wc -w <<<"$names") planners: $names"
 [[ $names == "$("$b/kvbank-generate" --policy list | awk '{print $1}')" ]] || fail "the emulated and the tree's registries differ"
 
+# "H D E": layer_in's host waits, its device waits, and (emulated) the asynchronous copies that landed by
+# a stream's event wait, from a run's stderr
+waits() {
+    local h d e
+    h=$(grep -oE 'layer_in_host_waits=[0-9]+' "$1" | cut -d= -f2)
+    d=$(grep -oE 'layer_in_device_waits=[0-9]+' "$1" | cut -d= -f2)
+    e=$(sed -nE 's/^emu: asynchronous copies landed: [0-9]+ by a host wait, ([0-9]+) by a stream.s event wait.*/\1/p' "$1")
+    echo "${h:-?} ${d:-?} ${e:--}"
+}
+export KVB_EMU_STATS=1
+n_dev=0
 for name in $names; do
     t0=$SECONDS
     out=$("$gen" --backend cuda:f32 --model "$M" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" \
@@ -71,7 +90,29 @@ for name in $names; do
     else
         ok "cuda:f32 --policy $name: the CPU's tokens under pressure ($((SECONDS - t0)) s; $(grep -oE 'preemptions=[0-9]+|pauses=[0-9]+|slices_offloaded=[0-9]+|swap_outs=[0-9]+|dropped_blocks=[0-9]+|offload_prefills=[0-9]+' <<<"$stats" | grep -v '=0$' | tr '\n' ' '))"
     fi
+    read -r hw dw ew <<<"$(waits "$tmp/gen-$name.err")"
+    if [[ $hw != 0 ]]; then
+        fail "cuda:f32 --policy $name: layer_in waited on the host for $hw copies (layer_in_host_waits=$hw)"
+    elif [[ $dw != 0 ]]; then
+        n_dev=$((n_dev + 1))
+        if [[ $ew == 0 ]]; then
+            fail "cuda:f32 --policy $name: $dw device waits, but no copy landed by an event wait"
+        else
+            ok "cuda:f32 --policy $name: layer_in ordered $dw copies on the device, none on the host ($ew copies landed by the compute's event wait)"
+        fi
+    fi
 done
+[[ $n_dev -ge 4 ]] || fail "only $n_dev planners waited for loads on the device (orbitflow, deepspeed, flexgen, host-tier do)"
+# the control: a link model that paces copies keeps the host waits
+out=$("$gen" --backend cuda:f32 --model "$M" "${ARGS[@]}" --max-tokens $MAXT "${PRESSURE[@]}" --policy orbitflow \
+    --link-preset h100-pcie5 --stats 2>"$tmp/paced.err")
+read -r hw dw ew <<<"$(waits "$tmp/paced.err")"
+if [[ $out == "$ref" && $hw -gt 0 && $dw == 0 && $ew != [1-9]* ]]; then
+    ok "cuda:f32 orbitflow under a pacing link model: the CPU's tokens, $hw host waits in layer_in, no device wait"
+else
+    fail "cuda:f32 orbitflow --link-preset h100-pcie5: tokens $([[ $out == "$ref" ]] && echo equal || echo differ), host waits $hw, device waits $dw, copies landed by event waits $ew"
+fi
+unset KVB_EMU_STATS
 
 # bf16 recompute against the CPU: each request first in turn
 n=${#PROMPTS[@]}

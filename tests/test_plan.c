@@ -633,6 +633,9 @@ static void mech_observe(void *ctx, const kvb_step_report *r) {
 static const kvb_planner_i mech_iface = {.name = "mechanic", .plan_step = mech_plan, .plan_pool = mech_pool,
                                          .observe = mech_observe};
 
+static void late_device(kvb_backend *be, int on);
+static int mech_late; /* mechanism_lossless runs its engines on the late device (device_waits_lossless) */
+
 /* The pressure scenario of every_planner_lossless under a test planner using mechanism `which`. */
 static void mechanism_lossless(mech which, const kvb_link_model *links) {
     setup_model();
@@ -655,6 +658,7 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
         if (links) o.links = *links;
         kvb_engine_events ev = {.ud = &got, .on_token = on_token, .on_finish = on_finish};
         kvb_engine *e = NULL;
+        if (mech_late) late_device(tm.be, 1);
         ck_assert_int_eq(kvb_engine_create(model, &o, &pl, &ev, &e), KVB_OK);
         for (int r = 0; r < 3; r++) add(e, (uint64_t)r);
         for (int i = 0; i < 6; i++) ck_assert_msg(kvb_engine_step(e) == KVB_OK, "step: %s", kvb_engine_last_error(e));
@@ -708,6 +712,13 @@ static void mechanism_lossless(mech which, const kvb_link_model *links) {
             ck_assert_uint_eq(m.host_bytes, s.links[KVB_LINK_HOST].bytes);
         }
         kvb_engine_destroy(e);
+        if (mech_late) { /* every layer_in wait on the device */
+            printf("config %zu: layer_in waited %llu copies on the device, %llu on the host\n", c,
+                   (unsigned long long)s.layer_in_device_waits, (unsigned long long)s.layer_in_host_waits);
+            ck_assert_uint_gt(s.layer_in_device_waits, 0);
+            ck_assert_uint_eq(s.layer_in_host_waits, 0);
+            late_device(tm.be, 0);
+        }
     }
     if (which == MECH_DROP_HOST) ck_assert_uint_gt(preempted, 0);
     teardown_model();
@@ -880,6 +891,251 @@ KVB_TEST(host_residency_lossless) {
     kvb_link_model lm = {.name = "test", .target = "test links", .scale = 1, .target_flops = 1};
     lm.links[KVB_LINK_HOST] = (kvb_link){2e9, 20e-6};
     mechanism_lossless(MECH_HOST, &lm);
+}
+KVB_TEST_END
+
+/* ---------------------------------------------------------------- device waits (issue 30)
+ * A device on the CPU whose copies land late: copy_async (the CPU backend's other members as they are)
+ * poisons the destinations (0xFF: NaN) and queues the copies per copy engine; they land, in issue order
+ * on their engine, when wait_ticket (the compute stream waits: its next operators run after) or
+ * ticket_wait (the host waits) reaches them, or when a later copy on the engine touches their memory.
+ * ticket_done only asks. So an operator that reads a load nobody waited for reads NaN, and the counts
+ * say who waited. The stager then waits on the device (its link model off). */
+
+typedef struct late_copy {
+    void *dst;
+    const void *src;
+    size_t n;
+    uint64_t t;
+    int eng;
+} late_copy;
+
+static struct {
+    pthread_mutex_t mu;
+    late_copy q[4096];
+    int n;
+    uint64_t last;            /* tickets handed out */
+    uint8_t eng_of[1 << 16];  /* [ticket % 65536] its engine */
+    uint64_t device_waits, host_waits, landed_by_device, landed_by_host;
+    uint64_t fail_bytes;      /* copy_async of a piece of this size fails (0: none) */
+    int log[16], n_log;       /* the first calls: 1 + engine for copy_async, -1 - engine for ticket_wait */
+    const kvb_backend_i *cpu;
+    kvb_backend_i iface;
+} late = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static int late_overlap(const void *a, size_t na, const void *b, size_t nb) {
+    return (uintptr_t)a < (uintptr_t)b + nb && (uintptr_t)b < (uintptr_t)a + na;
+}
+
+/* Lands (late.mu held) the queued copies of engine `eng` up to ticket t, in order; `by`: 1 device, 0 host. */
+static void late_land(int eng, uint64_t t, int by) {
+    int k = 0;
+    for (int i = 0; i < late.n; i++) {
+        late_copy *c = &late.q[i];
+        if (c->eng == eng && c->t <= t) {
+            memmove(c->dst, c->src, c->n);
+            *(by ? &late.landed_by_device : &late.landed_by_host) += 1;
+        } else {
+            late.q[k++] = *c;
+        }
+    }
+    late.n = k;
+}
+
+static kvb_status late_copy_async(void *ctx, kvb_copy_engine dir, const kvb_copy_piece *x, int n, uint64_t *ticket) {
+    (void)ctx;
+    pthread_mutex_lock(&late.mu);
+    for (int i = 0; i < n; i++)
+        if (late.fail_bytes && x[i].bytes == late.fail_bytes) {
+            pthread_mutex_unlock(&late.mu);
+            return KVB_ERR_BACKEND;
+        }
+    uint64_t t = ++late.last;
+    late.eng_of[t % (1u << 16)] = (uint8_t)dir;
+    if (late.n_log < 16) late.log[late.n_log++] = 1 + (int)dir;
+    for (int i = 0; i < n; i++) {
+        if (!x[i].bytes) continue;
+        /* stream order: an earlier copy on the engine that reads or writes this destination runs first */
+        uint64_t before = 0;
+        for (int j = 0; j < late.n; j++) {
+            const late_copy *c = &late.q[j];
+            if (c->eng == (int)dir && (late_overlap(c->dst, c->n, x[i].dst, x[i].bytes) ||
+                                        late_overlap(c->src, c->n, x[i].dst, x[i].bytes)))
+                before = c->t;
+        }
+        if (before) late_land((int)dir, before, 0);
+        ck_assert_int_lt(late.n, (int)KVB_ARRAY_LEN(late.q));
+        late.q[late.n++] = (late_copy){x[i].dst, x[i].src, x[i].bytes, t, (int)dir};
+        memset(x[i].dst, 0xFF, x[i].bytes);
+    }
+    *ticket = t;
+    pthread_mutex_unlock(&late.mu);
+    return KVB_OK;
+}
+
+static kvb_status late_wait(uint64_t t, int by) {
+    pthread_mutex_lock(&late.mu);
+    kvb_status st = t == 0 || t > late.last ? KVB_ERR_INVALID : KVB_OK;
+    if (st == KVB_OK) {
+        int eng = late.eng_of[t % (1u << 16)];
+        *(by ? &late.device_waits : &late.host_waits) += 1;
+        if (!by && late.n_log < 16) late.log[late.n_log++] = -1 - eng;
+        late_land(eng, t, by);
+    }
+    pthread_mutex_unlock(&late.mu);
+    return st;
+}
+static kvb_status late_wait_ticket(void *ctx, uint64_t t) { return (void)ctx, late_wait(t, 1); }
+static kvb_status late_ticket_wait(void *ctx, uint64_t t) { return (void)ctx, late_wait(t, 0); }
+static int late_ticket_done(void *ctx, uint64_t t) {
+    (void)ctx;
+    pthread_mutex_lock(&late.mu);
+    int done = 1;
+    for (int i = 0; i < late.n; i++)
+        if (late.q[i].eng == late.eng_of[t % (1u << 16)] && late.q[i].t <= t) done = 0;
+    pthread_mutex_unlock(&late.mu);
+    return done;
+}
+
+/* Puts the late device in place of the CPU backend's tickets (on = 0: back), its counts cleared. */
+static void late_device(kvb_backend *be, int on) {
+    if (!late.cpu) late.cpu = be->iface;
+    pthread_mutex_lock(&late.mu);
+    ck_assert_int_eq(late.n, 0); /* every copy landed */
+    late.iface = *late.cpu;
+    late.iface.copy_async = late_copy_async;
+    late.iface.wait_ticket = late_wait_ticket;
+    late.iface.ticket_wait = late_ticket_wait;
+    late.iface.ticket_done = late_ticket_done;
+    late.device_waits = late.host_waits = late.landed_by_device = late.landed_by_host = 0;
+    late.fail_bytes = 0;
+    late.n_log = 0;
+    pthread_mutex_unlock(&late.mu);
+    be->iface = on ? &late.iface : late.cpu;
+}
+
+/* Every planner under pressure on the late device: recompute's tokens (the CPU's), no layer_in waits on
+ * the host, the layers' loads ordered by the device waits. Without a wait before a layer, its
+ * attention reads NaN; with host waits in layer_in (the stager before issue 30), layer_in_host_waits. */
+KVB_TEST(device_waits_lossless) {
+    setup_model();
+    make_prompts();
+    static rec ref, got;
+    reference(&ref);
+    int with_device_waits = 0;
+    for (size_t c = 0; c < 2; c++)
+        for (int k = 0; k < kvb_policy_count(); k++) {
+            const kvb_policy_info *pi = kvb_policy_info_at(k);
+            kvb_planner pl;
+            ck_assert_int_eq(kvb_policy_create(pi->name, NULL, &pl), KVB_OK);
+            late_device(tm.be, 1);
+            kvb_engine_stats s;
+            pressure(&got, &pl, cfgs[c].bs, cfgs[c].blocks, cfgs[c].budget, &s);
+            printf("config %zu %-20s: layer_in waited %llu copies on the device, %llu on the host; late device: "
+                   "%llu wait_ticket, %llu ticket_wait, copies landed %llu by wait_ticket, %llu by ticket_wait\n",
+                   c, pi->name, (unsigned long long)s.layer_in_device_waits, (unsigned long long)s.layer_in_host_waits,
+                   (unsigned long long)late.device_waits, (unsigned long long)late.host_waits,
+                   (unsigned long long)late.landed_by_device, (unsigned long long)late.landed_by_host);
+            fflush(stdout);
+            uint64_t by_device = late.landed_by_device;
+            late_device(tm.be, 0);
+            assert_same(&ref, &got);
+            ck_assert_uint_eq(s.layer_in_host_waits, 0);
+            if (s.layer_in_device_waits) {
+                with_device_waits++;
+                ck_assert_uint_gt(by_device, 0);
+            }
+        }
+    ck_assert_int_ge(with_device_waits, 8); /* orbitflow, deepspeed, flexgen, host-tier, ... in both configs */
+    teardown_model();
+    /* the test planner's mechanisms: stage buffers and copy orders (residency), prefix layers from the
+     * host tier (prefix) */
+    mech_late = 1;
+    mechanism_lossless(MECH_HOST, NULL);
+    mechanism_lossless(MECH_DROP_HOST, NULL);
+    mech_late = 0;
+}
+KVB_TEST_END
+
+/* The stager on the late device: wait_device returns once the copy is issued and leaves the waiting to
+ * the backend's wait_ticket; post order per link across copy engines (a store lands before the load
+ * after it is issued); a failed issue fails wait_device, settle and drain; a pacing link model waits on
+ * the host as before. */
+KVB_TEST(stager_device_waits) {
+    setup_model();
+    late_device(tm.be, 1);
+    kvb_stager *s;
+    ck_assert_int_eq(kvb_stager_create(tm.be, NULL, &s), KVB_OK);
+    ck_assert_int_eq(kvb_stager_device_waits(s), 1);
+    enum { N = 4096 };
+    static unsigned char src[3][N], dst[3][N];
+    for (int i = 0; i < 3; i++) memset(src[i], 10 + i, N);
+    kvb_xfer x[3];
+    uint64_t t[3], h, d;
+    for (int i = 0; i < 3; i++) {
+        x[i] = (kvb_xfer){dst[i], src[i], N};
+        ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &x[i], 1, &t[i]), KVB_OK);
+    }
+    /* issued, not landed: done says no, the destinations are poison */
+    for (int spin = 0; spin < 100000 && __atomic_load_n(&late.last, __ATOMIC_SEQ_CST) < 3; spin++) usleep(100);
+    ck_assert_uint_eq(late.last, 3);
+    ck_assert_int_eq(kvb_stager_done(s, t[0]), 0);
+    ck_assert_int_eq(dst[0][0], 0xFF);
+    /* the device waits for the second: the first two land by wait_ticket, the host waited for nothing */
+    ck_assert_int_eq(kvb_stager_wait_device(s, t[1]), KVB_OK);
+    ck_assert_uint_eq(late.device_waits, 1);
+    ck_assert_uint_eq(late.host_waits, 0);
+    ck_assert_uint_eq(late.landed_by_device, 2);
+    ck_assert_int_eq(memcmp(dst[1], src[1], N), 0);
+    ck_assert_int_eq(dst[2][0], 0xFF);
+    kvb_stager_wait_counts(s, &h, &d);
+    ck_assert_uint_eq(h, 0);
+    ck_assert_uint_eq(d, 1);
+    /* the host waits for the third */
+    ck_assert_int_eq(kvb_stager_wait(s, t[2]), KVB_OK);
+    ck_assert_uint_eq(late.host_waits, 1);
+    ck_assert_int_eq(memcmp(dst[2], src[2], N), 0);
+    ck_assert_int_eq(kvb_stager_done(s, t[2]), 1);
+    /* post order across engines: a store (D2H) and then a load (H2D) into the memory it reads */
+    late.n_log = 0;
+    memset(src[0], 77, N);
+    kvb_xfer st = {src[1], dst[0], N}, ld = {dst[0], src[0], N};
+    uint64_t ts, tl;
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_D2H, &st, 1, &ts), KVB_OK);
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &ld, 1, &tl), KVB_OK);
+    ck_assert_int_eq(kvb_stager_wait_device(s, tl), KVB_OK);
+    ck_assert_int_eq(late.n_log, 3);
+    ck_assert_int_eq(late.log[0], 1 + KVB_ENGINE_D2H);  /* the store issued */
+    ck_assert_int_eq(late.log[1], -1 - KVB_ENGINE_D2H); /* landed (the copy thread waited) */
+    ck_assert_int_eq(late.log[2], 1 + KVB_ENGINE_H2D);  /* then the load */
+    ck_assert_int_eq(src[1][0], 10);                     /* the store read the old bytes */
+    ck_assert_int_eq(dst[0][0], 77);
+    ck_assert_int_eq(kvb_stager_settle(s), KVB_OK);
+    /* a copy that fails: wait_device says so, settle too, drain returns it and clears it */
+    late.fail_bytes = 100;
+    kvb_xfer bad = {dst[1], src[1], 100};
+    uint64_t tb;
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_PEER, KVB_XFER_D2D, &bad, 1, &tb), KVB_OK);
+    ck_assert_int_eq(kvb_stager_wait_device(s, tb), KVB_ERR_BACKEND);
+    ck_assert_int_eq(kvb_stager_settle(s), KVB_ERR_BACKEND);
+    ck_assert_int_eq(kvb_stager_drain(s), KVB_ERR_BACKEND);
+    ck_assert_int_eq(kvb_stager_drain(s), KVB_OK);
+    late.fail_bytes = 0;
+    kvb_stager_destroy(s);
+    /* a link model that paces copies: the host waits, as before */
+    kvb_link_model paced = {.name = "paced", .scale = 1, .target_flops = 1};
+    paced.links[KVB_LINK_HOST] = (kvb_link){1e9, 1e-6};
+    ck_assert_int_eq(kvb_stager_create(tm.be, &paced, &s), KVB_OK);
+    ck_assert_int_eq(kvb_stager_device_waits(s), 0);
+    ck_assert_int_eq(kvb_stager_post(s, KVB_LINK_HOST, KVB_XFER_H2D, &x[0], 1, &t[0]), KVB_OK);
+    ck_assert_int_eq(kvb_stager_wait_device(s, t[0]), KVB_OK);
+    kvb_stager_wait_counts(s, &h, &d);
+    ck_assert_uint_eq(h, 1);
+    ck_assert_uint_eq(d, 0);
+    ck_assert_uint_eq(late.device_waits, 2); /* the two above: none here */
+    kvb_stager_destroy(s);
+    late_device(tm.be, 0);
+    teardown_model();
 }
 KVB_TEST_END
 
@@ -1320,4 +1576,4 @@ KVB_TEST_MAIN("plan", KVB_T(every_planner_lossless, 600), KVB_T(orbitflow_late_d
               KVB_T(registry_and_params, 10), KVB_T(absent_tokens_lossless, 240), KVB_T(swap_lossless, 240), KVB_T(drop_blocks_lossless, 240), KVB_T(drop_blocks_swapped_layers_lossless, 240),
               KVB_T(ellm_tokenwise_lossless, 240), KVB_T(hcache_lossless, 240), KVB_T(ellm_prefill_budget_as_baselines, 60),
               KVB_T(host_residency_lossless, 240), KVB_T(stager_link_model, 60), KVB_T(link_time_scale, 10),
-              KVB_T(engine_calibrates_link_model, 60))
+              KVB_T(engine_calibrates_link_model, 60), KVB_T(device_waits_lossless, 600), KVB_T(stager_device_waits, 60))

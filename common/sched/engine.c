@@ -277,7 +277,7 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              "blocks_total=%d pauses=%llu slices_prefetched=%llu slices_offloaded=%llu prefix_cache=%d "
              "max_running=%d swap_outs=%llu swap_ins=%llu offload_prefills=%llu recomputed_tokens=%llu dropped_blocks=%llu "
              "restored_blocks=%llu prefix_host_stores=%llu prefix_host_loads=%llu recomputed_row_layers=%llu hidden_restores=%llu hidden_saved_bytes=%llu host_link_bytes=%llu "
-             "peer_link_bytes=%llu",
+             "peer_link_bytes=%llu layer_in_host_waits=%llu layer_in_device_waits=%llu",
              kvb_engine_planner_name(e), (unsigned long long)s.steps, (unsigned long long)s.prompt_tokens,
              (unsigned long long)s.generated_tokens, (unsigned long long)s.preemptions,
              (unsigned long long)s.prefix_hit_tokens, s.blocks_total, (unsigned long long)s.pauses,
@@ -288,7 +288,8 @@ void kvb_engine_stats_format(const kvb_engine *e, char *buf, size_t len) {
              (unsigned long long)s.prefix_host_loads, (unsigned long long)s.recomputed_row_layers,
              (unsigned long long)s.hidden_restores,
              (unsigned long long)s.hidden_saved_bytes, (unsigned long long)s.links[KVB_LINK_HOST].bytes,
-             (unsigned long long)s.links[KVB_LINK_PEER].bytes);
+             (unsigned long long)s.links[KVB_LINK_PEER].bytes, (unsigned long long)s.layer_in_host_waits,
+             (unsigned long long)s.layer_in_device_waits);
 }
 
 /* ---------------------------------------------------------------- the link model's time scale (link_calib.h)

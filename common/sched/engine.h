@@ -187,6 +187,9 @@ typedef struct kvb_engine_stats {
     int blocks_borrowed;        /* attached blocks (all tags) */
     uint64_t lsc_loads;         /* staged reads: block-layer slices loaded into stage buffers (STREAM, HOST) */
     uint64_t lsc_stores;        /* staged writes: block-layer slices whose new rows were stored back */
+    uint64_t layer_in_host_waits;   /* transfers the mechanisms' layer_in waited for on the host */
+    uint64_t layer_in_device_waits; /* transfers layer_in ordered the layer's kernels after on the device
+                                 * (kvb_stager_wait_device; the host waited only until they were issued) */
     int n_swapped;
     kvb_link_report links[KVB_LINK_COUNT]; /* what the stager's links carried since creation */
     int prefix_cache;           /* 1 if the prefix cache is on (a planner may turn it off at setup) */

@@ -279,7 +279,12 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b) {
         }
         e->stats.recomputed_row_layers += (uint64_t)(rows - st->main_rows);
         if (!(flags & KVB__STEP_LAYOUT)) kvb__layout_layer(e, l);
+        uint64_t h0, d0, h1, d1;
+        kvb_stager_wait_counts(e->stager, &h0, &d0);
         if ((r = mechs_layer(e, l, 0)) != KVB_OK) break;
+        kvb_stager_wait_counts(e->stager, &h1, &d1);
+        e->stats.layer_in_host_waits += h1 - h0;
+        e->stats.layer_in_device_waits += d1 - d0;
         st->t_wait[l] = kvb_now_ns() - tl;
         if ((r = kvb_forward_layer(e->fw, l)) != KVB_OK) break;
         /* the layer's kernels are done with the buffers the mechanisms reuse once the backend is idle; a
@@ -287,6 +292,11 @@ static kvb_status forward(kvb_engine *e, const kvb_batch *b) {
         if ((flags & KVB__STEP_SYNC) && !be->iface->copy_async && (r = be->iface->sync(be->ctx)) != KVB_OK) break;
         if ((r = mechs_layer(e, l, 1)) != KVB_OK) break;
         st->t_layer[l] = kvb_now_ns() - tl;
+    }
+    /* the loads the layers waited for on the device have landed: one that failed fails the step */
+    if (flags & KVB__STEP_ACTIVE) {
+        kvb_status d = kvb_stager_settle(e->stager);
+        if (r == KVB_OK) r = d;
     }
     /* every copy is back before the step ends (no copy may run on after a failed one) */
     if (flags & KVB__STEP_DRAIN || r != KVB_OK) {

@@ -317,9 +317,11 @@ static kvb_status hm_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
     return h->async_wb ? wb_post(e, h) : KVB_OK;
 }
 
+/* Layer l's kernels come after its loads (on the device where the backend can); step_end waits for
+ * them on the host before the blocks go back. */
 static kvb_status hm_layer_in(void *ctx, kvb_engine *e, int l) {
     host_mech *h = ctx;
-    return h->t[l] ? kvb_stager_wait(e->stager, h->t[l]) : KVB_OK;
+    return h->t[l] ? kvb_stager_wait_device(e->stager, h->t[l]) : KVB_OK;
 }
 
 /* Every layer is in (or the step failed): no load runs on after the step. Write-backs that landed

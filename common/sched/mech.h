@@ -71,7 +71,9 @@ typedef struct kvb__mech_i {
     kvb_status (*apply_op)(void *ctx, struct kvb_engine *e, struct kvb__seq *s, const kvb_plan_op *op);
     /* The step's batch is laid out (e->step): reserve, post the first transfers; *flags gets KVB__STEP_*. */
     kvb_status (*step_begin)(void *ctx, struct kvb_engine *e, unsigned *flags);
-    /* Before layer l (ACTIVE): wait for what the layer reads, point entries at it, save its inputs. */
+    /* Before layer l (ACTIVE): wait for what the layer reads (kvb_stager_wait_device: on the device where
+     * the backend can; the executor settles those waits at the step's end), point entries at it, save its
+     * inputs. */
     kvb_status (*layer_in)(void *ctx, struct kvb_engine *e, int l);
     /* After layer l's kernels (ACTIVE): post the stores of what it wrote and the loads of later layers. */
     kvb_status (*layer_out)(void *ctx, struct kvb_engine *e, int l);

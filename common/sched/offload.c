@@ -83,10 +83,11 @@ static kvb_status off_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
     return KVB_OK;
 }
 
-/* Layer l writes into the staging parity whose rows of layer l-2 are out. */
+/* Layer l writes into the staging parity whose rows of layer l-2 are out: its kernels come after that
+ * store (on the device where the backend can). */
 static kvb_status off_layer_in(void *ctx, kvb_engine *e, int l) {
     offload *o = ctx;
-    if (o->t[l & 1]) KVB_TRY(kvb_stager_wait(e->stager, o->t[l & 1]));
+    if (o->t[l & 1]) KVB_TRY(kvb_stager_wait_device(e->stager, o->t[l & 1]));
     for (int j = 0; j < e->step.n_ent; j++)
         if (e->step.ent[j].kind == KVB__ENT_OFFLOAD) e->step.layer[j] = stage_slice(e, o, e->step.ent[j].slice, l);
     return KVB_OK;

@@ -427,7 +427,8 @@ const char *kvb_link_kind_str(kvb_link_kind k);
 typedef struct kvb_link_report {
     uint64_t bytes;
     uint64_t copies;
-    uint64_t busy_ns;  /* time the link's copy thread spent copying (link model delays included) */
+    uint64_t busy_ns;  /* time the link's copy thread spent copying (link model delays included; under
+                        * device waits, kvb_stager_device_waits, the time issuing) */
     double gbps;       /* achieved: bytes / busy_ns (0 when idle) */
 } kvb_link_report;
 

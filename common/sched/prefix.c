@@ -142,7 +142,7 @@ static kvb_status pf_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
 static kvb_status pf_layer_in(void *ctx, kvb_engine *e, int l) {
     prefix *p = ctx;
     if (p->serial) KVB_TRY(post_loads(p, e, l)); /* "without overlap" (§6.3) */
-    if (p->t[l]) KVB_TRY(kvb_stager_wait(e->stager, p->t[l]));
+    if (p->t[l]) KVB_TRY(kvb_stager_wait_device(e->stager, p->t[l])); /* the layer's kernels after its loads */
     return KVB_OK;
 }
 

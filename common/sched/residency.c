@@ -203,9 +203,11 @@ static kvb_status post_unit_loads(residency *r, kvb_engine *e, int l, uint64_t t
 }
 
 /* Posts the stores of the rows layer `l` wrote into stage buffers back to where the blocks live (and,
- * for host copies, into the pool block too, which stays valid). The pool's rows are in place when this
- * returns: they go over the local link, which nothing orders against the host link's next loads into
- * the same buffers or a STORE copy order reading the pool block. */
+ * for host copies, into the pool block too, which stays valid). The pool's rows are in place for every
+ * operator and copy issued after this returns: they go over the local link, which nothing else orders
+ * against the host link's next loads into the same buffers or a STORE copy order reading the pool block,
+ * so the compute waits for them (on the device where it can), and every later copy_async comes after
+ * the compute issued before it. */
 static kvb_status post_unit_stores(residency *r, kvb_engine *e, int l) {
     size_t lb = layer_bytes(e), row = lb / 2 / (size_t)e->o.block_size, half = lb / 2;
     uint64_t t;
@@ -228,7 +230,7 @@ static kvb_status post_unit_stores(residency *r, kvb_engine *e, int l) {
         }
         KVB_TRY(kvb_stager_post(e->stager, (kvb_link_kind)k, k == KVB_LINK_HOST ? KVB_XFER_D2H : KVB_XFER_D2D, first,
                                 n, &t));
-        if (k == KVB_LINK_LOCAL && n > 0) KVB_TRY(kvb_stager_wait(e->stager, t));
+        if (k == KVB_LINK_LOCAL && n > 0) KVB_TRY(kvb_stager_wait_device(e->stager, t));
     }
     return KVB_OK;
 }
@@ -285,14 +287,15 @@ static kvb_status rs_step_begin(void *ctx, kvb_engine *e, unsigned *flags) {
     return KVB_OK;
 }
 
-/* Before layer l: its LOAD copy orders have landed, and the staged blocks read their stage buffers. */
+/* Before layer l: its kernels come after its LOAD copy orders and its stage buffers' loads (on the
+ * device where the backend can), and the staged blocks read their stage buffers. */
 static kvb_status rs_layer_in(void *ctx, kvb_engine *e, int l) {
     residency *r = ctx;
     kvb__step *st = &e->step;
-    if (r->copy_t[l]) KVB_TRY(kvb_stager_wait(e->stager, r->copy_t[l]));
+    if (r->copy_t[l]) KVB_TRY(kvb_stager_wait_device(e->stager, r->copy_t[l]));
     if (!r->n_units) return KVB_OK;
     for (int k = 0; k < KVB_LINK_COUNT; k++)
-        if (r->load_t[l & 1][k]) KVB_TRY(kvb_stager_wait(e->stager, r->load_t[l & 1][k]));
+        if (r->load_t[l & 1][k]) KVB_TRY(kvb_stager_wait_device(e->stager, r->load_t[l & 1][k]));
     for (int j = 0; j < st->n_ent; j++) {
         if (st->ent[j].kind != KVB__ENT_BLOCK) continue;
         int32_t id = st->ent[j].block;

@@ -386,7 +386,8 @@ static kvb_status sl_layer_in(void *ctx, kvb_engine *e, int l) {
     kvb__slices *sl = ctx;
     int n_sched = e->step.n_sched;
     uint64_t t0 = kvb_now_ns();
-    if (sl->onload_t[l]) KVB_TRY(kvb_stager_wait(e->stager, sl->onload_t[l]));
+    /* the layer's kernels wait for its loads (on the device where the backend can; step_end drains) */
+    if (sl->onload_t[l]) KVB_TRY(kvb_stager_wait_device(e->stager, sl->onload_t[l]));
     for (int i = 0; i < n_sched; i++) {
         kvb__seq *s = e->step.sched[i];
         const kvb_attn_seq *as = &e->step.seqs[i];
@@ -395,7 +396,7 @@ static kvb_status sl_layer_in(void *ctx, kvb_engine *e, int l) {
         if (in_host) {
             uint64_t *t = &sl->s_ticket[(size_t)i * sl->L + l];
             assert(*t & LAUNCHED); /* launched when its slot was freed by the layer before that used it */
-            if (*t & ~LAUNCHED) KVB_TRY(kvb_stager_wait(e->stager, *t & ~LAUNCHED));
+            if (*t & ~LAUNCHED) KVB_TRY(kvb_stager_wait_device(e->stager, *t & ~LAUNCHED));
             for (int k = 0; k < l; k++) rank += mask_has(m, k);
         }
         int pos = sl->s_first[i] + (rank % depth_of(sl, s)) * sl->s_per[i];

@@ -69,8 +69,9 @@ kvb_status kvb_link_preset(const char *name, kvb_backend *be, kvb_link_model *ou
 
 typedef struct task {
     kvb_xfer_dir dir;
-    const kvb_xfer *x; /* borrowed until waited */
+    const kvb_xfer *x; /* borrowed until issued (device waits) or waited */
     int n;
+    uint64_t bt;       /* device waits: the backend's ticket once issued (0: not yet, or its copy failed) */
 } task;
 
 /* Sharing links: the model's state of one transfer, and of a link's two directions. Times are
@@ -91,6 +92,11 @@ typedef struct lane {
     task *q;             /* ring of cap tasks: task t (1-based) at q[(t - 1) % cap] */
     int cap;
     uint64_t posted, done;
+    /* device waits (see issue_thread): done <= issued <= posted; the tasks in (done, issued] are issued
+     * and not known to have landed, all on the copy engine `eng` */
+    uint64_t issued;
+    kvb_copy_engine eng;
+    uint64_t dev_upto;   /* the newest task kvb_stager_wait_device ordered compute after since the last settle */
     kvb_status err;      /* first error since the last drain */
     kvb_link_report now; /* since the last report */
     kvb_link_report total;
@@ -116,17 +122,22 @@ struct kvb_stager {
     size_t buf_bytes;
     void *ext_mem;       /* the caller's memory for the buffers, borrowed (NULL: allocate) */
     size_t ext_bytes;
+    int dev;             /* 1: copies complete on the device (kvb_stager_wait_device orders compute after them) */
+    uint64_t n_host_waits, n_dev_waits; /* kvb_stager_wait_counts */
 };
+
+/* The copy engine of a direction. */
+static kvb_copy_engine engine_of(kvb_xfer_dir d) {
+    return d == KVB_XFER_H2D ? KVB_ENGINE_H2D : d == KVB_XFER_D2H ? KVB_ENGINE_D2H : KVB_ENGINE_PEER;
+}
 
 static kvb_status run_task(kvb_stager *s, const task *t) {
     const kvb_backend_i *bi = s->be->iface;
     if (bi->copy_async) {
         /* the pieces back to back on the direction's copy stream, one completion for all: nothing on the
          * compute stream, which runs on meanwhile; this copy thread waits, not the engine's */
-        static const kvb_copy_engine dir[] = {[KVB_XFER_D2D] = KVB_ENGINE_PEER, [KVB_XFER_D2H] = KVB_ENGINE_D2H,
-                                           [KVB_XFER_H2D] = KVB_ENGINE_H2D};
         uint64_t ticket;
-        KVB_TRY(bi->copy_async(s->be->ctx, dir[t->dir], t->x, t->n, &ticket));
+        KVB_TRY(bi->copy_async(s->be->ctx, engine_of(t->dir), t->x, t->n, &ticket));
         return bi->ticket_wait(s->be->ctx, ticket);
     }
     for (int i = 0; i < t->n; i++) {
@@ -235,6 +246,17 @@ static double share_eta(kvb_stager *s, lane *ln, const vxfer *x) {
     return t + (rem - done) * active / bw;
 }
 
+/* A transfer of `bytes` the copy thread is through with (s->mu held): its error and the reports. */
+static void account(lane *ln, kvb_status st, size_t bytes, uint64_t busy) {
+    if (st != KVB_OK && ln->err == KVB_OK) ln->err = st;
+    kvb_link_report *reps[2] = {&ln->now, &ln->total};
+    for (int r = 0; r < 2; r++) {
+        reps[r]->bytes += bytes;
+        reps[r]->copies++;
+        reps[r]->busy_ns += busy;
+    }
+}
+
 static void *lane_thread(void *arg) {
     lane *ln = arg;
     kvb_stager *s = ln->s;
@@ -256,18 +278,88 @@ static void *lane_thread(void *arg) {
         if (want_s > 0 && kvb_now_ns() < until) sleep_until(until);
         uint64_t busy = s->lm.share ? 0 : kvb_now_ns() - t0;
         pthread_mutex_lock(&s->mu);
-        if (st != KVB_OK && ln->err == KVB_OK) ln->err = st;
-        kvb_link_report *reps[2] = {&ln->now, &ln->total};
-        for (int r = 0; r < 2; r++) {
-            reps[r]->bytes += bytes;
-            reps[r]->copies++;
-            reps[r]->busy_ns += busy;
-        }
+        account(ln, st, bytes, busy);
         ln->done++;
         pthread_cond_broadcast(&s->cv);
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
+}
+
+/* ---------------------------------------------------------------- device waits
+ * On a backend with tickets and a link model that does not pace copies, a link's copy thread only issues
+ * its transfers (issue_thread) and the host learns that they landed when it asks: kvb_stager_wait and
+ * drain wait for the backend's ticket (land), kvb_stager_done asks ticket_done, and
+ * kvb_stager_wait_device has the compute stream wait for it (wait_ticket). Post order per link holds:
+ * transfers on one copy engine run in issue order on its stream, and before a transfer on another
+ * engine is issued the thread lands the ones before it. */
+
+/* The backend ticket that covers tasks (ln->done, upto] of `ln` (s->mu held, upto <= ln->issued): the
+ * newest one issued with a ticket (all of them are on one stream); 0 when none is (failed copies). */
+static uint64_t cover_ticket(const lane *ln, uint64_t upto) {
+    for (uint64_t t = upto; t > ln->done; t--) {
+        uint64_t bt = ln->q[(t - 1) % (uint64_t)ln->cap].bt;
+        if (bt) return bt;
+    }
+    return 0;
+}
+
+/* Waits (s->mu held, released meanwhile) until the issued tasks up to `upto` have landed; a landing's
+ * error becomes the lane's. */
+static void land(kvb_stager *s, lane *ln, uint64_t upto) {
+    while (ln->done < upto) {
+        uint64_t bt = cover_ticket(ln, upto);
+        kvb_status st = KVB_OK;
+        if (bt) {
+            pthread_mutex_unlock(&s->mu);
+            st = s->be->iface->ticket_wait(s->be->ctx, bt);
+            pthread_mutex_lock(&s->mu);
+        }
+        if (st != KVB_OK && ln->err == KVB_OK) ln->err = st;
+        if (ln->done < upto) ln->done = upto;
+        pthread_cond_broadcast(&s->cv);
+    }
+}
+
+/* A link's copy thread under device waits: issues each transfer with copy_async and goes on to the
+ * next without waiting for it to land. */
+static void *issue_thread(void *arg) {
+    lane *ln = arg;
+    kvb_stager *s = ln->s;
+    const kvb_backend_i *bi = s->be->iface;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->quit && ln->issued == ln->posted) pthread_cond_wait(&s->cv, &s->mu);
+        if (ln->issued == ln->posted) break; /* quit with nothing left to issue */
+        task t = ln->q[ln->issued % (uint64_t)ln->cap];
+        kvb_copy_engine eng = engine_of(t.dir);
+        if (ln->done < ln->issued && eng != ln->eng) { /* another stream: what came before lands first */
+            land(s, ln, ln->issued);
+            continue;
+        }
+        pthread_mutex_unlock(&s->mu);
+        uint64_t t0 = kvb_now_ns(), bt = 0;
+        kvb_status st = bi->copy_async(s->be->ctx, eng, t.x, t.n, &bt);
+        size_t bytes = 0;
+        for (int i = 0; i < t.n; i++) bytes += t.x[i].bytes;
+        uint64_t busy = kvb_now_ns() - t0; /* issuing: the copy runs on after */
+        pthread_mutex_lock(&s->mu);
+        ln->q[ln->issued % (uint64_t)ln->cap].bt = st == KVB_OK ? bt : 0; /* the ring may have grown */
+        account(ln, st, bytes, busy);
+        ln->eng = eng;
+        ln->issued++;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* 1 when a link model delays copies (the copy threads sleep out link time: the host must see them land). */
+static int paces(const kvb_link_model *lm) {
+    if (lm->share) return 1;
+    for (int k = 0; k < KVB_LINK_COUNT; k++)
+        if (lm->links[k].latency_s > 0 || lm->links[k].bytes_per_s > 0) return 1;
+    return 0;
 }
 
 kvb_status kvb_stager_create(kvb_backend *be, const kvb_link_model *links, kvb_stager **out) {
@@ -286,6 +378,8 @@ kvb_status kvb_stager_create(kvb_backend *be, const kvb_link_model *links, kvb_s
         return KVB_ERR_NOMEM;
     }
     for (int k = 0; k < N_LANES; k++) s->lanes[k] = (lane){.s = s, .kind = (kvb_link_kind)(k % KVB_LINK_COUNT)};
+    const kvb_backend_i *bi = be->iface;
+    s->dev = bi->copy_async && bi->wait_ticket && bi->ticket_done && bi->ticket_wait && !paces(&s->lm);
     *out = s;
     return KVB_OK;
 }
@@ -298,6 +392,11 @@ void kvb_stager_destroy(kvb_stager *s) {
     pthread_mutex_unlock(&s->mu);
     for (int k = 0; k < N_LANES; k++) {
         if (s->lanes[k].started) pthread_join(s->lanes[k].thread, NULL);
+        if (s->dev) { /* issued: they land before their memory may go */
+            pthread_mutex_lock(&s->mu);
+            land(s, &s->lanes[k], s->lanes[k].issued);
+            pthread_mutex_unlock(&s->mu);
+        }
         free(s->lanes[k].q);
         free(s->lanes[k].v);
     }
@@ -336,7 +435,7 @@ static kvb_status post_lane(kvb_stager *s, int li, kvb_link_kind link, kvb_xfer_
         ln->cap = cap;
     }
     if (!ln->started) {
-        if (pthread_create(&ln->thread, NULL, lane_thread, ln)) {
+        if (pthread_create(&ln->thread, NULL, s->dev ? issue_thread : lane_thread, ln)) {
             KVB_LOG_E("stager: cannot start the %s link's copy thread", kvb_link_kind_str(link));
             st = KVB_ERR_NOMEM;
             goto out;
@@ -356,7 +455,7 @@ static kvb_status post_lane(kvb_stager *s, int li, kvb_link_kind link, kvb_xfer_
         ln->v[ln->nv++] = (vxfer){.t = ln->posted + 1, .dirn = dir == KVB_XFER_D2H, .rem = (double)bytes,
                                   .act = now + s->lm.links[link].latency_s};
     }
-    ln->q[ln->posted % (uint64_t)ln->cap] = (task){.dir = dir, .x = x, .n = n};
+    ln->q[ln->posted % (uint64_t)ln->cap] = (task){.dir = dir, .x = x, .n = n, .bt = 0};
     ln->posted++;
     *ticket = ((uint64_t)li << 56) | ln->posted;
     pthread_cond_broadcast(&s->cv);
@@ -402,12 +501,57 @@ kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket) {
     uint64_t t = ticket & ((1ull << 56) - 1);
     lane *ln = &s->lanes[link];
     pthread_mutex_lock(&s->mu);
+    s->n_host_waits++;
+    if (s->dev) {
+        while (ln->issued < t) pthread_cond_wait(&s->cv, &s->mu);
+        land(s, ln, t);
+    }
     while (ln->done < t) pthread_cond_wait(&s->cv, &s->mu);
     if (s->lm.share) share_wait(s, ln, t);
     kvb_status st = ln->err;
     pthread_mutex_unlock(&s->mu);
     return st;
 }
+
+kvb_status kvb_stager_wait_device(kvb_stager *s, uint64_t ticket) {
+    if (!s->dev) return kvb_stager_wait(s, ticket);
+    int link = (int)(ticket >> 56);
+    if (link >= N_LANES) return KVB_ERR_INVALID;
+    uint64_t t = ticket & ((1ull << 56) - 1), bt = 0;
+    lane *ln = &s->lanes[link];
+    pthread_mutex_lock(&s->mu);
+    s->n_dev_waits++;
+    while (ln->issued < t) pthread_cond_wait(&s->cv, &s->mu);
+    if (t > ln->done) bt = cover_ticket(ln, t); /* the earlier ones on its stream land before it */
+    if (t > ln->dev_upto) ln->dev_upto = t;
+    kvb_status st = ln->err;
+    pthread_mutex_unlock(&s->mu);
+    if (st == KVB_OK && bt) st = s->be->iface->wait_ticket(s->be->ctx, bt);
+    return st;
+}
+
+kvb_status kvb_stager_settle(kvb_stager *s) {
+    kvb_status st = KVB_OK;
+    pthread_mutex_lock(&s->mu);
+    for (int k = 0; s->dev && k < N_LANES; k++) {
+        lane *ln = &s->lanes[k];
+        if (!ln->dev_upto) continue;
+        land(s, ln, ln->dev_upto);
+        ln->dev_upto = 0;
+        if (st == KVB_OK) st = ln->err;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return st;
+}
+
+void kvb_stager_wait_counts(kvb_stager *s, uint64_t *host, uint64_t *device) {
+    pthread_mutex_lock(&s->mu);
+    *host = s->n_host_waits;
+    *device = s->n_dev_waits;
+    pthread_mutex_unlock(&s->mu);
+}
+
+int kvb_stager_device_waits(const kvb_stager *s) { return s->dev; }
 
 int kvb_stager_done(kvb_stager *s, uint64_t ticket) {
     int link = (int)(ticket >> 56);
@@ -416,6 +560,10 @@ int kvb_stager_done(kvb_stager *s, uint64_t ticket) {
     lane *ln = &s->lanes[link];
     pthread_mutex_lock(&s->mu);
     int done = ln->done >= t;
+    if (!done && s->dev && ln->issued >= t) { /* issued: the backend knows (a failed copy is done too) */
+        uint64_t bt = cover_ticket(ln, t);
+        done = !bt || s->be->iface->ticket_done(s->be->ctx, bt);
+    }
     if (done && s->lm.share) { /* the model's record of it, if it was posted since the last drain */
         share_advance(s, ln, mono_s());
         for (int i = 0; i < ln->nv; i++)
@@ -430,6 +578,11 @@ kvb_status kvb_stager_drain(kvb_stager *s) {
     pthread_mutex_lock(&s->mu);
     for (int k = 0; k < N_LANES; k++) {
         lane *ln = &s->lanes[k];
+        if (s->dev) {
+            while (ln->issued < ln->posted) pthread_cond_wait(&s->cv, &s->mu);
+            land(s, ln, ln->posted);
+            ln->dev_upto = 0;
+        }
         while (ln->done < ln->posted) pthread_cond_wait(&s->cv, &s->mu);
         for (int i = 0; s->lm.share && i < ln->nv; i++) share_wait(s, ln, ln->v[i].t);
         ln->nv = 0;

@@ -5,7 +5,9 @@
  * PCIe peer), device <-> device (same GPU). Each link has its own copy thread: transfers posted to a
  * link run in post order, links run side by side (and a link's from-device queue, kvb_stager_post_out,
  * beside its link), and every post returns a ticket to wait on (before
- * the layer that reads what it loads, before the step ends for stores). Stage buffers (single-layer
+ * the layer that reads what it loads, before the step ends for stores): on the host, or where the
+ * backend can, on the device (kvb_stager_wait_device: the layer's kernels wait for the copy, the host
+ * does not). Stage buffers (single-layer
  * slices) are the stager's memory.
  *
  * The link model (link_model.h): a transfer on link k takes at least latency_s[k] + bytes /
@@ -50,7 +52,7 @@ void kvb_stager_destroy(kvb_stager *s);
 const kvb_link_model *kvb_stager_links(const kvb_stager *s);
 
 /* Posts pieces x[0..n) as one transfer on `link`. `x` is borrowed until the ticket has been waited
- * for (or kvb_stager_drain returned). KVB_ERR_UNSUPPORTED when the backend lacks the copy `dir`
+ * for, on the host or the device (or kvb_stager_drain returned). KVB_ERR_UNSUPPORTED when the backend lacks the copy `dir`
  * needs; KVB_ERR_NOMEM. n == 0 posts nothing and gives a ticket that is already done. */
 kvb_status kvb_stager_post(kvb_stager *s, kvb_link_kind link, kvb_xfer_dir dir, const kvb_xfer *x, int n,
                            uint64_t *ticket);
@@ -67,6 +69,26 @@ kvb_status kvb_stager_post_out(kvb_stager *s, kvb_link_kind link, const kvb_xfer
  * transfer's share of the link has carried its bytes: every earlier transfer has landed in memory (the
  * copies themselves run in post order) but may still be charged by the model. */
 kvb_status kvb_stager_wait(kvb_stager *s, uint64_t ticket);
+/* Orders the backend's operators issued after this call after transfer `ticket` (and every earlier one
+ * on its link) without the host waiting for it to land: the host waits only until the link's copy thread
+ * has issued it, then the backend's wait_ticket has its compute wait for the copy (a layer_in before the
+ * layer's kernels). On a stager whose copies the host must see land (a backend without tickets, or a link
+ * model that paces them: kvb_stager_device_waits is 0) it is kvb_stager_wait. Returns the link's first
+ * error so far (an issue that failed); an error of the landing itself surfaces at kvb_stager_settle or
+ * drain. The transfer's memory is the caller's to reuse only after a host wait (wait, settle, drain). */
+kvb_status kvb_stager_wait_device(kvb_stager *s, uint64_t ticket);
+/* Waits on the host for every transfer kvb_stager_wait_device ordered compute after since the last
+ * settle or drain; returns the first error of those links (not cleared: drain clears). The end of a
+ * step, so that a copy that failed fails it. */
+kvb_status kvb_stager_settle(kvb_stager *s);
+/* 1 when kvb_stager_wait_device waits on the device: the backend has tickets (copy_async, wait_ticket,
+ * ticket_done, ticket_wait) and the link model paces nothing (off). Fixed at creation. The copy threads
+ * then only issue their transfers (each link's in post order: a transfer on another copy engine than the
+ * one before it is issued once those have landed), and the reports' busy time is the time issuing. */
+int kvb_stager_device_waits(const kvb_stager *s);
+/* Calls so far of kvb_stager_wait (host waits, also those wait_device turned into) and of
+ * kvb_stager_wait_device that waited on the device. */
+void kvb_stager_wait_counts(kvb_stager *s, uint64_t *host, uint64_t *device);
 /* 1 when kvb_stager_wait(ticket) would return at once (the transfer is done, as wait defines it), else 0;
  * never blocks. For a write-back nobody waits for until its memory is needed. */
 int kvb_stager_done(kvb_stager *s, uint64_t ticket);

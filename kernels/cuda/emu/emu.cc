@@ -398,8 +398,14 @@ void emu_launch(unsigned grid, unsigned block, size_t smem, cudaStream_t st, con
  * that reads a copy on another stream without waiting for its event reads NaN, and so does the host
  * when it reads a destination before the copy's event. As CUDA does, a copy from pageable host memory
  * takes its bytes at the call (staged) and a copy into pageable host memory is done when the call
- * returns; pinned memory (cudaHostAlloc) and device memory are copied at delivery. What this does not
- * model: a copy that overwrites memory an earlier kernel still reads (kernels have run by then). */
+ * returns; pinned memory (cudaHostAlloc) and device memory are copied at delivery. A copy issued on a
+ * stream runs after the stream's earlier copies: those that read or write its destination land before
+ * it is poisoned. What this does not model: a copy that overwrites memory an earlier kernel still reads
+ * (kernels have run by then).
+ *
+ * KVB_EMU_STATS=1 prints at exit what made the deferred copies land: a host wait (event or stream
+ * synchronisation, event query, device synchronisation), a stream's cudaStreamWaitEvent (the compute
+ * waiting on the device), or later work on their own stream. */
 
 struct emu_copy {
     void *dst;
@@ -440,19 +446,35 @@ static emu_mem mem_kind(const void *p) {
     --it;
     return (uintptr_t)p < it->first + it->second.first ? it->second.second : EMU_PAGEABLE;
 }
+/* What made a copy land (KVB_EMU_STATS). */
+enum emu_cause { EMU_BY_HOST = 0, EMU_BY_STREAM_WAIT = 1, EMU_BY_STREAM = 2 };
+static unsigned long long g_landed[3]; /* deferred copies by cause (g_copy_mu) */
+static struct emu_stats_print {
+    ~emu_stats_print() {
+        const char *e = std::getenv("KVB_EMU_STATS");
+        if (e && *e && std::strcmp(e, "0"))
+            std::fprintf(stderr, "emu: asynchronous copies landed: %llu by a host wait, %llu by a stream's event wait, "
+                                 "%llu by later work on their stream\n",
+                         g_landed[EMU_BY_HOST], g_landed[EMU_BY_STREAM_WAIT], g_landed[EMU_BY_STREAM]);
+    }
+} g_stats_print;
 /* Delivers the copies of s up to sequence `upto` (with g_copy_mu held). */
-static void deliver(emu_stream *s, uint64_t upto) {
+static void deliver(emu_stream *s, uint64_t upto, emu_cause why) {
     while (!s->q.empty() && s->q.front().seq <= upto) {
         emu_copy &c = s->q.front();
         std::memmove(c.dst, c.staged.empty() ? c.src : c.staged.data(), c.n);
+        g_landed[why]++;
         s->q.pop_front();
     }
 }
-static void deliver_all(emu_stream *s) { deliver(s, UINT64_MAX); }
+static void deliver_all(emu_stream *s, emu_cause why) { deliver(s, UINT64_MAX, why); }
 /* Work on `st` starts: its earlier copies land. */
 static void stream_begin(cudaStream_t st) {
     std::lock_guard<std::mutex> g(g_copy_mu);
-    deliver_all(stream_of(st));
+    deliver_all(stream_of(st), EMU_BY_STREAM);
+}
+static bool overlaps(const void *a, size_t na, const void *b, size_t nb) {
+    return (uintptr_t)a < (uintptr_t)b + nb && (uintptr_t)b < (uintptr_t)a + na;
 }
 
 /* ---------------------------------------------------------------- CUDA runtime subset */
@@ -501,10 +523,15 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKin
     std::lock_guard<std::mutex> g(g_copy_mu);
     emu_stream *es = stream_of(st);
     if (mem_kind(d) == EMU_PAGEABLE) { /* into pageable host memory: done when the call returns */
-        deliver_all(es);
+        deliver_all(es, EMU_BY_HOST);
         std::memmove(d, s, n);
         return cudaSuccess;
     }
+    /* stream order: the earlier copies that read or write the destination have run before this one */
+    uint64_t before = 0;
+    for (const emu_copy &c : es->q)
+        if (overlaps(c.dst, c.n, d, n) || overlaps(c.src, c.n, d, n)) before = c.seq;
+    if (before) deliver(es, before, EMU_BY_STREAM);
     emu_copy c{d, s, n, ++es->issued, {}};
     if (mem_kind(s) == EMU_PAGEABLE) c.staged.assign((const unsigned char *)s, (const unsigned char *)s + n);
     es->q.push_back(std::move(c));
@@ -519,29 +546,30 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t st) {
-    stream_begin(st);
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    deliver_all(stream_of(st), EMU_BY_HOST);
     return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
     std::lock_guard<std::mutex> g(g_copy_mu);
     emu_stream *es = (emu_stream *)s;
-    deliver_all(es);
+    deliver_all(es, EMU_BY_HOST);
     g_streams.erase(std::remove(g_streams.begin(), g_streams.end(), es), g_streams.end());
     delete es;
     return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) {
     std::lock_guard<std::mutex> g(g_copy_mu);
-    deliver_all(&g_null_stream);
-    for (emu_stream *es : g_streams) deliver_all(es);
+    deliver_all(&g_null_stream, EMU_BY_HOST);
+    for (emu_stream *es : g_streams) deliver_all(es, EMU_BY_HOST);
     return cudaSuccess;
 }
 /* The waiting stream's later work is ordered after the event: its copies land now (work on the waiting
  * stream runs at its calls, which come after this one). */
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t e, unsigned int) {
+cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t e, unsigned int) {
     emu_event *ev = (emu_event *)e;
     std::lock_guard<std::mutex> g(g_copy_mu);
-    if (ev->s) deliver(ev->s, ev->upto);
+    if (ev->s) deliver(ev->s, ev->upto, st ? EMU_BY_STREAM_WAIT : EMU_BY_HOST); /* no stream: the host waits */
     return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int) {
