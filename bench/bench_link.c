@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/mem/mem.h"
 #include "common/sched/link_calib.h"
 #include "common/sched/stager.h"
 
@@ -29,7 +30,10 @@ int kvb_bench_dev_opt(kvb_bench_dev *d, int opt, const char *arg, const char *pr
     return 0;
 }
 
-int kvb_bench_dev_is_gpu(const kvb_bench_dev *d) { return d->backend && strncmp(d->backend, "cpu", 3) != 0; }
+int kvb_bench_dev_is_gpu(const kvb_bench_dev *d) {
+    const char *kind = kvb_mem_kind_of(d->backend); /* NULL: a device backend not built in here */
+    return !kind || strcmp(kind, "host") != 0;
+}
 
 kvb_status kvb_bench_backend(const kvb_bench_dev *d, kvb_backend **out) {
     kvb_status st = kvb_backend_create_on(d->backend ? d->backend : "cpu", d->device, d->threads, out);

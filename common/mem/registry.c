@@ -9,16 +9,14 @@
 #include "common/mem/region_cuda.h" /* the CUDA memory backend's constructor and probe */
 #endif
 
-#ifdef KVB_WITH_CUDA
 /* 1 if `name` is `family` or "family:variant". */
 static int is_family(const char *name, const char *family) {
     size_t n = strlen(family);
     return !strncmp(name, family, n) && (name[n] == 0 || name[n] == ':');
 }
-#endif
 
 const char *kvb_mem_kind_of(const char *backend) {
-    if (!backend || !strcmp(backend, "cpu") || !strcmp(backend, "cpu:bf16") || !strcmp(backend, "host")) return "host";
+    if (!backend || is_family(backend, "cpu") || !strcmp(backend, "host")) return "host";
 #ifdef KVB_WITH_CUDA
     if (is_family(backend, "cuda")) return "cuda";
 #endif

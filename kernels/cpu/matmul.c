@@ -40,28 +40,6 @@
 /* Most rows in a tile of the streaming kernel. */
 #define TILE_ROWS_MAX 6
 
-void kvb__cpu_widen(const void *src, kvb_dtype dt, int64_t n, float *dst) {
-    switch (dt) {
-    case KVB_DTYPE_F32: memcpy(dst, src, (size_t)n * sizeof(float)); return;
-    case KVB_DTYPE_F16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, (const char *)src + 2 * i, 2);
-            dst[i] = kvb_f16_to_f32(h);
-        }
-        return;
-    case KVB_DTYPE_BF16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, (const char *)src + 2 * i, 2);
-            dst[i] = kvb_bf16_to_f32(h);
-        }
-        return;
-    case KVB_DTYPE_F8_E4M3:
-        for (int64_t i = 0; i < n; i++) dst[i] = kvb_e4m3_to_f32(((const uint8_t *)src)[i]);
-        return;
-    }
-}
 
 /* Where a tile's outputs go: y[i * ldy + r] = dot(x row i, w row r) * ws[r] * xs[i] + beta * y[...]. */
 typedef struct tile_out {
@@ -225,6 +203,38 @@ static const small_kernel small_v16[4] = {
     [KVB_DTYPE_F8_E4M3] = KERNEL(V16, E4M3, 6, widen_V16_E4M3),
 };
 #endif
+
+void kvb__cpu_widen(const void *src, kvb_dtype dt, int64_t n, float *dst) {
+#if MM_SIMD
+    /* bf16: the streaming kernels' widening for the whole vectors (a shift: the same exact values) */
+    const small_kernel *ks = kvb__cpu_avx512 ? small_v16 : kvb__cpu_avx2 ? small_v8 : NULL;
+    if (ks && dt == KVB_DTYPE_BF16) {
+        int64_t v = n - n % ks[dt].lanes;
+        ks[dt].widen(src, v, dst);
+        src = (const char *)src + 2 * v, dst += v, n -= v;
+    }
+#endif
+    switch (dt) {
+    case KVB_DTYPE_F32: memcpy(dst, src, (size_t)n * sizeof(float)); return;
+    case KVB_DTYPE_F16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, (const char *)src + 2 * i, 2);
+            dst[i] = kvb_f16_to_f32(h);
+        }
+        return;
+    case KVB_DTYPE_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, (const char *)src + 2 * i, 2);
+            dst[i] = kvb_bf16_to_f32(h);
+        }
+        return;
+    case KVB_DTYPE_F8_E4M3:
+        for (int64_t i = 0; i < n; i++) dst[i] = kvb_e4m3_to_f32(((const uint8_t *)src)[i]);
+        return;
+    }
+}
 
 /* One product's operands, shared by the team. */
 typedef struct mm_args {
