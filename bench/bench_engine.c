@@ -626,14 +626,22 @@ static int kvbank_point(const bench_cfg *cfg, const job *jb, const char *label, 
 
 /* Prints llama.cpp's columns for a point run_pair measured: time per window, tokens per second (`tokens`
  * per window), kvbank's speedup window by window (llama.cpp's window w over kvbank's window w, the two
- * run one after the other: median (min-max)), peak RSS. */
-static void llamacpp_column(const job_result *r, const job_result *kv, double tokens) {
+ * run one after the other: median (min-max)), for a decode point the speedup's bound (llama.cpp's window
+ * w over kvbank's roofline for its window w, `roof`; median: the speedup of an engine that read kvbank's
+ * bytes at the read bandwidth sampled around the window), peak RSS. */
+static void llamacpp_column(const job_result *r, const job_result *kv, double tokens, const double *roof) {
     point_stats s = stats_of(r);
-    double sp[MAX_WIN];
+    double sp[MAX_WIN], bound[MAX_WIN];
     int n = KVB_MIN(r->n_win, kv->n_win);
-    for (int w = 0; w < n; w++) sp[w] = r->win[w] / kv->win[w];
-    printf(" %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fx (%.2f-%.2f) %6.0f MB", s.med * 1e3, s.lo * 1e3, s.hi * 1e3,
-           tokens / s.med, median_of(sp, n), min_of(sp, n), max_of(sp, n), r->peak_kb / 1e3);
+    for (int w = 0; w < n; w++) {
+        sp[w] = r->win[w] / kv->win[w];
+        if (roof) bound[w] = r->win[w] / roof[w];
+    }
+    printf(" %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fx (%.2f-%.2f)", s.med * 1e3, s.lo * 1e3, s.hi * 1e3, tokens / s.med,
+           median_of(sp, n), min_of(sp, n), max_of(sp, n));
+    if (roof) printf(" %5.2fx", median_of(bound, n));
+    else printf(" %6s", "");
+    printf(" %6.0f MB", r->peak_kb / 1e3);
 }
 
 int kvb_bench_engine(int argc, char **argv) {
@@ -724,14 +732,16 @@ int kvb_bench_engine(int argc, char **argv) {
             printf("greedy check, %d tokens after a 32-token prompt: the first %d agree (kvbank %d %d %d ..., llama.cpp "
                    "%d %d %d ...)\n\n",
                    N_GREEDY, same, r.greedy[0], r.greedy[1], r.greedy[2], rl.greedy[0], rl.greedy[1], rl.greedy[2]);
-        } else {
-            printf("greedy check failed (kvbank %s, llama.cpp %s)\n\n", a ? "ok" : "failed", b ? "ok" : "failed");
-            failures++;
+        } else { /* every point would fail the same way (an unsupported model, no loadable library) */
+            printf("greedy check failed (kvbank %s, llama.cpp %s): nothing measured\n", a ? "ok" : "failed",
+                   b ? "ok" : "failed");
+            rc = 1;
+            goto out;
         }
     }
 
     printf("%-20s %22s %10s %9s %7s %27s", "point", "kvbank", "rate", "ceiling", "ratio", "peak RSS / limit (base)");
-    if (cmp) printf(" %22s %10s %18s %9s", "llama.cpp", "rate", "speedup", "peak RSS");
+    if (cmp) printf(" %22s %10s %18s %6s %9s", "llama.cpp", "rate", "speedup", "bound", "peak RSS");
     printf("\n");
     fflush(stdout);
     /* one progress line over every point on a terminal (common/util/progress.h), taken off while a row prints */
@@ -769,7 +779,7 @@ int kvb_bench_engine(int argc, char **argv) {
         printf("%-20s %8.1fms (%.1f-%.1f) %6.1f GF/s %5.1f GF/s %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
                s.lo * 1e3, s.hi * 1e3, flops / s.med / 1e9, median_of(rate, r.n_win) / 1e9, median_of(ratio, r.n_win),
                min_of(ratio, r.n_win), max_of(ratio, r.n_win), r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
-        if (cmp) llamacpp_column(&rl, &r, T);
+        if (cmp) llamacpp_column(&rl, &r, T, NULL);
         printf("\n");
     }
     for (int bi = 0; bi < n_batch; bi++) {
@@ -807,7 +817,7 @@ int kvb_bench_engine(int argc, char **argv) {
             printf("%-20s %8.2fms (%.2f-%.2f) %6.1f tok/s %5.2fms %5.2f (%.2f-%.2f) %6.0f / %5.0f MB (base %3.0f)", label, s.med * 1e3,
                    s.lo * 1e3, s.hi * 1e3, b / s.med, median_of(roof, r.n_win) * 1e3, median_of(ratio, r.n_win),
                    min_of(ratio, r.n_win), max_of(ratio, r.n_win), r.peak_kb / 1e3, limit_mb, r.base_kb / 1e3);
-            if (cmp) llamacpp_column(&rl, &r, b);
+            if (cmp) llamacpp_column(&rl, &r, b, roof);
             printf("   [%s-bound]\n", bytes / s.bw >= flops / s.fl ? "memory" : "compute");
         }
     }
@@ -821,7 +831,9 @@ int kvb_bench_engine(int argc, char **argv) {
            "read) / read bandwidth, FLOPs / sgemm rate); ratios window by window, each against the ceilings sampled just "
            "before and just after it (before the point, between its windows, after it), median (min-max); ceiling: "
            "the median window's; speedup = llama.cpp time / kvbank time of the windows run one after the other "
-           "(kvbank's window w, llama.cpp's window w, ...), median (min-max); peak RSS: the measurement's own (reset when it starts), base: what it held then (the bench's "
+           "(kvbank's window w, llama.cpp's window w, ...), median (min-max); bound (decode) = llama.cpp time / kvbank's "
+           "roofline, window by window, median: the speedup an engine reading kvbank's bytes at the read bandwidth would "
+           "have; peak RSS: the measurement's own (reset when it starts), base: what it held then (the bench's "
            "code and libraries), limit: (all weights + the point's KV) x 1.15\n");
     rc = failures ? 1 : 0;
 out:
