@@ -217,17 +217,11 @@ void kvb__cpu_widen(const void *src, kvb_dtype dt, int64_t n, float *dst) {
     switch (dt) {
     case KVB_DTYPE_F32: memcpy(dst, src, (size_t)n * sizeof(float)); return;
     case KVB_DTYPE_F16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, (const char *)src + 2 * i, 2);
-            dst[i] = kvb_f16_to_f32(h);
-        }
-        return;
     case KVB_DTYPE_BF16:
         for (int64_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, (const char *)src + 2 * i, 2);
-            dst[i] = kvb_bf16_to_f32(h);
+            dst[i] = dt == KVB_DTYPE_BF16 ? kvb_bf16_to_f32(h) : kvb_f16_to_f32(h);
         }
         return;
     case KVB_DTYPE_F8_E4M3:
