@@ -116,6 +116,27 @@ static float *download(kvb_backend *be, const void *d, size_t n) {
     return x;
 }
 
+/* A product's output buffer of n values and OUT_GUARD more: y0 when the product adds to it (keep),
+ * else NaN, which an element the product skips leaves for nerr to find (a row in thousands is under
+ * the normalised error's tolerance); the guard holds OUT_GUARD_VAL, which a write past the end changes
+ * (CHECK_GUARD). */
+#define OUT_GUARD 8
+#define OUT_GUARD_VAL 7.0f
+static void *upload_out(kvb_backend *be, const float *y0, size_t n, int keep) {
+    float *v = malloc(sizeof(float) * (n + OUT_GUARD));
+    ck_assert_ptr_nonnull(v);
+    for (size_t i = 0; i < n; i++) v[i] = keep ? y0[i] : NAN;
+    for (size_t i = n; i < n + OUT_GUARD; i++) v[i] = OUT_GUARD_VAL;
+    void *d = upload(be, v, n + OUT_GUARD);
+    free(v);
+    return d;
+}
+
+/* got: a download of n + OUT_GUARD values of an upload_out buffer. */
+#define CHECK_GUARD(got, n, what, ...)                                                                \
+    for (size_t k_ = (n); k_ < (n) + OUT_GUARD; k_++)                                                   \
+        ck_assert_msg((got)[k_] == OUT_GUARD_VAL, what ": wrote %g past the end of y", __VA_ARGS__, (double)(got)[k_])
+
 /* ||a - ref||_2 / ||ref||_2 (a NaN anywhere gives +inf). */
 static double nerr(const float *a, const float *ref, size_t n) {
     double num = 0, den = 0;
@@ -230,10 +251,14 @@ KVB_TEST_END
 KVB_TEST(matmul) {
     rng_state = 12;
     kvb_backend *cpu = make("cpu");
-    /* n <= 8 with 16-byte rows take the gemv kernel; 9..64 rows of bf16/f16 with 32-column chunks the
-     * tensor-core kernel (rows not a multiple of its 16 included); the others cuBLAS */
-    int shapes[][3] = {{1, 300, 200},  {5, 257, 64},  {33, 512, 128}, {2, 17, 9},   {64, 1024, 4096}, {1, 4096, 1024},
-                       {8, 96, 136},   {3, 40, 2056}, {9, 200, 96},   {16, 77, 64}, {40, 48, 320},    {65, 64, 128}};
+    /* n <= 8 with 16-byte rows take the gemv kernel (from 4096 weight rows with 2 rows a warp, from 8192
+     * with 4 when n <= 4: gemv.cu's pick_r; the rows here leave the last warp part empty and the last
+     * block part past the rows); 9..64 rows of bf16/f16 with 32-column chunks the tensor-core kernel
+     * (rows not a multiple of its 16 included); the others cuBLAS */
+    int shapes[][3] = {{1, 300, 200},  {5, 257, 64},  {33, 512, 128}, {2, 17, 9},    {64, 1024, 4096}, {1, 4096, 1024},
+                       {8, 96, 136},   {3, 40, 2056}, {9, 200, 96},   {16, 77, 64},  {40, 48, 320},    {65, 64, 128},
+                       {1, 8197, 584}, {4, 8195, 32}, {3, 8194, 40},  {2, 4101, 1096}, {5, 4099, 32},  {6, 4097, 40},
+                       {7, 4103, 32},  {8, 4099, 64}};
     kvb_dtype srcs[] = {KVB_DTYPE_F32, KVB_DTYPE_F16, KVB_DTYPE_BF16};
     for (int v = 0; v < N_VARIANTS; v++) {
         const variant *V = &VARIANTS[v];
@@ -251,12 +276,13 @@ KVB_TEST(matmul) {
             for (int beta = 0; beta <= 1; beta++) {
                 float *yc = malloc(sizeof(float) * n * rows);
                 memcpy(yc, y0, sizeof(float) * n * rows);
-                void *yg = upload(gpu, y0, (size_t)n * rows);
+                void *yg = upload_out(gpu, y0, (size_t)n * rows, beta);
                 ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, x, n, &tc, (float)beta, yc), KVB_OK);
                 ck_assert_int_eq(gpu->iface->matmul(gpu->ctx, xg, n, &tg, (float)beta, yg), KVB_OK);
-                float *got = download(gpu, yg, (size_t)n * rows);
+                float *got = download(gpu, yg, (size_t)n * rows + OUT_GUARD);
                 CHECK_CLOSE(got, yc, (size_t)n * rows, V, "matmul n=%d %dx%d beta=%d from %s", n, rows, cols, beta,
                             kvb_dtype_name(src_dt));
+                CHECK_GUARD(got, (size_t)n * rows, "%s: matmul n=%d %dx%d", V->name, n, rows, cols);
                 kvb_mem_free(gpu->mem, yg);
                 free(yc);
                 free(got);
@@ -315,7 +341,10 @@ static void check_stacked_load(kvb_backend *gpu, const variant *V, const float *
 KVB_TEST(matmul_fused) {
     rng_state = 24;
     kvb_backend *cpu = make("cpu");
-    int shapes[][3] = {{1, 300, 256}, {6, 64, 512}, {8, 96, 64}, {9, 200, 96}, {33, 128, 256}, {64, 48, 128}, {70, 64, 192}};
+    /* the last rows as in matmul: the gemv kernel's 4 and 2 rows a warp */
+    int shapes[][3] = {{1, 300, 256},  {6, 64, 512},  {8, 96, 64},   {9, 200, 96},  {33, 128, 256},
+                       {64, 48, 128},  {70, 64, 192}, {1, 8197, 584}, {4, 8195, 32}, {3, 8194, 40},
+                       {2, 4101, 1096}, {5, 4099, 32}, {7, 4103, 40}, {8, 4099, 32}};
     for (int v = 0; v < N_VARIANTS; v++) {
         const variant *V = &VARIANTS[v];
         kvb_backend *gpu = make(V->name);
@@ -342,10 +371,11 @@ KVB_TEST(matmul_fused) {
             float *h = malloc(sizeof(float) * n * cols), *yc = malloc(sizeof(float) * n * rows);
             ck_assert_int_eq(cpu->iface->rmsnorm(cpu->ctx, x, n, cols, &gc, 1e-5f, h), KVB_OK);
             ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, h, n, &wc, 0.0f, yc), KVB_OK);
-            void *yg = upload(gpu, y0, (size_t)n * rows);
+            void *yg = upload_out(gpu, y0, (size_t)n * rows, 0);
             ck_assert_int_eq(gpu->iface->matmul_norm(gpu->ctx, xg, n, &gg, 1e-5f, &wg, yg), KVB_OK);
-            float *got = download(gpu, yg, (size_t)n * rows);
+            float *got = download(gpu, yg, (size_t)n * rows + OUT_GUARD);
             CHECK_CLOSE(got, yc, (size_t)n * rows, V, "matmul_norm n=%d %dx%d", n, rows, cols);
+            CHECK_GUARD(got, (size_t)n * rows, "%s: matmul_norm n=%d %dx%d", V->name, n, rows, cols);
             free(got);
             float *x2 = download(gpu, xg, (size_t)n * cols); /* x is not changed */
             ck_assert_int_eq(memcmp(x2, x, sizeof(float) * n * cols), 0);
@@ -359,10 +389,11 @@ KVB_TEST(matmul_fused) {
                                      KVB_OK);
                 memcpy(yc, y0, sizeof(float) * n * rows);
                 ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, act, n, &wc, (float)beta, yc), KVB_OK);
-                void *yg2 = upload(gpu, y0, (size_t)n * rows);
+                void *yg2 = upload_out(gpu, y0, (size_t)n * rows, beta);
                 ck_assert_int_eq(gpu->iface->matmul_swiglu(gpu->ctx, gug, n, &wg, (float)beta, yg2), KVB_OK);
-                float *got2 = download(gpu, yg2, (size_t)n * rows);
+                float *got2 = download(gpu, yg2, (size_t)n * rows + OUT_GUARD);
                 CHECK_CLOSE(got2, yc, (size_t)n * rows, V, "matmul_swiglu n=%d %dx%d beta %d", n, rows, cols, beta);
+                CHECK_GUARD(got2, (size_t)n * rows, "%s: matmul_swiglu n=%d %dx%d beta %d", V->name, n, rows, cols, beta);
                 kvb_mem_free(gpu->mem, yg2);
                 free(got2);
                 free(act);

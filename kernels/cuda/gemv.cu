@@ -1,8 +1,11 @@
 /* kvbank — CUDA products of a weight matrix and a few activation rows for decode (gemv.h).
  *
- * 1 to 8 rows (gemv_kernel): one warp per weight row: its lanes walk the row in 16-byte slots (VEC<T>
- * elements), U slots in flight per lane, each slot multiplied into the N activation rows' accumulators;
- * a warp reduction finishes the row. N is a template parameter (the accumulators live in registers).
+ * 1 to 8 rows (gemv_kernel): a warp owns R weight rows (1, 2 or 4; pick_r): its lanes walk the rows in
+ * 16-byte slots (VEC<T> elements), U slots of each row in flight per lane; each slot of the input is
+ * loaded (and normalised, or SiLU-multiplied) once and multiplied into the N x R accumulators, and a
+ * warp reduction finishes each row. N and R are template parameters (the accumulators live in
+ * registers). A row's sum runs in the same order for every R (lane l takes slots l, l + 32, ...), so
+ * R changes which warp computes a row, never its bits.
  *
  * 9 to 64 rows (skinny_kernel, bf16/f16): tensor cores, with the weights as the MMA's A operand: a
  * block of 4 warps owns 16 weight rows, its warps take the 32-column chunks of the rows in turn
@@ -27,7 +30,6 @@ namespace {
 
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
-constexpr int U = 4;
 
 enum { IN_PLAIN = 0, IN_NORM = 1, IN_SWIGLU = 2 };
 
@@ -40,22 +42,38 @@ struct gemv_in {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* Slot s (VEC<T> columns) of input row t as floats; IN_NORM adds the raw values' squares to ss. */
+/* IN_NORM: slot s of the norm weight g, shared by the N input rows. */
 template <typename T, int MODE>
-__device__ __forceinline__ void load_in(const gemv_in &in, int t, int s, int cols, float *f, float &ss) {
-    constexpr int V = kvb::VEC<T>;
-    const T *row = (const T *)in.x + (size_t)t * in.x_stride + (size_t)s * V;
-    kvb::load_vec(row, f);
+__device__ __forceinline__ void load_g(const gemv_in &in, int s, float *gf) {
     if constexpr (MODE == IN_NORM) {
+        constexpr int V = kvb::VEC<T>;
         const float4 *gv = reinterpret_cast<const float4 *>(in.g + (size_t)s * V);
 #pragma unroll
         for (int j = 0; j < V; j += 4) {
             float4 w = gv[j / 4];
+            gf[j] = w.x;
+            gf[j + 1] = w.y;
+            gf[j + 2] = w.z;
+            gf[j + 3] = w.w;
+        }
+    }
+}
+
+/* Slot s (VEC<T> columns) of input row t as floats, gf from load_g; IN_NORM adds the raw values'
+ * squares to ss. */
+template <typename T, int MODE>
+__device__ __forceinline__ void load_in(const gemv_in &in, int t, int s, int cols, const float *gf, float *f, float &ss) {
+    constexpr int V = kvb::VEC<T>;
+    const T *row = (const T *)in.x + (size_t)t * in.x_stride + (size_t)s * V;
+    kvb::load_vec(row, f);
+    if constexpr (MODE == IN_NORM) {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
             ss += f[j] * f[j] + f[j + 1] * f[j + 1] + f[j + 2] * f[j + 2] + f[j + 3] * f[j + 3];
-            f[j] *= w.x;
-            f[j + 1] *= w.y;
-            f[j + 2] *= w.z;
-            f[j + 3] *= w.w;
+            f[j] *= gf[j];
+            f[j + 1] *= gf[j + 1];
+            f[j + 2] *= gf[j + 2];
+            f[j + 3] *= gf[j + 3];
         }
     } else if constexpr (MODE == IN_SWIGLU) {
         float up[V];
@@ -65,51 +83,77 @@ __device__ __forceinline__ void load_in(const gemv_in &in, int t, int s, int col
     }
 }
 
-template <typename T, int N, int MODE>
+/* Slots of each row in flight per lane: 8 in all once a warp has 2 rows or more. */
+template <int R> constexpr int U_OF = R >= 2 ? 8 / R : 4;
+
+template <typename T, int N, int R, int MODE>
 __global__ void __launch_bounds__(THREADS)
     gemv_kernel(const T *__restrict__ w, const gemv_in in, T *__restrict__ y, int rows, int cols, float beta) {
-    constexpr int V = kvb::VEC<T>;
+    constexpr int V = kvb::VEC<T>, U = U_OF<R>;
     const int lane = threadIdx.x & 31;
-    const int r = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (r >= rows) return; /* warp-uniform */
+    const int r0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;
+    if (r0 >= rows) return; /* warp-uniform */
     const int slots = cols / V;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)r * cols);
-    float acc[N], ss[N];
+    const uint4 *wr[R];
+    bool live[R]; /* warp-uniform: rows past `rows` load nothing and store nothing */
 #pragma unroll
-    for (int t = 0; t < N; t++) acc[t] = ss[t] = 0.0f;
+    for (int i = 0; i < R; i++) {
+        live[i] = r0 + i < rows;
+        wr[i] = reinterpret_cast<const uint4 *>(w + (size_t)(live[i] ? r0 + i : r0) * cols);
+    }
+    float acc[N][R], ss[N];
+#pragma unroll
+    for (int t = 0; t < N; t++) {
+        ss[t] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < R; i++) acc[t][i] = 0.0f;
+    }
     for (int s0 = lane; s0 < slots; s0 += 32 * U) {
-        uint4 wv[U];
+        uint4 wv[U][R];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int s = s0 + u * 32;
-            wv[u] = s < slots ? __ldcs(wr + s) : make_uint4(0, 0, 0, 0); /* streamed once: evict first */
+#pragma unroll
+            for (int i = 0; i < R; i++) /* streamed once: evict first */
+                wv[u][i] = s < slots && live[i] ? __ldcs(wr[i] + s) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int s = s0 + u * 32;
             if (s >= slots) break;
-            float wf[V];
-            kvb::unpack_vec<T>(wv[u], wf);
+            float wf[R][V], gf[V];
+#pragma unroll
+            for (int i = 0; i < R; i++) kvb::unpack_vec<T>(wv[u][i], wf[i]);
+            load_g<T, MODE>(in, s, gf);
 #pragma unroll
             for (int t = 0; t < N; t++) {
                 float xf[V];
-                load_in<T, MODE>(in, t, s, cols, xf, ss[t]);
+                load_in<T, MODE>(in, t, s, cols, gf, xf, ss[t]);
 #pragma unroll
-                for (int j = 0; j < V; j++) acc[t] += wf[j] * xf[j];
+                for (int i = 0; i < R; i++)
+#pragma unroll
+                    for (int j = 0; j < V; j++) acc[t][i] += wf[i][j] * xf[j];
             }
         }
     }
 #pragma unroll
     for (int t = 0; t < N; t++) {
-        acc[t] = kvb::warp_sum(acc[t]);
-        if (MODE == IN_NORM) acc[t] *= rsqrtf(kvb::warp_sum(ss[t]) / (float)cols + in.eps);
-    }
-    if (lane < N) {
-        float v = acc[0];
+        float scale = MODE == IN_NORM ? rsqrtf(kvb::warp_sum(ss[t]) / (float)cols + in.eps) : 1.0f;
 #pragma unroll
-        for (int t = 1; t < N; t++)
-            if (lane == t) v = acc[t];
-        T *yp = y + (size_t)lane * rows + r;
+        for (int i = 0; i < R; i++) {
+            acc[t][i] = kvb::warp_sum(acc[t][i]);
+            if (MODE == IN_NORM) acc[t][i] *= scale;
+        }
+    }
+    /* lane t * R + i writes row r0 + i of output row t */
+    if (lane < N * R && live[lane % R]) {
+        float v = acc[0][0];
+#pragma unroll
+        for (int t = 0; t < N; t++)
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                if (lane == t * R + i) v = acc[t][i];
+        T *yp = y + (size_t)(lane / R) * rows + r0 + lane % R;
         *yp = kvb::from_f<T>(beta != 0.0f ? v + beta * kvb::to_f(*yp) : v);
     }
 }
@@ -125,8 +169,9 @@ __device__ __forceinline__ uint4 load_b(const gemv_in &in, int tok, int n, int c
     if constexpr (MODE == IN_PLAIN) {
         return *reinterpret_cast<const uint4 *>((const T *)in.x + (size_t)tok * in.x_stride + c);
     } else {
-        float f[8];
-        load_in<T, MODE>(in, tok, c / 8, cols, f, ss);
+        float f[8], gf[8];
+        load_g<T, MODE>(in, c / 8, gf);
+        load_in<T, MODE>(in, tok, c / 8, cols, gf, f, ss);
         uint4 u;
         u.x = kvb::pack2<T>(f[0], f[1]);
         u.y = kvb::pack2<T>(f[2], f[3]);
@@ -205,9 +250,27 @@ __global__ void __launch_bounds__(SK_THREADS)
     }
 }
 
+/* Rows per warp: as many as keep the grid at MIN_WARPS warps or more (256 blocks: two or more per SM
+ * of a 132-SM H100/H200, so the activation loads shared by R rows do not cost idle SMs), and at most 2
+ * above 4 input rows, where acc[N][R] and the R * U weight slots in flight would crowd the registers. */
+constexpr int MIN_WARPS = 2048;
+
+static int pick_r(int rows, int n) {
+    int r = n <= 4 ? 4 : 2;
+    while (r > 1 && rows / r < MIN_WARPS) r /= 2;
+    return r;
+}
+
 template <typename T, int N, int MODE>
 int launch(const void *w, const gemv_in &in, void *y, int rows, int cols, float beta, cudaStream_t s) {
-    gemv_kernel<T, N, MODE><<<(rows + WARPS - 1) / WARPS, THREADS, 0, s>>>((const T *)w, in, (T *)y, rows, cols, beta);
+    int r = pick_r(rows, N), warps = (rows + r - 1) / r, blocks = (warps + WARPS - 1) / WARPS;
+    if (r == 4) {
+        if constexpr (N <= 4) gemv_kernel<T, N, 4, MODE><<<blocks, THREADS, 0, s>>>((const T *)w, in, (T *)y, rows, cols, beta);
+    } else if (r == 2) {
+        gemv_kernel<T, N, 2, MODE><<<blocks, THREADS, 0, s>>>((const T *)w, in, (T *)y, rows, cols, beta);
+    } else {
+        gemv_kernel<T, N, 1, MODE><<<blocks, THREADS, 0, s>>>((const T *)w, in, (T *)y, rows, cols, beta);
+    }
     return (int)cudaGetLastError();
 }
 
