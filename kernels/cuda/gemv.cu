@@ -1,11 +1,12 @@
 /* kvbank — CUDA products of a weight matrix and a few activation rows for decode (gemv.h).
  *
- * 1 to 8 rows (gemv_kernel): a warp owns R weight rows (1, 2 or 4; pick_r): its lanes walk the rows in
- * 16-byte slots (VEC<T> elements), U slots of each row in flight per lane; each slot of the input is
- * loaded (and normalised, or SiLU-multiplied) once and multiplied into the N x R accumulators, and a
- * warp reduction finishes each row. N and R are template parameters (the accumulators live in
- * registers). A row's sum runs in the same order for every R (lane l takes slots l, l + 32, ...), so
- * R changes which warp computes a row, never its bits.
+ * 1 to 8 rows (gemv_kernel), R weight rows a warp because with one every 16-byte weight slot re-read
+ * its input slot (and the norm weight, or gate/up and an expf), so L1, not DRAM, bounded the product.
+ * A warp owns R rows (1, 2 or 4; pick_r); its lanes walk them in 16-byte slots (VEC<T> elements), U
+ * slots of each row in flight per lane; each input slot is loaded (and normalised, or SiLU-multiplied)
+ * once and multiplied into the N x R accumulators, and a warp reduction finishes each row. N and R are
+ * template parameters (the accumulators live in registers). A row's sum runs in the same order for
+ * every R (lane l takes slots l, l + 32, ...): R changes which warp computes a row, never its bits.
  *
  * 9 to 64 rows (skinny_kernel, bf16/f16): tensor cores, with the weights as the MMA's A operand: a
  * block of 4 warps owns 16 weight rows, its warps take the 32-column chunks of the rows in turn
@@ -250,9 +251,9 @@ __global__ void __launch_bounds__(SK_THREADS)
     }
 }
 
-/* Rows per warp: as many as keep the grid at MIN_WARPS warps or more (256 blocks: two or more per SM
- * of a 132-SM H100/H200, so the activation loads shared by R rows do not cost idle SMs), and at most 2
- * above 4 input rows, where acc[N][R] and the R * U weight slots in flight would crowd the registers. */
+/* Rows per warp: as many as keep the grid at MIN_WARPS warps or more (256 blocks: about two per SM of
+ * a 132-SM H100/H200, so the input loads shared by R rows do not cost idle SMs), and at most 2 above 4
+ * input rows, where acc[N][R] and the R * U weight slots in flight would crowd the registers. */
 constexpr int MIN_WARPS = 2048;
 
 static int pick_r(int rows, int n) {
