@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "kernels/cuda/attention_impl.cuh"
+#include "kernels/cuda/mma.cuh" /* cp.async */
 
 namespace {
 
@@ -24,7 +25,10 @@ constexpr int DEC_WARPS = DEC_THREADS / 32;
 constexpr int PM = KVB_CUDA_ATTN_PREFILL_ROWS;
 constexpr int PBK = 32; /* keys per prefill tile */
 constexpr int PRE_THREADS = 256;
-constexpr int U = 4; /* loads in flight per thread before their first use */
+constexpr int U = 4; /* loads in flight per thread before their first use (tiled decode kernel) */
+/* the fast decode kernel's ring: keys per lane group and stage, and stages (all but one in flight) */
+constexpr int DEC_UF = 2;
+constexpr int DEC_STAGES = 4;
 
 static_assert(PM == 64 && PRE_THREADS == 256, "the prefill thread layout assumes 64 rows x 32 keys on 256 threads");
 
@@ -37,7 +41,7 @@ template <typename T, bool VP> __device__ __forceinline__ void load_slot(const T
 /* ---------------------------------------------------------------- decode */
 
 template <typename T, int HDP, bool VP>
-__global__ void __launch_bounds__(DEC_THREADS, 4)
+__global__ void __launch_bounds__(DEC_THREADS, KVB_CUDA_ATTN_DECODE_RESIDENT)
     decode_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_decode_item *__restrict__ items) {
     constexpr int W = VP ? kvb::VEC<T> : 1;            /* elements per slot */
     constexpr int SL1 = (HDP / W + 31) / 32;            /* slots per lane in the score phase */
@@ -260,29 +264,60 @@ __global__ void __launch_bounds__(DEC_THREADS, 4)
 
 /* The decode kernel for the shapes real models have: head_dim HD exactly 32, 64, 128 or 256 with rows
  * moved as 16-byte vectors and at most 32 lanes per row. LPK = HD / VEC<T> lanes hold one key's K and V
- * rows (a 16-byte slot each), so a warp takes KPW = 32 / LPK keys per step and the block NG = 4 * KPW.
- * Group g = warp * KPW + lane / LPK walks its own keys (k_begin + g, then every NG) with its own online softmax,
- * UF keys per step loaded before their first use, and no barrier inside the key loop: the scores of a
- * key are reduced over its LPK lanes by shuffles. The groups merge in shared memory at the end, in
- * group order (deterministic). R is the register tile of query rows (>= the launch's rows). */
+ * rows (a 16-byte slot each), so a warp takes KPW = 32 / LPK keys at a time and the block NG = 4 * KPW
+ * lane groups. Group g = warp * KPW + lane / LPK keeps its own online softmax over its keys, with no
+ * barrier inside the key loop: the scores of a key are reduced over its LPK lanes by shuffles. The
+ * groups merge in shared memory at the end, in group order (deterministic). R is the register tile of
+ * query rows (>= the launch's rows).
+ *
+ * K/V stream through a ring of DEC_STAGES stages per warp in shared memory, filled by cp.async: stage
+ * st holds keys k_begin + st * BKS + warp * KPS + u * KPW + lane / LPK (u < DEC_UF) and is issued
+ * DEC_STAGES - 1 stages before it is read, so each warp keeps (DEC_STAGES - 1) * KPS K and V rows in
+ * flight while it computes (6 KiB a warp, 24 KiB a block; at 4 blocks a multiprocessor about three
+ * times what Little's law asks of HBM3 at ~1 us). A lane reads back only the slots it copied itself,
+ * so its own wait_group orders them: no barrier in the loop. */
 template <typename T, int HD, int R>
-__global__ void __launch_bounds__(DEC_THREADS)
+__global__ void __launch_bounds__(DEC_THREADS, R <= 4 ? KVB_CUDA_ATTN_DECODE_RESIDENT : KVB_CUDA_ATTN_DECODE_RESIDENT / 2)
     decode_fast_kernel(const kvb_cuda_attn_args a, const kvb_cuda_attn_decode_item *__restrict__ items) {
     constexpr int W = kvb::VEC<T>;
     constexpr int LPK = HD / W;
     static_assert(LPK >= 1 && LPK <= 32 && 32 % LPK == 0, "a key's row must fit in one warp");
-    constexpr int KPW = 32 / LPK, NG = DEC_WARPS * KPW;
-    constexpr int UF = R <= 4 ? 4 : 2; /* keys per group per step */
+    constexpr int KPW = 32 / LPK, NG = DEC_WARPS * KPW, UF = DEC_UF, S = DEC_STAGES;
+    constexpr int KPS = KPW * UF, BKS = DEC_WARPS * KPS; /* keys of a warp's stage, of the block's */
+    constexpr size_t RING = sizeof(uint4) * DEC_WARPS * S * UF * 2 * 32, OSB = sizeof(float) * NG * R * HD;
+    /* the ring, then (after the key loop) the groups' output rows */
+    __shared__ __align__(16) unsigned char sbuf[RING > OSB ? RING : OSB];
     __shared__ float Ms[NG][R], Ls[NG][R];
-    __shared__ __align__(16) float Os[NG][R][HD];
+    uint4(*ring)[S][UF][2][32] = reinterpret_cast<uint4(*)[S][UF][2][32]>(sbuf);
+    float(*Os)[R][HD] = reinterpret_cast<float(*)[R][HD]>(sbuf);
 
     const kvb_cuda_attn_decode_item it = items[blockIdx.x];
     const kvb_attn_seq sq = a.seqs[it.seq];
     const int gq = a.n_heads / a.n_kv_heads, rows = sq.q_len * gq, past = sq.ctx_len - sq.q_len;
     const size_t row_elems = (size_t)a.n_kv_heads * HD, v_off = (size_t)a.block_size * row_elems;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int gl = lane % LPK, grp = warp * KPW + lane / LPK;
+    const int gl = lane % LPK, sub = lane / LPK, grp = warp * KPW + sub;
     const float qscale = a.scale * LOG2E;
+    const int n_st = (it.k_end - it.k_begin + BKS - 1) / BKS; /* the same for every warp: the shuffles */
+    /* the source of a copy past k_end (src-size 0 reads nothing, but the address must be valid) */
+    const T *const kfirst = key_row<T>(a, sq.blk_first, it.k_begin, it.kvh, row_elems) + gl * W;
+
+    auto issue = [&](int st) {
+        if (st < n_st) {
+            const int k0 = it.k_begin + st * BKS + warp * KPS + sub;
+#pragma unroll
+            for (int u = 0; u < UF; u++) {
+                const int key = k0 + u * KPW;
+                const bool ok = key < it.k_end;
+                const T *kr = ok ? key_row<T>(a, sq.blk_first, key, it.kvh, row_elems) + gl * W : kfirst;
+                kvb::cp_async16(&ring[warp][st % S][u][0][lane], kr, ok ? 16 : 0);
+                kvb::cp_async16(&ring[warp][st % S][u][1][lane], ok ? kr + v_off : kfirst, ok ? 16 : 0);
+            }
+        }
+        kvb::cp_async_commit(); /* an empty group past the end keeps the wait count uniform */
+    };
+#pragma unroll
+    for (int st = 0; st < S - 1; st++) issue(st); /* in flight while q loads */
 
     float qf[R][W], o[R][W], m[R], l[R];
     int nvis[R], lo[R];
@@ -302,26 +337,16 @@ __global__ void __launch_bounds__(DEC_THREADS)
         }
     }
 
-    /* the loop runs on the warp's first key so that all its lanes take the same steps (the shuffles) */
-    for (int base = it.k_begin + warp * KPW; base < it.k_end; base += NG * UF) {
-        const int k0 = base + lane / LPK;
-        uint4 kraw[UF], vraw[UF];
-#pragma unroll
-        for (int u = 0; u < UF; u++) {
-            int key = k0 + u * NG;
-            if (key < it.k_end) {
-                const T *kr = key_row<T>(a, sq.blk_first, key, it.kvh, row_elems) + gl * W;
-                kraw[u] = *reinterpret_cast<const uint4 *>(kr);
-                vraw[u] = *reinterpret_cast<const uint4 *>(kr + v_off);
-            } else {
-                kraw[u] = vraw[u] = make_uint4(0, 0, 0, 0);
-            }
-        }
+    for (int st = 0; st < n_st; st++) {
+        issue(st + S - 1);
+        kvb::cp_async_wait<S - 1>(); /* stage st has landed */
+        const int k0 = it.k_begin + st * BKS + warp * KPS + sub;
         float sc[UF][R];
 #pragma unroll
         for (int u = 0; u < UF; u++) {
             float kf[W];
-            kvb::unpack_vec<T>(kraw[u], kf);
+            kvb::unpack_vec<T>(ring[warp][st % S][u][0][lane], kf);
+            const int key = k0 + u * KPW;
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 float acc = 0.0f;
@@ -329,10 +354,12 @@ __global__ void __launch_bounds__(DEC_THREADS)
                 for (int j = 0; j < W; j++) acc += qf[r][j] * kf[j];
 #pragma unroll
                 for (int off = LPK / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-                int key = k0 + u * NG;
                 sc[u][r] = key < it.k_end && key < nvis[r] && key >= lo[r] ? acc : -INFINITY;
             }
         }
+        float vf[UF][W];
+#pragma unroll
+        for (int u = 0; u < UF; u++) kvb::unpack_vec<T>(ring[warp][st % S][u][1][lane], vf[u]);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             float mx = sc[0][r];
@@ -349,16 +376,16 @@ __global__ void __launch_bounds__(DEC_THREADS)
             m[r] = m_new;
             l[r] = l[r] * corr + ps;
 #pragma unroll
-            for (int j = 0; j < W; j++) o[r][j] *= corr;
+            for (int j = 0; j < W; j++) {
+                float acc = o[r][j] * corr;
 #pragma unroll
-            for (int u = 0; u < UF; u++) {
-                float vf[W];
-                kvb::unpack_vec<T>(vraw[u], vf);
-#pragma unroll
-                for (int j = 0; j < W; j++) o[r][j] += p[u] * vf[j];
+                for (int u = 0; u < UF; u++) acc += p[u] * vf[u][j];
+                o[r][j] = acc;
             }
         }
     }
+    kvb::cp_async_wait<0>(); /* only empty groups remain; the ring becomes Os below */
+    __syncthreads();         /* every warp has read its ring */
 
     /* merge the groups */
 #pragma unroll
@@ -639,4 +666,35 @@ extern "C" int kvb_cuda_attention_decode(const kvb_cuda_attn_args *a, const kvb_
     if (e || n_items <= 0) return e;
     KVB_ATTN_DISPATCH(*a, launch_decode, *a, items, n_items, s);
     return (int)cudaErrorInvalidValue;
+}
+
+extern "C" int kvb_cuda_attn_decode_split_len(int n_keys, int splits) {
+    constexpr int M = KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
+    if (splits < 1) splits = 1;
+    int len = (n_keys + splits - 1) / splits;
+    return len < M ? M : (len + M - 1) / M * M;
+}
+
+extern "C" int kvb_cuda_attn_decode_splits(kvb_dtype dt, int head_dim, int decode_rows, int n_sm, size_t n_pairs,
+                                           int n_keys) {
+    if (n_pairs == 0 || n_keys <= KVB_CUDA_ATTN_DECODE_MIN_SPLIT || n_sm <= 0) return 1;
+    /* the fast kernel (launch_decode) at 8 rows has half the tiled kernel's residency */
+    size_t es = kvb_dtype_size(dt);
+    int pow2 = head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+    int fast = pow2 && es && (head_dim * es) % 16 == 0 && head_dim * es / 16 <= 32;
+    int resident = KVB_CUDA_ATTN_DECODE_RESIDENT / (fast && decode_rows > 4 ? 2 : 1);
+    size_t slots = (size_t)n_sm * (size_t)resident;
+    int most = (n_keys + KVB_CUDA_ATTN_DECODE_MIN_SPLIT - 1) / KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
+    size_t lo = (slots + n_pairs - 1) / n_pairs;
+    int first = lo < (size_t)most ? (int)lo : most, best = first;
+    unsigned long long best_cost = 0;
+    for (int ns = first; ns <= most && ns <= 4 * first; ns++) {
+        int len = kvb_cuda_attn_decode_split_len(n_keys, ns), parts = (n_keys + len - 1) / len;
+        unsigned long long waves = (n_pairs * (size_t)parts + slots - 1) / slots, cost = waves * (unsigned long long)len;
+        if (ns == first || cost < best_cost) {
+            best = ns;
+            best_cost = cost;
+        }
+    }
+    return best;
 }

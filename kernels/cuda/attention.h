@@ -11,10 +11,11 @@
  *    f32. A tile's keys may be cut into splits (a short chunk over a long past: too few tiles to fill
  *    the device), each split an item of its own;
  *  - decode: one CUDA block per (sequence, KV head, split of the context). A long context is cut into
- *    splits of a length the caller picks so that enough blocks run. Where the head dimension is
- *    32/64/128/256 and a row moves in 16-byte slots, each group of lanes that holds one key row walks
- *    its own keys with its own online softmax (no barrier in the key loop) and the groups merge at the
- *    end; other shapes take a tiled kernel with shared-memory score tiles.
+ *    splits (kvb_cuda_attn_decode_splits) so that the grid fills every multiprocessor's resident
+ *    blocks in whole waves. Where the head dimension is 32/64/128/256 and a row moves in 16-byte
+ *    slots, each group of lanes that holds one key row walks its own keys with its own online softmax
+ *    (no barrier in the key loop), K/V streaming through a cp.async ring several stages ahead, and the
+ *    groups merge at the end; other shapes take a tiled kernel with shared-memory score tiles.
  * A split writes its normalised partial output and its log-sum-exp; the last split of a group to finish
  * (an atomic counter per group, reset by that block) merges the group's partials into `out`, reading
  * them in split order: one launch per kernel, no atomics on the results, and the same bits for a given
@@ -44,6 +45,12 @@ KVB_CUDA_EXTERN_C_BEGIN
 #define KVB_CUDA_ATTN_PREFILL_ROWS 64
 /* Keys per inner tile of the tiled decode kernel. */
 #define KVB_CUDA_ATTN_KEY_TILE 128
+/* Decode blocks resident on one multiprocessor: the kernels' launch bounds (at most 128 registers a
+ * thread for up to 4 rows, 8 rows at half of it) and their ~33 KiB of shared memory allow this many. */
+#define KVB_CUDA_ATTN_DECODE_RESIDENT 4
+/* Decode splits are a multiple of this many keys (two 16-token KV blocks; a warp's ring stages
+ * cover 4-16 of them). */
+#define KVB_CUDA_ATTN_DECODE_MIN_SPLIT 32
 
 /* The splits of one row set (a decode item's rows, a prefill tile): split p's partial rows are
  * [prow + p * stride, + stride) of part_o / part_lse, stride = KVB_CUDA_ATTN_DECODE_ROWS (decode) or
@@ -92,6 +99,18 @@ typedef struct kvb_cuda_attn_decode_item {
 /* Whether the prefill kernel of this batch runs on tensor cores and may take key splits (bf16/f16,
  * head_dim a multiple of 8 up to 256). */
 int kvb_cuda_attention_prefill_tc(kvb_dtype dt, int head_dim);
+
+/* How many splits to cut the keys of each decode (sequence, KV head) pair into, for a launch of n_pairs
+ * pairs whose longest key range is n_keys, decode_rows rows a pair at most, on n_sm multiprocessors:
+ * at least enough for one wave of resident blocks (n_sm * KVB_CUDA_ATTN_DECODE_RESIDENT, fewer for 8
+ * rows), then the count up to 4x that whose whole waves of blocks times keys a block is least (a
+ * partial last wave costs as much as a full one: 640 blocks on 528 slots take two block times), the
+ * smaller count on a tie (fewer partials to merge). A pair's split is then
+ * kvb_cuda_attn_decode_split_len(its keys, splits). Host code; the same plan in the host emulation. */
+int kvb_cuda_attn_decode_splits(kvb_dtype dt, int head_dim, int decode_rows, int n_sm, size_t n_pairs, int n_keys);
+/* Keys per split of a range of n_keys cut into about `splits`: a multiple of
+ * KVB_CUDA_ATTN_DECODE_MIN_SPLIT. */
+int kvb_cuda_attn_decode_split_len(int n_keys, int splits);
 
 /* Each launcher runs its items (device arrays of n_items) on stream s. */
 int kvb_cuda_attention_prefill(const kvb_cuda_attn_args *a, const kvb_cuda_attn_prefill_item *items, int n_items,

@@ -41,11 +41,6 @@
 #define BLAS_WORKSPACE_BYTES ((size_t)32 << 20)
 /* Elements converted per step when a weight's dtype changes on upload. */
 #define UPLOAD_CHUNK_ELEMS ((size_t)16 << 20)
-/* Decode splits: aim for this many CUDA blocks per multiprocessor, never split below this many keys. */
-#define DECODE_BLOCKS_PER_SM 4
-/* 64 keys: 8 per lane group of the fast kernel, two steps; a batch of one sequence then still fills the
- * device at a 1K context (8 KV heads x 16 splits) */
-#define DECODE_MIN_SPLIT 64
 /* Tensor-core prefill tiles (87 KB of shared memory at head size 128) run about 2 per multiprocessor;
  * when a batch has fewer tiles, their keys are split, never below this many keys a split (a multiple of
  * the kernel's 64-key tile) */
@@ -733,13 +728,6 @@ static int decode_first_key(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
     return b->window > 0 && first_vis > b->window ? first_vis - b->window : 0;
 }
 
-/* Keys per decode split of a range of n_keys: about n_keys / splits_wanted, never below
- * DECODE_MIN_SPLIT, a multiple of it. */
-static int decode_split_len(int n_keys, int splits_wanted) {
-    int len = KVB_MAX(DECODE_MIN_SPLIT, KVB_DIV_CEIL(n_keys, splits_wanted));
-    return KVB_DIV_CEIL(len, DECODE_MIN_SPLIT) * DECODE_MIN_SPLIT;
-}
-
 /* Makes the split counters hold at least n groups, every one zero (new memory is cleared on the stream;
  * counters in use are zero between launches, the merging block resets its group's). */
 static kvb_status counters_reserve(cuda_ctx *c, size_t n) {
@@ -766,21 +754,25 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
 
     /* count the work: prefill tiles, and decode (sequence, KV head) pairs */
     size_t n_tiles = 0, n_dec_pairs = 0, n_blocks = 0;
+    int dec_keys = 0, dec_rows = 1;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         n_blocks = KVB_MAX(n_blocks, (size_t)sq->blk_first + (size_t)sq->n_blocks);
         if (sq->q_len <= 0) continue;
-        if (sq->q_len * gq <= KVB_CUDA_ATTN_DECODE_ROWS) n_dec_pairs += (size_t)nkv;
-        else n_tiles += (size_t)nkv * (size_t)KVB_DIV_CEIL(gq, nh) * (size_t)KVB_DIV_CEIL(sq->q_len, tt);
+        if (sq->q_len * gq <= KVB_CUDA_ATTN_DECODE_ROWS) {
+            n_dec_pairs += (size_t)nkv;
+            dec_keys = KVB_MAX(dec_keys, sq->ctx_len - decode_first_key(b, sq));
+            dec_rows = KVB_MAX(dec_rows, sq->q_len * gq);
+        } else {
+            n_tiles += (size_t)nkv * (size_t)KVB_DIV_CEIL(gq, nh) * (size_t)KVB_DIV_CEIL(sq->q_len, tt);
+        }
     }
-    /* split decode contexts until about DECODE_BLOCKS_PER_SM blocks per multiprocessor run, and (tensor
-     * cores) prefill tiles' keys until about PREFILL_BLOCKS_PER_SM do */
-    size_t want_blocks = (size_t)DECODE_BLOCKS_PER_SM * (size_t)c->n_sm;
-    int splits_wanted = n_dec_pairs ? (int)KVB_MAX((size_t)1, KVB_DIV_CEIL(want_blocks, n_dec_pairs)) : 1;
+    /* split decode contexts into whole waves of resident blocks (attention.h), and (tensor cores)
+     * prefill tiles' keys until about PREFILL_BLOCKS_PER_SM blocks a multiprocessor run */
+    int splits_wanted = kvb_cuda_attn_decode_splits(c->dt, hd, dec_rows, c->n_sm, n_dec_pairs, dec_keys);
     size_t want_tiles = (size_t)PREFILL_BLOCKS_PER_SM * (size_t)c->n_sm;
     int pre_splits = pre_tc && n_tiles && n_tiles < want_tiles ? (int)KVB_DIV_CEIL(want_tiles, n_tiles) : 1;
     size_t n_pre = 0, n_dec = 0, n_groups = 0, part_rows = 0;
-    int decode_rows = 1;
     for (int s = 0; s < b->n_seqs; s++) {
         const kvb_attn_seq *sq = &b->seqs[s];
         if (sq->q_len <= 0) continue;
@@ -801,8 +793,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
             }
             continue;
         }
-        decode_rows = KVB_MAX(decode_rows, sq->q_len * gq);
-        int k0 = decode_first_key(b, sq), len = decode_split_len(sq->ctx_len - k0, splits_wanted);
+        int k0 = decode_first_key(b, sq), len = kvb_cuda_attn_decode_split_len(sq->ctx_len - k0, splits_wanted);
         int ns = KVB_DIV_CEIL(sq->ctx_len - k0, len);
         n_dec += (size_t)nkv * (size_t)ns;
         if (ns > 1) {
@@ -849,7 +840,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
             }
             continue;
         }
-        int k0 = decode_first_key(b, sq), len = decode_split_len(sq->ctx_len - k0, splits_wanted);
+        int k0 = decode_first_key(b, sq), len = kvb_cuda_attn_decode_split_len(sq->ctx_len - k0, splits_wanted);
         int ns = KVB_DIV_CEIL(sq->ctx_len - k0, len);
         for (int kvh = 0; kvh < nkv; kvh++) {
             if (ns == 1) {
@@ -873,7 +864,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
         .block_size = g->block_size,
         .scale = b->scale,
         .window = b->window,
-        .decode_rows = decode_rows,
+        .decode_rows = dec_rows,
         .q = q,
         .out = out,
     };
