@@ -794,9 +794,10 @@ int kvb_bench_cuda(int argc, char **argv) {
     if (do_prefill) want_blocks = KVB_MAX(want_blocks, (int64_t)KVB_DIV_CEIL(prefill, s.block_size));
     if (do_ipc) want_blocks = KVB_MAX(want_blocks, (int64_t)ipc_batch * KVB_DIV_CEIL(ipc_ctx, s.block_size));
     if (kvb_cuda_backend_info(be, &info) != KVB_OK) goto out;
-    /* cuBLAS workspaces, a prefill step's residual stream and 512-row chunk buffers, fragmentation */
+    /* cuBLAS workspaces, a prefill step's residual stream and chunk buffers (of the 4x chunks of its last
+     * row), fragmentation */
     size_t reserve = (tiny ? (size_t)64 << 20 : (size_t)2 << 30) + (size_t)act_cap * s.hidden * 2 +
-                     (size_t)KVB_FORWARD_CHUNK_ROWS * (3 * (size_t)s.hidden + 4 * (size_t)s.inter) * 2 * 2;
+                     (size_t)4 * KVB_FORWARD_CHUNK_ROWS * (3 * (size_t)s.hidden + 4 * (size_t)s.inter) * 2 * 2;
     if (do_ipc) reserve += block_bytes * (size_t)ipc_batch * (size_t)KVB_DIV_CEIL(ipc_ctx, s.block_size);
     int64_t fit_blocks = info.mem_free > reserve ? (int64_t)((info.mem_free - reserve) / block_bytes) : 0;
     pool_blocks = KVB_MIN(want_blocks, fit_blocks);
@@ -885,6 +886,16 @@ int kvb_bench_cuda(int argc, char **argv) {
         printf("  the rest (GEMMs, norms)    %8.1f %20.1f %8.1f %10.2f\n", (t.med - ta.med) * 1e3, gemm_flops / 1e12,
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / 1e12 : 0,
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / F : 0);
+        /* the same step in chunks of 4x the rows: what the engine's chunk size costs the products */
+        int big = 4 * KVB_FORWARD_CHUNK_ROWS;
+        st.only_attention = 0;
+        if (prefill > KVB_FORWARD_CHUNK_ROWS && kvb_forward_chunk(fw, big) == KVB_OK) {
+            timing tb = time_events(be, run_step, &st, 3);
+            printf("  whole step, %d-row chunks %7.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", big, tb.med * 1e3,
+                   tb.min * 1e3, tb.max * 1e3, flops / 1e12, tb.med > 0 ? flops / tb.med / 1e12 : 0,
+                   tb.med > 0 ? flops / tb.med / F : 0);
+            if (kvb_forward_chunk(fw, KVB_FORWARD_CHUNK_ROWS) != KVB_OK) goto out;
+        }
         if (n_prow < 2 * MAX_LIST) prow[n_prow++] = (peer_row){1, 1, prefill, t.med * 1e3};
         view_free(&v, s.n_layers);
     }

@@ -74,6 +74,16 @@ expect 1 "tokenizer.json" -- "$B/kvbank-generate" --model "$M" --prompt "hi" --m
 expect 1 "tokenizer.json" -- "$B/kvbank-mkmodel" --arch llama --tokenizer "$T/none" "$T/tok"
 expect 2 "eos-ids" -- "$B/kvbank-mkmodel" --arch llama --eos-ids 1,x "$T/tok"
 expect 1 "EOS id 300 is not below the vocabulary size 100" -- "$B/kvbank-mkmodel" --arch llama --vocab 100 --eos-ids 300 "$T/tok"
+expect 2 "threads" -- "$B/kvbank-mkmodel" --arch llama --threads 0 "$T/x"
+# the weights do not depend on --threads: tensors of 4.2 M values made by 1 and by 3 threads (split at odd
+# offsets) give the file the single-stream generator gave (its sha256, pinned before threads came)
+for th in 1 3; do
+    "$B/kvbank-mkmodel" --arch llama --layers 2 --hidden 1032 --heads 4 --kv-heads 2 --intermediate 4097 --vocab 4099 \
+        --dtype bf16 --seed 7 --threads $th "$T/th$th" >/dev/null || bad "mkmodel --threads $th failed"
+    sum=$(sha256sum "$T/th$th/model.safetensors" | cut -d' ' -f1)
+    [ "$sum" = c35b4f19e3cecdeea498465cf8ecbf7fec387904b73cce9de334fdbeffeb253b ] || bad "mkmodel --threads $th: weights changed ($sum)"
+done
+rm -rf "$T/th1" "$T/th3"
 
 # broken copies of the good model
 mk() { rm -rf "$T/$1"; cp -r "$M" "$T/$1"; echo "$T/$1"; }

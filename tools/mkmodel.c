@@ -7,10 +7,12 @@
 #include <getopt.h>
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
@@ -47,6 +49,7 @@ typedef struct opts {
     int fp8_tensor;         /* --fp8-scale tensor: one scale per weight (else one per output channel) */
     const char *fp8_ignore[8]; /* --fp8-ignore ENTRY: more `ignore` entries after "lm_head" */
     int n_fp8_ignore;
+    int threads;            /* --threads: weight generation in parallel (the values do not depend on it) */
 } opts;
 
 enum { FP8_W8A16 = 1, FP8_W8A8 = 2 };
@@ -97,6 +100,8 @@ static void usage(FILE *f, const char *prog) {
             "  --fp8-scale K       channel (a scale per output row, default) or tensor (one per weight)\n"
             "  --fp8-ignore ENTRY  another `ignore` entry: a module name (model.layers.0.mlp.down_proj) or\n"
             "                      re:REGEX; repeatable, up to 7\n"
+            "  --threads N         threads making the weights (default: the online CPUs, at most 64);\n"
+            "                      the files do not depend on it\n"
             "  --help              this text\n"
             "\n"
             "Weights: linear layers N(0, 1/sqrt(in_features)), embeddings N(0, 1) (with --tie\n"
@@ -107,32 +112,21 @@ static void usage(FILE *f, const char *prog) {
 
 /* ------------------------------------------------------------------------------------- randomness */
 
-typedef struct rng {
-    uint64_t s;
-    int have_spare;
-    double spare;
-} rng;
-
-static uint64_t splitmix64(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+/* One stream of N(0, 1) values per seed: value 2p and 2p + 1 are the Box-Muller pair of uniforms
+ * 2p + 1 and 2p + 2 of splitmix64, a counter (its k-th output is a function of seed + k * gamma), so
+ * any stretch of the stream can be made on its own and threads give the single-threaded file. */
+static double uniform_at(uint64_t seed, uint64_t k) { /* the k-th output (from 1), in (0, 1]: 53 bits */
+    uint64_t z = seed + k * 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    return ((double)((z ^ (z >> 31)) >> 11) + 1.0) * 0x1.0p-53;
 }
 
-/* Uniform in (0, 1]: 53 random bits. */
-static double uniform01(rng *r) { return ((double)(splitmix64(&r->s) >> 11) + 1.0) * 0x1.0p-53; }
-
-static double normal(rng *r) {
-    if (r->have_spare) {
-        r->have_spare = 0;
-        return r->spare;
-    }
-    double u1 = uniform01(r), u2 = uniform01(r);
+static void normal_pair(uint64_t seed, uint64_t p, double *even, double *odd) {
+    double u1 = uniform_at(seed, 2 * p + 1), u2 = uniform_at(seed, 2 * p + 2);
     double rad = sqrt(-2.0 * log(u1)), th = 2.0 * M_PI * u2;
-    r->spare = rad * sin(th);
-    r->have_spare = 1;
-    return rad * cos(th);
+    *even = rad * cos(th);
+    *odd = rad * sin(th);
 }
 
 /* ---------------------------------------------------------------------------------- the tensors */
@@ -228,9 +222,38 @@ static kvb_status build_list(const opts *o, tensor_list *l) {
     return KVB_OK;
 }
 
-/* Draws every tensor's values from one stream, in list order, and stores them in the output dtype. */
+/* Values [from, to) of tensor t, whose first value is value `base` of the stream. */
+typedef struct fill_job {
+    const wtensor *t;
+    uint64_t seed, base;
+    int64_t from, to;
+    pthread_t th;
+} fill_job;
+
+static void *fill_range(void *arg) {
+    const fill_job *j = arg;
+    const wtensor *t = j->t;
+    double pair[2];
+    for (int64_t k = j->from; k < j->to; k++) {
+        uint64_t g = j->base + (uint64_t)k;
+        if (k == j->from || (g & 1) == 0) normal_pair(j->seed, g >> 1, &pair[0], &pair[1]);
+        float v = (float)(t->mean + t->std * pair[g & 1]);
+        switch (t->dtype) {
+        case KVB_DTYPE_F32: ((float *)t->data)[k] = v; break;
+        case KVB_DTYPE_F16: ((uint16_t *)t->data)[k] = kvb_f32_to_f16(v); break;
+        case KVB_DTYPE_BF16: ((uint16_t *)t->data)[k] = kvb_f32_to_bf16(v); break;
+        default: break; /* F8_E4M3 is not a --dtype */
+        }
+    }
+    return NULL;
+}
+
+/* Draws every tensor's values from one stream, in list order, and stores them in the output dtype;
+ * each tensor's range split over --threads threads. */
 static kvb_status fill(const opts *o, tensor_list *l) {
-    rng r = {.s = o->seed};
+    fill_job jobs[64];
+    int nth = KVB_MAX(1, KVB_MIN(o->threads, (int)KVB_ARRAY_LEN(jobs)));
+    uint64_t base = 0;
     /* a progress line on a terminal (common/util/progress.h): a big model takes a while */
     kvb_progress pg;
     uint64_t total = 0, done = 0;
@@ -247,16 +270,15 @@ static kvb_status fill(const opts *o, tensor_list *l) {
             kvb_progress_cancel(&pg);
             return st;
         }
-        for (int64_t k = 0; k < n; k++) {
-            float v = (float)(t->mean + t->std * normal(&r));
-            switch (o->dtype) {
-            case KVB_DTYPE_F32: ((float *)t->data)[k] = v; break;
-            case KVB_DTYPE_F16: ((uint16_t *)t->data)[k] = kvb_f32_to_f16(v); break;
-            case KVB_DTYPE_BF16: ((uint16_t *)t->data)[k] = kvb_f32_to_bf16(v); break;
-            case KVB_DTYPE_F8_E4M3: break; /* not a --dtype */
-            }
-            if ((k & 0xfffff) == 0xfffff) kvb_progress_update(&pg, done + (uint64_t)(k + 1) * kvb_dtype_size(o->dtype));
-        }
+        /* threads for big tensors only (1 M values each at least): a norm weight is not worth one */
+        int use = (int)KVB_MAX(1, KVB_MIN((int64_t)nth, n >> 20));
+        for (int i = 0; i < use; i++) jobs[i] = (fill_job){t, o->seed, base, n * i / use, n * (i + 1) / use, 0};
+        int started = 1;
+        while (started < use && pthread_create(&jobs[started].th, NULL, fill_range, &jobs[started]) == 0) started++;
+        for (int i = started; i < use; i++) fill_range(&jobs[i]); /* threads that could not start: here */
+        fill_range(&jobs[0]);
+        for (int i = 1; i < started; i++) pthread_join(jobs[i].th, NULL);
+        base += (uint64_t)n;
         done += (uint64_t)n * kvb_dtype_size(o->dtype);
         kvb_progress_update(&pg, done);
     }
@@ -613,7 +635,7 @@ static int parse_int_opt(const char *prog, const char *flag, const char *arg, in
 static int parse_args(int argc, char **argv, opts *o) {
     enum { O_ARCH = 256, O_LAYERS, O_HIDDEN, O_HEADS, O_KV, O_HD, O_FF, O_VOCAB, O_MAXPOS, O_DTYPE, O_SEED,
            O_TIE, O_SCALING, O_THETA, O_SHARDS, O_TOKENIZER, O_EOS, O_WINDOW, O_WINDOW_LAYERS, O_ATTN_BIAS,
-           O_MLP_BIAS, O_FP8, O_FP8_SCALE, O_FP8_IGNORE, O_HELP };
+           O_MLP_BIAS, O_FP8, O_FP8_SCALE, O_FP8_IGNORE, O_THREADS, O_HELP };
     static const struct option lo[] = {
         {"arch", required_argument, 0, O_ARCH}, {"layers", required_argument, 0, O_LAYERS},
         {"hidden", required_argument, 0, O_HIDDEN}, {"heads", required_argument, 0, O_HEADS},
@@ -627,12 +649,12 @@ static int parse_args(int argc, char **argv, opts *o) {
         {"max-window-layers", required_argument, 0, O_WINDOW_LAYERS}, {"attention-bias", no_argument, 0, O_ATTN_BIAS},
         {"mlp-bias", no_argument, 0, O_MLP_BIAS}, {"fp8", required_argument, 0, O_FP8},
         {"fp8-scale", required_argument, 0, O_FP8_SCALE}, {"fp8-ignore", required_argument, 0, O_FP8_IGNORE},
-        {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
+        {"threads", required_argument, 0, O_THREADS}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0}};
     const char *prog = argv[0];
     int have_arch = 0;
     *o = (opts){.layers = 2, .hidden = 64, .heads = 4, .kv_heads = 2, .head_dim = 0, .intermediate = 128,
                 .vocab = 256, .max_pos = 2048, .dtype = KVB_DTYPE_F32, .seed = 0, .shards = 1, .bos_id = 1,
-                .max_window_layers = -1};
+                .max_window_layers = -1, .threads = (int)KVB_MAX(1, KVB_MIN(64, sysconf(_SC_NPROCESSORS_ONLN)))};
     opterr = 0;
     int c;
     while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -695,6 +717,9 @@ static int parse_args(int argc, char **argv, opts *o) {
             break;
         }
         case O_TIE: o->tie = 1; break;
+        case O_THREADS:
+            if (parse_int_opt(prog, "threads", optarg, 1, 64, &o->threads)) return -1;
+            break;
         case O_FP8:
             if (strcmp(optarg, "w8a16") && strcmp(optarg, "w8a8")) {
                 fprintf(stderr, "%s: --fp8 must be w8a16 or w8a8, got \"%s\"\n", prog, optarg);

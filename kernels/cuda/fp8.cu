@@ -539,9 +539,17 @@ extern "C" kvb_status kvb_cuda_fp8_matmul(kvb_cuda_fp8 *f, kvb_cuda_stream_t s, 
             f->outer_vec_failed = 1;
             st = lt_product(f, s, dt, n, w, beta, y);
         }
-        if (st != KVB_ERR_UNSUPPORTED) return st;
-        KVB_LOG_W("cuda fp8: cuBLASLt has no FP8 algorithm for [%d][%d] x %d rows; the widening kernels run it", rows,
-                  cols, n);
+        if (st == KVB_OK) return st;
+        if (st == KVB_ERR_UNSUPPORTED) {
+            KVB_LOG_W("cuda fp8: cuBLASLt has no FP8 algorithm for [%d][%d] x %d rows; the widening kernels run it",
+                      rows, cols, n);
+        } else {
+            /* refused (its reason logged above): the widening kernels give the same product, so this and every
+             * later W8A8 product runs there rather than failing the step */
+            KVB_LOG_W("cuda fp8: cuBLASLt failed a [%d][%d] x %d-row product (%s); W8A8 runs on the widening kernels "
+                      "from now on", rows, cols, n, kvb_status_str(st));
+            f->lt_failed = 1;
+        }
     }
 #endif
     return KVB_CUDA_CHECK(kvb_cuda_fp8_gemm((const uint8_t *)w->data, w->scale, step, NULL, f->q, f->qs, y, dt, rows,
