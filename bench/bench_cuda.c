@@ -25,6 +25,7 @@
 
 #include <getopt.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -503,58 +504,171 @@ static kvb_status do_xfer(void *ud) {
     return u->be->iface->wait_ticket(u->be->ctx, t);
 }
 
+/* The engine's way (common/sched/stager.c): its thread posts a transfer and runs on into the layers'
+ * kernels; a link's copy thread (issue_thread) calls copy_async meanwhile, and the layer that needs the
+ * bytes waits for the ticket on the device. do_xfer_2t does the same with one copy thread: it hands
+ * the copy over, issues the step, then waits until the copy is issued and orders the compute after it. */
+typedef struct copier2 {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int go, issued, quit;
+    xfer_ud *u;
+    uint64_t t;
+    kvb_status st;
+} copier2;
+static void *copier2_main(void *arg) {
+    copier2 *c = arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->go && !c->quit) pthread_cond_wait(&c->cv, &c->mu);
+        if (!c->go) break;
+        c->go = 0;
+        pthread_mutex_unlock(&c->mu);
+        uint64_t t = 0;
+        kvb_status st = c->u->be->iface->copy_async(c->u->be->ctx, c->u->e, c->u->x, c->u->n, &t);
+        pthread_mutex_lock(&c->mu);
+        c->t = t;
+        c->st = st;
+        c->issued = 1;
+        pthread_cond_broadcast(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+static kvb_status do_xfer_2t(void *ud) {
+    copier2 *c = ud;
+    pthread_mutex_lock(&c->mu);
+    c->go = 1;
+    c->issued = 0;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    kvb_status st = run_step(c->u->st);
+    pthread_mutex_lock(&c->mu);
+    while (!c->issued) pthread_cond_wait(&c->cv, &c->mu);
+    if (st == KVB_OK) st = c->st;
+    uint64_t t = c->t;
+    pthread_mutex_unlock(&c->mu);
+    KVB_TRY(st);
+    return c->u->be->iface->wait_ticket(c->u->be->ctx, t);
+}
+/* Times do_xfer_2t on `u` (u->st set) with a copy thread of its own; med < 0 when it could not run. */
+static timing time_two_threads(kvb_backend *be, xfer_ud *u) {
+    timing t = {-1, -1, -1};
+    copier2 c = {.u = u, .st = KVB_OK};
+    pthread_t th;
+    if (pthread_mutex_init(&c.mu, NULL)) return t;
+    if (pthread_cond_init(&c.cv, NULL) == 0) {
+        if (pthread_create(&th, NULL, copier2_main, &c) == 0) {
+            t = time_events(be, do_xfer_2t, &c, REPS);
+            pthread_mutex_lock(&c.mu);
+            c.quit = 1;
+            pthread_cond_broadcast(&c.cv);
+            pthread_mutex_unlock(&c.mu);
+            pthread_join(th, NULL);
+        }
+        pthread_cond_destroy(&c.cv);
+    }
+    pthread_mutex_destroy(&c.mu);
+    return t;
+}
+
+/* A stride coprime to n that scatters slot i to (i * stride) mod n with no two consecutive slots
+ * adjacent (so that copy_async cannot merge the pieces); 1 when n is too small to scatter. */
+static size_t scatter_stride(size_t n) {
+    if (n < 4) return 1;
+    for (size_t p = n * 5 / 8 | 1;; p += 2) {
+        size_t a = p % n, b = n, t;
+        while (b) t = a % b, a = b, b = t; /* gcd(p mod n, n) */
+        if (a == 1 && p % n > 1 && p % n < n - 1) return p % n;
+    }
+}
+
+/* Fills x[0..n) with slot i of `piece` bytes at host h and slot (i * stride) mod np at device d (np
+ * slots there), in direction `dir` (0: to the device); returns n. */
+static int scattered(kvb_copy_piece *x, size_t n, int dir, char *h, char *d, size_t piece, size_t np,
+                     size_t stride) {
+    for (size_t i = 0; i < n; i++) {
+        char *hp = h + i * piece, *dp = d + (i * stride % np) * piece;
+        x[i] = dir ? (kvb_copy_piece){hp, dp, piece} : (kvb_copy_piece){dp, hp, piece};
+    }
+    return (int)n;
+}
+
 /* Host <-> device bandwidth of pinned memory (one copy of `bytes`, the ceiling) against the same bytes
- * in KV layer-slice pieces of `piece` bytes through copy_async (what the stager posts), both directions;
- * then a decode step (`st`) alone, the H2D of `xfer_bytes` alone (the KV of its offloaded layers, in
- * pieces) and both issued together, against max(compute, transfer). Returns 0 when measured. */
+ * in KV layer-slice pieces of `piece` bytes through copy_async (what the stager posts), both directions,
+ * the pieces scattered on the device as a pool's blocks are (so none merge), issued one cudaMemcpyAsync
+ * each and as one cudaMemcpyBatchAsync (kvb_cuda_backend_set_copy_batch); then a decode step (`st`)
+ * alone, the H2D of `xfer_bytes` alone (the KV of its offloaded layers, in pieces) and both issued
+ * together, each way, against max(compute, transfer). Returns 0 when measured. */
 static int bench_data_path(kvb_backend *be, step *st, size_t bytes, size_t piece, size_t xfer_bytes,
                            const char *what) {
     void *h = NULL, *d = NULL;
     kvb_copy_piece *x = NULL;
-    int rc = 1;
-    size_t np = KVB_DIV_CEIL(bytes, piece);
+    int rc = 1, batch0 = kvb_cuda_backend_set_copy_batch(be, 1), has_batch = batch0;
+    static const char *const how[2] = {"one call each", "one batch"};
+    size_t np = bytes / piece;
+    if (np == 0) goto out;
+    bytes = np * piece;
+    size_t stride = scatter_stride(np);
     if (kvb_mem_pinned_alloc(be->mem, bytes, &h) != KVB_OK || kvb_mem_alloc(be->mem, bytes, &d) != KVB_OK ||
         !(x = calloc(np, sizeof *x)))
         goto out;
     memset(h, 0x3c, bytes);
     printf("\ndata path: copies by ticket   time ms (min-max)     GB/s  ratio to one pinned copy\n");
+    if (!has_batch) printf("  (this CUDA runtime has no cudaMemcpyBatchAsync: no batch rows)\n");
     for (int dir = 0; dir < 2; dir++) {
         kvb_copy_engine e = dir ? KVB_ENGINE_D2H : KVB_ENGINE_H2D;
         kvb_copy_piece one = dir ? (kvb_copy_piece){h, d, bytes} : (kvb_copy_piece){d, h, bytes};
-        for (size_t i = 0; i < np; i++) {
-            size_t off = i * piece, len = KVB_MIN(piece, bytes - off);
-            x[i] = dir ? (kvb_copy_piece){(char *)h + off, (char *)d + off, len}
-                       : (kvb_copy_piece){(char *)d + off, (char *)h + off, len};
-        }
-        xfer_ud u1 = {be, e, &one, 1, NULL}, un = {be, e, x, (int)np, NULL};
-        timing t1 = time_events(be, do_xfer, &u1, REPS), tn = time_events(be, do_xfer, &un, REPS);
-        if (!(t1.med > 0) || !(tn.med > 0)) goto out;
+        xfer_ud u1 = {be, e, &one, 1, NULL}, un = {be, e, x, scattered(x, np, dir, h, d, piece, np, stride), NULL};
+        timing t1 = time_events(be, do_xfer, &u1, REPS);
+        if (!(t1.med > 0)) goto out;
         printf("  %s one copy of %4.0f MiB      %8.3f (%.3f-%.3f) %7.1f\n", dir ? "d2h" : "h2d", bytes / 1048576.0,
                t1.med * 1e3, t1.min * 1e3, t1.max * 1e3, bytes / t1.med / 1e9);
-        printf("  %s %6zu pieces of %3.0f KiB %8.3f (%.3f-%.3f) %7.1f %8.2f\n", dir ? "d2h" : "h2d", np,
-               piece / 1024.0, tn.med * 1e3, tn.min * 1e3, tn.max * 1e3, bytes / tn.med / 1e9, t1.med / tn.med);
+        for (int b = 0; b <= has_batch; b++) {
+            kvb_cuda_copy_counts c0, c1;
+            kvb_cuda_backend_set_copy_batch(be, b);
+            kvb_cuda_backend_copy_counts(be, &c0);
+            timing tn = time_events(be, do_xfer, &un, REPS);
+            kvb_cuda_backend_copy_counts(be, &c1);
+            if (!(tn.med > 0)) goto out;
+            printf("  %s %6zu pieces of %3.0f KiB %8.3f (%.3f-%.3f) %7.1f %8.2f  scattered, %s%s\n",
+                   dir ? "d2h" : "h2d", np, piece / 1024.0, tn.med * 1e3, tn.min * 1e3, tn.max * 1e3,
+                   bytes / tn.med / 1e9, t1.med / tn.med, how[b],
+                   b && c1.batched == c0.batched ? " (the batch API failed: one call each)" : "");
+        }
     }
     size_t nx = KVB_MIN(np, KVB_DIV_CEIL(xfer_bytes, piece));
-    for (size_t i = 0; i < nx; i++) {
-        size_t off = i * piece, len = KVB_MIN(piece, bytes - off);
-        x[i] = (kvb_copy_piece){(char *)d + off, (char *)h + off, len};
+    int n_x = scattered(x, nx, 0, h, d, piece, np, stride);
+    timing tc = time_events(be, run_step, st, REPS), tx[2], tb[2], t2[2];
+    if (!(tc.med > 0)) goto out;
+    for (int b = 0; b <= has_batch; b++) {
+        xfer_ud ux = {be, KVB_ENGINE_H2D, x, n_x, NULL}, ub = {be, KVB_ENGINE_H2D, x, n_x, st};
+        kvb_cuda_backend_set_copy_batch(be, b);
+        tx[b] = time_events(be, do_xfer, &ux, REPS);
+        tb[b] = time_events(be, do_xfer, &ub, REPS);
+        t2[b] = time_two_threads(be, &ub);
+        if (!(tx[b].med > 0) || !(tb[b].med > 0) || !(t2[b].med > 0)) goto out;
     }
-    xfer_ud ux = {be, KVB_ENGINE_H2D, x, (int)nx, NULL}, ub = {be, KVB_ENGINE_H2D, x, (int)nx, st};
-    timing tc = time_events(be, run_step, st, REPS), tx = time_events(be, do_xfer, &ux, REPS),
-           tb = time_events(be, do_xfer, &ub, REPS);
-    if (!(tc.med > 0) || !(tx.med > 0) || !(tb.med > 0)) goto out;
-    double bound = KVB_MAX(tc.med, tx.med);
     printf("\ndata path: overlap (%s)\n", what);
     printf("                               time ms (min-max)\n");
     printf("  decode step alone           %8.3f (%.3f-%.3f)\n", tc.med * 1e3, tc.min * 1e3, tc.max * 1e3);
-    printf("  h2d of %6.1f MiB alone     %8.3f (%.3f-%.3f)\n", nx * (double)piece / 1048576.0, tx.med * 1e3,
-           tx.min * 1e3, tx.max * 1e3);
-    printf("  both, issued together       %8.3f (%.3f-%.3f)\n", tb.med * 1e3, tb.min * 1e3, tb.max * 1e3);
-    printf("  overlap: both / max(step, h2d) %6.3f  (1.0: one hides under the other; 2.0 at equal times: none)\n",
-           tb.med / bound);
+    for (int b = 0; b <= has_batch; b++) {
+        printf("  h2d of %6.1f MiB alone     %8.3f (%.3f-%.3f)  %zu scattered pieces, %s\n",
+               nx * (double)piece / 1048576.0, tx[b].med * 1e3, tx[b].min * 1e3, tx[b].max * 1e3, nx, how[b]);
+        printf("  both, issued together       %8.3f (%.3f-%.3f)  %s; one thread: the copy, then the step\n",
+               tb[b].med * 1e3, tb[b].min * 1e3, tb[b].max * 1e3, how[b]);
+        printf("  both, from two threads      %8.3f (%.3f-%.3f)  %s; the copy by a copy thread while this one "
+               "issues the step (the engine's way)\n",
+               t2[b].med * 1e3, t2[b].min * 1e3, t2[b].max * 1e3, how[b]);
+    }
+    for (int b = 0; b <= has_batch; b++)
+        printf("  overlap: both / max(step, h2d) %6.3f one thread, %6.3f two threads  %s (1.0: one hides under the "
+               "other; 2.0 at equal times: none)\n",
+               tb[b].med / KVB_MAX(tc.med, tx[b].med), t2[b].med / KVB_MAX(tc.med, tx[b].med), how[b]);
     rc = 0;
 out:
     if (rc) printf("  data path: not measured (pinned %.0f MiB, or a copy failed)\n", bytes / 1048576.0);
+    kvb_cuda_backend_set_copy_batch(be, batch0);
     free(x);
     kvb_mem_free(be->mem, d);
     kvb_mem_pinned_free(be->mem, h);

@@ -1177,6 +1177,140 @@ KVB_TEST(copy_tickets) {
 }
 KVB_TEST_END
 
+/* copy_async with many scattered pieces (host slot i <-> device slot 37 i mod 97 <-> another device's
+ * slot 11 i mod 97, as kvbank-bench cuda's data path posts them, so no two continue each other), some split in two halves that do (merged back),
+ * some empty, in both directions and on the peer engine, the bytes checked; and a call whose pieces write
+ * the same bytes (the later must win, so it cannot go as a batch, whose copies run in no order). On a
+ * CUDA backend with the batch API (12.8+, and the emulation) the independent pieces go out batched, one
+ * piece per slot; `batch` 0 expects one call each (the batch API off, or failing). */
+enum { SCAT_SLOTS = 97, SCAT_HALVES = 8 };
+/* The pieces of scattered_on's copy `dir`: 0 h -> d, 1 d -> d2, 2 d2 -> h2, each slot of `slot` bytes
+ * scattered on the device side; returns their number (at most SCAT_SLOTS + SCAT_HALVES + 4). */
+static int scatter(int dir, const unsigned char *h, void *d, void *d2, unsigned char *h2, size_t slot,
+                   kvb_copy_piece *x) {
+    int n = 0;
+    for (int i = 0; i < SCAT_SLOTS; i++) {
+        size_t a = (size_t)i * slot, b = (size_t)((i * 37) % SCAT_SLOTS) * slot;
+        size_t c = (size_t)((i * 11) % SCAT_SLOTS) * slot;
+        unsigned char *dd = d, *dd2 = d2;
+        unsigned char *to = dir == 0 ? dd + b : dir == 1 ? dd2 + c : h2 + a;
+        const unsigned char *from = dir == 0 ? h + a : dir == 1 ? dd + b : dd2 + c;
+        if (i % 23 == 5) x[n++] = (kvb_copy_piece){to, from, 0};
+        if (i < SCAT_HALVES) {
+            x[n++] = (kvb_copy_piece){to, from, slot / 2};
+            x[n++] = (kvb_copy_piece){to + slot / 2, from + slot / 2, slot - slot / 2};
+        } else {
+            x[n++] = (kvb_copy_piece){to, from, slot};
+        }
+    }
+    return n;
+}
+
+static void scattered_on(kvb_backend *be, int batch) {
+    const kvb_backend_i *bi = be->iface;
+    enum { NS = SCAT_SLOTS };
+    const size_t slot = 4160; /* not a power of two */
+    size_t bytes = slot * NS;
+    unsigned char *h = NULL, *h2 = NULL;
+    void *d = NULL, *d2 = NULL;
+    ck_assert_int_eq(kvb_mem_pinned_alloc(be->mem, bytes, (void **)&h), KVB_OK);
+    ck_assert_int_eq(kvb_mem_pinned_alloc(be->mem, bytes, (void **)&h2), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, bytes, &d), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(be->mem, bytes, &d2), KVB_OK);
+    for (size_t i = 0; i < bytes; i++) h[i] = (unsigned char)(i * 131 + i / 4099 + 7);
+    memset(h2, 0, bytes);
+    kvb_copy_piece x[SCAT_SLOTS + SCAT_HALVES + 4];
+    kvb_cuda_copy_counts c0, c1;
+    kvb_cuda_backend_copy_counts(be, &c0);
+    for (int dir = 0; dir < 3; dir++) {
+        int n = scatter(dir, h, d, d2, h2, slot, x);
+        kvb_copy_engine e = dir == 0 ? KVB_ENGINE_H2D : dir == 1 ? KVB_ENGINE_PEER : KVB_ENGINE_D2H;
+        uint64_t t = 0;
+        ck_assert_int_eq(bi->copy_async(be->ctx, e, x, n, &t), KVB_OK);
+        if (dir < 2) ck_assert_int_eq(bi->wait_ticket(be->ctx, t), KVB_OK); /* the next copy reads it */
+        else ck_assert_int_eq(bi->ticket_wait(be->ctx, t), KVB_OK);
+    }
+    for (size_t i = 0; i < bytes; i++)
+        ck_assert_msg(h2[i] == h[i], "%s: byte %zu (slot %zu) came back %d, want %d", bi->name, i, i / slot, h2[i], h[i]);
+    kvb_cuda_backend_copy_counts(be, &c1);
+    if (kvb_cuda_backend_is(be)) {
+        uint64_t want = 3 * NS; /* the halves merged, the empty pieces dropped */
+        ck_assert_uint_eq(c1.batched - c0.batched, batch ? want : 0);
+        ck_assert_uint_eq(c1.single - c0.single, batch ? 0 : want);
+    }
+    /* dependent pieces: slots 1 and then 2 of h into device slot 0, which must end as slot 2 */
+    kvb_copy_piece dep[2] = {{d, h + slot, slot}, {d, h + 2 * slot, slot}};
+    uint64_t t = 0;
+    ck_assert_int_eq(bi->copy_async(be->ctx, KVB_ENGINE_H2D, dep, 2, &t), KVB_OK);
+    ck_assert_int_eq(bi->wait_ticket(be->ctx, t), KVB_OK);
+    kvb_copy_piece back = {h2, d, slot};
+    ck_assert_int_eq(bi->copy_async(be->ctx, KVB_ENGINE_D2H, &back, 1, &t), KVB_OK);
+    ck_assert_int_eq(bi->ticket_wait(be->ctx, t), KVB_OK);
+    ck_assert_msg(!memcmp(h2, h + 2 * slot, slot), "%s: of two pieces writing the same bytes, the first won", bi->name);
+    kvb_cuda_backend_copy_counts(be, &c0);
+    if (kvb_cuda_backend_is(be)) ck_assert_uint_eq(c0.single - c1.single, 3);
+#ifdef KVB_CUDA_EMU
+    if (kvb_cuda_backend_is(be)) {
+        /* a batch too lands only when something waits for it: read without its ticket, poison */
+        unsigned char *got = malloc(bytes);
+        ck_assert_int_eq(bi->copy_async(be->ctx, KVB_ENGINE_H2D, x, scatter(0, h, d, d2, h2, slot, x), &t), KVB_OK);
+        ck_assert_int_eq(bi->to_host(be->ctx, got, d, bytes), KVB_OK);
+        size_t poison = 0;
+        for (size_t i = 0; i < bytes; i++) poison += got[i] == 0xFF;
+        ck_assert_msg(poison == bytes, "%s: read without waiting, %zu of %zu bytes are poison", bi->name, poison, bytes);
+        ck_assert_int_eq(bi->wait_ticket(be->ctx, t), KVB_OK);
+        ck_assert_int_eq(bi->to_host(be->ctx, got, d, bytes), KVB_OK);
+        for (int i = 0; i < NS; i++)
+            ck_assert(!memcmp(got + (size_t)((i * 37) % NS) * slot, h + (size_t)i * slot, slot));
+        free(got);
+    }
+#endif
+    kvb_mem_pinned_free(be->mem, h);
+    kvb_mem_pinned_free(be->mem, h2);
+    kvb_mem_free(be->mem, d);
+    kvb_mem_free(be->mem, d2);
+}
+
+KVB_TEST(copy_batch_scattered) {
+    kvb_backend *cpu = make("cpu");
+    scattered_on(cpu, 0);
+    kvb_backend_destroy(cpu);
+    for (int v = 0; v < N_VARIANTS; v++) {
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        int has_batch = kvb_cuda_backend_set_copy_batch(gpu, 1);
+#ifdef KVB_CUDA_EMU
+        ck_assert_int_eq(has_batch, 1); /* this toolkit has the batch API, the emulation implements it */
+#endif
+        scattered_on(gpu, has_batch);
+        kvb_cuda_copy_counts k;
+        kvb_cuda_backend_copy_counts(gpu, &k);
+        ck_assert_int_eq(k.batch_failed, 0);
+        ck_assert_int_eq(kvb_cuda_backend_set_copy_batch(gpu, 0), has_batch); /* one call each, as asked */
+        scattered_on(gpu, 0);
+        kvb_backend_destroy(gpu);
+    }
+#ifdef KVB_CUDA_EMU
+    /* a runtime whose batch API fails: each engine falls back once, the bytes are the same, and the
+     * failure is not left as the thread's last error for the next launch to report */
+    setenv("KVB_EMU_NO_BATCH", "1", 1);
+    kvb_backend *gpu = make("cuda:f32");
+    scattered_on(gpu, 0);
+    kvb_cuda_copy_counts k;
+    kvb_cuda_backend_copy_counts(gpu, &k);
+    ck_assert_int_eq(k.batch_failed, 3);
+    void *a = NULL, *o = NULL;
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, 64 * sizeof(float), &a), KVB_OK);
+    ck_assert_int_eq(kvb_mem_alloc(gpu->mem, 64 * sizeof(float), &o), KVB_OK);
+    int32_t ids[2] = {1, 0};
+    ck_assert_int_eq(gpu->iface->gather_rows(gpu->ctx, a, ids, 2, 32, o), KVB_OK);
+    kvb_mem_free(gpu->mem, a);
+    kvb_mem_free(gpu->mem, o);
+    kvb_backend_destroy(gpu);
+    unsetenv("KVB_EMU_NO_BATCH");
+#endif
+}
+KVB_TEST_END
+
 KVB_TEST(copy_concurrent) {
     rng_state = 22;
     kvb_backend *cpu = make("cpu");
@@ -1405,6 +1539,7 @@ int main(int argc, char **argv) {
         KVB_T(attention_sliding_window, 300), KVB_T(attention_chunk_over_past, 300),
         KVB_T(bias_add, 60),
         KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120), KVB_T(copy_tickets, 60),
+        KVB_T(copy_batch_scattered, 60),
         KVB_T(sampling, 120),              KVB_T(backend_sample, 60),
         KVB_T(cuda_memory, 60),
     };

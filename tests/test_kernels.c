@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/copy_plan.h"
 #include "kernels/cpu/ops.h"
 #include "tests/harness.h"
 
@@ -865,9 +866,93 @@ KVB_TEST(bias_add_rows) {
 }
 KVB_TEST_END
 
+/* ---------------------------------------------------------------- copy_async's piece plan (copy_plan.h) */
+
+/* Applies pieces x[0..n) to memory in the order given (rev: the reverse order). */
+static void apply_pieces(const kvb_copy_piece *x, int n, int rev) {
+    for (int k = 0; k < n; k++) {
+        const kvb_copy_piece *p = &x[rev ? n - 1 - k : k];
+        memmove(p->dst, p->src, p->bytes);
+    }
+}
+
+/* O(n^2): whether some piece writes bytes another piece writes or any piece reads. */
+static int naive_independent(const kvb_copy_piece *x, int n) {
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) {
+            if (!x[i].bytes || !x[j].bytes) continue;
+            uintptr_t d = (uintptr_t)x[i].dst, s = (uintptr_t)x[j].src, e = (uintptr_t)x[j].dst;
+            if (d < s + x[j].bytes && s < d + x[i].bytes) return 0;
+            if (i != j && d < e + x[j].bytes && e < d + x[i].bytes) return 0;
+        }
+    return 1;
+}
+
+KVB_TEST(copy_plan_pieces) {
+    enum { MEM = 4096, N = 24 };
+    static unsigned char mem[MEM], a[MEM], b[MEM];
+    kvb_copy_piece x[N], m[N];
+    kvb_copy_span scratch[3 * N];
+    /* fixed cases: halves of a slot merge; a piece continuing only the destination does not; empty pieces go */
+    kvb_copy_piece f[4] = {{mem + 1000, mem, 100}, {mem + 1100, mem + 100, 50}, {mem + 1150, mem + 500, 10},
+                           {mem + 3000, mem + 600, 0}};
+    ck_assert_int_eq(kvb_copy_coalesce(f, 4, m), 2);
+    ck_assert_ptr_eq(m[0].dst, mem + 1000);
+    ck_assert_uint_eq(m[0].bytes, 150);
+    ck_assert_uint_eq(m[1].bytes, 10);
+    /* a shift inside one buffer: merged, the second half would read what the first wrote */
+    kvb_copy_piece sh[2] = {{mem + 64, mem, 64}, {mem + 128, mem + 64, 64}};
+    ck_assert_int_eq(kvb_copy_coalesce(sh, 2, m), 2);
+    ck_assert_int_eq(kvb_copy_independent(sh, 2, scratch), 0);
+    /* two pieces reading the same bytes are independent; two writing the same are not */
+    kvb_copy_piece rd[2] = {{mem + 2000, mem, 64}, {mem + 3000, mem + 32, 64}};
+    ck_assert_int_eq(kvb_copy_independent(rd, 2, scratch), 1);
+    kvb_copy_piece wr[2] = {{mem + 2000, mem, 64}, {mem + 2063, mem + 500, 64}};
+    ck_assert_int_eq(kvb_copy_independent(wr, 2, scratch), 0);
+    /* random pieces in one buffer: the coalesced pieces in order copy what the originals in order copy,
+     * and kvb_copy_independent agrees with the pairwise check; independent pieces copy the same in
+     * reverse order */
+    rng_state = 31;
+    int n_indep = 0;
+    for (int trial = 0; trial < 4000; trial++) {
+        int n = 1 + (int)((frand() + 1) * 0.5f * (N - 1));
+        int spread = trial % 2 ? MEM : 600; /* dense: overlaps are common */
+        for (int i = 0; i < n; i++) {
+            size_t len = (size_t)((frand() + 1) * 0.5f * 48);
+            size_t d = (size_t)((frand() + 1) * 0.5f * (spread - 64)), s = (size_t)((frand() + 1) * 0.5f * (spread - 64));
+            if (i && frand() < -0.3f) { /* continue the previous piece on both sides */
+                d = (size_t)((unsigned char *)x[i - 1].dst - mem) + x[i - 1].bytes;
+                s = (size_t)((const unsigned char *)x[i - 1].src - mem) + x[i - 1].bytes;
+                if (d + len > MEM || s + len > MEM) len = 0;
+            }
+            x[i] = (kvb_copy_piece){mem + d, mem + s, len};
+        }
+        for (int i = 0; i < MEM; i++) mem[i] = (unsigned char)(i * 7 + trial);
+        memcpy(b, mem, MEM);
+        apply_pieces(x, n, 0);
+        memcpy(a, mem, MEM);
+        memcpy(mem, b, MEM);
+        int k = kvb_copy_coalesce(x, n, m);
+        ck_assert_int_le(k, n);
+        apply_pieces(m, k, 0);
+        ck_assert_msg(!memcmp(mem, a, MEM), "trial %d: the %d coalesced pieces copy otherwise than the %d", trial, k, n);
+        int ind = kvb_copy_independent(m, k, scratch);
+        ck_assert_int_eq(ind, naive_independent(m, k));
+        if (ind) {
+            n_indep++;
+            memcpy(mem, b, MEM);
+            apply_pieces(m, k, 1);
+            ck_assert_msg(!memcmp(mem, a, MEM), "trial %d: independent pieces copy otherwise in reverse", trial);
+        }
+    }
+    ck_assert_int_gt(n_indep, 200); /* both answers were exercised */
+    ck_assert_int_lt(n_indep, 3800);
+}
+KVB_TEST_END
+
 KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60), KVB_T_NEED(matmul_batch_invariant, 30, need_avx2), KVB_T(matmul_n_matches_matmul, 30), KVB_T(weight_load_half, 10),
               KVB_T(matmul_half_weights_exact, 120), KVB_T(weight_view_half, 10), KVB_T(e4m3_conversions, 10),
               KVB_T_NEED(fp8_quant_rows, 10, need_avx2), KVB_T(matmul_fp8, 120),
               KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T_NEED(attention_decode_widths, 60, need_avx512), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
               KVB_T(attention_sliding_window, 120), KVB_T(attention_bf16_cache, 300), KVB_T(kv_write_bf16_rounds, 10),
-              KVB_T(bias_add_rows, 10))
+              KVB_T(bias_add_rows, 10), KVB_T(copy_plan_pieces, 30))

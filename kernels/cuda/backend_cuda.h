@@ -38,6 +38,19 @@ typedef struct kvb_cuda_device_info {
 
 kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *out);
 
+/* How copy_async issues a call's pieces, once those that continue each other are merged: 1 (the default
+ * where the CUDA runtime has cudaMemcpyBatchAsync, 12.8 and later) as one batch when no piece writes
+ * what another reads or writes, else one cudaMemcpyAsync each (0). Returns the setting before the call;
+ * asking for 1 without the batch API leaves 0. kvbank-bench cuda times both. */
+int kvb_cuda_backend_set_copy_batch(kvb_backend *be, int on);
+/* Pieces copy_async has issued since `be` was created. */
+typedef struct kvb_cuda_copy_counts {
+    uint64_t batched;  /* in cudaMemcpyBatchAsync calls */
+    uint64_t single;   /* one cudaMemcpyAsync each */
+    int batch_failed;  /* copy engines on which the batch API failed (their copies go one call each since) */
+} kvb_cuda_copy_counts;
+void kvb_cuda_backend_copy_counts(const kvb_backend *be, kvb_cuda_copy_counts *out);
+
 /* ---------------------------------------------------------------- cuBLAS and NCCL errors */
 
 /* cublasStatus_t (as int) -> kvb_status, logging cuBLAS's name and message for the expression. */

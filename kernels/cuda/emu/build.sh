@@ -131,7 +131,7 @@ for f in "$OUT"/src/*.cc; do
     compile "$o" g++ $CXXFLAGS -include "$ROOT/kernels/cuda/emu/emu.h" "$f"
 done
 compile "$OUT/obj/emu.o" g++ $CXXFLAGS "$ROOT/kernels/cuda/emu/emu.cc"
-for c in kernels/registry.c kernels/cuda/backend_cuda.c kernels/cpu/backend_cpu.c kernels/cpu/ops.c \
+for c in kernels/registry.c kernels/copy_plan.c kernels/cuda/backend_cuda.c kernels/cpu/backend_cpu.c kernels/cpu/ops.c \
     kernels/cpu/attention.c kernels/cpu/matmul.c common/mem/region.c common/mem/region_cuda.c; do
     compile "$OUT/obj/$(echo "$c" | tr / _ | sed 's/\.c$/.o/')" gcc $CFLAGS "$ROOT/$c"
 done

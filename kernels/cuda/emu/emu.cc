@@ -517,15 +517,13 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t st) {
     std::memset(p, v, n);
     return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind, cudaStream_t st) {
-    if (!st) return cudaErrorInvalidValue; /* kvbank never uses the legacy default stream */
-    if (!n) return cudaSuccess;
-    std::lock_guard<std::mutex> g(g_copy_mu);
-    emu_stream *es = stream_of(st);
+/* A copy of n bytes from s to d on es, deferred (with g_copy_mu held); `now`: its source is read at the
+ * call (a pageable source, or a batch copy whose source order is not the stream's). */
+static void enqueue_copy(emu_stream *es, void *d, const void *s, size_t n, bool now) {
     if (mem_kind(d) == EMU_PAGEABLE) { /* into pageable host memory: done when the call returns */
         deliver_all(es, EMU_BY_HOST);
         std::memmove(d, s, n);
-        return cudaSuccess;
+        return;
     }
     /* stream order: the earlier copies that read or write the destination have run before this one */
     uint64_t before = 0;
@@ -533,11 +531,85 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKin
         if (overlaps(c.dst, c.n, d, n) || overlaps(c.src, c.n, d, n)) before = c.seq;
     if (before) deliver(es, before, EMU_BY_STREAM);
     emu_copy c{d, s, n, ++es->issued, {}};
-    if (mem_kind(s) == EMU_PAGEABLE) c.staged.assign((const unsigned char *)s, (const unsigned char *)s + n);
+    if (now || mem_kind(s) == EMU_PAGEABLE) c.staged.assign((const unsigned char *)s, (const unsigned char *)s + n);
     es->q.push_back(std::move(c));
     std::memset(d, 0xFF, n);
+}
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind, cudaStream_t st) {
+    if (!st) return cudaErrorInvalidValue; /* kvbank never uses the legacy default stream */
+    if (!n) return cudaSuccess;
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    enqueue_copy(stream_of(st), d, s, n, false);
     return cudaSuccess;
 }
+
+/* cudaMemcpyBatchAsync as CUDA 12.8+ defines it: the batch is one operation of the stream, its copies
+ * run in no particular order (here: each deferred and poisoned like a cudaMemcpyAsync, landing when
+ * work is ordered after the batch). Checked as the runtime documents it (a valid srcAccessOrder for
+ * every copy, attrsIdxs from 0 and rising, not the legacy stream: cudaErrorInvalidValue, which is also
+ * the thread's last error, as on the device); two copies of a batch of which one writes bytes the other
+ * reads or writes, undefined on a device, abort with a message. KVB_EMU_NO_BATCH=1 makes it return
+ * cudaErrorNotSupported (a runtime or driver without it) so that callers' fallbacks run. */
+static cudaError_t memcpy_batch(void *const *dsts, const void *const *srcs, const size_t *sizes, size_t count,
+                                const struct cudaMemcpyAttributes *attrs, const size_t *idxs, size_t n_attrs,
+                                cudaStream_t st) {
+    const char *off = std::getenv("KVB_EMU_NO_BATCH");
+    if (off && *off && std::strcmp(off, "0")) return g_last = cudaErrorNotSupported;
+    if (!st || !count || !dsts || !srcs || !sizes || !attrs || !idxs || !n_attrs || n_attrs > count || idxs[0] != 0)
+        return g_last = cudaErrorInvalidValue;
+    std::vector<bool> now(count);
+    for (size_t k = 0; k < n_attrs; k++) {
+        if (k && (idxs[k] <= idxs[k - 1] || idxs[k] >= count)) return g_last = cudaErrorInvalidValue;
+        enum cudaMemcpySrcAccessOrder o = attrs[k].srcAccessOrder;
+        if (o != cudaMemcpySrcAccessOrderStream && o != cudaMemcpySrcAccessOrderDuringApiCall &&
+            o != cudaMemcpySrcAccessOrderAny)
+            return g_last = cudaErrorInvalidValue;
+        for (size_t i = idxs[k]; i < (k + 1 < n_attrs ? idxs[k + 1] : count); i++)
+            now[i] = o != cudaMemcpySrcAccessOrderStream;
+    }
+    struct span {
+        uintptr_t a, b;
+        bool dst;
+        size_t i;
+    };
+    std::vector<span> v;
+    for (size_t i = 0; i < count; i++)
+        if (sizes[i]) {
+            v.push_back({(uintptr_t)dsts[i], (uintptr_t)dsts[i] + sizes[i], true, i});
+            v.push_back({(uintptr_t)srcs[i], (uintptr_t)srcs[i] + sizes[i], false, i});
+        }
+    std::sort(v.begin(), v.end(), [](const span &x, const span &y) { return x.a < y.a; });
+    uintptr_t end_any = 0, end_dst = 0; /* the furthest end of the spans before, of all, of destinations */
+    size_t who_any = 0, who_dst = 0;
+    for (const span &x : v) {
+        if ((x.dst && x.a < end_any) || x.a < end_dst) {
+            std::fprintf(stderr, "emu: cudaMemcpyBatchAsync: copy %zu overlaps copy %zu's destination or source "
+                                 "(the copies of a batch run in no order)\n",
+                         x.i, x.a < end_dst ? who_dst : who_any);
+            std::abort();
+        }
+        if (x.b > end_any) end_any = x.b, who_any = x.i;
+        if (x.dst && x.b > end_dst) end_dst = x.b, who_dst = x.i;
+    }
+    std::lock_guard<std::mutex> g(g_copy_mu);
+    emu_stream *es = stream_of(st);
+    for (size_t i = 0; i < count; i++)
+        if (sizes[i]) enqueue_copy(es, dsts[i], srcs[i], sizes[i], now[i]);
+    return cudaSuccess;
+}
+#if CUDART_VERSION >= 13000
+cudaError_t cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_t *sizes, size_t count,
+                                 struct cudaMemcpyAttributes *attrs, size_t *idxs, size_t n_attrs, cudaStream_t st) {
+    return memcpy_batch(dsts, srcs, sizes, count, attrs, idxs, n_attrs, st);
+}
+#elif CUDART_VERSION >= 12080
+cudaError_t cudaMemcpyBatchAsync(void **dsts, void **srcs, size_t *sizes, size_t count,
+                                 struct cudaMemcpyAttributes *attrs, size_t *idxs, size_t n_attrs, size_t *fail_idx,
+                                 cudaStream_t st) {
+    *fail_idx = SIZE_MAX;
+    return memcpy_batch(dsts, srcs, sizes, count, attrs, idxs, n_attrs, st);
+}
+#endif
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int) {
     emu_stream *es = new emu_stream;
     std::lock_guard<std::mutex> g(g_copy_mu);
