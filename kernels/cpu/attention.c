@@ -204,8 +204,9 @@ __attribute__((target("avx2,fma"))) static void axpy_rows4_avx2(const float *p, 
 /* Share `part` of `parts` of the prefetch of [pf, pf + bytes): a block's kernels spread the next block's
  * prefetch over their loops, so that it goes on while they compute. Into L2 (locality 2), as the products'
  * streaming kernel does (kernels/cpu/ops.c): a block's lines prefetched into L1 evicted the lines still in
- * use, and their requests queued behind each other. */
-static inline void prefetch_share(const char *pf, size_t bytes, int part, int parts) {
+ * use, and their requests queued behind each other. Always inlined: a copy out of line counts as free of
+ * side effects to GCC, which then drops the calls (it did in the large dots_bf512). */
+__attribute__((always_inline)) static inline void prefetch_share(const char *pf, size_t bytes, int part, int parts) {
     size_t lines = KVB_DIV_CEIL(bytes, 64), l1 = lines * (size_t)(part + 1) / (size_t)parts;
     for (size_t l = lines * (size_t)part / (size_t)parts; l < l1; l++) __builtin_prefetch(pf + l * 64, 0, 2);
 }
