@@ -12,7 +12,9 @@
  *    time (AVX2 register tiles; sgemm without AVX2) with the causal mask and an online softmax between.
  * Both compute exact softmax attention in f32 (max subtracted before exp); a bf16 cache ("cpu:bf16") is
  * widened to f32 as it is read (walk: in registers by the AVX-512 kernels, else a block at a time into
- * L1; gemm: as gathered), the products unchanged. With a sliding window
+ * L1; gemm: as gathered), the products unchanged, except where the walk takes the processor's bf16 dot
+ * products (AVX512_BF16, head sizes a multiple of 64): there q and the softmax weights are rounded to
+ * bf16 for the products too (dots_bf512, axpy_pairs_bf512). With a sliding window
  * (kvb_attn_batch.window) a row sees only its last `window` keys; keys before every row's window are
  * neither read nor gathered. */
 #include <cblas.h>
@@ -595,7 +597,8 @@ __attribute__((target("avx2"))) static inline void widen32_avx2(const uint16_t *
  * f32), with the next block's bf16 rows [pf, pf + pf_bytes) prefetched a line per line widened. Where the
  * AVX-512 kernels do not run (AVX2, head sizes not a multiple of 16, a block's rows after its fours) the
  * walk runs its f32 kernels on dst, which stays in L1: the same products as an f32 cache holding the
- * rounded values, so "cpu:bf16" differs from "cpu" by the rounding of K and V alone. The AVX-512 kernels
+ * rounded values, so on these paths "cpu:bf16" differs from "cpu" by the rounding of K and V alone (on the
+ * bf16 dot products, by that of K, V, and q and p for the products). The AVX-512 kernels
  * widen in registers instead (load16): the same values, without the store and the load back, which took a
  * third of the walk's time (12 layers of the bench model at 2,048 keys, 2 Zen 4 cores, the cache in L3:
  * 0.72 -> 0.49-0.52 ms; one core 1.39 -> 0.95-0.97 ms). Its own loop, not
