@@ -8,7 +8,7 @@
  * files) into a kvb_model laid out as model.c loads one onto this backend (q/k/v and gate/up stacked
  * where the backend fuses them), KV blocks of 16 tokens in the block-major layout, also filled at
  * random. Each step is what the engine runs: common/model/forward.c's kvb_forward_begin / _layer / _end
- * (layers in chunks of KVB_FORWARD_CHUNK_ROWS rows, the fused operators, the logits copied to the host).
+ * (layers in chunks of the backend's chunk: 2048 rows on CUDA, the fused operators, the logits copied to the host).
  *   decode ratio     = (weight bytes + KV bytes read) / B / step time        (1.0 = at the HBM roofline)
  *   prefill ratio    = model FLOPs / F / prefill time, with model FLOPs = 2 * tokens * matrix params +
  *                      causal attention (4 * heads * head_dim * tokens(tokens+1)/2 per layer) + LM head
@@ -797,7 +797,7 @@ int kvb_bench_cuda(int argc, char **argv) {
     /* cuBLAS workspaces, a prefill step's residual stream and chunk buffers (of the 4x chunks of its last
      * row), fragmentation */
     size_t reserve = (tiny ? (size_t)64 << 20 : (size_t)2 << 30) + (size_t)act_cap * s.hidden * 2 +
-                     (size_t)4 * KVB_FORWARD_CHUNK_ROWS * (3 * (size_t)s.hidden + 4 * (size_t)s.inter) * 2 * 2;
+                     (size_t)4 * kvb_forward_default_chunk(be) * (3 * (size_t)s.hidden + 4 * (size_t)s.inter) * 2 * 2;
     if (do_ipc) reserve += block_bytes * (size_t)ipc_batch * (size_t)KVB_DIV_CEIL(ipc_ctx, s.block_size);
     int64_t fit_blocks = info.mem_free > reserve ? (int64_t)((info.mem_free - reserve) / block_bytes) : 0;
     pool_blocks = KVB_MIN(want_blocks, fit_blocks);
@@ -877,7 +877,8 @@ int kvb_bench_cuda(int argc, char **argv) {
         double attn_flops = 4.0 * s.n_heads * s.head_dim * ((double)prefill * (prefill + 1) / 2) * s.n_layers;
         double gemm_flops = 2.0 * prefill * (double)m.matrix_params + 2.0 * s.vocab * (double)s.hidden;
         double flops = gemm_flops + attn_flops;
-        printf("\nprefill %d tokens, one step  time ms (min-max)       TFLOP  TFLOP/s  ratio to GEMM\n", prefill);
+        printf("\nprefill %d tokens, one step  time ms (min-max)       TFLOP  TFLOP/s  ratio to GEMM   (the engine's "
+               "chunks: %d rows)\n", prefill, kvb_forward_default_chunk(be));
         printf("  whole step (the engine's)  %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", t.med * 1e3, t.min * 1e3,
                t.max * 1e3, flops / 1e12, t.med > 0 ? flops / t.med / 1e12 : 0, t.med > 0 ? flops / t.med / F : 0);
         printf("  attention alone (1 call)   %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", ta.med * 1e3, ta.min * 1e3,
@@ -887,14 +888,14 @@ int kvb_bench_cuda(int argc, char **argv) {
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / 1e12 : 0,
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / F : 0);
         /* the same step in chunks of 4x the rows: what the engine's chunk size costs the products */
-        int big = 4 * KVB_FORWARD_CHUNK_ROWS;
+        int eng = kvb_forward_default_chunk(be), big = 4 * eng;
         st.only_attention = 0;
-        if (prefill > KVB_FORWARD_CHUNK_ROWS && kvb_forward_chunk(fw, big) == KVB_OK) {
+        if (prefill > eng && kvb_forward_chunk(fw, big) == KVB_OK) {
             timing tb = time_events(be, run_step, &st, 3);
             printf("  whole step, %d-row chunks %7.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", big, tb.med * 1e3,
                    tb.min * 1e3, tb.max * 1e3, flops / 1e12, tb.med > 0 ? flops / tb.med / 1e12 : 0,
                    tb.med > 0 ? flops / tb.med / F : 0);
-            if (kvb_forward_chunk(fw, KVB_FORWARD_CHUNK_ROWS) != KVB_OK) goto out;
+            if (kvb_forward_chunk(fw, eng) != KVB_OK) goto out;
         }
         if (n_prow < 2 * MAX_LIST) prow[n_prow++] = (peer_row){1, 1, prefill, t.med * 1e3};
         view_free(&v, s.n_layers);
