@@ -63,6 +63,7 @@ variants=(
     "llama-fp8-w8a16 --arch llama --dtype bf16 --fp8 w8a16 --seed 13"
     "qwen3-fp8-w8a8 --arch qwen3 --heads 4 --kv-heads 2 --dtype bf16 --fp8 w8a8 --seed 14"
     "llama-fp8-ignore --arch llama --fp8 w8a8 --fp8-scale tensor --fp8-ignore re:.+down_proj --fp8-ignore model.layers.0.self_attn.o_proj --seed 15"
+    "llama-hd64     --arch llama --heads 4 --kv-heads 2 --head-dim 64 --seed 16"
 )
 
 # Edits (python3 statements on the dict `c` of config.json) that remove a feature a variant has: the
@@ -173,9 +174,10 @@ done
 # bf16 for its dot products): within KV_BF16_RTOL of the reference, a divergence from its argmax allowed
 # only at a top-2 gap below that share of the row's largest logit (the rounding can swap such a pair), at block sizes 1 and 16 and in the ragged batch. So that the bound says something, the
 # same logits must FAIL at the f32 bound (the cache is bf16) and against the windowed model without its
-# window (the bound is not loose).
+# window (the bound is not loose). llama-hd64: a head size the decode walk's bf16 dot products take (a
+# multiple of 64, where the processor has AVX512_BF16); the others' 16 take the widening walk.
 KV_BF16_RTOL=${KV_BF16_RTOL:-0.01}
-for name in llama-gqa mistral-swa qwen2-swa qwen3-yarn-swa; do
+for name in llama-gqa mistral-swa qwen2-swa qwen3-yarn-swa llama-hd64; do
     dir=$tmp/$name
     [[ -d $dir ]] || { fail "$name: no model for cpu:bf16"; continue; }
     for bs in 1 16; do
