@@ -421,8 +421,8 @@ KVB_TEST(matmul_fused) {
 }
 KVB_TEST_END
 
-/* The 9-64-row tensor-core product (gemv.cu's skinny2_kernel, v2) through its launchers against the
- * CPU's unfused sequence: every input form (plain, RMSNorm folded, SwiGLU folded) with beta 0 and 1,
+/* The 9-64-row tensor-core product (gemv.cu's skinny2_kernel, v2; and v1 where it applies) through
+ * its launchers against the CPU's unfused sequence: every input form (plain, RMSNorm folded, SwiGLU folded) with beta 0 and 1,
  * 9..64 input rows (not multiples of 8 or 16 included), weight rows not multiples of 16, columns
  * multiples of 8 but not of 32 (v1 refuses those), and plans with one split and several, one
  * activation tile a block and several (the SM count the plan assumes, 1 or 132, makes both; the
@@ -431,12 +431,13 @@ KVB_TEST_END
  * backend's creation. */
 enum { SK_PLAIN, SK_NORM, SK_SWIGLU };
 
-static void skinny_case(kvb_backend *cpu, kvb_backend *gpu, const variant *V, int n, int rows, int cols, int n_sm,
-                        int seen[2][2]) {
-    kvb_cuda_gemv_ctx g = {.skinny = KVB_CUDA_SKINNY_V2, .n_sm = n_sm};
+static void skinny_case(kvb_backend *cpu, kvb_backend *gpu, const variant *V, int skinny, int n, int rows, int cols,
+                        int n_sm, int seen[2][2]) {
+    kvb_cuda_gemv_ctx g = {.skinny = skinny, .n_sm = n_sm};
     kvb_cuda_gemv_plan plan;
     kvb_cuda_gemv_plan_of(&g, rows, cols, n, &plan);
     ck_assert_int_eq(plan.blocks, plan.splits * ((rows + plan.block_rows - 1) / plan.block_rows));
+    if (skinny == KVB_CUDA_SKINNY_V1) plan.splits = 1; /* v1 splits in the block, with no workspace */
     seen[plan.splits > 1][plan.tiles > 1] = 1;
     size_t n_counters = 0, floats = kvb_cuda_gemv_workspace(&g, V->dt, rows, cols, n, &n_counters);
     ck_assert(plan.splits > 1 ? floats > 0 && n_counters > 0 : floats == 0);
@@ -477,9 +478,10 @@ static void skinny_case(kvb_backend *cpu, kvb_backend *gpu, const variant *V, in
                 ck_assert_int_eq(rc, 0);
                 got[rep] = download(gpu, yg, (size_t)n * rows + OUT_GUARD);
                 kvb_mem_free(gpu->mem, yg);
-                CHECK_CLOSE(got[rep], yc, (size_t)n * rows, V, "skinny v2 mode %d n=%d %dx%d beta %d (%d splits, %d tiles)",
-                            mode, n, rows, cols, beta, plan.splits, plan.tiles);
-                CHECK_GUARD(got[rep], (size_t)n * rows, "%s: skinny v2 mode %d n=%d %dx%d", V->name, mode, n, rows, cols);
+                CHECK_CLOSE(got[rep], yc, (size_t)n * rows, V, "skinny %s mode %d n=%d %dx%d beta %d (%d splits, %d tiles)",
+                            kvb_cuda_skinny_name(skinny), mode, n, rows, cols, beta, plan.splits, plan.tiles);
+                CHECK_GUARD(got[rep], (size_t)n * rows, "%s: skinny %s mode %d n=%d %dx%d", V->name,
+                            kvb_cuda_skinny_name(skinny), mode, n, rows, cols);
             }
             if (got[1])
                 ck_assert_msg(!memcmp(got[0], got[1], sizeof(float) * n * rows), "%s: skinny v2 n=%d %dx%d: two runs differ",
@@ -488,8 +490,9 @@ static void skinny_case(kvb_backend *cpu, kvb_backend *gpu, const variant *V, in
             free(got[1]);
         }
     }
-    ck_assert_uint_eq(g.launched[KVB_CUDA_GEMV_K_SKINNY_V2], (uint64_t)(plan.splits > 1 ? 12 : 6));
-    ck_assert_uint_eq(g.launched[KVB_CUDA_GEMV_K_SKINNY_V1] + g.launched[KVB_CUDA_GEMV_K_GEMV], 0);
+    int k = skinny == KVB_CUDA_SKINNY_V1 ? KVB_CUDA_GEMV_K_SKINNY_V1 : KVB_CUDA_GEMV_K_SKINNY_V2;
+    ck_assert_uint_eq(g.launched[k], (uint64_t)(plan.splits > 1 ? 12 : 6));
+    ck_assert_uint_eq(g.launched[0] + g.launched[1] + g.launched[2], g.launched[k]);
     if (floats) {
         kvb_mem_free(gpu->mem, g.part);
         kvb_mem_free(gpu->mem, g.counters);
@@ -544,13 +547,18 @@ KVB_TEST(matmul_skinny) {
     /* n, rows, cols, the SM count of the plan */
     static const int shapes[][4] = {{9, 77, 64, 132},   {13, 130, 40, 132},  {16, 200, 1024, 132}, {16, 300, 1032, 1},
                                     {20, 257, 584, 132}, {24, 129, 2056, 1}, {31, 64, 1096, 1},   {40, 300, 600, 1},
-                                    {57, 33, 200, 132},  {64, 129, 520, 1},  {64, 70, 264, 132}};
+                                    {57, 33, 200, 132},  {64, 129, 520, 1},  {64, 70, 264, 132}, {33, 100, 512, 132},
+                                    {48, 45, 96, 132}};
     for (int v = 1; v < N_VARIANTS; v++) { /* bf16 and f16 */
         const variant *V = &VARIANTS[v];
         kvb_backend *gpu = make(V->name);
-        int seen[2][2] = {{0}};
-        for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++)
-            skinny_case(cpu, gpu, V, shapes[si][0], shapes[si][1], shapes[si][2], shapes[si][3], seen);
+        int seen[2][2] = {{0}}, seen_v1[2][2] = {{0}};
+        for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
+            skinny_case(cpu, gpu, V, KVB_CUDA_SKINNY_V2, shapes[si][0], shapes[si][1], shapes[si][2], shapes[si][3], seen);
+            if (shapes[si][2] % 32 == 0) /* the kernel before, kept for the A/B on a GPU */
+                skinny_case(cpu, gpu, V, KVB_CUDA_SKINNY_V1, shapes[si][0], shapes[si][1], shapes[si][2], shapes[si][3],
+                            seen_v1);
+        }
         for (int sp = 0; sp < 2; sp++)
             for (int ti = 0; ti < 2; ti++)
                 ck_assert_msg(seen[sp][ti], "no case with %s split and %s tile", sp ? "more than one" : "one",
