@@ -12,6 +12,9 @@
  *   decode ratio     = (weight bytes + KV bytes read) / B / step time        (1.0 = at the HBM roofline)
  *   prefill ratio    = model FLOPs / F / prefill time, with model FLOPs = 2 * tokens * matrix params +
  *                      causal attention (4 * heads * head_dim * tokens(tokens+1)/2 per layer) + LM head
+ *   product ratio    = weight bytes / B / time of one weight product of the decode step at each batch of
+ *                      9-64 rows, with each of the two 9-64-row kernels (KVB_CUDA_SKINNY v1, v2); the
+ *                      decode step at those batches is timed with both too
  *   attention ratio  = KV bytes read / B / time of the attention operator alone (decode)
  *   IPC ratio        = time of attention over blocks lent by another process through a CUDA IPC
  *                      handle / time over local blocks (1.0 = no cost for reading in place)
@@ -38,6 +41,7 @@
 #ifdef KVB_WITH_CUDA
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/convert.h"
+#include "kernels/cuda/gemv.h"
 
 #define MAX_LIST 16
 #define REPS 7
@@ -420,7 +424,8 @@ static void usage(FILE *f) {
                "                         [--layers N] [--attn-batch N] [--ipc-batch N] [--no-prefill] [--no-ipc]\n"
                "                         [--shape llama3-8b|tiny] [--peer SCRIPT [--peer-decode LIST]]\n"
                "\n"
-               "Decode steps, an 8K prefill, paged attention and reading lent blocks through CUDA IPC, on a\n"
+               "Decode steps (and their weight products at 9-64 rows, with each kernel), an 8K prefill, paged\n"
+               "attention and reading lent blocks through CUDA IPC, on a\n"
                "Llama-3-8B-shaped bf16 model built on the device and run through the engine's forward pass, against\n"
                "the copy bandwidth and cuBLAS GEMM rate measured in the same run. Exit status 77 when there is no\n"
                "CUDA device.\n"
@@ -435,6 +440,103 @@ static void usage(FILE *f) {
                "  --peer SCRIPT        then run SCRIPT (bench/compiled_peer.py) with python3 at the same shape, once\n"
                "                       this process has let go of the device, and compare its rows with these\n"
                "  --peer-decode LIST   the peer's decode rows, BxC pairs (default 1x1024: the batch-1 target)\n");
+}
+
+/* ---------------------------------------------------------------- the decode products */
+
+/* PROD_CALLS calls of one product between the events, each on the next layer's weight (a layer's
+ * matrix alone may stay in L2 from one call to the next; the step reads each once). */
+#define PROD_CALLS 16
+typedef struct prod_ud {
+    kvb_backend *be;
+    const model *md;
+    int which; /* index into PRODS */
+    const void *x;
+    void *y;
+    int n;
+} prod_ud;
+
+typedef struct prod_kind {
+    const char *name;
+    int mode; /* 0 plain, 1 norm folded, 2 SwiGLU folded */
+    float beta;
+} prod_kind;
+static const prod_kind PRODS[] = {
+    {"qkv (norm)", 1, 0.0f}, {"o_proj (+=)", 0, 1.0f}, {"gate/up (norm)", 1, 0.0f}, {"down (swiglu, +=)", 2, 1.0f}, {"lm_head", 0, 0.0f},
+};
+
+static const kvb_tensor *prod_weight(const model *md, int which, int layer, const kvb_tensor **norm) {
+    const kvb_layer_weights *w = &md->m.layers[layer];
+    *norm = which == 0 ? &w->attn_norm : &w->ffn_norm;
+    switch (which) {
+    case 0: return &w->wqkv;
+    case 1: return &w->wo;
+    case 2: return &w->w_gu;
+    case 3: return &w->w_down;
+    default: return &md->m.lm_head;
+    }
+}
+
+static kvb_status do_prod(void *ud) {
+    prod_ud *p = ud;
+    const kvb_backend_i *i = p->be->iface;
+    for (int c = 0; c < PROD_CALLS; c++) {
+        const kvb_tensor *norm, *w = prod_weight(p->md, p->which, c % p->md->s.n_layers, &norm);
+        switch (PRODS[p->which].mode) {
+        case 0: KVB_TRY(i->matmul(p->be->ctx, p->x, p->n, w, PRODS[p->which].beta, p->y)); break;
+        case 1: KVB_TRY(i->matmul_norm(p->be->ctx, p->x, p->n, norm, 1e-5f, w, p->y)); break;
+        default: KVB_TRY(i->matmul_swiglu(p->be->ctx, p->x, p->n, w, PRODS[p->which].beta, p->y)); break;
+        }
+    }
+    return KVB_OK;
+}
+
+/* Each weight product of the decode step at n activation rows with each 9-64-row kernel (gemv.h's
+ * KVB_CUDA_SKINNY variants), side by side: weight bytes / time against the copy rate B. */
+static int bench_products(kvb_backend *be, const model *md, int n, int n_sm, double B) {
+    const shape *s = &md->s;
+    size_t es = kvb_dtype_size(be->iface->act_dtype), in_elems = (size_t)n * 2 * s->inter,
+           out_elems = (size_t)n * KVB_MAX(s->vocab, 2 * s->inter);
+    void *x = NULL, *y = NULL;
+    int rc = 1;
+    if (kvb_mem_alloc(be->mem, in_elems * es, &x) != KVB_OK || kvb_mem_alloc(be->mem, out_elems * es, &y) != KVB_OK ||
+        kvb_cuda_fill_uniform(x, be->iface->act_dtype, in_elems, 11, -1, 1, kvb_cuda_backend_stream(be)) != 0 ||
+        kvb_cuda_fill_uniform(y, be->iface->act_dtype, out_elems, 12, -1, 1, kvb_cuda_backend_stream(be)) != 0)
+        goto out;
+    printf("\ndecode products, %d rows (%d calls a timing over the layers' weights; v1: 16 weight rows a block, the\n"
+           "input re-read per warp; v2: 128 a block, the input transformed once a block, split-K planned)\n", n, PROD_CALLS);
+    printf("  product            rows x cols     v1 us (min-max)       v2 us (min-max)     v1 GB/s  v2 GB/s  v1/copy  "
+           "v2/copy  v1/v2   v2 blocks x splits\n");
+    kvb_cuda_gemv_ctx g = {.skinny = KVB_CUDA_SKINNY_V2, .n_sm = n_sm};
+    int was = kvb_cuda_backend_set_skinny(be, KVB_CUDA_SKINNY_V2);
+    for (int k = 0; k < (int)KVB_ARRAY_LEN(PRODS); k++) {
+        const kvb_tensor *norm, *w = prod_weight(md, k, 0, &norm);
+        prod_ud u = {be, md, k, x, y, n};
+        timing t[2];
+        for (int v = 0; v < 2; v++) {
+            kvb_cuda_backend_set_skinny(be, v == 0 ? KVB_CUDA_SKINNY_V1 : KVB_CUDA_SKINNY_V2);
+            t[v] = time_events(be, do_prod, &u, REPS);
+            t[v].med /= PROD_CALLS, t[v].min /= PROD_CALLS, t[v].max /= PROD_CALLS;
+        }
+        double bytes = (double)w->ne[0] * (double)w->ne[1] * (double)es;
+        kvb_cuda_gemv_plan p;
+        kvb_cuda_gemv_plan_of(&g, (int)w->ne[0], (int)w->ne[1], n, &p);
+        if (t[0].med <= 0 || t[1].med <= 0) {
+            printf("  prod %-18s failed\n", PRODS[k].name);
+            goto restore;
+        }
+        printf("  prod %-17s %6lld x %-6lld %8.1f (%.1f-%.1f) %8.1f (%.1f-%.1f) %8.0f %8.0f %8.2f %8.2f %6.2f   %d x %d\n",
+               PRODS[k].name, (long long)w->ne[0], (long long)w->ne[1], t[0].med * 1e6, t[0].min * 1e6, t[0].max * 1e6,
+               t[1].med * 1e6, t[1].min * 1e6, t[1].max * 1e6, bytes / t[0].med / 1e9, bytes / t[1].med / 1e9,
+               bytes / t[0].med / B, bytes / t[1].med / B, t[0].med / t[1].med, p.blocks / p.splits, p.splits);
+    }
+    rc = 0;
+restore:
+    kvb_cuda_backend_set_skinny(be, was);
+out:
+    kvb_mem_free(be->mem, x);
+    kvb_mem_free(be->mem, y);
+    return rc;
 }
 
 /* kvbank's time of a row the peer also runs, for the comparison at the end. */
@@ -822,7 +924,7 @@ int kvb_bench_cuda(int argc, char **argv) {
            pool_blocks < want_blocks ? ", sized to the free device memory" : "");
 
     /* decode steps */
-    printf("decode step (the engine's)  step ms (min-max)        wall ms  bytes GB  roofline ms   ratio\n");
+    printf("decode step (the engine's)  step ms (min-max)        wall ms  bytes GB  roofline ms   ratio  products\n");
     for (int ci = 0; ci < n_ctxs; ci++)
         for (int bi = 0; bi < n_batches; bi++) {
             int batch = batches[bi], ctx = ctxs[ci];
@@ -841,12 +943,27 @@ int kvb_bench_cuda(int argc, char **argv) {
             timing tw = summarize(walls, REPS);
             double kv_bytes = (double)batch * ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
             double bytes = (double)m.weight_bytes + kv_bytes, ideal = bytes / B;
-            printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8.3f %9.2f %12.3f %7.2f\n", batch, ctx, t.med * 1e3,
-                   t.min * 1e3, t.max * 1e3, tw.med * 1e3, bytes / 1e9, ideal * 1e3, t.med > 0 ? ideal / t.med : 0);
+            int skinny = batch > KVB_CUDA_GEMV_MAX_ROWS && batch <= KVB_CUDA_SKINNY_MAX_ROWS;
+            printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8.3f %9.2f %12.3f %7.2f  %s\n", batch, ctx, t.med * 1e3,
+                   t.min * 1e3, t.max * 1e3, tw.med * 1e3, bytes / 1e9, ideal * 1e3, t.med > 0 ? ideal / t.med : 0,
+                   skinny ? "skinny v2" : batch <= KVB_CUDA_GEMV_MAX_ROWS ? "gemv" : "cuBLAS");
+            if (skinny) { /* the same step with the kernel before, for the A/B */
+                int was = kvb_cuda_backend_set_skinny(be, KVB_CUDA_SKINNY_V1);
+                timing t1 = time_events(be, run_step, &st, REPS);
+                kvb_cuda_backend_set_skinny(be, was);
+                printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8s %9.2f %12.3f %7.2f  skinny v1\n", batch, ctx,
+                       t1.med * 1e3, t1.min * 1e3, t1.max * 1e3, "", bytes / 1e9, ideal * 1e3,
+                       t1.med > 0 ? ideal / t1.med : 0);
+            }
             fflush(stdout);
             if (n_prow < 2 * MAX_LIST) prow[n_prow++] = (peer_row){0, batch, ctx, t.med * 1e3};
             view_free(&v, s.n_layers);
         }
+
+    for (int bi = 0; bi < n_batches; bi++)
+        if (batches[bi] > KVB_CUDA_GEMV_MAX_ROWS && batches[bi] <= KVB_CUDA_SKINNY_MAX_ROWS &&
+            be->iface->matmul_norm && bench_products(be, &m, batches[bi], info.n_sm, B))
+            goto out;
 
     /* attention alone at the longest context */
     printf("\npaged attention (decode)    time ms (min-max)      KV GB    GB/s   ratio to copy\n");

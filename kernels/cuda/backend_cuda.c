@@ -183,9 +183,9 @@ typedef struct cuda_ctx {
     int next_stage;
     void *meta;               /* [meta_cap] bytes: the current operator's host arrays */
     size_t meta_cap;
-    float *part;              /* [part_cap] floats: attention split partials (outputs, then lse) */
+    float *part;              /* [part_cap] bytes: split partials of attention (outputs, then lse) and products */
     size_t part_cap;
-    int32_t *counters;        /* [counters_cap / 4] attention split groups' counters, zero between launches */
+    int32_t *counters;        /* [counters_cap / 4] split groups' counters (attention, products), zero between launches */
     size_t counters_cap;
     int32_t *tok;             /* [tok_cap / 4] the sampled tokens */
     size_t tok_cap;
@@ -207,6 +207,8 @@ typedef struct cuda_ctx {
     kvb_cuda_attn_group *groups;
     size_t groups_cap;
     kvb_cuda_fp8 *fp8;        /* FP8 weights' products (fp8.h), made at the first FP8 weight */
+    kvb_cuda_gemv_ctx gemv;   /* the decode products' kernel choice, split workspace (part, counters), counts */
+    uint64_t n_cublas;        /* products cuBLAS ran */
 } cuda_ctx;
 
 /* Makes *arr hold at least n elements of `size` bytes (contents kept). */
@@ -231,6 +233,28 @@ static kvb_status dev_reserve(cuda_ctx *c, void **p, size_t *cap, size_t bytes) 
     }
     KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(p, want)));
     *cap = want;
+    return KVB_OK;
+}
+
+/* Makes the split counters hold at least n groups, every one zero (new memory is cleared on the stream;
+ * counters in use are zero between launches, the merging block resets its group's). */
+static kvb_status counters_reserve(cuda_ctx *c, size_t n) {
+    size_t bytes = n * sizeof(int32_t);
+    if (bytes <= c->counters_cap) return KVB_OK;
+    KVB_TRY(dev_reserve(c, (void **)&c->counters, &c->counters_cap, bytes));
+    return KVB_CUDA_CHECK(cudaMemsetAsync(c->counters, 0, c->counters_cap, c->stream));
+}
+
+/* The split partials and counters of a decode product (attention's: the stream orders their uses, and
+ * every launch leaves the counters zero). */
+static kvb_status gemv_workspace(cuda_ctx *c, int rows, int cols, int n) {
+    size_t n_counters = 0, floats = kvb_cuda_gemv_workspace(&c->gemv, c->dt, rows, cols, n, &n_counters);
+    if (floats) {
+        KVB_TRY(dev_reserve(c, (void **)&c->part, &c->part_cap, floats * sizeof(float)));
+        KVB_TRY(counters_reserve(c, n_counters));
+    }
+    c->gemv.part = c->part;
+    c->gemv.counters = c->counters;
     return KVB_OK;
 }
 
@@ -644,8 +668,11 @@ static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w
         return KVB_ERR_INVALID;
     }
     int rows = (int)w->ne[0], cols = (int)w->ne[1];
-    if (kvb_cuda_gemv_fits(c->dt, w->data, x, cols, n)) /* decode: gemv.h says why */
-        return KVB_CUDA_CHECK(kvb_cuda_gemv(w->data, x, y, c->dt, rows, cols, n, beta, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, x, cols, n)) { /* decode: gemv.h says why */
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(kvb_cuda_gemv(&c->gemv, w->data, x, y, c->dt, rows, cols, n, beta, c->stream));
+    }
+    c->n_cublas++;
     float alpha = 1.0f;
     cudaDataType_t t = cuda_type(c->dt);
     /* column-major view: Y^T[rows][n] = W[rows][cols] (stored as cols x rows, so op T) . X^T[cols][n] */
@@ -677,8 +704,11 @@ static kvb_status cu_matmul_norm(void *ctx, const void *x, int n, const kvb_tens
         KVB_LOG_E("cuda matmul_norm: the norm weight must be %d f32 values", cols);
         return KVB_ERR_INVALID;
     }
-    if (kvb_cuda_gemv_fits(c->dt, w->data, x, cols, n) && cols % 8 == 0)
-        return KVB_CUDA_CHECK(kvb_cuda_gemv_norm(w->data, x, norm->data, eps, y, c->dt, rows, cols, n, 0.0f, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, x, cols, n) && cols % 8 == 0) {
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(
+            kvb_cuda_gemv_norm(&c->gemv, w->data, x, norm->data, eps, y, c->dt, rows, cols, n, 0.0f, c->stream));
+    }
     void *h = NULL;
     KVB_TRY(scratch(c, (size_t)n * cols * kvb_dtype_size(c->dt), &h));
     KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_rmsnorm(x, h, c->dt, n, cols, norm->data, eps, c->stream)));
@@ -690,8 +720,10 @@ static kvb_status cu_matmul_swiglu(void *ctx, const void *gu, int n, const kvb_t
     if (n <= 0) return KVB_OK;
     KVB_TRY(check_weight(c, w, "matmul_swiglu"));
     int rows = (int)w->ne[0], cols = (int)w->ne[1];
-    if (kvb_cuda_gemv_fits(c->dt, w->data, gu, cols, n) && ((size_t)cols * kvb_dtype_size(c->dt)) % 16 == 0)
-        return KVB_CUDA_CHECK(kvb_cuda_gemv_swiglu(w->data, gu, y, c->dt, rows, cols, n, beta, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, gu, cols, n)) {
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(kvb_cuda_gemv_swiglu(&c->gemv, w->data, gu, y, c->dt, rows, cols, n, beta, c->stream));
+    }
     void *act = NULL;
     KVB_TRY(scratch(c, (size_t)n * cols * kvb_dtype_size(c->dt), &act));
     KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_swiglu(gu, act, c->dt, n, cols, c->stream)));
@@ -826,15 +858,6 @@ static kvb_status cu_qkv_finish(void *ctx, const kvb_attn_batch *b, const void *
 static int decode_first_key(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
     int first_vis = sq->ctx_len - sq->q_len + 1;
     return b->window > 0 && first_vis > b->window ? first_vis - b->window : 0;
-}
-
-/* Makes the split counters hold at least n groups, every one zero (new memory is cleared on the stream;
- * counters in use are zero between launches, the merging block resets its group's). */
-static kvb_status counters_reserve(cuda_ctx *c, size_t n) {
-    size_t bytes = n * sizeof(int32_t);
-    if (bytes <= c->counters_cap) return KVB_OK;
-    KVB_TRY(dev_reserve(c, (void **)&c->counters, &c->counters_cap, bytes));
-    return KVB_CUDA_CHECK(cudaMemsetAsync(c->counters, 0, c->counters_cap, c->stream));
 }
 
 /* The keys [*k0, *k1) a prefill tile of sequence sq whose first token is t0 sees (as the kernel does). */
@@ -1081,6 +1104,24 @@ void kvb_cuda_backend_copy_counts(const kvb_backend *be, kvb_cuda_copy_counts *o
     pthread_mutex_unlock(&c->tk_mu);
 }
 
+int kvb_cuda_backend_set_skinny(kvb_backend *be, int skinny) {
+    if (!kvb_cuda_backend_is(be) || (skinny != KVB_CUDA_SKINNY_V1 && skinny != KVB_CUDA_SKINNY_V2)) return -1;
+    cuda_ctx *c = be->ctx;
+    int was = c->gemv.skinny;
+    c->gemv.skinny = skinny;
+    return was;
+}
+
+void kvb_cuda_backend_product_counts(const kvb_backend *be, kvb_cuda_product_counts *out) {
+    memset(out, 0, sizeof *out);
+    if (!kvb_cuda_backend_is(be)) return;
+    const cuda_ctx *c = be->ctx;
+    out->gemv = c->gemv.launched[KVB_CUDA_GEMV_K_GEMV];
+    out->skinny_v1 = c->gemv.launched[KVB_CUDA_GEMV_K_SKINNY_V1];
+    out->skinny_v2 = c->gemv.launched[KVB_CUDA_GEMV_K_SKINNY_V2];
+    out->cublas = c->n_cublas;
+}
+
 kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *out) {
     if (!kvb_cuda_backend_is(be)) return KVB_ERR_INVALID;
     const cuda_ctx *c = be->ctx;
@@ -1121,6 +1162,14 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaGetDevice(&c->device)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaFree(NULL)), fail); /* creates the device's primary context now */
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, c->device)), fail);
+    const char *sk = getenv("KVB_CUDA_SKINNY");
+    c->gemv.skinny = kvb_cuda_skinny_parse(sk);
+    c->gemv.n_sm = c->n_sm;
+    if (c->gemv.skinny < 0) {
+        KVB_LOG_E("KVB_CUDA_SKINNY=\"%.32s\": the 9-64-row product kernel is v2 (the default) or v1", sk);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->h2d, cudaStreamNonBlocking)), fail);
