@@ -935,6 +935,66 @@ KVB_TEST(attention_chunk_over_past) {
 }
 KVB_TEST_END
 
+/* The tensor-core prefill's two tiles (attention_tc.cu): 128 rows (the default; 4 warps x 32 rows, 8 x
+ * 16 at head size 256) and 64 (4 x 16, KVB_CUDA_PREFILL_TILE=64), each against the CPU on what differs
+ * between them: MHA tiles of 128 tokens whose warps skip the key tiles past their rows (the causal
+ * diagonal) and GQA tiles of 32 tokens x 4 heads, head sizes 32 to 256, chunks over a past with key
+ * splits, sliding windows, tiles spanning blocks of 1, 7 and 16 tokens. The items counted per tile show
+ * which kernel ran; the environment variable is read when the backend is created. */
+KVB_TEST(attention_prefill_tiles) {
+    rng_state = 26;
+    kvb_backend *cpu = make("cpu");
+    seq_spec mix[] = {{200, 200}, {40, 500}, {1, 40}};
+    seq_spec past[] = {{24, 2000}, {1, 300}};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        if (VARIANTS[v].dt == KVB_DTYPE_F32) continue; /* the CUDA-core kernel: 64 rows, no tiles to pick */
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        const int tiles[] = {128, 64};
+        for (size_t ti = 0; ti < KVB_ARRAY_LEN(tiles); ti++) {
+            int tile = tiles[ti];
+            ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, tile), 128); /* the default, then the first set */
+            uint64_t before[2], after[2];
+            kvb_cuda_backend_prefill_items(gpu, before);
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 4, 4, 128, 16);          /* MHA */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 16, 4, 64, 7);           /* GQA */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 8, 1, 32, 1);            /* MQA, a block a token */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 2, 2, 256, 16);
+            check_attention(cpu, gpu, &VARIANTS[v], past, 2, 8, 8, 128, 16);         /* MHA key splits */
+            check_attention_w(cpu, gpu, &VARIANTS[v], mix, 3, 4, 4, 128, 16, 100);   /* windows inside a tile */
+            check_attention_w(cpu, gpu, &VARIANTS[v], past, 2, 16, 4, 64, 16, 700); /* key splits in a window */
+            kvb_cuda_backend_prefill_items(gpu, after);
+            ck_assert_msg(after[tile == 64 ? 0 : 1] > before[tile == 64 ? 0 : 1] &&
+                              after[tile == 64 ? 1 : 0] == before[tile == 64 ? 1 : 0],
+                          "%s tile %d: items 64/128 %llu/%llu -> %llu/%llu", VARIANTS[v].name, tile,
+                          (unsigned long long)before[0], (unsigned long long)before[1], (unsigned long long)after[0],
+                          (unsigned long long)after[1]);
+        }
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 100), 0); /* refused, nothing changes */
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 128), 64);
+        kvb_backend_destroy(gpu);
+    }
+    /* the environment's choice, read at creation; another value leaves the default */
+    const char *envs[] = {"64", "128", "96", NULL};
+    const int want[] = {64, 128, 128, 128};
+    seq_spec one[] = {{40, 100}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(want); i++) {
+        if (envs[i]) setenv("KVB_CUDA_PREFILL_TILE", envs[i], 1);
+        else unsetenv("KVB_CUDA_PREFILL_TILE");
+        kvb_backend *gpu = make("cuda");
+        unsetenv("KVB_CUDA_PREFILL_TILE");
+        uint64_t n[2];
+        check_attention(cpu, gpu, &VARIANTS[N_VARIANTS - 1], one, 1, 8, 2, 64, 16);
+        kvb_cuda_backend_prefill_items(gpu, n);
+        ck_assert_msg(n[want[i] == 64 ? 0 : 1] > 0 && n[want[i] == 64 ? 1 : 0] == 0,
+                      "KVB_CUDA_PREFILL_TILE=%s: items 64/128 %llu/%llu", envs[i] ? envs[i] : "(unset)",
+                      (unsigned long long)n[0], (unsigned long long)n[1]);
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 128), want[i]);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
 /* Sliding windows (Mistral, Qwen2): decode splits that start at the window, prefill tiles whose rows
  * start their windows at different keys, windows below a block, a key tile and a split. */
 KVB_TEST(attention_sliding_window) {
@@ -1537,6 +1597,7 @@ int main(int argc, char **argv) {
         KVB_T(attention_decode_plan, 60),
         KVB_T(attention_prefill, 300),   KVB_T(attention_head_shapes, 300),
         KVB_T(attention_sliding_window, 300), KVB_T(attention_chunk_over_past, 300),
+        KVB_T(attention_prefill_tiles, 300),
         KVB_T(bias_add, 60),
         KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120), KVB_T(copy_tickets, 60),
         KVB_T(copy_batch_scattered, 60),

@@ -655,6 +655,8 @@ extern "C" int kvb_cuda_attention_prefill(const kvb_cuda_attn_args *a, const kvb
                                           int n_items, kvb_cuda_stream_t s) {
     int e = check_args(a, s);
     if (e || n_items <= 0) return e;
+    if (a->prefill_rows != kvb_cuda_attn_prefill_rows(a->dtype, a->head_dim, a->prefill_rows))
+        return (int)cudaErrorInvalidValue;
     if (kvb_cuda_attention_prefill_tc(a->dtype, a->head_dim)) return kvb::attn::prefill_tc(*a, items, n_items, s);
     KVB_ATTN_DISPATCH(*a, launch_prefill, *a, items, n_items, s);
     return (int)cudaErrorInvalidValue;
@@ -666,6 +668,11 @@ extern "C" int kvb_cuda_attention_decode(const kvb_cuda_attn_args *a, const kvb_
     if (e || n_items <= 0) return e;
     KVB_ATTN_DISPATCH(*a, launch_decode, *a, items, n_items, s);
     return (int)cudaErrorInvalidValue;
+}
+
+extern "C" int kvb_cuda_attn_prefill_rows(kvb_dtype dt, int head_dim, int tile) {
+    if (tile != PM && tile != KVB_CUDA_ATTN_PREFILL_ROWS_MAX) return 0;
+    return kvb_cuda_attention_prefill_tc(dt, head_dim) ? tile : PM;
 }
 
 extern "C" int kvb_cuda_attn_decode_split_len(int n_keys, int splits) {
