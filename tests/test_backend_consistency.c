@@ -839,8 +839,8 @@ KVB_TEST(attention_long_context_split) {
          * into many parts; a batch of 4 at 4K splits fewer */
         seq_spec one[] = {{1, 9000}};
         check_attention(cpu, gpu, &VARIANTS[v], one, 1, 32, 8, 128, 16);
-        /* kvbank-bench cuda's batch-1 rows at 1K and 4K (attention_decode_plan: 32 splits of 32 keys,
-         * 64 of 64), each sequence's blocks filling its pool exactly */
+        /* kvbank-bench cuda's batch-1 rows at 1K and 4K (attention_decode_plan: 8 splits of 128 keys,
+         * 32 of 128), each sequence's blocks filling its pool exactly */
         seq_spec k1[] = {{1, 1024}}, k4[] = {{1, 4096}};
         check_attention(cpu, gpu, &VARIANTS[v], k1, 1, 32, 8, 128, 16);
         check_attention(cpu, gpu, &VARIANTS[v], k4, 1, 32, 8, 128, 16);
@@ -857,17 +857,27 @@ KVB_TEST_END
 
 /* The decode split plan for kvbank-bench cuda's rows on an H200 (132 multiprocessors, 4 resident
  * decode blocks each: 528 slots) at Llama-3-8B's attention (bf16, 32 heads over 8 KV heads of 128, 4
- * rows a pair). The plan before issue 25's GPU run left batch 1 at 1K with 128 blocks (fewer than the
- * multiprocessors) and batch 16 at 4K with 640 blocks of 832 keys (1.2 waves: the second wave's 112
- * blocks take as long as the first's 528); now whole waves. Then over a sweep of batches and contexts:
- * every split a multiple of the minimum covering its keys, the grid at least the multiprocessors
- * where there are keys for it, and never more than 40% of the slot time of its waves idle where the
- * keys could fill a wave (the rounding of splits to 32 keys costs up to that). */
+ * rows a pair). Issue 25's first GPU run had batch 16 at 4K in 640 blocks of 832 keys (1.2 waves: the
+ * second wave's 112 blocks take as long as the first's 528): now whole waves. Its second run had batch 1
+ * at 1K in 256 blocks of 32 keys, two stages of the key-group kernel's 4-stage ring each, and 32
+ * partials a pair to merge: 32.9 us where 128 blocks of 64 keys took 22.5. Now no split is shorter than
+ * two turns of the ring (128 keys here), so batch 1 at 1K runs 64 blocks of 128 keys. Then over a sweep
+ * of batches and contexts: every split a multiple of the minimum covering its keys and at least the
+ * ring's two turns, the grid at least the multiprocessors where there are keys for it, and never more
+ * than 40% of the slot time of its waves idle where the keys could fill a wave (the rounding of splits
+ * to 32 keys costs up to that). */
 KVB_TEST(attention_decode_plan) {
     const int n_sm = 132, hd = 128, mn = KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
+    /* two turns of 4 stages of 2 keys a lane group: 16 lanes a key at 128 x bf16, 8 at 64, 32 at 256 */
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 128), 128);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_F16, 64), 256);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 256), 64);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_F32, 128), 64);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 80), mn); /* the tiled kernel */
+    const int ml = kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, hd);
     struct {
         int batch, ctx, len;
-    } rows[] = {{1, 1024, 32}, {1, 4096, 64}, {1, 8192, 128}, {16, 1024, 128}, {16, 4096, 512}, {16, 8192, 1024},
+    } rows[] = {{1, 1024, 128}, {1, 4096, 128}, {1, 8192, 128}, {16, 1024, 128}, {16, 4096, 512}, {16, 8192, 1024},
                 {64, 1024, 512}, {64, 8192, 4096}};
     for (size_t i = 0; i < KVB_ARRAY_LEN(rows); i++) {
         size_t pairs = 8 * (size_t)rows[i].batch;
@@ -876,8 +886,8 @@ KVB_TEST(attention_decode_plan) {
         ck_assert_msg(len == rows[i].len, "batch %d ctx %d: splits of %d keys, want %d", rows[i].batch, rows[i].ctx, len,
                       rows[i].len);
     }
-    int batches[] = {1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 48, 64, 100}, ctxs[] = {1, 32, 33, 100, 512, 1000, 1024, 3000,
-                                                                                4096, 5000, 8192, 32768, 131072};
+    int batches[] = {1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 48, 64, 100}, ctxs[] = {1, 32, 33, 100, 255, 256, 512, 1000, 1024,
+                                                                                3000, 4096, 5000, 8192, 32768, 131072};
     for (int dr = 1; dr <= KVB_CUDA_ATTN_DECODE_ROWS; dr *= 2)
         for (size_t bi = 0; bi < KVB_ARRAY_LEN(batches); bi++)
             for (size_t ci = 0; ci < KVB_ARRAY_LEN(ctxs); ci++) {
@@ -886,9 +896,11 @@ KVB_TEST(attention_decode_plan) {
                 size_t slots = (size_t)n_sm * (KVB_CUDA_ATTN_DECODE_RESIDENT / (dr > 4 ? 2 : 1));
                 int ns = kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, dr, n_sm, pairs, ctx);
                 int len = kvb_cuda_attn_decode_split_len(ctx, ns), parts = KVB_DIV_CEIL(ctx, len);
-                size_t blocks = pairs * (size_t)parts, most = pairs * (size_t)KVB_DIV_CEIL(ctx, mn);
+                size_t blocks = pairs * (size_t)parts, most = pairs * (size_t)KVB_MAX(1, ctx / ml);
                 ck_assert_msg(ns >= 1 && len % mn == 0 && (size_t)parts * len >= (size_t)ctx, "batch %d ctx %d: %d x %d",
                               batches[bi], ctx, parts, len);
+                ck_assert_msg(parts == 1 || len >= ml, "batch %d ctx %d rows %d: splits of %d keys", batches[bi], ctx, dr,
+                              len);
                 ck_assert_msg(blocks >= KVB_MIN((size_t)n_sm, most), "batch %d ctx %d rows %d: %zu blocks on %d SMs",
                               batches[bi], ctx, dr, blocks, n_sm);
                 size_t waves = KVB_DIV_CEIL(blocks, slots);
@@ -898,7 +910,7 @@ KVB_TEST(attention_decode_plan) {
             }
     /* nothing to split */
     ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 0, 4096), 1);
-    ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 8, mn), 1);
+    ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 8, 2 * ml - 1), 1);
 }
 KVB_TEST_END
 

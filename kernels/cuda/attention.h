@@ -111,9 +111,15 @@ int kvb_cuda_attn_prefill_rows(kvb_dtype dt, int head_dim, int tile);
  * at least enough for one wave of resident blocks (n_sm * KVB_CUDA_ATTN_DECODE_RESIDENT, fewer for 8
  * rows), then the count up to 4x that whose whole waves of blocks times keys a block is least (a
  * partial last wave costs as much as a full one: 640 blocks on 528 slots take two block times), the
- * smaller count on a tie (fewer partials to merge). A pair's split is then
- * kvb_cuda_attn_decode_split_len(its keys, splits). Host code; the same plan in the host emulation. */
+ * smaller count on a tie (fewer partials to merge); never splits shorter than
+ * kvb_cuda_attn_decode_min_split (a small context gets fewer blocks than the wave; where that caps the
+ * count, counts down to half of it are tried too). A pair's split is
+ * then kvb_cuda_attn_decode_split_len(its keys, splits). Host code; the same plan in the emulation. */
 int kvb_cuda_attn_decode_splits(kvb_dtype dt, int head_dim, int decode_rows, int n_sm, size_t n_pairs, int n_keys);
+/* The fewest keys a decode split gets: two turns of the key-group kernel's cp.async ring (its 4 stages
+ * of 2 keys a lane group: 128 keys at head size 128 in bf16, 256 at 64), KVB_CUDA_ATTN_DECODE_MIN_SPLIT
+ * for the tiled kernel. */
+int kvb_cuda_attn_decode_min_split(kvb_dtype dt, int head_dim);
 /* Keys per split of a range of n_keys cut into about `splits`: a multiple of
  * KVB_CUDA_ATTN_DECODE_MIN_SPLIT. */
 int kvb_cuda_attn_decode_split_len(int n_keys, int splits);
