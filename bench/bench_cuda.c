@@ -22,8 +22,10 @@
  * stream (the step's events enclose the logits' copy to the host, which kvb_forward_end waits for), with
  * the spread (min-max) and a wall-clock column. --peer SCRIPT then runs bench/compiled_peer.py (a
  * compiled transformers Llama at the same shape) after this process has given the device back, and
- * prints each decode / prefill row's time against the peer's. Without a GPU: "no CUDA device", exit
- * status 77. */
+ * prints each decode / prefill row's time against the peer's. The prefill attention is timed with each of
+ * the tensor-core prefill's tiles (128 and 64 rows); --sdpa-peer SCRIPT then runs bench/sdpa_peer.py's
+ * causal prefill at the same tokens and layers and prints both against PyTorch SDPA's time. Without a
+ * GPU: "no CUDA device", exit status 77. */
 #include "config.h"
 
 #include <getopt.h>
@@ -423,6 +425,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench cuda [--batches 1,16,64] [--contexts 1024,8192] [--prefill-tokens N]\n"
                "                         [--layers N] [--attn-batch N] [--ipc-batch N] [--no-prefill] [--no-ipc]\n"
                "                         [--shape llama3-8b|tiny] [--peer SCRIPT [--peer-decode LIST]]\n"
+               "                         [--sdpa-peer SCRIPT]\n"
                "\n"
                "Decode steps (and their weight products at 9-64 rows, with each kernel), an 8K prefill, paged\n"
                "attention and reading lent blocks through CUDA IPC, on a\n"
@@ -437,6 +440,8 @@ static void usage(FILE *f) {
                "  --ipc-batch N        sequences of 4096 tokens read through the IPC region (default 16)\n"
                "  --shape S            llama3-8b (default) or tiny (hidden 256, 8 heads over 2 KV heads of 32,\n"
                "                       vocabulary 1000, small ceilings: a smoke run of the code paths, not a measurement)\n"
+               "  --sdpa-peer SCRIPT   then run SCRIPT (bench/sdpa_peer.py) for the prefill attention and print both\n"
+               "                       tensor-core tiles' times against PyTorch SDPA's\n"
                "  --peer SCRIPT        then run SCRIPT (bench/compiled_peer.py) with python3 at the same shape, once\n"
                "                       this process has let go of the device, and compare its rows with these\n"
                "  --peer-decode LIST   the peer's decode rows, BxC pairs (default 1x1024: the batch-1 target)\n");
@@ -584,6 +589,49 @@ static int run_peer(const char *script, const char *decode, int prefill, const s
             }
     if (rc) printf("  the peer exited with %d\n", rc);
     return rc == 77 ? 0 : rc; /* no torch there: said so above, not a failure of kvbank's rows */
+}
+
+/* The prefill attention rows (each tensor-core tile's time for all layers) for PyTorch SDPA's. */
+typedef struct sdpa_rows {
+    int tokens; /* 0: not measured */
+    double ms[2]; /* the 128-row and the 64-row tile */
+} sdpa_rows;
+
+/* Runs bench/sdpa_peer.py's causal prefill at the same tokens and layers and prints both tiles' times
+ * against it (the issue's target: kvbank / SDPA <= 1.0). The peer's shape is Llama-3-8B's attention. */
+static int run_sdpa_peer(const char *script, const shape *s, const sdpa_rows *r) {
+    if (!r->tokens) return 0;
+    printf("\nprefill attention against PyTorch SDPA (%d tokens causal, %d layers)\n", r->tokens, s->n_layers);
+    if (s->n_heads != 32 || s->n_kv != 8 || s->head_dim != 128) {
+        printf("  not compared: the peer runs 32 heads over 8 KV heads of 128 only\n");
+        return 0;
+    }
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "python3 '%s' --layers %d --decode '' --prefill %d --reps 5 2>&1", script, s->n_layers,
+             r->tokens);
+    fflush(stdout);
+    FILE *p = popen(cmd, "r");
+    if (!p) return 1;
+    char line[512], be[64] = "";
+    double sdpa = -1;
+    int tok = 0;
+    while (fgets(line, sizeof line, p)) {
+        fputs(line, stdout);
+        const char *b = strchr(line, '[');
+        if (sscanf(line, "  sdpa prefill %d tokens causal %lf", &tok, &sdpa) == 2 && tok == r->tokens && b)
+            sscanf(b, "[%63[^]]", be);
+    }
+    int st = pclose(p);
+    int rc = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+    if (sdpa > 0) {
+        static const char *name[2] = {"128-row tile (4 warps x 32 rows)", "64-row tile (4 warps x 16 rows)"};
+        printf("                                     time ms   kvbank / SDPA (<= 1.0: the target met)\n");
+        printf("  sdpa [%s]%*s %9.3f\n", be, (int)(29 - strlen(be)), "", sdpa);
+        for (int i = 0; i < 2; i++) printf("  kvbank %-32s %9.3f %9.2f\n", name[i], r->ms[i], r->ms[i] / sdpa);
+    } else {
+        printf("  not compared: the peer printed no prefill row (exit %d)\n", rc);
+    }
+    return rc == 77 ? 0 : rc; /* no torch there: said so above */
 }
 
 /* ---------------------------------------------------------------- the data path */
@@ -783,12 +831,13 @@ int kvb_bench_cuda(int argc, char **argv) {
                .vocab = 128256, .block_size = 16};
     int32_t batches[MAX_LIST] = {1, 16, 64}, ctxs[MAX_LIST] = {1024, 8192};
     int n_batches = 3, n_ctxs = 2, prefill = 8192, attn_batch = 64, ipc_batch = 16, do_prefill = 1, do_ipc = 1;
-    const char *peer = NULL, *peer_decode = "1x1024";
+    const char *peer = NULL, *peer_decode = "1x1024", *sdpa_peer = NULL;
+    sdpa_rows sdpa_cmp = {0};
     static const struct option opts[] = {
         {"batches", 1, 0, 'b'},    {"contexts", 1, 0, 'c'},  {"prefill-tokens", 1, 0, 'p'}, {"layers", 1, 0, 'l'},
         {"attn-batch", 1, 0, 'a'}, {"ipc-batch", 1, 0, 'i'}, {"no-prefill", 0, 0, 'P'},     {"no-ipc", 0, 0, 'I'},
         {"shape", 1, 0, 's'},      {"peer", 1, 0, 'e'},      {"peer-decode", 1, 0, 'd'},    {"help", 0, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"sdpa-peer", 1, 0, 'S'},  {0, 0, 0, 0}};
     int tiny = 0;
     optind = 1;
     int o;
@@ -816,6 +865,7 @@ int kvb_bench_cuda(int argc, char **argv) {
             else if (strcmp(optarg, "llama3-8b")) goto bad;
             break;
         case 'e': peer = optarg; break;
+        case 'S': sdpa_peer = optarg; break;
         case 'd':
             if (strspn(optarg, "0123456789x,") != strlen(optarg)) goto bad; /* it goes into a shell command */
             peer_decode = optarg;
@@ -829,6 +879,10 @@ int kvb_bench_cuda(int argc, char **argv) {
     if (optind != argc) goto bad;
     if (peer && (strchr(peer, '\'') || access(peer, R_OK))) {
         fprintf(stderr, "kvbank-bench cuda: --peer %s: not a readable script\n", peer);
+        return 2;
+    }
+    if (sdpa_peer && (strchr(sdpa_peer, '\'') || access(sdpa_peer, R_OK))) {
+        fprintf(stderr, "kvbank-bench cuda: --sdpa-peer %s: not a readable script\n", sdpa_peer);
         return 2;
     }
     if (tiny) {
@@ -989,8 +1043,20 @@ int kvb_bench_cuda(int argc, char **argv) {
         if (view_make(&m, &g, pool, KVB_DIV_CEIL(prefill, s.block_size), 1, prefill, prefill, &v) != KVB_OK) goto out;
         step_init(&st, be, &m, fw, &a, logits, &g, &v, 1);
         timing t = time_events(be, run_step, &st, 3);
+        /* the attention operator alone with each of the tensor-core prefill's tiles (attention_tc.cu),
+         * one after the other on the same data; the step above ran the backend's own */
         st.only_attention = 1;
-        timing ta = time_events(be, run_step, &st, 3);
+        const int tiles[2] = {128, 64};
+        timing tt[2];
+        int own = kvb_cuda_backend_set_prefill_tile(be, tiles[0]);
+        for (int i = 0; i < 2; i++) {
+            kvb_cuda_backend_set_prefill_tile(be, tiles[i]);
+            tt[i] = time_events(be, run_step, &st, REPS);
+            sdpa_cmp.ms[i] = tt[i].med * 1e3;
+        }
+        kvb_cuda_backend_set_prefill_tile(be, own);
+        timing ta = tt[own == tiles[1] ? 1 : 0];
+        sdpa_cmp.tokens = prefill;
         double attn_flops = 4.0 * s.n_heads * s.head_dim * ((double)prefill * (prefill + 1) / 2) * s.n_layers;
         double gemm_flops = 2.0 * prefill * (double)m.matrix_params + 2.0 * s.vocab * (double)s.hidden;
         double flops = gemm_flops + attn_flops;
@@ -998,9 +1064,10 @@ int kvb_bench_cuda(int argc, char **argv) {
                "chunks: %d rows)\n", prefill, kvb_forward_default_chunk(be));
         printf("  whole step (the engine's)  %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", t.med * 1e3, t.min * 1e3,
                t.max * 1e3, flops / 1e12, t.med > 0 ? flops / t.med / 1e12 : 0, t.med > 0 ? flops / t.med / F : 0);
-        printf("  attention alone (1 call)   %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", ta.med * 1e3, ta.min * 1e3,
-               ta.max * 1e3, attn_flops / 1e12, ta.med > 0 ? attn_flops / ta.med / 1e12 : 0,
-               ta.med > 0 ? attn_flops / ta.med / F : 0);
+        for (int i = 0; i < 2; i++)
+            printf("  attention alone, %3d-row tile %5.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", tiles[i], tt[i].med * 1e3,
+                   tt[i].min * 1e3, tt[i].max * 1e3, attn_flops / 1e12, tt[i].med > 0 ? attn_flops / tt[i].med / 1e12 : 0,
+                   tt[i].med > 0 ? attn_flops / tt[i].med / F : 0);
         printf("  the rest (GEMMs, norms)    %8.1f %20.1f %8.1f %10.2f\n", (t.med - ta.med) * 1e3, gemm_flops / 1e12,
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / 1e12 : 0,
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / F : 0);
@@ -1103,6 +1170,7 @@ out:
     acts_free(be, &a);
     model_free(be, &m);
     kvb_backend_destroy(be);
+    if (rc == 0 && sdpa_peer) rc = run_sdpa_peer(sdpa_peer, &s, &sdpa_cmp);
     if (rc == 0 && peer) {
         fflush(stdout);
         rc = run_peer(peer, peer_decode, do_prefill ? prefill : 0, &s, prow, n_prow);

@@ -1012,8 +1012,8 @@ KVB_TEST(attention_long_context_split) {
          * into many parts; a batch of 4 at 4K splits fewer */
         seq_spec one[] = {{1, 9000}};
         check_attention(cpu, gpu, &VARIANTS[v], one, 1, 32, 8, 128, 16);
-        /* kvbank-bench cuda's batch-1 rows at 1K and 4K (attention_decode_plan: 32 splits of 32 keys,
-         * 64 of 64), each sequence's blocks filling its pool exactly */
+        /* kvbank-bench cuda's batch-1 rows at 1K and 4K (attention_decode_plan: 8 splits of 128 keys,
+         * 32 of 128), each sequence's blocks filling its pool exactly */
         seq_spec k1[] = {{1, 1024}}, k4[] = {{1, 4096}};
         check_attention(cpu, gpu, &VARIANTS[v], k1, 1, 32, 8, 128, 16);
         check_attention(cpu, gpu, &VARIANTS[v], k4, 1, 32, 8, 128, 16);
@@ -1030,17 +1030,27 @@ KVB_TEST_END
 
 /* The decode split plan for kvbank-bench cuda's rows on an H200 (132 multiprocessors, 4 resident
  * decode blocks each: 528 slots) at Llama-3-8B's attention (bf16, 32 heads over 8 KV heads of 128, 4
- * rows a pair). The plan before issue 25's GPU run left batch 1 at 1K with 128 blocks (fewer than the
- * multiprocessors) and batch 16 at 4K with 640 blocks of 832 keys (1.2 waves: the second wave's 112
- * blocks take as long as the first's 528); now whole waves. Then over a sweep of batches and contexts:
- * every split a multiple of the minimum covering its keys, the grid at least the multiprocessors
- * where there are keys for it, and never more than 40% of the slot time of its waves idle where the
- * keys could fill a wave (the rounding of splits to 32 keys costs up to that). */
+ * rows a pair). Issue 25's first GPU run had batch 16 at 4K in 640 blocks of 832 keys (1.2 waves: the
+ * second wave's 112 blocks take as long as the first's 528): now whole waves. Its second run had batch 1
+ * at 1K in 256 blocks of 32 keys, two stages of the key-group kernel's 4-stage ring each, and 32
+ * partials a pair to merge: 32.9 us where 128 blocks of 64 keys took 22.5. Now no split is shorter than
+ * two turns of the ring (128 keys here), so batch 1 at 1K runs 64 blocks of 128 keys. Then over a sweep
+ * of batches and contexts: every split a multiple of the minimum covering its keys and at least the
+ * ring's two turns, the grid at least the multiprocessors where there are keys for it, and never more
+ * than 40% of the slot time of its waves idle where the keys could fill a wave (the rounding of splits
+ * to 32 keys costs up to that). */
 KVB_TEST(attention_decode_plan) {
     const int n_sm = 132, hd = 128, mn = KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
+    /* two turns of 4 stages of 2 keys a lane group: 16 lanes a key at 128 x bf16, 8 at 64, 32 at 256 */
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 128), 128);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_F16, 64), 256);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 256), 64);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_F32, 128), 64);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 80), mn); /* the tiled kernel */
+    const int ml = kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, hd);
     struct {
         int batch, ctx, len;
-    } rows[] = {{1, 1024, 32}, {1, 4096, 64}, {1, 8192, 128}, {16, 1024, 128}, {16, 4096, 512}, {16, 8192, 1024},
+    } rows[] = {{1, 1024, 128}, {1, 4096, 128}, {1, 8192, 128}, {16, 1024, 128}, {16, 4096, 512}, {16, 8192, 1024},
                 {64, 1024, 512}, {64, 8192, 4096}};
     for (size_t i = 0; i < KVB_ARRAY_LEN(rows); i++) {
         size_t pairs = 8 * (size_t)rows[i].batch;
@@ -1049,8 +1059,8 @@ KVB_TEST(attention_decode_plan) {
         ck_assert_msg(len == rows[i].len, "batch %d ctx %d: splits of %d keys, want %d", rows[i].batch, rows[i].ctx, len,
                       rows[i].len);
     }
-    int batches[] = {1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 48, 64, 100}, ctxs[] = {1, 32, 33, 100, 512, 1000, 1024, 3000,
-                                                                                4096, 5000, 8192, 32768, 131072};
+    int batches[] = {1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 48, 64, 100}, ctxs[] = {1, 32, 33, 100, 255, 256, 512, 1000, 1024,
+                                                                                3000, 4096, 5000, 8192, 32768, 131072};
     for (int dr = 1; dr <= KVB_CUDA_ATTN_DECODE_ROWS; dr *= 2)
         for (size_t bi = 0; bi < KVB_ARRAY_LEN(batches); bi++)
             for (size_t ci = 0; ci < KVB_ARRAY_LEN(ctxs); ci++) {
@@ -1059,9 +1069,11 @@ KVB_TEST(attention_decode_plan) {
                 size_t slots = (size_t)n_sm * (KVB_CUDA_ATTN_DECODE_RESIDENT / (dr > 4 ? 2 : 1));
                 int ns = kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, dr, n_sm, pairs, ctx);
                 int len = kvb_cuda_attn_decode_split_len(ctx, ns), parts = KVB_DIV_CEIL(ctx, len);
-                size_t blocks = pairs * (size_t)parts, most = pairs * (size_t)KVB_DIV_CEIL(ctx, mn);
+                size_t blocks = pairs * (size_t)parts, most = pairs * (size_t)KVB_MAX(1, ctx / ml);
                 ck_assert_msg(ns >= 1 && len % mn == 0 && (size_t)parts * len >= (size_t)ctx, "batch %d ctx %d: %d x %d",
                               batches[bi], ctx, parts, len);
+                ck_assert_msg(parts == 1 || len >= ml, "batch %d ctx %d rows %d: splits of %d keys", batches[bi], ctx, dr,
+                              len);
                 ck_assert_msg(blocks >= KVB_MIN((size_t)n_sm, most), "batch %d ctx %d rows %d: %zu blocks on %d SMs",
                               batches[bi], ctx, dr, blocks, n_sm);
                 size_t waves = KVB_DIV_CEIL(blocks, slots);
@@ -1071,7 +1083,7 @@ KVB_TEST(attention_decode_plan) {
             }
     /* nothing to split */
     ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 0, 4096), 1);
-    ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 8, mn), 1);
+    ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 8, 2 * ml - 1), 1);
 }
 KVB_TEST_END
 
@@ -1102,6 +1114,66 @@ KVB_TEST(attention_chunk_over_past) {
         seq_spec mix[] = {{48, 3000}, {1, 1500}, {20, 2100}};
         check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 16, 4, 128, 16);
         check_attention_w(cpu, gpu, &VARIANTS[v], mix, 3, 8, 2, 64, 32, 700);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* The tensor-core prefill's two tiles (attention_tc.cu): 128 rows (the default; 4 warps x 32 rows, 8 x
+ * 16 at head size 256) and 64 (4 x 16, KVB_CUDA_PREFILL_TILE=64), each against the CPU on what differs
+ * between them: MHA tiles of 128 tokens whose warps skip the key tiles past their rows (the causal
+ * diagonal) and GQA tiles of 32 tokens x 4 heads, head sizes 32 to 256, chunks over a past with key
+ * splits, sliding windows, tiles spanning blocks of 1, 7 and 16 tokens. The items counted per tile show
+ * which kernel ran; the environment variable is read when the backend is created. */
+KVB_TEST(attention_prefill_tiles) {
+    rng_state = 26;
+    kvb_backend *cpu = make("cpu");
+    seq_spec mix[] = {{200, 200}, {40, 500}, {1, 40}};
+    seq_spec past[] = {{24, 2000}, {1, 300}};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        if (VARIANTS[v].dt == KVB_DTYPE_F32) continue; /* the CUDA-core kernel: 64 rows, no tiles to pick */
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        const int tiles[] = {128, 64};
+        for (size_t ti = 0; ti < KVB_ARRAY_LEN(tiles); ti++) {
+            int tile = tiles[ti];
+            ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, tile), 128); /* the default, then the first set */
+            uint64_t before[2], after[2];
+            kvb_cuda_backend_prefill_items(gpu, before);
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 4, 4, 128, 16);          /* MHA */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 16, 4, 64, 7);           /* GQA */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 8, 1, 32, 1);            /* MQA, a block a token */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 2, 2, 256, 16);
+            check_attention(cpu, gpu, &VARIANTS[v], past, 2, 8, 8, 128, 16);         /* MHA key splits */
+            check_attention_w(cpu, gpu, &VARIANTS[v], mix, 3, 4, 4, 128, 16, 100);   /* windows inside a tile */
+            check_attention_w(cpu, gpu, &VARIANTS[v], past, 2, 16, 4, 64, 16, 700); /* key splits in a window */
+            kvb_cuda_backend_prefill_items(gpu, after);
+            ck_assert_msg(after[tile == 64 ? 0 : 1] > before[tile == 64 ? 0 : 1] &&
+                              after[tile == 64 ? 1 : 0] == before[tile == 64 ? 1 : 0],
+                          "%s tile %d: items 64/128 %llu/%llu -> %llu/%llu", VARIANTS[v].name, tile,
+                          (unsigned long long)before[0], (unsigned long long)before[1], (unsigned long long)after[0],
+                          (unsigned long long)after[1]);
+        }
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 100), 0); /* refused, nothing changes */
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 128), 64);
+        kvb_backend_destroy(gpu);
+    }
+    /* the environment's choice, read at creation; another value leaves the default */
+    const char *envs[] = {"64", "128", "96", NULL};
+    const int want[] = {64, 128, 128, 128};
+    seq_spec one[] = {{40, 100}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(want); i++) {
+        if (envs[i]) setenv("KVB_CUDA_PREFILL_TILE", envs[i], 1);
+        else unsetenv("KVB_CUDA_PREFILL_TILE");
+        kvb_backend *gpu = make("cuda");
+        unsetenv("KVB_CUDA_PREFILL_TILE");
+        uint64_t n[2];
+        check_attention(cpu, gpu, &VARIANTS[N_VARIANTS - 1], one, 1, 8, 2, 64, 16);
+        kvb_cuda_backend_prefill_items(gpu, n);
+        ck_assert_msg(n[want[i] == 64 ? 0 : 1] > 0 && n[want[i] == 64 ? 1 : 0] == 0,
+                      "KVB_CUDA_PREFILL_TILE=%s: items 64/128 %llu/%llu", envs[i] ? envs[i] : "(unset)",
+                      (unsigned long long)n[0], (unsigned long long)n[1]);
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 128), want[i]);
         kvb_backend_destroy(gpu);
     }
     kvb_backend_destroy(cpu);
@@ -1711,6 +1783,7 @@ int main(int argc, char **argv) {
         KVB_T(attention_decode_plan, 60),
         KVB_T(attention_prefill, 300),   KVB_T(attention_head_shapes, 300),
         KVB_T(attention_sliding_window, 300), KVB_T(attention_chunk_over_past, 300),
+        KVB_T(attention_prefill_tiles, 300),
         KVB_T(bias_add, 60),
         KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120), KVB_T(copy_tickets, 60),
         KVB_T(copy_batch_scattered, 60),

@@ -14,7 +14,6 @@ namespace attn {
 
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr int DR = KVB_CUDA_ATTN_DECODE_ROWS;
-constexpr int PM = KVB_CUDA_ATTN_PREFILL_ROWS;
 
 /* The K row of key `key` of a sequence for KV head `kvh` (its V row is block_size rows further). */
 template <typename T>
@@ -37,7 +36,7 @@ __device__ __forceinline__ bool split_done(const kvb_cuda_attn_args &a, int grou
 template <typename T>
 __device__ void merge_split(const kvb_cuda_attn_args &a, const kvb_attn_seq &sq, int kvh, int t0, int h0, int nh,
                             int rows, int group, int stride) {
-    __shared__ float M_s[PM], den_s[PM];
+    __shared__ float M_s[KVB_CUDA_ATTN_PREFILL_ROWS_MAX], den_s[KVB_CUDA_ATTN_PREFILL_ROWS_MAX];
     const kvb_cuda_attn_group g = a.groups[group];
     const int hd = a.head_dim, gq = a.n_heads / a.n_kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;

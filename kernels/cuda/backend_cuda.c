@@ -42,9 +42,9 @@
 #define BLAS_WORKSPACE_BYTES ((size_t)32 << 20)
 /* Elements converted per step when a weight's dtype changes on upload. */
 #define UPLOAD_CHUNK_ELEMS ((size_t)16 << 20)
-/* Tensor-core prefill tiles (87 KB of shared memory at head size 128) run about 2 per multiprocessor;
- * when a batch has fewer tiles, their keys are split, never below this many keys a split (a multiple of
- * the kernel's 64-key tile) */
+/* Tensor-core prefill tiles (at head size 128: 87 KB of shared memory for 64 rows, 105 KB for 128) run
+ * about 2 per multiprocessor; when a batch has fewer tiles, their keys are split, never below this many
+ * keys a split (a multiple of the kernel's 64-key tile) */
 #define PREFILL_BLOCKS_PER_SM 2
 #define PREFILL_MIN_SPLIT 512
 
@@ -156,6 +156,8 @@ typedef struct cuda_ctx {
     kvb_dtype dt;             /* activations, KV cache, weight matrices */
     int device;
     int n_sm;
+    int prefill_tile;         /* rows of a tensor-core prefill item, 64 or 128 (KVB_CUDA_PREFILL_TILE) */
+    uint64_t n_prefill_items[2]; /* prefill items launched with 64 and with 128 rows */
     cudaStream_t stream;      /* non-blocking; every operator runs here */
     cudaStream_t copy_stream; /* non-blocking; `copy` (any host thread, ordered after nothing) and
                                * copy_async's KVB_ENGINE_PEER */
@@ -872,7 +874,8 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
     KVB_TRY(check_batch(c, b));
     const kvb_kv_geom *g = b->geom;
     int nkv = g->n_kv_heads, gq = b->n_heads / nkv, hd = g->head_dim;
-    int nh = KVB_MIN(gq, KVB_CUDA_ATTN_PREFILL_ROWS), tt = KVB_CUDA_ATTN_PREFILL_ROWS / nh;
+    int pm = kvb_cuda_attn_prefill_rows(c->dt, hd, c->prefill_tile); /* rows of a prefill item */
+    int nh = KVB_MIN(gq, pm), tt = pm / nh;
     int pre_tc = kvb_cuda_attention_prefill_tc(c->dt, hd);
 
     /* count the work: prefill tiles, and decode (sequence, KV head) pairs */
@@ -911,7 +914,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
                 n_pre += per_t * (size_t)ns;
                 if (ns > 1) {
                     n_groups += per_t;
-                    part_rows += per_t * (size_t)ns * KVB_CUDA_ATTN_PREFILL_ROWS;
+                    part_rows += per_t * (size_t)ns * (size_t)pm;
                 }
             }
             continue;
@@ -958,7 +961,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
                             c->pitems[ip++] = it;
                         }
                         ig++;
-                        prow += ns * KVB_CUDA_ATTN_PREFILL_ROWS;
+                        prow += ns * pm;
                     }
             }
             continue;
@@ -987,6 +990,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
         .block_size = g->block_size,
         .scale = b->scale,
         .window = b->window,
+        .prefill_rows = pm,
         .decode_rows = dec_rows,
         .q = q,
         .out = out,
@@ -1009,7 +1013,10 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
     a.seqs = d_seqs;
     a.blocks = d_blocks;
     a.groups = d_grp;
-    if (ip) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_prefill(&a, d_pre, (int)ip, c->stream)));
+    if (ip) {
+        KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_prefill(&a, d_pre, (int)ip, c->stream)));
+        c->n_prefill_items[pm == KVB_CUDA_ATTN_PREFILL_ROWS ? 0 : 1] += ip;
+    }
     if (id) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_decode(&a, d_dec, (int)id, c->stream)));
     return KVB_OK;
 }
@@ -1093,6 +1100,23 @@ int kvb_cuda_backend_set_copy_batch(kvb_backend *be, int on) {
     return was;
 }
 
+int kvb_cuda_backend_set_prefill_tile(kvb_backend *be, int rows) {
+    if (!kvb_cuda_backend_is(be) || (rows != KVB_CUDA_ATTN_PREFILL_ROWS && rows != KVB_CUDA_ATTN_PREFILL_ROWS_MAX))
+        return 0;
+    cuda_ctx *c = be->ctx;
+    int was = c->prefill_tile;
+    c->prefill_tile = rows;
+    return was;
+}
+
+void kvb_cuda_backend_prefill_items(const kvb_backend *be, uint64_t out[2]) {
+    out[0] = out[1] = 0;
+    if (!kvb_cuda_backend_is(be)) return;
+    const cuda_ctx *c = be->ctx;
+    out[0] = c->n_prefill_items[0];
+    out[1] = c->n_prefill_items[1];
+}
+
 void kvb_cuda_backend_copy_counts(const kvb_backend *be, kvb_cuda_copy_counts *out) {
     memset(out, 0, sizeof *out);
     if (!kvb_cuda_backend_is(be)) return;
@@ -1136,6 +1160,16 @@ kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *ou
     out->l2_bytes = (size_t)p.l2CacheSize;
     KVB_TRY(KVB_CUDA_CHECK(cudaMemGetInfo(&out->mem_free, &out->mem_total)));
     return KVB_OK;
+}
+
+/* KVB_CUDA_PREFILL_TILE: the tensor-core prefill's rows a tile, 128 (default) or 64 (the A/B of
+ * kvbank-bench cuda's attention rows); another value is refused with a warning. */
+static int prefill_tile_env(void) {
+    const char *e = getenv("KVB_CUDA_PREFILL_TILE");
+    if (!e || !*e) return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
+    if (!strcmp(e, "64")) return KVB_CUDA_ATTN_PREFILL_ROWS;
+    if (strcmp(e, "128")) KVB_LOG_W("KVB_CUDA_PREFILL_TILE=%.16s: not 64 or 128; the prefill uses 128-row tiles", e);
+    return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
 }
 
 kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_backend *out) {
@@ -1183,6 +1217,7 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     }
     c->tk_mu_init = 1;
     c->batch_on = HAVE_MEMCPY_BATCH;
+    c->prefill_tile = prefill_tile_env();
     for (int i = 0; i < STAGE_SLOTS; i++)
         KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming)), fail);
     pthread_once(&blas_once, blas_load);

@@ -64,6 +64,14 @@ typedef struct kvb_cuda_product_counts {
     uint64_t cublas;    /* the rest */
 } kvb_cuda_product_counts;
 void kvb_cuda_backend_product_counts(const kvb_backend *be, kvb_cuda_product_counts *out);
+/* Rows of a tensor-core prefill item (kernels/cuda/attention_tc.cu): 128 (the default) or 64, the tile
+ * before it; KVB_CUDA_PREFILL_TILE=64 in the environment when the backend is created picks 64.
+ * Returns the setting before the call, 0 (and changes nothing) for another value or backend.
+ * kvbank-bench cuda times both. */
+int kvb_cuda_backend_set_prefill_tile(kvb_backend *be, int rows);
+/* Prefill items `be` has launched since it was created: out[0] with 64 rows (the CUDA-core kernel's
+ * included), out[1] with 128. */
+void kvb_cuda_backend_prefill_items(const kvb_backend *be, uint64_t out[2]);
 
 /* ---------------------------------------------------------------- cuBLAS and NCCL errors */
 
