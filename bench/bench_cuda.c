@@ -12,6 +12,9 @@
  *   decode ratio     = (weight bytes + KV bytes read) / B / step time        (1.0 = at the HBM roofline)
  *   prefill ratio    = model FLOPs / F / prefill time, with model FLOPs = 2 * tokens * matrix params +
  *                      causal attention (4 * heads * head_dim * tokens(tokens+1)/2 per layer) + LM head
+ *   product ratio    = weight bytes / B / time of one weight product of the decode step at each batch of
+ *                      9-64 rows, with each of the two 9-64-row kernels (KVB_CUDA_SKINNY v1, v2); the
+ *                      decode step at those batches is timed with both too
  *   attention ratio  = KV bytes read / B / time of the attention operator alone (decode)
  *   IPC ratio        = time of attention over blocks lent by another process through a CUDA IPC
  *                      handle / time over local blocks (1.0 = no cost for reading in place)
@@ -19,8 +22,10 @@
  * stream (the step's events enclose the logits' copy to the host, which kvb_forward_end waits for), with
  * the spread (min-max) and a wall-clock column. --peer SCRIPT then runs bench/compiled_peer.py (a
  * compiled transformers Llama at the same shape) after this process has given the device back, and
- * prints each decode / prefill row's time against the peer's. Without a GPU: "no CUDA device", exit
- * status 77. */
+ * prints each decode / prefill row's time against the peer's. The prefill attention is timed with each of
+ * the tensor-core prefill's tiles (128 and 64 rows); --sdpa-peer SCRIPT then runs bench/sdpa_peer.py's
+ * causal prefill at the same tokens and layers and prints both against PyTorch SDPA's time. Without a
+ * GPU: "no CUDA device", exit status 77. */
 #include "config.h"
 
 #include <getopt.h>
@@ -38,6 +43,7 @@
 #ifdef KVB_WITH_CUDA
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/convert.h"
+#include "kernels/cuda/gemv.h"
 
 #define MAX_LIST 16
 #define REPS 7
@@ -419,8 +425,10 @@ static void usage(FILE *f) {
     fprintf(f, "usage: kvbank-bench cuda [--batches 1,16,64] [--contexts 1024,8192] [--prefill-tokens N]\n"
                "                         [--layers N] [--attn-batch N] [--ipc-batch N] [--no-prefill] [--no-ipc]\n"
                "                         [--shape llama3-8b|tiny] [--peer SCRIPT [--peer-decode LIST]]\n"
+               "                         [--sdpa-peer SCRIPT]\n"
                "\n"
-               "Decode steps, an 8K prefill, paged attention and reading lent blocks through CUDA IPC, on a\n"
+               "Decode steps (and their weight products at 9-64 rows, with each kernel), an 8K prefill, paged\n"
+               "attention and reading lent blocks through CUDA IPC, on a\n"
                "Llama-3-8B-shaped bf16 model built on the device and run through the engine's forward pass, against\n"
                "the copy bandwidth and cuBLAS GEMM rate measured in the same run. Exit status 77 when there is no\n"
                "CUDA device.\n"
@@ -432,9 +440,108 @@ static void usage(FILE *f) {
                "  --ipc-batch N        sequences of 4096 tokens read through the IPC region (default 16)\n"
                "  --shape S            llama3-8b (default) or tiny (hidden 256, 8 heads over 2 KV heads of 32,\n"
                "                       vocabulary 1000, small ceilings: a smoke run of the code paths, not a measurement)\n"
+               "  --sdpa-peer SCRIPT   then run SCRIPT (bench/sdpa_peer.py) for the prefill attention and print both\n"
+               "                       tensor-core tiles' times against PyTorch SDPA's\n"
                "  --peer SCRIPT        then run SCRIPT (bench/compiled_peer.py) with python3 at the same shape, once\n"
                "                       this process has let go of the device, and compare its rows with these\n"
                "  --peer-decode LIST   the peer's decode rows, BxC pairs (default 1x1024: the batch-1 target)\n");
+}
+
+/* ---------------------------------------------------------------- the decode products */
+
+/* PROD_CALLS calls of one product between the events, each on the next layer's weight (a layer's
+ * matrix alone may stay in L2 from one call to the next; the step reads each once). */
+#define PROD_CALLS 16
+typedef struct prod_ud {
+    kvb_backend *be;
+    const model *md;
+    int which; /* index into PRODS */
+    const void *x;
+    void *y;
+    int n;
+} prod_ud;
+
+typedef struct prod_kind {
+    const char *name;
+    int mode; /* 0 plain, 1 norm folded, 2 SwiGLU folded */
+    float beta;
+} prod_kind;
+static const prod_kind PRODS[] = {
+    {"qkv (norm)", 1, 0.0f}, {"o_proj (+=)", 0, 1.0f}, {"gate/up (norm)", 1, 0.0f}, {"down (swiglu, +=)", 2, 1.0f}, {"lm_head", 0, 0.0f},
+};
+
+static const kvb_tensor *prod_weight(const model *md, int which, int layer, const kvb_tensor **norm) {
+    const kvb_layer_weights *w = &md->m.layers[layer];
+    *norm = which == 0 ? &w->attn_norm : &w->ffn_norm;
+    switch (which) {
+    case 0: return &w->wqkv;
+    case 1: return &w->wo;
+    case 2: return &w->w_gu;
+    case 3: return &w->w_down;
+    default: return &md->m.lm_head;
+    }
+}
+
+static kvb_status do_prod(void *ud) {
+    prod_ud *p = ud;
+    const kvb_backend_i *i = p->be->iface;
+    for (int c = 0; c < PROD_CALLS; c++) {
+        const kvb_tensor *norm, *w = prod_weight(p->md, p->which, c % p->md->s.n_layers, &norm);
+        switch (PRODS[p->which].mode) {
+        case 0: KVB_TRY(i->matmul(p->be->ctx, p->x, p->n, w, PRODS[p->which].beta, p->y)); break;
+        case 1: KVB_TRY(i->matmul_norm(p->be->ctx, p->x, p->n, norm, 1e-5f, w, p->y)); break;
+        default: KVB_TRY(i->matmul_swiglu(p->be->ctx, p->x, p->n, w, PRODS[p->which].beta, p->y)); break;
+        }
+    }
+    return KVB_OK;
+}
+
+/* Each weight product of the decode step at n activation rows with each 9-64-row kernel (gemv.h's
+ * KVB_CUDA_SKINNY variants), side by side: weight bytes / time against the copy rate B. */
+static int bench_products(kvb_backend *be, const model *md, int n, int n_sm, double B) {
+    const shape *s = &md->s;
+    size_t es = kvb_dtype_size(be->iface->act_dtype), in_elems = (size_t)n * 2 * s->inter,
+           out_elems = (size_t)n * KVB_MAX(s->vocab, 2 * s->inter);
+    void *x = NULL, *y = NULL;
+    int rc = 1;
+    if (kvb_mem_alloc(be->mem, in_elems * es, &x) != KVB_OK || kvb_mem_alloc(be->mem, out_elems * es, &y) != KVB_OK ||
+        kvb_cuda_fill_uniform(x, be->iface->act_dtype, in_elems, 11, -1, 1, kvb_cuda_backend_stream(be)) != 0 ||
+        kvb_cuda_fill_uniform(y, be->iface->act_dtype, out_elems, 12, -1, 1, kvb_cuda_backend_stream(be)) != 0)
+        goto out;
+    printf("\ndecode products, %d rows (%d calls a timing over the layers' weights; v1: 16 weight rows a block, the\n"
+           "input re-read per warp; v2: 128 a block, the input transformed once a block, split-K planned)\n", n, PROD_CALLS);
+    printf("  product            rows x cols     v1 us (min-max)       v2 us (min-max)     v1 GB/s  v2 GB/s  v1/copy  "
+           "v2/copy  v1/v2   v2 blocks x splits\n");
+    kvb_cuda_gemv_ctx g = {.skinny = KVB_CUDA_SKINNY_V2, .n_sm = n_sm};
+    int was = kvb_cuda_backend_set_skinny(be, KVB_CUDA_SKINNY_V2);
+    for (int k = 0; k < (int)KVB_ARRAY_LEN(PRODS); k++) {
+        const kvb_tensor *norm, *w = prod_weight(md, k, 0, &norm);
+        prod_ud u = {be, md, k, x, y, n};
+        timing t[2];
+        for (int v = 0; v < 2; v++) {
+            kvb_cuda_backend_set_skinny(be, v == 0 ? KVB_CUDA_SKINNY_V1 : KVB_CUDA_SKINNY_V2);
+            t[v] = time_events(be, do_prod, &u, REPS);
+            t[v].med /= PROD_CALLS, t[v].min /= PROD_CALLS, t[v].max /= PROD_CALLS;
+        }
+        double bytes = (double)w->ne[0] * (double)w->ne[1] * (double)es;
+        kvb_cuda_gemv_plan p;
+        kvb_cuda_gemv_plan_of(&g, (int)w->ne[0], (int)w->ne[1], n, &p);
+        if (t[0].med <= 0 || t[1].med <= 0) {
+            printf("  prod %-18s failed\n", PRODS[k].name);
+            goto restore;
+        }
+        printf("  prod %-17s %6lld x %-6lld %8.1f (%.1f-%.1f) %8.1f (%.1f-%.1f) %8.0f %8.0f %8.2f %8.2f %6.2f   %d x %d\n",
+               PRODS[k].name, (long long)w->ne[0], (long long)w->ne[1], t[0].med * 1e6, t[0].min * 1e6, t[0].max * 1e6,
+               t[1].med * 1e6, t[1].min * 1e6, t[1].max * 1e6, bytes / t[0].med / 1e9, bytes / t[1].med / 1e9,
+               bytes / t[0].med / B, bytes / t[1].med / B, t[0].med / t[1].med, p.blocks / p.splits, p.splits);
+    }
+    rc = 0;
+restore:
+    kvb_cuda_backend_set_skinny(be, was);
+out:
+    kvb_mem_free(be->mem, x);
+    kvb_mem_free(be->mem, y);
+    return rc;
 }
 
 /* kvbank's time of a row the peer also runs, for the comparison at the end. */
@@ -482,6 +589,49 @@ static int run_peer(const char *script, const char *decode, int prefill, const s
             }
     if (rc) printf("  the peer exited with %d\n", rc);
     return rc == 77 ? 0 : rc; /* no torch there: said so above, not a failure of kvbank's rows */
+}
+
+/* The prefill attention rows (each tensor-core tile's time for all layers) for PyTorch SDPA's. */
+typedef struct sdpa_rows {
+    int tokens; /* 0: not measured */
+    double ms[2]; /* the 128-row and the 64-row tile */
+} sdpa_rows;
+
+/* Runs bench/sdpa_peer.py's causal prefill at the same tokens and layers and prints both tiles' times
+ * against it (the issue's target: kvbank / SDPA <= 1.0). The peer's shape is Llama-3-8B's attention. */
+static int run_sdpa_peer(const char *script, const shape *s, const sdpa_rows *r) {
+    if (!r->tokens) return 0;
+    printf("\nprefill attention against PyTorch SDPA (%d tokens causal, %d layers)\n", r->tokens, s->n_layers);
+    if (s->n_heads != 32 || s->n_kv != 8 || s->head_dim != 128) {
+        printf("  not compared: the peer runs 32 heads over 8 KV heads of 128 only\n");
+        return 0;
+    }
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "python3 '%s' --layers %d --decode '' --prefill %d --reps 5 2>&1", script, s->n_layers,
+             r->tokens);
+    fflush(stdout);
+    FILE *p = popen(cmd, "r");
+    if (!p) return 1;
+    char line[512], be[64] = "";
+    double sdpa = -1;
+    int tok = 0;
+    while (fgets(line, sizeof line, p)) {
+        fputs(line, stdout);
+        const char *b = strchr(line, '[');
+        if (sscanf(line, "  sdpa prefill %d tokens causal %lf", &tok, &sdpa) == 2 && tok == r->tokens && b)
+            sscanf(b, "[%63[^]]", be);
+    }
+    int st = pclose(p);
+    int rc = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+    if (sdpa > 0) {
+        static const char *name[2] = {"128-row tile (4 warps x 32 rows)", "64-row tile (4 warps x 16 rows)"};
+        printf("                                     time ms   kvbank / SDPA (<= 1.0: the target met)\n");
+        printf("  sdpa [%s]%*s %9.3f\n", be, (int)(29 - strlen(be)), "", sdpa);
+        for (int i = 0; i < 2; i++) printf("  kvbank %-32s %9.3f %9.2f\n", name[i], r->ms[i], r->ms[i] / sdpa);
+    } else {
+        printf("  not compared: the peer printed no prefill row (exit %d)\n", rc);
+    }
+    return rc == 77 ? 0 : rc; /* no torch there: said so above */
 }
 
 /* ---------------------------------------------------------------- the data path */
@@ -681,12 +831,13 @@ int kvb_bench_cuda(int argc, char **argv) {
                .vocab = 128256, .block_size = 16};
     int32_t batches[MAX_LIST] = {1, 16, 64}, ctxs[MAX_LIST] = {1024, 8192};
     int n_batches = 3, n_ctxs = 2, prefill = 8192, attn_batch = 64, ipc_batch = 16, do_prefill = 1, do_ipc = 1;
-    const char *peer = NULL, *peer_decode = "1x1024";
+    const char *peer = NULL, *peer_decode = "1x1024", *sdpa_peer = NULL;
+    sdpa_rows sdpa_cmp = {0};
     static const struct option opts[] = {
         {"batches", 1, 0, 'b'},    {"contexts", 1, 0, 'c'},  {"prefill-tokens", 1, 0, 'p'}, {"layers", 1, 0, 'l'},
         {"attn-batch", 1, 0, 'a'}, {"ipc-batch", 1, 0, 'i'}, {"no-prefill", 0, 0, 'P'},     {"no-ipc", 0, 0, 'I'},
         {"shape", 1, 0, 's'},      {"peer", 1, 0, 'e'},      {"peer-decode", 1, 0, 'd'},    {"help", 0, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"sdpa-peer", 1, 0, 'S'},  {0, 0, 0, 0}};
     int tiny = 0;
     optind = 1;
     int o;
@@ -714,6 +865,7 @@ int kvb_bench_cuda(int argc, char **argv) {
             else if (strcmp(optarg, "llama3-8b")) goto bad;
             break;
         case 'e': peer = optarg; break;
+        case 'S': sdpa_peer = optarg; break;
         case 'd':
             if (strspn(optarg, "0123456789x,") != strlen(optarg)) goto bad; /* it goes into a shell command */
             peer_decode = optarg;
@@ -727,6 +879,10 @@ int kvb_bench_cuda(int argc, char **argv) {
     if (optind != argc) goto bad;
     if (peer && (strchr(peer, '\'') || access(peer, R_OK))) {
         fprintf(stderr, "kvbank-bench cuda: --peer %s: not a readable script\n", peer);
+        return 2;
+    }
+    if (sdpa_peer && (strchr(sdpa_peer, '\'') || access(sdpa_peer, R_OK))) {
+        fprintf(stderr, "kvbank-bench cuda: --sdpa-peer %s: not a readable script\n", sdpa_peer);
         return 2;
     }
     if (tiny) {
@@ -822,7 +978,7 @@ int kvb_bench_cuda(int argc, char **argv) {
            pool_blocks < want_blocks ? ", sized to the free device memory" : "");
 
     /* decode steps */
-    printf("decode step (the engine's)  step ms (min-max)        wall ms  bytes GB  roofline ms   ratio\n");
+    printf("decode step (the engine's)  step ms (min-max)        wall ms  bytes GB  roofline ms   ratio  products\n");
     for (int ci = 0; ci < n_ctxs; ci++)
         for (int bi = 0; bi < n_batches; bi++) {
             int batch = batches[bi], ctx = ctxs[ci];
@@ -841,12 +997,27 @@ int kvb_bench_cuda(int argc, char **argv) {
             timing tw = summarize(walls, REPS);
             double kv_bytes = (double)batch * ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
             double bytes = (double)m.weight_bytes + kv_bytes, ideal = bytes / B;
-            printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8.3f %9.2f %12.3f %7.2f\n", batch, ctx, t.med * 1e3,
-                   t.min * 1e3, t.max * 1e3, tw.med * 1e3, bytes / 1e9, ideal * 1e3, t.med > 0 ? ideal / t.med : 0);
+            int skinny = batch > KVB_CUDA_GEMV_MAX_ROWS && batch <= KVB_CUDA_SKINNY_MAX_ROWS;
+            printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8.3f %9.2f %12.3f %7.2f  %s\n", batch, ctx, t.med * 1e3,
+                   t.min * 1e3, t.max * 1e3, tw.med * 1e3, bytes / 1e9, ideal * 1e3, t.med > 0 ? ideal / t.med : 0,
+                   skinny ? "skinny v2" : batch <= KVB_CUDA_GEMV_MAX_ROWS ? "gemv" : "cuBLAS");
+            if (skinny) { /* the same step with the kernel before, for the A/B */
+                int was = kvb_cuda_backend_set_skinny(be, KVB_CUDA_SKINNY_V1);
+                timing t1 = time_events(be, run_step, &st, REPS);
+                kvb_cuda_backend_set_skinny(be, was);
+                printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8s %9.2f %12.3f %7.2f  skinny v1\n", batch, ctx,
+                       t1.med * 1e3, t1.min * 1e3, t1.max * 1e3, "", bytes / 1e9, ideal * 1e3,
+                       t1.med > 0 ? ideal / t1.med : 0);
+            }
             fflush(stdout);
             if (n_prow < 2 * MAX_LIST) prow[n_prow++] = (peer_row){0, batch, ctx, t.med * 1e3};
             view_free(&v, s.n_layers);
         }
+
+    for (int bi = 0; bi < n_batches; bi++)
+        if (batches[bi] > KVB_CUDA_GEMV_MAX_ROWS && batches[bi] <= KVB_CUDA_SKINNY_MAX_ROWS &&
+            be->iface->matmul_norm && bench_products(be, &m, batches[bi], info.n_sm, B))
+            goto out;
 
     /* attention alone at the longest context */
     printf("\npaged attention (decode)    time ms (min-max)      KV GB    GB/s   ratio to copy\n");
@@ -872,8 +1043,20 @@ int kvb_bench_cuda(int argc, char **argv) {
         if (view_make(&m, &g, pool, KVB_DIV_CEIL(prefill, s.block_size), 1, prefill, prefill, &v) != KVB_OK) goto out;
         step_init(&st, be, &m, fw, &a, logits, &g, &v, 1);
         timing t = time_events(be, run_step, &st, 3);
+        /* the attention operator alone with each of the tensor-core prefill's tiles (attention_tc.cu),
+         * one after the other on the same data; the step above ran the backend's own */
         st.only_attention = 1;
-        timing ta = time_events(be, run_step, &st, 3);
+        const int tiles[2] = {128, 64};
+        timing tt[2];
+        int own = kvb_cuda_backend_set_prefill_tile(be, tiles[0]);
+        for (int i = 0; i < 2; i++) {
+            kvb_cuda_backend_set_prefill_tile(be, tiles[i]);
+            tt[i] = time_events(be, run_step, &st, REPS);
+            sdpa_cmp.ms[i] = tt[i].med * 1e3;
+        }
+        kvb_cuda_backend_set_prefill_tile(be, own);
+        timing ta = tt[own == tiles[1] ? 1 : 0];
+        sdpa_cmp.tokens = prefill;
         double attn_flops = 4.0 * s.n_heads * s.head_dim * ((double)prefill * (prefill + 1) / 2) * s.n_layers;
         double gemm_flops = 2.0 * prefill * (double)m.matrix_params + 2.0 * s.vocab * (double)s.hidden;
         double flops = gemm_flops + attn_flops;
@@ -881,9 +1064,10 @@ int kvb_bench_cuda(int argc, char **argv) {
                "chunks: %d rows)\n", prefill, kvb_forward_default_chunk(be));
         printf("  whole step (the engine's)  %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", t.med * 1e3, t.min * 1e3,
                t.max * 1e3, flops / 1e12, t.med > 0 ? flops / t.med / 1e12 : 0, t.med > 0 ? flops / t.med / F : 0);
-        printf("  attention alone (1 call)   %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", ta.med * 1e3, ta.min * 1e3,
-               ta.max * 1e3, attn_flops / 1e12, ta.med > 0 ? attn_flops / ta.med / 1e12 : 0,
-               ta.med > 0 ? attn_flops / ta.med / F : 0);
+        for (int i = 0; i < 2; i++)
+            printf("  attention alone, %3d-row tile %5.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", tiles[i], tt[i].med * 1e3,
+                   tt[i].min * 1e3, tt[i].max * 1e3, attn_flops / 1e12, tt[i].med > 0 ? attn_flops / tt[i].med / 1e12 : 0,
+                   tt[i].med > 0 ? attn_flops / tt[i].med / F : 0);
         printf("  the rest (GEMMs, norms)    %8.1f %20.1f %8.1f %10.2f\n", (t.med - ta.med) * 1e3, gemm_flops / 1e12,
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / 1e12 : 0,
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / F : 0);
@@ -986,6 +1170,7 @@ out:
     acts_free(be, &a);
     model_free(be, &m);
     kvb_backend_destroy(be);
+    if (rc == 0 && sdpa_peer) rc = run_sdpa_peer(sdpa_peer, &s, &sdpa_cmp);
     if (rc == 0 && peer) {
         fflush(stdout);
         rc = run_peer(peer, peer_decode, do_prefill ? prefill : 0, &s, prow, n_prow);

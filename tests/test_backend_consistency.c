@@ -34,6 +34,7 @@
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/blocks.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemv.h"
 #include "kernels/cuda/sampling.h"
 
 /* ---------------------------------------------------------------- helpers */
@@ -416,6 +417,178 @@ KVB_TEST(matmul_fused) {
         }
         kvb_backend_destroy(gpu);
     }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* The 9-64-row tensor-core product (gemv.cu's skinny2_kernel, v2; and v1 where it applies) through
+ * its launchers against the CPU's unfused sequence: every input form (plain, RMSNorm folded, SwiGLU folded) with beta 0 and 1,
+ * 9..64 input rows (not multiples of 8 or 16 included), weight rows not multiples of 16, columns
+ * multiples of 8 but not of 32 (v1 refuses those), and plans with one split and several, one
+ * activation tile a block and several (the SM count the plan assumes, 1 or 132, makes both; the
+ * test fails if a case goes missing). A split product runs twice: same bits. Then the switch:
+ * KVB_CUDA_SKINNY=v1 selects the kernel before (launch counts), anything but v1/v2 fails the
+ * backend's creation. */
+enum { SK_PLAIN, SK_NORM, SK_SWIGLU };
+
+static void skinny_case(kvb_backend *cpu, kvb_backend *gpu, const variant *V, int skinny, int n, int rows, int cols,
+                        int n_sm, int seen[2][2]) {
+    kvb_cuda_gemv_ctx g = {.skinny = skinny, .n_sm = n_sm};
+    kvb_cuda_gemv_plan plan;
+    kvb_cuda_gemv_plan_of(&g, rows, cols, n, &plan);
+    ck_assert_int_eq(plan.blocks, plan.splits * ((rows + plan.block_rows - 1) / plan.block_rows));
+    if (skinny == KVB_CUDA_SKINNY_V1) plan.splits = 1; /* v1 splits in the block, with no workspace */
+    seen[plan.splits > 1][plan.tiles > 1] = 1;
+    size_t n_counters = 0, floats = kvb_cuda_gemv_workspace(&g, V->dt, rows, cols, n, &n_counters);
+    ck_assert(plan.splits > 1 ? floats > 0 && n_counters > 0 : floats == 0);
+    if (floats) { /* the counters start zero, and every launch leaves them so */
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, floats * sizeof(float), (void **)&g.part), KVB_OK);
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, n_counters * sizeof(int32_t), (void **)&g.counters), KVB_OK);
+        int32_t *zero = calloc(n_counters, sizeof(int32_t));
+        ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, g.counters, zero, n_counters * sizeof(int32_t)), KVB_OK);
+        free(zero);
+    }
+    kvb_cuda_stream_t s = kvb_cuda_backend_stream(gpu);
+    float *w = rand_vec((size_t)rows * cols, 0.1f, V->dt), *gn = rand_vec((size_t)cols, 1.0f, KVB_DTYPE_F32);
+    float *x = rand_vec((size_t)n * 2 * cols, 2.0f, V->dt), *y0 = rand_vec((size_t)n * rows, 1.0f, V->dt);
+    kvb_tensor wc, wg, gc, gg;
+    load_both(cpu, gpu, w, rows, cols, KVB_DTYPE_F32, &wc, &wg);
+    load_both(cpu, gpu, gn, cols, 1, KVB_DTYPE_F32, &gc, &gg);
+    void *xg = upload(gpu, x, (size_t)n * 2 * cols);
+    float *in = malloc(sizeof(float) * n * cols), *yc = malloc(sizeof(float) * n * rows);
+    for (int mode = SK_PLAIN; mode <= SK_SWIGLU; mode++) {
+        /* the CPU's input: x [n][cols] (the first n * cols values), its RMSNorm, or SiLU-mul of x [n][2 cols] */
+        if (mode == SK_PLAIN) memcpy(in, x, sizeof(float) * n * cols);
+        if (mode == SK_NORM) ck_assert_int_eq(cpu->iface->rmsnorm(cpu->ctx, x, n, cols, &gc, 1e-5f, in), KVB_OK);
+        if (mode == SK_SWIGLU)
+            for (int t = 0; t < n; t++)
+                ck_assert_int_eq(cpu->iface->silu_mul(cpu->ctx, x + (size_t)t * 2 * cols, x + (size_t)t * 2 * cols + cols,
+                                                      (size_t)cols, in + (size_t)t * cols),
+                                 KVB_OK);
+        for (int beta = 0; beta <= 1; beta++) {
+            memcpy(yc, y0, sizeof(float) * n * rows);
+            ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, in, n, &wc, (float)beta, yc), KVB_OK);
+            float *got[2] = {NULL, NULL};
+            for (int rep = 0; rep < (plan.splits > 1 ? 2 : 1); rep++) {
+                void *yg = upload_out(gpu, y0, (size_t)n * rows, beta);
+                int rc = mode == SK_PLAIN  ? kvb_cuda_gemv(&g, wg.data, xg, yg, V->dt, rows, cols, n, (float)beta, s)
+                         : mode == SK_NORM ? kvb_cuda_gemv_norm(&g, wg.data, xg, gg.data, 1e-5f, yg, V->dt, rows, cols, n,
+                                                                (float)beta, s)
+                                           : kvb_cuda_gemv_swiglu(&g, wg.data, xg, yg, V->dt, rows, cols, n, (float)beta, s);
+                ck_assert_int_eq(rc, 0);
+                got[rep] = download(gpu, yg, (size_t)n * rows + OUT_GUARD);
+                kvb_mem_free(gpu->mem, yg);
+                CHECK_CLOSE(got[rep], yc, (size_t)n * rows, V, "skinny %s mode %d n=%d %dx%d beta %d (%d splits, %d tiles)",
+                            kvb_cuda_skinny_name(skinny), mode, n, rows, cols, beta, plan.splits, plan.tiles);
+                CHECK_GUARD(got[rep], (size_t)n * rows, "%s: skinny %s mode %d n=%d %dx%d", V->name,
+                            kvb_cuda_skinny_name(skinny), mode, n, rows, cols);
+            }
+            if (got[1])
+                ck_assert_msg(!memcmp(got[0], got[1], sizeof(float) * n * rows), "%s: skinny v2 n=%d %dx%d: two runs differ",
+                              V->name, n, rows, cols);
+            free(got[0]);
+            free(got[1]);
+        }
+    }
+    int k = skinny == KVB_CUDA_SKINNY_V1 ? KVB_CUDA_GEMV_K_SKINNY_V1 : KVB_CUDA_GEMV_K_SKINNY_V2;
+    ck_assert_uint_eq(g.launched[k], (uint64_t)(plan.splits > 1 ? 12 : 6));
+    ck_assert_uint_eq(g.launched[0] + g.launched[1] + g.launched[2], g.launched[k]);
+    if (floats) {
+        kvb_mem_free(gpu->mem, g.part);
+        kvb_mem_free(gpu->mem, g.counters);
+    }
+    kvb_mem_free(gpu->mem, xg);
+    cpu->iface->weight_free(cpu->ctx, &wc);
+    gpu->iface->weight_free(gpu->ctx, &wg);
+    cpu->iface->weight_free(cpu->ctx, &gc);
+    gpu->iface->weight_free(gpu->ctx, &gg);
+    free(w);
+    free(gn);
+    free(x);
+    free(y0);
+    free(in);
+    free(yc);
+}
+
+/* A plain product of n rows on a fresh backend "cuda" with KVB_CUDA_SKINNY=env: the counts of each
+ * kernel it launched; the result against the CPU's. */
+static kvb_cuda_product_counts skinny_switch(kvb_backend *cpu, const char *env, int n, int rows, int cols) {
+    if (env) setenv("KVB_CUDA_SKINNY", env, 1);
+    else unsetenv("KVB_CUDA_SKINNY");
+    kvb_backend *gpu = make("cuda");
+    unsetenv("KVB_CUDA_SKINNY");
+    const variant *V = &VARIANTS[N_VARIANTS - 1];
+    float *w = rand_vec((size_t)rows * cols, 0.1f, V->dt), *x = rand_vec((size_t)n * cols, 1.0f, V->dt);
+    float *yc = malloc(sizeof(float) * n * rows);
+    kvb_tensor tc, tg;
+    load_both(cpu, gpu, w, rows, cols, KVB_DTYPE_F32, &tc, &tg);
+    void *xg = upload(gpu, x, (size_t)n * cols), *yg = upload_out(gpu, NULL, (size_t)n * rows, 0);
+    ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, x, n, &tc, 0.0f, yc), KVB_OK);
+    ck_assert_int_eq(gpu->iface->matmul(gpu->ctx, xg, n, &tg, 0.0f, yg), KVB_OK);
+    float *got = download(gpu, yg, (size_t)n * rows + OUT_GUARD);
+    CHECK_CLOSE(got, yc, (size_t)n * rows, V, "KVB_CUDA_SKINNY=%s n=%d %dx%d", env ? env : "(unset)", n, rows, cols);
+    kvb_cuda_product_counts k;
+    kvb_cuda_backend_product_counts(gpu, &k);
+    kvb_mem_free(gpu->mem, xg);
+    kvb_mem_free(gpu->mem, yg);
+    cpu->iface->weight_free(cpu->ctx, &tc);
+    gpu->iface->weight_free(gpu->ctx, &tg);
+    kvb_backend_destroy(gpu);
+    free(w);
+    free(x);
+    free(yc);
+    free(got);
+    return k;
+}
+
+KVB_TEST(matmul_skinny) {
+    rng_state = 26;
+    kvb_backend *cpu = make("cpu");
+    /* n, rows, cols, the SM count of the plan */
+    static const int shapes[][4] = {{9, 77, 64, 132},   {13, 130, 40, 132},  {16, 200, 1024, 132}, {16, 300, 1032, 1},
+                                    {20, 257, 584, 132}, {24, 129, 2056, 1}, {31, 64, 1096, 1},   {40, 300, 600, 1},
+                                    {57, 33, 200, 132},  {64, 129, 520, 1},  {64, 70, 264, 132}, {33, 100, 512, 132},
+                                    {48, 45, 96, 132}};
+    for (int v = 1; v < N_VARIANTS; v++) { /* bf16 and f16 */
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        int seen[2][2] = {{0}}, seen_v1[2][2] = {{0}};
+        for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
+            skinny_case(cpu, gpu, V, KVB_CUDA_SKINNY_V2, shapes[si][0], shapes[si][1], shapes[si][2], shapes[si][3], seen);
+            if (shapes[si][2] % 32 == 0) /* the kernel before, kept for the A/B on a GPU */
+                skinny_case(cpu, gpu, V, KVB_CUDA_SKINNY_V1, shapes[si][0], shapes[si][1], shapes[si][2], shapes[si][3],
+                            seen_v1);
+        }
+        for (int sp = 0; sp < 2; sp++)
+            for (int ti = 0; ti < 2; ti++)
+                ck_assert_msg(seen[sp][ti], "no case with %s split and %s tile", sp ? "more than one" : "one",
+                              ti ? "more than one" : "one");
+        kvb_backend_destroy(gpu);
+    }
+    /* the switch, read when the backend is created */
+    kvb_cuda_product_counts k = skinny_switch(cpu, NULL, 16, 64, 96);
+    ck_assert_uint_eq(k.skinny_v2, 1);
+    ck_assert_uint_eq(k.skinny_v1 + k.cublas + k.gemv, 0);
+    k = skinny_switch(cpu, "v2", 16, 64, 96);
+    ck_assert_uint_eq(k.skinny_v2, 1);
+    k = skinny_switch(cpu, "v1", 16, 64, 96);
+    ck_assert_uint_eq(k.skinny_v1, 1);
+    ck_assert_uint_eq(k.skinny_v2 + k.cublas + k.gemv, 0);
+    k = skinny_switch(cpu, "v1", 16, 64, 40); /* v1 takes whole 32-column chunks: cuBLAS */
+    ck_assert_uint_eq(k.cublas, 1);
+    ck_assert_uint_eq(k.skinny_v1 + k.skinny_v2, 0);
+    k = skinny_switch(cpu, "v1", 5, 64, 96); /* up to 8 rows: the gemv kernel either way */
+    ck_assert_uint_eq(k.gemv, 1);
+    setenv("KVB_CUDA_SKINNY", "v3", 1);
+    kvb_backend *bad = NULL;
+    ck_assert_int_eq(kvb_backend_create("cuda", 1, &bad), KVB_ERR_INVALID);
+    ck_assert_ptr_null(bad);
+    unsetenv("KVB_CUDA_SKINNY");
+    kvb_backend *gpu = make("cuda");
+    ck_assert_int_eq(kvb_cuda_backend_set_skinny(gpu, KVB_CUDA_SKINNY_V1), KVB_CUDA_SKINNY_V2);
+    ck_assert_int_eq(kvb_cuda_backend_set_skinny(gpu, 7), -1);
+    ck_assert_int_eq(kvb_cuda_backend_set_skinny(gpu, KVB_CUDA_SKINNY_V2), KVB_CUDA_SKINNY_V1);
+    kvb_backend_destroy(gpu);
     kvb_backend_destroy(cpu);
 }
 KVB_TEST_END
@@ -839,8 +1012,8 @@ KVB_TEST(attention_long_context_split) {
          * into many parts; a batch of 4 at 4K splits fewer */
         seq_spec one[] = {{1, 9000}};
         check_attention(cpu, gpu, &VARIANTS[v], one, 1, 32, 8, 128, 16);
-        /* kvbank-bench cuda's batch-1 rows at 1K and 4K (attention_decode_plan: 32 splits of 32 keys,
-         * 64 of 64), each sequence's blocks filling its pool exactly */
+        /* kvbank-bench cuda's batch-1 rows at 1K and 4K (attention_decode_plan: 8 splits of 128 keys,
+         * 32 of 128), each sequence's blocks filling its pool exactly */
         seq_spec k1[] = {{1, 1024}}, k4[] = {{1, 4096}};
         check_attention(cpu, gpu, &VARIANTS[v], k1, 1, 32, 8, 128, 16);
         check_attention(cpu, gpu, &VARIANTS[v], k4, 1, 32, 8, 128, 16);
@@ -857,17 +1030,27 @@ KVB_TEST_END
 
 /* The decode split plan for kvbank-bench cuda's rows on an H200 (132 multiprocessors, 4 resident
  * decode blocks each: 528 slots) at Llama-3-8B's attention (bf16, 32 heads over 8 KV heads of 128, 4
- * rows a pair). The plan before issue 25's GPU run left batch 1 at 1K with 128 blocks (fewer than the
- * multiprocessors) and batch 16 at 4K with 640 blocks of 832 keys (1.2 waves: the second wave's 112
- * blocks take as long as the first's 528); now whole waves. Then over a sweep of batches and contexts:
- * every split a multiple of the minimum covering its keys, the grid at least the multiprocessors
- * where there are keys for it, and never more than 40% of the slot time of its waves idle where the
- * keys could fill a wave (the rounding of splits to 32 keys costs up to that). */
+ * rows a pair). Issue 25's first GPU run had batch 16 at 4K in 640 blocks of 832 keys (1.2 waves: the
+ * second wave's 112 blocks take as long as the first's 528): now whole waves. Its second run had batch 1
+ * at 1K in 256 blocks of 32 keys, two stages of the key-group kernel's 4-stage ring each, and 32
+ * partials a pair to merge: 32.9 us where 128 blocks of 64 keys took 22.5. Now no split is shorter than
+ * two turns of the ring (128 keys here), so batch 1 at 1K runs 64 blocks of 128 keys. Then over a sweep
+ * of batches and contexts: every split a multiple of the minimum covering its keys and at least the
+ * ring's two turns, the grid at least the multiprocessors where there are keys for it, and never more
+ * than 40% of the slot time of its waves idle where the keys could fill a wave (the rounding of splits
+ * to 32 keys costs up to that). */
 KVB_TEST(attention_decode_plan) {
     const int n_sm = 132, hd = 128, mn = KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
+    /* two turns of 4 stages of 2 keys a lane group: 16 lanes a key at 128 x bf16, 8 at 64, 32 at 256 */
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 128), 128);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_F16, 64), 256);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 256), 64);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_F32, 128), 64);
+    ck_assert_int_eq(kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, 80), mn); /* the tiled kernel */
+    const int ml = kvb_cuda_attn_decode_min_split(KVB_DTYPE_BF16, hd);
     struct {
         int batch, ctx, len;
-    } rows[] = {{1, 1024, 32}, {1, 4096, 64}, {1, 8192, 128}, {16, 1024, 128}, {16, 4096, 512}, {16, 8192, 1024},
+    } rows[] = {{1, 1024, 128}, {1, 4096, 128}, {1, 8192, 128}, {16, 1024, 128}, {16, 4096, 512}, {16, 8192, 1024},
                 {64, 1024, 512}, {64, 8192, 4096}};
     for (size_t i = 0; i < KVB_ARRAY_LEN(rows); i++) {
         size_t pairs = 8 * (size_t)rows[i].batch;
@@ -876,8 +1059,8 @@ KVB_TEST(attention_decode_plan) {
         ck_assert_msg(len == rows[i].len, "batch %d ctx %d: splits of %d keys, want %d", rows[i].batch, rows[i].ctx, len,
                       rows[i].len);
     }
-    int batches[] = {1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 48, 64, 100}, ctxs[] = {1, 32, 33, 100, 512, 1000, 1024, 3000,
-                                                                                4096, 5000, 8192, 32768, 131072};
+    int batches[] = {1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 48, 64, 100}, ctxs[] = {1, 32, 33, 100, 255, 256, 512, 1000, 1024,
+                                                                                3000, 4096, 5000, 8192, 32768, 131072};
     for (int dr = 1; dr <= KVB_CUDA_ATTN_DECODE_ROWS; dr *= 2)
         for (size_t bi = 0; bi < KVB_ARRAY_LEN(batches); bi++)
             for (size_t ci = 0; ci < KVB_ARRAY_LEN(ctxs); ci++) {
@@ -886,9 +1069,11 @@ KVB_TEST(attention_decode_plan) {
                 size_t slots = (size_t)n_sm * (KVB_CUDA_ATTN_DECODE_RESIDENT / (dr > 4 ? 2 : 1));
                 int ns = kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, dr, n_sm, pairs, ctx);
                 int len = kvb_cuda_attn_decode_split_len(ctx, ns), parts = KVB_DIV_CEIL(ctx, len);
-                size_t blocks = pairs * (size_t)parts, most = pairs * (size_t)KVB_DIV_CEIL(ctx, mn);
+                size_t blocks = pairs * (size_t)parts, most = pairs * (size_t)KVB_MAX(1, ctx / ml);
                 ck_assert_msg(ns >= 1 && len % mn == 0 && (size_t)parts * len >= (size_t)ctx, "batch %d ctx %d: %d x %d",
                               batches[bi], ctx, parts, len);
+                ck_assert_msg(parts == 1 || len >= ml, "batch %d ctx %d rows %d: splits of %d keys", batches[bi], ctx, dr,
+                              len);
                 ck_assert_msg(blocks >= KVB_MIN((size_t)n_sm, most), "batch %d ctx %d rows %d: %zu blocks on %d SMs",
                               batches[bi], ctx, dr, blocks, n_sm);
                 size_t waves = KVB_DIV_CEIL(blocks, slots);
@@ -898,7 +1083,7 @@ KVB_TEST(attention_decode_plan) {
             }
     /* nothing to split */
     ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 0, 4096), 1);
-    ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 8, mn), 1);
+    ck_assert_int_eq(kvb_cuda_attn_decode_splits(KVB_DTYPE_BF16, hd, 4, n_sm, 8, 2 * ml - 1), 1);
 }
 KVB_TEST_END
 
@@ -929,6 +1114,66 @@ KVB_TEST(attention_chunk_over_past) {
         seq_spec mix[] = {{48, 3000}, {1, 1500}, {20, 2100}};
         check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 16, 4, 128, 16);
         check_attention_w(cpu, gpu, &VARIANTS[v], mix, 3, 8, 2, 64, 32, 700);
+        kvb_backend_destroy(gpu);
+    }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* The tensor-core prefill's two tiles (attention_tc.cu): 128 rows (the default; 4 warps x 32 rows, 8 x
+ * 16 at head size 256) and 64 (4 x 16, KVB_CUDA_PREFILL_TILE=64), each against the CPU on what differs
+ * between them: MHA tiles of 128 tokens whose warps skip the key tiles past their rows (the causal
+ * diagonal) and GQA tiles of 32 tokens x 4 heads, head sizes 32 to 256, chunks over a past with key
+ * splits, sliding windows, tiles spanning blocks of 1, 7 and 16 tokens. The items counted per tile show
+ * which kernel ran; the environment variable is read when the backend is created. */
+KVB_TEST(attention_prefill_tiles) {
+    rng_state = 26;
+    kvb_backend *cpu = make("cpu");
+    seq_spec mix[] = {{200, 200}, {40, 500}, {1, 40}};
+    seq_spec past[] = {{24, 2000}, {1, 300}};
+    for (int v = 0; v < N_VARIANTS; v++) {
+        if (VARIANTS[v].dt == KVB_DTYPE_F32) continue; /* the CUDA-core kernel: 64 rows, no tiles to pick */
+        kvb_backend *gpu = make(VARIANTS[v].name);
+        const int tiles[] = {128, 64};
+        for (size_t ti = 0; ti < KVB_ARRAY_LEN(tiles); ti++) {
+            int tile = tiles[ti];
+            ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, tile), 128); /* the default, then the first set */
+            uint64_t before[2], after[2];
+            kvb_cuda_backend_prefill_items(gpu, before);
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 4, 4, 128, 16);          /* MHA */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 16, 4, 64, 7);           /* GQA */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 8, 1, 32, 1);            /* MQA, a block a token */
+            check_attention(cpu, gpu, &VARIANTS[v], mix, 3, 2, 2, 256, 16);
+            check_attention(cpu, gpu, &VARIANTS[v], past, 2, 8, 8, 128, 16);         /* MHA key splits */
+            check_attention_w(cpu, gpu, &VARIANTS[v], mix, 3, 4, 4, 128, 16, 100);   /* windows inside a tile */
+            check_attention_w(cpu, gpu, &VARIANTS[v], past, 2, 16, 4, 64, 16, 700); /* key splits in a window */
+            kvb_cuda_backend_prefill_items(gpu, after);
+            ck_assert_msg(after[tile == 64 ? 0 : 1] > before[tile == 64 ? 0 : 1] &&
+                              after[tile == 64 ? 1 : 0] == before[tile == 64 ? 1 : 0],
+                          "%s tile %d: items 64/128 %llu/%llu -> %llu/%llu", VARIANTS[v].name, tile,
+                          (unsigned long long)before[0], (unsigned long long)before[1], (unsigned long long)after[0],
+                          (unsigned long long)after[1]);
+        }
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 100), 0); /* refused, nothing changes */
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 128), 64);
+        kvb_backend_destroy(gpu);
+    }
+    /* the environment's choice, read at creation; another value leaves the default */
+    const char *envs[] = {"64", "128", "96", NULL};
+    const int want[] = {64, 128, 128, 128};
+    seq_spec one[] = {{40, 100}};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(want); i++) {
+        if (envs[i]) setenv("KVB_CUDA_PREFILL_TILE", envs[i], 1);
+        else unsetenv("KVB_CUDA_PREFILL_TILE");
+        kvb_backend *gpu = make("cuda");
+        unsetenv("KVB_CUDA_PREFILL_TILE");
+        uint64_t n[2];
+        check_attention(cpu, gpu, &VARIANTS[N_VARIANTS - 1], one, 1, 8, 2, 64, 16);
+        kvb_cuda_backend_prefill_items(gpu, n);
+        ck_assert_msg(n[want[i] == 64 ? 0 : 1] > 0 && n[want[i] == 64 ? 1 : 0] == 0,
+                      "KVB_CUDA_PREFILL_TILE=%s: items 64/128 %llu/%llu", envs[i] ? envs[i] : "(unset)",
+                      (unsigned long long)n[0], (unsigned long long)n[1]);
+        ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 128), want[i]);
         kvb_backend_destroy(gpu);
     }
     kvb_backend_destroy(cpu);
@@ -1531,12 +1776,14 @@ int main(int argc, char **argv) {
     const kvb_test table[] = {
         KVB_T(variants_and_errors, 60),  KVB_T(embed_gather_rows, 60),
         KVB_T(matmul, 120),              KVB_T(matmul_fused, 120),
+        KVB_T(matmul_skinny, 300),
         KVB_T(qkv_finish, 60),           KVB_T(rmsnorm, 60),
         KVB_T(rope, 60),                 KVB_T(silu_mul_add, 60),
         KVB_T(attention_decode, 300),    KVB_T(attention_long_context_split, 300),
         KVB_T(attention_decode_plan, 60),
         KVB_T(attention_prefill, 300),   KVB_T(attention_head_shapes, 300),
         KVB_T(attention_sliding_window, 300), KVB_T(attention_chunk_over_past, 300),
+        KVB_T(attention_prefill_tiles, 300),
         KVB_T(bias_add, 60),
         KVB_T(blocks_copy_gather_scatter, 60), KVB_T(copy_concurrent, 120), KVB_T(copy_tickets, 60),
         KVB_T(copy_batch_scattered, 60),

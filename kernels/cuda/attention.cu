@@ -655,6 +655,8 @@ extern "C" int kvb_cuda_attention_prefill(const kvb_cuda_attn_args *a, const kvb
                                           int n_items, kvb_cuda_stream_t s) {
     int e = check_args(a, s);
     if (e || n_items <= 0) return e;
+    if (a->prefill_rows != kvb_cuda_attn_prefill_rows(a->dtype, a->head_dim, a->prefill_rows))
+        return (int)cudaErrorInvalidValue;
     if (kvb_cuda_attention_prefill_tc(a->dtype, a->head_dim)) return kvb::attn::prefill_tc(*a, items, n_items, s);
     KVB_ATTN_DISPATCH(*a, launch_prefill, *a, items, n_items, s);
     return (int)cudaErrorInvalidValue;
@@ -668,6 +670,11 @@ extern "C" int kvb_cuda_attention_decode(const kvb_cuda_attn_args *a, const kvb_
     return (int)cudaErrorInvalidValue;
 }
 
+extern "C" int kvb_cuda_attn_prefill_rows(kvb_dtype dt, int head_dim, int tile) {
+    if (tile != PM && tile != KVB_CUDA_ATTN_PREFILL_ROWS_MAX) return 0;
+    return kvb_cuda_attention_prefill_tc(dt, head_dim) ? tile : PM;
+}
+
 extern "C" int kvb_cuda_attn_decode_split_len(int n_keys, int splits) {
     constexpr int M = KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
     if (splits < 1) splits = 1;
@@ -675,23 +682,43 @@ extern "C" int kvb_cuda_attn_decode_split_len(int n_keys, int splits) {
     return len < M ? M : (len + M - 1) / M * M;
 }
 
-extern "C" int kvb_cuda_attn_decode_splits(kvb_dtype dt, int head_dim, int decode_rows, int n_sm, size_t n_pairs,
-                                           int n_keys) {
-    if (n_pairs == 0 || n_keys <= KVB_CUDA_ATTN_DECODE_MIN_SPLIT || n_sm <= 0) return 1;
-    /* the fast kernel (launch_decode) at 8 rows has half the tiled kernel's residency */
+/* Whether launch_decode takes the key-group kernel for this shape, and its lanes a key. */
+static int decode_fast_lanes(kvb_dtype dt, int head_dim) {
     size_t es = kvb_dtype_size(dt);
     int pow2 = head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
-    int fast = pow2 && es && (head_dim * es) % 16 == 0 && head_dim * es / 16 <= 32;
+    if (!pow2 || !es || (head_dim * es) % 16) return 0;
+    int lanes = (int)(head_dim * es / 16);
+    return lanes <= 32 ? lanes : 0;
+}
+
+extern "C" int kvb_cuda_attn_decode_min_split(kvb_dtype dt, int head_dim) {
+    int lanes = decode_fast_lanes(dt, head_dim);
+    if (!lanes) return KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
+    /* a block's stage: DEC_UF keys for each lane group of each warp (8 KiB of K and V); two turns of the
+     * ring, so that its DEC_STAGES - 1 stages in flight cover most of the block's keys */
+    int stage_keys = DEC_WARPS * (32 / lanes) * DEC_UF;
+    int len = 2 * DEC_STAGES * stage_keys;
+    return len > KVB_CUDA_ATTN_DECODE_MIN_SPLIT ? len : KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
+}
+
+extern "C" int kvb_cuda_attn_decode_splits(kvb_dtype dt, int head_dim, int decode_rows, int n_sm, size_t n_pairs,
+                                           int n_keys) {
+    int min_len = kvb_cuda_attn_decode_min_split(dt, head_dim);
+    if (n_pairs == 0 || n_keys < 2 * min_len || n_sm <= 0) return 1;
+    /* the fast kernel (launch_decode) at 8 rows has half the tiled kernel's residency */
+    int fast = decode_fast_lanes(dt, head_dim) > 0;
     int resident = KVB_CUDA_ATTN_DECODE_RESIDENT / (fast && decode_rows > 4 ? 2 : 1);
     size_t slots = (size_t)n_sm * (size_t)resident;
-    int most = (n_keys + KVB_CUDA_ATTN_DECODE_MIN_SPLIT - 1) / KVB_CUDA_ATTN_DECODE_MIN_SPLIT;
+    int most = n_keys / min_len; /* every split at least min_len keys */
     size_t lo = (slots + n_pairs - 1) / n_pairs;
     int first = lo < (size_t)most ? (int)lo : most, best = first;
+    /* where the split length caps the count, a little over a wave may do worse than fewer splits in one */
+    int from = first == most ? (first + 1) / 2 : first;
     unsigned long long best_cost = 0;
-    for (int ns = first; ns <= most && ns <= 4 * first; ns++) {
+    for (int ns = from; ns <= most && ns <= 4 * first; ns++) {
         int len = kvb_cuda_attn_decode_split_len(n_keys, ns), parts = (n_keys + len - 1) / len;
         unsigned long long waves = (n_pairs * (size_t)parts + slots - 1) / slots, cost = waves * (unsigned long long)len;
-        if (ns == first || cost < best_cost) {
+        if (ns == from || cost < best_cost) {
             best = ns;
             best_cost = cost;
         }

@@ -2,8 +2,8 @@
  *
  * Two kernels share one batch: a sequence whose query rows per KV head (q_len * n_heads/n_kv_heads) fit
  * in KVB_CUDA_ATTN_DECODE_ROWS takes the decode kernel, every other one the prefill kernel.
- *  - prefill: one CUDA block per tile of KVB_CUDA_ATTN_PREFILL_ROWS query rows (tokens x heads of one
- *    KV group), walking the visible keys with an online softmax. bf16 and f16 with head sizes that are
+ *  - prefill: one CUDA block per tile of query rows (tokens x heads of one KV group; 64 or 128 rows,
+ *    kvb_cuda_attn_prefill_rows), walking the visible keys with an online softmax. bf16 and f16 with head sizes that are
  *    multiples of 8 up to 256 run FlashAttention-2 style on tensor cores (attention_tc.cu: the tile's
  *    queries in registers, K/V tiles double-buffered in shared memory by cp.async, QK^T and PV as
  *    mma.m16n8k16 with f32 accumulators, the softmax in f32); f32 (the variant that must give the CPU
@@ -41,8 +41,10 @@ KVB_CUDA_EXTERN_C_BEGIN
 #define KVB_CUDA_ATTN_MAX_HEAD_DIM 256
 /* Query rows (q_len x heads of one KV group) one decode block handles. */
 #define KVB_CUDA_ATTN_DECODE_ROWS 8
-/* Query rows per prefill tile. */
+/* Query rows per prefill tile: the CUDA-core kernel's, and the smaller of the tensor-core kernel's two
+ * tiles (kvb_cuda_attn_prefill_rows); the larger is KVB_CUDA_ATTN_PREFILL_ROWS_MAX. */
 #define KVB_CUDA_ATTN_PREFILL_ROWS 64
+#define KVB_CUDA_ATTN_PREFILL_ROWS_MAX 128
 /* Keys per inner tile of the tiled decode kernel. */
 #define KVB_CUDA_ATTN_KEY_TILE 128
 /* Decode blocks resident on one multiprocessor: the kernels' launch bounds (at most 128 registers a
@@ -54,7 +56,7 @@ KVB_CUDA_EXTERN_C_BEGIN
 
 /* The splits of one row set (a decode item's rows, a prefill tile): split p's partial rows are
  * [prow + p * stride, + stride) of part_o / part_lse, stride = KVB_CUDA_ATTN_DECODE_ROWS (decode) or
- * KVB_CUDA_ATTN_PREFILL_ROWS (prefill). */
+ * the launch's prefill_rows (prefill). */
 typedef struct kvb_cuda_attn_group {
     int32_t prow, n_parts;
 } kvb_cuda_attn_group;
@@ -79,13 +81,14 @@ typedef struct kvb_cuda_attn_args {
     const kvb_cuda_attn_group *groups;       /* [groups] the split groups of the launch's items */
     int32_t *counters;        /* [groups] splits of each group finished so far; 0 between launches (the
                                  merging block resets its group's) */
+    int prefill_rows;         /* query rows of a prefill item: kvb_cuda_attn_prefill_rows of the batch */
     int decode_rows;          /* most query rows (q_len x group) of any decode item of the launch: sizes
                                  the decode kernel's register tile (1..KVB_CUDA_ATTN_DECODE_ROWS) */
 } kvb_cuda_attn_args;
 
-/* A prefill tile: heads [h0, h0 + nh) of KV group kvh, nh = min(group size, PREFILL_ROWS), and the
- * sequence's query tokens [t0, t0 + PREFILL_ROWS / nh), over keys [k_begin, k_end) (k_end 0: every key
- * the tile sees). part < 0: the tile's only split, writes `out`; else split `part` of `group`. */
+/* A prefill tile: heads [h0, h0 + nh) of KV group kvh, nh = min(group size, rows), and the sequence's
+ * query tokens [t0, t0 + rows / nh), rows = kvb_cuda_attn_args.prefill_rows, over keys [k_begin, k_end)
+ * (k_end 0: every key the tile sees). part < 0: the tile's only split, writes `out`; else split `part` of `group`. */
 typedef struct kvb_cuda_attn_prefill_item {
     int32_t seq, kvh, t0, h0, k_begin, k_end, part, group;
 } kvb_cuda_attn_prefill_item;
@@ -99,15 +102,24 @@ typedef struct kvb_cuda_attn_decode_item {
 /* Whether the prefill kernel of this batch runs on tensor cores and may take key splits (bf16/f16,
  * head_dim a multiple of 8 up to 256). */
 int kvb_cuda_attention_prefill_tc(kvb_dtype dt, int head_dim);
+/* The query rows of a prefill item for a batch of this dtype and head size: `tile` (64 or 128) where
+ * the tensor-core kernel runs, KVB_CUDA_ATTN_PREFILL_ROWS for the CUDA-core kernel; 0 for another tile. */
+int kvb_cuda_attn_prefill_rows(kvb_dtype dt, int head_dim, int tile);
 
 /* How many splits to cut the keys of each decode (sequence, KV head) pair into, for a launch of n_pairs
  * pairs whose longest key range is n_keys, decode_rows rows a pair at most, on n_sm multiprocessors:
  * at least enough for one wave of resident blocks (n_sm * KVB_CUDA_ATTN_DECODE_RESIDENT, fewer for 8
  * rows), then the count up to 4x that whose whole waves of blocks times keys a block is least (a
  * partial last wave costs as much as a full one: 640 blocks on 528 slots take two block times), the
- * smaller count on a tie (fewer partials to merge). A pair's split is then
- * kvb_cuda_attn_decode_split_len(its keys, splits). Host code; the same plan in the host emulation. */
+ * smaller count on a tie (fewer partials to merge); never splits shorter than
+ * kvb_cuda_attn_decode_min_split (a small context gets fewer blocks than the wave; where that caps the
+ * count, counts down to half of it are tried too). A pair's split is
+ * then kvb_cuda_attn_decode_split_len(its keys, splits). Host code; the same plan in the emulation. */
 int kvb_cuda_attn_decode_splits(kvb_dtype dt, int head_dim, int decode_rows, int n_sm, size_t n_pairs, int n_keys);
+/* The fewest keys a decode split gets: two turns of the key-group kernel's cp.async ring (its 4 stages
+ * of 2 keys a lane group: 128 keys at head size 128 in bf16, 256 at 64), KVB_CUDA_ATTN_DECODE_MIN_SPLIT
+ * for the tiled kernel. */
+int kvb_cuda_attn_decode_min_split(kvb_dtype dt, int head_dim);
 /* Keys per split of a range of n_keys cut into about `splits`: a multiple of
  * KVB_CUDA_ATTN_DECODE_MIN_SPLIT. */
 int kvb_cuda_attn_decode_split_len(int n_keys, int splits);

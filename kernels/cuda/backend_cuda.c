@@ -42,9 +42,9 @@
 #define BLAS_WORKSPACE_BYTES ((size_t)32 << 20)
 /* Elements converted per step when a weight's dtype changes on upload. */
 #define UPLOAD_CHUNK_ELEMS ((size_t)16 << 20)
-/* Tensor-core prefill tiles (87 KB of shared memory at head size 128) run about 2 per multiprocessor;
- * when a batch has fewer tiles, their keys are split, never below this many keys a split (a multiple of
- * the kernel's 64-key tile) */
+/* Tensor-core prefill tiles (at head size 128: 87 KB of shared memory for 64 rows, 105 KB for 128) run
+ * about 2 per multiprocessor; when a batch has fewer tiles, their keys are split, never below this many
+ * keys a split (a multiple of the kernel's 64-key tile) */
 #define PREFILL_BLOCKS_PER_SM 2
 #define PREFILL_MIN_SPLIT 512
 
@@ -156,6 +156,8 @@ typedef struct cuda_ctx {
     kvb_dtype dt;             /* activations, KV cache, weight matrices */
     int device;
     int n_sm;
+    int prefill_tile;         /* rows of a tensor-core prefill item, 64 or 128 (KVB_CUDA_PREFILL_TILE) */
+    uint64_t n_prefill_items[2]; /* prefill items launched with 64 and with 128 rows */
     cudaStream_t stream;      /* non-blocking; every operator runs here */
     cudaStream_t copy_stream; /* non-blocking; `copy` (any host thread, ordered after nothing) and
                                * copy_async's KVB_ENGINE_PEER */
@@ -183,9 +185,9 @@ typedef struct cuda_ctx {
     int next_stage;
     void *meta;               /* [meta_cap] bytes: the current operator's host arrays */
     size_t meta_cap;
-    float *part;              /* [part_cap] floats: attention split partials (outputs, then lse) */
+    float *part;              /* [part_cap] bytes: split partials of attention (outputs, then lse) and products */
     size_t part_cap;
-    int32_t *counters;        /* [counters_cap / 4] attention split groups' counters, zero between launches */
+    int32_t *counters;        /* [counters_cap / 4] split groups' counters (attention, products), zero between launches */
     size_t counters_cap;
     int32_t *tok;             /* [tok_cap / 4] the sampled tokens */
     size_t tok_cap;
@@ -207,6 +209,8 @@ typedef struct cuda_ctx {
     kvb_cuda_attn_group *groups;
     size_t groups_cap;
     kvb_cuda_fp8 *fp8;        /* FP8 weights' products (fp8.h), made at the first FP8 weight */
+    kvb_cuda_gemv_ctx gemv;   /* the decode products' kernel choice, split workspace (part, counters), counts */
+    uint64_t n_cublas;        /* products cuBLAS ran */
 } cuda_ctx;
 
 /* Makes *arr hold at least n elements of `size` bytes (contents kept). */
@@ -231,6 +235,28 @@ static kvb_status dev_reserve(cuda_ctx *c, void **p, size_t *cap, size_t bytes) 
     }
     KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(p, want)));
     *cap = want;
+    return KVB_OK;
+}
+
+/* Makes the split counters hold at least n groups, every one zero (new memory is cleared on the stream;
+ * counters in use are zero between launches, the merging block resets its group's). */
+static kvb_status counters_reserve(cuda_ctx *c, size_t n) {
+    size_t bytes = n * sizeof(int32_t);
+    if (bytes <= c->counters_cap) return KVB_OK;
+    KVB_TRY(dev_reserve(c, (void **)&c->counters, &c->counters_cap, bytes));
+    return KVB_CUDA_CHECK(cudaMemsetAsync(c->counters, 0, c->counters_cap, c->stream));
+}
+
+/* The split partials and counters of a decode product (attention's: the stream orders their uses, and
+ * every launch leaves the counters zero). */
+static kvb_status gemv_workspace(cuda_ctx *c, int rows, int cols, int n) {
+    size_t n_counters = 0, floats = kvb_cuda_gemv_workspace(&c->gemv, c->dt, rows, cols, n, &n_counters);
+    if (floats) {
+        KVB_TRY(dev_reserve(c, (void **)&c->part, &c->part_cap, floats * sizeof(float)));
+        KVB_TRY(counters_reserve(c, n_counters));
+    }
+    c->gemv.part = c->part;
+    c->gemv.counters = c->counters;
     return KVB_OK;
 }
 
@@ -644,8 +670,11 @@ static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w
         return KVB_ERR_INVALID;
     }
     int rows = (int)w->ne[0], cols = (int)w->ne[1];
-    if (kvb_cuda_gemv_fits(c->dt, w->data, x, cols, n)) /* decode: gemv.h says why */
-        return KVB_CUDA_CHECK(kvb_cuda_gemv(w->data, x, y, c->dt, rows, cols, n, beta, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, x, cols, n)) { /* decode: gemv.h says why */
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(kvb_cuda_gemv(&c->gemv, w->data, x, y, c->dt, rows, cols, n, beta, c->stream));
+    }
+    c->n_cublas++;
     float alpha = 1.0f;
     cudaDataType_t t = cuda_type(c->dt);
     /* column-major view: Y^T[rows][n] = W[rows][cols] (stored as cols x rows, so op T) . X^T[cols][n] */
@@ -677,8 +706,11 @@ static kvb_status cu_matmul_norm(void *ctx, const void *x, int n, const kvb_tens
         KVB_LOG_E("cuda matmul_norm: the norm weight must be %d f32 values", cols);
         return KVB_ERR_INVALID;
     }
-    if (kvb_cuda_gemv_fits(c->dt, w->data, x, cols, n) && cols % 8 == 0)
-        return KVB_CUDA_CHECK(kvb_cuda_gemv_norm(w->data, x, norm->data, eps, y, c->dt, rows, cols, n, 0.0f, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, x, cols, n) && cols % 8 == 0) {
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(
+            kvb_cuda_gemv_norm(&c->gemv, w->data, x, norm->data, eps, y, c->dt, rows, cols, n, 0.0f, c->stream));
+    }
     void *h = NULL;
     KVB_TRY(scratch(c, (size_t)n * cols * kvb_dtype_size(c->dt), &h));
     KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_rmsnorm(x, h, c->dt, n, cols, norm->data, eps, c->stream)));
@@ -690,8 +722,10 @@ static kvb_status cu_matmul_swiglu(void *ctx, const void *gu, int n, const kvb_t
     if (n <= 0) return KVB_OK;
     KVB_TRY(check_weight(c, w, "matmul_swiglu"));
     int rows = (int)w->ne[0], cols = (int)w->ne[1];
-    if (kvb_cuda_gemv_fits(c->dt, w->data, gu, cols, n) && ((size_t)cols * kvb_dtype_size(c->dt)) % 16 == 0)
-        return KVB_CUDA_CHECK(kvb_cuda_gemv_swiglu(w->data, gu, y, c->dt, rows, cols, n, beta, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, gu, cols, n)) {
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(kvb_cuda_gemv_swiglu(&c->gemv, w->data, gu, y, c->dt, rows, cols, n, beta, c->stream));
+    }
     void *act = NULL;
     KVB_TRY(scratch(c, (size_t)n * cols * kvb_dtype_size(c->dt), &act));
     KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_swiglu(gu, act, c->dt, n, cols, c->stream)));
@@ -828,15 +862,6 @@ static int decode_first_key(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
     return b->window > 0 && first_vis > b->window ? first_vis - b->window : 0;
 }
 
-/* Makes the split counters hold at least n groups, every one zero (new memory is cleared on the stream;
- * counters in use are zero between launches, the merging block resets its group's). */
-static kvb_status counters_reserve(cuda_ctx *c, size_t n) {
-    size_t bytes = n * sizeof(int32_t);
-    if (bytes <= c->counters_cap) return KVB_OK;
-    KVB_TRY(dev_reserve(c, (void **)&c->counters, &c->counters_cap, bytes));
-    return KVB_CUDA_CHECK(cudaMemsetAsync(c->counters, 0, c->counters_cap, c->stream));
-}
-
 /* The keys [*k0, *k1) a prefill tile of sequence sq whose first token is t0 sees (as the kernel does). */
 static void prefill_tile_keys(const kvb_attn_batch *b, const kvb_attn_seq *sq, int t0, int tt, int *k0, int *k1) {
     int past = sq->ctx_len - sq->q_len;
@@ -849,7 +874,8 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
     KVB_TRY(check_batch(c, b));
     const kvb_kv_geom *g = b->geom;
     int nkv = g->n_kv_heads, gq = b->n_heads / nkv, hd = g->head_dim;
-    int nh = KVB_MIN(gq, KVB_CUDA_ATTN_PREFILL_ROWS), tt = KVB_CUDA_ATTN_PREFILL_ROWS / nh;
+    int pm = kvb_cuda_attn_prefill_rows(c->dt, hd, c->prefill_tile); /* rows of a prefill item */
+    int nh = KVB_MIN(gq, pm), tt = pm / nh;
     int pre_tc = kvb_cuda_attention_prefill_tc(c->dt, hd);
 
     /* count the work: prefill tiles, and decode (sequence, KV head) pairs */
@@ -888,7 +914,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
                 n_pre += per_t * (size_t)ns;
                 if (ns > 1) {
                     n_groups += per_t;
-                    part_rows += per_t * (size_t)ns * KVB_CUDA_ATTN_PREFILL_ROWS;
+                    part_rows += per_t * (size_t)ns * (size_t)pm;
                 }
             }
             continue;
@@ -935,7 +961,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
                             c->pitems[ip++] = it;
                         }
                         ig++;
-                        prow += ns * KVB_CUDA_ATTN_PREFILL_ROWS;
+                        prow += ns * pm;
                     }
             }
             continue;
@@ -964,6 +990,7 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
         .block_size = g->block_size,
         .scale = b->scale,
         .window = b->window,
+        .prefill_rows = pm,
         .decode_rows = dec_rows,
         .q = q,
         .out = out,
@@ -986,7 +1013,10 @@ static kvb_status cu_attention(void *ctx, const kvb_attn_batch *b, const void *q
     a.seqs = d_seqs;
     a.blocks = d_blocks;
     a.groups = d_grp;
-    if (ip) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_prefill(&a, d_pre, (int)ip, c->stream)));
+    if (ip) {
+        KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_prefill(&a, d_pre, (int)ip, c->stream)));
+        c->n_prefill_items[pm == KVB_CUDA_ATTN_PREFILL_ROWS ? 0 : 1] += ip;
+    }
     if (id) KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_attention_decode(&a, d_dec, (int)id, c->stream)));
     return KVB_OK;
 }
@@ -1070,6 +1100,23 @@ int kvb_cuda_backend_set_copy_batch(kvb_backend *be, int on) {
     return was;
 }
 
+int kvb_cuda_backend_set_prefill_tile(kvb_backend *be, int rows) {
+    if (!kvb_cuda_backend_is(be) || (rows != KVB_CUDA_ATTN_PREFILL_ROWS && rows != KVB_CUDA_ATTN_PREFILL_ROWS_MAX))
+        return 0;
+    cuda_ctx *c = be->ctx;
+    int was = c->prefill_tile;
+    c->prefill_tile = rows;
+    return was;
+}
+
+void kvb_cuda_backend_prefill_items(const kvb_backend *be, uint64_t out[2]) {
+    out[0] = out[1] = 0;
+    if (!kvb_cuda_backend_is(be)) return;
+    const cuda_ctx *c = be->ctx;
+    out[0] = c->n_prefill_items[0];
+    out[1] = c->n_prefill_items[1];
+}
+
 void kvb_cuda_backend_copy_counts(const kvb_backend *be, kvb_cuda_copy_counts *out) {
     memset(out, 0, sizeof *out);
     if (!kvb_cuda_backend_is(be)) return;
@@ -1079,6 +1126,24 @@ void kvb_cuda_backend_copy_counts(const kvb_backend *be, kvb_cuda_copy_counts *o
     out->single = c->n_single;
     for (int e = 0; e < KVB_ENGINE_COUNT; e++) out->batch_failed += c->batch_failed[e];
     pthread_mutex_unlock(&c->tk_mu);
+}
+
+int kvb_cuda_backend_set_skinny(kvb_backend *be, int skinny) {
+    if (!kvb_cuda_backend_is(be) || (skinny != KVB_CUDA_SKINNY_V1 && skinny != KVB_CUDA_SKINNY_V2)) return -1;
+    cuda_ctx *c = be->ctx;
+    int was = c->gemv.skinny;
+    c->gemv.skinny = skinny;
+    return was;
+}
+
+void kvb_cuda_backend_product_counts(const kvb_backend *be, kvb_cuda_product_counts *out) {
+    memset(out, 0, sizeof *out);
+    if (!kvb_cuda_backend_is(be)) return;
+    const cuda_ctx *c = be->ctx;
+    out->gemv = c->gemv.launched[KVB_CUDA_GEMV_K_GEMV];
+    out->skinny_v1 = c->gemv.launched[KVB_CUDA_GEMV_K_SKINNY_V1];
+    out->skinny_v2 = c->gemv.launched[KVB_CUDA_GEMV_K_SKINNY_V2];
+    out->cublas = c->n_cublas;
 }
 
 kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *out) {
@@ -1095,6 +1160,16 @@ kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *ou
     out->l2_bytes = (size_t)p.l2CacheSize;
     KVB_TRY(KVB_CUDA_CHECK(cudaMemGetInfo(&out->mem_free, &out->mem_total)));
     return KVB_OK;
+}
+
+/* KVB_CUDA_PREFILL_TILE: the tensor-core prefill's rows a tile, 128 (default) or 64 (the A/B of
+ * kvbank-bench cuda's attention rows); another value is refused with a warning. */
+static int prefill_tile_env(void) {
+    const char *e = getenv("KVB_CUDA_PREFILL_TILE");
+    if (!e || !*e) return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
+    if (!strcmp(e, "64")) return KVB_CUDA_ATTN_PREFILL_ROWS;
+    if (strcmp(e, "128")) KVB_LOG_W("KVB_CUDA_PREFILL_TILE=%.16s: not 64 or 128; the prefill uses 128-row tiles", e);
+    return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
 }
 
 kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_backend *out) {
@@ -1121,6 +1196,14 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaGetDevice(&c->device)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaFree(NULL)), fail); /* creates the device's primary context now */
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, c->device)), fail);
+    const char *sk = getenv("KVB_CUDA_SKINNY");
+    c->gemv.skinny = kvb_cuda_skinny_parse(sk);
+    c->gemv.n_sm = c->n_sm;
+    if (c->gemv.skinny < 0) {
+        KVB_LOG_E("KVB_CUDA_SKINNY=\"%.32s\": the 9-64-row product kernel is v2 (the default) or v1", sk);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->h2d, cudaStreamNonBlocking)), fail);
@@ -1134,6 +1217,7 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     }
     c->tk_mu_init = 1;
     c->batch_on = HAVE_MEMCPY_BATCH;
+    c->prefill_tile = prefill_tile_env();
     for (int i = 0; i < STAGE_SLOTS; i++)
         KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming)), fail);
     pthread_once(&blas_once, blas_load);
