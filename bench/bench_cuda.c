@@ -8,10 +8,13 @@
  * files) into a kvb_model laid out as model.c loads one onto this backend (q/k/v and gate/up stacked
  * where the backend fuses them), KV blocks of 16 tokens in the block-major layout, also filled at
  * random. Each step is what the engine runs: common/model/forward.c's kvb_forward_begin / _layer / _end
- * (layers in chunks of KVB_FORWARD_CHUNK_ROWS rows, the fused operators, the logits copied to the host).
+ * (layers in chunks of the backend's chunk: 2048 rows on CUDA, the fused operators, the logits copied to the host).
  *   decode ratio     = (weight bytes + KV bytes read) / B / step time        (1.0 = at the HBM roofline)
  *   prefill ratio    = model FLOPs / F / prefill time, with model FLOPs = 2 * tokens * matrix params +
  *                      causal attention (4 * heads * head_dim * tokens(tokens+1)/2 per layer) + LM head
+ *   product ratio    = weight bytes / B / time of one weight product of the decode step at each batch of
+ *                      9-64 rows, with each of the two 9-64-row kernels (KVB_CUDA_SKINNY v1, v2); the
+ *                      decode step at those batches is timed with both too
  *   attention ratio  = KV bytes read / B / time of the attention operator alone (decode)
  *   IPC ratio        = time of attention over blocks lent by another process through a CUDA IPC
  *                      handle / time over local blocks (1.0 = no cost for reading in place)
@@ -40,6 +43,7 @@
 #ifdef KVB_WITH_CUDA
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/convert.h"
+#include "kernels/cuda/gemv.h"
 
 #define MAX_LIST 16
 #define REPS 7
@@ -423,7 +427,8 @@ static void usage(FILE *f) {
                "                         [--shape llama3-8b|tiny] [--peer SCRIPT [--peer-decode LIST]]\n"
                "                         [--sdpa-peer SCRIPT]\n"
                "\n"
-               "Decode steps, an 8K prefill, paged attention and reading lent blocks through CUDA IPC, on a\n"
+               "Decode steps (and their weight products at 9-64 rows, with each kernel), an 8K prefill, paged\n"
+               "attention and reading lent blocks through CUDA IPC, on a\n"
                "Llama-3-8B-shaped bf16 model built on the device and run through the engine's forward pass, against\n"
                "the copy bandwidth and cuBLAS GEMM rate measured in the same run. Exit status 77 when there is no\n"
                "CUDA device.\n"
@@ -440,6 +445,103 @@ static void usage(FILE *f) {
                "  --peer SCRIPT        then run SCRIPT (bench/compiled_peer.py) with python3 at the same shape, once\n"
                "                       this process has let go of the device, and compare its rows with these\n"
                "  --peer-decode LIST   the peer's decode rows, BxC pairs (default 1x1024: the batch-1 target)\n");
+}
+
+/* ---------------------------------------------------------------- the decode products */
+
+/* PROD_CALLS calls of one product between the events, each on the next layer's weight (a layer's
+ * matrix alone may stay in L2 from one call to the next; the step reads each once). */
+#define PROD_CALLS 16
+typedef struct prod_ud {
+    kvb_backend *be;
+    const model *md;
+    int which; /* index into PRODS */
+    const void *x;
+    void *y;
+    int n;
+} prod_ud;
+
+typedef struct prod_kind {
+    const char *name;
+    int mode; /* 0 plain, 1 norm folded, 2 SwiGLU folded */
+    float beta;
+} prod_kind;
+static const prod_kind PRODS[] = {
+    {"qkv (norm)", 1, 0.0f}, {"o_proj (+=)", 0, 1.0f}, {"gate/up (norm)", 1, 0.0f}, {"down (swiglu, +=)", 2, 1.0f}, {"lm_head", 0, 0.0f},
+};
+
+static const kvb_tensor *prod_weight(const model *md, int which, int layer, const kvb_tensor **norm) {
+    const kvb_layer_weights *w = &md->m.layers[layer];
+    *norm = which == 0 ? &w->attn_norm : &w->ffn_norm;
+    switch (which) {
+    case 0: return &w->wqkv;
+    case 1: return &w->wo;
+    case 2: return &w->w_gu;
+    case 3: return &w->w_down;
+    default: return &md->m.lm_head;
+    }
+}
+
+static kvb_status do_prod(void *ud) {
+    prod_ud *p = ud;
+    const kvb_backend_i *i = p->be->iface;
+    for (int c = 0; c < PROD_CALLS; c++) {
+        const kvb_tensor *norm, *w = prod_weight(p->md, p->which, c % p->md->s.n_layers, &norm);
+        switch (PRODS[p->which].mode) {
+        case 0: KVB_TRY(i->matmul(p->be->ctx, p->x, p->n, w, PRODS[p->which].beta, p->y)); break;
+        case 1: KVB_TRY(i->matmul_norm(p->be->ctx, p->x, p->n, norm, 1e-5f, w, p->y)); break;
+        default: KVB_TRY(i->matmul_swiglu(p->be->ctx, p->x, p->n, w, PRODS[p->which].beta, p->y)); break;
+        }
+    }
+    return KVB_OK;
+}
+
+/* Each weight product of the decode step at n activation rows with each 9-64-row kernel (gemv.h's
+ * KVB_CUDA_SKINNY variants), side by side: weight bytes / time against the copy rate B. */
+static int bench_products(kvb_backend *be, const model *md, int n, int n_sm, double B) {
+    const shape *s = &md->s;
+    size_t es = kvb_dtype_size(be->iface->act_dtype), in_elems = (size_t)n * 2 * s->inter,
+           out_elems = (size_t)n * KVB_MAX(s->vocab, 2 * s->inter);
+    void *x = NULL, *y = NULL;
+    int rc = 1;
+    if (kvb_mem_alloc(be->mem, in_elems * es, &x) != KVB_OK || kvb_mem_alloc(be->mem, out_elems * es, &y) != KVB_OK ||
+        kvb_cuda_fill_uniform(x, be->iface->act_dtype, in_elems, 11, -1, 1, kvb_cuda_backend_stream(be)) != 0 ||
+        kvb_cuda_fill_uniform(y, be->iface->act_dtype, out_elems, 12, -1, 1, kvb_cuda_backend_stream(be)) != 0)
+        goto out;
+    printf("\ndecode products, %d rows (%d calls a timing over the layers' weights; v1: 16 weight rows a block, the\n"
+           "input re-read per warp; v2: 128 a block, the input transformed once a block, split-K planned)\n", n, PROD_CALLS);
+    printf("  product            rows x cols     v1 us (min-max)       v2 us (min-max)     v1 GB/s  v2 GB/s  v1/copy  "
+           "v2/copy  v1/v2   v2 blocks x splits\n");
+    kvb_cuda_gemv_ctx g = {.skinny = KVB_CUDA_SKINNY_V2, .n_sm = n_sm};
+    int was = kvb_cuda_backend_set_skinny(be, KVB_CUDA_SKINNY_V2);
+    for (int k = 0; k < (int)KVB_ARRAY_LEN(PRODS); k++) {
+        const kvb_tensor *norm, *w = prod_weight(md, k, 0, &norm);
+        prod_ud u = {be, md, k, x, y, n};
+        timing t[2];
+        for (int v = 0; v < 2; v++) {
+            kvb_cuda_backend_set_skinny(be, v == 0 ? KVB_CUDA_SKINNY_V1 : KVB_CUDA_SKINNY_V2);
+            t[v] = time_events(be, do_prod, &u, REPS);
+            t[v].med /= PROD_CALLS, t[v].min /= PROD_CALLS, t[v].max /= PROD_CALLS;
+        }
+        double bytes = (double)w->ne[0] * (double)w->ne[1] * (double)es;
+        kvb_cuda_gemv_plan p;
+        kvb_cuda_gemv_plan_of(&g, (int)w->ne[0], (int)w->ne[1], n, &p);
+        if (t[0].med <= 0 || t[1].med <= 0) {
+            printf("  prod %-18s failed\n", PRODS[k].name);
+            goto restore;
+        }
+        printf("  prod %-17s %6lld x %-6lld %8.1f (%.1f-%.1f) %8.1f (%.1f-%.1f) %8.0f %8.0f %8.2f %8.2f %6.2f   %d x %d\n",
+               PRODS[k].name, (long long)w->ne[0], (long long)w->ne[1], t[0].med * 1e6, t[0].min * 1e6, t[0].max * 1e6,
+               t[1].med * 1e6, t[1].min * 1e6, t[1].max * 1e6, bytes / t[0].med / 1e9, bytes / t[1].med / 1e9,
+               bytes / t[0].med / B, bytes / t[1].med / B, t[0].med / t[1].med, p.blocks / p.splits, p.splits);
+    }
+    rc = 0;
+restore:
+    kvb_cuda_backend_set_skinny(be, was);
+out:
+    kvb_mem_free(be->mem, x);
+    kvb_mem_free(be->mem, y);
+    return rc;
 }
 
 /* kvbank's time of a row the peer also runs, for the comparison at the end. */
@@ -851,7 +953,7 @@ int kvb_bench_cuda(int argc, char **argv) {
     /* cuBLAS workspaces, a prefill step's residual stream and chunk buffers (of the 4x chunks of its last
      * row), fragmentation */
     size_t reserve = (tiny ? (size_t)64 << 20 : (size_t)2 << 30) + (size_t)act_cap * s.hidden * 2 +
-                     (size_t)4 * KVB_FORWARD_CHUNK_ROWS * (3 * (size_t)s.hidden + 4 * (size_t)s.inter) * 2 * 2;
+                     (size_t)4 * kvb_forward_default_chunk(be) * (3 * (size_t)s.hidden + 4 * (size_t)s.inter) * 2 * 2;
     if (do_ipc) reserve += block_bytes * (size_t)ipc_batch * (size_t)KVB_DIV_CEIL(ipc_ctx, s.block_size);
     int64_t fit_blocks = info.mem_free > reserve ? (int64_t)((info.mem_free - reserve) / block_bytes) : 0;
     pool_blocks = KVB_MIN(want_blocks, fit_blocks);
@@ -876,7 +978,7 @@ int kvb_bench_cuda(int argc, char **argv) {
            pool_blocks < want_blocks ? ", sized to the free device memory" : "");
 
     /* decode steps */
-    printf("decode step (the engine's)  step ms (min-max)        wall ms  bytes GB  roofline ms   ratio\n");
+    printf("decode step (the engine's)  step ms (min-max)        wall ms  bytes GB  roofline ms   ratio  products\n");
     for (int ci = 0; ci < n_ctxs; ci++)
         for (int bi = 0; bi < n_batches; bi++) {
             int batch = batches[bi], ctx = ctxs[ci];
@@ -895,12 +997,27 @@ int kvb_bench_cuda(int argc, char **argv) {
             timing tw = summarize(walls, REPS);
             double kv_bytes = (double)batch * ctx * s.n_layers * 2.0 * s.n_kv * s.head_dim * 2;
             double bytes = (double)m.weight_bytes + kv_bytes, ideal = bytes / B;
-            printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8.3f %9.2f %12.3f %7.2f\n", batch, ctx, t.med * 1e3,
-                   t.min * 1e3, t.max * 1e3, tw.med * 1e3, bytes / 1e9, ideal * 1e3, t.med > 0 ? ideal / t.med : 0);
+            int skinny = batch > KVB_CUDA_GEMV_MAX_ROWS && batch <= KVB_CUDA_SKINNY_MAX_ROWS;
+            printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8.3f %9.2f %12.3f %7.2f  %s\n", batch, ctx, t.med * 1e3,
+                   t.min * 1e3, t.max * 1e3, tw.med * 1e3, bytes / 1e9, ideal * 1e3, t.med > 0 ? ideal / t.med : 0,
+                   skinny ? "skinny v2" : batch <= KVB_CUDA_GEMV_MAX_ROWS ? "gemv" : "cuBLAS");
+            if (skinny) { /* the same step with the kernel before, for the A/B */
+                int was = kvb_cuda_backend_set_skinny(be, KVB_CUDA_SKINNY_V1);
+                timing t1 = time_events(be, run_step, &st, REPS);
+                kvb_cuda_backend_set_skinny(be, was);
+                printf("  batch %3d ctx %5d     %9.3f (%.3f-%.3f) %8s %9.2f %12.3f %7.2f  skinny v1\n", batch, ctx,
+                       t1.med * 1e3, t1.min * 1e3, t1.max * 1e3, "", bytes / 1e9, ideal * 1e3,
+                       t1.med > 0 ? ideal / t1.med : 0);
+            }
             fflush(stdout);
             if (n_prow < 2 * MAX_LIST) prow[n_prow++] = (peer_row){0, batch, ctx, t.med * 1e3};
             view_free(&v, s.n_layers);
         }
+
+    for (int bi = 0; bi < n_batches; bi++)
+        if (batches[bi] > KVB_CUDA_GEMV_MAX_ROWS && batches[bi] <= KVB_CUDA_SKINNY_MAX_ROWS &&
+            be->iface->matmul_norm && bench_products(be, &m, batches[bi], info.n_sm, B))
+            goto out;
 
     /* attention alone at the longest context */
     printf("\npaged attention (decode)    time ms (min-max)      KV GB    GB/s   ratio to copy\n");
@@ -943,7 +1060,8 @@ int kvb_bench_cuda(int argc, char **argv) {
         double attn_flops = 4.0 * s.n_heads * s.head_dim * ((double)prefill * (prefill + 1) / 2) * s.n_layers;
         double gemm_flops = 2.0 * prefill * (double)m.matrix_params + 2.0 * s.vocab * (double)s.hidden;
         double flops = gemm_flops + attn_flops;
-        printf("\nprefill %d tokens, one step  time ms (min-max)       TFLOP  TFLOP/s  ratio to GEMM\n", prefill);
+        printf("\nprefill %d tokens, one step  time ms (min-max)       TFLOP  TFLOP/s  ratio to GEMM   (the engine's "
+               "chunks: %d rows)\n", prefill, kvb_forward_default_chunk(be));
         printf("  whole step (the engine's)  %8.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", t.med * 1e3, t.min * 1e3,
                t.max * 1e3, flops / 1e12, t.med > 0 ? flops / t.med / 1e12 : 0, t.med > 0 ? flops / t.med / F : 0);
         for (int i = 0; i < 2; i++)
@@ -954,14 +1072,14 @@ int kvb_bench_cuda(int argc, char **argv) {
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / 1e12 : 0,
                t.med > ta.med ? gemm_flops / (t.med - ta.med) / F : 0);
         /* the same step in chunks of 4x the rows: what the engine's chunk size costs the products */
-        int big = 4 * KVB_FORWARD_CHUNK_ROWS;
+        int eng = kvb_forward_default_chunk(be), big = 4 * eng;
         st.only_attention = 0;
-        if (prefill > KVB_FORWARD_CHUNK_ROWS && kvb_forward_chunk(fw, big) == KVB_OK) {
+        if (prefill > eng && kvb_forward_chunk(fw, big) == KVB_OK) {
             timing tb = time_events(be, run_step, &st, 3);
             printf("  whole step, %d-row chunks %7.1f (%.1f-%.1f) %6.1f %8.1f %10.2f\n", big, tb.med * 1e3,
                    tb.min * 1e3, tb.max * 1e3, flops / 1e12, tb.med > 0 ? flops / tb.med / 1e12 : 0,
                    tb.med > 0 ? flops / tb.med / F : 0);
-            if (kvb_forward_chunk(fw, KVB_FORWARD_CHUNK_ROWS) != KVB_OK) goto out;
+            if (kvb_forward_chunk(fw, eng) != KVB_OK) goto out;
         }
         if (n_prow < 2 * MAX_LIST) prow[n_prow++] = (peer_row){1, 1, prefill, t.med * 1e3};
         view_free(&v, s.n_layers);

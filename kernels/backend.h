@@ -126,6 +126,9 @@ typedef struct kvb_sample_row {
 typedef struct kvb_backend_i {
     const char *name;
     kvb_dtype act_dtype; /* element type of activation buffers */
+    /* Rows a layer runs at once in the forward pass (kvb_forward_chunk's default; 0: KVB_FORWARD_CHUNK_ROWS).
+     * A device backend takes more: its products reach the GEMM rate only on larger tiles. */
+    int chunk_rows;
 
     /* Memory is not the compute backend's business: buffers, pools and regions come from the
      * backend object's `mem` (common/mem/mem.h). */

@@ -34,6 +34,7 @@
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/blocks.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemv.h"
 #include "kernels/cuda/sampling.h"
 
 /* ---------------------------------------------------------------- helpers */
@@ -416,6 +417,178 @@ KVB_TEST(matmul_fused) {
         }
         kvb_backend_destroy(gpu);
     }
+    kvb_backend_destroy(cpu);
+}
+KVB_TEST_END
+
+/* The 9-64-row tensor-core product (gemv.cu's skinny2_kernel, v2; and v1 where it applies) through
+ * its launchers against the CPU's unfused sequence: every input form (plain, RMSNorm folded, SwiGLU folded) with beta 0 and 1,
+ * 9..64 input rows (not multiples of 8 or 16 included), weight rows not multiples of 16, columns
+ * multiples of 8 but not of 32 (v1 refuses those), and plans with one split and several, one
+ * activation tile a block and several (the SM count the plan assumes, 1 or 132, makes both; the
+ * test fails if a case goes missing). A split product runs twice: same bits. Then the switch:
+ * KVB_CUDA_SKINNY=v1 selects the kernel before (launch counts), anything but v1/v2 fails the
+ * backend's creation. */
+enum { SK_PLAIN, SK_NORM, SK_SWIGLU };
+
+static void skinny_case(kvb_backend *cpu, kvb_backend *gpu, const variant *V, int skinny, int n, int rows, int cols,
+                        int n_sm, int seen[2][2]) {
+    kvb_cuda_gemv_ctx g = {.skinny = skinny, .n_sm = n_sm};
+    kvb_cuda_gemv_plan plan;
+    kvb_cuda_gemv_plan_of(&g, rows, cols, n, &plan);
+    ck_assert_int_eq(plan.blocks, plan.splits * ((rows + plan.block_rows - 1) / plan.block_rows));
+    if (skinny == KVB_CUDA_SKINNY_V1) plan.splits = 1; /* v1 splits in the block, with no workspace */
+    seen[plan.splits > 1][plan.tiles > 1] = 1;
+    size_t n_counters = 0, floats = kvb_cuda_gemv_workspace(&g, V->dt, rows, cols, n, &n_counters);
+    ck_assert(plan.splits > 1 ? floats > 0 && n_counters > 0 : floats == 0);
+    if (floats) { /* the counters start zero, and every launch leaves them so */
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, floats * sizeof(float), (void **)&g.part), KVB_OK);
+        ck_assert_int_eq(kvb_mem_alloc(gpu->mem, n_counters * sizeof(int32_t), (void **)&g.counters), KVB_OK);
+        int32_t *zero = calloc(n_counters, sizeof(int32_t));
+        ck_assert_int_eq(gpu->iface->to_device(gpu->ctx, g.counters, zero, n_counters * sizeof(int32_t)), KVB_OK);
+        free(zero);
+    }
+    kvb_cuda_stream_t s = kvb_cuda_backend_stream(gpu);
+    float *w = rand_vec((size_t)rows * cols, 0.1f, V->dt), *gn = rand_vec((size_t)cols, 1.0f, KVB_DTYPE_F32);
+    float *x = rand_vec((size_t)n * 2 * cols, 2.0f, V->dt), *y0 = rand_vec((size_t)n * rows, 1.0f, V->dt);
+    kvb_tensor wc, wg, gc, gg;
+    load_both(cpu, gpu, w, rows, cols, KVB_DTYPE_F32, &wc, &wg);
+    load_both(cpu, gpu, gn, cols, 1, KVB_DTYPE_F32, &gc, &gg);
+    void *xg = upload(gpu, x, (size_t)n * 2 * cols);
+    float *in = malloc(sizeof(float) * n * cols), *yc = malloc(sizeof(float) * n * rows);
+    for (int mode = SK_PLAIN; mode <= SK_SWIGLU; mode++) {
+        /* the CPU's input: x [n][cols] (the first n * cols values), its RMSNorm, or SiLU-mul of x [n][2 cols] */
+        if (mode == SK_PLAIN) memcpy(in, x, sizeof(float) * n * cols);
+        if (mode == SK_NORM) ck_assert_int_eq(cpu->iface->rmsnorm(cpu->ctx, x, n, cols, &gc, 1e-5f, in), KVB_OK);
+        if (mode == SK_SWIGLU)
+            for (int t = 0; t < n; t++)
+                ck_assert_int_eq(cpu->iface->silu_mul(cpu->ctx, x + (size_t)t * 2 * cols, x + (size_t)t * 2 * cols + cols,
+                                                      (size_t)cols, in + (size_t)t * cols),
+                                 KVB_OK);
+        for (int beta = 0; beta <= 1; beta++) {
+            memcpy(yc, y0, sizeof(float) * n * rows);
+            ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, in, n, &wc, (float)beta, yc), KVB_OK);
+            float *got[2] = {NULL, NULL};
+            for (int rep = 0; rep < (plan.splits > 1 ? 2 : 1); rep++) {
+                void *yg = upload_out(gpu, y0, (size_t)n * rows, beta);
+                int rc = mode == SK_PLAIN  ? kvb_cuda_gemv(&g, wg.data, xg, yg, V->dt, rows, cols, n, (float)beta, s)
+                         : mode == SK_NORM ? kvb_cuda_gemv_norm(&g, wg.data, xg, gg.data, 1e-5f, yg, V->dt, rows, cols, n,
+                                                                (float)beta, s)
+                                           : kvb_cuda_gemv_swiglu(&g, wg.data, xg, yg, V->dt, rows, cols, n, (float)beta, s);
+                ck_assert_int_eq(rc, 0);
+                got[rep] = download(gpu, yg, (size_t)n * rows + OUT_GUARD);
+                kvb_mem_free(gpu->mem, yg);
+                CHECK_CLOSE(got[rep], yc, (size_t)n * rows, V, "skinny %s mode %d n=%d %dx%d beta %d (%d splits, %d tiles)",
+                            kvb_cuda_skinny_name(skinny), mode, n, rows, cols, beta, plan.splits, plan.tiles);
+                CHECK_GUARD(got[rep], (size_t)n * rows, "%s: skinny %s mode %d n=%d %dx%d", V->name,
+                            kvb_cuda_skinny_name(skinny), mode, n, rows, cols);
+            }
+            if (got[1])
+                ck_assert_msg(!memcmp(got[0], got[1], sizeof(float) * n * rows), "%s: skinny v2 n=%d %dx%d: two runs differ",
+                              V->name, n, rows, cols);
+            free(got[0]);
+            free(got[1]);
+        }
+    }
+    int k = skinny == KVB_CUDA_SKINNY_V1 ? KVB_CUDA_GEMV_K_SKINNY_V1 : KVB_CUDA_GEMV_K_SKINNY_V2;
+    ck_assert_uint_eq(g.launched[k], (uint64_t)(plan.splits > 1 ? 12 : 6));
+    ck_assert_uint_eq(g.launched[0] + g.launched[1] + g.launched[2], g.launched[k]);
+    if (floats) {
+        kvb_mem_free(gpu->mem, g.part);
+        kvb_mem_free(gpu->mem, g.counters);
+    }
+    kvb_mem_free(gpu->mem, xg);
+    cpu->iface->weight_free(cpu->ctx, &wc);
+    gpu->iface->weight_free(gpu->ctx, &wg);
+    cpu->iface->weight_free(cpu->ctx, &gc);
+    gpu->iface->weight_free(gpu->ctx, &gg);
+    free(w);
+    free(gn);
+    free(x);
+    free(y0);
+    free(in);
+    free(yc);
+}
+
+/* A plain product of n rows on a fresh backend "cuda" with KVB_CUDA_SKINNY=env: the counts of each
+ * kernel it launched; the result against the CPU's. */
+static kvb_cuda_product_counts skinny_switch(kvb_backend *cpu, const char *env, int n, int rows, int cols) {
+    if (env) setenv("KVB_CUDA_SKINNY", env, 1);
+    else unsetenv("KVB_CUDA_SKINNY");
+    kvb_backend *gpu = make("cuda");
+    unsetenv("KVB_CUDA_SKINNY");
+    const variant *V = &VARIANTS[N_VARIANTS - 1];
+    float *w = rand_vec((size_t)rows * cols, 0.1f, V->dt), *x = rand_vec((size_t)n * cols, 1.0f, V->dt);
+    float *yc = malloc(sizeof(float) * n * rows);
+    kvb_tensor tc, tg;
+    load_both(cpu, gpu, w, rows, cols, KVB_DTYPE_F32, &tc, &tg);
+    void *xg = upload(gpu, x, (size_t)n * cols), *yg = upload_out(gpu, NULL, (size_t)n * rows, 0);
+    ck_assert_int_eq(cpu->iface->matmul(cpu->ctx, x, n, &tc, 0.0f, yc), KVB_OK);
+    ck_assert_int_eq(gpu->iface->matmul(gpu->ctx, xg, n, &tg, 0.0f, yg), KVB_OK);
+    float *got = download(gpu, yg, (size_t)n * rows + OUT_GUARD);
+    CHECK_CLOSE(got, yc, (size_t)n * rows, V, "KVB_CUDA_SKINNY=%s n=%d %dx%d", env ? env : "(unset)", n, rows, cols);
+    kvb_cuda_product_counts k;
+    kvb_cuda_backend_product_counts(gpu, &k);
+    kvb_mem_free(gpu->mem, xg);
+    kvb_mem_free(gpu->mem, yg);
+    cpu->iface->weight_free(cpu->ctx, &tc);
+    gpu->iface->weight_free(gpu->ctx, &tg);
+    kvb_backend_destroy(gpu);
+    free(w);
+    free(x);
+    free(yc);
+    free(got);
+    return k;
+}
+
+KVB_TEST(matmul_skinny) {
+    rng_state = 26;
+    kvb_backend *cpu = make("cpu");
+    /* n, rows, cols, the SM count of the plan */
+    static const int shapes[][4] = {{9, 77, 64, 132},   {13, 130, 40, 132},  {16, 200, 1024, 132}, {16, 300, 1032, 1},
+                                    {20, 257, 584, 132}, {24, 129, 2056, 1}, {31, 64, 1096, 1},   {40, 300, 600, 1},
+                                    {57, 33, 200, 132},  {64, 129, 520, 1},  {64, 70, 264, 132}, {33, 100, 512, 132},
+                                    {48, 45, 96, 132}};
+    for (int v = 1; v < N_VARIANTS; v++) { /* bf16 and f16 */
+        const variant *V = &VARIANTS[v];
+        kvb_backend *gpu = make(V->name);
+        int seen[2][2] = {{0}}, seen_v1[2][2] = {{0}};
+        for (size_t si = 0; si < KVB_ARRAY_LEN(shapes); si++) {
+            skinny_case(cpu, gpu, V, KVB_CUDA_SKINNY_V2, shapes[si][0], shapes[si][1], shapes[si][2], shapes[si][3], seen);
+            if (shapes[si][2] % 32 == 0) /* the kernel before, kept for the A/B on a GPU */
+                skinny_case(cpu, gpu, V, KVB_CUDA_SKINNY_V1, shapes[si][0], shapes[si][1], shapes[si][2], shapes[si][3],
+                            seen_v1);
+        }
+        for (int sp = 0; sp < 2; sp++)
+            for (int ti = 0; ti < 2; ti++)
+                ck_assert_msg(seen[sp][ti], "no case with %s split and %s tile", sp ? "more than one" : "one",
+                              ti ? "more than one" : "one");
+        kvb_backend_destroy(gpu);
+    }
+    /* the switch, read when the backend is created */
+    kvb_cuda_product_counts k = skinny_switch(cpu, NULL, 16, 64, 96);
+    ck_assert_uint_eq(k.skinny_v2, 1);
+    ck_assert_uint_eq(k.skinny_v1 + k.cublas + k.gemv, 0);
+    k = skinny_switch(cpu, "v2", 16, 64, 96);
+    ck_assert_uint_eq(k.skinny_v2, 1);
+    k = skinny_switch(cpu, "v1", 16, 64, 96);
+    ck_assert_uint_eq(k.skinny_v1, 1);
+    ck_assert_uint_eq(k.skinny_v2 + k.cublas + k.gemv, 0);
+    k = skinny_switch(cpu, "v1", 16, 64, 40); /* v1 takes whole 32-column chunks: cuBLAS */
+    ck_assert_uint_eq(k.cublas, 1);
+    ck_assert_uint_eq(k.skinny_v1 + k.skinny_v2, 0);
+    k = skinny_switch(cpu, "v1", 5, 64, 96); /* up to 8 rows: the gemv kernel either way */
+    ck_assert_uint_eq(k.gemv, 1);
+    setenv("KVB_CUDA_SKINNY", "v3", 1);
+    kvb_backend *bad = NULL;
+    ck_assert_int_eq(kvb_backend_create("cuda", 1, &bad), KVB_ERR_INVALID);
+    ck_assert_ptr_null(bad);
+    unsetenv("KVB_CUDA_SKINNY");
+    kvb_backend *gpu = make("cuda");
+    ck_assert_int_eq(kvb_cuda_backend_set_skinny(gpu, KVB_CUDA_SKINNY_V1), KVB_CUDA_SKINNY_V2);
+    ck_assert_int_eq(kvb_cuda_backend_set_skinny(gpu, 7), -1);
+    ck_assert_int_eq(kvb_cuda_backend_set_skinny(gpu, KVB_CUDA_SKINNY_V2), KVB_CUDA_SKINNY_V1);
+    kvb_backend_destroy(gpu);
     kvb_backend_destroy(cpu);
 }
 KVB_TEST_END
@@ -985,9 +1158,13 @@ KVB_TEST(attention_prefill_tiles) {
         ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 128), 64);
         kvb_backend_destroy(gpu);
     }
-    /* the environment's choice, read at creation; another value leaves the default */
-    const char *envs[] = {"64", "128", "96", NULL};
-    const int want[] = {64, 128, 128, 128};
+    /* the environment's choice, read at creation; another value fails the creation */
+    kvb_backend *bad = NULL;
+    setenv("KVB_CUDA_PREFILL_TILE", "96", 1);
+    ck_assert_int_eq(kvb_backend_create("cuda", 2, &bad), KVB_ERR_INVALID);
+    ck_assert_ptr_null(bad);
+    const char *envs[] = {"64", "128", NULL};
+    const int want[] = {64, 128, 128};
     seq_spec one[] = {{40, 100}};
     for (size_t i = 0; i < KVB_ARRAY_LEN(want); i++) {
         if (envs[i]) setenv("KVB_CUDA_PREFILL_TILE", envs[i], 1);
@@ -1603,6 +1780,7 @@ int main(int argc, char **argv) {
     const kvb_test table[] = {
         KVB_T(variants_and_errors, 60),  KVB_T(embed_gather_rows, 60),
         KVB_T(matmul, 120),              KVB_T(matmul_fused, 120),
+        KVB_T(matmul_skinny, 300),
         KVB_T(qkv_finish, 60),           KVB_T(rmsnorm, 60),
         KVB_T(rope, 60),                 KVB_T(silu_mul_add, 60),
         KVB_T(attention_decode, 300),    KVB_T(attention_long_context_split, 300),

@@ -4,10 +4,12 @@
 # CUDA kernel against its CPU twin) built against the host emulation (kernels/cuda/emu, into
 # $KVB_BUILDDIR/emu by `make check`).
 #   tests/test_cuda_emu.sh          the two programs, threads in order
-#   tests/test_cuda_emu.sh --orders the attention tests of the kernels with shared-memory tiles and
-#                                   split merges again with the threads of each block in reverse and in
-#                                   shuffled order (KVB_EMU_ORDER): a read of shared memory that a
-#                                   missing barrier leaves unordered gives different results
+#   tests/test_cuda_emu.sh --orders the attention and 9-64-row product tests of the kernels with
+#                                   shared-memory tiles and split merges again with the threads of each
+#                                   block in reverse and in shuffled order, and the product's with one
+#                                   warp running ahead of the others (KVB_EMU_ORDER=skew): a read of
+#                                   shared memory that a missing barrier leaves unordered gives
+#                                   different results
 #                                   (tests/test_cuda_emu_order.sh, a test of its own so that make -j runs
 #                                   it beside the first)
 #
@@ -43,10 +45,12 @@ run() { # NAME ENV... -- PROGRAM ARGS...
 }
 if [[ ${1:-} == --orders ]]; then
     for order in reverse shuffle; do
-        for t in attention_prefill attention_decode attention_chunk_over_past attention_prefill_tiles; do
+        for t in attention_prefill attention_decode attention_chunk_over_past attention_prefill_tiles matmul_skinny; do
             run "$t (threads in $order order)" KVB_EMU_ORDER=$order "$emu/test_backend_consistency" --test "$t"
         done
     done
+    # a warp ahead of the others up to the next barrier: the products' double-buffered tiles
+    run "matmul_skinny (warps skewed)" KVB_EMU_ORDER=skew "$emu/test_backend_consistency" --test matmul_skinny
 else
     run "tensor-core primitives" "$emu/test_tensor_core"
     run "consistency suite (threads in order)" "$emu/test_backend_consistency"

@@ -125,6 +125,20 @@ static void check_product(kvb_backend *be, kvb_backend *cpu, kvb_dtype dt, doubl
         den += (double)ycpu[i] * ycpu[i];
     }
     double e = sqrt(num / (den > 0 ? den : 1));
+    if (!(e < tol)) { /* where the difference lies: one token row (its quantization) or spread (the sums) */
+        int worst = 0, bad_rows = 0;
+        for (int i = 0; i < n * rows; i++)
+            if (fabs((double)ygpu[i] - ycpu[i]) > fabs((double)ygpu[worst] - ycpu[worst])) worst = i;
+        for (int t = 0; t < n; t++) {
+            int bad = 0;
+            for (int r = 0; r < rows; r++)
+                bad += fabs((double)ygpu[t * rows + r] - ycpu[t * rows + r]) > tol * sqrt(den / (n * rows));
+            if (bad) fprintf(stderr, "  token %d: %d of %d outputs off by more than tol x rms\n", t, bad, rows);
+            bad_rows += bad > 0;
+        }
+        fprintf(stderr, "  worst: token %d row %d: gpu %.9g cpu %.9g; %d of %d token rows off\n", worst / rows,
+                worst % rows, ygpu[worst], ycpu[worst], bad_rows, n);
+    }
     ck_assert_msg(e < tol, "%s n=%d %dx%d per_row %d act %d beta %g: normalized error %g (tol %g)", kvb_dtype_name(dt), n,
                   rows, cols, per_row, act, beta, e, tol);
     kvb_mem_free(be->mem, dx);

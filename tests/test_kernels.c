@@ -129,6 +129,8 @@ static int have_avx2(void) {
 static const char *need_avx2(void) { return have_avx2() ? NULL : "the processor has no AVX2 and FMA"; }
 
 static const char *need_avx512(void) {
+    const char *simd = getenv("KVB_CPU_SIMD");
+    if (simd && *simd) return "KVB_CPU_SIMD is set: the test's default run would not take the widest kernels";
 #if defined(__x86_64__) && defined(__GNUC__)
     if (have_avx2() && __builtin_cpu_supports("avx512f")) return NULL;
 #endif
@@ -561,6 +563,54 @@ typedef struct seq_spec {
  * exactly in an f32 cache; KV_BF16, the same values in the bf16 cache of "cpu:bf16". */
 enum { KV_F32, KV_ROUNDED, KV_BF16 };
 static int attn_kv = KV_F32;
+/* 1: check_attention_keep's reference for the decode walk's rows (sequences with fewer than 32 query rows
+ * per KV head, GEMM_MIN_ROWS) is the arithmetic of the bf16 dot products (attention.c: q rounded to bf16,
+ * each chunk's softmax weights rounded to bf16, the sums exact), compared element by element. */
+static int attn_ref_bf16dot = 0;
+/* The error check_attention_keep measured last (its check is < 1e-5). */
+static double attn_last_err;
+/* The walk's chunk of keys (attention.c WALK_KEYS): its weights are rounded relative to the chunk's max. */
+#define REF_WALK_KEYS 512
+
+static double bf16_round(double x) { return kvb_bf16_to_f32(kvb_f32_to_bf16((float)x)); }
+
+/* The reference of one walk row under the bf16 dot products: o[hd] and, per element, the change a weight
+ * within 1% of a bf16 ulp of a rounding midpoint could make by rounding the other way (the kernel's f32
+ * weight lies on either side of it; slack[hd]). sc: scratch for the row's keys. */
+static void ref_row_bf16dot(const float *qh, const float *k, const float *v, size_t row, int hd, int lo, int vis,
+                            double *sc, double *o, double *slack) {
+    double qr[512];
+    for (int i = 0; i < hd; i++) qr[i] = bf16_round(qh[i]);
+    double scale = (float)(1 / sqrt(hd)), M = -1e300, L = 0;
+    for (int kk = lo; kk < vis; kk++) {
+        double d = 0;
+        for (int i = 0; i < hd; i++) d += qr[i] * k[(size_t)kk * row + i];
+        sc[kk] = d * scale;
+        M = fmax(M, sc[kk]);
+    }
+    for (int i = 0; i < hd; i++) o[i] = slack[i] = 0;
+    for (int c0 = lo / REF_WALK_KEYS * REF_WALK_KEYS; c0 < vis; c0 += REF_WALK_KEYS) {
+        int a = c0 > lo ? c0 : lo, e = c0 + REF_WALK_KEYS < vis ? c0 + REF_WALK_KEYS : vis;
+        double mc = -1e300;
+        for (int kk = a; kk < e; kk++) mc = fmax(mc, sc[kk]);
+        double w = exp(mc - M);
+        for (int kk = a; kk < e; kk++) {
+            double pe = exp(sc[kk] - mc), pr = bf16_round(pe);
+            int ex;
+            frexp(pr > 0 ? pr : pe, &ex);
+            double ulp = ldexp(1.0, ex - 8), amb = 0.5 * ulp - fabs(pe - pr) < 0.01 * ulp ? ulp : 0;
+            L += w * pe;
+            for (int i = 0; i < hd; i++) {
+                o[i] += w * pr * v[(size_t)kk * row + i];
+                slack[i] += w * amb * fabs(v[(size_t)kk * row + i]);
+            }
+        }
+    }
+    for (int i = 0; i < hd; i++) {
+        o[i] /= L;
+        slack[i] /= L;
+    }
+}
 
 static void fill_kv(float *x, size_t n) {
     fill(x, n);
@@ -626,7 +676,7 @@ static void check_attention_keep(const seq_spec *specs, int n_seqs, int n_heads,
     ck_assert_int_eq(be->iface->kv_write(be->ctx, &b, knew, vnew), KVB_OK);
     ck_assert_int_eq(be->iface->attention(be->ctx, &b, q, out), KVB_OK);
     int gq = n_heads / n_kv;
-    double *sc = malloc(sizeof(double) * 4096);
+    double *sc = malloc(sizeof(double) * 4096), *slack = calloc((size_t)n_tok * n_heads * hd, sizeof(double));
     for (int s = 0; s < n_seqs; s++) {
         const kvb_attn_seq *sq = &seqs[s];
         for (int t = 0; t < sq->q_len; t++)
@@ -634,6 +684,11 @@ static void check_attention_keep(const seq_spec *specs, int n_seqs, int n_heads,
                 int vis = sq->ctx_len - sq->q_len + t + 1, kvh = h / gq;
                 int lo = window > 0 && vis > window ? vis - window : 0;
                 const float *qh = q + ((size_t)(sq->q_start + t) * n_heads + h) * hd;
+                size_t at = ((size_t)(sq->q_start + t) * n_heads + h) * hd;
+                if (attn_ref_bf16dot && sq->q_len * gq < 32) {
+                    ref_row_bf16dot(qh, kd[s] + kvh * hd, vd[s] + kvh * hd, row, hd, lo, vis, sc, ref + at, slack + at);
+                    continue;
+                }
                 double mx = -1e300, sum = 0;
                 for (int k = lo; k < vis; k++) {
                     double d = 0;
@@ -651,8 +706,16 @@ static void check_attention_keep(const seq_spec *specs, int n_seqs, int n_heads,
             }
     }
     double e = rel_err(out, ref, (size_t)n_tok * n_heads * hd);
+    if (attn_ref_bf16dot) { /* element by element: the error past the rounding's slack, over the largest output */
+        double den = 0, worst = 0;
+        for (size_t i = 0; i < (size_t)n_tok * n_heads * hd; i++) den = fmax(den, fabs(ref[i]));
+        for (size_t i = 0; i < (size_t)n_tok * n_heads * hd; i++)
+            worst = fmax(worst, (fabs(out[i] - ref[i]) - slack[i]) / den);
+        e = worst;
+    }
     ck_assert_msg(e < 1e-5, "attention heads %d/%d hd %d bs %d threads %d window %d: rel err %g", n_heads, n_kv, hd, bs,
                   threads, window, e);
+    attn_last_err = e;
     if (keep) memcpy(keep, out, sizeof(float) * n_tok * n_heads * hd);
     for (int s = 0; s < n_seqs; s++) {
         free(kd[s]);
@@ -661,6 +724,7 @@ static void check_attention_keep(const seq_spec *specs, int n_seqs, int n_heads,
     free(kd);
     free(vd);
     free(sc);
+    free(slack);
     free(pool);
     free(ptrs);
     free(q);
@@ -783,14 +847,16 @@ KVB_TEST(attention_sliding_window) {
 }
 KVB_TEST_END
 
-/* "cpu:bf16": attention on a bf16 cache gives the bits an f32 cache holding the same (bf16) values gives,
- * on every path (decode walk over one and several chunks, the gemm tiles, sliding windows; AVX-512, AVX2
- * and the generic loops), and both are within the f32 tolerance of the double reference on those values.
- * The cache's rounding is the whole difference between "cpu" and "cpu:bf16". */
+/* "cpu:bf16" without the bf16 dot products: attention on a bf16 cache gives the bits an f32 cache holding
+ * the same (bf16) values gives, on every path that widens the cache to f32 (decode walk over one and
+ * several chunks, the gemm tiles, sliding windows; AVX-512 without AVX512_BF16, AVX2 and the generic
+ * loops), and both are within the f32 tolerance of the double reference on those values: there the
+ * cache's rounding is the whole difference between "cpu" and "cpu:bf16". The walk on the bf16 dot
+ * products also rounds q and the softmax weights (attention_bf16_dot). */
 KVB_TEST(attention_bf16_cache) {
     seq_spec specs[] = {{1, 40}, {3, 3}, {300, 300}, {70, 133}, {1, 1}, {1, 1300}, {2, 1025}};
     int shapes[][3] = {{8, 2, 32}, {12, 4, 64}, {6, 1, 64}, {6, 3, 24}}, bss[] = {7, 16}, windows[] = {0, 17};
-    const char *simd[] = {NULL, "avx2", "0"};
+    const char *simd[] = {"avx512", "avx2", "0"};
     int n_tok = 378;
     for (size_t v = 0; v < KVB_ARRAY_LEN(simd); v++)
         for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++)
@@ -810,10 +876,69 @@ KVB_TEST(attention_bf16_cache) {
                 ck_assert_msg(!memcmp(f32, bf16, sizeof(float) * floats),
                               "simd %s heads %d/%d hd %d block size %d window %d: the bf16 cache gives other bits than "
                               "an f32 cache of the same values",
-                              simd[v] ? simd[v] : "best", nh, nkv, hd, bss[j], w);
+                              simd[v], nh, nkv, hd, bss[j], w);
                 free(f32);
                 free(bf16);
             }
+}
+KVB_TEST_END
+
+static const char *need_avx512bf16(void) {
+    const char *simd = getenv("KVB_CPU_SIMD");
+    if (simd && *simd) return "KVB_CPU_SIMD is set: the walk does not take the bf16 dot products";
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (need_avx512() == NULL && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        return NULL;
+#endif
+    return "the processor has no AVX512_BF16 (the walk widens the bf16 cache, attention_bf16_cache)";
+}
+
+/* "cpu:bf16" on the bf16 dot products (AVX512_BF16; head sizes 64 and 128, groups of 1 to 6 heads): the
+ * decode walk's rows match a float64 reference of the same arithmetic (q and each chunk's softmax weights
+ * rounded to bf16, the bf16 K and V, exact products and sums) within 1e-5 of the largest output past the
+ * slack of weights at a rounding midpoint; they are within 1e-2 of the widening walk (KVB_CPU_SIMD=avx512)
+ * and not its bits; they are the same bits at every block size (keys pair by position, across blocks).
+ * Decode rows over one and several chunks, chunked prefill rows after a past (under 32 rows a KV head:
+ * the walk), contexts that are not multiples of 4 or of the block size, sliding windows; the rows of 40
+ * tokens take the gemm tiles (unchanged: the exact reference). */
+KVB_TEST(attention_bf16_dot) {
+    seq_spec specs[] = {{1, 1}, {1, 7}, {2, 61}, {5, 90}, {1, 600}, {3, 1030}, {1, 1301}, {40, 75}};
+    int n_tok = 54, shapes[][3] = {{12, 4, 64}, {8, 2, 128}, {6, 1, 64}, {4, 4, 64}, {10, 2, 64}, {4, 2, 128}, {2, 2, 128}};
+    int bss[] = {16, 1, 5, 32}, windows[] = {0, 17, 600};
+    for (size_t i = 0; i < KVB_ARRAY_LEN(shapes); i++) {
+        int nh = shapes[i][0], nkv = shapes[i][1], hd = shapes[i][2], w = windows[i % 3];
+        size_t floats = (size_t)n_tok * nh * hd;
+        float *first = malloc(sizeof(float) * floats), *dot = malloc(sizeof(float) * floats);
+        float *wide = malloc(sizeof(float) * floats);
+        double *wd = malloc(sizeof(double) * floats);
+        for (size_t j = 0; j < KVB_ARRAY_LEN(bss); j++) {
+            attn_kv = KV_BF16;
+            attn_ref_bf16dot = 1;
+            rng_state = 31;
+            check_attention_keep(specs, 8, nh, nkv, hd, bss[j], 1 + (int)j % 2, w, j ? dot : first);
+            double e_dot = attn_last_err;
+            attn_ref_bf16dot = 0;
+            setenv("KVB_CPU_SIMD", "avx512", 1);
+            rng_state = 31;
+            check_attention_keep(specs, 8, nh, nkv, hd, bss[j], 1 + (int)j % 2, w, wide);
+            unsetenv("KVB_CPU_SIMD");
+            attn_kv = KV_F32;
+            for (size_t x = 0; x < floats; x++) wd[x] = wide[x];
+            double d = rel_err(j ? dot : first, wd, floats);
+            if (!j) printf("bf16 dot: heads %d/%d hd %d window %d: %.2g from the reference, %.2g from the widening walk\n",
+                           nh, nkv, hd, w, e_dot, d);
+            ck_assert_msg(d < 1e-2 && d > 0, "heads %d/%d hd %d block size %d window %d: %g from the widening walk", nh,
+                          nkv, hd, bss[j], w, d);
+            ck_assert_msg(!j || !memcmp(first, dot, sizeof(float) * floats),
+                          "heads %d/%d hd %d window %d: block size %d gives other bits than block size %d", nh, nkv, hd, w,
+                          bss[j], bss[0]);
+        }
+        free(first);
+        free(dot);
+        free(wide);
+        free(wd);
+    }
 }
 KVB_TEST_END
 
@@ -954,5 +1079,5 @@ KVB_TEST_MAIN("kernels", KVB_T(unknown_backend, 10), KVB_T(matmul_split_rows, 60
               KVB_T(matmul_half_weights_exact, 120), KVB_T(weight_view_half, 10), KVB_T(e4m3_conversions, 10),
               KVB_T_NEED(fp8_quant_rows, 10, need_avx2), KVB_T(matmul_fp8, 120),
               KVB_T(rmsnorm_rope_silu, 30), KVB_T(attention_paths_gqa, 120), KVB_T(attention_decode_block_sizes, 60), KVB_T_NEED(attention_decode_widths, 60, need_avx512), KVB_T(attention_paths_mha_mqa, 60), KVB_T(generic_paths, 120),
-              KVB_T(attention_sliding_window, 120), KVB_T(attention_bf16_cache, 300), KVB_T(kv_write_bf16_rounds, 10),
+              KVB_T(attention_sliding_window, 120), KVB_T(attention_bf16_cache, 300), KVB_T_NEED(attention_bf16_dot, 300, need_avx512bf16), KVB_T(kv_write_bf16_rounds, 10),
               KVB_T(bias_add_rows, 10), KVB_T(copy_plan_pieces, 30))

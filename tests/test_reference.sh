@@ -169,9 +169,9 @@ json.dump(c, open(p, "w"))' "$dir.without" "${without[$name]}"
     fi
 done
 
-# "cpu:bf16" (f32 arithmetic on a bf16 KV cache): within KV_BF16_RTOL of the reference, a divergence from
-# its argmax allowed only at a top-2 gap below that share of the row's largest logit (rounding K and V can
-# swap such a pair), at block sizes 1 and 16 and in the ragged batch. So that the bound says something, the
+# "cpu:bf16" (a bf16 KV cache; with AVX512_BF16 the decode walk also rounds q and the softmax weights to
+# bf16 for its dot products): within KV_BF16_RTOL of the reference, a divergence from its argmax allowed
+# only at a top-2 gap below that share of the row's largest logit (the rounding can swap such a pair), at block sizes 1 and 16 and in the ragged batch. So that the bound says something, the
 # same logits must FAIL at the f32 bound (the cache is bf16) and against the windowed model without its
 # window (the bound is not loose).
 KV_BF16_RTOL=${KV_BF16_RTOL:-0.01}

@@ -194,7 +194,7 @@ kvb_status kvb_forward_create_with(kvb_model *m, int max_tokens, const kvb_mem_a
     fw->m = m;
     fw->be = m->be;
     fw->max_tokens = max_tokens;
-    fw->chunk = KVB_FORWARD_CHUNK_ROWS;
+    fw->chunk = kvb_forward_default_chunk(fw->be);
     if (alloc) {
         fw->alloc = *alloc;
     } else {
@@ -220,6 +220,10 @@ void kvb_forward_destroy(kvb_forward *fw) {
     kvb_mem_arena_destroy(fw->arena);
     free(fw->cseqs);
     free(fw);
+}
+
+int kvb_forward_default_chunk(const kvb_backend *be) {
+    return be->iface->chunk_rows > 0 ? be->iface->chunk_rows : KVB_FORWARD_CHUNK_ROWS;
 }
 
 kvb_status kvb_forward_chunk(kvb_forward *fw, int rows) {

@@ -77,8 +77,10 @@ kvb_status kvb_forward_rows(kvb_forward *fw, int n_rows, int n_seqs);
  * the same results per row); 0: one GEMM. */
 kvb_status kvb_forward_split(kvb_forward *fw, int rows);
 /* Rows a layer runs at once by default: it runs a step's rows in chunks of about this many, one after
- * the other, so activations other than the residual stream are bounded by the chunk, not the step. */
+ * the other, so activations other than the residual stream are bounded by the chunk, not the step. A
+ * backend may ask for another (kvb_backend_i.chunk_rows: the CUDA backend's 2048). */
 #define KVB_FORWARD_CHUNK_ROWS 512
+int kvb_forward_default_chunk(const kvb_backend *be);
 /* Between steps: the rows of a layer's chunks (rows < 64 count as 64; 0: the whole step at once).
  * The results are the same bits whatever the chunk (the cuts are chosen so that the backend takes the
  * same path for every row). KVB_ERR_INVALID while a step is in flight or for rows < 0. */

@@ -12,7 +12,9 @@
  *    time (AVX2 register tiles; sgemm without AVX2) with the causal mask and an online softmax between.
  * Both compute exact softmax attention in f32 (max subtracted before exp); a bf16 cache ("cpu:bf16") is
  * widened to f32 as it is read (walk: in registers by the AVX-512 kernels, else a block at a time into
- * L1; gemm: as gathered), the products unchanged. With a sliding window
+ * L1; gemm: as gathered), the products unchanged, except where the walk takes the processor's bf16 dot
+ * products (AVX512_BF16, head sizes a multiple of 64): there q and the softmax weights are rounded to
+ * bf16 for the products too (dots_bf512, axpy_pairs_bf512). With a sliding window
  * (kvb_attn_batch.window) a row sees only its last `window` keys; keys before every row's window are
  * neither read nor gathered. */
 #include <cblas.h>
@@ -204,8 +206,9 @@ __attribute__((target("avx2,fma"))) static void axpy_rows4_avx2(const float *p, 
 /* Share `part` of `parts` of the prefetch of [pf, pf + bytes): a block's kernels spread the next block's
  * prefetch over their loops, so that it goes on while they compute. Into L2 (locality 2), as the products'
  * streaming kernel does (kernels/cpu/ops.c): a block's lines prefetched into L1 evicted the lines still in
- * use, and their requests queued behind each other. */
-static inline void prefetch_share(const char *pf, size_t bytes, int part, int parts) {
+ * use, and their requests queued behind each other. Always inlined: a copy out of line counts as free of
+ * side effects to GCC, which then drops the calls (it did in the large dots_bf512). */
+__attribute__((always_inline)) static inline void prefetch_share(const char *pf, size_t bytes, int part, int parts) {
     size_t lines = KVB_DIV_CEIL(bytes, 64), l1 = lines * (size_t)(part + 1) / (size_t)parts;
     for (size_t l = lines * (size_t)part / (size_t)parts; l < l1; l++) __builtin_prefetch(pf + l * 64, 0, 2);
 }
@@ -422,6 +425,148 @@ __attribute__((target("avx512f,avx2,fma"))) static void axpy_block512(const floa
 #undef AXPY
     }
 }
+
+/* With AVX512_BF16 (kvb__cpu_avx512bf16) the walk of a bf16 cache multiplies in bf16: vdpbf16ps takes 32
+ * bf16 pairs of products per instruction where the widening kernels above take 16 f32 FMAs, and reads the
+ * rows as they are (no widening). Its operands are bf16: q is rounded to bf16 for the scores (as llama.cpp
+ * rounds q to its KV cache's type) and the softmax weights p for the values (as kvbank's own tensor-core
+ * prefill rounds P to bf16 for its P.V MMA, kernels/cuda/attention_tc.cu), both to nearest even; each pair
+ * of products is exact in f32 and summed into f32 accumulators, the softmax (max, exp, the sum l of the
+ * unrounded p) stays f32. Head sizes a multiple of 64 and up to GROUP512_MAX heads per KV group; elsewhere
+ * the widening kernels run. Per key and head at head size 64, the scores take 2 vdpbf16ps and the values 2
+ * (against 4 + 4 FMAs), plus per key, shared by the group's heads, 2 loads and 2 unpacks for the values. */
+#define BF16DOT_TARGET "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"
+
+/* n f32 at src rounded to bf16 into dst (the instruction's rounding: to nearest even, denormals to zero). */
+__attribute__((target(BF16DOT_TARGET))) static void round_bf16(const float *src, uint16_t *dst, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        _mm256_mask_storeu_epi16(dst + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i)));
+    }
+}
+
+/* Scores of 4 key rows (k, k + row, ...; the first nr of them read, the others zero) for the GQ heads of
+ * one KV group from its bf16 q (qb), 32 dimensions a vdpbf16ps into a 16-lane accumulator per key and
+ * head, summed as dots_quads_group512 sums its accumulators (halves, then hsum4_scaled): a key's sum does
+ * not depend on its place among the 4, so a score is the same bits whatever the block size. */
+__attribute__((target(BF16DOT_TARGET), always_inline)) static inline void dots4_group_bf(const uint16_t *qb,
+                                                                                        const int GQ,
+                                                                                        const uint16_t *k, size_t row,
+                                                                                        const int nr, int hd, __m256 sc,
+                                                                                        float *s, size_t stride) {
+    __m512 acc[GROUP512_MAX][4];
+    _Pragma("GCC unroll 6") for (int h = 0; h < GQ; h++) _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)
+        acc[h][j] = _mm512_setzero_ps();
+    for (int i = 0; i < hd; i += 32) {
+        __m512bh kv[4];
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) kv[j] =
+            (__m512bh)(j < nr ? _mm512_loadu_si512(k + (size_t)j * row + i) : _mm512_setzero_si512());
+        _Pragma("GCC unroll 6") for (int h = 0; h < GQ; h++) {
+            __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + (size_t)h * hd + i);
+            _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) acc[h][j] = _mm512_dpbf16_ps(acc[h][j], qv, kv[j]);
+        }
+    }
+    _Pragma("GCC unroll 6") for (int h = 0; h < GQ; h++) {
+        __m256 a[4];
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) a[j] = V512_HALVES(acc[h][j]);
+        float t[4];
+        hsum4_scaled(a, sc, nr == 4 ? s + (size_t)h * stride : t);
+        if (nr < 4) memcpy(s + (size_t)h * stride, t, (size_t)nr * sizeof(float));
+    }
+}
+
+/* Every KV group's scores for rows [0, n) of a block's bf16 keys (any n: the last 1-3 rows by
+ * dots4_group_bf with zero rows), the next block's prefetch spread over every 4 key rows of every group. */
+__attribute__((target(BF16DOT_TARGET))) static void dots_bf512(const uint16_t *qb, int nkv, int gq, const uint16_t *k,
+                                                               size_t row, int n, int hd, float scale, float *s,
+                                                               size_t stride, const char *pf, size_t pf_bytes) {
+    __m256 sc = _mm256_set1_ps(scale);
+    int quads = KVB_DIV_CEIL(n, 4);
+    for (int g = 0; g < nkv; g++) {
+        const uint16_t *qg = qb + (size_t)g * gq * hd, *kg = k + (size_t)g * hd;
+        float *sg = s + (size_t)g * gq * stride;
+        for (int r = 0; r < n; r += 4) {
+            prefetch_share(pf, pf_bytes, g * quads + r / 4, nkv * quads);
+            const uint16_t *kr = kg + (size_t)r * row;
+#define DOTS(GQ, BF_)                                                                                              \
+    do {                                                                                                          \
+        if (r + 4 <= n) dots4_group_bf(qg, GQ, kr, row, 4, hd, sc, sg + r, stride);                               \
+        else dots4_group_bf(qg, GQ, kr, row, n - r, hd, sc, sg + r, stride);                                      \
+    } while (0)
+            GROUP512_SWITCH_BF(gq, 1, DOTS);
+#undef DOTS
+        }
+    }
+}
+
+/* o[h] += p_a v_a + p_b v_b for npairs pairs of value rows (a_i = va + i * step, b_i = vb + i * step; the
+ * group's slices) and the GQ heads of one KV group, their weights the bf16 pairs (pb[h * pstride + 2i],
+ * pb[h * pstride + 2i + 1]), hd a multiple of 64. The two rows' bf16 are interleaved (unpacklo/hi of
+ * 16-bit words) so that a vdpbf16ps against the broadcast pair of weights adds both rows' products to
+ * each output element: o is kept in that interleaved order (bf_unpermute puts it back): in each 32
+ * dimensions, the first 16 floats hold dimensions 0-3, 8-11, 16-19, 24-27, the next 16 the others. Each
+ * output element sums its pairs in key order, whichever call they come in, so the same bits for any
+ * block size. */
+__attribute__((target(BF16DOT_TARGET), always_inline)) static inline void axpy_pairs_group_bf(
+    const uint16_t *pb, size_t pstride, const int GQ, const uint16_t *va, const uint16_t *vb, size_t step, int npairs,
+    float *o, int hd, const char *pf, size_t pf_bytes, int part0, int parts) {
+    for (int d = 0; d < hd; d += 64) {
+        __m512 acc[GROUP512_MAX][4];
+        _Pragma("GCC unroll 6") for (int h = 0; h < GQ; h++) _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+            acc[h][c] = _mm512_loadu_ps(o + (size_t)h * hd + d + 16 * c);
+        for (int i = 0; i < npairs; i++) {
+            if (d == 0) prefetch_share(pf, pf_bytes, part0 + i, parts);
+            const uint16_t *ra = va + (size_t)i * step + d, *rb = vb + (size_t)i * step + d;
+            __m512i a0 = _mm512_loadu_si512(ra), a1 = _mm512_loadu_si512(ra + 32);
+            __m512i b0 = _mm512_loadu_si512(rb), b1 = _mm512_loadu_si512(rb + 32);
+            __m512bh x[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, b0), (__m512bh)_mm512_unpackhi_epi16(a0, b0),
+                             (__m512bh)_mm512_unpacklo_epi16(a1, b1), (__m512bh)_mm512_unpackhi_epi16(a1, b1)};
+            _Pragma("GCC unroll 6") for (int h = 0; h < GQ; h++) {
+                int32_t w;
+                memcpy(&w, pb + (size_t)h * pstride + 2 * (size_t)i, sizeof w);
+                __m512bh pw = (__m512bh)_mm512_set1_epi32(w);
+                _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], x[c], pw);
+            }
+        }
+        _Pragma("GCC unroll 6") for (int h = 0; h < GQ; h++) _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+            _mm512_storeu_ps(o + (size_t)h * hd + d + 16 * c, acc[h][c]);
+    }
+}
+
+/* axpy_pairs_group_bf for every KV group (va, vb: whole rows; pb: head 0's first weight), the next
+ * block's prefetch spread over every pair of every group (all of it at once when there is no pair). */
+__attribute__((target(BF16DOT_TARGET))) static void axpy_pairs_bf512(const uint16_t *pb, size_t pstride, int nkv, int gq,
+                                                                     const uint16_t *va, const uint16_t *vb, size_t step,
+                                                                     int npairs, float *o, int hd, const char *pf,
+                                                                     size_t pf_bytes) {
+    if (!npairs) {
+        prefetch_share(pf, pf_bytes, 0, 1);
+        return;
+    }
+    for (int g = 0; g < nkv; g++) {
+        const uint16_t *pg = pb + (size_t)g * gq * pstride, *vag = va + (size_t)g * hd, *vbg = vb + (size_t)g * hd;
+        float *og = o + (size_t)g * gq * hd;
+#define AXPY(GQ, BF_)                                                                                              \
+    axpy_pairs_group_bf(pg, pstride, GQ, vag, vbg, step, npairs, og, hd, pf, pf_bytes, g * npairs, nkv * npairs)
+        GROUP512_SWITCH_BF(gq, 1, AXPY);
+#undef AXPY
+    }
+}
+
+/* n floats of outputs (a multiple of 32) from axpy_pairs_group_bf's interleaved order back to dimension
+ * order, in place. */
+__attribute__((target(BF16DOT_TARGET))) static void bf_unpermute(float *o, size_t n) {
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (size_t i = 0; i < n; i += 32) {
+        __m512 a = _mm512_loadu_ps(o + i), b = _mm512_loadu_ps(o + i + 16);
+        _mm512_storeu_ps(o + i, _mm512_permutex2var_ps(a, lo, b));
+        _mm512_storeu_ps(o + i + 16, _mm512_permutex2var_ps(a, hi, b));
+    }
+}
 #endif
 
 /* Asks for the `bytes` at p (one key or value row) to be brought into the cache. A walk reads a block's
@@ -452,7 +597,8 @@ __attribute__((target("avx2"))) static inline void widen32_avx2(const uint16_t *
  * f32), with the next block's bf16 rows [pf, pf + pf_bytes) prefetched a line per line widened. Where the
  * AVX-512 kernels do not run (AVX2, head sizes not a multiple of 16, a block's rows after its fours) the
  * walk runs its f32 kernels on dst, which stays in L1: the same products as an f32 cache holding the
- * rounded values, so "cpu:bf16" differs from "cpu" by the rounding of K and V alone. The AVX-512 kernels
+ * rounded values, so on these paths "cpu:bf16" differs from "cpu" by the rounding of K and V alone (on the
+ * bf16 dot products, by that of K, V, and q and p for the products). The AVX-512 kernels
  * widen in registers instead (load16): the same values, without the store and the load back, which took a
  * third of the walk's time (12 layers of the bench model at 2,048 keys, 2 Zen 4 cores, the cache in L3:
  * 0.72 -> 0.49-0.52 ms; one core 1.39 -> 0.95-0.97 ms). Its own loop, not
@@ -505,6 +651,12 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
 #if KVB_ATTN_AVX2
     int simd = kvb__cpu_avx2 && hd % 8 == 0;
     int wide = simd && kvb__cpu_avx512 && hd % 16 == 0 && gq <= GROUP512_MAX; /* the same bits, fewer loads */
+    /* the bf16 dot products: q (qb) and each row's weights (pb, pstride a head, zero outside the row's keys)
+     * rounded to bf16, and a zero row to pair a key without a partner with (after wide_rows) */
+    int bfdot = wide && bf16 && kvb__cpu_avx512bf16 && hd % 64 == 0;
+    size_t pstride = (size_t)((k1 - k0 + 2) & ~1);
+    uint16_t *qb = (uint16_t *)(wide_rows + (size_t)bs * row), *pb = qb + (size_t)nh * hd, *zrow = pb + (size_t)nh * pstride;
+    if (bfdot) memset(zrow, 0, row * sizeof(uint16_t));
 #endif
     for (int t = 0; t < sq->q_len; t++) {
         int n_vis = sq->ctx_len - sq->q_len + t + 1;
@@ -519,6 +671,9 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
         }
         memset(ot, 0, (size_t)nh * hd * sizeof(float));
         if (a < e) {
+#if KVB_ATTN_AVX2
+            if (bfdot) round_bf16(qt, qb, nh * hd);
+#endif
             /* scores, key rows in block order */
             for (int k = a; k < e;) {
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
@@ -528,6 +683,12 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
                 const float *kb = (const float *)(blk + (size_t)r0 * row * es);
                 int r = 0;
 #if KVB_ATTN_AVX2
+                if (bfdot) { /* every row of the block where it is, the next block's rows prefetched meanwhile */
+                    dots_bf512(qb, nkv, gq, (const uint16_t *)kb, row, n_in, hd, b->scale, st + (k - k0), stride, kn,
+                               kn ? (size_t)na * row * es : 0);
+                    k += n_in;
+                    continue;
+                }
                 if (wide && (n_in & ~3)) { /* rows by fours, read where they are (a bf16 cache widened in registers);
                                             * the next block's rows (as many as are read) prefetched meanwhile */
                     size_t pf = kn ? (size_t)na * row * es : 0;
@@ -566,6 +727,18 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
                 k += n_in;
             }
             for (int h = 0; h < nh; h++) m[h] = exp_part(st + (size_t)h * stride + (a - k0), e - a, &l[h]);
+#if KVB_ATTN_AVX2
+            if (bfdot)
+                for (int h = 0; h < nh; h++) {
+                    uint16_t *ph = pb + (size_t)h * pstride;
+                    memset(ph, 0, (size_t)(a - k0) * sizeof(uint16_t));
+                    round_bf16(st + (size_t)h * stride + (a - k0), ph + (a - k0), e - a);
+                    memset(ph + (e - k0), 0, (pstride - (size_t)(e - k0)) * sizeof(uint16_t));
+                }
+            /* bfdot: keys pair as (even, odd) positions; an even key whose partner is in the next block waits
+             * here, a key without one (before a, at e) pairs with the zero row and weight */
+            const uint16_t *pending = NULL;
+#endif
             /* o += p v, value rows in block order */
             for (int k = a; k < e;) {
                 int j = k / bs, r0 = k % bs, n_in = KVB_MIN(bs - r0, e - k);
@@ -574,6 +747,28 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
                 const char *vn = na > 0 ? (const char *)b->layer_blocks[sq->blk_first + j + 1] + half * es : NULL;
                 const float *vb = (const float *)(blk + (size_t)r0 * row * es);
 #if KVB_ATTN_AVX2
+                if (bfdot) {
+                    const uint16_t *vr = (const uint16_t *)vb;
+                    int r = 0;
+                    if (k & 1) { /* the pair of k - 1 (the previous block's last row, or none) and k */
+                        axpy_pairs_bf512(pb + (k - 1 - k0), pstride, nkv, gq, pending ? pending : zrow, vr, 0, 1, ot,
+                                         hd, NULL, 0);
+                        pending = NULL;
+                        r = 1;
+                    }
+                    int np = (n_in - r) / 2;
+                    axpy_pairs_bf512(pb + (k + r - k0), pstride, nkv, gq, vr + (size_t)r * row, vr + (size_t)(r + 1) * row,
+                                     2 * row, np, ot, hd, vn, vn ? (size_t)na * row * es : 0);
+                    r += 2 * np;
+                    if (r < n_in) { /* an even key, the block's last */
+                        if (k + r + 1 < e) pending = vr + (size_t)r * row;
+                        else
+                            axpy_pairs_bf512(pb + (k + r - k0), pstride, nkv, gq, vr + (size_t)r * row, zrow, 0, 1, ot,
+                                             hd, NULL, 0);
+                    }
+                    k += n_in;
+                    continue;
+                }
                 if (wide && hd % 64 == 0) { /* the block's rows at once where they are, the next block's prefetched */
                     size_t pf = vn ? (size_t)na * row * es : 0;
                     axpy_block512(st + (k - k0), stride, nkv, gq, vb, bf16, row, n_in, ot, hd, vn, pf);
@@ -617,6 +812,9 @@ static void attn_walk(const kvb_attn_batch *b, const kvb_attn_seq *sq, int k0, i
                 }
                 k += n_in;
             }
+#if KVB_ATTN_AVX2
+            if (bfdot) bf_unpermute(ot, (size_t)nh * hd);
+#endif
         }
         if (part) {
             float *mp = part + (size_t)sq->q_len * nh * hd + (size_t)t * nh, *lp = mp + (size_t)sq->q_len * nh;
@@ -943,8 +1141,10 @@ kvb_status kvb__cpu_attention(kvb_cpu_ctx *c, const kvb_attn_batch *b, const flo
                                      .part = c1 - c0 > 1 ? (int)part_at : -1};
             if (c1 - c0 > 1) part_at += (size_t)sq->q_len * nh * (hd + 2);
         }
-        /* the scores, then a bf16 cache's widened block (attn_walk) */
-        need = KVB_MAX(need, (size_t)sq->q_len * nh * WALK_KEYS + (geo->elem_size == 2 ? (size_t)geo->block_size * nkv * hd : 0));
+        /* the scores, then for a bf16 cache its widened block, and the bf16 dot products' q, weights and zero
+         * row (attn_walk; 16-bit each, counted as floats) */
+        size_t bf_floats = (size_t)geo->block_size * nkv * hd + ((size_t)nh * hd + (size_t)nh * (WALK_KEYS + 2) + (size_t)nkv * hd) / 2 + 1;
+        need = KVB_MAX(need, (size_t)sq->q_len * nh * WALK_KEYS + (geo->elem_size == 2 ? bf_floats : 0));
     }
     KVB_TRY(kvb__cpu_scratch_reserve(c, need));
     /* the gemm sequences' keys and values, per KV head, contiguous: read by all of its tiles */

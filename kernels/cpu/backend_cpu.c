@@ -223,11 +223,15 @@ kvb_status kvb__backend_cpu_create(int n_threads, int kv_bf16, kvb_backend *out)
     __builtin_cpu_init();
     kvb__cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     kvb__cpu_avx512 = kvb__cpu_avx2 && __builtin_cpu_supports("avx512f");
+    kvb__cpu_avx512bf16 = kvb__cpu_avx512 && __builtin_cpu_supports("avx512bf16") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     /* KVB_CPU_SIMD=0: the generic loops and OpenBLAS only (how a processor without AVX2 runs);
-     * KVB_CPU_SIMD=avx2: no AVX-512 (how an AVX2-only processor runs). Tests cover those paths with it. */
+     * KVB_CPU_SIMD=avx2: no AVX-512 (how an AVX2-only processor runs); KVB_CPU_SIMD=avx512: AVX-512 without
+     * the bf16 dot products (how an AVX-512 processor without AVX512_BF16 runs). Tests cover those paths with it. */
     const char *simd = getenv("KVB_CPU_SIMD");
-    if (simd && strcmp(simd, "0") == 0) kvb__cpu_avx2 = kvb__cpu_avx512 = 0;
-    if (simd && strcmp(simd, "avx2") == 0) kvb__cpu_avx512 = 0;
+    if (simd && strcmp(simd, "0") == 0) kvb__cpu_avx2 = kvb__cpu_avx512 = kvb__cpu_avx512bf16 = 0;
+    if (simd && strcmp(simd, "avx2") == 0) kvb__cpu_avx512 = kvb__cpu_avx512bf16 = 0;
+    if (simd && strcmp(simd, "avx512") == 0) kvb__cpu_avx512bf16 = 0;
 #endif
     out->iface = kv_bf16 ? &cpu_bf16_iface : &cpu_iface;
     out->ctx = c;

@@ -20,6 +20,7 @@
 int kvb__cpu_threads = 1;
 int kvb__cpu_avx2 = 0;
 int kvb__cpu_avx512 = 0;
+int kvb__cpu_avx512bf16 = 0;
 
 kvb_status kvb__cpu_floats_reserve(float **buf, size_t *cap, size_t floats) {
     if (floats <= *cap) return KVB_OK;

@@ -42,6 +42,9 @@ extern int kvb__cpu_avx2;
 /* 1 when it also has AVX-512F (and kvb__cpu_avx2 is 1): the products take their 16-lane kernel, the
  * decode attention its group-wise walk. */
 extern int kvb__cpu_avx512;
+/* 1 when it also has AVX512_BF16 (with AVX512BW and VL; kvb__cpu_avx512 is 1): the decode walk of a bf16
+ * KV cache takes the bf16 dot products (q and the softmax weights rounded to bf16, attention.c). */
+extern int kvb__cpu_avx512bf16;
 
 /* Makes sure every thread has `floats` floats of scratch. */
 kvb_status kvb__cpu_scratch_reserve(kvb_cpu_ctx *c, size_t floats);

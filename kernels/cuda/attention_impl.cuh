@@ -24,21 +24,9 @@ __device__ __forceinline__ const T *key_row(const kvb_cuda_attn_args &a, int blk
 }
 
 /* Called by every thread of a block that has written its split's partial rows (part_o, part_lse):
- * true in the block that finished its group last, which then merges (merge_split) and, with the
- * counter reset, leaves the group ready for the next launch. The fence orders this block's partials
- * before its count, so the last block sees every split's. */
+ * true in the block that finished its group last, which then merges (merge_split). */
 __device__ __forceinline__ bool split_done(const kvb_cuda_attn_args &a, int group) {
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int prev = atomicAdd(&a.counters[group], 1);
-        last = prev == a.groups[group].n_parts - 1;
-        if (last) a.counters[group] = 0;
-    }
-    __syncthreads();
-    if (last) __threadfence(); /* acquire: the other splits' partials, read below through L2 (__ldcg) */
-    return last;
+    return last_of_group(&a.counters[group], a.groups[group].n_parts);
 }
 
 /* Merges the splits of `group` (partial rows of `stride`, `rows` of them used) into `out`: row r is

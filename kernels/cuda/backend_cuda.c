@@ -185,9 +185,9 @@ typedef struct cuda_ctx {
     int next_stage;
     void *meta;               /* [meta_cap] bytes: the current operator's host arrays */
     size_t meta_cap;
-    float *part;              /* [part_cap] floats: attention split partials (outputs, then lse) */
+    float *part;              /* [part_cap] bytes: split partials of attention (outputs, then lse) and products */
     size_t part_cap;
-    int32_t *counters;        /* [counters_cap / 4] attention split groups' counters, zero between launches */
+    int32_t *counters;        /* [counters_cap / 4] split groups' counters (attention, products), zero between launches */
     size_t counters_cap;
     int32_t *tok;             /* [tok_cap / 4] the sampled tokens */
     size_t tok_cap;
@@ -209,6 +209,8 @@ typedef struct cuda_ctx {
     kvb_cuda_attn_group *groups;
     size_t groups_cap;
     kvb_cuda_fp8 *fp8;        /* FP8 weights' products (fp8.h), made at the first FP8 weight */
+    kvb_cuda_gemv_ctx gemv;   /* the decode products' kernel choice, split workspace (part, counters), counts */
+    uint64_t n_cublas;        /* products cuBLAS ran */
 } cuda_ctx;
 
 /* Makes *arr hold at least n elements of `size` bytes (contents kept). */
@@ -233,6 +235,28 @@ static kvb_status dev_reserve(cuda_ctx *c, void **p, size_t *cap, size_t bytes) 
     }
     KVB_TRY(KVB_CUDA_CHECK(cudaMalloc(p, want)));
     *cap = want;
+    return KVB_OK;
+}
+
+/* Makes the split counters hold at least n groups, every one zero (new memory is cleared on the stream;
+ * counters in use are zero between launches, the merging block resets its group's). */
+static kvb_status counters_reserve(cuda_ctx *c, size_t n) {
+    size_t bytes = n * sizeof(int32_t);
+    if (bytes <= c->counters_cap) return KVB_OK;
+    KVB_TRY(dev_reserve(c, (void **)&c->counters, &c->counters_cap, bytes));
+    return KVB_CUDA_CHECK(cudaMemsetAsync(c->counters, 0, c->counters_cap, c->stream));
+}
+
+/* The split partials and counters of a decode product (attention's: the stream orders their uses, and
+ * every launch leaves the counters zero). */
+static kvb_status gemv_workspace(cuda_ctx *c, int rows, int cols, int n) {
+    size_t n_counters = 0, floats = kvb_cuda_gemv_workspace(&c->gemv, c->dt, rows, cols, n, &n_counters);
+    if (floats) {
+        KVB_TRY(dev_reserve(c, (void **)&c->part, &c->part_cap, floats * sizeof(float)));
+        KVB_TRY(counters_reserve(c, n_counters));
+    }
+    c->gemv.part = c->part;
+    c->gemv.counters = c->counters;
     return KVB_OK;
 }
 
@@ -646,8 +670,11 @@ static kvb_status cu_matmul(void *ctx, const void *x, int n, const kvb_tensor *w
         return KVB_ERR_INVALID;
     }
     int rows = (int)w->ne[0], cols = (int)w->ne[1];
-    if (kvb_cuda_gemv_fits(c->dt, w->data, x, cols, n)) /* decode: gemv.h says why */
-        return KVB_CUDA_CHECK(kvb_cuda_gemv(w->data, x, y, c->dt, rows, cols, n, beta, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, x, cols, n)) { /* decode: gemv.h says why */
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(kvb_cuda_gemv(&c->gemv, w->data, x, y, c->dt, rows, cols, n, beta, c->stream));
+    }
+    c->n_cublas++;
     float alpha = 1.0f;
     cudaDataType_t t = cuda_type(c->dt);
     /* column-major view: Y^T[rows][n] = W[rows][cols] (stored as cols x rows, so op T) . X^T[cols][n] */
@@ -679,8 +706,11 @@ static kvb_status cu_matmul_norm(void *ctx, const void *x, int n, const kvb_tens
         KVB_LOG_E("cuda matmul_norm: the norm weight must be %d f32 values", cols);
         return KVB_ERR_INVALID;
     }
-    if (kvb_cuda_gemv_fits(c->dt, w->data, x, cols, n) && cols % 8 == 0)
-        return KVB_CUDA_CHECK(kvb_cuda_gemv_norm(w->data, x, norm->data, eps, y, c->dt, rows, cols, n, 0.0f, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, x, cols, n) && cols % 8 == 0) {
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(
+            kvb_cuda_gemv_norm(&c->gemv, w->data, x, norm->data, eps, y, c->dt, rows, cols, n, 0.0f, c->stream));
+    }
     void *h = NULL;
     KVB_TRY(scratch(c, (size_t)n * cols * kvb_dtype_size(c->dt), &h));
     KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_rmsnorm(x, h, c->dt, n, cols, norm->data, eps, c->stream)));
@@ -692,8 +722,10 @@ static kvb_status cu_matmul_swiglu(void *ctx, const void *gu, int n, const kvb_t
     if (n <= 0) return KVB_OK;
     KVB_TRY(check_weight(c, w, "matmul_swiglu"));
     int rows = (int)w->ne[0], cols = (int)w->ne[1];
-    if (kvb_cuda_gemv_fits(c->dt, w->data, gu, cols, n) && ((size_t)cols * kvb_dtype_size(c->dt)) % 16 == 0)
-        return KVB_CUDA_CHECK(kvb_cuda_gemv_swiglu(w->data, gu, y, c->dt, rows, cols, n, beta, c->stream));
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, gu, cols, n)) {
+        KVB_TRY(gemv_workspace(c, rows, cols, n));
+        return KVB_CUDA_CHECK(kvb_cuda_gemv_swiglu(&c->gemv, w->data, gu, y, c->dt, rows, cols, n, beta, c->stream));
+    }
     void *act = NULL;
     KVB_TRY(scratch(c, (size_t)n * cols * kvb_dtype_size(c->dt), &act));
     KVB_TRY(KVB_CUDA_CHECK(kvb_cuda_swiglu(gu, act, c->dt, n, cols, c->stream)));
@@ -828,15 +860,6 @@ static kvb_status cu_qkv_finish(void *ctx, const kvb_attn_batch *b, const void *
 static int decode_first_key(const kvb_attn_batch *b, const kvb_attn_seq *sq) {
     int first_vis = sq->ctx_len - sq->q_len + 1;
     return b->window > 0 && first_vis > b->window ? first_vis - b->window : 0;
-}
-
-/* Makes the split counters hold at least n groups, every one zero (new memory is cleared on the stream;
- * counters in use are zero between launches, the merging block resets its group's). */
-static kvb_status counters_reserve(cuda_ctx *c, size_t n) {
-    size_t bytes = n * sizeof(int32_t);
-    if (bytes <= c->counters_cap) return KVB_OK;
-    KVB_TRY(dev_reserve(c, (void **)&c->counters, &c->counters_cap, bytes));
-    return KVB_CUDA_CHECK(cudaMemsetAsync(c->counters, 0, c->counters_cap, c->stream));
 }
 
 /* The keys [*k0, *k1) a prefill tile of sequence sq whose first token is t0 sees (as the kernel does). */
@@ -1037,13 +1060,18 @@ static void cu_destroy(void *ctx) {
     free(c);
 }
 
+/* A layer's rows per chunk in the forward pass: on an H200 the 8K prefill step took 102.9 ms in 512-row
+ * chunks and 76.6 in 2048-row ones (0.41 -> 0.55 of the GEMM rate; docs/cuda.md, the second GPU run).
+ * A chunk's buffers (q, the stacked q/k/v, the attention output, the stacked gate/up: 43,008 values a row
+ * at Llama-3-8B's shape) are 176 MB in bf16, taken only by steps of more rows than 512. */
+#define CUDA_CHUNK_ROWS 2048
 #define CUDA_OPS                                                                                       \
     .to_device = cu_to_device, .to_host = cu_to_host, .to_host_f32 = cu_to_host_f32, .copy = cu_copy,          \
     .sync = cu_sync, .copy_async = cu_copy_async, .wait_ticket = cu_wait_ticket, .ticket_done = cu_ticket_done, \
     .ticket_wait = cu_ticket_wait, .weight_load = cu_weight_load, .weight_fp8 = cu_weight_fp8, .weight_free = cu_weight_free, .embed = cu_embed,          \
     .matmul = cu_matmul, .rmsnorm = cu_rmsnorm, .rope = cu_rope, .bias_add = cu_bias_add,                      \
     .silu_mul = cu_silu_mul, .kv_write = cu_kv_write, .attention = cu_attention, .gather_rows = cu_gather_rows, \
-    .sample = cu_sample, .set_threads = cu_set_threads, .destroy = cu_destroy
+    .sample = cu_sample, .set_threads = cu_set_threads, .destroy = cu_destroy, .chunk_rows = CUDA_CHUNK_ROWS
 /* bf16 and f16 run the fused layer (stacked q/k/v and gate/up, folded norm and SiLU-mul); f32, the
  * variant that must give the CPU backend's tokens, keeps its order of operations */
 #define CUDA_FUSED                                                                                     \
@@ -1100,6 +1128,24 @@ void kvb_cuda_backend_copy_counts(const kvb_backend *be, kvb_cuda_copy_counts *o
     pthread_mutex_unlock(&c->tk_mu);
 }
 
+int kvb_cuda_backend_set_skinny(kvb_backend *be, int skinny) {
+    if (!kvb_cuda_backend_is(be) || (skinny != KVB_CUDA_SKINNY_V1 && skinny != KVB_CUDA_SKINNY_V2)) return -1;
+    cuda_ctx *c = be->ctx;
+    int was = c->gemv.skinny;
+    c->gemv.skinny = skinny;
+    return was;
+}
+
+void kvb_cuda_backend_product_counts(const kvb_backend *be, kvb_cuda_product_counts *out) {
+    memset(out, 0, sizeof *out);
+    if (!kvb_cuda_backend_is(be)) return;
+    const cuda_ctx *c = be->ctx;
+    out->gemv = c->gemv.launched[KVB_CUDA_GEMV_K_GEMV];
+    out->skinny_v1 = c->gemv.launched[KVB_CUDA_GEMV_K_SKINNY_V1];
+    out->skinny_v2 = c->gemv.launched[KVB_CUDA_GEMV_K_SKINNY_V2];
+    out->cublas = c->n_cublas;
+}
+
 kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *out) {
     if (!kvb_cuda_backend_is(be)) return KVB_ERR_INVALID;
     const cuda_ctx *c = be->ctx;
@@ -1116,14 +1162,11 @@ kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *ou
     return KVB_OK;
 }
 
-/* KVB_CUDA_PREFILL_TILE: the tensor-core prefill's rows a tile, 128 (default) or 64 (the A/B of
- * kvbank-bench cuda's attention rows); another value is refused with a warning. */
-static int prefill_tile_env(void) {
-    const char *e = getenv("KVB_CUDA_PREFILL_TILE");
-    if (!e || !*e) return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
-    if (!strcmp(e, "64")) return KVB_CUDA_ATTN_PREFILL_ROWS;
-    if (strcmp(e, "128")) KVB_LOG_W("KVB_CUDA_PREFILL_TILE=%.16s: not 64 or 128; the prefill uses 128-row tiles", e);
-    return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
+/* KVB_CUDA_PREFILL_TILE: the tensor-core prefill's rows a tile, 128 (unset: the default) or 64 (the A/B
+ * of kvbank-bench cuda's attention rows); 0 for anything else. */
+static int prefill_tile_env(const char *e) {
+    if (!e || !*e || !strcmp(e, "128")) return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
+    return strcmp(e, "64") ? 0 : KVB_CUDA_ATTN_PREFILL_ROWS;
 }
 
 kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_backend *out) {
@@ -1150,6 +1193,21 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaGetDevice(&c->device)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaFree(NULL)), fail); /* creates the device's primary context now */
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, c->device)), fail);
+    const char *sk = getenv("KVB_CUDA_SKINNY");
+    c->gemv.skinny = kvb_cuda_skinny_parse(sk);
+    c->gemv.n_sm = c->n_sm;
+    if (c->gemv.skinny < 0) {
+        KVB_LOG_E("KVB_CUDA_SKINNY=\"%.32s\": the 9-64-row product kernel is v2 (the default) or v1", sk);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
+    const char *pt = getenv("KVB_CUDA_PREFILL_TILE");
+    c->prefill_tile = prefill_tile_env(pt);
+    if (!c->prefill_tile) {
+        KVB_LOG_E("KVB_CUDA_PREFILL_TILE=\"%.32s\": the prefill's tensor-core tile is 128 rows (the default) or 64", pt);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->h2d, cudaStreamNonBlocking)), fail);
@@ -1163,7 +1221,6 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     }
     c->tk_mu_init = 1;
     c->batch_on = HAVE_MEMCPY_BATCH;
-    c->prefill_tile = prefill_tile_env();
     for (int i = 0; i < STAGE_SLOTS; i++)
         KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming)), fail);
     pthread_once(&blas_once, blas_load);

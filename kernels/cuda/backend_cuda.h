@@ -51,8 +51,22 @@ typedef struct kvb_cuda_copy_counts {
 } kvb_cuda_copy_counts;
 void kvb_cuda_backend_copy_counts(const kvb_backend *be, kvb_cuda_copy_counts *out);
 
+/* The kernel of the 9..64-row products (kernels/cuda/gemv.h, KVB_CUDA_SKINNY_V2 = 0 or _V1 = 1): the
+ * environment's KVB_CUDA_SKINNY ("v2", the default, or "v1", the kernel before; read when the backend
+ * is created, anything else fails the creation). Returns the setting before the call (-1 and nothing
+ * changed for an unknown kernel); kvbank-bench cuda times both. */
+int kvb_cuda_backend_set_skinny(kvb_backend *be, int skinny);
+/* Products (matmul, matmul_norm, matmul_swiglu) `be` has launched since it was created, by kernel. */
+typedef struct kvb_cuda_product_counts {
+    uint64_t gemv;      /* 1-8 rows, CUDA cores */
+    uint64_t skinny_v1; /* 9-64 rows, tensor cores */
+    uint64_t skinny_v2;
+    uint64_t cublas;    /* the rest */
+} kvb_cuda_product_counts;
+void kvb_cuda_backend_product_counts(const kvb_backend *be, kvb_cuda_product_counts *out);
 /* Rows of a tensor-core prefill item (kernels/cuda/attention_tc.cu): 128 (the default) or 64, the tile
- * before it; KVB_CUDA_PREFILL_TILE=64 in the environment when the backend is created picks 64.
+ * before it; KVB_CUDA_PREFILL_TILE=64 in the environment when the backend is created picks 64 (128 or
+ * unset: 128; anything else fails the creation).
  * Returns the setting before the call, 0 (and changes nothing) for another value or backend.
  * kvbank-bench cuda times both. */
 int kvb_cuda_backend_set_prefill_tile(kvb_backend *be, int rows);

@@ -73,6 +73,24 @@ __device__ __forceinline__ float block_sum(float v, float *red) {
     return warp_sum(v);
 }
 
+/* Called by every thread of a block that has written its part of a group of n_parts blocks (split
+ * partials): true in the block that finished the group last, which then merges the parts and, having
+ * reset *counter, leaves the group ready for the next launch. The fence orders this block's parts
+ * before its count, so the last block sees every part (read them through L2: __ldcg). */
+__device__ __forceinline__ bool last_of_group(int32_t *counter, int n_parts) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int prev = atomicAdd(counter, 1);
+        last = prev == n_parts - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (last) __threadfence(); /* acquire: the other parts */
+    return last;
+}
+
 /* The rotation table of RoPE at position pos: cs[i] = cos, cs[half + i] = sin of pos * inv_freq[i] for
  * i < half, the block's threads taking every blockDim.x-th i. In double, with the angle reduced to
  * [-pi, pi] first: sincos of a large double argument takes the slow reduction path (13 us for one

@@ -286,14 +286,21 @@ void *emu_dyn_smem() { return g_run.dyn.data(); }
 /* The order in which runnable threads get to run up to their next barrier: KVB_EMU_ORDER=forward
  * (default), reverse, or shuffle (a fresh pseudo-random permutation every round). A kernel that
  * reads shared memory another thread writes without a barrier between gives different results in
- * different orders, so running the suite in all three exposes a missing __syncthreads. */
+ * different orders, so running the suite in all three exposes a missing __syncthreads. In those
+ * orders every warp whose warp operation is complete is released at once, so warps doing the same
+ * work stay in step; KVB_EMU_ORDER=skew releases one warp at a time, the last first, so a warp runs
+ * ahead of the others up to the next __syncthreads (a buffer it overwrites that they still read,
+ * with no barrier between, then gives wrong results). */
 static std::vector<int> g_order;
 static int g_order_mode = -1;
 static uint64_t g_order_rng = 0x9e3779b97f4a7c15ull;
 static void order_next(int n) {
     if (g_order_mode < 0) {
         const char *e = std::getenv("KVB_EMU_ORDER");
-        g_order_mode = !e || !std::strcmp(e, "forward") ? 0 : !std::strcmp(e, "reverse") ? 1 : 2;
+        g_order_mode = !e || !std::strcmp(e, "forward") ? 0
+                       : !std::strcmp(e, "reverse")   ? 1
+                       : !std::strcmp(e, "skew")      ? 3
+                                                      : 2;
     }
     g_order.resize(n);
     for (int i = 0; i < n; i++) g_order[i] = g_order_mode == 1 ? n - 1 - i : i;
@@ -362,7 +369,7 @@ void emu_launch(unsigned grid, unsigned block, size_t smem, cudaStream_t st, con
                 if (g_run.f[t].st == AT_BLOCK) at_block++;
             }
             if (live == 0) break;
-            for (int w = 0; w < n; w += 32) {
+            for (int w = (n - 1) / 32 * 32; w >= 0 && !(released && g_order_mode == 3); w -= 32) {
                 int wl = 0, wa = 0;
                 for (int t = w; t < std::min(n, w + 32); t++) {
                     if (g_run.f[t].st != DONE) wl++;
