@@ -1158,9 +1158,13 @@ KVB_TEST(attention_prefill_tiles) {
         ck_assert_int_eq(kvb_cuda_backend_set_prefill_tile(gpu, 128), 64);
         kvb_backend_destroy(gpu);
     }
-    /* the environment's choice, read at creation; another value leaves the default */
-    const char *envs[] = {"64", "128", "96", NULL};
-    const int want[] = {64, 128, 128, 128};
+    /* the environment's choice, read at creation; another value fails the creation */
+    kvb_backend *bad = NULL;
+    setenv("KVB_CUDA_PREFILL_TILE", "96", 1);
+    ck_assert_int_eq(kvb_backend_create("cuda", 2, &bad), KVB_ERR_INVALID);
+    ck_assert_ptr_null(bad);
+    const char *envs[] = {"64", "128", NULL};
+    const int want[] = {64, 128, 128};
     seq_spec one[] = {{40, 100}};
     for (size_t i = 0; i < KVB_ARRAY_LEN(want); i++) {
         if (envs[i]) setenv("KVB_CUDA_PREFILL_TILE", envs[i], 1);

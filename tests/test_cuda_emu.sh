@@ -45,7 +45,7 @@ run() { # NAME ENV... -- PROGRAM ARGS...
 }
 if [[ ${1:-} == --orders ]]; then
     for order in reverse shuffle; do
-        for t in attention_prefill attention_decode attention_chunk_over_past matmul_skinny attention_prefill_tiles; do
+        for t in attention_prefill attention_decode attention_chunk_over_past attention_prefill_tiles matmul_skinny; do
             run "$t (threads in $order order)" KVB_EMU_ORDER=$order "$emu/test_backend_consistency" --test "$t"
         done
     done

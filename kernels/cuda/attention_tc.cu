@@ -46,6 +46,9 @@ template <int HD, int WARPS, int MT> struct tc_cfg {
     static constexpr int BC = MT * HD <= 128 ? 64 : 32;
     static constexpr bool QREG = MT * (HD / 16) * 4 <= 32;  /* Q fragments in registers for the whole walk */
     static constexpr int LD = HD + 8;                       /* shared-memory row stride, elements */
+    /* skip O's rescale when no lane's max moved; not at head size 128 with 32 rows a warp, where the
+     * vote's registers spill 12 bytes (ptxas, sm_90) */
+    static constexpr bool VOTE = !(MT > 1 && HD >= 128);
     static constexpr size_t SMEM = 2 * ((size_t)ROWS * LD + 4 * (size_t)BC * LD); /* Q, K[2], V[2] (16-bit) */
     static_assert(ROWS <= KVB_CUDA_ATTN_PREFILL_ROWS_MAX && THREADS >= BC, "a tile's rows and key addresses");
 };
@@ -263,10 +266,14 @@ __global__ void __launch_bounds__(32 * WARPS)
                         rs += p0 + p1;
                     }
                     l[mt][ri] = l[mt][ri] * alpha + rs;
+                    /* O's rescale (HD / 2 multiplies a lane) only where a row's max moved: once a causal
+                     * row's max settles, most key tiles leave alpha at 1 in every lane (C::VOTE) */
+                    if (!C::VOTE || __ballot_sync(0xffffffffu, alpha != 1.0f)) {
 #pragma unroll
-                    for (int d = 0; d < ND; d++) {
-                        o[mt][d][2 * ri] *= alpha;
-                        o[mt][d][2 * ri + 1] *= alpha;
+                        for (int d = 0; d < ND; d++) {
+                            o[mt][d][2 * ri] *= alpha;
+                            o[mt][d][2 * ri + 1] *= alpha;
+                        }
                     }
                 }
 

@@ -1162,14 +1162,11 @@ kvb_status kvb_cuda_backend_info(const kvb_backend *be, kvb_cuda_device_info *ou
     return KVB_OK;
 }
 
-/* KVB_CUDA_PREFILL_TILE: the tensor-core prefill's rows a tile, 128 (default) or 64 (the A/B of
- * kvbank-bench cuda's attention rows); another value is refused with a warning. */
-static int prefill_tile_env(void) {
-    const char *e = getenv("KVB_CUDA_PREFILL_TILE");
-    if (!e || !*e) return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
-    if (!strcmp(e, "64")) return KVB_CUDA_ATTN_PREFILL_ROWS;
-    if (strcmp(e, "128")) KVB_LOG_W("KVB_CUDA_PREFILL_TILE=%.16s: not 64 or 128; the prefill uses 128-row tiles", e);
-    return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
+/* KVB_CUDA_PREFILL_TILE: the tensor-core prefill's rows a tile, 128 (unset: the default) or 64 (the A/B
+ * of kvbank-bench cuda's attention rows); 0 for anything else. */
+static int prefill_tile_env(const char *e) {
+    if (!e || !*e || !strcmp(e, "128")) return KVB_CUDA_ATTN_PREFILL_ROWS_MAX;
+    return strcmp(e, "64") ? 0 : KVB_CUDA_ATTN_PREFILL_ROWS;
 }
 
 kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_backend *out) {
@@ -1204,6 +1201,13 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
         st = KVB_ERR_INVALID;
         goto fail;
     }
+    const char *pt = getenv("KVB_CUDA_PREFILL_TILE");
+    c->prefill_tile = prefill_tile_env(pt);
+    if (!c->prefill_tile) {
+        KVB_LOG_E("KVB_CUDA_PREFILL_TILE=\"%.32s\": the prefill's tensor-core tile is 128 rows (the default) or 64", pt);
+        st = KVB_ERR_INVALID;
+        goto fail;
+    }
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)), fail);
     KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaStreamCreateWithFlags(&c->h2d, cudaStreamNonBlocking)), fail);
@@ -1217,7 +1221,6 @@ kvb_status kvb__backend_cuda_create(const char *variant, int n_threads, kvb_back
     }
     c->tk_mu_init = 1;
     c->batch_on = HAVE_MEMCPY_BATCH;
-    c->prefill_tile = prefill_tile_env();
     for (int i = 0; i < STAGE_SLOTS; i++)
         KVB_TRY_GOTO(KVB_CUDA_CHECK(cudaEventCreateWithFlags(&c->stage[i].done, cudaEventDisableTiming)), fail);
     pthread_once(&blas_once, blas_load);

@@ -65,7 +65,8 @@ typedef struct kvb_cuda_product_counts {
 } kvb_cuda_product_counts;
 void kvb_cuda_backend_product_counts(const kvb_backend *be, kvb_cuda_product_counts *out);
 /* Rows of a tensor-core prefill item (kernels/cuda/attention_tc.cu): 128 (the default) or 64, the tile
- * before it; KVB_CUDA_PREFILL_TILE=64 in the environment when the backend is created picks 64.
+ * before it; KVB_CUDA_PREFILL_TILE=64 in the environment when the backend is created picks 64 (128 or
+ * unset: 128; anything else fails the creation).
  * Returns the setting before the call, 0 (and changes nothing) for another value or backend.
  * kvbank-bench cuda times both. */
 int kvb_cuda_backend_set_prefill_tile(kvb_backend *be, int rows);
