@@ -706,7 +706,7 @@ static kvb_status cu_matmul_norm(void *ctx, const void *x, int n, const kvb_tens
         KVB_LOG_E("cuda matmul_norm: the norm weight must be %d f32 values", cols);
         return KVB_ERR_INVALID;
     }
-    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, x, cols, n) && cols % 8 == 0) {
+    if (kvb_cuda_gemv_fits(&c->gemv, c->dt, w->data, x, cols, n)) { /* 16-bit rows of 16-byte slots: cols % 8 == 0 */
         KVB_TRY(gemv_workspace(c, rows, cols, n));
         return KVB_CUDA_CHECK(
             kvb_cuda_gemv_norm(&c->gemv, w->data, x, norm->data, eps, y, c->dt, rows, cols, n, 0.0f, c->stream));
