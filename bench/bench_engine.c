@@ -222,16 +222,22 @@ static void before_window(int w) {
 
 /* kvbank: `batch` requests with prompts of `ctx` tokens until all decode, then n_win windows of
  * `steps` decode steps. */
+/* The engine's batch-token budget at a decode point, and the tokens each request decodes there: prompts
+ * are prefilled over several steps, so the first requests start decoding earlier: every request gets
+ * enough tokens to still be decoding at the end of the timed windows. */
+static int decode_batch_tokens(int batch) { return KVB_MAX(512, batch); }
+static int decode_tokens(const bench_cfg *cfg, int batch, int ctx) {
+    return (cfg->reps + 1) * cfg->steps + KVB_DIV_CEIL(batch * ctx, decode_batch_tokens(batch)) + 2;
+}
+
 static int kvbank_decode(kvb_model *m, const bench_cfg *cfg, int batch, int ctx, job_result *r) {
     const kvb_model_config *c = kvb_model_cfg(m);
     kvb_engine_opts o;
     kvb_engine_opts_default(&o);
     o.block_size = cfg->block_size;
     o.max_seqs = batch;
-    o.max_batch_tokens = KVB_MAX(512, batch);
-    /* prompts are prefilled over several steps, so the first requests start decoding earlier: give
-     * every request enough tokens to still be decoding at the end of the timed windows */
-    int max_tokens = (cfg->reps + 1) * cfg->steps + KVB_DIV_CEIL(batch * ctx, o.max_batch_tokens) + 2;
+    o.max_batch_tokens = decode_batch_tokens(batch);
+    int max_tokens = decode_tokens(cfg, batch, ctx);
     o.n_blocks = batch * KVB_DIV_CEIL(ctx + max_tokens, cfg->block_size);
     o.enable_prefix_cache = 0;
     bench_counter *cnt = calloc(1, sizeof *cnt);
@@ -644,6 +650,13 @@ static void llamacpp_column(const job_result *r, const job_result *kv, double to
     printf(" %6.0f MB", r->peak_kb / 1e3);
 }
 
+/* The last position a decode point's requests reach when it is past the model's max_position_embeddings
+ * (the engine would refuse them), else 0. */
+static int past_positions(const bench_cfg *cfg, const kvb_model_config *c, int batch, int ctx) {
+    int last = ctx + decode_tokens(cfg, batch, ctx);
+    return c->max_pos > 0 && last > c->max_pos ? last : 0;
+}
+
 int kvb_bench_engine(int argc, char **argv) {
     bench_cfg cfg = {.backend = "cpu", .threads = 2, .steps = 16, .reps = 5, .block_size = 16};
     int max_tokens = 16384;
@@ -661,7 +674,8 @@ int kvb_bench_engine(int argc, char **argv) {
                  : ch == 'k' ? &cfg.block_size : ch == 'x' ? &max_tokens : NULL;
         if (dst) {
             if (kvb_parse_i64(optarg, 1, 1 << 24, &v) != KVB_OK || (ch == 'r' && v > MAX_WIN)) {
-                fprintf(stderr, "kvbank-bench engine: bad number '%s'\n", optarg);
+                if (ch == 'r') fprintf(stderr, "kvbank-bench engine: --reps '%s': a number from 1 to %d\n", optarg, MAX_WIN);
+                else fprintf(stderr, "kvbank-bench engine: bad number '%s'\n", optarg);
                 goto out;
             }
             *dst = (int)v;
@@ -748,7 +762,8 @@ int kvb_bench_engine(int argc, char **argv) {
     int n_points = n_prefill;
     for (int bi = 0; bi < n_batch; bi++)
         for (int ci = 0; ci < n_ctx; ci++)
-            n_points += (int64_t)batches[bi] * contexts[ci] <= max_tokens && batches[bi] <= BENCH_MAX_BATCH;
+            n_points += (int64_t)batches[bi] * contexts[ci] <= max_tokens && batches[bi] <= BENCH_MAX_BATCH &&
+                        past_positions(&cfg, &c, batches[bi], contexts[ci]) == 0;
     kvb_progress pg;
     int n_done = 0;
     kvb_progress_begin(&pg, "measuring points", (uint64_t)n_points, KVB_PROGRESS_COUNT);
@@ -789,6 +804,12 @@ int kvb_bench_engine(int argc, char **argv) {
             snprintf(label, sizeof label, "decode %dx%d", b, ctx);
             if ((int64_t)b * ctx > max_tokens || b > BENCH_MAX_BATCH) {
                 printf("%-20s skipped (batch x context above --max-tokens %d)\n", label, max_tokens);
+                continue;
+            }
+            int last = past_positions(&cfg, &c, b, ctx);
+            if (last) {
+                printf("%-20s skipped (context + the %d tokens each request decodes reach position %d, past the "
+                       "model's max_position_embeddings %d)\n", label, decode_tokens(&cfg, b, ctx), last, c.max_pos);
                 continue;
             }
             job jb = {.engine = ENGINE_KVBANK, .kind = JOB_DECODE, .batch = b, .ctx = ctx};

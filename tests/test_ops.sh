@@ -154,6 +154,12 @@ grep -qE "^measuring points: 33% \(1 of 3\)" "$T/eng.err" && grep -qE "^measurin
     >"$T/eng2.out" 2>&1 || fail "kvbank-bench engine --reps 2: $(cat "$T/eng2.out")"
 grep -qE "^ceilings around the points \(6 samples\)" "$T/eng2.out" ||
     fail "engine: no ceilings sampled between the windows: $(cat "$T/eng2.out")"
+# a decode point whose positions would pass max_position_embeddings (2048) is skipped with the reason
+"$B/kvbank-bench" engine --model "$T/tiny" --prefill 16 --contexts 16,2040 --batches 1 --decode-steps 2 --reps 1 \
+    >"$T/eng3.out" 2>&1 || fail "kvbank-bench engine past max positions: $(cat "$T/eng3.out")"
+grep -qE "^decode 1x2040 +skipped \(context \+ the 10 tokens each request decodes reach position 2050, past the model's max_position_embeddings 2048\)" "$T/eng3.out" ||
+    fail "engine: no reason for a point past max_position_embeddings: $(cat "$T/eng3.out")"
+grep -qE "^decode 1x16 " "$T/eng3.out" && ! grep -q "failed" "$T/eng3.out" || fail "engine: $(cat "$T/eng3.out")"
 printf 'num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n' >"$T/sharegpt.csv"
 for i in 1 2 3 4 5 6 7 8; do echo "$((20 + 3 * i)),$((4 + i)),0,0"; done >>"$T/sharegpt.csv"
 KVB_PROGRESS=always "$B/kvbank-bench" orbitflow --model "$T/tiny" --trace "$T/sharegpt.csv" --requests 4 --runs 1 --rates 1 \

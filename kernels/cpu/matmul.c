@@ -274,7 +274,7 @@ static const void *pick_kernel(const kvb_tensor *w) {
  * batch 32 level (25.6-26.4 ms), the next block's lines in L1 evicting the current block's while the
  * batch's groups of x still passed over it. Which block they prefetch: PF_AHEAD. */
 static void small_n_rows(const small_kernel *ks, const mm_args *a, const float *x, int n, const float *xs, float *y,
-                         int64_t r0, int64_t r1, float *buf) {
+                         int64_t r0, int64_t r1, int64_t pf_end, float *buf) {
     const kvb_tensor *wt = a->w;
     const small_kernel *k = &ks[wt->dtype];
     int64_t cols = wt->ne[1], ldy = wt->ne[0];
@@ -291,7 +291,7 @@ static void small_n_rows(const small_kernel *ks, const mm_args *a, const float *
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
         /* the block PF_AHEAD blocks on: its bytes (0 past the end) and where it starts */
-        int64_t next = KVB_MAX(0, KVB_MIN(r1 - (r + PF_AHEAD * R), R)) * cols * (int64_t)es;
+        int64_t next = KVB_MAX(0, KVB_MIN(pf_end - (r + PF_AHEAD * R), R)) * cols * (int64_t)es;
         const char *pf = w + (r + PF_AHEAD * R) * cols * (int64_t)es;
         const void *wb = w + r * cols * (int64_t)es;
         if (widen) {
@@ -375,18 +375,20 @@ static size_t buf_floats(const kvb_tensor *w, int n) {
     return (size_t)(PANEL_ROWS * cols + (int64_t)n * PANEL_ROWS);
 }
 
-/* Rows [r0, r1) of the product on the calling thread; `buf` is the thread's buffer (buf_floats). */
-static void matmul_rows(const mm_args *a, int64_t r0, int64_t r1, float *buf) {
+/* Rows [r0, r1) of the product on the calling thread, the streaming kernels prefetching on up to row
+ * pf_end (the end of the rows this thread goes on with); `buf` is the thread's buffer (buf_floats). */
+static void matmul_rows(const mm_args *a, int64_t r0, int64_t r1, int64_t pf_end, float *buf) {
 #if MM_SIMD
     const small_kernel *k = pick_kernel(a->w);
     if (k) {
         int64_t cols = a->w->ne[1], rows = a->w->ne[0];
         for (int i0 = 0; i0 < a->n; i0 += X_ROWS)
             small_n_rows(k, a, a->x + (size_t)i0 * cols, KVB_MIN(X_ROWS, a->n - i0), a->xs ? a->xs + i0 : NULL,
-                         a->y + (size_t)i0 * rows, r0, r1, buf);
+                         a->y + (size_t)i0 * rows, r0, r1, pf_end, buf);
         return;
     }
 #endif
+    (void)pf_end;
     blas_rows(a, r0, r1, buf);
 }
 
@@ -482,41 +484,104 @@ static float *thread_buf(const kvb_cpu_ctx *c, int t) {
     return c->mm_buf ? c->mm_buf + (size_t)t * c->mm_buf_floats : NULL;
 }
 
+/* How a product's rows are shared by the team. Each thread's contiguous share (row_share) is cut into
+ * chunks of STEAL_ROWS rows, taken from its front by its owner and, once a thread has done its own share,
+ * by the others: at decode the products are bound by each core's read rate, which varies from moment to
+ * moment, and with fixed shares both threads spent about a tenth of a decode step waiting for each other
+ * at the products' ends (perf of the bench model's step, cpu:bf16, 2 threads, 2K context: libgomp's spin
+ * at 10% of each thread's samples). 48 rows: a multiple of the streaming kernels' 3 or 6 rows (whole blocks,
+ * whose prefetch runs on across the owner's next chunk) and of 16 (64-byte slices of y, never shared by
+ * two threads). OpenBLAS's panels (prefill) keep the fixed shares. A row's sum does not depend on who
+ * computes it, so the results are the same bits either way. */
+#define STEAL_ROWS 48
+
+typedef struct {
+    int64_t next, end; /* the first row not yet taken; the end of the share */
+} __attribute__((aligned(64))) row_region;
+
+/* A chunk [*r0, *r1) of g, or 0 when all of it is taken. */
+static int take_rows(row_region *g, int64_t *r0, int64_t *r1) {
+    if (__atomic_load_n(&g->next, __ATOMIC_RELAXED) >= g->end) return 0;
+    int64_t r = __atomic_fetch_add(&g->next, STEAL_ROWS, __ATOMIC_RELAXED);
+    if (r >= g->end) return 0;
+    *r0 = r;
+    *r1 = KVB_MIN(r + STEAL_ROWS, g->end);
+    return 1;
+}
+
+typedef void rows_fn(const void *arg, int64_t r0, int64_t r1, int64_t pf_end, float *buf);
+
+/* f over rows [0, total), by the team when par (each thread's calls with its own buffer), in chunks when
+ * steal. */
+static void team_rows(const kvb_cpu_ctx *c, int64_t total, int par, int steal, rows_fn *f, const void *arg) {
+    int nt = par ? kvb__cpu_threads : 1;
+    row_region reg[nt];
+    for (int t = 0; t < nt; t++) row_share(total, t, nt, &reg[t].next, &reg[t].end);
+#pragma omp parallel if (par) num_threads(nt)
+    {
+        int t = omp_get_thread_num(), team = omp_get_num_threads();
+        float *buf = thread_buf(c, t);
+        int64_t r0, r1;
+        if (!steal) {
+            /* a team smaller than asked for (nested in another's): its last thread takes the rest */
+            for (int j = t; j < nt; j += team)
+                if (reg[j].end > reg[j].next) f(arg, reg[j].next, reg[j].end, reg[j].end, buf);
+        } else {
+            for (int j = 0; j < nt; j++) {
+                row_region *g = &reg[(t + j) % nt];
+                while (take_rows(g, &r0, &r1)) f(arg, r0, r1, g->end, buf);
+            }
+        }
+    }
+}
+
+static void one_rows(const void *arg, int64_t r0, int64_t r1, int64_t pf_end, float *buf) {
+    matmul_rows(arg, r0, r1, pf_end, buf);
+}
+
 kvb_status kvb__cpu_matmul(kvb_cpu_ctx *c, const float *x, int n, const kvb_tensor *w, float beta, float *y) {
     /* w is [rows][cols] (HF Linear layout), so y = x . w^T. OpenBLAS runs single-threaded inside one
-     * OpenMP team (one thread pool for the whole backend); each thread takes a slice of w's rows, so
+     * OpenMP team (one thread pool for the whole backend); each thread takes slices of w's rows, so
      * w is streamed once in total (once per X_ROWS rows of x on the streaming kernel). */
     KVB_TRY(reserve(c, x, n, &w, 1));
     mm_args a = args_for(c, x, n, w, beta, y);
     int64_t rows = w->ne[0], cols = w->ne[1];
     int par = (double)rows * cols * n >= 1 << 18 && rows >= 64;
-#pragma omp parallel if (par) num_threads(kvb__cpu_threads)
-    {
-        int64_t r0, r1;
-        int t = omp_get_thread_num();
-        row_share(rows, t, omp_get_num_threads(), &r0, &r1);
-        if (r1 > r0) matmul_rows(&a, r0, r1, thread_buf(c, t));
-    }
+    team_rows(c, rows, par, pick_kernel(w) != NULL, one_rows, &a);
     return KVB_OK;
+}
+
+/* Several weights' products of the same x, their rows one after the other as one matrix. */
+typedef struct {
+    const kvb_cpu_ctx *c;
+    const float *x;
+    int n, nw;
+    const kvb_tensor *const *w;
+    float *const *y;
+} mm_n_args;
+
+static void n_rows(const void *arg, int64_t r0, int64_t r1, int64_t pf_end, float *buf) {
+    const mm_n_args *m = arg;
+    int64_t base = 0;
+    for (int i = 0; i < m->nw; base += m->w[i++]->ne[0]) {
+        int64_t lo = KVB_MAX(r0, base) - base, hi = KVB_MIN(r1, base + m->w[i]->ne[0]) - base;
+        if (hi <= lo) continue;
+        mm_args a = args_for(m->c, m->x, m->n, m->w[i], 0.0f, m->y[i]);
+        matmul_rows(&a, lo, hi, KVB_MIN(pf_end, base + m->w[i]->ne[0]) - base, buf);
+    }
 }
 
 kvb_status kvb__cpu_matmul_n(kvb_cpu_ctx *c, const float *x, int n, const kvb_tensor *const *w, int nw,
                              float *const *y) {
     KVB_TRY(reserve(c, x, n, w, nw));
-    /* the weights' rows one after the other, split among the team as one matrix */
     int64_t total = 0, cols = w[0]->ne[1];
-    for (int i = 0; i < nw; i++) total += w[i]->ne[0];
-    int par = (double)total * cols * n >= 1 << 18 && total >= 64;
-#pragma omp parallel if (par) num_threads(kvb__cpu_threads)
-    {
-        int64_t r0, r1, base = 0;
-        int t = omp_get_thread_num();
-        row_share(total, t, omp_get_num_threads(), &r0, &r1);
-        for (int i = 0; i < nw; base += w[i++]->ne[0]) {
-            int64_t lo = KVB_MAX(r0, base) - base, hi = KVB_MIN(r1, base + w[i]->ne[0]) - base;
-            mm_args a = args_for(c, x, n, w[i], 0.0f, y[i]);
-            if (hi > lo) matmul_rows(&a, lo, hi, thread_buf(c, t));
-        }
+    int steal = 1;
+    for (int i = 0; i < nw; i++) {
+        total += w[i]->ne[0];
+        steal &= pick_kernel(w[i]) != NULL;
     }
+    int par = (double)total * cols * n >= 1 << 18 && total >= 64;
+    mm_n_args m = {c, x, n, nw, w, y};
+    team_rows(c, total, par, steal, n_rows, &m);
     return KVB_OK;
 }

@@ -32,16 +32,20 @@ __device__ __forceinline__ bool split_done(const kvb_cuda_attn_args &a, int grou
 /* Merges the splits of `group` (partial rows of `stride`, `rows` of them used) into `out`: row r is
  * token t0 + r / nh, head h0 + r % nh of KV group kvh (rows past the sequence or the group's heads are
  * skipped). Every weight and sum runs over the splits in their order, so the bits do not depend on
- * which block merges. Uses the whole block. */
+ * which block merges. A warp a row: its lanes compute the weights 2^(lse - M) of 32 splits at a time,
+ * each once, and pass them round while every lane sums its dimensions (a weight per output element
+ * recomputed them head_dim times: 64 splits at batch 1 x 8K keys, head 128). Uses the whole block. */
 template <typename T>
 __device__ void merge_split(const kvb_cuda_attn_args &a, const kvb_attn_seq &sq, int kvh, int t0, int h0, int nh,
                             int rows, int group, int stride) {
-    __shared__ float M_s[KVB_CUDA_ATTN_PREFILL_ROWS_MAX], den_s[KVB_CUDA_ATTN_PREFILL_ROWS_MAX];
+    constexpr int SLOTS = KVB_CUDA_ATTN_MAX_HEAD_DIM / 32; /* a lane's dimensions: lane, lane + 32, ... */
     const kvb_cuda_attn_group g = a.groups[group];
     const int hd = a.head_dim, gq = a.n_heads / a.n_kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const float *lse = a.part_lse + g.prow;
     for (int r = warp; r < rows; r += n_warps) {
+        int t = t0 + r / nh, hh = h0 + r % nh;
+        if (t >= sq.q_len || hh >= gq) continue;
         float M = -INFINITY, den = 0.0f;
         for (int p = lane; p < g.n_parts; p += 32) M = fmaxf(M, __ldcg(lse + (size_t)p * stride + r));
         M = warp_max(M);
@@ -51,25 +55,27 @@ __device__ void merge_split(const kvb_cuda_attn_args &a, const kvb_attn_seq &sq,
                 if (x != -INFINITY) den += exp2f(x - M);
             }
         den = warp_sum(den);
-        if (lane == 0) {
-            M_s[r] = M;
-            den_s[r] = den;
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * hd; i += blockDim.x) {
-        int r = i / hd, d = i % hd, t = t0 + r / nh, hh = h0 + r % nh;
-        if (t >= sq.q_len || hh >= gq) continue;
-        float M = M_s[r], den = den_s[r], num = 0.0f;
-        if (M != -INFINITY) {
-#pragma unroll 4
-            for (int p = 0; p < g.n_parts; p++) {
-                float x = __ldcg(lse + (size_t)p * stride + r);
-                if (x != -INFINITY) num += exp2f(x - M) * __ldcg(a.part_o + ((size_t)g.prow + (size_t)p * stride + r) * hd + d);
+        float num[SLOTS];
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++) num[j] = 0.0f;
+        if (M != -INFINITY)
+            for (int p0 = 0; p0 < g.n_parts; p0 += 32) {
+                float x = p0 + lane < g.n_parts ? __ldcg(lse + (size_t)(p0 + lane) * stride + r) : -INFINITY;
+                float w = x != -INFINITY ? exp2f(x - M) : 0.0f;
+                int n = min(32, g.n_parts - p0);
+                for (int q = 0; q < n; q++) {
+                    float xq = __shfl_sync(0xffffffffu, x, q), wq = __shfl_sync(0xffffffffu, w, q);
+                    if (xq == -INFINITY) continue;
+                    const float *o = a.part_o + ((size_t)g.prow + (size_t)(p0 + q) * stride + r) * hd;
+#pragma unroll
+                    for (int j = 0; j < SLOTS; j++)
+                        if (lane + 32 * j < hd) num[j] += wq * __ldcg(o + lane + 32 * j);
+                }
             }
-        }
-        ((T *)a.out)[((size_t)(sq.q_start + t) * a.n_heads + (size_t)kvh * gq + hh) * hd + d] =
-            from_f<T>(den > 0.0f ? num / den : 0.0f);
+        T *out = (T *)a.out + ((size_t)(sq.q_start + t) * a.n_heads + (size_t)kvh * gq + hh) * hd;
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++)
+            if (lane + 32 * j < hd) out[lane + 32 * j] = from_f<T>(den > 0.0f ? num[j] / den : 0.0f);
     }
 }
 
