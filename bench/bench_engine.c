@@ -220,8 +220,6 @@ static void before_window(int w) {
     if (w > 0 || g_paired) between_windows();
 }
 
-/* kvbank: `batch` requests with prompts of `ctx` tokens until all decode, then n_win windows of
- * `steps` decode steps. */
 /* The engine's batch-token budget at a decode point, and the tokens each request decodes there: prompts
  * are prefilled over several steps, so the first requests start decoding earlier: every request gets
  * enough tokens to still be decoding at the end of the timed windows. */
@@ -230,6 +228,8 @@ static int decode_tokens(const bench_cfg *cfg, int batch, int ctx) {
     return (cfg->reps + 1) * cfg->steps + KVB_DIV_CEIL(batch * ctx, decode_batch_tokens(batch)) + 2;
 }
 
+/* kvbank: `batch` requests with prompts of `ctx` tokens until all decode, then n_win windows of
+ * `steps` decode steps. */
 static int kvbank_decode(kvb_model *m, const bench_cfg *cfg, int batch, int ctx, job_result *r) {
     const kvb_model_config *c = kvb_model_cfg(m);
     kvb_engine_opts o;

@@ -523,7 +523,7 @@ static void team_rows(const kvb_cpu_ctx *c, int64_t total, int par, int steal, r
         float *buf = thread_buf(c, t);
         int64_t r0, r1;
         if (!steal) {
-            /* a team smaller than asked for (nested in another's): its last thread takes the rest */
+            /* a team smaller than asked for (nested in another's) takes the shares round-robin */
             for (int j = t; j < nt; j += team)
                 if (reg[j].end > reg[j].next) f(arg, reg[j].next, reg[j].end, reg[j].end, buf);
         } else {
